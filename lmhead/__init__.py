@@ -1,0 +1,26 @@
+"""lmhead: the output head of a language model in JAX and Flax.
+
+The pure functions live in :mod:`lmhead.head` (unembedding, softmax),
+:mod:`lmhead.losses` (cross-entropy, smoothing, z-loss, metrics),
+:mod:`lmhead.fused` (a linear + cross-entropy that never builds the logits)
+and :mod:`lmhead.decoding` (logits processors, sampling, beam search).
+Parameters live in :mod:`lmhead.modules` and :mod:`lmhead.model`.
+"""
+
+from lmhead import head
+from lmhead import losses
+from lmhead import modules
+from lmhead.head import apply_softcap
+from lmhead.head import last_positions
+from lmhead.head import log_probs
+from lmhead.head import output_distribution
+from lmhead.head import probs
+from lmhead.head import unembed
+from lmhead.losses import bits_per_character
+from lmhead.losses import bits_per_token
+from lmhead.losses import cross_entropy
+from lmhead.losses import expected_calibration_error
+from lmhead.losses import perplexity
+from lmhead.modules import LMHead
+
+__version__ = "0.1.0"

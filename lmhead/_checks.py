@@ -1,0 +1,74 @@
+"""Argument checks shared by the public functions.
+
+Every check raises ``ValueError`` or ``TypeError`` with a message that names
+the argument and says what is allowed. Checks on *values* run only when the
+value is concrete (a Python number or an array outside ``jit``); inside
+``jit`` the caller documents what happens instead.
+"""
+
+from collections.abc import Collection
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def is_traced(x: Any) -> bool:
+    """True when ``x`` is an abstract value inside a jax transformation."""
+    return isinstance(x, jax.core.Tracer)
+
+
+def check_choice(name: str, value: Any, choices: Collection[Any]) -> None:
+    """Raises ValueError unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} must be one of {allowed}; got {value!r}.")
+
+
+def check_floating(name: str, x: jax.typing.ArrayLike) -> None:
+    """Raises TypeError unless ``x`` has a floating-point dtype."""
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        raise TypeError(
+            f"{name} must have a floating-point dtype; got {jnp.result_type(x)}.")
+
+
+def check_integer(name: str, x: jax.typing.ArrayLike) -> None:
+    """Raises TypeError unless ``x`` has an integer dtype."""
+    if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+        raise TypeError(
+            f"{name} must have an integer dtype; got {jnp.result_type(x)}.")
+
+
+def check_rank(name: str, x: jax.typing.ArrayLike, rank: int | set[int],
+                             layout: str) -> None:
+    """Raises ValueError unless ``x.ndim`` is ``rank`` (or in the set)."""
+    ranks = {rank} if isinstance(rank, int) else rank
+    if np.ndim(x) not in ranks:
+        raise ValueError(
+            f"{name} must have shape {layout}; got shape {np.shape(x)}.")
+
+
+def check_in_range(name: str, value: Any, *, low: float | None = None,
+                                     high: float | None = None, low_open: bool = False,
+                                     high_open: bool = False) -> None:
+    """Raises ValueError unless every element of ``value`` lies in the range.
+
+    Skipped for traced values, whose range cannot be known at trace time.
+    """
+    if value is None or is_traced(value):
+        return
+    array = np.asarray(value)
+    ok = np.ones(array.shape, bool)
+    if low is not None:
+        ok &= (array > low) if low_open else (array >= low)
+    if high is not None:
+        ok &= (array < high) if high_open else (array <= high)
+    if not np.all(ok):
+        left = "(" if low_open else "["
+        right = ")" if high_open else "]"
+        low_text = "-inf" if low is None else f"{low:g}"
+        high_text = "inf" if high is None else f"{high:g}"
+        bad = array[~ok].ravel()[0] if array.ndim else array.item()
+        raise ValueError(
+            f"{name} must be in {left}{low_text}, {high_text}{right}; got {bad}.")

@@ -1,0 +1,257 @@
+"""The output head as pure functions: hidden states to vocabulary scores.
+
+One layout for the unembedding everywhere: ``w: [V, D]``, one row per token,
+so that ``logits = h @ w.T + bias``. A tied head passes the input embedding
+table as ``w``; an untied head passes its own matrix. Nothing here branches on
+tying.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from lmhead import _checks
+
+# A traced temperature cannot be checked for zero at trace time; it is
+# clamped to this value instead, which gives a (near) one-hot distribution.
+MIN_TEMPERATURE = 1e-6
+
+OUTPUTS = ("logits", "log_probs", "probs")
+
+
+def apply_softcap(logits: jax.typing.ArrayLike, cap: float) -> jax.Array:
+    r"""Bounds logits smoothly to ``(-cap, cap)``, as Gemma 2 does.
+
+    .. math::
+        \mathrm{softcap}(z) = c \tanh(z / c)
+
+    Args:
+        logits: ``[..., V]`` scores.
+        cap: ``c > 0``.
+
+    Returns:
+        ``[..., V]`` capped scores, same dtype as ``logits``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> apply_softcap(jnp.array([0.0, 1.0, 100.0]), 30.0)
+        Array([ 0.       ,  0.9996298, 29.923738 ], dtype=float32)
+
+    References:
+        Gemma Team, `Gemma 2: Improving Open Language Models at a Practical
+        Size <https://arxiv.org/abs/2408.00118>`_, 2024.
+    """
+    _checks.check_in_range("softcap", cap, low=0.0, low_open=True)
+    return cap * jnp.tanh(logits / cap)
+
+
+def unembed(
+    h: jax.typing.ArrayLike,
+    w: jax.typing.ArrayLike,
+    bias: jax.typing.ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    precision: jax.lax.PrecisionLike = None,
+    out_dtype: jax.typing.DTypeLike = jnp.float32,
+) -> jax.Array:
+    r"""Projects hidden states onto the vocabulary.
+
+    .. math::
+        z = \mathrm{softcap}_c(s \cdot h W^\top + b)
+
+    The product accumulates in float32 whatever the input dtype (bf16 and
+    fp16 inputs included), and the result is ``out_dtype`` (float32 unless
+    asked otherwise).
+
+    Args:
+        h: ``[..., D]`` hidden states.
+        w: ``[V, D]`` unembedding, one row per token. For a tied head this is
+            the input embedding table.
+        bias: optional ``[V]`` bias.
+        scale: optional factor ``s`` on ``h @ w.T`` (e.g. ``D ** -0.5``, as the
+            Flax lm1b example does for a tied head).
+        softcap: optional ``c > 0``; applies ``c * tanh(z / c)`` after the bias.
+        precision: passed to the matmul (``jax.lax.Precision``).
+        out_dtype: dtype of the returned logits.
+
+    Returns:
+        ``[..., V]`` logits.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> h = jnp.array([[1.0, 2.0]])
+        >>> w = jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+        >>> unembed(h, w)
+        Array([[1., 2., 3.]], dtype=float32)
+        >>> unembed(h, w, jnp.array([0.5, 0.0, -0.5]), scale=2.0)
+        Array([[2.5, 4. , 5.5]], dtype=float32)
+    """
+    _checks.check_floating("h", h)
+    _checks.check_floating("w", w)
+    _checks.check_rank("w", w, 2, "[V, D]")
+    if jnp.ndim(h) < 1 or jnp.shape(h)[-1] != jnp.shape(w)[1]:
+        raise ValueError(
+            f"h must have shape [..., D] with D = w.shape[1] = {jnp.shape(w)[1]};"
+            f" got h.shape={jnp.shape(h)}.")
+    if bias is not None:
+        _checks.check_floating("bias", bias)
+        if jnp.shape(bias) != (jnp.shape(w)[0],):
+            raise ValueError(
+                f"bias must have shape [V] = ({jnp.shape(w)[0]},); got "
+                f"{jnp.shape(bias)}.")
+    _checks.check_in_range("scale", scale, low=0.0, low_open=True)
+    logits = jnp.einsum("...d,vd->...v", h, w, precision=precision,
+                        preferred_element_type=jnp.float32)
+    if scale is not None:
+        logits = logits * scale
+    if bias is not None:
+        logits = logits + jnp.asarray(bias, jnp.float32)
+    if softcap is not None:
+        logits = apply_softcap(logits, softcap)
+    return logits.astype(out_dtype)
+
+
+def _scaled(logits: jax.typing.ArrayLike, temperature: float) -> jax.Array:
+    _checks.check_floating("logits", logits)
+    _checks.check_rank("logits", logits, set(range(1, 64)), "[..., V]")
+    if isinstance(temperature, (int, float)) and temperature == 0:
+        raise ValueError(
+            "temperature must be > 0 for a distribution; temperature 0 means "
+            "greedy decoding, which is lmhead.decoding.generate(temperature=0).")
+    _checks.check_in_range("temperature", temperature, low=0.0, low_open=True)
+    return jnp.asarray(logits, jnp.float32) / jnp.maximum(temperature,
+                                                          MIN_TEMPERATURE)
+
+
+def log_probs(logits: jax.typing.ArrayLike,
+              temperature: float = 1.0) -> jax.Array:
+    r"""Log-softmax over the last axis, computed in float32.
+
+    .. math::
+        \log p_i = z_i / T - \log \sum_j e^{z_j / T}
+
+    The maximum is subtracted before exponentiating, so logits of any size
+    give finite results.
+
+    Args:
+        logits: ``[..., V]`` scores.
+        temperature: ``T > 0``. A traced ``T`` is clamped below at
+            ``MIN_TEMPERATURE`` (its value cannot be checked inside ``jit``).
+
+    Returns:
+        ``[..., V]`` float32 log-probabilities.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> log_probs(jnp.array([0.0, 0.0]))
+        Array([-0.6931472, -0.6931472], dtype=float32)
+        >>> log_probs(jnp.array([1e4, 0.0]))
+        Array([     0., -10000.], dtype=float32)
+    """
+    return jax.nn.log_softmax(_scaled(logits, temperature), axis=-1)
+
+
+def probs(logits: jax.typing.ArrayLike, temperature: float = 1.0) -> jax.Array:
+    r"""Softmax over the last axis, computed in float32.
+
+    .. math::
+        p_i = \frac{e^{z_i / T}}{\sum_j e^{z_j / T}}
+
+    ``T > 1`` flattens the distribution, ``T < 1`` sharpens it.
+
+    Args:
+        logits: ``[..., V]`` scores.
+        temperature: ``T > 0`` (see :func:`log_probs`).
+
+    Returns:
+        ``[..., V]`` float32 probabilities that sum to 1.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> probs(jnp.array([2.0, 1.0, 0.0]))
+        Array([0.66524094, 0.24472848, 0.09003057], dtype=float32)
+        >>> probs(jnp.array([2.0, 1.0, 0.0]), temperature=10.0)
+        Array([0.3671654, 0.332225 , 0.3006096], dtype=float32)
+    """
+    return jax.nn.softmax(_scaled(logits, temperature), axis=-1)
+
+
+def output_distribution(
+    h: jax.typing.ArrayLike,
+    w: jax.typing.ArrayLike,
+    bias: jax.typing.ArrayLike | None = None,
+    *,
+    output: str = "probs",
+    temperature: float = 1.0,
+    scale: float | None = None,
+    softcap: float | None = None,
+    precision: jax.lax.PrecisionLike = None,
+) -> jax.Array:
+    r"""Hidden states to logits, log-probabilities or probabilities in one call.
+
+    .. math::
+        z = \mathrm{unembed}(h, W, b), \qquad
+        p = \mathrm{softmax}(z / T)
+
+    Args:
+        h: ``[..., D]`` hidden states.
+        w: ``[V, D]`` unembedding.
+        bias: optional ``[V]``.
+        output: ``"logits"`` (raw, ``temperature`` not applied),
+            ``"log_probs"`` or ``"probs"``.
+        temperature: ``T > 0`` for ``"log_probs"`` and ``"probs"``.
+        scale, softcap, precision: as in :func:`unembed`.
+
+    Returns:
+        ``[..., V]`` float32 array of the requested kind.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> h, w = jnp.ones((1, 2)), jnp.array([[1.0, 0.0], [1.0, 1.0]])
+        >>> output_distribution(h, w, output="logits")
+        Array([[1., 2.]], dtype=float32)
+        >>> output_distribution(h, w, output="probs")
+        Array([[0.26894143, 0.7310586 ]], dtype=float32)
+    """
+    _checks.check_choice("output", output, OUTPUTS)
+    logits = unembed(h, w, bias, scale=scale, softcap=softcap,
+                     precision=precision)
+    if output == "logits":
+        return logits
+    if output == "log_probs":
+        return log_probs(logits, temperature)
+    return probs(logits, temperature)
+
+
+def last_positions(h: jax.typing.ArrayLike,
+                   lengths: jax.typing.ArrayLike) -> jax.Array:
+    r"""Picks each sequence's last real position: ``h[b, lengths[b] - 1]``.
+
+    At inference only these rows need to go through the head, which turns a
+    ``[B, T, V]`` product into a ``[B, V]`` one.
+
+    Args:
+        h: ``[B, T, D]`` hidden states of right-padded sequences.
+        lengths: ``[B]`` integer lengths in ``[1, T]``. Inside ``jit`` they
+            are clipped to that range.
+
+    Returns:
+        ``[B, D]``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> h = jnp.arange(12.0).reshape(2, 3, 2)
+        >>> last_positions(h, jnp.array([1, 3]))
+        Array([[ 0.,  1.],
+               [10., 11.]], dtype=float32)
+    """
+    _checks.check_rank("h", h, 3, "[B, T, D]")
+    _checks.check_integer("lengths", lengths)
+    _checks.check_rank("lengths", lengths, 1, "[B]")
+    batch, time = jnp.shape(h)[:2]
+    if jnp.shape(lengths)[0] != batch:
+        raise ValueError(
+            f"lengths must have shape [B] = ({batch},); got {jnp.shape(lengths)}.")
+    _checks.check_in_range("lengths", lengths, low=1, high=time)
+    index = jnp.clip(jnp.asarray(lengths) - 1, 0, time - 1)
+    return jnp.take_along_axis(jnp.asarray(h), index[:, None, None], axis=1)[:, 0]

@@ -1,0 +1,448 @@
+"""Training losses and evaluation metrics on logits, as pure functions.
+
+The cross-entropy is written in terms of three per-token statistics of the
+logits ``z`` -- the log-normalizer ``lse = logsumexp(z)``, the label's logit
+``z_y`` and the sum ``sum_i z_i`` -- because every option below (both label
+smoothing conventions, z-loss) is a function of them. The fused loss in
+:mod:`lmhead.fused` computes the same statistics a block at a time and reuses
+:func:`token_losses` and :func:`weighted_metrics`, so the two paths cannot
+drift apart.
+"""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+from jax.scipy.special import xlogy
+
+from lmhead import _checks
+
+SMOOTHINGS = ("uniform", "normalized")
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def check_loss_options(label_smoothing: float, smoothing: str, z_loss: float,
+                       reduction: str) -> None:
+    """Validates the options shared by the materialized and fused losses.
+
+    Raises:
+        ValueError: naming the argument, when an option is out of range.
+    """
+    _checks.check_in_range("label_smoothing", label_smoothing, low=0.0,
+                           high=1.0, high_open=True)
+    _checks.check_choice("smoothing", smoothing, SMOOTHINGS)
+    _checks.check_in_range("z_loss", z_loss, low=0.0)
+    _checks.check_choice("reduction", reduction, REDUCTIONS)
+
+
+def check_labels_and_weights(labels: jax.typing.ArrayLike,
+                             weights: jax.typing.ArrayLike | None,
+                             leading_shape: tuple[int, ...],
+                             vocab_size: int) -> None:
+    """Validates dtypes and shapes, and the label range when it is concrete.
+
+    Raises:
+        TypeError: for non-integer labels.
+        ValueError: for shapes that do not match ``leading_shape``, and for
+            concrete labels outside ``[0, vocab_size)``.
+    """
+    _checks.check_integer("labels", labels)
+    if jnp.shape(labels) != tuple(leading_shape):
+        raise ValueError(
+            f"labels must have the leading shape of the logits / hidden states "
+            f"{tuple(leading_shape)}; got {jnp.shape(labels)}.")
+    if weights is not None and jnp.shape(weights) != tuple(leading_shape):
+        raise ValueError(
+            f"weights must have the shape of labels {tuple(leading_shape)}; "
+            f"got {jnp.shape(weights)}.")
+    _checks.check_in_range("labels", labels, low=0, high=vocab_size - 1)
+
+
+def check_labels(labels: jax.typing.ArrayLike, vocab_size: int) -> None:
+    """A ``checkify`` check that every label lies in ``[0, vocab_size)``.
+
+    Inside ``jit`` the losses treat an out-of-range label as weight 0 (and
+    count it in ``metrics["invalid_labels"]``). Call this in a function
+    transformed by ``checkify.checkify`` to get an error instead.
+
+    Args:
+        labels: integer array of any shape.
+        vocab_size: ``V``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.experimental import checkify
+        >>> f = checkify.checkify(jax.jit(lambda y: check_labels(y, 4)))
+        >>> err, _ = f(jnp.array([0, 5]))
+        >>> print(err.get())
+        labels must be in [0, 4); found 1 outside (`check` failed)
+    """
+    labels = jnp.asarray(labels)
+    bad = (labels < 0) | (labels >= vocab_size)
+    checkify.check(~jnp.any(bad),
+                   f"labels must be in [0, {vocab_size}); found {{n}} outside",
+                   n=jnp.sum(bad))
+
+
+def token_losses(
+    lse: jax.Array,
+    label_logit: jax.Array,
+    logit_sum: jax.Array,
+    vocab_size: int,
+    *,
+    label_smoothing: float = 0.0,
+    smoothing: str = "uniform",
+    z_loss: float = 0.0,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    r"""Per-token losses from the statistics of each token's logits.
+
+    With :math:`\ell = \mathrm{lse}(z)`, :math:`\mathrm{nll} = \ell - z_y`,
+    and :math:`S = V\ell - \sum_i z_i = \sum_i -\log p_i`:
+
+    - ``"uniform"`` (PyTorch ``label_smoothing``): target
+      :math:`(1-\epsilon)\,\mathrm{onehot} + \epsilon / V`, so
+      :math:`L = (1-\epsilon)\,\mathrm{nll} + \tfrac{\epsilon}{V} S`.
+    - ``"normalized"`` (Flax WMT, T5X): :math:`c = 1-\epsilon` on the label,
+      :math:`u = \epsilon/(V-1)` elsewhere, minus the target's entropy so that
+      the minimum is 0:
+      :math:`L = c\,\mathrm{nll} + u\,(S - \mathrm{nll}) + c\log c + (V-1)\,u\log u`.
+    - z-loss: :math:`+\, \lambda_z \ell^2`.
+
+    Args:
+        lse, label_logit, logit_sum: ``[...]`` float32 statistics.
+        vocab_size: ``V``.
+        label_smoothing: :math:`\epsilon \in [0, 1)`.
+        smoothing: ``"uniform"`` or ``"normalized"``.
+        z_loss: :math:`\lambda_z \ge 0`.
+
+    Returns:
+        ``(loss, nll, z_term)``, each ``[...]``: the objective per token, the
+        unsmoothed negative log-likelihood, and the z-loss term.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> z = jnp.array([2.0, 0.0, 0.0])
+        >>> lse = jax.nn.logsumexp(z)
+        >>> loss, nll, _ = token_losses(lse, z[0], z.sum(), 3)
+        >>> round(float(loss), 4), round(float(nll), 4)
+        (0.2395, 0.2395)
+    """
+    nll = lse - label_logit
+    eps = label_smoothing
+    if smoothing == "uniform":
+        total = vocab_size * lse - logit_sum
+        loss = (1.0 - eps) * nll + (eps / vocab_size) * total
+    else:
+        confidence = 1.0 - eps
+        low = eps / max(vocab_size - 1, 1)
+        # The target's entropy, with 0 log 0 = 0 (xlogy), is what makes the
+        # minimum 0: it is the loss at the smoothed target itself.
+        entropy = -(xlogy(confidence, confidence) +
+                    (vocab_size - 1) * xlogy(low, low))
+        rest = vocab_size * lse - logit_sum - nll
+        loss = confidence * nll + low * rest - entropy
+    z_term = z_loss * jnp.square(lse)
+    return loss + z_term, nll, z_term
+
+
+def weighted_metrics(
+    loss: jax.Array,
+    nll: jax.Array,
+    z_term: jax.Array,
+    correct: jax.Array,
+    weights: jax.Array,
+    invalid: jax.Array,
+    reduction: str,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    r"""Reduces per-token losses and builds the metrics dict.
+
+    A weighted mean is :math:`\sum_t w_t x_t / \sum_t w_t`, and 0 when
+    :math:`\sum_t w_t = 0` (so an all-padding batch gives 0, not NaN).
+
+    Args:
+        loss, nll, z_term: ``[...]`` per-token values (see :func:`token_losses`).
+        correct: ``[...]`` 1.0 where the argmax is the label.
+        weights: ``[...]`` float32 weights, already 0 for invalid labels.
+        invalid: ``[...]`` bool, labels outside ``[0, V)`` with nonzero weight.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-token ``w * loss``).
+
+    Returns:
+        ``(reduced_loss, metrics)``; ``metrics`` holds the weighted means
+        ``loss``, ``nll``, ``z_loss``, ``accuracy``, and the counts
+        ``weight_sum`` and ``invalid_labels``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> x = jnp.array([1.0, 3.0])
+        >>> w = jnp.array([1.0, 0.0])
+        >>> loss, m = weighted_metrics(x, x, 0 * x, x > 2, w, x < 0, "mean")
+        >>> float(loss), float(m["weight_sum"]), float(m["accuracy"])
+        (1.0, 1.0, 0.0)
+    """
+    weight_sum = jnp.sum(weights)
+    safe_sum = jnp.where(weight_sum > 0, weight_sum, 1.0)
+
+    def mean(x):
+        return jnp.sum(weights * x) / safe_sum
+
+    metrics = {
+        "loss": mean(loss),
+        "nll": mean(nll),
+        "z_loss": mean(z_term),
+        "accuracy": mean(correct.astype(jnp.float32)),
+        "weight_sum": weight_sum,
+        "invalid_labels": jnp.sum(invalid).astype(jnp.int32),
+    }
+    if reduction == "mean":
+        return metrics["loss"], metrics
+    if reduction == "sum":
+        return jnp.sum(weights * loss), metrics
+    return weights * loss, metrics
+
+
+def valid_weights(labels: jax.Array, weights: jax.typing.ArrayLike | None,
+                  vocab_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Float32 weights with out-of-range labels zeroed, and clipped labels.
+
+    Returns:
+        ``(weights, safe_labels, invalid)``: ``invalid`` marks labels outside
+        ``[0, V)`` that had a nonzero weight; ``safe_labels`` are clipped
+        into range so that gathers stay in bounds.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> w, y, bad = valid_weights(jnp.array([1, 7]), None, 4)
+        >>> w, y, bad
+        (Array([1., 0.], dtype=float32), Array([1, 3], dtype=int32), Array([False,  True], dtype=bool))
+    """
+    labels = jnp.asarray(labels)
+    w = (jnp.ones(labels.shape, jnp.float32) if weights is None
+         else jnp.asarray(weights, jnp.float32))
+    out_of_range = (labels < 0) | (labels >= vocab_size)
+    invalid = out_of_range & (w != 0)
+    return (jnp.where(out_of_range, 0.0, w),
+            jnp.clip(labels, 0, vocab_size - 1), invalid)
+
+
+def cross_entropy(
+    logits: jax.typing.ArrayLike,
+    labels: jax.typing.ArrayLike,
+    *,
+    weights: jax.typing.ArrayLike | None = None,
+    label_smoothing: float = 0.0,
+    smoothing: str = "uniform",
+    z_loss: float = 0.0,
+    reduction: str = "mean",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    r"""Weighted softmax cross-entropy with label smoothing and z-loss.
+
+    .. math::
+        L = \frac{\sum_t w_t \big(\mathrm{CE}_\epsilon(z_t, y_t)
+            + \lambda_z \,\mathrm{lse}(z_t)^2\big)}{\sum_t w_t}
+
+    where :math:`\mathrm{CE}_\epsilon` is defined in :func:`token_losses` for
+    both smoothing conventions. The log-normalizer is computed in float32
+    whatever the dtype of ``logits``, with the maximum subtracted, so logits
+    of :math:`\pm 10^4` and bf16 logits give finite losses and gradients.
+
+    Labels outside ``[0, V)`` raise ``ValueError`` when they are concrete;
+    inside ``jit`` they get weight 0 and are counted in
+    ``metrics["invalid_labels"]`` (use :func:`check_labels` with ``checkify``
+    to fail instead).
+
+    Args:
+        logits: ``[..., V]`` floating-point scores.
+        labels: ``[...]`` integer targets.
+        weights: optional ``[...]`` per-token weights (0 for padding).
+        label_smoothing: :math:`\epsilon \in [0, 1)`.
+        smoothing: ``"uniform"`` (PyTorch) or ``"normalized"`` (T5X).
+        z_loss: :math:`\lambda_z \ge 0` (PaLM uses ``1e-4``).
+        reduction: ``"mean"`` (over the weights), ``"sum"``, or ``"none"``
+            (``[...]`` weighted per-token losses).
+
+    Returns:
+        ``(loss, metrics)``: see :func:`weighted_metrics` for the metrics.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> logits = jnp.array([[2.0, 0.0, 0.0], [0.0, 3.0, 0.0]])
+        >>> loss, m = cross_entropy(logits, jnp.array([0, 2]))
+        >>> round(float(loss), 4), float(m["accuracy"])
+        (1.6672, 0.5)
+        >>> loss, _ = cross_entropy(logits, jnp.array([0, 2]),
+        ...                         weights=jnp.array([1.0, 0.0]))
+        >>> round(float(loss), 4)
+        0.2395
+
+    References:
+        Szegedy et al., `Rethinking the Inception Architecture
+        <https://arxiv.org/abs/1512.00567>`_, 2016 (label smoothing);
+        Chowdhery et al., `PaLM <https://arxiv.org/abs/2204.02311>`_, 2022
+        (z-loss).
+    """
+    _checks.check_floating("logits", logits)
+    _checks.check_rank("logits", logits, set(range(1, 64)), "[..., V]")
+    check_loss_options(label_smoothing, smoothing, z_loss, reduction)
+    vocab_size = jnp.shape(logits)[-1]
+    check_labels_and_weights(labels, weights, jnp.shape(logits)[:-1], vocab_size)
+    chex.assert_rank(logits, jnp.ndim(labels) + 1)
+
+    logits = jnp.asarray(logits, jnp.float32)
+    weights, safe_labels, invalid = valid_weights(labels, weights, vocab_size)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    label_logit = jnp.take_along_axis(logits, safe_labels[..., None], -1)[..., 0]
+    loss, nll, z_term = token_losses(
+        lse, label_logit, jnp.sum(logits, axis=-1), vocab_size,
+        label_smoothing=label_smoothing, smoothing=smoothing, z_loss=z_loss)
+    correct = jnp.argmax(logits, axis=-1) == safe_labels
+    return weighted_metrics(loss, nll, z_term, correct, weights, invalid,
+                            reduction)
+
+
+def perplexity(nll: jax.typing.ArrayLike) -> jax.Array:
+    r"""Perplexity from a mean negative log-likelihood in nats.
+
+    .. math:: \mathrm{ppl} = e^{\mathrm{nll}}
+
+    Examples:
+        >>> perplexity(jnp.log(4.0))
+        Array(4., dtype=float32, weak_type=True)
+    """
+    return jnp.exp(nll)
+
+
+def bits_per_token(nll: jax.typing.ArrayLike) -> jax.Array:
+    r"""Nats per token to bits per token: :math:`\mathrm{nll} / \ln 2`.
+
+    Examples:
+        >>> bits_per_token(jnp.log(8.0))
+        Array(3., dtype=float32, weak_type=True)
+    """
+    return jnp.asarray(nll) / math.log(2.0)
+
+
+def bits_per_character(nll: jax.typing.ArrayLike,
+                       chars_per_token: float) -> jax.Array:
+    r"""Nats per token to bits per character of the underlying text.
+
+    .. math::
+        \mathrm{bpc} = \frac{\mathrm{nll}}{\ln 2 \cdot \mathrm{chars/token}}
+
+    For a character-level tokenizer ``chars_per_token`` is 1; for BPE it is
+    the number of characters of the evaluated text over its number of tokens.
+
+    Examples:
+        >>> bits_per_character(jnp.log(8.0), chars_per_token=3.0)
+        Array(1., dtype=float32, weak_type=True)
+    """
+    _checks.check_in_range("chars_per_token", chars_per_token, low=0.0,
+                           low_open=True)
+    return bits_per_token(nll) / chars_per_token
+
+
+def calibration_bins(
+    logits: jax.typing.ArrayLike,
+    labels: jax.typing.ArrayLike,
+    weights: jax.typing.ArrayLike | None = None,
+    num_bins: int = 15,
+) -> jax.Array:
+    r"""Per-bin sums for the calibration error, to accumulate over batches.
+
+    A token whose top probability is :math:`c` falls in bin
+    :math:`\lceil c \cdot M \rceil - 1` (equal-width bins ``(m/M, (m+1)/M]``).
+
+    Args:
+        logits: ``[..., V]``.
+        labels: ``[...]`` integers.
+        weights: optional ``[...]``.
+        num_bins: ``M >= 1``.
+
+    Returns:
+        ``[M, 3]`` float32: per bin the weight, the weighted sum of
+        confidences and the weighted number of correct tokens. Add the
+        results of several batches and pass the sum to
+        :func:`calibration_error_from_bins`.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> calibration_bins(jnp.zeros((1, 2)), jnp.array([0]), num_bins=2)
+        Array([[1. , 0.5, 1. ],
+               [0. , 0. , 0. ]], dtype=float32)
+    """
+    _checks.check_floating("logits", logits)
+    _checks.check_rank("logits", logits, set(range(1, 64)), "[..., V]")
+    if not isinstance(num_bins, int) or num_bins < 1:
+        raise ValueError(f"num_bins must be an integer >= 1; got {num_bins!r}.")
+    vocab_size = jnp.shape(logits)[-1]
+    check_labels_and_weights(labels, weights, jnp.shape(logits)[:-1], vocab_size)
+    weights, safe_labels, _ = valid_weights(labels, weights, vocab_size)
+    p = jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+    confidence = jnp.max(p, axis=-1)
+    correct = (jnp.argmax(p, axis=-1) == safe_labels).astype(jnp.float32)
+    index = jnp.clip(jnp.ceil(confidence * num_bins).astype(jnp.int32) - 1,
+                     0, num_bins - 1)
+    rows = jnp.stack([weights, weights * confidence, weights * correct], -1)
+    return jax.ops.segment_sum(rows.reshape(-1, 3), index.reshape(-1),
+                               num_segments=num_bins)
+
+
+def calibration_error_from_bins(bins: jax.typing.ArrayLike) -> jax.Array:
+    r"""Expected calibration error from (summed) :func:`calibration_bins`.
+
+    .. math::
+        \mathrm{ECE} = \sum_m \frac{W_m}{W}\,
+            \left|\mathrm{acc}_m - \mathrm{conf}_m\right|
+        = \frac{1}{W} \sum_m \left|C_m - K_m\right|
+
+    with :math:`W_m` the weight, :math:`K_m` the confidence sum and
+    :math:`C_m` the correct count of bin :math:`m`. 0 when :math:`W = 0`.
+
+    Examples:
+        >>> calibration_error_from_bins(jnp.array([[2.0, 1.0, 2.0]]))
+        Array(0.5, dtype=float32)
+    """
+    bins = jnp.asarray(bins, jnp.float32)
+    chex.assert_rank(bins, 2)
+    total = jnp.sum(bins[:, 0])
+    gap = jnp.sum(jnp.abs(bins[:, 2] - bins[:, 1]))
+    return jnp.where(total > 0, gap / jnp.where(total > 0, total, 1.0), 0.0)
+
+
+def expected_calibration_error(
+    logits: jax.typing.ArrayLike,
+    labels: jax.typing.ArrayLike,
+    weights: jax.typing.ArrayLike | None = None,
+    num_bins: int = 15,
+) -> jax.Array:
+    r"""Expected calibration error of the top-1 prediction (Guo et al., 2017).
+
+    .. math::
+        \mathrm{ECE} = \sum_{m=1}^{M} \frac{W_m}{W}\,
+            \left|\mathrm{acc}_m - \mathrm{conf}_m\right|
+
+    over ``M`` equal-width confidence bins (see :func:`calibration_bins`).
+
+    Args:
+        logits: ``[..., V]``.
+        labels: ``[...]`` integers.
+        weights: optional ``[...]`` per-token weights.
+        num_bins: ``M >= 1``.
+
+    Returns:
+        Scalar in ``[0, 1]``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> logits = jnp.log(jnp.array([[0.9, 0.1], [0.6, 0.4]]))
+        >>> expected_calibration_error(logits, jnp.array([0, 1]), num_bins=10)
+        Array(0.35, dtype=float32)
+
+    References:
+        Guo et al., `On Calibration of Modern Neural Networks
+        <https://arxiv.org/abs/1706.04599>`_, 2017.
+    """
+    return calibration_error_from_bins(
+        calibration_bins(logits, labels, weights, num_bins))

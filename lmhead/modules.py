@@ -1,0 +1,126 @@
+"""Flax Linen wrapper of the output head.
+
+``LMHead`` only decides which ``[V, D]`` array is the unembedding -- the
+input embedding table when tied, a parameter of its own when untied -- and
+calls the pure functions in :mod:`lmhead.head`, :mod:`lmhead.losses` and
+:mod:`lmhead.fused`. No math is written here.
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lmhead import _checks
+from lmhead import head
+from lmhead import losses
+
+LOSS_IMPLS = ("materialized",)
+
+Embedding = nn.Embed | jax.typing.ArrayLike
+
+
+class LMHead(nn.Module):
+    """The language-model head: ``logits = softcap(scale * h @ w.T + bias)``.
+
+    Attributes:
+        vocab_size: ``V``.
+        tied: if True, ``w`` is the embedding table passed to the call and the
+            head owns no ``[V, D]`` parameter; if False, the head owns
+            ``unembedding: [V, D]`` (the same layout as ``nn.Embed``).
+        use_bias: whether to add a ``bias: [V]`` parameter (owned by the head
+            in both cases).
+        scale: optional factor on ``h @ w.T`` (e.g. ``D ** -0.5`` for a tied
+            head, as in the Flax lm1b example).
+        softcap: optional ``c``; logits become ``c * tanh(logits / c)``.
+        dtype: dtype of the matmul inputs; the product accumulates in float32
+            and logits are float32.
+        param_dtype: dtype of the head's own parameters.
+        kernel_init: initializer of the untied ``unembedding``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn
+        >>> lm_head = LMHead(vocab_size=5, tied=False)
+        >>> h = jnp.ones((2, 3, 4))
+        >>> params = lm_head.init(jax.random.key(0), h)
+        >>> jax.tree.map(jnp.shape, params)
+        {'params': {'unembedding': (5, 4)}}
+        >>> lm_head.apply(params, h).shape
+        (2, 3, 5)
+    """
+
+    vocab_size: int
+    tied: bool = True
+    use_bias: bool = False
+    scale: float | None = None
+    softcap: float | None = None
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    kernel_init: nn.initializers.Initializer = nn.initializers.normal(0.02)
+
+    @nn.compact
+    def unembedding(self, d_model: int,
+                    embedding: Embedding | None) -> tuple[jax.Array, jax.Array | None]:
+        """Returns ``(w: [V, D], bias: [V] | None)`` as used by the head."""
+        if self.tied:
+            if embedding is None:
+                raise ValueError(
+                    "embedding is required when tied=True: pass the nn.Embed "
+                    "module or its [V, D] table.")
+            w = embedding.embedding if isinstance(embedding, nn.Embed) else embedding
+            if jnp.shape(w) != (self.vocab_size, d_model):
+                raise ValueError(
+                    f"embedding must have shape [V, D] = ({self.vocab_size}, "
+                    f"{d_model}); got {jnp.shape(w)}.")
+        else:
+            if embedding is not None:
+                raise ValueError(
+                    "embedding must be None when tied=False: an untied head "
+                    "owns its unembedding.")
+            w = self.param("unembedding", self.kernel_init,
+                           (self.vocab_size, d_model), self.param_dtype)
+        bias = (self.param("bias", nn.initializers.zeros, (self.vocab_size,),
+                           self.param_dtype) if self.use_bias else None)
+        return jnp.asarray(w, self.dtype), bias
+
+    def __call__(self, h: jax.Array,
+                 embedding: Embedding | None = None) -> jax.Array:
+        """Logits ``[..., V]`` (float32) from hidden states ``h: [..., D]``."""
+        w, bias = self.unembedding(jnp.shape(h)[-1], embedding)
+        return head.unembed(jnp.asarray(h, self.dtype), w, bias,
+                            scale=self.scale, softcap=self.softcap)
+
+    def loss(
+        self,
+        h: jax.Array,
+        labels: jax.Array,
+        embedding: Embedding | None = None,
+        *,
+        weights: jax.Array | None = None,
+        loss_impl: str = "materialized",
+        label_smoothing: float = 0.0,
+        smoothing: str = "uniform",
+        z_loss: float = 0.0,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The training loss on hidden states; see ``losses.cross_entropy``.
+
+        Args:
+            h: ``[..., D]`` hidden states.
+            labels: ``[...]`` integer targets.
+            embedding: the table (or ``nn.Embed``) when tied.
+            weights: optional ``[...]`` per-token weights.
+            loss_impl: ``"materialized"`` builds the ``[..., V]`` logits.
+            label_smoothing, smoothing, z_loss: as in
+                ``losses.cross_entropy``.
+
+        Returns:
+            ``(loss, metrics)`` as ``losses.cross_entropy`` returns them.
+        """
+        _checks.check_choice("loss_impl", loss_impl, LOSS_IMPLS)
+        w, bias = self.unembedding(jnp.shape(h)[-1], embedding)
+        logits = head.unembed(jnp.asarray(h, self.dtype), w, bias,
+                              scale=self.scale, softcap=self.softcap)
+        return losses.cross_entropy(
+            logits, labels, weights=weights, label_smoothing=label_smoothing,
+            smoothing=smoothing, z_loss=z_loss)

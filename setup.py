@@ -1,0 +1,38 @@
+"""lmhead: the output head of a language model, in JAX and Flax."""
+
+import setuptools
+
+setuptools.setup(
+    name="lmhead",
+    version="0.1.0",
+    description=(
+        "The output head of a language model in JAX/Flax: tied and untied "
+        "unembedding, losses, a fused cross-entropy and decoding."
+    ),
+    packages=setuptools.find_packages(include=["lmhead", "lmhead.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "jax>=0.4.30",
+        "flax>=0.8.5",
+        "optax>=0.2.3",
+        "chex>=0.1.86",
+        "absl-py>=2.1",
+        "ml-collections>=0.1.1",
+        "orbax-checkpoint>=0.5.20",
+        "tensorboardX>=2.6",
+        "tokenizers>=0.19",
+        "matplotlib>=3.8",
+        "numpy>=1.26",
+    ],
+    extras_require={
+        "cuda12": ["jax[cuda12]>=0.4.30"],
+        "tpu": ["jax[tpu]>=0.4.30"],
+        "dev": [
+            "pytest>=8.0",
+            "hypothesis>=6.100",
+            "nbclient>=0.10",
+            "nbformat>=5.10",
+            "ipykernel>=6.29",
+        ],
+    },
+)

@@ -1,0 +1,435 @@
+"""A small decoder-only Transformer whose output layer is ``modules.LMHead``.
+
+GPT-2 layout: token embedding plus positions (learned, or rotary), pre-LayerNorm
+blocks of causal self-attention and a GELU MLP, a final LayerNorm, then the
+head, tied to the embedding table or with an unembedding of its own.
+
+Decoding runs on an explicit key/value cache, :class:`DecodeCache`, every leaf
+of which has a leading batch axis, so that ``lmhead.decoding`` can tile it for
+beams and reorder it by gathering rows. :func:`prefill` runs a prompt once and
+sends only each row's last position through the head; :func:`make_step_fn`
+gives the ``step_fn(tokens, cache) -> (logits, cache)`` the decoders call.
+
+Parameter tree (``params``)::
+
+    embed/embedding          [V, D]      token table (the tied head's W)
+    position_embedding       [max_len, D]   only with positions="learned"
+    blocks_{i}/attention_norm, mlp_norm     LayerNorm scale, bias [D]
+    blocks_{i}/attention/qkv kernel [D, 3D], bias [3D]
+    blocks_{i}/attention/out kernel [D, D], bias [D]    (residual projection)
+    blocks_{i}/mlp_in        kernel [D, F], bias [F]
+    blocks_{i}/mlp_out       kernel [F, D], bias [D]    (residual projection)
+    final_norm               scale, bias [D]
+    head/...                 untied: unembedding [V, D]; bias [V] if head_bias
+"""
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lmhead import _checks, head, modules
+
+POSITIONS = ("learned", "rope")
+INIT_STD = 0.02
+ROPE_BASE = 10000.0
+# Masked attention scores; finite so that a fully masked row cannot give NaN.
+NEG_INF = -1e30
+
+
+class DecodeCache(NamedTuple):
+    """Key/value cache of a :class:`DecoderLM`; every leaf has leading axis B.
+
+    Attributes:
+        keys: ``num_layers`` arrays ``[B, max_len, H, Dh]`` (compute dtype):
+            each layer's attention keys (rotated, with RoPE) at every position
+            written so far. Slots at or after ``index[b]`` are unused.
+        values: ``num_layers`` arrays ``[B, max_len, H, Dh]``, the values.
+        index: ``int32[B]``: how many positions of row ``b`` are in the cache,
+            which is also the position of the row's next token.
+    """
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    index: jax.Array
+
+
+def _rotate(x: jax.Array, positions: jax.Array) -> jax.Array:
+    r"""Rotary position embedding of ``x: [B, T, H, Dh]`` at ``positions: [B, T]``.
+
+    Pairs :math:`(x_i, x_{i + Dh/2})` turn by the angle
+    :math:`p \cdot \mathrm{base}^{-2i/Dh}` (Su et al., 2021).
+    """
+    half = x.shape[-1] // 2
+    frequencies = ROPE_BASE ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions[:, :, None, None].astype(jnp.float32) * frequencies
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    first, second = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    rotated = jnp.concatenate(
+        [first * cos - second * sin, first * sin + second * cos], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention over the sequence or over a key/value cache."""
+    num_heads: int
+    dropout_rate: float
+    residual_init_std: float
+    rope: bool
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x, positions, mask, cache, *, train):
+        """x: [B, T, D]; positions: int [B, T]; mask: bool [B | 1, T, S];
+        cache: None (keys are this call's T positions, S = T) or a layer's
+        (keys, values), each [B, S, H, Dh], into which this call writes its T
+        positions. Returns ([B, T, D], the updated cache or None)."""
+        batch, time, width = x.shape
+        head_dim = width // self.num_heads
+        qkv = nn.Dense(3 * width, dtype=self.dtype,
+                       kernel_init=nn.initializers.normal(INIT_STD), name="qkv")(x)
+        qkv = qkv.reshape(batch, time, 3, self.num_heads, head_dim)
+        query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        if self.rope:
+            query, key = _rotate(query, positions), _rotate(key, positions)
+        if cache is not None:
+            # Positions past the cache's end are dropped (see DecoderLM.extend).
+            rows = jnp.arange(batch)[:, None]
+            key = cache[0].at[rows, positions].set(key, mode="drop")
+            value = cache[1].at[rows, positions].set(value, mode="drop")
+            cache = (key, value)
+        scores = jnp.einsum("bthd,bshd->bhts", query, key,
+                            preferred_element_type=jnp.float32)
+        scores = jnp.where(mask[:, None], scores / math.sqrt(head_dim), NEG_INF)
+        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        weights = nn.Dropout(self.dropout_rate, deterministic=not train)(weights)
+        out = jnp.einsum("bhts,bshd->bthd", weights, value.astype(self.dtype))
+        out = nn.Dense(width, dtype=self.dtype, name="out",
+                       kernel_init=nn.initializers.normal(self.residual_init_std))(
+                           out.reshape(batch, time, width))
+        return out, cache
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm Transformer block: x + attention(LN(x)), then x + MLP(LN(x))."""
+    num_heads: int
+    mlp_dim: int
+    dropout_rate: float
+    residual_init_std: float
+    rope: bool
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x, positions, mask, cache, *, train):
+        """Same arguments and results as CausalSelfAttention."""
+        dropout = nn.Dropout(self.dropout_rate, deterministic=not train)
+        attention = CausalSelfAttention(
+            self.num_heads, self.dropout_rate, self.residual_init_std, self.rope,
+            self.dtype, name="attention")
+        y, cache = attention(nn.LayerNorm(dtype=self.dtype, name="attention_norm")(x),
+                             positions, mask, cache, train=train)
+        x = x + dropout(y)
+        y = nn.LayerNorm(dtype=self.dtype, name="mlp_norm")(x)
+        y = nn.Dense(self.mlp_dim, dtype=self.dtype, name="mlp_in",
+                     kernel_init=nn.initializers.normal(INIT_STD))(y)
+        y = nn.Dense(x.shape[-1], dtype=self.dtype, name="mlp_out",
+                     kernel_init=nn.initializers.normal(self.residual_init_std))(
+                         nn.gelu(y, approximate=False))
+        return x + dropout(y), cache
+
+
+class DecoderLM(nn.Module):
+    r"""Decoder-only Transformer language model with a tied or untied head.
+
+    Parameters are float32; ``dtype`` is the compute dtype of the matmuls,
+    LayerNorm outputs and the cache. The residual stream stays float32 and the
+    logits are float32 whatever ``dtype`` is. Init as in GPT-2: every weight
+    :math:`\mathcal N(0, 0.02^2)` except the two residual projections of each
+    block (``attention/out``, ``mlp_out``), :math:`\mathcal N(0, (0.02 /
+    \sqrt{2 L})^2)`, so that the residual stream's variance does not grow
+    with depth; biases 0, LayerNorm scales 1.
+
+    Attributes:
+        vocab_size: ``V``.
+        num_layers: ``L``, the number of blocks.
+        num_heads: ``H``; must divide ``d_model``.
+        d_model: ``D``, the width of the residual stream.
+        mlp_dim: ``F``, the MLP's hidden width.
+        max_len: the longest sequence, and the cache's length.
+        dropout_rate: on embeddings, attention weights and both residual
+            branches when ``train=True`` (rng name ``"dropout"``).
+        tied: the head uses the embedding table as its unembedding.
+        positions: ``"learned"`` (a ``[max_len, D]`` table added to the token
+            embeddings) or ``"rope"`` (queries and keys rotated, no table).
+        head_bias, head_scale, logits_softcap: passed to ``modules.LMHead``
+            as ``use_bias``, ``scale``, ``softcap``.
+        dtype: compute dtype, e.g. ``jnp.float32`` or ``jnp.bfloat16``.
+
+    Token ids outside ``[0, V)`` raise ValueError outside ``jit``; inside
+    ``jit`` they look up NaN embeddings (``nn.Embed``'s rule), so the logits of
+    that row are NaN.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> model = DecoderLM(vocab_size=17, num_layers=2, num_heads=2,
+        ...                   d_model=16, mlp_dim=32, max_len=8)
+        >>> tokens = jnp.array([[1, 2, 3, 4]])
+        >>> params = model.init(jax.random.key(0), tokens)["params"]
+        >>> sum(x.size for x in jax.tree.leaves(params))
+        4880
+        >>> model.apply({"params": params}, tokens).shape
+        (1, 4, 17)
+        >>> loss, metrics = model.apply({"params": params}, tokens[:, :-1],
+        ...                             tokens[:, 1:], method=DecoderLM.loss)
+        >>> round(float(loss), 1)  # near ln 17 = 2.83 at init
+        2.8
+    """
+    vocab_size: int
+    num_layers: int = 4
+    num_heads: int = 4
+    d_model: int = 128
+    mlp_dim: int = 512
+    max_len: int = 64
+    dropout_rate: float = 0.0
+    tied: bool = True
+    positions: str = "learned"
+    head_bias: bool = False
+    head_scale: float | None = None
+    logits_softcap: float | None = None
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        self._check_config()
+        normal = nn.initializers.normal(INIT_STD)
+        self.embed = nn.Embed(self.vocab_size, self.d_model, embedding_init=normal)
+        if self.positions == "learned":
+            self.position_embedding = self.param(
+                "position_embedding", normal, (self.max_len, self.d_model))
+        residual_init_std = INIT_STD / math.sqrt(2 * self.num_layers)
+        self.blocks = [
+            Block(self.num_heads, self.mlp_dim, self.dropout_rate, residual_init_std,
+                  self.positions == "rope", self.dtype)
+            for _ in range(self.num_layers)]
+        self.embed_dropout = nn.Dropout(self.dropout_rate)
+        self.final_norm = nn.LayerNorm(dtype=self.dtype)
+        self.head = modules.LMHead(
+            self.vocab_size, tied=self.tied, use_bias=self.head_bias,
+            scale=self.head_scale, softcap=self.logits_softcap, dtype=self.dtype)
+
+    def _check_config(self):
+        for name in ("vocab_size", "num_layers", "num_heads", "d_model", "mlp_dim",
+                     "max_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int; got {value!r}.")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"num_heads must divide d_model; got num_heads="
+                             f"{self.num_heads}, d_model={self.d_model}.")
+        _checks.check_choice("positions", self.positions, POSITIONS)
+        if self.positions == "rope" and (self.d_model // self.num_heads) % 2:
+            raise ValueError("positions='rope' needs an even head size d_model / "
+                             f"num_heads; got {self.d_model // self.num_heads}.")
+        _checks.check_in_range("dropout_rate", self.dropout_rate, low=0.0, high=1.0,
+                               high_open=True)
+        if not jnp.issubdtype(self.dtype, jnp.floating):
+            raise TypeError(f"dtype must be a floating dtype; got {self.dtype}.")
+
+    def _check_tokens(self, tokens) -> jax.Array:
+        _checks.check_integer("tokens", tokens)
+        _checks.check_rank("tokens", tokens, 2, "[B, T]")
+        _checks.check_in_range("tokens", tokens, low=0, high=self.vocab_size - 1)
+        if jnp.shape(tokens)[1] > self.max_len:
+            raise ValueError(f"tokens has {jnp.shape(tokens)[1]} positions but the "
+                             f"model's max_len is {self.max_len}.")
+        return jnp.asarray(tokens)
+
+    def _table(self) -> jax.Array | None:
+        """The unembedding the head is given: the embedding table when tied."""
+        return self.embed.embedding if self.tied else None
+
+    def _body(self, tokens, positions, mask, caches, train):
+        """Embedding, blocks and final LayerNorm: ([B, T, D], new caches)."""
+        x = self.embed(tokens)
+        if self.positions == "learned":
+            # Clipped: a position past max_len only occurs past a full cache.
+            x = x + jnp.take(self.position_embedding, positions, axis=0, mode="clip")
+        x = self.embed_dropout(x, deterministic=not train)
+        new_caches = []
+        for block, cache in zip(self.blocks, caches):
+            x, cache = block(x, positions, mask, cache, train=train)
+            new_caches.append(cache)
+        return self.final_norm(x), new_caches
+
+    def hidden(self, tokens: jax.typing.ArrayLike, *, train: bool = False) -> jax.Array:
+        """Final hidden states ``h: [B, T, D]`` (after the final LayerNorm) of
+        ``tokens: int [B, T]``, ``T <= max_len``; causal: ``h[:, t]`` depends
+        on ``tokens[:, :t + 1]`` only."""
+        tokens = self._check_tokens(tokens)
+        time = tokens.shape[1]
+        positions = jnp.broadcast_to(jnp.arange(time), tokens.shape)
+        causal = jnp.tril(jnp.ones((1, time, time), bool))
+        h, _ = self._body(tokens, positions, causal, [None] * self.num_layers, train)
+        return h
+
+    def __call__(self, tokens: jax.typing.ArrayLike, *, train: bool = False
+                 ) -> jax.Array:
+        """Next-token logits ``float32 [B, T, V]`` for ``tokens: int [B, T]``."""
+        return self.head(self.hidden(tokens, train=train), self._table())
+
+    def loss(self, tokens: jax.typing.ArrayLike, labels: jax.typing.ArrayLike,
+             weights: jax.typing.ArrayLike | None = None, *, train: bool = False,
+             **loss_kwargs) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """``LMHead.loss`` of the hidden states of ``tokens: int [B, T]``.
+
+        ``labels: int [B, T]``, ``weights: [B, T]`` or None; ``loss_kwargs``
+        are ``LMHead.loss``'s keywords (``loss_impl``, ``label_smoothing``,
+        ``smoothing``, ``z_loss``, ``chunk_size``). Returns (loss, metrics) as
+        ``losses.cross_entropy`` does.
+        """
+        h = self.hidden(tokens, train=train)
+        return self.head.loss(h, labels, self._table(), weights=weights, **loss_kwargs)
+
+    def extend(self, tokens: jax.Array, cache: DecodeCache, lengths: jax.Array
+               ) -> tuple[jax.Array, DecodeCache]:
+        """Appends ``lengths[b]`` tokens to row ``b`` of the cache.
+
+        Args:
+            tokens: ``int [B, T]``, right-padded: row ``b``'s new tokens are
+                ``tokens[b, :lengths[b]]``; they take positions
+                ``cache.index[b]`` onwards.
+            cache: a :class:`DecodeCache` for ``B`` rows.
+            lengths: ``int32 [B]`` in ``[1, T]``.
+
+        Returns:
+            ``float32 [B, V]`` next-token logits after each row's last new token
+            (only that position goes through the head), and the cache with
+            ``index + lengths``. Keys and values of the padding are written
+            after a row's end, where nothing reads them before they are
+            overwritten. Positions at or past ``max_len`` are not stored and
+            their logits are meaningless; :func:`prefill` refuses requests that
+            would get there.
+        """
+        time = tokens.shape[1]
+        positions = cache.index[:, None] + jnp.arange(time, dtype=jnp.int32)
+        visible = jnp.arange(self.max_len) <= positions[:, :, None]  # [B, T, max_len]
+        h, kv = self._body(tokens, positions, visible,
+                           list(zip(cache.keys, cache.values)), train=False)
+        logits = self.head(head.last_positions(h, lengths), self._table())
+        return logits, DecodeCache(keys=tuple(k for k, _ in kv),
+                                   values=tuple(v for _, v in kv),
+                                   index=cache.index + lengths)
+
+
+def init_cache(model: DecoderLM, batch_size: int) -> DecodeCache:
+    """An empty :class:`DecodeCache` for ``batch_size`` rows (zeros, index 0).
+
+    Examples:
+        >>> cache = init_cache(DecoderLM(vocab_size=17, num_layers=2), 3)
+        >>> len(cache.keys), cache.keys[0].shape, cache.index
+        (2, (3, 64, 4, 32), Array([0, 0, 0], dtype=int32))
+    """
+    shape = (batch_size, model.max_len, model.num_heads, model.d_model // model.num_heads)
+    layers = tuple(jnp.zeros(shape, model.dtype) for _ in range(model.num_layers))
+    return DecodeCache(keys=layers, values=layers,
+                       index=jnp.zeros((batch_size,), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _extend(model, params, tokens, cache, lengths):
+    return model.apply({"params": params}, tokens, cache, lengths,
+                       method=DecoderLM.extend)
+
+
+def prefill(model: DecoderLM, params: Any, prompt: jax.typing.ArrayLike,
+            lengths: jax.typing.ArrayLike | None = None, *,
+            max_new_tokens: int | None = None) -> tuple[jax.Array, DecodeCache]:
+    """Runs a prompt once: the next-token logits and the filled cache.
+
+    Only each row's last real position goes through the head, so the head
+    costs ``[B, V]``, not ``[B, T, V]``.
+
+    Args:
+        model: the :class:`DecoderLM`.
+        params: its ``"params"`` collection.
+        prompt: ``int [B, T]``, ``1 <= T <= max_len``, right-padded when
+            ``lengths`` is given.
+        lengths: ``int [B]`` in ``[1, T]``, the real length of each row (each
+            row then continues from its own length); None means all ``T``.
+        max_new_tokens: if given, checks that ``max(lengths) +
+            max_new_tokens <= max_len``, so that every generated token fits in
+            the cache.
+
+    Returns:
+        ``float32 [B, V]`` logits of the token after each prompt, and a
+        :class:`DecodeCache` with ``index == lengths``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> model = DecoderLM(vocab_size=17, num_layers=2, num_heads=2,
+        ...                   d_model=16, mlp_dim=32, max_len=8)
+        >>> prompt = jnp.array([[1, 2, 3], [4, 5, 0]])
+        >>> params = model.init(jax.random.key(0), prompt)["params"]
+        >>> logits, cache = prefill(model, params, prompt, jnp.array([3, 2]))
+        >>> logits.shape, cache.index
+        ((2, 17), Array([3, 2], dtype=int32))
+        >>> full = model.apply({"params": params}, prompt[1:, :2])
+        >>> bool(jnp.allclose(logits[1], full[0, -1], atol=1e-6))
+        True
+        >>> prefill(model, params, prompt, max_new_tokens=6)
+        Traceback (most recent call last):
+        ...
+        ValueError: prompt length 3 + max_new_tokens 6 = 9 exceeds the model's max_len 8.
+    """
+    _checks.check_integer("prompt", prompt)
+    _checks.check_rank("prompt", prompt, 2, "[B, T]")
+    _checks.check_in_range("prompt", prompt, low=0, high=model.vocab_size - 1)
+    batch, time = jnp.shape(prompt)
+    if not 1 <= time <= model.max_len:
+        raise ValueError(f"prompt must have 1 to max_len={model.max_len} positions; "
+                         f"got shape {jnp.shape(prompt)}.")
+    if lengths is None:
+        lengths = jnp.full((batch,), time, jnp.int32)
+    _checks.check_integer("lengths", lengths)
+    chex.assert_shape(lengths, (batch,), custom_message="lengths must be [B].")
+    _checks.check_in_range("lengths", lengths, low=1, high=time)
+    if max_new_tokens is not None:
+        longest = time if _checks.is_traced(lengths) else int(np.max(lengths))
+        if longest + max_new_tokens > model.max_len:
+            raise ValueError(
+                f"prompt length {longest} + max_new_tokens {max_new_tokens} = "
+                f"{longest + max_new_tokens} exceeds the model's max_len "
+                f"{model.max_len}.")
+    return _extend(model, params, jnp.asarray(prompt, jnp.int32),
+                   init_cache(model, batch), jnp.asarray(lengths, jnp.int32))
+
+
+def make_step_fn(model: DecoderLM, params: Any):
+    """The decoders' ``step_fn(tokens: int [B], cache) -> (float32 [B, V], cache)``.
+
+    Feeds one token per row at position ``cache.index`` and sends that one
+    position through the head. ``cache`` may have any number of rows (beam
+    search tiles it). A row must not step past ``max_len`` (see
+    :meth:`DecoderLM.extend`; :func:`prefill`'s ``max_new_tokens`` checks it).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> model = DecoderLM(vocab_size=17, num_layers=2, num_heads=2,
+        ...                   d_model=16, mlp_dim=32, max_len=8)
+        >>> tokens = jnp.array([[1, 2, 3, 4]])
+        >>> params = model.init(jax.random.key(0), tokens)["params"]
+        >>> logits, cache = prefill(model, params, tokens[:, :3])
+        >>> logits, cache = make_step_fn(model, params)(tokens[:, 3], cache)
+        >>> full = model.apply({"params": params}, tokens)
+        >>> bool(jnp.allclose(logits, full[:, -1], atol=1e-6)), cache.index
+        (True, Array([4], dtype=int32))
+    """
+    def step_fn(tokens: jax.Array, cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
+        _checks.check_integer("tokens", tokens)
+        _checks.check_rank("tokens", tokens, 1, "[B]")
+        tokens = jnp.asarray(tokens, jnp.int32)
+        return _extend(model, params, tokens[:, None], cache, jnp.ones_like(tokens))
+    return step_fn

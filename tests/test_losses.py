@@ -1,0 +1,486 @@
+"""Tests for lmhead/losses.py against numpy formulas, optax and brute force."""
+
+import functools
+import math
+
+import chex
+import hypothesis
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import strategies as st
+from jax.experimental import checkify
+from jax.test_util import check_grads
+
+from lmhead import losses
+
+SETTINGS = hypothesis.settings(max_examples=25, deadline=None)
+
+
+def np_log_softmax(z):
+    z = np.asarray(z, np.float64)
+    shifted = z - z.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def np_logsumexp(z):
+    z = np.asarray(z, np.float64)
+    top = z.max(-1)
+    return top + np.log(np.exp(z - top[..., None]).sum(-1))
+
+
+def np_targets(labels, vocab_size, eps, smoothing):
+    """The smoothed target distribution ``[..., V]`` of each convention."""
+    onehot = np.eye(vocab_size)[labels]
+    if smoothing == "uniform":  # PyTorch: (1 - e) * onehot + e / V
+        return (1 - eps) * onehot + eps / vocab_size
+    low = eps / (vocab_size - 1)  # T5X: 1 - e on the label, e / (V-1) off it
+    return (1 - eps) * onehot + low * (1 - onehot)
+
+
+def np_normalizing_constant(vocab_size, eps):
+    """T5X compute_weighted_cross_entropy's constant: the target's entropy."""
+    confidence, low = 1.0 - eps, eps / (vocab_size - 1)
+    return -(confidence * np.log(confidence)
+             + (vocab_size - 1) * low * np.log(low + 1e-20))
+
+
+def np_cross_entropy(logits, labels, weights=None, eps=0.0,
+                     smoothing="uniform", z_loss=0.0):
+    """Per-token objective and the metrics, in float64."""
+    vocab_size = logits.shape[-1]
+    lp = np_log_softmax(logits)
+    ce = -(np_targets(labels, vocab_size, eps, smoothing) * lp).sum(-1)
+    if smoothing == "normalized":
+        ce = ce - np_normalizing_constant(vocab_size, eps)
+    z_term = z_loss * np_logsumexp(logits) ** 2
+    per_token = ce + z_term
+    nll = -np.take_along_axis(lp, labels[..., None], -1)[..., 0]
+    correct = (np.argmax(logits, -1) == labels).astype(np.float64)
+    w = np.ones(labels.shape) if weights is None else np.asarray(weights,
+                                                                 np.float64)
+    total = w.sum()
+
+    def mean(x):
+        return (w * x).sum() / total if total > 0 else 0.0
+
+    metrics = {"loss": mean(per_token), "nll": mean(nll),
+               "z_loss": mean(z_term), "accuracy": mean(correct),
+               "weight_sum": total}
+    return per_token, metrics
+
+
+def random_case(seed, shape=(2, 3), vocab_size=7, scale=3.0):
+    rng = np.random.default_rng(seed)
+    logits = (scale * rng.standard_normal(shape + (vocab_size,))).astype(
+        np.float32)
+    labels = rng.integers(0, vocab_size, shape).astype(np.int32)
+    weights = rng.uniform(0.5, 2.0, shape).astype(np.float32)
+    weights.flat[::4] = 0.0  # some padding
+    return logits, labels, weights
+
+
+def assert_metrics_close(got, want, rtol=1e-5, atol=1e-5):
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=rtol, atol=atol,
+                                   err_msg=name)
+
+
+class CrossEntropyTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_matches_numpy_for_each_option(self):
+        logits, labels, weights = random_case(0)
+        for eps, smoothing, z_loss in [(0.0, "uniform", 0.0),
+                                       (0.1, "uniform", 0.0),
+                                       (0.2, "normalized", 0.0),
+                                       (0.1, "normalized", 1e-2),
+                                       (0.3, "uniform", 1e-1)]:
+            fn = self.variant(functools.partial(
+                losses.cross_entropy, label_smoothing=eps,
+                smoothing=smoothing, z_loss=z_loss))
+            loss, metrics = fn(logits, labels, weights=weights)
+            _, want = np_cross_entropy(logits, labels, weights, eps, smoothing,
+                                       z_loss)
+            msg = f"{eps} {smoothing} {z_loss}"
+            np.testing.assert_allclose(loss, want["loss"], rtol=1e-5,
+                                       err_msg=msg)
+            assert_metrics_close(metrics, want)
+            self.assertEqual(int(metrics["invalid_labels"]), 0)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_uniform_smoothing_is_optax_smooth_labels(self):
+        logits, labels, _ = random_case(1)
+        eps = 0.25
+        targets = optax.smooth_labels(jax.nn.one_hot(labels, 7), eps)
+        want = optax.softmax_cross_entropy(logits, targets)
+        fn = self.variant(functools.partial(
+            losses.cross_entropy, label_smoothing=eps, reduction="none"))
+        got, _ = fn(logits, labels)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_normalized_smoothing_is_optax_minus_entropy(self):
+        logits, labels, _ = random_case(2)
+        eps, vocab_size = 0.2, 7
+        onehot = jax.nn.one_hot(labels, vocab_size)
+        targets = onehot * (1 - eps) + (1 - onehot) * eps / (vocab_size - 1)
+        want = (optax.softmax_cross_entropy(logits, targets)
+                - np_normalizing_constant(vocab_size, eps))
+        fn = self.variant(functools.partial(
+            losses.cross_entropy, label_smoothing=eps, smoothing="normalized",
+            reduction="none"))
+        got, _ = fn(logits, labels)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_z_loss_adds_z_times_lse_squared(self):
+        logits, labels, _ = random_case(3)
+        without, m0 = self.variant(functools.partial(
+            losses.cross_entropy, reduction="none"))(logits, labels)
+        with_z, m1 = self.variant(functools.partial(
+            losses.cross_entropy, z_loss=0.1, reduction="none"))(logits, labels)
+        lse = np_logsumexp(logits)
+        np.testing.assert_allclose(with_z - without, 0.1 * lse ** 2, rtol=1e-5)
+        self.assertEqual(float(m0["z_loss"]), 0.0)
+        np.testing.assert_allclose(m1["z_loss"], np.mean(0.1 * lse ** 2),
+                                   rtol=1e-5)
+        # The nll metric is the same with and without the z-loss.
+        np.testing.assert_allclose(m1["nll"], m0["nll"], rtol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_reductions(self):
+        logits, labels, weights = random_case(4)
+        per_token, want = np_cross_entropy(logits, labels, weights, 0.1)
+        results = {}
+        for reduction in losses.REDUCTIONS:
+            fn = self.variant(functools.partial(
+                losses.cross_entropy, label_smoothing=0.1, reduction=reduction))
+            results[reduction], _ = fn(logits, labels, weights=weights)
+        self.assertEqual(results["none"].shape, labels.shape)
+        np.testing.assert_allclose(results["none"], weights * per_token,
+                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(results["sum"], (weights * per_token).sum(),
+                                   rtol=1e-5)
+        np.testing.assert_allclose(results["mean"], want["loss"], rtol=1e-5)
+        np.testing.assert_allclose(results["mean"],
+                                   results["sum"] / weights.sum(), rtol=1e-5)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_no_weights_is_plain_mean(self):
+        logits, labels, _ = random_case(5, shape=(4,))
+        loss, metrics = self.variant(losses.cross_entropy)(logits, labels)
+        nll = -np_log_softmax(logits)[np.arange(4), labels]
+        np.testing.assert_allclose(loss, nll.mean(), rtol=1e-5)
+        self.assertEqual(float(metrics["weight_sum"]), 4.0)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_accuracy_counts_weighted_argmax_hits(self):
+        logits = np.array([[3.0, 0.0, 1.0], [0.0, 2.0, 1.0], [0.0, 1.0, 5.0],
+                           [1.0, 0.0, 0.0]], np.float32)
+        labels = np.array([0, 2, 2, 1], np.int32)
+        weights = np.array([1.0, 1.0, 2.0, 0.0], np.float32)
+        _, metrics = self.variant(losses.cross_entropy)(logits, labels,
+                                                        weights=weights)
+        np.testing.assert_allclose(metrics["accuracy"], 3.0 / 4.0)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_all_zero_weights_give_zero_and_finite_gradient(self):
+        logits, labels, _ = random_case(6)
+        weights = np.zeros(labels.shape, np.float32)
+
+        def objective(z):
+            return losses.cross_entropy(z, labels, weights=weights,
+                                        label_smoothing=0.1, z_loss=1e-3)
+
+        (loss, metrics), grad = self.variant(
+            jax.value_and_grad(objective, has_aux=True))(logits)
+        self.assertEqual(float(loss), 0.0)
+        for name in ("loss", "nll", "z_loss", "accuracy", "weight_sum"):
+            self.assertEqual(float(metrics[name]), 0.0, name)
+        np.testing.assert_array_equal(grad, np.zeros_like(logits))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_bf16_logits_equal_float32_of_the_rounded_logits(self):
+        logits, labels, weights = random_case(7)
+        rounded = jnp.asarray(logits, jnp.bfloat16)
+        fn = self.variant(functools.partial(losses.cross_entropy, z_loss=1e-3,
+                                            label_smoothing=0.1))
+        loss, metrics = fn(rounded, labels, weights=weights)
+        _, want = np_cross_entropy(np.asarray(rounded, np.float32), labels,
+                                   weights, 0.1, "uniform", 1e-3)
+        self.assertEqual(loss.dtype, jnp.float32)
+        assert_metrics_close(metrics, want)
+
+
+class GradientTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_gradient_is_softmax_minus_target(self):
+        # d/dz [-sum_i t_i log p_i + z lse^2] = p - t + 2 z lse p, weighted.
+        logits, labels, weights = random_case(8)
+        eps, z_loss = 0.2, 0.05
+        for smoothing in losses.SMOOTHINGS:
+            def objective(z, s=smoothing):
+                return losses.cross_entropy(
+                    z, labels, weights=weights, label_smoothing=eps,
+                    smoothing=s, z_loss=z_loss)[0]
+
+            grad = self.variant(jax.grad(objective))(logits)
+            p = np.exp(np_log_softmax(logits))
+            lse = np_logsumexp(logits)[..., None]
+            per_token = (p - np_targets(labels, 7, eps, smoothing)
+                         + 2 * z_loss * lse * p)
+            want = weights[..., None] * per_token / weights.sum()
+            np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-6,
+                                       err_msg=smoothing)
+
+    def test_check_grads(self):
+        logits, labels, weights = random_case(9, shape=(3,), vocab_size=4,
+                                              scale=1.0)
+        for smoothing in losses.SMOOTHINGS:
+            objective = jax.jit(lambda z, s=smoothing: losses.cross_entropy(
+                z, labels, weights=weights, label_smoothing=0.1, smoothing=s,
+                z_loss=1e-2)[0])
+            check_grads(objective, (logits,), order=2, modes=["rev"],
+                        eps=1e-2, atol=2e-2, rtol=2e-2)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_finite_at_extreme_and_bf16_logits(self):
+        labels = np.array([0, 1, 2], np.int32)
+        extreme = np.array([[1e4, -1e4, 0.0], [1e4, -1e4, 0.0],
+                            [-1e4, -1e4, -1e4]], np.float32)
+
+        def objective(z):
+            return losses.cross_entropy(z, labels, label_smoothing=0.1,
+                                        smoothing="normalized", z_loss=1e-4)[0]
+
+        fn = self.variant(jax.value_and_grad(objective))
+        for logits in (extreme, jnp.asarray(extreme, jnp.bfloat16),
+                       jnp.asarray(random_case(10, (3,), 3)[0], jnp.bfloat16)):
+            loss, grad = fn(logits)
+            self.assertTrue(np.isfinite(float(loss)))
+            self.assertEqual(grad.dtype, logits.dtype)
+            self.assertTrue(np.all(np.isfinite(np.asarray(grad, np.float32))))
+        # The extreme case's value: token 1 puts its label at -2e4 below the max.
+        loss, _ = fn(extreme)
+        _, want = np_cross_entropy(extreme, labels, None, 0.1, "normalized",
+                                   1e-4)
+        np.testing.assert_allclose(loss, want["loss"], rtol=1e-5)
+
+
+class InvalidLabelsTest(chex.TestCase):
+
+    def test_eager_out_of_range_raises(self):
+        for bad in (7, -1):
+            with pytest.raises(ValueError, match=r"labels must be in \[0, 6\]"):
+                losses.cross_entropy(jnp.zeros((2, 7)), jnp.array([0, bad]))
+
+    def test_inside_jit_weight_zero_and_counted(self):
+        logits, labels, weights = random_case(11, shape=(6,))
+        weights[:] = [1.0, 2.0, 0.0, 1.0, 0.5, 1.0]
+        bad = labels.copy()
+        bad[[1, 2, 4]] = [7, -3, 100]  # token 2 is padding: not counted
+        loss, metrics = jax.jit(functools.partial(
+            losses.cross_entropy, label_smoothing=0.1))(logits, bad,
+                                                        weights=weights)
+        kept = weights.copy()
+        kept[[1, 2, 4]] = 0.0
+        _, want = np_cross_entropy(logits, labels, kept, 0.1)
+        np.testing.assert_allclose(loss, want["loss"], rtol=1e-5)
+        assert_metrics_close(metrics, want)
+        self.assertEqual(int(metrics["invalid_labels"]), 2)
+
+    def test_checkify_reports_out_of_range(self):
+        checked = checkify.checkify(
+            jax.jit(lambda y: losses.check_labels(y, 5)))
+        err, _ = checked(jnp.array([[0, 4], [5, -1]]))
+        self.assertIsNotNone(err.get())
+        self.assertIn("labels must be in [0, 5)", err.get())
+        self.assertIn("found 2", err.get())
+        err, _ = checked(jnp.array([[0, 4], [3, 1]]))
+        self.assertIsNone(err.get())
+
+
+class TestBadOptions:
+
+    logits = jnp.zeros((2, 3, 5))
+    labels = jnp.zeros((2, 3), jnp.int32)
+
+    @pytest.mark.parametrize("kwargs, error, fragment", [
+        (dict(label_smoothing=1.0), ValueError, r"label_smoothing must be in \[0, 1\)"),
+        (dict(label_smoothing=-0.1), ValueError, r"label_smoothing must be in \[0, 1\)"),
+        (dict(smoothing="label"), ValueError, "smoothing must be one of 'uniform', 'normalized'"),
+        (dict(reduction="avg"), ValueError, "reduction must be one of 'mean', 'sum', 'none'"),
+        (dict(z_loss=-1e-4), ValueError, "z_loss must be in"),
+        (dict(weights=jnp.ones((2,))), ValueError, r"weights must have the shape of labels \(2, 3\)"),
+        (dict(weights=jnp.ones((3, 2))), ValueError, "weights must have the shape"),
+    ])
+    def test_options(self, kwargs, error, fragment):
+        with pytest.raises(error, match=fragment):
+            losses.cross_entropy(self.logits, self.labels, **kwargs)
+
+    def test_float_labels(self):
+        with pytest.raises(TypeError, match="labels must have an integer dtype"):
+            losses.cross_entropy(self.logits, jnp.zeros((2, 3)))
+
+    def test_integer_logits(self):
+        with pytest.raises(TypeError, match="logits must have a floating"):
+            losses.cross_entropy(jnp.zeros((2, 3, 5), jnp.int32), self.labels)
+
+    @pytest.mark.parametrize("shape", [(2,), (3, 2), (2, 3, 1), ()])
+    def test_labels_shape_mismatch(self, shape):
+        with pytest.raises(ValueError, match=r"labels must have the leading shape"):
+            losses.cross_entropy(self.logits, jnp.zeros(shape, jnp.int32))
+
+
+@SETTINGS
+@hypothesis.given(
+    vocab_size=st.sampled_from([2, 3, 8]),
+    eps=st.floats(0.01, 0.95),
+    shift=st.floats(-50.0, 50.0),
+    data=st.data())
+def test_normalized_loss_is_zero_at_the_smoothed_target(vocab_size, eps, shift,
+                                                         data):
+    labels = np.array(data.draw(st.lists(st.integers(0, vocab_size - 1),
+                                         min_size=3, max_size=3)), np.int32)
+    logits = np.log(np_targets(labels, vocab_size, eps, "normalized")) + shift
+    loss, metrics = losses.cross_entropy(
+        logits.astype(np.float32), labels, label_smoothing=eps,
+        smoothing="normalized")
+    np.testing.assert_allclose(loss, 0.0, atol=2e-5)
+    # Anywhere else it is larger (Gibbs' inequality).
+    other, _ = losses.cross_entropy(
+        (logits + np.eye(vocab_size)[(labels + 1) % vocab_size]).astype(
+            np.float32), labels, label_smoothing=eps, smoothing="normalized")
+    assert float(other) > float(loss)
+
+
+@SETTINGS
+@hypothesis.given(
+    raw=hnp.arrays(np.float32, (4, 6), elements=st.floats(-30, 30, width=32)),
+    z_loss=st.floats(1e-4, 1.0))
+def test_z_loss_is_zero_when_lse_is_zero(raw, z_loss):
+    logits = np.asarray(jax.nn.log_softmax(raw), np.float32)  # lse == 0
+    labels = np.zeros(4, np.int32)
+    base, _ = losses.cross_entropy(logits, labels)
+    loss, metrics = losses.cross_entropy(logits, labels, z_loss=z_loss)
+    assert abs(float(metrics["z_loss"])) < 1e-8
+    np.testing.assert_allclose(loss, base, rtol=1e-6, atol=1e-7)
+
+
+@SETTINGS
+@hypothesis.given(
+    logits=hnp.arrays(np.float32, (3, 5), elements=st.floats(-1e4, 1e4,
+                                                            width=32)),
+    labels=hnp.arrays(np.int32, (3,), elements=st.integers(0, 4)),
+    eps=st.floats(0.0, 0.99),
+    smoothing=st.sampled_from(losses.SMOOTHINGS),
+    z_loss=st.sampled_from([0.0, 1e-4]))
+def test_loss_is_non_negative_and_finite(logits, labels, eps, smoothing,
+                                         z_loss):
+    loss, metrics = losses.cross_entropy(logits, labels, label_smoothing=eps,
+                                         smoothing=smoothing, z_loss=z_loss)
+    assert np.isfinite(float(loss))
+    # Float32 rounding of terms as large as the logits is the only slack.
+    assert float(loss) >= -1e-6 * (1.0 + np.abs(logits).max())
+    assert float(metrics["nll"]) >= 0.0
+
+
+class SummaryMetricsTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_perplexity_and_bits(self):
+        nll = np.array([0.0, 1.0, 2.5], np.float32)
+        np.testing.assert_allclose(self.variant(losses.perplexity)(nll),
+                                   np.exp(nll), rtol=1e-6)
+        np.testing.assert_allclose(self.variant(losses.bits_per_token)(nll),
+                                   nll / math.log(2), rtol=1e-6)
+        bpc = self.variant(functools.partial(losses.bits_per_character,
+                                             chars_per_token=3.5))(nll)
+        np.testing.assert_allclose(bpc, nll / math.log(2) / 3.5, rtol=1e-6)
+
+    def test_bits_per_character_rejects_non_positive_ratio(self):
+        with pytest.raises(ValueError, match="chars_per_token"):
+            losses.bits_per_character(1.0, 0.0)
+
+
+def np_ece(logits, labels, weights, num_bins):
+    """Guo et al. (2017) with equal-width bins (m/M, (m+1)/M], one bin at a time."""
+    p = np.exp(np_log_softmax(logits)).reshape(-1, logits.shape[-1])
+    labels = labels.reshape(-1)
+    w = (np.ones(labels.shape) if weights is None
+         else np.asarray(weights, np.float64).reshape(-1))
+    confidence, correct = p.max(-1), p.argmax(-1) == labels
+    ece = 0.0
+    for m in range(num_bins):
+        in_bin = (confidence > m / num_bins) & (confidence <= (m + 1) / num_bins)
+        bin_weight = w[in_bin].sum()
+        if bin_weight == 0:
+            continue
+        accuracy = (w * correct)[in_bin].sum() / bin_weight
+        mean_confidence = (w * confidence)[in_bin].sum() / bin_weight
+        ece += bin_weight / w.sum() * abs(accuracy - mean_confidence)
+    return ece
+
+
+class CalibrationTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_matches_numpy_loop(self):
+        for seed, num_bins in [(12, 15), (13, 4), (14, 1)]:
+            logits, labels, weights = random_case(seed, shape=(8, 9),
+                                                  vocab_size=5, scale=1.5)
+            for w in (None, weights):
+                fn = self.variant(functools.partial(
+                    losses.expected_calibration_error, num_bins=num_bins))
+                got = fn(logits, labels, w)
+                want = np_ece(logits, labels, w, num_bins)
+                self.assertGreater(want, 0.0)
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{seed} {num_bins}")
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_bins_add_over_batches(self):
+        first = random_case(15, shape=(4, 9), vocab_size=5, scale=1.5)
+        second = random_case(16, shape=(4, 9), vocab_size=5, scale=1.5)
+        bins = self.variant(functools.partial(losses.calibration_bins,
+                                              num_bins=10))
+        total = bins(*first) + bins(*second)
+        got = losses.calibration_error_from_bins(total)
+        joined = [np.concatenate(pair) for pair in zip(first, second)]
+        np.testing.assert_allclose(got, np_ece(*joined, 10), rtol=1e-5)
+        np.testing.assert_allclose(
+            got, losses.expected_calibration_error(*joined, num_bins=10),
+            rtol=1e-5)
+
+    def test_bins_are_closed_on_the_right(self):
+        # Confidences exactly 1/4, 1/2 and 1 fall in (0, 1/4], (1/4, 1/2] and
+        # (3/4, 1] of four bins.
+        logits = np.array([[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, -1e4, -1e4],
+                           [1e4, 0.0, 0.0, 0.0]], np.float32)
+        labels = np.array([1, 0, 0], np.int32)
+        weights = np.array([1.0, 2.0, 3.0], np.float32)
+        bins = losses.calibration_bins(logits, labels, weights, num_bins=4)
+        np.testing.assert_allclose(bins, [[1.0, 0.25, 0.0], [2.0, 1.0, 2.0],
+                                          [0.0, 0.0, 0.0], [3.0, 3.0, 3.0]])
+
+    def test_perfectly_calibrated_and_empty(self):
+        # Four tokens at confidence 0.75, three of them right: ECE is 0.
+        logits = np.log(np.array([[0.75, 0.25]] * 4, np.float32))
+        labels = np.array([0, 0, 0, 1], np.int32)
+        np.testing.assert_allclose(
+            losses.expected_calibration_error(logits, labels), 0.0, atol=1e-6)
+        np.testing.assert_allclose(
+            losses.expected_calibration_error(logits, labels,
+                                              np.zeros(4, np.float32)), 0.0)
+
+
+@pytest.mark.parametrize("num_bins", [0, -2, 2.5])
+def test_bad_num_bins(num_bins):
+    with pytest.raises(ValueError, match="num_bins must be an integer >= 1"):
+        losses.expected_calibration_error(jnp.zeros((2, 3)), jnp.array([0, 1]),
+                                          num_bins=num_bins)

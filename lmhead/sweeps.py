@@ -98,7 +98,8 @@ def _merge(entries: Sequence[Overrides]) -> Overrides:
 def parse_arg(arg: str | None, defaults: dict[str, Any]) -> dict[str, Any]:
     """Parses a sweep argument ``"k=v,k=v"``; each value takes its default's type.
 
-    Tuple defaults take ``+``-separated values (``vocab=256+2048``); a tuple of
+    Tuple defaults take ``+``-separated values (``vocab=256+2048``, or
+    ``vocab=`` for none); a tuple of
     strings joined back with commas gives a config argument with several words
     (``base=nanogpt+tied``).
 
@@ -120,7 +121,7 @@ def parse_arg(arg: str | None, defaults: dict[str, Any]) -> dict[str, Any]:
 def _parse_value(key: str, text: str, default: Any) -> Any:
     if isinstance(default, tuple):
         element = default[0] if default else ""
-        return tuple(_parse_value(key, t, element) for t in text.split("+"))
+        return tuple(_parse_value(key, t, element) for t in text.split("+") if t)
     if isinstance(default, bool):
         if text.lower() not in ("true", "false"):
             raise ValueError(f"Sweep argument {key}={text!r}: write true or false.")
@@ -295,7 +296,7 @@ def read_metrics(path: str) -> list[dict]:
             raise ValueError(f"{path}, line {number}: not JSON ({e}).") from e
         kinds = tuple(sorted({k.split("/")[0] for k in record if k != "step"}))
         records[(record.get("step", 0), kinds)] = record
-    return [records[key] for key in sorted(records, key=lambda k: (k[0], k[1]))]
+    return [records[key] for key in sorted(records, key=lambda k: k[0])]
 
 
 def read_run(workdir: str, overrides: Overrides | None = None) -> Run:

@@ -1,0 +1,179 @@
+r"""Runs a sweep: one ``experiments/train.py`` process per run, then the report.
+
+    python experiments/sweep.py --sweep=configs/sweeps/tied_vs_untied.py \
+        --workdir=runs/tied_vs_untied
+
+Each run gets the workdir ``<--workdir>/<name>``, named from its overrides
+(e.g. ``tied=False,tokenizer=bpe,vocab_size=2048,seed=1``), with the train
+process's output in ``run.log`` there. Runs with a ``summary.json`` are
+skipped; others start again in the same workdir, where ``train.py`` resumes
+from the newest checkpoint, so rerunning the same command continues an
+interrupted sweep. A failed run does not stop the others; the command exits
+with status 1 at the end and lists the failed runs with the end of their logs.
+
+On a cluster, ``--dry_run`` prints the remaining runs' commands, one a line,
+for a Slurm array or GNU parallel; afterwards ``experiments/report.py`` reads
+the same directory::
+
+    python experiments/sweep.py --sweep=... --workdir=DIR --dry_run > runs.txt
+    parallel -j 8 < runs.txt
+    python experiments/report.py --workdir=DIR
+"""
+
+import collections
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+from lmhead import sweeps
+
+EXPERIMENTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(EXPERIMENTS)
+CONFIG_FILE = os.path.join(ROOT, "configs", "default.py")
+LOG_TAIL_LINES = 20
+
+_SWEEP = flags.DEFINE_string(
+    "sweep", None, "Sweep file and argument: path.py[:arg], e.g. "
+    "configs/sweeps/tied_vs_untied.py:steps=200.", required=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Sweep directory; each run gets a subdirectory.", required=True)
+_PARALLEL = flags.DEFINE_integer(
+    "parallel", 1, "Runs at a time, as separate processes.", lower_bound=1)
+_DRY_RUN = flags.DEFINE_bool(
+    "dry_run", False, "Print the commands of the runs still to do, one a line, "
+    "and run nothing.")
+_REPORT = flags.DEFINE_bool(
+    "report", True, "Write REPORT.md and the plots when the runs are done.")
+_TRAIN_SCRIPT = flags.DEFINE_string(
+    "train_script", os.path.join(EXPERIMENTS, "train.py"),
+    "Program each run executes with --config, --workdir and --config.* flags.")
+
+
+def display_path(path: str) -> str:
+    """``path`` relative to the current directory when it lies below it."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def plan(sweep_spec: str, sweep_dir: str, train_script: str) -> list[dict]:
+    """The sweep's runs: ``name``, ``workdir``, ``overrides`` and ``command``."""
+    base, overrides = sweeps.load_sweep(sweep_spec)
+    runs = []
+    for name, run_overrides in zip(sweeps.run_names(overrides), overrides):
+        workdir = os.path.join(sweep_dir, name)
+        command = sweeps.train_command(
+            base, workdir, run_overrides, python=sys.executable,
+            script=display_path(train_script), config_file=display_path(CONFIG_FILE))
+        runs.append(dict(name=name, workdir=workdir, overrides=run_overrides,
+                         command=command))
+    return runs
+
+
+def is_finished(run: dict) -> bool:
+    return os.path.exists(os.path.join(run["workdir"], "summary.json"))
+
+
+def start(run: dict) -> subprocess.Popen:
+    """Launches a run with its output appended to its ``run.log``."""
+    os.makedirs(run["workdir"], exist_ok=True)
+    status_path = os.path.join(run["workdir"], sweeps.STATUS_FILE)
+    if os.path.exists(status_path):
+        os.remove(status_path)
+    with open(os.path.join(run["workdir"], sweeps.LOG_FILE), "a") as log:
+        log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} "
+                  f"{shlex.join(run['command'])}\n")
+        log.flush()
+        return subprocess.Popen(
+            run["command"], stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def record_exit(run: dict, returncode: int, seconds: float) -> bool:
+    """Writes the run's ``status.json``; whether the run finished."""
+    with open(os.path.join(run["workdir"], sweeps.STATUS_FILE), "w") as f:
+        json.dump(dict(returncode=returncode, seconds=seconds,
+                       command=run["command"]), f, indent=2)
+    return returncode == 0 and is_finished(run)
+
+
+def run_all(runs: list[dict], parallel: int) -> list[dict]:
+    """Runs ``runs``, ``parallel`` at a time; returns the ones that failed."""
+    pending, running, failed = collections.deque(runs), {}, []
+    done, seconds_done, total = 0, 0.0, len(runs)
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                run = pending.popleft()
+                resumes = os.path.isdir(os.path.join(run["workdir"], "checkpoints"))
+                print(f"[{done + len(running) + 1}/{total}] "
+                      f"{'resume' if resumes else 'start'} {run['name']}", flush=True)
+                running[start(run)] = (run, time.time())
+            for process, (run, started) in list(running.items()):
+                if process.poll() is None:
+                    continue
+                del running[process]
+                seconds = time.time() - started
+                done, seconds_done = done + 1, seconds_done + seconds
+                if record_exit(run, process.returncode, seconds):
+                    outcome = f"finished in {seconds:.0f} s"
+                else:
+                    failed.append(run)
+                    outcome = (f"FAILED (exit {process.returncode}) after "
+                               f"{seconds:.0f} s; log: {run['workdir']}/{sweeps.LOG_FILE}")
+                left = seconds_done / done * (total - done) / parallel / 60
+                print(f"[{done}/{total}] {run['name']} {outcome}; "
+                      f"about {left:.0f} min left", flush=True)
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        for process in running:
+            process.terminate()
+            process.wait()
+        raise
+    return failed
+
+
+def log_tail(run: dict, lines: int = LOG_TAIL_LINES) -> str:
+    path = os.path.join(run["workdir"], sweeps.LOG_FILE)
+    with open(path, errors="replace") as f:
+        return "".join(collections.deque(f, maxlen=lines))
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    runs = plan(_SWEEP.value, _WORKDIR.value, _TRAIN_SCRIPT.value)
+    todo = [run for run in runs if not is_finished(run)]
+    if _DRY_RUN.value:
+        print(f"# {len(runs) - len(todo)} of {len(runs)} runs already finished",
+              file=sys.stderr)
+        for run in todo:
+            print(shlex.join(run["command"]))
+        return
+    os.makedirs(_WORKDIR.value, exist_ok=True)
+    with open(os.path.join(_WORKDIR.value, sweeps.SWEEP_FILE), "w") as f:
+        json.dump(dict(sweep=_SWEEP.value, runs=runs), f, indent=2)
+    print(f"{len(runs)} runs in {_WORKDIR.value}: {len(runs) - len(todo)} finished "
+          f"before, {len(todo)} to run, {_PARALLEL.value} at a time.", flush=True)
+    failed = run_all(todo, _PARALLEL.value)
+    report_failed = False
+    if _REPORT.value:
+        report = [sys.executable, os.path.join(EXPERIMENTS, "report.py"),
+                  f"--workdir={_WORKDIR.value}"]
+        report_failed = subprocess.run(report, check=False).returncode != 0
+    for run in failed:
+        print(f"\nFAILED: {run['name']}\n  {shlex.join(run['command'])}\n"
+              f"  last lines of {run['workdir']}/{sweeps.LOG_FILE}:\n{log_tail(run)}")
+    if failed or report_failed:
+        print(f"{len(failed)} of {len(todo)} runs failed"
+              + ("; the report failed" if report_failed else "") + ".")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,289 @@
+"""Tests for lmhead/sweeps.py and experiments/sweep.py.
+
+The runner is exercised end to end through its command line with a stand-in
+train program (written below) that writes a run's files, fails on request and
+records whether it resumed, so skip / resume / failure handling needs no
+training. One slow test runs the real experiments/train.py on a tiny sweep.
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from lmhead import sweeps
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SWEEP_SCRIPT = os.path.join(ROOT, "experiments", "sweep.py")
+SWEEP_CONFIGS = os.path.join(ROOT, "configs", "sweeps")
+DEFAULT_CONFIG = os.path.join(ROOT, "configs", "default.py")
+
+# Writes the files of a finished run unless its workdir's name is $FAIL_RUN;
+# appends "start" or "resume" (a checkpoints/ folder exists) to calls.txt.
+FAKE_TRAIN = textwrap.dedent("""\
+    import json, math, os, sys
+    args = dict(a.split("=", 1) for a in sys.argv[1:])
+    workdir = args["--workdir"]
+    name = os.path.basename(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    checkpoints = os.path.join(workdir, "checkpoints")
+    with open(os.path.join(workdir, "calls.txt"), "a") as f:
+        f.write("resume\\n" if os.path.isdir(checkpoints) else "start\\n")
+    print("training", name, args["--config"])
+    if name == os.environ.get("FAIL_RUN"):
+        sys.exit("simulated failure in " + name)
+    os.makedirs(checkpoints, exist_ok=True)
+    seed = int(args["--config.train.seed"])
+    tied = args["--config.model.tied"] == "True"
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump({"model": {"tied": tied, "d_model": 8},
+                   "data": {"tokenizer": "char", "vocab_size": None},
+                   "train": {"seed": seed}}, f)
+    loss = 2.0 + 0.1 * seed + (0.0 if tied else 0.05)
+    final = {"eval/loss": loss, "eval/perplexity": math.exp(loss),
+             "eval/bits_per_char": loss / math.log(2), "eval/accuracy": 0.4,
+             "eval/ece": 0.01}
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 5, "eval/loss": loss + 1}) + "\\n")
+        f.write(json.dumps({"step": 10, **final}) + "\\n")
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump({"num_params": 100 if tied else 120, "num_head_params": 20,
+                   "final": final, "tokens_per_sec": 1000.0, "steps": 10,
+                   "wall_seconds": 0.1}, f)
+    """)
+
+FAKE_SWEEP = textwrap.dedent("""\
+    from lmhead import sweeps
+
+    def get_sweep(arg=None):
+        seeds = int(arg or 2)
+        return "tiny", sweeps.product(sweeps.sweep("model.tied", [True, False]),
+                                      sweeps.sweep("train.seed", list(range(seeds))))
+    """)
+
+
+# --- Building sweeps ----------------------------------------------------------
+
+
+def test_product_is_the_cartesian_product_last_axis_fastest():
+    grid = sweeps.product(sweeps.sweep("a", [1, 2]), sweeps.sweep("b", ["x", "y", "z"]),
+                          [{"c": 0, "d": 1}])
+    expected = [{"a": a, "b": b, "c": 0, "d": 1} for a in (1, 2) for b in "xyz"]
+    assert grid == expected
+    assert sweeps.product() == [{}]
+
+
+def test_zipped_pairs_entries_and_rejects_unequal_lengths():
+    assert sweeps.zipped(sweeps.sweep("a", [1, 2]), sweeps.sweep("b", [3, 4])) == [
+        {"a": 1, "b": 3}, {"a": 2, "b": 4}]
+    with pytest.raises(ValueError, match="equal length"):
+        sweeps.zipped(sweeps.sweep("a", [1, 2]), sweeps.sweep("b", [3]))
+
+
+def test_axes_setting_the_same_key_are_rejected():
+    with pytest.raises(ValueError, match="'a'"):
+        sweeps.product(sweeps.sweep("a", [1]), sweeps.sweep("a", [2]))
+    with pytest.raises(TypeError, match="dict"):
+        sweeps.product([1, 2])
+
+
+def test_parse_arg_types_and_errors():
+    defaults = dict(steps=10, lr=0.1, tied=True, base=("tiny",), sizes=(256,))
+    assert sweeps.parse_arg("steps=7,lr=0.5,tied=false,base=nanogpt+untied,sizes=1+2",
+                            defaults) == dict(steps=7, lr=0.5, tied=False,
+                                              base=("nanogpt", "untied"), sizes=(1, 2))
+    assert sweeps.parse_arg("sizes=", defaults)["sizes"] == ()
+    assert sweeps.parse_arg(None, defaults) == defaults
+    with pytest.raises(ValueError, match="steps=10"):
+        sweeps.parse_arg("step=3", defaults)
+    with pytest.raises(ValueError, match="expected int"):
+        sweeps.parse_arg("steps=many", defaults)
+    with pytest.raises(ValueError, match="true or false"):
+        sweeps.parse_arg("tied=yes", defaults)
+
+
+# --- Names and commands ---------------------------------------------------------
+
+
+def test_run_names_are_readable_unique_and_safe():
+    assert sweeps.run_names([{"model.tied": True, "data.path": "/a b/c.txt"},
+                             {"model.tied": False, "optim.lr": 1e-3}]) == [
+        "tied=True,path=_a_b_c.txt", "tied=False,lr=0.001"]
+    # Short names would collide: both runs fall back to full keys.
+    assert sweeps.run_names([{"model.seed": 1}, {"train.seed": 1}]) == [
+        "model.seed=1", "train.seed=1"]
+    assert sweeps.run_names([{}]) == ["base"]
+    with pytest.raises(ValueError, match="more than once"):
+        sweeps.run_names([{"a": 1}, {"a": 1}])
+
+
+def test_long_run_names_are_cut_with_a_hash():
+    names = sweeps.run_names([{"data.path": "x" * 300 + str(i)} for i in range(2)])
+    assert all(len(n) == sweeps.MAX_NAME_LENGTH for n in names)
+    assert names[0] != names[1] and names[0][:100] == names[1][:100]
+
+
+def test_override_flags_reject_none():
+    with pytest.raises(ValueError, match="data.vocab_size=None"):
+        sweeps.override_flags({"data.vocab_size": None})
+
+
+@pytest.mark.parametrize("sweep_file,num_runs", [
+    ("tied_vs_untied.py", 12), ("tied_vs_untied_large.py", 60)])
+def test_sweep_files_set_existing_knobs_and_parse_as_train_flags(sweep_file, num_runs,
+                                                                 monkeypatch):
+    """Runs' command lines parse with config_flags into the intended configs."""
+    base, overrides = sweeps.load_sweep(os.path.join(SWEEP_CONFIGS, sweep_file))
+    assert len(overrides) == num_runs == len(set(sweeps.run_names(overrides)))
+    assert {o["model.tied"] for o in overrides} == {True, False}
+    assert len({o["train.seed"] for o in overrides}) == 3
+    assert {o["data.tokenizer"] for o in overrides} == {"char", "bpe"}
+    for run in (overrides[0], overrides[-1]):
+        argv = sweeps.train_command(base, "unused", run, python="python", script="x",
+                                    config_file=DEFAULT_CONFIG)[2:]
+        flag_values = flags.FlagValues()
+        config_flags.DEFINE_config_file("config", flag_values=flag_values)
+        flags.DEFINE_string("workdir", None, "", flag_values=flag_values)
+        # config_flags finds the --config.* overrides in sys.argv.
+        monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+        flag_values(sys.argv)
+        flat = sweeps.flatten(flag_values.config.to_dict())
+        assert {k: flat[k] for k in run} == run
+        assert flat["train.steps"] == int(base.rsplit("steps=", 1)[1])
+
+
+def test_sweep_arguments_size_the_default_sweep():
+    base, overrides = sweeps.load_sweep(
+        os.path.join(SWEEP_CONFIGS, "tied_vs_untied.py:base=tiny,steps=7,seeds=2,bpe=300+600"))
+    assert base == "tiny,steps=7"
+    assert len(overrides) == 2 * 3 * 2
+    assert sorted({o.get("data.vocab_size") for o in overrides}, key=str) == [300, 600, None]
+
+
+def test_load_sweep_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no sweep file"):
+        sweeps.load_sweep(str(tmp_path / "missing.py"))
+    (tmp_path / "empty.py").write_text("def get_sweep(arg=None):\n    return 'tiny', []\n")
+    with pytest.raises(ValueError, match="non-empty list"):
+        sweeps.load_sweep(str(tmp_path / "empty.py"))
+
+
+# --- Reading runs -------------------------------------------------------------
+
+
+def test_read_metrics_keeps_the_last_record_of_a_repeated_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    records = [{"step": 10, "train/loss": 3.0}, {"step": 10, "eval/loss": 2.9},
+               {"step": 20, "train/loss": 2.5}, {"step": 20, "train/loss": 2.4},
+               {"step": 15, "train/loss": 2.7}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 3')
+    assert sweeps.read_metrics(str(path)) == [records[0], records[1], records[4],
+                                              records[3]]
+    path.write_text('{"step": 1\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="line 1"):
+        sweeps.read_metrics(str(path))
+
+
+# --- The runner, with a stand-in train program --------------------------------
+
+
+def run_sweep(tmp_path, *flags_, env=None):
+    (tmp_path / "fake_train.py").write_text(FAKE_TRAIN)
+    (tmp_path / "fake_sweep.py").write_text(FAKE_SWEEP)
+    command = [sys.executable, SWEEP_SCRIPT, f"--sweep={tmp_path}/fake_sweep.py",
+               f"--workdir={tmp_path}/sweep", f"--train_script={tmp_path}/fake_train.py",
+               *flags_]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **(env or {})}, timeout=120)
+
+
+def calls(tmp_path, name):
+    path = tmp_path / "sweep" / name / "calls.txt"
+    return path.read_text().split() if path.exists() else []
+
+
+def test_dry_run_prints_one_command_per_remaining_run(tmp_path):
+    finished = tmp_path / "sweep" / "tied=True,seed=1"
+    finished.mkdir(parents=True)
+    (finished / "summary.json").write_text("{}")
+    result = run_sweep(tmp_path, "--dry_run")
+    assert result.returncode == 0, result.stderr
+    commands = [shlex.split(line) for line in result.stdout.splitlines()]
+    names = ["tied=True,seed=0", "tied=False,seed=0", "tied=False,seed=1"]
+    assert [c[3] for c in commands] == [f"--workdir={tmp_path}/sweep/{n}" for n in names]
+    assert all(c[0] == sys.executable and c[1].endswith("fake_train.py") for c in commands)
+    assert commands[1][2] == "--config=configs/default.py:tiny"
+    assert commands[1][4:] == ["--config.model.tied=False", "--config.train.seed=0"]
+    assert "1 of 4 runs already finished" in result.stderr
+    assert sorted(os.listdir(tmp_path / "sweep")) == ["tied=True,seed=1"]  # ran nothing
+
+
+def test_runner_skips_finished_resumes_interrupted_and_reports_failures(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    (sweep_dir / "tied=True,seed=0").mkdir(parents=True)
+    (sweep_dir / "tied=True,seed=0" / "summary.json").write_text("{}")
+    (sweep_dir / "tied=True,seed=1" / "checkpoints").mkdir(parents=True)
+
+    failing = "tied=False,seed=0"
+    result = run_sweep(tmp_path, "--parallel=2", "--noreport", env={"FAIL_RUN": failing})
+    assert result.returncode == 1
+    assert calls(tmp_path, "tied=True,seed=0") == []
+    assert calls(tmp_path, "tied=True,seed=1") == ["resume"]
+    assert calls(tmp_path, failing) == ["start"]
+    assert calls(tmp_path, "tied=False,seed=1") == ["start"]
+    assert f"FAILED: {failing}" in result.stdout
+    assert f"simulated failure in {failing}" in result.stdout  # the log's tail
+    assert "1 of 3 runs failed" in result.stdout
+    status = json.loads((sweep_dir / failing / sweeps.STATUS_FILE).read_text())
+    assert status["returncode"] == 1
+    assert [r.status for r in sweeps.read_sweep(str(sweep_dir))] == [
+        "finished", "finished", "failed", "finished"]
+
+    # The same command again runs only the failed run, which now succeeds.
+    result = run_sweep(tmp_path, "--report")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert calls(tmp_path, failing) == ["start", "start"]  # it failed before a checkpoint
+    assert calls(tmp_path, "tied=False,seed=1") == ["start"]
+    log = (sweep_dir / failing / sweeps.LOG_FILE).read_text()
+    assert log.count("=== ") == 2 and "simulated failure" in log
+    assert not (sweep_dir / failing / sweeps.STATUS_FILE).exists() or json.loads(
+        (sweep_dir / failing / sweeps.STATUS_FILE).read_text())["returncode"] == 0
+    assert (sweep_dir / "REPORT.md").exists()
+    assert "Plot:" in result.stdout
+
+
+def test_a_run_that_exits_cleanly_without_a_summary_counts_as_failed(tmp_path):
+    (tmp_path / "fake_sweep.py").write_text(FAKE_SWEEP)
+    (tmp_path / "fake_train.py").write_text("print('did nothing')\n")
+    command = [sys.executable, SWEEP_SCRIPT, f"--sweep={tmp_path}/fake_sweep.py:1",
+               f"--workdir={tmp_path}/sweep", f"--train_script={tmp_path}/fake_train.py",
+               "--noreport"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 1
+    assert "2 of 2 runs failed" in result.stdout and "did nothing" in result.stdout
+
+
+@pytest.mark.slow
+def test_real_tiny_sweep_trains_and_reports(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    command = [sys.executable, SWEEP_SCRIPT,
+               "--sweep=configs/sweeps/tied_vs_untied.py:base=tiny,steps=20,seeds=1,bpe=",
+               f"--workdir={sweep_dir}"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    runs = sweeps.read_sweep(str(sweep_dir))
+    assert [r.name for r in runs] == ["seed=0,tokenizer=char,tied=True",
+                                      "seed=0,tokenizer=char,tied=False"]
+    assert all(r.status == "finished" for r in runs)
+    tied, untied = (sweeps.final_metrics(r) for r in runs)
+    assert untied["num_params"] - tied["num_params"] == 84 * runs[0].config["model"]["d_model"]
+    report = (sweep_dir / "REPORT.md").read_text()
+    assert "| tied | char (84) |" in report and "| untied | char (84) |" in report
+    for plot in ("loss_curves.png", "loss_vs_vocab.png", "loss_vs_params.png"):
+        assert (sweep_dir / plot).stat().st_size > 0

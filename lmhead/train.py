@@ -1,0 +1,525 @@
+"""Training and evaluation of a ``DecoderLM``: one loop, driven by a config.
+
+``train_and_evaluate(config, workdir)`` reads and encodes the corpus, builds
+the model and an AdamW optimizer, resumes from the newest checkpoint in
+``workdir`` if there is one, trains, evaluates, checkpoints, and ends with
+decoded samples. ``train_step`` and ``eval_step`` are pure functions;
+:func:`compile_steps` is the one place that jits them.
+
+Weight decay applies to the kernels of dense layers (attention and MLP
+projections) and to nothing else: not to LayerNorm scales, biases, the
+position table, or the ``[V, D]`` tables of the input embedding and of the
+untied unembedding. A tied table is shared by the input and the head and gets
+no decay; for an even comparison the untied head's own ``[V, D]`` -- one
+vector per token, like the embedding -- gets none either, so tied and untied
+runs differ by the tying alone.
+
+A run's workdir holds ``config.json``, ``tokenizer.json``, ``tokens.npz``,
+``checkpoints/`` (orbax), ``metrics.jsonl``, TensorBoard events,
+``samples.txt`` and, once the run has finished, ``summary.json``. The batch
+and the dropout key of step ``s`` depend only on ``(seed, s)``, so a
+checkpoint's step is the whole data position: a resumed run continues
+exactly as an uninterrupted one would have.
+"""
+
+import functools
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import tensorboardX
+from flax.training import train_state
+
+from lmhead import data
+from lmhead import decoding
+from lmhead import losses
+from lmhead import model as model_lib
+from lmhead import modules
+
+CHECKPOINTS_TO_KEEP = 2
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+SAMPLE_SEPARATOR = "\n---------------\n"
+TrainState = train_state.TrainState
+
+
+def make_model(config: ml_collections.ConfigDict,
+               vocab_size: int) -> model_lib.DecoderLM:
+    """The ``DecoderLM`` of ``config.model``; its ``max_len`` is the block size."""
+    return model_lib.DecoderLM(
+        vocab_size=vocab_size, max_len=config.data.block_size,
+        **{**config.model.to_dict(), "dtype": DTYPES[config.model.dtype]})
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+    r"""nanoGPT's schedule: linear warmup, then cosine to ``min_lr`` at ``steps``.
+
+    With peak :math:`\eta`, floor :math:`\eta_{min}`, :math:`W` warmup steps
+    and :math:`S` steps, step :math:`s` (0-based) uses
+
+    .. math::
+        \eta_s = \eta \frac{s + 1}{W + 1} \quad (s < W), \qquad
+        \eta_s = \eta_{min} + \tfrac12 (1 + \cos(\pi r)) (\eta - \eta_{min}),
+        \quad r = \frac{s - W}{S - W} \quad (s \ge W).
+
+    Examples:
+        >>> config = ml_collections.ConfigDict({"train": {"steps": 10},
+        ...     "optim": {"lr": 1.0, "min_lr": 0.0, "warmup_steps": 4}})
+        >>> [round(float(learning_rate_schedule(config)(s)), 2) for s in (0, 3, 4, 7, 10)]
+        [0.2, 0.8, 1.0, 0.5, 0.0]
+    """
+    peak, floor = config.optim.lr, config.optim.min_lr
+    warmup, steps = config.optim.warmup_steps, config.train.steps
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        ratio = jnp.clip((step - warmup) / max(steps - warmup, 1), 0.0, 1.0)
+        cosine = floor + 0.5 * (1.0 + jnp.cos(jnp.pi * ratio)) * (peak - floor)
+        return jnp.where(step < warmup, peak * (step + 1) / (warmup + 1), cosine)
+    return schedule
+
+
+def weight_decay_mask(params: Any) -> Any:
+    """True for the parameters that decay: those named ``kernel`` (dense layers).
+
+    Examples:
+        >>> weight_decay_mask({"embed": {"embedding": 0}, "mlp": {"kernel": 0,
+        ...                    "bias": 0}, "head": {"unembedding": 0}})
+        {'embed': {'embedding': False}, 'head': {'unembedding': False}, 'mlp': {'bias': False, 'kernel': True}}
+    """
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) == "kernel", params)
+
+
+def make_optimizer(config: ml_collections.ConfigDict
+                   ) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW with the masked weight decay."""
+    adamw = optax.adamw(
+        learning_rate_schedule(config), b1=config.optim.b1, b2=config.optim.b2,
+        weight_decay=config.optim.weight_decay, mask=weight_decay_mask)
+    if not config.optim.grad_clip:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(config.optim.grad_clip), adamw)
+
+
+def create_train_state(model: model_lib.DecoderLM,
+                       config: ml_collections.ConfigDict,
+                       key: jax.Array) -> TrainState:
+    """Initial parameters and optimizer state; ``step`` is an int32 array."""
+    tokens = jnp.zeros((1, config.data.block_size), jnp.int32)
+    params = model.init(key, tokens)["params"]
+    state = TrainState.create(apply_fn=model.apply, params=params,
+                              tx=make_optimizer(config))
+    return state.replace(step=jnp.zeros((), jnp.int32))
+
+
+def loss_keywords(loss_config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """``DecoderLM.loss`` keywords of ``config.loss`` (chunk_size only if set)."""
+    keywords = loss_config.to_dict()
+    if keywords["chunk_size"] is None:
+        del keywords["chunk_size"]
+    return keywords
+
+
+def train_step(state: TrainState, batch: dict[str, jax.Array], key: jax.Array,
+               *, model: model_lib.DecoderLM, loss_kwargs: dict[str, Any],
+               learning_rate_fn: optax.Schedule
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One AdamW step on ``batch = {"inputs": [B, T], "labels": [B, T]}``.
+
+    The dropout key is ``fold_in(key, state.step)``: a function of the step.
+    Returns the new state and scalar metrics: loss (the objective), nll,
+    accuracy, grad_norm (before clipping) and learning_rate.
+    """
+    dropout_key = jax.random.fold_in(key, state.step)
+
+    def loss_fn(params):
+        return model.apply({"params": params}, batch["inputs"], batch["labels"],
+                           train=True, rngs={"dropout": dropout_key},
+                           method=model_lib.DecoderLM.loss, **loss_kwargs)
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params)
+    new_state = state.apply_gradients(grads=grads)
+    return new_state, {"loss": loss, "nll": metrics["nll"],
+                       "accuracy": metrics["accuracy"],
+                       "grad_norm": optax.tree.norm(grads),
+                       "learning_rate": learning_rate_fn(state.step)}
+
+
+def eval_step(params: Any, batch: dict[str, jax.Array], *,
+              model: model_lib.DecoderLM) -> dict[str, jax.Array]:
+    """Sums over one validation batch, to add up over the whole set.
+
+    Returns ``nll_sum``, ``correct_sum``, ``count`` (tokens) and ``bins``
+    (``losses.calibration_bins``, ``[15, 3]``).
+    """
+    logits = model.apply({"params": params}, batch["inputs"])
+    _, metrics = losses.cross_entropy(logits, batch["labels"])
+    count = metrics["weight_sum"]
+    return {"nll_sum": metrics["nll"] * count,
+            "correct_sum": metrics["accuracy"] * count, "count": count,
+            "bins": losses.calibration_bins(logits, batch["labels"])}
+
+
+def compile_steps(model: model_lib.DecoderLM, config: ml_collections.ConfigDict,
+                  state: TrainState, batch: dict[str, np.ndarray], key: jax.Array):
+    """Jits ``train_step`` (state donated, compiled ahead of time) and ``eval_step``.
+
+    Returns ``(train_fn, eval_fn, compile_seconds)``; ``train_fn(state, batch,
+    key)`` and ``eval_fn(params, batch)`` take the shapes of the examples.
+    """
+    step = functools.partial(
+        train_step, model=model, loss_kwargs=loss_keywords(config.loss),
+        learning_rate_fn=learning_rate_schedule(config))
+    start = time.perf_counter()
+    train_fn = jax.jit(step, donate_argnums=0).lower(state, batch, key).compile()
+    compile_seconds = time.perf_counter() - start
+    eval_fn = jax.jit(functools.partial(eval_step, model=model))
+    return train_fn, eval_fn, compile_seconds
+
+
+def evaluate(eval_fn, params: Any, batches: list[dict[str, np.ndarray]],
+             chars_per_token: float) -> dict[str, float]:
+    """Validation metrics over ``batches``: loss (nll, nats per token),
+    perplexity, bits per character, accuracy and ECE."""
+    sums = jax.device_get([eval_fn(params, batch) for batch in batches])
+    total = {k: np.sum([s[k] for s in sums], axis=0) for k in sums[0]}
+    nll = total["nll_sum"] / total["count"]
+    return {"eval/loss": float(nll),
+            "eval/perplexity": float(losses.perplexity(nll)),
+            "eval/bits_per_char": float(
+                losses.bits_per_character(nll, chars_per_token)),
+            "eval/accuracy": float(total["correct_sum"] / total["count"]),
+            "eval/ece": float(losses.calibration_error_from_bins(total["bins"]))}
+
+
+class MetricWriter:
+    """Appends metrics to ``metrics.jsonl`` and TensorBoard events.
+
+    On resume at step ``s``, lines after ``s`` (written after the checkpoint
+    by an interrupted run) are dropped, so the file reads as one run.
+    """
+
+    def __init__(self, workdir: str, resume_step: int):
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.records = []
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                self.records = [r for r in map(json.loads, f)
+                                if r["step"] <= resume_step]
+        with open(self.path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in self.records)
+        self.tensorboard = tensorboardX.SummaryWriter(workdir)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **metrics}
+        self.records.append(record)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for name, value in metrics.items():
+            self.tensorboard.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        self.tensorboard.close()
+
+
+def checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
+    """Synchronous orbax manager of ``workdir/checkpoints``; the newest
+    ``CHECKPOINTS_TO_KEEP`` steps are kept."""
+    return ocp.CheckpointManager(
+        os.path.abspath(os.path.join(workdir, "checkpoints")),
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=CHECKPOINTS_TO_KEEP, create=True,
+            enable_async_checkpointing=False))
+
+
+def restore_or_init(manager: ocp.CheckpointManager, model: model_lib.DecoderLM,
+                    config: ml_collections.ConfigDict, key: jax.Array) -> TrainState:
+    """The newest checkpoint's state, or a fresh one initialised from ``key``."""
+    init = jax.jit(functools.partial(create_train_state, model, config))
+    step = manager.latest_step()
+    if step is None:
+        return init(key)
+    abstract = jax.eval_shape(init, key)
+    return manager.restore(step, args=ocp.args.StandardRestore(abstract))
+
+
+def generate_text(model: model_lib.DecoderLM, params: Any, tokenizer: data.Tokenizer,
+                  prompt: str, *, key: jax.Array, num_samples: int,
+                  max_new_tokens: int, temperature: float = 1.0,
+                  top_k: int | None = None, top_p: float | None = None,
+                  num_beams: int | None = None) -> list[str]:
+    """``num_samples`` continuations of ``prompt``, each with the prompt.
+
+    The cache holds ``max_len`` positions, so longer texts are made window by
+    window, as nanoGPT crops its context: each window is prefilled with the
+    last ``max_len // 2`` tokens so far (the prompt's last ones at first) and
+    extended to ``max_len``. Beam search, too, runs per window and keeps the
+    best beam. ``temperature=0`` is greedy.
+    """
+    prompt_ids = tokenizer.encode(prompt)
+    if not prompt_ids:
+        raise ValueError("prompt must encode to at least one token.")
+    text_ids = np.tile(np.asarray(prompt_ids, np.int32), (num_samples, 1))
+    context_len = max(1, model.max_len // 2)
+    while text_ids.shape[1] < len(prompt_ids) + max_new_tokens:
+        context = text_ids[:, -context_len:]
+        new = min(model.max_len - context.shape[1],
+                  len(prompt_ids) + max_new_tokens - text_ids.shape[1])
+        key, window_key = jax.random.split(key)
+        tokens = _continue(model, params, context, window_key,
+                           max_new_tokens=new, temperature=temperature,
+                           top_k=top_k, top_p=top_p, num_beams=num_beams)
+        text_ids = np.concatenate([text_ids, np.asarray(tokens)], axis=1)
+    return [tokenizer.decode(row) for row in text_ids]
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=(
+    "max_new_tokens", "temperature", "top_k", "top_p", "num_beams"))
+def _continue(model, params, context, key, *, max_new_tokens, temperature,
+              top_k, top_p, num_beams):
+    """``[B, max_new_tokens]`` new tokens after ``context: [B, T]``."""
+    logits, cache = model_lib.prefill(model, params, context)
+    step_fn = model_lib.make_step_fn(model, params)
+    if num_beams:
+        tokens, _, _ = decoding.beam_search(
+            step_fn, logits, cache, num_beams=num_beams,
+            max_new_tokens=max_new_tokens, eos_id=None)
+        return tokens[:, 0]
+    tokens, _, _ = decoding.generate(
+        step_fn, logits, cache, key=key, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_k=top_k, top_p=top_p)
+    return tokens
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+    """Raises ValueError/TypeError naming the first bad ``config`` value."""
+    check = functools.partial(_check_value, config)
+    check("data.path", str)
+    check("data.tokenizer", str, choices=("char", "bpe"))
+    if config.data.tokenizer == "bpe":
+        check("data.vocab_size", int, low=256, high=2**31 - 1)
+    elif config.data.vocab_size is not None:
+        raise ValueError("config.data.vocab_size is for tokenizer='bpe' only; "
+                         "the character vocabulary comes from the text.")
+    check("data.val_fraction", float, low=0.0, high=1.0, open_range=True)
+    for name in ("data.block_size", "model.num_layers", "model.num_heads",
+                 "model.d_model", "model.mlp_dim", "train.steps",
+                 "train.batch_size", "train.log_every", "train.eval_every",
+                 "train.checkpoint_every", "train.eval_batches",
+                 "sample.max_new_tokens"):
+        check(name, int, low=1)
+    if config.model.d_model % config.model.num_heads:
+        raise ValueError("config.model.num_heads must divide config.model."
+                         f"d_model; got {config.model.num_heads} and "
+                         f"{config.model.d_model}.")
+    check("model.dropout_rate", float, low=0.0, high=1.0, high_open=True)
+    check("model.tied", bool)
+    check("model.positions", str, choices=model_lib.POSITIONS)
+    check("model.head_bias", bool)
+    check("model.head_scale", float, low=0.0, open_range=True, optional=True)
+    check("model.logits_softcap", float, low=0.0, open_range=True, optional=True)
+    check("model.dtype", str, choices=tuple(DTYPES))
+    check("loss.loss_impl", str, choices=modules.LOSS_IMPLS)
+    check("loss.label_smoothing", float, low=0.0, high=1.0, high_open=True)
+    check("loss.smoothing", str, choices=("uniform", "normalized"))
+    check("loss.z_loss", float, low=0.0)
+    check("loss.chunk_size", int, low=1, optional=True)
+    if config.loss.chunk_size is not None and config.loss.loss_impl != "fused":
+        raise ValueError("config.loss.chunk_size is for loss_impl='fused' only.")
+    check("optim.lr", float, low=0.0, open_range=True)
+    check("optim.warmup_steps", int, low=0, high=config.train.steps - 1)
+    check("optim.min_lr", float, low=0.0, high=config.optim.lr)
+    for name in ("optim.weight_decay", "optim.grad_clip"):
+        check(name, float, low=0.0)
+    for name in ("optim.b1", "optim.b2"):
+        check(name, float, low=0.0, high=1.0, high_open=True)
+    check("train.seed", int, low=0, high=2**31 - 1)
+    check("sample.num_samples", int, low=0)
+    check("sample.temperature", float, low=0.0)
+    check("sample.top_k", int, low=1, optional=True)
+    check("sample.top_p", float, low=0.0, high=1.0, open_range=True,
+          optional=True)
+    check("sample.prompt", str)
+    if not config.sample.prompt:
+        raise ValueError("config.sample.prompt must not be empty.")
+
+
+def _check_value(config, name: str, kind: type, *, choices=None, low=None,
+                 high=None, open_range: bool = False, high_open: bool = False,
+                 optional: bool = False) -> None:
+    """One value's type, choices and range; ``open_range`` opens both ends."""
+    value = config
+    for key in name.split("."):
+        value = value[key]
+    if value is None and optional:
+        return
+    kinds = (int, float) if kind is float else (kind,)
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kinds):
+        raise TypeError(f"config.{name} must be {kind.__name__}"
+                        f"{' or None' if optional else ''}; got {value!r}.")
+    if choices is not None and value not in choices:
+        raise ValueError(f"config.{name} must be one of "
+                         f"{', '.join(map(repr, choices))}; got {value!r}.")
+    high_open = high_open or open_range
+    too_low = low is not None and (value <= low if open_range else value < low)
+    too_high = high is not None and (value >= high if high_open else value > high)
+    if too_low or too_high:
+        interval = (f"{'(' if open_range else '['}{low if low is not None else '-inf'}"
+                    f", {high if high is not None else 'inf'}"
+                    f"{')' if high_open or high is None else ']'}")
+        raise ValueError(f"config.{name} must be in {interval}; got {value!r}.")
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Trains ``config`` in ``workdir`` (resuming if it holds a checkpoint).
+
+    Returns:
+        The summary also written to ``summary.json``: ``num_params``,
+        ``num_head_params`` (owned by the head: the untied ``[V, D]`` and the
+        bias; a tied table counts as the embedding's), ``final`` (the last
+        evaluation, keys as in ``metrics.jsonl``), ``tokens_per_sec`` and
+        ``ms_per_step`` (training steps of this process, without compilation,
+        evaluation or checkpoints), ``compile_seconds``, ``steps`` and
+        ``wall_seconds`` (this process).
+    """
+    wall_start = time.perf_counter()
+    validate_config(config)
+    os.makedirs(workdir, exist_ok=True)
+    dataset = data.load_dataset(config.data, workdir)
+    dataset.tokenizer.encode(config.sample.prompt)  # unknown characters fail now
+    model = make_model(config, dataset.vocab_size)
+    init_key, dropout_key, sample_key = jax.random.split(
+        jax.random.key(config.train.seed), 3)
+    manager = checkpoint_manager(workdir)
+    state = restore_or_init(manager, model, config, init_key)
+    summary_path = os.path.join(workdir, "summary.json")
+    if int(state.step) >= config.train.steps and os.path.exists(summary_path):
+        print(f"{workdir} has finished {int(state.step)} steps.", flush=True)
+        with open(summary_path) as f:
+            return json.load(f)
+    if os.path.exists(summary_path):
+        os.remove(summary_path)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json(indent=2))
+    writer = MetricWriter(workdir, resume_step=int(state.step))
+    example = data.train_batch(dataset.train_tokens, seed=config.train.seed,
+                               step=0, batch_size=config.train.batch_size,
+                               block_size=config.data.block_size)
+    train_fn, eval_fn, compile_seconds = compile_steps(
+        model, config, state, example, dropout_key)
+    print(f"{_count(state.params):,} parameters; train step compiled in "
+          f"{compile_seconds:.1f} s; starting at step {int(state.step)}.",
+          flush=True)
+    eval_set = data.eval_batches(
+        dataset.val_tokens, num_batches=config.train.eval_batches,
+        batch_size=config.train.batch_size, block_size=config.data.block_size)
+    run_eval = functools.partial(evaluate, eval_fn, batches=eval_set,
+                                 chars_per_token=dataset.val_chars_per_token)
+    state, train_seconds, steps_run = _train_loop(
+        config, state, train_fn, run_eval, dataset, manager, writer, dropout_key)
+    final = next((r for r in reversed(writer.records) if "eval/loss" in r), None)
+    if final is None or final["step"] != config.train.steps:
+        final = {"step": config.train.steps, **run_eval(state.params)}
+        writer.write(final["step"], {k: v for k, v in final.items() if k != "step"})
+    writer.close()
+    manager.close()
+    if config.sample.num_samples:
+        _write_samples(config, model, state.params, dataset.tokenizer, sample_key,
+                       workdir)
+    tokens_per_step = config.train.batch_size * config.data.block_size
+    summary = {
+        "num_params": _count(state.params),
+        "num_head_params": _count(state.params.get("head", {})),
+        "final": {k: v for k, v in final.items() if k != "step"},
+        "tokens_per_sec": steps_run * tokens_per_step / max(train_seconds, 1e-9),
+        "ms_per_step": 1e3 * train_seconds / max(steps_run, 1),
+        "compile_seconds": compile_seconds,
+        "steps": config.train.steps,
+        "wall_seconds": time.perf_counter() - wall_start}
+    with open(summary_path, "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def _train_loop(config, state, train_fn, run_eval, dataset, manager, writer,
+                dropout_key):
+    """Steps from ``state.step`` to ``train.steps``; the host waits for the
+    device only at log, evaluation and checkpoint steps."""
+    steps, tokens_per_step = config.train.steps, (
+        config.train.batch_size * config.data.block_size)
+    pending, train_seconds, steps_run = [], 0.0, 0
+    tick = time.perf_counter()
+    for step in range(int(state.step), steps):
+        batch = data.train_batch(
+            dataset.train_tokens, seed=config.train.seed, step=step,
+            batch_size=config.train.batch_size, block_size=config.data.block_size)
+        state, metrics = train_fn(state, batch, dropout_key)
+        pending.append(metrics)
+        done = step + 1
+        evaluate_now = done % config.train.eval_every == 0 or done == steps
+        checkpoint_now = done % config.train.checkpoint_every == 0 or done == steps
+        if not (evaluate_now or checkpoint_now or done % config.train.log_every == 0):
+            continue
+        pending = jax.device_get(pending)
+        seconds = time.perf_counter() - tick
+        train_seconds, steps_run = train_seconds + seconds, steps_run + len(pending)
+        logged = {f"train/{k}": float(np.mean([m[k] for m in pending]))
+                  for k in pending[0]}
+        logged["train/tokens_per_sec"] = len(pending) * tokens_per_step / seconds
+        writer.write(done, logged)
+        eta = (steps - done) * train_seconds / steps_run
+        print(f"step {done}/{steps}  loss {logged['train/loss']:.4f}  "
+              f"{logged['train/tokens_per_sec']:,.0f} tokens/s  "
+              f"{1e3 * seconds / len(pending):.1f} ms/step  ETA {eta:.0f} s",
+              flush=True)
+        pending = []
+        if evaluate_now:
+            metrics = run_eval(state.params)
+            writer.write(done, metrics)
+            print(f"step {done}/{steps}  " + "  ".join(
+                f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
+        if checkpoint_now:
+            manager.save(done, args=ocp.args.StandardSave(state))
+        tick = time.perf_counter()
+    return state, train_seconds, steps_run
+
+
+def _write_samples(config, model, params, tokenizer, key, workdir) -> None:
+    texts = generate_text(
+        model, params, tokenizer, config.sample.prompt, key=key,
+        num_samples=config.sample.num_samples,
+        max_new_tokens=config.sample.max_new_tokens,
+        temperature=config.sample.temperature, top_k=config.sample.top_k,
+        top_p=config.sample.top_p)
+    joined = SAMPLE_SEPARATOR.join(texts)
+    with open(os.path.join(workdir, "samples.txt"), "w", encoding="utf-8") as f:
+        f.write(joined + "\n")
+    print(joined, flush=True)
+
+
+def _count(params: Any) -> int:
+    return int(sum(np.size(x) for x in jax.tree.leaves(params)))
+
+
+def load_run(workdir: str):
+    """A trained run's ``(config, tokenizer, model, params)``, newest checkpoint."""
+    with open(os.path.join(workdir, "config.json")) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    tokenizer = data.load_tokenizer(os.path.join(workdir, data.TOKENIZER_FILE))
+    model = make_model(config, tokenizer.vocab_size)
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        raise FileNotFoundError(f"{workdir} has no checkpoints/.")
+    manager = checkpoint_manager(workdir)
+    if manager.latest_step() is None:
+        raise FileNotFoundError(f"{workdir}/checkpoints holds no checkpoint.")
+    state = restore_or_init(manager, model, config, jax.random.key(0))
+    manager.close()
+    return config, tokenizer, model, state.params

@@ -1,0 +1,284 @@
+"""Tests for lmhead/train.py and configs/default.py.
+
+Three tiny runs are shared by the module: ``first`` and ``second`` train the
+same config in two workdirs (determinism); ``second`` then loses its last
+checkpoint and its summary -- as a run killed right after the middle
+checkpoint would -- and is resumed (exact resume).
+"""
+
+import functools
+import json
+import math
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from configs import default
+from lmhead import data
+from lmhead import train
+
+
+def tiny_config(**overrides):
+    config = default.get_config("tiny")
+    for name, value in overrides.items():
+        section, key = name.split(".")
+        config[section][key] = value
+    return config
+
+
+def read_metrics(workdir, drop=("train/tokens_per_sec",)):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in drop}
+                for line in f]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    first, second = str(root / "first"), str(root / "second")
+    summary = train.train_and_evaluate(tiny_config(), first)
+    train.train_and_evaluate(tiny_config(**{"sample.num_samples": 0}), second)
+    uninterrupted = read_metrics(second)
+    shutil.rmtree(os.path.join(second, "checkpoints", "40"))
+    os.remove(os.path.join(second, "summary.json"))
+    resumed_summary = train.train_and_evaluate(
+        tiny_config(**{"sample.num_samples": 0}), second)
+    return dict(first=first, second=second, summary=summary,
+                uninterrupted=uninterrupted, resumed_summary=resumed_summary)
+
+
+class TestTraining:
+
+    def test_loss_falls(self, runs):
+        records = read_metrics(runs["first"])
+        train_losses = [r["train/loss"] for r in records if "train/loss" in r]
+        eval_losses = [r["eval/loss"] for r in records if "eval/loss" in r]
+        assert len(train_losses) == 4 and len(eval_losses) == 2
+        assert train_losses[-1] < train_losses[0] - 0.5
+        assert eval_losses[-1] < math.log(84) - 0.8
+
+    def test_summary(self, runs):
+        summary = runs["summary"]
+        final = summary["final"]
+        assert summary["steps"] == 40 and summary["tokens_per_sec"] > 0
+        assert final == {k: v for k, v in read_metrics(runs["first"])[-1].items()
+                         if k != "step"}
+        assert final["eval/perplexity"] == pytest.approx(
+            math.exp(final["eval/loss"]), rel=1e-5)
+        assert final["eval/bits_per_char"] == pytest.approx(
+            final["eval/loss"] / math.log(2), rel=1e-5)  # 1 char per token
+        assert 0 <= final["eval/ece"] <= 1 and 0 <= final["eval/accuracy"] <= 1
+        with open(os.path.join(runs["first"], "summary.json")) as f:
+            assert json.load(f) == summary
+        config = tiny_config()
+        V, D, L, F, T = 84, config.model.d_model, 1, config.model.mlp_dim, 16
+        per_block = (4 * D + 3 * D * D + 3 * D + D * D + D
+                     + D * F + F + F * D + D)
+        assert summary["num_params"] == V * D + T * D + L * per_block + 2 * D
+        assert summary["num_head_params"] == 0  # tied: the table is the embedding's
+
+    def test_outputs_in_workdir(self, runs):
+        names = set(os.listdir(runs["first"]))
+        assert {"config.json", "metrics.jsonl", "summary.json", "tokenizer.json",
+                "tokens.npz", "checkpoints", "samples.txt"} <= names
+        assert any(n.startswith("events.out.tfevents") for n in names)
+        with open(os.path.join(runs["first"], "config.json")) as f:
+            assert json.load(f) == json.loads(tiny_config().to_json())
+        with open(os.path.join(runs["first"], "samples.txt")) as f:
+            samples = f.read().split(train.SAMPLE_SEPARATOR)
+        assert len(samples) == 2
+        assert all(s.startswith("KING") and len(s) >= 4 + 24 for s in samples)
+
+    def test_same_seed_same_metrics(self, runs):
+        assert read_metrics(runs["first"]) == runs["uninterrupted"]
+
+    def test_resume_is_exact(self, runs):
+        assert read_metrics(runs["second"]) == runs["uninterrupted"]
+        assert runs["resumed_summary"]["final"] == runs["summary"]["final"]
+        params = [train.load_run(runs[name])[3] for name in ("first", "second")]
+        jax.tree.map(np.testing.assert_array_equal, *params)
+
+    def test_finished_run_is_not_trained_again(self, runs, monkeypatch):
+        monkeypatch.setattr(train, "compile_steps", None)
+        summary = train.train_and_evaluate(tiny_config(), runs["first"])
+        assert summary == runs["summary"]
+
+    def test_load_run(self, runs):
+        config, tokenizer, model, params = train.load_run(runs["first"])
+        assert config.model.d_model == 32 and tokenizer.vocab_size == 84
+        assert params["embed"]["embedding"].shape == (84, 32)
+        assert model.max_len == 16
+
+
+@pytest.fixture(scope="module")
+def untied_state():
+    config = tiny_config(**{"model.tied": False, "model.head_bias": True})
+    return config, init_state(config, jax.random.key(0))
+
+
+def init_state(config, key):
+    model = train.make_model(config, vocab_size=84)
+    return jax.jit(functools.partial(train.create_train_state, model, config))(key)
+
+
+class TestOptimizer:
+
+    def test_decay_only_dense_kernels(self, untied_state):
+        config, state = untied_state
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        # Adam's step is 0 for zero gradients, so only the decay moves weights.
+        after = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, zeros).params
+        lr = config.optim.lr / (config.optim.warmup_steps + 1)
+        shrink = 1 - lr * config.optim.weight_decay
+        flat_before = jax.tree_util.tree_flatten_with_path(state.params)[0]
+        decayed = []
+        for (path, before), new in zip(flat_before, jax.tree.leaves(after)):
+            name = "/".join(p.key for p in path)
+            if path[-1].key == "kernel":
+                np.testing.assert_allclose(new, before * shrink, rtol=1e-6)
+                decayed.append(name)
+            else:
+                np.testing.assert_array_equal(new, before, err_msg=name)
+        assert sorted(decayed) == sorted(
+            f"blocks_0/{m}/kernel"
+            for m in ("attention/qkv", "attention/out", "mlp_in", "mlp_out"))
+        assert "unembedding" in state.params["head"]
+
+    def test_schedule_is_nanogpts(self):
+        config = default.get_config("nanogpt")
+        schedule = train.learning_rate_schedule(config)
+
+        def nanogpt_lr(it, lr=1e-3, min_lr=1e-4, warmup=100, decay_iters=2000):
+            if it < warmup:
+                return lr * (it + 1) / (warmup + 1)
+            ratio = (it - warmup) / (decay_iters - warmup)
+            return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+        for step in (0, 1, 50, 99, 100, 101, 777, 1500, 1999, 2000):
+            assert float(schedule(step)) == pytest.approx(nanogpt_lr(step),
+                                                          rel=1e-5)
+
+    def test_grad_clip(self):
+        params = {"dense": {"kernel": jnp.ones((3, 4))}, "bias": jnp.ones(5)}
+        grads = jax.tree.map(lambda p: jnp.full_like(p, 100.0), params)
+
+        def first_moment(grad_clip):
+            optimizer = train.make_optimizer(tiny_config(**{"optim.grad_clip": grad_clip}))
+            adam_state = jax.tree.leaves(
+                optimizer.update(grads, optimizer.init(params), params)[1],
+                is_leaf=lambda x: hasattr(x, "mu"))
+            return next(s.mu for s in adam_state if hasattr(s, "mu"))
+
+        # Adam normalises the update's scale; its first moment is (1 - b1) g.
+        norm = lambda tree: float(optax.tree.norm(tree))
+        assert norm(first_moment(1.0)) == pytest.approx(0.1 * 1.0, rel=1e-5)
+        assert norm(first_moment(0.5)) == pytest.approx(0.1 * 0.5, rel=1e-5)
+        assert norm(first_moment(0.0)) == pytest.approx(0.1 * 100 * math.sqrt(17),
+                                                        rel=1e-5)
+
+
+class TestEvaluate:
+
+    def test_against_numpy(self):
+        config = tiny_config()
+        model = train.make_model(config, vocab_size=84)
+        params = init_state(config, jax.random.key(1)).params
+        tokens = np.random.default_rng(0).integers(0, 84, 500)
+        batches = data.eval_batches(tokens, num_batches=3, batch_size=4,
+                                    block_size=16)
+        eval_fn = jax.jit(lambda p, b: train.eval_step(p, b, model=model))
+        got = train.evaluate(eval_fn, params, batches, chars_per_token=2.5)
+
+        apply = jax.jit(lambda p, x: model.apply({"params": p}, x))
+        logits = np.concatenate([np.asarray(apply(params, b["inputs"]), np.float64)
+                                 for b in batches]).reshape(-1, 84)
+        labels = np.concatenate([b["labels"] for b in batches]).reshape(-1)
+        log_p = logits - logits.max(-1, keepdims=True)
+        log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+        nll = -log_p[np.arange(len(labels)), labels].mean()
+        confidence = np.exp(log_p.max(-1))
+        correct = log_p.argmax(-1) == labels
+        ece = 0.0
+        for m in range(15):
+            in_bin = (confidence > m / 15) & (confidence <= (m + 1) / 15)
+            if in_bin.any():
+                ece += in_bin.mean() * abs(correct[in_bin].mean()
+                                           - confidence[in_bin].mean())
+        np.testing.assert_allclose(
+            [got["eval/loss"], got["eval/perplexity"], got["eval/bits_per_char"],
+             got["eval/accuracy"], got["eval/ece"]],
+            [nll, np.exp(nll), nll / np.log(2) / 2.5, correct.mean(), ece],
+            rtol=1e-4, atol=1e-6)
+
+
+class TestConfig:
+
+    def test_arguments(self):
+        assert default.get_config("untied").model.tied is False
+        config = default.get_config("nanogpt,untied,bpe=2048,steps=300")
+        assert (config.data.tokenizer, config.data.vocab_size) == ("bpe", 2048)
+        assert config.train.steps == 300 and not config.model.tied
+
+    def test_nanogpt_cpu_example(self):
+        config = default.get_config("nanogpt,tied")
+        assert (config.model.num_layers, config.model.num_heads,
+                config.model.d_model, config.model.mlp_dim) == (4, 4, 128, 512)
+        assert (config.data.block_size, config.train.batch_size,
+                config.train.steps) == (64, 12, 2000)
+        assert (config.optim.lr, config.optim.min_lr, config.optim.b2,
+                config.model.dropout_rate) == (1e-3, 1e-4, 0.99, 0.0)
+        assert config.data.tokenizer == "char" and config.data.val_fraction == 0.1
+
+    @pytest.mark.parametrize("arg,match", [
+        ("tidy", "Unknown config argument 'tidy'"),
+        ("bpe", "write it as bpe=N"),
+        ("tied=1", "write it as tied"),
+        ("steps=ten", "N must be an integer")])
+    def test_bad_arguments(self, arg, match):
+        with pytest.raises(ValueError, match=match):
+            default.get_config(arg)
+
+    def test_locked(self):
+        with pytest.raises(AttributeError):
+            default.get_config().train.stpes = 3
+
+    @pytest.mark.parametrize("name,value,error,match", [
+        ("data.block_size", 0, ValueError, r"config.data.block_size must be in \[1"),
+        ("data.tokenizer", "word", ValueError, "'char', 'bpe'"),
+        ("data.vocab_size", 500, ValueError, "tokenizer='bpe' only"),
+        ("model.num_heads", 3, ValueError, "must divide"),
+        ("model.dtype", "float16", ValueError, "'float32', 'bfloat16'"),
+        ("loss.smoothing", "soft", ValueError, "config.loss.smoothing"),
+        ("loss.chunk_size", 64, ValueError, "loss_impl='fused' only"),
+        ("optim.min_lr", 1.0, ValueError, "config.optim.min_lr"),
+        ("optim.b2", 1.0, ValueError, r"config.optim.b2 must be in \[0.0, 1.0\)"),
+        ("optim.warmup_steps", 40, ValueError, "config.optim.warmup_steps"),
+        ("sample.top_p", 0.0, ValueError, "config.sample.top_p"),
+        ("sample.prompt", "", ValueError, "must not be empty"),
+    ])
+    def test_validation(self, name, value, error, match):
+        config = tiny_config(**{name: value})
+        with pytest.raises(error, match=match):
+            train.validate_config(config)
+
+    @pytest.mark.parametrize("name,value,match", [
+        ("train.steps", 2.5, "config.train.steps must be int; got 2.5"),
+        ("model.tied", 1, "config.model.tied must be bool; got 1"),
+        ("optim.lr", "fast", "config.optim.lr must be float; got 'fast'")])
+    def test_validation_types(self, name, value, match):
+        config = ml_collections.ConfigDict(tiny_config().to_dict(),
+                                           type_safe=False)
+        section, key = name.split(".")
+        config[section][key] = value
+        with pytest.raises(TypeError, match=match):
+            train.validate_config(config)
+
+    def test_bpe_config_validates(self):
+        train.validate_config(default.get_config("tiny,bpe=512"))
+        with pytest.raises(ValueError, match="data.vocab_size"):
+            train.validate_config(default.get_config("tiny,bpe=100"))

@@ -144,8 +144,8 @@ def verdict(difference: sweeps.PairedDifference, label: str) -> str:
 
 def differences_section(runs: list[sweeps.Run]) -> str:
     """The untied - tied table and sentences, per vocabulary (and width)."""
-    lines = ["| vocabulary | d_model | untied - tied, val loss (nats/token) | 95% interval"
-             " | untied - tied, bits/char | 95% interval | seed pairs |",
+    lines = ["| vocabulary | d_model | untied - tied, val loss (nats/token) | 95% interval,"
+             " val loss | untied - tied, bits/char | 95% interval, bits/char | seed pairs |",
              "|---|---|---|---|---|---|---|"]
     sentences = []
     for d, tied, untied in compared_settings(runs):
@@ -175,21 +175,28 @@ def not_finished_section(runs: list[sweeps.Run]) -> str:
         exit_code = f", exit code {run.returncode}" if run.returncode is not None else ""
         evals = sweeps.eval_curve(run)[0]
         reached = f", last evaluation at step {evals[-1]}" if evals else ""
-        log = os.path.join(run.workdir, sweeps.LOG_FILE)
-        log_note = f", log `{log}`" if os.path.exists(log) else ""
+        log = os.path.join(run.name, sweeps.LOG_FILE)  # beside REPORT.md
+        exists = os.path.exists(os.path.join(run.workdir, sweeps.LOG_FILE))
+        log_note = f", log `{log}`" if exists else ""
         lines.append(f"- `{run.name}`: {run.status}{exit_code}{reached}{log_note}")
     return "\n".join(lines)
 
 
 def mean_curve(runs: list[sweeps.Run]):
-    """Steps every run evaluated at, and the mean and std of the loss there."""
-    curves = [dict(zip(*sweeps.eval_curve(r))) for r in runs]
+    """Validation loss over seeds at the steps every curve has: steps, mean, std, n.
+
+    The finished runs' curves, as in the table; an unfinished run's shorter
+    curve would cut the others short (its curve is used only if none finished).
+    """
+    finished = [r for r in runs if r.status == "finished"]
+    curves = [dict(zip(*sweeps.eval_curve(r))) for r in finished or runs]
     curves = [c for c in curves if c]
     if not curves:
-        return [], [], []
+        return [], [], [], 0
     steps = sorted(set.intersection(*(set(c) for c in curves)))
     stats = [sweeps.mean_std([c[s] for c in curves]) for s in steps]
-    return steps, [m for m, _, _ in stats], [0.0 if n < 2 else sd for _, sd, n in stats]
+    return (steps, [m for m, _, _ in stats],
+            [0.0 if n < 2 else sd for _, sd, n in stats], len(curves))
 
 
 def plot_curves(runs: list[sweeps.Run], path: str) -> None:
@@ -198,8 +205,8 @@ def plot_curves(runs: list[sweeps.Run], path: str) -> None:
                                 figsize=(5 * max(len(compared), 1), 4))
     for axis, (d, tied, untied) in zip(axes[0], compared):
         for head, head_runs in (("tied", tied), ("untied", untied)):
-            steps, mean, std = mean_curve(head_runs)
-            axis.plot(steps, mean, label=f"{head} (n={len(head_runs)})")
+            steps, mean, std, n = mean_curve(head_runs)
+            axis.plot(steps, mean, label=f"{head} (n={n})")
             axis.fill_between(steps, [m - s for m, s in zip(mean, std)],
                               [m + s for m, s in zip(mean, std)], alpha=0.25)
         axis.set(title=f"{d['vocabulary']}, d_model {d['d_model']} {d['other']}",
@@ -213,7 +220,11 @@ def plot_curves(runs: list[sweeps.Run], path: str) -> None:
 
 def plot_finals(groups: list[list[sweeps.Run]], x_key: str, x_label: str,
                 path: str) -> None:
-    """Final loss and bits/char against ``x_key`` of ``describe``; one line per head and width."""
+    """Final loss and bits/char against ``x_key`` of ``describe``, per head and width.
+
+    Against the vocabulary size the points of a series are joined by lines;
+    against the parameter count they stand alone, labelled by vocabulary.
+    """
     figure, axes = plt.subplots(1, 2, figsize=(11, 4))
     series = {}
     for group in groups:
@@ -221,15 +232,20 @@ def plot_finals(groups: list[list[sweeps.Run]], x_key: str, x_label: str,
         finals = [sweeps.final_metrics(r) for r in group if r.status == "finished"]
         if finals and d[x_key]:
             label = f"{d['head']}, d_model {d['d_model']} {d['other']}".strip()
-            series.setdefault(label, []).append((d[x_key], finals))
+            series.setdefault(label, []).append((d[x_key], finals, d["vocabulary"]))
     for axis, (key, title, _) in zip(axes, (METRICS[0], METRICS[2])):
         for label, points in series.items():
             points.sort(key=lambda p: p[0])
             stats = [sweeps.mean_std([f[key] for f in finals if key in f])
-                     for _, finals in points]
-            axis.errorbar([x for x, _ in points], [m for m, _, _ in stats],
-                          yerr=[0.0 if n < 2 else s for _, s, n in stats],
-                          marker="o", capsize=3, label=label)
+                     for _, finals, _ in points]
+            xs, means = [x for x, _, _ in points], [m for m, _, _ in stats]
+            axis.errorbar(xs, means, yerr=[0.0 if n < 2 else s for _, s, n in stats],
+                          marker="o", capsize=3, label=label,
+                          linestyle="-" if x_key == "vocab_size" else "none")
+            if x_key != "vocab_size":
+                for x, mean, (_, _, vocabulary) in zip(xs, means, points):
+                    axis.annotate(vocabulary, (x, mean), textcoords="offset points",
+                                  xytext=(5, 5), fontsize=8)
         axis.set(xscale="log", xlabel=x_label, ylabel=f"final {title}")
         axis.legend()
     figure.suptitle("Final validation loss: mean over seeds, bars ±1 std")

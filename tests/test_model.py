@@ -1,0 +1,328 @@
+"""Tests of the decoder-only Transformer and its decoding cache.
+
+References: a float64 numpy forward pass written here, the model's own full
+forward pass (for the cache), and losses.cross_entropy on materialized logits.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import special
+
+from lmhead import losses
+from lmhead import model as model_lib
+from lmhead.model import DecoderLM
+
+VOCAB, WIDTH, HEADS, LAYERS, MAX_LEN = 17, 32, 4, 2, 16
+
+
+def small_model(**overrides) -> DecoderLM:
+    config = dict(vocab_size=VOCAB, num_layers=LAYERS, num_heads=HEADS, d_model=WIDTH,
+                  mlp_dim=64, max_len=MAX_LEN)
+    return DecoderLM(**(config | overrides))
+
+
+@functools.cache
+def _full_params(seed: int):
+    """One initialisation holding every parameter any small_model variant has
+    (untied head, learned positions), so that the tests compile init once."""
+    model = small_model(tied=False, positions="learned")
+    params = model.init(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))["params"]
+    return jax.tree.map(np.asarray, params)
+
+
+def init_params(model, seed=0, noise=0.0):
+    """Parameters of ``model`` (a small_model variant), cut from _full_params;
+    ``noise`` adds N(0, noise^2) to every entry so that attention is far from
+    uniform and position or cache errors show."""
+    params = dict(_full_params(seed))
+    if model.tied:
+        del params["head"]
+    if model.positions == "rope":
+        del params["position_embedding"]
+    for i in range(model.num_layers, LAYERS):
+        del params[f"blocks_{i}"]
+    expected = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    assert jax.tree.map(np.shape, params) == jax.tree.map(np.shape, expected["params"])
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(
+        lambda x: (x + noise * rng.standard_normal(x.shape)).astype(np.float32), params)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def forward(model, params, tokens):
+    return model.apply({"params": params}, tokens)
+
+
+def num_params(params) -> int:
+    return sum(x.size for x in jax.tree.leaves(params))
+
+
+def random_tokens(shape, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, shape), jnp.int32)
+
+
+def reference_logits(params, tokens, *, num_heads, rope, tied=True):
+    """float64 numpy forward pass of DecoderLM (RoPE written with complex numbers)."""
+    p = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+    tokens = np.asarray(tokens)
+    batch, time = tokens.shape
+
+    def layer_norm(x, norm):
+        mean = x.mean(-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(-1, keepdims=True)
+        return (x - mean) / np.sqrt(var + 1e-6) * norm["scale"] + norm["bias"]
+
+    def dense(x, layer):
+        return x @ layer["kernel"] + layer["bias"]
+
+    def rotary(x):  # x: [B, T, H, Dh]; pairs (i, i + Dh/2) as complex numbers
+        half = x.shape[-1] // 2
+        theta = 10000.0 ** (-np.arange(half) / half)
+        turn = np.exp(1j * np.arange(time)[:, None] * theta)[None, :, None, :]
+        z = (x[..., :half] + 1j * x[..., half:]) * turn
+        return np.concatenate([z.real, z.imag], axis=-1)
+
+    x = p["embed"]["embedding"][tokens]
+    if not rope:
+        x = x + p["position_embedding"][:time]
+    future = np.triu(np.ones((time, time), bool), k=1)
+    for i in range(sum(name.startswith("blocks_") for name in p)):
+        block = p[f"blocks_{i}"]
+        q, k, v = np.split(dense(layer_norm(x, block["attention_norm"]),
+                                 block["attention"]["qkv"]), 3, axis=-1)
+        q, k, v = (a.reshape(batch, time, num_heads, -1) for a in (q, k, v))
+        if rope:
+            q, k = rotary(q), rotary(k)
+        scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+        scores = np.where(future, -np.inf, scores)
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+        attended = np.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, time, -1)
+        x = x + dense(attended, block["attention"]["out"])
+        y = dense(layer_norm(x, block["mlp_norm"]), block["mlp_in"])
+        y = 0.5 * y * (1 + special.erf(y / np.sqrt(2)))
+        x = x + dense(y, block["mlp_out"])
+    h = layer_norm(x, p["final_norm"])
+    table = p["embed"]["embedding"] if tied else p["head"]["unembedding"]
+    return h @ table.T
+
+
+@pytest.mark.parametrize("positions,tied", [("learned", True), ("rope", False)])
+def test_forward_matches_numpy_reference(positions, tied):
+    model = small_model(positions=positions, tied=tied)
+    params = init_params(model, noise=0.2)
+    tokens = random_tokens((2, 9))
+    logits = forward(model, params, tokens)
+    assert logits.shape == (2, 9, VOCAB) and logits.dtype == jnp.float32
+    expected = reference_logits(params, tokens, num_heads=HEADS,
+                                rope=positions == "rope", tied=tied)
+    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_tied_has_exactly_vocab_times_width_fewer_params():
+    def shapes(model):
+        return jax.eval_shape(model.init, jax.random.key(0),
+                              jnp.zeros((1, 4), jnp.int32))["params"]
+
+    tied, untied = shapes(small_model(tied=True)), shapes(small_model(tied=False))
+    assert num_params(untied) - num_params(tied) == VOCAB * WIDTH
+    assert "head" not in tied
+    assert untied["head"]["unembedding"].shape == (VOCAB, WIDTH)
+    assert "position_embedding" not in shapes(small_model(positions="rope"))
+
+
+def test_tied_head_is_hidden_times_embedding_table():
+    model = small_model()
+    params = init_params(model, noise=0.1)
+    tokens = random_tokens((2, 6))
+    h = jax.jit(functools.partial(model.apply, method=DecoderLM.hidden))(
+        {"params": params}, tokens)
+    expected = np.asarray(h, np.float64) @ np.asarray(params["embed"]["embedding"],
+                                                      np.float64).T
+    np.testing.assert_allclose(forward(model, params, tokens), expected,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_tied_table_gets_gradient_from_embedding_and_head():
+    # The untied model with unembedding := the table computes the same loss
+    # with the two uses split into two parameters; the tied table's gradient
+    # must be the sum of the two.
+    tied_model, untied_model = small_model(tied=True), small_model(tied=False)
+    tied = init_params(tied_model, noise=0.1)
+    untied = dict(tied, head={"unembedding": tied["embed"]["embedding"]})
+    tokens = random_tokens((2, 8))
+
+    def loss(model, params):
+        return model.apply({"params": params}, tokens[:, :-1], tokens[:, 1:],
+                           method=DecoderLM.loss)[0]
+
+    tied_grad = jax.jit(jax.grad(functools.partial(loss, tied_model)))(tied)
+    untied_grad = jax.jit(jax.grad(functools.partial(loss, untied_model)))(untied)
+    from_embedding = untied_grad["embed"]["embedding"]
+    from_head = untied_grad["head"]["unembedding"]
+    assert np.abs(from_embedding).max() > 1e-4 and np.abs(from_head).max() > 1e-4
+    np.testing.assert_allclose(tied_grad["embed"]["embedding"],
+                               from_embedding + from_head, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("positions,tied", [("learned", True), ("rope", False)])
+def test_cached_decoding_matches_recomputing_the_prefix(positions, tied):
+    model = small_model(positions=positions, tied=tied)
+    params = init_params(model, noise=0.2)
+    lengths = np.array([5, 2, 3])
+    num_steps = MAX_LEN - lengths.max()  # the longest row fills the cache
+    prompt = random_tokens((3, 5), seed=1)  # positions past lengths are padding
+    fed = random_tokens((3, num_steps), seed=2)
+    logits, cache = model_lib.prefill(model, params, prompt, jnp.asarray(lengths),
+                                      max_new_tokens=num_steps)
+    step_fn = model_lib.make_step_fn(model, params)
+    sequences = [list(np.asarray(prompt[b, :n])) for b, n in enumerate(lengths)]
+    for step in range(num_steps + 1):
+        padded = np.zeros((3, MAX_LEN), np.int32)
+        for b, sequence in enumerate(sequences):
+            padded[b, :len(sequence)] = sequence
+        full = forward(model, params, jnp.asarray(padded))
+        last = [len(sequence) - 1 for sequence in sequences]
+        np.testing.assert_allclose(logits, full[np.arange(3), last], rtol=1e-5,
+                                   atol=1e-5, err_msg=f"step {step}")
+        if step == num_steps:
+            break
+        logits, cache = step_fn(fed[:, step], cache)
+        for b, sequence in enumerate(sequences):
+            sequence.append(int(fed[b, step]))
+    np.testing.assert_array_equal(cache.index, lengths + num_steps)
+
+
+def test_cache_leaves_lead_with_the_batch_axis_and_rows_can_be_gathered():
+    model = small_model()
+    params = init_params(model, noise=0.2)
+    logits, cache = model_lib.prefill(model, params, random_tokens((3, 5)),
+                                      jnp.array([4, 2, 5]))
+    assert all(leaf.shape[0] == 3 for leaf in jax.tree.leaves(cache))
+    assert cache.keys[0].shape == (3, MAX_LEN, HEADS, WIDTH // HEADS)
+    # Beam search tiles the cache and reorders rows by gathering.
+    order = jnp.array([1, 1, 0])
+    gathered = jax.tree.map(lambda leaf: leaf[order], cache)
+    step_fn = model_lib.make_step_fn(model, params)
+    step_logits, _ = step_fn(jnp.array([3, 5, 7]), cache)
+    gathered_logits, _ = step_fn(jnp.array([5, 5, 3]), gathered)
+    np.testing.assert_allclose(gathered_logits, step_logits[order], rtol=1e-6, atol=1e-6)
+
+
+def test_changing_a_future_token_leaves_earlier_logits_unchanged():
+    model = small_model(positions="rope", tied=False)
+    params = init_params(model, noise=0.2)
+    tokens = random_tokens((1, 10))
+    changed = tokens.at[0, 6].set((tokens[0, 6] + 1) % VOCAB)
+    before, after = forward(model, params, tokens), forward(model, params, changed)
+    np.testing.assert_array_equal(before[:, :6], after[:, :6])
+    assert np.abs(before[:, 6:] - after[:, 6:]).min(axis=-1).max() > 1e-3
+
+
+def test_bfloat16_compute_is_close_to_float32():
+    model32, model16 = small_model(), small_model(dtype=jnp.bfloat16)
+    params = init_params(model32, noise=0.05)
+    tokens = random_tokens((2, 12))
+    logits32 = forward(model32, params, tokens)
+    logits16 = forward(model16, params, tokens)
+    assert logits16.dtype == jnp.float32
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(init_params(model16)))
+    scale = np.abs(logits32).max()
+    assert np.abs(logits16 - logits32).max() < 0.05 * scale
+    assert np.abs(logits16 - logits32).max() > 0  # bf16 really ran
+    logits, cache = model_lib.prefill(model16, params, tokens)
+    assert cache.keys[0].dtype == jnp.bfloat16
+    assert np.abs(logits - logits32[:, -1]).max() < 0.05 * scale
+
+
+def test_residual_projections_init_std_is_scaled_by_depth():
+    params = init_params(small_model(tied=False))
+    blocks = [params[f"blocks_{i}"] for i in range(LAYERS)]
+    residual = np.concatenate([np.ravel(b["mlp_out"]["kernel"]) for b in blocks]
+                              + [np.ravel(b["attention"]["out"]["kernel"]) for b in blocks])
+    others = np.concatenate([np.ravel(b["mlp_in"]["kernel"]) for b in blocks]
+                            + [np.ravel(b["attention"]["qkv"]["kernel"]) for b in blocks]
+                            + [np.ravel(params["embed"]["embedding"]),
+                               np.ravel(params["position_embedding"]),
+                               np.ravel(params["head"]["unembedding"])])
+    # 6k and 11k samples: the sample std is within 5% at more than 5 sigma.
+    np.testing.assert_allclose(residual.std(), 0.02 / np.sqrt(2 * LAYERS), rtol=0.05)
+    np.testing.assert_allclose(others.std(), 0.02, rtol=0.05)
+    assert abs(residual.mean()) < 1e-3
+    np.testing.assert_array_equal(blocks[0]["mlp_out"]["bias"], 0.0)
+    np.testing.assert_array_equal(params["final_norm"]["scale"], 1.0)
+
+
+def test_loss_equals_cross_entropy_of_the_logits():
+    model = small_model(positions="rope", tied=False)
+    params = init_params(model, noise=0.1)
+    tokens = random_tokens((2, 9))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    weights = jnp.asarray(np.random.default_rng(3).integers(0, 2, labels.shape),
+                          jnp.float32)
+    options = dict(label_smoothing=0.1, z_loss=1e-3)
+    loss, metrics = jax.jit(functools.partial(model.apply, method=DecoderLM.loss,
+                                              **options))(
+        {"params": params}, inputs, labels, weights)
+    logits = forward(model, params, inputs)
+    expected, expected_metrics = losses.cross_entropy(logits, labels, weights=weights,
+                                                      **options)
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
+    for name, value in expected_metrics.items():
+        np.testing.assert_allclose(metrics[name], value, rtol=1e-6, err_msg=name)
+    # And the plain nll against numpy.
+    log_z = special.logsumexp(np.asarray(logits, np.float64), axis=-1)
+    picked = np.take_along_axis(np.asarray(logits), np.asarray(labels)[..., None], -1)
+    nll = ((log_z - picked[..., 0]) * weights).sum() / weights.sum()
+    np.testing.assert_allclose(metrics["nll"], nll, rtol=1e-5)
+
+
+def test_dropout_needs_train_and_an_rng():
+    model = small_model(num_layers=1, dropout_rate=0.5)
+    params = init_params(model)
+    tokens = random_tokens((1, 6))
+    train = jax.jit(lambda key: model.apply({"params": params}, tokens, train=True,
+                                            rngs={"dropout": key}))
+    evaluation = forward(model, params, tokens)
+    first, again = train(jax.random.key(1)), train(jax.random.key(1))
+    np.testing.assert_array_equal(first, again)
+    assert np.abs(first - evaluation).max() > 1e-3
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(num_heads=3), "num_heads must divide d_model"),
+    (dict(positions="sinusoidal"), "positions must be one of"),
+    (dict(num_heads=32, positions="rope"), "even head size"),
+    (dict(dropout_rate=1.0), "dropout_rate must be in"),
+    (dict(num_layers=0), "num_layers must be a positive int"),
+])
+def test_bad_config_is_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        small_model(**overrides).init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32))
+
+
+def test_bad_tokens_and_prompts_are_refused():
+    model = small_model()
+    params = init_params(model)
+    variables = {"params": params}
+    with pytest.raises(ValueError, match=r"tokens must be in \[0, 16\]"):
+        model.apply(variables, jnp.array([[1, VOCAB]]))
+    with pytest.raises(TypeError, match="tokens must have an integer dtype"):
+        model.apply(variables, jnp.ones((1, 3)))
+    with pytest.raises(ValueError, match="max_len is 16"):
+        model.apply(variables, jnp.zeros((1, MAX_LEN + 1), jnp.int32))
+    prompt = jnp.zeros((3, 5), jnp.int32)
+    with pytest.raises(ValueError, match="max_new_tokens 12 = 17 exceeds the model's max_len 16"):
+        model_lib.prefill(model, params, prompt, max_new_tokens=12)
+    # Ragged rows are checked against the longest real row, not the padding.
+    model_lib.prefill(model, params, prompt, jnp.array([3, 2, 4]), max_new_tokens=12)
+    with pytest.raises(ValueError, match=r"lengths must be in \[1, 5\]"):
+        model_lib.prefill(model, params, prompt, jnp.array([0, 2, 5]))
+    with pytest.raises(ValueError, match="prompt must have 1 to max_len=16"):
+        model_lib.prefill(model, params, jnp.zeros((1, MAX_LEN + 1), jnp.int32))
+    with pytest.raises(ValueError, match=r"tokens must have shape \[B\]"):
+        model_lib.make_step_fn(model, params)(prompt, model_lib.init_cache(model, 3))

@@ -265,7 +265,7 @@ class GradientTest(chex.TestCase):
             self.assertTrue(np.isfinite(float(loss)))
             self.assertEqual(grad.dtype, logits.dtype)
             self.assertTrue(np.all(np.isfinite(np.asarray(grad, np.float32))))
-        # The extreme case's value: token 1 puts its label at -2e4 below the max.
+        # The extreme value: token 1's label logit is 2e4 below the maximum.
         loss, _ = fn(extreme)
         _, want = np_cross_entropy(extreme, labels, None, 0.1, "normalized",
                                    1e-4)
@@ -310,21 +310,24 @@ class TestBadOptions:
     logits = jnp.zeros((2, 3, 5))
     labels = jnp.zeros((2, 3), jnp.int32)
 
-    @pytest.mark.parametrize("kwargs, error, fragment", [
-        (dict(label_smoothing=1.0), ValueError, r"label_smoothing must be in \[0, 1\)"),
-        (dict(label_smoothing=-0.1), ValueError, r"label_smoothing must be in \[0, 1\)"),
-        (dict(smoothing="label"), ValueError, "smoothing must be one of 'uniform', 'normalized'"),
-        (dict(reduction="avg"), ValueError, "reduction must be one of 'mean', 'sum', 'none'"),
-        (dict(z_loss=-1e-4), ValueError, "z_loss must be in"),
-        (dict(weights=jnp.ones((2,))), ValueError, r"weights must have the shape of labels \(2, 3\)"),
-        (dict(weights=jnp.ones((3, 2))), ValueError, "weights must have the shape"),
+    @pytest.mark.parametrize("kwargs, fragment", [
+        (dict(label_smoothing=1.0), r"label_smoothing must be in \[0, 1\)"),
+        (dict(label_smoothing=-0.1), r"label_smoothing must be in \[0, 1\)"),
+        (dict(smoothing="label"),
+         "smoothing must be one of 'uniform', 'normalized'"),
+        (dict(reduction="avg"),
+         "reduction must be one of 'mean', 'sum', 'none'"),
+        (dict(z_loss=-1e-4), "z_loss must be in"),
+        (dict(weights=jnp.ones((2,))),
+         r"weights must have the shape of labels \(2, 3\)"),
+        (dict(weights=jnp.ones((3, 2))), "weights must have the shape"),
     ])
-    def test_options(self, kwargs, error, fragment):
-        with pytest.raises(error, match=fragment):
+    def test_options(self, kwargs, fragment):
+        with pytest.raises(ValueError, match=fragment):
             losses.cross_entropy(self.logits, self.labels, **kwargs)
 
     def test_float_labels(self):
-        with pytest.raises(TypeError, match="labels must have an integer dtype"):
+        with pytest.raises(TypeError, match="labels must have an integer"):
             losses.cross_entropy(self.logits, jnp.zeros((2, 3)))
 
     def test_integer_logits(self):
@@ -333,7 +336,7 @@ class TestBadOptions:
 
     @pytest.mark.parametrize("shape", [(2,), (3, 2), (2, 3, 1), ()])
     def test_labels_shape_mismatch(self, shape):
-        with pytest.raises(ValueError, match=r"labels must have the leading shape"):
+        with pytest.raises(ValueError, match="labels must have the leading"):
             losses.cross_entropy(self.logits, jnp.zeros(shape, jnp.int32))
 
 
@@ -409,7 +412,7 @@ class SummaryMetricsTest(chex.TestCase):
 
 
 def np_ece(logits, labels, weights, num_bins):
-    """Guo et al. (2017) with equal-width bins (m/M, (m+1)/M], one bin at a time."""
+    """Guo et al. (2017), equal-width bins (m/M, (m+1)/M], one at a time."""
     p = np.exp(np_log_softmax(logits)).reshape(-1, logits.shape[-1])
     labels = labels.reshape(-1)
     w = (np.ones(labels.shape) if weights is None
@@ -417,7 +420,8 @@ def np_ece(logits, labels, weights, num_bins):
     confidence, correct = p.max(-1), p.argmax(-1) == labels
     ece = 0.0
     for m in range(num_bins):
-        in_bin = (confidence > m / num_bins) & (confidence <= (m + 1) / num_bins)
+        low, high = m / num_bins, (m + 1) / num_bins
+        in_bin = (confidence > low) & (confidence <= high)
         bin_weight = w[in_bin].sum()
         if bin_weight == 0:
             continue

@@ -1,0 +1,245 @@
+"""Tests for lmhead/modules.py: which array the head uses, and its gradients."""
+
+import functools
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lmhead import losses
+from lmhead import modules
+
+V, D = 11, 6
+
+
+def count_params(variables):
+    return sum(x.size for x in jax.tree.leaves(variables.get("params", {})))
+
+
+def np_log_softmax(z):
+    z = np.asarray(z, np.float64)
+    shifted = z - z.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def random_inputs(seed, batch_shape=(2, 3)):
+    rng = np.random.default_rng(seed)
+    h = rng.standard_normal(batch_shape + (D,)).astype(np.float32)
+    table = rng.standard_normal((V, D)).astype(np.float32)
+    return h, table
+
+
+class TiedLM(nn.Module):
+    """Embedding and tied head sharing one table, passed as module or array."""
+
+    pass_module: bool = True
+    scale: float | None = None
+
+    def setup(self):
+        self.embed = nn.Embed(V, D)
+        self.head = modules.LMHead(V, tied=True, scale=self.scale)
+
+    def _table(self):
+        return self.embed if self.pass_module else self.embed.embedding
+
+    def __call__(self, tokens):
+        return self.head(self.embed(tokens), self._table())
+
+    def loss(self, tokens, labels):
+        return self.head.loss(self.embed(tokens), labels, self._table(),
+                              loss_impl="materialized")
+
+
+class ParametersTest(chex.TestCase):
+
+    def test_tied_owns_no_unembedding_untied_owns_v_by_d(self):
+        h, table = random_inputs(0)
+        key = jax.random.key(0)
+        for use_bias in (False, True):
+            tied = modules.LMHead(V, tied=True, use_bias=use_bias).init(
+                key, h, table)
+            untied = modules.LMHead(V, tied=False, use_bias=use_bias).init(
+                key, h)
+            tied_shapes = jax.tree.map(jnp.shape, tied.get("params", {}))
+            untied_shapes = jax.tree.map(jnp.shape, untied["params"])
+            bias = {"bias": (V,)} if use_bias else {}
+            self.assertEqual(tied_shapes, bias)
+            self.assertEqual(untied_shapes, {"unembedding": (V, D), **bias})
+            self.assertEqual(count_params(untied) - count_params(tied), V * D)
+
+    def test_param_dtype(self):
+        h, _ = random_inputs(1)
+        variables = modules.LMHead(V, tied=False, use_bias=True,
+                                   param_dtype=jnp.bfloat16).init(
+                                       jax.random.key(0), h)
+        for leaf in jax.tree.leaves(variables):
+            self.assertEqual(leaf.dtype, jnp.bfloat16)
+
+
+class LogitsTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_tied_logits_are_h_times_table_transposed(self):
+        h, table = random_inputs(2)
+        head = modules.LMHead(V, tied=True, scale=0.5, softcap=1.5)
+        variables = head.init(jax.random.key(0), h, table)
+        got = self.variant(head.apply)(variables, h, table)
+        want = 1.5 * np.tanh(0.5 * (h.astype(np.float64) @ table.T) / 1.5)
+        self.assertEqual(got.shape, (2, 3, V))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_untied_logits_use_the_own_matrix_and_bias(self):
+        h, table = random_inputs(3)
+        head = modules.LMHead(V, tied=False, use_bias=True)
+        bias = np.linspace(-1.0, 1.0, V).astype(np.float32)
+        variables = {"params": {"unembedding": table, "bias": bias}}
+        chex.assert_trees_all_equal_shapes(
+            variables, head.init(jax.random.key(0), h))
+        got = self.variant(head.apply)(variables, h)
+        np.testing.assert_allclose(got, h.astype(np.float64) @ table.T + bias,
+                                   rtol=1e-5, atol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_embed_module_or_its_table_give_the_same_logits(self):
+        tokens = jnp.array([[1, 4, 7], [0, 10, 3]])
+        variables = TiedLM().init(jax.random.key(1), tokens)
+        table = np.asarray(variables["params"]["embed"]["embedding"])
+        self.assertEqual(count_params(variables), V * D)
+        by_module = self.variant(TiedLM(pass_module=True).apply)(variables,
+                                                                  tokens)
+        by_array = self.variant(TiedLM(pass_module=False).apply)(variables,
+                                                                  tokens)
+        want = table[np.asarray(tokens)].astype(np.float64) @ table.T
+        np.testing.assert_allclose(by_module, want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(by_array, want, rtol=1e-5, atol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_bf16_dtype_returns_float32_logits(self):
+        h, table = random_inputs(4)
+        for tied in (True, False):
+            head = modules.LMHead(V, tied=tied, dtype=jnp.bfloat16)
+            embedding = table if tied else None
+            variables = ({} if tied else
+                         {"params": {"unembedding": table}})
+            got = self.variant(head.apply)(variables, h, embedding)
+            self.assertEqual(got.dtype, jnp.float32)
+            rounded = [np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+                       for x in (h, table)]
+            np.testing.assert_allclose(got, rounded[0] @ rounded[1].T,
+                                       rtol=1e-4, atol=1e-4)
+
+
+class TiedGradientTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_gradient_is_the_sum_of_the_embedding_and_head_paths(self):
+        tokens = np.array([[1, 4, 1], [0, 10, 3]])
+        labels = np.array([[4, 1, 0], [10, 3, 2]])
+        scale = D ** -0.5
+        model = TiedLM(pass_module=True, scale=scale)
+        variables = model.init(jax.random.key(2), tokens)
+
+        def objective(params):
+            return model.apply({"params": params}, tokens, labels,
+                               method=TiedLM.loss)[0]
+
+        grad = self.variant(jax.grad(objective))(variables["params"])
+        self.assertEqual(jax.tree.map(jnp.shape, grad),
+                         {"embed": {"embedding": (V, D)}})
+
+        # By hand: x = E[tokens], z = s x E^T, L = mean_t CE(z_t, y_t).
+        table = np.asarray(variables["params"]["embed"]["embedding"],
+                           np.float64)
+        x = table[tokens.reshape(-1)]
+        z = scale * x @ table.T
+        targets = np.eye(V)[labels.reshape(-1)]
+        dz = (np.exp(np_log_softmax(z)) - targets) / z.shape[0]
+        through_head = scale * dz.T @ x
+        through_embedding = np.zeros_like(table)
+        np.add.at(through_embedding, tokens.reshape(-1), scale * dz @ table)
+        self.assertGreater(np.abs(through_head).max(), 1e-3)
+        self.assertGreater(np.abs(through_embedding).max(), 1e-3)
+        np.testing.assert_allclose(grad["embed"]["embedding"],
+                                   through_head + through_embedding,
+                                   rtol=1e-4, atol=1e-7)
+
+
+class LossTest(chex.TestCase):
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_loss_equals_cross_entropy_of_the_logits(self):
+        h, table = random_inputs(5)
+        rng = np.random.default_rng(5)
+        labels = rng.integers(0, V, (2, 3)).astype(np.int32)
+        weights = np.array([[1.0, 0.0, 2.0], [1.0, 1.0, 0.5]], np.float32)
+        options = dict(label_smoothing=0.1, smoothing="normalized",
+                       z_loss=1e-3)
+        for tied in (True, False):
+            head = modules.LMHead(V, tied=tied, use_bias=True, scale=0.8)
+            embedding = table if tied else None
+            variables = head.init(jax.random.key(0), h, embedding)
+            logits = head.apply(variables, h, embedding)
+            loss, metrics = self.variant(functools.partial(
+                head.apply, method=modules.LMHead.loss,
+                loss_impl="materialized", **options))(
+                    variables, h, labels, embedding, weights=weights)
+            want_loss, want_metrics = losses.cross_entropy(
+                logits, labels, weights=weights, **options)
+            np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+            for name, value in want_metrics.items():
+                np.testing.assert_allclose(metrics[name], value, rtol=1e-6,
+                                           err_msg=name)
+            # And the nll against numpy on numpy logits.
+            w = np.asarray(variables["params"].get("unembedding", table),
+                           np.float64)
+            z = 0.8 * h.astype(np.float64) @ w.T + np.asarray(
+                variables["params"]["bias"])
+            nll = -np.take_along_axis(np_log_softmax(z), labels[..., None],
+                                      -1)[..., 0]
+            np.testing.assert_allclose(metrics["nll"],
+                                       (weights * nll).sum() / weights.sum(),
+                                       rtol=1e-5)
+
+
+class TestErrors:
+
+    h = jnp.ones((2, D))
+    table = jnp.ones((V, D))
+
+    def test_tied_without_embedding(self):
+        with pytest.raises(ValueError, match="embedding is required when tied"):
+            modules.LMHead(V, tied=True).init(jax.random.key(0), self.h)
+
+    def test_untied_with_embedding(self):
+        with pytest.raises(ValueError,
+                           match="embedding must be None when tied=False"):
+            modules.LMHead(V, tied=False).init(jax.random.key(0), self.h,
+                                               self.table)
+
+    @pytest.mark.parametrize("shape", [(V + 1, D), (D, V), (V * D,)])
+    def test_embedding_wrong_shape(self, shape):
+        with pytest.raises(ValueError,
+                           match=r"embedding must have shape \[V, D\]"):
+            modules.LMHead(V, tied=True).init(jax.random.key(0), self.h,
+                                              jnp.ones(shape))
+
+    def test_embed_module_of_the_wrong_size(self):
+        class Wrong(nn.Module):
+            @nn.compact
+            def __call__(self, tokens):
+                embed = nn.Embed(V + 1, D)
+                return modules.LMHead(V, tied=True)(embed(tokens), embed)
+
+        with pytest.raises(ValueError, match="embedding must have shape"):
+            Wrong().init(jax.random.key(0), jnp.zeros((2,), jnp.int32))
+
+    def test_unknown_loss_impl(self):
+        head = modules.LMHead(V, tied=False)
+        variables = head.init(jax.random.key(0), self.h)
+        with pytest.raises(ValueError, match="loss_impl must be one of"):
+            head.apply(variables, self.h, jnp.zeros((2,), jnp.int32),
+                       loss_impl="chunky", method=modules.LMHead.loss)

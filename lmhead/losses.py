@@ -47,7 +47,8 @@ def check_labels_and_weights(labels: jax.typing.ArrayLike,
     Raises:
         TypeError: for non-integer labels.
         ValueError: for shapes that do not match ``leading_shape``, and for
-            concrete labels outside ``[0, vocab_size)``.
+            concrete labels outside ``[0, vocab_size)`` whose weight is not 0
+            (a padding label such as -100 with weight 0 is allowed).
     """
     _checks.check_integer("labels", labels)
     if jnp.shape(labels) != tuple(leading_shape):
@@ -58,7 +59,17 @@ def check_labels_and_weights(labels: jax.typing.ArrayLike,
         raise ValueError(
             f"weights must have the shape of labels {tuple(leading_shape)}; "
             f"got {jnp.shape(weights)}.")
-    _checks.check_in_range("labels", labels, low=0, high=vocab_size - 1)
+    if _checks.is_traced(labels) or _checks.is_traced(weights):
+        return
+    labels = np.asarray(labels)
+    live = np.ones(labels.shape, bool) if weights is None else (
+        np.asarray(weights) != 0)
+    bad = live & ((labels < 0) | (labels >= vocab_size))
+    if np.any(bad):
+        raise ValueError(
+            f"labels must be in [0, {vocab_size}) wherever weights are nonzero;"
+            f" got {labels[bad].ravel()[0]}. (Inside jit such labels get weight"
+            " 0 and are counted in metrics['invalid_labels'].)")
 
 
 def check_labels(labels: jax.typing.ArrayLike, vocab_size: int) -> None:

@@ -276,8 +276,18 @@ class InvalidLabelsTest(chex.TestCase):
 
     def test_eager_out_of_range_raises(self):
         for bad in (7, -1):
-            with pytest.raises(ValueError, match=r"labels must be in \[0, 6\]"):
+            with pytest.raises(ValueError, match=r"labels must be in \[0, 7\)"):
                 losses.cross_entropy(jnp.zeros((2, 7)), jnp.array([0, bad]))
+
+    def test_eager_padding_label_with_zero_weight_is_allowed(self):
+        logits, labels, _ = random_case(12, shape=(3,))
+        padded = labels.copy()
+        padded[1] = -100
+        weights = np.array([1.0, 0.0, 1.0], np.float32)
+        loss, metrics = losses.cross_entropy(logits, padded, weights=weights)
+        _, want = np_cross_entropy(logits, labels, weights, 0.0)
+        np.testing.assert_allclose(loss, want["loss"], rtol=1e-5)
+        self.assertEqual(int(metrics["invalid_labels"]), 0)
 
     def test_inside_jit_weight_zero_and_counted(self):
         logits, labels, weights = random_case(11, shape=(6,))

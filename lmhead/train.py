@@ -385,7 +385,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         The summary also written to ``summary.json``: ``num_params``,
         ``num_head_params`` (owned by the head: the untied ``[V, D]`` and the
         bias; a tied table counts as the embedding's), ``final`` (the last
-        evaluation, keys as in ``metrics.jsonl``), ``tokens_per_sec`` and
+        evaluation, keys as in ``metrics.jsonl``), ``vocab_size``,
+        ``tokens_per_sec`` and
         ``ms_per_step`` (training steps of this process, without compilation,
         evaluation or checkpoints), ``compile_seconds``, ``steps`` and
         ``wall_seconds`` (this process).
@@ -438,6 +439,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     summary = {
         "num_params": _count(state.params),
         "num_head_params": _count(state.params.get("head", {})),
+        "vocab_size": dataset.vocab_size,
         "final": {k: v for k, v in final.items() if k != "step"},
         "tokens_per_sec": steps_run * tokens_per_step / max(train_seconds, 1e-9),
         "ms_per_step": 1e3 * train_seconds / max(steps_run, 1),

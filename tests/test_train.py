@@ -115,6 +115,26 @@ class TestTraining:
         assert params["embed"]["embedding"].shape == (84, 32)
         assert model.max_len == 16
 
+    def test_greedy_text_matches_full_forward_passes(self, runs):
+        _, tokenizer, model, params = train.load_run(runs["first"])
+        text = train.generate_text(model, params, tokenizer, "KING",
+                                   key=jax.random.key(0), num_samples=2,
+                                   max_new_tokens=20, temperature=0.0)
+        # The documented windows: contexts of max_len // 2 = 8 tokens, filled
+        # up to max_len = 16; the model is causal, so zero padding after the
+        # context does not change the logits read at its last position.
+        forward = jax.jit(lambda x: model.apply({"params": params}, x))
+        ids = tokenizer.encode("KING")
+        while len(ids) < 4 + 20:
+            context = ids[-8:]
+            for _ in range(min(16 - len(context), 4 + 20 - len(ids))):
+                padded = np.zeros((1, 16), np.int32)
+                padded[0, :len(context)] = context
+                next_id = int(np.argmax(forward(padded)[0, len(context) - 1]))
+                context.append(next_id)
+                ids.append(next_id)
+        assert text == [tokenizer.decode(ids)] * 2
+
 
 @pytest.fixture(scope="module")
 def untied_state():

@@ -1,0 +1,48 @@
+r"""Continues a prompt with a trained run's newest checkpoint and tokenizer.
+
+    python experiments/generate.py --workdir=runs/nanogpt_tied \
+        --prompt="ROMEO:" --max_new_tokens=200 --temperature=0.8 --top_k=40
+    python experiments/generate.py --workdir=runs/nanogpt_tied \
+        --prompt="ROMEO:" --num_beams=4           # beam search
+    python experiments/generate.py --workdir=... --temperature=0   # greedy
+"""
+
+import jax
+from absl import app
+from absl import flags
+from absl import logging
+
+from lmhead import train
+
+flags.DEFINE_string("workdir", None, "A training run's directory.", required=True)
+flags.DEFINE_string("prompt", "\n", "Text to continue.")
+flags.DEFINE_integer("max_new_tokens", 200, "Tokens to add.", lower_bound=1)
+flags.DEFINE_integer("num_samples", 1, "Continuations to print.", lower_bound=1)
+flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 is greedy.",
+                   lower_bound=0.0)
+flags.DEFINE_integer("top_k", None, "Sample among the k likeliest tokens.",
+                     lower_bound=1)
+flags.DEFINE_float("top_p", None, "Sample from the smallest set of mass >= p.",
+                   lower_bound=0.0, upper_bound=1.0)
+flags.DEFINE_integer("num_beams", None, "Beam search with this many beams "
+                     "(ignores the sampling flags).", lower_bound=1)
+flags.DEFINE_integer("seed", 0, "Sampling seed.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    f = flags.FLAGS
+    _, tokenizer, model, params = train.load_run(f.workdir)
+    texts = train.generate_text(
+        model, params, tokenizer, f.prompt, key=jax.random.key(f.seed),
+        num_samples=f.num_samples, max_new_tokens=f.max_new_tokens,
+        temperature=f.temperature, top_k=f.top_k, top_p=f.top_p,
+        num_beams=f.num_beams)
+    print(train.SAMPLE_SEPARATOR.join(texts))
+
+
+if __name__ == "__main__":
+    app.run(main)

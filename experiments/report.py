@@ -19,6 +19,7 @@ Reads every run's ``config.json``, ``metrics.jsonl`` and ``summary.json``
 Prints the table and the paths at the end.
 """
 
+import json
 import os
 import time
 
@@ -254,6 +255,23 @@ def plot_finals(groups: list[list[sweeps.Run]], x_key: str, x_label: str,
     plt.close(figure)
 
 
+def provenance(sweep_dir: str, runs: list[sweeps.Run]) -> str:
+    """Which command made the runs, where, and how long they trained."""
+    path = os.path.join(sweep_dir, sweeps.SWEEP_FILE)
+    sweep = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            sweep = json.load(f)
+    seconds = sum((r.summary or {}).get("wall_seconds", 0.0) for r in runs)
+    lines = [f"Command: `{sweep['command']}`" if "command" in sweep else
+             "Runs found in the directory (no sweep.json).",
+             *([f"Machine: {sweep['machine']}"] if "machine" in sweep else []),
+             f"{len(runs)} runs; the finished ones took {seconds / 60:.1f} min in "
+             f"all (their wall_seconds). Report written "
+             f"{time.strftime('%Y-%m-%d %H:%M')}."]
+    return "  \n".join(lines)
+
+
 def write_report(sweep_dir: str) -> tuple[str, str, list[str]]:
     """Writes REPORT.md and the plots; returns (table, report path, plot paths)."""
     runs = sweeps.read_sweep(sweep_dir)
@@ -269,7 +287,7 @@ def write_report(sweep_dir: str) -> tuple[str, str, list[str]]:
     table = settings_table(groups)
     report = "\n\n".join([
         f"# Tied vs untied head: {os.path.basename(os.path.abspath(sweep_dir))}",
-        f"{len(runs)} runs, report written {time.strftime('%Y-%m-%d %H:%M')}. "
+        provenance(sweep_dir, runs),
         "Final validation metrics: mean ± sample standard deviation (n - 1) over "
         "seeds; n = finished runs. Loss is per token, so compare vocabularies by "
         "bits per character.",

@@ -23,6 +23,7 @@ the same directory::
 import collections
 import json
 import os
+import platform
 import shlex
 import subprocess
 import sys
@@ -73,6 +74,17 @@ def plan(sweep_spec: str, sweep_dir: str, train_script: str) -> list[dict]:
         runs.append(dict(name=name, workdir=workdir, overrides=run_overrides,
                          command=command))
     return runs
+
+
+def describe_machine() -> str:
+    """Operating system, architecture, CPU model and count: where the runs ran."""
+    cpu = platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs"
+            + (f" ({cpu})" if cpu else ""))
 
 
 def is_finished(run: dict) -> bool:
@@ -157,10 +169,13 @@ def main(argv):
         return
     os.makedirs(_WORKDIR.value, exist_ok=True)
     with open(os.path.join(_WORKDIR.value, sweeps.SWEEP_FILE), "w") as f:
-        json.dump(dict(sweep=_SWEEP.value, runs=runs), f, indent=2)
+        json.dump(dict(sweep=_SWEEP.value, command=shlex.join(["python", *sys.argv]),
+                       machine=describe_machine(), runs=runs), f, indent=2)
     print(f"{len(runs)} runs in {_WORKDIR.value}: {len(runs) - len(todo)} finished "
           f"before, {len(todo)} to run, {_PARALLEL.value} at a time.", flush=True)
+    started = time.time()
     failed = run_all(todo, _PARALLEL.value)
+    print(f"The runs took {(time.time() - started) / 60:.1f} min.", flush=True)
     report_failed = False
     if _REPORT.value:
         report = [sys.executable, os.path.join(EXPERIMENTS, "report.py"),

@@ -10,6 +10,7 @@ Parameters live in :mod:`lmhead.modules` and :mod:`lmhead.model`.
 from lmhead import head
 from lmhead import losses
 from lmhead import modules
+from lmhead import model
 from lmhead.head import apply_softcap
 from lmhead.head import last_positions
 from lmhead.head import log_probs

@@ -27,7 +27,6 @@ import functools
 import math
 from typing import Any, NamedTuple
 
-import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -175,18 +174,18 @@ class DecoderLM(nn.Module):
 
     Examples:
         >>> import jax, jax.numpy as jnp
-        >>> model = DecoderLM(vocab_size=17, num_layers=2, num_heads=2,
-        ...                   d_model=16, mlp_dim=32, max_len=8)
+        >>> model = DecoderLM(vocab_size=17, num_layers=1, num_heads=2,
+        ...                   d_model=8, mlp_dim=16, max_len=8)
         >>> tokens = jnp.array([[1, 2, 3, 4]])
         >>> params = model.init(jax.random.key(0), tokens)["params"]
         >>> sum(x.size for x in jax.tree.leaves(params))
-        4880
+        816
         >>> model.apply({"params": params}, tokens).shape
         (1, 4, 17)
         >>> loss, metrics = model.apply({"params": params}, tokens[:, :-1],
         ...                             tokens[:, 1:], method=DecoderLM.loss)
-        >>> round(float(loss), 1)  # near ln 17 = 2.83 at init
-        2.8
+        >>> bool(abs(loss - jnp.log(17.0)) < 0.3)  # near-uniform at init
+        True
     """
     vocab_size: int
     num_layers: int = 4
@@ -369,8 +368,8 @@ def prefill(model: DecoderLM, params: Any, prompt: jax.typing.ArrayLike,
 
     Examples:
         >>> import jax, jax.numpy as jnp
-        >>> model = DecoderLM(vocab_size=17, num_layers=2, num_heads=2,
-        ...                   d_model=16, mlp_dim=32, max_len=8)
+        >>> model = DecoderLM(vocab_size=17, num_layers=1, num_heads=2,
+        ...                   d_model=8, mlp_dim=16, max_len=8)
         >>> prompt = jnp.array([[1, 2, 3], [4, 5, 0]])
         >>> params = model.init(jax.random.key(0), prompt)["params"]
         >>> logits, cache = prefill(model, params, prompt, jnp.array([3, 2]))
@@ -394,7 +393,9 @@ def prefill(model: DecoderLM, params: Any, prompt: jax.typing.ArrayLike,
     if lengths is None:
         lengths = jnp.full((batch,), time, jnp.int32)
     _checks.check_integer("lengths", lengths)
-    chex.assert_shape(lengths, (batch,), custom_message="lengths must be [B].")
+    if jnp.shape(lengths) != (batch,):
+        raise ValueError(f"lengths must have shape [B] = ({batch},); got "
+                         f"{jnp.shape(lengths)}.")
     _checks.check_in_range("lengths", lengths, low=1, high=time)
     if max_new_tokens is not None:
         longest = time if _checks.is_traced(lengths) else int(np.max(lengths))
@@ -417,8 +418,8 @@ def make_step_fn(model: DecoderLM, params: Any):
 
     Examples:
         >>> import jax, jax.numpy as jnp
-        >>> model = DecoderLM(vocab_size=17, num_layers=2, num_heads=2,
-        ...                   d_model=16, mlp_dim=32, max_len=8)
+        >>> model = DecoderLM(vocab_size=17, num_layers=1, num_heads=2,
+        ...                   d_model=8, mlp_dim=16, max_len=8)
         >>> tokens = jnp.array([[1, 2, 3, 4]])
         >>> params = model.init(jax.random.key(0), tokens)["params"]
         >>> logits, cache = prefill(model, params, tokens[:, :3])

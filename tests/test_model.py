@@ -10,8 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import traverse_util
 from scipy import special
 
+from lmhead import decoding
 from lmhead import losses
 from lmhead import model as model_lib
 from lmhead.model import DecoderLM
@@ -197,6 +199,27 @@ def test_cached_decoding_matches_recomputing_the_prefix(positions, tied):
     np.testing.assert_array_equal(cache.index, lengths + num_steps)
 
 
+def test_greedy_generate_through_the_cache_matches_full_recompute_argmax():
+    model = small_model()
+    params = init_params(model, noise=0.2)
+    lengths = np.array([5, 2, 3])
+    num_steps = MAX_LEN - lengths.max()
+    prompt = random_tokens((3, 5), seed=4)
+    logits, cache = model_lib.prefill(model, params, prompt, jnp.asarray(lengths),
+                                      max_new_tokens=num_steps)
+    tokens, _, _ = decoding.generate(
+        model_lib.make_step_fn(model, params), logits, cache, key=jax.random.key(0),
+        max_new_tokens=num_steps, temperature=0.0)
+    padded = np.zeros((3, MAX_LEN), np.int32)
+    padded[:, :5] = np.asarray(prompt)
+    for step in range(num_steps):
+        full = forward(model, params, jnp.asarray(padded))
+        last = lengths + step - 1
+        padded[np.arange(3), last + 1] = np.argmax(full[np.arange(3), last], axis=-1)
+    expected = np.stack([padded[b, n:n + num_steps] for b, n in enumerate(lengths)])
+    np.testing.assert_array_equal(tokens, expected)
+
+
 def test_cache_leaves_lead_with_the_batch_axis_and_rows_can_be_gathered():
     model = small_model()
     params = init_params(model, noise=0.2)
@@ -241,19 +264,20 @@ def test_bfloat16_compute_is_close_to_float32():
 
 def test_residual_projections_init_std_is_scaled_by_depth():
     params = init_params(small_model(tied=False))
-    blocks = [params[f"blocks_{i}"] for i in range(LAYERS)]
-    residual = np.concatenate([np.ravel(b["mlp_out"]["kernel"]) for b in blocks]
-                              + [np.ravel(b["attention"]["out"]["kernel"]) for b in blocks])
-    others = np.concatenate([np.ravel(b["mlp_in"]["kernel"]) for b in blocks]
-                            + [np.ravel(b["attention"]["qkv"]["kernel"]) for b in blocks]
-                            + [np.ravel(params["embed"]["embedding"]),
-                               np.ravel(params["position_embedding"]),
-                               np.ravel(params["head"]["unembedding"])])
+    flat = traverse_util.flatten_dict(params, sep="/")
+
+    def entries(*suffixes):
+        return np.concatenate([np.ravel(x) for name, x in flat.items()
+                               if name.endswith(suffixes)])
+
+    residual = entries("attention/out/kernel", "mlp_out/kernel")
+    # embed/embedding, position_embedding and head/unembedding.
+    others = entries("qkv/kernel", "mlp_in/kernel", "embedding")
     # 6k and 11k samples: the sample std is within 5% at more than 5 sigma.
     np.testing.assert_allclose(residual.std(), 0.02 / np.sqrt(2 * LAYERS), rtol=0.05)
     np.testing.assert_allclose(others.std(), 0.02, rtol=0.05)
     assert abs(residual.mean()) < 1e-3
-    np.testing.assert_array_equal(blocks[0]["mlp_out"]["bias"], 0.0)
+    np.testing.assert_array_equal(entries("bias"), 0.0)
     np.testing.assert_array_equal(params["final_norm"]["scale"], 1.0)
 
 
@@ -316,12 +340,15 @@ def test_bad_tokens_and_prompts_are_refused():
     with pytest.raises(ValueError, match="max_len is 16"):
         model.apply(variables, jnp.zeros((1, MAX_LEN + 1), jnp.int32))
     prompt = jnp.zeros((3, 5), jnp.int32)
-    with pytest.raises(ValueError, match="max_new_tokens 12 = 17 exceeds the model's max_len 16"):
+    with pytest.raises(ValueError,
+                       match="max_new_tokens 12 = 17 exceeds the model's max_len 16"):
         model_lib.prefill(model, params, prompt, max_new_tokens=12)
     # Ragged rows are checked against the longest real row, not the padding.
     model_lib.prefill(model, params, prompt, jnp.array([3, 2, 4]), max_new_tokens=12)
     with pytest.raises(ValueError, match=r"lengths must be in \[1, 5\]"):
         model_lib.prefill(model, params, prompt, jnp.array([0, 2, 5]))
+    with pytest.raises(ValueError, match=r"lengths must have shape \[B\] = \(3,\)"):
+        model_lib.prefill(model, params, prompt, jnp.array([1, 2]))
     with pytest.raises(ValueError, match="prompt must have 1 to max_len=16"):
         model_lib.prefill(model, params, jnp.zeros((1, MAX_LEN + 1), jnp.int32))
     with pytest.raises(ValueError, match=r"tokens must have shape \[B\]"):

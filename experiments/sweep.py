@@ -16,8 +16,12 @@ for a Slurm array or GNU parallel; afterwards ``experiments/report.py`` reads
 the same directory::
 
     python experiments/sweep.py --sweep=... --workdir=DIR --dry_run > runs.txt
-    parallel -j 8 < runs.txt
+    parallel -j 8 < runs.txt      # or a Slurm array, one line per task:
+    sbatch --array=1-$(wc -l < runs.txt) --wrap='sed -n "${SLURM_ARRAY_TASK_ID}p" runs.txt | bash'
     python experiments/report.py --workdir=DIR
+
+Each train process uses every core it sees; on a CPU-only machine
+``--parallel`` above 1 helps only when one run cannot keep the cores busy.
 """
 
 import collections

@@ -258,35 +258,43 @@ def generate_text(model: model_lib.DecoderLM, params: Any, tokenizer: data.Token
                   num_beams: int | None = None) -> list[str]:
     """``num_samples`` continuations of ``prompt``, each with the prompt.
 
-    The cache holds ``max_len`` positions, so longer texts are made window by
+    The cache holds ``max_len`` positions, so the text is made window by
     window, as nanoGPT crops its context: each window is prefilled with the
-    last ``max_len // 2`` tokens so far (the prompt's last ones at first) and
-    extended to ``max_len``. Beam search, too, runs per window and keeps the
-    best beam. ``temperature=0`` is greedy.
+    last ``C = max_len // 2`` tokens so far (at first the prompt, cropped to
+    ``C`` and right-padded) and adds ``max_len - C`` tokens; the last window's
+    surplus is cut off. Every window has the same shapes, so it compiles once.
+    Beam search, too, runs per window and keeps the best beam.
+    ``temperature=0`` is greedy.
     """
+    if model.max_len < 2:
+        raise ValueError("generate_text needs a model with max_len >= 2.")
     prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:
         raise ValueError("prompt must encode to at least one token.")
-    text_ids = np.tile(np.asarray(prompt_ids, np.int32), (num_samples, 1))
-    context_len = max(1, model.max_len // 2)
-    while text_ids.shape[1] < len(prompt_ids) + max_new_tokens:
-        context = text_ids[:, -context_len:]
-        new = min(model.max_len - context.shape[1],
-                  len(prompt_ids) + max_new_tokens - text_ids.shape[1])
+    context_len = model.max_len // 2
+    ids = [np.tile(np.asarray(prompt_ids[-context_len:], np.int32), (num_samples, 1))]
+    lengths = np.full([num_samples], ids[0].shape[1], np.int32)
+    generated = 0
+    while generated < max_new_tokens:
+        context = np.concatenate(ids, axis=1)[:, -context_len:]
+        context = np.pad(context, [(0, 0), (0, context_len - context.shape[1])])
         key, window_key = jax.random.split(key)
-        tokens = _continue(model, params, context, window_key,
-                           max_new_tokens=new, temperature=temperature,
-                           top_k=top_k, top_p=top_p, num_beams=num_beams)
-        text_ids = np.concatenate([text_ids, np.asarray(tokens)], axis=1)
-    return [tokenizer.decode(row) for row in text_ids]
+        ids.append(np.asarray(_continue(
+            model, params, context, lengths, window_key,
+            max_new_tokens=model.max_len - context_len, temperature=temperature,
+            top_k=top_k, top_p=top_p, num_beams=num_beams)))
+        generated += ids[-1].shape[1]
+        lengths[:] = context_len
+    new_ids = np.concatenate(ids[1:], axis=1)[:, :max_new_tokens]
+    return [prompt + tokenizer.decode(row) for row in new_ids]
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=(
     "max_new_tokens", "temperature", "top_k", "top_p", "num_beams"))
-def _continue(model, params, context, key, *, max_new_tokens, temperature,
-              top_k, top_p, num_beams):
-    """``[B, max_new_tokens]`` new tokens after ``context: [B, T]``."""
-    logits, cache = model_lib.prefill(model, params, context)
+def _continue(model, params, context, lengths, key, *, max_new_tokens,
+               temperature, top_k, top_p, num_beams):
+    """``[B, max_new_tokens]`` tokens after ``context[b, :lengths[b]]``."""
+    logits, cache = model_lib.prefill(model, params, context, lengths)
     step_fn = model_lib.make_step_fn(model, params)
     if num_beams:
         tokens, _, _ = decoding.beam_search(
@@ -310,7 +318,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError("config.data.vocab_size is for tokenizer='bpe' only; "
                          "the character vocabulary comes from the text.")
     check("data.val_fraction", float, low=0.0, high=1.0, open_range=True)
-    for name in ("data.block_size", "model.num_layers", "model.num_heads",
+    check("data.block_size", int, low=2)
+    for name in ("model.num_layers", "model.num_heads",
                  "model.d_model", "model.mlp_dim", "train.steps",
                  "train.batch_size", "train.log_every", "train.eval_every",
                  "train.checkpoint_every", "train.eval_batches",

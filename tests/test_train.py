@@ -120,20 +120,20 @@ class TestTraining:
         text = train.generate_text(model, params, tokenizer, "KING",
                                    key=jax.random.key(0), num_samples=2,
                                    max_new_tokens=20, temperature=0.0)
-        # The documented windows: contexts of max_len // 2 = 8 tokens, filled
-        # up to max_len = 16; the model is causal, so zero padding after the
-        # context does not change the logits read at its last position.
+        # The documented windows: the last max_len // 2 = 8 tokens (at first
+        # the 4 of the prompt), extended by 8. The model is causal, so zero
+        # padding after a context does not change the logits at its end.
         forward = jax.jit(lambda x: model.apply({"params": params}, x))
         ids = tokenizer.encode("KING")
         while len(ids) < 4 + 20:
             context = ids[-8:]
-            for _ in range(min(16 - len(context), 4 + 20 - len(ids))):
+            for _ in range(8):
                 padded = np.zeros((1, 16), np.int32)
                 padded[0, :len(context)] = context
                 next_id = int(np.argmax(forward(padded)[0, len(context) - 1]))
                 context.append(next_id)
                 ids.append(next_id)
-        assert text == [tokenizer.decode(ids)] * 2
+        assert text == [tokenizer.decode(ids[:4 + 20])] * 2
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +268,7 @@ class TestConfig:
             default.get_config().train.stpes = 3
 
     @pytest.mark.parametrize("name,value,error,match", [
-        ("data.block_size", 0, ValueError, r"config.data.block_size must be in \[1"),
+        ("data.block_size", 1, ValueError, r"config.data.block_size must be in \[2"),
         ("data.tokenizer", "word", ValueError, "'char', 'bpe'"),
         ("data.vocab_size", 500, ValueError, "tokenizer='bpe' only"),
         ("model.num_heads", 3, ValueError, "must divide"),

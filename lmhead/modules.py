@@ -15,8 +15,9 @@ import jax.numpy as jnp
 from lmhead import _checks
 from lmhead import head
 from lmhead import losses
+from lmhead import sharding
 
-LOSS_IMPLS = ("materialized",)
+LOSS_IMPLS = ("materialized", "vocab_parallel")
 
 Embedding = nn.Embed | jax.typing.ArrayLike
 
@@ -102,6 +103,7 @@ class LMHead(nn.Module):
         label_smoothing: float = 0.0,
         smoothing: str = "uniform",
         z_loss: float = 0.0,
+        chunk_size: int | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The training loss on hidden states; see ``losses.cross_entropy``.
 
@@ -110,7 +112,11 @@ class LMHead(nn.Module):
             labels: ``[...]`` integer targets.
             embedding: the table (or ``nn.Embed``) when tied.
             weights: optional ``[...]`` per-token weights.
-            loss_impl: ``"materialized"`` builds the ``[..., V]`` logits.
+            loss_impl: ``"materialized"`` builds the ``[..., V]`` logits;
+                ``"vocab_parallel"`` splits them over the ``"model"`` axis of
+                the mesh set by ``jax.set_mesh`` (see
+                ``sharding.vocab_parallel_cross_entropy``).
+            chunk_size: tokens per block of the blocked losses.
             label_smoothing, smoothing, z_loss: as in
                 ``losses.cross_entropy``.
 
@@ -119,6 +125,12 @@ class LMHead(nn.Module):
         """
         _checks.check_choice("loss_impl", loss_impl, LOSS_IMPLS)
         w, bias = self.unembedding(jnp.shape(h)[-1], embedding)
+        if loss_impl == "vocab_parallel":
+            return sharding.vocab_parallel_cross_entropy(
+                jnp.asarray(h, self.dtype), w, labels, bias=bias,
+                weights=weights, label_smoothing=label_smoothing,
+                smoothing=smoothing, z_loss=z_loss, scale=self.scale,
+                softcap=self.softcap, chunk_size=chunk_size)
         logits = head.unembed(jnp.asarray(h, self.dtype), w, bias,
                               scale=self.scale, softcap=self.softcap)
         return losses.cross_entropy(

@@ -10,7 +10,9 @@ machine. Model FLOPs per token, as in PaLM (Chowdhery et al., 2022, App. B):
 parameters that take part in matmuls (not the embedding lookup; the
 unembedding always) and ``6 L T D`` the attention scores and mixing with a
 causal mask (half of ``12 L T D``). XLA's own count of the compiled step
-(optimizer and elementwise work included) is printed beside it.
+(optimizer and elementwise work included) is printed beside it, and so is
+the process's CPU time per step (all threads), which other processes on a
+shared machine do not inflate.
 """
 
 import importlib.util
@@ -79,16 +81,18 @@ def bench(arg: str, steps: int, peak: float) -> None:
     for batch in batches[:WARMUP_STEPS]:
         state, metrics = train_fn(state, batch, dropout_key)
     jax.block_until_ready(metrics)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for batch in batches[WARMUP_STEPS:]:
         state, metrics = train_fn(state, batch, dropout_key)
     jax.block_until_ready(metrics)
     seconds = (time.perf_counter() - start) / steps
+    cpu_seconds = (time.process_time() - cpu_start) / steps
     tokens = config.train.batch_size * config.data.block_size
     flops = model_flops_per_token(config, dataset.vocab_size) * tokens
     xla_flops = (train_fn.cost_analysis() or {}).get("flops", float("nan"))
     print(f"{arg:32s} V={dataset.vocab_size:<5d} compile {compile_seconds:5.2f} s  "
-          f"{1 / seconds:6.1f} steps/s  {1e3 * seconds:6.2f} ms/step  "
+          f"{1 / seconds:6.1f} steps/s  {1e3 * seconds:6.2f} ms/step "
+          f"(CPU time {1e3 * cpu_seconds:6.2f} ms)  "
           f"{tokens / seconds:9,.0f} tokens/s  model {flops / seconds / 1e9:6.2f} "
           f"GFLOP/s = {100 * flops / seconds / peak:5.1f}% MFU  "
           f"(XLA count {xla_flops / seconds / 1e9:6.2f} GFLOP/s)", flush=True)

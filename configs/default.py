@@ -89,11 +89,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.dtype = "float32"  # compute dtype: "float32" | "bfloat16"
 
     config.loss = ml_collections.ConfigDict()
-    config.loss.loss_impl = "materialized"  # | "fused" (no [N, V] logits)
+    # "materialized" | "fused" (no [N, V] logits) | "vocab_parallel" (the
+    # vocabulary split over mesh.model, see lmhead/sharding.py)
+    config.loss.loss_impl = "materialized"
     config.loss.label_smoothing = 0.0
     config.loss.smoothing = "uniform"  # "uniform" | "normalized"
     config.loss.z_loss = 0.0
-    config.loss.chunk_size = config_dict.placeholder(int)  # fused only
+    config.loss.chunk_size = config_dict.placeholder(int)  # blocked losses only
 
     config.optim = ml_collections.ConfigDict()
     config.optim.lr = 1e-3
@@ -103,6 +105,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.optim.b1 = 0.9
     config.optim.b2 = 0.99
     config.optim.grad_clip = 1.0  # global norm; 0 turns clipping off
+
+    # Devices: data * model must be all of them (-1: the rest). "data" splits
+    # the batch; "model" splits the vocabulary of the [V, D] tables.
+    config.mesh = ml_collections.ConfigDict()
+    config.mesh.data = -1
+    config.mesh.model = 1
 
     config.train = ml_collections.ConfigDict()
     config.train.steps = 2000

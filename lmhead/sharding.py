@@ -258,12 +258,28 @@ def main_process_first(fn: Callable[[], Any]) -> Any:
     For work that fills a cache on a shared disk (the tokenizer and encoded
     corpus in the workdir): the others then read what process 0 wrote.
     """
+    if jax.process_count() == 1:
+        return fn()
     if is_main_process():
         result = fn()
     multihost_utils.sync_global_devices("lmhead: main process first")
     if not is_main_process():
         result = fn()
     return result
+
+
+def to_host(tree: Any) -> Any:
+    """Whole numpy copies of global (sharded, multi-process) arrays, on every
+    process; every process must call it."""
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def abstract_state(tree: Any, shardings: Any) -> Any:
+    """``jax.ShapeDtypeStruct`` leaves that carry ``shardings``: the target
+    that orbax restores a checkpoint onto, whatever mesh wrote it."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        tree, shardings)
 
 
 def initialize_distributed(coordinator_address: str | None = None,

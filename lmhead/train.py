@@ -42,12 +42,11 @@ from lmhead import decoding
 from lmhead import losses
 from lmhead import model as model_lib
 from lmhead import modules
+from lmhead import sharding
 
 CHECKPOINTS_TO_KEEP = 2
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 SAMPLE_SEPARATOR = "\n---------------\n"
-# "vocab_parallel" needs a device mesh with a "model" axis; this loop builds none.
-LOSS_IMPLS = tuple(impl for impl in modules.LOSS_IMPLS if impl != "vocab_parallel")
 TrainState = train_state.TrainState
 
 
@@ -338,7 +337,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     check("model.head_scale", float, low=0.0, open_range=True, optional=True)
     check("model.logits_softcap", float, low=0.0, open_range=True, optional=True)
     check("model.dtype", str, choices=tuple(DTYPES))
-    check("loss.loss_impl", str, choices=LOSS_IMPLS)
+    check("loss.loss_impl", str, choices=modules.LOSS_IMPLS)
     check("loss.label_smoothing", float, low=0.0, high=1.0, high_open=True)
     check("loss.smoothing", str, choices=("uniform", "normalized"))
     check("loss.z_loss", float, low=0.0)
@@ -346,6 +345,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     if config.loss.chunk_size is not None and config.loss.loss_impl == "materialized":
         raise ValueError("config.loss.chunk_size is not used by loss_impl="
                          "'materialized'; leave it unset.")
+    for name in ("mesh.data", "mesh.model"):
+        check(name, int, low=-1)
+        if config.mesh[name.split(".")[1]] == 0:
+            raise ValueError(f"config.{name} must be a number of devices >= 1, "
+                             "or -1 for all the others; got 0.")
     check("optim.lr", float, low=0.0, open_range=True)
     check("optim.warmup_steps", int, low=0, high=config.train.steps - 1)
     check("optim.min_lr", float, low=0.0, high=config.optim.lr)
@@ -398,10 +402,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         ``num_head_params`` (owned by the head: the untied ``[V, D]`` and the
         bias; a tied table counts as the embedding's), ``final`` (the last
         evaluation, keys as in ``metrics.jsonl``), ``vocab_size``,
-        ``tokens_per_sec`` and
-        ``ms_per_step`` (training steps of this process, without compilation,
-        evaluation or checkpoints), ``compile_seconds``, ``steps`` and
-        ``wall_seconds`` (this process).
+        ``tokens_per_sec``, ``ms_per_step`` and ``cpu_ms_per_step`` (the
+        process's CPU time, all threads; other processes on a shared machine
+        do not inflate it) over the training steps of this process, without
+        compilation, evaluation or checkpoints; ``compile_seconds``, ``steps``
+        and ``wall_seconds`` (this process).
     """
     wall_start = time.perf_counter()
     validate_config(config)
@@ -436,7 +441,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         batch_size=config.train.batch_size, block_size=config.data.block_size)
     run_eval = functools.partial(evaluate, eval_fn, batches=eval_set,
                                  chars_per_token=dataset.val_chars_per_token)
-    state, train_seconds, steps_run = _train_loop(
+    state, timing = _train_loop(
         config, state, train_fn, run_eval, dataset, manager, writer, dropout_key)
     final = next((r for r in reversed(writer.records) if "eval/loss" in r), None)
     if final is None or final["step"] != config.train.steps:
@@ -453,8 +458,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         "num_head_params": _count(state.params.get("head", {})),
         "vocab_size": dataset.vocab_size,
         "final": {k: v for k, v in final.items() if k != "step"},
-        "tokens_per_sec": steps_run * tokens_per_step / max(train_seconds, 1e-9),
-        "ms_per_step": 1e3 * train_seconds / max(steps_run, 1),
+        "tokens_per_sec": timing["steps"] * tokens_per_step / max(timing["wall"], 1e-9),
+        "ms_per_step": 1e3 * timing["wall"] / max(timing["steps"], 1),
+        "cpu_ms_per_step": 1e3 * timing["cpu"] / max(timing["steps"], 1),
         "compile_seconds": compile_seconds,
         "steps": config.train.steps,
         "wall_seconds": time.perf_counter() - wall_start}
@@ -469,8 +475,8 @@ def _train_loop(config, state, train_fn, run_eval, dataset, manager, writer,
     device only at log, evaluation and checkpoint steps."""
     steps, tokens_per_step = config.train.steps, (
         config.train.batch_size * config.data.block_size)
-    pending, train_seconds, steps_run = [], 0.0, 0
-    tick = time.perf_counter()
+    pending, timing = [], {"wall": 0.0, "cpu": 0.0, "steps": 0}
+    tick, cpu_tick = time.perf_counter(), time.process_time()
     for step in range(int(state.step), steps):
         batch = data.train_batch(
             dataset.train_tokens, seed=config.train.seed, step=step,
@@ -484,12 +490,14 @@ def _train_loop(config, state, train_fn, run_eval, dataset, manager, writer,
             continue
         pending = jax.device_get(pending)
         seconds = time.perf_counter() - tick
-        train_seconds, steps_run = train_seconds + seconds, steps_run + len(pending)
+        timing["wall"] += seconds
+        timing["cpu"] += time.process_time() - cpu_tick
+        timing["steps"] += len(pending)
         logged = {f"train/{k}": float(np.mean([m[k] for m in pending]))
                   for k in pending[0]}
         logged["train/tokens_per_sec"] = len(pending) * tokens_per_step / seconds
         writer.write(done, logged)
-        eta = (steps - done) * train_seconds / steps_run
+        eta = (steps - done) * timing["wall"] / timing["steps"]
         print(f"step {done}/{steps}  loss {logged['train/loss']:.4f}  "
               f"{logged['train/tokens_per_sec']:,.0f} tokens/s  "
               f"{1e3 * seconds / len(pending):.1f} ms/step  ETA {eta:.0f} s",
@@ -502,8 +510,8 @@ def _train_loop(config, state, train_fn, run_eval, dataset, manager, writer,
                 f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
         if checkpoint_now:
             manager.save(done, args=ocp.args.StandardSave(state))
-        tick = time.perf_counter()
-    return state, train_seconds, steps_run
+        tick, cpu_tick = time.perf_counter(), time.process_time()
+    return state, timing
 
 
 def _write_samples(config, model, params, tokenizer, key, workdir) -> None:

@@ -34,8 +34,9 @@ from lmhead import _checks
 # The one way -inf makes NaN, a row of nothing but -inf (max - max), is ruled
 # out by the all-removed fallback in `process_logits` and by guarded row maxima.
 NEG_INF = float("-inf")
-# top-p compares float32 cumulative sums with p; a set whose exact mass is p
-# must not be lost to rounding (e.g. 0.74999994 < 0.75).
+# top-p compares float32 cumulative sums with p. A set whose exact mass is p
+# (e.g. 0.35 + 0.4 with p = 0.75) often sums to one ulp below p in float32,
+# which would keep one token too many; masses this close to p count as p.
 TOP_P_TOLERANCE = 1e-6
 # An empty slot of a token history (left padding, or not yet generated).
 NO_TOKEN = -1
@@ -184,7 +185,8 @@ def apply_top_p(logits: jax.typing.ArrayLike,
     _checks.check_in_range("top_p", p, low=0.0, high=1.0, low_open=True)
     order = jnp.argsort(-logits, axis=-1, stable=True)
     sorted_probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
-    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    mass = jnp.cumsum(sorted_probs, axis=-1)
+    mass_before = jnp.concatenate([jnp.zeros_like(mass[..., :1]), mass[..., :-1]], -1)
     num_kept = jnp.sum(mass_before < p - TOP_P_TOLERANCE, axis=-1, keepdims=True)
     num_kept = jnp.maximum(num_kept, 1)
     keep = jnp.argsort(order, axis=-1, stable=True) < num_kept

@@ -7,10 +7,15 @@ and :mod:`lmhead.decoding` (logits processors, sampling, beam search).
 Parameters live in :mod:`lmhead.modules` and :mod:`lmhead.model`.
 """
 
+from lmhead import decoding
 from lmhead import head
 from lmhead import losses
 from lmhead import modules
 from lmhead import model
+from lmhead.decoding import beam_search
+from lmhead.decoding import detokenize
+from lmhead.decoding import generate
+from lmhead.decoding import process_logits
 from lmhead.head import apply_softcap
 from lmhead.head import last_positions
 from lmhead.head import log_probs

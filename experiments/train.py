@@ -4,6 +4,13 @@ r"""Trains a language model: parses flags, then calls the library.
         --workdir=runs/nanogpt_tied [--config.train.steps=500 ...]
 
 Rerunning with the same --workdir resumes from its newest checkpoint.
+
+Several processes (hosts), each started with the same flags plus::
+
+    --coordinator_address=HOST0:PORT --num_processes=N --process_id=I
+
+or ``--distributed`` where JAX finds the cluster itself (Cloud TPU slices,
+SLURM, Open MPI). See ``lmhead/sharding.py`` for the device mesh.
 """
 
 from absl import app
@@ -11,11 +18,18 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from lmhead import sharding
 from lmhead import train
 
 config_flags.DEFINE_config_file("config", None, "A configs/*.py file[:args].",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory of the run's outputs.")
+flags.DEFINE_bool("distributed", False,
+                  "Start jax.distributed and let JAX detect the cluster.")
+flags.DEFINE_string("coordinator_address", None,
+                    "host:port of process 0, for a run over several processes.")
+flags.DEFINE_integer("num_processes", None, "Processes in the run.")
+flags.DEFINE_integer("process_id", None, "This process's index, 0 to N - 1.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -24,6 +38,10 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    if flags.FLAGS.distributed or flags.FLAGS.coordinator_address:
+        sharding.initialize_distributed(flags.FLAGS.coordinator_address,
+                                        flags.FLAGS.num_processes,
+                                        flags.FLAGS.process_id)
     train.train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
 
 

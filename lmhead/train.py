@@ -22,6 +22,7 @@ checkpoint's step is the whole data position: a resumed run continues
 exactly as an uninterrupted one would have.
 """
 
+import contextlib
 import functools
 import json
 import os
@@ -170,19 +171,34 @@ def eval_step(params: Any, batch: dict[str, jax.Array], *,
 
 
 def compile_steps(model: model_lib.DecoderLM, config: ml_collections.ConfigDict,
-                  state: TrainState, batch: dict[str, np.ndarray], key: jax.Array):
+                  state: TrainState, batch: dict[str, np.ndarray], key: jax.Array,
+                  mesh: jax.sharding.Mesh | None = None):
     """Jits ``train_step`` (state donated, compiled ahead of time) and ``eval_step``.
 
+    With a ``mesh``, the state is sharded by ``sharding.tree_shardings``, the
+    batch over ``"data"``, the metrics replicated, and the step is traced
+    under ``jax.set_mesh(mesh)`` (which ``loss_impl="vocab_parallel"`` uses).
     Returns ``(train_fn, eval_fn, compile_seconds)``; ``train_fn(state, batch,
     key)`` and ``eval_fn(params, batch)`` take the shapes of the examples.
     """
     step = functools.partial(
         train_step, model=model, loss_kwargs=loss_keywords(config.loss),
         learning_rate_fn=learning_rate_schedule(config))
+    train_shardings, eval_shardings = {}, {}
+    if mesh is not None:
+        state_shardings = sharding.tree_shardings(state, mesh)
+        replicated = sharding.replicated(mesh)
+        train_shardings = dict(
+            in_shardings=(state_shardings, sharding.batch_sharding(mesh),
+                          replicated),
+            out_shardings=(state_shardings, replicated))
+        eval_shardings = dict(out_shardings=replicated)
     start = time.perf_counter()
-    train_fn = jax.jit(step, donate_argnums=0).lower(state, batch, key).compile()
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        train_fn = jax.jit(step, donate_argnums=0, **train_shardings).lower(
+            state, batch, key).compile()
     compile_seconds = time.perf_counter() - start
-    eval_fn = jax.jit(functools.partial(eval_step, model=model))
+    eval_fn = jax.jit(functools.partial(eval_step, model=model), **eval_shardings)
     return train_fn, eval_fn, compile_seconds
 
 
@@ -205,7 +221,8 @@ class MetricWriter:
     """Appends metrics to ``metrics.jsonl`` and TensorBoard events.
 
     On resume at step ``s``, lines after ``s`` (written after the checkpoint
-    by an interrupted run) are dropped, so the file reads as one run.
+    by an interrupted run) are dropped, so the file reads as one run. Every
+    process keeps the records; only process 0 writes them.
     """
 
     def __init__(self, workdir: str, resume_step: int):
@@ -215,20 +232,25 @@ class MetricWriter:
             with open(self.path) as f:
                 self.records = [r for r in map(json.loads, f)
                                 if r["step"] <= resume_step]
-        with open(self.path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in self.records)
-        self.tensorboard = tensorboardX.SummaryWriter(workdir)
+        self.tensorboard = None
+        if sharding.is_main_process():
+            with open(self.path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in self.records)
+            self.tensorboard = tensorboardX.SummaryWriter(workdir)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **metrics}
         self.records.append(record)
+        if self.tensorboard is None:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         for name, value in metrics.items():
             self.tensorboard.add_scalar(name, value, step)
 
     def close(self) -> None:
-        self.tensorboard.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
@@ -242,14 +264,20 @@ def checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
 
 
 def restore_or_init(manager: ocp.CheckpointManager, model: model_lib.DecoderLM,
-                    config: ml_collections.ConfigDict, key: jax.Array) -> TrainState:
-    """The newest checkpoint's state, or a fresh one initialised from ``key``."""
-    init = jax.jit(functools.partial(create_train_state, model, config))
+                    config: ml_collections.ConfigDict, key: jax.Array,
+                    mesh: jax.sharding.Mesh | None = None) -> TrainState:
+    """The newest checkpoint's state, or a fresh one initialised from ``key``,
+    sharded over ``mesh`` (default: the first device) whatever mesh saved it."""
+    if mesh is None:
+        mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])
+    init = functools.partial(create_train_state, model, config)
+    abstract = jax.eval_shape(init, key)
+    shardings = sharding.tree_shardings(abstract, mesh)
     step = manager.latest_step()
     if step is None:
-        return init(key)
-    abstract = jax.eval_shape(init, key)
-    return manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        return jax.jit(init, out_shardings=shardings)(key)
+    return manager.restore(step, args=ocp.args.StandardRestore(
+        sharding.abstract_state(abstract, shardings)))
 
 
 def generate_text(model: model_lib.DecoderLM, params: Any, tokenizer: data.Tokenizer,
@@ -410,39 +438,44 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """
     wall_start = time.perf_counter()
     validate_config(config)
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
     os.makedirs(workdir, exist_ok=True)
-    dataset = data.load_dataset(config.data, workdir)
+    dataset = sharding.main_process_first(
+        lambda: data.load_dataset(config.data, workdir))
     dataset.tokenizer.encode(config.sample.prompt)  # unknown characters fail now
     model = make_model(config, dataset.vocab_size)
     init_key, dropout_key, sample_key = jax.random.split(
         jax.random.key(config.train.seed), 3)
+    init_key, dropout_key = sharding.replicate((init_key, dropout_key), mesh)
     manager = checkpoint_manager(workdir)
-    state = restore_or_init(manager, model, config, init_key)
+    state = restore_or_init(manager, model, config, init_key, mesh)
     summary_path = os.path.join(workdir, "summary.json")
     if int(state.step) >= config.train.steps and os.path.exists(summary_path):
-        print(f"{workdir} has finished {int(state.step)} steps.", flush=True)
+        _log(f"{workdir} has finished {int(state.step)} steps.")
         with open(summary_path) as f:
             return json.load(f)
-    if os.path.exists(summary_path):
-        os.remove(summary_path)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json(indent=2))
+    if sharding.is_main_process():
+        if os.path.exists(summary_path):
+            os.remove(summary_path)
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json(indent=2))
     writer = MetricWriter(workdir, resume_step=int(state.step))
-    example = data.train_batch(dataset.train_tokens, seed=config.train.seed,
-                               step=0, batch_size=config.train.batch_size,
-                               block_size=config.data.block_size)
+    example = sharding.shard_batch(data.train_batch(
+        dataset.train_tokens, seed=config.train.seed, step=0,
+        batch_size=config.train.batch_size,
+        block_size=config.data.block_size), mesh)
     train_fn, eval_fn, compile_seconds = compile_steps(
-        model, config, state, example, dropout_key)
-    print(f"{_count(state.params):,} parameters; train step compiled in "
-          f"{compile_seconds:.1f} s; starting at step {int(state.step)}.",
-          flush=True)
-    eval_set = data.eval_batches(
+        model, config, state, example, dropout_key, mesh)
+    _log(f"{_count(state.params):,} parameters; train step compiled in "
+         f"{compile_seconds:.1f} s; starting at step {int(state.step)}.")
+    eval_set = [sharding.shard_batch(batch, mesh) for batch in data.eval_batches(
         dataset.val_tokens, num_batches=config.train.eval_batches,
-        batch_size=config.train.batch_size, block_size=config.data.block_size)
+        batch_size=config.train.batch_size, block_size=config.data.block_size)]
     run_eval = functools.partial(evaluate, eval_fn, batches=eval_set,
                                  chars_per_token=dataset.val_chars_per_token)
     state, timing = _train_loop(
-        config, state, train_fn, run_eval, dataset, manager, writer, dropout_key)
+        config, state, train_fn, run_eval, dataset, manager, writer, dropout_key,
+        mesh)
     final = next((r for r in reversed(writer.records) if "eval/loss" in r), None)
     if final is None or final["step"] != config.train.steps:
         final = {"step": config.train.steps, **run_eval(state.params)}
@@ -450,8 +483,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     writer.close()
     manager.close()
     if config.sample.num_samples:
-        _write_samples(config, model, state.params, dataset.tokenizer, sample_key,
-                       workdir)
+        params = sharding.to_host(state.params)  # every process takes part
+        if sharding.is_main_process():
+            _write_samples(config, model, params, dataset.tokenizer, sample_key,
+                           workdir)
     tokens_per_step = config.train.batch_size * config.data.block_size
     summary = {
         "num_params": _count(state.params),
@@ -464,13 +499,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         "compile_seconds": compile_seconds,
         "steps": config.train.steps,
         "wall_seconds": time.perf_counter() - wall_start}
-    with open(summary_path, "w") as f:
-        json.dump(summary, f, indent=2)
+    if sharding.is_main_process():
+        with open(summary_path, "w") as f:
+            json.dump(summary, f, indent=2)
     return summary
 
 
 def _train_loop(config, state, train_fn, run_eval, dataset, manager, writer,
-                dropout_key):
+                dropout_key, mesh):
     """Steps from ``state.step`` to ``train.steps``; the host waits for the
     device only at log, evaluation and checkpoint steps."""
     steps, tokens_per_step = config.train.steps, (
@@ -478,9 +514,10 @@ def _train_loop(config, state, train_fn, run_eval, dataset, manager, writer,
     pending, timing = [], {"wall": 0.0, "cpu": 0.0, "steps": 0}
     tick, cpu_tick = time.perf_counter(), time.process_time()
     for step in range(int(state.step), steps):
-        batch = data.train_batch(
+        batch = sharding.shard_batch(data.train_batch(
             dataset.train_tokens, seed=config.train.seed, step=step,
-            batch_size=config.train.batch_size, block_size=config.data.block_size)
+            batch_size=config.train.batch_size,
+            block_size=config.data.block_size), mesh)
         state, metrics = train_fn(state, batch, dropout_key)
         pending.append(metrics)
         done = step + 1
@@ -498,16 +535,15 @@ def _train_loop(config, state, train_fn, run_eval, dataset, manager, writer,
         logged["train/tokens_per_sec"] = len(pending) * tokens_per_step / seconds
         writer.write(done, logged)
         eta = (steps - done) * timing["wall"] / timing["steps"]
-        print(f"step {done}/{steps}  loss {logged['train/loss']:.4f}  "
-              f"{logged['train/tokens_per_sec']:,.0f} tokens/s  "
-              f"{1e3 * seconds / len(pending):.1f} ms/step  ETA {eta:.0f} s",
-              flush=True)
+        _log(f"step {done}/{steps}  loss {logged['train/loss']:.4f}  "
+             f"{logged['train/tokens_per_sec']:,.0f} tokens/s  "
+             f"{1e3 * seconds / len(pending):.1f} ms/step  ETA {eta:.0f} s")
         pending = []
         if evaluate_now:
             metrics = run_eval(state.params)
             writer.write(done, metrics)
-            print(f"step {done}/{steps}  " + "  ".join(
-                f"{k} {v:.4f}" for k, v in metrics.items()), flush=True)
+            _log(f"step {done}/{steps}  " + "  ".join(
+                f"{k} {v:.4f}" for k, v in metrics.items()))
         if checkpoint_now:
             manager.save(done, args=ocp.args.StandardSave(state))
         tick, cpu_tick = time.perf_counter(), time.process_time()
@@ -525,6 +561,12 @@ def _write_samples(config, model, params, tokenizer, key, workdir) -> None:
     with open(os.path.join(workdir, "samples.txt"), "w", encoding="utf-8") as f:
         f.write(joined + "\n")
     print(joined, flush=True)
+
+
+def _log(message: str) -> None:
+    """A progress line, from process 0 only."""
+    if sharding.is_main_process():
+        print(message, flush=True)
 
 
 def _count(params: Any) -> int:

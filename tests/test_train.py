@@ -275,7 +275,7 @@ class TestConfig:
         ("model.dtype", "float16", ValueError, "'float32', 'bfloat16'"),
         ("loss.smoothing", "soft", ValueError, "config.loss.smoothing"),
         ("loss.chunk_size", 64, ValueError, "not used by loss_impl='materialized'"),
-        ("loss.loss_impl", "vocab_parallel", ValueError, "config.loss.loss_impl"),
+        ("mesh.model", 0, ValueError, "config.mesh.model must be a number"),
         ("optim.min_lr", 1.0, ValueError, "config.optim.min_lr"),
         ("optim.b2", 1.0, ValueError, r"config.optim.b2 must be in \[0.0, 1.0\)"),
         ("optim.warmup_steps", 40, ValueError, "config.optim.warmup_steps"),

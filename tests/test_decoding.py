@@ -634,3 +634,55 @@ def test_bad_input_is_named(call, error, fragment):
     with pytest.raises(error) as info:
         call()
     assert fragment in str(info.value)
+
+
+# ---------------------------------------------------------------------------
+# through model.py's KV cache
+
+def test_beam_search_through_the_kv_cache_matches_recomputing_the_prefix():
+    """Beam search on model.py's cache (tiled to beams, rows gathered) gives
+    what a step_fn that reruns the model on the whole prefix gives. Row 1's
+    prompt is shorter than row 0's. (tests/test_model.py checks the cache's
+    logits step by step and greedy decoding through it.)"""
+    from lmhead import model as model_lib
+    model = model_lib.DecoderLM(vocab_size=11, num_layers=2, num_heads=2, d_model=16,
+                                mlp_dim=32, max_len=12)
+    rng = np.random.default_rng(0)
+    prompt = jnp.asarray(rng.integers(0, 11, (2, 4)), jnp.int32)
+    lengths_prompt = jnp.array([4, 2], jnp.int32)
+    params = jax.jit(model.init)(jax.random.key(0), prompt)["params"]
+    # Away from the near-uniform init, so that rankings are clear-cut.
+    params = jax.tree.map(lambda p: p + 0.3 * rng.standard_normal(p.shape), params)
+    forward = jax.jit(lambda tokens: model.apply({"params": params}, tokens))
+
+    def recompute(tokens, state):
+        rows = jnp.arange(tokens.shape[0])
+        buffer = state["tokens"].at[rows, state["length"]].set(tokens)
+        return forward(buffer)[rows, state["length"]], {"tokens": buffer,
+                                                        "length": state["length"] + 1}
+
+    buffer = jnp.zeros((2, 12), jnp.int32).at[:, :4].set(prompt)
+    recompute_logits = forward(buffer)[jnp.arange(2), lengths_prompt - 1]
+    recompute_state = {"tokens": buffer, "length": lengths_prompt}
+    cache_logits, cache = model_lib.prefill(model, params, prompt, lengths_prompt,
+                                            max_new_tokens=8)
+    cached = model_lib.make_step_fn(model, params)
+    np.testing.assert_allclose(cache_logits, recompute_logits, rtol=1e-5, atol=1e-5)
+
+    beams = lambda step_fn, logits, state: decoding.beam_search(
+        step_fn, logits, state, num_beams=4, max_new_tokens=8, eos_id=None,
+        num_return_sequences=3)
+    tokens, scores, lengths = beams(cached, cache_logits, cache)
+    expected = beams(recompute, recompute_logits, recompute_state)
+    np.testing.assert_array_equal(tokens, expected[0])
+    np.testing.assert_allclose(scores, expected[1], rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(lengths, expected[2])
+    # Each score is its sequence's log-prob under the model, by teacher forcing.
+    for row, rank in itertools.product(range(2), range(3)):
+        start, length = int(lengths_prompt[row]), int(lengths[row, rank])
+        sequence = np.asarray(buffer[row]).copy()
+        sequence[start:start + length] = tokens[row, rank, :length]
+        log_probs = np_log_softmax(forward(jnp.asarray(sequence[None]))[0])
+        total = sum(log_probs[start - 1 + t, sequence[start + t]] for t in range(length))
+        np.testing.assert_allclose(scores[row, rank],
+                                   total / np_divisor(length, 0.6, "gnmt"), rtol=1e-4)

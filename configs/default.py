@@ -47,8 +47,7 @@ def nanogpt_values() -> dict:
                       dropout_rate=0.0, positions="learned", head_bias=False),
         "optim": dict(lr=1e-3, warmup_steps=100, min_lr=1e-4, weight_decay=0.1,
                       b1=0.9, b2=0.99, grad_clip=1.0),
-        "train": dict(steps=2000, batch_size=12, eval_every=250,
-                      eval_batches=20),
+        "train": dict(steps=2000, batch_size=12),
     }
 
 
@@ -117,9 +116,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.train.batch_size = 12
     config.train.seed = 0
     config.train.log_every = 100
-    config.train.eval_every = 250
+    config.train.eval_every = 500
     config.train.checkpoint_every = 500
-    config.train.eval_batches = 20
+    # Batches of evenly spaced validation windows; None: the whole split.
+    config.train.eval_batches = config_dict.placeholder(int)
 
     config.sample = ml_collections.ConfigDict()
     config.sample.num_samples = 2

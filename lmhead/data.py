@@ -405,29 +405,48 @@ def train_batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int,
     return windows(tokens, starts, block_size)
 
 
-def eval_batches(tokens: np.ndarray, *, num_batches: int, batch_size: int,
+def eval_batches(tokens: np.ndarray, *, num_batches: int | None, batch_size: int,
                  block_size: int) -> list[dict[str, np.ndarray]]:
-    """A fixed validation set: ``num_batches * batch_size`` evenly spaced windows.
+    """A fixed validation set: evenly spaced windows, or the whole split.
 
-    Evenly spaced starts cover the whole validation split, with no randomness,
-    so every evaluation of every run sees the same tokens.
+    With ``num_batches``: ``num_batches * batch_size`` evenly spaced windows,
+    a sample of the whole split with no randomness, so every evaluation of
+    every run sees the same tokens. With ``None``: consecutive windows
+    starting at ``0, T, 2T, ...``, so that each of the first
+    ``T * floor((N - 1) / T)`` labels is predicted exactly once (at most
+    ``T - 1`` tokens at the end are left out); the last batch is filled up
+    with copies of the first window, of weight 0, so that every batch has
+    the same shape.
 
     Args:
         tokens: [N] validation token ids.
-        num_batches: how many batches.
+        num_batches: how many batches, or None for the whole split.
         batch_size: B.
         block_size: T.
 
     Returns:
-        ``num_batches`` dicts ``{"inputs": [B, T], "labels": [B, T]}``.
+        A list of dicts ``{"inputs": [B, T], "labels": [B, T], "weights":
+        [B, T]}`` (int32, int32, float32).
 
     Examples:
         >>> [b["inputs"][:, 0].tolist()
         ...  for b in eval_batches(np.arange(20), num_batches=2, batch_size=2,
         ...                        block_size=4)]
         [[0, 5], [10, 15]]
+        >>> last = eval_batches(np.arange(11), num_batches=None, batch_size=2,
+        ...                     block_size=3)[-1]
+        >>> last["labels"].tolist(), last["weights"].tolist()
+        ([[7, 8, 9], [1, 2, 3]], [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
     """
-    starts = np.linspace(0, len(tokens) - block_size - 1,
-                         num_batches * batch_size).astype(np.int64)
-    return [windows(tokens, s, block_size)
-            for s in starts.reshape(num_batches, batch_size)]
+    if num_batches is None:
+        starts = np.arange((len(tokens) - 1) // block_size) * block_size
+    else:
+        starts = np.linspace(0, len(tokens) - block_size - 1,
+                             num_batches * batch_size).astype(np.int64)
+    padding = -len(starts) % batch_size
+    weights = np.ones([len(starts) + padding, block_size], np.float32)
+    weights[len(starts):] = 0.0
+    starts = np.concatenate([starts, np.zeros(padding, np.int64)])
+    return [{**windows(tokens, starts[i:i + batch_size], block_size),
+             "weights": weights[i:i + batch_size]}
+            for i in range(0, len(starts), batch_size)]

@@ -159,15 +159,19 @@ def eval_step(params: Any, batch: dict[str, jax.Array], *,
               model: model_lib.DecoderLM) -> dict[str, jax.Array]:
     """Sums over one validation batch, to add up over the whole set.
 
-    Returns ``nll_sum``, ``correct_sum``, ``count`` (tokens) and ``bins``
+    ``batch`` is ``data.eval_batches``'s: inputs, labels and weights (0 on
+    the padding windows of a last, partial batch), each ``[B, T]``. Returns
+    ``nll_sum``, ``correct_sum``, ``count`` (the weight sum) and ``bins``
     (``losses.calibration_bins``, ``[15, 3]``).
     """
     logits = model.apply({"params": params}, batch["inputs"])
-    _, metrics = losses.cross_entropy(logits, batch["labels"])
+    _, metrics = losses.cross_entropy(logits, batch["labels"],
+                                      weights=batch["weights"])
     count = metrics["weight_sum"]
     return {"nll_sum": metrics["nll"] * count,
             "correct_sum": metrics["accuracy"] * count, "count": count,
-            "bins": losses.calibration_bins(logits, batch["labels"])}
+            "bins": losses.calibration_bins(logits, batch["labels"],
+                                            batch["weights"])}
 
 
 def compile_steps(model: model_lib.DecoderLM, config: ml_collections.ConfigDict,
@@ -351,7 +355,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     for name in ("model.num_layers", "model.num_heads",
                  "model.d_model", "model.mlp_dim", "train.steps",
                  "train.batch_size", "train.log_every", "train.eval_every",
-                 "train.checkpoint_every", "train.eval_batches",
+                 "train.checkpoint_every",
                  "sample.max_new_tokens"):
         check(name, int, low=1)
     if config.model.d_model % config.model.num_heads:
@@ -385,6 +389,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         check(name, float, low=0.0)
     for name in ("optim.b1", "optim.b2"):
         check(name, float, low=0.0, high=1.0, high_open=True)
+    check("train.eval_batches", int, low=1, optional=True)
     check("train.seed", int, low=0, high=2**31 - 1)
     check("sample.num_samples", int, low=0)
     check("sample.temperature", float, low=0.0)

@@ -243,3 +243,17 @@ class TestBatches:
         starts = np.concatenate([b["inputs"][:, 0] for b in batches])
         np.testing.assert_array_equal(starts, [0, 17, 35, 53, 71, 89])
         assert batches[-1]["labels"][-1, -1] == 99
+        assert all(b["weights"].sum() == 20 for b in batches)
+
+    @pytest.mark.parametrize("n", [101, 107, 110])
+    def test_whole_split_predicts_each_label_once(self, n):
+        tokens = np.arange(n)
+        batches = data.eval_batches(tokens, num_batches=None, batch_size=3,
+                                    block_size=10)
+        assert [b["inputs"].shape for b in batches] == [(3, 10)] * 4
+        weights = np.concatenate([b["weights"] for b in batches])
+        labels = np.concatenate([b["labels"] for b in batches])
+        np.testing.assert_array_equal(labels[weights > 0], np.arange(1, 101))
+        assert weights.sum() == 100 and weights[-2:].sum() == 0
+        for b in batches:
+            np.testing.assert_array_equal(b["labels"], b["inputs"] + 1)

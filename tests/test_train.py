@@ -204,20 +204,25 @@ class TestOptimizer:
 
 class TestEvaluate:
 
-    def test_against_numpy(self):
+    @pytest.mark.parametrize("num_batches", [3, None])
+    def test_against_numpy(self, num_batches):
         config = tiny_config()
         model = train.make_model(config, vocab_size=84)
         params = init_state(config, jax.random.key(1)).params
         tokens = np.random.default_rng(0).integers(0, 84, 500)
-        batches = data.eval_batches(tokens, num_batches=3, batch_size=4,
-                                    block_size=16)
+        batches = data.eval_batches(tokens, num_batches=num_batches,
+                                    batch_size=4, block_size=16)
         eval_fn = jax.jit(lambda p, b: train.eval_step(p, b, model=model))
         got = train.evaluate(eval_fn, params, batches, chars_per_token=2.5)
 
+        # The whole split: 31 windows of 16, so every label but the last 3.
+        windows = np.stack([tokens[i:i + 17] for i in range(0, 496, 16)])
+        if num_batches:
+            windows = np.stack([tokens[i:i + 17] for i in
+                                np.linspace(0, 483, 12).astype(int)])
         apply = jax.jit(lambda p, x: model.apply({"params": p}, x))
-        logits = np.concatenate([np.asarray(apply(params, b["inputs"]), np.float64)
-                                 for b in batches]).reshape(-1, 84)
-        labels = np.concatenate([b["labels"] for b in batches]).reshape(-1)
+        logits = np.asarray(apply(params, windows[:, :-1]), np.float64).reshape(-1, 84)
+        labels = windows[:, 1:].reshape(-1)
         log_p = logits - logits.max(-1, keepdims=True)
         log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
         nll = -log_p[np.arange(len(labels)), labels].mean()

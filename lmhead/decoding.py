@@ -19,6 +19,7 @@ Conventions shared by everything below:
   positions after it hold ``pad_id``.
 """
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -584,7 +585,7 @@ def _sampling_step(s: SamplingState, *, step_fn: StepFn, knobs: _SamplingKnobs,
     return new._replace(logits=logits, model_state=model_state)
 
 
-@jax.jit(static_argnames=("step_fn", "config"))
+@functools.partial(jax.jit, static_argnames=("step_fn", "config"))
 def _sampling_loop(step_fn: StepFn, logits: jax.Array, model_state: Any,
                    key: jax.Array, history: jax.Array | None,
                    knobs: _SamplingKnobs, config: _SamplingConfig):
@@ -912,7 +913,7 @@ def _beam_step(s: BeamState, *, step_fn: StepFn, alpha: jax.Array,
     return new._replace(logits=logits, model_state=model_state)
 
 
-@jax.jit(static_argnames=("step_fn", "config"))
+@functools.partial(jax.jit, static_argnames=("step_fn", "config"))
 def _beam_loop(step_fn: StepFn, logits: jax.Array, model_state: Any,
                alpha: jax.Array, config: _BeamConfig):
     batch = logits.shape[0]

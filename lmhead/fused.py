@@ -1,0 +1,562 @@
+r"""Linear + cross-entropy that never builds the ``[N, V]`` logits.
+
+For a vocabulary of tens of thousands of tokens the logits dominate the
+memory of a training step: ``N`` tokens times ``V`` classes in float32, once
+for the values and once for their gradient. :func:`fused_cross_entropy`
+computes the same loss and metrics as
+``losses.cross_entropy(head.unembed(h, w, bias, ...), labels, ...)`` while
+holding the logits of one block of tokens at a time.
+
+How it works. Every option of the loss is a function of three statistics of
+each token's logits ``z`` -- ``lse = logsumexp(z)``, the label's logit
+``z_y`` and ``sum_i z_i`` -- (see :func:`lmhead.losses.token_losses`), and
+accuracy needs the argmax. So the forward pass sweeps over chunks of tokens,
+computes a chunk's logits, reduces them to these four numbers per token and
+drops them. For a loss :math:`L` of the statistics, the gradient with
+respect to the logits is
+
+.. math::
+    \frac{\partial L}{\partial z_{i}} = \alpha\, p_{i}
+        + \beta\, [i = y] + \gamma, \qquad
+    p_i = e^{z_i - \mathrm{lse}}, \quad
+    (\alpha, \beta, \gamma) = \Big(\frac{\partial L}{\partial \mathrm{lse}},
+        \frac{\partial L}{\partial z_y},
+        \frac{\partial L}{\partial \textstyle\sum_i z_i}\Big),
+
+(e.g. :math:`\alpha = 1 + 2\lambda_z\,\mathrm{lse}`,
+:math:`\beta = -(1-\epsilon)`, :math:`\gamma = -\epsilon / V` for uniform
+smoothing), times :math:`1 - (z_i / c)^2` through a softcap :math:`c`, times
+the scale :math:`s` before the matmul. Because :math:`(\alpha, \beta,
+\gamma)` of a reduced (``"mean"`` or ``"sum"``) loss are known as soon as a
+chunk's ``lse`` is, the differentiated forward pass computes ``dh``, ``dw``
+and ``dbias`` in the same sweep, from the chunk's logits while they are still
+in cache: three matmuls per chunk and no recomputation. Any other cotangent
+(``reduction="none"``, or differentiating a metric) is handled by a second
+sweep that recomputes the logits.
+
+Blocks. The forward sweep computes a chunk's logits ``[V, chunk_size]`` with
+one matmul and keeps them while it reduces them (an online logsumexp) and
+turns them into gradients, ``VOCAB_BLOCK_ROWS`` vocabulary rows at a time.
+The kept logits are the largest temporary, so by default ``chunk_size`` is
+``BLOCK_ELEMENTS // V`` clipped to ``[MIN_CHUNK_SIZE, MAX_CHUNK_SIZE]``. On
+CPU (``2**22`` numbers, 16 MiB; 1024-row blocks) each vocabulary block
+stays in a core's cache and the matmuls stay large enough to run near the
+machine's matmul rate; on GPU and TPU (``2**26`` numbers, 16384-row blocks)
+there are fewer, larger kernels, still a small fraction of the device's
+memory. The ``dw`` matmul contracts over the chunk's tokens, so chunks much
+smaller than 128 tokens make it slow. With ``vocab_chunk_size`` the logits
+are computed that many rows at a time, twice (statistics, then gradients),
+as Cut Cross-Entropy does: no temporary grows with ``V``, at the price of a
+fourth matmul.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from lmhead import _checks
+from lmhead import head
+from lmhead import losses
+
+# Default block sizes by platform (``jax.default_backend()``), see the module
+# docstring: numbers in one chunk's kept logits, and vocabulary rows per block
+# of the elementwise work and of each ``dw`` update (XLA does not accumulate
+# into a matmul's output, so an update needs a ``[rows, D]`` temporary).
+BLOCK_ELEMENTS = {"cpu": 2**22, "gpu": 2**26, "tpu": 2**26}
+VOCAB_BLOCK_ROWS = {"cpu": 1024, "gpu": 16384, "tpu": 16384}
+MIN_CHUNK_SIZE = 128
+MAX_CHUNK_SIZE = 1024
+
+_CONTRACT_COLUMNS = (((1,), (1,)), ((), ()))  # [a, D] x [b, D] -> [a, b]
+_CONTRACT_ROWS = (((0,), (0,)), ((), ()))  # [V, a] x [V, b] -> [a, b]
+_MATMUL = (((1,), (0,)), ((), ()))  # [a, k] x [k, b] -> [a, b]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """The static part of a call: loss options and block sizes."""
+
+    vocab_size: int
+    chunk_size: int
+    block_rows: int  # vocabulary rows per block
+    keep_logits: bool  # a chunk's [V, Nc] logits computed once and kept
+    label_smoothing: float
+    smoothing: str
+    z_loss: float
+    scale: float | None
+    softcap: float | None
+    precision: jax.lax.PrecisionLike
+    grads_in_forward: bool
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.vocab_size // self.block_rows)
+
+    def token_loss(self, lse, label_logit, logit_sum):
+        return losses.token_losses(
+            lse, label_logit, logit_sum, self.vocab_size,
+            label_smoothing=self.label_smoothing, smoothing=self.smoothing,
+            z_loss=self.z_loss)[0]
+
+    def dot(self, a, b, dims):
+        return lax.dot_general(a, b, dims, precision=self.precision,
+                               preferred_element_type=jnp.float32)
+
+
+def _fresh(start: jax.Array, first_new: jax.Array, size: int) -> jax.Array:
+    """Marks the positions of a clamped block that no earlier block covered.
+
+    The last block of a ragged axis starts at ``length - size`` instead of
+    running past the end, so it overlaps the previous one; the overlap is
+    masked rather than padded, and nothing is indexed out of range.
+    """
+    return start + jnp.arange(size) >= first_new
+
+
+def _block_start(index: jax.Array, size: int, length: int) -> jax.Array:
+    return jnp.minimum(index * size, length - size)
+
+
+def _logits(plan, h_chunk, w_block, bias_block):
+    """``[Vb, Nc]`` float32 logits, vocabulary-major, as ``head.unembed``."""
+    z = plan.dot(w_block, h_chunk, _CONTRACT_COLUMNS)
+    if plan.scale is not None:
+        z = z * plan.scale
+    if bias_block is not None:
+        z = z + bias_block.astype(jnp.float32)[:, None]
+    if plan.softcap is not None:
+        z = head.apply_softcap(z, plan.softcap)
+    return z
+
+
+def _vocab_blocks(plan, h_chunk, w, bias, kept):
+    """``block(j) -> (v0, fresh [Vb, 1], w_block, logits [Vb, Nc])``.
+
+    The logits are sliced from ``kept`` (the chunk's whole logits) when given,
+    and computed from ``w``'s rows otherwise.
+    """
+    rows = plan.block_rows
+
+    def block(j):
+        v0 = _block_start(j, rows, plan.vocab_size)
+        w_block = lax.dynamic_slice_in_dim(w, v0, rows)
+        if kept is not None:
+            z = lax.dynamic_slice_in_dim(kept, v0, rows)
+        else:
+            bias_block = (None if bias is None else
+                          lax.dynamic_slice_in_dim(bias, v0, rows))
+            z = _logits(plan, h_chunk, w_block, bias_block)
+        return v0, _fresh(v0, j * rows, rows)[:, None], w_block, z
+
+    return block
+
+
+def _block_stats(z, labels, v0, fresh):
+    """Per-token max, sum of exp(z - max), label logit, logit sum, argmax."""
+    live = jnp.where(fresh, z, -jnp.inf)
+    peak = jnp.max(live, axis=0)
+    sum_exp = jnp.sum(jnp.exp(live - peak), axis=0)
+    logit_sum = jnp.sum(jnp.where(fresh, z, 0.0), axis=0)
+    # A gather of one logit per token, not a masked pass over the block.
+    rows = z.shape[0]
+    label_logit = jnp.take_along_axis(
+        z, jnp.clip(labels - v0, 0, rows - 1)[None, :], axis=0)[0]
+    in_block = (labels >= v0) & (labels < v0 + rows)
+    label_logit = jnp.where(in_block & jnp.take(fresh[:, 0], labels - v0,
+                                                mode="clip"), label_logit, 0.0)
+    # The first row that attains the max, as jnp.argmax; a float min-reduce
+    # is several times faster on CPU than XLA's (value, index) reduce, and
+    # float32 holds row numbers exactly up to 2^24.
+    index = lax.broadcasted_iota(jnp.float32, z.shape, 0)
+    first = jnp.min(jnp.where(live == peak, index, jnp.inf), axis=0)
+    argmax = v0 + jnp.minimum(first, rows - 1).astype(jnp.int32)
+    return peak, sum_exp, label_logit, logit_sum, argmax
+
+
+def _chunk_stats(plan, h_chunk, w, bias, labels):
+    """``(kept logits or None, (lse, label_logit, logit_sum, argmax))``.
+
+    Block by block, with a running max and rescaled sum of exponentials
+    (an online logsumexp), so no temporary is larger than one block.
+    """
+    kept = _logits(plan, h_chunk, w, bias) if plan.keep_logits else None
+    block = _vocab_blocks(plan, h_chunk, w, bias, kept)
+
+    def merge(j, carry):
+        peak, sum_exp, label_logit, logit_sum, argmax = carry
+        v0, fresh, _, z = block(j)
+        b_peak, b_sum_exp, b_label, b_sum, b_arg = _block_stats(
+            z, labels, v0, fresh)
+        new_peak = jnp.maximum(peak, b_peak)
+        sum_exp = (sum_exp * jnp.exp(peak - new_peak) +
+                   b_sum_exp * jnp.exp(b_peak - new_peak))
+        # Strictly greater: on ties the earlier block (lower index) wins,
+        # as jnp.argmax does.
+        argmax = jnp.where(b_peak > peak, b_arg, argmax)
+        return (new_peak, sum_exp, label_logit + b_label, logit_sum + b_sum,
+                argmax)
+
+    zeros = jnp.zeros(h_chunk.shape[:1], jnp.float32)
+    init = (zeros - jnp.inf, zeros, zeros, zeros, zeros.astype(jnp.int32))
+    peak, sum_exp, *rest = lax.fori_loop(0, plan.num_blocks, merge, init)
+    return kept, (peak + jnp.log(sum_exp), *rest)
+
+
+def _logit_grads(plan, z, lse, coefs, labels, v0, fresh):
+    """``dL/du`` for the pre-softcap logits ``u`` of one block, ``[Vb, Nc]``."""
+    alpha, beta, gamma = coefs
+    rows = v0 + lax.broadcasted_iota(jnp.int32, z.shape, 0)
+    dz = alpha * jnp.exp(z - lse) + jnp.where(rows == labels, beta, 0.0) + gamma
+    if plan.softcap is not None:
+        # d/du c tanh(u / c) = 1 - tanh^2 = 1 - (z / c)^2.
+        dz = dz * (1.0 - jnp.square(z / plan.softcap))
+    return jnp.where(fresh, dz, 0.0)
+
+
+def _add_rows(total, start, update):
+    """``total[start:start + len(update)] += update``, in place under jit."""
+    rows = lax.dynamic_slice_in_dim(total, start, update.shape[0])
+    return lax.dynamic_update_slice_in_dim(total, rows + update, start, 0)
+
+
+def _chunk_grads(plan, h_chunk, w, bias, labels, kept, lse, coefs, grads):
+    """One token chunk's ``dh: [Nc, D]`` and its additions to ``dw``, ``db``.
+
+    ``kept`` is the chunk's ``[V, Nc]`` logits when the forward sweep holds
+    them; otherwise the logits are computed again, block by block.
+    """
+    want_dh, dw, db = grads
+    if plan.keep_logits and kept is None:
+        kept = _logits(plan, h_chunk, w, bias)
+    block = _vocab_blocks(plan, h_chunk, w, bias, kept)
+    scale = 1.0 if plan.scale is None else plan.scale
+
+    def step(j, carry):
+        dh_chunk, dw, db = carry
+        v0, fresh, w_block, z = block(j)
+        dz = _logit_grads(plan, z, lse, coefs, labels, v0, fresh)
+        dz_in = dz.astype(h_chunk.dtype)
+        if dh_chunk is not None:
+            dh_chunk = dh_chunk + scale * plan.dot(dz_in, w_block,
+                                                   _CONTRACT_ROWS)
+        if dw is not None:
+            dw = _add_rows(dw, v0, scale * plan.dot(dz_in, h_chunk, _MATMUL))
+        if db is not None:
+            db = _add_rows(db, v0, jnp.sum(dz, axis=1))
+        return dh_chunk, dw, db
+
+    dh_chunk = (jnp.zeros((h_chunk.shape[0], w.shape[1]), jnp.float32)
+                if want_dh else None)
+    return lax.fori_loop(0, plan.num_blocks, step, (dh_chunk, dw, db))
+
+
+def _loss_coefs(plan, stats, loss_weights):
+    """``loss_weights * dL/d(lse, label_logit, logit_sum)``, token by token."""
+    _, pullback = jax.vjp(plan.token_loss, *stats)
+    return pullback(loss_weights)
+
+
+def _sweep(plan, h, w, bias, labels, *, loss_weights=None, lse=None,
+           coefs=None, need=(False, False, False)):
+    """One pass over chunks of tokens.
+
+    Three uses: statistics only (the primal); statistics and the gradient of
+    ``sum_t loss_weights_t * L_t`` (the differentiated forward pass); or, given
+    ``lse`` and per-token ``coefs``, the gradient they define (recomputing the
+    logits).
+
+    Returns:
+        ``(stats, (dh, dw, db))``; ``stats`` is ``(lse, label_logit,
+        logit_sum, argmax)``, each ``[N]`` (None when ``coefs`` are given);
+        gradients not asked for by ``need`` are None.
+    """
+    n, size = h.shape[0], plan.chunk_size
+    want_dh, want_dw, want_db = need
+    grads = (jnp.zeros(h.shape, jnp.float32) if want_dh else None,
+             jnp.zeros(w.shape, jnp.float32) if want_dw else None,
+             jnp.zeros((plan.vocab_size,), jnp.float32) if want_db else None)
+    zeros = jnp.zeros((n,), jnp.float32)
+    stats = None if coefs is not None else (zeros, zeros, zeros,
+                                            zeros.astype(jnp.int32))
+
+    def body(i, carry):
+        stats, (dh, dw, db) = carry
+        start = _block_start(i, size, n)
+        fresh = _fresh(start, i * size, size)
+
+        def chunk(x):
+            return lax.dynamic_slice_in_dim(x, start, size)
+
+        h_chunk, chunk_labels = chunk(h), chunk(labels)
+        if coefs is None:
+            z, new = _chunk_stats(plan, h_chunk, w, bias, chunk_labels)
+            stats = tuple(
+                lax.dynamic_update_slice_in_dim(s, jnp.where(fresh, x, chunk(s)),
+                                                start, 0)
+                for s, x in zip(stats, new))
+            if loss_weights is None:
+                return stats, (dh, dw, db)
+            chunk_lse = new[0]
+            chunk_coefs = _loss_coefs(plan, new[:3], chunk(loss_weights) * fresh)
+        else:
+            z, chunk_lse = None, chunk(lse)
+            chunk_coefs = tuple(chunk(c) * fresh for c in coefs)
+        dh_chunk, dw, db = _chunk_grads(plan, h_chunk, w, bias, chunk_labels, z,
+                                        chunk_lse, chunk_coefs,
+                                        (dh is not None, dw, db))
+        if dh is not None:
+            dh = _add_rows(dh, start, dh_chunk)
+        return stats, (dh, dw, db)
+
+    return lax.fori_loop(0, -(-n // size), body, (stats, grads))
+
+
+def _objective(plan, stats, loss_weights):
+    return jnp.sum(loss_weights * plan.token_loss(*stats[:3]))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused_core(plan, h, w, bias, loss_weights, labels):
+    """``(sum_t loss_weights_t * L_t, stats)`` without keeping any logits."""
+    stats, _ = _sweep(plan, h, w, bias, labels)
+    return _objective(plan, stats, loss_weights), stats
+
+
+def _fused_core_fwd(plan, h, w, bias, loss_weights, labels):
+    need = (h.perturbed, w.perturbed, bias is not None and bias.perturbed)
+    h, w, loss_weights, labels = h.value, w.value, loss_weights.value, labels.value
+    bias = None if bias is None else bias.value
+    in_forward = plan.grads_in_forward and any(need)
+    stats, grads = _sweep(plan, h, w, bias, labels,
+                          loss_weights=loss_weights if in_forward else None,
+                          need=need if in_forward else (False, False, False))
+    residuals = (h, w, bias, loss_weights, labels, stats,
+                 grads if in_forward else None)
+    return (_objective(plan, stats, loss_weights), stats), residuals
+
+
+def _fused_core_bwd(plan, residuals, cotangents):
+    h, w, bias, loss_weights, labels, stats, saved = residuals
+    d_objective, d_stats = cotangents
+    d_objective = None if isinstance(d_objective, SymbolicZero) else d_objective
+    coefs = [None if isinstance(c, SymbolicZero) else c for c in d_stats[:3]]
+    if d_objective is not None and saved is None:
+        objective_coefs = _loss_coefs(plan, stats[:3],
+                                      d_objective * loss_weights)
+        coefs = [o if c is None else c + o
+                 for c, o in zip(coefs, objective_coefs)]
+    grads = [None, None, None]
+    if saved is not None and d_objective is not None:
+        grads = [None if g is None else d_objective * g for g in saved]
+    if any(c is not None for c in coefs):
+        # A cotangent on the statistics themselves (a metric or the
+        # unreduced loss is differentiated): recompute the logits.
+        coefs = [jnp.zeros_like(stats[0]) if c is None else c for c in coefs]
+        _, extra = _sweep(plan, h, w, bias, labels, lse=stats[0], coefs=coefs,
+                          need=(True, True, bias is not None))
+        grads = [e if g is None else (g if e is None else g + e)
+                 for g, e in zip(grads, extra)]
+    d_weights = (None if d_objective is None else
+                 d_objective * plan.token_loss(*stats[:3]))
+    dh, dw, db = (None if g is None else g.astype(x.dtype)
+                  for g, x in zip(grads, (h, w, bias)))
+    return dh, dw, db, d_weights, None
+
+
+_fused_core.defvjp(_fused_core_fwd, _fused_core_bwd, symbolic_zeros=True)
+
+
+def _check_inputs(h, w, bias, chunk_size, vocab_chunk_size, **static):
+    _checks.check_floating("h", h)
+    _checks.check_floating("w", w)
+    _checks.check_rank("w", w, 2, "[V, D]")
+    if jnp.ndim(h) < 1 or jnp.shape(h)[-1] != jnp.shape(w)[1]:
+        raise ValueError(
+            f"h must have shape [..., D] with D = w.shape[1] = {jnp.shape(w)[1]};"
+            f" got h.shape={jnp.shape(h)}.")
+    if bias is not None:
+        _checks.check_floating("bias", bias)
+        if jnp.shape(bias) != (jnp.shape(w)[0],):
+            raise ValueError(f"bias must have shape [V] = ({jnp.shape(w)[0]},);"
+                             f" got {jnp.shape(bias)}.")
+    for name, value in (("chunk_size", chunk_size),
+                        ("vocab_chunk_size", vocab_chunk_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(
+                value, (int, np.integer)) or value < 1):
+            raise ValueError(f"{name} must be an integer >= 1 or None; got "
+                             f"{value!r}.")
+    for name, value in static.items():
+        if _checks.is_traced(value):
+            raise TypeError(
+                f"{name} must be a concrete number for fused_cross_entropy (it "
+                "is compiled into the blocked loops); got a traced value.")
+    _checks.check_in_range("scale", static["scale"], low=0.0, low_open=True)
+    _checks.check_in_range("softcap", static["softcap"], low=0.0, low_open=True)
+
+
+def _block_sizes(num_tokens, vocab_size, chunk_size, vocab_chunk_size):
+    """``(chunk_size, block_rows, keep_logits)`` with the defaults filled in."""
+    platform = jax.default_backend()
+    keep_logits = vocab_chunk_size is None or vocab_chunk_size >= vocab_size
+    width = vocab_size if keep_logits else int(vocab_chunk_size)
+    if chunk_size is None:
+        elements = BLOCK_ELEMENTS.get(platform, BLOCK_ELEMENTS["cpu"])
+        chunk_size = min(max(elements // width, MIN_CHUNK_SIZE), MAX_CHUNK_SIZE)
+    rows = (VOCAB_BLOCK_ROWS.get(platform, VOCAB_BLOCK_ROWS["cpu"])
+            if keep_logits else width)
+    return min(int(chunk_size), num_tokens), min(rows, vocab_size), keep_logits
+
+
+def _optional_float(x):
+    return None if x is None else float(x)
+
+
+def fused_cross_entropy(
+    h: jax.typing.ArrayLike,
+    w: jax.typing.ArrayLike,
+    labels: jax.typing.ArrayLike,
+    *,
+    bias: jax.typing.ArrayLike | None = None,
+    weights: jax.typing.ArrayLike | None = None,
+    label_smoothing: float = 0.0,
+    smoothing: str = "uniform",
+    z_loss: float = 0.0,
+    scale: float | None = None,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
+    precision: jax.lax.PrecisionLike = None,
+    reduction: str = "mean",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    r"""Cross-entropy of ``unembed(h, w, bias)`` without materializing logits.
+
+    Returns what ``losses.cross_entropy(head.unembed(h, w, bias, scale=scale,
+    softcap=softcap), labels, ...)`` returns -- the same loss and the same
+    metrics, computed by the same :func:`lmhead.losses.token_losses` and
+    :func:`lmhead.losses.weighted_metrics` from per-token statistics --
+    with temporary memory ``O(chunk_size * V)`` (or ``O(chunk_size *
+    vocab_chunk_size)``) instead of ``O(N * V)``:
+
+    .. math::
+        z_t = \mathrm{softcap}_c(s\, W h_t + b), \qquad
+        L = \frac{\sum_t w_t \big(\mathrm{CE}_\epsilon(z_t, y_t)
+            + \lambda_z\, \mathrm{lse}(z_t)^2\big)}{\sum_t w_t}.
+
+    The gradient with respect to ``h``, ``w`` and ``bias`` is a custom VJP
+    (see the module docstring for the formula): for ``reduction="mean"`` or
+    ``"sum"`` it is computed during the forward sweep, from each chunk's
+    logits, so a training step does the three matmuls of the materialized
+    path and nothing more. Statistics and gradients accumulate in float32
+    whatever the input dtype; gradients are returned in the inputs' dtypes.
+    ``labels`` get no gradient; ``weights`` get the exact one.
+
+    Labels outside ``[0, V)`` follow the rule of ``losses.cross_entropy``:
+    ``ValueError`` when concrete, weight 0 and a count in
+    ``metrics["invalid_labels"]`` inside ``jit``.
+
+    Args:
+        h: ``[..., D]`` hidden states (float32, bf16 or fp16).
+        w: ``[V, D]`` unembedding (for a tied head, the embedding table).
+        labels: ``[...]`` integer targets.
+        bias: optional ``[V]``.
+        weights: optional ``[...]`` per-token weights (0 for padding).
+        label_smoothing, smoothing, z_loss, reduction: as in
+            ``losses.cross_entropy``; must be concrete numbers.
+        scale, softcap, precision: as in ``head.unembed``; concrete numbers.
+        chunk_size: tokens per chunk, an integer >= 1. Default:
+            ``BLOCK_ELEMENTS[platform] // width`` clipped to
+            ``[MIN_CHUNK_SIZE, MAX_CHUNK_SIZE]``, where ``width`` is ``V``
+            or ``vocab_chunk_size``.
+        vocab_chunk_size: None (default) computes a chunk's logits for the
+            whole vocabulary with one matmul and keeps them; an integer >= 1
+            computes them that many rows at a time, twice, so that no
+            temporary grows with ``V``.
+
+    Returns:
+        ``(loss, metrics)`` as ``losses.cross_entropy`` returns them; ``loss``
+        is a scalar, or ``[...]`` for ``reduction="none"``.
+
+    Raises:
+        ValueError, TypeError: for bad shapes, dtypes or options, naming the
+            argument (chunk sizes must be integers >= 1).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from lmhead import head, losses
+        >>> h = jax.random.normal(jax.random.key(0), (2, 3, 4))
+        >>> w = jax.random.normal(jax.random.key(1), (10, 4))
+        >>> labels = jnp.array([[8, 5, 3], [1, 2, 6]])
+        >>> loss, metrics = fused_cross_entropy(h, w, labels, chunk_size=4,
+        ...                                     label_smoothing=0.1)
+        >>> reference, _ = losses.cross_entropy(head.unembed(h, w), labels,
+        ...                                     label_smoothing=0.1)
+        >>> print(f"{loss:.5f} {reference:.5f}")
+        2.37197 2.37197
+        >>> for name, value in metrics.items():
+        ...     print(name, round(float(value), 4))
+        loss 2.372
+        nll 2.127
+        z_loss 0.0
+        accuracy 0.5
+        weight_sum 6.0
+        invalid_labels 0.0
+        >>> dh, dw = jax.grad(lambda h, w: fused_cross_entropy(
+        ...     h, w, labels, chunk_size=4, vocab_chunk_size=3)[0],
+        ...     argnums=(0, 1))(h, w)
+        >>> dh.shape, dw.shape
+        ((2, 3, 4), (10, 4))
+
+    References:
+        Wijmans et al., `Cut Your Losses in Large-Vocabulary Language Models
+        <https://arxiv.org/abs/2411.09009>`_, 2024 (Cut Cross-Entropy);
+        Hsu et al., `Liger Kernel: Efficient Triton Kernels for LLM Training
+        <https://arxiv.org/abs/2410.10989>`_, 2024 (fused linear
+        cross-entropy).
+    """
+    static = dict(label_smoothing=label_smoothing, z_loss=z_loss, scale=scale,
+                  softcap=softcap)
+    _check_inputs(h, w, bias, chunk_size, vocab_chunk_size, **static)
+    losses.check_loss_options(label_smoothing, smoothing, z_loss, reduction)
+    vocab_size, d_model = jnp.shape(w)
+    leading = jnp.shape(h)[:-1]
+    losses.check_labels_and_weights(labels, weights, leading, vocab_size)
+    num_tokens = math.prod(leading)
+    if num_tokens == 0:
+        return losses.cross_entropy(
+            head.unembed(h, w, bias, scale=scale, softcap=softcap), labels,
+            weights=weights, label_smoothing=label_smoothing,
+            smoothing=smoothing, z_loss=z_loss, reduction=reduction)
+    chunk_size, block_rows, keep_logits = _block_sizes(
+        num_tokens, vocab_size, chunk_size, vocab_chunk_size)
+    plan = _Plan(vocab_size, chunk_size, block_rows, keep_logits,
+                 float(label_smoothing), smoothing, float(z_loss),
+                 _optional_float(scale), _optional_float(softcap), precision,
+                 grads_in_forward=reduction != "none")
+    dtype = jnp.result_type(h, w)
+    labels = jnp.reshape(labels, (num_tokens,))
+    loss_weights, safe_labels, invalid = losses.valid_weights(
+        labels, None if weights is None else jnp.reshape(weights, -1),
+        vocab_size)
+    objective, stats = _fused_core(
+        plan, jnp.reshape(h, (num_tokens, d_model)).astype(dtype),
+        jnp.asarray(w, dtype), None if bias is None else jnp.asarray(bias),
+        loss_weights, safe_labels)
+    lse, label_logit, logit_sum, argmax = stats
+    token_loss, nll, z_term = losses.token_losses(
+        lse, label_logit, logit_sum, vocab_size,
+        label_smoothing=label_smoothing, smoothing=smoothing, z_loss=z_loss)
+    loss, metrics = losses.weighted_metrics(
+        token_loss, nll, z_term, argmax == safe_labels, loss_weights, invalid,
+        reduction)
+    if reduction == "none":
+        return jnp.reshape(loss, leading), metrics
+    if reduction == "sum":
+        return objective, metrics
+    weight_sum = metrics["weight_sum"]
+    return objective / jnp.where(weight_sum > 0, weight_sum, 1.0), metrics

@@ -42,7 +42,6 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from lmhead import _checks
-from lmhead import fused
 from lmhead import head
 from lmhead import losses
 
@@ -60,6 +59,13 @@ PARAM_RULES = (
 )
 
 Rules = Sequence[tuple[str, P]]
+
+# Logits per device in one chunk of the vocabulary-parallel loss when
+# chunk_size is not given: chunk_size = CHUNK_LOGITS // (V / m), clipped to
+# [MIN_CHUNK_SIZE, MAX_CHUNK_SIZE]. 2**22 float32 numbers are 16 MiB.
+CHUNK_LOGITS = 2**22
+MIN_CHUNK_SIZE = 128
+MAX_CHUNK_SIZE = 4096
 
 
 def make_mesh(data: int = -1, model: int = 1, *,
@@ -92,15 +98,13 @@ def make_mesh(data: int = -1, model: int = 1, *,
                              f"got {size!r}.")
     if data == -1 and model == -1:
         raise ValueError("mesh.data and mesh.model cannot both be -1.")
-    known = data * model * -1 if -1 in (data, model) else None
-    if known is not None:
+    if -1 in (data, model):
+        name, known = ("model", model) if data == -1 else ("data", data)
         if count % known:
-            raise ValueError(
-                f"mesh: {count} devices cannot be split into "
-                f"{'data' if data == -1 else 'model'} x {known}; give sizes "
-                f"whose product is {count}.")
-        data, model = (count // known, model) if data == -1 else (data,
-                                                                count // known)
+            raise ValueError(f"mesh.{name} = {known} does not divide the "
+                             f"{count} devices.")
+        data, model = (count // known, model) if data == -1 else (
+            data, count // known)
     if data * model != count:
         raise ValueError(
             f"mesh.data * mesh.model must equal the number of devices, {count};"
@@ -359,8 +363,8 @@ def _shard_statistics(h, w, bias, labels, *, chunk_size, scale, softcap,
     num_tokens, width = h.shape[0], w.shape[0]
     offset = lax.axis_index(MODEL_AXIS) * width
     if chunk_size is None:
-        chunk_size = min(max(fused.BLOCK_ELEMENTS // width,
-                             fused.MIN_CHUNK_SIZE), fused.MAX_CHUNK_SIZE)
+        chunk_size = min(max(CHUNK_LOGITS // width, MIN_CHUNK_SIZE),
+                         MAX_CHUNK_SIZE)
     chunk_size = min(chunk_size, num_tokens)
     padding = -num_tokens % chunk_size
     # Padded tokens get label -1, which matches no row; they are cut off below.
@@ -436,8 +440,9 @@ def vocab_parallel_cross_entropy(
         weights, label_smoothing, smoothing, z_loss, reduction: as in
             ``losses.cross_entropy``.
         scale, softcap, precision: as in ``head.unembed``; concrete numbers.
-        chunk_size: tokens per block on each device; default as in
-            ``fused.fused_cross_entropy`` with ``V/m`` for ``V``.
+        chunk_size: tokens per block on each device; default
+            ``CHUNK_LOGITS // (V/m)`` clipped to ``[MIN_CHUNK_SIZE,
+            MAX_CHUNK_SIZE]``.
         mesh: a mesh with a ``"model"`` axis; default the one set by
             ``jax.set_mesh``.
 

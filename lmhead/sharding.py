@@ -483,11 +483,16 @@ def vocab_parallel_cross_entropy(
             f"w has {vocab_size} rows, which the mesh's 'model' axis "
             f"({mesh.shape[MODEL_AXIS]}) must divide.")
     num_tokens = math.prod(leading)
+    if num_tokens == 0:  # nothing to split: the logits are empty
+        return losses.cross_entropy(
+            head.unembed(h, w, bias, scale=scale, softcap=softcap), labels,
+            weights=weights, label_smoothing=label_smoothing,
+            smoothing=smoothing, z_loss=z_loss, reduction=reduction)
     loss_weights, safe_labels, invalid = losses.valid_weights(
         jnp.reshape(labels, -1),
         None if weights is None else jnp.reshape(weights, -1), vocab_size)
     data_ways = mesh.shape.get(DATA_AXIS, 1)
-    tokens = (DATA_AXIS if DATA_AXIS in mesh.axis_names and num_tokens
+    tokens = (DATA_AXIS if DATA_AXIS in mesh.axis_names
               and num_tokens % data_ways == 0 else None)
     static = dict(chunk_size=chunk_size,
                   scale=None if scale is None else float(scale),

@@ -128,6 +128,7 @@ def check_train_steps():
                 "moment_spec": str(moment.sharding.spec),
                 "kernel_spec": str(new_state.params["blocks_0"]["mlp_in"][
                     "kernel"].sharding.spec),
+                "all_gathers": train_fn.as_text().count("all-gather"),
             }
     return results
 
@@ -346,6 +347,8 @@ def test_train_step_matches_one_device(results, tied, shape):
     assert check["table_rows_per_device"] == 32 // shape[1]
     assert check["table_spec"] == check["moment_spec"] == "P('model', None)"
     assert check["kernel_spec"] == "P()"
+    # Nothing in the step, the embedding lookup included, gathers a table.
+    assert check["all_gathers"] == 0
 
 
 def test_loss_options_match_numpy(results):

@@ -185,16 +185,16 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def process_rows(batch_size: int, mesh: Mesh) -> slice:
-    """The rows of a ``[batch_size, ...]`` global batch on this process's
-    devices (all of them on one host).
+def process_rows(batch_size: int, mesh: Mesh) -> np.ndarray:
+    """The rows of a ``[batch_size, ...]`` global batch that this process's
+    devices hold, in order (all of them on one host).
 
     Raises:
         ValueError: unless ``"data"`` divides ``batch_size``.
 
     Examples:
-        >>> process_rows(12, make_mesh())
-        slice(0, 12, None)
+        >>> process_rows(4, make_mesh())
+        array([0, 1, 2, 3])
     """
     ways = mesh.shape[DATA_AXIS]
     if batch_size % ways:
@@ -204,9 +204,8 @@ def process_rows(batch_size: int, mesh: Mesh) -> slice:
             "of config.mesh.data.")
     indices = batch_sharding(mesh).addressable_devices_indices_map(
         (batch_size,)).values()
-    starts = [i[0].start or 0 for i in indices]
-    stops = [batch_size if i[0].stop is None else i[0].stop for i in indices]
-    return slice(min(starts), max(stops))
+    return np.unique(np.concatenate(
+        [np.arange(batch_size)[index[0]] for index in indices]))
 
 
 def shard_batch(batch: Any, mesh: Mesh) -> Any:

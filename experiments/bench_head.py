@@ -7,12 +7,12 @@ r"""Fused vs materialized linear + cross-entropy: time and compiled memory.
 For each ``(N, D, V)`` it compiles ``jax.value_and_grad`` (w.r.t. ``h`` and
 ``w``) of ``fused.fused_cross_entropy`` and of ``losses.cross_entropy(
 head.unembed(h, w), labels)``, reads XLA's ``temp_size_in_bytes`` of each
-compiled program, and times the two alternately (median of ``--repeats``
-runs after one warm-up), so that both see the same load on a shared machine.
-A shape whose materialized program needs more memory than is available is
-compiled but not run. The effective rate counts the ``6 N D V`` FLOPs of the
-three matmuls (logits, ``dh``, ``dw``); the reference rate is a large float32
-matmul timed in the same run.
+compiled program, and times them in alternation with a square float32 matmul
+(median of ``--repeats`` rounds after one warm-up; fewer rounds when a run
+is long), so that all three see the same load on a shared machine. A
+program that needs more than ``--memory_fraction`` of the available memory
+is compiled but not run. The effective rate counts the ``6 N D V`` FLOPs of
+the three matmuls of the materialized path (logits, ``dh``, ``dw``).
 """
 
 import os
@@ -36,18 +36,21 @@ DEFAULT_SHAPES = [
 ]                        # does not fit in 24 GiB, the fused one does
 QUICK_SHAPES = ["512,64,1024", "1000,96,3000"]
 
-flags.DEFINE_list("shapes", None, "N,D,V triples separated by ';' or given "
-                  "as repeated N,D,V lists; default: the README table.")
+flags.DEFINE_list("shapes", None, "N,D,V triples, e.g. "
+                  "'8192,512,32768;4096,256,8192'; default: the README table.")
 flags.DEFINE_bool("quick", False, "Small shapes and two repeats.")
-flags.DEFINE_integer("repeats", 3, "Timed runs per program (median).",
-                     lower_bound=1)
+flags.DEFINE_integer("repeats", 3, "Timed runs per program (median), fewer "
+                     "when one run takes more than --seconds_per_program / "
+                     "repeats.", lower_bound=1)
+flags.DEFINE_float("seconds_per_program", 120.0, "Time budget of the timed "
+                   "runs of one program at one shape (at least one run).")
 flags.DEFINE_integer("chunk_size", None, "fused chunk_size (default: auto).")
 flags.DEFINE_integer("vocab_chunk_size", None, "fused vocab_chunk_size.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                   "dtype of h and w.")
 flags.DEFINE_integer("matmul_size", 4096, "Side of the timed square matmul.")
-flags.DEFINE_float("memory_fraction", 0.8, "Fraction of the available memory "
-                   "a program may use to be run.")
+flags.DEFINE_float("memory_fraction", 0.6, "Fraction of the available memory "
+                   "a program may use to be run (the machine may be shared).")
 FLAGS = flags.FLAGS
 
 GIB = 2.0**30
@@ -74,12 +77,12 @@ def median_seconds(fn, args, repeats: int) -> float:
     return float(np.median(times))
 
 
-def matmul_flops_per_sec(size: int, repeats: int) -> float:
-    """FLOP/s of a jitted float32 ``[size, size] @ [size, size]`` (median)."""
+def make_matmul(size: int):
+    """``(fn, args, flops)`` of a jitted float32 ``[size, size] @ [size, size]``."""
     a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-    matmul = jax.jit(jnp.dot)
+    matmul = jax.jit(jnp.dot).lower(a, a).compile()
     jax.block_until_ready(matmul(a, a))
-    return 2 * size**3 / median_seconds(matmul, (a, a), repeats)
+    return matmul, (a, a), 2.0 * size**3
 
 
 def make_steps(chunk_size, vocab_chunk_size):
@@ -96,8 +99,12 @@ def make_steps(chunk_size, vocab_chunk_size):
                                ("materialized", materialized))}
 
 
-def bench_shape(n: int, d: int, v: int, steps, dtype, repeats: int,
-                memory_fraction: float) -> dict:
+def bench_shape(n: int, d: int, v: int, steps, matmul, dtype, repeats: int,
+                seconds: float, memory_fraction: float) -> dict:
+    """Compiled memory and median times of each program at one shape.
+
+    ``matmul`` is ``(fn, args, flops)``: a reference timed in the same rounds.
+    """
     keys = jax.random.split(jax.random.key(0), 3)
     h = jax.random.normal(keys[0], (n, d), dtype)
     w = (0.02 * jax.random.normal(keys[1], (v, d))).astype(dtype)
@@ -113,40 +120,55 @@ def bench_shape(n: int, d: int, v: int, steps, dtype, repeats: int,
                                 stats.output_size_in_bytes)
     runnable = [name for name in compiled if row[name + "_total"] <=
                 memory_fraction * available_bytes()]
-    for name in runnable:  # warm-up
-        jax.block_until_ready(compiled[name](h, w, labels))
-    times = {name: [] for name in runnable}
-    for _ in range(repeats):  # alternate, so both see the same load
+    warmup = max(median_seconds(compiled[name], (h, w, labels), 1)
+                 for name in runnable)
+    runs = int(np.clip(seconds // warmup, 1, repeats))
+    times = {name: [] for name in runnable + ["matmul"]}
+    for _ in range(runs):  # alternate, so all see the same load
         for name in runnable:
             times[name].append(median_seconds(compiled[name], (h, w, labels), 1))
+        times["matmul"].append(median_seconds(matmul[0], matmul[1], 1))
+    row["matmul_rate"] = matmul[2] / float(np.median(times["matmul"]))
     for name in compiled:
         row[name + "_time"] = (float(np.median(times[name])) if name in times
                                else None)
+    row["runs"] = runs
     return row
 
 
-def format_row(row: dict, matmul_rate: float) -> str:
+def format_ratio(ratio: float) -> str:
+    return f"1/{1 / ratio:.0f}" if ratio < 0.5 else f"{ratio:.2f}"
+
+
+def format_bytes(size: float) -> str:
+    return f"{size / GIB:.2f} GiB" if size >= GIB else f"{size / 2**20:.1f} MiB"
+
+
+def format_row(row: dict) -> str:
     n, d, v = row["shape"]
     flops = 6.0 * n * d * v
     fused_time, mat_time = row["fused_time"], row["materialized_time"]
-    mat_temp = row["materialized_temp"] / GIB
-    cells = [f"{n}", f"{d}", f"{v}", f"{fused_time:.3f}"]
+    cells = [f"{n}", f"{d}", f"{v}", f"{fused_time:.3g}"]
     if mat_time is None:
-        cells += [f"does not fit (needs {row['materialized_total'] / GIB:.1f}"
-                  " GiB)", "-"]
+        cells += [f"does not fit (needs {format_bytes(row['materialized_total'])})",
+                  "-"]
     else:
-        cells += [f"{mat_time:.3f}", f"{fused_time / mat_time:.2f}"]
-    cells += [f"{row['fused_temp'] / 2**20:.1f} MiB", f"{mat_temp:.2f} GiB",
-              f"1/{row['materialized_temp'] / max(row['fused_temp'], 1):.0f}",
+        cells += [f"{mat_time:.3g}", f"{fused_time / mat_time:.2f}"]
+    cells += [format_bytes(row["fused_temp"]),
+              format_bytes(row["materialized_temp"]),
+              format_ratio(row["fused_temp"] / row["materialized_temp"]),
               f"{flops / fused_time / 1e9:.0f}",
               "-" if mat_time is None else f"{flops / mat_time / 1e9:.0f}",
-              f"{flops / fused_time / matmul_rate:.0%}"]
+              f"{row['matmul_rate'] / 1e9:.0f}",
+              f"{flops / fused_time / row['matmul_rate']:.0%}",
+              f"{row['runs']}"]
     return "| " + " | ".join(cells) + " |"
 
 
 HEADER = ("| N | D | V | fused s | materialized s | time ratio | fused temp | "
           "materialized temp | memory ratio | fused GFLOP/s | materialized "
-          "GFLOP/s | fused / matmul |\n|" + "---|" * 12)
+          "GFLOP/s | matmul GFLOP/s | fused / matmul | runs |\n|" +
+          "---|" * 14)
 
 
 def parse_shapes(specs: list[str]) -> list[tuple[int, int, int]]:
@@ -161,27 +183,17 @@ def main(argv):
     del argv
     specs = FLAGS.shapes or (QUICK_SHAPES if FLAGS.quick else DEFAULT_SHAPES)
     repeats = 2 if FLAGS.quick else FLAGS.repeats
-    matmul_size = 512 if FLAGS.quick else FLAGS.matmul_size
-    dtype = jnp.dtype(FLAGS.dtype)
+    matmul = make_matmul(512 if FLAGS.quick else FLAGS.matmul_size)
     steps = make_steps(FLAGS.chunk_size, FLAGS.vocab_chunk_size)
     print(f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, "
-          f"{available_bytes() / GIB:.1f} GiB available, {dtype.name}, "
-          f"jax {jax.__version__}", flush=True)
-    rates = [matmul_flops_per_sec(matmul_size, repeats)]
-    print(f"matmul {matmul_size}^3 float32: {rates[0] / 1e9:.0f} GFLOP/s",
-          flush=True)
-    rows = []
+          f"{available_bytes() / GIB:.1f} GiB available, {FLAGS.dtype}, "
+          f"jax {jax.__version__}; matmul: float32, side "
+          f"{matmul[1][0].shape[0]}, timed between the runs of each shape.\n")
+    print(HEADER, flush=True)
     for n, d, v in parse_shapes(specs):
-        rows.append(bench_shape(n, d, v, steps, dtype, repeats,
-                                FLAGS.memory_fraction))
-        print(format_row(rows[-1], rates[0]), flush=True)
-    rates.append(matmul_flops_per_sec(matmul_size, repeats))
-    matmul_rate = float(np.median(rates))
-    print(f"\nmatmul {matmul_size}^3 float32: {rates[-1] / 1e9:.0f} GFLOP/s at "
-          f"the end; {matmul_rate / 1e9:.0f} GFLOP/s used below.\n")
-    print(HEADER)
-    for row in rows:
-        print(format_row(row, matmul_rate))
+        print(format_row(bench_shape(
+            n, d, v, steps, matmul, jnp.dtype(FLAGS.dtype), repeats,
+            FLAGS.seconds_per_program, FLAGS.memory_fraction)), flush=True)
 
 
 if __name__ == "__main__":

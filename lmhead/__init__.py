@@ -16,6 +16,7 @@ from lmhead.decoding import beam_search
 from lmhead.decoding import detokenize
 from lmhead.decoding import generate
 from lmhead.decoding import process_logits
+from lmhead.fused import fused_cross_entropy
 from lmhead.head import apply_softcap
 from lmhead.head import last_positions
 from lmhead.head import log_probs

@@ -13,11 +13,12 @@ import jax
 import jax.numpy as jnp
 
 from lmhead import _checks
+from lmhead import fused
 from lmhead import head
 from lmhead import losses
 from lmhead import sharding
 
-LOSS_IMPLS = ("materialized", "vocab_parallel")
+LOSS_IMPLS = ("fused", "materialized", "vocab_parallel")
 
 Embedding = nn.Embed | jax.typing.ArrayLike
 
@@ -99,7 +100,7 @@ class LMHead(nn.Module):
         embedding: Embedding | None = None,
         *,
         weights: jax.Array | None = None,
-        loss_impl: str = "materialized",
+        loss_impl: str = "fused",
         label_smoothing: float = 0.0,
         smoothing: str = "uniform",
         z_loss: float = 0.0,
@@ -112,7 +113,9 @@ class LMHead(nn.Module):
             labels: ``[...]`` integer targets.
             embedding: the table (or ``nn.Embed``) when tied.
             weights: optional ``[...]`` per-token weights.
-            loss_impl: ``"materialized"`` builds the ``[..., V]`` logits;
+            loss_impl: ``"fused"`` never builds the ``[..., V]`` logits
+                (see ``fused.fused_cross_entropy``); ``"materialized"``
+                builds them;
                 ``"vocab_parallel"`` splits them over the ``"model"`` axis of
                 the mesh set by ``jax.set_mesh`` (see
                 ``sharding.vocab_parallel_cross_entropy``).
@@ -125,6 +128,12 @@ class LMHead(nn.Module):
         """
         _checks.check_choice("loss_impl", loss_impl, LOSS_IMPLS)
         w, bias = self.unembedding(jnp.shape(h)[-1], embedding)
+        if loss_impl == "fused":
+            return fused.fused_cross_entropy(
+                jnp.asarray(h, self.dtype), w, labels, bias=bias,
+                weights=weights, label_smoothing=label_smoothing,
+                smoothing=smoothing, z_loss=z_loss, scale=self.scale,
+                softcap=self.softcap, chunk_size=chunk_size)
         if loss_impl == "vocab_parallel":
             return sharding.vocab_parallel_cross_entropy(
                 jnp.asarray(h, self.dtype), w, labels, bias=bias,

@@ -2,6 +2,7 @@ r"""Training speed: steps/s, tokens/s, compile time and model FLOP utilisation.
 
     python experiments/bench_train.py                      # nanogpt, char and BPE
     python experiments/bench_train.py --config=nanogpt,untied --steps=200
+    python experiments/bench_train.py --loss_impl=materialized --loss_impl=fused
 
 Utilisation is the model's FLOP rate over the rate of a large float32 matmul
 timed in the same process, so both numbers see the same (possibly shared)
@@ -30,6 +31,8 @@ from lmhead import train
 
 flags.DEFINE_multi_string("config", ["nanogpt,tied", "nanogpt,tied,bpe=2048"],
                           "configs/default.py arguments; one benchmark each.")
+flags.DEFINE_multi_string("loss_impl", [], "config.loss.loss_impl values to "
+                          "compare; none: the config's own.")
 flags.DEFINE_integer("steps", 100, "Timed steps (after 10 warm-up steps).",
                      lower_bound=1)
 flags.DEFINE_integer("matmul_size", 2048, "Side of the timed square matmul.")
@@ -66,8 +69,11 @@ def model_flops_per_token(config, vocab_size: int) -> float:
     return 6 * matmul_params + 6 * m.num_layers * T * m.d_model
 
 
-def bench(arg: str, steps: int, peak: float) -> None:
+def bench(arg: str, loss_impl: str | None, steps: int, peak: float) -> None:
     config = get_config(arg)
+    if loss_impl:
+        config.loss.loss_impl = loss_impl
+    train.validate_config(config)
     dataset = data.load_dataset(config.data)
     model = train.make_model(config, dataset.vocab_size)
     init_key, dropout_key = jax.random.split(jax.random.key(0))
@@ -90,7 +96,8 @@ def bench(arg: str, steps: int, peak: float) -> None:
     tokens = config.train.batch_size * config.data.block_size
     flops = model_flops_per_token(config, dataset.vocab_size) * tokens
     xla_flops = (train_fn.cost_analysis() or {}).get("flops", float("nan"))
-    print(f"{arg:32s} V={dataset.vocab_size:<5d} compile {compile_seconds:5.2f} s  "
+    name = f"{arg} {config.loss.loss_impl}"
+    print(f"{name:36s} V={dataset.vocab_size:<5d} compile {compile_seconds:5.2f} s  "
           f"{1 / seconds:6.1f} steps/s  {1e3 * seconds:6.2f} ms/step "
           f"(CPU time {1e3 * cpu_seconds:6.2f} ms)  "
           f"{tokens / seconds:9,.0f} tokens/s  model {flops / seconds / 1e9:6.2f} "
@@ -104,7 +111,8 @@ def main(argv):
     print(f"{jax.devices()[0].device_kind}: float32 matmul "
           f"{flags.FLAGS.matmul_size}^3 at {peak / 1e9:.1f} GFLOP/s", flush=True)
     for arg in flags.FLAGS.config:
-        bench(arg, flags.FLAGS.steps, peak)
+        for loss_impl in flags.FLAGS.loss_impl or [None]:
+            bench(arg, loss_impl, flags.FLAGS.steps, peak)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test compare clean
 
+# Tied vs untied heads x {characters, BPE 2048} x 3 seeds, then the report
+# (REPORT.md, plots) in runs/tied_vs_untied. Finished runs are skipped and
+# interrupted ones resume, so the command can be rerun after a stop.
+compare: $(STAMP)
+	$(PY) experiments/sweep.py --sweep=configs/sweeps/tied_vs_untied.py \
+	    --workdir=runs/tied_vs_untied
+
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

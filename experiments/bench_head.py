@@ -39,10 +39,10 @@ QUICK_SHAPES = ["512,64,1024", "1000,96,3000"]
 flags.DEFINE_list("shapes", None, "N,D,V triples, e.g. "
                   "'8192,512,32768;4096,256,8192'; default: the README table.")
 flags.DEFINE_bool("quick", False, "Small shapes and two repeats.")
-flags.DEFINE_integer("repeats", 3, "Timed runs per program (median), fewer "
+flags.DEFINE_integer("repeats", 5, "Timed runs per program (median), fewer "
                      "when one run takes more than --seconds_per_program / "
                      "repeats.", lower_bound=1)
-flags.DEFINE_float("seconds_per_program", 120.0, "Time budget of the timed "
+flags.DEFINE_float("seconds_per_program", 60.0, "Time budget of the timed "
                    "runs of one program at one shape (at least one run).")
 flags.DEFINE_integer("chunk_size", None, "fused chunk_size (default: auto).")
 flags.DEFINE_integer("vocab_chunk_size", None, "fused vocab_chunk_size.")

@@ -165,11 +165,11 @@ def _block_stats(z, labels, v0, fresh):
     logit_sum = jnp.sum(jnp.where(fresh, z, 0.0), axis=0)
     # A gather of one logit per token, not a masked pass over the block.
     rows = z.shape[0]
-    label_logit = jnp.take_along_axis(
-        z, jnp.clip(labels - v0, 0, rows - 1)[None, :], axis=0)[0]
-    in_block = (labels >= v0) & (labels < v0 + rows)
-    label_logit = jnp.where(in_block & jnp.take(fresh[:, 0], labels - v0,
-                                                mode="clip"), label_logit, 0.0)
+    row = labels - v0
+    safe_row = jnp.clip(row, 0, rows - 1)
+    label_logit = jnp.take_along_axis(z, safe_row[None, :], axis=0)[0]
+    counted = (row >= 0) & (row < rows) & fresh[safe_row, 0]
+    label_logit = jnp.where(counted, label_logit, 0.0)
     # The first row that attains the max, as jnp.argmax; a float min-reduce
     # is several times faster on CPU than XLA's (value, index) reduce, and
     # float32 holds row numbers exactly up to 2^24.
@@ -211,8 +211,9 @@ def _chunk_stats(plan, h_chunk, w, bias, labels):
 def _logit_grads(plan, z, lse, coefs, labels, v0, fresh):
     """``dL/du`` for the pre-softcap logits ``u`` of one block, ``[Vb, Nc]``."""
     alpha, beta, gamma = coefs
-    rows = v0 + lax.broadcasted_iota(jnp.int32, z.shape, 0)
-    dz = alpha * jnp.exp(z - lse) + jnp.where(rows == labels, beta, 0.0) + gamma
+    token_ids = v0 + lax.broadcasted_iota(jnp.int32, z.shape, 0)
+    dz = (alpha * jnp.exp(z - lse) + jnp.where(token_ids == labels, beta, 0.0)
+          + gamma)
     if plan.softcap is not None:
         # d/du c tanh(u / c) = 1 - tanh^2 = 1 - (z / c)^2.
         dz = dz * (1.0 - jnp.square(z / plan.softcap))

@@ -49,7 +49,8 @@ def nanogpt_values() -> dict:
     return {
         "data": dict(tokenizer="char", val_fraction=0.1, block_size=64),
         "model": dict(num_layers=4, num_heads=4, d_model=128, mlp_dim=512,
-                      dropout_rate=0.0, positions="learned", head_bias=False),
+                      dropout_rate=0.0, positions="learned", use_bias=False,
+                      head_bias=False),
         "optim": dict(lr=1e-3, warmup_steps=100, min_lr=1e-4, weight_decay=0.1,
                       b1=0.9, b2=0.99, grad_clip=1.0),
         "train": dict(steps=2000, batch_size=12),
@@ -87,6 +88,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.dropout_rate = 0.0
     config.model.tied = True
     config.model.positions = "learned"  # "learned" | "rope"
+    config.model.use_bias = True  # in blocks and LayerNorms; nanogpt: False
     config.model.head_bias = False
     config.model.head_scale = config_dict.placeholder(float)
     config.model.logits_softcap = config_dict.placeholder(float)

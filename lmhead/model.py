@@ -21,6 +21,9 @@ Parameter tree (``params``)::
     blocks_{i}/mlp_out       kernel [F, D], bias [D]    (residual projection)
     final_norm               scale, bias [D]
     head/...                 untied: unembedding [V, D]; bias [V] if head_bias
+
+With ``use_bias=False`` (nanoGPT's default) none of the blocks' or norms'
+``bias`` entries exist; the head's bias is ``head_bias``'s alone.
 """
 
 import functools
@@ -36,6 +39,8 @@ from lmhead import _checks, head, modules
 
 POSITIONS = ("learned", "rope")
 INIT_STD = 0.02
+# GPT-2's and nanoGPT's (PyTorch's default); Flax's own default is 1e-6.
+LAYER_NORM_EPSILON = 1e-5
 ROPE_BASE = 10000.0
 # Masked attention scores; finite so that a fully masked row cannot give NaN.
 NEG_INF = -1e30
@@ -73,12 +78,32 @@ def _rotate(x: jax.Array, positions: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
+def _gelu(x: jax.Array) -> jax.Array:
+    r"""Exact GELU, :math:`\tfrac12 x\,(1 + \mathrm{erf}(x / \sqrt 2))`, in x's dtype.
+
+    The same function as ``jax.nn.gelu(x, approximate=False)``, which is
+    written with ``erfc(-x / sqrt 2)``; XLA's CPU ``erf`` is the cheaper of the
+    two. In float32 the two agree to within 1e-6 everywhere; for ``x < -4``,
+    where the exact value is below 1.3e-4, ``1 + erf`` loses its relative
+    precision but stays within 1e-6. It is evaluated in float32 because in
+    bfloat16 that cancellation would cost 3e-3 near ``x = -3``.
+    """
+    x32 = x.astype(jnp.float32)
+    return (0.5 * x32 * (1.0 + jax.lax.erf(x32 / math.sqrt(2.0)))).astype(x.dtype)
+
+
+def _layer_norm(use_bias: bool, dtype: Any, name: str | None = None) -> nn.LayerNorm:
+    return nn.LayerNorm(epsilon=LAYER_NORM_EPSILON, use_bias=use_bias, dtype=dtype,
+                        name=name)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention over the sequence or over a key/value cache."""
     num_heads: int
     dropout_rate: float
     residual_init_std: float
     rope: bool
+    use_bias: bool
     dtype: Any
 
     @nn.compact
@@ -89,7 +114,7 @@ class CausalSelfAttention(nn.Module):
         positions. Returns ([B, T, D], the updated cache or None)."""
         batch, time, width = x.shape
         head_dim = width // self.num_heads
-        qkv = nn.Dense(3 * width, dtype=self.dtype,
+        qkv = nn.Dense(3 * width, use_bias=self.use_bias, dtype=self.dtype,
                        kernel_init=nn.initializers.normal(INIT_STD), name="qkv")(x)
         qkv = qkv.reshape(batch, time, 3, self.num_heads, head_dim)
         query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
@@ -107,7 +132,7 @@ class CausalSelfAttention(nn.Module):
         weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         weights = nn.Dropout(self.dropout_rate, deterministic=not train)(weights)
         out = jnp.einsum("bhts,bshd->bthd", weights, value.astype(self.dtype))
-        out = nn.Dense(width, dtype=self.dtype, name="out",
+        out = nn.Dense(width, use_bias=self.use_bias, dtype=self.dtype, name="out",
                        kernel_init=nn.initializers.normal(self.residual_init_std))(
                            out.reshape(batch, time, width))
         return out, cache
@@ -120,6 +145,7 @@ class Block(nn.Module):
     dropout_rate: float
     residual_init_std: float
     rope: bool
+    use_bias: bool
     dtype: Any
 
     @nn.compact
@@ -127,17 +153,19 @@ class Block(nn.Module):
         """Same arguments and results as CausalSelfAttention."""
         dropout = nn.Dropout(self.dropout_rate, deterministic=not train)
         attention = CausalSelfAttention(
-            self.num_heads, self.dropout_rate, self.residual_init_std, self.rope,
-            self.dtype, name="attention")
-        y, cache = attention(nn.LayerNorm(dtype=self.dtype, name="attention_norm")(x),
+            num_heads=self.num_heads, dropout_rate=self.dropout_rate,
+            residual_init_std=self.residual_init_std, rope=self.rope,
+            use_bias=self.use_bias, dtype=self.dtype, name="attention")
+        y, cache = attention(_layer_norm(self.use_bias, self.dtype, "attention_norm")(x),
                              positions, mask, cache, train=train)
         x = x + dropout(y)
-        y = nn.LayerNorm(dtype=self.dtype, name="mlp_norm")(x)
-        y = nn.Dense(self.mlp_dim, dtype=self.dtype, name="mlp_in",
-                     kernel_init=nn.initializers.normal(INIT_STD))(y)
-        y = nn.Dense(x.shape[-1], dtype=self.dtype, name="mlp_out",
+        y = _layer_norm(self.use_bias, self.dtype, "mlp_norm")(x)
+        y = nn.Dense(self.mlp_dim, use_bias=self.use_bias, dtype=self.dtype,
+                     name="mlp_in", kernel_init=nn.initializers.normal(INIT_STD))(y)
+        y = nn.Dense(x.shape[-1], use_bias=self.use_bias, dtype=self.dtype,
+                     name="mlp_out",
                      kernel_init=nn.initializers.normal(self.residual_init_std))(
-                         nn.gelu(y, approximate=False))
+                         _gelu(y))
         return x + dropout(y), cache
 
 
@@ -150,7 +178,9 @@ class DecoderLM(nn.Module):
     :math:`\mathcal N(0, 0.02^2)` except the two residual projections of each
     block (``attention/out``, ``mlp_out``), :math:`\mathcal N(0, (0.02 /
     \sqrt{2 L})^2)`, so that the residual stream's variance does not grow
-    with depth; biases 0, LayerNorm scales 1.
+    with depth; biases 0, LayerNorm scales 1. LayerNorms use
+    :math:`\epsilon` = ``LAYER_NORM_EPSILON`` (1e-5, as GPT-2), the MLP the
+    exact (erf) GELU.
 
     Attributes:
         vocab_size: ``V``.
@@ -164,6 +194,9 @@ class DecoderLM(nn.Module):
         tied: the head uses the embedding table as its unembedding.
         positions: ``"learned"`` (a ``[max_len, D]`` table added to the token
             embeddings) or ``"rope"`` (queries and keys rotated, no table).
+        use_bias: biases in the attention and MLP dense layers and in every
+            LayerNorm (GPT-2); False drops them all, as nanoGPT's default
+            ``bias=False`` does. The head's bias is ``head_bias``.
         head_bias, head_scale, logits_softcap: passed to ``modules.LMHead``
             as ``use_bias``, ``scale``, ``softcap``.
         dtype: compute dtype, e.g. ``jnp.float32`` or ``jnp.bfloat16``.
@@ -196,6 +229,7 @@ class DecoderLM(nn.Module):
     dropout_rate: float = 0.0
     tied: bool = True
     positions: str = "learned"
+    use_bias: bool = True
     head_bias: bool = False
     head_scale: float | None = None
     logits_softcap: float | None = None
@@ -210,11 +244,13 @@ class DecoderLM(nn.Module):
                 "position_embedding", normal, (self.max_len, self.d_model))
         residual_init_std = INIT_STD / math.sqrt(2 * self.num_layers)
         self.blocks = [
-            Block(self.num_heads, self.mlp_dim, self.dropout_rate, residual_init_std,
-                  self.positions == "rope", self.dtype)
+            Block(num_heads=self.num_heads, mlp_dim=self.mlp_dim,
+                  dropout_rate=self.dropout_rate, residual_init_std=residual_init_std,
+                  rope=self.positions == "rope", use_bias=self.use_bias,
+                  dtype=self.dtype)
             for _ in range(self.num_layers)]
         self.embed_dropout = nn.Dropout(self.dropout_rate)
-        self.final_norm = nn.LayerNorm(dtype=self.dtype)
+        self.final_norm = _layer_norm(self.use_bias, self.dtype)
         self.head = modules.LMHead(
             self.vocab_size, tied=self.tied, use_bias=self.head_bias,
             scale=self.head_scale, softcap=self.logits_softcap, dtype=self.dtype)

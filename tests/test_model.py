@@ -41,6 +41,10 @@ def init_params(model, seed=0, noise=0.0):
     ``noise`` adds N(0, noise^2) to every entry so that attention is far from
     uniform and position or cache errors show."""
     params = dict(_full_params(seed))
+    if not model.use_bias:
+        flat = traverse_util.flatten_dict(params)
+        params = traverse_util.unflatten_dict(
+            {path: x for path, x in flat.items() if path[-1] != "bias"})
     if model.tied:
         del params["head"]
     if model.positions == "rope":
@@ -67,8 +71,9 @@ def random_tokens(shape, seed=0):
     return jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, shape), jnp.int32)
 
 
-def reference_logits(params, tokens, *, num_heads, rope, tied=True):
-    """float64 numpy forward pass of DecoderLM (RoPE written with complex numbers)."""
+def reference_logits(params, tokens, *, num_heads, rope, tied=True, epsilon=1e-5):
+    """float64 numpy forward pass of DecoderLM (RoPE written with complex
+    numbers); a missing ``bias`` entry is a zero bias."""
     p = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
     tokens = np.asarray(tokens)
     batch, time = tokens.shape
@@ -76,10 +81,10 @@ def reference_logits(params, tokens, *, num_heads, rope, tied=True):
     def layer_norm(x, norm):
         mean = x.mean(-1, keepdims=True)
         var = ((x - mean) ** 2).mean(-1, keepdims=True)
-        return (x - mean) / np.sqrt(var + 1e-6) * norm["scale"] + norm["bias"]
+        return (x - mean) / np.sqrt(var + epsilon) * norm["scale"] + norm.get("bias", 0)
 
     def dense(x, layer):
-        return x @ layer["kernel"] + layer["bias"]
+        return x @ layer["kernel"] + layer.get("bias", 0)
 
     def rotary(x):  # x: [B, T, H, Dh]; pairs (i, i + Dh/2) as complex numbers
         half = x.shape[-1] // 2
@@ -123,6 +128,45 @@ def test_forward_matches_numpy_reference(positions, tied):
     expected = reference_logits(params, tokens, num_heads=HEADS,
                                 rope=positions == "rope", tied=tied)
     np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_without_bias_has_no_biases_and_matches_numpy_reference():
+    model = small_model(use_bias=False, tied=False)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    names = traverse_util.flatten_dict(shapes["params"], sep="/")
+    assert not [name for name in names if name.endswith("bias")]
+    with_bias = jax.eval_shape(small_model(tied=False).init, jax.random.key(0),
+                               jnp.zeros((1, 4), jnp.int32))
+    # Per block: qkv 3D, out D, mlp_in F, mlp_out D, two norms 2D; final norm D.
+    per_block = 3 * WIDTH + WIDTH + 64 + WIDTH + 2 * WIDTH
+    assert (num_params(with_bias["params"]) - num_params(shapes["params"])
+            == LAYERS * per_block + WIDTH)
+    params = init_params(model, noise=0.2)
+    # Tiny embeddings: the first LayerNorm's input variance (~1e-6) is below
+    # epsilon, so the result depends on epsilon's value.
+    for table in ("embed", "position_embedding"):
+        params[table] = jax.tree.map(lambda x: x * 1e-3, params[table])
+    tokens = random_tokens((2, 9))
+    logits = forward(model, params, tokens)
+    expected = reference_logits(params, tokens, num_heads=HEADS, rope=False, tied=False)
+    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+    flax_epsilon = reference_logits(params, tokens, num_heads=HEADS, rope=False,
+                                    tied=False, epsilon=1e-6)
+    assert np.abs(flax_epsilon - expected).max() > 1e-2
+
+
+def test_gelu_is_the_exact_gelu_in_float32_and_bfloat16():
+    x = np.linspace(-12, 12, 20001)
+    # bfloat16: the rounding of the output (relative 2^-9) and nothing more,
+    # also in the negative tail, where 1 + erf cancels.
+    for dtype, rtol, atol in ((jnp.float32, 0.0, 1.2e-6), (jnp.bfloat16, 2 ** -8, 1e-6)):
+        inputs = jnp.asarray(x, dtype)
+        got = model_lib._gelu(inputs)
+        assert got.dtype == dtype
+        exact = np.asarray(inputs.astype(jnp.float32), np.float64)
+        exact = 0.5 * exact * special.erfc(-exact / np.sqrt(2))
+        np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), exact,
+                                   rtol=rtol, atol=atol, err_msg=str(dtype))
 
 
 def test_tied_has_exactly_vocab_times_width_fewer_params():

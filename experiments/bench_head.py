@@ -118,10 +118,11 @@ def bench_shape(n: int, d: int, v: int, steps, matmul, dtype, repeats: int,
         row[name + "_total"] = (stats.temp_size_in_bytes +
                                 stats.argument_size_in_bytes +
                                 stats.output_size_in_bytes)
+    row["available"] = available_bytes()
     runnable = [name for name in compiled if row[name + "_total"] <=
-                memory_fraction * available_bytes()]
-    warmup = max(median_seconds(compiled[name], (h, w, labels), 1)
-                 for name in runnable)
+                memory_fraction * row["available"]]
+    warmup = max([median_seconds(compiled[name], (h, w, labels), 1)
+                  for name in runnable], default=seconds)
     runs = int(np.clip(seconds // warmup, 1, repeats))
     times = {name: [] for name in runnable + ["matmul"]}
     for _ in range(runs):  # alternate, so all see the same load
@@ -144,24 +145,35 @@ def format_bytes(size: float) -> str:
     return f"{size / GIB:.2f} GiB" if size >= GIB else f"{size / 2**20:.1f} MiB"
 
 
+def time_cell(row: dict, name: str) -> str:
+    if row[name + "_time"] is not None:
+        return f"{row[name + '_time']:.3g}"
+    needs, free = row[name + "_total"], row["available"]
+    if needs > free:
+        return f"does not fit (needs {format_bytes(needs)})"
+    return f"not run (needs {format_bytes(needs)} of {format_bytes(free)} free)"
+
+
 def format_row(row: dict) -> str:
     n, d, v = row["shape"]
     flops = 6.0 * n * d * v
     fused_time, mat_time = row["fused_time"], row["materialized_time"]
-    cells = [f"{n}", f"{d}", f"{v}", f"{fused_time:.3g}"]
-    if mat_time is None:
-        cells += [f"does not fit (needs {format_bytes(row['materialized_total'])})",
-                  "-"]
-    else:
-        cells += [f"{mat_time:.3g}", f"{fused_time / mat_time:.2f}"]
-    cells += [format_bytes(row["fused_temp"]),
-              format_bytes(row["materialized_temp"]),
-              format_ratio(row["fused_temp"] / row["materialized_temp"]),
-              f"{flops / fused_time / 1e9:.0f}",
-              "-" if mat_time is None else f"{flops / mat_time / 1e9:.0f}",
-              f"{row['matmul_rate'] / 1e9:.0f}",
-              f"{flops / fused_time / row['matmul_rate']:.0%}",
-              f"{row['runs']}"]
+
+    def rate(seconds):
+        return "-" if seconds is None else f"{flops / seconds / 1e9:.0f}"
+
+    cells = [f"{n}", f"{d}", f"{v}", time_cell(row, "fused"),
+             time_cell(row, "materialized"),
+             "-" if None in (fused_time, mat_time)
+             else f"{fused_time / mat_time:.2f}",
+             format_bytes(row["fused_temp"]),
+             format_bytes(row["materialized_temp"]),
+             format_ratio(row["fused_temp"] / row["materialized_temp"]),
+             rate(fused_time), rate(mat_time),
+             f"{row['matmul_rate'] / 1e9:.0f}",
+             "-" if fused_time is None
+             else f"{flops / fused_time / row['matmul_rate']:.0%}",
+             f"{row['runs']}"]
     return "| " + " | ".join(cells) + " |"
 
 

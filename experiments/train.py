@@ -3,7 +3,10 @@ r"""Trains a language model: parses flags, then calls the library.
     python experiments/train.py --config=configs/default.py:nanogpt,tied \
         --workdir=runs/nanogpt_tied [--config.train.steps=500 ...]
 
-Rerunning with the same --workdir resumes from its newest checkpoint.
+Rerunning with the same --workdir resumes from its newest checkpoint; a
+workdir made by another config is refused (see ``train.check_resumable``).
+SIGTERM saves a checkpoint at the next step boundary and exits with status
+143 (128 + SIGTERM); the same command then resumes.
 
 Several processes (hosts), each started with the same flags plus::
 
@@ -12,6 +15,11 @@ Several processes (hosts), each started with the same flags plus::
 or ``--distributed`` where JAX finds the cluster itself (Cloud TPU slices,
 SLURM, Open MPI). See ``lmhead/sharding.py`` for the device mesh.
 """
+
+import importlib.util
+import re
+import signal
+import sys
 
 from absl import app
 from absl import flags
@@ -42,8 +50,41 @@ def main(argv):
         sharding.initialize_distributed(flags.FLAGS.coordinator_address,
                                         flags.FLAGS.num_processes,
                                         flags.FLAGS.process_id)
-    train.train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+    try:
+        train.train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+    except train.Preempted as e:
+        print(e, file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGTERM)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's parsing; an override of no config key (``--config.trian.steps``)
+    fails with the closest valid keys instead of ml_collections' traceback."""
+    try:
+        return app.parse_flags_with_usage(argv)
+    except (AttributeError, KeyError):
+        config_arg = next((a.split("=", 1)[1] for a in argv
+                           if re.match(r"--?config=", a)), None)
+        overrides = [m.group(1) for a in argv
+                     if (m := re.match(r"--?(?:no)?config\.([\w.]+)", a))]
+        if config_arg is None:
+            raise
+        config = _load_config(config_arg)
+        try:
+            train.check_config_keys(overrides, train.flat_keys(config))
+        except ValueError as e:
+            sys.exit(f"FATAL Flags parsing error: {e}")
+        raise
+
+
+def _load_config(config_arg: str):
+    """``get_config(arg)`` of ``path[:arg]``, as ``--config`` does."""
+    path, _, arg = config_arg.partition(":")
+    spec = importlib.util.spec_from_file_location("config_file", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg or None)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -20,13 +20,36 @@ A run's workdir holds ``config.json``, ``tokenizer.json``, ``tokens.npz``,
 and the dropout key of step ``s`` depend only on ``(seed, s)``, so a
 checkpoint's step is the whole data position: a resumed run continues
 exactly as an uninterrupted one would have.
+
+Reliability. A workdir is resumed only by the config that made it, up to
+the keys in ``RESUMABLE_CHANGES`` (:func:`check_resumable`). A checkpoint
+that does not restore (truncated or garbled files) is set aside with a
+warning and the previous one is used (:func:`restore_or_init`). A
+non-finite loss, gradient norm or parameter stops the run before it saves
+(``config.train.stop_on_nonfinite``), and SIGTERM saves a checkpoint at the
+next step boundary and raises :class:`Preempted`.
+
+Determinism. On CPU, the same config and seed give bitwise-identical
+metrics and parameters, run to run and across a kill and resume. On GPU,
+XLA may choose different reduction orders (atomics in scatter-adds such as
+the embedding gradient, autotuned matmul and fused-reduction kernels), so
+two runs agree to rounding only; ``XLA_FLAGS=--xla_gpu_deterministic_ops=true``
+asks for deterministic kernels at some cost in speed. A resume is exact on
+any platform only up to the same caveat.
 """
 
 import contextlib
+import dataclasses
+import difflib
 import functools
 import json
+import math
 import os
+import shutil
+import signal
+import threading
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -37,6 +60,7 @@ import optax
 import orbax.checkpoint as ocp
 import tensorboardX
 from flax.training import train_state
+from jax.experimental import multihost_utils
 
 from lmhead import data
 from lmhead import decoding
@@ -46,6 +70,8 @@ from lmhead import modules
 from lmhead import sharding
 
 CHECKPOINTS_TO_KEEP = 2
+# Where restore_or_init moves a checkpoint that fails to restore, in the workdir.
+CORRUPT_CHECKPOINTS = "corrupt_checkpoints"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 SAMPLE_SEPARATOR = "\n---------------\n"
 TrainState = train_state.TrainState
@@ -259,9 +285,15 @@ class MetricWriter:
 
 def checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
     """Synchronous orbax manager of ``workdir/checkpoints``; the newest
-    ``CHECKPOINTS_TO_KEEP`` steps are kept."""
+    ``CHECKPOINTS_TO_KEEP`` steps are kept.
+
+    Orbax writes a step to ``STEP.orbax-checkpoint-tmp`` and renames it when
+    complete, so a process killed while saving leaves the previous steps
+    whole; the next save of that step replaces the partial directory.
+    """
     return ocp.CheckpointManager(
         os.path.abspath(os.path.join(workdir, "checkpoints")),
+        item_handlers=ocp.StandardCheckpointHandler(),
         options=ocp.CheckpointManagerOptions(
             max_to_keep=CHECKPOINTS_TO_KEEP, create=True,
             enable_async_checkpointing=False))
@@ -271,17 +303,92 @@ def restore_or_init(manager: ocp.CheckpointManager, model: model_lib.DecoderLM,
                     config: ml_collections.ConfigDict, key: jax.Array,
                     mesh: jax.sharding.Mesh | None = None) -> TrainState:
     """The newest checkpoint's state, or a fresh one initialised from ``key``,
-    sharded over ``mesh`` (default: the first device) whatever mesh saved it."""
+    sharded over ``mesh`` (default: the first device) whatever mesh saved it.
+
+    A checkpoint that does not restore (truncated, garbled or missing files)
+    is moved to ``workdir/corrupt_checkpoints/STEP`` with a warning that
+    names the step, and the next older one is tried, so a run never starts
+    over from step 0 while it has a checkpoint. Orbax keeps no checksum of
+    the array data: bytes changed inside a compressed chunk may restore
+    without an error, as different numbers.
+
+    Raises:
+        ValueError: a checkpoint holds other arrays or shapes than this
+            config's model and optimizer (it belongs to another config).
+        RuntimeError: there are checkpoints and none restores; the message
+            names the directory and each step's error.
+    """
     if mesh is None:
         mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])
     init = functools.partial(create_train_state, model, config)
     abstract = jax.eval_shape(init, key)
     shardings = sharding.tree_shardings(abstract, mesh)
-    step = manager.latest_step()
-    if step is None:
-        return jax.jit(init, out_shardings=shardings)(key)
-    return manager.restore(step, args=ocp.args.StandardRestore(
-        sharding.abstract_state(abstract, shardings)))
+    target = sharding.abstract_state(abstract, shardings)
+    failures = []
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            metadata = manager.item_metadata(step)
+        except Exception as e:  # noqa: BLE001 -- any unreadable file
+            failures.append((step, e))
+            continue
+        _check_checkpoint_fits(metadata, target, step, manager.directory)
+        try:
+            state = manager.restore(step, args=ocp.args.StandardRestore(target))
+        except Exception as e:  # noqa: BLE001 -- tensorstore raises several kinds
+            failures.append((step, e))
+            continue
+        _set_aside(manager, failures)
+        return state
+    if failures:
+        raise RuntimeError(
+            f"No checkpoint in {manager.directory} restores: " + "; ".join(
+                f"step {step}: {type(e).__name__}: {str(e)[:200]}"
+                for step, e in failures))
+    return jax.jit(init, out_shardings=shardings)(key)
+
+
+def _check_checkpoint_fits(metadata, target, step, directory) -> None:
+    """ValueError unless the checkpoint's arrays have the target's paths and shapes."""
+    def shapes(tree):
+        return {sharding.leaf_path(path): tuple(leaf.shape)
+                for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    saved, wanted = shapes(metadata), shapes(target)
+    differences = [
+        f"{name}: {saved.get(name, 'absent')} in the checkpoint, "
+        f"{wanted.get(name, 'absent')} in the model"
+        for name in sorted(saved.keys() | wanted.keys(),
+                           key=lambda name: (not name.startswith("params/"), name))
+        if saved.get(name) != wanted.get(name)]
+    if differences:
+        more = len(differences) - 3
+        raise ValueError(
+            f"The checkpoint of step {step} in {directory} does not fit this "
+            f"config's model: {'; '.join(differences[:3])}"
+            f"{f' (and {more} more)' if more > 0 else ''}. It was written by "
+            "another config; use that config or a fresh workdir.")
+
+
+def _set_aside(manager, failures) -> None:
+    """Moves the checkpoints that failed to restore out of ``manager``'s
+    directory, so that training can save those steps again."""
+    if not failures:
+        return
+    if sharding.is_main_process():
+        corrupt = os.path.join(os.path.dirname(str(manager.directory)),
+                               CORRUPT_CHECKPOINTS)
+        os.makedirs(corrupt, exist_ok=True)
+        for step, error in failures:
+            warnings.warn(
+                f"The checkpoint of step {step} in {manager.directory} does "
+                f"not restore ({type(error).__name__}: {str(error)[:200]}); "
+                f"moved it to {corrupt} and resumed from an older one.",
+                RuntimeWarning, stacklevel=3)
+            path = os.path.join(str(manager.directory), str(step))
+            if os.path.isdir(path):  # not deleted meanwhile by a running job
+                shutil.move(path, os.path.join(corrupt, f"{step}.{time.time_ns()}"))
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("lmhead: corrupt checkpoints moved")
+    manager.reload()
 
 
 def generate_text(model: model_lib.DecoderLM, params: Any, tokenizer: data.Tokenizer,
@@ -341,7 +448,13 @@ def _continue(model, params, context, lengths, key, *, max_new_tokens,
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
-    """Raises ValueError/TypeError naming the first bad ``config`` value."""
+    """Raises ValueError/TypeError naming the first bad ``config`` value.
+
+    Keys first: one that is not a config key (a typo in a config file) is a
+    ValueError that names the closest valid keys. Then each value's type and
+    range; floats must be finite.
+    """
+    check_config_keys(flat_keys(config), config_keys())
     check = functools.partial(_check_value, config)
     check("data.path", str)
     check("data.tokenizer", str, choices=("char", "bpe"))
@@ -391,6 +504,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         check(name, float, low=0.0, high=1.0, high_open=True)
     check("train.eval_batches", int, low=1, optional=True)
     check("train.seed", int, low=0, high=2**31 - 1)
+    check("train.stop_on_nonfinite", bool)
     check("sample.num_samples", int, low=0)
     check("sample.temperature", float, low=0.0)
     check("sample.top_k", int, low=1, optional=True)
@@ -407,6 +521,9 @@ def _check_value(config, name: str, kind: type, *, choices=None, low=None,
     """One value's type, choices and range; ``open_range`` opens both ends."""
     value = config
     for key in name.split("."):
+        if key not in value:
+            raise ValueError(f"config.{name} is missing; configs/default.py "
+                             "has every key.")
         value = value[key]
     if value is None and optional:
         return
@@ -414,6 +531,8 @@ def _check_value(config, name: str, kind: type, *, choices=None, low=None,
     if isinstance(value, bool) != (kind is bool) or not isinstance(value, kinds):
         raise TypeError(f"config.{name} must be {kind.__name__}"
                         f"{' or None' if optional else ''}; got {value!r}.")
+    if kind is float and not math.isfinite(value):
+        raise ValueError(f"config.{name} must be finite; got {value!r}.")
     if choices is not None and value not in choices:
         raise ValueError(f"config.{name} must be one of "
                          f"{', '.join(map(repr, choices))}; got {value!r}.")
@@ -425,6 +544,124 @@ def _check_value(config, name: str, kind: type, *, choices=None, low=None,
                     f", {high if high is not None else 'inf'}"
                     f"{')' if high_open or high is None else ']'}")
         raise ValueError(f"config.{name} must be in {interval}; got {value!r}.")
+
+
+# The keys of each config section; "model" holds DecoderLM's attributes but
+# vocab_size and max_len (the tokenizer's and data.block_size).
+CONFIG_SECTIONS = {
+    "data": ("path", "tokenizer", "vocab_size", "val_fraction", "block_size"),
+    "loss": ("loss_impl", "label_smoothing", "smoothing", "z_loss", "chunk_size"),
+    "optim": ("lr", "warmup_steps", "min_lr", "weight_decay", "b1", "b2",
+              "grad_clip"),
+    "mesh": ("data", "model"),
+    "train": ("steps", "batch_size", "seed", "log_every", "eval_every",
+              "checkpoint_every", "eval_batches", "stop_on_nonfinite"),
+    "sample": ("num_samples", "max_new_tokens", "temperature", "top_k", "top_p",
+               "prompt"),
+}
+# What a resumed run may change: how often it logs, evaluates, checkpoints,
+# what it samples, the devices, and how (not what) the loss is computed. Every
+# other key -- the data, the model, the objective, the optimizer, the batch,
+# the seed and train.steps (the cosine schedule ends there) -- is part of
+# what the run's checkpoints mean.
+RESUMABLE_CHANGES = (
+    "train.log_every", "train.eval_every", "train.checkpoint_every",
+    "train.eval_batches", "train.stop_on_nonfinite", "loss.loss_impl",
+    "loss.chunk_size", "mesh.data", "mesh.model", "sample.num_samples",
+    "sample.max_new_tokens", "sample.temperature", "sample.top_k",
+    "sample.top_p", "sample.prompt")
+
+
+def config_keys() -> set[str]:
+    """Every valid dotted config key, e.g. ``"model.tied"``."""
+    model_keys = {f.name for f in dataclasses.fields(model_lib.DecoderLM)
+                  if f.init} - {"vocab_size", "max_len", "parent", "name"}
+    return {f"{section}.{key}" for section, keys in
+            {**CONFIG_SECTIONS, "model": model_keys}.items() for key in keys}
+
+
+def check_config_keys(names, valid) -> None:
+    """Raises ValueError for the first of ``names`` not in ``valid``.
+
+    The message names the closest valid keys (``difflib``), or the keys of
+    the section when none is close.
+
+    Examples:
+        >>> check_config_keys(["train.stpes"], {"train.steps", "train.seed"})
+        Traceback (most recent call last):
+        ...
+        ValueError: config.train.stpes is not a config key; did you mean config.train.steps or config.train.seed?
+    """
+    valid = sorted(valid)
+    for name in names:
+        if name in valid:
+            continue
+        close = difflib.get_close_matches(name, valid, n=3, cutoff=0.6)
+        if close:
+            hint = "did you mean " + " or ".join(f"config.{k}" for k in close) + "?"
+        else:
+            section = name.split(".")[0] + "."
+            same_section = [k for k in valid if k.startswith(section)]
+            hint = "valid keys: " + ", ".join(
+                same_section or sorted({k.split(".")[0] for k in valid})) + "."
+        raise ValueError(f"config.{name} is not a config key; {hint}")
+
+
+def flat_keys(config) -> list[str]:
+    """Dotted names of the leaves of a (nested) ConfigDict or dict.
+
+    Examples:
+        >>> flat_keys({"train": {"steps": 10, "seed": 0}, "name": "x"})
+        ['train.steps', 'train.seed', 'name']
+    """
+    names = []
+    for key, value in config.items():
+        if isinstance(value, (dict, ml_collections.ConfigDict)):
+            names += [f"{key}.{name}" for name in flat_keys(value)]
+        else:
+            names.append(key)
+    return names
+
+
+def _flat_values(config: dict) -> dict[str, Any]:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in _flat_values(value).items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+def check_resumable(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Refuses to resume ``workdir`` with a config other than its own.
+
+    Only a workdir with a checkpoint is checked, against its ``config.json``.
+    Keys in ``RESUMABLE_CHANGES`` may differ; so may keys that only one of
+    the two configs has (a config written by older code): the checkpoint's
+    own shapes are checked when it is restored.
+
+    Raises:
+        ValueError: naming each changed key with both values.
+    """
+    path = os.path.join(workdir, "config.json")
+    checkpoints = os.path.join(workdir, "checkpoints")
+    if not (os.path.isfile(path) and os.path.isdir(checkpoints) and any(
+            name.isdigit() for name in os.listdir(checkpoints))):
+        return
+    with open(path) as f:
+        saved = _flat_values(json.load(f))
+    current = _flat_values(json.loads(config.to_json()))
+    changed = [f"{key}: {saved[key]!r} there, {current[key]!r} now"
+               for key in sorted(saved.keys() & current.keys())
+               if saved[key] != current[key] and key not in RESUMABLE_CHANGES]
+    if changed:
+        raise ValueError(
+            f"{workdir} holds checkpoints of another config, so it cannot be "
+            f"resumed with this one ({'; '.join(changed)}). A resumed run "
+            "continues the same run; only "
+            f"{', '.join(RESUMABLE_CHANGES)} may change. Use a fresh --workdir, "
+            f"or the values in {path}.")
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -443,11 +680,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """
     wall_start = time.perf_counter()
     validate_config(config)
+    check_resumable(config, workdir)
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
     os.makedirs(workdir, exist_ok=True)
     dataset = sharding.main_process_first(
         lambda: data.load_dataset(config.data, workdir))
-    dataset.tokenizer.encode(config.sample.prompt)  # unknown characters fail now
+    try:  # unknown characters fail now, not after training
+        dataset.tokenizer.encode(config.sample.prompt)
+    except ValueError as e:
+        raise ValueError(f"config.sample.prompt={config.sample.prompt!r}: {e}") from e
     model = make_model(config, dataset.vocab_size)
     init_key, dropout_key, sample_key = jax.random.split(
         jax.random.key(config.train.seed), 3)
@@ -457,6 +698,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     summary_path = os.path.join(workdir, "summary.json")
     if int(state.step) >= config.train.steps and os.path.exists(summary_path):
         _log(f"{workdir} has finished {int(state.step)} steps.")
+        manager.close()
         with open(summary_path) as f:
             return json.load(f)
     if sharding.is_main_process():
@@ -478,15 +720,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         batch_size=config.train.batch_size, block_size=config.data.block_size)]
     run_eval = functools.partial(evaluate, eval_fn, batches=eval_set,
                                  chars_per_token=dataset.val_chars_per_token)
-    state, timing = _train_loop(
-        config, state, train_fn, run_eval, dataset, manager, writer, dropout_key,
-        mesh)
-    final = next((r for r in reversed(writer.records) if "eval/loss" in r), None)
-    if final is None or final["step"] != config.train.steps:
-        final = {"step": config.train.steps, **run_eval(state.params)}
-        writer.write(final["step"], {k: v for k, v in final.items() if k != "step"})
-    writer.close()
-    manager.close()
+    try:
+        state, timing = _train_loop(config, state, train_fn, run_eval, dataset,
+                                    manager, writer, dropout_key, mesh)
+        final = next((r for r in reversed(writer.records) if "eval/loss" in r),
+                     None)
+        if final is None or final["step"] != config.train.steps:
+            final = {"step": config.train.steps, **run_eval(state.params)}
+            writer.write(final["step"],
+                         {k: v for k, v in final.items() if k != "step"})
+    finally:
+        writer.close()
+        manager.close()
     if config.sample.num_samples:
         params = sharding.to_host(state.params)  # every process takes part
         if sharding.is_main_process():
@@ -510,49 +755,142 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     return summary
 
 
+class Preempted(Exception):
+    """``train_and_evaluate`` stopped on SIGTERM; a checkpoint of ``step`` is saved."""
+
+    def __init__(self, step: int, directory: str):
+        super().__init__(f"Stopped by SIGTERM at step {step}; its checkpoint is "
+                         f"in {directory}. Rerun the same command to resume.")
+        self.step = step
+
+
 def _train_loop(config, state, train_fn, run_eval, dataset, manager, writer,
                 dropout_key, mesh):
     """Steps from ``state.step`` to ``train.steps``; the host waits for the
-    device only at log, evaluation and checkpoint steps."""
-    steps, tokens_per_step = config.train.steps, (
-        config.train.batch_size * config.data.block_size)
+    device only at log, evaluation and checkpoint steps, and on SIGTERM."""
+    steps = config.train.steps
     pending, timing = [], {"wall": 0.0, "cpu": 0.0, "steps": 0}
-    tick, cpu_tick = time.perf_counter(), time.process_time()
-    for step in range(int(state.step), steps):
-        batch = sharding.shard_batch(data.train_batch(
-            dataset.train_tokens, seed=config.train.seed, step=step,
-            batch_size=config.train.batch_size,
-            block_size=config.data.block_size), mesh)
-        state, metrics = train_fn(state, batch, dropout_key)
-        pending.append(metrics)
-        done = step + 1
-        evaluate_now = done % config.train.eval_every == 0 or done == steps
-        checkpoint_now = done % config.train.checkpoint_every == 0 or done == steps
-        if not (evaluate_now or checkpoint_now or done % config.train.log_every == 0):
-            continue
-        pending = jax.device_get(pending)
-        seconds = time.perf_counter() - tick
-        timing["wall"] += seconds
-        timing["cpu"] += time.process_time() - cpu_tick
-        timing["steps"] += len(pending)
-        logged = {f"train/{k}": float(np.mean([m[k] for m in pending]))
-                  for k in pending[0]}
-        logged["train/tokens_per_sec"] = len(pending) * tokens_per_step / seconds
-        writer.write(done, logged)
-        eta = (steps - done) * timing["wall"] / timing["steps"]
-        _log(f"step {done}/{steps}  loss {logged['train/loss']:.4f}  "
-             f"{logged['train/tokens_per_sec']:,.0f} tokens/s  "
-             f"{1e3 * seconds / len(pending):.1f} ms/step  ETA {eta:.0f} s")
-        pending = []
-        if evaluate_now:
-            metrics = run_eval(state.params)
-            writer.write(done, metrics)
-            _log(f"step {done}/{steps}  " + "  ".join(
-                f"{k} {v:.4f}" for k, v in metrics.items()))
-        if checkpoint_now:
-            manager.save(done, args=ocp.args.StandardSave(state))
-        tick, cpu_tick = time.perf_counter(), time.process_time()
+    clock = [time.perf_counter(), time.process_time()]
+    flush = functools.partial(_flush_metrics, config, manager, writer, timing,
+                              clock)
+    with _sigterm_flag() as terminated:
+        for step in range(int(state.step), steps):
+            if _stop_requested(manager, step, terminated):
+                if pending:
+                    flush(pending, step, state)
+                if manager.latest_step() != step:
+                    manager.save(step, args=ocp.args.StandardSave(state))
+                raise Preempted(step, str(manager.directory))
+            batch = sharding.shard_batch(data.train_batch(
+                dataset.train_tokens, seed=config.train.seed, step=step,
+                batch_size=config.train.batch_size,
+                block_size=config.data.block_size), mesh)
+            state, metrics = train_fn(state, batch, dropout_key)
+            pending.append(metrics)
+            done = step + 1
+            evaluate_now = done % config.train.eval_every == 0 or done == steps
+            checkpoint_now = done % config.train.checkpoint_every == 0 or done == steps
+            if not (evaluate_now or checkpoint_now
+                    or done % config.train.log_every == 0):
+                continue
+            flush(pending, done, state)
+            pending = []
+            if evaluate_now:
+                metrics = run_eval(state.params)
+                writer.write(done, metrics)
+                _log(f"step {done}/{steps}  " + "  ".join(
+                    f"{k} {v:.4f}" for k, v in metrics.items()))
+            if checkpoint_now:
+                manager.save(done, args=ocp.args.StandardSave(state))
+            clock[:] = time.perf_counter(), time.process_time()
     return state, timing
+
+
+def _flush_metrics(config, manager, writer, timing, clock, pending, done,
+                   state):
+    """Waits for the ``pending`` steps' metrics (the last at step ``done``),
+    checks them and ``state`` (``train.stop_on_nonfinite``), logs their mean
+    and adds to ``timing``."""
+    pending = jax.device_get(pending)
+    if config.train.stop_on_nonfinite:
+        _check_finite(pending, done, state, manager)
+    seconds = time.perf_counter() - clock[0]
+    timing["wall"] += seconds
+    timing["cpu"] += time.process_time() - clock[1]
+    timing["steps"] += len(pending)
+    tokens = len(pending) * config.train.batch_size * config.data.block_size
+    logged = {f"train/{k}": float(np.mean([m[k] for m in pending]))
+              for k in pending[0]}
+    logged["train/tokens_per_sec"] = tokens / seconds
+    writer.write(done, logged)
+    steps = config.train.steps
+    eta = (steps - done) * timing["wall"] / timing["steps"]
+    _log(f"step {done}/{steps}  loss {logged['train/loss']:.4f}  "
+         f"{logged['train/tokens_per_sec']:,.0f} tokens/s  "
+         f"{1e3 * seconds / len(pending):.1f} ms/step  ETA {eta:.0f} s")
+
+
+def _check_finite(pending, done, state, manager) -> None:
+    """Raises FloatingPointError at the first pending step (the last is
+    ``done``) whose loss or gradient norm is not finite, or when ``state``
+    (after step ``done``) is not."""
+    for offset, metrics in enumerate(pending):
+        loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            step = done - len(pending) + offset + 1
+            raise FloatingPointError(
+                f"Non-finite training at step {step}: loss {loss}, gradient "
+                f"norm {grad_norm}. Stopped at step {done} without saving; "
+                + _newest_checkpoint(manager))
+    if not bool(_all_finite(state)):
+        raise FloatingPointError(
+            f"The parameters or optimizer state are not finite after step "
+            f"{done}; stopped without saving. " + _newest_checkpoint(manager))
+
+
+def _newest_checkpoint(manager) -> str:
+    step = manager.latest_step()
+    if step is None:
+        return (f"{manager.directory} holds no checkpoint. (A lower optim.lr "
+                "or optim.grad_clip may help; train.stop_on_nonfinite=False "
+                "trains on.)")
+    return (f"The newest checkpoint, step {step} in {manager.directory}, is "
+            "kept; a rerun resumes from it.")
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+    """True when every floating-point leaf of ``tree`` is finite."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+                              if jnp.issubdtype(x.dtype, jnp.inexact)]))
+
+
+@contextlib.contextmanager
+def _sigterm_flag():
+    """A ``threading.Event`` that SIGTERM sets while the block runs.
+
+    Only in the main thread of a single process: a signal handler can only be
+    installed there, and several processes must stop at the same step, which
+    JAX's preemption sync point decides (see ``_stop_requested``).
+    """
+    event = threading.Event()
+    if (jax.process_count() > 1
+            or threading.current_thread() is not threading.main_thread()):
+        yield event
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: event.set())
+    try:
+        yield event
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stop_requested(manager, step: int, terminated: threading.Event) -> bool:
+    """SIGTERM seen: by this process, or (several processes) by JAX's
+    preemption notifier, at a step that every process agrees on."""
+    if jax.process_count() > 1:
+        return manager.reached_preemption(step)
+    return terminated.is_set()
 
 
 def _write_samples(config, model, params, tokenizer, key, workdir) -> None:

@@ -677,6 +677,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         do not inflate it) over the training steps of this process, without
         compilation, evaluation or checkpoints; ``compile_seconds``, ``steps``
         and ``wall_seconds`` (this process).
+
+    Raises:
+        ValueError, TypeError: a bad config, corpus or prompt, or a workdir
+            of another config; before anything is compiled.
+        FloatingPointError: a non-finite loss, gradient norm or state, with
+            ``train.stop_on_nonfinite``; nothing after it is saved.
+        Preempted: SIGTERM; a checkpoint of the step it stopped at is saved.
     """
     wall_start = time.perf_counter()
     validate_config(config)
@@ -812,12 +819,12 @@ def _flush_metrics(config, manager, writer, timing, clock, pending, done,
     checks them and ``state`` (``train.stop_on_nonfinite``), logs their mean
     and adds to ``timing``."""
     pending = jax.device_get(pending)
-    if config.train.stop_on_nonfinite:
-        _check_finite(pending, done, state, manager)
     seconds = time.perf_counter() - clock[0]
     timing["wall"] += seconds
     timing["cpu"] += time.process_time() - clock[1]
     timing["steps"] += len(pending)
+    if config.train.stop_on_nonfinite:
+        _check_finite(pending, done, state, manager)
     tokens = len(pending) * config.train.batch_size * config.data.block_size
     logged = {f"train/{k}": float(np.mean([m[k] for m in pending]))
               for k in pending[0]}
@@ -840,7 +847,7 @@ def _check_finite(pending, done, state, manager) -> None:
             step = done - len(pending) + offset + 1
             raise FloatingPointError(
                 f"Non-finite training at step {step}: loss {loss}, gradient "
-                f"norm {grad_norm}. Stopped at step {done} without saving; "
+                f"norm {grad_norm}. Stopped at step {done} without saving. "
                 + _newest_checkpoint(manager))
     if not bool(_all_finite(state)):
         raise FloatingPointError(

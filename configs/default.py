@@ -39,6 +39,8 @@ Arguments (comma-separated, applied left to right)::
 
     tied | untied   the head shares the embedding table, or owns one
     nanogpt         nanoGPT's CPU example, value by value (the defaults, no biases)
+    compare         make compare's runs: nanogpt for 600 steps, evaluated
+                    every 100 steps on 40 fixed validation batches
     tiny            a few seconds on a CPU; for tests
     bpe=N           byte-level BPE with a vocabulary of N tokens
     steps=N         train for N steps (the cosine decay follows)
@@ -50,7 +52,7 @@ Any value can then be set on the command line, e.g.
 import ml_collections
 from ml_collections import config_dict
 
-ARGUMENTS = ("tied", "untied", "nanogpt", "tiny", "bpe", "steps")
+ARGUMENTS = ("tied", "untied", "nanogpt", "compare", "tiny", "bpe", "steps")
 
 
 def nanogpt_values() -> dict:
@@ -64,6 +66,16 @@ def nanogpt_values() -> dict:
                       b1=0.9, b2=0.99, grad_clip=1.0),
         "train": dict(steps=2000, batch_size=12),
     }
+
+
+def compare_values() -> dict:
+    """``make compare``'s runs: nanogpt shortened to 600 steps, with an
+    evaluation every 100 steps on 40 fixed batches (480 evenly spaced
+    validation windows), so that the loss curves have points to plot."""
+    values = nanogpt_values()
+    values["train"] = dict(values["train"], steps=600, eval_every=100,
+                           eval_batches=40, checkpoint_every=300)
+    return values
 
 
 def tiny_values() -> dict:
@@ -105,10 +117,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.loss = ml_collections.ConfigDict()
     # "materialized" | "fused" (no [N, V] logits) | "vocab_parallel" (the
-    # vocabulary split over mesh.model, see lmhead/sharding.py). The measured
-    # result above is materialized's; fused takes the same CPU time per step
-    # at V = 84 and V = 2048 (experiments/bench_train.py).
-    config.loss.loss_impl = "materialized"
+    # vocabulary split over mesh.model, see lmhead/sharding.py). The results
+    # above were measured with materialized; fused gives the same numbers to
+    # float32 rounding in the same CPU time per step at V = 84 and V = 2048
+    # (experiments/bench_train.py), and far less memory at large V.
+    config.loss.loss_impl = "fused"
     config.loss.label_smoothing = 0.0
     config.loss.smoothing = "uniform"  # "uniform" | "normalized"
     config.loss.z_loss = 0.0
@@ -155,6 +168,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
             config.model.tied = name == "tied"
         elif name == "nanogpt":
             config.update_from_flattened_dict(_flatten(nanogpt_values()))
+        elif name == "compare":
+            config.update_from_flattened_dict(_flatten(compare_values()))
         elif name == "tiny":
             config.update_from_flattened_dict(_flatten(tiny_values()))
         elif name == "bpe":

@@ -319,7 +319,7 @@ class TestConfig:
         ("sample.prompt", "", ValueError, "must not be empty"),
     ])
     def test_validation(self, name, value, error, match):
-        config = tiny_config(**{name: value})
+        config = tiny_config(**{"loss.loss_impl": "materialized", name: value})
         with pytest.raises(error, match=match):
             train.validate_config(config)
 

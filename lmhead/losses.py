@@ -171,7 +171,8 @@ def weighted_metrics(
     r"""Reduces per-token losses and builds the metrics dict.
 
     A weighted mean is :math:`\sum_t w_t x_t / \sum_t w_t`, and 0 when
-    :math:`\sum_t w_t = 0` (so an all-padding batch gives 0, not NaN).
+    :math:`\sum_t w_t = 0` (so an all-padding batch gives 0, not NaN). A
+    token of weight 0 contributes 0 even when its value is NaN or infinite.
 
     Args:
         loss, nll, z_term: ``[...]`` per-token values (see :func:`token_losses`).
@@ -196,8 +197,13 @@ def weighted_metrics(
     weight_sum = jnp.sum(weights)
     safe_sum = jnp.where(weight_sum > 0, weight_sum, 1.0)
 
+    def weighted(x):
+        # A token of weight 0 contributes exactly 0, even if its value is not
+        # finite (e.g. the logits of a padding id outside the embedding).
+        return jnp.where(weights != 0, weights * x, 0.0)
+
     def mean(x):
-        return jnp.sum(weights * x) / safe_sum
+        return jnp.sum(weighted(x)) / safe_sum
 
     metrics = {
         "loss": mean(loss),
@@ -210,8 +216,8 @@ def weighted_metrics(
     if reduction == "mean":
         return metrics["loss"], metrics
     if reduction == "sum":
-        return jnp.sum(weights * loss), metrics
-    return weights * loss, metrics
+        return jnp.sum(weighted(loss)), metrics
+    return weighted(loss), metrics
 
 
 def valid_weights(labels: jax.Array, weights: jax.typing.ArrayLike | None,

@@ -498,3 +498,17 @@ def test_bad_num_bins(num_bins):
     with pytest.raises(ValueError, match="num_bins must be an integer >= 1"):
         losses.expected_calibration_error(jnp.zeros((2, 3)), jnp.array([0, 1]),
                                           num_bins=num_bins)
+
+
+def test_non_finite_logits_of_zero_weight_tokens_do_not_reach_the_loss():
+    logits, labels, _ = random_case(13, shape=(3,))
+    poisoned = logits.copy()
+    poisoned[1] = np.nan  # e.g. the logits of a padding id outside the table
+    weights = np.array([1.0, 0.0, 1.0], np.float32)
+    for reduction in ("mean", "sum", "none"):
+        got, metrics = losses.cross_entropy(poisoned, labels, weights=weights,
+                                            reduction=reduction)
+        want, _ = losses.cross_entropy(logits, labels, weights=weights,
+                                       reduction=reduction)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        assert all(np.isfinite(v) for v in metrics.values())

@@ -26,6 +26,7 @@ import numpy as np
 from absl import app
 from absl import flags
 
+from lmhead import config_checks
 from lmhead import data
 from lmhead import train
 
@@ -73,7 +74,7 @@ def bench(arg: str, loss_impl: str | None, steps: int, peak: float) -> None:
     config = get_config(arg)
     if loss_impl:
         config.loss.loss_impl = loss_impl
-    train.validate_config(config)
+    config_checks.validate_config(config)
     dataset = data.load_dataset(config.data)
     model = train.make_model(config, dataset.vocab_size)
     init_key, dropout_key = jax.random.split(jax.random.key(0))

@@ -4,7 +4,8 @@ r"""Trains a language model: parses flags, then calls the library.
         --workdir=runs/nanogpt_tied [--config.train.steps=500 ...]
 
 Rerunning with the same --workdir resumes from its newest checkpoint; a
-workdir made by another config is refused (see ``train.check_resumable``).
+workdir made by another config is refused (see
+``config_checks.check_resumable``).
 SIGTERM saves a checkpoint at the next step boundary and exits with status
 143 (128 + SIGTERM); the same command then resumes.
 
@@ -26,6 +27,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from lmhead import config_checks
 from lmhead import sharding
 from lmhead import train
 
@@ -71,7 +73,8 @@ def parse_flags(argv: list[str]) -> list[str]:
             raise
         config = _load_config(config_arg)
         try:
-            train.check_config_keys(overrides, train.flat_keys(config))
+            config_checks.check_config_keys(
+                overrides, config_checks.flat_keys(config))
         except ValueError as e:
             sys.exit(f"FATAL Flags parsing error: {e}")
         raise

@@ -22,12 +22,13 @@ checkpoint's step is the whole data position: a resumed run continues
 exactly as an uninterrupted one would have.
 
 Reliability. A workdir is resumed only by the config that made it, up to
-the keys in ``RESUMABLE_CHANGES`` (:func:`check_resumable`). A checkpoint
-that does not restore (truncated or garbled files) is set aside with a
-warning and the previous one is used (:func:`restore_or_init`). A
-non-finite loss, gradient norm or parameter stops the run before it saves
-(``config.train.stop_on_nonfinite``), and SIGTERM saves a checkpoint at the
-next step boundary and raises :class:`Preempted`.
+the keys in ``config_checks.RESUMABLE_CHANGES``
+(:func:`config_checks.check_resumable`). A checkpoint that does not restore
+(truncated or garbled files) is set aside with a warning and the previous
+one is used (:func:`restore_or_init`). A non-finite loss, gradient norm or
+parameter stops the run before it saves (``config.train.stop_on_nonfinite``),
+and SIGTERM saves a checkpoint at the next step boundary and raises
+:class:`Preempted`.
 
 Determinism. On CPU, the same config and seed give bitwise-identical
 metrics and parameters, run to run and across a kill and resume. On GPU,
@@ -39,17 +40,13 @@ any platform only up to the same caveat.
 """
 
 import contextlib
-import dataclasses
-import difflib
 import functools
 import json
 import math
 import os
-import shutil
 import signal
 import threading
 import time
-import warnings
 from typing import Any
 
 import jax
@@ -60,19 +57,15 @@ import optax
 import orbax.checkpoint as ocp
 import tensorboardX
 from flax.training import train_state
-from jax.experimental import multihost_utils
 
+from lmhead import checkpoints
+from lmhead import config_checks
 from lmhead import data
 from lmhead import decoding
 from lmhead import losses
 from lmhead import model as model_lib
-from lmhead import modules
 from lmhead import sharding
 
-CHECKPOINTS_TO_KEEP = 2
-# Where restore_or_init moves a checkpoint that fails to restore, in the workdir.
-CORRUPT_CHECKPOINTS = "corrupt_checkpoints"
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 SAMPLE_SEPARATOR = "\n---------------\n"
 TrainState = train_state.TrainState
 
@@ -82,7 +75,8 @@ def make_model(config: ml_collections.ConfigDict,
     """The ``DecoderLM`` of ``config.model``; its ``max_len`` is the block size."""
     return model_lib.DecoderLM(
         vocab_size=vocab_size, max_len=config.data.block_size,
-        **{**config.model.to_dict(), "dtype": DTYPES[config.model.dtype]})
+        **{**config.model.to_dict(),
+           "dtype": config_checks.DTYPES[config.model.dtype]})
 
 
 def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
@@ -283,22 +277,6 @@ class MetricWriter:
             self.tensorboard.close()
 
 
-def checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
-    """Synchronous orbax manager of ``workdir/checkpoints``; the newest
-    ``CHECKPOINTS_TO_KEEP`` steps are kept.
-
-    Orbax writes a step to ``STEP.orbax-checkpoint-tmp`` and renames it when
-    complete, so a process killed while saving leaves the previous steps
-    whole; the next save of that step replaces the partial directory.
-    """
-    return ocp.CheckpointManager(
-        os.path.abspath(os.path.join(workdir, "checkpoints")),
-        item_handlers=ocp.StandardCheckpointHandler(),
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=CHECKPOINTS_TO_KEEP, create=True,
-            enable_async_checkpointing=False))
-
-
 def restore_or_init(manager: ocp.CheckpointManager, model: model_lib.DecoderLM,
                     config: ml_collections.ConfigDict, key: jax.Array,
                     mesh: jax.sharding.Mesh | None = None) -> TrainState:
@@ -324,71 +302,10 @@ def restore_or_init(manager: ocp.CheckpointManager, model: model_lib.DecoderLM,
     abstract = jax.eval_shape(init, key)
     shardings = sharding.tree_shardings(abstract, mesh)
     target = sharding.abstract_state(abstract, shardings)
-    failures = []
-    for step in sorted(manager.all_steps(), reverse=True):
-        try:
-            metadata = manager.item_metadata(step)
-        except Exception as e:  # noqa: BLE001 -- any unreadable file
-            failures.append((step, e))
-            continue
-        _check_checkpoint_fits(metadata, target, step, manager.directory)
-        try:
-            state = manager.restore(step, args=ocp.args.StandardRestore(target))
-        except Exception as e:  # noqa: BLE001 -- tensorstore raises several kinds
-            failures.append((step, e))
-            continue
-        _set_aside(manager, failures)
-        return state
-    if failures:
-        raise RuntimeError(
-            f"No checkpoint in {manager.directory} restores: " + "; ".join(
-                f"step {step}: {type(e).__name__}: {str(e)[:200]}"
-                for step, e in failures))
-    return jax.jit(init, out_shardings=shardings)(key)
-
-
-def _check_checkpoint_fits(metadata, target, step, directory) -> None:
-    """ValueError unless the checkpoint's arrays have the target's paths and shapes."""
-    def shapes(tree):
-        return {sharding.leaf_path(path): tuple(leaf.shape)
-                for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-    saved, wanted = shapes(metadata), shapes(target)
-    differences = [
-        f"{name}: {saved.get(name, 'absent')} in the checkpoint, "
-        f"{wanted.get(name, 'absent')} in the model"
-        for name in sorted(saved.keys() | wanted.keys(),
-                           key=lambda name: (not name.startswith("params/"), name))
-        if saved.get(name) != wanted.get(name)]
-    if differences:
-        more = len(differences) - 3
-        raise ValueError(
-            f"The checkpoint of step {step} in {directory} does not fit this "
-            f"config's model: {'; '.join(differences[:3])}"
-            f"{f' (and {more} more)' if more > 0 else ''}. It was written by "
-            "another config; use that config or a fresh workdir.")
-
-
-def _set_aside(manager, failures) -> None:
-    """Moves the checkpoints that failed to restore out of ``manager``'s
-    directory, so that training can save those steps again."""
-    if not failures:
-        return
-    if sharding.is_main_process():
-        corrupt = os.path.join(os.path.dirname(str(manager.directory)),
-                               CORRUPT_CHECKPOINTS)
-        os.makedirs(corrupt, exist_ok=True)
-        for step, error in failures:
-            warnings.warn(
-                f"The checkpoint of step {step} in {manager.directory} does "
-                f"not restore ({type(error).__name__}: {str(error)[:200]}); "
-                f"moved it to {corrupt} and resumed from an older one.",
-                RuntimeWarning, stacklevel=3)
-            path = os.path.join(str(manager.directory), str(step))
-            if os.path.isdir(path):  # not deleted meanwhile by a running job
-                shutil.move(path, os.path.join(corrupt, f"{step}.{time.time_ns()}"))
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("lmhead: corrupt checkpoints moved")
-    manager.reload()
+    state = checkpoints.restore_newest(manager, target)
+    if state is None:
+        state = jax.jit(init, out_shardings=shardings)(key)
+    return state
 
 
 def generate_text(model: model_lib.DecoderLM, params: Any, tokenizer: data.Tokenizer,
@@ -447,223 +364,6 @@ def _continue(model, params, context, lengths, key, *, max_new_tokens,
     return tokens
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
-    """Raises ValueError/TypeError naming the first bad ``config`` value.
-
-    Keys first: one that is not a config key (a typo in a config file) is a
-    ValueError that names the closest valid keys. Then each value's type and
-    range; floats must be finite.
-    """
-    check_config_keys(flat_keys(config), config_keys())
-    check = functools.partial(_check_value, config)
-    check("data.path", str)
-    check("data.tokenizer", str, choices=("char", "bpe"))
-    if config.data.tokenizer == "bpe":
-        check("data.vocab_size", int, low=256, high=2**31 - 1)
-    elif config.data.vocab_size is not None:
-        raise ValueError("config.data.vocab_size is for tokenizer='bpe' only; "
-                         "the character vocabulary comes from the text.")
-    check("data.val_fraction", float, low=0.0, high=1.0, open_range=True)
-    check("data.block_size", int, low=2)
-    for name in ("model.num_layers", "model.num_heads",
-                 "model.d_model", "model.mlp_dim", "train.steps",
-                 "train.batch_size", "train.log_every", "train.eval_every",
-                 "train.checkpoint_every",
-                 "sample.max_new_tokens"):
-        check(name, int, low=1)
-    if config.model.d_model % config.model.num_heads:
-        raise ValueError("config.model.num_heads must divide config.model."
-                         f"d_model; got {config.model.num_heads} and "
-                         f"{config.model.d_model}.")
-    check("model.dropout_rate", float, low=0.0, high=1.0, high_open=True)
-    check("model.tied", bool)
-    check("model.positions", str, choices=model_lib.POSITIONS)
-    check("model.head_bias", bool)
-    check("model.head_scale", float, low=0.0, open_range=True, optional=True)
-    check("model.logits_softcap", float, low=0.0, open_range=True, optional=True)
-    check("model.dtype", str, choices=tuple(DTYPES))
-    check("loss.loss_impl", str, choices=modules.LOSS_IMPLS)
-    check("loss.label_smoothing", float, low=0.0, high=1.0, high_open=True)
-    check("loss.smoothing", str, choices=("uniform", "normalized"))
-    check("loss.z_loss", float, low=0.0)
-    check("loss.chunk_size", int, low=1, optional=True)
-    if config.loss.chunk_size is not None and config.loss.loss_impl == "materialized":
-        raise ValueError("config.loss.chunk_size is not used by loss_impl="
-                         "'materialized'; leave it unset.")
-    for name in ("mesh.data", "mesh.model"):
-        check(name, int, low=-1)
-        if config.mesh[name.split(".")[1]] == 0:
-            raise ValueError(f"config.{name} must be a number of devices >= 1, "
-                             "or -1 for all the others; got 0.")
-    check("optim.lr", float, low=0.0, open_range=True)
-    check("optim.warmup_steps", int, low=0, high=config.train.steps - 1)
-    check("optim.min_lr", float, low=0.0, high=config.optim.lr)
-    for name in ("optim.weight_decay", "optim.grad_clip"):
-        check(name, float, low=0.0)
-    for name in ("optim.b1", "optim.b2"):
-        check(name, float, low=0.0, high=1.0, high_open=True)
-    check("train.eval_batches", int, low=1, optional=True)
-    check("train.seed", int, low=0, high=2**31 - 1)
-    check("train.stop_on_nonfinite", bool)
-    check("sample.num_samples", int, low=0)
-    check("sample.temperature", float, low=0.0)
-    check("sample.top_k", int, low=1, optional=True)
-    check("sample.top_p", float, low=0.0, high=1.0, open_range=True,
-          optional=True)
-    check("sample.prompt", str)
-    if not config.sample.prompt:
-        raise ValueError("config.sample.prompt must not be empty.")
-
-
-def _check_value(config, name: str, kind: type, *, choices=None, low=None,
-                 high=None, open_range: bool = False, high_open: bool = False,
-                 optional: bool = False) -> None:
-    """One value's type, choices and range; ``open_range`` opens both ends."""
-    value = config
-    for key in name.split("."):
-        if key not in value:
-            raise ValueError(f"config.{name} is missing; configs/default.py "
-                             "has every key.")
-        value = value[key]
-    if value is None and optional:
-        return
-    kinds = (int, float) if kind is float else (kind,)
-    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kinds):
-        raise TypeError(f"config.{name} must be {kind.__name__}"
-                        f"{' or None' if optional else ''}; got {value!r}.")
-    if kind is float and not math.isfinite(value):
-        raise ValueError(f"config.{name} must be finite; got {value!r}.")
-    if choices is not None and value not in choices:
-        raise ValueError(f"config.{name} must be one of "
-                         f"{', '.join(map(repr, choices))}; got {value!r}.")
-    high_open = high_open or open_range
-    too_low = low is not None and (value <= low if open_range else value < low)
-    too_high = high is not None and (value >= high if high_open else value > high)
-    if too_low or too_high:
-        interval = (f"{'(' if open_range else '['}{low if low is not None else '-inf'}"
-                    f", {high if high is not None else 'inf'}"
-                    f"{')' if high_open or high is None else ']'}")
-        raise ValueError(f"config.{name} must be in {interval}; got {value!r}.")
-
-
-# The keys of each config section; "model" holds DecoderLM's attributes but
-# vocab_size and max_len (the tokenizer's and data.block_size).
-CONFIG_SECTIONS = {
-    "data": ("path", "tokenizer", "vocab_size", "val_fraction", "block_size"),
-    "loss": ("loss_impl", "label_smoothing", "smoothing", "z_loss", "chunk_size"),
-    "optim": ("lr", "warmup_steps", "min_lr", "weight_decay", "b1", "b2",
-              "grad_clip"),
-    "mesh": ("data", "model"),
-    "train": ("steps", "batch_size", "seed", "log_every", "eval_every",
-              "checkpoint_every", "eval_batches", "stop_on_nonfinite"),
-    "sample": ("num_samples", "max_new_tokens", "temperature", "top_k", "top_p",
-               "prompt"),
-}
-# What a resumed run may change: how often it logs, evaluates, checkpoints,
-# what it samples, the devices, and how (not what) the loss is computed. Every
-# other key -- the data, the model, the objective, the optimizer, the batch,
-# the seed and train.steps (the cosine schedule ends there) -- is part of
-# what the run's checkpoints mean.
-RESUMABLE_CHANGES = (
-    "train.log_every", "train.eval_every", "train.checkpoint_every",
-    "train.eval_batches", "train.stop_on_nonfinite", "loss.loss_impl",
-    "loss.chunk_size", "mesh.data", "mesh.model", "sample.num_samples",
-    "sample.max_new_tokens", "sample.temperature", "sample.top_k",
-    "sample.top_p", "sample.prompt")
-
-
-def config_keys() -> set[str]:
-    """Every valid dotted config key, e.g. ``"model.tied"``."""
-    model_keys = {f.name for f in dataclasses.fields(model_lib.DecoderLM)
-                  if f.init} - {"vocab_size", "max_len", "parent", "name"}
-    return {f"{section}.{key}" for section, keys in
-            {**CONFIG_SECTIONS, "model": model_keys}.items() for key in keys}
-
-
-def check_config_keys(names, valid) -> None:
-    """Raises ValueError for the first of ``names`` not in ``valid``.
-
-    The message names the closest valid keys (``difflib``), or the keys of
-    the section when none is close.
-
-    Examples:
-        >>> check_config_keys(["train.stpes"], {"train.steps", "train.seed"})
-        Traceback (most recent call last):
-        ...
-        ValueError: config.train.stpes is not a config key; did you mean config.train.steps or config.train.seed?
-    """
-    valid = sorted(valid)
-    for name in names:
-        if name in valid:
-            continue
-        close = difflib.get_close_matches(name, valid, n=3, cutoff=0.6)
-        if close:
-            hint = "did you mean " + " or ".join(f"config.{k}" for k in close) + "?"
-        else:
-            section = name.split(".")[0] + "."
-            same_section = [k for k in valid if k.startswith(section)]
-            hint = "valid keys: " + ", ".join(
-                same_section or sorted({k.split(".")[0] for k in valid})) + "."
-        raise ValueError(f"config.{name} is not a config key; {hint}")
-
-
-def flat_keys(config) -> list[str]:
-    """Dotted names of the leaves of a (nested) ConfigDict or dict.
-
-    Examples:
-        >>> flat_keys({"train": {"steps": 10, "seed": 0}, "name": "x"})
-        ['train.steps', 'train.seed', 'name']
-    """
-    names = []
-    for key, value in config.items():
-        if isinstance(value, (dict, ml_collections.ConfigDict)):
-            names += [f"{key}.{name}" for name in flat_keys(value)]
-        else:
-            names.append(key)
-    return names
-
-
-def _flat_values(config: dict) -> dict[str, Any]:
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update({f"{key}.{k}": v for k, v in _flat_values(value).items()})
-        else:
-            flat[key] = value
-    return flat
-
-
-def check_resumable(config: ml_collections.ConfigDict, workdir: str) -> None:
-    """Refuses to resume ``workdir`` with a config other than its own.
-
-    Only a workdir with a checkpoint is checked, against its ``config.json``.
-    Keys in ``RESUMABLE_CHANGES`` may differ; so may keys that only one of
-    the two configs has (a config written by older code): the checkpoint's
-    own shapes are checked when it is restored.
-
-    Raises:
-        ValueError: naming each changed key with both values.
-    """
-    path = os.path.join(workdir, "config.json")
-    checkpoints = os.path.join(workdir, "checkpoints")
-    if not (os.path.isfile(path) and os.path.isdir(checkpoints) and any(
-            name.isdigit() for name in os.listdir(checkpoints))):
-        return
-    with open(path) as f:
-        saved = _flat_values(json.load(f))
-    current = _flat_values(json.loads(config.to_json()))
-    changed = [f"{key}: {saved[key]!r} there, {current[key]!r} now"
-               for key in sorted(saved.keys() & current.keys())
-               if saved[key] != current[key] and key not in RESUMABLE_CHANGES]
-    if changed:
-        raise ValueError(
-            f"{workdir} holds checkpoints of another config, so it cannot be "
-            f"resumed with this one ({'; '.join(changed)}). A resumed run "
-            "continues the same run; only "
-            f"{', '.join(RESUMABLE_CHANGES)} may change. Use a fresh --workdir, "
-            f"or the values in {path}.")
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Trains ``config`` in ``workdir`` (resuming if it holds a checkpoint).
 
@@ -686,8 +386,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         Preempted: SIGTERM; a checkpoint of the step it stopped at is saved.
     """
     wall_start = time.perf_counter()
-    validate_config(config)
-    check_resumable(config, workdir)
+    config_checks.validate_config(config)
+    config_checks.check_resumable(config, workdir)
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
     os.makedirs(workdir, exist_ok=True)
     dataset = sharding.main_process_first(
@@ -700,7 +400,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     init_key, dropout_key, sample_key = jax.random.split(
         jax.random.key(config.train.seed), 3)
     init_key, dropout_key = sharding.replicate((init_key, dropout_key), mesh)
-    manager = checkpoint_manager(workdir)
+    manager = checkpoints.checkpoint_manager(workdir)
     state = restore_or_init(manager, model, config, init_key, mesh)
     summary_path = os.path.join(workdir, "summary.json")
     if int(state.step) >= config.train.steps and os.path.exists(summary_path):
@@ -931,7 +631,7 @@ def load_run(workdir: str):
     model = make_model(config, tokenizer.vocab_size)
     if not os.path.isdir(os.path.join(workdir, "checkpoints")):
         raise FileNotFoundError(f"{workdir} has no checkpoints/.")
-    manager = checkpoint_manager(workdir)
+    manager = checkpoints.checkpoint_manager(workdir)
     if manager.latest_step() is None:
         raise FileNotFoundError(f"{workdir}/checkpoints holds no checkpoint.")
     state = restore_or_init(manager, model, config, jax.random.key(0))

@@ -34,6 +34,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import default
+from lmhead import checkpoints
 from lmhead import data
 from lmhead import train
 
@@ -174,7 +175,7 @@ def test_kill_term_and_corruption_end_bitwise_equal(corpus, finished, tmp_path):
     assert re.search(rf"checkpoint of step {stopped} in \S+ does not restore",
                      completed.stderr)
     assert f"starting at step {previous}." in completed.stdout
-    assert os.listdir(os.path.join(workdir, train.CORRUPT_CHECKPOINTS))
+    assert os.listdir(os.path.join(workdir, checkpoints.CORRUPT_CHECKPOINTS))
     log.close()
     assert_same_run(workdir, finished)
 
@@ -185,7 +186,7 @@ def restore(workdir):
         config = ml_collections.ConfigDict(json.load(f))
     vocab_size = data.load_tokenizer(
         os.path.join(workdir, data.TOKENIZER_FILE)).vocab_size
-    manager = train.checkpoint_manager(workdir)
+    manager = checkpoints.checkpoint_manager(workdir)
     state = train.restore_or_init(manager, train.make_model(config, vocab_size),
                                   config, jax.random.key(0))
     return state, manager
@@ -225,7 +226,8 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(
                       match=r"checkpoint of step 60 in \S+ does not restore"):
         state, manager = restore(workdir)
     assert int(state.step) == 55
-    set_aside = os.listdir(os.path.join(workdir, train.CORRUPT_CHECKPOINTS))
+    set_aside = os.listdir(
+        os.path.join(workdir, checkpoints.CORRUPT_CHECKPOINTS))
     assert [name.split(".")[0] for name in set_aside] == ["60"]
     # Training saves step 60 again where the corrupt one was.
     manager.save(60, args=ocp.args.StandardSave(state))

@@ -224,12 +224,13 @@ def check_checkpoint(workdir):
     """A state saved from mesh (4, 2) restored onto (2, 4), (8, 1), one device."""
     import jax
     import orbax.checkpoint as ocp
+    from lmhead import checkpoints
     from lmhead import sharding
     from lmhead import train
     config = _tiny_config(False, "vocab_parallel")
     model = train.make_model(config, 32)
     mesh = sharding.make_mesh(4, 2)
-    manager = train.checkpoint_manager(workdir)
+    manager = checkpoints.checkpoint_manager(workdir)
     state = train.restore_or_init(manager, model, config, jax.random.key(3), mesh)
     manager.save(7, args=ocp.args.StandardSave(state))
     manager.wait_until_finished()

@@ -20,6 +20,7 @@ import optax
 import pytest
 
 from configs import default
+from lmhead import config_checks
 from lmhead import data
 from lmhead import train
 
@@ -214,7 +215,7 @@ class TestLossImpl:
                                     "loss.loss_impl": impl,
                                     "loss.chunk_size": chunk_size,
                                     "loss.z_loss": 1e-3})
-            train.validate_config(config)
+            config_checks.validate_config(config)
             model = train.make_model(config, vocab_size=84)
             step = jax.jit(functools.partial(
                 train.train_step, model=model,
@@ -321,7 +322,7 @@ class TestConfig:
     def test_validation(self, name, value, error, match):
         config = tiny_config(**{"loss.loss_impl": "materialized", name: value})
         with pytest.raises(error, match=match):
-            train.validate_config(config)
+            config_checks.validate_config(config)
 
     @pytest.mark.parametrize("name,value,match", [
         ("train.steps", 2.5, "config.train.steps must be int; got 2.5"),
@@ -333,9 +334,9 @@ class TestConfig:
         section, key = name.split(".")
         config[section][key] = value
         with pytest.raises(TypeError, match=match):
-            train.validate_config(config)
+            config_checks.validate_config(config)
 
     def test_bpe_config_validates(self):
-        train.validate_config(default.get_config("tiny,bpe=512"))
+        config_checks.validate_config(default.get_config("tiny,bpe=512"))
         with pytest.raises(ValueError, match="data.vocab_size"):
-            train.validate_config(default.get_config("tiny,bpe=100"))
+            config_checks.validate_config(default.get_config("tiny,bpe=100"))

@@ -1,0 +1,124 @@
+"""Checkpoints of a run's workdir: the orbax manager, and restoring the newest
+checkpoint that restores.
+
+Orbax writes a step to ``STEP.orbax-checkpoint-tmp`` and renames it when
+complete, so a process killed while saving leaves the previous steps whole.
+A checkpoint that still does not restore (truncated or garbled files) is set
+aside to ``workdir/corrupt_checkpoints`` with a warning and the previous one
+is used; one written by another config (other arrays or shapes) is an error.
+"""
+
+import os
+import shutil
+import time
+import warnings
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from lmhead import sharding
+
+CHECKPOINTS_TO_KEEP = 2
+# Where restore_newest moves a checkpoint that fails to restore, in the workdir.
+CORRUPT_CHECKPOINTS = "corrupt_checkpoints"
+
+
+def checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
+    """Synchronous orbax manager of ``workdir/checkpoints``; the newest
+    ``CHECKPOINTS_TO_KEEP`` steps are kept.
+
+    Orbax writes a step to ``STEP.orbax-checkpoint-tmp`` and renames it when
+    complete, so a process killed while saving leaves the previous steps
+    whole; the next save of that step replaces the partial directory.
+    """
+    return ocp.CheckpointManager(
+        os.path.abspath(os.path.join(workdir, "checkpoints")),
+        item_handlers=ocp.StandardCheckpointHandler(),
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=CHECKPOINTS_TO_KEEP, create=True,
+            enable_async_checkpointing=False))
+
+
+
+def restore_newest(manager: ocp.CheckpointManager, target: Any) -> Any | None:
+    """The newest of ``manager``'s checkpoints that restores into ``target``
+    (a tree of ``jax.ShapeDtypeStruct`` with shardings), or None if there is none.
+
+    A checkpoint that does not restore (truncated, garbled or missing files)
+    is moved to ``workdir/corrupt_checkpoints/STEP`` with a warning that
+    names the step, and the next older one is tried. Orbax keeps no checksum
+    of the array data: bytes changed inside a compressed chunk may restore
+    without an error, as different numbers.
+
+    Raises:
+        ValueError: a checkpoint holds other arrays or shapes than ``target``.
+        RuntimeError: there are checkpoints and none restores; the message
+            names the directory and each step's error.
+    """
+    failures = []
+    for step in sorted(manager.all_steps(), reverse=True):
+        try:
+            metadata = manager.item_metadata(step)
+        except Exception as e:  # noqa: BLE001 -- any unreadable file
+            failures.append((step, e))
+            continue
+        _check_checkpoint_fits(metadata, target, step, manager.directory)
+        try:
+            state = manager.restore(step, args=ocp.args.StandardRestore(target))
+        except Exception as e:  # noqa: BLE001 -- tensorstore raises several kinds
+            failures.append((step, e))
+            continue
+        _set_aside(manager, failures)
+        return state
+    if failures:
+        raise RuntimeError(
+            f"No checkpoint in {manager.directory} restores: " + "; ".join(
+                f"step {step}: {type(e).__name__}: {str(e)[:200]}"
+                for step, e in failures))
+    return None
+
+
+def _check_checkpoint_fits(metadata, target, step, directory) -> None:
+    """ValueError unless the checkpoint's arrays have the target's paths and shapes."""
+    def shapes(tree):
+        return {sharding.leaf_path(path): tuple(leaf.shape)
+                for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    saved, wanted = shapes(metadata), shapes(target)
+    differences = [
+        f"{name}: {saved.get(name, 'absent')} in the checkpoint, "
+        f"{wanted.get(name, 'absent')} in the model"
+        for name in sorted(saved.keys() | wanted.keys(),
+                           key=lambda name: (not name.startswith("params/"), name))
+        if saved.get(name) != wanted.get(name)]
+    if differences:
+        more = len(differences) - 3
+        raise ValueError(
+            f"The checkpoint of step {step} in {directory} does not fit this "
+            f"config's model: {'; '.join(differences[:3])}"
+            f"{f' (and {more} more)' if more > 0 else ''}. It was written by "
+            "another config; use that config or a fresh workdir.")
+
+
+def _set_aside(manager, failures) -> None:
+    """Moves the checkpoints that failed to restore out of ``manager``'s
+    directory, so that training can save those steps again."""
+    if not failures:
+        return
+    if sharding.is_main_process():
+        corrupt = os.path.join(os.path.dirname(str(manager.directory)),
+                               CORRUPT_CHECKPOINTS)
+        os.makedirs(corrupt, exist_ok=True)
+        for step, error in failures:
+            warnings.warn(
+                f"The checkpoint of step {step} in {manager.directory} does "
+                f"not restore ({type(error).__name__}: {str(error)[:200]}); "
+                f"moved it to {corrupt} and resumed from an older one.",
+                RuntimeWarning, stacklevel=4)
+            path = os.path.join(str(manager.directory), str(step))
+            if os.path.isdir(path):  # not deleted meanwhile by a running job
+                shutil.move(path, os.path.join(corrupt, f"{step}.{time.time_ns()}"))
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("lmhead: corrupt checkpoints moved")
+    manager.reload()

@@ -31,6 +31,7 @@ matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
 from lmhead import data
+from lmhead import stats as stats_lib
 from lmhead import sweeps
 
 # (key in the final metrics, column title, decimals)
@@ -85,7 +86,7 @@ def describe(runs: list[sweeps.Run]) -> dict:
 
 def format_mean_std(values: list[float], decimals: int) -> str:
     """``"mean ± std"``; one value alone; a dash for none."""
-    mean, std, n = sweeps.mean_std(values)
+    mean, std, n = stats_lib.mean_std(values)
     if n == 0:
         return DASH
     if n == 1:
@@ -128,7 +129,7 @@ def by_seed(runs: list[sweeps.Run], key: str) -> dict:
             if r.status == "finished" and key in sweeps.final_metrics(r)}
 
 
-def verdict(difference: sweeps.PairedDifference, label: str) -> str:
+def verdict(difference: stats_lib.PairedDifference, label: str) -> str:
     """A plain sentence on whether untied - tied differs from zero."""
     if difference.n < 2:
         return (f"{label}: {difference.n} seed pair(s) finished; an interval needs "
@@ -154,7 +155,8 @@ def differences_section(runs: list[sweeps.Run]) -> str:
             f", {d['other']}" if d["other"] else "")
         cells = [d["vocabulary"] + (f" ({d['other']})" if d["other"] else ""),
                  str(d["d_model"])]
-        loss, bits = (sweeps.paired_difference(by_seed(untied, key), by_seed(tied, key))
+        loss, bits = (stats_lib.paired_difference(by_seed(untied, key),
+                                                  by_seed(tied, key))
                       for key in ("loss", "bits_per_char"))
         for diff in (loss, bits):
             cells.append(f"{diff.mean:+.4f} ± {diff.std:.4f}" if diff.n >= 2 else
@@ -195,7 +197,7 @@ def mean_curve(runs: list[sweeps.Run]):
     if not curves:
         return [], [], [], 0
     steps = sorted(set.intersection(*(set(c) for c in curves)))
-    stats = [sweeps.mean_std([c[s] for c in curves]) for s in steps]
+    stats = [stats_lib.mean_std([c[s] for c in curves]) for s in steps]
     return (steps, [m for m, _, _ in stats],
             [0.0 if n < 2 else sd for _, sd, n in stats], len(curves))
 
@@ -237,7 +239,7 @@ def plot_finals(groups: list[list[sweeps.Run]], x_key: str, x_label: str,
     for axis, (key, title, _) in zip(axes, (METRICS[0], METRICS[2])):
         for label, points in series.items():
             points.sort(key=lambda p: p[0])
-            stats = [sweeps.mean_std([f[key] for f in finals if key in f])
+            stats = [stats_lib.mean_std([f[key] for f in finals if key in f])
                      for _, finals, _ in points]
             xs, means = [x for x, _, _ in points], [m for m, _, _ in stats]
             axis.errorbar(xs, means, yerr=[0.0 if n < 2 else s for _, s, n in stats],

@@ -41,6 +41,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     """
     check_config_keys(flat_keys(config), config_keys())
     check = functools.partial(_check_value, config)
+    _check_data_model_and_counts(config, check)
+    _check_loss_and_mesh(config, check)
+    _check_optim_train_and_sample(config, check)
+
+
+def _check_data_model_and_counts(config, check) -> None:
+    """``data.*``, ``model.*`` and every count that must be >= 1; the counts
+    come first because later checks divide by or compare with them."""
     check("data.path", str)
     check("data.tokenizer", str, choices=("char", "bpe"))
     if config.data.tokenizer == "bpe":
@@ -67,6 +75,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     check("model.head_scale", float, low=0.0, open_range=True, optional=True)
     check("model.logits_softcap", float, low=0.0, open_range=True, optional=True)
     check("model.dtype", str, choices=tuple(DTYPES))
+
+
+def _check_loss_and_mesh(config, check) -> None:
+    """``loss.*`` and the mesh's axis sizes."""
     check("loss.loss_impl", str, choices=modules.LOSS_IMPLS)
     check("loss.label_smoothing", float, low=0.0, high=1.0, high_open=True)
     check("loss.smoothing", str, choices=("uniform", "normalized"))
@@ -80,6 +92,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         if config.mesh[name.split(".")[1]] == 0:
             raise ValueError(f"config.{name} must be a number of devices >= 1, "
                              "or -1 for all the others; got 0.")
+
+
+def _check_optim_train_and_sample(config, check) -> None:
+    """``optim.*``, the rest of ``train.*`` and ``sample.*``."""
     check("optim.lr", float, low=0.0, open_range=True)
     check("optim.warmup_steps", int, low=0, high=config.train.steps - 1)
     check("optim.min_lr", float, low=0.0, high=config.optim.lr)

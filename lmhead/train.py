@@ -389,13 +389,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     config_checks.validate_config(config)
     config_checks.check_resumable(config, workdir)
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
-    os.makedirs(workdir, exist_ok=True)
-    dataset = sharding.main_process_first(
-        lambda: data.load_dataset(config.data, workdir))
-    try:  # unknown characters fail now, not after training
-        dataset.tokenizer.encode(config.sample.prompt)
-    except ValueError as e:
-        raise ValueError(f"config.sample.prompt={config.sample.prompt!r}: {e}") from e
+    dataset = _load_dataset(config, workdir)
     model = make_model(config, dataset.vocab_size)
     init_key, dropout_key, sample_key = jax.random.split(
         jax.random.key(config.train.seed), 3)
@@ -430,12 +424,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     try:
         state, timing = _train_loop(config, state, train_fn, run_eval, dataset,
                                     manager, writer, dropout_key, mesh)
-        final = next((r for r in reversed(writer.records) if "eval/loss" in r),
-                     None)
-        if final is None or final["step"] != config.train.steps:
-            final = {"step": config.train.steps, **run_eval(state.params)}
-            writer.write(final["step"],
-                         {k: v for k, v in final.items() if k != "step"})
+        final = _final_evaluation(config, writer, run_eval, state)
     finally:
         writer.close()
         manager.close()
@@ -444,11 +433,44 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         if sharding.is_main_process():
             _write_samples(config, model, params, dataset.tokenizer, sample_key,
                            workdir)
+    summary = _summary(config, state, dataset.vocab_size, final, timing,
+                       compile_seconds, wall_start)
+    if sharding.is_main_process():
+        with open(summary_path, "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+def _load_dataset(config, workdir) -> data.Dataset:
+    """The encoded corpus (read or made by process 0 first) once the prompt
+    is known to encode: unknown characters fail now, not after training."""
+    os.makedirs(workdir, exist_ok=True)
+    dataset = sharding.main_process_first(
+        lambda: data.load_dataset(config.data, workdir))
+    try:
+        dataset.tokenizer.encode(config.sample.prompt)
+    except ValueError as e:
+        raise ValueError(f"config.sample.prompt={config.sample.prompt!r}: {e}") from e
+    return dataset
+
+
+def _final_evaluation(config, writer, run_eval, state) -> dict[str, float]:
+    """The evaluation at ``train.steps``: the logged one, or a new one, logged."""
+    final = next((r for r in reversed(writer.records) if "eval/loss" in r), None)
+    if final is None or final["step"] != config.train.steps:
+        final = {"step": config.train.steps, **run_eval(state.params)}
+        writer.write(final["step"], {k: v for k, v in final.items() if k != "step"})
+    return final
+
+
+def _summary(config, state, vocab_size, final, timing, compile_seconds,
+             wall_start) -> dict:
+    """``train_and_evaluate``'s summary (see its Returns)."""
     tokens_per_step = config.train.batch_size * config.data.block_size
-    summary = {
+    return {
         "num_params": _count(state.params),
         "num_head_params": _count(state.params.get("head", {})),
-        "vocab_size": dataset.vocab_size,
+        "vocab_size": vocab_size,
         "final": {k: v for k, v in final.items() if k != "step"},
         "tokens_per_sec": timing["steps"] * tokens_per_step / max(timing["wall"], 1e-9),
         "ms_per_step": 1e3 * timing["wall"] / max(timing["steps"], 1),
@@ -456,10 +478,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         "compile_seconds": compile_seconds,
         "steps": config.train.steps,
         "wall_seconds": time.perf_counter() - wall_start}
-    if sharding.is_main_process():
-        with open(summary_path, "w") as f:
-            json.dump(summary, f, indent=2)
-    return summary
 
 
 class Preempted(Exception):

@@ -208,8 +208,12 @@ def _chunk_stats(plan, h_chunk, w, bias, labels):
     return kept, (peak + jnp.log(sum_exp), *rest)
 
 
-def _logit_grads(plan, z, lse, coefs, labels, v0, fresh):
-    """``dL/du`` for the pre-softcap logits ``u`` of one block, ``[Vb, Nc]``."""
+def _logit_grads(plan, z, lse, coefs, labels, v0, live):
+    """``dL/du`` for the pre-softcap logits ``u`` of one block, ``[Vb, Nc]``.
+
+    ``live: [Vb, Nc]`` masks out rows of an overlapping block and tokens that
+    add nothing (whose logits may not even be finite).
+    """
     alpha, beta, gamma = coefs
     token_ids = v0 + lax.broadcasted_iota(jnp.int32, z.shape, 0)
     dz = (alpha * jnp.exp(z - lse) + jnp.where(token_ids == labels, beta, 0.0)
@@ -217,7 +221,7 @@ def _logit_grads(plan, z, lse, coefs, labels, v0, fresh):
     if plan.softcap is not None:
         # d/du c tanh(u / c) = 1 - tanh^2 = 1 - (z / c)^2.
         dz = dz * (1.0 - jnp.square(z / plan.softcap))
-    return jnp.where(fresh, dz, 0.0)
+    return jnp.where(live, dz, 0.0)
 
 
 def _add_rows(total, start, update):
@@ -226,13 +230,17 @@ def _add_rows(total, start, update):
     return lax.dynamic_update_slice_in_dim(total, rows + update, start, 0)
 
 
-def _chunk_grads(plan, h_chunk, w, bias, labels, kept, lse, coefs, grads):
+def _chunk_grads(plan, h_chunk, active, w, bias, labels, kept, lse, coefs,
+                 grads):
     """One token chunk's ``dh: [Nc, D]`` and its additions to ``dw``, ``db``.
 
     ``kept`` is the chunk's ``[V, Nc]`` logits when the forward sweep holds
-    them; otherwise the logits are computed again, block by block.
+    them; otherwise the logits are computed again, block by block. Tokens
+    not ``active`` contribute nothing: their rows of ``h`` are zeroed for the
+    ``dw`` matmul, so that even a non-finite one cannot reach ``dw``.
     """
     want_dh, dw, db = grads
+    h_active = jnp.where(active[:, None], h_chunk, 0.0)
     if plan.keep_logits and kept is None:
         kept = _logits(plan, h_chunk, w, bias)
     block = _vocab_blocks(plan, h_chunk, w, bias, kept)
@@ -241,13 +249,13 @@ def _chunk_grads(plan, h_chunk, w, bias, labels, kept, lse, coefs, grads):
     def step(j, carry):
         dh_chunk, dw, db = carry
         v0, fresh, w_block, z = block(j)
-        dz = _logit_grads(plan, z, lse, coefs, labels, v0, fresh)
+        dz = _logit_grads(plan, z, lse, coefs, labels, v0, fresh & active)
         dz_in = dz.astype(h_chunk.dtype)
         if dh_chunk is not None:
             dh_chunk = dh_chunk + scale * plan.dot(dz_in, w_block,
                                                    _CONTRACT_ROWS)
         if dw is not None:
-            dw = _add_rows(dw, v0, scale * plan.dot(dz_in, h_chunk, _MATMUL))
+            dw = _add_rows(dw, v0, scale * plan.dot(dz_in, h_active, _MATMUL))
         if db is not None:
             db = _add_rows(db, v0, jnp.sum(dz, axis=1))
         return dh_chunk, dw, db
@@ -263,14 +271,14 @@ def _loss_coefs(plan, stats, loss_weights):
     return pullback(loss_weights)
 
 
-def _sweep(plan, h, w, bias, labels, *, loss_weights=None, lse=None,
+def _sweep(plan, h, w, bias, labels, loss_weights=None, *, lse=None,
            coefs=None, need=(False, False, False)):
     """One pass over chunks of tokens.
 
     Three uses: statistics only (the primal); statistics and the gradient of
     ``sum_t loss_weights_t * L_t`` (the differentiated forward pass); or, given
     ``lse`` and per-token ``coefs``, the gradient they define (recomputing the
-    logits).
+    logits). Tokens of weight 0 never contribute to a gradient.
 
     Returns:
         ``(stats, (dh, dw, db))``; ``stats`` is ``(lse, label_logit,
@@ -304,13 +312,17 @@ def _sweep(plan, h, w, bias, labels, *, loss_weights=None, lse=None,
             if loss_weights is None:
                 return stats, (dh, dw, db)
             chunk_lse = new[0]
-            chunk_coefs = _loss_coefs(plan, new[:3], chunk(loss_weights) * fresh)
+            chunk_coefs = _loss_coefs(plan, new[:3], chunk(loss_weights))
         else:
             z, chunk_lse = None, chunk(lse)
-            chunk_coefs = tuple(chunk(c) * fresh for c in coefs)
-        dh_chunk, dw, db = _chunk_grads(plan, h_chunk, w, bias, chunk_labels, z,
-                                        chunk_lse, chunk_coefs,
-                                        (dh is not None, dw, db))
+            chunk_coefs = tuple(chunk(c) for c in coefs)
+        # Not a token of an earlier chunk, and of nonzero weight: 0 * NaN is
+        # NaN, so the others are masked rather than multiplied by 0.
+        active = fresh & (chunk(loss_weights) != 0)
+        chunk_coefs = tuple(jnp.where(active, c, 0.0) for c in chunk_coefs)
+        dh_chunk, dw, db = _chunk_grads(plan, h_chunk, active, w, bias,
+                                        chunk_labels, z, chunk_lse,
+                                        chunk_coefs, (dh is not None, dw, db))
         if dh is not None:
             dh = _add_rows(dh, start, dh_chunk)
         return stats, (dh, dw, db)
@@ -319,7 +331,11 @@ def _sweep(plan, h, w, bias, labels, *, loss_weights=None, lse=None,
 
 
 def _objective(plan, stats, loss_weights):
-    return jnp.sum(loss_weights * plan.token_loss(*stats[:3]))
+    """``sum_t w_t L_t`` by the rule of ``losses.weighted_metrics``."""
+    token_loss = plan.token_loss(*stats[:3])
+    zeros = jnp.zeros_like(token_loss)
+    return losses.weighted_metrics(token_loss, zeros, zeros, zeros,
+                                   loss_weights, zeros, "sum")[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -359,12 +375,16 @@ def _fused_core_bwd(plan, residuals, cotangents):
         # A cotangent on the statistics themselves (a metric or the
         # unreduced loss is differentiated): recompute the logits.
         coefs = [jnp.zeros_like(stats[0]) if c is None else c for c in coefs]
-        _, extra = _sweep(plan, h, w, bias, labels, lse=stats[0], coefs=coefs,
+        _, extra = _sweep(plan, h, w, bias, labels, loss_weights,
+                          lse=stats[0], coefs=coefs,
                           need=(True, True, bias is not None))
         grads = [e if g is None else (g if e is None else g + e)
                  for g, e in zip(grads, extra)]
-    d_weights = (None if d_objective is None else
-                 d_objective * plan.token_loss(*stats[:3]))
+    d_weights = None
+    if d_objective is not None:
+        _, pullback = jax.vjp(lambda x: _objective(plan, stats, x),
+                              loss_weights)
+        d_weights, = pullback(d_objective)
     dh, dw, db = (None if g is None else g.astype(x.dtype)
                   for g, x in zip(grads, (h, w, bias)))
     return dh, dw, db, d_weights, None

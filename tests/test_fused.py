@@ -250,6 +250,22 @@ class FusedTest(chex.TestCase):
         self.assertEqual(float(loss), 0.0)
         self.assertEqual(float(jnp.abs(grads).max()), 0.0)
 
+    def test_non_finite_hidden_state_of_a_zero_weight_token_is_ignored(self):
+        h, w, bias, labels, weights = make_inputs(10)
+        weights[1, 2] = 0.0
+        poisoned = h.copy()
+        poisoned[1, 2] = np.nan  # e.g. a padding id outside the embedding
+        step = jax.jit(jax.value_and_grad(
+            lambda h, w, b: fused.fused_cross_entropy(
+                h, w, labels, bias=b, weights=weights, z_loss=1e-3,
+                **RAGGED), (0, 1, 2), has_aux=True))
+        got = step(poisoned, w, bias)
+        chex.assert_tree_all_finite(got)
+        chex.assert_trees_all_close(got, step(h, w, bias))
+        np.testing.assert_allclose(
+            got[0][0], materialized(h, w, labels, bias=bias, weights=weights,
+                                    z_loss=1e-3)[0], rtol=1e-5)
+
     def test_bfloat16_inputs_are_close_to_float32(self):
         h, w, bias, labels, weights = make_inputs(7, d=64)
         h, w = h / 4, w / 4

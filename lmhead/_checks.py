@@ -72,3 +72,41 @@ def check_in_range(name: str, value: Any, *, low: float | None = None,
         bad = array[~ok].ravel()[0] if array.ndim else array.item()
         raise ValueError(
             f"{name} must be in {left}{low_text}, {high_text}{right}; got {bad}.")
+
+
+def check_unembed_inputs(h: jax.typing.ArrayLike, w: jax.typing.ArrayLike,
+                         bias: jax.typing.ArrayLike | None) -> None:
+    """Checks ``h: [..., D]``, ``w: [V, D]`` and ``bias: [V] | None``."""
+    check_floating("h", h)
+    check_floating("w", w)
+    check_rank("w", w, 2, "[V, D]")
+    if np.ndim(h) < 1 or np.shape(h)[-1] != np.shape(w)[1]:
+        raise ValueError(
+            f"h must have shape [..., D] with D = w.shape[1] = {np.shape(w)[1]};"
+            f" got h.shape={np.shape(h)}.")
+    if bias is not None:
+        check_floating("bias", bias)
+        if np.shape(bias) != (np.shape(w)[0],):
+            raise ValueError(
+                f"bias must have shape [V] = ({np.shape(w)[0]},); got "
+                f"{np.shape(bias)}.")
+
+
+def check_block_size(name: str, value: Any) -> None:
+    """Raises ValueError unless ``value`` is None or a Python integer >= 1."""
+    if value is not None and (isinstance(value, bool) or not isinstance(
+            value, (int, np.integer)) or value < 1):
+        raise ValueError(f"{name} must be an integer >= 1 or None; got "
+                         f"{value!r}.")
+
+
+def check_concrete(where: str, **values: Any) -> None:
+    """Raises TypeError for a traced value among ``values``.
+
+    For numbers that a blocked loss compiles into its loops.
+    """
+    for name, value in values.items():
+        if is_traced(value):
+            raise TypeError(
+                f"{name} must be a concrete number for {where} (it is compiled "
+                "into the blocked loops); got a traced value.")

@@ -56,7 +56,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
@@ -394,31 +393,12 @@ _fused_core.defvjp(_fused_core_fwd, _fused_core_bwd, symbolic_zeros=True)
 
 
 def _check_inputs(h, w, bias, chunk_size, vocab_chunk_size, **static):
-    _checks.check_floating("h", h)
-    _checks.check_floating("w", w)
-    _checks.check_rank("w", w, 2, "[V, D]")
-    if jnp.ndim(h) < 1 or jnp.shape(h)[-1] != jnp.shape(w)[1]:
-        raise ValueError(
-            f"h must have shape [..., D] with D = w.shape[1] = {jnp.shape(w)[1]};"
-            f" got h.shape={jnp.shape(h)}.")
-    if bias is not None:
-        _checks.check_floating("bias", bias)
-        if jnp.shape(bias) != (jnp.shape(w)[0],):
-            raise ValueError(f"bias must have shape [V] = ({jnp.shape(w)[0]},);"
-                             f" got {jnp.shape(bias)}.")
-    for name, value in (("chunk_size", chunk_size),
-                        ("vocab_chunk_size", vocab_chunk_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(
-                value, (int, np.integer)) or value < 1):
-            raise ValueError(f"{name} must be an integer >= 1 or None; got "
-                             f"{value!r}.")
-    for name, value in static.items():
-        if _checks.is_traced(value):
-            raise TypeError(
-                f"{name} must be a concrete number for fused_cross_entropy (it "
-                "is compiled into the blocked loops); got a traced value.")
-    _checks.check_in_range("scale", static["scale"], low=0.0, low_open=True)
-    _checks.check_in_range("softcap", static["softcap"], low=0.0, low_open=True)
+    _checks.check_unembed_inputs(h, w, bias)
+    _checks.check_block_size("chunk_size", chunk_size)
+    _checks.check_block_size("vocab_chunk_size", vocab_chunk_size)
+    _checks.check_concrete("fused_cross_entropy", **static)
+    for name in ("scale", "softcap"):
+        _checks.check_in_range(name, static[name], low=0.0, low_open=True)
 
 
 def _block_sizes(num_tokens, vocab_size, chunk_size, vocab_chunk_size):

@@ -86,19 +86,7 @@ def unembed(
         >>> unembed(h, w, jnp.array([0.5, 0.0, -0.5]), scale=2.0)
         Array([[2.5, 4. , 5.5]], dtype=float32)
     """
-    _checks.check_floating("h", h)
-    _checks.check_floating("w", w)
-    _checks.check_rank("w", w, 2, "[V, D]")
-    if jnp.ndim(h) < 1 or jnp.shape(h)[-1] != jnp.shape(w)[1]:
-        raise ValueError(
-            f"h must have shape [..., D] with D = w.shape[1] = {jnp.shape(w)[1]};"
-            f" got h.shape={jnp.shape(h)}.")
-    if bias is not None:
-        _checks.check_floating("bias", bias)
-        if jnp.shape(bias) != (jnp.shape(w)[0],):
-            raise ValueError(
-                f"bias must have shape [V] = ({jnp.shape(w)[0]},); got "
-                f"{jnp.shape(bias)}.")
+    _checks.check_unembed_inputs(h, w, bias)
     _checks.check_in_range("scale", scale, low=0.0, low_open=True)
     logits = jnp.einsum("...d,vd->...v", h, w, precision=precision,
                         preferred_element_type=jnp.float32)

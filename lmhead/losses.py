@@ -199,8 +199,9 @@ def weighted_metrics(
 
     def weighted(x):
         # A token of weight 0 contributes exactly 0, even if its value is not
-        # finite (e.g. the logits of a padding id outside the embedding).
-        return jnp.where(weights != 0, weights * x, 0.0)
+        # finite (e.g. the logits of a padding id outside the embedding). A
+        # finite value is kept as is, so d/dw (w x) = x holds at w = 0 too.
+        return weights * jnp.where(jnp.isfinite(x) | (weights != 0), x, 0.0)
 
     def mean(x):
         return jnp.sum(weighted(x)) / safe_sum

@@ -304,25 +304,9 @@ def initialize_distributed(coordinator_address: str | None = None,
 
 
 def _check_inputs(h, w, bias, chunk_size, **static):
-    _checks.check_floating("h", h)
-    _checks.check_floating("w", w)
-    _checks.check_rank("w", w, 2, "[V, D]")
-    if jnp.ndim(h) < 1 or jnp.shape(h)[-1] != jnp.shape(w)[1]:
-        raise ValueError(f"h must have shape [..., D] with D = w.shape[1] = "
-                         f"{jnp.shape(w)[1]}; got h.shape={jnp.shape(h)}.")
-    if bias is not None:
-        _checks.check_floating("bias", bias)
-        if jnp.shape(bias) != (jnp.shape(w)[0],):
-            raise ValueError(f"bias must have shape [V] = ({jnp.shape(w)[0]},);"
-                             f" got {jnp.shape(bias)}.")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(
-            chunk_size, (int, np.integer)) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be an integer >= 1 or None; got "
-                         f"{chunk_size!r}.")
-    for name, value in static.items():
-        if _checks.is_traced(value):
-            raise TypeError(f"{name} must be a concrete number (it is compiled "
-                            "into the sharded loss); got a traced value.")
+    _checks.check_unembed_inputs(h, w, bias)
+    _checks.check_block_size("chunk_size", chunk_size)
+    _checks.check_concrete("vocab_parallel_cross_entropy", **static)
     for name in ("scale", "softcap"):
         _checks.check_in_range(name, static[name], low=0.0, low_open=True)
 

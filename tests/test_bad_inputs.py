@@ -23,7 +23,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import pytest
 
 from configs import default

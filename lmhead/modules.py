@@ -128,20 +128,14 @@ class LMHead(nn.Module):
         """
         _checks.check_choice("loss_impl", loss_impl, LOSS_IMPLS)
         w, bias = self.unembedding(jnp.shape(h)[-1], embedding)
-        if loss_impl == "fused":
-            return fused.fused_cross_entropy(
-                jnp.asarray(h, self.dtype), w, labels, bias=bias,
-                weights=weights, label_smoothing=label_smoothing,
-                smoothing=smoothing, z_loss=z_loss, scale=self.scale,
-                softcap=self.softcap, chunk_size=chunk_size)
-        if loss_impl == "vocab_parallel":
-            return sharding.vocab_parallel_cross_entropy(
-                jnp.asarray(h, self.dtype), w, labels, bias=bias,
-                weights=weights, label_smoothing=label_smoothing,
-                smoothing=smoothing, z_loss=z_loss, scale=self.scale,
-                softcap=self.softcap, chunk_size=chunk_size)
-        logits = head.unembed(jnp.asarray(h, self.dtype), w, bias,
-                              scale=self.scale, softcap=self.softcap)
-        return losses.cross_entropy(
-            logits, labels, weights=weights, label_smoothing=label_smoothing,
-            smoothing=smoothing, z_loss=z_loss)
+        h = jnp.asarray(h, self.dtype)
+        options = dict(weights=weights, label_smoothing=label_smoothing,
+                       smoothing=smoothing, z_loss=z_loss)
+        blocked = {"fused": fused.fused_cross_entropy,
+                   "vocab_parallel": sharding.vocab_parallel_cross_entropy}
+        if loss_impl in blocked:
+            return blocked[loss_impl](h, w, labels, bias=bias, scale=self.scale,
+                                      softcap=self.softcap,
+                                      chunk_size=chunk_size, **options)
+        logits = head.unembed(h, w, bias, scale=self.scale, softcap=self.softcap)
+        return losses.cross_entropy(logits, labels, **options)

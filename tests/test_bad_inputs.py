@@ -26,7 +26,6 @@ import ml_collections
 import pytest
 
 from configs import default
-from lmhead import data
 from lmhead import decoding
 from lmhead import fused
 from lmhead import head
@@ -276,13 +275,6 @@ def test_pure_functions(call, error, fragment):
                          [pytest.param(*case[1:], id=case[0]) for case in MODULES])
 def test_modules(call, error, fragment):
     assert_raises_exactly(call, error, fragment)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    path.write_text(data.shakespeare_text()[:20_000], encoding="utf-8")
-    return str(path)
 
 
 def tiny(corpus, **overrides):

@@ -28,7 +28,6 @@ import pytest
 from absl.testing import parameterized
 
 from configs import default
-from lmhead import data
 from lmhead import fused
 from lmhead import head
 from lmhead import losses
@@ -124,13 +123,6 @@ class StressTest(parameterized.TestCase):
     @parameterized.parameters(*DTYPES)
     def test_vocab_parallel_at_extreme_logits(self, dtype):
         self.check_stress("vocab_parallel", dtype)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    path.write_text(data.shakespeare_text()[:20_000], encoding="utf-8")
-    return str(path)
 
 
 def short_run(corpus, **overrides):

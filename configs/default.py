@@ -10,10 +10,9 @@ gradient clipping 1.0, dropout 0, no biases in the blocks and LayerNorms
 validation. The defaults are the same values but keep the biases
 (``model.use_bias=True``, GPT-2's layout). Two differences from nanoGPT, both
 ours on purpose: weight decay applies to dense kernels only, not to the
-embedding tables (see ``lmhead/train.py``; nanoGPT's rule, every 2-D
-parameter, gave 1.8790 instead of 1.8765 for nanogpt,tied, seed 0), and
-evaluations (every 500 steps, not 250) cover the whole validation split
-(``train.eval_batches=None``), not 20 random batches.
+embedding tables (see ``lmhead/train.py``), and evaluations (every 500 steps,
+not 250) cover the whole validation split (``train.eval_batches=None``), not
+20 random batches.
 
 Train, tied and untied (one command each)::
 
@@ -22,18 +21,8 @@ Train, tied and untied (one command each)::
     python experiments/train.py --config=configs/default.py:nanogpt,untied \
         --workdir=runs/nanogpt_untied
 
-Measured (seed 0, a 2-core CPU shared with other jobs, load 5 to 7), on the
-whole validation split at step 2000::
-
-    nanogpt,tied    1.8765 nats/char  2.707 bits/char  accuracy 0.446
-                    83 ms/step wall, 60 ms/step CPU time, 3.6 minutes in all
-    nanogpt,untied  1.8564 nats/char  2.678 bits/char  accuracy 0.452
-                    92 ms/step wall, 61 ms/step CPU time, 4.0 minutes in all
-
-nanoGPT's PyTorch, same text, split and machine kind (unshared): 1.872 at
-step 2000 from 20 random batches, about 42 ms/step. That estimate is noisy:
-20 draws of 20 random batches from our tied model at step 2000 give 1.842 to
-1.908 (standard deviation 0.015), and seed 1 ends tied at 1.8721.
+What they reach, and nanoGPT's own numbers, are in README.md ("nanoGPT
+parity"); ``make compare`` measures tied against untied over seeds.
 
 Arguments (comma-separated, applied left to right)::
 
@@ -117,10 +106,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.loss = ml_collections.ConfigDict()
     # "materialized" | "fused" (no [N, V] logits) | "vocab_parallel" (the
-    # vocabulary split over mesh.model, see lmhead/sharding.py). The results
-    # above were measured with materialized; fused gives the same numbers to
-    # float32 rounding in the same CPU time per step at V = 84 and V = 2048
-    # (experiments/bench_train.py), and far less memory at large V.
+    # vocabulary split over mesh.model, see lmhead/sharding.py). All three
+    # give the same losses to float32 rounding; README.md ("The fused loss")
+    # compares their time and memory (experiments/bench_train.py).
     config.loss.loss_impl = "fused"
     config.loss.label_smoothing = 0.0
     config.loss.smoothing = "uniform"  # "uniform" | "normalized"
@@ -167,11 +155,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         if name in ("tied", "untied"):
             config.model.tied = name == "tied"
         elif name == "nanogpt":
-            config.update_from_flattened_dict(_flatten(nanogpt_values()))
+            config.update(nanogpt_values())
         elif name == "compare":
-            config.update_from_flattened_dict(_flatten(compare_values()))
+            config.update(compare_values())
         elif name == "tiny":
-            config.update_from_flattened_dict(_flatten(tiny_values()))
+            config.update(tiny_values())
         elif name == "bpe":
             config.data.tokenizer = "bpe"
             config.data.vocab_size = value
@@ -200,8 +188,3 @@ def _parse(arg: str | None) -> list[tuple[str, int | None]]:
                              ) from e
     return parsed
 
-
-def _flatten(sections: dict) -> dict:
-    return {f"{section}.{key}": value
-            for section, values in sections.items()
-            for key, value in values.items()}

@@ -1,16 +1,22 @@
 """Checks of a training config: its keys, each value's type and range, and
 whether a workdir may be resumed with it.
 
-:func:`validate_config` refuses a bad config before anything is read or
-compiled; a key that is not a config key (a typo in a config file) names the
-closest valid keys (:func:`check_config_keys`). :func:`check_resumable`
-refuses to resume a workdir with another config than the one that made it,
-up to the keys in ``RESUMABLE_CHANGES``.
+``configs/default.py`` is the one list of config keys: ``get_config()``
+gives every key, and each key's type is that of its default (a placeholder
+default, ``None``, also allows ``None``). :func:`validate_config` refuses a
+config with another key (naming the closest valid ones), a missing key, a
+value of the wrong type, or one out of its range, before anything is read
+or compiled. What it cannot know from the config alone is checked where it
+becomes known: the prompt encodes (``train``, once the tokenizer exists), the
+mesh fits the devices and divides the batch and the vocabulary
+(``sharding``). :func:`check_resumable` refuses to resume a workdir with
+another config than the one that made it, up to the keys in
+``RESUMABLE_CHANGES``.
 """
 
-import dataclasses
 import difflib
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -22,110 +28,115 @@ import ml_collections
 from lmhead import model as model_lib
 from lmhead import modules
 
+# The config file beside the package; the repository is the installation
+# (pip install -e .), as experiments/ and configs/ are not packaged.
+CONFIG_FILE = os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "configs", "default.py")
+
 # config.model.dtype: the compute dtype's name.
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+# The values of the string keys.
+CHOICES = {
+    "data.tokenizer": ("char", "bpe"),
+    "model.positions": model_lib.POSITIONS,
+    "model.dtype": tuple(DTYPES),
+    "loss.loss_impl": modules.LOSS_IMPLS,
+    "loss.smoothing": ("uniform", "normalized"),
+}
+
+
+def _ranges(config) -> dict[str, tuple[Any, Any, str]]:
+    """Each number's ``(low, high, brackets)``; ``None`` is unbounded. Counts
+    come first, since later bounds are made of them."""
+    counts = ("model.num_layers", "model.num_heads", "model.d_model",
+              "model.mlp_dim", "train.steps", "train.batch_size",
+              "train.log_every", "train.eval_every", "train.checkpoint_every",
+              "train.eval_batches", "sample.max_new_tokens", "sample.top_k",
+              "loss.chunk_size")
+    return {
+        **{name: (1, None, "[)") for name in counts},
+        "data.block_size": (2, None, "[)"),
+        "data.val_fraction": (0.0, 1.0, "()"),
+        "model.dropout_rate": (0.0, 1.0, "[)"),
+        "model.head_scale": (0.0, None, "()"),
+        "model.logits_softcap": (0.0, None, "()"),
+        "loss.label_smoothing": (0.0, 1.0, "[)"),
+        "loss.z_loss": (0.0, None, "[)"),
+        "mesh.data": (-1, None, "[)"),
+        "mesh.model": (-1, None, "[)"),
+        "optim.lr": (0.0, None, "()"),
+        "optim.warmup_steps": (0, config.train.steps - 1, "[]"),
+        "optim.min_lr": (0.0, config.optim.lr, "[]"),
+        "optim.weight_decay": (0.0, None, "[)"),
+        "optim.grad_clip": (0.0, None, "[)"),
+        "optim.b1": (0.0, 1.0, "[)"),
+        "optim.b2": (0.0, 1.0, "[)"),
+        "train.seed": (0, 2**31 - 1, "[]"),
+        "sample.num_samples": (0, None, "[)"),
+        "sample.temperature": (0.0, None, "[)"),
+        "sample.top_p": (0.0, 1.0, "()"),
+    }
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Raises ValueError/TypeError naming the first bad ``config`` value.
 
     Keys first: one that is not a config key (a typo in a config file) is a
-    ValueError that names the closest valid keys. Then each value's type and
-    range; floats must be finite.
+    ValueError that names the closest valid keys. Then each value's type (as
+    ``configs/default.py`` has it; floats must be finite), range and choices,
+    and the rules between values.
 
     Examples:
         >>> validate_config(ml_collections.ConfigDict({"data": {}}))
         Traceback (most recent call last):
         ...
-        ValueError: config.data.path is missing; configs/default.py has every key.
+        ValueError: config.data.block_size is missing; configs/default.py has every key.
     """
-    check_config_keys(flat_keys(config), config_keys())
-    check = functools.partial(_check_value, config)
-    _check_data_model_and_counts(config, check)
-    _check_loss_and_mesh(config, check)
-    _check_optim_train_and_sample(config, check)
+    values = flatten(config)
+    types = default_types()
+    check_config_keys(values, types)
+    for name, (kind, optional) in types.items():
+        if name not in values:
+            raise ValueError(f"config.{name} is missing; configs/default.py "
+                             "has every key.")
+        _check_type(name, values[name], kind, optional)
+    for name, (low, high, brackets) in _ranges(config).items():
+        if values[name] is not None:
+            _check_range(name, values[name], low, high, brackets)
+    for name, choices in CHOICES.items():
+        if values[name] not in choices:
+            raise ValueError(f"config.{name} must be one of "
+                             f"{', '.join(map(repr, choices))}; got {values[name]!r}.")
+    _check_rules_between_values(config)
 
 
-def _check_data_model_and_counts(config, check) -> None:
-    """``data.*``, ``model.*`` and every count that must be >= 1; the counts
-    come first because later checks divide by or compare with them."""
-    check("data.path", str)
-    check("data.tokenizer", str, choices=("char", "bpe"))
+def _check_rules_between_values(config) -> None:
+    """What one value allows of another, and values no range describes."""
     if config.data.tokenizer == "bpe":
-        check("data.vocab_size", int, low=256, high=2**31 - 1)
+        _check_type("data.vocab_size", config.data.vocab_size, int, False)
+        _check_range("data.vocab_size", config.data.vocab_size, 256, 2**31 - 1, "[]")
     elif config.data.vocab_size is not None:
         raise ValueError("config.data.vocab_size is for tokenizer='bpe' only; "
                          "the character vocabulary comes from the text.")
-    check("data.val_fraction", float, low=0.0, high=1.0, open_range=True)
-    check("data.block_size", int, low=2)
-    for name in ("model.num_layers", "model.num_heads",
-                 "model.d_model", "model.mlp_dim", "train.steps",
-                 "train.batch_size", "train.log_every", "train.eval_every",
-                 "train.checkpoint_every",
-                 "sample.max_new_tokens"):
-        check(name, int, low=1)
     if config.model.d_model % config.model.num_heads:
         raise ValueError("config.model.num_heads must divide config.model."
                          f"d_model; got {config.model.num_heads} and "
                          f"{config.model.d_model}.")
-    check("model.dropout_rate", float, low=0.0, high=1.0, high_open=True)
-    check("model.tied", bool)
-    check("model.positions", str, choices=model_lib.POSITIONS)
-    check("model.head_bias", bool)
-    check("model.head_scale", float, low=0.0, open_range=True, optional=True)
-    check("model.logits_softcap", float, low=0.0, open_range=True, optional=True)
-    check("model.dtype", str, choices=tuple(DTYPES))
-
-
-def _check_loss_and_mesh(config, check) -> None:
-    """``loss.*`` and the mesh's axis sizes."""
-    check("loss.loss_impl", str, choices=modules.LOSS_IMPLS)
-    check("loss.label_smoothing", float, low=0.0, high=1.0, high_open=True)
-    check("loss.smoothing", str, choices=("uniform", "normalized"))
-    check("loss.z_loss", float, low=0.0)
-    check("loss.chunk_size", int, low=1, optional=True)
     if config.loss.chunk_size is not None and config.loss.loss_impl == "materialized":
         raise ValueError("config.loss.chunk_size is not used by loss_impl="
                          "'materialized'; leave it unset.")
-    for name in ("mesh.data", "mesh.model"):
-        check(name, int, low=-1)
-        if config.mesh[name.split(".")[1]] == 0:
-            raise ValueError(f"config.{name} must be a number of devices >= 1, "
-                             "or -1 for all the others; got 0.")
-
-
-def _check_optim_train_and_sample(config, check) -> None:
-    """``optim.*``, the rest of ``train.*`` and ``sample.*``."""
-    check("optim.lr", float, low=0.0, open_range=True)
-    check("optim.warmup_steps", int, low=0, high=config.train.steps - 1)
-    check("optim.min_lr", float, low=0.0, high=config.optim.lr)
-    for name in ("optim.weight_decay", "optim.grad_clip"):
-        check(name, float, low=0.0)
-    for name in ("optim.b1", "optim.b2"):
-        check(name, float, low=0.0, high=1.0, high_open=True)
-    check("train.eval_batches", int, low=1, optional=True)
-    check("train.seed", int, low=0, high=2**31 - 1)
-    check("train.stop_on_nonfinite", bool)
-    check("sample.num_samples", int, low=0)
-    check("sample.temperature", float, low=0.0)
-    check("sample.top_k", int, low=1, optional=True)
-    check("sample.top_p", float, low=0.0, high=1.0, open_range=True,
-          optional=True)
-    check("sample.prompt", str)
+    for name in ("data", "model"):
+        if config.mesh[name] == 0:
+            raise ValueError(f"config.mesh.{name} must be a number of devices "
+                             ">= 1, or -1 for all the others; got 0.")
     if not config.sample.prompt:
         raise ValueError("config.sample.prompt must not be empty.")
 
 
-def _check_value(config, name: str, kind: type, *, choices=None, low=None,
-                 high=None, open_range: bool = False, high_open: bool = False,
-                 optional: bool = False) -> None:
-    """One value's type, choices and range; ``open_range`` opens both ends."""
-    value = config
-    for key in name.split("."):
-        if key not in value:
-            raise ValueError(f"config.{name} is missing; configs/default.py "
-                             "has every key.")
-        value = value[key]
+def _check_type(name: str, value: Any, kind: type, optional: bool) -> None:
+    """``kind`` or, when ``optional``, None; an int is a float, a bool is
+    not an int; a float is finite."""
     if value is None and optional:
         return
     kinds = (int, float) if kind is float else (kind,)
@@ -134,56 +145,55 @@ def _check_value(config, name: str, kind: type, *, choices=None, low=None,
                         f"{' or None' if optional else ''}; got {value!r}.")
     if kind is float and not math.isfinite(value):
         raise ValueError(f"config.{name} must be finite; got {value!r}.")
-    if choices is not None and value not in choices:
-        raise ValueError(f"config.{name} must be one of "
-                         f"{', '.join(map(repr, choices))}; got {value!r}.")
-    high_open = high_open or open_range
-    too_low = low is not None and (value <= low if open_range else value < low)
-    too_high = high is not None and (value >= high if high_open else value > high)
+
+
+def _check_range(name: str, value, low, high, brackets: str) -> None:
+    """``value`` in the interval ``brackets[0] low, high brackets[1]``."""
+    too_low = low is not None and (value <= low if brackets[0] == "(" else value < low)
+    too_high = high is not None and (
+        value >= high if brackets[1] == ")" else value > high)
     if too_low or too_high:
-        interval = (f"{'(' if open_range else '['}{low if low is not None else '-inf'}"
-                    f", {high if high is not None else 'inf'}"
-                    f"{')' if high_open or high is None else ']'}")
+        interval = (f"{brackets[0]}{'-inf' if low is None else low}, "
+                    f"{'inf' if high is None else high}{brackets[1]}")
         raise ValueError(f"config.{name} must be in {interval}; got {value!r}.")
 
 
-# The keys of each config section; "model" holds DecoderLM's attributes but
-# vocab_size and max_len (the tokenizer's and data.block_size).
-CONFIG_SECTIONS = {
-    "data": ("path", "tokenizer", "vocab_size", "val_fraction", "block_size"),
-    "loss": ("loss_impl", "label_smoothing", "smoothing", "z_loss", "chunk_size"),
-    "optim": ("lr", "warmup_steps", "min_lr", "weight_decay", "b1", "b2",
-              "grad_clip"),
-    "mesh": ("data", "model"),
-    "train": ("steps", "batch_size", "seed", "log_every", "eval_every",
-              "checkpoint_every", "eval_batches", "stop_on_nonfinite"),
-    "sample": ("num_samples", "max_new_tokens", "temperature", "top_k", "top_p",
-               "prompt"),
-}
-# What a resumed run may change: how often it logs, evaluates, checkpoints,
-# what it samples, the devices, and how (not what) the loss is computed. Every
-# other key -- the data, the model, the objective, the optimizer, the batch,
-# the seed and train.steps (the cosine schedule ends there) -- is part of
-# what the run's checkpoints mean.
-RESUMABLE_CHANGES = (
-    "train.log_every", "train.eval_every", "train.checkpoint_every",
-    "train.eval_batches", "train.stop_on_nonfinite", "loss.loss_impl",
-    "loss.chunk_size", "mesh.data", "mesh.model", "sample.num_samples",
-    "sample.max_new_tokens", "sample.temperature", "sample.top_k",
-    "sample.top_p", "sample.prompt")
-
-
-def config_keys() -> set[str]:
-    """Every valid dotted config key, e.g. ``"model.tied"``.
+def load_config(arg: str | None = None, path: str = CONFIG_FILE
+                ) -> ml_collections.ConfigDict:
+    """``get_config(arg)`` of the config file ``path``, as ``--config=path:arg``
+    gives it.
 
     Examples:
-        >>> sorted(k for k in config_keys() if k.startswith("mesh."))
-        ['mesh.data', 'mesh.model']
+        >>> load_config("tiny").train.steps
+        40
     """
-    model_keys = {f.name for f in dataclasses.fields(model_lib.DecoderLM)
-                  if f.init} - {"vocab_size", "max_len", "parent", "name"}
-    return {f"{section}.{key}" for section, keys in
-            {**CONFIG_SECTIONS, "model": model_keys}.items() for key in keys}
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such config file (lmhead reads "
+                                "configs/default.py from its repository).")
+    spec = importlib.util.spec_from_file_location("config_file", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+@functools.cache
+def default_types() -> dict[str, tuple[type, bool]]:
+    """Every config key, dotted, with ``(type, optional)`` from the defaults
+    of ``configs/default.py``: optional keys default to ``None``.
+
+    Examples:
+        >>> {k: v for k, v in default_types().items() if k.startswith("mesh.")}
+        {'mesh.data': (<class 'int'>, False), 'mesh.model': (<class 'int'>, False)}
+        >>> default_types()["sample.top_k"]
+        (<class 'int'>, True)
+    """
+    config = load_config()
+    types = {}
+    for name, value in flatten(config).items():
+        *sections, key = name.split(".")
+        parent = functools.reduce(lambda c, k: c[k], sections, config)
+        types[name] = (parent.get_type(key), value is None)
+    return types
 
 
 def check_config_keys(names, valid) -> None:
@@ -213,30 +223,33 @@ def check_config_keys(names, valid) -> None:
         raise ValueError(f"config.{name} is not a config key; {hint}")
 
 
-def flat_keys(config) -> list[str]:
-    """Dotted names of the leaves of a (nested) ConfigDict or dict.
+def flatten(nested, prefix: str = "") -> dict[str, Any]:
+    """A nested dict or ConfigDict as ``{dotted key: leaf}``.
 
     Examples:
-        >>> flat_keys({"train": {"steps": 10, "seed": 0}, "name": "x"})
-        ['train.steps', 'train.seed', 'name']
+        >>> flatten({"model": {"tied": True, "d_model": 64}, "seed": 0})
+        {'model.tied': True, 'model.d_model': 64, 'seed': 0}
     """
-    names = []
-    for key, value in config.items():
-        if isinstance(value, (dict, ml_collections.ConfigDict)):
-            names += [f"{key}.{name}" for name in flat_keys(value)]
-        else:
-            names.append(key)
-    return names
-
-
-def _flat_values(config: dict) -> dict[str, Any]:
     flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update({f"{key}.{k}": v for k, v in _flat_values(value).items()})
+    for key, value in nested.items():
+        if isinstance(value, (dict, ml_collections.ConfigDict)):
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
-            flat[key] = value
+            flat[f"{prefix}{key}"] = value
     return flat
+
+
+# What a resumed run may change: how often it logs, evaluates, checkpoints,
+# what it samples, the devices, and how (not what) the loss is computed. Every
+# other key -- the data, the model, the objective, the optimizer, the batch,
+# the seed and train.steps (the cosine schedule ends there) -- is part of
+# what the run's checkpoints mean.
+RESUMABLE_CHANGES = (
+    "train.log_every", "train.eval_every", "train.checkpoint_every",
+    "train.eval_batches", "train.stop_on_nonfinite", "loss.loss_impl",
+    "loss.chunk_size", "mesh.data", "mesh.model", "sample.num_samples",
+    "sample.max_new_tokens", "sample.temperature", "sample.top_k",
+    "sample.top_p", "sample.prompt")
 
 
 def check_resumable(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -256,8 +269,8 @@ def check_resumable(config: ml_collections.ConfigDict, workdir: str) -> None:
             name.isdigit() for name in os.listdir(checkpoints))):
         return
     with open(path) as f:
-        saved = _flat_values(json.load(f))
-    current = _flat_values(json.loads(config.to_json()))
+        saved = flatten(json.load(f))
+    current = flatten(json.loads(config.to_json()))
     changed = [f"{key}: {saved[key]!r} there, {current[key]!r} now"
                for key in sorted(saved.keys() & current.keys())
                if saved[key] != current[key] and key not in RESUMABLE_CHANGES]

@@ -27,6 +27,8 @@ import os
 import re
 from typing import Any, Sequence
 
+from lmhead.config_checks import flatten
+
 SWEEP_FILE = "sweep.json"  # in the sweep directory: the runs and their commands
 STATUS_FILE = "status.json"  # in a run's workdir: how its last process exited
 LOG_FILE = "run.log"  # in a run's workdir: the train process's stdout and stderr
@@ -349,22 +351,6 @@ def read_sweep(sweep_dir: str) -> list[Run]:
         flat = flatten(run.config)
         run.overrides = {k: flat.get(k) for k in varying_keys(flat_configs)}
     return runs + others
-
-
-def flatten(nested: dict, prefix: str = "") -> dict[str, Any]:
-    """``{"model": {"tied": True}}`` -> ``{"model.tied": True}``.
-
-    Examples:
-        >>> flatten({"model": {"tied": True, "d_model": 64}, "seed": 0})
-        {'model.tied': True, 'model.d_model': 64, 'seed': 0}
-    """
-    flat = {}
-    for key, value in nested.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def varying_keys(flat_configs: Sequence[dict[str, Any]]) -> list[str]:

@@ -65,6 +65,7 @@ from lmhead import decoding
 from lmhead import losses
 from lmhead import model as model_lib
 from lmhead import sharding
+from lmhead import versions
 
 SAMPLE_SEPARATOR = "\n---------------\n"
 TrainState = train_state.TrainState
@@ -407,6 +408,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             os.remove(summary_path)
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json(indent=2))
+        versions.write_versions(workdir)
     writer = MetricWriter(workdir, resume_step=int(state.step))
     example = sharding.shard_batch(data.train_batch(
         dataset.train_tokens, seed=config.train.seed, step=0,

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,6 +35,11 @@ def test_train(workdir):
     with open(os.path.join(workdir, "config.json")) as f:
         config = json.load(f)
     assert config["train"]["steps"] == 20 and config["model"]["tied"] is False
+    with open(os.path.join(workdir, "versions.json")) as f:
+        versions = json.load(f)
+    assert versions["jax"] == jax.__version__
+    assert versions["backend"] == jax.default_backend()
+    assert versions["numpy"] == np.__version__
     with open(os.path.join(workdir, "summary.json")) as f:
         summary = json.load(f)
     assert summary["steps"] == 20

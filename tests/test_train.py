@@ -6,7 +6,9 @@ checkpoint and its summary -- as a run killed right after the middle
 checkpoint would -- and is resumed (exact resume).
 """
 
+import contextlib
 import functools
+import io
 import json
 import math
 import os
@@ -48,10 +50,13 @@ def runs(tmp_path_factory):
     uninterrupted = read_metrics(second)
     shutil.rmtree(os.path.join(second, "checkpoints", "40"))
     os.remove(os.path.join(second, "summary.json"))
-    resumed_summary = train.train_and_evaluate(
-        tiny_config(**{"sample.num_samples": 0}), second)
+    resumed_log = io.StringIO()
+    with contextlib.redirect_stdout(resumed_log):
+        resumed_summary = train.train_and_evaluate(
+            tiny_config(**{"sample.num_samples": 0}), second)
     return dict(first=first, second=second, summary=summary,
-                uninterrupted=uninterrupted, resumed_summary=resumed_summary)
+                uninterrupted=uninterrupted, resumed_summary=resumed_summary,
+                resumed_log=resumed_log.getvalue())
 
 
 class TestTraining:
@@ -100,6 +105,10 @@ class TestTraining:
         assert read_metrics(runs["first"]) == runs["uninterrupted"]
 
     def test_resume_is_exact(self, runs):
+        # From the checkpoint left (step 20 of 40), not from scratch: training
+        # again from step 0 would end with the same metrics and parameters.
+        saved_step = tiny_config().train.checkpoint_every
+        assert f"starting at step {saved_step}." in runs["resumed_log"]
         assert read_metrics(runs["second"]) == runs["uninterrupted"]
         assert runs["resumed_summary"]["final"] == runs["summary"]["final"]
         params = [train.load_run(runs[name])[3] for name in ("first", "second")]

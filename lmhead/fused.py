@@ -48,16 +48,28 @@ smaller than 128 tokens make it slow. With ``vocab_chunk_size`` the logits
 are computed that many rows at a time, twice (statistics, then gradients),
 as Cut Cross-Entropy does: no temporary grows with ``V``, at the price of a
 fourth matmul.
+
+Split vocabulary. With :class:`VocabShards` (what
+``sharding.vocab_parallel_cross_entropy`` passes), each device holds ``V/m``
+rows of ``w`` inside ``shard_map`` and runs the same sweep on them: after a
+chunk's blocks, the online logsumexp goes one step further, across devices
+(``pmax`` of the running max, ``psum`` of the rescaled sums, the label logits
+and the logit sums). Every device then knows the chunk's global ``lse`` and
+:math:`(\alpha, \beta, \gamma)`, so it computes its rows' ``dw`` and its
+share of ``dh`` in the same sweep; the sum of the shares is ``dh``. The
+custom VJP has no symbolic zeros, which ``shard_map`` does not support: the
+second sweep is skipped at run time when the statistics' cotangent is zero
+(under ``jit`` XLA removes it when that zero is a constant).
 """
 
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 
 from lmhead import _checks
 from lmhead import head
@@ -79,9 +91,11 @@ _MATMUL = (((1,), (0,)), ((), ()))  # [a, k] x [k, b] -> [a, b]
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """The static part of a call: loss options and block sizes."""
+    """The static part of a call: loss options, block sizes, vocabulary split."""
 
-    vocab_size: int
+    vocab_size: int  # V of the loss, all devices' rows together
+    num_rows: int  # rows of w on this device: V, or V / devices along vocab_axis
+    vocab_axis: str | None  # the mesh axis w's rows are split over, if any
     chunk_size: int
     block_rows: int  # vocabulary rows per block
     keep_logits: bool  # a chunk's [V, Nc] logits computed once and kept
@@ -95,7 +109,13 @@ class _Plan:
 
     @property
     def num_blocks(self) -> int:
-        return -(-self.vocab_size // self.block_rows)
+        return -(-self.num_rows // self.block_rows)
+
+    def first_row(self) -> jax.Array | int:
+        """The vocabulary id of this device's first row of ``w``."""
+        if self.vocab_axis is None:
+            return 0
+        return lax.axis_index(self.vocab_axis) * self.num_rows
 
     def token_loss(self, lse, label_logit, logit_sum):
         return losses.token_losses(
@@ -143,7 +163,7 @@ def _vocab_blocks(plan, h_chunk, w, bias, kept):
     rows = plan.block_rows
 
     def block(j):
-        v0 = _block_start(j, rows, plan.vocab_size)
+        v0 = _block_start(j, rows, plan.num_rows)
         w_block = lax.dynamic_slice_in_dim(w, v0, rows)
         if kept is not None:
             z = lax.dynamic_slice_in_dim(kept, v0, rows)
@@ -178,11 +198,30 @@ def _block_stats(z, labels, v0, fresh):
     return peak, sum_exp, label_logit, logit_sum, argmax
 
 
+def _combine_devices(plan, peak, sum_exp, label_logit, logit_sum, argmax):
+    """The statistics of the whole vocabulary from each device's rows.
+
+    The online logsumexp of the blocks, once more across devices: ``pmax``
+    of the running max, ``psum`` of the rescaled sums of exponentials and of
+    the sums; every device then holds the same values.
+    """
+    axis = plan.vocab_axis
+    top = lax.pmax(peak, axis)
+    sum_exp = lax.psum(sum_exp * jnp.exp(peak - top), axis)
+    # Ties go to the lowest index, as jnp.argmax does.
+    argmax = lax.pmin(jnp.where(peak == top, argmax + plan.first_row(),
+                                plan.vocab_size), axis)
+    return (top, sum_exp, lax.psum(label_logit, axis),
+            lax.psum(logit_sum, axis), argmax)
+
+
 def _chunk_stats(plan, h_chunk, w, bias, labels):
     """``(kept logits or None, (lse, label_logit, logit_sum, argmax))``.
 
     Block by block, with a running max and rescaled sum of exponentials
     (an online logsumexp), so no temporary is larger than one block.
+    ``labels`` count from this device's first row; the statistics are those
+    of all devices' rows.
     """
     kept = _logits(plan, h_chunk, w, bias) if plan.keep_logits else None
     block = _vocab_blocks(plan, h_chunk, w, bias, kept)
@@ -201,9 +240,14 @@ def _chunk_stats(plan, h_chunk, w, bias, labels):
         return (new_peak, sum_exp, label_logit + b_label, logit_sum + b_sum,
                 argmax)
 
-    zeros = jnp.zeros(h_chunk.shape[:1], jnp.float32)
+    # zeros_like keeps h's mesh axes, which a loop carry must keep inside
+    # shard_map.
+    zeros = jnp.zeros_like(h_chunk[:, 0], jnp.float32)
     init = (zeros - jnp.inf, zeros, zeros, zeros, zeros.astype(jnp.int32))
-    peak, sum_exp, *rest = lax.fori_loop(0, plan.num_blocks, merge, init)
+    stats = lax.fori_loop(0, plan.num_blocks, merge, init)
+    if plan.vocab_axis is not None:
+        stats = _combine_devices(plan, *stats)
+    peak, sum_exp, *rest = stats
     return kept, (peak + jnp.log(sum_exp), *rest)
 
 
@@ -259,8 +303,7 @@ def _chunk_grads(plan, h_chunk, active, w, bias, labels, kept, lse, coefs,
             db = _add_rows(db, v0, jnp.sum(dz, axis=1))
         return dh_chunk, dw, db
 
-    dh_chunk = (jnp.zeros((h_chunk.shape[0], w.shape[1]), jnp.float32)
-                if want_dh else None)
+    dh_chunk = jnp.zeros_like(h_chunk, jnp.float32) if want_dh else None
     return lax.fori_loop(0, plan.num_blocks, step, (dh_chunk, dw, db))
 
 
@@ -270,28 +313,27 @@ def _loss_coefs(plan, stats, loss_weights):
     return pullback(loss_weights)
 
 
-def _sweep(plan, h, w, bias, labels, loss_weights=None, *, lse=None,
-           coefs=None, need=(False, False, False)):
+def _sweep(plan, h, w, bias, labels, loss_weights, *, grads=None, lse=None,
+           coefs=None):
     """One pass over chunks of tokens.
 
-    Three uses: statistics only (the primal); statistics and the gradient of
-    ``sum_t loss_weights_t * L_t`` (the differentiated forward pass); or, given
-    ``lse`` and per-token ``coefs``, the gradient they define (recomputing the
-    logits). Tokens of weight 0 never contribute to a gradient.
+    Three uses: statistics only (``grads`` is None: the primal); statistics
+    and the gradient of ``sum_t loss_weights_t * L_t`` (the differentiated
+    forward pass); or, given ``lse`` and per-token ``coefs``, the gradient
+    they define (recomputing the logits). Gradients are added to ``grads``,
+    ``(dh, dw, db)`` with None for one not wanted. Tokens of weight 0 never
+    contribute to a gradient.
 
     Returns:
-        ``(stats, (dh, dw, db))``; ``stats`` is ``(lse, label_logit,
-        logit_sum, argmax)``, each ``[N]`` (None when ``coefs`` are given);
-        gradients not asked for by ``need`` are None.
+        ``(stats, grads)``; ``stats`` is ``(lse, label_logit, logit_sum,
+        argmax)``, each ``[N]`` (None when ``coefs`` are given).
     """
     n, size = h.shape[0], plan.chunk_size
-    want_dh, want_dw, want_db = need
-    grads = (jnp.zeros(h.shape, jnp.float32) if want_dh else None,
-             jnp.zeros(w.shape, jnp.float32) if want_dw else None,
-             jnp.zeros((plan.vocab_size,), jnp.float32) if want_db else None)
-    zeros = jnp.zeros((n,), jnp.float32)
-    stats = None if coefs is not None else (zeros, zeros, zeros,
-                                            zeros.astype(jnp.int32))
+    # zeros_like keeps the mesh axes of the inputs, which a loop carry must
+    # keep inside shard_map: the statistics vary as the tokens do.
+    stats = None if coefs is not None else (
+        (jnp.zeros_like(loss_weights),) * 3 + (jnp.zeros_like(labels),))
+    label_rows = labels - plan.first_row()
 
     def body(i, carry):
         stats, (dh, dw, db) = carry
@@ -301,14 +343,14 @@ def _sweep(plan, h, w, bias, labels, loss_weights=None, *, lse=None,
         def chunk(x):
             return lax.dynamic_slice_in_dim(x, start, size)
 
-        h_chunk, chunk_labels = chunk(h), chunk(labels)
+        h_chunk, chunk_labels = chunk(h), chunk(label_rows)
         if coefs is None:
             z, new = _chunk_stats(plan, h_chunk, w, bias, chunk_labels)
             stats = tuple(
                 lax.dynamic_update_slice_in_dim(s, jnp.where(fresh, x, chunk(s)),
                                                 start, 0)
                 for s, x in zip(stats, new))
-            if loss_weights is None:
+            if grads is None:
                 return stats, (dh, dw, db)
             chunk_lse = new[0]
             chunk_coefs = _loss_coefs(plan, new[:3], chunk(loss_weights))
@@ -326,7 +368,8 @@ def _sweep(plan, h, w, bias, labels, loss_weights=None, *, lse=None,
             dh = _add_rows(dh, start, dh_chunk)
         return stats, (dh, dw, db)
 
-    return lax.fori_loop(0, -(-n // size), body, (stats, grads))
+    init = (None, None, None) if grads is None else grads
+    return lax.fori_loop(0, -(-n // size), body, (stats, init))
 
 
 def _objective(plan, stats, loss_weights):
@@ -337,59 +380,85 @@ def _objective(plan, stats, loss_weights):
                                    loss_weights, zeros, "sum")[0]
 
 
+def _zero_grads(h, w, bias):
+    return tuple(None if x is None else jnp.zeros_like(x, jnp.float32)
+                 for x in (h, w, bias))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused_core(plan, h, w, bias, loss_weights, labels):
-    """``(sum_t loss_weights_t * L_t, stats)`` without keeping any logits."""
-    stats, _ = _sweep(plan, h, w, bias, labels)
+    """``(sum_t loss_weights_t * L_t, stats)`` without keeping any logits.
+
+    Inside ``shard_map``, ``h``, ``w`` and ``bias`` must vary over the same
+    mesh axes (``lax.pcast``): each one's gradient is a product of the
+    others, and a cotangent has the type of its input.
+    """
+    stats, _ = _sweep(plan, h, w, bias, labels, loss_weights)
     return _objective(plan, stats, loss_weights), stats
 
 
+# The rule has no symbolic zeros, which shard_map does not support: every
+# input is taken to be differentiated, and a zero cotangent of the statistics
+# is told from a nonzero one at run time.
 def _fused_core_fwd(plan, h, w, bias, loss_weights, labels):
-    need = (h.perturbed, w.perturbed, bias is not None and bias.perturbed)
-    h, w, loss_weights, labels = h.value, w.value, loss_weights.value, labels.value
-    bias = None if bias is None else bias.value
-    in_forward = plan.grads_in_forward and any(need)
-    stats, grads = _sweep(plan, h, w, bias, labels,
-                          loss_weights=loss_weights if in_forward else None,
-                          need=need if in_forward else (False, False, False))
-    residuals = (h, w, bias, loss_weights, labels, stats,
-                 grads if in_forward else None)
+    stats, saved = _sweep(
+        plan, h, w, bias, labels, loss_weights,
+        grads=_zero_grads(h, w, bias) if plan.grads_in_forward else None)
+    residuals = (h, w, bias, loss_weights, labels, stats, saved)
     return (_objective(plan, stats, loss_weights), stats), residuals
 
 
 def _fused_core_bwd(plan, residuals, cotangents):
     h, w, bias, loss_weights, labels, stats, saved = residuals
     d_objective, d_stats = cotangents
-    d_objective = None if isinstance(d_objective, SymbolicZero) else d_objective
-    coefs = [None if isinstance(c, SymbolicZero) else c for c in d_stats[:3]]
-    if d_objective is not None and saved is None:
+    coefs = d_stats[:3]
+    if plan.grads_in_forward:
+        grads = tuple(None if g is None else d_objective * g for g in saved)
+    else:
+        grads = _zero_grads(h, w, bias)
         objective_coefs = _loss_coefs(plan, stats[:3],
                                       d_objective * loss_weights)
-        coefs = [o if c is None else c + o
-                 for c, o in zip(coefs, objective_coefs)]
-    grads = [None, None, None]
-    if saved is not None and d_objective is not None:
-        grads = [None if g is None else d_objective * g for g in saved]
-    if any(c is not None for c in coefs):
-        # A cotangent on the statistics themselves (a metric or the
-        # unreduced loss is differentiated): recompute the logits.
-        coefs = [jnp.zeros_like(stats[0]) if c is None else c for c in coefs]
-        _, extra = _sweep(plan, h, w, bias, labels, loss_weights,
-                          lse=stats[0], coefs=coefs,
-                          need=(True, True, bias is not None))
-        grads = [e if g is None else (g if e is None else g + e)
-                 for g, e in zip(grads, extra)]
-    d_weights = None
-    if d_objective is not None:
-        _, pullback = jax.vjp(lambda x: _objective(plan, stats, x),
-                              loss_weights)
-        d_weights, = pullback(d_objective)
+        coefs = tuple(c + o for c, o in zip(coefs, objective_coefs))
+
+    def recompute(grads):
+        # A cotangent on the statistics themselves (a metric or the unreduced
+        # loss is differentiated): the logits are needed again.
+        return _sweep(plan, h, w, bias, labels, loss_weights, grads=grads,
+                      lse=stats[0], coefs=coefs)[1]
+
+    grads = lax.cond(jnp.any(jnp.stack(coefs) != 0), recompute,
+                     lambda grads: grads, grads)
+    _, pullback = jax.vjp(lambda x: _objective(plan, stats, x), loss_weights)
+    d_weights, = pullback(d_objective)
     dh, dw, db = (None if g is None else g.astype(x.dtype)
                   for g, x in zip(grads, (h, w, bias)))
     return dh, dw, db, d_weights, None
 
 
-_fused_core.defvjp(_fused_core_fwd, _fused_core_bwd, symbolic_zeros=True)
+_fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabShards:
+    """The rows of ``w`` split over the devices along a mesh axis.
+
+    For ``sharding.vocab_parallel_cross_entropy``, which passes it to
+    :func:`fused_cross_entropy`.
+
+    Attributes:
+        axis: the mesh axis.
+        count: devices along it; it must divide ``V``.
+        run: ``run(core, h, w, bias, weights, labels) -> (objective,
+            stats)`` calls ``core`` (a function of the same arguments) on
+            every device, with a device's tokens and its rows of ``w`` and
+            ``bias`` (``[N, D]``, ``[V, D]``, ``[V]``, ``[N]``, ``[N]`` in
+            all), and returns ``core``'s objective summed over the devices'
+            tokens and its statistics of every token.
+    """
+
+    axis: str
+    count: int
+    run: Callable[..., tuple[jax.Array, tuple[jax.Array, ...]]]
 
 
 def _check_inputs(h, w, bias, chunk_size, vocab_chunk_size, **static):
@@ -401,17 +470,27 @@ def _check_inputs(h, w, bias, chunk_size, vocab_chunk_size, **static):
         _checks.check_in_range(name, static[name], low=0.0, low_open=True)
 
 
-def _block_sizes(num_tokens, vocab_size, chunk_size, vocab_chunk_size):
-    """``(chunk_size, block_rows, keep_logits)`` with the defaults filled in."""
+def _check_vocab_shards(vocab_shards, vocab_size):
+    if vocab_shards is not None and vocab_size % vocab_shards.count:
+        raise ValueError(
+            f"w has {vocab_size} rows, which the mesh's {vocab_shards.axis!r} "
+            f"axis ({vocab_shards.count}) must divide.")
+
+
+def _block_sizes(num_tokens, num_rows, chunk_size, vocab_chunk_size):
+    """``(chunk_size, block_rows, keep_logits)`` with the defaults filled in.
+
+    ``num_tokens`` and ``num_rows`` are those of ``h`` and ``w`` on a device.
+    """
     platform = jax.default_backend()
-    keep_logits = vocab_chunk_size is None or vocab_chunk_size >= vocab_size
-    width = vocab_size if keep_logits else int(vocab_chunk_size)
+    keep_logits = vocab_chunk_size is None or vocab_chunk_size >= num_rows
+    width = num_rows if keep_logits else int(vocab_chunk_size)
     if chunk_size is None:
         elements = BLOCK_ELEMENTS.get(platform, BLOCK_ELEMENTS["cpu"])
         chunk_size = min(max(elements // width, MIN_CHUNK_SIZE), MAX_CHUNK_SIZE)
     rows = (VOCAB_BLOCK_ROWS.get(platform, VOCAB_BLOCK_ROWS["cpu"])
             if keep_logits else width)
-    return min(int(chunk_size), num_tokens), min(rows, vocab_size), keep_logits
+    return min(int(chunk_size), num_tokens), min(rows, num_rows), keep_logits
 
 
 def _optional_float(x):
@@ -434,6 +513,7 @@ def fused_cross_entropy(
     vocab_chunk_size: int | None = None,
     precision: jax.lax.PrecisionLike = None,
     reduction: str = "mean",
+    vocab_shards: VocabShards | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""Cross-entropy of ``unembed(h, w, bias)`` without materializing logits.
 
@@ -472,12 +552,17 @@ def fused_cross_entropy(
         scale, softcap, precision: as in ``head.unembed``; concrete numbers.
         chunk_size: tokens per chunk, an integer >= 1. Default:
             ``BLOCK_ELEMENTS[platform] // width`` clipped to
-            ``[MIN_CHUNK_SIZE, MAX_CHUNK_SIZE]``, where ``width`` is ``V``
+            ``[MIN_CHUNK_SIZE, MAX_CHUNK_SIZE]``, where ``width`` is the
+            rows of ``w`` on a device (``V``, or ``V / vocab_shards.count``)
             or ``vocab_chunk_size``.
         vocab_chunk_size: None (default) computes a chunk's logits for the
             whole vocabulary with one matmul and keeps them; an integer >= 1
             computes them that many rows at a time, twice, so that no
             temporary grows with ``V``.
+        vocab_shards: None (default) on one device; see
+            ``sharding.vocab_parallel_cross_entropy``, which splits the rows
+            of ``w`` over devices and combines each device's statistics
+            with ``pmax``/``psum`` (module docstring).
 
     Returns:
         ``(loss, metrics)`` as ``losses.cross_entropy`` returns them; ``loss``
@@ -527,28 +612,34 @@ def fused_cross_entropy(
     vocab_size, d_model = jnp.shape(w)
     leading = jnp.shape(h)[:-1]
     losses.check_labels_and_weights(labels, weights, leading, vocab_size)
+    _check_vocab_shards(vocab_shards, vocab_size)
     num_tokens = math.prod(leading)
-    if num_tokens == 0:
+    if num_tokens == 0:  # nothing to block or split: the logits are empty
         return losses.cross_entropy(
             head.unembed(h, w, bias, scale=scale, softcap=softcap), labels,
             weights=weights, label_smoothing=label_smoothing,
             smoothing=smoothing, z_loss=z_loss, reduction=reduction)
-    chunk_size, block_rows, keep_logits = _block_sizes(
-        num_tokens, vocab_size, chunk_size, vocab_chunk_size)
-    plan = _Plan(vocab_size, chunk_size, block_rows, keep_logits,
-                 float(label_smoothing), smoothing, float(z_loss),
-                 _optional_float(scale), _optional_float(softcap), precision,
-                 grads_in_forward=reduction != "none")
+
+    def core(h, w, bias, loss_weights, labels):
+        # Block sizes from what one device holds: its tokens and its rows.
+        plan = _Plan(
+            vocab_size, w.shape[0],
+            None if vocab_shards is None else vocab_shards.axis,
+            *_block_sizes(h.shape[0], w.shape[0], chunk_size, vocab_chunk_size),
+            float(label_smoothing), smoothing, float(z_loss),
+            _optional_float(scale), _optional_float(softcap), precision,
+            grads_in_forward=reduction != "none")
+        return _fused_core(plan, h, w, bias, loss_weights, labels)
+
     dtype = jnp.result_type(h, w)
-    labels = jnp.reshape(labels, (num_tokens,))
     loss_weights, safe_labels, invalid = losses.valid_weights(
-        labels, None if weights is None else jnp.reshape(weights, -1),
-        vocab_size)
-    objective, stats = _fused_core(
-        plan, jnp.reshape(h, (num_tokens, d_model)).astype(dtype),
-        jnp.asarray(w, dtype), None if bias is None else jnp.asarray(bias),
-        loss_weights, safe_labels)
-    lse, label_logit, logit_sum, argmax = stats
+        jnp.reshape(labels, (num_tokens,)),
+        None if weights is None else jnp.reshape(weights, -1), vocab_size)
+    args = (jnp.reshape(h, (num_tokens, d_model)).astype(dtype),
+            jnp.asarray(w, dtype), None if bias is None else jnp.asarray(bias),
+            loss_weights, safe_labels)
+    objective, (lse, label_logit, logit_sum, argmax) = (
+        core(*args) if vocab_shards is None else vocab_shards.run(core, *args))
     token_loss, nll, z_term = losses.token_losses(
         lse, label_logit, logit_sum, vocab_size,
         label_smoothing=label_smoothing, smoothing=smoothing, z_loss=z_loss)

@@ -18,8 +18,9 @@ computes the loss the way Megatron's vocabulary-parallel cross-entropy does:
 each device reduces the logits of its own slice of the vocabulary to
 per-token statistics (logsumexp, the label's logit, the sum of the logits,
 the argmax), and the statistics are combined over ``"model"`` with
-``pmax``/``psum``. Neither the ``[N, V]`` logits nor the whole table are ever
-on one device.
+``pmax``/``psum``. The per-device work is :mod:`lmhead.fused`'s sweep over
+chunks of tokens, gradient included. Neither the ``[N, V]`` logits nor the
+whole table are ever on one device.
 
 Several hosts: :func:`initialize_distributed` starts ``jax.distributed``;
 every process then sees the same global mesh, builds the same global batch
@@ -41,9 +42,7 @@ from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from lmhead import _checks
-from lmhead import head
-from lmhead import losses
+from lmhead import fused
 
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
@@ -59,13 +58,6 @@ PARAM_RULES = (
 )
 
 Rules = Sequence[tuple[str, P]]
-
-# Logits per device in one chunk of the vocabulary-parallel loss when
-# chunk_size is not given: chunk_size = CHUNK_LOGITS // (V / m), clipped to
-# [MIN_CHUNK_SIZE, MAX_CHUNK_SIZE]. 2**22 float32 numbers are 16 MiB.
-CHUNK_LOGITS = 2**22
-MIN_CHUNK_SIZE = 128
-MAX_CHUNK_SIZE = 4096
 
 
 def make_mesh(data: int = -1, model: int = 1, *,
@@ -303,14 +295,6 @@ def initialize_distributed(coordinator_address: str | None = None,
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
 
 
-def _check_inputs(h, w, bias, chunk_size, **static):
-    _checks.check_unembed_inputs(h, w, bias)
-    _checks.check_block_size("chunk_size", chunk_size)
-    _checks.check_concrete("vocab_parallel_cross_entropy", **static)
-    for name in ("scale", "softcap"):
-        _checks.check_in_range(name, static[name], low=0.0, low_open=True)
-
-
 def _context_mesh(mesh: Mesh | None):
     """``mesh``, or the one set by ``jax.set_mesh``; it must have ``"model"``."""
     if mesh is None:
@@ -322,57 +306,30 @@ def _context_mesh(mesh: Mesh | None):
     return mesh
 
 
-def _chunk_statistics(h, w, bias, labels, *, scale, softcap, precision):
-    """``(lse, label_logit, logit_sum, argmax, peak)``, each ``[c]``, of the
-    logits ``[c, V/m]`` of one chunk of tokens against one vocabulary shard."""
-    z = head.unembed(h, w, bias, scale=scale, softcap=softcap,
-                     precision=precision)
-    columns = jnp.arange(z.shape[-1])
-    label_logit = jnp.sum(jnp.where(columns == labels[:, None], z, 0.0), -1)
-    return (jax.nn.logsumexp(z, axis=-1), label_logit, jnp.sum(z, -1),
-            jnp.argmax(z, -1).astype(jnp.int32),
-            lax.stop_gradient(jnp.max(z, -1)))
+def _on_mesh(mesh, core, h, w, bias, loss_weights, labels):
+    """``core`` on every device of ``mesh``: its tokens (split over
+    ``"data"`` when that divides their number, replicated otherwise) against
+    its rows of ``w`` and ``bias``; see ``fused.VocabShards``."""
+    tokens = (DATA_AXIS if DATA_AXIS in mesh.axis_names
+              and h.shape[0] % mesh.shape[DATA_AXIS] == 0 else None)
 
+    def per_device(h, w, bias, loss_weights, labels):
+        # The fused gradient of each of h, w, bias is a product with the
+        # others, so all three vary over both axes; the transposes of these
+        # casts then sum dh over "model" and dw, dbias over "data".
+        h = lax.pcast(h, MODEL_AXIS, to="varying")
+        if tokens is not None:
+            w, bias = lax.pcast((w, bias), tokens, to="varying")
+        objective, stats = core(h, w, bias, loss_weights, labels)
+        if tokens is not None:
+            objective = lax.psum(objective, tokens)
+        return objective, stats
 
-def _shard_statistics(h, w, bias, labels, *, chunk_size, scale, softcap,
-                      precision):
-    """Per-token statistics against this device's rows of ``w: [V/m, D]``.
-
-    ``labels`` are global ids; one outside this shard matches no row and adds
-    0 to ``label_logit``. Tokens go ``chunk_size`` at a time, each chunk
-    rematerialized in the backward pass, so the temporaries are
-    ``[chunk_size, V/m]`` however many tokens there are.
-    """
-    num_tokens, width = h.shape[0], w.shape[0]
-    offset = lax.axis_index(MODEL_AXIS) * width
-    if chunk_size is None:
-        chunk_size = min(max(CHUNK_LOGITS // width, MIN_CHUNK_SIZE),
-                         MAX_CHUNK_SIZE)
-    chunk_size = min(chunk_size, num_tokens)
-    padding = -num_tokens % chunk_size
-    # Padded tokens get label -1, which matches no row; they are cut off below.
-    h = jnp.pad(h, ((0, padding), (0, 0)))
-    labels = jnp.pad(labels - offset, (0, padding), constant_values=-1)
-    chunk = jax.checkpoint(functools.partial(
-        _chunk_statistics, scale=scale, softcap=softcap, precision=precision))
-    stats = lax.map(lambda xs: chunk(xs[0], w, bias, xs[1]),
-                    (h.reshape(-1, chunk_size, h.shape[1]),
-                     labels.reshape(-1, chunk_size)))
-    lse, label_logit, logit_sum, argmax, peak = (
-        s.reshape(-1)[:num_tokens] for s in stats)
-    return lse, label_logit, logit_sum, argmax + offset, peak
-
-
-def _combine_over_vocab(lse, label_logit, logit_sum, argmax, peak, vocab_size):
-    """The statistics of the whole vocabulary from those of each shard."""
-    # Any shift is exact for a logsumexp; the largest keeps exp() <= 1.
-    shift = lax.pmax(lax.stop_gradient(lse), MODEL_AXIS)
-    lse = shift + jnp.log(lax.psum(jnp.exp(lse - shift), MODEL_AXIS))
-    best = lax.pmax(peak, MODEL_AXIS)
-    # Ties go to the lowest index, as jnp.argmax does.
-    argmax = lax.pmin(jnp.where(peak == best, argmax, vocab_size), MODEL_AXIS)
-    return (lse, lax.psum(label_logit, MODEL_AXIS),
-            lax.psum(logit_sum, MODEL_AXIS), argmax)
+    by_token, by_row = P(tokens), P(MODEL_AXIS)
+    return jax.shard_map(
+        per_device, mesh=mesh,
+        in_specs=(by_token, by_row, by_row, by_token, by_token),
+        out_specs=(P(), by_token))(h, w, bias, loss_weights, labels)
 
 
 def vocab_parallel_cross_entropy(
@@ -380,54 +337,43 @@ def vocab_parallel_cross_entropy(
     w: jax.typing.ArrayLike,
     labels: jax.typing.ArrayLike,
     *,
-    bias: jax.typing.ArrayLike | None = None,
-    weights: jax.typing.ArrayLike | None = None,
-    label_smoothing: float = 0.0,
-    smoothing: str = "uniform",
-    z_loss: float = 0.0,
-    scale: float | None = None,
-    softcap: float | None = None,
-    chunk_size: int | None = None,
-    precision: jax.lax.PrecisionLike = None,
-    reduction: str = "mean",
     mesh: Mesh | None = None,
+    **options: Any,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    r"""Cross-entropy of ``unembed(h, w, bias)`` with ``w`` split over the
-    vocabulary on the mesh's ``"model"`` axis.
+    r"""``fused.fused_cross_entropy`` with ``w`` split over the vocabulary on
+    the mesh's ``"model"`` axis.
 
-    Device :math:`s` holds rows :math:`V_s` of ``w`` and reduces its logits
-    to :math:`m_s = \mathrm{lse}_{i \in V_s} z_i`, :math:`\sum_{i \in V_s}
-    z_i`, :math:`z_y [y \in V_s]` and its local argmax; then
+    Device :math:`s` holds rows :math:`V_s` of ``w`` (and of ``bias``) and
+    reduces its logits to :math:`m_s = \max_{i \in V_s} z_i`,
+    :math:`e_s = \sum_{i \in V_s} e^{z_i - m_s}`, :math:`\sum_{i \in V_s}
+    z_i`, :math:`z_y [y \in V_s]` and its local argmax, as the fused loss
+    does on one device; then
 
     .. math::
-        \mathrm{lse}(z) = M + \log \sum_s e^{m_s - M}, \quad
+        \mathrm{lse}(z) = M + \log \sum_s e_s\, e^{m_s - M}, \quad
         M = \max_s m_s, \qquad
         z_y = \sum_s z_y [y \in V_s], \qquad
         \sum_i z_i = \sum_s \sum_{i \in V_s} z_i,
 
     with ``pmax``/``psum`` over ``"model"`` and the argmax of the shard with
-    the largest top logit. The loss and the metrics are then those of
-    ``losses.cross_entropy`` (:func:`lmhead.losses.token_losses`,
-    :func:`lmhead.losses.weighted_metrics`), so label smoothing of both
-    conventions, z-loss and softcap work unchanged. Tokens are split over
-    ``"data"`` when it divides their number (replicated otherwise), and go
-    through the shard ``chunk_size`` at a time, so a device's largest
-    temporary is ``[chunk_size, V/m]``; the backward pass recomputes each
-    chunk's logits.
+    the largest logit. The loss, the metrics and the gradient are then those
+    of :func:`lmhead.fused.fused_cross_entropy` -- every option, the blocks
+    of ``chunk_size`` tokens (whose default counts ``V/m`` rows), and the
+    hand-written gradient computed in the forward sweep -- so a device's
+    largest temporary is a chunk's ``[V/m, chunk_size]`` logits and nothing
+    is recomputed. Tokens are split over ``"data"`` when it divides their
+    number (replicated otherwise).
 
     Args:
         h: ``[..., D]`` hidden states.
         w: ``[V, D]`` unembedding; ``V`` divisible by the ``"model"`` size.
         labels: ``[...]`` integer targets.
-        bias: optional ``[V]``.
-        weights, label_smoothing, smoothing, z_loss, reduction: as in
-            ``losses.cross_entropy``.
-        scale, softcap, precision: as in ``head.unembed``; concrete numbers.
-        chunk_size: tokens per block on each device; default
-            ``CHUNK_LOGITS // (V/m)`` clipped to ``[MIN_CHUNK_SIZE,
-            MAX_CHUNK_SIZE]``.
         mesh: a mesh with a ``"model"`` axis; default the one set by
             ``jax.set_mesh``.
+        **options: the keywords of ``fused.fused_cross_entropy`` (``bias``,
+            ``weights``, ``label_smoothing``, ``smoothing``, ``z_loss``,
+            ``scale``, ``softcap``, ``chunk_size``, ``vocab_chunk_size``,
+            ``precision``, ``reduction``).
 
     Returns:
         ``(loss, metrics)`` as ``losses.cross_entropy`` returns them.
@@ -437,17 +383,21 @@ def vocab_parallel_cross_entropy(
             vocabulary not divisible by the ``"model"`` axis.
 
     Examples:
-        >>> import jax, jax.numpy as jnp
+        Under ``jax.set_mesh`` (as ``train.py`` traces its steps), on the
+        one-device mesh that a doctest has:
+
         >>> from lmhead import head, losses
-        >>> h = jax.random.normal(jax.random.key(0), (2, 3, 4))
-        >>> w = jax.random.normal(jax.random.key(1), (10, 4))
-        >>> labels = jnp.array([[1, 2, 3], [4, 5, 6]])
-        >>> loss, _ = vocab_parallel_cross_entropy(h, w, labels, z_loss=1e-3,
-        ...                                        mesh=make_mesh())
+        >>> rng = np.random.default_rng(0)
+        >>> h = rng.normal(size=(2, 3, 4)).astype(np.float32)
+        >>> w = rng.normal(size=(10, 4)).astype(np.float32)
+        >>> labels = rng.integers(0, 10, (2, 3))
+        >>> with jax.set_mesh(make_mesh()):
+        ...     loss, metrics = jax.jit(lambda h, w: vocab_parallel_cross_entropy(
+        ...         h, w, labels, label_smoothing=0.1))(h, w)
         >>> reference, _ = losses.cross_entropy(head.unembed(h, w), labels,
-        ...                                     z_loss=1e-3)
+        ...                                     label_smoothing=0.1)
         >>> print(f"{loss:.5f} {reference:.5f}")
-        4.55898 4.55898
+        3.80212 3.80212
 
     References:
         Shoeybi et al., `Megatron-LM: Training Multi-Billion Parameter Language
@@ -455,54 +405,7 @@ def vocab_parallel_cross_entropy(
         2019 (section 3, the parallel embedding and cross-entropy).
     """
     mesh = _context_mesh(mesh)
-    _check_inputs(h, w, bias, chunk_size, scale=scale, softcap=softcap,
-                  label_smoothing=label_smoothing, z_loss=z_loss)
-    losses.check_loss_options(label_smoothing, smoothing, z_loss, reduction)
-    vocab_size, d_model = jnp.shape(w)
-    leading = jnp.shape(h)[:-1]
-    losses.check_labels_and_weights(labels, weights, leading, vocab_size)
-    if vocab_size % mesh.shape[MODEL_AXIS]:
-        raise ValueError(
-            f"w has {vocab_size} rows, which the mesh's 'model' axis "
-            f"({mesh.shape[MODEL_AXIS]}) must divide.")
-    num_tokens = math.prod(leading)
-    if num_tokens == 0:  # nothing to split: the logits are empty
-        return losses.cross_entropy(
-            head.unembed(h, w, bias, scale=scale, softcap=softcap), labels,
-            weights=weights, label_smoothing=label_smoothing,
-            smoothing=smoothing, z_loss=z_loss, reduction=reduction)
-    loss_weights, safe_labels, invalid = losses.valid_weights(
-        jnp.reshape(labels, -1),
-        None if weights is None else jnp.reshape(weights, -1), vocab_size)
-    data_ways = mesh.shape.get(DATA_AXIS, 1)
-    tokens = (DATA_AXIS if DATA_AXIS in mesh.axis_names
-              and num_tokens % data_ways == 0 else None)
-    static = dict(chunk_size=chunk_size,
-                  scale=None if scale is None else float(scale),
-                  softcap=None if softcap is None else float(softcap),
-                  precision=precision)
-    dtype = jnp.result_type(h, w)
-
-    def per_device(h, w, labels, *bias):
-        stats = _shard_statistics(h, w, bias[0] if bias else None, labels,
-                                  **static)
-        return _combine_over_vocab(*stats, vocab_size)
-
-    args = (jnp.reshape(h, (num_tokens, d_model)).astype(dtype),
-            jnp.asarray(w, dtype), safe_labels) + (
-                () if bias is None else (jnp.asarray(bias),))
-    stats = jax.shard_map(
-        per_device, mesh=mesh,
-        in_specs=(P(tokens), P(MODEL_AXIS), P(tokens), P(MODEL_AXIS))[
-            :len(args)],
-        out_specs=P(tokens))(*args)
-    lse, label_logit, logit_sum, argmax = stats
-    token_loss, nll, z_term = losses.token_losses(
-        lse, label_logit, logit_sum, vocab_size,
-        label_smoothing=label_smoothing, smoothing=smoothing, z_loss=z_loss)
-    loss, metrics = losses.weighted_metrics(
-        token_loss, nll, z_term, argmax == safe_labels, loss_weights, invalid,
-        reduction)
-    if reduction == "none":
-        loss = jnp.reshape(loss, leading)
-    return loss, metrics
+    shards = fused.VocabShards(MODEL_AXIS, mesh.shape[MODEL_AXIS],
+                               functools.partial(_on_mesh, mesh))
+    return fused.fused_cross_entropy(h, w, labels, vocab_shards=shards,
+                                     **options)

@@ -12,6 +12,7 @@ The two-process test starts ``experiments/train.py`` twice on localhost with
 the same config on one process with the same 8 devices.
 """
 
+import functools
 import json
 import os
 import socket
@@ -179,6 +180,51 @@ def check_loss_options():
     return results
 
 
+def check_gradients():
+    """Gradients of the vocabulary-parallel loss for each kind of cotangent
+    (the reduced loss, the unreduced one, a metric) vs the materialized loss
+    on one device, with tokens split over "data" or replicated."""
+    import jax
+    import jax.numpy as jnp
+    from lmhead import head
+    from lmhead import losses
+    from lmhead import sharding
+    rng = np.random.default_rng(2)
+    w = rng.normal(size=(16, 8)).astype(np.float32)
+    bias = rng.normal(size=(16,)).astype(np.float32)
+    options = dict(label_smoothing=0.1, z_loss=1e-2, softcap=3.0)
+
+    def objective(loss_fn, reduction, labels, h, w, bias, weights):
+        loss, metrics = loss_fn(h, w, labels, bias=bias, weights=weights,
+                                reduction=reduction, **options)
+        # Not a multiple of the weights, so "none" is not "sum" in disguise.
+        position = jnp.arange(loss.size).reshape(loss.shape)
+        return jnp.sum(loss * (1.0 + position)) + metrics["nll"]
+
+    def materialized(h, w, labels, *, bias, softcap, **kwargs):
+        return losses.cross_entropy(head.unembed(h, w, bias, softcap=softcap),
+                                    labels, **kwargs)
+
+    results = {}
+    # 24 tokens split over "data"; 15 replicated, as "data" = 2 does not divide.
+    for shape, tokens in (((2, 4), (4, 6)), ((2, 4), (3, 5)), ((1, 8), (4, 6))):
+        h = rng.normal(size=tokens + (8,)).astype(np.float32)
+        labels = rng.integers(0, 16, tokens)
+        weights = (rng.uniform(size=tokens) > 0.3).astype(np.float32)
+        mesh = sharding.make_mesh(*shape)
+        parallel = functools.partial(sharding.vocab_parallel_cross_entropy,
+                                     mesh=mesh, chunk_size=4,
+                                     vocab_chunk_size=3)
+        for reduction in ("mean", "none"):
+            got, want = (jax.jit(jax.value_and_grad(functools.partial(
+                objective, loss_fn, reduction, labels), argnums=(0, 1, 2, 3)))(
+                    h, w, bias, weights) for loss_fn in (parallel, materialized))
+            scale = max(float(np.max(np.abs(x))) for x in jax.tree.leaves(want))
+            results[f"{shape} {tokens} {reduction}"] = _max_diff(got,
+                                                                 want) / scale
+    return results
+
+
 def _buffer_sizes(compiled):
     """Element counts of every array shape in a compiled (per-device) HLO."""
     import re
@@ -302,6 +348,7 @@ def main(workdir):
     import time
     checks = {"train_steps": check_train_steps,
               "loss_options": check_loss_options,
+              "gradients": check_gradients,
               "memory": check_memory,
               "checkpoint": lambda: check_checkpoint(os.path.join(workdir, "ckpt")),
               "errors": check_errors,
@@ -360,6 +407,14 @@ def test_loss_options_match_numpy(results):
     assert max(differences.values()) < TOLERANCE, differences
     assert invalid.pop("invalid 4 (2, 4)") == 0  # without jit: none passed
     assert set(invalid.values()) == {2}
+
+
+def test_gradients_match_one_device(results):
+    differences = results["gradients"]
+    assert len(differences) == 6
+    # Relative to the largest value or gradient entry (the weighted sums of
+    # "none" reach hundreds).
+    assert max(differences.values()) < TOLERANCE, differences
 
 
 def test_no_device_holds_the_logits_or_the_table(results):

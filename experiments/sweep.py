@@ -68,13 +68,14 @@ def display_path(path: str) -> str:
 
 def plan(sweep_spec: str, sweep_dir: str, train_script: str) -> list[dict]:
     """The sweep's runs: ``name``, ``workdir``, ``overrides`` and ``command``."""
-    base, overrides = sweeps.load_sweep(sweep_spec)
+    base, overrides, shared = sweeps.load_sweep(sweep_spec, sweep_dir)
     runs = []
     for name, run_overrides in zip(sweeps.run_names(overrides), overrides):
         workdir = os.path.join(sweep_dir, name)
         command = sweeps.train_command(
             base, workdir, run_overrides, python=sys.executable,
-            script=display_path(train_script), config_file=display_path(CONFIG_FILE))
+            script=display_path(train_script), config_file=display_path(CONFIG_FILE),
+            shared=shared)
         runs.append(dict(name=name, workdir=workdir, overrides=run_overrides,
                          command=command))
     return runs

@@ -64,8 +64,10 @@ class CellResult:
         return {s: r for s, r in self.runs.items() if r.status == "finished"}
 
 
-def collect(design: study.Design, sweep_dir: str) -> list[CellResult]:
-    """Every cell of ``design`` with its runs read from ``sweep_dir``."""
+def collect(design: study.Design, sweep_dir: str
+            ) -> tuple[list[CellResult], list[sweeps.Run]]:
+    """Every cell of ``design`` with its runs read from ``sweep_dir``, and
+    every planned run of both stages (those planned so far)."""
     tuning_plan = design.tuning_runs()
     tuning = study.read_runs(design, tuning_plan, sweep_dir)
     chosen = study.choose_learning_rates(tuning, strict=False)
@@ -81,7 +83,7 @@ def collect(design: study.Design, sweep_dir: str) -> list[CellResult]:
              if p.cell == cell},
             {p.seed: r for p, r in runs.items() if p.cell == cell and p.lr == lr},
             study.count_params(cell.vocab_size, cell.shape, design.arch)))
-    return results
+    return results, list(runs.values())
 
 
 # --- Values read from one run ---------------------------------------------------
@@ -170,7 +172,7 @@ def interval_text(difference: stats.PairedDifference) -> str:
 def lr_text(result: CellResult, learning_rates) -> str:
     if result.lr is None:
         return "tuning unfinished"
-    edge = len(learning_rates) > 1 and result.lr in (min(learning_rates),
+    edge = len(learning_rates) > 2 and result.lr in (min(learning_rates),
                                                       max(learning_rates))
     return f"{result.lr:g}" + (" (edge)" if edge else "")
 
@@ -335,22 +337,22 @@ def _curve(run: sweeps.Run, key: str) -> tuple[list[int], list[float]]:
 # --- The report -----------------------------------------------------------------
 
 
-def provenance(sweep_dir: str) -> str:
-    """Command, machine, and the measured totals of every run in ``sweep_dir``."""
+def provenance(sweep_dir: str, runs: list[sweeps.Run]) -> str:
+    """Command, machine, and the measured totals of the study's ``runs``."""
     path = os.path.join(sweep_dir, sweeps.SWEEP_FILE)
     sweep = {}
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             sweep = json.load(f)
-    runs = sweeps.read_sweep(sweep_dir)
     finished = [r.summary for r in runs if r.status == "finished"]
     hours = sum(s.get("wall_seconds", 0.0) for s in finished) / 3600
     steps = sum(s.get("steps_run", s.get("steps", 0)) for s in finished)
     return "  \n".join([
         *([f"Sweep: `{sweep['sweep']}`; machine: {sweep.get('machine', '?')}"]
           if "sweep" in sweep else []),
-        f"{len(finished)} of {len(runs)} runs finished; measured: {steps:,} training "
-        f"steps, {hours:.2f} h of wall time in all (the runs' wall_seconds).",
+        f"{len(finished)} of {len(runs)} runs planned so far finished (both stages); "
+        f"measured: {steps:,} training steps, {hours:.2f} h of wall time in all "
+        "(the runs' wall_seconds).",
         f"Report written {time.strftime('%Y-%m-%d %H:%M')}."])
 
 
@@ -358,13 +360,13 @@ def write_report(design: study.Design, sweep_dir: str, out_dir: str
                  ) -> tuple[str, list[str]]:
     """Writes ``REPORT.md`` and the plots into ``out_dir``; returns the
     report's text and the plot paths."""
-    results = collect(design, sweep_dir)
+    results, runs = collect(design, sweep_dir)
     by_regime = {regime.name: [r for r in results if r.cell.regime == regime]
                  for regime in design.regimes}
     os.makedirs(out_dir, exist_ok=True)
     plots = [os.path.join(out_dir, "delta_vs_head_share.png")]
     plot_deltas(by_regime, design, plots[0])
-    sections = ["# The tying study", provenance(sweep_dir),
+    sections = ["# The tying study", provenance(sweep_dir, runs),
                 "Test split, bits per character: mean ± sample std over seeds at each "
                 "cell's learning rate (chosen on validation; \"edge\": the best rate "
                 "is at the end of the grid). Head share: the [V, D] unembedding's "

@@ -320,7 +320,7 @@ def plot_curves(results: list[CellResult], design: study.Design, path: str) -> N
                 if steps:
                     axis.plot(steps, values, style,
                               color=f"C{'abcd'.index(result.cell.arm)}",
-                              label=f"{result.cell.arm} {key.split('/')[0]}")
+                              label=f"{result.cell.arm} {'val' if key.startswith('eval') else 'train'}")
         axis.set(title=f"{results[0].cell.regime.name}, {study.vocabulary_label(vocab)}",
                  xlabel="step", ylabel="bits/char")
         axis.legend(fontsize=7)

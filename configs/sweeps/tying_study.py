@@ -30,9 +30,10 @@ Design (``lmhead/study.py`` solves the matched shapes and counts them):
   whole blocks, then every block's MLP widened by the remainder. Counts match
   to within 0.1% (the tests check 2% against the model's own init).
 * Regimes: ``fixed``: 1000 steps (768k tokens) on the whole training split,
-  last parameters tested. ``limited``: the first 5% of the training split,
-  early stopping with patience 3 evaluations (at most 1500 steps), the best
-  evaluation's parameters tested; the report gives the steps to the best.
+  last parameters tested. ``limited``: the first 3% of the training split
+  (about one play), early stopping with patience 3 evaluations (at most 1000
+  steps), the best evaluation's parameters tested; the report gives the steps
+  to the best and how many runs stopped before the cap.
 * Splits: ``data.split=works``, whole works for train / validation / test.
   Validation (8 fixed batches every 100 steps, and 8 training batches for
   the train - validation gap) chooses the learning rate and the stopping
@@ -41,16 +42,23 @@ Design (``lmhead/study.py`` solves the matched shapes and counts them):
   at the chosen rate. 5 vocabularies x 4 arms x 2 regimes = 40 cells; 3 + 2
   = 5 runs per cell, 200 runs.
 
-Budget (about 8 hours of a 2-core CPU). Estimate = sum over runs of steps x
-seconds per step of the run's shape + a fixed cost per run (start-up,
-compilation, BPE training, evaluations, the test split). Seconds per step
-come from timing a few steps of each of the 20 shapes (``experiments/
-bench_train.py``-style) and taking the process's CPU time per step, which
-does not credit the second core; early-stopped runs count at their cap.
-What was cut to fit: one width (d_model 128) and depth, five vocabularies,
-the minimum of 3 learning rates and 3 seeds, 1000 steps in the fixed regime
-(short of convergence on the whole text: it compares the arms at an equal
-modest budget) and a 1500-step cap in the limited one. The report states
+Budget (about 8 hours of a 2-core CPU). The grid trains 100 x 1000 steps in
+the fixed regime and at most 100 x 1000 in the limited one. Estimate = sum
+over runs of steps x seconds per step of the run's shape (5% more for the
+periodic evaluations) + a fixed cost per run (start-up, compilation, BPE
+training, the whole test split) of about 40 s. Seconds per step: a few
+timed steps of each of the 20 shapes (as ``experiments/bench_train.py``
+does), taking the process's CPU time per step on a loaded machine as the
+wall time, which gives no credit for the second core: this is a
+conservative estimate, 10 h if no limited run stops early, about 8.5 h if
+the BPE runs stop halfway; an unloaded machine needs roughly 0.6 x that.
+Cut to fit: one width (d_model 128) and depth; five vocabularies; the
+minimum of 3 learning rates and 3 seeds, with the tuning run reused as seed
+0; 8-batch validation subsets; 1000 steps in the fixed regime (short of
+convergence on the whole text: it compares the arms at an equal, modest
+budget); one play of text and a 1000-step cap in the limited regime.
+``make compare`` (the ``small`` preset, 9 runs of at most 600 steps) is
+budgeted the same way at under 20 minutes plus the set-up. The report states
 the measured total.
 
 Arguments: an optional preset first (``full``, the default; ``small``,
@@ -75,11 +83,11 @@ PRESETS = {
     "full": dict(base="nanogpt", stage="seeds", char=True, bpe=(512, 1024, 2048, 8192),
                  arms=("a", "b", "c", "d"), regimes=("fixed", "limited"),
                  lrs=(5e-4, 1e-3, 2e-3), seeds=3, fixed_steps=1000,
-                 limited_steps=1500, limited_fraction=0.05, patience=3,
+                 limited_steps=1000, limited_fraction=0.03, patience=3,
                  eval_every=100),
     "small": dict(base="nanogpt", stage="seeds", char=False, bpe=(2048,),
                   arms=("a", "b", "c"), regimes=("limited",), lrs=(1e-3,), seeds=3,
-                  fixed_steps=600, limited_steps=600, limited_fraction=0.05,
+                  fixed_steps=600, limited_steps=600, limited_fraction=0.03,
                   patience=3, eval_every=50),
     "tiny": dict(base="tiny", stage="seeds", char=True, bpe=(300,),
                  arms=("a", "b", "c", "d"), regimes=("fixed", "limited"),

@@ -197,7 +197,12 @@ class Regime:
 
 
 def vocabulary_overrides(vocab_size: int | None) -> dict[str, Any]:
-    """``None``: characters; else byte-level BPE with ``vocab_size`` tokens."""
+    """``None``: characters; else byte-level BPE with ``vocab_size`` tokens.
+
+    Examples:
+        >>> vocabulary_overrides(None), vocabulary_overrides(512)
+        ({'data.tokenizer': 'char'}, {'data.tokenizer': 'bpe', 'data.vocab_size': 512})
+    """
     if vocab_size is None:
         return {"data.tokenizer": "char"}
     return {"data.tokenizer": "bpe", "data.vocab_size": vocab_size}
@@ -314,6 +319,16 @@ def choose_learning_rates(tuning: dict[PlannedRun, sweeps.Run], *, strict: bool 
     Raises:
         ValueError: (strict) tuning runs not finished, named; or a cell whose
             every run diverged.
+
+    Examples:
+        >>> cell = Cell(Regime("fixed", 1.0, 100, 0), None, "a", Shape(True, 8, 1, 16))
+        >>> def run(loss):
+        ...     return sweeps.Run("r", "r", {}, {}, [], {"final": {"eval/loss": loss}},
+        ...                       "finished")
+        >>> choose_learning_rates({PlannedRun(cell, 1e-3, 0): run(2.0),
+        ...                        PlannedRun(cell, 2e-3, 0): run(1.9),
+        ...                        PlannedRun(cell, 4e-3, 0): run(float("nan"))})[cell]
+        0.002
     """
     unfinished = [run.name for run in tuning.values() if run.status != "finished"]
     if unfinished and strict:

@@ -153,7 +153,12 @@ def head_share(result: CellResult) -> float:
 
 
 def mean_std_text(values, decimals: int = 4) -> str:
-    """``"mean ± std"``; one value alone; a dash for none."""
+    """``"mean ± std"``; one value alone; a dash for none.
+
+    Examples:
+        >>> mean_std_text([1.0, 2.0, 3.0]), mean_std_text([2.5], 1), mean_std_text([])
+        ('2.0000 ± 1.0000', '2.5', '—')
+    """
     mean, std, n = stats.mean_std(list(values))
     if n == 0:
         return DASH
@@ -161,7 +166,13 @@ def mean_std_text(values, decimals: int = 4) -> str:
 
 
 def interval_text(difference: stats.PairedDifference) -> str:
-    """``"+mean [low, high]"``, the mean alone for one pair, a dash for none."""
+    """``"+mean [low, high]"``, the mean alone for one pair, a dash for none.
+
+    Examples:
+        >>> interval_text(stats.paired_difference({0: 2.0, 1: 3.0, 2: 4.0},
+        ...                                       {0: 1.0, 1: 1.0, 2: 1.0}))
+        '+2.0000 [-0.4841, +4.4841]'
+    """
     if difference.n == 0:
         return DASH
     if difference.n == 1:

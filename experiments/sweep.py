@@ -166,7 +166,10 @@ def log_tail(run: dict, lines: int = LOG_TAIL_LINES) -> str:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    runs = plan(_SWEEP.value, _WORKDIR.value, _TRAIN_SCRIPT.value)
+    try:
+        runs = plan(_SWEEP.value, _WORKDIR.value, _TRAIN_SCRIPT.value)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"--sweep={_SWEEP.value}: {e}")
     todo = [run for run in runs if not is_finished(run)]
     if _DRY_RUN.value:
         print(f"# {len(runs) - len(todo)} of {len(runs)} runs already finished",

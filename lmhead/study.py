@@ -334,8 +334,8 @@ def choose_learning_rates(tuning: dict[PlannedRun, sweeps.Run], *, strict: bool 
     if unfinished and strict:
         raise ValueError(
             f"{len(unfinished)} of {len(tuning)} tuning runs have not finished (e.g. "
-            f"{', '.join(unfinished[:3])}); run the tuning stage (stage=tune) to the "
-            "end before the seeds stage.")
+            f"{unfinished[0]}); run the tuning stage (stage=tune) to the end before "
+            "the seeds stage.")
     by_cell: dict[Cell, list[tuple[float, float, str]]] = {}
     for planned, run in tuning.items():
         by_cell.setdefault(planned.cell, []).append(

@@ -5,14 +5,27 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test compare clean constraints
+.PHONY: test compare study clean constraints
 
-# Tied vs untied heads x {characters, BPE 2048} x 3 seeds, then the report
-# (REPORT.md, plots) in runs/tied_vs_untied. Finished runs are skipped and
-# interrupted ones resume, so the command can be rerun after a stop.
+STUDY := configs/sweeps/tying_study.py
+
+# A small version of the tying study (configs/sweeps/tying_study.py:small):
+# BPE 2048, the data-limited regime, arms tied / untied / untied matched to
+# the tied count, 3 seeds; test bits/char and paired intervals in
+# runs/compare/REPORT.md. Finished runs are skipped and interrupted ones
+# resume, so the command can be rerun after a stop.
 compare: $(STAMP)
-	$(PY) experiments/sweep.py --sweep=configs/sweeps/tied_vs_untied.py \
-	    --workdir=runs/tied_vs_untied
+	$(PY) experiments/sweep.py --sweep=$(STUDY):small,stage=tune \
+	    --workdir=runs/compare --noreport
+	$(PY) experiments/sweep.py --sweep=$(STUDY):small --workdir=runs/compare
+
+# The whole tying study: the tuning stage, the seeds stage at each cell's
+# chosen learning rate, then the report into docs/tying_study. Resumable.
+study: $(STAMP)
+	$(PY) experiments/sweep.py --sweep=$(STUDY):stage=tune \
+	    --workdir=runs/tying_study --noreport
+	$(PY) experiments/sweep.py --sweep=$(STUDY) --workdir=runs/tying_study --noreport
+	$(PY) experiments/report.py --workdir=runs/tying_study --out=docs/tying_study
 
 # constraints.txt pins every package to the version the suite was run with.
 $(STAMP): setup.py constraints.txt

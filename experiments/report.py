@@ -1,6 +1,12 @@
 r"""Writes a sweep's REPORT.md and plots: tied vs untied, over seeds.
 
-    python experiments/report.py --workdir=runs/tied_vs_untied
+    python experiments/report.py --workdir=runs/tying_study --out=docs/tying_study
+
+A sweep whose file defines ``get_study`` (``configs/sweeps/tying_study.py``)
+gets the study's report (``lmhead/study_report.py``) in ``--out``; the sweep
+file is the one ``sweep.json`` names, or ``--sweep`` for runs launched from
+``--dry_run`` commands. Any other sweep gets the report below, in the sweep
+directory.
 
 Reads every run's ``config.json``, ``metrics.jsonl`` and ``summary.json``
 (see :func:`lmhead.sweeps.read_sweep`) and writes into the sweep directory:
@@ -32,6 +38,7 @@ import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
 from lmhead import data
 from lmhead import stats as stats_lib
+from lmhead import study_report
 from lmhead import sweeps
 
 # (key in the final metrics, column title, decimals)
@@ -43,6 +50,11 @@ DESCRIBED_KEYS = ("model.tied", "data.tokenizer", "data.vocab_size", "model.d_mo
 DASH = "—"
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Sweep directory.", required=True)
+_SWEEP = flags.DEFINE_string(
+    "sweep", None, "Sweep file and argument (path.py[:arg]); default: the one in "
+    "the sweep directory's sweep.json.")
+_OUT = flags.DEFINE_string(
+    "out", None, "Where a study's report goes; default: the sweep directory.")
 
 
 def vocab_size_of(run: sweeps.Run) -> int | None:
@@ -295,8 +307,7 @@ def write_report(sweep_dir: str) -> tuple[str, str, list[str]]:
         "bits per character.",
         table, "## Untied - tied, paired by seed", differences_section(runs),
         "The interval is mean ± t(0.975, n - 1) · s / √n over the per-seed "
-        "differences, with Student's t from a table (n - 1 <= 30) or the "
-        "Cornish-Fisher expansion beyond.",
+        "differences (Student's t quantile from scipy.stats).",
         "## Runs not finished", not_finished_section(runs), "## Plots",
         *(f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots)])
     report_path = os.path.join(sweep_dir, "REPORT.md")
@@ -305,9 +316,31 @@ def write_report(sweep_dir: str) -> tuple[str, str, list[str]]:
     return table, report_path, plots
 
 
+def study_design(sweep_dir: str, spec: str | None):
+    """The sweep file's ``get_study(arg)``, or ``None`` for an ordinary sweep."""
+    path = os.path.join(sweep_dir, sweeps.SWEEP_FILE)
+    if spec is None and os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f).get("sweep")
+    if spec is None:
+        return None
+    file, arg = sweeps.split_spec(spec)
+    module = sweeps.load_module(file)
+    return module.get_study(arg) if hasattr(module, "get_study") else None
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    design = study_design(_WORKDIR.value, _SWEEP.value)
+    if design is not None:
+        out = _OUT.value or _WORKDIR.value
+        text, plots = study_report.write_report(design, _WORKDIR.value, out)
+        print(text)
+        print(f"Report: {os.path.join(out, 'REPORT.md')}")
+        for path in plots:
+            print(f"Plot:   {path}")
+        return
     table, report_path, plots = write_report(_WORKDIR.value)
     print(table)
     print(f"\nReport: {report_path}")

@@ -1,10 +1,10 @@
 r"""Runs a sweep: one ``experiments/train.py`` process per run, then the report.
 
-    python experiments/sweep.py --sweep=configs/sweeps/tied_vs_untied.py \
-        --workdir=runs/tied_vs_untied
+    python experiments/sweep.py --sweep=configs/sweeps/tying_study.py:small,stage=tune \
+        --workdir=runs/compare
 
 Each run gets the workdir ``<--workdir>/<name>``, named from its overrides
-(e.g. ``tied=False,tokenizer=bpe,vocab_size=2048,seed=1``), with the train
+(e.g. ``tokenizer=bpe,vocab_size=2048,tied=False,...,seed=1``), with the train
 process's output in ``run.log`` there. Runs with a ``summary.json`` are
 skipped; others start again in the same workdir, where ``train.py`` resumes
 from the newest checkpoint, so rerunning the same command continues an
@@ -13,7 +13,9 @@ with status 1 at the end and lists the failed runs with the end of their logs.
 
 On a cluster, ``--dry_run`` prints the remaining runs' commands, one a line,
 for a Slurm array or GNU parallel; afterwards ``experiments/report.py`` reads
-the same directory::
+the same directory (a sweep in stages, like the tying study, runs each
+stage's commands in turn: a later stage plans from the earlier one's
+results)::
 
     python experiments/sweep.py --sweep=... --workdir=DIR --dry_run > runs.txt
     parallel -j 8 < runs.txt      # or a Slurm array, one line per task:
@@ -45,7 +47,7 @@ LOG_TAIL_LINES = 20
 
 _SWEEP = flags.DEFINE_string(
     "sweep", None, "Sweep file and argument: path.py[:arg], e.g. "
-    "configs/sweeps/tied_vs_untied.py:steps=200.", required=True)
+    "configs/sweeps/tying_study.py:small,stage=tune.", required=True)
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Sweep directory; each run gets a subdirectory.", required=True)
 _PARALLEL = flags.DEFINE_integer(
@@ -68,13 +70,14 @@ def display_path(path: str) -> str:
 
 def plan(sweep_spec: str, sweep_dir: str, train_script: str) -> list[dict]:
     """The sweep's runs: ``name``, ``workdir``, ``overrides`` and ``command``."""
-    base, overrides = sweeps.load_sweep(sweep_spec)
+    base, overrides, shared = sweeps.load_sweep(sweep_spec, sweep_dir)
     runs = []
     for name, run_overrides in zip(sweeps.run_names(overrides), overrides):
         workdir = os.path.join(sweep_dir, name)
         command = sweeps.train_command(
             base, workdir, run_overrides, python=sys.executable,
-            script=display_path(train_script), config_file=display_path(CONFIG_FILE))
+            script=display_path(train_script), config_file=display_path(CONFIG_FILE),
+            shared=shared)
         runs.append(dict(name=name, workdir=workdir, overrides=run_overrides,
                          command=command))
     return runs
@@ -163,7 +166,10 @@ def log_tail(run: dict, lines: int = LOG_TAIL_LINES) -> str:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    runs = plan(_SWEEP.value, _WORKDIR.value, _TRAIN_SCRIPT.value)
+    try:
+        runs = plan(_SWEEP.value, _WORKDIR.value, _TRAIN_SCRIPT.value)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"--sweep={_SWEEP.value}: {e}")
     todo = [run for run in runs if not is_finished(run)]
     if _DRY_RUN.value:
         print(f"# {len(runs) - len(todo)} of {len(runs)} runs already finished",

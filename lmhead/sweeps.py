@@ -10,6 +10,11 @@ dicts, one per run, built with :func:`sweep`, :func:`product` and
             sweeps.sweep("model.tied", [True, False]),
             sweeps.sweep("train.seed", [0, 1, 2]))
 
+``get_sweep`` may also return a third item, overrides shared by every run
+(flags of every command, left out of the run names), and may take a second
+parameter, ``workdir``: the sweep directory, for a sweep whose later stage
+depends on the results of an earlier one (``configs/sweeps/tying_study.py``).
+
 Each run is an ordinary ``experiments/train.py`` command whose
 ``--config.KEY=VALUE`` flags are the overrides (:func:`train_command`), in
 its own workdir named from them (:func:`run_names`). The second half reads
@@ -21,6 +26,7 @@ over seeds (``stats.mean_std``, ``stats.paired_difference``), for
 import dataclasses
 import hashlib
 import importlib.util
+import inspect
 import itertools
 import json
 import os
@@ -33,7 +39,7 @@ SWEEP_FILE = "sweep.json"  # in the sweep directory: the runs and their commands
 STATUS_FILE = "status.json"  # in a run's workdir: how its last process exited
 LOG_FILE = "run.log"  # in a run's workdir: the train process's stdout and stderr
 # Directory names stay below common 255-byte file name limits.
-MAX_NAME_LENGTH = 120
+MAX_NAME_LENGTH = 160
 
 Overrides = dict[str, Any]
 
@@ -134,28 +140,60 @@ def _parse_value(key: str, text: str, default: Any) -> Any:
                          f"{type(default).__name__}.") from e
 
 
-def load_sweep(spec: str) -> tuple[str, list[Overrides]]:
+def load_sweep(spec: str, workdir: str | None = None
+               ) -> tuple[str, list[Overrides], Overrides]:
     """Runs ``get_sweep(arg)`` of the sweep file ``spec = "path.py[:arg]"``.
 
+    Args:
+        spec: the sweep file and its argument.
+        workdir: the sweep directory, passed on to a ``get_sweep(arg, workdir)``.
+
     Returns:
-        ``(base, overrides)``: the ``configs/default.py`` argument every run
-        starts from, and one override dict per run.
+        ``(base, overrides, shared)``: the ``configs/default.py`` argument every
+        run starts from, one override dict per run, and the overrides every run
+        shares (``{}`` when ``get_sweep`` returns two items).
+    """
+    path, arg = split_spec(spec)
+    module = load_module(path)
+    if not hasattr(module, "get_sweep"):
+        raise ValueError(f"Sweep file {path!r} has no get_sweep(arg=None).")
+    if "workdir" in inspect.signature(module.get_sweep).parameters:
+        result = module.get_sweep(arg or None, workdir=workdir)
+    else:
+        result = module.get_sweep(arg or None)
+    base, overrides, shared = (*result, {}) if len(result) == 2 else result
+    if not isinstance(base, str) or not overrides or not all(
+            isinstance(o, dict) for o in overrides) or not isinstance(shared, dict):
+        raise ValueError(f"get_sweep in {path!r} must return (config argument "
+                         "string, non-empty list of override dicts[, dict of "
+                         "shared overrides]).")
+    for key in shared.keys() & set().union(*overrides):
+        raise ValueError(f"get_sweep in {path!r} sets {key!r} both per run and "
+                         "for every run.")
+    return base, list(overrides), shared
+
+
+def split_spec(spec: str) -> tuple[str, str | None]:
+    """``"path.py:arg"`` -> ``(path.py, arg)``; the file must exist.
+
+    Examples:
+        >>> split_spec("lmhead/sweeps.py:small,seeds=2")
+        ('lmhead/sweeps.py', 'small,seeds=2')
     """
     path, _, arg = spec.partition(".py:")
     path = path if path.endswith(".py") else path + ".py"
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--sweep: no sweep file {path!r}.")
-    module_spec = importlib.util.spec_from_file_location("sweep_config", path)
+    return path, arg or None
+
+
+def load_module(path: str):
+    """Imports the Python file ``path`` (a config or sweep file) as a module."""
+    module_spec = importlib.util.spec_from_file_location(
+        os.path.splitext(os.path.basename(path))[0], path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    if not hasattr(module, "get_sweep"):
-        raise ValueError(f"Sweep file {path!r} has no get_sweep(arg=None).")
-    base, overrides = module.get_sweep(arg or None)
-    if not isinstance(base, str) or not overrides or not all(
-            isinstance(o, dict) for o in overrides):
-        raise ValueError(f"get_sweep in {path!r} must return (config argument "
-                         "string, non-empty list of override dicts).")
-    return base, list(overrides)
+    return module
 
 
 # --- Run names and commands -------------------------------------------------
@@ -221,8 +259,10 @@ def override_flags(overrides: Overrides) -> list[str]:
 
 
 def train_command(base: str, workdir: str, overrides: Overrides, *,
-                  python: str, script: str, config_file: str) -> list[str]:
-    """The argv of one run: ``python script --config=FILE:BASE --workdir=DIR`` + overrides.
+                  python: str, script: str, config_file: str,
+                  shared: Overrides | None = None) -> list[str]:
+    """The argv of one run: ``python script --config=FILE:BASE --workdir=DIR``,
+    then the ``shared`` overrides and the run's own.
 
     Examples:
         >>> train_command("tiny", "runs/s/tied=False", {"model.tied": False},
@@ -233,7 +273,7 @@ def train_command(base: str, workdir: str, overrides: Overrides, *,
     """
     config = f"{config_file}:{base}" if base else config_file
     return [python, script, f"--config={config}", f"--workdir={workdir}",
-            *override_flags(overrides)]
+            *override_flags({**(shared or {}), **overrides})]
 
 
 # --- Reading runs -------------------------------------------------------------

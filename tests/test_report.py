@@ -18,6 +18,7 @@ import pytest
 from scipy import stats
 
 from lmhead import stats as stats_lib
+from lmhead import study
 from lmhead import sweeps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -232,3 +233,160 @@ def test_mean_std_matches_numpy():
     assert (mean, n) == (pytest.approx(np.mean(values)), 4)
     assert std == pytest.approx(np.std(values, ddof=1))
     assert math.isnan(stats_lib.mean_std([1.0])[1])
+
+
+# --- The tying study's report -------------------------------------------------
+
+STUDY_SPEC = os.path.join(ROOT, "configs", "sweeps", "tying_study.py") + ":tiny,seeds=3"
+STUDY_TEST_BASE = {None: 3.0, 300: 2.5}
+STUDY_ARM_OFFSET = {"a": 0.0, "b": 0.05, "c": 0.08, "d": -0.02}
+STUDY_REGIME_OFFSET = {"fixed": 0.0, "limited": 0.3}
+STUDY_NOISE = [{"a": 0.00, "b": 0.01, "c": -0.02, "d": 0.03},
+               {"a": 0.02, "b": -0.01, "c": 0.00, "d": 0.01},
+               {"a": -0.01, "b": 0.04, "c": 0.05, "d": -0.03}]
+STUDY_GAP = {"a": 0.05, "b": 0.12, "c": 0.10, "d": 0.07}  # val - train at seed 0
+STUDY_CHOSEN_LR = {"a": 3e-3, "b": 1e-3, "c": 3e-3, "d": 1e-3}
+STUDY_CHARS_PER_TOKEN = {None: 1.0, 300: 2.0}
+STUDY_UNFINISHED = ("limited", 300, "d", 2)
+
+
+def study_values(cell, seed):
+    """Known test / validation / training bits per char of a cell's run at its rate."""
+    test = (STUDY_TEST_BASE[cell.vocab] + STUDY_ARM_OFFSET[cell.arm]
+            + STUDY_REGIME_OFFSET[cell.regime.name] + STUDY_NOISE[seed][cell.arm])
+    val = test + 0.01
+    return test, val, val - STUDY_GAP[cell.arm] - 0.01 * seed
+
+
+def write_study_run(workdir, planned, design):
+    cell, seed = planned.cell, planned.seed
+    os.makedirs(workdir)
+    chosen = planned.lr == STUDY_CHOSEN_LR[cell.arm]
+    test, val, train = study_values(cell, seed) if chosen else (99.0, 99.0, 99.0)
+    chosen_loss, other_loss = (1.0, 1.2) if chosen else (1.2, 1.0)
+    limited = cell.regime.patience > 0
+    step = 10 * (seed + 1) + "abcd".index(cell.arm) if limited else cell.regime.steps
+    tested = {"eval/loss": chosen_loss, "eval/bits_per_char": val}
+    # The evaluation that is not the tested one says the opposite, so that
+    # reading the wrong one shows.
+    other = {"eval/loss": other_loss, "eval/bits_per_char": 50.0}
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": step, **tested}) + "\n")
+        f.write(json.dumps({"step": step, "train_eval/bits_per_char": train}) + "\n")
+        f.write(json.dumps({"step": cell.regime.steps + 1,
+                            "train_eval/bits_per_char": 40.0, **other}) + "\n")
+    if (cell.regime.name, cell.vocab, cell.arm, seed) == STUDY_UNFINISHED:
+        return
+    cpt = STUDY_CHARS_PER_TOKEN[cell.vocab]
+    summary = {"num_params": study.count_params(cell.vocab_size, cell.shape, design.arch),
+               "vocab_size": cell.vocab_size, "wall_seconds": 36.0,
+               "steps_run": step if limited else cell.regime.steps,
+               "final": tested if not limited else other,
+               "best": tested if limited else other, "best_step": step,
+               "stopped_early": limited and seed < 2,
+               "test": {"bits_per_char": test, "num_tokens": 1000,
+                        "num_chars": int(1000 * cpt)}}
+    if limited:
+        summary["train_at_best"] = {"train_eval/bits_per_char": train}
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f)
+
+
+@pytest.fixture(scope="module")
+def study_report(tmp_path_factory):
+    """A synthetic study directory (both stages), reported through report.py."""
+    root = tmp_path_factory.mktemp("study")
+    design = sweeps.load_module(STUDY_SPEC.split(":")[0]).get_study("tiny,seeds=3")
+    chosen = {c: STUDY_CHOSEN_LR[c.arm] for c in design.cells()}
+    planned = design.tuning_runs() + design.seed_runs(chosen)
+    for run, name in zip(planned, design.names(planned)):
+        write_study_run(root / "runs" / name, run, design)
+    with open(root / "runs" / sweeps.SWEEP_FILE, "w") as f:
+        json.dump({"sweep": STUDY_SPEC, "machine": "test machine", "runs": []}, f)
+    result = subprocess.run([sys.executable, REPORT_SCRIPT, f"--workdir={root / 'runs'}",
+                             f"--out={root / 'docs'}"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return design, root / "docs", (root / "docs" / "REPORT.md").read_text(), result.stdout
+
+
+def regime_section(markdown, regime):
+    return markdown.split(f"## Regime `{regime}`")[1].split("\n## ")[0]
+
+
+def study_seeds(cell):
+    return [s for s in range(3) if (cell.regime.name, cell.vocab, cell.arm, s)
+            != STUDY_UNFINISHED]
+
+
+def test_study_table_has_the_known_values(study_report):
+    design, _, markdown, _ = study_report
+    for regime in design.regimes:
+        rows = table_rows(regime_section(markdown, regime.name), "vocabulary")
+        cells = [c for c in design.cells() if c.regime == regime]
+        assert len(rows) == len(cells) == 8
+        for row, cell in zip(rows, cells):
+            seeds = study_seeds(cell)
+            values = np.array([study_values(cell, s) for s in seeds])
+            assert row["arm"].startswith(f"{cell.arm}: ")
+            assert row["lr"] == f"{STUDY_CHOSEN_LR[cell.arm]:g}"
+            assert row["test bits/char"] == mean_std_text(values[:, 0], 4)
+            assert row["val bits/char"] == mean_std_text(values[:, 1], 4)
+            assert row["train − val bits/char"] == mean_std_text(
+                values[:, 2] - values[:, 1], 4)
+            assert row["n"] == str(len(seeds))
+            assert row["not finished"] == str(3 - len(seeds))
+            params = study.count_params(cell.vocab_size, cell.shape, design.arch)
+            assert row["parameters"] == f"{params:,}"
+            assert row["head share"] == f"{cell.vocab_size * cell.shape.d_model / params:.1%}"
+            if regime.patience:
+                steps = [10 * (s + 1) + "abcd".index(cell.arm) for s in seeds]
+                assert row["steps to best"] == mean_std_text(steps, 0)
+                assert row["stopped early"] == f"{sum(s < 2 for s in seeds)} of {len(seeds)}"
+            else:
+                assert "steps to best" not in row
+
+
+def t_interval_text(x, y):
+    diffs = np.asarray(x) - np.asarray(y)
+    mean, half = diffs.mean(), stats.t.ppf(0.975, len(diffs) - 1) * diffs.std(
+        ddof=1) / np.sqrt(len(diffs))
+    return f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}]"
+
+
+def test_study_paired_differences_and_literature_numbers(study_report):
+    design, _, markdown, _ = study_report
+    for regime in design.regimes:
+        section = regime_section(markdown, regime.name)
+        differences = section.split("Paired by seed")[1]
+        rows = {r["vocabulary"]: r for r in table_rows(differences, "vocabulary")}
+        for vocab in design.vocabularies:
+            cells = {c.arm: c for c in design.cells()
+                     if c.regime == regime and c.vocab == vocab}
+            row = rows[study.vocabulary_label(vocab)]
+            for label, x_arm, y_arm in (("b − a", "b", "a"), ("c − a", "c", "a"),
+                                        ("d − b", "d", "b")):
+                seeds = sorted(set(study_seeds(cells[x_arm])) & set(study_seeds(cells[y_arm])))
+                x = [study_values(cells[x_arm], s)[0] for s in seeds]
+                y = [study_values(cells[y_arm], s)[0] for s in seeds]
+                assert row[f"{label} [95% interval]"] == t_interval_text(x, y), (
+                    regime.name, vocab, label)
+            train = [[study_values(cells[arm], s)[2] for s in range(3)] for arm in "ab"]
+            assert row["training a − b [95% interval]"] == t_interval_text(*train)
+            tied_minus_untied = np.mean([study_values(cells["a"], s)[0]
+                                         - study_values(cells["b"], s)[0] for s in range(3)])
+            change = 2 ** (tied_minus_untied * STUDY_CHARS_PER_TOKEN[vocab]) - 1
+            line = next(l for l in section.splitlines()
+                        if l.startswith(f"- {study.vocabulary_label(vocab)} (head"))
+            assert f"test perplexity per token {change:+.2%} untied → tied" in line
+
+
+def test_study_report_plots_and_measured_total(study_report):
+    design, docs, markdown, stdout = study_report
+    for name in ("delta_vs_head_share.png", "curves_fixed.png", "curves_limited.png"):
+        assert (docs / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"({name})" in markdown and f"Plot:   {docs / name}" in stdout
+    finished = len(design.tuning_runs()) + len(design.cells()) * 2 - 1
+    assert f"{finished} of " in markdown
+    assert f"{finished * 36 / 3600:.2f} h of wall time" in markdown
+    assert "Press & Wolf 2017, PTB small" in markdown and "(-1.8%)" in markdown

@@ -1,0 +1,153 @@
+r"""The tying study: does tying the head help, and when? ``make study``.
+
+Two stages in one sweep directory, then the report (``make study`` runs all
+three; each skips what is done, so rerunning it resumes)::
+
+    python experiments/sweep.py --sweep=configs/sweeps/tying_study.py:stage=tune \
+        --workdir=runs/tying_study --noreport
+    python experiments/sweep.py --sweep=configs/sweeps/tying_study.py \
+        --workdir=runs/tying_study --noreport
+    python experiments/report.py --workdir=runs/tying_study --out=docs/tying_study
+
+The first stage trains every cell (regime x vocabulary x arm) at each
+learning rate with the first seed; the second reads those runs back, keeps
+each cell's rate with the lowest validation loss (``lmhead/study.py``), and
+adds the other seeds at it (the tuning run at the chosen rate is seed 0). On a
+cluster, run each stage's ``--dry_run`` commands in turn (the second stage
+refuses to plan before the first has finished), then the report.
+
+Design (``lmhead/study.py`` solves the matched shapes and counts them):
+
+* Model: nanoGPT's CPU example (``configs/default.py:nanogpt``): d_model
+  128, 4 blocks, 4 heads, MLP 512, block 64, batch 12, no biases, AdamW,
+  100 warmup steps, cosine to lr/10.
+* Vocabulary: characters (84) and byte-level BPE 512, 1024, 2048, 8192
+  (trained on the training text used). The tied table's share of the tied
+  model's parameters runs from 1.3% to 57%.
+* Arms: (a) tied; (b) untied, same shape; (c) untied and *narrower*, with
+  (a)'s parameter count: d_model the multiple of 4 nearest in count at MLP
+  ratio 4, then mlp_dim solved; (d) tied and *deeper*, with (b)'s count:
+  whole blocks, then every block's MLP widened by the remainder. Counts match
+  to within 0.1% (the tests check 2% against the model's own init).
+* Regimes: ``fixed``: 1000 steps (768k tokens) on the whole training split,
+  last parameters tested. ``limited``: the first 3% of the training split
+  (about one play), early stopping with patience 3 evaluations (at most 1000
+  steps), the best evaluation's parameters tested; the report gives the steps
+  to the best and how many runs stopped before the cap.
+* Splits: ``data.split=works``, whole works for train / validation / test.
+  Validation (8 fixed batches every 100 steps, and 8 training batches for
+  the train - validation gap) chooses the learning rate and the stopping
+  step; the numbers are bits per character on the whole test split.
+* Tuning: learning rates 5e-4, 1e-3, 2e-3 per cell on seed 0; seeds 0, 1, 2
+  at the chosen rate. 5 vocabularies x 4 arms x 2 regimes = 40 cells; 3 + 2
+  = 5 runs per cell, 200 runs.
+
+Budget (about 8 hours of a 2-core CPU). The grid trains 100 x 1000 steps in
+the fixed regime and at most 100 x 1000 in the limited one. Estimate = sum
+over runs of steps x seconds per step of the run's shape (5% more for the
+periodic evaluations) + a fixed cost per run (start-up, compilation, BPE
+training, the whole test split) of about 40 s. Seconds per step: a few
+timed steps of each of the 20 shapes (as ``experiments/bench_train.py``
+does), taking the process's CPU time per step on a loaded machine as the
+wall time, which gives no credit for the second core: this is a
+conservative estimate, 10 h if no limited run stops early, about 8.5 h if
+the BPE runs stop halfway; an unloaded machine needs roughly 0.6 x that.
+Cut to fit: one width (d_model 128) and depth; five vocabularies; the
+minimum of 3 learning rates and 3 seeds, with the tuning run reused as seed
+0; 8-batch validation subsets; 1000 steps in the fixed regime (short of
+convergence on the whole text: it compares the arms at an equal, modest
+budget); one play of text and a 1000-step cap in the limited regime.
+``make compare`` (the ``small`` preset, 9 runs of at most 600 steps) is
+budgeted the same way at under 20 minutes plus the set-up. The report states
+the measured total.
+
+Arguments: an optional preset first (``full``, the default; ``small``,
+``make compare``'s version: BPE 2048, arms a, b, c, the limited regime
+only, one learning rate, 3 seeds; ``tiny``, for tests), then
+comma-separated ``key=value`` (``+`` separates list items)::
+
+    stage=seeds     tune | seeds (seeds lists the tuning runs too)
+    char=true       include the character vocabulary
+    bpe=...         BPE sizes, e.g. bpe=512+8192
+    arms=a+b+c+d    which arms
+    regimes=fixed+limited
+    lrs=...         learning rates tried per cell
+    seeds=3         seeds 0 .. seeds-1
+    fixed_steps, limited_steps, limited_fraction, patience, eval_every
+"""
+
+from lmhead import study
+from lmhead import sweeps
+
+PRESETS = {
+    "full": dict(base="nanogpt", stage="seeds", char=True, bpe=(512, 1024, 2048, 8192),
+                 arms=("a", "b", "c", "d"), regimes=("fixed", "limited"),
+                 lrs=(5e-4, 1e-3, 2e-3), seeds=3, fixed_steps=1000,
+                 limited_steps=1000, limited_fraction=0.03, patience=3,
+                 eval_every=100),
+    "small": dict(base="nanogpt", stage="seeds", char=False, bpe=(2048,),
+                  arms=("a", "b", "c"), regimes=("limited",), lrs=(1e-3,), seeds=3,
+                  fixed_steps=600, limited_steps=600, limited_fraction=0.03,
+                  patience=3, eval_every=50),
+    "tiny": dict(base="tiny", stage="seeds", char=True, bpe=(300,),
+                 arms=("a", "b", "c", "d"), regimes=("fixed", "limited"),
+                 lrs=(1e-3, 3e-3), seeds=2, fixed_steps=20, limited_steps=40,
+                 limited_fraction=0.5, patience=2, eval_every=10),
+}
+# The model each preset's base config argument gives (configs/default.py).
+BASE_MODELS = {
+    "nanogpt": (study.Shape(True, 128, 4, 512), study.Architecture(4, 64, use_bias=False)),
+    "tiny": (study.Shape(True, 32, 1, 64), study.Architecture(2, 16, use_bias=True)),
+}
+EVAL_BATCHES = 8
+
+
+def parse(arg: str | None) -> dict:
+    """The preset's values with the ``key=value`` items of ``arg`` applied."""
+    first, _, rest = (arg or "").partition(",")
+    if first and "=" not in first:
+        if first not in PRESETS:
+            raise ValueError(f"Unknown preset {first!r}; the presets are "
+                             f"{', '.join(PRESETS)}.")
+        return sweeps.parse_arg(rest, PRESETS[first])
+    return sweeps.parse_arg(arg, PRESETS["full"])
+
+
+def get_study(arg=None) -> study.Design:
+    args = parse(arg)
+    if args["stage"] not in ("tune", "seeds"):
+        raise ValueError(f"stage={args['stage']!r}: write stage=tune or stage=seeds.")
+    regimes = {"fixed": study.Regime("fixed", 1.0, args["fixed_steps"], 0),
+               "limited": study.Regime("limited", args["limited_fraction"],
+                                       args["limited_steps"], args["patience"])}
+    unknown = set(args["regimes"]) - set(regimes) or set(args["arms"]) - set(study.ARMS)
+    if unknown:
+        raise ValueError(f"Unknown regime or arm {sorted(unknown)}; regimes: fixed, "
+                         f"limited; arms: {', '.join(study.ARMS)}.")
+    every = args["eval_every"]
+    shared = {"data.split": "works", "train.test_eval": True,
+              "train.eval_every": every, "train.log_every": every,
+              "train.checkpoint_every": 5 * every, "train.eval_batches": EVAL_BATCHES,
+              "train.eval_train_batches": EVAL_BATCHES,
+              # A diverging rate ends with a NaN loss, which is never chosen,
+              # instead of failing the stage.
+              "train.stop_on_nonfinite": False, "sample.num_samples": 0}
+    base_shape, arch = BASE_MODELS[args["base"]]
+    return study.Design(
+        base=args["base"], shared=shared,
+        regimes=tuple(regimes[r] for r in args["regimes"]),
+        vocabularies=((None,) if args["char"] else ()) + tuple(args["bpe"]),
+        arms=tuple(args["arms"]), learning_rates=tuple(args["lrs"]),
+        seeds=tuple(range(args["seeds"])), base_shape=base_shape, arch=arch)
+
+
+def get_sweep(arg=None, workdir=None):
+    design = get_study(arg)
+    runs = design.tuning_runs()
+    if parse(arg)["stage"] == "seeds":
+        if workdir is None:
+            raise ValueError("stage=seeds reads the tuning runs: it needs the sweep "
+                             "directory.")
+        runs += design.seed_runs(study.choose_learning_rates(
+            study.read_runs(design, runs, workdir)))
+    return design.base, [r.overrides(design.min_lr_ratio) for r in runs], design.shared

@@ -1,0 +1,415 @@
+"""The tying study's report: tables, paired differences, plots, and the numbers
+a comparison with published results needs.
+
+:func:`collect` reads a study's sweep directory through its design
+(``lmhead/study.py``): the tuning runs, each cell's chosen learning rate, and
+the runs of every seed at it. :func:`write_report` writes ``REPORT.md``,
+``delta_vs_head_share.png`` and ``curves_<regime>.png`` into an output
+directory (``docs/tying_study`` for ``make study``).
+
+Every number is on the *test* split in bits per character unless a column
+says otherwise; validation chose the learning rate and the stopping step.
+Means are over seeds with the sample standard deviation; paired differences
+are taken seed by seed with a 95% Student t interval (``lmhead/stats.py``).
+"""
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display needed
+import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+from lmhead import stats
+from lmhead import study
+from lmhead import sweeps
+
+DASH = "—"
+# (label, minuend arm, subtrahend arm): the paired comparisons, x - y.
+COMPARISONS = (("b − a", "b", "a"), ("c − a", "c", "a"), ("d − b", "d", "b"))
+# Published tied-vs-untied results, as the relative change of test perplexity
+# from untied to tied (negative: tying helps). Word-level perplexities, so they
+# compare with ours in sign and rough size only.
+LITERATURE = (
+    ("Press & Wolf 2017, PTB small (head ≈ 43% of the untied model)", 114.5, 112.4),
+    ("Press & Wolf 2017, PTB large", 78.4, 74.3),
+    ("Inan et al. 2017, small", 87.3, 85.1),
+    ("Inan et al. 2017, medium", 77.7, 73.9),
+    ("Inan et al. 2017, large", 72.6, 69.0),
+)
+
+
+@dataclasses.dataclass
+class CellResult:
+    """A cell's chosen rate, its tuning losses and its runs at the chosen rate.
+
+    Attributes:
+        cell: the regime x vocabulary x arm.
+        lr: the chosen learning rate (``None`` while its tuning is unfinished).
+        tuning: validation loss (nats/token) per tried rate (seed 0).
+        runs: seed -> run at ``lr``.
+        design_params: the parameter count the design solved for.
+    """
+    cell: study.Cell
+    lr: float | None
+    tuning: dict[float, float]
+    runs: dict[int, sweeps.Run]
+    design_params: int
+
+    def finished(self) -> dict[int, sweeps.Run]:
+        return {s: r for s, r in self.runs.items() if r.status == "finished"}
+
+
+def collect(design: study.Design, sweep_dir: str
+            ) -> tuple[list[CellResult], list[sweeps.Run]]:
+    """Every cell of ``design`` with its runs read from ``sweep_dir``, and
+    every planned run of both stages (those planned so far)."""
+    tuning_plan = design.tuning_runs()
+    tuning = study.read_runs(design, tuning_plan, sweep_dir)
+    chosen = study.choose_learning_rates(tuning, strict=False)
+    seed_plan = design.seed_runs({c: chosen.get(c, math.nan) for c in design.cells()})
+    seed_plan = [p for p in seed_plan if p.cell in chosen]
+    runs = study.read_runs(design, tuning_plan + seed_plan, sweep_dir)
+    results = []
+    for cell in design.cells():
+        lr = chosen.get(cell)
+        results.append(CellResult(
+            cell, lr,
+            {p.lr: study.validation_loss(r, cell.regime) for p, r in tuning.items()
+             if p.cell == cell},
+            {p.seed: r for p, r in runs.items() if p.cell == cell and p.lr == lr},
+            study.count_params(cell.vocab_size, cell.shape, design.arch)))
+    return results, list(runs.values())
+
+
+# --- Values read from one run ---------------------------------------------------
+
+
+def evaluated_step(run: sweeps.Run, regime: study.Regime) -> int | None:
+    """The step whose parameters the test split evaluated."""
+    summary = run.summary or {}
+    if regime.patience and "best_step" in summary:
+        return summary["best_step"]
+    return summary.get("steps_run", summary.get("steps"))
+
+
+def metrics_at(run: sweeps.Run, step: int | None) -> dict[str, float]:
+    """Every ``metrics.jsonl`` value logged at ``step``, merged."""
+    merged = {}
+    for record in run.metrics:
+        if record.get("step") == step:
+            merged.update(record)
+    return merged
+
+
+def run_values(run: sweeps.Run, regime: study.Regime) -> dict[str, float]:
+    """Test and validation bits/char, training bits/char at the tested step,
+    steps to best, and parameters of a finished run."""
+    summary = run.summary or {}
+    validation = study.validation_metrics(run, regime)
+    step = evaluated_step(run, regime)
+    train = summary.get("train_at_best") if regime.patience else None
+    train = train or metrics_at(run, step)
+    values = {"test": summary.get("test", {}).get("bits_per_char"),
+              "val": validation.get("eval/bits_per_char"),
+              "train": train.get("train_eval/bits_per_char"),
+              "steps_to_best": summary.get("best_step"),
+              "stopped_early": summary.get("stopped_early"),
+              "num_params": summary.get("num_params"),
+              "vocab_size": summary.get("vocab_size"),
+              "wall_seconds": summary.get("wall_seconds", 0.0)}
+    test = summary.get("test", {})
+    if test.get("num_tokens"):
+        values["chars_per_token"] = test["num_chars"] / test["num_tokens"]
+    if values["train"] is not None and values["val"] is not None:
+        values["gap"] = values["train"] - values["val"]
+    return values
+
+
+def by_seed(result: CellResult, key: str) -> dict[int, float]:
+    """``key`` of :func:`run_values` for each finished seed that has it."""
+    values = {s: run_values(r, result.cell.regime).get(key)
+              for s, r in result.finished().items()}
+    return {s: v for s, v in values.items() if v is not None}
+
+
+def parameters(result: CellResult) -> int:
+    """The runs' parameter count (the design's before any run finished)."""
+    counts = set(by_seed(result, "num_params").values())
+    return counts.pop() if len(counts) == 1 else result.design_params
+
+
+def head_share(result: CellResult) -> float:
+    vocab_size = next(iter(by_seed(result, "vocab_size").values()),
+                      result.cell.vocab_size)
+    return study.head_share(vocab_size, result.cell.shape.d_model, parameters(result))
+
+
+# --- Tables ---------------------------------------------------------------------
+
+
+def mean_std_text(values, decimals: int = 4) -> str:
+    """``"mean ± std"``; one value alone; a dash for none.
+
+    Examples:
+        >>> mean_std_text([1.0, 2.0, 3.0]), mean_std_text([2.5], 1), mean_std_text([])
+        ('2.0000 ± 1.0000', '2.5', '—')
+    """
+    mean, std, n = stats.mean_std(list(values))
+    if n == 0:
+        return DASH
+    return f"{mean:.{decimals}f}" if n == 1 else f"{mean:.{decimals}f} ± {std:.{decimals}f}"
+
+
+def interval_text(difference: stats.PairedDifference) -> str:
+    """``"+mean [low, high]"``, the mean alone for one pair, a dash for none.
+
+    Examples:
+        >>> interval_text(stats.paired_difference({0: 2.0, 1: 3.0, 2: 4.0},
+        ...                                       {0: 1.0, 1: 1.0, 2: 1.0}))
+        '+2.0000 [-0.4841, +4.4841]'
+    """
+    if difference.n == 0:
+        return DASH
+    if difference.n == 1:
+        return f"{difference.mean:+.4f}"
+    return f"{difference.mean:+.4f} [{difference.low:+.4f}, {difference.high:+.4f}]"
+
+
+def lr_text(result: CellResult, learning_rates) -> str:
+    if result.lr is None:
+        return "tuning unfinished"
+    edge = len(learning_rates) > 2 and result.lr in (min(learning_rates),
+                                                      max(learning_rates))
+    return f"{result.lr:g}" + (" (edge)" if edge else "")
+
+
+def cell_table(results: list[CellResult], design: study.Design) -> str:
+    """One row per vocabulary x arm of one regime."""
+    limited = bool(results[0].cell.regime.patience)
+    header = ["vocabulary", "arm", "d_model × layers, MLP", "parameters", "head share",
+              "lr", "test bits/char", "n", "val bits/char", "train − val bits/char",
+              *(["steps to best", "stopped early"] if limited else []), "not finished"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in results:
+        shape = r.cell.shape
+        finished = r.finished()
+        cells = [study.vocabulary_label(r.cell.vocab),
+                 f"{r.cell.arm}: {study.ARMS[r.cell.arm]}",
+                 f"{shape.d_model} × {shape.num_layers}, {shape.mlp_dim}",
+                 f"{parameters(r):,}", f"{head_share(r):.1%}",
+                 lr_text(r, design.learning_rates),
+                 mean_std_text(by_seed(r, "test").values()), str(len(finished)),
+                 mean_std_text(by_seed(r, "val").values()),
+                 mean_std_text(by_seed(r, "gap").values())]
+        if limited:
+            early = by_seed(r, "stopped_early").values()
+            cells += [mean_std_text(by_seed(r, "steps_to_best").values(), 0),
+                      f"{sum(map(bool, early))} of {len(early)}"]
+        cells.append(str(len(design.seeds) - len(finished)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def paired(results: list[CellResult], vocab, x_arm: str, y_arm: str,
+           key: str = "test") -> stats.PairedDifference | None:
+    """``x_arm - y_arm`` of ``key`` at one vocabulary, paired by seed; ``None``
+    when the regime lacks one of the arms."""
+    arms = {r.cell.arm: r for r in results if r.cell.vocab == vocab}
+    if x_arm not in arms or y_arm not in arms:
+        return None
+    return stats.paired_difference(by_seed(arms[x_arm], key), by_seed(arms[y_arm], key))
+
+
+def differences_table(results: list[CellResult], design: study.Design) -> str:
+    """Paired test bits/char differences per vocabulary, and the training
+    bits/char difference a - b (tying as a regularizer fits training text worse)."""
+    header = ["vocabulary", "head share of a",
+              *(f"{label} [95% interval]" for label, _, _ in COMPARISONS),
+              "training a − b [95% interval]", "seed pairs (b − a)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for vocab in design.vocabularies:
+        tied = next((r for r in results if r.cell.vocab == vocab and r.cell.arm == "a"),
+                    None)
+        cells = [study.vocabulary_label(vocab),
+                 f"{head_share(tied):.1%}" if tied else DASH]
+        for _, x_arm, y_arm in COMPARISONS:
+            difference = paired(results, vocab, x_arm, y_arm)
+            cells.append(interval_text(difference) if difference else DASH)
+        train = paired(results, vocab, "a", "b", key="train")
+        base = paired(results, vocab, "b", "a")
+        cells += [interval_text(train) if train else DASH,
+                  str(base.n) if base else DASH]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def literature_numbers(results: list[CellResult], design: study.Design) -> list[str]:
+    """Lines with the study's counterpart of each published claim."""
+    lines = []
+    for vocab in design.vocabularies:
+        tied_minus_untied = paired(results, vocab, "a", "b")
+        if not tied_minus_untied or tied_minus_untied.n == 0:
+            continue
+        tied = next(r for r in results if r.cell.vocab == vocab and r.cell.arm == "a")
+        chars_per_token = stats.mean_std(list(by_seed(tied, "chars_per_token").values()))[0]
+        change = 2 ** (tied_minus_untied.mean * chars_per_token) - 1
+        parts = [f"{study.vocabulary_label(vocab)} (head {head_share(tied):.1%} of a): "
+                 f"tied − untied (a − b) {interval_text(tied_minus_untied)} bits/char"
+                 + ("" if math.isnan(change) else
+                    f", test perplexity per token {change:+.2%} untied → tied")]
+        for label, x_arm, y_arm, claim in (
+                ("training bits/char a − b", "a", "b", "train",),
+                ("untied matched to a, c − a", "c", "a", "test"),
+                ("tied deeper matched to b, d − b", "d", "b", "test")):
+            difference = paired(results, vocab, x_arm, y_arm, key=claim)
+            if difference and difference.n:
+                parts.append(f"{label} {interval_text(difference)}")
+        lines.append("- " + "; ".join(parts) + ".")
+    return lines
+
+
+def literature_reference() -> str:
+    return "\n".join(f"- {name}: {untied} → {tied} ({tied / untied - 1:+.1%})"
+                     for name, untied, tied in LITERATURE)
+
+
+# --- Plots ----------------------------------------------------------------------
+
+
+def plot_deltas(by_regime: dict[str, list[CellResult]], design: study.Design,
+                path: str) -> None:
+    """Paired test bits/char differences against the tied model's head share,
+    with 95% intervals; one panel per regime."""
+    figure, axes = plt.subplots(1, len(by_regime), squeeze=False,
+                                figsize=(5.5 * len(by_regime), 4))
+    for axis, (regime, results) in zip(axes[0], by_regime.items()):
+        for offset, (label, x_arm, y_arm) in zip((0.94, 1.0, 1.06), COMPARISONS):
+            points = []
+            for vocab in design.vocabularies:
+                tied = next((r for r in results if r.cell.vocab == vocab
+                             and r.cell.arm == "a"), None)
+                difference = paired(results, vocab, x_arm, y_arm)
+                if tied and difference and difference.n:
+                    points.append((head_share(tied) * offset, difference))
+            if not points:
+                continue
+            errors = [[0.0 if d.n < 2 else d.mean - d.low for _, d in points],
+                      [0.0 if d.n < 2 else d.high - d.mean for _, d in points]]
+            axis.errorbar([x for x, _ in points], [d.mean for _, d in points],
+                          yerr=errors, marker="o", capsize=3, label=label)
+        axis.axhline(0.0, color="gray", linewidth=0.8)
+        axis.set(xscale="log", title=regime,
+                 xlabel="head share of the tied model's parameters",
+                 ylabel="Δ test bits/char (paired by seed)")
+        axis.legend()
+    figure.suptitle("Arm differences, mean over seeds, bars: 95% t-interval")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_curves(results: list[CellResult], design: study.Design, path: str) -> None:
+    """Validation (solid) and training-subset (dashed) bits/char of each arm's
+    first seed at its chosen rate, at the smallest and largest vocabulary."""
+    vocabularies = sorted({design.vocabularies[0], design.vocabularies[-1]},
+                          key=design.vocabularies.index)
+    figure, axes = plt.subplots(1, len(vocabularies), squeeze=False,
+                                figsize=(5.5 * len(vocabularies), 4))
+    for axis, vocab in zip(axes[0], vocabularies):
+        for result in (r for r in results if r.cell.vocab == vocab):
+            run = result.runs.get(design.seeds[0])
+            if run is None:
+                continue
+            for key, style in (("eval/bits_per_char", "-"),
+                               ("train_eval/bits_per_char", "--")):
+                steps, values = _curve(run, key)
+                if steps:
+                    axis.plot(steps, values, style,
+                              color=f"C{'abcd'.index(result.cell.arm)}",
+                              label=f"{result.cell.arm} {'val' if key.startswith('eval') else 'train'}")
+        axis.set(title=f"{results[0].cell.regime.name}, {study.vocabulary_label(vocab)}",
+                 xlabel="step", ylabel="bits/char")
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _curve(run: sweeps.Run, key: str) -> tuple[list[int], list[float]]:
+    points = [(m["step"], m[key]) for m in run.metrics if key in m]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+# --- The report -----------------------------------------------------------------
+
+
+def provenance(sweep_dir: str, runs: list[sweeps.Run]) -> str:
+    """Command, machine, and the measured totals of the study's ``runs``."""
+    path = os.path.join(sweep_dir, sweeps.SWEEP_FILE)
+    sweep = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            sweep = json.load(f)
+    finished = [r.summary for r in runs if r.status == "finished"]
+    hours = sum(s.get("wall_seconds", 0.0) for s in finished) / 3600
+    steps = sum(s.get("steps_run", s.get("steps", 0)) for s in finished)
+    return "  \n".join([
+        *([f"Sweep: `{sweep['sweep']}`; machine: {sweep.get('machine', '?')}"]
+          if "sweep" in sweep else []),
+        f"{len(finished)} of {len(runs)} runs planned so far finished (both stages); "
+        f"measured: {steps:,} training steps, {hours:.2f} h of wall time in all "
+        "(the runs' wall_seconds).",
+        f"Report written {time.strftime('%Y-%m-%d %H:%M')}."])
+
+
+def write_report(design: study.Design, sweep_dir: str, out_dir: str
+                 ) -> tuple[str, list[str]]:
+    """Writes ``REPORT.md`` and the plots into ``out_dir``; returns the
+    report's text and the plot paths."""
+    results, runs = collect(design, sweep_dir)
+    by_regime = {regime.name: [r for r in results if r.cell.regime == regime]
+                 for regime in design.regimes}
+    os.makedirs(out_dir, exist_ok=True)
+    plots = [os.path.join(out_dir, "delta_vs_head_share.png")]
+    plot_deltas(by_regime, design, plots[0])
+    sections = ["# The tying study", provenance(sweep_dir, runs),
+                "Test split, bits per character: mean ± sample std over seeds at each "
+                "cell's learning rate (chosen on validation; \"edge\": the best rate "
+                "is at the end of the grid). Head share: the [V, D] unembedding's "
+                "share of the arm's parameters (a tied table counts). "
+                "train − val: training-subset minus validation bits/char at the "
+                "tested step."]
+    for (name, results_), regime in zip(by_regime.items(), design.regimes):
+        plot = os.path.join(out_dir, f"curves_{name}.png")
+        plot_curves(results_, design, plot)
+        plots.append(plot)
+        sections += [f"## Regime `{name}`: {_describe(regime)}",
+                     cell_table(results_, design),
+                     "Paired by seed, test bits/char, 95% t-interval "
+                     "(mean ± t(0.975, n − 1) · s / √n):",
+                     differences_table(results_, design),
+                     "Numbers for the comparison with published results:",
+                     "\n".join(literature_numbers(results_, design)) or DASH,
+                     f"![curves]({os.path.basename(plot)})"]
+    sections += ["## Published results (untied → tied test perplexity)",
+                 literature_reference(),
+                 "## Δ against the head's share",
+                 f"![delta]({os.path.basename(plots[0])})"]
+    text = "\n\n".join(sections) + "\n"
+    with open(os.path.join(out_dir, "REPORT.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    return text, plots
+
+
+def _describe(regime: study.Regime) -> str:
+    if regime.patience:
+        return (f"the first {regime.train_fraction:.0%} of the training split, early "
+                f"stopping (patience {regime.patience} evaluations, at most "
+                f"{regime.steps} steps), best checkpoint tested")
+    return (f"{regime.steps} steps on {regime.train_fraction:.0%} of the training "
+            "split, last parameters tested")

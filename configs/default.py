@@ -121,6 +121,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # above were measured with materialized; fused gives the same numbers to
     # float32 rounding in the same CPU time per step at V = 84 and V = 2048
     # (experiments/bench_train.py), and far less memory at large V.
+    # Evaluation builds the [B, T, V] logits whatever loss_impl says: the
+    # calibration error (eval/ece) needs every token's top probability, which
+    # the blocked losses do not compute. Without gradients that is one batch
+    # of logits at a time (B * T * V floats), not the training step's residuals.
     config.loss.loss_impl = "fused"
     config.loss.label_smoothing = 0.0
     config.loss.smoothing = "uniform"  # "uniform" | "normalized"

@@ -40,6 +40,7 @@ any platform only up to the same caveat.
 """
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -364,6 +365,15 @@ def _continue(model, params, context, lengths, key, *, max_new_tokens,
     return tokens
 
 
+class Preempted(Exception):
+    """``train_and_evaluate`` stopped on SIGTERM; a checkpoint of ``step`` is saved."""
+
+    def __init__(self, step: int, directory: str):
+        super().__init__(f"Stopped by SIGTERM at step {step}; its checkpoint is "
+                         f"in {directory}. Rerun the same command to resume.")
+        self.step = step
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Trains ``config`` in ``workdir`` (resuming if it holds a checkpoint).
 
@@ -407,33 +417,36 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             os.remove(summary_path)
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json(indent=2))
-    writer = MetricWriter(workdir, resume_step=int(state.step))
-    example = sharding.shard_batch(data.train_batch(
-        dataset.train_tokens, seed=config.train.seed, step=0,
-        batch_size=config.train.batch_size,
-        block_size=config.data.block_size), mesh)
+
+    def batch(step: int) -> dict[str, jax.Array]:
+        return sharding.shard_batch(data.train_batch(
+            dataset.train_tokens, seed=config.train.seed, step=step,
+            batch_size=config.train.batch_size,
+            block_size=config.data.block_size), mesh)
+
     train_fn, eval_fn, compile_seconds = compile_steps(
-        model, config, state, example, dropout_key, mesh)
+        model, config, state, batch(0), dropout_key, mesh)
     _log(f"{_count(state.params):,} parameters; train step compiled in "
          f"{compile_seconds:.1f} s; starting at step {int(state.step)}.")
-    eval_set = [sharding.shard_batch(batch, mesh) for batch in data.eval_batches(
+    eval_set = [sharding.shard_batch(b, mesh) for b in data.eval_batches(
         dataset.val_tokens, num_batches=config.train.eval_batches,
         batch_size=config.train.batch_size, block_size=config.data.block_size)]
-    run_eval = functools.partial(evaluate, eval_fn, batches=eval_set,
-                                 chars_per_token=dataset.val_chars_per_token)
+    run = _Run(config, manager, MetricWriter(workdir, int(state.step)),
+               train_fn, batch, dropout_key, functools.partial(
+                   evaluate, eval_fn, batches=eval_set,
+                   chars_per_token=dataset.val_chars_per_token))
     try:
-        state, timing = _train_loop(config, state, train_fn, run_eval, dataset,
-                                    manager, writer, dropout_key, mesh)
-        final = _final_evaluation(config, writer, run_eval, state)
+        state, timer = _train_loop(run, state)
+        final = _final_evaluation(run, state)
     finally:
-        writer.close()
+        run.writer.close()
         manager.close()
     if config.sample.num_samples:
         params = sharding.to_host(state.params)  # every process takes part
         if sharding.is_main_process():
             _write_samples(config, model, params, dataset.tokenizer, sample_key,
                            workdir)
-    summary = _summary(config, state, dataset.vocab_size, final, timing,
+    summary = _summary(config, state, dataset.vocab_size, final, timer,
                        compile_seconds, wall_start)
     if sharding.is_main_process():
         with open(summary_path, "w") as f:
@@ -454,63 +467,63 @@ def _load_dataset(config, workdir) -> data.Dataset:
     return dataset
 
 
-def _final_evaluation(config, writer, run_eval, state) -> dict[str, float]:
-    """The evaluation at ``train.steps``: the logged one, or a new one, logged."""
-    final = next((r for r in reversed(writer.records) if "eval/loss" in r), None)
-    if final is None or final["step"] != config.train.steps:
-        final = {"step": config.train.steps, **run_eval(state.params)}
-        writer.write(final["step"], {k: v for k, v in final.items() if k != "step"})
-    return final
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What the training loop uses, made once by ``train_and_evaluate``.
+
+    ``batch(step)`` is the sharded training batch of ``step``;
+    ``evaluate(params)`` the validation metrics (``eval/...``).
+    """
+    config: ml_collections.ConfigDict
+    manager: ocp.CheckpointManager
+    writer: "MetricWriter"
+    train_fn: Any
+    batch: Any
+    dropout_key: jax.Array
+    evaluate: Any
 
 
-def _summary(config, state, vocab_size, final, timing, compile_seconds,
-             wall_start) -> dict:
-    """``train_and_evaluate``'s summary (see its Returns)."""
-    tokens_per_step = config.train.batch_size * config.data.block_size
-    return {
-        "num_params": _count(state.params),
-        "num_head_params": _count(state.params.get("head", {})),
-        "vocab_size": vocab_size,
-        "final": {k: v for k, v in final.items() if k != "step"},
-        "tokens_per_sec": timing["steps"] * tokens_per_step / max(timing["wall"], 1e-9),
-        "ms_per_step": 1e3 * timing["wall"] / max(timing["steps"], 1),
-        "cpu_ms_per_step": 1e3 * timing["cpu"] / max(timing["steps"], 1),
-        "compile_seconds": compile_seconds,
-        "steps": config.train.steps,
-        "wall_seconds": time.perf_counter() - wall_start}
+@dataclasses.dataclass
+class StepTimer:
+    """Time spent in training steps, without evaluations and checkpoints.
+
+    A lap runs from :meth:`start` to :meth:`lap`; ``wall`` and ``cpu`` (the
+    process's CPU time, all threads) add up the laps' seconds, ``steps``
+    their steps.
+    """
+    wall: float = 0.0
+    cpu: float = 0.0
+    steps: int = 0
+    started: tuple[float, float] = (0.0, 0.0)
+
+    def start(self) -> None:
+        self.started = (time.perf_counter(), time.process_time())
+
+    def lap(self, num_steps: int) -> float:
+        """Ends the lap of ``num_steps`` steps; returns its wall seconds."""
+        seconds = time.perf_counter() - self.started[0]
+        self.wall += seconds
+        self.cpu += time.process_time() - self.started[1]
+        self.steps += num_steps
+        return seconds
 
 
-class Preempted(Exception):
-    """``train_and_evaluate`` stopped on SIGTERM; a checkpoint of ``step`` is saved."""
-
-    def __init__(self, step: int, directory: str):
-        super().__init__(f"Stopped by SIGTERM at step {step}; its checkpoint is "
-                         f"in {directory}. Rerun the same command to resume.")
-        self.step = step
-
-
-def _train_loop(config, state, train_fn, run_eval, dataset, manager, writer,
-                dropout_key, mesh):
-    """Steps from ``state.step`` to ``train.steps``; the host waits for the
-    device only at log, evaluation and checkpoint steps, and on SIGTERM."""
-    steps = config.train.steps
-    pending, timing = [], {"wall": 0.0, "cpu": 0.0, "steps": 0}
-    clock = [time.perf_counter(), time.process_time()]
-    flush = functools.partial(_flush_metrics, config, manager, writer, timing,
-                              clock)
+def _train_loop(run: _Run, state: TrainState) -> tuple[TrainState, StepTimer]:
+    """Steps from ``state.step`` to ``train.steps`` with the periodic actions:
+    log, evaluate, checkpoint. The host waits for the device only at those
+    steps, and on SIGTERM."""
+    config, steps = run.config, run.config.train.steps
+    timer, pending = StepTimer(), []
+    timer.start()
     with _sigterm_flag() as terminated:
         for step in range(int(state.step), steps):
-            if _stop_requested(manager, step, terminated):
+            if _stop_requested(run.manager, step, terminated):
                 if pending:
-                    flush(pending, step, state)
-                if manager.latest_step() != step:
-                    manager.save(step, args=ocp.args.StandardSave(state))
-                raise Preempted(step, str(manager.directory))
-            batch = sharding.shard_batch(data.train_batch(
-                dataset.train_tokens, seed=config.train.seed, step=step,
-                batch_size=config.train.batch_size,
-                block_size=config.data.block_size), mesh)
-            state, metrics = train_fn(state, batch, dropout_key)
+                    _log_training(run, timer, pending, step, state)
+                if run.manager.latest_step() != step:
+                    run.manager.save(step, args=ocp.args.StandardSave(state))
+                raise Preempted(step, str(run.manager.directory))
+            state, metrics = run.train_fn(state, run.batch(step), run.dropout_key)
             pending.append(metrics)
             done = step + 1
             evaluate_now = done % config.train.eval_every == 0 or done == steps
@@ -518,41 +531,69 @@ def _train_loop(config, state, train_fn, run_eval, dataset, manager, writer,
             if not (evaluate_now or checkpoint_now
                     or done % config.train.log_every == 0):
                 continue
-            flush(pending, done, state)
+            _log_training(run, timer, pending, done, state)
             pending = []
             if evaluate_now:
-                metrics = run_eval(state.params)
-                writer.write(done, metrics)
-                _log(f"step {done}/{steps}  " + "  ".join(
-                    f"{k} {v:.4f}" for k, v in metrics.items()))
+                _log_evaluation(run, done, run.evaluate(state.params))
             if checkpoint_now:
-                manager.save(done, args=ocp.args.StandardSave(state))
-            clock[:] = time.perf_counter(), time.process_time()
-    return state, timing
+                run.manager.save(done, args=ocp.args.StandardSave(state))
+            timer.start()
+    return state, timer
 
 
-def _flush_metrics(config, manager, writer, timing, clock, pending, done,
-                   state):
+def _log_training(run: _Run, timer: StepTimer, pending: list, done: int,
+                  state: TrainState) -> None:
     """Waits for the ``pending`` steps' metrics (the last at step ``done``),
-    checks them and ``state`` (``train.stop_on_nonfinite``), logs their mean
-    and adds to ``timing``."""
+    checks them and ``state`` (``train.stop_on_nonfinite``), and logs their
+    mean with the lap's speed."""
     pending = jax.device_get(pending)
-    seconds = time.perf_counter() - clock[0]
-    timing["wall"] += seconds
-    timing["cpu"] += time.process_time() - clock[1]
-    timing["steps"] += len(pending)
-    if config.train.stop_on_nonfinite:
-        _check_finite(pending, done, state, manager)
-    tokens = len(pending) * config.train.batch_size * config.data.block_size
+    seconds = timer.lap(len(pending))
+    if run.config.train.stop_on_nonfinite:
+        _check_finite(pending, done, state, run.manager)
+    tokens = len(pending) * run.config.train.batch_size * run.config.data.block_size
     logged = {f"train/{k}": float(np.mean([m[k] for m in pending]))
               for k in pending[0]}
     logged["train/tokens_per_sec"] = tokens / seconds
-    writer.write(done, logged)
-    steps = config.train.steps
-    eta = (steps - done) * timing["wall"] / timing["steps"]
+    run.writer.write(done, logged)
+    steps = run.config.train.steps
+    eta = (steps - done) * timer.wall / timer.steps
     _log(f"step {done}/{steps}  loss {logged['train/loss']:.4f}  "
          f"{logged['train/tokens_per_sec']:,.0f} tokens/s  "
          f"{1e3 * seconds / len(pending):.1f} ms/step  ETA {eta:.0f} s")
+
+
+def _log_evaluation(run: _Run, done: int, metrics: dict[str, float]) -> None:
+    run.writer.write(done, metrics)
+    _log(f"step {done}/{run.config.train.steps}  " + "  ".join(
+        f"{k} {v:.4f}" for k, v in metrics.items()))
+
+
+def _final_evaluation(run: _Run, state: TrainState) -> dict[str, float]:
+    """The evaluation at ``train.steps``: the logged one, or a new one, logged."""
+    steps = run.config.train.steps
+    final = next((r for r in reversed(run.writer.records) if "eval/loss" in r),
+                 None)
+    if final is None or final["step"] != steps:
+        final = {"step": steps, **run.evaluate(state.params)}
+        run.writer.write(steps, {k: v for k, v in final.items() if k != "step"})
+    return final
+
+
+def _summary(config, state, vocab_size, final, timer: StepTimer,
+             compile_seconds, wall_start) -> dict:
+    """``train_and_evaluate``'s summary (see its Returns)."""
+    tokens_per_step = config.train.batch_size * config.data.block_size
+    return {
+        "num_params": _count(state.params),
+        "num_head_params": _count(state.params.get("head", {})),
+        "vocab_size": vocab_size,
+        "final": {k: v for k, v in final.items() if k != "step"},
+        "tokens_per_sec": timer.steps * tokens_per_step / max(timer.wall, 1e-9),
+        "ms_per_step": 1e3 * timer.wall / max(timer.steps, 1),
+        "cpu_ms_per_step": 1e3 * timer.cpu / max(timer.steps, 1),
+        "compile_seconds": compile_seconds,
+        "steps": config.train.steps,
+        "wall_seconds": time.perf_counter() - wall_start}
 
 
 def _check_finite(pending, done, state, manager) -> None:

@@ -56,7 +56,13 @@ def _check_data_model_and_counts(config, check) -> None:
     elif config.data.vocab_size is not None:
         raise ValueError("config.data.vocab_size is for tokenizer='bpe' only; "
                          "the character vocabulary comes from the text.")
+    check("data.split", str, choices=("tail", "works"))
     check("data.val_fraction", float, low=0.0, high=1.0, open_range=True)
+    check("data.test_fraction", float, low=0.0,
+          high=1.0 - config.data.val_fraction, open_range=True)
+    check("data.train_fraction", float, low=0.0, high=1.0)
+    if config.data.train_fraction == 0.0:
+        raise ValueError("config.data.train_fraction must be in (0.0, 1.0]; got 0.0.")
     check("data.block_size", int, low=2)
     for name in ("model.num_layers", "model.num_heads",
                  "model.d_model", "model.mlp_dim", "train.steps",
@@ -104,6 +110,12 @@ def _check_optim_train_and_sample(config, check) -> None:
     for name in ("optim.b1", "optim.b2"):
         check(name, float, low=0.0, high=1.0, high_open=True)
     check("train.eval_batches", int, low=1, optional=True)
+    check("train.eval_train_batches", int, low=0)
+    check("train.patience", int, low=0)
+    check("train.test_eval", bool, optional=True)
+    if config.train.test_eval and config.data.split == "tail":
+        raise ValueError("config.train.test_eval needs a test split: "
+                         "config.data.split='works'.")
     check("train.seed", int, low=0, high=2**31 - 1)
     check("train.stop_on_nonfinite", bool)
     check("sample.num_samples", int, low=0)
@@ -150,13 +162,15 @@ def _check_value(config, name: str, kind: type, *, choices=None, low=None,
 # The keys of each config section; "model" holds DecoderLM's attributes but
 # vocab_size and max_len (the tokenizer's and data.block_size).
 CONFIG_SECTIONS = {
-    "data": ("path", "tokenizer", "vocab_size", "val_fraction", "block_size"),
+    "data": ("path", "split", "tokenizer", "vocab_size", "val_fraction",
+             "test_fraction", "train_fraction", "block_size"),
     "loss": ("loss_impl", "label_smoothing", "smoothing", "z_loss", "chunk_size"),
     "optim": ("lr", "warmup_steps", "min_lr", "weight_decay", "b1", "b2",
               "grad_clip"),
     "mesh": ("data", "model"),
     "train": ("steps", "batch_size", "seed", "log_every", "eval_every",
-              "checkpoint_every", "eval_batches", "stop_on_nonfinite"),
+              "checkpoint_every", "eval_batches", "eval_train_batches",
+              "patience", "test_eval", "stop_on_nonfinite"),
     "sample": ("num_samples", "max_new_tokens", "temperature", "top_k", "top_p",
                "prompt"),
 }
@@ -167,7 +181,8 @@ CONFIG_SECTIONS = {
 # what the run's checkpoints mean.
 RESUMABLE_CHANGES = (
     "train.log_every", "train.eval_every", "train.checkpoint_every",
-    "train.eval_batches", "train.stop_on_nonfinite", "loss.loss_impl",
+    "train.eval_batches", "train.eval_train_batches", "train.test_eval",
+    "train.stop_on_nonfinite", "loss.loss_impl",
     "loss.chunk_size", "mesh.data", "mesh.model", "sample.num_samples",
     "sample.max_new_tokens", "sample.temperature", "sample.top_k",
     "sample.top_p", "sample.prompt")

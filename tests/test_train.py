@@ -17,9 +17,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 from configs import default
+from lmhead import checkpoints
 from lmhead import config_checks
 from lmhead import data
 from lmhead import train
@@ -33,7 +35,7 @@ def tiny_config(**overrides):
     return config
 
 
-def read_metrics(workdir, drop=("train/tokens_per_sec",)):
+def read_metrics(workdir, drop=train.MEASURED_METRICS):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [{k: v for k, v in json.loads(line).items() if k not in drop}
                 for line in f]
@@ -83,6 +85,24 @@ class TestTraining:
                      + D * F + F + F * D + D)
         assert summary["num_params"] == V * D + T * D + L * per_block + 2 * D
         assert summary["num_head_params"] == 0  # tied: the table is the embedding's
+
+    def test_monitoring(self, runs):
+        logged = [r for r in read_metrics(runs["first"], drop=())
+                  if "train/loss" in r]
+        assert len(logged) == 4
+        for record in logged:
+            assert 0 < record["train/step_ms_p50"] <= record["train/step_ms_p90"]
+            assert (record["memory/host_peak_rss_bytes"]
+                    >= record["memory/host_rss_bytes"] > 2**20)
+            # JAX reports device memory on GPU and TPU, not on CPU.
+            assert ("memory/device_peak_bytes" in record) == (
+                jax.default_backend() != "cpu")
+            assert set(record) - {"step"} <= {
+                f"train/{k}" for k in ("loss", "nll", "accuracy", "grad_norm",
+                                       "learning_rate")} | set(train.MEASURED_METRICS)
+        summary = runs["summary"]
+        assert 0 < summary["step_ms_p50"] <= summary["step_ms_p90"]
+        assert summary["memory"]["host_peak_rss_bytes"] > 2**20
 
     def test_outputs_in_workdir(self, runs):
         names = set(os.listdir(runs["first"]))
@@ -245,7 +265,9 @@ class TestEvaluate:
         batches = data.eval_batches(tokens, num_batches=num_batches,
                                     batch_size=4, block_size=16)
         eval_fn = jax.jit(lambda p, b: train.eval_step(p, b, model=model))
-        got = train.evaluate(eval_fn, params, batches, chars_per_token=2.5)
+        num_tokens = sum(int(b["weights"].sum()) for b in batches)
+        got = train.evaluate(eval_fn, params, train.EvalSet(
+            "eval", batches, num_tokens=num_tokens, num_chars=2.5 * num_tokens))
 
         # The whole split: 31 windows of 16, so every label but the last 3.
         windows = np.stack([tokens[i:i + 17] for i in range(0, 496, 16)])
@@ -266,10 +288,13 @@ class TestEvaluate:
             if in_bin.any():
                 ece += in_bin.mean() * abs(correct[in_bin].mean()
                                            - confidence[in_bin].mean())
+        # Equal windows: the standard error of the mean of the window means.
+        window_nll = -log_p[np.arange(len(labels)), labels].reshape(len(windows), -1)
+        stderr = window_nll.mean(1).std(ddof=1) / np.sqrt(len(windows))
         np.testing.assert_allclose(
             [got["eval/loss"], got["eval/perplexity"], got["eval/bits_per_char"],
-             got["eval/accuracy"], got["eval/ece"]],
-            [nll, np.exp(nll), nll / np.log(2) / 2.5, correct.mean(), ece],
+             got["eval/accuracy"], got["eval/ece"], got["eval/loss_stderr"]],
+            [nll, np.exp(nll), nll / np.log(2) / 2.5, correct.mean(), ece, stderr],
             rtol=1e-4, atol=1e-6)
 
 
@@ -300,6 +325,13 @@ class TestConfig:
         with pytest.raises(ValueError, match=match):
             default.get_config(arg)
 
+    def test_study_keys_default_to_todays_behaviour(self):
+        for arg in ("nanogpt", "compare", "tiny"):
+            config = default.get_config(arg)
+            assert (config.data.split, config.data.train_fraction,
+                    config.train.patience, config.train.eval_train_batches,
+                    config.train.test_eval) == ("tail", 1.0, 0, 0, None)
+
     def test_locked(self):
         with pytest.raises(AttributeError):
             default.get_config().train.stpes = 3
@@ -318,6 +350,11 @@ class TestConfig:
         ("optim.warmup_steps", 40, ValueError, "config.optim.warmup_steps"),
         ("sample.top_p", 0.0, ValueError, "config.sample.top_p"),
         ("sample.prompt", "", ValueError, "must not be empty"),
+        ("data.split", "plays", ValueError, "'tail', 'works'"),
+        ("data.train_fraction", 0.0, ValueError, "config.data.train_fraction"),
+        ("data.test_fraction", 0.9, ValueError, "config.data.test_fraction"),
+        ("train.patience", -1, ValueError, "config.train.patience"),
+        ("train.test_eval", True, ValueError, "needs a test split"),
     ])
     def test_validation(self, name, value, error, match):
         config = tiny_config(**{"loss.loss_impl": "materialized", name: value})
@@ -340,3 +377,127 @@ class TestConfig:
         config_checks.validate_config(default.get_config("tiny,bpe=512"))
         with pytest.raises(ValueError, match="data.vocab_size"):
             config_checks.validate_config(default.get_config("tiny,bpe=100"))
+
+
+# Validation losses scripted to worsen after step 10 (evaluations every 5).
+SCRIPTED_LOSSES = {5: 3.0, 10: 2.0, 15: 2.5, 20: 2.6}
+
+
+@pytest.fixture(scope="module")
+def stopped(corpus, tmp_path_factory):
+    """One run with patience 2 on ``SCRIPTED_LOSSES``, a works split (blocks,
+    for a plain file) and the test evaluation; ``events`` records the calls
+    of the data loaders and of ``evaluate`` (by evaluation set) in order."""
+    workdir = str(tmp_path_factory.mktemp("stopped") / "run")
+    config = tiny_config(**{
+        "data.path": corpus, "data.split": "works", "train.eval_every": 5,
+        "train.log_every": 5, "train.checkpoint_every": 10,
+        "train.patience": 2, "train.eval_train_batches": 1,
+        "sample.num_samples": 0})
+    events, original, losses = [], train.evaluate, list(SCRIPTED_LOSSES.values())
+
+    def scripted(eval_fn, params, eval_set):
+        metrics = original(eval_fn, params, eval_set)
+        if eval_set.name == "eval":
+            metrics["eval/loss"] = losses[events.count("eval")]
+        events.append(eval_set.name)
+        return metrics
+
+    def recording(name, function):
+        def record(*args, **kwargs):
+            events.append(name)
+            return function(*args, **kwargs)
+        return record
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(train, "evaluate", scripted)
+        monkeypatch.setattr(data, "train_batch",
+                            recording("train_batch", data.train_batch))
+        monkeypatch.setattr(data, "load_test_tokens",
+                            recording("load_test_tokens", data.load_test_tokens))
+        summary = train.train_and_evaluate(config, workdir)
+    return dict(workdir=workdir, summary=summary, events=events, config=config)
+
+
+class TestEarlyStoppingAndTest:
+
+    def test_stops_and_reports_the_best_step(self, stopped):
+        summary = stopped["summary"]
+        assert summary["best_step"] == 10 and summary["best"]["eval/loss"] == 2.0
+        assert summary["steps_run"] == 20 and summary["stopped_early"] is True
+        assert summary["steps"] == 40
+        records = read_metrics(stopped["workdir"])
+        at_best = next(r for r in records if r["step"] == 10 and "eval/loss" in r)
+        assert summary["best"] == {k: v for k, v in at_best.items()
+                                   if k.startswith("eval/")}
+        assert summary["train_at_best"] == {k: v for k, v in at_best.items()
+                                            if k.startswith("train_eval/")}
+        assert set(summary["train_at_best"]) >= {"train_eval/loss",
+                                                 "train_eval/loss_stderr"}
+        assert max(r["step"] for r in records) == 20
+
+    def test_keeps_the_best_checkpoint(self, stopped):
+        workdir = stopped["workdir"]
+        assert os.listdir(os.path.join(workdir, "best_checkpoint")) == ["10"]
+        assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "20"]
+        vocab_size = data.load_tokenizer(
+            os.path.join(workdir, data.TOKENIZER_FILE)).vocab_size
+        best = train.restore_or_init(
+            checkpoints.best_checkpoint_manager(workdir),
+            train.make_model(stopped["config"], vocab_size), stopped["config"],
+            jax.random.key(0))
+        manager = checkpoints.checkpoint_manager(workdir)
+        at_10 = manager.restore(10, args=ocp.args.StandardRestore(best))
+        manager.close()
+        assert int(best.step) == 10
+        jax.tree.map(np.testing.assert_array_equal, best.params, at_10.params)
+
+    def test_test_split_is_read_once_after_training(self, stopped):
+        events = stopped["events"]
+        assert events.count("load_test_tokens") == 1
+        assert events.index("load_test_tokens") > max(
+            i for i, e in enumerate(events) if e in ("train_batch", "eval"))
+        assert events[-1] == "test"
+
+    def test_test_evaluation_uses_the_best_parameters(self, stopped, corpus):
+        test = stopped["summary"]["test"]
+        assert test["step"] == 10
+        with open(corpus, encoding="utf-8") as f:
+            test_text = data.split_blocks(f.read(), 0.1, 0.1)[2]
+        T = 16
+        assert test["num_tokens"] == test["num_chars"] == T * ((len(test_text) - 1) // T)
+        assert test["bits_per_char"] == pytest.approx(test["loss"] / math.log(2))
+        assert test["loss_stderr"] > 0
+
+    def test_a_stopped_run_is_finished(self, stopped, monkeypatch):
+        monkeypatch.setattr(train, "compile_steps", None)
+        summary = train.train_and_evaluate(stopped["config"], stopped["workdir"])
+        assert summary == stopped["summary"]
+
+
+class TestBitsPerCharacter:
+
+    @pytest.mark.parametrize("kind", ["char", "bpe"])
+    def test_against_a_hand_computation(self, kind):
+        text = "the cat sat on the mat, the dog sat on the log.\n" * 30
+        tokenizer = data.make_tokenizer(kind, text, text,
+                                        300 if kind == "bpe" else None)
+        tokens = tokenizer.encode_array(text)
+        config = tiny_config()
+        eval_set = train.make_eval_set("eval", tokens, None, config, tokenizer)
+
+        def one_nat_per_token(params, batch):  # a stand-in for eval_step
+            return {"window_nll": batch["weights"].sum(-1),
+                    "window_count": batch["weights"].sum(-1),
+                    "correct_sum": 0.0, "bins": np.zeros((15, 3))}
+        got = train.evaluate(one_nat_per_token, None, eval_set)
+
+        # Consecutive windows of 16 predict tokens 1 .. 16k; their characters
+        # are the text without the first token's and the tail's.
+        k = (len(tokens) - 1) // 16
+        chars = (len(text) - len(tokenizer.decode(tokens[:1]))
+                 - len(tokenizer.decode(tokens[1 + 16 * k:])))
+        assert eval_set.num_tokens == 16 * k
+        assert got["eval/bits_per_char"] == pytest.approx(
+            16 * k / (math.log(2) * chars), rel=1e-6)  # float32
+        if kind == "bpe":
+            assert chars > 2 * 16 * k  # several characters per token

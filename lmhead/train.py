@@ -4,7 +4,8 @@
 the model and an AdamW optimizer, resumes from the newest checkpoint in
 ``workdir`` if there is one, trains, evaluates, checkpoints, and ends with
 decoded samples. ``train_step`` and ``eval_step`` are pure functions;
-:func:`compile_steps` is the one place that jits them.
+:func:`compile_steps` is the one place that jits them; ``lmhead.evaluation``
+reduces ``eval_step`` over fixed evaluation sets.
 
 Weight decay applies to the kernels of dense layers (attention and MLP
 projections) and to nothing else: not to LayerNorm scales, biases, the
@@ -77,6 +78,7 @@ from lmhead import checkpoints
 from lmhead import config_checks
 from lmhead import data
 from lmhead import decoding
+from lmhead import evaluation
 from lmhead import losses
 from lmhead import model as model_lib
 from lmhead import sharding
@@ -247,72 +249,6 @@ def compile_steps(model: model_lib.DecoderLM, config: ml_collections.ConfigDict,
     compile_seconds = time.perf_counter() - start
     eval_fn = jax.jit(functools.partial(eval_step, model=model), **eval_shardings)
     return train_fn, eval_fn, compile_seconds
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalSet:
-    """A fixed set of evaluation windows.
-
-    Attributes:
-        name: the prefix of its metrics: ``"eval"`` (validation),
-            ``"train_eval"`` (training windows) or ``"test"``.
-        batches: ``data.eval_batches``'s batches (sharded or not).
-        num_tokens: the labels evaluated (the weight sum).
-        num_chars: the characters those labels decode to
-            (``data.label_chars``).
-    """
-    name: str
-    batches: list
-    num_tokens: int
-    num_chars: float
-
-
-def make_eval_set(name: str, tokens: np.ndarray, num_batches: int | None,
-                  config: ml_collections.ConfigDict, tokenizer: data.Tokenizer,
-                  mesh: jax.sharding.Mesh | None = None) -> EvalSet:
-    """``num_batches`` batches of evenly spaced windows of ``tokens`` (None:
-    all of them, consecutive), sharded over ``mesh``."""
-    batches = data.eval_batches(tokens, num_batches=num_batches,
-                                batch_size=config.train.batch_size,
-                                block_size=config.data.block_size)
-    num_tokens = int(sum(b["weights"].sum() for b in batches))
-    num_chars = data.label_chars(tokenizer, batches)
-    if mesh is not None:
-        batches = [sharding.shard_batch(b, mesh) for b in batches]
-    return EvalSet(name, batches, num_tokens, num_chars)
-
-
-def evaluate(eval_fn, params: Any, eval_set: EvalSet) -> dict[str, float]:
-    r"""Metrics over ``eval_set``, named ``{eval_set.name}/...``.
-
-    ``loss`` is the nll in nats per token, :math:`\bar\ell = \sum_w y_w /
-    \sum_w n_w` over windows :math:`w` with summed nll :math:`y_w` and
-    :math:`n_w` tokens. ``loss_stderr`` is its standard error with the
-    windows as independent draws (the ratio estimator's),
-    :math:`\sqrt{\sum_w (y_w - \bar\ell n_w)^2 / (k(k-1))} / \bar n` for
-    :math:`k` windows of mean size :math:`\bar n` (NaN for one window).
-    ``bits_per_char`` is :math:`\sum_w y_w / (\ln 2 \cdot` the characters the
-    labels decode to), the same for every tokenizer. Also ``perplexity``
-    (per token), ``accuracy`` and ``ece``.
-    """
-    sums = jax.device_get([eval_fn(params, batch) for batch in eval_set.batches])
-    window_nll, window_count = (
-        np.concatenate([s[k] for s in sums]).astype(np.float64)
-        for k in ("window_nll", "window_count"))
-    window_nll, window_count = (x[window_count > 0] for x in (window_nll, window_count))
-    count, k = window_count.sum(), len(window_count)
-    nll = window_nll.sum() / count
-    stderr = (np.sqrt(np.sum((window_nll - nll * window_count) ** 2) / (k * (k - 1)))
-              / window_count.mean()) if k > 1 else math.nan
-    metrics = {
-        "loss": nll, "loss_stderr": stderr,
-        "perplexity": losses.perplexity(nll),
-        "bits_per_char": losses.bits_per_character(
-            nll, eval_set.num_chars / eval_set.num_tokens),
-        "accuracy": np.sum([s["correct_sum"] for s in sums]) / count,
-        "ece": losses.calibration_error_from_bins(
-            np.sum([s["bins"] for s in sums], axis=0))}
-    return {f"{eval_set.name}/{k}": float(v) for k, v in metrics.items()}
 
 
 class MetricWriter:
@@ -518,10 +454,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     eval_sets = _periodic_eval_sets(config, dataset, mesh)
     writer = MetricWriter(workdir, int(state.step))
     run = _Run(config, manager, writer, train_fn, batch, dropout_key,
-               evaluate=lambda params: {k: v for s in eval_sets
-                                        for k, v in evaluate(eval_fn, params, s).items()},
-               stopping=EarlyStopping.from_records(config.train.patience,
-                                                   writer.records),
+               evaluate=lambda params: {
+                   k: v for eval_set in eval_sets
+                   for k, v in evaluation.evaluate(eval_fn, params, eval_set).items()},
+               stopping=evaluation.EarlyStopping.from_records(
+                   config.train.patience, writer.records),
                best_manager=(checkpoints.best_checkpoint_manager(workdir)
                              if config.train.patience else None))
     try:
@@ -560,13 +497,15 @@ def _load_dataset(config, workdir) -> data.Dataset:
     return dataset
 
 
-def _periodic_eval_sets(config, dataset: data.Dataset, mesh) -> list[EvalSet]:
+def _periodic_eval_sets(config, dataset: data.Dataset,
+                        mesh) -> list[evaluation.EvalSet]:
     """The fixed validation windows, and the training windows of
     ``train.eval_train_batches``."""
-    eval_sets = [make_eval_set("eval", dataset.val_tokens, config.train.eval_batches,
-                               config, dataset.tokenizer, mesh)]
+    eval_sets = [evaluation.make_eval_set(
+        "eval", dataset.val_tokens, config.train.eval_batches, config,
+        dataset.tokenizer, mesh)]
     if config.train.eval_train_batches:
-        eval_sets.append(make_eval_set(
+        eval_sets.append(evaluation.make_eval_set(
             "train_eval", dataset.train_tokens, config.train.eval_train_batches,
             config, dataset.tokenizer, mesh))
     return eval_sets
@@ -579,47 +518,6 @@ def _finished_summary(summary_path: str, step: int) -> dict | None:
     with open(summary_path) as f:
         summary = json.load(f)
     return summary if summary.get("steps_run", summary["steps"]) == step else None
-
-
-@dataclasses.dataclass
-class EarlyStopping:
-    """Stops when ``patience`` evaluations in a row have not lowered the best
-    validation loss (``patience=0``: never). A NaN loss never improves.
-
-    Examples:
-        >>> stopping = EarlyStopping(patience=2)
-        >>> [stopping.update(step, loss) for step, loss in
-        ...  [(10, 3.0), (20, 2.5), (30, 2.6), (40, 2.5)]]
-        [True, True, False, False]
-        >>> stopping.best_step, stopping.should_stop
-        (20, True)
-    """
-    patience: int
-    best_step: int | None = None
-    best_loss: float = math.inf
-    evaluations_since_best: int = 0
-
-    @classmethod
-    def from_records(cls, patience: int, records: list[dict]) -> "EarlyStopping":
-        """The state after the evaluations in ``records`` (a resumed run's)."""
-        stopping = cls(patience)
-        for record in records:
-            if "eval/loss" in record:
-                stopping.update(record["step"], record["eval/loss"])
-        return stopping
-
-    def update(self, step: int, loss: float) -> bool:
-        """Counts the evaluation at ``step``; True when it is a new best."""
-        if loss < self.best_loss:
-            self.best_step, self.best_loss = step, loss
-            self.evaluations_since_best = 0
-            return True
-        self.evaluations_since_best += 1
-        return False
-
-    @property
-    def should_stop(self) -> bool:
-        return 0 < self.patience <= self.evaluations_since_best
 
 
 @dataclasses.dataclass(frozen=True)
@@ -638,7 +536,7 @@ class _Run:
     batch: Any
     dropout_key: jax.Array
     evaluate: Any
-    stopping: EarlyStopping
+    stopping: evaluation.EarlyStopping
     best_manager: ocp.CheckpointManager | None
 
 
@@ -725,8 +623,10 @@ def _train_loop(run: _Run, state: TrainState) -> tuple[TrainState, StepTimer]:
     config, steps = run.config, run.config.train.steps
     timer, pending = StepTimer(), []
     timer.start()
+    # A run that had stopped early before it was interrupted stays stopped.
+    first_step = steps if run.stopping.should_stop else int(state.step)
     with _sigterm_flag() as terminated:
-        for step in range(int(state.step), steps):
+        for step in range(first_step, steps):
             if _stop_requested(run.manager, step, terminated):
                 if pending:
                     _log_training(run, timer, pending, step, state)
@@ -830,7 +730,7 @@ def _test_evaluation(run: _Run, state: TrainState, eval_fn,
     """The whole test split, read now (nothing reads it before), evaluated
     once with the best evaluation's parameters (``train.patience`` set) or
     the last; logged as ``test/...``."""
-    test_set = make_eval_set(
+    test_set = evaluation.make_eval_set(
         "test", data.load_test_tokens(run.config.data, dataset.tokenizer), None,
         run.config, dataset.tokenizer, mesh)
     params, step = state.params, int(state.step)
@@ -839,7 +739,7 @@ def _test_evaluation(run: _Run, state: TrainState, eval_fn,
             x.shape, x.dtype, sharding=x.sharding), state)
         best = checkpoints.restore_newest(run.best_manager, target)
         params, step = best.params, int(best.step)
-    metrics = evaluate(eval_fn, params, test_set)
+    metrics = evaluation.evaluate(eval_fn, params, test_set)
     run.writer.write(int(state.step), metrics)
     _log("test  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return {**{k.split("/", 1)[1]: v for k, v in metrics.items()},
@@ -875,8 +775,8 @@ def _summary(config, state, vocab_size, final, timer: StepTimer,
 def _best_summary(run: _Run, state: TrainState) -> dict:
     """The summary's ``best_step``, ``best``, ``train_at_best``, ``steps_run``
     and ``stopped_early`` (see ``train_and_evaluate``)."""
-    stopping = EarlyStopping.from_records(run.config.train.patience,
-                                          run.writer.records)
+    stopping = evaluation.EarlyStopping.from_records(
+        run.config.train.patience, run.writer.records)
     best = next((r for r in run.writer.records
                  if r["step"] == stopping.best_step and "eval/loss" in r), {})
     summary = {

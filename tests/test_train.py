@@ -24,6 +24,7 @@ from configs import default
 from lmhead import checkpoints
 from lmhead import config_checks
 from lmhead import data
+from lmhead import evaluation
 from lmhead import train
 
 
@@ -254,50 +255,6 @@ class TestLossImpl:
         assert min(jax.tree.leaves(moved_alike)) > 0.99, moved_alike
 
 
-class TestEvaluate:
-
-    @pytest.mark.parametrize("num_batches", [3, None])
-    def test_against_numpy(self, num_batches):
-        config = tiny_config()
-        model = train.make_model(config, vocab_size=84)
-        params = init_state(config, jax.random.key(1)).params
-        tokens = np.random.default_rng(0).integers(0, 84, 500)
-        batches = data.eval_batches(tokens, num_batches=num_batches,
-                                    batch_size=4, block_size=16)
-        eval_fn = jax.jit(lambda p, b: train.eval_step(p, b, model=model))
-        num_tokens = sum(int(b["weights"].sum()) for b in batches)
-        got = train.evaluate(eval_fn, params, train.EvalSet(
-            "eval", batches, num_tokens=num_tokens, num_chars=2.5 * num_tokens))
-
-        # The whole split: 31 windows of 16, so every label but the last 3.
-        windows = np.stack([tokens[i:i + 17] for i in range(0, 496, 16)])
-        if num_batches:
-            windows = np.stack([tokens[i:i + 17] for i in
-                                np.linspace(0, 483, 12).astype(int)])
-        apply = jax.jit(lambda p, x: model.apply({"params": p}, x))
-        logits = np.asarray(apply(params, windows[:, :-1]), np.float64).reshape(-1, 84)
-        labels = windows[:, 1:].reshape(-1)
-        log_p = logits - logits.max(-1, keepdims=True)
-        log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
-        nll = -log_p[np.arange(len(labels)), labels].mean()
-        confidence = np.exp(log_p.max(-1))
-        correct = log_p.argmax(-1) == labels
-        ece = 0.0
-        for m in range(15):
-            in_bin = (confidence > m / 15) & (confidence <= (m + 1) / 15)
-            if in_bin.any():
-                ece += in_bin.mean() * abs(correct[in_bin].mean()
-                                           - confidence[in_bin].mean())
-        # Equal windows: the standard error of the mean of the window means.
-        window_nll = -log_p[np.arange(len(labels)), labels].reshape(len(windows), -1)
-        stderr = window_nll.mean(1).std(ddof=1) / np.sqrt(len(windows))
-        np.testing.assert_allclose(
-            [got["eval/loss"], got["eval/perplexity"], got["eval/bits_per_char"],
-             got["eval/accuracy"], got["eval/ece"], got["eval/loss_stderr"]],
-            [nll, np.exp(nll), nll / np.log(2) / 2.5, correct.mean(), ece, stderr],
-            rtol=1e-4, atol=1e-6)
-
-
 class TestConfig:
 
     def test_arguments(self):
@@ -394,7 +351,8 @@ def stopped(corpus, tmp_path_factory):
         "train.log_every": 5, "train.checkpoint_every": 10,
         "train.patience": 2, "train.eval_train_batches": 1,
         "sample.num_samples": 0})
-    events, original, losses = [], train.evaluate, list(SCRIPTED_LOSSES.values())
+    events, original = [], evaluation.evaluate
+    losses = list(SCRIPTED_LOSSES.values())
 
     def scripted(eval_fn, params, eval_set):
         metrics = original(eval_fn, params, eval_set)
@@ -409,7 +367,7 @@ def stopped(corpus, tmp_path_factory):
             return function(*args, **kwargs)
         return record
     with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(train, "evaluate", scripted)
+        monkeypatch.setattr(evaluation, "evaluate", scripted)
         monkeypatch.setattr(data, "train_batch",
                             recording("train_batch", data.train_batch))
         monkeypatch.setattr(data, "load_test_tokens",
@@ -473,31 +431,12 @@ class TestEarlyStoppingAndTest:
         summary = train.train_and_evaluate(stopped["config"], stopped["workdir"])
         assert summary == stopped["summary"]
 
-
-class TestBitsPerCharacter:
-
-    @pytest.mark.parametrize("kind", ["char", "bpe"])
-    def test_against_a_hand_computation(self, kind):
-        text = "the cat sat on the mat, the dog sat on the log.\n" * 30
-        tokenizer = data.make_tokenizer(kind, text, text,
-                                        300 if kind == "bpe" else None)
-        tokens = tokenizer.encode_array(text)
-        config = tiny_config()
-        eval_set = train.make_eval_set("eval", tokens, None, config, tokenizer)
-
-        def one_nat_per_token(params, batch):  # a stand-in for eval_step
-            return {"window_nll": batch["weights"].sum(-1),
-                    "window_count": batch["weights"].sum(-1),
-                    "correct_sum": 0.0, "bins": np.zeros((15, 3))}
-        got = train.evaluate(one_nat_per_token, None, eval_set)
-
-        # Consecutive windows of 16 predict tokens 1 .. 16k; their characters
-        # are the text without the first token's and the tail's.
-        k = (len(tokens) - 1) // 16
-        chars = (len(text) - len(tokenizer.decode(tokens[:1]))
-                 - len(tokenizer.decode(tokens[1 + 16 * k:])))
-        assert eval_set.num_tokens == 16 * k
-        assert got["eval/bits_per_char"] == pytest.approx(
-            16 * k / (math.log(2) * chars), rel=1e-6)  # float32
-        if kind == "bpe":
-            assert chars > 2 * 16 * k  # several characters per token
+    def test_a_stopped_run_stays_stopped(self, stopped, tmp_path):
+        # As if it had been killed after its last checkpoint, before its summary.
+        workdir = str(tmp_path / "copy")
+        shutil.copytree(stopped["workdir"], workdir)
+        os.remove(os.path.join(workdir, "summary.json"))
+        summary = train.train_and_evaluate(stopped["config"], workdir)
+        assert (summary["steps_run"], summary["best_step"]) == (20, 10)
+        assert summary["stopped_early"] and summary["test"]["step"] == 10
+        assert max(r["step"] for r in read_metrics(workdir)) == 20

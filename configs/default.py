@@ -87,7 +87,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.data.path = ""  # "" is the embedded Shakespeare; else a UTF-8 file
     config.data.tokenizer = "char"  # "char" | "bpe"
     config.data.vocab_size = config_dict.placeholder(int)  # bpe only
+    # "tail": the last val_fraction of the text is validation, no test split
+    # (nanoGPT's). "works": whole works to train / validation / test, about
+    # val_fraction and test_fraction of the characters (lmhead/data.py says
+    # which); a plain text file is cut into blocks train | val | test.
+    config.data.split = "tail"
     config.data.val_fraction = 0.1
+    config.data.test_fraction = 0.1  # split="works" only
+    # The first fraction of the training split is trained on (and BPE is
+    # trained on it): the data-limited regime.
+    config.data.train_fraction = 1.0
     config.data.block_size = 64
 
     config.model = ml_collections.ConfigDict()
@@ -109,6 +118,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # vocabulary split over mesh.model, see lmhead/sharding.py). All three
     # give the same losses to float32 rounding; README.md ("The fused loss")
     # compares their time and memory (experiments/bench_train.py).
+    # Evaluation builds the [B, T, V] logits whatever loss_impl says: the
+    # calibration error (eval/ece) needs every token's top probability, which
+    # the blocked losses do not compute. Without gradients that is one batch
+    # of logits at a time (B * T * V floats), not the training step's residuals.
     config.loss.loss_impl = "fused"
     config.loss.label_smoothing = 0.0
     config.loss.smoothing = "uniform"  # "uniform" | "normalized"
@@ -138,7 +151,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.train.eval_every = 500
     config.train.checkpoint_every = 500
     # Batches of evenly spaced validation windows; None: the whole split.
+    # Each evaluation also reports the standard error of its loss.
     config.train.eval_batches = config_dict.placeholder(int)
+    # Batches of evenly spaced training windows evaluated with validation
+    # (train_eval/...), for the train-validation gap; 0: none.
+    config.train.eval_train_batches = 0
+    # Stop after this many evaluations in a row without a lower validation
+    # loss, keeping the best one's checkpoint (best_checkpoint/); 0: never.
+    config.train.patience = 0
+    # Evaluate once on the whole test split after training, with the best
+    # parameters when patience > 0 (else the last). None: when split="works".
+    config.train.test_eval = config_dict.placeholder(bool)
     # A non-finite loss, gradient norm or parameter stops the run with an
     # error naming the step, before anything is saved.
     config.train.stop_on_nonfinite = True

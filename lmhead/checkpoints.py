@@ -23,23 +23,32 @@ from lmhead import sharding
 CHECKPOINTS_TO_KEEP = 2
 # Where restore_newest moves a checkpoint that fails to restore, in the workdir.
 CORRUPT_CHECKPOINTS = "corrupt_checkpoints"
+# Where training keeps the best evaluation's state when train.patience is set.
+BEST_CHECKPOINT = "best_checkpoint"
 
 
-def checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
-    """Synchronous orbax manager of ``workdir/checkpoints``; the newest
-    ``CHECKPOINTS_TO_KEEP`` steps are kept.
+def checkpoint_manager(workdir: str, folder: str = "checkpoints",
+                       max_to_keep: int = CHECKPOINTS_TO_KEEP
+                       ) -> ocp.CheckpointManager:
+    """Synchronous orbax manager of ``workdir/folder``; the newest
+    ``max_to_keep`` steps are kept.
 
     Orbax writes a step to ``STEP.orbax-checkpoint-tmp`` and renames it when
     complete, so a process killed while saving leaves the previous steps
     whole; the next save of that step replaces the partial directory.
     """
     return ocp.CheckpointManager(
-        os.path.abspath(os.path.join(workdir, "checkpoints")),
+        os.path.abspath(os.path.join(workdir, folder)),
         item_handlers=ocp.StandardCheckpointHandler(),
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=CHECKPOINTS_TO_KEEP, create=True,
+            max_to_keep=max_to_keep, create=True,
             enable_async_checkpointing=False))
 
+
+def best_checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
+    """The manager of ``workdir/best_checkpoint``: the state of the best
+    evaluation so far, one step (training saves there only on a new best)."""
+    return checkpoint_manager(workdir, BEST_CHECKPOINT, max_to_keep=1)
 
 
 def restore_newest(manager: ocp.CheckpointManager, target: Any) -> Any | None:

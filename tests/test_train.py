@@ -19,11 +19,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 from configs import default
+from lmhead import checkpoints
 from lmhead import config_checks
 from lmhead import data
+from lmhead import evaluation
 from lmhead import train
 
 
@@ -35,7 +38,7 @@ def tiny_config(**overrides):
     return config
 
 
-def read_metrics(workdir, drop=("train/tokens_per_sec",)):
+def read_metrics(workdir, drop=train.MEASURED_METRICS):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [{k: v for k, v in json.loads(line).items() if k not in drop}
                 for line in f]
@@ -88,6 +91,24 @@ class TestTraining:
                      + D * F + F + F * D + D)
         assert summary["num_params"] == V * D + T * D + L * per_block + 2 * D
         assert summary["num_head_params"] == 0  # tied: the table is the embedding's
+
+    def test_monitoring(self, runs):
+        logged = [r for r in read_metrics(runs["first"], drop=())
+                  if "train/loss" in r]
+        assert len(logged) == 4
+        for record in logged:
+            assert 0 < record["train/step_ms_p50"] <= record["train/step_ms_p90"]
+            assert (record["memory/host_peak_rss_bytes"]
+                    >= record["memory/host_rss_bytes"] > 2**20)
+            # JAX reports device memory on GPU and TPU, not on CPU.
+            assert ("memory/device_peak_bytes" in record) == (
+                jax.default_backend() != "cpu")
+            assert set(record) - {"step"} <= {
+                f"train/{k}" for k in ("loss", "nll", "accuracy", "grad_norm",
+                                       "learning_rate")} | set(train.MEASURED_METRICS)
+        summary = runs["summary"]
+        assert 0 < summary["step_ms_p50"] <= summary["step_ms_p90"]
+        assert summary["memory"]["host_peak_rss_bytes"] > 2**20
 
     def test_outputs_in_workdir(self, runs):
         names = set(os.listdir(runs["first"]))
@@ -243,45 +264,6 @@ class TestLossImpl:
         assert min(jax.tree.leaves(moved_alike)) > 0.99, moved_alike
 
 
-class TestEvaluate:
-
-    @pytest.mark.parametrize("num_batches", [3, None])
-    def test_against_numpy(self, num_batches):
-        config = tiny_config()
-        model = train.make_model(config, vocab_size=84)
-        params = init_state(config, jax.random.key(1)).params
-        tokens = np.random.default_rng(0).integers(0, 84, 500)
-        batches = data.eval_batches(tokens, num_batches=num_batches,
-                                    batch_size=4, block_size=16)
-        eval_fn = jax.jit(lambda p, b: train.eval_step(p, b, model=model))
-        got = train.evaluate(eval_fn, params, batches, chars_per_token=2.5)
-
-        # The whole split: 31 windows of 16, so every label but the last 3.
-        windows = np.stack([tokens[i:i + 17] for i in range(0, 496, 16)])
-        if num_batches:
-            windows = np.stack([tokens[i:i + 17] for i in
-                                np.linspace(0, 483, 12).astype(int)])
-        apply = jax.jit(lambda p, x: model.apply({"params": p}, x))
-        logits = np.asarray(apply(params, windows[:, :-1]), np.float64).reshape(-1, 84)
-        labels = windows[:, 1:].reshape(-1)
-        log_p = logits - logits.max(-1, keepdims=True)
-        log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
-        nll = -log_p[np.arange(len(labels)), labels].mean()
-        confidence = np.exp(log_p.max(-1))
-        correct = log_p.argmax(-1) == labels
-        ece = 0.0
-        for m in range(15):
-            in_bin = (confidence > m / 15) & (confidence <= (m + 1) / 15)
-            if in_bin.any():
-                ece += in_bin.mean() * abs(correct[in_bin].mean()
-                                           - confidence[in_bin].mean())
-        np.testing.assert_allclose(
-            [got["eval/loss"], got["eval/perplexity"], got["eval/bits_per_char"],
-             got["eval/accuracy"], got["eval/ece"]],
-            [nll, np.exp(nll), nll / np.log(2) / 2.5, correct.mean(), ece],
-            rtol=1e-4, atol=1e-6)
-
-
 class TestConfig:
 
     def test_arguments(self):
@@ -309,6 +291,13 @@ class TestConfig:
         with pytest.raises(ValueError, match=match):
             default.get_config(arg)
 
+    def test_study_keys_default_to_todays_behaviour(self):
+        for arg in ("nanogpt", "compare", "tiny"):
+            config = default.get_config(arg)
+            assert (config.data.split, config.data.train_fraction,
+                    config.train.patience, config.train.eval_train_batches,
+                    config.train.test_eval) == ("tail", 1.0, 0, 0, None)
+
     def test_locked(self):
         with pytest.raises(AttributeError):
             default.get_config().train.stpes = 3
@@ -327,6 +316,11 @@ class TestConfig:
         ("optim.warmup_steps", 40, ValueError, "config.optim.warmup_steps"),
         ("sample.top_p", 0.0, ValueError, "config.sample.top_p"),
         ("sample.prompt", "", ValueError, "must not be empty"),
+        ("data.split", "plays", ValueError, "'tail', 'works'"),
+        ("data.train_fraction", 0.0, ValueError, "config.data.train_fraction"),
+        ("data.test_fraction", 0.9, ValueError, "config.data.test_fraction"),
+        ("train.patience", -1, ValueError, "config.train.patience"),
+        ("train.test_eval", True, ValueError, "needs a test split"),
     ])
     def test_validation(self, name, value, error, match):
         config = tiny_config(**{"loss.loss_impl": "materialized", name: value})
@@ -349,3 +343,109 @@ class TestConfig:
         config_checks.validate_config(default.get_config("tiny,bpe=512"))
         with pytest.raises(ValueError, match="data.vocab_size"):
             config_checks.validate_config(default.get_config("tiny,bpe=100"))
+
+
+# Validation losses scripted to worsen after step 10 (evaluations every 5).
+SCRIPTED_LOSSES = {5: 3.0, 10: 2.0, 15: 2.5, 20: 2.6}
+
+
+@pytest.fixture(scope="module")
+def stopped(corpus, tmp_path_factory):
+    """One run with patience 2 on ``SCRIPTED_LOSSES``, a works split (blocks,
+    for a plain file) and the test evaluation; ``events`` records the calls
+    of the data loaders and of ``evaluate`` (by evaluation set) in order."""
+    workdir = str(tmp_path_factory.mktemp("stopped") / "run")
+    config = tiny_config(**{
+        "data.path": corpus, "data.split": "works", "train.eval_every": 5,
+        "train.log_every": 5, "train.checkpoint_every": 10,
+        "train.patience": 2, "train.eval_train_batches": 1,
+        "sample.num_samples": 0})
+    events, original = [], evaluation.evaluate
+    losses = list(SCRIPTED_LOSSES.values())
+
+    def scripted(eval_fn, params, eval_set):
+        metrics = original(eval_fn, params, eval_set)
+        if eval_set.name == "eval":
+            metrics["eval/loss"] = losses[events.count("eval")]
+        events.append(eval_set.name)
+        return metrics
+
+    def recording(name, function):
+        def record(*args, **kwargs):
+            events.append(name)
+            return function(*args, **kwargs)
+        return record
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(evaluation, "evaluate", scripted)
+        monkeypatch.setattr(data, "train_batch",
+                            recording("train_batch", data.train_batch))
+        monkeypatch.setattr(data, "load_test_tokens",
+                            recording("load_test_tokens", data.load_test_tokens))
+        summary = train.train_and_evaluate(config, workdir)
+    return dict(workdir=workdir, summary=summary, events=events, config=config)
+
+
+class TestEarlyStoppingAndTest:
+
+    def test_stops_and_reports_the_best_step(self, stopped):
+        summary = stopped["summary"]
+        assert summary["best_step"] == 10 and summary["best"]["eval/loss"] == 2.0
+        assert summary["steps_run"] == 20 and summary["stopped_early"] is True
+        assert summary["steps"] == 40
+        records = read_metrics(stopped["workdir"])
+        at_best = next(r for r in records if r["step"] == 10 and "eval/loss" in r)
+        assert summary["best"] == {k: v for k, v in at_best.items()
+                                   if k.startswith("eval/")}
+        assert summary["train_at_best"] == {k: v for k, v in at_best.items()
+                                            if k.startswith("train_eval/")}
+        assert set(summary["train_at_best"]) >= {"train_eval/loss",
+                                                 "train_eval/loss_stderr"}
+        assert max(r["step"] for r in records) == 20
+
+    def test_keeps_the_best_checkpoint(self, stopped):
+        workdir = stopped["workdir"]
+        assert os.listdir(os.path.join(workdir, "best_checkpoint")) == ["10"]
+        assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "20"]
+        vocab_size = data.load_tokenizer(
+            os.path.join(workdir, data.TOKENIZER_FILE)).vocab_size
+        best = train.restore_or_init(
+            checkpoints.best_checkpoint_manager(workdir),
+            train.make_model(stopped["config"], vocab_size), stopped["config"],
+            jax.random.key(0))
+        manager = checkpoints.checkpoint_manager(workdir)
+        at_10 = manager.restore(10, args=ocp.args.StandardRestore(best))
+        manager.close()
+        assert int(best.step) == 10
+        jax.tree.map(np.testing.assert_array_equal, best.params, at_10.params)
+
+    def test_test_split_is_read_once_after_training(self, stopped):
+        events = stopped["events"]
+        assert events.count("load_test_tokens") == 1
+        assert events.index("load_test_tokens") > max(
+            i for i, e in enumerate(events) if e in ("train_batch", "eval"))
+        assert events[-1] == "test"
+
+    def test_test_evaluation_uses_the_best_parameters(self, stopped, corpus):
+        test = stopped["summary"]["test"]
+        assert test["step"] == 10
+        with open(corpus, encoding="utf-8") as f:
+            test_text = data.split_blocks(f.read(), 0.1, 0.1)[2]
+        T = 16
+        assert test["num_tokens"] == test["num_chars"] == T * ((len(test_text) - 1) // T)
+        assert test["bits_per_char"] == pytest.approx(test["loss"] / math.log(2))
+        assert test["loss_stderr"] > 0
+
+    def test_a_stopped_run_is_finished(self, stopped, monkeypatch):
+        monkeypatch.setattr(train, "compile_steps", None)
+        summary = train.train_and_evaluate(stopped["config"], stopped["workdir"])
+        assert summary == stopped["summary"]
+
+    def test_a_stopped_run_stays_stopped(self, stopped, tmp_path):
+        # As if it had been killed after its last checkpoint, before its summary.
+        workdir = str(tmp_path / "copy")
+        shutil.copytree(stopped["workdir"], workdir)
+        os.remove(os.path.join(workdir, "summary.json"))
+        summary = train.train_and_evaluate(stopped["config"], workdir)
+        assert (summary["steps_run"], summary["best_step"]) == (20, 10)
+        assert summary["stopped_early"] and summary["test"]["step"] == 10
+        assert max(r["step"] for r in read_metrics(workdir)) == 20

@@ -21,6 +21,7 @@ from jax.test_util import check_grads
 from lmhead import fused
 from lmhead import head
 from lmhead import losses
+from tests import references
 
 B, T, D, V = 3, 7, 8, 37
 RAGGED = {"chunk_size": 5}
@@ -50,25 +51,10 @@ def make_inputs(seed=0, shape=(B, T), d=D, v=V, dtype=np.float32):
 def np_loss(h, w, bias, labels, weights, *, label_smoothing=0.0,
             smoothing="uniform", z_loss=0.0, scale=None, softcap=None):
     """Weighted mean of the smoothed cross-entropy + z-loss, in float64."""
-    z = np.asarray(h, np.float64) @ np.asarray(w, np.float64).T
-    z = z * (1.0 if scale is None else scale)
-    z = z + (0.0 if bias is None else np.asarray(bias, np.float64))
-    if softcap is not None:
-        z = softcap * np.tanh(z / softcap)
-    top = z.max(-1, keepdims=True)
-    lse = (top + np.log(np.exp(z - top).sum(-1, keepdims=True)))[..., 0]
-    log_p = z - lse[..., None]
-    vocab, eps = z.shape[-1], label_smoothing
-    onehot = np.eye(vocab)[labels]
-    if smoothing == "uniform":
-        target = (1 - eps) * onehot + eps / vocab
-        entropy = 0.0
-    else:
-        target = (1 - eps) * onehot + eps / (vocab - 1) * (1 - onehot)
-        entropy = -np.sum(target * np.log(np.where(target > 0, target, 1)), -1)
-    per_token = -np.sum(target * log_p, -1) - entropy + z_loss * lse**2
-    w_t = np.ones(labels.shape) if weights is None else np.asarray(weights)
-    return np.sum(w_t * per_token) / np.sum(w_t)
+    logits = references.unembed(h, w, bias, scale, softcap)
+    _, metrics = references.cross_entropy(logits, labels, weights,
+                                          label_smoothing, smoothing, z_loss)
+    return metrics["loss"]
 
 
 def materialized(h, w, labels, *, bias=None, scale=None, softcap=None,

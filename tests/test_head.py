@@ -12,26 +12,9 @@ import pytest
 from hypothesis import strategies as st
 
 from lmhead import head
+from tests import references
 
 SETTINGS = hypothesis.settings(max_examples=25, deadline=None)
-
-
-def np_unembed(h, w, bias=None, scale=None, softcap=None):
-    """logits = softcap(scale * h @ w.T + bias), in float64."""
-    z = np.asarray(h, np.float64) @ np.asarray(w, np.float64).T
-    if scale is not None:
-        z = z * scale
-    if bias is not None:
-        z = z + np.asarray(bias, np.float64)
-    if softcap is not None:
-        z = softcap * np.tanh(z / softcap)
-    return z
-
-
-def np_log_softmax(z, temperature=1.0):
-    z = np.asarray(z, np.float64) / temperature
-    shifted = z - z.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
 def random_arrays(seed, *shapes, dtype=np.float32):
@@ -49,10 +32,11 @@ class UnembedTest(chex.TestCase):
         got = fn(h, w, b)
         self.assertEqual(got.shape, (2, 3, 11))
         self.assertEqual(got.dtype, jnp.float32)
-        np.testing.assert_allclose(got, np_unembed(h, w, b, 0.5, 2.0),
+        np.testing.assert_allclose(got,
+                                   references.unembed(h, w, b, 0.5, 2.0),
                                    rtol=1e-5, atol=1e-5)
         # The cap binds: without it some logits exceed 2 in magnitude.
-        self.assertGreater(np.abs(np_unembed(h, w, b, 0.5)).max(), 2.0)
+        self.assertGreater(np.abs(references.unembed(h, w, b, 0.5)).max(), 2.0)
         self.assertLess(np.abs(got).max(), 2.0)
 
     @chex.variants(with_jit=True, without_jit=True)
@@ -62,8 +46,8 @@ class UnembedTest(chex.TestCase):
             h, = random_arrays(2, shape)
             got = self.variant(head.unembed)(h, w)
             self.assertEqual(got.shape, shape[:-1] + (7,))
-            np.testing.assert_allclose(got, np_unembed(h, w), rtol=1e-5,
-                                       atol=1e-5)
+            np.testing.assert_allclose(got, references.unembed(h, w),
+                                       rtol=1e-5, atol=1e-5)
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_half_precision_inputs_give_float32_of_the_rounded_inputs(self):
@@ -73,8 +57,8 @@ class UnembedTest(chex.TestCase):
             got = self.variant(head.unembed)(hq, wq, bq)
             self.assertEqual(got.dtype, jnp.float32)
             # The reference rounds only the inputs, then works in float64.
-            want = np_unembed(*(np.asarray(x, np.float32)
-                                for x in (hq, wq, bq)))
+            want = references.unembed(*(np.asarray(x, np.float32)
+                                        for x in (hq, wq, bq)))
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
             # A half-precision accumulation would be visibly worse than this.
             rounded_out = np.asarray(jnp.asarray(want, dtype), np.float64)
@@ -89,7 +73,8 @@ class UnembedTest(chex.TestCase):
         got = fn(h, w)
         self.assertEqual(got.dtype, jnp.bfloat16)
         np.testing.assert_allclose(np.asarray(got, np.float32),
-                                   np_unembed(h, w), rtol=1e-2, atol=1e-2)
+                                   references.unembed(h, w), rtol=1e-2,
+                                   atol=1e-2)
 
 
 class TestUnembedErrors:
@@ -147,7 +132,7 @@ class DistributionTest(chex.TestCase):
         for temperature in (0.3, 1.0, 4.0):
             lp = self.variant(head.log_probs)(z, temperature)
             p = self.variant(head.probs)(z, temperature)
-            want = np_log_softmax(z, temperature)
+            want = references.log_softmax(z, temperature)
             self.assertEqual(lp.dtype, jnp.float32)
             np.testing.assert_allclose(lp, want, rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(p, np.exp(want), rtol=1e-5, atol=1e-6)
@@ -158,7 +143,7 @@ class DistributionTest(chex.TestCase):
         got = self.variant(head.log_probs)(z)
         self.assertEqual(got.dtype, jnp.float32)
         np.testing.assert_allclose(
-            got, np_log_softmax(np.asarray(z, np.float32)), atol=1e-6)
+            got, references.log_softmax(np.asarray(z, np.float32)), atol=1e-6)
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_finite_at_large_logits(self):
@@ -167,7 +152,7 @@ class DistributionTest(chex.TestCase):
         lp = self.variant(head.log_probs)(z)
         p = self.variant(head.probs)(z)
         self.assertTrue(np.all(np.isfinite(lp)) and np.all(np.isfinite(p)))
-        np.testing.assert_allclose(lp, np_log_softmax(z), rtol=1e-6)
+        np.testing.assert_allclose(lp, references.log_softmax(z), rtol=1e-6)
         np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-6)
 
     def test_traced_temperature_zero_is_clamped_to_min_temperature(self):
@@ -177,8 +162,8 @@ class DistributionTest(chex.TestCase):
         lp = jax.jit(head.log_probs)(z, 0.0)
         p = jax.jit(head.probs)(z, 0.0)
         self.assertTrue(np.all(np.isfinite(lp)) and np.all(np.isfinite(p)))
-        np.testing.assert_allclose(lp, np_log_softmax(z, head.MIN_TEMPERATURE),
-                                   rtol=1e-5)
+        np.testing.assert_allclose(
+            lp, references.log_softmax(z, head.MIN_TEMPERATURE), rtol=1e-5)
         np.testing.assert_allclose(p, [[0, 1, 0], [0.5, 0, 0.5]], atol=1e-6)
 
 class TestDistributionErrors:
@@ -212,8 +197,8 @@ def test_probs_rows_sum_to_one(z, temperature):
     lp = np.asarray(head.log_probs(z, temperature), np.float64)
     assert np.all(np.isfinite(lp)) and np.all(p >= 0)
     np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-5)
-    np.testing.assert_allclose(lp, np_log_softmax(z, temperature), rtol=1e-4,
-                               atol=1e-3)
+    np.testing.assert_allclose(lp, references.log_softmax(z, temperature),
+                               rtol=1e-4, atol=1e-3)
 
 
 class OutputDistributionTest(chex.TestCase):
@@ -221,10 +206,10 @@ class OutputDistributionTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_each_output(self):
         h, w, b = random_arrays(6, (2, 5), (7, 5), (7,))
-        logits = np_unembed(h, w, b, scale=0.7, softcap=3.0)
+        logits = references.unembed(h, w, b, scale=0.7, softcap=3.0)
         want = {"logits": logits,
-                "log_probs": np_log_softmax(logits, 2.0),
-                "probs": np.exp(np_log_softmax(logits, 2.0))}
+                "log_probs": references.log_softmax(logits, 2.0),
+                "probs": np.exp(references.log_softmax(logits, 2.0))}
         for output, expected in want.items():
             fn = self.variant(functools.partial(
                 head.output_distribution, output=output, temperature=2.0,
@@ -237,7 +222,8 @@ class OutputDistributionTest(chex.TestCase):
     def test_logits_ignore_temperature(self):
         h, w = random_arrays(7, (2, 5), (7, 5))
         got = head.output_distribution(h, w, output="logits", temperature=3.0)
-        np.testing.assert_allclose(got, np_unembed(h, w), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got, references.unembed(h, w), rtol=1e-5,
+                                   atol=1e-5)
 
     def test_unknown_output_lists_choices(self):
         with pytest.raises(ValueError, match="output must be one of") as info:

@@ -11,18 +11,13 @@ import pytest
 
 from lmhead import losses
 from lmhead import modules
+from tests import references
 
 V, D = 11, 6
 
 
 def count_params(variables):
     return sum(x.size for x in jax.tree.leaves(variables.get("params", {})))
-
-
-def np_log_softmax(z):
-    z = np.asarray(z, np.float64)
-    shifted = z - z.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
 def random_inputs(seed, batch_shape=(2, 3)):
@@ -87,7 +82,7 @@ class LogitsTest(chex.TestCase):
         head = modules.LMHead(V, tied=True, scale=0.5, softcap=1.5)
         variables = head.init(jax.random.key(0), h, table)
         got = self.variant(head.apply)(variables, h, table)
-        want = 1.5 * np.tanh(0.5 * (h.astype(np.float64) @ table.T) / 1.5)
+        want = references.unembed(h, table, scale=0.5, softcap=1.5)
         self.assertEqual(got.shape, (2, 3, V))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
@@ -100,7 +95,7 @@ class LogitsTest(chex.TestCase):
         chex.assert_trees_all_equal_shapes(
             variables, head.init(jax.random.key(0), h))
         got = self.variant(head.apply)(variables, h)
-        np.testing.assert_allclose(got, h.astype(np.float64) @ table.T + bias,
+        np.testing.assert_allclose(got, references.unembed(h, table, bias),
                                    rtol=1e-5, atol=1e-6)
 
     @chex.variants(with_jit=True, without_jit=True)
@@ -156,8 +151,7 @@ class TiedGradientTest(chex.TestCase):
                            np.float64)
         x = table[tokens.reshape(-1)]
         z = scale * x @ table.T
-        targets = np.eye(V)[labels.reshape(-1)]
-        dz = (np.exp(np_log_softmax(z)) - targets) / z.shape[0]
+        dz = references.cross_entropy_gradient(z, labels.reshape(-1))
         through_head = scale * dz.T @ x
         through_embedding = np.zeros_like(table)
         np.add.at(through_embedding, tokens.reshape(-1), scale * dz @ table)
@@ -194,15 +188,10 @@ class LossTest(chex.TestCase):
                 np.testing.assert_allclose(metrics[name], value, rtol=1e-6,
                                            err_msg=name)
             # And the nll against numpy on numpy logits.
-            w = np.asarray(variables["params"].get("unembedding", table),
-                           np.float64)
-            z = 0.8 * h.astype(np.float64) @ w.T + np.asarray(
-                variables["params"]["bias"])
-            nll = -np.take_along_axis(np_log_softmax(z), labels[..., None],
-                                      -1)[..., 0]
-            np.testing.assert_allclose(metrics["nll"],
-                                       (weights * nll).sum() / weights.sum(),
-                                       rtol=1e-5)
+            w = variables["params"].get("unembedding", table)
+            z = references.unembed(h, w, variables["params"]["bias"], scale=0.8)
+            _, want = references.cross_entropy(z, labels, weights)
+            np.testing.assert_allclose(metrics["nll"], want["nll"], rtol=1e-5)
 
 
 class TestErrors:

@@ -158,7 +158,8 @@ def log_probs(logits: jax.typing.ArrayLike,
         Array([-0.6931472, -0.6931472], dtype=float32)
         >>> log_probs(jnp.array([1e4, 0.0]))
         Array([     0., -10000.], dtype=float32)
-        >>> log_probs(jnp.array([[0.0, -jnp.inf], [-jnp.inf, -jnp.inf]]))
+        >>> inf = jnp.inf
+        >>> log_probs(jnp.array([[0.0, -inf], [-inf, -inf]]))
         Array([[  0., -inf],
                [-inf, -inf]], dtype=float32)
     """
@@ -188,7 +189,8 @@ def probs(logits: jax.typing.ArrayLike, temperature: float = 1.0) -> jax.Array:
         Array([0.66524094, 0.24472848, 0.09003057], dtype=float32)
         >>> probs(jnp.array([2.0, 1.0, 0.0]), temperature=10.0)
         Array([0.3671654, 0.332225 , 0.3006096], dtype=float32)
-        >>> probs(jnp.array([[jnp.inf, 0.0, jnp.inf], [-jnp.inf, -jnp.inf, -jnp.inf]]))
+        >>> inf = jnp.inf
+        >>> probs(jnp.array([[inf, 0.0, inf], [-inf, -inf, -inf]]))
         Array([[0.5, 0. , 0.5],
                [0. , 0. , 0. ]], dtype=float32)
     """

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from hypothesis import strategies as st
 from jax.experimental import checkify
 from jax.test_util import check_grads
@@ -220,11 +219,6 @@ class GradientTest(chex.TestCase):
 
 class InvalidLabelsTest(chex.TestCase):
 
-    def test_eager_out_of_range_raises(self):
-        for bad in (7, -1):
-            with pytest.raises(ValueError, match=r"labels must be in \[0, 7\)"):
-                losses.cross_entropy(jnp.zeros((2, 7)), jnp.array([0, bad]))
-
     def test_eager_padding_label_with_zero_weight_is_allowed(self):
         logits, labels, _ = random_case(12, shape=(3,))
         padded = labels.copy()
@@ -259,41 +253,6 @@ class InvalidLabelsTest(chex.TestCase):
         self.assertIn("found 2", err.get())
         err, _ = checked(jnp.array([[0, 4], [3, 1]]))
         self.assertIsNone(err.get())
-
-
-class TestBadOptions:
-
-    logits = jnp.zeros((2, 3, 5))
-    labels = jnp.zeros((2, 3), jnp.int32)
-
-    @pytest.mark.parametrize("kwargs, fragment", [
-        (dict(label_smoothing=1.0), r"label_smoothing must be in \[0, 1\)"),
-        (dict(label_smoothing=-0.1), r"label_smoothing must be in \[0, 1\)"),
-        (dict(smoothing="label"),
-         "smoothing must be one of 'uniform', 'normalized'"),
-        (dict(reduction="avg"),
-         "reduction must be one of 'mean', 'sum', 'none'"),
-        (dict(z_loss=-1e-4), "z_loss must be in"),
-        (dict(weights=jnp.ones((2,))),
-         r"weights must have the shape of labels \(2, 3\)"),
-        (dict(weights=jnp.ones((3, 2))), "weights must have the shape"),
-    ])
-    def test_options(self, kwargs, fragment):
-        with pytest.raises(ValueError, match=fragment):
-            losses.cross_entropy(self.logits, self.labels, **kwargs)
-
-    def test_float_labels(self):
-        with pytest.raises(TypeError, match="labels must have an integer"):
-            losses.cross_entropy(self.logits, jnp.zeros((2, 3)))
-
-    def test_integer_logits(self):
-        with pytest.raises(TypeError, match="logits must have a floating"):
-            losses.cross_entropy(jnp.zeros((2, 3, 5), jnp.int32), self.labels)
-
-    @pytest.mark.parametrize("shape", [(2,), (3, 2), (2, 3, 1), ()])
-    def test_labels_shape_mismatch(self, shape):
-        with pytest.raises(ValueError, match="labels must have the leading"):
-            losses.cross_entropy(self.logits, jnp.zeros(shape, jnp.int32))
 
 
 @SETTINGS
@@ -363,10 +322,6 @@ class SummaryMetricsTest(chex.TestCase):
                                              chars_per_token=3.5))(nll)
         np.testing.assert_allclose(bpc, nll / math.log(2) / 3.5, rtol=1e-6)
 
-    def test_bits_per_character_rejects_non_positive_ratio(self):
-        with pytest.raises(ValueError, match="chars_per_token"):
-            losses.bits_per_character(1.0, 0.0)
-
 
 class CalibrationTest(chex.TestCase):
 
@@ -420,13 +375,6 @@ class CalibrationTest(chex.TestCase):
         np.testing.assert_allclose(
             losses.expected_calibration_error(logits, labels,
                                               np.zeros(4, np.float32)), 0.0)
-
-
-@pytest.mark.parametrize("num_bins", [0, -2, 2.5])
-def test_bad_num_bins(num_bins):
-    with pytest.raises(ValueError, match="num_bins must be an integer >= 1"):
-        losses.expected_calibration_error(jnp.zeros((2, 3)), jnp.array([0, 1]),
-                                          num_bins=num_bins)
 
 
 def test_non_finite_logits_of_zero_weight_tokens_do_not_reach_the_loss():

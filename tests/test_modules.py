@@ -7,7 +7,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from lmhead import losses
 from lmhead import modules
@@ -192,43 +191,3 @@ class LossTest(chex.TestCase):
             z = references.unembed(h, w, variables["params"]["bias"], scale=0.8)
             _, want = references.cross_entropy(z, labels, weights)
             np.testing.assert_allclose(metrics["nll"], want["nll"], rtol=1e-5)
-
-
-class TestErrors:
-
-    h = jnp.ones((2, D))
-    table = jnp.ones((V, D))
-
-    def test_tied_without_embedding(self):
-        with pytest.raises(ValueError, match="embedding is required when tied"):
-            modules.LMHead(V, tied=True).init(jax.random.key(0), self.h)
-
-    def test_untied_with_embedding(self):
-        with pytest.raises(ValueError,
-                           match="embedding must be None when tied=False"):
-            modules.LMHead(V, tied=False).init(jax.random.key(0), self.h,
-                                               self.table)
-
-    @pytest.mark.parametrize("shape", [(V + 1, D), (D, V), (V * D,)])
-    def test_embedding_wrong_shape(self, shape):
-        with pytest.raises(ValueError,
-                           match=r"embedding must have shape \[V, D\]"):
-            modules.LMHead(V, tied=True).init(jax.random.key(0), self.h,
-                                              jnp.ones(shape))
-
-    def test_embed_module_of_the_wrong_size(self):
-        class Wrong(nn.Module):
-            @nn.compact
-            def __call__(self, tokens):
-                embed = nn.Embed(V + 1, D)
-                return modules.LMHead(V, tied=True)(embed(tokens), embed)
-
-        with pytest.raises(ValueError, match="embedding must have shape"):
-            Wrong().init(jax.random.key(0), jnp.zeros((2,), jnp.int32))
-
-    def test_unknown_loss_impl(self):
-        head = modules.LMHead(V, tied=False)
-        variables = head.init(jax.random.key(0), self.h)
-        with pytest.raises(ValueError, match="loss_impl must be one of"):
-            head.apply(variables, self.h, jnp.zeros((2,), jnp.int32),
-                       loss_impl="chunky", method=modules.LMHead.loss)

@@ -270,6 +270,9 @@ def last_positions(h: jax.typing.ArrayLike,
     _checks.check_integer("lengths", lengths)
     _checks.check_rank("lengths", lengths, 1, "[B]")
     batch, time = jnp.shape(h)[:2]
+    if time < 1:
+        raise ValueError(f"h must have shape [B, T, D] with T >= 1; got "
+                         f"{jnp.shape(h)}.")
     if jnp.shape(lengths)[0] != batch:
         raise ValueError(
             f"lengths must have shape [B] = ({batch},); got {jnp.shape(lengths)}.")

@@ -454,13 +454,20 @@ def calibration_error_from_bins(bins: jax.typing.ArrayLike) -> jax.Array:
 
     with :math:`W_m` the weight, :math:`K_m` the confidence sum and
     :math:`C_m` the correct count of bin :math:`m`. 0 when :math:`W = 0`.
+    ``bins``: ``[M, 3]``, ``>= 0`` (checked when concrete).
 
     Examples:
         >>> calibration_error_from_bins(jnp.array([[2.0, 1.0, 2.0]]))
         Array(0.5, dtype=float32)
     """
+    _checks.check_rank("bins", bins, 2, "[M, 3]")
+    if jnp.shape(bins)[1] != 3:
+        raise ValueError(f"bins must have shape [M, 3]; got {jnp.shape(bins)}.")
+    # NaN passes: it comes from non-finite logits, and is reported as NaN.
+    if not _checks.is_traced(bins) and np.any(np.asarray(bins) < 0):
+        raise ValueError("bins must be sums of weights, confidences and "
+                         "correct counts, all >= 0; got a negative entry.")
     bins = jnp.asarray(bins, jnp.float32)
-    chex.assert_rank(bins, 2)
     total = jnp.sum(bins[:, 0])
     gap = jnp.sum(jnp.abs(bins[:, 2] - bins[:, 1]))
     return jnp.where(total > 0, gap / jnp.where(total > 0, total, 1.0), 0.0)

@@ -109,6 +109,7 @@ class LMHead(nn.Module):
     def __call__(self, h: jax.Array,
                  embedding: Embedding | None = None) -> jax.Array:
         """Logits ``[..., V]`` (float32) from hidden states ``h: [..., D]``."""
+        _checks.check_floating("h", h)  # before the cast to self.dtype
         w, bias = self.unembedding(jnp.shape(h)[-1], embedding)
         return head.unembed(jnp.asarray(h, self.dtype), w, bias,
                             scale=self.scale, softcap=self.softcap)
@@ -148,6 +149,7 @@ class LMHead(nn.Module):
             ``(loss, metrics)`` as ``losses.cross_entropy`` returns them.
         """
         _checks.check_choice("loss_impl", loss_impl, LOSS_IMPLS)
+        _checks.check_floating("h", h)  # before the cast to self.dtype
         if loss_impl == "materialized" and chunk_size is not None:
             raise ValueError(
                 f"chunk_size is for the blocked losses ('fused', "

@@ -143,6 +143,8 @@ PURE = [
      ("output", "'logits'", "'log_probs'", "'probs'")),
     ("last_positions h rank", lambda: head.last_positions(H[0], LABELS),
      ValueError, "h"),
+    ("last_positions T = 0", lambda: head.last_positions(
+        H[:, :0], jnp.array([1, 1])), ValueError, "h"),
     ("last_positions float lengths", lambda: head.last_positions(
         H, jnp.ones(2)), TypeError, "lengths"),
     ("last_positions lengths shape", lambda: head.last_positions(
@@ -198,6 +200,10 @@ PURE = [
         LOGITS, LABELS, num_bins=2.5), ValueError, "num_bins"),
     ("ece num_bins bool", lambda: losses.expected_calibration_error(
         LOGITS, LABELS, num_bins=True), ValueError, "num_bins"),
+    ("ece bins [M, 2]", lambda: losses.calibration_error_from_bins(
+        jnp.ones((3, 2))), ValueError, "bins"),
+    ("ece negative bins", lambda: losses.calibration_error_from_bins(
+        jnp.array([[-1.0, 0.5, 0.0]])), ValueError, "bins"),
     ("bits_per_character 0 chars", lambda: losses.bits_per_character(1.0, 0.0),
      ValueError, "chars_per_token"),
     ("bits_per_character inf chars", lambda: losses.bits_per_character(
@@ -365,6 +371,11 @@ MODULES = [
         KEY, LABELS), ValueError, "embedding"),
     ("LMHead untied with embedding", lambda: modules.LMHead(5, tied=False).init(
         KEY, H, W), ValueError, ("embedding", "tied")),
+    ("LMHead integer h", lambda: modules.LMHead(5, tied=False).init(
+        KEY, H.astype(jnp.int32)), TypeError, "h"),
+    ("LMHead loss integer h", lambda: modules.LMHead(5, tied=True).apply(
+        {}, H.astype(jnp.int32), jnp.zeros((2, 3), jnp.int32), W,
+        method="loss"), TypeError, "h"),
     ("LMHead untied D = 0", lambda: modules.LMHead(5, tied=False).init(
         KEY, H[..., :0]), ValueError, "w"),
     ("LMHead loss_impl", lambda: lm_head_loss("chunked"), ValueError,

@@ -1,4 +1,4 @@
-"""Tests for lmhead/head.py against numpy references written here."""
+"""Tests for lmhead/head.py against the numpy references of tests/references.py.
 
 import functools
 

@@ -1,4 +1,4 @@
-"""Tests for lmhead/head.py against the numpy references of tests/references.py.
+"""Tests for lmhead/head.py against the numpy references in references.py."""
 
 import functools
 

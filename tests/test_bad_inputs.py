@@ -454,6 +454,14 @@ RULES = [
     ("cross_entropy of a label of logit -inf", lambda z, y: losses.cross_entropy(
         z, y, reduction="none")[0], (jnp.array([[NEG, 0.0]]), jnp.array([0])),
      np.array([INF])),
+    # A -inf logit off the label (a banned token) is no concern of the loss:
+    # log 2 of the two live tokens, also where the z-loss and smoothing
+    # coefficients are 0 (0 * inf used to give NaN).
+    ("cross_entropy with a banned token", lambda z, y: losses.cross_entropy(
+        z, y)[0], (jnp.array([[0.0, NEG, 0.0]]), jnp.array([0])), np.log(2.0)),
+    ("fused with a banned token (bias -inf)", lambda b: fused_ce(
+        h=jnp.zeros((3, 4)), bias=b, labels=jnp.array([0, 2, 3]))[0],
+     (jnp.array([0.0, NEG, 0.0, 0.0, 0.0]),), np.log(4.0)),
     ("cross_entropy padding row of -inf", lambda z, y, w: losses.cross_entropy(
         z, y, weights=w, label_smoothing=0.1, z_loss=1e-4)[0],
      (jnp.array([[NEG, NEG], [0.0, 0.0]]), jnp.array([0, 1]),

@@ -80,6 +80,9 @@ def check_unembed_inputs(h: jax.typing.ArrayLike, w: jax.typing.ArrayLike,
     check_floating("h", h)
     check_floating("w", w)
     check_rank("w", w, 2, "[V, D]")
+    if 0 in np.shape(w):
+        raise ValueError(f"w must have shape [V, D] with V >= 1 and D >= 1; "
+                         f"got {np.shape(w)}.")
     if np.ndim(h) < 1 or np.shape(h)[-1] != np.shape(w)[1]:
         raise ValueError(
             f"h must have shape [..., D] with D = w.shape[1] = {np.shape(w)[1]};"
@@ -110,3 +113,12 @@ def check_concrete(where: str, **values: Any) -> None:
             raise TypeError(
                 f"{name} must be a concrete number for {where} (it is compiled "
                 "into the blocked loops); got a traced value.")
+
+
+def check_logits(logits: jax.typing.ArrayLike) -> None:
+    """Checks ``logits: [..., V]``: floating point, rank >= 1, ``V >= 1``."""
+    check_floating("logits", logits)
+    check_rank("logits", logits, set(range(1, 64)), "[..., V]")
+    if np.shape(logits)[-1] < 1:
+        raise ValueError(f"logits must have shape [..., V] with V >= 1; got "
+                         f"shape {np.shape(logits)}.")

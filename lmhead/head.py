@@ -6,6 +6,8 @@ table as ``w``; an untied head passes its own matrix. Nothing here branches on
 tying.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -26,7 +28,7 @@ def apply_softcap(logits: jax.typing.ArrayLike, cap: float) -> jax.Array:
 
     Args:
         logits: ``[..., V]`` scores.
-        cap: ``c > 0``.
+        cap: finite ``c > 0``.
 
     Returns:
         ``[..., V]`` capped scores, same dtype as ``logits``.
@@ -40,7 +42,8 @@ def apply_softcap(logits: jax.typing.ArrayLike, cap: float) -> jax.Array:
         Gemma Team, `Gemma 2: Improving Open Language Models at a Practical
         Size <https://arxiv.org/abs/2408.00118>`_, 2024.
     """
-    _checks.check_in_range("softcap", cap, low=0.0, low_open=True)
+    _checks.check_in_range("softcap", cap, low=0.0, low_open=True,
+                           high=math.inf, high_open=True)
     return cap * jnp.tanh(logits / cap)
 
 
@@ -68,9 +71,10 @@ def unembed(
         w: ``[V, D]`` unembedding, one row per token. For a tied head this is
             the input embedding table.
         bias: optional ``[V]`` bias.
-        scale: optional factor ``s`` on ``h @ w.T`` (e.g. ``D ** -0.5``, as the
-            Flax lm1b example does for a tied head).
-        softcap: optional ``c > 0``; applies ``c * tanh(z / c)`` after the bias.
+        scale: optional finite factor ``s > 0`` on ``h @ w.T`` (e.g.
+            ``D ** -0.5``, as the Flax lm1b example does for a tied head).
+        softcap: optional finite ``c > 0``; applies ``c * tanh(z / c)`` after
+            the bias.
         precision: passed to the matmul (``jax.lax.Precision``).
         out_dtype: dtype of the returned logits.
 
@@ -87,7 +91,8 @@ def unembed(
         Array([[2.5, 4. , 5.5]], dtype=float32)
     """
     _checks.check_unembed_inputs(h, w, bias)
-    _checks.check_in_range("scale", scale, low=0.0, low_open=True)
+    _checks.check_in_range("scale", scale, low=0.0, low_open=True,
+                           high=math.inf, high_open=True)
     logits = jnp.einsum("...d,vd->...v", h, w, precision=precision,
                         preferred_element_type=jnp.float32)
     if scale is not None:
@@ -99,17 +104,29 @@ def unembed(
     return logits.astype(out_dtype)
 
 
-def _scaled(logits: jax.typing.ArrayLike, temperature: float) -> jax.Array:
-    _checks.check_floating("logits", logits)
-    _checks.check_rank("logits", logits, set(range(1, 64)), "[..., V]")
+def _distribution(logits: jax.typing.ArrayLike, temperature: float,
+                  log: bool) -> jax.Array:
+    """Softmax (or log-softmax) of ``z / T``, with the rule for infinities."""
+    _checks.check_logits(logits)
     if (not _checks.is_traced(temperature) and jnp.ndim(temperature) == 0
             and temperature == 0):
         raise ValueError(
             "temperature must be > 0 for a distribution; temperature 0 means "
             "greedy decoding, which is lmhead.decoding.generate(temperature=0).")
     _checks.check_in_range("temperature", temperature, low=0.0, low_open=True)
-    return jnp.asarray(logits, jnp.float32) / jnp.maximum(temperature,
-                                                          MIN_TEMPERATURE)
+    z = jnp.asarray(logits, jnp.float32) / jnp.maximum(temperature,
+                                                       MIN_TEMPERATURE)
+    top = jnp.max(z, axis=-1, keepdims=True)
+    # Softmax is exp(z - max z), normalized. Where max z = +inf its limit puts
+    # all the mass on the +inf entries (where z - max z would be NaN).
+    z = jnp.where(top == jnp.inf, jnp.where(z == top, 0.0, -jnp.inf), z)
+    # A row of -inf has no distribution. It is computed on zeros, which keeps
+    # NaN out of the values and the gradients, then set to probability 0.
+    empty = top == -jnp.inf
+    safe = jnp.where(empty, 0.0, z)
+    if log:
+        return jnp.where(empty, -jnp.inf, jax.nn.log_softmax(safe, axis=-1))
+    return jnp.where(empty, 0.0, jax.nn.softmax(safe, axis=-1))
 
 
 def log_probs(logits: jax.typing.ArrayLike,
@@ -120,7 +137,12 @@ def log_probs(logits: jax.typing.ArrayLike,
         \log p_i = z_i / T - \log \sum_j e^{z_j / T}
 
     The maximum is subtracted before exponentiating, so logits of any size
-    give finite results.
+    give finite results. Infinite logits follow one rule, the limit of the
+    formula: a ``-inf`` logit has probability 0; if some logits of a row are
+    ``+inf``, they share the row's mass equally and the others get 0; a row
+    whose logits are all ``-inf`` (every token masked) has no distribution:
+    every entry is ``-inf`` (probability 0, so :func:`probs` sums to 0 there,
+    which the caller can test). NaN logits give NaN.
 
     Args:
         logits: ``[..., V]`` scores.
@@ -136,8 +158,12 @@ def log_probs(logits: jax.typing.ArrayLike,
         Array([-0.6931472, -0.6931472], dtype=float32)
         >>> log_probs(jnp.array([1e4, 0.0]))
         Array([     0., -10000.], dtype=float32)
+        >>> inf = jnp.inf
+        >>> log_probs(jnp.array([[0.0, -inf], [-inf, -inf]]))
+        Array([[  0., -inf],
+               [-inf, -inf]], dtype=float32)
     """
-    return jax.nn.log_softmax(_scaled(logits, temperature), axis=-1)
+    return _distribution(logits, temperature, log=True)
 
 
 def probs(logits: jax.typing.ArrayLike, temperature: float = 1.0) -> jax.Array:
@@ -146,14 +172,16 @@ def probs(logits: jax.typing.ArrayLike, temperature: float = 1.0) -> jax.Array:
     .. math::
         p_i = \frac{e^{z_i / T}}{\sum_j e^{z_j / T}}
 
-    ``T > 1`` flattens the distribution, ``T < 1`` sharpens it.
+    ``T > 1`` flattens the distribution, ``T < 1`` sharpens it. Infinite
+    logits follow the rule of :func:`log_probs`: ``probs == exp(log_probs)``.
 
     Args:
         logits: ``[..., V]`` scores.
         temperature: ``T > 0`` (see :func:`log_probs`).
 
     Returns:
-        ``[..., V]`` float32 probabilities that sum to 1.
+        ``[..., V]`` float32 probabilities. Each row sums to 1, except a row
+        whose logits are all ``-inf``, which is all 0.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -161,8 +189,12 @@ def probs(logits: jax.typing.ArrayLike, temperature: float = 1.0) -> jax.Array:
         Array([0.66524094, 0.24472848, 0.09003057], dtype=float32)
         >>> probs(jnp.array([2.0, 1.0, 0.0]), temperature=10.0)
         Array([0.3671654, 0.332225 , 0.3006096], dtype=float32)
+        >>> inf = jnp.inf
+        >>> probs(jnp.array([[inf, 0.0, inf], [-inf, -inf, -inf]]))
+        Array([[0.5, 0. , 0.5],
+               [0. , 0. , 0. ]], dtype=float32)
     """
-    return jax.nn.softmax(_scaled(logits, temperature), axis=-1)
+    return _distribution(logits, temperature, log=False)
 
 
 def output_distribution(
@@ -238,6 +270,9 @@ def last_positions(h: jax.typing.ArrayLike,
     _checks.check_integer("lengths", lengths)
     _checks.check_rank("lengths", lengths, 1, "[B]")
     batch, time = jnp.shape(h)[:2]
+    if time < 1:
+        raise ValueError(f"h must have shape [B, T, D] with T >= 1; got "
+                         f"{jnp.shape(h)}.")
     if jnp.shape(lengths)[0] != batch:
         raise ValueError(
             f"lengths must have shape [B] = ({batch},); got {jnp.shape(lengths)}.")

@@ -19,6 +19,7 @@ from jax.experimental import checkify
 from jax.scipy.special import xlogy
 
 from lmhead import _checks
+from lmhead import head
 
 SMOOTHINGS = ("uniform", "normalized")
 REDUCTIONS = ("mean", "sum", "none")
@@ -46,7 +47,8 @@ def check_labels_and_weights(labels: jax.typing.ArrayLike,
 
     Raises:
         TypeError: for non-integer labels.
-        ValueError: for shapes that do not match ``leading_shape``, and for
+        ValueError: for shapes that do not match ``leading_shape``, for
+            concrete weights that are negative or not finite, and for
             concrete labels outside ``[0, vocab_size)`` whose weight is not 0
             (a padding label such as -100 with weight 0 is allowed).
     """
@@ -59,6 +61,12 @@ def check_labels_and_weights(labels: jax.typing.ArrayLike,
         raise ValueError(
             f"weights must have the shape of labels {tuple(leading_shape)}; "
             f"got {jnp.shape(weights)}.")
+    if weights is not None and not _checks.is_traced(weights):
+        bad_weights = ~(np.asarray(weights) >= 0) | ~np.isfinite(weights)
+        if np.any(bad_weights):
+            raise ValueError(
+                "weights must be finite and >= 0 (0 for padding); got "
+                f"{np.asarray(weights)[bad_weights].ravel()[0]}.")
     if _checks.is_traced(labels) or _checks.is_traced(weights):
         return
     labels = np.asarray(labels)
@@ -122,6 +130,12 @@ def token_losses(
       :math:`L = c\,\mathrm{nll} + u\,(S - \mathrm{nll}) + c\log c + (V-1)\,u\log u`.
     - z-loss: :math:`+\, \lambda_z \ell^2`.
 
+    Infinite statistics follow the limit of these formulas: a label logit of
+    ``-inf`` (probability 0, including a row of ``-inf``) gives ``nll = +inf``,
+    and so does a smoothed target that puts mass on a token of logit
+    ``-inf``; a term whose coefficient is 0 is 0. A ``+inf`` or NaN logit (an
+    overflow upstream) gives a loss that is not finite.
+
     Args:
         lse, label_logit, logit_sum: ``[...]`` float32 statistics.
         vocab_size: ``V``.
@@ -141,11 +155,15 @@ def token_losses(
         >>> round(float(loss), 4), round(float(nll), 4)
         (0.2395, 0.2395)
     """
-    nll = lse - label_logit
+    # A label whose logit is -inf has probability 0, so nll = +inf; also
+    # where the whole row is -inf, and lse - z_y would be -inf - (-inf).
+    nll = jnp.where(label_logit == -jnp.inf, jnp.inf, lse - label_logit)
+    # S is +inf as soon as one logit is -inf (one p_i = 0).
+    total = jnp.where(logit_sum == -jnp.inf, jnp.inf,
+                      vocab_size * lse - logit_sum)
     eps = label_smoothing
     if smoothing == "uniform":
-        total = vocab_size * lse - logit_sum
-        loss = (1.0 - eps) * nll + (eps / vocab_size) * total
+        loss = (1.0 - eps) * nll + _times(eps / vocab_size, total)
     else:
         confidence = 1.0 - eps
         low = eps / max(vocab_size - 1, 1)
@@ -153,10 +171,16 @@ def token_losses(
         # minimum 0: it is the loss at the smoothed target itself.
         entropy = -(xlogy(confidence, confidence) +
                     (vocab_size - 1) * xlogy(low, low))
-        rest = vocab_size * lse - logit_sum - nll
-        loss = confidence * nll + low * rest - entropy
-    z_term = z_loss * jnp.square(lse)
+        rest = jnp.where(total == jnp.inf, jnp.inf, total - nll)
+        loss = confidence * nll + _times(low, rest) - entropy
+    z_term = _times(z_loss, jnp.square(lse))
     return loss + z_term, nll, z_term
+
+
+def _times(coefficient: float, term: jax.Array) -> jax.Array:
+    # A coefficient of 0 switches its term off even where the term is
+    # infinite, where the product would be 0 * inf = NaN.
+    return jnp.where(coefficient == 0, 0.0, coefficient * term)
 
 
 def weighted_metrics(
@@ -266,6 +290,12 @@ def cross_entropy(
     whatever the dtype of ``logits``, with the maximum subtracted, so logits
     of :math:`\pm 10^4` and bf16 logits give finite losses and gradients.
 
+    A label whose logit is ``-inf`` has probability 0 (as in
+    :func:`lmhead.head.log_probs`), so its loss and nll are ``+inf``; this
+    holds for a row whose logits are all ``-inf`` too, which is never
+    correct and whose gradient is 0. A token of weight 0 contributes 0 to
+    the loss and its gradient whatever its logits.
+
     Labels outside ``[0, V)`` raise ``ValueError`` when they are concrete;
     inside ``jit`` they get weight 0 and are counted in
     ``metrics["invalid_labels"]`` (use :func:`check_labels` with ``checkify``
@@ -301,8 +331,7 @@ def cross_entropy(
         Chowdhery et al., `PaLM <https://arxiv.org/abs/2204.02311>`_, 2022
         (z-loss).
     """
-    _checks.check_floating("logits", logits)
-    _checks.check_rank("logits", logits, set(range(1, 64)), "[..., V]")
+    _checks.check_logits(logits)
     check_loss_options(label_smoothing, smoothing, z_loss, reduction)
     vocab_size = jnp.shape(logits)[-1]
     check_labels_and_weights(labels, weights, jnp.shape(logits)[:-1], vocab_size)
@@ -310,12 +339,18 @@ def cross_entropy(
 
     logits = jnp.asarray(logits, jnp.float32)
     weights, safe_labels, invalid = valid_weights(labels, weights, vocab_size)
+    # A row of -inf (every token masked) is computed on zeros, which keeps
+    # NaN out of the gradients, and then given the rule's values.
+    empty = jnp.max(logits, axis=-1) == -jnp.inf
+    logits = jnp.where(empty[..., None], 0.0, logits)
     lse = jax.nn.logsumexp(logits, axis=-1)
     label_logit = jnp.take_along_axis(logits, safe_labels[..., None], -1)[..., 0]
     loss, nll, z_term = token_losses(
         lse, label_logit, jnp.sum(logits, axis=-1), vocab_size,
         label_smoothing=label_smoothing, smoothing=smoothing, z_loss=z_loss)
-    correct = jnp.argmax(logits, axis=-1) == safe_labels
+    loss, nll = (jnp.where(empty, jnp.inf, x) for x in (loss, nll))
+    z_term = jnp.where(empty, _times(z_loss, jnp.inf), z_term)
+    correct = (jnp.argmax(logits, axis=-1) == safe_labels) & ~empty
     return weighted_metrics(loss, nll, z_term, correct, weights, invalid,
                             reduction)
 
@@ -357,7 +392,7 @@ def bits_per_character(nll: jax.typing.ArrayLike,
         Array(1., dtype=float32, weak_type=True)
     """
     _checks.check_in_range("chars_per_token", chars_per_token, low=0.0,
-                           low_open=True)
+                           low_open=True, high=math.inf, high_open=True)
     return bits_per_token(nll) / chars_per_token
 
 
@@ -390,16 +425,18 @@ def calibration_bins(
         Array([[1. , 0.5, 1. ],
                [0. , 0. , 0. ]], dtype=float32)
     """
-    _checks.check_floating("logits", logits)
-    _checks.check_rank("logits", logits, set(range(1, 64)), "[..., V]")
-    if not isinstance(num_bins, int) or num_bins < 1:
+    _checks.check_logits(logits)
+    if (isinstance(num_bins, bool) or not isinstance(num_bins, int)
+            or num_bins < 1):
         raise ValueError(f"num_bins must be an integer >= 1; got {num_bins!r}.")
     vocab_size = jnp.shape(logits)[-1]
     check_labels_and_weights(labels, weights, jnp.shape(logits)[:-1], vocab_size)
     weights, safe_labels, _ = valid_weights(labels, weights, vocab_size)
-    p = jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+    p = head.probs(logits)
     confidence = jnp.max(p, axis=-1)
-    correct = (jnp.argmax(p, axis=-1) == safe_labels).astype(jnp.float32)
+    # A row of -inf logits has no distribution: confidence 0, never correct.
+    correct = ((jnp.argmax(p, axis=-1) == safe_labels)
+               & (confidence > 0)).astype(jnp.float32)
     index = jnp.clip(jnp.ceil(confidence * num_bins).astype(jnp.int32) - 1,
                      0, num_bins - 1)
     rows = jnp.stack([weights, weights * confidence, weights * correct], -1)
@@ -417,13 +454,20 @@ def calibration_error_from_bins(bins: jax.typing.ArrayLike) -> jax.Array:
 
     with :math:`W_m` the weight, :math:`K_m` the confidence sum and
     :math:`C_m` the correct count of bin :math:`m`. 0 when :math:`W = 0`.
+    ``bins``: ``[M, 3]``, ``>= 0`` (checked when concrete).
 
     Examples:
         >>> calibration_error_from_bins(jnp.array([[2.0, 1.0, 2.0]]))
         Array(0.5, dtype=float32)
     """
+    _checks.check_rank("bins", bins, 2, "[M, 3]")
+    if jnp.shape(bins)[1] != 3:
+        raise ValueError(f"bins must have shape [M, 3]; got {jnp.shape(bins)}.")
+    # NaN passes: it comes from non-finite logits, and is reported as NaN.
+    if not _checks.is_traced(bins) and np.any(np.asarray(bins) < 0):
+        raise ValueError("bins must be sums of weights, confidences and "
+                         "correct counts, all >= 0; got a negative entry.")
     bins = jnp.asarray(bins, jnp.float32)
-    chex.assert_rank(bins, 2)
     total = jnp.sum(bins[:, 0])
     gap = jnp.sum(jnp.abs(bins[:, 2] - bins[:, 1]))
     return jnp.where(total > 0, gap / jnp.where(total > 0, total, 1.0), 0.0)

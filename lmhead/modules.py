@@ -6,11 +6,13 @@ calls the pure functions in :mod:`lmhead.head`, :mod:`lmhead.losses` and
 :mod:`lmhead.fused`. No math is written here.
 """
 
+import math
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lmhead import _checks
 from lmhead import fused
@@ -27,7 +29,7 @@ class LMHead(nn.Module):
     """The language-model head: ``logits = softcap(scale * h @ w.T + bias)``.
 
     Attributes:
-        vocab_size: ``V``.
+        vocab_size: ``V >= 1``.
         tied: if True, ``w`` is the embedding table passed to the call and the
             head owns no ``[V, D]`` parameter; if False, the head owns
             ``unembedding: [V, D]`` (the same layout as ``nn.Embed``).
@@ -61,6 +63,24 @@ class LMHead(nn.Module):
     param_dtype: Any = jnp.float32
     kernel_init: nn.initializers.Initializer = nn.initializers.normal(0.02)
 
+    def __post_init__(self):
+        # When the module is built, so that a bad field fails before any
+        # parameter or compilation.
+        if (isinstance(self.vocab_size, bool)
+                or not isinstance(self.vocab_size, (int, np.integer))
+                or self.vocab_size < 1):
+            raise ValueError(f"vocab_size must be an integer >= 1; got "
+                             f"{self.vocab_size!r}.")
+        for name in ("tied", "use_bias"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise TypeError(f"{name} must be a bool; got "
+                                f"{getattr(self, name)!r}.")
+        for name in ("scale", "softcap"):
+            _checks.check_in_range(name, getattr(self, name), low=0.0,
+                                   low_open=True, high=math.inf,
+                                   high_open=True)
+        super().__post_init__()
+
     @nn.compact
     def unembedding(self, d_model: int,
                     embedding: Embedding | None) -> tuple[jax.Array, jax.Array | None]:
@@ -89,6 +109,7 @@ class LMHead(nn.Module):
     def __call__(self, h: jax.Array,
                  embedding: Embedding | None = None) -> jax.Array:
         """Logits ``[..., V]`` (float32) from hidden states ``h: [..., D]``."""
+        _checks.check_floating("h", h)  # before the cast to self.dtype
         w, bias = self.unembedding(jnp.shape(h)[-1], embedding)
         return head.unembed(jnp.asarray(h, self.dtype), w, bias,
                             scale=self.scale, softcap=self.softcap)
@@ -119,7 +140,8 @@ class LMHead(nn.Module):
                 ``"vocab_parallel"`` splits them over the ``"model"`` axis of
                 the mesh set by ``jax.set_mesh`` (see
                 ``sharding.vocab_parallel_cross_entropy``).
-            chunk_size: tokens per block of the blocked losses.
+            chunk_size: tokens per block of the blocked losses; must be None
+                for ``"materialized"``.
             label_smoothing, smoothing, z_loss: as in
                 ``losses.cross_entropy``.
 
@@ -127,6 +149,12 @@ class LMHead(nn.Module):
             ``(loss, metrics)`` as ``losses.cross_entropy`` returns them.
         """
         _checks.check_choice("loss_impl", loss_impl, LOSS_IMPLS)
+        _checks.check_floating("h", h)  # before the cast to self.dtype
+        if loss_impl == "materialized" and chunk_size is not None:
+            raise ValueError(
+                f"chunk_size is for the blocked losses ('fused', "
+                f"'vocab_parallel'); got chunk_size={chunk_size!r} with "
+                f"loss_impl='materialized'.")
         w, bias = self.unembedding(jnp.shape(h)[-1], embedding)
         h = jnp.asarray(h, self.dtype)
         options = dict(weights=weights, label_smoothing=label_smoothing,

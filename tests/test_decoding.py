@@ -15,17 +15,11 @@ import pytest
 from scipy import stats
 
 from lmhead import data, decoding
+from tests.references import log_softmax as np_log_softmax
 
 
 # ---------------------------------------------------------------------------
 # numpy references (float64)
-
-def np_log_softmax(z):
-    z = np.asarray(z, np.float64)
-    finite_max = np.max(np.where(np.isfinite(z), z, -np.inf), -1, keepdims=True)
-    shifted = z - finite_max
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-
 
 def np_top_k_mask(z, k):
     keep = np.zeros(z.shape, bool)

@@ -12,6 +12,7 @@ from configs import default
 from lmhead import data
 from lmhead import evaluation
 from lmhead import train
+from tests import references
 
 
 def init_state(config, key):
@@ -42,24 +43,17 @@ class TestEvaluate:
         apply = jax.jit(lambda p, x: model.apply({"params": p}, x))
         logits = np.asarray(apply(params, windows[:, :-1]), np.float64).reshape(-1, 84)
         labels = windows[:, 1:].reshape(-1)
-        log_p = logits - logits.max(-1, keepdims=True)
-        log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
-        nll = -log_p[np.arange(len(labels)), labels].mean()
-        confidence = np.exp(log_p.max(-1))
-        correct = log_p.argmax(-1) == labels
-        ece = 0.0
-        for m in range(15):
-            in_bin = (confidence > m / 15) & (confidence <= (m + 1) / 15)
-            if in_bin.any():
-                ece += in_bin.mean() * abs(correct[in_bin].mean()
-                                           - confidence[in_bin].mean())
+        log_p = references.log_softmax(logits)
+        _, want = references.cross_entropy(logits, labels)
+        nll = want["nll"]
+        ece = references.expected_calibration_error(logits, labels, None, 15)
         # Equal windows: the standard error of the mean of the window means.
         window_nll = -log_p[np.arange(len(labels)), labels].reshape(len(windows), -1)
         stderr = window_nll.mean(1).std(ddof=1) / np.sqrt(len(windows))
         np.testing.assert_allclose(
             [got["eval/loss"], got["eval/perplexity"], got["eval/bits_per_char"],
              got["eval/accuracy"], got["eval/ece"], got["eval/loss_stderr"]],
-            [nll, np.exp(nll), nll / np.log(2) / 2.5, correct.mean(), ece, stderr],
+            [nll, np.exp(nll), nll / np.log(2) / 2.5, want["accuracy"], ece, stderr],
             rtol=1e-4, atol=1e-6)
 
 

@@ -5,9 +5,8 @@ The three loss paths of ``LMHead.loss`` -- materialized
 (on a one-device mesh) -- get hidden states that make logits of +-1e4, in
 float32, bfloat16 and float16, with all tokens weighted, all but one masked,
 or none. With ``w`` the identity the logits are ``h`` itself, so the loss and
-its gradient with respect to ``h`` are checked against a float64 numpy
-formula of the (rounded) inputs: ``dL/dz = w_t (p - t + 2 lambda lse p) /
-sum w``. A mean over zero weight is 0 (``losses.weighted_metrics``).
+its gradient with respect to ``h`` are checked against the float64 numpy
+references of the (rounded) inputs (tests/references.py). A mean over zero weight is 0 (``losses.weighted_metrics``).
 
 The training tests inject a NaN into a tiny run through ``train.train_step``
 and check that the run stops with the step named, before it saves, both when
@@ -33,6 +32,7 @@ from lmhead import head
 from lmhead import losses
 from lmhead import sharding
 from lmhead import train
+from tests import references
 
 EPS, Z_LOSS = 0.1, 1e-4
 # Row by row: confident and right, confident and wrong (nll 2e4), every
@@ -67,20 +67,6 @@ IMPLS = {
 }
 
 
-def np_loss_and_grad(logits, weights):
-    """Uniform smoothing + z-loss: the weighted mean and dL/dz, in float64."""
-    z = np.asarray(logits, np.float64)
-    top = z.max(-1, keepdims=True)
-    lse = top + np.log(np.exp(z - top).sum(-1, keepdims=True))
-    p = np.exp(z - lse)
-    target = (1 - EPS) * np.eye(V)[LABELS] + EPS / V
-    per_token = -(target * (z - lse)).sum(-1) + Z_LOSS * lse[:, 0] ** 2
-    total = weights.sum()
-    safe = total if total > 0 else 1.0
-    grad = weights[:, None] * (p - target + 2 * Z_LOSS * lse * p) / safe
-    return (weights * per_token).sum() / safe, grad
-
-
 class StressTest(parameterized.TestCase):
 
     def check_stress(self, impl, dtype):
@@ -97,12 +83,15 @@ class StressTest(parameterized.TestCase):
         tolerance = 1e-4 if dtype == "float32" else 1e-2
         for mask, weights in MASKS.items():
             (loss, metrics), grad = value_and_grad(h, weights)
-            want_loss, want_grad = np_loss_and_grad(np.asarray(h, np.float32),
-                                                    weights)
+            logits = np.asarray(h, np.float32)
+            options = (weights, EPS, "uniform", Z_LOSS)
+            _, want = references.cross_entropy(logits, LABELS, *options)
+            want_grad = references.cross_entropy_gradient(logits, LABELS,
+                                                          *options)
             self.assertEqual(grad.dtype, h.dtype)
             grad = np.asarray(grad, np.float64)
             self.assertTrue(np.all(np.isfinite(grad)), mask)
-            np.testing.assert_allclose(float(loss), want_loss, rtol=1e-6,
+            np.testing.assert_allclose(float(loss), want["loss"], rtol=1e-6,
                                        err_msg=mask)
             np.testing.assert_allclose(grad, want_grad, atol=tolerance,
                                        err_msg=mask)

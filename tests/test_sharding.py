@@ -22,6 +22,8 @@ import sys
 import numpy as np
 import pytest
 
+from tests import references
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = ((8, 1), (4, 2), (2, 4), (1, 8))
 TOLERANCE = 1e-5
@@ -35,21 +37,8 @@ RUN_ARGS = [f"--config=configs/default.py:{RUN_CONFIG}"] + [
 
 def numpy_cross_entropy(logits, labels, weights, eps, smoothing, z_loss):
     """Weighted mean of the smoothed cross-entropy plus z-loss, in float64."""
-    logits = np.asarray(logits, np.float64)
-    vocab = logits.shape[-1]
-    top = logits.max(-1, keepdims=True)
-    lse = (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))[..., 0]
-    log_p = logits - lse[..., None]
-    onehot = np.eye(vocab)[labels]
-    if smoothing == "uniform":
-        target = (1 - eps) * onehot + eps / vocab
-        entropy = 0.0
-    else:
-        target = np.where(onehot > 0, 1 - eps, eps / (vocab - 1))
-        entropy = -np.sum(np.where(target > 0, target * np.log(
-            np.where(target > 0, target, 1.0)), 0.0), -1)
-    loss = -np.sum(target * log_p, -1) - entropy + z_loss * lse**2
-    return np.sum(weights * loss) / np.sum(weights)
+    return references.cross_entropy(logits, labels, weights, eps, smoothing,
+                                    z_loss)[1]["loss"]
 
 
 # ----------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from lmhead import config_checks
 from lmhead import data
 from lmhead import evaluation
 from lmhead import train
+from tests import references
 
 
 def tiny_config(**overrides):

@@ -18,6 +18,11 @@ client uses them all). The column is skipped when the flag is absent, torch
 is not installed, or the config is not one nanoGPT can express (untied head,
 rotary positions, a head bias, scale or softcap, bfloat16).
 
+lmhead's step is timed on one device and, on a CPU, on one device per CPU
+with the batch split over them (``--devices``; ``experiments/train.py
+--cpu_devices``): XLA runs each of this model's small matmuls on one core,
+so a second device is what keeps a second core busy.
+
 The programs run in alternation, ``--steps`` steps each per round, with a
 float32 ``[S, S] @ [S, S]`` matmul timed in every round too, so that all
 see the same load on a shared machine; the medians over rounds are printed.
@@ -34,8 +39,8 @@ parameters that take part in matmuls (not the embedding lookup; the
 unembedding always) and ``6 L T D`` the attention scores and mixing with a
 causal mask (half of ``12 L T D``). Both implementations do the same model
 FLOPs; XLA's own count of the compiled step (optimizer and elementwise work
-included) is printed beside it. "bound" is the step time if every model
-FLOP ran at the measured matmul rate.
+included) is printed beside it, and so is the step time that every model
+FLOP run at the measured matmul rate would take: the bound on the speed.
 """
 
 import contextlib
@@ -247,15 +252,22 @@ def bench(arg: str, loss_impls: list[str], device_counts: list[int],
         programs["nanoGPT"] = nanogpt_program(nanogpt, config,
                                               dataset.vocab_size, batches)
     times = alternate(programs, batches, matmul[0], rounds)
-    rate = matmul[1] / times["matmul"][0]
     tokens = config.train.batch_size * config.data.block_size
     flops = model_flops_per_token(config, dataset.vocab_size) * tokens
     print(f"\n{arg}: V={dataset.vocab_size}, {tokens} tokens and "
-          f"{flops / 1e9:.2f} model GFLOP per step; float32 matmul "
-          f"{rate / 1e9:.1f} GFLOP/s (bound {1e3 * flops / rate:.1f} ms/step)"
+          f"{flops / 1e9:.2f} model GFLOP per step"
           + (f"; nanoGPT skipped: {skip}" if skip else ""))
-    for name in programs:
-        wall, cpu = times[name]
+    print_times(times, tokens, flops, matmul[1] / times["matmul"][0], xla_flops)
+
+
+def print_times(times: dict, tokens: int, flops: float, rate: float,
+                xla_flops: dict) -> None:
+    """One line per program: time, tokens/s, FLOP rate, ratio to nanoGPT."""
+    print(f"  float32 matmul {rate / 1e9:.1f} GFLOP/s: every model FLOP at "
+          f"that rate would take {1e3 * flops / rate:.1f} ms/step")
+    for name, (wall, cpu) in times.items():
+        if name == "matmul":
+            continue
         line = (f"  {name:24s} {1e3 * wall:7.2f} ms/step (CPU time "
                 f"{1e3 * cpu:7.2f} ms)  {tokens / wall:9,.0f} tokens/s  "
                 f"{flops / wall / 1e9:6.1f} GFLOP/s = {flops / wall / rate:4.0%}"

@@ -104,6 +104,11 @@ def _check_optim_train_and_sample(config, check) -> None:
     for name in ("optim.b1", "optim.b2"):
         check(name, float, low=0.0, high=1.0, high_open=True)
     check("train.eval_batches", int, low=1, optional=True)
+    check("train.microbatches", int, low=1)
+    if config.train.batch_size % config.train.microbatches:
+        raise ValueError("config.train.microbatches must divide config.train."
+                         f"batch_size; got {config.train.microbatches} and "
+                         f"{config.train.batch_size}.")
     check("train.seed", int, low=0, high=2**31 - 1)
     check("train.stop_on_nonfinite", bool)
     check("sample.num_samples", int, low=0)
@@ -155,8 +160,9 @@ CONFIG_SECTIONS = {
     "optim": ("lr", "warmup_steps", "min_lr", "weight_decay", "b1", "b2",
               "grad_clip"),
     "mesh": ("data", "model"),
-    "train": ("steps", "batch_size", "seed", "log_every", "eval_every",
-              "checkpoint_every", "eval_batches", "stop_on_nonfinite"),
+    "train": ("steps", "batch_size", "microbatches", "seed", "log_every",
+              "eval_every", "checkpoint_every", "eval_batches",
+              "stop_on_nonfinite"),
     "sample": ("num_samples", "max_new_tokens", "temperature", "top_k", "top_p",
                "prompt"),
 }
@@ -168,7 +174,8 @@ CONFIG_SECTIONS = {
 RESUMABLE_CHANGES = (
     "train.log_every", "train.eval_every", "train.checkpoint_every",
     "train.eval_batches", "train.stop_on_nonfinite", "loss.loss_impl",
-    "loss.chunk_size", "mesh.data", "mesh.model", "sample.num_samples",
+    "loss.chunk_size", "train.microbatches", "mesh.data", "mesh.model",
+    "sample.num_samples",
     "sample.max_new_tokens", "sample.temperature", "sample.top_k",
     "sample.top_p", "sample.prompt")
 

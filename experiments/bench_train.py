@@ -39,7 +39,8 @@ parameters that take part in matmuls (not the embedding lookup; the
 unembedding always) and ``6 L T D`` the attention scores and mixing with a
 causal mask (half of ``12 L T D``). Both implementations do the same model
 FLOPs; XLA's own count of the compiled step (optimizer and elementwise work
-included) is printed beside it, and so is the step time that every model
+included; a loop's body counted once, so about 1/n of the step's with
+``train.microbatches=n``) is printed beside it, and so is the step time that every model
 FLOP run at the measured matmul rate would take: the bound on the speed.
 """
 

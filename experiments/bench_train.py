@@ -1,42 +1,88 @@
-r"""Training speed: steps/s, tokens/s, compile time and model FLOP utilisation.
+r"""Training speed, side by side with nanoGPT: tokens/s, FLOP rates, ratio.
 
-    python experiments/bench_train.py                      # nanogpt, char and BPE
-    python experiments/bench_train.py --config=nanogpt,untied --steps=200
-    python experiments/bench_train.py --loss_impl=materialized --loss_impl=fused
+    python experiments/bench_train.py                      # nanogpt,tied
+    python experiments/bench_train.py --nanogpt=/tmp/nanoGPT
+    python experiments/bench_train.py --quick --nanogpt=/tmp/nanoGPT
+    python experiments/bench_train.py --config=nanogpt,tied,bpe=2048 \
+        --loss_impl=materialized --loss_impl=fused
 
-Utilisation is the model's FLOP rate over the rate of a large float32 matmul
-timed in the same process, so both numbers see the same (possibly shared)
-machine. Model FLOPs per token, as in PaLM (Chowdhery et al., 2022, App. B):
+``--nanogpt`` is a checkout of https://github.com/karpathy/nanoGPT (e.g.
+``git clone https://github.com/karpathy/nanoGPT /tmp/nanoGPT``); its
+``model.py`` is imported from there, never copied here. Its ``GPT`` is built
+with the same config (layers, heads, width, block, vocabulary, dropout,
+biases), trained with its own ``configure_optimizers`` (AdamW with the
+config's betas and weight decay) and ``clip_grad_norm_``, as its
+``train.py`` does, on the same batches of our corpus, with
+``torch.set_num_threads`` set to the CPUs this process may use (XLA's CPU
+client uses them all). The column is skipped when the flag is absent, torch
+is not installed, or the config is not one nanoGPT can express (untied head,
+rotary positions, a head bias, scale or softcap, bfloat16).
+
+lmhead's step is timed on one device and, on a CPU, on one device per CPU
+with the batch split over them (``--devices``; ``experiments/train.py
+--cpu_devices``): XLA runs each of this model's small matmuls on one core,
+so a second device is what keeps a second core busy.
+
+The programs run in alternation, ``--steps`` steps each per round, with a
+float32 ``[S, S] @ [S, S]`` matmul timed in every round too, so that all
+see the same load on a shared machine; the medians over rounds are printed.
+Besides wall time, the process's CPU time per step (all threads) is
+printed: other processes do not inflate it. Compare wall times on an
+otherwise idle machine only: under oversubscription a preempted OpenMP
+thread stalls PyTorch's others at every barrier, which slows nanoGPT far
+more than XLA's task-based thread pool (``taskset -c 0 python ...`` runs
+both on one CPU, where that cannot happen).
+
+Model FLOPs per token, as in PaLM (Chowdhery et al., 2022, App. B):
 ``6 N + 6 L T D`` for the forward and backward passes, with ``N`` the
 parameters that take part in matmuls (not the embedding lookup; the
 unembedding always) and ``6 L T D`` the attention scores and mixing with a
-causal mask (half of ``12 L T D``). XLA's own count of the compiled step
-(optimizer and elementwise work included) is printed beside it, and so is
-the process's CPU time per step (all threads), which other processes on a
-shared machine do not inflate.
+causal mask (half of ``12 L T D``). Both implementations do the same model
+FLOPs; XLA's own count of the compiled step (optimizer and elementwise work
+included; a loop's body counted once, so about 1/n of the step's with
+``train.microbatches=n``) is printed beside it, and so is the step time that every model
+FLOP run at the measured matmul rate would take: the bound on the speed.
 """
 
+import contextlib
+import functools
 import importlib.util
+import io
 import os
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import app
 from absl import flags
 
 from lmhead import config_checks
 from lmhead import data
+from lmhead import sharding
 from lmhead import train
 
-flags.DEFINE_multi_string("config", ["nanogpt,tied", "nanogpt,tied,bpe=2048"],
+flags.DEFINE_multi_string("config", ["nanogpt,tied"],
                           "configs/default.py arguments; one benchmark each.")
 flags.DEFINE_multi_string("loss_impl", [], "config.loss.loss_impl values to "
                           "compare; none: the config's own.")
-flags.DEFINE_integer("steps", 100, "Timed steps (after 10 warm-up steps).",
+flags.DEFINE_string("nanogpt", None, "A checkout of karpathy/nanoGPT whose "
+                    "model.py is timed beside lmhead (needs torch).")
+flags.DEFINE_multi_integer("devices", None, "lmhead's step is timed on a "
+                           "mesh of each of these numbers of devices, the "
+                           "batch split over them (data parallel); default: 1 "
+                           "and, on a CPU, the number of CPUs. On a CPU, JAX "
+                           "then makes one device per CPU.")
+flags.DEFINE_integer("steps", 20, "Timed steps per program per round.",
                      lower_bound=1)
-flags.DEFINE_integer("matmul_size", 2048, "Side of the timed square matmul.")
-WARMUP_STEPS = 10
+flags.DEFINE_integer("rounds", 10, "Rounds of alternation (medians over "
+                     "rounds are printed).", lower_bound=1)
+flags.DEFINE_integer("matmul_size", 1024, "Side of the timed square matmul.")
+flags.DEFINE_bool("quick", False, "3 rounds of 3 steps and a 256 matmul: "
+                  "checks that the benchmark runs, measures nothing.")
+FLAGS = flags.FLAGS
+
+WARMUP_STEPS = 5
 CONFIG_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))), "configs", "default.py")
 
@@ -48,19 +94,6 @@ def get_config(arg: str):
     return module.get_config(arg)
 
 
-def matmul_flops_per_sec(size: int, repeats: int = 10) -> float:
-    """float32 FLOP/s of a jitted ``[size, size] @ [size, size]``, best of runs."""
-    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-    matmul = jax.jit(jnp.dot)
-    matmul(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        matmul(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
-
-
 def model_flops_per_token(config, vocab_size: int) -> float:
     """``6 N + 6 L T D`` with N the matmul parameters (see the module doc)."""
     m, T = config.model, config.data.block_size
@@ -69,50 +102,208 @@ def model_flops_per_token(config, vocab_size: int) -> float:
     return 6 * matmul_params + 6 * m.num_layers * T * m.d_model
 
 
-def bench(arg: str, loss_impl: str | None, steps: int, peak: float) -> None:
+def cpu_count() -> int:
+    """The CPUs this process may run on (its affinity mask where there is one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def matmul_program(size: int, repeats: int = 5):
+    """``(run(), flops)``: ``run`` times a jitted float32 ``[size, size]``
+    matmul ``repeats`` times and returns the fastest, in seconds (one short
+    call is easily preempted on a shared machine)."""
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
+    matmul = jax.jit(jnp.dot).lower(a, a).compile()
+
+    def run():
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(matmul(a, a))
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    return run, 2.0 * size**3
+
+
+def lmhead_program(config, dataset, batches, num_devices: int):
+    """``(run(batches), xla_flops_per_step)`` of lmhead's jitted train step
+    on a mesh of the first ``num_devices`` devices (the batch split over them).
+
+    Like the training loop, ``run`` dispatches every step and waits once, at
+    the end.
+    """
+    model = train.make_model(config, dataset.vocab_size)
+    mesh = sharding.make_mesh(num_devices, 1,
+                              devices=jax.devices()[:num_devices])
+    init_key, dropout_key = sharding.replicate(
+        tuple(jax.random.split(jax.random.key(0))), mesh)
+    init = functools.partial(train.create_train_state, model, config)
+    shardings = sharding.tree_shardings(jax.eval_shape(init, init_key), mesh)
+    state = jax.jit(init, out_shardings=shardings)(init_key)
+    sharded = {id(b): sharding.shard_batch(b, mesh) for b in batches}
+    train_fn, _, _ = train.compile_steps(model, config, state,
+                                         sharded[id(batches[0])], dropout_key,
+                                         mesh)
+    holder = [state]
+
+    def run(round_batches):
+        for batch in round_batches:
+            holder[0], metrics = train_fn(holder[0], sharded[id(batch)],
+                                          dropout_key)
+        jax.block_until_ready(metrics)
+
+    per_device = (train_fn.cost_analysis() or {}).get("flops", float("nan"))
+    return run, num_devices * per_device
+
+
+def nanogpt_incompatibility(config) -> str | None:
+    """Why nanoGPT cannot train ``config``'s model, or None if it can."""
+    m = config.model
+    reasons = {"an untied head": not m.tied,
+               "rotary positions": m.positions != "learned",
+               "a head bias, scale or softcap": m.head_bias or
+               m.head_scale is not None or m.logits_softcap is not None,
+               f"dtype {m.dtype}": m.dtype != "float32"}
+    found = [reason for reason, present in reasons.items() if present]
+    return f"nanoGPT cannot train {', '.join(found)}" if found else None
+
+
+def nanogpt_program(path: str, config, vocab_size: int, batches):
+    """``run(batches)`` of nanoGPT's training step (model.py from ``path``)."""
+    import torch  # only here: torch is a peer, not a dependency
+    spec = importlib.util.spec_from_file_location(
+        "nanogpt_model", os.path.join(path, "model.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.set_num_threads(cpu_count())
+    torch.manual_seed(0)
+    m, o = config.model, config.optim
+    gpt_config = module.GPTConfig(
+        block_size=config.data.block_size, vocab_size=vocab_size,
+        n_layer=m.num_layers, n_head=m.num_heads, n_embd=m.d_model,
+        dropout=m.dropout_rate, bias=m.use_bias)
+    with contextlib.redirect_stdout(io.StringIO()):  # its parameter counts
+        gpt = module.GPT(gpt_config)
+        optimizer = gpt.configure_optimizers(o.weight_decay, o.lr,
+                                             (o.b1, o.b2), "cpu")
+    gpt.train()
+    tensors = {id(b): tuple(torch.from_numpy(b[k].astype(np.int64))
+                            for k in ("inputs", "labels")) for b in batches}
+
+    def run(round_batches):
+        for batch in round_batches:
+            inputs, labels = tensors[id(batch)]
+            _, loss = gpt(inputs, labels)
+            loss.backward()
+            if o.grad_clip:
+                torch.nn.utils.clip_grad_norm_(gpt.parameters(), o.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return run
+
+
+def alternate(programs: dict, batches, matmul, rounds: int) -> dict:
+    """Median wall and CPU seconds per step of each program, and the median
+    of the matmul's best time per round."""
+    for run in programs.values():
+        run(batches[:WARMUP_STEPS])
+    timed = batches[WARMUP_STEPS:]
+    times = {name: [] for name in [*programs, "matmul"]}
+    for _ in range(rounds):
+        for name, run in programs.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            run(timed)
+            times[name].append(((time.perf_counter() - wall) / len(timed),
+                                (time.process_time() - cpu) / len(timed)))
+        times["matmul"].append((matmul(), float("nan")))
+    return {name: np.median(np.array(t), axis=0) for name, t in times.items()}
+
+
+def bench(arg: str, loss_impls: list[str], device_counts: list[int],
+          nanogpt: str | None, steps: int, rounds: int, matmul) -> None:
     config = get_config(arg)
-    if loss_impl:
-        config.loss.loss_impl = loss_impl
     config_checks.validate_config(config)
     dataset = data.load_dataset(config.data)
-    model = train.make_model(config, dataset.vocab_size)
-    init_key, dropout_key = jax.random.split(jax.random.key(0))
-    state = jax.jit(lambda k: train.create_train_state(model, config, k))(init_key)
     batches = [data.train_batch(dataset.train_tokens, seed=0, step=s,
                                 batch_size=config.train.batch_size,
                                 block_size=config.data.block_size)
                for s in range(WARMUP_STEPS + steps)]
-    train_fn, _, compile_seconds = train.compile_steps(
-        model, config, state, batches[0], dropout_key)
-    for batch in batches[:WARMUP_STEPS]:
-        state, metrics = train_fn(state, batch, dropout_key)
-    jax.block_until_ready(metrics)
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for batch in batches[WARMUP_STEPS:]:
-        state, metrics = train_fn(state, batch, dropout_key)
-    jax.block_until_ready(metrics)
-    seconds = (time.perf_counter() - start) / steps
-    cpu_seconds = (time.process_time() - cpu_start) / steps
+    programs, xla_flops = {}, {}
+    for loss_impl in loss_impls or [config.loss.loss_impl]:
+        variant = config.copy_and_resolve_references()
+        variant.loss.loss_impl = loss_impl
+        config_checks.validate_config(variant)
+        for count in device_counts:
+            if config.train.batch_size % count:
+                print(f"{arg}: {count} devices skipped: they do not divide "
+                      f"the batch of {config.train.batch_size}.")
+                continue
+            name = f"lmhead {loss_impl}, {count} device{'s' * (count > 1)}"
+            programs[name], xla_flops[name] = lmhead_program(
+                variant, dataset, batches, count)
+    skip = ("no --nanogpt checkout" if not nanogpt else
+            "torch is not installed" if importlib.util.find_spec("torch") is None
+            else f"no {nanogpt}/model.py" if not os.path.isfile(
+                os.path.join(nanogpt, "model.py"))
+            else nanogpt_incompatibility(config))
+    if skip is None:
+        programs["nanoGPT"] = nanogpt_program(nanogpt, config,
+                                              dataset.vocab_size, batches)
+    times = alternate(programs, batches, matmul[0], rounds)
     tokens = config.train.batch_size * config.data.block_size
     flops = model_flops_per_token(config, dataset.vocab_size) * tokens
-    xla_flops = (train_fn.cost_analysis() or {}).get("flops", float("nan"))
-    name = f"{arg} {config.loss.loss_impl}"
-    print(f"{name:36s} V={dataset.vocab_size:<5d} compile {compile_seconds:5.2f} s  "
-          f"{1 / seconds:6.1f} steps/s  {1e3 * seconds:6.2f} ms/step "
-          f"(CPU time {1e3 * cpu_seconds:6.2f} ms)  "
-          f"{tokens / seconds:9,.0f} tokens/s  model {flops / seconds / 1e9:6.2f} "
-          f"GFLOP/s = {100 * flops / seconds / peak:5.1f}% MFU  "
-          f"(XLA count {xla_flops / seconds / 1e9:6.2f} GFLOP/s)", flush=True)
+    print(f"\n{arg}: V={dataset.vocab_size}, {tokens} tokens and "
+          f"{flops / 1e9:.2f} model GFLOP per step"
+          + (f"; nanoGPT skipped: {skip}" if skip else ""))
+    print_times(times, tokens, flops, matmul[1] / times["matmul"][0], xla_flops)
+
+
+def print_times(times: dict, tokens: int, flops: float, rate: float,
+                xla_flops: dict) -> None:
+    """One line per program: time, tokens/s, FLOP rate, ratio to nanoGPT."""
+    print(f"  float32 matmul {rate / 1e9:.1f} GFLOP/s: every model FLOP at "
+          f"that rate would take {1e3 * flops / rate:.1f} ms/step")
+    for name, (wall, cpu) in times.items():
+        if name == "matmul":
+            continue
+        line = (f"  {name:24s} {1e3 * wall:7.2f} ms/step (CPU time "
+                f"{1e3 * cpu:7.2f} ms)  {tokens / wall:9,.0f} tokens/s  "
+                f"{flops / wall / 1e9:6.1f} GFLOP/s = {flops / wall / rate:4.0%}"
+                " of matmul")
+        if name in xla_flops:
+            line += f"  (XLA count {xla_flops[name] / 1e9:.2f} GFLOP/step)"
+        if "nanoGPT" in times and name != "nanoGPT":
+            ratio = times["nanoGPT"] / times[name]
+            line += (f"  {ratio[0]:.2f}x nanoGPT's tokens/s "
+                     f"({ratio[1]:.2f}x per CPU second)")
+        print(line, flush=True)
+
+
+def device_counts() -> list[int]:
+    """``--devices``, or 1 and (on a CPU) the number of CPUs; on a CPU, makes
+    JAX give the process one device per CPU (before its backends start)."""
+    counts = FLAGS.devices or [1, cpu_count()]
+    jax.config.update("jax_num_cpu_devices", max(counts))  # CPU backend only
+    if jax.default_backend() != "cpu" and not FLAGS.devices:
+        counts = [1]
+    return sorted(set(counts))
 
 
 def main(argv):
     del argv
-    peak = matmul_flops_per_sec(flags.FLAGS.matmul_size)
-    print(f"{jax.devices()[0].device_kind}: float32 matmul "
-          f"{flags.FLAGS.matmul_size}^3 at {peak / 1e9:.1f} GFLOP/s", flush=True)
-    for arg in flags.FLAGS.config:
-        for loss_impl in flags.FLAGS.loss_impl or [None]:
-            bench(arg, loss_impl, flags.FLAGS.steps, peak)
+    counts = device_counts()
+    steps, rounds, size = ((3, 3, 256) if FLAGS.quick else
+                           (FLAGS.steps, FLAGS.rounds, FLAGS.matmul_size))
+    print(f"{jax.devices()[0].device_kind}, {cpu_count()} CPUs, jax "
+          f"{jax.__version__}; {rounds} rounds of {steps} steps, medians",
+          flush=True)
+    matmul = matmul_program(size)
+    for arg in FLAGS.config:
+        bench(arg, FLAGS.loss_impl, counts, FLAGS.nanogpt, steps, rounds,
+              matmul)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,21 @@ Several processes (hosts), each started with the same flags plus::
 
 or ``--distributed`` where JAX finds the cluster itself (Cloud TPU slices,
 SLURM, Open MPI). See ``lmhead/sharding.py`` for the device mesh.
+
+On a CPU, ``--cpu_devices=N`` (e.g. the number of cores) gives the process
+N devices and splits each batch over them (data parallel): XLA runs a small
+model's many small operations on one core at a time, and a device per core
+keeps every core busy (``experiments/bench_train.py`` measures it). Results
+then differ from a single device's by float32 rounding, and a run killed and
+resumed may differ from an uninterrupted one in the last bits, which with one
+device it never does.
 """
 
 import re
 import signal
 import sys
 
+import jax
 from absl import app
 from absl import flags
 from absl import logging
@@ -39,6 +48,10 @@ flags.DEFINE_string("coordinator_address", None,
                     "host:port of process 0, for a run over several processes.")
 flags.DEFINE_integer("num_processes", None, "Processes in the run.")
 flags.DEFINE_integer("process_id", None, "This process's index, 0 to N - 1.")
+flags.DEFINE_integer("cpu_devices", None,
+                     "Devices of the CPU backend (default: JAX's, one); with "
+                     "the default config.mesh each batch is split over them "
+                     "(data parallel). No effect on GPU or TPU.", lower_bound=1)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -47,6 +60,8 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    if flags.FLAGS.cpu_devices:  # before any backend starts
+        jax.config.update("jax_num_cpu_devices", flags.FLAGS.cpu_devices)
     if flags.FLAGS.distributed or flags.FLAGS.coordinator_address:
         sharding.initialize_distributed(flags.FLAGS.coordinator_address,
                                         flags.FLAGS.num_processes,

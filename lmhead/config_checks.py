@@ -53,7 +53,8 @@ def _ranges(config) -> dict[str, tuple[Any, Any, str]]:
     counts = ("model.num_layers", "model.num_heads", "model.d_model",
               "model.mlp_dim", "train.steps", "train.batch_size",
               "train.log_every", "train.eval_every", "train.checkpoint_every",
-              "train.eval_batches", "sample.max_new_tokens", "sample.top_k",
+              "train.eval_batches", "train.microbatches",
+              "sample.max_new_tokens", "sample.top_k",
               "loss.chunk_size")
     return {
         **{name: (1, None, "[)") for name in counts},
@@ -138,6 +139,10 @@ def _check_rules_between_values(config) -> None:
         if config.mesh[name] == 0:
             raise ValueError(f"config.mesh.{name} must be a number of devices "
                              ">= 1, or -1 for all the others; got 0.")
+    if config.train.batch_size % config.train.microbatches:
+        raise ValueError("config.train.microbatches must divide config.train."
+                         f"batch_size; got {config.train.microbatches} and "
+                         f"{config.train.batch_size}.")
     if not config.sample.prompt:
         raise ValueError("config.sample.prompt must not be empty.")
 
@@ -255,7 +260,7 @@ def flatten(nested, prefix: str = "") -> dict[str, Any]:
 RESUMABLE_CHANGES = (
     "train.log_every", "train.eval_every", "train.checkpoint_every",
     "train.eval_batches", "train.eval_train_batches", "train.test_eval",
-    "train.stop_on_nonfinite", "loss.loss_impl",
+    "train.stop_on_nonfinite", "train.microbatches", "loss.loss_impl",
     "loss.chunk_size", "mesh.data", "mesh.model", "sample.num_samples",
     "sample.max_new_tokens", "sample.temperature", "sample.top_k",
     "sample.top_p", "sample.prompt")

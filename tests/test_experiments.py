@@ -66,3 +66,29 @@ def test_bad_config_value_fails_before_training(tmp_path):
     assert result.returncode != 0
     assert "config.model.num_heads must divide config.model.d_model" in result.stderr
     assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
+
+
+@pytest.mark.slow
+def test_bench_train_times_each_device_count():
+    stdout = run("bench_train.py", "--quick", "--config=tiny", "--devices=1",
+                 "--devices=2")
+    assert "nanoGPT skipped: no --nanogpt checkout" in stdout
+    assert "lmhead fused, 1 device " in stdout
+    assert "lmhead fused, 2 devices " in stdout
+    assert "tokens/s" in stdout and "GFLOP/s" in stdout
+
+
+@pytest.mark.slow
+def test_data_parallel_cpu_devices_train_the_same_model(tmp_path):
+    """Splitting the batch over 2 CPU devices changes float32 rounding only."""
+    losses = {}
+    for devices in (1, 2):
+        workdir = str(tmp_path / str(devices))
+        run("train.py", "--config=configs/default.py:tiny", f"--workdir={workdir}",
+            f"--cpu_devices={devices}", "--config.train.steps=20",
+            "--config.sample.num_samples=1")
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            losses[devices] = [r["eval/loss"] for r in map(json.loads, f)
+                               if "eval/loss" in r]
+    assert len(losses[1]) == 1
+    assert losses[2] == pytest.approx(losses[1], rel=1e-4)

@@ -450,3 +450,31 @@ class TestEarlyStoppingAndTest:
         assert (summary["steps_run"], summary["best_step"]) == (20, 10)
         assert summary["stopped_early"] and summary["test"]["step"] == 10
         assert max(r["step"] for r in read_metrics(workdir)) == 20
+
+
+def test_microbatches_give_the_one_batch_step(corpus):
+    """Accumulating over 2 or 4 microbatches is the plain step up to rounding;
+    a count that does not divide the batch is refused."""
+    config = default.get_config("tiny")
+    config.data.path = corpus
+    dataset = data.load_dataset(config.data)
+    model = train.make_model(config, dataset.vocab_size)
+    state = train.create_train_state(model, config, jax.random.key(0))
+    batch = data.train_batch(dataset.train_tokens, seed=0, step=0, batch_size=8,
+                             block_size=config.data.block_size)
+
+    def step(microbatches):
+        return jax.jit(functools.partial(
+            train.train_step, model=model, loss_kwargs=train.loss_keywords(
+                config.loss), learning_rate_fn=train.learning_rate_schedule(config),
+            microbatches=microbatches))(state, batch, jax.random.key(1))
+
+    reference_state, reference = step(1)
+    for microbatches in (2, 4):
+        new_state, metrics = step(microbatches)
+        for name in ("loss", "nll", "accuracy", "grad_norm"):
+            np.testing.assert_allclose(metrics[name], reference[name], rtol=1e-5)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
+                     new_state.params, reference_state.params)
+    with pytest.raises(ValueError, match="microbatches=3 must divide the batch"):
+        step(3)

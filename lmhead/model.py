@@ -137,9 +137,13 @@ def _attend_filled(query: jax.Array, keys: jax.Array, values: jax.Array,
 
     Only the first ``S`` slots are read, ``S`` the shortest span that holds the
     longest row. Length buckets rather than a loop over blocks with an online
-    softmax (flash decoding): on CPU the per-block loop overhead at batch 1
-    exceeds the cost of reading up to twice the filled length, and each
-    bucket is one plain softmax, the same arithmetic as a full-length pass.
+    softmax (flash decoding), chosen by measurement (experiments/bench_decode.py,
+    CPU): at the same filled length both keep the step's cost nearly flat in
+    ``max_len``, where a full-length pass costs 4x more at 1024 than at 256,
+    but the block loop pays its per-iteration overhead and rescaling on every
+    block and was the slower and less steady of the two, most of all for beam
+    search at batch 8. A bucket is one plain softmax, the same arithmetic as
+    the training path, and reads at most twice the filled length.
     """
     def attend(span):
         def branch():

@@ -740,3 +740,35 @@ def test_beam_search_through_the_kv_cache_matches_recomputing_the_prefix(monkeyp
         total = sum(log_probs[start - 1 + t, sequence[start + t]] for t in range(length))
         np.testing.assert_allclose(scores[row, rank],
                                    total / np_divisor(length, 0.6, "gnmt"), rtol=1e-4)
+
+
+def test_beam_search_through_the_kv_cache_equals_brute_force(monkeypatch):
+    """With K = V ** (N - 1) beams nothing is pruned, so the n-best from the
+    model's cache (reordered block by block: MIN_SPAN = 2) must be the n-best
+    of all V ** N continuations, scored by running the model on each."""
+    from lmhead import model as model_lib
+    monkeypatch.setattr(model_lib, "MIN_SPAN", 2)
+    vocab, num_new = 4, 3
+    model = model_lib.DecoderLM(vocab_size=vocab, num_layers=1, num_heads=2, d_model=8,
+                                mlp_dim=16, max_len=7)
+    rng = np.random.default_rng(1)
+    prompt = jnp.asarray(rng.integers(0, vocab, (2, 4)), jnp.int32)
+    prompt_lengths = np.array([4, 3])
+    params = jax.jit(model.init)(jax.random.key(1), prompt)["params"]
+    params = jax.tree.map(lambda p: p + 0.5 * rng.standard_normal(p.shape), params)
+    logits, cache = model_lib.prefill(model, params, prompt, jnp.asarray(prompt_lengths),
+                                      max_new_tokens=num_new)
+    tokens, scores, _ = decoding.beam_search(
+        model_lib.make_step_fn(model), params, logits, cache, num_beams=vocab ** 2,
+        max_new_tokens=num_new, eos_id=None, length_penalty=0.0,
+        num_return_sequences=3)
+    continuations = np.array(list(itertools.product(range(vocab), repeat=num_new)))
+    for row, start in enumerate(prompt_lengths):
+        sequences = np.concatenate([np.tile(np.asarray(prompt[row, :start]),
+                                            (len(continuations), 1)), continuations], 1)
+        log_probs = np_log_softmax(model.apply({"params": params}, jnp.asarray(sequences)))
+        totals = sum(log_probs[np.arange(len(sequences)), start - 1 + t, continuations[:, t]]
+                     for t in range(num_new))
+        best = np.argsort(-totals, kind="stable")[:3]
+        np.testing.assert_array_equal(tokens[row], continuations[best])
+        np.testing.assert_allclose(scores[row], totals[best], rtol=1e-5, atol=1e-5)

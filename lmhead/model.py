@@ -61,10 +61,12 @@ class DecodeCache(NamedTuple):
     """Key/value cache of a :class:`DecoderLM`; every leaf has leading axis B.
 
     Attributes:
-        keys: ``num_layers`` arrays ``[B, max_len, H, Dh]`` (compute dtype):
+        keys: ``num_layers`` arrays ``[B, H, max_len, Dh]`` (compute dtype):
             each layer's attention keys (rotated, with RoPE) at every position
             written so far. Slots at or after ``index[b]`` are unused.
-        values: ``num_layers`` arrays ``[B, max_len, H, Dh]``, the values.
+        values: ``num_layers`` arrays ``[B, H, max_len, Dh]``, the values.
+            Heads before slots, so that attention's batched matmuls over
+            ``(B, H)`` read the cache as it lies, without a transpose of it.
         index: ``int32[B]``: how many positions of row ``b`` are in the cache,
             which is also the position of the row's next token.
     """
@@ -108,10 +110,12 @@ def _layer_norm(use_bias: bool, dtype: Any, name: str | None = None) -> nn.Layer
                         name=name)
 
 
-def _attention_weights(query: jax.Array, key: jax.Array, mask: jax.Array) -> jax.Array:
+def _attention_weights(query: jax.Array, key: jax.Array, mask: jax.Array,
+                       keys_layout: str = "bshd") -> jax.Array:
     """float32 softmax weights ``[B, H, T, S]`` of ``query [B, T, H, Dh]`` over
-    ``key [B, S, H, Dh]`` where ``mask: bool [B | 1, T, S]`` is True."""
-    scores = jnp.einsum("bthd,bshd->bhts", query, key,
+    ``key [B, S, H, Dh]`` (or ``[B, H, S, Dh]`` with ``keys_layout="bhsd"``)
+    where ``mask: bool [B | 1, T, S]`` is True."""
+    scores = jnp.einsum(f"bthd,{keys_layout}->bhts", query, key,
                         preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, None], scores / math.sqrt(query.shape[-1]), NEG_INF)
     return jax.nn.softmax(scores, axis=-1)
@@ -148,12 +152,12 @@ def _attend_filled(query: jax.Array, keys: jax.Array, values: jax.Array,
     def attend(span):
         def branch():
             visible = jnp.arange(span) <= positions[:, :, None]
-            weights = _attention_weights(query, keys[:, :span], visible)
-            return jnp.einsum("bhts,bshd->bthd", weights.astype(dtype),
-                              values[:, :span].astype(dtype))
+            weights = _attention_weights(query, keys[:, :, :span], visible, "bhsd")
+            return jnp.einsum("bhts,bhsd->bthd", weights.astype(dtype),
+                              values[:, :, :span].astype(dtype))
         return branch
 
-    spans = attention_spans(keys.shape[1])
+    spans = attention_spans(keys.shape[2])
     if len(spans) == 1:
         return attend(spans[0])()
     needed = jnp.max(positions) + 1
@@ -174,7 +178,7 @@ class CausalSelfAttention(nn.Module):
     def __call__(self, x, positions, mask, cache, *, train):
         """x: [B, T, D]; positions: int [B, T]; cache: None (keys are this
         call's T positions, masked by mask: bool [B | 1, T, T]) or a layer's
-        (keys, values), each [B, max_len, H, Dh], into which this call writes
+        (keys, values), each [B, H, max_len, Dh], into which this call writes
         its T positions and whose slots up to each query's position it reads
         (mask unused). Returns ([B, T, D], the updated cache or None)."""
         batch, time, width = x.shape
@@ -192,8 +196,8 @@ class CausalSelfAttention(nn.Module):
         else:
             # Positions past the cache's end are dropped (see DecoderLM.extend).
             rows = jnp.arange(batch)[:, None]
-            key = cache[0].at[rows, positions].set(key, mode="drop")
-            value = cache[1].at[rows, positions].set(value, mode="drop")
+            key = cache[0].at[rows, :, positions].set(key, mode="drop")
+            value = cache[1].at[rows, :, positions].set(value, mode="drop")
             cache = (key, value)
             out = _attend_filled(query, key, value, positions, self.dtype)
         out = nn.Dense(width, use_bias=self.use_bias, dtype=self.dtype, name="out",
@@ -428,9 +432,9 @@ def init_cache(model: DecoderLM, batch_size: int) -> DecodeCache:
     Examples:
         >>> cache = init_cache(DecoderLM(vocab_size=17, num_layers=2), 3)
         >>> len(cache.keys), cache.keys[0].shape, cache.index
-        (2, (3, 64, 4, 32), Array([0, 0, 0], dtype=int32))
+        (2, (3, 4, 64, 32), Array([0, 0, 0], dtype=int32))
     """
-    shape = (batch_size, model.max_len, model.num_heads, model.d_model // model.num_heads)
+    shape = (batch_size, model.num_heads, model.max_len, model.d_model // model.num_heads)
     layers = tuple(jnp.zeros(shape, model.dtype) for _ in range(model.num_layers))
     return DecodeCache(keys=layers, values=layers,
                        index=jnp.zeros((batch_size,), jnp.int32))
@@ -527,11 +531,11 @@ def reorder_cache(cache: DecodeCache, rows: jax.Array) -> DecodeCache:
         >>> cache = cache._replace(keys=(cache.keys[0].at[0].set(1.0),),
         ...                        index=jnp.array([3, 5]))
         >>> moved = reorder_cache(cache, jnp.array([0, 0]))
-        >>> moved.index, moved.keys[0][:, :, 0, 0]
+        >>> moved.index, moved.keys[0][:, 0, :, 0]
         (Array([3, 3], dtype=int32), Array([[1., 1., 1., 1., 1., 1., 1., 1.],
                [1., 1., 1., 1., 1., 1., 1., 1.]], dtype=float32))
     """
-    max_len = cache.keys[0].shape[1]
+    max_len = cache.keys[0].shape[2]
     block = min(MIN_SPAN, max_len)
     num_blocks = (jnp.max(cache.index) + block - 1) // block
 
@@ -539,12 +543,12 @@ def reorder_cache(cache: DecodeCache, rows: jax.Array) -> DecodeCache:
         # The last block may be clamped back over slots already moved; only
         # the slots from i * block on are taken from the gathered copy.
         start = jnp.minimum(i * block, max_len - block)
-        fresh = (start + jnp.arange(block) >= i * block)[None, :, None, None]
+        fresh = (start + jnp.arange(block) >= i * block)[None, None, :, None]
 
         def move(x):
-            part = jax.lax.dynamic_slice_in_dim(x, start, block, axis=1)
+            part = jax.lax.dynamic_slice_in_dim(x, start, block, axis=2)
             part = jnp.where(fresh, jnp.take(part, rows, axis=0), part)
-            return jax.lax.dynamic_update_slice_in_dim(x, part, start, axis=1)
+            return jax.lax.dynamic_update_slice_in_dim(x, part, start, axis=2)
         return jax.tree.map(move, layers)
 
     keys, values = jax.lax.fori_loop(0, num_blocks, move_block,

@@ -283,7 +283,7 @@ def test_cache_leaves_lead_with_the_batch_axis_and_rows_can_be_gathered():
     logits, cache = model_lib.prefill(model, params, random_tokens((3, 5)),
                                       jnp.array([4, 2, 5]))
     assert all(leaf.shape[0] == 3 for leaf in jax.tree.leaves(cache))
-    assert cache.keys[0].shape == (3, MAX_LEN, HEADS, WIDTH // HEADS)
+    assert cache.keys[0].shape == (3, HEADS, MAX_LEN, WIDTH // HEADS)
     # Beam search tiles the cache and reorders rows, by gathering or by the
     # step's own reorder (filled slots only).
     order = jnp.array([1, 1, 0])
@@ -293,7 +293,7 @@ def test_cache_leaves_lead_with_the_batch_axis_and_rows_can_be_gathered():
     np.testing.assert_array_equal(reordered.index, gathered.index)
     for layer, expected in zip(reordered.keys + reordered.values,
                                gathered.keys + gathered.values):
-        np.testing.assert_array_equal(layer[:, :5], expected[:, :5])
+        np.testing.assert_array_equal(layer[:, :, :5], expected[:, :, :5])
     step_logits, _ = step_fn(params, jnp.array([3, 5, 7]), cache)
     for moved in (gathered, reordered):
         moved_logits, _ = step_fn(params, jnp.array([5, 5, 3]), moved)

@@ -179,8 +179,10 @@ def bench_max_len(max_len: int, batch_sizes, decoders, repeats: int) -> list[dic
             row = dict(decoder=name, batch=batch, max_len=max_len, new=new,
                        **{kind: float(np.median(t)) for kind, t in times.items()})
             rows.append(row)
+            versus = (f", transformers {1e3 * row['hf'] / new:.2f} ms/step"
+                      if "hf" in row else "")
             print(f"  {name}, batch {batch}, max_len {max_len}: "
-                  f"{1e3 * row['lmhead'] / new:.2f} ms/step", flush=True)
+                  f"{1e3 * row['lmhead'] / new:.2f} ms/step{versus}", flush=True)
     return rows
 
 

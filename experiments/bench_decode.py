@@ -1,35 +1,30 @@
-r"""Decoding speed: the KV cache against recomputing the prefix.
+r"""Decoding speed by batch, cache capacity and decoder, optionally against transformers.
 
-    python experiments/bench_decode.py     # the README tables
-    python experiments/bench_decode.py --config=configs/default.py:tiny --quick
+    python experiments/bench_decode.py                     # the README table
+    python experiments/bench_decode.py --new_tokens=200 --max_lens=256,1024 --compare_hf
+    python experiments/bench_decode.py --quick --compare_hf   # a check that it runs
 
-The model is ``--config``'s, by default ``configs/default.py``'s (4 layers, 4
-heads, d_model 128, max_len = block_size = 64), with V = 84, the Shakespeare
-characters, and random weights: speed does not depend on them, and without EOS every decoder
-runs all its steps.
+The model is ``--config``'s (by default ``configs/default.py``: 4 layers, 4
+heads, d_model 128) in the GPT-2 layout (learned positions, biases, exact
+GELU, LayerNorm epsilon 1e-5), with V = 84, the Shakespeare characters, and
+random weights: speed does not depend on them, and with no EOS every decoder
+runs all its steps. Its ``max_len`` is set to each of ``--max_lens``.
 
-Table 1, tokens/s: greedy, top-p sampling (p = 0.9, T = 0.8) and 4-beam
-search at batch 1 and 32, from a prompt of ``--prompt_len`` tokens to the end
-of the context (``max_len - prompt_len`` new tokens), each decoder one jitted
-``lax.while_loop``. Tokens/s is ``B * N`` over the median wall time of the
-loop (the prefill excluded; a beam search does ``num_beams`` times the model
-work for the same count). Two ``step_fn``\ s:
+Each row decodes ``--new_tokens`` tokens (fewer if the cache cannot hold
+them) after a ``--prompt_len``-token prompt: greedy, top-p sampling (p = 0.9,
+T = 0.8) and 4-beam search, each one jitted ``lax.while_loop`` given the
+parameters as an argument. Tokens/s is ``B * N`` over the median wall time
+(the prefill excluded; a beam search does 4 times the model work for the
+same count), ms/step the same time over ``N``. With the same ``N`` at every
+``max_len`` the filled length is the same, so the last column, ms/step over
+that of the smallest ``max_len`` of the row, shows what the cache's capacity
+costs: a step should cost what the cache holds, not its size.
 
-* cache: ``model.make_step_fn``, one new position through the model;
-* recompute: the whole ``[B, max_len]`` token buffer through the model at
-  every step, reading the logits at the new position (static shapes force
-  the full context: that is what a loop without a cache pays).
-
-Table 2, time per token at sequence length T: one cached step at cache
-index T against one forward pass over the T + 1 tokens (a recompute that
-only pays for the prefix, each length compiled on its own). With the cache
-the time must stay flat in T.
-
-Cached and recompute runs alternate, so that both see the same load on a
-shared machine. On a shared 2-core CPU (jax 0.10.2, ``--repeats=3``, about
-70 s) the cache gave 8-16x the tokens/s of recomputing (greedy at batch 1:
-10149 against 1072), and per token 0.36-0.40 ms at every length against
-0.31 ms at T = 8 growing to 1.01 ms at T = 63 for the recompute.
+``--compare_hf`` (needs torch and transformers, which the library never
+imports) copies the same weights into a ``transformers`` ``GPT2LMHeadModel``,
+checks that both give the same greedy tokens, and times its ``generate()``
+(dynamic cache, no EOS) in alternation with lmhead's, so that both see the
+same load; the ratio is lmhead's tokens/s over transformers'.
 """
 
 import os
@@ -49,134 +44,182 @@ from lmhead import train
 
 config_flags.DEFINE_config_file("config", "configs/default.py",
                                 "A configs/*.py file[:args]; its model is timed.")
-flags.DEFINE_bool("quick", False, "Batch sizes 1 and 4, three lengths, 2 repeats.")
+flags.DEFINE_bool("quick", False, "Batch 1 and 4, max_len 64 and 128, 8 new tokens, "
+                  "2 repeats: checks that the script runs.")
+flags.DEFINE_bool("compare_hf", False, "Also time transformers' GPT-2 with the same weights.")
 flags.DEFINE_integer("vocab_size", 84, "V (84: Shakespeare's characters).")
 flags.DEFINE_integer("prompt_len", 16, "Prompt tokens before decoding.")
-flags.DEFINE_list("batch_sizes", ["1", "32"], "Batch sizes of table 1.")
-flags.DEFINE_list("lengths", ["8", "16", "32", "63"], "Sequence lengths of table 2.")
-flags.DEFINE_integer("repeats", 5, "Timed runs per measurement (median).",
-                     lower_bound=1)
+flags.DEFINE_integer("new_tokens", 48, "Tokens decoded per row (at most max_len - prompt_len).")
+flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "Batch sizes.")
+flags.DEFINE_list("max_lens", ["64", "256", "1024"], "Cache capacities.")
+flags.DEFINE_list("decoders", ["greedy", "top-p", "beam 4"], "Decoders to time.")
+flags.DEFINE_integer("repeats", 5, "Timed runs per measurement (median).", lower_bound=1)
+flags.DEFINE_integer("matmul_size", 1024, "Side of the timed square float32 matmul.")
+flags.DEFINE_bool("cpu_time", False, "Time by the process's CPU time (all threads) "
+                  "instead of wall time: steadier on a shared machine.")
 FLAGS = flags.FLAGS
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    clock = time.process_time if FLAGS.cpu_time else time.perf_counter
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return float(np.median(times))
 
 
-def make_recompute_step_fn(model: model_lib.DecoderLM, params):
-    """``step_fn`` whose state is the token buffer ``[B, max_len]`` and lengths."""
-    forward = jax.jit(lambda tokens: model.apply({"params": params}, tokens))
-
-    def step_fn(tokens, state):
-        rows = jnp.arange(tokens.shape[0])
-        buffer = state["tokens"].at[rows, state["length"]].set(tokens)
-        logits = forward(buffer)[rows, state["length"]]
-        return logits, {"tokens": buffer, "length": state["length"] + 1}
-
-    return forward, step_fn
+def matmul_rate(size: int, repeats: int) -> float:
+    """FLOP/s of a square float32 matmul on this machine, now."""
+    a = jnp.ones((size, size), jnp.float32)
+    matmul = jax.jit(jnp.dot)
+    jax.block_until_ready(matmul(a, a))
+    return 2.0 * size**3 / median_seconds(lambda: matmul(a, a), repeats)
 
 
-def decoders(max_new_tokens: int) -> dict[str, Callable]:
+def lmhead_decoder(name: str, model, max_new_tokens: int):
+    """``decode(params, logits, cache) -> tokens [B, N]``, one compiled loop."""
+    step_fn = model_lib.make_step_fn(model)
     key = jax.random.key(0)
-    return {
-        "greedy": lambda step_fn, logits, state: decoding.generate(
-            step_fn, logits, state, key=key, max_new_tokens=max_new_tokens,
-            temperature=0.0),
-        "top-p 0.9": lambda step_fn, logits, state: decoding.generate(
-            step_fn, logits, state, key=key, max_new_tokens=max_new_tokens,
-            temperature=0.8, top_p=0.9),
-        "beam 4": lambda step_fn, logits, state: decoding.beam_search(
-            step_fn, logits, state, num_beams=4, max_new_tokens=max_new_tokens,
-            eos_id=None),
-    }
+    if name == "greedy":
+        return lambda params, logits, cache: decoding.generate(
+            step_fn, params, logits, cache, key=key, max_new_tokens=max_new_tokens,
+            temperature=0.0)[0]
+    if name == "top-p":
+        return lambda params, logits, cache: decoding.generate(
+            step_fn, params, logits, cache, key=key, max_new_tokens=max_new_tokens,
+            temperature=0.8, top_p=0.9)[0]
+    return lambda params, logits, cache: decoding.beam_search(
+        step_fn, params, logits, cache, num_beams=int(name.split()[-1]),
+        max_new_tokens=max_new_tokens, eos_id=None)[0][:, 0]
 
 
-def tokens_per_second(model, params, batch: int, prompt_len: int,
-                      repeats: int) -> dict[str, tuple[float, float]]:
-    """{decoder: (cache tokens/s, recompute tokens/s)} at one batch size."""
-    max_new_tokens = model.max_len - prompt_len
-    prompt = jax.random.randint(jax.random.key(batch), (batch, prompt_len), 0,
-                                model.vocab_size)
-    cache_logits, cache = model_lib.prefill(model, params, prompt,
-                                            max_new_tokens=max_new_tokens)
-    cached = model_lib.make_step_fn(model, params)
-    forward, recompute = make_recompute_step_fn(model, params)
-    buffer = jnp.zeros((batch, model.max_len), jnp.int32).at[:, :prompt_len].set(prompt)
-    recompute_logits = forward(buffer)[:, prompt_len - 1]
-    lengths = jnp.full((batch,), prompt_len, jnp.int32)
-    runs = {"cache": lambda decode: decode(cached, cache_logits, cache),
-            "recompute": lambda decode: decode(
-                recompute, recompute_logits, {"tokens": buffer, "length": lengths})}
-    rates = {}
-    for name, decode in decoders(max_new_tokens).items():
-        for run in runs.values():  # compile
-            jax.block_until_ready(run(decode))
-        times = {kind: [] for kind in runs}
-        for _ in range(repeats):
-            for kind, run in runs.items():
-                times[kind].append(median_seconds(lambda: run(decode), 1))
-        rates[name] = tuple(batch * max_new_tokens / float(np.median(times[kind]))
-                            for kind in runs)
-        print(f"  batch {batch} {name}: cache {rates[name][0]:.0f} tokens/s, "
-              f"recompute {rates[name][1]:.0f} tokens/s", flush=True)
-    return rates
+def hf_model(model, params):
+    """transformers' GPT2LMHeadModel with ``params`` copied in (GPT-2 layout)."""
+    import torch
+    import transformers
+    config = transformers.GPT2Config(
+        vocab_size=model.vocab_size, n_positions=model.max_len, n_embd=model.d_model,
+        n_layer=model.num_layers, n_head=model.num_heads, n_inner=model.mlp_dim,
+        activation_function="gelu", layer_norm_epsilon=model_lib.LAYER_NORM_EPSILON,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        tie_word_embeddings=model.tied, bos_token_id=0, eos_token_id=None)
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    tensor = lambda x: torch.from_numpy(np.array(x, np.float32))
+    state = {"transformer.wte.weight": params["embed"]["embedding"],
+             "transformer.wpe.weight": params["position_embedding"],
+             "transformer.ln_f.weight": params["final_norm"]["scale"],
+             "transformer.ln_f.bias": params["final_norm"]["bias"],
+             "lm_head.weight": (params["embed"]["embedding"] if model.tied
+                                else params["head"]["unembedding"])}
+    names = {"ln_1": "attention_norm", "ln_2": "mlp_norm", "attn.c_attn": "attention/qkv",
+             "attn.c_proj": "attention/out", "mlp.c_fc": "mlp_in", "mlp.c_proj": "mlp_out"}
+    for i in range(model.num_layers):
+        for hf_name, name in names.items():
+            layer = params[f"blocks_{i}"]
+            for part in name.split("/"):
+                layer = layer[part]
+            weight = layer["scale"] if "ln" in hf_name else layer["kernel"]  # Conv1D: [in, out]
+            state[f"transformer.h.{i}.{hf_name}.weight"] = weight
+            state[f"transformer.h.{i}.{hf_name}.bias"] = layer["bias"]
+    missing, unexpected = hf.load_state_dict({k: tensor(v) for k, v in state.items()},
+                                             strict=False)
+    if unexpected or [k for k in missing if not k.endswith("attn.bias")]:
+        raise RuntimeError(f"weights do not match: {missing}, {unexpected}")
+    return hf
 
 
-def seconds_per_token(model, params, length: int, repeats: int,
-                      calls: int = 20) -> tuple[float, float]:
-    """(cached step at cache index ``length``, forward over ``length + 1``)."""
-    prompt = jax.random.randint(jax.random.key(length), (1, length + 1), 0,
-                                model.vocab_size)
-    _, cache = model_lib.prefill(model, params, prompt[:, :length])
-    step_fn = model_lib.make_step_fn(model, params)
-    forward = jax.jit(lambda tokens: model.apply({"params": params}, tokens)[:, -1])
-    runs = {"cache": lambda: step_fn(prompt[:, length], cache)[0],
-            "recompute": lambda: forward(prompt)}
-    for run in runs.values():
-        jax.block_until_ready(run())
-    times = {kind: [] for kind in runs}
-    for _ in range(repeats):
-        for kind, run in runs.items():
-            times[kind].append(median_seconds(run, calls))
-    return tuple(float(np.median(times[kind])) for kind in runs)
+def hf_decoder(name: str, hf, max_new_tokens: int):
+    import torch
+    settings = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                    pad_token_id=0, use_cache=True)
+    if name == "greedy":
+        settings.update(do_sample=False, num_beams=1)
+    elif name == "top-p":
+        settings.update(do_sample=True, temperature=0.8, top_p=0.9, top_k=0)
+    else:
+        settings.update(do_sample=False, num_beams=int(name.split()[-1]))
+
+    def decode(prompt):
+        with torch.inference_mode():
+            ids = torch.from_numpy(np.asarray(prompt, np.int64))
+            return hf.generate(ids, attention_mask=torch.ones_like(ids),
+                               **settings)[:, prompt.shape[1]:].numpy()
+    return decode
+
+
+def bench_max_len(max_len: int, batch_sizes, decoders, repeats: int) -> list[dict]:
+    """Rows ``{decoder, batch, max_len, new, lmhead, hf}`` (seconds) at one capacity."""
+    model = train.make_model(FLAGS.config, FLAGS.vocab_size).clone(
+        max_len=max_len, positions="learned", use_bias=True, head_bias=False,
+        head_scale=None, logits_softcap=None, dtype=jnp.float32)
+    params = jax.jit(model.init)(jax.random.key(0),
+                                 jnp.zeros((1, max_len), jnp.int32))["params"]
+    new = min(FLAGS.new_tokens, max_len - FLAGS.prompt_len)
+    hf = hf_model(model, params) if FLAGS.compare_hf else None
+    rows = []
+    for batch in batch_sizes:
+        prompt = jax.random.randint(jax.random.key(batch), (batch, FLAGS.prompt_len), 0,
+                                    model.vocab_size)
+        logits, cache = model_lib.prefill(model, params, prompt, max_new_tokens=new)
+        for name in decoders:
+            decode = lmhead_decoder(name, model, new)
+            runs = {"lmhead": lambda: decode(params, logits, cache)}
+            if hf is not None:
+                runs["hf"] = lambda d=hf_decoder(name, hf, new): d(np.asarray(prompt))
+                if name == "greedy" and not np.array_equal(runs["lmhead"](), runs["hf"]()):
+                    raise RuntimeError(f"greedy tokens differ at batch {batch}")
+            for run in runs.values():  # compile, warm up
+                jax.block_until_ready(run())
+            times = {kind: [] for kind in runs}
+            for _ in range(repeats):
+                for kind, run in runs.items():
+                    times[kind].append(median_seconds(run, 1))
+            row = dict(decoder=name, batch=batch, max_len=max_len, new=new,
+                       **{kind: float(np.median(t)) for kind, t in times.items()})
+            rows.append(row)
+            versus = (f", transformers {1e3 * row['hf'] / new:.2f} ms/step"
+                      if "hf" in row else "")
+            print(f"  {name}, batch {batch}, max_len {max_len}: "
+                  f"{1e3 * row['lmhead'] / new:.2f} ms/step{versus}", flush=True)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    hf = "hf" in rows[0]
+    print("\n| decoder | batch | max_len | new tokens | tokens/s | ms/step | "
+          "ms/step vs smallest max_len |" + (" transformers tokens/s | "
+                                              "lmhead / transformers |" if hf else ""))
+    print("|---" * (9 if hf else 7) + "|")
+    smallest = {}
+    for row in sorted(rows, key=lambda r: (r["decoder"], r["batch"], r["max_len"])):
+        step = row["lmhead"] / row["new"]
+        base = smallest.setdefault((row["decoder"], row["batch"], row["new"]), step)
+        rate = lambda seconds: row["batch"] * row["new"] / seconds
+        line = (f"| {row['decoder']} | {row['batch']} | {row['max_len']} | {row['new']} | "
+                f"{rate(row['lmhead']):.0f} | {1e3 * step:.2f} | {step / base:.2f}x |")
+        if hf:
+            line += f" {rate(row['hf']):.0f} | {row['hf'] / row['lmhead']:.2f}x |"
+        print(line)
 
 
 def main(argv):
     del argv
-    model = train.make_model(FLAGS.config, FLAGS.vocab_size)
-    prompt_len = min(FLAGS.prompt_len, model.max_len // 2)
-    lengths = [n for n in map(int, FLAGS.lengths) if n < model.max_len]
     batch_sizes = [int(b) for b in FLAGS.batch_sizes]
+    max_lens = [int(n) for n in FLAGS.max_lens]
     repeats = FLAGS.repeats
     if FLAGS.quick:
-        lengths, batch_sizes, repeats = [4, 8, model.max_len - 1], [1, 4], 2
-    params = jax.jit(model.init)(jax.random.key(0),
-                                 jnp.zeros((1, model.max_len), jnp.int32))["params"]
-    print(f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, jax "
-          f"{jax.__version__}; {model.num_layers} layers, d_model {model.d_model}, "
-          f"max_len {model.max_len}, V {model.vocab_size}; prompt {prompt_len}, "
-          f"{model.max_len - prompt_len} new tokens", flush=True)
-
-    rows = {}
-    for batch in batch_sizes:
-        rows[batch] = tokens_per_second(model, params, batch, prompt_len, repeats)
-    per_token = {n: seconds_per_token(model, params, n, repeats) for n in lengths}
-
-    print("\n| decoder | batch | cache tokens/s | recompute tokens/s | speed-up |")
-    print("|---|---|---|---|---|")
-    for batch, rates in rows.items():
-        for name, (cached, recomputed) in rates.items():
-            print(f"| {name} | {batch} | {cached:.0f} | {recomputed:.0f} | "
-                  f"{cached / recomputed:.1f}x |")
-    print("\n| sequence length | cache ms/token | recompute ms/token |")
-    print("|---|---|---|")
-    for n, (cached, recomputed) in per_token.items():
-        print(f"| {n} | {1e3 * cached:.2f} | {1e3 * recomputed:.2f} |")
+        batch_sizes, max_lens, repeats = [1, 4], [64, 128], 2
+        FLAGS.new_tokens = 8
+    rate = matmul_rate(FLAGS.matmul_size, repeats)
+    print(f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, jax {jax.__version__}; "
+          f"float32 matmul {rate / 1e9:.0f} GFLOP/s; prompt {FLAGS.prompt_len}, "
+          f"{FLAGS.new_tokens} new tokens; "
+          f"{'CPU' if FLAGS.cpu_time else 'wall'} time", flush=True)
+    rows = [row for max_len in max_lens
+            for row in bench_max_len(max_len, batch_sizes, FLAGS.decoders, repeats)]
+    print_table(rows)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from lmhead import train
+from lmhead import generation
 
 flags.DEFINE_string("workdir", None, "A training run's directory.", required=True)
 flags.DEFINE_string("prompt", "\n", "Text to continue.")
@@ -35,13 +35,13 @@ def main(argv):
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     f = flags.FLAGS
-    _, tokenizer, model, params = train.load_run(f.workdir)
-    texts = train.generate_text(
+    _, tokenizer, model, params = generation.load_run(f.workdir)
+    texts = generation.generate_text(
         model, params, tokenizer, f.prompt, key=jax.random.key(f.seed),
         num_samples=f.num_samples, max_new_tokens=f.max_new_tokens,
         temperature=f.temperature, top_k=f.top_k, top_p=f.top_p,
         num_beams=f.num_beams)
-    print(train.SAMPLE_SEPARATOR.join(texts))
+    print(generation.SAMPLE_SEPARATOR.join(texts))
 
 
 if __name__ == "__main__":

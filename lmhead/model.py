@@ -6,9 +6,15 @@ head, tied to the embedding table or with an unembedding of its own.
 
 Decoding runs on an explicit key/value cache, :class:`DecodeCache`, every leaf
 of which has a leading batch axis, so that ``lmhead.decoding`` can tile it for
-beams and reorder it by gathering rows. :func:`prefill` runs a prompt once and
-sends only each row's last position through the head; :func:`make_step_fn`
-gives the ``step_fn(tokens, cache) -> (logits, cache)`` the decoders call.
+beams. :func:`prefill` runs a prompt once and sends only each row's last
+position through the head; :func:`make_step_fn` gives the
+``step_fn(params, tokens, cache) -> (logits, cache)`` the decoders call, with
+a ``reorder`` for beam search that copies only the filled part of the cache.
+
+A step costs what the cache holds, not its capacity: attention reads the
+first ``S`` slots only, ``S`` the smallest of the spans 64, 128, 256, ...,
+``max_len`` that covers the longest row (:func:`attention_spans`), chosen by
+a ``lax.switch`` whose branches slice the cache statically.
 
 Parameter tree (``params``)::
 
@@ -26,6 +32,7 @@ With ``use_bias=False`` (nanoGPT's default) none of the blocks' or norms'
 ``bias`` entries exist; the head's bias is ``head_bias``'s alone.
 """
 
+import dataclasses
 import functools
 import math
 from typing import Any, NamedTuple
@@ -35,7 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmhead import _checks, head, modules
+from lmhead import _checks, modules
+from lmhead.head import last_positions
 
 POSITIONS = ("learned", "rope")
 INIT_STD = 0.02
@@ -44,16 +52,21 @@ LAYER_NORM_EPSILON = 1e-5
 ROPE_BASE = 10000.0
 # Masked attention scores; finite so that a fully masked row cannot give NaN.
 NEG_INF = -1e30
+# The shortest span of cache slots that cached attention reads; the others
+# double up to max_len. Also the block size of beam search's cache reorder.
+MIN_SPAN = 64
 
 
 class DecodeCache(NamedTuple):
     """Key/value cache of a :class:`DecoderLM`; every leaf has leading axis B.
 
     Attributes:
-        keys: ``num_layers`` arrays ``[B, max_len, H, Dh]`` (compute dtype):
+        keys: ``num_layers`` arrays ``[B, H, max_len, Dh]`` (compute dtype):
             each layer's attention keys (rotated, with RoPE) at every position
             written so far. Slots at or after ``index[b]`` are unused.
-        values: ``num_layers`` arrays ``[B, max_len, H, Dh]``, the values.
+        values: ``num_layers`` arrays ``[B, H, max_len, Dh]``, the values.
+            Heads before slots, so that attention's batched matmuls over
+            ``(B, H)`` read the cache as it lies, without a transpose of it.
         index: ``int32[B]``: how many positions of row ``b`` are in the cache,
             which is also the position of the row's next token.
     """
@@ -97,6 +110,61 @@ def _layer_norm(use_bias: bool, dtype: Any, name: str | None = None) -> nn.Layer
                         name=name)
 
 
+def _attention_weights(query: jax.Array, key: jax.Array, mask: jax.Array,
+                       keys_layout: str = "bshd") -> jax.Array:
+    """float32 softmax weights ``[B, H, T, S]`` of ``query [B, T, H, Dh]`` over
+    ``key [B, S, H, Dh]`` (or ``[B, H, S, Dh]`` with ``keys_layout="bhsd"``)
+    where ``mask: bool [B | 1, T, S]`` is True."""
+    scores = jnp.einsum(f"bthd,{keys_layout}->bhts", query, key,
+                        preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None], scores / math.sqrt(query.shape[-1]), NEG_INF)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def attention_spans(max_len: int) -> tuple[int, ...]:
+    """The cache lengths cached attention may read: ``MIN_SPAN`` doubling to ``max_len``.
+
+    Examples:
+        >>> attention_spans(1024), attention_spans(100), attention_spans(16)
+        ((64, 128, 256, 512, 1024), (64, 100), (16,))
+    """
+    spans = [min(MIN_SPAN, max_len)]
+    while spans[-1] < max_len:
+        spans.append(min(2 * spans[-1], max_len))
+    return tuple(spans)
+
+
+def _attend_filled(query: jax.Array, keys: jax.Array, values: jax.Array,
+                   positions: jax.Array, dtype: Any) -> jax.Array:
+    """Attention of ``query [B, T, H, Dh]`` at ``positions [B, T]`` over the
+    cache slots ``<=`` each position: ``[B, T, H, Dh]``.
+
+    Only the first ``S`` slots are read, ``S`` the shortest span that holds the
+    longest row. Length buckets rather than a loop over blocks with an online
+    softmax (flash decoding), chosen by measurement (experiments/bench_decode.py,
+    CPU): at the same filled length both keep the step's cost nearly flat in
+    ``max_len``, where a full-length pass costs 4x more at 1024 than at 256,
+    but the block loop pays its per-iteration overhead and rescaling on every
+    block and was the slower and less steady of the two, most of all for beam
+    search at batch 8. A bucket is one plain softmax, the same arithmetic as
+    the training path, and reads at most twice the filled length.
+    """
+    def attend(span):
+        def branch():
+            visible = jnp.arange(span) <= positions[:, :, None]
+            weights = _attention_weights(query, keys[:, :, :span], visible, "bhsd")
+            return jnp.einsum("bhts,bhsd->bthd", weights.astype(dtype),
+                              values[:, :, :span].astype(dtype))
+        return branch
+
+    spans = attention_spans(keys.shape[2])
+    if len(spans) == 1:
+        return attend(spans[0])()
+    needed = jnp.max(positions) + 1
+    which = jnp.minimum(jnp.searchsorted(jnp.asarray(spans), needed), len(spans) - 1)
+    return jax.lax.switch(which, [attend(span) for span in spans])
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention over the sequence or over a key/value cache."""
     num_heads: int
@@ -108,10 +176,11 @@ class CausalSelfAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, mask, cache, *, train):
-        """x: [B, T, D]; positions: int [B, T]; mask: bool [B | 1, T, S];
-        cache: None (keys are this call's T positions, S = T) or a layer's
-        (keys, values), each [B, S, H, Dh], into which this call writes its T
-        positions. Returns ([B, T, D], the updated cache or None)."""
+        """x: [B, T, D]; positions: int [B, T]; cache: None (keys are this
+        call's T positions, masked by mask: bool [B | 1, T, T]) or a layer's
+        (keys, values), each [B, H, max_len, Dh], into which this call writes
+        its T positions and whose slots up to each query's position it reads
+        (mask unused). Returns ([B, T, D], the updated cache or None)."""
         batch, time, width = x.shape
         head_dim = width // self.num_heads
         qkv = nn.Dense(3 * width, use_bias=self.use_bias, dtype=self.dtype,
@@ -120,18 +189,17 @@ class CausalSelfAttention(nn.Module):
         query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         if self.rope:
             query, key = _rotate(query, positions), _rotate(key, positions)
-        if cache is not None:
+        if cache is None:
+            weights = _attention_weights(query, key, mask).astype(self.dtype)
+            weights = nn.Dropout(self.dropout_rate, deterministic=not train)(weights)
+            out = jnp.einsum("bhts,bshd->bthd", weights, value.astype(self.dtype))
+        else:
             # Positions past the cache's end are dropped (see DecoderLM.extend).
             rows = jnp.arange(batch)[:, None]
-            key = cache[0].at[rows, positions].set(key, mode="drop")
-            value = cache[1].at[rows, positions].set(value, mode="drop")
+            key = cache[0].at[rows, :, positions].set(key, mode="drop")
+            value = cache[1].at[rows, :, positions].set(value, mode="drop")
             cache = (key, value)
-        scores = jnp.einsum("bthd,bshd->bhts", query, key,
-                            preferred_element_type=jnp.float32)
-        scores = jnp.where(mask[:, None], scores / math.sqrt(head_dim), NEG_INF)
-        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        weights = nn.Dropout(self.dropout_rate, deterministic=not train)(weights)
-        out = jnp.einsum("bhts,bshd->bthd", weights, value.astype(self.dtype))
+            out = _attend_filled(query, key, value, positions, self.dtype)
         out = nn.Dense(width, use_bias=self.use_bias, dtype=self.dtype, name="out",
                        kernel_init=nn.initializers.normal(self.residual_init_std))(
                            out.reshape(batch, time, width))
@@ -350,10 +418,9 @@ class DecoderLM(nn.Module):
         """
         time = tokens.shape[1]
         positions = cache.index[:, None] + jnp.arange(time, dtype=jnp.int32)
-        visible = jnp.arange(self.max_len) <= positions[:, :, None]  # [B, T, max_len]
-        h, kv = self._body(tokens, positions, visible,
+        h, kv = self._body(tokens, positions, None,
                            list(zip(cache.keys, cache.values)), train=False)
-        logits = self.head(head.last_positions(h, lengths), self._table())
+        logits = self.head(last_positions(h, lengths), self._table())
         return logits, DecodeCache(keys=tuple(k for k, _ in kv),
                                    values=tuple(v for _, v in kv),
                                    index=cache.index + lengths)
@@ -365,16 +432,16 @@ def init_cache(model: DecoderLM, batch_size: int) -> DecodeCache:
     Examples:
         >>> cache = init_cache(DecoderLM(vocab_size=17, num_layers=2), 3)
         >>> len(cache.keys), cache.keys[0].shape, cache.index
-        (2, (3, 64, 4, 32), Array([0, 0, 0], dtype=int32))
+        (2, (3, 4, 64, 32), Array([0, 0, 0], dtype=int32))
     """
-    shape = (batch_size, model.max_len, model.num_heads, model.d_model // model.num_heads)
+    shape = (batch_size, model.num_heads, model.max_len, model.d_model // model.num_heads)
     layers = tuple(jnp.zeros(shape, model.dtype) for _ in range(model.num_layers))
     return DecodeCache(keys=layers, values=layers,
                        index=jnp.zeros((batch_size,), jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _extend(model, params, tokens, cache, lengths):
+def _jit_extend(model, params, tokens, cache, lengths):
     return model.apply({"params": params}, tokens, cache, lengths,
                        method=DecoderLM.extend)
 
@@ -440,17 +507,83 @@ def prefill(model: DecoderLM, params: Any, prompt: jax.typing.ArrayLike,
                 f"prompt length {longest} + max_new_tokens {max_new_tokens} = "
                 f"{longest + max_new_tokens} exceeds the model's max_len "
                 f"{model.max_len}.")
-    return _extend(model, params, jnp.asarray(prompt, jnp.int32),
+    return _jit_extend(model, params, jnp.asarray(prompt, jnp.int32),
                    init_cache(model, batch), jnp.asarray(lengths, jnp.int32))
 
 
-def make_step_fn(model: DecoderLM, params: Any):
-    """The decoders' ``step_fn(tokens: int [B], cache) -> (float32 [B, V], cache)``.
+def reorder_cache(cache: DecodeCache, rows: jax.Array) -> DecodeCache:
+    """The cache with its rows reordered, ``cache[rows]``, filled slots only.
+
+    Beam search's reorder: every layer's keys and values are gathered in
+    blocks of ``MIN_SPAN`` slots, up to the longest row's ``index``, and
+    written back in place, so the cost follows what the cache holds, not
+    ``max_len``. Slots past every row's ``index`` keep stale values, which
+    nothing reads before they are written.
+
+    Args:
+        cache: a :class:`DecodeCache` of ``M`` rows.
+        rows: ``int32 [M]``, the row each new row copies.
+
+    Examples:
+        >>> model = DecoderLM(vocab_size=17, num_layers=1, d_model=8, num_heads=2,
+        ...                   max_len=8)
+        >>> cache = init_cache(model, 2)
+        >>> cache = cache._replace(keys=(cache.keys[0].at[0].set(1.0),),
+        ...                        index=jnp.array([3, 5]))
+        >>> moved = reorder_cache(cache, jnp.array([0, 0]))
+        >>> moved.index, moved.keys[0][:, 0, :, 0]
+        (Array([3, 3], dtype=int32), Array([[1., 1., 1., 1., 1., 1., 1., 1.],
+               [1., 1., 1., 1., 1., 1., 1., 1.]], dtype=float32))
+    """
+    max_len = cache.keys[0].shape[2]
+    block = min(MIN_SPAN, max_len)
+    num_blocks = (jnp.max(cache.index) + block - 1) // block
+
+    def move_block(i, layers):
+        # The last block may be clamped back over slots already moved; only
+        # the slots from i * block on are taken from the gathered copy.
+        start = jnp.minimum(i * block, max_len - block)
+        fresh = (start + jnp.arange(block) >= i * block)[None, None, :, None]
+
+        def move(x):
+            part = jax.lax.dynamic_slice_in_dim(x, start, block, axis=2)
+            part = jnp.where(fresh, jnp.take(part, rows, axis=0), part)
+            return jax.lax.dynamic_update_slice_in_dim(x, part, start, axis=2)
+        return jax.tree.map(move, layers)
+
+    keys, values = jax.lax.fori_loop(0, num_blocks, move_block,
+                                     (cache.keys, cache.values))
+    return DecodeCache(keys=keys, values=values, index=jnp.take(cache.index, rows))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStep:
+    """The decoders' ``step_fn`` for a :class:`DecoderLM`; see :func:`make_step_fn`."""
+    model: DecoderLM
+
+    def __call__(self, params: Any, tokens: jax.Array,
+                 cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
+        _checks.check_integer("tokens", tokens)
+        _checks.check_rank("tokens", tokens, 1, "[B]")
+        tokens = jnp.asarray(tokens, jnp.int32)
+        return _jit_extend(self.model, params, tokens[:, None], cache,
+                           jnp.ones_like(tokens))
+
+    def reorder(self, cache: DecodeCache, rows: jax.Array) -> DecodeCache:
+        return reorder_cache(cache, rows)
+
+
+def make_step_fn(model: DecoderLM) -> DecodeStep:
+    """The decoders' ``step_fn(params, tokens: int [B], cache) -> (float32 [B, V], cache)``.
 
     Feeds one token per row at position ``cache.index`` and sends that one
-    position through the head. ``cache`` may have any number of rows (beam
-    search tiles it). A row must not step past ``max_len`` (see
-    :meth:`DecoderLM.extend`; :func:`prefill`'s ``max_new_tokens`` checks it).
+    position through the head. ``params`` is an argument, so one compiled
+    decoding loop serves every parameter set; steps of equal models are equal
+    (a frozen dataclass), so they share compilations too. ``cache`` may have
+    any number of rows (beam search tiles it, then reorders it with
+    ``step_fn.reorder``, :func:`reorder_cache`). A row must not step past
+    ``max_len`` (see :meth:`DecoderLM.extend`; :func:`prefill`'s
+    ``max_new_tokens`` checks it).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -459,14 +592,9 @@ def make_step_fn(model: DecoderLM, params: Any):
         >>> tokens = jnp.array([[1, 2, 3, 4]])
         >>> params = model.init(jax.random.key(0), tokens)["params"]
         >>> logits, cache = prefill(model, params, tokens[:, :3])
-        >>> logits, cache = make_step_fn(model, params)(tokens[:, 3], cache)
+        >>> logits, cache = make_step_fn(model)(params, tokens[:, 3], cache)
         >>> full = model.apply({"params": params}, tokens)
         >>> bool(jnp.allclose(logits, full[:, -1], atol=1e-6)), cache.index
         (True, Array([4], dtype=int32))
     """
-    def step_fn(tokens: jax.Array, cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
-        _checks.check_integer("tokens", tokens)
-        _checks.check_rank("tokens", tokens, 1, "[B]")
-        tokens = jnp.asarray(tokens, jnp.int32)
-        return _extend(model, params, tokens[:, None], cache, jnp.ones_like(tokens))
-    return step_fn
+    return DecodeStep(model)

@@ -36,6 +36,7 @@ import pytest
 from configs import default
 from lmhead import decoding
 from lmhead import fused
+from lmhead import generation
 from lmhead import head
 from lmhead import losses
 from lmhead import model as model_lib
@@ -55,17 +56,17 @@ TABLE = jnp.log(jnp.full((5, 5), 0.2))
 KEY = jax.random.key(0)
 
 
-def markov(tokens, state):
-    return TABLE[tokens], state
+def markov(table, tokens, state):
+    return table[tokens], state
 
 
 def generate(**kwargs):
-    return decoding.generate(markov, LOGITS, (), key=KEY,
+    return decoding.generate(markov, TABLE, LOGITS, (), key=KEY,
                              **{"max_new_tokens": 2, **kwargs})
 
 
 def beam(**kwargs):
-    return decoding.beam_search(markov, LOGITS, (), **{
+    return decoding.beam_search(markov, TABLE, LOGITS, (), **{
         "num_beams": 2, "max_new_tokens": 2, "eos_id": None, **kwargs})
 
 
@@ -255,7 +256,7 @@ PURE = [
      TypeError, "label_smoothing"),
     # decoding.py
     ("generate logits rank", lambda: decoding.generate(
-        markov, LOGITS[None], (), key=KEY, max_new_tokens=2),
+        markov, TABLE, LOGITS[None], (), key=KEY, max_new_tokens=2),
      ValueError, "logits"),
     ("generate max_new_tokens 0", lambda: generate(max_new_tokens=0),
      ValueError, "max_new_tokens"),
@@ -267,6 +268,10 @@ PURE = [
      ValueError, "temperature"),
     ("generate top_k < 0", lambda: generate(top_k=-1),
      ValueError, "top_k"),
+    ("generate top_p per row, wrong shape", lambda: generate(top_p=jnp.full(3, 0.9)),
+     ValueError, "top_p"),
+    ("generate temperature per row < 0", lambda: generate(
+        temperature=jnp.array([0.0, -1.0])), ValueError, "temperature"),
     ("generate top_k float", lambda: generate(top_k=2.0),
      TypeError, "top_k"),
     ("generate top_p 0", lambda: generate(top_p=0.0),
@@ -286,7 +291,7 @@ PURE = [
     ("generate suppress_tokens", lambda: generate(suppress_tokens=[7]),
      ValueError, "suppress_tokens"),
     ("generate state batch axis", lambda: decoding.generate(
-        markov, LOGITS, {"cache": jnp.zeros((3, 4))}, key=KEY, max_new_tokens=2),
+        markov, TABLE, LOGITS, {"cache": jnp.zeros((3, 4))}, key=KEY, max_new_tokens=2),
      ValueError, "state"),
     ("generate prompt_tokens batch", lambda: generate(
         repetition_penalty=1.2, prompt_tokens=jnp.zeros((3, 2), jnp.int32)),
@@ -424,6 +429,17 @@ def assert_raises_exactly(call, error, named):
                          [pytest.param(*case[1:], id=case[0]) for case in PURE])
 def test_pure_functions(call, error, named):
     assert_raises_exactly(call, error, named)
+
+
+def test_generate_on_nonfinite_logits_ends_the_row_and_flags_it():
+    """No error can be raised inside the loop: the documented rule ends a row
+    whose logits are not finite, with pad_id and log-prob -inf."""
+    bad_table = TABLE.at[1].set(jnp.nan)
+    tokens, log_probs, lengths = decoding.generate(
+        markov, bad_table, LOGITS.at[1, 1].set(9.0), (), key=KEY, max_new_tokens=3,
+        temperature=0.0, pad_id=4)
+    assert jnp.isneginf(log_probs).any(-1).tolist() == [False, True]
+    assert tokens[1].tolist() == [1, 4, 4] and lengths.tolist() == [3, 1]
 
 
 @pytest.mark.parametrize("call,error,named",
@@ -660,12 +676,12 @@ WORKDIRS = [
      lambda w, c: train.train_and_evaluate(tiny(c, **{"model.tied": False}), w),
      ValueError, "step 10"),
     ("checkpoint of another width", lambda w: edit_config_json(
-        w, "model", "d_model", 64), lambda w, c: train.load_run(w),
+        w, "model", "d_model", 64), lambda w, c: generation.load_run(w),
      ValueError, ("step 10", "params/blocks_0/attention/out/kernel")),
     ("no checkpoint restores", garble_checkpoints,
-     lambda w, c: train.load_run(w), RuntimeError, ("checkpoints", "step 10")),
+     lambda w, c: generation.load_run(w), RuntimeError, ("checkpoints", "step 10")),
     ("load_run of an empty directory", lambda w: shutil.rmtree(w) or os.mkdir(w),
-     lambda w, c: train.load_run(w), FileNotFoundError, "config.json"),
+     lambda w, c: generation.load_run(w), FileNotFoundError, "config.json"),
 ]
 
 

@@ -1,8 +1,9 @@
-"""Tests for lmhead/decoding.py against numpy references and brute force.
+"""Tests for lmhead/decoding/ against numpy references and brute force.
 
 The decoders run on a second-order Markov chain: the next logits depend on the
 token fed in *and* on the one before it, which lives in the state, so a beam
-search that reorders the state wrongly gets wrong logits.
+search that reorders the state wrongly gets wrong logits. The chain's table is
+the step function's ``params``.
 """
 
 import itertools
@@ -78,10 +79,9 @@ def np_divisor(length, alpha, penalty):
     return ((5 + length) / 6) ** alpha if penalty == "gnmt" else length ** alpha
 
 
-def markov_step(tokens, state):
+def markov_step(table, tokens, state):
     """A second-order chain: next logits = table[previous token, token]."""
-    rows = jnp.arange(tokens.shape[0])
-    return state["table"][rows, state["prev"], tokens], {**state, "prev": tokens}
+    return table[state["prev"], tokens], {**state, "prev": tokens}
 
 
 # Run-time calls of counted_markov_step (a debug callback runs on every call,
@@ -89,9 +89,9 @@ def markov_step(tokens, state):
 CALLS = []
 
 
-def counted_markov_step(tokens, state):
+def counted_markov_step(table, tokens, state):
     jax.debug.callback(lambda: CALLS.append(1))
-    return markov_step(tokens, state)
+    return markov_step(table, tokens, state)
 
 
 class MarkovChain:
@@ -107,10 +107,7 @@ class MarkovChain:
         self.vocab_size = vocab_size
 
     def state(self):
-        """The table rides in the state (one copy per row) so that every
-        chain shares the module-level step functions and their compilations."""
-        table = np.broadcast_to(self.table, (len(self.prev),) + self.table.shape)
-        return {"prev": jnp.asarray(self.prev), "table": jnp.asarray(table)}
+        return {"prev": jnp.asarray(self.prev)}
 
     def log_probs(self, row, sequence):
         """Per-token log-probs of a continuation of prompt ``row``."""
@@ -289,7 +286,7 @@ class ProcessorTest(chex.TestCase):
 # generate
 
 def generate_greedy(chain, max_new_tokens, step_fn=markov_step, **kwargs):
-    return decoding.generate(step_fn, chain.logits, chain.state(),
+    return decoding.generate(step_fn, chain.table, chain.logits, chain.state(),
                              key=jax.random.key(0), max_new_tokens=max_new_tokens,
                              temperature=0.0, **kwargs)
 
@@ -330,7 +327,7 @@ def test_greedy_equals_one_beam_without_eos():
     chain = MarkovChain(5, vocab_size=4, batch=5)
     tokens, log_probs, _ = generate_greedy(chain, 10)
     beam_tokens, beam_scores, beam_lengths = decoding.beam_search(
-        markov_step, chain.logits, chain.state(), num_beams=1, max_new_tokens=10,
+        markov_step, chain.table, chain.logits, chain.state(), num_beams=1, max_new_tokens=10,
         eos_id=None, length_penalty=0.6)
     np.testing.assert_array_equal(beam_tokens[:, 0], tokens)
     np.testing.assert_allclose(beam_scores[:, 0],
@@ -342,7 +339,7 @@ def test_num_samples_orders_rows_prompt_major_and_top_k_one_is_greedy():
     chain = MarkovChain(11, vocab_size=4, batch=5)
     greedy = generate_greedy(chain, 10)[0]
     sample = lambda **kwargs: decoding.generate(
-        markov_step, chain.logits, chain.state(), key=jax.random.key(1),
+        markov_step, chain.table, chain.logits, chain.state(), key=jax.random.key(1),
         max_new_tokens=10, num_samples=3, **kwargs)[0]
     np.testing.assert_array_equal(sample(temperature=1.0, top_k=1),
                                   np.repeat(greedy, 3, axis=0))
@@ -359,7 +356,7 @@ def test_sampled_frequencies_match_processed_distribution():
                dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.25)]
     for seed, config in enumerate(configs):
         tokens, log_probs, _ = decoding.generate(
-            markov_step, chain.logits, chain.state(), key=jax.random.key(seed),
+            markov_step, chain.table, chain.logits, chain.state(), key=jax.random.key(seed),
             max_new_tokens=1, num_samples=num_samples, **config)
         expected = np_sampling_probs(chain.logits, **config)[0]
         counts = np.bincount(np.asarray(tokens[:, 0]), minlength=8)
@@ -378,12 +375,12 @@ def test_changing_values_does_not_recompile():
     chain = MarkovChain(7, vocab_size=4, batch=2)
     traces = []
 
-    def step_fn(tokens, state):
+    def step_fn(table, tokens, state):
         traces.append(1)
-        return markov_step(tokens, state)
+        return markov_step(table, tokens, state)
 
     def run(**kwargs):
-        decoding.generate(step_fn, chain.logits, chain.state(), key=jax.random.key(0),
+        decoding.generate(step_fn, chain.table, chain.logits, chain.state(), key=jax.random.key(0),
                           max_new_tokens=3, eos_id=0, **kwargs)[0].block_until_ready()
 
     run(temperature=0.7, top_k=2, top_p=0.9, min_p=0.1, min_new_tokens=1)
@@ -396,16 +393,67 @@ def test_changing_values_does_not_recompile():
     assert len(traces) > compiled
 
 
+def test_per_row_knobs_equal_row_by_row_decoding():
+    """One batch with a greedy row and rows of different sampling settings:
+    the processed logits equal each row's with scalar knobs, a greedy row
+    equals greedy decoding, and every sampled token's log-prob is its
+    probability under that row's own processed distribution."""
+    chain = MarkovChain(16, vocab_size=6, batch=4)
+    knobs = dict(temperature=np.array([0.0, 0.7, 1.0, 1.5], np.float32),
+                 top_k=np.array([0, 3, 0, 5], np.int32),
+                 top_p=np.array([1.0, 1.0, 0.8, 0.95], np.float32),
+                 min_p=np.array([0.0, 0.0, 0.0, 0.2], np.float32))
+    processed = decoding.process_logits(chain.logits, **knobs)
+    for row in range(4):
+        scalar = {name: value[row] for name, value in knobs.items()}
+        np.testing.assert_array_equal(
+            processed[row], decoding.process_logits(chain.logits[row:row + 1],
+                                                    **scalar)[0])
+    tokens, log_probs, _ = decoding.generate(
+        markov_step, chain.table, chain.logits, chain.state(), key=jax.random.key(2),
+        max_new_tokens=5, **knobs)
+    np.testing.assert_array_equal(tokens[0], generate_greedy(chain, 5)[0][0])
+    for row in range(1, 4):
+        logits, prev = chain.logits[row], chain.prev[row]
+        scalar = {name: value[row] for name, value in knobs.items()}
+        for step, token in enumerate(np.asarray(tokens[row])):
+            expected = np_sampling_probs(logits[None], **scalar)[0]
+            assert expected[token] > 0, (row, step)
+            np.testing.assert_allclose(np.exp(log_probs[row, step]), expected[token],
+                                       rtol=1e-4)
+            logits, prev = chain.table[prev, token], token
+
+
+def test_nonfinite_logits_end_the_row_with_log_prob_minus_inf():
+    """The rule for a model that returns NaN (or +inf, or all -inf) logits:
+    that row stops with pad_id and log-prob -inf; the others go on."""
+    chain = MarkovChain(17, vocab_size=4, batch=3)
+    first = generate_greedy(chain, 4)[0]
+    table = chain.table.copy()
+    table[chain.prev[1], int(first[1, 0])] = np.nan       # row 1, second step
+    table[int(first[2, 0]), int(first[2, 1])] = -np.inf   # row 2, third step
+    logits = chain.logits.copy()
+    tokens, log_probs, lengths = decoding.generate(
+        markov_step, table, logits, chain.state(), key=jax.random.key(0),
+        max_new_tokens=4, temperature=0.0, pad_id=3)
+    np.testing.assert_array_equal(np.isneginf(log_probs).any(-1), [False, True, True])
+    np.testing.assert_array_equal(lengths, [4, 1, 2])
+    np.testing.assert_array_equal(tokens[0], first[0])
+    np.testing.assert_array_equal(tokens[1], [first[1, 0], 3, 3, 3])
+    np.testing.assert_array_equal(tokens[2], [first[2, 0], first[2, 1], 3, 3])
+    assert not np.isnan(np.asarray(log_probs)).any()
+
+
 def test_jit_and_no_jit_agree():
     """Eager (jax.disable_jit), the internal jit, and inside an outer jit."""
     chain = MarkovChain(8, vocab_size=4, batch=2)
 
-    def sample(logits, state, key, temperature, top_p):
+    def sample(table, logits, state, key, temperature, top_p):
         return decoding.generate(
-            markov_step, logits, state, key=key, temperature=temperature, top_p=top_p,
+            markov_step, table, logits, state, key=key, temperature=temperature, top_p=top_p,
             max_new_tokens=3, eos_id=0, num_samples=2)
 
-    args = (chain.logits, chain.state(), jax.random.key(3), 1.2, 0.9)
+    args = (chain.table, chain.logits, chain.state(), jax.random.key(3), 1.2, 0.9)
     with jax.disable_jit():
         expected = sample(*args)
     for got in (sample(*args), jax.jit(sample)(*args)):
@@ -484,7 +532,7 @@ def test_beam_search_with_enough_beams_is_exhaustive(eos_id, penalty):
     chain = MarkovChain(12, vocab_size=3, batch=2, eos_boost=-0.5)
     for alpha in (0.0, 0.6, 2.0, -0.5):
         outputs = decoding.beam_search(
-            markov_step, chain.logits, chain.state(), num_beams=27, max_new_tokens=4,
+            markov_step, chain.table, chain.logits, chain.state(), num_beams=27, max_new_tokens=4,
             eos_id=eos_id, length_penalty=alpha, penalty=penalty,
             num_return_sequences=6, pad_id=7)
         assert_matches_brute_force(chain, outputs, 4, eos_id, alpha, penalty, pad_id=7)
@@ -498,7 +546,7 @@ def test_beam_search_stops_early_with_the_exact_result(penalty, alpha):
         chain = MarkovChain(seed, vocab_size=3, batch=2, eos_boost=2.5)
         CALLS.clear()
         outputs = decoding.beam_search(
-            counted_markov_step, chain.logits, chain.state(), num_beams=128,
+            counted_markov_step, chain.table, chain.logits, chain.state(), num_beams=128,
             max_new_tokens=8, eos_id=0, length_penalty=alpha, penalty=penalty,
             num_return_sequences=4)
         jax.effects_barrier()
@@ -517,7 +565,7 @@ def test_beam_search_goes_on_while_a_longer_hypothesis_can_still_win():
     chain.logits = np.log(np.array([[0.6, 0.4, 1e-6]], np.float32))
     chain.table[:, 1] = np.log(np.array([1e-4, 1 - 2e-4, 1e-4], np.float32))
     outputs = decoding.beam_search(
-        markov_step, chain.logits, chain.state(), num_beams=2, max_new_tokens=8,
+        markov_step, chain.table, chain.logits, chain.state(), num_beams=2, max_new_tokens=8,
         eos_id=0, length_penalty=1.0, penalty="gnmt")
     np.testing.assert_array_equal(outputs[0][0, 0], [1] * 8)
     assert_matches_brute_force(chain, outputs, 8, 0, 1.0, "gnmt", pad_id=0)
@@ -526,7 +574,7 @@ def test_beam_search_goes_on_while_a_longer_hypothesis_can_still_win():
 def test_beam_search_with_fewer_hypotheses_than_asked():
     chain = MarkovChain(14, vocab_size=2, batch=1)
     tokens, scores, lengths = decoding.beam_search(
-        markov_step, chain.logits, chain.state(), num_beams=3, max_new_tokens=1,
+        markov_step, chain.table, chain.logits, chain.state(), num_beams=3, max_new_tokens=1,
         eos_id=0, num_return_sequences=3, pad_id=5)
     assert np.isfinite(scores[0, :2]).all() and np.isneginf(scores[0, 2])
     np.testing.assert_array_equal(lengths[0], [1, 1, 0])
@@ -569,13 +617,15 @@ CHAIN = MarkovChain(15, vocab_size=4, batch=2)
 def _generate(**kwargs):
     settings = dict(key=jax.random.key(0), max_new_tokens=2)
     logits, state = kwargs.pop("logits", CHAIN.logits), kwargs.pop("state", CHAIN.state())
-    return decoding.generate(markov_step, logits, state, **{**settings, **kwargs})
+    return decoding.generate(markov_step, CHAIN.table, logits, state,
+                             **{**settings, **kwargs})
 
 
 def _beam(**kwargs):
     settings = dict(num_beams=2, max_new_tokens=2, eos_id=0)
     logits, state = kwargs.pop("logits", CHAIN.logits), kwargs.pop("state", CHAIN.state())
-    return decoding.beam_search(markov_step, logits, state, **{**settings, **kwargs})
+    return decoding.beam_search(markov_step, CHAIN.table, logits, state,
+                                **{**settings, **kwargs})
 
 
 @pytest.mark.parametrize("call,error,fragment", [
@@ -633,38 +683,42 @@ def test_bad_input_is_named(call, error, fragment):
 # ---------------------------------------------------------------------------
 # through model.py's KV cache
 
-def test_beam_search_through_the_kv_cache_matches_recomputing_the_prefix():
-    """Beam search on model.py's cache (tiled to beams, rows gathered) gives
-    what a step_fn that reruns the model on the whole prefix gives. Row 1's
-    prompt is shorter than row 0's. (tests/test_model.py checks the cache's
-    logits step by step and greedy decoding through it.)"""
+def test_beam_search_through_the_kv_cache_matches_recomputing_the_prefix(monkeypatch):
+    """Beam search on model.py's cache (tiled to beams, reordered block by
+    block by the step's own reorder) gives what a step_fn that reruns the
+    model on the whole prefix gives. Row 1's prompt is shorter than row 0's.
+    MIN_SPAN = 4 makes the attention spans (4, 8, 16, 19) and the reorder's
+    blocks small, so that decoding crosses several of them, and max_len 19
+    makes the last block a clamped one. (tests/test_model.py checks the
+    cache's logits step by step and greedy decoding through it.)"""
     from lmhead import model as model_lib
+    monkeypatch.setattr(model_lib, "MIN_SPAN", 4)
     model = model_lib.DecoderLM(vocab_size=11, num_layers=2, num_heads=2, d_model=16,
-                                mlp_dim=32, max_len=12)
+                                mlp_dim=32, max_len=19)
     rng = np.random.default_rng(0)
-    prompt = jnp.asarray(rng.integers(0, 11, (2, 4)), jnp.int32)
-    lengths_prompt = jnp.array([4, 2], jnp.int32)
+    prompt = jnp.asarray(rng.integers(0, 11, (2, 6)), jnp.int32)
+    lengths_prompt = jnp.array([6, 3], jnp.int32)
     params = jax.jit(model.init)(jax.random.key(0), prompt)["params"]
     # Away from the near-uniform init, so that rankings are clear-cut.
     params = jax.tree.map(lambda p: p + 0.3 * rng.standard_normal(p.shape), params)
-    forward = jax.jit(lambda tokens: model.apply({"params": params}, tokens))
+    forward = jax.jit(lambda params, tokens: model.apply({"params": params}, tokens))
 
-    def recompute(tokens, state):
+    def recompute(params, tokens, state):
         rows = jnp.arange(tokens.shape[0])
         buffer = state["tokens"].at[rows, state["length"]].set(tokens)
-        return forward(buffer)[rows, state["length"]], {"tokens": buffer,
-                                                        "length": state["length"] + 1}
+        return forward(params, buffer)[rows, state["length"]], {
+            "tokens": buffer, "length": state["length"] + 1}
 
-    buffer = jnp.zeros((2, 12), jnp.int32).at[:, :4].set(prompt)
-    recompute_logits = forward(buffer)[jnp.arange(2), lengths_prompt - 1]
+    buffer = jnp.zeros((2, 19), jnp.int32).at[:, :6].set(prompt)
+    recompute_logits = forward(params, buffer)[jnp.arange(2), lengths_prompt - 1]
     recompute_state = {"tokens": buffer, "length": lengths_prompt}
     cache_logits, cache = model_lib.prefill(model, params, prompt, lengths_prompt,
-                                            max_new_tokens=8)
-    cached = model_lib.make_step_fn(model, params)
+                                            max_new_tokens=13)
+    cached = model_lib.make_step_fn(model)
     np.testing.assert_allclose(cache_logits, recompute_logits, rtol=1e-5, atol=1e-5)
 
     beams = lambda step_fn, logits, state: decoding.beam_search(
-        step_fn, logits, state, num_beams=4, max_new_tokens=8, eos_id=None,
+        step_fn, params, logits, state, num_beams=4, max_new_tokens=13, eos_id=None,
         num_return_sequences=3)
     tokens, scores, lengths = beams(cached, cache_logits, cache)
     expected = beams(recompute, recompute_logits, recompute_state)
@@ -676,7 +730,39 @@ def test_beam_search_through_the_kv_cache_matches_recomputing_the_prefix():
         start, length = int(lengths_prompt[row]), int(lengths[row, rank])
         sequence = np.asarray(buffer[row]).copy()
         sequence[start:start + length] = tokens[row, rank, :length]
-        log_probs = np_log_softmax(forward(jnp.asarray(sequence[None]))[0])
+        log_probs = np_log_softmax(forward(params, jnp.asarray(sequence[None]))[0])
         total = sum(log_probs[start - 1 + t, sequence[start + t]] for t in range(length))
         np.testing.assert_allclose(scores[row, rank],
                                    total / np_divisor(length, 0.6, "gnmt"), rtol=1e-4)
+
+
+def test_beam_search_through_the_kv_cache_equals_brute_force(monkeypatch):
+    """With K = V ** (N - 1) beams nothing is pruned, so the n-best from the
+    model's cache (reordered block by block: MIN_SPAN = 2) must be the n-best
+    of all V ** N continuations, scored by running the model on each."""
+    from lmhead import model as model_lib
+    monkeypatch.setattr(model_lib, "MIN_SPAN", 2)
+    vocab, num_new = 4, 3
+    model = model_lib.DecoderLM(vocab_size=vocab, num_layers=1, num_heads=2, d_model=8,
+                                mlp_dim=16, max_len=7)
+    rng = np.random.default_rng(1)
+    prompt = jnp.asarray(rng.integers(0, vocab, (2, 4)), jnp.int32)
+    prompt_lengths = np.array([4, 3])
+    params = jax.jit(model.init)(jax.random.key(1), prompt)["params"]
+    params = jax.tree.map(lambda p: p + 0.5 * rng.standard_normal(p.shape), params)
+    logits, cache = model_lib.prefill(model, params, prompt, jnp.asarray(prompt_lengths),
+                                      max_new_tokens=num_new)
+    tokens, scores, _ = decoding.beam_search(
+        model_lib.make_step_fn(model), params, logits, cache, num_beams=vocab ** 2,
+        max_new_tokens=num_new, eos_id=None, length_penalty=0.0,
+        num_return_sequences=3)
+    continuations = np.array(list(itertools.product(range(vocab), repeat=num_new)))
+    for row, start in enumerate(prompt_lengths):
+        sequences = np.concatenate([np.tile(np.asarray(prompt[row, :start]),
+                                            (len(continuations), 1)), continuations], 1)
+        log_probs = np_log_softmax(model.apply({"params": params}, jnp.asarray(sequences)))
+        totals = sum(log_probs[np.arange(len(sequences)), start - 1 + t, continuations[:, t]]
+                     for t in range(num_new))
+        best = np.argsort(-totals, kind="stable")[:3]
+        np.testing.assert_array_equal(tokens[row], continuations[best])
+        np.testing.assert_allclose(scores[row], totals[best], rtol=1e-5, atol=1e-5)

@@ -5,6 +5,7 @@ forward pass (for the cache), and losses.cross_entropy on materialized logits.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -216,8 +217,20 @@ def test_tied_table_gets_gradient_from_embedding_and_head():
                                from_embedding + from_head, rtol=1e-5, atol=1e-7)
 
 
+@pytest.fixture
+def small_spans(monkeypatch):
+    """Attention spans (4, 8, 16) instead of (16,), so that decoding crosses
+    span boundaries; compiled steps are dropped before and after."""
+    jax.clear_caches()
+    monkeypatch.setattr(model_lib, "MIN_SPAN", 4)
+    yield
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("positions,tied", [("learned", True), ("rope", False)])
-def test_cached_decoding_matches_recomputing_the_prefix(positions, tied):
+def test_cached_decoding_matches_recomputing_the_prefix(positions, tied, small_spans):
+    """Rows of different lengths; the longest crosses the spans 4 and 8."""
+    assert model_lib.attention_spans(MAX_LEN) == (4, 8, 16)
     model = small_model(positions=positions, tied=tied)
     params = init_params(model, noise=0.2)
     lengths = np.array([5, 2, 3])
@@ -226,7 +239,7 @@ def test_cached_decoding_matches_recomputing_the_prefix(positions, tied):
     fed = random_tokens((3, num_steps), seed=2)
     logits, cache = model_lib.prefill(model, params, prompt, jnp.asarray(lengths),
                                       max_new_tokens=num_steps)
-    step_fn = model_lib.make_step_fn(model, params)
+    step_fn = model_lib.make_step_fn(model)
     sequences = [list(np.asarray(prompt[b, :n])) for b, n in enumerate(lengths)]
     for step in range(num_steps + 1):
         padded = np.zeros((3, MAX_LEN), np.int32)
@@ -238,7 +251,7 @@ def test_cached_decoding_matches_recomputing_the_prefix(positions, tied):
                                    atol=1e-5, err_msg=f"step {step}")
         if step == num_steps:
             break
-        logits, cache = step_fn(fed[:, step], cache)
+        logits, cache = step_fn(params, fed[:, step], cache)
         for b, sequence in enumerate(sequences):
             sequence.append(int(fed[b, step]))
     np.testing.assert_array_equal(cache.index, lengths + num_steps)
@@ -253,7 +266,7 @@ def test_greedy_generate_through_the_cache_matches_full_recompute_argmax():
     logits, cache = model_lib.prefill(model, params, prompt, jnp.asarray(lengths),
                                       max_new_tokens=num_steps)
     tokens, _, _ = decoding.generate(
-        model_lib.make_step_fn(model, params), logits, cache, key=jax.random.key(0),
+        model_lib.make_step_fn(model), params, logits, cache, key=jax.random.key(0),
         max_new_tokens=num_steps, temperature=0.0)
     padded = np.zeros((3, MAX_LEN), np.int32)
     padded[:, :5] = np.asarray(prompt)
@@ -271,14 +284,22 @@ def test_cache_leaves_lead_with_the_batch_axis_and_rows_can_be_gathered():
     logits, cache = model_lib.prefill(model, params, random_tokens((3, 5)),
                                       jnp.array([4, 2, 5]))
     assert all(leaf.shape[0] == 3 for leaf in jax.tree.leaves(cache))
-    assert cache.keys[0].shape == (3, MAX_LEN, HEADS, WIDTH // HEADS)
-    # Beam search tiles the cache and reorders rows by gathering.
+    assert cache.keys[0].shape == (3, HEADS, MAX_LEN, WIDTH // HEADS)
+    # Beam search tiles the cache and reorders rows, by gathering or by the
+    # step's own reorder (filled slots only).
     order = jnp.array([1, 1, 0])
     gathered = jax.tree.map(lambda leaf: leaf[order], cache)
-    step_fn = model_lib.make_step_fn(model, params)
-    step_logits, _ = step_fn(jnp.array([3, 5, 7]), cache)
-    gathered_logits, _ = step_fn(jnp.array([5, 5, 3]), gathered)
-    np.testing.assert_allclose(gathered_logits, step_logits[order], rtol=1e-6, atol=1e-6)
+    step_fn = model_lib.make_step_fn(model)
+    reordered = step_fn.reorder(cache, order)
+    np.testing.assert_array_equal(reordered.index, gathered.index)
+    for layer, expected in zip(reordered.keys + reordered.values,
+                               gathered.keys + gathered.values):
+        np.testing.assert_array_equal(layer[:, :, :5], expected[:, :, :5])
+    step_logits, _ = step_fn(params, jnp.array([3, 5, 7]), cache)
+    for moved in (gathered, reordered):
+        moved_logits, _ = step_fn(params, jnp.array([5, 5, 3]), moved)
+        np.testing.assert_allclose(moved_logits, step_logits[order], rtol=1e-6,
+                                   atol=1e-6)
 
 
 def test_changing_a_future_token_leaves_earlier_logits_unchanged():
@@ -395,4 +416,35 @@ def test_bad_tokens_and_prompts_are_refused():
     with pytest.raises(ValueError, match="prompt must have 1 to max_len=16"):
         model_lib.prefill(model, params, jnp.zeros((1, MAX_LEN + 1), jnp.int32))
     with pytest.raises(ValueError, match=r"tokens must have shape \[B\]"):
-        model_lib.make_step_fn(model, params)(prompt, model_lib.init_cache(model, 3))
+        model_lib.make_step_fn(model)(params, prompt, model_lib.init_cache(model, 3))
+
+
+def test_decoding_compiles_once_for_any_parameters_and_embeds_none():
+    """params is an argument of the decoding loop: a second parameter set of
+    the same shapes reuses the compiled loop (counted), gives other tokens,
+    and no parameter appears as a constant in the lowered program."""
+    model = small_model()
+    step_fn = model_lib.make_step_fn(model)
+    prompt = random_tokens((2, 3), seed=5)
+
+    def greedy(params):
+        logits, cache = model_lib.prefill(model, params, prompt, max_new_tokens=6)
+        return decoding.generate(step_fn, params, logits, cache, key=jax.random.key(0),
+                                 max_new_tokens=6, temperature=0.0)[0]
+
+    loop = decoding.sampling._sampling_loop
+    first = greedy(init_params(model, seed=0, noise=0.5))
+    compiled = loop._cache_size()
+    second = greedy(init_params(model, seed=1, noise=0.5))
+    assert loop._cache_size() == compiled
+    assert not np.array_equal(first, second)  # the new values were used
+
+    params = init_params(model)
+    logits, cache = model_lib.prefill(model, params, prompt, max_new_tokens=6)
+    text = jax.jit(lambda params, logits, cache: decoding.generate(
+        step_fn, params, logits, cache, key=jax.random.key(0), max_new_tokens=6,
+        temperature=0.0)).lower(params, logits, cache).as_text()
+    sizes = [int(np.prod([int(d) for d in shape.split("x")[:-1]] or [1]))
+             for shape in re.findall(r"stablehlo\.constant dense<.*?> : tensor<([^>]*)>",
+                                     text)]
+    assert sizes and max(sizes) < WIDTH, sorted(sizes)[-5:]

@@ -28,6 +28,7 @@ from absl.testing import parameterized
 
 from configs import default
 from lmhead import fused
+from lmhead import generation
 from lmhead import head
 from lmhead import losses
 from lmhead import sharding
@@ -158,7 +159,7 @@ def test_nonfinite_training_stops_and_keeps_the_last_good_checkpoint(
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == [5]  # no NaN logged
     monkeypatch.undo()
-    _, _, _, params = train.load_run(workdir)
+    _, _, _, params = generation.load_run(workdir)
     assert all(np.all(np.isfinite(p)) for p in jax.tree.leaves(params))
 
 

@@ -36,6 +36,7 @@ import pytest
 from configs import default
 from lmhead import checkpoints
 from lmhead import data
+from lmhead import generation
 from lmhead import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,7 +117,7 @@ def finish(corpus, workdir):
 
 def assert_same_run(workdir, reference):
     assert read_metrics(workdir) == read_metrics(reference)
-    params = [train.load_run(w)[3] for w in (reference, workdir)]
+    params = [generation.load_run(w)[3] for w in (reference, workdir)]
     jax.tree.map(np.testing.assert_array_equal, *params)
 
 

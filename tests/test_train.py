@@ -27,6 +27,7 @@ from lmhead import checkpoints
 from lmhead import config_checks
 from lmhead import data
 from lmhead import evaluation
+from lmhead import generation
 from lmhead import train
 from tests import references
 
@@ -119,7 +120,7 @@ class TestTraining:
         with open(os.path.join(runs["first"], "config.json")) as f:
             assert json.load(f) == json.loads(tiny_config().to_json())
         with open(os.path.join(runs["first"], "samples.txt")) as f:
-            samples = f.read().split(train.SAMPLE_SEPARATOR)
+            samples = f.read().split(generation.SAMPLE_SEPARATOR)
         assert len(samples) == 2
         assert all(s.startswith("KING") and len(s) >= 4 + 24 for s in samples)
 
@@ -133,7 +134,7 @@ class TestTraining:
         assert f"starting at step {saved_step}." in runs["resumed_log"]
         assert read_metrics(runs["second"]) == runs["uninterrupted"]
         assert runs["resumed_summary"]["final"] == runs["summary"]["final"]
-        params = [train.load_run(runs[name])[3] for name in ("first", "second")]
+        params = [generation.load_run(runs[name])[3] for name in ("first", "second")]
         jax.tree.map(np.testing.assert_array_equal, *params)
 
     def test_finished_run_is_not_trained_again(self, runs, monkeypatch):
@@ -142,14 +143,14 @@ class TestTraining:
         assert summary == runs["summary"]
 
     def test_load_run(self, runs):
-        config, tokenizer, model, params = train.load_run(runs["first"])
+        config, tokenizer, model, params = generation.load_run(runs["first"])
         assert config.model.d_model == 32 and tokenizer.vocab_size == 84
         assert params["embed"]["embedding"].shape == (84, 32)
         assert model.max_len == 16
 
     def test_greedy_text_matches_full_forward_passes(self, runs):
-        _, tokenizer, model, params = train.load_run(runs["first"])
-        text = train.generate_text(model, params, tokenizer, "KING",
+        _, tokenizer, model, params = generation.load_run(runs["first"])
+        text = generation.generate_text(model, params, tokenizer, "KING",
                                    key=jax.random.key(0), num_samples=2,
                                    max_new_tokens=20, temperature=0.0)
         # The documented windows: the last max_len // 2 = 8 tokens (at first

@@ -1,0 +1,66 @@
+"""Decoding: logits processors, greedy and sampled generation, beam search.
+
+Every function here is pure. A model plugs in through one function,
+
+    step_fn(params, tokens: int32[B], state) -> (logits: float[B, V], state),
+
+which feeds one token per row and returns the next-token logits; every leaf of
+``state`` (e.g. a key/value cache) has a leading batch axis ``B``.
+:func:`generate` and :func:`beam_search` start from the logits after the prompt
+and the matching ``state`` (what a model's prefill returns) and run one
+``lax.while_loop`` with static shapes, calling ``step_fn`` once per new token.
+
+The contract between a model and the decoders:
+
+* **Parameters are arguments.** ``params`` (any pytree) goes to
+  ``generate(step_fn, params, ...)`` / ``beam_search(step_fn, params, ...)``,
+  which pass it, traced, to every ``step_fn`` call. A ``step_fn`` must not
+  close over weights: the loops are compiled once per ``step_fn`` (compared
+  by hash, so use a module-level function or a frozen dataclass such as
+  ``lmhead.model.make_step_fn``'s, not a fresh closure), shapes and static
+  settings, and then serve every parameter set of those shapes; no weight
+  becomes a constant of the compiled program.
+* **A step costs what it uses.** The decoders only feed tokens and reorder
+  rows; what a step reads is the model's business (``lmhead.model`` attends
+  over the filled part of its cache only). Beam search reorders ``state``
+  with ``step_fn.reorder(state, rows)`` when ``step_fn`` has one, so a cache
+  can copy only its filled slots; otherwise with :func:`gather_rows`.
+* **Sampling knobs** ``temperature``, ``top_k``, ``top_p`` and ``min_p`` are
+  a scalar or one value per row ``[B]``.
+
+Conventions shared by everything below:
+
+* A removed token has logit :data:`NEG_INF`, i.e. probability exactly 0.
+* Ties are broken towards the lower token id everywhere (argmax, top-k, top-p,
+  beam ranking), so ``top_k=1`` is exactly greedy.
+* A sequence's length counts generated tokens up to and including EOS; the
+  positions after it hold ``pad_id``.
+
+Modules: :mod:`~lmhead.decoding.processors` (the logits processors),
+:mod:`~lmhead.decoding.sampling` (:func:`generate`),
+:mod:`~lmhead.decoding.beam_search` (:func:`beam_search`). ``detokenize``
+lives in :mod:`lmhead.data`, beside the tokenizers, and is re-exported here.
+"""
+
+from lmhead.data import TokenDecoder
+from lmhead.data import detokenize
+from lmhead.decoding._loop import StepFn
+from lmhead.decoding.beam_search import PENALTIES
+from lmhead.decoding.beam_search import BeamState
+from lmhead.decoding.beam_search import beam_search
+from lmhead.decoding.beam_search import gather_rows
+from lmhead.decoding.beam_search import length_penalty_divisor
+from lmhead.decoding.processors import NEG_INF
+from lmhead.decoding.processors import NO_TOKEN
+from lmhead.decoding.processors import TOP_P_TOLERANCE
+from lmhead.decoding.processors import apply_min_new_tokens
+from lmhead.decoding.processors import apply_min_p
+from lmhead.decoding.processors import apply_no_repeat_ngram
+from lmhead.decoding.processors import apply_repetition_penalty
+from lmhead.decoding.processors import apply_suppress_tokens
+from lmhead.decoding.processors import apply_temperature
+from lmhead.decoding.processors import apply_top_k
+from lmhead.decoding.processors import apply_top_p
+from lmhead.decoding.processors import process_logits
+from lmhead.decoding.sampling import SamplingState
+from lmhead.decoding.sampling import generate

@@ -1,0 +1,318 @@
+"""Beam search: :func:`beam_search`, one ``lax.while_loop`` over ``K`` beams per prompt."""
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lmhead import _checks
+from lmhead.decoding import _loop
+from lmhead.decoding._loop import StepFn
+from lmhead.decoding.processors import NEG_INF, _as_logits
+
+PENALTIES = ("gnmt", "hf")
+
+
+def gather_rows(state: Any, rows: jax.Array) -> Any:
+    """``state`` with every leaf's rows reordered: ``leaf[rows]``.
+
+    The reorder :func:`beam_search` uses when ``step_fn`` brings none of its
+    own: it reads and writes every slot of every leaf, e.g. the whole capacity
+    of a key/value cache.
+
+    Args:
+        state: pytree whose every leaf has leading axis ``M``.
+        rows: ``int32 [M]``, the row each new row copies.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> gather_rows({"prev": jnp.array([5, 6, 7])}, jnp.array([2, 2, 0]))
+        {'prev': Array([7, 7, 5], dtype=int32)}
+    """
+    return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), state)
+
+
+def length_penalty_divisor(length: jax.typing.ArrayLike,
+                           alpha: jax.typing.ArrayLike,
+                           penalty: str = "gnmt") -> jax.Array:
+    r"""The divisor of a hypothesis's summed log-probs in beam search.
+
+    .. math::
+        \mathrm{gnmt}: \left(\frac{5 + L}{6}\right)^\alpha, \qquad
+        \mathrm{hf}: L^\alpha
+
+    ``L`` counts generated tokens, EOS included. Both are positive and
+    monotone in ``L`` (increasing for ``alpha > 0``); ``alpha = 0`` gives 1.
+
+    Args:
+        length: ``L >= 1``, any shape.
+        alpha: the exponent (``length_penalty`` of :func:`beam_search`).
+        penalty: ``"gnmt"`` (Wu et al.; T5X, Flax WMT) or ``"hf"`` (Hugging
+            Face).
+
+    Returns:
+        float32 array of ``length``'s shape.
+
+    Examples:
+        >>> length_penalty_divisor(7, 0.6), length_penalty_divisor(7, 0.6, "hf")
+        (Array(1.51572, dtype=float32), Array(3.21410, dtype=float32))
+
+    References:
+        Wu et al., `Google's Neural Machine Translation System
+        <https://arxiv.org/abs/1609.08144>`_, 2016.
+    """
+    _checks.check_choice("penalty", penalty, PENALTIES)
+    length = jnp.asarray(length, jnp.float32)
+    base = (5.0 + length) / 6.0 if penalty == "gnmt" else length
+    return base ** jnp.asarray(alpha, jnp.float32)
+
+
+class BeamState(NamedTuple):
+    """The carry of :func:`beam_search`'s while loop.
+
+    ``B`` prompts, ``K = num_beams``, ``n = num_return_sequences``,
+    ``N = max_new_tokens``, ``V`` tokens; beam ``k`` of prompt ``b`` is row
+    ``b * K + k`` of the flat arrays.
+
+    Attributes:
+        step: ``int32 []``, tokens generated so far by every live beam.
+        logits: ``float32 [B*K, V]``, each live beam's next-token logits.
+        model_state: ``step_fn``'s state, every leaf ``[B*K, ...]``.
+        live_tokens: ``int32 [B, K, N]``, the live beams (not ended by EOS);
+            ``pad_id`` from ``step`` on.
+        live_log_probs: ``float32 [B, K]``, each live beam's summed log-probs;
+            ``-inf`` for an empty beam.
+        finished_tokens: ``int32 [B, n, N]``, the best ended hypotheses so
+            far, best first; ``pad_id`` after each one's end.
+        finished_scores: ``float32 [B, n]``, their scores; ``-inf`` for an
+            empty slot.
+        finished_lengths: ``int32 [B, n]``, their lengths; 0 for an empty slot.
+    """
+    step: jax.Array
+    logits: jax.Array
+    model_state: Any
+    live_tokens: jax.Array
+    live_log_probs: jax.Array
+    finished_tokens: jax.Array
+    finished_scores: jax.Array
+    finished_lengths: jax.Array
+
+
+class _BeamConfig(NamedTuple):
+    """Static (hashable) settings of :func:`beam_search`."""
+    num_beams: int
+    num_return_sequences: int
+    max_new_tokens: int
+    eos_id: int | None
+    pad_id: int
+    penalty: str
+
+
+def _append_to_parents(sequences: jax.Array, beam: jax.Array, token: jax.Array,
+            step: jax.Array) -> jax.Array:
+    """``sequences[b, beam[b, m]]`` with ``token[b, m]`` written at ``step``."""
+    picked = jnp.take_along_axis(sequences, beam[..., None], axis=1)
+    return picked.at[:, :, step].set(token)
+
+
+def _beam_continues(s: BeamState, alpha: jax.Array, config: _BeamConfig) -> jax.Array:
+    """False once no live beam can still enter the finished n-best.
+
+    A live beam with summed log-probs ``S`` at length ``l`` ends at some
+    ``L`` in ``[l + 1, N]`` with a sum ``S' <= S`` (log-probs are ``<= 0``),
+    so its score ``S' / d(L) <= S / d(L) <= S / max_L d(L)`` because ``S <= 0``.
+    ``d`` is monotone in ``L`` for either sign of ``alpha``, so the maximum is
+    at ``L = l + 1`` or ``L = N``. This bound is attained when the remaining
+    tokens have probability 1, so it is exact, not a heuristic. A tie with
+    the worst kept hypothesis cannot displace it (the n-best keeps the older
+    one), hence the strict ``>``.
+    """
+    num_new = config.max_new_tokens
+    divisor = jnp.maximum(
+        length_penalty_divisor(s.step + 1, alpha, config.penalty),
+        length_penalty_divisor(num_new, alpha, config.penalty))
+    best_possible = jnp.max(s.live_log_probs, axis=-1) / divisor
+    can_improve = best_possible > s.finished_scores[:, -1]
+    return (s.step < num_new) & jnp.any(can_improve)
+
+
+def _keep_best_finished(s: BeamState, scores: jax.Array, length: jax.Array,
+                        pad_id: int) -> dict[str, jax.Array]:
+    """Merges hypotheses ending now (``scores [B, K*V]``, -inf if not) into the n-best."""
+    num_kept = s.finished_scores.shape[1]
+    vocab_size = s.logits.shape[-1]
+    # Kept hypotheses come first, so on a tie lax.top_k prefers the older one.
+    best_scores, best = jax.lax.top_k(
+        jnp.concatenate([s.finished_scores, scores], axis=1), num_kept)
+    was_kept = best < num_kept
+    old = jnp.minimum(best, num_kept - 1)
+    new = jnp.maximum(best - num_kept, 0)
+    tokens = jnp.where(
+        was_kept[..., None],
+        jnp.take_along_axis(s.finished_tokens, old[..., None], axis=1),
+        _append_to_parents(s.live_tokens, new // vocab_size, new % vocab_size, s.step))
+    lengths = jnp.where(was_kept,
+                        jnp.take_along_axis(s.finished_lengths, old, axis=1),
+                        length)
+    empty = best_scores == NEG_INF
+    return dict(finished_tokens=jnp.where(empty[..., None], pad_id, tokens),
+                finished_scores=best_scores,
+                finished_lengths=jnp.where(empty, 0, lengths))
+
+
+def _beam_step(s: BeamState, *, step_fn: StepFn, params: Any, alpha: jax.Array,
+               config: _BeamConfig) -> BeamState:
+    batch, num_beams, _ = s.live_tokens.shape
+    vocab_size = s.logits.shape[-1]
+    length = s.step + 1
+    token_log_probs = jax.nn.log_softmax(s.logits, axis=-1)
+    totals = s.live_log_probs[..., None] + token_log_probs.reshape(
+        batch, num_beams, vocab_size)
+    is_eos = jnp.arange(vocab_size) == (-1 if config.eos_id is None else config.eos_id)
+    # Every candidate ends at the last step, with or without EOS.
+    ends_now = is_eos | (length == config.max_new_tokens)
+    ending_scores = jnp.where(
+        ends_now, totals / length_penalty_divisor(length, alpha, config.penalty),
+        NEG_INF)
+    finished = _keep_best_finished(s, ending_scores.reshape(batch, -1), length,
+                                   config.pad_id)
+    live_log_probs, best = jax.lax.top_k(
+        jnp.where(is_eos, NEG_INF, totals).reshape(batch, -1), num_beams)
+    beam, token = best // vocab_size, best % vocab_size
+    new = s._replace(step=length, live_log_probs=live_log_probs,
+                     live_tokens=_append_to_parents(s.live_tokens, beam, token, s.step),
+                     **finished)
+    rows = (jnp.arange(batch)[:, None] * num_beams + beam).reshape(-1)
+    reorder = getattr(step_fn, "reorder", gather_rows)
+    model_state = reorder(s.model_state, rows)
+    logits, model_state = _loop.maybe_step(
+        step_fn, params, _beam_continues(new, alpha, config), token.reshape(-1),
+        s.logits, model_state)
+    return new._replace(logits=logits, model_state=model_state)
+
+
+@functools.partial(jax.jit, static_argnames=("step_fn", "config"))
+def _beam_loop(step_fn: StepFn, params: Any, logits: jax.Array, model_state: Any,
+               alpha: jax.Array, config: _BeamConfig):
+    batch = logits.shape[0]
+    beams, kept, num_new = (config.num_beams, config.num_return_sequences,
+                            config.max_new_tokens)
+    tile = lambda x: jnp.repeat(x, beams, axis=0)
+    # All beams start as the same empty hypothesis; only one may expand.
+    first_only = jnp.where(jnp.arange(beams) == 0, 0.0, NEG_INF)
+    init = BeamState(
+        step=jnp.zeros((), jnp.int32), logits=tile(logits),
+        model_state=jax.tree.map(tile, model_state),
+        live_tokens=jnp.full((batch, beams, num_new), config.pad_id, jnp.int32),
+        live_log_probs=jnp.broadcast_to(first_only, (batch, beams)),
+        finished_tokens=jnp.full((batch, kept, num_new), config.pad_id, jnp.int32),
+        finished_scores=jnp.full((batch, kept), NEG_INF, jnp.float32),
+        finished_lengths=jnp.zeros((batch, kept), jnp.int32))
+    final = jax.lax.while_loop(
+        lambda s: _beam_continues(s, alpha, config),
+        lambda s: _beam_step(s, step_fn=step_fn, params=params, alpha=alpha,
+                             config=config),
+        init)
+    return final.finished_tokens, final.finished_scores, final.finished_lengths
+
+
+def beam_search(
+    step_fn: StepFn,
+    params: Any,
+    logits: jax.typing.ArrayLike,
+    state: Any,
+    *,
+    num_beams: int,
+    max_new_tokens: int,
+    eos_id: int | None,
+    length_penalty: jax.typing.ArrayLike = 0.6,
+    penalty: str = "gnmt",
+    num_return_sequences: int = 1,
+    pad_id: int = 0,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    r"""Beam search for the n best continuations under a length penalty.
+
+    A hypothesis :math:`y_{1..L}` ends with EOS or at ``L = N``; its score is
+
+    .. math::
+        s(y) = \frac{\sum_{t=1}^{L} \log p(y_t \mid y_{<t})}{d(L)}
+
+    with ``d`` from :func:`length_penalty_divisor` (``L`` counts EOS). Each
+    step extends the ``K`` live beams by every token, moves the candidates
+    that end (EOS, or any token at step ``N``) into a separate n-best store,
+    and keeps the ``K`` best other candidates by summed log-probs as the new
+    live beams; ``step_fn``'s state is reordered to their parent rows by
+    ``step_fn.reorder(state, rows)`` if ``step_fn`` has one (a model's cache
+    can then copy only its filled part), else by :func:`gather_rows`. The search stops early only when no live beam can still enter the
+    n-best, by an exact bound (see ``_beam_continues``), so stopping early
+    never changes the result. With ``K >= V ** (N - 1)`` nothing is pruned
+    and the result is the exact n-best over all sequences. Scores use the
+    model's raw log-probs (no logits processors).
+
+    Static arguments: ``step_fn`` (by hash), ``num_beams``, ``max_new_tokens``,
+    ``eos_id``, ``penalty``, ``num_return_sequences``, ``pad_id`` and the
+    shapes; ``params`` and ``length_penalty`` are traced.
+
+    Args:
+        step_fn: ``step_fn(params, tokens int32[M], state) -> (logits [M, V],
+            state)`` for any number of rows ``M`` (it gets ``B * num_beams``);
+            hashable; may have a ``reorder(state, rows int32[M]) -> state``.
+        params: any pytree, passed to every ``step_fn`` call (traced).
+        logits: ``[B, V]`` next-token logits after each prompt.
+        state: pytree whose every leaf has leading axis ``B``; tiled to
+            ``B * num_beams`` rows.
+        num_beams: ``K >= 1``.
+        max_new_tokens: ``N >= 1``.
+        eos_id: id in ``[0, V)`` that ends a hypothesis, or None.
+        length_penalty: the exponent ``alpha`` (0: plain log-prob sums).
+        penalty: ``"gnmt"`` or ``"hf"``.
+        num_return_sequences: ``1 <= n <= K`` hypotheses returned per prompt.
+        pad_id: id written after a hypothesis's end.
+
+    Returns:
+        ``tokens int32 [B, n, N]``, ``scores float32 [B, n]`` and ``lengths
+        int32 [B, n]``, best first. If fewer than ``n`` hypotheses exist (tiny
+        ``V`` and ``N``), the missing ones have score ``-inf`` and length 0.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> table = jnp.log(jnp.array([[0.1, 0.6, 0.3], [0.2, 0.1, 0.7],
+        ...                            [0.5, 0.3, 0.2]]))
+        >>> markov = lambda table, tokens, state: (table[tokens], state)
+        >>> tokens, scores, lengths = beam_search(
+        ...     markov, table, table[jnp.array([1])], (), num_beams=3,
+        ...     max_new_tokens=3, eos_id=0, length_penalty=0.0,
+        ...     num_return_sequences=2, pad_id=-1)
+        >>> tokens
+        Array([[[ 2,  0, -1],
+                [ 0, -1, -1]]], dtype=int32)
+        >>> scores.round(4).tolist(), lengths.tolist()  # log(0.7 * 0.5), log 0.2
+        ([[-1.0498, -1.6094]], [[2, 1]])
+
+    References:
+        Wu et al., `Google's Neural Machine Translation System
+        <https://arxiv.org/abs/1609.08144>`_, 2016.
+    """
+    logits = _as_logits(logits, "[B, V]")
+    batch, vocab_size = logits.shape
+    _loop.check_step_fn(step_fn)
+    _loop.check_state(state, batch)
+    _loop.check_count("num_beams", num_beams)
+    _loop.check_count("max_new_tokens", max_new_tokens)
+    _loop.check_count("num_return_sequences", num_return_sequences)
+    if num_return_sequences > num_beams:
+        raise ValueError(f"num_return_sequences must be <= num_beams = "
+                         f"{num_beams}; got {num_return_sequences}.")
+    _checks.check_choice("penalty", penalty, PENALTIES)
+    _loop.check_token_id("eos_id", eos_id, vocab_size)
+    if not _checks.is_traced(length_penalty) and not np.isfinite(length_penalty):
+        raise ValueError(f"length_penalty must be finite; got {length_penalty}.")
+    config = _BeamConfig(
+        num_beams=int(num_beams), num_return_sequences=int(num_return_sequences),
+        max_new_tokens=int(max_new_tokens),
+        eos_id=None if eos_id is None else int(eos_id), pad_id=int(pad_id),
+        penalty=penalty)
+    return _beam_loop(step_fn, params, logits, state,
+                      jnp.asarray(length_penalty, jnp.float32), config)

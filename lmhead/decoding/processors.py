@@ -1,0 +1,455 @@
+"""Logits processors: each maps next-token logits to the logits a sampler draws from.
+
+Conventions shared by every processor:
+
+* A removed token has logit :data:`NEG_INF`, i.e. probability exactly 0.
+* Ties are broken towards the lower token id everywhere (argmax, top-k, top-p,
+  beam ranking), so ``top_k=1`` is exactly greedy.
+* The sampling knobs ``temperature``, ``top_k``, ``top_p`` and ``min_p`` are a
+  scalar or one value per row (shape ``logits.shape[:-1]``, e.g. ``[B]``), so
+  one batch serves requests with different settings.
+"""
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lmhead import _checks
+
+# The logit of a removed token. -inf rather than a large finite number: exp
+# gives exactly 0, it stays -inf under every later rescaling (temperature,
+# repetition penalty), and no finite logit can be mistaken for a removed one.
+# The one way -inf makes NaN, a row of nothing but -inf (max - max), is ruled
+# out by the all-removed fallback in `process_logits` and by guarded row maxima.
+NEG_INF = float("-inf")
+# top-p compares float32 cumulative sums with p. A set whose exact mass is p
+# often sums to an ulp below it (softmax of log [.52, .15, .13, .13, .07]:
+# .52 + .15 gives 0.66999996), which would keep one token too many for
+# p = 0.67; masses this close to p count as p.
+TOP_P_TOLERANCE = 1e-6
+# An empty slot of a token history (left padding, or not yet generated).
+NO_TOKEN = -1
+PENALTIES = ("gnmt", "hf")
+
+def _as_logits(logits: jax.typing.ArrayLike, layout: str = "[..., V]") -> jax.Array:
+    _checks.check_floating("logits", logits)
+    ranks = 2 if layout == "[B, V]" else set(range(1, 64))
+    _checks.check_rank("logits", logits, ranks, layout)
+    return jnp.asarray(logits, jnp.float32)
+
+
+def _row_max(logits: jax.Array) -> jax.Array:
+    """``max_j z_j`` per row, 0 for a row with no finite entry (never NaN)."""
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    return jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+
+
+def _check_per_row(name: str, value: jax.typing.ArrayLike,
+                   rows: tuple[int, ...]) -> None:
+    """Raises ValueError unless the knob is a scalar or has shape ``rows``."""
+    if np.shape(value) not in ((), tuple(rows)):
+        raise ValueError(f"{name} must be a scalar or have one value per row, shape "
+                         f"{tuple(rows)}; got shape {np.shape(value)}.")
+
+
+def _per_row(name: str, value: jax.typing.ArrayLike, logits: jax.Array) -> jax.Array:
+    """A knob as an array that broadcasts against ``logits [..., V]``: a
+    scalar stays a scalar, one value per row gets a trailing axis."""
+    _check_per_row(name, value, logits.shape[:-1])
+    value = jnp.asarray(value)
+    return value[..., None] if value.ndim else value
+
+
+def _descending_ranks(logits: jax.Array) -> jax.Array:
+    """Rank of each token in a stable descending sort (0 = largest)."""
+    order = jnp.argsort(-logits, axis=-1, stable=True)
+    return jnp.argsort(order, axis=-1, stable=True)
+
+
+def _token_mask(ids: jax.Array, vocab_size: int) -> jax.Array:
+    """``bool [B, V]``: True where the id occurs in ``ids [B, L]`` (others ignored)."""
+    rows = jnp.arange(ids.shape[0])[:, None]
+    valid = (ids >= 0) & (ids < vocab_size)
+    mask = jnp.zeros((ids.shape[0], vocab_size), bool)
+    return mask.at[rows, jnp.where(valid, ids, vocab_size)].set(True, mode="drop")
+
+
+def apply_temperature(logits: jax.typing.ArrayLike,
+                      temperature: jax.typing.ArrayLike) -> jax.Array:
+    r"""Divides logits by a temperature; ``T = 0`` leaves them as they are.
+
+    .. math::
+        z'_i = (z_i - \max_j z_j) / T \quad (T > 0), \qquad z' = z \quad (T = 0)
+
+    The row maximum is subtracted first: softmax does not change, and
+    ``z' <= 0``, so a tiny ``T`` can push a logit to ``-inf`` but never to
+    ``+inf`` (where ``inf - inf`` would give NaN). ``T = 0`` is greedy
+    decoding, which the samplers do by argmax; nothing is divided by zero.
+    Inside ``jit`` a negative traced ``T`` acts as 0.
+
+    Args:
+        logits: ``[..., V]`` scores.
+        temperature: ``T >= 0``, a scalar or one per row (may be traced).
+
+    Returns:
+        ``[..., V]`` float32.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> apply_temperature(jnp.array([1.0, 2.0, 3.0]), 0.5)
+        Array([-4., -2.,  0.], dtype=float32)
+        >>> apply_temperature(jnp.array([1.0, 2.0, 3.0]), 0.0)
+        Array([1., 2., 3.], dtype=float32)
+    """
+    logits = _as_logits(logits)
+    _checks.check_in_range("temperature", temperature, low=0.0)
+    temperature = _per_row("temperature", temperature, logits)
+    positive = temperature > 0
+    scaled = (logits - _row_max(logits)) / jnp.where(positive, temperature, 1.0)
+    return jnp.where(positive, scaled, logits)
+
+
+def apply_top_k(logits: jax.typing.ArrayLike,
+                k: jax.typing.ArrayLike | None) -> jax.Array:
+    r"""Keeps the ``k`` largest logits of each row and removes the rest.
+
+    .. math::
+        z'_i = z_i \text{ if } \mathrm{rank}(i) < k \text{ else } -\infty
+
+    where ``rank`` is the position in a stable descending sort, so exactly
+    ``min(k, V)`` tokens stay and ties at the boundary go to the lower token
+    id. ``k > V`` keeps every token; ``k = 0`` or None turns the filter off.
+
+    Args:
+        logits: ``[..., V]`` scores.
+        k: integer ``k >= 0``, a scalar or one per row (may be traced; inside
+            ``jit`` a negative ``k`` acts as 0), or None.
+
+    Returns:
+        ``[..., V]`` float32.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> apply_top_k(jnp.array([1.0, 3.0, 2.0, 3.0]), 2)
+        Array([-inf,   3., -inf,   3.], dtype=float32)
+        >>> apply_top_k(jnp.array([1.0, 2.0, 2.0]), 2)  # tie: lower id wins
+        Array([-inf,   2.,   2.], dtype=float32)
+        >>> apply_top_k(jnp.array([1.0, 2.0, 2.0]), 1)
+        Array([-inf,   2., -inf], dtype=float32)
+    """
+    logits = _as_logits(logits)
+    if k is None:
+        return logits
+    _checks.check_integer("top_k", k)
+    _checks.check_in_range("top_k", k, low=0)
+    k = _per_row("top_k", k, logits)
+    keep = (k <= 0) | (_descending_ranks(logits) < k)
+    return jnp.where(keep, logits, NEG_INF)
+
+
+def apply_top_p(logits: jax.typing.ArrayLike,
+                p: jax.typing.ArrayLike | None) -> jax.Array:
+    r"""Nucleus filter: keeps the smallest top set whose probability is >= p.
+
+    With tokens in stable descending order :math:`\pi` and
+    :math:`p_i = \mathrm{softmax}(z)_i`, token :math:`\pi(r)` is kept when the
+    mass strictly before it is below ``p``:
+
+    .. math::
+        \sum_{s < r} p_{\pi(s)} < p - \epsilon
+
+    so the token that crosses ``p`` is kept, a set of mass exactly ``p`` is
+    complete (``epsilon = TOP_P_TOLERANCE`` absorbs float32 rounding), the
+    argmax is always kept, and ``p = 1`` keeps every token. Ties at the
+    boundary go to the lower token id.
+
+    Args:
+        logits: ``[..., V]`` scores.
+        p: ``0 < p <= 1``, a scalar or one per row (may be traced; inside ``jit`` ``p <= 0`` keeps only
+            the argmax and ``p > 1`` keeps all), or None for no filter.
+
+    Returns:
+        ``[..., V]`` float32.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> logits = jnp.log(jnp.array([0.1, 0.5, 0.15, 0.25]))
+        >>> apply_top_p(logits, 0.75)
+        Array([      -inf, -0.6931472,       -inf, -1.3862944], dtype=float32)
+        >>> apply_top_p(logits, 0.8)
+        Array([      -inf, -0.6931472, -1.89712  , -1.3862944], dtype=float32)
+
+    References:
+        Holtzman et al., `The Curious Case of Neural Text Degeneration
+        <https://arxiv.org/abs/1904.09751>`_, 2020.
+    """
+    logits = _as_logits(logits)
+    if p is None:
+        return logits
+    _checks.check_in_range("top_p", p, low=0.0, high=1.0, low_open=True)
+    p = _per_row("top_p", p, logits)
+    order = jnp.argsort(-logits, axis=-1, stable=True)
+    sorted_probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
+    mass = jnp.cumsum(sorted_probs, axis=-1)
+    mass_before = jnp.concatenate([jnp.zeros_like(mass[..., :1]), mass[..., :-1]], -1)
+    num_kept = jnp.sum(mass_before < p - TOP_P_TOLERANCE, axis=-1, keepdims=True)
+    num_kept = jnp.maximum(num_kept, 1)
+    keep = jnp.argsort(order, axis=-1, stable=True) < num_kept
+    return jnp.where(keep, logits, NEG_INF)
+
+
+def apply_min_p(logits: jax.typing.ArrayLike,
+                min_p: jax.typing.ArrayLike | None) -> jax.Array:
+    r"""Keeps the tokens at least ``min_p`` times as likely as the most likely.
+
+    .. math::
+        p_i \ge m \max_j p_j \iff z_i - \max_j z_j \ge \log m
+
+    evaluated in log space, so no probability underflows. Ties with the
+    threshold are kept; the argmax always is; ``m = 0`` keeps every token.
+
+    Args:
+        logits: ``[..., V]`` scores.
+        min_p: ``0 <= m <= 1``, a scalar or one per row (may be traced; clipped to that range inside
+            ``jit``), or None for no filter.
+
+    Returns:
+        ``[..., V]`` float32.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> apply_min_p(jnp.log(jnp.array([0.5, 0.3, 0.1, 0.1])), 0.25)
+        Array([-0.6931472, -1.2039728,       -inf,       -inf], dtype=float32)
+
+    References:
+        Nguyen et al., `Turning Up the Heat: Min-p Sampling for Creative and
+        Coherent LLM Outputs <https://arxiv.org/abs/2407.01082>`_, 2024.
+    """
+    logits = _as_logits(logits)
+    if min_p is None:
+        return logits
+    _checks.check_in_range("min_p", min_p, low=0.0, high=1.0)
+    min_p = _per_row("min_p", min_p, logits)
+    keep = logits - _row_max(logits) >= jnp.log(jnp.clip(min_p, 0.0, 1.0))
+    return jnp.where(keep, logits, NEG_INF)
+
+
+def apply_repetition_penalty(logits: jax.typing.ArrayLike,
+                             history: jax.typing.ArrayLike,
+                             penalty: jax.typing.ArrayLike | None) -> jax.Array:
+    r"""Makes every token already in the history less likely (CTRL, Hugging Face).
+
+    .. math::
+        z'_i = \begin{cases} z_i / \theta & z_i > 0 \\ z_i \theta & z_i \le 0
+        \end{cases} \quad \text{if token } i \text{ occurs in the history,}
+        \quad z'_i = z_i \text{ otherwise.}
+
+    ``theta > 1`` discourages repeats, ``theta < 1`` encourages them. Apply it
+    before temperature: it depends on the sign of the raw logits.
+
+    Args:
+        logits: ``[B, V]`` scores.
+        history: ``int [B, L]`` tokens so far (prompt and generated); entries
+            outside ``[0, V)``, e.g. ``NO_TOKEN``, are ignored.
+        penalty: ``theta > 0``, or None for no penalty.
+
+    Returns:
+        ``[B, V]`` float32.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> apply_repetition_penalty(jnp.array([[2.0, -1.0, 3.0]]),
+        ...                          jnp.array([[0, 1, -1]]), 2.0)
+        Array([[ 1., -2.,  3.]], dtype=float32)
+
+    References:
+        Keskar et al., `CTRL: A Conditional Transformer Language Model for
+        Controllable Generation <https://arxiv.org/abs/1909.05858>`_, 2019.
+    """
+    logits = _as_logits(logits, "[B, V]")
+    if penalty is None:
+        return logits
+    _checks.check_in_range("repetition_penalty", penalty, low=0.0, low_open=True)
+    history = _as_history(history, logits.shape[0])
+    penalized = jnp.where(logits > 0, logits / penalty, logits * penalty)
+    return jnp.where(_token_mask(history, logits.shape[-1]), penalized, logits)
+
+
+def apply_no_repeat_ngram(logits: jax.typing.ArrayLike,
+                          history: jax.typing.ArrayLike,
+                          ngram_size: int | None) -> jax.Array:
+    r"""Removes every token that would repeat an n-gram of the history.
+
+    With history :math:`x_1 \dots x_L`, token ``t`` is removed when
+    :math:`(x_{L-n+2}, \dots, x_L, t)` already occurs as
+    :math:`(x_j, \dots, x_{j+n-1})` for some ``j``. ``n = 1`` removes every
+    token seen. N-grams touching an empty slot (``NO_TOKEN``) never match.
+
+    Args:
+        logits: ``[B, V]`` scores.
+        history: ``int [B, L]`` tokens so far, the latest last; empty slots
+            (negative) on the left.
+        ngram_size: static ``n >= 1``, or None for no filter.
+
+    Returns:
+        ``[B, V]`` float32.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> history = jnp.array([[1, 2, 3, 1]])  # "1 2" happened: ban 2 after 1
+        >>> apply_no_repeat_ngram(jnp.zeros((1, 4)), history, 2)
+        Array([[  0.,   0., -inf,   0.]], dtype=float32)
+    """
+    logits = _as_logits(logits, "[B, V]")
+    if ngram_size is None:
+        return logits
+    if not isinstance(ngram_size, (int, np.integer)) or ngram_size < 1:
+        raise ValueError(
+            f"no_repeat_ngram_size must be an integer >= 1; got {ngram_size!r}.")
+    history = _as_history(history, logits.shape[0])
+    n, length = int(ngram_size), history.shape[1]
+    if length < n:
+        return logits
+    windows = jnp.stack([history[:, i:length - n + 1 + i] for i in range(n)], -1)
+    prefix = history[:, length - n + 1:]
+    match = (jnp.all(windows[..., :-1] == prefix[:, None, :], axis=-1)
+             & jnp.all(windows >= 0, axis=-1))
+    banned = _token_mask(jnp.where(match, windows[..., -1], NO_TOKEN),
+                         logits.shape[-1])
+    return jnp.where(banned, NEG_INF, logits)
+
+
+def apply_suppress_tokens(logits: jax.typing.ArrayLike,
+                          token_ids: Sequence[int] | None) -> jax.Array:
+    r"""Removes the given token ids: :math:`z'_i = -\infty` for ``i`` in the set.
+
+    Args:
+        logits: ``[..., V]`` scores.
+        token_ids: ids in ``[0, V)``, or None.
+
+    Returns:
+        ``[..., V]`` float32.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> apply_suppress_tokens(jnp.array([1.0, 2.0, 3.0]), [0, 2])
+        Array([-inf,   2., -inf], dtype=float32)
+    """
+    logits = _as_logits(logits)
+    if token_ids is None or len(token_ids) == 0:
+        return logits
+    _checks.check_in_range("suppress_tokens", np.asarray(token_ids), low=0,
+                           high=logits.shape[-1] - 1)
+    return logits.at[..., jnp.asarray(token_ids, jnp.int32)].set(NEG_INF)
+
+
+def apply_min_new_tokens(logits: jax.typing.ArrayLike,
+                         num_generated: jax.typing.ArrayLike, *,
+                         min_new_tokens: jax.typing.ArrayLike,
+                         eos_id: int | None) -> jax.Array:
+    r"""Removes EOS while fewer than ``min_new_tokens`` tokens have been made.
+
+    .. math::
+        z'_{\mathrm{eos}} = -\infty \quad \text{if } n_{\mathrm{generated}} <
+        n_{\min}
+
+    Args:
+        logits: ``[B, V]`` scores.
+        num_generated: ``int []`` or ``[B]``, tokens generated so far.
+        min_new_tokens: ``int >= 0`` (may be traced).
+        eos_id: the EOS id, or None (then nothing changes).
+
+    Returns:
+        ``[B, V]`` float32.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> apply_min_new_tokens(jnp.zeros((2, 3)), jnp.array([0, 2]),
+        ...                      min_new_tokens=2, eos_id=1)
+        Array([[  0., -inf,   0.],
+               [  0.,   0.,   0.]], dtype=float32)
+    """
+    logits = _as_logits(logits, "[B, V]")
+    if eos_id is None:
+        return logits
+    _checks.check_in_range("min_new_tokens", min_new_tokens, low=0)
+    too_early = jnp.reshape(jnp.asarray(num_generated) < min_new_tokens, (-1, 1))
+    is_eos = jnp.arange(logits.shape[-1]) == eos_id
+    return jnp.where(too_early & is_eos, NEG_INF, logits)
+
+
+def _as_history(history: jax.typing.ArrayLike, batch: int) -> jax.Array:
+    _checks.check_integer("history", history)
+    _checks.check_rank("history", history, 2, "[B, L]")
+    if jnp.shape(history)[0] != batch:
+        raise ValueError(f"history must have shape [B, L] with B = {batch}; "
+                         f"got {jnp.shape(history)}.")
+    return jnp.asarray(history, jnp.int32)
+
+
+def process_logits(
+    logits: jax.typing.ArrayLike,
+    *,
+    temperature: jax.typing.ArrayLike = 1.0,
+    top_k: jax.typing.ArrayLike | None = None,
+    top_p: jax.typing.ArrayLike | None = None,
+    min_p: jax.typing.ArrayLike | None = None,
+    repetition_penalty: jax.typing.ArrayLike | None = None,
+    no_repeat_ngram_size: int | None = None,
+    history: jax.typing.ArrayLike | None = None,
+    suppress_tokens: Sequence[int] | None = None,
+    min_new_tokens: jax.typing.ArrayLike = 0,
+    num_generated: jax.typing.ArrayLike = 0,
+    eos_id: int | None = None,
+) -> jax.Array:
+    r"""Applies every processor in a fixed order: the distribution a sampler draws from.
+
+    The order follows Hugging Face's ``generate``: on the raw logits,
+    repetition penalty, no-repeat-n-gram, suppressed tokens and minimum new
+    tokens; then temperature; then top-k, top-p and min-p on the tempered
+    distribution. A processor left at None is off.
+
+    A row whose every token got removed falls back to a point mass on the
+    argmax of the raw ``logits`` (0 there, ``-inf`` elsewhere), so the result
+    is always a valid distribution and never NaN.
+
+    Args:
+        logits: ``[B, V]`` raw next-token logits.
+        temperature, top_k, top_p, min_p: see :func:`apply_temperature`,
+            :func:`apply_top_k`, :func:`apply_top_p`, :func:`apply_min_p`.
+        repetition_penalty, no_repeat_ngram_size: see
+            :func:`apply_repetition_penalty`, :func:`apply_no_repeat_ngram`;
+            both read ``history``.
+        history: ``int [B, L]`` tokens so far, latest last, negative = empty.
+        suppress_tokens: ids never produced (:func:`apply_suppress_tokens`).
+        min_new_tokens, num_generated, eos_id: see
+            :func:`apply_min_new_tokens`.
+
+    Returns:
+        ``[B, V]`` float32 processed logits.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> logits = jnp.array([[3.0, 2.0, 1.0, 0.0]])
+        >>> process_logits(logits, temperature=0.5, top_k=2)
+        Array([[  0.,  -2., -inf, -inf]], dtype=float32)
+        >>> process_logits(logits, suppress_tokens=[0, 1, 2, 3])  # fallback
+        Array([[  0., -inf, -inf, -inf]], dtype=float32)
+    """
+    raw = _as_logits(logits, "[B, V]")
+    if history is None and (repetition_penalty is not None
+                            or no_repeat_ngram_size is not None):
+        raise ValueError("history is required by repetition_penalty and "
+                         "no_repeat_ngram_size; got None.")
+    z = apply_repetition_penalty(raw, history, repetition_penalty)
+    z = apply_no_repeat_ngram(z, history, no_repeat_ngram_size)
+    z = apply_suppress_tokens(z, suppress_tokens)
+    z = apply_min_new_tokens(z, num_generated, min_new_tokens=min_new_tokens,
+                             eos_id=eos_id)
+    z = apply_temperature(z, temperature)
+    z = apply_min_p(apply_top_p(apply_top_k(z, top_k), top_p), min_p)
+    all_removed = jnp.all(z == NEG_INF, axis=-1, keepdims=True)
+    is_argmax = jnp.arange(z.shape[-1]) == jnp.argmax(raw, axis=-1, keepdims=True)
+    return jnp.where(all_removed, jnp.where(is_argmax, 0.0, NEG_INF), z)

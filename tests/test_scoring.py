@@ -188,7 +188,8 @@ def test_score_script_end_to_end(tmp_path):
 
     workdir = str(tmp_path / "run")
     run("train.py", "--config=configs/default.py:tiny", f"--workdir={workdir}",
-        "--config.train.steps=4", "--config.train.eval_every=4",
+        "--config.train.steps=4", "--config.optim.warmup_steps=1",
+        "--config.train.eval_every=4",
         "--config.train.checkpoint_every=4", "--config.sample.max_new_tokens=2")
     first, second = tmp_path / "a.txt", tmp_path / "b.txt"
     first.write_text(data.shakespeare_text()[:300], encoding="utf-8")

@@ -81,10 +81,15 @@ def strided_log_probs(logits_fn: LogitsFn, params: Any,
         window: ``L``, the model's context (``max_len``).
         stride: in ``[1, L]``; smaller gives more context and costs more
             windows. None: ``max(1, L // 2)``.
-        batch_size: windows per call.
+        batch_size: windows per call; the logits of a call take
+            ``batch_size * L * V`` floats.
 
     Returns:
         The log-probabilities of ``tokens[1:]``, in order.
+
+    Raises:
+        ValueError: for fewer than 2 tokens, a stride outside ``[1, L]``, or
+            a score that is not finite (an id outside the vocabulary).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -114,7 +119,12 @@ def strided_log_probs(logits_fn: LogitsFn, params: Any,
     scores = [np.asarray(_window_log_probs(
         logits_fn, params, inputs[i:i + batch_size], targets[i:i + batch_size],
         weights[i:i + batch_size])) for i in range(0, len(inputs), batch_size)]
-    return np.concatenate(scores)[weights > 0]
+    scores = np.concatenate(scores)[weights > 0]
+    if not np.all(np.isfinite(scores)):
+        raise ValueError(
+            f"{np.sum(~np.isfinite(scores))} token scores are not finite: are "
+            "the token ids in the model's vocabulary and the parameters finite?")
+    return scores
 
 
 def _windows(tokens: np.ndarray, window: int, stride: int):

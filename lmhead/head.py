@@ -6,7 +6,6 @@ table as ``w``; an untied head passes its own matrix. Nothing here branches on
 tying.
 """
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -291,13 +290,13 @@ def token_log_probs(logits: jax.typing.ArrayLike, tokens: jax.typing.ArrayLike,
     """
     _checks.check_floating("logits", logits)
     _checks.check_integer("tokens", tokens)
-    chex.assert_rank(logits, jnp.ndim(tokens) + 1)
     vocab_size = jnp.shape(logits)[-1]
     if jnp.shape(tokens) != jnp.shape(logits)[:-1]:
         raise ValueError(f"tokens must have the leading shape of logits "
                          f"{jnp.shape(logits)[:-1]}; got {jnp.shape(tokens)}.")
-    if weights is not None:
-        chex.assert_equal_shape([tokens, weights])
+    if weights is not None and jnp.shape(weights) != jnp.shape(tokens):
+        raise ValueError(f"weights must have the shape of tokens "
+                         f"{jnp.shape(tokens)}; got {jnp.shape(weights)}.")
     _check_token_range(tokens, weights, vocab_size)
     logits = jnp.asarray(logits, jnp.float32)
     tokens = jnp.asarray(tokens)

@@ -75,6 +75,18 @@ class TestQuantize(chex.TestCase):
                                        rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("leading", [(), (2, 3)])
+def test_int8_unembed_beyond_one_cpu_block_equals_numpy(leading):
+    w = table(v=quantize.CPU_BLOCK_ROWS + 3, d=8, seed=3)
+    h = np.random.default_rng(4).normal(size=(*leading, 8)).astype(np.float32)
+    q = quantize.quantize_unembedding(w, "int8")
+    expected = h.astype(np.float64) @ (np.asarray(q.values, np.float64) *
+                                       np.asarray(q.scales, np.float64)[:, None]).T
+    got = jax.jit(head.unembed)(h, q)
+    assert got.shape == (*leading, quantize.CPU_BLOCK_ROWS + 3)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_int8_is_at_most_027_of_float32_bytes_at_d512():
     q = quantize.quantize_unembedding(jnp.ones((1000, 512)), "int8")
     int8_bytes = q.values.nbytes + q.scales.nbytes

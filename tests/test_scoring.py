@@ -104,6 +104,8 @@ def test_token_range_and_shape_errors():
         head.token_log_probs(logits, jnp.array([[0, 1, 2]]))
     with pytest.raises(TypeError, match="tokens must have an integer dtype"):
         head.token_log_probs(logits, jnp.zeros((1, 2)))
+    with pytest.raises(ValueError, match=r"weights must have the shape of tokens \(1, 2\)"):
+        head.token_log_probs(logits, jnp.array([[0, 1]]), jnp.ones((2,)))
 
 
 def test_strided_scores_use_the_context_each_window_gives(tiny_model):
@@ -173,6 +175,9 @@ def test_score_text_summary_and_bad_input(tiny_model, tmp_path):
         generation.score_text(model, params, tokenizer, "a")
     with pytest.raises(ValueError, match=r"stride must be in \[1, window=8\]; got 9"):
         generation.score_text(model, params, tokenizer, "abc", stride=9)
+    with pytest.raises(ValueError, match="token scores are not finite"):
+        generation.strided_log_probs(generation.ModelLogits(model), params,
+                                     np.array([0, 1, 13]), window=8)
     with pytest.raises(FileNotFoundError, match="no such file"):
         generation.read_texts([str(tmp_path / "missing.txt")], [])
 

@@ -43,11 +43,11 @@ from absl import logging
 
 from lmhead import data
 from lmhead import fused
+from lmhead import generation
 from lmhead import head
 from lmhead import losses
 from lmhead import model as model_lib
 from lmhead import quantize
-from lmhead import train
 
 DEFAULT_SHAPES = [
     "8192,512,32768",  # the shape of the targets
@@ -267,7 +267,7 @@ def accuracy_rows(label: str, h, w, bias=None, scale=None, softcap=None,
 def trained_accuracy(workdir: str, positions: int) -> list[str]:
     """Accuracy on a run's head and the hidden states of its validation text
     (evenly spaced windows of the run's block size)."""
-    config, _, model, params = train.load_run(workdir)
+    config, _, model, params = generation.load_run(workdir)
     val = data.load_dataset(config.data, workdir).val_tokens
     block = model.max_len
     count = max(1, positions // block)

@@ -12,7 +12,6 @@ it is the gain from dynamic batching. The machine's float32 matmul rate,
 measured in the same run, says how fast the machine was.
 """
 
-import concurrent.futures
 import os
 import subprocess
 import sys
@@ -36,8 +35,8 @@ CLIENTS = (1, 4, 16)
 
 flags.DEFINE_string("workdir", None, "A training run's directory; without it, "
                     "--quick trains a tiny one.")
-flags.DEFINE_bool("quick", False, "A tiny run (trained here unless --workdir) "
-                  "and 32 requests per row.")
+flags.DEFINE_bool("quick", False, "A tiny run (trained here unless --workdir), "
+                  "8 new tokens and, unless --requests, 32 requests per row.")
 flags.DEFINE_integer("requests", 128, "Requests per row of the table.", lower_bound=1)
 flags.DEFINE_integer("max_new_tokens", 32, "Tokens per request (at most the "
                      "service's cap).", lower_bound=1)
@@ -87,20 +86,34 @@ def start_server(workdir: str, extra: list[str]) -> tuple[subprocess.Popen, str]
 
 
 def measure(url: str, num_clients: int, body: dict) -> dict:
-    """Latencies and tokens of ``FLAGS.requests`` requests from ``num_clients``."""
-    local = threading.local()
+    """Latencies and tokens of ``FLAGS.requests`` requests from ``num_clients``
+    threads, each with a connection opened before the clock starts."""
+    remaining = iter(range(FLAGS.requests))
+    claim = threading.Lock()
+    ready = threading.Barrier(num_clients + 1)
+    results = []
 
-    def send(_):
-        if not hasattr(local, "client"):
-            local.client = httpx.Client(timeout=600)
-        start = time.perf_counter()
-        response = local.client.post(url + "/v1/generate", json=body)
-        response.raise_for_status()
-        return time.perf_counter() - start, response.json()["completions"][0]["length"]
+    def client():
+        with httpx.Client(timeout=600) as session:
+            session.get(url + "/healthz").raise_for_status()
+            ready.wait()
+            while True:
+                with claim:
+                    if next(remaining, None) is None:
+                        return
+                start = time.perf_counter()
+                response = session.post(url + "/v1/generate", json=body)
+                response.raise_for_status()
+                length = response.json()["completions"][0]["length"]
+                results.append((time.perf_counter() - start, length))
+    threads = [threading.Thread(target=client) for _ in range(num_clients)]
+    for thread in threads:
+        thread.start()
     before = batch_rows(url)
+    ready.wait()
     start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(num_clients) as pool:
-        results = list(pool.map(send, range(FLAGS.requests)))
+    for thread in threads:
+        thread.join()
     wall = time.perf_counter() - start
     rows, batches = np.subtract(batch_rows(url), before)
     latencies = np.array([r[0] for r in results])
@@ -113,8 +126,9 @@ def batch_rows(url: str) -> tuple[float, float]:
     """Rows and batches the service has run so far, from /metrics."""
     values = {}
     for line in httpx.get(url + "/metrics").text.splitlines():
-        name, _, value = line.rpartition(" ")
-        values[name] = float(value) if name else 0.0
+        if not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
     return (values.get('lmhead_batch_rows_sum{kind="sample"}', 0.0),
             values.get('lmhead_batch_rows_count{kind="sample"}', 0.0))
 
@@ -124,7 +138,8 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)
     if FLAGS.quick:
-        FLAGS.requests, FLAGS.max_new_tokens = 32, 8
+        FLAGS.max_new_tokens = 8
+        FLAGS.requests = FLAGS.requests if FLAGS["requests"].present else 32
     elif not FLAGS.workdir:
         raise app.UsageError("Give --workdir=RUN, or --quick.")
     with tempfile.TemporaryDirectory() as scratch:

@@ -16,6 +16,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from lmhead import batching
 from lmhead import generation
 from lmhead import serving
 from lmhead import service
@@ -73,7 +74,7 @@ def main(argv):
         new_tokens=_sizes("new_tokens", serving.powers_of_two(
             model.max_len - prompt_lengths[-1])),
         beam_sizes=_sizes("beam_sizes", ()))
-    engine = serving.Engine(model, params, tokenizer, buckets, seed=f.seed)
+    engine = batching.Engine(model, params, tokenizer, buckets, seed=f.seed)
     start = time.perf_counter()
     runs = engine.warm_up()
     print(f"warm-up: {runs} shapes in {time.perf_counter() - start:.1f} s; "

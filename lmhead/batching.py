@@ -1,5 +1,6 @@
-"""Dynamic batching: a bounded queue and one worker thread that runs
-:class:`lmhead.serving.Engine` batches.
+"""Dynamic batching: :class:`Engine` runs a batch of checked requests
+(``lmhead/serving.py``), and :class:`Batcher` feeds it from a bounded queue
+on one worker thread.
 
 A job waits at most ``window_s`` after the oldest waiting job arrived (less
 when a full batch is ready), then every waiting job of the same group that
@@ -12,13 +13,166 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
+import math
 import threading
 import time
 from typing import Any, Callable
 
+import jax
+import numpy as np
+
+from lmhead import decoding
+from lmhead import generation
+from lmhead import model as model_lib
 from lmhead import serving
+from lmhead.serving import GenerateRequest, ScoreRequest, bucket
 
 _unique = itertools.count()
+
+
+def _json_float(x: float) -> float | None:
+    """JSON has no infinities: a non-finite value becomes null."""
+    return float(x) if math.isfinite(x) else None
+
+
+class Engine:
+    """Runs batches of checked requests on one model, within the buckets.
+
+    Args:
+        model, params, tokenizer: a run's, as :func:`generation.load_run` gives.
+        buckets: the shapes to compile (checked against ``model.max_len``).
+        seed: the key of the batches whose requests give no seed.
+        score_batch_size: windows per call of the scorer.
+    """
+
+    def __init__(self, model: model_lib.DecoderLM, params: Any, tokenizer: Any,
+                 buckets: serving.Buckets, *, seed: int = 0, score_batch_size: int = 8):
+        buckets.check(model.max_len)
+        self.model, self.params, self.tokenizer = model, params, tokenizer
+        self.buckets, self.score_batch_size = buckets, score_batch_size
+        self._step_fn = model_lib.make_step_fn(model)
+        self._key = jax.random.key(seed)
+        self._batch_index = itertools.count()
+
+    def _prefill(self, prompts: list[np.ndarray]):
+        """Logits and cache of the prompts padded to their buckets, and the
+        prompts as ``int32 [R, max prompt length]`` with -1 after each one (the
+        decoders' padding; one width keeps one decoding program per ``R, N``)."""
+        rows = bucket(len(prompts), self.buckets.batch_sizes)
+        width = self.buckets.prompt_lengths[-1]
+        history = np.full([rows, width], -1, np.int32)
+        history[:, 0] = 0  # padding rows: a one-token prompt
+        lengths = np.ones([rows], np.int32)
+        for row, ids in enumerate(prompts):
+            history[row, :len(ids)], lengths[row] = ids, len(ids)
+        time_ = bucket(int(lengths.max()), self.buckets.prompt_lengths)
+        logits, cache = model_lib.prefill(
+            self.model, self.params, np.maximum(history[:, :time_], 0), lengths)
+        return logits, cache, history
+
+    def _completion(self, prompt_index: int, ids: np.ndarray, length: int,
+                    log_probs: np.ndarray | None = None,
+                    score: float | None = None) -> dict[str, Any]:
+        ids = ids[:length]
+        completion = {"prompt_index": prompt_index,
+                      "text": decoding.detokenize(ids, self.tokenizer,
+                                                  eos_id=self.tokenizer.eos_id),
+                      "token_ids": ids.tolist(), "length": int(length)}
+        if log_probs is not None:
+            completion["log_probs"] = [_json_float(x) for x in log_probs[:length]]
+        if score is not None:
+            completion["score"] = _json_float(score)
+        return completion
+
+    def sample(self, requests: list[GenerateRequest]) -> list[list[dict]]:
+        """Sampled and greedy requests in one batch, with per-row knobs (the
+        repetition penalty is one scalar: the requests share its value); a
+        lone request with a seed draws from ``jax.random.key(seed)``."""
+        owners, prompts = [], []
+        for index, request in enumerate(requests):
+            for p, ids in enumerate(request.prompt_ids):
+                for _ in range(request.num_return_sequences):
+                    owners.append((index, p))
+                    prompts.append(ids)
+        logits, cache, history = self._prefill(prompts)
+        knobs = {name: np.full([len(logits)], off, dtype) for name, off, dtype in (
+            ("temperature", 0.0, np.float32), ("top_k", 0, np.int32),
+            ("top_p", 1.0, np.float32), ("min_p", 0.0, np.float32))}
+        for row, (index, _) in enumerate(owners):
+            for name, values in knobs.items():
+                values[row] = getattr(requests[index], name)
+        seeded = len(requests) == 1 and requests[0].seed is not None
+        key = (jax.random.key(requests[0].seed) if seeded
+               else jax.random.fold_in(self._key, next(self._batch_index)))
+        num_new = bucket(max(r.max_new_tokens for r in requests), self.buckets.new_tokens)
+        tokens, log_probs, lengths = jax.device_get(decoding.generate(
+            self._step_fn, self.params, logits, cache, key=key,
+            max_new_tokens=num_new, prompt_tokens=history,
+            repetition_penalty=np.float32(requests[0].repetition_penalty),
+            eos_id=self.tokenizer.eos_id, **knobs))
+        results = [[] for _ in requests]
+        for row, (index, p) in enumerate(owners):
+            request = requests[index]
+            results[index].append(self._completion(
+                p, tokens[row], min(lengths[row], request.max_new_tokens),
+                log_probs[row] if request.logprobs else None))
+        return results
+
+    def beam(self, requests: list[GenerateRequest]) -> list[list[dict]]:
+        """Beam-search requests of one ``num_beams`` and ``max_new_tokens``."""
+        num_beams, num_new = requests[0].num_beams, requests[0].max_new_tokens
+        owners = [(index, p) for index, request in enumerate(requests)
+                  for p in range(len(request.prompt_ids))]
+        logits, cache, _ = self._prefill(
+            [ids for request in requests for ids in request.prompt_ids])
+        tokens, scores, lengths = jax.device_get(decoding.beam_search(
+            self._step_fn, self.params, logits, cache, num_beams=num_beams,
+            max_new_tokens=num_new, eos_id=self.tokenizer.eos_id,
+            num_return_sequences=num_beams))
+        results = [[] for _ in requests]
+        for row, (index, p) in enumerate(owners):
+            for k in range(requests[index].num_return_sequences):
+                results[index].append(self._completion(
+                    p, tokens[row, k], lengths[row, k], score=scores[row, k]))
+        return results
+
+    def score(self, request: ScoreRequest) -> dict[str, Any]:
+        """:func:`generation.score_text`'s totals, tokens and log-probs."""
+        try:
+            score = generation.score_text(
+                self.model, self.params, self.tokenizer, request.text,
+                stride=request.stride, batch_size=self.score_batch_size)
+        except ValueError as error:
+            raise serving.RequestError("text", str(error)) from None
+        summary = score.summary()
+        del summary["name"]
+        return dict(summary, token_texts=score.token_texts,
+                    log_probs=[_json_float(x) for x in score.log_probs])
+
+    def warm_up(self) -> int:
+        """Runs every bucketed shape once, so that later requests compile
+        nothing; returns the number of batches run."""
+        runs = 0
+        one = np.zeros([1], np.int32)
+        plain = dict(temperature=0.5, top_k=0, top_p=1.0, min_p=0.0,
+                     repetition_penalty=1.0, seed=None, logprobs=False,
+                     num_return_sequences=1)
+        for rows in self.buckets.batch_sizes:
+            for length in self.buckets.prompt_lengths:
+                prompts = [np.zeros([length], np.int32)] * rows
+                self._prefill(prompts)
+                runs += 1
+            for num_new in self.buckets.new_tokens:
+                request = GenerateRequest([one] * rows, num_new, num_beams=1, **plain)
+                self.sample([request])
+                for num_beams in self.buckets.beam_sizes:
+                    self.beam([dataclasses.replace(request, num_beams=num_beams)])
+                runs += 1 + len(self.buckets.beam_sizes)
+        # Scoring compiles one program per window shape, whatever the text.
+        generation.strided_log_probs(
+            generation.ModelLogits(self.model), self.params, np.zeros([2], np.int32),
+            window=self.model.max_len, batch_size=self.score_batch_size)
+        return runs + 1
 
 
 def group_of(request: Any) -> tuple:
@@ -50,7 +204,7 @@ class Batcher:
     """Queues requests for ``engine`` and runs them in batches.
 
     Args:
-        engine: a warmed-up :class:`serving.Engine`.
+        engine: a warmed-up :class:`Engine`.
         max_queue: jobs that may wait; :meth:`submit` raises
             :class:`serving.QueueFull` beyond.
         window_s: how long the oldest waiting job waits for company.
@@ -58,7 +212,7 @@ class Batcher:
             (``kind`` is ``"sample"``, ``"beam"`` or ``"score"``).
     """
 
-    def __init__(self, engine: serving.Engine, *, max_queue: int, window_s: float,
+    def __init__(self, engine: Engine, *, max_queue: int, window_s: float,
                  on_batch: Callable[[str, int], None] | None = None):
         if max_queue < 1 or window_s < 0:
             raise ValueError(f"max_queue must be >= 1 and window_s >= 0; got "

@@ -173,7 +173,7 @@ class _Guard:
         return replay, None
 
 
-def make_app(engine: serving.Engine, config: ServiceConfig = ServiceConfig()):
+def make_app(engine: batching.Engine, config: ServiceConfig = ServiceConfig()):
     """The service's ASGI app, with a :class:`batching.Batcher` over ``engine``
     (warmed up already) that stops when the app shuts down."""
     import fastapi  # pylint: disable=import-outside-toplevel
@@ -192,19 +192,7 @@ def make_app(engine: serving.Engine, config: ServiceConfig = ServiceConfig()):
     app = fastapi.FastAPI(title="lmhead", lifespan=lifespan, docs_url=None,
                           redoc_url=None, openapi_url=None)
     app.add_middleware(_Guard, config=config, metrics=metrics)
-    async def refuse_request(_, error: serving.RequestError):
-        return _error(error.status, error.field, error.message)
-
-    async def refuse_full(_, error: serving.QueueFull):
-        return _error(503, None, f"the queue is full ({error}); retry later.",
-                      {"Retry-After": str(RETRY_AFTER_SECONDS)})
-
-    async def refuse_late(_, error: TimeoutError):
-        return _error(504, None, f"no answer within {config.timeout_s} s.")
-
-    app.add_exception_handler(serving.RequestError, refuse_request)
-    app.add_exception_handler(serving.QueueFull, refuse_full)
-    app.add_exception_handler(TimeoutError, refuse_late)
+    _add_error_handlers(app, config)
 
     async def run(request: Any) -> Any:
         future = batcher.submit(request)
@@ -238,11 +226,31 @@ def make_app(engine: serving.Engine, config: ServiceConfig = ServiceConfig()):
     return app
 
 
+def _add_error_handlers(app, config: ServiceConfig) -> None:
+    """A bad field: 4xx naming it; a full queue: 503; too late: 504."""
+    async def refuse_request(_, error: serving.RequestError):
+        return _error(error.status, error.field, error.message)
+
+    async def refuse_full(_, error: serving.QueueFull):
+        return _error(503, None, f"the queue is full ({error}); retry later.",
+                      {"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+    async def refuse_late(_, error: TimeoutError):
+        return _error(504, None, f"no answer within {config.timeout_s} s.")
+
+    app.add_exception_handler(serving.RequestError, refuse_request)
+    app.add_exception_handler(serving.QueueFull, refuse_full)
+    app.add_exception_handler(TimeoutError, refuse_late)
+
+
 async def _json(request) -> Any:
     try:
         return json.loads(await request.body())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise serving.RequestError("body", f"the body is not JSON: {error}",
+                                   status=400) from None
+    except RecursionError:
+        raise serving.RequestError("body", "the body nests too deeply.",
                                    status=400) from None
 
 

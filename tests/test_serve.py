@@ -21,6 +21,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
 from configs import default  # pylint: disable=wrong-import-position
+from lmhead import batching  # pylint: disable=wrong-import-position
 from lmhead import decoding  # pylint: disable=wrong-import-position
 from lmhead import generation  # pylint: disable=wrong-import-position
 from lmhead import model as model_lib  # pylint: disable=wrong-import-position
@@ -51,7 +52,7 @@ def run(corpus, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(run):
-    engine = serving.Engine(*run[:2], run[2], BUCKETS)
+    engine = batching.Engine(*run, BUCKETS)
     engine.warm_up()
     return engine
 
@@ -196,6 +197,11 @@ BAD_SCORE = [({"text": ""}, "text"), ({"text": "a" * 4097}, "text"),
 BAD_RAW = [("/v1/generate", b'{"prompt": "K', 400, "body"),
            ("/v1/generate", b'{"prompt": "K", "temperature": NaN}', 422, "temperature"),
            ("/v1/generate", b"\xff\xfe", 400, "body"),
+           ("/v1/generate", b'{"prompt": "\\ud800"}', 422, "prompt"),
+           ("/v1/score", b'{"text": "ab\\ud800"}', 422, "text"),
+           ("/v1/generate", b"[" * 60_000, 400, "body"),
+           ("/v1/generate", b'{"prompt": "K", "max_new_tokens": 1e400}', 422,
+            "max_new_tokens"),
            ("/v1/score", b"x" * 70_000, 413, "body")]
 
 

@@ -27,9 +27,6 @@ from lmhead import model as model_lib
 from lmhead import serving
 from lmhead.serving import GenerateRequest, ScoreRequest, bucket
 
-_unique = itertools.count()
-
-
 def _json_float(x: float) -> float | None:
     """JSON has no infinities: a non-finite value becomes null."""
     return float(x) if math.isfinite(x) else None
@@ -43,6 +40,24 @@ class Engine:
         buckets: the shapes to compile (checked against ``model.max_len``).
         seed: the key of the batches whose requests give no seed.
         score_batch_size: windows per call of the scorer.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from lmhead import data
+        >>> tokenizer = data.CharTokenizer("abcd")
+        >>> model = model_lib.DecoderLM(vocab_size=4, num_layers=1, num_heads=2,
+        ...                             d_model=8, mlp_dim=16, max_len=8)
+        >>> params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+        >>> engine = Engine(model, params, tokenizer, serving.Buckets((2,), (4,), (4,)))
+        >>> request = serving.parse_generate(
+        ...     {"prompt": ["ab", "c"], "temperature": 0, "max_new_tokens": 3},
+        ...     tokenizer, engine.buckets, serving.Limits())
+        >>> [(c["prompt_index"], c["length"]) for c in engine.sample([request])[0]]
+        [(0, 3), (1, 3)]
+        >>> batcher = Batcher(engine, max_queue=4, window_s=0.001)
+        >>> batcher.submit(request).result()[1]["length"]
+        3
+        >>> batcher.stop()
     """
 
     def __init__(self, model: model_lib.DecoderLM, params: Any, tokenizer: Any,
@@ -173,6 +188,9 @@ class Engine:
             generation.ModelLogits(self.model), self.params, np.zeros([2], np.int32),
             window=self.model.max_len, batch_size=self.score_batch_size)
         return runs + 1
+
+
+_unique = itertools.count()
 
 
 def group_of(request: Any) -> tuple:

@@ -246,7 +246,7 @@ def _add_error_handlers(app, config: ServiceConfig) -> None:
 async def _json(request) -> Any:
     try:
         return json.loads(await request.body())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except ValueError as error:  # not JSON, not UTF-8, or a 5000-digit number
         raise serving.RequestError("body", f"the body is not JSON: {error}",
                                    status=400) from None
     except RecursionError:

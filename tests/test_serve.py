@@ -200,6 +200,7 @@ BAD_RAW = [("/v1/generate", b'{"prompt": "K', 400, "body"),
            ("/v1/generate", b'{"prompt": "\\ud800"}', 422, "prompt"),
            ("/v1/score", b'{"text": "ab\\ud800"}', 422, "text"),
            ("/v1/generate", b"[" * 60_000, 400, "body"),
+           ("/v1/generate", b'{"seed": ' + b"9" * 5000 + b"}", 400, "body"),
            ("/v1/generate", b'{"prompt": "K", "max_new_tokens": 1e400}', 422,
             "max_new_tokens"),
            ("/v1/score", b"x" * 70_000, 413, "body")]
@@ -216,6 +217,13 @@ def test_bad_request_names_the_field(url, path, body, status, field):
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["field"] == field and error["message"]
+
+
+def test_chunked_body_over_the_cap_gets_413(url):
+    chunks = iter([b'{"prompt": "' + b"K" * 40_000, b"K" * 40_000 + b'"}'])
+    response = httpx.post(url + "/v1/generate", content=chunks, timeout=60)
+    assert response.status_code == 413
+    assert response.json()["error"]["field"] == "body"
 
 
 def test_token_is_required_except_for_healthz(engine):

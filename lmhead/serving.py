@@ -267,7 +267,7 @@ def parse_generate(body: Any, tokenizer: Any, buckets: Buckets,
                                    low_open=True),
         num_beams=num_beams, num_return_sequences=1,
         seed=_integer(body, "seed", None, 0, MAX_SEED),
-        logprobs=body.get("logprobs", False))
+        logprobs=False if body.get("logprobs") is None else body["logprobs"])
     if not isinstance(request.logprobs, bool):
         raise RequestError("logprobs", "logprobs must be true or false.")
     if num_beams > 1:

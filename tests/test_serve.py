@@ -15,19 +15,19 @@ import jax
 import numpy as np
 import pytest
 
-httpx = pytest.importorskip("httpx")
+from configs import default
+from lmhead import batching
+from lmhead import decoding
+from lmhead import generation
+from lmhead import model as model_lib
+from lmhead import service
+from lmhead import serving
+from lmhead import train
+
+httpx = pytest.importorskip("httpx")  # the serve extra
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
-
-from configs import default  # pylint: disable=wrong-import-position
-from lmhead import batching  # pylint: disable=wrong-import-position
-from lmhead import decoding  # pylint: disable=wrong-import-position
-from lmhead import generation  # pylint: disable=wrong-import-position
-from lmhead import model as model_lib  # pylint: disable=wrong-import-position
-from lmhead import service  # pylint: disable=wrong-import-position
-from lmhead import serving  # pylint: disable=wrong-import-position
-from lmhead import train  # pylint: disable=wrong-import-position
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUCKETS = serving.Buckets(batch_sizes=(1, 4), prompt_lengths=(8,), new_tokens=(8,),

@@ -27,6 +27,12 @@ setuptools.setup(
     extras_require={
         "cuda12": ["jax[cuda12]>=0.4.30"],
         "tpu": ["jax[tpu]>=0.4.30"],
+        "serve": [
+            "fastapi>=0.110",
+            "uvicorn>=0.29",
+            "prometheus-client>=0.20",
+            "httpx>=0.27",
+        ],
         "dev": [
             "pytest>=8.0",
             "hypothesis>=6.100",

@@ -13,8 +13,24 @@ is long), so that all three see the same load on a shared machine. A
 program that needs more than ``--memory_fraction`` of the available memory
 is compiled but not run. The effective rate counts the ``6 N D V`` FLOPs of
 the three matmuls of the materialized path (logits, ``dh``, ``dw``).
+
+``--quantized`` measures the inference head with a smaller table instead
+(``quantize.quantize_unembedding``: bfloat16, float16, int8 with per-row
+scales) against float32::
+
+    python experiments/bench_head.py --quantized --workdir=runs/bpe8192
+    python experiments/bench_head.py --quantized --quick --workdir=RUN
+
+For each ``V`` in ``--vocab_sizes`` and ``B`` in ``--rows`` it times
+``head.unembed`` of ``[B, D] @ [V, D]^T`` (jitted, float32 ``h``) with each
+table, in alternation with float32, and prints the table's bytes and both
+ratios. Accuracy (top-1 agreement with float32 and the mean KL(float32 ||
+quantized) of the next-token distribution) is measured on a trained run's
+table and the hidden states of its validation text (``--workdir``), and,
+labelled as such, on random-normal tables whose logits have std 3.
 """
 
+import functools
 import os
 import time
 
@@ -23,10 +39,15 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app
 from absl import flags
+from absl import logging
 
+from lmhead import data
 from lmhead import fused
+from lmhead import generation
 from lmhead import head
 from lmhead import losses
+from lmhead import model as model_lib
+from lmhead import quantize
 
 DEFAULT_SHAPES = [
     "8192,512,32768",  # the shape of the targets
@@ -51,6 +72,16 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
 flags.DEFINE_integer("matmul_size", 4096, "Side of the timed square matmul.")
 flags.DEFINE_float("memory_fraction", 0.6, "Fraction of the available memory "
                    "a program may use to be run (the machine may be shared).")
+flags.DEFINE_bool("quantized", False, "Measure half-precision and int8 "
+                  "unembedding tables against float32 instead.")
+flags.DEFINE_string("workdir", None, "--quantized: a trained run whose table "
+                    "and validation hidden states measure the accuracy.")
+flags.DEFINE_list("vocab_sizes", ["32000", "50257", "128256"],
+                  "--quantized: V of the timed tables.")
+flags.DEFINE_list("rows", ["1", "8", "32"], "--quantized: B, rows of h.")
+flags.DEFINE_integer("width", 512, "--quantized: D of the timed tables.")
+flags.DEFINE_integer("positions", 4096, "--quantized: validation positions "
+                     "(and random rows) on which accuracy is measured.")
 FLAGS = flags.FLAGS
 
 GIB = 2.0**30
@@ -191,6 +222,122 @@ def parse_shapes(specs: list[str]) -> list[tuple[int, int, int]]:
     return [tuple(numbers[i:i + 3]) for i in range(0, len(numbers), 3)]
 
 
+TABLE_DTYPES = ("float32",) + quantize.DTYPES
+
+
+def smaller_tables(w: jax.Array) -> dict:
+    """``w`` itself and its quantized forms, by dtype name."""
+    return {"float32": w, **{dtype: quantize.quantize_unembedding(w, dtype)
+                             for dtype in quantize.DTYPES}}
+
+
+def table_bytes(table) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(table))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "softcap"))
+def agreement_sums(h, reference, table, bias, *, scale, softcap):
+    """Over the rows of ``h``: how many argmaxes agree, and the summed
+    KL(softmax(reference logits) || softmax(table's logits)) in nats."""
+    options = dict(scale=scale, softcap=softcap)
+    log_p = head.log_probs(head.unembed(h, reference, bias, **options))
+    log_q = head.log_probs(head.unembed(h, table, bias, **options))
+    same = jnp.argmax(log_p, -1) == jnp.argmax(log_q, -1)
+    kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+    return jnp.sum(same), jnp.sum(kl)
+
+
+def accuracy_rows(label: str, h, w, bias=None, scale=None, softcap=None,
+                  block: int = 512) -> list[str]:
+    """One table line per quantized dtype: agreement and KL against ``w``."""
+    tables = smaller_tables(w)
+    lines = []
+    for dtype in quantize.DTYPES:
+        same = kl = 0.0
+        for start in range(0, h.shape[0], block):
+            sums = agreement_sums(h[start:start + block], w, tables[dtype], bias,
+                                  scale=scale, softcap=softcap)
+            same, kl = same + float(sums[0]), kl + float(sums[1])
+        lines.append(f"| {label} | {w.shape[0]} | {w.shape[1]} | {h.shape[0]} | "
+                     f"{dtype} | {table_bytes(tables[dtype]) / table_bytes(w):.3f}"
+                     f" | {same / h.shape[0]:.2%} | {kl / h.shape[0]:.2e} |")
+    return lines
+
+
+def trained_accuracy(workdir: str, positions: int) -> list[str]:
+    """Accuracy on a run's head and the hidden states of its validation text
+    (evenly spaced windows of the run's block size)."""
+    config, _, model, params = generation.load_run(workdir)
+    val = data.load_dataset(config.data, workdir).val_tokens
+    block = model.max_len
+    count = max(1, positions // block)
+    starts = np.linspace(0, len(val) - block, count).astype(int)
+    tokens = jnp.asarray(val[starts[:, None] + np.arange(block)], jnp.int32)
+    h = model.apply({"params": params}, tokens, method=model_lib.DecoderLM.hidden)
+    w = params["embed"]["embedding"] if model.tied else params["head"]["unembedding"]
+    return accuracy_rows(f"trained ({workdir})", h.reshape(-1, h.shape[-1]), w,
+                         params.get("head", {}).get("bias"), model.head_scale,
+                         model.logits_softcap)
+
+
+def random_table(v: int, d: int, seed: int = 0) -> jax.Array:
+    """Normal entries of std 3 / sqrt(D): logits of std 3 for unit-normal h."""
+    return 3.0 / np.sqrt(d) * jax.random.normal(jax.random.key(seed), (v, d))
+
+
+def speed_rows(v: int, d: int, batch: int, matmul, repeats: int) -> list[str]:
+    """Table bytes and median unembed time of each table, float32's in the
+    same alternating rounds."""
+    tables = smaller_tables(random_table(v, d))
+    h = jax.random.normal(jax.random.key(1), (batch, d))
+    compiled = {dtype: jax.jit(head.unembed).lower(h, table).compile()
+                for dtype, table in tables.items()}
+    times = {name: [] for name in TABLE_DTYPES + ("matmul",)}
+    for _ in range(repeats + 1):  # the first round warms up
+        for dtype in TABLE_DTYPES:
+            times[dtype].append(median_seconds(compiled[dtype], (h, tables[dtype]), 1))
+        times["matmul"].append(median_seconds(matmul[0], matmul[1], 1))
+    median = {name: float(np.median(t[1:])) for name, t in times.items()}
+    float32_bytes = table_bytes(tables["float32"])
+    return [f"| {v} | {d} | {batch} | {dtype} | "
+            f"{format_bytes(table_bytes(tables[dtype]))} | "
+            f"{table_bytes(tables[dtype]) / float32_bytes:.3f} | "
+            f"{median[dtype] * 1e3:.3g} | "
+            f"{median[dtype] / median['float32']:.2f} | "
+            f"{matmul[2] / median['matmul'] / 1e9:.0f} |" for dtype in TABLE_DTYPES]
+
+
+def quantized_setting(quick: bool) -> tuple[list[int], list[int], int, int]:
+    """``(vocab_sizes, rows, width, positions)``: the flags, or small values
+    with ``--quick`` for those not given."""
+    small = dict(vocab_sizes=["4096", "8192"], rows=["1", "8"], width=64,
+                 positions=512)
+    value = {name: small[name] if quick and not FLAGS[name].present
+             else FLAGS[name].value for name in small}
+    return ([int(v) for v in value["vocab_sizes"]], [int(b) for b in value["rows"]],
+            value["width"], value["positions"])
+
+
+def run_quantized(quick: bool, repeats: int, matmul) -> None:
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs a restore at INFO
+    vocab_sizes, rows, width, positions = quantized_setting(quick)
+    print("| V | D | B | table | table memory | x float32 bytes | unembed ms | "
+          "x float32 time | matmul GFLOP/s |\n|" + "---|" * 9, flush=True)
+    for v in vocab_sizes:
+        for batch in rows:
+            print("\n".join(speed_rows(v, width, batch, matmul, repeats)),
+                  flush=True)
+    print("\n| weights | V | D | rows | table | x float32 bytes | top-1 agreement "
+          "| mean KL(float32 || table) nats |\n|" + "---|" * 8, flush=True)
+    if FLAGS.workdir:
+        print("\n".join(trained_accuracy(FLAGS.workdir, positions)), flush=True)
+    h = jax.random.normal(jax.random.key(2), (positions, width))
+    for v in vocab_sizes:
+        print("\n".join(accuracy_rows("random-normal, not trained", h,
+                                       random_table(v, width))), flush=True)
+
+
 def main(argv):
     del argv
     specs = FLAGS.shapes or (QUICK_SHAPES if FLAGS.quick else DEFAULT_SHAPES)
@@ -201,6 +348,9 @@ def main(argv):
           f"{available_bytes() / GIB:.1f} GiB available, {FLAGS.dtype}, "
           f"jax {jax.__version__}; matmul: float32, side "
           f"{matmul[1][0].shape[0]}, timed between the runs of each shape.\n")
+    if FLAGS.quantized:
+        run_quantized(FLAGS.quick, repeats, matmul)
+        return
     print(HEADER, flush=True)
     for n, d, v in parse_shapes(specs):
         print(format_row(bench_shape(

@@ -2,8 +2,9 @@
 
 The pure functions live in :mod:`lmhead.head` (unembedding, softmax),
 :mod:`lmhead.losses` (cross-entropy, smoothing, z-loss, metrics),
-:mod:`lmhead.fused` (a linear + cross-entropy that never builds the logits)
-and :mod:`lmhead.decoding` (logits processors, sampling, beam search).
+:mod:`lmhead.fused` (a linear + cross-entropy that never builds the logits),
+:mod:`lmhead.decoding` (logits processors, sampling, beam search) and
+:mod:`lmhead.quantize` (half-precision and int8 unembeddings for inference).
 Parameters live in :mod:`lmhead.modules` and :mod:`lmhead.model`.
 """
 
@@ -12,6 +13,7 @@ from lmhead import head
 from lmhead import losses
 from lmhead import modules
 from lmhead import model
+from lmhead import quantize
 from lmhead.decoding import beam_search
 from lmhead.decoding import detokenize
 from lmhead.decoding import generate
@@ -22,6 +24,8 @@ from lmhead.head import last_positions
 from lmhead.head import log_probs
 from lmhead.head import output_distribution
 from lmhead.head import probs
+from lmhead.head import sequence_log_prob
+from lmhead.head import token_log_probs
 from lmhead.head import unembed
 from lmhead.losses import bits_per_character
 from lmhead.losses import bits_per_token
@@ -29,5 +33,7 @@ from lmhead.losses import cross_entropy
 from lmhead.losses import expected_calibration_error
 from lmhead.losses import perplexity
 from lmhead.modules import LMHead
+from lmhead.quantize import QuantizedTable
+from lmhead.quantize import quantize_unembedding
 
 __version__ = "0.1.0"

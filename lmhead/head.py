@@ -10,8 +10,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lmhead import _checks
+from lmhead import quantize
 
 # A traced temperature cannot be checked for zero at trace time; it is
 # clamped to this value instead, which gives a (near) one-hot distribution.
@@ -69,7 +71,10 @@ def unembed(
     Args:
         h: ``[..., D]`` hidden states.
         w: ``[V, D]`` unembedding, one row per token. For a tied head this is
-            the input embedding table.
+            the input embedding table. At inference it may be what
+            ``quantize.quantize_unembedding`` returns: a half-precision array,
+            or an int8 ``QuantizedTable`` (then ``h @ w.T`` is
+            ``(h @ values.T) * scales``, still accumulated in float32).
         bias: optional ``[V]`` bias.
         scale: optional finite factor ``s > 0`` on ``h @ w.T`` (e.g.
             ``D ** -0.5``, as the Flax lm1b example does for a tied head).
@@ -90,11 +95,15 @@ def unembed(
         >>> unembed(h, w, jnp.array([0.5, 0.0, -0.5]), scale=2.0)
         Array([[2.5, 4. , 5.5]], dtype=float32)
     """
-    _checks.check_unembed_inputs(h, w, bias)
+    quantized = isinstance(w, quantize.QuantizedTable)
+    _checks.check_unembed_inputs(h, w.as_shape() if quantized else w, bias)
     _checks.check_in_range("scale", scale, low=0.0, low_open=True,
                            high=math.inf, high_open=True)
-    logits = jnp.einsum("...d,vd->...v", h, w, precision=precision,
-                        preferred_element_type=jnp.float32)
+    if quantized:
+        logits = quantize.matmul_transposed(h, w, precision)
+    else:
+        logits = jnp.einsum("...d,vd->...v", h, w, precision=precision,
+                            preferred_element_type=jnp.float32)
     if scale is not None:
         logits = logits * scale
     if bias is not None:
@@ -279,3 +288,95 @@ def last_positions(h: jax.typing.ArrayLike,
     _checks.check_in_range("lengths", lengths, low=1, high=time)
     index = jnp.clip(jnp.asarray(lengths) - 1, 0, time - 1)
     return jnp.take_along_axis(jnp.asarray(h), index[:, None, None], axis=1)[:, 0]
+
+
+def token_log_probs(logits: jax.typing.ArrayLike, tokens: jax.typing.ArrayLike,
+                    weights: jax.typing.ArrayLike | None = None) -> jax.Array:
+    r"""Log-probability of each given token under its logits: a text's score.
+
+    .. math::
+        \ell_t = w_t \left(z_{t, y_t} - \log \sum_v e^{z_{t, v}}\right),
+        \qquad \ell_t = 0 \text{ where } w_t = 0
+
+    ``logits[b, t]`` is the model's prediction of ``tokens[b, t]`` (the
+    logits of the positions before, shifted by one). The normalizer is a
+    float32 logsumexp whatever the logits' dtype. A position of weight 0
+    scores exactly 0, even if its logits are not finite.
+
+    Args:
+        logits: ``[B, T, V]`` (any leading shape) next-token scores.
+        tokens: ``int [B, T]`` (the leading shape of ``logits``): the tokens
+            to score, in ``[0, V)`` wherever the weight is not 0. Outside
+            ``jit`` another id raises ValueError; inside ``jit`` its
+            log-probability is ``-inf`` (the vocabulary gives it probability 0).
+        weights: optional ``[B, T]`` weights, e.g. 0 for padding.
+
+    Returns:
+        ``float32 [B, T]`` log-probabilities (weighted), all ``<= 0`` when
+        the weights are in ``[0, 1]``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> logits = jnp.log(jnp.array([[[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]]))
+        >>> token_log_probs(logits, jnp.array([[0, 2]]))
+        Array([[-0.6931472 , -0.22314355]], dtype=float32)
+        >>> token_log_probs(logits, jnp.array([[0, 2]]), jnp.array([[1.0, 0.0]]))
+        Array([[-0.6931472,  0.       ]], dtype=float32)
+    """
+    _checks.check_floating("logits", logits)
+    _checks.check_integer("tokens", tokens)
+    vocab_size = jnp.shape(logits)[-1]
+    if jnp.shape(tokens) != jnp.shape(logits)[:-1]:
+        raise ValueError(f"tokens must have the leading shape of logits "
+                         f"{jnp.shape(logits)[:-1]}; got {jnp.shape(tokens)}.")
+    if weights is not None and jnp.shape(weights) != jnp.shape(tokens):
+        raise ValueError(f"weights must have the shape of tokens "
+                         f"{jnp.shape(tokens)}; got {jnp.shape(weights)}.")
+    _check_token_range(tokens, weights, vocab_size)
+    logits = jnp.asarray(logits, jnp.float32)
+    tokens = jnp.asarray(tokens)
+    index = jnp.clip(tokens, 0, vocab_size - 1)[..., None]
+    label_logit = jnp.take_along_axis(logits, index, axis=-1)[..., 0]
+    scores = label_logit - jax.nn.logsumexp(logits, axis=-1)
+    scores = jnp.where((tokens >= 0) & (tokens < vocab_size), scores, -jnp.inf)
+    if weights is None:
+        return scores
+    weights = jnp.asarray(weights, jnp.float32)
+    return jnp.where(weights != 0, weights * scores, 0.0)
+
+
+def sequence_log_prob(logits: jax.typing.ArrayLike, tokens: jax.typing.ArrayLike,
+                      weights: jax.typing.ArrayLike | None = None) -> jax.Array:
+    r"""Log-probability of each row's tokens: the weighted sum over positions.
+
+    .. math::
+        \log p(y_{1:T}) = \sum_t w_t \log p(y_t \mid y_{<t})
+
+    Args:
+        logits, tokens, weights: as in :func:`token_log_probs`, ``[B, T, V]``,
+            ``[B, T]``, ``[B, T]``.
+
+    Returns:
+        ``float32 [B]`` (the leading shape without the last axis).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> logits = jnp.log(jnp.array([[[0.5, 0.5], [0.2, 0.8]]]))
+        >>> jnp.exp(sequence_log_prob(logits, jnp.array([[0, 1]])))  # 0.5 * 0.8
+        Array([0.4], dtype=float32)
+    """
+    return jnp.sum(token_log_probs(logits, tokens, weights), axis=-1)
+
+
+def _check_token_range(tokens, weights, vocab_size: int) -> None:
+    """Concrete tokens outside ``[0, V)`` with a nonzero weight raise ValueError."""
+    if _checks.is_traced(tokens) or _checks.is_traced(weights):
+        return
+    tokens = np.asarray(tokens)
+    live = np.ones(tokens.shape, bool) if weights is None else (
+        np.asarray(weights) != 0)
+    bad = live & ((tokens < 0) | (tokens >= vocab_size))
+    if np.any(bad):
+        raise ValueError(
+            f"tokens must be in [0, {vocab_size}) wherever weights are nonzero;"
+            f" got {tokens[bad].ravel()[0]}.")

@@ -18,6 +18,7 @@ from lmhead import _checks
 from lmhead import fused
 from lmhead import head
 from lmhead import losses
+from lmhead import quantize
 from lmhead import sharding
 
 LOSS_IMPLS = ("fused", "materialized", "vocab_parallel")
@@ -84,17 +85,22 @@ class LMHead(nn.Module):
     @nn.compact
     def unembedding(self, d_model: int,
                     embedding: Embedding | None) -> tuple[jax.Array, jax.Array | None]:
-        """Returns ``(w: [V, D], bias: [V] | None)`` as used by the head."""
+        """Returns ``(w: [V, D], bias: [V] | None)`` as used by the head.
+
+        At inference ``w`` may be a ``quantize.QuantizedTable`` (passed as the
+        ``embedding`` when tied, or in place of ``params["unembedding"]`` when
+        untied); it is used as it is, not cast to ``dtype``.
+        """
         if self.tied:
             if embedding is None:
                 raise ValueError(
                     "embedding is required when tied=True: pass the nn.Embed "
                     "module or its [V, D] table.")
             w = embedding.embedding if isinstance(embedding, nn.Embed) else embedding
-            if jnp.shape(w) != (self.vocab_size, d_model):
+            if _table_shape(w) != (self.vocab_size, d_model):
                 raise ValueError(
                     f"embedding must have shape [V, D] = ({self.vocab_size}, "
-                    f"{d_model}); got {jnp.shape(w)}.")
+                    f"{d_model}); got {_table_shape(w)}.")
         else:
             if embedding is not None:
                 raise ValueError(
@@ -104,6 +110,8 @@ class LMHead(nn.Module):
                            (self.vocab_size, d_model), self.param_dtype)
         bias = (self.param("bias", nn.initializers.zeros, (self.vocab_size,),
                            self.param_dtype) if self.use_bias else None)
+        if isinstance(w, quantize.QuantizedTable):
+            return w, bias
         return jnp.asarray(w, self.dtype), bias
 
     def __call__(self, h: jax.Array,
@@ -156,6 +164,9 @@ class LMHead(nn.Module):
                 f"'vocab_parallel'); got chunk_size={chunk_size!r} with "
                 f"loss_impl='materialized'.")
         w, bias = self.unembedding(jnp.shape(h)[-1], embedding)
+        if isinstance(w, quantize.QuantizedTable):
+            raise ValueError("a QuantizedTable is for inference; train and "
+                             "evaluate the loss with the float table.")
         h = jnp.asarray(h, self.dtype)
         options = dict(weights=weights, label_smoothing=label_smoothing,
                        smoothing=smoothing, z_loss=z_loss)
@@ -167,3 +178,7 @@ class LMHead(nn.Module):
                                       chunk_size=chunk_size, **options)
         logits = head.unembed(h, w, bias, scale=self.scale, softcap=self.softcap)
         return losses.cross_entropy(logits, labels, **options)
+
+
+def _table_shape(w: Any) -> tuple[int, ...]:
+    return w.shape if isinstance(w, quantize.QuantizedTable) else jnp.shape(w)

@@ -1,0 +1,48 @@
+r"""Scores texts under a trained run: nats, bits per character, perplexity.
+
+    python experiments/score.py --workdir=runs/nanogpt_tied --file=a.txt --file=b.txt
+    python experiments/score.py --workdir=runs/nanogpt_tied --text="To be, or not to be"
+    python experiments/score.py --workdir=... --file=a.txt --json --per_token=a.tsv
+
+A text longer than the model's context is scored window by window (see
+``lmhead/generation.py``); ``--stride`` trades context for time.
+"""
+
+from absl import app
+from absl import flags
+from absl import logging
+
+from lmhead import generation
+
+flags.DEFINE_string("workdir", None, "A training run's directory.", required=True)
+flags.DEFINE_multi_string("file", [], "UTF-8 text file to score (repeatable).")
+flags.DEFINE_multi_string("text", [], "Text to score (repeatable).")
+flags.DEFINE_integer("stride", None, "Tokens between window starts, in [1, "
+                     "max_len]; default max_len // 2.", lower_bound=1)
+flags.DEFINE_integer("batch_size", 8, "Windows per model call.", lower_bound=1)
+flags.DEFINE_string("per_token", None, "Write a TSV of (name, token, log_prob) "
+                    "of every scored token to this path.")
+flags.DEFINE_bool("json", False, "Print the totals as JSON.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    f = flags.FLAGS
+    if not f.file and not f.text:
+        raise app.UsageError("Give --file=PATH or --text=TEXT (either repeatable).")
+    if not f["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    _, tokenizer, model, params = generation.load_run(f.workdir)
+    sources = generation.read_texts(f.file, f.text)
+    scores = [generation.score_text(model, params, tokenizer, text, name=name,
+                                    stride=f.stride, batch_size=f.batch_size)
+              for name, text in sources]
+    if f.per_token:
+        generation.write_token_table(f.per_token, scores)
+    print(generation.format_json(scores) if f.json
+          else "\n".join(generation.format_score(s) for s in scores))
+
+
+if __name__ == "__main__":
+    app.run(main)

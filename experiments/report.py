@@ -25,7 +25,6 @@ Reads every run's ``config.json``, ``metrics.jsonl`` and ``summary.json``
 Prints the table and the paths at the end.
 """
 
-import json
 import os
 import time
 
@@ -271,11 +270,7 @@ def plot_finals(groups: list[list[sweeps.Run]], x_key: str, x_label: str,
 
 def provenance(sweep_dir: str, runs: list[sweeps.Run]) -> str:
     """Which command made the runs, where, and how long they trained."""
-    path = os.path.join(sweep_dir, sweeps.SWEEP_FILE)
-    sweep = {}
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            sweep = json.load(f)
+    sweep = sweeps.read_sweep_record(sweep_dir)
     seconds = sum((r.summary or {}).get("wall_seconds", 0.0) for r in runs)
     lines = [f"Command: `{sweep['command']}`" if "command" in sweep else
              "Runs found in the directory (no sweep.json).",
@@ -318,10 +313,8 @@ def write_report(sweep_dir: str) -> tuple[str, str, list[str]]:
 
 def study_design(sweep_dir: str, spec: str | None):
     """The sweep file's ``get_study(arg)``, or ``None`` for an ordinary sweep."""
-    path = os.path.join(sweep_dir, sweeps.SWEEP_FILE)
-    if spec is None and os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            spec = json.load(f).get("sweep")
+    if spec is None:
+        spec = sweeps.read_sweep_record(sweep_dir).get("sweep")
     if spec is None:
         return None
     file, arg = sweeps.split_spec(spec)

@@ -14,7 +14,6 @@ are taken seed by seed with a 95% Student t interval (``lmhead/stats.py``).
 """
 
 import dataclasses
-import json
 import math
 import os
 import time
@@ -350,11 +349,7 @@ def _curve(run: sweeps.Run, key: str) -> tuple[list[int], list[float]]:
 
 def provenance(sweep_dir: str, runs: list[sweeps.Run]) -> str:
     """Command, machine, and the measured totals of the study's ``runs``."""
-    path = os.path.join(sweep_dir, sweeps.SWEEP_FILE)
-    sweep = {}
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            sweep = json.load(f)
+    sweep = sweeps.read_sweep_record(sweep_dir)
     finished = [r.summary for r in runs if r.status == "finished"]
     hours = sum(s.get("wall_seconds", 0.0) for s in finished) / 3600
     steps = sum(s.get("steps_run", s.get("steps", 0)) for s in finished)

@@ -369,6 +369,11 @@ def read_run(workdir: str, overrides: Overrides | None = None) -> Run:
                dict(overrides or {}), config, metrics, summary, status, returncode)
 
 
+def read_sweep_record(sweep_dir: str) -> dict:
+    """``sweep.json`` of ``sweep_dir`` (its command, machine and runs), or ``{}``."""
+    return _read_json(os.path.join(sweep_dir, SWEEP_FILE)) or {}
+
+
 def read_sweep(sweep_dir: str) -> list[Run]:
     """Reads every run of a sweep directory, in the sweep's order.
 
@@ -378,7 +383,7 @@ def read_sweep(sweep_dir: str) -> list[Run]:
     ``--dry_run`` commands). Runs missing from ``sweep.json`` get as
     overrides the config values that differ between runs.
     """
-    listed = (_read_json(os.path.join(sweep_dir, SWEEP_FILE)) or {}).get("runs", [])
+    listed = read_sweep_record(sweep_dir).get("runs", [])
     runs = [read_run(os.path.join(sweep_dir, r["name"]), r["overrides"])
             for r in listed]
     known = {r["name"] for r in listed}

@@ -3,8 +3,6 @@
 import json
 import math
 import os
-import subprocess
-import sys
 
 import chex
 import jax
@@ -18,8 +16,8 @@ from lmhead import decoding
 from lmhead import generation
 from lmhead import head
 from lmhead import model as model_lib
+from tests.test_experiments import run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A Markov chain over 3 tokens: row i is p(next | i).
 CHAIN = np.array([[0.1, 0.6, 0.3], [0.2, 0.1, 0.7], [0.5, 0.3, 0.2]])
@@ -184,12 +182,6 @@ def test_score_text_summary_and_bad_input(tiny_model, tmp_path):
 
 @pytest.mark.slow
 def test_score_script_end_to_end(tmp_path):
-    def run(script, *args):
-        result = subprocess.run(
-            [sys.executable, os.path.join(ROOT, "experiments", script), *args],
-            cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        return result.stdout
 
     workdir = str(tmp_path / "run")
     run("train.py", "--config=configs/default.py:tiny", f"--workdir={workdir}",

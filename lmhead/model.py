@@ -16,6 +16,10 @@ first ``S`` slots only, ``S`` the smallest of the spans 64, 128, 256, ...,
 ``max_len`` that covers the longest row (:func:`attention_spans`), chosen by
 a ``lax.switch`` whose branches slice the cache statically.
 
+Each attention layer sows its softmax weights into the ``"intermediates"``
+collection, which :func:`attention_weights` reads; an ``apply`` that does not
+make that collection mutable neither keeps nor returns them.
+
 Parameter tree (``params``)::
 
     embed/embedding          [V, D]      token table (the tied head's W)
@@ -190,7 +194,7 @@ class CausalSelfAttention(nn.Module):
 
         Without a cache, the float32 softmax weights ``[B, H, T, T]`` (before
         dropout) are sown as ``intermediates/attention_weights`` when that
-        collection is mutable (see :meth:`DecoderLM.attention_weights`)."""
+        collection is mutable (see :func:`attention_weights`)."""
         batch, time, width = x.shape
         head_dim = width // self.num_heads
         qkv = nn.Dense(3 * width, use_bias=self.use_bias, dtype=self.dtype,
@@ -366,8 +370,8 @@ class DecoderLM(nn.Module):
     def _table(self) -> Any:
         """The unembedding the head is given when tied: ``params[HEAD_TABLE]``
         if present (a table for inference, see
-        ``generation.quantize_for_decoding``), else
-        the embedding table. None when untied (the head owns its own)."""
+        ``generation.quantize_for_decoding``), else the embedding table.
+        None when untied (the head owns its own)."""
         if not self.tied:
             return None
         if self.has_variable("params", HEAD_TABLE):

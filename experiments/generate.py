@@ -5,7 +5,13 @@ r"""Continues a prompt with a trained run's newest checkpoint and tokenizer.
     python experiments/generate.py --workdir=runs/nanogpt_tied \
         --prompt="ROMEO:" --num_beams=4           # beam search
     python experiments/generate.py --workdir=... --temperature=0   # greedy
+    python experiments/generate.py --workdir=... --quantize=int8   # int8 head
+
+After the text it prints, on stderr, the time to first token (prefill and
+one step) and the milliseconds per new token of the compiled programs.
 """
+
+import sys
 
 import jax
 from absl import app
@@ -27,6 +33,11 @@ flags.DEFINE_float("top_p", None, "Sample from the smallest set of mass >= p.",
 flags.DEFINE_integer("num_beams", None, "Beam search with this many beams "
                      "(ignores the sampling flags).", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_enum("quantize", None, ["int8", "bfloat16", "float16"],
+                  "Decode with the head's table in this type (the embedding "
+                  "lookup keeps float32).")
+flags.DEFINE_bool("timings", True, "Report time to first token and ms per "
+                  "new token on stderr.")
 
 
 def main(argv):
@@ -36,12 +47,22 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     f = flags.FLAGS
     _, tokenizer, model, params = generation.load_run(f.workdir)
+    if f.quantize:
+        params = generation.quantize_for_decoding(model, params, f.quantize)
     texts = generation.generate_text(
         model, params, tokenizer, f.prompt, key=jax.random.key(f.seed),
         num_samples=f.num_samples, max_new_tokens=f.max_new_tokens,
         temperature=f.temperature, top_k=f.top_k, top_p=f.top_p,
         num_beams=f.num_beams)
-    print(generation.SAMPLE_SEPARATOR.join(texts))
+    print(generation.SAMPLE_SEPARATOR.join(texts), flush=True)
+    if f.timings:
+        prompt, new_tokens = generation.timing_prompt(
+            model, tokenizer, f.prompt, f.num_samples, f.max_new_tokens)
+        timings = generation.time_generation(
+            model, params, prompt, max_new_tokens=new_tokens,
+            temperature=f.temperature, top_k=f.top_k, top_p=f.top_p,
+            key=jax.random.key(f.seed))
+        print(generation.format_timings(timings, f.num_samples), file=sys.stderr)
 
 
 if __name__ == "__main__":

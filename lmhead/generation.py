@@ -4,6 +4,9 @@ Shared by ``experiments/generate.py``, ``experiments/score.py``, the
 training loop's samples and the notebook: :func:`load_run` gives a run's
 ``(config, tokenizer, model, params)``, :func:`generate_text` continues a
 prompt with it, and :func:`score_text` scores a given text.
+:func:`quantize_for_decoding` gives parameters whose head reads a
+half-precision or int8 table, and :func:`time_generation` measures time to
+first token and the cost of each new token.
 
 A text longer than the model's context is scored with a sliding window
 (the strided method of the ``transformers`` perplexity guide): windows of
@@ -19,6 +22,7 @@ import functools
 import json
 import math
 import os
+import time
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -30,6 +34,7 @@ from lmhead import data
 from lmhead import decoding
 from lmhead import head
 from lmhead import model as model_lib
+from lmhead import quantize
 from lmhead import train
 
 SAMPLE_SEPARATOR = "\n---------------\n"
@@ -105,6 +110,157 @@ def _continue(model, params, context, lengths, key, *, max_new_tokens,
         step_fn, params, logits, cache, key=key, max_new_tokens=max_new_tokens,
         temperature=temperature, top_k=top_k, top_p=top_p)
     return tokens
+
+
+def quantize_for_decoding(model: model_lib.DecoderLM, params: Any,
+                          dtype: str) -> Any:
+    """``params`` with the head's table quantized once, for inference.
+
+    Untied: ``head/unembedding`` is replaced by its quantized table. Tied:
+    the embedding lookup keeps the float32 table and the head reads a
+    quantized copy of it, stored as ``params[model.HEAD_TABLE]``. Either way
+    the result is a params tree like any other: ``prefill``, the step
+    function, ``generate``, ``beam_search``, ``generate_text`` and
+    ``model.apply`` take it as an argument (one compile serves every
+    quantized set of the same dtype), while the loss refuses a
+    ``QuantizedTable``.
+
+    Args:
+        model: the :class:`model.DecoderLM`.
+        params: its float ``"params"``.
+        dtype: ``"bfloat16"``, ``"float16"`` or ``"int8"`` (see
+            ``quantize.quantize_unembedding``).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> model = model_lib.DecoderLM(vocab_size=17, num_layers=1, num_heads=2,
+        ...                             d_model=8, mlp_dim=16, max_len=8)
+        >>> tokens = jnp.array([[1, 2, 3]])
+        >>> params = model.init(jax.random.key(0), tokens)["params"]
+        >>> small = quantize_for_decoding(model, params, "int8")
+        >>> type(small[model_lib.HEAD_TABLE]).__name__
+        'QuantizedTable'
+        >>> full, fewer = (model.apply({"params": p}, tokens) for p in (params, small))
+        >>> bool(jnp.abs(full - fewer).max() < 1e-3)
+        True
+    """
+    if model.tied:
+        table = quantize.quantize_unembedding(params["embed"]["embedding"], dtype)
+        return {**params, model_lib.HEAD_TABLE: table}
+    table = quantize.quantize_unembedding(params["head"]["unembedding"], dtype)
+    return {**params, "head": {**params["head"], "unembedding": table}}
+
+
+class GenerationTimings(NamedTuple):
+    """Wall-clock timings of one prompt's decoding, compiled programs only.
+
+    Attributes:
+        compile_seconds: the first (compiling) prefill, step and decoding
+            calls together.
+        prefill_ms: the prompt's pass, which fills the cache and gives the
+            first token's logits.
+        first_step_ms: one decoding step after it.
+        time_to_first_token_ms: ``prefill_ms + first_step_ms``.
+        ms_per_token: a ``new_tokens``-token decoding loop's time divided by
+            ``new_tokens`` (every row of the batch adds one token per step).
+        new_tokens: tokens that loop added per row.
+    """
+    compile_seconds: float
+    prefill_ms: float
+    first_step_ms: float
+    time_to_first_token_ms: float
+    ms_per_token: float
+    new_tokens: int
+
+
+def _milliseconds(fn, repeats: int) -> float:
+    """The median wall time of ``fn()`` in ms, its outputs waited for."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(1e3 * (time.perf_counter() - start))
+    return float(np.median(times))
+
+
+def time_generation(model: model_lib.DecoderLM, params: Any, prompt: Any, *,
+                    max_new_tokens: int, temperature: float = 1.0,
+                    top_k: int | None = None, top_p: float | None = None,
+                    key: jax.Array | None = None,
+                    repeats: int = 3) -> GenerationTimings:
+    """Times ``prompt``'s prefill, its first step and a decoding loop.
+
+    Each program runs once to compile (``compile_seconds``), then
+    ``repeats`` times; the medians are reported. Sampling knobs are
+    ``decoding.generate``'s.
+
+    Args:
+        prompt: ``int [B, T]`` token ids, ``T + max_new_tokens <= max_len``.
+        max_new_tokens: ``>= 1``, the loop's length.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> model = model_lib.DecoderLM(vocab_size=17, num_layers=1, num_heads=2,
+        ...                             d_model=8, mlp_dim=16, max_len=8)
+        >>> prompt = jnp.array([[1, 2, 3]])
+        >>> params = model.init(jax.random.key(0), prompt)["params"]
+        >>> t = time_generation(model, params, prompt, max_new_tokens=4, repeats=1)
+        >>> t.new_tokens, t.time_to_first_token_ms > 0, t.ms_per_token > 0
+        (4, True, True)
+    """
+    if max_new_tokens < 1 or repeats < 1:
+        raise ValueError(f"max_new_tokens and repeats must be >= 1; got "
+                         f"{max_new_tokens} and {repeats}.")
+    key = jax.random.key(0) if key is None else key
+    logits, cache = model_lib.prefill(model, params, prompt,
+                                      max_new_tokens=max_new_tokens)
+    step_fn = model_lib.make_step_fn(model)
+    first = jax.numpy.argmax(logits, axis=-1).astype(jax.numpy.int32)
+
+    def run_prefill():
+        return model_lib.prefill(model, params, prompt)
+
+    def run_step():
+        return step_fn(params, first, cache)
+
+    def run_loop():
+        return decoding.generate(step_fn, params, logits, cache, key=key,
+                                 max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_k=top_k, top_p=top_p)
+
+    start = time.perf_counter()
+    for fn in (run_prefill, run_step, run_loop):
+        jax.block_until_ready(fn())
+    compile_seconds = time.perf_counter() - start
+    prefill_ms = _milliseconds(run_prefill, repeats)
+    first_step_ms = _milliseconds(run_step, repeats)
+    return GenerationTimings(
+        compile_seconds=compile_seconds, prefill_ms=prefill_ms,
+        first_step_ms=first_step_ms,
+        time_to_first_token_ms=prefill_ms + first_step_ms,
+        ms_per_token=_milliseconds(run_loop, repeats) / max_new_tokens,
+        new_tokens=max_new_tokens)
+
+
+def timing_prompt(model: model_lib.DecoderLM, tokenizer: Any, prompt: str,
+                  num_samples: int, max_new_tokens: int) -> tuple[np.ndarray, int]:
+    """``(int32 [num_samples, C], n)``: ``prompt``'s ids cropped to the last
+    ``C <= max_len // 2`` (the context of :func:`generate_text`'s windows), one
+    row per sample, and the new tokens to time, ``min(max_new_tokens,
+    max_len - C)``: one window of :func:`generate_text`."""
+    ids = tokenizer.encode(prompt)[-(model.max_len // 2):]
+    if not ids:
+        raise ValueError("prompt must encode to at least one token.")
+    rows = np.tile(np.asarray(ids, np.int32), (num_samples, 1))
+    return rows, min(max_new_tokens, model.max_len - len(ids))
+
+
+def format_timings(t: GenerationTimings, batch_size: int) -> str:
+    """One line of :class:`GenerationTimings` for people."""
+    return (f"time to first token {t.time_to_first_token_ms:.2f} ms (prefill "
+            f"{t.prefill_ms:.2f} ms + first step {t.first_step_ms:.2f} ms), "
+            f"{t.ms_per_token:.3f} ms per new token over {t.new_tokens} tokens "
+            f"at batch {batch_size}; compiling took {t.compile_seconds:.2f} s")
 
 
 def write_samples(config, model, params, tokenizer, key, workdir) -> None:

@@ -16,6 +16,10 @@ first ``S`` slots only, ``S`` the smallest of the spans 64, 128, 256, ...,
 ``max_len`` that covers the longest row (:func:`attention_spans`), chosen by
 a ``lax.switch`` whose branches slice the cache statically.
 
+Each attention layer sows its softmax weights into the ``"intermediates"``
+collection, which :func:`attention_weights` reads; an ``apply`` that does not
+make that collection mutable neither keeps nor returns them.
+
 Parameter tree (``params``)::
 
     embed/embedding          [V, D]      token table (the tied head's W)
@@ -27,6 +31,10 @@ Parameter tree (``params``)::
     blocks_{i}/mlp_out       kernel [F, D], bias [D]    (residual projection)
     final_norm               scale, bias [D]
     head/...                 untied: unembedding [V, D]; bias [V] if head_bias
+    head_table               optional, tied only, inference only: the head's
+                             [V, D] table in place of embed/embedding (e.g. a
+                             quantize.QuantizedTable; see
+                             generation.quantize_for_decoding)
 
 With ``use_bias=False`` (nanoGPT's default) none of the blocks' or norms'
 ``bias`` entries exist; the head's bias is ``head_bias``'s alone.
@@ -55,6 +63,8 @@ NEG_INF = -1e30
 # The shortest span of cache slots that cached attention reads; the others
 # double up to max_len. Also the block size of beam search's cache reorder.
 MIN_SPAN = 64
+# The params entry of a tied model's inference-only head table.
+HEAD_TABLE = "head_table"
 
 
 class DecodeCache(NamedTuple):
@@ -180,7 +190,11 @@ class CausalSelfAttention(nn.Module):
         call's T positions, masked by mask: bool [B | 1, T, T]) or a layer's
         (keys, values), each [B, H, max_len, Dh], into which this call writes
         its T positions and whose slots up to each query's position it reads
-        (mask unused). Returns ([B, T, D], the updated cache or None)."""
+        (mask unused). Returns ([B, T, D], the updated cache or None).
+
+        Without a cache, the float32 softmax weights ``[B, H, T, T]`` (before
+        dropout) are sown as ``intermediates/attention_weights`` when that
+        collection is mutable (see :func:`attention_weights`)."""
         batch, time, width = x.shape
         head_dim = width // self.num_heads
         qkv = nn.Dense(3 * width, use_bias=self.use_bias, dtype=self.dtype,
@@ -190,7 +204,10 @@ class CausalSelfAttention(nn.Module):
         if self.rope:
             query, key = _rotate(query, positions), _rotate(key, positions)
         if cache is None:
-            weights = _attention_weights(query, key, mask).astype(self.dtype)
+            weights = _attention_weights(query, key, mask)
+            # A no-op unless "intermediates" is mutable: free when not asked for.
+            self.sow("intermediates", "attention_weights", weights)
+            weights = weights.astype(self.dtype)
             weights = nn.Dropout(self.dropout_rate, deterministic=not train)(weights)
             out = jnp.einsum("bhts,bshd->bthd", weights, value.astype(self.dtype))
         else:
@@ -350,9 +367,16 @@ class DecoderLM(nn.Module):
                              f"model's max_len is {self.max_len}.")
         return jnp.asarray(tokens)
 
-    def _table(self) -> jax.Array | None:
-        """The unembedding the head is given: the embedding table when tied."""
-        return self.embed.embedding if self.tied else None
+    def _table(self) -> Any:
+        """The unembedding the head is given when tied: ``params[HEAD_TABLE]``
+        if present (a table for inference, see
+        ``generation.quantize_for_decoding``), else the embedding table.
+        None when untied (the head owns its own)."""
+        if not self.tied:
+            return None
+        if self.has_variable("params", HEAD_TABLE):
+            return self.get_variable("params", HEAD_TABLE)
+        return self.embed.embedding
 
     def _body(self, tokens, positions, mask, caches, train):
         """Embedding, blocks and final LayerNorm: ([B, T, D], new caches)."""
@@ -424,6 +448,41 @@ class DecoderLM(nn.Module):
         return logits, DecodeCache(keys=tuple(k for k, _ in kv),
                                    values=tuple(v for _, v in kv),
                                    index=cache.index + lengths)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_sown(model, params, tokens):
+    _, state = model.apply({"params": params}, tokens, mutable=["intermediates"])
+    return state["intermediates"]
+
+
+def attention_weights(model: DecoderLM, params: Any,
+                      tokens: jax.typing.ArrayLike) -> tuple[jax.Array, ...]:
+    r"""Each layer's attention weights for ``tokens: int [B, T]``.
+
+    Row ``t`` of head ``h`` is the softmax over the positions ``s <= t``,
+    :math:`\mathrm{softmax}_s(q_t \cdot k_s / \sqrt{D_h})`, the weights of
+    the values that the head mixes at position ``t``; above the diagonal it
+    is 0. They are what :class:`CausalSelfAttention` sows into the
+    ``"intermediates"`` collection: an ``apply`` that does not make that
+    collection mutable computes and keeps nothing extra.
+
+    Returns:
+        ``num_layers`` arrays ``float32 [B, H, T, T]`` (query, key).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> model = DecoderLM(vocab_size=17, num_layers=2, num_heads=2,
+        ...                   d_model=8, mlp_dim=16, max_len=8)
+        >>> tokens = jnp.array([[1, 2, 3, 4]])
+        >>> params = model.init(jax.random.key(0), tokens)["params"]
+        >>> maps = attention_weights(model, params, tokens)
+        >>> len(maps), maps[0].shape, maps[0][0, 0, 0]
+        (2, (1, 2, 4, 4), Array([1., 0., 0., 0.], dtype=float32))
+    """
+    sown = _jit_sown(model, params, jnp.asarray(tokens))
+    return tuple(sown[f"blocks_{i}"]["attention"]["attention_weights"][0]
+                 for i in range(model.num_layers))
 
 
 def init_cache(model: DecoderLM, batch_size: int) -> DecodeCache:

@@ -6,7 +6,8 @@ it in bfloat16 or float16 (half the bytes) or in int8 with one float32 scale
 per token (about a quarter). The result goes wherever a ``w: [V, D]`` goes at
 inference: ``head.unembed`` and ``modules.LMHead`` accept it as is. Training
 is unchanged; a tied model quantizes its embedding table once, for decoding
-only (the embedding lookup keeps the float32 table).
+only (the embedding lookup keeps the float32 table):
+``generation.quantize_for_decoding`` does either for a ``model.DecoderLM``.
 """
 
 from typing import NamedTuple

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -92,3 +93,17 @@ def test_data_parallel_cpu_devices_train_the_same_model(tmp_path):
                                if "eval/loss" in r]
     assert len(losses[1]) == 1
     assert losses[2] == pytest.approx(losses[1], rel=1e-4)
+
+
+def test_generate_with_an_int8_head_reports_timings(workdir):
+    workdir, _ = workdir
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "experiments", "generate.py"),
+         f"--workdir={workdir}", "--prompt=ROMEO:", "--max_new_tokens=10",
+         "--quantize=int8", "--temperature=0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("ROMEO:") and len(result.stdout) == 6 + 10 + 1
+    timings = re.search(r"time to first token (\S+) ms .* (\S+) ms per new token",
+                        result.stderr)
+    assert timings and float(timings[1]) > 0 and float(timings[2]) > 0, result.stderr

@@ -448,3 +448,47 @@ def test_decoding_compiles_once_for_any_parameters_and_embeds_none():
              for shape in re.findall(r"stablehlo\.constant dense<.*?> : tensor<([^>]*)>",
                                      text)]
     assert sizes and max(sizes) < WIDTH, sorted(sizes)[-5:]
+
+
+def test_sown_attention_weights_match_numpy_from_the_layers_queries_and_keys():
+    """Each layer's sown weights are the causal softmax of q k^T / sqrt(Dh)
+    computed here from that layer's qkv output (captured by Flax, not sown),
+    and the attention's output projection is applied to weights @ v."""
+    model = small_model()
+    params = init_params(model, noise=0.3)
+    tokens = random_tokens((2, 7), seed=3)
+    maps = model_lib.attention_weights(model, params, tokens)
+    _, state = model.apply({"params": params}, tokens, capture_intermediates=True,
+                           mutable=["intermediates"])
+    captured = state["intermediates"]
+    assert len(maps) == LAYERS
+    future = np.triu(np.ones((7, 7), bool), k=1)
+    for i, weights in enumerate(maps):
+        weights = np.asarray(weights, np.float64)
+        assert weights.shape == (2, HEADS, 7, 7)
+        layer = captured[f"blocks_{i}"]["attention"]
+        qkv = np.asarray(layer["qkv"]["__call__"][0], np.float64)
+        q, k, v = (a.reshape(2, 7, HEADS, -1) for a in np.split(qkv, 3, axis=-1))
+        scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+        expected = special.softmax(np.where(future, -np.inf, scores), axis=-1)
+        np.testing.assert_allclose(weights, expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-6)
+        assert np.all(weights[..., future] == 0.0)
+        out = params[f"blocks_{i}"]["attention"]["out"]
+        attended = np.einsum("bhqk,bkhd->bqhd", weights, v).reshape(2, 7, WIDTH)
+        np.testing.assert_allclose(
+            layer["out"]["__call__"][0], attended @ out["kernel"] + out["bias"],
+            rtol=1e-4, atol=1e-5)
+        # The same sown array, from an apply outside jit.
+        np.testing.assert_allclose(weights, layer["attention_weights"][0], rtol=1e-5,
+                                   atol=1e-6)
+
+
+def test_a_plain_apply_sows_nothing():
+    model = small_model()
+    params = init_params(model)
+    tokens = random_tokens((1, 5))
+    logits = model.apply({"params": params}, tokens)
+    assert logits.shape == (1, 5, VOCAB)  # an array, not (logits, state)
+    _, state = model.apply({"params": params}, tokens, mutable=["intermediates"])
+    assert set(state["intermediates"]) == {f"blocks_{i}" for i in range(LAYERS)}

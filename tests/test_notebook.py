@@ -71,3 +71,15 @@ def test_tour_executes(tmp_path):
 
     # Text sampled from the trained run continues the prompt.
     assert printed.count("'ROMEO:\\n") == 4, printed[-1000:]
+
+    # Attention maps: causal rows that sum to 1, one image per figure.
+    maps = re.search(r"(\d+) layers x (\d+) heads over \d+ tokens; max \|row sum - 1\| "
+                     r"(\S+), max weight above the diagonal (\S+)", printed)
+    assert maps and float(maps[3]) < 1e-5 and float(maps[4]) == 0.0, printed[-1500:]
+    images = [o for c in code_cells for o in c.outputs if "image/png" in o.get("data", {})]
+    assert len(images) == 2
+    # Temperature flattens the next-token distribution: entropy grows with it.
+    entropies = [float(e) for e in re.findall(
+        r"temperature (?:0\.5|1\.0|2\.0): p\(top token .*\) = \S+, entropy (\S+) nats",
+        printed)]
+    assert len(entropies) == 3 and entropies == sorted(entropies), entropies

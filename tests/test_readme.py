@@ -20,3 +20,5 @@ def test_api_tour_runs():
     assert namespace["beams"].shape == (2, 2, 8)
     scores = np.asarray(namespace["scores"])
     assert np.all(scores[:, 0] >= scores[:, 1])  # n-best, best first
+    assert len(namespace["maps"]) == 2 and namespace["maps"][0].shape == (2, 2, 5, 5)
+    assert namespace["lm_tokens"].shape == (2, 8)

@@ -5,7 +5,7 @@ r"""Scores texts under a trained run: nats, bits per character, perplexity.
     python experiments/score.py --workdir=... --file=a.txt --json --per_token=a.tsv
 
 A text longer than the model's context is scored window by window (see
-``lmhead/generation.py``); ``--stride`` trades context for time.
+``lmhead/scoring.py``); ``--stride`` trades context for time.
 """
 
 from absl import app
@@ -13,6 +13,7 @@ from absl import flags
 from absl import logging
 
 from lmhead import generation
+from lmhead import scoring
 
 flags.DEFINE_string("workdir", None, "A training run's directory.", required=True)
 flags.DEFINE_multi_string("file", [], "UTF-8 text file to score (repeatable).")
@@ -34,14 +35,14 @@ def main(argv):
     if not f["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     _, tokenizer, model, params = generation.load_run(f.workdir)
-    sources = generation.read_texts(f.file, f.text)
-    scores = [generation.score_text(model, params, tokenizer, text, name=name,
+    sources = scoring.read_texts(f.file, f.text)
+    scores = [scoring.score_text(model, params, tokenizer, text, name=name,
                                     stride=f.stride, batch_size=f.batch_size)
               for name, text in sources]
     if f.per_token:
-        generation.write_token_table(f.per_token, scores)
-    print(generation.format_json(scores) if f.json
-          else "\n".join(generation.format_score(s) for s in scores))
+        scoring.write_token_table(f.per_token, scores)
+    print(scoring.format_json(scores) if f.json
+          else "\n".join(scoring.format_score(s) for s in scores))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from lmhead import config_checks
+from lmhead import preemption
 from lmhead import sharding
 from lmhead import train
 
@@ -68,7 +69,7 @@ def main(argv):
                                         flags.FLAGS.process_id)
     try:
         train.train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
-    except train.Preempted as e:
+    except preemption.Preempted as e:
         print(e, file=sys.stderr, flush=True)
         sys.exit(128 + signal.SIGTERM)
 

@@ -22,8 +22,8 @@ import jax
 import numpy as np
 
 from lmhead import decoding
-from lmhead import generation
 from lmhead import model as model_lib
+from lmhead import scoring
 from lmhead import serving
 from lmhead.serving import GenerateRequest, ScoreRequest, bucket
 
@@ -152,9 +152,9 @@ class Engine:
         return results
 
     def score(self, request: ScoreRequest) -> dict[str, Any]:
-        """:func:`generation.score_text`'s totals, tokens and log-probs."""
+        """:func:`scoring.score_text`'s totals, tokens and log-probs."""
         try:
-            score = generation.score_text(
+            score = scoring.score_text(
                 self.model, self.params, self.tokenizer, request.text,
                 stride=request.stride, batch_size=self.score_batch_size)
         except ValueError as error:
@@ -184,8 +184,8 @@ class Engine:
                     self.beam([dataclasses.replace(request, num_beams=num_beams)])
                 runs += 1 + len(self.buckets.beam_sizes)
         # Scoring compiles one program per window shape, whatever the text.
-        generation.strided_log_probs(
-            generation.ModelLogits(self.model), self.params, np.zeros([2], np.int32),
+        scoring.strided_log_probs(
+            scoring.ModelLogits(self.model), self.params, np.zeros([2], np.int32),
             window=self.model.max_len, batch_size=self.score_batch_size)
         return runs + 1
 

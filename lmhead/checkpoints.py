@@ -1,13 +1,16 @@
-"""Checkpoints of a run's workdir: the orbax manager, and restoring the newest
-checkpoint that restores.
+"""Checkpoints of a run's workdir: the orbax manager, saving, restoring the
+newest checkpoint that restores, and keeping non-finite states out of them.
 
 Orbax writes a step to ``STEP.orbax-checkpoint-tmp`` and renames it when
 complete, so a process killed while saving leaves the previous steps whole.
 A checkpoint that still does not restore (truncated or garbled files) is set
 aside to ``workdir/corrupt_checkpoints`` with a warning and the previous one
 is used; one written by another config (other arrays or shapes) is an error.
+:func:`check_finite` stops a run whose loss, gradient norm or state is not
+finite before it saves, naming the checkpoint a rerun resumes from.
 """
 
+import math
 import os
 import shutil
 import time
@@ -15,6 +18,7 @@ import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
@@ -131,3 +135,47 @@ def _set_aside(manager, failures) -> None:
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("lmhead: corrupt checkpoints moved")
     manager.reload()
+
+
+def save(manager: ocp.CheckpointManager, step: int, state: Any) -> None:
+    """Saves ``state`` as ``step`` unless ``manager`` has that step already
+    (a resumed run redoing the steps after its checkpoint)."""
+    if step not in manager.all_steps():
+        manager.save(step, args=ocp.args.StandardSave(state))
+
+
+def check_finite(pending: list[dict], done: int, state: Any,
+                 manager: ocp.CheckpointManager) -> None:
+    """Raises FloatingPointError at the first pending step (the last is
+    ``done``) whose loss or gradient norm is not finite, or when ``state``
+    (after step ``done``) is not."""
+    for offset, metrics in enumerate(pending):
+        loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            step = done - len(pending) + offset + 1
+            raise FloatingPointError(
+                f"Non-finite training at step {step}: loss {loss}, gradient "
+                f"norm {grad_norm}. Stopped at step {done} without saving. "
+                + _newest_checkpoint(manager))
+    if not bool(_all_finite(state)):
+        raise FloatingPointError(
+            f"The parameters or optimizer state are not finite after step "
+            f"{done}; stopped without saving. " + _newest_checkpoint(manager))
+
+
+def _newest_checkpoint(manager) -> str:
+    """Where a rerun resumes from, for the error message."""
+    step = manager.latest_step()
+    if step is None:
+        return (f"{manager.directory} holds no checkpoint. (A lower optim.lr "
+                "or optim.grad_clip may help; train.stop_on_nonfinite=False "
+                "trains on.)")
+    return (f"The newest checkpoint, step {step} in {manager.directory}, is "
+            "kept; a rerun resumes from it.")
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+    """True when every floating-point leaf of ``tree`` is finite."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+                              if jnp.issubdtype(x.dtype, jnp.inexact)]))

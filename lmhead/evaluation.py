@@ -6,7 +6,10 @@ the number of tokens and characters they predict, made once per run.
 standard error over windows, perplexity, bits per character, accuracy and
 calibration error. Bits per character = (summed nats) / (ln 2 x the
 characters the evaluated tokens decode to), the same computation for every
-tokenizer. :class:`EarlyStopping` counts evaluations without a lower
+tokenizer. :func:`periodic_eval_sets` are a training run's fixed validation
+(and, with ``train.eval_train_batches``, training) windows;
+:func:`wants_test_evaluation` says whether the run ends with the whole test
+split. :class:`EarlyStopping` counts evaluations without a lower
 validation loss.
 """
 
@@ -54,6 +57,34 @@ def make_eval_set(name: str, tokens: np.ndarray, num_batches: int | None,
     if mesh is not None:
         batches = [sharding.shard_batch(b, mesh) for b in batches]
     return EvalSet(name, batches, num_tokens, num_chars)
+
+
+def periodic_eval_sets(config: ml_collections.ConfigDict, dataset: data.Dataset,
+                       mesh: jax.sharding.Mesh | None = None) -> list[EvalSet]:
+    """The fixed validation windows, and the training windows of
+    ``train.eval_train_batches``."""
+    eval_sets = [make_eval_set(
+        "eval", dataset.val_tokens, config.train.eval_batches, config,
+        dataset.tokenizer, mesh)]
+    if config.train.eval_train_batches:
+        eval_sets.append(make_eval_set(
+            "train_eval", dataset.train_tokens, config.train.eval_train_batches,
+            config, dataset.tokenizer, mesh))
+    return eval_sets
+
+
+def wants_test_evaluation(config: ml_collections.ConfigDict) -> bool:
+    """``train.test_eval``; unset (None) means: when there is a test split.
+
+    Examples:
+        >>> config = ml_collections.ConfigDict(
+        ...     {"train": {"test_eval": None}, "data": {"split": "works"}})
+        >>> wants_test_evaluation(config)
+        True
+    """
+    if config.train.test_eval is None:
+        return config.data.split == "works"
+    return config.train.test_eval
 
 
 def evaluate(eval_fn, params: Any, eval_set: EvalSet) -> dict[str, float]:

@@ -10,7 +10,7 @@ Endpoints (JSON in and out; errors are ``{"error": {"field", "message"}}``):
   "log_probs"?, "score"?}]}``, prompt by prompt, each prompt's sequences in
   order (best first for beam search).
 * ``POST /v1/score``: ``{"text", "stride"?}`` -> the totals of
-  :meth:`generation.TextScore.summary` (``nats``, ``bits_per_character``,
+  :meth:`scoring.TextScore.summary` (``nats``, ``bits_per_character``,
   ...), ``token_texts`` and their ``log_probs``.
 * ``GET /healthz`` (never needs the token) and ``GET /metrics``.
 

@@ -37,11 +37,13 @@ exactly as an uninterrupted one would have.
 Reliability. A workdir is resumed only by the config that made it, up to
 the keys in ``config_checks.RESUMABLE_CHANGES``
 (:func:`config_checks.check_resumable`). A checkpoint that does not restore
-(truncated or garbled files) is set aside with a warning and the previous
-one is used (:func:`restore_or_init`). A non-finite loss, gradient norm or
-parameter stops the run before it saves (``config.train.stop_on_nonfinite``),
-and SIGTERM saves a checkpoint at the next step boundary and raises
-:class:`Preempted`.
+is set aside with a warning and the previous one is used
+(:func:`restore_or_init`, ``lmhead.checkpoints``). A non-finite loss,
+gradient norm or parameter stops the run before it saves
+(``config.train.stop_on_nonfinite``, :func:`checkpoints.check_finite`), and
+SIGTERM saves a checkpoint at the next step boundary and raises
+:class:`preemption.Preempted`. ``lmhead.monitoring`` writes the metrics,
+step timings, memory and the summary.
 
 Determinism. On CPU, the same config and seed give bitwise-identical
 metrics and parameters, run to run and across a kill and resume. On GPU,
@@ -56,12 +58,7 @@ import contextlib
 import dataclasses
 import functools
 import json
-import math
 import os
-import resource
-import signal
-import sys
-import threading
 import time
 from typing import Any
 
@@ -71,7 +68,6 @@ import ml_collections
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-import tensorboardX
 from flax.training import train_state
 
 from lmhead import checkpoints
@@ -81,15 +77,13 @@ from lmhead import evaluation
 from lmhead import generation
 from lmhead import losses
 from lmhead import model as model_lib
+from lmhead import monitoring
+from lmhead import preemption
 from lmhead import sharding
 from lmhead import versions
 
 TrainState = train_state.TrainState
-# Measured, not computed: they differ from run to run of the same config.
-MEASURED_METRICS = (
-    "train/tokens_per_sec", "train/step_ms_p50", "train/step_ms_p90",
-    "memory/device_bytes_in_use", "memory/device_peak_bytes",
-    "memory/host_rss_bytes", "memory/host_peak_rss_bytes")
+
 
 
 def make_model(config: ml_collections.ConfigDict,
@@ -284,42 +278,6 @@ def compile_steps(model: model_lib.DecoderLM, config: ml_collections.ConfigDict,
     return train_fn, eval_fn, compile_seconds
 
 
-class MetricWriter:
-    """Appends metrics to ``metrics.jsonl`` and TensorBoard events.
-
-    On resume at step ``s``, lines after ``s`` (written after the checkpoint
-    by an interrupted run) are dropped, so the file reads as one run. Every
-    process keeps the records; only process 0 writes them.
-    """
-
-    def __init__(self, workdir: str, resume_step: int):
-        self.path = os.path.join(workdir, "metrics.jsonl")
-        self.records = []
-        if os.path.exists(self.path):
-            with open(self.path) as f:
-                self.records = [r for r in map(json.loads, f)
-                                if r["step"] <= resume_step]
-        self.tensorboard = None
-        if sharding.is_main_process():
-            with open(self.path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in self.records)
-            self.tensorboard = tensorboardX.SummaryWriter(workdir)
-
-    def write(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, **metrics}
-        self.records.append(record)
-        if self.tensorboard is None:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        for name, value in metrics.items():
-            self.tensorboard.add_scalar(name, value, step)
-
-    def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-
-
 def restore_or_init(manager: ocp.CheckpointManager, model: model_lib.DecoderLM,
                     config: ml_collections.ConfigDict, key: jax.Array,
                     mesh: jax.sharding.Mesh | None = None) -> TrainState:
@@ -349,15 +307,6 @@ def restore_or_init(manager: ocp.CheckpointManager, model: model_lib.DecoderLM,
     if state is None:
         state = jax.jit(init, out_shardings=shardings)(key)
     return state
-
-
-class Preempted(Exception):
-    """``train_and_evaluate`` stopped on SIGTERM; a checkpoint of ``step`` is saved."""
-
-    def __init__(self, step: int, directory: str):
-        super().__init__(f"Stopped by SIGTERM at step {step}; its checkpoint is "
-                         f"in {directory}. Rerun the same command to resume.")
-        self.step = step
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -393,7 +342,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             of another config; before anything is compiled.
         FloatingPointError: a non-finite loss, gradient norm or state, with
             ``train.stop_on_nonfinite``; nothing after it is saved.
-        Preempted: SIGTERM; a checkpoint of the step it stopped at is saved.
+        preemption.Preempted: SIGTERM; a checkpoint of the step it stopped at is saved.
     """
     wall_start = time.perf_counter()
     config_checks.validate_config(config)
@@ -407,9 +356,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     manager = checkpoints.checkpoint_manager(workdir)
     state = restore_or_init(manager, model, config, init_key, mesh)
     summary_path = os.path.join(workdir, "summary.json")
-    finished = _finished_summary(summary_path, int(state.step))
+    finished = monitoring.finished_summary(summary_path, int(state.step))
     if finished is not None:
-        _log(f"{workdir} has finished {int(state.step)} steps.")
+        monitoring.log(f"{workdir} has finished {int(state.step)} steps.")
         manager.close()
         return finished
     if sharding.is_main_process():
@@ -427,10 +376,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
     train_fn, eval_fn, compile_seconds = compile_steps(
         model, config, state, batch(0), dropout_key, mesh)
-    _log(f"{_count(state.params):,} parameters; train step compiled in "
-         f"{compile_seconds:.1f} s; starting at step {int(state.step)}.")
-    eval_sets = _periodic_eval_sets(config, dataset, mesh)
-    writer = MetricWriter(workdir, int(state.step))
+    monitoring.log(f"{monitoring.count_params(state.params):,} parameters; "
+                   f"train step compiled in {compile_seconds:.1f} s; starting "
+                   f"at step {int(state.step)}.")
+    eval_sets = evaluation.periodic_eval_sets(config, dataset, mesh)
+    writer = monitoring.MetricWriter(workdir, int(state.step))
     run = _Run(config, manager, writer, train_fn, batch, dropout_key,
                evaluate=lambda params: {
                    k: v for eval_set in eval_sets
@@ -443,7 +393,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         state, timer = _train_loop(run, state)
         final = _final_evaluation(run, state)
         test = (_test_evaluation(run, state, eval_fn, dataset, mesh)
-                if _wants_test_evaluation(config) else None)
+                if evaluation.wants_test_evaluation(config) else None)
     finally:
         for closable in (writer, manager, run.best_manager):
             if closable is not None:
@@ -451,11 +401,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if config.sample.num_samples:
         params = sharding.to_host(state.params)  # every process takes part
         if sharding.is_main_process():
-            generation.write_samples(config, model, params, dataset.tokenizer, sample_key,
-                           workdir)
-    summary = {**_summary(config, state, dataset.vocab_size, final, timer,
-                          compile_seconds, wall_start),
-               **_best_summary(run, state), **({"test": test} if test else {})}
+            generation.write_samples(config, model, params, dataset.tokenizer,
+                                     sample_key, workdir)
+    summary = {**monitoring.run_summary(config, state.params, dataset.vocab_size,
+                                        final, timer, compile_seconds, wall_start),
+               **monitoring.best_summary(config, writer.records, int(state.step)),
+               **({"test": test} if test else {})}
     if sharding.is_main_process():
         with open(summary_path, "w") as f:
             json.dump(summary, f, indent=2)
@@ -475,29 +426,6 @@ def _load_dataset(config, workdir) -> data.Dataset:
     return dataset
 
 
-def _periodic_eval_sets(config, dataset: data.Dataset,
-                        mesh) -> list[evaluation.EvalSet]:
-    """The fixed validation windows, and the training windows of
-    ``train.eval_train_batches``."""
-    eval_sets = [evaluation.make_eval_set(
-        "eval", dataset.val_tokens, config.train.eval_batches, config,
-        dataset.tokenizer, mesh)]
-    if config.train.eval_train_batches:
-        eval_sets.append(evaluation.make_eval_set(
-            "train_eval", dataset.train_tokens, config.train.eval_train_batches,
-            config, dataset.tokenizer, mesh))
-    return eval_sets
-
-
-def _finished_summary(summary_path: str, step: int) -> dict | None:
-    """The summary of a run that has finished at ``step``, or None."""
-    if not os.path.exists(summary_path):
-        return None
-    with open(summary_path) as f:
-        summary = json.load(f)
-    return summary if summary.get("steps_run", summary["steps"]) == step else None
-
-
 @dataclasses.dataclass(frozen=True)
 class _Run:
     """What the training loop uses, made once by ``train_and_evaluate``.
@@ -509,7 +437,7 @@ class _Run:
     """
     config: ml_collections.ConfigDict
     manager: ocp.CheckpointManager
-    writer: "MetricWriter"
+    writer: monitoring.MetricWriter
     train_fn: Any
     batch: Any
     dropout_key: jax.Array
@@ -518,98 +446,24 @@ class _Run:
     best_manager: ocp.CheckpointManager | None
 
 
-@dataclasses.dataclass
-class StepTimer:
-    """Time spent in training steps, without evaluations and checkpoints.
-
-    A lap runs from :meth:`start` to :meth:`lap`; ``wall`` and ``cpu`` (the
-    process's CPU time, all threads) add up the laps' seconds, ``steps``
-    their steps. ``step_seconds`` holds each step's time, from the end of
-    the step before (or the lap's start) to its own end: the loop waits for
-    step ``s - 1`` once step ``s`` is queued, so the device stays busy while
-    the host takes the time (:meth:`step_done`).
-    """
-    wall: float = 0.0
-    cpu: float = 0.0
-    steps: int = 0
-    started: tuple[float, float] = (0.0, 0.0)
-    last_step_end: float = 0.0
-    step_seconds: list[float] = dataclasses.field(default_factory=list)
-
-    def start(self) -> None:
-        self.started = (time.perf_counter(), time.process_time())
-        self.last_step_end = self.started[0]
-
-    def step_done(self) -> None:
-        """Records a step that has just ended."""
-        now = time.perf_counter()
-        self.step_seconds.append(now - self.last_step_end)
-        self.last_step_end = now
-
-    def lap(self, num_steps: int) -> float:
-        """Ends the lap of ``num_steps`` steps; returns its wall seconds."""
-        seconds = time.perf_counter() - self.started[0]
-        self.wall += seconds
-        self.cpu += time.process_time() - self.started[1]
-        self.steps += num_steps
-        return seconds
-
-    def percentiles_ms(self, num_steps: int | None = None) -> dict[str, float]:
-        """p50 and p90 of the last ``num_steps`` step times (None: all), in ms."""
-        recent = self.step_seconds[-num_steps:] if num_steps else self.step_seconds
-        if not recent:
-            return {}
-        p50, p90 = np.percentile(1e3 * np.asarray(recent), [50, 90])
-        return {"step_ms_p50": float(p50), "step_ms_p90": float(p90)}
-
-
-def memory_metrics() -> dict[str, float]:
-    """Memory in bytes, for TensorBoard and ``metrics.jsonl``.
-
-    ``memory/device_bytes_in_use`` and ``memory/device_peak_bytes``: of the
-    fullest local device, where JAX reports them (``Device.memory_stats()``
-    on GPU and TPU; not on CPU). ``memory/host_rss_bytes`` (Linux) and
-    ``memory/host_peak_rss_bytes``: this process's resident memory, which
-    holds the arrays on CPU.
-    """
-    metrics = {}
-    stats = [d.memory_stats() or {} for d in jax.local_devices()]
-    if any("bytes_in_use" in s for s in stats):
-        metrics["memory/device_bytes_in_use"] = float(
-            max(s.get("bytes_in_use", 0) for s in stats))
-        metrics["memory/device_peak_bytes"] = float(
-            max(s.get("peak_bytes_in_use", s.get("bytes_in_use", 0)) for s in stats))
-    if os.path.exists("/proc/self/statm"):
-        with open("/proc/self/statm") as f:
-            resident_pages = int(f.read().split()[1])
-        metrics["memory/host_rss_bytes"] = float(
-            resident_pages * os.sysconf("SC_PAGE_SIZE"))
-    # ru_maxrss is in KiB on Linux, in bytes on macOS; the kernel updates it
-    # lazily, so it can lag the current RSS.
-    scale = 1 if sys.platform == "darwin" else 1024
-    metrics["memory/host_peak_rss_bytes"] = float(max(
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
-        metrics.get("memory/host_rss_bytes", 0)))
-    return metrics
-
-
-def _train_loop(run: _Run, state: TrainState) -> tuple[TrainState, StepTimer]:
+def _train_loop(run: _Run, state: TrainState
+                ) -> tuple[TrainState, monitoring.StepTimer]:
     """Steps from ``state.step`` to ``train.steps`` (or an early stop) with
     the periodic actions: log, evaluate, checkpoint. The host reads metrics
     only at those steps and on SIGTERM; between them it waits for each step
     once the next one is queued, to time it without idling the device."""
     config, steps = run.config, run.config.train.steps
-    timer, pending = StepTimer(), []
+    timer, pending = monitoring.StepTimer(), []
     timer.start()
     # A run that had stopped early before it was interrupted stays stopped.
     first_step = steps if run.stopping.should_stop else int(state.step)
-    with _sigterm_flag() as terminated:
+    with preemption.sigterm_flag() as terminated:
         for step in range(first_step, steps):
-            if _stop_requested(run.manager, step, terminated):
+            if preemption.stop_requested(run.manager, step, terminated):
                 if pending:
                     _log_training(run, timer, pending, step, state)
-                _save(run.manager, step, state)
-                raise Preempted(step, str(run.manager.directory))
+                checkpoints.save(run.manager, step, state)
+                raise preemption.Preempted(step, str(run.manager.directory))
             state, metrics = run.train_fn(state, run.batch(step), run.dropout_key)
             pending.append(metrics)
             if len(pending) > 1:  # step `step` is queued: time the one before
@@ -626,51 +480,28 @@ def _train_loop(run: _Run, state: TrainState) -> tuple[TrainState, StepTimer]:
             if evaluate_now:
                 _log_evaluation(run, done, run.evaluate(state.params), state)
             if checkpoint_now or run.stopping.should_stop:
-                _save(run.manager, done, state)
+                checkpoints.save(run.manager, done, state)
             if run.stopping.should_stop:
-                _log(f"Stopped early at step {done}: {config.train.patience} "
-                     "evaluations without a lower eval/loss than step "
-                     f"{run.stopping.best_step}'s.")
+                monitoring.log(
+                    f"Stopped early at step {done}: {config.train.patience} "
+                    "evaluations without a lower eval/loss than step "
+                    f"{run.stopping.best_step}'s.")
                 break
             timer.start()
     return state, timer
 
 
-def _save(manager: ocp.CheckpointManager, step: int, state: TrainState) -> None:
-    """Saves ``state`` as ``step`` unless ``manager`` has that step already
-    (a resumed run redoing the steps after its checkpoint)."""
-    if step not in manager.all_steps():
-        manager.save(step, args=ocp.args.StandardSave(state))
-
-
-def _log_training(run: _Run, timer: StepTimer, pending: list, done: int,
-                  state: TrainState) -> None:
+def _log_training(run: _Run, timer: monitoring.StepTimer, pending: list,
+                  done: int, state: TrainState) -> None:
     """Waits for the ``pending`` steps' metrics (the last at step ``done``),
-    checks them and ``state`` (``train.stop_on_nonfinite``), and logs their
-    mean with the lap's speed (tokens/s, step-time p50 and p90) and the
-    memory (:func:`memory_metrics`)."""
+    checks them and ``state`` (``train.stop_on_nonfinite``), and logs them
+    (:func:`monitoring.log_training`)."""
     pending = jax.device_get(pending)
     timer.step_done()
     seconds = timer.lap(len(pending))
     if run.config.train.stop_on_nonfinite:
-        _check_finite(pending, done, state, run.manager)
-    tokens = len(pending) * run.config.train.batch_size * run.config.data.block_size
-    logged = {f"train/{k}": float(np.mean([m[k] for m in pending]))
-              for k in pending[0]}
-    logged["train/tokens_per_sec"] = tokens / seconds
-    percentiles = timer.percentiles_ms(len(pending))
-    logged.update({f"train/{k}": v for k, v in percentiles.items()})
-    logged.update(memory_metrics())
-    run.writer.write(done, logged)
-    steps = run.config.train.steps
-    eta = (steps - done) * timer.wall / timer.steps
-    peak = logged.get("memory/device_peak_bytes",
-                      logged["memory/host_peak_rss_bytes"])
-    _log(f"step {done}/{steps}  loss {logged['train/loss']:.4f}  "
-         f"{logged['train/tokens_per_sec']:,.0f} tokens/s  "
-         f"{1e3 * seconds / len(pending):.1f} ms/step (p50 "
-         f"{percentiles['step_ms_p50']:.1f}, p90 {percentiles['step_ms_p90']:.1f})  "
-         f"peak memory {peak / 2**20:,.0f} MiB  ETA {eta:.0f} s")
+        checkpoints.check_finite(pending, done, state, run.manager)
+    monitoring.log_training(run.writer, timer, pending, done, seconds, run.config)
 
 
 def _log_evaluation(run: _Run, done: int, metrics: dict[str, float],
@@ -678,10 +509,10 @@ def _log_evaluation(run: _Run, done: int, metrics: dict[str, float],
     """Logs an evaluation and counts it for early stopping; a new best
     evaluation's state is kept in ``run.best_manager``."""
     run.writer.write(done, metrics)
-    _log(f"step {done}/{run.config.train.steps}  " + "  ".join(
+    monitoring.log(f"step {done}/{run.config.train.steps}  " + "  ".join(
         f"{k} {v:.4f}" for k, v in metrics.items()))
     if run.stopping.update(done, metrics["eval/loss"]) and run.best_manager:
-        _save(run.best_manager, done, state)
+        checkpoints.save(run.best_manager, done, state)
 
 
 def _final_evaluation(run: _Run, state: TrainState) -> dict[str, float]:
@@ -694,13 +525,6 @@ def _final_evaluation(run: _Run, state: TrainState) -> dict[str, float]:
         final = {"step": step, **run.evaluate(state.params)}
         run.writer.write(step, {k: v for k, v in final.items() if k != "step"})
     return final
-
-
-def _wants_test_evaluation(config: ml_collections.ConfigDict) -> bool:
-    """``train.test_eval``; unset (None) means: when there is a test split."""
-    if config.train.test_eval is None:
-        return config.data.split == "works"
-    return config.train.test_eval
 
 
 def _test_evaluation(run: _Run, state: TrainState, eval_fn,
@@ -719,123 +543,9 @@ def _test_evaluation(run: _Run, state: TrainState, eval_fn,
         params, step = best.params, int(best.step)
     metrics = evaluation.evaluate(eval_fn, params, test_set)
     run.writer.write(int(state.step), metrics)
-    _log("test  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    monitoring.log("test  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return {**{k.split("/", 1)[1]: v for k, v in metrics.items()},
             "num_tokens": test_set.num_tokens, "num_chars": test_set.num_chars,
             "step": step}
 
 
-def _summary(config, state, vocab_size, final, timer: StepTimer,
-             compile_seconds, wall_start) -> dict:
-    """``train_and_evaluate``'s summary of the model and the time (see its
-    Returns)."""
-    tokens_per_step = config.train.batch_size * config.data.block_size
-    num_params = _count(state.params)
-    num_head_params = _count(state.params.get("head", {}))
-    num_embedding_params = _count(state.params.get("embed", {}))
-    return {
-        "num_params": num_params,
-        "num_head_params": num_head_params,
-        "num_embedding_params": num_embedding_params,
-        "num_body_params": num_params - num_head_params - num_embedding_params,
-        "vocab_size": vocab_size,
-        "final": {k: v for k, v in final.items() if k != "step"},
-        "tokens_per_sec": timer.steps * tokens_per_step / max(timer.wall, 1e-9),
-        "ms_per_step": 1e3 * timer.wall / max(timer.steps, 1),
-        "cpu_ms_per_step": 1e3 * timer.cpu / max(timer.steps, 1),
-        **timer.percentiles_ms(),
-        "memory": {k.split("/", 1)[1]: v for k, v in memory_metrics().items()},
-        "compile_seconds": compile_seconds,
-        "steps": config.train.steps,
-        "wall_seconds": time.perf_counter() - wall_start}
-
-
-def _best_summary(run: _Run, state: TrainState) -> dict:
-    """The summary's ``best_step``, ``best``, ``train_at_best``, ``steps_run``
-    and ``stopped_early`` (see ``train_and_evaluate``)."""
-    stopping = evaluation.EarlyStopping.from_records(
-        run.config.train.patience, run.writer.records)
-    best = next((r for r in run.writer.records
-                 if r["step"] == stopping.best_step and "eval/loss" in r), {})
-    summary = {
-        "best_step": stopping.best_step,
-        "best": {k: v for k, v in best.items() if k.startswith("eval/")},
-        "steps_run": int(state.step),
-        "stopped_early": int(state.step) < run.config.train.steps}
-    if run.config.train.eval_train_batches:
-        summary["train_at_best"] = {k: v for k, v in best.items()
-                                    if k.startswith("train_eval/")}
-    return summary
-
-
-def _check_finite(pending, done, state, manager) -> None:
-    """Raises FloatingPointError at the first pending step (the last is
-    ``done``) whose loss or gradient norm is not finite, or when ``state``
-    (after step ``done``) is not."""
-    for offset, metrics in enumerate(pending):
-        loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            step = done - len(pending) + offset + 1
-            raise FloatingPointError(
-                f"Non-finite training at step {step}: loss {loss}, gradient "
-                f"norm {grad_norm}. Stopped at step {done} without saving. "
-                + _newest_checkpoint(manager))
-    if not bool(_all_finite(state)):
-        raise FloatingPointError(
-            f"The parameters or optimizer state are not finite after step "
-            f"{done}; stopped without saving. " + _newest_checkpoint(manager))
-
-
-def _newest_checkpoint(manager) -> str:
-    step = manager.latest_step()
-    if step is None:
-        return (f"{manager.directory} holds no checkpoint. (A lower optim.lr "
-                "or optim.grad_clip may help; train.stop_on_nonfinite=False "
-                "trains on.)")
-    return (f"The newest checkpoint, step {step} in {manager.directory}, is "
-            "kept; a rerun resumes from it.")
-
-
-@jax.jit
-def _all_finite(tree: Any) -> jax.Array:
-    """True when every floating-point leaf of ``tree`` is finite."""
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-                              if jnp.issubdtype(x.dtype, jnp.inexact)]))
-
-
-@contextlib.contextmanager
-def _sigterm_flag():
-    """A ``threading.Event`` that SIGTERM sets while the block runs.
-
-    Only in the main thread of a single process: a signal handler can only be
-    installed there, and several processes must stop at the same step, which
-    JAX's preemption sync point decides (see ``_stop_requested``).
-    """
-    event = threading.Event()
-    if (jax.process_count() > 1
-            or threading.current_thread() is not threading.main_thread()):
-        yield event
-        return
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: event.set())
-    try:
-        yield event
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _stop_requested(manager, step: int, terminated: threading.Event) -> bool:
-    """SIGTERM seen: by this process, or (several processes) by JAX's
-    preemption notifier, at a step that every process agrees on."""
-    if jax.process_count() > 1:
-        return manager.reached_preemption(step)
-    return terminated.is_set()
-
-
-def _log(message: str) -> None:
-    """A progress line, from process 0 only."""
-    if sharding.is_main_process():
-        print(message, flush=True)
-
-
-def _count(params: Any) -> int:
-    return int(sum(np.size(x) for x in jax.tree.leaves(params)))

@@ -14,7 +14,7 @@ uninterrupted run's bit for bit.
 In-process, on a finished run's checkpoints: a partial temporary directory
 is ignored; a garbled or truncated newest checkpoint falls back to the
 previous one. And SIGTERM, sent by the run to itself, saves at the next
-step boundary and raises ``train.Preempted``.
+step boundary and raises ``preemption.Preempted``.
 """
 
 import glob
@@ -37,6 +37,8 @@ from configs import default
 from lmhead import checkpoints
 from lmhead import data
 from lmhead import generation
+from lmhead import monitoring
+from lmhead import preemption
 from lmhead import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,7 +107,7 @@ def garble(step_dir):
 def read_metrics(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [{k: v for k, v in json.loads(line).items()
-                 if k not in train.MEASURED_METRICS} for line in f]
+                 if k not in monitoring.MEASURED_METRICS} for line in f]
 
 
 def finish(corpus, workdir):
@@ -234,10 +236,10 @@ def test_sigterm_saves_at_the_next_step_boundary(corpus, tmp_path, monkeypatch):
         if message.startswith("step 5/"):
             os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(train, "_log", log_then_terminate)
+    monkeypatch.setattr(monitoring, "log", log_then_terminate)
     handler = signal.getsignal(signal.SIGTERM)
     workdir = str(tmp_path / "run")
-    with pytest.raises(train.Preempted,
+    with pytest.raises(preemption.Preempted,
                        match="Stopped by SIGTERM at step 5; its checkpoint"):
         train.train_and_evaluate(
             tiny_run(corpus, **{"train.checkpoint_every": 10}), workdir)

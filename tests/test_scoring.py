@@ -13,7 +13,7 @@ import pytest
 import lmhead
 from lmhead import data
 from lmhead import decoding
-from lmhead import generation
+from lmhead import scoring
 from lmhead import head
 from lmhead import model as model_lib
 from tests.test_experiments import run
@@ -78,7 +78,7 @@ def test_markov_chain_by_hand():
         lmhead.sequence_log_prob(logits, jnp.asarray(tokens[None, 1:])), [by_hand],
         rtol=1e-6)
     for window, stride in ((4, 4), (2, 1), (2, 2), (3, 2), (1, 1)):
-        scores = generation.strided_log_probs(
+        scores = scoring.strided_log_probs(
             chain_logits, jnp.log(CHAIN), tokens, window=window, stride=stride,
             batch_size=2)
         np.testing.assert_allclose(
@@ -115,8 +115,8 @@ def test_strided_scores_use_the_context_each_window_gives(tiny_model):
     tokens = np.random.default_rng(1).integers(0, 13, 21).astype(np.int32)
     for text, stride in ((tokens[:window + 1], 3), (tokens, 1), (tokens, 3),
                          (tokens, window)):
-        scores = generation.strided_log_probs(
-            generation.ModelLogits(model), params, text, window=window,
+        scores = scoring.strided_log_probs(
+            scoring.ModelLogits(model), params, text, window=window,
             stride=stride, batch_size=3)
         targets = np.arange(1, len(text))
         starts = np.maximum(0, -(-(targets - window) // stride)) * stride
@@ -128,9 +128,9 @@ def test_strided_scores_use_the_context_each_window_gives(tiny_model):
         np.testing.assert_allclose(scores, rows[np.arange(len(targets)), text[1:]],
                                    rtol=1e-5, atol=1e-5, err_msg=f"stride={stride}")
     fits = tokens[:window + 1]
-    single = generation.strided_log_probs(generation.ModelLogits(model), params, fits,
+    single = scoring.strided_log_probs(scoring.ModelLogits(model), params, fits,
                                           window=window, stride=1)
-    strided = generation.strided_log_probs(generation.ModelLogits(model), params,
+    strided = scoring.strided_log_probs(scoring.ModelLogits(model), params,
                                            fits, window=window, stride=window)
     np.testing.assert_array_equal(single, strided)
 
@@ -143,7 +143,7 @@ def test_scores_of_samples_are_the_log_probs_generate_returned(tiny_model):
         model_lib.make_step_fn(model), params, logits, cache,
         key=jax.random.key(7), max_new_tokens=5, temperature=1.0)
     text = np.concatenate([prompt[0], tokens[0]])
-    scores = generation.strided_log_probs(generation.ModelLogits(model), params,
+    scores = scoring.strided_log_probs(scoring.ModelLogits(model), params,
                                           text, window=model.max_len)
     np.testing.assert_allclose(scores[-5:], log_probs[0], rtol=1e-5, atol=1e-5)
 
@@ -151,7 +151,7 @@ def test_scores_of_samples_are_the_log_probs_generate_returned(tiny_model):
 def test_score_text_summary_and_bad_input(tiny_model, tmp_path):
     model, params = tiny_model
     tokenizer = data.CharTokenizer("abcdefghij klm")
-    score = generation.score_text(model, params, tokenizer, "abc defgh ijk a",
+    score = scoring.score_text(model, params, tokenizer, "abc defgh ijk a",
                                   name="s", stride=2)
     assert len(score.log_probs) == 14 and score.num_characters == 14
     assert score.token_texts[:3] == ["b", "c", " "]
@@ -162,22 +162,22 @@ def test_score_text_summary_and_bad_input(tiny_model, tmp_path):
          summary["perplexity_per_token"]],
         [nats, nats / 14 / math.log(2), math.exp(nats / 14)], rtol=1e-9)
     path = tmp_path / "tokens.tsv"
-    tab = generation.TextScore("t", ["a\tb", "\n"], np.array([-1.0, -2.0]), 3)
-    generation.write_token_table(str(path), [tab])
+    tab = scoring.TextScore("t", ["a\tb", "\n"], np.array([-1.0, -2.0]), 3)
+    scoring.write_token_table(str(path), [tab])
     assert path.read_text() == "name\ttoken\tlog_prob\nt\ta\\tb\t-1.000000\nt\t\\n\t-2.000000\n"
     with pytest.raises(ValueError, match="the text is empty"):
-        generation.score_text(model, params, tokenizer, "")
+        scoring.score_text(model, params, tokenizer, "")
     with pytest.raises(ValueError, match=r"Characters outside the vocabulary: \['z'\]"):
-        generation.score_text(model, params, tokenizer, "abz")
+        scoring.score_text(model, params, tokenizer, "abz")
     with pytest.raises(ValueError, match="at least 2 tokens"):
-        generation.score_text(model, params, tokenizer, "a")
+        scoring.score_text(model, params, tokenizer, "a")
     with pytest.raises(ValueError, match=r"stride must be in \[1, window=8\]; got 9"):
-        generation.score_text(model, params, tokenizer, "abc", stride=9)
+        scoring.score_text(model, params, tokenizer, "abc", stride=9)
     with pytest.raises(ValueError, match="token scores are not finite"):
-        generation.strided_log_probs(generation.ModelLogits(model), params,
+        scoring.strided_log_probs(scoring.ModelLogits(model), params,
                                      np.array([0, 1, 13]), window=8)
     with pytest.raises(FileNotFoundError, match="no such file"):
-        generation.read_texts([str(tmp_path / "missing.txt")], [])
+        scoring.read_texts([str(tmp_path / "missing.txt")], [])
 
 
 @pytest.mark.slow

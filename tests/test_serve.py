@@ -20,6 +20,7 @@ from lmhead import batching
 from lmhead import decoding
 from lmhead import generation
 from lmhead import model as model_lib
+from lmhead import scoring
 from lmhead import service
 from lmhead import serving
 from lmhead import train
@@ -130,7 +131,7 @@ def test_score_equals_score_text(run, url):
     response = post(url, "/v1/score", {"text": text, "stride": 4})
     assert response.status_code == 200, response.text
     got = response.json()
-    expected = generation.score_text(*run, text, stride=4)
+    expected = scoring.score_text(*run, text, stride=4)
     np.testing.assert_allclose(got["log_probs"], expected.log_probs, atol=1e-5)
     assert got["token_texts"] == expected.token_texts
     summary = expected.summary()

@@ -325,10 +325,10 @@ def reference_run(workdir):
 
 
 def read_metrics(workdir):
-    from lmhead import train
+    from lmhead import monitoring
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [{k: v for k, v in json.loads(line).items()
-                 if k not in train.MEASURED_METRICS} for line in f]
+                 if k not in monitoring.MEASURED_METRICS} for line in f]
 
 
 def main(workdir):

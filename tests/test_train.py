@@ -28,6 +28,7 @@ from lmhead import config_checks
 from lmhead import data
 from lmhead import evaluation
 from lmhead import generation
+from lmhead import monitoring
 from lmhead import train
 from tests import references
 
@@ -40,7 +41,7 @@ def tiny_config(**overrides):
     return config
 
 
-def read_metrics(workdir, drop=train.MEASURED_METRICS):
+def read_metrics(workdir, drop=monitoring.MEASURED_METRICS):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [{k: v for k, v in json.loads(line).items() if k not in drop}
                 for line in f]
@@ -107,7 +108,8 @@ class TestTraining:
                 jax.default_backend() != "cpu")
             assert set(record) - {"step"} <= {
                 f"train/{k}" for k in ("loss", "nll", "accuracy", "grad_norm",
-                                       "learning_rate")} | set(train.MEASURED_METRICS)
+                                       "learning_rate")} | set(
+                                           monitoring.MEASURED_METRICS)
         summary = runs["summary"]
         assert 0 < summary["step_ms_p50"] <= summary["step_ms_p90"]
         assert summary["memory"]["host_peak_rss_bytes"] > 2**20

@@ -124,7 +124,7 @@ class Engine:
             self._step_fn, self.params, logits, cache, key=key,
             max_new_tokens=num_new, prompt_tokens=history,
             repetition_penalty=np.float32(requests[0].repetition_penalty),
-            eos_id=self.tokenizer.eos_id, **knobs))
+            eos_id=self.tokenizer.eos_id, donate_state=True, **knobs))
         results = [[] for _ in requests]
         for row, (index, p) in enumerate(owners):
             request = requests[index]

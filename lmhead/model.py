@@ -494,8 +494,9 @@ def init_cache(model: DecoderLM, batch_size: int) -> DecodeCache:
         (2, (3, 4, 64, 32), Array([0, 0, 0], dtype=int32))
     """
     shape = (batch_size, model.num_heads, model.max_len, model.d_model // model.num_heads)
-    layers = tuple(jnp.zeros(shape, model.dtype) for _ in range(model.num_layers))
-    return DecodeCache(keys=layers, values=layers,
+    # Distinct arrays for keys and values, so that the cache can be donated.
+    layers = lambda: tuple(jnp.zeros(shape, model.dtype) for _ in range(model.num_layers))
+    return DecodeCache(keys=layers(), values=layers(),
                        index=jnp.zeros((batch_size,), jnp.int32))
 
 

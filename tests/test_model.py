@@ -450,6 +450,25 @@ def test_decoding_compiles_once_for_any_parameters_and_embeds_none():
     assert sizes and max(sizes) < WIDTH, sorted(sizes)[-5:]
 
 
+def test_greedy_decoding_with_a_donated_cache_matches_recomputation():
+    """With ``donate_state=True`` the loop writes the prefilled cache in place:
+    ragged rows still decode the argmax of the full model's recomputation, and
+    the caller's cache is consumed."""
+    model = small_model()
+    params = init_params(model, noise=0.5)
+    prompt, lengths, new = random_tokens((2, 5), seed=6), np.array([5, 3]), 6
+    logits, cache = model_lib.prefill(model, params, prompt, lengths,
+                                      max_new_tokens=new)
+    tokens = np.asarray(decoding.generate(
+        model_lib.make_step_fn(model), params, logits, cache, key=jax.random.key(0),
+        max_new_tokens=new, temperature=0.0, donate_state=True)[0])
+    for row, length in enumerate(lengths):
+        sequence = np.concatenate([np.asarray(prompt)[row, :length], tokens[row]])
+        full = model.apply({"params": params}, jnp.asarray(sequence[None, :-1]))
+        np.testing.assert_array_equal(np.argmax(full[0, length - 1:], -1), tokens[row])
+    assert all(leaf.is_deleted() for leaf in cache.keys + cache.values)
+
+
 def test_sown_attention_weights_match_numpy_from_the_layers_queries_and_keys():
     """Each layer's sown weights are the causal softmax of q k^T / sqrt(Dh)
     computed here from that layer's qkv output (captured by Flax, not sown),

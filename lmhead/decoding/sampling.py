@@ -1,6 +1,5 @@
 """Greedy decoding and sampling: :func:`generate`, one ``lax.while_loop``."""
 
-import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -115,10 +114,11 @@ def _sampling_step(s: SamplingState, *, step_fn: StepFn, params: Any,
     return new._replace(logits=logits, model_state=model_state)
 
 
-@functools.partial(jax.jit, static_argnames=("step_fn", "config"))
-def _sampling_loop(step_fn: StepFn, params: Any, logits: jax.Array, model_state: Any,
-                   key: jax.Array, history: jax.Array | None,
-                   knobs: _SamplingKnobs, config: _SamplingConfig):
+def _run_sampling_loop(step_fn: StepFn, params: Any, logits: jax.Array,
+                       model_state: Any, key: jax.Array, history: jax.Array | None,
+                       knobs: _SamplingKnobs, config: _SamplingConfig):
+    """Tokens, log-probs, lengths, and the final model state (returned so that
+    a donated state's buffers can alias it and be updated in place)."""
     batch, num_new = logits.shape[0], config.max_new_tokens
     init = SamplingState(
         step=jnp.zeros((), jnp.int32), logits=logits, model_state=model_state,
@@ -129,7 +129,15 @@ def _sampling_loop(step_fn: StepFn, params: Any, logits: jax.Array, model_state:
     body = lambda s: _sampling_step(s, step_fn=step_fn, params=params, knobs=knobs,
                                     config=config)
     final = jax.lax.while_loop(_sampling_continues, body, init)
-    return final.tokens, final.log_probs, final.lengths
+    return final.tokens, final.log_probs, final.lengths, final.model_state
+
+
+_STATIC = ("step_fn", "config")
+_sampling_loop = jax.jit(_run_sampling_loop, static_argnames=_STATIC)
+# Without donation the loop must first copy the caller's state into buffers
+# it may write: for a key/value cache, a cost that follows its capacity.
+_donating_sampling_loop = jax.jit(_run_sampling_loop, static_argnames=_STATIC,
+                                  donate_argnames="model_state")
 
 
 def _sampling_knobs(batch, temperature, top_k, top_p, min_p, repetition_penalty,
@@ -199,6 +207,7 @@ def generate(
     pad_id: int = 0,
     num_samples: int = 1,
     prompt_tokens: jax.typing.ArrayLike | None = None,
+    donate_state: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     r"""Greedy decoding or sampling, with any combination of the processors.
 
@@ -226,9 +235,9 @@ def generate(
     Static arguments (changing them recompiles): ``step_fn`` (by hash),
     ``max_new_tokens``, ``num_samples``, the shapes of ``logits``, ``state``
     and ``prompt_tokens``, which processors are on (None or not),
-    ``no_repeat_ngram_size``, ``suppress_tokens``, ``eos_id`` and ``pad_id``.
-    ``params``, and the values of ``temperature`` (0 included), ``top_k``,
-    ``top_p``, ``min_p``, ``repetition_penalty``, ``min_new_tokens`` and
+    ``no_repeat_ngram_size``, ``suppress_tokens``, ``eos_id``, ``pad_id`` and
+    ``donate_state``. ``params``, and the values of ``temperature`` (0
+    included), ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``min_new_tokens`` and
     ``key`` are traced: changing them does not recompile. Inside an outer ``jit`` they
     cannot be checked; the processors' documented rules apply.
 
@@ -254,6 +263,15 @@ def generate(
         prompt_tokens: ``int [B, P]``, the prompts, read by the repetition
             penalty and the n-gram filter (negative ids are padding, at either
             end). None: those processors see only the generated tokens.
+        donate_state: True hands ``state``'s buffers (each leaf a distinct
+            array) to the loop, which updates them in place and deletes the
+            caller's arrays (on a backend that supports donation). False
+            keeps ``state`` usable but copies it whole first, a per-call cost
+            that grows with a cache's capacity, not its filled length: pass
+            True for a state made for this call alone, such as
+            :func:`lmhead.model.prefill`'s. With ``num_samples > 1`` the loop
+            always updates its own repeated copy in place. Inside an outer
+            ``jit`` it changes nothing.
 
     Returns:
         ``tokens int32 [B*S, N]``, ``log_probs float32 [B*S, N]`` and
@@ -302,4 +320,7 @@ def generate(
                               else int(no_repeat_ngram_size)),
         suppress_tokens=suppress_tokens,
         eos_id=None if eos_id is None else int(eos_id), pad_id=int(pad_id))
-    return _sampling_loop(step_fn, params, logits, state, key, history, knobs, config)
+    # The repeated state of num_samples > 1 is the loop's own to write.
+    loop = (_donating_sampling_loop if donate_state or num_samples > 1
+            else _sampling_loop)
+    return loop(step_fn, params, logits, state, key, history, knobs, config)[:3]

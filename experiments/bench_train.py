@@ -83,15 +83,6 @@ flags.DEFINE_bool("quick", False, "3 rounds of 3 steps and a 256 matmul: "
 FLAGS = flags.FLAGS
 
 WARMUP_STEPS = 5
-CONFIG_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
-    __file__))), "configs", "default.py")
-
-
-def get_config(arg: str):
-    spec = importlib.util.spec_from_file_location("default_config", CONFIG_FILE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
 
 
 def model_flops_per_token(config, vocab_size: int) -> float:
@@ -173,10 +164,7 @@ def nanogpt_incompatibility(config) -> str | None:
 def nanogpt_program(path: str, config, vocab_size: int, batches):
     """``run(batches)`` of nanoGPT's training step (model.py from ``path``)."""
     import torch  # only here: torch is a peer, not a dependency
-    spec = importlib.util.spec_from_file_location(
-        "nanogpt_model", os.path.join(path, "model.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = config_checks.load_module(os.path.join(path, "model.py"))
     torch.set_num_threads(cpu_count())
     torch.manual_seed(0)
     m, o = config.model, config.optim
@@ -224,7 +212,7 @@ def alternate(programs: dict, batches, matmul, rounds: int) -> dict:
 
 def bench(arg: str, loss_impls: list[str], device_counts: list[int],
           nanogpt: str | None, steps: int, rounds: int, matmul) -> None:
-    config = get_config(arg)
+    config = config_checks.load_config(arg)
     config_checks.validate_config(config)
     dataset = data.load_dataset(config.data)
     batches = [data.train_batch(dataset.train_tokens, seed=0, step=s,

@@ -35,6 +35,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
+from lmhead import config_checks
 from lmhead import data
 from lmhead import stats as stats_lib
 from lmhead import study_report
@@ -318,7 +319,7 @@ def study_design(sweep_dir: str, spec: str | None):
     if spec is None:
         return None
     file, arg = sweeps.split_spec(spec)
-    module = sweeps.load_module(file)
+    module = config_checks.load_module(file)
     return module.get_study(arg) if hasattr(module, "get_study") else None
 
 

@@ -183,10 +183,16 @@ def load_config(arg: str | None = None, path: str = CONFIG_FILE
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such config file (lmhead reads "
                                 "configs/default.py from its repository).")
-    spec = importlib.util.spec_from_file_location("config_file", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
+    return load_module(path).get_config(arg)
+
+
+def load_module(path: str):
+    """Imports the Python file ``path`` (a config or sweep file) as a module."""
+    module_spec = importlib.util.spec_from_file_location(
+        os.path.splitext(os.path.basename(path))[0], path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
 
 
 @functools.cache

@@ -25,7 +25,6 @@ over seeds (``stats.mean_std``, ``stats.paired_difference``), for
 
 import dataclasses
 import hashlib
-import importlib.util
 import inspect
 import itertools
 import json
@@ -33,7 +32,7 @@ import os
 import re
 from typing import Any, Sequence
 
-from lmhead.config_checks import flatten
+from lmhead.config_checks import flatten, load_module
 
 SWEEP_FILE = "sweep.json"  # in the sweep directory: the runs and their commands
 STATUS_FILE = "status.json"  # in a run's workdir: how its last process exited
@@ -185,15 +184,6 @@ def split_spec(spec: str) -> tuple[str, str | None]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--sweep: no sweep file {path!r}.")
     return path, arg or None
-
-
-def load_module(path: str):
-    """Imports the Python file ``path`` (a config or sweep file) as a module."""
-    module_spec = importlib.util.spec_from_file_location(
-        os.path.splitext(os.path.basename(path))[0], path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
 
 
 # --- Run names and commands -------------------------------------------------

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from lmhead import config_checks
 from lmhead import stats as stats_lib
 from lmhead import study
 from lmhead import sweeps
@@ -296,7 +297,7 @@ def write_study_run(workdir, planned, design):
 def study_report(tmp_path_factory):
     """A synthetic study directory (both stages), reported through report.py."""
     root = tmp_path_factory.mktemp("study")
-    design = sweeps.load_module(STUDY_SPEC.split(":")[0]).get_study("tiny,seeds=3")
+    design = config_checks.load_module(STUDY_SPEC.split(":")[0]).get_study("tiny,seeds=3")
     chosen = {c: STUDY_CHOSEN_LR[c.arm] for c in design.cells()}
     planned = design.tuning_runs() + design.seed_runs(chosen)
     for run, name in zip(planned, design.names(planned)):

@@ -122,3 +122,17 @@ def check_logits(logits: jax.typing.ArrayLike) -> None:
     if np.shape(logits)[-1] < 1:
         raise ValueError(f"logits must have shape [..., V] with V >= 1; got "
                          f"shape {np.shape(logits)}.")
+
+
+def check_ids_in_range(name: str, ids: Any, weights: Any, vocab_size: int,
+                       note: str = "") -> None:
+    """Concrete ``ids`` outside ``[0, V)`` where ``weights`` (None: all) are
+    nonzero raise ValueError naming ``name``; traced ones are the caller's rule."""
+    if is_traced(ids) or is_traced(weights):
+        return
+    ids = np.asarray(ids)
+    live = np.ones(ids.shape, bool) if weights is None else np.asarray(weights) != 0
+    bad = live & ((ids < 0) | (ids >= vocab_size))
+    if np.any(bad):
+        raise ValueError(f"{name} must be in [0, {vocab_size}) wherever weights are "
+                         f"nonzero; got {ids[bad].ravel()[0]}.{note}")

@@ -332,7 +332,7 @@ def token_log_probs(logits: jax.typing.ArrayLike, tokens: jax.typing.ArrayLike,
     if weights is not None and jnp.shape(weights) != jnp.shape(tokens):
         raise ValueError(f"weights must have the shape of tokens "
                          f"{jnp.shape(tokens)}; got {jnp.shape(weights)}.")
-    _check_token_range(tokens, weights, vocab_size)
+    _checks.check_ids_in_range("tokens", tokens, weights, vocab_size)
     logits = jnp.asarray(logits, jnp.float32)
     tokens = jnp.asarray(tokens)
     index = jnp.clip(tokens, 0, vocab_size - 1)[..., None]
@@ -366,17 +366,3 @@ def sequence_log_prob(logits: jax.typing.ArrayLike, tokens: jax.typing.ArrayLike
         Array([0.4], dtype=float32)
     """
     return jnp.sum(token_log_probs(logits, tokens, weights), axis=-1)
-
-
-def _check_token_range(tokens, weights, vocab_size: int) -> None:
-    """Concrete tokens outside ``[0, V)`` with a nonzero weight raise ValueError."""
-    if _checks.is_traced(tokens) or _checks.is_traced(weights):
-        return
-    tokens = np.asarray(tokens)
-    live = np.ones(tokens.shape, bool) if weights is None else (
-        np.asarray(weights) != 0)
-    bad = live & ((tokens < 0) | (tokens >= vocab_size))
-    if np.any(bad):
-        raise ValueError(
-            f"tokens must be in [0, {vocab_size}) wherever weights are nonzero;"
-            f" got {tokens[bad].ravel()[0]}.")

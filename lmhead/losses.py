@@ -67,17 +67,10 @@ def check_labels_and_weights(labels: jax.typing.ArrayLike,
             raise ValueError(
                 "weights must be finite and >= 0 (0 for padding); got "
                 f"{np.asarray(weights)[bad_weights].ravel()[0]}.")
-    if _checks.is_traced(labels) or _checks.is_traced(weights):
-        return
-    labels = np.asarray(labels)
-    live = np.ones(labels.shape, bool) if weights is None else (
-        np.asarray(weights) != 0)
-    bad = live & ((labels < 0) | (labels >= vocab_size))
-    if np.any(bad):
-        raise ValueError(
-            f"labels must be in [0, {vocab_size}) wherever weights are nonzero;"
-            f" got {labels[bad].ravel()[0]}. (Inside jit such labels get weight"
-            " 0 and are counted in metrics['invalid_labels'].)")
+    _checks.check_ids_in_range(
+        "labels", labels, weights, vocab_size,
+        note=" (Inside jit such labels get weight 0 and are counted in "
+             "metrics['invalid_labels'].)")
 
 
 def check_labels(labels: jax.typing.ArrayLike, vocab_size: int) -> None:

@@ -18,6 +18,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
+from lmhead import config_checks
 from lmhead import study
 from lmhead import sweeps
 
@@ -136,6 +137,17 @@ def test_override_flags_reject_none():
         sweeps.override_flags({"data.vocab_size": None})
 
 
+def parsed_train_config(argv, monkeypatch) -> dict:
+    """The flat config that experiments/train.py's flags give for ``argv``."""
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", flag_values=flag_values)
+    flags.DEFINE_string("workdir", None, "", flag_values=flag_values)
+    # config_flags finds the --config.* overrides in sys.argv.
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    flag_values(sys.argv)
+    return sweeps.flatten(flag_values.config.to_dict())
+
+
 @pytest.mark.parametrize("sweep_file,num_runs", [("tied_vs_untied_large.py", 60)])
 def test_sweep_files_set_existing_knobs_and_parse_as_train_flags(sweep_file, num_runs,
                                                                  monkeypatch):
@@ -148,13 +160,7 @@ def test_sweep_files_set_existing_knobs_and_parse_as_train_flags(sweep_file, num
     for run in (overrides[0], overrides[-1]):
         argv = sweeps.train_command(base, "unused", run, python="python", script="x",
                                     config_file=DEFAULT_CONFIG)[2:]
-        flag_values = flags.FlagValues()
-        config_flags.DEFINE_config_file("config", flag_values=flag_values)
-        flags.DEFINE_string("workdir", None, "", flag_values=flag_values)
-        # config_flags finds the --config.* overrides in sys.argv.
-        monkeypatch.setattr(sys, "argv", ["train.py", *argv])
-        flag_values(sys.argv)
-        flat = sweeps.flatten(flag_values.config.to_dict())
+        flat = parsed_train_config(argv, monkeypatch)
         assert {k: flat[k] for k in run} == run
         assert flat["train.steps"] == int(base.rsplit("steps=", 1)[1])
 
@@ -182,7 +188,7 @@ STUDY = os.path.join(SWEEP_CONFIGS, "tying_study.py")
 
 
 def study_module():
-    return sweeps.load_module(STUDY)
+    return config_checks.load_module(STUDY)
 
 
 def model_param_count(base, shape_overrides, vocab_size):
@@ -190,7 +196,7 @@ def model_param_count(base, shape_overrides, vocab_size):
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     from lmhead import train  # pylint: disable=import-outside-toplevel
-    config = sweeps.load_module(DEFAULT_CONFIG).get_config(base)
+    config = config_checks.load_module(DEFAULT_CONFIG).get_config(base)
     config.unlock()
     for key, value in shape_overrides.items():
         section, name = key.split(".")
@@ -332,19 +338,14 @@ def test_study_presets_and_argument_errors():
 
 def test_study_commands_parse_as_train_flags(monkeypatch):
     """Shared and per-run overrides name config keys that exist, with their types."""
-    config = sweeps.load_module(DEFAULT_CONFIG).get_config("nanogpt")
+    config = config_checks.load_module(DEFAULT_CONFIG).get_config("nanogpt")
     if "split" not in config.data:
         pytest.skip("configs/default.py has no data.split yet (training-loop features).")
     base, overrides, shared = sweeps.load_sweep(f"{STUDY}:stage=tune")
     for run in (overrides[0], overrides[-1]):
         argv = sweeps.train_command(base, "unused", run, python="python", script="x",
                                     config_file=DEFAULT_CONFIG, shared=shared)[2:]
-        flag_values = flags.FlagValues()
-        config_flags.DEFINE_config_file("config", flag_values=flag_values)
-        flags.DEFINE_string("workdir", None, "", flag_values=flag_values)
-        monkeypatch.setattr(sys, "argv", ["train.py", *argv])
-        flag_values(sys.argv)
-        flat = sweeps.flatten(flag_values.config.to_dict())
+        flat = parsed_train_config(argv, monkeypatch)
         assert {k: flat[k] for k in {**shared, **run}} == {**shared, **run}
 
 

@@ -9,12 +9,18 @@ of which has a leading batch axis, so that ``lmhead.decoding`` can tile it for
 beams. :func:`prefill` runs a prompt once and sends only each row's last
 position through the head; :func:`make_step_fn` gives the
 ``step_fn(params, tokens, cache) -> (logits, cache)`` the decoders call, with
-a ``reorder`` for beam search that copies only the filled part of the cache.
+a ``reorder`` for beam search that moves no keys or values: each row keeps a
+pointer per slot to the cache row that holds it (``DecodeCache.rows``), and
+a reorder permutes those pointers.
 
 A step costs what the cache holds, not its capacity: attention reads the
 first ``S`` slots only, ``S`` the smallest of the spans 64, 128, 256, ...,
 ``max_len`` that covers the longest row (:func:`attention_spans`), chosen by
-a ``lax.switch`` whose branches slice the cache statically.
+a ``lax.switch``. Each layer's cache is stored in pieces, one per span's
+growth (:func:`cache_segments`: 64, 64, 128, 256, ... slots), so that a span
+is a whole number of arrays that attention's matmuls read as they lie: on
+XLA:CPU, slicing a span out of one ``[B, H, max_len, Dh]`` array copies it
+at every step, which cost more than the attention itself.
 
 Each attention layer sows its softmax weights into the ``"intermediates"``
 collection, which :func:`attention_weights` reads; an ``apply`` that does not
@@ -61,7 +67,7 @@ ROPE_BASE = 10000.0
 # Masked attention scores; finite so that a fully masked row cannot give NaN.
 NEG_INF = -1e30
 # The shortest span of cache slots that cached attention reads; the others
-# double up to max_len. Also the block size of beam search's cache reorder.
+# double up to max_len.
 MIN_SPAN = 64
 # The params entry of a tied model's inference-only head table.
 HEAD_TABLE = "head_table"
@@ -71,18 +77,29 @@ class DecodeCache(NamedTuple):
     """Key/value cache of a :class:`DecoderLM`; every leaf has leading axis B.
 
     Attributes:
-        keys: ``num_layers`` arrays ``[B, H, max_len, Dh]`` (compute dtype):
-            each layer's attention keys (rotated, with RoPE) at every position
-            written so far. Slots at or after ``index[b]`` are unused.
-        values: ``num_layers`` arrays ``[B, H, max_len, Dh]``, the values.
-            Heads before slots, so that attention's batched matmuls over
-            ``(B, H)`` read the cache as it lies, without a transpose of it.
+        keys: ``num_layers`` tuples of arrays ``[B, H, n_j, Dh]`` (compute
+            dtype), the pieces of :func:`cache_segments` in order: each layer's
+            attention keys (rotated, with RoPE) at every position written so
+            far, slot ``s`` in the piece that covers it. Slots at or after
+            ``index[b]`` are unused. :func:`cached_keys_values` joins them.
+        values: the values, stored as ``keys``. Heads before slots, so that
+            attention's batched matmuls over ``(B, H)`` read the cache as it
+            lies, without a transpose of it.
         index: ``int32[B]``: how many positions of row ``b`` are in the cache,
             which is also the position of the row's next token.
+        rows: None (every row's slots are its own), or ``int32[B, max_len]``:
+            row ``b``'s key and value at slot ``s`` are those that cache row
+            ``rows[b, s]`` holds at slot ``s``. Beam search's reorder
+            (:func:`reorder_cache`) permutes these pointers instead of the
+            keys and values, so that beams share the slots of their common
+            prefix, as a tree. Slot ``s`` of a row is written once, when that
+            row is at position ``s``, and never changed after, so every
+            pointer stays valid.
     """
     keys: tuple[jax.Array, ...]
     values: tuple[jax.Array, ...]
     index: jax.Array
+    rows: jax.Array | None = None
 
 
 def _rotate(x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -120,13 +137,15 @@ def _layer_norm(use_bias: bool, dtype: Any, name: str | None = None) -> nn.Layer
                         name=name)
 
 
-def _attention_weights(query: jax.Array, key: jax.Array, mask: jax.Array,
-                       keys_layout: str = "bshd") -> jax.Array:
+def _attention_weights(query: jax.Array, keys: tuple[jax.Array, ...],
+                       mask: jax.Array, keys_layout: str = "bshd") -> jax.Array:
     """float32 softmax weights ``[B, H, T, S]`` of ``query [B, T, H, Dh]`` over
-    ``key [B, S, H, Dh]`` (or ``[B, H, S, Dh]`` with ``keys_layout="bhsd"``)
-    where ``mask: bool [B | 1, T, S]`` is True."""
-    scores = jnp.einsum(f"bthd,{keys_layout}->bhts", query, key,
-                        preferred_element_type=jnp.float32)
+    the concatenation of ``keys``, pieces ``[B, S_j, H, Dh]`` (or ``[B, H, S_j,
+    Dh]`` with ``keys_layout="bhsd"``), where ``mask: bool [B | 1, T, S]`` is
+    True."""
+    scores = jnp.concatenate(
+        [jnp.einsum(f"bthd,{keys_layout}->bhts", query, key,
+                    preferred_element_type=jnp.float32) for key in keys], axis=-1)
     scores = jnp.where(mask[:, None], scores / math.sqrt(query.shape[-1]), NEG_INF)
     return jax.nn.softmax(scores, axis=-1)
 
@@ -144,35 +163,82 @@ def attention_spans(max_len: int) -> tuple[int, ...]:
     return tuple(spans)
 
 
-def _attend_filled(query: jax.Array, keys: jax.Array, values: jax.Array,
+def cache_segments(max_len: int) -> tuple[int, ...]:
+    """The lengths of the pieces a layer's cache is stored in: the first
+    span, then what each next span adds (:func:`attention_spans`).
+
+    Examples:
+        >>> cache_segments(1024), cache_segments(100), cache_segments(16)
+        ((64, 64, 128, 256, 512), (64, 36), (16,))
+    """
+    spans = attention_spans(max_len)
+    return spans[:1] + tuple(b - a for a, b in zip(spans, spans[1:]))
+
+
+def _write_slots(pieces: tuple[jax.Array, ...], new: jax.Array,
+                 positions: jax.Array) -> tuple[jax.Array, ...]:
+    """``pieces`` (:func:`cache_segments`) with ``new [B, T, H, Dh]`` written
+    at slots ``positions [B, T]`` of each row; slots past the end are dropped."""
+    rows = jnp.arange(new.shape[0])[:, None]
+    written, start = [], 0
+    for piece in pieces:
+        size = piece.shape[2]
+        inside = (positions >= start) & (positions < start + size)
+        # Slot `size` is out of bounds: positions in other pieces are dropped.
+        local = jnp.where(inside, positions - start, size)
+        written.append(piece.at[rows, :, local].set(new, mode="drop"))
+        start += size
+    return tuple(written)
+
+
+def _attend_filled(query: jax.Array, keys: tuple[jax.Array, ...],
+                   values: tuple[jax.Array, ...], rows: jax.Array | None,
                    positions: jax.Array, dtype: Any) -> jax.Array:
     """Attention of ``query [B, T, H, Dh]`` at ``positions [B, T]`` over the
     cache slots ``<=`` each position: ``[B, T, H, Dh]``.
 
-    Only the first ``S`` slots are read, ``S`` the shortest span that holds the
-    longest row. Length buckets rather than a loop over blocks with an online
-    softmax (flash decoding), chosen by measurement (experiments/bench_decode.py,
+    ``keys`` and ``values`` are one layer's pieces (:func:`cache_segments`);
+    with ``rows`` (see :class:`DecodeCache`) row ``b``'s slot ``s`` is read
+    from cache row ``rows[b, s]``. Only the first ``S`` slots are read, ``S``
+    the shortest span that holds the longest row: the first pieces, whole.
+    Length buckets rather than a loop over blocks with an online softmax
+    (flash decoding), chosen by measurement (experiments/bench_decode.py,
     CPU): at the same filled length both keep the step's cost nearly flat in
-    ``max_len``, where a full-length pass costs 4x more at 1024 than at 256,
-    but the block loop pays its per-iteration overhead and rescaling on every
-    block and was the slower and less steady of the two, most of all for beam
-    search at batch 8. A bucket is one plain softmax, the same arithmetic as
-    the training path, and reads at most twice the filled length.
+    ``max_len``, but the block loop pays its per-iteration overhead and
+    rescaling on every block and was the slower and less steady of the two. A
+    bucket is one plain softmax, the same arithmetic as the training path,
+    and reads at most twice the filled length.
     """
-    def attend(span):
+    sizes = [piece.shape[2] for piece in keys]
+    starts = np.cumsum([0] + sizes[:-1])
+    heads = jnp.arange(keys[0].shape[1])[None, :, None]
+
+    def read(pieces, j):
+        if rows is None:
+            return pieces[j]
+        # [B, H, n_j, Dh]: row b's own slots, wherever they lie.
+        local = jnp.arange(sizes[j])
+        return pieces[j][rows[:, None, starts[j] + local], heads, local]
+
+    def attend(count):
         def branch():
+            span = starts[count - 1] + sizes[count - 1]
             visible = jnp.arange(span) <= positions[:, :, None]
-            weights = _attention_weights(query, keys[:, :, :span], visible, "bhsd")
-            return jnp.einsum("bhts,bhsd->bthd", weights.astype(dtype),
-                              values[:, :, :span].astype(dtype))
+            weights = _attention_weights(
+                query, [read(keys, j) for j in range(count)], visible, "bhsd")
+            weights = weights.astype(dtype)
+            return sum(jnp.einsum("bhts,bhsd->bthd",
+                                  weights[..., starts[j]:starts[j] + sizes[j]],
+                                  read(values, j).astype(dtype))
+                       for j in range(count))
         return branch
 
-    spans = attention_spans(keys.shape[2])
-    if len(spans) == 1:
-        return attend(spans[0])()
+    if len(sizes) == 1:
+        return attend(1)()
     needed = jnp.max(positions) + 1
-    which = jnp.minimum(jnp.searchsorted(jnp.asarray(spans), needed), len(spans) - 1)
-    return jax.lax.switch(which, [attend(span) for span in spans])
+    spans = jnp.asarray(starts[1:].tolist() + [starts[-1] + sizes[-1]])
+    which = jnp.minimum(jnp.searchsorted(spans, needed), len(sizes) - 1)
+    return jax.lax.switch(which, [attend(count) for count in range(1, len(sizes) + 1)])
 
 
 class CausalSelfAttention(nn.Module):
@@ -188,9 +254,11 @@ class CausalSelfAttention(nn.Module):
     def __call__(self, x, positions, mask, cache, *, train):
         """x: [B, T, D]; positions: int [B, T]; cache: None (keys are this
         call's T positions, masked by mask: bool [B | 1, T, T]) or a layer's
-        (keys, values), each [B, H, max_len, Dh], into which this call writes
-        its T positions and whose slots up to each query's position it reads
-        (mask unused). Returns ([B, T, D], the updated cache or None).
+        (keys, values), each in pieces [B, H, n_j, Dh] (cache_segments), and
+        the cache's rows (see DecodeCache), into whose keys and values this
+        call writes its T positions and whose slots up to each query's
+        position it reads (mask unused). Returns ([B, T, D], the updated
+        (keys, values) or None).
 
         Without a cache, the float32 softmax weights ``[B, H, T, T]`` (before
         dropout) are sown as ``intermediates/attention_weights`` when that
@@ -204,7 +272,7 @@ class CausalSelfAttention(nn.Module):
         if self.rope:
             query, key = _rotate(query, positions), _rotate(key, positions)
         if cache is None:
-            weights = _attention_weights(query, key, mask)
+            weights = _attention_weights(query, [key], mask)
             # A no-op unless "intermediates" is mutable: free when not asked for.
             self.sow("intermediates", "attention_weights", weights)
             weights = weights.astype(self.dtype)
@@ -212,11 +280,10 @@ class CausalSelfAttention(nn.Module):
             out = jnp.einsum("bhts,bshd->bthd", weights, value.astype(self.dtype))
         else:
             # Positions past the cache's end are dropped (see DecoderLM.extend).
-            rows = jnp.arange(batch)[:, None]
-            key = cache[0].at[rows, :, positions].set(key, mode="drop")
-            value = cache[1].at[rows, :, positions].set(value, mode="drop")
-            cache = (key, value)
-            out = _attend_filled(query, key, value, positions, self.dtype)
+            keys, values, slot_rows = cache
+            cache = (_write_slots(keys, key, positions),
+                     _write_slots(values, value, positions))
+            out = _attend_filled(query, *cache, slot_rows, positions, self.dtype)
         out = nn.Dense(width, use_bias=self.use_bias, dtype=self.dtype, name="out",
                        kernel_init=nn.initializers.normal(self.residual_init_std))(
                            out.reshape(batch, time, width))
@@ -440,14 +507,21 @@ class DecoderLM(nn.Module):
             their logits are meaningless; :func:`prefill` refuses requests that
             would get there.
         """
-        time = tokens.shape[1]
+        batch, time = tokens.shape
         positions = cache.index[:, None] + jnp.arange(time, dtype=jnp.int32)
+        rows = cache.rows
+        if rows is not None:
+            # The slots written now are the row's own.
+            own = jnp.arange(batch, dtype=jnp.int32)[:, None]
+            rows = rows.at[own, positions].set(
+                jnp.broadcast_to(own, positions.shape), mode="drop")
         h, kv = self._body(tokens, positions, None,
-                           list(zip(cache.keys, cache.values)), train=False)
+                           [(k, v, rows) for k, v in zip(cache.keys, cache.values)],
+                           train=False)
         logits = self.head(last_positions(h, lengths), self._table())
         return logits, DecodeCache(keys=tuple(k for k, _ in kv),
                                    values=tuple(v for _, v in kv),
-                                   index=cache.index + lengths)
+                                   index=cache.index + lengths, rows=rows)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -486,16 +560,22 @@ def attention_weights(model: DecoderLM, params: Any,
 
 
 def init_cache(model: DecoderLM, batch_size: int) -> DecodeCache:
-    """An empty :class:`DecodeCache` for ``batch_size`` rows (zeros, index 0).
+    """An empty :class:`DecodeCache` for ``batch_size`` rows (zeros, index 0,
+    every row's slots its own).
 
     Examples:
-        >>> cache = init_cache(DecoderLM(vocab_size=17, num_layers=2), 3)
-        >>> len(cache.keys), cache.keys[0].shape, cache.index
-        (2, (3, 4, 64, 32), Array([0, 0, 0], dtype=int32))
+        >>> cache = init_cache(DecoderLM(vocab_size=17, num_layers=2, max_len=256), 3)
+        >>> len(cache.keys), [piece.shape for piece in cache.keys[0]]
+        (2, [(3, 4, 64, 32), (3, 4, 64, 32), (3, 4, 128, 32)])
+        >>> cache.index, cache.rows
+        (Array([0, 0, 0], dtype=int32), None)
     """
-    shape = (batch_size, model.num_heads, model.max_len, model.d_model // model.num_heads)
+    head_dim = model.d_model // model.num_heads
     # Distinct arrays for keys and values, so that the cache can be donated.
-    layers = lambda: tuple(jnp.zeros(shape, model.dtype) for _ in range(model.num_layers))
+    layers = lambda: tuple(
+        tuple(jnp.zeros((batch_size, model.num_heads, size, head_dim), model.dtype)
+              for size in cache_segments(model.max_len))
+        for _ in range(model.num_layers))
     return DecodeCache(keys=layers(), values=layers(),
                        index=jnp.zeros((batch_size,), jnp.int32))
 
@@ -571,49 +651,115 @@ def prefill(model: DecoderLM, params: Any, prompt: jax.typing.ArrayLike,
                    init_cache(model, batch), jnp.asarray(lengths, jnp.int32))
 
 
-def reorder_cache(cache: DecodeCache, rows: jax.Array) -> DecodeCache:
-    """The cache with its rows reordered, ``cache[rows]``, filled slots only.
+def _own_rows(cache: DecodeCache) -> jax.Array:
+    """``cache.rows``, or the pointers of a cache whose every row owns its slots."""
+    if cache.rows is not None:
+        return cache.rows
+    batch, max_len = cache.index.shape[0], sum(p.shape[2] for p in cache.keys[0])
+    return jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None],
+                            (batch, max_len))
 
-    Beam search's reorder: every layer's keys and values are gathered in
-    blocks of ``MIN_SPAN`` slots, up to the longest row's ``index``, and
-    written back in place, so the cost follows what the cache holds, not
-    ``max_len``. Slots past every row's ``index`` keep stale values, which
-    nothing reads before they are written.
+
+def reorder_cache(cache: DecodeCache, rows: jax.Array) -> DecodeCache:
+    """The cache with its rows reordered: row ``i`` continues row ``rows[i]``.
+
+    Beam search's reorder. No key or value moves: row ``i`` takes row
+    ``rows[i]``'s ``index`` and slot pointers (:attr:`DecodeCache.rows`,
+    made if the cache has none), so a step costs ``M * max_len`` integers,
+    not the cache's floats, and beams share the slots of their common prefix.
+    Row ``i``'s next tokens are written into its own slots from
+    ``index[rows[i]]`` on, which is safe when each row continues a row of its
+    own length, ``index[rows] == index`` (as in beam search, where a prompt's
+    beams all have the same length): no other row points at those slots yet.
+    This is checked outside ``jit``. :func:`cached_keys_values` reads the
+    result as a plainly reordered cache.
 
     Args:
         cache: a :class:`DecodeCache` of ``M`` rows.
-        rows: ``int32 [M]``, the row each new row copies.
+        rows: ``int32 [M]``, the row each new row continues.
 
     Examples:
         >>> model = DecoderLM(vocab_size=17, num_layers=1, d_model=8, num_heads=2,
         ...                   max_len=8)
-        >>> cache = init_cache(model, 2)
-        >>> cache = cache._replace(keys=(cache.keys[0].at[0].set(1.0),),
-        ...                        index=jnp.array([3, 5]))
+        >>> cache = init_cache(model, 2)._replace(index=jnp.array([3, 3]))
+        >>> cache = cache._replace(keys=((cache.keys[0][0].at[0].set(1.0),),))
         >>> moved = reorder_cache(cache, jnp.array([0, 0]))
-        >>> moved.index, moved.keys[0][:, 0, :, 0]
-        (Array([3, 3], dtype=int32), Array([[1., 1., 1., 1., 1., 1., 1., 1.],
-               [1., 1., 1., 1., 1., 1., 1., 1.]], dtype=float32))
+        >>> moved.index, moved.rows[:, :4]
+        (Array([3, 3], dtype=int32), Array([[0, 0, 0, 0],
+               [0, 0, 0, 0]], dtype=int32))
+        >>> keys, _ = cached_keys_values(moved)
+        >>> keys[0][:, 0, :3, 0]
+        Array([[1., 1., 1.],
+               [1., 1., 1.]], dtype=float32)
     """
-    max_len = cache.keys[0].shape[2]
-    block = min(MIN_SPAN, max_len)
-    num_blocks = (jnp.max(cache.index) + block - 1) // block
+    if not _checks.is_traced(cache.index) and not _checks.is_traced(rows):
+        index, order = np.asarray(cache.index), np.asarray(rows)
+        if np.any(index[order] != index):
+            raise ValueError("rows must map each row to a row of the same length "
+                             f"(index[rows] == index); got index {index} and "
+                             f"rows {order}.")
+    return cache._replace(index=jnp.take(cache.index, rows),
+                          rows=jnp.take(_own_rows(cache), rows, axis=0))
 
-    def move_block(i, layers):
-        # The last block may be clamped back over slots already moved; only
-        # the slots from i * block on are taken from the gathered copy.
-        start = jnp.minimum(i * block, max_len - block)
-        fresh = (start + jnp.arange(block) >= i * block)[None, None, :, None]
 
-        def move(x):
-            part = jax.lax.dynamic_slice_in_dim(x, start, block, axis=2)
-            part = jnp.where(fresh, jnp.take(part, rows, axis=0), part)
-            return jax.lax.dynamic_update_slice_in_dim(x, part, start, axis=2)
-        return jax.tree.map(move, layers)
+def repeat_cache(cache: DecodeCache, repeats: int) -> DecodeCache:
+    """Each row repeated ``repeats`` times: row ``b * repeats + k`` continues row ``b``.
 
-    keys, values = jax.lax.fori_loop(0, num_blocks, move_block,
-                                     (cache.keys, cache.values))
-    return DecodeCache(keys=keys, values=values, index=jnp.take(cache.index, rows))
+    A cache without pointers (``rows`` None) is copied, row by row. With
+    pointers, the copies share their prefix instead: keys and values are
+    written once, into row ``b * repeats``, every copy's pointers lead there,
+    and the other rows start empty, for the slots each copy will write.
+    Sampling's ``num_samples`` and beam search use it (through
+    :class:`DecodeStep`'s ``repeat``; beam search adds pointers first).
+
+    Examples:
+        >>> cache = init_cache(DecoderLM(vocab_size=17, num_layers=1, max_len=4), 2)
+        >>> cache = cache._replace(index=jnp.array([1, 2]))
+        >>> repeat_cache(cache, 2).index
+        Array([1, 1, 2, 2], dtype=int32)
+        >>> repeat_cache(reorder_cache(cache, jnp.arange(2)), 2).rows
+        Array([[0, 0, 0, 0],
+               [0, 0, 0, 0],
+               [2, 2, 2, 2],
+               [2, 2, 2, 2]], dtype=int32)
+    """
+    if not isinstance(repeats, (int, np.integer)) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1; got {repeats!r}.")
+    if cache.rows is None:
+        return jax.tree.map(lambda x: jnp.repeat(x, repeats, axis=0), cache)
+
+    def spread(x):
+        shape = (x.shape[0] * repeats,) + x.shape[1:]
+        return jnp.zeros(shape, x.dtype).at[::repeats].set(x)
+    return DecodeCache(keys=jax.tree.map(spread, cache.keys),
+                       values=jax.tree.map(spread, cache.values),
+                       index=jnp.repeat(cache.index, repeats),
+                       rows=jnp.repeat(cache.rows, repeats, axis=0) * repeats)
+
+
+def cached_keys_values(cache: DecodeCache) -> tuple[tuple[jax.Array, ...],
+                                                    tuple[jax.Array, ...]]:
+    """Each row's keys and values, pieces joined and pointers resolved.
+
+    ``keys[l][b, :, s]`` is the key that attention reads for row ``b`` at
+    slot ``s``: slot ``s`` of cache row ``cache.rows[b, s]`` (of row ``b``
+    without pointers); the same of the values. Slots at or after ``index[b]``
+    hold whatever is stored there.
+
+    Returns:
+        ``(keys, values)``, each ``num_layers`` arrays ``[B, H, max_len, Dh]``.
+
+    Examples:
+        >>> cache = init_cache(DecoderLM(vocab_size=17, num_layers=1, max_len=128), 2)
+        >>> keys, values = cached_keys_values(cache)
+        >>> keys[0].shape
+        (2, 4, 128, 32)
+    """
+    rows = _own_rows(cache)
+    slots = jnp.arange(rows.shape[1])
+    heads = jnp.arange(cache.keys[0][0].shape[1])[None, :, None]
+    resolve = lambda pieces: jnp.concatenate(pieces, axis=2)[rows[:, None], heads, slots]
+    return (tuple(map(resolve, cache.keys)), tuple(map(resolve, cache.values)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -632,6 +778,9 @@ class DecodeStep:
     def reorder(self, cache: DecodeCache, rows: jax.Array) -> DecodeCache:
         return reorder_cache(cache, rows)
 
+    def repeat(self, cache: DecodeCache, repeats: int) -> DecodeCache:
+        return repeat_cache(cache, repeats)
+
 
 def make_step_fn(model: DecoderLM) -> DecodeStep:
     """The decoders' ``step_fn(params, tokens: int [B], cache) -> (float32 [B, V], cache)``.
@@ -640,8 +789,9 @@ def make_step_fn(model: DecoderLM) -> DecodeStep:
     position through the head. ``params`` is an argument, so one compiled
     decoding loop serves every parameter set; steps of equal models are equal
     (a frozen dataclass), so they share compilations too. ``cache`` may have
-    any number of rows (beam search tiles it, then reorders it with
-    ``step_fn.reorder``, :func:`reorder_cache`). A row must not step past
+    any number of rows (beam search repeats it with ``step_fn.repeat``,
+    :func:`repeat_cache`, then reorders it with ``step_fn.reorder``,
+    :func:`reorder_cache`). A row must not step past
     ``max_len`` (see :meth:`DecoderLM.extend`; :func:`prefill`'s
     ``max_new_tokens`` checks it).
 

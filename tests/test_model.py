@@ -278,28 +278,55 @@ def test_greedy_generate_through_the_cache_matches_full_recompute_argmax():
     np.testing.assert_array_equal(tokens, expected)
 
 
-def test_cache_leaves_lead_with_the_batch_axis_and_rows_can_be_gathered():
+def test_cache_leaves_lead_with_the_batch_axis_and_rows_can_be_reordered(small_spans):
+    """The pointer reorder reads as a copy of the rows, before and after
+    steps that write past it, across the pieces of the cache (4, 4, 8)."""
     model = small_model()
     params = init_params(model, noise=0.2)
-    logits, cache = model_lib.prefill(model, params, random_tokens((3, 5)),
-                                      jnp.array([4, 2, 5]))
+    logits, cache = model_lib.prefill(model, params, random_tokens((3, 5)))
     assert all(leaf.shape[0] == 3 for leaf in jax.tree.leaves(cache))
-    assert cache.keys[0].shape == (3, HEADS, MAX_LEN, WIDTH // HEADS)
-    # Beam search tiles the cache and reorders rows, by gathering or by the
-    # step's own reorder (filled slots only).
-    order = jnp.array([1, 1, 0])
-    gathered = jax.tree.map(lambda leaf: leaf[order], cache)
+    assert [piece.shape for piece in cache.keys[0]] == [
+        (3, HEADS, size, WIDTH // HEADS) for size in (4, 4, 8)]
     step_fn = model_lib.make_step_fn(model)
-    reordered = step_fn.reorder(cache, order)
-    np.testing.assert_array_equal(reordered.index, gathered.index)
-    for layer, expected in zip(reordered.keys + reordered.values,
-                               gathered.keys + gathered.values):
-        np.testing.assert_array_equal(layer[:, :, :5], expected[:, :, :5])
-    step_logits, _ = step_fn(params, jnp.array([3, 5, 7]), cache)
-    for moved in (gathered, reordered):
-        moved_logits, _ = step_fn(params, jnp.array([5, 5, 3]), moved)
-        np.testing.assert_allclose(moved_logits, step_logits[order], rtol=1e-6,
+    copied, reordered = cache, cache
+    for step, order in enumerate(([1, 1, 0], [2, 0, 0], [0, 2, 1])):
+        order = jnp.array(order)
+        copied = jax.tree.map(lambda leaf: leaf[order], copied)
+        reordered = step_fn.reorder(reordered, order)
+        np.testing.assert_array_equal(reordered.index, copied.index)
+        filled = 5 + step
+        for got, want in zip(model_lib.cached_keys_values(reordered),
+                             model_lib.cached_keys_values(copied)):
+            for got_layer, want_layer in zip(got, want):
+                np.testing.assert_array_equal(got_layer[:, :, :filled],
+                                              want_layer[:, :, :filled])
+        tokens = random_tokens((3,), seed=step)
+        copied_logits, copied = step_fn(params, tokens, copied)
+        reordered_logits, reordered = step_fn(params, tokens, reordered)
+        np.testing.assert_allclose(reordered_logits, copied_logits, rtol=1e-6,
                                    atol=1e-6)
+
+
+def test_reorder_cache_refuses_rows_of_other_lengths():
+    model = small_model()
+    params = init_params(model)
+    _, cache = model_lib.prefill(model, params, random_tokens((2, 5)), jnp.array([4, 2]))
+    with pytest.raises(ValueError, match="rows must map each row to a row of the same length"):
+        model_lib.reorder_cache(cache, jnp.array([0, 0]))
+
+
+def test_repeat_cache_copies_or_shares_the_prefix():
+    model = small_model()
+    params = init_params(model, noise=0.2)
+    logits, cache = model_lib.prefill(model, params, random_tokens((2, 5)), jnp.array([5, 3]))
+    step_fn = model_lib.make_step_fn(model)
+    tokens = random_tokens((4,), seed=3)
+    want, _ = step_fn(params, tokens, jax.tree.map(lambda x: jnp.repeat(x, 2, 0), cache))
+    for source in (cache, model_lib.reorder_cache(cache, jnp.arange(2))):
+        repeated = step_fn.repeat(source, 2)
+        assert (repeated.rows is None) == (source.rows is None)
+        got, _ = step_fn(params, tokens, repeated)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_changing_a_future_token_leaves_earlier_logits_unchanged():
@@ -324,7 +351,7 @@ def test_bfloat16_compute_is_close_to_float32():
     assert np.abs(logits16 - logits32).max() < 0.05 * scale
     assert np.abs(logits16 - logits32).max() > 0  # bf16 really ran
     logits, cache = model_lib.prefill(model16, params, tokens)
-    assert cache.keys[0].dtype == jnp.bfloat16
+    assert cache.keys[0][0].dtype == jnp.bfloat16
     assert np.abs(logits - logits32[:, -1]).max() < 0.05 * scale
 
 
@@ -466,7 +493,7 @@ def test_greedy_decoding_with_a_donated_cache_matches_recomputation():
         sequence = np.concatenate([np.asarray(prompt)[row, :length], tokens[row]])
         full = model.apply({"params": params}, jnp.asarray(sequence[None, :-1]))
         np.testing.assert_array_equal(np.argmax(full[0, length - 1:], -1), tokens[row])
-    assert all(leaf.is_deleted() for leaf in cache.keys + cache.values)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves((cache.keys, cache.values)))
 
 
 def test_sown_attention_weights_match_numpy_from_the_layers_queries_and_keys():

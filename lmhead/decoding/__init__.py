@@ -23,8 +23,11 @@ The contract between a model and the decoders:
 * **A step costs what it uses.** The decoders only feed tokens and reorder
   rows; what a step reads is the model's business (``lmhead.model`` attends
   over the filled part of its cache only). Beam search reorders ``state``
-  with ``step_fn.reorder(state, rows)`` when ``step_fn`` has one, so a cache
-  can copy only its filled slots; otherwise with :func:`gather_rows`.
+  with ``step_fn.reorder(state, rows)`` when ``step_fn`` has one, so that a
+  cache can move pointers instead of keys and values (``lmhead.model``'s
+  does); otherwise with :func:`gather_rows`. Beam search and ``num_samples``
+  repeat ``state``'s rows with ``step_fn.repeat(state, repeats)`` when
+  ``step_fn`` has one, otherwise with ``jnp.repeat`` of every leaf.
 * **Sampling knobs** ``temperature``, ``top_k``, ``top_p`` and ``min_p`` are
   a scalar or one value per row ``[B]``.
 

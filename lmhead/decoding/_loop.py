@@ -47,6 +47,17 @@ def check_step_fn(step_fn: Any) -> None:
                         f"the compiled loop); {error}.") from None
 
 
+def repeat_rows(step_fn: StepFn, state: Any, repeats: int) -> Any:
+    """``state`` with each row repeated ``repeats`` times: row ``b * repeats +
+    k`` continues row ``b``. By ``step_fn.repeat(state, repeats)`` if
+    ``step_fn`` has one (a cache whose rows point at each other must move its
+    pointers too), else by ``jnp.repeat`` of every leaf."""
+    repeat = getattr(step_fn, "repeat", None)
+    if repeat is not None:
+        return repeat(state, repeats)
+    return jax.tree.map(lambda x: jnp.repeat(x, repeats, axis=0), state)
+
+
 def maybe_step(step_fn: StepFn, params: Any, keep_going: jax.Array,
                tokens: jax.Array, logits: jax.Array,
                model_state: Any) -> tuple[jax.Array, Any]:

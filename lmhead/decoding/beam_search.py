@@ -199,12 +199,15 @@ def _beam_loop(step_fn: StepFn, params: Any, logits: jax.Array, model_state: Any
     batch = logits.shape[0]
     beams, kept, num_new = (config.num_beams, config.num_return_sequences,
                             config.max_new_tokens)
-    tile = lambda x: jnp.repeat(x, beams, axis=0)
+    # The identity reorder first: a state may change its structure once there
+    # (a model's cache adds its slot pointers), never inside the loop.
+    reorder = getattr(step_fn, "reorder", gather_rows)
     # All beams start as the same empty hypothesis; only one may expand.
     first_only = jnp.where(jnp.arange(beams) == 0, 0.0, NEG_INF)
     init = BeamState(
-        step=jnp.zeros((), jnp.int32), logits=tile(logits),
-        model_state=jax.tree.map(tile, model_state),
+        step=jnp.zeros((), jnp.int32), logits=jnp.repeat(logits, beams, axis=0),
+        model_state=_loop.repeat_rows(step_fn, reorder(model_state, jnp.arange(batch)),
+                                      beams),
         live_tokens=jnp.full((batch, beams, num_new), config.pad_id, jnp.int32),
         live_log_probs=jnp.broadcast_to(first_only, (batch, beams)),
         finished_tokens=jnp.full((batch, kept, num_new), config.pad_id, jnp.int32),
@@ -245,8 +248,9 @@ def beam_search(
     and keeps the ``K`` best other candidates by summed log-probs as the new
     live beams; ``step_fn``'s state is reordered to their parent rows by
     ``step_fn.reorder(state, rows)`` if ``step_fn`` has one (a model's cache
-    can then copy only its filled part), else by :func:`gather_rows`. The search stops early only when no live beam can still enter the
-    n-best, by an exact bound (see ``_beam_continues``), so stopping early
+    can then move pointers instead of keys and values), else by
+    :func:`gather_rows`. The search stops early only when no live beam can
+    still enter the n-best, by an exact bound (see ``_beam_continues``), so stopping early
     never changes the result. With ``K >= V ** (N - 1)`` nothing is pruned
     and the result is the exact n-best over all sequences. Scores use the
     model's raw log-probs (no logits processors).
@@ -258,11 +262,13 @@ def beam_search(
     Args:
         step_fn: ``step_fn(params, tokens int32[M], state) -> (logits [M, V],
             state)`` for any number of rows ``M`` (it gets ``B * num_beams``);
-            hashable; may have a ``reorder(state, rows int32[M]) -> state``.
+            hashable; may have a ``reorder(state, rows int32[M]) -> state``
+            and a ``repeat(state, repeats) -> state`` (see ``state``).
         params: any pytree, passed to every ``step_fn`` call (traced).
         logits: ``[B, V]`` next-token logits after each prompt.
-        state: pytree whose every leaf has leading axis ``B``; tiled to
-            ``B * num_beams`` rows.
+        state: pytree whose every leaf has leading axis ``B``; repeated to
+            ``B * num_beams`` rows by ``step_fn.repeat(state, num_beams)`` if
+            ``step_fn`` has one, else by ``jnp.repeat`` of every leaf.
         num_beams: ``K >= 1``.
         max_new_tokens: ``N >= 1``.
         eos_id: id in ``[0, V)`` that ends a hypothesis, or None.

@@ -258,7 +258,8 @@ def generate(
         eos_id: id in ``[0, V)`` that ends a row, or None.
         pad_id: id written after a row's end.
         num_samples: ``S >= 1`` samples per prompt, drawn in one batch: the
-            prompt rows of ``logits`` and ``state`` are repeated, and output
+            prompt rows of ``logits`` and ``state`` are repeated (``state``
+            by ``step_fn.repeat(state, S)`` if ``step_fn`` has one), and output
             row ``b * S + s`` is sample ``s`` of prompt ``b``.
         prompt_tokens: ``int [B, P]``, the prompts, read by the repetition
             penalty and the n-gram filter (negative ids are padding, at either
@@ -312,7 +313,8 @@ def generate(
         history = _initial_history(prompt_tokens, batch, vocab_size, max_new_tokens)
     if num_samples > 1:
         repeat = lambda x: jnp.repeat(x, num_samples, axis=0)
-        logits, state, history = jax.tree.map(repeat, (logits, state, history))
+        logits, history = jax.tree.map(repeat, (logits, history))
+        state = _loop.repeat_rows(step_fn, state, num_samples)
         knobs = jax.tree.map(lambda x: repeat(x) if x.ndim else x, knobs)
     config = _SamplingConfig(
         max_new_tokens=int(max_new_tokens),

@@ -178,7 +178,12 @@ def cache_segments(max_len: int) -> tuple[int, ...]:
 def _write_slots(pieces: tuple[jax.Array, ...], new: jax.Array,
                  positions: jax.Array) -> tuple[jax.Array, ...]:
     """``pieces`` (:func:`cache_segments`) with ``new [B, T, H, Dh]`` written
-    at slots ``positions [B, T]`` of each row; slots past the end are dropped."""
+    at slots ``positions [B, T]`` of each row; slots past the end are dropped.
+
+    Every piece gets a scatter, most of whose writes are dropped. Skipping
+    the pieces that no position falls in by a ``lax.cond`` saved a tenth of a
+    millisecond a step at batch 8, ``max_len`` 1024, but XLA copies a piece
+    in and out of a conditional, which cost more at batch 32."""
     rows = jnp.arange(new.shape[0])[:, None]
     written, start = [], 0
     for piece in pieces:
@@ -729,8 +734,9 @@ def repeat_cache(cache: DecodeCache, repeats: int) -> DecodeCache:
         return jax.tree.map(lambda x: jnp.repeat(x, repeats, axis=0), cache)
 
     def spread(x):
-        shape = (x.shape[0] * repeats,) + x.shape[1:]
-        return jnp.zeros(shape, x.dtype).at[::repeats].set(x)
+        empty = jnp.zeros((x.shape[0], repeats - 1) + x.shape[1:], x.dtype)
+        both = jnp.concatenate([x[:, None], empty], axis=1)
+        return both.reshape((x.shape[0] * repeats,) + x.shape[1:])
     return DecodeCache(keys=jax.tree.map(spread, cache.keys),
                        values=jax.tree.map(spread, cache.values),
                        index=jnp.repeat(cache.index, repeats),

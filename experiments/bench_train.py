@@ -5,6 +5,7 @@ r"""Training speed, side by side with nanoGPT: tokens/s, FLOP rates, ratio.
     python experiments/bench_train.py --quick --nanogpt=/tmp/nanoGPT
     python experiments/bench_train.py --config=nanogpt,tied,bpe=2048 \
         --loss_impl=materialized --loss_impl=fused
+    python experiments/bench_train.py --profile     # where a step's time goes
 
 ``--nanogpt`` is a checkout of https://github.com/karpathy/nanoGPT (e.g.
 ``git clone https://github.com/karpathy/nanoGPT /tmp/nanoGPT``); its
@@ -42,14 +43,33 @@ FLOPs; XLA's own count of the compiled step (optimizer and elementwise work
 included; a loop's body counted once, so about 1/n of the step's with
 ``train.microbatches=n``) is printed beside it, and so is the step time that every model
 FLOP run at the measured matmul rate would take: the bound on the speed.
+
+``--profile`` splits lmhead's one-device step into stages and times them in
+the same rounds, on the same batches: the loss alone (``train.train_loss``
+over the step's microbatches, ``train.accumulate``), the loss and its
+gradient (``jax.value_and_grad`` of the same), and the whole step; the
+differences are the backward pass and the optimizer (clipping, AdamW, the
+metrics). It then reads every ``dot`` of the compiled step's HLO (with the
+operand shapes and dimension numbers; a loop body's dots counted once per
+trip), and times each distinct dot as a jitted ``lax.dot_general`` on
+random operands of its shapes and dtypes, in a loop of as many trips per
+step as the step runs it (one dispatch per step and dot, where the step has
+one for all), in the same rounds. The sum is what the step's matmuls take
+at their own shapes, to set against the square matmul's rate. The dots
+include the masked half of the attention scores and mixing, so their FLOPs
+exceed the model FLOPs.
 """
 
+import collections
 import contextlib
 import functools
 import importlib.util
 import io
+import math
 import os
+import re
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -80,9 +100,13 @@ flags.DEFINE_integer("rounds", 10, "Rounds of alternation (medians over "
 flags.DEFINE_integer("matmul_size", 1024, "Side of the timed square matmul.")
 flags.DEFINE_bool("quick", False, "3 rounds of 3 steps and a 256 matmul: "
                   "checks that the benchmark runs, measures nothing.")
+flags.DEFINE_bool("profile", False, "Also time the stages of lmhead's "
+                  "one-device step (loss, gradient, whole step) and each of "
+                  "its matmuls alone at its own shapes.")
 FLAGS = flags.FLAGS
 
 WARMUP_STEPS = 5
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
 
 def model_flops_per_token(config, vocab_size: int) -> float:
@@ -118,13 +142,10 @@ def matmul_program(size: int, repeats: int = 5):
     return run, 2.0 * size**3
 
 
-def lmhead_program(config, dataset, batches, num_devices: int):
-    """``(run(batches), xla_flops_per_step)`` of lmhead's jitted train step
-    on a mesh of the first ``num_devices`` devices (the batch split over them).
-
-    Like the training loop, ``run`` dispatches every step and waits once, at
-    the end.
-    """
+def lmhead_setup(config, dataset, batches, num_devices: int):
+    """``(model, mesh, state, sharded, dropout_key)``: lmhead's model, a mesh
+    of the first ``num_devices`` devices, a fresh train state and the
+    ``batches`` (by ``id``) sharded over it, and a dropout key."""
     model = train.make_model(config, dataset.vocab_size)
     mesh = sharding.make_mesh(num_devices, 1,
                               devices=jax.devices()[:num_devices])
@@ -134,6 +155,19 @@ def lmhead_program(config, dataset, batches, num_devices: int):
     shardings = sharding.tree_shardings(jax.eval_shape(init, init_key), mesh)
     state = jax.jit(init, out_shardings=shardings)(init_key)
     sharded = {id(b): sharding.shard_batch(b, mesh) for b in batches}
+    return model, mesh, state, sharded, dropout_key
+
+
+def lmhead_program(config, dataset, batches, num_devices: int):
+    """``(run(batches), train_fn)``: ``run`` times lmhead's train step
+    ``train_fn`` (jitted and compiled) on a mesh of the first ``num_devices``
+    devices (the batch split over them).
+
+    Like the training loop, ``run`` dispatches every step and waits once, at
+    the end.
+    """
+    model, mesh, state, sharded, dropout_key = lmhead_setup(
+        config, dataset, batches, num_devices)
     train_fn, _, _ = train.compile_steps(model, config, state,
                                          sharded[id(batches[0])], dropout_key,
                                          mesh)
@@ -145,8 +179,174 @@ def lmhead_program(config, dataset, batches, num_devices: int):
                                           dropout_key)
         jax.block_until_ready(metrics)
 
-    per_device = (train_fn.cost_analysis() or {}).get("flops", float("nan"))
-    return run, num_devices * per_device
+    return run, train_fn
+
+
+def stage_programs(config, dataset, batches) -> dict:
+    """``{stage: run(batches)}`` of two parts of lmhead's one-device step,
+    each jitted on its own: "forward", the loss as the step computes it
+    (``train.train_loss`` over the step's microbatches, ``train.accumulate``),
+    and "forward + backward", its ``jax.value_and_grad``, accumulated the
+    same way. Like the step's, ``run`` dispatches every batch and waits once.
+    """
+    model, mesh, state, sharded, dropout_key = lmhead_setup(
+        config, dataset, batches, 1)
+    loss_fn = functools.partial(train.train_loss, model=model,
+                                loss_kwargs=train.loss_keywords(config.loss))
+
+    def program(fn):
+        part = functools.partial(train.accumulate, fn,
+                                 microbatches=config.train.microbatches)
+        with jax.set_mesh(mesh):
+            compiled = jax.jit(part).lower(
+                state.params, sharded[id(batches[0])], dropout_key).compile()
+
+        def run(round_batches):
+            for batch in round_batches:
+                result = compiled(state.params, sharded[id(batch)], dropout_key)
+            jax.block_until_ready(result)
+
+        return run
+
+    return {"forward": program(loss_fn), "forward + backward": program(
+        jax.value_and_grad(loss_fn, has_aux=True))}
+
+
+def shape_of(text: str) -> tuple[str, tuple[int, ...]]:
+    """``("f32", (384, 128))`` of an HLO array shape ``"f32[384,128]"``."""
+    element_type, dims = re.fullmatch(r"(\w+)\[([\d,]*)\]", text).groups()
+    return element_type, tuple(int(d) for d in dims.split(",") if d)
+
+
+class Dot(NamedTuple):
+    """An HLO ``dot``: its operand and result shapes (``"f32[384,128]"``) and
+    its dimension numbers, as ``lax.dot_general`` takes them:
+    ``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))``."""
+    lhs: str
+    rhs: str
+    out: str
+    dimension_numbers: tuple
+
+    def __str__(self):
+        (lhs_c, rhs_c), (lhs_b, rhs_b) = [
+            ["{" + ",".join(map(str, d)) + "}" for d in pair]
+            for pair in self.dimension_numbers]
+        batch = (f"batch {lhs_b} x {rhs_b}, " if self.dimension_numbers[1][0]
+                 else "")
+        return (f"{self.lhs} x {self.rhs} -> {self.out} ({batch}contracting "
+                f"{lhs_c} x {rhs_c})")
+
+    @property
+    def flops(self) -> int:
+        """2 multiply-adds per output element and contracted index."""
+        lhs, out = shape_of(self.lhs)[1], shape_of(self.out)[1]
+        contracting = self.dimension_numbers[0][0]
+        return 2 * math.prod(out) * math.prod(lhs[d] for d in contracting)
+
+
+_COMPUTATION = re.compile(r"(?:ENTRY )?%(\S+) .*\{$")
+_INSTRUCTION = re.compile(r"\s+(?:ROOT )?%(\S+) = (.*?) ([\w-]+)\((.*)$")
+
+
+def step_dots(hlo: str) -> collections.Counter:
+    """How many times one run of the compiled HLO module ``hlo`` (its
+    ``as_text()``) runs each distinct :class:`Dot`.
+
+    A computation's dots count once per call of it from the entry
+    computation down: fusions (``calls=``), ``to_apply=``, and a while
+    loop's ``body=`` once per trip (XLA's ``known_trip_count``).
+
+    Raises:
+        ValueError: a loop without a known trip count, or dots in a
+            computation reached in another way (e.g. a conditional's branch).
+    """
+    shapes, dots, calls, entry = {}, {}, {}, None
+    for line in hlo.splitlines():
+        if match := _COMPUTATION.match(line):
+            computation = match[1]
+            if line.startswith("ENTRY"):
+                entry = computation
+            shapes[computation], dots[computation], calls[computation] = (
+                {}, [], [])
+            continue
+        if not (match := _INSTRUCTION.match(line)):
+            continue
+        name, shape, op, rest = match.groups()
+        shapes[computation][name] = re.sub(r"\{.*\}$", "", shape)
+        if op == "dot":
+            lhs, rhs = re.match(r"%([\w.-]+), %([\w.-]+)\)", rest).groups()
+            dims = {key: tuple(int(d) for d in found[1].split(",") if d)
+                    if (found := re.search(key + r"=\{([\d,]*)\}", rest))
+                    else () for key in ("lhs_batch_dims", "rhs_batch_dims",
+                                        "lhs_contracting_dims",
+                                        "rhs_contracting_dims")}
+            dots[computation].append(Dot(
+                shapes[computation][lhs], shapes[computation][rhs],
+                shapes[computation][name],
+                ((dims["lhs_contracting_dims"], dims["rhs_contracting_dims"]),
+                 (dims["lhs_batch_dims"], dims["rhs_batch_dims"]))))
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
+        for kind, callee in re.findall(r"\b(calls|to_apply|body)=%([\w.-]+)",
+                                       rest):
+            if kind == "body" and not trips:
+                raise ValueError(f"The loop {name} has no known trip count.")
+            calls[computation].append((callee, int(trips[1]) if kind == "body"
+                                        else 1))
+    counts, reached = collections.Counter(), set()
+
+    def visit(computation, times):
+        reached.add(computation)
+        for dot in dots[computation]:
+            counts[dot] += times
+        for callee, trips in calls[computation]:
+            visit(callee, times * trips)
+
+    visit(entry, 1)
+    missed = [c for c, found in dots.items() if found and c not in reached]
+    if missed:
+        raise ValueError(f"Dots in computations not counted: {missed}.")
+    return counts
+
+
+def dot_program(dot: Dot, count: int):
+    """``run(batches)`` of ``dot`` alone: a jitted ``lax.dot_general`` on
+    random operands of its shapes and dtypes, run ``count`` times per batch
+    (as often as the step runs it) in a ``lax.fori_loop``, so that no
+    dispatch from Python is timed with each one, as none is in the step; an
+    ``optimization_barrier`` keeps XLA from hoisting it out of the loop.
+    Like the step's, ``run`` dispatches every batch and waits once.
+
+    Raises:
+        ValueError: the compiled program does not run exactly ``count``
+            such dots.
+    """
+    (lhs_type, lhs_shape), (rhs_type, rhs_shape), (out_type, out_shape) = map(
+        shape_of, dot[:3])
+    lhs_key, rhs_key = jax.random.split(jax.random.key(0))
+    lhs = jax.random.normal(lhs_key, lhs_shape, DTYPES[lhs_type])
+    rhs = jax.random.normal(rhs_key, rhs_shape, DTYPES[rhs_type])
+    dot_general = functools.partial(
+        jax.lax.dot_general, dimension_numbers=dot.dimension_numbers,
+        preferred_element_type=DTYPES[out_type])
+
+    def repeated(lhs, rhs):
+        def again(_, operands_and_result):
+            lhs, rhs, _ = jax.lax.optimization_barrier(operands_and_result)
+            return lhs, rhs, dot_general(lhs, rhs)
+        return jax.lax.fori_loop(0, count, again, (lhs, rhs, jnp.zeros(
+            out_shape, DTYPES[out_type])))[2]
+
+    compiled = jax.jit(repeated).lower(lhs, rhs).compile()
+    if (runs := step_dots(compiled.as_text())) != {dot: count}:
+        raise ValueError(f"The program timing {count} of {dot} runs "
+                         f"{dict(runs)}.")
+
+    def run(round_batches):
+        for _ in round_batches:
+            result = compiled(lhs, rhs)
+        jax.block_until_ready(result)
+
+    return run
 
 
 def nanogpt_incompatibility(config) -> str | None:
@@ -211,7 +411,8 @@ def alternate(programs: dict, batches, matmul, rounds: int) -> dict:
 
 
 def bench(arg: str, loss_impls: list[str], device_counts: list[int],
-          nanogpt: str | None, steps: int, rounds: int, matmul) -> None:
+          nanogpt: str | None, steps: int, rounds: int, matmul,
+          profile: bool) -> None:
     config = config_checks.load_config(arg)
     config_checks.validate_config(config)
     dataset = data.load_dataset(config.data)
@@ -219,7 +420,7 @@ def bench(arg: str, loss_impls: list[str], device_counts: list[int],
                                 batch_size=config.train.batch_size,
                                 block_size=config.data.block_size)
                for s in range(WARMUP_STEPS + steps)]
-    programs, xla_flops = {}, {}
+    programs, xla_flops, profiled, step_dot_counts = {}, {}, {}, {}
     for loss_impl in loss_impls or [config.loss.loss_impl]:
         variant = config.copy_and_resolve_references()
         variant.loss.loss_impl = loss_impl
@@ -230,8 +431,17 @@ def bench(arg: str, loss_impls: list[str], device_counts: list[int],
                       f"the batch of {config.train.batch_size}.")
                 continue
             name = f"lmhead {loss_impl}, {count} device{'s' * (count > 1)}"
-            programs[name], xla_flops[name] = lmhead_program(
-                variant, dataset, batches, count)
+            programs[name], train_fn = lmhead_program(variant, dataset,
+                                                      batches, count)
+            xla_flops[name] = count * (train_fn.cost_analysis() or {}).get(
+                "flops", float("nan"))
+            if profile and count == 1:
+                step_dot_counts[name] = step_dots(train_fn.as_text())
+                parts = {**stage_programs(variant, dataset, batches),
+                         **{str(dot): dot_program(dot, n) for dot, n
+                            in step_dot_counts[name].items()}}
+                profiled.update({f"{name}: {part}": run
+                                 for part, run in parts.items()})
     skip = ("no --nanogpt checkout" if not nanogpt else
             "torch is not installed" if importlib.util.find_spec("torch") is None
             else f"no {nanogpt}/model.py" if not os.path.isfile(
@@ -240,13 +450,17 @@ def bench(arg: str, loss_impls: list[str], device_counts: list[int],
     if skip is None:
         programs["nanoGPT"] = nanogpt_program(nanogpt, config,
                                               dataset.vocab_size, batches)
-    times = alternate(programs, batches, matmul[0], rounds)
+    times = alternate({**programs, **profiled}, batches, matmul[0], rounds)
     tokens = config.train.batch_size * config.data.block_size
     flops = model_flops_per_token(config, dataset.vocab_size) * tokens
     print(f"\n{arg}: V={dataset.vocab_size}, {tokens} tokens and "
           f"{flops / 1e9:.2f} model GFLOP per step"
           + (f"; nanoGPT skipped: {skip}" if skip else ""))
-    print_times(times, tokens, flops, matmul[1] / times["matmul"][0], xla_flops)
+    rate = matmul[1] / times["matmul"][0]
+    print_times({name: times[name] for name in programs}, tokens, flops, rate,
+                xla_flops)
+    for name, dots in step_dot_counts.items():
+        print_profile(name, times, dots, rate)
 
 
 def print_times(times: dict, tokens: int, flops: float, rate: float,
@@ -270,6 +484,46 @@ def print_times(times: dict, tokens: int, flops: float, rate: float,
         print(line, flush=True)
 
 
+def print_profile(name: str, times: dict, dots: collections.Counter,
+                  rate: float) -> None:
+    """``--profile``'s tables of the one-device step ``name``: its stages,
+    then its matmuls, each alone at its own shapes, against the step."""
+    step = times[name]
+    forward = times[f"{name}: forward"]
+    gradient = times[f"{name}: forward + backward"]
+    print(f"\n| {name}: stage | ms/step (wall) | CPU ms/step | of the step |"
+          "\n|---|---|---|---|")
+    for stage, (wall, cpu) in {
+            "forward (the loss)": forward,
+            "forward + backward (value_and_grad)": gradient,
+            "train step (+ optimizer)": step,
+            "backward = forward + backward - forward": gradient - forward,
+            "optimizer = train step - (forward + backward)": step - gradient,
+            }.items():
+        print(f"| {stage} | {1e3 * wall:.2f} | {1e3 * cpu:.2f} | "
+              f"{wall / step[0]:.0%} |")
+    print(f"\n| {name}: dot | per step | MFLOP | ms each | ms/step | GFLOP/s |"
+          "\n|---|---|---|---|---|---|")
+    total = np.zeros(2)
+    for dot, count in sorted(dots.items(), key=lambda item: -times[
+            f"{name}: {item[0]}"][0]):
+        wall, cpu = times[f"{name}: {dot}"]
+        total += (wall, cpu)
+        print(f"| {dot} | {count} | {dot.flops / 1e6:.2f} | "
+              f"{1e3 * wall / count:.3f} | {1e3 * wall:.2f} | "
+              f"{count * dot.flops / wall / 1e9:.1f} |")
+    dot_flops = sum(count * dot.flops for dot, count in dots.items())
+    print(f"\n  {sum(dots.values())} dots per step, {dot_flops / 1e9:.2f} "
+          f"GFLOP: {1e3 * total[0]:.2f} ms at their own shapes "
+          f"({dot_flops / total[0] / 1e9:.1f} GFLOP/s), "
+          f"{1e3 * dot_flops / rate:.2f} ms at the square matmul's "
+          f"{rate / 1e9:.1f} GFLOP/s")
+    print(f"  matmuls at this step's own shapes: {1e3 * total[0]:.2f} ms of "
+          f"the step's {1e3 * step[0]:.2f} ms ({total[0] / step[0]:.0%}); CPU "
+          f"time {1e3 * total[1]:.2f} ms of {1e3 * step[1]:.2f} ms "
+          f"({total[1] / step[1]:.0%})", flush=True)
+
+
 def device_counts() -> list[int]:
     """``--devices``, or 1 and (on a CPU) the number of CPUs; on a CPU, makes
     JAX give the process one device per CPU (before its backends start)."""
@@ -283,6 +537,9 @@ def device_counts() -> list[int]:
 def main(argv):
     del argv
     counts = device_counts()
+    if FLAGS.profile and 1 not in counts:
+        raise app.UsageError("--profile profiles the one-device step: "
+                             "--devices must include 1.")
     steps, rounds, size = ((3, 3, 256) if FLAGS.quick else
                            (FLAGS.steps, FLAGS.rounds, FLAGS.matmul_size))
     print(f"{jax.devices()[0].device_kind}, {cpu_count()} CPUs, jax "
@@ -291,7 +548,7 @@ def main(argv):
     matmul = matmul_program(size)
     for arg in FLAGS.config:
         bench(arg, FLAGS.loss_impl, counts, FLAGS.nanogpt, steps, rounds,
-              matmul)
+              matmul, FLAGS.profile)
 
 
 if __name__ == "__main__":

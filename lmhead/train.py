@@ -165,6 +165,18 @@ def loss_keywords(loss_config: ml_collections.ConfigDict) -> dict[str, Any]:
     return keywords
 
 
+def train_loss(params: Any, batch: dict[str, jax.Array], key: jax.Array, *,
+               model: model_lib.DecoderLM, loss_kwargs: dict[str, Any]
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The objective that ``train_step`` differentiates: ``DecoderLM.loss``
+    of ``batch`` with ``train=True`` and dropout key ``key``. Returns the
+    loss and ``{"nll", "accuracy"}``."""
+    loss, metrics = model.apply(
+        {"params": params}, batch["inputs"], batch["labels"], train=True,
+        rngs={"dropout": key}, method=model_lib.DecoderLM.loss, **loss_kwargs)
+    return loss, {"nll": metrics["nll"], "accuracy": metrics["accuracy"]}
+
+
 def train_step(state: TrainState, batch: dict[str, jax.Array], key: jax.Array,
                *, model: model_lib.DecoderLM, loss_kwargs: dict[str, Any],
                learning_rate_fn: optax.Schedule, microbatches: int = 1
@@ -172,38 +184,38 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], key: jax.Array,
     """One AdamW step on ``batch = {"inputs": [B, T], "labels": [B, T]}``.
 
     The dropout key is ``fold_in(key, state.step)``: a function of the step.
-    With ``microbatches = n > 1`` the gradient is the mean of those of ``n``
-    microbatches of ``B / n`` rows (rows ``i, i + n, ...``; dropout key
-    ``fold_in(key, i)``), computed one after the other in a ``lax.scan``:
-    the same step up to float32 rounding, with ``1/n`` of the activations
-    alive at a time. On a CPU, where they then stay in cache, that is faster
-    (nanogpt,tied: 27% less CPU time per step with ``n = 2``).
+    The gradient is that of :func:`train_loss`, over ``microbatches``
+    microbatches with :func:`accumulate`: the same step up to float32
+    rounding, with ``1/n`` of the activations alive at a time. On a CPU,
+    where they then stay in cache, that is faster (nanogpt,tied: 27% less
+    CPU time per step with ``n = 2``).
     Returns the new state and scalar metrics: loss (the objective), nll,
     accuracy, grad_norm (before clipping) and learning_rate.
     """
     dropout_key = jax.random.fold_in(key, state.step)
-
-    def loss_fn(params, batch, key):
-        loss, metrics = model.apply(
-            {"params": params}, batch["inputs"], batch["labels"], train=True,
-            rngs={"dropout": key}, method=model_lib.DecoderLM.loss,
-            **loss_kwargs)
-        return loss, {"nll": metrics["nll"], "accuracy": metrics["accuracy"]}
-
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    if microbatches == 1:
-        (loss, metrics), grads = grad_fn(state.params, batch, dropout_key)
-    else:
-        (loss, metrics), grads = _accumulate(grad_fn, state.params, batch,
-                                             dropout_key, microbatches)
+    grad_fn = jax.value_and_grad(functools.partial(
+        train_loss, model=model, loss_kwargs=loss_kwargs), has_aux=True)
+    (loss, metrics), grads = accumulate(grad_fn, state.params, batch,
+                                        dropout_key, microbatches)
     new_state = state.apply_gradients(grads=grads)
     return new_state, {"loss": loss, **metrics,
                        "grad_norm": optax.tree.norm(grads),
                        "learning_rate": learning_rate_fn(state.step)}
 
 
-def _accumulate(grad_fn, params, batch, key, microbatches: int):
-    """Mean of ``grad_fn``'s results over ``microbatches`` interleaved row sets."""
+def accumulate(fn, params: Any, batch: dict[str, jax.Array], key: jax.Array,
+               microbatches: int = 1) -> Any:
+    """``fn(params, batch, key)`` in ``microbatches`` pieces, as
+    ``train_step`` computes its gradient (``fn``: the ``value_and_grad`` of
+    :func:`train_loss`).
+
+    With ``microbatches = n > 1``, the mean of ``fn``'s results over ``n``
+    microbatches of ``B / n`` rows (rows ``i, i + n, ...``; key
+    ``fold_in(key, i)``), computed one after the other in a ``lax.scan``;
+    with ``n = 1``, ``fn(params, batch, key)`` itself.
+    """
+    if microbatches == 1:
+        return fn(params, batch, key)
     size = batch["inputs"].shape[0]
     if size % microbatches:
         raise ValueError(f"train.microbatches={microbatches} must divide the "
@@ -214,11 +226,11 @@ def _accumulate(grad_fn, params, batch, key, microbatches: int):
 
     def add(total, index_and_batch):
         index, microbatch = index_and_batch
-        result = grad_fn(params, microbatch, jax.random.fold_in(key, index))
+        result = fn(params, microbatch, jax.random.fold_in(key, index))
         return jax.tree.map(jnp.add, total, result), None
 
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
-        grad_fn, params, jax.tree.map(lambda x: x[0], split), key))
+        fn, params, jax.tree.map(lambda x: x[0], split), key))
     total, _ = jax.lax.scan(add, zeros, (jnp.arange(microbatches), split))
     return jax.tree.map(lambda x: x / microbatches, total)
 

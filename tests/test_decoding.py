@@ -208,6 +208,23 @@ class ProcessorTest(chex.TestCase):
         np.testing.assert_array_equal(np.isfinite(uniform), [[1, 1, 0, 0]])
 
     @chex.variants(with_jit=True, without_jit=True)
+    def test_top_k_and_top_p_on_a_wide_vocabulary_with_ties(self):
+        """V = 3000 with values from a few levels (long runs of exact ties,
+        0.0 and -0.0 among them, which tie) and banned -inf tokens: the cut
+        found by halving the key range equals the stable sort's."""
+        rng = np.random.default_rng(7)
+        levels = np.array([-np.inf, -2.0, -0.0, 0.0, 0.5, 1.25, 3.0], np.float32)
+        logits = levels[rng.integers(0, len(levels), (3, 3000))]
+        logits[:, :3] = 3.0  # the row's largest value occurs at least thrice
+        top_k, top_p = self.variant(decoding.apply_top_k), self.variant(decoding.apply_top_p)
+        for k in (1, 2, 700, 2999):
+            np.testing.assert_array_equal(np.isfinite(top_k(logits, k)),
+                                          np_top_k_mask(logits, k) & np.isfinite(logits))
+        for p in (0.01, 0.3, 0.9):
+            np.testing.assert_array_equal(np.isfinite(top_p(logits, p)),
+                                          np_top_p_mask(logits, p))
+
+    @chex.variants(with_jit=True, without_jit=True)
     def test_top_p_with_mass_exactly_p_keeps_exactly_that_set(self):
         """Two-decimal distributions; p = the exact mass of the top j tokens."""
         rng = np.random.default_rng(3)

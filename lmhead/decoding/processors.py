@@ -10,7 +10,7 @@ Conventions shared by every processor:
   one batch serves requests with different settings.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -62,18 +62,53 @@ def _per_row(name: str, value: jax.typing.ArrayLike, logits: jax.Array) -> jax.A
     return value[..., None] if value.ndim else value
 
 
-def _descending_sort(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(sorted logits, order, ranks)`` of a descending sort of ``[B, V]``,
-    ties towards the lower id: ``sorted = logits[order]``, and ``ranks[i]``
-    is token ``i``'s place (0 = largest). ``lax.top_k`` of all ``V`` and a
-    scatter of the ranks: on XLA:CPU under half the time of two stable
-    argsorts (210 against 490 us at B = 32, V = 84)."""
-    sorted_logits, order = jax.lax.top_k(logits, logits.shape[-1])
-    places = jnp.broadcast_to(jnp.arange(logits.shape[-1], dtype=order.dtype),
-                              logits.shape)
-    ranks = jnp.put_along_axis(jnp.zeros_like(order), order, places, axis=-1,
-                               inplace=False)
-    return sorted_logits, order, ranks
+def _order_keys(logits: jax.Array) -> jax.Array:
+    """uint32 keys in the order of the float32 values: ``x < y`` iff
+    ``key(x) < key(y)`` (``-0.0`` is read as ``+0.0``, so that they tie)."""
+    logits = jnp.where(logits == 0, 0.0, logits.astype(jnp.float32))
+    bits = jax.lax.bitcast_convert_type(logits, jnp.uint32)
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _smallest_key(holds: Callable[[jax.Array], jax.Array],
+                  shape: tuple[int, ...]) -> jax.Array:
+    """Per row, the smallest uint32 ``K`` with ``holds(K)``, for ``holds``
+    monotone in ``K`` (False, then True); ``2**32 - 1`` if it never holds.
+
+    32 halvings of the key range, each one pass over ``[..., V]``. The top-k
+    and top-p filters find their cut this way instead of sorting: on XLA:CPU
+    a sort of a row costs far more than a few dozen vectorized passes (top-p
+    at B = 32: 240 against 95 us at V = 84, 81 against 5 ms at V = 8192).
+    """
+    def halve(_, bounds):
+        low, high = bounds
+        middle = low + (high - low) // 2
+        ok = holds(middle)
+        return jnp.where(ok, low, middle + 1), jnp.where(ok, middle, high)
+    low = jnp.zeros(shape, jnp.uint32)
+    high = jnp.full(shape, np.iinfo(np.uint32).max, jnp.uint32)
+    return jax.lax.fori_loop(0, 32, halve, (low, high))[0]
+
+
+def _keep_from_the_top(logits: jax.Array, weights: jax.Array,
+                       budget: jax.Array) -> jax.Array:
+    """``bool [..., V]``: the tokens, taken in a stable descending order of
+    ``logits`` (ties towards the lower id), whose ``weights`` summed over the
+    tokens before them are below ``budget [..., 1]``.
+
+    With weights 1 that is the top ``budget`` tokens; with probabilities, the
+    nucleus. Found without a sort: the cut is the smallest value with less
+    than ``budget`` of weight strictly above it (:func:`_smallest_key`), and
+    the tokens tied at the cut are taken in id order.
+    """
+    keys = _order_keys(logits)
+    above = lambda cut: jnp.sum(jnp.where(keys > cut, weights, 0), axis=-1,
+                                keepdims=True)
+    cut = _smallest_key(lambda cut: above(cut) < budget, budget.shape)
+    tied = jnp.where(keys == cut, weights, 0)
+    tied_before = jnp.cumsum(tied, axis=-1) - tied
+    return (keys > cut) | ((keys == cut) & (above(cut) + tied_before < budget))
 
 
 def _token_mask(ids: jax.Array, vocab_size: int) -> jax.Array:
@@ -153,7 +188,9 @@ def apply_top_k(logits: jax.typing.ArrayLike,
     _checks.check_integer("top_k", k)
     _checks.check_in_range("top_k", k, low=0)
     k = _per_row("top_k", k, logits)
-    keep = (k <= 0) | (_descending_sort(logits)[2] < k)
+    budget = jnp.broadcast_to(k, logits.shape[:-1] + (1,)).astype(jnp.int32)
+    keep = (k <= 0) | _keep_from_the_top(logits, jnp.ones(logits.shape, jnp.int32),
+                                         budget)
     return jnp.where(keep, logits, NEG_INF)
 
 
@@ -198,11 +235,11 @@ def apply_top_p(logits: jax.typing.ArrayLike,
         return logits
     _checks.check_in_range("top_p", p, low=0.0, high=1.0, low_open=True)
     p = _per_row("top_p", p, logits)
-    sorted_logits, _, ranks = _descending_sort(logits)
-    mass = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
-    mass_before = jnp.concatenate([jnp.zeros_like(mass[..., :1]), mass[..., :-1]], -1)
-    num_kept = jnp.sum(mass_before < p - TOP_P_TOLERANCE, axis=-1, keepdims=True)
-    keep = ranks < jnp.maximum(num_kept, 1)
+    budget = jnp.broadcast_to(p - TOP_P_TOLERANCE, logits.shape[:-1] + (1,))
+    keep = _keep_from_the_top(logits, jax.nn.softmax(logits, axis=-1), budget)
+    # The argmax (the lowest id among ties) stays even when p <= epsilon.
+    first = jnp.argmax(logits, axis=-1, keepdims=True)
+    keep = keep | (jnp.arange(logits.shape[-1]) == first)
     return jnp.where(keep, logits, NEG_INF)
 
 

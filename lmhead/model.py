@@ -5,13 +5,13 @@ blocks of causal self-attention and a GELU MLP, a final LayerNorm, then the
 head, tied to the embedding table or with an unembedding of its own.
 
 Decoding runs on an explicit key/value cache, :class:`DecodeCache`, every leaf
-of which has a leading batch axis, so that ``lmhead.decoding`` can tile it for
-beams. :func:`prefill` runs a prompt once and sends only each row's last
-position through the head; :func:`make_step_fn` gives the
-``step_fn(params, tokens, cache) -> (logits, cache)`` the decoders call, with
-a ``reorder`` for beam search that moves no keys or values: each row keeps a
-pointer per slot to the cache row that holds it (``DecodeCache.rows``), and
-a reorder permutes those pointers.
+of which has a leading batch axis. :func:`prefill` runs a prompt once and
+sends only each row's last position through the head; :func:`make_step_fn`
+gives the ``step_fn(params, tokens, cache) -> (logits, cache)`` the decoders
+call, with the ``repeat`` and ``reorder`` of rows that beam search uses,
+which move no keys or values: each row keeps a pointer per slot to the cache
+row that holds it (``DecodeCache.rows``), beams share the slots of their
+common prefix, and a reorder permutes the pointers.
 
 A step costs what the cache holds, not its capacity: attention reads the
 first ``S`` slots only, ``S`` the smallest of the spans 64, 128, 256, ...,

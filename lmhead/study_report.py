@@ -352,13 +352,21 @@ def provenance(sweep_dir: str, runs: list[sweeps.Run]) -> str:
     sweep = sweeps.read_sweep_record(sweep_dir)
     finished = [r.summary for r in runs if r.status == "finished"]
     hours = sum(s.get("wall_seconds", 0.0) for s in finished) / 3600
-    steps = sum(s.get("steps_run", s.get("steps", 0)) for s in finished)
+    steps_of = lambda s: s.get("steps_run", s.get("steps", 0))
+    steps = sum(map(steps_of, finished))
+    # A median step time ignores a run's pauses (a suspended or preempted
+    # process) and load spikes, which its wall_seconds count in full.
+    timed = [s for s in finished if "step_ms_p50" in s]
+    step_hours = sum(steps_of(s) * s["step_ms_p50"] for s in timed) / 3.6e6
     return "  \n".join([
         *([f"Sweep: `{sweep['sweep']}`; machine: {sweep.get('machine', '?')}"]
           if "sweep" in sweep else []),
         f"{len(finished)} of {len(runs)} runs planned so far finished (both stages); "
         f"measured: {steps:,} training steps, {hours:.2f} h of wall time in all "
-        "(the runs' wall_seconds).",
+        "(the runs' wall_seconds, which count any time a run was paused or "
+        f"slowed by other work); the training steps alone, at each run's median "
+        f"step time, {step_hours:.2f} h ({len(timed)} runs timed; evaluation "
+        "and compilation not included).",
         f"Report written {time.strftime('%Y-%m-%d %H:%M')}."])
 
 

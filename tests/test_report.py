@@ -280,7 +280,7 @@ def write_study_run(workdir, planned, design):
         return
     cpt = STUDY_CHARS_PER_TOKEN[cell.vocab]
     summary = {"num_params": study.count_params(cell.vocab_size, cell.shape, design.arch),
-               "vocab_size": cell.vocab_size, "wall_seconds": 36.0,
+               "vocab_size": cell.vocab_size, "wall_seconds": 36.0, "step_ms_p50": 18.0,
                "steps_run": step if limited else cell.regime.steps,
                "final": tested if not limited else other,
                "best": tested if limited else other, "best_step": step,
@@ -390,4 +390,8 @@ def test_study_report_plots_and_measured_total(study_report):
     finished = len(design.tuning_runs()) + len(design.cells()) * 2 - 1
     assert f"{finished} of " in markdown
     assert f"{finished * 36 / 3600:.2f} h of wall time" in markdown
+    summaries = [json.loads(path.read_text())
+                 for path in (docs.parent / "runs").glob("*/summary.json")]
+    step_hours = sum(summary["steps_run"] * 18.0 for summary in summaries) / 3.6e6
+    assert f"median step time, {step_hours:.2f} h ({finished} runs timed" in markdown
     assert "Press & Wolf 2017, PTB small" in markdown and "(-1.8%)" in markdown

@@ -196,6 +196,13 @@ def _write_slots(pieces: tuple[jax.Array, ...], new: jax.Array,
     return tuple(written)
 
 
+def _gather_slots(piece: jax.Array, rows: jax.Array) -> jax.Array:
+    """``piece [M, H, S, Dh]`` read through slot pointers ``rows [B, S]``:
+    ``out[b, :, s] = piece[rows[b, s], :, s]``, ``[B, H, S, Dh]``."""
+    heads = jnp.arange(piece.shape[1])[None, :, None]
+    return piece[rows[:, None, :], heads, jnp.arange(piece.shape[2])]
+
+
 def _attend_filled(query: jax.Array, keys: tuple[jax.Array, ...],
                    values: tuple[jax.Array, ...], rows: jax.Array | None,
                    positions: jax.Array, dtype: Any) -> jax.Array:
@@ -216,14 +223,12 @@ def _attend_filled(query: jax.Array, keys: tuple[jax.Array, ...],
     """
     sizes = [piece.shape[2] for piece in keys]
     starts = np.cumsum([0] + sizes[:-1])
-    heads = jnp.arange(keys[0].shape[1])[None, :, None]
 
     def read(pieces, j):
         if rows is None:
             return pieces[j]
         # [B, H, n_j, Dh]: row b's own slots, wherever they lie.
-        local = jnp.arange(sizes[j])
-        return pieces[j][rows[:, None, starts[j] + local], heads, local]
+        return _gather_slots(pieces[j], rows[:, starts[j]:starts[j] + sizes[j]])
 
     def attend(count):
         def branch():
@@ -762,9 +767,7 @@ def cached_keys_values(cache: DecodeCache) -> tuple[tuple[jax.Array, ...],
         (2, 4, 128, 32)
     """
     rows = _own_rows(cache)
-    slots = jnp.arange(rows.shape[1])
-    heads = jnp.arange(cache.keys[0][0].shape[1])[None, :, None]
-    resolve = lambda pieces: jnp.concatenate(pieces, axis=2)[rows[:, None], heads, slots]
+    resolve = lambda pieces: _gather_slots(jnp.concatenate(pieces, axis=2), rows)
     return (tuple(map(resolve, cache.keys)), tuple(map(resolve, cache.values)))
 
 

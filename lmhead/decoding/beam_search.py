@@ -34,6 +34,12 @@ def gather_rows(state: Any, rows: jax.Array) -> Any:
     return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), state)
 
 
+def _reorder(step_fn: StepFn, state: Any, rows: jax.Array) -> Any:
+    """``step_fn.reorder(state, rows)`` if ``step_fn`` has one, else
+    :func:`gather_rows`."""
+    return getattr(step_fn, "reorder", gather_rows)(state, rows)
+
+
 def length_penalty_divisor(length: jax.typing.ArrayLike,
                            alpha: jax.typing.ArrayLike,
                            penalty: str = "gnmt") -> jax.Array:
@@ -185,8 +191,7 @@ def _beam_step(s: BeamState, *, step_fn: StepFn, params: Any, alpha: jax.Array,
                      live_tokens=_append_to_parents(s.live_tokens, beam, token, s.step),
                      **finished)
     rows = (jnp.arange(batch)[:, None] * num_beams + beam).reshape(-1)
-    reorder = getattr(step_fn, "reorder", gather_rows)
-    model_state = reorder(s.model_state, rows)
+    model_state = _reorder(step_fn, s.model_state, rows)
     logits, model_state = _loop.maybe_step(
         step_fn, params, _beam_continues(new, alpha, config), token.reshape(-1),
         s.logits, model_state)
@@ -201,13 +206,12 @@ def _beam_loop(step_fn: StepFn, params: Any, logits: jax.Array, model_state: Any
                             config.max_new_tokens)
     # The identity reorder first: a state may change its structure once there
     # (a model's cache adds its slot pointers), never inside the loop.
-    reorder = getattr(step_fn, "reorder", gather_rows)
     # All beams start as the same empty hypothesis; only one may expand.
     first_only = jnp.where(jnp.arange(beams) == 0, 0.0, NEG_INF)
     init = BeamState(
         step=jnp.zeros((), jnp.int32), logits=jnp.repeat(logits, beams, axis=0),
-        model_state=_loop.repeat_rows(step_fn, reorder(model_state, jnp.arange(batch)),
-                                      beams),
+        model_state=_loop.repeat_rows(
+            step_fn, _reorder(step_fn, model_state, jnp.arange(batch)), beams),
         live_tokens=jnp.full((batch, beams, num_new), config.pad_id, jnp.int32),
         live_log_probs=jnp.broadcast_to(first_only, (batch, beams)),
         finished_tokens=jnp.full((batch, kept, num_new), config.pad_id, jnp.int32),

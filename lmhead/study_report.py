@@ -49,13 +49,13 @@ class CellResult:
     Attributes:
         cell: the regime x vocabulary x arm.
         lr: the chosen learning rate (``None`` while its tuning is unfinished).
-        tuning: validation loss (nats/token) per tried rate (seed 0).
+        tuning: the tuning run (seed 0) at each tried rate.
         runs: seed -> run at ``lr``.
         design_params: the parameter count the design solved for.
     """
     cell: study.Cell
     lr: float | None
-    tuning: dict[float, float]
+    tuning: dict[float, sweeps.Run]
     runs: dict[int, sweeps.Run]
     design_params: int
 
@@ -78,8 +78,7 @@ def collect(design: study.Design, sweep_dir: str
         lr = chosen.get(cell)
         results.append(CellResult(
             cell, lr,
-            {p.lr: study.validation_loss(r, cell.regime) for p, r in tuning.items()
-             if p.cell == cell},
+            {p.lr: r for p, r in tuning.items() if p.cell == cell},
             {p.seed: r for p, r in runs.items() if p.cell == cell and p.lr == lr},
             study.count_params(cell.vocab_size, cell.shape, design.arch)))
     return results, list(runs.values())
@@ -210,6 +209,42 @@ def cell_table(results: list[CellResult], design: study.Design) -> str:
             cells += [mean_std_text(by_seed(r, "steps_to_best").values(), 0),
                       f"{sum(map(bool, early))} of {len(early)}"]
         cells.append(str(len(design.seeds) - len(finished)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def tuning_text(result: CellResult, lr: float) -> str:
+    """Validation bits/char of ``result``'s tuning run at ``lr``, in bold at
+    the chosen rate; else the run's status (``sweeps.Run``) or "diverged".
+
+    Examples:
+        >>> regime = study.Regime("fixed", 1.0, 100, 0)
+        >>> cell = study.Cell(regime, None, "a", study.Shape(True, 8, 1, 16))
+        >>> def run(status, bits=None):
+        ...     summary = {"final": {"eval/loss": 1.0, "eval/bits_per_char": bits}}
+        ...     return sweeps.Run("r", "r", {}, {}, [], summary, status)
+        >>> result = CellResult(cell, 1e-3, {1e-3: run("finished", 1.5),
+        ...                                  2e-3: run("finished", 1.75),
+        ...                                  4e-3: run("unfinished")}, {}, 0)
+        >>> [tuning_text(result, lr) for lr in (1e-3, 2e-3, 4e-3)]
+        ['**1.5000**', '1.7500', 'unfinished']
+    """
+    run = result.tuning[lr]
+    if run.status != "finished":
+        return run.status
+    if math.isinf(study.validation_loss(run, result.cell.regime)):
+        return "diverged"
+    text = f"{study.validation_metrics(run, result.cell.regime)['eval/bits_per_char']:.4f}"
+    return f"**{text}**" if lr == result.lr else text
+
+
+def tuning_table(results: list[CellResult], design: study.Design) -> str:
+    """One row per vocabulary x arm: validation bits/char at each learning rate."""
+    header = ["vocabulary", "arm", *(f"lr {lr:g}" for lr in design.learning_rates)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in results:
+        cells = [study.vocabulary_label(r.cell.vocab), f"{r.cell.arm}: {study.ARMS[r.cell.arm]}",
+                 *(tuning_text(r, lr) for lr in design.learning_rates)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -398,6 +433,10 @@ def write_report(design: study.Design, sweep_dir: str, out_dir: str
                      differences_table(results_, design),
                      "Numbers for the comparison with published results:",
                      "\n".join(literature_numbers(results_, design)) or DASH,
+                     "Learning-rate tuning, seed 0: validation bits/char of the "
+                     "parameters that would be tested, at each rate (**bold**: "
+                     "the chosen rate, the lowest validation loss):",
+                     tuning_table(results_, design),
                      f"![curves]({os.path.basename(plot)})"]
     sections += ["## Published results (untied → tied test perplexity)",
                  literature_reference(),

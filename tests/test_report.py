@@ -382,6 +382,22 @@ def test_study_paired_differences_and_literature_numbers(study_report):
             assert f"test perplexity per token {change:+.2%} untied → tied" in line
 
 
+def test_study_tuning_table_shows_every_rate_and_the_chosen_one(study_report):
+    design, _, markdown, _ = study_report
+    for regime in design.regimes:
+        tuning = regime_section(markdown, regime.name).split("Learning-rate tuning")[1]
+        rows = table_rows(tuning, "vocabulary")
+        cells = [c for c in design.cells() if c.regime == regime]
+        assert len(rows) == len(cells)
+        for row, cell in zip(rows, cells):
+            assert row["arm"].startswith(f"{cell.arm}: ")
+            for lr in design.learning_rates:
+                # The synthetic runs at the other rates report 99 bits/char.
+                expected = (f"**{study_values(cell, 0)[1]:.4f}**"
+                            if lr == STUDY_CHOSEN_LR[cell.arm] else "99.0000")
+                assert row[f"lr {lr:g}"] == expected, (regime.name, cell, lr)
+
+
 def test_study_report_plots_and_measured_total(study_report):
     design, docs, markdown, stdout = study_report
     for name in ("delta_vs_head_share.png", "curves_fixed.png", "curves_limited.png"):

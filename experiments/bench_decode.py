@@ -43,6 +43,7 @@ from ml_collections import config_flags
 
 from lmhead import decoding
 from lmhead import model as model_lib
+from lmhead import monitoring
 from lmhead import train
 
 config_flags.DEFINE_config_file("config", "configs/default.py",
@@ -63,10 +64,15 @@ flags.DEFINE_bool("cpu_time", False, "Time by the process's CPU time (all thread
 FLAGS = flags.FLAGS
 
 
+def chosen_clock() -> Callable[[], float]:
+    """CPU time of this process with ``--cpu_time``, else wall time."""
+    return time.process_time if FLAGS.cpu_time else time.perf_counter
+
+
 def median_seconds(fn: Callable[..., object], repeats: int,
                    setup: Callable[[], tuple] = tuple) -> float:
     """Median time of ``fn(*setup())``, ``setup`` (e.g. a fresh cache) untimed."""
-    clock = time.process_time if FLAGS.cpu_time else time.perf_counter
+    clock = chosen_clock()
     times = []
     for _ in range(repeats):
         args = jax.block_until_ready(setup())
@@ -74,14 +80,6 @@ def median_seconds(fn: Callable[..., object], repeats: int,
         jax.block_until_ready(fn(*args))
         times.append(clock() - start)
     return float(np.median(times))
-
-
-def matmul_rate(size: int, repeats: int) -> float:
-    """FLOP/s of a square float32 matmul on this machine, now."""
-    a = jnp.ones((size, size), jnp.float32)
-    matmul = jax.jit(jnp.dot)
-    jax.block_until_ready(matmul(a, a))
-    return 2.0 * size**3 / median_seconds(lambda: matmul(a, a), repeats)
 
 
 def lmhead_decoder(name: str, model, max_new_tokens: int):
@@ -223,7 +221,7 @@ def main(argv):
     if FLAGS.quick:
         batch_sizes, max_lens, repeats = [1, 4], [64, 128], 2
         FLAGS.new_tokens = 8
-    rate = matmul_rate(FLAGS.matmul_size, repeats)
+    rate = monitoring.matmul_rate(FLAGS.matmul_size, repeats, clock=chosen_clock())
     print(f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, jax {jax.__version__}; "
           f"float32 matmul {rate / 1e9:.0f} GFLOP/s; prompt {FLAGS.prompt_len}, "
           f"{FLAGS.new_tokens} new tokens; "

@@ -20,14 +20,13 @@ import threading
 import time
 
 import httpx
-import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app
 from absl import flags
 from absl import logging
 
-from configs import default
+from lmhead import config_checks
+from lmhead import monitoring
 from lmhead import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,21 +46,8 @@ flags.DEFINE_integer("matmul_size", 1024, "Side of the timed float32 matmul.")
 FLAGS = flags.FLAGS
 
 
-def matmul_rate(size: int, repeats: int = 10) -> float:
-    """FLOP/s of a square float32 matmul on this machine, now (median)."""
-    a = jnp.ones((size, size), jnp.float32)
-    matmul = jax.jit(jnp.dot)
-    jax.block_until_ready(matmul(a, a))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(matmul(a, a))
-        times.append(time.perf_counter() - start)
-    return 2.0 * size**3 / float(np.median(times))
-
-
 def tiny_run(workdir: str) -> str:
-    config = default.get_config("tiny")
+    config = config_checks.load_config("tiny")
     config.update_from_flattened_dict({"train.steps": 20, "sample.num_samples": 0})
     train.train_and_evaluate(config, workdir)
     return workdir
@@ -154,7 +140,7 @@ def main(argv):
         finally:
             process.terminate()
             process.wait()
-    rate = matmul_rate(FLAGS.matmul_size)
+    rate = monitoring.matmul_rate(FLAGS.matmul_size)
     print(f"\n{FLAGS.requests} requests per row, {FLAGS.max_new_tokens} new tokens "
           f"each; float32 matmul {rate / 1e9:.0f} GFLOP/s\n")
     print("| clients | p50 latency (ms) | p99 latency (ms) | tokens/s | vs one at "

@@ -8,6 +8,8 @@ memory, :func:`log_training` writes and prints a training log line, and
 and read ``summary.json`` (its keys: ``train.train_and_evaluate``).
 :data:`MEASURED_METRICS` are the logged metrics that are measured, not
 computed, and so differ between two runs of the same config.
+:func:`matmul_rate` measures the machine's square-matmul rate, which the
+benchmarks (``experiments/bench_*.py``) print beside their ratios.
 """
 
 import dataclasses
@@ -16,9 +18,10 @@ import os
 import resource
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import tensorboardX
@@ -239,3 +242,34 @@ def count_params(params: Any) -> int:
         10
     """
     return int(sum(np.size(x) for x in jax.tree.leaves(params)))
+
+
+def matmul_rate(size: int = 1024, repeats: int = 10,
+                clock: Callable[[], float] = time.perf_counter) -> float:
+    """FLOP/s of a float32 ``[size, size] @ [size, size]`` on the default
+    device, now: ``2 size^3 / t``, with ``t`` the median over ``repeats``
+    timed runs (by ``clock``: e.g. ``time.process_time`` for CPU time) after
+    one that compiles and warms up.
+
+    It is the rate a matmul-bound program approaches on this machine: what a
+    benchmark's FLOP rates are read against.
+
+    Raises:
+        ValueError: ``size`` or ``repeats`` is not positive.
+
+    Examples:
+        >>> matmul_rate(64, repeats=3) > 0
+        True
+    """
+    if size < 1 or repeats < 1:
+        raise ValueError(f"matmul_rate needs size >= 1 and repeats >= 1; got "
+                         f"size={size}, repeats={repeats}.")
+    a = jnp.ones((size, size), jnp.float32)
+    matmul = jax.jit(jnp.dot)
+    jax.block_until_ready(matmul(a, a))
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        jax.block_until_ready(matmul(a, a))
+        times.append(clock() - start)
+    return 2.0 * size**3 / float(np.median(times))

@@ -41,6 +41,7 @@ from lmhead import head
 from lmhead import losses
 from lmhead import model as model_lib
 from lmhead import modules
+from lmhead import monitoring
 from lmhead import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -314,6 +315,10 @@ PURE = [
      TypeError, "ids"),
     ("detokenize scalar ids", lambda: decoding.detokenize(3, Letters()),
      ValueError, "ids"),
+    # monitoring.py: the benchmarks' matmul rate
+    ("matmul_rate size 0", lambda: monitoring.matmul_rate(0), ValueError, "size"),
+    ("matmul_rate repeats 0", lambda: monitoring.matmul_rate(8, repeats=0),
+     ValueError, "repeats"),
 ]
 
 

@@ -80,6 +80,28 @@ def test_bench_train_times_each_device_count():
 
 
 @pytest.mark.slow
+def test_bench_decode_quick_table():
+    stdout = run("bench_decode.py", "--quick")
+    assert re.search(r"float32 matmul \d+ GFLOP/s", stdout)
+    rows = re.findall(r"^\| (greedy|top-p|beam 4) \| (\d+) \| (\d+) \| 8 \| \d+ \| "
+                      r"(\S+) \| (\S+)x \|$", stdout, re.M)
+    assert len(rows) == 3 * 2 * 2  # decoders x batch sizes 1, 4 x max_len 64, 128
+    for _, _, max_len, ms, ratio in rows:
+        assert float(ms) > 0 and (max_len != "64" or ratio == "1.00")
+
+
+@pytest.mark.slow
+def test_bench_serve_quick_table():
+    """Trains a tiny run, serves it on loopback, and prints a row per client count."""
+    stdout = run("bench_serve.py", "--quick")
+    assert re.search(r"float32 matmul \d+ GFLOP/s", stdout)
+    rows = re.findall(r"^\| (\d+) \| (\S+) \| (\S+) \| (\d+) \| (\S+)x \| (\S+) \|$",
+                      stdout, re.M)
+    assert [r[0] for r in rows] == ["1", "4", "16"] and rows[0][4] == "1.00"
+    assert all(float(p50) <= float(p99) for _, p50, p99, *_ in rows)
+
+
+@pytest.mark.slow
 def test_bench_train_profile_tables():
     """nanogpt,tiny: the tiny model with nanoGPT's 2 microbatches, whose
     loop runs every dot of the gradient twice."""

@@ -10,6 +10,9 @@ skipped; others start again in the same workdir, where ``train.py`` resumes
 from the newest checkpoint, so rerunning the same command continues an
 interrupted sweep. A failed run does not stop the others; the command exits
 with status 1 at the end and lists the failed runs with the end of their logs.
+A sweep that plans from its own results (the tying study's tuning stage adds
+rates past the grid's ends) is planned again once its runs are done, and the
+new runs run, until the plan stops growing.
 
 On a cluster, ``--dry_run`` prints the remaining runs' commands, one a line,
 for a Slurm array or GNU parallel; afterwards ``experiments/report.py`` reads
@@ -163,13 +166,26 @@ def log_tail(run: dict, lines: int = LOG_TAIL_LINES) -> str:
         return "".join(collections.deque(f, maxlen=lines))
 
 
+def plan_or_exit() -> list[dict]:
+    """:func:`plan` of the flags' sweep; a bad sweep exits with its message."""
+    try:
+        return plan(_SWEEP.value, _WORKDIR.value, _TRAIN_SCRIPT.value)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"--sweep={_SWEEP.value}: {e}")
+
+
+def write_sweep_record(runs: list[dict]) -> None:
+    """``sweep.json``: the sweep, the command, the machine and the planned runs."""
+    os.makedirs(_WORKDIR.value, exist_ok=True)
+    with open(os.path.join(_WORKDIR.value, sweeps.SWEEP_FILE), "w") as f:
+        json.dump(dict(sweep=_SWEEP.value, command=shlex.join(["python", *sys.argv]),
+                       machine=describe_machine(), runs=runs), f, indent=2)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    try:
-        runs = plan(_SWEEP.value, _WORKDIR.value, _TRAIN_SCRIPT.value)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"--sweep={_SWEEP.value}: {e}")
+    runs = plan_or_exit()
     todo = [run for run in runs if not is_finished(run)]
     if _DRY_RUN.value:
         print(f"# {len(runs) - len(todo)} of {len(runs)} runs already finished",
@@ -177,14 +193,22 @@ def main(argv):
         for run in todo:
             print(shlex.join(run["command"]))
         return
-    os.makedirs(_WORKDIR.value, exist_ok=True)
-    with open(os.path.join(_WORKDIR.value, sweeps.SWEEP_FILE), "w") as f:
-        json.dump(dict(sweep=_SWEEP.value, command=shlex.join(["python", *sys.argv]),
-                       machine=describe_machine(), runs=runs), f, indent=2)
-    print(f"{len(runs)} runs in {_WORKDIR.value}: {len(runs) - len(todo)} finished "
-          f"before, {len(todo)} to run, {_PARALLEL.value} at a time.", flush=True)
-    started = time.time()
-    failed = run_all(todo, _PARALLEL.value)
+    started, failed, tried = time.time(), [], set()
+    # A sweep may plan from its own results (the tying study's tuning stage
+    # extends a cell's rates past the grid when its best is at an end), so it
+    # is planned again when its runs are done, until nothing new is planned.
+    while True:
+        write_sweep_record(runs)
+        print(f"{len(runs)} runs in {_WORKDIR.value}: {len(runs) - len(todo)} "
+              f"finished before, {len(todo)} to run, {_PARALLEL.value} at a time.",
+              flush=True)
+        failed += run_all(todo, _PARALLEL.value)
+        tried.update(run["name"] for run in todo)
+        runs = plan_or_exit()
+        todo = [run for run in runs if not is_finished(run) and run["name"] not in tried]
+        if not todo:
+            break
+    write_sweep_record(runs)
     print(f"The runs took {(time.time() - started) / 60:.1f} min.", flush=True)
     report_failed = False
     if _REPORT.value:
@@ -195,7 +219,7 @@ def main(argv):
         print(f"\nFAILED: {run['name']}\n  {shlex.join(run['command'])}\n"
               f"  last lines of {run['workdir']}/{sweeps.LOG_FILE}:\n{log_tail(run)}")
     if failed or report_failed:
-        print(f"{len(failed)} of {len(todo)} runs failed"
+        print(f"{len(failed)} of {len(tried)} runs failed"
               + ("; the report failed" if report_failed else "") + ".")
         sys.exit(1)
 

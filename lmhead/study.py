@@ -20,12 +20,19 @@ arm at several learning rates, seed 0), then the seeds stage, which reads the
 tuning runs back (:func:`choose_learning_rates`), keeps each cell's best rate
 on validation and adds seeds at it. The tuning run at the chosen rate is the
 seeds stage's seed 0, so no run is repeated.
+
+A grid whose best rate is at one of its ends has not bracketed the optimum.
+With ``Design.extend_edges = n``, the tuning stage then tries the next rate
+outward (twice the highest, or half the lowest), up to ``n`` times each way
+per cell, as the results come in (:meth:`Design.tuning_runs`,
+:func:`read_tuning`); a cell still best at an end after that is reported as
+such.
 """
 
 import dataclasses
 import math
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from lmhead import sweeps
 
@@ -37,6 +44,8 @@ ARMS = {"a": "tied",
 MATCH_TOLERANCE = 0.02
 # Distinct characters of the embedded corpus: the character vocabulary.
 CHAR_VOCAB_SIZE = 84
+# A grid's end extends by this factor: twice the highest rate, half the lowest.
+EDGE_FACTOR = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +262,7 @@ class Design:
     base_shape: Shape = Shape(True, 128, 4, 512)
     arch: Architecture = Architecture()
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    extend_edges: int = 0  # rates tried past each end of the grid, at most
 
     def cells(self) -> list[Cell]:
         cells = []
@@ -263,11 +273,25 @@ class Design:
                 cells += [Cell(regime, vocab, arm, shapes[arm]) for arm in self.arms]
         return cells
 
-    def tuning_runs(self) -> list[PlannedRun]:
-        """Every cell at every learning rate, first seed; rates in the outer loop
-        so that an interrupted stage has every cell at one rate."""
-        return [PlannedRun(cell, lr, self.seeds[0])
+    def tuning_runs(self, results: Mapping[PlannedRun, sweeps.Run] | None = None
+                    ) -> list[PlannedRun]:
+        """Every cell at every rate of the grid, first seed (rates in the outer
+        loop, so that an interrupted stage has every cell at one rate); then,
+        given the ``results`` read back so far, each cell's edge extensions
+        (:func:`extend_rates`), in cell order."""
+        grid = [PlannedRun(cell, lr, self.seeds[0])
                 for lr in self.learning_rates for cell in self.cells()]
+        if not results or self.extend_edges == 0:
+            return grid
+        extensions = []
+        for cell in self.cells():
+            losses = {p.lr: (validation_loss(r, cell.regime)
+                             if r.status == "finished" else None)
+                      for p, r in results.items()
+                      if p.cell == cell and p.seed == self.seeds[0]}
+            extensions += [PlannedRun(cell, lr, self.seeds[0]) for lr in extend_rates(
+                losses, self.learning_rates, self.extend_edges)]
+        return grid + extensions
 
     def seed_runs(self, chosen: dict[Cell, float]) -> list[PlannedRun]:
         """The other seeds of every cell at its chosen rate."""
@@ -287,7 +311,61 @@ def read_runs(design: Design, runs: Sequence[PlannedRun], sweep_dir: str
             for planned, name in zip(runs, design.names(runs))}
 
 
+def extend_rates(losses: Mapping[float, float | None], grid: Sequence[float],
+                 extend_edges: int) -> list[float]:
+    """The rates past the grid's ends that a cell's tuning tries, given the
+    validation ``losses`` of its runs so far (``None``: not finished).
+
+    Walking outward from the grid: while every rate tried has finished and the
+    lowest loss is at the highest rate, the next is ``EDGE_FACTOR`` times it;
+    at the lowest rate, the next is that divided by ``EDGE_FACTOR``; at most
+    ``extend_edges`` of each. The walk stops at a rate not yet finished (it
+    is returned: the run to wait for); a diverged run's loss is ``inf``; a
+    grid of one rate is a choice, not a search, and never extends.
+
+    Examples:
+        >>> grid = (1e-3, 2e-3)
+        >>> extend_rates({1e-3: 2.0, 2e-3: 1.9}, grid, 2)   # best at the top
+        [0.004]
+        >>> extend_rates({1e-3: 2.0, 2e-3: 1.9, 4e-3: 1.8}, grid, 2)
+        [0.004, 0.008]
+        >>> extend_rates({1e-3: 2.0, 2e-3: 1.9, 4e-3: 1.8, 8e-3: 1.7}, grid, 2)
+        [0.004, 0.008]
+        >>> extend_rates({1e-3: 1.8, 2e-3: 1.9}, grid, 2)   # best at the bottom
+        [0.0005]
+        >>> extend_rates({1e-3: 2.0, 2e-3: None}, grid, 2)  # still running
+        []
+    """
+    if len(grid) < 2:
+        return []
+    tried, added = sorted(grid), []
+    while not any(losses.get(lr) is None for lr in tried):
+        best = min(tried, key=lambda lr: losses[lr])  # ties: the lower rate
+        if best == tried[-1] and sum(lr > max(grid) for lr in tried) < extend_edges:
+            rate = round(best * EDGE_FACTOR, 12)
+        elif best == tried[0] and sum(lr < min(grid) for lr in tried) < extend_edges:
+            rate = round(best / EDGE_FACTOR, 12)
+        else:
+            break
+        added.append(rate)
+        tried = sorted(tried + [rate])
+    return added
+
+
 # --- Reading results -------------------------------------------------------------
+
+
+def read_tuning(design: Design, sweep_dir: str) -> dict[PlannedRun, sweeps.Run]:
+    """The tuning stage's runs as planned so far, read back from ``sweep_dir``:
+    the grid, then the edge extensions its results call for, re-read until
+    the plan stops growing (at most ``extend_edges`` rounds each way)."""
+    planned = design.tuning_runs()
+    while True:
+        runs = read_runs(design, planned, sweep_dir)
+        grown = design.tuning_runs(runs)
+        if grown == planned:
+            return runs
+        planned = grown
 
 
 def validation_metrics(run: sweeps.Run, regime: Regime) -> dict[str, float]:

@@ -67,8 +67,8 @@ def collect(design: study.Design, sweep_dir: str
             ) -> tuple[list[CellResult], list[sweeps.Run]]:
     """Every cell of ``design`` with its runs read from ``sweep_dir``, and
     every planned run of both stages (those planned so far)."""
-    tuning_plan = design.tuning_runs()
-    tuning = study.read_runs(design, tuning_plan, sweep_dir)
+    tuning = study.read_tuning(design, sweep_dir)
+    tuning_plan = list(tuning)
     chosen = study.choose_learning_rates(tuning, strict=False)
     seed_plan = design.seed_runs({c: chosen.get(c, math.nan) for c in design.cells()})
     seed_plan = [p for p in seed_plan if p.cell in chosen]
@@ -178,11 +178,13 @@ def interval_text(difference: stats.PairedDifference) -> str:
     return f"{difference.mean:+.4f} [{difference.low:+.4f}, {difference.high:+.4f}]"
 
 
-def lr_text(result: CellResult, learning_rates) -> str:
+def lr_text(result: CellResult) -> str:
+    """The chosen rate; "(edge)" when it is the highest or lowest of three or
+    more that the cell tried (its optimum may lie past them)."""
     if result.lr is None:
         return "tuning unfinished"
-    edge = len(learning_rates) > 2 and result.lr in (min(learning_rates),
-                                                      max(learning_rates))
+    rates = result.tuning
+    edge = len(rates) > 2 and result.lr in (min(rates), max(rates))
     return f"{result.lr:g}" + (" (edge)" if edge else "")
 
 
@@ -200,7 +202,7 @@ def cell_table(results: list[CellResult], design: study.Design) -> str:
                  f"{r.cell.arm}: {study.ARMS[r.cell.arm]}",
                  f"{shape.d_model} × {shape.num_layers}, {shape.mlp_dim}",
                  f"{parameters(r):,}", f"{head_share(r):.1%}",
-                 lr_text(r, design.learning_rates),
+                 lr_text(r),
                  mean_std_text(by_seed(r, "test").values()), str(len(finished)),
                  mean_std_text(by_seed(r, "val").values()),
                  mean_std_text(by_seed(r, "gap").values())]
@@ -226,10 +228,14 @@ def tuning_text(result: CellResult, lr: float) -> str:
         >>> result = CellResult(cell, 1e-3, {1e-3: run("finished", 1.5),
         ...                                  2e-3: run("finished", 1.75),
         ...                                  4e-3: run("unfinished")}, {}, 0)
-        >>> [tuning_text(result, lr) for lr in (1e-3, 2e-3, 4e-3)]
-        ['**1.5000**', '1.7500', 'unfinished']
+        >>> [tuning_text(result, lr) for lr in (1e-3, 2e-3, 4e-3, 8e-3)]
+        ['**1.5000**', '1.7500', 'unfinished', '—']
+        >>> lr_text(result), lr_text(dataclasses.replace(result, lr=2e-3))
+        ('0.001 (edge)', '0.002')
     """
-    run = result.tuning[lr]
+    run = result.tuning.get(lr)
+    if run is None:
+        return DASH  # the cell did not try this rate
     if run.status != "finished":
         return run.status
     if math.isinf(study.validation_loss(run, result.cell.regime)):
@@ -238,13 +244,15 @@ def tuning_text(result: CellResult, lr: float) -> str:
     return f"**{text}**" if lr == result.lr else text
 
 
-def tuning_table(results: list[CellResult], design: study.Design) -> str:
-    """One row per vocabulary x arm: validation bits/char at each learning rate."""
-    header = ["vocabulary", "arm", *(f"lr {lr:g}" for lr in design.learning_rates)]
+def tuning_table(results: list[CellResult]) -> str:
+    """One row per vocabulary x arm: validation bits/char at each learning rate
+    that any cell tried (a dash where this one did not)."""
+    rates = sorted({lr for r in results for lr in r.tuning})
+    header = ["vocabulary", "arm", *(f"lr {lr:g}" for lr in rates)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         cells = [study.vocabulary_label(r.cell.vocab), f"{r.cell.arm}: {study.ARMS[r.cell.arm]}",
-                 *(tuning_text(r, lr) for lr in design.learning_rates)]
+                 *(tuning_text(r, lr) for lr in rates)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -418,7 +426,9 @@ def write_report(design: study.Design, sweep_dir: str, out_dir: str
     sections = ["# The tying study", provenance(sweep_dir, runs),
                 "Test split, bits per character: mean ± sample std over seeds at each "
                 "cell's learning rate (chosen on validation; \"edge\": the best rate "
-                "is at the end of the grid). Head share: the [V, D] unembedding's "
+                "is the highest or lowest the cell tried, after "
+                f"{design.extend_edges} rate(s) past each end of the grid at most). "
+                "Head share: the [V, D] unembedding's "
                 "share of the arm's parameters (a tied table counts). "
                 "train − val: training-subset minus validation bits/char at the "
                 "tested step."]
@@ -436,7 +446,7 @@ def write_report(design: study.Design, sweep_dir: str, out_dir: str
                      "Learning-rate tuning, seed 0: validation bits/char of the "
                      "parameters that would be tested, at each rate (**bold**: "
                      "the chosen rate, the lowest validation loss):",
-                     tuning_table(results_, design),
+                     tuning_table(results_),
                      f"![curves]({os.path.basename(plot)})"]
     sections += ["## Published results (untied → tied test perplexity)",
                  literature_reference(),

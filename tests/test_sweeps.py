@@ -319,6 +319,50 @@ def test_seeds_stage_picks_each_cells_best_validation_rate(tmp_path):
         assert seed0 in overrides[:len(tuning)]  # seed 0 is the chosen tuning run
 
 
+def test_tuning_extends_a_cells_rates_past_the_grid_while_its_best_is_at_an_end(tmp_path):
+    """Fixed regime, characters, grid 1e-3, 2e-3, 4e-3, extend=2. Cell a keeps
+    improving upward: 8e-3, then 1.6e-2, then no more (the limit); 8e-3 is
+    chosen. Cell b is best at the bottom: 5e-4 is worse, so 1e-3 is chosen.
+    Cell c is best inside the grid and never extends."""
+    arg = "tiny,bpe=,arms=a+b+c,regimes=fixed,lrs=0.001+0.002+0.004,extend=2,seeds=2"
+    design = study_module().get_study(arg)
+    losses = {"a": {1e-3: 2.0, 2e-3: 1.9, 4e-3: 1.8, 8e-3: 1.7, 1.6e-2: 1.75},
+              "b": {5e-4: 1.6, 1e-3: 1.5, 2e-3: 1.9, 4e-3: 2.0},
+              "c": {1e-3: 2.0, 2e-3: 1.0, 4e-3: 2.0}}
+
+    def plan_and_finish():
+        """The tuning stage's plan now; then its runs finish."""
+        tuning = study.read_tuning(design, str(tmp_path))
+        _, overrides, _ = sweeps.load_sweep(f"{STUDY}:{arg},stage=tune", str(tmp_path))
+        assert overrides == [p.overrides(design.min_lr_ratio) for p in tuning]
+        for planned, name in zip(tuning, design.names(list(tuning))):
+            if tuning[planned].status == "not started":
+                write_tuning_run(tmp_path, name, losses[planned.cell.arm][planned.lr])
+        return [(p.cell.arm, p.lr) for p in tuning]
+
+    rounds = [plan_and_finish() for _ in range(4)]
+    grid = [(arm, lr) for lr in (1e-3, 2e-3, 4e-3) for arm in "abc"]
+    assert rounds[0] == grid  # nothing to read back yet
+    assert rounds[1] == grid + [("a", 8e-3), ("b", 5e-4)]
+    assert rounds[2] == rounds[3] == grid + [("a", 8e-3), ("a", 1.6e-2), ("b", 5e-4)]
+    _, overrides, _ = sweeps.load_sweep(f"{STUDY}:{arg}", str(tmp_path))
+    added = overrides[len(rounds[-1]):]
+    assert [o["train.seed"] for o in added] == [1, 1, 1]
+    assert [o["optim.lr"] for o in added] == [8e-3, 1e-3, 2e-3]  # arms a, b, c
+    assert added[0]["optim.min_lr"] == pytest.approx(8e-4)
+
+
+def test_seeds_stage_waits_for_the_edge_extensions(tmp_path):
+    arg = "tiny,bpe=,arms=a,regimes=fixed,lrs=0.001+0.002,extend=1,seeds=2"
+    design = study_module().get_study(arg)
+    for planned, name in zip(design.tuning_runs(), design.names(design.tuning_runs())):
+        write_tuning_run(tmp_path, name, {1e-3: 2.0, 2e-3: 1.5}[planned.lr])
+    with pytest.raises(ValueError, match="1 of 3 tuning runs have not finished"):
+        sweeps.load_sweep(f"{STUDY}:{arg}", str(tmp_path))
+    _, overrides, _ = sweeps.load_sweep(f"{STUDY}:{arg},stage=tune", str(tmp_path))
+    assert [o["optim.lr"] for o in overrides] == [1e-3, 2e-3, 4e-3]
+
+
 def test_study_presets_and_argument_errors():
     module = study_module()
     small = module.get_study("small")
@@ -442,6 +486,35 @@ def test_a_run_that_exits_cleanly_without_a_summary_counts_as_failed(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 1
     assert "2 of 2 runs failed" in result.stdout and "did nothing" in result.stdout
+
+
+GROWING_SWEEP = textwrap.dedent("""\
+    import os
+    from lmhead import sweeps
+
+    def get_sweep(arg=None, workdir=None):
+        # Seed 2 is planned once seeds 0 and 1 have finished.
+        runs = [{"model.tied": True, "train.seed": seed} for seed in (0, 1)]
+        if workdir and all(os.path.exists(os.path.join(workdir, name, "summary.json"))
+                           for name in sweeps.run_names(runs)):
+            runs.append({"model.tied": True, "train.seed": 2})
+        return "tiny", runs
+    """)
+
+
+def test_runner_plans_again_from_the_results_until_the_plan_stops_growing(tmp_path):
+    (tmp_path / "fake_sweep.py").write_text(GROWING_SWEEP)
+    (tmp_path / "fake_train.py").write_text(FAKE_TRAIN)
+    result = subprocess.run(
+        [sys.executable, SWEEP_SCRIPT, f"--sweep={tmp_path}/fake_sweep.py",
+         f"--workdir={tmp_path}/sweep", f"--train_script={tmp_path}/fake_train.py",
+         "--noreport"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    names = [f"tied=True,seed={seed}" for seed in range(3)]
+    assert [calls(tmp_path, name) for name in names] == [["start"]] * 3
+    assert "2 runs in" in result.stdout and "3 runs in" in result.stdout
+    record = json.loads((tmp_path / "sweep" / sweeps.SWEEP_FILE).read_text())
+    assert [run["name"] for run in record["runs"]] == names
 
 
 @pytest.mark.slow

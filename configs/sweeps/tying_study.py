@@ -10,11 +10,15 @@ three; each skips what is done, so rerunning it resumes)::
     python experiments/report.py --workdir=runs/tying_study --out=docs/tying_study
 
 The first stage trains every cell (regime x vocabulary x arm) at each
-learning rate with the first seed; the second reads those runs back, keeps
+learning rate of the grid with the first seed, and, for a cell whose best
+rate so far is at an end of the rates it tried, the next rate outward
+(``extend``; ``experiments/sweep.py`` plans again when its runs are done,
+until the plan stops growing); the second reads those runs back, keeps
 each cell's rate with the lowest validation loss (``lmhead/study.py``), and
 adds the other seeds at it (the tuning run at the chosen rate is seed 0). On a
-cluster, run each stage's ``--dry_run`` commands in turn (the second stage
-refuses to plan before the first has finished), then the report.
+cluster, run each stage's ``--dry_run`` commands in turn, the first stage's
+until it prints none (the second stage refuses to plan before the first has
+finished), then the report.
 
 Design (``lmhead/study.py`` solves the matched shapes and counts them):
 
@@ -38,9 +42,11 @@ Design (``lmhead/study.py`` solves the matched shapes and counts them):
   Validation (8 fixed batches every 100 steps, and 8 training batches for
   the train - validation gap) chooses the learning rate and the stopping
   step; the numbers are bits per character on the whole test split.
-* Tuning: learning rates 5e-4, 1e-3, 2e-3 per cell on seed 0; seeds 0, 1, 2
-  at the chosen rate. 5 vocabularies x 4 arms x 2 regimes = 40 cells; 3 + 2
-  = 5 runs per cell, 200 runs.
+* Tuning: learning rates 5e-4, 1e-3, 2e-3 per cell on seed 0, and up to two
+  doublings past 2e-3 (or halvings below 5e-4) for a cell whose best rate is
+  at the end of those tried; seeds 0, 1, 2 at the chosen rate. 5
+  vocabularies x 4 arms x 2 regimes = 40 cells; 3 to 5 + 2 runs per cell,
+  200 runs plus the extensions.
 
 Budget (about 8 hours of a 2-core CPU). The grid trains 100 x 1000 steps in
 the fixed regime and at most 100 x 1000 in the limited one. Estimate = sum
@@ -52,6 +58,8 @@ does), taking the process's CPU time per step on a loaded machine as the
 wall time, which gives no credit for the second core: this is a
 conservative estimate, 10 h if no limited run stops early, about 8.5 h if
 the BPE runs stop halfway; an unloaded machine needs roughly 0.6 x that.
+The edge extensions come on top: a run each for every cell whose best rate
+is past the grid (at most four per cell).
 Cut to fit: one width (d_model 128) and depth; five vocabularies; the
 minimum of 3 learning rates and 3 seeds, with the tuning run reused as seed
 0; 8-batch validation subsets; 1000 steps in the fixed regime (short of
@@ -71,7 +79,9 @@ comma-separated ``key=value`` (``+`` separates list items)::
     bpe=...         BPE sizes, e.g. bpe=512+8192
     arms=a+b+c+d    which arms
     regimes=fixed+limited
-    lrs=...         learning rates tried per cell
+    lrs=...         learning rates tried per cell (the grid)
+    extend=2        rates tried past each end of the grid, at most, while
+                    a cell's best is at that end (0: the grid alone)
     seeds=3         seeds 0 .. seeds-1
     fixed_steps, limited_steps, limited_fraction, patience, eval_every
 """
@@ -82,16 +92,16 @@ from lmhead import sweeps
 PRESETS = {
     "full": dict(base="nanogpt", stage="seeds", char=True, bpe=(512, 1024, 2048, 8192),
                  arms=("a", "b", "c", "d"), regimes=("fixed", "limited"),
-                 lrs=(5e-4, 1e-3, 2e-3), seeds=3, fixed_steps=1000,
+                 lrs=(5e-4, 1e-3, 2e-3), extend=2, seeds=3, fixed_steps=1000,
                  limited_steps=1000, limited_fraction=0.03, patience=3,
                  eval_every=100),
     "small": dict(base="nanogpt", stage="seeds", char=False, bpe=(2048,),
-                  arms=("a", "b", "c"), regimes=("limited",), lrs=(1e-3,), seeds=3,
+                  arms=("a", "b", "c"), regimes=("limited",), lrs=(1e-3,), extend=0, seeds=3,
                   fixed_steps=600, limited_steps=600, limited_fraction=0.03,
                   patience=3, eval_every=50),
     "tiny": dict(base="tiny", stage="seeds", char=True, bpe=(300,),
                  arms=("a", "b", "c", "d"), regimes=("fixed", "limited"),
-                 lrs=(1e-3, 3e-3), seeds=2, fixed_steps=20, limited_steps=40,
+                 lrs=(1e-3, 3e-3), extend=0, seeds=2, fixed_steps=20, limited_steps=40,
                  limited_fraction=0.5, patience=2, eval_every=10),
 }
 # The model each preset's base config argument gives (configs/default.py).
@@ -138,16 +148,20 @@ def get_study(arg=None) -> study.Design:
         regimes=tuple(regimes[r] for r in args["regimes"]),
         vocabularies=((None,) if args["char"] else ()) + tuple(args["bpe"]),
         arms=tuple(args["arms"]), learning_rates=tuple(args["lrs"]),
-        seeds=tuple(range(args["seeds"])), base_shape=base_shape, arch=arch)
+        seeds=tuple(range(args["seeds"])), base_shape=base_shape, arch=arch,
+        extend_edges=args["extend"])
 
 
 def get_sweep(arg=None, workdir=None):
     design = get_study(arg)
-    runs = design.tuning_runs()
-    if parse(arg)["stage"] == "seeds":
-        if workdir is None:
+    if workdir is None:
+        if parse(arg)["stage"] == "seeds":
             raise ValueError("stage=seeds reads the tuning runs: it needs the sweep "
                              "directory.")
-        runs += design.seed_runs(study.choose_learning_rates(
-            study.read_runs(design, runs, workdir)))
+        runs = design.tuning_runs()  # the grid; its extensions need its results
+    else:
+        tuning = study.read_tuning(design, workdir)
+        runs = list(tuning)
+        if parse(arg)["stage"] == "seeds":
+            runs += design.seed_runs(study.choose_learning_rates(tuning))
     return design.base, [r.overrides(design.min_lr_ratio) for r in runs], design.shared

@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -124,6 +125,15 @@ def record_exit(run: dict, returncode: int, seconds: float) -> bool:
     return returncode == 0 and is_finished(run)
 
 
+class Terminated(Exception):
+    """The runner got SIGTERM (``kill``, a scheduler's preemption)."""
+
+
+def raise_terminated(signum, frame):
+    del frame
+    raise Terminated(signum)
+
+
 def run_all(runs: list[dict], parallel: int) -> list[dict]:
     """Runs ``runs``, ``parallel`` at a time; returns the ones that failed."""
     pending, running, failed = collections.deque(runs), {}, []
@@ -152,9 +162,12 @@ def run_all(runs: list[dict], parallel: int) -> list[dict]:
                 print(f"[{done}/{total}] {run['name']} {outcome}; "
                       f"about {left:.0f} min left", flush=True)
             time.sleep(0.2)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated):
+        # The runs get SIGTERM too (train.py saves a checkpoint and exits), so
+        # that none outlives the runner and races a rerun for its workdir.
         for process in running:
             process.terminate()
+        for process in running:
             process.wait()
         raise
     return failed
@@ -193,6 +206,7 @@ def main(argv):
         for run in todo:
             print(shlex.join(run["command"]))
         return
+    signal.signal(signal.SIGTERM, raise_terminated)
     started, failed, tried = time.time(), [], set()
     # A sweep may plan from its own results (the tying study's tuning stage
     # extends a cell's rates past the grid when its best is at an end), so it
@@ -202,7 +216,11 @@ def main(argv):
         print(f"{len(runs)} runs in {_WORKDIR.value}: {len(runs) - len(todo)} "
               f"finished before, {len(todo)} to run, {_PARALLEL.value} at a time.",
               flush=True)
-        failed += run_all(todo, _PARALLEL.value)
+        try:
+            failed += run_all(todo, _PARALLEL.value)
+        except Terminated:
+            sys.exit("Stopped by SIGTERM, the running runs with it; the same command "
+                     "resumes the sweep.")
         tried.update(run["name"] for run in todo)
         runs = plan_or_exit()
         todo = [run for run in runs if not is_finished(run) and run["name"] not in tried]

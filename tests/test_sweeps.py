@@ -13,6 +13,7 @@ import shlex
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from absl import flags
@@ -486,6 +487,40 @@ def test_a_run_that_exits_cleanly_without_a_summary_counts_as_failed(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 1
     assert "2 of 2 runs failed" in result.stdout and "did nothing" in result.stdout
+
+
+SLOW_TRAIN = textwrap.dedent("""\
+    import os, signal, sys, time
+    workdir = dict(a.split("=", 1) for a in sys.argv[1:])["--workdir"]
+    os.makedirs(workdir, exist_ok=True)
+
+    def on_term(signum, frame):
+        open(os.path.join(workdir, "terminated"), "w").close()
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, on_term)
+    open(os.path.join(workdir, "started"), "w").close()
+    time.sleep(120)
+    """)
+
+
+def test_sigterm_stops_the_runner_and_its_runs(tmp_path):
+    """``kill`` of the runner must not leave a run behind to race a rerun."""
+    (tmp_path / "fake_sweep.py").write_text(FAKE_SWEEP)
+    (tmp_path / "slow_train.py").write_text(SLOW_TRAIN)
+    runner = subprocess.Popen(
+        [sys.executable, SWEEP_SCRIPT, f"--sweep={tmp_path}/fake_sweep.py:1",
+         f"--workdir={tmp_path}/sweep", f"--train_script={tmp_path}/slow_train.py",
+         "--noreport"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    run = tmp_path / "sweep" / "tied=True,seed=0"
+    deadline = time.time() + 60
+    while not (run / "started").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    runner.terminate()
+    output, _ = runner.communicate(timeout=60)
+    assert runner.returncode == 1 and "Stopped by SIGTERM" in output, output
+    assert (run / "terminated").exists()
+    assert not (run / sweeps.STATUS_FILE).exists()  # no exit recorded: a rerun resumes it
 
 
 GROWING_SWEEP = textwrap.dedent("""\

@@ -181,6 +181,19 @@ def split_works(works: dict[str, str], val_fraction: float,
         >>> split_works({"a": "aaaa", "b": "bb", "c": "cccc", "d": "dd"}, 0.2, 0.2)
         ('aaaabb', 'cccc', 'dd')
     """
+    names = assign_works(works, val_fraction, test_fraction)
+    return tuple("".join(works[n] for n in names[s]) for s in ("train", "val", "test"))
+
+
+def assign_works(works: dict[str, str], val_fraction: float,
+                 test_fraction: float) -> dict[str, list[str]]:
+    """The names of the works in each split (``"train"``, ``"val"``,
+    ``"test"``), in name order, by :func:`split_works`'s rule.
+
+    Examples:
+        >>> assign_works({"a": "aaaa", "b": "bb", "c": "cccc", "d": "dd"}, 0.2, 0.2)
+        {'train': ['a', 'b'], 'val': ['c'], 'test': ['d']}
+    """
     total = sum(map(len, works.values()))
     targets = {"test": test_fraction * total, "val": val_fraction * total}
     chosen = {"train": [], "val": [], "test": []}
@@ -192,8 +205,7 @@ def split_works(works: dict[str, str], val_fraction: float,
         chosen[split].append(name)
         if split != "train":
             sizes[split] += size
-    return tuple("".join(works[n] for n in sorted(chosen[s]))
-                 for s in ("train", "val", "test"))
+    return {split: sorted(names) for split, names in chosen.items()}
 
 
 def split_blocks(text: str, val_fraction: float,

@@ -23,6 +23,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
+from lmhead import data
 from lmhead import stats
 from lmhead import study
 from lmhead import sweeps
@@ -413,6 +414,34 @@ def provenance(sweep_dir: str, runs: list[sweeps.Run]) -> str:
         f"Report written {time.strftime('%Y-%m-%d %H:%M')}."])
 
 
+def splits_text(design: study.Design, runs: list[sweeps.Run]) -> str:
+    """Which text each split holds, from the runs' data config: the works and
+    their share of the corpus's characters for ``data.split="works"`` on the
+    embedded corpus; the config's fractions otherwise."""
+    config = next((r.config["data"] for r in runs if "data" in r.config), None)
+    if config is None:
+        return "Splits: no run has written its config yet."
+    fractions = (f"validation {config['val_fraction']:.0%}, "
+                 f"test {config.get('test_fraction', 0):.0%} of the characters")
+    if config.get("split") != "works" or config.get("path"):
+        return f"Splits: `data.split={config.get('split')!r}`, {fractions}."
+    works = data.shakespeare_works()
+    names = data.assign_works(works, config["val_fraction"], config["test_fraction"])
+    total = sum(map(len, works.values()))
+    size = {split: sum(len(works[n]) for n in names[split]) for split in names}
+    limited = [r for r in design.regimes if r.train_fraction < 1]
+    lines = [f"Splits (`data.split=\"works\"`: whole works, {fractions} as the "
+             f"target shares; `lmhead/data.py`), of {total:,} characters:",
+             *(f"- {title}: {', '.join(names[split])} ({size[split] / total:.1%})"
+               for title, split in (("test", "test"), ("validation", "val"))),
+             f"- training: the other {len(names['train'])} works "
+             f"({size['train'] / total:.1%})"
+             + "".join(f"; regime `{r.name}` trains on their first "
+                       f"{r.train_fraction:.0%} ({int(size['train'] * r.train_fraction):,}"
+                       " characters)" for r in limited)]
+    return "\n".join(lines)
+
+
 def write_report(design: study.Design, sweep_dir: str, out_dir: str
                  ) -> tuple[str, list[str]]:
     """Writes ``REPORT.md`` and the plots into ``out_dir``; returns the
@@ -424,8 +453,11 @@ def write_report(design: study.Design, sweep_dir: str, out_dir: str
     plots = [os.path.join(out_dir, "delta_vs_head_share.png")]
     plot_deltas(by_regime, design, plots[0])
     sections = ["# The tying study", provenance(sweep_dir, runs),
-                "Test split, bits per character: mean ± sample std over seeds at each "
-                "cell's learning rate (chosen on validation; \"edge\": the best rate "
+                splits_text(design, runs),
+                f"Test split, bits per character: mean ± sample std over seeds "
+                f"{', '.join(map(str, design.seeds))} at each cell's learning rate "
+                f"(seed {design.seeds[0]}'s run there is its tuning run; the rate is "
+                "chosen on validation; \"edge\": the best rate "
                 "is the highest or lowest the cell tried, after "
                 f"{design.extend_edges} rate(s) past each end of the grid at most). "
                 "Head share: the [V, D] unembedding's "

@@ -276,6 +276,9 @@ def write_study_run(workdir, planned, design):
         f.write(json.dumps({"step": step, "train_eval/bits_per_char": train}) + "\n")
         f.write(json.dumps({"step": cell.regime.steps + 1,
                             "train_eval/bits_per_char": 40.0, **other}) + "\n")
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump({"data": {"split": "works", "path": None, "val_fraction": 0.1,
+                            "test_fraction": 0.1}}, f)
     if (cell.regime.name, cell.vocab, cell.arm, seed) == STUDY_UNFINISHED:
         return
     cpt = STUDY_CHARS_PER_TOKEN[cell.vocab]
@@ -396,6 +399,18 @@ def test_study_tuning_table_shows_every_rate_and_the_chosen_one(study_report):
                 expected = (f"**{study_values(cell, 0)[1]:.4f}**"
                             if lr == STUDY_CHOSEN_LR[cell.arm] else "99.0000")
                 assert row[f"lr {lr:g}"] == expected, (regime.name, cell, lr)
+
+
+def test_study_report_names_the_works_of_each_split_and_the_seeds(study_report):
+    _, _, markdown, _ = study_report
+    # lmhead/data.py's split_works documents this split of the embedded corpus.
+    assert ("- test: as_you_like_it, henry_iv_part_1, passionate_pilgrim, "
+            "romeo_and_juliet, sonnets (10.1%)") in markdown
+    assert "- validation: comedy_of_errors, coriolanus, hamlet, macbeth (10.5%)" in markdown
+    training = next(l for l in markdown.splitlines() if l.startswith("- training: "))
+    assert training.startswith("- training: the other 33 works (79.4%); regime "
+                               "`limited` trains on their first 50% (")
+    assert "over seeds 0, 1, 2 at each cell's learning rate" in markdown
 
 
 def test_study_report_plots_and_measured_total(study_report):

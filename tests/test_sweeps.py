@@ -413,14 +413,20 @@ def test_read_metrics_keeps_the_last_record_of_a_repeated_step(tmp_path):
 # --- The runner, with a stand-in train program --------------------------------
 
 
-def run_sweep(tmp_path, *flags_, env=None):
-    (tmp_path / "fake_train.py").write_text(FAKE_TRAIN)
-    (tmp_path / "fake_sweep.py").write_text(FAKE_SWEEP)
-    command = [sys.executable, SWEEP_SCRIPT, f"--sweep={tmp_path}/fake_sweep.py",
-               f"--workdir={tmp_path}/sweep", f"--train_script={tmp_path}/fake_train.py",
-               *flags_]
-    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, **(env or {})}, timeout=120)
+def sweep_command(tmp_path, *flags_, sweep=FAKE_SWEEP, train=FAKE_TRAIN, arg=""):
+    """sweep.py on ``sweep`` (a sweep file's source; ``arg`` its argument),
+    each run executing ``train`` (a program's source) instead of train.py."""
+    (tmp_path / "fake_sweep.py").write_text(sweep)
+    (tmp_path / "fake_train.py").write_text(train)
+    return [sys.executable, SWEEP_SCRIPT, f"--sweep={tmp_path}/fake_sweep.py{arg}",
+            f"--workdir={tmp_path}/sweep", f"--train_script={tmp_path}/fake_train.py",
+            *flags_]
+
+
+def run_sweep(tmp_path, *flags_, env=None, **sources):
+    return subprocess.run(sweep_command(tmp_path, *flags_, **sources), capture_output=True,
+                          text=True, cwd=ROOT, env={**os.environ, **(env or {})},
+                          timeout=120)
 
 
 def calls(tmp_path, name):
@@ -479,12 +485,7 @@ def test_runner_skips_finished_resumes_interrupted_and_reports_failures(tmp_path
 
 
 def test_a_run_that_exits_cleanly_without_a_summary_counts_as_failed(tmp_path):
-    (tmp_path / "fake_sweep.py").write_text(FAKE_SWEEP)
-    (tmp_path / "fake_train.py").write_text("print('did nothing')\n")
-    command = [sys.executable, SWEEP_SCRIPT, f"--sweep={tmp_path}/fake_sweep.py:1",
-               f"--workdir={tmp_path}/sweep", f"--train_script={tmp_path}/fake_train.py",
-               "--noreport"]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = run_sweep(tmp_path, "--noreport", train="print('did nothing')\n", arg=":1")
     assert result.returncode == 1
     assert "2 of 2 runs failed" in result.stdout and "did nothing" in result.stdout
 
@@ -506,12 +507,9 @@ SLOW_TRAIN = textwrap.dedent("""\
 
 def test_sigterm_stops_the_runner_and_its_runs(tmp_path):
     """``kill`` of the runner must not leave a run behind to race a rerun."""
-    (tmp_path / "fake_sweep.py").write_text(FAKE_SWEEP)
-    (tmp_path / "slow_train.py").write_text(SLOW_TRAIN)
     runner = subprocess.Popen(
-        [sys.executable, SWEEP_SCRIPT, f"--sweep={tmp_path}/fake_sweep.py:1",
-         f"--workdir={tmp_path}/sweep", f"--train_script={tmp_path}/slow_train.py",
-         "--noreport"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        sweep_command(tmp_path, "--noreport", train=SLOW_TRAIN, arg=":1"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     run = tmp_path / "sweep" / "tied=True,seed=0"
     deadline = time.time() + 60
     while not (run / "started").exists() and time.time() < deadline:
@@ -538,12 +536,7 @@ GROWING_SWEEP = textwrap.dedent("""\
 
 
 def test_runner_plans_again_from_the_results_until_the_plan_stops_growing(tmp_path):
-    (tmp_path / "fake_sweep.py").write_text(GROWING_SWEEP)
-    (tmp_path / "fake_train.py").write_text(FAKE_TRAIN)
-    result = subprocess.run(
-        [sys.executable, SWEEP_SCRIPT, f"--sweep={tmp_path}/fake_sweep.py",
-         f"--workdir={tmp_path}/sweep", f"--train_script={tmp_path}/fake_train.py",
-         "--noreport"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = run_sweep(tmp_path, "--noreport", sweep=GROWING_SWEEP)
     assert result.returncode == 0, result.stdout + result.stderr
     names = [f"tied=True,seed={seed}" for seed in range(3)]
     assert [calls(tmp_path, name) for name in names] == [["start"]] * 3

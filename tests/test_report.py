@@ -426,3 +426,7 @@ def test_study_report_plots_and_measured_total(study_report):
     step_hours = sum(summary["steps_run"] * 18.0 for summary in summaries) / 3.6e6
     assert f"median step time, {step_hours:.2f} h ({finished} runs timed" in markdown
     assert "Press & Wolf 2017, PTB small" in markdown and "(-1.8%)" in markdown
+    predictions = table_rows(markdown.split("What they predict")[1], "source")
+    assert [row["source"].split(" (")[0] for row in predictions] == [
+        "Press & Wolf 2017; Inan et al. 2017", "MobileLLM", "Chung et al. 2021",
+        "modded-nanogpt"]

@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed
 .PHONY: test compare study clean constraints
 
 STUDY := configs/sweeps/tying_study.py
+# Extra experiments/sweep.py flags for compare and study, e.g. on a 2-core CPU
+# SWEEP_FLAGS="--parallel=2 --cpus_per_run=1" (two one-core runs at a time).
+SWEEP_FLAGS ?=
 
 # A small version of the tying study (configs/sweeps/tying_study.py:small):
 # BPE 2048, the data-limited regime, arms tied / untied / untied matched to
@@ -16,15 +19,17 @@ STUDY := configs/sweeps/tying_study.py
 # resume, so the command can be rerun after a stop.
 compare: $(STAMP)
 	$(PY) experiments/sweep.py --sweep=$(STUDY):small,stage=tune \
-	    --workdir=runs/compare --noreport
-	$(PY) experiments/sweep.py --sweep=$(STUDY):small --workdir=runs/compare
+	    --workdir=runs/compare --noreport $(SWEEP_FLAGS)
+	$(PY) experiments/sweep.py --sweep=$(STUDY):small --workdir=runs/compare \
+	    $(SWEEP_FLAGS)
 
 # The whole tying study: the tuning stage, the seeds stage at each cell's
 # chosen learning rate, then the report into docs/tying_study. Resumable.
 study: $(STAMP)
 	$(PY) experiments/sweep.py --sweep=$(STUDY):stage=tune \
-	    --workdir=runs/tying_study --noreport
-	$(PY) experiments/sweep.py --sweep=$(STUDY) --workdir=runs/tying_study --noreport
+	    --workdir=runs/tying_study --noreport $(SWEEP_FLAGS)
+	$(PY) experiments/sweep.py --sweep=$(STUDY) --workdir=runs/tying_study --noreport \
+	    $(SWEEP_FLAGS)
 	$(PY) experiments/report.py --workdir=runs/tying_study --out=docs/tying_study
 
 # constraints.txt pins every package to the version the suite was run with.

@@ -417,11 +417,35 @@ def _curve(run: sweeps.Run, key: str) -> tuple[list[int], list[float]]:
 # --- The report -----------------------------------------------------------------
 
 
+def busy_hours(runs: list[sweeps.Run]) -> tuple[float, int]:
+    """Hours the machine spent on ``runs``, overlapping runs counted once: the
+    union of the intervals the sweep runner recorded, plus the
+    ``wall_seconds`` of runs without one (they ran one at a time); and how
+    many runs had an interval.
+
+    Examples:
+        >>> def run(interval=None, seconds=0.0):
+        ...     return sweeps.Run("r", "r", {}, {}, [], {"wall_seconds": seconds},
+        ...                       "finished", 0, interval)
+        >>> busy_hours([run((0, 3600)), run((1800, 5400)), run((7200, 9000)),
+        ...             run(seconds=1800)])
+        (2.5, 3)
+    """
+    seconds, reached = 0.0, -math.inf
+    for started, ended in sorted(r.interval for r in runs if r.interval):
+        seconds += max(0.0, ended - max(started, reached))
+        reached = max(reached, ended)
+    seconds += sum((r.summary or {}).get("wall_seconds", 0.0)
+                   for r in runs if not r.interval)
+    return seconds / 3600, sum(bool(r.interval) for r in runs)
+
+
 def provenance(sweep_dir: str, runs: list[sweeps.Run]) -> str:
     """Command, machine, and the measured totals of the study's ``runs``."""
     sweep = sweeps.read_sweep_record(sweep_dir)
     finished = [r.summary for r in runs if r.status == "finished"]
     hours = sum(s.get("wall_seconds", 0.0) for s in finished) / 3600
+    busy, intervals = busy_hours([r for r in runs if r.status == "finished"])
     steps_of = lambda s: s.get("steps_run", s.get("steps", 0))
     steps = sum(map(steps_of, finished))
     # A median step time ignores a run's pauses (a suspended or preempted
@@ -434,8 +458,11 @@ def provenance(sweep_dir: str, runs: list[sweeps.Run]) -> str:
         f"{len(finished)} of {len(runs)} runs planned so far finished (both stages); "
         f"measured: {steps:,} training steps, {hours:.2f} h of wall time in all "
         "(the runs' wall_seconds, which count any time a run was paused or "
-        f"slowed by other work); the training steps alone, at each run's median "
-        f"step time, {step_hours:.2f} h ({len(timed)} runs timed; evaluation "
+        f"slowed by other work), {busy:.2f} h of the machine's time with "
+        f"overlapping runs counted once ({intervals} runs timed by the sweep "
+        "runner's start and end, the others by their wall_seconds); the "
+        "training steps alone, at each run's median "
+        f"step time, summed over runs, {step_hours:.2f} h ({len(timed)} runs timed; evaluation "
         "and compilation not included).",
         f"Report written {time.strftime('%Y-%m-%d %H:%M')}."])
 

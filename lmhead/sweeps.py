@@ -286,6 +286,8 @@ class Run:
             recorded: running, interrupted, or launched elsewhere) or
             ``"not started"``.
         returncode: of the last process, when the sweep runner recorded it.
+        interval: that process's start and end, in seconds since the epoch,
+            when the runner recorded them.
     """
     name: str
     workdir: str
@@ -295,6 +297,7 @@ class Run:
     summary: dict | None
     status: str
     returncode: int | None = None
+    interval: tuple[float, float] | None = None
 
 
 def _read_json(path: str) -> dict | None:
@@ -347,6 +350,8 @@ def read_run(workdir: str, overrides: Overrides | None = None) -> Run:
     summary = _read_json(os.path.join(workdir, "summary.json"))
     status_record = _read_json(os.path.join(workdir, STATUS_FILE))
     returncode = status_record["returncode"] if status_record else None
+    interval = ((status_record["started"], status_record["ended"])
+                if status_record and "started" in status_record else None)
     if summary is not None:
         status = "finished"
     elif returncode is not None:
@@ -356,7 +361,8 @@ def read_run(workdir: str, overrides: Overrides | None = None) -> Run:
     else:
         status = "not started"
     return Run(os.path.basename(os.path.normpath(workdir)), workdir,
-               dict(overrides or {}), config, metrics, summary, status, returncode)
+               dict(overrides or {}), config, metrics, summary, status, returncode,
+               interval)
 
 
 def read_sweep_record(sweep_dir: str) -> dict:

@@ -249,6 +249,7 @@ STUDY_GAP = {"a": 0.05, "b": 0.12, "c": 0.10, "d": 0.07}  # val - train at seed 
 STUDY_CHOSEN_LR = {"a": 3e-3, "b": 1e-3, "c": 3e-3, "d": 1e-3}
 STUDY_CHARS_PER_TOKEN = {None: 1.0, 300: 2.0}
 STUDY_UNFINISHED = ("limited", 300, "d", 2)
+STUDY_RUNNER_START = 1_000_000
 
 
 def study_values(cell, seed):
@@ -303,8 +304,12 @@ def study_report(tmp_path_factory):
     design = config_checks.load_module(STUDY_SPEC.split(":")[0]).get_study("tiny,seeds=3")
     chosen = {c: STUDY_CHOSEN_LR[c.arm] for c in design.cells()}
     planned = design.tuning_runs() + design.seed_runs(chosen)
-    for run, name in zip(planned, design.names(planned)):
+    for index, (run, name) in enumerate(zip(planned, design.names(planned))):
         write_study_run(root / "runs" / name, run, design)
+        if run.seed == 1:  # timed by the runner, two at a time: 16 s overlaps
+            started = STUDY_RUNNER_START + 20 * index
+            (root / "runs" / name / sweeps.STATUS_FILE).write_text(json.dumps(
+                {"returncode": 0, "started": started, "ended": started + 36}))
     with open(root / "runs" / sweeps.SWEEP_FILE, "w") as f:
         json.dump({"sweep": STUDY_SPEC, "machine": "test machine", "runs": []}, f)
     result = subprocess.run([sys.executable, REPORT_SCRIPT, f"--workdir={root / 'runs'}",
@@ -424,7 +429,17 @@ def test_study_report_plots_and_measured_total(study_report):
     summaries = [json.loads(path.read_text())
                  for path in (docs.parent / "runs").glob("*/summary.json")]
     step_hours = sum(summary["steps_run"] * 18.0 for summary in summaries) / 3.6e6
-    assert f"median step time, {step_hours:.2f} h ({finished} runs timed" in markdown
+    assert (f"median step time, summed over runs, {step_hours:.2f} h ({finished} runs "
+            "timed") in markdown
+    # The runner's intervals, counted second by second; the rest by wall_seconds.
+    statuses = [json.loads(path.read_text())
+                for path in (docs.parent / "runs").glob(f"*/{sweeps.STATUS_FILE}")]
+    covered = {second for status in statuses
+               for second in range(status["started"], status["ended"])}
+    busy = (len(covered) + 36 * (finished - len(statuses))) / 3600
+    assert 0 < len(covered) < 36 * len(statuses)  # the overlaps are counted once
+    assert (f"{busy:.2f} h of the machine's time with overlapping runs counted once "
+            f"({len(statuses)} runs timed by the sweep runner") in markdown
     assert "Press & Wolf 2017, PTB small" in markdown and "(-1.8%)" in markdown
     predictions = table_rows(markdown.split("What they predict")[1], "source")
     assert [row["source"].split(" (")[0] for row in predictions] == [

@@ -6,9 +6,11 @@ records whether it resumed, so skip / resume / failure handling needs no
 training. One slow test runs the real experiments/train.py on a tiny sweep.
 """
 
+import itertools
 import json
 import math
 import os
+import pathlib
 import shlex
 import subprocess
 import sys
@@ -519,6 +521,42 @@ def test_sigterm_stops_the_runner_and_its_runs(tmp_path):
     assert runner.returncode == 1 and "Stopped by SIGTERM" in output, output
     assert (run / "terminated").exists()
     assert not (run / sweeps.STATUS_FILE).exists()  # no exit recorded: a rerun resumes it
+
+
+PINNED_TRAIN = textwrap.dedent("""\
+    import json, os, sys, time
+    workdir = dict(a.split("=", 1) for a in sys.argv[1:])["--workdir"]
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "cpus.json"), "w") as f:
+        json.dump(sorted(os.sched_getaffinity(0)), f)
+    time.sleep(0.5)
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump({}, f)
+    """)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity")
+                    or len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs (Linux)")
+def test_cpus_per_run_pins_concurrent_runs_to_cpus_of_their_own(tmp_path):
+    result = run_sweep(tmp_path, "--parallel=2", "--cpus_per_run=1", "--noreport",
+                       train=PINNED_TRAIN)
+    assert result.returncode == 0, result.stdout + result.stderr
+    seen = []
+    for run in sweeps.read_sweep(str(tmp_path / "sweep")):
+        cpus = json.loads(pathlib.Path(run.workdir, "cpus.json").read_text())
+        status = json.loads(pathlib.Path(run.workdir, sweeps.STATUS_FILE).read_text())
+        assert len(cpus) == 1 and status["cpus"] == cpus
+        assert status["started"] < status["ended"] == pytest.approx(
+            status["started"] + status["seconds"])
+        seen.append((run.interval, cpus[0]))
+    # Runs that overlap in time ran on different CPUs.
+    for (a, cpu_a), (b, cpu_b) in itertools.combinations(seen, 2):
+        if a[0] < b[1] and b[0] < a[1]:
+            assert cpu_a != cpu_b
+    assert len({cpu for _, cpu in seen}) == 2
+    too_many = len(os.sched_getaffinity(0)) + 1
+    result = run_sweep(tmp_path, "--parallel=2", f"--cpus_per_run={too_many}")
+    assert result.returncode != 0 and f"need {2 * too_many} CPUs" in result.stderr
 
 
 GROWING_SWEEP = textwrap.dedent("""\

@@ -11,8 +11,8 @@ from the newest checkpoint, so rerunning the same command continues an
 interrupted sweep. A failed run does not stop the others; the command exits
 with status 1 at the end and lists the failed runs with the end of their logs.
 A sweep that plans from its own results (the tying study's tuning stage adds
-rates past the grid's ends) is planned again once its runs are done, and the
-new runs run, until the plan stops growing.
+rates past the grid's ends) is planned again whenever a run ends, and the new
+runs join the queue, until the plan stops growing.
 
 On a cluster, ``--dry_run`` prints the remaining runs' commands, one a line,
 for a Slurm array or GNU parallel; afterwards ``experiments/report.py`` reads
@@ -46,7 +46,9 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 
 from absl import app
 from absl import flags
@@ -162,24 +164,32 @@ class Terminated(Exception):
     """The runner got SIGTERM (``kill``, a scheduler's preemption)."""
 
 
-def raise_terminated(signum, frame):
-    del frame
-    raise Terminated(signum)
-
-
-def run_all(runs: list[dict], slots: list[frozenset[int] | None]) -> list[dict]:
+def run_all(runs: list[dict], slots: list[frozenset[int] | None],
+            replan: Callable[[], list[dict]] | None = None,
+            stop: threading.Event | None = None) -> tuple[list[dict], int]:
     """Runs ``runs``, one per slot at a time (a slot: the CPUs a run is
-    pinned to, or ``None``); returns the ones that failed."""
+    pinned to, or ``None``); returns the ones that failed and how many ran.
+
+    ``replan``: called whenever a run ends; the unfinished runs it returns
+    that have not been queued yet join the queue (a sweep that plans from its
+    own results). ``stop`` (set by SIGTERM): the running runs get SIGTERM too
+    (train.py saves a checkpoint and exits) and are waited for, so that none
+    outlives the runner and races a rerun for its workdir; then
+    :class:`Terminated`.
+    """
     pending, running, failed = collections.deque(runs), {}, []
+    queued = {run["name"] for run in runs}
     free, parallel = collections.deque(slots), len(slots)
-    done, seconds_done, total = 0, 0.0, len(runs)
+    done, seconds_done = 0, 0.0
     try:
         while pending or running:
+            if stop is not None and stop.is_set():
+                raise Terminated()
             while pending and free:
                 run, cpus = pending.popleft(), free.popleft()
                 resumes = os.path.isdir(os.path.join(run["workdir"], "checkpoints"))
-                print(f"[{done + len(running) + 1}/{total}] "
-                      f"{'resume' if resumes else 'start'} {run['name']}"
+                print(f"[{done + len(running) + 1}/{done + len(running) + len(pending) + 1}]"
+                      f" {'resume' if resumes else 'start'} {run['name']}"
                       + (f" on CPUs {sorted(cpus)}" if cpus else ""), flush=True)
                 running[start(run, cpus)] = (run, time.time(), cpus)
             for process, (run, started, cpus) in list(running.items()):
@@ -196,19 +206,22 @@ def run_all(runs: list[dict], slots: list[frozenset[int] | None]) -> list[dict]:
                     failed.append(run)
                     outcome = (f"FAILED (exit {process.returncode}) after "
                                f"{seconds:.0f} s; log: {run['workdir']}/{sweeps.LOG_FILE}")
+                for new in replan() if replan else []:
+                    if new["name"] not in queued:
+                        queued.add(new["name"])
+                        pending.append(new)
+                total = done + len(running) + len(pending)
                 left = seconds_done / done * (total - done) / parallel / 60
                 print(f"[{done}/{total}] {run['name']} {outcome}; "
                       f"about {left:.0f} min left", flush=True)
             time.sleep(0.2)
     except (KeyboardInterrupt, Terminated):
-        # The runs get SIGTERM too (train.py saves a checkpoint and exits), so
-        # that none outlives the runner and races a rerun for its workdir.
         for process in running:
             process.terminate()
         for process in running:
             process.wait()
         raise
-    return failed
+    return failed, done
 
 
 def log_tail(run: dict, lines: int = LOG_TAIL_LINES) -> str:
@@ -248,27 +261,32 @@ def main(argv):
         slots = cpu_slots(_PARALLEL.value, _CPUS_PER_RUN.value)
     except ValueError as e:
         sys.exit(str(e))
-    signal.signal(signal.SIGTERM, raise_terminated)
-    started, failed, tried = time.time(), [], set()
-    # A sweep may plan from its own results (the tying study's tuning stage
-    # extends a cell's rates past the grid when its best is at an end), so it
-    # is planned again when its runs are done, until nothing new is planned.
-    while True:
-        write_sweep_record(runs)
-        print(f"{len(runs)} runs in {_WORKDIR.value}: {len(runs) - len(todo)} "
-              f"finished before, {len(todo)} to run, {_PARALLEL.value} at a time.",
-              flush=True)
+    # SIGTERM only sets a flag, which run_all reads between steps: an
+    # exception raised wherever the signal lands could lose a run just started.
+    # (preemption.sigterm_flag would start a JAX backend in the runner.)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+
+    def replan() -> list[dict]:
+        # A sweep may plan from its own results (the tying study's tuning stage
+        # extends a cell's rates past the grid when its best is at an end).
         try:
-            failed += run_all(todo, slots)
-        except Terminated:
-            sys.exit("Stopped by SIGTERM, the running runs with it; the same command "
-                     "resumes the sweep.")
-        tried.update(run["name"] for run in todo)
-        runs = plan_or_exit()
-        todo = [run for run in runs if not is_finished(run) and run["name"] not in tried]
-        if not todo:
-            break
+            return [run for run in plan(_SWEEP.value, _WORKDIR.value, _TRAIN_SCRIPT.value)
+                    if not is_finished(run)]
+        except (ValueError, FileNotFoundError) as e:
+            print(f"Planning again failed, so no runs were added: {e}", flush=True)
+            return []
+
     write_sweep_record(runs)
+    print(f"{len(runs)} runs in {_WORKDIR.value}: {len(runs) - len(todo)} finished "
+          f"before, {len(todo)} to run, {_PARALLEL.value} at a time.", flush=True)
+    started = time.time()
+    try:
+        failed, ran = run_all(todo, slots, replan, stop)
+    except Terminated:
+        sys.exit("Stopped by SIGTERM, the running runs with it; the same command "
+                 "resumes the sweep.")
+    write_sweep_record(plan_or_exit())
     print(f"The runs took {(time.time() - started) / 60:.1f} min.", flush=True)
     report_failed = False
     if _REPORT.value:
@@ -279,7 +297,7 @@ def main(argv):
         print(f"\nFAILED: {run['name']}\n  {shlex.join(run['command'])}\n"
               f"  last lines of {run['workdir']}/{sweeps.LOG_FILE}:\n{log_tail(run)}")
     if failed or report_failed:
-        print(f"{len(failed)} of {len(tried)} runs failed"
+        print(f"{len(failed)} of {ran} runs failed"
               + ("; the report failed" if report_failed else "") + ".")
         sys.exit(1)
 

@@ -23,8 +23,8 @@ seeds stage's seed 0, so no run is repeated.
 
 A grid whose best rate is at one of its ends has not bracketed the optimum.
 With ``Design.extend_edges = n``, the tuning stage then tries the next rate
-outward (twice the highest, or half the lowest), up to ``n`` times each way
-per cell, as the results come in (:meth:`Design.tuning_runs`,
+outward (twice the highest, or half the lowest), up to ``n`` times per cell,
+as the results come in (:meth:`Design.tuning_runs`,
 :func:`read_tuning`); a cell still best at an end after that is reported as
 such.
 """
@@ -317,11 +317,13 @@ def extend_rates(losses: Mapping[float, float | None], grid: Sequence[float],
     validation ``losses`` of its runs so far (``None``: not finished).
 
     Walking outward from the grid: while every rate tried has finished and the
-    lowest loss is at the highest rate, the next is ``EDGE_FACTOR`` times it;
-    at the lowest rate, the next is that divided by ``EDGE_FACTOR``; at most
-    ``extend_edges`` of each. The walk stops at a rate not yet finished (it
-    is returned: the run to wait for); a diverged run's loss is ``inf``; a
-    grid of one rate is a choice, not a search, and never extends.
+    highest rate's loss is below every other's, the next is ``EDGE_FACTOR``
+    times it; the lowest rate's, the next is that divided by ``EDGE_FACTOR``;
+    at most ``extend_edges`` in all (the walk goes one way: once past an end,
+    the other end cannot become the best). The walk stops at a rate not yet
+    finished (it is returned: the run to wait for). A diverged run's loss is
+    ``inf``; a tie is no reason to extend; a grid of one rate is a choice,
+    not a search, and never extends.
 
     Examples:
         >>> grid = (1e-3, 2e-3)
@@ -335,16 +337,22 @@ def extend_rates(losses: Mapping[float, float | None], grid: Sequence[float],
         [0.0005]
         >>> extend_rates({1e-3: 2.0, 2e-3: None}, grid, 2)  # still running
         []
+        >>> extend_rates({1e-3: 1.8, 2e-3: 1.8}, grid, 2)   # a tie
+        []
+        >>> extend_rates({1e-3: 1.9, 2e-3: 1.8, 4e-3: float("inf")}, grid, 2)
+        [0.004]
     """
     if len(grid) < 2:
         return []
     tried, added = sorted(grid), []
-    while not any(losses.get(lr) is None for lr in tried):
-        best = min(tried, key=lambda lr: losses[lr])  # ties: the lower rate
-        if best == tried[-1] and sum(lr > max(grid) for lr in tried) < extend_edges:
-            rate = round(best * EDGE_FACTOR, 12)
-        elif best == tried[0] and sum(lr < min(grid) for lr in tried) < extend_edges:
-            rate = round(best / EDGE_FACTOR, 12)
+    while not any(losses.get(lr) is None for lr in tried) and sum(
+            not min(grid) <= lr <= max(grid) for lr in tried) < extend_edges:
+        def strictly_best(end):
+            return all(losses[end] < losses[lr] for lr in tried if lr != end)
+        if strictly_best(tried[-1]):
+            rate = tried[-1] * EDGE_FACTOR  # exact: a power of two
+        elif strictly_best(tried[0]):
+            rate = tried[0] / EDGE_FACTOR
         else:
             break
         added.append(rate)
@@ -358,7 +366,7 @@ def extend_rates(losses: Mapping[float, float | None], grid: Sequence[float],
 def read_tuning(design: Design, sweep_dir: str) -> dict[PlannedRun, sweeps.Run]:
     """The tuning stage's runs as planned so far, read back from ``sweep_dir``:
     the grid, then the edge extensions its results call for, re-read until
-    the plan stops growing (at most ``extend_edges`` rounds each way)."""
+    the plan stops growing (at most ``extend_edges`` + 1 readings)."""
     planned = design.tuning_runs()
     while True:
         runs = read_runs(design, planned, sweep_dir)

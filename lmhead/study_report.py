@@ -241,7 +241,10 @@ def tuning_text(result: CellResult, lr: float) -> str:
         return run.status
     if math.isinf(study.validation_loss(run, result.cell.regime)):
         return "diverged"
-    text = f"{study.validation_metrics(run, result.cell.regime)['eval/bits_per_char']:.4f}"
+    bits = study.validation_metrics(run, result.cell.regime).get("eval/bits_per_char")
+    if bits is None:
+        return DASH
+    text = f"{bits:.4f}"
     return f"**{text}**" if lr == result.lr else text
 
 
@@ -421,7 +424,8 @@ def busy_hours(runs: list[sweeps.Run]) -> tuple[float, int]:
     """Hours the machine spent on ``runs``, overlapping runs counted once: the
     union of the intervals the sweep runner recorded, plus the
     ``wall_seconds`` of runs without one (they ran one at a time); and how
-    many runs had an interval.
+    many runs had an interval. Either covers a run's last process only: a
+    run resumed after an interruption loses its earlier processes' time.
 
     Examples:
         >>> def run(interval=None, seconds=0.0):
@@ -474,10 +478,12 @@ def splits_text(design: study.Design, runs: list[sweeps.Run]) -> str:
     config = next((r.config["data"] for r in runs if "data" in r.config), None)
     if config is None:
         return "Splits: no run has written its config yet."
-    fractions = (f"validation {config['val_fraction']:.0%}, "
-                 f"test {config.get('test_fraction', 0):.0%} of the characters")
     if config.get("split") != "works" or config.get("path"):
-        return f"Splits: `data.split={config.get('split')!r}`, {fractions}."
+        return (f"Splits: `data.split={config.get('split')!r}`, validation "
+                f"{config.get('val_fraction', 0):.0%} and test "
+                f"{config.get('test_fraction', 0):.0%} of the characters.")
+    fractions = (f"validation {config['val_fraction']:.0%}, "
+                 f"test {config['test_fraction']:.0%} of the characters")
     works = data.shakespeare_works()
     names = data.assign_works(works, config["val_fraction"], config["test_fraction"])
     total = sum(map(len, works.values()))

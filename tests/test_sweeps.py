@@ -578,9 +578,17 @@ def test_runner_plans_again_from_the_results_until_the_plan_stops_growing(tmp_pa
     assert result.returncode == 0, result.stdout + result.stderr
     names = [f"tied=True,seed={seed}" for seed in range(3)]
     assert [calls(tmp_path, name) for name in names] == [["start"]] * 3
-    assert "2 runs in" in result.stdout and "3 runs in" in result.stdout
+    assert "2 runs in" in result.stdout and f"[3/3] {names[2]} finished" in result.stdout
     record = json.loads((tmp_path / "sweep" / sweeps.SWEEP_FILE).read_text())
     assert [run["name"] for run in record["runs"]] == names
+
+
+def test_a_replanned_run_that_fails_runs_once(tmp_path):
+    failing = "tied=True,seed=2"
+    result = run_sweep(tmp_path, "--noreport", sweep=GROWING_SWEEP,
+                       env={"FAIL_RUN": failing})
+    assert result.returncode == 1 and "1 of 3 runs failed" in result.stdout
+    assert calls(tmp_path, failing) == ["start"]
 
 
 @pytest.mark.slow

@@ -59,7 +59,7 @@ wall time, which gives no credit for the second core: this is a
 conservative estimate, 10 h if no limited run stops early, about 8.5 h if
 the BPE runs stop halfway; an unloaded machine needs roughly 0.6 x that.
 The edge extensions come on top: a run each for every cell whose best rate
-is past the grid (at most four per cell).
+is past the grid (at most two per cell: the walk goes one way).
 Cut to fit: one width (d_model 128) and depth; five vocabularies; the
 minimum of 3 learning rates and 3 seeds, with the tuning run reused as seed
 0; 8-batch validation subsets; 1000 steps in the fixed regime (short of
@@ -80,8 +80,8 @@ comma-separated ``key=value`` (``+`` separates list items)::
     arms=a+b+c+d    which arms
     regimes=fixed+limited
     lrs=...         learning rates tried per cell (the grid)
-    extend=2        rates tried past each end of the grid, at most, while
-                    a cell's best is at that end (0: the grid alone)
+    extend=2        rates tried past an end of the grid, at most, while a
+                    cell's best is at that end (0: the grid alone)
     seeds=3         seeds 0 .. seeds-1
     fixed_steps, limited_steps, limited_fraction, patience, eval_every
 """

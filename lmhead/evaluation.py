@@ -95,7 +95,8 @@ def evaluate(eval_fn, params: Any, eval_set: EvalSet) -> dict[str, float]:
     :math:`n_w` tokens. ``loss_stderr`` is its standard error with the
     windows as independent draws (the ratio estimator's),
     :math:`\sqrt{\sum_w (y_w - \bar\ell n_w)^2 / (k(k-1))} / \bar n` for
-    :math:`k` windows of mean size :math:`\bar n` (NaN for one window).
+    :math:`k` windows of mean size :math:`\bar n` (NaN for one window, and
+    for a loss that is not finite).
     ``bits_per_char`` is :math:`\sum_w y_w / (\ln 2 \cdot` the characters the
     labels decode to), the same for every tokenizer. Also ``perplexity``
     (per token), ``accuracy`` and ``ece``.
@@ -108,7 +109,7 @@ def evaluate(eval_fn, params: Any, eval_set: EvalSet) -> dict[str, float]:
     count, k = window_count.sum(), len(window_count)
     nll = window_nll.sum() / count
     stderr = (np.sqrt(np.sum((window_nll - nll * window_count) ** 2) / (k * (k - 1)))
-              / window_count.mean()) if k > 1 else math.nan
+              / window_count.mean()) if k > 1 and np.isfinite(nll) else math.nan
     metrics = {
         "loss": nll, "loss_stderr": stderr,
         "perplexity": losses.perplexity(nll),

@@ -262,7 +262,7 @@ class Design:
     base_shape: Shape = Shape(True, 128, 4, 512)
     arch: Architecture = Architecture()
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
-    extend_edges: int = 0  # rates tried past each end of the grid, at most
+    extend_edges: int = 0  # rates tried past an end of the grid, at most
 
     def cells(self) -> list[Cell]:
         cells = []
@@ -303,11 +303,14 @@ class Design:
         return sweeps.run_names([r.overrides(self.min_lr_ratio) for r in runs])
 
 
-def read_runs(design: Design, runs: Sequence[PlannedRun], sweep_dir: str
+def read_runs(design: Design, runs: Sequence[PlannedRun], sweep_dir: str,
+              known: Mapping[PlannedRun, sweeps.Run] | None = None
               ) -> dict[PlannedRun, sweeps.Run]:
-    """Each planned run's directory in ``sweep_dir``, read back."""
-    return {planned: sweeps.read_run(os.path.join(sweep_dir, name),
-                                     planned.overrides(design.min_lr_ratio))
+    """Each planned run's directory in ``sweep_dir``, read back, in the order
+    of ``runs``; a run in ``known`` (read before) is kept as it is."""
+    known = known or {}
+    return {planned: known[planned] if planned in known else sweeps.read_run(
+                os.path.join(sweep_dir, name), planned.overrides(design.min_lr_ratio))
             for planned, name in zip(runs, design.names(runs))}
 
 
@@ -366,10 +369,11 @@ def extend_rates(losses: Mapping[float, float | None], grid: Sequence[float],
 def read_tuning(design: Design, sweep_dir: str) -> dict[PlannedRun, sweeps.Run]:
     """The tuning stage's runs as planned so far, read back from ``sweep_dir``:
     the grid, then the edge extensions its results call for, re-read until
-    the plan stops growing (at most ``extend_edges`` + 1 readings)."""
-    planned = design.tuning_runs()
+    the plan stops growing (at most ``extend_edges`` + 1 rounds, each reading
+    only the runs the last one added)."""
+    planned, runs = design.tuning_runs(), None
     while True:
-        runs = read_runs(design, planned, sweep_dir)
+        runs = read_runs(design, planned, sweep_dir, known=runs)
         grown = design.tuning_runs(runs)
         if grown == planned:
             return runs

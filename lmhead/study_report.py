@@ -69,11 +69,10 @@ def collect(design: study.Design, sweep_dir: str
     """Every cell of ``design`` with its runs read from ``sweep_dir``, and
     every planned run of both stages (those planned so far)."""
     tuning = study.read_tuning(design, sweep_dir)
-    tuning_plan = list(tuning)
     chosen = study.choose_learning_rates(tuning, strict=False)
     seed_plan = design.seed_runs({c: chosen.get(c, math.nan) for c in design.cells()})
     seed_plan = [p for p in seed_plan if p.cell in chosen]
-    runs = study.read_runs(design, tuning_plan + seed_plan, sweep_dir)
+    runs = study.read_runs(design, list(tuning) + seed_plan, sweep_dir, known=tuning)
     results = []
     for cell in design.cells():
         lr = chosen.get(cell)
@@ -447,9 +446,10 @@ def busy_hours(runs: list[sweeps.Run]) -> tuple[float, int]:
 def provenance(sweep_dir: str, runs: list[sweeps.Run]) -> str:
     """Command, machine, and the measured totals of the study's ``runs``."""
     sweep = sweeps.read_sweep_record(sweep_dir)
-    finished = [r.summary for r in runs if r.status == "finished"]
+    finished_runs = [r for r in runs if r.status == "finished"]
+    finished = [r.summary for r in finished_runs]
     hours = sum(s.get("wall_seconds", 0.0) for s in finished) / 3600
-    busy, intervals = busy_hours([r for r in runs if r.status == "finished"])
+    busy, intervals = busy_hours(finished_runs)
     steps_of = lambda s: s.get("steps_run", s.get("steps", 0))
     steps = sum(map(steps_of, finished))
     # A median step time ignores a run's pauses (a suspended or preempted

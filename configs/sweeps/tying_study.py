@@ -12,7 +12,7 @@ three; each skips what is done, so rerunning it resumes)::
 The first stage trains every cell (regime x vocabulary x arm) at each
 learning rate of the grid with the first seed, and, for a cell whose best
 rate so far is at an end of the rates it tried, the next rate outward
-(``extend``; ``experiments/sweep.py`` plans again when its runs are done,
+(``extend``; ``experiments/sweep.py`` plans again whenever a run ends,
 until the plan stops growing); the second reads those runs back, keeps
 each cell's rate with the lowest validation loss (``lmhead/study.py``), and
 adds the other seeds at it (the tuning run at the chosen rate is seed 0). On a

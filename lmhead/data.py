@@ -30,6 +30,7 @@ subset of windows).
 """
 
 import dataclasses
+import functools
 import glob
 import hashlib
 import json
@@ -38,6 +39,7 @@ from typing import Iterator, Protocol
 
 import numpy as np
 import numpy.typing as npt
+import ml_collections
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -463,6 +465,35 @@ def make_tokenizer(kind: str, train_text: str, text: str,
     if kind == "bpe":
         return BPETokenizer.train(train_text, vocab_size)
     raise ValueError(f"config.data.tokenizer must be 'char' or 'bpe', got {kind!r}.")
+
+
+def tokenizer_vocab_size(data_config) -> int:
+    """The number of tokens ``config.data``'s tokenizer has, trained as a run
+    trains it (:func:`make_tokenizer`): the characters of the whole text, or
+    byte-level BPE on the used training text, which stops short of
+    ``vocab_size`` when that text runs out of pairs to merge. Cached per
+    settings (training BPE on the whole corpus takes a few seconds).
+
+    Examples:
+        >>> settings = dict(path="", split="works", val_fraction=0.1,
+        ...                 test_fraction=0.1, tokenizer="bpe", vocab_size=8192)
+        >>> [tokenizer_vocab_size(ml_collections.ConfigDict(
+        ...     dict(settings, train_fraction=f))) for f in (1.0, 0.03)]
+        [8192, 6911]
+    """
+    return _tokenizer_vocab_size(
+        data_config.path, data_config.split, data_config.val_fraction,
+        data_config.test_fraction, data_config.train_fraction,
+        data_config.tokenizer, data_config.vocab_size)
+
+
+@functools.cache
+def _tokenizer_vocab_size(path, split, val_fraction, test_fraction, train_fraction,
+                          tokenizer, vocab_size) -> int:
+    splits = read_splits(ml_collections.ConfigDict(dict(
+        path=path, split=split, val_fraction=val_fraction,
+        test_fraction=test_fraction, train_fraction=train_fraction)))
+    return make_tokenizer(tokenizer, splits.train, splits.text, vocab_size).vocab_size
 
 
 def load_dataset(data_config, workdir: str | None = None) -> Dataset:

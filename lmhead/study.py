@@ -13,7 +13,9 @@ Four arms per vocabulary (``V`` tokens, base width ``D``):
 
 Counts come from :func:`count_params`, a closed form of ``model.DecoderLM``'s
 parameter tree (the tests check it against ``jax.eval_shape`` of the model's
-init), so the matched shapes are solved, not typed in.
+init), so the matched shapes are solved, not typed in, at the number of
+tokens the tokenizer has (``Design.vocab_sizes``): byte-level BPE trained on
+a short text runs out of pairs to merge before the size asked for.
 
 The study runs in two stages in one sweep directory: a tuning stage (every
 arm at several learning rates, seed 0), then the seeds stage, which reads the
@@ -32,7 +34,7 @@ such.
 import dataclasses
 import math
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from lmhead import sweeps
 
@@ -228,9 +230,14 @@ class Cell:
     vocab: int | None  # None: characters
     arm: str
     shape: Shape
+    # The tokens the regime's tokenizer has (None: as many as asked), which
+    # the shape is matched at: BPE on a short text runs out of pairs to merge.
+    tokens: int | None = None
 
     @property
     def vocab_size(self) -> int:
+        if self.tokens is not None:
+            return self.tokens
         return CHAR_VOCAB_SIZE if self.vocab is None else self.vocab
 
 
@@ -263,14 +270,19 @@ class Design:
     arch: Architecture = Architecture()
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
     extend_edges: int = 0  # rates tried past an end of the grid, at most
+    # The tokens a vocabulary's tokenizer has in a regime, which the arms are
+    # matched at (data.tokenizer_vocab_size); None: as many as asked.
+    vocab_sizes: Callable[[Regime, int | None], int] | None = None
 
     def cells(self) -> list[Cell]:
         cells = []
         for regime in self.regimes:
             for vocab in self.vocabularies:
-                size = CHAR_VOCAB_SIZE if vocab is None else vocab
+                size = (self.vocab_sizes(regime, vocab) if self.vocab_sizes
+                        else CHAR_VOCAB_SIZE if vocab is None else vocab)
                 shapes = arm_shapes(size, self.base_shape, self.arch)
-                cells += [Cell(regime, vocab, arm, shapes[arm]) for arm in self.arms]
+                cells += [Cell(regime, vocab, arm, shapes[arm], size)
+                          for arm in self.arms]
         return cells
 
     def tuning_runs(self, results: Mapping[PlannedRun, sweeps.Run] | None = None

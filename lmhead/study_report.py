@@ -215,6 +215,42 @@ def cell_table(results: list[CellResult], design: study.Design) -> str:
     return "\n".join(lines)
 
 
+def match_text(results: list[CellResult]) -> str:
+    """How closely one regime's matched arms (c with a, d with b) agree in
+    parameters, counted by the runs themselves (:func:`parameters`), and each
+    pair outside ``study.MATCH_TOLERANCE``: its difference compares unequal
+    sizes.
+
+    Examples:
+        >>> regime = study.Regime("fixed", 1.0, 100, 0)
+        >>> def result(arm, count):
+        ...     cell = study.Cell(regime, 512, arm, study.Shape(arm in "ad", 8, 1, 16))
+        ...     return CellResult(cell, None, {}, {}, count)
+        >>> print(match_text([result("a", 1000), result("b", 1500),
+        ...                   result("c", 1005), result("d", 1400)]))
+        Parameter counts as the runs report them: c is within 0.50% of a, d within 6.67% of b.
+        - BPE 512: d has 1,400 parameters, b 1,500 (-6.7%), outside the design's 2%: d − b compares unequal sizes.
+    """
+    worst, outside = {}, []
+    for vocab in dict.fromkeys(r.cell.vocab for r in results):
+        arms = {r.cell.arm: parameters(r) for r in results if r.cell.vocab == vocab}
+        for x, y in (("c", "a"), ("d", "b")):
+            if x not in arms or y not in arms:
+                continue
+            off = (arms[x] - arms[y]) / arms[y]
+            worst[x, y] = max(worst.get((x, y), 0.0), abs(off))
+            if abs(off) > study.MATCH_TOLERANCE:
+                outside.append(
+                    f"- {study.vocabulary_label(vocab)}: {x} has {arms[x]:,} parameters, "
+                    f"{y} {arms[y]:,} ({off:+.1%}), outside the design's "
+                    f"{study.MATCH_TOLERANCE:.0%}: {x} − {y} compares unequal sizes.")
+    if not worst:
+        return ""
+    return "\n".join(["Parameter counts as the runs report them: " + ", ".join(
+        f"{x} {'is ' if i == 0 else ''}within {off:.2%} of {y}"
+        for i, ((x, y), off) in enumerate(worst.items())) + ".", *outside])
+
+
 def tuning_text(result: CellResult, lr: float) -> str:
     """Validation bits/char of ``result``'s tuning run at ``lr``, in bold at
     the chosen rate; else the run's status (``sweeps.Run``) or "diverged".
@@ -529,6 +565,7 @@ def write_report(design: study.Design, sweep_dir: str, out_dir: str
         plots.append(plot)
         sections += [f"## Regime `{name}`: {_describe(regime)}",
                      cell_table(results_, design),
+                     match_text(results_) or DASH,
                      "Paired by seed, test bits/char, 95% t-interval "
                      "(mean ± t(0.975, n − 1) · s / √n):",
                      differences_table(results_, design),

@@ -356,6 +356,20 @@ def test_study_table_has_the_known_values(study_report):
                 assert "steps to best" not in row
 
 
+def test_study_report_states_how_closely_the_arms_match(study_report):
+    """The worst |c - a| / a and |d - b| / b over vocabularies, from the runs'
+    own counts (here the design's: every run reports its count)."""
+    design, _, markdown, _ = study_report
+    for regime in design.regimes:
+        counts = {(c.vocab, c.arm): study.count_params(c.vocab_size, c.shape, design.arch)
+                  for c in design.cells() if c.regime == regime}
+        worst = {x: max(abs(counts[v, x] - counts[v, y]) / counts[v, y]
+                        for v in design.vocabularies) for x, y in (("c", "a"), ("d", "b"))}
+        assert (f"Parameter counts as the runs report them: c is within "
+                f"{worst['c']:.2%} of a, d within {worst['d']:.2%} of b.\n\n"
+                ) in regime_section(markdown, regime.name)
+
+
 def t_interval_text(x, y):
     diffs = np.asarray(x) - np.asarray(y)
     mean, half = diffs.mean(), stats.t.ppf(0.975, len(diffs) - 1) * diffs.std(

@@ -31,8 +31,11 @@ Design (``lmhead/study.py`` solves the matched shapes and counts them):
 * Arms: (a) tied; (b) untied, same shape; (c) untied and *narrower*, with
   (a)'s parameter count: d_model the multiple of 4 nearest in count at MLP
   ratio 4, then mlp_dim solved; (d) tied and *deeper*, with (b)'s count:
-  whole blocks, then every block's MLP widened by the remainder. Counts match
-  to within 0.1% (the tests check 2% against the model's own init).
+  whole blocks, then every block's MLP widened by the remainder. The shapes
+  are solved at the size each regime's tokenizer reaches (``vocab_size``
+  below): BPE 8192 trained on one play stops at 6,911 tokens. Counts match
+  to within 0.1% (the tests check 2% against the model's own init, with the
+  tokenizer a run trains).
 * Regimes: ``fixed``: 1000 steps (768k tokens) on the whole training split,
   last parameters tested. ``limited``: the first 3% of the training split
   (about one play), early stopping with patience 3 evaluations (at most 1000
@@ -86,6 +89,10 @@ comma-separated ``key=value`` (``+`` separates list items)::
     fixed_steps, limited_steps, limited_fraction, patience, eval_every
 """
 
+import functools
+
+from lmhead import config_checks
+from lmhead import data
 from lmhead import study
 from lmhead import sweeps
 
@@ -123,6 +130,16 @@ def parse(arg: str | None) -> dict:
     return sweeps.parse_arg(arg, PRESETS["full"])
 
 
+@functools.cache
+def vocab_size(base: str, data_overrides: tuple[tuple[str, object], ...]) -> int:
+    """The tokens a run's tokenizer has (``data.tokenizer_vocab_size``) with
+    these ``data.*`` overrides of the base config: the arms are matched at it."""
+    config = config_checks.load_config(base)
+    for key, value in data_overrides:
+        config.data[key.removeprefix("data.")] = value
+    return data.tokenizer_vocab_size(config.data)
+
+
 def get_study(arg=None) -> study.Design:
     args = parse(arg)
     if args["stage"] not in ("tune", "seeds"):
@@ -143,13 +160,18 @@ def get_study(arg=None) -> study.Design:
               # instead of failing the stage.
               "train.stop_on_nonfinite": False, "sample.num_samples": 0}
     base_shape, arch = BASE_MODELS[args["base"]]
+
+    def vocab_sizes(regime, vocab):
+        overrides = {**shared, **regime.overrides(), **study.vocabulary_overrides(vocab)}
+        return vocab_size(args["base"], tuple(
+            (k, v) for k, v in overrides.items() if k.startswith("data.")))
     return study.Design(
         base=args["base"], shared=shared,
         regimes=tuple(regimes[r] for r in args["regimes"]),
         vocabularies=((None,) if args["char"] else ()) + tuple(args["bpe"]),
         arms=tuple(args["arms"]), learning_rates=tuple(args["lrs"]),
         seeds=tuple(range(args["seeds"])), base_shape=base_shape, arch=arch,
-        extend_edges=args["extend"])
+        extend_edges=args["extend"], vocab_sizes=vocab_sizes)
 
 
 def get_sweep(arg=None, workdir=None):

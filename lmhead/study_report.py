@@ -355,33 +355,77 @@ def literature_numbers(results: list[CellResult], design: study.Design) -> list[
 
 
 # What other published results predict for this study's comparisons:
-# (source and setting, its result, the comparison here, the prediction).
+# (source and setting, its result, the prediction here, and the paired
+# differences (x arm, y arm, run value) that test it).
 PREDICTIONS = (
     ("Press & Wolf 2017; Inan et al. 2017 (PTB, LSTMs, 10k words)",
      "tying lowers test perplexity 2-5% (above) and raises training perplexity",
      "b − a > 0 on test, training a − b > 0, most where the head's share is "
-     "largest; the `limited` regime"),
+     "largest; the `limited` regime", (("b", "a", "test"), ("a", "b", "train"))),
     ("MobileLLM (Liu et al. 2024, 125M)",
      "sharing the embedding costs 0.2 points of accuracy; spending the saved "
      "parameters on depth recovers it",
-     "d − b ≤ 0: tied and deeper matches or beats untied at equal parameters"),
+     "d − b ≤ 0: tied and deeper matches or beats untied at equal parameters",
+     (("d", "b", "test"),)),
     ("Chung et al. 2021 (rethinking embedding coupling)",
      "decoupled input and output embeddings of equal size are about neutral",
-     "c − a ≈ 0 at equal parameters"),
+     "c − a ≈ 0 at equal parameters", (("c", "a", "test"),)),
     ("modded-nanogpt (124M, abundant data)",
      "untied 3.2755 vs tied 3.2776 validation loss",
-     "b − a slightly < 0 in the `fixed` regime, where data is not the limit"),
+     "b − a slightly < 0 in the `fixed` regime, where data is not the limit",
+     (("b", "a", "test"),)),
 )
 
 
-def literature_reference() -> str:
-    """The published perplexities, then what each source predicts here."""
+def signs_text(results: list[CellResult], design: study.Design, x_arm: str,
+               y_arm: str, key: str) -> str:
+    """Over one regime's vocabularies: at how many the paired ``x - y`` of
+    ``key`` is above zero, and at how many its 95% interval lies above or
+    below zero (vocabularies with fewer than two seed pairs are left out).
+
+    Examples:
+        >>> regime = study.Regime("fixed", 1.0, 100, 0)
+        >>> def result(arm, losses):
+        ...     cell = study.Cell(regime, None, arm, study.Shape(arm == "a", 8, 1, 16))
+        ...     runs = {s: sweeps.Run("r", "r", {}, {}, [], {"test": {
+        ...         "bits_per_char": v}}, "finished") for s, v in enumerate(losses)}
+        ...     return CellResult(cell, 1e-3, {}, runs, 1000)
+        >>> design = study.Design("tiny", {}, (regime,), (None,), ("a", "b"), (1e-3,),
+        ...                       (0, 1, 2))
+        >>> signs_text([result("a", [2.0, 2.1, 2.2]), result("b", [2.1, 2.2, 2.3])],
+        ...            design, "b", "a", "test")
+        '> 0 at 1 of 1 (interval above 0 at 1, below at 0)'
+    """
+    differences = [d for d in (paired(results, vocab, x_arm, y_arm, key)
+                               for vocab in design.vocabularies) if d and d.n >= 2]
+    if not differences:
+        return "no seed pairs yet"
+    positive = sum(d.mean > 0 for d in differences)
+    above = sum(d.low > 0 for d in differences)
+    below = sum(d.high < 0 for d in differences)
+    return (f"> 0 at {positive} of {len(differences)} (interval above 0 at {above}, "
+            f"below at {below})")
+
+
+def literature_reference(by_regime: dict[str, list[CellResult]],
+                         design: study.Design) -> str:
+    """The published perplexities, then what each source predicts here and
+    what this study found: per regime, the sign of each paired difference
+    that tests the prediction, counted over vocabularies."""
     lines = [f"- {name}: {untied} → {tied} ({tied / untied - 1:+.1%})"
              for name, untied, tied in LITERATURE]
-    lines += ["", "What they predict for this study's comparisons:", "",
-              "| source | its result | prediction here |", "|---|---|---|"]
-    lines += [f"| {source} | {result} | {prediction} |"
-              for source, result, prediction in PREDICTIONS]
+    lines += ["", "What they predict for this study's comparisons, and what it found "
+              "(over the vocabularies: how many paired differences are above zero, "
+              "and how many 95% intervals lie wholly above or below it):", "",
+              "| source | its result | prediction here | found here |", "|---|---|---|---|"]
+    for source, result, prediction, checks in PREDICTIONS:
+        found = "<br>".join(
+            f"`{regime}` {'training ' if key == 'train' else ''}{x} − {y}: "
+            + signs_text(results, design, x, y, key)
+            for regime, results in by_regime.items() for x, y, key in checks
+            if any(r.cell.arm == x for r in results)
+            and any(r.cell.arm == y for r in results))
+        lines.append(f"| {source} | {result} | {prediction} | {found or DASH} |")
     return "\n".join(lines)
 
 
@@ -577,7 +621,7 @@ def write_report(design: study.Design, sweep_dir: str, out_dir: str
                      tuning_table(results_),
                      f"![curves]({os.path.basename(plot)})"]
     sections += ["## Published results (untied → tied test perplexity)",
-                 literature_reference(),
+                 literature_reference(by_regime, design),
                  "## Δ against the head's share",
                  f"![delta]({os.path.basename(plots[0])})"]
     text = "\n\n".join(sections) + "\n"

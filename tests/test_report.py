@@ -242,9 +242,10 @@ STUDY_SPEC = os.path.join(ROOT, "configs", "sweeps", "tying_study.py") + ":tiny,
 STUDY_TEST_BASE = {None: 3.0, 300: 2.5}
 STUDY_ARM_OFFSET = {"a": 0.0, "b": 0.05, "c": 0.08, "d": -0.02}
 STUDY_REGIME_OFFSET = {"fixed": 0.0, "limited": 0.3}
-STUDY_NOISE = [{"a": 0.00, "b": 0.01, "c": -0.02, "d": 0.03},
-               {"a": 0.02, "b": -0.01, "c": 0.00, "d": 0.01},
-               {"a": -0.01, "b": 0.04, "c": 0.05, "d": -0.03}]
+# c's noise follows a's, so that c − a's interval lies above zero.
+STUDY_NOISE = [{"a": 0.00, "b": 0.01, "c": 0.01, "d": 0.03},
+               {"a": 0.02, "b": -0.01, "c": 0.03, "d": 0.01},
+               {"a": -0.01, "b": 0.04, "c": -0.01, "d": -0.03}]
 STUDY_GAP = {"a": 0.05, "b": 0.12, "c": 0.10, "d": 0.07}  # val - train at seed 0
 STUDY_CHOSEN_LR = {"a": 3e-3, "b": 1e-3, "c": 3e-3, "d": 1e-3}
 STUDY_CHARS_PER_TOKEN = {None: 1.0, 300: 2.0}
@@ -459,3 +460,42 @@ def test_study_report_plots_and_measured_total(study_report):
     assert [row["source"].split(" (")[0] for row in predictions] == [
         "Press & Wolf 2017; Inan et al. 2017", "MobileLLM", "Chung et al. 2021",
         "modded-nanogpt"]
+
+
+def test_study_counts_the_signs_that_test_each_prediction(study_report):
+    """"found here": per regime and comparison, how many vocabularies have a
+    positive paired mean and an interval wholly above or below zero, from the
+    known values (the unfinished seed drops out of its pairs)."""
+    design, _, markdown, _ = study_report
+    predictions = table_rows(markdown.split("What they predict")[1], "source")
+    column = {"test": 0, "train": 2}
+
+    def found(regime, x_arm, y_arm, key):
+        positive = above = below = 0
+        for vocab in design.vocabularies:
+            cells = {c.arm: c for c in design.cells()
+                     if c.regime == regime and c.vocab == vocab}
+            seeds = sorted(set(study_seeds(cells[x_arm])) & set(study_seeds(cells[y_arm])))
+            diffs = np.array([study_values(cells[x_arm], s)[column[key]]
+                              - study_values(cells[y_arm], s)[column[key]] for s in seeds])
+            half = stats.t.ppf(0.975, len(diffs) - 1) * diffs.std(ddof=1) / np.sqrt(
+                len(diffs))
+            positive += diffs.mean() > 0
+            above += diffs.mean() - half > 0
+            below += diffs.mean() + half < 0
+        prefix = "training " if key == "train" else ""
+        return (f"`{regime.name}` {prefix}{x_arm} − {y_arm}: > 0 at {positive} of "
+                f"{len(design.vocabularies)} (interval above 0 at {above}, below at {below})")
+    checks = [(("b", "a", "test"), ("a", "b", "train")), (("d", "b", "test"),),
+              (("c", "a", "test"),), (("b", "a", "test"),)]
+    for row, comparisons in zip(predictions, checks):
+        assert row["found here"] == "<br>".join(
+            found(regime, *c) for regime in design.regimes for c in comparisons)
+    # The known values: c − a's interval lies above zero; d − b is negative,
+    # its interval spanning zero over 3 seeds, but not over the 2 seeds of the
+    # cell with an unfinished run (its two differences are equal).
+    assert predictions[2]["found here"].count(
+        "c − a: > 0 at 2 of 2 (interval above 0 at 2, below at 0)") == 2
+    assert predictions[1]["found here"] == (
+        "`fixed` d − b: > 0 at 0 of 2 (interval above 0 at 0, below at 0)<br>"
+        "`limited` d − b: > 0 at 0 of 2 (interval above 0 at 0, below at 1)")

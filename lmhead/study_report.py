@@ -548,7 +548,26 @@ def provenance(sweep_dir: str, runs: list[sweeps.Run]) -> str:
         "training steps alone, at each run's median "
         f"step time, summed over runs, {step_hours:.2f} h ({len(timed)} runs timed; evaluation "
         "and compilation not included).",
+        *([outside] if (outside := other_runs_text(sweep_dir, runs)) else []),
         f"Report written {time.strftime('%Y-%m-%d %H:%M')}."])
+
+
+def other_runs_text(sweep_dir: str, runs: list[sweeps.Run]) -> str:
+    """The finished runs in ``sweep_dir`` that the design does not plan (a
+    shape or rate it no longer asks for): their count and cost, which the
+    totals above leave out; ``""`` when there are none."""
+    planned = {r.name for r in runs}
+    others = [sweeps.read_run(os.path.join(sweep_dir, name))
+              for name in sorted(os.listdir(sweep_dir))
+              if name not in planned and os.path.isdir(os.path.join(sweep_dir, name))]
+    finished = [r.summary for r in others if r.status == "finished"]
+    if not finished:
+        return ""
+    steps = sum(s.get("steps_run", s.get("steps", 0)) for s in finished)
+    hours = sum(s.get("wall_seconds", 0.0) for s in finished) / 3600
+    return (f"Not in the design: {len(finished)} more finished runs in the sweep "
+            f"directory (shapes or rates it no longer plans), {steps:,} training "
+            f"steps and {hours:.2f} h of wall time, not counted above.")
 
 
 def splits_text(design: study.Design, runs: list[sweeps.Run]) -> str:

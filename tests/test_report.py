@@ -371,6 +371,29 @@ def test_study_report_states_how_closely_the_arms_match(study_report):
                 ) in regime_section(markdown, regime.name)
 
 
+def test_study_provenance_counts_the_runs_the_design_no_longer_plans(tmp_path):
+    """Finished runs outside the plan are reported with their cost, apart from
+    the totals; unfinished ones and files are not."""
+    from lmhead import study_report as report_lib  # pylint: disable=import-outside-toplevel
+    for name, summary in (("planned", {"steps_run": 1000, "wall_seconds": 60.0}),
+                          ("old_shape", {"steps_run": 400, "wall_seconds": 1800.0}),
+                          ("old_rate", {"steps": 1000, "wall_seconds": 5400.0}),
+                          ("old_unfinished", None)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+        if summary:
+            (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    (tmp_path / sweeps.SWEEP_FILE).write_text("{}")
+    planned = [sweeps.read_run(str(tmp_path / "planned"))]
+    assert report_lib.other_runs_text(str(tmp_path), planned) == (
+        "Not in the design: 2 more finished runs in the sweep directory (shapes or "
+        "rates it no longer plans), 1,400 training steps and 2.00 h of wall time, "
+        "not counted above.")
+    assert report_lib.other_runs_text(str(tmp_path), [
+        sweeps.read_run(str(tmp_path / n)) for n in ("planned", "old_shape", "old_rate")]
+        ) == ""
+
+
 def t_interval_text(x, y):
     diffs = np.asarray(x) - np.asarray(y)
     mean, half = diffs.mean(), stats.t.ppf(0.975, len(diffs) - 1) * diffs.std(

@@ -37,9 +37,9 @@ import json
 import os
 from typing import Iterator, Protocol
 
+import ml_collections
 import numpy as np
 import numpy.typing as npt
-import ml_collections
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -475,11 +475,11 @@ def tokenizer_vocab_size(data_config) -> int:
     settings (training BPE on the whole corpus takes a few seconds).
 
     Examples:
-        >>> settings = dict(path="", split="works", val_fraction=0.1,
-        ...                 test_fraction=0.1, tokenizer="bpe", vocab_size=8192)
-        >>> [tokenizer_vocab_size(ml_collections.ConfigDict(
-        ...     dict(settings, train_fraction=f))) for f in (1.0, 0.03)]
-        [8192, 6911]
+        >>> settings = dict(path="", split="works", val_fraction=0.1, test_fraction=0.1,
+        ...                 train_fraction=0.03, tokenizer="bpe")  # one play
+        >>> [tokenizer_vocab_size(ml_collections.ConfigDict(dict(settings, vocab_size=v)))
+        ...  for v in (512, 8192)]
+        [512, 6911]
     """
     return _tokenizer_vocab_size(
         data_config.path, data_config.split, data_config.val_fraction,

@@ -34,7 +34,7 @@ such.
 import dataclasses
 import math
 import os
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from lmhead import sweeps
 
@@ -230,15 +230,9 @@ class Cell:
     vocab: int | None  # None: characters
     arm: str
     shape: Shape
-    # The tokens the regime's tokenizer has (None: as many as asked), which
-    # the shape is matched at: BPE on a short text runs out of pairs to merge.
-    tokens: int | None = None
-
-    @property
-    def vocab_size(self) -> int:
-        if self.tokens is not None:
-            return self.tokens
-        return CHAR_VOCAB_SIZE if self.vocab is None else self.vocab
+    # The tokens the regime's tokenizer has, which the shape is matched at:
+    # ``vocab`` or fewer (BPE on a short text runs out of pairs to merge).
+    vocab_size: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,16 +264,21 @@ class Design:
     arch: Architecture = Architecture()
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
     extend_edges: int = 0  # rates tried past an end of the grid, at most
-    # The tokens a vocabulary's tokenizer has in a regime, which the arms are
-    # matched at (data.tokenizer_vocab_size); None: as many as asked.
-    vocab_sizes: Callable[[Regime, int | None], int] | None = None
+    # (regime name, vocabulary) -> the tokens its tokenizer has, which the
+    # arms are matched at (data.tokenizer_vocab_size); absent: as many as asked.
+    vocab_sizes: Mapping[tuple[str, int | None], int] = dataclasses.field(
+        default_factory=dict)
+
+    def vocab_size(self, regime: Regime, vocab: int | None) -> int:
+        """The tokens of ``vocab``'s tokenizer in ``regime``."""
+        asked = CHAR_VOCAB_SIZE if vocab is None else vocab
+        return self.vocab_sizes.get((regime.name, vocab), asked)
 
     def cells(self) -> list[Cell]:
         cells = []
         for regime in self.regimes:
             for vocab in self.vocabularies:
-                size = (self.vocab_sizes(regime, vocab) if self.vocab_sizes
-                        else CHAR_VOCAB_SIZE if vocab is None else vocab)
+                size = self.vocab_size(regime, vocab)
                 shapes = arm_shapes(size, self.base_shape, self.arch)
                 cells += [Cell(regime, vocab, arm, shapes[arm], size)
                           for arm in self.arms]
@@ -423,7 +422,7 @@ def choose_learning_rates(tuning: dict[PlannedRun, sweeps.Run], *, strict: bool 
             every run diverged.
 
     Examples:
-        >>> cell = Cell(Regime("fixed", 1.0, 100, 0), None, "a", Shape(True, 8, 1, 16))
+        >>> cell = Cell(Regime("fixed", 1.0, 100, 0), None, "a", Shape(True, 8, 1, 16), 84)
         >>> def run(loss):
         ...     return sweeps.Run("r", "r", {}, {}, [], {"final": {"eval/loss": loss}},
         ...                       "finished")

@@ -217,19 +217,19 @@ def cell_table(results: list[CellResult], design: study.Design) -> str:
 
 def match_text(results: list[CellResult]) -> str:
     """How closely one regime's matched arms (c with a, d with b) agree in
-    parameters, counted by the runs themselves (:func:`parameters`), and each
-    pair outside ``study.MATCH_TOLERANCE``: its difference compares unequal
-    sizes.
+    parameters (:func:`parameters`: the runs' own count, else the design's),
+    and each pair outside ``study.MATCH_TOLERANCE``, whose difference is not
+    at matched size; ``""`` when the regime has no matched pair.
 
     Examples:
         >>> regime = study.Regime("fixed", 1.0, 100, 0)
         >>> def result(arm, count):
-        ...     cell = study.Cell(regime, 512, arm, study.Shape(arm in "ad", 8, 1, 16))
+        ...     cell = study.Cell(regime, 512, arm, study.Shape(arm in "ad", 8, 1, 16), 512)
         ...     return CellResult(cell, None, {}, {}, count)
         >>> print(match_text([result("a", 1000), result("b", 1500),
         ...                   result("c", 1005), result("d", 1400)]))
-        Parameter counts as the runs report them: c is within 0.50% of a, d within 6.67% of b.
-        - BPE 512: d has 1,400 parameters, b 1,500 (-6.7%), outside the design's 2%: d − b compares unequal sizes.
+        Parameter counts (the runs' own, else the design's): c is within 0.50% of a, d within 6.67% of b.
+        - BPE 512: d has 1,400 parameters, b 1,500 (-6.7%), outside the design's 2%: the d − b comparison is not at matched size.
     """
     worst, outside = {}, []
     for vocab in dict.fromkeys(r.cell.vocab for r in results):
@@ -243,10 +243,11 @@ def match_text(results: list[CellResult]) -> str:
                 outside.append(
                     f"- {study.vocabulary_label(vocab)}: {x} has {arms[x]:,} parameters, "
                     f"{y} {arms[y]:,} ({off:+.1%}), outside the design's "
-                    f"{study.MATCH_TOLERANCE:.0%}: {x} − {y} compares unequal sizes.")
+                    f"{study.MATCH_TOLERANCE:.0%}: the {x} − {y} comparison is not at "
+                    "matched size.")
     if not worst:
         return ""
-    return "\n".join(["Parameter counts as the runs report them: " + ", ".join(
+    return "\n".join(["Parameter counts (the runs' own, else the design's): " + ", ".join(
         f"{x} {'is ' if i == 0 else ''}within {off:.2%} of {y}"
         for i, ((x, y), off) in enumerate(worst.items())) + ".", *outside])
 
@@ -257,7 +258,7 @@ def tuning_text(result: CellResult, lr: float) -> str:
 
     Examples:
         >>> regime = study.Regime("fixed", 1.0, 100, 0)
-        >>> cell = study.Cell(regime, None, "a", study.Shape(True, 8, 1, 16))
+        >>> cell = study.Cell(regime, None, "a", study.Shape(True, 8, 1, 16), 84)
         >>> def run(status, bits=None):
         ...     summary = {"final": {"eval/loss": 1.0, "eval/bits_per_char": bits}}
         ...     return sweeps.Run("r", "r", {}, {}, [], summary, status)
@@ -379,14 +380,15 @@ PREDICTIONS = (
 
 def signs_text(results: list[CellResult], design: study.Design, x_arm: str,
                y_arm: str, key: str) -> str:
-    """Over one regime's vocabularies: at how many the paired ``x - y`` of
-    ``key`` is above zero, and at how many its 95% interval lies above or
-    below zero (vocabularies with fewer than two seed pairs are left out).
+    """Over the vocabularies of one regime's ``results``: at how many the
+    paired ``x - y`` of ``key`` is above zero, and at how many its 95%
+    interval lies above or below zero (vocabularies with fewer than two seed
+    pairs, or a non-finite difference, are left out).
 
     Examples:
         >>> regime = study.Regime("fixed", 1.0, 100, 0)
         >>> def result(arm, losses):
-        ...     cell = study.Cell(regime, None, arm, study.Shape(arm == "a", 8, 1, 16))
+        ...     cell = study.Cell(regime, None, arm, study.Shape(arm == "a", 8, 1, 16), 84)
         ...     runs = {s: sweeps.Run("r", "r", {}, {}, [], {"test": {
         ...         "bits_per_char": v}}, "finished") for s, v in enumerate(losses)}
         ...     return CellResult(cell, 1e-3, {}, runs, 1000)
@@ -395,9 +397,14 @@ def signs_text(results: list[CellResult], design: study.Design, x_arm: str,
         >>> signs_text([result("a", [2.0, 2.1, 2.2]), result("b", [2.1, 2.2, 2.3])],
         ...            design, "b", "a", "test")
         '> 0 at 1 of 1 (interval above 0 at 1, below at 0)'
+        >>> signs_text([result("a", [2.0]), result("b", [2.1])], design, "b", "a", "test")
+        'no seed pairs yet'
     """
+    if len({r.cell.regime for r in results}) > 1:
+        raise ValueError("signs_text takes one regime's results.")
     differences = [d for d in (paired(results, vocab, x_arm, y_arm, key)
-                               for vocab in design.vocabularies) if d and d.n >= 2]
+                               for vocab in design.vocabularies)
+                   if d and d.n >= 2 and math.isfinite(d.mean)]
     if not differences:
         return "no seed pairs yet"
     positive = sum(d.mean > 0 for d in differences)
@@ -530,12 +537,11 @@ def provenance(sweep_dir: str, runs: list[sweeps.Run]) -> str:
     finished = [r.summary for r in finished_runs]
     hours = sum(s.get("wall_seconds", 0.0) for s in finished) / 3600
     busy, intervals = busy_hours(finished_runs)
-    steps_of = lambda s: s.get("steps_run", s.get("steps", 0))
-    steps = sum(map(steps_of, finished))
+    steps = sum(map(_steps, finished))
     # A median step time ignores a run's pauses (a suspended or preempted
     # process) and load spikes, which its wall_seconds count in full.
     timed = [s for s in finished if "step_ms_p50" in s]
-    step_hours = sum(steps_of(s) * s["step_ms_p50"] for s in timed) / 3.6e6
+    step_hours = sum(_steps(s) * s["step_ms_p50"] for s in timed) / 3.6e6
     return "  \n".join([
         *([f"Sweep: `{sweep['sweep']}`; machine: {sweep.get('machine', '?')}"]
           if "sweep" in sweep else []),
@@ -552,10 +558,16 @@ def provenance(sweep_dir: str, runs: list[sweeps.Run]) -> str:
         f"Report written {time.strftime('%Y-%m-%d %H:%M')}."])
 
 
+def _steps(summary: dict) -> int:
+    """The training steps a finished run took."""
+    return summary.get("steps_run", summary.get("steps", 0))
+
+
 def other_runs_text(sweep_dir: str, runs: list[sweeps.Run]) -> str:
-    """The finished runs in ``sweep_dir`` that the design does not plan (a
-    shape or rate it no longer asks for): their count and cost, which the
-    totals above leave out; ``""`` when there are none."""
+    """The finished runs in ``sweep_dir`` outside ``runs``, the plan read so
+    far (a shape or rate the design no longer asks for, or a seed run whose
+    cell's tuning is not finished again): their count and cost, which the
+    totals leave out; ``""`` when there are none."""
     planned = {r.name for r in runs}
     others = [sweeps.read_run(os.path.join(sweep_dir, name))
               for name in sorted(os.listdir(sweep_dir))
@@ -563,11 +575,11 @@ def other_runs_text(sweep_dir: str, runs: list[sweeps.Run]) -> str:
     finished = [r.summary for r in others if r.status == "finished"]
     if not finished:
         return ""
-    steps = sum(s.get("steps_run", s.get("steps", 0)) for s in finished)
     hours = sum(s.get("wall_seconds", 0.0) for s in finished) / 3600
-    return (f"Not in the design: {len(finished)} more finished runs in the sweep "
-            f"directory (shapes or rates it no longer plans), {steps:,} training "
-            f"steps and {hours:.2f} h of wall time, not counted above.")
+    return (f"Not in the plan: {len(finished)} more finished runs in the sweep "
+            f"directory (shapes or rates the design no longer asks for), "
+            f"{sum(map(_steps, finished)):,} training steps and {hours:.2f} h of "
+            "wall time, not counted above.")
 
 
 def splits_text(design: study.Design, runs: list[sweeps.Run]) -> str:
@@ -628,7 +640,7 @@ def write_report(design: study.Design, sweep_dir: str, out_dir: str
         plots.append(plot)
         sections += [f"## Regime `{name}`: {_describe(regime)}",
                      cell_table(results_, design),
-                     match_text(results_) or DASH,
+                     *filter(None, [match_text(results_)]),
                      "Paired by seed, test bits/char, 95% t-interval "
                      "(mean ± t(0.975, n − 1) · s / √n):",
                      differences_table(results_, design),

@@ -366,9 +366,29 @@ def test_study_report_states_how_closely_the_arms_match(study_report):
                   for c in design.cells() if c.regime == regime}
         worst = {x: max(abs(counts[v, x] - counts[v, y]) / counts[v, y]
                         for v in design.vocabularies) for x, y in (("c", "a"), ("d", "b"))}
-        assert (f"Parameter counts as the runs report them: c is within "
+        assert (f"Parameter counts (the runs' own, else the design's): c is within "
                 f"{worst['c']:.2%} of a, d within {worst['d']:.2%} of b.\n\n"
                 ) in regime_section(markdown, regime.name)
+
+
+def test_match_text_reads_the_runs_counts_and_names_pairs_outside_the_tolerance():
+    """The runs' num_params decide (the design solved 1,000 for every arm);
+    c − a is off by 1.5% (inside 2%), d − b by 3% (outside)."""
+    from lmhead import study_report as report_lib  # pylint: disable=import-outside-toplevel
+    regime = study.Regime("limited", 0.03, 100, 3)
+
+    def result(arm, num_params):
+        cell = study.Cell(regime, 8192, arm, study.Shape(arm in "ad", 8, 1, 16), 6911)
+        run = sweeps.Run("r", "r", {}, {}, [], {"num_params": num_params}, "finished")
+        return report_lib.CellResult(cell, 1e-3, {}, {0: run, 1: run}, 1000)
+    text = report_lib.match_text([result("a", 2000), result("b", 3000),
+                                  result("c", 2030), result("d", 2910)])
+    assert text.splitlines() == [
+        "Parameter counts (the runs' own, else the design's): c is within 1.50% of a, "
+        "d within 3.00% of b.",
+        "- BPE 8192: d has 2,910 parameters, b 3,000 (-3.0%), outside the design's 2%: "
+        "the d − b comparison is not at matched size."]
+    assert report_lib.match_text([result("a", 2000), result("b", 3000)]) == ""
 
 
 def test_study_provenance_counts_the_runs_the_design_no_longer_plans(tmp_path):
@@ -386,9 +406,9 @@ def test_study_provenance_counts_the_runs_the_design_no_longer_plans(tmp_path):
     (tmp_path / sweeps.SWEEP_FILE).write_text("{}")
     planned = [sweeps.read_run(str(tmp_path / "planned"))]
     assert report_lib.other_runs_text(str(tmp_path), planned) == (
-        "Not in the design: 2 more finished runs in the sweep directory (shapes or "
-        "rates it no longer plans), 1,400 training steps and 2.00 h of wall time, "
-        "not counted above.")
+        "Not in the plan: 2 more finished runs in the sweep directory (shapes or "
+        "rates the design no longer asks for), 1,400 training steps and 2.00 h of "
+        "wall time, not counted above.")
     assert report_lib.other_runs_text(str(tmp_path), [
         sweeps.read_run(str(tmp_path / n)) for n in ("planned", "old_shape", "old_rate")]
         ) == ""

@@ -243,11 +243,12 @@ def run_vocab_size(base, shared, run):
 @pytest.mark.parametrize("preset,base", [("", "nanogpt"), ("tiny", "tiny")])
 def test_study_expands_to_the_designed_grid_with_matched_counts(preset, base):
     """Every arm at every vocabulary, regime and rate; c matches a and d matches
-    b within 2% at the vocabulary size the run's tokenizer has (in the limited
-    regime, loaded as train.py loads it: BPE on one play stops short of 8192),
-    counted from the model train.py builds for the run's config (at the largest
-    vocabulary; elsewhere by the closed form that the test above checks
-    against the model's init)."""
+    b within 2% at the vocabulary size the run's tokenizer has, counted from the
+    model train.py builds for the run's config (at the largest vocabulary;
+    elsewhere by the closed form that the test above checks against the
+    model's init). The limited regime's tokenizer is loaded as train.py loads
+    it (BPE on one play stops short of 8192); the whole training text reaches
+    every size asked, as the design measured."""
     spec = f"{STUDY}:{preset + ',' if preset else ''}stage=tune"
     got_base, overrides, shared = sweeps.load_sweep(spec)
     assert got_base == base
@@ -271,6 +272,8 @@ def test_study_expands_to_the_designed_grid_with_matched_counts(preset, base):
         asked = 84 if vocab == "char" else vocab
         # The data-limited regime's short text is where a tokenizer falls short.
         vocab_size = run_vocab_size(base, shared, runs[0]) if patience else asked
+        regime = next(r for r in design.regimes if r.train_fraction == fraction)
+        assert design.vocab_size(regime, None if vocab == "char" else vocab) == vocab_size
         if vocab_size < asked:
             short.append(vocab)
         counts = {}

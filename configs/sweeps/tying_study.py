@@ -89,8 +89,6 @@ comma-separated ``key=value`` (``+`` separates list items)::
     fixed_steps, limited_steps, limited_fraction, patience, eval_every
 """
 
-import functools
-
 from lmhead import config_checks
 from lmhead import data
 from lmhead import study
@@ -130,13 +128,13 @@ def parse(arg: str | None) -> dict:
     return sweeps.parse_arg(arg, PRESETS["full"])
 
 
-@functools.cache
-def vocab_size(base: str, data_overrides: tuple[tuple[str, object], ...]) -> int:
-    """The tokens a run's tokenizer has (``data.tokenizer_vocab_size``) with
-    these ``data.*`` overrides of the base config: the arms are matched at it."""
+def vocab_size(base: str, overrides: dict) -> int:
+    """The tokens a run's tokenizer has (``data.tokenizer_vocab_size``, cached)
+    with the ``data.*`` items of ``overrides`` on the base config."""
     config = config_checks.load_config(base)
-    for key, value in data_overrides:
-        config.data[key.removeprefix("data.")] = value
+    for key, value in overrides.items():
+        if key.startswith("data."):
+            config.data[key.removeprefix("data.")] = value
     return data.tokenizer_vocab_size(config.data)
 
 
@@ -160,18 +158,17 @@ def get_study(arg=None) -> study.Design:
               # instead of failing the stage.
               "train.stop_on_nonfinite": False, "sample.num_samples": 0}
     base_shape, arch = BASE_MODELS[args["base"]]
-
-    def vocab_sizes(regime, vocab):
-        overrides = {**shared, **regime.overrides(), **study.vocabulary_overrides(vocab)}
-        return vocab_size(args["base"], tuple(
-            (k, v) for k, v in overrides.items() if k.startswith("data.")))
+    chosen_regimes = tuple(regimes[r] for r in args["regimes"])
+    vocabularies = ((None,) if args["char"] else ()) + tuple(args["bpe"])
     return study.Design(
-        base=args["base"], shared=shared,
-        regimes=tuple(regimes[r] for r in args["regimes"]),
-        vocabularies=((None,) if args["char"] else ()) + tuple(args["bpe"]),
+        base=args["base"], shared=shared, regimes=chosen_regimes,
+        vocabularies=vocabularies,
         arms=tuple(args["arms"]), learning_rates=tuple(args["lrs"]),
         seeds=tuple(range(args["seeds"])), base_shape=base_shape, arch=arch,
-        extend_edges=args["extend"], vocab_sizes=vocab_sizes)
+        extend_edges=args["extend"],
+        vocab_sizes={(regime.name, vocab): vocab_size(args["base"], {
+            **shared, **regime.overrides(), **study.vocabulary_overrides(vocab)})
+            for regime in chosen_regimes for vocab in vocabularies})
 
 
 def get_sweep(arg=None, workdir=None):

@@ -444,8 +444,9 @@ def plot_deltas(by_regime: dict[str, list[CellResult]], design: study.Design,
     """Paired test bits/char differences against the tied model's head share,
     with 95% intervals; one panel per regime."""
     figure, axes = plt.subplots(1, len(by_regime), squeeze=False,
-                                figsize=(5.5 * len(by_regime), 4))
+                                figsize=(6 * len(by_regime), 4.2))
     for axis, (regime, results) in zip(axes[0], by_regime.items()):
+        shares = {}  # tick -> its vocabulary's label
         for offset, (label, x_arm, y_arm) in zip((0.94, 1.0, 1.06), COMPARISONS):
             points = []
             for vocab in design.vocabularies:
@@ -454,6 +455,7 @@ def plot_deltas(by_regime: dict[str, list[CellResult]], design: study.Design,
                 difference = paired(results, vocab, x_arm, y_arm)
                 if tied and difference and difference.n:
                     points.append((head_share(tied) * offset, difference))
+                    shares[head_share(tied)] = "char" if vocab is None else str(vocab)
             if not points:
                 continue
             errors = [[0.0 if d.n < 2 else d.mean - d.low for _, d in points],
@@ -462,8 +464,13 @@ def plot_deltas(by_regime: dict[str, list[CellResult]], design: study.Design,
                           yerr=errors, marker="o", capsize=3, label=label)
         axis.axhline(0.0, color="gray", linewidth=0.8)
         axis.set(xscale="log", title=regime,
-                 xlabel="head share of the tied model's parameters",
+                 xlabel="head share of the tied model's parameters (vocabulary: "
+                        "characters or BPE size)",
                  ylabel="Δ test bits/char (paired by seed)")
+        # One tick per vocabulary, at its share, instead of log-scale decades.
+        axis.set_xticks(list(shares), [f"{share:.1%}\n{name}"
+                                       for share, name in shares.items()])
+        axis.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         axis.legend()
     figure.suptitle("Arm differences, mean over seeds, bars: 95% t-interval")
     figure.tight_layout()

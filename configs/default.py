@@ -10,7 +10,7 @@ gradient clipping 1.0, dropout 0, no biases in the blocks and LayerNorms
 validation. The defaults are the same values but keep the biases
 (``model.use_bias=True``, GPT-2's layout). Two differences from nanoGPT, both
 ours on purpose: weight decay applies to dense kernels only, not to the
-embedding tables (see ``lmhead/train.py``), and evaluations (every 500 steps,
+embedding tables (see ``lmhead/lm/train.py``), and evaluations (every 500 steps,
 not 250) cover the whole validation split (``train.eval_batches=None``), not
 20 random batches.
 
@@ -89,7 +89,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.data.vocab_size = config_dict.placeholder(int)  # bpe only
     # "tail": the last val_fraction of the text is validation, no test split
     # (nanoGPT's). "works": whole works to train / validation / test, about
-    # val_fraction and test_fraction of the characters (lmhead/data.py says
+    # val_fraction and test_fraction of the characters (lmhead/lm/data.py says
     # which); a plain text file is cut into blocks train | val | test.
     config.data.split = "tail"
     config.data.val_fraction = 0.1
@@ -115,7 +115,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     config.loss = ml_collections.ConfigDict()
     # "materialized" | "fused" (no [N, V] logits) | "vocab_parallel" (the
-    # vocabulary split over mesh.model, see lmhead/sharding.py). All three
+    # vocabulary split over mesh.model, see lmhead/lm/sharding.py). All three
     # give the same losses to float32 rounding; README.md ("The fused loss")
     # compares their time and memory (experiments/bench_train.py).
     # Evaluation builds the [B, T, V] logits whatever loss_impl says: the
@@ -147,7 +147,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.train.steps = 2000
     config.train.batch_size = 12
     # Gradient accumulation over this many microbatches of each batch (the
-    # same step up to rounding, see lmhead/train.py's train_step): on a CPU, 2
+    # same step up to rounding, see lmhead/lm/train.py's train_step): on a CPU, 2
     # keeps the nanogpt config's activations in cache, 27% less CPU time per
     # step; on a GPU or TPU keep 1.
     config.train.microbatches = 1

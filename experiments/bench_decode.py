@@ -42,9 +42,10 @@ from absl import flags
 from ml_collections import config_flags
 
 from lmhead import decoding
-from lmhead import model as model_lib
-from lmhead import monitoring
-from lmhead import train
+from lmhead.lm import model as model_lib
+from lmhead.lm import monitoring
+from lmhead.lm import train
+from lmhead.lm import configuration
 
 config_flags.DEFINE_config_file("config", "configs/default.py",
                                 "A configs/*.py file[:args]; its model is timed.")
@@ -155,7 +156,7 @@ def hf_decoder(name: str, hf, max_new_tokens: int):
 
 def bench_max_len(max_len: int, batch_sizes, decoders, repeats: int) -> list[dict]:
     """Rows ``{decoder, batch, max_len, new, lmhead, hf}`` (seconds) at one capacity."""
-    model = train.make_model(FLAGS.config, FLAGS.vocab_size).clone(
+    model = configuration.make_model(FLAGS.config, FLAGS.vocab_size).clone(
         max_len=max_len, positions="learned", use_bias=True, head_bias=False,
         head_scale=None, logits_softcap=None, dtype=jnp.float32)
     params = jax.jit(model.init)(jax.random.key(0),

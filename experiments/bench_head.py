@@ -41,12 +41,12 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from lmhead import data
+from lmhead.lm import data
 from lmhead import fused
-from lmhead import generation
+from lmhead.lm import generation
 from lmhead import head
 from lmhead import losses
-from lmhead import model as model_lib
+from lmhead.lm import model as model_lib
 from lmhead import quantize
 
 DEFAULT_SHAPES = [

@@ -25,9 +25,9 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from lmhead import config_checks
-from lmhead import monitoring
-from lmhead import train
+from lmhead.lm import configuration
+from lmhead.lm import monitoring
+from lmhead.lm import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIENTS = (1, 4, 16)
@@ -47,7 +47,7 @@ FLAGS = flags.FLAGS
 
 
 def tiny_run(workdir: str) -> str:
-    config = config_checks.load_config("tiny")
+    config = configuration.load_config("tiny")
     config.update_from_flattened_dict({"train.steps": 20, "sample.num_samples": 0})
     train.train_and_evaluate(config, workdir)
     return workdir

@@ -77,10 +77,11 @@ import numpy as np
 from absl import app
 from absl import flags
 
-from lmhead import config_checks
-from lmhead import data
-from lmhead import sharding
-from lmhead import train
+from lmhead.lm import configuration
+from lmhead.lm import data
+from lmhead.lm import sharding
+from lmhead.lm import train
+from lmhead.lm import state as state_lib
 
 flags.DEFINE_multi_string("config", ["nanogpt,tied"],
                           "configs/default.py arguments; one benchmark each.")
@@ -146,12 +147,12 @@ def lmhead_setup(config, dataset, batches, num_devices: int):
     """``(model, mesh, state, sharded, dropout_key)``: lmhead's model, a mesh
     of the first ``num_devices`` devices, a fresh train state and the
     ``batches`` (by ``id``) sharded over it, and a dropout key."""
-    model = train.make_model(config, dataset.vocab_size)
+    model = configuration.make_model(config, dataset.vocab_size)
     mesh = sharding.make_mesh(num_devices, 1,
                               devices=jax.devices()[:num_devices])
     init_key, dropout_key = sharding.replicate(
         tuple(jax.random.split(jax.random.key(0))), mesh)
-    init = functools.partial(train.create_train_state, model, config)
+    init = functools.partial(state_lib.create_train_state, model, config)
     shardings = sharding.tree_shardings(jax.eval_shape(init, init_key), mesh)
     state = jax.jit(init, out_shardings=shardings)(init_key)
     sharded = {id(b): sharding.shard_batch(b, mesh) for b in batches}
@@ -364,7 +365,7 @@ def nanogpt_incompatibility(config) -> str | None:
 def nanogpt_program(path: str, config, vocab_size: int, batches):
     """``run(batches)`` of nanoGPT's training step (model.py from ``path``)."""
     import torch  # only here: torch is a peer, not a dependency
-    module = config_checks.load_module(os.path.join(path, "model.py"))
+    module = configuration.load_module(os.path.join(path, "model.py"))
     torch.set_num_threads(cpu_count())
     torch.manual_seed(0)
     m, o = config.model, config.optim
@@ -413,8 +414,8 @@ def alternate(programs: dict, batches, matmul, rounds: int) -> dict:
 def bench(arg: str, loss_impls: list[str], device_counts: list[int],
           nanogpt: str | None, steps: int, rounds: int, matmul,
           profile: bool) -> None:
-    config = config_checks.load_config(arg)
-    config_checks.validate_config(config)
+    config = configuration.load_config(arg)
+    configuration.validate_config(config)
     dataset = data.load_dataset(config.data)
     batches = [data.train_batch(dataset.train_tokens, seed=0, step=s,
                                 batch_size=config.train.batch_size,
@@ -424,7 +425,7 @@ def bench(arg: str, loss_impls: list[str], device_counts: list[int],
     for loss_impl in loss_impls or [config.loss.loss_impl]:
         variant = config.copy_and_resolve_references()
         variant.loss.loss_impl = loss_impl
-        config_checks.validate_config(variant)
+        configuration.validate_config(variant)
         for count in device_counts:
             if config.train.batch_size % count:
                 print(f"{arg}: {count} devices skipped: they do not divide "

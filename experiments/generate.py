@@ -18,7 +18,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from lmhead import generation
+from lmhead.lm import generation
 
 flags.DEFINE_string("workdir", None, "A training run's directory.", required=True)
 flags.DEFINE_string("prompt", "\n", "Text to continue.")

@@ -3,13 +3,13 @@ r"""Writes a sweep's REPORT.md and plots: tied vs untied, over seeds.
     python experiments/report.py --workdir=runs/tying_study --out=docs/tying_study
 
 A sweep whose file defines ``get_study`` (``configs/sweeps/tying_study.py``)
-gets the study's report (``lmhead/study_report.py``) in ``--out``; the sweep
+gets the study's report (``lmhead/studies/tying/report.py``) in ``--out``; the sweep
 file is the one ``sweep.json`` names, or ``--sweep`` for runs launched from
 ``--dry_run`` commands. Any other sweep gets the report below, in the sweep
 directory.
 
 Reads every run's ``config.json``, ``metrics.jsonl`` and ``summary.json``
-(see :func:`lmhead.sweeps.read_sweep`) and writes into the sweep directory:
+(see :func:`lmhead.lab.sweeps.read_sweep`) and writes into the sweep directory:
 
 * ``REPORT.md``: one table row per setting (head, vocabulary, width) with
   each final validation metric as mean ± sample std over seeds and n; the
@@ -35,11 +35,11 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-from lmhead import config_checks
-from lmhead import data
-from lmhead import stats as stats_lib
-from lmhead import study_report
-from lmhead import sweeps
+from lmhead.lm import configuration
+from lmhead.lm import data
+from lmhead.lab import stats as stats_lib
+from lmhead.studies.tying import report as study_report
+from lmhead.lab import sweeps
 
 # (key in the final metrics, column title, decimals)
 METRICS = (("loss", "val loss (nats/token)", 4), ("perplexity", "perplexity", 2),
@@ -319,7 +319,7 @@ def study_design(sweep_dir: str, spec: str | None):
     if spec is None:
         return None
     file, arg = sweeps.split_spec(spec)
-    module = config_checks.load_module(file)
+    module = configuration.load_module(file)
     return module.get_study(arg) if hasattr(module, "get_study") else None
 
 

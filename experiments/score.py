@@ -5,15 +5,15 @@ r"""Scores texts under a trained run: nats, bits per character, perplexity.
     python experiments/score.py --workdir=... --file=a.txt --json --per_token=a.tsv
 
 A text longer than the model's context is scored window by window (see
-``lmhead/scoring.py``); ``--stride`` trades context for time.
+``lmhead/lm/scoring.py``); ``--stride`` trades context for time.
 """
 
 from absl import app
 from absl import flags
 from absl import logging
 
-from lmhead import generation
-from lmhead import scoring
+from lmhead.lm import generation
+from lmhead.lm import scoring
 
 flags.DEFINE_string("workdir", None, "A training run's directory.", required=True)
 flags.DEFINE_multi_string("file", [], "UTF-8 text file to score (repeatable).")

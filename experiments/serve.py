@@ -7,7 +7,7 @@ r"""Serves a trained run over HTTP: generation, scoring, health and metrics.
 
 Every shape the service runs is compiled before it listens (the bucketed
 batch sizes, prompt lengths and new-token counts, and beam sizes); the
-endpoints are described in ``lmhead/service.py``.
+endpoints are described in ``lmhead/serve/web.py``.
 """
 
 import time
@@ -16,10 +16,10 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from lmhead import batching
-from lmhead import generation
-from lmhead import serving
-from lmhead import service
+from lmhead.serve import batching
+from lmhead.lm import generation
+from lmhead.serve import requests
+from lmhead.serve import web
 
 flags.DEFINE_string("workdir", None, "A training run's directory.", required=True)
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on; any but loopback "
@@ -61,17 +61,17 @@ def main(argv):
     f = flags.FLAGS
     if not f["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-    token = service.read_token(f.token_file) if f.token_file else None
+    token = web.read_token(f.token_file) if f.token_file else None
     try:
-        serving.check_exposure(f.host, token)
+        requests.check_exposure(f.host, token)
     except ValueError as error:
         raise app.UsageError(str(error)) from None
     _, tokenizer, model, params = generation.load_run(f.workdir)
-    prompt_lengths = _sizes("prompt_lengths", serving.powers_of_two(model.max_len // 2))
-    buckets = serving.Buckets(
-        batch_sizes=_sizes("batch_sizes", serving.powers_of_two(16)),
+    prompt_lengths = _sizes("prompt_lengths", requests.powers_of_two(model.max_len // 2))
+    buckets = requests.Buckets(
+        batch_sizes=_sizes("batch_sizes", requests.powers_of_two(16)),
         prompt_lengths=prompt_lengths,
-        new_tokens=_sizes("new_tokens", serving.powers_of_two(
+        new_tokens=_sizes("new_tokens", requests.powers_of_two(
             model.max_len - prompt_lengths[-1])),
         beam_sizes=_sizes("beam_sizes", ()))
     engine = batching.Engine(model, params, tokenizer, buckets, seed=f.seed)
@@ -79,12 +79,12 @@ def main(argv):
     runs = engine.warm_up()
     print(f"warm-up: {runs} shapes in {time.perf_counter() - start:.1f} s; "
           f"buckets {buckets}", flush=True)
-    config = service.ServiceConfig(
+    config = web.ServiceConfig(
         token=token, max_body_bytes=f.max_body_bytes, max_queue=f.max_queue,
         window_s=f.batch_window_ms / 1000, timeout_s=f.timeout_s,
-        limits=serving.Limits(max_prompts=f.max_prompts,
+        limits=requests.Limits(max_prompts=f.max_prompts,
                               max_score_chars=f.max_score_chars))
-    service.serve(service.make_app(engine, config), f.host, f.port)
+    web.serve(web.make_app(engine, config), f.host, f.port)
 
 
 if __name__ == "__main__":

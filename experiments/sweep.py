@@ -53,7 +53,7 @@ from collections.abc import Callable
 from absl import app
 from absl import flags
 
-from lmhead import sweeps
+from lmhead.lab import sweeps
 
 EXPERIMENTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(EXPERIMENTS)

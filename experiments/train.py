@@ -5,7 +5,7 @@ r"""Trains a language model: parses flags, then calls the library.
 
 Rerunning with the same --workdir resumes from its newest checkpoint; a
 workdir made by another config is refused (see
-``config_checks.check_resumable``).
+``configuration.check_resumable``).
 SIGTERM saves a checkpoint at the next step boundary and exits with status
 143 (128 + SIGTERM); the same command then resumes.
 
@@ -14,7 +14,7 @@ Several processes (hosts), each started with the same flags plus::
     --coordinator_address=HOST0:PORT --num_processes=N --process_id=I
 
 or ``--distributed`` where JAX finds the cluster itself (Cloud TPU slices,
-SLURM, Open MPI). See ``lmhead/sharding.py`` for the device mesh.
+SLURM, Open MPI). See ``lmhead/lm/sharding.py`` for the device mesh.
 
 On a CPU, ``--cpu_devices=N`` (e.g. the number of cores) gives the process
 N devices and splits each batch over them (data parallel): XLA runs a small
@@ -35,10 +35,10 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from lmhead import config_checks
-from lmhead import preemption
-from lmhead import sharding
-from lmhead import train
+from lmhead.lm import configuration
+from lmhead.lm import preemption
+from lmhead.lm import sharding
+from lmhead.lm import train
 
 config_flags.DEFINE_config_file("config", None, "A configs/*.py file[:args].",
                                 lock_config=True)
@@ -84,8 +84,8 @@ def parse_flags(argv: list[str]) -> list[str]:
         overrides = [m[1] for arg in argv
                      if (m := re.match(r"--?(?:no)?config\.([\w.]+)", arg))]
         try:
-            config_checks.check_config_keys(overrides,
-                                            config_checks.default_types())
+            configuration.check_config_keys(overrides,
+                                            configuration.default_types())
         except ValueError as e:
             sys.exit(f"FATAL Flags parsing error: {e}")
         raise

@@ -3,16 +3,21 @@
 The pure functions live in :mod:`lmhead.head` (unembedding, softmax),
 :mod:`lmhead.losses` (cross-entropy, smoothing, z-loss, metrics),
 :mod:`lmhead.fused` (a linear + cross-entropy that never builds the logits),
-:mod:`lmhead.decoding` (logits processors, sampling, beam search) and
-:mod:`lmhead.quantize` (half-precision and int8 unembeddings for inference).
-Parameters live in :mod:`lmhead.modules` and :mod:`lmhead.model`.
+:mod:`lmhead.decoding` (logits processors, sampling, beam search),
+:mod:`lmhead.quantize` (half-precision and int8 unembeddings for inference)
+and :mod:`lmhead.vocab_parallel` (the loss with the vocabulary split over
+devices); parameters live in :mod:`lmhead.modules`. This package is the head
+library: it imports jax, flax, numpy and itself only. Above it, each in a
+folder of its own: the experiment (:mod:`lmhead.lm`: the Transformer, data,
+training), the service (:mod:`lmhead.serve`), the sweep tooling
+(:mod:`lmhead.lab`) and the studies (:mod:`lmhead.studies`).
 """
 
 from lmhead import decoding
 from lmhead import head
 from lmhead import losses
 from lmhead import modules
-from lmhead import model
+from lmhead import vocab_parallel
 from lmhead import quantize
 from lmhead.decoding import beam_search
 from lmhead.decoding import detokenize

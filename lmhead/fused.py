@@ -50,7 +50,7 @@ as Cut Cross-Entropy does: no temporary grows with ``V``, at the price of a
 fourth matmul.
 
 Split vocabulary. With :class:`VocabShards` (what
-``sharding.vocab_parallel_cross_entropy`` passes), each device holds ``V/m``
+``vocab_parallel.vocab_parallel_cross_entropy`` passes), each device holds ``V/m``
 rows of ``w`` inside ``shard_map`` and runs the same sweep on them: after a
 chunk's blocks, the online logsumexp goes one step further, across devices
 (``pmax`` of the running max, ``psum`` of the rescaled sums, the label logits
@@ -442,7 +442,7 @@ _fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)
 class VocabShards:
     """The rows of ``w`` split over the devices along a mesh axis.
 
-    For ``sharding.vocab_parallel_cross_entropy``, which passes it to
+    For ``vocab_parallel.vocab_parallel_cross_entropy``, which passes it to
     :func:`fused_cross_entropy`.
 
     Attributes:
@@ -560,7 +560,7 @@ def fused_cross_entropy(
             computes them that many rows at a time, twice, so that no
             temporary grows with ``V``.
         vocab_shards: None (default) on one device; see
-            ``sharding.vocab_parallel_cross_entropy``, which splits the rows
+            ``vocab_parallel.vocab_parallel_cross_entropy``, which splits the rows
             of ``w`` over devices and combines each device's statistics
             with ``pmax``/``psum`` (module docstring).
 

@@ -19,7 +19,7 @@ from lmhead import fused
 from lmhead import head
 from lmhead import losses
 from lmhead import quantize
-from lmhead import sharding
+from lmhead import vocab_parallel
 
 LOSS_IMPLS = ("fused", "materialized", "vocab_parallel")
 
@@ -147,7 +147,7 @@ class LMHead(nn.Module):
                 builds them;
                 ``"vocab_parallel"`` splits them over the ``"model"`` axis of
                 the mesh set by ``jax.set_mesh`` (see
-                ``sharding.vocab_parallel_cross_entropy``).
+                ``vocab_parallel.vocab_parallel_cross_entropy``).
             chunk_size: tokens per block of the blocked losses; must be None
                 for ``"materialized"``.
             label_smoothing, smoothing, z_loss: as in
@@ -171,7 +171,7 @@ class LMHead(nn.Module):
         options = dict(weights=weights, label_smoothing=label_smoothing,
                        smoothing=smoothing, z_loss=z_loss)
         blocked = {"fused": fused.fused_cross_entropy,
-                   "vocab_parallel": sharding.vocab_parallel_cross_entropy}
+                   "vocab_parallel": vocab_parallel.vocab_parallel_cross_entropy}
         if loss_impl in blocked:
             return blocked[loss_impl](h, w, labels, bias=bias, scale=self.scale,
                                       softcap=self.softcap,

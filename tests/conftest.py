@@ -2,7 +2,7 @@
 
 import pytest
 
-from lmhead import data
+from lmhead.lm import data
 
 
 @pytest.fixture(scope="session")

@@ -36,15 +36,15 @@ import pytest
 from configs import default
 from lmhead import decoding
 from lmhead import fused
-from lmhead import generation
+from lmhead.lm import generation
 from lmhead import head
 from lmhead import losses
-from lmhead import model as model_lib
+from lmhead.lm import model as model_lib
 from lmhead import modules
-from lmhead import monitoring
-from lmhead import train
+from lmhead.lm import monitoring
+from lmhead.lm import train
+from tests import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 H = jnp.ones((2, 3, 4))
 W = jnp.ones((5, 4))

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from lmhead import data, decoding
+from lmhead.lm import data
+from lmhead import decoding
 from tests.references import log_softmax as np_log_softmax
 
 
@@ -709,7 +710,7 @@ def test_beam_search_through_the_kv_cache_matches_recomputing_the_prefix(monkeyp
     several of them, and max_len 19 makes the last piece a short one.
     (tests/test_model.py checks the cache's logits step by step and greedy
     decoding through it.)"""
-    from lmhead import model as model_lib
+    from lmhead.lm import model as model_lib
     monkeypatch.setattr(model_lib, "MIN_SPAN", 4)
     model = model_lib.DecoderLM(vocab_size=11, num_layers=2, num_heads=2, d_model=16,
                                 mlp_dim=32, max_len=19)
@@ -758,7 +759,7 @@ def test_beam_search_through_the_kv_cache_equals_brute_force(monkeypatch):
     """With K = V ** (N - 1) beams nothing is pruned, so the n-best from the
     model's cache (in pieces of 2, 2, 3 slots: MIN_SPAN = 2) must be the n-best
     of all V ** N continuations, scored by running the model on each."""
-    from lmhead import model as model_lib
+    from lmhead.lm import model as model_lib
     monkeypatch.setattr(model_lib, "MIN_SPAN", 2)
     vocab, num_new = 4, 3
     model = model_lib.DecoderLM(vocab_size=vocab, num_layers=1, num_heads=2, d_model=8,

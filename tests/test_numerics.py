@@ -28,11 +28,11 @@ from absl.testing import parameterized
 
 from configs import default
 from lmhead import fused
-from lmhead import generation
+from lmhead.lm import generation
 from lmhead import head
 from lmhead import losses
-from lmhead import sharding
-from lmhead import train
+from lmhead.vocab_parallel import vocab_parallel_cross_entropy
+from lmhead.lm import train
 from tests import references
 
 EPS, Z_LOSS = 0.1, 1e-4
@@ -55,8 +55,9 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
 
 
 def vocab_parallel(h, w, labels, **kwargs):
-    mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])
-    return sharding.vocab_parallel_cross_entropy(h, w, labels, mesh=mesh,
+    mesh = jax.make_mesh((1, 1), ("data", "model"), (jax.sharding.AxisType.Auto,) * 2,
+                         devices=jax.devices()[:1])
+    return vocab_parallel_cross_entropy(h, w, labels, mesh=mesh,
                                                  chunk_size=2, **kwargs)
 
 

@@ -5,7 +5,9 @@ import re
 
 import numpy as np
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+from tests import ROOT
+
+README = pathlib.Path(ROOT) / "README.md"
 
 
 def test_api_tour_runs():

@@ -25,7 +25,7 @@ Arguments (comma-separated ``key=value``; ``+`` separates list items)::
     d_model=128+256             widths; the MLP is 4 x d_model
 """
 
-from lmhead import sweeps
+from lmhead.lab import sweeps
 
 DEFAULTS = dict(base=("nanogpt",), steps=5000, seeds=3,
                 bpe=(1024, 2048, 4096, 8192), d_model=(128, 256))

@@ -14,13 +14,13 @@ learning rate of the grid with the first seed, and, for a cell whose best
 rate so far is at an end of the rates it tried, the next rate outward
 (``extend``; ``experiments/sweep.py`` plans again whenever a run ends,
 until the plan stops growing); the second reads those runs back, keeps
-each cell's rate with the lowest validation loss (``lmhead/study.py``), and
+each cell's rate with the lowest validation loss (``lmhead/studies/tying/study.py``), and
 adds the other seeds at it (the tuning run at the chosen rate is seed 0). On a
 cluster, run each stage's ``--dry_run`` commands in turn, the first stage's
 until it prints none (the second stage refuses to plan before the first has
 finished), then the report.
 
-Design (``lmhead/study.py`` solves the matched shapes and counts them):
+Design (``lmhead/studies/tying/study.py`` solves the matched shapes and counts them):
 
 * Model: nanoGPT's CPU example (``configs/default.py:nanogpt``): d_model
   128, 4 blocks, 4 heads, MLP 512, block 64, batch 12, no biases, AdamW,
@@ -89,10 +89,10 @@ comma-separated ``key=value`` (``+`` separates list items)::
     fixed_steps, limited_steps, limited_fraction, patience, eval_every
 """
 
-from lmhead import config_checks
-from lmhead import data
-from lmhead import study
-from lmhead import sweeps
+from lmhead.lm import configuration
+from lmhead.lm import data
+from lmhead.studies.tying import study
+from lmhead.lab import sweeps
 
 PRESETS = {
     "full": dict(base="nanogpt", stage="seeds", char=True, bpe=(512, 1024, 2048, 8192),
@@ -131,7 +131,7 @@ def parse(arg: str | None) -> dict:
 def vocab_size(base: str, overrides: dict) -> int:
     """The tokens a run's tokenizer has (``data.tokenizer_vocab_size``, cached)
     with the ``data.*`` items of ``overrides`` on the base config."""
-    config = config_checks.load_config(base)
+    config = configuration.load_config(base)
     for key, value in overrides.items():
         if key.startswith("data."):
             config.data[key.removeprefix("data.")] = value

@@ -17,14 +17,14 @@ The contract between a model and the decoders:
   which pass it, traced, to every ``step_fn`` call. A ``step_fn`` must not
   close over weights: the loops are compiled once per ``step_fn`` (compared
   by hash, so use a module-level function or a frozen dataclass such as
-  ``lmhead.model.make_step_fn``'s, not a fresh closure), shapes and static
+  ``lmhead.lm.model.make_step_fn``'s, not a fresh closure), shapes and static
   settings, and then serve every parameter set of those shapes; no weight
   becomes a constant of the compiled program.
 * **A step costs what it uses.** The decoders only feed tokens and reorder
-  rows; what a step reads is the model's business (``lmhead.model`` attends
+  rows; what a step reads is the model's business (``lmhead.lm.model`` attends
   over the filled part of its cache only). Beam search reorders ``state``
   with ``step_fn.reorder(state, rows)`` when ``step_fn`` has one, so that a
-  cache can move pointers instead of keys and values (``lmhead.model``'s
+  cache can move pointers instead of keys and values (``lmhead.lm.model``'s
   does); otherwise with :func:`gather_rows`. Beam search and ``num_samples``
   repeat ``state``'s rows with ``step_fn.repeat(state, repeats)`` when
   ``step_fn`` has one, otherwise with ``jnp.repeat`` of every leaf.
@@ -41,12 +41,10 @@ Conventions shared by everything below:
 
 Modules: :mod:`~lmhead.decoding.processors` (the logits processors),
 :mod:`~lmhead.decoding.sampling` (:func:`generate`),
-:mod:`~lmhead.decoding.beam_search` (:func:`beam_search`). ``detokenize``
-lives in :mod:`lmhead.data`, beside the tokenizers, and is re-exported here.
+:mod:`~lmhead.decoding.beam_search` (:func:`beam_search`), :mod:`~lmhead.decoding.text` (:func:`detokenize`, which
+needs only a ``decode`` method, not a tokenizer library).
 """
 
-from lmhead.data import TokenDecoder
-from lmhead.data import detokenize
 from lmhead.decoding._loop import StepFn
 from lmhead.decoding.beam_search import PENALTIES
 from lmhead.decoding.beam_search import BeamState
@@ -67,3 +65,5 @@ from lmhead.decoding.processors import apply_top_p
 from lmhead.decoding.processors import process_logits
 from lmhead.decoding.sampling import SamplingState
 from lmhead.decoding.sampling import generate
+from lmhead.decoding.text import TokenDecoder
+from lmhead.decoding.text import detokenize

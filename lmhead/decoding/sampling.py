@@ -270,7 +270,7 @@ def generate(
             keeps ``state`` usable but copies it whole first, a per-call cost
             that grows with a cache's capacity, not its filled length: pass
             True for a state made for this call alone, such as
-            :func:`lmhead.model.prefill`'s. With ``num_samples > 1`` the loop
+            :func:`lmhead.lm.model.prefill`'s. With ``num_samples > 1`` the loop
             always updates its own repeated copy in place. Inside an outer
             ``jit`` it changes nothing.
 

@@ -1,0 +1,3 @@
+"""Sweep tooling: grids of runs and reading them back
+(:mod:`~lmhead.lab.sweeps`), and statistics over seeds
+(:mod:`~lmhead.lab.stats`)."""

@@ -1,0 +1,162 @@
+"""Evaluation sets, their metrics, and early stopping.
+
+An :class:`EvalSet` is a fixed list of windows (``data.eval_batches``) with
+the number of tokens and characters they predict, made once per run.
+:func:`evaluate` reduces a jitted ``eval_step`` over it to the loss, its
+standard error over windows, perplexity, bits per character, accuracy and
+calibration error. Bits per character = (summed nats) / (ln 2 x the
+characters the evaluated tokens decode to), the same computation for every
+tokenizer. :func:`periodic_eval_sets` are a training run's fixed validation
+(and, with ``train.eval_train_batches``, training) windows;
+:func:`wants_test_evaluation` says whether the run ends with the whole test
+split. :class:`EarlyStopping` counts evaluations without a lower
+validation loss.
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from lmhead.lm import data
+from lmhead import losses
+from lmhead.lm import sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSet:
+    """A fixed set of evaluation windows.
+
+    Attributes:
+        name: the prefix of its metrics: ``"eval"`` (validation),
+            ``"train_eval"`` (training windows) or ``"test"``.
+        batches: ``data.eval_batches``'s batches (sharded or not).
+        num_tokens: the labels evaluated (the weight sum).
+        num_chars: the characters those labels decode to
+            (``data.label_chars``).
+    """
+    name: str
+    batches: list
+    num_tokens: int
+    num_chars: float
+
+
+def make_eval_set(name: str, tokens: np.ndarray, num_batches: int | None,
+                  config: ml_collections.ConfigDict, tokenizer: data.Tokenizer,
+                  mesh: jax.sharding.Mesh | None = None) -> EvalSet:
+    """``num_batches`` batches of evenly spaced windows of ``tokens`` (None:
+    all of them, consecutive), sharded over ``mesh``."""
+    batches = data.eval_batches(tokens, num_batches=num_batches,
+                                batch_size=config.train.batch_size,
+                                block_size=config.data.block_size)
+    num_tokens = int(sum(b["weights"].sum() for b in batches))
+    num_chars = data.label_chars(tokenizer, batches)
+    if mesh is not None:
+        batches = [sharding.shard_batch(b, mesh) for b in batches]
+    return EvalSet(name, batches, num_tokens, num_chars)
+
+
+def periodic_eval_sets(config: ml_collections.ConfigDict, dataset: data.Dataset,
+                       mesh: jax.sharding.Mesh | None = None) -> list[EvalSet]:
+    """The fixed validation windows, and the training windows of
+    ``train.eval_train_batches``."""
+    eval_sets = [make_eval_set(
+        "eval", dataset.val_tokens, config.train.eval_batches, config,
+        dataset.tokenizer, mesh)]
+    if config.train.eval_train_batches:
+        eval_sets.append(make_eval_set(
+            "train_eval", dataset.train_tokens, config.train.eval_train_batches,
+            config, dataset.tokenizer, mesh))
+    return eval_sets
+
+
+def wants_test_evaluation(config: ml_collections.ConfigDict) -> bool:
+    """``train.test_eval``; unset (None) means: when there is a test split.
+
+    Examples:
+        >>> config = ml_collections.ConfigDict(
+        ...     {"train": {"test_eval": None}, "data": {"split": "works"}})
+        >>> wants_test_evaluation(config)
+        True
+    """
+    if config.train.test_eval is None:
+        return config.data.split == "works"
+    return config.train.test_eval
+
+
+def evaluate(eval_fn, params: Any, eval_set: EvalSet) -> dict[str, float]:
+    r"""Metrics over ``eval_set``, named ``{eval_set.name}/...``.
+
+    ``loss`` is the nll in nats per token, :math:`\bar\ell = \sum_w y_w /
+    \sum_w n_w` over windows :math:`w` with summed nll :math:`y_w` and
+    :math:`n_w` tokens. ``loss_stderr`` is its standard error with the
+    windows as independent draws (the ratio estimator's),
+    :math:`\sqrt{\sum_w (y_w - \bar\ell n_w)^2 / (k(k-1))} / \bar n` for
+    :math:`k` windows of mean size :math:`\bar n` (NaN for one window, and
+    for a loss that is not finite).
+    ``bits_per_char`` is :math:`\sum_w y_w / (\ln 2 \cdot` the characters the
+    labels decode to), the same for every tokenizer. Also ``perplexity``
+    (per token), ``accuracy`` and ``ece``.
+    """
+    sums = jax.device_get([eval_fn(params, batch) for batch in eval_set.batches])
+    window_nll, window_count = (
+        np.concatenate([s[k] for s in sums]).astype(np.float64)
+        for k in ("window_nll", "window_count"))
+    window_nll, window_count = (x[window_count > 0] for x in (window_nll, window_count))
+    count, k = window_count.sum(), len(window_count)
+    nll = window_nll.sum() / count
+    stderr = (np.sqrt(np.sum((window_nll - nll * window_count) ** 2) / (k * (k - 1)))
+              / window_count.mean()) if k > 1 and np.isfinite(nll) else math.nan
+    metrics = {
+        "loss": nll, "loss_stderr": stderr,
+        "perplexity": losses.perplexity(nll),
+        "bits_per_char": losses.bits_per_character(
+            nll, eval_set.num_chars / eval_set.num_tokens),
+        "accuracy": np.sum([s["correct_sum"] for s in sums]) / count,
+        "ece": losses.calibration_error_from_bins(
+            np.sum([s["bins"] for s in sums], axis=0))}
+    return {f"{eval_set.name}/{k}": float(v) for k, v in metrics.items()}
+
+
+@dataclasses.dataclass
+class EarlyStopping:
+    """Stops when ``patience`` evaluations in a row have not lowered the best
+    validation loss (``patience=0``: never). A NaN loss never improves.
+
+    Examples:
+        >>> stopping = EarlyStopping(patience=2)
+        >>> [stopping.update(step, loss) for step, loss in
+        ...  [(10, 3.0), (20, 2.5), (30, 2.6), (40, 2.5)]]
+        [True, True, False, False]
+        >>> stopping.best_step, stopping.should_stop
+        (20, True)
+    """
+    patience: int
+    best_step: int | None = None
+    best_loss: float = math.inf
+    evaluations_since_best: int = 0
+
+    @classmethod
+    def from_records(cls, patience: int, records: list[dict]) -> "EarlyStopping":
+        """The state after the evaluations in ``records`` (a resumed run's)."""
+        stopping = cls(patience)
+        for record in records:
+            if "eval/loss" in record:
+                stopping.update(record["step"], record["eval/loss"])
+        return stopping
+
+    def update(self, step: int, loss: float) -> bool:
+        """Counts the evaluation at ``step``; True when it is a new best."""
+        if loss < self.best_loss:
+            self.best_step, self.best_loss = step, loss
+            self.evaluations_since_best = 0
+            return True
+        self.evaluations_since_best += 1
+        return False
+
+    @property
+    def should_stop(self) -> bool:
+        return 0 < self.patience <= self.evaluations_since_best

@@ -1,0 +1,268 @@
+"""Using a trained run: loading it and generating text.
+
+Shared by ``experiments/generate.py``, ``experiments/score.py``,
+``experiments/serve.py``, the training loop's samples and the notebook:
+:func:`load_run` gives a run's ``(config, tokenizer, model, params)`` and
+:func:`generate_text` continues a prompt with it.
+:func:`quantize_for_decoding` gives parameters whose head reads a
+half-precision or int8 table, and :func:`time_generation` measures time to
+first token and the cost of each new token. Scoring a given text is
+``lmhead.lm.scoring``'s.
+"""
+
+import functools
+import json
+import os
+import time
+from typing import Any, NamedTuple
+
+import jax
+import ml_collections
+import numpy as np
+
+from lmhead.lm import checkpoints
+from lmhead.lm import data
+from lmhead import decoding
+from lmhead.lm import model as model_lib
+from lmhead import quantize
+from lmhead.lm import configuration
+from lmhead.lm import state as state_lib
+
+SAMPLE_SEPARATOR = "\n---------------\n"
+
+
+def load_run(workdir: str):
+    """A trained run's ``(config, tokenizer, model, params)``, newest checkpoint."""
+    with open(os.path.join(workdir, "config.json")) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    tokenizer = data.load_tokenizer(os.path.join(workdir, data.TOKENIZER_FILE))
+    model = configuration.make_model(config, tokenizer.vocab_size)
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        raise FileNotFoundError(f"{workdir} has no checkpoints/.")
+    manager = checkpoints.checkpoint_manager(workdir)
+    if manager.latest_step() is None:
+        raise FileNotFoundError(f"{workdir}/checkpoints holds no checkpoint.")
+    state = state_lib.restore_or_init(manager, model, config, jax.random.key(0))
+    manager.close()
+    return config, tokenizer, model, state.params
+
+
+def generate_text(model: model_lib.DecoderLM, params: Any, tokenizer: data.Tokenizer,
+                  prompt: str, *, key: jax.Array, num_samples: int,
+                  max_new_tokens: int, temperature: float = 1.0,
+                  top_k: int | None = None, top_p: float | None = None,
+                  num_beams: int | None = None) -> list[str]:
+    """``num_samples`` continuations of ``prompt``, each with the prompt.
+
+    The cache holds ``max_len`` positions, so the text is made window by
+    window, as nanoGPT crops its context: each window is prefilled with the
+    last ``C = max_len // 2`` tokens so far (at first the prompt, cropped to
+    ``C`` and right-padded) and adds ``max_len - C`` tokens; the last window's
+    surplus is cut off. Every window has the same shapes, so it compiles once.
+    Beam search, too, runs per window and keeps the best beam.
+    ``temperature=0`` is greedy.
+    """
+    if model.max_len < 2:
+        raise ValueError("generate_text needs a model with max_len >= 2.")
+    prompt_ids = tokenizer.encode(prompt)
+    if not prompt_ids:
+        raise ValueError("prompt must encode to at least one token.")
+    context_len = model.max_len // 2
+    ids = [np.tile(np.asarray(prompt_ids[-context_len:], np.int32), (num_samples, 1))]
+    lengths = np.full([num_samples], ids[0].shape[1], np.int32)
+    generated = 0
+    while generated < max_new_tokens:
+        context = np.concatenate(ids, axis=1)[:, -context_len:]
+        context = np.pad(context, [(0, 0), (0, context_len - context.shape[1])])
+        key, window_key = jax.random.split(key)
+        ids.append(np.asarray(_continue(
+            model, params, context, lengths, window_key,
+            max_new_tokens=model.max_len - context_len, temperature=temperature,
+            top_k=top_k, top_p=top_p, num_beams=num_beams)))
+        generated += ids[-1].shape[1]
+        lengths[:] = context_len
+    new_ids = np.concatenate(ids[1:], axis=1)[:, :max_new_tokens]
+    return [prompt + tokenizer.decode(row) for row in new_ids]
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=(
+    "max_new_tokens", "temperature", "top_k", "top_p", "num_beams"))
+def _continue(model, params, context, lengths, key, *, max_new_tokens,
+               temperature, top_k, top_p, num_beams):
+    """``[B, max_new_tokens]`` tokens after ``context[b, :lengths[b]]``."""
+    logits, cache = model_lib.prefill(model, params, context, lengths)
+    step_fn = model_lib.make_step_fn(model)
+    if num_beams:
+        tokens, _, _ = decoding.beam_search(
+            step_fn, params, logits, cache, num_beams=num_beams,
+            max_new_tokens=max_new_tokens, eos_id=None)
+        return tokens[:, 0]
+    tokens, _, _ = decoding.generate(
+        step_fn, params, logits, cache, key=key, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_k=top_k, top_p=top_p)
+    return tokens
+
+
+def quantize_for_decoding(model: model_lib.DecoderLM, params: Any,
+                          dtype: str) -> Any:
+    """``params`` with the head's table quantized once, for inference.
+
+    Untied: ``head/unembedding`` is replaced by its quantized table. Tied:
+    the embedding lookup keeps the float32 table and the head reads a
+    quantized copy of it, stored as ``params[model.HEAD_TABLE]``. Either way
+    the result is a params tree like any other: ``prefill``, the step
+    function, ``generate``, ``beam_search``, ``generate_text`` and
+    ``model.apply`` take it as an argument (one compile serves every
+    quantized set of the same dtype), while the loss refuses a
+    ``QuantizedTable``.
+
+    Args:
+        model: the :class:`model.DecoderLM`.
+        params: its float ``"params"``.
+        dtype: ``"bfloat16"``, ``"float16"`` or ``"int8"`` (see
+            ``quantize.quantize_unembedding``).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> model = model_lib.DecoderLM(vocab_size=17, num_layers=1, num_heads=2,
+        ...                             d_model=8, mlp_dim=16, max_len=8)
+        >>> tokens = jnp.array([[1, 2, 3]])
+        >>> params = model.init(jax.random.key(0), tokens)["params"]
+        >>> small = quantize_for_decoding(model, params, "int8")
+        >>> type(small[model_lib.HEAD_TABLE]).__name__
+        'QuantizedTable'
+        >>> full, fewer = (model.apply({"params": p}, tokens) for p in (params, small))
+        >>> bool(jnp.abs(full - fewer).max() < 1e-3)
+        True
+    """
+    if model.tied:
+        table = quantize.quantize_unembedding(params["embed"]["embedding"], dtype)
+        return {**params, model_lib.HEAD_TABLE: table}
+    table = quantize.quantize_unembedding(params["head"]["unembedding"], dtype)
+    return {**params, "head": {**params["head"], "unembedding": table}}
+
+
+class GenerationTimings(NamedTuple):
+    """Wall-clock timings of one prompt's decoding, compiled programs only.
+
+    Attributes:
+        compile_seconds: the first (compiling) prefill, step and decoding
+            calls together.
+        prefill_ms: the prompt's pass, which fills the cache and gives the
+            first token's logits.
+        first_step_ms: one decoding step after it.
+        time_to_first_token_ms: ``prefill_ms + first_step_ms``.
+        ms_per_token: a ``new_tokens``-token decoding loop's time divided by
+            ``new_tokens`` (every row of the batch adds one token per step).
+        new_tokens: tokens that loop added per row.
+    """
+    compile_seconds: float
+    prefill_ms: float
+    first_step_ms: float
+    time_to_first_token_ms: float
+    ms_per_token: float
+    new_tokens: int
+
+
+def _milliseconds(fn, repeats: int) -> float:
+    """The median wall time of ``fn()`` in ms, its outputs waited for."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(1e3 * (time.perf_counter() - start))
+    return float(np.median(times))
+
+
+def time_generation(model: model_lib.DecoderLM, params: Any, prompt: Any, *,
+                    max_new_tokens: int, temperature: float = 1.0,
+                    top_k: int | None = None, top_p: float | None = None,
+                    key: jax.Array | None = None,
+                    repeats: int = 3) -> GenerationTimings:
+    """Times ``prompt``'s prefill, its first step and a decoding loop.
+
+    Each program runs once to compile (``compile_seconds``), then
+    ``repeats`` times; the medians are reported. Sampling knobs are
+    ``decoding.generate``'s.
+
+    Args:
+        prompt: ``int [B, T]`` token ids, ``T + max_new_tokens <= max_len``.
+        max_new_tokens: ``>= 1``, the loop's length.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> model = model_lib.DecoderLM(vocab_size=17, num_layers=1, num_heads=2,
+        ...                             d_model=8, mlp_dim=16, max_len=8)
+        >>> prompt = jnp.array([[1, 2, 3]])
+        >>> params = model.init(jax.random.key(0), prompt)["params"]
+        >>> t = time_generation(model, params, prompt, max_new_tokens=4, repeats=1)
+        >>> t.new_tokens, t.time_to_first_token_ms > 0, t.ms_per_token > 0
+        (4, True, True)
+    """
+    if max_new_tokens < 1 or repeats < 1:
+        raise ValueError(f"max_new_tokens and repeats must be >= 1; got "
+                         f"{max_new_tokens} and {repeats}.")
+    key = jax.random.key(0) if key is None else key
+    logits, cache = model_lib.prefill(model, params, prompt,
+                                      max_new_tokens=max_new_tokens)
+    step_fn = model_lib.make_step_fn(model)
+    first = jax.numpy.argmax(logits, axis=-1).astype(jax.numpy.int32)
+
+    def run_prefill():
+        return model_lib.prefill(model, params, prompt)
+
+    def run_step():
+        return step_fn(params, first, cache)
+
+    def run_loop():
+        return decoding.generate(step_fn, params, logits, cache, key=key,
+                                 max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_k=top_k, top_p=top_p)
+
+    start = time.perf_counter()
+    for fn in (run_prefill, run_step, run_loop):
+        jax.block_until_ready(fn())
+    compile_seconds = time.perf_counter() - start
+    prefill_ms = _milliseconds(run_prefill, repeats)
+    first_step_ms = _milliseconds(run_step, repeats)
+    return GenerationTimings(
+        compile_seconds=compile_seconds, prefill_ms=prefill_ms,
+        first_step_ms=first_step_ms,
+        time_to_first_token_ms=prefill_ms + first_step_ms,
+        ms_per_token=_milliseconds(run_loop, repeats) / max_new_tokens,
+        new_tokens=max_new_tokens)
+
+
+def timing_prompt(model: model_lib.DecoderLM, tokenizer: Any, prompt: str,
+                  num_samples: int, max_new_tokens: int) -> tuple[np.ndarray, int]:
+    """``(int32 [num_samples, C], n)``: ``prompt``'s ids cropped to the last
+    ``C <= max_len // 2`` (the context of :func:`generate_text`'s windows), one
+    row per sample, and the new tokens to time, ``min(max_new_tokens,
+    max_len - C)``: one window of :func:`generate_text`."""
+    ids = tokenizer.encode(prompt)[-(model.max_len // 2):]
+    if not ids:
+        raise ValueError("prompt must encode to at least one token.")
+    rows = np.tile(np.asarray(ids, np.int32), (num_samples, 1))
+    return rows, min(max_new_tokens, model.max_len - len(ids))
+
+
+def format_timings(t: GenerationTimings, batch_size: int) -> str:
+    """One line of :class:`GenerationTimings` for people."""
+    return (f"time to first token {t.time_to_first_token_ms:.2f} ms (prefill "
+            f"{t.prefill_ms:.2f} ms + first step {t.first_step_ms:.2f} ms), "
+            f"{t.ms_per_token:.3f} ms per new token over {t.new_tokens} tokens "
+            f"at batch {batch_size}; compiling took {t.compile_seconds:.2f} s")
+
+
+def write_samples(config, model, params, tokenizer, key, workdir) -> None:
+    """Writes ``config.sample``'s continuations to ``workdir/samples.txt`` and prints them."""
+    texts = generate_text(
+        model, params, tokenizer, config.sample.prompt, key=key,
+        num_samples=config.sample.num_samples,
+        max_new_tokens=config.sample.max_new_tokens,
+        temperature=config.sample.temperature, top_k=config.sample.top_k,
+        top_p=config.sample.top_p)
+    joined = SAMPLE_SEPARATOR.join(texts)
+    with open(os.path.join(workdir, "samples.txt"), "w", encoding="utf-8") as f:
+        f.write(joined + "\n")
+    print(joined, flush=True)

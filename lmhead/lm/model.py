@@ -1,0 +1,820 @@
+"""A small decoder-only Transformer whose output layer is ``modules.LMHead``.
+
+GPT-2 layout: token embedding plus positions (learned, or rotary), pre-LayerNorm
+blocks of causal self-attention and a GELU MLP, a final LayerNorm, then the
+head, tied to the embedding table or with an unembedding of its own.
+
+Decoding runs on an explicit key/value cache, :class:`DecodeCache`, every leaf
+of which has a leading batch axis. :func:`prefill` runs a prompt once and
+sends only each row's last position through the head; :func:`make_step_fn`
+gives the ``step_fn(params, tokens, cache) -> (logits, cache)`` the decoders
+call, with the ``repeat`` and ``reorder`` of rows that beam search uses,
+which move no keys or values: each row keeps a pointer per slot to the cache
+row that holds it (``DecodeCache.rows``), beams share the slots of their
+common prefix, and a reorder permutes the pointers.
+
+A step costs what the cache holds, not its capacity: attention reads the
+first ``S`` slots only, ``S`` the smallest of the spans 64, 128, 256, ...,
+``max_len`` that covers the longest row (:func:`attention_spans`), chosen by
+a ``lax.switch``. Each layer's cache is stored in pieces, one per span's
+growth (:func:`cache_segments`: 64, 64, 128, 256, ... slots), so that a span
+is a whole number of arrays that attention's matmuls read as they lie: on
+XLA:CPU, slicing a span out of one ``[B, H, max_len, Dh]`` array copies it
+at every step, which cost more than the attention itself.
+
+Each attention layer sows its softmax weights into the ``"intermediates"``
+collection, which :func:`attention_weights` reads; an ``apply`` that does not
+make that collection mutable neither keeps nor returns them.
+
+Parameter tree (``params``)::
+
+    embed/embedding          [V, D]      token table (the tied head's W)
+    position_embedding       [max_len, D]   only with positions="learned"
+    blocks_{i}/attention_norm, mlp_norm     LayerNorm scale, bias [D]
+    blocks_{i}/attention/qkv kernel [D, 3D], bias [3D]
+    blocks_{i}/attention/out kernel [D, D], bias [D]    (residual projection)
+    blocks_{i}/mlp_in        kernel [D, F], bias [F]
+    blocks_{i}/mlp_out       kernel [F, D], bias [D]    (residual projection)
+    final_norm               scale, bias [D]
+    head/...                 untied: unembedding [V, D]; bias [V] if head_bias
+    head_table               optional, tied only, inference only: the head's
+                             [V, D] table in place of embed/embedding (e.g. a
+                             quantize.QuantizedTable; see
+                             generation.quantize_for_decoding)
+
+With ``use_bias=False`` (nanoGPT's default) none of the blocks' or norms'
+``bias`` entries exist; the head's bias is ``head_bias``'s alone.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lmhead import _checks
+from lmhead import modules
+from lmhead.head import last_positions
+
+POSITIONS = ("learned", "rope")
+INIT_STD = 0.02
+# GPT-2's and nanoGPT's (PyTorch's default); Flax's own default is 1e-6.
+LAYER_NORM_EPSILON = 1e-5
+ROPE_BASE = 10000.0
+# Masked attention scores; finite so that a fully masked row cannot give NaN.
+NEG_INF = -1e30
+# The shortest span of cache slots that cached attention reads; the others
+# double up to max_len.
+MIN_SPAN = 64
+# The params entry of a tied model's inference-only head table.
+HEAD_TABLE = "head_table"
+
+
+class DecodeCache(NamedTuple):
+    """Key/value cache of a :class:`DecoderLM`; every leaf has leading axis B.
+
+    Attributes:
+        keys: ``num_layers`` tuples of arrays ``[B, H, n_j, Dh]`` (compute
+            dtype), the pieces of :func:`cache_segments` in order: each layer's
+            attention keys (rotated, with RoPE) at every position written so
+            far, slot ``s`` in the piece that covers it. Slots at or after
+            ``index[b]`` are unused. :func:`cached_keys_values` joins them.
+        values: the values, stored as ``keys``. Heads before slots, so that
+            attention's batched matmuls over ``(B, H)`` read the cache as it
+            lies, without a transpose of it.
+        index: ``int32[B]``: how many positions of row ``b`` are in the cache,
+            which is also the position of the row's next token.
+        rows: None (every row's slots are its own), or ``int32[B, max_len]``:
+            row ``b``'s key and value at slot ``s`` are those that cache row
+            ``rows[b, s]`` holds at slot ``s``. Beam search's reorder
+            (:func:`reorder_cache`) permutes these pointers instead of the
+            keys and values, so that beams share the slots of their common
+            prefix, as a tree. Slot ``s`` of a row is written once, when that
+            row is at position ``s``, and never changed after, so every
+            pointer stays valid.
+    """
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    index: jax.Array
+    rows: jax.Array | None = None
+
+
+def _rotate(x: jax.Array, positions: jax.Array) -> jax.Array:
+    r"""Rotary position embedding of ``x: [B, T, H, Dh]`` at ``positions: [B, T]``.
+
+    Pairs :math:`(x_i, x_{i + Dh/2})` turn by the angle
+    :math:`p \cdot \mathrm{base}^{-2i/Dh}` (Su et al., 2021).
+    """
+    half = x.shape[-1] // 2
+    frequencies = ROPE_BASE ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions[:, :, None, None].astype(jnp.float32) * frequencies
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    first, second = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    rotated = jnp.concatenate(
+        [first * cos - second * sin, first * sin + second * cos], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def _gelu(x: jax.Array) -> jax.Array:
+    r"""Exact GELU, :math:`\tfrac12 x\,(1 + \mathrm{erf}(x / \sqrt 2))`, in x's dtype.
+
+    The same function as ``jax.nn.gelu(x, approximate=False)``, which is
+    written with ``erfc(-x / sqrt 2)``; XLA's CPU ``erf`` is the cheaper of the
+    two. In float32 the two agree to within 1e-6 everywhere; for ``x < -4``,
+    where the exact value is below 1.3e-4, ``1 + erf`` loses its relative
+    precision but stays within 1e-6. It is evaluated in float32 because in
+    bfloat16 that cancellation would cost 3e-3 near ``x = -3``.
+    """
+    x32 = x.astype(jnp.float32)
+    return (0.5 * x32 * (1.0 + jax.lax.erf(x32 / math.sqrt(2.0)))).astype(x.dtype)
+
+
+def _layer_norm(use_bias: bool, dtype: Any, name: str | None = None) -> nn.LayerNorm:
+    return nn.LayerNorm(epsilon=LAYER_NORM_EPSILON, use_bias=use_bias, dtype=dtype,
+                        name=name)
+
+
+def _attention_weights(query: jax.Array, keys: tuple[jax.Array, ...],
+                       mask: jax.Array, keys_layout: str = "bshd") -> jax.Array:
+    """float32 softmax weights ``[B, H, T, S]`` of ``query [B, T, H, Dh]`` over
+    the concatenation of ``keys``, pieces ``[B, S_j, H, Dh]`` (or ``[B, H, S_j,
+    Dh]`` with ``keys_layout="bhsd"``), where ``mask: bool [B | 1, T, S]`` is
+    True."""
+    scores = jnp.concatenate(
+        [jnp.einsum(f"bthd,{keys_layout}->bhts", query, key,
+                    preferred_element_type=jnp.float32) for key in keys], axis=-1)
+    scores = jnp.where(mask[:, None], scores / math.sqrt(query.shape[-1]), NEG_INF)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def attention_spans(max_len: int) -> tuple[int, ...]:
+    """The cache lengths cached attention may read: ``MIN_SPAN`` doubling to ``max_len``.
+
+    Examples:
+        >>> attention_spans(1024), attention_spans(100), attention_spans(16)
+        ((64, 128, 256, 512, 1024), (64, 100), (16,))
+    """
+    spans = [min(MIN_SPAN, max_len)]
+    while spans[-1] < max_len:
+        spans.append(min(2 * spans[-1], max_len))
+    return tuple(spans)
+
+
+def cache_segments(max_len: int) -> tuple[int, ...]:
+    """The lengths of the pieces a layer's cache is stored in: the first
+    span, then what each next span adds (:func:`attention_spans`).
+
+    Examples:
+        >>> cache_segments(1024), cache_segments(100), cache_segments(16)
+        ((64, 64, 128, 256, 512), (64, 36), (16,))
+    """
+    spans = attention_spans(max_len)
+    return spans[:1] + tuple(b - a for a, b in zip(spans, spans[1:]))
+
+
+def _write_slots(pieces: tuple[jax.Array, ...], new: jax.Array,
+                 positions: jax.Array) -> tuple[jax.Array, ...]:
+    """``pieces`` (:func:`cache_segments`) with ``new [B, T, H, Dh]`` written
+    at slots ``positions [B, T]`` of each row; slots past the end are dropped.
+
+    Every piece gets a scatter, most of whose writes are dropped. Skipping
+    the pieces that no position falls in by a ``lax.cond`` saved a tenth of a
+    millisecond a step at batch 8, ``max_len`` 1024, but XLA copies a piece
+    in and out of a conditional, which cost more at batch 32."""
+    rows = jnp.arange(new.shape[0])[:, None]
+    written, start = [], 0
+    for piece in pieces:
+        size = piece.shape[2]
+        inside = (positions >= start) & (positions < start + size)
+        # Slot `size` is out of bounds: positions in other pieces are dropped.
+        local = jnp.where(inside, positions - start, size)
+        written.append(piece.at[rows, :, local].set(new, mode="drop"))
+        start += size
+    return tuple(written)
+
+
+def _gather_slots(piece: jax.Array, rows: jax.Array) -> jax.Array:
+    """``piece [M, H, S, Dh]`` read through slot pointers ``rows [B, S]``:
+    ``out[b, :, s] = piece[rows[b, s], :, s]``, ``[B, H, S, Dh]``."""
+    heads = jnp.arange(piece.shape[1])[None, :, None]
+    return piece[rows[:, None, :], heads, jnp.arange(piece.shape[2])]
+
+
+def _attend_filled(query: jax.Array, keys: tuple[jax.Array, ...],
+                   values: tuple[jax.Array, ...], rows: jax.Array | None,
+                   positions: jax.Array, dtype: Any) -> jax.Array:
+    """Attention of ``query [B, T, H, Dh]`` at ``positions [B, T]`` over the
+    cache slots ``<=`` each position: ``[B, T, H, Dh]``.
+
+    ``keys`` and ``values`` are one layer's pieces (:func:`cache_segments`);
+    with ``rows`` (see :class:`DecodeCache`) row ``b``'s slot ``s`` is read
+    from cache row ``rows[b, s]``. Only the first ``S`` slots are read, ``S``
+    the shortest span that holds the longest row: the first pieces, whole.
+    Length buckets rather than a loop over blocks with an online softmax
+    (flash decoding), chosen by measurement (experiments/bench_decode.py,
+    CPU): at the same filled length both keep the step's cost nearly flat in
+    ``max_len``, but the block loop pays its per-iteration overhead and
+    rescaling on every block and was the slower and less steady of the two. A
+    bucket is one plain softmax, the same arithmetic as the training path,
+    and reads at most twice the filled length.
+    """
+    sizes = [piece.shape[2] for piece in keys]
+    starts = np.cumsum([0] + sizes[:-1])
+
+    def read(pieces, j):
+        if rows is None:
+            return pieces[j]
+        # [B, H, n_j, Dh]: row b's own slots, wherever they lie.
+        return _gather_slots(pieces[j], rows[:, starts[j]:starts[j] + sizes[j]])
+
+    def attend(count):
+        def branch():
+            span = starts[count - 1] + sizes[count - 1]
+            visible = jnp.arange(span) <= positions[:, :, None]
+            weights = _attention_weights(
+                query, [read(keys, j) for j in range(count)], visible, "bhsd")
+            weights = weights.astype(dtype)
+            return sum(jnp.einsum("bhts,bhsd->bthd",
+                                  weights[..., starts[j]:starts[j] + sizes[j]],
+                                  read(values, j).astype(dtype))
+                       for j in range(count))
+        return branch
+
+    if len(sizes) == 1:
+        return attend(1)()
+    needed = jnp.max(positions) + 1
+    spans = jnp.asarray(starts[1:].tolist() + [starts[-1] + sizes[-1]])
+    which = jnp.minimum(jnp.searchsorted(spans, needed), len(sizes) - 1)
+    return jax.lax.switch(which, [attend(count) for count in range(1, len(sizes) + 1)])
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention over the sequence or over a key/value cache."""
+    num_heads: int
+    dropout_rate: float
+    residual_init_std: float
+    rope: bool
+    use_bias: bool
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x, positions, mask, cache, *, train):
+        """x: [B, T, D]; positions: int [B, T]; cache: None (keys are this
+        call's T positions, masked by mask: bool [B | 1, T, T]) or a layer's
+        (keys, values), each in pieces [B, H, n_j, Dh] (cache_segments), and
+        the cache's rows (see DecodeCache), into whose keys and values this
+        call writes its T positions and whose slots up to each query's
+        position it reads (mask unused). Returns ([B, T, D], the updated
+        (keys, values) or None).
+
+        Without a cache, the float32 softmax weights ``[B, H, T, T]`` (before
+        dropout) are sown as ``intermediates/attention_weights`` when that
+        collection is mutable (see :func:`attention_weights`)."""
+        batch, time, width = x.shape
+        head_dim = width // self.num_heads
+        qkv = nn.Dense(3 * width, use_bias=self.use_bias, dtype=self.dtype,
+                       kernel_init=nn.initializers.normal(INIT_STD), name="qkv")(x)
+        qkv = qkv.reshape(batch, time, 3, self.num_heads, head_dim)
+        query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        if self.rope:
+            query, key = _rotate(query, positions), _rotate(key, positions)
+        if cache is None:
+            weights = _attention_weights(query, [key], mask)
+            # A no-op unless "intermediates" is mutable: free when not asked for.
+            self.sow("intermediates", "attention_weights", weights)
+            weights = weights.astype(self.dtype)
+            weights = nn.Dropout(self.dropout_rate, deterministic=not train)(weights)
+            out = jnp.einsum("bhts,bshd->bthd", weights, value.astype(self.dtype))
+        else:
+            # Positions past the cache's end are dropped (see DecoderLM.extend).
+            keys, values, slot_rows = cache
+            cache = (_write_slots(keys, key, positions),
+                     _write_slots(values, value, positions))
+            out = _attend_filled(query, *cache, slot_rows, positions, self.dtype)
+        out = nn.Dense(width, use_bias=self.use_bias, dtype=self.dtype, name="out",
+                       kernel_init=nn.initializers.normal(self.residual_init_std))(
+                           out.reshape(batch, time, width))
+        return out, cache
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm Transformer block: x + attention(LN(x)), then x + MLP(LN(x))."""
+    num_heads: int
+    mlp_dim: int
+    dropout_rate: float
+    residual_init_std: float
+    rope: bool
+    use_bias: bool
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x, positions, mask, cache, *, train):
+        """Same arguments and results as CausalSelfAttention."""
+        dropout = nn.Dropout(self.dropout_rate, deterministic=not train)
+        attention = CausalSelfAttention(
+            num_heads=self.num_heads, dropout_rate=self.dropout_rate,
+            residual_init_std=self.residual_init_std, rope=self.rope,
+            use_bias=self.use_bias, dtype=self.dtype, name="attention")
+        y, cache = attention(_layer_norm(self.use_bias, self.dtype, "attention_norm")(x),
+                             positions, mask, cache, train=train)
+        x = x + dropout(y)
+        y = _layer_norm(self.use_bias, self.dtype, "mlp_norm")(x)
+        y = nn.Dense(self.mlp_dim, use_bias=self.use_bias, dtype=self.dtype,
+                     name="mlp_in", kernel_init=nn.initializers.normal(INIT_STD))(y)
+        y = nn.Dense(x.shape[-1], use_bias=self.use_bias, dtype=self.dtype,
+                     name="mlp_out",
+                     kernel_init=nn.initializers.normal(self.residual_init_std))(
+                         _gelu(y))
+        return x + dropout(y), cache
+
+
+class DecoderLM(nn.Module):
+    r"""Decoder-only Transformer language model with a tied or untied head.
+
+    Parameters are float32; ``dtype`` is the compute dtype of the matmuls,
+    LayerNorm outputs and the cache. The residual stream stays float32 and the
+    logits are float32 whatever ``dtype`` is. Init as in GPT-2: every weight
+    :math:`\mathcal N(0, 0.02^2)` except the two residual projections of each
+    block (``attention/out``, ``mlp_out``), :math:`\mathcal N(0, (0.02 /
+    \sqrt{2 L})^2)`, so that the residual stream's variance does not grow
+    with depth; biases 0, LayerNorm scales 1. LayerNorms use
+    :math:`\epsilon` = ``LAYER_NORM_EPSILON`` (1e-5, as GPT-2), the MLP the
+    exact (erf) GELU.
+
+    Attributes:
+        vocab_size: ``V``.
+        num_layers: ``L``, the number of blocks.
+        num_heads: ``H``; must divide ``d_model``.
+        d_model: ``D``, the width of the residual stream.
+        mlp_dim: ``F``, the MLP's hidden width.
+        max_len: the longest sequence, and the cache's length.
+        dropout_rate: on embeddings, attention weights and both residual
+            branches when ``train=True`` (rng name ``"dropout"``).
+        tied: the head uses the embedding table as its unembedding.
+        positions: ``"learned"`` (a ``[max_len, D]`` table added to the token
+            embeddings) or ``"rope"`` (queries and keys rotated, no table).
+        use_bias: biases in the attention and MLP dense layers and in every
+            LayerNorm (GPT-2); False drops them all, as nanoGPT's default
+            ``bias=False`` does. The head's bias is ``head_bias``.
+        head_bias, head_scale, logits_softcap: passed to ``modules.LMHead``
+            as ``use_bias``, ``scale``, ``softcap``.
+        dtype: compute dtype, e.g. ``jnp.float32`` or ``jnp.bfloat16``.
+
+    Token ids outside ``[0, V)`` raise ValueError outside ``jit``; inside
+    ``jit`` they look up NaN embeddings (``nn.Embed``'s rule), so the logits of
+    that row are NaN.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> model = DecoderLM(vocab_size=17, num_layers=1, num_heads=2,
+        ...                   d_model=8, mlp_dim=16, max_len=8)
+        >>> tokens = jnp.array([[1, 2, 3, 4]])
+        >>> params = model.init(jax.random.key(0), tokens)["params"]
+        >>> sum(x.size for x in jax.tree.leaves(params))
+        816
+        >>> model.apply({"params": params}, tokens).shape
+        (1, 4, 17)
+        >>> loss, metrics = model.apply({"params": params}, tokens[:, :-1],
+        ...                             tokens[:, 1:], method=DecoderLM.loss)
+        >>> bool(abs(loss - jnp.log(17.0)) < 0.3)  # near-uniform at init
+        True
+    """
+    vocab_size: int
+    num_layers: int = 4
+    num_heads: int = 4
+    d_model: int = 128
+    mlp_dim: int = 512
+    max_len: int = 64
+    dropout_rate: float = 0.0
+    tied: bool = True
+    positions: str = "learned"
+    use_bias: bool = True
+    head_bias: bool = False
+    head_scale: float | None = None
+    logits_softcap: float | None = None
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        self._check_config()
+        normal = nn.initializers.normal(INIT_STD)
+        self.embed = nn.Embed(self.vocab_size, self.d_model, embedding_init=normal)
+        if self.positions == "learned":
+            self.position_embedding = self.param(
+                "position_embedding", normal, (self.max_len, self.d_model))
+        residual_init_std = INIT_STD / math.sqrt(2 * self.num_layers)
+        self.blocks = [
+            Block(num_heads=self.num_heads, mlp_dim=self.mlp_dim,
+                  dropout_rate=self.dropout_rate, residual_init_std=residual_init_std,
+                  rope=self.positions == "rope", use_bias=self.use_bias,
+                  dtype=self.dtype)
+            for _ in range(self.num_layers)]
+        self.embed_dropout = nn.Dropout(self.dropout_rate)
+        self.final_norm = _layer_norm(self.use_bias, self.dtype)
+        self.head = modules.LMHead(
+            self.vocab_size, tied=self.tied, use_bias=self.head_bias,
+            scale=self.head_scale, softcap=self.logits_softcap, dtype=self.dtype)
+
+    def _check_config(self):
+        for name in ("vocab_size", "num_layers", "num_heads", "d_model", "mlp_dim",
+                     "max_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int; got {value!r}.")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"num_heads must divide d_model; got num_heads="
+                             f"{self.num_heads}, d_model={self.d_model}.")
+        _checks.check_choice("positions", self.positions, POSITIONS)
+        if self.positions == "rope" and (self.d_model // self.num_heads) % 2:
+            raise ValueError("positions='rope' needs an even head size d_model / "
+                             f"num_heads; got {self.d_model // self.num_heads}.")
+        _checks.check_in_range("dropout_rate", self.dropout_rate, low=0.0, high=1.0,
+                               high_open=True)
+        if not jnp.issubdtype(self.dtype, jnp.floating):
+            raise TypeError(f"dtype must be a floating dtype; got {self.dtype}.")
+
+    def _check_tokens(self, tokens) -> jax.Array:
+        _checks.check_integer("tokens", tokens)
+        _checks.check_rank("tokens", tokens, 2, "[B, T]")
+        _checks.check_in_range("tokens", tokens, low=0, high=self.vocab_size - 1)
+        if jnp.shape(tokens)[1] > self.max_len:
+            raise ValueError(f"tokens has {jnp.shape(tokens)[1]} positions but the "
+                             f"model's max_len is {self.max_len}.")
+        return jnp.asarray(tokens)
+
+    def _table(self) -> Any:
+        """The unembedding the head is given when tied: ``params[HEAD_TABLE]``
+        if present (a table for inference, see
+        ``generation.quantize_for_decoding``), else the embedding table.
+        None when untied (the head owns its own)."""
+        if not self.tied:
+            return None
+        if self.has_variable("params", HEAD_TABLE):
+            return self.get_variable("params", HEAD_TABLE)
+        return self.embed.embedding
+
+    def _body(self, tokens, positions, mask, caches, train):
+        """Embedding, blocks and final LayerNorm: ([B, T, D], new caches)."""
+        x = self.embed(tokens)
+        if self.positions == "learned":
+            # Clipped: a position past max_len only occurs past a full cache.
+            x = x + jnp.take(self.position_embedding, positions, axis=0, mode="clip")
+        x = self.embed_dropout(x, deterministic=not train)
+        new_caches = []
+        for block, cache in zip(self.blocks, caches):
+            x, cache = block(x, positions, mask, cache, train=train)
+            new_caches.append(cache)
+        return self.final_norm(x), new_caches
+
+    def hidden(self, tokens: jax.typing.ArrayLike, *, train: bool = False) -> jax.Array:
+        """Final hidden states ``h: [B, T, D]`` (after the final LayerNorm) of
+        ``tokens: int [B, T]``, ``T <= max_len``; causal: ``h[:, t]`` depends
+        on ``tokens[:, :t + 1]`` only."""
+        tokens = self._check_tokens(tokens)
+        time = tokens.shape[1]
+        positions = jnp.broadcast_to(jnp.arange(time), tokens.shape)
+        causal = jnp.tril(jnp.ones((1, time, time), bool))
+        h, _ = self._body(tokens, positions, causal, [None] * self.num_layers, train)
+        return h
+
+    def __call__(self, tokens: jax.typing.ArrayLike, *, train: bool = False
+                 ) -> jax.Array:
+        """Next-token logits ``float32 [B, T, V]`` for ``tokens: int [B, T]``."""
+        return self.head(self.hidden(tokens, train=train), self._table())
+
+    def loss(self, tokens: jax.typing.ArrayLike, labels: jax.typing.ArrayLike,
+             weights: jax.typing.ArrayLike | None = None, *, train: bool = False,
+             **loss_kwargs) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """``LMHead.loss`` of the hidden states of ``tokens: int [B, T]``.
+
+        ``labels: int [B, T]``, ``weights: [B, T]`` or None; ``loss_kwargs``
+        are ``LMHead.loss``'s keywords (``loss_impl``, ``label_smoothing``,
+        ``smoothing``, ``z_loss``, ``chunk_size``). Returns (loss, metrics) as
+        ``losses.cross_entropy`` does.
+        """
+        h = self.hidden(tokens, train=train)
+        return self.head.loss(h, labels, self._table(), weights=weights, **loss_kwargs)
+
+    def extend(self, tokens: jax.Array, cache: DecodeCache, lengths: jax.Array
+               ) -> tuple[jax.Array, DecodeCache]:
+        """Appends ``lengths[b]`` tokens to row ``b`` of the cache.
+
+        Args:
+            tokens: ``int [B, T]``, right-padded: row ``b``'s new tokens are
+                ``tokens[b, :lengths[b]]``; they take positions
+                ``cache.index[b]`` onwards.
+            cache: a :class:`DecodeCache` for ``B`` rows.
+            lengths: ``int32 [B]`` in ``[1, T]``.
+
+        Returns:
+            ``float32 [B, V]`` next-token logits after each row's last new token
+            (only that position goes through the head), and the cache with
+            ``index + lengths``. Keys and values of the padding are written
+            after a row's end, where nothing reads them before they are
+            overwritten. Positions at or past ``max_len`` are not stored and
+            their logits are meaningless; :func:`prefill` refuses requests that
+            would get there.
+        """
+        batch, time = tokens.shape
+        positions = cache.index[:, None] + jnp.arange(time, dtype=jnp.int32)
+        rows = cache.rows
+        if rows is not None:
+            # The slots written now are the row's own.
+            own = jnp.arange(batch, dtype=jnp.int32)[:, None]
+            rows = rows.at[own, positions].set(
+                jnp.broadcast_to(own, positions.shape), mode="drop")
+        h, kv = self._body(tokens, positions, None,
+                           [(k, v, rows) for k, v in zip(cache.keys, cache.values)],
+                           train=False)
+        logits = self.head(last_positions(h, lengths), self._table())
+        return logits, DecodeCache(keys=tuple(k for k, _ in kv),
+                                   values=tuple(v for _, v in kv),
+                                   index=cache.index + lengths, rows=rows)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_sown(model, params, tokens):
+    _, state = model.apply({"params": params}, tokens, mutable=["intermediates"])
+    return state["intermediates"]
+
+
+def attention_weights(model: DecoderLM, params: Any,
+                      tokens: jax.typing.ArrayLike) -> tuple[jax.Array, ...]:
+    r"""Each layer's attention weights for ``tokens: int [B, T]``.
+
+    Row ``t`` of head ``h`` is the softmax over the positions ``s <= t``,
+    :math:`\mathrm{softmax}_s(q_t \cdot k_s / \sqrt{D_h})`, the weights of
+    the values that the head mixes at position ``t``; above the diagonal it
+    is 0. They are what :class:`CausalSelfAttention` sows into the
+    ``"intermediates"`` collection: an ``apply`` that does not make that
+    collection mutable computes and keeps nothing extra.
+
+    Returns:
+        ``num_layers`` arrays ``float32 [B, H, T, T]`` (query, key).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> model = DecoderLM(vocab_size=17, num_layers=2, num_heads=2,
+        ...                   d_model=8, mlp_dim=16, max_len=8)
+        >>> tokens = jnp.array([[1, 2, 3, 4]])
+        >>> params = model.init(jax.random.key(0), tokens)["params"]
+        >>> maps = attention_weights(model, params, tokens)
+        >>> len(maps), maps[0].shape, maps[0][0, 0, 0]
+        (2, (1, 2, 4, 4), Array([1., 0., 0., 0.], dtype=float32))
+    """
+    sown = _jit_sown(model, params, jnp.asarray(tokens))
+    return tuple(sown[f"blocks_{i}"]["attention"]["attention_weights"][0]
+                 for i in range(model.num_layers))
+
+
+def init_cache(model: DecoderLM, batch_size: int) -> DecodeCache:
+    """An empty :class:`DecodeCache` for ``batch_size`` rows (zeros, index 0,
+    every row's slots its own).
+
+    Examples:
+        >>> cache = init_cache(DecoderLM(vocab_size=17, num_layers=2, max_len=256), 3)
+        >>> len(cache.keys), [piece.shape for piece in cache.keys[0]]
+        (2, [(3, 4, 64, 32), (3, 4, 64, 32), (3, 4, 128, 32)])
+        >>> cache.index, cache.rows
+        (Array([0, 0, 0], dtype=int32), None)
+    """
+    head_dim = model.d_model // model.num_heads
+    # Distinct arrays for keys and values, so that the cache can be donated.
+    layers = lambda: tuple(
+        tuple(jnp.zeros((batch_size, model.num_heads, size, head_dim), model.dtype)
+              for size in cache_segments(model.max_len))
+        for _ in range(model.num_layers))
+    return DecodeCache(keys=layers(), values=layers(),
+                       index=jnp.zeros((batch_size,), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_extend(model, params, tokens, cache, lengths):
+    return model.apply({"params": params}, tokens, cache, lengths,
+                       method=DecoderLM.extend)
+
+
+def prefill(model: DecoderLM, params: Any, prompt: jax.typing.ArrayLike,
+            lengths: jax.typing.ArrayLike | None = None, *,
+            max_new_tokens: int | None = None) -> tuple[jax.Array, DecodeCache]:
+    """Runs a prompt once: the next-token logits and the filled cache.
+
+    Only each row's last real position goes through the head, so the head
+    costs ``[B, V]``, not ``[B, T, V]``.
+
+    Args:
+        model: the :class:`DecoderLM`.
+        params: its ``"params"`` collection.
+        prompt: ``int [B, T]``, ``1 <= T <= max_len``, right-padded when
+            ``lengths`` is given.
+        lengths: ``int [B]`` in ``[1, T]``, the real length of each row (each
+            row then continues from its own length); None means all ``T``.
+        max_new_tokens: if given, checks that ``max(lengths) +
+            max_new_tokens <= max_len``, so that every generated token fits in
+            the cache.
+
+    Returns:
+        ``float32 [B, V]`` logits of the token after each prompt, and a
+        :class:`DecodeCache` with ``index == lengths``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> model = DecoderLM(vocab_size=17, num_layers=1, num_heads=2,
+        ...                   d_model=8, mlp_dim=16, max_len=8)
+        >>> prompt = jnp.array([[1, 2, 3], [4, 5, 0]])
+        >>> params = model.init(jax.random.key(0), prompt)["params"]
+        >>> logits, cache = prefill(model, params, prompt, jnp.array([3, 2]))
+        >>> logits.shape, cache.index
+        ((2, 17), Array([3, 2], dtype=int32))
+        >>> full = model.apply({"params": params}, prompt[1:, :2])
+        >>> bool(jnp.allclose(logits[1], full[0, -1], atol=1e-6))
+        True
+        >>> prefill(model, params, prompt, max_new_tokens=6)
+        Traceback (most recent call last):
+        ...
+        ValueError: prompt length 3 + max_new_tokens 6 = 9 exceeds the model's max_len 8.
+    """
+    _checks.check_integer("prompt", prompt)
+    _checks.check_rank("prompt", prompt, 2, "[B, T]")
+    _checks.check_in_range("prompt", prompt, low=0, high=model.vocab_size - 1)
+    batch, time = jnp.shape(prompt)
+    if not 1 <= time <= model.max_len:
+        raise ValueError(f"prompt must have 1 to max_len={model.max_len} positions; "
+                         f"got shape {jnp.shape(prompt)}.")
+    if lengths is None:
+        lengths = jnp.full((batch,), time, jnp.int32)
+    _checks.check_integer("lengths", lengths)
+    if jnp.shape(lengths) != (batch,):
+        raise ValueError(f"lengths must have shape [B] = ({batch},); got "
+                         f"{jnp.shape(lengths)}.")
+    _checks.check_in_range("lengths", lengths, low=1, high=time)
+    if max_new_tokens is not None:
+        longest = time if _checks.is_traced(lengths) else int(np.max(lengths))
+        if longest + max_new_tokens > model.max_len:
+            raise ValueError(
+                f"prompt length {longest} + max_new_tokens {max_new_tokens} = "
+                f"{longest + max_new_tokens} exceeds the model's max_len "
+                f"{model.max_len}.")
+    return _jit_extend(model, params, jnp.asarray(prompt, jnp.int32),
+                   init_cache(model, batch), jnp.asarray(lengths, jnp.int32))
+
+
+def _own_rows(cache: DecodeCache) -> jax.Array:
+    """``cache.rows``, or the pointers of a cache whose every row owns its slots."""
+    if cache.rows is not None:
+        return cache.rows
+    batch, max_len = cache.index.shape[0], sum(p.shape[2] for p in cache.keys[0])
+    return jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None],
+                            (batch, max_len))
+
+
+def reorder_cache(cache: DecodeCache, rows: jax.Array) -> DecodeCache:
+    """The cache with its rows reordered: row ``i`` continues row ``rows[i]``.
+
+    Beam search's reorder. No key or value moves: row ``i`` takes row
+    ``rows[i]``'s ``index`` and slot pointers (:attr:`DecodeCache.rows`,
+    made if the cache has none), so a step costs ``M * max_len`` integers,
+    not the cache's floats, and beams share the slots of their common prefix.
+    Row ``i``'s next tokens are written into its own slots from
+    ``index[rows[i]]`` on, which is safe when each row continues a row of its
+    own length, ``index[rows] == index`` (as in beam search, where a prompt's
+    beams all have the same length): no other row points at those slots yet.
+    This is checked outside ``jit``. :func:`cached_keys_values` reads the
+    result as a plainly reordered cache.
+
+    Args:
+        cache: a :class:`DecodeCache` of ``M`` rows.
+        rows: ``int32 [M]``, the row each new row continues.
+
+    Examples:
+        >>> model = DecoderLM(vocab_size=17, num_layers=1, d_model=8, num_heads=2,
+        ...                   max_len=8)
+        >>> cache = init_cache(model, 2)._replace(index=jnp.array([3, 3]))
+        >>> cache = cache._replace(keys=((cache.keys[0][0].at[0].set(1.0),),))
+        >>> moved = reorder_cache(cache, jnp.array([0, 0]))
+        >>> moved.index, moved.rows[:, :4]
+        (Array([3, 3], dtype=int32), Array([[0, 0, 0, 0],
+               [0, 0, 0, 0]], dtype=int32))
+        >>> keys, _ = cached_keys_values(moved)
+        >>> keys[0][:, 0, :3, 0]
+        Array([[1., 1., 1.],
+               [1., 1., 1.]], dtype=float32)
+    """
+    if not _checks.is_traced(cache.index) and not _checks.is_traced(rows):
+        index, order = np.asarray(cache.index), np.asarray(rows)
+        if np.any(index[order] != index):
+            raise ValueError("rows must map each row to a row of the same length "
+                             f"(index[rows] == index); got index {index} and "
+                             f"rows {order}.")
+    return cache._replace(index=jnp.take(cache.index, rows),
+                          rows=jnp.take(_own_rows(cache), rows, axis=0))
+
+
+def repeat_cache(cache: DecodeCache, repeats: int) -> DecodeCache:
+    """Each row repeated ``repeats`` times: row ``b * repeats + k`` continues row ``b``.
+
+    A cache without pointers (``rows`` None) is copied, row by row. With
+    pointers, the copies share their prefix instead: keys and values are
+    written once, into row ``b * repeats``, every copy's pointers lead there,
+    and the other rows start empty, for the slots each copy will write.
+    Sampling's ``num_samples`` and beam search use it (through
+    :class:`DecodeStep`'s ``repeat``; beam search adds pointers first).
+
+    Examples:
+        >>> cache = init_cache(DecoderLM(vocab_size=17, num_layers=1, max_len=4), 2)
+        >>> cache = cache._replace(index=jnp.array([1, 2]))
+        >>> repeat_cache(cache, 2).index
+        Array([1, 1, 2, 2], dtype=int32)
+        >>> repeat_cache(reorder_cache(cache, jnp.arange(2)), 2).rows
+        Array([[0, 0, 0, 0],
+               [0, 0, 0, 0],
+               [2, 2, 2, 2],
+               [2, 2, 2, 2]], dtype=int32)
+    """
+    if not isinstance(repeats, (int, np.integer)) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1; got {repeats!r}.")
+    if cache.rows is None:
+        return jax.tree.map(lambda x: jnp.repeat(x, repeats, axis=0), cache)
+
+    def spread(x):
+        empty = jnp.zeros((x.shape[0], repeats - 1) + x.shape[1:], x.dtype)
+        both = jnp.concatenate([x[:, None], empty], axis=1)
+        return both.reshape((x.shape[0] * repeats,) + x.shape[1:])
+    return DecodeCache(keys=jax.tree.map(spread, cache.keys),
+                       values=jax.tree.map(spread, cache.values),
+                       index=jnp.repeat(cache.index, repeats),
+                       rows=jnp.repeat(cache.rows, repeats, axis=0) * repeats)
+
+
+def cached_keys_values(cache: DecodeCache) -> tuple[tuple[jax.Array, ...],
+                                                    tuple[jax.Array, ...]]:
+    """Each row's keys and values, pieces joined and pointers resolved.
+
+    ``keys[l][b, :, s]`` is the key that attention reads for row ``b`` at
+    slot ``s``: slot ``s`` of cache row ``cache.rows[b, s]`` (of row ``b``
+    without pointers); the same of the values. Slots at or after ``index[b]``
+    hold whatever is stored there.
+
+    Returns:
+        ``(keys, values)``, each ``num_layers`` arrays ``[B, H, max_len, Dh]``.
+
+    Examples:
+        >>> cache = init_cache(DecoderLM(vocab_size=17, num_layers=1, max_len=128), 2)
+        >>> keys, values = cached_keys_values(cache)
+        >>> keys[0].shape
+        (2, 4, 128, 32)
+    """
+    rows = _own_rows(cache)
+    resolve = lambda pieces: _gather_slots(jnp.concatenate(pieces, axis=2), rows)
+    return (tuple(map(resolve, cache.keys)), tuple(map(resolve, cache.values)))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStep:
+    """The decoders' ``step_fn`` for a :class:`DecoderLM`; see :func:`make_step_fn`."""
+    model: DecoderLM
+
+    def __call__(self, params: Any, tokens: jax.Array,
+                 cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
+        _checks.check_integer("tokens", tokens)
+        _checks.check_rank("tokens", tokens, 1, "[B]")
+        tokens = jnp.asarray(tokens, jnp.int32)
+        return _jit_extend(self.model, params, tokens[:, None], cache,
+                           jnp.ones_like(tokens))
+
+    def reorder(self, cache: DecodeCache, rows: jax.Array) -> DecodeCache:
+        return reorder_cache(cache, rows)
+
+    def repeat(self, cache: DecodeCache, repeats: int) -> DecodeCache:
+        return repeat_cache(cache, repeats)
+
+
+def make_step_fn(model: DecoderLM) -> DecodeStep:
+    """The decoders' ``step_fn(params, tokens: int [B], cache) -> (float32 [B, V], cache)``.
+
+    Feeds one token per row at position ``cache.index`` and sends that one
+    position through the head. ``params`` is an argument, so one compiled
+    decoding loop serves every parameter set; steps of equal models are equal
+    (a frozen dataclass), so they share compilations too. ``cache`` may have
+    any number of rows (beam search repeats it with ``step_fn.repeat``,
+    :func:`repeat_cache`, then reorders it with ``step_fn.reorder``,
+    :func:`reorder_cache`). A row must not step past
+    ``max_len`` (see :meth:`DecoderLM.extend`; :func:`prefill`'s
+    ``max_new_tokens`` checks it).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> model = DecoderLM(vocab_size=17, num_layers=1, num_heads=2,
+        ...                   d_model=8, mlp_dim=16, max_len=8)
+        >>> tokens = jnp.array([[1, 2, 3, 4]])
+        >>> params = model.init(jax.random.key(0), tokens)["params"]
+        >>> logits, cache = prefill(model, params, tokens[:, :3])
+        >>> logits, cache = make_step_fn(model)(params, tokens[:, 3], cache)
+        >>> full = model.apply({"params": params}, tokens)
+        >>> bool(jnp.allclose(logits, full[:, -1], atol=1e-6)), cache.index
+        (True, Array([4], dtype=int32))
+    """
+    return DecodeStep(model)

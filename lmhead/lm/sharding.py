@@ -1,0 +1,287 @@
+r"""Device meshes and shardings: data- and vocabulary-parallel training.
+
+One mesh with two axes, built from ``config.mesh``:
+
+- ``"data"``: the batch is split over it; XLA sums the gradients over it.
+- ``"model"``: the vocabulary axis of the ``[V, D]`` tables -- the input
+  embedding (which is the unembedding when tied), the untied unembedding and
+  the head's bias -- is split over it, as in Megatron-LM.
+
+Everything else is replicated, by a small table of rules (:data:`PARAM_RULES`,
+regular expressions on a leaf's path). The rules match the *end* of a path,
+and optax keeps each moment (Adam's ``mu`` and ``nu``) as a copy of the
+parameter tree, so applying the same rules to the whole train state shards
+the optimizer state like its parameters.
+
+With the tables split over ``"model"``, the loss is
+:func:`lmhead.vocab_parallel.vocab_parallel_cross_entropy`, which never holds
+the ``[N, V]`` logits or the whole table on one device.
+
+Several hosts: :func:`initialize_distributed` starts ``jax.distributed``;
+every process then sees the same global mesh, builds the same global batch
+(a pure function of the seed and the step) and hands its own rows to
+:func:`shard_batch`; orbax saves and restores the sharded arrays, and
+:func:`is_main_process` says who writes logs.
+"""
+
+import functools
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from lmhead.vocab_parallel import DATA_AXIS, MODEL_AXIS
+
+# (regex searched in a leaf's "/"-joined path, spec); the first match wins and
+# a leaf that matches nothing is replicated. ``$`` anchors each rule at the
+# end of the path, so "params/embed/embedding" and Adam's
+# "opt_state/.../mu/embed/embedding" get the same spec.
+PARAM_RULES = (
+    (r"(^|/)embed/embedding$", P(MODEL_AXIS, None)),
+    (r"(^|/)head/unembedding$", P(MODEL_AXIS, None)),
+    (r"(^|/)head/bias$", P(MODEL_AXIS)),
+)
+
+Rules = Sequence[tuple[str, P]]
+
+
+def make_mesh(data: int = -1, model: int = 1, *,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ``("data", "model")`` mesh over all devices (of every process).
+
+    Args:
+        data: devices along the batch; ``-1`` means all that ``model`` leaves.
+        model: devices along the vocabulary; ``-1`` means all that ``data``
+            leaves.
+        devices: default ``jax.devices()``.
+
+    Returns:
+        A ``Mesh`` of shape ``(data, model)`` whose axes are ``Auto`` (XLA
+        partitions what the shardings do not say).
+
+    Raises:
+        ValueError: unless ``data * model`` equals the number of devices.
+
+    Examples:
+        >>> dict(make_mesh(-1, 1).shape)
+        {'data': 1, 'model': 1}
+    """
+    devices = jax.devices() if devices is None else list(devices)
+    count = len(devices)
+    for name, size in (("data", data), ("model", model)):
+        if isinstance(size, bool) or not isinstance(size, int) or (
+                size < 1 and size != -1):
+            raise ValueError(f"mesh.{name} must be a positive integer or -1; "
+                             f"got {size!r}.")
+    if data == -1 and model == -1:
+        raise ValueError("mesh.data and mesh.model cannot both be -1.")
+    if -1 in (data, model):
+        name, known = ("model", model) if data == -1 else ("data", data)
+        if count % known:
+            raise ValueError(f"mesh.{name} = {known} does not divide the "
+                             f"{count} devices.")
+        data, model = (count // known, model) if data == -1 else (
+            data, count // known)
+    if data * model != count:
+        raise ValueError(
+            f"mesh.data * mesh.model must equal the number of devices, {count};"
+            f" got {data} x {model} = {data * model}.")
+    return jax.make_mesh((data, model), (DATA_AXIS, MODEL_AXIS),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=devices)
+
+
+def leaf_path(path: Sequence[Any]) -> str:
+    """``"params/embed/embedding"`` for a ``jax.tree_util`` key path."""
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+
+
+def partition_specs(tree: Any, rules: Rules = PARAM_RULES) -> Any:
+    """The ``PartitionSpec`` of every leaf of ``tree`` by the first rule that
+    matches its path; ``P()`` (replicated) when none does.
+
+    Raises:
+        ValueError: when a rule's spec has more axes than the leaf.
+
+    Examples:
+        >>> tree = {"embed": {"embedding": np.zeros((8, 4))},
+        ...         "mlp": {"kernel": np.zeros((4, 4))}}
+        >>> partition_specs(tree)
+        {'embed': {'embedding': P('model', None)}, 'mlp': {'kernel': P()}}
+    """
+    compiled = [(re.compile(pattern), spec) for pattern, spec in rules]
+
+    def spec_of(path, leaf):
+        name = leaf_path(path)
+        spec = next((s for r, s in compiled if r.search(name)), P())
+        if len(spec) > np.ndim(leaf):
+            raise ValueError(f"The rule for {name!r} gives {spec}, but the leaf"
+                             f" has shape {np.shape(leaf)}.")
+        return spec
+
+    return jax.tree_util.tree_map_with_path(spec_of, tree)
+
+
+def tree_shardings(tree: Any, mesh: Mesh, rules: Rules = PARAM_RULES) -> Any:
+    """``NamedSharding`` of every leaf of ``tree`` (params, a train state, or
+    their ``jax.eval_shape``), by :func:`partition_specs`.
+
+    Raises:
+        ValueError: naming the leaf, when a sharded dimension is not divisible
+            by its mesh axes (e.g. a vocabulary of 84 over ``model=8``).
+
+    Examples:
+        >>> mesh = make_mesh()
+        >>> tree_shardings({"head": {"bias": np.zeros(6)}}, mesh)["head"]["bias"].spec
+        P('model',)
+    """
+    def sharding_of(path, leaf, spec):
+        for dim, axes in enumerate(spec):
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+            ways = math.prod(mesh.shape[a] for a in axes)
+            if np.shape(leaf)[dim] % ways:
+                raise ValueError(
+                    f"{leaf_path(path)} has shape {np.shape(leaf)}; dimension "
+                    f"{dim} ({np.shape(leaf)[dim]}) must be divisible by mesh "
+                    f"axes {axes} of size {ways}. For the vocabulary, choose "
+                    "mesh.model dividing the vocabulary size (or a BPE "
+                    "data.vocab_size that is a multiple of it).")
+        return NamedSharding(mesh, spec)
+
+    specs = partition_specs(tree, rules)
+    return jax.tree_util.tree_map_with_path(sharding_of, tree, specs)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (batch) axis split over ``"data"``, the rest replicated."""
+    return NamedSharding(mesh, P(DATA_AXIS))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """The same value on every device of ``mesh``."""
+    return NamedSharding(mesh, P())
+
+
+def process_rows(batch_size: int, mesh: Mesh) -> np.ndarray:
+    """The rows of a ``[batch_size, ...]`` global batch that this process's
+    devices hold, in order (all of them on one host).
+
+    Raises:
+        ValueError: unless ``"data"`` divides ``batch_size``.
+
+    Examples:
+        >>> process_rows(4, make_mesh())
+        array([0, 1, 2, 3])
+    """
+    ways = mesh.shape[DATA_AXIS]
+    if batch_size % ways:
+        raise ValueError(
+            f"The batch size ({batch_size}) must be divisible by the mesh's "
+            f"data axis ({ways}); set config.train.batch_size to a multiple "
+            "of config.mesh.data.")
+    indices = batch_sharding(mesh).addressable_devices_indices_map(
+        (batch_size,)).values()
+    return np.unique(np.concatenate(
+        [np.arange(batch_size)[index[0]] for index in indices]))
+
+
+def shard_batch(batch: Any, mesh: Mesh) -> Any:
+    """Global arrays split over ``"data"`` from the global batch on the host.
+
+    Every process passes the same global batch (``[B, ...]`` numpy leaves);
+    each keeps only :func:`process_rows` and sends them to its own devices.
+
+    Examples:
+        >>> x = shard_batch({"inputs": np.zeros((4, 3), np.int32)}, make_mesh())
+        >>> x["inputs"].shape, x["inputs"].sharding.spec
+        ((4, 3), P('data',))
+    """
+    sharding = batch_sharding(mesh)
+
+    def put(x):
+        x = np.asarray(x)
+        rows = process_rows(x.shape[0], mesh)
+        return jax.make_array_from_process_local_data(sharding, x[rows],
+                                                      x.shape)
+
+    return jax.tree.map(put, batch)
+
+
+def replicate(tree: Any, mesh: Mesh) -> Any:
+    """Global replicated arrays (PRNG keys included) from values that every
+    process holds.
+
+    Examples:
+        >>> replicate(jax.random.key(0), make_mesh()).sharding.spec
+        P()
+    """
+    sharding = replicated(mesh)
+
+    def put(x):
+        if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(put(jax.random.key_data(x)),
+                                            impl=jax.random.key_impl(x))
+        x = np.asarray(x)
+        return jax.make_array_from_process_local_data(sharding, x, x.shape)
+
+    return jax.tree.map(put, tree)
+
+
+def is_main_process() -> bool:
+    """True on process 0, the one that writes logs, summaries and samples."""
+    return jax.process_index() == 0
+
+
+def main_process_first(fn: Callable[[], Any]) -> Any:
+    """Runs ``fn`` on process 0, then on the others once it has returned.
+
+    For work that fills a cache on a shared disk (the tokenizer and encoded
+    corpus in the workdir): the others then read what process 0 wrote.
+    """
+    if jax.process_count() == 1:
+        return fn()
+    if is_main_process():
+        result = fn()
+    multihost_utils.sync_global_devices("lmhead: main process first")
+    if not is_main_process():
+        result = fn()
+    return result
+
+
+def to_host(tree: Any) -> Any:
+    """Whole numpy copies of global (sharded, multi-process) arrays, on every
+    process; every process must call it."""
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def abstract_state(tree: Any, shardings: Any) -> Any:
+    """``jax.ShapeDtypeStruct`` leaves that carry ``shardings``: the target
+    that orbax restores a checkpoint onto, whatever mesh wrote it."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        tree, shardings)
+
+
+def initialize_distributed(coordinator_address: str | None = None,
+                           num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
+    """``jax.distributed.initialize`` for a run over several processes.
+
+    With no arguments, JAX detects the cluster (Cloud TPU, SLURM, Open MPI);
+    elsewhere give all three, the same address on every process. Call it
+    before anything else touches JAX.
+    """
+    given = [x is not None for x in (coordinator_address, num_processes,
+                                     process_id)]
+    if any(given) and not all(given):
+        raise ValueError(
+            "coordinator_address, num_processes and process_id go together: "
+            "give all three, or none to detect the cluster.")
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)

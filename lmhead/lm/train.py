@@ -1,0 +1,452 @@
+"""Training and evaluation of a ``DecoderLM``: one loop, driven by a config.
+
+``train_and_evaluate(config, workdir)`` reads and encodes the corpus, builds
+the model and an AdamW optimizer, resumes from the newest checkpoint in
+``workdir`` if there is one, trains, evaluates, checkpoints, and ends with
+decoded samples. ``train_step`` and ``eval_step`` are pure functions;
+:func:`compile_steps` is the one place that jits them; ``lmhead.lm.evaluation``
+reduces ``eval_step`` over fixed evaluation sets.
+
+A run's workdir holds ``config.json``, ``tokenizer.json``, ``tokens.npz``,
+``checkpoints/`` (orbax), ``best_checkpoint/`` (with ``train.patience``),
+``metrics.jsonl``, TensorBoard events, ``samples.txt`` and, once the run has
+finished, ``summary.json``.
+
+Evaluation. Periodic evaluations use a fixed subset of validation windows
+(``train.eval_batches``; None: all of them) and report the standard error
+of the loss over windows, and optionally the same metrics on fixed training
+windows (``train.eval_train_batches``, ``train_eval/...``) for the
+train-validation gap. ``train.patience`` stops the run after that many
+evaluations without a lower ``eval/loss`` and keeps the best one's state.
+With ``train.test_eval`` the whole test split is read and evaluated once,
+after training, with the best (or last) parameters. Bits per character are
+the summed nats over (ln 2 times the characters the evaluated tokens decode
+to), the same computation for every tokenizer. The batch
+and the dropout key of step ``s`` depend only on ``(seed, s)``, so a
+checkpoint's step is the whole data position: a resumed run continues
+exactly as an uninterrupted one would have.
+
+Reliability. A workdir is resumed only by the config that made it, up to
+the keys in ``configuration.RESUMABLE_CHANGES``
+(:func:`configuration.check_resumable`). A checkpoint that does not restore
+is set aside with a warning and the previous one is used
+(``state.restore_or_init``, ``lmhead.lm.checkpoints``). A non-finite loss,
+gradient norm or parameter stops the run before it saves
+(``config.train.stop_on_nonfinite``, :func:`checkpoints.check_finite`), and
+SIGTERM saves a checkpoint at the next step boundary and raises
+:class:`preemption.Preempted`. ``lmhead.lm.monitoring`` writes the metrics,
+step timings, memory and the summary.
+
+Determinism. On CPU, the same config and seed give bitwise-identical
+metrics and parameters, run to run and across a kill and resume. On GPU,
+XLA may choose different reduction orders (atomics in scatter-adds such as
+the embedding gradient, autotuned matmul and fused-reduction kernels), so
+two runs agree to rounding only; ``XLA_FLAGS=--xla_gpu_deterministic_ops=true``
+asks for deterministic kernels at some cost in speed. A resume is exact on
+any platform only up to the same caveat.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+
+from lmhead.lm import checkpoints
+from lmhead.lm import configuration
+from lmhead.lm import data
+from lmhead.lm import evaluation
+from lmhead.lm import generation
+from lmhead import losses
+from lmhead.lm import model as model_lib
+from lmhead.lm import monitoring
+from lmhead.lm import preemption
+from lmhead.lm import sharding
+from lmhead.lm import state as state_lib
+from lmhead.lm import versions
+
+
+
+
+def loss_keywords(loss_config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """``DecoderLM.loss`` keywords of ``config.loss`` (chunk_size only if set)."""
+    keywords = loss_config.to_dict()
+    if keywords["chunk_size"] is None:
+        del keywords["chunk_size"]
+    return keywords
+
+
+def train_loss(params: Any, batch: dict[str, jax.Array], key: jax.Array, *,
+               model: model_lib.DecoderLM, loss_kwargs: dict[str, Any]
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The objective that ``train_step`` differentiates: ``DecoderLM.loss``
+    of ``batch`` with ``train=True`` and dropout key ``key``. Returns the
+    loss and ``{"nll", "accuracy"}``."""
+    loss, metrics = model.apply(
+        {"params": params}, batch["inputs"], batch["labels"], train=True,
+        rngs={"dropout": key}, method=model_lib.DecoderLM.loss, **loss_kwargs)
+    return loss, {"nll": metrics["nll"], "accuracy": metrics["accuracy"]}
+
+
+def train_step(state: state_lib.TrainState, batch: dict[str, jax.Array], key: jax.Array,
+               *, model: model_lib.DecoderLM, loss_kwargs: dict[str, Any],
+               learning_rate_fn: optax.Schedule, microbatches: int = 1
+               ) -> tuple[state_lib.TrainState, dict[str, jax.Array]]:
+    """One AdamW step on ``batch = {"inputs": [B, T], "labels": [B, T]}``.
+
+    The dropout key is ``fold_in(key, state.step)``: a function of the step.
+    The gradient is that of :func:`train_loss`, over ``microbatches``
+    microbatches with :func:`accumulate`: the same step up to float32
+    rounding, with ``1/n`` of the activations alive at a time. On a CPU,
+    where they then stay in cache, that is faster (nanogpt,tied: 27% less
+    CPU time per step with ``n = 2``).
+    Returns the new state and scalar metrics: loss (the objective), nll,
+    accuracy, grad_norm (before clipping) and learning_rate.
+    """
+    dropout_key = jax.random.fold_in(key, state.step)
+    grad_fn = jax.value_and_grad(functools.partial(
+        train_loss, model=model, loss_kwargs=loss_kwargs), has_aux=True)
+    (loss, metrics), grads = accumulate(grad_fn, state.params, batch,
+                                        dropout_key, microbatches)
+    new_state = state.apply_gradients(grads=grads)
+    return new_state, {"loss": loss, **metrics,
+                       "grad_norm": optax.tree.norm(grads),
+                       "learning_rate": learning_rate_fn(state.step)}
+
+
+def accumulate(fn, params: Any, batch: dict[str, jax.Array], key: jax.Array,
+               microbatches: int = 1) -> Any:
+    """``fn(params, batch, key)`` in ``microbatches`` pieces, as
+    ``train_step`` computes its gradient (``fn``: the ``value_and_grad`` of
+    :func:`train_loss`).
+
+    With ``microbatches = n > 1``, the mean of ``fn``'s results over ``n``
+    microbatches of ``B / n`` rows (rows ``i, i + n, ...``; key
+    ``fold_in(key, i)``), computed one after the other in a ``lax.scan``;
+    with ``n = 1``, ``fn(params, batch, key)`` itself.
+    """
+    if microbatches == 1:
+        return fn(params, batch, key)
+    size = batch["inputs"].shape[0]
+    if size % microbatches:
+        raise ValueError(f"train.microbatches={microbatches} must divide the "
+                         f"batch size {size}.")
+    # [B, ...] -> [n, B / n, ...] without moving rows across data shards.
+    split = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(
+        size // microbatches, microbatches, *x.shape[1:]), 0, 1), batch)
+
+    def add(total, index_and_batch):
+        index, microbatch = index_and_batch
+        result = fn(params, microbatch, jax.random.fold_in(key, index))
+        return jax.tree.map(jnp.add, total, result), None
+
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
+        fn, params, jax.tree.map(lambda x: x[0], split), key))
+    total, _ = jax.lax.scan(add, zeros, (jnp.arange(microbatches), split))
+    return jax.tree.map(lambda x: x / microbatches, total)
+
+
+def eval_step(params: Any, batch: dict[str, jax.Array], *,
+              model: model_lib.DecoderLM) -> dict[str, jax.Array]:
+    """Sums over one evaluation batch, to add up over the whole set.
+
+    ``batch`` is ``data.eval_batches``'s: inputs, labels and weights (0 on
+    the padding windows of a last, partial batch), each ``[B, T]``. Returns
+    ``window_nll`` and ``window_count`` (``[B]``: each window's summed nll
+    and weight, for the standard error over windows), ``correct_sum`` and
+    ``bins`` (``losses.calibration_bins``, ``[15, 3]``). The logits are
+    built whatever ``loss_impl`` says: the calibration bins need them (see
+    ``configs/default.py``).
+    """
+    logits = model.apply({"params": params}, batch["inputs"])
+    token_nll, metrics = losses.cross_entropy(
+        logits, batch["labels"], weights=batch["weights"], reduction="none")
+    return {"window_nll": jnp.sum(token_nll, axis=-1),
+            "window_count": jnp.sum(batch["weights"], axis=-1),
+            "correct_sum": metrics["accuracy"] * metrics["weight_sum"],
+            "bins": losses.calibration_bins(logits, batch["labels"],
+                                            batch["weights"])}
+
+
+def compile_steps(model: model_lib.DecoderLM, config: ml_collections.ConfigDict,
+                  state: state_lib.TrainState, batch: dict[str, np.ndarray], key: jax.Array,
+                  mesh: jax.sharding.Mesh | None = None):
+    """Jits ``train_step`` (state donated, compiled ahead of time) and ``eval_step``.
+
+    With a ``mesh``, the state is sharded by ``sharding.tree_shardings``, the
+    batch over ``"data"``, the metrics replicated, and the step is traced
+    under ``jax.set_mesh(mesh)`` (which ``loss_impl="vocab_parallel"`` uses).
+    Returns ``(train_fn, eval_fn, compile_seconds)``; ``train_fn(state, batch,
+    key)`` and ``eval_fn(params, batch)`` take the shapes of the examples.
+    """
+    step = functools.partial(
+        train_step, model=model, loss_kwargs=loss_keywords(config.loss),
+        learning_rate_fn=state_lib.learning_rate_schedule(config),
+        microbatches=config.train.microbatches)
+    train_shardings, eval_shardings = {}, {}
+    if mesh is not None:
+        state_shardings = sharding.tree_shardings(state, mesh)
+        replicated = sharding.replicated(mesh)
+        train_shardings = dict(
+            in_shardings=(state_shardings, sharding.batch_sharding(mesh),
+                          replicated),
+            out_shardings=(state_shardings, replicated))
+        eval_shardings = dict(out_shardings=replicated)
+    start = time.perf_counter()
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        train_fn = jax.jit(step, donate_argnums=0, **train_shardings).lower(
+            state, batch, key).compile()
+    compile_seconds = time.perf_counter() - start
+    eval_fn = jax.jit(functools.partial(eval_step, model=model), **eval_shardings)
+    return train_fn, eval_fn, compile_seconds
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Trains ``config`` in ``workdir`` (resuming if it holds a checkpoint).
+
+    Returns:
+        The summary also written to ``summary.json``:
+
+        - ``num_params``; ``num_head_params`` (owned by the head: the untied
+          ``[V, D]`` and the bias; a tied table counts as the embedding's),
+          ``num_embedding_params`` (the token table) and ``num_body_params``
+          (everything else: positions, blocks, final norm); ``vocab_size``.
+        - ``final``: the last evaluation, keys as in ``metrics.jsonl``.
+        - ``best_step``, ``best``: the evaluation of lowest ``eval/loss``
+          (its ``eval/`` metrics), ``train_at_best`` (its ``train_eval/``
+          metrics, with ``train.eval_train_batches``); ``steps_run`` (the
+          last step trained) and ``stopped_early`` (by ``train.patience``).
+        - ``test``: with ``train.test_eval``, the whole test split's
+          ``loss``, ``loss_stderr``, ``bits_per_char``, ``perplexity``,
+          ``accuracy``, ``ece``, ``num_tokens``, ``num_chars`` and ``step``
+          (of the parameters evaluated).
+        - ``tokens_per_sec``, ``ms_per_step`` and ``cpu_ms_per_step`` (the
+          process's CPU time, all threads; other processes on a shared
+          machine do not inflate it) over the training steps of this process,
+          without compilation, evaluation or checkpoints;
+          ``step_ms_p50`` and ``step_ms_p90`` (percentiles of the step
+          times); ``memory`` (``memory_metrics`` at the end, without the
+          ``memory/`` prefix); ``compile_seconds``, ``steps`` and
+          ``wall_seconds`` (this process).
+
+    Raises:
+        ValueError, TypeError: a bad config, corpus or prompt, or a workdir
+            of another config; before anything is compiled.
+        FloatingPointError: a non-finite loss, gradient norm or state, with
+            ``train.stop_on_nonfinite``; nothing after it is saved.
+        preemption.Preempted: SIGTERM; a checkpoint of the step it stopped at is saved.
+    """
+    wall_start = time.perf_counter()
+    configuration.validate_config(config)
+    configuration.check_resumable(config, workdir)
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
+    dataset = _load_dataset(config, workdir)
+    model = configuration.make_model(config, dataset.vocab_size)
+    init_key, dropout_key, sample_key = jax.random.split(
+        jax.random.key(config.train.seed), 3)
+    init_key, dropout_key = sharding.replicate((init_key, dropout_key), mesh)
+    manager = checkpoints.checkpoint_manager(workdir)
+    state = state_lib.restore_or_init(manager, model, config, init_key, mesh)
+    summary_path = os.path.join(workdir, "summary.json")
+    finished = monitoring.finished_summary(summary_path, int(state.step))
+    if finished is not None:
+        monitoring.log(f"{workdir} has finished {int(state.step)} steps.")
+        manager.close()
+        return finished
+    if sharding.is_main_process():
+        if os.path.exists(summary_path):
+            os.remove(summary_path)
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json(indent=2))
+        versions.write_versions(workdir)
+
+    def batch(step: int) -> dict[str, jax.Array]:
+        return sharding.shard_batch(data.train_batch(
+            dataset.train_tokens, seed=config.train.seed, step=step,
+            batch_size=config.train.batch_size,
+            block_size=config.data.block_size), mesh)
+
+    train_fn, eval_fn, compile_seconds = compile_steps(
+        model, config, state, batch(0), dropout_key, mesh)
+    monitoring.log(f"{monitoring.count_params(state.params):,} parameters; "
+                   f"train step compiled in {compile_seconds:.1f} s; starting "
+                   f"at step {int(state.step)}.")
+    eval_sets = evaluation.periodic_eval_sets(config, dataset, mesh)
+    writer = monitoring.MetricWriter(workdir, int(state.step))
+    run = _Run(config, manager, writer, train_fn, batch, dropout_key,
+               evaluate=lambda params: {
+                   k: v for eval_set in eval_sets
+                   for k, v in evaluation.evaluate(eval_fn, params, eval_set).items()},
+               stopping=evaluation.EarlyStopping.from_records(
+                   config.train.patience, writer.records),
+               best_manager=(checkpoints.best_checkpoint_manager(workdir)
+                             if config.train.patience else None))
+    try:
+        state, timer = _train_loop(run, state)
+        final = _final_evaluation(run, state)
+        test = (_test_evaluation(run, state, eval_fn, dataset, mesh)
+                if evaluation.wants_test_evaluation(config) else None)
+    finally:
+        for closable in (writer, manager, run.best_manager):
+            if closable is not None:
+                closable.close()
+    if config.sample.num_samples:
+        params = sharding.to_host(state.params)  # every process takes part
+        if sharding.is_main_process():
+            generation.write_samples(config, model, params, dataset.tokenizer,
+                                     sample_key, workdir)
+    summary = {**monitoring.run_summary(config, state.params, dataset.vocab_size,
+                                        final, timer, compile_seconds, wall_start),
+               **monitoring.best_summary(config, writer.records, int(state.step)),
+               **({"test": test} if test else {})}
+    if sharding.is_main_process():
+        with open(summary_path, "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+def _load_dataset(config, workdir) -> data.Dataset:
+    """The encoded corpus (read or made by process 0 first) once the prompt
+    is known to encode: unknown characters fail now, not after training."""
+    os.makedirs(workdir, exist_ok=True)
+    dataset = sharding.main_process_first(
+        lambda: data.load_dataset(config.data, workdir))
+    try:
+        dataset.tokenizer.encode(config.sample.prompt)
+    except ValueError as e:
+        raise ValueError(f"config.sample.prompt={config.sample.prompt!r}: {e}") from e
+    return dataset
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What the training loop uses, made once by ``train_and_evaluate``.
+
+    ``batch(step)`` is the sharded training batch of ``step``;
+    ``evaluate(params)`` the periodic evaluation's metrics (``eval/...`` and
+    ``train_eval/...``); ``best_manager`` keeps the best evaluation's
+    checkpoint when ``train.patience`` is set.
+    """
+    config: ml_collections.ConfigDict
+    manager: ocp.CheckpointManager
+    writer: monitoring.MetricWriter
+    train_fn: Any
+    batch: Any
+    dropout_key: jax.Array
+    evaluate: Any
+    stopping: evaluation.EarlyStopping
+    best_manager: ocp.CheckpointManager | None
+
+
+def _train_loop(run: _Run, state: state_lib.TrainState
+                ) -> tuple[state_lib.TrainState, monitoring.StepTimer]:
+    """Steps from ``state.step`` to ``train.steps`` (or an early stop) with
+    the periodic actions: log, evaluate, checkpoint. The host reads metrics
+    only at those steps and on SIGTERM; between them it waits for each step
+    once the next one is queued, to time it without idling the device."""
+    config, steps = run.config, run.config.train.steps
+    timer, pending = monitoring.StepTimer(), []
+    timer.start()
+    # A run that had stopped early before it was interrupted stays stopped.
+    first_step = steps if run.stopping.should_stop else int(state.step)
+    with preemption.sigterm_flag() as terminated:
+        for step in range(first_step, steps):
+            if preemption.stop_requested(run.manager, step, terminated):
+                if pending:
+                    _log_training(run, timer, pending, step, state)
+                checkpoints.save(run.manager, step, state)
+                raise preemption.Preempted(step, str(run.manager.directory))
+            state, metrics = run.train_fn(state, run.batch(step), run.dropout_key)
+            pending.append(metrics)
+            if len(pending) > 1:  # step `step` is queued: time the one before
+                jax.block_until_ready(pending[-2])
+                timer.step_done()
+            done = step + 1
+            evaluate_now = done % config.train.eval_every == 0 or done == steps
+            checkpoint_now = done % config.train.checkpoint_every == 0 or done == steps
+            if not (evaluate_now or checkpoint_now
+                    or done % config.train.log_every == 0):
+                continue
+            _log_training(run, timer, pending, done, state)
+            pending = []
+            if evaluate_now:
+                _log_evaluation(run, done, run.evaluate(state.params), state)
+            if checkpoint_now or run.stopping.should_stop:
+                checkpoints.save(run.manager, done, state)
+            if run.stopping.should_stop:
+                monitoring.log(
+                    f"Stopped early at step {done}: {config.train.patience} "
+                    "evaluations without a lower eval/loss than step "
+                    f"{run.stopping.best_step}'s.")
+                break
+            timer.start()
+    return state, timer
+
+
+def _log_training(run: _Run, timer: monitoring.StepTimer, pending: list,
+                  done: int, state: state_lib.TrainState) -> None:
+    """Waits for the ``pending`` steps' metrics (the last at step ``done``),
+    checks them and ``state`` (``train.stop_on_nonfinite``), and logs them
+    (:func:`monitoring.log_training`)."""
+    pending = jax.device_get(pending)
+    timer.step_done()
+    seconds = timer.lap(len(pending))
+    if run.config.train.stop_on_nonfinite:
+        checkpoints.check_finite(pending, done, state, run.manager)
+    monitoring.log_training(run.writer, timer, pending, done, seconds, run.config)
+
+
+def _log_evaluation(run: _Run, done: int, metrics: dict[str, float],
+                    state: state_lib.TrainState) -> None:
+    """Logs an evaluation and counts it for early stopping; a new best
+    evaluation's state is kept in ``run.best_manager``."""
+    run.writer.write(done, metrics)
+    monitoring.log(f"step {done}/{run.config.train.steps}  " + "  ".join(
+        f"{k} {v:.4f}" for k, v in metrics.items()))
+    if run.stopping.update(done, metrics["eval/loss"]) and run.best_manager:
+        checkpoints.save(run.best_manager, done, state)
+
+
+def _final_evaluation(run: _Run, state: state_lib.TrainState) -> dict[str, float]:
+    """The evaluation at the last step trained: the logged one, or a new one,
+    logged."""
+    step = int(state.step)
+    final = next((r for r in reversed(run.writer.records) if "eval/loss" in r),
+                 None)
+    if final is None or final["step"] != step:
+        final = {"step": step, **run.evaluate(state.params)}
+        run.writer.write(step, {k: v for k, v in final.items() if k != "step"})
+    return final
+
+
+def _test_evaluation(run: _Run, state: state_lib.TrainState, eval_fn,
+                     dataset: data.Dataset, mesh) -> dict[str, float]:
+    """The whole test split, read now (nothing reads it before), evaluated
+    once with the best evaluation's parameters (``train.patience`` set) or
+    the last; logged as ``test/...``."""
+    test_set = evaluation.make_eval_set(
+        "test", data.load_test_tokens(run.config.data, dataset.tokenizer), None,
+        run.config, dataset.tokenizer, mesh)
+    params, step = state.params, int(state.step)
+    if run.best_manager is not None:
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=x.sharding), state)
+        best = checkpoints.restore_newest(run.best_manager, target)
+        params, step = best.params, int(best.step)
+    metrics = evaluation.evaluate(eval_fn, params, test_set)
+    run.writer.write(int(state.step), metrics)
+    monitoring.log("test  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return {**{k.split("/", 1)[1]: v for k, v in metrics.items()},
+            "num_tokens": test_set.num_tokens, "num_chars": test_set.num_chars,
+            "step": step}
+
+

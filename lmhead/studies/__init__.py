@@ -1,0 +1,1 @@
+"""Studies built on the experiment and the sweep tooling, one folder each."""

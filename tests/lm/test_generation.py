@@ -1,0 +1,149 @@
+"""Decoding with a quantized head, and generation timings.
+
+References: the float32 model, and numpy's ``h @ dequantize(table).T`` on the
+model's own final hidden states.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lmhead.lm import data
+from lmhead import decoding
+from lmhead.lm import generation
+from lmhead.lm import model as model_lib
+from lmhead import quantize
+
+VOCAB, MAX_LEN, NEW = 61, 24, 12
+
+
+def noisy_params(model, seed, noise=0.3):
+    """Random parameters far from init, so that the logits spread out."""
+    params = model.init(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))["params"]
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda x: jnp.asarray(
+        x + noise * rng.standard_normal(x.shape), jnp.float32), params)
+
+
+def tiny_model(tied):
+    return model_lib.DecoderLM(vocab_size=VOCAB, num_layers=2, num_heads=2,
+                               d_model=32, mlp_dim=64, max_len=MAX_LEN, tied=tied)
+
+
+PROMPT = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (3, 5)), jnp.int32)
+
+
+def greedy(model, params):
+    logits, cache = model_lib.prefill(model, params, PROMPT, max_new_tokens=NEW)
+    tokens, _, _ = decoding.generate(model_lib.make_step_fn(model), params, logits,
+                                     cache, key=jax.random.key(0),
+                                     max_new_tokens=NEW, temperature=0.0)
+    return logits, np.asarray(tokens)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_int8_head_logits_are_h_times_the_dequantized_table(tied):
+    model = tiny_model(tied)
+    params = noisy_params(model, seed=1)
+    small = generation.quantize_for_decoding(model, params, "int8")
+    if tied:  # the lookup keeps the float table; the head reads the int8 copy
+        assert small["embed"]["embedding"] is params["embed"]["embedding"]
+        table = small[model_lib.HEAD_TABLE]
+    else:
+        table = small["head"]["unembedding"]
+    assert isinstance(table, quantize.QuantizedTable)
+    h = model.apply({"params": params}, PROMPT, method=model_lib.DecoderLM.hidden)
+    expected = (np.asarray(h[:, -1], np.float64)
+                @ np.asarray(quantize.dequantize(table), np.float64).T)
+    logits, _ = model_lib.prefill(model, small, PROMPT)
+    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+    full, _ = model_lib.prefill(model, params, PROMPT)
+    assert np.abs(np.asarray(logits) - np.asarray(full)).max() < 2e-2 * np.abs(full).max()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_int8_greedy_decoding_agrees_with_float32(tied):
+    model = tiny_model(tied)
+    params = noisy_params(model, seed=2)
+    _, expected = greedy(model, params)
+    _, got = greedy(model, generation.quantize_for_decoding(model, params, "int8"))
+    # A flip would change every later token of its row: most must agree.
+    assert np.mean(got == expected) >= 0.8, (got, expected)
+    # The quantized model's own full forward pass argmaxes to the same tokens.
+    small = generation.quantize_for_decoding(model, params, "int8")
+    sequence = jnp.concatenate([PROMPT, jnp.asarray(got)], axis=1)
+    recomputed = model.apply({"params": small}, sequence[:, :-1])
+    np.testing.assert_array_equal(
+        np.argmax(recomputed[:, PROMPT.shape[1] - 1:], -1), got)
+
+
+def test_a_second_quantized_parameter_set_reuses_the_compiled_loop():
+    model = tiny_model(tied=True)
+    loop = decoding.sampling._sampling_loop
+    _, first = greedy(model, generation.quantize_for_decoding(
+        model, noisy_params(model, seed=3), "int8"))
+    compiled = loop._cache_size()
+    _, second = greedy(model, generation.quantize_for_decoding(
+        model, noisy_params(model, seed=4), "int8"))
+    assert loop._cache_size() == compiled
+    assert not np.array_equal(first, second)  # the new values were used
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_heads_decode_close_to_float32(dtype):
+    model = tiny_model(tied=True)
+    params = noisy_params(model, seed=5)
+    full, _ = model_lib.prefill(model, params, PROMPT)
+    small = generation.quantize_for_decoding(model, params, dtype)
+    assert small[model_lib.HEAD_TABLE].dtype == jnp.dtype(dtype)
+    logits, _ = model_lib.prefill(model, small, PROMPT)
+    assert 0 < np.abs(np.asarray(logits) - np.asarray(full)).max() < 1e-2 * np.abs(full).max()
+
+
+def test_beam_search_runs_with_an_int8_head():
+    model = tiny_model(tied=False)
+    params = noisy_params(model, seed=6)
+    step_fn = model_lib.make_step_fn(model)
+    results = []
+    for p in (params, generation.quantize_for_decoding(model, params, "int8")):
+        logits, cache = model_lib.prefill(model, p, PROMPT, max_new_tokens=6)
+        results.append(decoding.beam_search(step_fn, p, logits, cache, num_beams=3,
+                                            max_new_tokens=6, eos_id=None))
+    (tokens, scores, _), (q_tokens, q_scores, _) = results
+    assert q_tokens.shape == tokens.shape == (3, 1, 6)
+    same = np.all(np.asarray(tokens) == np.asarray(q_tokens), axis=(1, 2))
+    assert same.sum() >= 2
+    np.testing.assert_allclose(np.asarray(q_scores)[same], np.asarray(scores)[same],
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_the_loss_refuses_a_quantized_head_table():
+    model = tiny_model(tied=True)
+    small = generation.quantize_for_decoding(model, noisy_params(model, seed=7), "int8")
+    with pytest.raises(ValueError, match="QuantizedTable is for inference"):
+        model.apply({"params": small}, PROMPT, PROMPT, method=model_lib.DecoderLM.loss)
+
+
+def test_timings_exist_and_are_positive():
+    model = tiny_model(tied=True)
+    params = noisy_params(model, seed=8)
+    t = generation.time_generation(model, params, PROMPT, max_new_tokens=4, repeats=2)
+    assert t.new_tokens == 4
+    for name in ("compile_seconds", "prefill_ms", "first_step_ms", "ms_per_token"):
+        assert np.isfinite(getattr(t, name)) and getattr(t, name) > 0, t
+    assert t.time_to_first_token_ms == pytest.approx(t.prefill_ms + t.first_step_ms)
+    line = generation.format_timings(t, batch_size=3)
+    assert "time to first token" in line and "ms per new token over 4 tokens" in line
+    with pytest.raises(ValueError, match="exceeds the model's max_len"):
+        generation.time_generation(model, params, PROMPT, max_new_tokens=MAX_LEN)
+
+
+def test_timing_prompt_is_one_window_of_generate_text():
+    model = tiny_model(tied=True)
+    tokenizer = data.CharTokenizer("abcdefgh")
+    rows, new = generation.timing_prompt(model, tokenizer, "abcdefghabcdefgh" * 2, 2, 100)
+    assert rows.shape == (2, MAX_LEN // 2) and new == MAX_LEN - MAX_LEN // 2
+    np.testing.assert_array_equal(rows[0], tokenizer.encode("efghabcdefgh"))
+    rows, new = generation.timing_prompt(model, tokenizer, "abc", 1, 5)
+    assert rows.shape == (1, 3) and new == 5

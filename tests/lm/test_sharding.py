@@ -1,0 +1,505 @@
+"""Tests for lmhead/lm/sharding.py: meshes, shardings, the vocabulary-parallel
+loss, sharded checkpoints and a run over two processes.
+
+The checks that need several devices run in ONE subprocess -- this file run
+as a script with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set
+before jax is imported -- which prints its measurements as JSON; the tests
+below assert on them. Every comparison there is against a reference computed
+on one device by other code: the materialized loss of ``losses.cross_entropy``
+(the single-device training step) or the numpy cross-entropy written below.
+The two-process test starts ``experiments/train.py`` twice on localhost with
+``jax.distributed`` and compares its losses with the subprocess's own run of
+the same config on one process with the same 8 devices.
+"""
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests import ROOT
+from tests import references
+
+MESHES = ((8, 1), (4, 2), (2, 4), (1, 8))
+TOLERANCE = 1e-5
+# The tiny run compared across one and two processes (4 steps, then an eval).
+RUN_CONFIG = "tiny,steps=4"
+RUN_OVERRIDES = {"optim.warmup_steps": 1, "mesh.model": 2,
+                 "loss.loss_impl": "vocab_parallel", "sample.num_samples": 0}
+RUN_ARGS = [f"--config=configs/default.py:{RUN_CONFIG}"] + [
+    f"--config.{name}={value}" for name, value in RUN_OVERRIDES.items()]
+
+
+def numpy_cross_entropy(logits, labels, weights, eps, smoothing, z_loss):
+    """Weighted mean of the smoothed cross-entropy plus z-loss, in float64."""
+    return references.cross_entropy(logits, labels, weights, eps, smoothing,
+                                    z_loss)[1]["loss"]
+
+
+# ----------------------------------------------------------------------------
+# The subprocess (8 simulated devices).
+# ----------------------------------------------------------------------------
+
+def _tiny_config(tied, loss_impl):
+    from configs import default
+    config = default.get_config("tiny")
+    config.model.update(num_layers=1, num_heads=2, d_model=16, mlp_dim=32,
+                        tied=tied, head_bias=not tied,
+                        logits_softcap=5.0 if tied else None)
+    config.loss.update(loss_impl=loss_impl, label_smoothing=0.1, z_loss=1e-3)
+    # No clipping: Adam's first moment after one step is (1 - b1) * gradient.
+    config.optim.grad_clip = 0.0
+    config.data.block_size = 8
+    config.train.batch_size = 8
+    return config
+
+
+def _max_diff(a, b):
+    import jax
+    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _gradients(state, config):
+    """The gradients of the step that made ``state``, from Adam's ``mu``."""
+    import jax
+    adam = next(s for s in jax.tree.leaves(
+        state.opt_state, is_leaf=lambda s: hasattr(s, "mu")) if hasattr(s, "mu"))
+    return jax.tree.map(lambda m: np.asarray(m) / (1 - config.optim.b1), adam.mu)
+
+
+def check_train_steps():
+    """Loss, gradients and updated state of one training step on each mesh
+    (vocabulary-parallel loss) vs one device (materialized loss), and where
+    the sharded step leaves the tables."""
+    import jax
+    from lmhead.lm import sharding
+    from lmhead.lm import train
+    from lmhead.lm import configuration
+    from lmhead.lm import state as state_lib
+    vocab, results = 32, {}
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, (8, 9)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}
+    key = jax.random.key(1)
+    for tied in (True, False):
+        config = _tiny_config(tied, "materialized")
+        model = configuration.make_model(config, vocab)
+        state = jax.jit(lambda k: state_lib.create_train_state(model, config, k))(
+            jax.random.key(0))
+        host_state = jax.device_get(state)
+        ref_fn, _, _ = train.compile_steps(model, config, state, batch, key)
+        ref_state, ref_metrics = ref_fn(state, batch, key)
+        ref_grads = _gradients(ref_state, config)
+        sharded_config = _tiny_config(tied, "vocab_parallel")
+        for shape in MESHES:
+            mesh = sharding.make_mesh(*shape)
+            state = jax.device_put(host_state,
+                                   sharding.tree_shardings(host_state, mesh))
+            global_batch = sharding.shard_batch(batch, mesh)
+            global_key = sharding.replicate(key, mesh)
+            train_fn, _, _ = train.compile_steps(
+                model, sharded_config, state, global_batch, global_key, mesh)
+            new_state, metrics = train_fn(state, global_batch, global_key)
+            table = new_state.params["embed" if tied else "head"][
+                "embedding" if tied else "unembedding"]
+            moment = new_state.opt_state[0].mu["embed"]["embedding"]
+            results[f"{'tied' if tied else 'untied'} {shape}"] = {
+                "loss": abs(float(metrics["loss"]) - float(ref_metrics["loss"])),
+                "metrics": max(abs(float(metrics[k]) - float(ref_metrics[k]))
+                               for k in ("nll", "accuracy", "grad_norm")),
+                "grads": _max_diff(_gradients(new_state, config), ref_grads),
+                "params": _max_diff(new_state.params, ref_state.params),
+                "table_rows_per_device": table.addressable_shards[0].data.shape[0],
+                "table_spec": str(table.sharding.spec),
+                "moment_spec": str(moment.sharding.spec),
+                "kernel_spec": str(new_state.params["blocks_0"]["mlp_in"][
+                    "kernel"].sharding.spec),
+                "all_gathers": train_fn.as_text().count("all-gather"),
+            }
+    return results
+
+
+def check_loss_options():
+    """The vocabulary-parallel loss vs numpy across options and meshes."""
+    import jax
+    from lmhead import head
+    from lmhead.lm import sharding
+    from lmhead import vocab_parallel
+    rng = np.random.default_rng(1)
+    h = rng.normal(size=(4, 6, 8)).astype(np.float32)
+    w = rng.normal(size=(16, 8)).astype(np.float32)
+    bias = rng.normal(size=(16,)).astype(np.float32)
+    labels = rng.integers(0, 16, (4, 6))
+    weights = (rng.uniform(size=(4, 6)) > 0.3).astype(np.float32)
+    # Labels outside [0, V) with nonzero weight count as invalid, weight 0.
+    labels[0, :2], weights[0, :2] = (-1, 16), 1.0
+    valid = np.where((labels >= 0) & (labels < 16), weights, 0.0)
+    cases = [dict(), dict(label_smoothing=0.2, smoothing="uniform"),
+             dict(label_smoothing=0.2, smoothing="normalized", z_loss=1e-2),
+             dict(softcap=2.0, scale=0.5, z_loss=1e-3, chunk_size=5)]
+    expected = []
+    for case in cases:
+        logits = head.unembed(h, w, bias, scale=case.get("scale"),
+                              softcap=case.get("softcap"))
+        expected.append((numpy_cross_entropy(
+            logits, np.clip(labels, 0, 15), valid,
+            case.get("label_smoothing", 0.0), case.get("smoothing", "uniform"),
+            case.get("z_loss", 0.0)), np.sum(valid * (np.argmax(logits, -1) ==
+                                                      labels)) / np.sum(valid)))
+    results = {}
+    for shape in ((2, 4), (1, 8)):
+        mesh = sharding.make_mesh(*shape)
+
+        def all_cases(h, w, bias, labels, weights):
+            return [vocab_parallel.vocab_parallel_cross_entropy(
+                h, w, labels, bias=bias, weights=weights, mesh=mesh, **case)
+                for case in cases]
+        outputs = jax.jit(all_cases)(h, w, bias, labels, weights)
+        if shape == (2, 4):  # and once without jit, where bad labels raise
+            outputs.append(all_cases(h, w, bias, np.clip(labels, 0, 15),
+                                     valid)[-1])
+        for index, ((loss, metrics), (want, accuracy)) in enumerate(
+                zip(outputs, expected + expected[-1:])):
+            results[f"case {index} {shape}"] = max(
+                abs(float(loss) - want), abs(float(metrics["accuracy"]) - accuracy))
+            results[f"invalid {index} {shape}"] = int(metrics["invalid_labels"])
+    return results
+
+
+def check_gradients():
+    """Gradients of the vocabulary-parallel loss for each kind of cotangent
+    (the reduced loss, the unreduced one, a metric) vs the materialized loss
+    on one device, with tokens split over "data" or replicated."""
+    import jax
+    import jax.numpy as jnp
+    from lmhead import head
+    from lmhead import losses
+    from lmhead.lm import sharding
+    from lmhead import vocab_parallel
+    rng = np.random.default_rng(2)
+    w = rng.normal(size=(16, 8)).astype(np.float32)
+    bias = rng.normal(size=(16,)).astype(np.float32)
+    options = dict(label_smoothing=0.1, z_loss=1e-2, softcap=3.0)
+
+    def objective(loss_fn, reduction, labels, h, w, bias, weights):
+        loss, metrics = loss_fn(h, w, labels, bias=bias, weights=weights,
+                                reduction=reduction, **options)
+        # Not a multiple of the weights, so "none" is not "sum" in disguise.
+        position = jnp.arange(loss.size).reshape(loss.shape)
+        return jnp.sum(loss * (1.0 + position)) + metrics["nll"]
+
+    def materialized(h, w, labels, *, bias, softcap, **kwargs):
+        return losses.cross_entropy(head.unembed(h, w, bias, softcap=softcap),
+                                    labels, **kwargs)
+
+    results = {}
+    # 24 tokens split over "data"; 15 replicated, as "data" = 2 does not divide.
+    for shape, tokens in (((2, 4), (4, 6)), ((2, 4), (3, 5)), ((1, 8), (4, 6))):
+        h = rng.normal(size=tokens + (8,)).astype(np.float32)
+        labels = rng.integers(0, 16, tokens)
+        weights = (rng.uniform(size=tokens) > 0.3).astype(np.float32)
+        mesh = sharding.make_mesh(*shape)
+        parallel = functools.partial(vocab_parallel.vocab_parallel_cross_entropy,
+                                     mesh=mesh, chunk_size=4,
+                                     vocab_chunk_size=3)
+        for reduction in ("mean", "none"):
+            got, want = (jax.jit(jax.value_and_grad(functools.partial(
+                objective, loss_fn, reduction, labels), argnums=(0, 1, 2, 3)))(
+                    h, w, bias, weights) for loss_fn in (parallel, materialized))
+            scale = max(float(np.max(np.abs(x))) for x in jax.tree.leaves(want))
+            results[f"{shape} {tokens} {reduction}"] = _max_diff(got,
+                                                                 want) / scale
+    return results
+
+
+def _buffer_sizes(compiled):
+    """Element counts of every array shape in a compiled (per-device) HLO."""
+    import re
+    shapes = re.findall(r"\b(?:f32|f16|bf16|s32|u32|pred)\[([0-9,]*)\]",
+                        compiled.as_text())
+    return [int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes]
+
+
+def check_memory():
+    """Per-device buffers of the compiled loss and its gradient."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from lmhead import head
+    from lmhead import losses
+    from lmhead.lm import sharding
+    from lmhead import vocab_parallel
+    n, vocab, d_model = 256, 512, 64
+    h = np.ones((n, d_model), np.float32)
+    w = np.ones((vocab, d_model), np.float32)
+    labels = np.zeros((n,), np.int32)
+    mesh = sharding.make_mesh(2, 4)
+
+    def parallel(h, w):
+        return vocab_parallel.vocab_parallel_cross_entropy(
+            h, w, labels, chunk_size=32, label_smoothing=0.1, mesh=mesh)[0]
+
+    def materialized(h, w):
+        return losses.cross_entropy(head.unembed(h, w), labels,
+                                    label_smoothing=0.1)[0]
+
+    grad = lambda f: jax.value_and_grad(f, argnums=(0, 1))
+    compiled = jax.jit(grad(parallel), in_shardings=(
+        NamedSharding(mesh, P("data")), NamedSharding(mesh, P("model")))).lower(
+            h, w).compile()
+    single = jax.jit(grad(materialized)).lower(h, w).compile()
+    return {"logits": n * vocab, "table": vocab * d_model,
+            "parallel_largest": max(_buffer_sizes(compiled)),
+            "single_largest": max(_buffer_sizes(single)),
+            "parallel_temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+            "single_temp_bytes": single.memory_analysis().temp_size_in_bytes}
+
+
+def check_checkpoint(workdir):
+    """A state saved from mesh (4, 2) restored onto (2, 4), (8, 1), one device."""
+    import jax
+    import orbax.checkpoint as ocp
+    from lmhead.lm import checkpoints
+    from lmhead.lm import sharding
+    from lmhead.lm import train
+    from lmhead.lm import configuration
+    from lmhead.lm import state as state_lib
+    config = _tiny_config(False, "vocab_parallel")
+    model = configuration.make_model(config, 32)
+    mesh = sharding.make_mesh(4, 2)
+    manager = checkpoints.checkpoint_manager(workdir)
+    state = state_lib.restore_or_init(manager, model, config, jax.random.key(3), mesh)
+    manager.save(7, args=ocp.args.StandardSave(state))
+    manager.wait_until_finished()
+    expected = jax.device_get(state)
+    results = {}
+    for shape in ((2, 4), (8, 1), None):
+        target = None if shape is None else sharding.make_mesh(*shape)
+        restored = state_lib.restore_or_init(manager, model, config,
+                                         jax.random.key(4), target)
+        table = restored.params["head"]["unembedding"]
+        results[str(shape)] = {
+            "difference": _max_diff(jax.device_get(restored), expected),
+            "step": int(restored.step),
+            "devices": len(table.sharding.device_set),
+            "rows_per_device": table.addressable_shards[0].data.shape[0]}
+    manager.close()
+    return results
+
+
+def check_errors():
+    """Messages of the errors that need several devices."""
+    import jax.numpy as jnp
+    from lmhead.lm import sharding
+    from lmhead import vocab_parallel
+    attempts = {
+        "product": lambda: sharding.make_mesh(3, 2),
+        "split": lambda: sharding.make_mesh(-1, 3),
+        "vocabulary": lambda: sharding.tree_shardings(
+            {"embed": {"embedding": np.zeros((84, 4))}}, sharding.make_mesh(1, 8)),
+        "batch": lambda: sharding.process_rows(12, sharding.make_mesh(8, 1)),
+        "loss rows": lambda: vocab_parallel.vocab_parallel_cross_entropy(
+            jnp.ones((2, 4)), jnp.ones((12, 4)), jnp.zeros(2, jnp.int32),
+            mesh=sharding.make_mesh(1, 8)),
+    }
+    messages = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            messages[name] = None
+        except ValueError as e:
+            messages[name] = str(e)
+    return messages
+
+
+def reference_run(workdir):
+    """The run that the two-process test repeats, on one process."""
+    from configs import default
+    from lmhead.lm import train
+    from lmhead.lm import configuration
+    from lmhead.lm import state as state_lib
+    config = default.get_config(RUN_CONFIG)
+    config.update_from_flattened_dict(RUN_OVERRIDES)
+    with open(os.devnull, "w") as quiet:
+        sys.stdout, stdout = quiet, sys.stdout
+        try:
+            train.train_and_evaluate(config, workdir)
+        finally:
+            sys.stdout = stdout
+    return read_metrics(workdir)
+
+
+def read_metrics(workdir):
+    from lmhead.lm import monitoring
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items()
+                 if k not in monitoring.MEASURED_METRICS} for line in f]
+
+
+def main(workdir):
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    assert jax.device_count() == 8, jax.devices()
+    import time
+    checks = {"train_steps": check_train_steps,
+              "loss_options": check_loss_options,
+              "gradients": check_gradients,
+              "memory": check_memory,
+              "checkpoint": lambda: check_checkpoint(os.path.join(workdir, "ckpt")),
+              "errors": check_errors,
+              "reference_run": lambda: reference_run(os.path.join(workdir, "run"))}
+    results = {}
+    for name, check in checks.items():
+        start = time.perf_counter()
+        results[name] = check()
+        print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    print("RESULTS " + json.dumps(results))
+
+
+# ----------------------------------------------------------------------------
+# The tests.
+# ----------------------------------------------------------------------------
+
+def _environment(devices):
+    # LLVM's optimizations take most of the compile time of these small
+    # programs; every number compared is computed under the same flags.
+    return dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS=(
+        f"--xla_force_host_platform_device_count={devices} "
+        "--xla_backend_optimization_level=0"))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("sharding")
+    done = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), str(workdir)], cwd=ROOT,
+        env=_environment(8), capture_output=True, text=True, timeout=600)
+    lines = [l for l in done.stdout.splitlines() if l.startswith("RESULTS ")]
+    assert done.returncode == 0 and lines, done.stderr[-5000:]
+    return {**json.loads(lines[-1][len("RESULTS "):]), "workdir": str(workdir)}
+
+
+@pytest.mark.parametrize("tied", ["tied", "untied"])
+@pytest.mark.parametrize("shape", MESHES)
+def test_train_step_matches_one_device(results, tied, shape):
+    check = results["train_steps"][f"{tied} ({shape[0]}, {shape[1]})"]
+    for name in ("loss", "metrics", "grads", "params"):
+        assert check[name] < TOLERANCE, name
+    # The [V, D] tables (and Adam's moments of the embedding) are split over
+    # the vocabulary on "model"; other parameters are replicated.
+    assert check["table_rows_per_device"] == 32 // shape[1]
+    assert check["table_spec"] == check["moment_spec"] == "P('model', None)"
+    assert check["kernel_spec"] == "P()"
+    # Nothing in the step, the embedding lookup included, gathers a table.
+    assert check["all_gathers"] == 0
+
+
+def test_loss_options_match_numpy(results):
+    checks = results["loss_options"]
+    differences = {k: v for k, v in checks.items() if k.startswith("case")}
+    invalid = {k: v for k, v in checks.items() if k.startswith("invalid")}
+    assert len(differences) == len(invalid) == 9
+    assert max(differences.values()) < TOLERANCE, differences
+    assert invalid.pop("invalid 4 (2, 4)") == 0  # without jit: none passed
+    assert set(invalid.values()) == {2}
+
+
+def test_gradients_match_one_device(results):
+    differences = results["gradients"]
+    assert len(differences) == 6
+    # Relative to the largest value or gradient entry (the weighted sums of
+    # "none" reach hundreds).
+    assert max(differences.values()) < TOLERANCE, differences
+
+
+def test_no_device_holds_the_logits_or_the_table(results):
+    memory = results["memory"]
+    # The check can fail: on one device the [N, V] logits are there.
+    assert memory["single_largest"] >= memory["logits"]
+    assert memory["parallel_largest"] < memory["table"] < memory["logits"]
+    # Each of the 8 devices needs less scratch memory than its share of the
+    # single device's.
+    assert memory["parallel_temp_bytes"] < memory["single_temp_bytes"] / 8
+
+
+@pytest.mark.parametrize("target", ["(2, 4)", "(8, 1)", "None"])
+def test_checkpoint_restores_on_another_mesh(results, target):
+    restored = results["checkpoint"][target]
+    assert restored["difference"] == 0.0 and restored["step"] == 0
+    model_ways = {"(2, 4)": 4, "(8, 1)": 1, "None": 1}[target]
+    assert restored["rows_per_device"] == 32 // model_ways
+    assert restored["devices"] == (1 if target == "None" else 8)
+
+
+@pytest.mark.parametrize("name,match", [
+    ("product", "must equal the number of devices, 8; got 3 x 2"),
+    ("split", "mesh.model = 3 does not divide the 8 devices"),
+    ("vocabulary", r"embed/embedding has shape \(84, 4\).*divisible by mesh "
+                   r"axes \('model',\) of size 8"),
+    ("batch", r"batch size \(12\) must be divisible by the mesh's data axis"),
+    ("loss rows", r"w has 12 rows, which the mesh's 'model' axis \(8\)")])
+def test_errors_on_many_devices(results, name, match):
+    import re
+    assert results["errors"][name] is not None
+    assert re.search(match, results["errors"][name]), results["errors"][name]
+
+
+def test_errors_on_one_device():
+    import jax.numpy as jnp
+    from lmhead.lm import sharding
+    from lmhead import vocab_parallel
+    with pytest.raises(ValueError, match="must equal the number of devices"):
+        sharding.make_mesh(2, 1)
+    with pytest.raises(ValueError, match="cannot both be -1"):
+        sharding.make_mesh(-1, -1)
+    with pytest.raises(ValueError, match="mesh.model must be a positive"):
+        sharding.make_mesh(1, 0)
+    with pytest.raises(ValueError, match="needs a mesh with a 'model' axis"):
+        vocab_parallel.vocab_parallel_cross_entropy(
+            jnp.ones((2, 4)), jnp.ones((3, 4)), jnp.zeros(2, jnp.int32))
+    with pytest.raises(ValueError, match="chunk_size must be an integer >= 1"):
+        vocab_parallel.vocab_parallel_cross_entropy(
+            jnp.ones((2, 4)), jnp.ones((3, 4)), jnp.zeros(2, jnp.int32),
+            chunk_size=0, mesh=sharding.make_mesh())
+    with pytest.raises(ValueError, match="go together"):
+        sharding.initialize_distributed("127.0.0.1:1234")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one(results, tmp_path):
+    """Two processes of 4 devices each (the same 8-device mesh) train the
+    reference run's config; only process 0 writes; the losses match."""
+    workdir = str(tmp_path / "run")
+    address = f"127.0.0.1:{_free_port()}"
+    processes = [subprocess.Popen(
+        [sys.executable, "experiments/train.py", *RUN_ARGS, f"--workdir={workdir}",
+         f"--coordinator_address={address}", "--num_processes=2",
+         f"--process_id={index}"],
+        cwd=ROOT, env=_environment(4), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for index in range(2)]
+    outputs = [p.communicate(timeout=300) for p in processes]
+    for p, (_, err) in zip(processes, outputs):
+        assert p.returncode == 0, err[-5000:]
+    assert "step 4/4" in outputs[0][0] and "step" not in outputs[1][0]
+    reference = results["reference_run"]
+    records = read_metrics(workdir)
+    assert [r["step"] for r in records] == [r["step"] for r in reference]
+    for record, expected in zip(records, reference):
+        assert record.keys() == expected.keys()
+        for name, value in expected.items():
+            assert abs(record[name] - value) <= TOLERANCE * max(1, abs(value)), name
+    assert os.path.exists(os.path.join(workdir, "summary.json"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

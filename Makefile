@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test compare study clean constraints
+.PHONY: test lint format compare study clean constraints
 
 STUDY := configs/sweeps/tying_study.py
 # Extra experiments/sweep.py flags for compare and study, e.g. on a 2-core CPU
@@ -54,7 +54,16 @@ constraints:
 	mv constraints.new constraints.txt
 	rm -rf .venv-constraints
 
-test: $(STAMP)
+# ruff's formatter and linter (ruff.toml); `make format` applies both.
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: lint
 	$(PY) -m pytest -m 'not slow' lmhead tests
 
 clean:

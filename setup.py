@@ -39,6 +39,7 @@ setuptools.setup(
             "nbclient>=0.10",
             "nbformat>=5.10",
             "ipykernel>=6.29",
+            "ruff>=0.15",
         ],
     },
 )

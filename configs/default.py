@@ -48,11 +48,25 @@ def nanogpt_values() -> dict:
     """nanoGPT's CPU example, section by section."""
     return {
         "data": dict(tokenizer="char", val_fraction=0.1, block_size=64),
-        "model": dict(num_layers=4, num_heads=4, d_model=128, mlp_dim=512,
-                      dropout_rate=0.0, positions="learned", use_bias=False,
-                      head_bias=False),
-        "optim": dict(lr=1e-3, warmup_steps=100, min_lr=1e-4, weight_decay=0.1,
-                      b1=0.9, b2=0.99, grad_clip=1.0),
+        "model": dict(
+            num_layers=4,
+            num_heads=4,
+            d_model=128,
+            mlp_dim=512,
+            dropout_rate=0.0,
+            positions="learned",
+            use_bias=False,
+            head_bias=False,
+        ),
+        "optim": dict(
+            lr=1e-3,
+            warmup_steps=100,
+            min_lr=1e-4,
+            weight_decay=0.1,
+            b1=0.9,
+            b2=0.99,
+            grad_clip=1.0,
+        ),
         "train": dict(steps=2000, batch_size=12, microbatches=2),
     }
 
@@ -62,8 +76,13 @@ def compare_values() -> dict:
     evaluation every 100 steps on 40 fixed batches (480 evenly spaced
     validation windows), so that the loss curves have points to plot."""
     values = nanogpt_values()
-    values["train"] = dict(values["train"], steps=600, eval_every=100,
-                           eval_batches=40, checkpoint_every=300)
+    values["train"] = dict(
+        values["train"],
+        steps=600,
+        eval_every=100,
+        eval_batches=40,
+        checkpoint_every=300,
+    )
     return values
 
 
@@ -73,8 +92,14 @@ def tiny_values() -> dict:
         "data": dict(block_size=16),
         "model": dict(num_layers=1, num_heads=2, d_model=32, mlp_dim=64),
         "optim": dict(lr=3e-3, warmup_steps=5, min_lr=3e-4),
-        "train": dict(steps=40, batch_size=8, log_every=10, eval_every=20,
-                      checkpoint_every=20, eval_batches=2),
+        "train": dict(
+            steps=40,
+            batch_size=8,
+            log_every=10,
+            eval_every=20,
+            checkpoint_every=20,
+            eval_batches=2,
+        ),
         "sample": dict(num_samples=2, max_new_tokens=24, prompt="KING"),
     }
 
@@ -203,8 +228,10 @@ def _parse(arg: str | None) -> list[tuple[str, int | None]]:
     for item in filter(None, (arg or "").split(",")):
         name, _, value = item.partition("=")
         if name not in ARGUMENTS:
-            raise ValueError(f"Unknown config argument {item!r}; the arguments "
-                             f"are {', '.join(ARGUMENTS)}.")
+            raise ValueError(
+                f"Unknown config argument {item!r}; the arguments "
+                f"are {', '.join(ARGUMENTS)}."
+            )
         takes_value = name in ("bpe", "steps")
         if takes_value != bool(value):
             usage = f"{name}=N" if takes_value else name
@@ -212,7 +239,5 @@ def _parse(arg: str | None) -> list[tuple[str, int | None]]:
         try:
             parsed.append((name, int(value) if takes_value else None))
         except ValueError as e:
-            raise ValueError(f"Config argument {item!r}: N must be an integer."
-                             ) from e
+            raise ValueError(f"Config argument {item!r}: N must be an integer.") from e
     return parsed
-

@@ -37,31 +37,43 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app
-from absl import flags
+from absl import app, flags
 from ml_collections import config_flags
 
 from lmhead import decoding
+from lmhead.lm import configuration, monitoring
 from lmhead.lm import model as model_lib
-from lmhead.lm import monitoring
-from lmhead.lm import train
-from lmhead.lm import configuration
 
-config_flags.DEFINE_config_file("config", "configs/default.py",
-                                "A configs/*.py file[:args]; its model is timed.")
-flags.DEFINE_bool("quick", False, "Batch 1 and 4, max_len 64 and 128, 8 new tokens, "
-                  "2 repeats: checks that the script runs.")
-flags.DEFINE_bool("compare_hf", False, "Also time transformers' GPT-2 with the same weights.")
+config_flags.DEFINE_config_file(
+    "config", "configs/default.py", "A configs/*.py file[:args]; its model is timed."
+)
+flags.DEFINE_bool(
+    "quick",
+    False,
+    "Batch 1 and 4, max_len 64 and 128, 8 new tokens, "
+    "2 repeats: checks that the script runs.",
+)
+flags.DEFINE_bool(
+    "compare_hf", False, "Also time transformers' GPT-2 with the same weights."
+)
 flags.DEFINE_integer("vocab_size", 84, "V (84: Shakespeare's characters).")
 flags.DEFINE_integer("prompt_len", 16, "Prompt tokens before decoding.")
-flags.DEFINE_integer("new_tokens", 48, "Tokens decoded per row (at most max_len - prompt_len).")
+flags.DEFINE_integer(
+    "new_tokens", 48, "Tokens decoded per row (at most max_len - prompt_len)."
+)
 flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "Batch sizes.")
 flags.DEFINE_list("max_lens", ["64", "256", "1024"], "Cache capacities.")
 flags.DEFINE_list("decoders", ["greedy", "top-p", "beam 4"], "Decoders to time.")
-flags.DEFINE_integer("repeats", 5, "Timed runs per measurement (median).", lower_bound=1)
+flags.DEFINE_integer(
+    "repeats", 5, "Timed runs per measurement (median).", lower_bound=1
+)
 flags.DEFINE_integer("matmul_size", 1024, "Side of the timed square float32 matmul.")
-flags.DEFINE_bool("cpu_time", False, "Time by the process's CPU time (all threads) "
-                  "instead of wall time: steadier on a shared machine.")
+flags.DEFINE_bool(
+    "cpu_time",
+    False,
+    "Time by the process's CPU time (all threads) "
+    "instead of wall time: steadier on a shared machine.",
+)
 FLAGS = flags.FLAGS
 
 
@@ -70,8 +82,9 @@ def chosen_clock() -> Callable[[], float]:
     return time.process_time if FLAGS.cpu_time else time.perf_counter
 
 
-def median_seconds(fn: Callable[..., object], repeats: int,
-                   setup: Callable[[], tuple] = tuple) -> float:
+def median_seconds(
+    fn: Callable[..., object], repeats: int, setup: Callable[[], tuple] = tuple
+) -> float:
     """Median time of ``fn(*setup())``, ``setup`` (e.g. a fresh cache) untimed."""
     clock = chosen_clock()
     times = []
@@ -89,47 +102,93 @@ def lmhead_decoder(name: str, model, max_new_tokens: int):
     key = jax.random.key(0)
     if name == "greedy":
         return lambda params, logits, cache: decoding.generate(
-            step_fn, params, logits, cache, key=key, max_new_tokens=max_new_tokens,
-            temperature=0.0, donate_state=True)[0]
+            step_fn,
+            params,
+            logits,
+            cache,
+            key=key,
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+            donate_state=True,
+        )[0]
     if name == "top-p":
         return lambda params, logits, cache: decoding.generate(
-            step_fn, params, logits, cache, key=key, max_new_tokens=max_new_tokens,
-            temperature=0.8, top_p=0.9, donate_state=True)[0]
+            step_fn,
+            params,
+            logits,
+            cache,
+            key=key,
+            max_new_tokens=max_new_tokens,
+            temperature=0.8,
+            top_p=0.9,
+            donate_state=True,
+        )[0]
     return lambda params, logits, cache: decoding.beam_search(
-        step_fn, params, logits, cache, num_beams=int(name.split()[-1]),
-        max_new_tokens=max_new_tokens, eos_id=None)[0][:, 0]
+        step_fn,
+        params,
+        logits,
+        cache,
+        num_beams=int(name.split()[-1]),
+        max_new_tokens=max_new_tokens,
+        eos_id=None,
+    )[0][:, 0]
 
 
 def hf_model(model, params):
     """transformers' GPT2LMHeadModel with ``params`` copied in (GPT-2 layout)."""
     import torch
     import transformers
+
     config = transformers.GPT2Config(
-        vocab_size=model.vocab_size, n_positions=model.max_len, n_embd=model.d_model,
-        n_layer=model.num_layers, n_head=model.num_heads, n_inner=model.mlp_dim,
-        activation_function="gelu", layer_norm_epsilon=model_lib.LAYER_NORM_EPSILON,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        tie_word_embeddings=model.tied, bos_token_id=0, eos_token_id=None)
+        vocab_size=model.vocab_size,
+        n_positions=model.max_len,
+        n_embd=model.d_model,
+        n_layer=model.num_layers,
+        n_head=model.num_heads,
+        n_inner=model.mlp_dim,
+        activation_function="gelu",
+        layer_norm_epsilon=model_lib.LAYER_NORM_EPSILON,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=model.tied,
+        bos_token_id=0,
+        eos_token_id=None,
+    )
     hf = transformers.GPT2LMHeadModel(config).eval()
     tensor = lambda x: torch.from_numpy(np.array(x, np.float32))
-    state = {"transformer.wte.weight": params["embed"]["embedding"],
-             "transformer.wpe.weight": params["position_embedding"],
-             "transformer.ln_f.weight": params["final_norm"]["scale"],
-             "transformer.ln_f.bias": params["final_norm"]["bias"],
-             "lm_head.weight": (params["embed"]["embedding"] if model.tied
-                                else params["head"]["unembedding"])}
-    names = {"ln_1": "attention_norm", "ln_2": "mlp_norm", "attn.c_attn": "attention/qkv",
-             "attn.c_proj": "attention/out", "mlp.c_fc": "mlp_in", "mlp.c_proj": "mlp_out"}
+    state = {
+        "transformer.wte.weight": params["embed"]["embedding"],
+        "transformer.wpe.weight": params["position_embedding"],
+        "transformer.ln_f.weight": params["final_norm"]["scale"],
+        "transformer.ln_f.bias": params["final_norm"]["bias"],
+        "lm_head.weight": (
+            params["embed"]["embedding"]
+            if model.tied
+            else params["head"]["unembedding"]
+        ),
+    }
+    names = {
+        "ln_1": "attention_norm",
+        "ln_2": "mlp_norm",
+        "attn.c_attn": "attention/qkv",
+        "attn.c_proj": "attention/out",
+        "mlp.c_fc": "mlp_in",
+        "mlp.c_proj": "mlp_out",
+    }
     for i in range(model.num_layers):
         for hf_name, name in names.items():
             layer = params[f"blocks_{i}"]
             for part in name.split("/"):
                 layer = layer[part]
-            weight = layer["scale"] if "ln" in hf_name else layer["kernel"]  # Conv1D: [in, out]
+            weight = (
+                layer["scale"] if "ln" in hf_name else layer["kernel"]
+            )  # Conv1D: [in, out]
             state[f"transformer.h.{i}.{hf_name}.weight"] = weight
             state[f"transformer.h.{i}.{hf_name}.bias"] = layer["bias"]
-    missing, unexpected = hf.load_state_dict({k: tensor(v) for k, v in state.items()},
-                                             strict=False)
+    missing, unexpected = hf.load_state_dict(
+        {k: tensor(v) for k, v in state.items()}, strict=False
+    )
     if unexpected or [k for k in missing if not k.endswith("attn.bias")]:
         raise RuntimeError(f"weights do not match: {missing}, {unexpected}")
     return hf
@@ -137,8 +196,13 @@ def hf_model(model, params):
 
 def hf_decoder(name: str, hf, max_new_tokens: int):
     import torch
-    settings = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                    pad_token_id=0, use_cache=True)
+
+    settings = dict(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        pad_token_id=0,
+        use_cache=True,
+    )
     if name == "greedy":
         settings.update(do_sample=False, num_beams=1)
     elif name == "top-p":
@@ -149,24 +213,34 @@ def hf_decoder(name: str, hf, max_new_tokens: int):
     def decode(prompt):
         with torch.inference_mode():
             ids = torch.from_numpy(np.asarray(prompt, np.int64))
-            return hf.generate(ids, attention_mask=torch.ones_like(ids),
-                               **settings)[:, prompt.shape[1]:].numpy()
+            return hf.generate(ids, attention_mask=torch.ones_like(ids), **settings)[
+                :, prompt.shape[1] :
+            ].numpy()
+
     return decode
 
 
 def bench_max_len(max_len: int, batch_sizes, decoders, repeats: int) -> list[dict]:
     """Rows ``{decoder, batch, max_len, new, lmhead, hf}`` (seconds) at one capacity."""
     model = configuration.make_model(FLAGS.config, FLAGS.vocab_size).clone(
-        max_len=max_len, positions="learned", use_bias=True, head_bias=False,
-        head_scale=None, logits_softcap=None, dtype=jnp.float32)
-    params = jax.jit(model.init)(jax.random.key(0),
-                                 jnp.zeros((1, max_len), jnp.int32))["params"]
+        max_len=max_len,
+        positions="learned",
+        use_bias=True,
+        head_bias=False,
+        head_scale=None,
+        logits_softcap=None,
+        dtype=jnp.float32,
+    )
+    params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, max_len), jnp.int32))[
+        "params"
+    ]
     new = min(FLAGS.new_tokens, max_len - FLAGS.prompt_len)
     hf = hf_model(model, params) if FLAGS.compare_hf else None
     rows = []
     for batch in batch_sizes:
-        prompt = jax.random.randint(jax.random.key(batch), (batch, FLAGS.prompt_len), 0,
-                                    model.vocab_size)
+        prompt = jax.random.randint(
+            jax.random.key(batch), (batch, FLAGS.prompt_len), 0, model.vocab_size
+        )
         logits, cache = model_lib.prefill(model, params, prompt, max_new_tokens=new)
         for name in decoders:
             decode = lmhead_decoder(name, model, new)
@@ -175,9 +249,10 @@ def bench_max_len(max_len: int, batch_sizes, decoders, repeats: int) -> list[dic
             fresh = lambda: (jax.tree.map(jnp.copy, cache),)
             runs = {"lmhead": lambda cache: decode(params, logits, cache)}
             if hf is not None:
-                runs["hf"] = lambda d=hf_decoder(name, hf, new): d(np.asarray(prompt))
-                if name == "greedy" and not np.array_equal(runs["lmhead"](*fresh()),
-                                                           runs["hf"]()):
+                runs["hf"] = lambda d=hf_decoder(name, hf, new): d(np.asarray(prompt))  # noqa: B008
+                if name == "greedy" and not np.array_equal(
+                    runs["lmhead"](*fresh()), runs["hf"]()
+                ):
                     raise RuntimeError(f"greedy tokens differ at batch {batch}")
             setups = {"lmhead": fresh, "hf": tuple}
             for kind, run in runs.items():  # compile, warm up
@@ -186,29 +261,44 @@ def bench_max_len(max_len: int, batch_sizes, decoders, repeats: int) -> list[dic
             for _ in range(repeats):
                 for kind, run in runs.items():
                     times[kind].append(median_seconds(run, 1, setups[kind]))
-            row = dict(decoder=name, batch=batch, max_len=max_len, new=new,
-                       **{kind: float(np.median(t)) for kind, t in times.items()})
+            row = dict(
+                decoder=name,
+                batch=batch,
+                max_len=max_len,
+                new=new,
+                **{kind: float(np.median(t)) for kind, t in times.items()},
+            )
             rows.append(row)
-            versus = (f", transformers {1e3 * row['hf'] / new:.2f} ms/step"
-                      if "hf" in row else "")
-            print(f"  {name}, batch {batch}, max_len {max_len}: "
-                  f"{1e3 * row['lmhead'] / new:.2f} ms/step{versus}", flush=True)
+            versus = (
+                f", transformers {1e3 * row['hf'] / new:.2f} ms/step"
+                if "hf" in row
+                else ""
+            )
+            print(
+                f"  {name}, batch {batch}, max_len {max_len}: "
+                f"{1e3 * row['lmhead'] / new:.2f} ms/step{versus}",
+                flush=True,
+            )
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
     hf = "hf" in rows[0]
-    print("\n| decoder | batch | max_len | new tokens | tokens/s | ms/step | "
-          "ms/step vs smallest max_len |" + (" transformers tokens/s | "
-                                              "lmhead / transformers |" if hf else ""))
+    print(
+        "\n| decoder | batch | max_len | new tokens | tokens/s | ms/step | "
+        "ms/step vs smallest max_len |"
+        + (" transformers tokens/s | lmhead / transformers |" if hf else "")
+    )
     print("|---" * (9 if hf else 7) + "|")
     smallest = {}
     for row in sorted(rows, key=lambda r: (r["decoder"], r["batch"], r["max_len"])):
         step = row["lmhead"] / row["new"]
         base = smallest.setdefault((row["decoder"], row["batch"], row["new"]), step)
         rate = lambda seconds: row["batch"] * row["new"] / seconds
-        line = (f"| {row['decoder']} | {row['batch']} | {row['max_len']} | {row['new']} | "
-                f"{rate(row['lmhead']):.0f} | {1e3 * step:.2f} | {step / base:.2f}x |")
+        line = (
+            f"| {row['decoder']} | {row['batch']} | {row['max_len']} | {row['new']} | "
+            f"{rate(row['lmhead']):.0f} | {1e3 * step:.2f} | {step / base:.2f}x |"
+        )
         if hf:
             line += f" {rate(row['hf']):.0f} | {row['hf'] / row['lmhead']:.2f}x |"
         print(line)
@@ -223,12 +313,18 @@ def main(argv):
         batch_sizes, max_lens, repeats = [1, 4], [64, 128], 2
         FLAGS.new_tokens = 8
     rate = monitoring.matmul_rate(FLAGS.matmul_size, repeats, clock=chosen_clock())
-    print(f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, jax {jax.__version__}; "
-          f"float32 matmul {rate / 1e9:.0f} GFLOP/s; prompt {FLAGS.prompt_len}, "
-          f"{FLAGS.new_tokens} new tokens; "
-          f"{'CPU' if FLAGS.cpu_time else 'wall'} time", flush=True)
-    rows = [row for max_len in max_lens
-            for row in bench_max_len(max_len, batch_sizes, FLAGS.decoders, repeats)]
+    print(
+        f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, jax {jax.__version__}; "
+        f"float32 matmul {rate / 1e9:.0f} GFLOP/s; prompt {FLAGS.prompt_len}, "
+        f"{FLAGS.new_tokens} new tokens; "
+        f"{'CPU' if FLAGS.cpu_time else 'wall'} time",
+        flush=True,
+    )
+    rows = [
+        row
+        for max_len in max_lens
+        for row in bench_max_len(max_len, batch_sizes, FLAGS.decoders, repeats)
+    ]
     print_table(rows)
 
 

@@ -37,51 +37,75 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app
-from absl import flags
-from absl import logging
+from absl import app, flags, logging
 
-from lmhead.lm import data
-from lmhead import fused
-from lmhead.lm import generation
-from lmhead import head
-from lmhead import losses
+from lmhead import fused, head, losses, quantize
+from lmhead.lm import data, generation
 from lmhead.lm import model as model_lib
-from lmhead import quantize
 
 DEFAULT_SHAPES = [
     "8192,512,32768",  # the shape of the targets
-    *(f"{n},{d},{v}" for n in (4096, 16384) for d in (256, 1024)
-      for v in (8192, 32768, 131072)),
+    *(
+        f"{n},{d},{v}"
+        for n in (4096, 16384)
+        for d in (256, 1024)
+        for v in (8192, 32768, 131072)
+    ),
     "16384,256,262144",  # logits alone need 16 GiB: the materialized path
-]                        # does not fit in 24 GiB, the fused one does
+]  # does not fit in 24 GiB, the fused one does
 QUICK_SHAPES = ["512,64,1024", "1000,96,3000"]
 
-flags.DEFINE_list("shapes", None, "N,D,V triples, e.g. "
-                  "'8192,512,32768;4096,256,8192'; default: the README table.")
+flags.DEFINE_list(
+    "shapes",
+    None,
+    "N,D,V triples, e.g. '8192,512,32768;4096,256,8192'; default: the README table.",
+)
 flags.DEFINE_bool("quick", False, "Small shapes and two repeats.")
-flags.DEFINE_integer("repeats", 5, "Timed runs per program (median), fewer "
-                     "when one run takes more than --seconds_per_program / "
-                     "repeats.", lower_bound=1)
-flags.DEFINE_float("seconds_per_program", 60.0, "Time budget of the timed "
-                   "runs of one program at one shape (at least one run).")
+flags.DEFINE_integer(
+    "repeats",
+    5,
+    "Timed runs per program (median), fewer "
+    "when one run takes more than --seconds_per_program / "
+    "repeats.",
+    lower_bound=1,
+)
+flags.DEFINE_float(
+    "seconds_per_program",
+    60.0,
+    "Time budget of the timed runs of one program at one shape (at least one run).",
+)
 flags.DEFINE_integer("chunk_size", None, "fused chunk_size (default: auto).")
 flags.DEFINE_integer("vocab_chunk_size", None, "fused vocab_chunk_size.")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
-                  "dtype of h and w.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "dtype of h and w.")
 flags.DEFINE_integer("matmul_size", 4096, "Side of the timed square matmul.")
-flags.DEFINE_float("memory_fraction", 0.6, "Fraction of the available memory "
-                   "a program may use to be run (the machine may be shared).")
-flags.DEFINE_bool("quantized", False, "Measure half-precision and int8 "
-                  "unembedding tables against float32 instead.")
-flags.DEFINE_string("workdir", None, "--quantized: a trained run whose table "
-                    "and validation hidden states measure the accuracy.")
-flags.DEFINE_list("vocab_sizes", ["32000", "50257", "128256"],
-                  "--quantized: V of the timed tables.")
+flags.DEFINE_float(
+    "memory_fraction",
+    0.6,
+    "Fraction of the available memory "
+    "a program may use to be run (the machine may be shared).",
+)
+flags.DEFINE_bool(
+    "quantized",
+    False,
+    "Measure half-precision and int8 unembedding tables against float32 instead.",
+)
+flags.DEFINE_string(
+    "workdir",
+    None,
+    "--quantized: a trained run whose table "
+    "and validation hidden states measure the accuracy.",
+)
+flags.DEFINE_list(
+    "vocab_sizes", ["32000", "50257", "128256"], "--quantized: V of the timed tables."
+)
 flags.DEFINE_list("rows", ["1", "8", "32"], "--quantized: B, rows of h.")
 flags.DEFINE_integer("width", 512, "--quantized: D of the timed tables.")
-flags.DEFINE_integer("positions", 4096, "--quantized: validation positions "
-                     "(and random rows) on which accuracy is measured.")
+flags.DEFINE_integer(
+    "positions",
+    4096,
+    "--quantized: validation positions "
+    "(and random rows) on which accuracy is measured.",
+)
 FLAGS = flags.FLAGS
 
 GIB = 2.0**30
@@ -121,17 +145,27 @@ def make_steps(chunk_size, vocab_chunk_size):
         return losses.cross_entropy(head.unembed(h, w), labels)
 
     def fused_loss(h, w, labels):
-        return fused.fused_cross_entropy(h, w, labels, chunk_size=chunk_size,
-                                         vocab_chunk_size=vocab_chunk_size)
+        return fused.fused_cross_entropy(
+            h, w, labels, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size
+        )
 
-    return {name: jax.jit(jax.value_and_grad(loss, argnums=(0, 1),
-                                             has_aux=True))
-            for name, loss in (("fused", fused_loss),
-                               ("materialized", materialized))}
+    return {
+        name: jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+        for name, loss in (("fused", fused_loss), ("materialized", materialized))
+    }
 
 
-def bench_shape(n: int, d: int, v: int, steps, matmul, dtype, repeats: int,
-                seconds: float, memory_fraction: float) -> dict:
+def bench_shape(
+    n: int,
+    d: int,
+    v: int,
+    steps,
+    matmul,
+    dtype,
+    repeats: int,
+    seconds: float,
+    memory_fraction: float,
+) -> dict:
     """Compiled memory and median times of each program at one shape.
 
     ``matmul`` is ``(fn, args, flops)``: a reference timed in the same rounds.
@@ -146,14 +180,21 @@ def bench_shape(n: int, d: int, v: int, steps, matmul, dtype, repeats: int,
         compiled[name] = step.lower(h, w, labels).compile()
         stats = compiled[name].memory_analysis()
         row[name + "_temp"] = stats.temp_size_in_bytes
-        row[name + "_total"] = (stats.temp_size_in_bytes +
-                                stats.argument_size_in_bytes +
-                                stats.output_size_in_bytes)
+        row[name + "_total"] = (
+            stats.temp_size_in_bytes
+            + stats.argument_size_in_bytes
+            + stats.output_size_in_bytes
+        )
     row["available"] = available_bytes()
-    runnable = [name for name in compiled if row[name + "_total"] <=
-                memory_fraction * row["available"]]
-    warmup = max([median_seconds(compiled[name], (h, w, labels), 1)
-                  for name in runnable], default=seconds)
+    runnable = [
+        name
+        for name in compiled
+        if row[name + "_total"] <= memory_fraction * row["available"]
+    ]
+    warmup = max(
+        [median_seconds(compiled[name], (h, w, labels), 1) for name in runnable],
+        default=seconds,
+    )
     runs = int(np.clip(seconds // warmup, 1, repeats))
     times = {name: [] for name in runnable + ["matmul"]}
     for _ in range(runs):  # alternate, so all see the same load
@@ -162,8 +203,7 @@ def bench_shape(n: int, d: int, v: int, steps, matmul, dtype, repeats: int,
         times["matmul"].append(median_seconds(matmul[0], matmul[1], 1))
     row["matmul_rate"] = matmul[2] / float(np.median(times["matmul"]))
     for name in compiled:
-        row[name + "_time"] = (float(np.median(times[name])) if name in times
-                               else None)
+        row[name + "_time"] = float(np.median(times[name])) if name in times else None
     row["runs"] = runs
     return row
 
@@ -193,25 +233,30 @@ def format_row(row: dict) -> str:
     def rate(seconds):
         return "-" if seconds is None else f"{flops / seconds / 1e9:.0f}"
 
-    cells = [f"{n}", f"{d}", f"{v}", time_cell(row, "fused"),
-             time_cell(row, "materialized"),
-             "-" if None in (fused_time, mat_time)
-             else f"{fused_time / mat_time:.2f}",
-             format_bytes(row["fused_temp"]),
-             format_bytes(row["materialized_temp"]),
-             format_ratio(row["fused_temp"] / row["materialized_temp"]),
-             rate(fused_time), rate(mat_time),
-             f"{row['matmul_rate'] / 1e9:.0f}",
-             "-" if fused_time is None
-             else f"{flops / fused_time / row['matmul_rate']:.0%}",
-             f"{row['runs']}"]
+    cells = [
+        f"{n}",
+        f"{d}",
+        f"{v}",
+        time_cell(row, "fused"),
+        time_cell(row, "materialized"),
+        "-" if None in (fused_time, mat_time) else f"{fused_time / mat_time:.2f}",
+        format_bytes(row["fused_temp"]),
+        format_bytes(row["materialized_temp"]),
+        format_ratio(row["fused_temp"] / row["materialized_temp"]),
+        rate(fused_time),
+        rate(mat_time),
+        f"{row['matmul_rate'] / 1e9:.0f}",
+        "-" if fused_time is None else f"{flops / fused_time / row['matmul_rate']:.0%}",
+        f"{row['runs']}",
+    ]
     return "| " + " | ".join(cells) + " |"
 
 
-HEADER = ("| N | D | V | fused s | materialized s | time ratio | fused temp | "
-          "materialized temp | memory ratio | fused GFLOP/s | materialized "
-          "GFLOP/s | matmul GFLOP/s | fused / matmul | runs |\n|" +
-          "---|" * 14)
+HEADER = (
+    "| N | D | V | fused s | materialized s | time ratio | fused temp | "
+    "materialized temp | memory ratio | fused GFLOP/s | materialized "
+    "GFLOP/s | matmul GFLOP/s | fused / matmul | runs |\n|" + "---|" * 14
+)
 
 
 def parse_shapes(specs: list[str]) -> list[tuple[int, int, int]]:
@@ -219,7 +264,7 @@ def parse_shapes(specs: list[str]) -> list[tuple[int, int, int]]:
     if len(triples) % 3:
         raise app.UsageError(f"--shapes needs N,D,V triples; got {specs}.")
     numbers = [int(x) for x in triples]
-    return [tuple(numbers[i:i + 3]) for i in range(0, len(numbers), 3)]
+    return [tuple(numbers[i : i + 3]) for i in range(0, len(numbers), 3)]
 
 
 TABLE_DTYPES = ("float32",) + quantize.DTYPES
@@ -227,8 +272,10 @@ TABLE_DTYPES = ("float32",) + quantize.DTYPES
 
 def smaller_tables(w: jax.Array) -> dict:
     """``w`` itself and its quantized forms, by dtype name."""
-    return {"float32": w, **{dtype: quantize.quantize_unembedding(w, dtype)
-                             for dtype in quantize.DTYPES}}
+    return {
+        "float32": w,
+        **{dtype: quantize.quantize_unembedding(w, dtype) for dtype in quantize.DTYPES},
+    }
 
 
 def table_bytes(table) -> int:
@@ -247,20 +294,29 @@ def agreement_sums(h, reference, table, bias, *, scale, softcap):
     return jnp.sum(same), jnp.sum(kl)
 
 
-def accuracy_rows(label: str, h, w, bias=None, scale=None, softcap=None,
-                  block: int = 512) -> list[str]:
+def accuracy_rows(
+    label: str, h, w, bias=None, scale=None, softcap=None, block: int = 512
+) -> list[str]:
     """One table line per quantized dtype: agreement and KL against ``w``."""
     tables = smaller_tables(w)
     lines = []
     for dtype in quantize.DTYPES:
         same = kl = 0.0
         for start in range(0, h.shape[0], block):
-            sums = agreement_sums(h[start:start + block], w, tables[dtype], bias,
-                                  scale=scale, softcap=softcap)
+            sums = agreement_sums(
+                h[start : start + block],
+                w,
+                tables[dtype],
+                bias,
+                scale=scale,
+                softcap=softcap,
+            )
             same, kl = same + float(sums[0]), kl + float(sums[1])
-        lines.append(f"| {label} | {w.shape[0]} | {w.shape[1]} | {h.shape[0]} | "
-                     f"{dtype} | {table_bytes(tables[dtype]) / table_bytes(w):.3f}"
-                     f" | {same / h.shape[0]:.2%} | {kl / h.shape[0]:.2e} |")
+        lines.append(
+            f"| {label} | {w.shape[0]} | {w.shape[1]} | {h.shape[0]} | "
+            f"{dtype} | {table_bytes(tables[dtype]) / table_bytes(w):.3f}"
+            f" | {same / h.shape[0]:.2%} | {kl / h.shape[0]:.2e} |"
+        )
     return lines
 
 
@@ -275,9 +331,14 @@ def trained_accuracy(workdir: str, positions: int) -> list[str]:
     tokens = jnp.asarray(val[starts[:, None] + np.arange(block)], jnp.int32)
     h = model.apply({"params": params}, tokens, method=model_lib.DecoderLM.hidden)
     w = params["embed"]["embedding"] if model.tied else params["head"]["unembedding"]
-    return accuracy_rows(f"trained ({workdir})", h.reshape(-1, h.shape[-1]), w,
-                         params.get("head", {}).get("bias"), model.head_scale,
-                         model.logits_softcap)
+    return accuracy_rows(
+        f"trained ({workdir})",
+        h.reshape(-1, h.shape[-1]),
+        w,
+        params.get("head", {}).get("bias"),
+        model.head_scale,
+        model.logits_softcap,
+    )
 
 
 def random_table(v: int, d: int, seed: int = 0) -> jax.Array:
@@ -290,8 +351,10 @@ def speed_rows(v: int, d: int, batch: int, matmul, repeats: int) -> list[str]:
     same alternating rounds."""
     tables = smaller_tables(random_table(v, d))
     h = jax.random.normal(jax.random.key(1), (batch, d))
-    compiled = {dtype: jax.jit(head.unembed).lower(h, table).compile()
-                for dtype, table in tables.items()}
+    compiled = {
+        dtype: jax.jit(head.unembed).lower(h, table).compile()
+        for dtype, table in tables.items()
+    }
     times = {name: [] for name in TABLE_DTYPES + ("matmul",)}
     for _ in range(repeats + 1):  # the first round warms up
         for dtype in TABLE_DTYPES:
@@ -299,43 +362,60 @@ def speed_rows(v: int, d: int, batch: int, matmul, repeats: int) -> list[str]:
         times["matmul"].append(median_seconds(matmul[0], matmul[1], 1))
     median = {name: float(np.median(t[1:])) for name, t in times.items()}
     float32_bytes = table_bytes(tables["float32"])
-    return [f"| {v} | {d} | {batch} | {dtype} | "
-            f"{format_bytes(table_bytes(tables[dtype]))} | "
-            f"{table_bytes(tables[dtype]) / float32_bytes:.3f} | "
-            f"{median[dtype] * 1e3:.3g} | "
-            f"{median[dtype] / median['float32']:.2f} | "
-            f"{matmul[2] / median['matmul'] / 1e9:.0f} |" for dtype in TABLE_DTYPES]
+    return [
+        f"| {v} | {d} | {batch} | {dtype} | "
+        f"{format_bytes(table_bytes(tables[dtype]))} | "
+        f"{table_bytes(tables[dtype]) / float32_bytes:.3f} | "
+        f"{median[dtype] * 1e3:.3g} | "
+        f"{median[dtype] / median['float32']:.2f} | "
+        f"{matmul[2] / median['matmul'] / 1e9:.0f} |"
+        for dtype in TABLE_DTYPES
+    ]
 
 
 def quantized_setting(quick: bool) -> tuple[list[int], list[int], int, int]:
     """``(vocab_sizes, rows, width, positions)``: the flags, or small values
     with ``--quick`` for those not given."""
-    small = dict(vocab_sizes=["4096", "8192"], rows=["1", "8"], width=64,
-                 positions=512)
-    value = {name: small[name] if quick and not FLAGS[name].present
-             else FLAGS[name].value for name in small}
-    return ([int(v) for v in value["vocab_sizes"]], [int(b) for b in value["rows"]],
-            value["width"], value["positions"])
+    small = dict(vocab_sizes=["4096", "8192"], rows=["1", "8"], width=64, positions=512)
+    value = {
+        name: small[name] if quick and not FLAGS[name].present else FLAGS[name].value
+        for name in small
+    }
+    return (
+        [int(v) for v in value["vocab_sizes"]],
+        [int(b) for b in value["rows"]],
+        value["width"],
+        value["positions"],
+    )
 
 
 def run_quantized(quick: bool, repeats: int, matmul) -> None:
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs a restore at INFO
     vocab_sizes, rows, width, positions = quantized_setting(quick)
-    print("| V | D | B | table | table memory | x float32 bytes | unembed ms | "
-          "x float32 time | matmul GFLOP/s |\n|" + "---|" * 9, flush=True)
+    print(
+        "| V | D | B | table | table memory | x float32 bytes | unembed ms | "
+        "x float32 time | matmul GFLOP/s |\n|" + "---|" * 9,
+        flush=True,
+    )
     for v in vocab_sizes:
         for batch in rows:
-            print("\n".join(speed_rows(v, width, batch, matmul, repeats)),
-                  flush=True)
-    print("\n| weights | V | D | rows | table | x float32 bytes | top-1 agreement "
-          "| mean KL(float32 || table) nats |\n|" + "---|" * 8, flush=True)
+            print("\n".join(speed_rows(v, width, batch, matmul, repeats)), flush=True)
+    print(
+        "\n| weights | V | D | rows | table | x float32 bytes | top-1 agreement "
+        "| mean KL(float32 || table) nats |\n|" + "---|" * 8,
+        flush=True,
+    )
     if FLAGS.workdir:
         print("\n".join(trained_accuracy(FLAGS.workdir, positions)), flush=True)
     h = jax.random.normal(jax.random.key(2), (positions, width))
     for v in vocab_sizes:
-        print("\n".join(accuracy_rows("random-normal, not trained", h,
-                                       random_table(v, width))), flush=True)
+        print(
+            "\n".join(
+                accuracy_rows("random-normal, not trained", h, random_table(v, width))
+            ),
+            flush=True,
+        )
 
 
 def main(argv):
@@ -344,18 +424,33 @@ def main(argv):
     repeats = 2 if FLAGS.quick else FLAGS.repeats
     matmul = make_matmul(512 if FLAGS.quick else FLAGS.matmul_size)
     steps = make_steps(FLAGS.chunk_size, FLAGS.vocab_chunk_size)
-    print(f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, "
-          f"{available_bytes() / GIB:.1f} GiB available, {FLAGS.dtype}, "
-          f"jax {jax.__version__}; matmul: float32, side "
-          f"{matmul[1][0].shape[0]}, timed between the runs of each shape.\n")
+    print(
+        f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, "
+        f"{available_bytes() / GIB:.1f} GiB available, {FLAGS.dtype}, "
+        f"jax {jax.__version__}; matmul: float32, side "
+        f"{matmul[1][0].shape[0]}, timed between the runs of each shape.\n"
+    )
     if FLAGS.quantized:
         run_quantized(FLAGS.quick, repeats, matmul)
         return
     print(HEADER, flush=True)
     for n, d, v in parse_shapes(specs):
-        print(format_row(bench_shape(
-            n, d, v, steps, matmul, jnp.dtype(FLAGS.dtype), repeats,
-            FLAGS.seconds_per_program, FLAGS.memory_fraction)), flush=True)
+        print(
+            format_row(
+                bench_shape(
+                    n,
+                    d,
+                    v,
+                    steps,
+                    matmul,
+                    jnp.dtype(FLAGS.dtype),
+                    repeats,
+                    FLAGS.seconds_per_program,
+                    FLAGS.memory_fraction,
+                )
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -21,24 +21,31 @@ import time
 
 import httpx
 import numpy as np
-from absl import app
-from absl import flags
-from absl import logging
+from absl import app, flags, logging
 
-from lmhead.lm import configuration
-from lmhead.lm import monitoring
-from lmhead.lm import train
+from lmhead.lm import configuration, monitoring, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIENTS = (1, 4, 16)
 
-flags.DEFINE_string("workdir", None, "A training run's directory; without it, "
-                    "--quick trains a tiny one.")
-flags.DEFINE_bool("quick", False, "A tiny run (trained here unless --workdir), "
-                  "8 new tokens and, unless --requests, 32 requests per row.")
+flags.DEFINE_string(
+    "workdir",
+    None,
+    "A training run's directory; without it, --quick trains a tiny one.",
+)
+flags.DEFINE_bool(
+    "quick",
+    False,
+    "A tiny run (trained here unless --workdir), "
+    "8 new tokens and, unless --requests, 32 requests per row.",
+)
 flags.DEFINE_integer("requests", 128, "Requests per row of the table.", lower_bound=1)
-flags.DEFINE_integer("max_new_tokens", 32, "Tokens per request (at most the "
-                     "service's cap).", lower_bound=1)
+flags.DEFINE_integer(
+    "max_new_tokens",
+    32,
+    "Tokens per request (at most the service's cap).",
+    lower_bound=1,
+)
 flags.DEFINE_string("prompt", "ROMEO:", "The prompt of every request.")
 flags.DEFINE_float("temperature", 0.8, "Sampling temperature of every request.")
 flags.DEFINE_integer("startup_timeout_s", 900, "How long to wait for the warm-up.")
@@ -56,10 +63,20 @@ def tiny_run(workdir: str) -> str:
 def start_server(workdir: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
     """``experiments/serve.py`` on 127.0.0.1, once it listens, and its URL."""
     process = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "experiments", "serve.py"),
-         f"--workdir={workdir}", "--host=127.0.0.1", "--port=0", "--beam_sizes=",
-         "--max_queue=256", *extra],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            os.path.join(ROOT, "experiments", "serve.py"),
+            f"--workdir={workdir}",
+            "--host=127.0.0.1",
+            "--port=0",
+            "--beam_sizes=",
+            "--max_queue=256",
+            *extra,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     timer = threading.Timer(FLAGS.startup_timeout_s, process.kill)
     timer.start()
     for line in process.stdout:
@@ -92,6 +109,7 @@ def measure(url: str, num_clients: int, body: dict) -> dict:
                 response.raise_for_status()
                 length = response.json()["completions"][0]["length"]
                 results.append((time.perf_counter() - start, length))
+
     threads = [threading.Thread(target=client) for _ in range(num_clients)]
     for thread in threads:
         thread.start()
@@ -103,9 +121,12 @@ def measure(url: str, num_clients: int, body: dict) -> dict:
     wall = time.perf_counter() - start
     rows, batches = np.subtract(batch_rows(url), before)
     latencies = np.array([r[0] for r in results])
-    return {"p50": np.percentile(latencies, 50), "p99": np.percentile(latencies, 99),
-            "tokens_per_s": sum(r[1] for r in results) / wall,
-            "rows_per_batch": rows / max(batches, 1)}
+    return {
+        "p50": np.percentile(latencies, 50),
+        "p99": np.percentile(latencies, 99),
+        "tokens_per_s": sum(r[1] for r in results) / wall,
+        "rows_per_batch": rows / max(batches, 1),
+    }
 
 
 def batch_rows(url: str) -> tuple[float, float]:
@@ -115,8 +136,10 @@ def batch_rows(url: str) -> tuple[float, float]:
         if not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             values[name] = float(value)
-    return (values.get('lmhead_batch_rows_sum{kind="sample"}', 0.0),
-            values.get('lmhead_batch_rows_count{kind="sample"}', 0.0))
+    return (
+        values.get('lmhead_batch_rows_sum{kind="sample"}', 0.0),
+        values.get('lmhead_batch_rows_count{kind="sample"}', 0.0),
+    )
 
 
 def main(argv):
@@ -133,24 +156,33 @@ def main(argv):
         extra = ["--prompt_lengths=8", "--new_tokens=8"] if FLAGS.quick else []
         process, url = start_server(workdir, extra)
         try:
-            body = {"prompt": FLAGS.prompt, "max_new_tokens": FLAGS.max_new_tokens,
-                    "temperature": FLAGS.temperature}
+            body = {
+                "prompt": FLAGS.prompt,
+                "max_new_tokens": FLAGS.max_new_tokens,
+                "temperature": FLAGS.temperature,
+            }
             measure(url, 4, body)  # the first requests of a process run slower
             rows = {c: measure(url, c, body) for c in CLIENTS}
         finally:
             process.terminate()
             process.wait()
     rate = monitoring.matmul_rate(FLAGS.matmul_size)
-    print(f"\n{FLAGS.requests} requests per row, {FLAGS.max_new_tokens} new tokens "
-          f"each; float32 matmul {rate / 1e9:.0f} GFLOP/s\n")
-    print("| clients | p50 latency (ms) | p99 latency (ms) | tokens/s | vs one at "
-          "a time | rows per batch |")
+    print(
+        f"\n{FLAGS.requests} requests per row, {FLAGS.max_new_tokens} new tokens "
+        f"each; float32 matmul {rate / 1e9:.0f} GFLOP/s\n"
+    )
+    print(
+        "| clients | p50 latency (ms) | p99 latency (ms) | tokens/s | vs one at "
+        "a time | rows per batch |"
+    )
     print("|---:|---:|---:|---:|---:|---:|")
     for clients, row in rows.items():
-        print(f"| {clients} | {row['p50'] * 1e3:.1f} | {row['p99'] * 1e3:.1f} | "
-              f"{row['tokens_per_s']:.0f} | "
-              f"{row['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}x | "
-              f"{row['rows_per_batch']:.1f} |")
+        print(
+            f"| {clients} | {row['p50'] * 1e3:.1f} | {row['p99'] * 1e3:.1f} | "
+            f"{row['tokens_per_s']:.0f} | "
+            f"{row['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}x | "
+            f"{row['rows_per_batch']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

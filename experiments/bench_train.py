@@ -74,36 +74,53 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app
-from absl import flags
+from absl import app, flags
 
-from lmhead.lm import configuration
-from lmhead.lm import data
-from lmhead.lm import sharding
-from lmhead.lm import train
+from lmhead.lm import configuration, data, sharding, train
 from lmhead.lm import state as state_lib
 
-flags.DEFINE_multi_string("config", ["nanogpt,tied"],
-                          "configs/default.py arguments; one benchmark each.")
-flags.DEFINE_multi_string("loss_impl", [], "config.loss.loss_impl values to "
-                          "compare; none: the config's own.")
-flags.DEFINE_string("nanogpt", None, "A checkout of karpathy/nanoGPT whose "
-                    "model.py is timed beside lmhead (needs torch).")
-flags.DEFINE_multi_integer("devices", None, "lmhead's step is timed on a "
-                           "mesh of each of these numbers of devices, the "
-                           "batch split over them (data parallel); default: 1 "
-                           "and, on a CPU, the number of CPUs. On a CPU, JAX "
-                           "then makes one device per CPU.")
-flags.DEFINE_integer("steps", 20, "Timed steps per program per round.",
-                     lower_bound=1)
-flags.DEFINE_integer("rounds", 10, "Rounds of alternation (medians over "
-                     "rounds are printed).", lower_bound=1)
+flags.DEFINE_multi_string(
+    "config", ["nanogpt,tied"], "configs/default.py arguments; one benchmark each."
+)
+flags.DEFINE_multi_string(
+    "loss_impl", [], "config.loss.loss_impl values to compare; none: the config's own."
+)
+flags.DEFINE_string(
+    "nanogpt",
+    None,
+    "A checkout of karpathy/nanoGPT whose "
+    "model.py is timed beside lmhead (needs torch).",
+)
+flags.DEFINE_multi_integer(
+    "devices",
+    None,
+    "lmhead's step is timed on a "
+    "mesh of each of these numbers of devices, the "
+    "batch split over them (data parallel); default: 1 "
+    "and, on a CPU, the number of CPUs. On a CPU, JAX "
+    "then makes one device per CPU.",
+)
+flags.DEFINE_integer("steps", 20, "Timed steps per program per round.", lower_bound=1)
+flags.DEFINE_integer(
+    "rounds",
+    10,
+    "Rounds of alternation (medians over rounds are printed).",
+    lower_bound=1,
+)
 flags.DEFINE_integer("matmul_size", 1024, "Side of the timed square matmul.")
-flags.DEFINE_bool("quick", False, "3 rounds of 3 steps and a 256 matmul: "
-                  "checks that the benchmark runs, measures nothing.")
-flags.DEFINE_bool("profile", False, "Also time the stages of lmhead's "
-                  "one-device step (loss, gradient, whole step) and each of "
-                  "its matmuls alone at its own shapes.")
+flags.DEFINE_bool(
+    "quick",
+    False,
+    "3 rounds of 3 steps and a 256 matmul: "
+    "checks that the benchmark runs, measures nothing.",
+)
+flags.DEFINE_bool(
+    "profile",
+    False,
+    "Also time the stages of lmhead's "
+    "one-device step (loss, gradient, whole step) and each of "
+    "its matmuls alone at its own shapes.",
+)
 FLAGS = flags.FLAGS
 
 WARMUP_STEPS = 5
@@ -148,10 +165,10 @@ def lmhead_setup(config, dataset, batches, num_devices: int):
     of the first ``num_devices`` devices, a fresh train state and the
     ``batches`` (by ``id``) sharded over it, and a dropout key."""
     model = configuration.make_model(config, dataset.vocab_size)
-    mesh = sharding.make_mesh(num_devices, 1,
-                              devices=jax.devices()[:num_devices])
+    mesh = sharding.make_mesh(num_devices, 1, devices=jax.devices()[:num_devices])
     init_key, dropout_key = sharding.replicate(
-        tuple(jax.random.split(jax.random.key(0))), mesh)
+        tuple(jax.random.split(jax.random.key(0))), mesh
+    )
     init = functools.partial(state_lib.create_train_state, model, config)
     shardings = sharding.tree_shardings(jax.eval_shape(init, init_key), mesh)
     state = jax.jit(init, out_shardings=shardings)(init_key)
@@ -168,16 +185,16 @@ def lmhead_program(config, dataset, batches, num_devices: int):
     the end.
     """
     model, mesh, state, sharded, dropout_key = lmhead_setup(
-        config, dataset, batches, num_devices)
-    train_fn, _, _ = train.compile_steps(model, config, state,
-                                         sharded[id(batches[0])], dropout_key,
-                                         mesh)
+        config, dataset, batches, num_devices
+    )
+    train_fn, _, _ = train.compile_steps(
+        model, config, state, sharded[id(batches[0])], dropout_key, mesh
+    )
     holder = [state]
 
     def run(round_batches):
         for batch in round_batches:
-            holder[0], metrics = train_fn(holder[0], sharded[id(batch)],
-                                          dropout_key)
+            holder[0], metrics = train_fn(holder[0], sharded[id(batch)], dropout_key)
         jax.block_until_ready(metrics)
 
     return run, train_fn
@@ -190,17 +207,21 @@ def stage_programs(config, dataset, batches) -> dict:
     and "forward + backward", its ``jax.value_and_grad``, accumulated the
     same way. Like the step's, ``run`` dispatches every batch and waits once.
     """
-    model, mesh, state, sharded, dropout_key = lmhead_setup(
-        config, dataset, batches, 1)
-    loss_fn = functools.partial(train.train_loss, model=model,
-                                loss_kwargs=train.loss_keywords(config.loss))
+    model, mesh, state, sharded, dropout_key = lmhead_setup(config, dataset, batches, 1)
+    loss_fn = functools.partial(
+        train.train_loss, model=model, loss_kwargs=train.loss_keywords(config.loss)
+    )
 
     def program(fn):
-        part = functools.partial(train.accumulate, fn,
-                                 microbatches=config.train.microbatches)
+        part = functools.partial(
+            train.accumulate, fn, microbatches=config.train.microbatches
+        )
         with jax.set_mesh(mesh):
-            compiled = jax.jit(part).lower(
-                state.params, sharded[id(batches[0])], dropout_key).compile()
+            compiled = (
+                jax.jit(part)
+                .lower(state.params, sharded[id(batches[0])], dropout_key)
+                .compile()
+            )
 
         def run(round_batches):
             for batch in round_batches:
@@ -209,8 +230,10 @@ def stage_programs(config, dataset, batches) -> dict:
 
         return run
 
-    return {"forward": program(loss_fn), "forward + backward": program(
-        jax.value_and_grad(loss_fn, has_aux=True))}
+    return {
+        "forward": program(loss_fn),
+        "forward + backward": program(jax.value_and_grad(loss_fn, has_aux=True)),
+    }
 
 
 def shape_of(text: str) -> tuple[str, tuple[int, ...]]:
@@ -223,6 +246,7 @@ class Dot(NamedTuple):
     """An HLO ``dot``: its operand and result shapes (``"f32[384,128]"``) and
     its dimension numbers, as ``lax.dot_general`` takes them:
     ``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))``."""
+
     lhs: str
     rhs: str
     out: str
@@ -231,11 +255,13 @@ class Dot(NamedTuple):
     def __str__(self):
         (lhs_c, rhs_c), (lhs_b, rhs_b) = [
             ["{" + ",".join(map(str, d)) + "}" for d in pair]
-            for pair in self.dimension_numbers]
-        batch = (f"batch {lhs_b} x {rhs_b}, " if self.dimension_numbers[1][0]
-                 else "")
-        return (f"{self.lhs} x {self.rhs} -> {self.out} ({batch}contracting "
-                f"{lhs_c} x {rhs_c})")
+            for pair in self.dimension_numbers
+        ]
+        batch = f"batch {lhs_b} x {rhs_b}, " if self.dimension_numbers[1][0] else ""
+        return (
+            f"{self.lhs} x {self.rhs} -> {self.out} ({batch}contracting "
+            f"{lhs_c} x {rhs_c})"
+        )
 
     @property
     def flops(self) -> int:
@@ -267,8 +293,7 @@ def step_dots(hlo: str) -> collections.Counter:
             computation = match[1]
             if line.startswith("ENTRY"):
                 entry = computation
-            shapes[computation], dots[computation], calls[computation] = (
-                {}, [], [])
+            shapes[computation], dots[computation], calls[computation] = ({}, [], [])
             continue
         if not (match := _INSTRUCTION.match(line)):
             continue
@@ -276,23 +301,33 @@ def step_dots(hlo: str) -> collections.Counter:
         shapes[computation][name] = re.sub(r"\{.*\}$", "", shape)
         if op == "dot":
             lhs, rhs = re.match(r"%([\w.-]+), %([\w.-]+)\)", rest).groups()
-            dims = {key: tuple(int(d) for d in found[1].split(",") if d)
-                    if (found := re.search(key + r"=\{([\d,]*)\}", rest))
-                    else () for key in ("lhs_batch_dims", "rhs_batch_dims",
-                                        "lhs_contracting_dims",
-                                        "rhs_contracting_dims")}
-            dots[computation].append(Dot(
-                shapes[computation][lhs], shapes[computation][rhs],
-                shapes[computation][name],
-                ((dims["lhs_contracting_dims"], dims["rhs_contracting_dims"]),
-                 (dims["lhs_batch_dims"], dims["rhs_batch_dims"]))))
+            dims = {
+                key: tuple(int(d) for d in found[1].split(",") if d)
+                if (found := re.search(key + r"=\{([\d,]*)\}", rest))
+                else ()
+                for key in (
+                    "lhs_batch_dims",
+                    "rhs_batch_dims",
+                    "lhs_contracting_dims",
+                    "rhs_contracting_dims",
+                )
+            }
+            dots[computation].append(
+                Dot(
+                    shapes[computation][lhs],
+                    shapes[computation][rhs],
+                    shapes[computation][name],
+                    (
+                        (dims["lhs_contracting_dims"], dims["rhs_contracting_dims"]),
+                        (dims["lhs_batch_dims"], dims["rhs_batch_dims"]),
+                    ),
+                )
+            )
         trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
-        for kind, callee in re.findall(r"\b(calls|to_apply|body)=%([\w.-]+)",
-                                       rest):
+        for kind, callee in re.findall(r"\b(calls|to_apply|body)=%([\w.-]+)", rest):
             if kind == "body" and not trips:
                 raise ValueError(f"The loop {name} has no known trip count.")
-            calls[computation].append((callee, int(trips[1]) if kind == "body"
-                                        else 1))
+            calls[computation].append((callee, int(trips[1]) if kind == "body" else 1))
     counts, reached = collections.Counter(), set()
 
     def visit(computation, times):
@@ -322,25 +357,29 @@ def dot_program(dot: Dot, count: int):
             such dots.
     """
     (lhs_type, lhs_shape), (rhs_type, rhs_shape), (out_type, out_shape) = map(
-        shape_of, dot[:3])
+        shape_of, dot[:3]
+    )
     lhs_key, rhs_key = jax.random.split(jax.random.key(0))
     lhs = jax.random.normal(lhs_key, lhs_shape, DTYPES[lhs_type])
     rhs = jax.random.normal(rhs_key, rhs_shape, DTYPES[rhs_type])
     dot_general = functools.partial(
-        jax.lax.dot_general, dimension_numbers=dot.dimension_numbers,
-        preferred_element_type=DTYPES[out_type])
+        jax.lax.dot_general,
+        dimension_numbers=dot.dimension_numbers,
+        preferred_element_type=DTYPES[out_type],
+    )
 
     def repeated(lhs, rhs):
         def again(_, operands_and_result):
             lhs, rhs, _ = jax.lax.optimization_barrier(operands_and_result)
             return lhs, rhs, dot_general(lhs, rhs)
-        return jax.lax.fori_loop(0, count, again, (lhs, rhs, jnp.zeros(
-            out_shape, DTYPES[out_type])))[2]
+
+        return jax.lax.fori_loop(
+            0, count, again, (lhs, rhs, jnp.zeros(out_shape, DTYPES[out_type]))
+        )[2]
 
     compiled = jax.jit(repeated).lower(lhs, rhs).compile()
     if (runs := step_dots(compiled.as_text())) != {dot: count}:
-        raise ValueError(f"The program timing {count} of {dot} runs "
-                         f"{dict(runs)}.")
+        raise ValueError(f"The program timing {count} of {dot} runs {dict(runs)}.")
 
     def run(round_batches):
         for _ in round_batches:
@@ -353,11 +392,14 @@ def dot_program(dot: Dot, count: int):
 def nanogpt_incompatibility(config) -> str | None:
     """Why nanoGPT cannot train ``config``'s model, or None if it can."""
     m = config.model
-    reasons = {"an untied head": not m.tied,
-               "rotary positions": m.positions != "learned",
-               "a head bias, scale or softcap": m.head_bias or
-               m.head_scale is not None or m.logits_softcap is not None,
-               f"dtype {m.dtype}": m.dtype != "float32"}
+    reasons = {
+        "an untied head": not m.tied,
+        "rotary positions": m.positions != "learned",
+        "a head bias, scale or softcap": m.head_bias
+        or m.head_scale is not None
+        or m.logits_softcap is not None,
+        f"dtype {m.dtype}": m.dtype != "float32",
+    }
     found = [reason for reason, present in reasons.items() if present]
     return f"nanoGPT cannot train {', '.join(found)}" if found else None
 
@@ -365,21 +407,30 @@ def nanogpt_incompatibility(config) -> str | None:
 def nanogpt_program(path: str, config, vocab_size: int, batches):
     """``run(batches)`` of nanoGPT's training step (model.py from ``path``)."""
     import torch  # only here: torch is a peer, not a dependency
+
     module = configuration.load_module(os.path.join(path, "model.py"))
     torch.set_num_threads(cpu_count())
     torch.manual_seed(0)
     m, o = config.model, config.optim
     gpt_config = module.GPTConfig(
-        block_size=config.data.block_size, vocab_size=vocab_size,
-        n_layer=m.num_layers, n_head=m.num_heads, n_embd=m.d_model,
-        dropout=m.dropout_rate, bias=m.use_bias)
+        block_size=config.data.block_size,
+        vocab_size=vocab_size,
+        n_layer=m.num_layers,
+        n_head=m.num_heads,
+        n_embd=m.d_model,
+        dropout=m.dropout_rate,
+        bias=m.use_bias,
+    )
     with contextlib.redirect_stdout(io.StringIO()):  # its parameter counts
         gpt = module.GPT(gpt_config)
-        optimizer = gpt.configure_optimizers(o.weight_decay, o.lr,
-                                             (o.b1, o.b2), "cpu")
+        optimizer = gpt.configure_optimizers(o.weight_decay, o.lr, (o.b1, o.b2), "cpu")
     gpt.train()
-    tensors = {id(b): tuple(torch.from_numpy(b[k].astype(np.int64))
-                            for k in ("inputs", "labels")) for b in batches}
+    tensors = {
+        id(b): tuple(
+            torch.from_numpy(b[k].astype(np.int64)) for k in ("inputs", "labels")
+        )
+        for b in batches
+    }
 
     def run(round_batches):
         for batch in round_batches:
@@ -405,22 +456,39 @@ def alternate(programs: dict, batches, matmul, rounds: int) -> dict:
         for name, run in programs.items():
             wall, cpu = time.perf_counter(), time.process_time()
             run(timed)
-            times[name].append(((time.perf_counter() - wall) / len(timed),
-                                (time.process_time() - cpu) / len(timed)))
+            times[name].append(
+                (
+                    (time.perf_counter() - wall) / len(timed),
+                    (time.process_time() - cpu) / len(timed),
+                )
+            )
         times["matmul"].append((matmul(), float("nan")))
     return {name: np.median(np.array(t), axis=0) for name, t in times.items()}
 
 
-def bench(arg: str, loss_impls: list[str], device_counts: list[int],
-          nanogpt: str | None, steps: int, rounds: int, matmul,
-          profile: bool) -> None:
+def bench(
+    arg: str,
+    loss_impls: list[str],
+    device_counts: list[int],
+    nanogpt: str | None,
+    steps: int,
+    rounds: int,
+    matmul,
+    profile: bool,
+) -> None:
     config = configuration.load_config(arg)
     configuration.validate_config(config)
     dataset = data.load_dataset(config.data)
-    batches = [data.train_batch(dataset.train_tokens, seed=0, step=s,
-                                batch_size=config.train.batch_size,
-                                block_size=config.data.block_size)
-               for s in range(WARMUP_STEPS + steps)]
+    batches = [
+        data.train_batch(
+            dataset.train_tokens,
+            seed=0,
+            step=s,
+            batch_size=config.train.batch_size,
+            block_size=config.data.block_size,
+        )
+        for s in range(WARMUP_STEPS + steps)
+    ]
     programs, xla_flops, profiled, step_dot_counts = {}, {}, {}, {}
     for loss_impl in loss_impls or [config.loss.loss_impl]:
         variant = config.copy_and_resolve_references()
@@ -428,101 +496,134 @@ def bench(arg: str, loss_impls: list[str], device_counts: list[int],
         configuration.validate_config(variant)
         for count in device_counts:
             if config.train.batch_size % count:
-                print(f"{arg}: {count} devices skipped: they do not divide "
-                      f"the batch of {config.train.batch_size}.")
+                print(
+                    f"{arg}: {count} devices skipped: they do not divide "
+                    f"the batch of {config.train.batch_size}."
+                )
                 continue
             name = f"lmhead {loss_impl}, {count} device{'s' * (count > 1)}"
-            programs[name], train_fn = lmhead_program(variant, dataset,
-                                                      batches, count)
+            programs[name], train_fn = lmhead_program(variant, dataset, batches, count)
             xla_flops[name] = count * (train_fn.cost_analysis() or {}).get(
-                "flops", float("nan"))
+                "flops", float("nan")
+            )
             if profile and count == 1:
                 step_dot_counts[name] = step_dots(train_fn.as_text())
-                parts = {**stage_programs(variant, dataset, batches),
-                         **{str(dot): dot_program(dot, n) for dot, n
-                            in step_dot_counts[name].items()}}
-                profiled.update({f"{name}: {part}": run
-                                 for part, run in parts.items()})
-    skip = ("no --nanogpt checkout" if not nanogpt else
-            "torch is not installed" if importlib.util.find_spec("torch") is None
-            else f"no {nanogpt}/model.py" if not os.path.isfile(
-                os.path.join(nanogpt, "model.py"))
-            else nanogpt_incompatibility(config))
+                parts = {
+                    **stage_programs(variant, dataset, batches),
+                    **{
+                        str(dot): dot_program(dot, n)
+                        for dot, n in step_dot_counts[name].items()
+                    },
+                }
+                profiled.update({f"{name}: {part}": run for part, run in parts.items()})
+    skip = (
+        "no --nanogpt checkout"
+        if not nanogpt
+        else "torch is not installed"
+        if importlib.util.find_spec("torch") is None
+        else f"no {nanogpt}/model.py"
+        if not os.path.isfile(os.path.join(nanogpt, "model.py"))
+        else nanogpt_incompatibility(config)
+    )
     if skip is None:
-        programs["nanoGPT"] = nanogpt_program(nanogpt, config,
-                                              dataset.vocab_size, batches)
+        programs["nanoGPT"] = nanogpt_program(
+            nanogpt, config, dataset.vocab_size, batches
+        )
     times = alternate({**programs, **profiled}, batches, matmul[0], rounds)
     tokens = config.train.batch_size * config.data.block_size
     flops = model_flops_per_token(config, dataset.vocab_size) * tokens
-    print(f"\n{arg}: V={dataset.vocab_size}, {tokens} tokens and "
-          f"{flops / 1e9:.2f} model GFLOP per step"
-          + (f"; nanoGPT skipped: {skip}" if skip else ""))
+    print(
+        f"\n{arg}: V={dataset.vocab_size}, {tokens} tokens and "
+        f"{flops / 1e9:.2f} model GFLOP per step"
+        + (f"; nanoGPT skipped: {skip}" if skip else "")
+    )
     rate = matmul[1] / times["matmul"][0]
-    print_times({name: times[name] for name in programs}, tokens, flops, rate,
-                xla_flops)
+    print_times(
+        {name: times[name] for name in programs}, tokens, flops, rate, xla_flops
+    )
     for name, dots in step_dot_counts.items():
         print_profile(name, times, dots, rate)
 
 
-def print_times(times: dict, tokens: int, flops: float, rate: float,
-                xla_flops: dict) -> None:
+def print_times(
+    times: dict, tokens: int, flops: float, rate: float, xla_flops: dict
+) -> None:
     """One line per program: time, tokens/s, FLOP rate, ratio to nanoGPT."""
-    print(f"  float32 matmul {rate / 1e9:.1f} GFLOP/s: every model FLOP at "
-          f"that rate would take {1e3 * flops / rate:.1f} ms/step")
+    print(
+        f"  float32 matmul {rate / 1e9:.1f} GFLOP/s: every model FLOP at "
+        f"that rate would take {1e3 * flops / rate:.1f} ms/step"
+    )
     for name, (wall, cpu) in times.items():
         if name == "matmul":
             continue
-        line = (f"  {name:24s} {1e3 * wall:7.2f} ms/step (CPU time "
-                f"{1e3 * cpu:7.2f} ms)  {tokens / wall:9,.0f} tokens/s  "
-                f"{flops / wall / 1e9:6.1f} GFLOP/s = {flops / wall / rate:4.0%}"
-                " of matmul")
+        line = (
+            f"  {name:24s} {1e3 * wall:7.2f} ms/step (CPU time "
+            f"{1e3 * cpu:7.2f} ms)  {tokens / wall:9,.0f} tokens/s  "
+            f"{flops / wall / 1e9:6.1f} GFLOP/s = {flops / wall / rate:4.0%}"
+            " of matmul"
+        )
         if name in xla_flops:
             line += f"  (XLA count {xla_flops[name] / 1e9:.2f} GFLOP/step)"
         if "nanoGPT" in times and name != "nanoGPT":
             ratio = times["nanoGPT"] / times[name]
-            line += (f"  {ratio[0]:.2f}x nanoGPT's tokens/s "
-                     f"({ratio[1]:.2f}x per CPU second)")
+            line += (
+                f"  {ratio[0]:.2f}x nanoGPT's tokens/s ({ratio[1]:.2f}x per CPU second)"
+            )
         print(line, flush=True)
 
 
-def print_profile(name: str, times: dict, dots: collections.Counter,
-                  rate: float) -> None:
+def print_profile(
+    name: str, times: dict, dots: collections.Counter, rate: float
+) -> None:
     """``--profile``'s tables of the one-device step ``name``: its stages,
     then its matmuls, each alone at its own shapes, against the step."""
     step = times[name]
     forward = times[f"{name}: forward"]
     gradient = times[f"{name}: forward + backward"]
-    print(f"\n| {name}: stage | ms/step (wall) | CPU ms/step | of the step |"
-          "\n|---|---|---|---|")
+    print(
+        f"\n| {name}: stage | ms/step (wall) | CPU ms/step | of the step |"
+        "\n|---|---|---|---|"
+    )
     for stage, (wall, cpu) in {
-            "forward (the loss)": forward,
-            "forward + backward (value_and_grad)": gradient,
-            "train step (+ optimizer)": step,
-            "backward = forward + backward - forward": gradient - forward,
-            "optimizer = train step - (forward + backward)": step - gradient,
-            }.items():
-        print(f"| {stage} | {1e3 * wall:.2f} | {1e3 * cpu:.2f} | "
-              f"{wall / step[0]:.0%} |")
-    print(f"\n| {name}: dot | per step | MFLOP | ms each | ms/step | GFLOP/s |"
-          "\n|---|---|---|---|---|---|")
+        "forward (the loss)": forward,
+        "forward + backward (value_and_grad)": gradient,
+        "train step (+ optimizer)": step,
+        "backward = forward + backward - forward": gradient - forward,
+        "optimizer = train step - (forward + backward)": step - gradient,
+    }.items():
+        print(
+            f"| {stage} | {1e3 * wall:.2f} | {1e3 * cpu:.2f} | {wall / step[0]:.0%} |"
+        )
+    print(
+        f"\n| {name}: dot | per step | MFLOP | ms each | ms/step | GFLOP/s |"
+        "\n|---|---|---|---|---|---|"
+    )
     total = np.zeros(2)
-    for dot, count in sorted(dots.items(), key=lambda item: -times[
-            f"{name}: {item[0]}"][0]):
+    for dot, count in sorted(
+        dots.items(), key=lambda item: -times[f"{name}: {item[0]}"][0]
+    ):
         wall, cpu = times[f"{name}: {dot}"]
         total += (wall, cpu)
-        print(f"| {dot} | {count} | {dot.flops / 1e6:.2f} | "
-              f"{1e3 * wall / count:.3f} | {1e3 * wall:.2f} | "
-              f"{count * dot.flops / wall / 1e9:.1f} |")
+        print(
+            f"| {dot} | {count} | {dot.flops / 1e6:.2f} | "
+            f"{1e3 * wall / count:.3f} | {1e3 * wall:.2f} | "
+            f"{count * dot.flops / wall / 1e9:.1f} |"
+        )
     dot_flops = sum(count * dot.flops for dot, count in dots.items())
-    print(f"\n  {sum(dots.values())} dots per step, {dot_flops / 1e9:.2f} "
-          f"GFLOP: {1e3 * total[0]:.2f} ms at their own shapes "
-          f"({dot_flops / total[0] / 1e9:.1f} GFLOP/s), "
-          f"{1e3 * dot_flops / rate:.2f} ms at the square matmul's "
-          f"{rate / 1e9:.1f} GFLOP/s")
-    print(f"  matmuls at this step's own shapes: {1e3 * total[0]:.2f} ms of "
-          f"the step's {1e3 * step[0]:.2f} ms ({total[0] / step[0]:.0%}); CPU "
-          f"time {1e3 * total[1]:.2f} ms of {1e3 * step[1]:.2f} ms "
-          f"({total[1] / step[1]:.0%})", flush=True)
+    print(
+        f"\n  {sum(dots.values())} dots per step, {dot_flops / 1e9:.2f} "
+        f"GFLOP: {1e3 * total[0]:.2f} ms at their own shapes "
+        f"({dot_flops / total[0] / 1e9:.1f} GFLOP/s), "
+        f"{1e3 * dot_flops / rate:.2f} ms at the square matmul's "
+        f"{rate / 1e9:.1f} GFLOP/s"
+    )
+    print(
+        f"  matmuls at this step's own shapes: {1e3 * total[0]:.2f} ms of "
+        f"the step's {1e3 * step[0]:.2f} ms ({total[0] / step[0]:.0%}); CPU "
+        f"time {1e3 * total[1]:.2f} ms of {1e3 * step[1]:.2f} ms "
+        f"({total[1] / step[1]:.0%})",
+        flush=True,
+    )
 
 
 def device_counts() -> list[int]:
@@ -539,17 +640,29 @@ def main(argv):
     del argv
     counts = device_counts()
     if FLAGS.profile and 1 not in counts:
-        raise app.UsageError("--profile profiles the one-device step: "
-                             "--devices must include 1.")
-    steps, rounds, size = ((3, 3, 256) if FLAGS.quick else
-                           (FLAGS.steps, FLAGS.rounds, FLAGS.matmul_size))
-    print(f"{jax.devices()[0].device_kind}, {cpu_count()} CPUs, jax "
-          f"{jax.__version__}; {rounds} rounds of {steps} steps, medians",
-          flush=True)
+        raise app.UsageError(
+            "--profile profiles the one-device step: --devices must include 1."
+        )
+    steps, rounds, size = (
+        (3, 3, 256) if FLAGS.quick else (FLAGS.steps, FLAGS.rounds, FLAGS.matmul_size)
+    )
+    print(
+        f"{jax.devices()[0].device_kind}, {cpu_count()} CPUs, jax "
+        f"{jax.__version__}; {rounds} rounds of {steps} steps, medians",
+        flush=True,
+    )
     matmul = matmul_program(size)
     for arg in FLAGS.config:
-        bench(arg, FLAGS.loss_impl, counts, FLAGS.nanogpt, steps, rounds,
-              matmul, FLAGS.profile)
+        bench(
+            arg,
+            FLAGS.loss_impl,
+            counts,
+            FLAGS.nanogpt,
+            steps,
+            rounds,
+            matmul,
+            FLAGS.profile,
+        )
 
 
 if __name__ == "__main__":

@@ -14,9 +14,7 @@ one step) and the milliseconds per new token of the compiled programs.
 import sys
 
 import jax
-from absl import app
-from absl import flags
-from absl import logging
+from absl import app, flags, logging
 
 from lmhead.lm import generation
 
@@ -24,20 +22,35 @@ flags.DEFINE_string("workdir", None, "A training run's directory.", required=Tru
 flags.DEFINE_string("prompt", "\n", "Text to continue.")
 flags.DEFINE_integer("max_new_tokens", 200, "Tokens to add.", lower_bound=1)
 flags.DEFINE_integer("num_samples", 1, "Continuations to print.", lower_bound=1)
-flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 is greedy.",
-                   lower_bound=0.0)
-flags.DEFINE_integer("top_k", None, "Sample among the k likeliest tokens.",
-                     lower_bound=1)
-flags.DEFINE_float("top_p", None, "Sample from the smallest set of mass >= p.",
-                   lower_bound=0.0, upper_bound=1.0)
-flags.DEFINE_integer("num_beams", None, "Beam search with this many beams "
-                     "(ignores the sampling flags).", lower_bound=1)
+flags.DEFINE_float(
+    "temperature", 1.0, "Sampling temperature; 0 is greedy.", lower_bound=0.0
+)
+flags.DEFINE_integer(
+    "top_k", None, "Sample among the k likeliest tokens.", lower_bound=1
+)
+flags.DEFINE_float(
+    "top_p",
+    None,
+    "Sample from the smallest set of mass >= p.",
+    lower_bound=0.0,
+    upper_bound=1.0,
+)
+flags.DEFINE_integer(
+    "num_beams",
+    None,
+    "Beam search with this many beams (ignores the sampling flags).",
+    lower_bound=1,
+)
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
-flags.DEFINE_enum("quantize", None, ["int8", "bfloat16", "float16"],
-                  "Decode with the head's table in this type (the embedding "
-                  "lookup keeps float32).")
-flags.DEFINE_bool("timings", True, "Report time to first token and ms per "
-                  "new token on stderr.")
+flags.DEFINE_enum(
+    "quantize",
+    None,
+    ["int8", "bfloat16", "float16"],
+    "Decode with the head's table in this type (the embedding lookup keeps float32).",
+)
+flags.DEFINE_bool(
+    "timings", True, "Report time to first token and ms per new token on stderr."
+)
 
 
 def main(argv):
@@ -50,18 +63,33 @@ def main(argv):
     if f.quantize:
         params = generation.quantize_for_decoding(model, params, f.quantize)
     texts = generation.generate_text(
-        model, params, tokenizer, f.prompt, key=jax.random.key(f.seed),
-        num_samples=f.num_samples, max_new_tokens=f.max_new_tokens,
-        temperature=f.temperature, top_k=f.top_k, top_p=f.top_p,
-        num_beams=f.num_beams)
+        model,
+        params,
+        tokenizer,
+        f.prompt,
+        key=jax.random.key(f.seed),
+        num_samples=f.num_samples,
+        max_new_tokens=f.max_new_tokens,
+        temperature=f.temperature,
+        top_k=f.top_k,
+        top_p=f.top_p,
+        num_beams=f.num_beams,
+    )
     print(generation.SAMPLE_SEPARATOR.join(texts), flush=True)
     if f.timings:
         prompt, new_tokens = generation.timing_prompt(
-            model, tokenizer, f.prompt, f.num_samples, f.max_new_tokens)
+            model, tokenizer, f.prompt, f.num_samples, f.max_new_tokens
+        )
         timings = generation.time_generation(
-            model, params, prompt, max_new_tokens=new_tokens,
-            temperature=f.temperature, top_k=f.top_k, top_p=f.top_p,
-            key=jax.random.key(f.seed))
+            model,
+            params,
+            prompt,
+            max_new_tokens=new_tokens,
+            temperature=f.temperature,
+            top_k=f.top_k,
+            top_p=f.top_p,
+            key=jax.random.key(f.seed),
+        )
         print(generation.format_timings(timings, f.num_samples), file=sys.stderr)
 
 

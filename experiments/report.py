@@ -28,33 +28,40 @@ Prints the table and the paths at the end.
 import os
 import time
 
-from absl import app
-from absl import flags
 import matplotlib
+from absl import app, flags
 
 matplotlib.use("Agg")  # files only; no display needed
-import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+import matplotlib.pyplot as plt
 
-from lmhead.lm import configuration
-from lmhead.lm import data
 from lmhead.lab import stats as stats_lib
-from lmhead.studies.tying import report as study_report
 from lmhead.lab import sweeps
+from lmhead.lm import configuration, data
+from lmhead.studies.tying import report as study_report
 
 # (key in the final metrics, column title, decimals)
-METRICS = (("loss", "val loss (nats/token)", 4), ("perplexity", "perplexity", 2),
-           ("bits_per_char", "bits/char", 4), ("accuracy", "accuracy", 4),
-           ("ece", "calibration error (ECE)", 4), ("tokens_per_sec", "tokens/s", 0))
+METRICS = (
+    ("loss", "val loss (nats/token)", 4),
+    ("perplexity", "perplexity", 2),
+    ("bits_per_char", "bits/char", 4),
+    ("accuracy", "accuracy", 4),
+    ("ece", "calibration error (ECE)", 4),
+    ("tokens_per_sec", "tokens/s", 0),
+)
 # Overrides shown in their own columns; any other varying key goes to "other".
 DESCRIBED_KEYS = ("model.tied", "data.tokenizer", "data.vocab_size", "model.d_model")
 DASH = "—"
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Sweep directory.", required=True)
 _SWEEP = flags.DEFINE_string(
-    "sweep", None, "Sweep file and argument (path.py[:arg]); default: the one in "
-    "the sweep directory's sweep.json.")
+    "sweep",
+    None,
+    "Sweep file and argument (path.py[:arg]); default: the one in "
+    "the sweep directory's sweep.json.",
+)
 _OUT = flags.DEFINE_string(
-    "out", None, "Where a study's report goes; default: the sweep directory.")
+    "out", None, "Where a study's report goes; default: the sweep directory."
+)
 
 
 def vocab_size_of(run: sweeps.Run) -> int | None:
@@ -80,20 +87,30 @@ def describe(runs: list[sweeps.Run]) -> dict:
     configured = next((r for r in runs if r.config), runs[0])
     values = {**sweeps.flatten(configured.config), **overrides}
     tokenizer = values.get("data.tokenizer", "char")
-    vocab_size = vocab_size_of(configured) if configured.config else values.get(
-        "data.vocab_size")
+    vocab_size = (
+        vocab_size_of(configured)
+        if configured.config
+        else values.get("data.vocab_size")
+    )
     if tokenizer == "char":
         vocabulary = f"char ({vocab_size})" if vocab_size else "char"
     else:
         vocabulary = f"{tokenizer} {vocab_size or values.get('data.vocab_size')}"
     finished = [r for r in runs if r.status == "finished"]
     params = {sweeps.final_metrics(r).get("num_params") for r in finished} - {None}
-    other = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in overrides.items()
-                      if k not in DESCRIBED_KEYS and not sweeps.is_seed_key(k))
-    return dict(head="tied" if is_tied(configured) else "untied",
-                vocabulary=vocabulary, vocab_size=vocab_size,
-                d_model=values.get("model.d_model"),
-                params=params.pop() if len(params) == 1 else None, other=other)
+    other = ", ".join(
+        f"{k.rsplit('.', 1)[-1]}={v}"
+        for k, v in overrides.items()
+        if k not in DESCRIBED_KEYS and not sweeps.is_seed_key(k)
+    )
+    return dict(
+        head="tied" if is_tied(configured) else "untied",
+        vocabulary=vocabulary,
+        vocab_size=vocab_size,
+        d_model=values.get("model.d_model"),
+        params=params.pop() if len(params) == 1 else None,
+        other=other,
+    )
 
 
 def format_mean_std(values: list[float], decimals: int) -> str:
@@ -110,16 +127,30 @@ def settings_table(groups: list[list[sweeps.Run]]) -> str:
     """The markdown table, one row per setting."""
     descriptions = [describe(g) for g in groups]
     show_other = any(d["other"] for d in descriptions)
-    header = ["head", "vocabulary", "d_model", *(["other"] if show_other else []),
-              "parameters", *(title for _, title, _ in METRICS), "n", "not finished"]
+    header = [
+        "head",
+        "vocabulary",
+        "d_model",
+        *(["other"] if show_other else []),
+        "parameters",
+        *(title for _, title, _ in METRICS),
+        "n",
+        "not finished",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for group, d in zip(groups, descriptions):
         finished = [sweeps.final_metrics(r) for r in group if r.status == "finished"]
-        cells = [d["head"], d["vocabulary"], str(d["d_model"]),
-                 *([d["other"] or DASH] if show_other else []),
-                 f"{d['params']:,}" if d["params"] else DASH]
+        cells = [
+            d["head"],
+            d["vocabulary"],
+            str(d["d_model"]),
+            *([d["other"] or DASH] if show_other else []),
+            f"{d['params']:,}" if d["params"] else DASH,
+        ]
         for key, _, decimals in METRICS:
-            cells.append(format_mean_std([m[key] for m in finished if key in m], decimals))
+            cells.append(
+                format_mean_std([m[key] for m in finished if key in m], decimals)
+            )
         cells += [str(len(finished)), str(len(group) - len(finished))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -137,43 +168,63 @@ def compared_settings(runs: list[sweeps.Run]) -> list[tuple[dict, list, list]]:
 
 
 def by_seed(runs: list[sweeps.Run], key: str) -> dict:
-    return {sweeps.seed_of(r): sweeps.final_metrics(r)[key] for r in runs
-            if r.status == "finished" and key in sweeps.final_metrics(r)}
+    return {
+        sweeps.seed_of(r): sweeps.final_metrics(r)[key]
+        for r in runs
+        if r.status == "finished" and key in sweeps.final_metrics(r)
+    }
 
 
 def verdict(difference: stats_lib.PairedDifference, label: str) -> str:
     """A plain sentence on whether untied - tied differs from zero."""
     if difference.n < 2:
-        return (f"{label}: {difference.n} seed pair(s) finished; an interval needs "
-                "at least 2.")
-    interval = (f"untied - tied = {difference.mean:+.4f} nats/token, 95% interval "
-                f"[{difference.low:+.4f}, {difference.high:+.4f}] over "
-                f"{difference.n} seed pairs")
+        return (
+            f"{label}: {difference.n} seed pair(s) finished; an interval needs "
+            "at least 2."
+        )
+    interval = (
+        f"untied - tied = {difference.mean:+.4f} nats/token, 95% interval "
+        f"[{difference.low:+.4f}, {difference.high:+.4f}] over "
+        f"{difference.n} seed pairs"
+    )
     if not difference.excludes_zero:
         return f"{label}: {interval}; not distinguishable from zero."
     better = "tied" if difference.mean > 0 else "untied"
-    return (f"{label}: {interval}; the interval excludes zero: the {better} head "
-            "reaches the lower validation loss.")
+    return (
+        f"{label}: {interval}; the interval excludes zero: the {better} head "
+        "reaches the lower validation loss."
+    )
 
 
 def differences_section(runs: list[sweeps.Run]) -> str:
     """The untied - tied table and sentences, per vocabulary (and width)."""
-    lines = ["| vocabulary | d_model | untied - tied, val loss (nats/token) | 95% interval,"
-             " val loss | untied - tied, bits/char | 95% interval, bits/char | seed pairs |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| vocabulary | d_model | untied - tied, val loss (nats/token) | 95% interval,"
+        " val loss | untied - tied, bits/char | 95% interval, bits/char | seed pairs |",
+        "|---|---|---|---|---|---|---|",
+    ]
     sentences = []
     for d, tied, untied in compared_settings(runs):
         label = f"{d['vocabulary']}, d_model {d['d_model']}" + (
-            f", {d['other']}" if d["other"] else "")
-        cells = [d["vocabulary"] + (f" ({d['other']})" if d["other"] else ""),
-                 str(d["d_model"])]
-        loss, bits = (stats_lib.paired_difference(by_seed(untied, key),
-                                                  by_seed(tied, key))
-                      for key in ("loss", "bits_per_char"))
+            f", {d['other']}" if d["other"] else ""
+        )
+        cells = [
+            d["vocabulary"] + (f" ({d['other']})" if d["other"] else ""),
+            str(d["d_model"]),
+        ]
+        loss, bits = (
+            stats_lib.paired_difference(by_seed(untied, key), by_seed(tied, key))
+            for key in ("loss", "bits_per_char")
+        )
         for diff in (loss, bits):
-            cells.append(f"{diff.mean:+.4f} ± {diff.std:.4f}" if diff.n >= 2 else
-                         (f"{diff.mean:+.4f}" if diff.n else DASH))
-            cells.append(f"[{diff.low:+.4f}, {diff.high:+.4f}]" if diff.n >= 2 else DASH)
+            cells.append(
+                f"{diff.mean:+.4f} ± {diff.std:.4f}"
+                if diff.n >= 2
+                else (f"{diff.mean:+.4f}" if diff.n else DASH)
+            )
+            cells.append(
+                f"[{diff.low:+.4f}, {diff.high:+.4f}]" if diff.n >= 2 else DASH
+            )
         lines.append("| " + " | ".join(cells + [str(loss.n)]) + " |")
         sentences.append("- " + verdict(loss, label))
     if not sentences:
@@ -187,7 +238,9 @@ def not_finished_section(runs: list[sweeps.Run]) -> str:
         return "Every run finished."
     lines = [f"{len(missing)} of {len(runs)} runs are not in the means above:"]
     for run in missing:
-        exit_code = f", exit code {run.returncode}" if run.returncode is not None else ""
+        exit_code = (
+            f", exit code {run.returncode}" if run.returncode is not None else ""
+        )
         evals = sweeps.eval_curve(run)[0]
         reached = f", last evaluation at step {evals[-1]}" if evals else ""
         log = os.path.join(run.name, sweeps.LOG_FILE)  # beside REPORT.md
@@ -210,22 +263,34 @@ def mean_curve(runs: list[sweeps.Run]):
         return [], [], [], 0
     steps = sorted(set.intersection(*(set(c) for c in curves)))
     stats = [stats_lib.mean_std([c[s] for c in curves]) for s in steps]
-    return (steps, [m for m, _, _ in stats],
-            [0.0 if n < 2 else sd for _, sd, n in stats], len(curves))
+    return (
+        steps,
+        [m for m, _, _ in stats],
+        [0.0 if n < 2 else sd for _, sd, n in stats],
+        len(curves),
+    )
 
 
 def plot_curves(runs: list[sweeps.Run], path: str) -> None:
     compared = compared_settings(runs)
-    figure, axes = plt.subplots(1, max(len(compared), 1), squeeze=False,
-                                figsize=(5 * max(len(compared), 1), 4))
+    figure, axes = plt.subplots(
+        1, max(len(compared), 1), squeeze=False, figsize=(5 * max(len(compared), 1), 4)
+    )
     for axis, (d, tied, untied) in zip(axes[0], compared):
         for head, head_runs in (("tied", tied), ("untied", untied)):
             steps, mean, std, n = mean_curve(head_runs)
             axis.plot(steps, mean, label=f"{head} (n={n})")
-            axis.fill_between(steps, [m - s for m, s in zip(mean, std)],
-                              [m + s for m, s in zip(mean, std)], alpha=0.25)
-        axis.set(title=f"{d['vocabulary']}, d_model {d['d_model']} {d['other']}",
-                 xlabel="step", ylabel="validation loss (nats/token)")
+            axis.fill_between(
+                steps,
+                [m - s for m, s in zip(mean, std)],
+                [m + s for m, s in zip(mean, std)],
+                alpha=0.25,
+            )
+        axis.set(
+            title=f"{d['vocabulary']}, d_model {d['d_model']} {d['other']}",
+            xlabel="step",
+            ylabel="validation loss (nats/token)",
+        )
         axis.legend()
     figure.suptitle("Validation loss: mean over seeds, band ±1 std")
     figure.tight_layout()
@@ -233,8 +298,9 @@ def plot_curves(runs: list[sweeps.Run], path: str) -> None:
     plt.close(figure)
 
 
-def plot_finals(groups: list[list[sweeps.Run]], x_key: str, x_label: str,
-                path: str) -> None:
+def plot_finals(
+    groups: list[list[sweeps.Run]], x_key: str, x_label: str, path: str
+) -> None:
     """Final loss and bits/char against ``x_key`` of ``describe``, per head and width.
 
     Against the vocabulary size the points of a series are joined by lines;
@@ -251,16 +317,29 @@ def plot_finals(groups: list[list[sweeps.Run]], x_key: str, x_label: str,
     for axis, (key, title, _) in zip(axes, (METRICS[0], METRICS[2])):
         for label, points in series.items():
             points.sort(key=lambda p: p[0])
-            stats = [stats_lib.mean_std([f[key] for f in finals if key in f])
-                     for _, finals, _ in points]
+            stats = [
+                stats_lib.mean_std([f[key] for f in finals if key in f])
+                for _, finals, _ in points
+            ]
             xs, means = [x for x, _, _ in points], [m for m, _, _ in stats]
-            axis.errorbar(xs, means, yerr=[0.0 if n < 2 else s for _, s, n in stats],
-                          marker="o", capsize=3, label=label,
-                          linestyle="-" if x_key == "vocab_size" else "none")
+            axis.errorbar(
+                xs,
+                means,
+                yerr=[0.0 if n < 2 else s for _, s, n in stats],
+                marker="o",
+                capsize=3,
+                label=label,
+                linestyle="-" if x_key == "vocab_size" else "none",
+            )
             if x_key != "vocab_size":
                 for x, mean, (_, _, vocabulary) in zip(xs, means, points):
-                    axis.annotate(vocabulary, (x, mean), textcoords="offset points",
-                                  xytext=(5, 5), fontsize=8)
+                    axis.annotate(
+                        vocabulary,
+                        (x, mean),
+                        textcoords="offset points",
+                        xytext=(5, 5),
+                        fontsize=8,
+                    )
         axis.set(xscale="log", xlabel=x_label, ylabel=f"final {title}")
         axis.legend()
     figure.suptitle("Final validation loss: mean over seeds, bars ±1 std")
@@ -273,12 +352,15 @@ def provenance(sweep_dir: str, runs: list[sweeps.Run]) -> str:
     """Which command made the runs, where, and how long they trained."""
     sweep = sweeps.read_sweep_record(sweep_dir)
     seconds = sum((r.summary or {}).get("wall_seconds", 0.0) for r in runs)
-    lines = [f"Command: `{sweep['command']}`" if "command" in sweep else
-             "Runs found in the directory (no sweep.json).",
-             *([f"Machine: {sweep['machine']}"] if "machine" in sweep else []),
-             f"{len(runs)} runs; the finished ones took {seconds / 60:.1f} min in "
-             f"all (their wall_seconds). Report written "
-             f"{time.strftime('%Y-%m-%d %H:%M')}."]
+    lines = [
+        f"Command: `{sweep['command']}`"
+        if "command" in sweep
+        else "Runs found in the directory (no sweep.json).",
+        *([f"Machine: {sweep['machine']}"] if "machine" in sweep else []),
+        f"{len(runs)} runs; the finished ones took {seconds / 60:.1f} min in "
+        f"all (their wall_seconds). Report written "
+        f"{time.strftime('%Y-%m-%d %H:%M')}.",
+    ]
     return "  \n".join(lines)
 
 
@@ -286,26 +368,37 @@ def write_report(sweep_dir: str) -> tuple[str, str, list[str]]:
     """Writes REPORT.md and the plots; returns (table, report path, plot paths)."""
     runs = sweeps.read_sweep(sweep_dir)
     if not runs:
-        raise FileNotFoundError(f"No runs in {sweep_dir}: no sweep.json and no "
-                                "subdirectory with a config.json.")
+        raise FileNotFoundError(
+            f"No runs in {sweep_dir}: no sweep.json and no "
+            "subdirectory with a config.json."
+        )
     groups = sweeps.group_runs(runs)
-    plots = [os.path.join(sweep_dir, name) for name in
-             ("loss_curves.png", "loss_vs_vocab.png", "loss_vs_params.png")]
+    plots = [
+        os.path.join(sweep_dir, name)
+        for name in ("loss_curves.png", "loss_vs_vocab.png", "loss_vs_params.png")
+    ]
     plot_curves(runs, plots[0])
     plot_finals(groups, "vocab_size", "vocabulary size", plots[1])
     plot_finals(groups, "params", "parameters", plots[2])
     table = settings_table(groups)
-    report = "\n\n".join([
-        f"# Tied vs untied head: {os.path.basename(os.path.abspath(sweep_dir))}",
-        provenance(sweep_dir, runs),
-        "Final validation metrics: mean ± sample standard deviation (n - 1) over "
-        "seeds; n = finished runs. Loss is per token, so compare vocabularies by "
-        "bits per character.",
-        table, "## Untied - tied, paired by seed", differences_section(runs),
-        "The interval is mean ± t(0.975, n - 1) · s / √n over the per-seed "
-        "differences (Student's t quantile from scipy.stats).",
-        "## Runs not finished", not_finished_section(runs), "## Plots",
-        *(f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots)])
+    report = "\n\n".join(
+        [
+            f"# Tied vs untied head: {os.path.basename(os.path.abspath(sweep_dir))}",
+            provenance(sweep_dir, runs),
+            "Final validation metrics: mean ± sample standard deviation (n - 1) over "
+            "seeds; n = finished runs. Loss is per token, so compare vocabularies by "
+            "bits per character.",
+            table,
+            "## Untied - tied, paired by seed",
+            differences_section(runs),
+            "The interval is mean ± t(0.975, n - 1) · s / √n over the per-seed "
+            "differences (Student's t quantile from scipy.stats).",
+            "## Runs not finished",
+            not_finished_section(runs),
+            "## Plots",
+            *(f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots),
+        ]
+    )
     report_path = os.path.join(sweep_dir, "REPORT.md")
     with open(report_path, "w", encoding="utf-8") as f:
         f.write(report + "\n")

@@ -8,21 +8,25 @@ A text longer than the model's context is scored window by window (see
 ``lmhead/lm/scoring.py``); ``--stride`` trades context for time.
 """
 
-from absl import app
-from absl import flags
-from absl import logging
+from absl import app, flags, logging
 
-from lmhead.lm import generation
-from lmhead.lm import scoring
+from lmhead.lm import generation, scoring
 
 flags.DEFINE_string("workdir", None, "A training run's directory.", required=True)
 flags.DEFINE_multi_string("file", [], "UTF-8 text file to score (repeatable).")
 flags.DEFINE_multi_string("text", [], "Text to score (repeatable).")
-flags.DEFINE_integer("stride", None, "Tokens between window starts, in [1, "
-                     "max_len]; default max_len // 2.", lower_bound=1)
+flags.DEFINE_integer(
+    "stride",
+    None,
+    "Tokens between window starts, in [1, max_len]; default max_len // 2.",
+    lower_bound=1,
+)
 flags.DEFINE_integer("batch_size", 8, "Windows per model call.", lower_bound=1)
-flags.DEFINE_string("per_token", None, "Write a TSV of (name, token, log_prob) "
-                    "of every scored token to this path.")
+flags.DEFINE_string(
+    "per_token",
+    None,
+    "Write a TSV of (name, token, log_prob) of every scored token to this path.",
+)
 flags.DEFINE_bool("json", False, "Print the totals as JSON.")
 
 
@@ -36,13 +40,25 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     _, tokenizer, model, params = generation.load_run(f.workdir)
     sources = scoring.read_texts(f.file, f.text)
-    scores = [scoring.score_text(model, params, tokenizer, text, name=name,
-                                    stride=f.stride, batch_size=f.batch_size)
-              for name, text in sources]
+    scores = [
+        scoring.score_text(
+            model,
+            params,
+            tokenizer,
+            text,
+            name=name,
+            stride=f.stride,
+            batch_size=f.batch_size,
+        )
+        for name, text in sources
+    ]
     if f.per_token:
         scoring.write_token_table(f.per_token, scores)
-    print(scoring.format_json(scores) if f.json
-          else "\n".join(scoring.format_score(s) for s in scores))
+    print(
+        scoring.format_json(scores)
+        if f.json
+        else "\n".join(scoring.format_score(s) for s in scores)
+    )
 
 
 if __name__ == "__main__":

@@ -12,39 +12,58 @@ endpoints are described in ``lmhead/serve/web.py``.
 
 import time
 
-from absl import app
-from absl import flags
-from absl import logging
+from absl import app, flags, logging
 
-from lmhead.serve import batching
 from lmhead.lm import generation
-from lmhead.serve import requests
-from lmhead.serve import web
+from lmhead.serve import batching, requests, web
 
 flags.DEFINE_string("workdir", None, "A training run's directory.", required=True)
-flags.DEFINE_string("host", "127.0.0.1", "Address to listen on; any but loopback "
-                    "needs --token_file.")
+flags.DEFINE_string(
+    "host", "127.0.0.1", "Address to listen on; any but loopback needs --token_file."
+)
 flags.DEFINE_integer("port", 8000, "Port to listen on.", lower_bound=0)
-flags.DEFINE_string("token_file", None, "File holding the bearer token that every "
-                    "endpoint but /healthz then requires.")
-flags.DEFINE_list("batch_sizes", [], "Batch sizes (rows) to compile, ascending; "
-                  "the largest caps a batch. Default: powers of 2 up to 16.")
-flags.DEFINE_list("prompt_lengths", [], "Prompt lengths (tokens) to compile; the "
-                  "largest caps a prompt. Default: powers of 2 up to max_len // 2.")
-flags.DEFINE_list("new_tokens", [], "New-token counts to compile; the largest caps "
-                  "max_new_tokens. Default: powers of 2 up to max_len - the "
-                  "longest prompt.")
+flags.DEFINE_string(
+    "token_file",
+    None,
+    "File holding the bearer token that every endpoint but /healthz then requires.",
+)
+flags.DEFINE_list(
+    "batch_sizes",
+    [],
+    "Batch sizes (rows) to compile, ascending; "
+    "the largest caps a batch. Default: powers of 2 up to 16.",
+)
+flags.DEFINE_list(
+    "prompt_lengths",
+    [],
+    "Prompt lengths (tokens) to compile; the "
+    "largest caps a prompt. Default: powers of 2 up to max_len // 2.",
+)
+flags.DEFINE_list(
+    "new_tokens",
+    [],
+    "New-token counts to compile; the largest caps "
+    "max_new_tokens. Default: powers of 2 up to max_len - the "
+    "longest prompt.",
+)
 flags.DEFINE_list("beam_sizes", ["2", "4"], "num_beams values above 1 to allow.")
 flags.DEFINE_integer("max_prompts", 16, "Prompts per request.", lower_bound=1)
-flags.DEFINE_integer("max_score_chars", 4096, "Characters per text to score.",
-                     lower_bound=2)
+flags.DEFINE_integer(
+    "max_score_chars", 4096, "Characters per text to score.", lower_bound=2
+)
 flags.DEFINE_integer("max_body_bytes", 65536, "Largest request body.", lower_bound=1)
-flags.DEFINE_integer("max_queue", 64, "Requests that may wait; more get 503.",
-                     lower_bound=1)
-flags.DEFINE_float("batch_window_ms", 5.0, "How long a request waits for others "
-                   "to share its batch.", lower_bound=0.0)
-flags.DEFINE_float("timeout_s", 30.0, "A request not answered by then gets 504.",
-                   lower_bound=0.0)
+flags.DEFINE_integer(
+    "max_queue", 64, "Requests that may wait; more get 503.", lower_bound=1
+)
+flags.DEFINE_float(
+    "batch_window_ms",
+    5.0,
+    "How long a request waits for others to share its batch.",
+    lower_bound=0.0,
+)
+flags.DEFINE_float(
+    "timeout_s", 30.0, "A request not answered by then gets 504.", lower_bound=0.0
+)
 flags.DEFINE_integer("seed", 0, "Key of the batches of requests without a seed.")
 
 
@@ -67,23 +86,35 @@ def main(argv):
     except ValueError as error:
         raise app.UsageError(str(error)) from None
     _, tokenizer, model, params = generation.load_run(f.workdir)
-    prompt_lengths = _sizes("prompt_lengths", requests.powers_of_two(model.max_len // 2))
+    prompt_lengths = _sizes(
+        "prompt_lengths", requests.powers_of_two(model.max_len // 2)
+    )
     buckets = requests.Buckets(
         batch_sizes=_sizes("batch_sizes", requests.powers_of_two(16)),
         prompt_lengths=prompt_lengths,
-        new_tokens=_sizes("new_tokens", requests.powers_of_two(
-            model.max_len - prompt_lengths[-1])),
-        beam_sizes=_sizes("beam_sizes", ()))
+        new_tokens=_sizes(
+            "new_tokens", requests.powers_of_two(model.max_len - prompt_lengths[-1])
+        ),
+        beam_sizes=_sizes("beam_sizes", ()),
+    )
     engine = batching.Engine(model, params, tokenizer, buckets, seed=f.seed)
     start = time.perf_counter()
     runs = engine.warm_up()
-    print(f"warm-up: {runs} shapes in {time.perf_counter() - start:.1f} s; "
-          f"buckets {buckets}", flush=True)
+    print(
+        f"warm-up: {runs} shapes in {time.perf_counter() - start:.1f} s; "
+        f"buckets {buckets}",
+        flush=True,
+    )
     config = web.ServiceConfig(
-        token=token, max_body_bytes=f.max_body_bytes, max_queue=f.max_queue,
-        window_s=f.batch_window_ms / 1000, timeout_s=f.timeout_s,
-        limits=requests.Limits(max_prompts=f.max_prompts,
-                              max_score_chars=f.max_score_chars))
+        token=token,
+        max_body_bytes=f.max_body_bytes,
+        max_queue=f.max_queue,
+        window_s=f.batch_window_ms / 1000,
+        timeout_s=f.timeout_s,
+        limits=requests.Limits(
+            max_prompts=f.max_prompts, max_score_chars=f.max_score_chars
+        ),
+    )
     web.serve(web.make_app(engine, config), f.host, f.port)
 
 

@@ -50,8 +50,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from absl import app
-from absl import flags
+from absl import app, flags
 
 from lmhead.lab import sweeps
 
@@ -61,23 +60,38 @@ CONFIG_FILE = os.path.join(ROOT, "configs", "default.py")
 LOG_TAIL_LINES = 20
 
 _SWEEP = flags.DEFINE_string(
-    "sweep", None, "Sweep file and argument: path.py[:arg], e.g. "
-    "configs/sweeps/tying_study.py:small,stage=tune.", required=True)
+    "sweep",
+    None,
+    "Sweep file and argument: path.py[:arg], e.g. "
+    "configs/sweeps/tying_study.py:small,stage=tune.",
+    required=True,
+)
 _WORKDIR = flags.DEFINE_string(
-    "workdir", None, "Sweep directory; each run gets a subdirectory.", required=True)
+    "workdir", None, "Sweep directory; each run gets a subdirectory.", required=True
+)
 _PARALLEL = flags.DEFINE_integer(
-    "parallel", 1, "Runs at a time, as separate processes.", lower_bound=1)
+    "parallel", 1, "Runs at a time, as separate processes.", lower_bound=1
+)
 _CPUS_PER_RUN = flags.DEFINE_integer(
-    "cpus_per_run", 0, "With --parallel, pin each running run to this many CPUs "
-    "of its own (Linux); 0: every run sees every CPU.", lower_bound=0)
+    "cpus_per_run",
+    0,
+    "With --parallel, pin each running run to this many CPUs "
+    "of its own (Linux); 0: every run sees every CPU.",
+    lower_bound=0,
+)
 _DRY_RUN = flags.DEFINE_bool(
-    "dry_run", False, "Print the commands of the runs still to do, one a line, "
-    "and run nothing.")
+    "dry_run",
+    False,
+    "Print the commands of the runs still to do, one a line, and run nothing.",
+)
 _REPORT = flags.DEFINE_bool(
-    "report", True, "Write REPORT.md and the plots when the runs are done.")
+    "report", True, "Write REPORT.md and the plots when the runs are done."
+)
 _TRAIN_SCRIPT = flags.DEFINE_string(
-    "train_script", os.path.join(EXPERIMENTS, "train.py"),
-    "Program each run executes with --config, --workdir and --config.* flags.")
+    "train_script",
+    os.path.join(EXPERIMENTS, "train.py"),
+    "Program each run executes with --config, --workdir and --config.* flags.",
+)
 
 
 def display_path(path: str) -> str:
@@ -93,11 +107,17 @@ def plan(sweep_spec: str, sweep_dir: str, train_script: str) -> list[dict]:
     for name, run_overrides in zip(sweeps.run_names(overrides), overrides):
         workdir = os.path.join(sweep_dir, name)
         command = sweeps.train_command(
-            base, workdir, run_overrides, python=sys.executable,
-            script=display_path(train_script), config_file=display_path(CONFIG_FILE),
-            shared=shared)
-        runs.append(dict(name=name, workdir=workdir, overrides=run_overrides,
-                         command=command))
+            base,
+            workdir,
+            run_overrides,
+            python=sys.executable,
+            script=display_path(train_script),
+            config_file=display_path(CONFIG_FILE),
+            shared=shared,
+        )
+        runs.append(
+            dict(name=name, workdir=workdir, overrides=run_overrides, command=command)
+        )
     return runs
 
 
@@ -106,10 +126,17 @@ def describe_machine() -> str:
     cpu = platform.processor()
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), cpu)
-    return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs"
-            + (f" ({cpu})" if cpu else ""))
+            cpu = next(
+                (
+                    line.split(":", 1)[1].strip()
+                    for line in f
+                    if line.startswith("model name")
+                ),
+                cpu,
+            )
+    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs" + (
+        f" ({cpu})" if cpu else ""
+    )
 
 
 def is_finished(run: dict) -> bool:
@@ -125,11 +152,15 @@ def cpu_slots(parallel: int, cpus_per_run: int) -> list[frozenset[int] | None]:
         raise ValueError("--cpus_per_run needs os.sched_setaffinity (Linux).")
     cpus = sorted(os.sched_getaffinity(0))
     if parallel * cpus_per_run > len(cpus):
-        raise ValueError(f"--parallel={parallel} runs of --cpus_per_run={cpus_per_run} "
-                         f"need {parallel * cpus_per_run} CPUs; this process may use "
-                         f"{len(cpus)}.")
-    return [frozenset(cpus[i * cpus_per_run:(i + 1) * cpus_per_run])
-            for i in range(parallel)]
+        raise ValueError(
+            f"--parallel={parallel} runs of --cpus_per_run={cpus_per_run} "
+            f"need {parallel * cpus_per_run} CPUs; this process may use "
+            f"{len(cpus)}."
+        )
+    return [
+        frozenset(cpus[i * cpus_per_run : (i + 1) * cpus_per_run])
+        for i in range(parallel)
+    ]
 
 
 def start(run: dict, cpus: frozenset[int] | None = None) -> subprocess.Popen:
@@ -140,23 +171,42 @@ def start(run: dict, cpus: frozenset[int] | None = None) -> subprocess.Popen:
     if os.path.exists(status_path):
         os.remove(status_path)
     with open(os.path.join(run["workdir"], sweeps.LOG_FILE), "a") as log:
-        log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} "
-                  f"{shlex.join(run['command'])}\n")
+        log.write(
+            f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(run['command'])}\n"
+        )
         log.flush()
         return subprocess.Popen(
-            run["command"], stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
+            run["command"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
+        )
 
 
-def record_exit(run: dict, returncode: int, started: float, ended: float,
-                cpus: frozenset[int] | None) -> bool:
+def record_exit(
+    run: dict,
+    returncode: int,
+    started: float,
+    ended: float,
+    cpus: frozenset[int] | None,
+) -> bool:
     """Writes the run's ``status.json`` (exit code, start and end times in
     seconds since the epoch, CPUs); whether the run finished."""
     with open(os.path.join(run["workdir"], sweeps.STATUS_FILE), "w") as f:
-        json.dump(dict(returncode=returncode, seconds=ended - started, started=started,
-                       ended=ended, cpus=None if cpus is None else sorted(cpus),
-                       command=run["command"]), f, indent=2)
+        json.dump(
+            dict(
+                returncode=returncode,
+                seconds=ended - started,
+                started=started,
+                ended=ended,
+                cpus=None if cpus is None else sorted(cpus),
+                command=run["command"],
+            ),
+            f,
+            indent=2,
+        )
     return returncode == 0 and is_finished(run)
 
 
@@ -164,9 +214,12 @@ class Terminated(Exception):
     """The runner got SIGTERM (``kill``, a scheduler's preemption)."""
 
 
-def run_all(runs: list[dict], slots: list[frozenset[int] | None],
-            replan: Callable[[], list[dict]] | None = None,
-            stop: threading.Event | None = None) -> tuple[list[dict], int]:
+def run_all(
+    runs: list[dict],
+    slots: list[frozenset[int] | None],
+    replan: Callable[[], list[dict]] | None = None,
+    stop: threading.Event | None = None,
+) -> tuple[list[dict], int]:
     """Runs ``runs``, one per slot at a time (a slot: the CPUs a run is
     pinned to, or ``None``); returns the ones that failed and how many ran.
 
@@ -188,9 +241,12 @@ def run_all(runs: list[dict], slots: list[frozenset[int] | None],
             while pending and free:
                 run, cpus = pending.popleft(), free.popleft()
                 resumes = os.path.isdir(os.path.join(run["workdir"], "checkpoints"))
-                print(f"[{done + len(running) + 1}/{done + len(running) + len(pending) + 1}]"
-                      f" {'resume' if resumes else 'start'} {run['name']}"
-                      + (f" on CPUs {sorted(cpus)}" if cpus else ""), flush=True)
+                print(
+                    f"[{done + len(running) + 1}/{done + len(running) + len(pending) + 1}]"
+                    f" {'resume' if resumes else 'start'} {run['name']}"
+                    + (f" on CPUs {sorted(cpus)}" if cpus else ""),
+                    flush=True,
+                )
                 running[start(run, cpus)] = (run, time.time(), cpus)
             for process, (run, started, cpus) in list(running.items()):
                 if process.poll() is None:
@@ -204,16 +260,21 @@ def run_all(runs: list[dict], slots: list[frozenset[int] | None],
                     outcome = f"finished in {seconds:.0f} s"
                 else:
                     failed.append(run)
-                    outcome = (f"FAILED (exit {process.returncode}) after "
-                               f"{seconds:.0f} s; log: {run['workdir']}/{sweeps.LOG_FILE}")
+                    outcome = (
+                        f"FAILED (exit {process.returncode}) after "
+                        f"{seconds:.0f} s; log: {run['workdir']}/{sweeps.LOG_FILE}"
+                    )
                 for new in replan() if replan else []:
                     if new["name"] not in queued:
                         queued.add(new["name"])
                         pending.append(new)
                 total = done + len(running) + len(pending)
                 left = seconds_done / done * (total - done) / parallel / 60
-                print(f"[{done}/{total}] {run['name']} {outcome}; "
-                      f"about {left:.0f} min left", flush=True)
+                print(
+                    f"[{done}/{total}] {run['name']} {outcome}; "
+                    f"about {left:.0f} min left",
+                    flush=True,
+                )
             time.sleep(0.2)
     except (KeyboardInterrupt, Terminated):
         for process in running:
@@ -242,8 +303,16 @@ def write_sweep_record(runs: list[dict]) -> None:
     """``sweep.json``: the sweep, the command, the machine and the planned runs."""
     os.makedirs(_WORKDIR.value, exist_ok=True)
     with open(os.path.join(_WORKDIR.value, sweeps.SWEEP_FILE), "w") as f:
-        json.dump(dict(sweep=_SWEEP.value, command=shlex.join(["python", *sys.argv]),
-                       machine=describe_machine(), runs=runs), f, indent=2)
+        json.dump(
+            dict(
+                sweep=_SWEEP.value,
+                command=shlex.join(["python", *sys.argv]),
+                machine=describe_machine(),
+                runs=runs,
+            ),
+            f,
+            indent=2,
+        )
 
 
 def main(argv):
@@ -252,8 +321,10 @@ def main(argv):
     runs = plan_or_exit()
     todo = [run for run in runs if not is_finished(run)]
     if _DRY_RUN.value:
-        print(f"# {len(runs) - len(todo)} of {len(runs)} runs already finished",
-              file=sys.stderr)
+        print(
+            f"# {len(runs) - len(todo)} of {len(runs)} runs already finished",
+            file=sys.stderr,
+        )
         for run in todo:
             print(shlex.join(run["command"]))
         return
@@ -271,34 +342,50 @@ def main(argv):
         # A sweep may plan from its own results (the tying study's tuning stage
         # extends a cell's rates past the grid when its best is at an end).
         try:
-            return [run for run in plan(_SWEEP.value, _WORKDIR.value, _TRAIN_SCRIPT.value)
-                    if not is_finished(run)]
+            return [
+                run
+                for run in plan(_SWEEP.value, _WORKDIR.value, _TRAIN_SCRIPT.value)
+                if not is_finished(run)
+            ]
         except (ValueError, FileNotFoundError) as e:
             print(f"Planning again failed, so no runs were added: {e}", flush=True)
             return []
 
     write_sweep_record(runs)
-    print(f"{len(runs)} runs in {_WORKDIR.value}: {len(runs) - len(todo)} finished "
-          f"before, {len(todo)} to run, {_PARALLEL.value} at a time.", flush=True)
+    print(
+        f"{len(runs)} runs in {_WORKDIR.value}: {len(runs) - len(todo)} finished "
+        f"before, {len(todo)} to run, {_PARALLEL.value} at a time.",
+        flush=True,
+    )
     started = time.time()
     try:
         failed, ran = run_all(todo, slots, replan, stop)
     except Terminated:
-        sys.exit("Stopped by SIGTERM, the running runs with it; the same command "
-                 "resumes the sweep.")
+        sys.exit(
+            "Stopped by SIGTERM, the running runs with it; the same command "
+            "resumes the sweep."
+        )
     write_sweep_record(plan_or_exit())
     print(f"The runs took {(time.time() - started) / 60:.1f} min.", flush=True)
     report_failed = False
     if _REPORT.value:
-        report = [sys.executable, os.path.join(EXPERIMENTS, "report.py"),
-                  f"--workdir={_WORKDIR.value}"]
+        report = [
+            sys.executable,
+            os.path.join(EXPERIMENTS, "report.py"),
+            f"--workdir={_WORKDIR.value}",
+        ]
         report_failed = subprocess.run(report, check=False).returncode != 0
     for run in failed:
-        print(f"\nFAILED: {run['name']}\n  {shlex.join(run['command'])}\n"
-              f"  last lines of {run['workdir']}/{sweeps.LOG_FILE}:\n{log_tail(run)}")
+        print(
+            f"\nFAILED: {run['name']}\n  {shlex.join(run['command'])}\n"
+            f"  last lines of {run['workdir']}/{sweeps.LOG_FILE}:\n{log_tail(run)}"
+        )
     if failed or report_failed:
-        print(f"{len(failed)} of {ran} runs failed"
-              + ("; the report failed" if report_failed else "") + ".")
+        print(
+            f"{len(failed)} of {ran} runs failed"
+            + ("; the report failed" if report_failed else "")
+            + "."
+        )
         sys.exit(1)
 
 

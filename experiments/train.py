@@ -30,29 +30,33 @@ import signal
 import sys
 
 import jax
-from absl import app
-from absl import flags
-from absl import logging
+from absl import app, flags, logging
 from ml_collections import config_flags
 
-from lmhead.lm import configuration
-from lmhead.lm import preemption
-from lmhead.lm import sharding
-from lmhead.lm import train
+from lmhead.lm import configuration, preemption, sharding, train
 
-config_flags.DEFINE_config_file("config", None, "A configs/*.py file[:args].",
-                                lock_config=True)
+config_flags.DEFINE_config_file(
+    "config", None, "A configs/*.py file[:args].", lock_config=True
+)
 flags.DEFINE_string("workdir", None, "Directory of the run's outputs.")
-flags.DEFINE_bool("distributed", False,
-                  "Start jax.distributed and let JAX detect the cluster.")
-flags.DEFINE_string("coordinator_address", None,
-                    "host:port of process 0, for a run over several processes.")
+flags.DEFINE_bool(
+    "distributed", False, "Start jax.distributed and let JAX detect the cluster."
+)
+flags.DEFINE_string(
+    "coordinator_address",
+    None,
+    "host:port of process 0, for a run over several processes.",
+)
 flags.DEFINE_integer("num_processes", None, "Processes in the run.")
 flags.DEFINE_integer("process_id", None, "This process's index, 0 to N - 1.")
-flags.DEFINE_integer("cpu_devices", None,
-                     "Devices of the CPU backend (default: JAX's, one); with "
-                     "the default config.mesh each batch is split over them "
-                     "(data parallel). No effect on GPU or TPU.", lower_bound=1)
+flags.DEFINE_integer(
+    "cpu_devices",
+    None,
+    "Devices of the CPU backend (default: JAX's, one); with "
+    "the default config.mesh each batch is split over them "
+    "(data parallel). No effect on GPU or TPU.",
+    lower_bound=1,
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -64,9 +68,11 @@ def main(argv):
     if flags.FLAGS.cpu_devices:  # before any backend starts
         jax.config.update("jax_num_cpu_devices", flags.FLAGS.cpu_devices)
     if flags.FLAGS.distributed or flags.FLAGS.coordinator_address:
-        sharding.initialize_distributed(flags.FLAGS.coordinator_address,
-                                        flags.FLAGS.num_processes,
-                                        flags.FLAGS.process_id)
+        sharding.initialize_distributed(
+            flags.FLAGS.coordinator_address,
+            flags.FLAGS.num_processes,
+            flags.FLAGS.process_id,
+        )
     try:
         train.train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
     except preemption.Preempted as e:
@@ -81,11 +87,11 @@ def parse_flags(argv: list[str]) -> list[str]:
     try:
         return app.parse_flags_with_usage(argv)
     except (AttributeError, KeyError):
-        overrides = [m[1] for arg in argv
-                     if (m := re.match(r"--?(?:no)?config\.([\w.]+)", arg))]
+        overrides = [
+            m[1] for arg in argv if (m := re.match(r"--?(?:no)?config\.([\w.]+)", arg))
+        ]
         try:
-            configuration.check_config_keys(overrides,
-                                            configuration.default_types())
+            configuration.check_config_keys(overrides, configuration.default_types())
         except ValueError as e:
             sys.exit(f"FATAL Flags parsing error: {e}")
         raise

@@ -13,32 +13,27 @@ training), the service (:mod:`lmhead.serve`), the sweep tooling
 (:mod:`lmhead.lab`) and the studies (:mod:`lmhead.studies`).
 """
 
-from lmhead import decoding
-from lmhead import head
-from lmhead import losses
-from lmhead import modules
-from lmhead import vocab_parallel
-from lmhead import quantize
-from lmhead.decoding import beam_search
-from lmhead.decoding import detokenize
-from lmhead.decoding import generate
-from lmhead.decoding import process_logits
+from lmhead import decoding, head, losses, modules, quantize, vocab_parallel
+from lmhead.decoding import beam_search, detokenize, generate, process_logits
 from lmhead.fused import fused_cross_entropy
-from lmhead.head import apply_softcap
-from lmhead.head import last_positions
-from lmhead.head import log_probs
-from lmhead.head import output_distribution
-from lmhead.head import probs
-from lmhead.head import sequence_log_prob
-from lmhead.head import token_log_probs
-from lmhead.head import unembed
-from lmhead.losses import bits_per_character
-from lmhead.losses import bits_per_token
-from lmhead.losses import cross_entropy
-from lmhead.losses import expected_calibration_error
-from lmhead.losses import perplexity
+from lmhead.head import (
+    apply_softcap,
+    last_positions,
+    log_probs,
+    output_distribution,
+    probs,
+    sequence_log_prob,
+    token_log_probs,
+    unembed,
+)
+from lmhead.losses import (
+    bits_per_character,
+    bits_per_token,
+    cross_entropy,
+    expected_calibration_error,
+    perplexity,
+)
 from lmhead.modules import LMHead
-from lmhead.quantize import QuantizedTable
-from lmhead.quantize import quantize_unembedding
+from lmhead.quantize import QuantizedTable, quantize_unembedding
 
 __version__ = "0.1.0"

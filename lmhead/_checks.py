@@ -30,28 +30,34 @@ def check_floating(name: str, x: jax.typing.ArrayLike) -> None:
     """Raises TypeError unless ``x`` has a floating-point dtype."""
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
         raise TypeError(
-            f"{name} must have a floating-point dtype; got {jnp.result_type(x)}.")
+            f"{name} must have a floating-point dtype; got {jnp.result_type(x)}."
+        )
 
 
 def check_integer(name: str, x: jax.typing.ArrayLike) -> None:
     """Raises TypeError unless ``x`` has an integer dtype."""
     if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
-        raise TypeError(
-            f"{name} must have an integer dtype; got {jnp.result_type(x)}.")
+        raise TypeError(f"{name} must have an integer dtype; got {jnp.result_type(x)}.")
 
 
-def check_rank(name: str, x: jax.typing.ArrayLike, rank: int | set[int],
-                             layout: str) -> None:
+def check_rank(
+    name: str, x: jax.typing.ArrayLike, rank: int | set[int], layout: str
+) -> None:
     """Raises ValueError unless ``x.ndim`` is ``rank`` (or in the set)."""
     ranks = {rank} if isinstance(rank, int) else rank
     if np.ndim(x) not in ranks:
-        raise ValueError(
-            f"{name} must have shape {layout}; got shape {np.shape(x)}.")
+        raise ValueError(f"{name} must have shape {layout}; got shape {np.shape(x)}.")
 
 
-def check_in_range(name: str, value: Any, *, low: float | None = None,
-                                     high: float | None = None, low_open: bool = False,
-                                     high_open: bool = False) -> None:
+def check_in_range(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
     """Raises ValueError unless every element of ``value`` lies in the range.
 
     Skipped for traced values, whose range cannot be known at trace time.
@@ -71,36 +77,40 @@ def check_in_range(name: str, value: Any, *, low: float | None = None,
         high_text = "inf" if high is None else f"{high:g}"
         bad = array[~ok].ravel()[0] if array.ndim else array.item()
         raise ValueError(
-            f"{name} must be in {left}{low_text}, {high_text}{right}; got {bad}.")
+            f"{name} must be in {left}{low_text}, {high_text}{right}; got {bad}."
+        )
 
 
-def check_unembed_inputs(h: jax.typing.ArrayLike, w: jax.typing.ArrayLike,
-                         bias: jax.typing.ArrayLike | None) -> None:
+def check_unembed_inputs(
+    h: jax.typing.ArrayLike, w: jax.typing.ArrayLike, bias: jax.typing.ArrayLike | None
+) -> None:
     """Checks ``h: [..., D]``, ``w: [V, D]`` and ``bias: [V] | None``."""
     check_floating("h", h)
     check_floating("w", w)
     check_rank("w", w, 2, "[V, D]")
     if 0 in np.shape(w):
-        raise ValueError(f"w must have shape [V, D] with V >= 1 and D >= 1; "
-                         f"got {np.shape(w)}.")
+        raise ValueError(
+            f"w must have shape [V, D] with V >= 1 and D >= 1; got {np.shape(w)}."
+        )
     if np.ndim(h) < 1 or np.shape(h)[-1] != np.shape(w)[1]:
         raise ValueError(
             f"h must have shape [..., D] with D = w.shape[1] = {np.shape(w)[1]};"
-            f" got h.shape={np.shape(h)}.")
+            f" got h.shape={np.shape(h)}."
+        )
     if bias is not None:
         check_floating("bias", bias)
         if np.shape(bias) != (np.shape(w)[0],):
             raise ValueError(
-                f"bias must have shape [V] = ({np.shape(w)[0]},); got "
-                f"{np.shape(bias)}.")
+                f"bias must have shape [V] = ({np.shape(w)[0]},); got {np.shape(bias)}."
+            )
 
 
 def check_block_size(name: str, value: Any) -> None:
     """Raises ValueError unless ``value`` is None or a Python integer >= 1."""
-    if value is not None and (isinstance(value, bool) or not isinstance(
-            value, (int, np.integer)) or value < 1):
-        raise ValueError(f"{name} must be an integer >= 1 or None; got "
-                         f"{value!r}.")
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1
+    ):
+        raise ValueError(f"{name} must be an integer >= 1 or None; got {value!r}.")
 
 
 def check_concrete(where: str, **values: Any) -> None:
@@ -112,7 +122,8 @@ def check_concrete(where: str, **values: Any) -> None:
         if is_traced(value):
             raise TypeError(
                 f"{name} must be a concrete number for {where} (it is compiled "
-                "into the blocked loops); got a traced value.")
+                "into the blocked loops); got a traced value."
+            )
 
 
 def check_logits(logits: jax.typing.ArrayLike) -> None:
@@ -120,12 +131,15 @@ def check_logits(logits: jax.typing.ArrayLike) -> None:
     check_floating("logits", logits)
     check_rank("logits", logits, set(range(1, 64)), "[..., V]")
     if np.shape(logits)[-1] < 1:
-        raise ValueError(f"logits must have shape [..., V] with V >= 1; got "
-                         f"shape {np.shape(logits)}.")
+        raise ValueError(
+            f"logits must have shape [..., V] with V >= 1; got "
+            f"shape {np.shape(logits)}."
+        )
 
 
-def check_ids_in_range(name: str, ids: Any, weights: Any, vocab_size: int,
-                       note: str = "") -> None:
+def check_ids_in_range(
+    name: str, ids: Any, weights: Any, vocab_size: int, note: str = ""
+) -> None:
     """Concrete ``ids`` outside ``[0, V)`` where ``weights`` (None: all) are
     nonzero raise ValueError naming ``name``; traced ones are the caller's rule."""
     if is_traced(ids) or is_traced(weights):
@@ -134,5 +148,7 @@ def check_ids_in_range(name: str, ids: Any, weights: Any, vocab_size: int,
     live = np.ones(ids.shape, bool) if weights is None else np.asarray(weights) != 0
     bad = live & ((ids < 0) | (ids >= vocab_size))
     if np.any(bad):
-        raise ValueError(f"{name} must be in [0, {vocab_size}) wherever weights are "
-                         f"nonzero; got {ids[bad].ravel()[0]}.{note}")
+        raise ValueError(
+            f"{name} must be in [0, {vocab_size}) wherever weights are "
+            f"nonzero; got {ids[bad].ravel()[0]}.{note}"
+        )

@@ -71,9 +71,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lmhead import _checks
-from lmhead import head
-from lmhead import losses
+from lmhead import _checks, head, losses
 
 # Default block sizes by platform (``jax.default_backend()``), see the module
 # docstring: numbers in one chunk's kept logits, and vocabulary rows per block
@@ -119,13 +117,19 @@ class _Plan:
 
     def token_loss(self, lse, label_logit, logit_sum):
         return losses.token_losses(
-            lse, label_logit, logit_sum, self.vocab_size,
-            label_smoothing=self.label_smoothing, smoothing=self.smoothing,
-            z_loss=self.z_loss)[0]
+            lse,
+            label_logit,
+            logit_sum,
+            self.vocab_size,
+            label_smoothing=self.label_smoothing,
+            smoothing=self.smoothing,
+            z_loss=self.z_loss,
+        )[0]
 
     def dot(self, a, b, dims):
-        return lax.dot_general(a, b, dims, precision=self.precision,
-                               preferred_element_type=jnp.float32)
+        return lax.dot_general(
+            a, b, dims, precision=self.precision, preferred_element_type=jnp.float32
+        )
 
 
 def _fresh(start: jax.Array, first_new: jax.Array, size: int) -> jax.Array:
@@ -168,8 +172,9 @@ def _vocab_blocks(plan, h_chunk, w, bias, kept):
         if kept is not None:
             z = lax.dynamic_slice_in_dim(kept, v0, rows)
         else:
-            bias_block = (None if bias is None else
-                          lax.dynamic_slice_in_dim(bias, v0, rows))
+            bias_block = (
+                None if bias is None else lax.dynamic_slice_in_dim(bias, v0, rows)
+            )
             z = _logits(plan, h_chunk, w_block, bias_block)
         return v0, _fresh(v0, j * rows, rows)[:, None], w_block, z
 
@@ -209,10 +214,16 @@ def _combine_devices(plan, peak, sum_exp, label_logit, logit_sum, argmax):
     top = lax.pmax(peak, axis)
     sum_exp = lax.psum(sum_exp * jnp.exp(peak - top), axis)
     # Ties go to the lowest index, as jnp.argmax does.
-    argmax = lax.pmin(jnp.where(peak == top, argmax + plan.first_row(),
-                                plan.vocab_size), axis)
-    return (top, sum_exp, lax.psum(label_logit, axis),
-            lax.psum(logit_sum, axis), argmax)
+    argmax = lax.pmin(
+        jnp.where(peak == top, argmax + plan.first_row(), plan.vocab_size), axis
+    )
+    return (
+        top,
+        sum_exp,
+        lax.psum(label_logit, axis),
+        lax.psum(logit_sum, axis),
+        argmax,
+    )
 
 
 def _chunk_stats(plan, h_chunk, w, bias, labels):
@@ -229,16 +240,15 @@ def _chunk_stats(plan, h_chunk, w, bias, labels):
     def merge(j, carry):
         peak, sum_exp, label_logit, logit_sum, argmax = carry
         v0, fresh, _, z = block(j)
-        b_peak, b_sum_exp, b_label, b_sum, b_arg = _block_stats(
-            z, labels, v0, fresh)
+        b_peak, b_sum_exp, b_label, b_sum, b_arg = _block_stats(z, labels, v0, fresh)
         new_peak = jnp.maximum(peak, b_peak)
-        sum_exp = (sum_exp * jnp.exp(peak - new_peak) +
-                   b_sum_exp * jnp.exp(b_peak - new_peak))
+        sum_exp = sum_exp * jnp.exp(peak - new_peak) + b_sum_exp * jnp.exp(
+            b_peak - new_peak
+        )
         # Strictly greater: on ties the earlier block (lower index) wins,
         # as jnp.argmax does.
         argmax = jnp.where(b_peak > peak, b_arg, argmax)
-        return (new_peak, sum_exp, label_logit + b_label, logit_sum + b_sum,
-                argmax)
+        return (new_peak, sum_exp, label_logit + b_label, logit_sum + b_sum, argmax)
 
     # zeros_like keeps h's mesh axes, which a loop carry must keep inside
     # shard_map.
@@ -259,8 +269,7 @@ def _logit_grads(plan, z, lse, coefs, labels, v0, live):
     """
     alpha, beta, gamma = coefs
     token_ids = v0 + lax.broadcasted_iota(jnp.int32, z.shape, 0)
-    dz = (alpha * jnp.exp(z - lse) + jnp.where(token_ids == labels, beta, 0.0)
-          + gamma)
+    dz = alpha * jnp.exp(z - lse) + jnp.where(token_ids == labels, beta, 0.0) + gamma
     if plan.softcap is not None:
         # d/du c tanh(u / c) = 1 - tanh^2 = 1 - (z / c)^2.
         dz = dz * (1.0 - jnp.square(z / plan.softcap))
@@ -273,8 +282,7 @@ def _add_rows(total, start, update):
     return lax.dynamic_update_slice_in_dim(total, rows + update, start, 0)
 
 
-def _chunk_grads(plan, h_chunk, active, w, bias, labels, kept, lse, coefs,
-                 grads):
+def _chunk_grads(plan, h_chunk, active, w, bias, labels, kept, lse, coefs, grads):
     """One token chunk's ``dh: [Nc, D]`` and its additions to ``dw``, ``db``.
 
     ``kept`` is the chunk's ``[V, Nc]`` logits when the forward sweep holds
@@ -295,8 +303,7 @@ def _chunk_grads(plan, h_chunk, active, w, bias, labels, kept, lse, coefs,
         dz = _logit_grads(plan, z, lse, coefs, labels, v0, fresh & active)
         dz_in = dz.astype(h_chunk.dtype)
         if dh_chunk is not None:
-            dh_chunk = dh_chunk + scale * plan.dot(dz_in, w_block,
-                                                   _CONTRACT_ROWS)
+            dh_chunk = dh_chunk + scale * plan.dot(dz_in, w_block, _CONTRACT_ROWS)
         if dw is not None:
             dw = _add_rows(dw, v0, scale * plan.dot(dz_in, h_active, _MATMUL))
         if db is not None:
@@ -313,8 +320,7 @@ def _loss_coefs(plan, stats, loss_weights):
     return pullback(loss_weights)
 
 
-def _sweep(plan, h, w, bias, labels, loss_weights, *, grads=None, lse=None,
-           coefs=None):
+def _sweep(plan, h, w, bias, labels, loss_weights, *, grads=None, lse=None, coefs=None):
     """One pass over chunks of tokens.
 
     Three uses: statistics only (``grads`` is None: the primal); statistics
@@ -331,8 +337,11 @@ def _sweep(plan, h, w, bias, labels, loss_weights, *, grads=None, lse=None,
     n, size = h.shape[0], plan.chunk_size
     # zeros_like keeps the mesh axes of the inputs, which a loop carry must
     # keep inside shard_map: the statistics vary as the tokens do.
-    stats = None if coefs is not None else (
-        (jnp.zeros_like(loss_weights),) * 3 + (jnp.zeros_like(labels),))
+    stats = (
+        None
+        if coefs is not None
+        else ((jnp.zeros_like(loss_weights),) * 3 + (jnp.zeros_like(labels),))
+    )
     label_rows = labels - plan.first_row()
 
     def body(i, carry):
@@ -347,9 +356,11 @@ def _sweep(plan, h, w, bias, labels, loss_weights, *, grads=None, lse=None,
         if coefs is None:
             z, new = _chunk_stats(plan, h_chunk, w, bias, chunk_labels)
             stats = tuple(
-                lax.dynamic_update_slice_in_dim(s, jnp.where(fresh, x, chunk(s)),
-                                                start, 0)
-                for s, x in zip(stats, new))
+                lax.dynamic_update_slice_in_dim(
+                    s, jnp.where(fresh, x, chunk(s)), start, 0
+                )
+                for s, x in zip(stats, new)
+            )
             if grads is None:
                 return stats, (dh, dw, db)
             chunk_lse = new[0]
@@ -361,9 +372,18 @@ def _sweep(plan, h, w, bias, labels, loss_weights, *, grads=None, lse=None,
         # NaN, so the others are masked rather than multiplied by 0.
         active = fresh & (chunk(loss_weights) != 0)
         chunk_coefs = tuple(jnp.where(active, c, 0.0) for c in chunk_coefs)
-        dh_chunk, dw, db = _chunk_grads(plan, h_chunk, active, w, bias,
-                                        chunk_labels, z, chunk_lse,
-                                        chunk_coefs, (dh is not None, dw, db))
+        dh_chunk, dw, db = _chunk_grads(
+            plan,
+            h_chunk,
+            active,
+            w,
+            bias,
+            chunk_labels,
+            z,
+            chunk_lse,
+            chunk_coefs,
+            (dh is not None, dw, db),
+        )
         if dh is not None:
             dh = _add_rows(dh, start, dh_chunk)
         return stats, (dh, dw, db)
@@ -376,13 +396,15 @@ def _objective(plan, stats, loss_weights):
     """``sum_t w_t L_t`` by the rule of ``losses.weighted_metrics``."""
     token_loss = plan.token_loss(*stats[:3])
     zeros = jnp.zeros_like(token_loss)
-    return losses.weighted_metrics(token_loss, zeros, zeros, zeros,
-                                   loss_weights, zeros, "sum")[0]
+    return losses.weighted_metrics(
+        token_loss, zeros, zeros, zeros, loss_weights, zeros, "sum"
+    )[0]
 
 
 def _zero_grads(h, w, bias):
-    return tuple(None if x is None else jnp.zeros_like(x, jnp.float32)
-                 for x in (h, w, bias))
+    return tuple(
+        None if x is None else jnp.zeros_like(x, jnp.float32) for x in (h, w, bias)
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -402,8 +424,14 @@ def _fused_core(plan, h, w, bias, loss_weights, labels):
 # is told from a nonzero one at run time.
 def _fused_core_fwd(plan, h, w, bias, loss_weights, labels):
     stats, saved = _sweep(
-        plan, h, w, bias, labels, loss_weights,
-        grads=_zero_grads(h, w, bias) if plan.grads_in_forward else None)
+        plan,
+        h,
+        w,
+        bias,
+        labels,
+        loss_weights,
+        grads=_zero_grads(h, w, bias) if plan.grads_in_forward else None,
+    )
     residuals = (h, w, bias, loss_weights, labels, stats, saved)
     return (_objective(plan, stats, loss_weights), stats), residuals
 
@@ -416,22 +444,32 @@ def _fused_core_bwd(plan, residuals, cotangents):
         grads = tuple(None if g is None else d_objective * g for g in saved)
     else:
         grads = _zero_grads(h, w, bias)
-        objective_coefs = _loss_coefs(plan, stats[:3],
-                                      d_objective * loss_weights)
+        objective_coefs = _loss_coefs(plan, stats[:3], d_objective * loss_weights)
         coefs = tuple(c + o for c, o in zip(coefs, objective_coefs))
 
     def recompute(grads):
         # A cotangent on the statistics themselves (a metric or the unreduced
         # loss is differentiated): the logits are needed again.
-        return _sweep(plan, h, w, bias, labels, loss_weights, grads=grads,
-                      lse=stats[0], coefs=coefs)[1]
+        return _sweep(
+            plan,
+            h,
+            w,
+            bias,
+            labels,
+            loss_weights,
+            grads=grads,
+            lse=stats[0],
+            coefs=coefs,
+        )[1]
 
-    grads = lax.cond(jnp.any(jnp.stack(coefs) != 0), recompute,
-                     lambda grads: grads, grads)
+    grads = lax.cond(
+        jnp.any(jnp.stack(coefs) != 0), recompute, lambda grads: grads, grads
+    )
     _, pullback = jax.vjp(lambda x: _objective(plan, stats, x), loss_weights)
-    d_weights, = pullback(d_objective)
-    dh, dw, db = (None if g is None else g.astype(x.dtype)
-                  for g, x in zip(grads, (h, w, bias)))
+    (d_weights,) = pullback(d_objective)
+    dh, dw, db = (
+        None if g is None else g.astype(x.dtype) for g, x in zip(grads, (h, w, bias))
+    )
     return dh, dw, db, d_weights, None
 
 
@@ -474,7 +512,8 @@ def _check_vocab_shards(vocab_shards, vocab_size):
     if vocab_shards is not None and vocab_size % vocab_shards.count:
         raise ValueError(
             f"w has {vocab_size} rows, which the mesh's {vocab_shards.axis!r} "
-            f"axis ({vocab_shards.count}) must divide.")
+            f"axis ({vocab_shards.count}) must divide."
+        )
 
 
 def _block_sizes(num_tokens, num_rows, chunk_size, vocab_chunk_size):
@@ -488,8 +527,11 @@ def _block_sizes(num_tokens, num_rows, chunk_size, vocab_chunk_size):
     if chunk_size is None:
         elements = BLOCK_ELEMENTS.get(platform, BLOCK_ELEMENTS["cpu"])
         chunk_size = min(max(elements // width, MIN_CHUNK_SIZE), MAX_CHUNK_SIZE)
-    rows = (VOCAB_BLOCK_ROWS.get(platform, VOCAB_BLOCK_ROWS["cpu"])
-            if keep_logits else width)
+    rows = (
+        VOCAB_BLOCK_ROWS.get(platform, VOCAB_BLOCK_ROWS["cpu"])
+        if keep_logits
+        else width
+    )
     return min(int(chunk_size), num_tokens), min(rows, num_rows), keep_logits
 
 
@@ -605,8 +647,9 @@ def fused_cross_entropy(
         <https://arxiv.org/abs/2410.10989>`_, 2024 (fused linear
         cross-entropy).
     """
-    static = dict(label_smoothing=label_smoothing, z_loss=z_loss, scale=scale,
-                  softcap=softcap)
+    static = dict(
+        label_smoothing=label_smoothing, z_loss=z_loss, scale=scale, softcap=softcap
+    )
     _check_inputs(h, w, bias, chunk_size, vocab_chunk_size, **static)
     losses.check_loss_options(label_smoothing, smoothing, z_loss, reduction)
     vocab_size, d_model = jnp.shape(w)
@@ -616,36 +659,60 @@ def fused_cross_entropy(
     num_tokens = math.prod(leading)
     if num_tokens == 0:  # nothing to block or split: the logits are empty
         return losses.cross_entropy(
-            head.unembed(h, w, bias, scale=scale, softcap=softcap), labels,
-            weights=weights, label_smoothing=label_smoothing,
-            smoothing=smoothing, z_loss=z_loss, reduction=reduction)
+            head.unembed(h, w, bias, scale=scale, softcap=softcap),
+            labels,
+            weights=weights,
+            label_smoothing=label_smoothing,
+            smoothing=smoothing,
+            z_loss=z_loss,
+            reduction=reduction,
+        )
 
     def core(h, w, bias, loss_weights, labels):
         # Block sizes from what one device holds: its tokens and its rows.
         plan = _Plan(
-            vocab_size, w.shape[0],
+            vocab_size,
+            w.shape[0],
             None if vocab_shards is None else vocab_shards.axis,
             *_block_sizes(h.shape[0], w.shape[0], chunk_size, vocab_chunk_size),
-            float(label_smoothing), smoothing, float(z_loss),
-            _optional_float(scale), _optional_float(softcap), precision,
-            grads_in_forward=reduction != "none")
+            float(label_smoothing),
+            smoothing,
+            float(z_loss),
+            _optional_float(scale),
+            _optional_float(softcap),
+            precision,
+            grads_in_forward=reduction != "none",
+        )
         return _fused_core(plan, h, w, bias, loss_weights, labels)
 
     dtype = jnp.result_type(h, w)
     loss_weights, safe_labels, invalid = losses.valid_weights(
         jnp.reshape(labels, (num_tokens,)),
-        None if weights is None else jnp.reshape(weights, -1), vocab_size)
-    args = (jnp.reshape(h, (num_tokens, d_model)).astype(dtype),
-            jnp.asarray(w, dtype), None if bias is None else jnp.asarray(bias),
-            loss_weights, safe_labels)
+        None if weights is None else jnp.reshape(weights, -1),
+        vocab_size,
+    )
+    args = (
+        jnp.reshape(h, (num_tokens, d_model)).astype(dtype),
+        jnp.asarray(w, dtype),
+        None if bias is None else jnp.asarray(bias),
+        loss_weights,
+        safe_labels,
+    )
     objective, (lse, label_logit, logit_sum, argmax) = (
-        core(*args) if vocab_shards is None else vocab_shards.run(core, *args))
+        core(*args) if vocab_shards is None else vocab_shards.run(core, *args)
+    )
     token_loss, nll, z_term = losses.token_losses(
-        lse, label_logit, logit_sum, vocab_size,
-        label_smoothing=label_smoothing, smoothing=smoothing, z_loss=z_loss)
+        lse,
+        label_logit,
+        logit_sum,
+        vocab_size,
+        label_smoothing=label_smoothing,
+        smoothing=smoothing,
+        z_loss=z_loss,
+    )
     loss, metrics = losses.weighted_metrics(
-        token_loss, nll, z_term, argmax == safe_labels, loss_weights, invalid,
-        reduction)
+        token_loss, nll, z_term, argmax == safe_labels, loss_weights, invalid, reduction
+    )
     if reduction == "none":
         return jnp.reshape(loss, leading), metrics
     if reduction == "sum":

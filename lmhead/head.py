@@ -10,10 +10,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from lmhead import _checks
-from lmhead import quantize
+from lmhead import _checks, quantize
 
 # A traced temperature cannot be checked for zero at trace time; it is
 # clamped to this value instead, which gives a (near) one-hot distribution.
@@ -44,8 +42,9 @@ def apply_softcap(logits: jax.typing.ArrayLike, cap: float) -> jax.Array:
         Gemma Team, `Gemma 2: Improving Open Language Models at a Practical
         Size <https://arxiv.org/abs/2408.00118>`_, 2024.
     """
-    _checks.check_in_range("softcap", cap, low=0.0, low_open=True,
-                           high=math.inf, high_open=True)
+    _checks.check_in_range(
+        "softcap", cap, low=0.0, low_open=True, high=math.inf, high_open=True
+    )
     return cap * jnp.tanh(logits / cap)
 
 
@@ -97,13 +96,19 @@ def unembed(
     """
     quantized = isinstance(w, quantize.QuantizedTable)
     _checks.check_unembed_inputs(h, w.as_shape() if quantized else w, bias)
-    _checks.check_in_range("scale", scale, low=0.0, low_open=True,
-                           high=math.inf, high_open=True)
+    _checks.check_in_range(
+        "scale", scale, low=0.0, low_open=True, high=math.inf, high_open=True
+    )
     if quantized:
         logits = quantize.matmul_transposed(h, w, precision)
     else:
-        logits = jnp.einsum("...d,vd->...v", h, w, precision=precision,
-                            preferred_element_type=jnp.float32)
+        logits = jnp.einsum(
+            "...d,vd->...v",
+            h,
+            w,
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
     if scale is not None:
         logits = logits * scale
     if bias is not None:
@@ -113,18 +118,22 @@ def unembed(
     return logits.astype(out_dtype)
 
 
-def _distribution(logits: jax.typing.ArrayLike, temperature: float,
-                  log: bool) -> jax.Array:
+def _distribution(
+    logits: jax.typing.ArrayLike, temperature: float, log: bool
+) -> jax.Array:
     """Softmax (or log-softmax) of ``z / T``, with the rule for infinities."""
     _checks.check_logits(logits)
-    if (not _checks.is_traced(temperature) and jnp.ndim(temperature) == 0
-            and temperature == 0):
+    if (
+        not _checks.is_traced(temperature)
+        and jnp.ndim(temperature) == 0
+        and temperature == 0
+    ):
         raise ValueError(
             "temperature must be > 0 for a distribution; temperature 0 means "
-            "greedy decoding, which is lmhead.decoding.generate(temperature=0).")
+            "greedy decoding, which is lmhead.decoding.generate(temperature=0)."
+        )
     _checks.check_in_range("temperature", temperature, low=0.0, low_open=True)
-    z = jnp.asarray(logits, jnp.float32) / jnp.maximum(temperature,
-                                                       MIN_TEMPERATURE)
+    z = jnp.asarray(logits, jnp.float32) / jnp.maximum(temperature, MIN_TEMPERATURE)
     top = jnp.max(z, axis=-1, keepdims=True)
     # Softmax is exp(z - max z), normalized. Where max z = +inf its limit puts
     # all the mass on the +inf entries (where z - max z would be NaN).
@@ -138,8 +147,7 @@ def _distribution(logits: jax.typing.ArrayLike, temperature: float,
     return jnp.where(empty, 0.0, jax.nn.softmax(safe, axis=-1))
 
 
-def log_probs(logits: jax.typing.ArrayLike,
-              temperature: float = 1.0) -> jax.Array:
+def log_probs(logits: jax.typing.ArrayLike, temperature: float = 1.0) -> jax.Array:
     r"""Log-softmax over the last axis, computed in float32.
 
     .. math::
@@ -244,8 +252,7 @@ def output_distribution(
         Array([[0.26894143, 0.7310586 ]], dtype=float32)
     """
     _checks.check_choice("output", output, OUTPUTS)
-    logits = unembed(h, w, bias, scale=scale, softcap=softcap,
-                     precision=precision)
+    logits = unembed(h, w, bias, scale=scale, softcap=softcap, precision=precision)
     if output == "logits":
         return logits
     if output == "log_probs":
@@ -253,8 +260,7 @@ def output_distribution(
     return probs(logits, temperature)
 
 
-def last_positions(h: jax.typing.ArrayLike,
-                   lengths: jax.typing.ArrayLike) -> jax.Array:
+def last_positions(h: jax.typing.ArrayLike, lengths: jax.typing.ArrayLike) -> jax.Array:
     r"""Picks each sequence's last real position: ``h[b, lengths[b] - 1]``.
 
     At inference only these rows need to go through the head, which turns a
@@ -280,18 +286,23 @@ def last_positions(h: jax.typing.ArrayLike,
     _checks.check_rank("lengths", lengths, 1, "[B]")
     batch, time = jnp.shape(h)[:2]
     if time < 1:
-        raise ValueError(f"h must have shape [B, T, D] with T >= 1; got "
-                         f"{jnp.shape(h)}.")
+        raise ValueError(
+            f"h must have shape [B, T, D] with T >= 1; got {jnp.shape(h)}."
+        )
     if jnp.shape(lengths)[0] != batch:
         raise ValueError(
-            f"lengths must have shape [B] = ({batch},); got {jnp.shape(lengths)}.")
+            f"lengths must have shape [B] = ({batch},); got {jnp.shape(lengths)}."
+        )
     _checks.check_in_range("lengths", lengths, low=1, high=time)
     index = jnp.clip(jnp.asarray(lengths) - 1, 0, time - 1)
     return jnp.take_along_axis(jnp.asarray(h), index[:, None, None], axis=1)[:, 0]
 
 
-def token_log_probs(logits: jax.typing.ArrayLike, tokens: jax.typing.ArrayLike,
-                    weights: jax.typing.ArrayLike | None = None) -> jax.Array:
+def token_log_probs(
+    logits: jax.typing.ArrayLike,
+    tokens: jax.typing.ArrayLike,
+    weights: jax.typing.ArrayLike | None = None,
+) -> jax.Array:
     r"""Log-probability of each given token under its logits: a text's score.
 
     .. math::
@@ -327,11 +338,15 @@ def token_log_probs(logits: jax.typing.ArrayLike, tokens: jax.typing.ArrayLike,
     _checks.check_integer("tokens", tokens)
     vocab_size = jnp.shape(logits)[-1]
     if jnp.shape(tokens) != jnp.shape(logits)[:-1]:
-        raise ValueError(f"tokens must have the leading shape of logits "
-                         f"{jnp.shape(logits)[:-1]}; got {jnp.shape(tokens)}.")
+        raise ValueError(
+            f"tokens must have the leading shape of logits "
+            f"{jnp.shape(logits)[:-1]}; got {jnp.shape(tokens)}."
+        )
     if weights is not None and jnp.shape(weights) != jnp.shape(tokens):
-        raise ValueError(f"weights must have the shape of tokens "
-                         f"{jnp.shape(tokens)}; got {jnp.shape(weights)}.")
+        raise ValueError(
+            f"weights must have the shape of tokens "
+            f"{jnp.shape(tokens)}; got {jnp.shape(weights)}."
+        )
     _checks.check_ids_in_range("tokens", tokens, weights, vocab_size)
     logits = jnp.asarray(logits, jnp.float32)
     tokens = jnp.asarray(tokens)
@@ -345,8 +360,11 @@ def token_log_probs(logits: jax.typing.ArrayLike, tokens: jax.typing.ArrayLike,
     return jnp.where(weights != 0, weights * scores, 0.0)
 
 
-def sequence_log_prob(logits: jax.typing.ArrayLike, tokens: jax.typing.ArrayLike,
-                      weights: jax.typing.ArrayLike | None = None) -> jax.Array:
+def sequence_log_prob(
+    logits: jax.typing.ArrayLike,
+    tokens: jax.typing.ArrayLike,
+    weights: jax.typing.ArrayLike | None = None,
+) -> jax.Array:
     r"""Log-probability of each row's tokens: the weighted sum over positions.
 
     .. math::

@@ -18,31 +18,34 @@ import numpy as np
 from jax.experimental import checkify
 from jax.scipy.special import xlogy
 
-from lmhead import _checks
-from lmhead import head
+from lmhead import _checks, head
 
 SMOOTHINGS = ("uniform", "normalized")
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def check_loss_options(label_smoothing: float, smoothing: str, z_loss: float,
-                       reduction: str) -> None:
+def check_loss_options(
+    label_smoothing: float, smoothing: str, z_loss: float, reduction: str
+) -> None:
     """Validates the options shared by the materialized and fused losses.
 
     Raises:
         ValueError: naming the argument, when an option is out of range.
     """
-    _checks.check_in_range("label_smoothing", label_smoothing, low=0.0,
-                           high=1.0, high_open=True)
+    _checks.check_in_range(
+        "label_smoothing", label_smoothing, low=0.0, high=1.0, high_open=True
+    )
     _checks.check_choice("smoothing", smoothing, SMOOTHINGS)
     _checks.check_in_range("z_loss", z_loss, low=0.0)
     _checks.check_choice("reduction", reduction, REDUCTIONS)
 
 
-def check_labels_and_weights(labels: jax.typing.ArrayLike,
-                             weights: jax.typing.ArrayLike | None,
-                             leading_shape: tuple[int, ...],
-                             vocab_size: int) -> None:
+def check_labels_and_weights(
+    labels: jax.typing.ArrayLike,
+    weights: jax.typing.ArrayLike | None,
+    leading_shape: tuple[int, ...],
+    vocab_size: int,
+) -> None:
     """Validates dtypes and shapes, and the label range when it is concrete.
 
     Raises:
@@ -56,21 +59,28 @@ def check_labels_and_weights(labels: jax.typing.ArrayLike,
     if jnp.shape(labels) != tuple(leading_shape):
         raise ValueError(
             f"labels must have the leading shape of the logits / hidden states "
-            f"{tuple(leading_shape)}; got {jnp.shape(labels)}.")
+            f"{tuple(leading_shape)}; got {jnp.shape(labels)}."
+        )
     if weights is not None and jnp.shape(weights) != tuple(leading_shape):
         raise ValueError(
             f"weights must have the shape of labels {tuple(leading_shape)}; "
-            f"got {jnp.shape(weights)}.")
+            f"got {jnp.shape(weights)}."
+        )
     if weights is not None and not _checks.is_traced(weights):
         bad_weights = ~(np.asarray(weights) >= 0) | ~np.isfinite(weights)
         if np.any(bad_weights):
             raise ValueError(
                 "weights must be finite and >= 0 (0 for padding); got "
-                f"{np.asarray(weights)[bad_weights].ravel()[0]}.")
+                f"{np.asarray(weights)[bad_weights].ravel()[0]}."
+            )
     _checks.check_ids_in_range(
-        "labels", labels, weights, vocab_size,
+        "labels",
+        labels,
+        weights,
+        vocab_size,
         note=" (Inside jit such labels get weight 0 and are counted in "
-             "metrics['invalid_labels'].)")
+        "metrics['invalid_labels'].)",
+    )
 
 
 def check_labels(labels: jax.typing.ArrayLike, vocab_size: int) -> None:
@@ -94,9 +104,11 @@ def check_labels(labels: jax.typing.ArrayLike, vocab_size: int) -> None:
     """
     labels = jnp.asarray(labels)
     bad = (labels < 0) | (labels >= vocab_size)
-    checkify.check(~jnp.any(bad),
-                   f"labels must be in [0, {vocab_size}); found {{n}} outside",
-                   n=jnp.sum(bad))
+    checkify.check(
+        ~jnp.any(bad),
+        f"labels must be in [0, {vocab_size}); found {{n}} outside",
+        n=jnp.sum(bad),
+    )
 
 
 def token_losses(
@@ -152,8 +164,7 @@ def token_losses(
     # where the whole row is -inf, and lse - z_y would be -inf - (-inf).
     nll = jnp.where(label_logit == -jnp.inf, jnp.inf, lse - label_logit)
     # S is +inf as soon as one logit is -inf (one p_i = 0).
-    total = jnp.where(logit_sum == -jnp.inf, jnp.inf,
-                      vocab_size * lse - logit_sum)
+    total = jnp.where(logit_sum == -jnp.inf, jnp.inf, vocab_size * lse - logit_sum)
     eps = label_smoothing
     if smoothing == "uniform":
         loss = (1.0 - eps) * nll + _times(eps / vocab_size, total)
@@ -162,8 +173,7 @@ def token_losses(
         low = eps / max(vocab_size - 1, 1)
         # The target's entropy, with 0 log 0 = 0 (xlogy), is what makes the
         # minimum 0: it is the loss at the smoothed target itself.
-        entropy = -(xlogy(confidence, confidence) +
-                    (vocab_size - 1) * xlogy(low, low))
+        entropy = -(xlogy(confidence, confidence) + (vocab_size - 1) * xlogy(low, low))
         rest = jnp.where(total == jnp.inf, jnp.inf, total - nll)
         loss = confidence * nll + _times(low, rest) - entropy
     z_term = _times(z_loss, jnp.square(lse))
@@ -238,8 +248,9 @@ def weighted_metrics(
     return weighted(loss), metrics
 
 
-def valid_weights(labels: jax.Array, weights: jax.typing.ArrayLike | None,
-                  vocab_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def valid_weights(
+    labels: jax.Array, weights: jax.typing.ArrayLike | None, vocab_size: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Float32 weights with out-of-range labels zeroed, and clipped labels.
 
     Returns:
@@ -254,12 +265,18 @@ def valid_weights(labels: jax.Array, weights: jax.typing.ArrayLike | None,
         (Array([1., 0.], dtype=float32), Array([1, 3], dtype=int32), Array([False,  True], dtype=bool))
     """
     labels = jnp.asarray(labels)
-    w = (jnp.ones(labels.shape, jnp.float32) if weights is None
-         else jnp.asarray(weights, jnp.float32))
+    w = (
+        jnp.ones(labels.shape, jnp.float32)
+        if weights is None
+        else jnp.asarray(weights, jnp.float32)
+    )
     out_of_range = (labels < 0) | (labels >= vocab_size)
     invalid = out_of_range & (w != 0)
-    return (jnp.where(out_of_range, 0.0, w),
-            jnp.clip(labels, 0, vocab_size - 1), invalid)
+    return (
+        jnp.where(out_of_range, 0.0, w),
+        jnp.clip(labels, 0, vocab_size - 1),
+        invalid,
+    )
 
 
 def cross_entropy(
@@ -339,13 +356,18 @@ def cross_entropy(
     lse = jax.nn.logsumexp(logits, axis=-1)
     label_logit = jnp.take_along_axis(logits, safe_labels[..., None], -1)[..., 0]
     loss, nll, z_term = token_losses(
-        lse, label_logit, jnp.sum(logits, axis=-1), vocab_size,
-        label_smoothing=label_smoothing, smoothing=smoothing, z_loss=z_loss)
+        lse,
+        label_logit,
+        jnp.sum(logits, axis=-1),
+        vocab_size,
+        label_smoothing=label_smoothing,
+        smoothing=smoothing,
+        z_loss=z_loss,
+    )
     loss, nll = (jnp.where(empty, jnp.inf, x) for x in (loss, nll))
     z_term = jnp.where(empty, _times(z_loss, jnp.inf), z_term)
     correct = (jnp.argmax(logits, axis=-1) == safe_labels) & ~empty
-    return weighted_metrics(loss, nll, z_term, correct, weights, invalid,
-                            reduction)
+    return weighted_metrics(loss, nll, z_term, correct, weights, invalid, reduction)
 
 
 def perplexity(nll: jax.typing.ArrayLike) -> jax.Array:
@@ -370,8 +392,7 @@ def bits_per_token(nll: jax.typing.ArrayLike) -> jax.Array:
     return jnp.asarray(nll) / math.log(2.0)
 
 
-def bits_per_character(nll: jax.typing.ArrayLike,
-                       chars_per_token: float) -> jax.Array:
+def bits_per_character(nll: jax.typing.ArrayLike, chars_per_token: float) -> jax.Array:
     r"""Nats per token to bits per character of the underlying text.
 
     .. math::
@@ -384,8 +405,14 @@ def bits_per_character(nll: jax.typing.ArrayLike,
         >>> bits_per_character(jnp.log(8.0), chars_per_token=3.0)
         Array(1., dtype=float32, weak_type=True)
     """
-    _checks.check_in_range("chars_per_token", chars_per_token, low=0.0,
-                           low_open=True, high=math.inf, high_open=True)
+    _checks.check_in_range(
+        "chars_per_token",
+        chars_per_token,
+        low=0.0,
+        low_open=True,
+        high=math.inf,
+        high_open=True,
+    )
     return bits_per_token(nll) / chars_per_token
 
 
@@ -419,8 +446,7 @@ def calibration_bins(
                [0. , 0. , 0. ]], dtype=float32)
     """
     _checks.check_logits(logits)
-    if (isinstance(num_bins, bool) or not isinstance(num_bins, int)
-            or num_bins < 1):
+    if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
         raise ValueError(f"num_bins must be an integer >= 1; got {num_bins!r}.")
     vocab_size = jnp.shape(logits)[-1]
     check_labels_and_weights(labels, weights, jnp.shape(logits)[:-1], vocab_size)
@@ -428,13 +454,16 @@ def calibration_bins(
     p = head.probs(logits)
     confidence = jnp.max(p, axis=-1)
     # A row of -inf logits has no distribution: confidence 0, never correct.
-    correct = ((jnp.argmax(p, axis=-1) == safe_labels)
-               & (confidence > 0)).astype(jnp.float32)
-    index = jnp.clip(jnp.ceil(confidence * num_bins).astype(jnp.int32) - 1,
-                     0, num_bins - 1)
+    correct = ((jnp.argmax(p, axis=-1) == safe_labels) & (confidence > 0)).astype(
+        jnp.float32
+    )
+    index = jnp.clip(
+        jnp.ceil(confidence * num_bins).astype(jnp.int32) - 1, 0, num_bins - 1
+    )
     rows = jnp.stack([weights, weights * confidence, weights * correct], -1)
-    return jax.ops.segment_sum(rows.reshape(-1, 3), index.reshape(-1),
-                               num_segments=num_bins)
+    return jax.ops.segment_sum(
+        rows.reshape(-1, 3), index.reshape(-1), num_segments=num_bins
+    )
 
 
 def calibration_error_from_bins(bins: jax.typing.ArrayLike) -> jax.Array:
@@ -458,8 +487,10 @@ def calibration_error_from_bins(bins: jax.typing.ArrayLike) -> jax.Array:
         raise ValueError(f"bins must have shape [M, 3]; got {jnp.shape(bins)}.")
     # NaN passes: it comes from non-finite logits, and is reported as NaN.
     if not _checks.is_traced(bins) and np.any(np.asarray(bins) < 0):
-        raise ValueError("bins must be sums of weights, confidences and "
-                         "correct counts, all >= 0; got a negative entry.")
+        raise ValueError(
+            "bins must be sums of weights, confidences and "
+            "correct counts, all >= 0; got a negative entry."
+        )
     bins = jnp.asarray(bins, jnp.float32)
     total = jnp.sum(bins[:, 0])
     gap = jnp.sum(jnp.abs(bins[:, 2] - bins[:, 1]))
@@ -500,4 +531,5 @@ def expected_calibration_error(
         <https://arxiv.org/abs/1706.04599>`_, 2017.
     """
     return calibration_error_from_bins(
-        calibration_bins(logits, labels, weights, num_bins))
+        calibration_bins(logits, labels, weights, num_bins)
+    )

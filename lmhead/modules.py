@@ -14,12 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmhead import _checks
-from lmhead import fused
-from lmhead import head
-from lmhead import losses
-from lmhead import quantize
-from lmhead import vocab_parallel
+from lmhead import _checks, fused, head, losses, quantize, vocab_parallel
 
 LOSS_IMPLS = ("fused", "materialized", "vocab_parallel")
 
@@ -67,24 +62,32 @@ class LMHead(nn.Module):
     def __post_init__(self):
         # When the module is built, so that a bad field fails before any
         # parameter or compilation.
-        if (isinstance(self.vocab_size, bool)
-                or not isinstance(self.vocab_size, (int, np.integer))
-                or self.vocab_size < 1):
-            raise ValueError(f"vocab_size must be an integer >= 1; got "
-                             f"{self.vocab_size!r}.")
+        if (
+            isinstance(self.vocab_size, bool)
+            or not isinstance(self.vocab_size, (int, np.integer))
+            or self.vocab_size < 1
+        ):
+            raise ValueError(
+                f"vocab_size must be an integer >= 1; got {self.vocab_size!r}."
+            )
         for name in ("tied", "use_bias"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
-                raise TypeError(f"{name} must be a bool; got "
-                                f"{getattr(self, name)!r}.")
+                raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}.")
         for name in ("scale", "softcap"):
-            _checks.check_in_range(name, getattr(self, name), low=0.0,
-                                   low_open=True, high=math.inf,
-                                   high_open=True)
+            _checks.check_in_range(
+                name,
+                getattr(self, name),
+                low=0.0,
+                low_open=True,
+                high=math.inf,
+                high_open=True,
+            )
         super().__post_init__()
 
     @nn.compact
-    def unembedding(self, d_model: int,
-                    embedding: Embedding | None) -> tuple[jax.Array, jax.Array | None]:
+    def unembedding(
+        self, d_model: int, embedding: Embedding | None
+    ) -> tuple[jax.Array, jax.Array | None]:
         """Returns ``(w: [V, D], bias: [V] | None)`` as used by the head.
 
         At inference ``w`` may be a ``quantize.QuantizedTable`` (passed as the
@@ -95,32 +98,44 @@ class LMHead(nn.Module):
             if embedding is None:
                 raise ValueError(
                     "embedding is required when tied=True: pass the nn.Embed "
-                    "module or its [V, D] table.")
+                    "module or its [V, D] table."
+                )
             w = embedding.embedding if isinstance(embedding, nn.Embed) else embedding
             if _table_shape(w) != (self.vocab_size, d_model):
                 raise ValueError(
                     f"embedding must have shape [V, D] = ({self.vocab_size}, "
-                    f"{d_model}); got {_table_shape(w)}.")
+                    f"{d_model}); got {_table_shape(w)}."
+                )
         else:
             if embedding is not None:
                 raise ValueError(
                     "embedding must be None when tied=False: an untied head "
-                    "owns its unembedding.")
-            w = self.param("unembedding", self.kernel_init,
-                           (self.vocab_size, d_model), self.param_dtype)
-        bias = (self.param("bias", nn.initializers.zeros, (self.vocab_size,),
-                           self.param_dtype) if self.use_bias else None)
+                    "owns its unembedding."
+                )
+            w = self.param(
+                "unembedding",
+                self.kernel_init,
+                (self.vocab_size, d_model),
+                self.param_dtype,
+            )
+        bias = (
+            self.param(
+                "bias", nn.initializers.zeros, (self.vocab_size,), self.param_dtype
+            )
+            if self.use_bias
+            else None
+        )
         if isinstance(w, quantize.QuantizedTable):
             return w, bias
         return jnp.asarray(w, self.dtype), bias
 
-    def __call__(self, h: jax.Array,
-                 embedding: Embedding | None = None) -> jax.Array:
+    def __call__(self, h: jax.Array, embedding: Embedding | None = None) -> jax.Array:
         """Logits ``[..., V]`` (float32) from hidden states ``h: [..., D]``."""
         _checks.check_floating("h", h)  # before the cast to self.dtype
         w, bias = self.unembedding(jnp.shape(h)[-1], embedding)
-        return head.unembed(jnp.asarray(h, self.dtype), w, bias,
-                            scale=self.scale, softcap=self.softcap)
+        return head.unembed(
+            jnp.asarray(h, self.dtype), w, bias, scale=self.scale, softcap=self.softcap
+        )
 
     def loss(
         self,
@@ -162,20 +177,36 @@ class LMHead(nn.Module):
             raise ValueError(
                 f"chunk_size is for the blocked losses ('fused', "
                 f"'vocab_parallel'); got chunk_size={chunk_size!r} with "
-                f"loss_impl='materialized'.")
+                f"loss_impl='materialized'."
+            )
         w, bias = self.unembedding(jnp.shape(h)[-1], embedding)
         if isinstance(w, quantize.QuantizedTable):
-            raise ValueError("a QuantizedTable is for inference; train and "
-                             "evaluate the loss with the float table.")
+            raise ValueError(
+                "a QuantizedTable is for inference; train and "
+                "evaluate the loss with the float table."
+            )
         h = jnp.asarray(h, self.dtype)
-        options = dict(weights=weights, label_smoothing=label_smoothing,
-                       smoothing=smoothing, z_loss=z_loss)
-        blocked = {"fused": fused.fused_cross_entropy,
-                   "vocab_parallel": vocab_parallel.vocab_parallel_cross_entropy}
+        options = dict(
+            weights=weights,
+            label_smoothing=label_smoothing,
+            smoothing=smoothing,
+            z_loss=z_loss,
+        )
+        blocked = {
+            "fused": fused.fused_cross_entropy,
+            "vocab_parallel": vocab_parallel.vocab_parallel_cross_entropy,
+        }
         if loss_impl in blocked:
-            return blocked[loss_impl](h, w, labels, bias=bias, scale=self.scale,
-                                      softcap=self.softcap,
-                                      chunk_size=chunk_size, **options)
+            return blocked[loss_impl](
+                h,
+                w,
+                labels,
+                bias=bias,
+                scale=self.scale,
+                softcap=self.softcap,
+                chunk_size=chunk_size,
+                **options,
+            )
         logits = head.unembed(h, w, bias, scale=self.scale, softcap=self.softcap)
         return losses.cross_entropy(logits, labels, **options)
 

@@ -34,6 +34,7 @@ class QuantizedTable(NamedTuple):
         values: ``int8 [V, D]`` in ``[-127, 127]``.
         scales: ``float32 [V]``, ``max_d |w[v, d]| / 127`` (0 for a zero row).
     """
+
     values: jax.Array
     scales: jax.Array
 
@@ -47,8 +48,9 @@ class QuantizedTable(NamedTuple):
         return jax.ShapeDtypeStruct(self.shape, jnp.float32)
 
 
-def quantize_unembedding(w: jax.typing.ArrayLike,
-                         dtype: str = "int8") -> jax.Array | QuantizedTable:
+def quantize_unembedding(
+    w: jax.typing.ArrayLike, dtype: str = "int8"
+) -> jax.Array | QuantizedTable:
     r"""The unembedding ``w: [V, D]`` in fewer bytes, for inference.
 
     ``"bfloat16"`` and ``"float16"`` round every entry (2 bytes each).
@@ -95,8 +97,9 @@ def quantize_unembedding(w: jax.typing.ArrayLike,
         largest = float(np.max(np.abs(np.asarray(w, np.float32)), initial=0.0))
         if largest > float(np.finfo(np.float16).max):
             raise ValueError(
-                "w has entries up to {:g}, beyond float16's largest finite value "
-                "65504; use dtype='bfloat16' or 'int8'.".format(largest))
+                f"w has entries up to {largest:g}, beyond float16's largest finite value "
+                "65504; use dtype='bfloat16' or 'int8'."
+            )
     if dtype != "int8":
         return jnp.asarray(w, dtype)
     w = jnp.asarray(w, jnp.float32)
@@ -123,17 +126,21 @@ def dequantize(table: QuantizedTable) -> jax.Array:
 def check_table(table: QuantizedTable) -> None:
     """Raises unless ``values`` is ``int8 [V, D]`` and ``scales`` is ``[V]`` float."""
     if jnp.result_type(table.values) != jnp.int8:
-        raise TypeError("QuantizedTable.values must be int8; got "
-                        f"{jnp.result_type(table.values)}.")
+        raise TypeError(
+            f"QuantizedTable.values must be int8; got {jnp.result_type(table.values)}."
+        )
     _checks.check_rank("QuantizedTable.values", table.values, 2, "[V, D]")
     _checks.check_floating("QuantizedTable.scales", table.scales)
     if np.shape(table.scales) != table.shape[:1]:
-        raise ValueError(f"QuantizedTable.scales must have shape [V] = "
-                         f"{table.shape[:1]}; got {np.shape(table.scales)}.")
+        raise ValueError(
+            f"QuantizedTable.scales must have shape [V] = "
+            f"{table.shape[:1]}; got {np.shape(table.scales)}."
+        )
 
 
-def matmul_transposed(h: jax.Array, table: QuantizedTable,
-                      precision: jax.lax.PrecisionLike = None) -> jax.Array:
+def matmul_transposed(
+    h: jax.Array, table: QuantizedTable, precision: jax.lax.PrecisionLike = None
+) -> jax.Array:
     r"""``float32 [..., V]``: :math:`(h\, q^\top) \cdot s`, accumulated in float32.
 
     The int8 values are exact in any float type with at least 8 significant
@@ -151,8 +158,13 @@ def matmul_transposed(h: jax.Array, table: QuantizedTable,
     dtype = jnp.result_type(h)
 
     def product(values):
-        return jnp.einsum("...d,vd->...v", h, values.astype(dtype),
-                          precision=precision, preferred_element_type=jnp.float32)
+        return jnp.einsum(
+            "...d,vd->...v",
+            h,
+            values.astype(dtype),
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
 
     vocab_size, width = table.shape
     if jax.default_backend() != "cpu" or vocab_size <= CPU_BLOCK_ROWS:
@@ -162,7 +174,9 @@ def matmul_transposed(h: jax.Array, table: QuantizedTable,
         # several times slower than the float32 matmul; converting a block of
         # rows at a time comes much closer to it.
         blocks = -(-vocab_size // CPU_BLOCK_ROWS)
-        values = jnp.pad(table.values, [(0, blocks * CPU_BLOCK_ROWS - vocab_size), (0, 0)])
+        values = jnp.pad(
+            table.values, [(0, blocks * CPU_BLOCK_ROWS - vocab_size), (0, 0)]
+        )
         logits = jax.lax.map(product, values.reshape(blocks, CPU_BLOCK_ROWS, width))
         logits = jnp.moveaxis(logits, 0, -2).reshape(*logits.shape[1:-1], -1)
         logits = logits[..., :vocab_size]

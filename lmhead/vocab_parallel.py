@@ -18,7 +18,8 @@ from typing import Any
 
 import jax
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from lmhead import fused
 
@@ -33,7 +34,8 @@ def _context_mesh(mesh: Mesh | None):
     if mesh is None or MODEL_AXIS not in mesh.axis_names:
         raise ValueError(
             "vocab_parallel_cross_entropy needs a mesh with a 'model' axis: "
-            "pass mesh=, or trace it under `with jax.set_mesh(mesh):`.")
+            "pass mesh=, or trace it under `with jax.set_mesh(mesh):`."
+        )
     return mesh
 
 
@@ -41,8 +43,11 @@ def _on_mesh(mesh, core, h, w, bias, loss_weights, labels):
     """``core`` on every device of ``mesh``: its tokens (split over
     ``"data"`` when that divides their number, replicated otherwise) against
     its rows of ``w`` and ``bias``; see ``fused.VocabShards``."""
-    tokens = (DATA_AXIS if DATA_AXIS in mesh.axis_names
-              and h.shape[0] % mesh.shape[DATA_AXIS] == 0 else None)
+    tokens = (
+        DATA_AXIS
+        if DATA_AXIS in mesh.axis_names and h.shape[0] % mesh.shape[DATA_AXIS] == 0
+        else None
+    )
 
     def per_device(h, w, bias, loss_weights, labels):
         # The fused gradient of each of h, w, bias is a product with the
@@ -58,9 +63,11 @@ def _on_mesh(mesh, core, h, w, bias, loss_weights, labels):
 
     by_token, by_row = P(tokens), P(MODEL_AXIS)
     return jax.shard_map(
-        per_device, mesh=mesh,
+        per_device,
+        mesh=mesh,
         in_specs=(by_token, by_row, by_row, by_token, by_token),
-        out_specs=(P(), by_token))(h, w, bias, loss_weights, labels)
+        out_specs=(P(), by_token),
+    )(h, w, bias, loss_weights, labels)
 
 
 def vocab_parallel_cross_entropy(
@@ -139,7 +146,7 @@ def vocab_parallel_cross_entropy(
         2019 (section 3, the parallel embedding and cross-entropy).
     """
     mesh = _context_mesh(mesh)
-    shards = fused.VocabShards(MODEL_AXIS, mesh.shape[MODEL_AXIS],
-                               functools.partial(_on_mesh, mesh))
-    return fused.fused_cross_entropy(h, w, labels, vocab_shards=shards,
-                                     **options)
+    shards = fused.VocabShards(
+        MODEL_AXIS, mesh.shape[MODEL_AXIS], functools.partial(_on_mesh, mesh)
+    )
+    return fused.fused_cross_entropy(h, w, labels, vocab_shards=shards, **options)

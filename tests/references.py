@@ -64,8 +64,9 @@ def target_entropy(vocab_size, eps):
     return -sum(count * p * np.log(p) for p, count in terms if p > 0)
 
 
-def cross_entropy(logits, labels, weights=None, eps=0.0, smoothing="uniform",
-                  z_loss=0.0):
+def cross_entropy(
+    logits, labels, weights=None, eps=0.0, smoothing="uniform", z_loss=0.0
+):
     """Per-token smoothed cross-entropy + z-loss, and the weighted metrics.
 
     Returns:
@@ -84,29 +85,36 @@ def cross_entropy(logits, labels, weights=None, eps=0.0, smoothing="uniform",
     per_token = ce + z_term
     nll = -np.take_along_axis(lp, labels[..., None], -1)[..., 0]
     correct = (np.argmax(logits, -1) == labels).astype(np.float64)
-    w = (np.ones(labels.shape) if weights is None
-         else np.asarray(weights, np.float64))
+    w = np.ones(labels.shape) if weights is None else np.asarray(weights, np.float64)
     total = w.sum()
 
     def mean(x):
         return (w * x).sum() / total if total > 0 else 0.0
 
-    metrics = {"loss": mean(per_token), "nll": mean(nll),
-               "z_loss": mean(z_term), "accuracy": mean(correct),
-               "weight_sum": total}
+    metrics = {
+        "loss": mean(per_token),
+        "nll": mean(nll),
+        "z_loss": mean(z_term),
+        "accuracy": mean(correct),
+        "weight_sum": total,
+    }
     return per_token, metrics
 
 
-def cross_entropy_gradient(logits, labels, weights=None, eps=0.0,
-                           smoothing="uniform", z_loss=0.0):
+def cross_entropy_gradient(
+    logits, labels, weights=None, eps=0.0, smoothing="uniform", z_loss=0.0
+):
     r"""``dL/dz`` of the weighted mean of :func:`cross_entropy`'s loss.
 
     Per token ``d/dz [-sum_i t_i log p_i + lambda lse^2] = p - t + 2 lambda
     lse p``, times ``w_t / sum w`` (0 when the weights sum to 0).
     """
     logits = np.asarray(logits, np.float64)
-    w = (np.ones(np.shape(labels)) if weights is None
-         else np.asarray(weights, np.float64))
+    w = (
+        np.ones(np.shape(labels))
+        if weights is None
+        else np.asarray(weights, np.float64)
+    )
     p = np.exp(log_softmax(logits))
     lse = logsumexp(logits)[..., None]
     targets = smoothed_targets(labels, logits.shape[-1], eps, smoothing)
@@ -119,8 +127,11 @@ def expected_calibration_error(logits, labels, weights, num_bins):
     """Guo et al. (2017), equal-width bins ``(m/M, (m+1)/M]``, one at a time."""
     p = np.exp(log_softmax(logits)).reshape(-1, np.shape(logits)[-1])
     labels = np.asarray(labels).reshape(-1)
-    w = (np.ones(labels.shape) if weights is None
-         else np.asarray(weights, np.float64).reshape(-1))
+    w = (
+        np.ones(labels.shape)
+        if weights is None
+        else np.asarray(weights, np.float64).reshape(-1)
+    )
     confidence, correct = p.max(-1), p.argmax(-1) == labels
     ece = 0.0
     for m in range(num_bins):

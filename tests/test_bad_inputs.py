@@ -34,17 +34,10 @@ import numpy as np
 import pytest
 
 from configs import default
-from lmhead import decoding
-from lmhead import fused
-from lmhead.lm import generation
-from lmhead import head
-from lmhead import losses
+from lmhead import decoding, fused, head, losses, modules
+from lmhead.lm import generation, monitoring, train
 from lmhead.lm import model as model_lib
-from lmhead import modules
-from lmhead.lm import monitoring
-from lmhead.lm import train
 from tests import ROOT
-
 
 H = jnp.ones((2, 3, 4))
 W = jnp.ones((5, 4))
@@ -62,19 +55,28 @@ def markov(table, tokens, state):
 
 
 def generate(**kwargs):
-    return decoding.generate(markov, TABLE, LOGITS, (), key=KEY,
-                             **{"max_new_tokens": 2, **kwargs})
+    return decoding.generate(
+        markov, TABLE, LOGITS, (), key=KEY, **{"max_new_tokens": 2, **kwargs}
+    )
 
 
 def beam(**kwargs):
-    return decoding.beam_search(markov, TABLE, LOGITS, (), **{
-        "num_beams": 2, "max_new_tokens": 2, "eos_id": None, **kwargs})
+    return decoding.beam_search(
+        markov,
+        TABLE,
+        LOGITS,
+        (),
+        **{"num_beams": 2, "max_new_tokens": 2, "eos_id": None, **kwargs},
+    )
 
 
 def fused_ce(**kwargs):
     return fused.fused_cross_entropy(
-        kwargs.pop("h", H[0]), kwargs.pop("w", W),
-        kwargs.pop("labels", jnp.zeros((3,), jnp.int32)), **kwargs)
+        kwargs.pop("h", H[0]),
+        kwargs.pop("w", W),
+        kwargs.pop("labels", jnp.zeros((3,), jnp.int32)),
+        **kwargs,
+    )
 
 
 class Letters:
@@ -84,248 +86,536 @@ class Letters:
 
 PURE = [
     # head.py
-    ("unembed integer h", lambda: head.unembed(H.astype(jnp.int32), W),
-     TypeError, "h"),
-    ("unembed integer w", lambda: head.unembed(H, W.astype(jnp.int32)),
-     TypeError, "w"),
-    ("unembed integer bias", lambda: head.unembed(H, W, jnp.ones(5, jnp.int32)),
-     TypeError, "bias"),
-    ("unembed scalar h", lambda: head.unembed(jnp.float32(1.0), W),
-     ValueError, "h"),
+    ("unembed integer h", lambda: head.unembed(H.astype(jnp.int32), W), TypeError, "h"),
+    ("unembed integer w", lambda: head.unembed(H, W.astype(jnp.int32)), TypeError, "w"),
+    (
+        "unembed integer bias",
+        lambda: head.unembed(H, W, jnp.ones(5, jnp.int32)),
+        TypeError,
+        "bias",
+    ),
+    ("unembed scalar h", lambda: head.unembed(jnp.float32(1.0), W), ValueError, "h"),
     ("unembed w rank 1", lambda: head.unembed(H, W[0]), ValueError, "w"),
     ("unembed w rank 3", lambda: head.unembed(H, W[..., None]), ValueError, "w"),
     ("unembed V = 0", lambda: head.unembed(H, W[:0]), ValueError, "w"),
-    ("unembed D = 0", lambda: head.unembed(H[..., :0], W[:, :0]),
-     ValueError, "w"),
-    ("unembed D mismatch", lambda: head.unembed(jnp.ones((2, 3)), W),
-     ValueError, "h"),
-    ("unembed bias shape", lambda: head.unembed(H, W, jnp.zeros(4)),
-     ValueError, "bias"),
-    ("unembed bias [1, V]", lambda: head.unembed(H, W, jnp.zeros((1, 5))),
-     ValueError, "bias"),
-    ("unembed scalar bias", lambda: head.unembed(H, W, jnp.float32(0.0)),
-     ValueError, "bias"),
-    ("unembed scale 0", lambda: head.unembed(H, W, scale=0.0), ValueError,
-     "scale"),
-    ("unembed scale < 0", lambda: head.unembed(H, W, scale=-1.0), ValueError,
-     "scale"),
-    ("unembed scale inf", lambda: head.unembed(H, W, scale=INF), ValueError,
-     "scale"),
-    ("unembed softcap 0", lambda: head.unembed(H, W, softcap=0.0), ValueError,
-     "softcap"),
-    ("unembed softcap < 0", lambda: head.unembed(H, W, softcap=-1.0),
-     ValueError, "softcap"),
+    ("unembed D = 0", lambda: head.unembed(H[..., :0], W[:, :0]), ValueError, "w"),
+    ("unembed D mismatch", lambda: head.unembed(jnp.ones((2, 3)), W), ValueError, "h"),
+    (
+        "unembed bias shape",
+        lambda: head.unembed(H, W, jnp.zeros(4)),
+        ValueError,
+        "bias",
+    ),
+    (
+        "unembed bias [1, V]",
+        lambda: head.unembed(H, W, jnp.zeros((1, 5))),
+        ValueError,
+        "bias",
+    ),
+    (
+        "unembed scalar bias",
+        lambda: head.unembed(H, W, jnp.float32(0.0)),
+        ValueError,
+        "bias",
+    ),
+    ("unembed scale 0", lambda: head.unembed(H, W, scale=0.0), ValueError, "scale"),
+    ("unembed scale < 0", lambda: head.unembed(H, W, scale=-1.0), ValueError, "scale"),
+    ("unembed scale inf", lambda: head.unembed(H, W, scale=INF), ValueError, "scale"),
+    (
+        "unembed softcap 0",
+        lambda: head.unembed(H, W, softcap=0.0),
+        ValueError,
+        "softcap",
+    ),
+    (
+        "unembed softcap < 0",
+        lambda: head.unembed(H, W, softcap=-1.0),
+        ValueError,
+        "softcap",
+    ),
     # c * tanh(z / c) would be inf * 0 = NaN.
-    ("unembed softcap inf", lambda: head.unembed(H, W, softcap=INF),
-     ValueError, "softcap"),
-    ("log_probs integer logits", lambda: head.log_probs(LABELS),
-     TypeError, "logits"),
+    (
+        "unembed softcap inf",
+        lambda: head.unembed(H, W, softcap=INF),
+        ValueError,
+        "softcap",
+    ),
+    ("log_probs integer logits", lambda: head.log_probs(LABELS), TypeError, "logits"),
     ("probs integer logits", lambda: head.probs(LABELS), TypeError, "logits"),
-    ("log_probs scalar logits", lambda: head.log_probs(jnp.float32(1.0)),
-     ValueError, "logits"),
-    ("probs scalar logits", lambda: head.probs(jnp.float32(1.0)),
-     ValueError, "logits"),
+    (
+        "log_probs scalar logits",
+        lambda: head.log_probs(jnp.float32(1.0)),
+        ValueError,
+        "logits",
+    ),
+    ("probs scalar logits", lambda: head.probs(jnp.float32(1.0)), ValueError, "logits"),
     ("probs V = 0", lambda: head.probs(LOGITS[:, :0]), ValueError, "logits"),
     # Temperature 0 is greedy decoding, which the message points to.
-    ("probs temperature 0", lambda: head.probs(LOGITS, 0.0), ValueError,
-     ("temperature", "greedy")),
-    ("log_probs temperature int 0", lambda: head.log_probs(LOGITS, 0),
-     ValueError, ("temperature", "greedy")),
-    ("probs temperature np.float32 0", lambda: head.probs(
-        LOGITS, np.float32(0.0)), ValueError, ("temperature", "greedy")),
-    ("log_probs temperature array 0", lambda: head.log_probs(
-        LOGITS, jnp.array(0.0)), ValueError, ("temperature", "greedy")),
-    ("probs temperature < 0", lambda: head.probs(LOGITS, -1.0), ValueError,
-     "temperature"),
-    ("log_probs temperature < 0", lambda: head.log_probs(LOGITS, -0.5),
-     ValueError, "temperature"),
+    (
+        "probs temperature 0",
+        lambda: head.probs(LOGITS, 0.0),
+        ValueError,
+        ("temperature", "greedy"),
+    ),
+    (
+        "log_probs temperature int 0",
+        lambda: head.log_probs(LOGITS, 0),
+        ValueError,
+        ("temperature", "greedy"),
+    ),
+    (
+        "probs temperature np.float32 0",
+        lambda: head.probs(LOGITS, np.float32(0.0)),
+        ValueError,
+        ("temperature", "greedy"),
+    ),
+    (
+        "log_probs temperature array 0",
+        lambda: head.log_probs(LOGITS, jnp.array(0.0)),
+        ValueError,
+        ("temperature", "greedy"),
+    ),
+    (
+        "probs temperature < 0",
+        lambda: head.probs(LOGITS, -1.0),
+        ValueError,
+        "temperature",
+    ),
+    (
+        "log_probs temperature < 0",
+        lambda: head.log_probs(LOGITS, -0.5),
+        ValueError,
+        "temperature",
+    ),
     # The message lists what is allowed.
-    ("output_distribution output", lambda: head.output_distribution(
-        H, W, output="softmax"), ValueError,
-     ("output", "'logits'", "'log_probs'", "'probs'")),
-    ("last_positions h rank", lambda: head.last_positions(H[0], LABELS),
-     ValueError, "h"),
-    ("last_positions T = 0", lambda: head.last_positions(
-        H[:, :0], jnp.array([1, 1])), ValueError, "h"),
-    ("last_positions float lengths", lambda: head.last_positions(
-        H, jnp.ones(2)), TypeError, "lengths"),
-    ("last_positions lengths shape", lambda: head.last_positions(
-        H, jnp.ones(3, jnp.int32)), ValueError, "lengths"),
-    ("last_positions length 0", lambda: head.last_positions(
-        H, jnp.array([0, 1])), ValueError, "lengths"),
-    ("last_positions length < 0", lambda: head.last_positions(
-        H, jnp.array([-1, 1])), ValueError, "lengths"),
-    ("last_positions length > T", lambda: head.last_positions(
-        H, jnp.array([1, 4])), ValueError, "lengths"),
+    (
+        "output_distribution output",
+        lambda: head.output_distribution(H, W, output="softmax"),
+        ValueError,
+        ("output", "'logits'", "'log_probs'", "'probs'"),
+    ),
+    (
+        "last_positions h rank",
+        lambda: head.last_positions(H[0], LABELS),
+        ValueError,
+        "h",
+    ),
+    (
+        "last_positions T = 0",
+        lambda: head.last_positions(H[:, :0], jnp.array([1, 1])),
+        ValueError,
+        "h",
+    ),
+    (
+        "last_positions float lengths",
+        lambda: head.last_positions(H, jnp.ones(2)),
+        TypeError,
+        "lengths",
+    ),
+    (
+        "last_positions lengths shape",
+        lambda: head.last_positions(H, jnp.ones(3, jnp.int32)),
+        ValueError,
+        "lengths",
+    ),
+    (
+        "last_positions length 0",
+        lambda: head.last_positions(H, jnp.array([0, 1])),
+        ValueError,
+        "lengths",
+    ),
+    (
+        "last_positions length < 0",
+        lambda: head.last_positions(H, jnp.array([-1, 1])),
+        ValueError,
+        "lengths",
+    ),
+    (
+        "last_positions length > T",
+        lambda: head.last_positions(H, jnp.array([1, 4])),
+        ValueError,
+        "lengths",
+    ),
     # losses.py
-    ("cross_entropy float labels", lambda: losses.cross_entropy(
-        LOGITS, jnp.zeros(2)), TypeError, "labels"),
-    ("cross_entropy labels shape", lambda: losses.cross_entropy(
-        LOGITS, jnp.zeros(3, jnp.int32)), ValueError, "labels"),
-    ("cross_entropy labels extra axis", lambda: losses.cross_entropy(
-        LOGITS, LABELS[:, None]), ValueError, "labels"),
-    ("cross_entropy scalar labels", lambda: losses.cross_entropy(
-        LOGITS, LABELS[0]), ValueError, "labels"),
-    ("cross_entropy weights shape", lambda: losses.cross_entropy(
-        LOGITS, LABELS, weights=jnp.ones(3)), ValueError, "weights"),
-    ("cross_entropy weights transposed", lambda: losses.cross_entropy(
-        LOGITS_3D, LABELS_2D, weights=jnp.ones((3, 2))), ValueError, "weights"),
-    ("cross_entropy negative weight", lambda: losses.cross_entropy(
-        LOGITS, LABELS, weights=jnp.array([1.0, -1.0])), ValueError, "weights"),
-    ("cross_entropy NaN weight", lambda: losses.cross_entropy(
-        LOGITS, LABELS, weights=jnp.array([1.0, NAN])), ValueError, "weights"),
-    ("cross_entropy label = V", lambda: losses.cross_entropy(
-        LOGITS, jnp.array([0, 5])), ValueError, "labels"),
-    ("cross_entropy label < 0", lambda: losses.cross_entropy(
-        LOGITS, jnp.array([-1, 0])), ValueError, "labels"),
-    ("cross_entropy label_smoothing 1", lambda: losses.cross_entropy(
-        LOGITS, LABELS, label_smoothing=1.0), ValueError, "label_smoothing"),
-    ("cross_entropy label_smoothing < 0", lambda: losses.cross_entropy(
-        LOGITS, LABELS, label_smoothing=-0.1), ValueError, "label_smoothing"),
-    ("cross_entropy smoothing", lambda: losses.cross_entropy(
-        LOGITS, LABELS, smoothing="soft"), ValueError, "smoothing"),
-    ("cross_entropy z_loss < 0", lambda: losses.cross_entropy(
-        LOGITS, LABELS, z_loss=-1e-4), ValueError, "z_loss"),
-    ("cross_entropy reduction", lambda: losses.cross_entropy(
-        LOGITS, LABELS, reduction="avg"), ValueError, "reduction"),
-    ("cross_entropy integer logits", lambda: losses.cross_entropy(
-        LABELS[:, None], LABELS), TypeError, "logits"),
-    ("cross_entropy V = 0", lambda: losses.cross_entropy(
-        LOGITS[:, :0], LABELS), ValueError, "logits"),
-    ("cross_entropy V = 0 in jit", lambda: jax.jit(losses.cross_entropy)(
-        LOGITS[:, :0], LABELS), ValueError, "logits"),
-    ("ece num_bins 0", lambda: losses.expected_calibration_error(
-        LOGITS, LABELS, num_bins=0), ValueError, "num_bins"),
-    ("ece num_bins < 0", lambda: losses.expected_calibration_error(
-        LOGITS, LABELS, num_bins=-2), ValueError, "num_bins"),
-    ("ece num_bins float", lambda: losses.expected_calibration_error(
-        LOGITS, LABELS, num_bins=2.5), ValueError, "num_bins"),
-    ("ece num_bins bool", lambda: losses.expected_calibration_error(
-        LOGITS, LABELS, num_bins=True), ValueError, "num_bins"),
-    ("ece bins [M, 2]", lambda: losses.calibration_error_from_bins(
-        jnp.ones((3, 2))), ValueError, "bins"),
-    ("ece negative bins", lambda: losses.calibration_error_from_bins(
-        jnp.array([[-1.0, 0.5, 0.0]])), ValueError, "bins"),
-    ("bits_per_character 0 chars", lambda: losses.bits_per_character(1.0, 0.0),
-     ValueError, "chars_per_token"),
-    ("bits_per_character inf chars", lambda: losses.bits_per_character(
-        1.0, INF), ValueError, "chars_per_token"),
+    (
+        "cross_entropy float labels",
+        lambda: losses.cross_entropy(LOGITS, jnp.zeros(2)),
+        TypeError,
+        "labels",
+    ),
+    (
+        "cross_entropy labels shape",
+        lambda: losses.cross_entropy(LOGITS, jnp.zeros(3, jnp.int32)),
+        ValueError,
+        "labels",
+    ),
+    (
+        "cross_entropy labels extra axis",
+        lambda: losses.cross_entropy(LOGITS, LABELS[:, None]),
+        ValueError,
+        "labels",
+    ),
+    (
+        "cross_entropy scalar labels",
+        lambda: losses.cross_entropy(LOGITS, LABELS[0]),
+        ValueError,
+        "labels",
+    ),
+    (
+        "cross_entropy weights shape",
+        lambda: losses.cross_entropy(LOGITS, LABELS, weights=jnp.ones(3)),
+        ValueError,
+        "weights",
+    ),
+    (
+        "cross_entropy weights transposed",
+        lambda: losses.cross_entropy(LOGITS_3D, LABELS_2D, weights=jnp.ones((3, 2))),
+        ValueError,
+        "weights",
+    ),
+    (
+        "cross_entropy negative weight",
+        lambda: losses.cross_entropy(LOGITS, LABELS, weights=jnp.array([1.0, -1.0])),
+        ValueError,
+        "weights",
+    ),
+    (
+        "cross_entropy NaN weight",
+        lambda: losses.cross_entropy(LOGITS, LABELS, weights=jnp.array([1.0, NAN])),
+        ValueError,
+        "weights",
+    ),
+    (
+        "cross_entropy label = V",
+        lambda: losses.cross_entropy(LOGITS, jnp.array([0, 5])),
+        ValueError,
+        "labels",
+    ),
+    (
+        "cross_entropy label < 0",
+        lambda: losses.cross_entropy(LOGITS, jnp.array([-1, 0])),
+        ValueError,
+        "labels",
+    ),
+    (
+        "cross_entropy label_smoothing 1",
+        lambda: losses.cross_entropy(LOGITS, LABELS, label_smoothing=1.0),
+        ValueError,
+        "label_smoothing",
+    ),
+    (
+        "cross_entropy label_smoothing < 0",
+        lambda: losses.cross_entropy(LOGITS, LABELS, label_smoothing=-0.1),
+        ValueError,
+        "label_smoothing",
+    ),
+    (
+        "cross_entropy smoothing",
+        lambda: losses.cross_entropy(LOGITS, LABELS, smoothing="soft"),
+        ValueError,
+        "smoothing",
+    ),
+    (
+        "cross_entropy z_loss < 0",
+        lambda: losses.cross_entropy(LOGITS, LABELS, z_loss=-1e-4),
+        ValueError,
+        "z_loss",
+    ),
+    (
+        "cross_entropy reduction",
+        lambda: losses.cross_entropy(LOGITS, LABELS, reduction="avg"),
+        ValueError,
+        "reduction",
+    ),
+    (
+        "cross_entropy integer logits",
+        lambda: losses.cross_entropy(LABELS[:, None], LABELS),
+        TypeError,
+        "logits",
+    ),
+    (
+        "cross_entropy V = 0",
+        lambda: losses.cross_entropy(LOGITS[:, :0], LABELS),
+        ValueError,
+        "logits",
+    ),
+    (
+        "cross_entropy V = 0 in jit",
+        lambda: jax.jit(losses.cross_entropy)(LOGITS[:, :0], LABELS),
+        ValueError,
+        "logits",
+    ),
+    (
+        "ece num_bins 0",
+        lambda: losses.expected_calibration_error(LOGITS, LABELS, num_bins=0),
+        ValueError,
+        "num_bins",
+    ),
+    (
+        "ece num_bins < 0",
+        lambda: losses.expected_calibration_error(LOGITS, LABELS, num_bins=-2),
+        ValueError,
+        "num_bins",
+    ),
+    (
+        "ece num_bins float",
+        lambda: losses.expected_calibration_error(LOGITS, LABELS, num_bins=2.5),
+        ValueError,
+        "num_bins",
+    ),
+    (
+        "ece num_bins bool",
+        lambda: losses.expected_calibration_error(LOGITS, LABELS, num_bins=True),
+        ValueError,
+        "num_bins",
+    ),
+    (
+        "ece bins [M, 2]",
+        lambda: losses.calibration_error_from_bins(jnp.ones((3, 2))),
+        ValueError,
+        "bins",
+    ),
+    (
+        "ece negative bins",
+        lambda: losses.calibration_error_from_bins(jnp.array([[-1.0, 0.5, 0.0]])),
+        ValueError,
+        "bins",
+    ),
+    (
+        "bits_per_character 0 chars",
+        lambda: losses.bits_per_character(1.0, 0.0),
+        ValueError,
+        "chars_per_token",
+    ),
+    (
+        "bits_per_character inf chars",
+        lambda: losses.bits_per_character(1.0, INF),
+        ValueError,
+        "chars_per_token",
+    ),
     # fused.py
-    ("fused chunk_size 0", lambda: fused_ce(chunk_size=0),
-     ValueError, "chunk_size"),
-    ("fused chunk_size < 0", lambda: fused_ce(chunk_size=-3),
-     ValueError, "chunk_size"),
-    ("fused chunk_size float", lambda: fused_ce(chunk_size=2.5),
-     ValueError, "chunk_size"),
-    ("fused chunk_size bool", lambda: fused_ce(chunk_size=True),
-     ValueError, "chunk_size"),
-    ("fused vocab_chunk_size 0", lambda: fused_ce(vocab_chunk_size=0),
-     ValueError, "vocab_chunk_size"),
-    ("fused vocab_chunk_size float", lambda: fused_ce(vocab_chunk_size=2.5),
-     ValueError, "vocab_chunk_size"),
-    ("fused smoothing", lambda: fused_ce(smoothing="label"),
-     ValueError, "smoothing"),
-    ("fused label_smoothing 1", lambda: fused_ce(label_smoothing=1.0),
-     ValueError, "label_smoothing"),
+    ("fused chunk_size 0", lambda: fused_ce(chunk_size=0), ValueError, "chunk_size"),
+    ("fused chunk_size < 0", lambda: fused_ce(chunk_size=-3), ValueError, "chunk_size"),
+    (
+        "fused chunk_size float",
+        lambda: fused_ce(chunk_size=2.5),
+        ValueError,
+        "chunk_size",
+    ),
+    (
+        "fused chunk_size bool",
+        lambda: fused_ce(chunk_size=True),
+        ValueError,
+        "chunk_size",
+    ),
+    (
+        "fused vocab_chunk_size 0",
+        lambda: fused_ce(vocab_chunk_size=0),
+        ValueError,
+        "vocab_chunk_size",
+    ),
+    (
+        "fused vocab_chunk_size float",
+        lambda: fused_ce(vocab_chunk_size=2.5),
+        ValueError,
+        "vocab_chunk_size",
+    ),
+    ("fused smoothing", lambda: fused_ce(smoothing="label"), ValueError, "smoothing"),
+    (
+        "fused label_smoothing 1",
+        lambda: fused_ce(label_smoothing=1.0),
+        ValueError,
+        "label_smoothing",
+    ),
     ("fused z_loss < 0", lambda: fused_ce(z_loss=-1.0), ValueError, "z_loss"),
-    ("fused reduction", lambda: fused_ce(reduction="max"),
-     ValueError, "reduction"),
+    ("fused reduction", lambda: fused_ce(reduction="max"), ValueError, "reduction"),
     ("fused scale 0", lambda: fused_ce(scale=0.0), ValueError, "scale"),
     ("fused softcap 0", lambda: fused_ce(softcap=0.0), ValueError, "softcap"),
-    ("fused softcap < 0", lambda: fused_ce(softcap=-1.0), ValueError,
-     "softcap"),
-    ("fused D mismatch", lambda: fused_ce(w=jnp.ones((5, 3))),
-     ValueError, "h"),
+    ("fused softcap < 0", lambda: fused_ce(softcap=-1.0), ValueError, "softcap"),
+    ("fused D mismatch", lambda: fused_ce(w=jnp.ones((5, 3))), ValueError, "h"),
     ("fused w rank 1", lambda: fused_ce(w=W[0]), ValueError, "w"),
     ("fused V = 0", lambda: fused_ce(w=W[:0]), ValueError, "w"),
-    ("fused integer h", lambda: fused_ce(h=H[0].astype(jnp.int32)),
-     TypeError, "h"),
-    ("fused integer w", lambda: fused_ce(w=W.astype(jnp.int32)),
-     TypeError, "w"),
-    ("fused bias shape", lambda: fused_ce(bias=jnp.zeros(4)),
-     ValueError, "bias"),
-    ("fused float labels", lambda: fused_ce(labels=jnp.zeros(3)),
-     TypeError, "labels"),
-    ("fused labels shape", lambda: fused_ce(labels=LABELS),
-     ValueError, "labels"),
-    ("fused label = V", lambda: fused_ce(labels=jnp.array([0, 1, 5])),
-     ValueError, "labels"),
-    ("fused weights shape", lambda: fused_ce(weights=jnp.ones(2)),
-     ValueError, "weights"),
-    ("fused traced label_smoothing", lambda: jax.jit(
-        lambda eps: fused_ce(label_smoothing=eps))(0.1),
-     TypeError, "label_smoothing"),
+    ("fused integer h", lambda: fused_ce(h=H[0].astype(jnp.int32)), TypeError, "h"),
+    ("fused integer w", lambda: fused_ce(w=W.astype(jnp.int32)), TypeError, "w"),
+    ("fused bias shape", lambda: fused_ce(bias=jnp.zeros(4)), ValueError, "bias"),
+    ("fused float labels", lambda: fused_ce(labels=jnp.zeros(3)), TypeError, "labels"),
+    ("fused labels shape", lambda: fused_ce(labels=LABELS), ValueError, "labels"),
+    (
+        "fused label = V",
+        lambda: fused_ce(labels=jnp.array([0, 1, 5])),
+        ValueError,
+        "labels",
+    ),
+    (
+        "fused weights shape",
+        lambda: fused_ce(weights=jnp.ones(2)),
+        ValueError,
+        "weights",
+    ),
+    (
+        "fused traced label_smoothing",
+        lambda: jax.jit(lambda eps: fused_ce(label_smoothing=eps))(0.1),
+        TypeError,
+        "label_smoothing",
+    ),
     # decoding.py
-    ("generate logits rank", lambda: decoding.generate(
-        markov, TABLE, LOGITS[None], (), key=KEY, max_new_tokens=2),
-     ValueError, "logits"),
-    ("generate max_new_tokens 0", lambda: generate(max_new_tokens=0),
-     ValueError, "max_new_tokens"),
-    ("generate max_new_tokens float", lambda: generate(max_new_tokens=2.0),
-     TypeError, "max_new_tokens"),
-    ("generate num_samples 0", lambda: generate(num_samples=0),
-     ValueError, "num_samples"),
-    ("generate temperature < 0", lambda: generate(temperature=-0.5),
-     ValueError, "temperature"),
-    ("generate top_k < 0", lambda: generate(top_k=-1),
-     ValueError, "top_k"),
-    ("generate top_p per row, wrong shape", lambda: generate(top_p=jnp.full(3, 0.9)),
-     ValueError, "top_p"),
-    ("generate temperature per row < 0", lambda: generate(
-        temperature=jnp.array([0.0, -1.0])), ValueError, "temperature"),
-    ("generate top_k float", lambda: generate(top_k=2.0),
-     TypeError, "top_k"),
-    ("generate top_p 0", lambda: generate(top_p=0.0),
-     ValueError, "top_p"),
-    ("generate top_p > 1", lambda: generate(top_p=1.5),
-     ValueError, "top_p"),
-    ("generate min_p > 1", lambda: generate(min_p=1.5),
-     ValueError, "min_p"),
-    ("generate repetition_penalty 0", lambda: generate(
-        repetition_penalty=0.0), ValueError, "repetition_penalty"),
-    ("generate no_repeat_ngram_size 0", lambda: generate(
-        no_repeat_ngram_size=0), ValueError, "no_repeat_ngram_size"),
-    ("generate min_new_tokens < 0", lambda: generate(min_new_tokens=-1),
-     ValueError, "min_new_tokens"),
-    ("generate eos_id = V", lambda: generate(eos_id=5),
-     ValueError, "eos_id"),
-    ("generate suppress_tokens", lambda: generate(suppress_tokens=[7]),
-     ValueError, "suppress_tokens"),
-    ("generate state batch axis", lambda: decoding.generate(
-        markov, TABLE, LOGITS, {"cache": jnp.zeros((3, 4))}, key=KEY, max_new_tokens=2),
-     ValueError, "state"),
-    ("generate prompt_tokens batch", lambda: generate(
-        repetition_penalty=1.2, prompt_tokens=jnp.zeros((3, 2), jnp.int32)),
-     ValueError, "prompt_tokens"),
-    ("process_logits history missing", lambda: decoding.process_logits(
-        LOGITS, repetition_penalty=1.2), ValueError, "history"),
-    ("beam num_beams 0", lambda: beam(num_beams=0),
-     ValueError, "num_beams"),
-    ("beam num_return_sequences > K", lambda: beam(num_return_sequences=3),
-     ValueError, "num_return_sequences"),
-    ("beam penalty", lambda: beam(penalty="wu"),
-     ValueError, "penalty"),
-    ("beam length_penalty inf", lambda: beam(length_penalty=float("inf")),
-     ValueError, "length_penalty"),
-    ("beam eos_id < 0", lambda: beam(eos_id=-1),
-     ValueError, "eos_id"),
-    ("detokenize no decode", lambda: decoding.detokenize([[0, 1]], object()),
-     TypeError, ("tokenizer", "decode")),
-    ("detokenize float ids", lambda: decoding.detokenize([0.5], Letters()),
-     TypeError, "ids"),
-    ("detokenize scalar ids", lambda: decoding.detokenize(3, Letters()),
-     ValueError, "ids"),
+    (
+        "generate logits rank",
+        lambda: decoding.generate(
+            markov, TABLE, LOGITS[None], (), key=KEY, max_new_tokens=2
+        ),
+        ValueError,
+        "logits",
+    ),
+    (
+        "generate max_new_tokens 0",
+        lambda: generate(max_new_tokens=0),
+        ValueError,
+        "max_new_tokens",
+    ),
+    (
+        "generate max_new_tokens float",
+        lambda: generate(max_new_tokens=2.0),
+        TypeError,
+        "max_new_tokens",
+    ),
+    (
+        "generate num_samples 0",
+        lambda: generate(num_samples=0),
+        ValueError,
+        "num_samples",
+    ),
+    (
+        "generate temperature < 0",
+        lambda: generate(temperature=-0.5),
+        ValueError,
+        "temperature",
+    ),
+    ("generate top_k < 0", lambda: generate(top_k=-1), ValueError, "top_k"),
+    (
+        "generate top_p per row, wrong shape",
+        lambda: generate(top_p=jnp.full(3, 0.9)),
+        ValueError,
+        "top_p",
+    ),
+    (
+        "generate temperature per row < 0",
+        lambda: generate(temperature=jnp.array([0.0, -1.0])),
+        ValueError,
+        "temperature",
+    ),
+    ("generate top_k float", lambda: generate(top_k=2.0), TypeError, "top_k"),
+    ("generate top_p 0", lambda: generate(top_p=0.0), ValueError, "top_p"),
+    ("generate top_p > 1", lambda: generate(top_p=1.5), ValueError, "top_p"),
+    ("generate min_p > 1", lambda: generate(min_p=1.5), ValueError, "min_p"),
+    (
+        "generate repetition_penalty 0",
+        lambda: generate(repetition_penalty=0.0),
+        ValueError,
+        "repetition_penalty",
+    ),
+    (
+        "generate no_repeat_ngram_size 0",
+        lambda: generate(no_repeat_ngram_size=0),
+        ValueError,
+        "no_repeat_ngram_size",
+    ),
+    (
+        "generate min_new_tokens < 0",
+        lambda: generate(min_new_tokens=-1),
+        ValueError,
+        "min_new_tokens",
+    ),
+    ("generate eos_id = V", lambda: generate(eos_id=5), ValueError, "eos_id"),
+    (
+        "generate suppress_tokens",
+        lambda: generate(suppress_tokens=[7]),
+        ValueError,
+        "suppress_tokens",
+    ),
+    (
+        "generate state batch axis",
+        lambda: decoding.generate(
+            markov,
+            TABLE,
+            LOGITS,
+            {"cache": jnp.zeros((3, 4))},
+            key=KEY,
+            max_new_tokens=2,
+        ),
+        ValueError,
+        "state",
+    ),
+    (
+        "generate prompt_tokens batch",
+        lambda: generate(
+            repetition_penalty=1.2, prompt_tokens=jnp.zeros((3, 2), jnp.int32)
+        ),
+        ValueError,
+        "prompt_tokens",
+    ),
+    (
+        "process_logits history missing",
+        lambda: decoding.process_logits(LOGITS, repetition_penalty=1.2),
+        ValueError,
+        "history",
+    ),
+    ("beam num_beams 0", lambda: beam(num_beams=0), ValueError, "num_beams"),
+    (
+        "beam num_return_sequences > K",
+        lambda: beam(num_return_sequences=3),
+        ValueError,
+        "num_return_sequences",
+    ),
+    ("beam penalty", lambda: beam(penalty="wu"), ValueError, "penalty"),
+    (
+        "beam length_penalty inf",
+        lambda: beam(length_penalty=float("inf")),
+        ValueError,
+        "length_penalty",
+    ),
+    ("beam eos_id < 0", lambda: beam(eos_id=-1), ValueError, "eos_id"),
+    (
+        "detokenize no decode",
+        lambda: decoding.detokenize([[0, 1]], object()),
+        TypeError,
+        ("tokenizer", "decode"),
+    ),
+    (
+        "detokenize float ids",
+        lambda: decoding.detokenize([0.5], Letters()),
+        TypeError,
+        "ids",
+    ),
+    (
+        "detokenize scalar ids",
+        lambda: decoding.detokenize(3, Letters()),
+        ValueError,
+        "ids",
+    ),
     # monitoring.py: the benchmarks' matmul rate
     ("matmul_rate size 0", lambda: monitoring.matmul_rate(0), ValueError, "size"),
-    ("matmul_rate repeats 0", lambda: monitoring.matmul_rate(8, repeats=0),
-     ValueError, "repeats"),
+    (
+        "matmul_rate repeats 0",
+        lambda: monitoring.matmul_rate(8, repeats=0),
+        ValueError,
+        "repeats",
+    ),
 ]
 
 
 def decoder(**overrides):
-    return model_lib.DecoderLM(**{"vocab_size": 17, "num_layers": 1,
-                                  "num_heads": 2, "d_model": 8, "mlp_dim": 16,
-                                  "max_len": 8, **overrides})
+    return model_lib.DecoderLM(
+        **{
+            "vocab_size": 17,
+            "num_layers": 1,
+            "num_heads": 2,
+            "d_model": 8,
+            "mlp_dim": 16,
+            "max_len": 8,
+            **overrides,
+        }
+    )
 
 
 def decoder_init(tokens, **overrides):
@@ -334,10 +624,17 @@ def decoder_init(tokens, **overrides):
 
 TOKENS = jnp.ones((1, 4), jnp.int32)
 
+
 def lm_head_loss(loss_impl="fused", **kwargs):
     return modules.LMHead(5, tied=True).apply(
-        {}, H, jnp.zeros((2, 3), jnp.int32), W, loss_impl=loss_impl,
-        method="loss", **kwargs)
+        {},
+        H,
+        jnp.zeros((2, 3), jnp.int32),
+        W,
+        loss_impl=loss_impl,
+        method="loss",
+        **kwargs,
+    )
 
 
 class WrongSizeEmbed(nn.Module):
@@ -351,67 +648,142 @@ class WrongSizeEmbed(nn.Module):
 
 MODULES = [
     # Fields are checked when the module is built.
-    ("LMHead vocab_size 0", lambda: modules.LMHead(0), ValueError,
-     "vocab_size"),
-    ("LMHead vocab_size < 0", lambda: modules.LMHead(-1), ValueError,
-     "vocab_size"),
-    ("LMHead vocab_size float", lambda: modules.LMHead(5.0), ValueError,
-     "vocab_size"),
-    ("LMHead vocab_size bool", lambda: modules.LMHead(True), ValueError,
-     "vocab_size"),
-    ("LMHead tied string", lambda: modules.LMHead(5, tied="no"), TypeError,
-     "tied"),
-    ("LMHead use_bias int", lambda: modules.LMHead(5, use_bias=1), TypeError,
-     "use_bias"),
-    ("LMHead scale 0", lambda: modules.LMHead(5, scale=0.0), ValueError,
-     "scale"),
-    ("LMHead softcap inf", lambda: modules.LMHead(5, softcap=INF), ValueError,
-     "softcap"),
-    ("LMHead tied without embedding", lambda: modules.LMHead(5, tied=True).apply(
-        {}, H), ValueError, ("embedding", "tied")),
-    ("LMHead tied table [V, D - 1]", lambda: modules.LMHead(5, tied=True).apply(
-        {}, H, jnp.ones((5, 3))), ValueError, "embedding"),
-    ("LMHead tied table [V + 1, D]", lambda: modules.LMHead(5, tied=True).apply(
-        {}, H, jnp.ones((6, 4))), ValueError, "embedding"),
-    ("LMHead tied table [D, V]", lambda: modules.LMHead(5, tied=True).apply(
-        {}, H, jnp.ones((4, 5))), ValueError, "embedding"),
-    ("LMHead tied table flat", lambda: modules.LMHead(5, tied=True).apply(
-        {}, H, jnp.ones(20)), ValueError, "embedding"),
-    ("LMHead tied nn.Embed of V + 1", lambda: WrongSizeEmbed().init(
-        KEY, LABELS), ValueError, "embedding"),
-    ("LMHead untied with embedding", lambda: modules.LMHead(5, tied=False).init(
-        KEY, H, W), ValueError, ("embedding", "tied")),
-    ("LMHead integer h", lambda: modules.LMHead(5, tied=False).init(
-        KEY, H.astype(jnp.int32)), TypeError, "h"),
-    ("LMHead loss integer h", lambda: modules.LMHead(5, tied=True).apply(
-        {}, H.astype(jnp.int32), jnp.zeros((2, 3), jnp.int32), W,
-        method="loss"), TypeError, "h"),
-    ("LMHead untied D = 0", lambda: modules.LMHead(5, tied=False).init(
-        KEY, H[..., :0]), ValueError, "w"),
-    ("LMHead loss_impl", lambda: lm_head_loss("chunked"), ValueError,
-     "loss_impl"),
-    ("LMHead chunk_size with materialized", lambda: lm_head_loss(
-        "materialized", chunk_size=4), ValueError, ("chunk_size", "loss_impl")),
-    ("DecoderLM num_heads", lambda: decoder_init(TOKENS, num_heads=3),
-     ValueError, ("num_heads", "d_model")),
-    ("DecoderLM positions", lambda: decoder_init(TOKENS, positions="alibi"),
-     ValueError, "positions"),
-    ("DecoderLM rope odd head", lambda: decoder_init(
-        TOKENS, positions="rope", num_heads=8), ValueError,
-     "positions"),
-    ("DecoderLM dropout_rate 1", lambda: decoder_init(TOKENS, dropout_rate=1.0),
-     ValueError, "dropout_rate"),
-    ("DecoderLM float tokens", lambda: decoder_init(jnp.ones((1, 4))),
-     TypeError, "tokens"),
-    ("DecoderLM token = V", lambda: decoder_init(jnp.full((1, 4), 17)),
-     ValueError, "tokens"),
-    ("DecoderLM tokens past max_len", lambda: decoder_init(
-        jnp.ones((1, 9), jnp.int32)), ValueError,
-     ("tokens", "max_len")),
+    ("LMHead vocab_size 0", lambda: modules.LMHead(0), ValueError, "vocab_size"),
+    ("LMHead vocab_size < 0", lambda: modules.LMHead(-1), ValueError, "vocab_size"),
+    ("LMHead vocab_size float", lambda: modules.LMHead(5.0), ValueError, "vocab_size"),
+    ("LMHead vocab_size bool", lambda: modules.LMHead(True), ValueError, "vocab_size"),
+    ("LMHead tied string", lambda: modules.LMHead(5, tied="no"), TypeError, "tied"),
+    (
+        "LMHead use_bias int",
+        lambda: modules.LMHead(5, use_bias=1),
+        TypeError,
+        "use_bias",
+    ),
+    ("LMHead scale 0", lambda: modules.LMHead(5, scale=0.0), ValueError, "scale"),
+    (
+        "LMHead softcap inf",
+        lambda: modules.LMHead(5, softcap=INF),
+        ValueError,
+        "softcap",
+    ),
+    (
+        "LMHead tied without embedding",
+        lambda: modules.LMHead(5, tied=True).apply({}, H),
+        ValueError,
+        ("embedding", "tied"),
+    ),
+    (
+        "LMHead tied table [V, D - 1]",
+        lambda: modules.LMHead(5, tied=True).apply({}, H, jnp.ones((5, 3))),
+        ValueError,
+        "embedding",
+    ),
+    (
+        "LMHead tied table [V + 1, D]",
+        lambda: modules.LMHead(5, tied=True).apply({}, H, jnp.ones((6, 4))),
+        ValueError,
+        "embedding",
+    ),
+    (
+        "LMHead tied table [D, V]",
+        lambda: modules.LMHead(5, tied=True).apply({}, H, jnp.ones((4, 5))),
+        ValueError,
+        "embedding",
+    ),
+    (
+        "LMHead tied table flat",
+        lambda: modules.LMHead(5, tied=True).apply({}, H, jnp.ones(20)),
+        ValueError,
+        "embedding",
+    ),
+    (
+        "LMHead tied nn.Embed of V + 1",
+        lambda: WrongSizeEmbed().init(KEY, LABELS),
+        ValueError,
+        "embedding",
+    ),
+    (
+        "LMHead untied with embedding",
+        lambda: modules.LMHead(5, tied=False).init(KEY, H, W),
+        ValueError,
+        ("embedding", "tied"),
+    ),
+    (
+        "LMHead integer h",
+        lambda: modules.LMHead(5, tied=False).init(KEY, H.astype(jnp.int32)),
+        TypeError,
+        "h",
+    ),
+    (
+        "LMHead loss integer h",
+        lambda: modules.LMHead(5, tied=True).apply(
+            {}, H.astype(jnp.int32), jnp.zeros((2, 3), jnp.int32), W, method="loss"
+        ),
+        TypeError,
+        "h",
+    ),
+    (
+        "LMHead untied D = 0",
+        lambda: modules.LMHead(5, tied=False).init(KEY, H[..., :0]),
+        ValueError,
+        "w",
+    ),
+    ("LMHead loss_impl", lambda: lm_head_loss("chunked"), ValueError, "loss_impl"),
+    (
+        "LMHead chunk_size with materialized",
+        lambda: lm_head_loss("materialized", chunk_size=4),
+        ValueError,
+        ("chunk_size", "loss_impl"),
+    ),
+    (
+        "DecoderLM num_heads",
+        lambda: decoder_init(TOKENS, num_heads=3),
+        ValueError,
+        ("num_heads", "d_model"),
+    ),
+    (
+        "DecoderLM positions",
+        lambda: decoder_init(TOKENS, positions="alibi"),
+        ValueError,
+        "positions",
+    ),
+    (
+        "DecoderLM rope odd head",
+        lambda: decoder_init(TOKENS, positions="rope", num_heads=8),
+        ValueError,
+        "positions",
+    ),
+    (
+        "DecoderLM dropout_rate 1",
+        lambda: decoder_init(TOKENS, dropout_rate=1.0),
+        ValueError,
+        "dropout_rate",
+    ),
+    (
+        "DecoderLM float tokens",
+        lambda: decoder_init(jnp.ones((1, 4))),
+        TypeError,
+        "tokens",
+    ),
+    (
+        "DecoderLM token = V",
+        lambda: decoder_init(jnp.full((1, 4), 17)),
+        ValueError,
+        "tokens",
+    ),
+    (
+        "DecoderLM tokens past max_len",
+        lambda: decoder_init(jnp.ones((1, 9), jnp.int32)),
+        ValueError,
+        ("tokens", "max_len"),
+    ),
     # The check comes before the parameters are used.
-    ("prefill prompt + max_new_tokens", lambda: model_lib.prefill(
-        decoder(), None, TOKENS, max_new_tokens=5),
-     ValueError, ("max_new_tokens", "max_len")),
+    (
+        "prefill prompt + max_new_tokens",
+        lambda: model_lib.prefill(decoder(), None, TOKENS, max_new_tokens=5),
+        ValueError,
+        ("max_new_tokens", "max_len"),
+    ),
 ]
 
 
@@ -430,8 +802,9 @@ def assert_raises_exactly(call, error, named):
         assert names(str(raised.value), name), (name, str(raised.value))
 
 
-@pytest.mark.parametrize("call,error,named",
-                         [pytest.param(*case[1:], id=case[0]) for case in PURE])
+@pytest.mark.parametrize(
+    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in PURE]
+)
 def test_pure_functions(call, error, named):
     assert_raises_exactly(call, error, named)
 
@@ -441,14 +814,22 @@ def test_generate_on_nonfinite_logits_ends_the_row_and_flags_it():
     whose logits are not finite, with pad_id and log-prob -inf."""
     bad_table = TABLE.at[1].set(jnp.nan)
     tokens, log_probs, lengths = decoding.generate(
-        markov, bad_table, LOGITS.at[1, 1].set(9.0), (), key=KEY, max_new_tokens=3,
-        temperature=0.0, pad_id=4)
+        markov,
+        bad_table,
+        LOGITS.at[1, 1].set(9.0),
+        (),
+        key=KEY,
+        max_new_tokens=3,
+        temperature=0.0,
+        pad_id=4,
+    )
     assert jnp.isneginf(log_probs).any(-1).tolist() == [False, True]
     assert tokens[1].tolist() == [1, 4, 4] and lengths.tolist() == [3, 1]
 
 
-@pytest.mark.parametrize("call,error,named",
-                         [pytest.param(*case[1:], id=case[0]) for case in MODULES])
+@pytest.mark.parametrize(
+    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in MODULES]
+)
 def test_modules(call, error, named):
     assert_raises_exactly(call, error, named)
 
@@ -459,44 +840,75 @@ NEG = -INF
 RULES = [
     # head.log_probs: a -inf logit has probability 0; a row of -inf has no
     # distribution (all 0); +inf logits share the mass.
-    ("probs of a row of -inf", head.probs, (jnp.full((2, 3), NEG),),
-     np.zeros((2, 3))),
-    ("log_probs of a row of -inf", head.log_probs,
-     (jnp.array([[NEG, NEG], [0.0, NEG]]),), np.array([[NEG, NEG], [0.0, NEG]])),
-    ("probs with +inf logits", head.probs,
-     (jnp.array([[INF, 0.0, INF, NEG]]),), np.array([[0.5, 0.0, 0.5, 0.0]])),
-    ("log_probs with +inf logits", head.log_probs,
-     (jnp.array([[INF, 1.0]]),), np.array([[0.0, NEG]])),
+    ("probs of a row of -inf", head.probs, (jnp.full((2, 3), NEG),), np.zeros((2, 3))),
+    (
+        "log_probs of a row of -inf",
+        head.log_probs,
+        (jnp.array([[NEG, NEG], [0.0, NEG]]),),
+        np.array([[NEG, NEG], [0.0, NEG]]),
+    ),
+    (
+        "probs with +inf logits",
+        head.probs,
+        (jnp.array([[INF, 0.0, INF, NEG]]),),
+        np.array([[0.5, 0.0, 0.5, 0.0]]),
+    ),
+    (
+        "log_probs with +inf logits",
+        head.log_probs,
+        (jnp.array([[INF, 1.0]]),),
+        np.array([[0.0, NEG]]),
+    ),
     # losses.cross_entropy: a label of logit -inf has probability 0.
-    ("cross_entropy of a row of -inf", lambda z, y: losses.cross_entropy(
-        z, y, reduction="none")[0], (jnp.array([[NEG, NEG], [0.0, 0.0]]),
-                                     jnp.array([0, 1])),
-     np.array([INF, np.log(2.0)])),
-    ("cross_entropy of a label of logit -inf", lambda z, y: losses.cross_entropy(
-        z, y, reduction="none")[0], (jnp.array([[NEG, 0.0]]), jnp.array([0])),
-     np.array([INF])),
+    (
+        "cross_entropy of a row of -inf",
+        lambda z, y: losses.cross_entropy(z, y, reduction="none")[0],
+        (jnp.array([[NEG, NEG], [0.0, 0.0]]), jnp.array([0, 1])),
+        np.array([INF, np.log(2.0)]),
+    ),
+    (
+        "cross_entropy of a label of logit -inf",
+        lambda z, y: losses.cross_entropy(z, y, reduction="none")[0],
+        (jnp.array([[NEG, 0.0]]), jnp.array([0])),
+        np.array([INF]),
+    ),
     # A -inf logit off the label (a banned token) is no concern of the loss:
     # log 2 of the two live tokens, also where the z-loss and smoothing
     # coefficients are 0 (0 * inf used to give NaN).
-    ("cross_entropy with a banned token", lambda z, y: losses.cross_entropy(
-        z, y)[0], (jnp.array([[0.0, NEG, 0.0]]), jnp.array([0])), np.log(2.0)),
-    ("fused with a banned token (bias -inf)", lambda b: fused_ce(
-        h=jnp.zeros((3, 4)), bias=b, labels=jnp.array([0, 2, 3]))[0],
-     (jnp.array([0.0, NEG, 0.0, 0.0, 0.0]),), np.log(4.0)),
-    ("cross_entropy padding row of -inf", lambda z, y, w: losses.cross_entropy(
-        z, y, weights=w, label_smoothing=0.1, z_loss=1e-4)[0],
-     (jnp.array([[NEG, NEG], [0.0, 0.0]]), jnp.array([0, 1]),
-      jnp.array([0.0, 1.0])), np.log(2.0) + 1e-4 * np.log(2.0) ** 2),
+    (
+        "cross_entropy with a banned token",
+        lambda z, y: losses.cross_entropy(z, y)[0],
+        (jnp.array([[0.0, NEG, 0.0]]), jnp.array([0])),
+        np.log(2.0),
+    ),
+    (
+        "fused with a banned token (bias -inf)",
+        lambda b: fused_ce(h=jnp.zeros((3, 4)), bias=b, labels=jnp.array([0, 2, 3]))[0],
+        (jnp.array([0.0, NEG, 0.0, 0.0, 0.0]),),
+        np.log(4.0),
+    ),
+    (
+        "cross_entropy padding row of -inf",
+        lambda z, y, w: losses.cross_entropy(
+            z, y, weights=w, label_smoothing=0.1, z_loss=1e-4
+        )[0],
+        (jnp.array([[NEG, NEG], [0.0, 0.0]]), jnp.array([0, 1]), jnp.array([0.0, 1.0])),
+        np.log(2.0) + 1e-4 * np.log(2.0) ** 2,
+    ),
     # A row of -inf has confidence 0 and is never correct: bin 0, weight 1.
-    ("calibration_bins of a row of -inf", lambda z, y: losses.calibration_bins(
-        z, y, num_bins=2), (jnp.full((1, 3), NEG), jnp.array([0])),
-     np.array([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])),
+    (
+        "calibration_bins of a row of -inf",
+        lambda z, y: losses.calibration_bins(z, y, num_bins=2),
+        (jnp.full((1, 3), NEG), jnp.array([0])),
+        np.array([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]),
+    ),
 ]
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("fn,args,expected",
-                         [pytest.param(*case[1:], id=case[0]) for case in RULES])
+@pytest.mark.parametrize(
+    "fn,args,expected", [pytest.param(*case[1:], id=case[0]) for case in RULES]
+)
 def test_documented_rules(fn, args, expected, jit):
     got = np.asarray((jax.jit(fn) if jit else fn)(*args))
     assert not np.any(np.isnan(got)), got
@@ -505,9 +917,13 @@ def test_documented_rules(fn, args, expected, jit):
 
 def test_padding_row_of_neg_inf_has_zero_gradient():
     def loss(z):
-        return losses.cross_entropy(z, jnp.array([0, 1]),
-                                    weights=jnp.array([0.0, 1.0]),
-                                    label_smoothing=0.1, z_loss=1e-4)[0]
+        return losses.cross_entropy(
+            z,
+            jnp.array([0, 1]),
+            weights=jnp.array([0.0, 1.0]),
+            label_smoothing=0.1,
+            z_loss=1e-4,
+        )[0]
 
     grad = np.asarray(jax.grad(loss)(jnp.array([[NEG, NEG], [0.0, 1.0]])))
     assert np.all(np.isfinite(grad)), grad
@@ -518,11 +934,18 @@ def tiny(corpus, **overrides):
     """The tiny config on ``corpus``, 10 steps; ``None`` deletes a key, and
     a key the config lacks is added (an unlocked, untyped copy)."""
     config = default.get_config("tiny")
-    config.update_from_flattened_dict({
-        "data.path": corpus, "train.steps": 10, "train.log_every": 5,
-        "train.checkpoint_every": 5, "train.eval_every": 10,
-        "train.eval_batches": 1, "optim.warmup_steps": 2,
-        "sample.num_samples": 0})
+    config.update_from_flattened_dict(
+        {
+            "data.path": corpus,
+            "train.steps": 10,
+            "train.log_every": 5,
+            "train.checkpoint_every": 5,
+            "train.eval_every": 10,
+            "train.eval_batches": 1,
+            "optim.warmup_steps": 2,
+            "sample.num_samples": 0,
+        }
+    )
     config = ml_collections.ConfigDict(config.to_dict(), type_safe=False)
     for name, value in overrides.items():
         section, key = name.split(".")
@@ -539,6 +962,7 @@ def tiny(corpus, **overrides):
 def nothing_compiles(monkeypatch):
     def compiled(*args, **kwargs):
         raise AssertionError("reached the compiler")
+
     monkeypatch.setattr(train, "compile_steps", compiled)
     monkeypatch.setattr(train, "restore_or_init", compiled)
 
@@ -548,11 +972,9 @@ def nothing_compiles(monkeypatch):
 CONFIGS = [
     ("model.tyed", False, ValueError, ("config.model.tyed", "config.model.tied")),
     ("trian.steps", 10, ValueError, ("config.trian.steps", "config.train.steps")),
-    ("train.stop_on_nonfinite", None, ValueError,
-     "config.train.stop_on_nonfinite"),
+    ("train.stop_on_nonfinite", None, ValueError, "config.train.stop_on_nonfinite"),
     ("train.batch_size", "8", TypeError, "config.train.batch_size"),
-    ("train.stop_on_nonfinite", "yes", TypeError,
-     "config.train.stop_on_nonfinite"),
+    ("train.stop_on_nonfinite", "yes", TypeError, "config.train.stop_on_nonfinite"),
     ("loss.z_loss", "1e-4", TypeError, "config.loss.z_loss"),
     ("model.head_scale", "0.5", TypeError, "config.model.head_scale"),
     ("optim.lr", NAN, ValueError, "config.optim.lr"),
@@ -563,21 +985,29 @@ CONFIGS = [
     ("model.dropout_rate", 1.0, ValueError, "config.model.dropout_rate"),
     ("loss.label_smoothing", -0.1, ValueError, "config.loss.label_smoothing"),
     ("sample.temperature", -1.0, ValueError, "config.sample.temperature"),
-    ("model.positions", "alibi", ValueError,
-     ("config.model.positions", "'learned'", "'rope'")),
+    (
+        "model.positions",
+        "alibi",
+        ValueError,
+        ("config.model.positions", "'learned'", "'rope'"),
+    ),
     ("mesh.data", 3, ValueError, ("mesh.data", "mesh.model")),
 ]
 
 
-@pytest.mark.parametrize("name,value,error,named",
-                         [pytest.param(*case, id=f"{case[0]}={case[1]!r}")
-                          for case in CONFIGS])
-def test_config_is_refused_before_anything(corpus, tmp_path, nothing_compiles,
-                                           name, value, error, named):
+@pytest.mark.parametrize(
+    "name,value,error,named",
+    [pytest.param(*case, id=f"{case[0]}={case[1]!r}") for case in CONFIGS],
+)
+def test_config_is_refused_before_anything(
+    corpus, tmp_path, nothing_compiles, name, value, error, named
+):
     workdir = str(tmp_path / "run")
     assert_raises_exactly(
         lambda: train.train_and_evaluate(tiny(corpus, **{name: value}), workdir),
-        error, named)
+        error,
+        named,
+    )
     assert not os.path.exists(workdir)  # refused before the workdir is made
 
 
@@ -590,29 +1020,53 @@ def write(tmp_path, text, mode="w"):
 
 # The key and the file are named, with one word for what is wrong.
 DATA = [
-    ("missing corpus", lambda tmp: str(tmp / "nowhere.txt"), FileNotFoundError,
-     ("config.data.path", "nowhere.txt")),
-    ("empty corpus", lambda tmp: write(tmp, ""), ValueError,
-     ("config.data.path", "corpus.txt", "empty")),
-    ("binary corpus", lambda tmp: write(tmp, b"\xff\xfe\x00", "wb"), ValueError,
-     ("config.data.path", "corpus.txt", "UTF-8")),
-    ("corpus shorter than a block", lambda tmp: write(tmp, "KING " * 3),
-     ValueError, "config.data.block_size"),
-    ("prompt outside the vocabulary", None, ValueError,
-     ("config.sample.prompt", "\u20ac")),
+    (
+        "missing corpus",
+        lambda tmp: str(tmp / "nowhere.txt"),
+        FileNotFoundError,
+        ("config.data.path", "nowhere.txt"),
+    ),
+    (
+        "empty corpus",
+        lambda tmp: write(tmp, ""),
+        ValueError,
+        ("config.data.path", "corpus.txt", "empty"),
+    ),
+    (
+        "binary corpus",
+        lambda tmp: write(tmp, b"\xff\xfe\x00", "wb"),
+        ValueError,
+        ("config.data.path", "corpus.txt", "UTF-8"),
+    ),
+    (
+        "corpus shorter than a block",
+        lambda tmp: write(tmp, "KING " * 3),
+        ValueError,
+        "config.data.block_size",
+    ),
+    (
+        "prompt outside the vocabulary",
+        None,
+        ValueError,
+        ("config.sample.prompt", "\u20ac"),
+    ),
 ]
 
 
-@pytest.mark.parametrize("make_path,error,named",
-                         [pytest.param(*case[1:], id=case[0]) for case in DATA])
-def test_data_is_refused_before_anything_compiles(corpus, tmp_path,
-                                                  nothing_compiles, make_path,
-                                                  error, named):
-    config = (tiny(corpus, **{"sample.prompt": "KING\u20ac"}) if make_path is None
-              else tiny("", **{"data.path": make_path(tmp_path)}))
+@pytest.mark.parametrize(
+    "make_path,error,named", [pytest.param(*case[1:], id=case[0]) for case in DATA]
+)
+def test_data_is_refused_before_anything_compiles(
+    corpus, tmp_path, nothing_compiles, make_path, error, named
+):
+    config = (
+        tiny(corpus, **{"sample.prompt": "KING\u20ac"})
+        if make_path is None
+        else tiny("", **{"data.path": make_path(tmp_path)})
+    )
     assert_raises_exactly(
-        lambda: train.train_and_evaluate(config, str(tmp_path / "run")),
-        error, named)
+        lambda: train.train_and_evaluate(config, str(tmp_path / "run")), error, named
+    )
 
 
 @pytest.fixture(scope="module")
@@ -631,23 +1085,34 @@ def copy_of(finished, tmp_path):
 
 
 # The message names every key that differs.
-@pytest.mark.parametrize("overrides,named", [
-    ({"model.d_model": 64}, "model.d_model"),
-    ({"train.steps": 20}, "train.steps"),
-    ({"train.seed": 1, "optim.lr": 1e-3}, ("optim.lr", "train.seed")),
-])
+@pytest.mark.parametrize(
+    "overrides,named",
+    [
+        ({"model.d_model": 64}, "model.d_model"),
+        ({"train.steps": 20}, "train.steps"),
+        ({"train.seed": 1, "optim.lr": 1e-3}, ("optim.lr", "train.seed")),
+    ],
+)
 def test_a_workdir_of_another_config_is_not_resumed(
-        corpus, copy_of, nothing_compiles, overrides, named):
+    corpus, copy_of, nothing_compiles, overrides, named
+):
     assert_raises_exactly(
         lambda: train.train_and_evaluate(tiny(corpus, **overrides), copy_of),
-        ValueError, named)
+        ValueError,
+        named,
+    )
 
 
 def test_harmless_changes_resume(corpus, finished, copy_of, monkeypatch):
     monkeypatch.setattr(train, "compile_steps", None)  # finished: nothing to do
-    changes = {"train.log_every": 2, "train.eval_batches": 2,
-               "loss.loss_impl": "fused", "loss.chunk_size": 64,
-               "sample.num_samples": 3, "train.stop_on_nonfinite": False}
+    changes = {
+        "train.log_every": 2,
+        "train.eval_batches": 2,
+        "loss.loss_impl": "fused",
+        "loss.chunk_size": 64,
+        "sample.num_samples": 3,
+        "train.stop_on_nonfinite": False,
+    }
     summary = train.train_and_evaluate(tiny(corpus, **changes), copy_of)
     with open(os.path.join(finished, "summary.json")) as f:
         assert summary == json.load(f)
@@ -677,23 +1142,43 @@ def garble_checkpoints(workdir):
 
 # The message names the step and the array, or the file, that failed.
 WORKDIRS = [
-    ("checkpoint of an untied model, tied config", lambda w: drop_config_json(w),
-     lambda w, c: train.train_and_evaluate(tiny(c, **{"model.tied": False}), w),
-     ValueError, "step 10"),
-    ("checkpoint of another width", lambda w: edit_config_json(
-        w, "model", "d_model", 64), lambda w, c: generation.load_run(w),
-     ValueError, ("step 10", "params/blocks_0/attention/out/kernel")),
-    ("no checkpoint restores", garble_checkpoints,
-     lambda w, c: generation.load_run(w), RuntimeError, ("checkpoints", "step 10")),
-    ("load_run of an empty directory", lambda w: shutil.rmtree(w) or os.mkdir(w),
-     lambda w, c: generation.load_run(w), FileNotFoundError, "config.json"),
+    (
+        "checkpoint of an untied model, tied config",
+        lambda w: drop_config_json(w),
+        lambda w, c: train.train_and_evaluate(tiny(c, **{"model.tied": False}), w),
+        ValueError,
+        "step 10",
+    ),
+    (
+        "checkpoint of another width",
+        lambda w: edit_config_json(w, "model", "d_model", 64),
+        lambda w, c: generation.load_run(w),
+        ValueError,
+        ("step 10", "params/blocks_0/attention/out/kernel"),
+    ),
+    (
+        "no checkpoint restores",
+        garble_checkpoints,
+        lambda w, c: generation.load_run(w),
+        RuntimeError,
+        ("checkpoints", "step 10"),
+    ),
+    (
+        "load_run of an empty directory",
+        lambda w: shutil.rmtree(w) or os.mkdir(w),
+        lambda w, c: generation.load_run(w),
+        FileNotFoundError,
+        "config.json",
+    ),
 ]
 
 
-@pytest.mark.parametrize("spoil,call,error,named",
-                         [pytest.param(*case[1:], id=case[0]) for case in WORKDIRS])
-def test_a_workdir_that_cannot_be_restored(corpus, copy_of, monkeypatch,
-                                           spoil, call, error, named):
+@pytest.mark.parametrize(
+    "spoil,call,error,named", [pytest.param(*case[1:], id=case[0]) for case in WORKDIRS]
+)
+def test_a_workdir_that_cannot_be_restored(
+    corpus, copy_of, monkeypatch, spoil, call, error, named
+):
     monkeypatch.setattr(train, "compile_steps", None)
     spoil(copy_of)
     assert_raises_exactly(lambda: call(copy_of, corpus), error, named)
@@ -704,33 +1189,47 @@ def test_incompatible_checkpoint_names_the_arrays(corpus, copy_of):
     with pytest.raises(ValueError) as raised:
         train.train_and_evaluate(tiny(corpus, **{"model.d_model": 64}), copy_of)
     message = str(raised.value)
-    assert ("params/blocks_0/attention/out/kernel: (32, 32) in the checkpoint, "
-            "(64, 64) in the model") in message
+    assert (
+        "params/blocks_0/attention/out/kernel: (32, 32) in the checkpoint, "
+        "(64, 64) in the model"
+    ) in message
     assert re.search(r"\(and \d+ more\)", message)
 
 
 def run_program(script, *args):
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "experiments", script), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 # The program exits with 1 and names the flag (and the closest key).
 CLI = [
-    ("unknown key", ["--config.trian.steps=3"],
-     ("config.trian.steps", "config.train.steps")),
+    (
+        "unknown key",
+        ["--config.trian.steps=3"],
+        ("config.trian.steps", "config.train.steps"),
+    ),
     ("not an int", ["--config.train.steps=ten"], ("config.train.steps", "ten")),
-    ("lr out of range", ["--config.optim.lr=-0.001"],
-     ("ValueError", "config.optim.lr")),
+    (
+        "lr out of range",
+        ["--config.optim.lr=-0.001"],
+        ("ValueError", "config.optim.lr"),
+    ),
 ]
 
 
-@pytest.mark.parametrize("args,named",
-                         [pytest.param(*case[1:], id=case[0]) for case in CLI])
+@pytest.mark.parametrize(
+    "args,named", [pytest.param(*case[1:], id=case[0]) for case in CLI]
+)
 def test_train_command_line(tmp_path, args, named):
     workdir = str(tmp_path / "run")
-    result = run_program("train.py", "--config=configs/default.py:tiny",
-                         f"--workdir={workdir}", *args)
+    result = run_program(
+        "train.py", "--config=configs/default.py:tiny", f"--workdir={workdir}", *args
+    )
     assert result.returncode == 1
     for name in named:
         assert names(result.stderr, name), (name, result.stderr[-2000:])

@@ -18,9 +18,7 @@ import pytest
 from absl.testing import parameterized
 from jax.test_util import check_grads
 
-from lmhead import fused
-from lmhead import head
-from lmhead import losses
+from lmhead import fused, head, losses
 from tests import references
 
 B, T, D, V = 3, 7, 8, 37
@@ -32,8 +30,7 @@ METRICS = ("loss", "nll", "z_loss", "accuracy", "weight_sum", "invalid_labels")
 
 @pytest.fixture(autouse=True)
 def small_blocks_and_exact_matmuls(monkeypatch):
-    monkeypatch.setitem(fused.VOCAB_BLOCK_ROWS, jax.default_backend(),
-                        KEPT_BLOCK_ROWS)
+    monkeypatch.setitem(fused.VOCAB_BLOCK_ROWS, jax.default_backend(), KEPT_BLOCK_ROWS)
     with jax.default_matmul_precision("highest"):
         yield
 
@@ -48,17 +45,39 @@ def make_inputs(seed=0, shape=(B, T), d=D, v=V, dtype=np.float32):
     return h, w, bias, labels, weights.astype(np.float32)
 
 
-def np_loss(h, w, bias, labels, weights, *, label_smoothing=0.0,
-            smoothing="uniform", z_loss=0.0, scale=None, softcap=None):
+def np_loss(
+    h,
+    w,
+    bias,
+    labels,
+    weights,
+    *,
+    label_smoothing=0.0,
+    smoothing="uniform",
+    z_loss=0.0,
+    scale=None,
+    softcap=None,
+):
     """Weighted mean of the smoothed cross-entropy + z-loss, in float64."""
     logits = references.unembed(h, w, bias, scale, softcap)
-    _, metrics = references.cross_entropy(logits, labels, weights,
-                                          label_smoothing, smoothing, z_loss)
+    _, metrics = references.cross_entropy(
+        logits, labels, weights, label_smoothing, smoothing, z_loss
+    )
     return metrics["loss"]
 
 
-def materialized(h, w, labels, *, bias=None, scale=None, softcap=None,
-                 chunk_size=None, vocab_chunk_size=None, **options):
+def materialized(
+    h,
+    w,
+    labels,
+    *,
+    bias=None,
+    scale=None,
+    softcap=None,
+    chunk_size=None,
+    vocab_chunk_size=None,
+    **options,
+):
     del chunk_size, vocab_chunk_size
     logits = head.unembed(h, w, bias, scale=scale, softcap=softcap)
     return losses.cross_entropy(logits, labels, **options)
@@ -66,13 +85,15 @@ def materialized(h, w, labels, *, bias=None, scale=None, softcap=None,
 
 OPTIONS = {
     "plain": {},
-    "uniform_smoothing_bias_weights": dict(label_smoothing=0.1, bias=True,
-                                           weights=True),
-    "normalized_smoothing_z_loss": dict(label_smoothing=0.2,
-                                        smoothing="normalized", z_loss=1e-2,
-                                        bias=True),
-    "softcap_scale_z_loss": dict(softcap=2.5, scale=0.7, z_loss=1e-3,
-                                 weights=True, label_smoothing=0.05),
+    "uniform_smoothing_bias_weights": dict(
+        label_smoothing=0.1, bias=True, weights=True
+    ),
+    "normalized_smoothing_z_loss": dict(
+        label_smoothing=0.2, smoothing="normalized", z_loss=1e-2, bias=True
+    ),
+    "softcap_scale_z_loss": dict(
+        softcap=2.5, scale=0.7, z_loss=1e-3, weights=True, label_smoothing=0.05
+    ),
 }
 
 
@@ -85,7 +106,6 @@ def resolve(options, bias, weights):
 
 
 class MatchesMaterializedTest(parameterized.TestCase):
-
     @parameterized.product(name=sorted(OPTIONS), blocks=["kept", "recomputed"])
     def test_value_metrics_and_gradients(self, name, blocks):
         h, w, bias, labels, weights = make_inputs()
@@ -94,30 +114,33 @@ class MatchesMaterializedTest(parameterized.TestCase):
 
         def run(loss_fn, **sizes):
             def objective(h, w, bias, weights):
-                opts = dict(options, bias=None if options["bias"] is None
-                            else bias, weights=None if options["weights"]
-                            is None else weights)
+                opts = dict(
+                    options,
+                    bias=None if options["bias"] is None else bias,
+                    weights=None if options["weights"] is None else weights,
+                )
                 return loss_fn(h, w, labels, **opts, **sizes)
-            grad_fn = jax.value_and_grad(objective, argnums=(0, 1, 2, 3),
-                                         has_aux=True)
+
+            grad_fn = jax.value_and_grad(objective, argnums=(0, 1, 2, 3), has_aux=True)
             return jax.jit(grad_fn)(h, w, bias, weights)
 
         (loss, metrics), grads = run(fused.fused_cross_entropy, **sizes)
         (ref_loss, ref_metrics), ref_grads = run(materialized)
         np_options = {k: v for k, v in options.items() if k != "weights"}
         np.testing.assert_allclose(
-            loss, np_loss(h, w, labels=labels, weights=options["weights"],
-                          **np_options), rtol=1e-5)
+            loss,
+            np_loss(h, w, labels=labels, weights=options["weights"], **np_options),
+            rtol=1e-5,
+        )
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
         self.assertEqual(sorted(metrics), sorted(METRICS))
         for key in METRICS:
-            np.testing.assert_allclose(metrics[key], ref_metrics[key],
-                                       rtol=1e-5, atol=1e-7, err_msg=key)
-        for got, want, arg in zip(grads, ref_grads, ("h", "w", "bias",
-                                                     "weights")):
+            np.testing.assert_allclose(
+                metrics[key], ref_metrics[key], rtol=1e-5, atol=1e-7, err_msg=key
+            )
+        for got, want, arg in zip(grads, ref_grads, ("h", "w", "bias", "weights")):
             self.assertEqual(got.dtype, want.dtype, arg)
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
-                                       err_msg=arg)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=arg)
         # The arguments that matter do get gradients.
         self.assertGreater(np.abs(grads[0]).max(), 1e-3)
         self.assertGreater(np.abs(grads[1]).max(), 1e-3)
@@ -127,34 +150,47 @@ class MatchesMaterializedTest(parameterized.TestCase):
         h, w, bias, labels, weights = make_inputs(1)
 
         def total(loss_fn, h, w, bias):
-            loss, _ = loss_fn(h, w, labels, bias=bias, weights=weights,
-                              z_loss=1e-3, reduction=reduction, **RAGGED)
+            loss, _ = loss_fn(
+                h,
+                w,
+                labels,
+                bias=bias,
+                weights=weights,
+                z_loss=1e-3,
+                reduction=reduction,
+                **RAGGED,
+            )
             # A non-uniform cotangent for "none": not a multiple of weights.
             return jnp.sum(loss * jnp.arange(loss.size).reshape(loss.shape))
 
         for argnums in [(0, 1, 2)]:
-            got = jax.jit(jax.value_and_grad(functools.partial(
-                total, fused.fused_cross_entropy), argnums))(h, w, bias)
-            want = jax.value_and_grad(functools.partial(total, materialized),
-                                      argnums)(h, w, bias)
+            got = jax.jit(
+                jax.value_and_grad(
+                    functools.partial(total, fused.fused_cross_entropy), argnums
+                )
+            )(h, w, bias)
+            want = jax.value_and_grad(functools.partial(total, materialized), argnums)(
+                h, w, bias
+            )
             chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
-        loss, _ = fused.fused_cross_entropy(h, w, labels, weights=weights,
-                                            reduction=reduction)
+        loss, _ = fused.fused_cross_entropy(
+            h, w, labels, weights=weights, reduction=reduction
+        )
         self.assertEqual(loss.shape, () if reduction == "sum" else (B, T))
 
     def test_gradient_of_a_metric_recomputes_logits(self):
         h, w, bias, labels, weights = make_inputs(2)
 
         def nll_plus_loss(loss_fn, h, w):
-            loss, metrics = loss_fn(h, w, labels, weights=weights, z_loss=0.1,
-                                    **RECOMPUTED)
+            loss, metrics = loss_fn(
+                h, w, labels, weights=weights, z_loss=0.1, **RECOMPUTED
+            )
             return metrics["nll"] + 2.0 * metrics["z_loss"] + loss
 
-        got = jax.grad(functools.partial(nll_plus_loss,
-                                         fused.fused_cross_entropy),
-                       (0, 1))(h, w)
-        want = jax.grad(functools.partial(nll_plus_loss, materialized),
-                        (0, 1))(h, w)
+        got = jax.grad(
+            functools.partial(nll_plus_loss, fused.fused_cross_entropy), (0, 1)
+        )(h, w)
+        want = jax.grad(functools.partial(nll_plus_loss, materialized), (0, 1))(h, w)
         chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
     def test_tied_and_untied_tables(self):
@@ -167,37 +203,35 @@ class MatchesMaterializedTest(parameterized.TestCase):
             return loss_fn(hidden, table, labels, **RAGGED)[0]
 
         def untied(loss_fn, embed, unembed):
-            return loss_fn(jnp.tanh(embed[tokens] + h), unembed, labels,
-                           **RAGGED)[0]
+            return loss_fn(jnp.tanh(embed[tokens] + h), unembed, labels, **RAGGED)[0]
 
         grad_tied = jax.grad(functools.partial(tied, fused.fused_cross_entropy))
         want_tied = jax.grad(functools.partial(tied, materialized))(w)
-        np.testing.assert_allclose(grad_tied(w), want_tied, rtol=1e-5,
-                                   atol=1e-6)
-        got = jax.grad(functools.partial(untied, fused.fused_cross_entropy),
-                       (0, 1))(w, w)
+        np.testing.assert_allclose(grad_tied(w), want_tied, rtol=1e-5, atol=1e-6)
+        got = jax.grad(functools.partial(untied, fused.fused_cross_entropy), (0, 1))(
+            w, w
+        )
         want = jax.grad(functools.partial(untied, materialized), (0, 1))(w, w)
         chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
         # Tied = the sum of the embedding and unembedding paths.
-        np.testing.assert_allclose(got[0] + got[1], grad_tied(w), rtol=1e-5,
-                                   atol=1e-6)
+        np.testing.assert_allclose(got[0] + got[1], grad_tied(w), rtol=1e-5, atol=1e-6)
 
 
 class FusedTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_leading_axes_and_block_shapes(self):
-        for shape, sizes in [((21,), dict(chunk_size=21)),
-                             ((2, 1, 5), dict(chunk_size=4)),
-                             ((3, 7), dict(chunk_size=100,
-                                           vocab_chunk_size=37)),
-                             ((3, 7), dict(chunk_size=1, vocab_chunk_size=1))]:
+        for shape, sizes in [
+            ((21,), dict(chunk_size=21)),
+            ((2, 1, 5), dict(chunk_size=4)),
+            ((3, 7), dict(chunk_size=100, vocab_chunk_size=37)),
+            ((3, 7), dict(chunk_size=1, vocab_chunk_size=1)),
+        ]:
             h, w, _, labels, _ = make_inputs(4, shape)
-            fn = self.variant(functools.partial(fused.fused_cross_entropy,
-                                                **sizes))
+            fn = self.variant(functools.partial(fused.fused_cross_entropy, **sizes))
             loss, metrics = fn(h, w, labels)
-            np.testing.assert_allclose(loss, np_loss(h, w, None, labels, None),
-                                       rtol=1e-5, err_msg=str(sizes))
+            np.testing.assert_allclose(
+                loss, np_loss(h, w, None, labels, None), rtol=1e-5, err_msg=str(sizes)
+            )
             self.assertEqual(float(metrics["weight_sum"]), np.prod(shape))
 
     @chex.variants(with_jit=True, without_jit=True)
@@ -206,10 +240,8 @@ class FusedTest(chex.TestCase):
         h = np.ones((4, 1), np.float32)
         w = np.array([[1.0], [3.0], [0.0], [3.0], [3.0], [2.0]], np.float32)
         labels = np.array([1, 1, 3, 4], np.int32)  # argmax is 1: half right
-        for sizes in [dict(chunk_size=3, vocab_chunk_size=2),
-                      dict(chunk_size=3)]:
-            fn = self.variant(functools.partial(fused.fused_cross_entropy,
-                                                **sizes))
+        for sizes in [dict(chunk_size=3, vocab_chunk_size=2), dict(chunk_size=3)]:
+            fn = self.variant(functools.partial(fused.fused_cross_entropy, **sizes))
             _, metrics = fn(h, w, labels)
             self.assertEqual(float(metrics["accuracy"]), 0.5)
 
@@ -219,10 +251,10 @@ class FusedTest(chex.TestCase):
         labels = labels.copy()
         labels[0, 0], labels[1, 2], labels[2, 3] = -1, V + 3, V
         weights[0, 0] = weights[1, 2] = weights[2, 3] = 1.0
-        loss, metrics = self.variant(functools.partial(
-            fused.fused_cross_entropy, **RAGGED))(h, w, labels, weights=weights)
-        ref_loss, ref_metrics = jax.jit(materialized)(h, w, labels,
-                                                      weights=weights)
+        loss, metrics = self.variant(
+            functools.partial(fused.fused_cross_entropy, **RAGGED)
+        )(h, w, labels, weights=weights)
+        ref_loss, ref_metrics = jax.jit(materialized)(h, w, labels, weights=weights)
         self.assertEqual(int(metrics["invalid_labels"]), 3)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
         chex.assert_trees_all_close(metrics, ref_metrics, rtol=1e-5)
@@ -232,7 +264,9 @@ class FusedTest(chex.TestCase):
         h, w, _, labels, _ = make_inputs(6)
         loss, grads = jax.value_and_grad(
             lambda h: fused.fused_cross_entropy(
-                h, w, labels, weights=jnp.zeros((B, T)))[0])(h)
+                h, w, labels, weights=jnp.zeros((B, T))
+            )[0]
+        )(h)
         self.assertEqual(float(loss), 0.0)
         self.assertEqual(float(jnp.abs(grads).max()), 0.0)
 
@@ -241,16 +275,23 @@ class FusedTest(chex.TestCase):
         weights[1, 2] = 0.0
         poisoned = h.copy()
         poisoned[1, 2] = np.nan  # e.g. a padding id outside the embedding
-        step = jax.jit(jax.value_and_grad(
-            lambda h, w, b: fused.fused_cross_entropy(
-                h, w, labels, bias=b, weights=weights, z_loss=1e-3,
-                **RAGGED), (0, 1, 2), has_aux=True))
+        step = jax.jit(
+            jax.value_and_grad(
+                lambda h, w, b: fused.fused_cross_entropy(
+                    h, w, labels, bias=b, weights=weights, z_loss=1e-3, **RAGGED
+                ),
+                (0, 1, 2),
+                has_aux=True,
+            )
+        )
         got = step(poisoned, w, bias)
         chex.assert_tree_all_finite(got)
         chex.assert_trees_all_close(got, step(h, w, bias))
         np.testing.assert_allclose(
-            got[0][0], materialized(h, w, labels, bias=bias, weights=weights,
-                                    z_loss=1e-3)[0], rtol=1e-5)
+            got[0][0],
+            materialized(h, w, labels, bias=bias, weights=weights, z_loss=1e-3)[0],
+            rtol=1e-5,
+        )
 
     def test_bfloat16_inputs_are_close_to_float32(self):
         h, w, bias, labels, weights = make_inputs(7, d=64)
@@ -260,8 +301,10 @@ class FusedTest(chex.TestCase):
             cast = [jnp.asarray(x, dtype) for x in (h, w, bias)]
             return jax.value_and_grad(
                 lambda h, w, b: fused.fused_cross_entropy(
-                    h, w, labels, bias=b, weights=weights, z_loss=1e-3,
-                    **RAGGED)[0], (0, 1, 2))(*cast)
+                    h, w, labels, bias=b, weights=weights, z_loss=1e-3, **RAGGED
+                )[0],
+                (0, 1, 2),
+            )(*cast)
 
         loss16, grads16 = run(jnp.bfloat16)
         loss32, grads32 = run(jnp.float32)
@@ -273,30 +316,39 @@ class FusedTest(chex.TestCase):
         np.testing.assert_allclose(loss16, loss32, rtol=1e-2)
         for g16, g32 in zip(grads16, grads32):
             scale = float(jnp.abs(g32).max())
-            np.testing.assert_allclose(np.asarray(g16, np.float32), g32,
-                                       atol=0.03 * scale)
+            np.testing.assert_allclose(
+                np.asarray(g16, np.float32), g32, atol=0.03 * scale
+            )
 
     def test_finite_differences(self):
         h, w, bias, labels, weights = make_inputs(8, shape=(5,), d=3, v=6)
 
         def loss(h, w, bias):
             return fused.fused_cross_entropy(
-                h, w, labels, bias=bias, weights=weights, label_smoothing=0.1,
-                smoothing="normalized", z_loss=0.05, scale=0.9, softcap=3.0,
-                chunk_size=2, vocab_chunk_size=4)[0]
+                h,
+                w,
+                labels,
+                bias=bias,
+                weights=weights,
+                label_smoothing=0.1,
+                smoothing="normalized",
+                z_loss=0.05,
+                scale=0.9,
+                softcap=3.0,
+                chunk_size=2,
+                vocab_chunk_size=4,
+            )[0]
 
-        check_grads(loss, (h, w, bias), order=1, modes=("rev",), atol=1e-2,
-                    rtol=1e-2)
+        check_grads(loss, (h, w, bias), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
 
     def test_large_logits_give_finite_loss_and_gradients(self):
         h, w, _, labels, _ = make_inputs(9)
         loss, grads = jax.value_and_grad(
-            lambda h: fused.fused_cross_entropy(1e3 * h, w, labels,
-                                                **RECOMPUTED)[0])(h)
+            lambda h: fused.fused_cross_entropy(1e3 * h, w, labels, **RECOMPUTED)[0]
+        )(h)
         self.assertTrue(np.isfinite(loss))
         self.assertTrue(np.all(np.isfinite(grads)))
-        np.testing.assert_allclose(
-            loss, materialized(1e3 * h, w, labels)[0], rtol=1e-5)
+        np.testing.assert_allclose(loss, materialized(1e3 * h, w, labels)[0], rtol=1e-5)
 
 
 def compiled_temp_bytes(loss_fn, *args):
@@ -311,8 +363,7 @@ class MemoryTest(parameterized.TestCase):
         h = jax.ShapeDtypeStruct((2048, 64), jnp.float32)
         w = jax.ShapeDtypeStruct((32768, 64), jnp.float32)
         labels = jax.ShapeDtypeStruct((2048,), jnp.int32)
-        fused_bytes = compiled_temp_bytes(fused.fused_cross_entropy, h, w,
-                                          labels)
+        fused_bytes = compiled_temp_bytes(fused.fused_cross_entropy, h, w, labels)
         materialized_bytes = compiled_temp_bytes(materialized, h, w, labels)
         # The [N, V] logits alone are 256 MiB.
         self.assertGreater(materialized_bytes, 2048 * 32768 * 4)
@@ -323,8 +374,13 @@ class MemoryTest(parameterized.TestCase):
             h = jax.ShapeDtypeStruct((1024, 32), jnp.float32)
             w = jax.ShapeDtypeStruct((vocab, 32), jnp.float32)
             labels = jax.ShapeDtypeStruct((1024,), jnp.int32)
-            return compiled_temp_bytes(functools.partial(
-                fused.fused_cross_entropy, chunk_size=256,
-                vocab_chunk_size=512), h, w, labels)
+            return compiled_temp_bytes(
+                functools.partial(
+                    fused.fused_cross_entropy, chunk_size=256, vocab_chunk_size=512
+                ),
+                h,
+                w,
+                labels,
+            )
 
         self.assertEqual(temp(8192), temp(65536))

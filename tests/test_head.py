@@ -22,31 +22,30 @@ def random_arrays(seed, *shapes, dtype=np.float32):
 
 
 class UnembedTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_matches_numpy_with_bias_scale_softcap(self):
         h, w, b = random_arrays(0, (2, 3, 8), (11, 8), (11,))
-        fn = self.variant(functools.partial(head.unembed, scale=0.5,
-                                            softcap=2.0))
+        fn = self.variant(functools.partial(head.unembed, scale=0.5, softcap=2.0))
         got = fn(h, w, b)
         self.assertEqual(got.shape, (2, 3, 11))
         self.assertEqual(got.dtype, jnp.float32)
-        np.testing.assert_allclose(got,
-                                   references.unembed(h, w, b, 0.5, 2.0),
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            got, references.unembed(h, w, b, 0.5, 2.0), rtol=1e-5, atol=1e-5
+        )
         # The cap binds: without it some logits exceed 2 in magnitude.
         self.assertGreater(np.abs(references.unembed(h, w, b, 0.5)).max(), 2.0)
         self.assertLess(np.abs(got).max(), 2.0)
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_plain_product_and_leading_axes(self):
-        w, = random_arrays(1, (7, 4))
+        (w,) = random_arrays(1, (7, 4))
         for shape in [(4,), (3, 4), (2, 1, 3, 4)]:
-            h, = random_arrays(2, shape)
+            (h,) = random_arrays(2, shape)
             got = self.variant(head.unembed)(h, w)
             self.assertEqual(got.shape, shape[:-1] + (7,))
-            np.testing.assert_allclose(got, references.unembed(h, w),
-                                       rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(
+                got, references.unembed(h, w), rtol=1e-5, atol=1e-5
+            )
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_half_precision_inputs_give_float32_of_the_rounded_inputs(self):
@@ -56,28 +55,28 @@ class UnembedTest(chex.TestCase):
             got = self.variant(head.unembed)(hq, wq, bq)
             self.assertEqual(got.dtype, jnp.float32)
             # The reference rounds only the inputs, then works in float64.
-            want = references.unembed(*(np.asarray(x, np.float32)
-                                        for x in (hq, wq, bq)))
+            want = references.unembed(
+                *(np.asarray(x, np.float32) for x in (hq, wq, bq))
+            )
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
             # A half-precision accumulation would be visibly worse than this.
             rounded_out = np.asarray(jnp.asarray(want, dtype), np.float64)
-            self.assertGreater(np.abs(rounded_out - want).max(),
-                               np.abs(np.asarray(got) - want).max())
+            self.assertGreater(
+                np.abs(rounded_out - want).max(), np.abs(np.asarray(got) - want).max()
+            )
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_out_dtype(self):
         h, w = random_arrays(4, (2, 4), (5, 4))
-        fn = self.variant(functools.partial(head.unembed,
-                                            out_dtype=jnp.bfloat16))
+        fn = self.variant(functools.partial(head.unembed, out_dtype=jnp.bfloat16))
         got = fn(h, w)
         self.assertEqual(got.dtype, jnp.bfloat16)
-        np.testing.assert_allclose(np.asarray(got, np.float32),
-                                   references.unembed(h, w), rtol=1e-2,
-                                   atol=1e-2)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), references.unembed(h, w), rtol=1e-2, atol=1e-2
+        )
 
 
 class SoftcapTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_formula_and_bound(self):
         z = np.array([-1e4, -30.0, -1.0, 0.0, 0.5, 29.0, 1e4], np.float32)
@@ -87,10 +86,9 @@ class SoftcapTest(chex.TestCase):
 
 
 class DistributionTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_log_probs_and_probs_match_numpy(self):
-        z, = random_arrays(5, (2, 3, 6))
+        (z,) = random_arrays(5, (2, 3, 6))
         z = z * 5.0
         for temperature in (0.3, 1.0, 4.0):
             lp = self.variant(head.log_probs)(z, temperature)
@@ -106,12 +104,14 @@ class DistributionTest(chex.TestCase):
         got = self.variant(head.log_probs)(z)
         self.assertEqual(got.dtype, jnp.float32)
         np.testing.assert_allclose(
-            got, references.log_softmax(np.asarray(z, np.float32)), atol=1e-6)
+            got, references.log_softmax(np.asarray(z, np.float32)), atol=1e-6
+        )
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_finite_at_large_logits(self):
-        z = np.array([[1e4, -1e4, 0.0], [-1e4, -1e4, -1e4], [1e4, 1e4, 0.0]],
-                     np.float32)
+        z = np.array(
+            [[1e4, -1e4, 0.0], [-1e4, -1e4, -1e4], [1e4, 1e4, 0.0]], np.float32
+        )
         lp = self.variant(head.log_probs)(z)
         p = self.variant(head.probs)(z)
         self.assertTrue(np.all(np.isfinite(lp)) and np.all(np.isfinite(p)))
@@ -124,23 +124,38 @@ class DistributionTest(chex.TestCase):
         # +inf logits share the mass, a row of -inf is all 0. Rows without
         # infinities are untouched, and no NaN reaches any gradient.
         inf = np.inf
-        z = np.array([[-inf, -inf, -inf], [0.5, -inf, 2.0], [inf, 1.0, inf],
-                      [0.3, -1.0, 2.0]], np.float32)
+        z = np.array(
+            [[-inf, -inf, -inf], [0.5, -inf, 2.0], [inf, 1.0, inf], [0.3, -1.0, 2.0]],
+            np.float32,
+        )
         p = self.variant(head.probs)(z)
         np.testing.assert_array_equal(p[0], 0.0)
-        np.testing.assert_allclose(p[1], np.exp(references.log_softmax(z[1])),
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+            p[1], np.exp(references.log_softmax(z[1])), rtol=1e-6
+        )
         np.testing.assert_allclose(p[2], [0.5, 0.0, 0.5])
-        np.testing.assert_allclose(p[3], np.exp(references.log_softmax(z[3])),
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+            p[3], np.exp(references.log_softmax(z[3])), rtol=1e-6
+        )
         cotangent = np.arange(12, dtype=np.float32).reshape(4, 3)
         for fn in (head.probs, head.log_probs):
-            grad = np.asarray(self.variant(jax.grad(lambda z, fn=fn: jnp.sum(
-                jnp.where(jnp.isfinite(fn(z)), fn(z), 0.0) * cotangent)))(z))
+            grad = np.asarray(
+                self.variant(
+                    jax.grad(
+                        lambda z, fn=fn: jnp.sum(
+                            jnp.where(jnp.isfinite(fn(z)), fn(z), 0.0) * cotangent
+                        )
+                    )
+                )(z)
+            )
             self.assertTrue(np.all(np.isfinite(grad)))
             np.testing.assert_array_equal(grad[[0, 2]], 0.0)
-            np.testing.assert_allclose(grad[3], jax.grad(lambda row: jnp.sum(
-                fn(row) * cotangent[3]))(z[3]), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                grad[3],
+                jax.grad(lambda row: jnp.sum(fn(row) * cotangent[3]))(z[3]),
+                rtol=1e-5,
+                atol=1e-6,
+            )
 
     def test_traced_temperature_zero_is_clamped_to_min_temperature(self):
         # Documented rule: inside jit the temperature is clamped at
@@ -150,59 +165,68 @@ class DistributionTest(chex.TestCase):
         p = jax.jit(head.probs)(z, 0.0)
         self.assertTrue(np.all(np.isfinite(lp)) and np.all(np.isfinite(p)))
         np.testing.assert_allclose(
-            lp, references.log_softmax(z, head.MIN_TEMPERATURE), rtol=1e-5)
+            lp, references.log_softmax(z, head.MIN_TEMPERATURE), rtol=1e-5
+        )
         np.testing.assert_allclose(p, [[0, 1, 0], [0.5, 0, 0.5]], atol=1e-6)
+
 
 @SETTINGS
 @hypothesis.given(
-    z=hnp.arrays(np.float32, (3, 5),
-                 elements=st.floats(-1e4, 1e4, width=32)),
-    temperature=st.floats(0.05, 20.0))
+    z=hnp.arrays(np.float32, (3, 5), elements=st.floats(-1e4, 1e4, width=32)),
+    temperature=st.floats(0.05, 20.0),
+)
 def test_probs_rows_sum_to_one(z, temperature):
     p = np.asarray(head.probs(z, temperature), np.float64)
     lp = np.asarray(head.log_probs(z, temperature), np.float64)
     assert np.all(np.isfinite(lp)) and np.all(p >= 0)
     np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-5)
-    np.testing.assert_allclose(lp, references.log_softmax(z, temperature),
-                               rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(
+        lp, references.log_softmax(z, temperature), rtol=1e-4, atol=1e-3
+    )
 
 
 class OutputDistributionTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_each_output(self):
         h, w, b = random_arrays(6, (2, 5), (7, 5), (7,))
         logits = references.unembed(h, w, b, scale=0.7, softcap=3.0)
-        want = {"logits": logits,
-                "log_probs": references.log_softmax(logits, 2.0),
-                "probs": np.exp(references.log_softmax(logits, 2.0))}
+        want = {
+            "logits": logits,
+            "log_probs": references.log_softmax(logits, 2.0),
+            "probs": np.exp(references.log_softmax(logits, 2.0)),
+        }
         for output, expected in want.items():
-            fn = self.variant(functools.partial(
-                head.output_distribution, output=output, temperature=2.0,
-                scale=0.7, softcap=3.0))
+            fn = self.variant(
+                functools.partial(
+                    head.output_distribution,
+                    output=output,
+                    temperature=2.0,
+                    scale=0.7,
+                    softcap=3.0,
+                )
+            )
             got = fn(h, w, b)
             self.assertEqual(got.dtype, jnp.float32)
-            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5,
-                                       err_msg=output)
+            np.testing.assert_allclose(
+                got, expected, rtol=1e-5, atol=1e-5, err_msg=output
+            )
 
     def test_logits_ignore_temperature(self):
         h, w = random_arrays(7, (2, 5), (7, 5))
         got = head.output_distribution(h, w, output="logits", temperature=3.0)
-        np.testing.assert_allclose(got, references.unembed(h, w), rtol=1e-5,
-                                   atol=1e-5)
+        np.testing.assert_allclose(got, references.unembed(h, w), rtol=1e-5, atol=1e-5)
 
 
 class LastPositionsTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_matches_numpy_indexing(self):
-        h, = random_arrays(8, (4, 5, 3))
+        (h,) = random_arrays(8, (4, 5, 3))
         lengths = np.array([1, 5, 3, 2], np.int32)
         got = self.variant(head.last_positions)(h, lengths)
         np.testing.assert_array_equal(got, h[np.arange(4), lengths - 1])
 
     def test_traced_lengths_are_clipped(self):
         # Documented rule: inside jit lengths are clipped to [1, T].
-        h, = random_arrays(9, (2, 3, 4))
+        (h,) = random_arrays(9, (2, 3, 4))
         got = jax.jit(head.last_positions)(h, jnp.array([0, 7]))
         np.testing.assert_array_equal(got, h[[0, 1], [0, 2]])

@@ -22,8 +22,7 @@ SETTINGS = hypothesis.settings(max_examples=25, deadline=None)
 
 def random_case(seed, shape=(2, 3), vocab_size=7, scale=3.0):
     rng = np.random.default_rng(seed)
-    logits = (scale * rng.standard_normal(shape + (vocab_size,))).astype(
-        np.float32)
+    logits = (scale * rng.standard_normal(shape + (vocab_size,))).astype(np.float32)
     labels = rng.integers(0, vocab_size, shape).astype(np.int32)
     weights = rng.uniform(0.5, 2.0, shape).astype(np.float32)
     weights.flat[::4] = 0.0  # some padding
@@ -32,29 +31,34 @@ def random_case(seed, shape=(2, 3), vocab_size=7, scale=3.0):
 
 def assert_metrics_close(got, want, rtol=1e-5, atol=1e-5):
     for name, value in want.items():
-        np.testing.assert_allclose(got[name], value, rtol=rtol, atol=atol,
-                                   err_msg=name)
+        np.testing.assert_allclose(got[name], value, rtol=rtol, atol=atol, err_msg=name)
 
 
 class CrossEntropyTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_matches_numpy_for_each_option(self):
         logits, labels, weights = random_case(0)
-        for eps, smoothing, z_loss in [(0.0, "uniform", 0.0),
-                                       (0.1, "uniform", 0.0),
-                                       (0.2, "normalized", 0.0),
-                                       (0.1, "normalized", 1e-2),
-                                       (0.3, "uniform", 1e-1)]:
-            fn = self.variant(functools.partial(
-                losses.cross_entropy, label_smoothing=eps,
-                smoothing=smoothing, z_loss=z_loss))
+        for eps, smoothing, z_loss in [
+            (0.0, "uniform", 0.0),
+            (0.1, "uniform", 0.0),
+            (0.2, "normalized", 0.0),
+            (0.1, "normalized", 1e-2),
+            (0.3, "uniform", 1e-1),
+        ]:
+            fn = self.variant(
+                functools.partial(
+                    losses.cross_entropy,
+                    label_smoothing=eps,
+                    smoothing=smoothing,
+                    z_loss=z_loss,
+                )
+            )
             loss, metrics = fn(logits, labels, weights=weights)
-            _, want = references.cross_entropy(logits, labels, weights, eps,
-                                               smoothing, z_loss)
+            _, want = references.cross_entropy(
+                logits, labels, weights, eps, smoothing, z_loss
+            )
             msg = f"{eps} {smoothing} {z_loss}"
-            np.testing.assert_allclose(loss, want["loss"], rtol=1e-5,
-                                       err_msg=msg)
+            np.testing.assert_allclose(loss, want["loss"], rtol=1e-5, err_msg=msg)
             assert_metrics_close(metrics, want)
             self.assertEqual(int(metrics["invalid_labels"]), 0)
 
@@ -64,8 +68,11 @@ class CrossEntropyTest(chex.TestCase):
         eps = 0.25
         targets = optax.smooth_labels(jax.nn.one_hot(labels, 7), eps)
         want = optax.softmax_cross_entropy(logits, targets)
-        fn = self.variant(functools.partial(
-            losses.cross_entropy, label_smoothing=eps, reduction="none"))
+        fn = self.variant(
+            functools.partial(
+                losses.cross_entropy, label_smoothing=eps, reduction="none"
+            )
+        )
         got, _ = fn(logits, labels)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
@@ -75,26 +82,33 @@ class CrossEntropyTest(chex.TestCase):
         eps, vocab_size = 0.2, 7
         onehot = jax.nn.one_hot(labels, vocab_size)
         targets = onehot * (1 - eps) + (1 - onehot) * eps / (vocab_size - 1)
-        want = (optax.softmax_cross_entropy(logits, targets)
-                - references.target_entropy(vocab_size, eps))
-        fn = self.variant(functools.partial(
-            losses.cross_entropy, label_smoothing=eps, smoothing="normalized",
-            reduction="none"))
+        want = optax.softmax_cross_entropy(logits, targets) - references.target_entropy(
+            vocab_size, eps
+        )
+        fn = self.variant(
+            functools.partial(
+                losses.cross_entropy,
+                label_smoothing=eps,
+                smoothing="normalized",
+                reduction="none",
+            )
+        )
         got, _ = fn(logits, labels)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_z_loss_adds_z_times_lse_squared(self):
         logits, labels, _ = random_case(3)
-        without, m0 = self.variant(functools.partial(
-            losses.cross_entropy, reduction="none"))(logits, labels)
-        with_z, m1 = self.variant(functools.partial(
-            losses.cross_entropy, z_loss=0.1, reduction="none"))(logits, labels)
+        without, m0 = self.variant(
+            functools.partial(losses.cross_entropy, reduction="none")
+        )(logits, labels)
+        with_z, m1 = self.variant(
+            functools.partial(losses.cross_entropy, z_loss=0.1, reduction="none")
+        )(logits, labels)
         lse = references.logsumexp(logits)
-        np.testing.assert_allclose(with_z - without, 0.1 * lse ** 2, rtol=1e-5)
+        np.testing.assert_allclose(with_z - without, 0.1 * lse**2, rtol=1e-5)
         self.assertEqual(float(m0["z_loss"]), 0.0)
-        np.testing.assert_allclose(m1["z_loss"], np.mean(0.1 * lse ** 2),
-                                   rtol=1e-5)
+        np.testing.assert_allclose(m1["z_loss"], np.mean(0.1 * lse**2), rtol=1e-5)
         # The nll metric is the same with and without the z-loss.
         np.testing.assert_allclose(m1["nll"], m0["nll"], rtol=1e-6)
 
@@ -104,17 +118,23 @@ class CrossEntropyTest(chex.TestCase):
         per_token, want = references.cross_entropy(logits, labels, weights, 0.1)
         results = {}
         for reduction in losses.REDUCTIONS:
-            fn = self.variant(functools.partial(
-                losses.cross_entropy, label_smoothing=0.1, reduction=reduction))
+            fn = self.variant(
+                functools.partial(
+                    losses.cross_entropy, label_smoothing=0.1, reduction=reduction
+                )
+            )
             results[reduction], _ = fn(logits, labels, weights=weights)
         self.assertEqual(results["none"].shape, labels.shape)
-        np.testing.assert_allclose(results["none"], weights * per_token,
-                                   rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(results["sum"], (weights * per_token).sum(),
-                                   rtol=1e-5)
+        np.testing.assert_allclose(
+            results["none"], weights * per_token, rtol=1e-5, atol=1e-6
+        )
+        np.testing.assert_allclose(
+            results["sum"], (weights * per_token).sum(), rtol=1e-5
+        )
         np.testing.assert_allclose(results["mean"], want["loss"], rtol=1e-5)
-        np.testing.assert_allclose(results["mean"],
-                                   results["sum"] / weights.sum(), rtol=1e-5)
+        np.testing.assert_allclose(
+            results["mean"], results["sum"] / weights.sum(), rtol=1e-5
+        )
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_no_weights_is_plain_mean(self):
@@ -126,12 +146,13 @@ class CrossEntropyTest(chex.TestCase):
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_accuracy_counts_weighted_argmax_hits(self):
-        logits = np.array([[3.0, 0.0, 1.0], [0.0, 2.0, 1.0], [0.0, 1.0, 5.0],
-                           [1.0, 0.0, 0.0]], np.float32)
+        logits = np.array(
+            [[3.0, 0.0, 1.0], [0.0, 2.0, 1.0], [0.0, 1.0, 5.0], [1.0, 0.0, 0.0]],
+            np.float32,
+        )
         labels = np.array([0, 2, 2, 1], np.int32)
         weights = np.array([1.0, 1.0, 2.0, 0.0], np.float32)
-        _, metrics = self.variant(losses.cross_entropy)(logits, labels,
-                                                        weights=weights)
+        _, metrics = self.variant(losses.cross_entropy)(logits, labels, weights=weights)
         np.testing.assert_allclose(metrics["accuracy"], 3.0 / 4.0)
 
     @chex.variants(with_jit=True, without_jit=True)
@@ -140,11 +161,13 @@ class CrossEntropyTest(chex.TestCase):
         weights = np.zeros(labels.shape, np.float32)
 
         def objective(z):
-            return losses.cross_entropy(z, labels, weights=weights,
-                                        label_smoothing=0.1, z_loss=1e-3)
+            return losses.cross_entropy(
+                z, labels, weights=weights, label_smoothing=0.1, z_loss=1e-3
+            )
 
         (loss, metrics), grad = self.variant(
-            jax.value_and_grad(objective, has_aux=True))(logits)
+            jax.value_and_grad(objective, has_aux=True)
+        )(logits)
         self.assertEqual(float(loss), 0.0)
         for name in ("loss", "nll", "z_loss", "accuracy", "weight_sum"):
             self.assertEqual(float(metrics[name]), 0.0, name)
@@ -154,71 +177,97 @@ class CrossEntropyTest(chex.TestCase):
     def test_bf16_logits_equal_float32_of_the_rounded_logits(self):
         logits, labels, weights = random_case(7)
         rounded = jnp.asarray(logits, jnp.bfloat16)
-        fn = self.variant(functools.partial(losses.cross_entropy, z_loss=1e-3,
-                                            label_smoothing=0.1))
+        fn = self.variant(
+            functools.partial(losses.cross_entropy, z_loss=1e-3, label_smoothing=0.1)
+        )
         loss, metrics = fn(rounded, labels, weights=weights)
-        _, want = references.cross_entropy(np.asarray(rounded, np.float32),
-                                           labels, weights, 0.1, "uniform",
-                                           1e-3)
+        _, want = references.cross_entropy(
+            np.asarray(rounded, np.float32), labels, weights, 0.1, "uniform", 1e-3
+        )
         self.assertEqual(loss.dtype, jnp.float32)
         assert_metrics_close(metrics, want)
 
 
 class GradientTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_gradient_is_softmax_minus_target(self):
         # d/dz [-sum_i t_i log p_i + z lse^2] = p - t + 2 z lse p, weighted.
         logits, labels, weights = random_case(8)
         eps, z_loss = 0.2, 0.05
         for smoothing in losses.SMOOTHINGS:
+
             def objective(z, s=smoothing):
                 return losses.cross_entropy(
-                    z, labels, weights=weights, label_smoothing=eps,
-                    smoothing=s, z_loss=z_loss)[0]
+                    z,
+                    labels,
+                    weights=weights,
+                    label_smoothing=eps,
+                    smoothing=s,
+                    z_loss=z_loss,
+                )[0]
 
             grad = self.variant(jax.grad(objective))(logits)
-            want = references.cross_entropy_gradient(logits, labels, weights,
-                                                     eps, smoothing, z_loss)
-            np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-6,
-                                       err_msg=smoothing)
+            want = references.cross_entropy_gradient(
+                logits, labels, weights, eps, smoothing, z_loss
+            )
+            np.testing.assert_allclose(
+                grad, want, rtol=1e-4, atol=1e-6, err_msg=smoothing
+            )
 
     def test_check_grads(self):
-        logits, labels, weights = random_case(9, shape=(3,), vocab_size=4,
-                                              scale=1.0)
+        logits, labels, weights = random_case(9, shape=(3,), vocab_size=4, scale=1.0)
         for smoothing in losses.SMOOTHINGS:
-            objective = jax.jit(lambda z, s=smoothing: losses.cross_entropy(
-                z, labels, weights=weights, label_smoothing=0.1, smoothing=s,
-                z_loss=1e-2)[0])
-            check_grads(objective, (logits,), order=2, modes=["rev"],
-                        eps=1e-2, atol=2e-2, rtol=2e-2)
+            objective = jax.jit(
+                lambda z, s=smoothing: losses.cross_entropy(
+                    z,
+                    labels,
+                    weights=weights,
+                    label_smoothing=0.1,
+                    smoothing=s,
+                    z_loss=1e-2,
+                )[0]
+            )
+            check_grads(
+                objective,
+                (logits,),
+                order=2,
+                modes=["rev"],
+                eps=1e-2,
+                atol=2e-2,
+                rtol=2e-2,
+            )
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_finite_at_extreme_and_bf16_logits(self):
         labels = np.array([0, 1, 2], np.int32)
-        extreme = np.array([[1e4, -1e4, 0.0], [1e4, -1e4, 0.0],
-                            [-1e4, -1e4, -1e4]], np.float32)
+        extreme = np.array(
+            [[1e4, -1e4, 0.0], [1e4, -1e4, 0.0], [-1e4, -1e4, -1e4]], np.float32
+        )
 
         def objective(z):
-            return losses.cross_entropy(z, labels, label_smoothing=0.1,
-                                        smoothing="normalized", z_loss=1e-4)[0]
+            return losses.cross_entropy(
+                z, labels, label_smoothing=0.1, smoothing="normalized", z_loss=1e-4
+            )[0]
 
         fn = self.variant(jax.value_and_grad(objective))
-        for logits in (extreme, jnp.asarray(extreme, jnp.bfloat16),
-                       jnp.asarray(random_case(10, (3,), 3)[0], jnp.bfloat16)):
+        for logits in (
+            extreme,
+            jnp.asarray(extreme, jnp.bfloat16),
+            jnp.asarray(random_case(10, (3,), 3)[0], jnp.bfloat16),
+        ):
             loss, grad = fn(logits)
             self.assertTrue(np.isfinite(float(loss)))
             self.assertEqual(grad.dtype, logits.dtype)
             self.assertTrue(np.all(np.isfinite(np.asarray(grad, np.float32))))
         # The extreme value: token 1's label logit is 2e4 below the maximum.
         loss, _ = fn(extreme)
-        _, want = references.cross_entropy(extreme, labels, None, 0.1,
-                                           "normalized", 1e-4)
+        _, want = references.cross_entropy(
+            extreme, labels, None, 0.1, "normalized", 1e-4
+        )
         np.testing.assert_allclose(loss, want["loss"], rtol=1e-5)
 
 
 class InvalidLabelsTest(chex.TestCase):
-
     def test_eager_padding_label_with_zero_weight_is_allowed(self):
         logits, labels, _ = random_case(12, shape=(3,))
         padded = labels.copy()
@@ -234,9 +283,9 @@ class InvalidLabelsTest(chex.TestCase):
         weights[:] = [1.0, 2.0, 0.0, 1.0, 0.5, 1.0]
         bad = labels.copy()
         bad[[1, 2, 4]] = [7, -3, 100]  # token 2 is padding: not counted
-        loss, metrics = jax.jit(functools.partial(
-            losses.cross_entropy, label_smoothing=0.1))(logits, bad,
-                                                        weights=weights)
+        loss, metrics = jax.jit(
+            functools.partial(losses.cross_entropy, label_smoothing=0.1)
+        )(logits, bad, weights=weights)
         kept = weights.copy()
         kept[[1, 2, 4]] = 0.0
         _, want = references.cross_entropy(logits, labels, kept, 0.1)
@@ -245,8 +294,7 @@ class InvalidLabelsTest(chex.TestCase):
         self.assertEqual(int(metrics["invalid_labels"]), 2)
 
     def test_checkify_reports_out_of_range(self):
-        checked = checkify.checkify(
-            jax.jit(lambda y: losses.check_labels(y, 5)))
+        checked = checkify.checkify(jax.jit(lambda y: losses.check_labels(y, 5)))
         err, _ = checked(jnp.array([[0, 4], [5, -1]]))
         self.assertIsNotNone(err.get())
         self.assertIn("labels must be in [0, 5)", err.get())
@@ -260,28 +308,36 @@ class InvalidLabelsTest(chex.TestCase):
     vocab_size=st.sampled_from([2, 3, 8]),
     eps=st.floats(0.01, 0.95),
     shift=st.floats(-50.0, 50.0),
-    data=st.data())
-def test_normalized_loss_is_zero_at_the_smoothed_target(vocab_size, eps, shift,
-                                                         data):
-    labels = np.array(data.draw(st.lists(st.integers(0, vocab_size - 1),
-                                         min_size=3, max_size=3)), np.int32)
-    logits = np.log(references.smoothed_targets(labels, vocab_size, eps,
-                                                "normalized")) + shift
+    data=st.data(),
+)
+def test_normalized_loss_is_zero_at_the_smoothed_target(vocab_size, eps, shift, data):
+    labels = np.array(
+        data.draw(st.lists(st.integers(0, vocab_size - 1), min_size=3, max_size=3)),
+        np.int32,
+    )
+    logits = (
+        np.log(references.smoothed_targets(labels, vocab_size, eps, "normalized"))
+        + shift
+    )
     loss, metrics = losses.cross_entropy(
-        logits.astype(np.float32), labels, label_smoothing=eps,
-        smoothing="normalized")
+        logits.astype(np.float32), labels, label_smoothing=eps, smoothing="normalized"
+    )
     np.testing.assert_allclose(loss, 0.0, atol=2e-5)
     # Anywhere else it is larger (Gibbs' inequality).
     other, _ = losses.cross_entropy(
-        (logits + np.eye(vocab_size)[(labels + 1) % vocab_size]).astype(
-            np.float32), labels, label_smoothing=eps, smoothing="normalized")
+        (logits + np.eye(vocab_size)[(labels + 1) % vocab_size]).astype(np.float32),
+        labels,
+        label_smoothing=eps,
+        smoothing="normalized",
+    )
     assert float(other) > float(loss)
 
 
 @SETTINGS
 @hypothesis.given(
     raw=hnp.arrays(np.float32, (4, 6), elements=st.floats(-30, 30, width=32)),
-    z_loss=st.floats(1e-4, 1.0))
+    z_loss=st.floats(1e-4, 1.0),
+)
 def test_z_loss_is_zero_when_lse_is_zero(raw, z_loss):
     logits = np.asarray(jax.nn.log_softmax(raw), np.float32)  # lse == 0
     labels = np.zeros(4, np.int32)
@@ -293,16 +349,16 @@ def test_z_loss_is_zero_when_lse_is_zero(raw, z_loss):
 
 @SETTINGS
 @hypothesis.given(
-    logits=hnp.arrays(np.float32, (3, 5), elements=st.floats(-1e4, 1e4,
-                                                            width=32)),
+    logits=hnp.arrays(np.float32, (3, 5), elements=st.floats(-1e4, 1e4, width=32)),
     labels=hnp.arrays(np.int32, (3,), elements=st.integers(0, 4)),
     eps=st.floats(0.0, 0.99),
     smoothing=st.sampled_from(losses.SMOOTHINGS),
-    z_loss=st.sampled_from([0.0, 1e-4]))
-def test_loss_is_non_negative_and_finite(logits, labels, eps, smoothing,
-                                         z_loss):
-    loss, metrics = losses.cross_entropy(logits, labels, label_smoothing=eps,
-                                         smoothing=smoothing, z_loss=z_loss)
+    z_loss=st.sampled_from([0.0, 1e-4]),
+)
+def test_loss_is_non_negative_and_finite(logits, labels, eps, smoothing, z_loss):
+    loss, metrics = losses.cross_entropy(
+        logits, labels, label_smoothing=eps, smoothing=smoothing, z_loss=z_loss
+    )
     assert np.isfinite(float(loss))
     # Float32 rounding of terms as large as the logits is the only slack.
     assert float(loss) >= -1e-6 * (1.0 + np.abs(logits).max())
@@ -310,71 +366,83 @@ def test_loss_is_non_negative_and_finite(logits, labels, eps, smoothing,
 
 
 class SummaryMetricsTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_perplexity_and_bits(self):
         nll = np.array([0.0, 1.0, 2.5], np.float32)
-        np.testing.assert_allclose(self.variant(losses.perplexity)(nll),
-                                   np.exp(nll), rtol=1e-6)
-        np.testing.assert_allclose(self.variant(losses.bits_per_token)(nll),
-                                   nll / math.log(2), rtol=1e-6)
-        bpc = self.variant(functools.partial(losses.bits_per_character,
-                                             chars_per_token=3.5))(nll)
+        np.testing.assert_allclose(
+            self.variant(losses.perplexity)(nll), np.exp(nll), rtol=1e-6
+        )
+        np.testing.assert_allclose(
+            self.variant(losses.bits_per_token)(nll), nll / math.log(2), rtol=1e-6
+        )
+        bpc = self.variant(
+            functools.partial(losses.bits_per_character, chars_per_token=3.5)
+        )(nll)
         np.testing.assert_allclose(bpc, nll / math.log(2) / 3.5, rtol=1e-6)
 
 
 class CalibrationTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_matches_numpy_loop(self):
         for seed, num_bins in [(12, 15), (13, 4), (14, 1)]:
-            logits, labels, weights = random_case(seed, shape=(8, 9),
-                                                  vocab_size=5, scale=1.5)
+            logits, labels, weights = random_case(
+                seed, shape=(8, 9), vocab_size=5, scale=1.5
+            )
             for w in (None, weights):
-                fn = self.variant(functools.partial(
-                    losses.expected_calibration_error, num_bins=num_bins))
+                fn = self.variant(
+                    functools.partial(
+                        losses.expected_calibration_error, num_bins=num_bins
+                    )
+                )
                 got = fn(logits, labels, w)
-                want = references.expected_calibration_error(logits, labels, w,
-                                                             num_bins)
+                want = references.expected_calibration_error(
+                    logits, labels, w, num_bins
+                )
                 self.assertGreater(want, 0.0)
-                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
-                                           err_msg=f"{seed} {num_bins}")
+                np.testing.assert_allclose(
+                    got, want, rtol=1e-5, atol=1e-6, err_msg=f"{seed} {num_bins}"
+                )
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_bins_add_over_batches(self):
         first = random_case(15, shape=(4, 9), vocab_size=5, scale=1.5)
         second = random_case(16, shape=(4, 9), vocab_size=5, scale=1.5)
-        bins = self.variant(functools.partial(losses.calibration_bins,
-                                              num_bins=10))
+        bins = self.variant(functools.partial(losses.calibration_bins, num_bins=10))
         total = bins(*first) + bins(*second)
         got = losses.calibration_error_from_bins(total)
         joined = [np.concatenate(pair) for pair in zip(first, second)]
         np.testing.assert_allclose(
-            got, references.expected_calibration_error(*joined, 10), rtol=1e-5)
+            got, references.expected_calibration_error(*joined, 10), rtol=1e-5
+        )
         np.testing.assert_allclose(
-            got, losses.expected_calibration_error(*joined, num_bins=10),
-            rtol=1e-5)
+            got, losses.expected_calibration_error(*joined, num_bins=10), rtol=1e-5
+        )
 
     def test_bins_are_closed_on_the_right(self):
         # Confidences exactly 1/4, 1/2 and 1 fall in (0, 1/4], (1/4, 1/2] and
         # (3/4, 1] of four bins.
-        logits = np.array([[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, -1e4, -1e4],
-                           [1e4, 0.0, 0.0, 0.0]], np.float32)
+        logits = np.array(
+            [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, -1e4, -1e4], [1e4, 0.0, 0.0, 0.0]],
+            np.float32,
+        )
         labels = np.array([1, 0, 0], np.int32)
         weights = np.array([1.0, 2.0, 3.0], np.float32)
         bins = losses.calibration_bins(logits, labels, weights, num_bins=4)
-        np.testing.assert_allclose(bins, [[1.0, 0.25, 0.0], [2.0, 1.0, 2.0],
-                                          [0.0, 0.0, 0.0], [3.0, 3.0, 3.0]])
+        np.testing.assert_allclose(
+            bins, [[1.0, 0.25, 0.0], [2.0, 1.0, 2.0], [0.0, 0.0, 0.0], [3.0, 3.0, 3.0]]
+        )
 
     def test_perfectly_calibrated_and_empty(self):
         # Four tokens at confidence 0.75, three of them right: ECE is 0.
         logits = np.log(np.array([[0.75, 0.25]] * 4, np.float32))
         labels = np.array([0, 0, 0, 1], np.int32)
         np.testing.assert_allclose(
-            losses.expected_calibration_error(logits, labels), 0.0, atol=1e-6)
+            losses.expected_calibration_error(logits, labels), 0.0, atol=1e-6
+        )
         np.testing.assert_allclose(
-            losses.expected_calibration_error(logits, labels,
-                                              np.zeros(4, np.float32)), 0.0)
+            losses.expected_calibration_error(logits, labels, np.zeros(4, np.float32)),
+            0.0,
+        )
 
 
 def test_non_finite_logits_of_zero_weight_tokens_do_not_reach_the_loss():
@@ -383,9 +451,11 @@ def test_non_finite_logits_of_zero_weight_tokens_do_not_reach_the_loss():
     poisoned[1] = np.nan  # e.g. the logits of a padding id outside the table
     weights = np.array([1.0, 0.0, 1.0], np.float32)
     for reduction in ("mean", "sum", "none"):
-        got, metrics = losses.cross_entropy(poisoned, labels, weights=weights,
-                                            reduction=reduction)
-        want, _ = losses.cross_entropy(logits, labels, weights=weights,
-                                       reduction=reduction)
+        got, metrics = losses.cross_entropy(
+            poisoned, labels, weights=weights, reduction=reduction
+        )
+        want, _ = losses.cross_entropy(
+            logits, labels, weights=weights, reduction=reduction
+        )
         np.testing.assert_allclose(got, want, rtol=1e-6)
         assert all(np.isfinite(v) for v in metrics.values())

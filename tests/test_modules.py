@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmhead import losses
-from lmhead import modules
+from lmhead import losses, modules
 from tests import references
 
 V, D = 11, 6
@@ -43,20 +42,18 @@ class TiedLM(nn.Module):
         return self.head(self.embed(tokens), self._table())
 
     def loss(self, tokens, labels):
-        return self.head.loss(self.embed(tokens), labels, self._table(),
-                              loss_impl="materialized")
+        return self.head.loss(
+            self.embed(tokens), labels, self._table(), loss_impl="materialized"
+        )
 
 
 class ParametersTest(chex.TestCase):
-
     def test_tied_owns_no_unembedding_untied_owns_v_by_d(self):
         h, table = random_inputs(0)
         key = jax.random.key(0)
         for use_bias in (False, True):
-            tied = modules.LMHead(V, tied=True, use_bias=use_bias).init(
-                key, h, table)
-            untied = modules.LMHead(V, tied=False, use_bias=use_bias).init(
-                key, h)
+            tied = modules.LMHead(V, tied=True, use_bias=use_bias).init(key, h, table)
+            untied = modules.LMHead(V, tied=False, use_bias=use_bias).init(key, h)
             tied_shapes = jax.tree.map(jnp.shape, tied.get("params", {}))
             untied_shapes = jax.tree.map(jnp.shape, untied["params"])
             bias = {"bias": (V,)} if use_bias else {}
@@ -66,15 +63,14 @@ class ParametersTest(chex.TestCase):
 
     def test_param_dtype(self):
         h, _ = random_inputs(1)
-        variables = modules.LMHead(V, tied=False, use_bias=True,
-                                   param_dtype=jnp.bfloat16).init(
-                                       jax.random.key(0), h)
+        variables = modules.LMHead(
+            V, tied=False, use_bias=True, param_dtype=jnp.bfloat16
+        ).init(jax.random.key(0), h)
         for leaf in jax.tree.leaves(variables):
             self.assertEqual(leaf.dtype, jnp.bfloat16)
 
 
 class LogitsTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_tied_logits_are_h_times_table_transposed(self):
         h, table = random_inputs(2)
@@ -91,11 +87,11 @@ class LogitsTest(chex.TestCase):
         head = modules.LMHead(V, tied=False, use_bias=True)
         bias = np.linspace(-1.0, 1.0, V).astype(np.float32)
         variables = {"params": {"unembedding": table, "bias": bias}}
-        chex.assert_trees_all_equal_shapes(
-            variables, head.init(jax.random.key(0), h))
+        chex.assert_trees_all_equal_shapes(variables, head.init(jax.random.key(0), h))
         got = self.variant(head.apply)(variables, h)
-        np.testing.assert_allclose(got, references.unembed(h, table, bias),
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            got, references.unembed(h, table, bias), rtol=1e-5, atol=1e-6
+        )
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_embed_module_or_its_table_give_the_same_logits(self):
@@ -103,10 +99,8 @@ class LogitsTest(chex.TestCase):
         variables = TiedLM().init(jax.random.key(1), tokens)
         table = np.asarray(variables["params"]["embed"]["embedding"])
         self.assertEqual(count_params(variables), V * D)
-        by_module = self.variant(TiedLM(pass_module=True).apply)(variables,
-                                                                  tokens)
-        by_array = self.variant(TiedLM(pass_module=False).apply)(variables,
-                                                                  tokens)
+        by_module = self.variant(TiedLM(pass_module=True).apply)(variables, tokens)
+        by_array = self.variant(TiedLM(pass_module=False).apply)(variables, tokens)
         want = table[np.asarray(tokens)].astype(np.float64) @ table.T
         np.testing.assert_allclose(by_module, want, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(by_array, want, rtol=1e-5, atol=1e-6)
@@ -117,37 +111,38 @@ class LogitsTest(chex.TestCase):
         for tied in (True, False):
             head = modules.LMHead(V, tied=tied, dtype=jnp.bfloat16)
             embedding = table if tied else None
-            variables = ({} if tied else
-                         {"params": {"unembedding": table}})
+            variables = {} if tied else {"params": {"unembedding": table}}
             got = self.variant(head.apply)(variables, h, embedding)
             self.assertEqual(got.dtype, jnp.float32)
-            rounded = [np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
-                       for x in (h, table)]
-            np.testing.assert_allclose(got, rounded[0] @ rounded[1].T,
-                                       rtol=1e-4, atol=1e-4)
+            rounded = [
+                np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64) for x in (h, table)
+            ]
+            np.testing.assert_allclose(
+                got, rounded[0] @ rounded[1].T, rtol=1e-4, atol=1e-4
+            )
 
 
 class TiedGradientTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_gradient_is_the_sum_of_the_embedding_and_head_paths(self):
         tokens = np.array([[1, 4, 1], [0, 10, 3]])
         labels = np.array([[4, 1, 0], [10, 3, 2]])
-        scale = D ** -0.5
+        scale = D**-0.5
         model = TiedLM(pass_module=True, scale=scale)
         variables = model.init(jax.random.key(2), tokens)
 
         def objective(params):
-            return model.apply({"params": params}, tokens, labels,
-                               method=TiedLM.loss)[0]
+            return model.apply({"params": params}, tokens, labels, method=TiedLM.loss)[
+                0
+            ]
 
         grad = self.variant(jax.grad(objective))(variables["params"])
-        self.assertEqual(jax.tree.map(jnp.shape, grad),
-                         {"embed": {"embedding": (V, D)}})
+        self.assertEqual(
+            jax.tree.map(jnp.shape, grad), {"embed": {"embedding": (V, D)}}
+        )
 
         # By hand: x = E[tokens], z = s x E^T, L = mean_t CE(z_t, y_t).
-        table = np.asarray(variables["params"]["embed"]["embedding"],
-                           np.float64)
+        table = np.asarray(variables["params"]["embed"]["embedding"], np.float64)
         x = table[tokens.reshape(-1)]
         z = scale * x @ table.T
         dz = references.cross_entropy_gradient(z, labels.reshape(-1))
@@ -156,36 +151,43 @@ class TiedGradientTest(chex.TestCase):
         np.add.at(through_embedding, tokens.reshape(-1), scale * dz @ table)
         self.assertGreater(np.abs(through_head).max(), 1e-3)
         self.assertGreater(np.abs(through_embedding).max(), 1e-3)
-        np.testing.assert_allclose(grad["embed"]["embedding"],
-                                   through_head + through_embedding,
-                                   rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(
+            grad["embed"]["embedding"],
+            through_head + through_embedding,
+            rtol=1e-4,
+            atol=1e-7,
+        )
 
 
 class LossTest(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_loss_equals_cross_entropy_of_the_logits(self):
         h, table = random_inputs(5)
         rng = np.random.default_rng(5)
         labels = rng.integers(0, V, (2, 3)).astype(np.int32)
         weights = np.array([[1.0, 0.0, 2.0], [1.0, 1.0, 0.5]], np.float32)
-        options = dict(label_smoothing=0.1, smoothing="normalized",
-                       z_loss=1e-3)
+        options = dict(label_smoothing=0.1, smoothing="normalized", z_loss=1e-3)
         for tied in (True, False):
             head = modules.LMHead(V, tied=tied, use_bias=True, scale=0.8)
             embedding = table if tied else None
             variables = head.init(jax.random.key(0), h, embedding)
             logits = head.apply(variables, h, embedding)
-            loss, metrics = self.variant(functools.partial(
-                head.apply, method=modules.LMHead.loss,
-                loss_impl="materialized", **options))(
-                    variables, h, labels, embedding, weights=weights)
+            loss, metrics = self.variant(
+                functools.partial(
+                    head.apply,
+                    method=modules.LMHead.loss,
+                    loss_impl="materialized",
+                    **options,
+                )
+            )(variables, h, labels, embedding, weights=weights)
             want_loss, want_metrics = losses.cross_entropy(
-                logits, labels, weights=weights, **options)
+                logits, labels, weights=weights, **options
+            )
             np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
             for name, value in want_metrics.items():
-                np.testing.assert_allclose(metrics[name], value, rtol=1e-6,
-                                           err_msg=name)
+                np.testing.assert_allclose(
+                    metrics[name], value, rtol=1e-6, err_msg=name
+                )
             # And the nll against numpy on numpy logits.
             w = variables["params"].get("unembedding", table)
             z = references.unembed(h, w, variables["params"]["bias"], scale=0.8)

@@ -27,22 +27,24 @@ import pytest
 from absl.testing import parameterized
 
 from configs import default
-from lmhead import fused
-from lmhead.lm import generation
-from lmhead import head
-from lmhead import losses
+from lmhead import fused, head, losses
+from lmhead.lm import generation, train
 from lmhead.vocab_parallel import vocab_parallel_cross_entropy
-from lmhead.lm import train
 from tests import references
 
 EPS, Z_LOSS = 0.1, 1e-4
 # Row by row: confident and right, confident and wrong (nll 2e4), every
 # logit -1e4, every logit +1e4 (lse near 1e4, z-loss term near 1e4), moderate.
-LOGITS = np.array([[1e4, -1e4, 0.0, 0.0, 0.0],
-                   [1e4, -1e4, 0.0, 0.0, 0.0],
-                   [-1e4, -1e4, -1e4, -1e4, -1e4],
-                   [1e4, 1e4, 1e4, 1e4, 1e4],
-                   [0.5, -1.5, 2.0, 0.0, -0.25]], np.float32)
+LOGITS = np.array(
+    [
+        [1e4, -1e4, 0.0, 0.0, 0.0],
+        [1e4, -1e4, 0.0, 0.0, 0.0],
+        [-1e4, -1e4, -1e4, -1e4, -1e4],
+        [1e4, 1e4, 1e4, 1e4, 1e4],
+        [0.5, -1.5, 2.0, 0.0, -0.25],
+    ],
+    np.float32,
+)
 LABELS = np.array([0, 1, 2, 3, 4], np.int32)
 V = LOGITS.shape[1]
 MASKS = {
@@ -50,34 +52,37 @@ MASKS = {
     "all_but_one": np.array([0.0, 1.0, 0.0, 0.0, 0.0], np.float32),
     "none": np.zeros(5, np.float32),
 }
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
-          "float16": jnp.float16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def vocab_parallel(h, w, labels, **kwargs):
-    mesh = jax.make_mesh((1, 1), ("data", "model"), (jax.sharding.AxisType.Auto,) * 2,
-                         devices=jax.devices()[:1])
-    return vocab_parallel_cross_entropy(h, w, labels, mesh=mesh,
-                                                 chunk_size=2, **kwargs)
+    mesh = jax.make_mesh(
+        (1, 1),
+        ("data", "model"),
+        (jax.sharding.AxisType.Auto,) * 2,
+        devices=jax.devices()[:1],
+    )
+    return vocab_parallel_cross_entropy(h, w, labels, mesh=mesh, chunk_size=2, **kwargs)
 
 
 IMPLS = {
     "materialized": lambda h, w, labels, **kwargs: losses.cross_entropy(
-        head.unembed(h, w), labels, **kwargs),
+        head.unembed(h, w), labels, **kwargs
+    ),
     "fused": functools.partial(fused.fused_cross_entropy, chunk_size=2),
     "vocab_parallel": vocab_parallel,
 }
 
 
 class StressTest(parameterized.TestCase):
-
     def check_stress(self, impl, dtype):
         h = jnp.asarray(LOGITS, DTYPES[dtype])
         w = jnp.eye(V, dtype=DTYPES[dtype])  # logits = h, rounded to dtype
 
         def objective(h, weights):
-            return IMPLS[impl](h, w, LABELS, weights=weights,
-                               label_smoothing=EPS, z_loss=Z_LOSS)
+            return IMPLS[impl](
+                h, w, LABELS, weights=weights, label_smoothing=EPS, z_loss=Z_LOSS
+            )
 
         value_and_grad = self.variant(jax.value_and_grad(objective, has_aux=True))
         # Float32 logits near 1e4 are exact to half an ulp (5e-4), so lse and p
@@ -88,15 +93,14 @@ class StressTest(parameterized.TestCase):
             logits = np.asarray(h, np.float32)
             options = (weights, EPS, "uniform", Z_LOSS)
             _, want = references.cross_entropy(logits, LABELS, *options)
-            want_grad = references.cross_entropy_gradient(logits, LABELS,
-                                                          *options)
+            want_grad = references.cross_entropy_gradient(logits, LABELS, *options)
             self.assertEqual(grad.dtype, h.dtype)
             grad = np.asarray(grad, np.float64)
             self.assertTrue(np.all(np.isfinite(grad)), mask)
-            np.testing.assert_allclose(float(loss), want["loss"], rtol=1e-6,
-                                       err_msg=mask)
-            np.testing.assert_allclose(grad, want_grad, atol=tolerance,
-                                       err_msg=mask)
+            np.testing.assert_allclose(
+                float(loss), want["loss"], rtol=1e-6, err_msg=mask
+            )
+            np.testing.assert_allclose(grad, want_grad, atol=tolerance, err_msg=mask)
             # Masked rows get exactly no gradient, whatever their logits.
             np.testing.assert_array_equal(grad[weights == 0], 0.0)
             if mask == "none":
@@ -119,11 +123,19 @@ class StressTest(parameterized.TestCase):
 def short_run(corpus, **overrides):
     """10 steps, logs and checkpoints every 5: boundaries at 5 and 10."""
     config = default.get_config("tiny")
-    config.update_from_flattened_dict({
-        "data.path": corpus, "train.steps": 10, "train.log_every": 5,
-        "train.checkpoint_every": 5, "train.eval_every": 10,
-        "train.eval_batches": 1, "optim.warmup_steps": 2,
-        "sample.num_samples": 0, **overrides})
+    config.update_from_flattened_dict(
+        {
+            "data.path": corpus,
+            "train.steps": 10,
+            "train.log_every": 5,
+            "train.checkpoint_every": 5,
+            "train.eval_every": 10,
+            "train.eval_batches": 1,
+            "optim.warmup_steps": 2,
+            "sample.num_samples": 0,
+            **overrides,
+        }
+    )
     return config
 
 
@@ -135,21 +147,29 @@ def poison_params_after(monkeypatch, step_index):
     def poisoned(state, batch, key, **kwargs):
         new_state, metrics = original(state, batch, key, **kwargs)
         poison = jnp.where(state.step == step_index, jnp.nan, 0.0)
-        return new_state.replace(params=jax.tree.map(
-            lambda p: p + poison, new_state.params)), metrics
+        return new_state.replace(
+            params=jax.tree.map(lambda p: p + poison, new_state.params)
+        ), metrics
 
     monkeypatch.setattr(train, "train_step", poisoned)
 
 
-@pytest.mark.parametrize("step_index,message", [
-    # NaN parameters after step 7: the loss of step 8 is NaN.
-    (6, r"Non-finite training at step 8: loss nan, gradient norm nan\. "
-        r"Stopped at step 10 without saving"),
-    # NaN parameters after step 10, whose own loss was finite.
-    (9, r"not finite after step 10; stopped without saving"),
-])
+@pytest.mark.parametrize(
+    "step_index,message",
+    [
+        # NaN parameters after step 7: the loss of step 8 is NaN.
+        (
+            6,
+            r"Non-finite training at step 8: loss nan, gradient norm nan\. "
+            r"Stopped at step 10 without saving",
+        ),
+        # NaN parameters after step 10, whose own loss was finite.
+        (9, r"not finite after step 10; stopped without saving"),
+    ],
+)
 def test_nonfinite_training_stops_and_keeps_the_last_good_checkpoint(
-        corpus, tmp_path, monkeypatch, step_index, message):
+    corpus, tmp_path, monkeypatch, step_index, message
+):
     poison_params_after(monkeypatch, step_index)
     workdir = str(tmp_path / "run")
     with pytest.raises(FloatingPointError, match=message) as raised:
@@ -169,7 +189,8 @@ def test_nonfinite_training_goes_on_when_asked(corpus, tmp_path, monkeypatch):
     poison_params_after(monkeypatch, 6)
     workdir = str(tmp_path / "run")
     summary = train.train_and_evaluate(
-        short_run(corpus, **{"train.stop_on_nonfinite": False}), workdir)
+        short_run(corpus, **{"train.stop_on_nonfinite": False}), workdir
+    )
     # losses.py's rule: a NaN logit gives a loss that is not finite (which of
     # inf and NaN depends on where the NaN meets the reduction).
     assert not np.isfinite(summary["final"]["eval/loss"])

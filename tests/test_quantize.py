@@ -7,9 +7,7 @@ import numpy as np
 import pytest
 
 import lmhead
-from lmhead import head
-from lmhead import modules
-from lmhead import quantize
+from lmhead import head, modules, quantize
 
 
 def numpy_int8(w):
@@ -28,7 +26,6 @@ def table(v=50, d=16, seed=0):
 
 
 class TestQuantize(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_int8_matches_numpy_and_error_bound(self):
         w = table()
@@ -51,11 +48,15 @@ class TestQuantize(chex.TestCase):
         h = rng.normal(size=(2, 3, 16)).astype(np.float32)
         bias = rng.normal(size=50).astype(np.float32)
         q = quantize.quantize_unembedding(w, "int8")
-        values, scales = np.asarray(q.values, np.float64), np.asarray(q.scales, np.float64)
+        values, scales = (
+            np.asarray(q.values, np.float64),
+            np.asarray(q.scales, np.float64),
+        )
         expected = 0.5 * (h.astype(np.float64) @ values.T) * scales + bias
         expected = 20.0 * np.tanh(expected / 20.0)
-        got = self.variant(lambda h, q, b: head.unembed(
-            h, q, b, scale=0.5, softcap=20.0))(h, q, bias)
+        got = self.variant(
+            lambda h, q, b: head.unembed(h, q, b, scale=0.5, softcap=20.0)
+        )(h, q, bias)
         self.assertEqual(got.dtype, jnp.float32)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
@@ -71,8 +72,9 @@ class TestQuantize(chex.TestCase):
             error = np.abs(np.asarray(half, np.float64) - w)
             assert np.all(error <= eps * np.abs(w) + 2.0**-25)
             expected = h.astype(np.float64) @ np.asarray(half, np.float64).T
-            np.testing.assert_allclose(head.unembed(h, half), expected,
-                                       rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                head.unembed(h, half), expected, rtol=1e-5, atol=1e-6
+            )
 
 
 @pytest.mark.parametrize("leading", [(), (2, 3)])
@@ -80,8 +82,12 @@ def test_int8_unembed_beyond_one_cpu_block_equals_numpy(leading):
     w = table(v=quantize.CPU_BLOCK_ROWS + 3, d=8, seed=3)
     h = np.random.default_rng(4).normal(size=(*leading, 8)).astype(np.float32)
     q = quantize.quantize_unembedding(w, "int8")
-    expected = h.astype(np.float64) @ (np.asarray(q.values, np.float64) *
-                                       np.asarray(q.scales, np.float64)[:, None]).T
+    expected = (
+        h.astype(np.float64)
+        @ (
+            np.asarray(q.values, np.float64) * np.asarray(q.scales, np.float64)[:, None]
+        ).T
+    )
     got = jax.jit(head.unembed)(h, q)
     assert got.shape == (*leading, quantize.CPU_BLOCK_ROWS + 3)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
@@ -100,8 +106,10 @@ def test_public_names():
 
 
 def test_bad_dtype_names_the_argument():
-    with pytest.raises(ValueError, match="dtype must be one of 'bfloat16', "
-                       "'float16', 'int8'; got 'int4'"):
+    with pytest.raises(
+        ValueError,
+        match="dtype must be one of 'bfloat16', 'float16', 'int8'; got 'int4'",
+    ):
         quantize.quantize_unembedding(jnp.ones((4, 2)), "int4")
 
 
@@ -125,14 +133,14 @@ def test_lm_head_takes_a_quantized_table_tied_and_untied():
     params = untied.init(jax.random.key(0), h)["params"]
     w = np.asarray(params["unembedding"], np.float64)
     q = quantize.quantize_unembedding(params["unembedding"], "int8")
-    expected = np.asarray(h, np.float64) @ np.asarray(quantize.dequantize(q),
-                                                      np.float64).T
+    expected = (
+        np.asarray(h, np.float64) @ np.asarray(quantize.dequantize(q), np.float64).T
+    )
     got = jax.jit(untied.apply)({"params": {**params, "unembedding": q}}, h)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     # ... and is close to the float32 head.
     assert np.abs(np.asarray(got) - np.asarray(h) @ w.T).max() < 1e-2
     tied = modules.LMHead(vocab_size=11, tied=True)
-    np.testing.assert_allclose(tied.apply({}, h, q), expected, rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(tied.apply({}, h, q), expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="QuantizedTable is for inference"):
         tied.apply({}, h, jnp.zeros((2, 3), jnp.int32), q, method="loss")

@@ -15,9 +15,8 @@ def test_api_tour_runs():
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     assert blocks, "README.md has no python block"
     namespace = {}
-    exec(compile(blocks[0], str(README), "exec"), namespace)  # noqa: S102
-    np.testing.assert_allclose(namespace["fused_loss"], namespace["loss"],
-                               rtol=1e-5)
+    exec(compile(blocks[0], str(README), "exec"), namespace)
+    np.testing.assert_allclose(namespace["fused_loss"], namespace["loss"], rtol=1e-5)
     assert namespace["tokens"].shape == (2, 8)
     assert namespace["beams"].shape == (2, 2, 8)
     scores = np.asarray(namespace["scores"])

@@ -27,8 +27,13 @@ Arguments (comma-separated ``key=value``; ``+`` separates list items)::
 
 from lmhead.lab import sweeps
 
-DEFAULTS = dict(base=("nanogpt",), steps=5000, seeds=3,
-                bpe=(1024, 2048, 4096, 8192), d_model=(128, 256))
+DEFAULTS = dict(
+    base=("nanogpt",),
+    steps=5000,
+    seeds=3,
+    bpe=(1024, 2048, 4096, 8192),
+    d_model=(128, 256),
+)
 
 
 def get_sweep(arg=None):
@@ -36,10 +41,14 @@ def get_sweep(arg=None):
     base = ",".join([*args["base"], f"steps={args['steps']}"])
     widths = sweeps.zipped(
         sweeps.sweep("model.d_model", list(args["d_model"])),
-        sweeps.sweep("model.mlp_dim", [4 * d for d in args["d_model"]]))
+        sweeps.sweep("model.mlp_dim", [4 * d for d in args["d_model"]]),
+    )
     vocabularies = [{"data.tokenizer": "char"}] + [
-        {"data.tokenizer": "bpe", "data.vocab_size": size} for size in args["bpe"]]
+        {"data.tokenizer": "bpe", "data.vocab_size": size} for size in args["bpe"]
+    ]
     return base, sweeps.product(
         sweeps.sweep("train.seed", list(range(args["seeds"]))),
-        widths, vocabularies,
-        sweeps.sweep("model.tied", [True, False]))
+        widths,
+        vocabularies,
+        sweeps.sweep("model.tied", [True, False]),
+    )

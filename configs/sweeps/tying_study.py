@@ -89,29 +89,66 @@ comma-separated ``key=value`` (``+`` separates list items)::
     fixed_steps, limited_steps, limited_fraction, patience, eval_every
 """
 
-from lmhead.lm import configuration
-from lmhead.lm import data
-from lmhead.studies.tying import study
 from lmhead.lab import sweeps
+from lmhead.lm import configuration, data
+from lmhead.studies.tying import study
 
 PRESETS = {
-    "full": dict(base="nanogpt", stage="seeds", char=True, bpe=(512, 1024, 2048, 8192),
-                 arms=("a", "b", "c", "d"), regimes=("fixed", "limited"),
-                 lrs=(5e-4, 1e-3, 2e-3), extend=2, seeds=3, fixed_steps=1000,
-                 limited_steps=1000, limited_fraction=0.03, patience=3,
-                 eval_every=100),
-    "small": dict(base="nanogpt", stage="seeds", char=False, bpe=(2048,),
-                  arms=("a", "b", "c"), regimes=("limited",), lrs=(1e-3,), extend=0, seeds=3,
-                  fixed_steps=600, limited_steps=600, limited_fraction=0.03,
-                  patience=3, eval_every=50),
-    "tiny": dict(base="tiny", stage="seeds", char=True, bpe=(300,),
-                 arms=("a", "b", "c", "d"), regimes=("fixed", "limited"),
-                 lrs=(1e-3, 3e-3), extend=0, seeds=2, fixed_steps=20, limited_steps=40,
-                 limited_fraction=0.5, patience=2, eval_every=10),
+    "full": dict(
+        base="nanogpt",
+        stage="seeds",
+        char=True,
+        bpe=(512, 1024, 2048, 8192),
+        arms=("a", "b", "c", "d"),
+        regimes=("fixed", "limited"),
+        lrs=(5e-4, 1e-3, 2e-3),
+        extend=2,
+        seeds=3,
+        fixed_steps=1000,
+        limited_steps=1000,
+        limited_fraction=0.03,
+        patience=3,
+        eval_every=100,
+    ),
+    "small": dict(
+        base="nanogpt",
+        stage="seeds",
+        char=False,
+        bpe=(2048,),
+        arms=("a", "b", "c"),
+        regimes=("limited",),
+        lrs=(1e-3,),
+        extend=0,
+        seeds=3,
+        fixed_steps=600,
+        limited_steps=600,
+        limited_fraction=0.03,
+        patience=3,
+        eval_every=50,
+    ),
+    "tiny": dict(
+        base="tiny",
+        stage="seeds",
+        char=True,
+        bpe=(300,),
+        arms=("a", "b", "c", "d"),
+        regimes=("fixed", "limited"),
+        lrs=(1e-3, 3e-3),
+        extend=0,
+        seeds=2,
+        fixed_steps=20,
+        limited_steps=40,
+        limited_fraction=0.5,
+        patience=2,
+        eval_every=10,
+    ),
 }
 # The model each preset's base config argument gives (configs/default.py).
 BASE_MODELS = {
-    "nanogpt": (study.Shape(True, 128, 4, 512), study.Architecture(4, 64, use_bias=False)),
+    "nanogpt": (
+        study.Shape(True, 128, 4, 512),
+        study.Architecture(4, 64, use_bias=False),
+    ),
     "tiny": (study.Shape(True, 32, 1, 64), study.Architecture(2, 16, use_bias=True)),
 }
 EVAL_BATCHES = 8
@@ -122,8 +159,9 @@ def parse(arg: str | None) -> dict:
     first, _, rest = (arg or "").partition(",")
     if first and "=" not in first:
         if first not in PRESETS:
-            raise ValueError(f"Unknown preset {first!r}; the presets are "
-                             f"{', '.join(PRESETS)}.")
+            raise ValueError(
+                f"Unknown preset {first!r}; the presets are {', '.join(PRESETS)}."
+            )
         return sweeps.parse_arg(rest, PRESETS[first])
     return sweeps.parse_arg(arg, PRESETS["full"])
 
@@ -142,41 +180,64 @@ def get_study(arg=None) -> study.Design:
     args = parse(arg)
     if args["stage"] not in ("tune", "seeds"):
         raise ValueError(f"stage={args['stage']!r}: write stage=tune or stage=seeds.")
-    regimes = {"fixed": study.Regime("fixed", 1.0, args["fixed_steps"], 0),
-               "limited": study.Regime("limited", args["limited_fraction"],
-                                       args["limited_steps"], args["patience"])}
+    regimes = {
+        "fixed": study.Regime("fixed", 1.0, args["fixed_steps"], 0),
+        "limited": study.Regime(
+            "limited", args["limited_fraction"], args["limited_steps"], args["patience"]
+        ),
+    }
     unknown = set(args["regimes"]) - set(regimes) or set(args["arms"]) - set(study.ARMS)
     if unknown:
-        raise ValueError(f"Unknown regime or arm {sorted(unknown)}; regimes: fixed, "
-                         f"limited; arms: {', '.join(study.ARMS)}.")
+        raise ValueError(
+            f"Unknown regime or arm {sorted(unknown)}; regimes: fixed, "
+            f"limited; arms: {', '.join(study.ARMS)}."
+        )
     every = args["eval_every"]
-    shared = {"data.split": "works", "train.test_eval": True,
-              "train.eval_every": every, "train.log_every": every,
-              "train.checkpoint_every": 5 * every, "train.eval_batches": EVAL_BATCHES,
-              "train.eval_train_batches": EVAL_BATCHES,
-              # A diverging rate ends with a NaN loss, which is never chosen,
-              # instead of failing the stage.
-              "train.stop_on_nonfinite": False, "sample.num_samples": 0}
+    shared = {
+        "data.split": "works",
+        "train.test_eval": True,
+        "train.eval_every": every,
+        "train.log_every": every,
+        "train.checkpoint_every": 5 * every,
+        "train.eval_batches": EVAL_BATCHES,
+        "train.eval_train_batches": EVAL_BATCHES,
+        # A diverging rate ends with a NaN loss, which is never chosen,
+        # instead of failing the stage.
+        "train.stop_on_nonfinite": False,
+        "sample.num_samples": 0,
+    }
     base_shape, arch = BASE_MODELS[args["base"]]
     chosen_regimes = tuple(regimes[r] for r in args["regimes"])
     vocabularies = ((None,) if args["char"] else ()) + tuple(args["bpe"])
     return study.Design(
-        base=args["base"], shared=shared, regimes=chosen_regimes,
+        base=args["base"],
+        shared=shared,
+        regimes=chosen_regimes,
         vocabularies=vocabularies,
-        arms=tuple(args["arms"]), learning_rates=tuple(args["lrs"]),
-        seeds=tuple(range(args["seeds"])), base_shape=base_shape, arch=arch,
+        arms=tuple(args["arms"]),
+        learning_rates=tuple(args["lrs"]),
+        seeds=tuple(range(args["seeds"])),
+        base_shape=base_shape,
+        arch=arch,
         extend_edges=args["extend"],
-        vocab_sizes={(regime.name, vocab): vocab_size(args["base"], {
-            **shared, **regime.overrides(), **study.vocabulary_overrides(vocab)})
-            for regime in chosen_regimes for vocab in vocabularies})
+        vocab_sizes={
+            (regime.name, vocab): vocab_size(
+                args["base"],
+                {**shared, **regime.overrides(), **study.vocabulary_overrides(vocab)},
+            )
+            for regime in chosen_regimes
+            for vocab in vocabularies
+        },
+    )
 
 
 def get_sweep(arg=None, workdir=None):
     design = get_study(arg)
     if workdir is None:
         if parse(arg)["stage"] == "seeds":
-            raise ValueError("stage=seeds reads the tuning runs: it needs the sweep "
-                             "directory.")
+            raise ValueError(
+                "stage=seeds reads the tuning runs: it needs the sweep directory."
+            )
         runs = design.tuning_runs()  # the grid; its extensions need its results
     else:
         tuning = study.read_tuning(design, workdir)

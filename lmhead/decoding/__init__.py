@@ -46,24 +46,26 @@ needs only a ``decode`` method, not a tokenizer library).
 """
 
 from lmhead.decoding._loop import StepFn
-from lmhead.decoding.beam_search import PENALTIES
-from lmhead.decoding.beam_search import BeamState
-from lmhead.decoding.beam_search import beam_search
-from lmhead.decoding.beam_search import gather_rows
-from lmhead.decoding.beam_search import length_penalty_divisor
-from lmhead.decoding.processors import NEG_INF
-from lmhead.decoding.processors import NO_TOKEN
-from lmhead.decoding.processors import TOP_P_TOLERANCE
-from lmhead.decoding.processors import apply_min_new_tokens
-from lmhead.decoding.processors import apply_min_p
-from lmhead.decoding.processors import apply_no_repeat_ngram
-from lmhead.decoding.processors import apply_repetition_penalty
-from lmhead.decoding.processors import apply_suppress_tokens
-from lmhead.decoding.processors import apply_temperature
-from lmhead.decoding.processors import apply_top_k
-from lmhead.decoding.processors import apply_top_p
-from lmhead.decoding.processors import process_logits
-from lmhead.decoding.sampling import SamplingState
-from lmhead.decoding.sampling import generate
-from lmhead.decoding.text import TokenDecoder
-from lmhead.decoding.text import detokenize
+from lmhead.decoding.beam_search import (
+    PENALTIES,
+    BeamState,
+    beam_search,
+    gather_rows,
+    length_penalty_divisor,
+)
+from lmhead.decoding.processors import (
+    NEG_INF,
+    NO_TOKEN,
+    TOP_P_TOLERANCE,
+    apply_min_new_tokens,
+    apply_min_p,
+    apply_no_repeat_ngram,
+    apply_repetition_penalty,
+    apply_suppress_tokens,
+    apply_temperature,
+    apply_top_k,
+    apply_top_p,
+    process_logits,
+)
+from lmhead.decoding.sampling import SamplingState, generate
+from lmhead.decoding.text import TokenDecoder, detokenize

@@ -40,9 +40,9 @@ def _reorder(step_fn: StepFn, state: Any, rows: jax.Array) -> Any:
     return getattr(step_fn, "reorder", gather_rows)(state, rows)
 
 
-def length_penalty_divisor(length: jax.typing.ArrayLike,
-                           alpha: jax.typing.ArrayLike,
-                           penalty: str = "gnmt") -> jax.Array:
+def length_penalty_divisor(
+    length: jax.typing.ArrayLike, alpha: jax.typing.ArrayLike, penalty: str = "gnmt"
+) -> jax.Array:
     r"""The divisor of a hypothesis's summed log-probs in beam search.
 
     .. math::
@@ -96,6 +96,7 @@ class BeamState(NamedTuple):
             empty slot.
         finished_lengths: ``int32 [B, n]``, their lengths; 0 for an empty slot.
     """
+
     step: jax.Array
     logits: jax.Array
     model_state: Any
@@ -108,6 +109,7 @@ class BeamState(NamedTuple):
 
 class _BeamConfig(NamedTuple):
     """Static (hashable) settings of :func:`beam_search`."""
+
     num_beams: int
     num_return_sequences: int
     max_new_tokens: int
@@ -116,8 +118,9 @@ class _BeamConfig(NamedTuple):
     penalty: str
 
 
-def _append_to_parents(sequences: jax.Array, beam: jax.Array, token: jax.Array,
-            step: jax.Array) -> jax.Array:
+def _append_to_parents(
+    sequences: jax.Array, beam: jax.Array, token: jax.Array, step: jax.Array
+) -> jax.Array:
     """``sequences[b, beam[b, m]]`` with ``token[b, m]`` written at ``step``."""
     picked = jnp.take_along_axis(sequences, beam[..., None], axis=1)
     return picked.at[:, :, step].set(token)
@@ -138,90 +141,124 @@ def _beam_continues(s: BeamState, alpha: jax.Array, config: _BeamConfig) -> jax.
     num_new = config.max_new_tokens
     divisor = jnp.maximum(
         length_penalty_divisor(s.step + 1, alpha, config.penalty),
-        length_penalty_divisor(num_new, alpha, config.penalty))
+        length_penalty_divisor(num_new, alpha, config.penalty),
+    )
     best_possible = jnp.max(s.live_log_probs, axis=-1) / divisor
     can_improve = best_possible > s.finished_scores[:, -1]
     return (s.step < num_new) & jnp.any(can_improve)
 
 
-def _keep_best_finished(s: BeamState, scores: jax.Array, length: jax.Array,
-                        pad_id: int) -> dict[str, jax.Array]:
+def _keep_best_finished(
+    s: BeamState, scores: jax.Array, length: jax.Array, pad_id: int
+) -> dict[str, jax.Array]:
     """Merges hypotheses ending now (``scores [B, K*V]``, -inf if not) into the n-best."""
     num_kept = s.finished_scores.shape[1]
     vocab_size = s.logits.shape[-1]
     # Kept hypotheses come first, so on a tie lax.top_k prefers the older one.
     best_scores, best = jax.lax.top_k(
-        jnp.concatenate([s.finished_scores, scores], axis=1), num_kept)
+        jnp.concatenate([s.finished_scores, scores], axis=1), num_kept
+    )
     was_kept = best < num_kept
     old = jnp.minimum(best, num_kept - 1)
     new = jnp.maximum(best - num_kept, 0)
     tokens = jnp.where(
         was_kept[..., None],
         jnp.take_along_axis(s.finished_tokens, old[..., None], axis=1),
-        _append_to_parents(s.live_tokens, new // vocab_size, new % vocab_size, s.step))
-    lengths = jnp.where(was_kept,
-                        jnp.take_along_axis(s.finished_lengths, old, axis=1),
-                        length)
+        _append_to_parents(s.live_tokens, new // vocab_size, new % vocab_size, s.step),
+    )
+    lengths = jnp.where(
+        was_kept, jnp.take_along_axis(s.finished_lengths, old, axis=1), length
+    )
     empty = best_scores == NEG_INF
-    return dict(finished_tokens=jnp.where(empty[..., None], pad_id, tokens),
-                finished_scores=best_scores,
-                finished_lengths=jnp.where(empty, 0, lengths))
+    return dict(
+        finished_tokens=jnp.where(empty[..., None], pad_id, tokens),
+        finished_scores=best_scores,
+        finished_lengths=jnp.where(empty, 0, lengths),
+    )
 
 
-def _beam_step(s: BeamState, *, step_fn: StepFn, params: Any, alpha: jax.Array,
-               config: _BeamConfig) -> BeamState:
+def _beam_step(
+    s: BeamState, *, step_fn: StepFn, params: Any, alpha: jax.Array, config: _BeamConfig
+) -> BeamState:
     batch, num_beams, _ = s.live_tokens.shape
     vocab_size = s.logits.shape[-1]
     length = s.step + 1
     token_log_probs = jax.nn.log_softmax(s.logits, axis=-1)
     totals = s.live_log_probs[..., None] + token_log_probs.reshape(
-        batch, num_beams, vocab_size)
+        batch, num_beams, vocab_size
+    )
     is_eos = jnp.arange(vocab_size) == (-1 if config.eos_id is None else config.eos_id)
     # Every candidate ends at the last step, with or without EOS.
     ends_now = is_eos | (length == config.max_new_tokens)
     ending_scores = jnp.where(
-        ends_now, totals / length_penalty_divisor(length, alpha, config.penalty),
-        NEG_INF)
-    finished = _keep_best_finished(s, ending_scores.reshape(batch, -1), length,
-                                   config.pad_id)
+        ends_now,
+        totals / length_penalty_divisor(length, alpha, config.penalty),
+        NEG_INF,
+    )
+    finished = _keep_best_finished(
+        s, ending_scores.reshape(batch, -1), length, config.pad_id
+    )
     live_log_probs, best = jax.lax.top_k(
-        jnp.where(is_eos, NEG_INF, totals).reshape(batch, -1), num_beams)
+        jnp.where(is_eos, NEG_INF, totals).reshape(batch, -1), num_beams
+    )
     beam, token = best // vocab_size, best % vocab_size
-    new = s._replace(step=length, live_log_probs=live_log_probs,
-                     live_tokens=_append_to_parents(s.live_tokens, beam, token, s.step),
-                     **finished)
+    new = s._replace(
+        step=length,
+        live_log_probs=live_log_probs,
+        live_tokens=_append_to_parents(s.live_tokens, beam, token, s.step),
+        **finished,
+    )
     rows = (jnp.arange(batch)[:, None] * num_beams + beam).reshape(-1)
     model_state = _reorder(step_fn, s.model_state, rows)
     logits, model_state = _loop.maybe_step(
-        step_fn, params, _beam_continues(new, alpha, config), token.reshape(-1),
-        s.logits, model_state)
+        step_fn,
+        params,
+        _beam_continues(new, alpha, config),
+        token.reshape(-1),
+        s.logits,
+        model_state,
+    )
     return new._replace(logits=logits, model_state=model_state)
 
 
 @functools.partial(jax.jit, static_argnames=("step_fn", "config"))
-def _beam_loop(step_fn: StepFn, params: Any, logits: jax.Array, model_state: Any,
-               alpha: jax.Array, config: _BeamConfig):
+def _beam_loop(
+    step_fn: StepFn,
+    params: Any,
+    logits: jax.Array,
+    model_state: Any,
+    alpha: jax.Array,
+    config: _BeamConfig,
+):
     batch = logits.shape[0]
-    beams, kept, num_new = (config.num_beams, config.num_return_sequences,
-                            config.max_new_tokens)
+    beams, kept, num_new = (
+        config.num_beams,
+        config.num_return_sequences,
+        config.max_new_tokens,
+    )
     # The identity reorder first: a state may change its structure once there
     # (a model's cache adds its slot pointers), never inside the loop.
     # All beams start as the same empty hypothesis; only one may expand.
     first_only = jnp.where(jnp.arange(beams) == 0, 0.0, NEG_INF)
     init = BeamState(
-        step=jnp.zeros((), jnp.int32), logits=jnp.repeat(logits, beams, axis=0),
+        step=jnp.zeros((), jnp.int32),
+        logits=jnp.repeat(logits, beams, axis=0),
         model_state=_loop.repeat_rows(
-            step_fn, _reorder(step_fn, model_state, jnp.arange(batch)), beams),
+            step_fn, _reorder(step_fn, model_state, jnp.arange(batch)), beams
+        ),
         live_tokens=jnp.full((batch, beams, num_new), config.pad_id, jnp.int32),
         live_log_probs=jnp.broadcast_to(first_only, (batch, beams)),
         finished_tokens=jnp.full((batch, kept, num_new), config.pad_id, jnp.int32),
         finished_scores=jnp.full((batch, kept), NEG_INF, jnp.float32),
-        finished_lengths=jnp.zeros((batch, kept), jnp.int32))
+        finished_lengths=jnp.zeros((batch, kept), jnp.int32),
+    )
     final = jax.lax.while_loop(
         lambda s: _beam_continues(s, alpha, config),
-        lambda s: _beam_step(s, step_fn=step_fn, params=params, alpha=alpha,
-                             config=config),
-        init)
+        lambda s: _beam_step(
+            s, step_fn=step_fn, params=params, alpha=alpha, config=config
+        ),
+        init,
+    )
     return final.finished_tokens, final.finished_scores, final.finished_lengths
 
 
@@ -313,16 +350,22 @@ def beam_search(
     _loop.check_count("max_new_tokens", max_new_tokens)
     _loop.check_count("num_return_sequences", num_return_sequences)
     if num_return_sequences > num_beams:
-        raise ValueError(f"num_return_sequences must be <= num_beams = "
-                         f"{num_beams}; got {num_return_sequences}.")
+        raise ValueError(
+            f"num_return_sequences must be <= num_beams = "
+            f"{num_beams}; got {num_return_sequences}."
+        )
     _checks.check_choice("penalty", penalty, PENALTIES)
     _loop.check_token_id("eos_id", eos_id, vocab_size)
     if not _checks.is_traced(length_penalty) and not np.isfinite(length_penalty):
         raise ValueError(f"length_penalty must be finite; got {length_penalty}.")
     config = _BeamConfig(
-        num_beams=int(num_beams), num_return_sequences=int(num_return_sequences),
+        num_beams=int(num_beams),
+        num_return_sequences=int(num_return_sequences),
         max_new_tokens=int(max_new_tokens),
-        eos_id=None if eos_id is None else int(eos_id), pad_id=int(pad_id),
-        penalty=penalty)
-    return _beam_loop(step_fn, params, logits, state,
-                      jnp.asarray(length_penalty, jnp.float32), config)
+        eos_id=None if eos_id is None else int(eos_id),
+        pad_id=int(pad_id),
+        penalty=penalty,
+    )
+    return _beam_loop(
+        step_fn, params, logits, state, jnp.asarray(length_penalty, jnp.float32), config
+    )

@@ -33,6 +33,7 @@ TOP_P_TOLERANCE = 1e-6
 NO_TOKEN = -1
 PENALTIES = ("gnmt", "hf")
 
+
 def _as_logits(logits: jax.typing.ArrayLike, layout: str = "[..., V]") -> jax.Array:
     _checks.check_floating("logits", logits)
     ranks = 2 if layout == "[B, V]" else set(range(1, 64))
@@ -46,12 +47,15 @@ def _row_max(logits: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(row_max), row_max, 0.0)
 
 
-def _check_per_row(name: str, value: jax.typing.ArrayLike,
-                   rows: tuple[int, ...]) -> None:
+def _check_per_row(
+    name: str, value: jax.typing.ArrayLike, rows: tuple[int, ...]
+) -> None:
     """Raises ValueError unless the knob is a scalar or has shape ``rows``."""
     if np.shape(value) not in ((), tuple(rows)):
-        raise ValueError(f"{name} must be a scalar or have one value per row, shape "
-                         f"{tuple(rows)}; got shape {np.shape(value)}.")
+        raise ValueError(
+            f"{name} must be a scalar or have one value per row, shape "
+            f"{tuple(rows)}; got shape {np.shape(value)}."
+        )
 
 
 def _per_row(name: str, value: jax.typing.ArrayLike, logits: jax.Array) -> jax.Array:
@@ -71,8 +75,9 @@ def _order_keys(logits: jax.Array) -> jax.Array:
     return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
 
 
-def _smallest_key(holds: Callable[[jax.Array], jax.Array],
-                  shape: tuple[int, ...]) -> jax.Array:
+def _smallest_key(
+    holds: Callable[[jax.Array], jax.Array], shape: tuple[int, ...]
+) -> jax.Array:
     """Per row, the smallest uint32 ``K`` with ``holds(K)``, for ``holds``
     monotone in ``K`` (False, then True); ``2**32 - 1`` if it never holds.
 
@@ -81,18 +86,21 @@ def _smallest_key(holds: Callable[[jax.Array], jax.Array],
     a sort of a row costs far more than a few dozen vectorized passes (top-p
     at B = 32: 240 against 95 us at V = 84, 81 against 5 ms at V = 8192).
     """
+
     def halve(_, bounds):
         low, high = bounds
         middle = low + (high - low) // 2
         ok = holds(middle)
         return jnp.where(ok, low, middle + 1), jnp.where(ok, middle, high)
+
     low = jnp.zeros(shape, jnp.uint32)
     high = jnp.full(shape, np.iinfo(np.uint32).max, jnp.uint32)
     return jax.lax.fori_loop(0, 32, halve, (low, high))[0]
 
 
-def _keep_from_the_top(logits: jax.Array, weights: jax.Array,
-                       budget: jax.Array) -> jax.Array:
+def _keep_from_the_top(
+    logits: jax.Array, weights: jax.Array, budget: jax.Array
+) -> jax.Array:
     """``bool [..., V]``: the tokens, taken in a stable descending order of
     ``logits`` (ties towards the lower id), whose ``weights`` summed over the
     tokens before them are below ``budget [..., 1]``.
@@ -103,8 +111,9 @@ def _keep_from_the_top(logits: jax.Array, weights: jax.Array,
     the tokens tied at the cut are taken in id order.
     """
     keys = _order_keys(logits)
-    above = lambda cut: jnp.sum(jnp.where(keys > cut, weights, 0), axis=-1,
-                                keepdims=True)
+    above = lambda cut: jnp.sum(
+        jnp.where(keys > cut, weights, 0), axis=-1, keepdims=True
+    )
     cut = _smallest_key(lambda cut: above(cut) < budget, budget.shape)
     tied = jnp.where(keys == cut, weights, 0)
     tied_before = jnp.cumsum(tied, axis=-1) - tied
@@ -119,8 +128,9 @@ def _token_mask(ids: jax.Array, vocab_size: int) -> jax.Array:
     return mask.at[rows, jnp.where(valid, ids, vocab_size)].set(True, mode="drop")
 
 
-def apply_temperature(logits: jax.typing.ArrayLike,
-                      temperature: jax.typing.ArrayLike) -> jax.Array:
+def apply_temperature(
+    logits: jax.typing.ArrayLike, temperature: jax.typing.ArrayLike
+) -> jax.Array:
     r"""Divides logits by a temperature; ``T = 0`` leaves them as they are.
 
     .. math::
@@ -154,8 +164,9 @@ def apply_temperature(logits: jax.typing.ArrayLike,
     return jnp.where(positive, scaled, logits)
 
 
-def apply_top_k(logits: jax.typing.ArrayLike,
-                k: jax.typing.ArrayLike | None) -> jax.Array:
+def apply_top_k(
+    logits: jax.typing.ArrayLike, k: jax.typing.ArrayLike | None
+) -> jax.Array:
     r"""Keeps the ``k`` largest logits of each row and removes the rest.
 
     .. math::
@@ -189,13 +200,15 @@ def apply_top_k(logits: jax.typing.ArrayLike,
     _checks.check_in_range("top_k", k, low=0)
     k = _per_row("top_k", k, logits)
     budget = jnp.broadcast_to(k, logits.shape[:-1] + (1,)).astype(jnp.int32)
-    keep = (k <= 0) | _keep_from_the_top(logits, jnp.ones(logits.shape, jnp.int32),
-                                         budget)
+    keep = (k <= 0) | _keep_from_the_top(
+        logits, jnp.ones(logits.shape, jnp.int32), budget
+    )
     return jnp.where(keep, logits, NEG_INF)
 
 
-def apply_top_p(logits: jax.typing.ArrayLike,
-                p: jax.typing.ArrayLike | None) -> jax.Array:
+def apply_top_p(
+    logits: jax.typing.ArrayLike, p: jax.typing.ArrayLike | None
+) -> jax.Array:
     r"""Nucleus filter: keeps the smallest top set whose probability is >= p.
 
     With tokens in stable descending order :math:`\pi` and
@@ -243,8 +256,9 @@ def apply_top_p(logits: jax.typing.ArrayLike,
     return jnp.where(keep, logits, NEG_INF)
 
 
-def apply_min_p(logits: jax.typing.ArrayLike,
-                min_p: jax.typing.ArrayLike | None) -> jax.Array:
+def apply_min_p(
+    logits: jax.typing.ArrayLike, min_p: jax.typing.ArrayLike | None
+) -> jax.Array:
     r"""Keeps the tokens at least ``min_p`` times as likely as the most likely.
 
     .. math::
@@ -279,9 +293,11 @@ def apply_min_p(logits: jax.typing.ArrayLike,
     return jnp.where(keep, logits, NEG_INF)
 
 
-def apply_repetition_penalty(logits: jax.typing.ArrayLike,
-                             history: jax.typing.ArrayLike,
-                             penalty: jax.typing.ArrayLike | None) -> jax.Array:
+def apply_repetition_penalty(
+    logits: jax.typing.ArrayLike,
+    history: jax.typing.ArrayLike,
+    penalty: jax.typing.ArrayLike | None,
+) -> jax.Array:
     r"""Makes every token already in the history less likely (CTRL, Hugging Face).
 
     .. math::
@@ -320,9 +336,9 @@ def apply_repetition_penalty(logits: jax.typing.ArrayLike,
     return jnp.where(_token_mask(history, logits.shape[-1]), penalized, logits)
 
 
-def apply_no_repeat_ngram(logits: jax.typing.ArrayLike,
-                          history: jax.typing.ArrayLike,
-                          ngram_size: int | None) -> jax.Array:
+def apply_no_repeat_ngram(
+    logits: jax.typing.ArrayLike, history: jax.typing.ArrayLike, ngram_size: int | None
+) -> jax.Array:
     r"""Removes every token that would repeat an n-gram of the history.
 
     With history :math:`x_1 \dots x_L`, token ``t`` is removed when
@@ -350,22 +366,24 @@ def apply_no_repeat_ngram(logits: jax.typing.ArrayLike,
         return logits
     if not isinstance(ngram_size, (int, np.integer)) or ngram_size < 1:
         raise ValueError(
-            f"no_repeat_ngram_size must be an integer >= 1; got {ngram_size!r}.")
+            f"no_repeat_ngram_size must be an integer >= 1; got {ngram_size!r}."
+        )
     history = _as_history(history, logits.shape[0])
     n, length = int(ngram_size), history.shape[1]
     if length < n:
         return logits
-    windows = jnp.stack([history[:, i:length - n + 1 + i] for i in range(n)], -1)
-    prefix = history[:, length - n + 1:]
-    match = (jnp.all(windows[..., :-1] == prefix[:, None, :], axis=-1)
-             & jnp.all(windows >= 0, axis=-1))
-    banned = _token_mask(jnp.where(match, windows[..., -1], NO_TOKEN),
-                         logits.shape[-1])
+    windows = jnp.stack([history[:, i : length - n + 1 + i] for i in range(n)], -1)
+    prefix = history[:, length - n + 1 :]
+    match = jnp.all(windows[..., :-1] == prefix[:, None, :], axis=-1) & jnp.all(
+        windows >= 0, axis=-1
+    )
+    banned = _token_mask(jnp.where(match, windows[..., -1], NO_TOKEN), logits.shape[-1])
     return jnp.where(banned, NEG_INF, logits)
 
 
-def apply_suppress_tokens(logits: jax.typing.ArrayLike,
-                          token_ids: Sequence[int] | None) -> jax.Array:
+def apply_suppress_tokens(
+    logits: jax.typing.ArrayLike, token_ids: Sequence[int] | None
+) -> jax.Array:
     r"""Removes the given token ids: :math:`z'_i = -\infty` for ``i`` in the set.
 
     Args:
@@ -383,15 +401,19 @@ def apply_suppress_tokens(logits: jax.typing.ArrayLike,
     logits = _as_logits(logits)
     if token_ids is None or len(token_ids) == 0:
         return logits
-    _checks.check_in_range("suppress_tokens", np.asarray(token_ids), low=0,
-                           high=logits.shape[-1] - 1)
+    _checks.check_in_range(
+        "suppress_tokens", np.asarray(token_ids), low=0, high=logits.shape[-1] - 1
+    )
     return logits.at[..., jnp.asarray(token_ids, jnp.int32)].set(NEG_INF)
 
 
-def apply_min_new_tokens(logits: jax.typing.ArrayLike,
-                         num_generated: jax.typing.ArrayLike, *,
-                         min_new_tokens: jax.typing.ArrayLike,
-                         eos_id: int | None) -> jax.Array:
+def apply_min_new_tokens(
+    logits: jax.typing.ArrayLike,
+    num_generated: jax.typing.ArrayLike,
+    *,
+    min_new_tokens: jax.typing.ArrayLike,
+    eos_id: int | None,
+) -> jax.Array:
     r"""Removes EOS while fewer than ``min_new_tokens`` tokens have been made.
 
     .. math::
@@ -427,8 +449,10 @@ def _as_history(history: jax.typing.ArrayLike, batch: int) -> jax.Array:
     _checks.check_integer("history", history)
     _checks.check_rank("history", history, 2, "[B, L]")
     if jnp.shape(history)[0] != batch:
-        raise ValueError(f"history must have shape [B, L] with B = {batch}; "
-                         f"got {jnp.shape(history)}.")
+        raise ValueError(
+            f"history must have shape [B, L] with B = {batch}; "
+            f"got {jnp.shape(history)}."
+        )
     return jnp.asarray(history, jnp.int32)
 
 
@@ -482,15 +506,19 @@ def process_logits(
         Array([[  0., -inf, -inf, -inf]], dtype=float32)
     """
     raw = _as_logits(logits, "[B, V]")
-    if history is None and (repetition_penalty is not None
-                            or no_repeat_ngram_size is not None):
-        raise ValueError("history is required by repetition_penalty and "
-                         "no_repeat_ngram_size; got None.")
+    if history is None and (
+        repetition_penalty is not None or no_repeat_ngram_size is not None
+    ):
+        raise ValueError(
+            "history is required by repetition_penalty and "
+            "no_repeat_ngram_size; got None."
+        )
     z = apply_repetition_penalty(raw, history, repetition_penalty)
     z = apply_no_repeat_ngram(z, history, no_repeat_ngram_size)
     z = apply_suppress_tokens(z, suppress_tokens)
-    z = apply_min_new_tokens(z, num_generated, min_new_tokens=min_new_tokens,
-                             eos_id=eos_id)
+    z = apply_min_new_tokens(
+        z, num_generated, min_new_tokens=min_new_tokens, eos_id=eos_id
+    )
     z = apply_temperature(z, temperature)
     z = apply_min_p(apply_top_p(apply_top_k(z, top_k), top_p), min_p)
     all_removed = jnp.all(z == NEG_INF, axis=-1, keepdims=True)

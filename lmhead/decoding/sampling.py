@@ -8,9 +8,14 @@ import jax.numpy as jnp
 
 from lmhead import _checks
 from lmhead.decoding import _loop
-from lmhead.decoding.processors import (NEG_INF, NO_TOKEN, _as_logits,
-                                        _check_per_row, process_logits)
 from lmhead.decoding._loop import StepFn
+from lmhead.decoding.processors import (
+    NEG_INF,
+    NO_TOKEN,
+    _as_logits,
+    _check_per_row,
+    process_logits,
+)
 
 
 class SamplingState(NamedTuple):
@@ -33,6 +38,7 @@ class SamplingState(NamedTuple):
         history: ``int32 [B, H]``, prompt then generated tokens, latest last,
             ``NO_TOKEN`` on the left; None when no processor reads it.
     """
+
     step: jax.Array
     logits: jax.Array
     model_state: Any
@@ -46,6 +52,7 @@ class SamplingState(NamedTuple):
 
 class _SamplingKnobs(NamedTuple):
     """Traced values; a None turns its processor off, which is static."""
+
     temperature: jax.Array
     top_k: jax.Array | None
     top_p: jax.Array | None
@@ -56,6 +63,7 @@ class _SamplingKnobs(NamedTuple):
 
 class _SamplingConfig(NamedTuple):
     """Static (hashable) settings of :func:`generate`."""
+
     max_new_tokens: int
     no_repeat_ngram_size: int | None
     suppress_tokens: tuple[int, ...] | None
@@ -63,8 +71,9 @@ class _SamplingConfig(NamedTuple):
     pad_id: int
 
 
-def _choose_tokens(key: jax.Array, processed: jax.Array,
-                   temperature: jax.Array) -> jax.Array:
+def _choose_tokens(
+    key: jax.Array, processed: jax.Array, temperature: jax.Array
+) -> jax.Array:
     """A draw from softmax(processed), or its argmax when ``temperature == 0``."""
     sampled = jax.random.categorical(key, processed, axis=-1)
     greedy = jnp.argmax(processed, axis=-1)
@@ -77,24 +86,38 @@ def _sampling_continues(s: SamplingState) -> jax.Array:
 
 def _not_finite(logits: jax.Array) -> jax.Array:
     """``bool [B]``: the row has a NaN or ``+inf`` logit, or no finite one."""
-    return (jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1)
-            | jnp.all(logits == NEG_INF, axis=-1))
+    return jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1) | jnp.all(
+        logits == NEG_INF, axis=-1
+    )
 
 
-def _sampling_step(s: SamplingState, *, step_fn: StepFn, params: Any,
-                   knobs: _SamplingKnobs, config: _SamplingConfig) -> SamplingState:
+def _sampling_step(
+    s: SamplingState,
+    *,
+    step_fn: StepFn,
+    params: Any,
+    knobs: _SamplingKnobs,
+    config: _SamplingConfig,
+) -> SamplingState:
     processed = process_logits(
-        s.logits, temperature=knobs.temperature, top_k=knobs.top_k,
-        top_p=knobs.top_p, min_p=knobs.min_p,
+        s.logits,
+        temperature=knobs.temperature,
+        top_k=knobs.top_k,
+        top_p=knobs.top_p,
+        min_p=knobs.min_p,
         repetition_penalty=knobs.repetition_penalty,
-        no_repeat_ngram_size=config.no_repeat_ngram_size, history=s.history,
+        no_repeat_ngram_size=config.no_repeat_ngram_size,
+        history=s.history,
         suppress_tokens=config.suppress_tokens,
-        min_new_tokens=knobs.min_new_tokens, num_generated=s.step,
-        eos_id=config.eos_id)
+        min_new_tokens=knobs.min_new_tokens,
+        num_generated=s.step,
+        eos_id=config.eos_id,
+    )
     key, sample_key = jax.random.split(s.key)
     token = _choose_tokens(sample_key, processed, knobs.temperature)
-    log_prob = jnp.take_along_axis(jax.nn.log_softmax(processed, axis=-1),
-                                   token[:, None], axis=-1)[:, 0]
+    log_prob = jnp.take_along_axis(
+        jax.nn.log_softmax(processed, axis=-1), token[:, None], axis=-1
+    )[:, 0]
     bad = _not_finite(s.logits) & ~s.finished
     token = jnp.where(s.finished | bad, config.pad_id, token)
     log_prob = jnp.where(s.finished, 0.0, jnp.where(bad, NEG_INF, log_prob))
@@ -105,29 +128,49 @@ def _sampling_step(s: SamplingState, *, step_fn: StepFn, params: Any,
     if history is not None:
         history = jnp.concatenate([history[:, 1:], token[:, None]], axis=1)
     new = SamplingState(
-        step=s.step + 1, logits=s.logits, model_state=s.model_state, key=key,
+        step=s.step + 1,
+        logits=s.logits,
+        model_state=s.model_state,
+        key=key,
         tokens=s.tokens.at[:, s.step].set(token),
-        log_probs=s.log_probs.at[:, s.step].set(log_prob), finished=finished,
-        lengths=s.lengths + (~s.finished & ~bad).astype(jnp.int32), history=history)
-    logits, model_state = _loop.maybe_step(step_fn, params, _sampling_continues(new),
-                                           token, s.logits, s.model_state)
+        log_probs=s.log_probs.at[:, s.step].set(log_prob),
+        finished=finished,
+        lengths=s.lengths + (~s.finished & ~bad).astype(jnp.int32),
+        history=history,
+    )
+    logits, model_state = _loop.maybe_step(
+        step_fn, params, _sampling_continues(new), token, s.logits, s.model_state
+    )
     return new._replace(logits=logits, model_state=model_state)
 
 
-def _run_sampling_loop(step_fn: StepFn, params: Any, logits: jax.Array,
-                       model_state: Any, key: jax.Array, history: jax.Array | None,
-                       knobs: _SamplingKnobs, config: _SamplingConfig):
+def _run_sampling_loop(
+    step_fn: StepFn,
+    params: Any,
+    logits: jax.Array,
+    model_state: Any,
+    key: jax.Array,
+    history: jax.Array | None,
+    knobs: _SamplingKnobs,
+    config: _SamplingConfig,
+):
     """Tokens, log-probs, lengths, and the final model state (returned so that
     a donated state's buffers can alias it and be updated in place)."""
     batch, num_new = logits.shape[0], config.max_new_tokens
     init = SamplingState(
-        step=jnp.zeros((), jnp.int32), logits=logits, model_state=model_state,
-        key=key, tokens=jnp.full((batch, num_new), config.pad_id, jnp.int32),
+        step=jnp.zeros((), jnp.int32),
+        logits=logits,
+        model_state=model_state,
+        key=key,
+        tokens=jnp.full((batch, num_new), config.pad_id, jnp.int32),
         log_probs=jnp.zeros((batch, num_new), jnp.float32),
         finished=jnp.zeros((batch,), bool),
-        lengths=jnp.zeros((batch,), jnp.int32), history=history)
-    body = lambda s: _sampling_step(s, step_fn=step_fn, params=params, knobs=knobs,
-                                    config=config)
+        lengths=jnp.zeros((batch,), jnp.int32),
+        history=history,
+    )
+    body = lambda s: _sampling_step(
+        s, step_fn=step_fn, params=params, knobs=knobs, config=config
+    )
     final = jax.lax.while_loop(_sampling_continues, body, init)
     return final.tokens, final.log_probs, final.lengths, final.model_state
 
@@ -136,16 +179,22 @@ _STATIC = ("step_fn", "config")
 _sampling_loop = jax.jit(_run_sampling_loop, static_argnames=_STATIC)
 # Without donation the loop must first copy the caller's state into buffers
 # it may write: for a key/value cache, a cost that follows its capacity.
-_donating_sampling_loop = jax.jit(_run_sampling_loop, static_argnames=_STATIC,
-                                  donate_argnames="model_state")
+_donating_sampling_loop = jax.jit(
+    _run_sampling_loop, static_argnames=_STATIC, donate_argnames="model_state"
+)
 
 
-def _sampling_knobs(batch, temperature, top_k, top_p, min_p, repetition_penalty,
-                    min_new_tokens) -> _SamplingKnobs:
+def _sampling_knobs(
+    batch, temperature, top_k, top_p, min_p, repetition_penalty, min_new_tokens
+) -> _SamplingKnobs:
     """Checks the traced values (their shapes always, their values when
     concrete) and fixes their dtypes."""
-    for name, knob in (("temperature", temperature), ("top_k", top_k),
-                       ("top_p", top_p), ("min_p", min_p)):
+    for name, knob in (
+        ("temperature", temperature),
+        ("top_k", top_k),
+        ("top_p", top_p),
+        ("min_p", min_p),
+    ):
         _check_per_row(name, knob, (batch,))
     _checks.check_in_range("temperature", temperature, low=0.0)
     if top_k is not None:
@@ -153,20 +202,27 @@ def _sampling_knobs(batch, temperature, top_k, top_p, min_p, repetition_penalty,
     _checks.check_in_range("top_k", top_k, low=0)
     _checks.check_in_range("top_p", top_p, low=0.0, high=1.0, low_open=True)
     _checks.check_in_range("min_p", min_p, low=0.0, high=1.0)
-    _checks.check_in_range("repetition_penalty", repetition_penalty, low=0.0,
-                           low_open=True)
+    _checks.check_in_range(
+        "repetition_penalty", repetition_penalty, low=0.0, low_open=True
+    )
     _checks.check_in_range("min_new_tokens", min_new_tokens, low=0)
     as_array = lambda x, dtype: None if x is None else jnp.asarray(x, dtype)
     return _SamplingKnobs(
         temperature=as_array(temperature, jnp.float32),
-        top_k=as_array(top_k, jnp.int32), top_p=as_array(top_p, jnp.float32),
+        top_k=as_array(top_k, jnp.int32),
+        top_p=as_array(top_p, jnp.float32),
         min_p=as_array(min_p, jnp.float32),
         repetition_penalty=as_array(repetition_penalty, jnp.float32),
-        min_new_tokens=as_array(min_new_tokens, jnp.int32))
+        min_new_tokens=as_array(min_new_tokens, jnp.int32),
+    )
 
 
-def _initial_history(prompt_tokens: jax.typing.ArrayLike | None, batch: int,
-                     vocab_size: int, max_new_tokens: int) -> jax.Array:
+def _initial_history(
+    prompt_tokens: jax.typing.ArrayLike | None,
+    batch: int,
+    vocab_size: int,
+    max_new_tokens: int,
+) -> jax.Array:
     """``int32 [B, P + N - 1]``: the prompt right-aligned, ``NO_TOKEN`` before it."""
     if prompt_tokens is None:
         prompt = jnp.zeros((batch, 0), jnp.int32)
@@ -174,14 +230,17 @@ def _initial_history(prompt_tokens: jax.typing.ArrayLike | None, batch: int,
         _checks.check_integer("prompt_tokens", prompt_tokens)
         _checks.check_rank("prompt_tokens", prompt_tokens, 2, "[B, P]")
         if jnp.shape(prompt_tokens)[0] != batch:
-            raise ValueError(f"prompt_tokens must have shape [B, P] with B = "
-                             f"{batch}; got {jnp.shape(prompt_tokens)}.")
+            raise ValueError(
+                f"prompt_tokens must have shape [B, P] with B = "
+                f"{batch}; got {jnp.shape(prompt_tokens)}."
+            )
         _checks.check_in_range("prompt_tokens", prompt_tokens, high=vocab_size - 1)
         prompt = jnp.asarray(prompt_tokens, jnp.int32)
     # Padding (negative ids) moves to the left, so that the prompt's tokens
     # and the generated ones form one contiguous sequence for the n-grams.
     prompt = jnp.take_along_axis(
-        prompt, jnp.argsort(prompt >= 0, axis=1, stable=True), axis=1)
+        prompt, jnp.argsort(prompt >= 0, axis=1, stable=True), axis=1
+    )
     prompt = jnp.where(prompt >= 0, prompt, NO_TOKEN)
     empty = jnp.full((batch, max_new_tokens - 1), NO_TOKEN, jnp.int32)
     return jnp.concatenate([empty, prompt], axis=1)
@@ -299,8 +358,9 @@ def generate(
     _loop.check_state(state, batch)
     _loop.check_count("max_new_tokens", max_new_tokens)
     _loop.check_count("num_samples", num_samples)
-    knobs = _sampling_knobs(batch, temperature, top_k, top_p, min_p, repetition_penalty,
-                            min_new_tokens)
+    knobs = _sampling_knobs(
+        batch, temperature, top_k, top_p, min_p, repetition_penalty, min_new_tokens
+    )
     if no_repeat_ngram_size is not None:
         _loop.check_count("no_repeat_ngram_size", no_repeat_ngram_size)
     _loop.check_token_id("eos_id", eos_id, vocab_size)
@@ -318,11 +378,15 @@ def generate(
         knobs = jax.tree.map(lambda x: repeat(x) if x.ndim else x, knobs)
     config = _SamplingConfig(
         max_new_tokens=int(max_new_tokens),
-        no_repeat_ngram_size=(None if no_repeat_ngram_size is None
-                              else int(no_repeat_ngram_size)),
+        no_repeat_ngram_size=(
+            None if no_repeat_ngram_size is None else int(no_repeat_ngram_size)
+        ),
         suppress_tokens=suppress_tokens,
-        eos_id=None if eos_id is None else int(eos_id), pad_id=int(pad_id))
+        eos_id=None if eos_id is None else int(eos_id),
+        pad_id=int(pad_id),
+    )
     # The repeated state of num_samples > 1 is the loop's own to write.
-    loop = (_donating_sampling_loop if donate_state or num_samples > 1
-            else _sampling_loop)
+    loop = (
+        _donating_sampling_loop if donate_state or num_samples > 1 else _sampling_loop
+    )
     return loop(step_fn, params, logits, state, key, history, knobs, config)[:3]

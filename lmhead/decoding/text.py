@@ -21,9 +21,13 @@ class TokenDecoder(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
-def detokenize(ids: npt.ArrayLike, tokenizer: TokenDecoder, *,
-               eos_id: int | None = None,
-               pad_id: int | None = None) -> str | list:
+def detokenize(
+    ids: npt.ArrayLike,
+    tokenizer: TokenDecoder,
+    *,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+) -> str | list:
     """Token ids to text: each row is cut before its first EOS, then decoded.
 
     Args:
@@ -46,19 +50,20 @@ def detokenize(ids: npt.ArrayLike, tokenizer: TokenDecoder, *,
         ['ab', 'cccc']
     """
     if not callable(getattr(tokenizer, "decode", None)):
-        raise TypeError("tokenizer must have a decode(ids: list[int]) -> str "
-                        f"method; got {type(tokenizer).__name__}.")
+        raise TypeError(
+            "tokenizer must have a decode(ids: list[int]) -> str "
+            f"method; got {type(tokenizer).__name__}."
+        )
     ids = np.asarray(ids)
     if ids.ndim == 0:
         raise ValueError(f"ids must have shape [..., N]; got shape {ids.shape}.")
     if ids.size:
         _checks.check_integer("ids", ids)
     if ids.ndim > 1:
-        return [detokenize(row, tokenizer, eos_id=eos_id, pad_id=pad_id)
-                for row in ids]
+        return [detokenize(row, tokenizer, eos_id=eos_id, pad_id=pad_id) for row in ids]
     row = ids.tolist()
     if eos_id is not None and eos_id in row:
-        row = row[:row.index(eos_id)]
+        row = row[: row.index(eos_id)]
     if pad_id is not None:
         row = [i for i in row if i != pad_id]
     return tokenizer.decode(row)

@@ -8,7 +8,8 @@ causes in both (the data order and the initialisation).
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from scipy import stats as scipy_stats
 
@@ -56,6 +57,7 @@ class PairedDifference:
         n: number of pairs.
         low, high: ``mean -+ t(0.975; n-1) * std / sqrt(n)`` (NaN for n < 2).
     """
+
     mean: float
     std: float
     n: int

@@ -30,7 +30,8 @@ import itertools
 import json
 import os
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from lmhead.lm.configuration import flatten, load_module
 
@@ -94,9 +95,13 @@ def _merge(entries: Sequence[Overrides]) -> Overrides:
     merged = {}
     for entry in entries:
         if not isinstance(entry, dict):
-            raise TypeError(f"An axis entry must be a dict of overrides; got {entry!r}.")
+            raise TypeError(
+                f"An axis entry must be a dict of overrides; got {entry!r}."
+            )
         for key in entry.keys() & merged.keys():
-            raise ValueError(f"Two axes both set {key!r}; each key belongs to one axis.")
+            raise ValueError(
+                f"Two axes both set {key!r}; each key belongs to one axis."
+            )
         merged.update(entry)
     return merged
 
@@ -118,8 +123,9 @@ def parse_arg(arg: str | None, defaults: dict[str, Any]) -> dict[str, Any]:
         key, sep, text = item.partition("=")
         if key not in defaults or not sep:
             allowed = ", ".join(f"{k}={v!r}" for k, v in defaults.items())
-            raise ValueError(f"Sweep argument {item!r}: write key=value with a key "
-                             f"among: {allowed}.")
+            raise ValueError(
+                f"Sweep argument {item!r}: write key=value with a key among: {allowed}."
+            )
         values[key] = _parse_value(key, text, defaults[key])
     return values
 
@@ -135,12 +141,14 @@ def _parse_value(key: str, text: str, default: Any) -> Any:
     try:
         return type(default)(text)
     except ValueError as e:
-        raise ValueError(f"Sweep argument {key}={text!r}: expected "
-                         f"{type(default).__name__}.") from e
+        raise ValueError(
+            f"Sweep argument {key}={text!r}: expected {type(default).__name__}."
+        ) from e
 
 
-def load_sweep(spec: str, workdir: str | None = None
-               ) -> tuple[str, list[Overrides], Overrides]:
+def load_sweep(
+    spec: str, workdir: str | None = None
+) -> tuple[str, list[Overrides], Overrides]:
     """Runs ``get_sweep(arg)`` of the sweep file ``spec = "path.py[:arg]"``.
 
     Args:
@@ -161,14 +169,21 @@ def load_sweep(spec: str, workdir: str | None = None
     else:
         result = module.get_sweep(arg or None)
     base, overrides, shared = (*result, {}) if len(result) == 2 else result
-    if not isinstance(base, str) or not overrides or not all(
-            isinstance(o, dict) for o in overrides) or not isinstance(shared, dict):
-        raise ValueError(f"get_sweep in {path!r} must return (config argument "
-                         "string, non-empty list of override dicts[, dict of "
-                         "shared overrides]).")
+    if (
+        not isinstance(base, str)
+        or not overrides
+        or not all(isinstance(o, dict) for o in overrides)
+        or not isinstance(shared, dict)
+    ):
+        raise ValueError(
+            f"get_sweep in {path!r} must return (config argument "
+            "string, non-empty list of override dicts[, dict of "
+            "shared overrides])."
+        )
     for key in shared.keys() & set().union(*overrides):
-        raise ValueError(f"get_sweep in {path!r} sets {key!r} both per run and "
-                         "for every run.")
+        raise ValueError(
+            f"get_sweep in {path!r} sets {key!r} both per run and for every run."
+        )
     return base, list(overrides), shared
 
 
@@ -224,7 +239,7 @@ def _run_name(overrides: Overrides, shorten: bool) -> str:
     name = re.sub(r"[^A-Za-z0-9._+=,-]", "_", ",".join(parts)) or "base"
     if len(name) > MAX_NAME_LENGTH:
         digest = hashlib.sha1(name.encode()).hexdigest()[:10]
-        name = f"{name[:MAX_NAME_LENGTH - 11]}-{digest}"
+        name = f"{name[: MAX_NAME_LENGTH - 11]}-{digest}"
     return name
 
 
@@ -241,16 +256,25 @@ def override_flags(overrides: Overrides) -> list[str]:
     flags = []
     for key, value in overrides.items():
         if value is None:
-            raise ValueError(f"Override {key}=None: a command-line flag cannot set "
-                             "None; leave the key out of the run's overrides.")
+            raise ValueError(
+                f"Override {key}=None: a command-line flag cannot set "
+                "None; leave the key out of the run's overrides."
+            )
         text = repr(value) if isinstance(value, (float, tuple, list)) else str(value)
         flags.append(f"--config.{key}={text}")
     return flags
 
 
-def train_command(base: str, workdir: str, overrides: Overrides, *,
-                  python: str, script: str, config_file: str,
-                  shared: Overrides | None = None) -> list[str]:
+def train_command(
+    base: str,
+    workdir: str,
+    overrides: Overrides,
+    *,
+    python: str,
+    script: str,
+    config_file: str,
+    shared: Overrides | None = None,
+) -> list[str]:
     """The argv of one run: ``python script --config=FILE:BASE --workdir=DIR``,
     then the ``shared`` overrides and the run's own.
 
@@ -262,8 +286,13 @@ def train_command(base: str, workdir: str, overrides: Overrides, *,
          '--workdir=runs/s/tied=False', '--config.model.tied=False']
     """
     config = f"{config_file}:{base}" if base else config_file
-    return [python, script, f"--config={config}", f"--workdir={workdir}",
-            *override_flags({**(shared or {}), **overrides})]
+    return [
+        python,
+        script,
+        f"--config={config}",
+        f"--workdir={workdir}",
+        *override_flags({**(shared or {}), **overrides}),
+    ]
 
 
 # --- Reading runs -------------------------------------------------------------
@@ -289,6 +318,7 @@ class Run:
         interval: that process's start and end, in seconds since the epoch,
             when the runner recorded them.
     """
+
     name: str
     workdir: str
     overrides: Overrides
@@ -350,8 +380,11 @@ def read_run(workdir: str, overrides: Overrides | None = None) -> Run:
     summary = _read_json(os.path.join(workdir, "summary.json"))
     status_record = _read_json(os.path.join(workdir, STATUS_FILE))
     returncode = status_record["returncode"] if status_record else None
-    interval = ((status_record["started"], status_record["ended"])
-                if status_record and "started" in status_record else None)
+    interval = (
+        (status_record["started"], status_record["ended"])
+        if status_record and "started" in status_record
+        else None
+    )
     if summary is not None:
         status = "finished"
     elif returncode is not None:
@@ -360,9 +393,17 @@ def read_run(workdir: str, overrides: Overrides | None = None) -> Run:
         status = "unfinished"
     else:
         status = "not started"
-    return Run(os.path.basename(os.path.normpath(workdir)), workdir,
-               dict(overrides or {}), config, metrics, summary, status, returncode,
-               interval)
+    return Run(
+        os.path.basename(os.path.normpath(workdir)),
+        workdir,
+        dict(overrides or {}),
+        config,
+        metrics,
+        summary,
+        status,
+        returncode,
+        interval,
+    )
 
 
 def read_sweep_record(sweep_dir: str) -> dict:
@@ -380,13 +421,16 @@ def read_sweep(sweep_dir: str) -> list[Run]:
     overrides the config values that differ between runs.
     """
     listed = read_sweep_record(sweep_dir).get("runs", [])
-    runs = [read_run(os.path.join(sweep_dir, r["name"]), r["overrides"])
-            for r in listed]
+    runs = [
+        read_run(os.path.join(sweep_dir, r["name"]), r["overrides"]) for r in listed
+    ]
     known = {r["name"] for r in listed}
-    others = [read_run(os.path.join(sweep_dir, name))
-              for name in sorted(os.listdir(sweep_dir))
-              if name not in known and os.path.isfile(
-                  os.path.join(sweep_dir, name, "config.json"))]
+    others = [
+        read_run(os.path.join(sweep_dir, name))
+        for name in sorted(os.listdir(sweep_dir))
+        if name not in known
+        and os.path.isfile(os.path.join(sweep_dir, name, "config.json"))
+    ]
     flat_configs = [flatten(r.config) for r in runs + others if r.config]
     for run in others:
         flat = flatten(run.config)
@@ -402,8 +446,11 @@ def varying_keys(flat_configs: Sequence[dict[str, Any]]) -> list[str]:
         ['b']
     """
     keys = sorted(set().union(*flat_configs)) if flat_configs else []
-    return [k for k in keys
-            if len({json.dumps(c.get(k), sort_keys=True) for c in flat_configs}) > 1]
+    return [
+        k
+        for k in keys
+        if len({json.dumps(c.get(k), sort_keys=True) for c in flat_configs}) > 1
+    ]
 
 
 def is_seed_key(key: str) -> bool:
@@ -428,8 +475,11 @@ def group_runs(runs: Sequence[Run], drop: Sequence[str] = ()) -> list[list[Run]]
     """
     groups: dict[str, list[Run]] = {}
     for run in runs:
-        setting = {k: v for k, v in run.overrides.items()
-                   if not is_seed_key(k) and k not in drop}
+        setting = {
+            k: v
+            for k, v in run.overrides.items()
+            if not is_seed_key(k) and k not in drop
+        }
         groups.setdefault(json.dumps(setting, sort_keys=True), []).append(run)
     return list(groups.values())
 

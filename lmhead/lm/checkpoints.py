@@ -31,9 +31,9 @@ CORRUPT_CHECKPOINTS = "corrupt_checkpoints"
 BEST_CHECKPOINT = "best_checkpoint"
 
 
-def checkpoint_manager(workdir: str, folder: str = "checkpoints",
-                       max_to_keep: int = CHECKPOINTS_TO_KEEP
-                       ) -> ocp.CheckpointManager:
+def checkpoint_manager(
+    workdir: str, folder: str = "checkpoints", max_to_keep: int = CHECKPOINTS_TO_KEEP
+) -> ocp.CheckpointManager:
     """Synchronous orbax manager of ``workdir/folder``; the newest
     ``max_to_keep`` steps are kept.
 
@@ -45,8 +45,9 @@ def checkpoint_manager(workdir: str, folder: str = "checkpoints",
         os.path.abspath(os.path.join(workdir, folder)),
         item_handlers=ocp.StandardCheckpointHandler(),
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=True,
-            enable_async_checkpointing=False))
+            max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
+        ),
+    )
 
 
 def best_checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
@@ -74,44 +75,55 @@ def restore_newest(manager: ocp.CheckpointManager, target: Any) -> Any | None:
     for step in sorted(manager.all_steps(), reverse=True):
         try:
             metadata = manager.item_metadata(step)
-        except Exception as e:  # noqa: BLE001 -- any unreadable file
+        except Exception as e:  # any unreadable file
             failures.append((step, e))
             continue
         _check_checkpoint_fits(metadata, target, step, manager.directory)
         try:
             state = manager.restore(step, args=ocp.args.StandardRestore(target))
-        except Exception as e:  # noqa: BLE001 -- tensorstore raises several kinds
+        except Exception as e:  # tensorstore raises several kinds
             failures.append((step, e))
             continue
         _set_aside(manager, failures)
         return state
     if failures:
         raise RuntimeError(
-            f"No checkpoint in {manager.directory} restores: " + "; ".join(
+            f"No checkpoint in {manager.directory} restores: "
+            + "; ".join(
                 f"step {step}: {type(e).__name__}: {str(e)[:200]}"
-                for step, e in failures))
+                for step, e in failures
+            )
+        )
     return None
 
 
 def _check_checkpoint_fits(metadata, target, step, directory) -> None:
     """ValueError unless the checkpoint's arrays have the target's paths and shapes."""
+
     def shapes(tree):
-        return {sharding.leaf_path(path): tuple(leaf.shape)
-                for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+        return {
+            sharding.leaf_path(path): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+        }
+
     saved, wanted = shapes(metadata), shapes(target)
     differences = [
         f"{name}: {saved.get(name, 'absent')} in the checkpoint, "
         f"{wanted.get(name, 'absent')} in the model"
-        for name in sorted(saved.keys() | wanted.keys(),
-                           key=lambda name: (not name.startswith("params/"), name))
-        if saved.get(name) != wanted.get(name)]
+        for name in sorted(
+            saved.keys() | wanted.keys(),
+            key=lambda name: (not name.startswith("params/"), name),
+        )
+        if saved.get(name) != wanted.get(name)
+    ]
     if differences:
         more = len(differences) - 3
         raise ValueError(
             f"The checkpoint of step {step} in {directory} does not fit this "
             f"config's model: {'; '.join(differences[:3])}"
             f"{f' (and {more} more)' if more > 0 else ''}. It was written by "
-            "another config; use that config or a fresh workdir.")
+            "another config; use that config or a fresh workdir."
+        )
 
 
 def _set_aside(manager, failures) -> None:
@@ -120,15 +132,18 @@ def _set_aside(manager, failures) -> None:
     if not failures:
         return
     if sharding.is_main_process():
-        corrupt = os.path.join(os.path.dirname(str(manager.directory)),
-                               CORRUPT_CHECKPOINTS)
+        corrupt = os.path.join(
+            os.path.dirname(str(manager.directory)), CORRUPT_CHECKPOINTS
+        )
         os.makedirs(corrupt, exist_ok=True)
         for step, error in failures:
             warnings.warn(
                 f"The checkpoint of step {step} in {manager.directory} does "
                 f"not restore ({type(error).__name__}: {str(error)[:200]}); "
                 f"moved it to {corrupt} and resumed from an older one.",
-                RuntimeWarning, stacklevel=4)
+                RuntimeWarning,
+                stacklevel=4,
+            )
             path = os.path.join(str(manager.directory), str(step))
             if os.path.isdir(path):  # not deleted meanwhile by a running job
                 shutil.move(path, os.path.join(corrupt, f"{step}.{time.time_ns()}"))
@@ -144,8 +159,9 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any) -> None:
         manager.save(step, args=ocp.args.StandardSave(state))
 
 
-def check_finite(pending: list[dict], done: int, state: Any,
-                 manager: ocp.CheckpointManager) -> None:
+def check_finite(
+    pending: list[dict], done: int, state: Any, manager: ocp.CheckpointManager
+) -> None:
     """Raises FloatingPointError at the first pending step (the last is
     ``done``) whose loss or gradient norm is not finite, or when ``state``
     (after step ``done``) is not."""
@@ -156,26 +172,39 @@ def check_finite(pending: list[dict], done: int, state: Any,
             raise FloatingPointError(
                 f"Non-finite training at step {step}: loss {loss}, gradient "
                 f"norm {grad_norm}. Stopped at step {done} without saving. "
-                + _newest_checkpoint(manager))
+                + _newest_checkpoint(manager)
+            )
     if not bool(_all_finite(state)):
         raise FloatingPointError(
             f"The parameters or optimizer state are not finite after step "
-            f"{done}; stopped without saving. " + _newest_checkpoint(manager))
+            f"{done}; stopped without saving. " + _newest_checkpoint(manager)
+        )
 
 
 def _newest_checkpoint(manager) -> str:
     """Where a rerun resumes from, for the error message."""
     step = manager.latest_step()
     if step is None:
-        return (f"{manager.directory} holds no checkpoint. (A lower optim.lr "
-                "or optim.grad_clip may help; train.stop_on_nonfinite=False "
-                "trains on.)")
-    return (f"The newest checkpoint, step {step} in {manager.directory}, is "
-            "kept; a rerun resumes from it.")
+        return (
+            f"{manager.directory} holds no checkpoint. (A lower optim.lr "
+            "or optim.grad_clip may help; train.stop_on_nonfinite=False "
+            "trains on.)"
+        )
+    return (
+        f"The newest checkpoint, step {step} in {manager.directory}, is "
+        "kept; a rerun resumes from it."
+    )
 
 
 @jax.jit
 def _all_finite(tree: Any) -> jax.Array:
     """True when every floating-point leaf of ``tree`` is finite."""
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-                              if jnp.issubdtype(x.dtype, jnp.inexact)]))
+    return jnp.all(
+        jnp.stack(
+            [
+                jnp.all(jnp.isfinite(x))
+                for x in jax.tree.leaves(tree)
+                if jnp.issubdtype(x.dtype, jnp.inexact)
+            ]
+        )
+    )

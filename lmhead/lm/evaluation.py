@@ -21,9 +21,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from lmhead.lm import data
 from lmhead import losses
-from lmhead.lm import sharding
+from lmhead.lm import data, sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,20 +37,29 @@ class EvalSet:
         num_chars: the characters those labels decode to
             (``data.label_chars``).
     """
+
     name: str
     batches: list
     num_tokens: int
     num_chars: float
 
 
-def make_eval_set(name: str, tokens: np.ndarray, num_batches: int | None,
-                  config: ml_collections.ConfigDict, tokenizer: data.Tokenizer,
-                  mesh: jax.sharding.Mesh | None = None) -> EvalSet:
+def make_eval_set(
+    name: str,
+    tokens: np.ndarray,
+    num_batches: int | None,
+    config: ml_collections.ConfigDict,
+    tokenizer: data.Tokenizer,
+    mesh: jax.sharding.Mesh | None = None,
+) -> EvalSet:
     """``num_batches`` batches of evenly spaced windows of ``tokens`` (None:
     all of them, consecutive), sharded over ``mesh``."""
-    batches = data.eval_batches(tokens, num_batches=num_batches,
-                                batch_size=config.train.batch_size,
-                                block_size=config.data.block_size)
+    batches = data.eval_batches(
+        tokens,
+        num_batches=num_batches,
+        batch_size=config.train.batch_size,
+        block_size=config.data.block_size,
+    )
     num_tokens = int(sum(b["weights"].sum() for b in batches))
     num_chars = data.label_chars(tokenizer, batches)
     if mesh is not None:
@@ -59,17 +67,34 @@ def make_eval_set(name: str, tokens: np.ndarray, num_batches: int | None,
     return EvalSet(name, batches, num_tokens, num_chars)
 
 
-def periodic_eval_sets(config: ml_collections.ConfigDict, dataset: data.Dataset,
-                       mesh: jax.sharding.Mesh | None = None) -> list[EvalSet]:
+def periodic_eval_sets(
+    config: ml_collections.ConfigDict,
+    dataset: data.Dataset,
+    mesh: jax.sharding.Mesh | None = None,
+) -> list[EvalSet]:
     """The fixed validation windows, and the training windows of
     ``train.eval_train_batches``."""
-    eval_sets = [make_eval_set(
-        "eval", dataset.val_tokens, config.train.eval_batches, config,
-        dataset.tokenizer, mesh)]
+    eval_sets = [
+        make_eval_set(
+            "eval",
+            dataset.val_tokens,
+            config.train.eval_batches,
+            config,
+            dataset.tokenizer,
+            mesh,
+        )
+    ]
     if config.train.eval_train_batches:
-        eval_sets.append(make_eval_set(
-            "train_eval", dataset.train_tokens, config.train.eval_train_batches,
-            config, dataset.tokenizer, mesh))
+        eval_sets.append(
+            make_eval_set(
+                "train_eval",
+                dataset.train_tokens,
+                config.train.eval_train_batches,
+                config,
+                dataset.tokenizer,
+                mesh,
+            )
+        )
     return eval_sets
 
 
@@ -104,20 +129,31 @@ def evaluate(eval_fn, params: Any, eval_set: EvalSet) -> dict[str, float]:
     sums = jax.device_get([eval_fn(params, batch) for batch in eval_set.batches])
     window_nll, window_count = (
         np.concatenate([s[k] for s in sums]).astype(np.float64)
-        for k in ("window_nll", "window_count"))
+        for k in ("window_nll", "window_count")
+    )
     window_nll, window_count = (x[window_count > 0] for x in (window_nll, window_count))
     count, k = window_count.sum(), len(window_count)
     nll = window_nll.sum() / count
-    stderr = (np.sqrt(np.sum((window_nll - nll * window_count) ** 2) / (k * (k - 1)))
-              / window_count.mean()) if k > 1 and np.isfinite(nll) else math.nan
+    stderr = (
+        (
+            np.sqrt(np.sum((window_nll - nll * window_count) ** 2) / (k * (k - 1)))
+            / window_count.mean()
+        )
+        if k > 1 and np.isfinite(nll)
+        else math.nan
+    )
     metrics = {
-        "loss": nll, "loss_stderr": stderr,
+        "loss": nll,
+        "loss_stderr": stderr,
         "perplexity": losses.perplexity(nll),
         "bits_per_char": losses.bits_per_character(
-            nll, eval_set.num_chars / eval_set.num_tokens),
+            nll, eval_set.num_chars / eval_set.num_tokens
+        ),
         "accuracy": np.sum([s["correct_sum"] for s in sums]) / count,
         "ece": losses.calibration_error_from_bins(
-            np.sum([s["bins"] for s in sums], axis=0))}
+            np.sum([s["bins"] for s in sums], axis=0)
+        ),
+    }
     return {f"{eval_set.name}/{k}": float(v) for k, v in metrics.items()}
 
 
@@ -134,6 +170,7 @@ class EarlyStopping:
         >>> stopping.best_step, stopping.should_stop
         (20, True)
     """
+
     patience: int
     best_step: int | None = None
     best_loss: float = math.inf

@@ -20,12 +20,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from lmhead.lm import checkpoints
-from lmhead.lm import data
-from lmhead import decoding
+from lmhead import decoding, quantize
+from lmhead.lm import checkpoints, configuration, data
 from lmhead.lm import model as model_lib
-from lmhead import quantize
-from lmhead.lm import configuration
 from lmhead.lm import state as state_lib
 
 SAMPLE_SEPARATOR = "\n---------------\n"
@@ -47,11 +44,20 @@ def load_run(workdir: str):
     return config, tokenizer, model, state.params
 
 
-def generate_text(model: model_lib.DecoderLM, params: Any, tokenizer: data.Tokenizer,
-                  prompt: str, *, key: jax.Array, num_samples: int,
-                  max_new_tokens: int, temperature: float = 1.0,
-                  top_k: int | None = None, top_p: float | None = None,
-                  num_beams: int | None = None) -> list[str]:
+def generate_text(
+    model: model_lib.DecoderLM,
+    params: Any,
+    tokenizer: data.Tokenizer,
+    prompt: str,
+    *,
+    key: jax.Array,
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    num_beams: int | None = None,
+) -> list[str]:
     """``num_samples`` continuations of ``prompt``, each with the prompt.
 
     The cache holds ``max_len`` positions, so the text is made window by
@@ -75,36 +81,75 @@ def generate_text(model: model_lib.DecoderLM, params: Any, tokenizer: data.Token
         context = np.concatenate(ids, axis=1)[:, -context_len:]
         context = np.pad(context, [(0, 0), (0, context_len - context.shape[1])])
         key, window_key = jax.random.split(key)
-        ids.append(np.asarray(_continue(
-            model, params, context, lengths, window_key,
-            max_new_tokens=model.max_len - context_len, temperature=temperature,
-            top_k=top_k, top_p=top_p, num_beams=num_beams)))
+        ids.append(
+            np.asarray(
+                _continue(
+                    model,
+                    params,
+                    context,
+                    lengths,
+                    window_key,
+                    max_new_tokens=model.max_len - context_len,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    num_beams=num_beams,
+                )
+            )
+        )
         generated += ids[-1].shape[1]
         lengths[:] = context_len
     new_ids = np.concatenate(ids[1:], axis=1)[:, :max_new_tokens]
     return [prompt + tokenizer.decode(row) for row in new_ids]
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=(
-    "max_new_tokens", "temperature", "top_k", "top_p", "num_beams"))
-def _continue(model, params, context, lengths, key, *, max_new_tokens,
-               temperature, top_k, top_p, num_beams):
+@functools.partial(
+    jax.jit,
+    static_argnums=0,
+    static_argnames=("max_new_tokens", "temperature", "top_k", "top_p", "num_beams"),
+)
+def _continue(
+    model,
+    params,
+    context,
+    lengths,
+    key,
+    *,
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    num_beams,
+):
     """``[B, max_new_tokens]`` tokens after ``context[b, :lengths[b]]``."""
     logits, cache = model_lib.prefill(model, params, context, lengths)
     step_fn = model_lib.make_step_fn(model)
     if num_beams:
         tokens, _, _ = decoding.beam_search(
-            step_fn, params, logits, cache, num_beams=num_beams,
-            max_new_tokens=max_new_tokens, eos_id=None)
+            step_fn,
+            params,
+            logits,
+            cache,
+            num_beams=num_beams,
+            max_new_tokens=max_new_tokens,
+            eos_id=None,
+        )
         return tokens[:, 0]
     tokens, _, _ = decoding.generate(
-        step_fn, params, logits, cache, key=key, max_new_tokens=max_new_tokens,
-        temperature=temperature, top_k=top_k, top_p=top_p)
+        step_fn,
+        params,
+        logits,
+        cache,
+        key=key,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+    )
     return tokens
 
 
-def quantize_for_decoding(model: model_lib.DecoderLM, params: Any,
-                          dtype: str) -> Any:
+def quantize_for_decoding(model: model_lib.DecoderLM, params: Any, dtype: str) -> Any:
     """``params`` with the head's table quantized once, for inference.
 
     Untied: ``head/unembedding`` is replaced by its quantized table. Tied:
@@ -156,6 +201,7 @@ class GenerationTimings(NamedTuple):
             ``new_tokens`` (every row of the batch adds one token per step).
         new_tokens: tokens that loop added per row.
     """
+
     compile_seconds: float
     prefill_ms: float
     first_step_ms: float
@@ -174,11 +220,18 @@ def _milliseconds(fn, repeats: int) -> float:
     return float(np.median(times))
 
 
-def time_generation(model: model_lib.DecoderLM, params: Any, prompt: Any, *,
-                    max_new_tokens: int, temperature: float = 1.0,
-                    top_k: int | None = None, top_p: float | None = None,
-                    key: jax.Array | None = None,
-                    repeats: int = 3) -> GenerationTimings:
+def time_generation(
+    model: model_lib.DecoderLM,
+    params: Any,
+    prompt: Any,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    key: jax.Array | None = None,
+    repeats: int = 3,
+) -> GenerationTimings:
     """Times ``prompt``'s prefill, its first step and a decoding loop.
 
     Each program runs once to compile (``compile_seconds``), then
@@ -200,11 +253,14 @@ def time_generation(model: model_lib.DecoderLM, params: Any, prompt: Any, *,
         (4, True, True)
     """
     if max_new_tokens < 1 or repeats < 1:
-        raise ValueError(f"max_new_tokens and repeats must be >= 1; got "
-                         f"{max_new_tokens} and {repeats}.")
+        raise ValueError(
+            f"max_new_tokens and repeats must be >= 1; got "
+            f"{max_new_tokens} and {repeats}."
+        )
     key = jax.random.key(0) if key is None else key
-    logits, cache = model_lib.prefill(model, params, prompt,
-                                      max_new_tokens=max_new_tokens)
+    logits, cache = model_lib.prefill(
+        model, params, prompt, max_new_tokens=max_new_tokens
+    )
     step_fn = model_lib.make_step_fn(model)
     first = jax.numpy.argmax(logits, axis=-1).astype(jax.numpy.int32)
 
@@ -215,9 +271,17 @@ def time_generation(model: model_lib.DecoderLM, params: Any, prompt: Any, *,
         return step_fn(params, first, cache)
 
     def run_loop():
-        return decoding.generate(step_fn, params, logits, cache, key=key,
-                                 max_new_tokens=max_new_tokens,
-                                 temperature=temperature, top_k=top_k, top_p=top_p)
+        return decoding.generate(
+            step_fn,
+            params,
+            logits,
+            cache,
+            key=key,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+        )
 
     start = time.perf_counter()
     for fn in (run_prefill, run_step, run_loop):
@@ -226,20 +290,27 @@ def time_generation(model: model_lib.DecoderLM, params: Any, prompt: Any, *,
     prefill_ms = _milliseconds(run_prefill, repeats)
     first_step_ms = _milliseconds(run_step, repeats)
     return GenerationTimings(
-        compile_seconds=compile_seconds, prefill_ms=prefill_ms,
+        compile_seconds=compile_seconds,
+        prefill_ms=prefill_ms,
         first_step_ms=first_step_ms,
         time_to_first_token_ms=prefill_ms + first_step_ms,
         ms_per_token=_milliseconds(run_loop, repeats) / max_new_tokens,
-        new_tokens=max_new_tokens)
+        new_tokens=max_new_tokens,
+    )
 
 
-def timing_prompt(model: model_lib.DecoderLM, tokenizer: Any, prompt: str,
-                  num_samples: int, max_new_tokens: int) -> tuple[np.ndarray, int]:
+def timing_prompt(
+    model: model_lib.DecoderLM,
+    tokenizer: Any,
+    prompt: str,
+    num_samples: int,
+    max_new_tokens: int,
+) -> tuple[np.ndarray, int]:
     """``(int32 [num_samples, C], n)``: ``prompt``'s ids cropped to the last
     ``C <= max_len // 2`` (the context of :func:`generate_text`'s windows), one
     row per sample, and the new tokens to time, ``min(max_new_tokens,
     max_len - C)``: one window of :func:`generate_text`."""
-    ids = tokenizer.encode(prompt)[-(model.max_len // 2):]
+    ids = tokenizer.encode(prompt)[-(model.max_len // 2) :]
     if not ids:
         raise ValueError("prompt must encode to at least one token.")
     rows = np.tile(np.asarray(ids, np.int32), (num_samples, 1))
@@ -248,20 +319,28 @@ def timing_prompt(model: model_lib.DecoderLM, tokenizer: Any, prompt: str,
 
 def format_timings(t: GenerationTimings, batch_size: int) -> str:
     """One line of :class:`GenerationTimings` for people."""
-    return (f"time to first token {t.time_to_first_token_ms:.2f} ms (prefill "
-            f"{t.prefill_ms:.2f} ms + first step {t.first_step_ms:.2f} ms), "
-            f"{t.ms_per_token:.3f} ms per new token over {t.new_tokens} tokens "
-            f"at batch {batch_size}; compiling took {t.compile_seconds:.2f} s")
+    return (
+        f"time to first token {t.time_to_first_token_ms:.2f} ms (prefill "
+        f"{t.prefill_ms:.2f} ms + first step {t.first_step_ms:.2f} ms), "
+        f"{t.ms_per_token:.3f} ms per new token over {t.new_tokens} tokens "
+        f"at batch {batch_size}; compiling took {t.compile_seconds:.2f} s"
+    )
 
 
 def write_samples(config, model, params, tokenizer, key, workdir) -> None:
     """Writes ``config.sample``'s continuations to ``workdir/samples.txt`` and prints them."""
     texts = generate_text(
-        model, params, tokenizer, config.sample.prompt, key=key,
+        model,
+        params,
+        tokenizer,
+        config.sample.prompt,
+        key=key,
         num_samples=config.sample.num_samples,
         max_new_tokens=config.sample.max_new_tokens,
-        temperature=config.sample.temperature, top_k=config.sample.top_k,
-        top_p=config.sample.top_p)
+        temperature=config.sample.temperature,
+        top_k=config.sample.top_k,
+        top_p=config.sample.top_p,
+    )
     joined = SAMPLE_SEPARATOR.join(texts)
     with open(os.path.join(workdir, "samples.txt"), "w", encoding="utf-8") as f:
         f.write(joined + "\n")

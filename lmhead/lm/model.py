@@ -56,8 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmhead import _checks
-from lmhead import modules
+from lmhead import _checks, modules
 from lmhead.head import last_positions
 
 POSITIONS = ("learned", "rope")
@@ -97,6 +96,7 @@ class DecodeCache(NamedTuple):
             row is at position ``s``, and never changed after, so every
             pointer stays valid.
     """
+
     keys: tuple[jax.Array, ...]
     values: tuple[jax.Array, ...]
     index: jax.Array
@@ -115,7 +115,8 @@ def _rotate(x: jax.Array, positions: jax.Array) -> jax.Array:
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     first, second = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     rotated = jnp.concatenate(
-        [first * cos - second * sin, first * sin + second * cos], axis=-1)
+        [first * cos - second * sin, first * sin + second * cos], axis=-1
+    )
     return rotated.astype(x.dtype)
 
 
@@ -134,19 +135,33 @@ def _gelu(x: jax.Array) -> jax.Array:
 
 
 def _layer_norm(use_bias: bool, dtype: Any, name: str | None = None) -> nn.LayerNorm:
-    return nn.LayerNorm(epsilon=LAYER_NORM_EPSILON, use_bias=use_bias, dtype=dtype,
-                        name=name)
+    return nn.LayerNorm(
+        epsilon=LAYER_NORM_EPSILON, use_bias=use_bias, dtype=dtype, name=name
+    )
 
 
-def _attention_weights(query: jax.Array, keys: tuple[jax.Array, ...],
-                       mask: jax.Array, keys_layout: str = "bshd") -> jax.Array:
+def _attention_weights(
+    query: jax.Array,
+    keys: tuple[jax.Array, ...],
+    mask: jax.Array,
+    keys_layout: str = "bshd",
+) -> jax.Array:
     """float32 softmax weights ``[B, H, T, S]`` of ``query [B, T, H, Dh]`` over
     the concatenation of ``keys``, pieces ``[B, S_j, H, Dh]`` (or ``[B, H, S_j,
     Dh]`` with ``keys_layout="bhsd"``), where ``mask: bool [B | 1, T, S]`` is
     True."""
     scores = jnp.concatenate(
-        [jnp.einsum(f"bthd,{keys_layout}->bhts", query, key,
-                    preferred_element_type=jnp.float32) for key in keys], axis=-1)
+        [
+            jnp.einsum(
+                f"bthd,{keys_layout}->bhts",
+                query,
+                key,
+                preferred_element_type=jnp.float32,
+            )
+            for key in keys
+        ],
+        axis=-1,
+    )
     scores = jnp.where(mask[:, None], scores / math.sqrt(query.shape[-1]), NEG_INF)
     return jax.nn.softmax(scores, axis=-1)
 
@@ -176,8 +191,9 @@ def cache_segments(max_len: int) -> tuple[int, ...]:
     return spans[:1] + tuple(b - a for a, b in zip(spans, spans[1:]))
 
 
-def _write_slots(pieces: tuple[jax.Array, ...], new: jax.Array,
-                 positions: jax.Array) -> tuple[jax.Array, ...]:
+def _write_slots(
+    pieces: tuple[jax.Array, ...], new: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, ...]:
     """``pieces`` (:func:`cache_segments`) with ``new [B, T, H, Dh]`` written
     at slots ``positions [B, T]`` of each row; slots past the end are dropped.
 
@@ -204,9 +220,14 @@ def _gather_slots(piece: jax.Array, rows: jax.Array) -> jax.Array:
     return piece[rows[:, None, :], heads, jnp.arange(piece.shape[2])]
 
 
-def _attend_filled(query: jax.Array, keys: tuple[jax.Array, ...],
-                   values: tuple[jax.Array, ...], rows: jax.Array | None,
-                   positions: jax.Array, dtype: Any) -> jax.Array:
+def _attend_filled(
+    query: jax.Array,
+    keys: tuple[jax.Array, ...],
+    values: tuple[jax.Array, ...],
+    rows: jax.Array | None,
+    positions: jax.Array,
+    dtype: Any,
+) -> jax.Array:
     """Attention of ``query [B, T, H, Dh]`` at ``positions [B, T]`` over the
     cache slots ``<=`` each position: ``[B, T, H, Dh]``.
 
@@ -229,19 +250,25 @@ def _attend_filled(query: jax.Array, keys: tuple[jax.Array, ...],
         if rows is None:
             return pieces[j]
         # [B, H, n_j, Dh]: row b's own slots, wherever they lie.
-        return _gather_slots(pieces[j], rows[:, starts[j]:starts[j] + sizes[j]])
+        return _gather_slots(pieces[j], rows[:, starts[j] : starts[j] + sizes[j]])
 
     def attend(count):
         def branch():
             span = starts[count - 1] + sizes[count - 1]
             visible = jnp.arange(span) <= positions[:, :, None]
             weights = _attention_weights(
-                query, [read(keys, j) for j in range(count)], visible, "bhsd")
+                query, [read(keys, j) for j in range(count)], visible, "bhsd"
+            )
             weights = weights.astype(dtype)
-            return sum(jnp.einsum("bhts,bhsd->bthd",
-                                  weights[..., starts[j]:starts[j] + sizes[j]],
-                                  read(values, j).astype(dtype))
-                       for j in range(count))
+            return sum(
+                jnp.einsum(
+                    "bhts,bhsd->bthd",
+                    weights[..., starts[j] : starts[j] + sizes[j]],
+                    read(values, j).astype(dtype),
+                )
+                for j in range(count)
+            )
+
         return branch
 
     if len(sizes) == 1:
@@ -254,6 +281,7 @@ def _attend_filled(query: jax.Array, keys: tuple[jax.Array, ...],
 
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention over the sequence or over a key/value cache."""
+
     num_heads: int
     dropout_rate: float
     residual_init_std: float
@@ -276,8 +304,13 @@ class CausalSelfAttention(nn.Module):
         collection is mutable (see :func:`attention_weights`)."""
         batch, time, width = x.shape
         head_dim = width // self.num_heads
-        qkv = nn.Dense(3 * width, use_bias=self.use_bias, dtype=self.dtype,
-                       kernel_init=nn.initializers.normal(INIT_STD), name="qkv")(x)
+        qkv = nn.Dense(
+            3 * width,
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            kernel_init=nn.initializers.normal(INIT_STD),
+            name="qkv",
+        )(x)
         qkv = qkv.reshape(batch, time, 3, self.num_heads, head_dim)
         query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         if self.rope:
@@ -292,17 +325,24 @@ class CausalSelfAttention(nn.Module):
         else:
             # Positions past the cache's end are dropped (see DecoderLM.extend).
             keys, values, slot_rows = cache
-            cache = (_write_slots(keys, key, positions),
-                     _write_slots(values, value, positions))
+            cache = (
+                _write_slots(keys, key, positions),
+                _write_slots(values, value, positions),
+            )
             out = _attend_filled(query, *cache, slot_rows, positions, self.dtype)
-        out = nn.Dense(width, use_bias=self.use_bias, dtype=self.dtype, name="out",
-                       kernel_init=nn.initializers.normal(self.residual_init_std))(
-                           out.reshape(batch, time, width))
+        out = nn.Dense(
+            width,
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            name="out",
+            kernel_init=nn.initializers.normal(self.residual_init_std),
+        )(out.reshape(batch, time, width))
         return out, cache
 
 
 class Block(nn.Module):
     """Pre-LayerNorm Transformer block: x + attention(LN(x)), then x + MLP(LN(x))."""
+
     num_heads: int
     mlp_dim: int
     dropout_rate: float
@@ -316,19 +356,37 @@ class Block(nn.Module):
         """Same arguments and results as CausalSelfAttention."""
         dropout = nn.Dropout(self.dropout_rate, deterministic=not train)
         attention = CausalSelfAttention(
-            num_heads=self.num_heads, dropout_rate=self.dropout_rate,
-            residual_init_std=self.residual_init_std, rope=self.rope,
-            use_bias=self.use_bias, dtype=self.dtype, name="attention")
-        y, cache = attention(_layer_norm(self.use_bias, self.dtype, "attention_norm")(x),
-                             positions, mask, cache, train=train)
+            num_heads=self.num_heads,
+            dropout_rate=self.dropout_rate,
+            residual_init_std=self.residual_init_std,
+            rope=self.rope,
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            name="attention",
+        )
+        y, cache = attention(
+            _layer_norm(self.use_bias, self.dtype, "attention_norm")(x),
+            positions,
+            mask,
+            cache,
+            train=train,
+        )
         x = x + dropout(y)
         y = _layer_norm(self.use_bias, self.dtype, "mlp_norm")(x)
-        y = nn.Dense(self.mlp_dim, use_bias=self.use_bias, dtype=self.dtype,
-                     name="mlp_in", kernel_init=nn.initializers.normal(INIT_STD))(y)
-        y = nn.Dense(x.shape[-1], use_bias=self.use_bias, dtype=self.dtype,
-                     name="mlp_out",
-                     kernel_init=nn.initializers.normal(self.residual_init_std))(
-                         _gelu(y))
+        y = nn.Dense(
+            self.mlp_dim,
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            name="mlp_in",
+            kernel_init=nn.initializers.normal(INIT_STD),
+        )(y)
+        y = nn.Dense(
+            x.shape[-1],
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            name="mlp_out",
+            kernel_init=nn.initializers.normal(self.residual_init_std),
+        )(_gelu(y))
         return x + dropout(y), cache
 
 
@@ -383,6 +441,7 @@ class DecoderLM(nn.Module):
         >>> bool(abs(loss - jnp.log(17.0)) < 0.3)  # near-uniform at init
         True
     """
+
     vocab_size: int
     num_layers: int = 4
     num_heads: int = 4
@@ -404,35 +463,58 @@ class DecoderLM(nn.Module):
         self.embed = nn.Embed(self.vocab_size, self.d_model, embedding_init=normal)
         if self.positions == "learned":
             self.position_embedding = self.param(
-                "position_embedding", normal, (self.max_len, self.d_model))
+                "position_embedding", normal, (self.max_len, self.d_model)
+            )
         residual_init_std = INIT_STD / math.sqrt(2 * self.num_layers)
         self.blocks = [
-            Block(num_heads=self.num_heads, mlp_dim=self.mlp_dim,
-                  dropout_rate=self.dropout_rate, residual_init_std=residual_init_std,
-                  rope=self.positions == "rope", use_bias=self.use_bias,
-                  dtype=self.dtype)
-            for _ in range(self.num_layers)]
+            Block(
+                num_heads=self.num_heads,
+                mlp_dim=self.mlp_dim,
+                dropout_rate=self.dropout_rate,
+                residual_init_std=residual_init_std,
+                rope=self.positions == "rope",
+                use_bias=self.use_bias,
+                dtype=self.dtype,
+            )
+            for _ in range(self.num_layers)
+        ]
         self.embed_dropout = nn.Dropout(self.dropout_rate)
         self.final_norm = _layer_norm(self.use_bias, self.dtype)
         self.head = modules.LMHead(
-            self.vocab_size, tied=self.tied, use_bias=self.head_bias,
-            scale=self.head_scale, softcap=self.logits_softcap, dtype=self.dtype)
+            self.vocab_size,
+            tied=self.tied,
+            use_bias=self.head_bias,
+            scale=self.head_scale,
+            softcap=self.logits_softcap,
+            dtype=self.dtype,
+        )
 
     def _check_config(self):
-        for name in ("vocab_size", "num_layers", "num_heads", "d_model", "mlp_dim",
-                     "max_len"):
+        for name in (
+            "vocab_size",
+            "num_layers",
+            "num_heads",
+            "d_model",
+            "mlp_dim",
+            "max_len",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int; got {value!r}.")
         if self.d_model % self.num_heads:
-            raise ValueError(f"num_heads must divide d_model; got num_heads="
-                             f"{self.num_heads}, d_model={self.d_model}.")
+            raise ValueError(
+                f"num_heads must divide d_model; got num_heads="
+                f"{self.num_heads}, d_model={self.d_model}."
+            )
         _checks.check_choice("positions", self.positions, POSITIONS)
         if self.positions == "rope" and (self.d_model // self.num_heads) % 2:
-            raise ValueError("positions='rope' needs an even head size d_model / "
-                             f"num_heads; got {self.d_model // self.num_heads}.")
-        _checks.check_in_range("dropout_rate", self.dropout_rate, low=0.0, high=1.0,
-                               high_open=True)
+            raise ValueError(
+                "positions='rope' needs an even head size d_model / "
+                f"num_heads; got {self.d_model // self.num_heads}."
+            )
+        _checks.check_in_range(
+            "dropout_rate", self.dropout_rate, low=0.0, high=1.0, high_open=True
+        )
         if not jnp.issubdtype(self.dtype, jnp.floating):
             raise TypeError(f"dtype must be a floating dtype; got {self.dtype}.")
 
@@ -441,8 +523,10 @@ class DecoderLM(nn.Module):
         _checks.check_rank("tokens", tokens, 2, "[B, T]")
         _checks.check_in_range("tokens", tokens, low=0, high=self.vocab_size - 1)
         if jnp.shape(tokens)[1] > self.max_len:
-            raise ValueError(f"tokens has {jnp.shape(tokens)[1]} positions but the "
-                             f"model's max_len is {self.max_len}.")
+            raise ValueError(
+                f"tokens has {jnp.shape(tokens)[1]} positions but the "
+                f"model's max_len is {self.max_len}."
+            )
         return jnp.asarray(tokens)
 
     def _table(self) -> Any:
@@ -480,14 +564,21 @@ class DecoderLM(nn.Module):
         h, _ = self._body(tokens, positions, causal, [None] * self.num_layers, train)
         return h
 
-    def __call__(self, tokens: jax.typing.ArrayLike, *, train: bool = False
-                 ) -> jax.Array:
+    def __call__(
+        self, tokens: jax.typing.ArrayLike, *, train: bool = False
+    ) -> jax.Array:
         """Next-token logits ``float32 [B, T, V]`` for ``tokens: int [B, T]``."""
         return self.head(self.hidden(tokens, train=train), self._table())
 
-    def loss(self, tokens: jax.typing.ArrayLike, labels: jax.typing.ArrayLike,
-             weights: jax.typing.ArrayLike | None = None, *, train: bool = False,
-             **loss_kwargs) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def loss(
+        self,
+        tokens: jax.typing.ArrayLike,
+        labels: jax.typing.ArrayLike,
+        weights: jax.typing.ArrayLike | None = None,
+        *,
+        train: bool = False,
+        **loss_kwargs,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """``LMHead.loss`` of the hidden states of ``tokens: int [B, T]``.
 
         ``labels: int [B, T]``, ``weights: [B, T]`` or None; ``loss_kwargs``
@@ -498,8 +589,9 @@ class DecoderLM(nn.Module):
         h = self.hidden(tokens, train=train)
         return self.head.loss(h, labels, self._table(), weights=weights, **loss_kwargs)
 
-    def extend(self, tokens: jax.Array, cache: DecodeCache, lengths: jax.Array
-               ) -> tuple[jax.Array, DecodeCache]:
+    def extend(
+        self, tokens: jax.Array, cache: DecodeCache, lengths: jax.Array
+    ) -> tuple[jax.Array, DecodeCache]:
         """Appends ``lengths[b]`` tokens to row ``b`` of the cache.
 
         Args:
@@ -525,14 +617,22 @@ class DecoderLM(nn.Module):
             # The slots written now are the row's own.
             own = jnp.arange(batch, dtype=jnp.int32)[:, None]
             rows = rows.at[own, positions].set(
-                jnp.broadcast_to(own, positions.shape), mode="drop")
-        h, kv = self._body(tokens, positions, None,
-                           [(k, v, rows) for k, v in zip(cache.keys, cache.values)],
-                           train=False)
+                jnp.broadcast_to(own, positions.shape), mode="drop"
+            )
+        h, kv = self._body(
+            tokens,
+            positions,
+            None,
+            [(k, v, rows) for k, v in zip(cache.keys, cache.values)],
+            train=False,
+        )
         logits = self.head(last_positions(h, lengths), self._table())
-        return logits, DecodeCache(keys=tuple(k for k, _ in kv),
-                                   values=tuple(v for _, v in kv),
-                                   index=cache.index + lengths, rows=rows)
+        return logits, DecodeCache(
+            keys=tuple(k for k, _ in kv),
+            values=tuple(v for _, v in kv),
+            index=cache.index + lengths,
+            rows=rows,
+        )
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -541,8 +641,9 @@ def _jit_sown(model, params, tokens):
     return state["intermediates"]
 
 
-def attention_weights(model: DecoderLM, params: Any,
-                      tokens: jax.typing.ArrayLike) -> tuple[jax.Array, ...]:
+def attention_weights(
+    model: DecoderLM, params: Any, tokens: jax.typing.ArrayLike
+) -> tuple[jax.Array, ...]:
     r"""Each layer's attention weights for ``tokens: int [B, T]``.
 
     Row ``t`` of head ``h`` is the softmax over the positions ``s <= t``,
@@ -566,8 +667,10 @@ def attention_weights(model: DecoderLM, params: Any,
         (2, (1, 2, 4, 4), Array([1., 0., 0., 0.], dtype=float32))
     """
     sown = _jit_sown(model, params, jnp.asarray(tokens))
-    return tuple(sown[f"blocks_{i}"]["attention"]["attention_weights"][0]
-                 for i in range(model.num_layers))
+    return tuple(
+        sown[f"blocks_{i}"]["attention"]["attention_weights"][0]
+        for i in range(model.num_layers)
+    )
 
 
 def init_cache(model: DecoderLM, batch_size: int) -> DecodeCache:
@@ -584,22 +687,32 @@ def init_cache(model: DecoderLM, batch_size: int) -> DecodeCache:
     head_dim = model.d_model // model.num_heads
     # Distinct arrays for keys and values, so that the cache can be donated.
     layers = lambda: tuple(
-        tuple(jnp.zeros((batch_size, model.num_heads, size, head_dim), model.dtype)
-              for size in cache_segments(model.max_len))
-        for _ in range(model.num_layers))
-    return DecodeCache(keys=layers(), values=layers(),
-                       index=jnp.zeros((batch_size,), jnp.int32))
+        tuple(
+            jnp.zeros((batch_size, model.num_heads, size, head_dim), model.dtype)
+            for size in cache_segments(model.max_len)
+        )
+        for _ in range(model.num_layers)
+    )
+    return DecodeCache(
+        keys=layers(), values=layers(), index=jnp.zeros((batch_size,), jnp.int32)
+    )
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _jit_extend(model, params, tokens, cache, lengths):
-    return model.apply({"params": params}, tokens, cache, lengths,
-                       method=DecoderLM.extend)
+    return model.apply(
+        {"params": params}, tokens, cache, lengths, method=DecoderLM.extend
+    )
 
 
-def prefill(model: DecoderLM, params: Any, prompt: jax.typing.ArrayLike,
-            lengths: jax.typing.ArrayLike | None = None, *,
-            max_new_tokens: int | None = None) -> tuple[jax.Array, DecodeCache]:
+def prefill(
+    model: DecoderLM,
+    params: Any,
+    prompt: jax.typing.ArrayLike,
+    lengths: jax.typing.ArrayLike | None = None,
+    *,
+    max_new_tokens: int | None = None,
+) -> tuple[jax.Array, DecodeCache]:
     """Runs a prompt once: the next-token logits and the filled cache.
 
     Only each row's last real position goes through the head, so the head
@@ -642,14 +755,17 @@ def prefill(model: DecoderLM, params: Any, prompt: jax.typing.ArrayLike,
     _checks.check_in_range("prompt", prompt, low=0, high=model.vocab_size - 1)
     batch, time = jnp.shape(prompt)
     if not 1 <= time <= model.max_len:
-        raise ValueError(f"prompt must have 1 to max_len={model.max_len} positions; "
-                         f"got shape {jnp.shape(prompt)}.")
+        raise ValueError(
+            f"prompt must have 1 to max_len={model.max_len} positions; "
+            f"got shape {jnp.shape(prompt)}."
+        )
     if lengths is None:
         lengths = jnp.full((batch,), time, jnp.int32)
     _checks.check_integer("lengths", lengths)
     if jnp.shape(lengths) != (batch,):
-        raise ValueError(f"lengths must have shape [B] = ({batch},); got "
-                         f"{jnp.shape(lengths)}.")
+        raise ValueError(
+            f"lengths must have shape [B] = ({batch},); got {jnp.shape(lengths)}."
+        )
     _checks.check_in_range("lengths", lengths, low=1, high=time)
     if max_new_tokens is not None:
         longest = time if _checks.is_traced(lengths) else int(np.max(lengths))
@@ -657,9 +773,15 @@ def prefill(model: DecoderLM, params: Any, prompt: jax.typing.ArrayLike,
             raise ValueError(
                 f"prompt length {longest} + max_new_tokens {max_new_tokens} = "
                 f"{longest + max_new_tokens} exceeds the model's max_len "
-                f"{model.max_len}.")
-    return _jit_extend(model, params, jnp.asarray(prompt, jnp.int32),
-                   init_cache(model, batch), jnp.asarray(lengths, jnp.int32))
+                f"{model.max_len}."
+            )
+    return _jit_extend(
+        model,
+        params,
+        jnp.asarray(prompt, jnp.int32),
+        init_cache(model, batch),
+        jnp.asarray(lengths, jnp.int32),
+    )
 
 
 def _own_rows(cache: DecodeCache) -> jax.Array:
@@ -667,8 +789,9 @@ def _own_rows(cache: DecodeCache) -> jax.Array:
     if cache.rows is not None:
         return cache.rows
     batch, max_len = cache.index.shape[0], sum(p.shape[2] for p in cache.keys[0])
-    return jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None],
-                            (batch, max_len))
+    return jnp.broadcast_to(
+        jnp.arange(batch, dtype=jnp.int32)[:, None], (batch, max_len)
+    )
 
 
 def reorder_cache(cache: DecodeCache, rows: jax.Array) -> DecodeCache:
@@ -706,11 +829,14 @@ def reorder_cache(cache: DecodeCache, rows: jax.Array) -> DecodeCache:
     if not _checks.is_traced(cache.index) and not _checks.is_traced(rows):
         index, order = np.asarray(cache.index), np.asarray(rows)
         if np.any(index[order] != index):
-            raise ValueError("rows must map each row to a row of the same length "
-                             f"(index[rows] == index); got index {index} and "
-                             f"rows {order}.")
-    return cache._replace(index=jnp.take(cache.index, rows),
-                          rows=jnp.take(_own_rows(cache), rows, axis=0))
+            raise ValueError(
+                "rows must map each row to a row of the same length "
+                f"(index[rows] == index); got index {index} and "
+                f"rows {order}."
+            )
+    return cache._replace(
+        index=jnp.take(cache.index, rows), rows=jnp.take(_own_rows(cache), rows, axis=0)
+    )
 
 
 def repeat_cache(cache: DecodeCache, repeats: int) -> DecodeCache:
@@ -743,14 +869,18 @@ def repeat_cache(cache: DecodeCache, repeats: int) -> DecodeCache:
         empty = jnp.zeros((x.shape[0], repeats - 1) + x.shape[1:], x.dtype)
         both = jnp.concatenate([x[:, None], empty], axis=1)
         return both.reshape((x.shape[0] * repeats,) + x.shape[1:])
-    return DecodeCache(keys=jax.tree.map(spread, cache.keys),
-                       values=jax.tree.map(spread, cache.values),
-                       index=jnp.repeat(cache.index, repeats),
-                       rows=jnp.repeat(cache.rows, repeats, axis=0) * repeats)
+
+    return DecodeCache(
+        keys=jax.tree.map(spread, cache.keys),
+        values=jax.tree.map(spread, cache.values),
+        index=jnp.repeat(cache.index, repeats),
+        rows=jnp.repeat(cache.rows, repeats, axis=0) * repeats,
+    )
 
 
-def cached_keys_values(cache: DecodeCache) -> tuple[tuple[jax.Array, ...],
-                                                    tuple[jax.Array, ...]]:
+def cached_keys_values(
+    cache: DecodeCache,
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """Each row's keys and values, pieces joined and pointers resolved.
 
     ``keys[l][b, :, s]`` is the key that attention reads for row ``b`` at
@@ -775,15 +905,18 @@ def cached_keys_values(cache: DecodeCache) -> tuple[tuple[jax.Array, ...],
 @dataclasses.dataclass(frozen=True)
 class DecodeStep:
     """The decoders' ``step_fn`` for a :class:`DecoderLM`; see :func:`make_step_fn`."""
+
     model: DecoderLM
 
-    def __call__(self, params: Any, tokens: jax.Array,
-                 cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
+    def __call__(
+        self, params: Any, tokens: jax.Array, cache: DecodeCache
+    ) -> tuple[jax.Array, DecodeCache]:
         _checks.check_integer("tokens", tokens)
         _checks.check_rank("tokens", tokens, 1, "[B]")
         tokens = jnp.asarray(tokens, jnp.int32)
-        return _jit_extend(self.model, params, tokens[:, None], cache,
-                           jnp.ones_like(tokens))
+        return _jit_extend(
+            self.model, params, tokens[:, None], cache, jnp.ones_like(tokens)
+        )
 
     def reorder(self, cache: DecodeCache, rows: jax.Array) -> DecodeCache:
         return reorder_cache(cache, rows)

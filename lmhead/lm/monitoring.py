@@ -18,7 +18,8 @@ import os
 import resource
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,14 +27,18 @@ import ml_collections
 import numpy as np
 import tensorboardX
 
-from lmhead.lm import evaluation
-from lmhead.lm import sharding
+from lmhead.lm import evaluation, sharding
 
 # Measured, not computed: they differ from run to run of the same config.
 MEASURED_METRICS = (
-    "train/tokens_per_sec", "train/step_ms_p50", "train/step_ms_p90",
-    "memory/device_bytes_in_use", "memory/device_peak_bytes",
-    "memory/host_rss_bytes", "memory/host_peak_rss_bytes")
+    "train/tokens_per_sec",
+    "train/step_ms_p50",
+    "train/step_ms_p90",
+    "memory/device_bytes_in_use",
+    "memory/device_peak_bytes",
+    "memory/host_rss_bytes",
+    "memory/host_peak_rss_bytes",
+)
 
 
 class MetricWriter:
@@ -49,8 +54,9 @@ class MetricWriter:
         self.records = []
         if os.path.exists(self.path):
             with open(self.path) as f:
-                self.records = [r for r in map(json.loads, f)
-                                if r["step"] <= resume_step]
+                self.records = [
+                    r for r in map(json.loads, f) if r["step"] <= resume_step
+                ]
         self.tensorboard = None
         if sharding.is_main_process():
             with open(self.path, "w") as f:
@@ -83,6 +89,7 @@ class StepTimer:
     step ``s - 1`` once step ``s`` is queued, so the device stays busy while
     the host takes the time (:meth:`step_done`).
     """
+
     wall: float = 0.0
     cpu: float = 0.0
     steps: int = 0
@@ -130,33 +137,43 @@ def memory_metrics() -> dict[str, float]:
     stats = [d.memory_stats() or {} for d in jax.local_devices()]
     if any("bytes_in_use" in s for s in stats):
         metrics["memory/device_bytes_in_use"] = float(
-            max(s.get("bytes_in_use", 0) for s in stats))
+            max(s.get("bytes_in_use", 0) for s in stats)
+        )
         metrics["memory/device_peak_bytes"] = float(
-            max(s.get("peak_bytes_in_use", s.get("bytes_in_use", 0)) for s in stats))
+            max(s.get("peak_bytes_in_use", s.get("bytes_in_use", 0)) for s in stats)
+        )
     if os.path.exists("/proc/self/statm"):
         with open("/proc/self/statm") as f:
             resident_pages = int(f.read().split()[1])
         metrics["memory/host_rss_bytes"] = float(
-            resident_pages * os.sysconf("SC_PAGE_SIZE"))
+            resident_pages * os.sysconf("SC_PAGE_SIZE")
+        )
     # ru_maxrss is in KiB on Linux, in bytes on macOS; the kernel updates it
     # lazily, so it can lag the current RSS.
     scale = 1 if sys.platform == "darwin" else 1024
-    metrics["memory/host_peak_rss_bytes"] = float(max(
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
-        metrics.get("memory/host_rss_bytes", 0)))
+    metrics["memory/host_peak_rss_bytes"] = float(
+        max(
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
+            metrics.get("memory/host_rss_bytes", 0),
+        )
+    )
     return metrics
 
 
-def log_training(writer: MetricWriter, timer: StepTimer, pending: list,
-                 done: int, seconds: float,
-                 config: ml_collections.ConfigDict) -> None:
+def log_training(
+    writer: MetricWriter,
+    timer: StepTimer,
+    pending: list,
+    done: int,
+    seconds: float,
+    config: ml_collections.ConfigDict,
+) -> None:
     """Writes the mean of the ``pending`` steps' metrics (host values, the
     last at step ``done``) with the lap's speed (tokens/s over ``seconds``,
     step-time p50 and p90) and the memory (:func:`memory_metrics`), and
     prints a progress line with the time left."""
     tokens = len(pending) * config.train.batch_size * config.data.block_size
-    logged = {f"train/{k}": float(np.mean([m[k] for m in pending]))
-              for k in pending[0]}
+    logged = {f"train/{k}": float(np.mean([m[k] for m in pending])) for k in pending[0]}
     logged["train/tokens_per_sec"] = tokens / seconds
     percentiles = timer.percentiles_ms(len(pending))
     logged.update({f"train/{k}": v for k, v in percentiles.items()})
@@ -164,18 +181,25 @@ def log_training(writer: MetricWriter, timer: StepTimer, pending: list,
     writer.write(done, logged)
     steps = config.train.steps
     eta = (steps - done) * timer.wall / timer.steps
-    peak = logged.get("memory/device_peak_bytes",
-                      logged["memory/host_peak_rss_bytes"])
-    log(f"step {done}/{steps}  loss {logged['train/loss']:.4f}  "
+    peak = logged.get("memory/device_peak_bytes", logged["memory/host_peak_rss_bytes"])
+    log(
+        f"step {done}/{steps}  loss {logged['train/loss']:.4f}  "
         f"{logged['train/tokens_per_sec']:,.0f} tokens/s  "
         f"{1e3 * seconds / len(pending):.1f} ms/step (p50 "
         f"{percentiles['step_ms_p50']:.1f}, p90 {percentiles['step_ms_p90']:.1f})  "
-        f"peak memory {peak / 2**20:,.0f} MiB  ETA {eta:.0f} s")
+        f"peak memory {peak / 2**20:,.0f} MiB  ETA {eta:.0f} s"
+    )
 
 
-def run_summary(config: ml_collections.ConfigDict, params: Any, vocab_size: int,
-                final: dict, timer: StepTimer, compile_seconds: float,
-                wall_start: float) -> dict:
+def run_summary(
+    config: ml_collections.ConfigDict,
+    params: Any,
+    vocab_size: int,
+    final: dict,
+    timer: StepTimer,
+    compile_seconds: float,
+    wall_start: float,
+) -> dict:
     """``train_and_evaluate``'s summary of the model (``params``) and the
     time (see its Returns)."""
     tokens_per_step = config.train.batch_size * config.data.block_size
@@ -196,26 +220,30 @@ def run_summary(config: ml_collections.ConfigDict, params: Any, vocab_size: int,
         "memory": {k.split("/", 1)[1]: v for k, v in memory_metrics().items()},
         "compile_seconds": compile_seconds,
         "steps": config.train.steps,
-        "wall_seconds": time.perf_counter() - wall_start}
+        "wall_seconds": time.perf_counter() - wall_start,
+    }
 
 
-def best_summary(config: ml_collections.ConfigDict, records: list[dict],
-                 steps_run: int) -> dict:
+def best_summary(
+    config: ml_collections.ConfigDict, records: list[dict], steps_run: int
+) -> dict:
     """The summary's ``best_step``, ``best``, ``train_at_best``, ``steps_run``
     and ``stopped_early`` (see ``train_and_evaluate``), from the run's
     ``metrics.jsonl`` ``records``."""
-    stopping = evaluation.EarlyStopping.from_records(
-        config.train.patience, records)
-    best = next((r for r in records
-                 if r["step"] == stopping.best_step and "eval/loss" in r), {})
+    stopping = evaluation.EarlyStopping.from_records(config.train.patience, records)
+    best = next(
+        (r for r in records if r["step"] == stopping.best_step and "eval/loss" in r), {}
+    )
     summary = {
         "best_step": stopping.best_step,
         "best": {k: v for k, v in best.items() if k.startswith("eval/")},
         "steps_run": steps_run,
-        "stopped_early": steps_run < config.train.steps}
+        "stopped_early": steps_run < config.train.steps,
+    }
     if config.train.eval_train_batches:
-        summary["train_at_best"] = {k: v for k, v in best.items()
-                                    if k.startswith("train_eval/")}
+        summary["train_at_best"] = {
+            k: v for k, v in best.items() if k.startswith("train_eval/")
+        }
     return summary
 
 
@@ -244,8 +272,9 @@ def count_params(params: Any) -> int:
     return int(sum(np.size(x) for x in jax.tree.leaves(params)))
 
 
-def matmul_rate(size: int = 1024, repeats: int = 10,
-                clock: Callable[[], float] = time.perf_counter) -> float:
+def matmul_rate(
+    size: int = 1024, repeats: int = 10, clock: Callable[[], float] = time.perf_counter
+) -> float:
     """FLOP/s of a float32 ``[size, size] @ [size, size]`` on the default
     device, now: ``2 size^3 / t``, with ``t`` the median over ``repeats``
     timed runs (by ``clock``: e.g. ``time.process_time`` for CPU time) after
@@ -262,8 +291,10 @@ def matmul_rate(size: int = 1024, repeats: int = 10,
         True
     """
     if size < 1 or repeats < 1:
-        raise ValueError(f"matmul_rate needs size >= 1 and repeats >= 1; got "
-                         f"size={size}, repeats={repeats}.")
+        raise ValueError(
+            f"matmul_rate needs size >= 1 and repeats >= 1; got "
+            f"size={size}, repeats={repeats}."
+        )
     a = jnp.ones((size, size), jnp.float32)
     matmul = jax.jit(jnp.dot)
     jax.block_until_ready(matmul(a, a))

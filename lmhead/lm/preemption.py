@@ -18,8 +18,10 @@ class Preempted(Exception):
     """``train_and_evaluate`` stopped on SIGTERM; a checkpoint of ``step`` is saved."""
 
     def __init__(self, step: int, directory: str):
-        super().__init__(f"Stopped by SIGTERM at step {step}; its checkpoint is "
-                         f"in {directory}. Rerun the same command to resume.")
+        super().__init__(
+            f"Stopped by SIGTERM at step {step}; its checkpoint is "
+            f"in {directory}. Rerun the same command to resume."
+        )
         self.step = step
 
 
@@ -32,8 +34,10 @@ def sigterm_flag():
     JAX's preemption sync point decides (see :func:`stop_requested`).
     """
     event = threading.Event()
-    if (jax.process_count() > 1
-            or threading.current_thread() is not threading.main_thread()):
+    if (
+        jax.process_count() > 1
+        or threading.current_thread() is not threading.main_thread()
+    ):
         yield event
         return
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: event.set())

@@ -20,7 +20,8 @@ import functools
 import json
 import math
 import os
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -36,6 +37,7 @@ LogitsFn = Callable[[Any, jax.Array], jax.Array]
 class ModelLogits(NamedTuple):
     """The ``logits_fn`` of a :class:`model.DecoderLM` (hashable, so that
     equal models share one compiled scorer)."""
+
     model: model_lib.DecoderLM
 
     def __call__(self, params: Any, tokens: jax.Array) -> jax.Array:
@@ -61,10 +63,15 @@ def window_starts(num_tokens: int, window: int, stride: int) -> np.ndarray:
     return np.arange(count) * stride
 
 
-def strided_log_probs(logits_fn: LogitsFn, params: Any,
-                      tokens: np.ndarray, *, window: int,
-                      stride: int | None = None,
-                      batch_size: int = 8) -> np.ndarray:
+def strided_log_probs(
+    logits_fn: LogitsFn,
+    params: Any,
+    tokens: np.ndarray,
+    *,
+    window: int,
+    stride: int | None = None,
+    batch_size: int = 8,
+) -> np.ndarray:
     r"""``float32 [N - 1]``: :math:`\log p(y_j \mid y_{c_j:j})` for ``j = 1..N-1``.
 
     Window ``k`` feeds ``tokens[s_k : s_k + L]`` (``s_k = k * stride``) and
@@ -106,11 +113,14 @@ def strided_log_probs(logits_fn: LogitsFn, params: Any,
     """
     tokens = np.asarray(tokens)
     if not np.issubdtype(tokens.dtype, np.integer) or tokens.ndim != 1:
-        raise ValueError(f"tokens must be an int array [N]; got {tokens.dtype} "
-                         f"{tokens.shape}.")
+        raise ValueError(
+            f"tokens must be an int array [N]; got {tokens.dtype} {tokens.shape}."
+        )
     if tokens.shape[0] < 2:
-        raise ValueError("tokens must hold at least 2 tokens (the first is only "
-                         f"context); got {tokens.shape[0]}.")
+        raise ValueError(
+            "tokens must hold at least 2 tokens (the first is only "
+            f"context); got {tokens.shape[0]}."
+        )
     stride = max(1, window // 2) if stride is None else stride
     if not 1 <= stride <= window:
         raise ValueError(f"stride must be in [1, window={window}]; got {stride}.")
@@ -118,16 +128,27 @@ def strided_log_probs(logits_fn: LogitsFn, params: Any,
         raise ValueError(f"batch_size must be >= 1; got {batch_size}.")
     inputs, targets, weights = _windows(tokens, window, stride)
     padding = -len(inputs) % batch_size
-    inputs, targets, weights = (np.pad(x, [(0, padding), (0, 0)])
-                                for x in (inputs, targets, weights))
-    scores = [np.asarray(_window_log_probs(
-        logits_fn, params, inputs[i:i + batch_size], targets[i:i + batch_size],
-        weights[i:i + batch_size])) for i in range(0, len(inputs), batch_size)]
+    inputs, targets, weights = (
+        np.pad(x, [(0, padding), (0, 0)]) for x in (inputs, targets, weights)
+    )
+    scores = [
+        np.asarray(
+            _window_log_probs(
+                logits_fn,
+                params,
+                inputs[i : i + batch_size],
+                targets[i : i + batch_size],
+                weights[i : i + batch_size],
+            )
+        )
+        for i in range(0, len(inputs), batch_size)
+    ]
     scores = np.concatenate(scores)[weights > 0]
     if not np.all(np.isfinite(scores)):
         raise ValueError(
             f"{np.sum(~np.isfinite(scores))} token scores are not finite: are "
-            "the token ids in the model's vocabulary and the parameters finite?")
+            "the token ids in the model's vocabulary and the parameters finite?"
+        )
     return scores
 
 
@@ -154,6 +175,7 @@ class TextScore:
         num_characters: characters of the scored tokens (the text less its
             first token).
     """
+
     name: str
     token_texts: list[str]
     log_probs: np.ndarray
@@ -166,16 +188,28 @@ class TextScore:
         chars)``, and the counts."""
         nats = -float(np.sum(self.log_probs, dtype=np.float64))
         tokens, chars = len(self.log_probs), self.num_characters
-        return {"name": self.name, "tokens": tokens, "characters": chars,
-                "nats": nats, "nats_per_token": nats / tokens,
-                "bits_per_character": nats / math.log(2.0) / chars,
-                "perplexity_per_token": math.exp(nats / tokens),
-                "perplexity_per_character": math.exp(nats / chars)}
+        return {
+            "name": self.name,
+            "tokens": tokens,
+            "characters": chars,
+            "nats": nats,
+            "nats_per_token": nats / tokens,
+            "bits_per_character": nats / math.log(2.0) / chars,
+            "perplexity_per_token": math.exp(nats / tokens),
+            "perplexity_per_character": math.exp(nats / chars),
+        }
 
 
-def score_text(model: model_lib.DecoderLM, params: Any, tokenizer: Any,
-               text: str, *, name: str = "text", stride: int | None = None,
-               batch_size: int = 8) -> TextScore:
+def score_text(
+    model: model_lib.DecoderLM,
+    params: Any,
+    tokenizer: Any,
+    text: str,
+    *,
+    name: str = "text",
+    stride: int | None = None,
+    batch_size: int = 8,
+) -> TextScore:
     """Scores ``text`` under a :class:`model.DecoderLM` with
     :func:`strided_log_probs` (window ``model.max_len``).
 
@@ -190,14 +224,25 @@ def score_text(model: model_lib.DecoderLM, params: Any, tokenizer: Any,
     except ValueError as error:
         raise ValueError(f"{name}: {error}") from error
     if len(ids) < 2:
-        raise ValueError(f"{name}: the text must encode to at least 2 tokens "
-                         f"(the first is only context); got {len(ids)}.")
-    log_probs = strided_log_probs(ModelLogits(model), params, ids,
-                                  window=model.max_len, stride=stride,
-                                  batch_size=batch_size)
+        raise ValueError(
+            f"{name}: the text must encode to at least 2 tokens "
+            f"(the first is only context); got {len(ids)}."
+        )
+    log_probs = strided_log_probs(
+        ModelLogits(model),
+        params,
+        ids,
+        window=model.max_len,
+        stride=stride,
+        batch_size=batch_size,
+    )
     pieces = [tokenizer.decode([i]) for i in ids]
-    return TextScore(name=name, token_texts=pieces[1:], log_probs=log_probs,
-                     num_characters=max(1, len(text) - len(pieces[0])))
+    return TextScore(
+        name=name,
+        token_texts=pieces[1:],
+        log_probs=log_probs,
+        num_characters=max(1, len(text) - len(pieces[0])),
+    )
 
 
 def read_texts(paths: list[str], texts: list[str]) -> list[tuple[str, str]]:
@@ -223,11 +268,13 @@ def read_texts(paths: list[str], texts: list[str]) -> list[tuple[str, str]]:
 def format_score(score: TextScore) -> str:
     """One line of :meth:`TextScore.summary` for people."""
     s = score.summary()
-    return (f"{s['name']}: {s['nats']:.2f} nats over {s['tokens']} tokens "
-            f"({s['characters']} characters): {s['nats_per_token']:.4f} "
-            f"nats/token, {s['bits_per_character']:.4f} bits/char, perplexity "
-            f"{s['perplexity_per_token']:.3f}/token "
-            f"{s['perplexity_per_character']:.3f}/char")
+    return (
+        f"{s['name']}: {s['nats']:.2f} nats over {s['tokens']} tokens "
+        f"({s['characters']} characters): {s['nats_per_token']:.4f} "
+        f"nats/token, {s['bits_per_character']:.4f} bits/char, perplexity "
+        f"{s['perplexity_per_token']:.3f}/token "
+        f"{s['perplexity_per_character']:.3f}/char"
+    )
 
 
 def format_json(scores: list[TextScore]) -> str:
@@ -246,5 +293,4 @@ def write_token_table(path: str, scores: list[TextScore]) -> None:
         f.write("name\ttoken\tlog_prob\n")
         for score in scores:
             for token, log_prob in zip(score.token_texts, score.log_probs):
-                f.write(f"{score.name}\t{token.translate(_ESCAPES)}\t"
-                        f"{log_prob:.6f}\n")
+                f.write(f"{score.name}\t{token.translate(_ESCAPES)}\t{log_prob:.6f}\n")

@@ -24,7 +24,6 @@ every process then sees the same global mesh, builds the same global batch
 :func:`is_main_process` says who writes logs.
 """
 
-import functools
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -33,9 +32,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from lmhead.vocab_parallel import DATA_AXIS, MODEL_AXIS
 
@@ -52,8 +51,9 @@ PARAM_RULES = (
 Rules = Sequence[tuple[str, P]]
 
 
-def make_mesh(data: int = -1, model: int = 1, *,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    data: int = -1, model: int = 1, *, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
     """A ``("data", "model")`` mesh over all devices (of every process).
 
     Args:
@@ -76,26 +76,34 @@ def make_mesh(data: int = -1, model: int = 1, *,
     devices = jax.devices() if devices is None else list(devices)
     count = len(devices)
     for name, size in (("data", data), ("model", model)):
-        if isinstance(size, bool) or not isinstance(size, int) or (
-                size < 1 and size != -1):
-            raise ValueError(f"mesh.{name} must be a positive integer or -1; "
-                             f"got {size!r}.")
+        if (
+            isinstance(size, bool)
+            or not isinstance(size, int)
+            or (size < 1 and size != -1)
+        ):
+            raise ValueError(
+                f"mesh.{name} must be a positive integer or -1; got {size!r}."
+            )
     if data == -1 and model == -1:
         raise ValueError("mesh.data and mesh.model cannot both be -1.")
     if -1 in (data, model):
         name, known = ("model", model) if data == -1 else ("data", data)
         if count % known:
-            raise ValueError(f"mesh.{name} = {known} does not divide the "
-                             f"{count} devices.")
-        data, model = (count // known, model) if data == -1 else (
-            data, count // known)
+            raise ValueError(
+                f"mesh.{name} = {known} does not divide the {count} devices."
+            )
+        data, model = (count // known, model) if data == -1 else (data, count // known)
     if data * model != count:
         raise ValueError(
             f"mesh.data * mesh.model must equal the number of devices, {count};"
-            f" got {data} x {model} = {data * model}.")
-    return jax.make_mesh((data, model), (DATA_AXIS, MODEL_AXIS),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2,
-                         devices=devices)
+            f" got {data} x {model} = {data * model}."
+        )
+    return jax.make_mesh(
+        (data, model),
+        (DATA_AXIS, MODEL_AXIS),
+        axis_types=(jax.sharding.AxisType.Auto,) * 2,
+        devices=devices,
+    )
 
 
 def leaf_path(path: Sequence[Any]) -> str:
@@ -122,8 +130,10 @@ def partition_specs(tree: Any, rules: Rules = PARAM_RULES) -> Any:
         name = leaf_path(path)
         spec = next((s for r, s in compiled if r.search(name)), P())
         if len(spec) > np.ndim(leaf):
-            raise ValueError(f"The rule for {name!r} gives {spec}, but the leaf"
-                             f" has shape {np.shape(leaf)}.")
+            raise ValueError(
+                f"The rule for {name!r} gives {spec}, but the leaf"
+                f" has shape {np.shape(leaf)}."
+            )
         return spec
 
     return jax.tree_util.tree_map_with_path(spec_of, tree)
@@ -142,6 +152,7 @@ def tree_shardings(tree: Any, mesh: Mesh, rules: Rules = PARAM_RULES) -> Any:
         >>> tree_shardings({"head": {"bias": np.zeros(6)}}, mesh)["head"]["bias"].spec
         P('model',)
     """
+
     def sharding_of(path, leaf, spec):
         for dim, axes in enumerate(spec):
             axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
@@ -152,7 +163,8 @@ def tree_shardings(tree: Any, mesh: Mesh, rules: Rules = PARAM_RULES) -> Any:
                     f"{dim} ({np.shape(leaf)[dim]}) must be divisible by mesh "
                     f"axes {axes} of size {ways}. For the vocabulary, choose "
                     "mesh.model dividing the vocabulary size (or a BPE "
-                    "data.vocab_size that is a multiple of it).")
+                    "data.vocab_size that is a multiple of it)."
+                )
         return NamedSharding(mesh, spec)
 
     specs = partition_specs(tree, rules)
@@ -185,11 +197,14 @@ def process_rows(batch_size: int, mesh: Mesh) -> np.ndarray:
         raise ValueError(
             f"The batch size ({batch_size}) must be divisible by the mesh's "
             f"data axis ({ways}); set config.train.batch_size to a multiple "
-            "of config.mesh.data.")
-    indices = batch_sharding(mesh).addressable_devices_indices_map(
-        (batch_size,)).values()
-    return np.unique(np.concatenate(
-        [np.arange(batch_size)[index[0]] for index in indices]))
+            "of config.mesh.data."
+        )
+    indices = (
+        batch_sharding(mesh).addressable_devices_indices_map((batch_size,)).values()
+    )
+    return np.unique(
+        np.concatenate([np.arange(batch_size)[index[0]] for index in indices])
+    )
 
 
 def shard_batch(batch: Any, mesh: Mesh) -> Any:
@@ -208,8 +223,7 @@ def shard_batch(batch: Any, mesh: Mesh) -> Any:
     def put(x):
         x = np.asarray(x)
         rows = process_rows(x.shape[0], mesh)
-        return jax.make_array_from_process_local_data(sharding, x[rows],
-                                                      x.shape)
+        return jax.make_array_from_process_local_data(sharding, x[rows], x.shape)
 
     return jax.tree.map(put, batch)
 
@@ -226,8 +240,9 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
 
     def put(x):
         if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
-            return jax.random.wrap_key_data(put(jax.random.key_data(x)),
-                                            impl=jax.random.key_impl(x))
+            return jax.random.wrap_key_data(
+                put(jax.random.key_data(x)), impl=jax.random.key_impl(x)
+            )
         x = np.asarray(x)
         return jax.make_array_from_process_local_data(sharding, x, x.shape)
 
@@ -265,23 +280,25 @@ def abstract_state(tree: Any, shardings: Any) -> Any:
     """``jax.ShapeDtypeStruct`` leaves that carry ``shardings``: the target
     that orbax restores a checkpoint onto, whatever mesh wrote it."""
     return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        tree, shardings)
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
 
 
-def initialize_distributed(coordinator_address: str | None = None,
-                           num_processes: int | None = None,
-                           process_id: int | None = None) -> None:
+def initialize_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> None:
     """``jax.distributed.initialize`` for a run over several processes.
 
     With no arguments, JAX detects the cluster (Cloud TPU, SLURM, Open MPI);
     elsewhere give all three, the same address on every process. Call it
     before anything else touches JAX.
     """
-    given = [x is not None for x in (coordinator_address, num_processes,
-                                     process_id)]
+    given = [x is not None for x in (coordinator_address, num_processes, process_id)]
     if any(given) and not all(given):
         raise ValueError(
             "coordinator_address, num_processes and process_id go together: "
-            "give all three, or none to detect the cluster.")
+            "give all three, or none to detect the cluster."
+        )
     jax.distributed.initialize(coordinator_address, num_processes, process_id)

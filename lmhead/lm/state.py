@@ -20,9 +20,8 @@ import optax
 import orbax.checkpoint as ocp
 from flax.training import train_state
 
-from lmhead.lm import checkpoints
+from lmhead.lm import checkpoints, sharding
 from lmhead.lm import model as model_lib
-from lmhead.lm import sharding
 
 TrainState = train_state.TrainState
 
@@ -52,6 +51,7 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
         ratio = jnp.clip((step - warmup) / max(steps - warmup, 1), 0.0, 1.0)
         cosine = floor + 0.5 * (1.0 + jnp.cos(jnp.pi * ratio)) * (peak - floor)
         return jnp.where(step < warmup, peak * (step + 1) / (warmup + 1), cosine)
+
     return schedule
 
 
@@ -64,34 +64,43 @@ def weight_decay_mask(params: Any) -> Any:
         {'embed': {'embedding': False}, 'head': {'unembedding': False}, 'mlp': {'bias': False, 'kernel': True}}
     """
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: getattr(path[-1], "key", None) == "kernel", params)
+        lambda path, _: getattr(path[-1], "key", None) == "kernel", params
+    )
 
 
-def make_optimizer(config: ml_collections.ConfigDict
-                   ) -> optax.GradientTransformation:
+def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW with the masked weight decay."""
     adamw = optax.adamw(
-        learning_rate_schedule(config), b1=config.optim.b1, b2=config.optim.b2,
-        weight_decay=config.optim.weight_decay, mask=weight_decay_mask)
+        learning_rate_schedule(config),
+        b1=config.optim.b1,
+        b2=config.optim.b2,
+        weight_decay=config.optim.weight_decay,
+        mask=weight_decay_mask,
+    )
     if not config.optim.grad_clip:
         return adamw
     return optax.chain(optax.clip_by_global_norm(config.optim.grad_clip), adamw)
 
 
-def create_train_state(model: model_lib.DecoderLM,
-                       config: ml_collections.ConfigDict,
-                       key: jax.Array) -> TrainState:
+def create_train_state(
+    model: model_lib.DecoderLM, config: ml_collections.ConfigDict, key: jax.Array
+) -> TrainState:
     """Initial parameters and optimizer state; ``step`` is an int32 array."""
     tokens = jnp.zeros((1, config.data.block_size), jnp.int32)
     params = model.init(key, tokens)["params"]
-    state = TrainState.create(apply_fn=model.apply, params=params,
-                              tx=make_optimizer(config))
+    state = TrainState.create(
+        apply_fn=model.apply, params=params, tx=make_optimizer(config)
+    )
     return state.replace(step=jnp.zeros((), jnp.int32))
 
 
-def restore_or_init(manager: ocp.CheckpointManager, model: model_lib.DecoderLM,
-                    config: ml_collections.ConfigDict, key: jax.Array,
-                    mesh: jax.sharding.Mesh | None = None) -> TrainState:
+def restore_or_init(
+    manager: ocp.CheckpointManager,
+    model: model_lib.DecoderLM,
+    config: ml_collections.ConfigDict,
+    key: jax.Array,
+    mesh: jax.sharding.Mesh | None = None,
+) -> TrainState:
     """The newest checkpoint's state, or a fresh one initialised from ``key``,
     sharded over ``mesh`` (default: the first device) whatever mesh saved it.
 

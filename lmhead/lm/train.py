@@ -61,20 +61,20 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from lmhead.lm import checkpoints
-from lmhead.lm import configuration
-from lmhead.lm import data
-from lmhead.lm import evaluation
-from lmhead.lm import generation
 from lmhead import losses
+from lmhead.lm import (
+    checkpoints,
+    configuration,
+    data,
+    evaluation,
+    generation,
+    monitoring,
+    preemption,
+    sharding,
+    versions,
+)
 from lmhead.lm import model as model_lib
-from lmhead.lm import monitoring
-from lmhead.lm import preemption
-from lmhead.lm import sharding
 from lmhead.lm import state as state_lib
-from lmhead.lm import versions
-
-
 
 
 def loss_keywords(loss_config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -85,22 +85,39 @@ def loss_keywords(loss_config: ml_collections.ConfigDict) -> dict[str, Any]:
     return keywords
 
 
-def train_loss(params: Any, batch: dict[str, jax.Array], key: jax.Array, *,
-               model: model_lib.DecoderLM, loss_kwargs: dict[str, Any]
-               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+def train_loss(
+    params: Any,
+    batch: dict[str, jax.Array],
+    key: jax.Array,
+    *,
+    model: model_lib.DecoderLM,
+    loss_kwargs: dict[str, Any],
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The objective that ``train_step`` differentiates: ``DecoderLM.loss``
     of ``batch`` with ``train=True`` and dropout key ``key``. Returns the
     loss and ``{"nll", "accuracy"}``."""
     loss, metrics = model.apply(
-        {"params": params}, batch["inputs"], batch["labels"], train=True,
-        rngs={"dropout": key}, method=model_lib.DecoderLM.loss, **loss_kwargs)
+        {"params": params},
+        batch["inputs"],
+        batch["labels"],
+        train=True,
+        rngs={"dropout": key},
+        method=model_lib.DecoderLM.loss,
+        **loss_kwargs,
+    )
     return loss, {"nll": metrics["nll"], "accuracy": metrics["accuracy"]}
 
 
-def train_step(state: state_lib.TrainState, batch: dict[str, jax.Array], key: jax.Array,
-               *, model: model_lib.DecoderLM, loss_kwargs: dict[str, Any],
-               learning_rate_fn: optax.Schedule, microbatches: int = 1
-               ) -> tuple[state_lib.TrainState, dict[str, jax.Array]]:
+def train_step(
+    state: state_lib.TrainState,
+    batch: dict[str, jax.Array],
+    key: jax.Array,
+    *,
+    model: model_lib.DecoderLM,
+    loss_kwargs: dict[str, Any],
+    learning_rate_fn: optax.Schedule,
+    microbatches: int = 1,
+) -> tuple[state_lib.TrainState, dict[str, jax.Array]]:
     """One AdamW step on ``batch = {"inputs": [B, T], "labels": [B, T]}``.
 
     The dropout key is ``fold_in(key, state.step)``: a function of the step.
@@ -113,18 +130,25 @@ def train_step(state: state_lib.TrainState, batch: dict[str, jax.Array], key: ja
     accuracy, grad_norm (before clipping) and learning_rate.
     """
     dropout_key = jax.random.fold_in(key, state.step)
-    grad_fn = jax.value_and_grad(functools.partial(
-        train_loss, model=model, loss_kwargs=loss_kwargs), has_aux=True)
-    (loss, metrics), grads = accumulate(grad_fn, state.params, batch,
-                                        dropout_key, microbatches)
+    grad_fn = jax.value_and_grad(
+        functools.partial(train_loss, model=model, loss_kwargs=loss_kwargs),
+        has_aux=True,
+    )
+    (loss, metrics), grads = accumulate(
+        grad_fn, state.params, batch, dropout_key, microbatches
+    )
     new_state = state.apply_gradients(grads=grads)
-    return new_state, {"loss": loss, **metrics,
-                       "grad_norm": optax.tree.norm(grads),
-                       "learning_rate": learning_rate_fn(state.step)}
+    return new_state, {
+        "loss": loss,
+        **metrics,
+        "grad_norm": optax.tree.norm(grads),
+        "learning_rate": learning_rate_fn(state.step),
+    }
 
 
-def accumulate(fn, params: Any, batch: dict[str, jax.Array], key: jax.Array,
-               microbatches: int = 1) -> Any:
+def accumulate(
+    fn, params: Any, batch: dict[str, jax.Array], key: jax.Array, microbatches: int = 1
+) -> Any:
     """``fn(params, batch, key)`` in ``microbatches`` pieces, as
     ``train_step`` computes its gradient (``fn``: the ``value_and_grad`` of
     :func:`train_loss`).
@@ -138,25 +162,33 @@ def accumulate(fn, params: Any, batch: dict[str, jax.Array], key: jax.Array,
         return fn(params, batch, key)
     size = batch["inputs"].shape[0]
     if size % microbatches:
-        raise ValueError(f"train.microbatches={microbatches} must divide the "
-                         f"batch size {size}.")
+        raise ValueError(
+            f"train.microbatches={microbatches} must divide the batch size {size}."
+        )
     # [B, ...] -> [n, B / n, ...] without moving rows across data shards.
-    split = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(
-        size // microbatches, microbatches, *x.shape[1:]), 0, 1), batch)
+    split = jax.tree.map(
+        lambda x: jnp.swapaxes(
+            x.reshape(size // microbatches, microbatches, *x.shape[1:]), 0, 1
+        ),
+        batch,
+    )
 
     def add(total, index_and_batch):
         index, microbatch = index_and_batch
         result = fn(params, microbatch, jax.random.fold_in(key, index))
         return jax.tree.map(jnp.add, total, result), None
 
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
-        fn, params, jax.tree.map(lambda x: x[0], split), key))
+    zeros = jax.tree.map(
+        lambda x: jnp.zeros(x.shape, x.dtype),
+        jax.eval_shape(fn, params, jax.tree.map(lambda x: x[0], split), key),
+    )
     total, _ = jax.lax.scan(add, zeros, (jnp.arange(microbatches), split))
     return jax.tree.map(lambda x: x / microbatches, total)
 
 
-def eval_step(params: Any, batch: dict[str, jax.Array], *,
-              model: model_lib.DecoderLM) -> dict[str, jax.Array]:
+def eval_step(
+    params: Any, batch: dict[str, jax.Array], *, model: model_lib.DecoderLM
+) -> dict[str, jax.Array]:
     """Sums over one evaluation batch, to add up over the whole set.
 
     ``batch`` is ``data.eval_batches``'s: inputs, labels and weights (0 on
@@ -169,17 +201,24 @@ def eval_step(params: Any, batch: dict[str, jax.Array], *,
     """
     logits = model.apply({"params": params}, batch["inputs"])
     token_nll, metrics = losses.cross_entropy(
-        logits, batch["labels"], weights=batch["weights"], reduction="none")
-    return {"window_nll": jnp.sum(token_nll, axis=-1),
-            "window_count": jnp.sum(batch["weights"], axis=-1),
-            "correct_sum": metrics["accuracy"] * metrics["weight_sum"],
-            "bins": losses.calibration_bins(logits, batch["labels"],
-                                            batch["weights"])}
+        logits, batch["labels"], weights=batch["weights"], reduction="none"
+    )
+    return {
+        "window_nll": jnp.sum(token_nll, axis=-1),
+        "window_count": jnp.sum(batch["weights"], axis=-1),
+        "correct_sum": metrics["accuracy"] * metrics["weight_sum"],
+        "bins": losses.calibration_bins(logits, batch["labels"], batch["weights"]),
+    }
 
 
-def compile_steps(model: model_lib.DecoderLM, config: ml_collections.ConfigDict,
-                  state: state_lib.TrainState, batch: dict[str, np.ndarray], key: jax.Array,
-                  mesh: jax.sharding.Mesh | None = None):
+def compile_steps(
+    model: model_lib.DecoderLM,
+    config: ml_collections.ConfigDict,
+    state: state_lib.TrainState,
+    batch: dict[str, np.ndarray],
+    key: jax.Array,
+    mesh: jax.sharding.Mesh | None = None,
+):
     """Jits ``train_step`` (state donated, compiled ahead of time) and ``eval_step``.
 
     With a ``mesh``, the state is sharded by ``sharding.tree_shardings``, the
@@ -189,22 +228,28 @@ def compile_steps(model: model_lib.DecoderLM, config: ml_collections.ConfigDict,
     key)`` and ``eval_fn(params, batch)`` take the shapes of the examples.
     """
     step = functools.partial(
-        train_step, model=model, loss_kwargs=loss_keywords(config.loss),
+        train_step,
+        model=model,
+        loss_kwargs=loss_keywords(config.loss),
         learning_rate_fn=state_lib.learning_rate_schedule(config),
-        microbatches=config.train.microbatches)
+        microbatches=config.train.microbatches,
+    )
     train_shardings, eval_shardings = {}, {}
     if mesh is not None:
         state_shardings = sharding.tree_shardings(state, mesh)
         replicated = sharding.replicated(mesh)
         train_shardings = dict(
-            in_shardings=(state_shardings, sharding.batch_sharding(mesh),
-                          replicated),
-            out_shardings=(state_shardings, replicated))
+            in_shardings=(state_shardings, sharding.batch_sharding(mesh), replicated),
+            out_shardings=(state_shardings, replicated),
+        )
         eval_shardings = dict(out_shardings=replicated)
     start = time.perf_counter()
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        train_fn = jax.jit(step, donate_argnums=0, **train_shardings).lower(
-            state, batch, key).compile()
+        train_fn = (
+            jax.jit(step, donate_argnums=0, **train_shardings)
+            .lower(state, batch, key)
+            .compile()
+        )
     compile_seconds = time.perf_counter() - start
     eval_fn = jax.jit(functools.partial(eval_step, model=model), **eval_shardings)
     return train_fn, eval_fn, compile_seconds
@@ -252,7 +297,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     dataset = _load_dataset(config, workdir)
     model = configuration.make_model(config, dataset.vocab_size)
     init_key, dropout_key, sample_key = jax.random.split(
-        jax.random.key(config.train.seed), 3)
+        jax.random.key(config.train.seed), 3
+    )
     init_key, dropout_key = sharding.replicate((init_key, dropout_key), mesh)
     manager = checkpoints.checkpoint_manager(workdir)
     state = state_lib.restore_or_init(manager, model, config, init_key, mesh)
@@ -270,31 +316,56 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         versions.write_versions(workdir)
 
     def batch(step: int) -> dict[str, jax.Array]:
-        return sharding.shard_batch(data.train_batch(
-            dataset.train_tokens, seed=config.train.seed, step=step,
-            batch_size=config.train.batch_size,
-            block_size=config.data.block_size), mesh)
+        return sharding.shard_batch(
+            data.train_batch(
+                dataset.train_tokens,
+                seed=config.train.seed,
+                step=step,
+                batch_size=config.train.batch_size,
+                block_size=config.data.block_size,
+            ),
+            mesh,
+        )
 
     train_fn, eval_fn, compile_seconds = compile_steps(
-        model, config, state, batch(0), dropout_key, mesh)
-    monitoring.log(f"{monitoring.count_params(state.params):,} parameters; "
-                   f"train step compiled in {compile_seconds:.1f} s; starting "
-                   f"at step {int(state.step)}.")
+        model, config, state, batch(0), dropout_key, mesh
+    )
+    monitoring.log(
+        f"{monitoring.count_params(state.params):,} parameters; "
+        f"train step compiled in {compile_seconds:.1f} s; starting "
+        f"at step {int(state.step)}."
+    )
     eval_sets = evaluation.periodic_eval_sets(config, dataset, mesh)
     writer = monitoring.MetricWriter(workdir, int(state.step))
-    run = _Run(config, manager, writer, train_fn, batch, dropout_key,
-               evaluate=lambda params: {
-                   k: v for eval_set in eval_sets
-                   for k, v in evaluation.evaluate(eval_fn, params, eval_set).items()},
-               stopping=evaluation.EarlyStopping.from_records(
-                   config.train.patience, writer.records),
-               best_manager=(checkpoints.best_checkpoint_manager(workdir)
-                             if config.train.patience else None))
+    run = _Run(
+        config,
+        manager,
+        writer,
+        train_fn,
+        batch,
+        dropout_key,
+        evaluate=lambda params: {
+            k: v
+            for eval_set in eval_sets
+            for k, v in evaluation.evaluate(eval_fn, params, eval_set).items()
+        },
+        stopping=evaluation.EarlyStopping.from_records(
+            config.train.patience, writer.records
+        ),
+        best_manager=(
+            checkpoints.best_checkpoint_manager(workdir)
+            if config.train.patience
+            else None
+        ),
+    )
     try:
         state, timer = _train_loop(run, state)
         final = _final_evaluation(run, state)
-        test = (_test_evaluation(run, state, eval_fn, dataset, mesh)
-                if evaluation.wants_test_evaluation(config) else None)
+        test = (
+            _test_evaluation(run, state, eval_fn, dataset, mesh)
+            if evaluation.wants_test_evaluation(config)
+            else None
+        )
     finally:
         for closable in (writer, manager, run.best_manager):
             if closable is not None:
@@ -302,12 +373,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if config.sample.num_samples:
         params = sharding.to_host(state.params)  # every process takes part
         if sharding.is_main_process():
-            generation.write_samples(config, model, params, dataset.tokenizer,
-                                     sample_key, workdir)
-    summary = {**monitoring.run_summary(config, state.params, dataset.vocab_size,
-                                        final, timer, compile_seconds, wall_start),
-               **monitoring.best_summary(config, writer.records, int(state.step)),
-               **({"test": test} if test else {})}
+            generation.write_samples(
+                config, model, params, dataset.tokenizer, sample_key, workdir
+            )
+    summary = {
+        **monitoring.run_summary(
+            config,
+            state.params,
+            dataset.vocab_size,
+            final,
+            timer,
+            compile_seconds,
+            wall_start,
+        ),
+        **monitoring.best_summary(config, writer.records, int(state.step)),
+        **({"test": test} if test else {}),
+    }
     if sharding.is_main_process():
         with open(summary_path, "w") as f:
             json.dump(summary, f, indent=2)
@@ -319,7 +400,8 @@ def _load_dataset(config, workdir) -> data.Dataset:
     is known to encode: unknown characters fail now, not after training."""
     os.makedirs(workdir, exist_ok=True)
     dataset = sharding.main_process_first(
-        lambda: data.load_dataset(config.data, workdir))
+        lambda: data.load_dataset(config.data, workdir)
+    )
     try:
         dataset.tokenizer.encode(config.sample.prompt)
     except ValueError as e:
@@ -336,6 +418,7 @@ class _Run:
     ``train_eval/...``); ``best_manager`` keeps the best evaluation's
     checkpoint when ``train.patience`` is set.
     """
+
     config: ml_collections.ConfigDict
     manager: ocp.CheckpointManager
     writer: monitoring.MetricWriter
@@ -347,8 +430,9 @@ class _Run:
     best_manager: ocp.CheckpointManager | None
 
 
-def _train_loop(run: _Run, state: state_lib.TrainState
-                ) -> tuple[state_lib.TrainState, monitoring.StepTimer]:
+def _train_loop(
+    run: _Run, state: state_lib.TrainState
+) -> tuple[state_lib.TrainState, monitoring.StepTimer]:
     """Steps from ``state.step`` to ``train.steps`` (or an early stop) with
     the periodic actions: log, evaluate, checkpoint. The host reads metrics
     only at those steps and on SIGTERM; between them it waits for each step
@@ -373,8 +457,9 @@ def _train_loop(run: _Run, state: state_lib.TrainState
             done = step + 1
             evaluate_now = done % config.train.eval_every == 0 or done == steps
             checkpoint_now = done % config.train.checkpoint_every == 0 or done == steps
-            if not (evaluate_now or checkpoint_now
-                    or done % config.train.log_every == 0):
+            if not (
+                evaluate_now or checkpoint_now or done % config.train.log_every == 0
+            ):
                 continue
             _log_training(run, timer, pending, done, state)
             pending = []
@@ -386,14 +471,20 @@ def _train_loop(run: _Run, state: state_lib.TrainState
                 monitoring.log(
                     f"Stopped early at step {done}: {config.train.patience} "
                     "evaluations without a lower eval/loss than step "
-                    f"{run.stopping.best_step}'s.")
+                    f"{run.stopping.best_step}'s."
+                )
                 break
             timer.start()
     return state, timer
 
 
-def _log_training(run: _Run, timer: monitoring.StepTimer, pending: list,
-                  done: int, state: state_lib.TrainState) -> None:
+def _log_training(
+    run: _Run,
+    timer: monitoring.StepTimer,
+    pending: list,
+    done: int,
+    state: state_lib.TrainState,
+) -> None:
     """Waits for the ``pending`` steps' metrics (the last at step ``done``),
     checks them and ``state`` (``train.stop_on_nonfinite``), and logs them
     (:func:`monitoring.log_training`)."""
@@ -405,13 +496,16 @@ def _log_training(run: _Run, timer: monitoring.StepTimer, pending: list,
     monitoring.log_training(run.writer, timer, pending, done, seconds, run.config)
 
 
-def _log_evaluation(run: _Run, done: int, metrics: dict[str, float],
-                    state: state_lib.TrainState) -> None:
+def _log_evaluation(
+    run: _Run, done: int, metrics: dict[str, float], state: state_lib.TrainState
+) -> None:
     """Logs an evaluation and counts it for early stopping; a new best
     evaluation's state is kept in ``run.best_manager``."""
     run.writer.write(done, metrics)
-    monitoring.log(f"step {done}/{run.config.train.steps}  " + "  ".join(
-        f"{k} {v:.4f}" for k, v in metrics.items()))
+    monitoring.log(
+        f"step {done}/{run.config.train.steps}  "
+        + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+    )
     if run.stopping.update(done, metrics["eval/loss"]) and run.best_manager:
         checkpoints.save(run.best_manager, done, state)
 
@@ -420,33 +514,40 @@ def _final_evaluation(run: _Run, state: state_lib.TrainState) -> dict[str, float
     """The evaluation at the last step trained: the logged one, or a new one,
     logged."""
     step = int(state.step)
-    final = next((r for r in reversed(run.writer.records) if "eval/loss" in r),
-                 None)
+    final = next((r for r in reversed(run.writer.records) if "eval/loss" in r), None)
     if final is None or final["step"] != step:
         final = {"step": step, **run.evaluate(state.params)}
         run.writer.write(step, {k: v for k, v in final.items() if k != "step"})
     return final
 
 
-def _test_evaluation(run: _Run, state: state_lib.TrainState, eval_fn,
-                     dataset: data.Dataset, mesh) -> dict[str, float]:
+def _test_evaluation(
+    run: _Run, state: state_lib.TrainState, eval_fn, dataset: data.Dataset, mesh
+) -> dict[str, float]:
     """The whole test split, read now (nothing reads it before), evaluated
     once with the best evaluation's parameters (``train.patience`` set) or
     the last; logged as ``test/...``."""
     test_set = evaluation.make_eval_set(
-        "test", data.load_test_tokens(run.config.data, dataset.tokenizer), None,
-        run.config, dataset.tokenizer, mesh)
+        "test",
+        data.load_test_tokens(run.config.data, dataset.tokenizer),
+        None,
+        run.config,
+        dataset.tokenizer,
+        mesh,
+    )
     params, step = state.params, int(state.step)
     if run.best_manager is not None:
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=x.sharding), state)
+        target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+        )
         best = checkpoints.restore_newest(run.best_manager, target)
         params, step = best.params, int(best.step)
     metrics = evaluation.evaluate(eval_fn, params, test_set)
     run.writer.write(int(state.step), metrics)
     monitoring.log("test  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-    return {**{k.split("/", 1)[1]: v for k, v in metrics.items()},
-            "num_tokens": test_set.num_tokens, "num_chars": test_set.num_chars,
-            "step": step}
-
-
+    return {
+        **{k.split("/", 1)[1]: v for k, v in metrics.items()},
+        "num_tokens": test_set.num_tokens,
+        "num_chars": test_set.num_chars,
+        "step": step,
+    }

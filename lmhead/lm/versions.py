@@ -32,9 +32,11 @@ def versions() -> dict[str, str | int]:
     """
     record = {"python": platform.python_version()}
     record.update({name: importlib.metadata.version(name) for name in PACKAGES})
-    record.update(backend=jax.default_backend(),
-                  device_kind=jax.devices()[0].device_kind,
-                  device_count=jax.device_count())
+    record.update(
+        backend=jax.default_backend(),
+        device_kind=jax.devices()[0].device_kind,
+        device_count=jax.device_count(),
+    )
     return record
 
 

@@ -16,7 +16,8 @@ import itertools
 import math
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,6 +27,7 @@ from lmhead.lm import model as model_lib
 from lmhead.lm import scoring
 from lmhead.serve import requests
 from lmhead.serve.requests import GenerateRequest, ScoreRequest, bucket
+
 
 def _json_float(x: float) -> float | None:
     """JSON has no infinities: a non-finite value becomes null."""
@@ -60,8 +62,16 @@ class Engine:
         >>> batcher.stop()
     """
 
-    def __init__(self, model: model_lib.DecoderLM, params: Any, tokenizer: Any,
-                 buckets: requests.Buckets, *, seed: int = 0, score_batch_size: int = 8):
+    def __init__(
+        self,
+        model: model_lib.DecoderLM,
+        params: Any,
+        tokenizer: Any,
+        buckets: requests.Buckets,
+        *,
+        seed: int = 0,
+        score_batch_size: int = 8,
+    ):
         buckets.check(model.max_len)
         self.model, self.params, self.tokenizer = model, params, tokenizer
         self.buckets, self.score_batch_size = buckets, score_batch_size
@@ -79,20 +89,30 @@ class Engine:
         history[:, 0] = 0  # padding rows: a one-token prompt
         lengths = np.ones([rows], np.int32)
         for row, ids in enumerate(prompts):
-            history[row, :len(ids)], lengths[row] = ids, len(ids)
+            history[row, : len(ids)], lengths[row] = ids, len(ids)
         time_ = bucket(int(lengths.max()), self.buckets.prompt_lengths)
         logits, cache = model_lib.prefill(
-            self.model, self.params, np.maximum(history[:, :time_], 0), lengths)
+            self.model, self.params, np.maximum(history[:, :time_], 0), lengths
+        )
         return logits, cache, history
 
-    def _completion(self, prompt_index: int, ids: np.ndarray, length: int,
-                    log_probs: np.ndarray | None = None,
-                    score: float | None = None) -> dict[str, Any]:
+    def _completion(
+        self,
+        prompt_index: int,
+        ids: np.ndarray,
+        length: int,
+        log_probs: np.ndarray | None = None,
+        score: float | None = None,
+    ) -> dict[str, Any]:
         ids = ids[:length]
-        completion = {"prompt_index": prompt_index,
-                      "text": decoding.detokenize(ids, self.tokenizer,
-                                                  eos_id=self.tokenizer.eos_id),
-                      "token_ids": ids.tolist(), "length": int(length)}
+        completion = {
+            "prompt_index": prompt_index,
+            "text": decoding.detokenize(
+                ids, self.tokenizer, eos_id=self.tokenizer.eos_id
+            ),
+            "token_ids": ids.tolist(),
+            "length": int(length),
+        }
         if log_probs is not None:
             completion["log_probs"] = [_json_float(x) for x in log_probs[:length]]
         if score is not None:
@@ -110,68 +130,124 @@ class Engine:
                     owners.append((index, p))
                     prompts.append(ids)
         logits, cache, history = self._prefill(prompts)
-        knobs = {name: np.full([len(logits)], off, dtype) for name, off, dtype in (
-            ("temperature", 0.0, np.float32), ("top_k", 0, np.int32),
-            ("top_p", 1.0, np.float32), ("min_p", 0.0, np.float32))}
+        knobs = {
+            name: np.full([len(logits)], off, dtype)
+            for name, off, dtype in (
+                ("temperature", 0.0, np.float32),
+                ("top_k", 0, np.int32),
+                ("top_p", 1.0, np.float32),
+                ("min_p", 0.0, np.float32),
+            )
+        }
         for row, (index, _) in enumerate(owners):
             for name, values in knobs.items():
                 values[row] = getattr(requests[index], name)
         seeded = len(requests) == 1 and requests[0].seed is not None
-        key = (jax.random.key(requests[0].seed) if seeded
-               else jax.random.fold_in(self._key, next(self._batch_index)))
-        num_new = bucket(max(r.max_new_tokens for r in requests), self.buckets.new_tokens)
-        tokens, log_probs, lengths = jax.device_get(decoding.generate(
-            self._step_fn, self.params, logits, cache, key=key,
-            max_new_tokens=num_new, prompt_tokens=history,
-            repetition_penalty=np.float32(requests[0].repetition_penalty),
-            eos_id=self.tokenizer.eos_id, donate_state=True, **knobs))
+        key = (
+            jax.random.key(requests[0].seed)
+            if seeded
+            else jax.random.fold_in(self._key, next(self._batch_index))
+        )
+        num_new = bucket(
+            max(r.max_new_tokens for r in requests), self.buckets.new_tokens
+        )
+        tokens, log_probs, lengths = jax.device_get(
+            decoding.generate(
+                self._step_fn,
+                self.params,
+                logits,
+                cache,
+                key=key,
+                max_new_tokens=num_new,
+                prompt_tokens=history,
+                repetition_penalty=np.float32(requests[0].repetition_penalty),
+                eos_id=self.tokenizer.eos_id,
+                donate_state=True,
+                **knobs,
+            )
+        )
         results = [[] for _ in requests]
         for row, (index, p) in enumerate(owners):
             request = requests[index]
-            results[index].append(self._completion(
-                p, tokens[row], min(lengths[row], request.max_new_tokens),
-                log_probs[row] if request.logprobs else None))
+            results[index].append(
+                self._completion(
+                    p,
+                    tokens[row],
+                    min(lengths[row], request.max_new_tokens),
+                    log_probs[row] if request.logprobs else None,
+                )
+            )
         return results
 
     def beam(self, requests: list[GenerateRequest]) -> list[list[dict]]:
         """Beam-search requests of one ``num_beams`` and ``max_new_tokens``."""
         num_beams, num_new = requests[0].num_beams, requests[0].max_new_tokens
-        owners = [(index, p) for index, request in enumerate(requests)
-                  for p in range(len(request.prompt_ids))]
+        owners = [
+            (index, p)
+            for index, request in enumerate(requests)
+            for p in range(len(request.prompt_ids))
+        ]
         logits, cache, _ = self._prefill(
-            [ids for request in requests for ids in request.prompt_ids])
-        tokens, scores, lengths = jax.device_get(decoding.beam_search(
-            self._step_fn, self.params, logits, cache, num_beams=num_beams,
-            max_new_tokens=num_new, eos_id=self.tokenizer.eos_id,
-            num_return_sequences=num_beams))
+            [ids for request in requests for ids in request.prompt_ids]
+        )
+        tokens, scores, lengths = jax.device_get(
+            decoding.beam_search(
+                self._step_fn,
+                self.params,
+                logits,
+                cache,
+                num_beams=num_beams,
+                max_new_tokens=num_new,
+                eos_id=self.tokenizer.eos_id,
+                num_return_sequences=num_beams,
+            )
+        )
         results = [[] for _ in requests]
         for row, (index, p) in enumerate(owners):
             for k in range(requests[index].num_return_sequences):
-                results[index].append(self._completion(
-                    p, tokens[row, k], lengths[row, k], score=scores[row, k]))
+                results[index].append(
+                    self._completion(
+                        p, tokens[row, k], lengths[row, k], score=scores[row, k]
+                    )
+                )
         return results
 
     def score(self, request: ScoreRequest) -> dict[str, Any]:
         """:func:`scoring.score_text`'s totals, tokens and log-probs."""
         try:
             score = scoring.score_text(
-                self.model, self.params, self.tokenizer, request.text,
-                stride=request.stride, batch_size=self.score_batch_size)
+                self.model,
+                self.params,
+                self.tokenizer,
+                request.text,
+                stride=request.stride,
+                batch_size=self.score_batch_size,
+            )
         except ValueError as error:
             raise requests.RequestError("text", str(error)) from None
         summary = score.summary()
         del summary["name"]
-        return dict(summary, token_texts=score.token_texts,
-                    log_probs=[_json_float(x) for x in score.log_probs])
+        return dict(
+            summary,
+            token_texts=score.token_texts,
+            log_probs=[_json_float(x) for x in score.log_probs],
+        )
 
     def warm_up(self) -> int:
         """Runs every bucketed shape once, so that later requests compile
         nothing; returns the number of batches run."""
         runs = 0
         one = np.zeros([1], np.int32)
-        plain = dict(temperature=0.5, top_k=0, top_p=1.0, min_p=0.0,
-                     repetition_penalty=1.0, seed=None, logprobs=False,
-                     num_return_sequences=1)
+        plain = dict(
+            temperature=0.5,
+            top_k=0,
+            top_p=1.0,
+            min_p=0.0,
+            repetition_penalty=1.0,
+            seed=None,
+            logprobs=False,
+            num_return_sequences=1,
+        )
         for rows in self.buckets.batch_sizes:
             for length in self.buckets.prompt_lengths:
                 prompts = [np.zeros([length], np.int32)] * rows
@@ -185,8 +261,12 @@ class Engine:
                 runs += 1 + len(self.buckets.beam_sizes)
         # Scoring compiles one program per window shape, whatever the text.
         scoring.strided_log_probs(
-            scoring.ModelLogits(self.model), self.params, np.zeros([2], np.int32),
-            window=self.model.max_len, batch_size=self.score_batch_size)
+            scoring.ModelLogits(self.model),
+            self.params,
+            np.zeros([2], np.int32),
+            window=self.model.max_len,
+            batch_size=self.score_batch_size,
+        )
         return runs + 1
 
 
@@ -207,11 +287,13 @@ def group_of(request: Any) -> tuple:
 @dataclasses.dataclass(eq=False)  # jobs are distinct even with equal requests
 class Job:
     """A request waiting for, or in, a batch."""
+
     request: Any
     group: tuple
     arrival: float
     future: concurrent.futures.Future = dataclasses.field(
-        default_factory=concurrent.futures.Future)
+        default_factory=concurrent.futures.Future
+    )
 
     @property
     def rows(self) -> int:
@@ -230,11 +312,19 @@ class Batcher:
             (``kind`` is ``"sample"``, ``"beam"`` or ``"score"``).
     """
 
-    def __init__(self, engine: Engine, *, max_queue: int, window_s: float,
-                 on_batch: Callable[[str, int], None] | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_queue: int,
+        window_s: float,
+        on_batch: Callable[[str, int], None] | None = None,
+    ):
         if max_queue < 1 or window_s < 0:
-            raise ValueError(f"max_queue must be >= 1 and window_s >= 0; got "
-                             f"{max_queue}, {window_s}.")
+            raise ValueError(
+                f"max_queue must be >= 1 and window_s >= 0; got "
+                f"{max_queue}, {window_s}."
+            )
         self.engine, self.max_queue, self.window_s = engine, max_queue, window_s
         self.max_rows = engine.buckets.batch_sizes[-1]
         self._on_batch = on_batch or (lambda kind, rows: None)
@@ -300,8 +390,11 @@ class Batcher:
 
     def _work(self) -> None:
         while not self._stopping:
-            batch = [job for job in self._next_batch()
-                     if job.future.set_running_or_notify_cancel()]
+            batch = [
+                job
+                for job in self._next_batch()
+                if job.future.set_running_or_notify_cancel()
+            ]
             if batch:
                 self._run(batch)
 
@@ -315,11 +408,12 @@ class Batcher:
                 results = self.engine.beam(batch_requests)
             else:
                 results = self.engine.sample(batch_requests)
-        except Exception as error:  # pylint: disable=broad-except
+        except Exception as error:
             for job in batch:  # the callers report it; the worker goes on
                 job.future.set_exception(error)
             return
         for job, result in zip(batch, results):
             job.future.set_result(result)
-        self._on_batch("sample" if kind == "seeded" else kind,
-                       sum(job.rows for job in batch))
+        self._on_batch(
+            "sample" if kind == "seeded" else kind, sum(job.rows for job in batch)
+        )

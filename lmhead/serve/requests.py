@@ -61,8 +61,10 @@ def check_exposure(host: str, token: str | None) -> None:
         ValueError: host '0.0.0.0' is not a loopback address: give a bearer token (--token_file).
     """
     if host not in LOOPBACK_HOSTS and not token:
-        raise ValueError(f"host {host!r} is not a loopback address: give a bearer "
-                         "token (--token_file).")
+        raise ValueError(
+            f"host {host!r} is not a loopback address: give a bearer "
+            "token (--token_file)."
+        )
 
 
 def bucket(value: int, sizes: tuple[int, ...]) -> int:
@@ -85,8 +87,9 @@ def powers_of_two(limit: int) -> tuple[int, ...]:
         >>> powers_of_two(12)
         (1, 2, 4, 8, 12)
     """
-    return tuple(sorted({2**i for i in range(limit.bit_length()) if 2**i <= limit}
-                        | {limit}))
+    return tuple(
+        sorted({2**i for i in range(limit.bit_length()) if 2**i <= limit} | {limit})
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +104,7 @@ class Buckets:
             and beam search runs exactly these counts.
         beam_sizes: the allowed ``num_beams`` above 1 (may be empty).
     """
+
     batch_sizes: tuple[int, ...]
     prompt_lengths: tuple[int, ...]
     new_tokens: tuple[int, ...]
@@ -112,8 +116,10 @@ class Buckets:
         for name in ("batch_sizes", "prompt_lengths", "new_tokens", "beam_sizes"):
             sizes = getattr(self, name)
             if list(sizes) != sorted(set(sizes)) or any(s < 1 for s in sizes):
-                raise ValueError(f"{name} must be distinct positive integers in "
-                                 f"ascending order; got {sizes}.")
+                raise ValueError(
+                    f"{name} must be distinct positive integers in "
+                    f"ascending order; got {sizes}."
+                )
             if not sizes and name != "beam_sizes":
                 raise ValueError(f"{name} must not be empty.")
         if 1 in self.beam_sizes:
@@ -121,12 +127,14 @@ class Buckets:
         if self.prompt_lengths[-1] + self.new_tokens[-1] > max_len:
             raise ValueError(
                 f"the longest prompt {self.prompt_lengths[-1]} + the most new "
-                f"tokens {self.new_tokens[-1]} exceed the model's max_len {max_len}.")
+                f"tokens {self.new_tokens[-1]} exceed the model's max_len {max_len}."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """Caps a request must respect besides the buckets."""
+
     max_prompts: int = 16
     max_score_chars: int = 4096
 
@@ -134,6 +142,7 @@ class Limits:
 @dataclasses.dataclass
 class GenerateRequest:
     """A checked ``/v1/generate`` body. ``prompt_ids[i]`` encodes prompt ``i``."""
+
     prompt_ids: list[np.ndarray]
     max_new_tokens: int
     temperature: float
@@ -157,15 +166,32 @@ class GenerateRequest:
 @dataclasses.dataclass
 class ScoreRequest:
     """A checked ``/v1/score`` body."""
+
     text: str
     stride: int | None
 
 
-GENERATE_FIELDS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p",
-                   "min_p", "repetition_penalty", "num_beams",
-                   "num_return_sequences", "seed", "logprobs")
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                   "seed")
+GENERATE_FIELDS = (
+    "prompt",
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "num_beams",
+    "num_return_sequences",
+    "seed",
+    "logprobs",
+)
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+)
 
 
 def _body_object(body: Any, fields: tuple[str, ...]) -> dict:
@@ -173,13 +199,15 @@ def _body_object(body: Any, fields: tuple[str, ...]) -> dict:
         raise RequestError("body", "the body must be a JSON object.")
     for name in body:
         if name not in fields:
-            raise RequestError(name, f"unknown field {name!r}; the fields are "
-                               f"{', '.join(fields)}.")
+            raise RequestError(
+                name, f"unknown field {name!r}; the fields are {', '.join(fields)}."
+            )
     return body
 
 
-def _integer(body: dict, name: str, default: int | None, low: int,
-             high: int) -> int | None:
+def _integer(
+    body: dict, name: str, default: int | None, low: int, high: int
+) -> int | None:
     value = body.get(name, default)
     if value is None:
         return default
@@ -190,8 +218,15 @@ def _integer(body: dict, name: str, default: int | None, low: int,
     return value
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float, *,
-            low_open: bool = False) -> float:
+def _number(
+    body: dict,
+    name: str,
+    default: float,
+    low: float,
+    high: float,
+    *,
+    low_open: bool = False,
+) -> float:
     value = body.get(name)
     if value is None:
         return default
@@ -200,8 +235,9 @@ def _number(body: dict, name: str, default: float, low: float, high: float, *,
     too_low = value <= low if low_open else value < low
     if not math.isfinite(value) or too_low or value > high:
         bracket = "(" if low_open else "["
-        raise RequestError(name, f"{name} must be in {bracket}{low}, {high}]; "
-                           f"got {value}.")
+        raise RequestError(
+            name, f"{name} must be in {bracket}{low}, {high}]; got {value}."
+        )
     return float(value)
 
 
@@ -213,13 +249,17 @@ def _encode(tokenizer: Any, text: Any, field: str, max_tokens: int) -> np.ndarra
     except (ValueError, TypeError) as error:  # e.g. a lone surrogate
         raise RequestError(field, f"{field}: {error}") from None
     if not 1 <= len(ids) <= max_tokens:
-        raise RequestError(field, f"{field}: a prompt must encode to 1 to "
-                           f"{max_tokens} tokens; got {len(ids)}.")
+        raise RequestError(
+            field,
+            f"{field}: a prompt must encode to 1 to "
+            f"{max_tokens} tokens; got {len(ids)}.",
+        )
     return ids
 
 
-def parse_generate(body: Any, tokenizer: Any, buckets: Buckets,
-                   limits: Limits) -> GenerateRequest:
+def parse_generate(
+    body: Any, tokenizer: Any, buckets: Buckets, limits: Limits
+) -> GenerateRequest:
     """A checked ``/v1/generate`` body (``prompt``: one string or a list).
 
     Absent knobs are off: ``temperature`` 1, ``top_k`` 0, ``top_p`` 1,
@@ -249,36 +289,49 @@ def parse_generate(body: Any, tokenizer: Any, buckets: Buckets,
     prompts = body.get("prompt")
     prompts = [prompts] if isinstance(prompts, str) else prompts
     if not isinstance(prompts, list) or not 1 <= len(prompts) <= limits.max_prompts:
-        raise RequestError("prompt", "prompt must be a string or a list of 1 to "
-                           f"{limits.max_prompts} strings.")
+        raise RequestError(
+            "prompt",
+            f"prompt must be a string or a list of 1 to {limits.max_prompts} strings.",
+        )
     ids = [_encode(tokenizer, p, "prompt", buckets.prompt_lengths[-1]) for p in prompts]
     max_new = buckets.new_tokens[-1]
     num_beams = _integer(body, "num_beams", 1, 1, max(buckets.beam_sizes, default=1))
     if num_beams > 1 and num_beams not in buckets.beam_sizes:
-        raise RequestError("num_beams", "num_beams must be 1 or one of "
-                           f"{list(buckets.beam_sizes)}; got {num_beams}.")
+        raise RequestError(
+            "num_beams",
+            "num_beams must be 1 or one of "
+            f"{list(buckets.beam_sizes)}; got {num_beams}.",
+        )
     request = GenerateRequest(
-        prompt_ids=ids, max_new_tokens=_integer(body, "max_new_tokens", max_new, 1, max_new),
+        prompt_ids=ids,
+        max_new_tokens=_integer(body, "max_new_tokens", max_new, 1, max_new),
         temperature=_number(body, "temperature", 1.0, 0.0, 1e6),
         top_k=_integer(body, "top_k", 0, 0, 2**31 - 1),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 1e6,
-                                   low_open=True),
-        num_beams=num_beams, num_return_sequences=1,
+        repetition_penalty=_number(
+            body, "repetition_penalty", 1.0, 0.0, 1e6, low_open=True
+        ),
+        num_beams=num_beams,
+        num_return_sequences=1,
         seed=_integer(body, "seed", None, 0, MAX_SEED),
-        logprobs=False if body.get("logprobs") is None else body["logprobs"])
+        logprobs=False if body.get("logprobs") is None else body["logprobs"],
+    )
     if not isinstance(request.logprobs, bool):
         raise RequestError("logprobs", "logprobs must be true or false.")
     if num_beams > 1:
         _check_beam_request(body, request, buckets)
     most = num_beams if num_beams > 1 else buckets.batch_sizes[-1] // len(ids)
-    request.num_return_sequences = _integer(body, "num_return_sequences", 1, 1,
-                                            max(most, 1))
+    request.num_return_sequences = _integer(
+        body, "num_return_sequences", 1, 1, max(most, 1)
+    )
     if request.rows > buckets.batch_sizes[-1]:
-        raise RequestError("prompt", f"a request may hold at most "
-                           f"{buckets.batch_sizes[-1]} prompts (times "
-                           "num_return_sequences when sampling).")
+        raise RequestError(
+            "prompt",
+            f"a request may hold at most "
+            f"{buckets.batch_sizes[-1]} prompts (times "
+            "num_return_sequences when sampling).",
+        )
     if request.temperature == 0:
         request.seed = None  # greedy: nothing is drawn
     return request
@@ -287,15 +340,22 @@ def parse_generate(body: Any, tokenizer: Any, buckets: Buckets,
 def _check_beam_request(body: dict, request: GenerateRequest, buckets: Buckets) -> None:
     for name in SAMPLING_FIELDS:
         if body.get(name) is not None:
-            raise RequestError(name, f"{name} does not apply to beam search "
-                               "(num_beams > 1).")
+            raise RequestError(
+                name, f"{name} does not apply to beam search (num_beams > 1)."
+            )
     if request.logprobs:
-        raise RequestError("logprobs", "logprobs is not available with beam "
-                           "search (num_beams > 1); each sequence has a score.")
+        raise RequestError(
+            "logprobs",
+            "logprobs is not available with beam "
+            "search (num_beams > 1); each sequence has a score.",
+        )
     if request.max_new_tokens not in buckets.new_tokens:
-        raise RequestError("max_new_tokens", "with beam search, max_new_tokens "
-                           f"must be one of {list(buckets.new_tokens)}; got "
-                           f"{request.max_new_tokens}.")
+        raise RequestError(
+            "max_new_tokens",
+            "with beam search, max_new_tokens "
+            f"must be one of {list(buckets.new_tokens)}; got "
+            f"{request.max_new_tokens}.",
+        )
 
 
 def parse_score(body: Any, max_len: int, limits: Limits) -> ScoreRequest:
@@ -303,6 +363,8 @@ def parse_score(body: Any, max_len: int, limits: Limits) -> ScoreRequest:
     body = _body_object(body, ("text", "stride"))
     text = body.get("text")
     if not isinstance(text, str) or not 2 <= len(text) <= limits.max_score_chars:
-        raise RequestError("text", "text must be a string of 2 to "
-                           f"{limits.max_score_chars} characters.")
+        raise RequestError(
+            "text",
+            f"text must be a string of 2 to {limits.max_score_chars} characters.",
+        )
     return ScoreRequest(text=text, stride=_integer(body, "stride", None, 1, max_len))

@@ -33,8 +33,7 @@ import threading
 import time
 from typing import Any
 
-from lmhead.serve import batching
-from lmhead.serve import requests
+from lmhead.serve import batching, requests
 
 ENDPOINTS = ("/v1/generate", "/v1/score", "/healthz", "/metrics")
 OPEN_ENDPOINTS = ("/healthz",)
@@ -55,6 +54,7 @@ class ServiceConfig:
         timeout_s: a request not answered by then gets 504.
         limits: the caps of :class:`requests.Limits`.
     """
+
     token: str | None = None
     max_body_bytes: int = 65536
     max_queue: int = 64
@@ -76,35 +76,56 @@ class Metrics:
     """The Prometheus metrics of one service, in a registry of their own."""
 
     def __init__(self, batch_sizes: tuple[int, ...]):
-        import prometheus_client as prom  # pylint: disable=import-outside-toplevel
+        import prometheus_client as prom
+
         self._prom = prom
         self.registry = prom.CollectorRegistry()
         prom.ProcessCollector(registry=self.registry)  # memory, CPU, open files
         self.requests = prom.Counter(
-            "lmhead_requests", "HTTP requests by endpoint and status.",
-            ["endpoint", "status"], registry=self.registry)
+            "lmhead_requests",
+            "HTTP requests by endpoint and status.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
         self.latency = prom.Histogram(
-            "lmhead_request_latency_seconds", "Time to answer a request.",
-            ["endpoint"], buckets=LATENCY_BUCKETS, registry=self.registry)
+            "lmhead_request_latency_seconds",
+            "Time to answer a request.",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.tokens = prom.Counter(
-            "lmhead_generated_tokens", "Tokens returned by /v1/generate.",
-            registry=self.registry)
+            "lmhead_generated_tokens",
+            "Tokens returned by /v1/generate.",
+            registry=self.registry,
+        )
         self.batch_rows = prom.Histogram(
-            "lmhead_batch_rows", "Rows (prompts times sequences) per batch run.",
-            ["kind"], buckets=batch_sizes, registry=self.registry)
+            "lmhead_batch_rows",
+            "Rows (prompts times sequences) per batch run.",
+            ["kind"],
+            buckets=batch_sizes,
+            registry=self.registry,
+        )
         self.queue_depth = prom.Gauge(
-            "lmhead_queue_depth", "Requests waiting for a batch.",
-            registry=self.registry)
+            "lmhead_queue_depth",
+            "Requests waiting for a batch.",
+            registry=self.registry,
+        )
 
     def text(self) -> bytes:
         return self._prom.generate_latest(self.registry)
 
 
-def _error(status: int, field: str | None, message: str,
-           headers: dict[str, str] | None = None):
-    from fastapi import responses  # pylint: disable=import-outside-toplevel
-    return responses.JSONResponse({"error": {"field": field, "message": message}},
-                                  status_code=status, headers=headers)
+def _error(
+    status: int, field: str | None, message: str, headers: dict[str, str] | None = None
+):
+    from fastapi import responses
+
+    return responses.JSONResponse(
+        {"error": {"field": field, "message": message}},
+        status_code=status,
+        headers=headers,
+    )
 
 
 class _Guard:
@@ -123,6 +144,7 @@ class _Guard:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)
+
         endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
         try:
             refusal = self._refusal(scope)
@@ -139,12 +161,19 @@ class _Guard:
         if self.config.token is None or scope["path"] in OPEN_ENDPOINTS:
             return None
         headers = dict(scope["headers"])
-        scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        scheme, _, given = (
+            headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        )
         if scheme.lower() == "bearer" and hmac.compare_digest(
-                given.strip().encode(), self.config.token.encode()):
+            given.strip().encode(), self.config.token.encode()
+        ):
             return None
-        return _error(401, "Authorization", "a valid bearer token is required.",
-                      {"WWW-Authenticate": "Bearer"})
+        return _error(
+            401,
+            "Authorization",
+            "a valid bearer token is required.",
+            {"WWW-Authenticate": "Bearer"},
+        )
 
     async def _read_body(self, scope, receive):
         cap = self.config.max_body_bytes
@@ -170,18 +199,22 @@ class _Guard:
                 return await receive()
             replayed = True
             return {"type": "http.request", "body": body, "more_body": False}
+
         return replay, None
 
 
 def make_app(engine: batching.Engine, config: ServiceConfig = ServiceConfig()):
     """The service's ASGI app, with a :class:`batching.Batcher` over ``engine``
     (warmed up already) that stops when the app shuts down."""
-    import fastapi  # pylint: disable=import-outside-toplevel
+    import fastapi
 
     metrics = Metrics(engine.buckets.batch_sizes)
     batcher = batching.Batcher(
-        engine, max_queue=config.max_queue, window_s=config.window_s,
-        on_batch=lambda kind, rows: metrics.batch_rows.labels(kind).observe(rows))
+        engine,
+        max_queue=config.max_queue,
+        window_s=config.window_s,
+        on_batch=lambda kind, rows: metrics.batch_rows.labels(kind).observe(rows),
+    )
     metrics.queue_depth.set_function(batcher.depth)
 
     @contextlib.asynccontextmanager
@@ -189,8 +222,13 @@ def make_app(engine: batching.Engine, config: ServiceConfig = ServiceConfig()):
         yield
         batcher.stop()
 
-    app = fastapi.FastAPI(title="lmhead", lifespan=lifespan, docs_url=None,
-                          redoc_url=None, openapi_url=None)
+    app = fastapi.FastAPI(
+        title="lmhead",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.add_middleware(_Guard, config=config, metrics=metrics)
     _add_error_handlers(app, config)
 
@@ -203,16 +241,18 @@ def make_app(engine: batching.Engine, config: ServiceConfig = ServiceConfig()):
 
     @app.post("/v1/generate")
     async def generate(request: fastapi.Request):
-        parsed = requests.parse_generate(await _json(request), engine.tokenizer,
-                                        engine.buckets, config.limits)
+        parsed = requests.parse_generate(
+            await _json(request), engine.tokenizer, engine.buckets, config.limits
+        )
         completions = await run(parsed)
         metrics.tokens.inc(sum(c["length"] for c in completions))
         return {"completions": completions}
 
     @app.post("/v1/score")
     async def score(request: fastapi.Request):
-        parsed = requests.parse_score(await _json(request), engine.model.max_len,
-                                     config.limits)
+        parsed = requests.parse_score(
+            await _json(request), engine.model.max_len, config.limits
+        )
         return await run(parsed)
 
     @app.get("/healthz")
@@ -228,12 +268,17 @@ def make_app(engine: batching.Engine, config: ServiceConfig = ServiceConfig()):
 
 def _add_error_handlers(app, config: ServiceConfig) -> None:
     """A bad field: 4xx naming it; a full queue: 503; too late: 504."""
+
     async def refuse_request(_, error: requests.RequestError):
         return _error(error.status, error.field, error.message)
 
     async def refuse_full(_, error: requests.QueueFull):
-        return _error(503, None, f"the queue is full ({error}); retry later.",
-                      {"Retry-After": str(RETRY_AFTER_SECONDS)})
+        return _error(
+            503,
+            None,
+            f"the queue is full ({error}); retry later.",
+            {"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
 
     async def refuse_late(_, error: TimeoutError):
         return _error(504, None, f"no answer within {config.timeout_s} s.")
@@ -247,17 +292,20 @@ async def _json(request) -> Any:
     try:
         return json.loads(await request.body())
     except ValueError as error:  # not JSON, not UTF-8, or a 5000-digit number
-        raise requests.RequestError("body", f"the body is not JSON: {error}",
-                                   status=400) from None
+        raise requests.RequestError(
+            "body", f"the body is not JSON: {error}", status=400
+        ) from None
     except RecursionError:
-        raise requests.RequestError("body", "the body nests too deeply.",
-                                   status=400) from None
+        raise requests.RequestError(
+            "body", "the body nests too deeply.", status=400
+        ) from None
 
 
 def _listen(host: str, port: int) -> socket.socket:
     """A socket listening on ``host:port`` (``port=0``: a free port)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
-                         socket.SOCK_STREAM)
+    sock = socket.socket(
+        socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM
+    )
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)  # connections wait in the backlog until uvicorn accepts
@@ -272,7 +320,8 @@ def _url(sock: socket.socket) -> str:
 def serve(app, host: str, port: int) -> None:
     """Serves ``app`` until SIGINT or SIGTERM; prints ``serving on URL`` once
     it listens (``port=0`` picks a free port)."""
-    import uvicorn  # pylint: disable=import-outside-toplevel
+    import uvicorn
+
     sock = _listen(host, port)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     print(f"serving on {_url(sock)}", flush=True)
@@ -284,12 +333,14 @@ class BackgroundServer:
     context manager that gives the base URL once it listens."""
 
     def __init__(self, app, host: str = "127.0.0.1"):
-        import uvicorn  # pylint: disable=import-outside-toplevel
+        import uvicorn
+
         self._socket = _listen(host, 0)
         self.url = _url(self._socket)
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
+            target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True
+        )
 
     def __enter__(self) -> str:
         self._thread.start()

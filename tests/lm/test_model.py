@@ -14,8 +14,7 @@ import pytest
 from flax import traverse_util
 from scipy import special
 
-from lmhead import decoding
-from lmhead import losses
+from lmhead import decoding, losses
 from lmhead.lm import model as model_lib
 from lmhead.lm.model import DecoderLM
 from tests import references
@@ -24,8 +23,14 @@ VOCAB, WIDTH, HEADS, LAYERS, MAX_LEN = 17, 32, 4, 2, 16
 
 
 def small_model(**overrides) -> DecoderLM:
-    config = dict(vocab_size=VOCAB, num_layers=LAYERS, num_heads=HEADS, d_model=WIDTH,
-                  mlp_dim=64, max_len=MAX_LEN)
+    config = dict(
+        vocab_size=VOCAB,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        d_model=WIDTH,
+        mlp_dim=64,
+        max_len=MAX_LEN,
+    )
     return DecoderLM(**(config | overrides))
 
 
@@ -46,18 +51,22 @@ def init_params(model, seed=0, noise=0.0):
     if not model.use_bias:
         flat = traverse_util.flatten_dict(params)
         params = traverse_util.unflatten_dict(
-            {path: x for path, x in flat.items() if path[-1] != "bias"})
+            {path: x for path, x in flat.items() if path[-1] != "bias"}
+        )
     if model.tied:
         del params["head"]
     if model.positions == "rope":
         del params["position_embedding"]
     for i in range(model.num_layers, LAYERS):
         del params[f"blocks_{i}"]
-    expected = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    expected = jax.eval_shape(
+        model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32)
+    )
     assert jax.tree.map(np.shape, params) == jax.tree.map(np.shape, expected["params"])
     rng = np.random.default_rng(seed)
     return jax.tree.map(
-        lambda x: (x + noise * rng.standard_normal(x.shape)).astype(np.float32), params)
+        lambda x: (x + noise * rng.standard_normal(x.shape)).astype(np.float32), params
+    )
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -101,8 +110,11 @@ def reference_logits(params, tokens, *, num_heads, rope, tied=True, epsilon=1e-5
     future = np.triu(np.ones((time, time), bool), k=1)
     for i in range(sum(name.startswith("blocks_") for name in p)):
         block = p[f"blocks_{i}"]
-        q, k, v = np.split(dense(layer_norm(x, block["attention_norm"]),
-                                 block["attention"]["qkv"]), 3, axis=-1)
+        q, k, v = np.split(
+            dense(layer_norm(x, block["attention_norm"]), block["attention"]["qkv"]),
+            3,
+            axis=-1,
+        )
         q, k, v = (a.reshape(batch, time, num_heads, -1) for a in (q, k, v))
         if rope:
             q, k = rotary(q), rotary(k)
@@ -127,8 +139,9 @@ def test_forward_matches_numpy_reference(positions, tied):
     tokens = random_tokens((2, 9))
     logits = forward(model, params, tokens)
     assert logits.shape == (2, 9, VOCAB) and logits.dtype == jnp.float32
-    expected = reference_logits(params, tokens, num_heads=HEADS,
-                                rope=positions == "rope", tied=tied)
+    expected = reference_logits(
+        params, tokens, num_heads=HEADS, rope=positions == "rope", tied=tied
+    )
     np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -137,12 +150,15 @@ def test_without_bias_has_no_biases_and_matches_numpy_reference():
     shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
     names = traverse_util.flatten_dict(shapes["params"], sep="/")
     assert not [name for name in names if name.endswith("bias")]
-    with_bias = jax.eval_shape(small_model(tied=False).init, jax.random.key(0),
-                               jnp.zeros((1, 4), jnp.int32))
+    with_bias = jax.eval_shape(
+        small_model(tied=False).init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32)
+    )
     # Per block: qkv 3D, out D, mlp_in F, mlp_out D, two norms 2D; final norm D.
     per_block = 3 * WIDTH + WIDTH + 64 + WIDTH + 2 * WIDTH
-    assert (num_params(with_bias["params"]) - num_params(shapes["params"])
-            == LAYERS * per_block + WIDTH)
+    assert (
+        num_params(with_bias["params"]) - num_params(shapes["params"])
+        == LAYERS * per_block + WIDTH
+    )
     params = init_params(model, noise=0.2)
     # Tiny embeddings: the first LayerNorm's input variance (~1e-6) is below
     # epsilon, so the result depends on epsilon's value.
@@ -152,8 +168,9 @@ def test_without_bias_has_no_biases_and_matches_numpy_reference():
     logits = forward(model, params, tokens)
     expected = reference_logits(params, tokens, num_heads=HEADS, rope=False, tied=False)
     np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
-    flax_epsilon = reference_logits(params, tokens, num_heads=HEADS, rope=False,
-                                    tied=False, epsilon=1e-6)
+    flax_epsilon = reference_logits(
+        params, tokens, num_heads=HEADS, rope=False, tied=False, epsilon=1e-6
+    )
     assert np.abs(flax_epsilon - expected).max() > 1e-2
 
 
@@ -161,20 +178,26 @@ def test_gelu_is_the_exact_gelu_in_float32_and_bfloat16():
     x = np.linspace(-12, 12, 20001)
     # bfloat16: the rounding of the output (relative 2^-9) and nothing more,
     # also in the negative tail, where 1 + erf cancels.
-    for dtype, rtol, atol in ((jnp.float32, 0.0, 1.2e-6), (jnp.bfloat16, 2 ** -8, 1e-6)):
+    for dtype, rtol, atol in ((jnp.float32, 0.0, 1.2e-6), (jnp.bfloat16, 2**-8, 1e-6)):
         inputs = jnp.asarray(x, dtype)
         got = model_lib._gelu(inputs)
         assert got.dtype == dtype
         exact = np.asarray(inputs.astype(jnp.float32), np.float64)
         exact = 0.5 * exact * special.erfc(-exact / np.sqrt(2))
-        np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), exact,
-                                   rtol=rtol, atol=atol, err_msg=str(dtype))
+        np.testing.assert_allclose(
+            np.asarray(got.astype(jnp.float32)),
+            exact,
+            rtol=rtol,
+            atol=atol,
+            err_msg=str(dtype),
+        )
 
 
 def test_tied_has_exactly_vocab_times_width_fewer_params():
     def shapes(model):
-        return jax.eval_shape(model.init, jax.random.key(0),
-                              jnp.zeros((1, 4), jnp.int32))["params"]
+        return jax.eval_shape(
+            model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32)
+        )["params"]
 
     tied, untied = shapes(small_model(tied=True)), shapes(small_model(tied=False))
     assert num_params(untied) - num_params(tied) == VOCAB * WIDTH
@@ -188,11 +211,15 @@ def test_tied_head_is_hidden_times_embedding_table():
     params = init_params(model, noise=0.1)
     tokens = random_tokens((2, 6))
     h = jax.jit(functools.partial(model.apply, method=DecoderLM.hidden))(
-        {"params": params}, tokens)
-    expected = np.asarray(h, np.float64) @ np.asarray(params["embed"]["embedding"],
-                                                      np.float64).T
-    np.testing.assert_allclose(forward(model, params, tokens), expected,
-                               rtol=1e-5, atol=1e-5)
+        {"params": params}, tokens
+    )
+    expected = (
+        np.asarray(h, np.float64)
+        @ np.asarray(params["embed"]["embedding"], np.float64).T
+    )
+    np.testing.assert_allclose(
+        forward(model, params, tokens), expected, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_tied_table_gets_gradient_from_embedding_and_head():
@@ -205,16 +232,21 @@ def test_tied_table_gets_gradient_from_embedding_and_head():
     tokens = random_tokens((2, 8))
 
     def loss(model, params):
-        return model.apply({"params": params}, tokens[:, :-1], tokens[:, 1:],
-                           method=DecoderLM.loss)[0]
+        return model.apply(
+            {"params": params}, tokens[:, :-1], tokens[:, 1:], method=DecoderLM.loss
+        )[0]
 
     tied_grad = jax.jit(jax.grad(functools.partial(loss, tied_model)))(tied)
     untied_grad = jax.jit(jax.grad(functools.partial(loss, untied_model)))(untied)
     from_embedding = untied_grad["embed"]["embedding"]
     from_head = untied_grad["head"]["unembedding"]
     assert np.abs(from_embedding).max() > 1e-4 and np.abs(from_head).max() > 1e-4
-    np.testing.assert_allclose(tied_grad["embed"]["embedding"],
-                               from_embedding + from_head, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        tied_grad["embed"]["embedding"],
+        from_embedding + from_head,
+        rtol=1e-5,
+        atol=1e-7,
+    )
 
 
 @pytest.fixture
@@ -237,18 +269,24 @@ def test_cached_decoding_matches_recomputing_the_prefix(positions, tied, small_s
     num_steps = MAX_LEN - lengths.max()  # the longest row fills the cache
     prompt = random_tokens((3, 5), seed=1)  # positions past lengths are padding
     fed = random_tokens((3, num_steps), seed=2)
-    logits, cache = model_lib.prefill(model, params, prompt, jnp.asarray(lengths),
-                                      max_new_tokens=num_steps)
+    logits, cache = model_lib.prefill(
+        model, params, prompt, jnp.asarray(lengths), max_new_tokens=num_steps
+    )
     step_fn = model_lib.make_step_fn(model)
     sequences = [list(np.asarray(prompt[b, :n])) for b, n in enumerate(lengths)]
     for step in range(num_steps + 1):
         padded = np.zeros((3, MAX_LEN), np.int32)
         for b, sequence in enumerate(sequences):
-            padded[b, :len(sequence)] = sequence
+            padded[b, : len(sequence)] = sequence
         full = forward(model, params, jnp.asarray(padded))
         last = [len(sequence) - 1 for sequence in sequences]
-        np.testing.assert_allclose(logits, full[np.arange(3), last], rtol=1e-5,
-                                   atol=1e-5, err_msg=f"step {step}")
+        np.testing.assert_allclose(
+            logits,
+            full[np.arange(3), last],
+            rtol=1e-5,
+            atol=1e-5,
+            err_msg=f"step {step}",
+        )
         if step == num_steps:
             break
         logits, cache = step_fn(params, fed[:, step], cache)
@@ -263,18 +301,25 @@ def test_greedy_generate_through_the_cache_matches_full_recompute_argmax():
     lengths = np.array([5, 2, 3])
     num_steps = MAX_LEN - lengths.max()
     prompt = random_tokens((3, 5), seed=4)
-    logits, cache = model_lib.prefill(model, params, prompt, jnp.asarray(lengths),
-                                      max_new_tokens=num_steps)
+    logits, cache = model_lib.prefill(
+        model, params, prompt, jnp.asarray(lengths), max_new_tokens=num_steps
+    )
     tokens, _, _ = decoding.generate(
-        model_lib.make_step_fn(model), params, logits, cache, key=jax.random.key(0),
-        max_new_tokens=num_steps, temperature=0.0)
+        model_lib.make_step_fn(model),
+        params,
+        logits,
+        cache,
+        key=jax.random.key(0),
+        max_new_tokens=num_steps,
+        temperature=0.0,
+    )
     padded = np.zeros((3, MAX_LEN), np.int32)
     padded[:, :5] = np.asarray(prompt)
     for step in range(num_steps):
         full = forward(model, params, jnp.asarray(padded))
         last = lengths + step - 1
         padded[np.arange(3), last + 1] = np.argmax(full[np.arange(3), last], axis=-1)
-    expected = np.stack([padded[b, n:n + num_steps] for b, n in enumerate(lengths)])
+    expected = np.stack([padded[b, n : n + num_steps] for b, n in enumerate(lengths)])
     np.testing.assert_array_equal(tokens, expected)
 
 
@@ -286,7 +331,8 @@ def test_cache_leaves_lead_with_the_batch_axis_and_rows_can_be_reordered(small_s
     logits, cache = model_lib.prefill(model, params, random_tokens((3, 5)))
     assert all(leaf.shape[0] == 3 for leaf in jax.tree.leaves(cache))
     assert [piece.shape for piece in cache.keys[0]] == [
-        (3, HEADS, size, WIDTH // HEADS) for size in (4, 4, 8)]
+        (3, HEADS, size, WIDTH // HEADS) for size in (4, 4, 8)
+    ]
     step_fn = model_lib.make_step_fn(model)
     copied, reordered = cache, cache
     for step, order in enumerate(([1, 1, 0], [2, 0, 0], [0, 2, 1])):
@@ -295,33 +341,45 @@ def test_cache_leaves_lead_with_the_batch_axis_and_rows_can_be_reordered(small_s
         reordered = step_fn.reorder(reordered, order)
         np.testing.assert_array_equal(reordered.index, copied.index)
         filled = 5 + step
-        for got, want in zip(model_lib.cached_keys_values(reordered),
-                             model_lib.cached_keys_values(copied)):
+        for got, want in zip(
+            model_lib.cached_keys_values(reordered),
+            model_lib.cached_keys_values(copied),
+        ):
             for got_layer, want_layer in zip(got, want):
-                np.testing.assert_array_equal(got_layer[:, :, :filled],
-                                              want_layer[:, :, :filled])
+                np.testing.assert_array_equal(
+                    got_layer[:, :, :filled], want_layer[:, :, :filled]
+                )
         tokens = random_tokens((3,), seed=step)
         copied_logits, copied = step_fn(params, tokens, copied)
         reordered_logits, reordered = step_fn(params, tokens, reordered)
-        np.testing.assert_allclose(reordered_logits, copied_logits, rtol=1e-6,
-                                   atol=1e-6)
+        np.testing.assert_allclose(
+            reordered_logits, copied_logits, rtol=1e-6, atol=1e-6
+        )
 
 
 def test_reorder_cache_refuses_rows_of_other_lengths():
     model = small_model()
     params = init_params(model)
-    _, cache = model_lib.prefill(model, params, random_tokens((2, 5)), jnp.array([4, 2]))
-    with pytest.raises(ValueError, match="rows must map each row to a row of the same length"):
+    _, cache = model_lib.prefill(
+        model, params, random_tokens((2, 5)), jnp.array([4, 2])
+    )
+    with pytest.raises(
+        ValueError, match="rows must map each row to a row of the same length"
+    ):
         model_lib.reorder_cache(cache, jnp.array([0, 0]))
 
 
 def test_repeat_cache_copies_or_shares_the_prefix():
     model = small_model()
     params = init_params(model, noise=0.2)
-    logits, cache = model_lib.prefill(model, params, random_tokens((2, 5)), jnp.array([5, 3]))
+    logits, cache = model_lib.prefill(
+        model, params, random_tokens((2, 5)), jnp.array([5, 3])
+    )
     step_fn = model_lib.make_step_fn(model)
     tokens = random_tokens((4,), seed=3)
-    want, _ = step_fn(params, tokens, jax.tree.map(lambda x: jnp.repeat(x, 2, 0), cache))
+    want, _ = step_fn(
+        params, tokens, jax.tree.map(lambda x: jnp.repeat(x, 2, 0), cache)
+    )
     for source in (cache, model_lib.reorder_cache(cache, jnp.arange(2))):
         repeated = step_fn.repeat(source, 2)
         assert (repeated.rows is None) == (source.rows is None)
@@ -360,8 +418,9 @@ def test_residual_projections_init_std_is_scaled_by_depth():
     flat = traverse_util.flatten_dict(params, sep="/")
 
     def entries(*suffixes):
-        return np.concatenate([np.ravel(x) for name, x in flat.items()
-                               if name.endswith(suffixes)])
+        return np.concatenate(
+            [np.ravel(x) for name, x in flat.items() if name.endswith(suffixes)]
+        )
 
     residual = entries("attention/out/kernel", "mlp_out/kernel")
     # embed/embedding, position_embedding and head/unembedding.
@@ -379,15 +438,17 @@ def test_loss_equals_cross_entropy_of_the_logits():
     params = init_params(model, noise=0.1)
     tokens = random_tokens((2, 9))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    weights = jnp.asarray(np.random.default_rng(3).integers(0, 2, labels.shape),
-                          jnp.float32)
+    weights = jnp.asarray(
+        np.random.default_rng(3).integers(0, 2, labels.shape), jnp.float32
+    )
     options = dict(label_smoothing=0.1, z_loss=1e-3)
-    loss, metrics = jax.jit(functools.partial(model.apply, method=DecoderLM.loss,
-                                              **options))(
-        {"params": params}, inputs, labels, weights)
+    loss, metrics = jax.jit(
+        functools.partial(model.apply, method=DecoderLM.loss, **options)
+    )({"params": params}, inputs, labels, weights)
     logits = forward(model, params, inputs)
-    expected, expected_metrics = losses.cross_entropy(logits, labels, weights=weights,
-                                                      **options)
+    expected, expected_metrics = losses.cross_entropy(
+        logits, labels, weights=weights, **options
+    )
     np.testing.assert_allclose(loss, expected, rtol=1e-6)
     for name, value in expected_metrics.items():
         np.testing.assert_allclose(metrics[name], value, rtol=1e-6, err_msg=name)
@@ -400,21 +461,27 @@ def test_dropout_needs_train_and_an_rng():
     model = small_model(num_layers=1, dropout_rate=0.5)
     params = init_params(model)
     tokens = random_tokens((1, 6))
-    train = jax.jit(lambda key: model.apply({"params": params}, tokens, train=True,
-                                            rngs={"dropout": key}))
+    train = jax.jit(
+        lambda key: model.apply(
+            {"params": params}, tokens, train=True, rngs={"dropout": key}
+        )
+    )
     evaluation = forward(model, params, tokens)
     first, again = train(jax.random.key(1)), train(jax.random.key(1))
     np.testing.assert_array_equal(first, again)
     assert np.abs(first - evaluation).max() > 1e-3
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (dict(num_heads=3), "num_heads must divide d_model"),
-    (dict(positions="sinusoidal"), "positions must be one of"),
-    (dict(num_heads=32, positions="rope"), "even head size"),
-    (dict(dropout_rate=1.0), "dropout_rate must be in"),
-    (dict(num_layers=0), "num_layers must be a positive int"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(num_heads=3), "num_heads must divide d_model"),
+        (dict(positions="sinusoidal"), "positions must be one of"),
+        (dict(num_heads=32, positions="rope"), "even head size"),
+        (dict(dropout_rate=1.0), "dropout_rate must be in"),
+        (dict(num_layers=0), "num_layers must be a positive int"),
+    ],
+)
 def test_bad_config_is_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         small_model(**overrides).init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32))
@@ -431,8 +498,9 @@ def test_bad_tokens_and_prompts_are_refused():
     with pytest.raises(ValueError, match="max_len is 16"):
         model.apply(variables, jnp.zeros((1, MAX_LEN + 1), jnp.int32))
     prompt = jnp.zeros((3, 5), jnp.int32)
-    with pytest.raises(ValueError,
-                       match="max_new_tokens 12 = 17 exceeds the model's max_len 16"):
+    with pytest.raises(
+        ValueError, match="max_new_tokens 12 = 17 exceeds the model's max_len 16"
+    ):
         model_lib.prefill(model, params, prompt, max_new_tokens=12)
     # Ragged rows are checked against the longest real row, not the padding.
     model_lib.prefill(model, params, prompt, jnp.array([3, 2, 4]), max_new_tokens=12)
@@ -456,8 +524,15 @@ def test_decoding_compiles_once_for_any_parameters_and_embeds_none():
 
     def greedy(params):
         logits, cache = model_lib.prefill(model, params, prompt, max_new_tokens=6)
-        return decoding.generate(step_fn, params, logits, cache, key=jax.random.key(0),
-                                 max_new_tokens=6, temperature=0.0)[0]
+        return decoding.generate(
+            step_fn,
+            params,
+            logits,
+            cache,
+            key=jax.random.key(0),
+            max_new_tokens=6,
+            temperature=0.0,
+        )[0]
 
     loop = decoding.sampling._sampling_loop
     first = greedy(init_params(model, seed=0, noise=0.5))
@@ -468,12 +543,27 @@ def test_decoding_compiles_once_for_any_parameters_and_embeds_none():
 
     params = init_params(model)
     logits, cache = model_lib.prefill(model, params, prompt, max_new_tokens=6)
-    text = jax.jit(lambda params, logits, cache: decoding.generate(
-        step_fn, params, logits, cache, key=jax.random.key(0), max_new_tokens=6,
-        temperature=0.0)).lower(params, logits, cache).as_text()
-    sizes = [int(np.prod([int(d) for d in shape.split("x")[:-1]] or [1]))
-             for shape in re.findall(r"stablehlo\.constant dense<.*?> : tensor<([^>]*)>",
-                                     text)]
+    text = (
+        jax.jit(
+            lambda params, logits, cache: decoding.generate(
+                step_fn,
+                params,
+                logits,
+                cache,
+                key=jax.random.key(0),
+                max_new_tokens=6,
+                temperature=0.0,
+            )
+        )
+        .lower(params, logits, cache)
+        .as_text()
+    )
+    sizes = [
+        int(np.prod([int(d) for d in shape.split("x")[:-1]] or [1]))
+        for shape in re.findall(
+            r"stablehlo\.constant dense<.*?> : tensor<([^>]*)>", text
+        )
+    ]
     assert sizes and max(sizes) < WIDTH, sorted(sizes)[-5:]
 
 
@@ -484,16 +574,28 @@ def test_greedy_decoding_with_a_donated_cache_matches_recomputation():
     model = small_model()
     params = init_params(model, noise=0.5)
     prompt, lengths, new = random_tokens((2, 5), seed=6), np.array([5, 3]), 6
-    logits, cache = model_lib.prefill(model, params, prompt, lengths,
-                                      max_new_tokens=new)
-    tokens = np.asarray(decoding.generate(
-        model_lib.make_step_fn(model), params, logits, cache, key=jax.random.key(0),
-        max_new_tokens=new, temperature=0.0, donate_state=True)[0])
+    logits, cache = model_lib.prefill(
+        model, params, prompt, lengths, max_new_tokens=new
+    )
+    tokens = np.asarray(
+        decoding.generate(
+            model_lib.make_step_fn(model),
+            params,
+            logits,
+            cache,
+            key=jax.random.key(0),
+            max_new_tokens=new,
+            temperature=0.0,
+            donate_state=True,
+        )[0]
+    )
     for row, length in enumerate(lengths):
         sequence = np.concatenate([np.asarray(prompt)[row, :length], tokens[row]])
         full = model.apply({"params": params}, jnp.asarray(sequence[None, :-1]))
-        np.testing.assert_array_equal(np.argmax(full[0, length - 1:], -1), tokens[row])
-    assert all(leaf.is_deleted() for leaf in jax.tree.leaves((cache.keys, cache.values)))
+        np.testing.assert_array_equal(np.argmax(full[0, length - 1 :], -1), tokens[row])
+    assert all(
+        leaf.is_deleted() for leaf in jax.tree.leaves((cache.keys, cache.values))
+    )
 
 
 def test_sown_attention_weights_match_numpy_from_the_layers_queries_and_keys():
@@ -504,8 +606,12 @@ def test_sown_attention_weights_match_numpy_from_the_layers_queries_and_keys():
     params = init_params(model, noise=0.3)
     tokens = random_tokens((2, 7), seed=3)
     maps = model_lib.attention_weights(model, params, tokens)
-    _, state = model.apply({"params": params}, tokens, capture_intermediates=True,
-                           mutable=["intermediates"])
+    _, state = model.apply(
+        {"params": params},
+        tokens,
+        capture_intermediates=True,
+        mutable=["intermediates"],
+    )
     captured = state["intermediates"]
     assert len(maps) == LAYERS
     future = np.triu(np.ones((7, 7), bool), k=1)
@@ -523,11 +629,15 @@ def test_sown_attention_weights_match_numpy_from_the_layers_queries_and_keys():
         out = params[f"blocks_{i}"]["attention"]["out"]
         attended = np.einsum("bhqk,bkhd->bqhd", weights, v).reshape(2, 7, WIDTH)
         np.testing.assert_allclose(
-            layer["out"]["__call__"][0], attended @ out["kernel"] + out["bias"],
-            rtol=1e-4, atol=1e-5)
+            layer["out"]["__call__"][0],
+            attended @ out["kernel"] + out["bias"],
+            rtol=1e-4,
+            atol=1e-5,
+        )
         # The same sown array, from an apply outside jit.
-        np.testing.assert_allclose(weights, layer["attention_weights"][0], rtol=1e-5,
-                                   atol=1e-6)
+        np.testing.assert_allclose(
+            weights, layer["attention_weights"][0], rtol=1e-5, atol=1e-6
+        )
 
 
 def test_a_plain_apply_sows_nothing():

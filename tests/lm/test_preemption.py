@@ -34,27 +34,33 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import default
-from lmhead.lm import checkpoints
-from lmhead.lm import data
-from lmhead.lm import generation
-from lmhead.lm import monitoring
-from lmhead.lm import preemption
-from lmhead.lm import train
-from lmhead.lm import configuration
+from lmhead.lm import (
+    checkpoints,
+    configuration,
+    data,
+    generation,
+    monitoring,
+    preemption,
+    train,
+)
 from lmhead.lm import state as state_lib
 from tests import ROOT
 
 STEPS, EVERY = 60, 5
-CONFIG = {"train.steps": STEPS, "train.log_every": EVERY,
-          "train.checkpoint_every": EVERY, "train.eval_every": 30,
-          "train.eval_batches": 1, "optim.warmup_steps": 2,
-          "sample.num_samples": 0}
+CONFIG = {
+    "train.steps": STEPS,
+    "train.log_every": EVERY,
+    "train.checkpoint_every": EVERY,
+    "train.eval_every": 30,
+    "train.eval_batches": 1,
+    "optim.warmup_steps": 2,
+    "sample.num_samples": 0,
+}
 
 
 def tiny_run(corpus, **overrides):
     config = default.get_config("tiny")
-    config.update_from_flattened_dict({"data.path": corpus, **CONFIG,
-                                       **overrides})
+    config.update_from_flattened_dict({"data.path": corpus, **CONFIG, **overrides})
     return config
 
 
@@ -68,15 +74,23 @@ def finished(corpus, tmp_path_factory):
 
 
 def command(corpus, workdir):
-    return [sys.executable, os.path.join(ROOT, "experiments", "train.py"),
-            "--config=configs/default.py:tiny", f"--workdir={workdir}",
-            f"--config.data.path={corpus}"] + [
-                f"--config.{key}={value}" for key, value in CONFIG.items()]
+    return [
+        sys.executable,
+        os.path.join(ROOT, "experiments", "train.py"),
+        "--config=configs/default.py:tiny",
+        f"--workdir={workdir}",
+        f"--config.data.path={corpus}",
+    ] + [f"--config.{key}={value}" for key, value in CONFIG.items()]
 
 
 def start(corpus, workdir, log):
-    return subprocess.Popen(command(corpus, workdir), cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=log)
+    return subprocess.Popen(
+        command(corpus, workdir),
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=log,
+    )
 
 
 def signal_after(process, step, signum):
@@ -93,8 +107,9 @@ def signal_after(process, step, signum):
 
 
 def checkpoint_steps(workdir):
-    return sorted(int(n) for n in os.listdir(os.path.join(workdir, "checkpoints"))
-                  if n.isdigit())
+    return sorted(
+        int(n) for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.isdigit()
+    )
 
 
 def garble(step_dir):
@@ -108,13 +123,20 @@ def garble(step_dir):
 
 def read_metrics(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items()
-                 if k not in monitoring.MEASURED_METRICS} for line in f]
+        return [
+            {
+                k: v
+                for k, v in json.loads(line).items()
+                if k not in monitoring.MEASURED_METRICS
+            }
+            for line in f
+        ]
 
 
 def finish(corpus, workdir):
-    result = subprocess.run(command(corpus, workdir), cwd=ROOT, text=True,
-                            capture_output=True, timeout=300)
+    result = subprocess.run(
+        command(corpus, workdir), cwd=ROOT, text=True, capture_output=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return result
 
@@ -130,19 +152,20 @@ def kill_during_training(corpus, workdir, log):
     signal_after(start(corpus, workdir, log), 10, signal.SIGKILL)
     kept = checkpoint_steps(workdir)
     assert not os.path.exists(os.path.join(workdir, "summary.json")), (
-        "the run finished before the kill", kept)
+        "the run finished before the kill",
+        kept,
+    )
     assert kept and kept[-1] < STEPS, kept
-    partial = os.path.join(workdir, "checkpoints",
-                           f"{kept[-1] + EVERY}.orbax-checkpoint-tmp")
+    partial = os.path.join(
+        workdir, "checkpoints", f"{kept[-1] + EVERY}.orbax-checkpoint-tmp"
+    )
     if not os.path.exists(partial):  # else the kill itself cut a write short
-        shutil.copytree(os.path.join(workdir, "checkpoints", str(kept[-1])),
-                        partial)
+        shutil.copytree(os.path.join(workdir, "checkpoints", str(kept[-1])), partial)
         garble(partial)
     return kept[-1]
 
 
-def test_sigkill_then_the_same_command_ends_bitwise_equal(
-        corpus, finished, tmp_path):
+def test_sigkill_then_the_same_command_ends_bitwise_equal(corpus, finished, tmp_path):
     workdir = str(tmp_path / "resumed")
     with open(tmp_path / "stderr.txt", "w+") as log:
         resumed_from = kill_during_training(corpus, workdir, log)
@@ -170,8 +193,9 @@ def test_kill_term_and_corruption_end_bitwise_equal(corpus, finished, tmp_path):
     garble(os.path.join(workdir, "checkpoints", str(stopped)))
     previous = max(s for s in checkpoint_steps(workdir) if s < stopped)
     completed = finish(corpus, workdir)
-    assert re.search(rf"checkpoint of step {stopped} in \S+ does not restore",
-                     completed.stderr)
+    assert re.search(
+        rf"checkpoint of step {stopped} in \S+ does not restore", completed.stderr
+    )
     assert f"starting at step {previous}." in completed.stdout
     assert os.listdir(os.path.join(workdir, checkpoints.CORRUPT_CHECKPOINTS))
     log.close()
@@ -183,10 +207,12 @@ def restore(workdir):
     with open(os.path.join(workdir, "config.json")) as f:
         config = ml_collections.ConfigDict(json.load(f))
     vocab_size = data.load_tokenizer(
-        os.path.join(workdir, data.TOKENIZER_FILE)).vocab_size
+        os.path.join(workdir, data.TOKENIZER_FILE)
+    ).vocab_size
     manager = checkpoints.checkpoint_manager(workdir)
-    state = state_lib.restore_or_init(manager, configuration.make_model(config, vocab_size),
-                                  config, jax.random.key(0))
+    state = state_lib.restore_or_init(
+        manager, configuration.make_model(config, vocab_size), config, jax.random.key(0)
+    )
     return state, manager
 
 
@@ -217,15 +243,16 @@ def truncate_metadata(step_dir):
 
 @pytest.mark.parametrize("corrupt", [garble, truncate_metadata])
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(
-        finished, tmp_path, corrupt):
+    finished, tmp_path, corrupt
+):
     workdir = copy_run(finished, tmp_path)
     corrupt(os.path.join(workdir, "checkpoints", "60"))
-    with pytest.warns(RuntimeWarning,
-                      match=r"checkpoint of step 60 in \S+ does not restore"):
+    with pytest.warns(
+        RuntimeWarning, match=r"checkpoint of step 60 in \S+ does not restore"
+    ):
         state, manager = restore(workdir)
     assert int(state.step) == 55
-    set_aside = os.listdir(
-        os.path.join(workdir, checkpoints.CORRUPT_CHECKPOINTS))
+    set_aside = os.listdir(os.path.join(workdir, checkpoints.CORRUPT_CHECKPOINTS))
     assert [name.split(".")[0] for name in set_aside] == ["60"]
     # Training saves step 60 again where the corrupt one was.
     manager.save(60, args=ocp.args.StandardSave(state))
@@ -241,10 +268,12 @@ def test_sigterm_saves_at_the_next_step_boundary(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(monitoring, "log", log_then_terminate)
     handler = signal.getsignal(signal.SIGTERM)
     workdir = str(tmp_path / "run")
-    with pytest.raises(preemption.Preempted,
-                       match="Stopped by SIGTERM at step 5; its checkpoint"):
+    with pytest.raises(
+        preemption.Preempted, match="Stopped by SIGTERM at step 5; its checkpoint"
+    ):
         train.train_and_evaluate(
-            tiny_run(corpus, **{"train.checkpoint_every": 10}), workdir)
+            tiny_run(corpus, **{"train.checkpoint_every": 10}), workdir
+        )
     assert signal.getsignal(signal.SIGTERM) == handler
     assert checkpoint_steps(workdir) == [5]  # not a checkpoint_every step
     state, manager = restore(workdir)

@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 
 import chex
 import jax
@@ -11,13 +10,10 @@ import numpy as np
 import pytest
 
 import lmhead
-from lmhead.lm import data
-from lmhead import decoding
-from lmhead.lm import scoring
-from lmhead import head
+from lmhead import decoding, head
+from lmhead.lm import data, scoring
 from lmhead.lm import model as model_lib
 from tests.experiments.test_commands import run
-
 
 # A Markov chain over 3 tokens: row i is p(next | i).
 CHAIN = np.array([[0.1, 0.6, 0.3], [0.2, 0.1, 0.7], [0.5, 0.3, 0.2]])
@@ -36,14 +32,14 @@ def numpy_log_softmax(logits):
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    model = model_lib.DecoderLM(vocab_size=13, num_layers=1, num_heads=2,
-                                d_model=8, mlp_dim=16, max_len=8)
+    model = model_lib.DecoderLM(
+        vocab_size=13, num_layers=1, num_heads=2, d_model=8, mlp_dim=16, max_len=8
+    )
     params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
     return model, params
 
 
 class TestTokenLogProbs(chex.TestCase):
-
     @chex.variants(with_jit=True, without_jit=True)
     def test_matches_numpy(self):
         rng = np.random.default_rng(0)
@@ -52,8 +48,9 @@ class TestTokenLogProbs(chex.TestCase):
         weights = rng.uniform(0.0, 1.0, (2, 5)).astype(np.float32)
         weights[0, 1] = 0.0
         logits[0, 1] = np.nan  # a zero-weight position adds exactly 0
-        expected = np.take_along_axis(numpy_log_softmax(logits), tokens[..., None],
-                                      -1)[..., 0]
+        expected = np.take_along_axis(numpy_log_softmax(logits), tokens[..., None], -1)[
+            ..., 0
+        ]
         got = self.variant(head.token_log_probs)(logits, tokens)
         np.testing.assert_allclose(got[1], expected[1], rtol=1e-5, atol=1e-6)
         weighted = np.where(weights == 0, 0.0, weights * np.nan_to_num(expected))
@@ -75,34 +72,51 @@ def test_markov_chain_by_hand():
     by_hand = math.log(0.6) + math.log(0.7) + math.log(0.5) + math.log(0.3)
     logits = jnp.log(CHAIN)[tokens[None, :-1]]
     np.testing.assert_allclose(
-        lmhead.sequence_log_prob(logits, jnp.asarray(tokens[None, 1:])), [by_hand],
-        rtol=1e-6)
+        lmhead.sequence_log_prob(logits, jnp.asarray(tokens[None, 1:])),
+        [by_hand],
+        rtol=1e-6,
+    )
     for window, stride in ((4, 4), (2, 1), (2, 2), (3, 2), (1, 1)):
         scores = scoring.strided_log_probs(
-            chain_logits, jnp.log(CHAIN), tokens, window=window, stride=stride,
-            batch_size=2)
+            chain_logits,
+            jnp.log(CHAIN),
+            tokens,
+            window=window,
+            stride=stride,
+            batch_size=2,
+        )
         np.testing.assert_allclose(
-            scores, np.log([0.6, 0.7, 0.5, 0.3]), rtol=1e-6,
-            err_msg=f"window={window}, stride={stride}")
+            scores,
+            np.log([0.6, 0.7, 0.5, 0.3]),
+            rtol=1e-6,
+            err_msg=f"window={window}, stride={stride}",
+        )
 
 
 def test_token_range_and_shape_errors():
     logits = jnp.zeros((1, 2, 3))
-    with pytest.raises(ValueError, match=r"tokens must be in \[0, 3\) wherever "
-                       "weights are nonzero; got 3"):
+    with pytest.raises(
+        ValueError,
+        match=r"tokens must be in \[0, 3\) wherever "
+        "weights are nonzero; got 3",
+    ):
         head.token_log_probs(logits, jnp.array([[0, 3]]))
     # A padding id with weight 0 is allowed; inside jit an id outside the
     # vocabulary has log-probability -inf (probability 0), not NaN.
-    np.testing.assert_allclose(head.token_log_probs(
-        logits, jnp.array([[0, -1]]), jnp.array([[1.0, 0.0]])), [[-math.log(3), 0]],
-        rtol=1e-6)
+    np.testing.assert_allclose(
+        head.token_log_probs(logits, jnp.array([[0, -1]]), jnp.array([[1.0, 0.0]])),
+        [[-math.log(3), 0]],
+        rtol=1e-6,
+    )
     jitted = jax.jit(head.token_log_probs)(logits, jnp.array([[0, 3]]))
     assert np.isneginf(jitted[0, 1])
     with pytest.raises(ValueError, match="tokens must have the leading shape"):
         head.token_log_probs(logits, jnp.array([[0, 1, 2]]))
     with pytest.raises(TypeError, match="tokens must have an integer dtype"):
         head.token_log_probs(logits, jnp.zeros((1, 2)))
-    with pytest.raises(ValueError, match=r"weights must have the shape of tokens \(1, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"weights must have the shape of tokens \(1, 2\)"
+    ):
         head.token_log_probs(logits, jnp.array([[0, 1]]), jnp.ones((2,)))
 
 
@@ -113,25 +127,46 @@ def test_strided_scores_use_the_context_each_window_gives(tiny_model):
     model, params = tiny_model
     window = model.max_len
     tokens = np.random.default_rng(1).integers(0, 13, 21).astype(np.int32)
-    for text, stride in ((tokens[:window + 1], 3), (tokens, 1), (tokens, 3),
-                         (tokens, window)):
+    for text, stride in (
+        (tokens[: window + 1], 3),
+        (tokens, 1),
+        (tokens, 3),
+        (tokens, window),
+    ):
         scores = scoring.strided_log_probs(
-            scoring.ModelLogits(model), params, text, window=window,
-            stride=stride, batch_size=3)
+            scoring.ModelLogits(model),
+            params,
+            text,
+            window=window,
+            stride=stride,
+            batch_size=3,
+        )
         targets = np.arange(1, len(text))
         starts = np.maximum(0, -(-(targets - window) // stride)) * stride
-        contexts = np.stack([np.pad(text[s:s + window], (0, s + window - len(text)))
-                             if s + window > len(text) else text[s:s + window]
-                             for s in starts])
+        contexts = np.stack(
+            [
+                np.pad(text[s : s + window], (0, s + window - len(text)))
+                if s + window > len(text)
+                else text[s : s + window]
+                for s in starts
+            ]
+        )
         logits = model.apply({"params": params}, jnp.asarray(contexts))
         rows = numpy_log_softmax(logits)[np.arange(len(targets)), targets - starts - 1]
-        np.testing.assert_allclose(scores, rows[np.arange(len(targets)), text[1:]],
-                                   rtol=1e-5, atol=1e-5, err_msg=f"stride={stride}")
-    fits = tokens[:window + 1]
-    single = scoring.strided_log_probs(scoring.ModelLogits(model), params, fits,
-                                          window=window, stride=1)
-    strided = scoring.strided_log_probs(scoring.ModelLogits(model), params,
-                                           fits, window=window, stride=window)
+        np.testing.assert_allclose(
+            scores,
+            rows[np.arange(len(targets)), text[1:]],
+            rtol=1e-5,
+            atol=1e-5,
+            err_msg=f"stride={stride}",
+        )
+    fits = tokens[: window + 1]
+    single = scoring.strided_log_probs(
+        scoring.ModelLogits(model), params, fits, window=window, stride=1
+    )
+    strided = scoring.strided_log_probs(
+        scoring.ModelLogits(model), params, fits, window=window, stride=window
+    )
     np.testing.assert_array_equal(single, strided)
 
 
@@ -140,31 +175,47 @@ def test_scores_of_samples_are_the_log_probs_generate_returned(tiny_model):
     prompt = jnp.array([[3, 1, 4]], jnp.int32)
     logits, cache = model_lib.prefill(model, params, prompt)
     tokens, log_probs, _ = decoding.generate(
-        model_lib.make_step_fn(model), params, logits, cache,
-        key=jax.random.key(7), max_new_tokens=5, temperature=1.0)
+        model_lib.make_step_fn(model),
+        params,
+        logits,
+        cache,
+        key=jax.random.key(7),
+        max_new_tokens=5,
+        temperature=1.0,
+    )
     text = np.concatenate([prompt[0], tokens[0]])
-    scores = scoring.strided_log_probs(scoring.ModelLogits(model), params,
-                                          text, window=model.max_len)
+    scores = scoring.strided_log_probs(
+        scoring.ModelLogits(model), params, text, window=model.max_len
+    )
     np.testing.assert_allclose(scores[-5:], log_probs[0], rtol=1e-5, atol=1e-5)
 
 
 def test_score_text_summary_and_bad_input(tiny_model, tmp_path):
     model, params = tiny_model
     tokenizer = data.CharTokenizer("abcdefghij klm")
-    score = scoring.score_text(model, params, tokenizer, "abc defgh ijk a",
-                                  name="s", stride=2)
+    score = scoring.score_text(
+        model, params, tokenizer, "abc defgh ijk a", name="s", stride=2
+    )
     assert len(score.log_probs) == 14 and score.num_characters == 14
     assert score.token_texts[:3] == ["b", "c", " "]
     summary = score.summary()
     nats = -float(np.sum(score.log_probs, dtype=np.float64))
     np.testing.assert_allclose(
-        [summary["nats"], summary["bits_per_character"],
-         summary["perplexity_per_token"]],
-        [nats, nats / 14 / math.log(2), math.exp(nats / 14)], rtol=1e-9)
+        [
+            summary["nats"],
+            summary["bits_per_character"],
+            summary["perplexity_per_token"],
+        ],
+        [nats, nats / 14 / math.log(2), math.exp(nats / 14)],
+        rtol=1e-9,
+    )
     path = tmp_path / "tokens.tsv"
     tab = scoring.TextScore("t", ["a\tb", "\n"], np.array([-1.0, -2.0]), 3)
     scoring.write_token_table(str(path), [tab])
-    assert path.read_text() == "name\ttoken\tlog_prob\nt\ta\\tb\t-1.000000\nt\t\\n\t-2.000000\n"
+    assert (
+        path.read_text()
+        == "name\ttoken\tlog_prob\nt\ta\\tb\t-1.000000\nt\t\\n\t-2.000000\n"
+    )
     with pytest.raises(ValueError, match="the text is empty"):
         scoring.score_text(model, params, tokenizer, "")
     with pytest.raises(ValueError, match=r"Characters outside the vocabulary: \['z'\]"):
@@ -174,8 +225,9 @@ def test_score_text_summary_and_bad_input(tiny_model, tmp_path):
     with pytest.raises(ValueError, match=r"stride must be in \[1, window=8\]; got 9"):
         scoring.score_text(model, params, tokenizer, "abc", stride=9)
     with pytest.raises(ValueError, match="token scores are not finite"):
-        scoring.strided_log_probs(scoring.ModelLogits(model), params,
-                                     np.array([0, 1, 13]), window=8)
+        scoring.strided_log_probs(
+            scoring.ModelLogits(model), params, np.array([0, 1, 13]), window=8
+        )
     with pytest.raises(FileNotFoundError, match="no such file"):
         scoring.read_texts([str(tmp_path / "missing.txt")], [])
 
@@ -184,16 +236,28 @@ def test_score_text_summary_and_bad_input(tiny_model, tmp_path):
 def test_score_script_end_to_end(tmp_path):
 
     workdir = str(tmp_path / "run")
-    run("train.py", "--config=configs/default.py:tiny", f"--workdir={workdir}",
-        "--config.train.steps=4", "--config.optim.warmup_steps=1",
+    run(
+        "train.py",
+        "--config=configs/default.py:tiny",
+        f"--workdir={workdir}",
+        "--config.train.steps=4",
+        "--config.optim.warmup_steps=1",
         "--config.train.eval_every=4",
-        "--config.train.checkpoint_every=4", "--config.sample.max_new_tokens=2")
+        "--config.train.checkpoint_every=4",
+        "--config.sample.max_new_tokens=2",
+    )
     first, second = tmp_path / "a.txt", tmp_path / "b.txt"
     first.write_text(data.shakespeare_text()[:300], encoding="utf-8")
     second.write_text("ROMEO:\nWhat light.\n", encoding="utf-8")
-    stdout = run("score.py", f"--workdir={workdir}", f"--file={first}",
-                 f"--file={second}", "--text=To be, or not to be", "--json",
-                 f"--per_token={tmp_path / 'tokens.tsv'}")
+    stdout = run(
+        "score.py",
+        f"--workdir={workdir}",
+        f"--file={first}",
+        f"--file={second}",
+        "--text=To be, or not to be",
+        "--json",
+        f"--per_token={tmp_path / 'tokens.tsv'}",
+    )
     scores = json.loads(stdout)
     assert [s["name"] for s in scores] == [str(first), str(second), "text1"]
     assert [s["tokens"] for s in scores] == [299, 18, 18]

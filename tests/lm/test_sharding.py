@@ -22,35 +22,48 @@ import sys
 import numpy as np
 import pytest
 
-from tests import ROOT
-from tests import references
+from tests import ROOT, references
 
 MESHES = ((8, 1), (4, 2), (2, 4), (1, 8))
 TOLERANCE = 1e-5
 # The tiny run compared across one and two processes (4 steps, then an eval).
 RUN_CONFIG = "tiny,steps=4"
-RUN_OVERRIDES = {"optim.warmup_steps": 1, "mesh.model": 2,
-                 "loss.loss_impl": "vocab_parallel", "sample.num_samples": 0}
+RUN_OVERRIDES = {
+    "optim.warmup_steps": 1,
+    "mesh.model": 2,
+    "loss.loss_impl": "vocab_parallel",
+    "sample.num_samples": 0,
+}
 RUN_ARGS = [f"--config=configs/default.py:{RUN_CONFIG}"] + [
-    f"--config.{name}={value}" for name, value in RUN_OVERRIDES.items()]
+    f"--config.{name}={value}" for name, value in RUN_OVERRIDES.items()
+]
 
 
 def numpy_cross_entropy(logits, labels, weights, eps, smoothing, z_loss):
     """Weighted mean of the smoothed cross-entropy plus z-loss, in float64."""
-    return references.cross_entropy(logits, labels, weights, eps, smoothing,
-                                    z_loss)[1]["loss"]
+    return references.cross_entropy(logits, labels, weights, eps, smoothing, z_loss)[1][
+        "loss"
+    ]
 
 
 # ----------------------------------------------------------------------------
 # The subprocess (8 simulated devices).
 # ----------------------------------------------------------------------------
 
+
 def _tiny_config(tied, loss_impl):
     from configs import default
+
     config = default.get_config("tiny")
-    config.model.update(num_layers=1, num_heads=2, d_model=16, mlp_dim=32,
-                        tied=tied, head_bias=not tied,
-                        logits_softcap=5.0 if tied else None)
+    config.model.update(
+        num_layers=1,
+        num_heads=2,
+        d_model=16,
+        mlp_dim=32,
+        tied=tied,
+        head_bias=not tied,
+        logits_softcap=5.0 if tied else None,
+    )
     config.loss.update(loss_impl=loss_impl, label_smoothing=0.1, z_loss=1e-3)
     # No clipping: Adam's first moment after one step is (1 - b1) * gradient.
     config.optim.grad_clip = 0.0
@@ -61,15 +74,22 @@ def _tiny_config(tied, loss_impl):
 
 def _max_diff(a, b):
     import jax
-    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y))))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+    return max(
+        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y))))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
 
 
 def _gradients(state, config):
     """The gradients of the step that made ``state``, from Adam's ``mu``."""
     import jax
-    adam = next(s for s in jax.tree.leaves(
-        state.opt_state, is_leaf=lambda s: hasattr(s, "mu")) if hasattr(s, "mu"))
+
+    adam = next(
+        s
+        for s in jax.tree.leaves(state.opt_state, is_leaf=lambda s: hasattr(s, "mu"))
+        if hasattr(s, "mu")
+    )
     return jax.tree.map(lambda m: np.asarray(m) / (1 - config.optim.b1), adam.mu)
 
 
@@ -78,10 +98,10 @@ def check_train_steps():
     (vocabulary-parallel loss) vs one device (materialized loss), and where
     the sharded step leaves the tables."""
     import jax
-    from lmhead.lm import sharding
-    from lmhead.lm import train
-    from lmhead.lm import configuration
+
+    from lmhead.lm import configuration, sharding, train
     from lmhead.lm import state as state_lib
+
     vocab, results = 32, {}
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, vocab, (8, 9)).astype(np.int32)
@@ -91,7 +111,8 @@ def check_train_steps():
         config = _tiny_config(tied, "materialized")
         model = configuration.make_model(config, vocab)
         state = jax.jit(lambda k: state_lib.create_train_state(model, config, k))(
-            jax.random.key(0))
+            jax.random.key(0)
+        )
         host_state = jax.device_get(state)
         ref_fn, _, _ = train.compile_steps(model, config, state, batch, key)
         ref_state, ref_metrics = ref_fn(state, batch, key)
@@ -99,27 +120,33 @@ def check_train_steps():
         sharded_config = _tiny_config(tied, "vocab_parallel")
         for shape in MESHES:
             mesh = sharding.make_mesh(*shape)
-            state = jax.device_put(host_state,
-                                   sharding.tree_shardings(host_state, mesh))
+            state = jax.device_put(
+                host_state, sharding.tree_shardings(host_state, mesh)
+            )
             global_batch = sharding.shard_batch(batch, mesh)
             global_key = sharding.replicate(key, mesh)
             train_fn, _, _ = train.compile_steps(
-                model, sharded_config, state, global_batch, global_key, mesh)
+                model, sharded_config, state, global_batch, global_key, mesh
+            )
             new_state, metrics = train_fn(state, global_batch, global_key)
             table = new_state.params["embed" if tied else "head"][
-                "embedding" if tied else "unembedding"]
+                "embedding" if tied else "unembedding"
+            ]
             moment = new_state.opt_state[0].mu["embed"]["embedding"]
             results[f"{'tied' if tied else 'untied'} {shape}"] = {
                 "loss": abs(float(metrics["loss"]) - float(ref_metrics["loss"])),
-                "metrics": max(abs(float(metrics[k]) - float(ref_metrics[k]))
-                               for k in ("nll", "accuracy", "grad_norm")),
+                "metrics": max(
+                    abs(float(metrics[k]) - float(ref_metrics[k]))
+                    for k in ("nll", "accuracy", "grad_norm")
+                ),
                 "grads": _max_diff(_gradients(new_state, config), ref_grads),
                 "params": _max_diff(new_state.params, ref_state.params),
                 "table_rows_per_device": table.addressable_shards[0].data.shape[0],
                 "table_spec": str(table.sharding.spec),
                 "moment_spec": str(moment.sharding.spec),
-                "kernel_spec": str(new_state.params["blocks_0"]["mlp_in"][
-                    "kernel"].sharding.spec),
+                "kernel_spec": str(
+                    new_state.params["blocks_0"]["mlp_in"]["kernel"].sharding.spec
+                ),
                 "all_gathers": train_fn.as_text().count("all-gather"),
             }
     return results
@@ -128,9 +155,10 @@ def check_train_steps():
 def check_loss_options():
     """The vocabulary-parallel loss vs numpy across options and meshes."""
     import jax
-    from lmhead import head
+
+    from lmhead import head, vocab_parallel
     from lmhead.lm import sharding
-    from lmhead import vocab_parallel
+
     rng = np.random.default_rng(1)
     h = rng.normal(size=(4, 6, 8)).astype(np.float32)
     w = rng.normal(size=(16, 8)).astype(np.float32)
@@ -140,34 +168,51 @@ def check_loss_options():
     # Labels outside [0, V) with nonzero weight count as invalid, weight 0.
     labels[0, :2], weights[0, :2] = (-1, 16), 1.0
     valid = np.where((labels >= 0) & (labels < 16), weights, 0.0)
-    cases = [dict(), dict(label_smoothing=0.2, smoothing="uniform"),
-             dict(label_smoothing=0.2, smoothing="normalized", z_loss=1e-2),
-             dict(softcap=2.0, scale=0.5, z_loss=1e-3, chunk_size=5)]
+    cases = [
+        dict(),
+        dict(label_smoothing=0.2, smoothing="uniform"),
+        dict(label_smoothing=0.2, smoothing="normalized", z_loss=1e-2),
+        dict(softcap=2.0, scale=0.5, z_loss=1e-3, chunk_size=5),
+    ]
     expected = []
     for case in cases:
-        logits = head.unembed(h, w, bias, scale=case.get("scale"),
-                              softcap=case.get("softcap"))
-        expected.append((numpy_cross_entropy(
-            logits, np.clip(labels, 0, 15), valid,
-            case.get("label_smoothing", 0.0), case.get("smoothing", "uniform"),
-            case.get("z_loss", 0.0)), np.sum(valid * (np.argmax(logits, -1) ==
-                                                      labels)) / np.sum(valid)))
+        logits = head.unembed(
+            h, w, bias, scale=case.get("scale"), softcap=case.get("softcap")
+        )
+        expected.append(
+            (
+                numpy_cross_entropy(
+                    logits,
+                    np.clip(labels, 0, 15),
+                    valid,
+                    case.get("label_smoothing", 0.0),
+                    case.get("smoothing", "uniform"),
+                    case.get("z_loss", 0.0),
+                ),
+                np.sum(valid * (np.argmax(logits, -1) == labels)) / np.sum(valid),
+            )
+        )
     results = {}
     for shape in ((2, 4), (1, 8)):
         mesh = sharding.make_mesh(*shape)
 
         def all_cases(h, w, bias, labels, weights):
-            return [vocab_parallel.vocab_parallel_cross_entropy(
-                h, w, labels, bias=bias, weights=weights, mesh=mesh, **case)
-                for case in cases]
+            return [
+                vocab_parallel.vocab_parallel_cross_entropy(
+                    h, w, labels, bias=bias, weights=weights, mesh=mesh, **case
+                )
+                for case in cases
+            ]
+
         outputs = jax.jit(all_cases)(h, w, bias, labels, weights)
         if shape == (2, 4):  # and once without jit, where bad labels raise
-            outputs.append(all_cases(h, w, bias, np.clip(labels, 0, 15),
-                                     valid)[-1])
+            outputs.append(all_cases(h, w, bias, np.clip(labels, 0, 15), valid)[-1])
         for index, ((loss, metrics), (want, accuracy)) in enumerate(
-                zip(outputs, expected + expected[-1:])):
+            zip(outputs, expected + expected[-1:])
+        ):
             results[f"case {index} {shape}"] = max(
-                abs(float(loss) - want), abs(float(metrics["accuracy"]) - accuracy))
+                abs(float(loss) - want), abs(float(metrics["accuracy"]) - accuracy)
+            )
             results[f"invalid {index} {shape}"] = int(metrics["invalid_labels"])
     return results
 
@@ -178,25 +223,27 @@ def check_gradients():
     on one device, with tokens split over "data" or replicated."""
     import jax
     import jax.numpy as jnp
-    from lmhead import head
-    from lmhead import losses
+
+    from lmhead import head, losses, vocab_parallel
     from lmhead.lm import sharding
-    from lmhead import vocab_parallel
+
     rng = np.random.default_rng(2)
     w = rng.normal(size=(16, 8)).astype(np.float32)
     bias = rng.normal(size=(16,)).astype(np.float32)
     options = dict(label_smoothing=0.1, z_loss=1e-2, softcap=3.0)
 
     def objective(loss_fn, reduction, labels, h, w, bias, weights):
-        loss, metrics = loss_fn(h, w, labels, bias=bias, weights=weights,
-                                reduction=reduction, **options)
+        loss, metrics = loss_fn(
+            h, w, labels, bias=bias, weights=weights, reduction=reduction, **options
+        )
         # Not a multiple of the weights, so "none" is not "sum" in disguise.
         position = jnp.arange(loss.size).reshape(loss.shape)
         return jnp.sum(loss * (1.0 + position)) + metrics["nll"]
 
     def materialized(h, w, labels, *, bias, softcap, **kwargs):
-        return losses.cross_entropy(head.unembed(h, w, bias, softcap=softcap),
-                                    labels, **kwargs)
+        return losses.cross_entropy(
+            head.unembed(h, w, bias, softcap=softcap), labels, **kwargs
+        )
 
     results = {}
     # 24 tokens split over "data"; 15 replicated, as "data" = 2 does not divide.
@@ -205,35 +252,46 @@ def check_gradients():
         labels = rng.integers(0, 16, tokens)
         weights = (rng.uniform(size=tokens) > 0.3).astype(np.float32)
         mesh = sharding.make_mesh(*shape)
-        parallel = functools.partial(vocab_parallel.vocab_parallel_cross_entropy,
-                                     mesh=mesh, chunk_size=4,
-                                     vocab_chunk_size=3)
+        parallel = functools.partial(
+            vocab_parallel.vocab_parallel_cross_entropy,
+            mesh=mesh,
+            chunk_size=4,
+            vocab_chunk_size=3,
+        )
         for reduction in ("mean", "none"):
-            got, want = (jax.jit(jax.value_and_grad(functools.partial(
-                objective, loss_fn, reduction, labels), argnums=(0, 1, 2, 3)))(
-                    h, w, bias, weights) for loss_fn in (parallel, materialized))
+            got, want = (
+                jax.jit(
+                    jax.value_and_grad(
+                        functools.partial(objective, loss_fn, reduction, labels),
+                        argnums=(0, 1, 2, 3),
+                    )
+                )(h, w, bias, weights)
+                for loss_fn in (parallel, materialized)
+            )
             scale = max(float(np.max(np.abs(x))) for x in jax.tree.leaves(want))
-            results[f"{shape} {tokens} {reduction}"] = _max_diff(got,
-                                                                 want) / scale
+            results[f"{shape} {tokens} {reduction}"] = _max_diff(got, want) / scale
     return results
 
 
 def _buffer_sizes(compiled):
     """Element counts of every array shape in a compiled (per-device) HLO."""
     import re
-    shapes = re.findall(r"\b(?:f32|f16|bf16|s32|u32|pred)\[([0-9,]*)\]",
-                        compiled.as_text())
+
+    shapes = re.findall(
+        r"\b(?:f32|f16|bf16|s32|u32|pred)\[([0-9,]*)\]", compiled.as_text()
+    )
     return [int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes]
 
 
 def check_memory():
     """Per-device buffers of the compiled loss and its gradient."""
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    from lmhead import head
-    from lmhead import losses
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from lmhead import head, losses, vocab_parallel
     from lmhead.lm import sharding
-    from lmhead import vocab_parallel
+
     n, vocab, d_model = 256, 512, 64
     h = np.ones((n, d_model), np.float32)
     w = np.ones((vocab, d_model), np.float32)
@@ -242,33 +300,43 @@ def check_memory():
 
     def parallel(h, w):
         return vocab_parallel.vocab_parallel_cross_entropy(
-            h, w, labels, chunk_size=32, label_smoothing=0.1, mesh=mesh)[0]
+            h, w, labels, chunk_size=32, label_smoothing=0.1, mesh=mesh
+        )[0]
 
     def materialized(h, w):
-        return losses.cross_entropy(head.unembed(h, w), labels,
-                                    label_smoothing=0.1)[0]
+        return losses.cross_entropy(head.unembed(h, w), labels, label_smoothing=0.1)[0]
 
     grad = lambda f: jax.value_and_grad(f, argnums=(0, 1))
-    compiled = jax.jit(grad(parallel), in_shardings=(
-        NamedSharding(mesh, P("data")), NamedSharding(mesh, P("model")))).lower(
-            h, w).compile()
+    compiled = (
+        jax.jit(
+            grad(parallel),
+            in_shardings=(
+                NamedSharding(mesh, P("data")),
+                NamedSharding(mesh, P("model")),
+            ),
+        )
+        .lower(h, w)
+        .compile()
+    )
     single = jax.jit(grad(materialized)).lower(h, w).compile()
-    return {"logits": n * vocab, "table": vocab * d_model,
-            "parallel_largest": max(_buffer_sizes(compiled)),
-            "single_largest": max(_buffer_sizes(single)),
-            "parallel_temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-            "single_temp_bytes": single.memory_analysis().temp_size_in_bytes}
+    return {
+        "logits": n * vocab,
+        "table": vocab * d_model,
+        "parallel_largest": max(_buffer_sizes(compiled)),
+        "single_largest": max(_buffer_sizes(single)),
+        "parallel_temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+        "single_temp_bytes": single.memory_analysis().temp_size_in_bytes,
+    }
 
 
 def check_checkpoint(workdir):
     """A state saved from mesh (4, 2) restored onto (2, 4), (8, 1), one device."""
     import jax
     import orbax.checkpoint as ocp
-    from lmhead.lm import checkpoints
-    from lmhead.lm import sharding
-    from lmhead.lm import train
-    from lmhead.lm import configuration
+
+    from lmhead.lm import checkpoints, configuration, sharding
     from lmhead.lm import state as state_lib
+
     config = _tiny_config(False, "vocab_parallel")
     model = configuration.make_model(config, 32)
     mesh = sharding.make_mesh(4, 2)
@@ -280,14 +348,16 @@ def check_checkpoint(workdir):
     results = {}
     for shape in ((2, 4), (8, 1), None):
         target = None if shape is None else sharding.make_mesh(*shape)
-        restored = state_lib.restore_or_init(manager, model, config,
-                                         jax.random.key(4), target)
+        restored = state_lib.restore_or_init(
+            manager, model, config, jax.random.key(4), target
+        )
         table = restored.params["head"]["unembedding"]
         results[str(shape)] = {
             "difference": _max_diff(jax.device_get(restored), expected),
             "step": int(restored.step),
             "devices": len(table.sharding.device_set),
-            "rows_per_device": table.addressable_shards[0].data.shape[0]}
+            "rows_per_device": table.addressable_shards[0].data.shape[0],
+        }
     manager.close()
     return results
 
@@ -295,17 +365,23 @@ def check_checkpoint(workdir):
 def check_errors():
     """Messages of the errors that need several devices."""
     import jax.numpy as jnp
-    from lmhead.lm import sharding
+
     from lmhead import vocab_parallel
+    from lmhead.lm import sharding
+
     attempts = {
         "product": lambda: sharding.make_mesh(3, 2),
         "split": lambda: sharding.make_mesh(-1, 3),
         "vocabulary": lambda: sharding.tree_shardings(
-            {"embed": {"embedding": np.zeros((84, 4))}}, sharding.make_mesh(1, 8)),
+            {"embed": {"embedding": np.zeros((84, 4))}}, sharding.make_mesh(1, 8)
+        ),
         "batch": lambda: sharding.process_rows(12, sharding.make_mesh(8, 1)),
         "loss rows": lambda: vocab_parallel.vocab_parallel_cross_entropy(
-            jnp.ones((2, 4)), jnp.ones((12, 4)), jnp.zeros(2, jnp.int32),
-            mesh=sharding.make_mesh(1, 8)),
+            jnp.ones((2, 4)),
+            jnp.ones((12, 4)),
+            jnp.zeros(2, jnp.int32),
+            mesh=sharding.make_mesh(1, 8),
+        ),
     }
     messages = {}
     for name, attempt in attempts.items():
@@ -321,8 +397,7 @@ def reference_run(workdir):
     """The run that the two-process test repeats, on one process."""
     from configs import default
     from lmhead.lm import train
-    from lmhead.lm import configuration
-    from lmhead.lm import state as state_lib
+
     config = default.get_config(RUN_CONFIG)
     config.update_from_flattened_dict(RUN_OVERRIDES)
     with open(os.devnull, "w") as quiet:
@@ -336,23 +411,34 @@ def reference_run(workdir):
 
 def read_metrics(workdir):
     from lmhead.lm import monitoring
+
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items()
-                 if k not in monitoring.MEASURED_METRICS} for line in f]
+        return [
+            {
+                k: v
+                for k, v in json.loads(line).items()
+                if k not in monitoring.MEASURED_METRICS
+            }
+            for line in f
+        ]
 
 
 def main(workdir):
     import jax
+
     jax.config.update("jax_platforms", "cpu")
     assert jax.device_count() == 8, jax.devices()
     import time
-    checks = {"train_steps": check_train_steps,
-              "loss_options": check_loss_options,
-              "gradients": check_gradients,
-              "memory": check_memory,
-              "checkpoint": lambda: check_checkpoint(os.path.join(workdir, "ckpt")),
-              "errors": check_errors,
-              "reference_run": lambda: reference_run(os.path.join(workdir, "run"))}
+
+    checks = {
+        "train_steps": check_train_steps,
+        "loss_options": check_loss_options,
+        "gradients": check_gradients,
+        "memory": check_memory,
+        "checkpoint": lambda: check_checkpoint(os.path.join(workdir, "ckpt")),
+        "errors": check_errors,
+        "reference_run": lambda: reference_run(os.path.join(workdir, "run")),
+    }
     results = {}
     for name, check in checks.items():
         start = time.perf_counter()
@@ -365,23 +451,35 @@ def main(workdir):
 # The tests.
 # ----------------------------------------------------------------------------
 
+
 def _environment(devices):
     # LLVM's optimizations take most of the compile time of these small
     # programs; every number compared is computed under the same flags.
-    return dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS=(
-        f"--xla_force_host_platform_device_count={devices} "
-        "--xla_backend_optimization_level=0"))
+    return dict(
+        os.environ,
+        PYTHONPATH=ROOT,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=(
+            f"--xla_force_host_platform_device_count={devices} "
+            "--xla_backend_optimization_level=0"
+        ),
+    )
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("sharding")
     done = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), str(workdir)], cwd=ROOT,
-        env=_environment(8), capture_output=True, text=True, timeout=600)
-    lines = [l for l in done.stdout.splitlines() if l.startswith("RESULTS ")]
+        [sys.executable, os.path.abspath(__file__), str(workdir)],
+        cwd=ROOT,
+        env=_environment(8),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
     assert done.returncode == 0 and lines, done.stderr[-5000:]
-    return {**json.loads(lines[-1][len("RESULTS "):]), "workdir": str(workdir)}
+    return {**json.loads(lines[-1][len("RESULTS ") :]), "workdir": str(workdir)}
 
 
 @pytest.mark.parametrize("tied", ["tied", "untied"])
@@ -436,23 +534,33 @@ def test_checkpoint_restores_on_another_mesh(results, target):
     assert restored["devices"] == (1 if target == "None" else 8)
 
 
-@pytest.mark.parametrize("name,match", [
-    ("product", "must equal the number of devices, 8; got 3 x 2"),
-    ("split", "mesh.model = 3 does not divide the 8 devices"),
-    ("vocabulary", r"embed/embedding has shape \(84, 4\).*divisible by mesh "
-                   r"axes \('model',\) of size 8"),
-    ("batch", r"batch size \(12\) must be divisible by the mesh's data axis"),
-    ("loss rows", r"w has 12 rows, which the mesh's 'model' axis \(8\)")])
+@pytest.mark.parametrize(
+    "name,match",
+    [
+        ("product", "must equal the number of devices, 8; got 3 x 2"),
+        ("split", "mesh.model = 3 does not divide the 8 devices"),
+        (
+            "vocabulary",
+            r"embed/embedding has shape \(84, 4\).*divisible by mesh "
+            r"axes \('model',\) of size 8",
+        ),
+        ("batch", r"batch size \(12\) must be divisible by the mesh's data axis"),
+        ("loss rows", r"w has 12 rows, which the mesh's 'model' axis \(8\)"),
+    ],
+)
 def test_errors_on_many_devices(results, name, match):
     import re
+
     assert results["errors"][name] is not None
     assert re.search(match, results["errors"][name]), results["errors"][name]
 
 
 def test_errors_on_one_device():
     import jax.numpy as jnp
-    from lmhead.lm import sharding
+
     from lmhead import vocab_parallel
+    from lmhead.lm import sharding
+
     with pytest.raises(ValueError, match="must equal the number of devices"):
         sharding.make_mesh(2, 1)
     with pytest.raises(ValueError, match="cannot both be -1"):
@@ -461,11 +569,16 @@ def test_errors_on_one_device():
         sharding.make_mesh(1, 0)
     with pytest.raises(ValueError, match="needs a mesh with a 'model' axis"):
         vocab_parallel.vocab_parallel_cross_entropy(
-            jnp.ones((2, 4)), jnp.ones((3, 4)), jnp.zeros(2, jnp.int32))
+            jnp.ones((2, 4)), jnp.ones((3, 4)), jnp.zeros(2, jnp.int32)
+        )
     with pytest.raises(ValueError, match="chunk_size must be an integer >= 1"):
         vocab_parallel.vocab_parallel_cross_entropy(
-            jnp.ones((2, 4)), jnp.ones((3, 4)), jnp.zeros(2, jnp.int32),
-            chunk_size=0, mesh=sharding.make_mesh())
+            jnp.ones((2, 4)),
+            jnp.ones((3, 4)),
+            jnp.zeros(2, jnp.int32),
+            chunk_size=0,
+            mesh=sharding.make_mesh(),
+        )
     with pytest.raises(ValueError, match="go together"):
         sharding.initialize_distributed("127.0.0.1:1234")
 
@@ -481,12 +594,25 @@ def test_two_processes_match_one(results, tmp_path):
     reference run's config; only process 0 writes; the losses match."""
     workdir = str(tmp_path / "run")
     address = f"127.0.0.1:{_free_port()}"
-    processes = [subprocess.Popen(
-        [sys.executable, "experiments/train.py", *RUN_ARGS, f"--workdir={workdir}",
-         f"--coordinator_address={address}", "--num_processes=2",
-         f"--process_id={index}"],
-        cwd=ROOT, env=_environment(4), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True) for index in range(2)]
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "experiments/train.py",
+                *RUN_ARGS,
+                f"--workdir={workdir}",
+                f"--coordinator_address={address}",
+                "--num_processes=2",
+                f"--process_id={index}",
+            ],
+            cwd=ROOT,
+            env=_environment(4),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for index in range(2)
+    ]
     outputs = [p.communicate(timeout=300) for p in processes]
     for p, (_, err) in zip(processes, outputs):
         assert p.returncode == 0, err[-5000:]

@@ -23,15 +23,16 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import default
-from lmhead.lm import checkpoints
-from lmhead.lm import configuration
-from lmhead.lm import data
-from lmhead.lm import evaluation
-from lmhead.lm import generation
-from lmhead.lm import monitoring
-from lmhead.lm import train
+from lmhead.lm import (
+    checkpoints,
+    configuration,
+    data,
+    evaluation,
+    generation,
+    monitoring,
+    train,
+)
 from lmhead.lm import state as state_lib
-from tests import references
 
 
 def tiny_config(**overrides):
@@ -44,8 +45,9 @@ def tiny_config(**overrides):
 
 def read_metrics(workdir, drop=monitoring.MEASURED_METRICS):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if k not in drop}
-                for line in f]
+        return [
+            {k: v for k, v in json.loads(line).items() if k not in drop} for line in f
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +62,19 @@ def runs(tmp_path_factory):
     resumed_log = io.StringIO()
     with contextlib.redirect_stdout(resumed_log):
         resumed_summary = train.train_and_evaluate(
-            tiny_config(**{"sample.num_samples": 0}), second)
-    return dict(first=first, second=second, summary=summary,
-                uninterrupted=uninterrupted, resumed_summary=resumed_summary,
-                resumed_log=resumed_log.getvalue())
+            tiny_config(**{"sample.num_samples": 0}), second
+        )
+    return dict(
+        first=first,
+        second=second,
+        summary=summary,
+        uninterrupted=uninterrupted,
+        resumed_summary=resumed_summary,
+        resumed_log=resumed_log.getvalue(),
+    )
 
 
 class TestTraining:
-
     def test_loss_falls(self, runs):
         records = read_metrics(runs["first"])
         train_losses = [r["train/loss"] for r in records if "train/loss" in r]
@@ -80,45 +87,57 @@ class TestTraining:
         summary = runs["summary"]
         final = summary["final"]
         assert summary["steps"] == 40 and summary["tokens_per_sec"] > 0
-        assert final == {k: v for k, v in read_metrics(runs["first"])[-1].items()
-                         if k != "step"}
+        assert final == {
+            k: v for k, v in read_metrics(runs["first"])[-1].items() if k != "step"
+        }
         assert final["eval/perplexity"] == pytest.approx(
-            math.exp(final["eval/loss"]), rel=1e-5)
+            math.exp(final["eval/loss"]), rel=1e-5
+        )
         assert final["eval/bits_per_char"] == pytest.approx(
-            final["eval/loss"] / math.log(2), rel=1e-5)  # 1 char per token
+            final["eval/loss"] / math.log(2), rel=1e-5
+        )  # 1 char per token
         assert 0 <= final["eval/ece"] <= 1 and 0 <= final["eval/accuracy"] <= 1
         with open(os.path.join(runs["first"], "summary.json")) as f:
             assert json.load(f) == summary
         config = tiny_config()
         V, D, L, F, T = 84, config.model.d_model, 1, config.model.mlp_dim, 16
-        per_block = (4 * D + 3 * D * D + 3 * D + D * D + D
-                     + D * F + F + F * D + D)
+        per_block = 4 * D + 3 * D * D + 3 * D + D * D + D + D * F + F + F * D + D
         assert summary["num_params"] == V * D + T * D + L * per_block + 2 * D
         assert summary["num_head_params"] == 0  # tied: the table is the embedding's
 
     def test_monitoring(self, runs):
-        logged = [r for r in read_metrics(runs["first"], drop=())
-                  if "train/loss" in r]
+        logged = [r for r in read_metrics(runs["first"], drop=()) if "train/loss" in r]
         assert len(logged) == 4
         for record in logged:
             assert 0 < record["train/step_ms_p50"] <= record["train/step_ms_p90"]
-            assert (record["memory/host_peak_rss_bytes"]
-                    >= record["memory/host_rss_bytes"] > 2**20)
+            assert (
+                record["memory/host_peak_rss_bytes"]
+                >= record["memory/host_rss_bytes"]
+                > 2**20
+            )
             # JAX reports device memory on GPU and TPU, not on CPU.
             assert ("memory/device_peak_bytes" in record) == (
-                jax.default_backend() != "cpu")
+                jax.default_backend() != "cpu"
+            )
             assert set(record) - {"step"} <= {
-                f"train/{k}" for k in ("loss", "nll", "accuracy", "grad_norm",
-                                       "learning_rate")} | set(
-                                           monitoring.MEASURED_METRICS)
+                f"train/{k}"
+                for k in ("loss", "nll", "accuracy", "grad_norm", "learning_rate")
+            } | set(monitoring.MEASURED_METRICS)
         summary = runs["summary"]
         assert 0 < summary["step_ms_p50"] <= summary["step_ms_p90"]
         assert summary["memory"]["host_peak_rss_bytes"] > 2**20
 
     def test_outputs_in_workdir(self, runs):
         names = set(os.listdir(runs["first"]))
-        assert {"config.json", "metrics.jsonl", "summary.json", "tokenizer.json",
-                "tokens.npz", "checkpoints", "samples.txt"} <= names
+        assert {
+            "config.json",
+            "metrics.jsonl",
+            "summary.json",
+            "tokenizer.json",
+            "tokens.npz",
+            "checkpoints",
+            "samples.txt",
+        } <= names
         assert any(n.startswith("events.out.tfevents") for n in names)
         with open(os.path.join(runs["first"], "config.json")) as f:
             assert json.load(f) == json.loads(tiny_config().to_json())
@@ -153,9 +172,16 @@ class TestTraining:
 
     def test_greedy_text_matches_full_forward_passes(self, runs):
         _, tokenizer, model, params = generation.load_run(runs["first"])
-        text = generation.generate_text(model, params, tokenizer, "KING",
-                                   key=jax.random.key(0), num_samples=2,
-                                   max_new_tokens=20, temperature=0.0)
+        text = generation.generate_text(
+            model,
+            params,
+            tokenizer,
+            "KING",
+            key=jax.random.key(0),
+            num_samples=2,
+            max_new_tokens=20,
+            temperature=0.0,
+        )
         # The documented windows: the last max_len // 2 = 8 tokens (at first
         # the 4 of the prompt), extended by 8. The model is causal, so zero
         # padding after a context does not change the logits at its end.
@@ -165,11 +191,11 @@ class TestTraining:
             context = ids[-8:]
             for _ in range(8):
                 padded = np.zeros((1, 16), np.int32)
-                padded[0, :len(context)] = context
+                padded[0, : len(context)] = context
                 next_id = int(np.argmax(forward(padded)[0, len(context) - 1]))
                 context.append(next_id)
                 ids.append(next_id)
-        assert text == [tokenizer.decode(ids[:4 + 20])] * 2
+        assert text == [tokenizer.decode(ids[: 4 + 20])] * 2
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +210,6 @@ def init_state(config, key):
 
 
 class TestOptimizer:
-
     def test_decay_only_dense_kernels(self, untied_state):
         config, state = untied_state
         zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -203,7 +228,8 @@ class TestOptimizer:
                 np.testing.assert_array_equal(new, before, err_msg=name)
         assert sorted(decayed) == sorted(
             f"blocks_0/{m}/kernel"
-            for m in ("attention/qkv", "attention/out", "mlp_in", "mlp_out"))
+            for m in ("attention/qkv", "attention/out", "mlp_in", "mlp_out")
+        )
         assert "unembedding" in state.params["head"]
 
     def test_schedule_is_nanogpts(self):
@@ -215,47 +241,60 @@ class TestOptimizer:
                 return lr * (it + 1) / (warmup + 1)
             ratio = (it - warmup) / (decay_iters - warmup)
             return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+
         for step in (0, 1, 50, 99, 100, 101, 777, 1500, 1999, 2000):
-            assert float(schedule(step)) == pytest.approx(nanogpt_lr(step),
-                                                          rel=1e-5)
+            assert float(schedule(step)) == pytest.approx(nanogpt_lr(step), rel=1e-5)
 
     def test_grad_clip(self):
         params = {"dense": {"kernel": jnp.ones((3, 4))}, "bias": jnp.ones(5)}
         grads = jax.tree.map(lambda p: jnp.full_like(p, 100.0), params)
 
         def first_moment(grad_clip):
-            optimizer = state_lib.make_optimizer(tiny_config(**{"optim.grad_clip": grad_clip}))
+            optimizer = state_lib.make_optimizer(
+                tiny_config(**{"optim.grad_clip": grad_clip})
+            )
             adam_state = jax.tree.leaves(
                 optimizer.update(grads, optimizer.init(params), params)[1],
-                is_leaf=lambda x: hasattr(x, "mu"))
+                is_leaf=lambda x: hasattr(x, "mu"),
+            )
             return next(s.mu for s in adam_state if hasattr(s, "mu"))
 
         # Adam normalises the update's scale; its first moment is (1 - b1) g.
         norm = lambda tree: float(optax.tree.norm(tree))
         assert norm(first_moment(1.0)) == pytest.approx(0.1 * 1.0, rel=1e-5)
         assert norm(first_moment(0.5)) == pytest.approx(0.1 * 0.5, rel=1e-5)
-        assert norm(first_moment(0.0)) == pytest.approx(0.1 * 100 * math.sqrt(17),
-                                                        rel=1e-5)
+        assert norm(first_moment(0.0)) == pytest.approx(
+            0.1 * 100 * math.sqrt(17), rel=1e-5
+        )
 
 
 class TestLossImpl:
-
     def test_fused_step_matches_materialized(self, untied_state):
         config, state = untied_state
-        batch = data.train_batch(np.arange(300) % 84, seed=0, step=0,
-                                 batch_size=8, block_size=16)
+        batch = data.train_batch(
+            np.arange(300) % 84, seed=0, step=0, batch_size=8, block_size=16
+        )
         results = {}
         for impl, chunk_size in (("materialized", None), ("fused", 24)):
-            config = tiny_config(**{"model.tied": False, "model.head_bias": True,
-                                    "loss.loss_impl": impl,
-                                    "loss.chunk_size": chunk_size,
-                                    "loss.z_loss": 1e-3})
+            config = tiny_config(
+                **{
+                    "model.tied": False,
+                    "model.head_bias": True,
+                    "loss.loss_impl": impl,
+                    "loss.chunk_size": chunk_size,
+                    "loss.z_loss": 1e-3,
+                }
+            )
             configuration.validate_config(config)
             model = configuration.make_model(config, vocab_size=84)
-            step = jax.jit(functools.partial(
-                train.train_step, model=model,
-                loss_kwargs=train.loss_keywords(config.loss),
-                learning_rate_fn=state_lib.learning_rate_schedule(config)))
+            step = jax.jit(
+                functools.partial(
+                    train.train_step,
+                    model=model,
+                    loss_kwargs=train.loss_keywords(config.loss),
+                    learning_rate_fn=state_lib.learning_rate_schedule(config),
+                )
+            )
             results[impl] = step(state, batch, jax.random.key(0))
         (materialized, m_metrics), (fused, f_metrics) = results.values()
         for name in ("loss", "nll", "accuracy", "grad_norm"):
@@ -265,12 +304,13 @@ class TestLossImpl:
         # alike, not every one.
         moved_alike = jax.tree.map(
             lambda a, b: np.mean(np.abs(np.asarray(a) - np.asarray(b)) < 1e-6),
-            fused.params, materialized.params)
+            fused.params,
+            materialized.params,
+        )
         assert min(jax.tree.leaves(moved_alike)) > 0.99, moved_alike
 
 
 class TestConfig:
-
     def test_arguments(self):
         assert default.get_config("untied").model.tied is False
         config = default.get_config("nanogpt,untied,bpe=2048,steps=300")
@@ -279,19 +319,34 @@ class TestConfig:
 
     def test_nanogpt_cpu_example(self):
         config = default.get_config("nanogpt,tied")
-        assert (config.model.num_layers, config.model.num_heads,
-                config.model.d_model, config.model.mlp_dim) == (4, 4, 128, 512)
-        assert (config.data.block_size, config.train.batch_size,
-                config.train.steps) == (64, 12, 2000)
-        assert (config.optim.lr, config.optim.min_lr, config.optim.b2,
-                config.model.dropout_rate) == (1e-3, 1e-4, 0.99, 0.0)
+        assert (
+            config.model.num_layers,
+            config.model.num_heads,
+            config.model.d_model,
+            config.model.mlp_dim,
+        ) == (4, 4, 128, 512)
+        assert (
+            config.data.block_size,
+            config.train.batch_size,
+            config.train.steps,
+        ) == (64, 12, 2000)
+        assert (
+            config.optim.lr,
+            config.optim.min_lr,
+            config.optim.b2,
+            config.model.dropout_rate,
+        ) == (1e-3, 1e-4, 0.99, 0.0)
         assert config.data.tokenizer == "char" and config.data.val_fraction == 0.1
 
-    @pytest.mark.parametrize("arg,match", [
-        ("tidy", "Unknown config argument 'tidy'"),
-        ("bpe", "write it as bpe=N"),
-        ("tied=1", "write it as tied"),
-        ("steps=ten", "N must be an integer")])
+    @pytest.mark.parametrize(
+        "arg,match",
+        [
+            ("tidy", "Unknown config argument 'tidy'"),
+            ("bpe", "write it as bpe=N"),
+            ("tied=1", "write it as tied"),
+            ("steps=ten", "N must be an integer"),
+        ],
+    )
     def test_bad_arguments(self, arg, match):
         with pytest.raises(ValueError, match=match):
             default.get_config(arg)
@@ -299,46 +354,61 @@ class TestConfig:
     def test_study_keys_default_to_todays_behaviour(self):
         for arg in ("nanogpt", "compare", "tiny"):
             config = default.get_config(arg)
-            assert (config.data.split, config.data.train_fraction,
-                    config.train.patience, config.train.eval_train_batches,
-                    config.train.test_eval) == ("tail", 1.0, 0, 0, None)
+            assert (
+                config.data.split,
+                config.data.train_fraction,
+                config.train.patience,
+                config.train.eval_train_batches,
+                config.train.test_eval,
+            ) == ("tail", 1.0, 0, 0, None)
 
     def test_locked(self):
         with pytest.raises(AttributeError):
             default.get_config().train.stpes = 3
 
-    @pytest.mark.parametrize("name,value,error,match", [
-        ("data.block_size", 1, ValueError, r"config.data.block_size must be in \[2"),
-        ("data.tokenizer", "word", ValueError, "'char', 'bpe'"),
-        ("data.vocab_size", 500, ValueError, "tokenizer='bpe' only"),
-        ("model.num_heads", 3, ValueError, "must divide"),
-        ("model.dtype", "float16", ValueError, "'float32', 'bfloat16'"),
-        ("loss.smoothing", "soft", ValueError, "config.loss.smoothing"),
-        ("loss.chunk_size", 64, ValueError, "not used by loss_impl='materialized'"),
-        ("mesh.model", 0, ValueError, "config.mesh.model must be a number"),
-        ("optim.min_lr", 1.0, ValueError, "config.optim.min_lr"),
-        ("optim.b2", 1.0, ValueError, r"config.optim.b2 must be in \[0.0, 1.0\)"),
-        ("optim.warmup_steps", 40, ValueError, "config.optim.warmup_steps"),
-        ("sample.top_p", 0.0, ValueError, "config.sample.top_p"),
-        ("sample.prompt", "", ValueError, "must not be empty"),
-        ("data.split", "plays", ValueError, "'tail', 'works'"),
-        ("data.train_fraction", 0.0, ValueError, "config.data.train_fraction"),
-        ("data.test_fraction", 0.9, ValueError, "config.data.test_fraction"),
-        ("train.patience", -1, ValueError, "config.train.patience"),
-        ("train.test_eval", True, ValueError, "needs a test split"),
-    ])
+    @pytest.mark.parametrize(
+        "name,value,error,match",
+        [
+            (
+                "data.block_size",
+                1,
+                ValueError,
+                r"config.data.block_size must be in \[2",
+            ),
+            ("data.tokenizer", "word", ValueError, "'char', 'bpe'"),
+            ("data.vocab_size", 500, ValueError, "tokenizer='bpe' only"),
+            ("model.num_heads", 3, ValueError, "must divide"),
+            ("model.dtype", "float16", ValueError, "'float32', 'bfloat16'"),
+            ("loss.smoothing", "soft", ValueError, "config.loss.smoothing"),
+            ("loss.chunk_size", 64, ValueError, "not used by loss_impl='materialized'"),
+            ("mesh.model", 0, ValueError, "config.mesh.model must be a number"),
+            ("optim.min_lr", 1.0, ValueError, "config.optim.min_lr"),
+            ("optim.b2", 1.0, ValueError, r"config.optim.b2 must be in \[0.0, 1.0\)"),
+            ("optim.warmup_steps", 40, ValueError, "config.optim.warmup_steps"),
+            ("sample.top_p", 0.0, ValueError, "config.sample.top_p"),
+            ("sample.prompt", "", ValueError, "must not be empty"),
+            ("data.split", "plays", ValueError, "'tail', 'works'"),
+            ("data.train_fraction", 0.0, ValueError, "config.data.train_fraction"),
+            ("data.test_fraction", 0.9, ValueError, "config.data.test_fraction"),
+            ("train.patience", -1, ValueError, "config.train.patience"),
+            ("train.test_eval", True, ValueError, "needs a test split"),
+        ],
+    )
     def test_validation(self, name, value, error, match):
         config = tiny_config(**{"loss.loss_impl": "materialized", name: value})
         with pytest.raises(error, match=match):
             configuration.validate_config(config)
 
-    @pytest.mark.parametrize("name,value,match", [
-        ("train.steps", 2.5, "config.train.steps must be int; got 2.5"),
-        ("model.tied", 1, "config.model.tied must be bool; got 1"),
-        ("optim.lr", "fast", "config.optim.lr must be float; got 'fast'")])
+    @pytest.mark.parametrize(
+        "name,value,match",
+        [
+            ("train.steps", 2.5, "config.train.steps must be int; got 2.5"),
+            ("model.tied", 1, "config.model.tied must be bool; got 1"),
+            ("optim.lr", "fast", "config.optim.lr must be float; got 'fast'"),
+        ],
+    )
     def test_validation_types(self, name, value, match):
-        config = ml_collections.ConfigDict(tiny_config().to_dict(),
-                                           type_safe=False)
+        config = ml_collections.ConfigDict(tiny_config().to_dict(), type_safe=False)
         section, key = name.split(".")
         config[section][key] = value
         with pytest.raises(TypeError, match=match):
@@ -360,11 +430,18 @@ def stopped(corpus, tmp_path_factory):
     for a plain file) and the test evaluation; ``events`` records the calls
     of the data loaders and of ``evaluate`` (by evaluation set) in order."""
     workdir = str(tmp_path_factory.mktemp("stopped") / "run")
-    config = tiny_config(**{
-        "data.path": corpus, "data.split": "works", "train.eval_every": 5,
-        "train.log_every": 5, "train.checkpoint_every": 10,
-        "train.patience": 2, "train.eval_train_batches": 1,
-        "sample.num_samples": 0})
+    config = tiny_config(
+        **{
+            "data.path": corpus,
+            "data.split": "works",
+            "train.eval_every": 5,
+            "train.log_every": 5,
+            "train.checkpoint_every": 10,
+            "train.patience": 2,
+            "train.eval_train_batches": 1,
+            "sample.num_samples": 0,
+        }
+    )
     events, original = [], evaluation.evaluate
     losses = list(SCRIPTED_LOSSES.values())
 
@@ -379,19 +456,24 @@ def stopped(corpus, tmp_path_factory):
         def record(*args, **kwargs):
             events.append(name)
             return function(*args, **kwargs)
+
         return record
+
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(evaluation, "evaluate", scripted)
-        monkeypatch.setattr(data, "train_batch",
-                            recording("train_batch", data.train_batch))
-        monkeypatch.setattr(data, "load_test_tokens",
-                            recording("load_test_tokens", data.load_test_tokens))
+        monkeypatch.setattr(
+            data, "train_batch", recording("train_batch", data.train_batch)
+        )
+        monkeypatch.setattr(
+            data,
+            "load_test_tokens",
+            recording("load_test_tokens", data.load_test_tokens),
+        )
         summary = train.train_and_evaluate(config, workdir)
     return dict(workdir=workdir, summary=summary, events=events, config=config)
 
 
 class TestEarlyStoppingAndTest:
-
     def test_stops_and_reports_the_best_step(self, stopped):
         summary = stopped["summary"]
         assert summary["best_step"] == 10 and summary["best"]["eval/loss"] == 2.0
@@ -399,12 +481,16 @@ class TestEarlyStoppingAndTest:
         assert summary["steps"] == 40
         records = read_metrics(stopped["workdir"])
         at_best = next(r for r in records if r["step"] == 10 and "eval/loss" in r)
-        assert summary["best"] == {k: v for k, v in at_best.items()
-                                   if k.startswith("eval/")}
-        assert summary["train_at_best"] == {k: v for k, v in at_best.items()
-                                            if k.startswith("train_eval/")}
-        assert set(summary["train_at_best"]) >= {"train_eval/loss",
-                                                 "train_eval/loss_stderr"}
+        assert summary["best"] == {
+            k: v for k, v in at_best.items() if k.startswith("eval/")
+        }
+        assert summary["train_at_best"] == {
+            k: v for k, v in at_best.items() if k.startswith("train_eval/")
+        }
+        assert set(summary["train_at_best"]) >= {
+            "train_eval/loss",
+            "train_eval/loss_stderr",
+        }
         assert max(r["step"] for r in records) == 20
 
     def test_keeps_the_best_checkpoint(self, stopped):
@@ -412,11 +498,14 @@ class TestEarlyStoppingAndTest:
         assert os.listdir(os.path.join(workdir, "best_checkpoint")) == ["10"]
         assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "20"]
         vocab_size = data.load_tokenizer(
-            os.path.join(workdir, data.TOKENIZER_FILE)).vocab_size
+            os.path.join(workdir, data.TOKENIZER_FILE)
+        ).vocab_size
         best = state_lib.restore_or_init(
             checkpoints.best_checkpoint_manager(workdir),
-            configuration.make_model(stopped["config"], vocab_size), stopped["config"],
-            jax.random.key(0))
+            configuration.make_model(stopped["config"], vocab_size),
+            stopped["config"],
+            jax.random.key(0),
+        )
         manager = checkpoints.checkpoint_manager(workdir)
         at_10 = manager.restore(10, args=ocp.args.StandardRestore(best))
         manager.close()
@@ -427,7 +516,8 @@ class TestEarlyStoppingAndTest:
         events = stopped["events"]
         assert events.count("load_test_tokens") == 1
         assert events.index("load_test_tokens") > max(
-            i for i, e in enumerate(events) if e in ("train_batch", "eval"))
+            i for i, e in enumerate(events) if e in ("train_batch", "eval")
+        )
         assert events[-1] == "test"
 
     def test_test_evaluation_uses_the_best_parameters(self, stopped, corpus):
@@ -436,7 +526,9 @@ class TestEarlyStoppingAndTest:
         with open(corpus, encoding="utf-8") as f:
             test_text = data.split_blocks(f.read(), 0.1, 0.1)[2]
         T = 16
-        assert test["num_tokens"] == test["num_chars"] == T * ((len(test_text) - 1) // T)
+        assert (
+            test["num_tokens"] == test["num_chars"] == T * ((len(test_text) - 1) // T)
+        )
         assert test["bits_per_char"] == pytest.approx(test["loss"] / math.log(2))
         assert test["loss_stderr"] > 0
 
@@ -464,21 +556,34 @@ def test_microbatches_give_the_one_batch_step(corpus):
     dataset = data.load_dataset(config.data)
     model = configuration.make_model(config, dataset.vocab_size)
     state = state_lib.create_train_state(model, config, jax.random.key(0))
-    batch = data.train_batch(dataset.train_tokens, seed=0, step=0, batch_size=8,
-                             block_size=config.data.block_size)
+    batch = data.train_batch(
+        dataset.train_tokens,
+        seed=0,
+        step=0,
+        batch_size=8,
+        block_size=config.data.block_size,
+    )
 
     def step(microbatches):
-        return jax.jit(functools.partial(
-            train.train_step, model=model, loss_kwargs=train.loss_keywords(
-                config.loss), learning_rate_fn=state_lib.learning_rate_schedule(config),
-            microbatches=microbatches))(state, batch, jax.random.key(1))
+        return jax.jit(
+            functools.partial(
+                train.train_step,
+                model=model,
+                loss_kwargs=train.loss_keywords(config.loss),
+                learning_rate_fn=state_lib.learning_rate_schedule(config),
+                microbatches=microbatches,
+            )
+        )(state, batch, jax.random.key(1))
 
     reference_state, reference = step(1)
     for microbatches in (2, 4):
         new_state, metrics = step(microbatches)
         for name in ("loss", "nll", "accuracy", "grad_norm"):
             np.testing.assert_allclose(metrics[name], reference[name], rtol=1e-5)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
-                     new_state.params, reference_state.params)
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
+            new_state.params,
+            reference_state.params,
+        )
     with pytest.raises(ValueError, match="microbatches=3 must divide the batch"):
         step(3)

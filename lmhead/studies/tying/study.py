@@ -34,14 +34,17 @@ such.
 import dataclasses
 import math
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lmhead.lab import sweeps
 
-ARMS = {"a": "tied",
-        "b": "untied, same shape",
-        "c": "untied, narrower, matched to a",
-        "d": "tied, deeper, matched to b"}
+ARMS = {
+    "a": "tied",
+    "b": "untied, same shape",
+    "c": "untied, narrower, matched to a",
+    "d": "tied, deeper, matched to b",
+}
 # Parameter counts of matched arms may differ by at most this fraction.
 MATCH_TOLERANCE = 0.02
 # Distinct characters of the embedded corpus: the character vocabulary.
@@ -53,6 +56,7 @@ EDGE_FACTOR = 2.0
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """The model keys an arm sets (``config.model.*``)."""
+
     tied: bool
     d_model: int
     num_layers: int
@@ -60,13 +64,18 @@ class Shape:
 
     def overrides(self) -> dict[str, Any]:
         """The ``--config.model.*`` overrides, in a fixed order (for run names)."""
-        return {"model.tied": self.tied, "model.d_model": self.d_model,
-                "model.num_layers": self.num_layers, "model.mlp_dim": self.mlp_dim}
+        return {
+            "model.tied": self.tied,
+            "model.d_model": self.d_model,
+            "model.num_layers": self.num_layers,
+            "model.mlp_dim": self.mlp_dim,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
 class Architecture:
     """What every arm shares: ``config.model`` / ``config.data`` values."""
+
     num_heads: int = 4
     max_len: int = 64  # data.block_size
     positions: str = "learned"
@@ -74,8 +83,9 @@ class Architecture:
     head_bias: bool = False
 
 
-def count_params(vocab_size: int, shape: Shape, arch: Architecture = Architecture()
-                 ) -> int:
+def count_params(
+    vocab_size: int, shape: Shape, arch: Architecture = Architecture()
+) -> int:
     r"""Parameters of ``model.DecoderLM`` with ``shape`` and ``arch``.
 
     With :math:`V` tokens, width :math:`D`, :math:`L` blocks, MLP width
@@ -97,23 +107,31 @@ def count_params(vocab_size: int, shape: Shape, arch: Architecture = Architectur
     tables = vocab_size * d * (1 if shape.tied else 2)
     positions = arch.max_len * d if arch.positions == "learned" else 0
     block = 4 * d * d + 2 * d * f + (2 + 2 * beta) * d + beta * (5 * d + f)
-    return (tables + positions + shape.num_layers * block + (1 + beta) * d
-            + (vocab_size if arch.head_bias else 0))
+    return (
+        tables
+        + positions
+        + shape.num_layers * block
+        + (1 + beta) * d
+        + (vocab_size if arch.head_bias else 0)
+    )
 
 
-def _solve_mlp_dim(vocab_size: int, shape: Shape, target: int,
-                   arch: Architecture) -> Shape:
+def _solve_mlp_dim(
+    vocab_size: int, shape: Shape, target: int, arch: Architecture
+) -> Shape:
     """``shape`` with the ``mlp_dim`` whose count is nearest ``target``
     (the count is linear in ``mlp_dim``)."""
     at_zero = count_params(vocab_size, dataclasses.replace(shape, mlp_dim=0), arch)
-    per_unit = count_params(vocab_size, dataclasses.replace(shape, mlp_dim=1),
-                            arch) - at_zero
+    per_unit = (
+        count_params(vocab_size, dataclasses.replace(shape, mlp_dim=1), arch) - at_zero
+    )
     mlp_dim = max(1, round((target - at_zero) / per_unit))
     return dataclasses.replace(shape, mlp_dim=mlp_dim)
 
 
-def narrower_untied(vocab_size: int, base: Shape, target: int,
-                    arch: Architecture = Architecture()) -> Shape:
+def narrower_untied(
+    vocab_size: int, base: Shape, target: int, arch: Architecture = Architecture()
+) -> Shape:
     """Arm ``c``: untied, ``base.num_layers`` blocks, narrower, ``target`` parameters.
 
     ``d_model`` is the multiple of ``num_heads`` (at most ``base.d_model``)
@@ -125,39 +143,51 @@ def narrower_untied(vocab_size: int, base: Shape, target: int,
 
     def scaled(d):
         return Shape(False, d, base.num_layers, max(1, round(ratio * d)))
-    d_model = min(widths, key=lambda d: abs(count_params(vocab_size, scaled(d), arch)
-                                            - target))
-    return _check_match(vocab_size, _solve_mlp_dim(vocab_size, scaled(d_model),
-                                                   target, arch), target, arch)
+
+    d_model = min(
+        widths, key=lambda d: abs(count_params(vocab_size, scaled(d), arch) - target)
+    )
+    return _check_match(
+        vocab_size,
+        _solve_mlp_dim(vocab_size, scaled(d_model), target, arch),
+        target,
+        arch,
+    )
 
 
-def deeper_tied(vocab_size: int, base: Shape, target: int,
-                arch: Architecture = Architecture()) -> Shape:
+def deeper_tied(
+    vocab_size: int, base: Shape, target: int, arch: Architecture = Architecture()
+) -> Shape:
     """Arm ``d``: tied, ``base.d_model``, deeper, ``target`` parameters.
 
     Adds as many whole blocks of the base shape as fit under ``target``,
     then widens every block's MLP by the remainder.
     """
     tied = dataclasses.replace(base, tied=True)
-    one_block = (count_params(vocab_size, dataclasses.replace(tied, num_layers=2), arch)
-                 - count_params(vocab_size, dataclasses.replace(tied, num_layers=1), arch))
+    one_block = count_params(
+        vocab_size, dataclasses.replace(tied, num_layers=2), arch
+    ) - count_params(vocab_size, dataclasses.replace(tied, num_layers=1), arch)
     extra = max(0, (target - count_params(vocab_size, tied, arch)) // one_block)
     deeper = dataclasses.replace(tied, num_layers=base.num_layers + extra)
-    return _check_match(vocab_size, _solve_mlp_dim(vocab_size, deeper, target, arch),
-                        target, arch)
+    return _check_match(
+        vocab_size, _solve_mlp_dim(vocab_size, deeper, target, arch), target, arch
+    )
 
 
 def _check_match(vocab_size, shape, target, arch) -> Shape:
     count = count_params(vocab_size, shape, arch)
     if abs(count - target) > MATCH_TOLERANCE * target:
-        raise ValueError(f"No shape matches {target:,} parameters within "
-                         f"{MATCH_TOLERANCE:.0%} at vocab_size={vocab_size}: the "
-                         f"nearest, {shape}, has {count:,}.")
+        raise ValueError(
+            f"No shape matches {target:,} parameters within "
+            f"{MATCH_TOLERANCE:.0%} at vocab_size={vocab_size}: the "
+            f"nearest, {shape}, has {count:,}."
+        )
     return shape
 
 
-def arm_shapes(vocab_size: int, base: Shape, arch: Architecture = Architecture()
-               ) -> dict[str, Shape]:
+def arm_shapes(
+    vocab_size: int, base: Shape, arch: Architecture = Architecture()
+) -> dict[str, Shape]:
     """The four arms' shapes at ``vocab_size``, keyed ``"a"`` .. ``"d"``.
 
     Examples:
@@ -169,11 +199,16 @@ def arm_shapes(vocab_size: int, base: Shape, arch: Architecture = Architecture()
     """
     tied = dataclasses.replace(base, tied=True)
     untied = dataclasses.replace(base, tied=False)
-    return {"a": tied, "b": untied,
-            "c": narrower_untied(vocab_size, base, count_params(vocab_size, tied, arch),
-                                 arch),
-            "d": deeper_tied(vocab_size, base, count_params(vocab_size, untied, arch),
-                             arch)}
+    return {
+        "a": tied,
+        "b": untied,
+        "c": narrower_untied(
+            vocab_size, base, count_params(vocab_size, tied, arch), arch
+        ),
+        "d": deeper_tied(
+            vocab_size, base, count_params(vocab_size, untied, arch), arch
+        ),
+    }
 
 
 def head_share(vocab_size: int, d_model: int, num_params: int) -> float:
@@ -197,14 +232,18 @@ class Regime:
     ``patience = 0``: a fixed number of steps, the last parameters tested;
     ``patience > 0``: early stopping on validation, the best ones tested.
     """
+
     name: str
     train_fraction: float
     steps: int
     patience: int
 
     def overrides(self) -> dict[str, Any]:
-        return {"data.train_fraction": self.train_fraction, "train.steps": self.steps,
-                "train.patience": self.patience}
+        return {
+            "data.train_fraction": self.train_fraction,
+            "train.steps": self.steps,
+            "train.patience": self.patience,
+        }
 
 
 def vocabulary_overrides(vocab_size: int | None) -> dict[str, Any]:
@@ -226,6 +265,7 @@ def vocabulary_label(vocab_size: int | None) -> str:
 @dataclasses.dataclass(frozen=True)
 class Cell:
     """One regime x vocabulary x arm: the unit that gets a learning rate and seeds."""
+
     regime: Regime
     vocab: int | None  # None: characters
     arm: str
@@ -238,21 +278,28 @@ class Cell:
 @dataclasses.dataclass(frozen=True)
 class PlannedRun:
     """A cell trained at one learning rate and seed."""
+
     cell: Cell
     lr: float
     seed: int
 
     def overrides(self, min_lr_ratio: float) -> dict[str, Any]:
         """The run's overrides, always in the same order (its name depends on it)."""
-        return {**self.cell.regime.overrides(), **vocabulary_overrides(self.cell.vocab),
-                **self.cell.shape.overrides(), "optim.lr": self.lr,
-                "optim.min_lr": round(self.lr * min_lr_ratio, 12), "train.seed": self.seed}
+        return {
+            **self.cell.regime.overrides(),
+            **vocabulary_overrides(self.cell.vocab),
+            **self.cell.shape.overrides(),
+            "optim.lr": self.lr,
+            "optim.min_lr": round(self.lr * min_lr_ratio, 12),
+            "train.seed": self.seed,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
 class Design:
     """The study: ``base`` config argument and ``shared`` overrides for every run,
     and the axes. The first seed is the tuning seed."""
+
     base: str
     shared: dict[str, Any]
     regimes: tuple[Regime, ...]
@@ -267,7 +314,8 @@ class Design:
     # (regime name, vocabulary) -> the tokens its tokenizer has, which the
     # arms are matched at (data.tokenizer_vocab_size); absent: as many as asked.
     vocab_sizes: Mapping[tuple[str, int | None], int] = dataclasses.field(
-        default_factory=dict)
+        default_factory=dict
+    )
 
     def vocab_size(self, regime: Regime, vocab: int | None) -> int:
         """The tokens of ``vocab``'s tokenizer in ``regime``."""
@@ -280,53 +328,75 @@ class Design:
             for vocab in self.vocabularies:
                 size = self.vocab_size(regime, vocab)
                 shapes = arm_shapes(size, self.base_shape, self.arch)
-                cells += [Cell(regime, vocab, arm, shapes[arm], size)
-                          for arm in self.arms]
+                cells += [
+                    Cell(regime, vocab, arm, shapes[arm], size) for arm in self.arms
+                ]
         return cells
 
-    def tuning_runs(self, results: Mapping[PlannedRun, sweeps.Run] | None = None
-                    ) -> list[PlannedRun]:
+    def tuning_runs(
+        self, results: Mapping[PlannedRun, sweeps.Run] | None = None
+    ) -> list[PlannedRun]:
         """Every cell at every rate of the grid, first seed (rates in the outer
         loop, so that an interrupted stage has every cell at one rate); then,
         given the ``results`` read back so far, each cell's edge extensions
         (:func:`extend_rates`), in cell order."""
-        grid = [PlannedRun(cell, lr, self.seeds[0])
-                for lr in self.learning_rates for cell in self.cells()]
+        grid = [
+            PlannedRun(cell, lr, self.seeds[0])
+            for lr in self.learning_rates
+            for cell in self.cells()
+        ]
         if not results or self.extend_edges == 0:
             return grid
         extensions = []
         for cell in self.cells():
-            losses = {p.lr: (validation_loss(r, cell.regime)
-                             if r.status == "finished" else None)
-                      for p, r in results.items()
-                      if p.cell == cell and p.seed == self.seeds[0]}
-            extensions += [PlannedRun(cell, lr, self.seeds[0]) for lr in extend_rates(
-                losses, self.learning_rates, self.extend_edges)]
+            losses = {
+                p.lr: (
+                    validation_loss(r, cell.regime) if r.status == "finished" else None
+                )
+                for p, r in results.items()
+                if p.cell == cell and p.seed == self.seeds[0]
+            }
+            extensions += [
+                PlannedRun(cell, lr, self.seeds[0])
+                for lr in extend_rates(losses, self.learning_rates, self.extend_edges)
+            ]
         return grid + extensions
 
     def seed_runs(self, chosen: dict[Cell, float]) -> list[PlannedRun]:
         """The other seeds of every cell at its chosen rate."""
-        return [PlannedRun(cell, chosen[cell], seed)
-                for seed in self.seeds[1:] for cell in self.cells()]
+        return [
+            PlannedRun(cell, chosen[cell], seed)
+            for seed in self.seeds[1:]
+            for cell in self.cells()
+        ]
 
     def names(self, runs: Sequence[PlannedRun]) -> list[str]:
         """Run directory names, as ``experiments/sweep.py`` gives them."""
         return sweeps.run_names([r.overrides(self.min_lr_ratio) for r in runs])
 
 
-def read_runs(design: Design, runs: Sequence[PlannedRun], sweep_dir: str,
-              known: Mapping[PlannedRun, sweeps.Run] | None = None
-              ) -> dict[PlannedRun, sweeps.Run]:
+def read_runs(
+    design: Design,
+    runs: Sequence[PlannedRun],
+    sweep_dir: str,
+    known: Mapping[PlannedRun, sweeps.Run] | None = None,
+) -> dict[PlannedRun, sweeps.Run]:
     """Each planned run's directory in ``sweep_dir``, read back, in the order
     of ``runs``; a run in ``known`` (read before) is kept as it is."""
     known = known or {}
-    return {planned: known[planned] if planned in known else sweeps.read_run(
-                os.path.join(sweep_dir, name), planned.overrides(design.min_lr_ratio))
-            for planned, name in zip(runs, design.names(runs))}
+    return {
+        planned: known[planned]
+        if planned in known
+        else sweeps.read_run(
+            os.path.join(sweep_dir, name), planned.overrides(design.min_lr_ratio)
+        )
+        for planned, name in zip(runs, design.names(runs))
+    }
 
 
-def extend_rates(losses: Mapping[float, float | None], grid: Sequence[float],
-                 extend_edges: int) -> list[float]:
+def extend_rates(
+    losses: Mapping[float, float | None], grid: Sequence[float], extend_edges: int
+) -> list[float]:
     """The rates past the grid's ends that a cell's tuning tries, given the
     validation ``losses`` of its runs so far (``None``: not finished).
 
@@ -359,10 +429,14 @@ def extend_rates(losses: Mapping[float, float | None], grid: Sequence[float],
     if len(grid) < 2:
         return []
     tried, added = sorted(grid), []
-    while not any(losses.get(lr) is None for lr in tried) and sum(
-            not min(grid) <= lr <= max(grid) for lr in tried) < extend_edges:
+    while (
+        not any(losses.get(lr) is None for lr in tried)
+        and sum(not min(grid) <= lr <= max(grid) for lr in tried) < extend_edges
+    ):
+
         def strictly_best(end):
             return all(losses[end] < losses[lr] for lr in tried if lr != end)
+
         if strictly_best(tried[-1]):
             rate = tried[-1] * EDGE_FACTOR  # exact: a power of two
         elif strictly_best(tried[0]):
@@ -407,8 +481,9 @@ def validation_loss(run: sweeps.Run, regime: Regime) -> float:
     return loss if loss is not None and math.isfinite(loss) else math.inf
 
 
-def choose_learning_rates(tuning: dict[PlannedRun, sweeps.Run], *, strict: bool = True
-                          ) -> dict[Cell, float]:
+def choose_learning_rates(
+    tuning: dict[PlannedRun, sweeps.Run], *, strict: bool = True
+) -> dict[Cell, float]:
     """Each cell's learning rate with the lowest validation loss (ties: the
     first rate of the grid) among its tuning runs.
 
@@ -436,18 +511,22 @@ def choose_learning_rates(tuning: dict[PlannedRun, sweeps.Run], *, strict: bool 
         raise ValueError(
             f"{len(unfinished)} of {len(tuning)} tuning runs have not finished (e.g. "
             f"{unfinished[0]}); run the tuning stage (stage=tune) to the end before "
-            "the seeds stage.")
+            "the seeds stage."
+        )
     by_cell: dict[Cell, list[tuple[float, float, str]]] = {}
     for planned, run in tuning.items():
         by_cell.setdefault(planned.cell, []).append(
-            (validation_loss(run, planned.cell.regime), planned.lr, run.status))
+            (validation_loss(run, planned.cell.regime), planned.lr, run.status)
+        )
     chosen = {}
     for cell, results in by_cell.items():
         if any(status != "finished" for _, _, status in results):
             continue
         loss, lr, _ = min(results, key=lambda r: r[0])  # min keeps the first of ties
         if math.isinf(loss):
-            raise ValueError(f"Every tuning run of {cell} diverged or has no "
-                             "validation loss; try lower learning rates.")
+            raise ValueError(
+                f"Every tuning run of {cell} diverged or has no "
+                "validation loss; try lower learning rates."
+            )
         chosen[cell] = lr
     return chosen

@@ -105,12 +105,36 @@ def check_unembed_inputs(
             )
 
 
-def check_block_size(name: str, value: Any) -> None:
-    """Raises ValueError unless ``value`` is None or a Python integer >= 1."""
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1
-    ):
-        raise ValueError(f"{name} must be an integer >= 1 or None; got {value!r}.")
+def check_count(name: str, value: Any, *, optional: bool = False) -> None:
+    """Checks that ``value`` is a count: an integer ``>= 1`` (or None if ``optional``).
+
+    A count is a Python or numpy integer; a bool is not one, nor is a float
+    with an integral value, nor an array. Use it for every size, length and
+    number of things an argument or field gives.
+
+    Raises:
+        TypeError: ``value`` is not an integer (or is a bool).
+        ValueError: ``value < 1``.
+
+    Examples:
+        >>> check_count("num_beams", 4)
+        >>> check_count("chunk_size", None, optional=True)
+        >>> check_count("num_beams", 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: num_beams must be an integer >= 1; got 0.
+        >>> check_count("chunk_size", 2.5, optional=True)
+        Traceback (most recent call last):
+        ...
+        TypeError: chunk_size must be an integer >= 1 or None; got 2.5.
+    """
+    if optional and value is None:
+        return
+    rule = "an integer >= 1 or None" if optional else "an integer >= 1"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be {rule}; got {value!r}.")
+    if value < 1:
+        raise ValueError(f"{name} must be {rule}; got {value!r}.")
 
 
 def check_concrete(where: str, **values: Any) -> None:

@@ -501,8 +501,8 @@ class VocabShards:
 
 def _check_inputs(h, w, bias, chunk_size, vocab_chunk_size, **static):
     _checks.check_unembed_inputs(h, w, bias)
-    _checks.check_block_size("chunk_size", chunk_size)
-    _checks.check_block_size("vocab_chunk_size", vocab_chunk_size)
+    _checks.check_count("chunk_size", chunk_size, optional=True)
+    _checks.check_count("vocab_chunk_size", vocab_chunk_size, optional=True)
     _checks.check_concrete("fused_cross_entropy", **static)
     for name in ("scale", "softcap"):
         _checks.check_in_range(name, static[name], low=0.0, low_open=True)

@@ -446,8 +446,7 @@ def calibration_bins(
                [0. , 0. , 0. ]], dtype=float32)
     """
     _checks.check_logits(logits)
-    if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
-        raise ValueError(f"num_bins must be an integer >= 1; got {num_bins!r}.")
+    _checks.check_count("num_bins", num_bins)
     vocab_size = jnp.shape(logits)[-1]
     check_labels_and_weights(labels, weights, jnp.shape(logits)[:-1], vocab_size)
     weights, safe_labels, _ = valid_weights(labels, weights, vocab_size)

@@ -62,14 +62,7 @@ class LMHead(nn.Module):
     def __post_init__(self):
         # When the module is built, so that a bad field fails before any
         # parameter or compilation.
-        if (
-            isinstance(self.vocab_size, bool)
-            or not isinstance(self.vocab_size, (int, np.integer))
-            or self.vocab_size < 1
-        ):
-            raise ValueError(
-                f"vocab_size must be an integer >= 1; got {self.vocab_size!r}."
-            )
+        _checks.check_count("vocab_size", self.vocab_size)
         for name in ("tied", "use_bias"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}.")

@@ -360,13 +360,13 @@ PURE = [
     (
         "ece num_bins float",
         lambda: losses.expected_calibration_error(LOGITS, LABELS, num_bins=2.5),
-        ValueError,
+        TypeError,
         "num_bins",
     ),
     (
         "ece num_bins bool",
         lambda: losses.expected_calibration_error(LOGITS, LABELS, num_bins=True),
-        ValueError,
+        TypeError,
         "num_bins",
     ),
     (
@@ -399,13 +399,13 @@ PURE = [
     (
         "fused chunk_size float",
         lambda: fused_ce(chunk_size=2.5),
-        ValueError,
+        TypeError,
         "chunk_size",
     ),
     (
         "fused chunk_size bool",
         lambda: fused_ce(chunk_size=True),
-        ValueError,
+        TypeError,
         "chunk_size",
     ),
     (
@@ -417,7 +417,7 @@ PURE = [
     (
         "fused vocab_chunk_size float",
         lambda: fused_ce(vocab_chunk_size=2.5),
-        ValueError,
+        TypeError,
         "vocab_chunk_size",
     ),
     ("fused smoothing", lambda: fused_ce(smoothing="label"), ValueError, "smoothing"),
@@ -650,8 +650,8 @@ MODULES = [
     # Fields are checked when the module is built.
     ("LMHead vocab_size 0", lambda: modules.LMHead(0), ValueError, "vocab_size"),
     ("LMHead vocab_size < 0", lambda: modules.LMHead(-1), ValueError, "vocab_size"),
-    ("LMHead vocab_size float", lambda: modules.LMHead(5.0), ValueError, "vocab_size"),
-    ("LMHead vocab_size bool", lambda: modules.LMHead(True), ValueError, "vocab_size"),
+    ("LMHead vocab_size float", lambda: modules.LMHead(5.0), TypeError, "vocab_size"),
+    ("LMHead vocab_size bool", lambda: modules.LMHead(True), TypeError, "vocab_size"),
     ("LMHead tied string", lambda: modules.LMHead(5, tied="no"), TypeError, "tied"),
     (
         "LMHead use_bias int",

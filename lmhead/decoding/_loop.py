@@ -11,13 +11,6 @@ import numpy as np
 StepFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
 
 
-def check_count(name: str, value: Any) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a Python integer >= 1; got {value!r}.")
-    if value < 1:
-        raise ValueError(f"{name} must be an integer >= 1; got {value}.")
-
-
 def check_token_id(name: str, value: int | None, vocab_size: int) -> None:
     if value is None:
         return

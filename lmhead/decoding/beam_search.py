@@ -346,9 +346,9 @@ def beam_search(
     batch, vocab_size = logits.shape
     _loop.check_step_fn(step_fn)
     _loop.check_state(state, batch)
-    _loop.check_count("num_beams", num_beams)
-    _loop.check_count("max_new_tokens", max_new_tokens)
-    _loop.check_count("num_return_sequences", num_return_sequences)
+    _checks.check_count("num_beams", num_beams)
+    _checks.check_count("max_new_tokens", max_new_tokens)
+    _checks.check_count("num_return_sequences", num_return_sequences)
     if num_return_sequences > num_beams:
         raise ValueError(
             f"num_return_sequences must be <= num_beams = "

@@ -364,10 +364,7 @@ def apply_no_repeat_ngram(
     logits = _as_logits(logits, "[B, V]")
     if ngram_size is None:
         return logits
-    if not isinstance(ngram_size, (int, np.integer)) or ngram_size < 1:
-        raise ValueError(
-            f"no_repeat_ngram_size must be an integer >= 1; got {ngram_size!r}."
-        )
+    _checks.check_count("no_repeat_ngram_size", ngram_size)
     history = _as_history(history, logits.shape[0])
     n, length = int(ngram_size), history.shape[1]
     if length < n:

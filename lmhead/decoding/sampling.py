@@ -356,13 +356,13 @@ def generate(
     batch, vocab_size = logits.shape
     _loop.check_step_fn(step_fn)
     _loop.check_state(state, batch)
-    _loop.check_count("max_new_tokens", max_new_tokens)
-    _loop.check_count("num_samples", num_samples)
+    _checks.check_count("max_new_tokens", max_new_tokens)
+    _checks.check_count("num_samples", num_samples)
     knobs = _sampling_knobs(
         batch, temperature, top_k, top_p, min_p, repetition_penalty, min_new_tokens
     )
     if no_repeat_ngram_size is not None:
-        _loop.check_count("no_repeat_ngram_size", no_repeat_ngram_size)
+        _checks.check_count("no_repeat_ngram_size", no_repeat_ngram_size)
     _loop.check_token_id("eos_id", eos_id, vocab_size)
     if suppress_tokens is not None:
         for token_id in suppress_tokens:

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from lmhead import decoding
+from lmhead import _checks, decoding
 from lmhead.lm import model as model_lib
 from lmhead.lm import scoring
 from lmhead.serve import requests
@@ -45,7 +45,7 @@ class Engine:
 
     Examples:
         >>> import jax, jax.numpy as jnp
-        >>> from lmhead import data
+        >>> from lmhead.lm import data
         >>> tokenizer = data.CharTokenizer("abcd")
         >>> model = model_lib.DecoderLM(vocab_size=4, num_layers=1, num_heads=2,
         ...                             d_model=8, mlp_dim=16, max_len=8)
@@ -320,11 +320,9 @@ class Batcher:
         window_s: float,
         on_batch: Callable[[str, int], None] | None = None,
     ):
-        if max_queue < 1 or window_s < 0:
-            raise ValueError(
-                f"max_queue must be >= 1 and window_s >= 0; got "
-                f"{max_queue}, {window_s}."
-            )
+        _checks.check_count("max_queue", max_queue)
+        if window_s < 0:
+            raise ValueError(f"window_s must be >= 0; got {window_s!r}.")
         self.engine, self.max_queue, self.window_s = engine, max_queue, window_s
         self.max_rows = engine.buckets.batch_sizes[-1]
         self._on_batch = on_batch or (lambda kind, rows: None)

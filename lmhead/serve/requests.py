@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from lmhead import _checks
+
 MAX_SEED = 2**31 - 1
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -115,10 +117,11 @@ class Buckets:
         fits the model's context ``max_len``."""
         for name in ("batch_sizes", "prompt_lengths", "new_tokens", "beam_sizes"):
             sizes = getattr(self, name)
-            if list(sizes) != sorted(set(sizes)) or any(s < 1 for s in sizes):
+            for size in sizes:
+                _checks.check_count(f"every entry of {name}", size)
+            if list(sizes) != sorted(set(sizes)):
                 raise ValueError(
-                    f"{name} must be distinct positive integers in "
-                    f"ascending order; got {sizes}."
+                    f"{name} must be distinct integers in ascending order; got {sizes}."
                 )
             if not sizes and name != "beam_sizes":
                 raise ValueError(f"{name} must not be empty.")
@@ -272,7 +275,7 @@ def parse_generate(
             type, out of range, or not allowed with the others.
 
     Examples:
-        >>> from lmhead import data
+        >>> from lmhead.lm import data
         >>> tokenizer = data.CharTokenizer("abc")
         >>> buckets = Buckets((1, 4), (8,), (8,), (2,))
         >>> request = parse_generate({"prompt": ["ab", "c"], "top_k": 2},

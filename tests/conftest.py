@@ -1,8 +1,13 @@
 """Fixtures shared by the test files."""
 
+import shutil
+
+import ml_collections
 import pytest
 
-from lmhead.lm import data
+from configs import default
+from lmhead.lm import data, train
+from lmhead.lm import state as state_lib
 
 
 @pytest.fixture(scope="session")
@@ -11,3 +16,66 @@ def corpus(tmp_path_factory):
     path = tmp_path_factory.mktemp("corpus") / "text.txt"
     path.write_text(data.shakespeare_text()[:20_000], encoding="utf-8")
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def short_config(corpus):
+    """Makes the tiny config on ``corpus`` for 10 steps (checkpoints at 5 and
+    10, no samples): ``short_config(**{"model.tied": False})``. ``None``
+    deletes a key, and a key the config lacks is added (the config is an
+    unlocked, untyped copy, so that a test can write any bad value)."""
+
+    def make(**overrides):
+        config = default.get_config("tiny")
+        config.update_from_flattened_dict(
+            {
+                "data.path": corpus,
+                "train.steps": 10,
+                "train.log_every": 5,
+                "train.checkpoint_every": 5,
+                "train.eval_every": 10,
+                "train.eval_batches": 1,
+                "optim.warmup_steps": 2,
+                "sample.num_samples": 0,
+            }
+        )
+        config = ml_collections.ConfigDict(config.to_dict(), type_safe=False)
+        for name, value in overrides.items():
+            section, key = name.split(".")
+            if section not in config:
+                config[section] = {}
+            if value is None:
+                del config[section][key]
+            else:
+                config[section][key] = value
+        return config
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def finished_run(short_config, tmp_path_factory):
+    """The workdir of a finished ``short_config()`` run: checkpoints 5 and 10.
+    Tests that change it work on a copy (``copy_of_finished_run``)."""
+    workdir = str(tmp_path_factory.mktemp("finished") / "run")
+    train.train_and_evaluate(short_config(), workdir)
+    return workdir
+
+
+@pytest.fixture
+def copy_of_finished_run(finished_run, tmp_path):
+    workdir = str(tmp_path / "copy")
+    shutil.copytree(finished_run, workdir)
+    return workdir
+
+
+@pytest.fixture
+def nothing_compiles(monkeypatch):
+    """Fails the test if ``train_and_evaluate`` reaches the compiler or
+    restores a state: for errors that must come before either."""
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("reached the compiler")
+
+    monkeypatch.setattr(train, "compile_steps", compiled)
+    monkeypatch.setattr(state_lib, "restore_or_init", compiled)

@@ -1,0 +1,47 @@
+"""The experiment's data: corpus and splits, tokenizers, the encoded dataset
+and its batches, as in nanoGPT's ``shakespeare_char``.
+
+One text is split into training, validation and (optionally) test text
+(:mod:`.corpus`), tokenized by characters or byte-level BPE
+(:mod:`.tokenization`), encoded once into token arrays cached in the run's
+workdir (:mod:`.dataset`), and cut into windows (:mod:`.batches`): random
+ones for training, a pure function of ``(seed, step)``; fixed ones for
+evaluation. The names below are the package's API:
+``from lmhead.lm import data`` then ``data.load_dataset(config.data, workdir)``.
+"""
+
+from lmhead.lm.data.batches import (
+    TRAIN_STREAM,
+    eval_batches,
+    label_chars,
+    train_batch,
+    windows,
+)
+from lmhead.lm.data.corpus import (
+    CORPUS_PACKAGE_INSTALL,
+    SPLITS,
+    Splits,
+    assign_works,
+    load_text,
+    read_splits,
+    shakespeare_text,
+    shakespeare_works,
+    split_blocks,
+    split_text,
+    split_works,
+)
+from lmhead.lm.data.dataset import (
+    TOKENIZER_FILE,
+    TOKENS_FILE,
+    Dataset,
+    load_dataset,
+    load_test_tokens,
+    tokenizer_vocab_size,
+)
+from lmhead.lm.data.tokenization import (
+    BPETokenizer,
+    CharTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    make_tokenizer,
+)

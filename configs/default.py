@@ -10,7 +10,7 @@ gradient clipping 1.0, dropout 0, no biases in the blocks and LayerNorms
 validation. The defaults are the same values but keep the biases
 (``model.use_bias=True``, GPT-2's layout). Two differences from nanoGPT, both
 ours on purpose: weight decay applies to dense kernels only, not to the
-embedding tables (see ``lmhead/lm/train.py``), and evaluations (every 500 steps,
+embedding tables (see ``lmhead/lm/state.py``), and evaluations (every 500 steps,
 not 250) cover the whole validation split (``train.eval_batches=None``), not
 20 random batches.
 
@@ -21,8 +21,8 @@ Train, tied and untied (one command each)::
     python experiments/train.py --config=configs/default.py:nanogpt,untied \
         --workdir=runs/nanogpt_untied
 
-What they reach, and nanoGPT's own numbers, are in README.md ("nanoGPT
-parity"); ``make compare`` measures tied against untied over seeds.
+What they reach, and nanoGPT's own numbers, are in docs/nanogpt_parity.md;
+``make compare`` measures tied against untied over seeds.
 
 Arguments (comma-separated, applied left to right)::
 
@@ -104,106 +104,141 @@ def tiny_values() -> dict:
     }
 
 
-def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    """The config for ``arg``, a comma-separated list of ARGUMENTS."""
-    config = ml_collections.ConfigDict()
-
-    config.data = ml_collections.ConfigDict()
-    config.data.path = ""  # "" is the embedded Shakespeare; else a UTF-8 file
-    config.data.tokenizer = "char"  # "char" | "bpe"
-    config.data.vocab_size = config_dict.placeholder(int)  # bpe only
+def data_defaults() -> ml_collections.ConfigDict:
+    """The defaults of ``config.data``."""
+    data = ml_collections.ConfigDict()
+    data.path = ""  # "" is the embedded Shakespeare; else a UTF-8 file
+    data.tokenizer = "char"  # "char" | "bpe"
+    data.vocab_size = config_dict.placeholder(int)  # bpe only
     # "tail": the last val_fraction of the text is validation, no test split
     # (nanoGPT's). "works": whole works to train / validation / test, about
-    # val_fraction and test_fraction of the characters (lmhead/lm/data.py says
-    # which); a plain text file is cut into blocks train | val | test.
-    config.data.split = "tail"
-    config.data.val_fraction = 0.1
-    config.data.test_fraction = 0.1  # split="works" only
+    # val_fraction and test_fraction of the characters (lmhead/lm/data/corpus.py
+    # says which); a plain text file is cut into blocks train | val | test.
+    data.split = "tail"
+    data.val_fraction = 0.1
+    data.test_fraction = 0.1  # split="works" only
     # The first fraction of the training split is trained on (and BPE is
     # trained on it): the data-limited regime.
-    config.data.train_fraction = 1.0
-    config.data.block_size = 64
+    data.train_fraction = 1.0
+    data.block_size = 64
+    return data
 
-    config.model = ml_collections.ConfigDict()
-    config.model.num_layers = 4
-    config.model.num_heads = 4
-    config.model.d_model = 128
-    config.model.mlp_dim = 512
-    config.model.dropout_rate = 0.0
-    config.model.tied = True
-    config.model.positions = "learned"  # "learned" | "rope"
-    config.model.use_bias = True  # in blocks and LayerNorms; nanogpt: False
-    config.model.head_bias = False
-    config.model.head_scale = config_dict.placeholder(float)
-    config.model.logits_softcap = config_dict.placeholder(float)
-    config.model.dtype = "float32"  # compute dtype: "float32" | "bfloat16"
 
-    config.loss = ml_collections.ConfigDict()
+def model_defaults() -> ml_collections.ConfigDict:
+    """The defaults of ``config.model``."""
+    model = ml_collections.ConfigDict()
+    model.num_layers = 4
+    model.num_heads = 4
+    model.d_model = 128
+    model.mlp_dim = 512
+    model.dropout_rate = 0.0
+    model.tied = True
+    model.positions = "learned"  # "learned" | "rope"
+    model.use_bias = True  # in blocks and LayerNorms; nanogpt: False
+    model.head_bias = False
+    model.head_scale = config_dict.placeholder(float)
+    model.logits_softcap = config_dict.placeholder(float)
+    model.dtype = "float32"  # compute dtype: "float32" | "bfloat16"
+    return model
+
+
+def loss_defaults() -> ml_collections.ConfigDict:
+    """The defaults of ``config.loss``."""
+    loss = ml_collections.ConfigDict()
     # "materialized" | "fused" (no [N, V] logits) | "vocab_parallel" (the
     # vocabulary split over mesh.model, see lmhead/lm/sharding.py). All three
-    # give the same losses to float32 rounding; README.md ("The fused loss")
-    # compares their time and memory (experiments/bench_train.py).
+    # give the same losses to float32 rounding; docs/fused_loss.md compares
+    # their time and memory.
     # Evaluation builds the [B, T, V] logits whatever loss_impl says: the
     # calibration error (eval/ece) needs every token's top probability, which
     # the blocked losses do not compute. Without gradients that is one batch
     # of logits at a time (B * T * V floats), not the training step's residuals.
-    config.loss.loss_impl = "fused"
-    config.loss.label_smoothing = 0.0
-    config.loss.smoothing = "uniform"  # "uniform" | "normalized"
-    config.loss.z_loss = 0.0
-    config.loss.chunk_size = config_dict.placeholder(int)  # blocked losses only
+    loss.loss_impl = "fused"
+    loss.label_smoothing = 0.0
+    loss.smoothing = "uniform"  # "uniform" | "normalized"
+    loss.z_loss = 0.0
+    loss.chunk_size = config_dict.placeholder(int)  # blocked losses only
+    return loss
 
-    config.optim = ml_collections.ConfigDict()
-    config.optim.lr = 1e-3
-    config.optim.warmup_steps = 100
-    config.optim.min_lr = 1e-4  # end of the cosine decay, at train.steps
-    config.optim.weight_decay = 0.1  # dense kernels only
-    config.optim.b1 = 0.9
-    config.optim.b2 = 0.99
-    config.optim.grad_clip = 1.0  # global norm; 0 turns clipping off
 
+def optim_defaults() -> ml_collections.ConfigDict:
+    """The defaults of ``config.optim``."""
+    optim = ml_collections.ConfigDict()
+    optim.lr = 1e-3
+    optim.warmup_steps = 100
+    optim.min_lr = 1e-4  # end of the cosine decay, at train.steps
+    optim.weight_decay = 0.1  # dense kernels only
+    optim.b1 = 0.9
+    optim.b2 = 0.99
+    optim.grad_clip = 1.0  # global norm; 0 turns clipping off
+    return optim
+
+
+def mesh_defaults() -> ml_collections.ConfigDict:
+    """The defaults of ``config.mesh``."""
     # Devices: data * model must be all of them (-1: the rest). "data" splits
     # the batch; "model" splits the vocabulary of the [V, D] tables.
-    config.mesh = ml_collections.ConfigDict()
-    config.mesh.data = -1
-    config.mesh.model = 1
+    mesh = ml_collections.ConfigDict()
+    mesh.data = -1
+    mesh.model = 1
+    return mesh
 
-    config.train = ml_collections.ConfigDict()
-    config.train.steps = 2000
-    config.train.batch_size = 12
+
+def train_defaults() -> ml_collections.ConfigDict:
+    """The defaults of ``config.train``."""
+    train = ml_collections.ConfigDict()
+    train.steps = 2000
+    train.batch_size = 12
     # Gradient accumulation over this many microbatches of each batch (the
-    # same step up to rounding, see lmhead/lm/train.py's train_step): on a CPU, 2
-    # keeps the nanogpt config's activations in cache, 27% less CPU time per
-    # step; on a GPU or TPU keep 1.
-    config.train.microbatches = 1
-    config.train.seed = 0
-    config.train.log_every = 100
-    config.train.eval_every = 500
-    config.train.checkpoint_every = 500
+    # same step up to rounding, see lmhead/lm/train.py's train_step): on a CPU,
+    # 2 keeps the nanogpt config's activations in cache, which makes its step
+    # cheaper (docs/nanogpt_parity.md, "Microbatches and CPU devices"); on a
+    # GPU or TPU keep 1.
+    train.microbatches = 1
+    train.seed = 0
+    train.log_every = 100
+    train.eval_every = 500
+    train.checkpoint_every = 500
     # Batches of evenly spaced validation windows; None: the whole split.
     # Each evaluation also reports the standard error of its loss.
-    config.train.eval_batches = config_dict.placeholder(int)
+    train.eval_batches = config_dict.placeholder(int)
     # Batches of evenly spaced training windows evaluated with validation
     # (train_eval/...), for the train-validation gap; 0: none.
-    config.train.eval_train_batches = 0
+    train.eval_train_batches = 0
     # Stop after this many evaluations in a row without a lower validation
     # loss, keeping the best one's checkpoint (best_checkpoint/); 0: never.
-    config.train.patience = 0
+    train.patience = 0
     # Evaluate once on the whole test split after training, with the best
     # parameters when patience > 0 (else the last). None: when split="works".
-    config.train.test_eval = config_dict.placeholder(bool)
+    train.test_eval = config_dict.placeholder(bool)
     # A non-finite loss, gradient norm or parameter stops the run with an
     # error naming the step, before anything is saved.
-    config.train.stop_on_nonfinite = True
+    train.stop_on_nonfinite = True
+    return train
 
-    config.sample = ml_collections.ConfigDict()
-    config.sample.num_samples = 2
-    config.sample.max_new_tokens = 300
-    config.sample.temperature = 0.8  # 0 is greedy
-    config.sample.top_k = config_dict.placeholder(int)
-    config.sample.top_p = config_dict.placeholder(float)
-    config.sample.prompt = "\n"
 
+def sample_defaults() -> ml_collections.ConfigDict:
+    """The defaults of ``config.sample``."""
+    sample = ml_collections.ConfigDict()
+    sample.num_samples = 2
+    sample.max_new_tokens = 300
+    sample.temperature = 0.8  # 0 is greedy
+    sample.top_k = config_dict.placeholder(int)
+    sample.top_p = config_dict.placeholder(float)
+    sample.prompt = "\n"
+    return sample
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    """The config for ``arg``, a comma-separated list of ARGUMENTS."""
+    config = ml_collections.ConfigDict()
+    config.data = data_defaults()
+    config.model = model_defaults()
+    config.loss = loss_defaults()
+    config.optim = optim_defaults()
+    config.mesh = mesh_defaults()
+    config.train = train_defaults()
+    config.sample = sample_defaults()
     for name, value in _parse(arg):
         if name in ("tied", "untied"):
             config.model.tied = name == "tied"

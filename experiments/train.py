@@ -14,15 +14,17 @@ Several processes (hosts), each started with the same flags plus::
     --coordinator_address=HOST0:PORT --num_processes=N --process_id=I
 
 or ``--distributed`` where JAX finds the cluster itself (Cloud TPU slices,
-SLURM, Open MPI). See ``lmhead/lm/sharding.py`` for the device mesh.
+SLURM, Open MPI). See ``lmhead/lm/sharding.py`` and docs/scale_out.md for
+the device mesh; docs/training.md for what the run writes and how it
+resumes.
 
 On a CPU, ``--cpu_devices=N`` (e.g. the number of cores) gives the process
 N devices and splits each batch over them (data parallel): XLA runs a small
 model's many small operations on one core at a time, and a device per core
-keeps every core busy (``experiments/bench_train.py`` measures it). Results
-then differ from a single device's by float32 rounding, and a run killed and
-resumed may differ from an uninterrupted one in the last bits, which with one
-device it never does.
+keeps every core busy (docs/nanogpt_parity.md, "Microbatches and CPU
+devices", measures it). Results then differ from a single device's by
+float32 rounding, and a run killed and resumed may differ from an
+uninterrupted one in the last bits, which with one device it never does.
 """
 
 import re

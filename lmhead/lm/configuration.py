@@ -1,17 +1,30 @@
-"""Checks of a training config: its keys, each value's type and range, and
-whether a workdir may be resumed with it.
+"""The experiment's config: loading it, checking it, flattening it, and the
+model it describes.
 
-``configs/default.py`` is the one list of config keys: ``get_config()``
-gives every key, and each key's type is that of its default (a placeholder
-default, ``None``, also allows ``None``). :func:`validate_config` refuses a
-config with another key (naming the closest valid ones), a missing key, a
-value of the wrong type, or one out of its range, before anything is read
-or compiled. What it cannot know from the config alone is checked where it
-becomes known: the prompt encodes (``train``, once the tokenizer exists), the
-mesh fits the devices and divides the batch and the vocabulary
-(``sharding``). :func:`check_resumable` refuses to resume a workdir with
-another config than the one that made it, up to the keys in
-``RESUMABLE_CHANGES``.
+This is the *experiment's* config layer, not the head library's argument
+checks: ``lmhead/_checks.py`` checks the arrays and arguments of the pure
+functions (shapes, dtypes, counts); this module checks a whole
+``ml_collections`` config of a training run, key by key.
+
+* Loading: :func:`load_config` runs ``get_config(arg)`` of a config file
+  (``configs/default.py`` by default, as ``--config=path:arg`` does);
+  :func:`load_module` imports a config or sweep file.
+* Checking: ``configs/default.py`` is the one list of config keys:
+  ``get_config()`` gives every key, and each key's type is that of its
+  default (a placeholder default, ``None``, also allows ``None``;
+  :func:`default_types`). :func:`validate_config` refuses a config with
+  another key (naming the closest valid ones, :func:`check_config_keys`), a
+  missing key, a value of the wrong type, or one out of its range, before
+  anything is read or compiled. What it cannot know from the config alone is
+  checked where it becomes known: the prompt encodes (``train``, once the
+  tokenizer exists), the mesh fits the devices and divides the batch and the
+  vocabulary (``sharding``). :func:`check_resumable` refuses to resume a
+  workdir with another config than the one that made it, up to the keys in
+  :data:`RESUMABLE_CHANGES`.
+* Flattening: :func:`flatten` turns a nested config into dotted keys, as
+  the checks, the resume check and the sweeps compare them.
+* The model: :func:`make_model` builds the ``DecoderLM`` of
+  ``config.model``.
 """
 
 import difflib
@@ -28,11 +41,13 @@ import ml_collections
 from lmhead import modules
 from lmhead.lm import model as model_lib
 
-# The config file beside the package; the repository is the installation
-# (pip install -e .), as experiments/ and configs/ are not packaged.
-CONFIG_FILE = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.py"
+# The config file beside the package (lmhead/lm/ -> the repository); the
+# repository is the installation (pip install -e .), as experiments/ and
+# configs/ are not packaged.
+REPOSITORY = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 )
+CONFIG_FILE = os.path.join(REPOSITORY, "configs", "default.py")
 
 # config.model.dtype: the compute dtype's name.
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

@@ -5,7 +5,7 @@ TensorBoard events, :class:`StepTimer` times the training steps (without
 evaluations and checkpoints), :func:`memory_metrics` reads device and host
 memory, :func:`log_training` writes and prints a training log line, and
 :func:`run_summary`, :func:`best_summary` and :func:`finished_summary` make
-and read ``summary.json`` (its keys: ``train.train_and_evaluate``).
+and read ``summary.json`` (its keys: :func:`run_summary`, :func:`best_summary`).
 :data:`MEASURED_METRICS` are the logged metrics that are measured, not
 computed, and so differ between two runs of the same config.
 :func:`matmul_rate` measures the machine's square-matmul rate, which the
@@ -27,6 +27,7 @@ import ml_collections
 import numpy as np
 import tensorboardX
 
+from lmhead import _checks
 from lmhead.lm import evaluation, sharding
 
 # Measured, not computed: they differ from run to run of the same config.
@@ -200,8 +201,22 @@ def run_summary(
     compile_seconds: float,
     wall_start: float,
 ) -> dict:
-    """``train_and_evaluate``'s summary of the model (``params``) and the
-    time (see its Returns)."""
+    """``train_and_evaluate``'s summary of the model and the time.
+
+    Keys: ``num_params``; ``num_head_params`` (owned by the head: the untied
+    ``[V, D]`` and the bias; a tied table counts as the embedding's),
+    ``num_embedding_params`` (the token table) and ``num_body_params``
+    (everything else: positions, blocks, final norm); ``vocab_size``;
+    ``final`` (the ``final`` evaluation, keys as in ``metrics.jsonl``);
+    ``tokens_per_sec``, ``ms_per_step`` and ``cpu_ms_per_step`` (the
+    process's CPU time, all threads; other processes on a shared machine do
+    not inflate it) over the training steps of this process (``timer``),
+    without compilation, evaluation or checkpoints; ``step_ms_p50`` and
+    ``step_ms_p90`` (percentiles of the step times); ``memory``
+    (:func:`memory_metrics` now, without the ``memory/`` prefix);
+    ``compile_seconds``, ``steps`` (``train.steps``) and ``wall_seconds``
+    (since ``wall_start``, a ``time.perf_counter()``).
+    """
     tokens_per_step = config.train.batch_size * config.data.block_size
     num_params = count_params(params)
     num_head_params = count_params(params.get("head", {}))
@@ -227,9 +242,21 @@ def run_summary(
 def best_summary(
     config: ml_collections.ConfigDict, records: list[dict], steps_run: int
 ) -> dict:
-    """The summary's ``best_step``, ``best``, ``train_at_best``, ``steps_run``
-    and ``stopped_early`` (see ``train_and_evaluate``), from the run's
-    ``metrics.jsonl`` ``records``."""
+    """The summary's keys about the best evaluation, from the run's
+    ``metrics.jsonl`` ``records``.
+
+    Keys: ``best_step`` and ``best``, the evaluation of lowest ``eval/loss``
+    (its ``eval/`` metrics); ``train_at_best`` (its ``train_eval/`` metrics,
+    with ``train.eval_train_batches`` only); ``steps_run`` (the last step
+    trained) and ``stopped_early`` (by ``train.patience``).
+
+    Examples:
+        >>> config = ml_collections.ConfigDict(
+        ...     {"train": {"patience": 1, "eval_train_batches": 0, "steps": 30}})
+        >>> best_summary(config, [{"step": 10, "eval/loss": 2.0},
+        ...                       {"step": 20, "eval/loss": 2.5}], steps_run=20)
+        {'best_step': 10, 'best': {'eval/loss': 2.0}, 'steps_run': 20, 'stopped_early': True}
+    """
     stopping = evaluation.EarlyStopping.from_records(config.train.patience, records)
     best = next(
         (r for r in records if r["step"] == stopping.best_step and "eval/loss" in r), {}
@@ -284,17 +311,15 @@ def matmul_rate(
     benchmark's FLOP rates are read against.
 
     Raises:
-        ValueError: ``size`` or ``repeats`` is not positive.
+        TypeError: ``size`` or ``repeats`` is not an integer.
+        ValueError: ``size`` or ``repeats`` is below 1.
 
     Examples:
         >>> matmul_rate(64, repeats=3) > 0
         True
     """
-    if size < 1 or repeats < 1:
-        raise ValueError(
-            f"matmul_rate needs size >= 1 and repeats >= 1; got "
-            f"size={size}, repeats={repeats}."
-        )
+    _checks.check_count("size", size)
+    _checks.check_count("repeats", repeats)
     a = jnp.ones((size, size), jnp.float32)
     matmul = jax.jit(jnp.dot)
     jax.block_until_ready(matmul(a, a))

@@ -5,45 +5,17 @@ the model and an AdamW optimizer, resumes from the newest checkpoint in
 ``workdir`` if there is one, trains, evaluates, checkpoints, and ends with
 decoded samples. ``train_step`` and ``eval_step`` are pure functions;
 :func:`compile_steps` is the one place that jits them; ``lmhead.lm.evaluation``
-reduces ``eval_step`` over fixed evaluation sets.
+reduces ``eval_step`` over fixed evaluation sets. The run's state and optimizer
+are ``lmhead.lm.state``'s; its metrics, timings and summary
+``lmhead.lm.monitoring``'s.
 
-A run's workdir holds ``config.json``, ``tokenizer.json``, ``tokens.npz``,
-``checkpoints/`` (orbax), ``best_checkpoint/`` (with ``train.patience``),
-``metrics.jsonl``, TensorBoard events, ``samples.txt`` and, once the run has
-finished, ``summary.json``.
+docs/training.md describes the design: what a workdir holds, what is
+evaluated when, how a run resumes, stops on SIGTERM or on a non-finite loss,
+and what is deterministic where.
 
-Evaluation. Periodic evaluations use a fixed subset of validation windows
-(``train.eval_batches``; None: all of them) and report the standard error
-of the loss over windows, and optionally the same metrics on fixed training
-windows (``train.eval_train_batches``, ``train_eval/...``) for the
-train-validation gap. ``train.patience`` stops the run after that many
-evaluations without a lower ``eval/loss`` and keeps the best one's state.
-With ``train.test_eval`` the whole test split is read and evaluated once,
-after training, with the best (or last) parameters. Bits per character are
-the summed nats over (ln 2 times the characters the evaluated tokens decode
-to), the same computation for every tokenizer. The batch
-and the dropout key of step ``s`` depend only on ``(seed, s)``, so a
-checkpoint's step is the whole data position: a resumed run continues
-exactly as an uninterrupted one would have.
-
-Reliability. A workdir is resumed only by the config that made it, up to
-the keys in ``configuration.RESUMABLE_CHANGES``
-(:func:`configuration.check_resumable`). A checkpoint that does not restore
-is set aside with a warning and the previous one is used
-(``state.restore_or_init``, ``lmhead.lm.checkpoints``). A non-finite loss,
-gradient norm or parameter stops the run before it saves
-(``config.train.stop_on_nonfinite``, :func:`checkpoints.check_finite`), and
-SIGTERM saves a checkpoint at the next step boundary and raises
-:class:`preemption.Preempted`. ``lmhead.lm.monitoring`` writes the metrics,
-step timings, memory and the summary.
-
-Determinism. On CPU, the same config and seed give bitwise-identical
-metrics and parameters, run to run and across a kill and resume. On GPU,
-XLA may choose different reduction orders (atomics in scatter-adds such as
-the embedding gradient, autotuned matmul and fused-reduction kernels), so
-two runs agree to rounding only; ``XLA_FLAGS=--xla_gpu_deterministic_ops=true``
-asks for deterministic kernels at some cost in speed. A resume is exact on
-any platform only up to the same caveat.
+The module is one piece, read top to bottom in the order a run uses it: the
+pure steps, the one place that compiles them, then ``train_and_evaluate``
+and the private parts of its loop, which nothing else calls.
 """
 
 import contextlib
@@ -75,6 +47,9 @@ from lmhead.lm import (
 )
 from lmhead.lm import model as model_lib
 from lmhead.lm import state as state_lib
+
+# What a finished run leaves in its workdir; a workdir with one is not trained again.
+SUMMARY_FILE = "summary.json"
 
 
 def loss_keywords(loss_config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -124,8 +99,8 @@ def train_step(
     The gradient is that of :func:`train_loss`, over ``microbatches``
     microbatches with :func:`accumulate`: the same step up to float32
     rounding, with ``1/n`` of the activations alive at a time. On a CPU,
-    where they then stay in cache, that is faster (nanogpt,tied: 27% less
-    CPU time per step with ``n = 2``).
+    where they then stay in cache, that is faster (docs/nanogpt_parity.md,
+    "Microbatches and CPU devices", has the measurement and its command).
     Returns the new state and scalar metrics: loss (the objective), nll,
     accuracy, grad_norm (before clipping) and learning_rate.
     """
@@ -258,30 +233,18 @@ def compile_steps(
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Trains ``config`` in ``workdir`` (resuming if it holds a checkpoint).
 
-    Returns:
-        The summary also written to ``summary.json``:
+    A run that has already finished is not trained again: its
+    ``summary.json`` is returned.
 
-        - ``num_params``; ``num_head_params`` (owned by the head: the untied
-          ``[V, D]`` and the bias; a tied table counts as the embedding's),
-          ``num_embedding_params`` (the token table) and ``num_body_params``
-          (everything else: positions, blocks, final norm); ``vocab_size``.
-        - ``final``: the last evaluation, keys as in ``metrics.jsonl``.
-        - ``best_step``, ``best``: the evaluation of lowest ``eval/loss``
-          (its ``eval/`` metrics), ``train_at_best`` (its ``train_eval/``
-          metrics, with ``train.eval_train_batches``); ``steps_run`` (the
-          last step trained) and ``stopped_early`` (by ``train.patience``).
-        - ``test``: with ``train.test_eval``, the whole test split's
-          ``loss``, ``loss_stderr``, ``bits_per_char``, ``perplexity``,
-          ``accuracy``, ``ece``, ``num_tokens``, ``num_chars`` and ``step``
-          (of the parameters evaluated).
-        - ``tokens_per_sec``, ``ms_per_step`` and ``cpu_ms_per_step`` (the
-          process's CPU time, all threads; other processes on a shared
-          machine do not inflate it) over the training steps of this process,
-          without compilation, evaluation or checkpoints;
-          ``step_ms_p50`` and ``step_ms_p90`` (percentiles of the step
-          times); ``memory`` (``memory_metrics`` at the end, without the
-          ``memory/`` prefix); ``compile_seconds``, ``steps`` and
-          ``wall_seconds`` (this process).
+    Returns:
+        The summary also written to ``summary.json``: the model's size, the
+        last evaluation (``final``) and the time and memory of this process's
+        training steps (:func:`monitoring.run_summary`), the best evaluation
+        (:func:`monitoring.best_summary`), and with ``train.test_eval``
+        ``test``: the whole test split's ``loss``, ``loss_stderr``,
+        ``bits_per_char``, ``perplexity``, ``accuracy``, ``ece``,
+        ``num_tokens``, ``num_chars`` and ``step`` (of the parameters
+        evaluated).
 
     Raises:
         ValueError, TypeError: a bad config, corpus or prompt, or a workdir
@@ -302,18 +265,124 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     init_key, dropout_key = sharding.replicate((init_key, dropout_key), mesh)
     manager = checkpoints.checkpoint_manager(workdir)
     state = state_lib.restore_or_init(manager, model, config, init_key, mesh)
-    summary_path = os.path.join(workdir, "summary.json")
+    summary_path = os.path.join(workdir, SUMMARY_FILE)
     finished = monitoring.finished_summary(summary_path, int(state.step))
     if finished is not None:
         monitoring.log(f"{workdir} has finished {int(state.step)} steps.")
         manager.close()
         return finished
+    _start_workdir(config, workdir)
+    parts = _make_loop_parts(
+        config, workdir, dataset, model, state, manager, dropout_key, mesh
+    )
+    try:
+        state, timer = _train_loop(parts, state)
+        final = _final_evaluation(parts, state)
+        test = (
+            _test_evaluation(parts, state, dataset, mesh)
+            if evaluation.wants_test_evaluation(config)
+            else None
+        )
+    finally:
+        parts.close()
+    if config.sample.num_samples:
+        _write_samples(config, model, state, dataset.tokenizer, sample_key, workdir)
+    summary = {
+        **monitoring.run_summary(
+            config,
+            state.params,
+            dataset.vocab_size,
+            final,
+            timer,
+            parts.compile_seconds,
+            wall_start,
+        ),
+        **monitoring.best_summary(config, parts.writer.records, int(state.step)),
+        **({"test": test} if test else {}),
+    }
     if sharding.is_main_process():
-        if os.path.exists(summary_path):
-            os.remove(summary_path)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json(indent=2))
-        versions.write_versions(workdir)
+        with open(summary_path, "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+def _load_dataset(config, workdir) -> data.Dataset:
+    """The encoded corpus (read or made by process 0 first) once the prompt
+    is known to encode: unknown characters fail now, not after training."""
+    os.makedirs(workdir, exist_ok=True)
+    dataset = sharding.main_process_first(
+        lambda: data.load_dataset(config.data, workdir)
+    )
+    try:
+        dataset.tokenizer.encode(config.sample.prompt)
+    except ValueError as e:
+        raise ValueError(f"config.sample.prompt={config.sample.prompt!r}: {e}") from e
+    return dataset
+
+
+def _write_samples(config, model, state, tokenizer, key, workdir) -> None:
+    """``samples.txt`` from the trained parameters, written by process 0
+    (:func:`generation.write_samples`); every process gathers them."""
+    params = sharding.to_host(state.params)
+    if sharding.is_main_process():
+        generation.write_samples(config, model, params, tokenizer, key, workdir)
+
+
+def _start_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Process 0 writes ``config.json`` and ``versions.json`` and removes the
+    ``summary.json`` of a run that is not finished (an older ``train.steps``)."""
+    if not sharding.is_main_process():
+        return
+    summary_path = os.path.join(workdir, SUMMARY_FILE)
+    if os.path.exists(summary_path):
+        os.remove(summary_path)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json(indent=2))
+    versions.write_versions(workdir)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoopParts:
+    """What the training loop uses, made once by :func:`_make_loop_parts`.
+
+    ``batch(step)`` is the sharded training batch of ``step``; ``train_fn``
+    and ``eval_fn`` the compiled steps (:func:`compile_steps`), which took
+    ``compile_seconds``; ``evaluate(params)`` the periodic evaluation's
+    metrics (``eval/...`` and ``train_eval/...``); ``best_manager`` keeps the
+    best evaluation's checkpoint when ``train.patience`` is set.
+    """
+
+    config: ml_collections.ConfigDict
+    manager: ocp.CheckpointManager
+    writer: monitoring.MetricWriter
+    train_fn: Any
+    eval_fn: Any
+    compile_seconds: float
+    batch: Any
+    dropout_key: jax.Array
+    evaluate: Any
+    stopping: evaluation.EarlyStopping
+    best_manager: ocp.CheckpointManager | None
+
+    def close(self) -> None:
+        """Closes the metric writer and the checkpoint managers."""
+        for closable in (self.writer, self.manager, self.best_manager):
+            if closable is not None:
+                closable.close()
+
+
+def _make_loop_parts(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    dataset: data.Dataset,
+    model: model_lib.DecoderLM,
+    state: state_lib.TrainState,
+    manager: ocp.CheckpointManager,
+    dropout_key: jax.Array,
+    mesh: jax.sharding.Mesh,
+) -> _LoopParts:
+    """Compiles the steps on ``state`` and the first batch, and opens the
+    metric writer, the evaluation sets and the early-stopping count."""
 
     def batch(step: int) -> dict[str, jax.Array]:
         return sharding.shard_batch(
@@ -337,11 +406,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     )
     eval_sets = evaluation.periodic_eval_sets(config, dataset, mesh)
     writer = monitoring.MetricWriter(workdir, int(state.step))
-    run = _Run(
+    return _LoopParts(
         config,
         manager,
         writer,
         train_fn,
+        eval_fn,
+        compile_seconds,
         batch,
         dropout_key,
         evaluate=lambda params: {
@@ -358,98 +429,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             else None
         ),
     )
-    try:
-        state, timer = _train_loop(run, state)
-        final = _final_evaluation(run, state)
-        test = (
-            _test_evaluation(run, state, eval_fn, dataset, mesh)
-            if evaluation.wants_test_evaluation(config)
-            else None
-        )
-    finally:
-        for closable in (writer, manager, run.best_manager):
-            if closable is not None:
-                closable.close()
-    if config.sample.num_samples:
-        params = sharding.to_host(state.params)  # every process takes part
-        if sharding.is_main_process():
-            generation.write_samples(
-                config, model, params, dataset.tokenizer, sample_key, workdir
-            )
-    summary = {
-        **monitoring.run_summary(
-            config,
-            state.params,
-            dataset.vocab_size,
-            final,
-            timer,
-            compile_seconds,
-            wall_start,
-        ),
-        **monitoring.best_summary(config, writer.records, int(state.step)),
-        **({"test": test} if test else {}),
-    }
-    if sharding.is_main_process():
-        with open(summary_path, "w") as f:
-            json.dump(summary, f, indent=2)
-    return summary
-
-
-def _load_dataset(config, workdir) -> data.Dataset:
-    """The encoded corpus (read or made by process 0 first) once the prompt
-    is known to encode: unknown characters fail now, not after training."""
-    os.makedirs(workdir, exist_ok=True)
-    dataset = sharding.main_process_first(
-        lambda: data.load_dataset(config.data, workdir)
-    )
-    try:
-        dataset.tokenizer.encode(config.sample.prompt)
-    except ValueError as e:
-        raise ValueError(f"config.sample.prompt={config.sample.prompt!r}: {e}") from e
-    return dataset
-
-
-@dataclasses.dataclass(frozen=True)
-class _Run:
-    """What the training loop uses, made once by ``train_and_evaluate``.
-
-    ``batch(step)`` is the sharded training batch of ``step``;
-    ``evaluate(params)`` the periodic evaluation's metrics (``eval/...`` and
-    ``train_eval/...``); ``best_manager`` keeps the best evaluation's
-    checkpoint when ``train.patience`` is set.
-    """
-
-    config: ml_collections.ConfigDict
-    manager: ocp.CheckpointManager
-    writer: monitoring.MetricWriter
-    train_fn: Any
-    batch: Any
-    dropout_key: jax.Array
-    evaluate: Any
-    stopping: evaluation.EarlyStopping
-    best_manager: ocp.CheckpointManager | None
 
 
 def _train_loop(
-    run: _Run, state: state_lib.TrainState
+    parts: _LoopParts, state: state_lib.TrainState
 ) -> tuple[state_lib.TrainState, monitoring.StepTimer]:
     """Steps from ``state.step`` to ``train.steps`` (or an early stop) with
     the periodic actions: log, evaluate, checkpoint. The host reads metrics
     only at those steps and on SIGTERM; between them it waits for each step
     once the next one is queued, to time it without idling the device."""
-    config, steps = run.config, run.config.train.steps
+    config, steps = parts.config, parts.config.train.steps
     timer, pending = monitoring.StepTimer(), []
     timer.start()
     # A run that had stopped early before it was interrupted stays stopped.
-    first_step = steps if run.stopping.should_stop else int(state.step)
+    first_step = steps if parts.stopping.should_stop else int(state.step)
     with preemption.sigterm_flag() as terminated:
         for step in range(first_step, steps):
-            if preemption.stop_requested(run.manager, step, terminated):
+            if preemption.stop_requested(parts.manager, step, terminated):
                 if pending:
-                    _log_training(run, timer, pending, step, state)
-                checkpoints.save(run.manager, step, state)
-                raise preemption.Preempted(step, str(run.manager.directory))
-            state, metrics = run.train_fn(state, run.batch(step), run.dropout_key)
+                    _log_training(parts, timer, pending, step, state)
+                checkpoints.save(parts.manager, step, state)
+                raise preemption.Preempted(step, str(parts.manager.directory))
+            state, metrics = parts.train_fn(state, parts.batch(step), parts.dropout_key)
             pending.append(metrics)
             if len(pending) > 1:  # step `step` is queued: time the one before
                 jax.block_until_ready(pending[-2])
@@ -461,17 +462,17 @@ def _train_loop(
                 evaluate_now or checkpoint_now or done % config.train.log_every == 0
             ):
                 continue
-            _log_training(run, timer, pending, done, state)
+            _log_training(parts, timer, pending, done, state)
             pending = []
             if evaluate_now:
-                _log_evaluation(run, done, run.evaluate(state.params), state)
-            if checkpoint_now or run.stopping.should_stop:
-                checkpoints.save(run.manager, done, state)
-            if run.stopping.should_stop:
+                _log_evaluation(parts, done, parts.evaluate(state.params), state)
+            if checkpoint_now or parts.stopping.should_stop:
+                checkpoints.save(parts.manager, done, state)
+            if parts.stopping.should_stop:
                 monitoring.log(
                     f"Stopped early at step {done}: {config.train.patience} "
                     "evaluations without a lower eval/loss than step "
-                    f"{run.stopping.best_step}'s."
+                    f"{parts.stopping.best_step}'s."
                 )
                 break
             timer.start()
@@ -479,7 +480,7 @@ def _train_loop(
 
 
 def _log_training(
-    run: _Run,
+    parts: _LoopParts,
     timer: monitoring.StepTimer,
     pending: list,
     done: int,
@@ -491,59 +492,61 @@ def _log_training(
     pending = jax.device_get(pending)
     timer.step_done()
     seconds = timer.lap(len(pending))
-    if run.config.train.stop_on_nonfinite:
-        checkpoints.check_finite(pending, done, state, run.manager)
-    monitoring.log_training(run.writer, timer, pending, done, seconds, run.config)
+    if parts.config.train.stop_on_nonfinite:
+        checkpoints.check_finite(pending, done, state, parts.manager)
+    monitoring.log_training(parts.writer, timer, pending, done, seconds, parts.config)
 
 
 def _log_evaluation(
-    run: _Run, done: int, metrics: dict[str, float], state: state_lib.TrainState
+    parts: _LoopParts, done: int, metrics: dict[str, float], state: state_lib.TrainState
 ) -> None:
     """Logs an evaluation and counts it for early stopping; a new best
-    evaluation's state is kept in ``run.best_manager``."""
-    run.writer.write(done, metrics)
+    evaluation's state is kept in ``parts.best_manager``."""
+    parts.writer.write(done, metrics)
     monitoring.log(
-        f"step {done}/{run.config.train.steps}  "
+        f"step {done}/{parts.config.train.steps}  "
         + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
     )
-    if run.stopping.update(done, metrics["eval/loss"]) and run.best_manager:
-        checkpoints.save(run.best_manager, done, state)
+    if parts.stopping.update(done, metrics["eval/loss"]) and parts.best_manager:
+        checkpoints.save(parts.best_manager, done, state)
 
 
-def _final_evaluation(run: _Run, state: state_lib.TrainState) -> dict[str, float]:
+def _final_evaluation(
+    parts: _LoopParts, state: state_lib.TrainState
+) -> dict[str, float]:
     """The evaluation at the last step trained: the logged one, or a new one,
     logged."""
     step = int(state.step)
-    final = next((r for r in reversed(run.writer.records) if "eval/loss" in r), None)
+    final = next((r for r in reversed(parts.writer.records) if "eval/loss" in r), None)
     if final is None or final["step"] != step:
-        final = {"step": step, **run.evaluate(state.params)}
-        run.writer.write(step, {k: v for k, v in final.items() if k != "step"})
+        final = {"step": step, **parts.evaluate(state.params)}
+        parts.writer.write(step, {k: v for k, v in final.items() if k != "step"})
     return final
 
 
 def _test_evaluation(
-    run: _Run, state: state_lib.TrainState, eval_fn, dataset: data.Dataset, mesh
+    parts: _LoopParts, state: state_lib.TrainState, dataset: data.Dataset, mesh
 ) -> dict[str, float]:
     """The whole test split, read now (nothing reads it before), evaluated
     once with the best evaluation's parameters (``train.patience`` set) or
     the last; logged as ``test/...``."""
     test_set = evaluation.make_eval_set(
         "test",
-        data.load_test_tokens(run.config.data, dataset.tokenizer),
+        data.load_test_tokens(parts.config.data, dataset.tokenizer),
         None,
-        run.config,
+        parts.config,
         dataset.tokenizer,
         mesh,
     )
     params, step = state.params, int(state.step)
-    if run.best_manager is not None:
+    if parts.best_manager is not None:
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
         )
-        best = checkpoints.restore_newest(run.best_manager, target)
+        best = checkpoints.restore_newest(parts.best_manager, target)
         params, step = best.params, int(best.step)
-    metrics = evaluation.evaluate(eval_fn, params, test_set)
-    run.writer.write(int(state.step), metrics)
+    metrics = evaluation.evaluate(parts.eval_fn, params, test_set)
+    parts.writer.write(int(state.step), metrics)
     monitoring.log("test  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     return {
         **{k.split("/", 1)[1]: v for k, v in metrics.items()},

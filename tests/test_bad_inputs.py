@@ -8,36 +8,25 @@ words are pinned too. Error cases live here, not in the per-module tests.
 Bad values that cannot be refused inside ``jit`` follow a documented rule
 instead (``RULES``), checked with and without ``jit``: never a NaN.
 
-Layers: the pure functions (head, losses, fused, decoding), the Flax modules,
-the config (checked by ``train.train_and_evaluate`` before it makes the
-workdir), the data, a workdir that belongs to another run, and the
-command-line programs. Config and data errors must come before anything is
-compiled: those cases run with ``compile_steps`` and ``restore_or_init``
-replaced by functions that fail the test.
+Layers: the pure functions (head, losses, fused, decoding) and the Flax
+modules. The experiment's cases live with the modules they test: the config
+in tests/lm/test_configuration.py, the data in tests/lm/data/, workdirs and
+checkpoints in tests/lm/test_checkpoints.py, the matmul-rate probe in
+tests/lm/test_monitoring.py, the command lines in tests/experiments/.
 
 Sweeps with a failing run are tested in test_sweeps.py (the others finish,
 the run is marked FAILED) and test_report.py (the report lists it).
 """
 
-import json
-import os
-import re
-import shutil
-import subprocess
-import sys
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
-from configs import default
 from lmhead import decoding, fused, head, losses, modules
-from lmhead.lm import generation, monitoring, train
 from lmhead.lm import model as model_lib
-from tests import ROOT
+from tests.errors import assert_raises_exactly
 
 H = jnp.ones((2, 3, 4))
 W = jnp.ones((5, 4))
@@ -593,14 +582,6 @@ PURE = [
         ValueError,
         "ids",
     ),
-    # monitoring.py: the benchmarks' matmul rate
-    ("matmul_rate size 0", lambda: monitoring.matmul_rate(0), ValueError, "size"),
-    (
-        "matmul_rate repeats 0",
-        lambda: monitoring.matmul_rate(8, repeats=0),
-        ValueError,
-        "repeats",
-    ),
 ]
 
 
@@ -787,21 +768,6 @@ MODULES = [
 ]
 
 
-def names(message, name):
-    """True when ``message`` contains ``name`` as a whole word."""
-    return re.search(rf"(?<!\w){re.escape(name)}(?!\w)", message) is not None
-
-
-def assert_raises_exactly(call, error, named):
-    """``call()`` raises exactly ``error`` with a message that names
-    ``named`` (a name or a tuple of names), whatever its wording."""
-    with pytest.raises(Exception) as raised:
-        call()
-    assert type(raised.value) is error, repr(raised.value)
-    for name in (named,) if isinstance(named, str) else named:
-        assert names(str(raised.value), name), (name, str(raised.value))
-
-
 @pytest.mark.parametrize(
     "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in PURE]
 )
@@ -928,316 +894,3 @@ def test_padding_row_of_neg_inf_has_zero_gradient():
     grad = np.asarray(jax.grad(loss)(jnp.array([[NEG, NEG], [0.0, 1.0]])))
     assert np.all(np.isfinite(grad)), grad
     np.testing.assert_array_equal(grad[0], 0.0)
-
-
-def tiny(corpus, **overrides):
-    """The tiny config on ``corpus``, 10 steps; ``None`` deletes a key, and
-    a key the config lacks is added (an unlocked, untyped copy)."""
-    config = default.get_config("tiny")
-    config.update_from_flattened_dict(
-        {
-            "data.path": corpus,
-            "train.steps": 10,
-            "train.log_every": 5,
-            "train.checkpoint_every": 5,
-            "train.eval_every": 10,
-            "train.eval_batches": 1,
-            "optim.warmup_steps": 2,
-            "sample.num_samples": 0,
-        }
-    )
-    config = ml_collections.ConfigDict(config.to_dict(), type_safe=False)
-    for name, value in overrides.items():
-        section, key = name.split(".")
-        if section not in config:
-            config[section] = {}
-        if value is None:
-            del config[section][key]
-        else:
-            config[section][key] = value
-    return config
-
-
-@pytest.fixture
-def nothing_compiles(monkeypatch):
-    def compiled(*args, **kwargs):
-        raise AssertionError("reached the compiler")
-
-    monkeypatch.setattr(train, "compile_steps", compiled)
-    monkeypatch.setattr(train, "restore_or_init", compiled)
-
-
-# The key is named as a user writes it on the command line; a misspelled one
-# comes with the closest real key.
-CONFIGS = [
-    ("model.tyed", False, ValueError, ("config.model.tyed", "config.model.tied")),
-    ("trian.steps", 10, ValueError, ("config.trian.steps", "config.train.steps")),
-    ("train.stop_on_nonfinite", None, ValueError, "config.train.stop_on_nonfinite"),
-    ("train.batch_size", "8", TypeError, "config.train.batch_size"),
-    ("train.stop_on_nonfinite", "yes", TypeError, "config.train.stop_on_nonfinite"),
-    ("loss.z_loss", "1e-4", TypeError, "config.loss.z_loss"),
-    ("model.head_scale", "0.5", TypeError, "config.model.head_scale"),
-    ("optim.lr", NAN, ValueError, "config.optim.lr"),
-    ("optim.grad_clip", INF, ValueError, "config.optim.grad_clip"),
-    ("data.val_fraction", 1.0, ValueError, "config.data.val_fraction"),
-    ("train.batch_size", 0, ValueError, "config.train.batch_size"),
-    ("train.seed", -1, ValueError, "config.train.seed"),
-    ("model.dropout_rate", 1.0, ValueError, "config.model.dropout_rate"),
-    ("loss.label_smoothing", -0.1, ValueError, "config.loss.label_smoothing"),
-    ("sample.temperature", -1.0, ValueError, "config.sample.temperature"),
-    (
-        "model.positions",
-        "alibi",
-        ValueError,
-        ("config.model.positions", "'learned'", "'rope'"),
-    ),
-    ("mesh.data", 3, ValueError, ("mesh.data", "mesh.model")),
-]
-
-
-@pytest.mark.parametrize(
-    "name,value,error,named",
-    [pytest.param(*case, id=f"{case[0]}={case[1]!r}") for case in CONFIGS],
-)
-def test_config_is_refused_before_anything(
-    corpus, tmp_path, nothing_compiles, name, value, error, named
-):
-    workdir = str(tmp_path / "run")
-    assert_raises_exactly(
-        lambda: train.train_and_evaluate(tiny(corpus, **{name: value}), workdir),
-        error,
-        named,
-    )
-    assert not os.path.exists(workdir)  # refused before the workdir is made
-
-
-def write(tmp_path, text, mode="w"):
-    path = tmp_path / "corpus.txt"
-    with open(path, mode) as f:
-        f.write(text)
-    return str(path)
-
-
-# The key and the file are named, with one word for what is wrong.
-DATA = [
-    (
-        "missing corpus",
-        lambda tmp: str(tmp / "nowhere.txt"),
-        FileNotFoundError,
-        ("config.data.path", "nowhere.txt"),
-    ),
-    (
-        "empty corpus",
-        lambda tmp: write(tmp, ""),
-        ValueError,
-        ("config.data.path", "corpus.txt", "empty"),
-    ),
-    (
-        "binary corpus",
-        lambda tmp: write(tmp, b"\xff\xfe\x00", "wb"),
-        ValueError,
-        ("config.data.path", "corpus.txt", "UTF-8"),
-    ),
-    (
-        "corpus shorter than a block",
-        lambda tmp: write(tmp, "KING " * 3),
-        ValueError,
-        "config.data.block_size",
-    ),
-    (
-        "prompt outside the vocabulary",
-        None,
-        ValueError,
-        ("config.sample.prompt", "\u20ac"),
-    ),
-]
-
-
-@pytest.mark.parametrize(
-    "make_path,error,named", [pytest.param(*case[1:], id=case[0]) for case in DATA]
-)
-def test_data_is_refused_before_anything_compiles(
-    corpus, tmp_path, nothing_compiles, make_path, error, named
-):
-    config = (
-        tiny(corpus, **{"sample.prompt": "KING\u20ac"})
-        if make_path is None
-        else tiny("", **{"data.path": make_path(tmp_path)})
-    )
-    assert_raises_exactly(
-        lambda: train.train_and_evaluate(config, str(tmp_path / "run")), error, named
-    )
-
-
-@pytest.fixture(scope="module")
-def finished(corpus, tmp_path_factory):
-    """A finished 10-step run of ``tiny(corpus)``: checkpoints 5 and 10."""
-    workdir = str(tmp_path_factory.mktemp("finished") / "run")
-    train.train_and_evaluate(tiny(corpus), workdir)
-    return workdir
-
-
-@pytest.fixture
-def copy_of(finished, tmp_path):
-    workdir = str(tmp_path / "copy")
-    shutil.copytree(finished, workdir)
-    return workdir
-
-
-# The message names every key that differs.
-@pytest.mark.parametrize(
-    "overrides,named",
-    [
-        ({"model.d_model": 64}, "model.d_model"),
-        ({"train.steps": 20}, "train.steps"),
-        ({"train.seed": 1, "optim.lr": 1e-3}, ("optim.lr", "train.seed")),
-    ],
-)
-def test_a_workdir_of_another_config_is_not_resumed(
-    corpus, copy_of, nothing_compiles, overrides, named
-):
-    assert_raises_exactly(
-        lambda: train.train_and_evaluate(tiny(corpus, **overrides), copy_of),
-        ValueError,
-        named,
-    )
-
-
-def test_harmless_changes_resume(corpus, finished, copy_of, monkeypatch):
-    monkeypatch.setattr(train, "compile_steps", None)  # finished: nothing to do
-    changes = {
-        "train.log_every": 2,
-        "train.eval_batches": 2,
-        "loss.loss_impl": "fused",
-        "loss.chunk_size": 64,
-        "sample.num_samples": 3,
-        "train.stop_on_nonfinite": False,
-    }
-    summary = train.train_and_evaluate(tiny(corpus, **changes), copy_of)
-    with open(os.path.join(finished, "summary.json")) as f:
-        assert summary == json.load(f)
-
-
-def drop_config_json(workdir):
-    os.remove(os.path.join(workdir, "config.json"))
-
-
-def edit_config_json(workdir, section, key, value):
-    path = os.path.join(workdir, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    config[section][key] = value
-    with open(path, "w") as f:
-        json.dump(config, f)
-
-
-def garble_checkpoints(workdir):
-    for step in ("5", "10"):
-        for root, _, files in os.walk(os.path.join(workdir, "checkpoints", step)):
-            if os.path.basename(root) == "d":
-                for name in files:
-                    with open(os.path.join(root, name), "wb") as f:
-                        f.write(b"junk")
-
-
-# The message names the step and the array, or the file, that failed.
-WORKDIRS = [
-    (
-        "checkpoint of an untied model, tied config",
-        lambda w: drop_config_json(w),
-        lambda w, c: train.train_and_evaluate(tiny(c, **{"model.tied": False}), w),
-        ValueError,
-        "step 10",
-    ),
-    (
-        "checkpoint of another width",
-        lambda w: edit_config_json(w, "model", "d_model", 64),
-        lambda w, c: generation.load_run(w),
-        ValueError,
-        ("step 10", "params/blocks_0/attention/out/kernel"),
-    ),
-    (
-        "no checkpoint restores",
-        garble_checkpoints,
-        lambda w, c: generation.load_run(w),
-        RuntimeError,
-        ("checkpoints", "step 10"),
-    ),
-    (
-        "load_run of an empty directory",
-        lambda w: shutil.rmtree(w) or os.mkdir(w),
-        lambda w, c: generation.load_run(w),
-        FileNotFoundError,
-        "config.json",
-    ),
-]
-
-
-@pytest.mark.parametrize(
-    "spoil,call,error,named", [pytest.param(*case[1:], id=case[0]) for case in WORKDIRS]
-)
-def test_a_workdir_that_cannot_be_restored(
-    corpus, copy_of, monkeypatch, spoil, call, error, named
-):
-    monkeypatch.setattr(train, "compile_steps", None)
-    spoil(copy_of)
-    assert_raises_exactly(lambda: call(copy_of, corpus), error, named)
-
-
-def test_incompatible_checkpoint_names_the_arrays(corpus, copy_of):
-    drop_config_json(copy_of)
-    with pytest.raises(ValueError) as raised:
-        train.train_and_evaluate(tiny(corpus, **{"model.d_model": 64}), copy_of)
-    message = str(raised.value)
-    assert (
-        "params/blocks_0/attention/out/kernel: (32, 32) in the checkpoint, "
-        "(64, 64) in the model"
-    ) in message
-    assert re.search(r"\(and \d+ more\)", message)
-
-
-def run_program(script, *args):
-    return subprocess.run(
-        [sys.executable, os.path.join(ROOT, "experiments", script), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-# The program exits with 1 and names the flag (and the closest key).
-CLI = [
-    (
-        "unknown key",
-        ["--config.trian.steps=3"],
-        ("config.trian.steps", "config.train.steps"),
-    ),
-    ("not an int", ["--config.train.steps=ten"], ("config.train.steps", "ten")),
-    (
-        "lr out of range",
-        ["--config.optim.lr=-0.001"],
-        ("ValueError", "config.optim.lr"),
-    ),
-]
-
-
-@pytest.mark.parametrize(
-    "args,named", [pytest.param(*case[1:], id=case[0]) for case in CLI]
-)
-def test_train_command_line(tmp_path, args, named):
-    workdir = str(tmp_path / "run")
-    result = run_program(
-        "train.py", "--config=configs/default.py:tiny", f"--workdir={workdir}", *args
-    )
-    assert result.returncode == 1
-    for name in named:
-        assert names(result.stderr, name), (name, result.stderr[-2000:])
-    assert not os.path.exists(workdir)
-
-
-def test_generate_command_line_without_a_run(tmp_path):
-    result = run_program("generate.py", f"--workdir={tmp_path}")
-    assert result.returncode == 1
-    assert "FileNotFoundError" in result.stderr
-    assert os.path.join(str(tmp_path), "config.json") in result.stderr

@@ -221,3 +221,20 @@ def test_generate_with_an_int8_head_reports_timings(workdir):
         r"time to first token (\S+) ms .* (\S+) ms per new token", result.stderr
     )
     assert timings and float(timings[1]) > 0 and float(timings[2]) > 0, result.stderr
+
+
+def test_generate_command_line_without_a_run(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "experiments", "generate.py"),
+            f"--workdir={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1
+    assert "FileNotFoundError" in result.stderr
+    assert os.path.join(str(tmp_path), "config.json") in result.stderr

@@ -1,0 +1,54 @@
+"""Tests for experiments/train.py's flags: a bad flag fails before the
+workdir is made, with status 1 and a message that names the flag.
+
+The program's runs themselves are tested in test_commands.py.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests import ROOT
+from tests.errors import names
+
+
+def run_train(*args):
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "experiments", "train.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+# The program exits with 1 and names the flag (and the closest key).
+CLI = [
+    (
+        "unknown key",
+        ["--config.trian.steps=3"],
+        ("config.trian.steps", "config.train.steps"),
+    ),
+    ("not an int", ["--config.train.steps=ten"], ("config.train.steps", "ten")),
+    (
+        "lr out of range",
+        ["--config.optim.lr=-0.001"],
+        ("ValueError", "config.optim.lr"),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "args,named", [pytest.param(*case[1:], id=case[0]) for case in CLI]
+)
+def test_train_command_line(tmp_path, args, named):
+    workdir = str(tmp_path / "run")
+    result = run_train(
+        "--config=configs/default.py:tiny", f"--workdir={workdir}", *args
+    )
+    assert result.returncode == 1
+    for name in named:
+        assert names(result.stderr, name), (name, result.stderr[-2000:])
+    assert not os.path.exists(workdir)

@@ -12,15 +12,18 @@ three; each skips what is done, so rerunning it resumes)::
 The first stage trains every cell (regime x vocabulary x arm) at each
 learning rate of the grid with the first seed, and, for a cell whose best
 rate so far is at an end of the rates it tried, the next rate outward
-(``extend``; ``experiments/sweep.py`` plans again whenever a run ends,
-until the plan stops growing); the second reads those runs back, keeps
-each cell's rate with the lowest validation loss (``lmhead/studies/tying/study.py``), and
+(``extend``; the sweep runner plans again whenever a run ends, until the
+plan stops growing); the second reads those runs back, keeps each cell's
+rate with the lowest validation loss (``lmhead/studies/tying/study.py``), and
 adds the other seeds at it (the tuning run at the chosen rate is seed 0). On a
 cluster, run each stage's ``--dry_run`` commands in turn, the first stage's
 until it prints none (the second stage refuses to plan before the first has
-finished), then the report.
+finished), then the report. :func:`write_report` is the report
+``experiments/report.py`` writes for this sweep
+(``lmhead/studies/tying/report.py``).
 
-Design (``lmhead/studies/tying/study.py`` solves the matched shapes and counts them):
+Design (``lmhead/studies/tying/shapes.py`` solves the matched shapes and
+counts them):
 
 * Model: nanoGPT's CPU example (``configs/default.py:nanogpt``): d_model
   128, 4 blocks, 4 heads, MLP 512, block 64, batch 12, no biases, AdamW,
@@ -51,26 +54,25 @@ Design (``lmhead/studies/tying/study.py`` solves the matched shapes and counts t
   vocabularies x 4 arms x 2 regimes = 40 cells; 3 to 5 + 2 runs per cell,
   200 runs plus the extensions.
 
-Budget (about 8 hours of a 2-core CPU). The grid trains 100 x 1000 steps in
-the fixed regime and at most 100 x 1000 in the limited one. Estimate = sum
-over runs of steps x seconds per step of the run's shape (5% more for the
-periodic evaluations) + a fixed cost per run (start-up, compilation, BPE
-training, the whole test split) of about 40 s. Seconds per step: a few
-timed steps of each of the 20 shapes (as ``experiments/bench_train.py``
-does), taking the process's CPU time per step on a loaded machine as the
-wall time, which gives no credit for the second core: this is a
-conservative estimate, 10 h if no limited run stops early, about 8.5 h if
-the BPE runs stop halfway; an unloaded machine needs roughly 0.6 x that.
-The edge extensions come on top: a run each for every cell whose best rate
-is past the grid (at most two per cell: the walk goes one way).
+Budget: sized for a 2-core CPU (the estimate is in the README's tying study
+section, what the runs took in ``docs/tying_study/README.md``). The grid
+trains 100 x 1000 steps in the fixed regime and at most 100 x 1000 in the
+limited one. Estimate = sum over runs of steps x seconds per step of the
+run's shape (plus the periodic evaluations) + a fixed cost per run
+(start-up, compilation, BPE training, the whole test split). Seconds per step: a few timed steps of each of the 20 shapes (as
+``experiments/bench/bench_train.py`` does), taking the process's CPU time
+per step on a loaded machine as the wall time, which gives no credit for
+the second core: a conservative estimate, which early stopping in the
+limited regime only shortens. The edge extensions come on top: a run each
+for every cell whose best rate is past the grid (at most two per cell: the
+walk goes one way).
 Cut to fit: one width (d_model 128) and depth; five vocabularies; the
 minimum of 3 learning rates and 3 seeds, with the tuning run reused as seed
 0; 8-batch validation subsets; 1000 steps in the fixed regime (short of
 convergence on the whole text: it compares the arms at an equal, modest
 budget); one play of text and a 1000-step cap in the limited regime.
 ``make compare`` (the ``small`` preset, 9 runs of at most 600 steps) is
-budgeted the same way at under 20 minutes plus the set-up. The report states
-the measured total.
+budgeted the same way. The report states the measured total.
 
 Arguments: an optional preset first (``full``, the default; ``small``,
 ``make compare``'s version: BPE 2048, arms a, b, c, the limited regime
@@ -91,7 +93,7 @@ comma-separated ``key=value`` (``+`` separates list items)::
 
 from lmhead.lab import sweeps
 from lmhead.lm import configuration, data
-from lmhead.studies.tying import study
+from lmhead.studies.tying import report, shapes, study
 
 PRESETS = {
     "full": dict(
@@ -146,10 +148,10 @@ PRESETS = {
 # The model each preset's base config argument gives (configs/default.py).
 BASE_MODELS = {
     "nanogpt": (
-        study.Shape(True, 128, 4, 512),
-        study.Architecture(4, 64, use_bias=False),
+        shapes.Shape(True, 128, 4, 512),
+        shapes.Architecture(4, 64, use_bias=False),
     ),
-    "tiny": (study.Shape(True, 32, 1, 64), study.Architecture(2, 16, use_bias=True)),
+    "tiny": (shapes.Shape(True, 32, 1, 64), shapes.Architecture(2, 16, use_bias=True)),
 }
 EVAL_BATCHES = 8
 
@@ -186,11 +188,13 @@ def get_study(arg=None) -> study.Design:
             "limited", args["limited_fraction"], args["limited_steps"], args["patience"]
         ),
     }
-    unknown = set(args["regimes"]) - set(regimes) or set(args["arms"]) - set(study.ARMS)
+    unknown = set(args["regimes"]) - set(regimes) or set(args["arms"]) - set(
+        shapes.ARMS
+    )
     if unknown:
         raise ValueError(
             f"Unknown regime or arm {sorted(unknown)}; regimes: fixed, "
-            f"limited; arms: {', '.join(study.ARMS)}."
+            f"limited; arms: {', '.join(shapes.ARMS)}."
         )
     every = args["eval_every"]
     shared = {
@@ -245,3 +249,9 @@ def get_sweep(arg=None, workdir=None):
         if parse(arg)["stage"] == "seeds":
             runs += design.seed_runs(study.choose_learning_rates(tuning))
     return design.base, [r.overrides(design.min_lr_ratio) for r in runs], design.shared
+
+
+def write_report(arg, sweep_dir, out_dir):
+    """The study's report of ``sweep_dir`` into ``out_dir``
+    (``lmhead/studies/tying/report.py``): ``(text, plot paths)``."""
+    return report.write_report(get_study(arg), sweep_dir, out_dir)

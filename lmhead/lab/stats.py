@@ -13,18 +13,23 @@ from typing import Any
 
 from scipy import stats as scipy_stats
 
+from lmhead import _checks
+
 
 def t_critical_95(dof: int) -> float:
     r"""Student's t critical value for a two-sided 95% interval: the 0.975
     quantile of the t distribution with ``dof`` degrees of freedom
     (``scipy.stats.t.ppf``).
 
+    Raises:
+        TypeError: ``dof`` is not an integer.
+        ValueError: ``dof < 1``.
+
     Examples:
         >>> round(t_critical_95(2), 6), round(t_critical_95(60), 6)
         (4.302653, 2.000298)
     """
-    if not isinstance(dof, int) or isinstance(dof, bool) or dof < 1:
-        raise ValueError(f"dof must be an integer >= 1; got {dof!r}.")
+    _checks.check_count("dof", dof)
     return float(scipy_stats.t.ppf(0.975, dof))
 
 

@@ -1,7 +1,9 @@
-"""Sweeps: grids of config overrides, run names, train commands, run statistics.
+"""The sweep-file API (library): grids of config overrides, run names and
+train commands. The command that runs a sweep is ``experiments/sweep.py``
+(through :mod:`lmhead.lab.runner`); the sweep files are ``configs/sweeps/*.py``.
 
-A sweep is a config file whose ``get_sweep(arg=None)`` returns the argument
-of ``configs/default.py`` that every run starts from and a list of override
+A sweep file's ``get_sweep(arg=None)`` returns the argument of
+``configs/default.py`` that every run starts from and a list of override
 dicts, one per run, built with :func:`sweep`, :func:`product` and
 :func:`zipped` (as in big_vision and T5X)::
 
@@ -14,30 +16,24 @@ dicts, one per run, built with :func:`sweep`, :func:`product` and
 (flags of every command, left out of the run names), and may take a second
 parameter, ``workdir``: the sweep directory, for a sweep whose later stage
 depends on the results of an earlier one (``configs/sweeps/tying_study.py``).
+:func:`parse_arg` parses a sweep file's ``key=value`` argument.
 
 Each run is an ordinary ``experiments/train.py`` command whose
 ``--config.KEY=VALUE`` flags are the overrides (:func:`train_command`), in
-its own workdir named from them (:func:`run_names`). The second half reads
-finished runs back (:func:`read_run`, :func:`read_sweep`) and compares them
-over seeds (``stats.mean_std``, ``stats.paired_difference``), for
-``experiments/sweep.py`` and ``experiments/report.py``.
+its own workdir named from them (:func:`run_names`). Reading the runs back
+is :mod:`lmhead.lab.workdirs`'s job.
 """
 
-import dataclasses
 import hashlib
 import inspect
 import itertools
-import json
 import os
 import re
 from collections.abc import Sequence
 from typing import Any
 
-from lmhead.lm.configuration import flatten, load_module
+from lmhead.lm.configuration import load_module
 
-SWEEP_FILE = "sweep.json"  # in the sweep directory: the runs and their commands
-STATUS_FILE = "status.json"  # in a run's workdir: how its last process exited
-LOG_FILE = "run.log"  # in a run's workdir: the train process's stdout and stderr
 # Directory names stay below common 255-byte file name limits.
 MAX_NAME_LENGTH = 160
 
@@ -75,7 +71,9 @@ def product(*axes: Sequence[Overrides]) -> list[Overrides]:
          {'model.tied': False, 'data.tokenizer': 'char'},
          {'model.tied': False, 'data.tokenizer': 'bpe', 'data.vocab_size': 512}]
     """
-    return [_merge(combination) for combination in itertools.product(*axes)]
+    return [
+        _merge_axis_entries(combination) for combination in itertools.product(*axes)
+    ]
 
 
 def zipped(*axes: Sequence[Overrides]) -> list[Overrides]:
@@ -88,10 +86,10 @@ def zipped(*axes: Sequence[Overrides]) -> list[Overrides]:
     lengths = [len(axis) for axis in axes]
     if len(set(lengths)) > 1:
         raise ValueError(f"zipped needs axes of equal length; got lengths {lengths}.")
-    return [_merge(entries) for entries in zip(*axes)]
+    return [_merge_axis_entries(entries) for entries in zip(*axes)]
 
 
-def _merge(entries: Sequence[Overrides]) -> Overrides:
+def _merge_axis_entries(entries: Sequence[Overrides]) -> Overrides:
     merged = {}
     for entry in entries:
         if not isinstance(entry, dict):
@@ -293,224 +291,3 @@ def train_command(
         f"--workdir={workdir}",
         *override_flags({**(shared or {}), **overrides}),
     ]
-
-
-# --- Reading runs -------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Run:
-    """One run's directory, read back.
-
-    Attributes:
-        name: the directory name.
-        workdir: its path.
-        overrides: the sweep's overrides for it (``{}`` when unknown).
-        config: ``config.json`` as a nested dict (``{}`` before it exists).
-        metrics: ``metrics.jsonl`` records, one per step and kind, sorted by
-            step; a step logged twice (a resumed run) keeps its last record.
-        summary: ``summary.json``, or ``None`` for a run that did not finish.
-        status: ``"finished"`` (summary present), ``"failed"`` (its process
-            exited without a summary), ``"unfinished"`` (started, no exit
-            recorded: running, interrupted, or launched elsewhere) or
-            ``"not started"``.
-        returncode: of the last process, when the sweep runner recorded it.
-        interval: that process's start and end, in seconds since the epoch,
-            when the runner recorded them.
-    """
-
-    name: str
-    workdir: str
-    overrides: Overrides
-    config: dict
-    metrics: list[dict]
-    summary: dict | None
-    status: str
-    returncode: int | None = None
-    interval: tuple[float, float] | None = None
-
-
-def _read_json(path: str) -> dict | None:
-    if not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def read_metrics(path: str) -> list[dict]:
-    """Reads ``metrics.jsonl``; an unfinished last line (a killed run) is skipped.
-
-    Records with the same step and the same kind of keys (``train/`` or
-    ``eval/``) keep the last one, as a resumed run repeats the steps after its
-    checkpoint.
-    """
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    records = {}
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            if number == len(lines):
-                break
-            raise ValueError(f"{path}, line {number}: not JSON ({e}).") from e
-        kinds = tuple(sorted({k.split("/")[0] for k in record if k != "step"}))
-        records[(record.get("step", 0), kinds)] = record
-    return [records[key] for key in sorted(records, key=lambda k: k[0])]
-
-
-def read_run(workdir: str, overrides: Overrides | None = None) -> Run:
-    """Reads a run's ``config.json``, ``metrics.jsonl``, ``summary.json`` and status.
-
-    Examples:
-        >>> import tempfile
-        >>> workdir = tempfile.mkdtemp()
-        >>> with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
-        ...     _ = f.write('{"step": 10, "eval/loss": 2.5}\\n{"step": 20, "ev')
-        >>> run = read_run(workdir)
-        >>> run.status, run.metrics
-        ('unfinished', [{'step': 10, 'eval/loss': 2.5}])
-    """
-    config = _read_json(os.path.join(workdir, "config.json")) or {}
-    metrics = read_metrics(os.path.join(workdir, "metrics.jsonl"))
-    summary = _read_json(os.path.join(workdir, "summary.json"))
-    status_record = _read_json(os.path.join(workdir, STATUS_FILE))
-    returncode = status_record["returncode"] if status_record else None
-    interval = (
-        (status_record["started"], status_record["ended"])
-        if status_record and "started" in status_record
-        else None
-    )
-    if summary is not None:
-        status = "finished"
-    elif returncode is not None:
-        status = "failed"
-    elif config or metrics:
-        status = "unfinished"
-    else:
-        status = "not started"
-    return Run(
-        os.path.basename(os.path.normpath(workdir)),
-        workdir,
-        dict(overrides or {}),
-        config,
-        metrics,
-        summary,
-        status,
-        returncode,
-        interval,
-    )
-
-
-def read_sweep_record(sweep_dir: str) -> dict:
-    """``sweep.json`` of ``sweep_dir`` (its command, machine and runs), or ``{}``."""
-    return _read_json(os.path.join(sweep_dir, SWEEP_FILE)) or {}
-
-
-def read_sweep(sweep_dir: str) -> list[Run]:
-    """Reads every run of a sweep directory, in the sweep's order.
-
-    The runs are those listed in ``sweep.json`` (written by
-    ``experiments/sweep.py``; listed runs never started count too) and any
-    other subdirectory with a ``config.json`` (runs launched from the
-    ``--dry_run`` commands). Runs missing from ``sweep.json`` get as
-    overrides the config values that differ between runs.
-    """
-    listed = read_sweep_record(sweep_dir).get("runs", [])
-    runs = [
-        read_run(os.path.join(sweep_dir, r["name"]), r["overrides"]) for r in listed
-    ]
-    known = {r["name"] for r in listed}
-    others = [
-        read_run(os.path.join(sweep_dir, name))
-        for name in sorted(os.listdir(sweep_dir))
-        if name not in known
-        and os.path.isfile(os.path.join(sweep_dir, name, "config.json"))
-    ]
-    flat_configs = [flatten(r.config) for r in runs + others if r.config]
-    for run in others:
-        flat = flatten(run.config)
-        run.overrides = {k: flat.get(k) for k in varying_keys(flat_configs)}
-    return runs + others
-
-
-def varying_keys(flat_configs: Sequence[dict[str, Any]]) -> list[str]:
-    """The keys whose values are not the same in every config, sorted.
-
-    Examples:
-        >>> varying_keys([{"a": 1, "b": 2}, {"a": 1, "b": 3}])
-        ['b']
-    """
-    keys = sorted(set().union(*flat_configs)) if flat_configs else []
-    return [
-        k
-        for k in keys
-        if len({json.dumps(c.get(k), sort_keys=True) for c in flat_configs}) > 1
-    ]
-
-
-def is_seed_key(key: str) -> bool:
-    """Whether an override key is a random seed (runs differing only there repeat a setting)."""
-    return key.rsplit(".", 1)[-1] == "seed"
-
-
-def group_runs(runs: Sequence[Run], drop: Sequence[str] = ()) -> list[list[Run]]:
-    """Groups runs whose overrides agree except on seeds and the keys ``drop``.
-
-    Groups and runs within them keep the order of ``runs``.
-
-    Examples:
-        >>> runs = [Run(n, n, o, {}, [], None, "not started") for n, o in [
-        ...     ("a", {"model.tied": True, "train.seed": 0}),
-        ...     ("b", {"model.tied": False, "train.seed": 0}),
-        ...     ("c", {"model.tied": True, "train.seed": 1})]]
-        >>> [[r.name for r in group] for group in group_runs(runs)]
-        [['a', 'c'], ['b']]
-        >>> [[r.name for r in group] for group in group_runs(runs, drop=["model.tied"])]
-        [['a', 'b', 'c']]
-    """
-    groups: dict[str, list[Run]] = {}
-    for run in runs:
-        setting = {
-            k: v
-            for k, v in run.overrides.items()
-            if not is_seed_key(k) and k not in drop
-        }
-        groups.setdefault(json.dumps(setting, sort_keys=True), []).append(run)
-    return list(groups.values())
-
-
-def seed_of(run: Run) -> tuple:
-    """The run's seed overrides (or its ``train.seed``), to pair runs across settings."""
-    seeds = tuple(v for k, v in run.overrides.items() if is_seed_key(k))
-    return seeds or (flatten(run.config).get("train.seed"),)
-
-
-def final_metrics(run: Run) -> dict[str, float]:
-    """The final evaluation of a finished run, ``eval/`` prefixes removed.
-
-    Adds ``tokens_per_sec``, ``num_params`` and ``num_head_params`` from
-    ``summary.json``. A summary without ``final`` falls back to the last
-    ``eval/`` record of ``metrics.jsonl``.
-    """
-    summary = run.summary or {}
-    final = summary.get("final")
-    if not final:
-        evals = [m for m in run.metrics if any(k.startswith("eval/") for k in m)]
-        final = evals[-1] if evals else {}
-    values = {k.removeprefix("eval/"): v for k, v in final.items() if k != "step"}
-    for key in ("tokens_per_sec", "num_params", "num_head_params"):
-        if key in summary:
-            values[key] = summary[key]
-    return values
-
-
-def eval_curve(run: Run, metric: str = "loss") -> tuple[list[int], list[float]]:
-    """``(steps, values)`` of ``eval/<metric>`` over training."""
-    key = f"eval/{metric}"
-    points = [(m["step"], m[key]) for m in run.metrics if key in m]
-    return [s for s, _ in points], [v for _, v in points]

@@ -1,21 +1,7 @@
-"""The tying study's design: arms with matched parameter counts, and the
-learning-rate choice that links its two stages.
-
-Four arms per vocabulary (``V`` tokens, base width ``D``):
-
-* ``a``: tied, the base shape;
-* ``b``: untied, the base shape (``V * D`` more parameters than ``a``);
-* ``c``: untied, *narrower*, matched to ``a``: the ``d_model`` (a multiple of
-  ``num_heads``) whose model with the base MLP ratio is nearest ``a``'s count,
-  then ``mlp_dim`` solved so that the counts agree;
-* ``d``: tied, *deeper*, matched to ``b``: the ``V * D`` that tying saves
-  buys whole blocks of the base shape, and the rest widens every block's MLP.
-
-Counts come from :func:`count_params`, a closed form of ``model.DecoderLM``'s
-parameter tree (the tests check it against ``jax.eval_shape`` of the model's
-init), so the matched shapes are solved, not typed in, at the number of
-tokens the tokenizer has (``Design.vocab_sizes``): byte-level BPE trained on
-a short text runs out of pairs to merge before the size asked for.
+"""The tying study's design: the grid of regimes x vocabularies x arms
+(:class:`Design`), and the learning-rate choice that links its two stages.
+The arms and their shapes, solved for matched parameter counts, are in
+``shapes.py`` here.
 
 The study runs in two stages in one sweep directory: a tuning stage (every
 arm at several learning rates, seed 0), then the seeds stage, which reads the
@@ -37,189 +23,13 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lmhead.lab import sweeps
+from lmhead.lab import sweeps, workdirs
+from lmhead.studies.tying import shapes
 
-ARMS = {
-    "a": "tied",
-    "b": "untied, same shape",
-    "c": "untied, narrower, matched to a",
-    "d": "tied, deeper, matched to b",
-}
-# Parameter counts of matched arms may differ by at most this fraction.
-MATCH_TOLERANCE = 0.02
 # Distinct characters of the embedded corpus: the character vocabulary.
 CHAR_VOCAB_SIZE = 84
 # A grid's end extends by this factor: twice the highest rate, half the lowest.
 EDGE_FACTOR = 2.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """The model keys an arm sets (``config.model.*``)."""
-
-    tied: bool
-    d_model: int
-    num_layers: int
-    mlp_dim: int
-
-    def overrides(self) -> dict[str, Any]:
-        """The ``--config.model.*`` overrides, in a fixed order (for run names)."""
-        return {
-            "model.tied": self.tied,
-            "model.d_model": self.d_model,
-            "model.num_layers": self.num_layers,
-            "model.mlp_dim": self.mlp_dim,
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class Architecture:
-    """What every arm shares: ``config.model`` / ``config.data`` values."""
-
-    num_heads: int = 4
-    max_len: int = 64  # data.block_size
-    positions: str = "learned"
-    use_bias: bool = False
-    head_bias: bool = False
-
-
-def count_params(
-    vocab_size: int, shape: Shape, arch: Architecture = Architecture()
-) -> int:
-    r"""Parameters of ``model.DecoderLM`` with ``shape`` and ``arch``.
-
-    With :math:`V` tokens, width :math:`D`, :math:`L` blocks, MLP width
-    :math:`F`, :math:`T` learned positions and :math:`\beta = 1` when the
-    blocks and norms have biases (else 0):
-
-    .. math::
-        N = V D\,(2 - \text{tied}) + T D + L\,(4 D^2 + 2 D F + (2 + 2\beta) D
-            + \beta(5 D + F)) + (1 + \beta) D + V\,\text{head\_bias}
-
-    (per block: qkv :math:`3D^2`, out :math:`D^2`, the MLP :math:`2DF`, two
-    LayerNorms; then the final LayerNorm.)
-
-    Examples:
-        >>> count_params(17, Shape(True, 8, 1, 16), Architecture(2, 8, use_bias=True))
-        816
-    """
-    d, f, beta = shape.d_model, shape.mlp_dim, int(arch.use_bias)
-    tables = vocab_size * d * (1 if shape.tied else 2)
-    positions = arch.max_len * d if arch.positions == "learned" else 0
-    block = 4 * d * d + 2 * d * f + (2 + 2 * beta) * d + beta * (5 * d + f)
-    return (
-        tables
-        + positions
-        + shape.num_layers * block
-        + (1 + beta) * d
-        + (vocab_size if arch.head_bias else 0)
-    )
-
-
-def _solve_mlp_dim(
-    vocab_size: int, shape: Shape, target: int, arch: Architecture
-) -> Shape:
-    """``shape`` with the ``mlp_dim`` whose count is nearest ``target``
-    (the count is linear in ``mlp_dim``)."""
-    at_zero = count_params(vocab_size, dataclasses.replace(shape, mlp_dim=0), arch)
-    per_unit = (
-        count_params(vocab_size, dataclasses.replace(shape, mlp_dim=1), arch) - at_zero
-    )
-    mlp_dim = max(1, round((target - at_zero) / per_unit))
-    return dataclasses.replace(shape, mlp_dim=mlp_dim)
-
-
-def narrower_untied(
-    vocab_size: int, base: Shape, target: int, arch: Architecture = Architecture()
-) -> Shape:
-    """Arm ``c``: untied, ``base.num_layers`` blocks, narrower, ``target`` parameters.
-
-    ``d_model`` is the multiple of ``num_heads`` (at most ``base.d_model``)
-    whose model with ``mlp_dim = d_model * base.mlp_dim / base.d_model`` has
-    the count nearest ``target``; then ``mlp_dim`` is solved for ``target``.
-    """
-    ratio = base.mlp_dim / base.d_model
-    widths = range(arch.num_heads, base.d_model + 1, arch.num_heads)
-
-    def scaled(d):
-        return Shape(False, d, base.num_layers, max(1, round(ratio * d)))
-
-    d_model = min(
-        widths, key=lambda d: abs(count_params(vocab_size, scaled(d), arch) - target)
-    )
-    return _check_match(
-        vocab_size,
-        _solve_mlp_dim(vocab_size, scaled(d_model), target, arch),
-        target,
-        arch,
-    )
-
-
-def deeper_tied(
-    vocab_size: int, base: Shape, target: int, arch: Architecture = Architecture()
-) -> Shape:
-    """Arm ``d``: tied, ``base.d_model``, deeper, ``target`` parameters.
-
-    Adds as many whole blocks of the base shape as fit under ``target``,
-    then widens every block's MLP by the remainder.
-    """
-    tied = dataclasses.replace(base, tied=True)
-    one_block = count_params(
-        vocab_size, dataclasses.replace(tied, num_layers=2), arch
-    ) - count_params(vocab_size, dataclasses.replace(tied, num_layers=1), arch)
-    extra = max(0, (target - count_params(vocab_size, tied, arch)) // one_block)
-    deeper = dataclasses.replace(tied, num_layers=base.num_layers + extra)
-    return _check_match(
-        vocab_size, _solve_mlp_dim(vocab_size, deeper, target, arch), target, arch
-    )
-
-
-def _check_match(vocab_size, shape, target, arch) -> Shape:
-    count = count_params(vocab_size, shape, arch)
-    if abs(count - target) > MATCH_TOLERANCE * target:
-        raise ValueError(
-            f"No shape matches {target:,} parameters within "
-            f"{MATCH_TOLERANCE:.0%} at vocab_size={vocab_size}: the "
-            f"nearest, {shape}, has {count:,}."
-        )
-    return shape
-
-
-def arm_shapes(
-    vocab_size: int, base: Shape, arch: Architecture = Architecture()
-) -> dict[str, Shape]:
-    """The four arms' shapes at ``vocab_size``, keyed ``"a"`` .. ``"d"``.
-
-    Examples:
-        >>> shapes = arm_shapes(2048, Shape(True, 128, 4, 512))
-        >>> shapes["c"]
-        Shape(tied=False, d_model=112, num_layers=4, mlp_dim=436)
-        >>> shapes["d"]
-        Shape(tied=True, d_model=128, num_layers=5, mlp_dim=563)
-    """
-    tied = dataclasses.replace(base, tied=True)
-    untied = dataclasses.replace(base, tied=False)
-    return {
-        "a": tied,
-        "b": untied,
-        "c": narrower_untied(
-            vocab_size, base, count_params(vocab_size, tied, arch), arch
-        ),
-        "d": deeper_tied(
-            vocab_size, base, count_params(vocab_size, untied, arch), arch
-        ),
-    }
-
-
-def head_share(vocab_size: int, d_model: int, num_params: int) -> float:
-    """The ``[V, D]`` unembedding's share of a model's parameters (the tied
-    table counts: it is the head's matrix too).
-
-    Examples:
-        >>> round(head_share(8192, 128, 2_000_000), 4)
-        0.5243
-    """
-    return vocab_size * d_model / num_params
 
 
 # --- The grid ------------------------------------------------------------------
@@ -269,7 +79,7 @@ class Cell:
     regime: Regime
     vocab: int | None  # None: characters
     arm: str
-    shape: Shape
+    shape: shapes.Shape
     # The tokens the regime's tokenizer has, which the shape is matched at:
     # ``vocab`` or fewer (BPE on a short text runs out of pairs to merge).
     vocab_size: int
@@ -307,8 +117,8 @@ class Design:
     arms: tuple[str, ...]
     learning_rates: tuple[float, ...]
     seeds: tuple[int, ...]
-    base_shape: Shape = Shape(True, 128, 4, 512)
-    arch: Architecture = Architecture()
+    base_shape: shapes.Shape = shapes.Shape(True, 128, 4, 512)
+    arch: shapes.Architecture = shapes.Architecture()
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
     extend_edges: int = 0  # rates tried past an end of the grid, at most
     # (regime name, vocabulary) -> the tokens its tokenizer has, which the
@@ -327,14 +137,14 @@ class Design:
         for regime in self.regimes:
             for vocab in self.vocabularies:
                 size = self.vocab_size(regime, vocab)
-                shapes = arm_shapes(size, self.base_shape, self.arch)
+                solved = shapes.arm_shapes(size, self.base_shape, self.arch)
                 cells += [
-                    Cell(regime, vocab, arm, shapes[arm], size) for arm in self.arms
+                    Cell(regime, vocab, arm, solved[arm], size) for arm in self.arms
                 ]
         return cells
 
     def tuning_runs(
-        self, results: Mapping[PlannedRun, sweeps.Run] | None = None
+        self, results: Mapping[PlannedRun, workdirs.Run] | None = None
     ) -> list[PlannedRun]:
         """Every cell at every rate of the grid, first seed (rates in the outer
         loop, so that an interrupted stage has every cell at one rate); then,
@@ -379,15 +189,15 @@ def read_runs(
     design: Design,
     runs: Sequence[PlannedRun],
     sweep_dir: str,
-    known: Mapping[PlannedRun, sweeps.Run] | None = None,
-) -> dict[PlannedRun, sweeps.Run]:
+    known: Mapping[PlannedRun, workdirs.Run] | None = None,
+) -> dict[PlannedRun, workdirs.Run]:
     """Each planned run's directory in ``sweep_dir``, read back, in the order
     of ``runs``; a run in ``known`` (read before) is kept as it is."""
     known = known or {}
     return {
         planned: known[planned]
         if planned in known
-        else sweeps.read_run(
+        else workdirs.read_run(
             os.path.join(sweep_dir, name), planned.overrides(design.min_lr_ratio)
         )
         for planned, name in zip(runs, design.names(runs))
@@ -451,7 +261,7 @@ def extend_rates(
 # --- Reading results -------------------------------------------------------------
 
 
-def read_tuning(design: Design, sweep_dir: str) -> dict[PlannedRun, sweeps.Run]:
+def read_tuning(design: Design, sweep_dir: str) -> dict[PlannedRun, workdirs.Run]:
     """The tuning stage's runs as planned so far, read back from ``sweep_dir``:
     the grid, then the edge extensions its results call for, re-read until
     the plan stops growing (at most ``extend_edges`` + 1 rounds, each reading
@@ -465,7 +275,7 @@ def read_tuning(design: Design, sweep_dir: str) -> dict[PlannedRun, sweeps.Run]:
         planned = grown
 
 
-def validation_metrics(run: sweeps.Run, regime: Regime) -> dict[str, float]:
+def validation_metrics(run: workdirs.Run, regime: Regime) -> dict[str, float]:
     """The validation metrics (``eval/...``) of the parameters the test split
     evaluates: the best evaluation's under early stopping, else the last."""
     summary = run.summary or {}
@@ -474,7 +284,7 @@ def validation_metrics(run: sweeps.Run, regime: Regime) -> dict[str, float]:
     return summary.get("final", {})
 
 
-def validation_loss(run: sweeps.Run, regime: Regime) -> float:
+def validation_loss(run: workdirs.Run, regime: Regime) -> float:
     """``eval/loss`` of the tested parameters; ``inf`` for a run that did not
     finish or diverged (a NaN loss), so it is never chosen."""
     loss = validation_metrics(run, regime).get("eval/loss")
@@ -482,7 +292,7 @@ def validation_loss(run: sweeps.Run, regime: Regime) -> float:
 
 
 def choose_learning_rates(
-    tuning: dict[PlannedRun, sweeps.Run], *, strict: bool = True
+    tuning: dict[PlannedRun, workdirs.Run], *, strict: bool = True
 ) -> dict[Cell, float]:
     """Each cell's learning rate with the lowest validation loss (ties: the
     first rate of the grid) among its tuning runs.
@@ -497,9 +307,9 @@ def choose_learning_rates(
             every run diverged.
 
     Examples:
-        >>> cell = Cell(Regime("fixed", 1.0, 100, 0), None, "a", Shape(True, 8, 1, 16), 84)
+        >>> cell = Cell(Regime("fixed", 1.0, 100, 0), None, "a", shapes.Shape(True, 8, 1, 16), 84)
         >>> def run(loss):
-        ...     return sweeps.Run("r", "r", {}, {}, [], {"final": {"eval/loss": loss}},
+        ...     return workdirs.Run("r", "r", {}, {}, [], {"final": {"eval/loss": loss}},
         ...                       "finished")
         >>> choose_learning_rates({PlannedRun(cell, 1e-3, 0): run(2.0),
         ...                        PlannedRun(cell, 2e-3, 0): run(1.9),

@@ -1,0 +1,388 @@
+"""The sweep runner (library): one ``experiments/train.py`` process per run,
+a few at a time. Its command is ``experiments/sweep.py``; the sweep files
+it runs are ``configs/sweeps/*.py`` (:mod:`lmhead.lab.sweeps`).
+
+:class:`Sweep` plans a sweep file's runs in a sweep directory, each in the
+workdir ``<sweep_dir>/<name>`` named from its overrides;
+:func:`run_sweep` runs the unfinished ones (:func:`run_all`), each with its
+output appended to ``run.log`` in its workdir and its exit recorded in
+``status.json`` (exit code, start and end times, CPUs), then the report.
+Runs with a ``summary.json`` are skipped; others start again in the same
+workdir, where ``train.py`` resumes from the newest checkpoint, so running
+the same sweep again continues an interrupted one. A failed run does not
+stop the others. A sweep that plans from its own results (the tying study's
+tuning stage adds rates past the grid's ends) is planned again whenever a
+run ends, and the new runs join the queue, until the plan stops growing.
+
+:func:`cpu_slots` gives each concurrent run CPUs of its own (Linux), so that
+runs do not contend for cores; whether running several at a time pays on a
+CPU is measured in ``docs/scale_out.md`` ("Several runs on one CPU").
+SIGTERM (``kill``, a scheduler's preemption) stops the running runs with
+the runner (:class:`Terminated`), so none outlives it to race a rerun.
+"""
+
+import collections
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from lmhead.lab import sweeps, workdirs
+from lmhead.lm import configuration
+
+LOG_TAIL_LINES = 20
+# How often the runner looks for runs that have ended, in seconds.
+POLL_SECONDS = 0.2
+
+Slot = frozenset[int] | None  # the CPUs a run is pinned to; None: every CPU
+
+
+def display_path(path: str) -> str:
+    """``path`` relative to the current directory when it lies below it."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """A sweep file (``path.py[:arg]``) planned in a sweep directory, each run
+    executing ``train_script`` with ``--config=config_file:BASE``."""
+
+    spec: str
+    sweep_dir: str
+    train_script: str
+    config_file: str = configuration.CONFIG_FILE
+
+    def plan(self) -> list[dict]:
+        """The sweep's runs: ``name``, ``workdir``, ``overrides`` and ``command``.
+
+        Raises:
+            ValueError, FileNotFoundError: a sweep file that does not load or
+                plan (:func:`lmhead.lab.sweeps.load_sweep`).
+        """
+        base, overrides, shared = sweeps.load_sweep(self.spec, self.sweep_dir)
+        runs = []
+        for name, run_overrides in zip(sweeps.run_names(overrides), overrides):
+            workdir = os.path.join(self.sweep_dir, name)
+            command = sweeps.train_command(
+                base,
+                workdir,
+                run_overrides,
+                python=sys.executable,
+                script=display_path(self.train_script),
+                config_file=display_path(self.config_file),
+                shared=shared,
+            )
+            runs.append(
+                dict(
+                    name=name, workdir=workdir, overrides=run_overrides, command=command
+                )
+            )
+        return runs
+
+    def unfinished_runs(self) -> list[dict]:
+        """:meth:`plan`'s runs without a summary; none (and a message) when
+        planning fails, so that a running sweep goes on with the runs it has."""
+        try:
+            return [run for run in self.plan() if not is_finished(run)]
+        except (ValueError, FileNotFoundError) as e:
+            print(f"Planning again failed, so no runs were added: {e}", flush=True)
+            return []
+
+
+def describe_machine() -> str:
+    """Operating system, architecture, CPU model and count: where the runs ran."""
+    cpu = platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (
+                    line.split(":", 1)[1].strip()
+                    for line in f
+                    if line.startswith("model name")
+                ),
+                cpu,
+            )
+    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs" + (
+        f" ({cpu})" if cpu else ""
+    )
+
+
+def is_finished(run: dict) -> bool:
+    """Whether the run's workdir has a ``summary.json``."""
+    return os.path.exists(os.path.join(run["workdir"], "summary.json"))
+
+
+def cpu_slots(parallel: int, cpus_per_run: int) -> list[Slot]:
+    """``parallel`` disjoint sets of ``cpus_per_run`` CPUs that this process
+    may use, one per concurrent run; ``None`` each without pinning.
+
+    Raises:
+        ValueError: pinning without ``os.sched_setaffinity``, or more CPUs
+            asked for than this process may use.
+
+    Examples:
+        >>> cpu_slots(2, 0)
+        [None, None]
+    """
+    if cpus_per_run == 0:
+        return [None] * parallel
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("--cpus_per_run needs os.sched_setaffinity (Linux).")
+    cpus = sorted(os.sched_getaffinity(0))
+    if parallel * cpus_per_run > len(cpus):
+        raise ValueError(
+            f"--parallel={parallel} runs of --cpus_per_run={cpus_per_run} "
+            f"need {parallel * cpus_per_run} CPUs; this process may use "
+            f"{len(cpus)}."
+        )
+    return [
+        frozenset(cpus[i * cpus_per_run : (i + 1) * cpus_per_run])
+        for i in range(parallel)
+    ]
+
+
+def start(run: dict, cpus: Slot = None) -> subprocess.Popen:
+    """Launches a run with its output appended to its ``run.log``, on
+    ``cpus`` only when given."""
+    os.makedirs(run["workdir"], exist_ok=True)
+    status_path = os.path.join(run["workdir"], workdirs.STATUS_FILE)
+    if os.path.exists(status_path):
+        os.remove(status_path)
+    with open(os.path.join(run["workdir"], workdirs.LOG_FILE), "a") as log:
+        log.write(
+            f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(run['command'])}\n"
+        )
+        log.flush()
+        return subprocess.Popen(
+            run["command"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
+        )
+
+
+def record_exit(
+    run: dict, returncode: int, started: float, ended: float, cpus: Slot
+) -> bool:
+    """Writes the run's ``status.json`` (exit code, start and end times in
+    seconds since the epoch, CPUs); whether the run finished."""
+    with open(os.path.join(run["workdir"], workdirs.STATUS_FILE), "w") as f:
+        json.dump(
+            dict(
+                returncode=returncode,
+                seconds=ended - started,
+                started=started,
+                ended=ended,
+                cpus=None if cpus is None else sorted(cpus),
+                command=run["command"],
+            ),
+            f,
+            indent=2,
+        )
+    return returncode == 0 and is_finished(run)
+
+
+class Terminated(Exception):
+    """The runner got SIGTERM (``kill``, a scheduler's preemption)."""
+
+
+@dataclasses.dataclass
+class _Queue:
+    """The runs to start, those running (process -> run, start time, slot),
+    the free slots, and the counts the progress lines print."""
+
+    pending: collections.deque
+    free: collections.deque
+    running: dict = dataclasses.field(default_factory=dict)
+    queued: set = dataclasses.field(default_factory=set)
+    failed: list = dataclasses.field(default_factory=list)
+    done: int = 0
+    seconds_done: float = 0.0
+
+    def start_next(self) -> None:
+        """Starts the next pending run on the next free slot."""
+        run, cpus = self.pending.popleft(), self.free.popleft()
+        resumes = os.path.isdir(os.path.join(run["workdir"], "checkpoints"))
+        position = self.done + len(self.running) + 1
+        print(
+            f"[{position}/{position + len(self.pending)}]"
+            f" {'resume' if resumes else 'start'} {run['name']}"
+            + (f" on CPUs {sorted(cpus)}" if cpus else ""),
+            flush=True,
+        )
+        self.running[start(run, cpus)] = (run, time.time(), cpus)
+
+    def end(self, process: subprocess.Popen) -> str:
+        """Records the ended ``process``'s run; its outcome, for the progress line."""
+        run, started, cpus = self.running.pop(process)
+        self.free.append(cpus)
+        ended = time.time()
+        seconds = ended - started
+        self.done, self.seconds_done = self.done + 1, self.seconds_done + seconds
+        if record_exit(run, process.returncode, started, ended, cpus):
+            return f"finished in {seconds:.0f} s"
+        self.failed.append(run)
+        return (
+            f"FAILED (exit {process.returncode}) after "
+            f"{seconds:.0f} s; log: {run['workdir']}/{workdirs.LOG_FILE}"
+        )
+
+    def add(self, runs: Sequence[dict]) -> None:
+        """Queues the runs not queued before."""
+        for run in runs:
+            if run["name"] not in self.queued:
+                self.queued.add(run["name"])
+                self.pending.append(run)
+
+    def minutes_left(self, parallel: int) -> float:
+        """The runs left at the mean duration so far, ``parallel`` at a time."""
+        total = self.done + len(self.running) + len(self.pending)
+        return self.seconds_done / self.done * (total - self.done) / parallel / 60
+
+
+def run_all(
+    runs: list[dict],
+    slots: list[Slot],
+    replan: Callable[[], list[dict]] | None = None,
+    stop: threading.Event | None = None,
+) -> tuple[list[dict], int]:
+    """Runs ``runs``, one per slot at a time (a slot: the CPUs a run is
+    pinned to, or ``None``); returns the ones that failed and how many ran.
+
+    ``replan``: called whenever a run ends; the unfinished runs it returns
+    that have not been queued yet join the queue (a sweep that plans from its
+    own results). ``stop`` (set by SIGTERM): the running runs get SIGTERM too
+    (train.py saves a checkpoint and exits) and are waited for, so that none
+    outlives the runner and races a rerun for its workdir; then
+    :class:`Terminated`.
+    """
+    queue = _Queue(collections.deque(), collections.deque(slots))
+    queue.add(runs)
+    try:
+        while queue.pending or queue.running:
+            if stop is not None and stop.is_set():
+                raise Terminated()
+            while queue.pending and queue.free:
+                queue.start_next()
+            for process in list(queue.running):
+                if process.poll() is not None:
+                    name = queue.running[process][0]["name"]
+                    outcome = queue.end(process)
+                    queue.add(replan() if replan else [])
+                    total = queue.done + len(queue.running) + len(queue.pending)
+                    print(
+                        f"[{queue.done}/{total}] {name} {outcome}; "
+                        f"about {queue.minutes_left(len(slots)):.0f} min left",
+                        flush=True,
+                    )
+            time.sleep(POLL_SECONDS)
+    except (KeyboardInterrupt, Terminated):
+        for process in queue.running:
+            process.terminate()
+        for process in queue.running:
+            process.wait()
+        raise
+    return queue.failed, queue.done
+
+
+def log_tail(run: dict, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of the run's ``run.log``."""
+    path = os.path.join(run["workdir"], workdirs.LOG_FILE)
+    with open(path, errors="replace") as f:
+        return "".join(collections.deque(f, maxlen=lines))
+
+
+def write_sweep_record(sweep: Sweep, runs: list[dict], command: str) -> None:
+    """``sweep.json``: the sweep, the ``command`` that ran it, the machine and
+    the planned runs."""
+    os.makedirs(sweep.sweep_dir, exist_ok=True)
+    with open(os.path.join(sweep.sweep_dir, workdirs.SWEEP_FILE), "w") as f:
+        json.dump(
+            dict(
+                sweep=sweep.spec,
+                command=command,
+                machine=describe_machine(),
+                runs=runs,
+            ),
+            f,
+            indent=2,
+        )
+
+
+def print_commands(runs: list[dict]) -> None:
+    """The commands of the runs still to do, one a line on stdout (for a
+    Slurm array or GNU parallel), and how many are done on stderr."""
+    todo = [run for run in runs if not is_finished(run)]
+    print(
+        f"# {len(runs) - len(todo)} of {len(runs)} runs already finished",
+        file=sys.stderr,
+    )
+    for run in todo:
+        print(shlex.join(run["command"]))
+
+
+def run_sweep(
+    sweep: Sweep,
+    runs: list[dict],
+    slots: list[Slot],
+    *,
+    command: str,
+    report_command: list[str] | None = None,
+) -> int:
+    """Runs the unfinished ``runs`` of ``sweep`` (its :meth:`Sweep.plan`), one
+    per slot at a time, planning again as runs end; then ``report_command``.
+
+    ``command`` (the runner's own command line) goes into ``sweep.json``.
+    The failed runs are listed at the end with the last lines of their logs.
+
+    Returns:
+        The exit status: 0 when every run finished and the report succeeded,
+        else 1.
+
+    Raises:
+        Terminated: on SIGTERM, once the running runs have stopped.
+        ValueError, FileNotFoundError: the sweep no longer plans at the end.
+    """
+    todo = [run for run in runs if not is_finished(run)]
+    # SIGTERM only sets a flag, which run_all reads between polls: an
+    # exception raised wherever the signal lands could lose a run just started.
+    # (preemption.sigterm_flag would start a JAX backend in the runner.)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    write_sweep_record(sweep, runs, command)
+    print(
+        f"{len(runs)} runs in {sweep.sweep_dir}: {len(runs) - len(todo)} finished "
+        f"before, {len(todo)} to run, {len(slots)} at a time.",
+        flush=True,
+    )
+    started = time.time()
+    failed, ran = run_all(todo, slots, sweep.unfinished_runs, stop)
+    write_sweep_record(sweep, sweep.plan(), command)
+    print(f"The runs took {(time.time() - started) / 60:.1f} min.", flush=True)
+    report_failed = (
+        report_command is not None
+        and subprocess.run(report_command, check=False).returncode != 0
+    )
+    for run in failed:
+        print(
+            f"\nFAILED: {run['name']}\n  {shlex.join(run['command'])}\n"
+            f"  last lines of {run['workdir']}/{workdirs.LOG_FILE}:\n{log_tail(run)}"
+        )
+    if failed or report_failed:
+        print(
+            f"{len(failed)} of {ran} runs failed"
+            + ("; the report failed" if report_failed else "")
+            + "."
+        )
+        return 1
+    return 0

@@ -1,0 +1,80 @@
+"""Tests for experiments/sweep.py, the sweep command: --dry_run's commands
+(the runner behind it is tested in tests/lab/test_runner.py), and, slow, a
+real tiny sweep of the tying study trained and reported end to end."""
+
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from lmhead.lab import workdirs
+from tests import ROOT
+from tests.lab.sweep_helpers import SWEEP_SCRIPT, run_sweep
+
+
+def test_dry_run_prints_one_command_per_remaining_run(tmp_path):
+    finished = tmp_path / "sweep" / "tied=True,seed=1"
+    finished.mkdir(parents=True)
+    (finished / "summary.json").write_text("{}")
+    result = run_sweep(tmp_path, "--dry_run")
+    assert result.returncode == 0, result.stderr
+    commands = [shlex.split(line) for line in result.stdout.splitlines()]
+    names = ["tied=True,seed=0", "tied=False,seed=0", "tied=False,seed=1"]
+    assert [c[3] for c in commands] == [
+        f"--workdir={tmp_path}/sweep/{n}" for n in names
+    ]
+    assert all(
+        c[0] == sys.executable and c[1].endswith("fake_train.py") for c in commands
+    )
+    assert commands[1][2] == "--config=configs/default.py:tiny"
+    assert commands[1][4:] == ["--config.model.tied=False", "--config.train.seed=0"]
+    assert "1 of 4 runs already finished" in result.stderr
+    assert sorted(os.listdir(tmp_path / "sweep")) == ["tied=True,seed=1"]  # ran nothing
+
+
+def test_a_sweep_file_that_does_not_load_exits_naming_the_flag(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            SWEEP_SCRIPT,
+            f"--sweep={tmp_path}/missing.py",
+            f"--workdir={tmp_path}/sweep",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert f"--sweep={tmp_path}/missing.py: " in result.stderr
+    assert "no sweep file" in result.stderr
+    assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.slow
+def test_real_tiny_sweep_trains_and_reports(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    spec = (
+        "--sweep=configs/sweeps/tying_study.py:tiny,bpe=,arms=a+b,"
+        "regimes=fixed,lrs=0.003,seeds=1"
+    )
+    for stage in (",stage=tune", ""):
+        command = [sys.executable, SWEEP_SCRIPT, spec + stage, f"--workdir={sweep_dir}"]
+        result = subprocess.run(
+            command, capture_output=True, text=True, cwd=ROOT, timeout=600
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    runs = workdirs.read_sweep(str(sweep_dir))
+    assert [r.overrides["model.tied"] for r in runs] == [True, False]
+    assert all(r.status == "finished" for r in runs)
+    tied, untied = (r.summary for r in runs)
+    assert (
+        untied["num_params"] - tied["num_params"]
+        == 84 * runs[0].config["model"]["d_model"]
+    )
+    assert all(0 < r.summary["test"]["bits_per_char"] < 10 for r in runs)
+    report = (sweep_dir / "REPORT.md").read_text()
+    assert "| char (84) | a: tied |" in report and "| char (84) | b: untied" in report
+    assert (sweep_dir / "delta_vs_head_share.png").stat().st_size > 0

@@ -1,0 +1,25 @@
+"""Reading the reports' markdown back, and the numpy reference of their
+mean ± std cells, for the tests of the generic and the study's report."""
+
+import numpy as np
+
+
+def table_rows(markdown, first_header):
+    """The rows of the markdown table whose first header cell is ``first_header``."""
+    lines = markdown.splitlines()
+    start = next(
+        i for i, line in enumerate(lines) if line.startswith(f"| {first_header} |")
+    )
+    header = [c.strip() for c in lines[start].strip("|").split("|")]
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(dict(zip(header, (c.strip() for c in line.strip("|").split("|")))))
+    return rows
+
+
+def mean_std_text(values, decimals):
+    """numpy's mean and sample std, as the report writes them."""
+    values = np.asarray(values)
+    return f"{values.mean():,.{decimals}f} ± {values.std(ddof=1):,.{decimals}f}"

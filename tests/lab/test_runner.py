@@ -1,0 +1,197 @@
+"""Tests for lmhead/lab/runner.py, through its command (experiments/sweep.py)
+with stand-in train programs (tests/lab/sweep_helpers.py and below): skipping
+finished runs, resuming interrupted ones, failures, SIGTERM, CPU pinning and
+planning again from the results."""
+
+import itertools
+import json
+import os
+import pathlib
+import subprocess
+import textwrap
+import time
+
+import pytest
+
+from lmhead.lab import runner, workdirs
+from tests import ROOT
+from tests.lab.sweep_helpers import calls, run_sweep, sweep_command
+
+
+def test_runner_skips_finished_resumes_interrupted_and_reports_failures(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    (sweep_dir / "tied=True,seed=0").mkdir(parents=True)
+    (sweep_dir / "tied=True,seed=0" / "summary.json").write_text("{}")
+    (sweep_dir / "tied=True,seed=1" / "checkpoints").mkdir(parents=True)
+
+    failing = "tied=False,seed=0"
+    result = run_sweep(
+        tmp_path, "--parallel=2", "--noreport", env={"FAIL_RUN": failing}
+    )
+    assert result.returncode == 1
+    assert calls(tmp_path, "tied=True,seed=0") == []
+    assert calls(tmp_path, "tied=True,seed=1") == ["resume"]
+    assert calls(tmp_path, failing) == ["start"]
+    assert calls(tmp_path, "tied=False,seed=1") == ["start"]
+    assert f"FAILED: {failing}" in result.stdout
+    assert f"simulated failure in {failing}" in result.stdout  # the log's tail
+    assert "1 of 3 runs failed" in result.stdout
+    status = json.loads((sweep_dir / failing / workdirs.STATUS_FILE).read_text())
+    assert status["returncode"] == 1
+    assert [r.status for r in workdirs.read_sweep(str(sweep_dir))] == [
+        "finished",
+        "finished",
+        "failed",
+        "finished",
+    ]
+
+    # The same command again runs only the failed run, which now succeeds.
+    result = run_sweep(tmp_path, "--report")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert calls(tmp_path, failing) == [
+        "start",
+        "start",
+    ]  # it failed before a checkpoint
+    assert calls(tmp_path, "tied=False,seed=1") == ["start"]
+    log = (sweep_dir / failing / workdirs.LOG_FILE).read_text()
+    assert log.count("=== ") == 2 and "simulated failure" in log
+    assert (
+        not (sweep_dir / failing / workdirs.STATUS_FILE).exists()
+        or json.loads((sweep_dir / failing / workdirs.STATUS_FILE).read_text())[
+            "returncode"
+        ]
+        == 0
+    )
+    assert (sweep_dir / "REPORT.md").exists()
+    assert "Plot:" in result.stdout
+
+
+def test_a_run_that_exits_cleanly_without_a_summary_counts_as_failed(tmp_path):
+    result = run_sweep(tmp_path, "--noreport", train="print('did nothing')\n", arg=":1")
+    assert result.returncode == 1
+    assert "2 of 2 runs failed" in result.stdout and "did nothing" in result.stdout
+
+
+SLOW_TRAIN = textwrap.dedent("""\
+    import os, signal, sys, time
+    workdir = dict(a.split("=", 1) for a in sys.argv[1:])["--workdir"]
+    os.makedirs(workdir, exist_ok=True)
+
+    def on_term(signum, frame):
+        open(os.path.join(workdir, "terminated"), "w").close()
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, on_term)
+    open(os.path.join(workdir, "started"), "w").close()
+    time.sleep(120)
+    """)
+
+
+def test_sigterm_stops_the_runner_and_its_runs(tmp_path):
+    """``kill`` of the runner must not leave a run behind to race a rerun."""
+    process = subprocess.Popen(
+        sweep_command(tmp_path, "--noreport", train=SLOW_TRAIN, arg=":1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
+    run = tmp_path / "sweep" / "tied=True,seed=0"
+    deadline = time.time() + 60
+    while not (run / "started").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    process.terminate()
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 1 and "Stopped by SIGTERM" in output, output
+    assert (run / "terminated").exists()
+    assert not (
+        run / workdirs.STATUS_FILE
+    ).exists()  # no exit recorded: a rerun resumes it
+
+
+PINNED_TRAIN = textwrap.dedent("""\
+    import json, os, sys, time
+    workdir = dict(a.split("=", 1) for a in sys.argv[1:])["--workdir"]
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "cpus.json"), "w") as f:
+        json.dump(sorted(os.sched_getaffinity(0)), f)
+    time.sleep(0.5)
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump({}, f)
+    """)
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs 2 CPUs (Linux)",
+)
+def test_cpus_per_run_pins_concurrent_runs_to_cpus_of_their_own(tmp_path):
+    result = run_sweep(
+        tmp_path, "--parallel=2", "--cpus_per_run=1", "--noreport", train=PINNED_TRAIN
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    seen = []
+    for run in workdirs.read_sweep(str(tmp_path / "sweep")):
+        cpus = json.loads(pathlib.Path(run.workdir, "cpus.json").read_text())
+        status = json.loads(pathlib.Path(run.workdir, workdirs.STATUS_FILE).read_text())
+        assert len(cpus) == 1 and status["cpus"] == cpus
+        assert (
+            status["started"]
+            < status["ended"]
+            == pytest.approx(status["started"] + status["seconds"])
+        )
+        seen.append((run.interval, cpus[0]))
+    # Runs that overlap in time ran on different CPUs.
+    for (a, cpu_a), (b, cpu_b) in itertools.combinations(seen, 2):
+        if a[0] < b[1] and b[0] < a[1]:
+            assert cpu_a != cpu_b
+    assert len({cpu for _, cpu in seen}) == 2
+    too_many = len(os.sched_getaffinity(0)) + 1
+    result = run_sweep(tmp_path, "--parallel=2", f"--cpus_per_run={too_many}")
+    assert result.returncode != 0 and f"need {2 * too_many} CPUs" in result.stderr
+
+
+GROWING_SWEEP = textwrap.dedent("""\
+    import os
+    from lmhead.lab import sweeps
+
+    def get_sweep(arg=None, workdir=None):
+        # Seed 2 is planned once seeds 0 and 1 have finished.
+        runs = [{"model.tied": True, "train.seed": seed} for seed in (0, 1)]
+        if workdir and all(os.path.exists(os.path.join(workdir, name, "summary.json"))
+                           for name in sweeps.run_names(runs)):
+            runs.append({"model.tied": True, "train.seed": 2})
+        return "tiny", runs
+    """)
+
+
+def test_runner_plans_again_from_the_results_until_the_plan_stops_growing(tmp_path):
+    result = run_sweep(tmp_path, "--noreport", sweep=GROWING_SWEEP)
+    assert result.returncode == 0, result.stdout + result.stderr
+    names = [f"tied=True,seed={seed}" for seed in range(3)]
+    assert [calls(tmp_path, name) for name in names] == [["start"]] * 3
+    assert (
+        "2 runs in" in result.stdout and f"[3/3] {names[2]} finished" in result.stdout
+    )
+    record = json.loads((tmp_path / "sweep" / workdirs.SWEEP_FILE).read_text())
+    assert [run["name"] for run in record["runs"]] == names
+
+
+def test_a_replanned_run_that_fails_runs_once(tmp_path):
+    failing = "tied=True,seed=2"
+    result = run_sweep(
+        tmp_path, "--noreport", sweep=GROWING_SWEEP, env={"FAIL_RUN": failing}
+    )
+    assert result.returncode == 1 and "1 of 3 runs failed" in result.stdout
+    assert calls(tmp_path, failing) == ["start"]
+
+
+def test_cpu_slots_are_disjoint_and_refuse_too_many():
+    assert runner.cpu_slots(3, 0) == [None] * 3
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("needs os.sched_getaffinity (Linux)")
+    available = sorted(os.sched_getaffinity(0))
+    slots = runner.cpu_slots(len(available), 1)
+    assert [sorted(s) for s in slots] == [[cpu] for cpu in available]
+    with pytest.raises(ValueError, match=f"need {2 * len(available)} CPUs"):
+        runner.cpu_slots(2, len(available))

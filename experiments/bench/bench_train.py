@@ -1,11 +1,11 @@
 r"""Training speed, side by side with nanoGPT: tokens/s, FLOP rates, ratio.
 
-    python experiments/bench_train.py                      # nanogpt,tied
-    python experiments/bench_train.py --nanogpt=/tmp/nanoGPT
-    python experiments/bench_train.py --quick --nanogpt=/tmp/nanoGPT
-    python experiments/bench_train.py --config=nanogpt,tied,bpe=2048 \
+    python experiments/bench/bench_train.py                      # nanogpt,tied
+    python experiments/bench/bench_train.py --nanogpt=/tmp/nanoGPT
+    python experiments/bench/bench_train.py --quick --nanogpt=/tmp/nanoGPT
+    python experiments/bench/bench_train.py --config=nanogpt,tied,bpe=2048 \
         --loss_impl=materialized --loss_impl=fused
-    python experiments/bench_train.py --profile     # where a step's time goes
+    python experiments/bench/bench_train.py --profile     # where a step's time goes
 
 ``--nanogpt`` is a checkout of https://github.com/karpathy/nanoGPT (e.g.
 ``git clone https://github.com/karpathy/nanoGPT /tmp/nanoGPT``); its
@@ -25,8 +25,9 @@ with the batch split over them (``--devices``; ``experiments/train.py
 so a second device is what keeps a second core busy.
 
 The programs run in alternation, ``--steps`` steps each per round, with a
-float32 ``[S, S] @ [S, S]`` matmul timed in every round too, so that all
-see the same load on a shared machine; the medians over rounds are printed.
+float32 ``[S, S] @ [S, S]`` matmul (``timing.Matmul``, the fastest of 5
+calls) timed in every round too, so that all see the same load on a shared
+machine; the medians over rounds are printed (``timing.call_seconds``).
 Besides wall time, the process's CPU time per step (all threads) is
 printed: other processes do not inflate it. Compare wall times on an
 otherwise idle machine only: under oversubscription a preempted OpenMP
@@ -57,7 +58,8 @@ step as the step runs it (one dispatch per step and dot, where the step has
 one for all), in the same rounds. The sum is what the step's matmuls take
 at their own shapes, to set against the square matmul's rate. The dots
 include the masked half of the attention scores and mixing, so their FLOPs
-exceed the model FLOPs.
+exceed the model FLOPs. The results and the machine they were measured on
+are in ``docs/nanogpt_parity.md``.
 """
 
 import collections
@@ -68,12 +70,12 @@ import io
 import math
 import os
 import re
-import time
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import timing  # experiments/bench/timing.py, beside this file
 from absl import app, flags
 
 from lmhead.lm import configuration, data, sharding, train
@@ -140,24 +142,6 @@ def cpu_count() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
-
-
-def matmul_program(size: int, repeats: int = 5):
-    """``(run(), flops)``: ``run`` times a jitted float32 ``[size, size]``
-    matmul ``repeats`` times and returns the fastest, in seconds (one short
-    call is easily preempted on a shared machine)."""
-    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-    matmul = jax.jit(jnp.dot).lower(a, a).compile()
-
-    def run():
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(matmul(a, a))
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    return run, 2.0 * size**3
 
 
 def lmhead_setup(config, dataset, batches, num_devices: int):
@@ -275,6 +259,33 @@ _COMPUTATION = re.compile(r"(?:ENTRY )?%(\S+) .*\{$")
 _INSTRUCTION = re.compile(r"\s+(?:ROOT )?%(\S+) = (.*?) ([\w-]+)\((.*)$")
 
 
+def parse_dot(operands: str, shapes: dict[str, str], name: str) -> Dot:
+    """The :class:`Dot` of the HLO instruction ``name``, from the text after
+    its ``dot(`` (``operands``) and the shapes of its computation's
+    instructions so far (``shapes``, by name, its own included)."""
+    lhs, rhs = re.match(r"%([\w.-]+), %([\w.-]+)\)", operands).groups()
+    dims = {
+        key: tuple(int(d) for d in found[1].split(",") if d)
+        if (found := re.search(key + r"=\{([\d,]*)\}", operands))
+        else ()
+        for key in (
+            "lhs_batch_dims",
+            "rhs_batch_dims",
+            "lhs_contracting_dims",
+            "rhs_contracting_dims",
+        )
+    }
+    return Dot(
+        shapes[lhs],
+        shapes[rhs],
+        shapes[name],
+        (
+            (dims["lhs_contracting_dims"], dims["rhs_contracting_dims"]),
+            (dims["lhs_batch_dims"], dims["rhs_batch_dims"]),
+        ),
+    )
+
+
 def step_dots(hlo: str) -> collections.Counter:
     """How many times one run of the compiled HLO module ``hlo`` (its
     ``as_text()``) runs each distinct :class:`Dot`.
@@ -300,29 +311,7 @@ def step_dots(hlo: str) -> collections.Counter:
         name, shape, op, rest = match.groups()
         shapes[computation][name] = re.sub(r"\{.*\}$", "", shape)
         if op == "dot":
-            lhs, rhs = re.match(r"%([\w.-]+), %([\w.-]+)\)", rest).groups()
-            dims = {
-                key: tuple(int(d) for d in found[1].split(",") if d)
-                if (found := re.search(key + r"=\{([\d,]*)\}", rest))
-                else ()
-                for key in (
-                    "lhs_batch_dims",
-                    "rhs_batch_dims",
-                    "lhs_contracting_dims",
-                    "rhs_contracting_dims",
-                )
-            }
-            dots[computation].append(
-                Dot(
-                    shapes[computation][lhs],
-                    shapes[computation][rhs],
-                    shapes[computation][name],
-                    (
-                        (dims["lhs_contracting_dims"], dims["rhs_contracting_dims"]),
-                        (dims["lhs_batch_dims"], dims["rhs_batch_dims"]),
-                    ),
-                )
-            )
+            dots[computation].append(parse_dot(rest, shapes[computation], name))
         trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
         for kind, callee in re.findall(r"\b(calls|to_apply|body)=%([\w.-]+)", rest):
             if kind == "body" and not trips:
@@ -445,50 +434,33 @@ def nanogpt_program(path: str, config, vocab_size: int, batches):
     return run
 
 
-def alternate(programs: dict, batches, matmul, rounds: int) -> dict:
+# The matmul's time in a round: the fastest of this many calls (one short
+# call is easily preempted on a shared machine).
+MATMUL_CALLS = 5
+
+
+def alternate(programs: dict, batches, matmul: timing.Matmul, rounds: int) -> dict:
     """Median wall and CPU seconds per step of each program, and the median
-    of the matmul's best time per round."""
+    of the matmul's fastest time per round."""
     for run in programs.values():
         run(batches[:WARMUP_STEPS])
     timed = batches[WARMUP_STEPS:]
     times = {name: [] for name in [*programs, "matmul"]}
     for _ in range(rounds):
         for name, run in programs.items():
-            wall, cpu = time.perf_counter(), time.process_time()
-            run(timed)
-            times[name].append(
-                (
-                    (time.perf_counter() - wall) / len(timed),
-                    (time.process_time() - cpu) / len(timed),
-                )
-            )
-        times["matmul"].append((matmul(), float("nan")))
+            seconds = timing.call_seconds(run, (timed,), clock=timing.wall_and_cpu)
+            times[name].append(seconds / len(timed))
+        fastest = matmul.seconds(MATMUL_CALLS, reduce=np.min)
+        times["matmul"].append((fastest, float("nan")))
     return {name: np.median(np.array(t), axis=0) for name, t in times.items()}
 
 
-def bench(
-    arg: str,
-    loss_impls: list[str],
-    device_counts: list[int],
-    nanogpt: str | None,
-    steps: int,
-    rounds: int,
-    matmul,
-    profile: bool,
-) -> None:
-    config = configuration.load_config(arg)
-    configuration.validate_config(config)
-    dataset = data.load_dataset(config.data)
-    batches = [
-        data.train_batch(
-            dataset.train_tokens,
-            seed=0,
-            step=s,
-            batch_size=config.train.batch_size,
-            block_size=config.data.block_size,
-        )
-        for s in range(WARMUP_STEPS + steps)
-    ]
+def lmhead_programs(
+    arg: str, config, dataset, batches, loss_impls, device_counts, profile: bool
+) -> tuple[dict, dict, dict, dict]:
+    """lmhead's programs for each loss implementation and device count:
+    ``(programs, XLA's FLOPs of each, the profiled parts, the dots of each
+    profiled step)``, by name (``--profile`` profiles the one-device steps)."""
     programs, xla_flops, profiled, step_dot_counts = {}, {}, {}, {}
     for loss_impl in loss_impls or [config.loss.loss_impl]:
         variant = config.copy_and_resolve_references()
@@ -516,20 +488,54 @@ def bench(
                     },
                 }
                 profiled.update({f"{name}: {part}": run for part, run in parts.items()})
-    skip = (
-        "no --nanogpt checkout"
-        if not nanogpt
-        else "torch is not installed"
-        if importlib.util.find_spec("torch") is None
-        else f"no {nanogpt}/model.py"
-        if not os.path.isfile(os.path.join(nanogpt, "model.py"))
-        else nanogpt_incompatibility(config)
+    return programs, xla_flops, profiled, step_dot_counts
+
+
+def nanogpt_skip_reason(nanogpt: str | None, config) -> str | None:
+    """Why nanoGPT's column is skipped, or None when it runs."""
+    if not nanogpt:
+        return "no --nanogpt checkout"
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed"
+    if not os.path.isfile(os.path.join(nanogpt, "model.py")):
+        return f"no {nanogpt}/model.py"
+    return nanogpt_incompatibility(config)
+
+
+def bench(
+    arg: str,
+    loss_impls: list[str],
+    device_counts: list[int],
+    nanogpt: str | None,
+    steps: int,
+    rounds: int,
+    matmul: timing.Matmul,
+    profile: bool,
+) -> None:
+    """Times lmhead's programs (and nanoGPT's) for the config ``arg`` in
+    alternation with ``matmul`` and prints their lines and profiles."""
+    config = configuration.load_config(arg)
+    configuration.validate_config(config)
+    dataset = data.load_dataset(config.data)
+    batches = [
+        data.train_batch(
+            dataset.train_tokens,
+            seed=0,
+            step=s,
+            batch_size=config.train.batch_size,
+            block_size=config.data.block_size,
+        )
+        for s in range(WARMUP_STEPS + steps)
+    ]
+    programs, xla_flops, profiled, step_dot_counts = lmhead_programs(
+        arg, config, dataset, batches, loss_impls, device_counts, profile
     )
+    skip = nanogpt_skip_reason(nanogpt, config)
     if skip is None:
         programs["nanoGPT"] = nanogpt_program(
             nanogpt, config, dataset.vocab_size, batches
         )
-    times = alternate({**programs, **profiled}, batches, matmul[0], rounds)
+    times = alternate({**programs, **profiled}, batches, matmul, rounds)
     tokens = config.train.batch_size * config.data.block_size
     flops = model_flops_per_token(config, dataset.vocab_size) * tokens
     print(
@@ -537,7 +543,7 @@ def bench(
         f"{flops / 1e9:.2f} model GFLOP per step"
         + (f"; nanoGPT skipped: {skip}" if skip else "")
     )
-    rate = matmul[1] / times["matmul"][0]
+    rate = matmul.flops / times["matmul"][0]
     print_times(
         {name: times[name] for name in programs}, tokens, flops, rate, xla_flops
     )
@@ -651,7 +657,7 @@ def main(argv):
         f"{jax.__version__}; {rounds} rounds of {steps} steps, medians",
         flush=True,
     )
-    matmul = matmul_program(size)
+    matmul = timing.Matmul(size)
     for arg in FLAGS.config:
         bench(
             arg,

@@ -1,15 +1,16 @@
 r"""Fused vs materialized linear + cross-entropy: time and compiled memory.
 
-    python experiments/bench_head.py            # the table in the README
-    python experiments/bench_head.py --quick    # small shapes, a few seconds
-    python experiments/bench_head.py --shapes=8192,512,32768
+    python experiments/bench/bench_head.py            # docs/fused_loss.md's table
+    python experiments/bench/bench_head.py --quick    # small shapes, a few seconds
+    python experiments/bench/bench_head.py --shapes=8192,512,32768
 
 For each ``(N, D, V)`` it compiles ``jax.value_and_grad`` (w.r.t. ``h`` and
 ``w``) of ``fused.fused_cross_entropy`` and of ``losses.cross_entropy(
 head.unembed(h, w), labels)``, reads XLA's ``temp_size_in_bytes`` of each
 compiled program, and times them in alternation with a square float32 matmul
-(median of ``--repeats`` rounds after one warm-up; fewer rounds when a run
-is long), so that all three see the same load on a shared machine. A
+(``timing.Matmul``; median of ``--repeats`` rounds after one warm-up; fewer
+rounds when a run is long), so that all three see the same load on a shared
+machine. A
 program that needs more than ``--memory_fraction`` of the available memory
 is compiled but not run. The effective rate counts the ``6 N D V`` FLOPs of
 the three matmuls of the materialized path (logits, ``dh``, ``dw``).
@@ -18,8 +19,8 @@ the three matmuls of the materialized path (logits, ``dh``, ``dw``).
 (``quantize.quantize_unembedding``: bfloat16, float16, int8 with per-row
 scales) against float32::
 
-    python experiments/bench_head.py --quantized --workdir=runs/bpe8192
-    python experiments/bench_head.py --quantized --quick --workdir=RUN
+    python experiments/bench/bench_head.py --quantized --workdir=runs/bpe8192
+    python experiments/bench/bench_head.py --quantized --quick --workdir=RUN
 
 For each ``V`` in ``--vocab_sizes`` and ``B`` in ``--rows`` it times
 ``head.unembed`` of ``[B, D] @ [V, D]^T`` (jitted, float32 ``h``) with each
@@ -27,16 +28,18 @@ table, in alternation with float32, and prints the table's bytes and both
 ratios. Accuracy (top-1 agreement with float32 and the mean KL(float32 ||
 quantized) of the next-token distribution) is measured on a trained run's
 table and the hidden states of its validation text (``--workdir``), and,
-labelled as such, on random-normal tables whose logits have std 3.
+labelled as such, on random-normal tables whose logits have std 3. The
+results and the machine they were measured on are in ``docs/fused_loss.md``
+and ``docs/large_vocab.md``.
 """
 
 import functools
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import timing  # experiments/bench/timing.py, beside this file
 from absl import app, flags, logging
 
 from lmhead import fused, head, losses, quantize
@@ -51,14 +54,14 @@ DEFAULT_SHAPES = [
         for d in (256, 1024)
         for v in (8192, 32768, 131072)
     ),
-    "16384,256,262144",  # logits alone need 16 GiB: the materialized path
-]  # does not fit in 24 GiB, the fused one does
+    "16384,256,262144",  # logits alone need 16 GiB (N V float32): where
+]  # memory is short, only the fused path runs
 QUICK_SHAPES = ["512,64,1024", "1000,96,3000"]
 
 flags.DEFINE_list(
     "shapes",
     None,
-    "N,D,V triples, e.g. '8192,512,32768;4096,256,8192'; default: the README table.",
+    "N,D,V triples, e.g. '8192,512,32768;4096,256,8192'; default: docs/fused_loss.md's table.",
 )
 flags.DEFINE_bool("quick", False, "Small shapes and two repeats.")
 flags.DEFINE_integer(
@@ -123,23 +126,6 @@ def available_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def median_seconds(fn, args, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
-def make_matmul(size: int):
-    """``(fn, args, flops)`` of a jitted float32 ``[size, size] @ [size, size]``."""
-    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-    matmul = jax.jit(jnp.dot).lower(a, a).compile()
-    jax.block_until_ready(matmul(a, a))
-    return matmul, (a, a), 2.0 * size**3
-
-
 def make_steps(chunk_size, vocab_chunk_size):
     def materialized(h, w, labels):
         return losses.cross_entropy(head.unembed(h, w), labels)
@@ -168,7 +154,7 @@ def bench_shape(
 ) -> dict:
     """Compiled memory and median times of each program at one shape.
 
-    ``matmul`` is ``(fn, args, flops)``: a reference timed in the same rounds.
+    ``matmul`` (``timing.Matmul``) is a reference timed in the same rounds.
     """
     keys = jax.random.split(jax.random.key(0), 3)
     h = jax.random.normal(keys[0], (n, d), dtype)
@@ -192,16 +178,16 @@ def bench_shape(
         if row[name + "_total"] <= memory_fraction * row["available"]
     ]
     warmup = max(
-        [median_seconds(compiled[name], (h, w, labels), 1) for name in runnable],
+        [timing.call_seconds(compiled[name], (h, w, labels)) for name in runnable],
         default=seconds,
     )
     runs = int(np.clip(seconds // warmup, 1, repeats))
     times = {name: [] for name in runnable + ["matmul"]}
     for _ in range(runs):  # alternate, so all see the same load
         for name in runnable:
-            times[name].append(median_seconds(compiled[name], (h, w, labels), 1))
-        times["matmul"].append(median_seconds(matmul[0], matmul[1], 1))
-    row["matmul_rate"] = matmul[2] / float(np.median(times["matmul"]))
+            times[name].append(timing.call_seconds(compiled[name], (h, w, labels)))
+        times["matmul"].append(matmul.seconds())
+    row["matmul_rate"] = matmul.flops / float(np.median(times["matmul"]))
     for name in compiled:
         row[name + "_time"] = float(np.median(times[name])) if name in times else None
     row["runs"] = runs
@@ -358,8 +344,10 @@ def speed_rows(v: int, d: int, batch: int, matmul, repeats: int) -> list[str]:
     times = {name: [] for name in TABLE_DTYPES + ("matmul",)}
     for _ in range(repeats + 1):  # the first round warms up
         for dtype in TABLE_DTYPES:
-            times[dtype].append(median_seconds(compiled[dtype], (h, tables[dtype]), 1))
-        times["matmul"].append(median_seconds(matmul[0], matmul[1], 1))
+            times[dtype].append(
+                timing.call_seconds(compiled[dtype], (h, tables[dtype]))
+            )
+        times["matmul"].append(matmul.seconds())
     median = {name: float(np.median(t[1:])) for name, t in times.items()}
     float32_bytes = table_bytes(tables["float32"])
     return [
@@ -368,7 +356,7 @@ def speed_rows(v: int, d: int, batch: int, matmul, repeats: int) -> list[str]:
         f"{table_bytes(tables[dtype]) / float32_bytes:.3f} | "
         f"{median[dtype] * 1e3:.3g} | "
         f"{median[dtype] / median['float32']:.2f} | "
-        f"{matmul[2] / median['matmul'] / 1e9:.0f} |"
+        f"{matmul.flops / median['matmul'] / 1e9:.0f} |"
         for dtype in TABLE_DTYPES
     ]
 
@@ -422,13 +410,13 @@ def main(argv):
     del argv
     specs = FLAGS.shapes or (QUICK_SHAPES if FLAGS.quick else DEFAULT_SHAPES)
     repeats = 2 if FLAGS.quick else FLAGS.repeats
-    matmul = make_matmul(512 if FLAGS.quick else FLAGS.matmul_size)
+    matmul = timing.Matmul(512 if FLAGS.quick else FLAGS.matmul_size)
     steps = make_steps(FLAGS.chunk_size, FLAGS.vocab_chunk_size)
     print(
         f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, "
         f"{available_bytes() / GIB:.1f} GiB available, {FLAGS.dtype}, "
         f"jax {jax.__version__}; matmul: float32, side "
-        f"{matmul[1][0].shape[0]}, timed between the runs of each shape.\n"
+        f"{matmul.size}, timed between the runs of each shape.\n"
     )
     if FLAGS.quantized:
         run_quantized(FLAGS.quick, repeats, matmul)

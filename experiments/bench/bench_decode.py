@@ -1,8 +1,8 @@
 r"""Decoding speed by batch, cache capacity and decoder, optionally against transformers.
 
-    python experiments/bench_decode.py                     # the README table
-    python experiments/bench_decode.py --new_tokens=200 --max_lens=256,1024 --compare_hf
-    python experiments/bench_decode.py --quick --compare_hf   # a check that it runs
+    python experiments/bench/bench_decode.py                  # docs/decoding.md's table
+    python experiments/bench/bench_decode.py --new_tokens=200 --max_lens=256,1024 --compare_hf
+    python experiments/bench/bench_decode.py --quick --compare_hf   # a check that it runs
 
 The model is ``--config``'s (by default ``configs/default.py``: 4 layers, 4
 heads, d_model 128) in the GPT-2 layout (learned positions, biases, exact
@@ -16,9 +16,10 @@ T = 0.8) and 4-beam search, each one jitted ``lax.while_loop`` given the
 parameters as an argument; greedy and top-p take the prefilled cache with
 ``donate_state=True``, as a caller does right after a prefill, so that they
 update it in place instead of first copying all ``max_len`` slots of it.
-Tokens/s is ``B * N`` over the median wall time (the prefill excluded, and
-the fresh copy of its cache that each timed run gets; a beam search does 4 times the model work for the
-same count), ms/step the same time over ``N``. With the same ``N`` at every
+Tokens/s is ``B * N`` over the median wall time (``timing.call_seconds``;
+the prefill excluded, and the fresh copy of its cache that each timed run
+gets; a beam search does 4 times the model work for the same count),
+ms/step the same time over ``N``. With the same ``N`` at every
 ``max_len`` the filled length is the same, so the last column, ms/step over
 that of the smallest ``max_len`` of the row, shows what the cache's capacity
 costs: a step should cost what the cache holds, not its size.
@@ -27,7 +28,8 @@ costs: a step should cost what the cache holds, not its size.
 imports) copies the same weights into a ``transformers`` ``GPT2LMHeadModel``,
 checks that both give the same greedy tokens, and times its ``generate()``
 (dynamic cache, no EOS) in alternation with lmhead's, so that both see the
-same load; the ratio is lmhead's tokens/s over transformers'.
+same load; the ratio is lmhead's tokens/s over transformers'. The results
+and the machine they were measured on are in ``docs/decoding.md``.
 """
 
 import os
@@ -37,11 +39,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import timing  # experiments/bench/timing.py, beside this file
 from absl import app, flags
 from ml_collections import config_flags
 
 from lmhead import decoding
-from lmhead.lm import configuration, monitoring
+from lmhead.lm import configuration
 from lmhead.lm import model as model_lib
 
 config_flags.DEFINE_config_file(
@@ -80,20 +83,6 @@ FLAGS = flags.FLAGS
 def chosen_clock() -> Callable[[], float]:
     """CPU time of this process with ``--cpu_time``, else wall time."""
     return time.process_time if FLAGS.cpu_time else time.perf_counter
-
-
-def median_seconds(
-    fn: Callable[..., object], repeats: int, setup: Callable[[], tuple] = tuple
-) -> float:
-    """Median time of ``fn(*setup())``, ``setup`` (e.g. a fresh cache) untimed."""
-    clock = chosen_clock()
-    times = []
-    for _ in range(repeats):
-        args = jax.block_until_ready(setup())
-        start = clock()
-        jax.block_until_ready(fn(*args))
-        times.append(clock() - start)
-    return float(np.median(times))
 
 
 def lmhead_decoder(name: str, model, max_new_tokens: int):
@@ -220,6 +209,21 @@ def hf_decoder(name: str, hf, max_new_tokens: int):
     return decode
 
 
+def alternate(runs: dict, setups: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each of ``runs`` (``run(*setups[kind]())``, the
+    setup untimed), timed in alternation after one call that compiles and
+    warms up, so that all see the same load."""
+    for kind, run in runs.items():
+        jax.block_until_ready(run(*setups[kind]()))
+    times = {kind: [] for kind in runs}
+    for _ in range(repeats):
+        for kind, run in runs.items():
+            times[kind].append(
+                timing.call_seconds(run, setup=setups[kind], clock=chosen_clock())
+            )
+    return {kind: float(np.median(t)) for kind, t in times.items()}
+
+
 def bench_max_len(max_len: int, batch_sizes, decoders, repeats: int) -> list[dict]:
     """Rows ``{decoder, batch, max_len, new, lmhead, hf}`` (seconds) at one capacity."""
     model = configuration.make_model(FLAGS.config, FLAGS.vocab_size).clone(
@@ -254,20 +258,8 @@ def bench_max_len(max_len: int, batch_sizes, decoders, repeats: int) -> list[dic
                     runs["lmhead"](*fresh()), runs["hf"]()
                 ):
                     raise RuntimeError(f"greedy tokens differ at batch {batch}")
-            setups = {"lmhead": fresh, "hf": tuple}
-            for kind, run in runs.items():  # compile, warm up
-                jax.block_until_ready(run(*setups[kind]()))
-            times = {kind: [] for kind in runs}
-            for _ in range(repeats):
-                for kind, run in runs.items():
-                    times[kind].append(median_seconds(run, 1, setups[kind]))
-            row = dict(
-                decoder=name,
-                batch=batch,
-                max_len=max_len,
-                new=new,
-                **{kind: float(np.median(t)) for kind, t in times.items()},
-            )
+            seconds = alternate(runs, {"lmhead": fresh, "hf": tuple}, repeats)
+            row = dict(decoder=name, batch=batch, max_len=max_len, new=new, **seconds)
             rows.append(row)
             versus = (
                 f", transformers {1e3 * row['hf'] / new:.2f} ms/step"
@@ -312,7 +304,7 @@ def main(argv):
     if FLAGS.quick:
         batch_sizes, max_lens, repeats = [1, 4], [64, 128], 2
         FLAGS.new_tokens = 8
-    rate = monitoring.matmul_rate(FLAGS.matmul_size, repeats, clock=chosen_clock())
+    rate = timing.matmul_rate(FLAGS.matmul_size, repeats, clock=chosen_clock())
     print(
         f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, jax {jax.__version__}; "
         f"float32 matmul {rate / 1e9:.0f} GFLOP/s; prompt {FLAGS.prompt_len}, "

@@ -1,15 +1,17 @@
 r"""Latency and throughput of the HTTP service, over loopback.
 
-    python experiments/bench_serve.py --workdir=runs/nanogpt_tied
-    python experiments/bench_serve.py --quick      # a tiny run trained here, seconds
+    python experiments/bench/bench_serve.py --workdir=runs/nanogpt_tied
+    python experiments/bench/bench_serve.py --quick   # a tiny run trained here, seconds
 
 Starts ``experiments/serve.py`` on 127.0.0.1 (a free port) and sends the same
 ``--requests`` sampled requests (one prompt, ``--max_new_tokens`` each) from
 1, 4 and 16 concurrent clients. For each it prints p50 and p99 latency, and
 generated tokens per second over the wall time; the ratio column divides by
 the 1-client row, which serves the requests one at a time, so at 16 clients
-it is the gain from dynamic batching. The machine's float32 matmul rate,
-measured in the same run, says how fast the machine was.
+it is the gain from dynamic batching. The machine's float32 matmul rate
+(``timing.matmul_rate``), measured in the same run, says how fast the machine
+was. The results and the machine they were measured on are in
+``docs/serving.md``.
 """
 
 import os
@@ -21,11 +23,13 @@ import time
 
 import httpx
 import numpy as np
+import timing  # experiments/bench/timing.py, beside this file
 from absl import app, flags, logging
 
-from lmhead.lm import configuration, monitoring, train
+from lmhead.lm import configuration, train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# experiments/bench/ -> the repository, where experiments/serve.py runs.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLIENTS = (1, 4, 16)
 
 flags.DEFINE_string(
@@ -166,7 +170,7 @@ def main(argv):
         finally:
             process.terminate()
             process.wait()
-    rate = monitoring.matmul_rate(FLAGS.matmul_size)
+    rate = timing.matmul_rate(FLAGS.matmul_size)
     print(
         f"\n{FLAGS.requests} requests per row, {FLAGS.max_new_tokens} new tokens "
         f"each; float32 matmul {rate / 1e9:.0f} GFLOP/s\n"

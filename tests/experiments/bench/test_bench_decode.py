@@ -1,0 +1,23 @@
+"""The decoding benchmark, experiments/bench/bench_decode.py --quick: its
+table of decoders x batch sizes x cache capacities (slow)."""
+
+import re
+
+import pytest
+
+from tests.experiments.bench.commands import run_bench
+
+
+@pytest.mark.slow
+def test_bench_decode_quick_table():
+    stdout = run_bench("bench_decode.py", "--quick")
+    assert re.search(r"float32 matmul \d+ GFLOP/s", stdout)
+    rows = re.findall(
+        r"^\| (greedy|top-p|beam 4) \| (\d+) \| (\d+) \| 8 \| \d+ \| "
+        r"(\S+) \| (\S+)x \|$",
+        stdout,
+        re.M,
+    )
+    assert len(rows) == 3 * 2 * 2  # decoders x batch sizes 1, 4 x max_len 64, 128
+    for _, _, max_len, ms, ratio in rows:
+        assert float(ms) > 0 and (max_len != "64" or ratio == "1.00")

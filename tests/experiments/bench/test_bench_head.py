@@ -1,0 +1,42 @@
+"""The head benchmark, experiments/bench/bench_head.py --quick: fused vs
+materialized at two small shapes, and --quantized's speed and accuracy
+tables on random tables (slow)."""
+
+import re
+
+import pytest
+
+from tests.experiments.bench.commands import run_bench
+
+
+@pytest.mark.slow
+def test_bench_head_quick_table():
+    stdout = run_bench("bench_head.py", "--quick")
+    rows = [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in stdout.splitlines()
+        if re.match(r"\| \d", line)
+    ]
+    assert [row[:3] for row in rows] == [["512", "64", "1024"], ["1000", "96", "3000"]]
+    for row in rows:
+        fused, materialized, ratio = (float(x) for x in row[3:6])
+        assert fused > 0 and materialized > 0
+        assert ratio == pytest.approx(fused / materialized, rel=0.02, abs=0.02)
+        assert float(row[11]) > 0  # the matmul's GFLOP/s, measured in the run
+
+
+@pytest.mark.slow
+def test_bench_head_quantized_quick_tables():
+    stdout = run_bench("bench_head.py", "--quantized", "--quick")
+    speed = re.findall(r"^\| (\d+) \| 64 \| (\d+) \| (\w+) \| .*\|$", stdout, re.M)
+    assert len(speed) == 2 * 2 * 4  # V 4096, 8192 x B 1, 8 x four tables
+    accuracy = re.findall(
+        r"^\| random-normal, not trained \| (\d+) \| 64 \| 512 \| (\w+) \| (\S+) "
+        r"\| (\S+)% \| (\S+) \|$",
+        stdout,
+        re.M,
+    )
+    assert len(accuracy) == 2 * 3  # V 4096, 8192 x the three smaller tables
+    for _, _, bytes_ratio, agreement, kl in accuracy:
+        assert 0 < float(bytes_ratio) < 1 and 0 <= float(agreement) <= 100
+        assert float(kl) >= 0

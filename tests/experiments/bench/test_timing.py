@@ -1,0 +1,74 @@
+"""Tests for experiments/bench/timing.py, the benchmarks' one timing helper
+and matmul-rate probe: what is timed, by which clock, reduced how, and the
+bad arguments."""
+
+import doctest
+import os
+import time
+
+import numpy as np
+import pytest
+
+from lmhead.lm import configuration
+from tests import ROOT
+
+timing = configuration.load_module(
+    os.path.join(ROOT, "experiments", "bench", "timing.py")
+)
+
+
+def test_doctests():
+    assert doctest.testmod(timing, optionflags=doctest.ELLIPSIS).failed == 0
+
+
+def test_call_seconds_times_the_call_only_and_reduces_over_repeats():
+    """The clock is read around each call, not around the setup, whose
+    result is what the call gets."""
+    readings = iter([0.0, 2.0, 10.0, 11.0, 20.0, 24.0])
+    log = []
+
+    def setup():
+        log.append("setup")
+        return (len(log),)
+
+    def fn(x):
+        log.append(f"call {x}")
+        return np.float32(x)
+
+    clock = lambda: next(readings)
+    median = timing.call_seconds(fn, repeats=3, setup=setup, clock=clock)
+    assert median == 2.0
+    assert log == ["setup", "call 1", "setup", "call 3", "setup", "call 5"]
+    readings = iter([0.0, 2.0, 10.0, 11.0, 20.0, 24.0])
+    assert timing.call_seconds(fn, (7,), repeats=3, clock=clock, reduce=np.min) == 1.0
+    assert log[-3:] == ["call 7"] * 3
+
+
+def test_wall_and_cpu_clocks_both_at_once():
+    """A sleeping call takes wall time but next to no CPU time."""
+    wall, cpu = timing.call_seconds(time.sleep, (0.05,), clock=timing.wall_and_cpu)
+    assert wall >= 0.05 and 0 <= cpu < wall / 2
+
+
+def test_the_matmul_probe():
+    matmul = timing.Matmul(32)
+    assert matmul.size == 32 and matmul.flops == 2 * 32**3
+    seconds = matmul.seconds(3, reduce=np.min)
+    assert seconds > 0 and matmul.rate(3) > 0
+    assert timing.matmul_rate(32, repeats=2, clock=time.process_time) > 0
+
+
+@pytest.mark.parametrize(
+    "call,error,named",
+    [
+        (lambda: timing.call_seconds(np.ones, (2,), repeats=0), ValueError, "repeats"),
+        (lambda: timing.Matmul(0), ValueError, "size"),
+        (lambda: timing.Matmul(8.0), TypeError, "size"),
+        (lambda: timing.matmul_rate(0), ValueError, "size"),
+        (lambda: timing.matmul_rate(8, repeats=0), ValueError, "repeats"),
+    ],
+    ids=["repeats 0", "size 0", "size float", "rate size 0", "rate repeats 0"],
+)
+def test_bad_arguments_are_refused_by_name(call, error, named):
+    with pytest.raises(error, match=rf"\b{named}\b"):
+        call()

@@ -14,8 +14,9 @@ in tests/lm/test_configuration.py, the data in tests/lm/data/, workdirs and
 checkpoints in tests/lm/test_checkpoints.py, the matmul-rate probe in
 tests/lm/test_monitoring.py, the command lines in tests/experiments/.
 
-Sweeps with a failing run are tested in test_sweeps.py (the others finish,
-the run is marked FAILED) and test_report.py (the report lists it).
+Sweeps with a failing run are tested in tests/lab/test_runner.py (the others
+finish, the run is marked FAILED) and tests/lab/test_report.py (the report
+lists it).
 """
 
 import flax.linen as nn

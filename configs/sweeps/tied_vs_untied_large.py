@@ -1,4 +1,5 @@
-r"""Tied vs untied head across vocabulary sizes and widths, for a bigger machine.
+r"""Sweep file: tied vs untied head across vocabulary sizes and widths, for a
+bigger machine; ``experiments/sweep.py`` runs it.
 
 2 heads x 5 vocabularies (characters; byte-level BPE with 1024, 2048, 4096,
 8192 tokens) x 2 widths (d_model 128 and 256, MLP 4x) x 3 seeds = 60 runs of

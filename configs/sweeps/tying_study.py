@@ -1,4 +1,6 @@
-r"""The tying study: does tying the head help, and when? ``make study``.
+r"""Sweep file of the tying study: does tying the head help, and when?
+``make study`` runs it with ``experiments/sweep.py`` (``lmhead/lab/sweeps.py``
+is the API it uses).
 
 Two stages in one sweep directory, then the report (``make study`` runs all
 three; each skips what is done, so rerunning it resumes)::

@@ -11,8 +11,8 @@ from tests import ROOT
 
 README = pathlib.Path(ROOT) / "README.md"
 PAGES = [README, *sorted((pathlib.Path(ROOT) / "docs").rglob("*.md"))]
-# Markdown links [text](target), leaving out images' and web addresses.
-LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+# Markdown links and images: [text](target), ![text](target).
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 # Paths of the repository: in code spans (`lmhead/lm/model.py`, `configs/sweeps/`),
 # and any file path of a top-level folder (`python experiments/train.py ...`).
 REPO_PATH = re.compile(

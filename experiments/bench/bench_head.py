@@ -31,6 +31,10 @@ table and the hidden states of its validation text (``--workdir``), and,
 labelled as such, on random-normal tables whose logits have std 3. The
 results and the machine they were measured on are in ``docs/fused_loss.md``
 and ``docs/large_vocab.md``.
+
+It is one file, over 400 lines, because a benchmark is one command: its two
+tables (fused vs materialized, and ``--quantized``) time the same head with
+the same helpers, side by side.
 """
 
 import functools

@@ -60,6 +60,10 @@ at their own shapes, to set against the square matmul's rate. The dots
 include the masked half of the attention scores and mixing, so their FLOPs
 exceed the model FLOPs. The results and the machine they were measured on
 are in ``docs/nanogpt_parity.md``.
+
+It is one file, over 400 lines, because a benchmark is one command: the
+programs it times side by side, the HLO reading of ``--profile`` and the
+tables that set them against each other serve this command only.
 """
 
 import collections

@@ -8,8 +8,6 @@ memory, :func:`log_training` writes and prints a training log line, and
 and read ``summary.json`` (its keys: :func:`run_summary`, :func:`best_summary`).
 :data:`MEASURED_METRICS` are the logged metrics that are measured, not
 computed, and so differ between two runs of the same config.
-:func:`matmul_rate` measures the machine's square-matmul rate, which the
-benchmarks (``experiments/bench_*.py``) print beside their ratios.
 """
 
 import dataclasses
@@ -18,16 +16,13 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import tensorboardX
 
-from lmhead import _checks
 from lmhead.lm import evaluation, sharding
 
 # Measured, not computed: they differ from run to run of the same config.
@@ -297,35 +292,3 @@ def count_params(params: Any) -> int:
         10
     """
     return int(sum(np.size(x) for x in jax.tree.leaves(params)))
-
-
-def matmul_rate(
-    size: int = 1024, repeats: int = 10, clock: Callable[[], float] = time.perf_counter
-) -> float:
-    """FLOP/s of a float32 ``[size, size] @ [size, size]`` on the default
-    device, now: ``2 size^3 / t``, with ``t`` the median over ``repeats``
-    timed runs (by ``clock``: e.g. ``time.process_time`` for CPU time) after
-    one that compiles and warms up.
-
-    It is the rate a matmul-bound program approaches on this machine: what a
-    benchmark's FLOP rates are read against.
-
-    Raises:
-        TypeError: ``size`` or ``repeats`` is not an integer.
-        ValueError: ``size`` or ``repeats`` is below 1.
-
-    Examples:
-        >>> matmul_rate(64, repeats=3) > 0
-        True
-    """
-    _checks.check_count("size", size)
-    _checks.check_count("repeats", repeats)
-    a = jnp.ones((size, size), jnp.float32)
-    matmul = jax.jit(jnp.dot)
-    jax.block_until_ready(matmul(a, a))
-    times = []
-    for _ in range(repeats):
-        start = clock()
-        jax.block_until_ready(matmul(a, a))
-        times.append(clock() - start)
-    return 2.0 * size**3 / float(np.median(times))

@@ -1,5 +1,5 @@
 """Tests for lmhead/lm/monitoring.py: the metric files, step timings,
-memory, the summary's keys, and the matmul-rate probe."""
+memory and the summary's keys."""
 
 import json
 import os
@@ -8,7 +8,6 @@ import ml_collections
 import pytest
 
 from lmhead.lm import monitoring
-from tests.errors import assert_raises_exactly
 
 
 class TestMetricWriter:
@@ -80,24 +79,3 @@ class TestSummaries:
             json.dump({"steps": 20, "steps_run": 10}, f)
         assert monitoring.finished_summary(path, 10) == {"steps": 20, "steps_run": 10}
         assert monitoring.finished_summary(path, 20) is None  # trained further
-
-
-class TestMatmulRate:
-    def test_rate_by_the_given_clock(self):
-        ticks = iter(range(100))
-        rate = monitoring.matmul_rate(8, repeats=3, clock=lambda: next(ticks))
-        assert rate == 2.0 * 8**3  # each timed run lasts one tick
-
-    @pytest.mark.parametrize(
-        "kwargs,error,named",
-        [
-            pytest.param({"size": 0}, ValueError, "size", id="size 0"),
-            pytest.param(
-                {"size": 8, "repeats": 0}, ValueError, "repeats", id="repeats 0"
-            ),
-            pytest.param({"size": 8.0}, TypeError, "size", id="size float"),
-            pytest.param({"size": 8, "repeats": True}, TypeError, "repeats", id="bool"),
-        ],
-    )
-    def test_bad_sizes(self, kwargs, error, named):
-        assert_raises_exactly(lambda: monitoring.matmul_rate(**kwargs), error, named)

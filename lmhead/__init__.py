@@ -14,7 +14,13 @@ training), the service (:mod:`lmhead.serve`), the sweep tooling
 """
 
 from lmhead import decoding, head, losses, modules, quantize, vocab_parallel
-from lmhead.decoding import beam_search, detokenize, generate, process_logits
+from lmhead.decoding import (
+    SamplingKnobs,
+    beam_search,
+    detokenize,
+    generate,
+    process_logits,
+)
 from lmhead.fused import fused_cross_entropy
 from lmhead.head import (
     apply_softcap,

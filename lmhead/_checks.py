@@ -161,6 +161,15 @@ def check_logits(logits: jax.typing.ArrayLike) -> None:
         )
 
 
+def as_logits(logits: jax.typing.ArrayLike, layout: str = "[..., V]") -> jax.Array:
+    """``logits`` as float32, after checking them: floating point, and rank 2
+    for ``layout="[B, V]"``, else rank >= 1."""
+    check_floating("logits", logits)
+    ranks = 2 if layout == "[B, V]" else set(range(1, 64))
+    check_rank("logits", logits, ranks, layout)
+    return jnp.asarray(logits, jnp.float32)
+
+
 def check_ids_in_range(
     name: str, ids: Any, weights: Any, vocab_size: int, note: str = ""
 ) -> None:

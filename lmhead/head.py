@@ -16,6 +16,14 @@ from lmhead import _checks, quantize
 # A traced temperature cannot be checked for zero at trace time; it is
 # clamped to this value instead, which gives a (near) one-hot distribution.
 MIN_TEMPERATURE = 1e-6
+# The logit of a token with probability 0 (masked, removed by a decoding
+# filter, or outside the vocabulary). -inf rather than a large finite number:
+# exp gives exactly 0, it stays -inf under every later rescaling (temperature,
+# a repetition penalty), and no finite logit can be mistaken for it. The one
+# way -inf makes NaN, a row of nothing but -inf (max - max), is ruled out
+# where it can occur: here by computing such a row on zeros, in decoding by
+# the all-removed fallback of `process_logits` and by guarded row maxima.
+NEG_INF = float("-inf")
 
 OUTPUTS = ("logits", "log_probs", "probs")
 
@@ -137,13 +145,13 @@ def _distribution(
     top = jnp.max(z, axis=-1, keepdims=True)
     # Softmax is exp(z - max z), normalized. Where max z = +inf its limit puts
     # all the mass on the +inf entries (where z - max z would be NaN).
-    z = jnp.where(top == jnp.inf, jnp.where(z == top, 0.0, -jnp.inf), z)
+    z = jnp.where(top == jnp.inf, jnp.where(z == top, 0.0, NEG_INF), z)
     # A row of -inf has no distribution. It is computed on zeros, which keeps
     # NaN out of the values and the gradients, then set to probability 0.
-    empty = top == -jnp.inf
+    empty = top == NEG_INF
     safe = jnp.where(empty, 0.0, z)
     if log:
-        return jnp.where(empty, -jnp.inf, jax.nn.log_softmax(safe, axis=-1))
+        return jnp.where(empty, NEG_INF, jax.nn.log_softmax(safe, axis=-1))
     return jnp.where(empty, 0.0, jax.nn.softmax(safe, axis=-1))
 
 
@@ -353,7 +361,7 @@ def token_log_probs(
     index = jnp.clip(tokens, 0, vocab_size - 1)[..., None]
     label_logit = jnp.take_along_axis(logits, index, axis=-1)[..., 0]
     scores = label_logit - jax.nn.logsumexp(logits, axis=-1)
-    scores = jnp.where((tokens >= 0) & (tokens < vocab_size), scores, -jnp.inf)
+    scores = jnp.where((tokens >= 0) & (tokens < vocab_size), scores, NEG_INF)
     if weights is None:
         return scores
     weights = jnp.asarray(weights, jnp.float32)

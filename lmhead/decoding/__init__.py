@@ -28,8 +28,10 @@ The contract between a model and the decoders:
   does); otherwise with :func:`gather_rows`. Beam search and ``num_samples``
   repeat ``state``'s rows with ``step_fn.repeat(state, repeats)`` when
   ``step_fn`` has one, otherwise with ``jnp.repeat`` of every leaf.
-* **Sampling knobs** ``temperature``, ``top_k``, ``top_p`` and ``min_p`` are
-  a scalar or one value per row ``[B]``.
+* **Sampling knobs** are defined once, by :class:`SamplingKnobs`, which
+  :func:`process_logits`, :func:`generate` and :func:`beam_search` take (or
+  build from keywords); ``temperature``, ``top_k``, ``top_p`` and ``min_p``
+  are a scalar or one value per row ``[B]``.
 
 Conventions shared by everything below:
 
@@ -39,10 +41,13 @@ Conventions shared by everything below:
 * A sequence's length counts generated tokens up to and including EOS; the
   positions after it hold ``pad_id``.
 
-Modules: :mod:`~lmhead.decoding.processors` (the logits processors),
+Modules: :mod:`~lmhead.decoding.knobs` (:class:`SamplingKnobs`),
+:mod:`~lmhead.decoding.processors` (the logits processors),
+:mod:`~lmhead.decoding.top_set` (the top-k and top-p cut without a sort),
 :mod:`~lmhead.decoding.sampling` (:func:`generate`),
-:mod:`~lmhead.decoding.beam_search` (:func:`beam_search`), :mod:`~lmhead.decoding.text` (:func:`detokenize`, which
-needs only a ``decode`` method, not a tokenizer library).
+:mod:`~lmhead.decoding.beam_search` (:func:`beam_search`),
+:mod:`~lmhead.decoding.text` (:func:`detokenize`, which needs only a
+``decode`` method, not a tokenizer library).
 """
 
 from lmhead.decoding._loop import StepFn
@@ -53,8 +58,8 @@ from lmhead.decoding.beam_search import (
     gather_rows,
     length_penalty_divisor,
 )
+from lmhead.decoding.knobs import SamplingKnobs
 from lmhead.decoding.processors import (
-    NEG_INF,
     NO_TOKEN,
     TOP_P_TOLERANCE,
     apply_min_new_tokens,
@@ -69,3 +74,4 @@ from lmhead.decoding.processors import (
 )
 from lmhead.decoding.sampling import SamplingState, generate
 from lmhead.decoding.text import TokenDecoder, detokenize
+from lmhead.head import NEG_INF

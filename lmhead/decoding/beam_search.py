@@ -10,8 +10,10 @@ import numpy as np
 from lmhead import _checks
 from lmhead.decoding import _loop
 from lmhead.decoding._loop import StepFn
-from lmhead.decoding.processors import NEG_INF, _as_logits
+from lmhead.decoding.knobs import SamplingKnobs
+from lmhead.head import NEG_INF
 
+# The length penalties of length_penalty_divisor.
 PENALTIES = ("gnmt", "hf")
 
 
@@ -275,6 +277,7 @@ def beam_search(
     penalty: str = "gnmt",
     num_return_sequences: int = 1,
     pad_id: int = 0,
+    knobs: SamplingKnobs | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     r"""Beam search for the n best continuations under a length penalty.
 
@@ -294,7 +297,8 @@ def beam_search(
     still enter the n-best, by an exact bound (see ``_beam_continues``), so stopping early
     never changes the result. With ``K >= V ** (N - 1)`` nothing is pruned
     and the result is the exact n-best over all sequences. Scores use the
-    model's raw log-probs (no logits processors).
+    model's raw log-probs: no sampling knob applies (``knobs`` must leave
+    every one off or neutral).
 
     Static arguments: ``step_fn`` (by hash), ``num_beams``, ``max_new_tokens``,
     ``eos_id``, ``penalty``, ``num_return_sequences``, ``pad_id`` and the
@@ -317,6 +321,9 @@ def beam_search(
         penalty: ``"gnmt"`` or ``"hf"``.
         num_return_sequences: ``1 <= n <= K`` hypotheses returned per prompt.
         pad_id: id written after a hypothesis's end.
+        knobs: None, or a :class:`~lmhead.decoding.knobs.SamplingKnobs`
+            whose :meth:`~lmhead.decoding.knobs.SamplingKnobs.active` is
+            empty, e.g. the knobs of a request that sets none.
 
     Returns:
         ``tokens int32 [B, n, N]``, ``scores float32 [B, n]`` and ``lengths
@@ -342,7 +349,7 @@ def beam_search(
         Wu et al., `Google's Neural Machine Translation System
         <https://arxiv.org/abs/1609.08144>`_, 2016.
     """
-    logits = _as_logits(logits, "[B, V]")
+    logits = _checks.as_logits(logits, "[B, V]")
     batch, vocab_size = logits.shape
     _loop.check_step_fn(step_fn)
     _loop.check_state(state, batch)
@@ -358,6 +365,12 @@ def beam_search(
     _loop.check_token_id("eos_id", eos_id, vocab_size)
     if not _checks.is_traced(length_penalty) and not np.isfinite(length_penalty):
         raise ValueError(f"length_penalty must be finite; got {length_penalty}.")
+    active = SamplingKnobs.of(knobs).active()
+    if active:
+        raise ValueError(
+            f"{active[0]} does not apply to beam search, which ranks "
+            "hypotheses by the model's raw log-probs; leave it off."
+        )
     config = _BeamConfig(
         num_beams=int(num_beams),
         num_return_sequences=int(num_return_sequences),

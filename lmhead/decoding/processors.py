@@ -1,29 +1,29 @@
 """Logits processors: each maps next-token logits to the logits a sampler draws from.
 
-Conventions shared by every processor:
+One function per knob of :class:`~lmhead.decoding.knobs.SamplingKnobs`, and
+:func:`process_logits`, which applies them all in a fixed order. Each is short
+and they share one set of conventions and helpers, so they are one module:
 
 * A removed token has logit :data:`NEG_INF`, i.e. probability exactly 0.
 * Ties are broken towards the lower token id everywhere (argmax, top-k, top-p,
   beam ranking), so ``top_k=1`` is exactly greedy.
-* The sampling knobs ``temperature``, ``top_k``, ``top_p`` and ``min_p`` are a
+* The per-row knobs ``temperature``, ``top_k``, ``top_p`` and ``min_p`` are a
   scalar or one value per row (shape ``logits.shape[:-1]``, e.g. ``[B]``), so
   one batch serves requests with different settings.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from lmhead import _checks
+from lmhead.decoding import top_set
+from lmhead.decoding.knobs import SamplingKnobs, check_knob, check_per_row
+from lmhead.head import NEG_INF
 
-# The logit of a removed token. -inf rather than a large finite number: exp
-# gives exactly 0, it stays -inf under every later rescaling (temperature,
-# repetition penalty), and no finite logit can be mistaken for a removed one.
-# The one way -inf makes NaN, a row of nothing but -inf (max - max), is ruled
-# out by the all-removed fallback in `process_logits` and by guarded row maxima.
-NEG_INF = float("-inf")
 # top-p compares float32 cumulative sums with p. A set whose exact mass is p
 # often sums to an ulp below it (softmax of log [.52, .15, .13, .13, .07]:
 # .52 + .15 gives 0.66999996), which would keep one token too many for
@@ -31,14 +31,6 @@ NEG_INF = float("-inf")
 TOP_P_TOLERANCE = 1e-6
 # An empty slot of a token history (left padding, or not yet generated).
 NO_TOKEN = -1
-PENALTIES = ("gnmt", "hf")
-
-
-def _as_logits(logits: jax.typing.ArrayLike, layout: str = "[..., V]") -> jax.Array:
-    _checks.check_floating("logits", logits)
-    ranks = 2 if layout == "[B, V]" else set(range(1, 64))
-    _checks.check_rank("logits", logits, ranks, layout)
-    return jnp.asarray(logits, jnp.float32)
 
 
 def _row_max(logits: jax.Array) -> jax.Array:
@@ -47,77 +39,12 @@ def _row_max(logits: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(row_max), row_max, 0.0)
 
 
-def _check_per_row(
-    name: str, value: jax.typing.ArrayLike, rows: tuple[int, ...]
-) -> None:
-    """Raises ValueError unless the knob is a scalar or has shape ``rows``."""
-    if np.shape(value) not in ((), tuple(rows)):
-        raise ValueError(
-            f"{name} must be a scalar or have one value per row, shape "
-            f"{tuple(rows)}; got shape {np.shape(value)}."
-        )
-
-
 def _per_row(name: str, value: jax.typing.ArrayLike, logits: jax.Array) -> jax.Array:
     """A knob as an array that broadcasts against ``logits [..., V]``: a
     scalar stays a scalar, one value per row gets a trailing axis."""
-    _check_per_row(name, value, logits.shape[:-1])
+    check_per_row(name, value, logits.shape[:-1])
     value = jnp.asarray(value)
     return value[..., None] if value.ndim else value
-
-
-def _order_keys(logits: jax.Array) -> jax.Array:
-    """uint32 keys in the order of the float32 values: ``x < y`` iff
-    ``key(x) < key(y)`` (``-0.0`` is read as ``+0.0``, so that they tie)."""
-    logits = jnp.where(logits == 0, 0.0, logits.astype(jnp.float32))
-    bits = jax.lax.bitcast_convert_type(logits, jnp.uint32)
-    negative = (bits >> 31) == 1
-    return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
-
-
-def _smallest_key(
-    holds: Callable[[jax.Array], jax.Array], shape: tuple[int, ...]
-) -> jax.Array:
-    """Per row, the smallest uint32 ``K`` with ``holds(K)``, for ``holds``
-    monotone in ``K`` (False, then True); ``2**32 - 1`` if it never holds.
-
-    32 halvings of the key range, each one pass over ``[..., V]``. The top-k
-    and top-p filters find their cut this way instead of sorting: on XLA:CPU
-    a sort of a row costs far more than a few dozen vectorized passes (top-p
-    at B = 32: 240 against 95 us at V = 84, 81 against 5 ms at V = 8192).
-    """
-
-    def halve(_, bounds):
-        low, high = bounds
-        middle = low + (high - low) // 2
-        ok = holds(middle)
-        return jnp.where(ok, low, middle + 1), jnp.where(ok, middle, high)
-
-    low = jnp.zeros(shape, jnp.uint32)
-    high = jnp.full(shape, np.iinfo(np.uint32).max, jnp.uint32)
-    return jax.lax.fori_loop(0, 32, halve, (low, high))[0]
-
-
-def _keep_from_the_top(
-    logits: jax.Array, weights: jax.Array, budget: jax.Array
-) -> jax.Array:
-    """``bool [..., V]``: the tokens, taken in a stable descending order of
-    ``logits`` (ties towards the lower id), whose ``weights`` summed over the
-    tokens before them are below ``budget [..., 1]``.
-
-    With weights 1 that is the top ``budget`` tokens; with probabilities, the
-    nucleus. Found without a sort: the cut is the smallest value with less
-    than ``budget`` of weight strictly above it (:func:`_smallest_key`), and
-    the tokens tied at the cut are taken in id order.
-    """
-    keys = _order_keys(logits)
-    above = lambda cut: jnp.sum(
-        jnp.where(keys > cut, weights, 0), axis=-1, keepdims=True
-    )
-    cut = _smallest_key(lambda cut: above(cut) < budget, budget.shape)
-    tied = jnp.where(keys == cut, weights, 0)
-    tied_before = jnp.cumsum(tied, axis=-1) - tied
-    return (keys > cut) | ((keys == cut) & (above(cut) + tied_before < budget))
 
 
 def _token_mask(ids: jax.Array, vocab_size: int) -> jax.Array:
@@ -156,8 +83,8 @@ def apply_temperature(
         >>> apply_temperature(jnp.array([1.0, 2.0, 3.0]), 0.0)
         Array([1., 2., 3.], dtype=float32)
     """
-    logits = _as_logits(logits)
-    _checks.check_in_range("temperature", temperature, low=0.0)
+    logits = _checks.as_logits(logits)
+    check_knob("temperature", temperature)
     temperature = _per_row("temperature", temperature, logits)
     positive = temperature > 0
     scaled = (logits - _row_max(logits)) / jnp.where(positive, temperature, 1.0)
@@ -193,14 +120,13 @@ def apply_top_k(
         >>> apply_top_k(jnp.array([1.0, 2.0, 2.0]), 1)
         Array([-inf,   2., -inf], dtype=float32)
     """
-    logits = _as_logits(logits)
+    logits = _checks.as_logits(logits)
     if k is None:
         return logits
-    _checks.check_integer("top_k", k)
-    _checks.check_in_range("top_k", k, low=0)
+    check_knob("top_k", k)
     k = _per_row("top_k", k, logits)
     budget = jnp.broadcast_to(k, logits.shape[:-1] + (1,)).astype(jnp.int32)
-    keep = (k <= 0) | _keep_from_the_top(
+    keep = (k <= 0) | top_set.keep_from_the_top(
         logits, jnp.ones(logits.shape, jnp.int32), budget
     )
     return jnp.where(keep, logits, NEG_INF)
@@ -243,13 +169,13 @@ def apply_top_p(
         Holtzman et al., `The Curious Case of Neural Text Degeneration
         <https://arxiv.org/abs/1904.09751>`_, 2020.
     """
-    logits = _as_logits(logits)
+    logits = _checks.as_logits(logits)
     if p is None:
         return logits
-    _checks.check_in_range("top_p", p, low=0.0, high=1.0, low_open=True)
+    check_knob("top_p", p)
     p = _per_row("top_p", p, logits)
     budget = jnp.broadcast_to(p - TOP_P_TOLERANCE, logits.shape[:-1] + (1,))
-    keep = _keep_from_the_top(logits, jax.nn.softmax(logits, axis=-1), budget)
+    keep = top_set.keep_from_the_top(logits, jax.nn.softmax(logits, axis=-1), budget)
     # The argmax (the lowest id among ties) stays even when p <= epsilon.
     first = jnp.argmax(logits, axis=-1, keepdims=True)
     keep = keep | (jnp.arange(logits.shape[-1]) == first)
@@ -284,10 +210,10 @@ def apply_min_p(
         Nguyen et al., `Turning Up the Heat: Min-p Sampling for Creative and
         Coherent LLM Outputs <https://arxiv.org/abs/2407.01082>`_, 2024.
     """
-    logits = _as_logits(logits)
+    logits = _checks.as_logits(logits)
     if min_p is None:
         return logits
-    _checks.check_in_range("min_p", min_p, low=0.0, high=1.0)
+    check_knob("min_p", min_p)
     min_p = _per_row("min_p", min_p, logits)
     keep = logits - _row_max(logits) >= jnp.log(jnp.clip(min_p, 0.0, 1.0))
     return jnp.where(keep, logits, NEG_INF)
@@ -327,10 +253,10 @@ def apply_repetition_penalty(
         Keskar et al., `CTRL: A Conditional Transformer Language Model for
         Controllable Generation <https://arxiv.org/abs/1909.05858>`_, 2019.
     """
-    logits = _as_logits(logits, "[B, V]")
+    logits = _checks.as_logits(logits, "[B, V]")
     if penalty is None:
         return logits
-    _checks.check_in_range("repetition_penalty", penalty, low=0.0, low_open=True)
+    check_knob("repetition_penalty", penalty)
     history = _as_history(history, logits.shape[0])
     penalized = jnp.where(logits > 0, logits / penalty, logits * penalty)
     return jnp.where(_token_mask(history, logits.shape[-1]), penalized, logits)
@@ -361,7 +287,7 @@ def apply_no_repeat_ngram(
         >>> apply_no_repeat_ngram(jnp.zeros((1, 4)), history, 2)
         Array([[  0.,   0., -inf,   0.]], dtype=float32)
     """
-    logits = _as_logits(logits, "[B, V]")
+    logits = _checks.as_logits(logits, "[B, V]")
     if ngram_size is None:
         return logits
     _checks.check_count("no_repeat_ngram_size", ngram_size)
@@ -395,7 +321,7 @@ def apply_suppress_tokens(
         >>> apply_suppress_tokens(jnp.array([1.0, 2.0, 3.0]), [0, 2])
         Array([-inf,   2., -inf], dtype=float32)
     """
-    logits = _as_logits(logits)
+    logits = _checks.as_logits(logits)
     if token_ids is None or len(token_ids) == 0:
         return logits
     _checks.check_in_range(
@@ -433,10 +359,10 @@ def apply_min_new_tokens(
         Array([[  0., -inf,   0.],
                [  0.,   0.,   0.]], dtype=float32)
     """
-    logits = _as_logits(logits, "[B, V]")
+    logits = _checks.as_logits(logits, "[B, V]")
     if eos_id is None:
         return logits
-    _checks.check_in_range("min_new_tokens", min_new_tokens, low=0)
+    check_knob("min_new_tokens", min_new_tokens)
     too_early = jnp.reshape(jnp.asarray(num_generated) < min_new_tokens, (-1, 1))
     is_eos = jnp.arange(logits.shape[-1]) == eos_id
     return jnp.where(too_early & is_eos, NEG_INF, logits)
@@ -455,18 +381,12 @@ def _as_history(history: jax.typing.ArrayLike, batch: int) -> jax.Array:
 
 def process_logits(
     logits: jax.typing.ArrayLike,
+    knobs: SamplingKnobs | None = None,
     *,
-    temperature: jax.typing.ArrayLike = 1.0,
-    top_k: jax.typing.ArrayLike | None = None,
-    top_p: jax.typing.ArrayLike | None = None,
-    min_p: jax.typing.ArrayLike | None = None,
-    repetition_penalty: jax.typing.ArrayLike | None = None,
-    no_repeat_ngram_size: int | None = None,
     history: jax.typing.ArrayLike | None = None,
-    suppress_tokens: Sequence[int] | None = None,
-    min_new_tokens: jax.typing.ArrayLike = 0,
     num_generated: jax.typing.ArrayLike = 0,
     eos_id: int | None = None,
+    **knob_values: Any,
 ) -> jax.Array:
     r"""Applies every processor in a fixed order: the distribution a sampler draws from.
 
@@ -481,15 +401,17 @@ def process_logits(
 
     Args:
         logits: ``[B, V]`` raw next-token logits.
-        temperature, top_k, top_p, min_p: see :func:`apply_temperature`,
-            :func:`apply_top_k`, :func:`apply_top_p`, :func:`apply_min_p`.
-        repetition_penalty, no_repeat_ngram_size: see
-            :func:`apply_repetition_penalty`, :func:`apply_no_repeat_ngram`;
-            both read ``history``.
-        history: ``int [B, L]`` tokens so far, latest last, negative = empty.
-        suppress_tokens: ids never produced (:func:`apply_suppress_tokens`).
-        min_new_tokens, num_generated, eos_id: see
-            :func:`apply_min_new_tokens`.
+        knobs: a :class:`~lmhead.decoding.knobs.SamplingKnobs`, or None to
+            give its fields as keywords (``temperature``, ``top_k``,
+            ``top_p``, ``min_p``, ``repetition_penalty``, ``min_new_tokens``,
+            ``no_repeat_ngram_size``, ``suppress_tokens``), not both. Each is
+            the argument of its processor: :func:`apply_temperature`,
+            :func:`apply_top_k`, :func:`apply_top_p`, :func:`apply_min_p`,
+            :func:`apply_repetition_penalty`, :func:`apply_min_new_tokens`,
+            :func:`apply_no_repeat_ngram`, :func:`apply_suppress_tokens`.
+        history: ``int [B, L]`` tokens so far, latest last, negative = empty;
+            required by ``repetition_penalty`` and ``no_repeat_ngram_size``.
+        num_generated, eos_id: see :func:`apply_min_new_tokens`.
 
     Returns:
         ``[B, V]`` float32 processed logits.
@@ -499,25 +421,27 @@ def process_logits(
         >>> logits = jnp.array([[3.0, 2.0, 1.0, 0.0]])
         >>> process_logits(logits, temperature=0.5, top_k=2)
         Array([[  0.,  -2., -inf, -inf]], dtype=float32)
+        >>> process_logits(logits, SamplingKnobs(temperature=0.5, top_k=2))
+        Array([[  0.,  -2., -inf, -inf]], dtype=float32)
         >>> process_logits(logits, suppress_tokens=[0, 1, 2, 3])  # fallback
         Array([[  0., -inf, -inf, -inf]], dtype=float32)
     """
-    raw = _as_logits(logits, "[B, V]")
-    if history is None and (
-        repetition_penalty is not None or no_repeat_ngram_size is not None
-    ):
+    knobs = SamplingKnobs.of(knobs, **knob_values)
+    raw = _checks.as_logits(logits, "[B, V]")
+    if history is None and knobs.reads_history:
         raise ValueError(
             "history is required by repetition_penalty and "
             "no_repeat_ngram_size; got None."
         )
-    z = apply_repetition_penalty(raw, history, repetition_penalty)
-    z = apply_no_repeat_ngram(z, history, no_repeat_ngram_size)
-    z = apply_suppress_tokens(z, suppress_tokens)
+    z = apply_repetition_penalty(raw, history, knobs.repetition_penalty)
+    z = apply_no_repeat_ngram(z, history, knobs.no_repeat_ngram_size)
+    z = apply_suppress_tokens(z, knobs.suppress_tokens)
     z = apply_min_new_tokens(
-        z, num_generated, min_new_tokens=min_new_tokens, eos_id=eos_id
+        z, num_generated, min_new_tokens=knobs.min_new_tokens, eos_id=eos_id
     )
-    z = apply_temperature(z, temperature)
-    z = apply_min_p(apply_top_p(apply_top_k(z, top_k), top_p), min_p)
+    z = apply_temperature(z, knobs.temperature)
+    z = apply_top_k(z, knobs.top_k)
+    z = apply_min_p(apply_top_p(z, knobs.top_p), knobs.min_p)
     all_removed = jnp.all(z == NEG_INF, axis=-1, keepdims=True)
     is_argmax = jnp.arange(z.shape[-1]) == jnp.argmax(raw, axis=-1, keepdims=True)
     return jnp.where(all_removed, jnp.where(is_argmax, 0.0, NEG_INF), z)

@@ -1,6 +1,5 @@
 """Greedy decoding and sampling: :func:`generate`, one ``lax.while_loop``."""
 
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -9,13 +8,9 @@ import jax.numpy as jnp
 from lmhead import _checks
 from lmhead.decoding import _loop
 from lmhead.decoding._loop import StepFn
-from lmhead.decoding.processors import (
-    NEG_INF,
-    NO_TOKEN,
-    _as_logits,
-    _check_per_row,
-    process_logits,
-)
+from lmhead.decoding.knobs import SamplingKnobs
+from lmhead.decoding.processors import NO_TOKEN, process_logits
+from lmhead.head import NEG_INF
 
 
 class SamplingState(NamedTuple):
@@ -50,23 +45,10 @@ class SamplingState(NamedTuple):
     history: jax.Array | None
 
 
-class _SamplingKnobs(NamedTuple):
-    """Traced values; a None turns its processor off, which is static."""
-
-    temperature: jax.Array
-    top_k: jax.Array | None
-    top_p: jax.Array | None
-    min_p: jax.Array | None
-    repetition_penalty: jax.Array | None
-    min_new_tokens: jax.Array
-
-
 class _SamplingConfig(NamedTuple):
-    """Static (hashable) settings of :func:`generate`."""
+    """Static (hashable) settings of :func:`generate` besides the knobs'."""
 
     max_new_tokens: int
-    no_repeat_ngram_size: int | None
-    suppress_tokens: tuple[int, ...] | None
     eos_id: int | None
     pad_id: int
 
@@ -96,22 +78,11 @@ def _sampling_step(
     *,
     step_fn: StepFn,
     params: Any,
-    knobs: _SamplingKnobs,
+    knobs: SamplingKnobs,
     config: _SamplingConfig,
 ) -> SamplingState:
     processed = process_logits(
-        s.logits,
-        temperature=knobs.temperature,
-        top_k=knobs.top_k,
-        top_p=knobs.top_p,
-        min_p=knobs.min_p,
-        repetition_penalty=knobs.repetition_penalty,
-        no_repeat_ngram_size=config.no_repeat_ngram_size,
-        history=s.history,
-        suppress_tokens=config.suppress_tokens,
-        min_new_tokens=knobs.min_new_tokens,
-        num_generated=s.step,
-        eos_id=config.eos_id,
+        s.logits, knobs, history=s.history, num_generated=s.step, eos_id=config.eos_id
     )
     key, sample_key = jax.random.split(s.key)
     token = _choose_tokens(sample_key, processed, knobs.temperature)
@@ -151,7 +122,7 @@ def _run_sampling_loop(
     model_state: Any,
     key: jax.Array,
     history: jax.Array | None,
-    knobs: _SamplingKnobs,
+    knobs: SamplingKnobs,
     config: _SamplingConfig,
 ):
     """Tokens, log-probs, lengths, and the final model state (returned so that
@@ -182,39 +153,6 @@ _sampling_loop = jax.jit(_run_sampling_loop, static_argnames=_STATIC)
 _donating_sampling_loop = jax.jit(
     _run_sampling_loop, static_argnames=_STATIC, donate_argnames="model_state"
 )
-
-
-def _sampling_knobs(
-    batch, temperature, top_k, top_p, min_p, repetition_penalty, min_new_tokens
-) -> _SamplingKnobs:
-    """Checks the traced values (their shapes always, their values when
-    concrete) and fixes their dtypes."""
-    for name, knob in (
-        ("temperature", temperature),
-        ("top_k", top_k),
-        ("top_p", top_p),
-        ("min_p", min_p),
-    ):
-        _check_per_row(name, knob, (batch,))
-    _checks.check_in_range("temperature", temperature, low=0.0)
-    if top_k is not None:
-        _checks.check_integer("top_k", top_k)
-    _checks.check_in_range("top_k", top_k, low=0)
-    _checks.check_in_range("top_p", top_p, low=0.0, high=1.0, low_open=True)
-    _checks.check_in_range("min_p", min_p, low=0.0, high=1.0)
-    _checks.check_in_range(
-        "repetition_penalty", repetition_penalty, low=0.0, low_open=True
-    )
-    _checks.check_in_range("min_new_tokens", min_new_tokens, low=0)
-    as_array = lambda x, dtype: None if x is None else jnp.asarray(x, dtype)
-    return _SamplingKnobs(
-        temperature=as_array(temperature, jnp.float32),
-        top_k=as_array(top_k, jnp.int32),
-        top_p=as_array(top_p, jnp.float32),
-        min_p=as_array(min_p, jnp.float32),
-        repetition_penalty=as_array(repetition_penalty, jnp.float32),
-        min_new_tokens=as_array(min_new_tokens, jnp.int32),
-    )
 
 
 def _initial_history(
@@ -254,19 +192,13 @@ def generate(
     *,
     key: jax.Array,
     max_new_tokens: int,
-    temperature: jax.typing.ArrayLike = 1.0,
-    top_k: jax.typing.ArrayLike | None = None,
-    top_p: jax.typing.ArrayLike | None = None,
-    min_p: jax.typing.ArrayLike | None = None,
-    repetition_penalty: jax.typing.ArrayLike | None = None,
-    no_repeat_ngram_size: int | None = None,
-    suppress_tokens: Sequence[int] | None = None,
-    min_new_tokens: jax.typing.ArrayLike = 0,
+    knobs: SamplingKnobs | None = None,
     eos_id: int | None = None,
     pad_id: int = 0,
     num_samples: int = 1,
     prompt_tokens: jax.typing.ArrayLike | None = None,
     donate_state: bool = False,
+    **knob_values: Any,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     r"""Greedy decoding or sampling, with any combination of the processors.
 
@@ -293,12 +225,13 @@ def generate(
 
     Static arguments (changing them recompiles): ``step_fn`` (by hash),
     ``max_new_tokens``, ``num_samples``, the shapes of ``logits``, ``state``
-    and ``prompt_tokens``, which processors are on (None or not),
-    ``no_repeat_ngram_size``, ``suppress_tokens``, ``eos_id``, ``pad_id`` and
-    ``donate_state``. ``params``, and the values of ``temperature`` (0
-    included), ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``min_new_tokens`` and
-    ``key`` are traced: changing them does not recompile. Inside an outer ``jit`` they
-    cannot be checked; the processors' documented rules apply.
+    and ``prompt_tokens``, which processors are on (None or not), the static
+    knobs (``no_repeat_ngram_size``, ``suppress_tokens``), ``eos_id``,
+    ``pad_id`` and ``donate_state``. ``params``, ``key`` and the values of
+    the traced knobs (``temperature``, 0 included, ``top_k``, ``top_p``,
+    ``min_p``, ``repetition_penalty``, ``min_new_tokens``) are traced:
+    changing them does not recompile. Inside an outer ``jit`` they cannot be
+    checked; the processors' documented rules apply.
 
     Args:
         step_fn: ``step_fn(params, tokens int32[B], state) -> (logits [B, V],
@@ -309,11 +242,11 @@ def generate(
         state: pytree whose every leaf has leading axis ``B`` (may be empty).
         key: PRNG key (unused when ``temperature == 0``).
         max_new_tokens: ``N >= 1`` tokens at most per row.
-        temperature: ``T >= 0``; 0 is greedy. A scalar or ``[B]``, as are
-            ``top_k``, ``top_p`` and ``min_p``: rows may be greedy and sampled
-            in one batch.
-        top_k, top_p, min_p, repetition_penalty, no_repeat_ngram_size,
-            suppress_tokens, min_new_tokens: see :func:`process_logits`.
+        knobs: a :class:`~lmhead.decoding.knobs.SamplingKnobs`, or None to
+            give its fields as keywords (``temperature=0.8, top_k=40``), not
+            both. ``temperature`` 0 is greedy; it, ``top_k``, ``top_p`` and
+            ``min_p`` are a scalar or ``[B]``: rows may be greedy and sampled
+            in one batch. See :func:`process_logits`.
         eos_id: id in ``[0, V)`` that ends a row, or None.
         pad_id: id written after a row's end.
         num_samples: ``S >= 1`` samples per prompt, drawn in one batch: the
@@ -352,36 +285,26 @@ def generate(
         >>> lengths, jnp.exp(log_probs[1])
         (Array([3, 2], dtype=int32), Array([0.7, 0.5, 1. , 1. ], dtype=float32))
     """
-    logits = _as_logits(logits, "[B, V]")
+    logits = _checks.as_logits(logits, "[B, V]")
     batch, vocab_size = logits.shape
     _loop.check_step_fn(step_fn)
     _loop.check_state(state, batch)
     _checks.check_count("max_new_tokens", max_new_tokens)
     _checks.check_count("num_samples", num_samples)
-    knobs = _sampling_knobs(
-        batch, temperature, top_k, top_p, min_p, repetition_penalty, min_new_tokens
-    )
-    if no_repeat_ngram_size is not None:
-        _checks.check_count("no_repeat_ngram_size", no_repeat_ngram_size)
+    knobs = SamplingKnobs.of(knobs, **knob_values)
+    knobs.check(batch, vocab_size)
+    knobs = knobs.as_arrays()
     _loop.check_token_id("eos_id", eos_id, vocab_size)
-    if suppress_tokens is not None:
-        for token_id in suppress_tokens:
-            _loop.check_token_id("suppress_tokens", token_id, vocab_size)
-        suppress_tokens = tuple(int(i) for i in suppress_tokens)
     history = None
-    if repetition_penalty is not None or no_repeat_ngram_size is not None:
+    if knobs.reads_history:
         history = _initial_history(prompt_tokens, batch, vocab_size, max_new_tokens)
     if num_samples > 1:
         repeat = lambda x: jnp.repeat(x, num_samples, axis=0)
         logits, history = jax.tree.map(repeat, (logits, history))
         state = _loop.repeat_rows(step_fn, state, num_samples)
-        knobs = jax.tree.map(lambda x: repeat(x) if x.ndim else x, knobs)
+        knobs = knobs.repeat_rows(num_samples)
     config = _SamplingConfig(
         max_new_tokens=int(max_new_tokens),
-        no_repeat_ngram_size=(
-            None if no_repeat_ngram_size is None else int(no_repeat_ngram_size)
-        ),
-        suppress_tokens=suppress_tokens,
         eos_id=None if eos_id is None else int(eos_id),
         pad_id=int(pad_id),
     )

@@ -7,6 +7,10 @@ when a full batch is ready), then every waiting job of the same group that
 fits joins it, oldest first, up to ``max_rows`` rows. While a batch runs, new
 jobs queue, so under load batches fill without any waiting. One thread runs
 the device, so batches never compete for it.
+
+The engine and the batcher are one module because they share one rule:
+:func:`group_of` says which requests the engine can run as one program, and
+the batcher groups jobs by it.
 """
 
 import collections
@@ -26,7 +30,7 @@ from lmhead import _checks, decoding
 from lmhead.lm import model as model_lib
 from lmhead.lm import scoring
 from lmhead.serve import requests
-from lmhead.serve.requests import GenerateRequest, ScoreRequest, bucket
+from lmhead.serve.requests import SERVED_KNOBS, GenerateRequest, ScoreRequest, bucket
 
 
 def _json_float(x: float) -> float | None:
@@ -121,8 +125,9 @@ class Engine:
 
     def sample(self, requests: list[GenerateRequest]) -> list[list[dict]]:
         """Sampled and greedy requests in one batch, with per-row knobs (the
-        repetition penalty is one scalar: the requests share its value); a
-        lone request with a seed draws from ``jax.random.key(seed)``."""
+        others are one value per batch: the requests share them, see
+        :func:`group_of`); a lone request with a seed draws from
+        ``jax.random.key(seed)``."""
         owners, prompts = [], []
         for index, request in enumerate(requests):
             for p, ids in enumerate(request.prompt_ids):
@@ -130,18 +135,9 @@ class Engine:
                     owners.append((index, p))
                     prompts.append(ids)
         logits, cache, history = self._prefill(prompts)
-        knobs = {
-            name: np.full([len(logits)], off, dtype)
-            for name, off, dtype in (
-                ("temperature", 0.0, np.float32),
-                ("top_k", 0, np.int32),
-                ("top_p", 1.0, np.float32),
-                ("min_p", 0.0, np.float32),
-            )
-        }
-        for row, (index, _) in enumerate(owners):
-            for name, values in knobs.items():
-                values[row] = getattr(requests[index], name)
+        knobs = decoding.SamplingKnobs.stack(
+            [requests[index].knobs for index, _ in owners], size=len(logits)
+        )
         seeded = len(requests) == 1 and requests[0].seed is not None
         key = (
             jax.random.key(requests[0].seed)
@@ -159,11 +155,10 @@ class Engine:
                 cache,
                 key=key,
                 max_new_tokens=num_new,
+                knobs=knobs,
                 prompt_tokens=history,
-                repetition_penalty=np.float32(requests[0].repetition_penalty),
                 eos_id=self.tokenizer.eos_id,
                 donate_state=True,
-                **knobs,
             )
         )
         results = [[] for _ in requests]
@@ -180,7 +175,9 @@ class Engine:
         return results
 
     def beam(self, requests: list[GenerateRequest]) -> list[list[dict]]:
-        """Beam-search requests of one ``num_beams`` and ``max_new_tokens``."""
+        """Beam-search requests of one ``num_beams`` and ``max_new_tokens``
+        (their knobs are neutral: :func:`requests.parse_generate` refuses
+        sampling knobs with beam search)."""
         num_beams, num_new = requests[0].num_beams, requests[0].max_new_tokens
         owners = [
             (index, p)
@@ -238,12 +235,11 @@ class Engine:
         nothing; returns the number of batches run."""
         runs = 0
         one = np.zeros([1], np.int32)
+        # Every served knob set, as a parsed request sets them (a knob left at
+        # None would compile another program than the requests').
+        served = {name: decoding.knobs.neutral_value(name) for name in SERVED_KNOBS}
         plain = dict(
-            temperature=0.5,
-            top_k=0,
-            top_p=1.0,
-            min_p=0.0,
-            repetition_penalty=1.0,
+            knobs=decoding.SamplingKnobs(**{**served, "temperature": 0.5}),
             seed=None,
             logprobs=False,
             num_return_sequences=1,
@@ -281,7 +277,7 @@ def group_of(request: Any) -> tuple:
         return ("beam", request.num_beams, request.max_new_tokens)
     if request.seed is not None:
         return ("seeded", next(_unique))
-    return ("sample", request.repetition_penalty)
+    return ("sample", request.knobs.shared())
 
 
 @dataclasses.dataclass(eq=False)  # jobs are distinct even with equal requests
@@ -329,7 +325,9 @@ class Batcher:
         self._waiting: collections.deque[Job] = collections.deque()
         self._changed = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._work, name="batcher", daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve_batches, name="batcher", daemon=True
+        )
         self._thread.start()
 
     def depth(self) -> int:
@@ -386,7 +384,7 @@ class Batcher:
                 self._waiting.remove(job)
             return batch
 
-    def _work(self) -> None:
+    def _serve_batches(self) -> None:
         while not self._stopping:
             batch = [
                 job
@@ -394,9 +392,9 @@ class Batcher:
                 if job.future.set_running_or_notify_cancel()
             ]
             if batch:
-                self._run(batch)
+                self._run_batch(batch)
 
-    def _run(self, batch: list[Job]) -> None:
+    def _run_batch(self, batch: list[Job]) -> None:
         kind = batch[0].group[0]
         batch_requests = [job.request for job in batch]
         try:

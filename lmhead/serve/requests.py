@@ -17,15 +17,16 @@ and ``lmhead/serve/batching.py`` runs them; none of it needs a web framework:
   program, run as one batch of at most ``max(batch_sizes)`` rows with
   per-row sampling knobs.
 
-Which jobs share a batch: sampled and greedy rows do (temperature, top-k,
-top-p and min-p are per row; ``generate`` takes one repetition penalty per
-batch, so that value splits batches; a sampled row is truncated to its own
-``max_new_tokens``, which does not change its tokens); beam search runs per
-``(num_beams, max_new_tokens)``, because a shorter beam search is not a
-prefix of a longer one; a request with a ``seed`` that samples runs in a
-batch of its own, keyed by that seed, so that it is reproducible
-(``generate`` draws every row from one key, so a row's draw depends on its
-batch); a score runs alone.
+Which jobs share a batch: sampled and greedy rows do (the per-row knobs of
+:class:`~lmhead.decoding.knobs.SamplingKnobs`, temperature, top-k, top-p and
+min-p, differ between rows; the others, the repetition penalty among them,
+are one value per batch, so their values split batches; a sampled row is
+truncated to its own ``max_new_tokens``, which does not change its tokens);
+beam search runs per ``(num_beams, max_new_tokens)``, because a shorter beam
+search is not a prefix of a longer one; a request with a ``seed`` that
+samples runs in a batch of its own, keyed by that seed, so that it is
+reproducible (``generate`` draws every row from one key, so a row's draw
+depends on its batch); a score runs alone.
 """
 
 import dataclasses
@@ -35,6 +36,8 @@ from typing import Any
 import numpy as np
 
 from lmhead import _checks
+from lmhead.decoding import knobs as knobs_lib
+from lmhead.decoding.knobs import SamplingKnobs
 
 MAX_SEED = 2**31 - 1
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -148,11 +151,7 @@ class GenerateRequest:
 
     prompt_ids: list[np.ndarray]
     max_new_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    repetition_penalty: float
+    knobs: SamplingKnobs
     num_beams: int
     num_return_sequences: int
     seed: int | None
@@ -174,27 +173,22 @@ class ScoreRequest:
     stride: int | None
 
 
+# The knobs of SamplingKnobs a request may set (scalars, one per request).
+SERVED_KNOBS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 GENERATE_FIELDS = (
     "prompt",
     "max_new_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
+    *SERVED_KNOBS,
     "num_beams",
     "num_return_sequences",
     "seed",
     "logprobs",
 )
-SAMPLING_FIELDS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "seed",
-)
+SAMPLING_FIELDS = (*SERVED_KNOBS, "seed")
+# A request's upper bound on a knob that has none: the largest int32, and a
+# float cap that keeps a value finite through the loop's float32 arithmetic.
+MAX_INTEGER_KNOB = 2**31 - 1
+MAX_FLOAT_KNOB = 1e6
 
 
 def _body_object(body: Any, fields: tuple[str, ...]) -> dict:
@@ -244,6 +238,19 @@ def _number(
     return float(value)
 
 
+def _knob(body: dict, name: str) -> float | int:
+    """The value of a served knob, its neutral value when absent, checked
+    against the knob's range (capped where it has no upper bound)."""
+    default, bounds = knobs_lib.neutral_value(name), knobs_lib.knob_range(name)
+    if knobs_lib.is_integer_knob(name):
+        high = MAX_INTEGER_KNOB if bounds["high"] is None else bounds["high"]
+        return _integer(body, name, default, bounds["low"], high)
+    high = MAX_FLOAT_KNOB if bounds["high"] is None else bounds["high"]
+    return _number(
+        body, name, default, bounds["low"], high, low_open=bounds["low_open"]
+    )
+
+
 def _encode(tokenizer: Any, text: Any, field: str, max_tokens: int) -> np.ndarray:
     if not isinstance(text, str) or not text:
         raise RequestError(field, f"{field} must hold non-empty strings.")
@@ -265,9 +272,12 @@ def parse_generate(
 ) -> GenerateRequest:
     """A checked ``/v1/generate`` body (``prompt``: one string or a list).
 
-    Absent knobs are off: ``temperature`` 1, ``top_k`` 0, ``top_p`` 1,
-    ``min_p`` 0, ``repetition_penalty`` 1; ``max_new_tokens`` defaults to
-    its cap. Beam search (``num_beams > 1``) takes none of the sampling knobs
+    The knobs of ``SERVED_KNOBS`` take the ranges of
+    :class:`~lmhead.decoding.knobs.SamplingKnobs` (capped at
+    ``MAX_INTEGER_KNOB`` and ``MAX_FLOAT_KNOB`` where they have no upper
+    bound); an absent knob is neutral: ``temperature`` 1, ``top_k`` 0,
+    ``top_p`` 1, ``min_p`` 0, ``repetition_penalty`` 1. ``max_new_tokens``
+    defaults to its cap. Beam search (``num_beams > 1``) takes none of the sampling knobs
     nor ``seed``, and its ``max_new_tokens`` must be a bucket.
 
     Raises:
@@ -305,16 +315,11 @@ def parse_generate(
             "num_beams must be 1 or one of "
             f"{list(buckets.beam_sizes)}; got {num_beams}.",
         )
+    max_new_tokens = _integer(body, "max_new_tokens", max_new, 1, max_new)
     request = GenerateRequest(
         prompt_ids=ids,
-        max_new_tokens=_integer(body, "max_new_tokens", max_new, 1, max_new),
-        temperature=_number(body, "temperature", 1.0, 0.0, 1e6),
-        top_k=_integer(body, "top_k", 0, 0, 2**31 - 1),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-        repetition_penalty=_number(
-            body, "repetition_penalty", 1.0, 0.0, 1e6, low_open=True
-        ),
+        max_new_tokens=max_new_tokens,
+        knobs=SamplingKnobs(**{name: _knob(body, name) for name in SERVED_KNOBS}),
         num_beams=num_beams,
         num_return_sequences=1,
         seed=_integer(body, "seed", None, 0, MAX_SEED),
@@ -335,7 +340,7 @@ def parse_generate(
             f"{buckets.batch_sizes[-1]} prompts (times "
             "num_return_sequences when sampling).",
         )
-    if request.temperature == 0:
+    if request.knobs.temperature == 0:
         request.seed = None  # greedy: nothing is drawn
     return request
 

@@ -1,0 +1,69 @@
+"""The top set of a row without a sort, for the top-k and top-p filters.
+
+:func:`keep_from_the_top` marks the tokens that come first in a stable
+descending order of the logits (ties towards the lower id) until a budget of
+weight is spent: with weights 1 that is the top ``k``, with probabilities
+the nucleus. It finds the cut by bisection over order-preserving integer
+keys of the float32 logits (:func:`order_keys`, :func:`smallest_key`), so
+every pass is a vectorized reduction over ``[..., V]``.
+"""
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def order_keys(logits: jax.Array) -> jax.Array:
+    """uint32 keys in the order of the float32 values: ``x < y`` iff
+    ``key(x) < key(y)`` (``-0.0`` is read as ``+0.0``, so that they tie)."""
+    logits = jnp.where(logits == 0, 0.0, logits.astype(jnp.float32))
+    bits = jax.lax.bitcast_convert_type(logits, jnp.uint32)
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def smallest_key(
+    holds: Callable[[jax.Array], jax.Array], shape: tuple[int, ...]
+) -> jax.Array:
+    """Per row, the smallest uint32 ``K`` with ``holds(K)``, for ``holds``
+    monotone in ``K`` (False, then True); ``2**32 - 1`` if it never holds.
+
+    32 halvings of the key range, each one pass over ``[..., V]``. The top-k
+    and top-p filters find their cut this way instead of sorting: on XLA:CPU
+    a sort of a row costs far more than a few dozen vectorized passes
+    (``docs/decoding.md`` has the measurement).
+    """
+
+    def halve(_, bounds):
+        low, high = bounds
+        middle = low + (high - low) // 2
+        ok = holds(middle)
+        return jnp.where(ok, low, middle + 1), jnp.where(ok, middle, high)
+
+    low = jnp.zeros(shape, jnp.uint32)
+    high = jnp.full(shape, np.iinfo(np.uint32).max, jnp.uint32)
+    return jax.lax.fori_loop(0, 32, halve, (low, high))[0]
+
+
+def keep_from_the_top(
+    logits: jax.Array, weights: jax.Array, budget: jax.Array
+) -> jax.Array:
+    """``bool [..., V]``: the tokens, taken in a stable descending order of
+    ``logits`` (ties towards the lower id), whose ``weights`` summed over the
+    tokens before them are below ``budget [..., 1]``.
+
+    With weights 1 that is the top ``budget`` tokens; with probabilities, the
+    nucleus. Found without a sort: the cut is the smallest value with less
+    than ``budget`` of weight strictly above it (:func:`smallest_key`), and
+    the tokens tied at the cut are taken in id order.
+    """
+    keys = order_keys(logits)
+    above = lambda cut: jnp.sum(
+        jnp.where(keys > cut, weights, 0), axis=-1, keepdims=True
+    )
+    cut = smallest_key(lambda cut: above(cut) < budget, budget.shape)
+    tied = jnp.where(keys == cut, weights, 0)
+    tied_before = jnp.cumsum(tied, axis=-1) - tied
+    return (keys > cut) | ((keys == cut) & (above(cut) + tied_before < budget))

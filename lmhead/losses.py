@@ -7,6 +7,12 @@ smoothing conventions, z-loss) is a function of them. The fused loss in
 :mod:`lmhead.fused` computes the same statistics a block at a time and reuses
 :func:`token_losses` and :func:`weighted_metrics`, so the two paths cannot
 drift apart.
+
+It is one module, longer than most, because the cross-entropy and the
+calibration metrics take logits, labels and weights under one set of checks
+(:func:`check_labels_and_weights`, :func:`valid_weights`) and one weighting
+rule, which the fused and the vocabulary-parallel losses import from here
+too; the conversions of a mean loss (perplexity, bits) sit beside the loss.
 """
 
 import math
@@ -167,7 +173,7 @@ def token_losses(
     total = jnp.where(logit_sum == -jnp.inf, jnp.inf, vocab_size * lse - logit_sum)
     eps = label_smoothing
     if smoothing == "uniform":
-        loss = (1.0 - eps) * nll + _times(eps / vocab_size, total)
+        loss = (1.0 - eps) * nll + _times_or_zero(eps / vocab_size, total)
     else:
         confidence = 1.0 - eps
         low = eps / max(vocab_size - 1, 1)
@@ -175,12 +181,12 @@ def token_losses(
         # minimum 0: it is the loss at the smoothed target itself.
         entropy = -(xlogy(confidence, confidence) + (vocab_size - 1) * xlogy(low, low))
         rest = jnp.where(total == jnp.inf, jnp.inf, total - nll)
-        loss = confidence * nll + _times(low, rest) - entropy
-    z_term = _times(z_loss, jnp.square(lse))
+        loss = confidence * nll + _times_or_zero(low, rest) - entropy
+    z_term = _times_or_zero(z_loss, jnp.square(lse))
     return loss + z_term, nll, z_term
 
 
-def _times(coefficient: float, term: jax.Array) -> jax.Array:
+def _times_or_zero(coefficient: float, term: jax.Array) -> jax.Array:
     # A coefficient of 0 switches its term off even where the term is
     # infinite, where the product would be 0 * inf = NaN.
     return jnp.where(coefficient == 0, 0.0, coefficient * term)
@@ -365,7 +371,7 @@ def cross_entropy(
         z_loss=z_loss,
     )
     loss, nll = (jnp.where(empty, jnp.inf, x) for x in (loss, nll))
-    z_term = jnp.where(empty, _times(z_loss, jnp.inf), z_term)
+    z_term = jnp.where(empty, _times_or_zero(z_loss, jnp.inf), z_term)
     correct = (jnp.argmax(logits, axis=-1) == safe_labels) & ~empty
     return weighted_metrics(loss, nll, z_term, correct, weights, invalid, reduction)
 

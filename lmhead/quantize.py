@@ -170,9 +170,9 @@ def matmul_transposed(
     if jax.default_backend() != "cpu" or vocab_size <= CPU_BLOCK_ROWS:
         logits = product(table.values)
     else:
-        # On XLA:CPU, converting the whole table ahead of the matmul measured
-        # several times slower than the float32 matmul; converting a block of
-        # rows at a time comes much closer to it.
+        # On XLA:CPU, converting the whole table ahead of the matmul is several
+        # times slower than the float32 matmul; converting a block of rows at
+        # a time comes much closer to it.
         blocks = -(-vocab_size // CPU_BLOCK_ROWS)
         values = jnp.pad(
             table.values, [(0, blocks * CPU_BLOCK_ROWS - vocab_size), (0, 0)]

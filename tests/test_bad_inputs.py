@@ -26,7 +26,6 @@ import numpy as np
 import pytest
 
 from lmhead import decoding, fused, head, losses, modules
-from lmhead.lm import model as model_lib
 from tests.errors import assert_raises_exactly
 
 H = jnp.ones((2, 3, 4))
@@ -586,27 +585,6 @@ PURE = [
 ]
 
 
-def decoder(**overrides):
-    return model_lib.DecoderLM(
-        **{
-            "vocab_size": 17,
-            "num_layers": 1,
-            "num_heads": 2,
-            "d_model": 8,
-            "mlp_dim": 16,
-            "max_len": 8,
-            **overrides,
-        }
-    )
-
-
-def decoder_init(tokens, **overrides):
-    return decoder(**overrides).init(KEY, tokens)
-
-
-TOKENS = jnp.ones((1, 4), jnp.int32)
-
-
 def lm_head_loss(loss_impl="fused", **kwargs):
     return modules.LMHead(5, tied=True).apply(
         {},
@@ -716,55 +694,6 @@ MODULES = [
         lambda: lm_head_loss("materialized", chunk_size=4),
         ValueError,
         ("chunk_size", "loss_impl"),
-    ),
-    (
-        "DecoderLM num_heads",
-        lambda: decoder_init(TOKENS, num_heads=3),
-        ValueError,
-        ("num_heads", "d_model"),
-    ),
-    (
-        "DecoderLM positions",
-        lambda: decoder_init(TOKENS, positions="alibi"),
-        ValueError,
-        "positions",
-    ),
-    (
-        "DecoderLM rope odd head",
-        lambda: decoder_init(TOKENS, positions="rope", num_heads=8),
-        ValueError,
-        "positions",
-    ),
-    (
-        "DecoderLM dropout_rate 1",
-        lambda: decoder_init(TOKENS, dropout_rate=1.0),
-        ValueError,
-        "dropout_rate",
-    ),
-    (
-        "DecoderLM float tokens",
-        lambda: decoder_init(jnp.ones((1, 4))),
-        TypeError,
-        "tokens",
-    ),
-    (
-        "DecoderLM token = V",
-        lambda: decoder_init(jnp.full((1, 4), 17)),
-        ValueError,
-        "tokens",
-    ),
-    (
-        "DecoderLM tokens past max_len",
-        lambda: decoder_init(jnp.ones((1, 9), jnp.int32)),
-        ValueError,
-        ("tokens", "max_len"),
-    ),
-    # The check comes before the parameters are used.
-    (
-        "prefill prompt + max_new_tokens",
-        lambda: model_lib.prefill(decoder(), None, TOKENS, max_new_tokens=5),
-        ValueError,
-        ("max_new_tokens", "max_len"),
     ),
 ]
 

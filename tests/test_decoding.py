@@ -997,17 +997,18 @@ def test_bad_input_is_named(call, error, fragment):
 
 
 def test_beam_search_through_the_kv_cache_matches_recomputing_the_prefix(monkeypatch):
-    """Beam search on model.py's cache (repeated to beams sharing the
+    """Beam search on the model's cache (kv_cache.py; repeated to beams sharing the
     prompt's slots, reordered by moving slot pointers) gives what a step_fn
     that reruns the model on the whole prefix gives. Row 1's prompt is
     shorter than row 0's. MIN_SPAN = 4 makes the attention spans (4, 8, 16,
     19) and the cache's pieces (4, 4, 8, 3) small, so that decoding crosses
     several of them, and max_len 19 makes the last piece a short one.
-    (tests/test_model.py checks the cache's logits step by step and greedy
-    decoding through it.)"""
+    (tests/lm/test_kv_cache.py checks the cache's logits step by step and
+    tests/lm/test_model.py greedy decoding through it.)"""
+    from lmhead.lm import kv_cache
     from lmhead.lm import model as model_lib
 
-    monkeypatch.setattr(model_lib, "MIN_SPAN", 4)
+    monkeypatch.setattr(kv_cache, "MIN_SPAN", 4)
     model = model_lib.DecoderLM(
         vocab_size=11, num_layers=2, num_heads=2, d_model=16, mlp_dim=32, max_len=19
     )
@@ -1069,9 +1070,10 @@ def test_beam_search_through_the_kv_cache_equals_brute_force(monkeypatch):
     """With K = V ** (N - 1) beams nothing is pruned, so the n-best from the
     model's cache (in pieces of 2, 2, 3 slots: MIN_SPAN = 2) must be the n-best
     of all V ** N continuations, scored by running the model on each."""
+    from lmhead.lm import kv_cache
     from lmhead.lm import model as model_lib
 
-    monkeypatch.setattr(model_lib, "MIN_SPAN", 2)
+    monkeypatch.setattr(kv_cache, "MIN_SPAN", 2)
     vocab, num_new = 4, 3
     model = model_lib.DecoderLM(
         vocab_size=vocab, num_layers=1, num_heads=2, d_model=8, mlp_dim=16, max_len=7

@@ -4,23 +4,15 @@ GPT-2 layout: token embedding plus positions (learned, or rotary), pre-LayerNorm
 blocks of causal self-attention and a GELU MLP, a final LayerNorm, then the
 head, tied to the embedding table or with an unembedding of its own.
 
-Decoding runs on an explicit key/value cache, :class:`DecodeCache`, every leaf
-of which has a leading batch axis. :func:`prefill` runs a prompt once and
-sends only each row's last position through the head; :func:`make_step_fn`
-gives the ``step_fn(params, tokens, cache) -> (logits, cache)`` the decoders
-call, with the ``repeat`` and ``reorder`` of rows that beam search uses,
-which move no keys or values: each row keeps a pointer per slot to the cache
-row that holds it (``DecodeCache.rows``), beams share the slots of their
-common prefix, and a reorder permutes the pointers.
-
-A step costs what the cache holds, not its capacity: attention reads the
-first ``S`` slots only, ``S`` the smallest of the spans 64, 128, 256, ...,
-``max_len`` that covers the longest row (:func:`attention_spans`), chosen by
-a ``lax.switch``. Each layer's cache is stored in pieces, one per span's
-growth (:func:`cache_segments`: 64, 64, 128, 256, ... slots), so that a span
-is a whole number of arrays that attention's matmuls read as they lie: on
-XLA:CPU, slicing a span out of one ``[B, H, max_len, Dh]`` array copies it
-at every step, which cost more than the attention itself.
+Decoding: :func:`prefill` runs a prompt once into a key/value cache
+(:class:`lmhead.lm.kv_cache.DecodeCache`) and sends only each row's last
+position through the head; :func:`make_step_fn` gives the decoders'
+``step_fn(params, tokens, cache) -> (logits, cache)``, with the ``repeat``
+and ``reorder`` of rows that sampling and beam search use. These are the
+model's public decoding API and live here, beside :meth:`DecoderLM.extend`
+that they compile; the cache itself -- its pieces, its pointers, and why a
+step costs what the cache holds rather than its capacity -- is
+:mod:`lmhead.lm.kv_cache`'s, and its docstring explains the design.
 
 Each attention layer sows its softmax weights into the ``"intermediates"``
 collection, which :func:`attention_weights` reads; an ``apply`` that does not
@@ -44,12 +36,17 @@ Parameter tree (``params``)::
 
 With ``use_bias=False`` (nanoGPT's default) none of the blocks' or norms'
 ``bias`` entries exist; the head's bias is ``head_bias``'s alone.
+
+The module is over 400 lines because it is one piece: the Flax modules of
+the Transformer and the four functions that run them (attention maps,
+prefill, the step); splitting the functions off would leave them a module
+that only calls this one's methods.
 """
 
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -58,49 +55,16 @@ import numpy as np
 
 from lmhead import _checks, modules
 from lmhead.head import last_positions
+from lmhead.lm import kv_cache
+from lmhead.lm.attention import softmax_weights
 
 POSITIONS = ("learned", "rope")
 INIT_STD = 0.02
 # GPT-2's and nanoGPT's (PyTorch's default); Flax's own default is 1e-6.
 LAYER_NORM_EPSILON = 1e-5
 ROPE_BASE = 10000.0
-# Masked attention scores; finite so that a fully masked row cannot give NaN.
-NEG_INF = -1e30
-# The shortest span of cache slots that cached attention reads; the others
-# double up to max_len.
-MIN_SPAN = 64
 # The params entry of a tied model's inference-only head table.
 HEAD_TABLE = "head_table"
-
-
-class DecodeCache(NamedTuple):
-    """Key/value cache of a :class:`DecoderLM`; every leaf has leading axis B.
-
-    Attributes:
-        keys: ``num_layers`` tuples of arrays ``[B, H, n_j, Dh]`` (compute
-            dtype), the pieces of :func:`cache_segments` in order: each layer's
-            attention keys (rotated, with RoPE) at every position written so
-            far, slot ``s`` in the piece that covers it. Slots at or after
-            ``index[b]`` are unused. :func:`cached_keys_values` joins them.
-        values: the values, stored as ``keys``. Heads before slots, so that
-            attention's batched matmuls over ``(B, H)`` read the cache as it
-            lies, without a transpose of it.
-        index: ``int32[B]``: how many positions of row ``b`` are in the cache,
-            which is also the position of the row's next token.
-        rows: None (every row's slots are its own), or ``int32[B, max_len]``:
-            row ``b``'s key and value at slot ``s`` are those that cache row
-            ``rows[b, s]`` holds at slot ``s``. Beam search's reorder
-            (:func:`reorder_cache`) permutes these pointers instead of the
-            keys and values, so that beams share the slots of their common
-            prefix, as a tree. Slot ``s`` of a row is written once, when that
-            row is at position ``s``, and never changed after, so every
-            pointer stays valid.
-    """
-
-    keys: tuple[jax.Array, ...]
-    values: tuple[jax.Array, ...]
-    index: jax.Array
-    rows: jax.Array | None = None
 
 
 def _rotate(x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -140,145 +104,6 @@ def _layer_norm(use_bias: bool, dtype: Any, name: str | None = None) -> nn.Layer
     )
 
 
-def _attention_weights(
-    query: jax.Array,
-    keys: tuple[jax.Array, ...],
-    mask: jax.Array,
-    keys_layout: str = "bshd",
-) -> jax.Array:
-    """float32 softmax weights ``[B, H, T, S]`` of ``query [B, T, H, Dh]`` over
-    the concatenation of ``keys``, pieces ``[B, S_j, H, Dh]`` (or ``[B, H, S_j,
-    Dh]`` with ``keys_layout="bhsd"``), where ``mask: bool [B | 1, T, S]`` is
-    True."""
-    scores = jnp.concatenate(
-        [
-            jnp.einsum(
-                f"bthd,{keys_layout}->bhts",
-                query,
-                key,
-                preferred_element_type=jnp.float32,
-            )
-            for key in keys
-        ],
-        axis=-1,
-    )
-    scores = jnp.where(mask[:, None], scores / math.sqrt(query.shape[-1]), NEG_INF)
-    return jax.nn.softmax(scores, axis=-1)
-
-
-def attention_spans(max_len: int) -> tuple[int, ...]:
-    """The cache lengths cached attention may read: ``MIN_SPAN`` doubling to ``max_len``.
-
-    Examples:
-        >>> attention_spans(1024), attention_spans(100), attention_spans(16)
-        ((64, 128, 256, 512, 1024), (64, 100), (16,))
-    """
-    spans = [min(MIN_SPAN, max_len)]
-    while spans[-1] < max_len:
-        spans.append(min(2 * spans[-1], max_len))
-    return tuple(spans)
-
-
-def cache_segments(max_len: int) -> tuple[int, ...]:
-    """The lengths of the pieces a layer's cache is stored in: the first
-    span, then what each next span adds (:func:`attention_spans`).
-
-    Examples:
-        >>> cache_segments(1024), cache_segments(100), cache_segments(16)
-        ((64, 64, 128, 256, 512), (64, 36), (16,))
-    """
-    spans = attention_spans(max_len)
-    return spans[:1] + tuple(b - a for a, b in zip(spans, spans[1:]))
-
-
-def _write_slots(
-    pieces: tuple[jax.Array, ...], new: jax.Array, positions: jax.Array
-) -> tuple[jax.Array, ...]:
-    """``pieces`` (:func:`cache_segments`) with ``new [B, T, H, Dh]`` written
-    at slots ``positions [B, T]`` of each row; slots past the end are dropped.
-
-    Every piece gets a scatter, most of whose writes are dropped. Skipping
-    the pieces that no position falls in by a ``lax.cond`` saved a tenth of a
-    millisecond a step at batch 8, ``max_len`` 1024, but XLA copies a piece
-    in and out of a conditional, which cost more at batch 32."""
-    rows = jnp.arange(new.shape[0])[:, None]
-    written, start = [], 0
-    for piece in pieces:
-        size = piece.shape[2]
-        inside = (positions >= start) & (positions < start + size)
-        # Slot `size` is out of bounds: positions in other pieces are dropped.
-        local = jnp.where(inside, positions - start, size)
-        written.append(piece.at[rows, :, local].set(new, mode="drop"))
-        start += size
-    return tuple(written)
-
-
-def _gather_slots(piece: jax.Array, rows: jax.Array) -> jax.Array:
-    """``piece [M, H, S, Dh]`` read through slot pointers ``rows [B, S]``:
-    ``out[b, :, s] = piece[rows[b, s], :, s]``, ``[B, H, S, Dh]``."""
-    heads = jnp.arange(piece.shape[1])[None, :, None]
-    return piece[rows[:, None, :], heads, jnp.arange(piece.shape[2])]
-
-
-def _attend_filled(
-    query: jax.Array,
-    keys: tuple[jax.Array, ...],
-    values: tuple[jax.Array, ...],
-    rows: jax.Array | None,
-    positions: jax.Array,
-    dtype: Any,
-) -> jax.Array:
-    """Attention of ``query [B, T, H, Dh]`` at ``positions [B, T]`` over the
-    cache slots ``<=`` each position: ``[B, T, H, Dh]``.
-
-    ``keys`` and ``values`` are one layer's pieces (:func:`cache_segments`);
-    with ``rows`` (see :class:`DecodeCache`) row ``b``'s slot ``s`` is read
-    from cache row ``rows[b, s]``. Only the first ``S`` slots are read, ``S``
-    the shortest span that holds the longest row: the first pieces, whole.
-    Length buckets rather than a loop over blocks with an online softmax
-    (flash decoding), chosen by measurement (experiments/bench_decode.py,
-    CPU): at the same filled length both keep the step's cost nearly flat in
-    ``max_len``, but the block loop pays its per-iteration overhead and
-    rescaling on every block and was the slower and less steady of the two. A
-    bucket is one plain softmax, the same arithmetic as the training path,
-    and reads at most twice the filled length.
-    """
-    sizes = [piece.shape[2] for piece in keys]
-    starts = np.cumsum([0] + sizes[:-1])
-
-    def read(pieces, j):
-        if rows is None:
-            return pieces[j]
-        # [B, H, n_j, Dh]: row b's own slots, wherever they lie.
-        return _gather_slots(pieces[j], rows[:, starts[j] : starts[j] + sizes[j]])
-
-    def attend(count):
-        def branch():
-            span = starts[count - 1] + sizes[count - 1]
-            visible = jnp.arange(span) <= positions[:, :, None]
-            weights = _attention_weights(
-                query, [read(keys, j) for j in range(count)], visible, "bhsd"
-            )
-            weights = weights.astype(dtype)
-            return sum(
-                jnp.einsum(
-                    "bhts,bhsd->bthd",
-                    weights[..., starts[j] : starts[j] + sizes[j]],
-                    read(values, j).astype(dtype),
-                )
-                for j in range(count)
-            )
-
-        return branch
-
-    if len(sizes) == 1:
-        return attend(1)()
-    needed = jnp.max(positions) + 1
-    spans = jnp.asarray(starts[1:].tolist() + [starts[-1] + sizes[-1]])
-    which = jnp.minimum(jnp.searchsorted(spans, needed), len(sizes) - 1)
-    return jax.lax.switch(which, [attend(count) for count in range(1, len(sizes) + 1)])
-
-
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention over the sequence or over a key/value cache."""
 
@@ -293,8 +118,9 @@ class CausalSelfAttention(nn.Module):
     def __call__(self, x, positions, mask, cache, *, train):
         """x: [B, T, D]; positions: int [B, T]; cache: None (keys are this
         call's T positions, masked by mask: bool [B | 1, T, T]) or a layer's
-        (keys, values), each in pieces [B, H, n_j, Dh] (cache_segments), and
-        the cache's rows (see DecodeCache), into whose keys and values this
+        (keys, values), each in pieces [B, H, n_j, Dh]
+        (kv_cache.cache_segments), and the cache's rows (see
+        kv_cache.DecodeCache), into whose keys and values this
         call writes its T positions and whose slots up to each query's
         position it reads (mask unused). Returns ([B, T, D], the updated
         (keys, values) or None).
@@ -316,7 +142,7 @@ class CausalSelfAttention(nn.Module):
         if self.rope:
             query, key = _rotate(query, positions), _rotate(key, positions)
         if cache is None:
-            weights = _attention_weights(query, [key], mask)
+            weights = softmax_weights(query, [key], mask)
             # A no-op unless "intermediates" is mutable: free when not asked for.
             self.sow("intermediates", "attention_weights", weights)
             weights = weights.astype(self.dtype)
@@ -326,10 +152,12 @@ class CausalSelfAttention(nn.Module):
             # Positions past the cache's end are dropped (see DecoderLM.extend).
             keys, values, slot_rows = cache
             cache = (
-                _write_slots(keys, key, positions),
-                _write_slots(values, value, positions),
+                kv_cache.write_slots(keys, key, positions),
+                kv_cache.write_slots(values, value, positions),
             )
-            out = _attend_filled(query, *cache, slot_rows, positions, self.dtype)
+            out = kv_cache.attend_filled(
+                query, *cache, slot_rows, positions, self.dtype
+            )
         out = nn.Dense(
             width,
             use_bias=self.use_bias,
@@ -529,7 +357,7 @@ class DecoderLM(nn.Module):
             )
         return jnp.asarray(tokens)
 
-    def _table(self) -> Any:
+    def _tied_unembedding(self) -> Any:
         """The unembedding the head is given when tied: ``params[HEAD_TABLE]``
         if present (a table for inference, see
         ``generation.quantize_for_decoding``), else the embedding table.
@@ -540,7 +368,7 @@ class DecoderLM(nn.Module):
             return self.get_variable("params", HEAD_TABLE)
         return self.embed.embedding
 
-    def _body(self, tokens, positions, mask, caches, train):
+    def _hidden_states(self, tokens, positions, mask, caches, train):
         """Embedding, blocks and final LayerNorm: ([B, T, D], new caches)."""
         x = self.embed(tokens)
         if self.positions == "learned":
@@ -561,14 +389,16 @@ class DecoderLM(nn.Module):
         time = tokens.shape[1]
         positions = jnp.broadcast_to(jnp.arange(time), tokens.shape)
         causal = jnp.tril(jnp.ones((1, time, time), bool))
-        h, _ = self._body(tokens, positions, causal, [None] * self.num_layers, train)
+        h, _ = self._hidden_states(
+            tokens, positions, causal, [None] * self.num_layers, train
+        )
         return h
 
     def __call__(
         self, tokens: jax.typing.ArrayLike, *, train: bool = False
     ) -> jax.Array:
         """Next-token logits ``float32 [B, T, V]`` for ``tokens: int [B, T]``."""
-        return self.head(self.hidden(tokens, train=train), self._table())
+        return self.head(self.hidden(tokens, train=train), self._tied_unembedding())
 
     def loss(
         self,
@@ -587,18 +417,20 @@ class DecoderLM(nn.Module):
         ``losses.cross_entropy`` does.
         """
         h = self.hidden(tokens, train=train)
-        return self.head.loss(h, labels, self._table(), weights=weights, **loss_kwargs)
+        return self.head.loss(
+            h, labels, self._tied_unembedding(), weights=weights, **loss_kwargs
+        )
 
     def extend(
-        self, tokens: jax.Array, cache: DecodeCache, lengths: jax.Array
-    ) -> tuple[jax.Array, DecodeCache]:
+        self, tokens: jax.Array, cache: kv_cache.DecodeCache, lengths: jax.Array
+    ) -> tuple[jax.Array, kv_cache.DecodeCache]:
         """Appends ``lengths[b]`` tokens to row ``b`` of the cache.
 
         Args:
             tokens: ``int [B, T]``, right-padded: row ``b``'s new tokens are
                 ``tokens[b, :lengths[b]]``; they take positions
                 ``cache.index[b]`` onwards.
-            cache: a :class:`DecodeCache` for ``B`` rows.
+            cache: a :class:`~lmhead.lm.kv_cache.DecodeCache` for ``B`` rows.
             lengths: ``int32 [B]`` in ``[1, T]``.
 
         Returns:
@@ -619,15 +451,15 @@ class DecoderLM(nn.Module):
             rows = rows.at[own, positions].set(
                 jnp.broadcast_to(own, positions.shape), mode="drop"
             )
-        h, kv = self._body(
+        h, kv = self._hidden_states(
             tokens,
             positions,
             None,
             [(k, v, rows) for k, v in zip(cache.keys, cache.values)],
             train=False,
         )
-        logits = self.head(last_positions(h, lengths), self._table())
-        return logits, DecodeCache(
+        logits = self.head(last_positions(h, lengths), self._tied_unembedding())
+        return logits, kv_cache.DecodeCache(
             keys=tuple(k for k, _ in kv),
             values=tuple(v for _, v in kv),
             index=cache.index + lengths,
@@ -636,7 +468,7 @@ class DecoderLM(nn.Module):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _jit_sown(model, params, tokens):
+def _sown_intermediates(model, params, tokens):
     _, state = model.apply({"params": params}, tokens, mutable=["intermediates"])
     return state["intermediates"]
 
@@ -666,40 +498,15 @@ def attention_weights(
         >>> len(maps), maps[0].shape, maps[0][0, 0, 0]
         (2, (1, 2, 4, 4), Array([1., 0., 0., 0.], dtype=float32))
     """
-    sown = _jit_sown(model, params, jnp.asarray(tokens))
+    sown = _sown_intermediates(model, params, jnp.asarray(tokens))
     return tuple(
         sown[f"blocks_{i}"]["attention"]["attention_weights"][0]
         for i in range(model.num_layers)
     )
 
 
-def init_cache(model: DecoderLM, batch_size: int) -> DecodeCache:
-    """An empty :class:`DecodeCache` for ``batch_size`` rows (zeros, index 0,
-    every row's slots its own).
-
-    Examples:
-        >>> cache = init_cache(DecoderLM(vocab_size=17, num_layers=2, max_len=256), 3)
-        >>> len(cache.keys), [piece.shape for piece in cache.keys[0]]
-        (2, [(3, 4, 64, 32), (3, 4, 64, 32), (3, 4, 128, 32)])
-        >>> cache.index, cache.rows
-        (Array([0, 0, 0], dtype=int32), None)
-    """
-    head_dim = model.d_model // model.num_heads
-    # Distinct arrays for keys and values, so that the cache can be donated.
-    layers = lambda: tuple(
-        tuple(
-            jnp.zeros((batch_size, model.num_heads, size, head_dim), model.dtype)
-            for size in cache_segments(model.max_len)
-        )
-        for _ in range(model.num_layers)
-    )
-    return DecodeCache(
-        keys=layers(), values=layers(), index=jnp.zeros((batch_size,), jnp.int32)
-    )
-
-
 @functools.partial(jax.jit, static_argnums=0)
-def _jit_extend(model, params, tokens, cache, lengths):
+def _compiled_extend(model, params, tokens, cache, lengths):
     return model.apply(
         {"params": params}, tokens, cache, lengths, method=DecoderLM.extend
     )
@@ -712,7 +519,7 @@ def prefill(
     lengths: jax.typing.ArrayLike | None = None,
     *,
     max_new_tokens: int | None = None,
-) -> tuple[jax.Array, DecodeCache]:
+) -> tuple[jax.Array, kv_cache.DecodeCache]:
     """Runs a prompt once: the next-token logits and the filled cache.
 
     Only each row's last real position goes through the head, so the head
@@ -731,7 +538,7 @@ def prefill(
 
     Returns:
         ``float32 [B, V]`` logits of the token after each prompt, and a
-        :class:`DecodeCache` with ``index == lengths``.
+        :class:`~lmhead.lm.kv_cache.DecodeCache` with ``index == lengths``.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -775,131 +582,13 @@ def prefill(
                 f"{longest + max_new_tokens} exceeds the model's max_len "
                 f"{model.max_len}."
             )
-    return _jit_extend(
+    return _compiled_extend(
         model,
         params,
         jnp.asarray(prompt, jnp.int32),
-        init_cache(model, batch),
+        kv_cache.init_cache(model, batch),
         jnp.asarray(lengths, jnp.int32),
     )
-
-
-def _own_rows(cache: DecodeCache) -> jax.Array:
-    """``cache.rows``, or the pointers of a cache whose every row owns its slots."""
-    if cache.rows is not None:
-        return cache.rows
-    batch, max_len = cache.index.shape[0], sum(p.shape[2] for p in cache.keys[0])
-    return jnp.broadcast_to(
-        jnp.arange(batch, dtype=jnp.int32)[:, None], (batch, max_len)
-    )
-
-
-def reorder_cache(cache: DecodeCache, rows: jax.Array) -> DecodeCache:
-    """The cache with its rows reordered: row ``i`` continues row ``rows[i]``.
-
-    Beam search's reorder. No key or value moves: row ``i`` takes row
-    ``rows[i]``'s ``index`` and slot pointers (:attr:`DecodeCache.rows`,
-    made if the cache has none), so a step costs ``M * max_len`` integers,
-    not the cache's floats, and beams share the slots of their common prefix.
-    Row ``i``'s next tokens are written into its own slots from
-    ``index[rows[i]]`` on, which is safe when each row continues a row of its
-    own length, ``index[rows] == index`` (as in beam search, where a prompt's
-    beams all have the same length): no other row points at those slots yet.
-    This is checked outside ``jit``. :func:`cached_keys_values` reads the
-    result as a plainly reordered cache.
-
-    Args:
-        cache: a :class:`DecodeCache` of ``M`` rows.
-        rows: ``int32 [M]``, the row each new row continues.
-
-    Examples:
-        >>> model = DecoderLM(vocab_size=17, num_layers=1, d_model=8, num_heads=2,
-        ...                   max_len=8)
-        >>> cache = init_cache(model, 2)._replace(index=jnp.array([3, 3]))
-        >>> cache = cache._replace(keys=((cache.keys[0][0].at[0].set(1.0),),))
-        >>> moved = reorder_cache(cache, jnp.array([0, 0]))
-        >>> moved.index, moved.rows[:, :4]
-        (Array([3, 3], dtype=int32), Array([[0, 0, 0, 0],
-               [0, 0, 0, 0]], dtype=int32))
-        >>> keys, _ = cached_keys_values(moved)
-        >>> keys[0][:, 0, :3, 0]
-        Array([[1., 1., 1.],
-               [1., 1., 1.]], dtype=float32)
-    """
-    if not _checks.is_traced(cache.index) and not _checks.is_traced(rows):
-        index, order = np.asarray(cache.index), np.asarray(rows)
-        if np.any(index[order] != index):
-            raise ValueError(
-                "rows must map each row to a row of the same length "
-                f"(index[rows] == index); got index {index} and "
-                f"rows {order}."
-            )
-    return cache._replace(
-        index=jnp.take(cache.index, rows), rows=jnp.take(_own_rows(cache), rows, axis=0)
-    )
-
-
-def repeat_cache(cache: DecodeCache, repeats: int) -> DecodeCache:
-    """Each row repeated ``repeats`` times: row ``b * repeats + k`` continues row ``b``.
-
-    A cache without pointers (``rows`` None) is copied, row by row. With
-    pointers, the copies share their prefix instead: keys and values are
-    written once, into row ``b * repeats``, every copy's pointers lead there,
-    and the other rows start empty, for the slots each copy will write.
-    Sampling's ``num_samples`` and beam search use it (through
-    :class:`DecodeStep`'s ``repeat``; beam search adds pointers first).
-
-    Examples:
-        >>> cache = init_cache(DecoderLM(vocab_size=17, num_layers=1, max_len=4), 2)
-        >>> cache = cache._replace(index=jnp.array([1, 2]))
-        >>> repeat_cache(cache, 2).index
-        Array([1, 1, 2, 2], dtype=int32)
-        >>> repeat_cache(reorder_cache(cache, jnp.arange(2)), 2).rows
-        Array([[0, 0, 0, 0],
-               [0, 0, 0, 0],
-               [2, 2, 2, 2],
-               [2, 2, 2, 2]], dtype=int32)
-    """
-    if not isinstance(repeats, (int, np.integer)) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1; got {repeats!r}.")
-    if cache.rows is None:
-        return jax.tree.map(lambda x: jnp.repeat(x, repeats, axis=0), cache)
-
-    def spread(x):
-        empty = jnp.zeros((x.shape[0], repeats - 1) + x.shape[1:], x.dtype)
-        both = jnp.concatenate([x[:, None], empty], axis=1)
-        return both.reshape((x.shape[0] * repeats,) + x.shape[1:])
-
-    return DecodeCache(
-        keys=jax.tree.map(spread, cache.keys),
-        values=jax.tree.map(spread, cache.values),
-        index=jnp.repeat(cache.index, repeats),
-        rows=jnp.repeat(cache.rows, repeats, axis=0) * repeats,
-    )
-
-
-def cached_keys_values(
-    cache: DecodeCache,
-) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """Each row's keys and values, pieces joined and pointers resolved.
-
-    ``keys[l][b, :, s]`` is the key that attention reads for row ``b`` at
-    slot ``s``: slot ``s`` of cache row ``cache.rows[b, s]`` (of row ``b``
-    without pointers); the same of the values. Slots at or after ``index[b]``
-    hold whatever is stored there.
-
-    Returns:
-        ``(keys, values)``, each ``num_layers`` arrays ``[B, H, max_len, Dh]``.
-
-    Examples:
-        >>> cache = init_cache(DecoderLM(vocab_size=17, num_layers=1, max_len=128), 2)
-        >>> keys, values = cached_keys_values(cache)
-        >>> keys[0].shape
-        (2, 4, 128, 32)
-    """
-    rows = _own_rows(cache)
-    resolve = lambda pieces: _gather_slots(jnp.concatenate(pieces, axis=2), rows)
-    return (tuple(map(resolve, cache.keys)), tuple(map(resolve, cache.values)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -909,20 +598,22 @@ class DecodeStep:
     model: DecoderLM
 
     def __call__(
-        self, params: Any, tokens: jax.Array, cache: DecodeCache
-    ) -> tuple[jax.Array, DecodeCache]:
+        self, params: Any, tokens: jax.Array, cache: kv_cache.DecodeCache
+    ) -> tuple[jax.Array, kv_cache.DecodeCache]:
         _checks.check_integer("tokens", tokens)
         _checks.check_rank("tokens", tokens, 1, "[B]")
         tokens = jnp.asarray(tokens, jnp.int32)
-        return _jit_extend(
+        return _compiled_extend(
             self.model, params, tokens[:, None], cache, jnp.ones_like(tokens)
         )
 
-    def reorder(self, cache: DecodeCache, rows: jax.Array) -> DecodeCache:
-        return reorder_cache(cache, rows)
+    def reorder(
+        self, cache: kv_cache.DecodeCache, rows: jax.Array
+    ) -> kv_cache.DecodeCache:
+        return kv_cache.reorder_cache(cache, rows)
 
-    def repeat(self, cache: DecodeCache, repeats: int) -> DecodeCache:
-        return repeat_cache(cache, repeats)
+    def repeat(self, cache: kv_cache.DecodeCache, repeats: int) -> kv_cache.DecodeCache:
+        return kv_cache.repeat_cache(cache, repeats)
 
 
 def make_step_fn(model: DecoderLM) -> DecodeStep:
@@ -933,10 +624,10 @@ def make_step_fn(model: DecoderLM) -> DecodeStep:
     decoding loop serves every parameter set; steps of equal models are equal
     (a frozen dataclass), so they share compilations too. ``cache`` may have
     any number of rows (beam search repeats it with ``step_fn.repeat``,
-    :func:`repeat_cache`, then reorders it with ``step_fn.reorder``,
-    :func:`reorder_cache`). A row must not step past
-    ``max_len`` (see :meth:`DecoderLM.extend`; :func:`prefill`'s
-    ``max_new_tokens`` checks it).
+    :func:`~lmhead.lm.kv_cache.repeat_cache`, then reorders it with
+    ``step_fn.reorder``, :func:`~lmhead.lm.kv_cache.reorder_cache`, which move
+    pointers, not keys and values). A row must not step past ``max_len`` (see
+    :meth:`DecoderLM.extend`; :func:`prefill`'s ``max_new_tokens`` checks it).
 
     Examples:
         >>> import jax, jax.numpy as jnp

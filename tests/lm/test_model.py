@@ -1,7 +1,9 @@
-"""Tests of the decoder-only Transformer and its decoding cache.
+"""Tests of the decoder-only Transformer and its decoding API (prefill, the step).
 
 References: a float64 numpy forward pass written here, the model's own full
-forward pass (for the cache), and losses.cross_entropy on materialized logits.
+forward pass (for decoding), and losses.cross_entropy on materialized logits.
+The cache's own contract (spans, pieces, pointers) is tested in
+test_kv_cache.py.
 """
 
 import functools
@@ -15,71 +17,26 @@ from flax import traverse_util
 from scipy import special
 
 from lmhead import decoding, losses
+from lmhead.lm import kv_cache
 from lmhead.lm import model as model_lib
 from lmhead.lm.model import DecoderLM
 from tests import references
-
-VOCAB, WIDTH, HEADS, LAYERS, MAX_LEN = 17, 32, 4, 2, 16
-
-
-def small_model(**overrides) -> DecoderLM:
-    config = dict(
-        vocab_size=VOCAB,
-        num_layers=LAYERS,
-        num_heads=HEADS,
-        d_model=WIDTH,
-        mlp_dim=64,
-        max_len=MAX_LEN,
-    )
-    return DecoderLM(**(config | overrides))
-
-
-@functools.cache
-def _full_params(seed: int):
-    """One initialisation holding every parameter any small_model variant has
-    (untied head, learned positions), so that the tests compile init once."""
-    model = small_model(tied=False, positions="learned")
-    params = model.init(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))["params"]
-    return jax.tree.map(np.asarray, params)
-
-
-def init_params(model, seed=0, noise=0.0):
-    """Parameters of ``model`` (a small_model variant), cut from _full_params;
-    ``noise`` adds N(0, noise^2) to every entry so that attention is far from
-    uniform and position or cache errors show."""
-    params = dict(_full_params(seed))
-    if not model.use_bias:
-        flat = traverse_util.flatten_dict(params)
-        params = traverse_util.unflatten_dict(
-            {path: x for path, x in flat.items() if path[-1] != "bias"}
-        )
-    if model.tied:
-        del params["head"]
-    if model.positions == "rope":
-        del params["position_embedding"]
-    for i in range(model.num_layers, LAYERS):
-        del params[f"blocks_{i}"]
-    expected = jax.eval_shape(
-        model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32)
-    )
-    assert jax.tree.map(np.shape, params) == jax.tree.map(np.shape, expected["params"])
-    rng = np.random.default_rng(seed)
-    return jax.tree.map(
-        lambda x: (x + noise * rng.standard_normal(x.shape)).astype(np.float32), params
-    )
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def forward(model, params, tokens):
-    return model.apply({"params": params}, tokens)
+from tests.errors import assert_raises_exactly
+from tests.lm.tiny_decoder import (
+    HEADS,
+    LAYERS,
+    MAX_LEN,
+    VOCAB,
+    WIDTH,
+    forward,
+    init_params,
+    random_tokens,
+    small_model,
+)
 
 
 def num_params(params) -> int:
     return sum(x.size for x in jax.tree.leaves(params))
-
-
-def random_tokens(shape, seed=0):
-    return jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, shape), jnp.int32)
 
 
 def reference_logits(params, tokens, *, num_heads, rope, tied=True, epsilon=1e-5):
@@ -249,52 +206,6 @@ def test_tied_table_gets_gradient_from_embedding_and_head():
     )
 
 
-@pytest.fixture
-def small_spans(monkeypatch):
-    """Attention spans (4, 8, 16) instead of (16,), so that decoding crosses
-    span boundaries; compiled steps are dropped before and after."""
-    jax.clear_caches()
-    monkeypatch.setattr(model_lib, "MIN_SPAN", 4)
-    yield
-    jax.clear_caches()
-
-
-@pytest.mark.parametrize("positions,tied", [("learned", True), ("rope", False)])
-def test_cached_decoding_matches_recomputing_the_prefix(positions, tied, small_spans):
-    """Rows of different lengths; the longest crosses the spans 4 and 8."""
-    assert model_lib.attention_spans(MAX_LEN) == (4, 8, 16)
-    model = small_model(positions=positions, tied=tied)
-    params = init_params(model, noise=0.2)
-    lengths = np.array([5, 2, 3])
-    num_steps = MAX_LEN - lengths.max()  # the longest row fills the cache
-    prompt = random_tokens((3, 5), seed=1)  # positions past lengths are padding
-    fed = random_tokens((3, num_steps), seed=2)
-    logits, cache = model_lib.prefill(
-        model, params, prompt, jnp.asarray(lengths), max_new_tokens=num_steps
-    )
-    step_fn = model_lib.make_step_fn(model)
-    sequences = [list(np.asarray(prompt[b, :n])) for b, n in enumerate(lengths)]
-    for step in range(num_steps + 1):
-        padded = np.zeros((3, MAX_LEN), np.int32)
-        for b, sequence in enumerate(sequences):
-            padded[b, : len(sequence)] = sequence
-        full = forward(model, params, jnp.asarray(padded))
-        last = [len(sequence) - 1 for sequence in sequences]
-        np.testing.assert_allclose(
-            logits,
-            full[np.arange(3), last],
-            rtol=1e-5,
-            atol=1e-5,
-            err_msg=f"step {step}",
-        )
-        if step == num_steps:
-            break
-        logits, cache = step_fn(params, fed[:, step], cache)
-        for b, sequence in enumerate(sequences):
-            sequence.append(int(fed[b, step]))
-    np.testing.assert_array_equal(cache.index, lengths + num_steps)
-
-
 def test_greedy_generate_through_the_cache_matches_full_recompute_argmax():
     model = small_model()
     params = init_params(model, noise=0.2)
@@ -321,70 +232,6 @@ def test_greedy_generate_through_the_cache_matches_full_recompute_argmax():
         padded[np.arange(3), last + 1] = np.argmax(full[np.arange(3), last], axis=-1)
     expected = np.stack([padded[b, n : n + num_steps] for b, n in enumerate(lengths)])
     np.testing.assert_array_equal(tokens, expected)
-
-
-def test_cache_leaves_lead_with_the_batch_axis_and_rows_can_be_reordered(small_spans):
-    """The pointer reorder reads as a copy of the rows, before and after
-    steps that write past it, across the pieces of the cache (4, 4, 8)."""
-    model = small_model()
-    params = init_params(model, noise=0.2)
-    logits, cache = model_lib.prefill(model, params, random_tokens((3, 5)))
-    assert all(leaf.shape[0] == 3 for leaf in jax.tree.leaves(cache))
-    assert [piece.shape for piece in cache.keys[0]] == [
-        (3, HEADS, size, WIDTH // HEADS) for size in (4, 4, 8)
-    ]
-    step_fn = model_lib.make_step_fn(model)
-    copied, reordered = cache, cache
-    for step, order in enumerate(([1, 1, 0], [2, 0, 0], [0, 2, 1])):
-        order = jnp.array(order)
-        copied = jax.tree.map(lambda leaf: leaf[order], copied)
-        reordered = step_fn.reorder(reordered, order)
-        np.testing.assert_array_equal(reordered.index, copied.index)
-        filled = 5 + step
-        for got, want in zip(
-            model_lib.cached_keys_values(reordered),
-            model_lib.cached_keys_values(copied),
-        ):
-            for got_layer, want_layer in zip(got, want):
-                np.testing.assert_array_equal(
-                    got_layer[:, :, :filled], want_layer[:, :, :filled]
-                )
-        tokens = random_tokens((3,), seed=step)
-        copied_logits, copied = step_fn(params, tokens, copied)
-        reordered_logits, reordered = step_fn(params, tokens, reordered)
-        np.testing.assert_allclose(
-            reordered_logits, copied_logits, rtol=1e-6, atol=1e-6
-        )
-
-
-def test_reorder_cache_refuses_rows_of_other_lengths():
-    model = small_model()
-    params = init_params(model)
-    _, cache = model_lib.prefill(
-        model, params, random_tokens((2, 5)), jnp.array([4, 2])
-    )
-    with pytest.raises(
-        ValueError, match="rows must map each row to a row of the same length"
-    ):
-        model_lib.reorder_cache(cache, jnp.array([0, 0]))
-
-
-def test_repeat_cache_copies_or_shares_the_prefix():
-    model = small_model()
-    params = init_params(model, noise=0.2)
-    logits, cache = model_lib.prefill(
-        model, params, random_tokens((2, 5)), jnp.array([5, 3])
-    )
-    step_fn = model_lib.make_step_fn(model)
-    tokens = random_tokens((4,), seed=3)
-    want, _ = step_fn(
-        params, tokens, jax.tree.map(lambda x: jnp.repeat(x, 2, 0), cache)
-    )
-    for source in (cache, model_lib.reorder_cache(cache, jnp.arange(2))):
-        repeated = step_fn.repeat(source, 2)
-        assert (repeated.rows is None) == (source.rows is None)
-        got, _ = step_fn(params, tokens, repeated)
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_changing_a_future_token_leaves_earlier_logits_unchanged():
@@ -487,6 +334,87 @@ def test_bad_config_is_refused(overrides, message):
         small_model(**overrides).init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32))
 
 
+def decoder(**overrides):
+    return DecoderLM(
+        **{
+            "vocab_size": 17,
+            "num_layers": 1,
+            "num_heads": 2,
+            "d_model": 8,
+            "mlp_dim": 16,
+            "max_len": 8,
+            **overrides,
+        }
+    )
+
+
+def decoder_init(tokens, **overrides):
+    return decoder(**overrides).init(jax.random.key(0), tokens)
+
+
+TOKENS = jnp.ones((1, 4), jnp.int32)
+
+# Each raises exactly this type, with a message that names the argument.
+BAD_INPUTS = [
+    (
+        "DecoderLM num_heads",
+        lambda: decoder_init(TOKENS, num_heads=3),
+        ValueError,
+        ("num_heads", "d_model"),
+    ),
+    (
+        "DecoderLM positions",
+        lambda: decoder_init(TOKENS, positions="alibi"),
+        ValueError,
+        "positions",
+    ),
+    (
+        "DecoderLM rope odd head",
+        lambda: decoder_init(TOKENS, positions="rope", num_heads=8),
+        ValueError,
+        "positions",
+    ),
+    (
+        "DecoderLM dropout_rate 1",
+        lambda: decoder_init(TOKENS, dropout_rate=1.0),
+        ValueError,
+        "dropout_rate",
+    ),
+    (
+        "DecoderLM float tokens",
+        lambda: decoder_init(jnp.ones((1, 4))),
+        TypeError,
+        "tokens",
+    ),
+    (
+        "DecoderLM token = V",
+        lambda: decoder_init(jnp.full((1, 4), 17)),
+        ValueError,
+        "tokens",
+    ),
+    (
+        "DecoderLM tokens past max_len",
+        lambda: decoder_init(jnp.ones((1, 9), jnp.int32)),
+        ValueError,
+        ("tokens", "max_len"),
+    ),
+    # The check comes before the parameters are used.
+    (
+        "prefill prompt + max_new_tokens",
+        lambda: model_lib.prefill(decoder(), None, TOKENS, max_new_tokens=5),
+        ValueError,
+        ("max_new_tokens", "max_len"),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
+)
+def test_bad_input_raises_exactly_and_names_the_argument(call, error, named):
+    assert_raises_exactly(call, error, named)
+
+
 def test_bad_tokens_and_prompts_are_refused():
     model = small_model()
     params = init_params(model)
@@ -511,7 +439,7 @@ def test_bad_tokens_and_prompts_are_refused():
     with pytest.raises(ValueError, match="prompt must have 1 to max_len=16"):
         model_lib.prefill(model, params, jnp.zeros((1, MAX_LEN + 1), jnp.int32))
     with pytest.raises(ValueError, match=r"tokens must have shape \[B\]"):
-        model_lib.make_step_fn(model)(params, prompt, model_lib.init_cache(model, 3))
+        model_lib.make_step_fn(model)(params, prompt, kv_cache.init_cache(model, 3))
 
 
 def test_decoding_compiles_once_for_any_parameters_and_embeds_none():

@@ -20,6 +20,7 @@ from jax.test_util import check_grads
 
 from lmhead import fused, head, losses
 from tests import references
+from tests.errors import assert_raises_exactly
 
 B, T, D, V = 3, 7, 8, 37
 RAGGED = {"chunk_size": 5}
@@ -384,3 +385,120 @@ class MemoryTest(parameterized.TestCase):
             )
 
         self.assertEqual(temp(8192), temp(65536))
+
+
+# ---------------------------------------------------------------------------
+# bad input: each case raises exactly the expected exception type (not a
+# subclass, not an error from deeper down) with a message that names the
+# argument (tests/errors.py). Bad values that cannot be refused inside jit
+# follow a documented rule instead (RULES), checked with and without jit:
+# never a NaN.
+
+H = jnp.ones((2, 3, 4))
+W = jnp.ones((5, 4))
+LABELS = jnp.zeros((2,), jnp.int32)
+NEG = -float("inf")
+
+
+def fused_ce(**kwargs):
+    return fused.fused_cross_entropy(
+        kwargs.pop("h", H[0]),
+        kwargs.pop("w", W),
+        kwargs.pop("labels", jnp.zeros((3,), jnp.int32)),
+        **kwargs,
+    )
+
+
+BAD_INPUTS = [
+    ("fused chunk_size 0", lambda: fused_ce(chunk_size=0), ValueError, "chunk_size"),
+    ("fused chunk_size < 0", lambda: fused_ce(chunk_size=-3), ValueError, "chunk_size"),
+    (
+        "fused chunk_size float",
+        lambda: fused_ce(chunk_size=2.5),
+        TypeError,
+        "chunk_size",
+    ),
+    (
+        "fused chunk_size bool",
+        lambda: fused_ce(chunk_size=True),
+        TypeError,
+        "chunk_size",
+    ),
+    (
+        "fused vocab_chunk_size 0",
+        lambda: fused_ce(vocab_chunk_size=0),
+        ValueError,
+        "vocab_chunk_size",
+    ),
+    (
+        "fused vocab_chunk_size float",
+        lambda: fused_ce(vocab_chunk_size=2.5),
+        TypeError,
+        "vocab_chunk_size",
+    ),
+    ("fused smoothing", lambda: fused_ce(smoothing="label"), ValueError, "smoothing"),
+    (
+        "fused label_smoothing 1",
+        lambda: fused_ce(label_smoothing=1.0),
+        ValueError,
+        "label_smoothing",
+    ),
+    ("fused z_loss < 0", lambda: fused_ce(z_loss=-1.0), ValueError, "z_loss"),
+    ("fused reduction", lambda: fused_ce(reduction="max"), ValueError, "reduction"),
+    ("fused scale 0", lambda: fused_ce(scale=0.0), ValueError, "scale"),
+    ("fused softcap 0", lambda: fused_ce(softcap=0.0), ValueError, "softcap"),
+    ("fused softcap < 0", lambda: fused_ce(softcap=-1.0), ValueError, "softcap"),
+    ("fused D mismatch", lambda: fused_ce(w=jnp.ones((5, 3))), ValueError, "h"),
+    ("fused w rank 1", lambda: fused_ce(w=W[0]), ValueError, "w"),
+    ("fused V = 0", lambda: fused_ce(w=W[:0]), ValueError, "w"),
+    ("fused integer h", lambda: fused_ce(h=H[0].astype(jnp.int32)), TypeError, "h"),
+    ("fused integer w", lambda: fused_ce(w=W.astype(jnp.int32)), TypeError, "w"),
+    ("fused bias shape", lambda: fused_ce(bias=jnp.zeros(4)), ValueError, "bias"),
+    ("fused float labels", lambda: fused_ce(labels=jnp.zeros(3)), TypeError, "labels"),
+    ("fused labels shape", lambda: fused_ce(labels=LABELS), ValueError, "labels"),
+    (
+        "fused label = V",
+        lambda: fused_ce(labels=jnp.array([0, 1, 5])),
+        ValueError,
+        "labels",
+    ),
+    (
+        "fused weights shape",
+        lambda: fused_ce(weights=jnp.ones(2)),
+        ValueError,
+        "weights",
+    ),
+    (
+        "fused traced label_smoothing",
+        lambda: jax.jit(lambda eps: fused_ce(label_smoothing=eps))(0.1),
+        TypeError,
+        "label_smoothing",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
+)
+def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
+    assert_raises_exactly(call, error, named)
+
+
+RULES = [
+    (
+        "fused with a banned token (bias -inf)",
+        lambda b: fused_ce(h=jnp.zeros((3, 4)), bias=b, labels=jnp.array([0, 2, 3]))[0],
+        (jnp.array([0.0, NEG, 0.0, 0.0, 0.0]),),
+        np.log(4.0),
+    ),
+]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "fn,args,expected", [pytest.param(*case[1:], id=case[0]) for case in RULES]
+)
+def test_documented_rules(fn, args, expected, jit):
+    got = np.asarray((jax.jit(fn) if jit else fn)(*args))
+    assert not np.any(np.isnan(got)), got
+    np.testing.assert_allclose(got, expected, rtol=1e-6)

@@ -10,12 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from hypothesis import strategies as st
 from jax.experimental import checkify
 from jax.test_util import check_grads
 
 from lmhead import losses
 from tests import references
+from tests.errors import assert_raises_exactly
 
 SETTINGS = hypothesis.settings(max_examples=25, deadline=None)
 
@@ -459,3 +461,251 @@ def test_non_finite_logits_of_zero_weight_tokens_do_not_reach_the_loss():
         )
         np.testing.assert_allclose(got, want, rtol=1e-6)
         assert all(np.isfinite(v) for v in metrics.values())
+
+
+# ---------------------------------------------------------------------------
+# bad input: each case raises exactly the expected exception type (not a
+# subclass, not an error from deeper down) with a message that names the
+# argument (tests/errors.py). Bad values that cannot be refused inside jit
+# follow a documented rule instead (RULES), checked with and without jit:
+# never a NaN.
+
+LOGITS = jnp.zeros((2, 5))
+LABELS = jnp.zeros((2,), jnp.int32)
+LOGITS_3D = jnp.zeros((2, 3, 5))
+LABELS_2D = jnp.zeros((2, 3), jnp.int32)
+NAN, INF = float("nan"), float("inf")
+NEG = -float("inf")
+
+
+BAD_INPUTS = [
+    (
+        "cross_entropy float labels",
+        lambda: losses.cross_entropy(LOGITS, jnp.zeros(2)),
+        TypeError,
+        "labels",
+    ),
+    (
+        "cross_entropy labels shape",
+        lambda: losses.cross_entropy(LOGITS, jnp.zeros(3, jnp.int32)),
+        ValueError,
+        "labels",
+    ),
+    (
+        "cross_entropy labels extra axis",
+        lambda: losses.cross_entropy(LOGITS, LABELS[:, None]),
+        ValueError,
+        "labels",
+    ),
+    (
+        "cross_entropy scalar labels",
+        lambda: losses.cross_entropy(LOGITS, LABELS[0]),
+        ValueError,
+        "labels",
+    ),
+    (
+        "cross_entropy weights shape",
+        lambda: losses.cross_entropy(LOGITS, LABELS, weights=jnp.ones(3)),
+        ValueError,
+        "weights",
+    ),
+    (
+        "cross_entropy weights transposed",
+        lambda: losses.cross_entropy(LOGITS_3D, LABELS_2D, weights=jnp.ones((3, 2))),
+        ValueError,
+        "weights",
+    ),
+    (
+        "cross_entropy negative weight",
+        lambda: losses.cross_entropy(LOGITS, LABELS, weights=jnp.array([1.0, -1.0])),
+        ValueError,
+        "weights",
+    ),
+    (
+        "cross_entropy NaN weight",
+        lambda: losses.cross_entropy(LOGITS, LABELS, weights=jnp.array([1.0, NAN])),
+        ValueError,
+        "weights",
+    ),
+    (
+        "cross_entropy label = V",
+        lambda: losses.cross_entropy(LOGITS, jnp.array([0, 5])),
+        ValueError,
+        "labels",
+    ),
+    (
+        "cross_entropy label < 0",
+        lambda: losses.cross_entropy(LOGITS, jnp.array([-1, 0])),
+        ValueError,
+        "labels",
+    ),
+    (
+        "cross_entropy label_smoothing 1",
+        lambda: losses.cross_entropy(LOGITS, LABELS, label_smoothing=1.0),
+        ValueError,
+        "label_smoothing",
+    ),
+    (
+        "cross_entropy label_smoothing < 0",
+        lambda: losses.cross_entropy(LOGITS, LABELS, label_smoothing=-0.1),
+        ValueError,
+        "label_smoothing",
+    ),
+    (
+        "cross_entropy smoothing",
+        lambda: losses.cross_entropy(LOGITS, LABELS, smoothing="soft"),
+        ValueError,
+        "smoothing",
+    ),
+    (
+        "cross_entropy z_loss < 0",
+        lambda: losses.cross_entropy(LOGITS, LABELS, z_loss=-1e-4),
+        ValueError,
+        "z_loss",
+    ),
+    (
+        "cross_entropy reduction",
+        lambda: losses.cross_entropy(LOGITS, LABELS, reduction="avg"),
+        ValueError,
+        "reduction",
+    ),
+    (
+        "cross_entropy integer logits",
+        lambda: losses.cross_entropy(LABELS[:, None], LABELS),
+        TypeError,
+        "logits",
+    ),
+    (
+        "cross_entropy V = 0",
+        lambda: losses.cross_entropy(LOGITS[:, :0], LABELS),
+        ValueError,
+        "logits",
+    ),
+    (
+        "cross_entropy V = 0 in jit",
+        lambda: jax.jit(losses.cross_entropy)(LOGITS[:, :0], LABELS),
+        ValueError,
+        "logits",
+    ),
+    (
+        "ece num_bins 0",
+        lambda: losses.expected_calibration_error(LOGITS, LABELS, num_bins=0),
+        ValueError,
+        "num_bins",
+    ),
+    (
+        "ece num_bins < 0",
+        lambda: losses.expected_calibration_error(LOGITS, LABELS, num_bins=-2),
+        ValueError,
+        "num_bins",
+    ),
+    (
+        "ece num_bins float",
+        lambda: losses.expected_calibration_error(LOGITS, LABELS, num_bins=2.5),
+        TypeError,
+        "num_bins",
+    ),
+    (
+        "ece num_bins bool",
+        lambda: losses.expected_calibration_error(LOGITS, LABELS, num_bins=True),
+        TypeError,
+        "num_bins",
+    ),
+    (
+        "ece bins [M, 2]",
+        lambda: losses.calibration_error_from_bins(jnp.ones((3, 2))),
+        ValueError,
+        "bins",
+    ),
+    (
+        "ece negative bins",
+        lambda: losses.calibration_error_from_bins(jnp.array([[-1.0, 0.5, 0.0]])),
+        ValueError,
+        "bins",
+    ),
+    (
+        "bits_per_character 0 chars",
+        lambda: losses.bits_per_character(1.0, 0.0),
+        ValueError,
+        "chars_per_token",
+    ),
+    (
+        "bits_per_character inf chars",
+        lambda: losses.bits_per_character(1.0, INF),
+        ValueError,
+        "chars_per_token",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
+)
+def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
+    assert_raises_exactly(call, error, named)
+
+
+RULES = [
+    # losses.cross_entropy: a label of logit -inf has probability 0.
+    (
+        "cross_entropy of a row of -inf",
+        lambda z, y: losses.cross_entropy(z, y, reduction="none")[0],
+        (jnp.array([[NEG, NEG], [0.0, 0.0]]), jnp.array([0, 1])),
+        np.array([INF, np.log(2.0)]),
+    ),
+    (
+        "cross_entropy of a label of logit -inf",
+        lambda z, y: losses.cross_entropy(z, y, reduction="none")[0],
+        (jnp.array([[NEG, 0.0]]), jnp.array([0])),
+        np.array([INF]),
+    ),
+    # A -inf logit off the label (a banned token) is no concern of the loss:
+    # log 2 of the two live tokens, also where the z-loss and smoothing
+    # coefficients are 0 (0 * inf used to give NaN).
+    (
+        "cross_entropy with a banned token",
+        lambda z, y: losses.cross_entropy(z, y)[0],
+        (jnp.array([[0.0, NEG, 0.0]]), jnp.array([0])),
+        np.log(2.0),
+    ),
+    (
+        "cross_entropy padding row of -inf",
+        lambda z, y, w: losses.cross_entropy(
+            z, y, weights=w, label_smoothing=0.1, z_loss=1e-4
+        )[0],
+        (jnp.array([[NEG, NEG], [0.0, 0.0]]), jnp.array([0, 1]), jnp.array([0.0, 1.0])),
+        np.log(2.0) + 1e-4 * np.log(2.0) ** 2,
+    ),
+    # A row of -inf has confidence 0 and is never correct: bin 0, weight 1.
+    (
+        "calibration_bins of a row of -inf",
+        lambda z, y: losses.calibration_bins(z, y, num_bins=2),
+        (jnp.full((1, 3), NEG), jnp.array([0])),
+        np.array([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]),
+    ),
+]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "fn,args,expected", [pytest.param(*case[1:], id=case[0]) for case in RULES]
+)
+def test_documented_rules(fn, args, expected, jit):
+    got = np.asarray((jax.jit(fn) if jit else fn)(*args))
+    assert not np.any(np.isnan(got)), got
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_padding_row_of_neg_inf_has_zero_gradient():
+    def loss(z):
+        return losses.cross_entropy(
+            z,
+            jnp.array([0, 1]),
+            weights=jnp.array([0.0, 1.0]),
+            label_smoothing=0.1,
+            z_loss=1e-4,
+        )[0]
+
+    grad = np.asarray(jax.grad(loss)(jnp.array([[NEG, NEG], [0.0, 1.0]])))
+    assert np.all(np.isfinite(grad)), grad
+    np.testing.assert_array_equal(grad[0], 0.0)

@@ -7,9 +7,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from lmhead import losses, modules
 from tests import references
+from tests.errors import assert_raises_exactly
 
 V, D = 11, 6
 
@@ -193,3 +195,137 @@ class LossTest(chex.TestCase):
             z = references.unembed(h, w, variables["params"]["bias"], scale=0.8)
             _, want = references.cross_entropy(z, labels, weights)
             np.testing.assert_allclose(metrics["nll"], want["nll"], rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# bad input: each case raises exactly the expected exception type (not a
+# subclass, not an error from deeper down) with a message that names the
+# argument (tests/errors.py). Bad values that cannot be refused inside jit
+# follow a documented rule instead (RULES), checked with and without jit:
+# never a NaN.
+
+H = jnp.ones((2, 3, 4))
+W = jnp.ones((5, 4))
+LABELS = jnp.zeros((2,), jnp.int32)
+NAN, INF = float("nan"), float("inf")
+KEY = jax.random.key(0)
+
+
+def lm_head_loss(loss_impl="fused", **kwargs):
+    return modules.LMHead(5, tied=True).apply(
+        {},
+        H,
+        jnp.zeros((2, 3), jnp.int32),
+        W,
+        loss_impl=loss_impl,
+        method="loss",
+        **kwargs,
+    )
+
+
+class WrongSizeEmbed(nn.Module):
+    """A tied head handed an ``nn.Embed`` of one token too many."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(6, 4)
+        return modules.LMHead(5, tied=True)(embed(tokens), embed)
+
+
+BAD_INPUTS = [
+    # Fields are checked when the module is built.
+    ("LMHead vocab_size 0", lambda: modules.LMHead(0), ValueError, "vocab_size"),
+    ("LMHead vocab_size < 0", lambda: modules.LMHead(-1), ValueError, "vocab_size"),
+    ("LMHead vocab_size float", lambda: modules.LMHead(5.0), TypeError, "vocab_size"),
+    ("LMHead vocab_size bool", lambda: modules.LMHead(True), TypeError, "vocab_size"),
+    ("LMHead tied string", lambda: modules.LMHead(5, tied="no"), TypeError, "tied"),
+    (
+        "LMHead use_bias int",
+        lambda: modules.LMHead(5, use_bias=1),
+        TypeError,
+        "use_bias",
+    ),
+    ("LMHead scale 0", lambda: modules.LMHead(5, scale=0.0), ValueError, "scale"),
+    (
+        "LMHead softcap inf",
+        lambda: modules.LMHead(5, softcap=INF),
+        ValueError,
+        "softcap",
+    ),
+    (
+        "LMHead tied without embedding",
+        lambda: modules.LMHead(5, tied=True).apply({}, H),
+        ValueError,
+        ("embedding", "tied"),
+    ),
+    (
+        "LMHead tied table [V, D - 1]",
+        lambda: modules.LMHead(5, tied=True).apply({}, H, jnp.ones((5, 3))),
+        ValueError,
+        "embedding",
+    ),
+    (
+        "LMHead tied table [V + 1, D]",
+        lambda: modules.LMHead(5, tied=True).apply({}, H, jnp.ones((6, 4))),
+        ValueError,
+        "embedding",
+    ),
+    (
+        "LMHead tied table [D, V]",
+        lambda: modules.LMHead(5, tied=True).apply({}, H, jnp.ones((4, 5))),
+        ValueError,
+        "embedding",
+    ),
+    (
+        "LMHead tied table flat",
+        lambda: modules.LMHead(5, tied=True).apply({}, H, jnp.ones(20)),
+        ValueError,
+        "embedding",
+    ),
+    (
+        "LMHead tied nn.Embed of V + 1",
+        lambda: WrongSizeEmbed().init(KEY, LABELS),
+        ValueError,
+        "embedding",
+    ),
+    (
+        "LMHead untied with embedding",
+        lambda: modules.LMHead(5, tied=False).init(KEY, H, W),
+        ValueError,
+        ("embedding", "tied"),
+    ),
+    (
+        "LMHead integer h",
+        lambda: modules.LMHead(5, tied=False).init(KEY, H.astype(jnp.int32)),
+        TypeError,
+        "h",
+    ),
+    (
+        "LMHead loss integer h",
+        lambda: modules.LMHead(5, tied=True).apply(
+            {}, H.astype(jnp.int32), jnp.zeros((2, 3), jnp.int32), W, method="loss"
+        ),
+        TypeError,
+        "h",
+    ),
+    (
+        "LMHead untied D = 0",
+        lambda: modules.LMHead(5, tied=False).init(KEY, H[..., :0]),
+        ValueError,
+        "w",
+    ),
+    ("LMHead loss_impl", lambda: lm_head_loss("chunked"), ValueError, "loss_impl"),
+    (
+        "LMHead chunk_size with materialized",
+        lambda: lm_head_loss("materialized", chunk_size=4),
+        ValueError,
+        ("chunk_size", "loss_impl"),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
+)
+def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
+    assert_raises_exactly(call, error, named)

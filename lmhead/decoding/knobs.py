@@ -82,7 +82,9 @@ class SamplingKnobs:
             that many tokens. Default 0 (neutral).
         no_repeat_ngram_size: static integer ``n >= 1``, or None (off).
             Reads the token history.
-        suppress_tokens: static ids in ``[0, V)`` never produced, or None.
+        suppress_tokens: static ids in ``[0, V)`` never produced, or None;
+            a tuple where the knobs are an argument of a jitted function
+            (static fields must be hashable; :meth:`as_arrays` makes one).
 
     Examples:
         >>> knobs = SamplingKnobs(temperature=0.8, top_k=40)

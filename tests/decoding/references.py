@@ -1,0 +1,175 @@
+"""What the decoding tests share: numpy references (float64) and the
+second-order Markov chain the decoders run on.
+
+The chain's next logits depend on the token fed in *and* on the one before
+it, which lives in the state, so a beam search that reorders the state
+wrongly gets wrong logits. The chain's table is the step function's
+``params``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lmhead import decoding
+from tests.references import log_softmax as np_log_softmax
+
+
+def np_top_k_mask(z, k):
+    keep = np.zeros(z.shape, bool)
+    for row, values in enumerate(z):
+        keep[row, np.argsort(-values, kind="stable")[:k]] = True
+    return keep
+
+
+def np_top_p_mask(z, p):
+    """Walks down the sorted probabilities until the mass reaches p."""
+    probs = np.exp(np_log_softmax(z))
+    keep = np.zeros(z.shape, bool)
+    for row in range(z.shape[0]):
+        mass = 0.0
+        for token in np.argsort(-z[row], kind="stable"):
+            keep[row, token] = True
+            mass += probs[row, token]
+            if mass >= p:
+                break
+    return keep
+
+
+def np_min_p_mask(z, min_p):
+    probs = np.exp(np_log_softmax(z))
+    return probs >= min_p * probs.max(-1, keepdims=True)
+
+
+def np_sampling_probs(logits, temperature, top_k, top_p, min_p):
+    """The processed distribution: temperature, then top-k, top-p, min-p."""
+    z = np.asarray(logits, np.float64) / temperature
+    for keep in (
+        lambda z: np_top_k_mask(z, top_k) if top_k else np.ones(z.shape, bool),
+        lambda z: np_top_p_mask(z, top_p),
+        lambda z: np_min_p_mask(z, min_p),
+    ):
+        z = np.where(keep(z), z, -np.inf)
+    return np.exp(np_log_softmax(z))
+
+
+def np_repetition_penalty(z, history, penalty):
+    z = np.array(z, np.float64)
+    for row, tokens in enumerate(history):
+        for token in {int(t) for t in tokens if t >= 0}:
+            value = z[row, token]
+            z[row, token] = value * penalty if value < 0 else value / penalty
+    return z
+
+
+def np_ngram_banned(history, n):
+    """Tokens t such that (last n-1 tokens, t) already occurs in history."""
+    history = [int(t) for t in history if t >= 0]
+    prefix = history[len(history) - n + 1 :] if n > 1 else []
+    return {
+        history[j + n - 1]
+        for j in range(len(history) - n + 1)
+        if history[j : j + n - 1] == prefix
+    }
+
+
+def np_divisor(length, alpha, penalty):
+    return ((5 + length) / 6) ** alpha if penalty == "gnmt" else length**alpha
+
+
+def markov_step(table, tokens, state):
+    """A second-order chain: next logits = table[previous token, token]."""
+    return table[state["prev"], tokens], {**state, "prev": tokens}
+
+
+# Run-time calls of counted_markov_step (a debug callback runs on every call,
+# not only when traced). Module-level functions share compiled loops.
+CALLS = []
+
+
+def counted_markov_step(table, tokens, state):
+    jax.debug.callback(lambda: CALLS.append(1))
+    return markov_step(table, tokens, state)
+
+
+class MarkovChain:
+    """Random logits after each prompt, and a random second-order table."""
+
+    def __init__(self, seed, vocab_size, batch, eos_boost=0.0, eos_id=0):
+        rng = np.random.default_rng(seed)
+        self.table = 2.0 * rng.standard_normal((vocab_size,) * 3).astype(np.float32)
+        self.table[..., eos_id] += eos_boost
+        self.logits = (2.0 * rng.standard_normal((batch, vocab_size))).astype(
+            np.float32
+        )
+        self.logits[:, eos_id] += eos_boost
+        self.prev = rng.integers(0, vocab_size, batch).astype(np.int32)
+        self.vocab_size = vocab_size
+
+    def state(self):
+        return {"prev": jnp.asarray(self.prev)}
+
+    def log_probs(self, row, sequence):
+        """Per-token log-probs of a continuation of prompt ``row``."""
+        out, prev, logits = [], self.prev[row], self.logits[row]
+        for token in sequence:
+            out.append(np_log_softmax(logits)[token])
+            logits, prev = self.table[prev, token], token
+        return out
+
+
+def np_greedy(
+    chain,
+    row,
+    max_new_tokens,
+    *,
+    eos_id=None,
+    pad_id=0,
+    prompt=(),
+    repetition_penalty=None,
+    ngram=None,
+    suppress=(),
+    min_new_tokens=0,
+):
+    """Greedy decoding with the raw-logit processors, one row, in numpy."""
+    history = [int(t) for t in prompt if t >= 0]
+    tokens, log_probs = [], []
+    prev, logits = chain.prev[row], chain.logits[row].astype(np.float64)
+    for step in range(max_new_tokens):
+        z = logits[None]
+        if repetition_penalty is not None:
+            z = np_repetition_penalty(z, [history], repetition_penalty)
+        z = z[0].copy()
+        if ngram is not None:
+            z[list(np_ngram_banned(history, ngram))] = -np.inf
+        z[list(suppress)] = -np.inf
+        if eos_id is not None and step < min_new_tokens:
+            z[eos_id] = -np.inf
+        if np.all(np.isneginf(z)):
+            token, log_prob = int(np.argmax(logits)), 0.0
+        else:
+            token = int(np.argmax(z))
+            log_prob = np_log_softmax(z)[token]
+        tokens.append(token)
+        log_probs.append(log_prob)
+        history.append(token)
+        if token == eos_id:
+            break
+        logits, prev = chain.table[prev, token].astype(np.float64), token
+    length = len(tokens)
+    pad = max_new_tokens - length
+    return tokens + [pad_id] * pad, log_probs + [0.0] * pad, length
+
+
+def generate_greedy(chain, max_new_tokens, step_fn=markov_step, **kwargs):
+    """``decoding.generate`` at temperature 0 on the chain's prompts."""
+    return decoding.generate(
+        step_fn,
+        chain.table,
+        chain.logits,
+        chain.state(),
+        key=jax.random.key(0),
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+        **kwargs,
+    )

@@ -1,0 +1,281 @@
+"""Tests for lmhead/decoding/processors.py (and the sort-free top set of
+top_set.py) against numpy references, with and without jit."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lmhead import decoding
+from tests.decoding.references import (
+    MarkovChain,
+    np_min_p_mask,
+    np_ngram_banned,
+    np_repetition_penalty,
+    np_top_k_mask,
+    np_top_p_mask,
+)
+from tests.errors import assert_raises_exactly
+from tests.references import log_softmax as np_log_softmax
+
+
+class ProcessorTest(chex.TestCase):
+    def setUp(self):
+        super().setUp()
+        rng = np.random.default_rng(0)
+        # Rounded to one decimal so that some rows have ties.
+        self.logits = np.round(rng.standard_normal((6, 7)) * 2, 1).astype(np.float32)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_temperature(self):
+        scale = self.variant(decoding.apply_temperature)
+        for temperature in (0.3, 1.0, 2.5):
+            np.testing.assert_allclose(
+                jax.nn.log_softmax(scale(self.logits, temperature)),
+                np_log_softmax(self.logits / temperature),
+                rtol=1e-5,
+                atol=1e-5,
+            )
+        np.testing.assert_array_equal(scale(self.logits, 0.0), self.logits)
+        extreme = scale(jnp.array([[1e4, -1e4, 0.0]]), 1e-36)  # overflows, to -inf only
+        np.testing.assert_array_equal(extreme, [[0.0, -np.inf, -np.inf]])
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_top_k_keeps_exactly_k_and_breaks_ties_to_lower_ids(self):
+        top_k = self.variant(decoding.apply_top_k)
+        for k in (1, 2, 3, 6):
+            kept = np.isfinite(top_k(self.logits, k))
+            np.testing.assert_array_equal(kept, np_top_k_mask(self.logits, k))
+            np.testing.assert_array_equal(kept.sum(-1), k)
+        for k_all in (0, 7, 100):  # 0 is off; more than V keeps all
+            np.testing.assert_array_equal(top_k(self.logits, k_all), self.logits)
+        tied = top_k(jnp.array([[1.0, 2.0, 2.0, 2.0]]), 2)
+        np.testing.assert_array_equal(tied, [[-np.inf, 2.0, 2.0, -np.inf]])
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_top_p_matches_reference(self):
+        top_p = self.variant(decoding.apply_top_p)
+        for p in (0.05, 0.3, 0.5, 0.9, 0.99):
+            np.testing.assert_array_equal(
+                np.isfinite(top_p(self.logits, p)), np_top_p_mask(self.logits, p)
+            )
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_top_p_edge_cases(self):
+        top_p = self.variant(decoding.apply_top_p)
+        dyadic = np.log(np.array([[0.0625, 0.5, 0.125, 0.25, 0.0625]], np.float32))
+        for p, kept in [
+            (0.75, [1, 3]),  # mass exactly p: no more
+            (0.7501, [1, 2, 3]),  # just above: the crossing one too
+            (0.875, [1, 2, 3]),
+            (1.0, [0, 1, 2, 3, 4]),  # p = 1 keeps all
+            (1e-6, [1]),
+        ]:  # tiny p keeps the argmax
+            self.assertEqual(
+                np.flatnonzero(np.isfinite(top_p(dyadic, p))).tolist(),
+                kept,
+                msg=f"p={p}",
+            )
+            self.assertEqual(
+                np.flatnonzero(np_top_p_mask(dyadic, p)[0]).tolist(),
+                kept,
+                msg=f"reference, p={p}",
+            )
+        uniform = top_p(jnp.zeros((1, 4)), 0.5)  # exact in float32; ties to lower ids
+        np.testing.assert_array_equal(np.isfinite(uniform), [[1, 1, 0, 0]])
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_top_k_and_top_p_on_a_wide_vocabulary_with_ties(self):
+        """V = 3000 with values from a few levels (long runs of exact ties,
+        0.0 and -0.0 among them, which tie) and banned -inf tokens: the cut
+        found by halving the key range equals the stable sort's."""
+        rng = np.random.default_rng(7)
+        levels = np.array([-np.inf, -2.0, -0.0, 0.0, 0.5, 1.25, 3.0], np.float32)
+        logits = levels[rng.integers(0, len(levels), (3, 3000))]
+        logits[:, :3] = 3.0  # the row's largest value occurs at least thrice
+        top_k, top_p = (
+            self.variant(decoding.apply_top_k),
+            self.variant(decoding.apply_top_p),
+        )
+        for k in (1, 2, 700, 2999):
+            np.testing.assert_array_equal(
+                np.isfinite(top_k(logits, k)),
+                np_top_k_mask(logits, k) & np.isfinite(logits),
+            )
+        for p in (0.01, 0.3, 0.9):
+            np.testing.assert_array_equal(
+                np.isfinite(top_p(logits, p)), np_top_p_mask(logits, p)
+            )
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_top_p_with_mass_exactly_p_keeps_exactly_that_set(self):
+        """Two-decimal distributions; p = the exact mass of the top j tokens."""
+        rng = np.random.default_rng(3)
+        probs = rng.integers(1, 30, (200, 5)).astype(np.float64)
+        probs = np.round(probs / probs.sum(-1, keepdims=True), 2)
+        probs[:, -1] = 1.0 - probs[:, :-1].sum(-1)
+        usable = (probs > 0).all(-1) & (
+            np.sort(probs, -1)[:, 1:] != np.sort(probs, -1)[:, :-1]
+        ).all(-1)
+        probs = probs[usable]
+        num_top = rng.integers(1, 5, len(probs))
+        mass = np.round(
+            [np.sort(row)[::-1][:j].sum() for row, j in zip(probs, num_top)], 10
+        )
+        top_p = self.variant(jax.vmap(decoding.apply_top_p))
+        kept = np.isfinite(
+            top_p(np.log(probs).astype(np.float32), mass.astype(np.float32))
+        )
+        np.testing.assert_array_equal(kept.sum(-1), num_top)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_min_p(self):
+        min_p = self.variant(decoding.apply_min_p)
+        for m in (0.0, 0.05, 0.3, 0.9, 1.0):
+            np.testing.assert_array_equal(
+                np.isfinite(min_p(self.logits, m)), np_min_p_mask(self.logits, m)
+            )
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_repetition_penalty(self):
+        rng = np.random.default_rng(1)
+        history = rng.integers(-1, 7, (6, 5)).astype(np.int32)
+        penalize = self.variant(decoding.apply_repetition_penalty)
+        for penalty in (0.5, 1.3, 2.0):
+            np.testing.assert_allclose(
+                penalize(self.logits, history, penalty),
+                np_repetition_penalty(self.logits, history, penalty),
+                rtol=1e-6,
+            )
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_no_repeat_ngram(self):
+        rng = np.random.default_rng(2)
+        history = rng.integers(0, 3, (6, 9)).astype(np.int32)
+        history[:2, :3] = decoding.NO_TOKEN
+        for n in (1, 2, 3):
+            banned = self.variant(decoding.apply_no_repeat_ngram, static_argnums=2)(
+                self.logits, history, n
+            )
+            expected = np.zeros(self.logits.shape, bool)
+            for row in range(6):
+                expected[row, list(np_ngram_banned(history[row], n))] = True
+            np.testing.assert_array_equal(
+                np.isneginf(banned), expected, err_msg=f"n={n}"
+            )
+            self.assertTrue(expected.any())
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_suppress_and_min_new_tokens(self):
+        suppressed = self.variant(decoding.apply_suppress_tokens, static_argnums=1)(
+            self.logits, (1, 4)
+        )
+        np.testing.assert_array_equal(
+            np.isneginf(suppressed).sum(0), [0, 6, 0, 0, 6, 0, 0]
+        )
+        early = self.variant(
+            lambda z, n: decoding.apply_min_new_tokens(z, n, min_new_tokens=3, eos_id=2)
+        )(self.logits, jnp.arange(6))
+        np.testing.assert_array_equal(np.isneginf(early)[:, 2], [1, 1, 1, 0, 0, 0])
+        self.assertEqual(int(np.isneginf(early).sum()), 3)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_all_removed_falls_back_to_raw_argmax(self):
+        process = self.variant(
+            lambda z, history: decoding.process_logits(
+                z, repetition_penalty=2.0, history=history, suppress_tokens=(0, 1, 2)
+            )
+        )
+        # The penalty moves the argmax from 0 to 1; the fallback uses the raw one.
+        out = process(jnp.array([[3.0, 2.9, 1.0]]), jnp.array([[0]]))
+        np.testing.assert_array_equal(out, [[0.0, -np.inf, -np.inf]])
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_never_nan(self):
+        process = self.variant(
+            lambda z, t: decoding.process_logits(
+                z, temperature=t, top_k=2, top_p=0.5, min_p=0.5
+            )
+        )
+        huge = jnp.array([[1e4, -1e4, 3e38, -3e38], [-np.inf] * 4])
+        for temperature in (0.0, 1e-30, 1.0, 1e30):
+            out = process(huge, temperature)
+            self.assertFalse(np.isnan(out).any())
+            self.assertFalse(np.isnan(jax.nn.log_softmax(out)).any())
+
+
+# ---------------------------------------------------------------------------
+# bad input: the message names the argument and what is allowed
+# (BAD_INPUT_MESSAGES, whose fragments are pinned), and each case raises
+# exactly the expected type with a message that names the argument
+# (BAD_INPUTS, tests/errors.py).
+
+CHAIN = MarkovChain(15, vocab_size=4, batch=2)
+
+
+BAD_INPUT_MESSAGES = [
+    (
+        lambda: decoding.apply_top_p(CHAIN.logits, 0.0),
+        ValueError,
+        "top_p must be in (0, 1]",
+    ),
+    (
+        lambda: decoding.apply_top_k(CHAIN.logits, -2),
+        ValueError,
+        "top_k must be in [0",
+    ),
+    (
+        lambda: decoding.apply_min_p(CHAIN.logits, 2.0),
+        ValueError,
+        "min_p must be in [0, 1]",
+    ),
+    (
+        lambda: decoding.apply_temperature(CHAIN.logits, -0.5),
+        ValueError,
+        "temperature must be in [0",
+    ),
+    (
+        lambda: decoding.apply_repetition_penalty(
+            CHAIN.logits, jnp.zeros((2, 1), jnp.int32), -1.0
+        ),
+        ValueError,
+        "repetition_penalty must be in (0",
+    ),
+    (
+        lambda: decoding.process_logits(CHAIN.logits, no_repeat_ngram_size=2),
+        ValueError,
+        "history is required",
+    ),
+    (
+        lambda: decoding.apply_top_k(jnp.array([1, 2]), 1),
+        TypeError,
+        "logits must have a floating-point dtype",
+    ),
+]
+
+
+@pytest.mark.parametrize("call,error,fragment", BAD_INPUT_MESSAGES)
+def test_bad_input_is_named(call, error, fragment):
+    with pytest.raises(error) as info:
+        call()
+    assert fragment in str(info.value)
+
+
+UNIFORM_LOGITS = jnp.zeros((2, 5))
+
+BAD_INPUTS = [
+    (
+        "process_logits history missing",
+        lambda: decoding.process_logits(UNIFORM_LOGITS, repetition_penalty=1.2),
+        ValueError,
+        "history",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
+)
+def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
+    assert_raises_exactly(call, error, named)

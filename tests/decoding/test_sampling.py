@@ -1,0 +1,510 @@
+"""Tests for lmhead/decoding/sampling.py (generate) on a Markov chain,
+against numpy greedy decoding and the processed distribution."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from lmhead import decoding
+from tests.decoding.references import (
+    CALLS,
+    MarkovChain,
+    counted_markov_step,
+    generate_greedy,
+    markov_step,
+    np_greedy,
+    np_sampling_probs,
+)
+from tests.errors import assert_raises_exactly
+
+
+def assert_greedy_matches_numpy(chain, outputs, **settings):
+    tokens, log_probs, lengths = outputs
+    for row in range(tokens.shape[0]):
+        ref_tokens, ref_log_probs, ref_length = np_greedy(
+            chain, row, tokens.shape[1], **settings
+        )
+        np.testing.assert_array_equal(tokens[row], ref_tokens, err_msg=str(settings))
+        np.testing.assert_allclose(log_probs[row], ref_log_probs, rtol=1e-5, atol=1e-6)
+        assert lengths[row] == ref_length
+
+
+def test_greedy_matches_numpy_and_stops_when_every_row_has_ended():
+    chain = MarkovChain(3, vocab_size=4, batch=5, eos_boost=1.5)
+    CALLS.clear()
+    outputs = generate_greedy(chain, 10, step_fn=counted_markov_step)
+    jax.effects_barrier()
+    assert_greedy_matches_numpy(chain, outputs)
+    assert len(CALLS) == 9  # the last token's logits are never computed
+
+    CALLS.clear()
+    outputs = generate_greedy(
+        chain, 10, step_fn=counted_markov_step, eos_id=0, pad_id=3
+    )
+    jax.effects_barrier()
+    assert_greedy_matches_numpy(chain, outputs, eos_id=0, pad_id=3)
+    lengths = np.asarray(outputs[2])
+    assert lengths.max() < 10 and len(set(lengths)) > 1, lengths
+    assert len(CALLS) == lengths.max() - 1
+
+
+def test_num_samples_orders_rows_prompt_major_and_top_k_one_is_greedy():
+    chain = MarkovChain(11, vocab_size=4, batch=5)
+    greedy = generate_greedy(chain, 10)[0]
+    sample = lambda **kwargs: decoding.generate(
+        markov_step,
+        chain.table,
+        chain.logits,
+        chain.state(),
+        key=jax.random.key(1),
+        max_new_tokens=10,
+        num_samples=3,
+        **kwargs,
+    )[0]
+    np.testing.assert_array_equal(
+        sample(temperature=1.0, top_k=1), np.repeat(greedy, 3, axis=0)
+    )
+    varied = sample(temperature=5.0, top_k=0)  # top_k 0: no filter
+    assert len({tuple(row) for row in np.asarray(varied[:3])}) > 1
+
+
+def test_sampled_frequencies_match_processed_distribution():
+    chain = MarkovChain(6, vocab_size=8, batch=1)
+    num_samples = 20_000
+    configs = [
+        dict(temperature=0.6, top_k=0, top_p=1.0, min_p=0.0),
+        dict(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0),
+        dict(temperature=1.0, top_k=0, top_p=0.8, min_p=0.0),
+        dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.25),
+    ]
+    for seed, config in enumerate(configs):
+        tokens, log_probs, _ = decoding.generate(
+            markov_step,
+            chain.table,
+            chain.logits,
+            chain.state(),
+            key=jax.random.key(seed),
+            max_new_tokens=1,
+            num_samples=num_samples,
+            **config,
+        )
+        expected = np_sampling_probs(chain.logits, **config)[0]
+        counts = np.bincount(np.asarray(tokens[:, 0]), minlength=8)
+        kept = expected > 0
+        filtering = seed > 0  # every config but the first removes some tokens
+        assert (1 < kept.sum() < 8) if filtering else kept.all(), (config, expected)
+        assert counts[~kept].sum() == 0, config
+        statistic = np.sum(
+            (counts[kept] - num_samples * expected[kept]) ** 2
+            / (num_samples * expected[kept])
+        )
+        assert stats.chi2.sf(statistic, kept.sum() - 1) > 1e-3, (config, counts)
+        np.testing.assert_allclose(
+            np.exp(log_probs[:, 0]), expected[np.asarray(tokens[:, 0])], rtol=1e-4
+        )
+
+
+def test_changing_values_does_not_recompile():
+    chain = MarkovChain(7, vocab_size=4, batch=2)
+    traces = []
+
+    def step_fn(table, tokens, state):
+        traces.append(1)
+        return markov_step(table, tokens, state)
+
+    def run(**kwargs):
+        decoding.generate(
+            step_fn,
+            chain.table,
+            chain.logits,
+            chain.state(),
+            key=jax.random.key(0),
+            max_new_tokens=3,
+            eos_id=0,
+            **kwargs,
+        )[0].block_until_ready()
+
+    run(temperature=0.7, top_k=2, top_p=0.9, min_p=0.1, min_new_tokens=1)
+    compiled = len(traces)
+    assert compiled > 0
+    run(temperature=0.0, top_k=4, top_p=0.3, min_p=0.0, min_new_tokens=2)
+    run(temperature=1.9, top_k=0, top_p=1.0, min_p=0.5, min_new_tokens=0)
+    assert len(traces) == compiled
+    run(temperature=0.7, top_k=2, top_p=None, min_p=0.1)  # turning one off recompiles
+    assert len(traces) > compiled
+
+
+def test_per_row_knobs_equal_row_by_row_decoding():
+    """One batch with a greedy row and rows of different sampling settings:
+    the processed logits equal each row's with scalar knobs, a greedy row
+    equals greedy decoding, and every sampled token's log-prob is its
+    probability under that row's own processed distribution."""
+    chain = MarkovChain(16, vocab_size=6, batch=4)
+    knobs = dict(
+        temperature=np.array([0.0, 0.7, 1.0, 1.5], np.float32),
+        top_k=np.array([0, 3, 0, 5], np.int32),
+        top_p=np.array([1.0, 1.0, 0.8, 0.95], np.float32),
+        min_p=np.array([0.0, 0.0, 0.0, 0.2], np.float32),
+    )
+    processed = decoding.process_logits(chain.logits, **knobs)
+    for row in range(4):
+        scalar = {name: value[row] for name, value in knobs.items()}
+        np.testing.assert_array_equal(
+            processed[row],
+            decoding.process_logits(chain.logits[row : row + 1], **scalar)[0],
+        )
+    tokens, log_probs, _ = decoding.generate(
+        markov_step,
+        chain.table,
+        chain.logits,
+        chain.state(),
+        key=jax.random.key(2),
+        max_new_tokens=5,
+        **knobs,
+    )
+    np.testing.assert_array_equal(tokens[0], generate_greedy(chain, 5)[0][0])
+    for row in range(1, 4):
+        logits, prev = chain.logits[row], chain.prev[row]
+        scalar = {name: value[row] for name, value in knobs.items()}
+        for step, token in enumerate(np.asarray(tokens[row])):
+            expected = np_sampling_probs(logits[None], **scalar)[0]
+            assert expected[token] > 0, (row, step)
+            np.testing.assert_allclose(
+                np.exp(log_probs[row, step]), expected[token], rtol=1e-4
+            )
+            logits, prev = chain.table[prev, token], token
+
+
+def test_nonfinite_logits_end_the_row_with_log_prob_minus_inf():
+    """The rule for a model that returns NaN (or +inf, or all -inf) logits:
+    that row stops with pad_id and log-prob -inf; the others go on."""
+    chain = MarkovChain(17, vocab_size=4, batch=3)
+    first = generate_greedy(chain, 4)[0]
+    table = chain.table.copy()
+    table[chain.prev[1], int(first[1, 0])] = np.nan  # row 1, second step
+    table[int(first[2, 0]), int(first[2, 1])] = -np.inf  # row 2, third step
+    logits = chain.logits.copy()
+    tokens, log_probs, lengths = decoding.generate(
+        markov_step,
+        table,
+        logits,
+        chain.state(),
+        key=jax.random.key(0),
+        max_new_tokens=4,
+        temperature=0.0,
+        pad_id=3,
+    )
+    np.testing.assert_array_equal(np.isneginf(log_probs).any(-1), [False, True, True])
+    np.testing.assert_array_equal(lengths, [4, 1, 2])
+    np.testing.assert_array_equal(tokens[0], first[0])
+    np.testing.assert_array_equal(tokens[1], [first[1, 0], 3, 3, 3])
+    np.testing.assert_array_equal(tokens[2], [first[2, 0], first[2, 1], 3, 3])
+    assert not np.isnan(np.asarray(log_probs)).any()
+
+
+def test_jit_and_no_jit_agree():
+    """Eager (jax.disable_jit), the internal jit, and inside an outer jit."""
+    chain = MarkovChain(8, vocab_size=4, batch=2)
+
+    def sample(table, logits, state, key, temperature, top_p):
+        return decoding.generate(
+            markov_step,
+            table,
+            logits,
+            state,
+            key=key,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=3,
+            eos_id=0,
+            num_samples=2,
+        )
+
+    args = (chain.table, chain.logits, chain.state(), jax.random.key(3), 1.2, 0.9)
+    with jax.disable_jit():
+        expected = sample(*args)
+    for got in (sample(*args), jax.jit(sample)(*args)):
+        np.testing.assert_array_equal(got[0], expected[0])
+        np.testing.assert_allclose(got[1], expected[1], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(got[2], expected[2])
+
+
+def test_history_processors_in_the_loop_match_numpy():
+    chain = MarkovChain(9, vocab_size=4, batch=3)
+    prompt = np.array([[-1, -1, 1, 2], [3, 1, 3, -1], [2, 2, 2, 2]], np.int32)
+    for penalty in (1.0, 3.0, 0.5):  # 1.0: the n-gram filter alone
+        outputs = generate_greedy(
+            chain,
+            6,
+            repetition_penalty=penalty,
+            no_repeat_ngram_size=2,
+            prompt_tokens=prompt,
+        )
+        for row in range(3):
+            ref_tokens, ref_log_probs, _ = np_greedy(
+                chain, row, 6, prompt=prompt[row], repetition_penalty=penalty, ngram=2
+            )
+            np.testing.assert_array_equal(
+                outputs[0][row], ref_tokens, err_msg=str(penalty)
+            )
+            np.testing.assert_allclose(
+                outputs[1][row], ref_log_probs, rtol=1e-5, atol=1e-6
+            )
+
+
+def test_min_new_tokens_suppress_and_fallback_in_the_loop():
+    chain = MarkovChain(10, vocab_size=4, batch=4, eos_boost=4.0)
+    settings = dict(eos_id=0, min_new_tokens=3)
+    outputs = generate_greedy(chain, 5, suppress_tokens=[2], **settings)
+    assert_greedy_matches_numpy(chain, outputs, suppress=[2], **settings)
+    assert (outputs[2] >= 3).all()
+    outputs = generate_greedy(chain, 5, suppress_tokens=[0, 1, 2, 3], **settings)
+    assert_greedy_matches_numpy(chain, outputs, suppress=[0, 1, 2, 3], **settings)
+    np.testing.assert_array_equal(outputs[1], 0.0)
+
+
+# ---------------------------------------------------------------------------
+# bad input: the message names the argument and what is allowed
+# (BAD_INPUT_MESSAGES, whose fragments are pinned), and each case raises
+# exactly the expected type with a message that names the argument
+# (BAD_INPUTS, tests/errors.py).
+
+CHAIN = MarkovChain(15, vocab_size=4, batch=2)
+
+
+def _generate(**kwargs):
+    settings = dict(key=jax.random.key(0), max_new_tokens=2)
+    logits, state = (
+        kwargs.pop("logits", CHAIN.logits),
+        kwargs.pop("state", CHAIN.state()),
+    )
+    return decoding.generate(
+        markov_step, CHAIN.table, logits, state, **{**settings, **kwargs}
+    )
+
+
+BAD_INPUT_MESSAGES = [
+    (lambda: _generate(top_p=0.0), ValueError, "top_p must be in (0, 1]"),
+    (lambda: _generate(top_p=1.5), ValueError, "top_p must be in (0, 1]"),
+    (lambda: _generate(top_k=-1), ValueError, "top_k must be in [0"),
+    (lambda: _generate(top_k=2.5), TypeError, "top_k must have an integer dtype"),
+    (lambda: _generate(min_p=1.5), ValueError, "min_p must be in [0, 1]"),
+    (lambda: _generate(min_p=-0.1), ValueError, "min_p must be in [0, 1]"),
+    (lambda: _generate(temperature=-1.0), ValueError, "temperature must be in [0"),
+    (
+        lambda: _generate(repetition_penalty=0.0),
+        ValueError,
+        "repetition_penalty must be in (0",
+    ),
+    (
+        lambda: _generate(max_new_tokens=0),
+        ValueError,
+        "max_new_tokens must be an integer >= 1",
+    ),
+    (
+        lambda: _generate(num_samples=0),
+        ValueError,
+        "num_samples must be an integer >= 1",
+    ),
+    (
+        lambda: _generate(no_repeat_ngram_size=0),
+        ValueError,
+        "no_repeat_ngram_size must",
+    ),
+    (
+        lambda: _generate(eos_id=4),
+        ValueError,
+        "eos_id must be an integer in [0, V)",
+    ),
+    (lambda: _generate(suppress_tokens=[4]), ValueError, "suppress_tokens must be"),
+    (
+        lambda: _generate(min_new_tokens=-1),
+        ValueError,
+        "min_new_tokens must be in [0",
+    ),
+    (
+        lambda: _generate(
+            repetition_penalty=2.0, prompt_tokens=jnp.zeros((3, 2), jnp.int32)
+        ),
+        ValueError,
+        "prompt_tokens must have shape [B, P]",
+    ),
+    (
+        lambda: _generate(logits=CHAIN.logits[0]),
+        ValueError,
+        "logits must have shape [B, V]",
+    ),
+    (
+        lambda: _generate(logits=CHAIN.logits[None]),
+        ValueError,
+        "logits must have shape [B, V]",
+    ),
+    (
+        lambda: _generate(state={"prev": jnp.zeros((3,), jnp.int32)}),
+        ValueError,
+        "every leaf of state must have the batch axis B = 2",
+    ),
+    (
+        lambda: _generate(state={"prev": CHAIN.prev, "scale": jnp.float32(1.0)}),
+        ValueError,
+        "state['scale'] has shape ()",
+    ),
+]
+
+
+@pytest.mark.parametrize("call,error,fragment", BAD_INPUT_MESSAGES)
+def test_bad_input_is_named(call, error, fragment):
+    with pytest.raises(error) as info:
+        call()
+    assert fragment in str(info.value)
+
+
+# A uniform chain over 5 tokens, for the cases of BAD_INPUTS.
+UNIFORM_TABLE = jnp.log(jnp.full((5, 5), 0.2))
+UNIFORM_LOGITS = jnp.zeros((2, 5))
+
+
+def uniform_markov(table, tokens, state):
+    return table[tokens], state
+
+
+def uniform_generate(**kwargs):
+    return decoding.generate(
+        uniform_markov,
+        UNIFORM_TABLE,
+        UNIFORM_LOGITS,
+        (),
+        key=jax.random.key(0),
+        **{"max_new_tokens": 2, **kwargs},
+    )
+
+
+BAD_INPUTS = [
+    (
+        "generate logits rank",
+        lambda: decoding.generate(
+            uniform_markov,
+            UNIFORM_TABLE,
+            UNIFORM_LOGITS[None],
+            (),
+            key=jax.random.key(0),
+            max_new_tokens=2,
+        ),
+        ValueError,
+        "logits",
+    ),
+    (
+        "generate max_new_tokens 0",
+        lambda: uniform_generate(max_new_tokens=0),
+        ValueError,
+        "max_new_tokens",
+    ),
+    (
+        "generate max_new_tokens float",
+        lambda: uniform_generate(max_new_tokens=2.0),
+        TypeError,
+        "max_new_tokens",
+    ),
+    (
+        "generate num_samples 0",
+        lambda: uniform_generate(num_samples=0),
+        ValueError,
+        "num_samples",
+    ),
+    (
+        "generate temperature < 0",
+        lambda: uniform_generate(temperature=-0.5),
+        ValueError,
+        "temperature",
+    ),
+    ("generate top_k < 0", lambda: uniform_generate(top_k=-1), ValueError, "top_k"),
+    (
+        "generate top_p per row, wrong shape",
+        lambda: uniform_generate(top_p=jnp.full(3, 0.9)),
+        ValueError,
+        "top_p",
+    ),
+    (
+        "generate temperature per row < 0",
+        lambda: uniform_generate(temperature=jnp.array([0.0, -1.0])),
+        ValueError,
+        "temperature",
+    ),
+    ("generate top_k float", lambda: uniform_generate(top_k=2.0), TypeError, "top_k"),
+    ("generate top_p 0", lambda: uniform_generate(top_p=0.0), ValueError, "top_p"),
+    ("generate top_p > 1", lambda: uniform_generate(top_p=1.5), ValueError, "top_p"),
+    ("generate min_p > 1", lambda: uniform_generate(min_p=1.5), ValueError, "min_p"),
+    (
+        "generate repetition_penalty 0",
+        lambda: uniform_generate(repetition_penalty=0.0),
+        ValueError,
+        "repetition_penalty",
+    ),
+    (
+        "generate no_repeat_ngram_size 0",
+        lambda: uniform_generate(no_repeat_ngram_size=0),
+        ValueError,
+        "no_repeat_ngram_size",
+    ),
+    (
+        "generate min_new_tokens < 0",
+        lambda: uniform_generate(min_new_tokens=-1),
+        ValueError,
+        "min_new_tokens",
+    ),
+    ("generate eos_id = V", lambda: uniform_generate(eos_id=5), ValueError, "eos_id"),
+    (
+        "generate suppress_tokens",
+        lambda: uniform_generate(suppress_tokens=[7]),
+        ValueError,
+        "suppress_tokens",
+    ),
+    (
+        "generate state batch axis",
+        lambda: decoding.generate(
+            uniform_markov,
+            UNIFORM_TABLE,
+            UNIFORM_LOGITS,
+            {"cache": jnp.zeros((3, 4))},
+            key=jax.random.key(0),
+            max_new_tokens=2,
+        ),
+        ValueError,
+        "state",
+    ),
+    (
+        "generate prompt_tokens batch",
+        lambda: uniform_generate(
+            repetition_penalty=1.2, prompt_tokens=jnp.zeros((3, 2), jnp.int32)
+        ),
+        ValueError,
+        "prompt_tokens",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
+)
+def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
+    assert_raises_exactly(call, error, named)
+
+
+def test_generate_on_nonfinite_logits_ends_the_row_and_flags_it():
+    """No error can be raised inside the loop: the documented rule ends a row
+    whose logits are not finite, with pad_id and log-prob -inf."""
+    bad_table = UNIFORM_TABLE.at[1].set(jnp.nan)
+    tokens, log_probs, lengths = decoding.generate(
+        uniform_markov,
+        bad_table,
+        UNIFORM_LOGITS.at[1, 1].set(9.0),
+        (),
+        key=jax.random.key(0),
+        max_new_tokens=3,
+        temperature=0.0,
+        pad_id=4,
+    )
+    assert jnp.isneginf(log_probs).any(-1).tolist() == [False, True]
+    assert tokens[1].tolist() == [1, 4, 4] and lengths.tolist() == [3, 1]

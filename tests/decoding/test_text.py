@@ -1,0 +1,91 @@
+"""Tests for lmhead/decoding/text.py (detokenize)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lmhead import decoding
+from lmhead.lm import data
+from tests.errors import assert_raises_exactly
+
+
+class Letters:
+    def decode(self, ids):
+        return "".join("abcdefgh"[i] for i in ids)
+
+
+def test_detokenize_cuts_at_eos_and_drops_padding():
+    ids = np.array([[0, 1, 7, 2], [3, 3, 3, 3], [7, 0, 0, 0]])
+    assert decoding.detokenize(ids, Letters(), eos_id=7) == ["ab", "dddd", ""]
+    assert decoding.detokenize(ids[1], Letters(), pad_id=3) == ""
+    assert decoding.detokenize(ids[None], Letters(), eos_id=7) == [["ab", "dddd", ""]]
+    assert decoding.detokenize(ids[0], Letters()) == "abhc"
+
+
+def test_detokenize_with_the_project_and_library_tokenizers():
+    import tokenizers
+    from tokenizers import models
+
+    char = data.CharTokenizer.train("to be or not")
+    ids = char.encode("to be")
+    assert decoding.detokenize(jnp.array(ids), char) == "to be"
+    words = tokenizers.Tokenizer(
+        models.WordLevel({"to": 0, "be": 1, "<eos>": 2}, unk_token="<eos>")
+    )
+    assert decoding.detokenize([[0, 1, 2, 0]], words, eos_id=2) == ["to be"]
+
+
+# ---------------------------------------------------------------------------
+# bad input: the message names the argument and what is allowed
+# (BAD_INPUT_MESSAGES, whose fragments are pinned), and each case raises
+# exactly the expected type with a message that names the argument
+# (BAD_INPUTS, tests/errors.py).
+
+BAD_INPUT_MESSAGES = [
+    (
+        lambda: decoding.detokenize(3, Letters()),
+        ValueError,
+        "ids must have shape [..., N]",
+    ),
+    (
+        lambda: decoding.detokenize([1], object()),
+        TypeError,
+        "tokenizer must have a decode",
+    ),
+]
+
+
+@pytest.mark.parametrize("call,error,fragment", BAD_INPUT_MESSAGES)
+def test_bad_input_is_named(call, error, fragment):
+    with pytest.raises(error) as info:
+        call()
+    assert fragment in str(info.value)
+
+
+BAD_INPUTS = [
+    (
+        "detokenize no decode",
+        lambda: decoding.detokenize([[0, 1]], object()),
+        TypeError,
+        ("tokenizer", "decode"),
+    ),
+    (
+        "detokenize float ids",
+        lambda: decoding.detokenize([0.5], Letters()),
+        TypeError,
+        "ids",
+    ),
+    (
+        "detokenize scalar ids",
+        lambda: decoding.detokenize(3, Letters()),
+        ValueError,
+        "ids",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
+)
+def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
+    assert_raises_exactly(call, error, named)

@@ -62,7 +62,7 @@ def main(argv):
     _, tokenizer, model, params = generation.load_run(f.workdir)
     if f.quantize:
         params = generation.quantize_for_decoding(model, params, f.quantize)
-    texts = generation.generate_text(
+    texts = generation.continue_text(
         model,
         params,
         tokenizer,

@@ -1,12 +1,13 @@
-"""Using a trained run: loading it and generating text.
+"""Using a trained run: loading it and continuing text with it.
 
 Shared by ``experiments/generate.py``, ``experiments/score.py``,
 ``experiments/serve.py``, the training loop's samples and the notebook:
 :func:`load_run` gives a run's ``(config, tokenizer, model, params)`` and
-:func:`generate_text` continues a prompt with it.
-:func:`quantize_for_decoding` gives parameters whose head reads a
-half-precision or int8 table, and :func:`time_generation` measures time to
-first token and the cost of each new token. Scoring a given text is
+:func:`continue_text` continues a text prompt with it, window by window
+(the decoders themselves, on token ids, are ``lmhead.decoding.generate`` and
+``beam_search``). :func:`quantize_for_decoding` gives parameters whose head
+reads a half-precision or int8 table, and :func:`time_generation` measures
+time to first token and the cost of each new token. Scoring a given text is
 ``lmhead.lm.scoring``'s.
 """
 
@@ -44,7 +45,7 @@ def load_run(workdir: str):
     return config, tokenizer, model, state.params
 
 
-def generate_text(
+def continue_text(
     model: model_lib.DecoderLM,
     params: Any,
     tokenizer: data.Tokenizer,
@@ -66,10 +67,23 @@ def generate_text(
     ``C`` and right-padded) and adds ``max_len - C`` tokens; the last window's
     surplus is cut off. Every window has the same shapes, so it compiles once.
     Beam search, too, runs per window and keeps the best beam.
-    ``temperature=0`` is greedy.
+    ``temperature=0`` is greedy; the sampling knobs are
+    ``decoding.generate``'s.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> tokenizer = data.CharTokenizer("abc")
+        >>> model = model_lib.DecoderLM(vocab_size=3, num_layers=1, num_heads=2,
+        ...                             d_model=8, mlp_dim=16, max_len=8)
+        >>> params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+        >>> texts = continue_text(model, params["params"], tokenizer, "ab",
+        ...                       key=jax.random.key(1), num_samples=2,
+        ...                       max_new_tokens=10)  # windows of 4 + 4 tokens
+        >>> [len(text) for text in texts], {text[:2] for text in texts}
+        ([12, 12], {'ab'})
     """
     if model.max_len < 2:
-        raise ValueError("generate_text needs a model with max_len >= 2.")
+        raise ValueError("continue_text needs a model with max_len >= 2.")
     prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:
         raise ValueError("prompt must encode to at least one token.")
@@ -83,7 +97,7 @@ def generate_text(
         key, window_key = jax.random.split(key)
         ids.append(
             np.asarray(
-                _continue(
+                _continue_window(
                     model,
                     params,
                     context,
@@ -108,7 +122,7 @@ def generate_text(
     static_argnums=0,
     static_argnames=("max_new_tokens", "temperature", "top_k", "top_p", "num_beams"),
 )
-def _continue(
+def _continue_window(
     model,
     params,
     context,
@@ -156,7 +170,7 @@ def quantize_for_decoding(model: model_lib.DecoderLM, params: Any, dtype: str) -
     the embedding lookup keeps the float32 table and the head reads a
     quantized copy of it, stored as ``params[model.HEAD_TABLE]``. Either way
     the result is a params tree like any other: ``prefill``, the step
-    function, ``generate``, ``beam_search``, ``generate_text`` and
+    function, ``generate``, ``beam_search``, ``continue_text`` and
     ``model.apply`` take it as an argument (one compile serves every
     quantized set of the same dtype), while the loss refuses a
     ``QuantizedTable``.
@@ -210,7 +224,7 @@ class GenerationTimings(NamedTuple):
     new_tokens: int
 
 
-def _milliseconds(fn, repeats: int) -> float:
+def _median_milliseconds(fn, repeats: int) -> float:
     """The median wall time of ``fn()`` in ms, its outputs waited for."""
     times = []
     for _ in range(repeats):
@@ -287,14 +301,14 @@ def time_generation(
     for fn in (run_prefill, run_step, run_loop):
         jax.block_until_ready(fn())
     compile_seconds = time.perf_counter() - start
-    prefill_ms = _milliseconds(run_prefill, repeats)
-    first_step_ms = _milliseconds(run_step, repeats)
+    prefill_ms = _median_milliseconds(run_prefill, repeats)
+    first_step_ms = _median_milliseconds(run_step, repeats)
     return GenerationTimings(
         compile_seconds=compile_seconds,
         prefill_ms=prefill_ms,
         first_step_ms=first_step_ms,
         time_to_first_token_ms=prefill_ms + first_step_ms,
-        ms_per_token=_milliseconds(run_loop, repeats) / max_new_tokens,
+        ms_per_token=_median_milliseconds(run_loop, repeats) / max_new_tokens,
         new_tokens=max_new_tokens,
     )
 
@@ -307,9 +321,9 @@ def timing_prompt(
     max_new_tokens: int,
 ) -> tuple[np.ndarray, int]:
     """``(int32 [num_samples, C], n)``: ``prompt``'s ids cropped to the last
-    ``C <= max_len // 2`` (the context of :func:`generate_text`'s windows), one
+    ``C <= max_len // 2`` (the context of :func:`continue_text`'s windows), one
     row per sample, and the new tokens to time, ``min(max_new_tokens,
-    max_len - C)``: one window of :func:`generate_text`."""
+    max_len - C)``: one window of :func:`continue_text`."""
     ids = tokenizer.encode(prompt)[-(model.max_len // 2) :]
     if not ids:
         raise ValueError("prompt must encode to at least one token.")
@@ -329,7 +343,7 @@ def format_timings(t: GenerationTimings, batch_size: int) -> str:
 
 def write_samples(config, model, params, tokenizer, key, workdir) -> None:
     """Writes ``config.sample``'s continuations to ``workdir/samples.txt`` and prints them."""
-    texts = generate_text(
+    texts = continue_text(
         model,
         params,
         tokenizer,

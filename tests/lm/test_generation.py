@@ -1,17 +1,25 @@
-"""Decoding with a quantized head, and generation timings.
+"""Using a trained run: loading it, continuing text window by window,
+decoding with a quantized head, and generation timings.
 
-References: the float32 model, and numpy's ``h @ dequantize(table).T`` on the
+References: the float32 model, the model's own full forward passes (for the
+windows of ``continue_text``), and numpy's ``h @ dequantize(table).T`` on the
 model's own final hidden states.
 """
+
+import os
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import default
 from lmhead import decoding, quantize
-from lmhead.lm import data, generation
+from lmhead.lm import checkpoints, configuration, data, generation
 from lmhead.lm import model as model_lib
+from lmhead.lm import state as state_lib
+from tests.errors import assert_raises_exactly
 
 VOCAB, MAX_LEN, NEW = 61, 24, 12
 
@@ -19,6 +27,11 @@ VOCAB, MAX_LEN, NEW = 61, 24, 12
 def noisy_params(model, seed, noise=0.3):
     """Random parameters far from init, so that the logits spread out."""
     params = model.init(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))["params"]
+    return perturbed(params, seed, noise)
+
+
+def perturbed(params, seed, noise=0.3):
+    """``params`` plus N(0, noise^2) noise on every entry."""
     rng = np.random.default_rng(seed)
     return jax.tree.map(
         lambda x: jnp.asarray(x + noise * rng.standard_normal(x.shape), jnp.float32),
@@ -169,7 +182,7 @@ def test_timings_exist_and_are_positive():
         generation.time_generation(model, params, PROMPT, max_new_tokens=MAX_LEN)
 
 
-def test_timing_prompt_is_one_window_of_generate_text():
+def test_timing_prompt_is_one_window_of_continue_text():
     model = tiny_model(tied=True)
     tokenizer = data.CharTokenizer("abcdefgh")
     rows, new = generation.timing_prompt(
@@ -179,3 +192,116 @@ def test_timing_prompt_is_one_window_of_generate_text():
     np.testing.assert_array_equal(rows[0], tokenizer.encode("efghabcdefgh"))
     rows, new = generation.timing_prompt(model, tokenizer, "abc", 1, 5)
     assert rows.shape == (1, 3) and new == 5
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A run's workdir as training leaves it, written without training: the
+    tiny config, the character tokenizer of the corpus, and a checkpoint at
+    step 10 of noisy parameters (far from init, so that greedy decoding has
+    clear winners). Returns the workdir and the saved parameters."""
+    workdir = str(tmp_path_factory.mktemp("run"))
+    config = default.get_config("tiny")
+    tokenizer = data.make_tokenizer("char", "", data.shakespeare_text(), None)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json(indent=2))
+    tokenizer.save(os.path.join(workdir, data.TOKENIZER_FILE))
+    model = configuration.make_model(config, tokenizer.vocab_size)
+    state = state_lib.create_train_state(model, config, jax.random.key(0))
+    state = state.replace(
+        params=perturbed(state.params, seed=9), step=jnp.array(10, jnp.int32)
+    )
+    manager = checkpoints.checkpoint_manager(workdir)
+    checkpoints.save(manager, 10, state)
+    manager.close()
+    return workdir, jax.tree.map(np.asarray, state.params)
+
+
+def test_load_run(run):
+    workdir, saved = run
+    config, tokenizer, model, params = generation.load_run(workdir)
+    assert config.model.d_model == 32 and tokenizer.vocab_size == 84
+    assert params["embed"]["embedding"].shape == (84, 32)
+    assert model.max_len == 16
+    jax.tree.map(np.testing.assert_array_equal, params, saved)
+
+
+def test_load_run_needs_a_checkpoint(run, tmp_path):
+    workdir, _ = run
+    copy = tmp_path / "copy"
+    shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    assert_raises_exactly(
+        lambda: generation.load_run(str(copy)), FileNotFoundError, "checkpoints"
+    )
+    os.mkdir(copy / "checkpoints")
+    assert_raises_exactly(
+        lambda: generation.load_run(str(copy)), FileNotFoundError, "checkpoint"
+    )
+
+
+def test_greedy_text_matches_full_forward_passes(run):
+    _, tokenizer, model, params = generation.load_run(run[0])
+    text = generation.continue_text(
+        model,
+        params,
+        tokenizer,
+        "KING",
+        key=jax.random.key(0),
+        num_samples=2,
+        max_new_tokens=20,
+        temperature=0.0,
+    )
+    # The documented windows: the last max_len // 2 = 8 tokens (at first
+    # the 4 of the prompt), extended by 8. The model is causal, so zero
+    # padding after a context does not change the logits at its end.
+    forward = jax.jit(lambda x: model.apply({"params": params}, x))
+    ids = tokenizer.encode("KING")
+    while len(ids) < 4 + 20:
+        context = ids[-8:]
+        for _ in range(8):
+            padded = np.zeros((1, 16), np.int32)
+            padded[0, : len(context)] = context
+            next_id = int(np.argmax(forward(padded)[0, len(context) - 1]))
+            context.append(next_id)
+            ids.append(next_id)
+    assert text == [tokenizer.decode(ids[: 4 + 20])] * 2
+
+
+def test_bad_requests_are_refused_before_anything_compiles():
+    tokenizer = data.CharTokenizer("abc")
+    model = tiny_model(tied=True)
+    one_slot = model_lib.DecoderLM(
+        vocab_size=3, num_layers=1, num_heads=2, d_model=8, mlp_dim=16, max_len=1
+    )
+    knobs = dict(key=jax.random.key(0), num_samples=1, max_new_tokens=4)
+    cases = [
+        (
+            lambda: generation.continue_text(one_slot, None, tokenizer, "a", **knobs),
+            ValueError,
+            "max_len",
+        ),
+        (
+            lambda: generation.continue_text(model, None, tokenizer, "", **knobs),
+            ValueError,
+            "prompt",
+        ),
+        (
+            lambda: generation.timing_prompt(model, tokenizer, "", 1, 4),
+            ValueError,
+            "prompt",
+        ),
+        (
+            lambda: generation.time_generation(model, None, PROMPT, max_new_tokens=0),
+            ValueError,
+            "max_new_tokens",
+        ),
+        (
+            lambda: generation.time_generation(
+                model, None, PROMPT, max_new_tokens=2, repeats=0
+            ),
+            ValueError,
+            "repeats",
+        ),
+    ]
+    for call, error, named in cases:
+        assert_raises_exactly(call, error, named)

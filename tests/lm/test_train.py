@@ -162,39 +162,6 @@ class TestTraining:
         summary = train.train_and_evaluate(tiny_config(), runs["first"])
         assert summary == runs["summary"]
 
-    def test_load_run(self, runs):
-        config, tokenizer, model, params = generation.load_run(runs["first"])
-        assert config.model.d_model == 32 and tokenizer.vocab_size == 84
-        assert params["embed"]["embedding"].shape == (84, 32)
-        assert model.max_len == 16
-
-    def test_greedy_text_matches_full_forward_passes(self, runs):
-        _, tokenizer, model, params = generation.load_run(runs["first"])
-        text = generation.generate_text(
-            model,
-            params,
-            tokenizer,
-            "KING",
-            key=jax.random.key(0),
-            num_samples=2,
-            max_new_tokens=20,
-            temperature=0.0,
-        )
-        # The documented windows: the last max_len // 2 = 8 tokens (at first
-        # the 4 of the prompt), extended by 8. The model is causal, so zero
-        # padding after a context does not change the logits at its end.
-        forward = jax.jit(lambda x: model.apply({"params": params}, x))
-        ids = tokenizer.encode("KING")
-        while len(ids) < 4 + 20:
-            context = ids[-8:]
-            for _ in range(8):
-                padded = np.zeros((1, 16), np.int32)
-                padded[0, : len(context)] = context
-                next_id = int(np.argmax(forward(padded)[0, len(context) - 1]))
-                context.append(next_id)
-                ids.append(next_id)
-        assert text == [tokenizer.decode(ids[: 4 + 20])] * 2
-
 
 @pytest.fixture(scope="module")
 def untied_state():

@@ -478,139 +478,97 @@ NAN, INF = float("nan"), float("inf")
 NEG = -float("inf")
 
 
+def ce(logits=LOGITS, labels=LABELS, **kwargs):
+    return losses.cross_entropy(logits, labels, **kwargs)
+
+
+def ece(**kwargs):
+    return losses.expected_calibration_error(LOGITS, LABELS, **kwargs)
+
+
 BAD_INPUTS = [
     (
         "cross_entropy float labels",
-        lambda: losses.cross_entropy(LOGITS, jnp.zeros(2)),
+        lambda: ce(labels=jnp.zeros(2)),
         TypeError,
         "labels",
     ),
     (
         "cross_entropy labels shape",
-        lambda: losses.cross_entropy(LOGITS, jnp.zeros(3, jnp.int32)),
+        lambda: ce(labels=jnp.zeros(3, jnp.int32)),
         ValueError,
         "labels",
     ),
     (
         "cross_entropy labels extra axis",
-        lambda: losses.cross_entropy(LOGITS, LABELS[:, None]),
+        lambda: ce(labels=LABELS[:, None]),
         ValueError,
         "labels",
     ),
-    (
-        "cross_entropy scalar labels",
-        lambda: losses.cross_entropy(LOGITS, LABELS[0]),
-        ValueError,
-        "labels",
-    ),
+    ("cross_entropy scalar labels", lambda: ce(labels=LABELS[0]), ValueError, "labels"),
     (
         "cross_entropy weights shape",
-        lambda: losses.cross_entropy(LOGITS, LABELS, weights=jnp.ones(3)),
+        lambda: ce(weights=jnp.ones(3)),
         ValueError,
         "weights",
     ),
     (
         "cross_entropy weights transposed",
-        lambda: losses.cross_entropy(LOGITS_3D, LABELS_2D, weights=jnp.ones((3, 2))),
+        lambda: ce(LOGITS_3D, LABELS_2D, weights=jnp.ones((3, 2))),
         ValueError,
         "weights",
     ),
     (
         "cross_entropy negative weight",
-        lambda: losses.cross_entropy(LOGITS, LABELS, weights=jnp.array([1.0, -1.0])),
+        lambda: ce(weights=jnp.array([1.0, -1.0])),
         ValueError,
         "weights",
     ),
     (
         "cross_entropy NaN weight",
-        lambda: losses.cross_entropy(LOGITS, LABELS, weights=jnp.array([1.0, NAN])),
+        lambda: ce(weights=jnp.array([1.0, NAN])),
         ValueError,
         "weights",
     ),
     (
         "cross_entropy label = V",
-        lambda: losses.cross_entropy(LOGITS, jnp.array([0, 5])),
+        lambda: ce(labels=jnp.array([0, 5])),
         ValueError,
         "labels",
     ),
     (
         "cross_entropy label < 0",
-        lambda: losses.cross_entropy(LOGITS, jnp.array([-1, 0])),
+        lambda: ce(labels=jnp.array([-1, 0])),
         ValueError,
         "labels",
     ),
     (
         "cross_entropy label_smoothing 1",
-        lambda: losses.cross_entropy(LOGITS, LABELS, label_smoothing=1.0),
+        lambda: ce(label_smoothing=1.0),
         ValueError,
         "label_smoothing",
     ),
     (
         "cross_entropy label_smoothing < 0",
-        lambda: losses.cross_entropy(LOGITS, LABELS, label_smoothing=-0.1),
+        lambda: ce(label_smoothing=-0.1),
         ValueError,
         "label_smoothing",
     ),
-    (
-        "cross_entropy smoothing",
-        lambda: losses.cross_entropy(LOGITS, LABELS, smoothing="soft"),
-        ValueError,
-        "smoothing",
-    ),
-    (
-        "cross_entropy z_loss < 0",
-        lambda: losses.cross_entropy(LOGITS, LABELS, z_loss=-1e-4),
-        ValueError,
-        "z_loss",
-    ),
-    (
-        "cross_entropy reduction",
-        lambda: losses.cross_entropy(LOGITS, LABELS, reduction="avg"),
-        ValueError,
-        "reduction",
-    ),
-    (
-        "cross_entropy integer logits",
-        lambda: losses.cross_entropy(LABELS[:, None], LABELS),
-        TypeError,
-        "logits",
-    ),
-    (
-        "cross_entropy V = 0",
-        lambda: losses.cross_entropy(LOGITS[:, :0], LABELS),
-        ValueError,
-        "logits",
-    ),
+    ("cross_entropy smoothing", lambda: ce(smoothing="soft"), ValueError, "smoothing"),
+    ("cross_entropy z_loss < 0", lambda: ce(z_loss=-1e-4), ValueError, "z_loss"),
+    ("cross_entropy reduction", lambda: ce(reduction="avg"), ValueError, "reduction"),
+    ("cross_entropy integer logits", lambda: ce(LABELS[:, None]), TypeError, "logits"),
+    ("cross_entropy V = 0", lambda: ce(LOGITS[:, :0]), ValueError, "logits"),
     (
         "cross_entropy V = 0 in jit",
         lambda: jax.jit(losses.cross_entropy)(LOGITS[:, :0], LABELS),
         ValueError,
         "logits",
     ),
-    (
-        "ece num_bins 0",
-        lambda: losses.expected_calibration_error(LOGITS, LABELS, num_bins=0),
-        ValueError,
-        "num_bins",
-    ),
-    (
-        "ece num_bins < 0",
-        lambda: losses.expected_calibration_error(LOGITS, LABELS, num_bins=-2),
-        ValueError,
-        "num_bins",
-    ),
-    (
-        "ece num_bins float",
-        lambda: losses.expected_calibration_error(LOGITS, LABELS, num_bins=2.5),
-        TypeError,
-        "num_bins",
-    ),
-    (
-        "ece num_bins bool",
-        lambda: losses.expected_calibration_error(LOGITS, LABELS, num_bins=True),
-        TypeError,
-        "num_bins",
-    ),
+    ("ece num_bins 0", lambda: ece(num_bins=0), ValueError, "num_bins"),
+    ("ece num_bins < 0", lambda: ece(num_bins=-2), ValueError, "num_bins"),
+    ("ece num_bins float", lambda: ece(num_bins=2.5), TypeError, "num_bins"),
+    ("ece num_bins bool", lambda: ece(num_bins=True), TypeError, "num_bins"),
     (
         "ece bins [M, 2]",
         lambda: losses.calibration_error_from_bins(jnp.ones((3, 2))),

@@ -430,7 +430,7 @@ def splits_text(design: study.Design, runs: list[workdirs.Run]) -> str:
     limited = [r for r in design.regimes if r.train_fraction < 1]
     lines = [
         f'Splits (`data.split="works"`: whole works, {fractions} as the '
-        f"target shares; `lmhead/lm/data.py`), of {total:,} characters:",
+        f"target shares; `lmhead/lm/data/corpus.py`), of {total:,} characters:",
         *(
             f"- {title}: {', '.join(names[split])} ({size[split] / total:.1%})"
             for title, split in (("test", "test"), ("validation", "val"))

@@ -199,7 +199,7 @@ def test_study_tuning_table_shows_every_rate_and_the_chosen_one(study_report):
 
 def test_study_report_names_the_works_of_each_split_and_the_seeds(study_report):
     _, _, markdown, _ = study_report
-    # lmhead/lm/data.py's split_works documents this split of the embedded corpus.
+    # lmhead/lm/data/corpus.py's split_works documents this split of the embedded corpus.
     assert (
         "- test: as_you_like_it, henry_iv_part_1, passionate_pilgrim, "
         "romeo_and_juliet, sonnets (10.1%)"

@@ -21,11 +21,11 @@ The contract between a model and the decoders:
   settings, and then serve every parameter set of those shapes; no weight
   becomes a constant of the compiled program.
 * **A step costs what it uses.** The decoders only feed tokens and reorder
-  rows; what a step reads is the model's business (``lmhead.lm.model`` attends
-  over the filled part of its cache only). Beam search reorders ``state``
-  with ``step_fn.reorder(state, rows)`` when ``step_fn`` has one, so that a
-  cache can move pointers instead of keys and values (``lmhead.lm.model``'s
-  does); otherwise with :func:`gather_rows`. Beam search and ``num_samples``
+  rows; what a step reads is the model's business (``lmhead.lm.kv_cache``
+  attends over the filled part of the cache only). Beam search reorders
+  ``state`` with ``step_fn.reorder(state, rows)`` when ``step_fn`` has one, so
+  that a cache can move pointers instead of keys and values
+  (``lmhead.lm.kv_cache``'s does); otherwise with :func:`gather_rows`. Beam search and ``num_samples``
   repeat ``state``'s rows with ``step_fn.repeat(state, repeats)`` when
   ``step_fn`` has one, otherwise with ``jnp.repeat`` of every leaf.
 * **Sampling knobs** are defined once, by :class:`SamplingKnobs`, which

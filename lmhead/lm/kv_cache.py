@@ -320,8 +320,7 @@ def repeat_cache(cache: DecodeCache, repeats: int) -> DecodeCache:
                [2, 2, 2, 2],
                [2, 2, 2, 2]], dtype=int32)
     """
-    if not isinstance(repeats, (int, np.integer)) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1; got {repeats!r}.")
+    _checks.check_count("repeats", repeats)
     if cache.rows is None:
         return jax.tree.map(lambda x: jnp.repeat(x, repeats, axis=0), cache)
 

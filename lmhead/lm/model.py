@@ -326,9 +326,7 @@ class DecoderLM(nn.Module):
             "mlp_dim",
             "max_len",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int; got {value!r}.")
+            _checks.check_count(name, getattr(self, name))
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"num_heads must divide d_model; got num_heads="

@@ -143,11 +143,14 @@ def test_cached_keys_values_resolve_the_pointers():
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("repeats", [0, -1, 1.5, "2"])
-def test_repeat_cache_refuses_a_bad_count(repeats):
+@pytest.mark.parametrize(
+    "repeats,error",
+    [(0, ValueError), (-1, ValueError), (1.5, TypeError), ("2", TypeError)],
+)
+def test_repeat_cache_refuses_a_bad_count(repeats, error):
     cache = kv_cache.init_cache(small_model(), 2)
     assert_raises_exactly(
-        lambda: kv_cache.repeat_cache(cache, repeats), ValueError, "repeats"
+        lambda: kv_cache.repeat_cache(cache, repeats), error, "repeats"
     )
 
 

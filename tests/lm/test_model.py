@@ -326,10 +326,11 @@ def test_dropout_needs_train_and_an_rng():
         (dict(positions="sinusoidal"), "positions must be one of"),
         (dict(num_heads=32, positions="rope"), "even head size"),
         (dict(dropout_rate=1.0), "dropout_rate must be in"),
-        (dict(num_layers=0), "num_layers must be a positive int"),
+        (dict(num_layers=0), "num_layers must be an integer >= 1"),
     ],
 )
 def test_bad_config_is_refused(overrides, message):
+    """Every bad value is a ValueError naming the field and the rule."""
     with pytest.raises(ValueError, match=message):
         small_model(**overrides).init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32))
 

@@ -219,6 +219,36 @@ class OutputDistributionTest(chex.TestCase):
         np.testing.assert_allclose(got, references.unembed(h, w), rtol=1e-5, atol=1e-5)
 
 
+class TokenLogProbsTest(chex.TestCase):
+    """token_log_probs and sequence_log_prob, the scoring of a given text."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_matches_numpy(self):
+        rng = np.random.default_rng(0)
+        logits = rng.normal(0.0, 3.0, (2, 5, 7)).astype(np.float32)
+        tokens = rng.integers(0, 7, (2, 5)).astype(np.int32)
+        weights = rng.uniform(0.0, 1.0, (2, 5)).astype(np.float32)
+        weights[0, 1] = 0.0
+        logits[0, 1] = np.nan  # a zero-weight position adds exactly 0
+        expected = np.take_along_axis(
+            references.log_softmax(logits), tokens[..., None], -1
+        )[..., 0]
+        got = self.variant(head.token_log_probs)(logits, tokens)
+        np.testing.assert_allclose(got[1], expected[1], rtol=1e-5, atol=1e-6)
+        weighted = np.where(weights == 0, 0.0, weights * np.nan_to_num(expected))
+        got = self.variant(head.token_log_probs)(logits, tokens, weights)
+        np.testing.assert_allclose(got, weighted, rtol=1e-5, atol=1e-6)
+        total = self.variant(head.sequence_log_prob)(logits, tokens, weights)
+        np.testing.assert_allclose(total, weighted.sum(-1), rtol=1e-5, atol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_bf16_logits_use_a_float32_normalizer(self):
+        logits = jnp.array([[8192.0, 0.0, -8192.0]], jnp.bfloat16)
+        got = self.variant(head.token_log_probs)(logits, jnp.array([1]))
+        self.assertEqual(got.dtype, jnp.float32)
+        np.testing.assert_allclose(got, [-8192.0])
+
+
 class LastPositionsTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_matches_numpy_indexing(self):

@@ -3,7 +3,6 @@
 import json
 import math
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +12,7 @@ import lmhead
 from lmhead import decoding, head
 from lmhead.lm import data, scoring
 from lmhead.lm import model as model_lib
+from tests import references
 from tests.experiments.test_commands import run
 
 # A Markov chain over 3 tokens: row i is p(next | i).
@@ -24,12 +24,6 @@ def chain_logits(params, tokens):
     return params[tokens]
 
 
-def numpy_log_softmax(logits):
-    logits = np.asarray(logits, np.float64)
-    shifted = logits - logits.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-
-
 @pytest.fixture(scope="module")
 def tiny_model():
     model = model_lib.DecoderLM(
@@ -37,34 +31,6 @@ def tiny_model():
     )
     params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
     return model, params
-
-
-class TestTokenLogProbs(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_matches_numpy(self):
-        rng = np.random.default_rng(0)
-        logits = rng.normal(0.0, 3.0, (2, 5, 7)).astype(np.float32)
-        tokens = rng.integers(0, 7, (2, 5)).astype(np.int32)
-        weights = rng.uniform(0.0, 1.0, (2, 5)).astype(np.float32)
-        weights[0, 1] = 0.0
-        logits[0, 1] = np.nan  # a zero-weight position adds exactly 0
-        expected = np.take_along_axis(numpy_log_softmax(logits), tokens[..., None], -1)[
-            ..., 0
-        ]
-        got = self.variant(head.token_log_probs)(logits, tokens)
-        np.testing.assert_allclose(got[1], expected[1], rtol=1e-5, atol=1e-6)
-        weighted = np.where(weights == 0, 0.0, weights * np.nan_to_num(expected))
-        got = self.variant(head.token_log_probs)(logits, tokens, weights)
-        np.testing.assert_allclose(got, weighted, rtol=1e-5, atol=1e-6)
-        total = self.variant(head.sequence_log_prob)(logits, tokens, weights)
-        np.testing.assert_allclose(total, weighted.sum(-1), rtol=1e-5, atol=1e-6)
-
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_bf16_logits_use_a_float32_normalizer(self):
-        logits = jnp.array([[8192.0, 0.0, -8192.0]], jnp.bfloat16)
-        got = self.variant(head.token_log_probs)(logits, jnp.array([1]))
-        self.assertEqual(got.dtype, jnp.float32)
-        np.testing.assert_allclose(got, [-8192.0])
 
 
 def test_markov_chain_by_hand():
@@ -152,7 +118,9 @@ def test_strided_scores_use_the_context_each_window_gives(tiny_model):
             ]
         )
         logits = model.apply({"params": params}, jnp.asarray(contexts))
-        rows = numpy_log_softmax(logits)[np.arange(len(targets)), targets - starts - 1]
+        rows = references.log_softmax(logits)[
+            np.arange(len(targets)), targets - starts - 1
+        ]
         np.testing.assert_allclose(
             scores,
             rows[np.arange(len(targets)), text[1:]],

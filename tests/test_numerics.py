@@ -26,7 +26,6 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-from configs import default
 from lmhead import fused, head, losses
 from lmhead.lm import generation, train
 from lmhead.vocab_parallel import vocab_parallel_cross_entropy
@@ -120,25 +119,6 @@ class StressTest(parameterized.TestCase):
         self.check_stress("vocab_parallel", dtype)
 
 
-def short_run(corpus, **overrides):
-    """10 steps, logs and checkpoints every 5: boundaries at 5 and 10."""
-    config = default.get_config("tiny")
-    config.update_from_flattened_dict(
-        {
-            "data.path": corpus,
-            "train.steps": 10,
-            "train.log_every": 5,
-            "train.checkpoint_every": 5,
-            "train.eval_every": 10,
-            "train.eval_batches": 1,
-            "optim.warmup_steps": 2,
-            "sample.num_samples": 0,
-            **overrides,
-        }
-    )
-    return config
-
-
 def poison_params_after(monkeypatch, step_index):
     """``train_step`` whose new parameters are NaN after step ``step_index``
     (0-based), as an overflow in the update would leave them."""
@@ -168,12 +148,12 @@ def poison_params_after(monkeypatch, step_index):
     ],
 )
 def test_nonfinite_training_stops_and_keeps_the_last_good_checkpoint(
-    corpus, tmp_path, monkeypatch, step_index, message
+    short_config, tmp_path, monkeypatch, step_index, message
 ):
     poison_params_after(monkeypatch, step_index)
     workdir = str(tmp_path / "run")
     with pytest.raises(FloatingPointError, match=message) as raised:
-        train.train_and_evaluate(short_run(corpus), workdir)
+        train.train_and_evaluate(short_config(), workdir)
     assert "The newest checkpoint, step 5" in str(raised.value)
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["5"]
     assert not os.path.exists(os.path.join(workdir, "summary.json"))
@@ -185,11 +165,11 @@ def test_nonfinite_training_stops_and_keeps_the_last_good_checkpoint(
 
 
 @pytest.mark.slow
-def test_nonfinite_training_goes_on_when_asked(corpus, tmp_path, monkeypatch):
+def test_nonfinite_training_goes_on_when_asked(short_config, tmp_path, monkeypatch):
     poison_params_after(monkeypatch, 6)
     workdir = str(tmp_path / "run")
     summary = train.train_and_evaluate(
-        short_run(corpus, **{"train.stop_on_nonfinite": False}), workdir
+        short_config(**{"train.stop_on_nonfinite": False}), workdir
     )
     # losses.py's rule: a NaN logit gives a loss that is not finite (which of
     # inf and NaN depends on where the NaN meets the reduction).

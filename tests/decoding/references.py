@@ -173,3 +173,12 @@ def generate_greedy(chain, max_new_tokens, step_fn=markov_step, **kwargs):
         temperature=0.0,
         **kwargs,
     )
+
+
+# A uniform chain over 5 tokens, for the cases of BAD_INPUTS.
+UNIFORM_TABLE = jnp.log(jnp.full((5, 5), 0.2))
+UNIFORM_LOGITS = jnp.zeros((2, 5))
+
+
+def uniform_markov(table, tokens, state):
+    return table[tokens], state

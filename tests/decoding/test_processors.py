@@ -9,6 +9,7 @@ import pytest
 
 from lmhead import decoding
 from tests.decoding.references import (
+    UNIFORM_LOGITS,
     MarkovChain,
     np_min_p_mask,
     np_ngram_banned,
@@ -261,8 +262,6 @@ def test_bad_input_is_named(call, error, fragment):
         call()
     assert fragment in str(info.value)
 
-
-UNIFORM_LOGITS = jnp.zeros((2, 5))
 
 BAD_INPUTS = [
     (

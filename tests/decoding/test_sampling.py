@@ -10,12 +10,15 @@ from scipy import stats
 from lmhead import decoding
 from tests.decoding.references import (
     CALLS,
+    UNIFORM_LOGITS,
+    UNIFORM_TABLE,
     MarkovChain,
     counted_markov_step,
     generate_greedy,
     markov_step,
     np_greedy,
     np_sampling_probs,
+    uniform_markov,
 )
 from tests.errors import assert_raises_exactly
 
@@ -359,15 +362,6 @@ def test_bad_input_is_named(call, error, fragment):
     with pytest.raises(error) as info:
         call()
     assert fragment in str(info.value)
-
-
-# A uniform chain over 5 tokens, for the cases of BAD_INPUTS.
-UNIFORM_TABLE = jnp.log(jnp.full((5, 5), 0.2))
-UNIFORM_LOGITS = jnp.zeros((2, 5))
-
-
-def uniform_markov(table, tokens, state):
-    return table[tokens], state
 
 
 def uniform_generate(**kwargs):

@@ -25,3 +25,11 @@ def assert_raises_exactly(call, error, named) -> None:
     assert type(raised.value) is error, repr(raised.value)
     for name in (named,) if isinstance(named, str) else named:
         assert names(str(raised.value), name), (name, str(raised.value))
+
+
+def assert_raises_with(call, error, fragment: str) -> None:
+    """``call()`` raises ``error`` (or a subclass) whose message contains
+    ``fragment`` verbatim: for messages whose wording is the contract."""
+    with pytest.raises(error) as raised:
+        call()
+    assert fragment in str(raised.value), (fragment, str(raised.value))

@@ -20,7 +20,7 @@ from tests.decoding.references import (
     np_sampling_probs,
     uniform_markov,
 )
-from tests.errors import assert_raises_exactly
+from tests.errors import assert_raises_exactly, assert_raises_with
 
 
 def assert_greedy_matches_numpy(chain, outputs, **settings):
@@ -359,9 +359,7 @@ BAD_INPUT_MESSAGES = [
 
 @pytest.mark.parametrize("call,error,fragment", BAD_INPUT_MESSAGES)
 def test_bad_input_is_named(call, error, fragment):
-    with pytest.raises(error) as info:
-        call()
-    assert fragment in str(info.value)
+    assert_raises_with(call, error, fragment)
 
 
 def uniform_generate(**kwargs):

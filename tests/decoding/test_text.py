@@ -6,7 +6,7 @@ import pytest
 
 from lmhead import decoding
 from lmhead.lm import data
-from tests.errors import assert_raises_exactly
+from tests.errors import assert_raises_exactly, assert_raises_with
 
 
 class Letters:
@@ -57,9 +57,7 @@ BAD_INPUT_MESSAGES = [
 
 @pytest.mark.parametrize("call,error,fragment", BAD_INPUT_MESSAGES)
 def test_bad_input_is_named(call, error, fragment):
-    with pytest.raises(error) as info:
-        call()
-    assert fragment in str(info.value)
+    assert_raises_with(call, error, fragment)
 
 
 BAD_INPUTS = [

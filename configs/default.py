@@ -120,6 +120,10 @@ def data_defaults() -> ml_collections.ConfigDict:
     # The first fraction of the training split is trained on (and BPE is
     # trained on it): the data-limited regime.
     data.train_fraction = 1.0
+    # The first fraction of the training split that BPE is trained on; None:
+    # train_fraction's. An ensemble whose members train on different fractions
+    # shares one tokenizer, trained on the largest (lmhead/lm/members.py).
+    data.tokenizer_fraction = config_dict.placeholder(float)
     data.block_size = 64
     return data
 
@@ -181,6 +185,9 @@ def mesh_defaults() -> ml_collections.ConfigDict:
     mesh = ml_collections.ConfigDict()
     mesh.data = -1
     mesh.model = 1
+    # An ensemble's members split over this many devices (the rest: data and
+    # model); each device trains members / this many of them.
+    mesh.members = 1
     return mesh
 
 
@@ -195,6 +202,11 @@ def train_defaults() -> ml_collections.ConfigDict:
     # cheaper (docs/nanogpt_parity.md, "Microbatches and CPU devices"); on a
     # GPU or TPU keep 1.
     train.microbatches = 1
+    # An ensemble's members in one vmap; the rest go one group after another
+    # in a lax.map. None: 1 on a CPU (a lax.map over members), all of them on
+    # a GPU or TPU. The same results to float32 rounding; only the speed
+    # differs (experiments/bench/bench_train.py --ensemble measures it).
+    train.vmap_members = config_dict.placeholder(int)
     train.seed = 0
     train.log_every = 100
     train.eval_every = 500

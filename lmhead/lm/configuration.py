@@ -78,6 +78,8 @@ def _ranges(config) -> dict[str, tuple[Any, Any, str]]:
         "train.checkpoint_every",
         "train.eval_batches",
         "train.microbatches",
+        "train.vmap_members",
+        "mesh.members",
         "sample.max_new_tokens",
         "sample.top_k",
         "loss.chunk_size",
@@ -88,6 +90,7 @@ def _ranges(config) -> dict[str, tuple[Any, Any, str]]:
         "data.val_fraction": (0.0, 1.0, "()"),
         "data.test_fraction": (0.0, 1.0 - config.data.val_fraction, "()"),
         "data.train_fraction": (0.0, 1.0, "(]"),
+        "data.tokenizer_fraction": (0.0, 1.0, "(]"),
         "train.eval_train_batches": (0, None, "[)"),
         "train.patience": (0, None, "[)"),
         "model.dropout_rate": (0.0, 1.0, "[)"),
@@ -251,7 +254,7 @@ def default_types() -> dict[str, tuple[type, bool]]:
 
     Examples:
         >>> {k: v for k, v in default_types().items() if k.startswith("mesh.")}
-        {'mesh.data': (<class 'int'>, False), 'mesh.model': (<class 'int'>, False)}
+        {'mesh.data': (<class 'int'>, False), 'mesh.members': (<class 'int'>, False), 'mesh.model': (<class 'int'>, False)}
         >>> default_types()["sample.top_k"]
         (<class 'int'>, True)
     """
@@ -324,10 +327,12 @@ RESUMABLE_CHANGES = (
     "train.test_eval",
     "train.stop_on_nonfinite",
     "train.microbatches",
+    "train.vmap_members",
     "loss.loss_impl",
     "loss.chunk_size",
     "mesh.data",
     "mesh.model",
+    "mesh.members",
     "sample.num_samples",
     "sample.max_new_tokens",
     "sample.temperature",

@@ -7,7 +7,9 @@ One text is split into training, validation and (optionally) test text
 workdir (:mod:`.dataset`), and cut into windows (:mod:`.batches`): random
 ones for training, a pure function of ``(seed, step)``; fixed ones for
 evaluation. The names below are the package's API:
-``from lmhead.lm import data`` then ``data.load_dataset(config.data, workdir)``.
+``from lmhead.lm import data`` then ``data.load_dataset(config.data, workdir)``
+(or, for runs sharing one tokenizer, ``data.train_tokenizer(config.data)`` once
+and ``data.load_dataset(config.data, workdir, tokenizer)`` for each).
 """
 
 from lmhead.lm.data.batches import (
@@ -29,6 +31,7 @@ from lmhead.lm.data.corpus import (
     split_blocks,
     split_text,
     split_works,
+    text_prefix,
 )
 from lmhead.lm.data.dataset import (
     TOKENIZER_FILE,
@@ -37,6 +40,7 @@ from lmhead.lm.data.dataset import (
     load_dataset,
     load_test_tokens,
     tokenizer_vocab_size,
+    train_tokenizer,
 )
 from lmhead.lm.data.tokenization import (
     BPETokenizer,

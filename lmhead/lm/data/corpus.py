@@ -11,7 +11,9 @@ training, validation and (for ``split="works"``) test text.
   ``shakespeare_char``); ``"works"``, whole works of the corpus go to
   training, validation and test (:func:`split_works`; a plain text file falls
   back to contiguous blocks, :func:`split_blocks`). ``train_fraction`` keeps
-  the first part of the training split (the data-limited regime).
+  the first part of the training split (the data-limited regime);
+  ``tokenizer_fraction``, when set, is the first part that BPE learns from
+  (else ``train_fraction``'s), cut the same way (:func:`text_prefix`).
   :func:`read_splits` applies ``config.data``.
 """
 
@@ -212,22 +214,38 @@ def split_blocks(
     return text[:val_start], text[val_start:test_start], text[test_start:]
 
 
+def text_prefix(text: str, fraction: float) -> str:
+    """The first ``fraction`` of ``text``: ``text[:int(len(text) * fraction)]``,
+    the one cut of ``train_fraction`` and ``tokenizer_fraction``, so that
+    equal fractions give equal texts and a smaller one a prefix of a larger.
+
+    Examples:
+        >>> text_prefix("abcdefghij", 0.25), text_prefix("abcdefghij", 1.0)
+        ('ab', 'abcdefghij')
+    """
+    return text[: int(len(text) * fraction)]
+
+
 @dataclasses.dataclass(frozen=True)
 class Splits:
     """A corpus cut by ``config.data``: ``text`` (all of it), ``train`` (the
     used training text: the first ``train_fraction`` of the training split),
-    ``val``, and ``test`` (``None`` for ``split="tail"``)."""
+    ``val``, ``test`` (``None`` for ``split="tail"``), and ``tokenizer_train``
+    (what BPE learns from: the first ``tokenizer_fraction`` of the training
+    split, or ``train`` itself when that is unset)."""
 
     text: str
     train: str
     val: str
     test: str | None
+    tokenizer_train: str
 
 
 def read_splits(data_config) -> Splits:
     """Reads the corpus of ``data_config`` (``config.data``) and splits it by
     ``split`` (see the module docstring); ``train_fraction`` keeps a prefix
-    of the training split.
+    of the training split, and ``tokenizer_fraction`` (absent or ``None``:
+    ``train_fraction``'s) the prefix that BPE learns from.
 
     Raises:
         ValueError: ``split`` is not one of :data:`SPLITS`, or the text is
@@ -240,8 +258,9 @@ def read_splits(data_config) -> Splits:
         ...   _ = f.write("abcdefghij")
         ...   f.flush()
         ...   read_splits(ml_collections.ConfigDict(dict(path=f.name, split="tail",
-        ...       val_fraction=0.2, test_fraction=0.1, train_fraction=0.5)))
-        Splits(text='abcdefghij', train='abcd', val='ij', test=None)
+        ...       val_fraction=0.2, test_fraction=0.1, train_fraction=0.5,
+        ...       tokenizer_fraction=0.75)))
+        Splits(text='abcdefghij', train='abcd', val='ij', test=None, tokenizer_train='abcdef')
     """
     if data_config.split not in SPLITS:
         raise ValueError(
@@ -258,5 +277,9 @@ def read_splits(data_config) -> Splits:
         train, val, test = split_works(
             shakespeare_works(), data_config.val_fraction, data_config.test_fraction
         )
-    train = train[: int(len(train) * data_config.train_fraction)]
-    return Splits(text, train, val, test)
+    used = text_prefix(train, data_config.train_fraction)
+    tokenizer_fraction = data_config.get("tokenizer_fraction")
+    tokenizer_train = (
+        used if tokenizer_fraction is None else text_prefix(train, tokenizer_fraction)
+    )
+    return Splits(text, used, val, test, tokenizer_train)

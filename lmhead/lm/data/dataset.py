@@ -9,6 +9,11 @@ the text and settings. The test split is never encoded with the others:
 :func:`load_test_tokens` reads it when it is evaluated.
 :func:`tokenizer_vocab_size` is the size a run's tokenizer will have,
 cached per settings in the process.
+
+Several runs can share one tokenizer (an ensemble's members, whose training
+texts are prefixes of the one it learned from, ``data.tokenizer_fraction``):
+:func:`train_tokenizer` trains it once and ``load_dataset(...,
+tokenizer=...)`` encodes each run's text with it.
 """
 
 import dataclasses
@@ -53,9 +58,10 @@ class Dataset:
 
 def tokenizer_vocab_size(data_config) -> int:
     """The number of tokens ``config.data``'s tokenizer has, trained as a run
-    trains it (:func:`.tokenization.make_tokenizer`): the characters of the
-    whole text, or byte-level BPE on the used training text, which stops short
-    of ``vocab_size`` when that text runs out of pairs to merge. Cached per
+    trains it (:func:`train_tokenizer`): the characters of the whole text, or
+    byte-level BPE on the first ``tokenizer_fraction`` (else
+    ``train_fraction``) of the training split, which stops short of
+    ``vocab_size`` when that text runs out of pairs to merge. Cached per
     settings for the life of the process, as training BPE on a whole corpus
     is slow.
 
@@ -72,6 +78,7 @@ def tokenizer_vocab_size(data_config) -> int:
         data_config.val_fraction,
         data_config.test_fraction,
         data_config.train_fraction,
+        data_config.get("tokenizer_fraction"),
         data_config.tokenizer,
         data_config.vocab_size,
     )
@@ -79,25 +86,60 @@ def tokenizer_vocab_size(data_config) -> int:
 
 @functools.cache
 def _tokenizer_vocab_size(
-    path, split, val_fraction, test_fraction, train_fraction, tokenizer, vocab_size
+    path,
+    split,
+    val_fraction,
+    test_fraction,
+    train_fraction,
+    tokenizer_fraction,
+    tokenizer,
+    vocab_size,
 ) -> int:
-    splits = corpus.read_splits(
-        ml_collections.ConfigDict(
-            dict(
-                path=path,
-                split=split,
-                val_fraction=val_fraction,
-                test_fraction=test_fraction,
-                train_fraction=train_fraction,
-            )
-        )
+    settings = dict(
+        path=path,
+        split=split,
+        val_fraction=val_fraction,
+        test_fraction=test_fraction,
+        train_fraction=train_fraction,
+        tokenizer_fraction=tokenizer_fraction,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
     )
+    return train_tokenizer(ml_collections.ConfigDict(settings)).vocab_size
+
+
+def train_tokenizer(data_config) -> Tokenizer:
+    """The tokenizer ``config.data`` describes, made as a run makes it
+    (:func:`.tokenization.make_tokenizer`): the characters of the whole text,
+    or byte-level BPE on the first ``tokenizer_fraction`` of the training
+    split (unset: the used training text, the first ``train_fraction``).
+
+    Runs whose ``data_config`` differ only in ``train_fraction`` (and share a
+    ``tokenizer_fraction``) have the same tokenizer: train it once and pass
+    it to :func:`load_dataset` for each.
+
+    Examples:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        ...   _ = f.write("to be or not to be")
+        ...   f.flush()
+        ...   train_tokenizer(ml_collections.ConfigDict(dict(path=f.name,
+        ...       split="tail", val_fraction=0.5, train_fraction=1.0,
+        ...       tokenizer="char", vocab_size=None))).chars
+        ' benort'
+    """
+    splits = corpus.read_splits(data_config)
     return tokenization.make_tokenizer(
-        tokenizer, splits.train, splits.text, vocab_size
-    ).vocab_size
+        data_config.tokenizer,
+        splits.tokenizer_train,
+        splits.text,
+        data_config.vocab_size,
+    )
 
 
-def load_dataset(data_config, workdir: str | None = None) -> Dataset:
+def load_dataset(
+    data_config, workdir: str | None = None, tokenizer: Tokenizer | None = None
+) -> Dataset:
     """Reads, splits, tokenizes and encodes a corpus, cached in ``workdir``.
 
     The first call writes ``tokenizer.json`` and ``tokens.npz`` to ``workdir``;
@@ -106,19 +148,54 @@ def load_dataset(data_config, workdir: str | None = None) -> Dataset:
 
     Args:
         data_config: ``config.data`` (path, split, tokenizer, vocab_size,
-            val_fraction, test_fraction, train_fraction, block_size).
+            val_fraction, test_fraction, train_fraction, tokenizer_fraction,
+            block_size).
         workdir: where to cache; ``None`` keeps everything in memory.
+        tokenizer: an already trained tokenizer to encode with, instead of
+            training one: the one ``data_config`` describes
+            (:func:`train_tokenizer`), shared by several runs. It is written
+            to ``workdir`` as a trained one is; one already there must equal
+            it. ``None``: train it here, unless ``workdir`` holds it.
 
     Returns:
         A :class:`Dataset`.
 
     Raises:
         ValueError: a split is too short for one window of ``block_size + 1``
-            tokens, or the cache in ``workdir`` belongs to other data settings.
+            tokens, the cache in ``workdir`` belongs to other data settings,
+            or ``tokenizer`` is not of the kind ``config.data.tokenizer``
+            names or differs from the one in ``workdir``.
+
+    Examples:
+        >>> import tempfile
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> path = os.path.join(folder.name, "corpus.txt")
+        >>> with open(path, "w") as f:
+        ...   _ = f.write("the cat sat on the mat\\n" * 40)
+        >>> settings = dict(path=path, split="tail", val_fraction=0.1,
+        ...     test_fraction=0.1, tokenizer="bpe", vocab_size=270,
+        ...     tokenizer_fraction=1.0, block_size=8)
+        >>> configs = [ml_collections.ConfigDict(dict(settings, train_fraction=f))
+        ...            for f in (0.5, 1.0)]
+        >>> shared = train_tokenizer(configs[1])  # once, on the largest fraction
+        >>> runs = [load_dataset(c, os.path.join(folder.name, f"run{i}"), shared)
+        ...         for i, c in enumerate(configs)]
+        >>> [len(r.train_tokens) for r in runs]  # each its own text
+        [126, 252]
+        >>> [tokenization.load_tokenizer(os.path.join(folder.name, run, TOKENIZER_FILE))
+        ...  .to_json() == shared.to_json() for run in ("run0", "run1")]
+        [True, True]
+        >>> folder.cleanup()
     """
     splits = corpus.read_splits(data_config)
+    if tokenizer is not None and tokenizer.kind != data_config.tokenizer:
+        raise ValueError(
+            f"tokenizer is a {tokenizer.kind!r} tokenizer but "
+            f"config.data.tokenizer={data_config.tokenizer!r}; pass one of that "
+            "kind (train_tokenizer(config.data)) or None."
+        )
     train_tokens, val_tokens, tokenizer = _encode_or_read_cache(
-        splits, data_config, workdir
+        splits, data_config, workdir, tokenizer
     )
     for name, tokens in (("training", train_tokens), ("validation", val_tokens)):
         if len(tokens) < data_config.block_size + 1:
@@ -136,15 +213,21 @@ def load_dataset(data_config, workdir: str | None = None) -> Dataset:
 
 
 def _encode_or_read_cache(
-    splits: corpus.Splits, data_config, workdir: str | None
+    splits: corpus.Splits,
+    data_config,
+    workdir: str | None,
+    given: Tokenizer | None,
 ) -> tuple[np.ndarray, np.ndarray, Tokenizer]:
     """``(train_tokens, val_tokens, tokenizer)``: read from ``workdir``'s
     ``tokens.npz`` and ``tokenizer.json`` when they are there (after checking
-    their fingerprint), else made now and written there."""
+    their fingerprint, and that the tokenizer is ``given`` if one is), else
+    made now (``given``, or trained) and written there."""
     text, train_text, val_text = splits.text, splits.train, splits.val
     fingerprint = _fingerprint(text, data_config)
     tokenizer_path = workdir and os.path.join(workdir, TOKENIZER_FILE)
     tokens_path = workdir and os.path.join(workdir, TOKENS_FILE)
+    if given is not None and tokenizer_path and os.path.exists(tokenizer_path):
+        _check_same_tokenizer(given, tokenization.load_tokenizer(tokenizer_path))
     if tokens_path and os.path.exists(tokens_path):
         with np.load(tokens_path) as cached:
             if str(cached["fingerprint"]) != fingerprint:
@@ -154,11 +237,16 @@ def _encode_or_read_cache(
                 )
             train_tokens, val_tokens = cached["train"], cached["val"]
         return train_tokens, val_tokens, tokenization.load_tokenizer(tokenizer_path)
-    if tokenizer_path and os.path.exists(tokenizer_path):
+    if given is not None:
+        tokenizer = given
+    elif tokenizer_path and os.path.exists(tokenizer_path):
         tokenizer = tokenization.load_tokenizer(tokenizer_path)
     else:
         tokenizer = tokenization.make_tokenizer(
-            data_config.tokenizer, train_text, text, data_config.vocab_size
+            data_config.tokenizer,
+            splits.tokenizer_train,
+            text,
+            data_config.vocab_size,
         )
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
     train_tokens = tokenizer.encode_array(train_text).astype(dtype)
@@ -195,6 +283,14 @@ def load_test_tokens(data_config, tokenizer: Tokenizer) -> np.ndarray:
     return tokens
 
 
+def _check_same_tokenizer(given: Tokenizer, saved: Tokenizer) -> None:
+    if given.to_json() != saved.to_json():
+        raise ValueError(
+            "tokenizer differs from the one already in the workdir "
+            f"({TOKENIZER_FILE}); use a fresh --workdir or pass tokenizer=None."
+        )
+
+
 def _fingerprint(text: str, data_config) -> str:
     settings = (data_config.tokenizer, data_config.vocab_size, data_config.val_fraction)
     if data_config.split != "tail" or data_config.train_fraction != 1.0:
@@ -204,6 +300,10 @@ def _fingerprint(text: str, data_config) -> str:
             data_config.test_fraction,
             data_config.train_fraction,
         )
+    tokenizer_fraction = data_config.get("tokenizer_fraction")
+    if tokenizer_fraction is not None:
+        # Only when set, for the same reason.
+        settings += (("tokenizer_fraction", tokenizer_fraction),)
     digest = hashlib.sha256(text.encode("utf-8"))
     digest.update(repr(settings).encode())
     return digest.hexdigest()

@@ -4,8 +4,9 @@ by ``config.data.tokenizer``.
 * :class:`CharTokenizer`: one token per character; the vocabulary is the
   sorted distinct characters of the whole text, so that every split encodes.
 * :class:`BPETokenizer`: byte-level BPE from the ``tokenizers`` library,
-  trained on the used training text only (nothing is learned from held-out
-  text).
+  trained on training text only (nothing is learned from held-out text): the
+  used training text, or the first ``config.data.tokenizer_fraction`` of the
+  training split when that is set.
 
 Neither has an end-of-sequence or padding token: the corpus is one
 continuous stream, so ``eos_id`` is ``None`` and decoding runs for a fixed
@@ -72,9 +73,13 @@ class CharTokenizer:
     def decode(self, ids) -> str:
         return "".join(self.chars[i] for i in np.asarray(ids).reshape(-1))
 
+    def to_json(self) -> str:
+        """What :meth:`save` writes: equal strings, equal tokenizers."""
+        return json.dumps({"kind": self.kind, "chars": self.chars})
+
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
-            json.dump({"kind": self.kind, "chars": self.chars}, f)
+            f.write(self.to_json())
 
 
 class BPETokenizer:
@@ -126,6 +131,10 @@ class BPETokenizer:
     def decode(self, ids) -> str:
         return self.tokenizer.decode(np.asarray(ids).reshape(-1).tolist())
 
+    def to_json(self) -> str:
+        """The ``tokenizers`` JSON: equal strings, equal tokenizers."""
+        return self.tokenizer.to_str()
+
     def save(self, path: str) -> None:
         self.tokenizer.save(path)
 
@@ -164,7 +173,9 @@ def make_tokenizer(
 
     Args:
         kind: ``"char"`` or ``"bpe"`` (``config.data.tokenizer``).
-        train_text: the used training text, what BPE learns from.
+        train_text: what BPE learns from: the used training text, or the
+            first ``tokenizer_fraction`` of the training split
+            (``corpus.Splits.tokenizer_train``).
         text: the whole corpus, whose characters are the character vocabulary.
         vocab_size: BPE's size (at most); unused for ``"char"``.
 

@@ -136,3 +136,22 @@ class TestTrainFraction:
         assert (quarter.val, quarter.test) == (full.val, full.test)
         dataset = data.load_dataset(data_config(path=path, train_fraction=0.25))
         assert dataset.tokenizer.decode(dataset.train_tokens) == text[:225]
+
+    def test_tokenizer_fraction_cuts_the_whole_training_split(
+        self, text_file, data_config
+    ):
+        text = "".join(chr(ord("a") + (i * 7) % 26) for i in range(1000))
+        path = text_file(text)
+        unset = data.read_splits(data_config(path=path, train_fraction=0.25))
+        assert unset.tokenizer_train == unset.train == text[:225]
+        for fraction, end in ((0.25, 225), (0.5, 450), (1.0, 900), (0.1, 90)):
+            splits = data.read_splits(
+                data_config(path=path, train_fraction=0.25, tokenizer_fraction=fraction)
+            )
+            assert splits.tokenizer_train == text[:end]
+            assert (splits.train, splits.val) == (unset.train, unset.val)
+
+    def test_text_prefix_is_the_int_cut(self):
+        text = "x" * 37
+        for fraction in (0.01, 0.1, 0.3, 0.5, 0.99, 1.0):
+            assert len(data.text_prefix(text, fraction)) == int(37 * fraction)

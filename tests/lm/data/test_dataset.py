@@ -1,12 +1,13 @@
 """Tests for lmhead/lm/data/dataset.py: encoding the splits, the workdir's
 cache, the test split, and data that a run refuses before it compiles."""
 
+import hashlib
 import os
 
 import numpy as np
 import pytest
 
-from lmhead.lm import data, train
+from lmhead.lm import configuration, data, train
 from lmhead.lm.data import dataset as dataset_lib
 from lmhead.lm.data import tokenization
 from tests.errors import assert_raises_exactly
@@ -114,6 +115,196 @@ class TestCache:
         assert size < 300  # the text runs out of pairs to merge
         assert size == data.load_dataset(config).vocab_size
         assert data.tokenizer_vocab_size(data_config(path=path)) == len(set(text))
+
+
+def todays_fingerprint(text, data_config):
+    """The cache fingerprint as computed before ``tokenizer_fraction``."""
+    c = data_config
+    settings = (c.tokenizer, c.vocab_size, c.val_fraction)
+    if c.split != "tail" or c.train_fraction != 1.0:
+        settings += (c.split, c.test_fraction, c.train_fraction)
+    digest = hashlib.sha256(text.encode("utf-8"))
+    digest.update(repr(settings).encode())
+    return digest.hexdigest()
+
+
+# A text whose last part holds words its first part lacks: BPE trained on a
+# longer prefix learns merges of them.
+SHIFTING = "the cat sat on the mat. " * 400 + "zyzzyva " * 300 + "x " * 100
+
+
+def learned_zyz(tokenizer):
+    return any("zyz" in t for t in tokenizer.tokenizer.get_vocab())
+
+
+class TestTokenizerFraction:
+    def test_equal_to_train_fraction_is_the_unset_tokenizer(
+        self, text_file, data_config
+    ):
+        settings = dict(
+            path=text_file(SHIFTING),
+            tokenizer="bpe",
+            vocab_size=300,
+            train_fraction=0.5,
+        )
+        unset = data.load_dataset(data_config(**settings))
+        equal = data.load_dataset(data_config(**settings, tokenizer_fraction=0.5))
+        assert equal.tokenizer.to_json() == unset.tokenizer.to_json()
+        np.testing.assert_array_equal(equal.train_tokens, unset.train_tokens)
+        np.testing.assert_array_equal(equal.val_tokens, unset.val_tokens)
+
+    def test_larger_fraction_trains_on_the_larger_prefix(self, text_file, data_config):
+        settings = dict(
+            path=text_file(SHIFTING),
+            tokenizer="bpe",
+            vocab_size=300,
+            train_fraction=0.5,
+        )
+        dataset = data.load_dataset(data_config(**settings, tokenizer_fraction=0.9))
+        training_split = SHIFTING[: int(len(SHIFTING) * 0.9)]
+        larger = training_split[: int(len(training_split) * 0.9)]
+        used = training_split[: int(len(training_split) * 0.5)]
+        expected = data.make_tokenizer("bpe", larger, SHIFTING, 300)
+        assert dataset.tokenizer.to_json() == expected.to_json()
+        assert learned_zyz(dataset.tokenizer)
+        assert not learned_zyz(data.load_dataset(data_config(**settings)).tokenizer)
+        np.testing.assert_array_equal(dataset.train_tokens, expected.encode(used))
+        assert dataset.tokenizer.decode(dataset.train_tokens) == used
+
+    def test_works_split_of_the_embedded_corpus(self, works, data_config):
+        config = data_config(
+            split="works",
+            tokenizer="bpe",
+            vocab_size=300,
+            train_fraction=0.004,
+            tokenizer_fraction=0.01,
+        )
+        dataset = data.load_dataset(config)
+        training_split = data.split_works(works, 0.1, 0.1)[0]
+        cut = training_split[: int(len(training_split) * 0.01)]
+        used = training_split[: int(len(training_split) * 0.004)]
+        expected = data.make_tokenizer("bpe", cut, "", 300)
+        assert dataset.tokenizer.to_json() == expected.to_json()
+        np.testing.assert_array_equal(dataset.train_tokens, expected.encode(used))
+
+    def test_char_tokenizer_is_unaffected(self, text_file, data_config):
+        text = "abcd" * 200 + "xyz" * 10  # x, y, z only in validation
+        settings = dict(path=text_file(text), train_fraction=0.5)
+        unset = data.load_dataset(data_config(**settings))
+        for fraction in (0.1, 1.0):
+            dataset = data.load_dataset(
+                data_config(**settings, tokenizer_fraction=fraction)
+            )
+            assert dataset.tokenizer.chars == unset.tokenizer.chars == "abcdxyz"
+            np.testing.assert_array_equal(dataset.train_tokens, unset.train_tokens)
+
+    def test_fingerprint_of_unset_settings_is_unchanged(self, data_config):
+        tiny = configuration.load_config("tiny").data  # tokenizer_fraction None
+        assert tiny.tokenizer_fraction is None
+        for config in (
+            tiny,
+            data_config(),  # no tokenizer_fraction key at all
+            data_config(tokenizer_fraction=None),
+            data_config(split="works", tokenizer="bpe", vocab_size=512),
+            data_config(train_fraction=0.3),
+        ):
+            assert dataset_lib._fingerprint("abc", config) == todays_fingerprint(
+                "abc", config
+            )
+        for fraction in (0.3, 1.0):
+            assert dataset_lib._fingerprint(
+                "abc", data_config(train_fraction=0.3, tokenizer_fraction=fraction)
+            ) != todays_fingerprint("abc", data_config(train_fraction=0.3))
+
+    def test_an_unset_cache_is_refused_once_it_is_set(
+        self, text_file, data_config, tmp_path
+    ):
+        settings = dict(path=text_file(SHIFTING), train_fraction=0.5)
+        workdir = str(tmp_path / "run")
+        data.load_dataset(data_config(**settings), workdir)
+        with pytest.raises(ValueError, match="fresh --workdir"):
+            data.load_dataset(data_config(**settings, tokenizer_fraction=1.0), workdir)
+
+    def test_tokenizer_vocab_size_is_cached_per_fraction(self, text_file, data_config):
+        text = "the cat sat on the mat\n" * 50 + "a quick brown fox jumps\n" * 50
+        settings = dict(
+            path=text_file(text), tokenizer="bpe", vocab_size=1000, train_fraction=0.4
+        )
+        sizes = [
+            data.tokenizer_vocab_size(data_config(**settings, tokenizer_fraction=f))
+            for f in (None, 1.0)
+        ]
+        assert sizes[0] < sizes[1]  # the longer text has more pairs to merge
+        assert sizes == [
+            data.load_dataset(data_config(**settings, tokenizer_fraction=f)).vocab_size
+            for f in (None, 1.0)
+        ]
+
+
+class TestGivenTokenizer:
+    def config(self, text_file, data_config, **overrides):
+        return data_config(
+            path=text_file(SHIFTING),
+            tokenizer="bpe",
+            vocab_size=300,
+            tokenizer_fraction=0.9,
+            **overrides,
+        )
+
+    def test_is_the_trained_one_written_to_the_workdir(
+        self, text_file, data_config, tmp_path, monkeypatch
+    ):
+        config = self.config(text_file, data_config, train_fraction=0.5)
+        data.load_dataset(config, str(tmp_path / "trained"))
+        shared = data.train_tokenizer(config)
+
+        def no_training(*args):
+            raise AssertionError("the tokenizer was trained again")
+
+        monkeypatch.setattr(tokenization, "make_tokenizer", no_training)
+        given = data.load_dataset(config, str(tmp_path / "given"), shared)
+        assert given.tokenizer is shared
+        for name in (data.TOKENIZER_FILE, data.TOKENS_FILE):
+            with open(tmp_path / "trained" / name, "rb") as f:
+                expected = f.read()
+            with open(tmp_path / "given" / name, "rb") as f:
+                assert f.read() == expected, name
+
+    def test_members_share_it_and_encode_their_own_text(
+        self, text_file, data_config, tmp_path
+    ):
+        configs = [
+            self.config(text_file, data_config, train_fraction=f) for f in (0.3, 0.9)
+        ]
+        shared = data.train_tokenizer(configs[1])
+        for index, config in enumerate(configs):
+            workdir = str(tmp_path / f"member{index}")
+            dataset = data.load_dataset(config, workdir, shared)
+            used = data.read_splits(config).train
+            np.testing.assert_array_equal(dataset.train_tokens, shared.encode(used))
+            saved = data.load_tokenizer(os.path.join(workdir, data.TOKENIZER_FILE))
+            assert saved.to_json() == shared.to_json()
+            resumed = data.load_dataset(config, workdir, shared)
+            np.testing.assert_array_equal(resumed.train_tokens, dataset.train_tokens)
+
+    def test_another_tokenizer_than_the_workdirs_is_refused(
+        self, text_file, data_config, tmp_path
+    ):
+        config = self.config(text_file, data_config)
+        workdir = str(tmp_path / "run")
+        data.load_dataset(config, workdir)
+        other = data.BPETokenizer.train(SHIFTING[:2000], 280)
+        assert_raises_exactly(
+            lambda: data.load_dataset(config, workdir, other), ValueError, "tokenizer"
+        )
+
+    def test_of_another_kind_is_refused(self, text_file, data_config):
+        config = self.config(text_file, data_config)
+        assert_raises_exactly(
+            lambda: data.load_dataset(config, None, data.CharTokenizer.train(SHIFTING)),
+            ValueError,
+            ("tokenizer", "config.data.tokenizer"),
+        )
 
 
 class TestTestSplit:

@@ -3,6 +3,14 @@ r"""Trains a language model: parses flags, then calls the library.
     python experiments/train.py --config=configs/default.py:nanogpt,tied \
         --workdir=runs/nanogpt_tied [--config.train.steps=500 ...]
 
+Several runs that differ only in member keys (the seed, the learning rates,
+the loss weights, the text trained on; ``lmhead/lm/members.py``) train as
+one program, each in its own workdir, with one ``--member`` flag each::
+
+    python experiments/train.py --config=configs/default.py:nanogpt \
+        --workdir=runs/seeds --member='{"workdir": "runs/seeds/seed=0"}' \
+        --member='{"workdir": "runs/seeds/seed=1", "train.seed": 1}'
+
 Rerunning with the same --workdir resumes from its newest checkpoint; a
 workdir made by another config is refused (see
 ``configuration.check_resumable``).
@@ -35,7 +43,8 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from lmhead.lm import configuration, preemption, sharding, train
+from lmhead.lm import configuration, ensemble, preemption, sharding, train
+from lmhead.lm import members as ensemble_members
 
 config_flags.DEFINE_config_file(
     "config", None, "A configs/*.py file[:args].", lock_config=True
@@ -59,6 +68,15 @@ flags.DEFINE_integer(
     "(data parallel). No effect on GPU or TPU.",
     lower_bound=1,
 )
+flags.DEFINE_multi_string(
+    "member",
+    None,
+    "An ensemble member, as JSON: its workdir and the member keys it sets, e.g. "
+    '\'{"workdir": "runs/s/seed=1", "train.seed": 1, "optim.lr": 0.002}\'. '
+    "Repeated: the members train as one program in --workdir "
+    "(lmhead/lm/ensemble.py); a member without a workdir gets "
+    "--workdir/members/<index>.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -76,10 +94,28 @@ def main(argv):
             flags.FLAGS.process_id,
         )
     try:
-        train.train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+        if flags.FLAGS.member:
+            train_members(flags.FLAGS.config, flags.FLAGS.member, flags.FLAGS.workdir)
+        else:
+            train.train_and_evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
     except preemption.Preempted as e:
         print(e, file=sys.stderr, flush=True)
         sys.exit(128 + signal.SIGTERM)
+
+
+def train_members(config, specs: list[str], workdir: str) -> None:
+    """The ``--member`` flags' ensemble; exits with status 1 when a member
+    stopped without a summary (a non-finite loss)."""
+    try:
+        members = ensemble_members.make_members(
+            [ensemble_members.parse_member(s, i) for i, s in enumerate(specs)], workdir
+        )
+    except ValueError as e:
+        sys.exit(f"FATAL Flags parsing error: --member: {e}")
+    summaries = ensemble.train_ensemble(config, members, workdir)
+    failed = [m.workdir for m, s in zip(members, summaries) if s is None]
+    if failed:
+        sys.exit(f"{len(failed)} members stopped without a summary: {failed}")
 
 
 def parse_flags(argv: list[str]) -> list[str]:

@@ -174,7 +174,7 @@ def check_finite(
                 f"norm {grad_norm}. Stopped at step {done} without saving. "
                 + _newest_checkpoint(manager)
             )
-    if not bool(_all_finite(state)):
+    if not bool(all_finite(state)):
         raise FloatingPointError(
             f"The parameters or optimizer state are not finite after step "
             f"{done}; stopped without saving. " + _newest_checkpoint(manager)
@@ -197,7 +197,7 @@ def _newest_checkpoint(manager) -> str:
 
 
 @jax.jit
-def _all_finite(tree: Any) -> jax.Array:
+def all_finite(tree: Any) -> jax.Array:
     """True when every floating-point leaf of ``tree`` is finite."""
     return jnp.all(
         jnp.stack(

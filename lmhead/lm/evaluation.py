@@ -127,6 +127,12 @@ def evaluate(eval_fn, params: Any, eval_set: EvalSet) -> dict[str, float]:
     (per token), ``accuracy`` and ``ece``.
     """
     sums = jax.device_get([eval_fn(params, batch) for batch in eval_set.batches])
+    return metrics_from_sums(sums, eval_set)
+
+
+def metrics_from_sums(sums: list[dict[str, np.ndarray]], eval_set: EvalSet) -> dict:
+    """:func:`evaluate`'s metrics from ``eval_step``'s sums over
+    ``eval_set``'s batches, on the host (one dict per batch)."""
     window_nll, window_count = (
         np.concatenate([s[k] for s in sums]).astype(np.float64)
         for k in ("window_nll", "window_count")

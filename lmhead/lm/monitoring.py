@@ -168,13 +168,9 @@ def log_training(
     last at step ``done``) with the lap's speed (tokens/s over ``seconds``,
     step-time p50 and p90) and the memory (:func:`memory_metrics`), and
     prints a progress line with the time left."""
-    tokens = len(pending) * config.train.batch_size * config.data.block_size
-    logged = {f"train/{k}": float(np.mean([m[k] for m in pending])) for k in pending[0]}
-    logged["train/tokens_per_sec"] = tokens / seconds
-    percentiles = timer.percentiles_ms(len(pending))
-    logged.update({f"train/{k}": v for k, v in percentiles.items()})
-    logged.update(memory_metrics())
+    logged = training_record(timer, pending, seconds, config)
     writer.write(done, logged)
+    percentiles = timer.percentiles_ms(len(pending))
     steps = config.train.steps
     eta = (steps - done) * timer.wall / timer.steps
     peak = logged.get("memory/device_peak_bytes", logged["memory/host_peak_rss_bytes"])
@@ -185,6 +181,30 @@ def log_training(
         f"{percentiles['step_ms_p50']:.1f}, p90 {percentiles['step_ms_p90']:.1f})  "
         f"peak memory {peak / 2**20:,.0f} MiB  ETA {eta:.0f} s"
     )
+
+
+def training_record(
+    timer: StepTimer, pending: list, seconds: float, config: ml_collections.ConfigDict
+) -> dict[str, float]:
+    """The ``metrics.jsonl`` record of a lap: the mean of the ``pending``
+    steps' metrics (host values), tokens/s over ``seconds``, the step-time
+    p50 and p90 (``timer``) and the memory (:func:`memory_metrics`).
+
+    Examples:
+        >>> config = ml_collections.ConfigDict(
+        ...     {"train": {"batch_size": 2}, "data": {"block_size": 8}})
+        >>> record = training_record(StepTimer(), [{"loss": 1.0}, {"loss": 2.0}], 0.5,
+        ...                          config)
+        >>> record["train/loss"], record["train/tokens_per_sec"]
+        (1.5, 64.0)
+    """
+    tokens = len(pending) * config.train.batch_size * config.data.block_size
+    logged = {f"train/{k}": float(np.mean([m[k] for m in pending])) for k in pending[0]}
+    logged["train/tokens_per_sec"] = tokens / seconds
+    percentiles = timer.percentiles_ms(len(pending))
+    logged.update({f"train/{k}": v for k, v in percentiles.items()})
+    logged.update(memory_metrics())
+    return logged
 
 
 def run_summary(

@@ -11,6 +11,7 @@ runs differ by the tying alone.
 """
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -25,8 +26,31 @@ from lmhead.lm import model as model_lib
 
 TrainState = train_state.TrainState
 
+# The keys of config.optim that may differ between an ensemble's members.
+OPTIMIZER_VALUES = ("lr", "min_lr", "warmup_steps", "weight_decay")
 
-def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+
+def optimizer_values(
+    config: ml_collections.ConfigDict, values: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The optimizer's per-run values -- ``lr``, ``min_lr``, ``warmup_steps``,
+    ``weight_decay`` -- from ``config.optim``, with ``values`` in their place:
+    an ensemble passes traced arrays, one element per member, for those its
+    members set.
+
+    Examples:
+        >>> config = ml_collections.ConfigDict({"optim": {"lr": 1.0, "min_lr": 0.1,
+        ...     "warmup_steps": 4, "weight_decay": 0.0}})
+        >>> optimizer_values(config, {"lr": 2.0})
+        {'lr': 2.0, 'min_lr': 0.1, 'warmup_steps': 4, 'weight_decay': 0.0}
+    """
+    own = {key: config.optim[key] for key in OPTIMIZER_VALUES}
+    return {**own, **(values or {})}
+
+
+def learning_rate_schedule(
+    config: ml_collections.ConfigDict, values: Mapping[str, Any] | None = None
+) -> optax.Schedule:
     r"""nanoGPT's schedule: linear warmup, then cosine to ``min_lr`` at ``steps``.
 
     With peak :math:`\eta`, floor :math:`\eta_{min}`, :math:`W` warmup steps
@@ -37,18 +61,21 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
         \eta_s = \eta_{min} + \tfrac12 (1 + \cos(\pi r)) (\eta - \eta_{min}),
         \quad r = \frac{s - W}{S - W} \quad (s \ge W).
 
+    ``values`` replaces ``config.optim``'s (:func:`optimizer_values`).
+
     Examples:
         >>> config = ml_collections.ConfigDict({"train": {"steps": 10},
-        ...     "optim": {"lr": 1.0, "min_lr": 0.0, "warmup_steps": 4}})
+        ...     "optim": {"lr": 1.0, "min_lr": 0.0, "warmup_steps": 4, "weight_decay": 0.0}})
         >>> [round(float(learning_rate_schedule(config)(s)), 2) for s in (0, 3, 4, 7, 10)]
         [0.2, 0.8, 1.0, 0.5, 0.0]
     """
-    peak, floor = config.optim.lr, config.optim.min_lr
-    warmup, steps = config.optim.warmup_steps, config.train.steps
+    values = optimizer_values(config, values)
+    peak, floor = values["lr"], values["min_lr"]
+    warmup, steps = values["warmup_steps"], config.train.steps
 
     def schedule(step):
         step = jnp.asarray(step, jnp.float32)
-        ratio = jnp.clip((step - warmup) / max(steps - warmup, 1), 0.0, 1.0)
+        ratio = jnp.clip((step - warmup) / jnp.maximum(steps - warmup, 1), 0.0, 1.0)
         cosine = floor + 0.5 * (1.0 + jnp.cos(jnp.pi * ratio)) * (peak - floor)
         return jnp.where(step < warmup, peak * (step + 1) / (warmup + 1), cosine)
 
@@ -68,13 +95,16 @@ def weight_decay_mask(params: Any) -> Any:
     )
 
 
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW with the masked weight decay."""
+def make_optimizer(
+    config: ml_collections.ConfigDict, values: Mapping[str, Any] | None = None
+) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW with the masked weight decay;
+    ``values`` replaces ``config.optim``'s (:func:`optimizer_values`)."""
     adamw = optax.adamw(
-        learning_rate_schedule(config),
+        learning_rate_schedule(config, values),
         b1=config.optim.b1,
         b2=config.optim.b2,
-        weight_decay=config.optim.weight_decay,
+        weight_decay=optimizer_values(config, values)["weight_decay"],
         mask=weight_decay_mask,
     )
     if not config.optim.grad_clip:

@@ -271,7 +271,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         monitoring.log(f"{workdir} has finished {int(state.step)} steps.")
         manager.close()
         return finished
-    _start_workdir(config, workdir)
+    start_workdir(config, workdir)
     parts = _make_loop_parts(
         config, workdir, dataset, model, state, manager, dropout_key, mesh
     )
@@ -328,7 +328,7 @@ def _write_samples(config, model, state, tokenizer, key, workdir) -> None:
         generation.write_samples(config, model, params, tokenizer, key, workdir)
 
 
-def _start_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
+def start_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Process 0 writes ``config.json`` and ``versions.json`` and removes the
     ``summary.json`` of a run that is not finished (an older ``train.steps``)."""
     if not sharding.is_main_process():

@@ -1,0 +1,875 @@
+"""Ensembles: several runs that differ only in values that keep every shape,
+trained as one program over a leading *members* axis.
+
+``train_ensemble(config, members, workdir)`` trains the members
+(:mod:`lmhead.lm.members`: a workdir and overrides of ``MEMBER_KEYS`` each)
+in one jitted step over stacked parameters, optimizer states and batches:
+:func:`over_members` maps the one-member step with ``jax.vmap`` over groups
+of ``train.vmap_members`` members and a ``lax.map`` over the groups (by
+default a ``lax.map`` over single members on a CPU, one ``vmap`` of all of
+them on a GPU or TPU: ``experiments/bench/bench_train.py --ensemble``
+measures both). With ``mesh.members = n > 1`` the members are split over
+``n`` devices (``shard_map``), each device running its share the same way.
+
+Every member behaves as its own run:
+
+* its batches, initial parameters and dropout keys are those of a single
+  run with its seed, and its step is ``train.train_step`` with its own
+  values (the ones that differ between members enter as traced arrays);
+  so its trajectory is the single run's up to float32 rounding;
+* its workdir gets what a single run writes: ``config.json`` with its own
+  values, ``metrics.jsonl`` and TensorBoard events, ``tokenizer.json``,
+  ``tokens.npz``, its final checkpoint (and ``best_checkpoint`` with
+  patience), ``samples.txt`` and ``summary.json`` -- with one more key,
+  ``ensemble``: the program's workdir, the number of members and its index;
+* early stopping is its own: a member that stops is frozen (``lax.cond``
+  skips its update; under ``vmap`` the update is computed and discarded),
+  and keeps its best state, step and evaluation; the program ends when every
+  member has stopped or at ``train.steps``;
+* the test split is evaluated once per member, on its best parameters
+  (patience) or its last.
+
+The program's workdir holds its ``config.json`` (the config before the
+members' overrides), ``ensemble.json`` (the members), the shared tokenizer
+and one checkpoint series of the stacked state and best states, so a rerun
+resumes every member exactly (bitwise on one CPU device) and SIGTERM stops
+at a step boundary as a single run does. A rerun with other members is
+refused while there is a checkpoint. A member already finished (its
+``summary.json``) is left out of a program that has not started, so it is
+never trained again. A member whose loss or parameters stop being finite
+(``train.stop_on_nonfinite``) is frozen without a summary, and the others go
+on; ``train_ensemble`` returns ``None`` for it.
+
+Not supported in an ensemble: ``mesh.model > 1`` (the vocabulary split),
+several processes, and ``mesh.members > 1`` together with ``mesh.data > 1``.
+
+The module is one piece, in the order a program uses it: the mapped steps,
+``train_ensemble`` and its loop, and the end of the program.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lmhead.lm import (
+    checkpoints,
+    configuration,
+    data,
+    evaluation,
+    generation,
+    monitoring,
+    preemption,
+    sharding,
+    train,
+)
+from lmhead.lm import members as members_lib
+from lmhead.lm import model as model_lib
+from lmhead.lm import state as state_lib
+from lmhead.vocab_parallel import DATA_AXIS
+
+# In the program's workdir: its members, as train_ensemble was given them.
+ENSEMBLE_FILE = "ensemble.json"
+MEMBERS_AXIS = "members"
+
+
+def over_members(fn, xs: Any, vmap_size: int) -> Any:
+    """``fn`` applied to each member's slice of ``xs`` (leading axis ``M``):
+    ``jax.vmap`` over groups of ``vmap_size`` members, the groups one after
+    another in a ``lax.map``. ``vmap_size >= M``: one ``vmap``; ``1``: a
+    ``lax.map`` over single members.
+
+    Examples:
+        >>> xs = jnp.arange(6.0).reshape(3, 2)
+        >>> [over_members(jnp.sum, xs, v).tolist() for v in (1, 2, 3)]
+        [[1.0, 5.0, 9.0], [1.0, 5.0, 9.0], [1.0, 5.0, 9.0]]
+    """
+    count = jax.tree.leaves(xs)[0].shape[0]
+    if vmap_size >= count:
+        return jax.vmap(fn)(xs)
+    return jax.lax.map(fn, xs, batch_size=vmap_size if vmap_size > 1 else None)
+
+
+def default_vmap_members(config: ml_collections.ConfigDict, count: int) -> int:
+    """``train.vmap_members``, or when unset 1 on a CPU and ``count`` elsewhere."""
+    if config.train.vmap_members is not None:
+        return config.train.vmap_members
+    return 1 if jax.default_backend() == "cpu" else count
+
+
+def member_train_step(
+    state: state_lib.TrainState,
+    batch: dict[str, jax.Array],
+    key: jax.Array,
+    values: dict[str, jax.Array],
+    active: jax.Array,
+    *,
+    model: model_lib.DecoderLM,
+    config: ml_collections.ConfigDict,
+) -> tuple[state_lib.TrainState, dict[str, jax.Array]]:
+    """One member's ``train.train_step``, with ``values`` (``{config key:
+    scalar}``, those of ``members.TRACED_KEYS`` that differ between members)
+    in place of ``config``'s; the state unchanged and the metrics zero where
+    ``active`` is False (a stopped member)."""
+    optim = {k.split(".")[1]: v for k, v in values.items() if k.startswith("optim.")}
+    loss = {k.split(".")[1]: v for k, v in values.items() if k.startswith("loss.")}
+
+    def step(operands):
+        state, batch, key = operands
+        new_state, metrics = train.train_step(
+            state.replace(tx=state_lib.make_optimizer(config, optim)),
+            batch,
+            key,
+            model=model,
+            loss_kwargs={**train.loss_keywords(config.loss), **loss},
+            learning_rate_fn=state_lib.learning_rate_schedule(config, optim),
+            microbatches=config.train.microbatches,
+        )
+        return new_state.replace(tx=state.tx), metrics
+
+    def frozen(operands):
+        shapes = jax.eval_shape(step, operands)[1]
+        return operands[0], jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    return jax.lax.cond(active, step, frozen, (state, batch, key))
+
+
+def ensemble_train_step(states, batches, keys, values, active, *, vmap_size, **kw):
+    """:func:`member_train_step` over the members (:func:`over_members`):
+    every argument has a leading members axis ``M``; returns the stacked new
+    states and ``[M]`` metrics."""
+    return over_members(
+        lambda args: member_train_step(*args, **kw),
+        (states, batches, keys, values, active),
+        vmap_size,
+    )
+
+
+def ensemble_eval_step(params, batch, *, model, vmap_size, stacked: bool):
+    """``train.eval_step`` of each member's ``params``, on its own batch
+    (``stacked``: ``[M, B, T]``) or on one batch shared by all (``[B, T]``)."""
+    if stacked:
+        return over_members(
+            lambda pb: train.eval_step(pb[0], pb[1], model=model),
+            (params, batch),
+            vmap_size,
+        )
+    return over_members(
+        lambda p: train.eval_step(p, batch, model=model), params, vmap_size
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _MemberEvalSet:
+    """An evaluation set of every member: ``batches`` shared (``[B, T]``) or
+    stacked (``[M, B, T]``), and each member's :class:`evaluation.EvalSet`
+    for its token and character counts."""
+
+    batches: list
+    stacked: bool
+    sets: list[evaluation.EvalSet]
+
+
+@dataclasses.dataclass
+class _Program:
+    """What the loop uses, made once by :func:`_make_program`."""
+
+    config: ml_collections.ConfigDict
+    members: list[members_lib.Member]
+    configs: list[ml_collections.ConfigDict]
+    model: model_lib.DecoderLM
+    dataset: data.Dataset
+    train_tokens: list[np.ndarray]
+    mesh: jax.sharding.Mesh
+    manager: Any
+    writers: list[monitoring.MetricWriter]
+    stoppings: list[evaluation.EarlyStopping]
+    keys: dict[str, jax.Array]
+    values: dict[str, jax.Array]
+    eval_sets: list[_MemberEvalSet]
+    vmap_size: int
+    train_fn: Any = None
+    eval_fns: dict = dataclasses.field(default_factory=dict)
+    compile_seconds: float = 0.0
+    failed: set = dataclasses.field(default_factory=set)
+    # Members with a summary before this process started (a resumed program).
+    finished: set = dataclasses.field(default_factory=set)
+
+    @property
+    def count(self) -> int:
+        return len(self.members)
+
+    def batch(self, step: int, active: np.ndarray) -> dict[str, jax.Array]:
+        """The stacked training batches of ``step``: each member's
+        ``data.train_batch`` with its seed (zeros for a stopped member)."""
+        shape = (self.config.train.batch_size, self.config.data.block_size)
+        stopped = {key: np.zeros(shape, np.int32) for key in ("inputs", "labels")}
+        batches = [
+            data.train_batch(
+                tokens,
+                seed=member_config.train.seed,
+                step=step,
+                batch_size=shape[0],
+                block_size=shape[1],
+            )
+            if is_active
+            else stopped
+            for member_config, tokens, is_active in zip(
+                self.configs, self.train_tokens, active
+            )
+        ]
+        stacked = jax.tree.map(lambda *xs: np.stack(xs), *batches)
+        return jax.device_put(stacked, self.stacked_sharding(rank=3))
+
+    def stacked_sharding(self, rank: int) -> NamedSharding:
+        """Of an array with a leading members axis (batches over ``data``)."""
+        if MEMBERS_AXIS in self.mesh.axis_names:
+            return NamedSharding(self.mesh, P(MEMBERS_AXIS))
+        return NamedSharding(self.mesh, P(None, DATA_AXIS) if rank > 1 else P())
+
+    def evaluate(self, params) -> list[dict[str, float]]:
+        """Each member's metrics over the periodic evaluation sets."""
+        results = [{} for _ in self.members]
+        for eval_set in self.eval_sets:
+            for index, metrics in enumerate(self.evaluate_set(params, eval_set)):
+                results[index].update(metrics)
+        return results
+
+    def evaluate_set(self, params, eval_set: _MemberEvalSet) -> list[dict]:
+        eval_fn = self.eval_fns[eval_set.stacked]
+        sums = jax.device_get([eval_fn(params, batch) for batch in eval_set.batches])
+        return [
+            evaluation.metrics_from_sums(
+                [jax.tree.map(lambda x, k=index: x[k], s) for s in sums],
+                eval_set.sets[index],
+            )
+            for index in range(self.count)
+        ]
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+        self.manager.close()
+
+
+def train_ensemble(
+    config: ml_collections.ConfigDict,
+    members: Sequence[members_lib.Member],
+    workdir: str,
+) -> list[dict | None]:
+    """Trains ``members`` (each ``config`` with its overrides) as one program
+    in ``workdir``, resuming from its newest checkpoint.
+
+    Returns:
+        Each member's summary (also its ``summary.json``: the keys of
+        ``train.train_and_evaluate``'s, plus ``ensemble``), or ``None`` for a
+        member stopped by a non-finite loss or state.
+
+    Raises:
+        ValueError, TypeError: a bad config or member (naming it), other
+            members than the checkpoint's, an unsupported mesh; before
+            anything is compiled.
+        preemption.Preempted: SIGTERM; a checkpoint of the step it stopped at is saved.
+    """
+    wall_start = time.perf_counter()
+    configuration.validate_config(config)
+    members = list(members)
+    configs = members_lib.member_configs(config, members)
+    _check_mesh(config)
+    configuration.check_resumable(config, workdir)
+    manager = checkpoints.checkpoint_manager(workdir)
+    summaries = _finished_summaries(members)
+    if len(summaries) == len(members):
+        manager.close()
+        monitoring.log(f"Every member of {workdir} has finished.")
+        return [summaries[m.workdir] for m in members]
+    if manager.latest_step() is None:
+        # Not started: the finished members are left out, never trained again.
+        kept = [i for i, m in enumerate(members) if m.workdir not in summaries]
+        program_members = [members[i] for i in kept]
+        configs = [configs[i] for i in kept]
+    else:
+        _check_same_members(workdir, members)
+        program_members = members
+    _start_program(config, program_members, workdir)
+    program = _make_program(config, program_members, configs, workdir, manager)
+    program.finished = {
+        i for i, m in enumerate(program_members) if m.workdir in summaries
+    }
+    try:
+        state, best, timer = _restore_and_train(program)
+        results = _finish(program, state, best, timer, wall_start)
+    finally:
+        program.close()
+    summaries.update(
+        (m.workdir, r)
+        for i, (m, r) in enumerate(zip(program_members, results))
+        if i not in program.finished
+    )
+    return [summaries.get(m.workdir) for m in members]
+
+
+def _check_mesh(config) -> None:
+    if config.mesh.model != 1:
+        raise ValueError(
+            "config.mesh.model must be 1 in an ensemble; the vocabulary "
+            f"split is for single runs. Got {config.mesh.model}."
+        )
+    if config.mesh.members > 1 and config.mesh.data not in (1, -1):
+        raise ValueError(
+            "config.mesh.members > 1 splits the members over the devices; "
+            f"config.mesh.data must then be 1 (or -1); got {config.mesh.data}."
+        )
+    if jax.process_count() > 1:
+        raise ValueError("An ensemble runs in one process; got several.")
+
+
+def _finished_summaries(members) -> dict[str, dict]:
+    summaries = {}
+    for member in members:
+        path = os.path.join(member.workdir, train.SUMMARY_FILE)
+        if os.path.exists(path):
+            with open(path) as f:
+                summaries[member.workdir] = json.load(f)
+            monitoring.log(f"{member.workdir} has finished; it is not trained again.")
+    return summaries
+
+
+def _members_record(members) -> list[dict]:
+    return [dict(workdir=m.workdir, overrides=m.overrides) for m in members]
+
+
+def _check_same_members(workdir: str, members) -> None:
+    path = os.path.join(workdir, ENSEMBLE_FILE)
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        saved = json.load(f)["members"]
+    if json.loads(json.dumps(_members_record(members))) != saved:
+        raise ValueError(
+            f"{workdir} holds checkpoints of an ensemble of other members "
+            f"({path} lists them), so it cannot resume with these; use a "
+            "fresh --workdir or the same members."
+        )
+
+
+def _start_program(config, members, workdir) -> None:
+    """The program's ``config.json`` and ``ensemble.json``."""
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json(indent=2))
+    with open(os.path.join(workdir, ENSEMBLE_FILE), "w") as f:
+        json.dump(dict(members=_members_record(members)), f, indent=2)
+
+
+def _make_program(config, members, configs, workdir, manager) -> _Program:
+    """Data, model, evaluation sets, writers and keys of the members."""
+    datasets, train_tokens = _load_datasets(configs, members, workdir)
+    dataset = datasets[0]
+    model = configuration.make_model(config, dataset.vocab_size)
+    mesh = _make_mesh(config, len(members))
+    varying = {
+        key: [_get(c, key) for c in configs]
+        for key in members_lib.TRACED_KEYS
+        if len({_get(c, key) for c in configs}) > 1
+    }
+    replicated = NamedSharding(mesh, P())
+    values = {
+        key: jax.device_put(np.asarray(v, np.float32), replicated)
+        for key, v in varying.items()
+    }
+    split_keys = [jax.random.split(jax.random.key(c.train.seed), 3) for c in configs]
+    keys = {
+        name: jax.device_put(jnp.stack([k[i] for k in split_keys]), replicated)
+        for i, name in enumerate(("init", "dropout", "sample"))
+    }
+    for member_config, member in zip(configs, members):
+        if not os.path.exists(os.path.join(member.workdir, train.SUMMARY_FILE)):
+            train.start_workdir(member_config, member.workdir)
+    start = checkpoints.checkpoint_manager(workdir).latest_step() or 0
+    writers = [monitoring.MetricWriter(m.workdir, start) for m in members]
+    return _Program(
+        config=config,
+        members=members,
+        configs=configs,
+        model=model,
+        dataset=dataset,
+        train_tokens=train_tokens,
+        mesh=mesh,
+        manager=manager,
+        writers=writers,
+        stoppings=[
+            evaluation.EarlyStopping.from_records(c.train.patience, w.records)
+            for c, w in zip(configs, writers)
+        ],
+        keys=keys,
+        values=values,
+        eval_sets=_eval_sets(config, configs, datasets, mesh),
+        vmap_size=default_vmap_members(config, len(members)),
+    )
+
+
+def _get(config, key: str):
+    section, name = key.split(".")
+    return config[section][name]
+
+
+def _make_mesh(config, count: int) -> jax.sharding.Mesh:
+    if config.mesh.members == 1:
+        return sharding.make_mesh(config.mesh.data, config.mesh.model)
+    devices = jax.devices()
+    if config.mesh.members != len(devices) or count % config.mesh.members:
+        raise ValueError(
+            f"config.mesh.members={config.mesh.members} must equal the number "
+            f"of devices, {len(devices)}, and divide the {count} members."
+        )
+    return jax.make_mesh(
+        (config.mesh.members,),
+        (MEMBERS_AXIS,),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        devices=devices,
+    )
+
+
+def _load_datasets(configs, members, workdir):
+    """Each member's dataset, with one tokenizer: trained once in the
+    program's workdir, on the text of the largest ``train_fraction``
+    (``members`` module docstring), and each distinct data config encoded
+    once; every member's workdir gets ``tokenizer.json`` and ``tokens.npz``."""
+    largest = max(range(len(configs)), key=lambda i: configs[i].data.train_fraction)
+    shared = sharding.main_process_first(
+        lambda: data.load_dataset(configs[largest].data, workdir)
+    )
+    encoded = {configs[largest].data.to_json(): (shared, workdir)}
+    datasets = []
+    for member_config, member in zip(configs, members):
+        settings = member_config.data.to_json()
+        if settings not in encoded:
+            encoded[settings] = (
+                data.load_dataset(member_config.data, member.workdir, shared.tokenizer),
+                member.workdir,
+            )
+        else:
+            os.makedirs(member.workdir, exist_ok=True)
+            for name in (data.TOKENIZER_FILE, data.TOKENS_FILE):
+                shutil.copyfile(
+                    os.path.join(encoded[settings][1], name),
+                    os.path.join(member.workdir, name),
+                )
+        datasets.append(encoded[settings][0])
+    try:
+        shared.tokenizer.encode(configs[0].sample.prompt)
+    except ValueError as e:
+        raise ValueError(f"config.sample.prompt={configs[0].sample.prompt!r}: {e}") from e
+    return datasets, [d.train_tokens for d in datasets]
+
+
+def _eval_sets(config, configs, datasets, mesh) -> list[_MemberEvalSet]:
+    """The validation windows (shared: the validation split is every
+    member's) and, with ``train.eval_train_batches``, each member's
+    training windows (shared when the members train on the same text)."""
+    replicated_or_data = (
+        NamedSharding(mesh, P()) if MEMBERS_AXIS in mesh.axis_names else None
+    )
+    per_member = [
+        evaluation.periodic_eval_sets(c, d, None) for c, d in zip(configs, datasets)
+    ]
+    result = []
+    for position in range(len(per_member[0])):
+        sets = [p[position] for p in per_member]
+        stacked = position > 0 and len({id(d) for d in datasets}) > 1
+        if stacked:
+            batches = [
+                jax.tree.map(lambda *xs: np.stack(xs), *group)
+                for group in zip(*(s.batches for s in sets))
+            ]
+            sharded = [
+                jax.device_put(
+                    b,
+                    NamedSharding(mesh, P(MEMBERS_AXIS))
+                    if MEMBERS_AXIS in mesh.axis_names
+                    else NamedSharding(mesh, P(None, DATA_AXIS)),
+                )
+                for b in batches
+            ]
+        else:
+            sharded = [
+                jax.device_put(b, replicated_or_data)
+                if replicated_or_data is not None
+                else sharding.shard_batch(b, mesh)
+                for b in sets[0].batches
+            ]
+        result.append(_MemberEvalSet(sharded, stacked, sets))
+    return result
+
+
+def _state_shardings(program: _Program, abstract: Any) -> Any:
+    """The stacked state's shardings: members over ``members`` (a members
+    mesh), else each member's ``sharding.tree_shardings`` behind a leading
+    unsplit axis."""
+    if MEMBERS_AXIS in program.mesh.axis_names:
+        return jax.tree.map(
+            lambda _: NamedSharding(program.mesh, P(MEMBERS_AXIS)), abstract
+        )
+    member = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), abstract
+    )
+    return jax.tree.map(
+        lambda s: NamedSharding(program.mesh, P(None, *s.spec)),
+        sharding.tree_shardings(member, program.mesh),
+    )
+
+
+def _restore_and_train(program: _Program):
+    """The stacked state (restored or initialised), trained; with the best
+    states and the step timer."""
+    init = jax.vmap(
+        functools.partial(state_lib.create_train_state, program.model, program.config)
+    )
+    abstract_state = jax.eval_shape(init, program.keys["init"])
+    shardings = _state_shardings(program, abstract_state)
+    target = {
+        "state": sharding.abstract_state(abstract_state, shardings),
+        "best": sharding.abstract_state(abstract_state, shardings),
+    }
+    restored = checkpoints.restore_newest(program.manager, target)
+    if restored is None:
+        state = jax.jit(init, out_shardings=shardings)(program.keys["init"])
+        # Copies: the train step donates the state's buffers.
+        restored = {"state": state, "best": jax.tree.map(jnp.copy, state)}
+    _compile(program, restored["state"], shardings)
+    return _train_loop(program, restored["state"], restored["best"])
+
+
+def _compile(program: _Program, state, shardings) -> None:
+    """Jits the mapped train step (state donated, compiled ahead of time)
+    and the two mapped eval steps."""
+    common = dict(model=program.model, vmap_size=program.vmap_size)
+    step = functools.partial(ensemble_train_step, config=program.config, **common)
+    in_mesh = MEMBERS_AXIS in program.mesh.axis_names
+    if in_mesh:
+        step = jax.shard_map(
+            step, mesh=program.mesh, in_specs=P(MEMBERS_AXIS), out_specs=P(MEMBERS_AXIS)
+        )
+    active = np.ones(program.count, bool)
+    args = (
+        state,
+        program.batch(0, active),
+        program.keys["dropout"],
+        program.values,
+        jnp.asarray(active),
+    )
+    start = time.perf_counter()
+    program.train_fn = (
+        jax.jit(step, donate_argnums=0, out_shardings=(shardings, None))
+        .lower(*args)
+        .compile()
+    )
+    program.compile_seconds = time.perf_counter() - start
+    for stacked in (False, True):
+        eval_step = functools.partial(ensemble_eval_step, stacked=stacked, **common)
+        if in_mesh:
+            eval_step = jax.shard_map(
+                eval_step,
+                mesh=program.mesh,
+                in_specs=(P(MEMBERS_AXIS), P(MEMBERS_AXIS) if stacked else P()),
+                out_specs=P(MEMBERS_AXIS),
+            )
+        program.eval_fns[stacked] = jax.jit(eval_step)
+    monitoring.log(
+        f"{program.count} members of {monitoring.count_params(state.params) // program.count:,} "
+        f"parameters; train step compiled in {program.compile_seconds:.1f} s "
+        f"({program.vmap_size} member(s) per vmap)."
+    )
+
+
+@jax.jit
+def _select(mask: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` for the members where ``mask``, else ``old``."""
+    return jax.tree.map(
+        lambda n, o: jnp.where(mask.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
+        new,
+        old,
+    )
+
+
+def _active(program: _Program, state) -> np.ndarray:
+    """The members still training: not stopped early, not failed, and not
+    at ``train.steps``."""
+    steps = np.asarray(jax.device_get(state.step))
+    return np.array(
+        [
+            not program.stoppings[i].should_stop
+            and i not in program.failed
+            and i not in program.finished
+            and steps[i] < program.config.train.steps
+            for i in range(program.count)
+        ]
+    )
+
+
+def _train_loop(program: _Program, state, best):
+    """Steps from the program's step to ``train.steps`` (or until every
+    member has stopped), with each member's periodic actions."""
+    config, steps = program.config, program.config.train.steps
+    active = _active(program, state)
+    first = int(np.max(jax.device_get(state.step)))
+    timer, pending = monitoring.StepTimer(), []
+    timer.start()
+    active_array = jnp.asarray(active)
+    with preemption.sigterm_flag() as terminated:
+        for step in range(first, steps):
+            if not active.any():
+                break
+            if preemption.stop_requested(program.manager, step, terminated):
+                if pending:
+                    _log_training(program, timer, pending, step, active, state)
+                _save(program, step, state, best)
+                raise preemption.Preempted(step, str(program.manager.directory))
+            state, metrics = program.train_fn(
+                state,
+                program.batch(step, active),
+                program.keys["dropout"],
+                program.values,
+                active_array,
+            )
+            pending.append(metrics)
+            if len(pending) > 1:
+                jax.block_until_ready(pending[-2])
+                timer.step_done()
+            done = step + 1
+            evaluate_now = done % config.train.eval_every == 0 or done == steps
+            checkpoint_now = done % config.train.checkpoint_every == 0 or done == steps
+            if not (
+                evaluate_now or checkpoint_now or done % config.train.log_every == 0
+            ):
+                continue
+            _log_training(program, timer, pending, done, active, state)
+            pending = []
+            if evaluate_now:
+                best = _log_evaluation(program, done, active, state, best)
+            stopped = active & ~_active(program, state)
+            if checkpoint_now or stopped.any():
+                _save(program, done, state, best)
+            active = active & ~stopped
+            active_array = jnp.asarray(active)
+            timer.start()
+    return state, best, timer
+
+
+def _save(program: _Program, step: int, state, best) -> None:
+    checkpoints.save(program.manager, step, {"state": state, "best": best})
+
+
+def _log_training(program, timer, pending, done, active, state) -> None:
+    """Each active member's lap record (``monitoring.training_record``), a
+    non-finite member marked failed (``train.stop_on_nonfinite``), and one
+    progress line for the program."""
+    pending = jax.device_get(pending)
+    timer.step_done()
+    seconds = timer.lap(len(pending))
+    config = program.config
+    losses = []
+    for index in np.flatnonzero(active):
+        own = [{k: v[index] for k, v in m.items()} for m in pending]
+        if config.train.stop_on_nonfinite and not _finite(own, state, index):
+            program.failed.add(int(index))
+            monitoring.log(
+                f"member {index} ({program.members[index].workdir}): a non-finite "
+                f"loss, gradient norm or state by step {done}; it is stopped "
+                "without a summary."
+            )
+            continue
+        record = monitoring.training_record(timer, own, seconds, config)
+        program.writers[index].write(done, record)
+        losses.append(record["train/loss"])
+    tokens = len(pending) * config.train.batch_size * config.data.block_size
+    eta = (config.train.steps - done) * timer.wall / timer.steps
+    monitoring.log(
+        f"step {done}/{config.train.steps}  {len(losses)}/{program.count} members "
+        f"training  loss {np.mean(losses) if losses else float('nan'):.4f} "
+        f"(min {min(losses, default=float('nan')):.4f}, max "
+        f"{max(losses, default=float('nan')):.4f})  "
+        f"{tokens * len(losses) / seconds:,.0f} tokens/s  "
+        f"{1e3 * seconds / len(pending):.1f} ms/step  ETA {eta:.0f} s"
+    )
+
+
+def _finite(own_pending, state, index) -> bool:
+    values = [float(m[k]) for m in own_pending for k in ("loss", "grad_norm")]
+    if not np.all(np.isfinite(values)):
+        return False
+    member = jax.tree.map(lambda x: x[index], state)
+    return bool(checkpoints.all_finite(member))
+
+
+def _log_evaluation(program, done, active, state, best):
+    """Each active member's evaluation, counted for its early stopping; the
+    members with a new best get their state kept in ``best``."""
+    results = program.evaluate(state.params)
+    improved = np.zeros(program.count, bool)
+    for index in np.flatnonzero(active):
+        if index in program.failed:
+            continue
+        metrics = results[index]
+        program.writers[index].write(done, metrics)
+        improved[index] = program.stoppings[index].update(done, metrics["eval/loss"])
+        if program.stoppings[index].should_stop:
+            monitoring.log(
+                f"member {index} stopped early at step {done}: "
+                f"{program.configs[index].train.patience} evaluations without a "
+                f"lower eval/loss than step {program.stoppings[index].best_step}'s."
+            )
+    evaluated = [results[i]["eval/loss"] for i in np.flatnonzero(active)]
+    monitoring.log(
+        f"step {done}/{program.config.train.steps}  eval/loss "
+        f"{np.mean(evaluated):.4f} (min {min(evaluated):.4f}, max "
+        f"{max(evaluated):.4f}) over {len(evaluated)} members"
+    )
+    if improved.any():
+        best = _select(jnp.asarray(improved), state, best)
+    return best
+
+
+# --- The end of the program ------------------------------------------------------
+
+
+def _finish(program: _Program, state, best, timer, wall_start) -> list[dict | None]:
+    """Final and test evaluations, the members' checkpoints, samples and summaries."""
+    steps_run = [int(s) for s in jax.device_get(state.step)]
+    finals = _final_evaluations(program, state, steps_run)
+    tests = _test_evaluations(program, state, best, steps_run)
+    summaries = []
+    for index, (member, member_config) in enumerate(
+        zip(program.members, program.configs)
+    ):
+        if index in program.failed or index in program.finished:
+            summaries.append(None)
+            continue
+        own, own_best = (
+            jax.tree.map(lambda x, i=index: x[i], tree) for tree in (state, best)
+        )
+        _save_member(member, member_config, own, own_best)
+        if member_config.sample.num_samples:
+            generation.write_samples(
+                member_config,
+                program.model,
+                sharding.to_host(own.params),
+                program.dataset.tokenizer,
+                program.keys["sample"][index],
+                member.workdir,
+            )
+        summary = {
+            **monitoring.run_summary(
+                member_config,
+                own.params,
+                program.dataset.vocab_size,
+                finals[index],
+                timer,
+                program.compile_seconds,
+                wall_start,
+            ),
+            **monitoring.best_summary(
+                member_config, program.writers[index].records, steps_run[index]
+            ),
+            **({"test": tests[index]} if tests else {}),
+            "ensemble": dict(
+                program=str(program.manager.directory.parent),
+                members=program.count,
+                index=index,
+            ),
+        }
+        with open(os.path.join(member.workdir, train.SUMMARY_FILE), "w") as f:
+            json.dump(summary, f, indent=2)
+        summaries.append(summary)
+    return summaries
+
+
+def _final_evaluations(program, state, steps_run) -> list[dict]:
+    """Each member's evaluation at its last step: the logged one, or (a
+    member without one) a new one, logged."""
+    finals, results = [], None
+    for index, writer in enumerate(program.writers):
+        if index in program.failed or index in program.finished:
+            finals.append(None)
+            continue
+        final = next((r for r in reversed(writer.records) if "eval/loss" in r), None)
+        if final is None or final["step"] != steps_run[index]:
+            results = results or program.evaluate(state.params)
+            final = {"step": steps_run[index], **results[index]}
+            writer.write(steps_run[index], results[index])
+        finals.append(final)
+    return finals
+
+
+def _test_evaluations(program, state, best, steps_run) -> list[dict] | None:
+    """The whole test split, once per member, with its best parameters
+    (``train.patience`` set) or its last; logged as ``test/...``."""
+    if not evaluation.wants_test_evaluation(program.config):
+        return None
+    test_set = evaluation.make_eval_set(
+        "test",
+        data.load_test_tokens(program.config.data, program.dataset.tokenizer),
+        None,
+        program.config,
+        program.dataset.tokenizer,
+    )
+    with_patience = np.array([c.train.patience > 0 for c in program.configs])
+    params = _select(jnp.asarray(with_patience), best.params, state.params)
+    members_test = _MemberEvalSet(
+        [
+            jax.device_put(b, NamedSharding(program.mesh, P()))
+            if MEMBERS_AXIS in program.mesh.axis_names
+            else sharding.shard_batch(b, program.mesh)
+            for b in test_set.batches
+        ],
+        False,
+        [test_set] * program.count,
+    )
+    best_steps = jax.device_get(best.step)
+    results = []
+    for index, metrics in enumerate(program.evaluate_set(params, members_test)):
+        if index in program.failed or index in program.finished:
+            results.append(None)
+            continue
+        metrics = {f"test/{k.split('/', 1)[1]}": v for k, v in metrics.items()}
+        program.writers[index].write(steps_run[index], metrics)
+        results.append(
+            {
+                **{k.split("/", 1)[1]: v for k, v in metrics.items()},
+                "num_tokens": test_set.num_tokens,
+                "num_chars": test_set.num_chars,
+                "step": int(best_steps[index])
+                if with_patience[index]
+                else steps_run[index],
+            }
+        )
+    return results
+
+
+def _save_member(member, member_config, state, best) -> None:
+    """The member's own checkpoint (and best checkpoint with patience), as a
+    single run leaves them: ``experiments/generate.py`` and a resumed single
+    run read them."""
+    with contextlib.ExitStack() as stack:
+        manager = stack.enter_context(
+            contextlib.closing(checkpoints.checkpoint_manager(member.workdir))
+        )
+        checkpoints.save(manager, int(state.step), state)
+        if member_config.train.patience:
+            best_manager = stack.enter_context(
+                contextlib.closing(checkpoints.best_checkpoint_manager(member.workdir))
+            )
+            checkpoints.save(best_manager, int(best.step), best)

@@ -1,0 +1,324 @@
+"""Tests of lmhead/lm/ensemble.py: members trained as one program equal the
+single runs with their values, stop early on their own, resume exactly, and
+leave the files a single run leaves.
+
+One 4-member program of the shared short config (10 steps, an evaluation
+every 2) serves most tests; the references are single runs of
+``train.train_and_evaluate`` with a member's values.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lmhead.lm import data, ensemble, generation, train
+from lmhead.lm import members as members_lib
+from tests import ROOT
+
+SPECS = [
+    {},  # the config's own values, seed 0
+    {"train.seed": 1, "optim.lr": 2e-3, "optim.min_lr": 2e-4},
+    # Too high a rate: the loss rises after the first evaluation and the
+    # member stops at its second.
+    {"train.seed": 2, "optim.lr": 0.1, "optim.min_lr": 0.0, "train.patience": 1},
+    {
+        "train.seed": 3,
+        "optim.lr": 1e-3,
+        "optim.weight_decay": 0.0,
+        "optim.warmup_steps": 3,
+        "train.patience": 2,
+    },
+]
+PROGRAM = {"train.eval_every": 2, "data.split": "works", "train.test_eval": True}
+# float32 rounding over 10 steps: the members' steps are compiled as one
+# program, the single run's alone.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def make_members(workdir):
+    return members_lib.make_members(
+        [{"workdir": os.path.join(workdir, f"m{i}"), **s} for i, s in enumerate(SPECS)],
+        workdir,
+    )
+
+
+@pytest.fixture(scope="module")
+def program(short_config, tmp_path_factory):
+    """The 4 members trained as one program, with the (seed, step) of every
+    training batch each member drew."""
+    workdir = str(tmp_path_factory.mktemp("ensemble") / "program")
+    drawn, original = [], data.train_batch
+
+    def recording(tokens, *, seed, step, batch_size, block_size):
+        drawn.append((seed, step, len(tokens)))
+        return original(
+            tokens, seed=seed, step=step, batch_size=batch_size, block_size=block_size
+        )
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(data, "train_batch", recording)
+        summaries = ensemble.train_ensemble(
+            short_config(**PROGRAM), make_members(workdir), workdir
+        )
+    return dict(workdir=workdir, summaries=summaries, drawn=drawn)
+
+
+@pytest.fixture(scope="module")
+def single_runs(short_config, tmp_path_factory):
+    """Members 1 and 2 as single runs."""
+    root = tmp_path_factory.mktemp("single")
+    runs = {}
+    for index in (1, 2):
+        workdir = str(root / str(index))
+        config = short_config(**PROGRAM, **SPECS[index])
+        runs[index] = (workdir, train.train_and_evaluate(config, workdir))
+    return runs
+
+
+def member_dir(program, index):
+    return os.path.join(program["workdir"], f"m{index}")
+
+
+def read_records(workdir, key):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return {r["step"]: r[key] for r in map(json.loads, f) if key in r}
+
+
+class TestMembersAreRuns:
+    @pytest.mark.parametrize("index", [1, 2])
+    def test_equals_the_single_run(self, program, single_runs, index):
+        workdir, single = single_runs[index]
+        member = program["summaries"][index]
+        for key in ("train/loss", "eval/loss", "test/loss"):
+            got = read_records(member_dir(program, index), key)
+            want = read_records(workdir, key)
+            assert got.keys() == want.keys() and got
+            np.testing.assert_allclose(
+                list(got.values()), list(want.values()), rtol=RTOL
+            )
+        for key in ("best_step", "steps_run", "stopped_early", "num_params"):
+            assert member[key] == single[key]
+        assert member["test"]["step"] == single["test"]["step"]
+        got_params = generation.load_run(member_dir(program, index))[3]
+        want_params = generation.load_run(workdir)[3]
+        jax.tree.map(
+            lambda g, w: np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL),
+            got_params,
+            want_params,
+        )
+
+    def test_batches_are_the_single_runs(self, program):
+        by_member = {}
+        for seed, step, num_tokens in program["drawn"]:
+            by_member.setdefault(seed, []).append((step, num_tokens))
+        for index, summary in enumerate(program["summaries"]):
+            seed = SPECS[index].get("train.seed", 0)
+            steps = [s for s, _ in by_member[seed]]
+            # Step 0 is drawn once more, to compile the step.
+            assert steps == [0, *range(summary["steps_run"])]
+
+    def test_writes_what_a_single_run_writes(self, program, single_runs):
+        def files(workdir):
+            return {n for n in os.listdir(workdir) if not n.startswith("events.")}
+
+        single = files(single_runs[2][0])
+        for index in range(len(SPECS)):
+            own = files(member_dir(program, index))
+            if "train.patience" not in SPECS[index]:
+                own.add("best_checkpoint")
+            assert own == single
+            assert any(
+                n.startswith("events.") for n in os.listdir(member_dir(program, index))
+            )
+        with open(os.path.join(member_dir(program, 1), "config.json")) as f:
+            config = json.load(f)
+        assert config["optim"]["lr"] == 2e-3 and config["train"]["seed"] == 1
+        assert program["summaries"][1]["ensemble"]["members"] == 4
+        with open(os.path.join(program["workdir"], ensemble.ENSEMBLE_FILE)) as f:
+            assert len(json.load(f)["members"]) == 4
+
+
+class TestEarlyStopping:
+    def test_members_stop_on_their_own(self, program):
+        stopped = program["summaries"][2]
+        assert stopped["stopped_early"] and stopped["steps_run"] == 4
+        assert stopped["best_step"] == 2 and stopped["test"]["step"] == 2
+        assert max(read_records(member_dir(program, 2), "train/loss")) == 4
+        for index in (0, 1):
+            assert program["summaries"][index]["steps_run"] == 10
+
+    def test_a_stopped_member_keeps_its_best_state(self, program):
+        workdir = member_dir(program, 2)
+        assert os.listdir(os.path.join(workdir, "best_checkpoint")) == ["2"]
+        assert os.listdir(os.path.join(workdir, "checkpoints")) == ["4"]
+
+
+class TestResume:
+    def test_a_crashed_program_resumes_exactly(self, short_config, program, tmp_path):
+        workdir = str(tmp_path / "program")
+        config, original = short_config(**PROGRAM), ensemble._Program.batch
+
+        def crash_at_7(self, step, active):
+            if step == 7:
+                raise KeyboardInterrupt  # as if killed after the checkpoint of 5
+            return original(self, step, active)
+
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.setattr(ensemble._Program, "batch", crash_at_7)
+            with pytest.raises(KeyboardInterrupt):
+                ensemble.train_ensemble(config, make_members(workdir), workdir)
+        assert not os.path.exists(os.path.join(workdir, "m0", "summary.json"))
+        resumed = ensemble.train_ensemble(config, make_members(workdir), workdir)
+        for index in range(len(SPECS)):
+            jax.tree.map(
+                np.testing.assert_array_equal,
+                generation.load_run(os.path.join(workdir, f"m{index}"))[3],
+                generation.load_run(member_dir(program, index))[3],
+            )
+            assert resumed[index]["final"] == program["summaries"][index]["final"]
+
+    def test_a_finished_program_is_not_trained_again(
+        self, short_config, program, monkeypatch
+    ):
+        monkeypatch.setattr(ensemble, "_make_program", None)
+        again = ensemble.train_ensemble(
+            short_config(**PROGRAM),
+            make_members(program["workdir"]),
+            program["workdir"],
+        )
+        assert again == program["summaries"]
+
+    def test_other_members_are_refused(self, short_config, program, tmp_path):
+        workdir = str(tmp_path / "copy")
+        shutil.copytree(program["workdir"], workdir)
+        for index in range(len(SPECS)):
+            os.remove(os.path.join(workdir, f"m{index}", "summary.json"))
+        members = make_members(workdir)[:3]
+        with pytest.raises(ValueError, match="other members"):
+            ensemble.train_ensemble(short_config(**PROGRAM), members, workdir)
+
+
+@pytest.mark.slow
+def test_sigkill_then_the_same_command_resumes_bitwise(tmp_path):
+    """The command killed with SIGKILL after its first checkpoint, then run
+    again: every member's parameters equal an uninterrupted program's."""
+
+    def command(workdir):
+        return [
+            sys.executable,
+            os.path.join(ROOT, "experiments", "train.py"),
+            "--config=configs/default.py:tiny",
+            f"--workdir={workdir}",
+            "--config.sample.num_samples=0",
+            "--config.train.checkpoint_every=10",
+            '--member={"train.seed": 0}',
+            '--member={"train.seed": 1, "optim.lr": 0.002, "optim.min_lr": 0.0002}',
+        ]
+
+    killed, whole = str(tmp_path / "killed"), str(tmp_path / "whole")
+    process = subprocess.Popen(command(killed), cwd=ROOT, stdout=subprocess.DEVNULL)
+    first = os.path.join(killed, "checkpoints", "10")
+    while not os.path.isdir(first) and process.poll() is None:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    subprocess.run(command(killed), cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(command(whole), cwd=ROOT, check=True, capture_output=True)
+    for index in range(2):
+        jax.tree.map(
+            np.testing.assert_array_equal,
+            generation.load_run(os.path.join(killed, "members", str(index)))[3],
+            generation.load_run(os.path.join(whole, "members", str(index)))[3],
+        )
+
+
+# --- Errors, before anything is compiled ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key, value, reason",
+    [
+        ("model.d_model", 64, "shapes or structure"),
+        ("model.tied", False, r"owns a \[V, D\] table"),
+        ("data.block_size", 32, "batches' shape"),
+        ("data.tokenizer", "bpe", "tokenizer"),
+        ("train.batch_size", 4, "batches' shape"),
+        ("train.steps", 20, "how many steps"),
+        ("loss.loss_impl", "materialized", "code path"),
+    ],
+)
+def test_a_key_that_is_shared_is_refused(key, value, reason):
+    with pytest.raises(ValueError, match=rf"member 1 sets {key}, .*{reason}"):
+        members_lib.make_members([{}, {key: value}], "p")
+
+
+@pytest.mark.parametrize(
+    "specs, message",
+    [
+        ([], "at least one member"),
+        ([{"train.seed": 1}, {"train.seed": 1}], "members 0 and 1 have the same"),
+        ([{"workdir": "p/a"}, {"workdir": "p/a", "train.seed": 1}], "same workdir"),
+        ([{"workdir": "p", "train.seed": 1}], "is the program's"),
+        ([{"train.sed": 1}], "not a config key; did you mean config.train.seed"),
+    ],
+)
+def test_bad_member_lists_are_refused(specs, message):
+    with pytest.raises(ValueError, match=message):
+        members_lib.make_members(specs, "p")
+
+
+@pytest.mark.parametrize(
+    "spec, error, message",
+    [
+        ({"optim.lr": -1e-3}, ValueError, r"member 1 \(p/members/1\): config.optim.lr"),
+        ({"optim.min_lr": 1.0}, ValueError, "member 1 .*config.optim.min_lr"),
+        ({"train.seed": "one"}, TypeError, "member 1 .*train.seed"),
+        ({"loss.label_smoothing": 1.5}, ValueError, "member 1 .*label_smoothing"),
+    ],
+)
+def test_bad_values_are_refused_before_training(
+    short_config, tmp_path, monkeypatch, spec, error, message
+):
+    monkeypatch.setattr(ensemble, "_make_program", None)
+    workdir = str(tmp_path / "p")
+    members = members_lib.make_members([{}, spec], "p")
+    with pytest.raises(error, match=message):
+        ensemble.train_ensemble(short_config(), members, workdir)
+    assert not os.path.exists(workdir)
+
+
+def test_the_vocabulary_split_is_refused(short_config, tmp_path, monkeypatch):
+    monkeypatch.setattr(ensemble, "_make_program", None)
+    members = members_lib.make_members([{}, {"train.seed": 1}], "p")
+    with pytest.raises(ValueError, match="config.mesh.model must be 1"):
+        ensemble.train_ensemble(short_config(**{"mesh.model": 2}), members, "p")
+
+
+def test_the_shared_tokenizer_is_recorded(short_config):
+    base = short_config(**{"data.tokenizer": "bpe", "data.vocab_size": 300})
+    members = members_lib.make_members(
+        [{"data.train_fraction": 0.5}, {"data.train_fraction": 1.0}], "p"
+    )
+    configs = members_lib.member_configs(base, members)
+    assert [c.data.tokenizer_fraction for c in configs] == [1.0, 1.0]
+    program, member = members_lib.split_overrides(
+        {"data.train_fraction": 0.5, "train.seed": 1}, base
+    )
+    assert program == {"data.train_fraction": 0.5} and member == {"train.seed": 1}
+
+
+@pytest.mark.parametrize("vmap_size", [1, 2, 3, 5])
+def test_over_members_is_a_map(vmap_size):
+    xs = {"a": jnp.arange(15.0).reshape(5, 3), "b": jnp.arange(5.0)}
+    got = ensemble.over_members(lambda x: jnp.sum(x["a"]) * x["b"], xs, vmap_size)
+    want = np.arange(15.0).reshape(5, 3).sum(axis=1) * np.arange(5.0)
+    np.testing.assert_array_equal(got, want)

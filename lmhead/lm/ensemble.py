@@ -472,7 +472,9 @@ def _load_datasets(configs, members, workdir):
     try:
         shared.tokenizer.encode(configs[0].sample.prompt)
     except ValueError as e:
-        raise ValueError(f"config.sample.prompt={configs[0].sample.prompt!r}: {e}") from e
+        raise ValueError(
+            f"config.sample.prompt={configs[0].sample.prompt!r}: {e}"
+        ) from e
     return datasets, [d.train_tokens for d in datasets]
 
 
@@ -560,8 +562,14 @@ def _compile(program: _Program, state, shardings) -> None:
     step = functools.partial(ensemble_train_step, config=program.config, **common)
     in_mesh = MEMBERS_AXIS in program.mesh.axis_names
     if in_mesh:
+        # No collectives: each device steps its own members. (check_vma would
+        # ask the frozen branch's zeros to be marked as varying over members.)
         step = jax.shard_map(
-            step, mesh=program.mesh, in_specs=P(MEMBERS_AXIS), out_specs=P(MEMBERS_AXIS)
+            step,
+            mesh=program.mesh,
+            in_specs=P(MEMBERS_AXIS),
+            out_specs=P(MEMBERS_AXIS),
+            check_vma=False,
         )
     active = np.ones(program.count, bool)
     args = (
@@ -586,6 +594,7 @@ def _compile(program: _Program, state, shardings) -> None:
                 mesh=program.mesh,
                 in_specs=(P(MEMBERS_AXIS), P(MEMBERS_AXIS) if stacked else P()),
                 out_specs=P(MEMBERS_AXIS),
+                check_vma=False,
             )
         program.eval_fns[stacked] = jax.jit(eval_step)
     monitoring.log(

@@ -409,6 +409,37 @@ def reference_run(workdir):
     return read_metrics(workdir)
 
 
+def check_ensemble(workdir):
+    """An 8-member program with its members split over the 8 devices
+    (``mesh.members``), and with each member's batch split over them instead:
+    each member's losses."""
+    from configs import default
+    from lmhead.lm import ensemble
+    from lmhead.lm import members as members_lib
+
+    specs = [{"train.seed": i, "optim.lr": 1e-3 * (1 + i)} for i in range(8)]
+    results = {}
+    for name, mesh in (("members", {"mesh.members": 8, "mesh.data": 1}), ("data", {})):
+        config = default.get_config(RUN_CONFIG)
+        config.update_from_flattened_dict(
+            {"optim.warmup_steps": 1, "sample.num_samples": 0, **mesh}
+        )
+        run = os.path.join(workdir, name)
+        with open(os.devnull, "w") as quiet:
+            sys.stdout, stdout = quiet, sys.stdout
+            try:
+                members = members_lib.make_members(specs, run)
+                ensemble.train_ensemble(config, members, run)
+            finally:
+                sys.stdout = stdout
+        results[name] = [
+            [r["train/loss"] for r in read_metrics(m.workdir) if "train/loss" in r]
+            + [read_metrics(m.workdir)[-1]["eval/loss"]]
+            for m in members
+        ]
+    return results
+
+
 def read_metrics(workdir):
     from lmhead.lm import monitoring
 
@@ -438,6 +469,7 @@ def main(workdir):
         "checkpoint": lambda: check_checkpoint(os.path.join(workdir, "ckpt")),
         "errors": check_errors,
         "reference_run": lambda: reference_run(os.path.join(workdir, "run")),
+        "ensemble": lambda: check_ensemble(os.path.join(workdir, "ensemble")),
     }
     results = {}
     for name, check in checks.items():
@@ -495,6 +527,16 @@ def test_train_step_matches_one_device(results, tied, shape):
     assert check["kernel_spec"] == "P()"
     # Nothing in the step, the embedding lookup included, gathers a table.
     assert check["all_gathers"] == 0
+
+
+def test_ensemble_members_split_over_devices(results):
+    """The members split over the devices train as when each member's batch
+    is split over them: the same losses to float32 rounding, member by member."""
+    split_members, split_batches = (results["ensemble"][k] for k in ("members", "data"))
+    assert len(split_members) == 8 and len(split_members[0]) >= 2
+    np.testing.assert_allclose(split_members, split_batches, rtol=1e-5)
+    # The members differ (seeds and rates): the comparison is member by member.
+    assert len({tuple(losses) for losses in split_members}) == 8
 
 
 def test_loss_options_match_numpy(results):

@@ -16,7 +16,7 @@ trained on the largest fraction's text -- the others' texts are prefixes of
 that one -- and every member's ``config.json`` says so with
 ``data.tokenizer_fraction``, so that a single run of a member's config is
 that member. With equal fractions, or the character tokenizer (made from the
-whole text whatever the fraction), nothing changes.
+whole text whatever the fraction), nothing changes and nothing is recorded.
 """
 
 import dataclasses
@@ -219,7 +219,10 @@ def member_configs(
             raise type(e)(f"member {index} ({member.workdir}): {e}") from e
         configs.append(member_config)
     fractions = {c.data.train_fraction for c in configs}
-    if len(fractions) > 1 and config.data.tokenizer_fraction is None:
+    shares_bpe = (
+        config.data.tokenizer == "bpe" and config.data.tokenizer_fraction is None
+    )
+    if len(fractions) > 1 and shares_bpe:
         for member_config in configs:
             member_config.data.tokenizer_fraction = max(fractions)
     for member_config in configs:

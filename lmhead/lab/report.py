@@ -526,10 +526,10 @@ def write_report(sweep_dir: str) -> tuple[str, str, list[str]]:
     plot_finals(groups, "vocab_size", "vocabulary size", plots[1])
     plot_finals(groups, "params", "parameters", plots[2])
     table = settings_table(groups)
-    seconds = sum((r.summary or {}).get("wall_seconds", 0.0) for r in runs)
+    seconds = workdirs.wall_seconds(runs)
     costs = [
         f"{len(runs)} runs; the finished ones took {seconds / 60:.1f} min in "
-        "all (their wall_seconds)."
+        "all (their wall_seconds, an ensemble program's counted once)."
     ]
     _, report_path = write_markdown(
         sweep_dir,

@@ -1,11 +1,15 @@
 """Runs read back from their work directories: one run (:func:`read_run`), a
-sweep directory (:func:`read_sweep`), and the runs grouped by setting and
-paired by seed (:func:`group_runs`, :func:`seed_of`).
+sweep directory (:func:`read_sweep`), the runs grouped by setting and paired
+by seed (:func:`group_runs`, :func:`seed_of`), and the time they took
+(:func:`wall_seconds`, the members of an ensemble program counted once).
 
 A run's workdir holds what ``experiments/train.py`` writes (``config.json``,
 ``metrics.jsonl``, ``summary.json``) and what the sweep runner adds
 (:data:`STATUS_FILE`, :data:`LOG_FILE`); the sweep directory holds
-:data:`SWEEP_FILE` and one workdir per run (``lmhead/lab/runner.py``). The
+:data:`SWEEP_FILE` and one workdir per run (``lmhead/lab/runner.py``), and
+with ensembles ``ensembles.json`` and ``ensembles/``, the programs'
+(``lmhead/lab/ensembles.py``): a member's workdir is a run's, its
+``status.json`` naming its program (``ensemble``). The
 reports (``lmhead/lab/report.py``, ``lmhead/studies/tying/report.py``) read
 the runs through this module.
 """
@@ -240,6 +244,33 @@ def final_metrics(run: Run) -> dict[str, float]:
         if key in summary:
             values[key] = summary[key]
     return values
+
+
+def wall_seconds(runs: Sequence[Run]) -> float:
+    """The ``wall_seconds`` of the runs' summaries, summed, with the members
+    of an ensemble program counted once: each member's summary reports the
+    program's time (its ``ensemble.program``), so a program counts its
+    members' largest.
+
+    Examples:
+        >>> def run(seconds, program=None):
+        ...     summary = {"wall_seconds": seconds}
+        ...     if program:
+        ...         summary["ensemble"] = {"program": program, "members": 2}
+        ...     return Run("r", "r", {}, {}, [], summary, "finished")
+        >>> wall_seconds([run(10.0), run(30.0, "p"), run(31.0, "p"), run(5.0, "q")])
+        46.0
+    """
+    single, programs = 0.0, {}
+    for run in runs:
+        summary = run.summary or {}
+        seconds = summary.get("wall_seconds", 0.0)
+        program = (summary.get("ensemble") or {}).get("program")
+        if program is None:
+            single += seconds
+        else:
+            programs[program] = max(programs.get(program, 0.0), seconds)
+    return single + sum(programs.values())
 
 
 def curve(run: Run, key: str = "eval/loss") -> tuple[list[int], list[float]]:

@@ -321,9 +321,11 @@ def plot_training_curves(
 
 def busy_hours(runs: list[workdirs.Run]) -> tuple[float, int]:
     """Hours the machine spent on ``runs``, overlapping runs counted once: the
-    union of the intervals the sweep runner recorded, plus the
-    ``wall_seconds`` of runs without one (they ran one at a time); and how
-    many runs had an interval. Either covers a run's last process only: a
+    union of the intervals the sweep runner recorded (an ensemble program's
+    members share its interval), plus the ``wall_seconds`` of runs without
+    one (they ran one at a time; an ensemble program's counted once,
+    :func:`lmhead.lab.workdirs.wall_seconds`); and how many runs had an
+    interval. Either covers a run's last process only: a
     run resumed after an interruption loses its earlier processes' time.
 
     Examples:
@@ -338,9 +340,7 @@ def busy_hours(runs: list[workdirs.Run]) -> tuple[float, int]:
     for started, ended in sorted(r.interval for r in runs if r.interval):
         seconds += max(0.0, ended - max(started, reached))
         reached = max(reached, ended)
-    seconds += sum(
-        (r.summary or {}).get("wall_seconds", 0.0) for r in runs if not r.interval
-    )
+    seconds += workdirs.wall_seconds([r for r in runs if not r.interval])
     return seconds / 3600, sum(bool(r.interval) for r in runs)
 
 
@@ -363,7 +363,7 @@ def measured_totals(runs: list[workdirs.Run]) -> str:
     training steps alone at each run's median step time."""
     finished_runs = [r for r in runs if r.status == "finished"]
     finished = [r.summary for r in finished_runs]
-    hours = sum(s.get("wall_seconds", 0.0) for s in finished) / 3600
+    hours = workdirs.wall_seconds(finished_runs) / 3600
     busy, intervals = busy_hours(finished_runs)
     steps = sum(map(steps_trained, finished))
     # A median step time ignores a run's pauses (a suspended or preempted
@@ -374,7 +374,8 @@ def measured_totals(runs: list[workdirs.Run]) -> str:
         f"{len(finished)} of {len(runs)} runs planned so far finished (both stages); "
         f"measured: {steps:,} training steps, {hours:.2f} h of wall time in all "
         "(the runs' wall_seconds, which count any time a run was paused or "
-        f"slowed by other work), {busy:.2f} h of the machine's time with "
+        "slowed by other work, an ensemble program's once), "
+        f"{busy:.2f} h of the machine's time with "
         f"overlapping runs counted once ({intervals} runs timed by the sweep "
         "runner's start and end, the others by their wall_seconds); the "
         "training steps alone, at each run's median "
@@ -394,10 +395,11 @@ def other_runs_text(sweep_dir: str, runs: list[workdirs.Run]) -> str:
         for name in sorted(os.listdir(sweep_dir))
         if name not in planned and os.path.isdir(os.path.join(sweep_dir, name))
     ]
-    finished = [r.summary for r in others if r.status == "finished"]
+    finished_runs = [r for r in others if r.status == "finished"]
+    finished = [r.summary for r in finished_runs]
     if not finished:
         return ""
-    hours = sum(s.get("wall_seconds", 0.0) for s in finished) / 3600
+    hours = workdirs.wall_seconds(finished_runs) / 3600
     return (
         f"Not in the plan: {len(finished)} more finished runs in the sweep "
         f"directory (shapes or rates the design no longer asks for), "

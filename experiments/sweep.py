@@ -28,6 +28,18 @@ Each train process uses every core it sees; on a CPU-only machine
 and then with ``--cpus_per_run``, which gives each running run CPUs of its
 own (Linux). ``docs/scale_out.md`` ("Several runs on one CPU") measures when
 that pays.
+
+``--ensemble=M`` trains the runs that differ only in member keys (seed,
+learning rates, loss weights, data subset: ``lmhead/lm/members.py``) as
+programs of at most M members, one train process and one ``run.log`` per
+program in ``<--workdir>/ensembles/<program>``; each run keeps its workdir
+and files, so the report reads them as before. The grouping is kept in
+``<--workdir>/ensembles.json`` and never changes for runs already grouped, so
+rerunning the same command resumes the same programs (``lmhead/lab/ensembles.py``).
+``--dry_run`` then prints one command per program, and ``--parallel`` runs
+that many programs at a time::
+
+    python experiments/sweep.py --sweep=... --workdir=DIR --ensemble=8
 """
 
 import os
@@ -60,10 +72,18 @@ _CPUS_PER_RUN = flags.DEFINE_integer(
     "of its own (Linux); 0: every run sees every CPU.",
     lower_bound=0,
 )
+_ENSEMBLE = flags.DEFINE_integer(
+    "ensemble",
+    0,
+    "Train runs that differ only in member keys (lmhead/lm/members.py) as "
+    "one program of at most this many members; 0 or 1: one process per run.",
+    lower_bound=0,
+)
 _DRY_RUN = flags.DEFINE_bool(
     "dry_run",
     False,
-    "Print the commands of the runs still to do, one a line, and run nothing.",
+    "Print the commands of the runs (or programs) still to do, one a line, and "
+    "run nothing.",
 )
 _REPORT = flags.DEFINE_bool(
     "report", True, "Write REPORT.md and the plots when the runs are done."
@@ -71,18 +91,21 @@ _REPORT = flags.DEFINE_bool(
 _TRAIN_SCRIPT = flags.DEFINE_string(
     "train_script",
     os.path.join(EXPERIMENTS, "train.py"),
-    "Program each run executes with --config, --workdir and --config.* flags.",
+    "Program each run executes with --config, --workdir and --config.* flags "
+    "(and a --member flag per member with --ensemble).",
 )
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    sweep = runner.Sweep(_SWEEP.value, _WORKDIR.value, _TRAIN_SCRIPT.value)
+    sweep = runner.Sweep(
+        _SWEEP.value, _WORKDIR.value, _TRAIN_SCRIPT.value, ensemble=_ENSEMBLE.value
+    )
     try:
-        runs = sweep.plan()
+        runs, jobs = sweep.plan_jobs()
         if _DRY_RUN.value:
-            runner.print_commands(runs)
+            runner.print_commands(runs, jobs)
             return
         try:
             slots = runner.cpu_slots(_PARALLEL.value, _CPUS_PER_RUN.value)
@@ -99,6 +122,7 @@ def main(argv):
             slots,
             command=shlex.join(["python", *sys.argv]),
             report_command=report if _REPORT.value else None,
+            jobs=jobs,
         )
     except runner.Terminated:
         sys.exit(

@@ -19,6 +19,15 @@ runs do not contend for cores; whether running several at a time pays on a
 CPU is measured in ``docs/scale_out.md`` ("Several runs on one CPU").
 SIGTERM (``kill``, a scheduler's preemption) stops the running runs with
 the runner (:class:`Terminated`), so none outlives it to race a rerun.
+
+Ensembles: with ``Sweep(ensemble=M)``, ``M > 1``, the runs that differ only
+in member keys run as programs of at most M members, one process and one
+``run.log`` each in ``<sweep_dir>/ensembles/<program>``; the grouping and
+why it stays fixed across reruns are :mod:`lmhead.lab.ensembles`'s. The
+runner treats a program as a run (a *job*: one process) whose ``members``
+are finished when each has its ``summary.json``; when it ends, each member
+it trained gets a ``status.json`` with the program's times, so reading runs
+back is unchanged. ``M`` of 0 or 1: one process per run, as before.
 """
 
 import collections
@@ -34,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from lmhead.lab import sweeps, workdirs
+from lmhead.lab import ensembles, sweeps, workdirs
 from lmhead.lm import configuration
 
 LOG_TAIL_LINES = 20
@@ -53,12 +62,15 @@ def display_path(path: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class Sweep:
     """A sweep file (``path.py[:arg]``) planned in a sweep directory, each run
-    executing ``train_script`` with ``--config=config_file:BASE``."""
+    executing ``train_script`` with ``--config=config_file:BASE``;
+    ``ensemble > 1``: runs that differ only in member keys train as programs
+    of at most that many members (:mod:`lmhead.lab.ensembles`)."""
 
     spec: str
     sweep_dir: str
     train_script: str
     config_file: str = configuration.CONFIG_FILE
+    ensemble: int = 0
 
     def plan(self) -> list[dict]:
         """The sweep's runs: ``name``, ``workdir``, ``overrides`` and ``command``.
@@ -67,31 +79,65 @@ class Sweep:
             ValueError, FileNotFoundError: a sweep file that does not load or
                 plan (:func:`lmhead.lab.sweeps.load_sweep`).
         """
+        return self._plan()[2]
+
+    def _plan(self) -> tuple[str, dict, list[dict]]:
         base, overrides, shared = sweeps.load_sweep(self.spec, self.sweep_dir)
         runs = []
         for name, run_overrides in zip(sweeps.run_names(overrides), overrides):
             workdir = os.path.join(self.sweep_dir, name)
-            command = sweeps.train_command(
-                base,
-                workdir,
-                run_overrides,
-                python=sys.executable,
-                script=display_path(self.train_script),
-                config_file=display_path(self.config_file),
-                shared=shared,
-            )
+            command = self._command(base, workdir, run_overrides, shared)
             runs.append(
                 dict(
                     name=name, workdir=workdir, overrides=run_overrides, command=command
                 )
             )
-        return runs
+        return base, shared, runs
 
-    def unfinished_runs(self) -> list[dict]:
-        """:meth:`plan`'s runs without a summary; none (and a message) when
-        planning fails, so that a running sweep goes on with the runs it has."""
+    def plan_jobs(self) -> tuple[list[dict], list[dict]]:
+        """The sweep's runs (:meth:`plan`) and the jobs that run the
+        unfinished ones: the runs themselves, or with ``ensemble > 1`` the
+        programs that hold them (``members`` added) and the runs that stay
+        single, in plan order, the new programs recorded in ``ensembles.json``
+        (:func:`lmhead.lab.ensembles.group`).
+
+        Raises:
+            ValueError, FileNotFoundError: a sweep file that does not load or
+                plan, or (ensembles) a run whose overrides do not fit its
+                config or its program.
+        """
+        base, shared, runs = self._plan()
+        todo = [run for run in runs if not is_finished(run)]
+        if self.ensemble <= 1:
+            return runs, todo
+        parts = ensembles.split_runs(todo, base, shared, self.config_file)
+        jobs = ensembles.group(
+            todo,
+            parts,
+            self.sweep_dir,
+            self.ensemble,
+            lambda workdir, part: self._command(base, workdir, part, shared),
+        )
+        return runs, jobs
+
+    def _command(
+        self, base: str, workdir: str, overrides: dict, shared: dict
+    ) -> list[str]:
+        return sweeps.train_command(
+            base,
+            workdir,
+            overrides,
+            python=sys.executable,
+            script=display_path(self.train_script),
+            config_file=display_path(self.config_file),
+            shared=shared,
+        )
+
+    def unfinished_jobs(self) -> list[dict]:
+        """:meth:`plan_jobs`'s jobs; none (and a message) when planning fails,
+        so that a running sweep goes on with the jobs it has."""
         try:
-            return [run for run in self.plan() if not is_finished(run)]
+            return self.plan_jobs()[1]
         except (ValueError, FileNotFoundError) as e:
             print(f"Planning again failed, so no runs were added: {e}", flush=True)
             return []
@@ -116,8 +162,28 @@ def describe_machine() -> str:
 
 
 def is_finished(run: dict) -> bool:
-    """Whether the run's workdir has a ``summary.json``."""
+    """Whether the run's workdir has a ``summary.json``; for a program
+    (``members``), whether every member's has."""
+    if "members" in run:
+        return all(map(is_finished, run["members"]))
     return os.path.exists(os.path.join(run["workdir"], "summary.json"))
+
+
+def unfinished_members(job: dict) -> list[dict]:
+    """The members of a program that have no ``summary.json``; ``[]`` for a run."""
+    return [member for member in job.get("members", []) if not is_finished(member)]
+
+
+def describe(job: dict) -> str:
+    """A job's name, with its member count for a program.
+
+    Examples:
+        >>> describe({"name": "tied=True,ensemble=0", "members": [{}, {}]})
+        'tied=True,ensemble=0 (2 members)'
+    """
+    if "members" not in job:
+        return job["name"]
+    return f"{job['name']} ({len(job['members'])} members)"
 
 
 def cpu_slots(parallel: int, cpus_per_run: int) -> list[Slot]:
@@ -150,12 +216,14 @@ def cpu_slots(parallel: int, cpus_per_run: int) -> list[Slot]:
 
 
 def start(run: dict, cpus: Slot = None) -> subprocess.Popen:
-    """Launches a run with its output appended to its ``run.log``, on
-    ``cpus`` only when given."""
+    """Launches a run or a program with its output appended to its
+    ``run.log``, on ``cpus`` only when given. The ``status.json`` of the run,
+    or of the program and its unfinished members, goes: they are running."""
     os.makedirs(run["workdir"], exist_ok=True)
-    status_path = os.path.join(run["workdir"], workdirs.STATUS_FILE)
-    if os.path.exists(status_path):
-        os.remove(status_path)
+    for workdir in [run["workdir"], *(m["workdir"] for m in unfinished_members(run))]:
+        status_path = os.path.join(workdir, workdirs.STATUS_FILE)
+        if os.path.exists(status_path):
+            os.remove(status_path)
     with open(os.path.join(run["workdir"], workdirs.LOG_FILE), "a") as log:
         log.write(
             f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(run['command'])}\n"
@@ -172,23 +240,35 @@ def start(run: dict, cpus: Slot = None) -> subprocess.Popen:
 
 
 def record_exit(
-    run: dict, returncode: int, started: float, ended: float, cpus: Slot
+    run: dict,
+    returncode: int,
+    started: float,
+    ended: float,
+    cpus: Slot,
+    trained: Sequence[dict] = (),
 ) -> bool:
     """Writes the run's ``status.json`` (exit code, start and end times in
-    seconds since the epoch, CPUs); whether the run finished."""
-    with open(os.path.join(run["workdir"], workdirs.STATUS_FILE), "w") as f:
-        json.dump(
-            dict(
-                returncode=returncode,
-                seconds=ended - started,
-                started=started,
-                ended=ended,
-                cpus=None if cpus is None else sorted(cpus),
-                command=run["command"],
-            ),
-            f,
-            indent=2,
-        )
+    seconds since the epoch, CPUs, command); whether the run finished.
+
+    For a program, also the ``status.json`` of each member it ``trained``
+    (those unfinished when it started): the program's record, its directory
+    (``ensemble``) and its member count (``members``), so that each member
+    reads back as a run timed by the program."""
+    status = dict(
+        returncode=returncode,
+        seconds=ended - started,
+        started=started,
+        ended=ended,
+        cpus=None if cpus is None else sorted(cpus),
+        command=run["command"],
+    )
+    member_status = dict(status, ensemble=run["workdir"])
+    member_status["members"] = len(run.get("members", []))
+    records = [(run, status), *((member, member_status) for member in trained)]
+    for job, record in records:
+        os.makedirs(job["workdir"], exist_ok=True)  # a member that never began
+        with open(os.path.join(job["workdir"], workdirs.STATUS_FILE), "w") as f:
+            json.dump(record, f, indent=2)
     return returncode == 0 and is_finished(run)
 
 
@@ -198,8 +278,9 @@ class Terminated(Exception):
 
 @dataclasses.dataclass
 class _Queue:
-    """The runs to start, those running (process -> run, start time, slot),
-    the free slots, and the counts the progress lines print."""
+    """The jobs (runs or programs) to start, those running (process -> job,
+    start time, slot, the members it trains), the free slots, and the counts
+    the progress lines print."""
 
     pending: collections.deque
     free: collections.deque
@@ -210,26 +291,27 @@ class _Queue:
     seconds_done: float = 0.0
 
     def start_next(self) -> None:
-        """Starts the next pending run on the next free slot."""
+        """Starts the next pending job on the next free slot."""
         run, cpus = self.pending.popleft(), self.free.popleft()
+        trained = unfinished_members(run)
         resumes = os.path.isdir(os.path.join(run["workdir"], "checkpoints"))
         position = self.done + len(self.running) + 1
         print(
             f"[{position}/{position + len(self.pending)}]"
-            f" {'resume' if resumes else 'start'} {run['name']}"
+            f" {'resume' if resumes else 'start'} {describe(run)}"
             + (f" on CPUs {sorted(cpus)}" if cpus else ""),
             flush=True,
         )
-        self.running[start(run, cpus)] = (run, time.time(), cpus)
+        self.running[start(run, cpus)] = (run, time.time(), cpus, trained)
 
     def end(self, process: subprocess.Popen) -> str:
-        """Records the ended ``process``'s run; its outcome, for the progress line."""
-        run, started, cpus = self.running.pop(process)
+        """Records the ended ``process``'s job; its outcome, for the progress line."""
+        run, started, cpus, trained = self.running.pop(process)
         self.free.append(cpus)
         ended = time.time()
         seconds = ended - started
         self.done, self.seconds_done = self.done + 1, self.seconds_done + seconds
-        if record_exit(run, process.returncode, started, ended, cpus):
+        if record_exit(run, process.returncode, started, ended, cpus, trained):
             return f"finished in {seconds:.0f} s"
         self.failed.append(run)
         return (
@@ -238,14 +320,14 @@ class _Queue:
         )
 
     def add(self, runs: Sequence[dict]) -> None:
-        """Queues the runs not queued before."""
+        """Queues the jobs not queued before."""
         for run in runs:
             if run["name"] not in self.queued:
                 self.queued.add(run["name"])
                 self.pending.append(run)
 
     def minutes_left(self, parallel: int) -> float:
-        """The runs left at the mean duration so far, ``parallel`` at a time."""
+        """The jobs left at the mean duration so far, ``parallel`` at a time."""
         total = self.done + len(self.running) + len(self.pending)
         return self.seconds_done / self.done * (total - self.done) / parallel / 60
 
@@ -256,10 +338,11 @@ def run_all(
     replan: Callable[[], list[dict]] | None = None,
     stop: threading.Event | None = None,
 ) -> tuple[list[dict], int]:
-    """Runs ``runs``, one per slot at a time (a slot: the CPUs a run is
-    pinned to, or ``None``); returns the ones that failed and how many ran.
+    """Runs ``runs`` (runs or programs: jobs, each one process), one per slot
+    at a time (a slot: the CPUs a job is pinned to, or ``None``); returns the
+    ones that failed and how many ran.
 
-    ``replan``: called whenever a run ends; the unfinished runs it returns
+    ``replan``: called whenever a job ends; the unfinished jobs it returns
     that have not been queued yet join the queue (a sweep that plans from its
     own results). ``stop`` (set by SIGTERM): the running runs get SIGTERM too
     (train.py saves a checkpoint and exits) and are waited for, so that none
@@ -276,7 +359,7 @@ def run_all(
                 queue.start_next()
             for process in list(queue.running):
                 if process.poll() is not None:
-                    name = queue.running[process][0]["name"]
+                    name = describe(queue.running[process][0])
                     outcome = queue.end(process)
                     queue.add(replan() if replan else [])
                     total = queue.done + len(queue.running) + len(queue.pending)
@@ -319,16 +402,24 @@ def write_sweep_record(sweep: Sweep, runs: list[dict], command: str) -> None:
         )
 
 
-def print_commands(runs: list[dict]) -> None:
-    """The commands of the runs still to do, one a line on stdout (for a
-    Slurm array or GNU parallel), and how many are done on stderr."""
+def print_commands(runs: list[dict], jobs: list[dict] | None = None) -> None:
+    """The commands of the ``jobs`` still to do (default: the unfinished
+    ``runs``; with ensembles, :meth:`Sweep.plan_jobs`'s programs), one a line
+    on stdout (for a Slurm array or GNU parallel), and how many runs are
+    done on stderr."""
     todo = [run for run in runs if not is_finished(run)]
+    jobs = todo if jobs is None else [job for job in jobs if not is_finished(job)]
     print(
-        f"# {len(runs) - len(todo)} of {len(runs)} runs already finished",
+        f"# {len(runs) - len(todo)} of {len(runs)} runs already finished"
+        + (
+            ""
+            if jobs == todo
+            else f"; the others in {len(jobs)} process{'es' * (len(jobs) != 1)}"
+        ),
         file=sys.stderr,
     )
-    for run in todo:
-        print(shlex.join(run["command"]))
+    for job in jobs:
+        print(shlex.join(job["command"]))
 
 
 def run_sweep(
@@ -338,51 +429,79 @@ def run_sweep(
     *,
     command: str,
     report_command: list[str] | None = None,
+    jobs: list[dict] | None = None,
 ) -> int:
     """Runs the unfinished ``runs`` of ``sweep`` (its :meth:`Sweep.plan`), one
-    per slot at a time, planning again as runs end; then ``report_command``.
+    job per slot at a time, planning again as jobs end; then ``report_command``.
 
+    ``jobs``: the processes that run them (:meth:`Sweep.plan_jobs`, which
+    groups them into programs with ensembles); default: the unfinished runs.
     ``command`` (the runner's own command line) goes into ``sweep.json``.
-    The failed runs are listed at the end with the last lines of their logs.
+    The failed jobs are listed at the end with the last lines of their logs.
 
     Returns:
-        The exit status: 0 when every run finished and the report succeeded,
+        The exit status: 0 when every job finished and the report succeeded,
         else 1.
 
     Raises:
-        Terminated: on SIGTERM, once the running runs have stopped.
+        Terminated: on SIGTERM, once the running jobs have stopped.
         ValueError, FileNotFoundError: the sweep no longer plans at the end.
     """
     todo = [run for run in runs if not is_finished(run)]
+    jobs = todo if jobs is None else jobs
     # SIGTERM only sets a flag, which run_all reads between polls: an
     # exception raised wherever the signal lands could lose a run just started.
     # (preemption.sigterm_flag would start a JAX backend in the runner.)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     write_sweep_record(sweep, runs, command)
+    programs = sum("members" in job for job in jobs)
     print(
         f"{len(runs)} runs in {sweep.sweep_dir}: {len(runs) - len(todo)} finished "
-        f"before, {len(todo)} to run, {len(slots)} at a time.",
+        f"before, {len(todo)} to run"
+        + (
+            f" in {len(jobs)} process{'es' * (len(jobs) != 1)} ({programs} "
+            f"program{'s' * (programs != 1)} of at most {sweep.ensemble} members)"
+            if programs
+            else ""
+        )
+        + f", {len(slots)} at a time.",
         flush=True,
     )
     started = time.time()
-    failed, ran = run_all(todo, slots, sweep.unfinished_runs, stop)
+    failed, ran = run_all(jobs, slots, sweep.unfinished_jobs, stop)
     write_sweep_record(sweep, sweep.plan(), command)
     print(f"The runs took {(time.time() - started) / 60:.1f} min.", flush=True)
     report_failed = (
         report_command is not None
         and subprocess.run(report_command, check=False).returncode != 0
     )
-    for run in failed:
+    print_failures(
+        failed, ran, report_failed, "processes" if sweep.ensemble > 1 else "runs"
+    )
+    return 1 if failed or report_failed else 0
+
+
+def print_failures(
+    failed: list[dict], ran: int, report_failed: bool, noun: str = "runs"
+) -> None:
+    """The ``failed`` jobs, each with its command, its unfinished members (a
+    program) and the end of its log; then how many of the ``ran`` ``noun``
+    (runs, or processes: runs and programs) failed."""
+    for job in failed:
+        unfinished = [member["name"] for member in unfinished_members(job)]
         print(
-            f"\nFAILED: {run['name']}\n  {shlex.join(run['command'])}\n"
-            f"  last lines of {run['workdir']}/{workdirs.LOG_FILE}:\n{log_tail(run)}"
+            f"\nFAILED: {describe(job)}\n  {shlex.join(job['command'])}\n"
+            + (
+                f"  members not finished: {', '.join(unfinished)}\n"
+                if unfinished
+                else ""
+            )
+            + f"  last lines of {job['workdir']}/{workdirs.LOG_FILE}:\n{log_tail(job)}"
         )
     if failed or report_failed:
         print(
-            f"{len(failed)} of {ran} runs failed"
+            f"{len(failed)} of {ran} {noun} failed"
             + ("; the report failed" if report_failed else "")
             + "."
         )
-        return 1
-    return 0

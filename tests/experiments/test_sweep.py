@@ -1,5 +1,6 @@
-"""Tests for experiments/sweep.py, the sweep command: --dry_run's commands
-(the runner behind it is tested in tests/lab/test_runner.py), and, slow, a
+"""Tests for experiments/sweep.py, the sweep command: --dry_run's commands,
+of runs and of ensemble programs (the runner behind it is tested in
+tests/lab/test_runner.py, the grouping in tests/lab/test_ensembles.py), and, slow, a
 real tiny sweep of the tying study trained and reported end to end."""
 
 import os
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from lmhead.lab import workdirs
+from lmhead.lm import members
 from tests import ROOT
 from tests.lab.sweep_helpers import SWEEP_SCRIPT, run_sweep
 
@@ -32,6 +34,45 @@ def test_dry_run_prints_one_command_per_remaining_run(tmp_path):
     assert commands[1][4:] == ["--config.model.tied=False", "--config.train.seed=0"]
     assert "1 of 4 runs already finished" in result.stderr
     assert sorted(os.listdir(tmp_path / "sweep")) == ["tied=True,seed=1"]  # ran nothing
+
+
+def test_dry_run_with_ensembles_prints_one_command_per_program(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    finished = sweep_dir / "tied=True,seed=1"
+    finished.mkdir(parents=True)
+    (finished / "summary.json").write_text("{}")
+    result = run_sweep(tmp_path, "--dry_run", "--ensemble=2", arg=":3")
+    assert result.returncode == 0, result.stderr
+    assert "# 1 of 6 runs already finished; the others in 3 processes" in result.stderr
+    programs = {
+        "tied=True,ensemble=0": (True, [0, 2]),
+        "tied=False,ensemble=0": (False, [0, 1]),
+        "tied=False,ensemble=1": (False, [2]),
+    }
+    lines = result.stdout.splitlines()
+    assert len(lines) == len(programs)
+    for line, (name, (tied, seeds)) in zip(lines, programs.items()):
+        command = shlex.split(line)
+        assert command[:4] == [
+            sys.executable,
+            f"{tmp_path}/fake_train.py",
+            "--config=configs/default.py:tiny",
+            f"--workdir={sweep_dir}/ensembles/{name}",
+        ]
+        flags_ = [flag for flag in command[4:] if not flag.startswith("--member=")]
+        assert flags_ == [f"--config.model.tied={tied}"]
+        member_flags = [flag for flag in command[4:] if flag not in flags_]
+        assert [
+            members.parse_member(flag.removeprefix("--member="), index)
+            for index, flag in enumerate(member_flags)
+        ] == [
+            {"workdir": f"{sweep_dir}/tied={tied},seed={seed}", "train.seed": seed}
+            for seed in seeds
+        ]
+    # Nothing ran; the grouping is kept, so the commands stay the same.
+    assert sorted(os.listdir(sweep_dir)) == ["ensembles.json", "tied=True,seed=1"]
+    again = run_sweep(tmp_path, "--dry_run", "--ensemble=2", arg=":3")
+    assert again.stdout == result.stdout
 
 
 def test_a_sweep_file_that_does_not_load_exits_naming_the_flag(tmp_path):

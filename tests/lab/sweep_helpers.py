@@ -1,6 +1,7 @@
 """Stand-ins for the sweep runner's tests: a train program that writes a
-run's files without training, a sweep file of four runs, and the runner's
-command line on them (``experiments/sweep.py``).
+run's files without training (and one that does so for an ensemble's
+members), a sweep file of four runs, and the runner's command line on them
+(``experiments/sweep.py``).
 
 The stand-in train program writes the files of a finished run, fails on
 request (``FAIL_RUN``) and records whether it resumed, so skip / resume /
@@ -56,6 +57,56 @@ FAKE_TRAIN = textwrap.dedent("""\
                    "wall_seconds": 0.1}, f)
     """)
 
+# The stand-in of an ensemble program (train.py with --member flags): writes
+# each unfinished member's files as FAKE_TRAIN does, with the summary's
+# "ensemble" key, except the member whose workdir's name is $FAIL_MEMBER
+# (then it exits 1); appends to the program's calls.txt "start" or "resume"
+# and "train NAME" or "skip NAME" (finished before) per member.
+FAKE_ENSEMBLE_TRAIN = textwrap.dedent("""\
+    import json, math, os, sys
+    flags = [a.split("=", 1) for a in sys.argv[1:]]
+    args = {k: v for k, v in flags if k != "--member"}
+    members = [json.loads(v) for k, v in flags if k == "--member"]
+    workdir = args["--workdir"]
+    os.makedirs(workdir, exist_ok=True)
+    checkpoints = os.path.join(workdir, "checkpoints")
+    calls = ["resume" if os.path.isdir(checkpoints) else "start"]
+    os.makedirs(checkpoints, exist_ok=True)
+    tied = args["--config.model.tied"] == "True"
+    failed = False
+    for index, member in enumerate(members):
+        run = member["workdir"]
+        name = os.path.basename(run)
+        if os.path.exists(os.path.join(run, "summary.json")):
+            calls.append("skip " + name)
+            continue
+        calls.append("train " + name)
+        if name == os.environ.get("FAIL_MEMBER"):
+            failed = True
+            continue
+        os.makedirs(run, exist_ok=True)
+        seed = member["train.seed"]
+        with open(os.path.join(run, "config.json"), "w") as f:
+            json.dump({"model": {"tied": tied, "d_model": 8},
+                       "data": {"tokenizer": "char", "vocab_size": None},
+                       "train": {"seed": seed}}, f)
+        loss = 2.0 + 0.1 * seed + (0.0 if tied else 0.05)
+        final = {"eval/loss": loss, "eval/perplexity": math.exp(loss),
+                 "eval/bits_per_char": loss / math.log(2), "eval/accuracy": 0.4,
+                 "eval/ece": 0.01}
+        with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"step": 10, **final}) + "\\n")
+        ensemble = {"program": workdir, "members": len(members), "index": index}
+        with open(os.path.join(run, "summary.json"), "w") as f:
+            json.dump({"num_params": 100 if tied else 120, "num_head_params": 20,
+                       "final": final, "tokens_per_sec": 1000.0, "steps": 10,
+                       "wall_seconds": 30.0, "ensemble": ensemble}, f)
+    with open(os.path.join(workdir, "calls.txt"), "a") as f:
+        f.write("".join(call + "\\n" for call in calls))
+    print("trained", len(members), "members")
+    sys.exit(1 if failed else 0)
+    """)
+
 FAKE_SWEEP = textwrap.dedent("""\
     from lmhead.lab import sweeps
 
@@ -109,3 +160,10 @@ def calls(tmp_path, name):
     and "resume"s, in order."""
     path = tmp_path / "sweep" / name / "calls.txt"
     return path.read_text().split() if path.exists() else []
+
+
+def program_calls(tmp_path, name):
+    """What the stand-in ensemble program did in program ``name``, a line per
+    item: "start"/"resume", then "train RUN"/"skip RUN" per member."""
+    path = tmp_path / "sweep" / "ensembles" / name / "calls.txt"
+    return path.read_text().splitlines() if path.exists() else []

@@ -15,7 +15,13 @@ import pytest
 
 from lmhead.lab import runner, workdirs
 from tests import ROOT
-from tests.lab.sweep_helpers import calls, run_sweep, sweep_command
+from tests.lab.sweep_helpers import (
+    FAKE_ENSEMBLE_TRAIN,
+    calls,
+    program_calls,
+    run_sweep,
+    sweep_command,
+)
 
 
 def test_runner_skips_finished_resumes_interrupted_and_reports_failures(tmp_path):
@@ -195,3 +201,110 @@ def test_cpu_slots_are_disjoint_and_refuse_too_many():
     assert [sorted(s) for s in slots] == [[cpu] for cpu in available]
     with pytest.raises(ValueError, match=f"need {2 * len(available)} CPUs"):
         runner.cpu_slots(2, len(available))
+
+
+# --- Ensembles (--ensemble=M) --------------------------------------------------
+
+
+def read_json(path):
+    return json.loads(pathlib.Path(path).read_text())
+
+
+def test_ensemble_programs_run_once_each_and_time_their_members(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    result = run_sweep(
+        tmp_path, "--ensemble=2", "--noreport", train=FAKE_ENSEMBLE_TRAIN, arg=":3"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "6 runs in" in result.stdout
+    assert "in 4 processes (4 programs of at most 2 members)" in result.stdout
+    assert "start tied=True,ensemble=0 (2 members)" in result.stdout
+    programs = {
+        "tied=True,ensemble=0": [(True, 0), (True, 1)],
+        "tied=True,ensemble=1": [(True, 2)],
+        "tied=False,ensemble=0": [(False, 0), (False, 1)],
+        "tied=False,ensemble=1": [(False, 2)],
+    }
+    for name, members in programs.items():
+        program = sweep_dir / "ensembles" / name
+        trained = [f"train tied={t},seed={s}" for t, s in members]
+        assert program_calls(tmp_path, name) == ["start", *trained]
+        assert (program / workdirs.LOG_FILE).read_text().startswith("=== ")
+        status = read_json(program / workdirs.STATUS_FILE)
+        assert status["returncode"] == 0
+        member_flags = [f for f in status["command"] if f.startswith("--member=")]
+        assert len(member_flags) == len(members)
+        assert not any(
+            "train.seed" in f for f in status["command"] if f not in member_flags
+        )
+        for tied, seed in members:
+            member = read_json(sweep_dir / f"tied={tied},seed={seed}" / "status.json")
+            assert member == {
+                **status,
+                "ensemble": str(program),
+                "members": len(members),
+            }
+    runs = workdirs.read_sweep(str(sweep_dir))
+    assert [r.status for r in runs] == ["finished"] * 6
+    intervals = {r.name: r.interval for r in runs}
+    assert intervals["tied=True,seed=0"] == intervals["tied=True,seed=1"]
+    assert intervals["tied=True,seed=0"] != intervals["tied=True,seed=2"]
+    # Each program's 30 s once, not each member's (the reports' total).
+    assert workdirs.wall_seconds(runs) == 4 * 30.0
+
+    # The same command again runs nothing.
+    assignment = (sweep_dir / "ensembles.json").read_text()
+    result = run_sweep(
+        tmp_path, "--ensemble=2", "--noreport", train=FAKE_ENSEMBLE_TRAIN, arg=":3"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "6 finished before, 0 to run" in result.stdout
+    assert program_calls(tmp_path, "tied=True,ensemble=0") == [
+        "start",
+        "train tied=True,seed=0",
+        "train tied=True,seed=1",
+    ]
+    assert (sweep_dir / "ensembles.json").read_text() == assignment
+
+
+def test_a_failed_program_reruns_with_the_same_members_and_skips_finished(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    failing = "tied=False,seed=1"
+    flags_ = ("--ensemble=2", "--noreport", "--parallel=2")
+    result = run_sweep(
+        tmp_path, *flags_, train=FAKE_ENSEMBLE_TRAIN, env={"FAIL_MEMBER": failing}
+    )
+    assert result.returncode == 1
+    assert "FAILED: tied=False,ensemble=0 (2 members)" in result.stdout
+    assert f"members not finished: {failing}\n" in result.stdout
+    assert "trained 2 members" in result.stdout  # the program log's tail
+    assert "1 of 2 processes failed" in result.stdout
+    statuses = {r.name: r.status for r in workdirs.read_sweep(str(sweep_dir))}
+    assert statuses == {
+        "tied=True,seed=0": "finished",
+        "tied=True,seed=1": "finished",
+        "tied=False,seed=0": "finished",
+        failing: "failed",
+    }
+    finished_member = read_json(sweep_dir / "tied=False,seed=0" / "status.json")
+    assert finished_member["returncode"] == 1
+
+    result = run_sweep(tmp_path, *flags_, train=FAKE_ENSEMBLE_TRAIN)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert program_calls(tmp_path, "tied=False,ensemble=0") == [
+        "start",
+        "train tied=False,seed=0",
+        f"train {failing}",
+        "resume",
+        "skip tied=False,seed=0",
+        f"train {failing}",
+    ]
+    assert program_calls(tmp_path, "tied=True,ensemble=0") == [
+        "start",
+        "train tied=True,seed=0",
+        "train tied=True,seed=1",
+    ]
+    # The member the rerun skipped keeps its own process's record.
+    assert read_json(sweep_dir / "tied=False,seed=0" / "status.json") == finished_member
+    rerun = read_json(sweep_dir / failing / "status.json")
+    assert rerun["returncode"] == 0 and rerun["started"] > finished_member["ended"]

@@ -119,3 +119,51 @@ def test_real_tiny_sweep_trains_and_reports(tmp_path):
     report = (sweep_dir / "REPORT.md").read_text()
     assert "| char (84) | a: tied |" in report and "| char (84) | b: untied" in report
     assert (sweep_dir / "delta_vs_head_share.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_a_sweep_with_ensembles_makes_the_same_runs(tmp_path, corpus):
+    """The same tiny sweep (two seeds x two rates) run as four processes and
+    with --ensemble=4 as one: the same run directories, and summaries equal
+    to float32 rounding."""
+    sweep_file = tmp_path / "seeds.py"
+    sweep_file.write_text(
+        "from lmhead.lab import sweeps\n"
+        "def get_sweep(arg=None):\n"
+        "    return 'tiny,steps=10', sweeps.product(\n"
+        "        sweeps.zipped(sweeps.sweep('optim.lr', [0.003, 0.002]),\n"
+        "                      sweeps.sweep('optim.min_lr', [0.0003, 0.0002])),\n"
+        "        sweeps.sweep('train.seed', [0, 1])), {\n"
+        f"        'data.path': {corpus!r}, 'sample.num_samples': 0,\n"
+        "        'train.eval_batches': 1, 'train.eval_every': 5}\n"
+    )
+    summaries = {}
+    for name, flags in (("separate", []), ("ensemble", ["--ensemble=4"])):
+        sweep_dir = tmp_path / name
+        command = [
+            sys.executable,
+            SWEEP_SCRIPT,
+            f"--sweep={sweep_file}",
+            f"--workdir={sweep_dir}",
+            "--noreport",
+            *flags,
+        ]
+        result = subprocess.run(
+            command, capture_output=True, text=True, cwd=ROOT, timeout=600
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        summaries[name] = {
+            r.name: r.summary for r in workdirs.read_sweep(str(sweep_dir))
+        }
+    assert summaries["separate"].keys() == summaries["ensemble"].keys()
+    assert len(summaries["separate"]) == 4
+    assert os.listdir(tmp_path / "ensemble" / "ensembles") == ["ensemble=0"]
+    for run, separate in summaries["separate"].items():
+        together = summaries["ensemble"][run]
+        assert together["ensemble"]["members"] == 4
+        for key in ("eval/loss", "train_eval/loss", "eval/accuracy"):
+            if key in separate["final"]:
+                assert together["final"][key] == pytest.approx(
+                    separate["final"][key], rel=1e-5
+                )
+        assert together["num_params"] == separate["num_params"]

@@ -438,25 +438,20 @@ def nanogpt_program(path: str, config, vocab_size: int, batches):
     return run
 
 
-# The matmul's time in a round: the fastest of this many calls (one short
-# call is easily preempted on a shared machine).
-MATMUL_CALLS = 5
-
-
 def alternate(programs: dict, batches, matmul: timing.Matmul, rounds: int) -> dict:
     """Median wall and CPU seconds per step of each program, and the median
-    of the matmul's fastest time per round."""
+    of the matmul's fastest time per round (``timing.alternate``)."""
     for run in programs.values():
         run(batches[:WARMUP_STEPS])
     timed = batches[WARMUP_STEPS:]
-    times = {name: [] for name in [*programs, "matmul"]}
-    for _ in range(rounds):
-        for name, run in programs.items():
-            seconds = timing.call_seconds(run, (timed,), clock=timing.wall_and_cpu)
-            times[name].append(seconds / len(timed))
-        fastest = matmul.seconds(MATMUL_CALLS, reduce=np.min)
-        times["matmul"].append((fastest, float("nan")))
-    return {name: np.median(np.array(t), axis=0) for name, t in times.items()}
+    times = timing.alternate(
+        {name: functools.partial(run, timed) for name, run in programs.items()},
+        matmul,
+        rounds,
+    )
+    return {
+        name: t if name == "matmul" else t / len(timed) for name, t in times.items()
+    }
 
 
 def lmhead_programs(

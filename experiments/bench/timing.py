@@ -1,12 +1,12 @@
 """The benchmarks' one timing helper and one matmul-rate probe.
 
 Every benchmark here (``bench_head.py``, ``bench_decode.py``,
-``bench_serve.py``, ``bench_train.py``) times its programs with
+``bench_serve.py``, ``bench_train.py``, ``bench_ensemble.py``) times its programs with
 :func:`call_seconds` and prints the machine's float32 matmul rate from
 :class:`Matmul`, measured in the same run, so that its ratios can be read
 against how fast the machine was at the time. A benchmark that alternates
 its programs with the matmul (so that all see the same load on a shared
-machine) times the matmul's calls in its rounds (:meth:`Matmul.seconds`);
+machine) times them in rounds with the matmul's calls (:func:`alternate`);
 the others take :func:`matmul_rate` once.
 
 The benchmarks import this file as ``timing``: run as
@@ -150,3 +150,44 @@ def matmul_rate(
     """
     _checks.check_count("repeats", repeats)
     return Matmul(size).rate(repeats, clock=clock)
+
+
+# The matmul's time in a round of :func:`alternate`: the fastest of this many
+# calls (one short call is easily preempted on a shared machine).
+MATMUL_CALLS = 5
+
+
+def alternate(
+    programs: dict[str, Callable[[], Any]],
+    matmul: Matmul,
+    rounds: int,
+    *,
+    matmul_calls: int = MATMUL_CALLS,
+) -> dict[str, np.ndarray]:
+    """Times ``programs`` (``{name: run}``, ``run()`` the call to time) in
+    alternation with ``matmul``: in each of ``rounds`` rounds every program
+    once (:func:`call_seconds` by :func:`wall_and_cpu`), then the matmul's
+    fastest of ``matmul_calls`` calls, so that all see the same load on a
+    shared machine.
+
+    Returns:
+        ``{name: [wall, cpu]}``, each program's median seconds per call over
+        the rounds, and ``"matmul"``: ``[wall, nan]``, the median of the
+        matmul's fastest time per round.
+
+    Raises:
+        ValueError, TypeError: ``rounds`` is not an integer >= 1.
+
+    Examples:
+        >>> times = alternate({"ones": lambda: jnp.ones(3)}, Matmul(32), rounds=2)
+        >>> sorted(times), times["ones"].shape, bool(times["matmul"][0] > 0)
+        (['matmul', 'ones'], (2,), True)
+    """
+    _checks.check_count("rounds", rounds)
+    times = {name: [] for name in [*programs, "matmul"]}
+    for _ in range(rounds):
+        for name, run in programs.items():
+            times[name].append(call_seconds(run, clock=wall_and_cpu))
+        fastest = matmul.seconds(matmul_calls, reduce=np.min)
+        times["matmul"].append((fastest, float("nan")))
+    return {name: np.median(np.array(t), axis=0) for name, t in times.items()}

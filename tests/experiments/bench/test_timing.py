@@ -3,6 +3,7 @@ and matmul-rate probe: what is timed, by which clock, reduced how, and the
 bad arguments."""
 
 import doctest
+import functools
 import os
 import time
 
@@ -58,6 +59,26 @@ def test_the_matmul_probe():
     assert timing.matmul_rate(32, repeats=2, clock=time.process_time) > 0
 
 
+def test_alternate_runs_every_program_then_the_matmul_each_round():
+    """In each round every program once, in order, then the matmul's
+    fastest of its calls; medians over the rounds."""
+    log = []
+
+    class FakeMatmul:
+        fastest = iter([3.0, 1.0, 2.0])
+
+        def seconds(self, calls, reduce):
+            log.append(f"matmul x{calls}, {reduce.__name__}")
+            return next(self.fastest)
+
+    programs = {name: functools.partial(log.append, name) for name in ("a", "b")}
+    times = timing.alternate(programs, FakeMatmul(), rounds=3, matmul_calls=4)
+    assert log == ["a", "b", "matmul x4, min"] * 3
+    assert sorted(times) == ["a", "b", "matmul"]
+    assert times["matmul"][0] == 2.0 and np.isnan(times["matmul"][1])
+    assert all(times[name].shape == (2,) and times[name][0] >= 0 for name in "ab")
+
+
 @pytest.mark.parametrize(
     "call,error,named",
     [
@@ -66,8 +87,16 @@ def test_the_matmul_probe():
         (lambda: timing.Matmul(8.0), TypeError, "size"),
         (lambda: timing.matmul_rate(0), ValueError, "size"),
         (lambda: timing.matmul_rate(8, repeats=0), ValueError, "repeats"),
+        (lambda: timing.alternate({}, None, rounds=0), ValueError, "rounds"),
     ],
-    ids=["repeats 0", "size 0", "size float", "rate size 0", "rate repeats 0"],
+    ids=[
+        "repeats 0",
+        "size 0",
+        "size float",
+        "rate size 0",
+        "rate repeats 0",
+        "rounds 0",
+    ],
 )
 def test_bad_arguments_are_refused_by_name(call, error, named):
     with pytest.raises(error, match=rf"\b{named}\b"):

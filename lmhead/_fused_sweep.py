@@ -42,6 +42,13 @@ share of ``dh`` in the same sweep; the sum of the shares is ``dh``. The
 custom VJP has no symbolic zeros, which ``shard_map`` does not support: the
 second sweep is skipped at run time when the statistics' cotangent is zero
 (under ``jit`` XLA removes it when that zero is a constant).
+
+Traced loss options. ``label_smoothing`` and ``z_loss`` may be traced (an
+ensemble's members, one value each under ``vmap`` or ``lax.map``): they
+then reach the sweep as the operand ``loss_scalars`` of :func:`fused_core`,
+whose gradient is exact, and :class:`Plan` holds None for them. A concrete
+value stays a Python float in the plan, compiled in, so a single run's
+program and numbers are those it always had.
 """
 
 import dataclasses
@@ -69,9 +76,11 @@ class Plan:
     chunk_size: int
     block_rows: int  # vocabulary rows per block
     keep_logits: bool  # a chunk's [V, Nc] logits computed once and kept
-    label_smoothing: float
+    # A concrete value is compiled in, as a Python float; None means it is
+    # traced and read from fused_core's loss_scalars operand.
+    label_smoothing: float | None
     smoothing: str
-    z_loss: float
+    z_loss: float | None
     scale: float | None
     softcap: float | None
     precision: jax.lax.PrecisionLike
@@ -87,15 +96,21 @@ class Plan:
             return 0
         return lax.axis_index(self.vocab_axis) * self.num_rows
 
-    def token_loss(self, lse, label_logit, logit_sum):
+    def token_loss(self, loss_scalars, lse, label_logit, logit_sum):
+        """``losses.token_losses``' loss; ``loss_scalars: [2]`` float32 holds
+        ``(label_smoothing, z_loss)``, used where the plan holds None."""
         return losses.token_losses(
             lse,
             label_logit,
             logit_sum,
             self.vocab_size,
-            label_smoothing=self.label_smoothing,
+            label_smoothing=(
+                loss_scalars[0]
+                if self.label_smoothing is None
+                else self.label_smoothing
+            ),
             smoothing=self.smoothing,
-            z_loss=self.z_loss,
+            z_loss=loss_scalars[1] if self.z_loss is None else self.z_loss,
         )[0]
 
     def dot(self, a, b, dims):
@@ -286,13 +301,25 @@ def _chunk_grads(plan, h_chunk, active, w, bias, labels, kept, lse, coefs, grads
     return lax.fori_loop(0, plan.num_blocks, step, (dh_chunk, dw, db))
 
 
-def _loss_coefs(plan, stats, loss_weights):
+def _loss_coefs(plan, loss_scalars, stats, loss_weights):
     """``loss_weights * dL/d(lse, label_logit, logit_sum)``, token by token."""
-    _, pullback = jax.vjp(plan.token_loss, *stats)
+    _, pullback = jax.vjp(functools.partial(plan.token_loss, loss_scalars), *stats)
     return pullback(loss_weights)
 
 
-def _sweep(plan, h, w, bias, labels, loss_weights, *, grads=None, lse=None, coefs=None):
+def _sweep(
+    plan,
+    h,
+    w,
+    bias,
+    loss_scalars,
+    labels,
+    loss_weights,
+    *,
+    grads=None,
+    lse=None,
+    coefs=None,
+):
     """One pass over chunks of tokens.
 
     Three uses: statistics only (``grads`` is None: the primal); statistics
@@ -336,7 +363,7 @@ def _sweep(plan, h, w, bias, labels, loss_weights, *, grads=None, lse=None, coef
             if grads is None:
                 return stats, (dh, dw, db)
             chunk_lse = new[0]
-            chunk_coefs = _loss_coefs(plan, new[:3], chunk(loss_weights))
+            chunk_coefs = _loss_coefs(plan, loss_scalars, new[:3], chunk(loss_weights))
         else:
             z, chunk_lse = None, chunk(lse)
             chunk_coefs = tuple(chunk(c) for c in coefs)
@@ -364,9 +391,9 @@ def _sweep(plan, h, w, bias, labels, loss_weights, *, grads=None, lse=None, coef
     return lax.fori_loop(0, -(-n // size), body, (stats, init))
 
 
-def _objective(plan, stats, loss_weights):
+def _objective(plan, loss_scalars, stats, loss_weights):
     """``sum_t w_t L_t`` by the rule of ``losses.weighted_metrics``."""
-    token_loss = plan.token_loss(*stats[:3])
+    token_loss = plan.token_loss(loss_scalars, *stats[:3])
     zeros = jnp.zeros_like(token_loss)
     return losses.weighted_metrics(
         token_loss, zeros, zeros, zeros, loss_weights, zeros, "sum"
@@ -380,43 +407,51 @@ def _zero_grads(h, w, bias):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def fused_core(plan, h, w, bias, loss_weights, labels):
+def fused_core(plan, h, w, bias, loss_scalars, loss_weights, labels):
     """``(sum_t loss_weights_t * L_t, stats)`` without keeping any logits.
 
+    ``loss_scalars: [2]`` float32 is ``(label_smoothing, z_loss)``, read
+    where ``plan`` holds None for them (traced values, e.g. one per member
+    of a ``vmap``); its gradient, like that of ``loss_weights``, is exact.
     Inside ``shard_map``, ``h``, ``w`` and ``bias`` must vary over the same
     mesh axes (``lax.pcast``): each one's gradient is a product of the
-    others, and a cotangent has the type of its input.
+    others, and a cotangent has the type of its input; ``loss_scalars``
+    must vary over the axes of the tokens.
     """
-    stats, _ = _sweep(plan, h, w, bias, labels, loss_weights)
-    return _objective(plan, stats, loss_weights), stats
+    stats, _ = _sweep(plan, h, w, bias, loss_scalars, labels, loss_weights)
+    return _objective(plan, loss_scalars, stats, loss_weights), stats
 
 
 # The rule has no symbolic zeros, which shard_map does not support: every
 # input is taken to be differentiated, and a zero cotangent of the statistics
 # is told from a nonzero one at run time.
-def _fused_core_fwd(plan, h, w, bias, loss_weights, labels):
+def _fused_core_fwd(plan, h, w, bias, loss_scalars, loss_weights, labels):
     stats, saved = _sweep(
         plan,
         h,
         w,
         bias,
+        loss_scalars,
         labels,
         loss_weights,
         grads=_zero_grads(h, w, bias) if plan.grads_in_forward else None,
     )
-    residuals = (h, w, bias, loss_weights, labels, stats, saved)
-    return (_objective(plan, stats, loss_weights), stats), residuals
+    residuals = (h, w, bias, loss_scalars, loss_weights, labels, stats, saved)
+    objective = _objective(plan, loss_scalars, stats, loss_weights)
+    return (objective, stats), residuals
 
 
 def _fused_core_bwd(plan, residuals, cotangents):
-    h, w, bias, loss_weights, labels, stats, saved = residuals
+    h, w, bias, loss_scalars, loss_weights, labels, stats, saved = residuals
     d_objective, d_stats = cotangents
     coefs = d_stats[:3]
     if plan.grads_in_forward:
         grads = tuple(None if g is None else d_objective * g for g in saved)
     else:
         grads = _zero_grads(h, w, bias)
-        objective_coefs = _loss_coefs(plan, stats[:3], d_objective * loss_weights)
+        objective_coefs = _loss_coefs(
+            plan, loss_scalars, stats[:3], d_objective * loss_weights
+        )
         coefs = tuple(c + o for c, o in zip(coefs, objective_coefs))
 
     def recompute(grads):
@@ -427,6 +462,7 @@ def _fused_core_bwd(plan, residuals, cotangents):
             h,
             w,
             bias,
+            loss_scalars,
             labels,
             loss_weights,
             grads=grads,
@@ -437,12 +473,16 @@ def _fused_core_bwd(plan, residuals, cotangents):
     grads = lax.cond(
         jnp.any(jnp.stack(coefs) != 0), recompute, lambda grads: grads, grads
     )
-    _, pullback = jax.vjp(lambda x: _objective(plan, stats, x), loss_weights)
-    (d_weights,) = pullback(d_objective)
+    # The statistics do not depend on loss_scalars or loss_weights: their
+    # gradients are those of the objective alone.
+    _, pullback = jax.vjp(
+        lambda s, x: _objective(plan, s, stats, x), loss_scalars, loss_weights
+    )
+    d_scalars, d_weights = pullback(d_objective)
     dh, dw, db = (
         None if g is None else g.astype(x.dtype) for g, x in zip(grads, (h, w, bias))
     )
-    return dh, dw, db, d_weights, None
+    return dh, dw, db, d_scalars, d_weights, None
 
 
 fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)

@@ -57,12 +57,13 @@ class VocabShards:
     Attributes:
         axis: the mesh axis.
         count: devices along it; it must divide ``V``.
-        run: ``run(core, h, w, bias, weights, labels) -> (objective,
-            stats)`` calls ``core`` (a function of the same arguments) on
-            every device, with a device's tokens and its rows of ``w`` and
-            ``bias`` (``[N, D]``, ``[V, D]``, ``[V]``, ``[N]``, ``[N]`` in
-            all), and returns ``core``'s objective summed over the devices'
-            tokens and its statistics of every token.
+        run: ``run(core, h, w, bias, loss_scalars, weights, labels) ->
+            (objective, stats)`` calls ``core`` (a function of the same
+            arguments) on every device, with a device's tokens and its rows
+            of ``w`` and ``bias`` (``[N, D]``, ``[V, D]``, ``[V]``, ``[2]``,
+            ``[N]``, ``[N]`` in all; ``loss_scalars`` is replicated), and
+            returns ``core``'s objective summed over the devices' tokens and
+            its statistics of every token.
     """
 
     axis: str
@@ -70,10 +71,12 @@ class VocabShards:
     run: Callable[..., tuple[jax.Array, tuple[jax.Array, ...]]]
 
 
-def _check_inputs(h, w, bias, chunk_size, vocab_chunk_size, **static):
+def _check_inputs(h, w, bias, chunk_size, vocab_chunk_size, scalars, static):
     _checks.check_unembed_inputs(h, w, bias)
     _checks.check_count("chunk_size", chunk_size, optional=True)
     _checks.check_count("vocab_chunk_size", vocab_chunk_size, optional=True)
+    for name, value in scalars.items():
+        _checks.check_rank(name, value, 0, "[] (a scalar)")
     _checks.check_concrete("fused_cross_entropy", **static)
     for name in ("scale", "softcap"):
         _checks.check_in_range(name, static[name], low=0.0, low_open=True)
@@ -108,6 +111,17 @@ def _block_sizes(num_tokens, num_rows, chunk_size, vocab_chunk_size):
 
 def _optional_float(x):
     return None if x is None else float(x)
+
+
+def _loss_scalars(label_smoothing, z_loss):
+    """``(plan's label_smoothing, plan's z_loss, loss_scalars: [2] float32)``.
+
+    A concrete value goes into the plan as a Python float, compiled in as
+    before; a traced one is None there and read from ``loss_scalars``.
+    """
+    values = (label_smoothing, z_loss)
+    static = (None if _checks.is_traced(x) else float(x) for x in values)
+    return *static, jnp.stack([jnp.asarray(x, jnp.float32) for x in values])
 
 
 def fused_cross_entropy(
@@ -160,8 +174,14 @@ def fused_cross_entropy(
         labels: ``[...]`` integer targets.
         bias: optional ``[V]``.
         weights: optional ``[...]`` per-token weights (0 for padding).
-        label_smoothing, smoothing, z_loss, reduction: as in
-            ``losses.cross_entropy``; must be concrete numbers.
+        label_smoothing, z_loss: as in ``losses.cross_entropy``; Python
+            floats or scalar arrays, traced ones too (e.g. one value per
+            member under ``jax.vmap`` or ``lax.map``). A concrete value is
+            range-checked and compiled into the sweep; a traced value is
+            not range-checked (its range cannot be known when tracing), so
+            its caller checks it. The loss's gradient with respect to a
+            traced value is exact.
+        smoothing, reduction: as in ``losses.cross_entropy``; concrete.
         scale, softcap, precision: as in ``head.unembed``; concrete numbers.
         chunk_size: tokens per chunk, an integer >= 1. Default:
             ``BLOCK_ELEMENTS[platform] // width`` clipped to
@@ -211,6 +231,13 @@ def fused_cross_entropy(
         >>> dh.shape, dw.shape
         ((2, 3, 4), (10, 4))
 
+        One loss per member of an ensemble, ``label_smoothing`` traced:
+
+        >>> per_member = jax.vmap(lambda eps: fused_cross_entropy(
+        ...     h, w, labels, chunk_size=4, label_smoothing=eps)[0])
+        >>> print(per_member(jnp.array([0.0, 0.1])).round(3))
+        [2.127 2.372]
+
     References:
         Wijmans et al., `Cut Your Losses in Large-Vocabulary Language Models
         <https://arxiv.org/abs/2411.09009>`_, 2024 (Cut Cross-Entropy);
@@ -218,10 +245,15 @@ def fused_cross_entropy(
         <https://arxiv.org/abs/2410.10989>`_, 2024 (fused linear
         cross-entropy).
     """
-    static = dict(
-        label_smoothing=label_smoothing, z_loss=z_loss, scale=scale, softcap=softcap
+    _check_inputs(
+        h,
+        w,
+        bias,
+        chunk_size,
+        vocab_chunk_size,
+        scalars=dict(label_smoothing=label_smoothing, z_loss=z_loss),
+        static=dict(scale=scale, softcap=softcap),
     )
-    _check_inputs(h, w, bias, chunk_size, vocab_chunk_size, **static)
     losses.check_loss_options(label_smoothing, smoothing, z_loss, reduction)
     vocab_size, d_model = jnp.shape(w)
     leading = jnp.shape(h)[:-1]
@@ -239,22 +271,26 @@ def fused_cross_entropy(
             reduction=reduction,
         )
 
-    def core(h, w, bias, loss_weights, labels):
+    plan_smoothing, plan_z_loss, loss_scalars = _loss_scalars(label_smoothing, z_loss)
+
+    def core(h, w, bias, loss_scalars, loss_weights, labels):
         # Block sizes from what one device holds: its tokens and its rows.
         plan = _fused_sweep.Plan(
             vocab_size,
             w.shape[0],
             None if vocab_shards is None else vocab_shards.axis,
             *_block_sizes(h.shape[0], w.shape[0], chunk_size, vocab_chunk_size),
-            float(label_smoothing),
+            plan_smoothing,
             smoothing,
-            float(z_loss),
+            plan_z_loss,
             _optional_float(scale),
             _optional_float(softcap),
             precision,
             grads_in_forward=reduction != "none",
         )
-        return _fused_sweep.fused_core(plan, h, w, bias, loss_weights, labels)
+        return _fused_sweep.fused_core(
+            plan, h, w, bias, loss_scalars, loss_weights, labels
+        )
 
     dtype = jnp.result_type(h, w)
     loss_weights, safe_labels, invalid = losses.valid_weights(
@@ -266,6 +302,7 @@ def fused_cross_entropy(
         jnp.reshape(h, (num_tokens, d_model)).astype(dtype),
         jnp.asarray(w, dtype),
         None if bias is None else jnp.asarray(bias),
+        loss_scalars,
         loss_weights,
         safe_labels,
     )

@@ -39,24 +39,29 @@ def _context_mesh(mesh: Mesh | None):
     return mesh
 
 
-def _on_mesh(mesh, core, h, w, bias, loss_weights, labels):
+def _on_mesh(mesh, core, h, w, bias, loss_scalars, loss_weights, labels):
     """``core`` on every device of ``mesh``: its tokens (split over
     ``"data"`` when that divides their number, replicated otherwise) against
-    its rows of ``w`` and ``bias``; see ``fused.VocabShards``."""
+    its rows of ``w`` and ``bias``, and the replicated ``loss_scalars``; see
+    ``fused.VocabShards``."""
     tokens = (
         DATA_AXIS
         if DATA_AXIS in mesh.axis_names and h.shape[0] % mesh.shape[DATA_AXIS] == 0
         else None
     )
 
-    def per_device(h, w, bias, loss_weights, labels):
+    def per_device(h, w, bias, loss_scalars, loss_weights, labels):
         # The fused gradient of each of h, w, bias is a product with the
         # others, so all three vary over both axes; the transposes of these
-        # casts then sum dh over "model" and dw, dbias over "data".
+        # casts then sum dh over "model" and dw, dbias over "data". That of
+        # loss_scalars is a sum over a device's tokens (whose statistics are
+        # already combined over "model"), so it varies as the tokens do.
         h = lax.pcast(h, MODEL_AXIS, to="varying")
         if tokens is not None:
-            w, bias = lax.pcast((w, bias), tokens, to="varying")
-        objective, stats = core(h, w, bias, loss_weights, labels)
+            w, bias, loss_scalars = lax.pcast(
+                (w, bias, loss_scalars), tokens, to="varying"
+            )
+        objective, stats = core(h, w, bias, loss_scalars, loss_weights, labels)
         if tokens is not None:
             objective = lax.psum(objective, tokens)
         return objective, stats
@@ -65,9 +70,9 @@ def _on_mesh(mesh, core, h, w, bias, loss_weights, labels):
     return jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(by_token, by_row, by_row, by_token, by_token),
+        in_specs=(by_token, by_row, by_row, P(), by_token, by_token),
         out_specs=(P(), by_token),
-    )(h, w, bias, loss_weights, labels)
+    )(h, w, bias, loss_scalars, loss_weights, labels)
 
 
 def vocab_parallel_cross_entropy(

@@ -19,7 +19,7 @@ from absl.testing import parameterized
 from jax.test_util import check_grads
 
 from lmhead import fused, head, losses
-from tests import references
+from tests import loss_scalars, references
 from tests.errors import assert_raises_exactly
 
 B, T, D, V = 3, 7, 8, 37
@@ -352,6 +352,76 @@ class FusedTest(chex.TestCase):
         np.testing.assert_allclose(loss, materialized(1e3 * h, w, labels)[0], rtol=1e-5)
 
 
+class TracedLossScalarsTest(parameterized.TestCase):
+    """label_smoothing and z_loss traced, one value per ensemble member."""
+
+    def test_members_equal_single_calls(self):
+        h, w, bias, labels, weights = make_inputs(11)
+
+        def loss_and_grads(label_smoothing, z_loss):
+            def loss(h, w):
+                return fused.fused_cross_entropy(
+                    h,
+                    w,
+                    labels,
+                    bias=bias,
+                    weights=weights,
+                    label_smoothing=label_smoothing,
+                    smoothing="normalized",
+                    z_loss=z_loss,
+                    **RAGGED,
+                )
+
+            return jax.value_and_grad(loss, (0, 1), has_aux=True)(h, w)
+
+        # lax.map too: each member's values are then traced scalars.
+        loss_scalars.assert_members_match_static_calls(
+            loss_and_grads, transforms=("vmap", "map")
+        )
+
+    def test_traced_values_equal_the_static_call(self):
+        h, w, _, labels, weights = make_inputs(12)
+
+        def loss_and_grads(label_smoothing, z_loss):
+            return jax.value_and_grad(
+                lambda h, w: fused.fused_cross_entropy(
+                    h,
+                    w,
+                    labels,
+                    weights=weights,
+                    label_smoothing=label_smoothing,
+                    z_loss=z_loss,
+                    **RAGGED,
+                )[0],
+                (0, 1),
+            )(h, w)
+
+        loss_scalars.assert_traced_equals_static(loss_and_grads, 0.1, 1e-3)
+
+    def test_gradient_with_respect_to_the_values(self):
+        h, w, bias, labels, weights = make_inputs(13)
+
+        def scalar_grads(loss_fn):
+            def loss(label_smoothing, z_loss):
+                return loss_fn(
+                    h,
+                    w,
+                    labels,
+                    bias=bias,
+                    weights=weights,
+                    label_smoothing=label_smoothing,
+                    smoothing="normalized",
+                    z_loss=z_loss,
+                    **RAGGED,
+                )[0]
+
+            return jax.jit(jax.grad(loss, (0, 1)))(np.float32(0.1), np.float32(1e-2))
+
+        got = scalar_grads(fused.fused_cross_entropy)
+        chex.assert_trees_all_close(got, scalar_grads(materialized), rtol=1e-5)
+        self.assertTrue(all(abs(float(g)) > 1e-2 for g in got), got)
+
+
 def compiled_temp_bytes(loss_fn, *args):
     step = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True))
     return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
@@ -469,10 +539,22 @@ BAD_INPUTS = [
         "weights",
     ),
     (
-        "fused traced label_smoothing",
-        lambda: jax.jit(lambda eps: fused_ce(label_smoothing=eps))(0.1),
+        "fused traced scale",
+        lambda: jax.jit(lambda scale: fused_ce(scale=scale))(0.5),
         TypeError,
+        "scale",
+    ),
+    (
+        "fused label_smoothing not a scalar",
+        lambda: fused_ce(label_smoothing=jnp.array([0.1, 0.2])),
+        ValueError,
         "label_smoothing",
+    ),
+    (
+        "fused traced z_loss not a scalar",
+        lambda: jax.jit(lambda z: fused_ce(z_loss=z))(jnp.zeros(3)),
+        ValueError,
+        "z_loss",
     ),
 ]
 

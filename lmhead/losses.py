@@ -35,6 +35,10 @@ def check_loss_options(
 ) -> None:
     """Validates the options shared by the materialized and fused losses.
 
+    ``label_smoothing`` and ``z_loss`` are range-checked when concrete; a
+    traced value (one per ensemble member, say) is not, as its range cannot
+    be known when tracing (``_checks.check_in_range``): its caller checks it.
+
     Raises:
         ValueError: naming the argument, when an option is out of range.
     """
@@ -316,6 +320,10 @@ def cross_entropy(
     inside ``jit`` they get weight 0 and are counted in
     ``metrics["invalid_labels"]`` (use :func:`check_labels` with ``checkify``
     to fail instead).
+
+    ``label_smoothing`` and ``z_loss`` may be traced scalars, e.g. one value
+    per ensemble member under ``jax.vmap`` or ``lax.map``; a traced value is
+    not range-checked (see :func:`check_loss_options`).
 
     Args:
         logits: ``[..., V]`` floating-point scores.

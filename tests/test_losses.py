@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from jax.experimental import checkify
 from jax.test_util import check_grads
 
-from lmhead import losses
-from tests import references
+from lmhead import head, losses
+from tests import loss_scalars, references
 from tests.errors import assert_raises_exactly
 
 SETTINGS = hypothesis.settings(max_examples=25, deadline=None)
@@ -267,6 +267,85 @@ class GradientTest(chex.TestCase):
             extreme, labels, None, 0.1, "normalized", 1e-4
         )
         np.testing.assert_allclose(loss, want["loss"], rtol=1e-5)
+
+
+class TracedLossScalarsTest(chex.TestCase):
+    """label_smoothing and z_loss traced, one value per ensemble member."""
+
+    def setUp(self):
+        super().setUp()
+        rng = np.random.default_rng(14)
+        self.h = rng.standard_normal((2, 3, 4)).astype(np.float32)
+        self.w = rng.standard_normal((7, 4)).astype(np.float32)
+        self.labels = rng.integers(0, 7, (2, 3)).astype(np.int32)
+        self.weights = rng.uniform(0.5, 2.0, (2, 3)).astype(np.float32)
+
+    def loss_and_grads(self, smoothing):
+        def loss(h, w, label_smoothing, z_loss):
+            return losses.cross_entropy(
+                head.unembed(h, w),
+                self.labels,
+                weights=self.weights,
+                label_smoothing=label_smoothing,
+                smoothing=smoothing,
+                z_loss=z_loss,
+            )
+
+        grad_fn = jax.value_and_grad(loss, (0, 1), has_aux=True)
+        return lambda eps, z: grad_fn(self.h, self.w, eps, z)
+
+    def test_members_equal_single_calls(self):
+        loss_scalars.assert_members_match_static_calls(
+            self.loss_and_grads("uniform"), transforms=("vmap", "map")
+        )
+
+    def test_traced_values_equal_the_static_call(self):
+        loss_scalars.assert_traced_equals_static(
+            self.loss_and_grads("normalized"), 0.1, 1e-3
+        )
+
+    def test_gradient_with_respect_to_the_values(self):
+        logits = references.unembed(self.h, self.w, None, None, None)
+
+        def reference(eps, z, smoothing):
+            _, metrics = references.cross_entropy(
+                logits, self.labels, self.weights, eps, smoothing, z
+            )
+            return metrics["loss"]
+
+        @jax.jit
+        def grads(eps, z):
+            return {
+                smoothing: jax.grad(
+                    lambda e, z, s=smoothing: losses.cross_entropy(
+                        logits.astype(np.float32),
+                        self.labels,
+                        weights=self.weights,
+                        label_smoothing=e,
+                        smoothing=s,
+                        z_loss=z,
+                    )[0],
+                    (0, 1),
+                )(eps, z)
+                for smoothing in losses.SMOOTHINGS
+            }
+
+        eps, z, step = 0.1, 1e-2, 1e-5
+        for smoothing, got in grads(np.float32(eps), np.float32(z)).items():
+            # Central differences of the float64 reference.
+            want = (
+                (
+                    reference(eps + step, z, smoothing)
+                    - reference(eps - step, z, smoothing)
+                )
+                / (2 * step),
+                (
+                    reference(eps, z + step, smoothing)
+                    - reference(eps, z - step, smoothing)
+                )
+                / (2 * step),
+            )
+            np.testing.assert_allclose(got, want, rtol=1e-4, err_msg=smoothing)
 
 
 class InvalidLabelsTest(chex.TestCase):

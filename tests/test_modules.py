@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lmhead import losses, modules
-from tests import references
+from lmhead import losses, modules, vocab_parallel
+from tests import loss_scalars, references
 from tests.errors import assert_raises_exactly
 
 V, D = 11, 6
@@ -195,6 +195,39 @@ class LossTest(chex.TestCase):
             z = references.unembed(h, w, variables["params"]["bias"], scale=0.8)
             _, want = references.cross_entropy(z, labels, weights)
             np.testing.assert_allclose(metrics["nll"], want["nll"], rtol=1e-5)
+
+
+class TracedLossScalarsTest(chex.TestCase):
+    def test_every_loss_impl_takes_the_values_of_members_traced(self):
+        # What an ensemble's step does: one value per member, under vmap.
+        h, table = random_inputs(6)
+        labels = np.random.default_rng(6).integers(0, V, (2, 3)).astype(np.int32)
+        head = modules.LMHead(V, tied=True)
+        mesh = jax.make_mesh(
+            (1, 1),
+            (vocab_parallel.DATA_AXIS, vocab_parallel.MODEL_AXIS),
+            (jax.sharding.AxisType.Auto,) * 2,
+            devices=jax.devices()[:1],
+        )
+
+        def losses_of_every_impl(label_smoothing, z_loss):
+            return {
+                impl: head.apply(
+                    {},
+                    h,
+                    labels,
+                    table,
+                    loss_impl=impl,
+                    label_smoothing=label_smoothing,
+                    smoothing="normalized",
+                    z_loss=z_loss,
+                    method="loss",
+                )
+                for impl in modules.LOSS_IMPLS
+            }
+
+        with jax.set_mesh(mesh):
+            loss_scalars.assert_members_match_static_calls(losses_of_every_impl)
 
 
 # ---------------------------------------------------------------------------

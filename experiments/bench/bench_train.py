@@ -6,6 +6,7 @@ r"""Training speed, side by side with nanoGPT: tokens/s, FLOP rates, ratio.
     python experiments/bench/bench_train.py --config=nanogpt,tied,bpe=2048 \
         --loss_impl=materialized --loss_impl=fused
     python experiments/bench/bench_train.py --profile     # where a step's time goes
+    python experiments/bench/bench_train.py --ensemble ...   # = bench_ensemble.py ...
 
 ``--nanogpt`` is a checkout of https://github.com/karpathy/nanoGPT (e.g.
 ``git clone https://github.com/karpathy/nanoGPT /tmp/nanoGPT``); its
@@ -74,6 +75,7 @@ import io
 import math
 import os
 import re
+import sys
 from typing import NamedTuple
 
 import jax
@@ -126,6 +128,12 @@ flags.DEFINE_bool(
     "Also time the stages of lmhead's "
     "one-device step (loss, gradient, whole step) and each of "
     "its matmuls alone at its own shapes.",
+)
+flags.DEFINE_bool(
+    "ensemble",
+    False,
+    "Run experiments/bench/bench_ensemble.py instead, the other arguments "
+    "being its flags (e.g. --ensemble --runs_per_hour).",
 )
 FLAGS = flags.FLAGS
 
@@ -670,5 +678,17 @@ def main(argv):
         )
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's parsing of ``argv``; with ``--ensemble``, this process becomes
+    ``python bench_ensemble.py`` with the other arguments (``os.execv``)."""
+    switches = {"--ensemble", "--ensemble=true", "--ensemble=1"}
+    if switches & {arg.lower() for arg in argv[1:]}:
+        here = os.path.dirname(os.path.abspath(__file__))
+        script = os.path.join(here, "bench_ensemble.py")
+        rest = [arg for arg in argv[1:] if arg.lower() not in switches]
+        os.execv(sys.executable, [sys.executable, script, *rest])
+    return app.parse_flags_with_usage(argv)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -559,7 +559,9 @@ def _compile(program: _Program, state, shardings) -> None:
     """Jits the mapped train step (state donated, compiled ahead of time)
     and the two mapped eval steps."""
     common = dict(model=program.model, vmap_size=program.vmap_size)
-    step = functools.partial(ensemble_train_step, config=program.config, **common)
+    # The values the members share are constants of the step: member 0's
+    # (not the program config's, which a member key may override for all).
+    step = functools.partial(ensemble_train_step, config=program.configs[0], **common)
     in_mesh = MEMBERS_AXIS in program.mesh.axis_names
     if in_mesh:
         # No collectives: each device steps its own members. (check_vma would

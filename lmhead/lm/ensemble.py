@@ -22,8 +22,9 @@ Every member behaves as its own run:
   ``tokens.npz``, its final checkpoint (and ``best_checkpoint`` with
   patience), ``samples.txt`` and ``summary.json`` -- with one more key,
   ``ensemble``: the program's workdir, the number of members and its index;
-* early stopping is its own: a member that stops is frozen (``lax.cond``
-  skips its update; under ``vmap`` the update is computed and discarded),
+* early stopping is its own: a member that stops is frozen (a ``lax.cond``
+  skips its update when members have patience; under ``vmap``, or without
+  patience, the update is computed and discarded),
   and keeps its best state, step and evaluation; the program ends when every
   member has stopped or at ``train.steps``;
 * the test split is evaluated once per member, on its best parameters
@@ -118,11 +119,19 @@ def member_train_step(
     *,
     model: model_lib.DecoderLM,
     config: ml_collections.ConfigDict,
+    skip_stopped: bool = False,
 ) -> tuple[state_lib.TrainState, dict[str, jax.Array]]:
     """One member's ``train.train_step``, with ``values`` (``{config key:
     scalar}``, those of ``members.TRACED_KEYS`` that differ between members)
     in place of ``config``'s; the state unchanged and the metrics zero where
-    ``active`` is False (a stopped member)."""
+    ``active`` is False (a stopped member).
+
+    ``skip_stopped``: a ``lax.cond`` skips a stopped member's step (under a
+    ``lax.map``; a ``vmap`` turns it into a select), for programs whose
+    members stop early; else the step's result is masked with ``where``,
+    which costs a stopped member its step and the others nothing
+    (docs/training.md, "Speed of an ensemble", compares the two).
+    """
     optim = {k.split(".")[1]: v for k, v in values.items() if k.startswith("optim.")}
     loss = {k.split(".")[1]: v for k, v in values.items() if k.startswith("loss.")}
 
@@ -138,6 +147,13 @@ def member_train_step(
             microbatches=config.train.microbatches,
         )
         return new_state.replace(tx=state.tx), metrics
+
+    if not skip_stopped:
+        new_state, metrics = step((state, batch, key))
+        keep = functools.partial(jnp.where, active)
+        return jax.tree.map(keep, new_state, state), jax.tree.map(
+            lambda m: jnp.where(active, m, 0), metrics
+        )
 
     def frozen(operands):
         shapes = jax.eval_shape(step, operands)[1]
@@ -561,7 +577,12 @@ def _compile(program: _Program, state, shardings) -> None:
     common = dict(model=program.model, vmap_size=program.vmap_size)
     # The values the members share are constants of the step: member 0's
     # (not the program config's, which a member key may override for all).
-    step = functools.partial(ensemble_train_step, config=program.configs[0], **common)
+    step = functools.partial(
+        ensemble_train_step,
+        config=program.configs[0],
+        skip_stopped=any(c.train.patience for c in program.configs),
+        **common,
+    )
     in_mesh = MEMBERS_AXIS in program.mesh.axis_names
     if in_mesh:
         # No collectives: each device steps its own members. (check_vma would

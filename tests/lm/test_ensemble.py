@@ -22,12 +22,14 @@ import pytest
 
 from lmhead.lm import data, ensemble, generation, train
 from lmhead.lm import members as members_lib
-from lmhead.lm import state as state_lib
 from tests import ROOT
 
+# Every member sets warmup_steps=3, not the program config's 2: a value the
+# members share but the program's config does not.
 SPECS = [
-    {},  # the config's own values, seed 0
+    {"optim.warmup_steps": 3},  # otherwise the config's values, seed 0
     {
+        "optim.warmup_steps": 3,
         "train.seed": 1,
         "optim.lr": 2e-3,
         "optim.min_lr": 2e-4,
@@ -36,7 +38,13 @@ SPECS = [
     },
     # Too high a rate: the loss rises after the first evaluation and the
     # member stops at its second.
-    {"train.seed": 2, "optim.lr": 0.1, "optim.min_lr": 0.0, "train.patience": 1},
+    {
+        "optim.warmup_steps": 3,
+        "train.seed": 2,
+        "optim.lr": 0.1,
+        "optim.min_lr": 0.0,
+        "train.patience": 1,
+    },
     {
         "train.seed": 3,
         "optim.lr": 1e-3,
@@ -154,24 +162,6 @@ class TestMembersAreRuns:
         assert program["summaries"][1]["ensemble"]["members"] == 4
         with open(os.path.join(program["workdir"], ensemble.ENSEMBLE_FILE)) as f:
             assert len(json.load(f)["members"]) == 4
-
-
-def test_values_every_member_shares_are_theirs(short_config, tmp_path):
-    """Both members set the same rate, not the program config's: the step
-    uses theirs (the logged learning rate is the single run's schedule)."""
-    workdir = str(tmp_path / "program")
-    shared = {"optim.lr": 1e-3, "optim.min_lr": 1e-4, "loss.z_loss": 1e-3}
-    members = members_lib.make_members(
-        [{"train.seed": 0, **shared}, {"train.seed": 1, **shared}], workdir
-    )
-    config = short_config(**{"train.steps": 4, "train.eval_every": 4})
-    ensemble.train_ensemble(config, members, workdir)
-    rates = read_records(members[0].workdir, "train/learning_rate")
-    schedule = state_lib.learning_rate_schedule(
-        members_lib.member_configs(config, members)[0]
-    )
-    # The mean over each logged lap of steps (log_every = 5 > 4: one lap).
-    assert rates[4] == pytest.approx(np.mean([float(schedule(s)) for s in range(4)]))
 
 
 class TestEarlyStopping:

@@ -44,16 +44,17 @@ on; ``train_ensemble`` returns ``None`` for it.
 Not supported in an ensemble: ``mesh.model > 1`` (the vocabulary split),
 several processes, and ``mesh.members > 1`` together with ``mesh.data > 1``.
 
-The module is one piece, in the order a program uses it: the mapped steps,
-``train_ensemble`` and its loop, and the end of the program.
+What a program is made of -- the members' data with one tokenizer, their
+evaluation sets, the mesh, the stacked shardings -- is
+``lmhead/lm/ensemble_program.py``'s. This module is one piece, in the order
+a program uses it: the mapped steps, ``train_ensemble`` and its loop, and
+the end of the program.
 """
 
 import contextlib
-import dataclasses
 import functools
 import json
 import os
-import shutil
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -62,13 +63,13 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lmhead.lm import (
     checkpoints,
     configuration,
     data,
+    ensemble_program,
     evaluation,
     generation,
     monitoring,
@@ -79,11 +80,9 @@ from lmhead.lm import (
 from lmhead.lm import members as members_lib
 from lmhead.lm import model as model_lib
 from lmhead.lm import state as state_lib
-from lmhead.vocab_parallel import DATA_AXIS
 
 # In the program's workdir: its members, as train_ensemble was given them.
 ENSEMBLE_FILE = "ensemble.json"
-MEMBERS_AXIS = "members"
 
 
 def over_members(fn, xs: Any, vmap_size: int) -> Any:
@@ -187,99 +186,6 @@ def ensemble_eval_step(params, batch, *, model, vmap_size, stacked: bool):
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class _MemberEvalSet:
-    """An evaluation set of every member: ``batches`` shared (``[B, T]``) or
-    stacked (``[M, B, T]``), and each member's :class:`evaluation.EvalSet`
-    for its token and character counts."""
-
-    batches: list
-    stacked: bool
-    sets: list[evaluation.EvalSet]
-
-
-@dataclasses.dataclass
-class _Program:
-    """What the loop uses, made once by :func:`_make_program`."""
-
-    config: ml_collections.ConfigDict
-    members: list[members_lib.Member]
-    configs: list[ml_collections.ConfigDict]
-    model: model_lib.DecoderLM
-    dataset: data.Dataset
-    train_tokens: list[np.ndarray]
-    mesh: jax.sharding.Mesh
-    manager: Any
-    writers: list[monitoring.MetricWriter]
-    stoppings: list[evaluation.EarlyStopping]
-    keys: dict[str, jax.Array]
-    values: dict[str, jax.Array]
-    eval_sets: list[_MemberEvalSet]
-    vmap_size: int
-    train_fn: Any = None
-    eval_fns: dict = dataclasses.field(default_factory=dict)
-    compile_seconds: float = 0.0
-    failed: set = dataclasses.field(default_factory=set)
-    # Members with a summary before this process started (a resumed program).
-    finished: set = dataclasses.field(default_factory=set)
-
-    @property
-    def count(self) -> int:
-        return len(self.members)
-
-    def batch(self, step: int, active: np.ndarray) -> dict[str, jax.Array]:
-        """The stacked training batches of ``step``: each member's
-        ``data.train_batch`` with its seed (zeros for a stopped member)."""
-        shape = (self.config.train.batch_size, self.config.data.block_size)
-        stopped = {key: np.zeros(shape, np.int32) for key in ("inputs", "labels")}
-        batches = [
-            data.train_batch(
-                tokens,
-                seed=member_config.train.seed,
-                step=step,
-                batch_size=shape[0],
-                block_size=shape[1],
-            )
-            if is_active
-            else stopped
-            for member_config, tokens, is_active in zip(
-                self.configs, self.train_tokens, active
-            )
-        ]
-        stacked = jax.tree.map(lambda *xs: np.stack(xs), *batches)
-        return jax.device_put(stacked, self.stacked_sharding(rank=3))
-
-    def stacked_sharding(self, rank: int) -> NamedSharding:
-        """Of an array with a leading members axis (batches over ``data``)."""
-        if MEMBERS_AXIS in self.mesh.axis_names:
-            return NamedSharding(self.mesh, P(MEMBERS_AXIS))
-        return NamedSharding(self.mesh, P(None, DATA_AXIS) if rank > 1 else P())
-
-    def evaluate(self, params) -> list[dict[str, float]]:
-        """Each member's metrics over the periodic evaluation sets."""
-        results = [{} for _ in self.members]
-        for eval_set in self.eval_sets:
-            for index, metrics in enumerate(self.evaluate_set(params, eval_set)):
-                results[index].update(metrics)
-        return results
-
-    def evaluate_set(self, params, eval_set: _MemberEvalSet) -> list[dict]:
-        eval_fn = self.eval_fns[eval_set.stacked]
-        sums = jax.device_get([eval_fn(params, batch) for batch in eval_set.batches])
-        return [
-            evaluation.metrics_from_sums(
-                [jax.tree.map(lambda x, k=index: x[k], s) for s in sums],
-                eval_set.sets[index],
-            )
-            for index in range(self.count)
-        ]
-
-    def close(self) -> None:
-        for writer in self.writers:
-            writer.close()
-        self.manager.close()
-
-
 def train_ensemble(
     config: ml_collections.ConfigDict,
     members: Sequence[members_lib.Member],
@@ -320,7 +226,14 @@ def train_ensemble(
         _check_same_members(workdir, members)
         program_members = members
     _start_program(config, program_members, workdir)
-    program = _make_program(config, program_members, configs, workdir, manager)
+    program = ensemble_program.make_program(
+        config,
+        program_members,
+        configs,
+        workdir,
+        manager,
+        vmap_size=default_vmap_members(config, len(program_members)),
+    )
     program.finished = {
         i for i, m in enumerate(program_members) if m.workdir in summaries
     }
@@ -390,174 +303,14 @@ def _start_program(config, members, workdir) -> None:
         json.dump(dict(members=_members_record(members)), f, indent=2)
 
 
-def _make_program(config, members, configs, workdir, manager) -> _Program:
-    """Data, model, evaluation sets, writers and keys of the members."""
-    datasets, train_tokens = _load_datasets(configs, members, workdir)
-    dataset = datasets[0]
-    model = configuration.make_model(config, dataset.vocab_size)
-    mesh = _make_mesh(config, len(members))
-    varying = {
-        key: [_get(c, key) for c in configs]
-        for key in members_lib.TRACED_KEYS
-        if len({_get(c, key) for c in configs}) > 1
-    }
-    replicated = NamedSharding(mesh, P())
-    values = {
-        key: jax.device_put(np.asarray(v, np.float32), replicated)
-        for key, v in varying.items()
-    }
-    split_keys = [jax.random.split(jax.random.key(c.train.seed), 3) for c in configs]
-    keys = {
-        name: jax.device_put(jnp.stack([k[i] for k in split_keys]), replicated)
-        for i, name in enumerate(("init", "dropout", "sample"))
-    }
-    for member_config, member in zip(configs, members):
-        if not os.path.exists(os.path.join(member.workdir, train.SUMMARY_FILE)):
-            train.start_workdir(member_config, member.workdir)
-    start = checkpoints.checkpoint_manager(workdir).latest_step() or 0
-    writers = [monitoring.MetricWriter(m.workdir, start) for m in members]
-    return _Program(
-        config=config,
-        members=members,
-        configs=configs,
-        model=model,
-        dataset=dataset,
-        train_tokens=train_tokens,
-        mesh=mesh,
-        manager=manager,
-        writers=writers,
-        stoppings=[
-            evaluation.EarlyStopping.from_records(c.train.patience, w.records)
-            for c, w in zip(configs, writers)
-        ],
-        keys=keys,
-        values=values,
-        eval_sets=_eval_sets(config, configs, datasets, mesh),
-        vmap_size=default_vmap_members(config, len(members)),
-    )
-
-
-def _get(config, key: str):
-    section, name = key.split(".")
-    return config[section][name]
-
-
-def _make_mesh(config, count: int) -> jax.sharding.Mesh:
-    if config.mesh.members == 1:
-        return sharding.make_mesh(config.mesh.data, config.mesh.model)
-    devices = jax.devices()
-    if config.mesh.members != len(devices) or count % config.mesh.members:
-        raise ValueError(
-            f"config.mesh.members={config.mesh.members} must equal the number "
-            f"of devices, {len(devices)}, and divide the {count} members."
-        )
-    return jax.make_mesh(
-        (config.mesh.members,),
-        (MEMBERS_AXIS,),
-        axis_types=(jax.sharding.AxisType.Auto,),
-        devices=devices,
-    )
-
-
-def _load_datasets(configs, members, workdir):
-    """Each member's dataset, with one tokenizer: trained once in the
-    program's workdir, on the text of the largest ``train_fraction``
-    (``members`` module docstring), and each distinct data config encoded
-    once; every member's workdir gets ``tokenizer.json`` and ``tokens.npz``."""
-    largest = max(range(len(configs)), key=lambda i: configs[i].data.train_fraction)
-    shared = sharding.main_process_first(
-        lambda: data.load_dataset(configs[largest].data, workdir)
-    )
-    encoded = {configs[largest].data.to_json(): (shared, workdir)}
-    datasets = []
-    for member_config, member in zip(configs, members):
-        settings = member_config.data.to_json()
-        if settings not in encoded:
-            encoded[settings] = (
-                data.load_dataset(member_config.data, member.workdir, shared.tokenizer),
-                member.workdir,
-            )
-        else:
-            os.makedirs(member.workdir, exist_ok=True)
-            for name in (data.TOKENIZER_FILE, data.TOKENS_FILE):
-                shutil.copyfile(
-                    os.path.join(encoded[settings][1], name),
-                    os.path.join(member.workdir, name),
-                )
-        datasets.append(encoded[settings][0])
-    try:
-        shared.tokenizer.encode(configs[0].sample.prompt)
-    except ValueError as e:
-        raise ValueError(
-            f"config.sample.prompt={configs[0].sample.prompt!r}: {e}"
-        ) from e
-    return datasets, [d.train_tokens for d in datasets]
-
-
-def _eval_sets(config, configs, datasets, mesh) -> list[_MemberEvalSet]:
-    """The validation windows (shared: the validation split is every
-    member's) and, with ``train.eval_train_batches``, each member's
-    training windows (shared when the members train on the same text)."""
-    replicated_or_data = (
-        NamedSharding(mesh, P()) if MEMBERS_AXIS in mesh.axis_names else None
-    )
-    per_member = [
-        evaluation.periodic_eval_sets(c, d, None) for c, d in zip(configs, datasets)
-    ]
-    result = []
-    for position in range(len(per_member[0])):
-        sets = [p[position] for p in per_member]
-        stacked = position > 0 and len({id(d) for d in datasets}) > 1
-        if stacked:
-            batches = [
-                jax.tree.map(lambda *xs: np.stack(xs), *group)
-                for group in zip(*(s.batches for s in sets))
-            ]
-            sharded = [
-                jax.device_put(
-                    b,
-                    NamedSharding(mesh, P(MEMBERS_AXIS))
-                    if MEMBERS_AXIS in mesh.axis_names
-                    else NamedSharding(mesh, P(None, DATA_AXIS)),
-                )
-                for b in batches
-            ]
-        else:
-            sharded = [
-                jax.device_put(b, replicated_or_data)
-                if replicated_or_data is not None
-                else sharding.shard_batch(b, mesh)
-                for b in sets[0].batches
-            ]
-        result.append(_MemberEvalSet(sharded, stacked, sets))
-    return result
-
-
-def _state_shardings(program: _Program, abstract: Any) -> Any:
-    """The stacked state's shardings: members over ``members`` (a members
-    mesh), else each member's ``sharding.tree_shardings`` behind a leading
-    unsplit axis."""
-    if MEMBERS_AXIS in program.mesh.axis_names:
-        return jax.tree.map(
-            lambda _: NamedSharding(program.mesh, P(MEMBERS_AXIS)), abstract
-        )
-    member = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), abstract
-    )
-    return jax.tree.map(
-        lambda s: NamedSharding(program.mesh, P(None, *s.spec)),
-        sharding.tree_shardings(member, program.mesh),
-    )
-
-
-def _restore_and_train(program: _Program):
+def _restore_and_train(program: ensemble_program.Program):
     """The stacked state (restored or initialised), trained; with the best
     states and the step timer."""
     init = jax.vmap(
         functools.partial(state_lib.create_train_state, program.model, program.config)
     )
     abstract_state = jax.eval_shape(init, program.keys["init"])
-    shardings = _state_shardings(program, abstract_state)
+    shardings = ensemble_program.state_shardings(program, abstract_state)
     target = {
         "state": sharding.abstract_state(abstract_state, shardings),
         "best": sharding.abstract_state(abstract_state, shardings),
@@ -571,7 +324,7 @@ def _restore_and_train(program: _Program):
     return _train_loop(program, restored["state"], restored["best"])
 
 
-def _compile(program: _Program, state, shardings) -> None:
+def _compile(program: ensemble_program.Program, state, shardings) -> None:
     """Jits the mapped train step (state donated, compiled ahead of time)
     and the two mapped eval steps."""
     common = dict(model=program.model, vmap_size=program.vmap_size)
@@ -583,15 +336,15 @@ def _compile(program: _Program, state, shardings) -> None:
         skip_stopped=any(c.train.patience for c in program.configs),
         **common,
     )
-    in_mesh = MEMBERS_AXIS in program.mesh.axis_names
+    in_mesh = ensemble_program.MEMBERS_AXIS in program.mesh.axis_names
     if in_mesh:
         # No collectives: each device steps its own members. (check_vma would
         # ask the frozen branch's zeros to be marked as varying over members.)
         step = jax.shard_map(
             step,
             mesh=program.mesh,
-            in_specs=P(MEMBERS_AXIS),
-            out_specs=P(MEMBERS_AXIS),
+            in_specs=P(ensemble_program.MEMBERS_AXIS),
+            out_specs=P(ensemble_program.MEMBERS_AXIS),
             check_vma=False,
         )
     active = np.ones(program.count, bool)
@@ -615,8 +368,11 @@ def _compile(program: _Program, state, shardings) -> None:
             eval_step = jax.shard_map(
                 eval_step,
                 mesh=program.mesh,
-                in_specs=(P(MEMBERS_AXIS), P(MEMBERS_AXIS) if stacked else P()),
-                out_specs=P(MEMBERS_AXIS),
+                in_specs=(
+                    P(ensemble_program.MEMBERS_AXIS),
+                    P(ensemble_program.MEMBERS_AXIS) if stacked else P(),
+                ),
+                out_specs=P(ensemble_program.MEMBERS_AXIS),
                 check_vma=False,
             )
         program.eval_fns[stacked] = jax.jit(eval_step)
@@ -637,7 +393,7 @@ def _select(mask: jax.Array, new: Any, old: Any) -> Any:
     )
 
 
-def _active(program: _Program, state) -> np.ndarray:
+def _active(program: ensemble_program.Program, state) -> np.ndarray:
     """The members still training: not stopped early, not failed, and not
     at ``train.steps``."""
     steps = np.asarray(jax.device_get(state.step))
@@ -652,7 +408,7 @@ def _active(program: _Program, state) -> np.ndarray:
     )
 
 
-def _train_loop(program: _Program, state, best):
+def _train_loop(program: ensemble_program.Program, state, best):
     """Steps from the program's step to ``train.steps`` (or until every
     member has stopped), with each member's periodic actions."""
     config, steps = program.config, program.config.train.steps
@@ -701,7 +457,7 @@ def _train_loop(program: _Program, state, best):
     return state, best, timer
 
 
-def _save(program: _Program, step: int, state, best) -> None:
+def _save(program: ensemble_program.Program, step: int, state, best) -> None:
     checkpoints.save(program.manager, step, {"state": state, "best": best})
 
 
@@ -778,7 +534,9 @@ def _log_evaluation(program, done, active, state, best):
 # --- The end of the program ------------------------------------------------------
 
 
-def _finish(program: _Program, state, best, timer, wall_start) -> list[dict | None]:
+def _finish(
+    program: ensemble_program.Program, state, best, timer, wall_start
+) -> list[dict | None]:
     """Final and test evaluations, the members' checkpoints, samples and summaries."""
     steps_run = [int(s) for s in jax.device_get(state.step)]
     finals = _final_evaluations(program, state, steps_run)
@@ -860,15 +618,8 @@ def _test_evaluations(program, state, best, steps_run) -> list[dict] | None:
     )
     with_patience = np.array([c.train.patience > 0 for c in program.configs])
     params = _select(jnp.asarray(with_patience), best.params, state.params)
-    members_test = _MemberEvalSet(
-        [
-            jax.device_put(b, NamedSharding(program.mesh, P()))
-            if MEMBERS_AXIS in program.mesh.axis_names
-            else sharding.shard_batch(b, program.mesh)
-            for b in test_set.batches
-        ],
-        False,
-        [test_set] * program.count,
+    members_test = ensemble_program.shared_eval_set(
+        test_set, program.mesh, program.count
     )
     best_steps = jax.device_get(best.step)
     results = []

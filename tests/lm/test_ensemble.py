@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lmhead.lm import data, ensemble, generation, train
+from lmhead.lm import data, ensemble, ensemble_program, generation, train
 from lmhead.lm import members as members_lib
 from tests import ROOT
 
@@ -182,7 +182,7 @@ class TestEarlyStopping:
 class TestResume:
     def test_a_crashed_program_resumes_exactly(self, short_config, program, tmp_path):
         workdir = str(tmp_path / "program")
-        config, original = short_config(**PROGRAM), ensemble._Program.batch
+        config, original = short_config(**PROGRAM), ensemble_program.Program.batch
 
         def crash_at_7(self, step, active):
             if step == 7:
@@ -190,7 +190,7 @@ class TestResume:
             return original(self, step, active)
 
         with pytest.MonkeyPatch.context() as monkeypatch:
-            monkeypatch.setattr(ensemble._Program, "batch", crash_at_7)
+            monkeypatch.setattr(ensemble_program.Program, "batch", crash_at_7)
             with pytest.raises(KeyboardInterrupt):
                 ensemble.train_ensemble(config, make_members(workdir), workdir)
         assert not os.path.exists(os.path.join(workdir, "m0", "summary.json"))
@@ -206,7 +206,7 @@ class TestResume:
     def test_a_finished_program_is_not_trained_again(
         self, short_config, program, monkeypatch
     ):
-        monkeypatch.setattr(ensemble, "_make_program", None)
+        monkeypatch.setattr(ensemble_program, "make_program", None)
         again = ensemble.train_ensemble(
             short_config(**PROGRAM),
             make_members(program["workdir"]),
@@ -305,7 +305,7 @@ def test_bad_member_lists_are_refused(specs, message):
 def test_bad_values_are_refused_before_training(
     short_config, tmp_path, monkeypatch, spec, error, message
 ):
-    monkeypatch.setattr(ensemble, "_make_program", None)
+    monkeypatch.setattr(ensemble_program, "make_program", None)
     workdir = str(tmp_path / "p")
     members = members_lib.make_members([{}, spec], "p")
     with pytest.raises(error, match=message):
@@ -314,7 +314,7 @@ def test_bad_values_are_refused_before_training(
 
 
 def test_the_vocabulary_split_is_refused(short_config, tmp_path, monkeypatch):
-    monkeypatch.setattr(ensemble, "_make_program", None)
+    monkeypatch.setattr(ensemble_program, "make_program", None)
     members = members_lib.make_members([{}, {"train.seed": 1}], "p")
     with pytest.raises(ValueError, match="config.mesh.model must be 1"):
         ensemble.train_ensemble(short_config(**{"mesh.model": 2}), members, "p")

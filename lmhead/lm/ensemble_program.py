@@ -1,0 +1,316 @@
+"""What an ensemble program is made of (:mod:`lmhead.lm.ensemble` runs it):
+the members' data with one tokenizer, their evaluation sets, the mesh, the
+stacked state's shardings, and :class:`Program`, the record the loop reads.
+
+:func:`make_program` trains the tokenizer once, in the program's workdir (on
+the text of the largest ``data.train_fraction``; ``lmhead/lm/members.py``
+says why), encodes each distinct data config once, and gives every member's
+workdir the ``tokenizer.json`` and ``tokens.npz`` a single run would write.
+The validation windows are every member's (the validation split does not
+depend on any member key), so they are made once and shared; the training
+windows of ``train.eval_train_batches`` are stacked, one set per member,
+when the members train on different text.
+"""
+
+import dataclasses
+import os
+import shutil
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lmhead.lm import (
+    checkpoints,
+    configuration,
+    data,
+    evaluation,
+    monitoring,
+    sharding,
+    train,
+)
+from lmhead.lm import members as members_lib
+from lmhead.lm import model as model_lib
+from lmhead.vocab_parallel import DATA_AXIS
+
+# The mesh axis that mesh.members > 1 splits the members over.
+MEMBERS_AXIS = "members"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemberEvalSet:
+    """An evaluation set of every member: ``batches`` shared (``[B, T]``) or
+    stacked (``[M, B, T]``), and each member's :class:`evaluation.EvalSet`
+    for its token and character counts."""
+
+    batches: list
+    stacked: bool
+    sets: list[evaluation.EvalSet]
+
+
+@dataclasses.dataclass
+class Program:
+    """What the loop uses, made once by :func:`make_program`."""
+
+    config: ml_collections.ConfigDict
+    members: list[members_lib.Member]
+    configs: list[ml_collections.ConfigDict]
+    model: model_lib.DecoderLM
+    dataset: data.Dataset
+    train_tokens: list[np.ndarray]
+    mesh: jax.sharding.Mesh
+    manager: Any
+    writers: list[monitoring.MetricWriter]
+    stoppings: list[evaluation.EarlyStopping]
+    keys: dict[str, jax.Array]
+    values: dict[str, jax.Array]
+    eval_sets: list[MemberEvalSet]
+    vmap_size: int
+    train_fn: Any = None
+    eval_fns: dict = dataclasses.field(default_factory=dict)
+    compile_seconds: float = 0.0
+    failed: set = dataclasses.field(default_factory=set)
+    # Members with a summary before this process started (a resumed program).
+    finished: set = dataclasses.field(default_factory=set)
+
+    @property
+    def count(self) -> int:
+        return len(self.members)
+
+    def batch(self, step: int, active: np.ndarray) -> dict[str, jax.Array]:
+        """The stacked training batches of ``step``: each member's
+        ``data.train_batch`` with its seed (zeros for a stopped member)."""
+        shape = (self.config.train.batch_size, self.config.data.block_size)
+        stopped = {key: np.zeros(shape, np.int32) for key in ("inputs", "labels")}
+        batches = [
+            data.train_batch(
+                tokens,
+                seed=member_config.train.seed,
+                step=step,
+                batch_size=shape[0],
+                block_size=shape[1],
+            )
+            if is_active
+            else stopped
+            for member_config, tokens, is_active in zip(
+                self.configs, self.train_tokens, active
+            )
+        ]
+        stacked = jax.tree.map(lambda *xs: np.stack(xs), *batches)
+        return jax.device_put(stacked, self.stacked_sharding(rank=3))
+
+    def stacked_sharding(self, rank: int) -> NamedSharding:
+        """Of an array with a leading members axis (batches over ``data``)."""
+        if MEMBERS_AXIS in self.mesh.axis_names:
+            return NamedSharding(self.mesh, P(MEMBERS_AXIS))
+        return NamedSharding(self.mesh, P(None, DATA_AXIS) if rank > 1 else P())
+
+    def evaluate(self, params) -> list[dict[str, float]]:
+        """Each member's metrics over the periodic evaluation sets."""
+        results = [{} for _ in self.members]
+        for eval_set in self.eval_sets:
+            for index, metrics in enumerate(self.evaluate_set(params, eval_set)):
+                results[index].update(metrics)
+        return results
+
+    def evaluate_set(self, params, eval_set: MemberEvalSet) -> list[dict]:
+        eval_fn = self.eval_fns[eval_set.stacked]
+        sums = jax.device_get([eval_fn(params, batch) for batch in eval_set.batches])
+        return [
+            evaluation.metrics_from_sums(
+                [jax.tree.map(lambda x, k=index: x[k], s) for s in sums],
+                eval_set.sets[index],
+            )
+            for index in range(self.count)
+        ]
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+        self.manager.close()
+
+
+def make_program(
+    config: ml_collections.ConfigDict,
+    members: list[members_lib.Member],
+    configs: list[ml_collections.ConfigDict],
+    workdir: str,
+    manager: Any,
+    vmap_size: int,
+) -> Program:
+    """The program of ``members`` (their ``configs``) in ``workdir``: the data
+    and the model, the mesh, the traced values and keys, the evaluation sets,
+    the metric writers and each member's early-stopping count; its steps are
+    compiled later (``ensemble``)."""
+    datasets, train_tokens = _load_datasets(configs, members, workdir)
+    dataset = datasets[0]
+    model = configuration.make_model(config, dataset.vocab_size)
+    mesh = _make_mesh(config, len(members))
+    varying = {
+        key: [_get(c, key) for c in configs]
+        for key in members_lib.TRACED_KEYS
+        if len({_get(c, key) for c in configs}) > 1
+    }
+    replicated = NamedSharding(mesh, P())
+    values = {
+        key: jax.device_put(np.asarray(v, np.float32), replicated)
+        for key, v in varying.items()
+    }
+    split_keys = [jax.random.split(jax.random.key(c.train.seed), 3) for c in configs]
+    keys = {
+        name: jax.device_put(jnp.stack([k[i] for k in split_keys]), replicated)
+        for i, name in enumerate(("init", "dropout", "sample"))
+    }
+    for member_config, member in zip(configs, members):
+        if not os.path.exists(os.path.join(member.workdir, train.SUMMARY_FILE)):
+            train.start_workdir(member_config, member.workdir)
+    start = checkpoints.checkpoint_manager(workdir).latest_step() or 0
+    writers = [monitoring.MetricWriter(m.workdir, start) for m in members]
+    return Program(
+        config=config,
+        members=members,
+        configs=configs,
+        model=model,
+        dataset=dataset,
+        train_tokens=train_tokens,
+        mesh=mesh,
+        manager=manager,
+        writers=writers,
+        stoppings=[
+            evaluation.EarlyStopping.from_records(c.train.patience, w.records)
+            for c, w in zip(configs, writers)
+        ],
+        keys=keys,
+        values=values,
+        eval_sets=_eval_sets(config, datasets, mesh),
+        vmap_size=vmap_size,
+    )
+
+
+def _get(config, key: str):
+    section, name = key.split(".")
+    return config[section][name]
+
+
+def _make_mesh(config, count: int) -> jax.sharding.Mesh:
+    if config.mesh.members == 1:
+        return sharding.make_mesh(config.mesh.data, config.mesh.model)
+    devices = jax.devices()
+    if config.mesh.members != len(devices) or count % config.mesh.members:
+        raise ValueError(
+            f"config.mesh.members={config.mesh.members} must equal the number "
+            f"of devices, {len(devices)}, and divide the {count} members."
+        )
+    return jax.make_mesh(
+        (config.mesh.members,),
+        (MEMBERS_AXIS,),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        devices=devices,
+    )
+
+
+def _load_datasets(configs, members, workdir):
+    """Each member's dataset, with one tokenizer: trained once in the
+    program's workdir, on the text of the largest ``train_fraction``
+    (``members`` module docstring), and each distinct data config encoded
+    once; every member's workdir gets ``tokenizer.json`` and ``tokens.npz``."""
+    largest = max(range(len(configs)), key=lambda i: configs[i].data.train_fraction)
+    shared = sharding.main_process_first(
+        lambda: data.load_dataset(configs[largest].data, workdir)
+    )
+    encoded = {configs[largest].data.to_json(): (shared, workdir)}
+    datasets = []
+    for member_config, member in zip(configs, members):
+        settings = member_config.data.to_json()
+        if settings not in encoded:
+            encoded[settings] = (
+                data.load_dataset(member_config.data, member.workdir, shared.tokenizer),
+                member.workdir,
+            )
+        else:
+            os.makedirs(member.workdir, exist_ok=True)
+            for name in (data.TOKENIZER_FILE, data.TOKENS_FILE):
+                shutil.copyfile(
+                    os.path.join(encoded[settings][1], name),
+                    os.path.join(member.workdir, name),
+                )
+        datasets.append(encoded[settings][0])
+    try:
+        shared.tokenizer.encode(configs[0].sample.prompt)
+    except ValueError as e:
+        raise ValueError(
+            f"config.sample.prompt={configs[0].sample.prompt!r}: {e}"
+        ) from e
+    return datasets, [d.train_tokens for d in datasets]
+
+
+def _eval_sets(config, datasets, mesh) -> list[MemberEvalSet]:
+    """The validation windows, made once and shared (the validation split
+    is every member's), and with ``train.eval_train_batches`` each member's
+    training windows: made once per distinct text, stacked when there are
+    several."""
+    tokenizer = datasets[0].tokenizer
+    validation = evaluation.make_eval_set(
+        "eval", datasets[0].val_tokens, config.train.eval_batches, config, tokenizer
+    )
+    result = [shared_eval_set(validation, mesh, len(datasets))]
+    if not config.train.eval_train_batches:
+        return result
+    by_text = {}
+    for dataset in datasets:
+        if id(dataset) not in by_text:
+            by_text[id(dataset)] = evaluation.make_eval_set(
+                "train_eval",
+                dataset.train_tokens,
+                config.train.eval_train_batches,
+                config,
+                tokenizer,
+            )
+    sets = [by_text[id(d)] for d in datasets]
+    if len(by_text) == 1:
+        result.append(shared_eval_set(sets[0], mesh, len(datasets)))
+        return result
+    stacked = NamedSharding(
+        mesh,
+        P(MEMBERS_AXIS) if MEMBERS_AXIS in mesh.axis_names else P(None, DATA_AXIS),
+    )
+    batches = [
+        jax.device_put(jax.tree.map(lambda *xs: np.stack(xs), *group), stacked)
+        for group in zip(*(s.batches for s in sets))
+    ]
+    result.append(MemberEvalSet(batches, True, sets))
+    return result
+
+
+def shared_eval_set(
+    eval_set: evaluation.EvalSet, mesh: jax.sharding.Mesh, count: int
+) -> MemberEvalSet:
+    """``eval_set`` (host batches) as every one of ``count`` members' set:
+    replicated on a members mesh, else split over ``data`` as a single run's."""
+    if MEMBERS_AXIS in mesh.axis_names:
+        replicated = NamedSharding(mesh, P())
+        batches = [jax.device_put(b, replicated) for b in eval_set.batches]
+    else:
+        batches = [sharding.shard_batch(b, mesh) for b in eval_set.batches]
+    return MemberEvalSet(batches, False, [eval_set] * count)
+
+
+def state_shardings(program: Program, abstract: Any) -> Any:
+    """The stacked state's shardings: members over ``members`` (a members
+    mesh), else each member's ``sharding.tree_shardings`` behind a leading
+    unsplit axis."""
+    if MEMBERS_AXIS in program.mesh.axis_names:
+        return jax.tree.map(
+            lambda _: NamedSharding(program.mesh, P(MEMBERS_AXIS)), abstract
+        )
+    member = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), abstract
+    )
+    return jax.tree.map(
+        lambda s: NamedSharding(program.mesh, P(None, *s.spec)),
+        sharding.tree_shardings(member, program.mesh),
+    )

@@ -44,6 +44,7 @@ def test_doctests(bench):
         assert doctest.testmod(module).failed == 0
 
 
+@pytest.mark.slow
 def test_quick_table_times_equivalent_programs(bench, capsys):
     """Separate steps, a lax.map and a vmap over M = 2 members, each at the
     same parameters after the same steps."""

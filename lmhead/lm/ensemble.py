@@ -438,11 +438,8 @@ def _train_loop(program: ensemble_program.Program, state, best):
                 jax.block_until_ready(pending[-2])
                 timer.step_done()
             done = step + 1
-            evaluate_now = done % config.train.eval_every == 0 or done == steps
-            checkpoint_now = done % config.train.checkpoint_every == 0 or done == steps
-            if not (
-                evaluate_now or checkpoint_now or done % config.train.log_every == 0
-            ):
+            log_now, evaluate_now, checkpoint_now = train.periodic_actions(config, done)
+            if not log_now:
                 continue
             _log_training(program, timer, pending, done, active, state)
             pending = []

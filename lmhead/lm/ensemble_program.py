@@ -25,7 +25,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lmhead.lm import (
-    checkpoints,
     configuration,
     data,
     evaluation,
@@ -168,7 +167,7 @@ def make_program(
     for member_config, member in zip(configs, members):
         if not os.path.exists(os.path.join(member.workdir, train.SUMMARY_FILE)):
             train.start_workdir(member_config, member.workdir)
-    start = checkpoints.checkpoint_manager(workdir).latest_step() or 0
+    start = manager.latest_step() or 0
     writers = [monitoring.MetricWriter(m.workdir, start) for m in members]
     return Program(
         config=config,

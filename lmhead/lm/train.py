@@ -456,11 +456,8 @@ def _train_loop(
                 jax.block_until_ready(pending[-2])
                 timer.step_done()
             done = step + 1
-            evaluate_now = done % config.train.eval_every == 0 or done == steps
-            checkpoint_now = done % config.train.checkpoint_every == 0 or done == steps
-            if not (
-                evaluate_now or checkpoint_now or done % config.train.log_every == 0
-            ):
+            log_now, evaluate_now, checkpoint_now = periodic_actions(config, done)
+            if not log_now:
                 continue
             _log_training(parts, timer, pending, done, state)
             pending = []
@@ -477,6 +474,27 @@ def _train_loop(
                 break
             timer.start()
     return state, timer
+
+
+def periodic_actions(
+    config: ml_collections.ConfigDict, done: int
+) -> tuple[bool, bool, bool]:
+    """``(log, evaluate, checkpoint)`` after ``done`` steps: every
+    ``train.log_every`` / ``eval_every`` / ``checkpoint_every`` steps and at
+    ``train.steps``; an evaluation or a checkpoint is logged too.
+
+    Examples:
+        >>> config = ml_collections.ConfigDict({"train": {"steps": 30,
+        ...     "log_every": 5, "eval_every": 10, "checkpoint_every": 20}})
+        >>> [periodic_actions(config, s) for s in (5, 7, 10, 20, 30)]  # doctest: +NORMALIZE_WHITESPACE
+        [(True, False, False), (False, False, False), (True, True, False),
+         (True, True, True), (True, True, True)]
+    """
+    steps = config.train.steps
+    evaluate = done % config.train.eval_every == 0 or done == steps
+    checkpoint = done % config.train.checkpoint_every == 0 or done == steps
+    log = evaluate or checkpoint or done % config.train.log_every == 0
+    return log, evaluate, checkpoint
 
 
 def _log_training(

@@ -3,7 +3,12 @@ Student's t 95% interval, for comparing runs that differ in one setting.
 
 :func:`mean_std` summarises one metric over seeds; :func:`paired_difference`
 compares two settings seed by seed, which removes the variation the seed
-causes in both (the data order and the initialisation).
+causes in both (the data order and the initialisation);
+:func:`paired_p_value` is the same comparison's two-sided t-test. For a
+family of such comparisons, :func:`holm_adjusted` corrects the p-values for
+their number, and :func:`pooled_std` estimates one spread of the paired
+differences from every cell at once (an assumption of equal variances,
+stated as such wherever it is used).
 """
 
 import dataclasses
@@ -93,3 +98,120 @@ def paired_difference(x: dict[Any, float], y: dict[Any, float]) -> PairedDiffere
         return PairedDifference(mean, std, n, math.nan, math.nan)
     half_width = t_critical_95(n - 1) * std / math.sqrt(n)
     return PairedDifference(mean, std, n, mean - half_width, mean + half_width)
+
+
+def paired_p_value(x: dict[Any, float], y: dict[Any, float]) -> float:
+    r"""The two-sided p-value of the paired t-test of ``x[s] - y[s]`` over the
+    seeds ``s`` in both (``scipy.stats.ttest_rel``): with the differences'
+    mean :math:`\bar d`, std :math:`s_d` and count :math:`n`,
+
+    .. math::
+        p = 2\,P\left(T_{n-1} > |\bar d| \sqrt{n} / s_d\right).
+
+    NaN for fewer than 2 pairs or differences that are all equal.
+
+    Examples:
+        >>> round(paired_p_value({0: 2.0, 1: 3.0, 2: 4.0, 3: 5.0},
+        ...                      {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}), 6)
+        0.030466
+        >>> paired_p_value({0: 1.0}, {0: 0.0})
+        nan
+    """
+    seeds = [s for s in x if s in y]
+    differences = [x[s] - y[s] for s in seeds]
+    if len(differences) < 2 or len(set(differences)) == 1:
+        return math.nan
+    return float(
+        scipy_stats.ttest_rel([x[s] for s in seeds], [y[s] for s in seeds]).pvalue
+    )
+
+
+def holm_adjusted(p_values: Sequence[float]) -> list[float]:
+    r"""Holm's (1979) step-down adjusted p-values of a family of ``m`` tests,
+    in the order given: with the p-values sorted,
+    :math:`p_{(1)} \le \dots \le p_{(m)}`,
+
+    .. math::
+        \tilde p_{(i)} = \min\Big(1,\ \max_{j \le i}\, (m - j + 1)\, p_{(j)}\Big).
+
+    Rejecting where :math:`\tilde p \le \alpha` keeps the chance of any
+    false rejection in the family at most :math:`\alpha`. A NaN (a test that
+    could not be made) still counts in :math:`m`, since the family was named
+    before the data, sorts last, and stays NaN.
+
+    Raises:
+        ValueError: a p-value outside [0, 1].
+
+    Examples:
+        >>> holm_adjusted([0.01, 0.04, 0.03, 0.005])
+        [0.03, 0.06, 0.06, 0.02]
+        >>> holm_adjusted([0.5, float("nan")])
+        [1.0, nan]
+    """
+    values = [float(p) for p in p_values]
+    bad = [p for p in values if not (math.isnan(p) or 0.0 <= p <= 1.0)]
+    if bad:
+        raise ValueError(f"p_values must lie in [0, 1] (or be NaN), got {bad}.")
+    m = len(values)
+    order = sorted(range(m), key=lambda i: (math.isnan(values[i]), values[i]))
+    adjusted, running = [math.nan] * m, 0.0
+    for rank, index in enumerate(order):
+        if math.isnan(values[index]):
+            break
+        running = max(running, min(1.0, (m - rank) * values[index]))
+        adjusted[index] = running
+    return adjusted
+
+
+@dataclasses.dataclass(frozen=True)
+class PooledStd:
+    r"""One standard deviation of paired differences pooled over cells.
+
+    Attributes:
+        std: :math:`s_p = \sqrt{\sum_i (n_i - 1) s_i^2 / \sum_i (n_i - 1)}`
+            (NaN when no cell has 2 pairs).
+        dof: its degrees of freedom, :math:`\sum_i (n_i - 1)`.
+    """
+
+    std: float
+    dof: int
+
+    def interval(self, mean: float, n: int) -> tuple[float, float]:
+        r"""A cell's 95% interval with the pooled spread:
+        :math:`\bar d \pm t_{0.975,\,\mathrm{dof}}\, s_p / \sqrt{n}`, for a
+        cell of ``n`` pairs with mean difference ``mean`` (NaN without a
+        pooled spread or pairs)."""
+        if self.dof < 1 or n < 1:
+            return math.nan, math.nan
+        half_width = t_critical_95(self.dof) * self.std / math.sqrt(n)
+        return mean - half_width, mean + half_width
+
+
+def pooled_std(cells: Sequence[Sequence[float]]) -> PooledStd:
+    r"""The pooled standard deviation of paired differences over cells: each
+    cell :math:`i` has :math:`n_i` differences with sample variance
+    :math:`s_i^2`, and
+
+    .. math::
+        s_p = \sqrt{\frac{\sum_i (n_i - 1)\, s_i^2}{\sum_i (n_i - 1)}}
+
+    with :math:`\sum_i (n_i - 1)` degrees of freedom. It assumes every cell
+    has the same variance; a cell of fewer than 2 differences adds nothing.
+
+    Args:
+        cells: one sequence of paired differences per cell.
+
+    Examples:
+        >>> pooled = pooled_std([[1.0, 2.0, 3.0], [0.0, 4.0]])
+        >>> round(pooled.std**2, 6), pooled.dof  # (2 * 1 + 1 * 8) / 3
+        (3.333333, 3)
+        >>> [round(v, 4) for v in pooled.interval(2.0, 3)]
+        [-1.3546, 5.3546]
+    """
+    dof, squares = 0, 0.0
+    for values in cells:
+        mean, std, n = mean_std(list(values))
+        if n >= 2:
+            dof += n - 1
+            squares += (n - 1) * std**2
+    return PooledStd(math.sqrt(squares / dof) if dof else math.nan, dof)

@@ -39,3 +39,89 @@ def test_mean_std_matches_numpy():
     assert (mean, n) == (pytest.approx(np.mean(values)), 4)
     assert std == pytest.approx(np.std(values, ddof=1))
     assert math.isnan(stats_lib.mean_std([1.0])[1])
+
+
+def holm_by_hand(p_values):
+    """Holm's procedure written out: the i-th smallest p times (m - i),
+    made monotone from the smallest up, capped at 1."""
+    m = len(p_values)
+    order = np.argsort(p_values)
+    adjusted = np.empty(m)
+    running = 0.0
+    for rank, index in enumerate(order):
+        running = max(running, (m - rank) * p_values[index])
+        adjusted[index] = min(running, 1.0)
+    return adjusted
+
+
+def test_holm_matches_a_hand_computation():
+    # Sorted: 0.005 (x4 = 0.02), 0.01 (x3 = 0.03), 0.03 (x2 = 0.06),
+    # 0.04 (x1 = 0.04, raised to 0.06 to stay monotone).
+    assert stats_lib.holm_adjusted([0.01, 0.04, 0.03, 0.005]) == pytest.approx(
+        [0.03, 0.06, 0.06, 0.02]
+    )
+    assert stats_lib.holm_adjusted([0.3, 0.6, 0.9]) == pytest.approx([0.9, 1.0, 1.0])
+    assert stats_lib.holm_adjusted([]) == []
+    p_values = np.random.default_rng(0).uniform(0, 0.2, size=16)
+    adjusted = stats_lib.holm_adjusted(p_values)
+    np.testing.assert_allclose(adjusted, holm_by_hand(p_values), rtol=1e-12)
+    ranked = np.asarray(adjusted)[np.argsort(p_values)]
+    assert np.all(np.diff(ranked) >= 0) and np.all(ranked <= 1.0)
+    assert np.all(np.asarray(adjusted) >= p_values)
+
+
+def test_holm_matches_statsmodels():
+    multitest = pytest.importorskip("statsmodels.stats.multitest")
+    p_values = np.random.default_rng(1).uniform(0, 0.3, size=12)
+    reference = multitest.multipletests(p_values, method="holm")[1]
+    np.testing.assert_allclose(stats_lib.holm_adjusted(p_values), reference, rtol=1e-12)
+
+
+def test_holm_keeps_an_untestable_contrast_in_the_family():
+    adjusted = stats_lib.holm_adjusted([0.02, math.nan, 0.01])
+    assert adjusted[0] == pytest.approx(0.04) and adjusted[2] == pytest.approx(0.03)
+    assert math.isnan(adjusted[1])
+    with pytest.raises(ValueError, match="p_values"):
+        stats_lib.holm_adjusted([0.5, 1.5])
+
+
+def test_paired_p_value_matches_scipy_and_a_hand_t():
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(1.0, 0.5, 8), rng.normal(0.7, 0.5, 8)
+    p = stats_lib.paired_p_value(dict(enumerate(x)), dict(enumerate(y)))
+    assert p == pytest.approx(stats.ttest_1samp(x - y, 0.0).pvalue, rel=1e-10)
+    d = x - y
+    t = d.mean() / (d.std(ddof=1) / math.sqrt(8))
+    assert p == pytest.approx(2 * stats.t.sf(abs(t), 7), rel=1e-10)
+    # The interval excludes zero exactly when p < 0.05.
+    interval = stats_lib.paired_difference(dict(enumerate(x)), dict(enumerate(y)))
+    assert interval.excludes_zero == (p < 0.05)
+    assert math.isnan(stats_lib.paired_p_value({0: 1.0, 1: 2.0}, {0: 0.0, 1: 1.0}))
+    assert math.isnan(stats_lib.paired_p_value({0: 1.0}, {0: 0.0, 1: 1.0}))
+
+
+def test_pooled_std_matches_a_hand_computation():
+    rng = np.random.default_rng(3)
+    cells = [rng.normal(0, 1, n) for n in (8, 5, 3)] + [[2.0]]
+    pooled = stats_lib.pooled_std(cells)
+    by_hand = sum((len(c) - 1) * np.var(c, ddof=1) for c in cells[:3]) / (7 + 4 + 2)
+    assert pooled.dof == 13
+    assert pooled.std == pytest.approx(math.sqrt(by_hand), rel=1e-12)
+    low, high = pooled.interval(0.25, 8)
+    half_width = stats.t.ppf(0.975, 13) * pooled.std / math.sqrt(8)
+    assert (low, high) == (
+        pytest.approx(0.25 - half_width),
+        pytest.approx(0.25 + half_width),
+    )
+    # One cell pools to its own spread and its own t interval.
+    single = stats_lib.pooled_std([cells[0]])
+    own = stats_lib.paired_difference(
+        dict(enumerate(cells[0])), dict.fromkeys(range(8), 0.0)
+    )
+    assert single.interval(own.mean, 8) == (
+        pytest.approx(own.low),
+        pytest.approx(own.high),
+    )
+    empty = stats_lib.pooled_std([[1.0]])
+    assert empty.dof == 0 and math.isnan(empty.std)
+    assert all(math.isnan(v) for v in empty.interval(1.0, 1))

@@ -117,13 +117,27 @@ def data_defaults() -> ml_collections.ConfigDict:
     data.split = "tail"
     data.val_fraction = 0.1
     data.test_fraction = 0.1  # split="works" only
-    # The first fraction of the training split is trained on (and BPE is
+    # The fraction of the training split that is trained on (and BPE is
     # trained on it): the data-limited regime.
     data.train_fraction = 1.0
-    # The first fraction of the training split that BPE is trained on; None:
-    # train_fraction's. An ensemble whose members train on different fractions
-    # shares one tokenizer, trained on the largest (lmhead/lm/members.py).
+    # Where that fraction starts, as a fraction of the training split: subsets
+    # at other places in the corpus, so that a result is not one location's.
+    # train_offset + train_fraction <= 1.
+    data.train_offset = 0.0
+    # The first fraction of the training split that BPE is trained on, from
+    # its start whatever train_offset is; None: the used training text. An
+    # ensemble whose members train on different text shares one tokenizer,
+    # trained on a prefix that covers all of it (lmhead/lm/members.py).
     data.tokenizer_fraction = config_dict.placeholder(float)
+    # Held-out windows of the training plays: every round(1 / holdout_fraction)-th
+    # chunk of holdout_chunk characters of the training split is left out of the
+    # training text and BPE's, and the run evaluates the ones inside its range
+    # (heldout/...): the generalization gap on the same plays, which validation
+    # (other plays) mixes with the shift between works. 0: none.
+    data.holdout_fraction = 0.0
+    # Long enough that a window rarely spans a seam, short enough that the
+    # held-out chunks sample the whole range.
+    data.holdout_chunk = 1024
     data.block_size = 64
     return data
 

@@ -11,9 +11,20 @@ training, validation and (for ``split="works"``) test text.
   ``shakespeare_char``); ``"works"``, whole works of the corpus go to
   training, validation and test (:func:`split_works`; a plain text file falls
   back to contiguous blocks, :func:`split_blocks`). ``train_fraction`` keeps
-  the first part of the training split (the data-limited regime);
-  ``tokenizer_fraction``, when set, is the first part that BPE learns from
-  (else ``train_fraction``'s), cut the same way (:func:`text_prefix`).
+  a part of the training split (the data-limited regime), from
+  ``train_offset`` on (:func:`train_range`); ``tokenizer_fraction``, when
+  set, is the first part that BPE learns from, whatever the offset (else the
+  used training text), cut the same way (:func:`text_prefix`).
+* Held-out windows (``holdout_fraction``, ``holdout_chunk``): the training
+  split is cut into consecutive chunks of ``holdout_chunk`` characters, and
+  every ``k``-th one (``k = round(1 / holdout_fraction)``: chunk ``i`` where
+  ``i % k == k - 1``) is held out of the training text and of BPE's. All
+  positions are the original training split's: a run's range and the
+  tokenizer's prefix are cut from it first, then each keeps its characters
+  outside held-out chunks (:func:`holdout_split`), and the run's held-out
+  text is the held-out characters inside its range, so it comes from the
+  plays it trains on. Each text is its pieces joined, so a window can span
+  the seam where a held-out chunk was taken out.
   :func:`read_splits` applies ``config.data``.
 """
 
@@ -226,30 +237,107 @@ def text_prefix(text: str, fraction: float) -> str:
     return text[: int(len(text) * fraction)]
 
 
+def train_range(length: int, offset: float, fraction: float) -> tuple[int, int]:
+    """The characters ``[start, stop)`` of a training split of ``length``
+    that a run uses: ``start = int(length * offset)``, ``stop = start +
+    int(length * fraction)``. Offset 0 is :func:`text_prefix`'s cut.
+
+    Raises:
+        ValueError: ``offset + fraction > 1``, naming both keys.
+
+    Examples:
+        >>> train_range(1000, 0.0, 0.25), train_range(1000, 0.5, 0.25)
+        ((0, 250), (500, 750))
+    """
+    check_train_range(offset, fraction)
+    start = int(length * offset)
+    return start, min(length, start + int(length * fraction))
+
+
+def check_train_range(offset: float, fraction: float) -> None:
+    """Refuses a range past the end of the training split.
+
+    Examples:
+        >>> check_train_range(0.75, 0.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: config.data.train_offset + config.data.train_fraction must be at most 1 (the range ends inside the training split); got 0.75 + 0.5 = 1.25.
+    """
+    # The tolerance lets sums like 0.7 + 0.3 through whatever their rounding;
+    # train_range clips the stop to the split.
+    if offset + fraction > 1.0 + 1e-9:
+        raise ValueError(
+            "config.data.train_offset + config.data.train_fraction must be at "
+            "most 1 (the range ends inside the training split); got "
+            f"{offset} + {fraction} = {offset + fraction}."
+        )
+
+
+def holdout_split(
+    text: str, start: int, stop: int, fraction: float, chunk: int
+) -> tuple[str, str]:
+    """``text[start:stop]`` as ``(kept, held_out)``: its characters outside
+    and inside the held-out chunks, each joined in order.
+
+    ``text`` is cut into chunks ``text[i * chunk:(i + 1) * chunk]``; chunk
+    ``i`` is held out when ``i % k == k - 1``, ``k = round(1 / fraction)``
+    (so the held-out share is ``1 / k``); ``fraction = 0`` holds nothing
+    out. Positions count from the start of ``text`` whatever ``start`` is,
+    so every range of one text agrees on which characters are held out.
+
+    Args:
+        text: the whole training split.
+        start, stop: the range, ``0 <= start <= stop``.
+        fraction: ``holdout_fraction``, in [0, 0.5).
+        chunk: ``holdout_chunk``, characters per chunk, >= 1.
+
+    Examples:
+        >>> holdout_split("abcdefghijklm", 1, 12, 1 / 3, 2)  # chunks 2 and 5: ef, kl
+        ('bcdghij', 'efkl')
+        >>> holdout_split("abcdefghij", 0, 4, 0.0, 2)
+        ('abcd', '')
+    """
+    if not fraction:
+        return text[start:stop], ""
+    period = round(1.0 / fraction)
+    kept, held = [], []
+    for index in range(start // chunk, -(-stop // chunk)):
+        piece = text[max(start, index * chunk) : min(stop, (index + 1) * chunk)]
+        (held if index % period == period - 1 else kept).append(piece)
+    return "".join(kept), "".join(held)
+
+
 @dataclasses.dataclass(frozen=True)
 class Splits:
     """A corpus cut by ``config.data``: ``text`` (all of it), ``train`` (the
-    used training text: the first ``train_fraction`` of the training split),
-    ``val``, ``test`` (``None`` for ``split="tail"``), and ``tokenizer_train``
-    (what BPE learns from: the first ``tokenizer_fraction`` of the training
-    split, or ``train`` itself when that is unset)."""
+    used training text: ``train_fraction`` of the training split from
+    ``train_offset``, without held-out chunks), ``val``, ``test`` (``None``
+    for ``split="tail"``), ``tokenizer_train`` (what BPE learns from: the
+    first ``tokenizer_fraction`` of the training split without held-out
+    chunks, or ``train`` itself when that is unset) and ``heldout`` (the
+    held-out chunks inside ``train``'s range; ``None`` without
+    ``holdout_fraction``)."""
 
     text: str
     train: str
     val: str
     test: str | None
     tokenizer_train: str
+    heldout: str | None = None
 
 
 def read_splits(data_config) -> Splits:
     """Reads the corpus of ``data_config`` (``config.data``) and splits it by
-    ``split`` (see the module docstring); ``train_fraction`` keeps a prefix
-    of the training split, and ``tokenizer_fraction`` (absent or ``None``:
-    ``train_fraction``'s) the prefix that BPE learns from.
+    ``split`` (see the module docstring); ``train_fraction`` keeps a part
+    of the training split from ``train_offset`` on, ``tokenizer_fraction``
+    (absent or ``None``: the used training text) the prefix that BPE learns
+    from, and ``holdout_fraction`` holds chunks out of both. Absent
+    ``train_offset`` and ``holdout_fraction`` are 0.
 
     Raises:
-        ValueError: ``split`` is not one of :data:`SPLITS`, or the text is
-            empty or not UTF-8 (:func:`load_text`).
+        ValueError: ``split`` is not one of :data:`SPLITS`, the text is
+            empty or not UTF-8 (:func:`load_text`), or ``train_offset +
+            train_fraction > 1``.
         FileNotFoundError: ``path`` does not exist.
 
     Examples:
@@ -260,7 +348,7 @@ def read_splits(data_config) -> Splits:
         ...   read_splits(ml_collections.ConfigDict(dict(path=f.name, split="tail",
         ...       val_fraction=0.2, test_fraction=0.1, train_fraction=0.5,
         ...       tokenizer_fraction=0.75)))
-        Splits(text='abcdefghij', train='abcd', val='ij', test=None, tokenizer_train='abcdef')
+        Splits(text='abcdefghij', train='abcd', val='ij', test=None, tokenizer_train='abcdef', heldout=None)
     """
     if data_config.split not in SPLITS:
         raise ValueError(
@@ -277,9 +365,18 @@ def read_splits(data_config) -> Splits:
         train, val, test = split_works(
             shakespeare_works(), data_config.val_fraction, data_config.test_fraction
         )
-    used = text_prefix(train, data_config.train_fraction)
+    holdout = data_config.get("holdout_fraction") or 0.0
+    chunk = data_config.get("holdout_chunk") or 1024
+    start, stop = train_range(
+        len(train), data_config.get("train_offset") or 0.0, data_config.train_fraction
+    )
+    used, heldout = holdout_split(train, start, stop, holdout, chunk)
     tokenizer_fraction = data_config.get("tokenizer_fraction")
     tokenizer_train = (
-        used if tokenizer_fraction is None else text_prefix(train, tokenizer_fraction)
+        used
+        if tokenizer_fraction is None
+        else holdout_split(
+            train, 0, len(text_prefix(train, tokenizer_fraction)), holdout, chunk
+        )[0]
     )
-    return Splits(text, used, val, test, tokenizer_train)
+    return Splits(text, used, val, test, tokenizer_train, heldout if holdout else None)

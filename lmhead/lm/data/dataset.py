@@ -11,7 +11,7 @@ the text and settings. The test split is never encoded with the others:
 cached per settings in the process.
 
 Several runs can share one tokenizer (an ensemble's members, whose training
-texts are prefixes of the one it learned from, ``data.tokenizer_fraction``):
+texts are parts of the one it learned from, ``data.tokenizer_fraction``):
 :func:`train_tokenizer` trains it once and ``load_dataset(...,
 tokenizer=...)`` encodes each run's text with it.
 """
@@ -41,6 +41,9 @@ class Dataset:
         tokenizer: what encoded them.
         val_chars_per_token: characters of the validation text per validation
             token (1.0 at character level).
+        heldout_tokens: [N_heldout] token ids of the held-out chunks inside
+            the run's training range (``data.holdout_fraction``), or None
+            without held-out chunks.
 
     The test split is not here: :func:`load_test_tokens` reads it when it is
     evaluated.
@@ -50,6 +53,7 @@ class Dataset:
     val_tokens: np.ndarray
     tokenizer: Tokenizer
     val_chars_per_token: float
+    heldout_tokens: np.ndarray | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -59,8 +63,8 @@ class Dataset:
 def tokenizer_vocab_size(data_config) -> int:
     """The number of tokens ``config.data``'s tokenizer has, trained as a run
     trains it (:func:`train_tokenizer`): the characters of the whole text, or
-    byte-level BPE on the first ``tokenizer_fraction`` (else
-    ``train_fraction``) of the training split, which stops short of
+    byte-level BPE on the first ``tokenizer_fraction`` of the training split
+    (else the used training text), without held-out chunks, which stops short of
     ``vocab_size`` when that text runs out of pairs to merge. Cached per
     settings for the life of the process, as training BPE on a whole corpus
     is slow.
@@ -81,6 +85,9 @@ def tokenizer_vocab_size(data_config) -> int:
         data_config.get("tokenizer_fraction"),
         data_config.tokenizer,
         data_config.vocab_size,
+        data_config.get("train_offset") or 0.0,
+        data_config.get("holdout_fraction") or 0.0,
+        data_config.get("holdout_chunk") or 1024,
     )
 
 
@@ -94,6 +101,9 @@ def _tokenizer_vocab_size(
     tokenizer_fraction,
     tokenizer,
     vocab_size,
+    train_offset,
+    holdout_fraction,
+    holdout_chunk,
 ) -> int:
     settings = dict(
         path=path,
@@ -104,6 +114,9 @@ def _tokenizer_vocab_size(
         tokenizer_fraction=tokenizer_fraction,
         tokenizer=tokenizer,
         vocab_size=vocab_size,
+        train_offset=train_offset,
+        holdout_fraction=holdout_fraction,
+        holdout_chunk=holdout_chunk,
     )
     return train_tokenizer(ml_collections.ConfigDict(settings)).vocab_size
 
@@ -112,11 +125,13 @@ def train_tokenizer(data_config) -> Tokenizer:
     """The tokenizer ``config.data`` describes, made as a run makes it
     (:func:`.tokenization.make_tokenizer`): the characters of the whole text,
     or byte-level BPE on the first ``tokenizer_fraction`` of the training
-    split (unset: the used training text, the first ``train_fraction``).
+    split, from its start whatever ``train_offset`` is (unset: the used
+    training text, ``train_fraction`` of it from ``train_offset``); either
+    way without the held-out chunks of ``holdout_fraction``.
 
-    Runs whose ``data_config`` differ only in ``train_fraction`` (and share a
-    ``tokenizer_fraction``) have the same tokenizer: train it once and pass
-    it to :func:`load_dataset` for each.
+    Runs whose ``data_config`` differ only in ``train_fraction`` and
+    ``train_offset`` (and share a ``tokenizer_fraction``) have the same
+    tokenizer: train it once and pass it to :func:`load_dataset` for each.
 
     Examples:
         >>> import tempfile
@@ -149,7 +164,8 @@ def load_dataset(
     Args:
         data_config: ``config.data`` (path, split, tokenizer, vocab_size,
             val_fraction, test_fraction, train_fraction, tokenizer_fraction,
-            block_size).
+            block_size; optional: train_offset, holdout_fraction,
+            holdout_chunk).
         workdir: where to cache; ``None`` keeps everything in memory.
         tokenizer: an already trained tokenizer to encode with, instead of
             training one: the one ``data_config`` describes
@@ -161,8 +177,8 @@ def load_dataset(
         A :class:`Dataset`.
 
     Raises:
-        ValueError: a split is too short for one window of ``block_size + 1``
-            tokens, the cache in ``workdir`` belongs to other data settings,
+        ValueError: a split, or the held-out text, is too short for one
+            window of ``block_size + 1`` tokens, the cache in ``workdir`` belongs to other data settings,
             or ``tokenizer`` is not of the kind ``config.data.tokenizer``
             names or differs from the one in ``workdir``.
 
@@ -194,21 +210,34 @@ def load_dataset(
             f"config.data.tokenizer={data_config.tokenizer!r}; pass one of that "
             "kind (train_tokenizer(config.data)) or None."
         )
-    train_tokens, val_tokens, tokenizer = _encode_or_read_cache(
-        splits, data_config, workdir, tokenizer
-    )
-    for name, tokens in (("training", train_tokens), ("validation", val_tokens)):
+    encoded, tokenizer = _encode_or_read_cache(splits, data_config, workdir, tokenizer)
+    for name, tokens in (
+        ("training", encoded["train"]),
+        ("validation", encoded["val"]),
+    ):
         if len(tokens) < data_config.block_size + 1:
             raise ValueError(
                 f"The {name} split has {len(tokens)} tokens, fewer than "
                 f"config.data.block_size + 1 = {data_config.block_size + 1}; use a "
                 "longer text, a smaller block_size or other split fractions."
             )
+    heldout = encoded.get("heldout")
+    if heldout is not None and len(heldout) < data_config.block_size + 1:
+        raise ValueError(
+            f"The held-out text has {len(heldout)} tokens, fewer than "
+            f"config.data.block_size + 1 = {data_config.block_size + 1}: the "
+            f"range of config.data.train_fraction={data_config.train_fraction} "
+            "holds too little of the chunks of config.data.holdout_fraction="
+            f"{data_config.holdout_fraction} and config.data.holdout_chunk="
+            f"{data_config.get('holdout_chunk') or 1024}; use a larger train_fraction or "
+            "holdout_fraction, or a smaller holdout_chunk."
+        )
     return Dataset(
-        train_tokens,
-        val_tokens,
+        encoded["train"],
+        encoded["val"],
         tokenizer,
-        val_chars_per_token=len(splits.val) / len(val_tokens),
+        val_chars_per_token=len(splits.val) / len(encoded["val"]),
+        heldout_tokens=heldout,
     )
 
 
@@ -217,12 +246,16 @@ def _encode_or_read_cache(
     data_config,
     workdir: str | None,
     given: Tokenizer | None,
-) -> tuple[np.ndarray, np.ndarray, Tokenizer]:
-    """``(train_tokens, val_tokens, tokenizer)``: read from ``workdir``'s
-    ``tokens.npz`` and ``tokenizer.json`` when they are there (after checking
-    their fingerprint, and that the tokenizer is ``given`` if one is), else
-    made now (``given``, or trained) and written there."""
-    text, train_text, val_text = splits.text, splits.train, splits.val
+) -> tuple[dict[str, np.ndarray], Tokenizer]:
+    """``({"train": ..., "val": ...[, "heldout": ...]}, tokenizer)``: read
+    from ``workdir``'s ``tokens.npz`` and ``tokenizer.json`` when they are
+    there (after checking their fingerprint, and that the tokenizer is
+    ``given`` if one is), else made now (``given``, or trained) and written
+    there. ``"heldout"`` is there with held-out chunks only."""
+    text = splits.text
+    texts = {"train": splits.train, "val": splits.val}
+    if splits.heldout is not None:
+        texts["heldout"] = splits.heldout
     fingerprint = _fingerprint(text, data_config)
     tokenizer_path = workdir and os.path.join(workdir, TOKENIZER_FILE)
     tokens_path = workdir and os.path.join(workdir, TOKENS_FILE)
@@ -235,8 +268,8 @@ def _encode_or_read_cache(
                     f"{tokens_path} was made from other text or data settings than "
                     "config.data; use a fresh --workdir."
                 )
-            train_tokens, val_tokens = cached["train"], cached["val"]
-        return train_tokens, val_tokens, tokenization.load_tokenizer(tokenizer_path)
+            encoded = {name: cached[name] for name in texts}
+        return encoded, tokenization.load_tokenizer(tokenizer_path)
     if given is not None:
         tokenizer = given
     elif tokenizer_path and os.path.exists(tokenizer_path):
@@ -249,16 +282,15 @@ def _encode_or_read_cache(
             data_config.vocab_size,
         )
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
-    train_tokens = tokenizer.encode_array(train_text).astype(dtype)
-    val_tokens = tokenizer.encode_array(val_text).astype(dtype)
+    encoded = {
+        name: tokenizer.encode_array(part).astype(dtype) for name, part in texts.items()
+    }
     if workdir:
         os.makedirs(workdir, exist_ok=True)
         if not os.path.exists(tokenizer_path):
             tokenizer.save(tokenizer_path)
-        np.savez(
-            tokens_path, train=train_tokens, val=val_tokens, fingerprint=fingerprint
-        )
-    return train_tokens, val_tokens, tokenizer
+        np.savez(tokens_path, **encoded, fingerprint=fingerprint)
+    return encoded, tokenizer
 
 
 def load_test_tokens(data_config, tokenizer: Tokenizer) -> np.ndarray:
@@ -304,6 +336,17 @@ def _fingerprint(text: str, data_config) -> str:
     if tokenizer_fraction is not None:
         # Only when set, for the same reason.
         settings += (("tokenizer_fraction", tokenizer_fraction),)
+    # The same for these: only when they change the text.
+    if data_config.get("train_offset"):
+        settings += (("train_offset", data_config.train_offset),)
+    if data_config.get("holdout_fraction"):
+        settings += (
+            (
+                "holdout",
+                data_config.holdout_fraction,
+                data_config.get("holdout_chunk") or 1024,
+            ),
+        )
     digest = hashlib.sha256(text.encode("utf-8"))
     digest.update(repr(settings).encode())
     return digest.hexdigest()

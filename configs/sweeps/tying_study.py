@@ -1,150 +1,135 @@
 r"""Sweep file of the tying study: does tying the head help, and when?
 ``make study`` runs it with ``experiments/sweep.py`` (``lmhead/lab/sweeps.py``
-is the API it uses).
+is the API it uses); ``make study-gpu`` is the same design on one GPU.
 
 Two stages in one sweep directory, then the report (``make study`` runs all
 three; each skips what is done, so rerunning it resumes)::
 
     python experiments/sweep.py --sweep=configs/sweeps/tying_study.py:stage=tune \
-        --workdir=runs/tying_study --noreport
+        --workdir=runs/tying_study --ensemble=8 --noreport
     python experiments/sweep.py --sweep=configs/sweeps/tying_study.py \
-        --workdir=runs/tying_study --noreport
+        --workdir=runs/tying_study --ensemble=8 --noreport
     python experiments/report.py --workdir=runs/tying_study --out=docs/tying_study
 
-The first stage trains every cell (regime x vocabulary x arm) at each
-learning rate of the grid with the first seed, and, for a cell whose best
-rate so far is at an end of the rates it tried, the next rate outward
-(``extend``; the sweep runner plans again whenever a run ends, until the
-plan stops growing); the second reads those runs back, keeps each cell's
-rate with the lowest validation loss (``lmhead/studies/tying/study.py``), and
-adds the other seeds at it (the tuning run at the chosen rate is seed 0). On a
-cluster, run each stage's ``--dry_run`` commands in turn, the first stage's
-until it prints none (the second stage refuses to plan before the first has
-finished), then the report. :func:`write_report` is the report
-``experiments/report.py`` writes for this sweep
-(``lmhead/studies/tying/report.py``).
+The first stage tunes the learning rate of arms a, b and c in every cell
+(vocabulary x data amount) on two tuning seeds; the second reads those runs
+back, keeps each cell's rate (``lmhead/studies/tying/study.py`` has the
+rules) and trains the test seeds at it, arms d and e, and the table
+learning-rate ablation. The report is written from ``docs/tying_study/
+runs.csv`` alone (:func:`write_report`), one row per run of both stages.
 
-Design (``lmhead/studies/tying/shapes.py`` solves the matched shapes and
-counts them):
+Design (``lmhead/studies/tying/shapes.py`` solves the matched shapes):
 
 * Model: nanoGPT's CPU example (``configs/default.py:nanogpt``): d_model
   128, 4 blocks, 4 heads, MLP 512, block 64, batch 12, no biases, AdamW,
-  100 warmup steps, cosine to lr/10.
-* Vocabulary: characters (84) and byte-level BPE 512, 1024, 2048, 8192
-  (trained on the training text used). The tied table's share of the tied
-  model's parameters runs from 1.3% to 57%.
-* Arms: (a) tied; (b) untied, same shape; (c) untied and *narrower*, with
-  (a)'s parameter count: d_model the multiple of 4 nearest in count at MLP
-  ratio 4, then mlp_dim solved; (d) tied and *deeper*, with (b)'s count:
-  whole blocks, then every block's MLP widened by the remainder. The shapes
-  are solved at the size each regime's tokenizer reaches (``vocab_size``
-  below): BPE 8192 trained on one play stops at 6,911 tokens. Counts match
-  to within 0.1% (the tests check 2% against the model's own init, with the
-  tokenizer a run trains).
-* Regimes: ``fixed``: 1000 steps (768k tokens) on the whole training split,
-  last parameters tested. ``limited``: the first 3% of the training split
-  (about one play), early stopping with patience 3 evaluations (at most 1000
-  steps), the best evaluation's parameters tested; the report gives the steps
-  to the best and how many runs stopped before the cap.
-* Splits: ``data.split=works``, whole works for train / validation / test.
-  Validation (8 fixed batches every 100 steps, and 8 training batches for
-  the train - validation gap) chooses the learning rate and the stopping
-  step; the numbers are bits per character on the whole test split.
-* Tuning: learning rates 5e-4, 1e-3, 2e-3 per cell on seed 0, and up to two
-  doublings past 2e-3 (or halvings below 5e-4) for a cell whose best rate is
-  at the end of those tried; seeds 0, 1, 2 at the chosen rate. 5
-  vocabularies x 4 arms x 2 regimes = 40 cells; 3 to 5 + 2 runs per cell,
-  200 runs plus the extensions.
+  100 warmup steps, cosine to lr/10 at the step cap.
+* Vocabularies: characters (84) and byte-level BPE 512, 2048, 8192, each
+  tokenizer trained once on the whole training split less its held-out
+  chunks, and shared by every data amount.
+* Data amounts (``data.train_fraction``): 0.3%, 1% and 3% of the training
+  split (subsets, at most 3000 steps), each drawn from two places
+  (``data.train_offset`` 0 and 0.5, by seed: ``study.SUBSET_OFFSETS``), and
+  100% (at most 1000 steps: budget-limited on this CPU, as the report says).
+* Held out of everything: every tenth chunk of 512 characters of the
+  training split (``data.holdout_fraction``); a run's held-out windows are
+  those of its own subset, so the generalization gap (held-out minus
+  training windows) is measured within the plays it trains on.
+* Every run early-stops on validation (32 batches of evenly spaced windows
+  every 100 steps, patience 3) and is tested on its best parameters, on the
+  whole test split (bits per character and per-word perplexity).
+* Arms (``shapes.ARMS``): a tied; b untied, same shape (primary: b - a,
+  equal FLOPs per token); c untied, narrower, a's parameter count (primary:
+  c - a); d tied plus the whole blocks the saved ``V D`` pays for (it pays
+  for one only at BPE 2048 and 8192); e b's shape, tied until two thirds of
+  arm a's median best step in the cell, then untied. d and e, the secondary
+  arms, run at BPE 2048 and 8192 only (a cut for time).
+* Learning rates: a ladder of factor sqrt(2) (``study.ladder_rate``), three
+  rungs around each vocabulary's centre, up to two more past an end while
+  the best is there; chosen per cell on the mean validation loss of tuning
+  seeds 100 and 101; d and e take arm a's rate.
+* Seeds: test seeds 0-7 in every cell (4 per subset location).
+* Ablation: ``optim.table_lr_multiplier`` 3 and 10 for arms a and b at BPE
+  2048 and 3% of the data (multiplier 1 is the cell's test runs).
 
-Budget: sized for a 2-core CPU (the estimate is in the README's tying study
-section, what the runs took in ``docs/tying_study/README.md``). The grid
-trains 100 x 1000 steps in the fixed regime and at most 100 x 1000 in the
-limited one. Estimate = sum over runs of steps x seconds per step of the
-run's shape (plus the periodic evaluations) + a fixed cost per run
-(start-up, compilation, BPE training, the whole test split). Seconds per step: a few timed steps of each of the 20 shapes (as
-``experiments/bench/bench_train.py`` does), taking the process's CPU time
-per step on a loaded machine as the wall time, which gives no credit for
-the second core: a conservative estimate, which early stopping in the
-limited regime only shortens. The edge extensions come on top: a run each
-for every cell whose best rate is past the grid (at most two per cell: the
-walk goes one way).
-Cut to fit: one width (d_model 128) and depth; five vocabularies; the
-minimum of 3 learning rates and 3 seeds, with the tuning run reused as seed
-0; 8-batch validation subsets; 1000 steps in the fixed regime (short of
-convergence on the whole text: it compares the arms at an equal, modest
-budget); one play of text and a 1000-step cap in the limited regime.
-``make compare`` (the ``small`` preset, 9 runs of at most 600 steps) is
-budgeted the same way. The report states the measured total.
+The primary contrasts (``study.PRIMARY_CONTRASTS``: b - a and c - a in every
+cell) are fixed here, before the runs; the report adjusts their p-values
+with Holm's method over that family.
+
+Budget, cuts and what the runs measured: ``docs/tying_study/README.md``.
 
 Arguments: an optional preset first (``full``, the default; ``small``,
-``make compare``'s version: BPE 2048, arms a, b, c, the limited regime
-only, one learning rate, 3 seeds; ``tiny``, for tests), then
+``make compare``'s version: BPE 2048, 1% of the data, arms a, b and c, 8
+seeds, one learning rate, no tuning; ``tiny``, for tests), then
 comma-separated ``key=value`` (``+`` separates list items)::
 
-    stage=seeds     tune | seeds (seeds lists the tuning runs too)
+    stage=test      tune | test (test lists the tuning runs too)
     char=true       include the character vocabulary
     bpe=...         BPE sizes, e.g. bpe=512+8192
-    arms=a+b+c+d    which arms
-    regimes=fixed+limited
-    lrs=...         learning rates tried per cell (the grid)
-    extend=2        rates tried past an end of the grid, at most, while a
-                    cell's best is at that end (0: the grid alone)
-    seeds=3         seeds 0 .. seeds-1
-    fixed_steps, limited_steps, limited_fraction, patience, eval_every
+    amounts=...     training fractions, e.g. amounts=0.01+1.0
+    arms=a+b+c+d+e  which arms
+    seeds=8         test seeds 0 .. seeds-1
+    tune=true       false: no tuning stage, every cell at its centre's rate
+    extend=2        rungs tried past an end of the grid, at most
+    secondary_bpe=2048+8192  the BPE sizes of arms d and e (none: characters
+                    never have a d, and e there is cut for time)
+    subset_steps, full_steps, eval_every, patience, ablation (true | false)
 """
 
 from lmhead.lab import sweeps
 from lmhead.lm import configuration, data
-from lmhead.studies.tying import report, shapes, study
+from lmhead.studies.tying import shapes, study
 
 PRESETS = {
     "full": dict(
         base="nanogpt",
-        stage="seeds",
+        stage="test",
         char=True,
-        bpe=(512, 1024, 2048, 8192),
-        arms=("a", "b", "c", "d"),
-        regimes=("fixed", "limited"),
-        lrs=(5e-4, 1e-3, 2e-3),
+        bpe=(512, 2048, 8192),
+        amounts=(0.003, 0.01, 0.03, 1.0),
+        arms=("a", "b", "c", "d", "e"),
+        seeds=8,
+        tune=True,
         extend=2,
-        seeds=3,
-        fixed_steps=1000,
-        limited_steps=1000,
-        limited_fraction=0.03,
-        patience=3,
+        subset_steps=3000,
+        full_steps=1000,
         eval_every=100,
+        patience=3,
+        ablation=True,
+        secondary_bpe=(2048, 8192),
     ),
     "small": dict(
         base="nanogpt",
-        stage="seeds",
+        stage="test",
         char=False,
         bpe=(2048,),
+        amounts=(0.01,),
         arms=("a", "b", "c"),
-        regimes=("limited",),
-        lrs=(1e-3,),
+        seeds=8,
+        tune=False,
         extend=0,
-        seeds=3,
-        fixed_steps=600,
-        limited_steps=600,
-        limited_fraction=0.03,
-        patience=3,
+        subset_steps=1000,
+        full_steps=1000,
         eval_every=50,
+        patience=3,
+        ablation=False,
+        secondary_bpe=(),
     ),
     "tiny": dict(
         base="tiny",
-        stage="seeds",
+        stage="test",
         char=True,
         bpe=(300,),
-        arms=("a", "b", "c", "d"),
-        regimes=("fixed", "limited"),
-        lrs=(1e-3, 3e-3),
-        extend=0,
+        amounts=(0.2, 1.0),
+        arms=("a", "b", "c", "d", "e"),
         seeds=2,
-        fixed_steps=20,
-        limited_steps=40,
-        limited_fraction=0.5,
-        patience=2,
+        tune=True,
+        extend=1,
+        subset_steps=60,
+        full_steps=30,
         eval_every=10,
+        patience=2,
+        ablation=True,
+        secondary_bpe=(300,),
     ),
 }
 # The model each preset's base config argument gives (configs/default.py).
@@ -155,7 +140,13 @@ BASE_MODELS = {
     ),
     "tiny": (shapes.Shape(True, 32, 1, 64), shapes.Architecture(2, 16, use_bias=True)),
 }
-EVAL_BATCHES = 8
+# Ladder indices (study.ladder_rate) of each vocabulary's middle rate: near
+# the rates the first version of this study chose for its data-limited runs.
+CENTRES = {None: 4, 512: 1, 2048: -1, 8192: -4, 300: 2}
+EVAL_BATCHES = 32
+EVAL_TRAIN_BATCHES = 8
+HOLDOUT = {"data.holdout_fraction": 0.1, "data.holdout_chunk": 512}
+ABLATION_CELL = {"nanogpt": (2048, 0.03), "tiny": (300, 0.2)}
 
 
 def parse(arg: str | None) -> dict:
@@ -182,78 +173,88 @@ def vocab_size(base: str, overrides: dict) -> int:
 
 def get_study(arg=None) -> study.Design:
     args = parse(arg)
-    if args["stage"] not in ("tune", "seeds"):
-        raise ValueError(f"stage={args['stage']!r}: write stage=tune or stage=seeds.")
-    regimes = {
-        "fixed": study.Regime("fixed", 1.0, args["fixed_steps"], 0),
-        "limited": study.Regime(
-            "limited", args["limited_fraction"], args["limited_steps"], args["patience"]
-        ),
-    }
-    unknown = set(args["regimes"]) - set(regimes) or set(args["arms"]) - set(
-        shapes.ARMS
-    )
+    if args["stage"] not in ("tune", "test"):
+        raise ValueError(f"stage={args['stage']!r}: write stage=tune or stage=test.")
+    unknown = set(args["arms"]) - set(shapes.ARMS)
     if unknown:
         raise ValueError(
-            f"Unknown regime or arm {sorted(unknown)}; regimes: fixed, "
-            f"limited; arms: {', '.join(shapes.ARMS)}."
+            f"Unknown arms {sorted(unknown)}; arms: {', '.join(shapes.ARMS)}."
+        )
+    if "e" in args["arms"] and not args["tune"]:
+        raise ValueError(
+            "Arm e unties at a step the tuning runs give: write tune=true."
         )
     every = args["eval_every"]
     shared = {
         "data.split": "works",
+        "data.tokenizer_fraction": 1.0,
+        **HOLDOUT,
         "train.test_eval": True,
         "train.eval_every": every,
         "train.log_every": every,
         "train.checkpoint_every": 5 * every,
         "train.eval_batches": EVAL_BATCHES,
-        "train.eval_train_batches": EVAL_BATCHES,
+        "train.eval_train_batches": EVAL_TRAIN_BATCHES,
         # A diverging rate ends with a NaN loss, which is never chosen,
         # instead of failing the stage.
         "train.stop_on_nonfinite": False,
         "sample.num_samples": 0,
     }
     base_shape, arch = BASE_MODELS[args["base"]]
-    chosen_regimes = tuple(regimes[r] for r in args["regimes"])
     vocabularies = ((None,) if args["char"] else ()) + tuple(args["bpe"])
+    amounts = tuple(
+        study.Amount(f, args["full_steps"] if f >= 1.0 else args["subset_steps"])
+        for f in args["amounts"]
+    )
     return study.Design(
         base=args["base"],
         shared=shared,
-        regimes=chosen_regimes,
         vocabularies=vocabularies,
+        amounts=amounts,
         arms=tuple(args["arms"]),
-        learning_rates=tuple(args["lrs"]),
-        seeds=tuple(range(args["seeds"])),
+        centres={v: CENTRES[v] for v in vocabularies},
+        test_seeds=tuple(range(args["seeds"])),
+        grid=(-1, 0, 1) if args["tune"] else (0,),
+        extend_edges=args["extend"],
+        patience=args["patience"],
+        ablation_cell=ABLATION_CELL[args["base"]] if args["ablation"] else None,
+        secondary_vocabularies=tuple(int(v) for v in args["secondary_bpe"]),
         base_shape=base_shape,
         arch=arch,
-        extend_edges=args["extend"],
         vocab_sizes={
-            (regime.name, vocab): vocab_size(
-                args["base"],
-                {**shared, **regime.overrides(), **study.vocabulary_overrides(vocab)},
+            vocab: vocab_size(
+                args["base"], {**shared, **study.vocabulary_overrides(vocab)}
             )
-            for regime in chosen_regimes
             for vocab in vocabularies
         },
     )
 
 
 def get_sweep(arg=None, workdir=None):
-    design = get_study(arg)
-    if workdir is None:
-        if parse(arg)["stage"] == "seeds":
+    design, args = get_study(arg), parse(arg)
+    if not args["tune"]:
+        runs = design.test_runs(
+            {cell: design.rates(cell)[0] for cell in design.cells(study.TUNED_ARMS)},
+            {},
+        )
+    elif workdir is None:
+        if args["stage"] == "test":
             raise ValueError(
-                "stage=seeds reads the tuning runs: it needs the sweep directory."
+                "stage=test reads the tuning runs: it needs the sweep directory."
             )
         runs = design.tuning_runs()  # the grid; its extensions need its results
     else:
         tuning = study.read_tuning(design, workdir)
         runs = list(tuning)
-        if parse(arg)["stage"] == "seeds":
-            runs += design.seed_runs(study.choose_learning_rates(tuning))
-    return design.base, [r.overrides(design.min_lr_ratio) for r in runs], design.shared
+        if args["stage"] == "test":
+            chosen = study.choose_learning_rates(design, tuning)
+            runs += design.test_runs(chosen, tuning)
+    return design.base, [design.overrides(r) for r in runs], design.shared
 
 
 def write_report(arg, sweep_dir, out_dir):
-    """The study's report of ``sweep_dir`` into ``out_dir``
-    (``lmhead/studies/tying/report.py``): ``(text, plot paths)``."""
-    return report.write_report(get_study(arg), sweep_dir, out_dir)
+    """The study's ``runs.csv`` and report of ``sweep_dir`` into ``out_dir``
+    (``lmhead/studies/tying/results.py``): ``(text, plot paths)``."""
+    from lmhead.studies.tying import results  # the report's modules, only here
+
+    return results.write_report(get_study(arg), sweep_dir, out_dir)

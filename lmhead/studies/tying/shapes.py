@@ -1,14 +1,19 @@
-"""The tying study's four arms: their shapes, solved for matched parameter counts.
+"""The tying study's arms: their shapes, solved for matched parameter counts.
 
-Four arms per vocabulary (``V`` tokens, base width ``D``):
+Five arms per vocabulary (``V`` tokens, base width ``D``):
 
 * ``a``: tied, the base shape;
-* ``b``: untied, the base shape (``V * D`` more parameters than ``a``);
+* ``b``: untied, the base shape (``V * D`` more parameters than ``a``, the
+  same FLOPs per token);
 * ``c``: untied, *narrower*, matched to ``a``: the ``d_model`` (a multiple of
   ``num_heads``) whose model with the base MLP ratio is nearest ``a``'s count,
   then ``mlp_dim`` solved so that the counts agree;
-* ``d``: tied, *deeper*, matched to ``b``: the ``V * D`` that tying saves
-  buys whole blocks of the base shape, and the rest widens every block's MLP.
+* ``d``: tied, *deeper*: the ``V * D`` that tying saves spent on whole blocks
+  of the base shape, as many as it pays for (so at most ``b``'s count), and
+  only where it pays for at least one; elsewhere there is no ``d``
+  (:func:`deeper_tied` returns ``None``);
+* ``e``: ``b``'s shape, tied for the first part of training and untied from
+  then on (``config.model.untie_step``; the step is the study's, not a shape).
 
 Counts come from :func:`count_params`, a closed form of ``model.DecoderLM``'s
 parameter tree (the tests check it against ``jax.eval_shape`` of the model's
@@ -26,8 +31,11 @@ ARMS = {
     "a": "tied",
     "b": "untied, same shape",
     "c": "untied, narrower, matched to a",
-    "d": "tied, deeper, matched to b",
+    "d": "tied, deeper by whole blocks",
+    "e": "tied, then untied",
 }
+# The arms an arm is compared with, by the study's contrasts.
+UNTIED_ARMS = ("b", "c", "e")
 # Parameter counts of matched arms may differ by at most this fraction.
 MATCH_TOLERANCE = 0.02
 
@@ -134,23 +142,36 @@ def narrower_untied(
     )
 
 
-def deeper_tied(
-    vocab_size: int, base: Shape, target: int, arch: Architecture = Architecture()
-) -> Shape:
-    """Arm ``d``: tied, ``base.d_model``, deeper, ``target`` parameters.
+def block_params(shape: Shape, arch: Architecture = Architecture()) -> int:
+    """Parameters of one block of ``shape`` (the count's step per layer).
 
-    Adds as many whole blocks of the base shape as fit under ``target``,
-    then widens every block's MLP by the remainder.
+    Examples:
+        >>> block_params(Shape(True, 128, 4, 512), Architecture(use_bias=False))
+        196864
+    """
+    one = count_params(1, dataclasses.replace(shape, num_layers=1), arch)
+    return count_params(1, dataclasses.replace(shape, num_layers=2), arch) - one
+
+
+def deeper_tied(
+    vocab_size: int, base: Shape, arch: Architecture = Architecture()
+) -> Shape | None:
+    """Arm ``d``: tied, ``base`` plus ``k = floor(V D / block)`` whole blocks,
+    the blocks the untied head's ``V D`` parameters pay for; ``None`` when
+    ``k = 0`` (the saved parameters are less than one block).
+
+    Examples:
+        >>> arch = Architecture(use_bias=False)
+        >>> deeper_tied(8192, Shape(True, 128, 4, 512), arch)
+        Shape(tied=True, d_model=128, num_layers=9, mlp_dim=512)
+        >>> deeper_tied(512, Shape(True, 128, 4, 512), arch) is None
+        True
     """
     tied = dataclasses.replace(base, tied=True)
-    one_block = count_params(
-        vocab_size, dataclasses.replace(tied, num_layers=2), arch
-    ) - count_params(vocab_size, dataclasses.replace(tied, num_layers=1), arch)
-    extra = max(0, (target - count_params(vocab_size, tied, arch)) // one_block)
-    deeper = dataclasses.replace(tied, num_layers=base.num_layers + extra)
-    return _require_matched_count(
-        vocab_size, _solve_mlp_dim(vocab_size, deeper, target, arch), target, arch
-    )
+    extra = vocab_size * base.d_model // block_params(tied, arch)
+    if extra == 0:
+        return None
+    return dataclasses.replace(tied, num_layers=base.num_layers + extra)
 
 
 def _require_matched_count(vocab_size, shape, target, arch) -> Shape:
@@ -167,27 +188,51 @@ def _require_matched_count(vocab_size, shape, target, arch) -> Shape:
 def arm_shapes(
     vocab_size: int, base: Shape, arch: Architecture = Architecture()
 ) -> dict[str, Shape]:
-    """The four arms' shapes at ``vocab_size``, keyed ``"a"`` .. ``"d"``.
+    """The arms' shapes at ``vocab_size``, keyed ``"a"`` .. ``"e"``; no
+    ``"d"`` where the saved parameters pay for no whole block.
 
     Examples:
-        >>> shapes = arm_shapes(2048, Shape(True, 128, 4, 512))
+        >>> arch = Architecture(use_bias=False)
+        >>> shapes = arm_shapes(2048, Shape(True, 128, 4, 512), arch)
         >>> shapes["c"]
         Shape(tied=False, d_model=112, num_layers=4, mlp_dim=436)
         >>> shapes["d"]
-        Shape(tied=True, d_model=128, num_layers=5, mlp_dim=563)
+        Shape(tied=True, d_model=128, num_layers=5, mlp_dim=512)
+        >>> "d" in arm_shapes(512, Shape(True, 128, 4, 512), arch)
+        False
     """
     tied = dataclasses.replace(base, tied=True)
     untied = dataclasses.replace(base, tied=False)
-    return {
+    arms = {
         "a": tied,
         "b": untied,
         "c": narrower_untied(
             vocab_size, base, count_params(vocab_size, tied, arch), arch
         ),
-        "d": deeper_tied(
-            vocab_size, base, count_params(vocab_size, untied, arch), arch
-        ),
+        "d": deeper_tied(vocab_size, base, arch),
+        "e": untied,
     }
+    return {arm: shape for arm, shape in arms.items() if shape is not None}
+
+
+def flops_per_token(
+    vocab_size: int, shape: Shape, arch: Architecture = Architecture()
+) -> int:
+    r"""Training FLOPs per token, :math:`6 N_\text{matmul} + 6 L T D`
+    (Kaplan et al. 2020's :math:`C \approx 6N` per token, with the
+    attention scores' :math:`2 \cdot 2 T D` forward per layer at context
+    :math:`T`, times 3 for the backward pass). :math:`N_\text{matmul}`
+    counts the weights a token multiplies by: every block's dense kernels and
+    the ``[V, D]`` head once, tied or not (embedding lookups and norms are
+    not matmuls).
+
+    Examples:
+        >>> flops_per_token(2048, Shape(True, 128, 4, 512), Architecture(use_bias=False))
+        6488064
+    """
+    d, f = shape.d_model, shape.mlp_dim
+    matmul = shape.num_layers * (4 * d * d + 2 * d * f) + vocab_size * d
+    return 6 * matmul + 6 * shape.num_layers * arch.max_len * d
 
 
 def head_share(vocab_size: int, d_model: int, num_params: int) -> float:

@@ -1,25 +1,35 @@
-"""The tying study's design: the grid of regimes x vocabularies x arms
-(:class:`Design`), and the learning-rate choice that links its two stages.
-The arms and their shapes, solved for matched parameter counts, are in
-``shapes.py`` here.
+"""The tying study's design: the grid of vocabularies x data amounts x arms
+(:class:`Design`), the seeds and data locations of its runs, and the
+learning-rate choice that links its two stages. The arms and their shapes,
+solved for matched parameter counts, are in ``shapes.py`` here.
 
-The study runs in two stages in one sweep directory: a tuning stage (every
-arm at several learning rates, seed 0), then the seeds stage, which reads the
-tuning runs back (:func:`choose_learning_rates`), keeps each cell's best rate
-on validation and adds seeds at it. The tuning run at the chosen rate is the
-seeds stage's seed 0, so no run is repeated.
+Two stages in one sweep directory:
 
-A grid whose best rate is at one of its ends has not bracketed the optimum.
-With ``Design.extend_edges = n``, the tuning stage then tries the next rate
-outward (twice the highest, or half the lowest), up to ``n`` times per cell,
-as the results come in (:meth:`Design.tuning_runs`,
-:func:`read_tuning`); a cell still best at an end after that is reported as
-such.
+* ``tune``: each tuned arm's cells at the rates of a ladder of factor
+  :math:`\\sqrt 2` (:func:`ladder_rate`) around the vocabulary's centre, on
+  the tuning seeds (:data:`TUNING_SEEDS`, never test seeds), with edge
+  extensions while a cell's best rate is at an end of those tried
+  (:func:`extend_rates`); the rate of a cell is the one with the lowest mean
+  validation loss over the tuning seeds (:func:`choose_learning_rates`);
+* ``test``: the test seeds of every cell at its rate. Arms ``d`` and ``e``
+  take the tied arm's rate of their cell (they are not tuned: a stated cut),
+  ``e`` unties at two thirds of the tied arm's tuning runs' median best step
+  there (:func:`untie_step`); the table learning-rate ablation
+  (``optim.table_lr_multiplier``) adds arms ``a`` and ``b`` of one cell at
+  each multiplier.
+
+Every run early-stops on validation (``train.patience``) and is tested on
+its best parameters. A data subset (``data.train_fraction`` below 1) starts
+at one of :data:`SUBSET_OFFSETS` of the training split: seed ``s``'s location
+is ``SUBSET_OFFSETS[s % 2]``, so each cell's seeds sample two places of the
+training plays equally and a contrast paired by seed compares arms on the
+same text.
 """
 
 import dataclasses
 import math
 import os
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,77 +38,105 @@ from lmhead.studies.tying import shapes
 
 # Distinct characters of the embedded corpus: the character vocabulary.
 CHAR_VOCAB_SIZE = 84
-# A grid's end extends by this factor: twice the highest rate, half the lowest.
-EDGE_FACTOR = 2.0
+# Seeds that choose learning rates; the test seeds are 0, 1, ... and never these.
+TUNING_SEEDS = (100, 101)
+# Where a data subset starts, as a fraction of the training split (by seed).
+SUBSET_OFFSETS = (0.0, 0.5)
+# Arm e unties at this fraction of the tied arm's training (modded-nanogpt's
+# record of PR 178 unties at two thirds of its schedule).
+UNTIE_FRACTION = 2 / 3
+# The arms whose learning rates are tuned; the others take arm a's.
+TUNED_ARMS = ("a", "b", "c")
+# The primary contrasts, named before the runs: (arm, minus arm).
+PRIMARY_CONTRASTS = (("b", "a"), ("c", "a"))
+# Secondary contrasts, reported unadjusted as exploratory.
+SECONDARY_CONTRASTS = (("d", "a"), ("e", "a"), ("e", "b"))
 
 
-# --- The grid ------------------------------------------------------------------
+def ladder_rate(index: int) -> float:
+    """The learning rate ``index`` steps of :math:`\\sqrt 2` from 1e-3, to
+    three significant digits (so that run names stay short and equal rates
+    are equal floats).
 
-
-@dataclasses.dataclass(frozen=True)
-class Regime:
-    """How much text a run trains on and when it stops.
-
-    ``patience = 0``: a fixed number of steps, the last parameters tested;
-    ``patience > 0``: early stopping on validation, the best ones tested.
+    Examples:
+        >>> [ladder_rate(k) for k in (-4, -1, 0, 1, 4)]
+        [0.00025, 0.000707, 0.001, 0.00141, 0.004]
     """
-
-    name: str
-    train_fraction: float
-    steps: int
-    patience: int
-
-    def overrides(self) -> dict[str, Any]:
-        return {
-            "data.train_fraction": self.train_fraction,
-            "train.steps": self.steps,
-            "train.patience": self.patience,
-        }
+    return float(f"{1e-3 * 2 ** (index / 2):.3g}")
 
 
-def vocabulary_overrides(vocab_size: int | None) -> dict[str, Any]:
-    """``None``: characters; else byte-level BPE with ``vocab_size`` tokens.
+def vocabulary_overrides(vocab: int | None) -> dict[str, Any]:
+    """``None``: characters; else byte-level BPE with ``vocab`` tokens.
 
     Examples:
         >>> vocabulary_overrides(None), vocabulary_overrides(512)
         ({'data.tokenizer': 'char'}, {'data.tokenizer': 'bpe', 'data.vocab_size': 512})
     """
-    if vocab_size is None:
+    if vocab is None:
         return {"data.tokenizer": "char"}
-    return {"data.tokenizer": "bpe", "data.vocab_size": vocab_size}
+    return {"data.tokenizer": "bpe", "data.vocab_size": vocab}
 
 
-def vocabulary_label(vocab_size: int | None) -> str:
-    return f"char ({CHAR_VOCAB_SIZE})" if vocab_size is None else f"BPE {vocab_size}"
+def vocabulary_label(vocab: int | None) -> str:
+    return "char" if vocab is None else str(vocab)
+
+
+@dataclasses.dataclass(frozen=True)
+class Amount:
+    """A data amount: ``fraction`` of the training split, at most ``steps``."""
+
+    fraction: float
+    steps: int
+
+    @property
+    def offsets(self) -> tuple[float, ...]:
+        return SUBSET_OFFSETS if self.fraction < 1.0 else (0.0,)
+
+    def offset(self, seed: int) -> float:
+        """Where seed ``seed``'s subset starts."""
+        return self.offsets[seed % len(self.offsets)]
 
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    """One regime x vocabulary x arm: the unit that gets a learning rate and seeds."""
+    """One vocabulary x data amount x arm: the unit that gets a rate and seeds."""
 
-    regime: Regime
     vocab: int | None  # None: characters
+    amount: Amount
     arm: str
     shape: shapes.Shape
-    # The tokens the regime's tokenizer has, which the shape is matched at:
-    # ``vocab`` or fewer (BPE on a short text runs out of pairs to merge).
-    vocab_size: int
+    vocab_size: int  # the tokens the vocabulary's tokenizer has
 
 
 @dataclasses.dataclass(frozen=True)
 class PlannedRun:
-    """A cell trained at one learning rate and seed."""
+    """A cell at one learning rate and seed; ``role`` is ``tune``, ``test``
+    or ``ablation``; ``untie_step`` for arm e, ``table_lr`` the ablation's
+    multiplier (1: none)."""
 
     cell: Cell
     lr: float
     seed: int
+    role: str = "test"
+    untie_step: int | None = None
+    table_lr: float = 1.0
 
-    def overrides(self, min_lr_ratio: float) -> dict[str, Any]:
+    def overrides(self, min_lr_ratio: float, patience: int) -> dict[str, Any]:
         """The run's overrides, always in the same order (its name depends on it)."""
+        amount = self.cell.amount
+        extra = {}
+        if self.untie_step is not None:
+            extra["model.untie_step"] = self.untie_step
+        if self.table_lr != 1.0:
+            extra["optim.table_lr_multiplier"] = self.table_lr
         return {
-            **self.cell.regime.overrides(),
+            "data.train_fraction": amount.fraction,
+            "data.train_offset": amount.offset(self.seed),
+            "train.steps": amount.steps,
+            "train.patience": patience,
             **vocabulary_overrides(self.cell.vocab),
             **self.cell.shape.overrides(),
+            **extra,
             "optim.lr": self.lr,
             "optim.min_lr": round(self.lr * min_lr_ratio, 12),
             "train.seed": self.seed,
@@ -107,82 +145,206 @@ class PlannedRun:
 
 @dataclasses.dataclass(frozen=True)
 class Design:
-    """The study: ``base`` config argument and ``shared`` overrides for every run,
-    and the axes. The first seed is the tuning seed."""
+    """The study: ``base`` config argument, ``shared`` overrides for every
+    run, and the axes. ``centres`` maps a vocabulary to the ladder index of
+    its tuning grid's middle rate; ``grid`` is the indices around it."""
 
     base: str
     shared: dict[str, Any]
-    regimes: tuple[Regime, ...]
     vocabularies: tuple[int | None, ...]
+    amounts: tuple[Amount, ...]
     arms: tuple[str, ...]
-    learning_rates: tuple[float, ...]
-    seeds: tuple[int, ...]
+    centres: Mapping[int | None, int]
+    test_seeds: tuple[int, ...]
+    tuning_seeds: tuple[int, ...] = TUNING_SEEDS
+    grid: tuple[int, ...] = (-1, 0, 1)
+    extend_edges: int = 2
+    patience: int = 3
+    # The table learning-rate ablation: (vocabulary, fraction) and multipliers.
+    ablation_cell: tuple[int | None, float] | None = None
+    ablation_multipliers: tuple[float, ...] = (3.0, 10.0)
+    # The vocabularies of the secondary arms d and e (None: every one).
+    secondary_vocabularies: tuple[int | None, ...] | None = None
     base_shape: shapes.Shape = shapes.Shape(True, 128, 4, 512)
     arch: shapes.Architecture = shapes.Architecture()
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
-    extend_edges: int = 0  # rates tried past an end of the grid, at most
-    # (regime name, vocabulary) -> the tokens its tokenizer has, which the
-    # arms are matched at (data.tokenizer_vocab_size); absent: as many as asked.
-    vocab_sizes: Mapping[tuple[str, int | None], int] = dataclasses.field(
-        default_factory=dict
-    )
+    # vocabulary -> the tokens its tokenizer has; absent: as many as asked.
+    vocab_sizes: Mapping[int | None, int] = dataclasses.field(default_factory=dict)
 
-    def vocab_size(self, regime: Regime, vocab: int | None) -> int:
-        """The tokens of ``vocab``'s tokenizer in ``regime``."""
+    def __post_init__(self):
+        if set(self.tuning_seeds) & set(self.test_seeds):
+            raise ValueError(
+                f"Tuning seeds {self.tuning_seeds} and test seeds "
+                f"{self.test_seeds} overlap: a tuning run is never a test run."
+            )
+
+    def vocab_size(self, vocab: int | None) -> int:
         asked = CHAR_VOCAB_SIZE if vocab is None else vocab
-        return self.vocab_sizes.get((regime.name, vocab), asked)
+        return self.vocab_sizes.get(vocab, asked)
 
-    def cells(self) -> list[Cell]:
+    def cells(self, arms: Sequence[str] | None = None) -> list[Cell]:
+        """Every vocabulary x amount x arm (``arms``: these only), in that
+        order; no arm d where it does not exist (``shapes.deeper_tied``), and
+        arms d and e only at ``secondary_vocabularies``."""
         cells = []
-        for regime in self.regimes:
-            for vocab in self.vocabularies:
-                size = self.vocab_size(regime, vocab)
-                solved = shapes.arm_shapes(size, self.base_shape, self.arch)
+        for vocab in self.vocabularies:
+            size = self.vocab_size(vocab)
+            solved = shapes.arm_shapes(size, self.base_shape, self.arch)
+            for amount in self.amounts:
                 cells += [
-                    Cell(regime, vocab, arm, solved[arm], size) for arm in self.arms
+                    Cell(vocab, amount, arm, solved[arm], size)
+                    for arm in self.arms
+                    if arm in solved
+                    and (arms is None or arm in arms)
+                    and (arm in TUNED_ARMS or self._secondary(vocab))
                 ]
         return cells
+
+    def _secondary(self, vocab: int | None) -> bool:
+        return (
+            self.secondary_vocabularies is None or vocab in self.secondary_vocabularies
+        )
+
+    def rates(self, cell: Cell) -> list[float]:
+        """The grid's rates of ``cell``, low to high."""
+        return [ladder_rate(self.centres[cell.vocab] + k) for k in self.grid]
 
     def tuning_runs(
         self, results: Mapping[PlannedRun, workdirs.Run] | None = None
     ) -> list[PlannedRun]:
-        """Every cell at every rate of the grid, first seed (rates in the outer
-        loop, so that an interrupted stage has every cell at one rate); then,
-        given the ``results`` read back so far, each cell's edge extensions
-        (:func:`extend_rates`), in cell order."""
-        grid = [
-            PlannedRun(cell, lr, self.seeds[0])
-            for lr in self.learning_rates
-            for cell in self.cells()
+        """The tuned arms' cells at every rate of their grids on every tuning
+        seed (rates in the outer loop, so that an interrupted stage has
+        every cell at one rate); then, given the ``results`` read back so
+        far, each cell's edge extensions (:func:`extend_rates`)."""
+        cells = self.cells(TUNED_ARMS)
+        runs = [
+            PlannedRun(cell, self.rates(cell)[i], seed, "tune")
+            for i in range(len(self.grid))
+            for cell in cells
+            for seed in self.tuning_seeds
         ]
         if not results or self.extend_edges == 0:
-            return grid
-        extensions = []
-        for cell in self.cells():
-            losses = {
-                p.lr: (
-                    validation_loss(r, cell.regime) if r.status == "finished" else None
-                )
-                for p, r in results.items()
-                if p.cell == cell and p.seed == self.seeds[0]
-            }
-            extensions += [
-                PlannedRun(cell, lr, self.seeds[0])
-                for lr in extend_rates(losses, self.learning_rates, self.extend_edges)
+            return runs
+        for cell in cells:
+            losses = mean_losses(
+                {p: r for p, r in results.items() if p.cell == cell}, self.tuning_seeds
+            )
+            runs += [
+                PlannedRun(cell, lr, seed, "tune")
+                for lr in extend_rates(losses, self.rates(cell), self.extend_edges)
+                for seed in self.tuning_seeds
             ]
-        return grid + extensions
+        return runs
 
-    def seed_runs(self, chosen: dict[Cell, float]) -> list[PlannedRun]:
-        """The other seeds of every cell at its chosen rate."""
-        return [
+    def test_runs(
+        self,
+        chosen: Mapping[Cell, float],
+        tuning: Mapping[PlannedRun, workdirs.Run],
+    ) -> list[PlannedRun]:
+        """The test seeds of every cell at its rate (arms d and e at arm a's
+        of their vocabulary and amount), the primary arms first; then the
+        ablation's runs. A cell without a rate in ``chosen`` (its tuning not
+        finished) has none yet."""
+
+        runs = [
             PlannedRun(cell, chosen[cell], seed)
-            for seed in self.seeds[1:]
-            for cell in self.cells()
+            for cell in self.cells(TUNED_ARMS)
+            if cell in chosen
+            for seed in self.test_seeds
         ]
+        for cell in self.cells(("d", "e")):
+            tied = self.tied_cell(cell)
+            if tied not in chosen:
+                continue
+            untie = untie_step(tuning, tied, chosen[tied]) if cell.arm == "e" else None
+            runs += [
+                PlannedRun(cell, chosen[tied], seed, untie_step=untie)
+                for seed in self.test_seeds
+            ]
+        return runs + self.ablation_runs(chosen)
+
+    def ablation_runs(self, chosen: Mapping[Cell, float]) -> list[PlannedRun]:
+        """Arms a and b of the ablation's cell at each table multiplier."""
+        if self.ablation_cell is None:
+            return []
+        vocab, fraction = self.ablation_cell
+        return [
+            PlannedRun(cell, chosen[cell], seed, "ablation", table_lr=multiplier)
+            for multiplier in self.ablation_multipliers
+            for cell in self.cells(("a", "b"))
+            if cell.vocab == vocab and cell.amount.fraction == fraction
+            if cell in chosen
+            for seed in self.test_seeds
+        ]
+
+    def tied_cell(self, cell: Cell) -> Cell:
+        """Arm a's cell of ``cell``'s vocabulary and amount."""
+        return dataclasses.replace(
+            cell, arm="a", shape=dataclasses.replace(self.base_shape, tied=True)
+        )
+
+    def overrides(self, run: PlannedRun) -> dict[str, Any]:
+        return run.overrides(self.min_lr_ratio, self.patience)
 
     def names(self, runs: Sequence[PlannedRun]) -> list[str]:
         """Run directory names, as ``experiments/sweep.py`` gives them."""
-        return sweeps.run_names([r.overrides(self.min_lr_ratio) for r in runs])
+        return sweeps.run_names([self.overrides(r) for r in runs])
+
+
+def extend_rates(
+    losses: Mapping[float, float | None], grid: Sequence[float], extend_edges: int
+) -> list[float]:
+    """The rates past the grid's ends that a cell's tuning tries, given the
+    (mean) validation ``losses`` at the rates so far (``None``: not finished).
+
+    Walking outward from the grid: while every rate tried has finished and
+    the highest rate's loss is below every other's, the next rung of the
+    ladder above it (:func:`ladder_rate`); the lowest's, the rung below; at
+    most ``extend_edges`` in all (the walk goes one way). It stops at a rate
+    not yet finished (returned: the runs to wait for). A diverged rate's
+    loss is ``inf``; a tie is no reason to extend; a grid of one rate is a
+    choice, not a search, and never extends.
+
+    Examples:
+        >>> grid = (0.000707, 0.001, 0.00141)
+        >>> extend_rates({0.000707: 2.0, 0.001: 1.95, 0.00141: 1.9}, grid, 2)
+        [0.002]
+        >>> extend_rates({0.000707: 2.0, 0.001: 1.95, 0.00141: 1.9, 0.002: 1.8}, grid, 2)
+        [0.002, 0.00283]
+        >>> extend_rates({0.000707: 1.8, 0.001: 1.9, 0.00141: 2.0}, grid, 2)
+        [0.0005]
+        >>> extend_rates({0.000707: 2.0, 0.001: 1.9, 0.00141: None}, grid, 2)
+        []
+        >>> extend_rates({0.000707: 1.9, 0.001: 1.8, 0.00141: 1.9}, grid, 2)
+        []
+    """
+    if len(grid) < 2:
+        return []
+    tried, added = sorted(grid), []
+    while (
+        not any(losses.get(lr) is None for lr in tried)
+        and sum(not min(grid) <= lr <= max(grid) for lr in tried) < extend_edges
+    ):
+
+        def strictly_best(end):
+            return all(losses[end] < losses[lr] for lr in tried if lr != end)
+
+        if strictly_best(tried[-1]):
+            rate = ladder_rate(_ladder_index(tried[-1]) + 1)
+        elif strictly_best(tried[0]):
+            rate = ladder_rate(_ladder_index(tried[0]) - 1)
+        else:
+            break
+        added.append(rate)
+        tried = sorted(tried + [rate])
+    return added
+
+
+def _ladder_index(rate: float) -> int:
+    return round(2 * math.log2(rate / 1e-3))
+
+
+# --- Reading results -------------------------------------------------------------
 
 
 def read_runs(
@@ -197,75 +359,15 @@ def read_runs(
     return {
         planned: known[planned]
         if planned in known
-        else workdirs.read_run(
-            os.path.join(sweep_dir, name), planned.overrides(design.min_lr_ratio)
-        )
+        else workdirs.read_run(os.path.join(sweep_dir, name), design.overrides(planned))
         for planned, name in zip(runs, design.names(runs))
     }
-
-
-def extend_rates(
-    losses: Mapping[float, float | None], grid: Sequence[float], extend_edges: int
-) -> list[float]:
-    """The rates past the grid's ends that a cell's tuning tries, given the
-    validation ``losses`` of its runs so far (``None``: not finished).
-
-    Walking outward from the grid: while every rate tried has finished and the
-    highest rate's loss is below every other's, the next is ``EDGE_FACTOR``
-    times it; the lowest rate's, the next is that divided by ``EDGE_FACTOR``;
-    at most ``extend_edges`` in all (the walk goes one way: once past an end,
-    the other end cannot become the best). The walk stops at a rate not yet
-    finished (it is returned: the run to wait for). A diverged run's loss is
-    ``inf``; a tie is no reason to extend; a grid of one rate is a choice,
-    not a search, and never extends.
-
-    Examples:
-        >>> grid = (1e-3, 2e-3)
-        >>> extend_rates({1e-3: 2.0, 2e-3: 1.9}, grid, 2)   # best at the top
-        [0.004]
-        >>> extend_rates({1e-3: 2.0, 2e-3: 1.9, 4e-3: 1.8}, grid, 2)
-        [0.004, 0.008]
-        >>> extend_rates({1e-3: 2.0, 2e-3: 1.9, 4e-3: 1.8, 8e-3: 1.7}, grid, 2)
-        [0.004, 0.008]
-        >>> extend_rates({1e-3: 1.8, 2e-3: 1.9}, grid, 2)   # best at the bottom
-        [0.0005]
-        >>> extend_rates({1e-3: 2.0, 2e-3: None}, grid, 2)  # still running
-        []
-        >>> extend_rates({1e-3: 1.8, 2e-3: 1.8}, grid, 2)   # a tie
-        []
-        >>> extend_rates({1e-3: 1.9, 2e-3: 1.8, 4e-3: float("inf")}, grid, 2)
-        [0.004]
-    """
-    if len(grid) < 2:
-        return []
-    tried, added = sorted(grid), []
-    while (
-        not any(losses.get(lr) is None for lr in tried)
-        and sum(not min(grid) <= lr <= max(grid) for lr in tried) < extend_edges
-    ):
-
-        def strictly_best(end):
-            return all(losses[end] < losses[lr] for lr in tried if lr != end)
-
-        if strictly_best(tried[-1]):
-            rate = tried[-1] * EDGE_FACTOR  # exact: a power of two
-        elif strictly_best(tried[0]):
-            rate = tried[0] / EDGE_FACTOR
-        else:
-            break
-        added.append(rate)
-        tried = sorted(tried + [rate])
-    return added
-
-
-# --- Reading results -------------------------------------------------------------
 
 
 def read_tuning(design: Design, sweep_dir: str) -> dict[PlannedRun, workdirs.Run]:
     """The tuning stage's runs as planned so far, read back from ``sweep_dir``:
     the grid, then the edge extensions its results call for, re-read until
-    the plan stops growing (at most ``extend_edges`` + 1 rounds, each reading
-    only the runs the last one added)."""
+    the plan stops growing."""
     planned, runs = design.tuning_runs(), None
     while True:
         runs = read_runs(design, planned, sweep_dir, known=runs)
@@ -275,68 +377,96 @@ def read_tuning(design: Design, sweep_dir: str) -> dict[PlannedRun, workdirs.Run
         planned = grown
 
 
-def validation_metrics(run: workdirs.Run, regime: Regime) -> dict[str, float]:
-    """The validation metrics (``eval/...``) of the parameters the test split
-    evaluates: the best evaluation's under early stopping, else the last."""
+def validation_loss(run: workdirs.Run) -> float:
+    """``eval/loss`` of the best evaluation (the tested parameters); ``inf``
+    for a run that did not finish or diverged, so that it is never chosen."""
     summary = run.summary or {}
-    if regime.patience and "best" in summary:
-        return summary["best"]
-    return summary.get("final", {})
-
-
-def validation_loss(run: workdirs.Run, regime: Regime) -> float:
-    """``eval/loss`` of the tested parameters; ``inf`` for a run that did not
-    finish or diverged (a NaN loss), so it is never chosen."""
-    loss = validation_metrics(run, regime).get("eval/loss")
+    loss = (summary.get("best") or summary.get("final") or {}).get("eval/loss")
     return loss if loss is not None and math.isfinite(loss) else math.inf
 
 
-def choose_learning_rates(
-    tuning: dict[PlannedRun, workdirs.Run], *, strict: bool = True
-) -> dict[Cell, float]:
-    """Each cell's learning rate with the lowest validation loss (ties: the
-    first rate of the grid) among its tuning runs.
-
-    Args:
-        tuning: the tuning runs, read back (:func:`read_runs`).
-        strict: raise when a tuning run has not finished; otherwise leave out
-            the cells that have unfinished ones.
-
-    Raises:
-        ValueError: (strict) tuning runs not finished, named; or a cell whose
-            every run diverged.
+def mean_losses(
+    runs: Mapping[PlannedRun, workdirs.Run], seeds: Sequence[int]
+) -> dict[float, float | None]:
+    """One cell's mean validation loss per rate over ``seeds`` (``None``
+    while a seed's run has not finished; ``inf`` when one diverged).
 
     Examples:
-        >>> cell = Cell(Regime("fixed", 1.0, 100, 0), None, "a", shapes.Shape(True, 8, 1, 16), 84)
-        >>> def run(loss):
-        ...     return workdirs.Run("r", "r", {}, {}, [], {"final": {"eval/loss": loss}},
-        ...                       "finished")
-        >>> choose_learning_rates({PlannedRun(cell, 1e-3, 0): run(2.0),
-        ...                        PlannedRun(cell, 2e-3, 0): run(1.9),
-        ...                        PlannedRun(cell, 4e-3, 0): run(float("nan"))})[cell]
-        0.002
+        >>> cell = Cell(None, Amount(0.5, 100), "a", shapes.Shape(True, 8, 1, 16), 84)
+        >>> def run(loss, status="finished"):
+        ...     return workdirs.Run("r", "r", {}, {}, [], {"best": {"eval/loss": loss}},
+        ...                         status)
+        >>> mean_losses({PlannedRun(cell, 1e-3, 100): run(2.0),
+        ...              PlannedRun(cell, 1e-3, 101): run(1.0),
+        ...              PlannedRun(cell, 2e-3, 100): run(1.0),
+        ...              PlannedRun(cell, 2e-3, 101): run(1.0, "unfinished")}, (100, 101))
+        {0.001: 1.5, 0.002: None}
+    """
+    by_rate: dict[float, list[workdirs.Run | None]] = {}
+    for planned, run in runs.items():
+        if planned.seed in seeds:
+            by_rate.setdefault(planned.lr, []).append(run)
+    return {
+        lr: None
+        if len(found) < len(seeds) or any(r.status != "finished" for r in found)
+        else statistics.fmean(validation_loss(r) for r in found)
+        for lr, found in by_rate.items()
+    }
+
+
+def choose_learning_rates(
+    design: Design, tuning: Mapping[PlannedRun, workdirs.Run], *, strict: bool = True
+) -> dict[Cell, float]:
+    """Each tuned cell's rate with the lowest mean validation loss over the
+    tuning seeds (ties: the lower rate).
+
+    Raises:
+        ValueError: (``strict``) tuning runs not finished, named; a cell whose
+            every rate diverged.
     """
     unfinished = [run.name for run in tuning.values() if run.status != "finished"]
     if unfinished and strict:
         raise ValueError(
             f"{len(unfinished)} of {len(tuning)} tuning runs have not finished (e.g. "
             f"{unfinished[0]}); run the tuning stage (stage=tune) to the end before "
-            "the seeds stage."
-        )
-    by_cell: dict[Cell, list[tuple[float, float, str]]] = {}
-    for planned, run in tuning.items():
-        by_cell.setdefault(planned.cell, []).append(
-            (validation_loss(run, planned.cell.regime), planned.lr, run.status)
+            "the test stage."
         )
     chosen = {}
-    for cell, results in by_cell.items():
-        if any(status != "finished" for _, _, status in results):
+    for cell in design.cells(TUNED_ARMS):
+        own = {p: r for p, r in tuning.items() if p.cell == cell}
+        losses = mean_losses(own, design.tuning_seeds)
+        if not losses or any(loss is None for loss in losses.values()):
             continue
-        loss, lr, _ = min(results, key=lambda r: r[0])  # min keeps the first of ties
-        if math.isinf(loss):
+        lr = min(sorted(losses), key=lambda r: losses[r])
+        if math.isinf(losses[lr]):
             raise ValueError(
-                f"Every tuning run of {cell} diverged or has no "
-                "validation loss; try lower learning rates."
+                f"Every tuning rate of {cell} diverged; try lower learning rates."
             )
         chosen[cell] = lr
     return chosen
+
+
+def best_step(run: workdirs.Run) -> int | None:
+    """The step of a finished run's best evaluation (its tested parameters)."""
+    return (run.summary or {}).get("best_step")
+
+
+def untie_step(
+    tuning: Mapping[PlannedRun, workdirs.Run], tied: Cell, rate: float
+) -> int:
+    """Arm e's untie step in ``tied``'s vocabulary and amount:
+    :data:`UNTIE_FRACTION` of the median best step of the tied arm's tuning
+    runs at ``rate``, rounded, at least 1.
+
+    Raises:
+        ValueError: none of those runs has a best step.
+    """
+    steps = [
+        best_step(run)
+        for planned, run in tuning.items()
+        if planned.cell == tied and planned.lr == rate
+    ]
+    steps = [s for s in steps if s is not None]
+    if not steps:
+        raise ValueError(f"No finished tuning run of {tied} at lr={rate}.")
+    return max(1, round(UNTIE_FRACTION * statistics.median(steps)))

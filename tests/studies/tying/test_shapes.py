@@ -41,16 +41,33 @@ def test_count_params_matches_the_models_init(arch, shape):
 
 
 def test_arm_shapes_match_the_counts_and_refuse_an_impossible_match():
-    """c matches a's count and d matches b's, within the tolerance, at every
-    vocabulary size; a target no shape can reach is refused."""
+    """c matches a's count within the tolerance at every vocabulary size; d
+    adds the whole blocks b's extra V * D pays for, and exists only where it
+    pays for one; e is b's shape; a target no shape can reach is refused."""
     base = shapes.Shape(True, 32, 2, 128)
+    block = shapes.count_params(
+        1, shapes.Shape(True, 32, 3, 128)
+    ) - shapes.count_params(1, base)
+    assert shapes.block_params(base) == block
     for vocab_size in (84, 300, 2048):
         arms = shapes.arm_shapes(vocab_size, base)
         count = {arm: shapes.count_params(vocab_size, s) for arm, s in arms.items()}
         assert count["b"] - count["a"] == vocab_size * 32
         assert abs(count["c"] - count["a"]) <= shapes.MATCH_TOLERANCE * count["a"]
-        assert abs(count["d"] - count["b"]) <= shapes.MATCH_TOLERANCE * count["b"]
         assert not arms["c"].tied and arms["c"].d_model <= 32
-        assert arms["d"].tied and arms["d"].num_layers >= 2
+        assert arms["e"] == arms["b"]
+        blocks = vocab_size * 32 // block
+        if blocks == 0:
+            assert "d" not in arms
+        else:
+            assert arms["d"] == shapes.Shape(True, 32, 2 + blocks, 128)
+            assert count["b"] - block < count["d"] <= count["b"]
     with pytest.raises(ValueError, match="No shape matches 10 parameters"):
         shapes.narrower_untied(2048, base, 10)
+
+
+def test_flops_per_token_is_six_times_the_matmul_weights_plus_attention():
+    """6 (L (4 D^2 + 2 D F) + V D) + 6 L T D, written out for one shape."""
+    shape, arch = shapes.Shape(False, 16, 3, 40), shapes.Architecture(2, 8)
+    matmul = 3 * (4 * 16 * 16 + 2 * 16 * 40) + 50 * 16
+    assert shapes.flops_per_token(50, shape, arch) == 6 * matmul + 6 * 3 * 8 * 16

@@ -1,12 +1,12 @@
 """Tests for lmhead/studies/tying/study.py and its sweep file,
-configs/sweeps/tying_study.py: the grid with matched counts, the learning-rate
-choice that links the two stages, the edge extensions, the presets, and the
+configs/sweeps/tying_study.py: the designed grid with matched counts, the
+learning-rate choice on the mean of the tuning seeds, the edge extensions on
+the sqrt(2) ladder, arm e's untie step, the ablation, the presets, and the
 commands parsed as experiments/train.py parses them."""
 
-import itertools
 import json
-import math
 import os
+import statistics
 
 import pytest
 
@@ -20,269 +20,254 @@ from tests.lab.sweep_helpers import (
 )
 
 STUDY = os.path.join(SWEEP_CONFIGS, "tying_study.py")
+TINY = "tiny,char=false"  # one vocabulary (BPE 300), two amounts, arms a-e
 
 
 def study_module():
     return configuration.load_module(STUDY)
 
 
-def model_param_count(base, shape_overrides, vocab_size):
-    """Parameters of the model train.py builds for these overrides, from its init."""
+def model_param_count(base, run, vocab_size):
+    """Parameters of the model train.py builds for a run's overrides, from its init."""
     import jax
     import jax.numpy as jnp
 
     config = configuration.load_module(DEFAULT_CONFIG).get_config(base)
-    config.unlock()
-    for key, value in shape_overrides.items():
-        section, name = key.split(".")
-        config[section][name] = value
+    for key, value in run.items():
+        if key.startswith("model."):
+            config.model[key.removeprefix("model.")] = value
     model = configuration.make_model(config, vocab_size)
     tokens = jnp.zeros((1, config.data.block_size), jnp.int32)
     abstract = jax.eval_shape(model.init, jax.random.key(0), tokens)
     return sum(x.size for x in jax.tree.leaves(abstract))
 
 
-def run_vocab_size(base, shared, run):
-    """The tokens of the tokenizer train.py trains for this run (its data,
-    loaded as the run loads it)."""
-    from lmhead.lm import data
-
-    config = configuration.load_module(DEFAULT_CONFIG).get_config(base)
-    for key, value in {**shared, **run}.items():
-        section, name = key.split(".")
-        if section == "data":
-            config.data[name] = value
-    return data.load_dataset(config.data).tokenizer.vocab_size
-
-
-@pytest.mark.parametrize("preset,base", [("", "nanogpt"), ("tiny", "tiny")])
-def test_study_expands_to_the_designed_grid_with_matched_counts(preset, base):
-    """Every arm at every vocabulary, regime and rate; c matches a and d matches
-    b within 2% at the vocabulary size the run's tokenizer has, counted from the
-    model train.py builds for the run's config (at the largest vocabulary;
-    elsewhere by the closed form that the test above checks against the
-    model's init). The limited regime's tokenizer is loaded as train.py loads
-    it (BPE on one play stops short of 8192); the whole training text reaches
-    every size asked, as the design measured."""
-    spec = f"{STUDY}:{preset + ',' if preset else ''}stage=tune"
-    got_base, overrides, shared = sweeps.load_sweep(spec)
-    assert got_base == base
-    assert shared["data.split"] == "works" and shared["train.test_eval"] is True
-    design = study_module().get_study(preset or None)
-    vocabularies = {o.get("data.vocab_size", "char") for o in overrides}
-    rates = sorted({o["optim.lr"] for o in overrides})
-    regimes = sorted(
-        {(o["data.train_fraction"], o["train.patience"]) for o in overrides}
+def shape_of(run) -> shapes.Shape:
+    return shapes.Shape(
+        *(run[f"model.{k}"] for k in ("tied", "d_model", "num_layers", "mlp_dim"))
     )
-    if not preset:
-        assert vocabularies == {"char", 512, 1024, 2048, 8192}
-        assert len(rates) == 3 and len(regimes) == 2
-        assert regimes[0][0] < 1 and regimes[0][1] > 0 and regimes[1] == (1.0, 0)
-    assert len(overrides) == len(vocabularies) * 4 * len(rates) * len(regimes)
-    assert {o["train.seed"] for o in overrides} == {0}
-    assert all(
-        o["optim.min_lr"] == pytest.approx(o["optim.lr"] / 10) for o in overrides
-    )
-    largest = max(vocabularies, key=lambda v: 0 if v == "char" else v)
-    shares, short = [], []
-    for (fraction, patience), vocab in itertools.product(regimes, vocabularies):
+
+
+def test_the_full_tuning_stage_is_the_designed_grid():
+    """Characters and BPE 512, 2048, 8192 (each tokenizer reaching its size
+    on the whole training split); four amounts, the subsets at two places by
+    seed; arms a, b, c; three sqrt(2)-spaced rates per cell on tuning seeds
+    100 and 101; c within 2% of a's count (the closed form, checked against
+    the model train.py builds at BPE 8192)."""
+    base, overrides, shared = sweeps.load_sweep(f"{STUDY}:stage=tune")
+    design = study_module().get_study("stage=tune")
+    assert base == "nanogpt" and shared["data.tokenizer_fraction"] == 1.0
+    assert shared["data.holdout_fraction"] > 0 and shared["train.test_eval"] is True
+    assert design.vocab_sizes == {None: 84, 512: 512, 2048: 2048, 8192: 8192}
+    assert {o.get("data.vocab_size", "char") for o in overrides} == {
+        "char",
+        512,
+        2048,
+        8192,
+    }
+    assert {o["data.train_fraction"] for o in overrides} == {0.003, 0.01, 0.03, 1.0}
+    assert {o["train.seed"] for o in overrides} == set(study.TUNING_SEEDS)
+    assert all(o["train.patience"] == 3 for o in overrides)
+    for o in overrides:
+        subset = o["data.train_fraction"] < 1
+        expected = study.SUBSET_OFFSETS[o["train.seed"] % 2] if subset else 0.0
+        assert o["data.train_offset"] == expected
+        assert o["train.steps"] == (3000 if subset else 1000)
+        assert o["optim.min_lr"] == pytest.approx(o["optim.lr"] / 10)
+    assert len(overrides) == 4 * 4 * 3 * 3 * 2
+    for vocab, size in design.vocab_sizes.items():
         runs = [
             o
             for o in overrides
-            if o.get("data.vocab_size", "char") == vocab
-            and o["optim.lr"] == rates[0]
-            and o["data.train_fraction"] == fraction
+            if o.get("data.vocab_size") == vocab
+            and o["data.train_fraction"] == 0.01
+            and o["train.seed"] == 100
         ]
-        asked = 84 if vocab == "char" else vocab
-        # The data-limited regime's short text is where a tokenizer falls short.
-        vocab_size = run_vocab_size(base, shared, runs[0]) if patience else asked
-        regime = next(r for r in design.regimes if r.train_fraction == fraction)
-        assert (
-            design.vocab_size(regime, None if vocab == "char" else vocab) == vocab_size
-        )
-        if vocab_size < asked:
-            short.append(vocab)
-        counts = {}
-        for run in runs:
-            model_keys = {k: v for k, v in run.items() if k.startswith("model.")}
-            shape = shapes.Shape(
-                *(
-                    model_keys[f"model.{k}"]
-                    for k in ("tied", "d_model", "num_layers", "mlp_dim")
-                )
-            )
-            count = shapes.count_params(vocab_size, shape, design.arch)
-            if vocab == largest:
-                assert count == model_param_count(base, model_keys, vocab_size)
-            counts[len(counts)] = (
-                count,
-                run["model.tied"],
-                run["model.d_model"],
-                run["model.num_layers"],
-            )
-        (
-            (a, tied_a, d_a, l_a),
-            (b, tied_b, d_b, l_b),
-            (c, tied_c, d_c, l_c),
-            (d, tied_d, d_d, l_d),
-        ) = counts.values()
-        assert (tied_a, tied_b, tied_c, tied_d) == (True, False, False, True)
-        assert (
-            (d_a, l_a)
-            == (d_b, l_b)
-            == (design.base_shape.d_model, design.base_shape.num_layers)
-        )
-        assert b - a == vocab_size * d_a
-        assert d_c <= d_a and d_c % design.arch.num_heads == 0 and l_c == l_a
-        assert d_d == d_a and l_d >= l_a
-        assert abs(c - a) <= 0.02 * a and abs(d - b) <= 0.02 * b
-        shares.append(vocab_size * d_a / a)
-    if not preset:
-        assert min(shares) < 0.02 and max(shares) > 0.5
-        assert short == [8192]  # 6,911 tokens: the case the design must match at
+        rates = sorted({o["optim.lr"] for o in runs})
+        assert len(rates) == 3
+        assert rates[1] / rates[0] == pytest.approx(2**0.5, rel=0.01)
+        assert rates[2] / rates[1] == pytest.approx(2**0.5, rel=0.01)
+        counts = {
+            shape_of(o): shapes.count_params(size, shape_of(o), design.arch)
+            for o in runs
+        }
+        a = counts.pop(shapes.Shape(True, 128, 4, 512))
+        b = counts.pop(shapes.Shape(False, 128, 4, 512))
+        ((c_shape, c),) = counts.items()
+        assert not c_shape.tied and c_shape.d_model <= 128
+        assert b - a == size * 128 and abs(c - a) <= shapes.MATCH_TOLERANCE * a
+        if vocab == 8192:
+            for o in runs[:3]:
+                assert shapes.count_params(
+                    size, shape_of(o), design.arch
+                ) == model_param_count(base, o, size)
 
 
-def write_tuning_run(sweep_dir, name, final_loss, best_loss=None):
-    """A finished tuning run: summary.json with a final and a best evaluation."""
+def test_arm_d_only_where_a_whole_block_fits_and_e_is_bs_shape():
+    design = study_module().get_study("stage=tune")
+    arch, base = design.arch, design.base_shape
+    block = shapes.block_params(base, arch)
+    for size in design.vocab_sizes.values():
+        arms = shapes.arm_shapes(size, base, arch)
+        assert arms["e"] == arms["b"]
+        if size * base.d_model < block:
+            assert "d" not in arms
+        else:
+            extra = arms["d"].num_layers - base.num_layers
+            assert arms["d"].tied and extra == size * base.d_model // block >= 1
+            assert (
+                shapes.count_params(size, arms["d"], arch)
+                <= shapes.count_params(size, arms["b"], arch)
+                < shapes.count_params(size, arms["d"], arch) + block
+            )
+    assert {c.vocab for c in design.cells(("d",))} == {2048, 8192}
+    assert {c.vocab for c in design.cells(("e",))} == {2048, 8192}
+
+
+def write_run(sweep_dir, name, loss, best_step):
     workdir = sweep_dir / name
     workdir.mkdir(parents=True)
-    summary = {"final": {"eval/loss": final_loss}, "num_params": 1}
-    if best_loss is not None:
-        summary["best"] = {"eval/loss": best_loss}
+    summary = {"best": {"eval/loss": loss}, "best_step": best_step, "num_params": 1}
     (workdir / "summary.json").write_text(json.dumps(summary))
 
 
-def test_seeds_stage_picks_each_cells_best_validation_rate(tmp_path):
-    """Fixed regime: the last evaluation decides; limited: the best one. A
-    diverged (NaN) run is never chosen; the chosen run is reused as seed 0."""
-    arg = "tiny,bpe=,arms=a+b,lrs=0.001+0.002+0.004,seeds=3"
-    design = study_module().get_study(arg)
+@pytest.fixture(scope="module")
+def tiny_design():
+    return study_module().get_study(TINY)
+
+
+def tuning_losses(planned):
+    """Seed 100 alone prefers the lowest rate, the mean of both seeds the
+    middle one (arm a, amount 0.2); elsewhere the middle rate wins."""
+    rank = sorted(set(study.ladder_rate(2 + k) for k in (-1, 0, 1))).index(planned.lr)
+    if planned.cell.arm == "a" and planned.cell.amount.fraction == 0.2:
+        return {100: [1.0, 1.1, 2.0], 101: [3.0, 1.5, 2.0]}[planned.seed][rank]
+    return [2.0, 1.0, 2.0][rank]
+
+
+def test_the_test_stage_chooses_on_the_mean_of_the_tuning_seeds(tmp_path, tiny_design):
+    design = tiny_design
     tuning = design.tuning_runs()
-    with pytest.raises(ValueError, match="12 of 12 tuning runs have not finished"):
-        sweeps.load_sweep(f"{STUDY}:{arg}", str(tmp_path))
-    # Fixed regime: final losses prefer 0.004 for a (0.002's NaN is skipped)
-    # and 0.001 for b; their "best" values, which must be ignored, disagree.
-    # Limited regime: best losses prefer 0.002 for both; finals disagree.
-    final = {
-        ("fixed", "a"): [2.0, math.nan, 1.5],
-        ("fixed", "b"): [1.0, 2.0, 3.0],
-        ("limited", "a"): [1.0, 1.0, 1.0],
-        ("limited", "b"): [0.5, 3.0, 3.0],
-    }
-    best = {
-        ("fixed", "a"): [0.1, 5.0, 5.0],
-        ("fixed", "b"): [5.0, 0.1, 5.0],
-        ("limited", "a"): [2.0, 1.5, 1.7],
-        ("limited", "b"): [2.0, 1.0, 1.5],
-    }
-    rates = list(design.learning_rates)
-    for planned, name in zip(tuning, design.names(tuning)):
-        key = (planned.cell.regime.name, planned.cell.arm)
-        index = rates.index(planned.lr)
-        write_tuning_run(tmp_path, name, final[key][index], best[key][index])
-    _, overrides, _ = sweeps.load_sweep(f"{STUDY}:{arg}", str(tmp_path))
-    assert overrides[: len(tuning)] == [
-        p.overrides(design.min_lr_ratio) for p in tuning
+    with pytest.raises(ValueError, match=f"{len(tuning)} of {len(tuning)} tuning"):
+        sweeps.load_sweep(f"{STUDY}:{TINY}", str(tmp_path))
+    for index, (planned, name) in enumerate(zip(tuning, design.names(tuning))):
+        write_run(tmp_path, name, tuning_losses(planned), best_step=10 + index % 3)
+    _, overrides, _ = sweeps.load_sweep(f"{STUDY}:{TINY}", str(tmp_path))
+    assert overrides[: len(tuning)] == [design.overrides(p) for p in tuning]
+    test = overrides[len(tuning) :]
+    middle = study.ladder_rate(2)
+    assert {o["optim.lr"] for o in test} == {middle}  # seed 100 alone: not this
+    tuning_seeds = {o["train.seed"] for o in overrides[: len(tuning)]}
+    assert tuning_seeds.isdisjoint({o["train.seed"] for o in test})
+    assert {o["train.seed"] for o in test} == {0, 1}
+    # Test seeds sample both subset places; the whole split has one.
+    assert {
+        (o["train.seed"], o["data.train_offset"])
+        for o in test
+        if o["data.train_fraction"] < 1
+    } == {(0, 0.0), (1, 0.5)}
+    arms = [
+        ("d" if o["model.num_layers"] > 1 else "e" if "model.untie_step" in o else "")
+        for o in test
     ]
-    expected = {
-        ("fixed", True): 0.004,
-        ("fixed", False): 0.001,
-        ("limited", True): 0.002,
-        ("limited", False): 0.002,
-    }
-    added = overrides[len(tuning) :]
-    assert len(added) == 2 * 4 and {o["train.seed"] for o in added} == {1, 2}
-    for run in added:
-        regime = "fixed" if run["train.patience"] == 0 else "limited"
-        assert run["optim.lr"] == expected[regime, run["model.tied"]], run
-        seed0 = dict(run, **{"train.seed": 0})
-        assert seed0 in overrides[: len(tuning)]  # seed 0 is the chosen tuning run
+    assert arms.count("d") == arms.count("e") == 2 * 2  # 2 amounts x 2 seeds
+    # e unties at two thirds of the tied arm's tuning runs' median best step.
+    for o in test:
+        if "model.untie_step" in o:
+            tied = [
+                (p, 10 + i % 3)
+                for i, p in enumerate(tuning)
+                if p.cell.arm == "a"
+                and p.cell.amount.fraction == o["data.train_fraction"]
+                and p.lr == middle
+            ]
+            median = statistics.median(step for _, step in tied)
+            assert o["model.untie_step"] == round(2 / 3 * median)
+            assert o["model.tied"] is False
+    ablation = [o for o in test if "optim.table_lr_multiplier" in o]
+    assert sorted({o["optim.table_lr_multiplier"] for o in ablation}) == [3.0, 10.0]
+    assert len(ablation) == 2 * 2 * 2  # multipliers x arms a, b x seeds
+    assert {o["data.train_fraction"] for o in ablation} == {0.2}
 
 
-def test_tuning_extends_a_cells_rates_past_the_grid_while_its_best_is_at_an_end(
-    tmp_path,
-):
-    """Fixed regime, characters, grid 1e-3, 2e-3, 4e-3, extend=2. Cell a keeps
-    improving upward: 8e-3, then 1.6e-2, then no more (the limit); 8e-3 is
-    chosen. Cell b is best at the bottom: 5e-4 is worse, so 1e-3 is chosen.
-    Cell c is best inside the grid and never extends."""
-    arg = "tiny,bpe=,arms=a+b+c,regimes=fixed,lrs=0.001+0.002+0.004,extend=2,seeds=2"
-    design = study_module().get_study(arg)
-    losses = {
-        "a": {1e-3: 2.0, 2e-3: 1.9, 4e-3: 1.8, 8e-3: 1.7, 1.6e-2: 1.75},
-        "b": {5e-4: 1.6, 1e-3: 1.5, 2e-3: 1.9, 4e-3: 2.0},
-        "c": {1e-3: 2.0, 2e-3: 1.0, 4e-3: 2.0},
-    }
+def test_tuning_walks_the_ladder_past_an_end_while_the_best_is_there(tmp_path):
+    arg = "tiny,char=false,amounts=1.0,arms=a,extend=2,ablation=false"
+    design = study_module().get_study(f"{arg},stage=tune")
+    top = study.ladder_rate(3)
+    losses = {study.ladder_rate(k): 5.0 - k for k in range(1, 5)}  # best: highest
+    losses[study.ladder_rate(5)] = 4.0  # worse than the rung below
 
     def plan_and_finish():
-        """The tuning stage's plan now; then its runs finish."""
         tuning = study.read_tuning(design, str(tmp_path))
         _, overrides, _ = sweeps.load_sweep(f"{STUDY}:{arg},stage=tune", str(tmp_path))
-        assert overrides == [p.overrides(design.min_lr_ratio) for p in tuning]
+        assert overrides == [design.overrides(p) for p in tuning]
         for planned, name in zip(tuning, design.names(list(tuning))):
             if tuning[planned].status == "not started":
-                write_tuning_run(tmp_path, name, losses[planned.cell.arm][planned.lr])
-        return [(p.cell.arm, p.lr) for p in tuning]
+                write_run(tmp_path, name, losses[planned.lr], 10)
+        return sorted({p.lr for p in tuning})
 
     rounds = [plan_and_finish() for _ in range(4)]
-    grid = [(arm, lr) for lr in (1e-3, 2e-3, 4e-3) for arm in "abc"]
-    assert rounds[0] == grid  # nothing to read back yet
-    assert rounds[1] == grid + [("a", 8e-3), ("b", 5e-4)]
-    assert rounds[2] == rounds[3] == grid + [("a", 8e-3), ("a", 1.6e-2), ("b", 5e-4)]
-    _, overrides, _ = sweeps.load_sweep(f"{STUDY}:{arg}", str(tmp_path))
-    added = overrides[len(rounds[-1]) :]
-    assert [o["train.seed"] for o in added] == [1, 1, 1]
-    assert [o["optim.lr"] for o in added] == [8e-3, 1e-3, 2e-3]  # arms a, b, c
-    assert added[0]["optim.min_lr"] == pytest.approx(8e-4)
+    grid = [study.ladder_rate(k) for k in (1, 2, 3)]
+    assert rounds[0] == grid and top == grid[-1]
+    assert rounds[1] == grid + [study.ladder_rate(4)]
+    assert rounds[2] == rounds[3] == grid + [study.ladder_rate(k) for k in (4, 5)]
+    tuning = study.read_tuning(design, str(tmp_path))
+    assert study.choose_learning_rates(design, tuning) == {
+        design.cells()[0]: study.ladder_rate(4)
+    }
 
 
-def test_seeds_stage_waits_for_the_edge_extensions(tmp_path):
-    arg = "tiny,bpe=,arms=a,regimes=fixed,lrs=0.001+0.002,extend=1,seeds=2"
-    design = study_module().get_study(arg)
-    for planned, name in zip(design.tuning_runs(), design.names(design.tuning_runs())):
-        write_tuning_run(tmp_path, name, {1e-3: 2.0, 2e-3: 1.5}[planned.lr])
-    with pytest.raises(ValueError, match="1 of 3 tuning runs have not finished"):
-        sweeps.load_sweep(f"{STUDY}:{arg}", str(tmp_path))
-    _, overrides, _ = sweeps.load_sweep(f"{STUDY}:{arg},stage=tune", str(tmp_path))
-    assert [o["optim.lr"] for o in overrides] == [1e-3, 2e-3, 4e-3]
-
-
-def test_study_presets_and_argument_errors():
+def test_presets_and_argument_errors():
     module = study_module()
     small = module.get_study("small")
     assert [c.arm for c in small.cells()] == ["a", "b", "c"]
-    assert small.vocabularies == (2048,) and [r.name for r in small.regimes] == [
-        "limited"
-    ]
-    assert small.cells()[2].shape.tied is False and small.cells()[2].shape.d_model < 128
-    assert len(module.get_study("small,seeds=2,arms=a+c").cells()) == 2
+    assert small.vocabularies == (2048,) and small.amounts[0].fraction == 0.01
+    base, overrides, _ = sweeps.load_sweep(f"{STUDY}:small")
+    assert len(overrides) == 3 * 8 and {o["train.seed"] for o in overrides} == set(
+        range(8)
+    )
+    assert len({o["optim.lr"] for o in overrides}) == 1
     with pytest.raises(ValueError, match="Unknown preset 'huge'"):
         module.get_study("huge")
-    with pytest.raises(ValueError, match="stage=tune or stage=seeds"):
+    with pytest.raises(ValueError, match="stage=tune or stage=test"):
         module.get_study("stage=all")
-    with pytest.raises(ValueError, match="Unknown regime or arm"):
-        module.get_study("arms=a+e")
+    with pytest.raises(ValueError, match="Unknown arms"):
+        module.get_study("arms=a+f")
+    with pytest.raises(ValueError, match="tune=true"):
+        module.get_study("small,arms=a+e")
     with pytest.raises(ValueError, match="sweep directory"):
         module.get_sweep("tiny")
+    with pytest.raises(ValueError, match="overlap"):
+        study.Design("tiny", {}, (None,), (), ("a",), {None: 0}, test_seeds=(0, 100))
 
 
-def test_study_commands_parse_as_train_flags(monkeypatch):
-    """Shared and per-run overrides name config keys that exist, with their types."""
-    config = configuration.load_module(DEFAULT_CONFIG).get_config("nanogpt")
-    if "split" not in config.data:
-        pytest.skip(
-            "configs/default.py has no data.split yet (training-loop features)."
-        )
+def test_study_commands_parse_as_train_flags(monkeypatch, tmp_path, tiny_design):
+    """Shared and per-run overrides name config keys that exist, with their
+    types: the full design's tuning runs, and the tiny design's test runs
+    (arm e's untie step, the ablation's multiplier)."""
     base, overrides, shared = sweeps.load_sweep(f"{STUDY}:stage=tune")
-    for run in (overrides[0], overrides[-1]):
+    tuning = tiny_design.tuning_runs()
+    for index, (planned, name) in enumerate(zip(tuning, tiny_design.names(tuning))):
+        write_run(tmp_path, name, tuning_losses(planned), best_step=10 + index % 3)
+    tiny_base, tiny_runs, tiny_shared = sweeps.load_sweep(
+        f"{STUDY}:{TINY}", str(tmp_path)
+    )
+    untie = next(o for o in tiny_runs if "model.untie_step" in o)
+    table = next(o for o in tiny_runs if "optim.table_lr_multiplier" in o)
+    for run_base, run, run_shared in (
+        ("nanogpt", overrides[0], shared),
+        ("nanogpt", overrides[-1], shared),
+        (tiny_base, untie, tiny_shared),
+        (tiny_base, table, tiny_shared),
+    ):
         argv = sweeps.train_command(
-            base,
+            run_base,
             "unused",
             run,
             python="python",
             script="x",
             config_file=DEFAULT_CONFIG,
-            shared=shared,
+            shared=run_shared,
         )[2:]
         flat = parsed_train_config(argv, monkeypatch)
-        assert {k: flat[k] for k in {**shared, **run}} == {**shared, **run}
+        assert {k: flat[k] for k in {**run_shared, **run}} == {**run_shared, **run}

@@ -606,10 +606,8 @@ def _test_evaluations(program, state, best, steps_run) -> list[dict] | None:
     (``train.patience`` set) or its last; logged as ``test/...``."""
     if not evaluation.wants_test_evaluation(program.config):
         return None
-    test_set = evaluation.make_eval_set(
-        "test",
+    test_set = evaluation.make_test_set(
         data.load_test_tokens(program.config.data, program.dataset.tokenizer),
-        None,
         program.config,
         program.dataset.tokenizer,
     )

@@ -9,8 +9,9 @@ characters the evaluated tokens decode to), the same computation for every
 tokenizer. :func:`periodic_eval_sets` are a training run's fixed validation
 (and, with ``train.eval_train_batches``, training) windows;
 :func:`wants_test_evaluation` says whether the run ends with the whole test
-split. :class:`EarlyStopping` counts evaluations without a lower
-validation loss.
+split, and :func:`make_test_set` makes that split's set, which also counts
+its words for a per-word perplexity (:func:`count_words`).
+:class:`EarlyStopping` counts evaluations without a lower validation loss.
 """
 
 import dataclasses
@@ -36,12 +37,16 @@ class EvalSet:
         num_tokens: the labels evaluated (the weight sum).
         num_chars: the characters those labels decode to
             (``data.label_chars``).
+        num_words: the words of the whole text (:func:`count_words`), for
+            the per-word perplexity; None (no word metrics) for the periodic
+            sets, which are samples of their split.
     """
 
     name: str
     batches: list
     num_tokens: int
     num_chars: float
+    num_words: int | None = None
 
 
 def make_eval_set(
@@ -51,9 +56,11 @@ def make_eval_set(
     config: ml_collections.ConfigDict,
     tokenizer: data.Tokenizer,
     mesh: jax.sharding.Mesh | None = None,
+    num_words: int | None = None,
 ) -> EvalSet:
     """``num_batches`` batches of evenly spaced windows of ``tokens`` (None:
-    all of them, consecutive), sharded over ``mesh``."""
+    all of them, consecutive), sharded over ``mesh``; ``num_words`` is the
+    set's :attr:`EvalSet.num_words`."""
     batches = data.eval_batches(
         tokens,
         num_batches=num_batches,
@@ -64,7 +71,51 @@ def make_eval_set(
     num_chars = data.label_chars(tokenizer, batches)
     if mesh is not None:
         batches = [sharding.shard_batch(b, mesh) for b in batches]
-    return EvalSet(name, batches, num_tokens, num_chars)
+    return EvalSet(name, batches, num_tokens, num_chars, num_words)
+
+
+def count_words(text: str) -> int:
+    """The words of ``text``, counted one way for every tokenizer: the
+    runs of non-whitespace characters, ``len(text.split())`` (punctuation
+    stays with its word, as in ``"lord,"``).
+
+    Examples:
+        >>> count_words("  O Romeo, Romeo!\\nwherefore art thou Romeo?  ")
+        7
+        >>> count_words("")
+        0
+    """
+    return len(text.split())
+
+
+def make_test_set(
+    tokens: np.ndarray,
+    config: ml_collections.ConfigDict,
+    tokenizer: data.Tokenizer,
+    mesh: jax.sharding.Mesh | None = None,
+) -> EvalSet:
+    """The whole test split's set, named ``"test"``: every consecutive
+    window of ``tokens`` (``data.load_test_tokens``'s, ``[N]``), with
+    :attr:`EvalSet.num_words` the words of the test text,
+    ``count_words(tokenizer.decode(tokens))`` (both tokenizers decode their
+    encoding back to the text exactly, so this is the text read from the
+    corpus).
+
+    Its labels are tokens ``1 .. T * floor((N - 1) / T)`` (``T`` =
+    ``data.block_size``): the whole text but its first token and at most
+    ``T - 1`` tokens at its end (``data.eval_batches``); the per-word
+    perplexity sums the nats of exactly those labels, over every word of
+    the text.
+    """
+    return make_eval_set(
+        "test",
+        tokens,
+        None,
+        config,
+        tokenizer,
+        mesh,
+        num_words=count_words(tokenizer.decode(tokens)),
+    )
 
 
 def periodic_eval_sets(
@@ -125,6 +176,13 @@ def evaluate(eval_fn, params: Any, eval_set: EvalSet) -> dict[str, float]:
     ``bits_per_char`` is :math:`\sum_w y_w / (\ln 2 \cdot` the characters the
     labels decode to), the same for every tokenizer. Also ``perplexity``
     (per token), ``accuracy`` and ``ece``.
+
+    A set with :attr:`EvalSet.num_words` (the test split's,
+    :func:`make_test_set`) also gets ``words`` (that count) and
+    ``word_perplexity`` :math:`= \exp(\sum_w y_w / \text{words})`: the
+    summed nats of the evaluated labels over the words of the text, the
+    per-word perplexity of Press & Wolf (2017) and Inan et al. (2017), on
+    this corpus's words.
     """
     sums = jax.device_get([eval_fn(params, batch) for batch in eval_set.batches])
     return metrics_from_sums(sums, eval_set)
@@ -160,6 +218,13 @@ def metrics_from_sums(sums: list[dict[str, np.ndarray]], eval_set: EvalSet) -> d
             np.sum([s["bins"] for s in sums], axis=0)
         ),
     }
+    if eval_set.num_words is not None:
+        metrics["words"] = eval_set.num_words
+        metrics["word_perplexity"] = (
+            np.exp(window_nll.sum() / eval_set.num_words)
+            if eval_set.num_words
+            else math.nan
+        )
     return {f"{eval_set.name}/{k}": float(v) for k, v in metrics.items()}
 
 

@@ -242,9 +242,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         training steps (:func:`monitoring.run_summary`), the best evaluation
         (:func:`monitoring.best_summary`), and with ``train.test_eval``
         ``test``: the whole test split's ``loss``, ``loss_stderr``,
-        ``bits_per_char``, ``perplexity``, ``accuracy``, ``ece``,
-        ``num_tokens``, ``num_chars`` and ``step`` (of the parameters
-        evaluated).
+        ``bits_per_char``, ``perplexity``, ``accuracy``, ``ece``, ``words``,
+        ``word_perplexity`` (``evaluation.make_test_set``), ``num_tokens``,
+        ``num_chars`` and ``step`` (of the parameters evaluated).
 
     Raises:
         ValueError, TypeError: a bad config, corpus or prompt, or a workdir
@@ -548,10 +548,8 @@ def _test_evaluation(
     """The whole test split, read now (nothing reads it before), evaluated
     once with the best evaluation's parameters (``train.patience`` set) or
     the last; logged as ``test/...``."""
-    test_set = evaluation.make_eval_set(
-        "test",
+    test_set = evaluation.make_test_set(
         data.load_test_tokens(parts.config.data, dataset.tokenizer),
-        None,
         parts.config,
         dataset.tokenizer,
         mesh,

@@ -115,7 +115,7 @@ class TestMembersAreRuns:
     def test_equals_the_single_run(self, program, single_runs, index):
         workdir, single = single_runs[index]
         member = program["summaries"][index]
-        for key in ("train/loss", "eval/loss", "test/loss"):
+        for key in ("train/loss", "eval/loss", "test/loss", "test/word_perplexity"):
             got = read_records(member_dir(program, index), key)
             want = read_records(workdir, key)
             assert got.keys() == want.keys() and got

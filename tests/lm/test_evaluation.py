@@ -107,6 +107,57 @@ class TestBitsPerCharacter:
             assert chars > 2 * 16 * k  # several characters per token
 
 
+class TestWordPerplexity:
+    @staticmethod
+    def nats_by_label(params, batch):  # a stand-in for eval_step
+        nats = 0.1 * (batch["labels"] % 5 + 1) * batch["weights"]
+        return {
+            "window_nll": nats.sum(-1),
+            "window_count": batch["weights"].sum(-1),
+            "correct_sum": 0.0,
+            "bins": np.zeros((15, 3)),
+        }
+
+    @pytest.mark.parametrize("kind", ["char", "bpe"])
+    def test_against_a_hand_computation(self, kind):
+        text = "the cat sat on the mat, the dog  sat on the log.\n" * 30
+        tokenizer = data.make_tokenizer(
+            kind, text, text, 300 if kind == "bpe" else None
+        )
+        tokens = tokenizer.encode_array(text)
+        config = default.get_config("tiny")
+        test_set = evaluation.make_test_set(tokens, config, tokenizer)
+        got = evaluation.evaluate(self.nats_by_label, None, test_set)
+
+        assert test_set.name == "test" and test_set.num_words == 12 * 30
+        # The labels are tokens 1 .. 16k, each predicted once.
+        k = (len(tokens) - 1) // 16
+        nats = np.sum(0.1 * (tokens[1 : 1 + 16 * k] % 5 + 1))
+        assert got["test/words"] == 360
+        assert got["test/word_perplexity"] == pytest.approx(
+            math.exp(nats / 360), rel=1e-5
+        )
+        assert got["test/word_perplexity"] == pytest.approx(
+            math.exp(got["test/loss"] * test_set.num_tokens / 360), rel=1e-6
+        )
+
+    def test_only_a_set_with_words_has_word_metrics(self):
+        text = "to be or not to be " * 20
+        tokenizer = data.CharTokenizer.train(text)
+        tokens = tokenizer.encode_array(text)
+        config = default.get_config("tiny")
+        periodic = evaluation.make_eval_set("eval", tokens, 2, config, tokenizer)
+        assert periodic.num_words is None
+        got = evaluation.evaluate(self.nats_by_label, None, periodic)
+        assert not any("word" in k for k in got)
+        whole = evaluation.make_test_set(tokens, config, tokenizer)
+        assert whole.num_words == 120
+        same = evaluation.make_eval_set("test", tokens, None, config, tokenizer)
+        assert (whole.num_tokens, whole.num_chars) == (same.num_tokens, same.num_chars)
+        for mine, theirs in zip(whole.batches, same.batches, strict=True):
+            np.testing.assert_array_equal(mine["labels"], theirs["labels"])
+
+
 class TestEarlyStopping:
     @pytest.mark.parametrize("patience,stops_at", [(1, 30), (2, 40), (3, None)])
     def test_counts_evaluations_since_the_best(self, patience, stops_at):

@@ -328,6 +328,18 @@ class TestEarlyStoppingAndTest:
         assert test["bits_per_char"] == pytest.approx(test["loss"] / math.log(2))
         assert test["loss_stderr"] > 0
 
+    def test_test_evaluation_reports_the_per_word_perplexity(self, stopped, corpus):
+        test = stopped["summary"]["test"]
+        with open(corpus, encoding="utf-8") as f:
+            test_text = data.split_blocks(f.read(), 0.1, 0.1)[2]
+        assert test["words"] == len(test_text.split())
+        assert test["word_perplexity"] == pytest.approx(
+            math.exp(test["loss"] * test["num_tokens"] / test["words"]), rel=1e-6
+        )
+        records = read_metrics(stopped["workdir"])
+        assert any("test/word_perplexity" in r for r in records)
+        assert not any("eval/word_perplexity" in r for r in records)
+
     def test_a_stopped_run_is_finished(self, stopped, monkeypatch):
         monkeypatch.setattr(train, "compile_steps", None)
         summary = train.train_and_evaluate(stopped["config"], stopped["workdir"])

@@ -1,0 +1,63 @@
+r"""Diagnostics of trained heads: row norms against token frequency, the
+alignment of an untied head with its table, the logit scale, and the loss by
+frequency bucket, for one or more runs side by side.
+
+    python experiments/tying_diagnostics.py --workdir=runs/tied \
+        --workdir=runs/untied --out=docs/tying_study/diagnostics --split=test
+
+Writes ``norms.png``, ``cosines.png`` (untied runs), ``bucket_loss.png``,
+``diagnostics.json`` and ``diagnostics.md`` into ``--out``. Token
+frequencies are each run's training tokens; each run is read at its
+``best_checkpoint`` where it kept one, else its newest checkpoint (see
+``lmhead/studies/tying/diagnostics_report.py``).
+"""
+
+from absl import app, flags, logging
+
+from lmhead.studies.tying import diagnostics_report
+
+flags.DEFINE_multi_string(
+    "workdir", None, "A trained run's directory (repeatable).", required=True
+)
+flags.DEFINE_string("out", None, "Where to write the plots and tables.", required=True)
+flags.DEFINE_enum(
+    "split", "test", list(diagnostics_report.SPLITS), "The evaluation windows' split."
+)
+flags.DEFINE_integer(
+    "max_windows",
+    None,
+    "At most this many evenly spaced windows; default: the whole split.",
+    lower_bound=1,
+)
+flags.DEFINE_integer(
+    "num_buckets",
+    diagnostics_report.NUM_BUCKETS,
+    "Frequency buckets of equal training-token mass.",
+    lower_bound=1,
+)
+flags.DEFINE_integer("batch_size", 16, "Windows per model call.", lower_bound=1)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    f = flags.FLAGS
+    if not f["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    runs = [
+        diagnostics_report.diagnose_run(
+            workdir,
+            split=f.split,
+            max_windows=f.max_windows,
+            num_buckets=f.num_buckets,
+            batch_size=f.batch_size,
+            name=name,
+        )
+        for workdir, name in zip(f.workdir, diagnostics_report.run_names(f.workdir))
+    ]
+    for path in diagnostics_report.write_diagnostics(runs, f.out):
+        print(path)
+
+
+if __name__ == "__main__":
+    app.run(main)

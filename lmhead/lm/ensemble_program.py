@@ -3,13 +3,14 @@ the members' data with one tokenizer, their evaluation sets, the mesh, the
 stacked state's shardings, and :class:`Program`, the record the loop reads.
 
 :func:`make_program` trains the tokenizer once, in the program's workdir (on
-the text of the largest ``data.train_fraction``; ``lmhead/lm/members.py``
-says why), encodes each distinct data config once, and gives every member's
-workdir the ``tokenizer.json`` and ``tokens.npz`` a single run would write.
-The validation windows are every member's (the validation split does not
-depend on any member key), so they are made once and shared; the training
-windows of ``train.eval_train_batches`` are stacked, one set per member,
-when the members train on different text.
+the text that covers every member's, ``data.tokenizer_fraction``;
+``lmhead/lm/members.py`` says why), encodes each distinct data config once,
+and gives every member's workdir the ``tokenizer.json`` and ``tokens.npz`` a
+single run would write. The validation windows are every member's (the
+validation split does not depend on any member key), so they are made once
+and shared; the training windows of ``train.eval_train_batches`` and the
+held-out windows of ``data.holdout_fraction`` are stacked, one set per
+member, when the members train on different text.
 """
 
 import dataclasses
@@ -214,7 +215,7 @@ def _make_mesh(config, count: int) -> jax.sharding.Mesh:
 
 def _load_datasets(configs, members, workdir):
     """Each member's dataset, with one tokenizer: trained once in the
-    program's workdir, on the text of the largest ``train_fraction``
+    program's workdir, on the text that covers every member's
     (``members`` module docstring), and each distinct data config encoded
     once; every member's workdir gets ``tokenizer.json`` and ``tokens.npz``."""
     largest = max(range(len(configs)), key=lambda i: configs[i].data.train_fraction)
@@ -249,40 +250,92 @@ def _load_datasets(configs, members, workdir):
 
 def _eval_sets(config, datasets, mesh) -> list[MemberEvalSet]:
     """The validation windows, made once and shared (the validation split
-    is every member's), and with ``train.eval_train_batches`` each member's
-    training windows: made once per distinct text, stacked when there are
-    several."""
+    is every member's); with ``train.eval_train_batches`` each member's
+    training windows, and with ``data.holdout_fraction`` each member's
+    held-out windows (:func:`evaluation.heldout_eval_set`), as a single run
+    has them (:func:`member_eval_set`)."""
     tokenizer = datasets[0].tokenizer
     validation = evaluation.make_eval_set(
         "eval", datasets[0].val_tokens, config.train.eval_batches, config, tokenizer
     )
     result = [shared_eval_set(validation, mesh, len(datasets))]
-    if not config.train.eval_train_batches:
-        return result
+    if config.train.eval_train_batches:
+        result.append(
+            member_eval_set(
+                datasets,
+                lambda d: evaluation.make_eval_set(
+                    "train_eval",
+                    d.train_tokens,
+                    config.train.eval_train_batches,
+                    config,
+                    tokenizer,
+                ),
+                mesh,
+            )
+        )
+    # holdout_fraction is the program's (a data key), so all members or none.
+    if datasets[0].heldout_tokens is not None:
+        result.append(
+            member_eval_set(
+                datasets,
+                lambda d: evaluation.heldout_eval_set(
+                    config, d.heldout_tokens, tokenizer
+                ),
+                mesh,
+            )
+        )
+    return result
+
+
+def member_eval_set(
+    datasets: list[data.Dataset], make, mesh: jax.sharding.Mesh
+) -> MemberEvalSet:
+    """Each member's set ``make(dataset)`` (host batches), made once per
+    distinct dataset: shared when the members have one text, else stacked
+    (``[M, B, T]``). A set with fewer batches than the others (a shorter
+    held-out text evaluated whole) is filled up with batches of weight 0,
+    which add nothing to its sums.
+
+    Examples:
+        >>> tokenizer = data.CharTokenizer.train("abcdefghij")
+        >>> datasets = [data.Dataset(np.arange(n) % 10, None, tokenizer, 1.0)
+        ...             for n in (9, 17)]
+        >>> config = ml_collections.ConfigDict(
+        ...     {"train": {"batch_size": 1}, "data": {"block_size": 4}})
+        >>> stacked = member_eval_set(
+        ...     datasets,
+        ...     lambda d: evaluation.make_eval_set("s", d.train_tokens, None, config,
+        ...                                        tokenizer),
+        ...     sharding.make_mesh(1, 1))
+        >>> [s.num_tokens for s in stacked.sets], len(stacked.batches)
+        ([8, 16], 4)
+        >>> stacked.batches[3]["weights"].sum(axis=(1, 2)).tolist()
+        [0.0, 4.0]
+    """
     by_text = {}
     for dataset in datasets:
         if id(dataset) not in by_text:
-            by_text[id(dataset)] = evaluation.make_eval_set(
-                "train_eval",
-                dataset.train_tokens,
-                config.train.eval_train_batches,
-                config,
-                tokenizer,
-            )
+            by_text[id(dataset)] = make(dataset)
     sets = [by_text[id(d)] for d in datasets]
     if len(by_text) == 1:
-        result.append(shared_eval_set(sets[0], mesh, len(datasets)))
-        return result
+        return shared_eval_set(sets[0], mesh, len(datasets))
+    count = max(len(s.batches) for s in sets)
+    padded = [
+        s.batches + [_weightless(s.batches[0])] * (count - len(s.batches)) for s in sets
+    ]
     stacked = NamedSharding(
         mesh,
         P(MEMBERS_AXIS) if MEMBERS_AXIS in mesh.axis_names else P(None, DATA_AXIS),
     )
     batches = [
         jax.device_put(jax.tree.map(lambda *xs: np.stack(xs), *group), stacked)
-        for group in zip(*(s.batches for s in sets))
+        for group in zip(*padded)
     ]
-    result.append(MemberEvalSet(batches, True, sets))
-    return result
+    return MemberEvalSet(batches, True, sets)
+
+
+def _weightless(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {**batch, "weights": np.zeros_like(batch["weights"])}
 
 
 def shared_eval_set(

@@ -7,7 +7,8 @@ standard error over windows, perplexity, bits per character, accuracy and
 calibration error. Bits per character = (summed nats) / (ln 2 x the
 characters the evaluated tokens decode to), the same computation for every
 tokenizer. :func:`periodic_eval_sets` are a training run's fixed validation
-(and, with ``train.eval_train_batches``, training) windows;
+(and, with ``train.eval_train_batches``, training; with
+``data.holdout_fraction``, held-out: :func:`heldout_eval_set`) windows;
 :func:`wants_test_evaluation` says whether the run ends with the whole test
 split, and :func:`make_test_set` makes that split's set, which also counts
 its words for a per-word perplexity (:func:`count_words`).
@@ -32,7 +33,8 @@ class EvalSet:
 
     Attributes:
         name: the prefix of its metrics: ``"eval"`` (validation),
-            ``"train_eval"`` (training windows) or ``"test"``.
+            ``"train_eval"`` (training windows), ``"heldout"`` (the held-out
+            chunks of the training plays) or ``"test"``.
         batches: ``data.eval_batches``'s batches (sharded or not).
         num_tokens: the labels evaluated (the weight sum).
         num_chars: the characters those labels decode to
@@ -123,8 +125,9 @@ def periodic_eval_sets(
     dataset: data.Dataset,
     mesh: jax.sharding.Mesh | None = None,
 ) -> list[EvalSet]:
-    """The fixed validation windows, and the training windows of
-    ``train.eval_train_batches``."""
+    """The fixed validation windows, the training windows of
+    ``train.eval_train_batches``, and the held-out windows of
+    ``data.holdout_fraction`` (:func:`heldout_eval_set`)."""
     eval_sets = [
         make_eval_set(
             "eval",
@@ -146,7 +149,38 @@ def periodic_eval_sets(
                 mesh,
             )
         )
+    if dataset.heldout_tokens is not None:
+        eval_sets.append(
+            heldout_eval_set(config, dataset.heldout_tokens, dataset.tokenizer, mesh)
+        )
     return eval_sets
+
+
+def heldout_eval_set(
+    config: ml_collections.ConfigDict,
+    tokens: np.ndarray,
+    tokenizer: data.Tokenizer,
+    mesh: jax.sharding.Mesh | None = None,
+) -> EvalSet:
+    """The ``"heldout"`` set of the held-out ``tokens`` (``[N]``): the
+    validation set's ``train.eval_batches`` batches of evenly spaced
+    windows, or every consecutive window when the text has no more than
+    those (``(N - 1) // block_size`` of them), so that a short held-out text
+    is evaluated once, not in repeated windows.
+
+    Examples:
+        >>> config = ml_collections.ConfigDict(
+        ...     {"train": {"eval_batches": 2, "batch_size": 2}, "data": {"block_size": 4}})
+        >>> tokenizer = data.CharTokenizer.train("abcdefghij")
+        >>> [heldout_eval_set(config, np.arange(n) % 10, tokenizer).num_tokens
+        ...  for n in (12, 200)]  # 2 consecutive windows; 2 x 2 spaced ones
+        [8, 16]
+    """
+    num_batches = config.train.eval_batches
+    consecutive = (len(tokens) - 1) // config.data.block_size
+    if num_batches is not None and num_batches * config.train.batch_size >= consecutive:
+        num_batches = None
+    return make_eval_set("heldout", tokens, num_batches, config, tokenizer, mesh)
 
 
 def wants_test_evaluation(config: ml_collections.ConfigDict) -> bool:

@@ -11,12 +11,13 @@ with errors that name the member; :func:`split_overrides` divides a sweep
 run's overrides into the program's part and the member's part.
 
 The tokenizer is the program's, trained once. When the members train on
-different fractions of the training split (``data.train_fraction``), it is
-trained on the largest fraction's text -- the others' texts are prefixes of
-that one -- and every member's ``config.json`` says so with
-``data.tokenizer_fraction``, so that a single run of a member's config is
-that member. With equal fractions, or the character tokenizer (made from the
-whole text whatever the fraction), nothing changes and nothing is recorded.
+different parts of the training split (``data.train_fraction``,
+``data.train_offset``), it is trained on the shortest prefix of the split
+that covers all of them -- with offsets 0, the largest fraction's text, of
+which the others' are prefixes -- and every member's ``config.json`` says so
+with ``data.tokenizer_fraction``, so that a single run of a member's config
+is that member. With equal parts, or the character tokenizer (made from the
+whole text whatever the part), nothing changes and nothing is recorded.
 """
 
 import dataclasses
@@ -42,7 +43,13 @@ TRACED_KEYS = (
     "loss.label_smoothing",
     "loss.z_loss",
 )
-MEMBER_KEYS = ("train.seed", *TRACED_KEYS, "data.train_fraction", "train.patience")
+MEMBER_KEYS = (
+    "train.seed",
+    *TRACED_KEYS,
+    "data.train_fraction",
+    "data.train_offset",
+    "train.patience",
+)
 
 # Why a key is one value for the whole program, by key or by section (the
 # first match wins).
@@ -144,7 +151,7 @@ def make_members(specs: Sequence[dict[str, Any]], workdir: str) -> list[Member]:
         >>> make_members([{"model.d_model": 64}], "p")
         Traceback (most recent call last):
         ...
-        ValueError: member 0 sets model.d_model, which cannot differ between members: it sets the model's shapes or structure, which the members share. Members may set: train.seed, optim.lr, optim.min_lr, optim.weight_decay, optim.warmup_steps, loss.label_smoothing, loss.z_loss, data.train_fraction, train.patience.
+        ValueError: member 0 sets model.d_model, which cannot differ between members: it sets the model's shapes or structure, which the members share. Members may set: train.seed, optim.lr, optim.min_lr, optim.weight_decay, optim.warmup_steps, loss.label_smoothing, loss.z_loss, data.train_fraction, data.train_offset, train.patience.
     """
     if not specs:
         raise ValueError("An ensemble needs at least one member; got none.")
@@ -218,13 +225,14 @@ def member_configs(
         except (TypeError, ValueError) as e:
             raise type(e)(f"member {index} ({member.workdir}): {e}") from e
         configs.append(member_config)
-    fractions = {c.data.train_fraction for c in configs}
+    ranges = {(c.data.get("train_offset", 0.0), c.data.train_fraction) for c in configs}
     shares_bpe = (
         config.data.tokenizer == "bpe" and config.data.tokenizer_fraction is None
     )
-    if len(fractions) > 1 and shares_bpe:
+    if len(ranges) > 1 and shares_bpe:
+        covering = min(1.0, max(offset + fraction for offset, fraction in ranges))
         for member_config in configs:
-            member_config.data.tokenizer_fraction = max(fractions)
+            member_config.data.tokenizer_fraction = covering
     for member_config in configs:
         member_config.lock()
     return configs
@@ -238,9 +246,10 @@ def split_overrides(
     of one program, and each then equals its run without ensembles.
 
     The member part holds the :data:`MEMBER_KEYS`, except
-    ``data.train_fraction`` where the run's byte-level BPE tokenizer is
-    trained on its own fraction of the text (``data.tokenizer_fraction``
-    unset): grouping it with other fractions would change its tokenizer.
+    ``data.train_fraction`` and ``data.train_offset`` where the run's
+    byte-level BPE tokenizer is trained on its own part of the text
+    (``data.tokenizer_fraction`` unset): grouping it with other parts would
+    change its tokenizer.
     ``config`` is the run's config with all its overrides applied.
 
     Examples:
@@ -254,7 +263,7 @@ def split_overrides(
     program, member = {}, {}
     for key, value in overrides.items():
         is_member_key = key in MEMBER_KEYS and not (
-            key == "data.train_fraction" and tokenizer_is_own
+            key in ("data.train_fraction", "data.train_offset") and tokenizer_is_own
         )
         (member if is_member_key else program)[key] = value
     return program, member

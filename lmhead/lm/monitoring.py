@@ -262,8 +262,9 @@ def best_summary(
 
     Keys: ``best_step`` and ``best``, the evaluation of lowest ``eval/loss``
     (its ``eval/`` metrics); ``train_at_best`` (its ``train_eval/`` metrics,
-    with ``train.eval_train_batches`` only); ``steps_run`` (the last step
-    trained) and ``stopped_early`` (by ``train.patience``).
+    with ``train.eval_train_batches`` only); ``heldout_at_best`` (its
+    ``heldout/`` metrics, with ``data.holdout_fraction`` only); ``steps_run``
+    (the last step trained) and ``stopped_early`` (by ``train.patience``).
 
     Examples:
         >>> config = ml_collections.ConfigDict(
@@ -285,6 +286,10 @@ def best_summary(
     if config.train.eval_train_batches:
         summary["train_at_best"] = {
             k: v for k, v in best.items() if k.startswith("train_eval/")
+        }
+    if (config.get("data") or {}).get("holdout_fraction"):
+        summary["heldout_at_best"] = {
+            k: v for k, v in best.items() if k.startswith("heldout/")
         }
     return summary
 

@@ -17,7 +17,9 @@ from typing import Any
 # are on the split their prefix names: ``train`` (training windows),
 # ``val`` (validation), ``heldout`` (held-out windows of the training
 # plays), ``test`` (the whole test split); ``gap_bpc`` is heldout - train at
-# the tested step.
+# the tested step. ``ensemble`` names the program a run trained in (its
+# summary's ``ensemble.program``; None: trained alone): every member reports
+# the program's ``wall_seconds``, so a total counts each program once.
 COLUMNS: dict[str, type] = {
     "role": str,
     "vocab": str,
@@ -55,6 +57,7 @@ COLUMNS: dict[str, type] = {
     "wall_seconds": float,
     "versions": str,
     "run": str,
+    "ensemble": str,
 }
 
 # tune: the learning-rate grid on the tuning seeds; test: the test seeds at

@@ -100,6 +100,7 @@ def _row(rng, role, vocab, amount, arm, seed, lr, multiplier, bpc):
         "wall_seconds": float(rng.uniform(100, 300)),
         "versions": "jax 0.0.0, flax 0.0.0, optax 0.0.0",
         "run": f"{role}_{vocab}_{amount}_{arm}_s{seed}_m{multiplier}_lr{lr:.3g}",
+        "ensemble": None,
     }
     if failed:
         measured = [k for k in table.COLUMNS if k.endswith(("_bpc", "_ppl"))]

@@ -20,8 +20,10 @@ def test_the_columns_are_the_designed_ones_in_order():
     assert list(table.COLUMNS)[:8] == [
         "role", "vocab", "vocab_size", "amount", "offset", "arm", "seed", "lr"
     ]  # fmt: skip
-    assert list(table.COLUMNS)[-4:] == ["status", "wall_seconds", "versions", "run"]
-    assert len(table.COLUMNS) == 36
+    assert list(table.COLUMNS)[-5:] == [
+        "status", "wall_seconds", "versions", "run", "ensemble"
+    ]  # fmt: skip
+    assert len(table.COLUMNS) == 37
 
 
 def test_rows_round_trip_exactly(tmp_path):
@@ -88,7 +90,9 @@ def test_bad_files_are_refused_by_name(tmp_path):
     path = tmp_path / "runs.csv"
     columns = list(table.COLUMNS)
     write_csv(path, [*columns[:-1], "extra"])
-    with pytest.raises(ValueError, match=r"unknown \['extra'\], missing \['run'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown \['extra'\], missing \['ensemble'\]"
+    ):
         table.read_rows(path)
     path.write_text("")
     with pytest.raises(ValueError, match="is empty"):

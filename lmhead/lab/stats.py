@@ -215,3 +215,36 @@ def pooled_std(cells: Sequence[Sequence[float]]) -> PooledStd:
             dof += n - 1
             squares += (n - 1) * std**2
     return PooledStd(math.sqrt(squares / dof) if dof else math.nan, dof)
+
+
+def simultaneous_interval(
+    difference: PairedDifference, family_size: int
+) -> tuple[float, float]:
+    r"""The Bonferroni interval of ``difference`` in a family of
+    ``family_size`` = :math:`m` contrasts: all :math:`m` such intervals hold
+    together with probability at least 95%,
+
+    .. math::
+        \bar d \pm t_{1 - 0.025/m,\,n-1}\, s_d / \sqrt{n}.
+
+    It excludes zero only where the contrast's Holm-adjusted p-value is
+    below 0.05 (Holm rejects at least what Bonferroni does). NaN for n < 2.
+
+    Raises:
+        ValueError: ``family_size < 1``.
+
+    Examples:
+        >>> d = paired_difference({0: 2.0, 1: 3.0, 2: 4.0, 3: 5.0},
+        ...                       {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0})
+        >>> [round(v, 4) for v in simultaneous_interval(d, 1)] == [
+        ...     round(d.low, 4), round(d.high, 4)]
+        True
+        >>> [round(v, 4) for v in simultaneous_interval(d, 2)]
+        [-0.1959, 5.1959]
+    """
+    _checks.check_count("family_size", family_size)
+    if difference.n < 2:
+        return math.nan, math.nan
+    quantile = float(scipy_stats.t.ppf(1 - 0.025 / family_size, difference.n - 1))
+    half_width = quantile * difference.std / math.sqrt(difference.n)
+    return difference.mean - half_width, difference.mean + half_width

@@ -125,3 +125,38 @@ def test_pooled_std_matches_a_hand_computation():
     empty = stats_lib.pooled_std([[1.0]])
     assert empty.dof == 0 and math.isnan(empty.std)
     assert all(math.isnan(v) for v in empty.interval(1.0, 1))
+
+
+def test_simultaneous_interval_is_bonferroni_and_agrees_with_holm():
+    rng = np.random.default_rng(4)
+    family = []
+    for shift in (0.0, 0.3, 0.6, 1.2):
+        d = rng.normal(shift, 0.5, 8)
+        family.append(
+            (
+                d,
+                stats_lib.paired_difference(
+                    dict(enumerate(d)), dict.fromkeys(range(8), 0.0)
+                ),
+            )
+        )
+    holm = stats_lib.holm_adjusted(
+        [stats.ttest_1samp(d, 0.0).pvalue for d, _ in family]
+    )
+    for (d, difference), adjusted in zip(family, holm):
+        low, high = stats_lib.simultaneous_interval(difference, 4)
+        half_width = stats.t.ppf(1 - 0.05 / 8, 7) * d.std(ddof=1) / math.sqrt(8)
+        assert (low, high) == (
+            pytest.approx(d.mean() - half_width),
+            pytest.approx(d.mean() + half_width),
+        )
+        if low > 0 or high < 0:
+            assert adjusted < 0.05
+    assert all(
+        math.isnan(v)
+        for v in stats_lib.simultaneous_interval(
+            stats_lib.paired_difference({0: 1.0}, {0: 0.0}), 4
+        )
+    )
+    with pytest.raises(ValueError, match="family_size"):
+        stats_lib.simultaneous_interval(family[0][1], 0)

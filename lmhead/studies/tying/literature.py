@@ -1,177 +1,394 @@
-"""The tying study against published results: the published numbers
-(:data:`LITERATURE`), what each source predicts for the study's paired
-comparisons (:data:`PREDICTIONS`), and what the study found
-(:func:`literature_numbers`, :func:`signs_text`,
-:func:`literature_reference`), for the report (``report.py`` here).
+"""The tying study against published results: the published numbers as data
+(:data:`PTB_PAIRS`, :data:`CLAIMS`, each with its source, setting and metric,
+checked as ``docs/tying_study/literature_sources.md`` records), and
+:func:`literature_text`, the report's section "Against published results"
+from ``runs.csv``'s rows alone: per claim, paired differences of two arms
+per cell (:func:`compare`) and a verdict per cell (:func:`verdict`).
 """
 
+import dataclasses
 import math
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 from lmhead.lab import report, stats
-from lmhead.studies.tying import study
-from lmhead.studies.tying.results import (
-    CellResult,
-    cell_values,
-    head_share,
-    paired,
-    tied_result,
-)
 
-# Published tied-vs-untied results, as the relative change of test perplexity
-# from untied to tied (negative: tying helps). Word-level perplexities, so they
-# compare with ours in sign and rough size only.
-LITERATURE = (
-    ("Press & Wolf 2017, PTB small (head ≈ 43% of the untied model)", 114.5, 112.4),
-    ("Press & Wolf 2017, PTB large", 78.4, 74.3),
-    ("Inan et al. 2017, small", 87.3, 85.1),
-    ("Inan et al. 2017, medium", 77.7, 73.9),
-    ("Inan et al. 2017, large", 72.6, 69.0),
+ALPHA = 0.05
+ARMS = (
+    "a tied; b untied, a's shape; c untied, narrower to a's parameter count; d "
+    "tied plus whole blocks to b's count; e b's shape, tied until 2/3 of the cap"
 )
-# What other published results predict for this study's comparisons:
-# (source and setting, its result, the prediction here, and the paired
-# differences (x arm, y arm, run value) that test it).
-PREDICTIONS = (
-    (
-        "Press & Wolf 2017; Inan et al. 2017 (PTB, LSTMs, 10k words)",
-        "tying lowers test perplexity 2-5% (above) and raises training perplexity",
-        "b − a > 0 on test, training a − b > 0, most where the head's share is "
-        "largest; the `limited` regime",
-        (("b", "a", "test"), ("a", "b", "train")),
-    ),
-    (
-        "MobileLLM (Liu et al. 2024, 125M)",
-        "sharing the embedding costs 0.2 points of accuracy; spending the saved "
-        "parameters on depth recovers it",
-        "d − b ≤ 0: tied and deeper matches or beats untied at equal parameters",
-        (("d", "b", "test"),),
-    ),
-    (
-        "Chung et al. 2021 (rethinking embedding coupling)",
-        "decoupled input and output embeddings of equal size are about neutral",
-        "c − a ≈ 0 at equal parameters",
-        (("c", "a", "test"),),
-    ),
-    (
-        "modded-nanogpt (124M, abundant data)",
-        "untied 3.2755 vs tied 3.2776 validation loss",
-        "b − a slightly < 0 in the `fixed` regime, where data is not the limit",
-        (("b", "a", "test"),),
-    ),
-)
-# The study's counterparts of the published claims beside a − b: (label,
-# x arm, y arm, run value).
-COUNTERPARTS = (
-    ("training bits/char a − b", "a", "b", "train"),
-    ("untied matched to a, c − a", "c", "a", "test"),
-    ("tied deeper matched to b, d − b", "d", "b", "test"),
+COLUMN_NAMES = {"test_bpc": "test bits/char", "train_bpc": "training bits/char"}
+VOCAB_RANK = {"char": 0, "512": 1, "2048": 2, "8192": 3}  # the tables' order
+PER_WORD = (
+    "per-word perplexity: this study's is the whole test split's over its "
+    "whitespace-separated words (`test_word_ppl`), PTB's over Mikolov's tokens "
+    "with one end of sentence per sentence, so changes compare, levels do not"
 )
 
 
-def literature_numbers(results: list[CellResult], design: study.Design) -> list[str]:
-    """Lines with the study's counterpart of each published claim, one per
-    vocabulary of one regime's ``results``: tied − untied in bits/char and as
-    the change of test perplexity per token, then :data:`COUNTERPARTS`."""
-    lines = []
-    for vocab in design.vocabularies:
-        tied_minus_untied = paired(results, vocab, "a", "b")
-        if not tied_minus_untied or tied_minus_untied.n == 0:
-            continue
-        tied = tied_result(results, vocab)
-        chars_per_token = stats.mean_std(
-            list(cell_values(tied, "chars_per_token").values())
-        )[0]
-        change = 2 ** (tied_minus_untied.mean * chars_per_token) - 1
-        parts = [
-            f"{study.vocabulary_label(vocab)} (head {head_share(tied):.1%} of a): "
-            f"tied − untied (a − b) {report.interval_text(tied_minus_untied)} bits/char"
-            + (
-                ""
-                if math.isnan(change)
-                else f", test perplexity per token {change:+.2%} untied → tied"
-            )
-        ]
-        for label, x_arm, y_arm, key in COUNTERPARTS:
-            difference = paired(results, vocab, x_arm, y_arm, key=key)
-            if difference and difference.n:
-                parts.append(f"{label} {report.interval_text(difference)}")
-        lines.append("- " + "; ".join(parts) + ".")
-    return lines
+@dataclasses.dataclass(frozen=True)
+class PerplexityPair:
+    """One published pair of per-word perplexities on PTB, untied and tied:
+    test (``untied``, ``tied``) and training (None: not reported)."""
+
+    source: str
+    model: str
+    where: str
+    untied: float
+    tied: float
+    train_untied: float | None = None
+    train_tied: float | None = None
+
+    @property
+    def change(self) -> float:
+        """Test perplexity's change untied -> tied, ``tied / untied - 1``.
+
+        Examples:
+            >>> round(PerplexityPair("s", "m", "w", 100.0, 95.0).change, 6)
+            -0.05
+        """
+        return self.tied / self.untied - 1
 
 
-def signs_text(
-    results: list[CellResult], design: study.Design, x_arm: str, y_arm: str, key: str
-) -> str:
-    """Over the vocabularies of one regime's ``results``: at how many the
-    paired ``x - y`` of ``key`` is above zero, and at how many its 95%
-    interval lies above or below zero (vocabularies with fewer than two seed
-    pairs, or a non-finite difference, are left out).
+_PW, _INAN = "Press & Wolf 2017", "Inan et al. 2017"
+_PW6 = "arXiv:1608.05859 (EACL 2017), Table 6 (Small model vs Small + WT)"
+_PW5 = "arXiv:1608.05859 (EACL 2017), Table 5 (Large vs Large + Weight Tying)"
+_IN1 = "arXiv:1611.01462 (ICLR 2017), Table 1 (VD-LSTM vs VD-LSTM+RE)"
+# PTB, 10k words. Press & Wolf's untied rows are Zaremba et al.'s (2014)
+# published models, which their tied runs modify.
+PTB_PAIRS = (
+    PerplexityPair(
+        _PW, "2x200, no dropout, 4.65M->2.65M", _PW6, 114.5, 112.4, 38.0, 36.4
+    ),
+    PerplexityPair(_PW, "2x1500, dropout, 66M->51M", _PW5, 78.4, 74.3, 37.8, 48.5),
+    PerplexityPair(_INAN, "2x200, variational dropout", _IN1, 87.3, 85.1),
+    PerplexityPair(_INAN, "2x650, variational dropout", _IN1, 77.7, 73.9),
+    PerplexityPair(_INAN, "2x1500, variational dropout", _IN1, 72.6, 69.0),
+)
+
+
+class Contrast(NamedTuple):
+    """``x - y`` of ``column``, paired by seed within a cell; ``predicted``
+    is the claim's sign of it: +1, -1, or 0 for about zero."""
+
+    x: str
+    y: str
+    column: str
+    predicted: int
+
+
+class Claim(NamedTuple):
+    """A published claim (``title``, ``published`` numbers, ``source`` read,
+    ``setting``), the ``contrasts`` testing it here, and ``not_comparable``:
+    why its direction cannot carry over here (then it is "cannot tell")."""
+
+    title: str
+    published: str
+    source: str
+    setting: str
+    contrasts: tuple[Contrast, ...]
+    not_comparable: str | None = None
+
+
+_MODDED = "github.com/KellerJordan/modded-nanogpt (read at f411b3d3)"
+_MODDED_SETTING = (
+    "the NanoGPT speedrun: 124M active parameters, FineWeb, GPT-2 tokenizer, "
+    "8xH100, judged by time and steps to 3.28 validation loss (nats/token)"
+)
+_PTB = "2-layer LSTMs on PTB (about 0.93M training words); " + PER_WORD
+_SMALL, _LARGE = PTB_PAIRS[:2]
+CLAIMS = (
+    Claim(
+        "Tying lowers per-word test perplexity (Press & Wolf 2017; Inan et al. 2017)",
+        "per-word test perplexity on PTB, untied -> tied: "
+        + "; ".join(
+            f"{p.source} {p.model}: {p.untied} -> {p.tied} ({p.change:+.1%})"
+            for p in PTB_PAIRS
+        ),
+        "; ".join(dict.fromkeys(p.where for p in PTB_PAIRS)),
+        _PTB,
+        (Contrast("b", "a", "test_bpc", +1),),
+    ),
+    Claim(
+        "Without dropout, tying lowered training perplexity too (Press & Wolf 2017)",
+        f"training perplexity untied -> tied: {_SMALL.train_untied} -> "
+        f"{_SMALL.train_tied} (small, no dropout); {_LARGE.train_untied} -> "
+        f"{_LARGE.train_tied} (large, dropout: the regularizer reading's source)",
+        f"{_PW6}; {_PW5}",
+        "2-layer LSTMs on PTB, training perplexity per word; this study's models "
+        "have no dropout either",
+        (Contrast("a", "b", "train_bpc", -1),),
+    ),
+    Claim(
+        "Decoupling at the same embedding size is about neutral (Chung et al. 2021)",
+        "E_in = E_out = 768: coupled, 177M pre-training parameters, XTREME average "
+        "62.3; decoupled, 269M, 62.7 ('does not greatly affect the performance'); "
+        "masked-LM accuracy 61.1 -> 61.6",
+        "arXiv:2010.12821 (ICLR 2021), §4 and Table 2; Table 8",
+        "an mBERT-shaped masked-LM encoder judged after fine-tuning, the output "
+        "embedding discarded; the same shape decoupled: b - a here, not c - a",
+        (Contrast("b", "a", "test_bpc", 0),),
+    ),
+    Claim(
+        "Decoupled, the input embedding reinvested in depth, is better (Chung et al.)",
+        "E_in = 128, E_out = 768 and 23 layers for 12: 178M fine-tuning "
+        "parameters against the coupled baseline's 177M, XTREME average 66.2 "
+        "against 62.3 (+3.9); reinvested in width (H = 1024, 168M): 64.5",
+        "arXiv:2010.12821 (ICLR 2021), §5 and Table 6",
+        "as above; the equal count is of fine-tuning parameters, without the "
+        "output embedding (270M in pre-training)",
+        (Contrast("c", "a", "test_bpc", +1),),
+        "no arm is its counterpart: a causal LM keeps its head, and c pays for it "
+        "by narrowing the body, not by moving input parameters into it",
+    ),
+    Claim(
+        "Sharing costs a little; depth bought with the saving restores it (MobileLLM)",
+        "30 layers, 125M parameters: sharing saves 16M (11.8%) for 'a 0.2 "
+        "points drop in average accuracy', 'readily restored by reallocating "
+        "the saved parameters to add more layers'",
+        "arXiv:2402.14905 (ICML 2024), §2.2.3, as quoted; its ablation table "
+        "was not reached, so no number of the deeper model is cited",
+        "a 32k-vocabulary decoder judged by zero-shot reasoning accuracy",
+        tuple(Contrast(x, y, "test_bpc", -1) for x, y in ("ba", "da", "db")),
+    ),
+    Claim(
+        "Re-tying the head set a speedrun record (modded-nanogpt PR 175)",
+        "record 51, re-tied with retuned FP8 scales: 2035 steps, mean validation "
+        "loss 3.2776 (9 runs), 123.93 s; the scales untied on the previous 2090-"
+        "step schedule: 3.2755 (5 runs). Tying reached the target 55 steps sooner",
+        _MODDED + ": records/track_1_short/2025-12-19_RetieLMHead/README.md, "
+        "train_gpt.py at d8377c77 (PR 175) and 49465ccd (PR 172)",
+        _MODDED_SETTING,
+        (Contrast("b", "a", "test_bpc", +1),),
+        "a record judged by time to a target, the FP8 scales changed with it, "
+        "and no comparison at equal steps published",
+    ),
+    Claim(
+        "Untying at two thirds of training set the next record (modded-nanogpt PR 178)",
+        "record 53: tied until step 1254 of 1920 (2/3 of 1880 scheduled), then the "
+        "embedding starts as a copy of the head, Adam moments too, and trains apart; "
+        "mean validation loss 3.2787 (14 runs), 119.76 s (README table: 1.988 min)",
+        _MODDED + ": records/track_1_short/2025-12-22_MultiTokenPrediction/"
+        "README.md and train_gpt.py at 9060ff47 (PR 178)",
+        _MODDED_SETTING,
+        tuple(Contrast("e", y, "test_bpc", -1) for y in "ab"),
+        "multi-token prediction and other changes came in the same record, and "
+        "no ablation of the untying alone is published: e is measured here first",
+    ),
+)
+
+
+class CellDifference(NamedTuple):
+    """A cell's paired difference, p-value, and p Holm-adjusted over cells."""
+
+    vocab: str
+    amount: float
+    difference: stats.PairedDifference
+    p: float
+    holm_p: float
+
+
+def cell_values(
+    rows: Sequence[Mapping[str, Any]], column: str
+) -> dict[tuple[str, float], dict[str, dict[int, float]]]:
+    """``{(vocab, amount): {arm: {seed: value}}}`` of ``column`` over the
+    test rows (``role == "test"``) whose value is measured (not None, finite).
+
+    Raises:
+        ValueError: a row lacks a column; two test rows share cell, arm, seed.
 
     Examples:
-        >>> from lmhead.lab import workdirs
-        >>> from lmhead.studies.tying import shapes
-        >>> regime = study.Regime("fixed", 1.0, 100, 0)
-        >>> def result(arm, losses):
-        ...     cell = study.Cell(regime, None, arm, shapes.Shape(arm == "a", 8, 1, 16), 84)
-        ...     runs = {s: workdirs.Run("r", "r", {}, {}, [], {"test": {
-        ...         "bits_per_char": v}}, "finished") for s, v in enumerate(losses)}
-        ...     return CellResult(cell, 1e-3, {}, runs, 1000)
-        >>> design = study.Design("tiny", {}, (regime,), (None,), ("a", "b"), (1e-3,),
-        ...                       (0, 1, 2))
-        >>> signs_text([result("a", [2.0, 2.1, 2.2]), result("b", [2.1, 2.2, 2.3])],
-        ...            design, "b", "a", "test")
-        '> 0 at 1 of 1 (interval above 0 at 1, below at 0)'
-        >>> signs_text([result("a", [2.0]), result("b", [2.1])], design, "b", "a", "test")
-        'no seed pairs yet'
+        >>> rows = [dict(role="test", vocab="char", amount=0.1, arm="a", seed=0,
+        ...              test_bpc=2.0), dict(role="tune", vocab="char", amount=0.1,
+        ...              arm="a", seed=100, test_bpc=9.0)]
+        >>> cell_values(rows, "test_bpc")
+        {('char', 0.1): {'a': {0: 2.0}}}
     """
-    if len({r.cell.regime for r in results}) > 1:
-        raise ValueError("signs_text takes one regime's results.")
-    differences = [
-        d
-        for d in (
-            paired(results, vocab, x_arm, y_arm, key) for vocab in design.vocabularies
-        )
-        if d and d.n >= 2 and math.isfinite(d.mean)
+    cells: dict = {}
+    for i, row in enumerate(rows):
+        needed = ("role", "vocab", "amount", "arm", "seed", column)
+        if missing := [k for k in needed if k not in row]:
+            raise ValueError(f"rows[{i}] lacks the columns {missing}.")
+        value = row[column]
+        if row["role"] != "test" or value is None or not math.isfinite(value):
+            continue
+        cell = cells.setdefault((row["vocab"], row["amount"]), {})
+        seeds = cell.setdefault(row["arm"], {})
+        if row["seed"] in seeds:
+            raise ValueError(
+                f"rows[{i}] repeats the test run of vocab {row['vocab']!r}, amount "
+                f"{row['amount']}, arm {row['arm']!r}, seed {row['seed']}."
+            )
+        seeds[row["seed"]] = float(value)
+    return cells
+
+
+def compare(
+    rows: Sequence[Mapping[str, Any]], x: str, y: str, column: str
+) -> list[CellDifference]:
+    """``x - y`` of ``column`` per cell with both arms, paired by seed
+    (``stats.paired_difference``), and the paired t-test's p-value, Holm-adjusted
+    over the cells too (``stats.holm_adjusted``); vocabulary, then amount order.
+
+    Examples:
+        >>> rows = [dict(role="test", vocab="char", amount=1.0, arm=arm, seed=s,
+        ...              test_bpc=2.0 + s + (0.1 + 0.01 * s) * (arm == "b"))
+        ...         for arm in "ab" for s in range(3)]
+        >>> (cell,) = compare(rows, "b", "a", "test_bpc")
+        >>> round(cell.difference.mean, 6), cell.difference.n, cell.p == cell.holm_p
+        (0.11, 3, True)
+    """
+    cells, found = cell_values(rows, column), []
+    for vocab, amount in sorted(cells, key=lambda c: (VOCAB_RANK.get(c[0], 9), c)):
+        arms = cells[vocab, amount]
+        if x in arms and y in arms and set(arms[x]) & set(arms[y]):
+            pair = arms[x], arms[y]
+            d, p = stats.paired_difference(*pair), stats.paired_p_value(*pair)
+            found.append((vocab, amount, d, p))
+    adjusted = stats.holm_adjusted([p for *_, p in found])
+    return [CellDifference(*cell, holm) for cell, holm in zip(found, adjusted)]
+
+
+def word_ppl_change(
+    rows: Sequence[Mapping[str, Any]], vocab: str, amount: float
+) -> tuple[float, float, float]:
+    r"""``(change, low, high)``: per-word test perplexity's relative change
+    from the untied arm b to the tied arm a in one cell, paired by seed, and
+    its 95% interval, :math:`e^{\bar d} - 1` for :math:`d_s = \ln P_{a,s} -
+    \ln P_{b,s}` (the ends likewise; NaN for fewer than 2 pairs).
+
+    Examples:
+        >>> rows = [dict(role="test", vocab="char", amount=1.0, arm=arm, seed=s,
+        ...              test_word_ppl=(100.0 if arm == "b" else 95.0) * (1 + s))
+        ...         for arm in "ab" for s in range(3)]
+        >>> [round(v, 6) for v in word_ppl_change(rows, "char", 1.0)]
+        [-0.05, -0.05, -0.05]
+    """
+    arms = cell_values(rows, "test_word_ppl").get((vocab, amount), {})
+    logs = [{s: math.log(v) for s, v in arms.get(arm, {}).items()} for arm in "ab"]
+    d = stats.paired_difference(*logs)
+    return math.expm1(d.mean), math.expm1(d.low), math.expm1(d.high)
+
+
+def verdict(cell: CellDifference, predicted: int) -> str:
+    """``"agrees"`` or ``"disagrees"`` with a predicted sign of the
+    difference (+1, -1; or 0, about zero, which any significant cell
+    contradicts) where ``cell.holm_p < ALPHA``; else ``"cannot tell"``.
+
+    Examples:
+        >>> d = stats.PairedDifference(-0.02, 0.01, 8, -0.03, -0.01)
+        >>> [verdict(CellDifference("char", 1.0, d, 0.0, p), sign)
+        ...  for p, sign in ((0.01, +1), (0.2, +1), (0.01, 0))]
+        ['disagrees', 'cannot tell', 'disagrees']
+    """
+    if predicted not in (-1, 0, 1):
+        raise ValueError(f"predicted must be -1, 0 or 1, got {predicted!r}.")
+    if not cell.holm_p < ALPHA:  # NaN too: no test could be made
+        return "cannot tell"
+    agrees = predicted != 0 and (cell.difference.mean > 0) == (predicted > 0)
+    return "agrees" if agrees else "disagrees"
+
+
+def literature_text(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The report's section "Against published results" (Markdown): each of
+    :data:`CLAIMS` with its numbers and source, then its counterparts in ``rows``
+    (``runs.csv``'s test rows): a table per contrast, and a verdict.
+
+    Examples:
+        >>> text = literature_text([])
+        >>> text.splitlines()[0], text.count("no cell has both arms")
+        ('## Against published results', 10)
+    """
+    lines = ["## Against published results", "", _INTRO, ""]
+    shown: dict[Contrast, int] = {}
+    for number, claim in enumerate(CLAIMS, start=1):
+        lines.append(_CLAIM.format(number, *claim[:4]))
+        for contrast in claim.contrasts:
+            lines += _contrast_lines(rows, claim, contrast, number, shown)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+_CLAIM = "### {}. {}\n\n- Published: {}.\n- Source: {}.\n- Setting: {}.\n"
+_INTRO = (
+    "Each published claim (checked as `docs/tying_study/literature_sources.md` "
+    "says) and its counterpart in `runs.csv`'s test runs, paired by seed within "
+    "a cell (one vocabulary at one data amount), in bits/char: b - a > 0 means "
+    f"the tied arm a is the better. Arms: {ARMS}. A cell agrees or disagrees "
+    "only where its Holm-adjusted p-value over the comparison's cells is below "
+    f"{ALPHA} (its 95% interval then excludes zero); otherwise this study cannot "
+    f"tell. On {PER_WORD}."
+)
+
+
+def _contrast_lines(rows, claim, contrast, number, shown) -> list[str]:
+    x, y, column, predicted = contrast
+    label = f"**{x} - {y}** ({COLUMN_NAMES.get(column, column)})"
+    cells = compare(rows, x, y, column)
+    if not cells:
+        return [f"{label}: no cell has both arms with test runs yet.", ""]
+    key = contrast._replace(predicted=0)
+    if key in shown:
+        lines = [f"{label}: the table of point {shown[key]}."]
+    else:
+        shown[key] = number
+        lines = [f"{label}:", "", _table(rows, cells, f"{x} - {y}", key == _WORD_PPL)]
+    sign = {1: "> 0", -1: "< 0", 0: "about 0"}[predicted]
+    reason = claim.not_comparable
+    summary = f"**cannot tell**: {reason}." if reason else _summary(cells, predicted)
+    return lines + ["", f"Verdict ({x} - {y} {sign} predicted): {summary}", ""]
+
+
+_WORD_PPL = Contrast("b", "a", "test_bpc", 0)  # shown with per-word perplexity
+
+
+def _table(rows, cells, name, with_word_ppl) -> str:
+    header = ["vocabulary", "amount", "pairs", f"{name} [95%]", "p (Holm)"]
+    body = [
+        [*_label(c), str(c.difference.n), report.interval_text(c.difference), _p(c)]
+        for c in cells
     ]
-    if not differences:
-        return "no seed pairs yet"
-    positive = sum(d.mean > 0 for d in differences)
-    above = sum(d.low > 0 for d in differences)
-    below = sum(d.high < 0 for d in differences)
+    if not with_word_ppl:
+        return report.markdown_table(header, body)
+    changes = [word_ppl_change(rows, c.vocab, c.amount) for c in cells]
+    for line, (change, low, high) in zip(body, changes):
+        ends = "" if math.isnan(low) else f" [{low:+.2%}, {high:+.2%}]"
+        line.append("—" if math.isnan(change) else f"{change:+.2%}{ends}")
+    means = [m for m, *_ in changes if math.isfinite(m)]
+    here = f"{min(means):+.1%} to {max(means):+.1%}" if means else "unmeasured"
+    published = sorted(p.change for p in PTB_PAIRS)
     return (
-        f"> 0 at {positive} of {len(differences)} (interval above 0 at {above}, "
-        f"below at {below})"
+        report.markdown_table(header + ["per-word ppl b -> a [95%]"], body)
+        + "\n\nSize: the published per-word changes untied -> tied run from "
+        f"{published[0]:+.1%} to {published[-1]:+.1%}; this study's cells, {here}."
     )
 
 
-def literature_reference(
-    by_regime: dict[str, list[CellResult]], design: study.Design
-) -> str:
-    """The published perplexities, then what each source predicts here and
-    what this study found: per regime, the sign of each paired difference
-    that tests the prediction, counted over vocabularies."""
-    lines = [
-        f"- {name}: {untied} → {tied} ({tied / untied - 1:+.1%})"
-        for name, untied, tied in LITERATURE
-    ]
-    lines += [
-        "",
-        "What they predict for this study's comparisons, and what it found "
-        "(over the vocabularies: how many paired differences are above zero, "
-        "and how many 95% intervals lie wholly above or below it):",
-        "",
-    ]
-    rows = []
-    for source, result, prediction, checks in PREDICTIONS:
-        found = "<br>".join(
-            f"`{regime}` {'training ' if key == 'train' else ''}{x} − {y}: "
-            + signs_text(results, design, x, y, key)
-            for regime, results in by_regime.items()
-            for x, y, key in checks
-            if any(r.cell.arm == x for r in results)
-            and any(r.cell.arm == y for r in results)
+def _p(cell: CellDifference) -> str:
+    return "—" if math.isnan(cell.holm_p) else f"{cell.holm_p:.3g}"
+
+
+def _summary(cells, predicted) -> str:
+    verdicts = [verdict(c, predicted) for c in cells]
+    parts = []
+    for v in ("agrees", "disagrees", "cannot tell"):
+        at = [" ".join(_label(c)) for c, w in zip(cells, verdicts) if w == v]
+        named = f" ({', '.join(at)})" if at and v != "cannot tell" else ""
+        parts.append(f"{v} at {len(at)}{named}")
+    agree, disagree = "agrees" in verdicts, "disagrees" in verdicts
+    words = ("cannot tell", "disagrees", "agrees", "differs by cell")
+    word, note = words[2 * agree + disagree], ""
+    if predicted == 0 and not disagree:
+        widths = [c.difference.high - c.difference.low for c in cells]
+        widest = max((w for w in widths if math.isfinite(w)), default=math.nan)
+        note = (
+            ": no cell differs, as about zero predicts, but intervals up to "
+            f"{widest:.4f} wide do not show that it is zero"
         )
-        rows.append([source, result, prediction, found or report.DASH])
-    table = report.markdown_table(
-        ["source", "its result", "prediction here", "found here"], rows
-    )
-    return "\n".join(lines + [table])
+    n = len(cells)
+    return f"**{word}**{note}; cells: {', '.join(parts)}, of {n} (Holm over the {n})."
+
+
+def _label(cell: CellDifference) -> tuple[str, str]:
+    vocab = "characters" if cell.vocab == "char" else f"BPE {cell.vocab}"
+    return vocab, f"{cell.amount * 100:g}%"

@@ -1,74 +1,274 @@
-"""Tests for lmhead/studies/tying/literature.py: the signs of the paired
-differences that test each published prediction, counted from the known
-values of the synthetic study (conftest.py here)."""
+"""Tests for lmhead/studies/tying/literature.py: synthetic runs.csv rows with
+known paired differences (three cells, four seeds) read back as the section
+"Against published results", checked against numpy and scipy computed here;
+and the published data's internal consistency."""
+
+import math
 
 import numpy as np
-from scipy import stats
+import pytest
+from scipy import stats as scipy_stats
 
+from lmhead.studies.tying import literature
 from tests.lab.markdown import table_rows
-from tests.studies.tying.synthetic_study import study_seeds, study_values
+
+SEEDS = (0, 1, 2, 3)
+JITTER = np.array([0.004, -0.003, 0.001, -0.002])  # per seed, so std > 0
+# Test bits/char = a cell base + a per-seed effect every arm shares + the
+# arm's effect (below) + the arm's jitter. Tied a better at characters 1%
+# (b - a > 0), worse at 100% (< 0), about even at BPE 2048 1% (the b jitter
+# there is large, so no interval excludes zero).
+BASE = {("char", 0.01): 2.4, ("char", 1.0): 1.9, ("2048", 0.01): 2.6}
+EFFECT = {
+    ("char", 0.01): {"a": 0.0, "b": 0.05, "c": 0.03, "e": 0.02},
+    ("char", 1.0): {"a": 0.0, "b": -0.04, "c": 0.01, "e": -0.03},
+    ("2048", 0.01): {"a": 0.0, "b": 0.002, "c": 0.02, "d": -0.01, "e": 0.0},
+}
+NOISY = {("2048", 0.01, "b"): 10.0}  # that arm's jitter is multiplied
+CHARS_PER_WORD = 5.5
 
 
-def test_study_counts_the_signs_that_test_each_prediction(study_report):
-    """ "found here": per regime and comparison, how many vocabularies have a
-    positive paired mean and an interval wholly above or below zero, from the
-    known values (the unfinished seed drops out of its pairs)."""
-    design, _, markdown, _ = study_report
-    predictions = table_rows(markdown.split("What they predict")[1], "source")
-    column = {"test": 0, "train": 2}
+def bpc(vocab, amount, arm, seed):
+    jitter = JITTER[(seed + "abcde".index(arm)) % 4]
+    scale = NOISY.get((vocab, amount, arm), 1.0)
+    return (
+        BASE[vocab, amount] + 0.1 * seed + EFFECT[vocab, amount][arm] + scale * jitter
+    )
 
-    def found(regime, x_arm, y_arm, key):
-        positive = above = below = 0
-        for vocab in design.vocabularies:
-            cells = {
-                c.arm: c
-                for c in design.cells()
-                if c.regime == regime and c.vocab == vocab
-            }
-            seeds = sorted(
-                set(study_seeds(cells[x_arm])) & set(study_seeds(cells[y_arm]))
-            )
-            diffs = np.array(
-                [
-                    study_values(cells[x_arm], s)[column[key]]
-                    - study_values(cells[y_arm], s)[column[key]]
-                    for s in seeds
-                ]
-            )
-            half = (
-                stats.t.ppf(0.975, len(diffs) - 1)
-                * diffs.std(ddof=1)
-                / np.sqrt(len(diffs))
-            )
-            positive += diffs.mean() > 0
-            above += diffs.mean() - half > 0
-            below += diffs.mean() + half < 0
-        prefix = "training " if key == "train" else ""
-        return (
-            f"`{regime.name}` {prefix}{x_arm} − {y_arm}: > 0 at {positive} of "
-            f"{len(design.vocabularies)} (interval above 0 at {above}, below at {below})"
-        )
 
-    checks = [
-        (("b", "a", "test"), ("a", "b", "train")),
-        (("d", "b", "test"),),
-        (("c", "a", "test"),),
-        (("b", "a", "test"),),
+def row(role, vocab, amount, arm, seed, value):
+    return {
+        "role": role,
+        "vocab": vocab,
+        "amount": amount,
+        "arm": arm,
+        "seed": seed,
+        "test_bpc": value,
+        "train_bpc": None if value is None else value - 0.5,
+        "test_word_ppl": None if value is None else 2 ** (value * CHARS_PER_WORD),
+    }
+
+
+@pytest.fixture(scope="module")
+def rows():
+    found = [
+        row("test", vocab, amount, arm, s, bpc(vocab, amount, arm, s))
+        for (vocab, amount), arms in EFFECT.items()
+        for arm in arms
+        for s in SEEDS
     ]
-    for row, comparisons in zip(predictions, checks):
-        assert row["found here"] == "<br>".join(
-            found(regime, *c) for regime in design.regimes for c in comparisons
+    # Never read: tuning and ablation runs, and a failed test run (its seed
+    # drops out of its pairs).
+    found.append(row("tune", "char", 0.01, "b", 100, 9.0))
+    found.append(row("ablation", "char", 0.01, "a", 0, 9.0))
+    found.append(row("test", "char", 1.0, "c", 4, None))
+    return found
+
+
+def reference(vocab, amount, x, y, shift=0.0):
+    """numpy/scipy: mean, 95% t-interval and paired p of x - y over SEEDS."""
+    d = np.array([bpc(vocab, amount, x, s) - bpc(vocab, amount, y, s) for s in SEEDS])
+    d = d + shift
+    half = scipy_stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))
+    p = scipy_stats.ttest_1samp(d, 0.0).pvalue
+    return d.mean(), d.mean() - half, d.mean() + half, p
+
+
+def holm(p):
+    """Holm's step-down adjustment written out: sorted p_(i) times (m - i),
+    made monotone, capped at 1."""
+    order, m = np.argsort(p), len(p)
+    adjusted, running = np.empty(m), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def section(text, number):
+    start = text.index(f"### {number}.")
+    end = text.find("### ", start + 4)
+    return text[start : end if end != -1 else None]
+
+
+def test_cell_values_reads_measured_test_rows_only(rows):
+    cells = literature.cell_values(rows, "test_bpc")
+    assert set(cells) == set(EFFECT)
+    assert cells["char", 1.0]["c"].keys() == set(SEEDS)  # the failed seed 4 is out
+    assert cells["char", 0.01]["b"] == {s: bpc("char", 0.01, "b", s) for s in SEEDS}
+    nan = row("test", "char", 1.0, "a", 9, math.nan)
+    assert 9 not in literature.cell_values([nan], "test_bpc").get(("char", 1.0), {})
+
+
+def test_cell_values_refuses_repeated_runs_and_missing_columns(rows):
+    with pytest.raises(ValueError, match="repeats the test run.*seed 0"):
+        literature.cell_values(rows + [rows[0]], "test_bpc")
+    with pytest.raises(ValueError, match=r"rows\[0\] lacks the columns \['seed'\]"):
+        literature.cell_values(
+            [{k: v for k, v in rows[0].items() if k != "seed"}], "test_bpc"
         )
-    # The known values: c − a's interval lies above zero; d − b is negative,
-    # its interval spanning zero over 3 seeds, but not over the 2 seeds of the
-    # cell with an unfinished run (its two differences are equal).
+
+
+def test_compare_matches_scipy_and_a_written_out_holm(rows):
+    cells = literature.compare(rows, "b", "a", "test_bpc")
+    assert [(c.vocab, c.amount) for c in cells] == [
+        ("char", 0.01),
+        ("char", 1.0),
+        ("2048", 0.01),
+    ]
+    expected = [reference(c.vocab, c.amount, "b", "a") for c in cells]
+    adjusted = holm(np.array([p for *_, p in expected]))
+    for cell, (mean, low, high, p), holm_p in zip(cells, expected, adjusted):
+        assert cell.difference.n == len(SEEDS)
+        np.testing.assert_allclose(
+            [cell.difference.mean, cell.difference.low, cell.difference.high],
+            [mean, low, high],
+            rtol=1e-9,
+        )
+        np.testing.assert_allclose([cell.p, cell.holm_p], [p, holm_p], rtol=1e-9)
+    # The designed outcome: significant both ways, and one cell that is not.
+    assert [literature.verdict(c, +1) for c in cells] == [
+        "agrees",
+        "disagrees",
+        "cannot tell",
+    ]
+    assert [literature.verdict(c, 0) for c in cells] == [
+        "disagrees",
+        "disagrees",
+        "cannot tell",
+    ]
+    # d exists at BPE 2048 only: d - b has that one cell, its Holm p unadjusted.
+    (only,) = literature.compare(rows, "d", "b", "test_bpc")
+    assert (only.vocab, only.amount, only.p) == ("2048", 0.01, only.holm_p)
+
+
+def test_verdict_refuses_a_prediction_that_is_not_a_sign(rows):
+    cell = literature.compare(rows, "b", "a", "test_bpc")[0]
+    with pytest.raises(ValueError, match="predicted must be -1, 0 or 1"):
+        literature.verdict(cell, 2)
+
+
+def test_word_ppl_change_is_the_bpc_difference_on_the_word_scale(rows):
+    """ln(P_a / P_b) = (bpc_a - bpc_b) * ln 2 * chars per word, seed by seed:
+    the change and its interval are exp of a - b's, on that scale, minus 1."""
+    change, low, high = literature.word_ppl_change(rows, "char", 0.01)
+    mean, lo, hi, _ = reference("char", 0.01, "a", "b")
+    scale = math.log(2) * CHARS_PER_WORD
+    np.testing.assert_allclose(
+        [change, low, high], np.expm1(np.array([mean, lo, hi]) * scale), rtol=1e-9
+    )
+    assert change < 0  # the tied arm is the better there
+    assert all(math.isnan(v) for v in literature.word_ppl_change(rows, "8192", 1.0))
+
+
+def test_section_tables_hold_the_hand_computed_numbers(rows):
+    text = literature.literature_text(rows)
+    first = table_rows(section(text, 1), "vocabulary")
+    assert [(r["vocabulary"], r["amount"]) for r in first] == [
+        ("characters", "1%"),
+        ("characters", "100%"),
+        ("BPE 2048", "1%"),
+    ]
+    expected = [reference(v, a, "b", "a") for v, a in BASE]
+    adjusted = holm(np.array([p for *_, p in expected]))
+    scale = math.log(2) * CHARS_PER_WORD
+    for line, (mean, low, high, _), holm_p in zip(first, expected, adjusted):
+        assert line["pairs"] == "4"
+        assert line["b - a [95%]"] == f"{mean:+.4f} [{low:+.4f}, {high:+.4f}]"
+        assert line["p (Holm)"] == f"{holm_p:.3g}"
+        ends = np.expm1(-np.array([mean, high, low]) * scale)
+        assert line["per-word ppl b -> a [95%]"] == (
+            f"{ends[0]:+.2%} [{ends[1]:+.2%}, {ends[2]:+.2%}]"
+        )
+    # Training bits/char are test bits/char - 0.5 here: a - b is -(b - a).
+    train = table_rows(section(text, 2), "vocabulary")
+    assert [r["a - b [95%]"] for r in train] == [
+        f"{-m:+.4f} [{-h:+.4f}, {-lo:+.4f}]" for m, lo, h, _ in expected
+    ]
+
+
+def test_section_verdicts(rows):
+    text = literature.literature_text(rows)
+    tail = "of 3 (Holm over the 3)."
     assert (
-        predictions[2]["found here"].count(
-            "c − a: > 0 at 2 of 2 (interval above 0 at 2, below at 0)"
+        "Verdict (b - a > 0 predicted): **differs by cell**; cells: agrees at 1 "
+        f"(characters 1%), disagrees at 1 (characters 100%), cannot tell at 1, {tail}"
+    ) in section(text, 1)
+    # Chung et al.'s "about zero": any significant cell contradicts it.
+    assert "Verdict (b - a about 0 predicted): **disagrees**; cells: agrees at 0" in (
+        section(text, 3)
+    )
+    assert "the table of point 1" in section(text, 3)
+    # MobileLLM's sign is the other way round.
+    assert (
+        "Verdict (b - a < 0 predicted): **differs by cell**; cells: agrees at 1 "
+        "(characters 100%), disagrees at 1 (characters 1%)"
+    ) in section(text, 5)
+    # Claims whose setting does not carry over are "cannot tell", with why.
+    for number in (4, 6, 7):
+        claim = literature.CLAIMS[number - 1]
+        assert f"**cannot tell**: {claim.not_comparable}." in section(text, number)
+    assert section(text, 7).count("**cannot tell**") == 2  # e - a and e - b
+
+
+def test_an_about_zero_claim_with_no_significant_cell_cannot_tell(rows):
+    noisy = [r for r in rows if (r["vocab"], r["amount"]) == ("2048", 0.01)]
+    text = section(literature.literature_text(noisy), 3)
+    (cell,) = literature.compare(noisy, "b", "a", "test_bpc")
+    width = cell.difference.high - cell.difference.low
+    assert (
+        "**cannot tell**: no cell differs, as about zero predicts, but intervals "
+        f"up to {width:.4f} wide do not show that it is zero; cells: agrees at 0, "
+        "disagrees at 0, cannot tell at 1, of 1 (Holm over the 1)."
+    ) in text
+
+
+def test_no_rows_no_tables():
+    text = literature.literature_text([])
+    contrasts = sum(len(c.contrasts) for c in literature.CLAIMS)
+    assert text.count("no cell has both arms with test runs yet") == contrasts
+    assert text.count("### ") == len(literature.CLAIMS)
+    assert "|" not in text
+
+
+def test_published_pairs_are_consistent():
+    for pair in literature.PTB_PAIRS:
+        assert pair.change == pytest.approx(pair.tied / pair.untied - 1, abs=1e-15)
+        assert pair.change < 0  # every published pair favours tying on test
+        assert pair.where in literature.CLAIMS[0].source
+        assert f"{pair.untied} -> {pair.tied} ({pair.change:+.1%})" in (
+            literature.CLAIMS[0].published
         )
-        == 2
-    )
-    assert predictions[1]["found here"] == (
-        "`fixed` d − b: > 0 at 0 of 2 (interval above 0 at 0, below at 0)<br>"
-        "`limited` d − b: > 0 at 0 of 2 (interval above 0 at 0, below at 1)"
-    )
+    # The changes as published, rounded to a tenth of a percent.
+    assert [round(100 * p.change, 1) for p in literature.PTB_PAIRS] == [
+        -1.8,
+        -5.2,
+        -2.5,
+        -4.9,
+        -5.0,
+    ]
+    small, large = literature.PTB_PAIRS[:2]
+    assert small.train_tied < small.train_untied  # no dropout: lower too
+    assert large.train_tied > large.train_untied  # dropout: higher
+    for p in (small, large):
+        assert f"{p.train_untied} -> {p.train_tied}" in literature.CLAIMS[1].published
+    assert all(p.train_untied is None for p in literature.PTB_PAIRS[2:])
+
+
+def test_published_claims_are_consistent():
+    for claim in literature.CLAIMS:
+        assert claim.contrasts
+        for x, y, column, predicted in claim.contrasts:
+            assert {x, y} <= set("abcde") and x != y
+            assert column in literature.COLUMN_NAMES and predicted in (-1, 0, 1)
+    chung_same, chung_reinvested = literature.CLAIMS[2:4]
+    assert "62.3" in chung_same.published and "62.7" in chung_same.published
+    assert f"(+{66.2 - 62.3:.1f})" in chung_reinvested.published
+    assert "(+3.9)" in chung_reinvested.published
+    retie, untie = literature.CLAIMS[5:7]
+    # modded-nanogpt: 1995 + 40 steps tied against 2050 + 40 untied; the
+    # untie step is ceil(2/3 * 1880) of 1880 + 40.
+    assert f"{1995 + 40} steps" in retie.published
+    assert f"{2050 + 40}-step" in retie.published
+    assert f"{(2050 + 40) - (1995 + 40)} steps sooner" in retie.published
+    assert f"step {math.ceil(2 / 3 * 1880)} of {1880 + 40}" in untie.published

@@ -1,0 +1,581 @@
+"""The tying study's report from the rows of ``runs.csv`` alone
+(``table.read_rows``'s list of dicts): no run directory is read, so anyone
+with the committed CSV regenerates it, or re-pairs arms, re-chooses rates
+and applies another analysis.
+
+A *cell* is one vocabulary at one data amount (``train_fraction``); its
+arms a..e are compared within it, paired by seed. The *primary* contrasts,
+named before the runs, are :data:`PRIMARY` (b - a and c - a) in every cell:
+one family, whose p-values are Holm-adjusted together, with a spread of the
+paired differences pooled over the cells beside each cell's own. Every
+other comparison (:data:`SECONDARY`, the table learning-rate ablation) is
+unadjusted and labelled exploratory.
+
+:func:`write_report` writes ``REPORT.md`` and the plots
+(``contrast_plots.py``); :func:`answer` is the short summary that
+``make compare`` prints. The numbers come from ``cells.py``.
+
+Every value is test bits per character, paired by seed within a cell,
+unless a column says otherwise; a difference x - y < 0 means x is better.
+"""
+
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from lmhead.lab import report, stats
+from lmhead.studies.tying import cells as cells_lib
+from lmhead.studies.tying import contrast_plots, table
+from lmhead.studies.tying.cells import PRIMARY, SECONDARY, Contrast
+
+DASH = report.DASH
+ALPHA = 0.05
+Rows = Sequence[Mapping[str, Any]]
+
+
+def p_text(p: float) -> str:
+    """A p-value with 4 decimals, ``<0.0001`` below that, a dash for NaN.
+
+    Examples:
+        >>> p_text(0.01234), p_text(3e-6), p_text(float("nan"))
+        ('0.0123', '<0.0001', '—')
+    """
+    if math.isnan(p):
+        return DASH
+    return "<0.0001" if p < 1e-4 else f"{p:.4f}"
+
+
+def pair_text(low: float, high: float) -> str:
+    """``"[low, high]"`` with signs, a dash for NaN.
+
+    Examples:
+        >>> pair_text(-0.01, 0.02), pair_text(float("nan"), 1.0)
+        ('[-0.0100, +0.0200]', '—')
+    """
+    if math.isnan(low) or math.isnan(high):
+        return DASH
+    return f"[{low:+.4f}, {high:+.4f}]"
+
+
+def _mean_text(values: Sequence[float], decimals: int = 4) -> str:
+    mean, _, n = stats.mean_std(list(values))
+    return DASH if n == 0 else f"{mean:,.{decimals}f}"
+
+
+def _spread_text(values: Sequence[float], decimals: int = 4) -> str:
+    """``mean ± std (n)``."""
+    values = list(values)
+    if not values:
+        return DASH
+    return f"{report.mean_std_text(values, decimals)} ({len(values)})"
+
+
+# --- The design, as the rows show it -----------------------------------------
+
+
+def design_section(rows: Rows) -> str:
+    """The vocabularies, amounts, offsets, seeds and each arm's shape."""
+    tested = [r for r in rows if r["role"] == "test"]
+    shapes = {}
+    for row in sorted(tested, key=cells_lib.row_order):
+        shapes.setdefault((row["vocab"], row["arm"]), row)
+    arms = report.markdown_table(
+        [
+            "vocabulary",
+            "tokens",
+            "arm",
+            "d_model",
+            "layers",
+            "MLP",
+            "params",
+            "FLOPs/token",
+            "head share",
+            "untie step",
+        ],  # fmt: skip
+        (
+            [
+                cells_lib.vocab_label(vocab),
+                _int_text(row["vocab_size"]),
+                f"{arm} ({cells_lib.ARM_NAMES.get(arm, arm)})",
+                _int_text(row["d_model"]),
+                _int_text(row["num_layers"]),
+                _int_text(row["mlp_dim"]),
+                _int_text(row["params"]),
+                _int_text(row["flops_per_token"]),
+                DASH if row["head_share"] is None else f"{row['head_share']:.1%}",
+                _int_text(row["untie_step"]),
+            ]
+            for (vocab, arm), row in shapes.items()
+        ),
+    )
+    no_d = [
+        cells_lib.vocab_label(v)
+        for v in cells_lib.vocabularies(tested)
+        if (v, "d") not in shapes
+    ]
+    lines = [
+        "## Design",
+        "Shapes of the test runs (head share: the [V, D] unembedding's share "
+        "of the parameters; a tied table counts once). FLOPs per token are "
+        "training FLOPs (`shapes.flops_per_token`).",
+        arms,
+        amounts_table(rows),
+    ]
+    if no_d:
+        lines.append(
+            f"No arm d at {', '.join(no_d)}: the design adds whole blocks only "
+            "where the saved V·D pays for at least one."
+        )
+    return "\n\n".join(lines)
+
+
+def _int_text(value: int | None) -> str:
+    return DASH if value is None else f"{value:,}"
+
+
+def amounts_table(rows: Rows) -> str:
+    """One line per data amount: offsets, training characters, step cap and
+    the seeds of each role."""
+    lines = []
+    for amount in cells_lib.amounts(rows):
+        of = [r for r in rows if r["amount"] == amount]
+        seeds = {
+            role: sorted({r["seed"] for r in of if r["role"] == role})
+            for role in table.ROLES
+        }
+        lines.append(
+            [
+                cells_lib.amount_label(amount),
+                ", ".join(f"{o:g}" for o in sorted({r["offset"] for r in of})),
+                ", ".join(
+                    f"{c:,}" for c in sorted({r["train_chars"] for r in of} - {None})
+                ),
+                ", ".join(
+                    f"{s:,}" for s in sorted({r["steps_cap"] for r in of} - {None})
+                ),
+                *[_seeds_text(seeds[role]) for role in table.ROLES],
+            ]
+        )
+    return report.markdown_table(
+        [
+            "amount",
+            "offsets",
+            "training chars",
+            "step cap",
+            "tuning seeds",
+            "test seeds",
+            "ablation seeds",
+        ],  # fmt: skip
+        lines,
+    )
+
+
+def _seeds_text(seeds: Sequence[int]) -> str:
+    if not seeds:
+        return DASH
+    if seeds == list(range(seeds[0], seeds[0] + len(seeds))) and len(seeds) > 2:
+        return f"{seeds[0]}..{seeds[-1]}"
+    return ", ".join(map(str, seeds))
+
+
+def tuning_section(rows: Rows) -> str:
+    """Each cell's chosen rate and the mean tuning validation loss per rate."""
+    lines = []
+    for tuning in cells_lib.tunings(rows):
+        rates = ", ".join(
+            ("**{}: {:.4f}**" if lr in tuning.chosen else "{}: {:.4f}").format(
+                f"{lr:.3g}", loss
+            )
+            + ("" if n == len(tuning.seeds) else f" ({n} seeds)")
+            for lr, (loss, n) in sorted(tuning.mean_loss.items())
+        )
+        chosen = ", ".join(f"{lr:.3g}" for lr in tuning.chosen) or DASH
+        note = "" if tuning.best in tuning.chosen or not tuning.chosen else " (≠ best)"
+        lines.append(
+            [
+                cells_lib.vocab_label(tuning.vocab),
+                cells_lib.amount_label(tuning.amount),
+                tuning.arm,
+                chosen + note,
+                _seeds_text(list(tuning.seeds)),
+                rates or DASH,
+            ]
+        )
+    return "\n\n".join(
+        [
+            "## Learning rates",
+            "Mean validation loss (nats/token) of the tuning seeds at each rate "
+            "tried; the test runs' rate in bold. The tuning seeds are never "
+            "test seeds.",
+            report.markdown_table(
+                [
+                    "vocabulary",
+                    "amount",
+                    "arm",
+                    "chosen lr",
+                    "tuning seeds",
+                    "mean tuning val loss by rate",
+                ],  # fmt: skip
+                lines,
+            ),
+        ]
+    )
+
+
+# --- Results per cell ---------------------------------------------------------
+
+
+def results_section(rows: Rows) -> str:
+    """Each cell's arms: test bits/char, validation, gap, steps, cap, ppl."""
+    groups = cells_lib.group_runs(rows, "test")
+    lines, capped = [], []
+    for key, runs in groups.items():
+        vocab, amount, arm = key
+        values = list(runs.values())
+        reached = sum(bool(r["reached_cap"]) for r in values)
+        if reached:
+            capped.append(f"{cells_lib.cell_label((vocab, amount))} {arm} {reached}")
+        lines.append(
+            [
+                cells_lib.vocab_label(vocab),
+                cells_lib.amount_label(amount),
+                arm,
+                ", ".join(f"{lr:.3g}" for lr in sorted({r["lr"] for r in values})),
+                _spread_text(cells_lib.column(values, "test_bpc")),
+                _mean_text(cells_lib.column(values, "val_bpc")),
+                _mean_text(cells_lib.column(values, "gap_bpc")),
+                _mean_text(cells_lib.column(values, "steps_to_best"), 0),
+                f"{reached} of {len(values)}",
+                _mean_text(cells_lib.column(values, "tokens_per_param"), 2),
+                _mean_text(cells_lib.column(values, "test_word_ppl"), 2),
+            ]
+        )
+    text = [
+        "## Results by cell",
+        "Test bits/char: mean ± sample std (runs) over the test seeds; the other "
+        "columns are means over the same runs. Held-out gap: bits/char on "
+        "held-out windows of the training plays minus on training windows, "
+        "at the tested step. Steps to best: the step of the lowest validation "
+        "loss, whose parameters were tested. Word perplexity: exp(test nats / "
+        "words of the test text, `len(text.split())`).",
+        report.markdown_table(
+            [
+                "vocabulary",
+                "amount",
+                "arm",
+                "lr",
+                "test bits/char",
+                "val bits/char",
+                "held-out gap",
+                "steps to best",
+                "reached cap",
+                "tokens/param",
+                "word ppl",
+            ],  # fmt: skip
+            lines,
+        ),
+    ]
+    if capped:
+        text.append(
+            "Runs that reached the step cap are budget-limited, not "
+            "early-stopped: their numbers are those of a fixed budget (cell, "
+            f"arm, runs): {'; '.join(capped)}."
+        )
+    return "\n\n".join(text)
+
+
+# --- Contrasts ----------------------------------------------------------------
+
+
+def _contrast_cells(contrast: Contrast) -> list[str]:
+    d = contrast.difference
+    return [
+        cells_lib.vocab_label(contrast.vocab),
+        cells_lib.amount_label(contrast.amount),
+        contrast.label,
+        str(d.n),
+        report.interval_text(d),
+        p_text(contrast.p),
+    ]
+
+
+def primary_section(rows: Rows) -> str:
+    """The primary family: intervals, p, Holm p, pooled and simultaneous."""
+    family = cells_lib.primary_family(rows)
+    head = "## Primary contrasts: " + ", ".join(f"{x} − {y}" for x, y in PRIMARY)
+    if not family.contrasts:
+        return f"{head}\n\nNo cell has paired test runs of these arms yet."
+    lines = [
+        [
+            *_contrast_cells(c),
+            p_text(c.holm_p),
+            pair_text(*c.pooled),
+            pair_text(*c.simultaneous),
+        ]
+        for c in family.contrasts
+    ]
+    pooled = "; ".join(
+        f"{label}: {p.std:.4f} ({p.dof} degrees of freedom)"
+        for label, p in family.pooled.items()
+    )
+    return "\n\n".join(
+        [
+            head,
+            f"One family of {len(family.contrasts)} contrasts (every cell x "
+            f"{len(PRIMARY)}), named in the sweep file before the runs. Mean "
+            "[95% t-interval] of the per-seed differences, the paired t-test's "
+            "two-sided p, and Holm's step-down adjusted p over the whole family. "
+            "Pooled: the cell's mean ± t · s_p / √n with the standard deviation "
+            "s_p of that contrast's differences pooled over all cells, "
+            "√(Σ(n_i − 1)s_i² / Σ(n_i − 1)), which assumes the spread is the "
+            "same in every cell. Simultaneous: Bonferroni intervals that hold "
+            "together for the whole family at 95%; Bonferroni is more "
+            "conservative than Holm, so such an interval may include 0 where "
+            "the Holm-adjusted p is below 0.05.",
+            report.markdown_table(
+                [
+                    "vocabulary",
+                    "amount",
+                    "contrast",
+                    "n",
+                    "mean [95% t]",
+                    "p",
+                    "Holm p",
+                    "pooled 95%",
+                    "simultaneous 95%",
+                ],  # fmt: skip
+                lines,
+            ),
+            f"Pooled standard deviations of the differences: {pooled}.",
+            family_counts(family.contrasts),
+        ]
+    )
+
+
+def family_counts(contrasts: Sequence[Contrast]) -> str:
+    """``k of n cells`` per primary contrast, beside the Holm correction."""
+    parts = []
+    for x, y in PRIMARY:
+        of = [c for c in contrasts if (c.minuend, c.subtrahend) == (x, y)]
+        lower = sum(c.holm_p < ALPHA and c.difference.mean < 0 for c in of)
+        higher = sum(c.holm_p < ALPHA and c.difference.mean > 0 for c in of)
+        parts.append(
+            f"{x} − {y}: Holm-adjusted p < {ALPHA} in {lower + higher} of "
+            f"{len(of)} cells ({x} lower in {lower}, higher in {higher})"
+        )
+    return "Corrected for the family: " + "; ".join(parts) + "."
+
+
+def secondary_section(rows: Rows) -> str:
+    """:data:`SECONDARY` in every cell that has both arms, unadjusted."""
+    contrasts = cells_lib.paired_contrasts(
+        cells_lib.group_runs(rows, "test"), SECONDARY
+    )
+    text = [
+        "## Secondary contrasts (exploratory)",
+        "Unadjusted: each interval and p-value stands alone, with no "
+        "correction for the number of comparisons; read them as leads, not "
+        "findings. A cell without arm d has no d − a.",
+    ]
+    if contrasts:
+        text.append(
+            report.markdown_table(
+                ["vocabulary", "amount", "contrast", "n", "mean [95% t]", "p"],
+                (_contrast_cells(c) for c in contrasts),
+            )
+        )
+    return "\n\n".join(text)
+
+
+def ablation_section(rows: Rows) -> str:
+    """The table learning-rate multipliers: each arm x multiplier, and paired
+    contrasts against multiplier 1 and between arms; unadjusted."""
+    ablation = cells_lib.ablation_groups(rows)
+    if not ablation.groups:
+        return ""
+    lines = [
+        [
+            cells_lib.cell_label((vocab, amount)),
+            arm,
+            f"{multiplier:g}",
+            ", ".join(f"{lr:.3g}" for lr in sorted({r["lr"] for r in runs.values()})),
+            _spread_text(cells_lib.column(runs.values(), "test_bpc")),
+            _mean_text(cells_lib.column(runs.values(), "val_bpc")),
+        ]
+        for (vocab, amount, arm, multiplier), runs in ablation.groups.items()
+    ]
+    contrasts = [
+        [c.label, str(c.difference.n), report.interval_text(c.difference), p_text(c.p)]
+        for c in ablation.contrasts
+    ]
+    text = [
+        "## Table learning-rate ablation (exploratory)",
+        "`optim.table_lr_multiplier` m: the embedding table (and an untied "
+        "head's kernel) train at lr · m. Unadjusted, like the secondary "
+        "contrasts."
+        + (
+            f" Multiplier 1 is the cell's test runs ({', '.join(ablation.borrowed)})."
+            if ablation.borrowed
+            else ""
+        ),
+        report.markdown_table(
+            ["cell", "arm", "multiplier", "lr", "test bits/char", "val bits/char"],
+            lines,
+        ),
+    ]
+    if contrasts:
+        text.append(
+            report.markdown_table(
+                ["ablation contrast", "n", "mean [95% t]", "p"], contrasts
+            )
+        )
+    return "\n\n".join(text)
+
+
+def totals_section(rows: Rows) -> str:
+    """What the runs took, as runs.csv measured it."""
+    totals = cells_lib.measured_totals(rows)
+    by_role = ", ".join(f"{role} {n}" for role, n in totals.runs_by_role.items())
+    by_status = ", ".join(f"{s} {n}" for s, n in totals.runs_by_status.items())
+    return "\n\n".join(
+        [
+            "## Measured totals",
+            f"{totals.runs} runs ({by_role}; {by_status}); "
+            f"{totals.steps:,} training steps; "
+            f"{totals.wall_seconds:,.0f} s = {totals.wall_seconds / 3600:.2f} h of "
+            f"wall time, summed over the runs trained alone and the ensemble "
+            f"programs ({totals.programs}), each program counted once.",
+        ]
+    )
+
+
+# --- The report and the answer ------------------------------------------------
+
+
+def write_report(
+    rows: Rows,
+    out_dir: str,
+    literature: Callable[[Rows], str] | str | None = None,
+) -> tuple[str, list[str]]:
+    """Writes ``out_dir/REPORT.md`` and the plots from ``rows`` alone; returns
+    the markdown text and the plot paths. ``literature``: the comparison with
+    published results (markdown with its own heading, or a function of the
+    rows that returns it), placed after the contrasts.
+
+    Raises:
+        ValueError, TypeError: a row that ``table.check_row`` refuses.
+    """
+    for index, row in enumerate(rows):
+        table.check_row(row, index)
+    os.makedirs(out_dir, exist_ok=True)
+    plot_paths = contrast_plots.plot_contrasts(cells_lib.primary_family(rows), out_dir)
+    if callable(literature):
+        literature = literature(rows)
+    sections = [
+        "# The tying study",
+        f"Written from `runs.csv` alone ({len(rows)} rows). Test bits per "
+        "character unless a column says otherwise; differences are paired by "
+        "seed within a cell (one vocabulary at one data amount), and x − y < 0 "
+        "means x is better.",
+        answer(rows),
+        design_section(rows),
+        tuning_section(rows),
+        results_section(rows),
+        primary_section(rows),
+        "\n\n".join(
+            f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plot_paths
+        ),
+        secondary_section(rows),
+        ablation_section(rows),
+        literature or "",
+        totals_section(rows),
+    ]
+    text, _ = report.write_markdown(out_dir, [s.strip() for s in sections if s])
+    return text, plot_paths
+
+
+def answer(rows: Rows) -> str:
+    """The study's answer in one sentence and a small table: each arm's test
+    bits/char, and the primary contrasts with their simultaneous 95%
+    intervals, Holm-adjusted p-values and what each means; what
+    ``make compare`` prints.
+
+    Examples:
+        >>> answer([])
+        'No cell has paired test runs of arms b and a, or c and a, yet.'
+    """
+    family = cells_lib.primary_family(rows)
+    if not family.contrasts:
+        return "No cell has paired test runs of arms b and a, or c and a, yet."
+    groups = cells_lib.group_runs(rows, "test")
+    cells = sorted(
+        {(c.vocab, c.amount) for c in family.contrasts}, key=cells_lib.cell_order
+    )
+    lines = []
+    for cell in cells:
+        prefix = [cells_lib.cell_label(cell)] if len(cells) > 1 else []
+        for arm in dict.fromkeys(a for pair in PRIMARY for a in sorted(pair)):
+            values = cells_lib.column(groups.get((*cell, arm), {}).values(), "test_bpc")
+            name = f"{arm} ({cells_lib.ARM_NAMES[arm]})"
+            lines.append([*prefix, name, _spread_text(values), "", ""])
+        for c in family.contrasts:
+            if (c.vocab, c.amount) == cell:
+                difference = f"{c.difference.mean:+.4f} {pair_text(*c.simultaneous)}"
+                lines.append(
+                    [*prefix, c.label, difference, p_text(c.holm_p), meaning(c)]
+                )
+    header = ["cell"] * (len(cells) > 1) + [
+        "arm or contrast",
+        "test bits/char (n), or difference [simultaneous 95%]",
+        "Holm p",
+        "what it means",
+    ]
+    note = (
+        f"Simultaneous: Bonferroni intervals over the family of "
+        f"{len(family.contrasts)} primary contrasts (more conservative than "
+        "Holm's p); lower bits/char is better."
+    )
+    return "\n\n".join(
+        [answer_sentence(family.contrasts), report.markdown_table(header, lines), note]
+    )
+
+
+def meaning(contrast: Contrast) -> str:
+    """What a primary contrast says at the family's corrected level (Holm p
+    below :data:`ALPHA`); lower bits/char is better.
+
+    Examples:
+        >>> d = stats.PairedDifference(-0.02, 0.01, 8, -0.03, -0.01)
+        >>> meaning(Contrast("char", 0.1, "b", "a", "b − a", d, 0.001, 0.004))
+        'b better than a'
+        >>> meaning(Contrast("char", 0.1, "c", "a", "c − a", d, 0.03, 0.06))
+        'c and a not told apart at 8 seeds'
+    """
+    x, y = contrast.minuend, contrast.subtrahend
+    if math.isnan(contrast.holm_p) or contrast.holm_p >= ALPHA:
+        return f"{x} and {y} not told apart at {contrast.difference.n} seeds"
+    better, worse = (x, y) if contrast.difference.mean < 0 else (y, x)
+    return f"{better} better than {worse}"
+
+
+def answer_sentence(contrasts: Sequence[Contrast]) -> str:
+    """One sentence: in one cell, each primary contrast's effect and Holm p;
+    over several, in how many cells the corrected test finds an effect."""
+    cells = {(c.vocab, c.amount) for c in contrasts}
+    if len(cells) > 1:
+        counts = family_counts(contrasts).removeprefix("Corrected for the family: ")
+        return (
+            f"Over {len(cells)} cells, corrected for the family of primary "
+            f"contrasts: {counts}"
+        )
+    parts = [
+        f"{cells_lib.CONTRAST_NAMES.get(c.label, c.label)} ({c.label}) changes "
+        f"test bits/char by {c.difference.mean:+.4f} (Holm-adjusted p "
+        f"{p_text(c.holm_p)}: {meaning(c)})"
+        for c in contrasts
+    ]
+    seeds = max(c.difference.n for c in contrasts)
+    return f"At {cells_lib.cell_label(cells.pop())}, over {seeds} seeds, " + (
+        "; ".join(parts) + "."
+    )

@@ -1,0 +1,401 @@
+"""The rows of ``runs.csv`` grouped by cell, and the numbers the report
+prints (``analysis.py``): each cell's runs by arm and seed
+(:func:`group_runs`), paired contrasts (:func:`paired_contrasts`), the
+primary family with its Holm-adjusted p-values and pooled spread
+(:func:`primary_family`), the learning-rate tuning (:func:`tunings`), the
+table learning-rate ablation (:func:`ablation_groups`) and the measured
+totals (:func:`measured_totals`).
+
+A cell is ``(vocab, amount)``: one vocabulary (``"char"`` or a BPE size) at
+one data amount. Only finished runs count; a value of None (not measured)
+leaves its run out of that value's numbers.
+"""
+
+import collections
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from lmhead.lab import stats
+
+Row = Mapping[str, Any]
+Cell = tuple[str, float]
+# (minuend, subtrahend) arms of the contrasts x - y, named before the runs.
+PRIMARY = (("b", "a"), ("c", "a"))
+SECONDARY = (("d", "a"), ("e", "b"), ("e", "a"))
+ARM_NAMES = {
+    "a": "tied",
+    "b": "untied",
+    "c": "untied, a's parameters",
+    "d": "tied, deeper",
+    "e": "tied, then untied",
+}
+CONTRAST_NAMES = {
+    "b − a": "untying the head at the same shape",
+    "c − a": "untying it at the tied model's parameter count",
+}
+FINISHED = "finished"
+
+
+def vocab_order(vocab: str) -> tuple:
+    """Characters first, then BPE by size.
+
+    Examples:
+        >>> sorted(["8192", "char", "512"], key=vocab_order)
+        ['char', '512', '8192']
+    """
+    if vocab == "char":
+        return (0, 0, "")
+    return (1, int(vocab), "") if vocab.isdigit() else (2, 0, vocab)
+
+
+def vocab_label(vocab: str) -> str:
+    """``"characters"`` or ``"BPE <size>"``.
+
+    Examples:
+        >>> vocab_label("char"), vocab_label("2048")
+        ('characters', 'BPE 2048')
+    """
+    return "characters" if vocab == "char" else f"BPE {vocab}"
+
+
+def amount_label(amount: float) -> str:
+    """A data amount as a percentage of the training split.
+
+    Examples:
+        >>> amount_label(0.003), amount_label(0.1), amount_label(1.0)
+        ('0.3%', '10%', '100%')
+    """
+    return f"{round(amount * 100, 6):g}%"
+
+
+def cell_order(cell: Cell) -> tuple:
+    return (vocab_order(cell[0]), cell[1])
+
+
+def cell_label(cell: Cell) -> str:
+    """Examples:
+    >>> cell_label(("512", 0.03))
+    'BPE 512 at 3%'
+    """
+    return f"{vocab_label(cell[0])} at {amount_label(cell[1])}"
+
+
+def row_order(row: Row) -> tuple:
+    """Cell, arm, multiplier, seed: the order of every table."""
+    return (
+        cell_order((row["vocab"], row["amount"])),
+        row["arm"],
+        row["table_lr_multiplier"] or 1.0,
+        row["seed"],
+    )
+
+
+def vocabularies(rows: Iterable[Row]) -> list[str]:
+    return sorted({r["vocab"] for r in rows}, key=vocab_order)
+
+
+def amounts(rows: Iterable[Row]) -> list[float]:
+    return sorted({r["amount"] for r in rows})
+
+
+def column(runs: Iterable[Row], key: str) -> list:
+    """The measured (not None) values of ``key`` over ``runs``."""
+    return [r[key] for r in runs if r[key] is not None]
+
+
+def group_runs(rows: Iterable[Row], role: str) -> dict[tuple, dict[int, Row]]:
+    """The finished runs of ``role``, ``{(vocab, amount, arm): {seed: row}}``,
+    in cell and arm order.
+
+    Raises:
+        ValueError: two finished runs of one cell, arm and seed (and
+            multiplier), which no pairing could tell apart.
+    """
+    groups: dict[tuple, dict[int, Row]] = {}
+    for row in sorted(rows, key=row_order):
+        if row["role"] != role or row["status"] != FINISHED:
+            continue
+        key = (row["vocab"], row["amount"], row["arm"])
+        if role == "ablation":
+            key += (row["table_lr_multiplier"],)
+        runs = groups.setdefault(key, {})
+        if row["seed"] in runs:
+            raise ValueError(
+                f"rows: runs {runs[row['seed']]['run']!r} and {row['run']!r} are "
+                f"both {role} runs of {key} at seed {row['seed']}."
+            )
+        runs[row["seed"]] = row
+    return groups
+
+
+@dataclasses.dataclass(frozen=True)
+class Contrast:
+    """The paired difference ``minuend - subtrahend`` of one cell.
+
+    Attributes:
+        vocab, amount: the cell.
+        minuend, subtrahend: the arms (x and y of x - y).
+        label: what the report calls it (``"b − a"``).
+        difference: the paired difference over the shared seeds.
+        p: the paired t-test's two-sided p-value.
+        holm_p: Holm-adjusted over the primary family (NaN outside it).
+        pooled: the 95% interval with the family's pooled spread.
+        simultaneous: the family's Bonferroni 95% interval.
+    """
+
+    vocab: str
+    amount: float
+    minuend: str
+    subtrahend: str
+    label: str
+    difference: stats.PairedDifference
+    p: float
+    holm_p: float = math.nan
+    pooled: tuple[float, float] = (math.nan, math.nan)
+    simultaneous: tuple[float, float] = (math.nan, math.nan)
+
+
+def by_seed(runs: Mapping[int, Row], metric: str = "test_bpc") -> dict[int, float]:
+    """``{seed: metric}`` over the runs that measured it."""
+    return {s: r[metric] for s, r in runs.items() if r[metric] is not None}
+
+
+def contrast(
+    cell: Cell,
+    x: Mapping[int, Row],
+    y: Mapping[int, Row],
+    arms: tuple[str, str],
+    label: str | None = None,
+    metric: str = "test_bpc",
+) -> Contrast:
+    """The contrast of the runs ``x`` minus ``y`` (``{seed: row}``), paired by seed."""
+    x_values, y_values = by_seed(x, metric), by_seed(y, metric)
+    return Contrast(
+        cell[0],
+        cell[1],
+        *arms,
+        label or f"{arms[0]} − {arms[1]}",
+        stats.paired_difference(x_values, y_values),
+        stats.paired_p_value(x_values, y_values),
+    )
+
+
+def paired_contrasts(
+    groups: Mapping[tuple, Mapping[int, Row]], pairs: Sequence[tuple[str, str]]
+) -> list[Contrast]:
+    """Each of ``pairs`` in every cell of ``groups`` (:func:`group_runs`'s)
+    that has runs of both arms, in cell order."""
+    cells = sorted({key[:2] for key in groups}, key=cell_order)
+    return [
+        contrast(cell, groups[(*cell, x)], groups[(*cell, y)], (x, y))
+        for cell in cells
+        for x, y in pairs
+        if (*cell, x) in groups and (*cell, y) in groups
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """The primary contrasts of every cell, corrected together.
+
+    Attributes:
+        contrasts: every cell x :data:`PRIMARY`, with Holm p, pooled and
+            simultaneous intervals.
+        pooled: each contrast label's pooled spread over the cells.
+        head_shares: ``{vocab: head share}`` of the tied arm a.
+    """
+
+    contrasts: list[Contrast]
+    pooled: dict[str, stats.PooledStd]
+    head_shares: dict[str, float]
+
+
+def primary_family(rows: Sequence[Row]) -> Family:
+    """:data:`PRIMARY` in every cell, Holm-adjusted over all of them, with
+    each contrast's spread pooled over the cells (``stats.pooled_std``)."""
+    groups = group_runs(rows, "test")
+    plain = paired_contrasts(groups, PRIMARY)
+    pooled = {}
+    for label in dict.fromkeys(c.label for c in plain):
+        pooled[label] = stats.pooled_std(
+            [_differences(groups, c) for c in plain if c.label == label]
+        )
+    holm = stats.holm_adjusted([c.p for c in plain])
+    contrasts = [
+        dataclasses.replace(
+            c,
+            holm_p=adjusted,
+            pooled=pooled[c.label].interval(c.difference.mean, c.difference.n),
+            simultaneous=stats.simultaneous_interval(c.difference, len(plain)),
+        )
+        for c, adjusted in zip(plain, holm)
+    ]
+    shares = {}
+    for (vocab, _, arm), runs in groups.items():
+        for row in runs.values():
+            if arm == "a" and row["head_share"] is not None:
+                shares.setdefault(vocab, row["head_share"])
+    return Family(contrasts, pooled, shares)
+
+
+def _differences(groups: Mapping[tuple, Mapping[int, Row]], c: Contrast) -> list:
+    x = by_seed(groups[(c.vocab, c.amount, c.minuend)])
+    y = by_seed(groups[(c.vocab, c.amount, c.subtrahend)])
+    return [x[s] - y[s] for s in x if s in y]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """A cell's arm: its tuning losses and the rate its test runs use.
+
+    Attributes:
+        vocab, amount, arm: the cell's arm.
+        mean_loss: ``{lr: (mean validation loss, tuning runs)}``.
+        seeds: the tuning seeds.
+        chosen: the test runs' rates (one, once the tuning is done).
+    """
+
+    vocab: str
+    amount: float
+    arm: str
+    mean_loss: dict[float, tuple[float, int]]
+    seeds: tuple[int, ...]
+    chosen: tuple[float, ...]
+
+    @property
+    def best(self) -> float | None:
+        """The rate of the lowest mean tuning loss."""
+        if not self.mean_loss:
+            return None
+        return min(self.mean_loss, key=lambda lr: self.mean_loss[lr][0])
+
+    def is_chosen(self, lr: float) -> bool:
+        return any(math.isclose(lr, c, rel_tol=1e-9) for c in self.chosen)
+
+
+def tunings(rows: Sequence[Row]) -> list[Tuning]:
+    """Every cell's arm with tuning or test runs, in cell and arm order."""
+    losses = collections.defaultdict(lambda: collections.defaultdict(list))
+    seeds, chosen = collections.defaultdict(set), collections.defaultdict(set)
+    for row in rows:
+        key = (row["vocab"], row["amount"], row["arm"])
+        if row["role"] == "tune" and row["status"] == FINISHED:
+            seeds[key].add(row["seed"])
+            if row["val_loss"] is not None:
+                losses[key][row["lr"]].append(row["val_loss"])
+        elif row["role"] == "test":
+            chosen[key].add(row["lr"])
+    keys = sorted(set(losses) | set(chosen), key=lambda k: (cell_order(k[:2]), k[2]))
+    return [
+        Tuning(
+            *key,
+            {lr: (sum(v) / len(v), len(v)) for lr, v in sorted(losses[key].items())},
+            tuple(sorted(seeds[key])),
+            tuple(sorted(chosen[key])),
+        )
+        for key in keys
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Ablation:
+    """The table learning-rate ablation.
+
+    Attributes:
+        groups: ``{(vocab, amount, arm, multiplier): {seed: row}}``.
+        contrasts: each multiplier against 1 within an arm, and b - a at
+            each multiplier (unadjusted).
+        borrowed: the cells' arms whose multiplier 1 is their test runs.
+    """
+
+    groups: dict[tuple, dict[int, Row]]
+    contrasts: list[Contrast]
+    borrowed: list[str]
+
+
+def ablation_groups(rows: Sequence[Row]) -> Ablation:
+    """The ablation's runs by cell, arm and multiplier; an arm without
+    ablation runs at multiplier 1 takes its cell's test runs there."""
+    groups = group_runs(rows, "ablation")
+    tested = group_runs(rows, "test")
+    borrowed = []
+    for vocab, amount, arm in sorted({k[:3] for k in groups}):
+        if (vocab, amount, arm, 1.0) not in groups and (vocab, amount, arm) in tested:
+            groups[(vocab, amount, arm, 1.0)] = tested[(vocab, amount, arm)]
+            borrowed.append(f"{cell_label((vocab, amount))} {arm}")
+    groups = dict(
+        sorted(groups.items(), key=lambda i: (cell_order(i[0][:2]), *i[0][2:]))
+    )
+    contrasts = []
+    for (vocab, amount, arm, m), runs in groups.items():
+        cell = (vocab, amount)
+        if m != 1.0 and (*cell, arm, 1.0) in groups:
+            label = f"{cell_label(cell)}, {arm}: m = {m:g} − m = 1"
+            contrasts.append(
+                contrast(cell, runs, groups[(*cell, arm, 1.0)], (arm, arm), label)
+            )
+    for (vocab, amount, arm, m), runs in groups.items():
+        if arm == "b" and (vocab, amount, "a", m) in groups:
+            label = f"{cell_label((vocab, amount))}, m = {m:g}: b − a"
+            contrasts.append(
+                contrast(
+                    (vocab, amount),
+                    runs,
+                    groups[(vocab, amount, "a", m)],
+                    ("b", "a"),
+                    label,
+                )
+            )
+    return Ablation(groups, contrasts, borrowed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Totals:
+    """What the rows' runs took.
+
+    Attributes:
+        runs: rows.
+        runs_by_role, runs_by_status: their counts.
+        steps: training steps run, summed.
+        wall_seconds: the runs trained alone summed, plus each ensemble
+            program once (its members' largest: each reports the program's).
+        programs: the ensemble programs.
+    """
+
+    runs: int
+    runs_by_role: dict[str, int]
+    runs_by_status: dict[str, int]
+    steps: int
+    wall_seconds: float
+    programs: int
+
+
+def measured_totals(rows: Sequence[Row]) -> Totals:
+    """The rows' counts, steps and wall time.
+
+    Examples:
+        >>> def row(seconds, program=None):
+        ...     return {"role": "test", "status": "finished", "steps_run": 10,
+        ...             "wall_seconds": seconds, "ensemble": program}
+        >>> totals = measured_totals([row(10.0), row(30.0, "p"), row(31.0, "p")])
+        >>> totals.wall_seconds, totals.steps, totals.programs
+        (41.0, 30, 1)
+    """
+    single, programs = 0.0, {}
+    for row in rows:
+        seconds = row["wall_seconds"] or 0.0
+        if row["ensemble"] is None:
+            single += seconds
+        else:
+            programs[row["ensemble"]] = max(programs.get(row["ensemble"], 0.0), seconds)
+    roles = collections.Counter(r["role"] for r in rows)
+    return Totals(
+        len(rows),
+        {role: roles[role] for role in ("tune", "test", "ablation") if roles[role]},
+        dict(sorted(collections.Counter(r["status"] for r in rows).items())),
+        sum(r["steps_run"] or 0 for r in rows),
+        single + sum(programs.values()),
+        len(programs),
+    )

@@ -1,0 +1,470 @@
+"""Tests for lmhead/studies/tying/analysis.py (and cells.py, contrast_plots.py):
+the report of synthetic runs.csv rows with known effects, every number
+checked against numpy/scipy (and statsmodels where installed) on the rows
+themselves; Holm's adjustment by hand; the report regenerated from a CSV
+written and read back; the plots written."""
+
+import math
+import re
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from lmhead.studies.tying import analysis, cells, table
+from tests.studies.tying import synthetic_rows
+from tests.studies.tying.synthetic_rows import select
+
+TOLERANCE = 6e-5  # the report prints 4 decimals
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return synthetic_rows.synthetic_rows()
+
+
+@pytest.fixture(scope="module")
+def reported(rows, tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    text, plots = analysis.write_report(rows, str(out))
+    return text, plots, out
+
+
+def section(text, heading):
+    """The text from the line starting with ``heading`` to the next ``## ``."""
+    start = text.index("\n" + heading) + 1
+    end = text.find("\n## ", start + 1)
+    return text[start : None if end < 0 else end]
+
+
+def tables(text):
+    """Every markdown table of ``text``: a list of rows, each a dict."""
+    found, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("|") and (i == 0 or not lines[i - 1].startswith("|")):
+            header = [c.strip() for c in line.strip("|").split("|")]
+            body = []
+            for row in lines[i + 2 :]:
+                if not row.startswith("|"):
+                    break
+                body.append(
+                    dict(zip(header, (c.strip() for c in row.strip("|").split("|"))))
+                )
+            found.append(body)
+    return found
+
+
+def numbers(cell):
+    """The numbers of a table cell, in order (``<0.0001`` reads as 0)."""
+    return [float(x.replace(",", "")) for x in re.findall(r"[-+]?[\d,]*\.?\d+", cell)]
+
+
+def finished(rows, **where):
+    return [r for r in select(rows, **where) if r["status"] == "finished"]
+
+
+def by_seed(rows, **where):
+    return {r["seed"]: r["test_bpc"] for r in finished(rows, **where)}
+
+
+def paired(rows, vocab, amount, x, y, role="test"):
+    xs = by_seed(rows, role=role, vocab=vocab, amount=amount, arm=x)
+    ys = by_seed(rows, role=role, vocab=vocab, amount=amount, arm=y)
+    seeds = sorted(set(xs) & set(ys))
+    return (
+        np.array([xs[s] - ys[s] for s in seeds]),
+        [xs[s] for s in seeds],
+        [ys[s] for s in seeds],
+    )
+
+
+def holm_by_hand(p_values):
+    m, order = len(p_values), np.argsort(p_values)
+    adjusted, running = np.empty(m), 0.0
+    for rank, index in enumerate(order):
+        running = max(running, (m - rank) * p_values[index])
+        adjusted[index] = min(running, 1.0)
+    return adjusted
+
+
+def assert_close(got, want):
+    assert got == pytest.approx(want, abs=TOLERANCE)
+
+
+def check_interval(text, d):
+    """``+mean [low, high]``: the 95% t-interval of the differences ``d``."""
+    mean, low, high = numbers(text)
+    want_low, want_high = stats.t.interval(
+        0.95, len(d) - 1, loc=d.mean(), scale=stats.sem(d)
+    )
+    assert_close(mean, d.mean())
+    assert_close(low, want_low)
+    assert_close(high, want_high)
+
+
+def check_p(text, p):
+    if p < 1e-4:
+        assert text == "<0.0001"
+    else:
+        assert_close(float(text), p)
+
+
+def cell_of(line):
+    vocab = "char" if line["vocabulary"] == "characters" else line["vocabulary"][4:]
+    return vocab, float(line["amount"].rstrip("%")) / 100
+
+
+class TestResults:
+    def test_each_arm_of_each_cell_against_numpy(self, rows, reported):
+        (lines,) = tables(section(reported[0], "## Results by cell"))
+        expected = {
+            (v, a, arm)
+            for v, arm in synthetic_rows.SHAPES
+            for a in synthetic_rows.AMOUNTS
+        }
+        assert {(*cell_of(line), line["arm"]) for line in lines} == expected
+        for line in lines:
+            vocab, amount = cell_of(line)
+            runs = finished(
+                rows, role="test", vocab=vocab, amount=amount, arm=line["arm"]
+            )
+            bpc = np.array([r["test_bpc"] for r in runs])
+            mean, std, n = numbers(line["test bits/char"])
+            assert_close(mean, bpc.mean())
+            assert_close(std, bpc.std(ddof=1))
+            assert n == len(runs)
+            for column, key in [
+                ("val bits/char", "val_bpc"),
+                ("held-out gap", "gap_bpc"),
+            ]:
+                assert_close(numbers(line[column])[0], np.mean([r[key] for r in runs]))
+            assert numbers(line["steps to best"])[0] == pytest.approx(
+                np.mean([r["steps_to_best"] for r in runs]), abs=0.5
+            )
+            assert numbers(line["word ppl"])[0] == pytest.approx(
+                np.mean([r["test_word_ppl"] for r in runs]), abs=0.005
+            )
+            capped = sum(r["reached_cap"] for r in runs)
+            assert line["reached cap"] == f"{capped} of {len(runs)}"
+            assert float(line["lr"]) == pytest.approx(
+                synthetic_rows.LR_GRID[synthetic_rows.BEST_LR_INDEX[line["arm"]]],
+                rel=1e-2,
+            )
+
+    def test_the_failed_run_is_left_out_and_capped_runs_are_named(self, reported):
+        (lines,) = tables(section(reported[0], "## Results by cell"))
+        line = next(r for r in lines if cell_of(r) == ("2048", 1.0) and r["arm"] == "c")
+        assert numbers(line["test bits/char"])[-1] == 7
+        text = section(reported[0], "## Results by cell")
+        assert "budget-limited" in text and "BPE 2048 at 100% c 7" in text
+
+
+class TestPrimary:
+    def test_contrasts_against_scipy_and_holm_by_hand(self, rows, reported):
+        primary = section(reported[0], "## Primary contrasts")
+        (lines,) = tables(primary)
+        cells_ = [(v, a) for v in ("char", "2048") for a in synthetic_rows.AMOUNTS]
+        assert [(cell_of(r), r["contrast"]) for r in lines] == [
+            (c, label) for c in cells_ for label in ("b − a", "c − a")
+        ]
+        p_values = []
+        for line in lines:
+            x, y = line["contrast"][0], line["contrast"][-1]
+            d, xs, ys = paired(rows, *cell_of(line), x, y)
+            assert int(line["n"]) == len(d)
+            check_interval(line["mean [95% t]"], d)
+            p_values.append(stats.ttest_rel(xs, ys).pvalue)
+            check_p(line["p"], p_values[-1])
+            # Bonferroni over the family of 8.
+            half = stats.t.ppf(1 - 0.025 / len(lines), len(d) - 1) * stats.sem(d)
+            low, high = numbers(line["simultaneous 95%"])
+            assert_close(low, d.mean() - half)
+            assert_close(high, d.mean() + half)
+        holm = holm_by_hand(np.array(p_values))
+        for line, want in zip(lines, holm):
+            check_p(line["Holm p"], want)
+        try:
+            from statsmodels.stats import multitest
+        except ImportError:
+            pass
+        else:
+            np.testing.assert_allclose(
+                holm, multitest.multipletests(p_values, method="holm")[1]
+            )
+
+    def test_pooled_intervals_by_hand(self, rows, reported):
+        primary = section(reported[0], "## Primary contrasts")
+        (lines,) = tables(primary)
+        for label in ("b − a", "c − a"):
+            of = [r for r in lines if r["contrast"] == label]
+            diffs = [paired(rows, *cell_of(r), label[0], "a")[0] for r in of]
+            dof = sum(len(d) - 1 for d in diffs)
+            pooled = math.sqrt(sum((len(d) - 1) * d.var(ddof=1) for d in diffs) / dof)
+            assert f"{label}: {pooled:.4f} ({dof} degrees of freedom)" in primary
+            for line, d in zip(of, diffs):
+                half = stats.t.ppf(0.975, dof) * pooled / math.sqrt(len(d))
+                low, high = numbers(line["pooled 95%"])
+                assert_close(low, d.mean() - half)
+                assert_close(high, d.mean() + half)
+        assert dof == 4 * 8 - 4 - 1  # c − a at BPE 2048, 100% lost its seed 7
+
+    def test_the_known_effects_are_found_and_counted_beside_holm(self, reported):
+        primary = section(reported[0], "## Primary contrasts")
+        (lines,) = tables(primary)
+        for line in lines:
+            mean = numbers(line["mean [95% t]"])[0]
+            effect = synthetic_rows.ARM_EFFECT[line["contrast"][0]]
+            assert mean == pytest.approx(effect, abs=0.015)
+        for label, arm in (("b − a", "b"), ("c − a", "c")):
+            means = [
+                numbers(r["mean [95% t]"])[0]
+                for r in lines
+                if r["contrast"] == label and _holm(r) < 0.05
+            ]
+            lower, higher = sum(m < 0 for m in means), sum(m > 0 for m in means)
+            assert (
+                f"{label}: Holm-adjusted p < 0.05 in {lower + higher} of 4 cells "
+                f"({arm} lower in {lower}, higher in {higher})"
+            ) in primary
+        # "k of n" appears only in the corrected section.
+        assert " of 4 cells" not in reported[0].replace(primary, "").replace(
+            section(reported[0], "Over 4 cells"), ""
+        )
+
+
+def _holm(line):
+    return 0.0 if line["Holm p"] == "<0.0001" else float(line["Holm p"])
+
+
+class TestExploratory:
+    def test_secondary_contrasts_unadjusted_against_scipy(self, rows, reported):
+        secondary = section(reported[0], "## Secondary contrasts (exploratory)")
+        assert "Holm" not in secondary and "Unadjusted" in secondary
+        (lines,) = tables(secondary)
+        want = [
+            (cell, label)
+            for cell in [
+                (v, a) for v in ("char", "2048") for a in synthetic_rows.AMOUNTS
+            ]
+            for label in ("d − a", "e − b", "e − a")
+            if cell[0] == "2048" or label != "d − a"
+        ]
+        assert [(cell_of(r), r["contrast"]) for r in lines] == want
+        for line in lines:
+            d, xs, ys = paired(
+                rows, *cell_of(line), line["contrast"][0], line["contrast"][-1]
+            )
+            check_interval(line["mean [95% t]"], d)
+            check_p(line["p"], stats.ttest_rel(xs, ys).pvalue)
+
+    def test_the_ablation_against_numpy(self, rows, reported):
+        ablation = section(reported[0], "## Table learning-rate ablation (exploratory)")
+        groups, contrasts = tables(ablation)
+        vocab, amount = synthetic_rows.ABLATION_CELL
+        assert [(r["arm"], float(r["multiplier"])) for r in groups] == [
+            (arm, m) for arm in "ab" for m in synthetic_rows.MULTIPLIERS
+        ]
+        for line in groups:
+            runs = finished(rows, role="ablation", arm=line["arm"],
+                            table_lr_multiplier=float(line["multiplier"]))  # fmt: skip
+            bpc = np.array([r["test_bpc"] for r in runs])
+            mean, std, n = numbers(line["test bits/char"])
+            assert (n, mean) == (len(bpc), pytest.approx(bpc.mean(), abs=TOLERANCE))
+            assert_close(std, bpc.std(ddof=1))
+
+        def ablation_seeds(arm, m):
+            return {
+                r["seed"]: r["test_bpc"]
+                for r in finished(rows, role="ablation", arm=arm, table_lr_multiplier=m)
+            }
+
+        for line in contrasts:
+            label = line["ablation contrast"]
+            if label.endswith("b − a"):
+                m = float(re.search(r"m = (\d+)", label).group(1))
+                x, y = ablation_seeds("b", m), ablation_seeds("a", m)
+            else:
+                arm, m = re.search(r", (\w): m = (\d+)", label).groups()
+                x, y = ablation_seeds(arm, float(m)), ablation_seeds(arm, 1.0)
+            d = np.array([x[s] - y[s] for s in sorted(x)])
+            check_interval(line["mean [95% t]"], d)
+            check_p(line["p"], stats.ttest_1samp(d, 0.0).pvalue)
+        assert len(contrasts) == 2 * 2 + 3
+
+    def test_multiplier_1_is_borrowed_from_the_test_runs(self, rows, tmp_path):
+        without = [
+            r
+            for r in rows
+            if not (r["role"] == "ablation" and r["table_lr_multiplier"] == 1.0)
+        ]
+        text, _ = analysis.write_report(without, str(tmp_path))
+        ablation = section(text, "## Table learning-rate ablation (exploratory)")
+        assert (
+            "Multiplier 1 is the cell's test runs (BPE 2048 at 1% a, BPE 2048 at 1% b)"
+            in ablation
+        )
+        groups, _ = tables(ablation)
+        assert numbers(groups[0]["test bits/char"])[-1] == len(
+            synthetic_rows.TEST_SEEDS
+        )
+
+
+class TestDesignAndTuning:
+    def test_the_design_as_the_rows_show_it(self, reported):
+        design = section(reported[0], "## Design")
+        arms, amounts = tables(design)
+        assert [(r["vocabulary"], r["arm"][0]) for r in arms] == [
+            ("characters" if v == "char" else f"BPE {v}", arm)
+            for v, arm in synthetic_rows.SHAPES
+        ]
+        untied = next(
+            r for r in arms if r["vocabulary"] == "BPE 2048" and r["arm"][0] == "b"
+        )
+        assert (untied["params"], untied["FLOPs/token"], untied["head share"]) == (
+            "1,312,144", "6,488,064", f"{2048 * 128 / 1_312_144:.1%}"
+        )  # fmt: skip
+        assert next(r for r in arms if r["arm"][0] == "e")["untie step"] == "3,333"
+        assert [r["amount"] for r in amounts] == ["1%", "100%"]
+        assert amounts[0]["offsets"] == "0, 0.5" and amounts[1]["offsets"] == "0"
+        assert (
+            amounts[0]["test seeds"] == "0..7"
+            and amounts[0]["tuning seeds"] == "100, 101"
+        )
+        assert "No arm d at characters" in design
+
+    def test_the_chosen_rates_and_mean_tuning_losses(self, rows, reported):
+        (lines,) = tables(section(reported[0], "## Learning rates"))
+        for line in lines:
+            vocab, amount = cell_of(line)
+            arm = line["arm"]
+            chosen = synthetic_rows.LR_GRID[synthetic_rows.BEST_LR_INDEX[arm]]
+            assert line["chosen lr"] == f"{chosen:.3g}"
+            for lr in synthetic_rows.LR_GRID:
+                losses = [
+                    r["val_loss"]
+                    for r in select(
+                        rows, role="tune", vocab=vocab, amount=amount, arm=arm, lr=lr
+                    )
+                ]
+                shown = f"{lr:.3g}: {np.mean(losses):.4f}"
+                assert (f"**{shown}**" if lr == chosen else shown) in line[
+                    "mean tuning val loss by rate"
+                ]
+
+
+class TestTotalsAndAnswer:
+    def test_measured_totals(self, rows, reported):
+        totals = section(reported[0], "## Measured totals")
+        wall = sum(r["wall_seconds"] for r in rows)
+        assert f"{wall:,.0f} s = {wall / 3600:.2f} h" in totals
+        assert f"{sum(r['steps_run'] for r in rows):,} training steps" in totals
+        assert f"{len(rows)} runs (tune 108, test 144, ablation 24; failed 1," in totals
+
+    def test_an_ensemble_program_counts_once(self, rows):
+        program = [
+            dict(r, ensemble="p", wall_seconds=100.0 + i)
+            for i, r in enumerate(rows[:3])
+        ]
+        totals = cells.measured_totals(program + rows[3:])
+        assert totals.programs == 1
+        assert totals.wall_seconds == pytest.approx(
+            102.0 + sum(r["wall_seconds"] for r in rows[3:])
+        )
+
+    def test_the_answer_of_one_cell(self, rows):
+        vocab, amount = synthetic_rows.ABLATION_CELL
+        one_cell = [r for r in rows if (r["vocab"], r["amount"]) == (vocab, amount)]
+        text = analysis.answer(one_cell)
+        sentence, table_text, note = text.split("\n\n")
+        assert "family of 2 primary contrasts" in note
+        (lines,) = tables(table_text)
+        assert [r["arm or contrast"] for r in lines] == [
+            "a (tied)", "b (untied)", "c (untied, a's parameters)", "b − a", "c − a"
+        ]  # fmt: skip
+        p_values, diffs = [], {}
+        for x in "bc":
+            diffs[x], xs, ys = paired(rows, vocab, amount, x, "a")
+            p_values.append(stats.ttest_rel(xs, ys).pvalue)
+        holm = holm_by_hand(np.array(p_values))  # a family of 2 here
+        for line, x, p in zip(lines[3:], "bc", holm):
+            d = diffs[x]
+            half = stats.t.ppf(1 - 0.025 / 2, len(d) - 1) * stats.sem(d)
+            mean, low, high = numbers(
+                line["test bits/char (n), or difference [simultaneous 95%]"]
+            )
+            assert_close(mean, d.mean())
+            assert_close(low, d.mean() - half)
+            assert_close(high, d.mean() + half)
+            check_p(line["Holm p"], p)
+            assert line["what it means"] == (
+                f"{x} better than a" if p < 0.05 and d.mean() < 0
+                else f"a better than {x}" if p < 0.05
+                else f"{x} and a not told apart at {len(d)} seeds"
+            )  # fmt: skip
+        bpc = [r["test_bpc"] for r in finished(one_cell, role="test", arm="a")]
+        assert numbers(
+            lines[0]["test bits/char (n), or difference [simultaneous 95%]"]
+        )[0] == (pytest.approx(np.mean(bpc), abs=TOLERANCE))
+        assert sentence.startswith("At BPE 2048 at 1%, over 8 seeds, untying the head")
+        assert sentence.count("Holm-adjusted p") == 2 and "\n" not in sentence
+
+    def test_the_answer_of_the_whole_study_counts_cells(self, reported):
+        answer = section(reported[0], "Over 4 cells")
+        assert "b − a: Holm-adjusted p < 0.05 in" in answer.splitlines()[0]
+        assert tables(answer)[0][0]["cell"] == "characters at 1%"
+
+    def test_nothing_to_pair_yet(self, rows, tmp_path):
+        tuning_only = [r for r in rows if r["role"] == "tune"]
+        text, plots = analysis.write_report(tuning_only, str(tmp_path))
+        assert "No cell has paired test runs" in text
+        assert all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in plots)
+
+
+class TestFiles:
+    def test_the_report_regenerates_identically_from_the_csv(
+        self, rows, reported, tmp_path
+    ):
+        text, plots, _ = reported
+        table.write_rows(tmp_path / "runs.csv", rows)
+        again, again_plots = analysis.write_report(
+            table.read_rows(tmp_path / "runs.csv"), str(tmp_path / "again")
+        )
+        assert again == text
+        assert (tmp_path / "again" / "REPORT.md").read_text() == text
+        for first, second in zip(plots, again_plots, strict=True):
+            assert open(first, "rb").read() == open(second, "rb").read()
+
+    def test_the_plots_are_written_and_linked(self, reported):
+        text, plots, out = reported
+        assert [p.rsplit("/", 1)[1] for p in plots] == [
+            "contrast_vs_amount.png", "contrast_vs_head_share.png"
+        ]  # fmt: skip
+        for path in plots:
+            data = open(path, "rb").read()
+            assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+            name = path.rsplit("/", 1)[1]
+            assert f"![{name}]({name})" in text
+        assert (out / "REPORT.md").read_text() == text
+
+    def test_the_literature_hook(self, rows, tmp_path):
+        seen = []
+
+        def literature(given):
+            seen.append(len(given))
+            return "## Against published results\n\nSome text."
+
+        text, _ = analysis.write_report(rows, str(tmp_path), literature=literature)
+        assert seen == [len(rows)]
+        assert text.index("## Against published results") > text.index("## Primary")
+        assert text.index("## Against published results") < text.index("## Measured")
+        text, _ = analysis.write_report(rows, str(tmp_path), literature="## Lit\n\nx")
+        assert "## Lit\n\nx" in text
+
+    def test_bad_rows_are_refused(self, rows, tmp_path):
+        with pytest.raises(ValueError, match="row 1 has unknown columns"):
+            analysis.write_report([rows[0], {**rows[1], "extra": 1}], str(tmp_path))
+        twice = [rows[-1], dict(rows[-1], run="copy")]
+        with pytest.raises(
+            ValueError, match=r"both test runs of \(.2048., 1.0, .e.\) at seed 7"
+        ):
+            analysis.write_report(twice, str(tmp_path))

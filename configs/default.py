@@ -157,6 +157,11 @@ def model_defaults() -> ml_collections.ConfigDict:
     model.head_scale = config_dict.placeholder(float)
     model.logits_softcap = config_dict.placeholder(float)
     model.dtype = "float32"  # compute dtype: "float32" | "bfloat16"
+    # Untied models only: the steps before this one train tied (the embedding
+    # table is the head), then the head starts as a copy of the table, with
+    # the table's AdamW moments, and trains on its own (lmhead/lm/train.py's
+    # train_step). None: untied from the start.
+    model.untie_step = config_dict.placeholder(int)
     return model
 
 
@@ -189,6 +194,9 @@ def optim_defaults() -> ml_collections.ConfigDict:
     optim.b1 = 0.9
     optim.b2 = 0.99
     optim.grad_clip = 1.0  # global norm; 0 turns clipping off
+    # The [V, D] tables (the embedding and the untied head's unembedding)
+    # train at this multiple of the schedule's rate; the rest at the rate.
+    optim.table_lr_multiplier = 1.0
     return optim
 
 

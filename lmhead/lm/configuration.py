@@ -109,6 +109,8 @@ def _ranges(config) -> dict[str, tuple[Any, Any, str]]:
         "optim.min_lr": (0.0, config.optim.lr, "[]"),
         "optim.weight_decay": (0.0, None, "[)"),
         "optim.grad_clip": (0.0, None, "[)"),
+        "optim.table_lr_multiplier": (0.0, None, "()"),
+        "model.untie_step": (1, None, "[)"),
         "optim.b1": (0.0, 1.0, "[)"),
         "optim.b2": (0.0, 1.0, "[)"),
         "train.seed": (0, 2**31 - 1, "[]"),
@@ -167,6 +169,12 @@ def _check_rules_between_values(config) -> None:
     if config.train.test_eval and config.data.split == "tail":
         raise ValueError(
             "config.train.test_eval needs a test split: config.data.split='works'."
+        )
+    if config.model.untie_step is not None and config.model.tied:
+        raise ValueError(
+            "config.model.untie_step unties a head that starts tied, which "
+            "needs the untied model's own head: config.model.tied=False; got "
+            f"untie_step={config.model.untie_step} with tied=True."
         )
     if config.model.d_model % config.model.num_heads:
         raise ValueError(
@@ -387,9 +395,14 @@ def check_resumable(config: ml_collections.ConfigDict, workdir: str) -> None:
 def make_model(
     config: ml_collections.ConfigDict, vocab_size: int
 ) -> model_lib.DecoderLM:
-    """The ``DecoderLM`` of ``config.model``; its ``max_len`` is the block size."""
+    """The ``DecoderLM`` of ``config.model``; its ``max_len`` is the block size.
+
+    ``model.untie_step`` is the training step's, not the model's: the model
+    is the untied one throughout (``train.train_step`` ties it before then).
+    """
+    values = {k: v for k, v in config.model.to_dict().items() if k != "untie_step"}
     return model_lib.DecoderLM(
         vocab_size=vocab_size,
         max_len=config.data.block_size,
-        **{**config.model.to_dict(), "dtype": DTYPES[config.model.dtype]},
+        **{**values, "dtype": DTYPES[config.model.dtype]},
     )

@@ -144,6 +144,7 @@ def member_train_step(
             loss_kwargs={**train.loss_keywords(config.loss), **loss},
             learning_rate_fn=state_lib.learning_rate_schedule(config, optim),
             microbatches=config.train.microbatches,
+            untie_step=config.model.untie_step,
         )
         return new_state.replace(tx=state.tx), metrics
 

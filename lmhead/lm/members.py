@@ -40,6 +40,7 @@ TRACED_KEYS = (
     "optim.min_lr",
     "optim.weight_decay",
     "optim.warmup_steps",
+    "optim.table_lr_multiplier",
     "loss.label_smoothing",
     "loss.z_loss",
 )
@@ -151,7 +152,7 @@ def make_members(specs: Sequence[dict[str, Any]], workdir: str) -> list[Member]:
         >>> make_members([{"model.d_model": 64}], "p")
         Traceback (most recent call last):
         ...
-        ValueError: member 0 sets model.d_model, which cannot differ between members: it sets the model's shapes or structure, which the members share. Members may set: train.seed, optim.lr, optim.min_lr, optim.weight_decay, optim.warmup_steps, loss.label_smoothing, loss.z_loss, data.train_fraction, data.train_offset, train.patience.
+        ValueError: member 0 sets model.d_model, which cannot differ between members: it sets the model's shapes or structure, which the members share. Members may set: train.seed, optim.lr, optim.min_lr, optim.weight_decay, optim.warmup_steps, optim.table_lr_multiplier, loss.label_smoothing, loss.z_loss, data.train_fraction, data.train_offset, train.patience.
     """
     if not specs:
         raise ValueError("An ensemble needs at least one member; got none.")

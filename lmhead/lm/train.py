@@ -67,10 +67,18 @@ def train_loss(
     *,
     model: model_lib.DecoderLM,
     loss_kwargs: dict[str, Any],
+    tied: jax.typing.ArrayLike | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The objective that ``train_step`` differentiates: ``DecoderLM.loss``
     of ``batch`` with ``train=True`` and dropout key ``key``. Returns the
-    loss and ``{"nll", "accuracy"}``."""
+    loss and ``{"nll", "accuracy"}``.
+
+    ``tied`` (an untied model's boolean scalar, traced): where True the
+    embedding table is the head (``state.table_as_head``), so the loss, and
+    the table's gradient, are the tied model's, and the head's own
+    unembedding gets a zero gradient."""
+    if tied is not None:
+        params = state_lib.table_as_head(params, tied)
     loss, metrics = model.apply(
         {"params": params},
         batch["inputs"],
@@ -92,6 +100,7 @@ def train_step(
     loss_kwargs: dict[str, Any],
     learning_rate_fn: optax.Schedule,
     microbatches: int = 1,
+    untie_step: int | None = None,
 ) -> tuple[state_lib.TrainState, dict[str, jax.Array]]:
     """One AdamW step on ``batch = {"inputs": [B, T], "labels": [B, T]}``.
 
@@ -103,16 +112,29 @@ def train_step(
     "Microbatches and CPU devices", has the measurement and its command).
     Returns the new state and scalar metrics: loss (the objective), nll,
     accuracy, grad_norm (before clipping) and learning_rate.
+
+    ``untie_step = U`` (an untied model, ``model.untie_step``): a step
+    ``s < U`` is the tied model's step (:func:`train_loss` with ``tied``),
+    and after it the head and its AdamW moments are set to the table's
+    (``state.copy_table_to_head``), as ``state.create_train_state`` does at
+    step 0; so step ``U`` starts the head from the table, with the table's
+    moments, and from then on the two train apart. One compiled step, one
+    parameter tree: checkpoints and resume are a plain run's.
     """
     dropout_key = jax.random.fold_in(key, state.step)
+    tied = None if untie_step is None else state.step < untie_step
     grad_fn = jax.value_and_grad(
-        functools.partial(train_loss, model=model, loss_kwargs=loss_kwargs),
+        functools.partial(train_loss, model=model, loss_kwargs=loss_kwargs, tied=tied),
         has_aux=True,
     )
     (loss, metrics), grads = accumulate(
         grad_fn, state.params, batch, dropout_key, microbatches
     )
     new_state = state.apply_gradients(grads=grads)
+    if untie_step is not None:
+        new_state = state_lib.copy_table_to_head(
+            new_state, new_state.step <= untie_step
+        )
     return new_state, {
         "loss": loss,
         **metrics,
@@ -208,6 +230,7 @@ def compile_steps(
         loss_kwargs=loss_keywords(config.loss),
         learning_rate_fn=state_lib.learning_rate_schedule(config),
         microbatches=config.train.microbatches,
+        untie_step=config.model.untie_step,
     )
     train_shardings, eval_shardings = {}, {}
     if mesh is not None:

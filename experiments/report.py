@@ -4,11 +4,12 @@ r"""The report command: writes a sweep directory's REPORT.md and plots
     python experiments/report.py --workdir=runs/tying_study --out=docs/tying_study
 
 A sweep whose file defines ``write_report`` (``configs/sweeps/tying_study.py``)
-gets its own report (the tying study's, ``lmhead/studies/tying/report.py``)
-in ``--out``; the sweep file is the one ``sweep.json`` names, or ``--sweep``
-for runs launched from ``--dry_run`` commands. Any other sweep gets the
-generic tied-vs-untied report, in the sweep directory. Prints the report
-(the generic one's table) and the paths at the end.
+gets its own report in ``--out`` (the tying study's: ``runs.csv``, then
+REPORT.md from it alone, ``lmhead/studies/tying/results.py``); the sweep file
+is the one ``sweep.json`` names, or ``--sweep`` for runs launched from
+``--dry_run`` commands. Any other sweep gets the
+generic tied-vs-untied report, in the sweep directory. Prints the study's
+answer (the generic report's table) and the paths at the end.
 """
 
 from absl import app, flags

@@ -75,6 +75,8 @@ comma-separated ``key=value`` (``+`` separates list items)::
     subset_steps, full_steps, eval_every, patience, ablation (true | false)
 """
 
+import os
+
 from lmhead.lab import sweeps
 from lmhead.lm import configuration, data
 from lmhead.studies.tying import shapes, study
@@ -253,8 +255,11 @@ def get_sweep(arg=None, workdir=None):
 
 
 def write_report(arg, sweep_dir, out_dir):
-    """The study's ``runs.csv`` and report of ``sweep_dir`` into ``out_dir``
-    (``lmhead/studies/tying/results.py``): ``(text, plot paths)``."""
-    from lmhead.studies.tying import results  # the report's modules, only here
+    """``runs.csv``, REPORT.md and the plots of ``sweep_dir`` into ``out_dir``
+    (``lmhead/studies/tying/results.py``): ``(the answer to print, plot
+    paths)``, the answer being ``analysis.answer``'s sentence and table."""
+    from lmhead.studies.tying import analysis, results, table  # the report's only
 
-    return results.write_report(get_study(arg), sweep_dir, out_dir)
+    _, plots = results.write_report(get_study(arg), sweep_dir, out_dir)
+    rows = table.read_rows(os.path.join(out_dir, results.RUNS_CSV))
+    return analysis.answer(rows), plots

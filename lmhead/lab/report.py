@@ -1,7 +1,7 @@
 """The sweep report writer (library): what every report of a sweep is made of,
 and the generic tied-vs-untied report. Its command is
 ``experiments/report.py``; the tying study's report
-(``lmhead/studies/tying/report.py``) builds on the pieces here.
+(``lmhead/studies/tying/analysis.py``) builds on the pieces here.
 
 The pieces: :func:`mean_std_text` (mean ± sample std over seeds),
 :func:`interval_text` (a paired difference and its interval),
@@ -212,7 +212,7 @@ def write_sweep_report(
 
     Returns:
         ``(text, report path, plot paths)``: the text to print (the study's
-        whole report, the generic report's settings table).
+        answer, the generic report's settings table).
     """
     spec = spec or workdirs.read_sweep_record(sweep_dir).get("sweep")
     if spec is not None:

@@ -10,7 +10,7 @@ A run's workdir holds what ``experiments/train.py`` writes (``config.json``,
 with ensembles ``ensembles.json`` and ``ensembles/``, the programs'
 (``lmhead/lab/ensembles.py``): a member's workdir is a run's, its
 ``status.json`` naming its program (``ensemble``). The
-reports (``lmhead/lab/report.py``, ``lmhead/studies/tying/report.py``) read
+reports (``lmhead/lab/report.py``, ``lmhead/studies/tying/results.py``) read
 the runs through this module.
 """
 

@@ -1,6 +1,9 @@
 """The tying study: its design (:mod:`~lmhead.studies.tying.study`, with the
-arms' matched shapes in :mod:`~lmhead.studies.tying.shapes`) and its report
-(:mod:`~lmhead.studies.tying.report`, on the runs read back by
-:mod:`~lmhead.studies.tying.results`, against published results in
-:mod:`~lmhead.studies.tying.literature`); its sweep file is
+arms' matched shapes in :mod:`~lmhead.studies.tying.shapes`), its runs read
+back into ``runs.csv`` (:mod:`~lmhead.studies.tying.results`, the columns in
+:mod:`~lmhead.studies.tying.table`), the report from that file alone
+(:mod:`~lmhead.studies.tying.analysis`, with :mod:`~lmhead.studies.tying.cells`
+and :mod:`~lmhead.studies.tying.contrast_plots`), against published results
+(:mod:`~lmhead.studies.tying.literature`), and the head's diagnostics
+(:mod:`~lmhead.studies.tying.diagnostics`); its sweep file is
 ``configs/sweeps/tying_study.py``."""

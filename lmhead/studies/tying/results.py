@@ -1,166 +1,161 @@
-"""The tying study's runs read back by cell: each cell's chosen learning rate,
-its tuning runs and its runs of every seed at that rate (:func:`collect`),
-and the values the report tables and compares (:func:`run_values`,
-:func:`cell_values`, :func:`paired`).
+"""The tying study's runs read back as rows of ``runs.csv``
+(``table.py`` here), and the report written from those rows alone
+(``analysis.py`` here).
 
-Every value is on the *test* split in bits per character unless its key
-says otherwise (``val``, ``train``); validation chose the learning rate and
-the stopping step.
+:func:`collect_rows` reads every run the design plans so far (the tuning
+stage, and the test stage for the cells whose tuning has finished) from the
+sweep directory; :func:`write_report` writes ``runs.csv`` into the report's
+directory and regenerates the report from that file, so that the committed
+CSV is all a reader needs to re-pair arms, re-choose rates or apply another
+analysis.
 """
 
-import dataclasses
-import math
+import functools
+import json
+import os
+from typing import Any
 
-from lmhead.lab import report, stats, workdirs
-from lmhead.studies.tying import shapes, study
+import numpy as np
 
+from lmhead.lab import workdirs
+from lmhead.lm import configuration, data
+from lmhead.studies.tying import analysis, literature, shapes, study, table
 
-@dataclasses.dataclass
-class CellResult:
-    """A cell's chosen rate, its tuning runs and its runs at the chosen rate.
-
-    Attributes:
-        cell: the regime x vocabulary x arm.
-        lr: the chosen learning rate (``None`` while its tuning is unfinished).
-        tuning: the tuning run (seed 0) at each tried rate.
-        runs: seed -> run at ``lr``.
-        design_params: the parameter count the design solved for.
-    """
-
-    cell: study.Cell
-    lr: float | None
-    tuning: dict[float, workdirs.Run]
-    runs: dict[int, workdirs.Run]
-    design_params: int
-
-    def finished(self) -> dict[int, workdirs.Run]:
-        return {s: r for s, r in self.runs.items() if r.status == "finished"}
+RUNS_CSV = "runs.csv"
+VERSION_KEYS = ("jax", "flax", "optax")
 
 
-def collect(
-    design: study.Design, sweep_dir: str
-) -> tuple[list[CellResult], list[workdirs.Run]]:
-    """Every cell of ``design`` with its runs read from ``sweep_dir``, and
-    every planned run of both stages (those planned so far)."""
+def planned_runs(design: study.Design, sweep_dir: str) -> dict[study.PlannedRun, Any]:
+    """Every run the design plans so far, read back: the tuning runs, then
+    the test stage's for the cells whose tuning has finished."""
     tuning = study.read_tuning(design, sweep_dir)
-    chosen = study.choose_learning_rates(tuning, strict=False)
-    seed_plan = design.seed_runs({c: chosen.get(c, math.nan) for c in design.cells()})
-    seed_plan = [p for p in seed_plan if p.cell in chosen]
-    runs = study.read_runs(design, list(tuning) + seed_plan, sweep_dir, known=tuning)
-    results = []
-    for cell in design.cells():
-        lr = chosen.get(cell)
-        results.append(
-            CellResult(
-                cell,
-                lr,
-                {p.lr: r for p, r in tuning.items() if p.cell == cell},
-                {p.seed: r for p, r in runs.items() if p.cell == cell and p.lr == lr},
-                shapes.count_params(cell.vocab_size, cell.shape, design.arch),
-            )
-        )
-    return results, list(runs.values())
+    chosen = study.choose_learning_rates(design, tuning, strict=False)
+    test = study.read_runs(design, design.test_runs(chosen, tuning), sweep_dir)
+    return {**tuning, **test}
 
 
-# --- Values read from one run ---------------------------------------------------
+@functools.cache
+def _train_chars(base: str, overrides: tuple) -> int:
+    config = configuration.load_config(base)
+    for key, value in overrides:
+        config.data[key.removeprefix("data.")] = value
+    return len(data.read_splits(config.data).train)
 
 
-def evaluated_step(run: workdirs.Run, regime: study.Regime) -> int | None:
-    """The step whose parameters the test split evaluated."""
-    summary = run.summary or {}
-    if regime.patience and "best_step" in summary:
-        return summary["best_step"]
-    return summary.get("steps_run", summary.get("steps"))
+def train_chars(design: study.Design, planned: study.PlannedRun) -> int:
+    """The characters of the run's training text (its subset, held-out
+    chunks removed), cut as the run cuts it."""
+    keys = {**design.shared, **design.overrides(planned)}
+    items = tuple(sorted((k, v) for k, v in keys.items() if k.startswith("data.")))
+    return _train_chars(design.base, items)
 
 
-def metrics_at(run: workdirs.Run, step: int | None) -> dict[str, float]:
-    """Every ``metrics.jsonl`` value logged at ``step``, merged."""
-    merged = {}
-    for record in run.metrics:
-        if record.get("step") == step:
-            merged.update(record)
-    return merged
-
-
-def run_values(run: workdirs.Run, regime: study.Regime) -> dict[str, float]:
-    """Test and validation bits/char, training bits/char at the tested step,
-    steps to best, and parameters of a finished run.
-
-    Examples:
-        >>> regime = study.Regime("limited", 0.5, 100, 3)
-        >>> summary = {"test": {"bits_per_char": 2.0, "num_tokens": 10, "num_chars": 25},
-        ...            "best": {"eval/bits_per_char": 2.1}, "best_step": 40,
-        ...            "train_at_best": {"train_eval/bits_per_char": 1.6}}
-        >>> values = run_values(workdirs.Run("r", "r", {}, {}, [], summary, "finished"),
-        ...                     regime)
-        >>> values["test"], values["chars_per_token"], round(values["gap"], 4)
-        (2.0, 2.5, -0.5)
-    """
-    summary = run.summary or {}
-    validation = study.validation_metrics(run, regime)
-    step = evaluated_step(run, regime)
-    train = summary.get("train_at_best") if regime.patience else None
-    train = train or metrics_at(run, step)
-    values = {
-        "test": summary.get("test", {}).get("bits_per_char"),
-        "val": validation.get("eval/bits_per_char"),
-        "train": train.get("train_eval/bits_per_char"),
-        "steps_to_best": summary.get("best_step"),
-        "stopped_early": summary.get("stopped_early"),
-        "num_params": summary.get("num_params"),
-        "vocab_size": summary.get("vocab_size"),
-        "wall_seconds": summary.get("wall_seconds", 0.0),
-    }
-    test = summary.get("test", {})
-    if test.get("num_tokens"):
-        values["chars_per_token"] = test["num_chars"] / test["num_tokens"]
-    if values["train"] is not None and values["val"] is not None:
-        values["gap"] = values["train"] - values["val"]
-    return values
-
-
-# --- Values of one cell ------------------------------------------------------------
-
-
-def cell_values(result: CellResult, key: str) -> dict[int, float]:
-    """``key`` of :func:`run_values` for each finished seed that has it."""
-    return report.by_seed(
-        result.finished().items(),
-        key,
-        lambda run: run_values(run, result.cell.regime),
-    )
-
-
-def parameters(result: CellResult) -> int:
-    """The runs' parameter count (the design's before any run finished)."""
-    counts = set(cell_values(result, "num_params").values())
-    return counts.pop() if len(counts) == 1 else result.design_params
-
-
-def head_share(result: CellResult) -> float:
-    """The ``[V, D]`` table's share of the cell's parameters, at the
-    vocabulary size its runs report (the design's before any finished)."""
-    vocab_size = next(
-        iter(cell_values(result, "vocab_size").values()), result.cell.vocab_size
-    )
-    return shapes.head_share(vocab_size, result.cell.shape.d_model, parameters(result))
-
-
-def paired(
-    results: list[CellResult], vocab, x_arm: str, y_arm: str, key: str = "test"
-) -> stats.PairedDifference | None:
-    """``x_arm - y_arm`` of ``key`` at one vocabulary, paired by seed; ``None``
-    when the regime lacks one of the arms."""
-    arms = {r.cell.arm: r for r in results if r.cell.vocab == vocab}
-    if x_arm not in arms or y_arm not in arms:
+def _train_tokens(workdir: str) -> int | None:
+    path = os.path.join(workdir, "tokens.npz")
+    if not os.path.isfile(path):
         return None
-    return stats.paired_difference(
-        cell_values(arms[x_arm], key), cell_values(arms[y_arm], key)
+    with np.load(path) as tokens:
+        return int(tokens["train"].shape[0])
+
+
+def _versions(workdir: str) -> str | None:
+    path = os.path.join(workdir, "versions.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        found = json.load(f)
+    found = found.get("packages", found)
+    return " ".join(f"{k}={found[k]}" for k in VERSION_KEYS if k in found) or None
+
+
+def _program(summary: dict) -> str | None:
+    """The directory name of the ensemble program a member trained in."""
+    program = (summary.get("ensemble") or {}).get("program")
+    return None if program is None else os.path.basename(os.path.normpath(program))
+
+
+def _metric(summary: dict, name: str) -> float | None:
+    for record in ("best", "train_at_best", "heldout_at_best", "final"):
+        value = (summary.get(record) or {}).get(name)
+        if value is not None:
+            return value
+    return None
+
+
+def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> dict:
+    """One ``runs.csv`` row of a planned run (``table.COLUMNS``)."""
+    cell, summary = planned.cell, run.summary or {}
+    test = summary.get("test") or {}
+    params = summary.get("num_params") or shapes.count_params(
+        cell.vocab_size, cell.shape, design.arch
     )
+    train = _metric(summary, "train_eval/bits_per_char")
+    heldout = _metric(summary, "heldout/bits_per_char")
+    tokens = _train_tokens(run.workdir)
+    steps_run = summary.get("steps_run")
+    return {
+        "role": planned.role,
+        "vocab": study.vocabulary_label(cell.vocab),
+        "vocab_size": cell.vocab_size,
+        "amount": cell.amount.fraction,
+        "offset": cell.amount.offset(planned.seed),
+        "arm": cell.arm,
+        "seed": planned.seed,
+        "lr": planned.lr,
+        "table_lr_multiplier": planned.table_lr,
+        "untie_step": planned.untie_step,
+        "d_model": cell.shape.d_model,
+        "num_layers": cell.shape.num_layers,
+        "mlp_dim": cell.shape.mlp_dim,
+        "params": int(params),
+        "head_share": shapes.head_share(cell.vocab_size, cell.shape.d_model, params),
+        "flops_per_token": shapes.flops_per_token(
+            cell.vocab_size, cell.shape, design.arch
+        ),
+        "train_chars": train_chars(design, planned),
+        "train_tokens": tokens,
+        "tokens_per_param": None if tokens is None else tokens / params,
+        "steps_cap": cell.amount.steps,
+        "steps_run": steps_run,
+        "steps_to_best": summary.get("best_step"),
+        "reached_cap": None
+        if steps_run is None
+        else not summary.get("stopped_early", False) and steps_run >= cell.amount.steps,
+        "train_bpc": train,
+        "val_bpc": _metric(summary, "eval/bits_per_char"),
+        "val_loss": _metric(summary, "eval/loss"),
+        "heldout_bpc": heldout,
+        "gap_bpc": None if heldout is None or train is None else heldout - train,
+        "test_bpc": test.get("bits_per_char"),
+        "test_word_ppl": test.get("word_perplexity"),
+        "test_words": test.get("words"),
+        "test_chars": None if "num_chars" not in test else int(test["num_chars"]),
+        "status": run.status,
+        "wall_seconds": summary.get("wall_seconds"),
+        "versions": _versions(run.workdir),
+        "run": run.name,
+        "ensemble": _program(summary),
+    }
 
 
-def tied_result(results: list[CellResult], vocab) -> CellResult | None:
-    """The tied arm ``a``'s cell at ``vocab``, if the regime has it."""
-    return next(
-        (r for r in results if r.cell.vocab == vocab and r.cell.arm == "a"), None
+def collect_rows(design: study.Design, sweep_dir: str) -> list[dict]:
+    """The rows of every run the design plans so far (:func:`planned_runs`)."""
+    return [row(design, p, r) for p, r in planned_runs(design, sweep_dir).items()]
+
+
+def write_report(design: study.Design, sweep_dir: str, out_dir: str):
+    """``out_dir/runs.csv`` from ``sweep_dir``, then the report from that
+    file alone (:func:`report_from_csv`): ``(REPORT.md's text, plot paths)``."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, RUNS_CSV)
+    table.write_rows(path, collect_rows(design, sweep_dir))
+    return report_from_csv(path, out_dir)
+
+
+def report_from_csv(path: str, out_dir: str):
+    """``out_dir/REPORT.md`` and its plots from the rows in ``path`` alone
+    (``analysis.write_report``), with the comparison to published results:
+    ``(REPORT.md's text, plot paths)``."""
+    return analysis.write_report(
+        table.read_rows(path), out_dir, literature=literature.literature_text
     )

@@ -1,0 +1,138 @@
+"""Tests for lmhead/studies/tying/results.py: the rows of runs.csv read from a
+sweep directory of the tiny design (run directories written, not trained),
+and REPORT.md regenerated from runs.csv alone, through the report command."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from lmhead.lm import configuration
+from lmhead.studies.tying import results, shapes, study, table
+from tests import ROOT
+from tests.lab.sweep_helpers import SWEEP_CONFIGS
+
+STUDY = os.path.join(SWEEP_CONFIGS, "tying_study.py")
+ARG = "tiny,char=false,amounts=0.2,arms=a+b+c+e,ablation=false"
+
+
+def summary(planned, middle, seed_effect):
+    """A finished run's summary: the middle rate is best on validation; arm b
+    is 0.01 bits/char worse than a on test, c 0.02, e 0.005."""
+    test = 2.0 + {"a": 0.0, "b": 0.01, "c": 0.02, "e": 0.005}[planned.cell.arm]
+    test += seed_effect
+    return {
+        "num_params": shapes.count_params(
+            planned.cell.vocab_size, planned.cell.shape, shapes.Architecture(2, 16)
+        ),
+        "best_step": 40,
+        "steps_run": 60 if planned.seed == 1 else 50,
+        "stopped_early": planned.seed != 1,
+        "wall_seconds": 12.5,
+        "best": {
+            "eval/loss": 3.0 + abs(np.log(planned.lr / middle)),
+            "eval/bits_per_char": test + 0.1,
+        },
+        "train_at_best": {"train_eval/bits_per_char": test - 0.3},
+        "heldout_at_best": {"heldout/bits_per_char": test - 0.1},
+        "test": {
+            "bits_per_char": test,
+            "word_perplexity": 100.0 + test,
+            "words": 1000,
+            "num_chars": 5000.0,
+            "loss": 1.0,
+        },
+        "ensemble": {"program": f"/somewhere/ensembles/p{planned.cell.arm}"},
+    }
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """``(design, sweep dir, planned runs)``: every tuning and test run finished."""
+    design = configuration.load_module(STUDY).get_study(ARG)
+    sweep_dir = tmp_path_factory.mktemp("sweep")
+    tuning = design.tuning_runs()
+    middle = design.rates(design.cells()[0])[1]
+    chosen = dict.fromkeys(design.cells(study.TUNED_ARMS), middle)
+    for runs in (tuning, None):
+        if runs is None:  # the test stage, planned from the tuning results
+            runs = design.test_runs(chosen, study.read_tuning(design, str(sweep_dir)))
+        for planned, name in zip(runs, design.names(runs)):
+            workdir = sweep_dir / name
+            workdir.mkdir()
+            (workdir / "summary.json").write_text(
+                json.dumps(summary(planned, middle, 0.001 * planned.seed))
+            )
+            np.savez(workdir / "tokens.npz", train=np.zeros(321, np.int32))
+            (workdir / "versions.json").write_text(json.dumps({"jax": "0.1"}))
+    return design, sweep_dir, runs
+
+
+def test_rows_hold_each_runs_design_and_measurements(sweep):
+    design, sweep_dir, test_runs = sweep
+    rows = results.collect_rows(design, str(sweep_dir))
+    assert len(rows) == len(design.tuning_runs()) + len(test_runs)
+    test = [r for r in rows if r["role"] == "test"]
+    assert {r["arm"] for r in test} == {"a", "b", "c", "e"}
+    assert {r["seed"] for r in test} == {0, 1}
+    for r in rows:
+        table.check_row(r)
+        assert r["status"] == "finished" and r["vocab"] == "300"
+        assert r["offset"] == study.SUBSET_OFFSETS[r["seed"] % 2]
+        assert r["gap_bpc"] == pytest.approx(0.2)  # heldout - train
+        assert r["reached_cap"] is (r["seed"] == 1)
+        assert r["train_tokens"] == 321
+        assert r["tokens_per_param"] == pytest.approx(321 / r["params"])
+        assert r["ensemble"] == f"p{r['arm']}" and r["versions"] == "jax=0.1"
+        assert r["test_chars"] == 5000 and r["steps_cap"] == 60
+    a = next(r for r in test if r["arm"] == "a" and r["seed"] == 0)
+    assert a["head_share"] == pytest.approx(300 * 32 / a["params"])
+    assert a["flops_per_token"] == shapes.flops_per_token(
+        300, shapes.Shape(True, 32, 1, 64), design.arch
+    )
+    e = next(r for r in test if r["arm"] == "e")
+    assert e["untie_step"] == round(2 / 3 * 40) and e["lr"] == a["lr"]
+    # The characters of the subset, held-out chunks removed, as a run cuts them.
+    from lmhead.lm import data
+
+    config = configuration.load_config("tiny")
+    config.data.update(
+        {**{k[5:]: v for k, v in design.shared.items() if k[:5] == "data."}}
+    )
+    config.data.update(train_fraction=0.2, train_offset=0.5)
+    second = next(r for r in test if r["seed"] == 1)
+    assert second["train_chars"] == len(data.read_splits(config.data).train)
+
+
+def test_report_regenerates_from_runs_csv_alone(sweep, tmp_path):
+    """The report command writes runs.csv and REPORT.md; with the run
+    directories gone, REPORT.md rebuilt from that CSV is the same text."""
+    design, sweep_dir, _ = sweep
+    copy = tmp_path / "runs"
+    shutil.copytree(sweep_dir, copy)
+    out = tmp_path / "docs"
+    result = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "experiments", "report.py"),
+            f"--workdir={copy}",
+            f"--sweep={STUDY}:{ARG}",
+            f"--out={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "b − a" in result.stdout or "b - a" in result.stdout
+    assert f"Report: {out / 'REPORT.md'}" in result.stdout
+    written = (out / "REPORT.md").read_text()
+    shutil.rmtree(copy)
+    again = tmp_path / "again"
+    text, plots = results.report_from_csv(str(out / results.RUNS_CSV), str(again))
+    assert text == written == (again / "REPORT.md").read_text()
+    assert plots and all(os.path.isfile(p) for p in plots)

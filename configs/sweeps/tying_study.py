@@ -59,7 +59,7 @@ Budget, cuts and what the runs measured: ``docs/tying_study/README.md``.
 
 Arguments: an optional preset first (``full``, the default; ``small``,
 ``make compare``'s version: BPE 2048, 1% of the data, arms a, b and c, 8
-seeds, one learning rate, no tuning; ``tiny``, for tests), then
+seeds, one learning rate, no tuning, 16 validation batches every 50 steps; ``tiny``, for tests), then
 comma-separated ``key=value`` (``+`` separates list items)::
 
     stage=test      tune | test (test lists the tuning runs too)
@@ -72,7 +72,8 @@ comma-separated ``key=value`` (``+`` separates list items)::
     extend=2        rungs tried past an end of the grid, at most
     secondary_bpe=2048+8192  the BPE sizes of arms d and e (none: characters
                     never have a d, and e there is cut for time)
-    subset_steps, full_steps, eval_every, patience, ablation (true | false)
+    subset_steps, full_steps, eval_every, eval_batches (validation batches
+                    of evenly spaced windows), patience, ablation (true | false)
 """
 
 import os
@@ -95,6 +96,7 @@ PRESETS = {
         subset_steps=3000,
         full_steps=1000,
         eval_every=100,
+        eval_batches=32,
         patience=3,
         ablation=True,
         secondary_bpe=(2048, 8192),
@@ -112,6 +114,7 @@ PRESETS = {
         subset_steps=1000,
         full_steps=1000,
         eval_every=50,
+        eval_batches=16,
         patience=3,
         ablation=False,
         secondary_bpe=(),
@@ -129,6 +132,7 @@ PRESETS = {
         subset_steps=60,
         full_steps=30,
         eval_every=10,
+        eval_batches=4,
         patience=2,
         ablation=True,
         secondary_bpe=(300,),
@@ -145,7 +149,6 @@ BASE_MODELS = {
 # Ladder indices (study.ladder_rate) of each vocabulary's middle rate: near
 # the rates the first version of this study chose for its data-limited runs.
 CENTRES = {None: 4, 512: 1, 2048: -1, 8192: -4, 300: 2}
-EVAL_BATCHES = 32
 EVAL_TRAIN_BATCHES = 8
 HOLDOUT = {"data.holdout_fraction": 0.1, "data.holdout_chunk": 512}
 ABLATION_CELL = {"nanogpt": (2048, 0.03), "tiny": (300, 0.2)}
@@ -195,7 +198,7 @@ def get_study(arg=None) -> study.Design:
         "train.eval_every": every,
         "train.log_every": every,
         "train.checkpoint_every": 5 * every,
-        "train.eval_batches": EVAL_BATCHES,
+        "train.eval_batches": args["eval_batches"],
         "train.eval_train_batches": EVAL_TRAIN_BATCHES,
         # A diverging rate ends with a NaN loss, which is never chosen,
         # instead of failing the stage.
@@ -217,6 +220,7 @@ def get_study(arg=None) -> study.Design:
         centres={v: CENTRES[v] for v in vocabularies},
         test_seeds=tuple(range(args["seeds"])),
         grid=(-1, 0, 1) if args["tune"] else (0,),
+        tune=args["tune"],
         extend_edges=args["extend"],
         patience=args["patience"],
         ablation_cell=ABLATION_CELL[args["base"]] if args["ablation"] else None,
@@ -233,14 +237,11 @@ def get_study(arg=None) -> study.Design:
 
 
 def get_sweep(arg=None, workdir=None):
-    design, args = get_study(arg), parse(arg)
-    if not args["tune"]:
-        runs = design.test_runs(
-            {cell: design.rates(cell)[0] for cell in design.cells(study.TUNED_ARMS)},
-            {},
-        )
+    design, stage = get_study(arg), parse(arg)["stage"]
+    if not design.tune:
+        runs = design.test_runs(study.choose_learning_rates(design, {}), {})
     elif workdir is None:
-        if args["stage"] == "test":
+        if stage == "test":
             raise ValueError(
                 "stage=test reads the tuning runs: it needs the sweep directory."
             )
@@ -248,7 +249,7 @@ def get_sweep(arg=None, workdir=None):
     else:
         tuning = study.read_tuning(design, workdir)
         runs = list(tuning)
-        if args["stage"] == "test":
+        if stage == "test":
             chosen = study.choose_learning_rates(design, tuning)
             runs += design.test_runs(chosen, tuning)
     return design.base, [design.overrides(r) for r in runs], design.shared

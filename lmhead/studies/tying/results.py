@@ -68,6 +68,11 @@ def _versions(workdir: str) -> str | None:
     return " ".join(f"{k}={found[k]}" for k in VERSION_KEYS if k in found) or None
 
 
+def _integer(value: float | None) -> int | None:
+    """A count that a summary may hold as a float (metrics are floats)."""
+    return None if value is None else int(value)
+
+
 def _program(summary: dict) -> str | None:
     """The directory name of the ensemble program a member trained in."""
     program = (summary.get("ensemble") or {}).get("program")
@@ -116,8 +121,8 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
         "train_tokens": tokens,
         "tokens_per_param": None if tokens is None else tokens / params,
         "steps_cap": cell.amount.steps,
-        "steps_run": steps_run,
-        "steps_to_best": summary.get("best_step"),
+        "steps_run": _integer(steps_run),
+        "steps_to_best": _integer(summary.get("best_step")),
         "reached_cap": None
         if steps_run is None
         else not summary.get("stopped_early", False) and steps_run >= cell.amount.steps,
@@ -128,8 +133,8 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
         "gap_bpc": None if heldout is None or train is None else heldout - train,
         "test_bpc": test.get("bits_per_char"),
         "test_word_ppl": test.get("word_perplexity"),
-        "test_words": test.get("words"),
-        "test_chars": None if "num_chars" not in test else int(test["num_chars"]),
+        "test_words": _integer(test.get("words")),
+        "test_chars": _integer(test.get("num_chars")),
         "status": run.status,
         "wall_seconds": summary.get("wall_seconds"),
         "versions": _versions(run.workdir),

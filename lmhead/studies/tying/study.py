@@ -158,6 +158,8 @@ class Design:
     test_seeds: tuple[int, ...]
     tuning_seeds: tuple[int, ...] = TUNING_SEEDS
     grid: tuple[int, ...] = (-1, 0, 1)
+    # False: no tuning stage; every cell trains at its centre's rate.
+    tune: bool = True
     extend_edges: int = 2
     patience: int = 3
     # The table learning-rate ablation: (vocabulary, fraction) and multipliers.
@@ -215,7 +217,10 @@ class Design:
         """The tuned arms' cells at every rate of their grids on every tuning
         seed (rates in the outer loop, so that an interrupted stage has
         every cell at one rate); then, given the ``results`` read back so
-        far, each cell's edge extensions (:func:`extend_rates`)."""
+        far, each cell's edge extensions (:func:`extend_rates`). None
+        without a tuning stage."""
+        if not self.tune:
+            return []
         cells = self.cells(TUNED_ARMS)
         runs = [
             PlannedRun(cell, self.rates(cell)[i], seed, "tune")
@@ -418,12 +423,15 @@ def choose_learning_rates(
     design: Design, tuning: Mapping[PlannedRun, workdirs.Run], *, strict: bool = True
 ) -> dict[Cell, float]:
     """Each tuned cell's rate with the lowest mean validation loss over the
-    tuning seeds (ties: the lower rate).
+    tuning seeds (ties: the lower rate); without a tuning stage, the grid's
+    rate.
 
     Raises:
         ValueError: (``strict``) tuning runs not finished, named; a cell whose
             every rate diverged.
     """
+    if not design.tune:
+        return {cell: design.rates(cell)[0] for cell in design.cells(TUNED_ARMS)}
     unfinished = [run.name for run in tuning.values() if run.status != "finished"]
     if unfinished and strict:
         raise ValueError(

@@ -42,7 +42,7 @@ def summary(planned, middle, seed_effect):
         "test": {
             "bits_per_char": test,
             "word_perplexity": 100.0 + test,
-            "words": 1000,
+            "words": 1000.0,
             "num_chars": 5000.0,
             "loss": 1.0,
         },
@@ -106,6 +106,18 @@ def test_rows_hold_each_runs_design_and_measurements(sweep):
     config.data.update(train_fraction=0.2, train_offset=0.5)
     second = next(r for r in test if r["seed"] == 1)
     assert second["train_chars"] == len(data.read_splits(config.data).train)
+
+
+def test_without_tuning_the_rows_are_the_test_runs(tmp_path):
+    """The small preset (no tuning stage): its rows are its test runs, at the
+    one rate, not tuning runs that never start."""
+    design = configuration.load_module(STUDY).get_study("small")
+    runs = design.test_runs(study.choose_learning_rates(design, {}), {})
+    for name in design.names(runs):
+        (tmp_path / name).mkdir()
+    rows = results.collect_rows(design, str(tmp_path))
+    assert [r["run"] for r in rows] == design.names(runs)
+    assert {r["role"] for r in rows} == {"test"} and len(rows) == 3 * 8
 
 
 def test_report_regenerates_from_runs_csv_alone(sweep, tmp_path):

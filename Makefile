@@ -18,10 +18,10 @@ SWEEP_FLAGS ?=
 # answer (the primary contrast and its corrected interval) and the path of
 # runs/compare/REPORT.md. Finished runs are skipped and interrupted ones
 # resume, so the command can be rerun after a stop.
-# Its three programs (one per arm) run at once: a program's mapped step keeps
-# about one core busy (docs/training.md, "Speed of an ensemble"), so three
-# share two cores better than two at a time and a third alone.
-COMPARE_FLAGS ?= --parallel=3
+# Its three programs (one per arm) run two at a time, each on a core of its
+# own: a program's mapped step keeps about one core busy (docs/training.md,
+# "Speed of an ensemble"), and three at once on two cores are slower still.
+COMPARE_FLAGS ?= --parallel=2 --cpus_per_run=1
 compare: $(STAMP)
 	$(PY) experiments/sweep.py --sweep=$(STUDY):small --workdir=runs/compare \
 	    --ensemble=8 $(COMPARE_FLAGS) $(SWEEP_FLAGS)

@@ -180,7 +180,15 @@ def _seeds_text(seeds: Sequence[int]) -> str:
 
 
 def tuning_section(rows: Rows) -> str:
-    """Each cell's chosen rate and the mean tuning validation loss per rate."""
+    """Each cell's chosen rate and the mean tuning validation loss per rate;
+    without tuning runs, the one rate every cell trained at."""
+    if not any(row["role"] == "tune" for row in rows):
+        rates = sorted({row["lr"] for row in rows if row["lr"] is not None})
+        return (
+            "## Learning rates\n\nNo tuning stage: every run trained at "
+            f"{', '.join(f'{lr:.3g}' for lr in rates) or DASH}, chosen before "
+            "the runs, not on their results."
+        )
     lines = []
     for tuning in cells_lib.tunings(rows):
         rates = ", ".join(

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lmhead.lm import configuration
-from lmhead.studies.tying import results, shapes, study, table
+from lmhead.studies.tying import analysis, results, shapes, study, table
 from tests import ROOT
 from tests.lab.sweep_helpers import SWEEP_CONFIGS
 
@@ -118,6 +118,10 @@ def test_without_tuning_the_rows_are_the_test_runs(tmp_path):
     rows = results.collect_rows(design, str(tmp_path))
     assert [r["run"] for r in rows] == design.names(runs)
     assert {r["role"] for r in rows} == {"test"} and len(rows) == 3 * 8
+    assert analysis.tuning_section(rows).endswith(
+        f"every run trained at {rows[0]['lr']:.3g}, chosen before the runs, not "
+        "on their results."
+    )
 
 
 def test_report_regenerates_from_runs_csv_alone(sweep, tmp_path):

@@ -45,10 +45,10 @@ that the programs timed do the same work (equal up to float32 rounding).
 **Runs finished per hour** (``--runs_per_hour``; ``ensemble_runs.py``
 beside this file has the details). One cell of the tying study
 (``--slice``: arguments of ``configs/sweeps/tying_study.py``; by default
-BPE 2048, arm a, the fixed regime, 4 learning rates x 4 seeds), trained as
+BPE 2048, arm a, the whole training split, 16 seeds at one rate), trained as
 ``experiments/train.py`` processes, fixed costs included: each run in a
 process of its own, and the runs in ensembles of M (``--slice_members``).
-``--slice_steps`` shortens every run (default: the regime's steps).
+``--slice_steps`` shortens every run (default: the study's step cap).
 
 **GPU preset** (``--gpu``). ``nanogpt,tied`` with ``train.microbatches=1``
 (the value for a GPU, ``configs/default.py``): member-steps/s of one ``vmap``
@@ -103,9 +103,7 @@ class Settings:
     steps: int = 10
     rounds: int = 7
     matmul_size: int = 1024
-    slice: str = (
-        "bpe=2048,char=false,arms=a,regimes=fixed,lrs=5e-4+1e-3+2e-3+4e-3,seeds=4"
-    )
+    slice: str = "bpe=2048,char=false,amounts=1.0,arms=a,tune=false,seeds=16"
     slice_steps: int | None = None
     slice_members: tuple[int, ...] = (8, 16)
     gpu_shape: str = "nanogpt,tied"
@@ -120,8 +118,7 @@ QUICK = Settings(
     steps=2,
     rounds=2,
     matmul_size=128,
-    slice="tiny,char=false,arms=a,regimes=limited,limited_fraction=0.05,"
-    "lrs=1e-3+3e-3,seeds=2",
+    slice="tiny,char=false,amounts=0.05,arms=a,tune=false,seeds=4",
     slice_steps=10,
     slice_members=(2,),
     gpu_shape="tiny",

@@ -50,7 +50,7 @@ def slice_runs(
     study_arg: str, slice_steps: int | None
 ) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
     """``(base, shared, overrides)`` of the tying study's runs of the one cell
-    that ``study_arg`` leaves (every learning rate x every seed), as
+    that ``study_arg`` leaves (every rate of its grid x every test seed), as
     ``experiments/sweep.py`` gives them; ``train.steps = slice_steps`` when set.
 
     Raises:
@@ -61,12 +61,12 @@ def slice_runs(
     if len(cells) != 1:
         raise ValueError(
             f"--slice={study_arg!r} leaves {len(cells)} cells of the study; "
-            "name one vocabulary, arm and regime (bpe=, char=, arms=, regimes=)."
+            "name one vocabulary, amount and arm (bpe=, char=, amounts=, arms=)."
         )
     overrides = [
-        study_lib.PlannedRun(cells[0], lr, seed).overrides(design.min_lr_ratio)
-        for lr in design.learning_rates
-        for seed in design.seeds
+        design.overrides(study_lib.PlannedRun(cells[0], lr, seed))
+        for lr in design.rates(cells[0])
+        for seed in design.test_seeds
     ]
     if slice_steps is not None:
         for run in overrides:

@@ -14,6 +14,7 @@ import pytest
 
 from lmhead.lm import configuration, data, train
 from lmhead.lm import state as state_lib
+from lmhead.studies.tying import study
 from tests import ROOT
 from tests.experiments.bench.commands import run_bench
 
@@ -110,15 +111,15 @@ def test_separate_steps_are_single_runs(bench, corpus):
 
 
 def test_the_slice_as_processes(bench):
-    """The quick slice's 4 runs: a command each, and 2 programs of 2 whose
+    """The quick slice's 4 runs (one rate, 4 seeds): a command each, and 2 programs of 2 whose
     --member flags carry the member keys and whose own flags the rest."""
     runs_lib = bench.ensemble_runs
     base, shared, overrides = runs_lib.slice_runs(bench.QUICK.slice, 10)
     assert base == "tiny" and shared["data.split"] == "works"
     assert len(overrides) == 4 and all(o["train.steps"] == 10 for o in overrides)
-    assert {(o["optim.lr"], o["train.seed"]) for o in overrides} == {
-        (lr, seed) for lr in (1e-3, 3e-3) for seed in (0, 1)
-    }
+    assert [(o["optim.lr"], o["train.seed"]) for o in overrides] == [
+        (study.ladder_rate(2), seed) for seed in range(4)
+    ]  # the tiny design's one rate without tuning, test seeds 0-3
     runs = dict(zip(runs_lib.sweeps.run_names(overrides), overrides))
     separate = runs_lib.separate_processes(base, shared, runs, "/r")
     assert [p.workdir for p in separate] == [f"/r/separate/{n}" for n in runs]
@@ -137,9 +138,16 @@ def test_the_slice_as_processes(bench):
         for flag in flags:
             spec = json.loads(flag.removeprefix("--member="))
             members[spec.pop("workdir")] = spec
-    # The tokenizer is each run's own (BPE on its fraction): the fraction is
-    # the program's, so that grouping leaves every run's tokenizer as it is.
-    member_keys = ("optim.lr", "optim.min_lr", "train.seed", "train.patience")
+    # The study trains one tokenizer on the whole training split
+    # (data.tokenizer_fraction=1), so the data subset is a member's too.
+    member_keys = (
+        "optim.lr",
+        "optim.min_lr",
+        "train.seed",
+        "train.patience",
+        "data.train_fraction",
+        "data.train_offset",
+    )
     assert members == {
         f"/r/ensembles_of_2/{name}": {k: v for k, v in run.items() if k in member_keys}
         for name, run in runs.items()
@@ -149,9 +157,7 @@ def test_the_slice_as_processes(bench):
 
 def test_a_slice_of_several_cells_is_refused(bench):
     with pytest.raises(ValueError, match=r"leaves 2 cells"):
-        bench.ensemble_runs.slice_runs(
-            "tiny,char=true,bpe=,arms=a+b,regimes=limited", None
-        )
+        bench.ensemble_runs.slice_runs("tiny,char=true,bpe=,arms=a+b,amounts=1.0", None)
 
 
 @pytest.mark.slow

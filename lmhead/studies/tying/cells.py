@@ -183,13 +183,15 @@ def contrast(
 
 
 def paired_contrasts(
-    groups: Mapping[tuple, Mapping[int, Row]], pairs: Sequence[tuple[str, str]]
+    groups: Mapping[tuple, Mapping[int, Row]],
+    pairs: Sequence[tuple[str, str]],
+    metric: str = "test_bpc",
 ) -> list[Contrast]:
     """Each of ``pairs`` in every cell of ``groups`` (:func:`group_runs`'s)
-    that has runs of both arms, in cell order."""
+    that has runs of both arms, in cell order, of ``metric``."""
     cells = sorted({key[:2] for key in groups}, key=cell_order)
     return [
-        contrast(cell, groups[(*cell, x)], groups[(*cell, y)], (x, y))
+        contrast(cell, groups[(*cell, x)], groups[(*cell, y)], (x, y), metric=metric)
         for cell in cells
         for x, y in pairs
         if (*cell, x) in groups and (*cell, y) in groups

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from lmhead.lab import report, stats
+from lmhead.studies.tying import cells as cells_lib
 
 ALPHA = 0.05
 ARMS = (
@@ -19,7 +20,6 @@ ARMS = (
     "tied plus whole blocks to b's count; e b's shape, tied until 2/3 of the cap"
 )
 COLUMN_NAMES = {"test_bpc": "test bits/char", "train_bpc": "training bits/char"}
-VOCAB_RANK = {"char": 0, "512": 1, "2048": 2, "8192": 3}  # the tables' order
 PER_WORD = (
     "per-word perplexity: this study's is the whole test split's over its "
     "whitespace-separated words (`test_word_ppl`), PTB's over Mikolov's tokens "
@@ -179,75 +179,32 @@ CLAIMS = (
 )
 
 
-class CellDifference(NamedTuple):
-    """A cell's paired difference, p-value, and p Holm-adjusted over cells."""
-
-    vocab: str
-    amount: float
-    difference: stats.PairedDifference
-    p: float
-    holm_p: float
-
-
-def cell_values(
-    rows: Sequence[Mapping[str, Any]], column: str
-) -> dict[tuple[str, float], dict[str, dict[int, float]]]:
-    """``{(vocab, amount): {arm: {seed: value}}}`` of ``column`` over the
-    test rows (``role == "test"``) whose value is measured (not None, finite).
-
-    Raises:
-        ValueError: a row lacks a column; two test rows share cell, arm, seed.
-
-    Examples:
-        >>> rows = [dict(role="test", vocab="char", amount=0.1, arm="a", seed=0,
-        ...              test_bpc=2.0), dict(role="tune", vocab="char", amount=0.1,
-        ...              arm="a", seed=100, test_bpc=9.0)]
-        >>> cell_values(rows, "test_bpc")
-        {('char', 0.1): {'a': {0: 2.0}}}
-    """
-    cells: dict = {}
-    for i, row in enumerate(rows):
-        needed = ("role", "vocab", "amount", "arm", "seed", column)
-        if missing := [k for k in needed if k not in row]:
-            raise ValueError(f"rows[{i}] lacks the columns {missing}.")
-        value = row[column]
-        if row["role"] != "test" or value is None or not math.isfinite(value):
-            continue
-        cell = cells.setdefault((row["vocab"], row["amount"]), {})
-        seeds = cell.setdefault(row["arm"], {})
-        if row["seed"] in seeds:
-            raise ValueError(
-                f"rows[{i}] repeats the test run of vocab {row['vocab']!r}, amount "
-                f"{row['amount']}, arm {row['arm']!r}, seed {row['seed']}."
-            )
-        seeds[row["seed"]] = float(value)
-    return cells
-
-
 def compare(
     rows: Sequence[Mapping[str, Any]], x: str, y: str, column: str
-) -> list[CellDifference]:
-    """``x - y`` of ``column`` per cell with both arms, paired by seed
-    (``stats.paired_difference``), and the paired t-test's p-value, Holm-adjusted
-    over the cells too (``stats.holm_adjusted``); vocabulary, then amount order.
+) -> list[cells_lib.Contrast]:
+    """``x - y`` of ``column`` per cell with both arms, over the finished test
+    runs paired by seed (:func:`~lmhead.studies.tying.cells.paired_contrasts`), with the paired
+    t-test's p-value Holm-adjusted over these cells (``stats.holm_adjusted``);
+    in cell order.
 
     Examples:
-        >>> rows = [dict(role="test", vocab="char", amount=1.0, arm=arm, seed=s,
+        >>> rows = [dict(role="test", status="finished", run=f"{arm}{s}",
+        ...              vocab="char", amount=1.0, arm=arm, seed=s,
+        ...              table_lr_multiplier=None,
         ...              test_bpc=2.0 + s + (0.1 + 0.01 * s) * (arm == "b"))
         ...         for arm in "ab" for s in range(3)]
         >>> (cell,) = compare(rows, "b", "a", "test_bpc")
         >>> round(cell.difference.mean, 6), cell.difference.n, cell.p == cell.holm_p
         (0.11, 3, True)
     """
-    cells, found = cell_values(rows, column), []
-    for vocab, amount in sorted(cells, key=lambda c: (VOCAB_RANK.get(c[0], 9), c)):
-        arms = cells[vocab, amount]
-        if x in arms and y in arms and set(arms[x]) & set(arms[y]):
-            pair = arms[x], arms[y]
-            d, p = stats.paired_difference(*pair), stats.paired_p_value(*pair)
-            found.append((vocab, amount, d, p))
-    adjusted = stats.holm_adjusted([p for *_, p in found])
-    return [CellDifference(*cell, holm) for cell, holm in zip(found, adjusted)]
+    groups = cells_lib.group_runs(rows, "test")
+    found = [
+        c
+        for c in cells_lib.paired_contrasts(groups, [(x, y)], metric=column)
+        if c.difference.n
+    ]
+    adjusted = stats.holm_adjusted([c.p for c in found])
+    return [dataclasses.replace(c, holm_p=p) for c, p in zip(found, adjusted)]
 
 
 def word_ppl_change(
@@ -259,26 +216,37 @@ def word_ppl_change(
     \ln P_{b,s}` (the ends likewise; NaN for fewer than 2 pairs).
 
     Examples:
-        >>> rows = [dict(role="test", vocab="char", amount=1.0, arm=arm, seed=s,
+        >>> rows = [dict(role="test", status="finished", run=f"{arm}{s}",
+        ...              vocab="char", amount=1.0, arm=arm, seed=s,
+        ...              table_lr_multiplier=None,
         ...              test_word_ppl=(100.0 if arm == "b" else 95.0) * (1 + s))
         ...         for arm in "ab" for s in range(3)]
         >>> [round(v, 6) for v in word_ppl_change(rows, "char", 1.0)]
         [-0.05, -0.05, -0.05]
     """
-    arms = cell_values(rows, "test_word_ppl").get((vocab, amount), {})
-    logs = [{s: math.log(v) for s, v in arms.get(arm, {}).items()} for arm in "ab"]
+    groups = cells_lib.group_runs(rows, "test")
+    logs = [
+        {
+            s: math.log(v)
+            for s, v in cells_lib.by_seed(
+                groups.get((vocab, amount, arm), {}), "test_word_ppl"
+            ).items()
+        }
+        for arm in "ab"
+    ]
     d = stats.paired_difference(*logs)
     return math.expm1(d.mean), math.expm1(d.low), math.expm1(d.high)
 
 
-def verdict(cell: CellDifference, predicted: int) -> str:
+def verdict(cell: cells_lib.Contrast, predicted: int) -> str:
     """``"agrees"`` or ``"disagrees"`` with a predicted sign of the
     difference (+1, -1; or 0, about zero, which any significant cell
     contradicts) where ``cell.holm_p < ALPHA``; else ``"cannot tell"``.
 
     Examples:
         >>> d = stats.PairedDifference(-0.02, 0.01, 8, -0.03, -0.01)
-        >>> [verdict(CellDifference("char", 1.0, d, 0.0, p), sign)
+        >>> c = cells_lib.Contrast("char", 1.0, "b", "a", "b − a", d, 0.0)
+        >>> [verdict(dataclasses.replace(c, holm_p=p), sign)
         ...  for p, sign in ((0.01, +1), (0.2, +1), (0.01, 0))]
         ['disagrees', 'cannot tell', 'disagrees']
     """
@@ -364,7 +332,7 @@ def _table(rows, cells, name, with_word_ppl) -> str:
     )
 
 
-def _p(cell: CellDifference) -> str:
+def _p(cell: cells_lib.Contrast) -> str:
     return "—" if math.isnan(cell.holm_p) else f"{cell.holm_p:.3g}"
 
 
@@ -389,6 +357,5 @@ def _summary(cells, predicted) -> str:
     return f"**{word}**{note}; cells: {', '.join(parts)}, of {n} (Holm over the {n})."
 
 
-def _label(cell: CellDifference) -> tuple[str, str]:
-    vocab = "characters" if cell.vocab == "char" else f"BPE {cell.vocab}"
-    return vocab, f"{cell.amount * 100:g}%"
+def _label(cell: cells_lib.Contrast) -> tuple[str, str]:
+    return cells_lib.vocab_label(cell.vocab), cells_lib.amount_label(cell.amount)

@@ -38,6 +38,9 @@ def bpc(vocab, amount, arm, seed):
 
 def row(role, vocab, amount, arm, seed, value):
     return {
+        "run": f"{role} {vocab} {amount} {arm} {seed}",
+        "status": "failed" if value is None else "finished",
+        "table_lr_multiplier": None,
         "role": role,
         "vocab": vocab,
         "amount": amount,
@@ -91,22 +94,22 @@ def section(text, number):
     return text[start : end if end != -1 else None]
 
 
-def test_cell_values_reads_measured_test_rows_only(rows):
-    cells = literature.cell_values(rows, "test_bpc")
+def test_compare_reads_finished_test_runs_only(rows):
+    cells = {
+        (c.vocab, c.amount): c for c in literature.compare(rows, "c", "a", "test_bpc")
+    }
     assert set(cells) == set(EFFECT)
-    assert cells["char", 1.0]["c"].keys() == set(SEEDS)  # the failed seed 4 is out
-    assert cells["char", 0.01]["b"] == {s: bpc("char", 0.01, "b", s) for s in SEEDS}
-    nan = row("test", "char", 1.0, "a", 9, math.nan)
-    assert 9 not in literature.cell_values([nan], "test_bpc").get(("char", 1.0), {})
+    assert cells["char", 1.0].difference.n == len(SEEDS)  # the failed seed 4 is out
+    # The tuning and ablation rows (9.0 bits/char) are not read.
+    assert cells["char", 0.01].difference.mean == pytest.approx(
+        np.mean([bpc("char", 0.01, "c", s) - bpc("char", 0.01, "a", s) for s in SEEDS])
+    )
 
 
-def test_cell_values_refuses_repeated_runs_and_missing_columns(rows):
-    with pytest.raises(ValueError, match="repeats the test run.*seed 0"):
-        literature.cell_values(rows + [rows[0]], "test_bpc")
-    with pytest.raises(ValueError, match=r"rows\[0\] lacks the columns \['seed'\]"):
-        literature.cell_values(
-            [{k: v for k, v in rows[0].items() if k != "seed"}], "test_bpc"
-        )
+def test_compare_refuses_repeated_runs(rows):
+    repeated = dict(rows[0], run="another run")
+    with pytest.raises(ValueError, match="both test runs of .* at seed 0"):
+        literature.compare(rows + [repeated], "b", "a", "test_bpc")
 
 
 def test_compare_matches_scipy_and_a_written_out_holm(rows):

@@ -47,7 +47,9 @@ Modules: :mod:`~lmhead.decoding.knobs` (:class:`SamplingKnobs`),
 :mod:`~lmhead.decoding.sampling` (:func:`generate`),
 :mod:`~lmhead.decoding.beam_search` (:func:`beam_search`),
 :mod:`~lmhead.decoding.text` (:func:`detokenize`, which needs only a
-``decode`` method, not a tokenizer library).
+``decode`` method, not a tokenizer library, and :func:`trim_at_stop`),
+:mod:`~lmhead.decoding.stop_strings` (:class:`StopStrings`, text stop strings
+checked in the loop on each token's bytes).
 """
 
 from lmhead.decoding._loop import StepFn
@@ -73,5 +75,6 @@ from lmhead.decoding.processors import (
     process_logits,
 )
 from lmhead.decoding.sampling import SamplingState, generate
-from lmhead.decoding.text import TokenDecoder, detokenize
+from lmhead.decoding.stop_strings import StopStrings, token_bytes_from_decode
+from lmhead.decoding.text import TokenDecoder, detokenize, find_stop, trim_at_stop
 from lmhead.head import NEG_INF

@@ -1,9 +1,15 @@
-"""From token ids to text: :func:`detokenize` cuts each row at EOS and decodes it.
+"""From token ids to text: :func:`detokenize` cuts each row at EOS, decodes it,
+and cuts the text at a stop string (:func:`trim_at_stop`).
 
 It needs only an object with a ``decode(ids) -> str`` method
 (:class:`TokenDecoder`), so the decoders stay free of any tokenizer library.
+The loop's side of text stop strings, which ends a row at the step whose
+token completes one even when the string splits across tokens, is
+:class:`~lmhead.decoding.stop_strings.StopStrings`; the text is trimmed here,
+on the decoded text, which is exact for every tokenizer.
 """
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -27,8 +33,10 @@ def detokenize(
     *,
     eos_id: int | None = None,
     pad_id: int | None = None,
+    stop: str | Sequence[str] | None = None,
 ) -> str | list:
-    """Token ids to text: each row is cut before its first EOS, then decoded.
+    """Token ids to text: each row is cut before its first EOS, then decoded,
+    then cut before its first stop string (:func:`trim_at_stop`).
 
     Args:
         ids: ``int [..., N]``; a single row gives a string, ``[B, N]`` a list
@@ -38,6 +46,9 @@ def detokenize(
             None: no cut.
         pad_id: every ``pad_id`` is dropped. None: none is, which is right for
             rows cut at EOS and for a ``pad_id`` that is also a real token.
+        stop: a stop string or a list of them, shared by every row (for one
+            list per row, call :func:`trim_at_stop` on each row's text).
+            None: no cut.
 
     Returns:
         ``str``, or nested lists of ``str`` following the leading axes.
@@ -48,6 +59,8 @@ def detokenize(
         ...         return "".join("abcd"[i] for i in ids)
         >>> detokenize([[0, 1, 3, 2], [2, 2, 2, 2]], Letters(), eos_id=3)
         ['ab', 'cccc']
+        >>> detokenize([[0, 1, 3, 2], [2, 2, 2, 2]], Letters(), stop=["bd", "cc"])
+        ['a', '']
     """
     if not callable(getattr(tokenizer, "decode", None)):
         raise TypeError(
@@ -60,10 +73,65 @@ def detokenize(
     if ids.size:
         _checks.check_integer("ids", ids)
     if ids.ndim > 1:
-        return [detokenize(row, tokenizer, eos_id=eos_id, pad_id=pad_id) for row in ids]
+        return [
+            detokenize(row, tokenizer, eos_id=eos_id, pad_id=pad_id, stop=stop)
+            for row in ids
+        ]
     row = ids.tolist()
     if eos_id is not None and eos_id in row:
         row = row[: row.index(eos_id)]
     if pad_id is not None:
         row = [i for i in row if i != pad_id]
-    return tokenizer.decode(row)
+    text = tokenizer.decode(row)
+    return text if stop is None else trim_at_stop(text, stop)
+
+
+def find_stop(text: str, stop: str | Sequence[str]) -> tuple[int, int] | None:
+    """``(start, end)`` of the stop string that ``text`` completes first, or None.
+
+    "First" is by end: the one a token-by-token loop meets first (as
+    :class:`~lmhead.decoding.stop_strings.StopStrings` does). Of several that
+    end at the same place, the longest, so that no part of any stop string
+    ending there is returned. The order of ``stop`` does not matter.
+
+    Args:
+        text: the generated text (not the prompt: a stop string is matched in
+            generated text only).
+        stop: a non-empty string, or a list of them.
+
+    Examples:
+        >>> find_stop("xabcd", ["bcd", "ab", "b"])
+        (1, 3)
+        >>> find_stop("xabcd", "z") is None
+        True
+    """
+    strings = [stop] if isinstance(stop, str) else list(stop)
+    for string in strings:
+        if not isinstance(string, str):
+            raise TypeError(f"stop strings must be str; got {type(string).__name__}.")
+        if not string:
+            raise ValueError("stop strings must be non-empty; got ''.")
+    found = None
+    for string in strings:
+        start = text.find(string)
+        if start < 0:
+            continue
+        span = (start, start + len(string))
+        if found is None or (span[1], span[0]) < (found[1], found[0]):
+            found = span
+    return found
+
+
+def trim_at_stop(text: str, stop: str | Sequence[str]) -> str:
+    """``text`` up to the stop string it completes first (:func:`find_stop`),
+    which is not returned, nor anything after it (the OpenAI API's rule);
+    the whole ``text`` when it holds none.
+
+    Examples:
+        >>> trim_at_stop("to be\\n\\nor not", ["\\n\\n", "or"])
+        'to be'
+        >>> trim_at_stop("to be", "\\n\\n")
+        'to be'
+    """
+    found = find_stop(text, stop)
+    return text if found is None else text[: found[0]]

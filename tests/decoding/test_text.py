@@ -35,6 +35,45 @@ def test_detokenize_with_the_project_and_library_tokenizers():
     assert decoding.detokenize([[0, 1, 2, 0]], words, eos_id=2) == ["to be"]
 
 
+def reference_trim(text, stops):
+    """The shortest prefix that ends with a stop string, less the longest such
+    string; the whole text when none occurs."""
+    for end in range(len(text) + 1):
+        ending = [s for s in stops if text[:end].endswith(s)]
+        if ending:
+            return text[: end - max(map(len, ending))]
+    return text
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_trim_at_stop_against_a_brute_force_reference(seed):
+    rng = np.random.default_rng(seed)
+    stops = ["ab", "b", "bca", "\n\n", "é:"]
+    for _ in range(200):
+        text = "".join(rng.choice(list("abcé:\n"), size=rng.integers(0, 12)))
+        chosen = list(rng.choice(stops, size=rng.integers(1, 4), replace=False))
+        expected = reference_trim(text, chosen)
+        assert decoding.trim_at_stop(text, chosen) == expected, (text, chosen)
+        assert decoding.trim_at_stop(text, chosen[::-1]) == expected
+        found = decoding.find_stop(text, chosen)
+        assert (found is None) == (not any(s in text for s in chosen))
+
+
+def test_trim_at_stop_follows_the_stop_the_loop_meets_first():
+    # "b" ends before "abc" does, so the loop stops there and the text is cut
+    # before "b"; of two ending together the longer one goes.
+    assert decoding.trim_at_stop("xabc", ["abc", "b"]) == "xa"
+    assert decoding.trim_at_stop("xabc", ["bc", "abc"]) == "x"
+    assert decoding.find_stop("xabc", ["c", "abc"]) == (1, 4)
+
+
+def test_detokenize_trims_at_a_stop_string():
+    ids = np.array([[0, 1, 2, 3], [3, 2, 1, 0]])
+    assert decoding.detokenize(ids, Letters(), stop="c") == ["ab", "d"]
+    assert decoding.detokenize(ids, Letters(), stop=["bc", "cb"]) == ["a", "d"]
+    assert decoding.detokenize(ids[0], Letters(), stop="z", eos_id=3) == "abc"
+
+
 # ---------------------------------------------------------------------------
 # bad input: the message names the argument and what is allowed
 # (BAD_INPUT_MESSAGES, whose fragments are pinned), and each case raises
@@ -61,6 +100,24 @@ def test_bad_input_is_named(call, error, fragment):
 
 
 BAD_INPUTS = [
+    (
+        "trim_at_stop empty string",
+        lambda: decoding.trim_at_stop("abc", ["b", ""]),
+        ValueError,
+        "stop",
+    ),
+    (
+        "trim_at_stop not a string",
+        lambda: decoding.trim_at_stop("abc", [3]),
+        TypeError,
+        "stop",
+    ),
+    (
+        "detokenize empty stop",
+        lambda: decoding.detokenize([0, 1], Letters(), stop=""),
+        ValueError,
+        "stop",
+    ),
     (
         "detokenize no decode",
         lambda: decoding.detokenize([[0, 1]], object()),

@@ -305,3 +305,71 @@ def test_bad_requests_are_refused_before_anything_compiles():
     ]
     for call, error, named in cases:
         assert_raises_exactly(call, error, named)
+
+
+# ---------------------------------------------------------------------------
+# token_bytes: the table StopStrings matches text stop strings on.
+
+BPE_TEXT = "héllo wörld ☃ the cat sat\nROMEO: ô là\n\n" * 20
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return data.BPETokenizer.train(BPE_TEXT, 300)
+
+
+def test_bpe_token_bytes_join_to_the_decoded_text(bpe):
+    table = generation.token_bytes(bpe)
+    assert len(table) == bpe.vocab_size
+    # Some tokens hold part of a character: decoding one alone cannot give
+    # its bytes, and the table does.
+    partial = [
+        b
+        for b in table
+        if b.decode("utf-8", errors="replace") != b.decode("utf-8", errors="ignore")
+    ]
+    assert partial
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        ids = rng.integers(0, bpe.vocab_size, rng.integers(1, 12)).tolist()
+        joined = b"".join(table[i] for i in ids)
+        assert joined.decode("utf-8", errors="replace") == bpe.decode(ids)
+    ids = bpe.encode(BPE_TEXT[:200])
+    assert b"".join(table[i] for i in ids) == BPE_TEXT[:200].encode("utf-8")
+
+
+def test_char_token_bytes_are_each_characters_utf8():
+    tokenizer = data.CharTokenizer.train("aé☃\n")
+    assert generation.token_bytes(tokenizer) == [c.encode() for c in tokenizer.chars]
+
+
+def test_bpe_stop_strings_match_decoding_after_every_step(bpe):
+    """Stop strings across 2 and 3 BPE tokens and inside characters, on
+    random token rows, against decoding each prefix and searching it."""
+    stops = ["ROMEO:", "\n\n", "ö", "☃ t", "at s"]
+    stop = decoding.StopStrings.build(stops, generation.token_bytes(bpe))
+    ids = np.array([bpe.encode(BPE_TEXT[k : k + 40])[:12] for k in range(0, 400, 13)])
+    rng = np.random.default_rng(1)
+    ids[::3] = rng.integers(0, bpe.vocab_size, ids[::3].shape)
+    pieces = [len(bpe.encode(s)) for s in ["ROMEO:", "☃ t"]]
+    assert max(pieces) >= 3, pieces
+    update = jax.jit(lambda s, c, t, a: s.update(c, t, a))
+    carry, first = stop.init(len(ids)), [None] * len(ids)
+    for t in range(ids.shape[1]):
+        active = jnp.array([f is None for f in first])
+        carry, ended = update(stop, carry, jnp.asarray(ids[:, t]), active)
+        for b in np.flatnonzero(np.asarray(ended)):
+            first[b] = t
+    expected = [
+        next(
+            (
+                t
+                for t in range(len(row))
+                if any(s in bpe.decode(row[: t + 1].tolist()) for s in stops)
+            ),
+            None,
+        )
+        for row in ids
+    ]
+    assert sum(e is not None for e in expected) > len(ids) // 2
+    assert first == expected

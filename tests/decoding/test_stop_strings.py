@@ -1,0 +1,183 @@
+"""Tests for lmhead/decoding/stop_strings.py (StopStrings) against a reference
+that decodes the text after every step and searches it for the stop strings."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lmhead import decoding
+from lmhead.decoding.stop_strings import StopStrings, token_bytes_from_decode
+from tests.errors import assert_raises_exactly
+
+# Tokens chosen so that stop strings split across 2 and 3 tokens, end inside
+# a token, and hold a two-byte character split across tokens ("é" = c3 a9).
+TOKENS = [b"RO", b"MEO", b":", b"\n", b".\n", b"a", b"\xc3", b"\xa9", b"xy", b" "]
+
+
+def decode(ids):
+    return b"".join(TOKENS[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def reference_stop_step(ids, stops):
+    """The first step t whose text (tokens 0..t decoded) holds a stop string."""
+    for t in range(len(ids)):
+        text = decode(ids[: t + 1])
+        if any(s in text for s in stops):
+            return t
+    return None
+
+
+def first_ended(stop, ids, update):
+    """Steps at which each row first ends, driving ``update`` by hand."""
+    ids = np.asarray(ids)
+    batch = ids.shape[0]
+    carry = stop.init(batch)
+    first = [None] * batch
+    for t in range(ids.shape[1]):
+        active = jnp.array([f is None for f in first])
+        carry, ended = update(stop, carry, jnp.asarray(ids[:, t]), active)
+        for b in np.flatnonzero(np.asarray(ended)):
+            assert first[b] is None, "an inactive row ended"
+            first[b] = t
+    return first
+
+
+def random_rows(seed, batch, steps):
+    rng = np.random.default_rng(seed)
+    # Weighted towards the tokens the stop strings are made of.
+    weights = np.array([3, 3, 3, 3, 1, 1, 2, 2, 1, 1], float)
+    return rng.choice(len(TOKENS), size=(batch, steps), p=weights / weights.sum())
+
+
+class StopStringsTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_shared_stop_strings_match_the_text_reference(self):
+        stops = ["ROMEO:", "\n\n", "é:", "a"]  # 3, 2 tokens; inside ".\n"
+        stop = StopStrings.build(stops, TOKENS)
+        update = self.variant(lambda s, c, t, a: s.update(c, t, a))
+        ids = random_rows(0, 64, 12)
+        ids[0, :4] = [5, 0, 1, 2]  # "a" at once
+        ids[1, :4] = [9, 0, 1, 2]  # " ROMEO:" over three tokens
+        ids[2, :3] = [6, 7, 2]  # "é:" with é split
+        ids[3, :3] = [4, 3, 9]  # ".\n" then "\n"
+        expected = [reference_stop_step(row.tolist(), stops) for row in ids]
+        assert expected[:4] == [0, 3, 2, 1]
+        assert any(e is None for e in expected)  # some rows never stop
+        assert first_ended(stop, ids, update) == expected
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_per_row_stop_strings_match_the_text_reference(self):
+        rows = [["ROMEO:"], ["\n\n", "O:"], [], ["xy xy", "é"]]
+        update = self.variant(lambda s, c, t, a: s.update(c, t, a))
+        ids = random_rows(1, 32, 16)
+        stop = StopStrings.build([rows[b % 4] for b in range(32)], TOKENS)
+        expected = [
+            reference_stop_step(row.tolist(), rows[b % 4]) for b, row in enumerate(ids)
+        ]
+        assert len({e for e in expected if e is not None}) > 3
+        assert first_ended(stop, ids, update) == expected
+
+    def test_repeat_rows_repeats_each_rows_strings(self):
+        rows = [["ROMEO:"], ["\n\n"]]
+        repeated = StopStrings.build(rows, TOKENS).repeat_rows(3)
+        by_hand = StopStrings.build([rows[0]] * 3 + [rows[1]] * 3, TOKENS)
+        np.testing.assert_array_equal(repeated.stop_bytes, by_hand.stop_bytes)
+        np.testing.assert_array_equal(repeated.stop_len, by_hand.stop_len)
+        shared = StopStrings.build(["a"], TOKENS)
+        assert shared.repeat_rows(4) is shared
+
+    def test_fixed_budgets_give_one_shape_for_every_request(self):
+        small = StopStrings.build(["a"], TOKENS, max_bytes=8, max_strings=4)
+        large = StopStrings.build(
+            ["RO", "é:", "\n\n"], TOKENS, max_bytes=8, max_strings=4
+        )
+        shapes = lambda s: [x.shape for x in jax.tree.leaves(s)]
+        assert shapes(small) == shapes(large)
+        ids = np.array([[0, 6, 7, 2, 5]])
+        update = jax.jit(lambda s, c, t, a: s.update(c, t, a))
+        assert first_ended(large, ids, update) == [0]
+        assert first_ended(small, ids, update) == [4]
+
+    def test_inactive_rows_keep_their_window(self):
+        stop = StopStrings.build(["\n\n"], TOKENS)
+        carry = stop.init(2)
+        carry, _ = stop.update(carry, jnp.array([3, 3]), jnp.array([True, True]))
+        # Row 1 is inactive for a step (its token is padding): no bytes enter.
+        carry, ended = stop.update(carry, jnp.array([5, 0]), jnp.array([True, False]))
+        assert ended.tolist() == [False, False]
+        _, ended = stop.update(carry, jnp.array([3, 3]), jnp.array([True, True]))
+        assert ended.tolist() == [False, True]
+
+    def test_the_prompt_takes_no_part_in_a_match(self):
+        # Only generated bytes are in the window: ":" alone after a prompt
+        # "ROMEO" does not end "ROMEO:".
+        stop = StopStrings.build(["ROMEO:"], TOKENS)
+        assert first_ended(stop, [[2, 2]], lambda s, c, t, a: s.update(c, t, a)) == [
+            None
+        ]
+
+    def test_token_bytes_from_decode(self):
+        table = token_bytes_from_decode(lambda ids: "".join("aé☃"[i] for i in ids), 3)
+        assert table == [b"a", "é".encode(), "☃".encode()]
+
+
+def test_check_names_stop():
+    stop = StopStrings.build([["a"], ["b"]], TOKENS)
+    stop.check(2, len(TOKENS))
+    StopStrings.build(["a"], TOKENS).check(5, len(TOKENS))
+    assert_raises_exactly(lambda: stop.check(3, len(TOKENS)), ValueError, "stop")
+    assert_raises_exactly(lambda: stop.check(2, 99), ValueError, "stop")
+
+
+BAD_INPUTS = [
+    ("empty string", lambda: StopStrings.build(["a", ""], TOKENS), ValueError, "stop"),
+    ("no string", lambda: StopStrings.build([], TOKENS), ValueError, "stop"),
+    (
+        "no string per row",
+        lambda: StopStrings.build([[], []], TOKENS),
+        ValueError,
+        "stop",
+    ),
+    (
+        "too long",
+        lambda: StopStrings.build(["abcdef"], TOKENS, max_bytes=4),
+        ValueError,
+        ("stop", "max_bytes"),
+    ),
+    (
+        "too long by default",
+        lambda: StopStrings.build(["x" * 300], TOKENS),
+        ValueError,
+        "stop",
+    ),
+    (
+        "a character longer than the budget",
+        lambda: StopStrings.build(["éé"], TOKENS, max_bytes=3),
+        ValueError,
+        "max_bytes",
+    ),
+    (
+        "too many",
+        lambda: StopStrings.build(["a", "b"], TOKENS, max_strings=1),
+        ValueError,
+        "max_strings",
+    ),
+    ("bytes", lambda: StopStrings.build([b"a"], TOKENS), TypeError, "stop"),
+    ("not a list", lambda: StopStrings.build(3, TOKENS), TypeError, "stop"),
+    ("mixed", lambda: StopStrings.build(["a", ["b"]], TOKENS), TypeError, "stop"),
+    ("table of str", lambda: StopStrings.build(["a"], ["a"]), TypeError, "token_bytes"),
+    ("empty table", lambda: StopStrings.build(["a"], []), TypeError, "token_bytes"),
+]
+
+
+@pytest.mark.parametrize(
+    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
+)
+def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
+    assert_raises_exactly(call, error, named)
+
+
+def test_exported():
+    assert decoding.StopStrings is StopStrings

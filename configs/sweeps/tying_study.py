@@ -79,7 +79,7 @@ comma-separated ``key=value`` (``+`` separates list items)::
 import os
 
 from lmhead.lab import sweeps
-from lmhead.lm import configuration, data
+from lmhead.lm import data
 from lmhead.studies.tying import shapes, study
 
 PRESETS = {
@@ -169,11 +169,7 @@ def parse(arg: str | None) -> dict:
 def vocab_size(base: str, overrides: dict) -> int:
     """The tokens a run's tokenizer has (``data.tokenizer_vocab_size``, cached)
     with the ``data.*`` items of ``overrides`` on the base config."""
-    config = configuration.load_config(base)
-    for key, value in overrides.items():
-        if key.startswith("data."):
-            config.data[key.removeprefix("data.")] = value
-    return data.tokenizer_vocab_size(config.data)
+    return data.tokenizer_vocab_size(study.data_config(base, overrides))
 
 
 def get_study(arg=None) -> study.Design:
@@ -247,11 +243,7 @@ def get_sweep(arg=None, workdir=None):
             )
         runs = design.tuning_runs()  # the grid; its extensions need its results
     else:
-        tuning = study.read_tuning(design, workdir)
-        runs = list(tuning)
-        if stage == "test":
-            chosen = study.choose_learning_rates(design, tuning)
-            runs += design.test_runs(chosen, tuning)
+        runs = list(study.read_plan(design, workdir, test=stage == "test"))
     return design.base, [design.overrides(r) for r in runs], design.shared
 
 

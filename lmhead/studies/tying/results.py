@@ -13,33 +13,20 @@ analysis.
 import functools
 import json
 import os
-from typing import Any
 
 import numpy as np
 
 from lmhead.lab import workdirs
-from lmhead.lm import configuration, data
+from lmhead.lm import data
 from lmhead.studies.tying import analysis, literature, shapes, study, table
 
 RUNS_CSV = "runs.csv"
 VERSION_KEYS = ("jax", "flax", "optax")
 
 
-def planned_runs(design: study.Design, sweep_dir: str) -> dict[study.PlannedRun, Any]:
-    """Every run the design plans so far, read back: the tuning runs, then
-    the test stage's for the cells whose tuning has finished."""
-    tuning = study.read_tuning(design, sweep_dir)
-    chosen = study.choose_learning_rates(design, tuning, strict=False)
-    test = study.read_runs(design, design.test_runs(chosen, tuning), sweep_dir)
-    return {**tuning, **test}
-
-
 @functools.cache
 def _train_chars(base: str, overrides: tuple) -> int:
-    config = configuration.load_config(base)
-    for key, value in overrides:
-        config.data[key.removeprefix("data.")] = value
-    return len(data.read_splits(config.data).train)
+    return len(data.read_splits(study.data_config(base, dict(overrides))).train)
 
 
 def train_chars(design: study.Design, planned: study.PlannedRun) -> int:
@@ -144,8 +131,11 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
 
 
 def collect_rows(design: study.Design, sweep_dir: str) -> list[dict]:
-    """The rows of every run the design plans so far (:func:`planned_runs`)."""
-    return [row(design, p, r) for p, r in planned_runs(design, sweep_dir).items()]
+    """The rows of every run the design plans so far (:func:`~lmhead.studies.tying.study.read_plan`)."""
+    return [
+        row(design, p, r)
+        for p, r in study.read_plan(design, sweep_dir, strict=False).items()
+    ]
 
 
 def write_report(design: study.Design, sweep_dir: str, out_dir: str):

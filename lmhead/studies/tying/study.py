@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lmhead.lab import sweeps, workdirs
+from lmhead.lm import configuration
 from lmhead.studies.tying import shapes
 
 # Distinct characters of the embedded corpus: the character vocabulary.
@@ -352,6 +353,17 @@ def _ladder_index(rate: float) -> int:
 # --- Reading results -------------------------------------------------------------
 
 
+def data_config(base: str, overrides: Mapping[str, Any]):
+    """The ``data`` section of ``configs/default.py:base`` with the
+    ``data.*`` items of ``overrides`` applied (the others are ignored), as
+    the run with those overrides reads its data."""
+    config = configuration.load_config(base)
+    for key, value in overrides.items():
+        if key.startswith("data."):
+            config.data[key.removeprefix("data.")] = value
+    return config.data
+
+
 def read_runs(
     design: Design,
     runs: Sequence[PlannedRun],
@@ -380,6 +392,20 @@ def read_tuning(design: Design, sweep_dir: str) -> dict[PlannedRun, workdirs.Run
         if grown == planned:
             return runs
         planned = grown
+
+
+def read_plan(
+    design: Design, sweep_dir: str, *, test: bool = True, strict: bool = True
+) -> dict[PlannedRun, workdirs.Run]:
+    """Every run the design plans so far, read back from ``sweep_dir``: the
+    tuning stage's (:func:`read_tuning`), then with ``test`` the test stage's
+    at each cell's chosen rate (:func:`choose_learning_rates`; ``strict``
+    False plans them only for the cells whose tuning has finished)."""
+    tuning = read_tuning(design, sweep_dir)
+    if not test:
+        return tuning
+    chosen = choose_learning_rates(design, tuning, strict=strict)
+    return {**tuning, **read_runs(design, design.test_runs(chosen, tuning), sweep_dir)}
 
 
 def validation_loss(run: workdirs.Run) -> float:

@@ -30,8 +30,8 @@ The contract between a model and the decoders:
   ``step_fn`` has one, otherwise with ``jnp.repeat`` of every leaf.
 * **Sampling knobs** are defined once, by :class:`SamplingKnobs`, which
   :func:`process_logits`, :func:`generate` and :func:`beam_search` take (or
-  build from keywords); ``temperature``, ``top_k``, ``top_p`` and ``min_p``
-  are a scalar or one value per row ``[B]``.
+  build from keywords); every traced knob is a scalar or one value per row
+  ``[B]``, except ``logit_bias``, one value per token (``[V]`` or ``[B, V]``).
 
 Conventions shared by everything below:
 
@@ -60,13 +60,15 @@ from lmhead.decoding.beam_search import (
     gather_rows,
     length_penalty_divisor,
 )
-from lmhead.decoding.knobs import SamplingKnobs
+from lmhead.decoding.knobs import SamplingKnobs, logit_bias_vector
 from lmhead.decoding.processors import (
     NO_TOKEN,
     TOP_P_TOLERANCE,
+    apply_logit_bias,
     apply_min_new_tokens,
     apply_min_p,
     apply_no_repeat_ngram,
+    apply_presence_frequency,
     apply_repetition_penalty,
     apply_suppress_tokens,
     apply_temperature,

@@ -8,13 +8,16 @@ value at which it changes nothing are written here and nowhere else. The
 functions also take the knobs as keywords (``generate(..., temperature=0.8,
 top_k=40)``), which build a :class:`SamplingKnobs`.
 
-A new knob (a stop sequence, a per-row key, a logit bias) is a new field
-here with its metadata; :meth:`SamplingKnobs.check`, the per-row rule, the
-service's parsing and batching then cover it.
+A new knob is a new field here with its metadata;
+:meth:`SamplingKnobs.check`, the per-row rule, the service's parsing and
+batching then cover it. Most knobs hold one number per row; ``logit_bias``
+holds one number per token (``[V]``, or ``[B, V]`` per row), and
+:func:`logit_bias_vector` builds it from OpenAI's ``{token id: bias}`` map.
 """
 
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -32,24 +35,31 @@ def _knob(
     low: float,
     high: float | None = None,
     low_open: bool = False,
+    high_open: bool = False,
     per_row: bool = False,
+    per_token: bool = False,
     neutral: float,
 ) -> Any:
-    """A traced knob's field: its range ``low..high`` (``low_open``: ``low``
-    excluded), its dtype, whether it may be ``[B]``, and the ``neutral``
-    value at which it changes nothing."""
+    """A traced knob's field: its range ``low..high`` (``low_open``,
+    ``high_open``: that end excluded), its dtype, whether it may be ``[B]``
+    (``per_row``), whether it holds one value per token, ``[V]`` or ``[B, V]``
+    (``per_token``), and the ``neutral`` value at which it changes nothing."""
     spec = dict(
         dtype=dtype,
         low=low,
         high=high,
         low_open=low_open,
-        per_row=per_row,
+        high_open=high_open,
+        per_row=per_row or per_token,
+        per_token=per_token,
         neutral=neutral,
     )
     return dataclasses.field(default=default, metadata=spec)
 
 
 _STATIC = dict(static=True)
+# Any finite real: (-inf, inf) with both ends open also refuses NaN.
+_FINITE = dict(low=-math.inf, high=math.inf, low_open=True, high_open=True)
 # What a padding row of a stacked batch holds where it is not neutral: it is
 # greedy, so that it draws nothing.
 _PADDING = {"temperature": 0.0}
@@ -60,12 +70,13 @@ _PADDING = {"temperature": 0.0}
 class SamplingKnobs:
     """What turns next-token logits into the distribution a token is drawn from.
 
-    The traced knobs (the first six) are arrays inside the compiled loop:
+    The traced knobs (the first nine) are arrays inside the compiled loop:
     changing their values does not recompile. A *per-row* knob is a scalar or
     one value per row, shape ``[B]``, so one batch serves requests with
-    different settings; the others are one scalar for the batch. None turns a
-    processor off, which is static (switching it on recompiles). The last two
-    knobs are static: part of the compiled program. The class is a pytree
+    different settings; ``logit_bias`` is one value per token, ``[V]``
+    shared by the rows or ``[B, V]``. None turns a processor off, which is
+    static (switching it on recompiles). The last two knobs are static: part
+    of the compiled program, one value for the batch. The class is a pytree
     whose leaves are the traced knobs that are not None.
 
     Attributes:
@@ -76,10 +87,20 @@ class SamplingKnobs:
             Default None: off.
         min_p: ``0 <= m <= 1``, per row; 0 keeps every token (neutral).
             Default None: off.
-        repetition_penalty: ``theta > 0``, a scalar; 1 changes nothing
+        repetition_penalty: ``theta > 0``, per row; 1 changes nothing
             (neutral). Default None: off. Reads the token history.
-        min_new_tokens: integer ``>= 0``, a scalar: EOS is removed before
+        min_new_tokens: integer ``>= 0``, per row: EOS is removed before
             that many tokens. Default 0 (neutral).
+        presence_penalty: any finite real, per row, subtracted from the
+            logit of every token generated at least once; 0 is neutral.
+            Default None: off. Reads the generated tokens' counts.
+        frequency_penalty: any finite real, per row, subtracted once per
+            time a token was generated; 0 is neutral. Default None: off.
+            Reads the counts. Both penalties take any finite value, not
+            only OpenAI's ``[-2, 2]``: the formula is defined for every
+            value, and a narrower range is a policy a service may add.
+        logit_bias: finite, ``[V]`` added to every row's logits or
+            ``[B, V]`` one per row; 0 is neutral. Default None: off.
         no_repeat_ngram_size: static integer ``n >= 1``, or None (off).
             Reads the token history.
         suppress_tokens: static ids in ``[0, V)`` never produced, or None;
@@ -107,9 +128,20 @@ class SamplingKnobs:
         None, np.float32, low=0.0, high=1.0, per_row=True, neutral=0.0
     )
     repetition_penalty: jax.typing.ArrayLike | None = _knob(
-        None, np.float32, low=0.0, low_open=True, neutral=1.0
+        None, np.float32, low=0.0, low_open=True, per_row=True, neutral=1.0
     )
-    min_new_tokens: jax.typing.ArrayLike = _knob(0, np.int32, low=0, neutral=0)
+    min_new_tokens: jax.typing.ArrayLike = _knob(
+        0, np.int32, low=0, per_row=True, neutral=0
+    )
+    presence_penalty: jax.typing.ArrayLike | None = _knob(
+        None, np.float32, **_FINITE, per_row=True, neutral=0.0
+    )
+    frequency_penalty: jax.typing.ArrayLike | None = _knob(
+        None, np.float32, **_FINITE, per_row=True, neutral=0.0
+    )
+    logit_bias: jax.typing.ArrayLike | None = _knob(
+        None, np.float32, **_FINITE, per_token=True, neutral=0.0
+    )
     no_repeat_ngram_size: int | None = dataclasses.field(default=None, metadata=_STATIC)
     suppress_tokens: Sequence[int] | None = dataclasses.field(
         default=None, metadata=_STATIC
@@ -146,22 +178,37 @@ class SamplingKnobs:
         """One batch's knobs from each row's scalar knobs.
 
         Per-row knobs become ``[size]`` arrays of their dtype; the rows past
-        ``len(rows)`` (padding) are greedy with every other knob neutral. A
-        knob that is one value per batch must be the same in every row.
+        ``len(rows)`` (padding) are greedy with every other knob neutral.
+        Each row's ``logit_bias`` ``[V]`` becomes a row of ``[size, V]``: a
+        row without one, and a padding row, gets zeros (when no row has one
+        it stays None). A knob that is one value per batch must be the same
+        in every row.
 
         Args:
-            rows: ``R <= size`` knobs of scalars, one per row.
+            rows: ``R <= size`` knobs of scalars (and ``[V]`` biases), one
+                per row.
             size: ``B``, the batch's rows.
 
         Raises:
-            ValueError: a per-batch knob differs between rows, or a per-row
-                knob is None in some rows only.
+            ValueError: a per-batch knob differs between rows, a per-row
+                knob is None in some rows only, or a row's ``logit_bias`` is
+                not ``[V]`` with the same ``V`` as the others'.
+
+        Examples:
+            >>> rows = [SamplingKnobs(logit_bias=np.array([0.0, 5.0, -5.0])),
+            ...         SamplingKnobs(temperature=0.5)]
+            >>> SamplingKnobs.stack(rows, size=3).logit_bias
+            array([[ 0.,  5., -5.],
+                   [ 0.,  0.,  0.],
+                   [ 0.,  0.,  0.]], dtype=float32)
         """
         first, stacked = rows[0], {}
         for name in KNOBS:
             spec = _field_spec(name)
             values = [getattr(row, name) for row in rows]
-            if spec.get("per_row"):
+            if spec.get("per_token"):
+                stacked[name] = _stack_per_token(name, values, size)
+            elif spec.get("per_row"):
                 if all(value is None for value in values):
                     stacked[name] = None
                     continue
@@ -205,6 +252,12 @@ class SamplingKnobs:
         return tuple(getattr(self, name) for name in KNOBS if not _per_row(name))
 
     @property
+    def reads_counts(self) -> bool:
+        """True when a processor reads how often each token was generated
+        (``presence_penalty`` or ``frequency_penalty`` is not None)."""
+        return self.presence_penalty is not None or self.frequency_penalty is not None
+
+    @property
     def reads_history(self) -> bool:
         """True when a processor reads the tokens so far."""
         return self.repetition_penalty is not None or (
@@ -216,11 +269,14 @@ class SamplingKnobs:
 
         Raises:
             ValueError: a per-row knob's shape is neither ``[]`` nor ``[B]``,
-                or a value is out of its range.
+                ``logit_bias``'s is neither ``[V]`` nor ``[B, V]``, or a value
+                is out of its range (or not finite where it must be).
             TypeError: an integer knob is not an integer.
         """
         for name in KNOBS:
-            if _per_row(name):
+            if _field_spec(name).get("per_token"):
+                check_per_token(name, getattr(self, name), rows, vocab_size)
+            elif _per_row(name):
                 check_per_row(name, getattr(self, name), (rows,))
         for name in TRACED_KNOBS:
             check_knob(name, getattr(self, name))
@@ -249,9 +305,17 @@ class SamplingKnobs:
 
     def repeat_rows(self, repeats: int) -> "SamplingKnobs":
         """Each per-row value repeated ``repeats`` times, row ``b`` becoming
-        rows ``b * repeats ... b * repeats + repeats - 1``; scalars stay."""
-        repeat = lambda x: jnp.repeat(x, repeats, axis=0) if jnp.ndim(x) else x
-        return jax.tree.map(repeat, self)
+        rows ``b * repeats ... b * repeats + repeats - 1``; scalars and a
+        shared ``[V]`` ``logit_bias`` stay."""
+        values = {}
+        for name in TRACED_KNOBS:
+            value = getattr(self, name)
+            # The rank a per-row value has: [B], or [B, V] for a per-token one.
+            rank = 2 if _field_spec(name).get("per_token") else 1
+            if value is not None and jnp.ndim(value) == rank:
+                value = jnp.repeat(value, repeats, axis=0)
+            values[name] = value
+        return dataclasses.replace(self, **values)
 
 
 KNOBS = tuple(field.name for field in dataclasses.fields(SamplingKnobs))
@@ -275,9 +339,15 @@ def _equal_values(a: Any, b: Any) -> bool:
 
 
 def knob_range(name: str) -> dict:
-    """``low``, ``high`` (None: unbounded) and ``low_open`` of a traced knob."""
+    """``low``, ``high`` (None: unbounded), ``low_open`` and ``high_open`` of
+    a traced knob (the finite knobs: ``(-inf, inf)``, both ends open)."""
     spec = _field_spec(name)
-    return dict(low=spec["low"], high=spec["high"], low_open=spec["low_open"])
+    return dict(
+        low=spec["low"],
+        high=spec["high"],
+        low_open=spec["low_open"],
+        high_open=spec["high_open"],
+    )
 
 
 def is_integer_knob(name: str) -> bool:
@@ -318,3 +388,102 @@ def check_per_row(
             f"{name} must be a scalar or have one value per row, shape "
             f"{tuple(rows)}; got shape {np.shape(value)}."
         )
+
+
+def check_per_token(
+    name: str, value: jax.typing.ArrayLike | None, rows: int, vocab_size: int
+) -> None:
+    """Raises ValueError unless the per-token knob (None passes) has shape
+    ``[V]`` or ``[B, V]``, ``B = rows``, ``V = vocab_size``."""
+    if value is not None and np.shape(value) not in (
+        (vocab_size,),
+        (rows, vocab_size),
+    ):
+        raise ValueError(
+            f"{name} must have shape [V] = ({vocab_size},) or [B, V] = "
+            f"({rows}, {vocab_size}); got shape {np.shape(value)}."
+        )
+
+
+def _stack_per_token(name: str, values: list, size: int) -> np.ndarray | None:
+    """``[size, V]`` float32 from the rows' ``[V]`` values, zeros for a row
+    without one and for padding; None when no row has one."""
+    given = [np.asarray(value) for value in values if value is not None]
+    if not given:
+        return None
+    vocab_size = np.shape(given[0])[-1] if given[0].ndim else 0
+    for value in given:
+        if value.shape != (vocab_size,) or vocab_size == 0:
+            raise ValueError(
+                f"{name} must be one [V] vector per row, with the same V in "
+                f"every row; got shapes {[v.shape for v in given]}."
+            )
+    stacked = np.zeros((size, vocab_size), _field_spec(name)["dtype"])
+    for row, value in enumerate(values):
+        if value is not None:
+            stacked[row] = value
+    return stacked
+
+
+def logit_bias_vector(mapping: Mapping[int, float], vocab_size: int) -> np.ndarray:
+    r"""The ``logit_bias`` knob from OpenAI's ``{token id: bias}`` map.
+
+    .. math::
+        b_i = \text{mapping}[i] \text{ if } i \in \text{mapping}
+        \text{ else } 0
+
+    Args:
+        mapping: integer token ids in ``[0, V)`` to finite real biases (an
+            empty map gives zeros). The caller turns JSON's string keys
+            into integers.
+        vocab_size: ``V >= 1``.
+
+    Returns:
+        ``float32 [V]``.
+
+    Raises:
+        TypeError: ``mapping`` is not a mapping, or an id is not an integer
+            or a bias not a real number (naming ``logit_bias`` and the id).
+        ValueError: an id is outside ``[0, V)`` or a bias is not finite.
+
+    Examples:
+        >>> logit_bias_vector({2: -100.0, 0: 1.5}, vocab_size=4)
+        array([   1.5,    0. , -100. ,    0. ], dtype=float32)
+        >>> logit_bias_vector({7: 1.0}, vocab_size=4)
+        Traceback (most recent call last):
+        ...
+        ValueError: logit_bias: token id 7 is outside [0, V) = [0, 4).
+    """
+    _checks.check_count("vocab_size", vocab_size)
+    if not isinstance(mapping, Mapping):
+        raise TypeError(
+            "logit_bias must be a mapping from token ids to biases; got "
+            f"{type(mapping).__name__}."
+        )
+    bias = np.zeros(vocab_size, np.float32)
+    for token_id, value in mapping.items():
+        if isinstance(token_id, (bool, np.bool_)) or not isinstance(
+            token_id, (int, np.integer)
+        ):
+            raise TypeError(
+                f"logit_bias: token ids must be integers; got {token_id!r}."
+            )
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(
+                f"logit_bias: token id {token_id} is outside [0, V) = "
+                f"[0, {vocab_size})."
+            )
+        if isinstance(value, (bool, np.bool_)) or not isinstance(
+            value, (int, float, np.integer, np.floating)
+        ):
+            raise TypeError(
+                f"logit_bias: the bias of token id {token_id} must be a real "
+                f"number; got {value!r}."
+            )
+        if not math.isfinite(value):
+            raise ValueError(
+                f"logit_bias: the bias of token id {token_id} must be finite; "
+                f"got {value}."
+            )
+        bias[token_id] = value
+    return bias

@@ -7,9 +7,10 @@ and they share one set of conventions and helpers, so they are one module:
 * A removed token has logit :data:`NEG_INF`, i.e. probability exactly 0.
 * Ties are broken towards the lower token id everywhere (argmax, top-k, top-p,
   beam ranking), so ``top_k=1`` is exactly greedy.
-* The per-row knobs ``temperature``, ``top_k``, ``top_p`` and ``min_p`` are a
-  scalar or one value per row (shape ``logits.shape[:-1]``, e.g. ``[B]``), so
-  one batch serves requests with different settings.
+* The per-row knobs (every traced one but ``logit_bias``) are a scalar or
+  one value per row (shape ``logits.shape[:-1]``, e.g. ``[B]``), so one batch
+  serves requests with different settings; ``logit_bias`` is ``[V]`` or
+  ``[B, V]``.
 """
 
 from collections.abc import Sequence
@@ -21,7 +22,12 @@ import numpy as np
 
 from lmhead import _checks
 from lmhead.decoding import top_set
-from lmhead.decoding.knobs import SamplingKnobs, check_knob, check_per_row
+from lmhead.decoding.knobs import (
+    SamplingKnobs,
+    check_knob,
+    check_per_row,
+    check_per_token,
+)
 from lmhead.head import NEG_INF
 
 # top-p compares float32 cumulative sums with p. A set whose exact mass is p
@@ -238,7 +244,8 @@ def apply_repetition_penalty(
         logits: ``[B, V]`` scores.
         history: ``int [B, L]`` tokens so far (prompt and generated); entries
             outside ``[0, V)``, e.g. ``NO_TOKEN``, are ignored.
-        penalty: ``theta > 0``, or None for no penalty.
+        penalty: ``theta > 0``, a scalar or one per row ``[B]`` (may be
+            traced), or None for no penalty.
 
     Returns:
         ``[B, V]`` float32.
@@ -257,6 +264,7 @@ def apply_repetition_penalty(
     if penalty is None:
         return logits
     check_knob("repetition_penalty", penalty)
+    penalty = _per_row("repetition_penalty", penalty, logits)
     history = _as_history(history, logits.shape[0])
     penalized = jnp.where(logits > 0, logits / penalty, logits * penalty)
     return jnp.where(_token_mask(history, logits.shape[-1]), penalized, logits)
@@ -335,19 +343,21 @@ def apply_min_new_tokens(
     num_generated: jax.typing.ArrayLike,
     *,
     min_new_tokens: jax.typing.ArrayLike,
-    eos_id: int | None,
+    eos_id: int | Sequence[int] | None,
 ) -> jax.Array:
     r"""Removes EOS while fewer than ``min_new_tokens`` tokens have been made.
 
     .. math::
-        z'_{\mathrm{eos}} = -\infty \quad \text{if } n_{\mathrm{generated}} <
-        n_{\min}
+        z'_e = -\infty \quad \text{for every EOS id } e \text{ if }
+        n_{\mathrm{generated}} < n_{\min}
 
     Args:
         logits: ``[B, V]`` scores.
         num_generated: ``int []`` or ``[B]``, tokens generated so far.
-        min_new_tokens: ``int >= 0`` (may be traced).
-        eos_id: the EOS id, or None (then nothing changes).
+        min_new_tokens: ``int >= 0``, a scalar or one per row ``[B]`` (may
+            be traced).
+        eos_id: the EOS id, a sequence of EOS ids (every one is removed),
+            or None (then nothing changes); ids in ``[0, V)``.
 
     Returns:
         ``[B, V]`` float32.
@@ -358,14 +368,149 @@ def apply_min_new_tokens(
         ...                      min_new_tokens=2, eos_id=1)
         Array([[  0., -inf,   0.],
                [  0.,   0.,   0.]], dtype=float32)
+        >>> apply_min_new_tokens(jnp.zeros((2, 3)), 1,
+        ...                      min_new_tokens=jnp.array([2, 0]), eos_id=(0, 2))
+        Array([[-inf,   0., -inf],
+               [  0.,   0.,   0.]], dtype=float32)
     """
     logits = _checks.as_logits(logits, "[B, V]")
-    if eos_id is None:
+    eos_ids = _eos_ids(eos_id, logits.shape[-1])
+    if not eos_ids:
         return logits
     check_knob("min_new_tokens", min_new_tokens)
+    check_per_row("min_new_tokens", min_new_tokens, logits.shape[:-1])
+    check_per_row("num_generated", num_generated, logits.shape[:-1])
     too_early = jnp.reshape(jnp.asarray(num_generated) < min_new_tokens, (-1, 1))
-    is_eos = jnp.arange(logits.shape[-1]) == eos_id
+    vocab = jnp.arange(logits.shape[-1])
+    if len(eos_ids) == 1:
+        is_eos = vocab == eos_ids[0]
+    else:
+        is_eos = jnp.isin(vocab, jnp.asarray(eos_ids, jnp.int32))
     return jnp.where(too_early & is_eos, NEG_INF, logits)
+
+
+def _eos_ids(eos_id: Any, vocab_size: int) -> tuple[int, ...]:
+    """``eos_id`` (None, an id or a sequence of ids) as a tuple of ids."""
+    if eos_id is None:
+        ids = ()
+    elif isinstance(eos_id, Sequence) and not isinstance(eos_id, str):
+        ids = tuple(eos_id)
+    else:
+        ids = (eos_id,)
+    for token_id in ids:
+        if isinstance(token_id, (bool, np.bool_)) or not isinstance(
+            token_id, (int, np.integer)
+        ):
+            raise TypeError(
+                "eos_id must be None, an integer id or a sequence of them; "
+                f"got {eos_id!r}."
+            )
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(
+                f"eos_id must hold ids in [0, V) = [0, {vocab_size}); got {eos_id!r}."
+            )
+    return tuple(int(token_id) for token_id in ids)
+
+
+def apply_presence_frequency(
+    logits: jax.typing.ArrayLike,
+    counts: jax.typing.ArrayLike | None,
+    presence: jax.typing.ArrayLike | None,
+    frequency: jax.typing.ArrayLike | None,
+) -> jax.Array:
+    r"""OpenAI's presence and frequency penalties, over the generated tokens.
+
+    .. math::
+        z'_i = z_i - \alpha_{\mathrm{presence}} [c_i > 0]
+               - \alpha_{\mathrm{frequency}} c_i
+
+    with :math:`c_i` the times token ``i`` was generated in the row (the
+    prompt does not count, as in OpenAI's API). Positive penalties
+    discourage repeats, negative ones encourage them; a removed token
+    (``-inf``) stays removed.
+
+    Args:
+        logits: ``[B, V]`` scores.
+        counts: ``int [B, V]``, ``c >= 0``; may be None when both penalties
+            are.
+        presence: a finite real, a scalar or one per row ``[B]`` (may be
+            traced), or None (off).
+        frequency: the same, for the frequency penalty.
+
+    Returns:
+        ``[B, V]`` float32.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> apply_presence_frequency(jnp.zeros((1, 3)), jnp.array([[0, 1, 3]]),
+        ...                          0.5, 0.25)
+        Array([[ 0.  , -0.75, -1.25]], dtype=float32)
+
+    References:
+        OpenAI, `Parameter details: frequency and presence penalties
+        <https://platform.openai.com/docs/advanced-usage>`_.
+    """
+    logits = _checks.as_logits(logits, "[B, V]")
+    if presence is None and frequency is None:
+        return logits
+    counts = _as_counts(counts, logits.shape)
+    z = logits
+    if presence is not None:
+        check_knob("presence_penalty", presence)
+        presence = _per_row("presence_penalty", presence, logits)
+        z = z - presence * (counts > 0).astype(jnp.float32)
+    if frequency is not None:
+        check_knob("frequency_penalty", frequency)
+        frequency = _per_row("frequency_penalty", frequency, logits)
+        z = z - frequency * counts.astype(jnp.float32)
+    return z
+
+
+def _as_counts(counts: jax.typing.ArrayLike | None, shape: tuple) -> jax.Array:
+    if counts is None:
+        raise ValueError(
+            "counts (int [B, V], how often each token was generated) is "
+            "required by presence_penalty and frequency_penalty; got None."
+        )
+    _checks.check_integer("counts", counts)
+    if tuple(jnp.shape(counts)) != tuple(shape):
+        raise ValueError(
+            f"counts must have shape [B, V] = {tuple(shape)}; got {jnp.shape(counts)}."
+        )
+    _checks.check_in_range("counts", counts, low=0)
+    return jnp.asarray(counts, jnp.int32)
+
+
+def apply_logit_bias(
+    logits: jax.typing.ArrayLike, bias: jax.typing.ArrayLike | None
+) -> jax.Array:
+    r"""Adds a bias per token: :math:`z'_i = z_i + b_i` (OpenAI's ``logit_bias``).
+
+    A large negative bias (OpenAI suggests -100) all but bans a token, a
+    large positive one all but forces it; a removed token (``-inf``) stays
+    removed.
+
+    Args:
+        logits: ``[B, V]`` scores.
+        bias: finite, ``[V]`` for every row or ``[B, V]`` one per row (may be
+            traced), or None (off). :func:`~lmhead.decoding.logit_bias_vector`
+            makes one from a ``{token id: bias}`` map.
+
+    Returns:
+        ``[B, V]`` float32.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> apply_logit_bias(jnp.ones((2, 3)), jnp.array([0.0, -100.0, 2.0]))
+        Array([[  1., -99.,   3.],
+               [  1., -99.,   3.]], dtype=float32)
+    """
+    logits = _checks.as_logits(logits, "[B, V]")
+    if bias is None:
+        return logits
+    check_per_token("logit_bias", bias, *logits.shape)
+    check_knob("logit_bias", bias)
+    return logits + jnp.asarray(bias, jnp.float32)
 
 
 def _as_history(history: jax.typing.ArrayLike, batch: int) -> jax.Array:
@@ -384,16 +529,28 @@ def process_logits(
     knobs: SamplingKnobs | None = None,
     *,
     history: jax.typing.ArrayLike | None = None,
+    counts: jax.typing.ArrayLike | None = None,
     num_generated: jax.typing.ArrayLike = 0,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     **knob_values: Any,
 ) -> jax.Array:
     r"""Applies every processor in a fixed order: the distribution a sampler draws from.
 
-    The order follows Hugging Face's ``generate``: on the raw logits,
-    repetition penalty, no-repeat-n-gram, suppressed tokens and minimum new
-    tokens; then temperature; then top-k, top-p and min-p on the tempered
-    distribution. A processor left at None is off.
+    On the raw logits: repetition penalty, presence and frequency
+    penalties, logit bias, no-repeat-n-gram, suppressed tokens and minimum
+    new tokens; then temperature; then top-k, top-p and min-p on the
+    tempered distribution. A processor left at None is off. Why this order:
+
+    * The repetition penalty comes first, as in Hugging Face's ``generate``
+      and vLLM: its rule reads the sign of the model's own logit, which a
+      bias or penalty added before it could flip.
+    * The presence and frequency penalties and the bias are additions to
+      the model's logits, as in OpenAI's API, so their order among
+      themselves changes nothing; they come before temperature (as in
+      OpenAI's and vLLM's samplers), so at temperature ``T`` a bias ``b``
+      weighs ``b / T`` in the drawn distribution.
+    * The bans (n-grams, suppressed tokens, minimum new tokens) set ``-inf``,
+      which no finite addition undoes, so they commute with the additions.
 
     A row whose every token got removed falls back to a point mass on the
     argmax of the raw ``logits`` (0 there, ``-inf`` elsewhere), so the result
@@ -404,13 +561,19 @@ def process_logits(
         knobs: a :class:`~lmhead.decoding.knobs.SamplingKnobs`, or None to
             give its fields as keywords (``temperature``, ``top_k``,
             ``top_p``, ``min_p``, ``repetition_penalty``, ``min_new_tokens``,
+            ``presence_penalty``, ``frequency_penalty``, ``logit_bias``,
             ``no_repeat_ngram_size``, ``suppress_tokens``), not both. Each is
             the argument of its processor: :func:`apply_temperature`,
             :func:`apply_top_k`, :func:`apply_top_p`, :func:`apply_min_p`,
             :func:`apply_repetition_penalty`, :func:`apply_min_new_tokens`,
+            :func:`apply_presence_frequency`, :func:`apply_logit_bias`,
             :func:`apply_no_repeat_ngram`, :func:`apply_suppress_tokens`.
         history: ``int [B, L]`` tokens so far, latest last, negative = empty;
             required by ``repetition_penalty`` and ``no_repeat_ngram_size``.
+        counts: ``int [B, V]``, how many times each token has been generated
+            in the row (the prompt does not count); required by
+            ``presence_penalty`` and ``frequency_penalty``
+            (:attr:`~lmhead.decoding.knobs.SamplingKnobs.reads_counts`).
         num_generated, eos_id: see :func:`apply_min_new_tokens`.
 
     Returns:
@@ -425,6 +588,9 @@ def process_logits(
         Array([[  0.,  -2., -inf, -inf]], dtype=float32)
         >>> process_logits(logits, suppress_tokens=[0, 1, 2, 3])  # fallback
         Array([[  0., -inf, -inf, -inf]], dtype=float32)
+        >>> process_logits(logits, temperature=0.0, counts=jnp.array([[2, 0, 0, 0]]),
+        ...                frequency_penalty=1.0, logit_bias=jnp.array([0, 0, 2, 0]))
+        Array([[1., 2., 3., 0.]], dtype=float32)
     """
     knobs = SamplingKnobs.of(knobs, **knob_values)
     raw = _checks.as_logits(logits, "[B, V]")
@@ -434,6 +600,13 @@ def process_logits(
             "no_repeat_ngram_size; got None."
         )
     z = apply_repetition_penalty(raw, history, knobs.repetition_penalty)
+    z = apply_presence_frequency(
+        z,
+        counts if knobs.reads_counts else None,
+        knobs.presence_penalty,
+        knobs.frequency_penalty,
+    )
+    z = apply_logit_bias(z, knobs.logit_bias)
     z = apply_no_repeat_ngram(z, history, knobs.no_repeat_ngram_size)
     z = apply_suppress_tokens(z, knobs.suppress_tokens)
     z = apply_min_new_tokens(

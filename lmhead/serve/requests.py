@@ -18,8 +18,8 @@ and ``lmhead/serve/batching.py`` runs them; none of it needs a web framework:
   per-row sampling knobs.
 
 Which jobs share a batch: sampled and greedy rows do (the per-row knobs of
-:class:`~lmhead.decoding.knobs.SamplingKnobs`, temperature, top-k, top-p and
-min-p, differ between rows; the others, the repetition penalty among them,
+:class:`~lmhead.decoding.knobs.SamplingKnobs`, temperature, top-k, top-p,
+min-p and the repetition penalty, differ between rows; the static ones
 are one value per batch, so their values split batches; a sampled row is
 truncated to its own ``max_new_tokens``, which does not change its tokens);
 beam search runs per ``(num_beams, max_new_tokens)``, because a shorter beam

@@ -7,6 +7,8 @@ wrongly gets wrong logits. The chain's table is the step function's
 ``params``.
 """
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -182,3 +184,28 @@ UNIFORM_LOGITS = jnp.zeros((2, 5))
 
 def uniform_markov(table, tokens, state):
     return table[tokens], state
+
+
+def np_openai_penalties(z, generated, presence, frequency, bias=None):
+    """OpenAI's rule, row by row in float64: ``z - presence * [c > 0] -
+    frequency * c + bias``, with ``c`` counted from each row's generated
+    tokens (a list per row); ``presence``, ``frequency`` scalars or one per
+    row, ``bias`` None, ``[V]`` or ``[B, V]``."""
+    z = np.array(z, np.float64)
+    presence = np.broadcast_to(np.asarray(presence, np.float64), z.shape[:1])
+    frequency = np.broadcast_to(np.asarray(frequency, np.float64), z.shape[:1])
+    for row, tokens in enumerate(generated):
+        for token, count in collections.Counter(int(t) for t in tokens).items():
+            z[row, token] -= presence[row] + frequency[row] * count
+    if bias is not None:
+        z = z + np.broadcast_to(np.asarray(bias, np.float64), z.shape)
+    return z
+
+
+def np_counts(generated, vocab_size):
+    """``int32 [B, V]``: how often each token occurs in each row's list."""
+    counts = np.zeros((len(generated), vocab_size), np.int32)
+    for row, tokens in enumerate(generated):
+        for token in tokens:
+            counts[row, token] += 1
+    return counts

@@ -11,8 +11,10 @@ from lmhead import decoding
 from tests.decoding.references import (
     UNIFORM_LOGITS,
     MarkovChain,
+    np_counts,
     np_min_p_mask,
     np_ngram_banned,
+    np_openai_penalties,
     np_repetition_penalty,
     np_top_k_mask,
     np_top_p_mask,
@@ -182,6 +184,183 @@ class ProcessorTest(chex.TestCase):
         self.assertEqual(int(np.isneginf(early).sum()), 3)
 
     @chex.variants(with_jit=True, without_jit=True)
+    def test_presence_and_frequency_penalties_follow_openais_formula(self):
+        """Scalar and per-row penalties, of either sign, against the numpy
+        formula over counts taken from generated token lists."""
+        rng = np.random.default_rng(4)
+        generated = [rng.integers(0, 7, n).tolist() for n in (0, 1, 3, 5, 8, 12)]
+        counts = np_counts(generated, 7)
+        penalize = self.variant(decoding.apply_presence_frequency)
+        for presence, frequency in [
+            (0.5, 0.0),
+            (0.0, 0.3),
+            (-1.5, 2.0),
+            (np.float32([0, 0.5, -1, 2, 0.1, 1.7]), np.float32([1, 0, 0.2, -2, 3, 0])),
+        ]:
+            np.testing.assert_allclose(
+                penalize(self.logits, counts, presence, frequency),
+                np_openai_penalties(self.logits, generated, presence, frequency),
+                rtol=1e-6,
+                atol=1e-6,
+            )
+        self.assertTrue((counts > 1).any() and (counts == 0).any())
+        # One penalty off: the other alone.
+        np.testing.assert_allclose(
+            penalize(self.logits, counts, None, 0.3),
+            np_openai_penalties(self.logits, generated, 0.0, 0.3),
+            rtol=1e-6,
+            atol=1e-6,
+        )
+        np.testing.assert_array_equal(
+            penalize(self.logits, None, None, None), self.logits
+        )
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_logit_bias_shared_and_per_row(self):
+        rng = np.random.default_rng(5)
+        bias = self.variant(decoding.apply_logit_bias)
+        for shape in [(7,), (6, 7)]:
+            values = rng.uniform(-100, 100, shape).astype(np.float32)
+            np.testing.assert_allclose(
+                bias(self.logits, values),
+                np_openai_penalties(self.logits, [[]] * 6, 0.0, 0.0, values),
+                rtol=1e-6,
+            )
+        removed = np.where(self.logits > 0, self.logits, -np.inf)
+        out = bias(removed, np.full(7, 100.0, np.float32))
+        np.testing.assert_array_equal(np.isneginf(out), np.isneginf(removed))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_per_row_repetition_penalty_matches_row_by_row(self):
+        rng = np.random.default_rng(6)
+        history = rng.integers(-1, 7, (6, 5)).astype(np.int32)
+        penalties = np.float32([0.5, 1.0, 1.3, 2.0, 0.8, 3.0])
+        got = self.variant(decoding.apply_repetition_penalty)(
+            self.logits, history, penalties
+        )
+        want = np.concatenate(
+            [
+                np_repetition_penalty(self.logits[b : b + 1], history[b : b + 1], p)
+                for b, p in enumerate(penalties)
+            ]
+        )
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_per_row_min_new_tokens_removes_every_eos_id(self):
+        minimum = jnp.array([0, 1, 2, 3, 4, 5])
+        for eos_id, num_generated in [
+            (2, 3),
+            ((2, 5), 3),
+            ((0, 3, 6), jnp.array([0, 0, 5, 1, 4, 4])),
+        ]:
+            early = self.variant(
+                lambda z, n, m, eos_id=eos_id: decoding.apply_min_new_tokens(
+                    z, n, min_new_tokens=m, eos_id=eos_id
+                )
+            )(self.logits, num_generated, minimum)
+            ids = [eos_id] if isinstance(eos_id, int) else list(eos_id)
+            expected = np.zeros(self.logits.shape, bool)
+            too_early = np.broadcast_to(num_generated, (6,)) < np.asarray(minimum)
+            expected[np.ix_(too_early, ids)] = True
+            np.testing.assert_array_equal(np.isneginf(early), expected, str(eos_id))
+            np.testing.assert_array_equal(early[~expected], self.logits[~expected])
+            self.assertTrue(expected.any() and not expected.all())
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_process_logits_with_every_raw_processor_matches_numpy(self):
+        """The documented order: repetition, then presence/frequency and the
+        bias, then the bans; at temperature 0 nothing else changes them."""
+        rng = np.random.default_rng(8)
+        generated = [rng.integers(0, 7, 4).tolist() for _ in range(6)]
+        history = np.array(generated, np.int32)
+        knobs = decoding.SamplingKnobs(
+            temperature=0.0,
+            repetition_penalty=np.float32([1.0, 1.5, 2.0, 0.7, 1.2, 3.0]),
+            presence_penalty=np.float32([0.0, 0.4, -0.3, 1.0, 0.2, 0.5]),
+            frequency_penalty=0.25,
+            logit_bias=rng.uniform(-3, 3, (6, 7)).astype(np.float32),
+            min_new_tokens=np.int32([0, 9, 0, 9, 0, 9]),
+            suppress_tokens=(3,),
+        )
+        got = self.variant(
+            lambda z, knobs, h, c: decoding.process_logits(
+                z, knobs, history=h, counts=c, num_generated=4, eos_id=(1, 5)
+            )
+        )(self.logits, knobs, history, np_counts(generated, 7))
+        z = np.concatenate(
+            [
+                np_repetition_penalty(self.logits[b : b + 1], history[b : b + 1], p)
+                for b, p in enumerate(knobs.repetition_penalty)
+            ]
+        )
+        z = np_openai_penalties(
+            z, generated, knobs.presence_penalty, 0.25, knobs.logit_bias
+        )
+        z[:, 3] = -np.inf
+        z[1::2, 1] = z[1::2, 5] = -np.inf
+        np.testing.assert_allclose(got, z, rtol=1e-5, atol=1e-5)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_per_row_knobs_match_row_by_row_calls_bitwise(self):
+        """Row b of a batch with per-row knobs equals row b of a call where
+        every row has row b's knobs (same shapes: one compile per variant)."""
+        rng = np.random.default_rng(9)
+        generated = [rng.integers(0, 7, 5).tolist() for _ in range(3)]
+        history, counts = np.array(generated, np.int32), np_counts(generated, 7)
+        rows = [
+            decoding.SamplingKnobs(
+                temperature=float(rng.uniform(0.5, 2)),
+                repetition_penalty=float(rng.uniform(0.5, 2)),
+                presence_penalty=float(rng.uniform(-2, 2)),
+                frequency_penalty=float(rng.uniform(-2, 2)),
+                logit_bias=rng.uniform(-5, 5, 7).astype(np.float32),
+                min_new_tokens=int(rng.integers(0, 8)),
+            )
+            for _ in range(3)
+        ]
+        process = self.variant(
+            lambda z, knobs, h, c: decoding.process_logits(
+                z, knobs, history=h, counts=c, num_generated=4, eos_id=0
+            )
+        )
+        batch = process(
+            self.logits[:3], decoding.SamplingKnobs.stack(rows, 3), history, counts
+        )
+        for b, knobs in enumerate(rows):
+            alone = process(
+                self.logits[:3],
+                decoding.SamplingKnobs.stack([knobs] * 3, 3),
+                history,
+                counts,
+            )
+            np.testing.assert_array_equal(batch[b], alone[b], f"row {b}")
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_neutral_new_knobs_change_nothing_bitwise(self):
+        """Penalties 0 and a zero bias give the knobs-off result bit for bit
+        (the negative zeros and -inf of the logits included)."""
+        logits = self.logits.copy()
+        logits[0, :3] = [-0.0, 0.0, -np.inf]
+        counts = np.random.default_rng(10).integers(0, 3, logits.shape).astype(np.int32)
+        process = self.variant(
+            lambda z, c, **knobs: decoding.process_logits(
+                z, counts=c, min_p=0.1, temperature=0.7, **knobs
+            )
+        )
+        off = process(logits, counts)
+        neutral = process(
+            logits,
+            counts,
+            presence_penalty=0.0,
+            frequency_penalty=jnp.zeros(6),
+            logit_bias=np.zeros(7, np.float32),
+        )
+        np.testing.assert_array_equal(
+            np.asarray(neutral).view(np.int32), np.asarray(off).view(np.int32)
+        )
+
+    @chex.variants(with_jit=True, without_jit=True)
     def test_all_removed_falls_back_to_raw_argmax(self):
         process = self.variant(
             lambda z, history: decoding.process_logits(
@@ -261,12 +440,123 @@ def test_bad_input_is_named(call, error, fragment):
     assert_raises_with(call, error, fragment)
 
 
+COUNTS = jnp.zeros((2, 4), jnp.int32)
+HISTORY = jnp.zeros((2, 1), jnp.int32)
+
 BAD_INPUTS = [
     (
         "process_logits history missing",
         lambda: decoding.process_logits(UNIFORM_LOGITS, repetition_penalty=1.2),
         ValueError,
         "history",
+    ),
+    (
+        "process_logits counts missing",
+        lambda: decoding.process_logits(CHAIN.logits, frequency_penalty=0.5),
+        ValueError,
+        ("counts", "frequency_penalty"),
+    ),
+    (
+        "counts of the wrong shape",
+        lambda: decoding.apply_presence_frequency(
+            CHAIN.logits, jnp.zeros((2, 5), jnp.int32), 0.5, None
+        ),
+        ValueError,
+        "counts",
+    ),
+    (
+        "counts not integers",
+        lambda: decoding.apply_presence_frequency(
+            CHAIN.logits, jnp.zeros((2, 4)), 0.5, None
+        ),
+        TypeError,
+        "counts",
+    ),
+    (
+        "negative counts",
+        lambda: decoding.apply_presence_frequency(
+            CHAIN.logits, -jnp.ones((2, 4), jnp.int32), 0.5, None
+        ),
+        ValueError,
+        "counts",
+    ),
+    (
+        "presence_penalty of the wrong shape",
+        lambda: decoding.apply_presence_frequency(
+            CHAIN.logits, COUNTS, np.zeros(3, np.float32), None
+        ),
+        ValueError,
+        "presence_penalty",
+    ),
+    (
+        "frequency_penalty not a number",
+        lambda: decoding.apply_presence_frequency(CHAIN.logits, COUNTS, None, np.nan),
+        ValueError,
+        "frequency_penalty",
+    ),
+    (
+        "presence_penalty infinite",
+        lambda: decoding.apply_presence_frequency(
+            CHAIN.logits, COUNTS, np.float32([0.0, np.inf]), None
+        ),
+        ValueError,
+        "presence_penalty",
+    ),
+    (
+        "logit_bias of the wrong shape",
+        lambda: decoding.apply_logit_bias(CHAIN.logits, np.zeros(5, np.float32)),
+        ValueError,
+        "logit_bias",
+    ),
+    (
+        "logit_bias per row of the wrong batch",
+        lambda: decoding.apply_logit_bias(CHAIN.logits, np.zeros((3, 4), np.float32)),
+        ValueError,
+        "logit_bias",
+    ),
+    (
+        "logit_bias not finite",
+        lambda: decoding.process_logits(
+            CHAIN.logits, logit_bias=np.float32([0, -np.inf, 0, 0])
+        ),
+        ValueError,
+        "logit_bias",
+    ),
+    (
+        "repetition_penalty of the wrong shape",
+        lambda: decoding.apply_repetition_penalty(
+            CHAIN.logits, HISTORY, np.ones(3, np.float32)
+        ),
+        ValueError,
+        "repetition_penalty",
+    ),
+    (
+        "min_new_tokens of the wrong shape",
+        lambda: decoding.apply_min_new_tokens(
+            CHAIN.logits, 0, min_new_tokens=np.ones(3, np.int32), eos_id=0
+        ),
+        ValueError,
+        "min_new_tokens",
+    ),
+    (
+        "num_generated of the wrong shape",
+        lambda: decoding.apply_min_new_tokens(
+            CHAIN.logits, jnp.zeros(3, jnp.int32), min_new_tokens=1, eos_id=0
+        ),
+        ValueError,
+        "num_generated",
+    ),
+    (
+        "an eos id outside the vocabulary",
+        lambda: decoding.process_logits(CHAIN.logits, eos_id=(0, 4)),
+        ValueError,
+        "eos_id",
+    ),
+    (
+        "an eos id that is not an integer",
+        lambda: decoding.process_logits(CHAIN.logits, eos_id=1.0),
+        TypeError,
+        "eos_id",
     ),
 ]
 

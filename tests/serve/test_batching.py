@@ -188,7 +188,10 @@ def test_requests_share_a_batch_when_they_share_the_per_batch_knobs():
 
     group = batching.group_of
     assert group(request(temperature=0.5, top_k=3)) == group(request(top_p=0.9))
-    assert group(request(repetition_penalty=1.3)) != group(request())
+    # The repetition penalty is per row; a static knob splits batches.
+    penalized = request(repetition_penalty=1.3)
+    assert group(penalized) == group(request(repetition_penalty=1.0))
+    assert group(request(no_repeat_ngram_size=2)) != group(request())
     seeded = request()
     seeded.seed = 1
     assert group(seeded) != group(seeded)  # a seeded request runs alone

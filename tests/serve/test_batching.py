@@ -172,6 +172,22 @@ def test_requests_compile_nothing_after_warm_up(engine):
     assert compiles == []
 
 
+def test_rows_of_different_repetition_penalties_equal_their_requests_alone(engine):
+    bodies = [
+        {"prompt": PROMPTS[0], "temperature": 0, "max_new_tokens": 8},
+        {
+            "prompt": PROMPTS[1],
+            "temperature": 0,
+            "max_new_tokens": 8,
+            "repetition_penalty": 3.0,
+        },
+    ]
+    together = engine.sample([parse(engine, body) for body in bodies])
+    assert together == [sample(engine, body) for body in bodies]
+    penalized = {**bodies[1], "repetition_penalty": 1.0}
+    assert together[1] != sample(engine, penalized)  # the penalty acts
+
+
 def test_requests_share_a_batch_when_they_share_the_per_batch_knobs():
     """Per-row knobs may differ within a batch; the others split batches."""
 

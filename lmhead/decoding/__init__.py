@@ -45,6 +45,8 @@ Modules: :mod:`~lmhead.decoding.knobs` (:class:`SamplingKnobs`),
 :mod:`~lmhead.decoding.processors` (the logits processors),
 :mod:`~lmhead.decoding.top_set` (the top-k and top-p cut without a sort),
 :mod:`~lmhead.decoding.sampling` (:func:`generate`),
+:mod:`~lmhead.decoding.stopping` (:class:`StopCondition`, :class:`StopSequences`),
+:mod:`~lmhead.decoding.streaming` (:func:`generate_stream`),
 :mod:`~lmhead.decoding.beam_search` (:func:`beam_search`),
 :mod:`~lmhead.decoding.text` (:func:`detokenize`, which needs only a
 ``decode`` method, not a tokenizer library, and :func:`trim_at_stop`),
@@ -76,7 +78,18 @@ from lmhead.decoding.processors import (
     apply_top_p,
     process_logits,
 )
-from lmhead.decoding.sampling import SamplingState, generate
+from lmhead.decoding.sampling import (
+    FINISHED_BAD_LOGITS,
+    FINISHED_EOS,
+    FINISHED_LENGTH,
+    FINISHED_STOP,
+    Generation,
+    ProcessorContext,
+    SamplingState,
+    generate,
+)
 from lmhead.decoding.stop_strings import StopStrings, token_bytes_from_decode
+from lmhead.decoding.stopping import StopCondition, StopSequences
+from lmhead.decoding.streaming import generate_stream
 from lmhead.decoding.text import TokenDecoder, detokenize, find_stop, trim_at_stop
 from lmhead.head import NEG_INF

@@ -1,14 +1,18 @@
 """What both decoding loops share: argument checks and the guarded model step."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lmhead import _checks
+
 # step_fn(params, tokens int32[B], state) -> (logits [B, V], state)
 StepFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
+# Where generate's log-probs come from: what was sampled, or the model.
+LOG_PROBS_FROM = ("processed", "model")
 
 
 def check_token_id(name: str, value: int | None, vocab_size: int) -> None:
@@ -31,17 +35,23 @@ def check_state(state: Any, batch: int) -> None:
             )
 
 
-def check_step_fn(step_fn: Any) -> None:
-    """The loops jit with ``step_fn`` static, so it must be hashable."""
-    if not callable(step_fn):
-        raise TypeError(f"step_fn must be callable; got {type(step_fn).__name__}.")
+def check_static_callable(name: str, fn: Any) -> None:
+    """Raises TypeError unless ``fn`` is callable and hashable: the loops jit
+    with it static, compared by hash."""
+    if not callable(fn):
+        raise TypeError(f"{name} must be callable; got {type(fn).__name__}.")
     try:
-        hash(step_fn)
+        hash(fn)
     except TypeError as error:
         raise TypeError(
-            "step_fn must be hashable (it is a static argument of "
+            f"{name} must be hashable (it is a static argument of "
             f"the compiled loop); {error}."
         ) from None
+
+
+def check_step_fn(step_fn: Any) -> None:
+    """The loops jit with ``step_fn`` static, so it must be hashable."""
+    check_static_callable("step_fn", step_fn)
 
 
 def repeat_rows(step_fn: StepFn, state: Any, repeats: int) -> Any:
@@ -81,3 +91,82 @@ def maybe_step(
         return jnp.asarray(new_logits, jnp.float32), new_state
 
     return jax.lax.cond(keep_going, call, lambda: (logits, model_state))
+
+
+def check_prompt_tokens(prompt_tokens: Any, batch: int, vocab_size: int) -> None:
+    """Raises unless ``prompt_tokens`` is None or integer ``[B, P]`` below ``V``."""
+    if prompt_tokens is None:
+        return
+    _checks.check_integer("prompt_tokens", prompt_tokens)
+    _checks.check_rank("prompt_tokens", prompt_tokens, 2, "[B, P]")
+    if jnp.shape(prompt_tokens)[0] != batch:
+        raise ValueError(
+            f"prompt_tokens must have shape [B, P] with B = "
+            f"{batch}; got {jnp.shape(prompt_tokens)}."
+        )
+    _checks.check_in_range("prompt_tokens", prompt_tokens, high=vocab_size - 1)
+
+
+def eos_ids(eos_id: int | Sequence[int] | None, vocab_size: int) -> tuple[int, ...]:
+    """``eos_id`` as a tuple of ids (empty for None), each checked."""
+    if eos_id is None:
+        return ()
+    ids = (eos_id,) if isinstance(eos_id, (int, np.integer)) else tuple(eos_id)
+    for token_id in ids:
+        check_token_id("eos_id", token_id, vocab_size)
+    return tuple(dict.fromkeys(int(token_id) for token_id in ids))
+
+
+def row_keys(key: Any, batch: int, num_samples: int) -> jax.Array:
+    """One key, as it is; or ``[B]`` keys, sample ``s`` of row ``b`` getting
+    ``fold_in(key_b, s)`` (rows ``b * S + s``)."""
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if not typed and key.ndim == 2 and key.shape[0] == batch:
+        key = jax.random.wrap_key_data(key)  # [B] raw keys, e.g. split(raw, B)
+    elif not typed and key.ndim == 1:
+        return key  # one raw key
+    if key.ndim == 0:
+        return key
+    if key.shape != (batch,):
+        raise ValueError(
+            f"key must be one PRNG key or one per row, shape [B] = ({batch},); "
+            f"got shape {key.shape}."
+        )
+    samples = jnp.arange(num_samples)
+    per_sample = jax.vmap(
+        lambda k: jax.vmap(lambda s: jax.random.fold_in(k, s))(samples)
+    )
+    return per_sample(key).reshape(batch * num_samples)
+
+
+def row_limits(
+    row_max_new_tokens: Any, batch: int, max_new_tokens: int
+) -> jax.Array | None:
+    """``row_max_new_tokens`` as ``int32 [B]`` (None stays), each ``1 <= n_b <=
+    max_new_tokens`` where concrete."""
+    if row_max_new_tokens is None:
+        return None
+    _checks.check_integer("row_max_new_tokens", row_max_new_tokens)
+    if np.shape(row_max_new_tokens) != (batch,):
+        raise ValueError(
+            f"row_max_new_tokens must have one value per row, shape [B] = "
+            f"({batch},); got shape {np.shape(row_max_new_tokens)}."
+        )
+    _checks.check_in_range(
+        "row_max_new_tokens", row_max_new_tokens, low=1, high=max_new_tokens
+    )
+    return jnp.asarray(row_max_new_tokens, jnp.int32)
+
+
+def check_outputs(top_logprobs: Any, log_probs_from: str, vocab_size: int) -> None:
+    """Raises unless ``0 <= top_logprobs <= V`` and ``log_probs_from`` is a choice."""
+    if isinstance(top_logprobs, (bool, np.bool_)) or not isinstance(
+        top_logprobs, (int, np.integer)
+    ):
+        raise TypeError(f"top_logprobs must be an integer >= 0; got {top_logprobs!r}.")
+    if not 0 <= top_logprobs <= vocab_size:
+        raise ValueError(
+            f"top_logprobs must be in [0, V] = [0, {vocab_size}]; got {top_logprobs}."
+        )
+    _checks.check_choice("log_probs_from", log_probs_from, LOG_PROBS_FROM)

@@ -147,7 +147,7 @@ class Engine:
         num_new = bucket(
             max(r.max_new_tokens for r in requests), self.buckets.new_tokens
         )
-        tokens, log_probs, lengths = jax.device_get(
+        tokens, log_probs, lengths, *_ = jax.device_get(
             decoding.generate(
                 self._step_fn,
                 self.params,

@@ -24,7 +24,7 @@ from tests.errors import assert_raises_exactly, assert_raises_with
 
 
 def assert_greedy_matches_numpy(chain, outputs, **settings):
-    tokens, log_probs, lengths = outputs
+    tokens, log_probs, lengths = outputs[:3]
     for row in range(tokens.shape[0]):
         ref_tokens, ref_log_probs, ref_length = np_greedy(
             chain, row, tokens.shape[1], **settings
@@ -83,7 +83,7 @@ def test_sampled_frequencies_match_processed_distribution():
         dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.25),
     ]
     for seed, config in enumerate(configs):
-        tokens, log_probs, _ = decoding.generate(
+        tokens, log_probs, *_ = decoding.generate(
             markov_step,
             chain.table,
             chain.logits,
@@ -158,7 +158,7 @@ def test_per_row_knobs_equal_row_by_row_decoding():
             processed[row],
             decoding.process_logits(chain.logits[row : row + 1], **scalar)[0],
         )
-    tokens, log_probs, _ = decoding.generate(
+    tokens, log_probs, *_ = decoding.generate(
         markov_step,
         chain.table,
         chain.logits,
@@ -189,7 +189,7 @@ def test_nonfinite_logits_end_the_row_with_log_prob_minus_inf():
     table[chain.prev[1], int(first[1, 0])] = np.nan  # row 1, second step
     table[int(first[2, 0]), int(first[2, 1])] = -np.inf  # row 2, third step
     logits = chain.logits.copy()
-    tokens, log_probs, lengths = decoding.generate(
+    tokens, log_probs, lengths, *_ = decoding.generate(
         markov_step,
         table,
         logits,
@@ -488,7 +488,7 @@ def test_generate_on_nonfinite_logits_ends_the_row_and_flags_it():
     """No error can be raised inside the loop: the documented rule ends a row
     whose logits are not finite, with pad_id and log-prob -inf."""
     bad_table = UNIFORM_TABLE.at[1].set(jnp.nan)
-    tokens, log_probs, lengths = decoding.generate(
+    tokens, log_probs, lengths, *_ = decoding.generate(
         uniform_markov,
         bad_table,
         UNIFORM_LOGITS.at[1, 1].set(9.0),

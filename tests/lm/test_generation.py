@@ -56,7 +56,7 @@ PROMPT = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (3, 5)), jnp.in
 
 def greedy(model, params):
     logits, cache = model_lib.prefill(model, params, PROMPT, max_new_tokens=NEW)
-    tokens, _, _ = decoding.generate(
+    tokens, *_ = decoding.generate(
         model_lib.make_step_fn(model),
         params,
         logits,

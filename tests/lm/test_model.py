@@ -215,7 +215,7 @@ def test_greedy_generate_through_the_cache_matches_full_recompute_argmax():
     logits, cache = model_lib.prefill(
         model, params, prompt, jnp.asarray(lengths), max_new_tokens=num_steps
     )
-    tokens, _, _ = decoding.generate(
+    tokens, *_ = decoding.generate(
         model_lib.make_step_fn(model),
         params,
         logits,

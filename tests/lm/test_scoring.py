@@ -142,7 +142,7 @@ def test_scores_of_samples_are_the_log_probs_generate_returned(tiny_model):
     model, params = tiny_model
     prompt = jnp.array([[3, 1, 4]], jnp.int32)
     logits, cache = model_lib.prefill(model, params, prompt)
-    tokens, log_probs, _ = decoding.generate(
+    tokens, log_probs, *_ = decoding.generate(
         model_lib.make_step_fn(model),
         params,
         logits,

@@ -97,7 +97,7 @@ def test_seed_is_reproducible_and_equals_generate(run, engine):
     logits, cache = model_lib.prefill(
         model, params, tokenizer.encode_array("KING")[None]
     )
-    tokens, _, _ = decoding.generate(
+    tokens, *_ = decoding.generate(
         model_lib.make_step_fn(model),
         params,
         logits,

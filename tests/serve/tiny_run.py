@@ -18,7 +18,7 @@ def direct_greedy(run, prompt, max_new_tokens):
     logits, cache = model_lib.prefill(
         model, params, tokenizer.encode_array(prompt)[None]
     )
-    tokens, log_probs, _ = decoding.generate(
+    tokens, log_probs, *_ = decoding.generate(
         model_lib.make_step_fn(model),
         params,
         logits,

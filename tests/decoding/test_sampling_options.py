@@ -1,0 +1,244 @@
+"""Tests for generate's per-row keys and lengths, top log-probs, the
+processor hook and the penalties' counts, against row-by-row decoding and
+numpy references written here."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lmhead import decoding
+from tests.decoding.references import MarkovChain, markov_step
+from tests.errors import assert_raises_exactly
+from tests.references import log_softmax as np_log_softmax
+
+
+def run(chain, rows=None, **kwargs):
+    """``generate`` on the chain's prompts ``rows`` (default all)."""
+    rows = np.arange(len(chain.prev)) if rows is None else np.asarray(rows)
+    return decoding.generate(
+        markov_step,
+        chain.table,
+        chain.logits[rows],
+        {"prev": jnp.asarray(chain.prev[rows])},
+        **{"max_new_tokens": 6, **kwargs},
+    )
+
+
+def test_per_row_keys_a_row_is_the_same_alone_and_in_any_batch():
+    chain = MarkovChain(31, vocab_size=6, batch=4)
+    keys = jax.random.split(jax.random.key(7), 4)
+    limits = np.array([6, 3, 5, 1], np.int32)
+    settings = dict(temperature=1.3, top_p=0.95, num_samples=2)
+    batch = run(chain, key=keys, row_max_new_tokens=limits, **settings)
+    assert len({tuple(row) for row in np.asarray(batch.tokens[::2])}) > 1
+    for order in ([2, 0], [3, 1, 0, 2]):
+        other = run(
+            chain, order, key=keys[np.array(order)], row_max_new_tokens=limits[order],
+            **settings,
+        )  # fmt: skip
+        for position, row in enumerate(order):
+            for sample in range(2):
+                got, want = 2 * position + sample, 2 * row + sample
+                np.testing.assert_array_equal(other.tokens[got], batch.tokens[want])
+                np.testing.assert_array_equal(
+                    other.log_probs[got], batch.log_probs[want]
+                )
+    # Row by row: alone, with its own limit; raw keys work too.
+    raw = jax.random.key_data(keys)
+    for row in range(4):
+        alone = run(
+            chain, [row], key=raw[row : row + 1], row_max_new_tokens=limits[row : row + 1],
+            **settings,
+        )  # fmt: skip
+        np.testing.assert_array_equal(alone.tokens, batch.tokens[2 * row : 2 * row + 2])
+        assert (np.asarray(alone.tokens[:, limits[row] :]) == 0).all()
+    np.testing.assert_array_equal(batch.lengths, np.repeat(limits, 2))
+    # Sample 0 of a row does not depend on num_samples.
+    one = run(chain, key=keys, row_max_new_tokens=limits, temperature=1.3, top_p=0.95)
+    np.testing.assert_array_equal(one.tokens, batch.tokens[::2])
+
+
+def test_one_key_is_unchanged_and_differs_from_per_row_keys():
+    chain = MarkovChain(32, vocab_size=6, batch=3)
+    key = jax.random.key(3)
+    single = run(chain, key=key, temperature=1.0)
+    again = run(chain, key=key, temperature=1.0)
+    np.testing.assert_array_equal(single.tokens, again.tokens)
+    per_row = run(chain, key=jax.random.split(key, 3), temperature=1.0)
+    assert not np.array_equal(single.tokens, per_row.tokens)
+
+
+def np_top(log_dist, k):
+    order = np.argsort(-log_dist, kind="stable")[:k]
+    return order, log_dist[order]
+
+
+def test_top_logprobs_match_log_softmax_and_a_stable_sort():
+    """At each step of each row, the top k of the processed distribution
+    (temperature then top-k, in numpy) or of the model's, along the row's own
+    path; ties go to the lower id (a tie-rich table)."""
+    chain = MarkovChain(33, vocab_size=7, batch=3)
+    chain.table = np.round(chain.table, 0)
+    chain.logits = np.round(chain.logits, 0)
+    settings = dict(key=jax.random.key(1), temperature=0.7, top_k=4, top_logprobs=5)
+    for source in ("processed", "model"):
+        out = run(chain, log_probs_from=source, **settings)
+        assert out.top_tokens.shape == (3, 6, 5)
+        for row in range(3):
+            prev, logits = chain.prev[row], chain.logits[row].astype(np.float64)
+            for step, token in enumerate(np.asarray(out.tokens[row])):
+                z = logits / 0.7
+                z[np.argsort(-z, kind="stable")[4:]] = -np.inf
+                log_dist = np_log_softmax(z if source == "processed" else logits)
+                ids, values = np_top(log_dist, 5)
+                np.testing.assert_array_equal(out.top_tokens[row, step], ids)
+                np.testing.assert_allclose(
+                    out.top_log_probs[row, step], values, rtol=1e-5, atol=1e-5
+                )
+                np.testing.assert_allclose(
+                    out.log_probs[row, step], log_dist[token], rtol=1e-5, atol=1e-5
+                )
+                logits, prev = chain.table[prev, token].astype(np.float64), token
+    assert run(chain, **settings | dict(top_logprobs=0)).top_tokens.shape == (3, 6, 0)
+
+
+VOWELS = jnp.array([True, True, False, False, False, False])  # ids 0, 1
+
+
+def vowel_after_consonant(logits, context):
+    """A grammar: after a consonant only a vowel may follow; a prompt longer
+    than 2 tokens starts with a consonant."""
+    previous = context.tokens[:, jnp.maximum(context.step - 1, 0)]
+    after_consonant = (context.step > 0) & ~VOWELS[previous]
+    first = (context.step == 0) & (context.prompt_lengths > 2)
+    allowed = jnp.where(
+        after_consonant[:, None], VOWELS, jnp.where(first[:, None], ~VOWELS, True)
+    )
+    return jnp.where(allowed, logits, decoding.NEG_INF)
+
+
+def test_processor_hook_matches_applying_it_by_hand_row_by_row():
+    chain = MarkovChain(34, vocab_size=6, batch=4)
+    prompt = np.array([[1, 2, 3], [-1, 4, 5], [2, -1, -1], [0, 1, 2]], np.int32)
+    out = run(
+        chain, key=jax.random.key(0), temperature=0.0, processor=vowel_after_consonant,
+        prompt_tokens=prompt,
+    )  # fmt: skip
+    vowels = np.asarray(VOWELS)
+    for row in range(4):
+        prev, logits = chain.prev[row], chain.logits[row].astype(np.float64)
+        tokens = []
+        for step in range(6):
+            z = logits.copy()
+            if step > 0 and not vowels[tokens[-1]]:
+                z[~vowels] = -np.inf
+            elif step == 0 and (prompt[row] >= 0).sum() > 2:
+                z[vowels] = -np.inf
+            tokens.append(int(np.argmax(z)))
+            logits, prev = chain.table[prev, tokens[-1]].astype(np.float64), tokens[-1]
+        np.testing.assert_array_equal(out.tokens[row], tokens)
+    sampled = run(
+        chain, key=jax.random.key(1), temperature=2.0, processor=vowel_after_consonant,
+        max_new_tokens=12, num_samples=3,
+    )  # fmt: skip
+    tokens = np.asarray(sampled.tokens)
+    assert (vowels[tokens[:, 1:]] | vowels[tokens[:, :-1]]).all()
+    assert not vowels[tokens].all()
+
+
+def test_penalties_read_the_counts_of_generated_tokens():
+    """Greedy with OpenAI's presence and frequency penalties against a numpy
+    loop: z - presence [c > 0] - frequency c over generated tokens only."""
+    chain = MarkovChain(35, vocab_size=5, batch=3)
+    presence = np.array([0.0, 1.5, -0.5], np.float32)
+    frequency = np.array([0.8, 0.0, 0.3], np.float32)
+    out = run(
+        chain, key=jax.random.key(0), temperature=0.0, max_new_tokens=8,
+        presence_penalty=presence, frequency_penalty=frequency,
+    )  # fmt: skip
+    for row in range(3):
+        prev, logits = chain.prev[row], chain.logits[row].astype(np.float64)
+        counts, tokens = np.zeros(5), []
+        for _ in range(8):
+            z = logits - presence[row] * (counts > 0) - frequency[row] * counts
+            tokens.append(int(np.argmax(z)))
+            counts[tokens[-1]] += 1
+            logits, prev = chain.table[prev, tokens[-1]].astype(np.float64), tokens[-1]
+        np.testing.assert_array_equal(out.tokens[row], tokens, err_msg=str(row))
+    plain = run(chain, key=jax.random.key(0), temperature=0.0, max_new_tokens=8)
+    assert not np.array_equal(plain.tokens, out.tokens)
+
+
+CHAIN = MarkovChain(36, vocab_size=4, batch=2)
+
+
+@dataclasses.dataclass
+class UnhashableProcessor:  # eq without frozen: __hash__ is None
+    def __call__(self, logits, context):
+        return logits
+
+
+BAD_INPUTS = [
+    (
+        "top_logprobs < 0",
+        lambda: run(CHAIN, key=jax.random.key(0), top_logprobs=-1),
+        ValueError,
+        "top_logprobs",
+    ),
+    (
+        "top_logprobs > V",
+        lambda: run(CHAIN, key=jax.random.key(0), top_logprobs=5),
+        ValueError,
+        "top_logprobs",
+    ),
+    (
+        "top_logprobs float",
+        lambda: run(CHAIN, key=jax.random.key(0), top_logprobs=2.0),
+        TypeError,
+        "top_logprobs",
+    ),
+    (
+        "log_probs_from",
+        lambda: run(CHAIN, key=jax.random.key(0), log_probs_from="raw"),
+        ValueError,
+        "log_probs_from",
+    ),
+    (
+        "key per row of the wrong shape",
+        lambda: run(CHAIN, key=jax.random.split(jax.random.key(0), 3)),
+        ValueError,
+        "key",
+    ),
+    (
+        "temperature per row of the wrong shape",
+        lambda: run(CHAIN, key=jax.random.key(0), temperature=np.ones(3)),
+        ValueError,
+        "temperature",
+    ),
+    (
+        "processor not hashable",
+        lambda: run(
+            CHAIN,
+            key=jax.random.key(0),
+            processor=UnhashableProcessor(),
+        ),
+        TypeError,
+        "processor",
+    ),
+    (
+        "processor not callable",
+        lambda: run(CHAIN, key=jax.random.key(0), processor=3),
+        TypeError,
+        "processor",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
+)
+def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
+    assert_raises_exactly(call, error, named)

@@ -427,7 +427,9 @@ def apply_presence_frequency(
     with :math:`c_i` the times token ``i`` was generated in the row (the
     prompt does not count, as in OpenAI's API). Positive penalties
     discourage repeats, negative ones encourage them; a removed token
-    (``-inf``) stays removed.
+    (``-inf``) stays removed. Any finite penalty is allowed, computed in
+    float32: one so large that ``penalty * count`` leaves float32's range
+    makes the logit infinite.
 
     Args:
         logits: ``[B, V]`` scores.

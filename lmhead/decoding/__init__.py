@@ -57,6 +57,7 @@ checked in the loop on each token's bytes).
 from lmhead.decoding._loop import StepFn
 from lmhead.decoding.beam_search import (
     PENALTIES,
+    BeamResult,
     BeamState,
     beam_search,
     gather_rows,

@@ -1,6 +1,7 @@
 """Beam search: :func:`beam_search`, one ``lax.while_loop`` over ``K`` beams per prompt."""
 
 import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -92,11 +93,15 @@ class BeamState(NamedTuple):
             ``pad_id`` from ``step`` on.
         live_log_probs: ``float32 [B, K]``, each live beam's summed log-probs;
             ``-inf`` for an empty beam.
+        live_token_log_probs: ``float32 [B, K, N]``, the raw log-prob of each
+            token of ``live_tokens``; 0 from ``step`` on.
         finished_tokens: ``int32 [B, n, N]``, the best ended hypotheses so
             far, best first; ``pad_id`` after each one's end.
         finished_scores: ``float32 [B, n]``, their scores; ``-inf`` for an
             empty slot.
         finished_lengths: ``int32 [B, n]``, their lengths; 0 for an empty slot.
+        finished_log_probs: ``float32 [B, n, N]``, the raw log-prob of each of
+            their tokens; 0 after each one's end.
     """
 
     step: jax.Array
@@ -104,9 +109,33 @@ class BeamState(NamedTuple):
     model_state: Any
     live_tokens: jax.Array
     live_log_probs: jax.Array
+    live_token_log_probs: jax.Array
     finished_tokens: jax.Array
     finished_scores: jax.Array
     finished_lengths: jax.Array
+    finished_log_probs: jax.Array
+
+
+class BeamResult(NamedTuple):
+    """What :func:`beam_search` returns, best hypothesis first.
+
+    ``B`` prompts, ``n = num_return_sequences``, ``N = max_new_tokens``.
+
+    Attributes:
+        tokens: ``int32 [B, n, N]``; ``pad_id`` after each hypothesis's end.
+        scores: ``float32 [B, n]``: summed log-probs over the length penalty;
+            ``-inf`` for a missing hypothesis.
+        lengths: ``int32 [B, n]``, generated tokens, EOS included; 0 for a
+            missing hypothesis.
+        log_probs: ``float32 [B, n, N]``, each token's raw model log-prob
+            ``log_softmax(logits)[token]``; 0 after the end. Along a
+            hypothesis they sum to its score times the length penalty.
+    """
+
+    tokens: jax.Array
+    scores: jax.Array
+    lengths: jax.Array
+    log_probs: jax.Array
 
 
 class _BeamConfig(NamedTuple):
@@ -115,17 +144,32 @@ class _BeamConfig(NamedTuple):
     num_beams: int
     num_return_sequences: int
     max_new_tokens: int
-    eos_id: int | None
+    eos_ids: tuple[int, ...]
     pad_id: int
     penalty: str
 
 
 def _append_to_parents(
-    sequences: jax.Array, beam: jax.Array, token: jax.Array, step: jax.Array
+    sequences: jax.Array, beam: jax.Array, value: jax.Array, step: jax.Array
 ) -> jax.Array:
-    """``sequences[b, beam[b, m]]`` with ``token[b, m]`` written at ``step``."""
+    """``sequences[b, beam[b, m]]`` with ``value[b, m]`` written at ``step``."""
     picked = jnp.take_along_axis(sequences, beam[..., None], axis=1)
-    return picked.at[:, :, step].set(token)
+    return picked.at[:, :, step].set(value)
+
+
+def _eos_ids(eos_id: Any, vocab_size: int) -> tuple[int, ...]:
+    """``eos_id`` (None, an id, or a sequence of ids) as sorted distinct ids."""
+    if eos_id is None:
+        return ()
+    try:
+        ids = tuple(np.asarray(eos_id).reshape(-1).tolist())
+    except TypeError:
+        ids = (eos_id,)  # not array-like: check_token_id names it
+    if not ids:
+        raise ValueError("eos_id must be None, an id or ids; got an empty sequence.")
+    for value in ids:
+        _loop.check_token_id("eos_id", value, vocab_size)
+    return tuple(sorted({int(value) for value in ids}))
 
 
 def _beam_continues(s: BeamState, alpha: jax.Array, config: _BeamConfig) -> jax.Array:
@@ -151,9 +195,14 @@ def _beam_continues(s: BeamState, alpha: jax.Array, config: _BeamConfig) -> jax.
 
 
 def _keep_best_finished(
-    s: BeamState, scores: jax.Array, length: jax.Array, pad_id: int
+    s: BeamState,
+    scores: jax.Array,
+    token_log_probs: jax.Array,
+    length: jax.Array,
+    pad_id: int,
 ) -> dict[str, jax.Array]:
-    """Merges hypotheses ending now (``scores [B, K*V]``, -inf if not) into the n-best."""
+    """Merges hypotheses ending now (``scores [B, K*V]``, -inf if not; their
+    last token's log-prob ``token_log_probs [B, K*V]``) into the n-best."""
     num_kept = s.finished_scores.shape[1]
     vocab_size = s.logits.shape[-1]
     # Kept hypotheses come first, so on a tie lax.top_k prefers the older one.
@@ -163,10 +212,21 @@ def _keep_best_finished(
     was_kept = best < num_kept
     old = jnp.minimum(best, num_kept - 1)
     new = jnp.maximum(best - num_kept, 0)
+    parent = new // vocab_size
     tokens = jnp.where(
         was_kept[..., None],
         jnp.take_along_axis(s.finished_tokens, old[..., None], axis=1),
-        _append_to_parents(s.live_tokens, new // vocab_size, new % vocab_size, s.step),
+        _append_to_parents(s.live_tokens, parent, new % vocab_size, s.step),
+    )
+    log_probs = jnp.where(
+        was_kept[..., None],
+        jnp.take_along_axis(s.finished_log_probs, old[..., None], axis=1),
+        _append_to_parents(
+            s.live_token_log_probs,
+            parent,
+            jnp.take_along_axis(token_log_probs, new, axis=1),
+            s.step,
+        ),
     )
     lengths = jnp.where(
         was_kept, jnp.take_along_axis(s.finished_lengths, old, axis=1), length
@@ -176,6 +236,7 @@ def _keep_best_finished(
         finished_tokens=jnp.where(empty[..., None], pad_id, tokens),
         finished_scores=best_scores,
         finished_lengths=jnp.where(empty, 0, lengths),
+        finished_log_probs=jnp.where(empty[..., None], 0.0, log_probs),
     )
 
 
@@ -185,11 +246,11 @@ def _beam_step(
     batch, num_beams, _ = s.live_tokens.shape
     vocab_size = s.logits.shape[-1]
     length = s.step + 1
-    token_log_probs = jax.nn.log_softmax(s.logits, axis=-1)
+    token_log_probs = jax.nn.log_softmax(s.logits, axis=-1).reshape(batch, -1)
     totals = s.live_log_probs[..., None] + token_log_probs.reshape(
         batch, num_beams, vocab_size
     )
-    is_eos = jnp.arange(vocab_size) == (-1 if config.eos_id is None else config.eos_id)
+    is_eos = jnp.isin(jnp.arange(vocab_size), jnp.asarray(config.eos_ids, jnp.int32))
     # Every candidate ends at the last step, with or without EOS.
     ends_now = is_eos | (length == config.max_new_tokens)
     ending_scores = jnp.where(
@@ -198,7 +259,7 @@ def _beam_step(
         NEG_INF,
     )
     finished = _keep_best_finished(
-        s, ending_scores.reshape(batch, -1), length, config.pad_id
+        s, ending_scores.reshape(batch, -1), token_log_probs, length, config.pad_id
     )
     live_log_probs, best = jax.lax.top_k(
         jnp.where(is_eos, NEG_INF, totals).reshape(batch, -1), num_beams
@@ -208,6 +269,12 @@ def _beam_step(
         step=length,
         live_log_probs=live_log_probs,
         live_tokens=_append_to_parents(s.live_tokens, beam, token, s.step),
+        live_token_log_probs=_append_to_parents(
+            s.live_token_log_probs,
+            beam,
+            jnp.take_along_axis(token_log_probs, best, axis=1),
+            s.step,
+        ),
         **finished,
     )
     rows = (jnp.arange(batch)[:, None] * num_beams + beam).reshape(-1)
@@ -250,9 +317,11 @@ def _beam_loop(
         ),
         live_tokens=jnp.full((batch, beams, num_new), config.pad_id, jnp.int32),
         live_log_probs=jnp.broadcast_to(first_only, (batch, beams)),
+        live_token_log_probs=jnp.zeros((batch, beams, num_new), jnp.float32),
         finished_tokens=jnp.full((batch, kept, num_new), config.pad_id, jnp.int32),
         finished_scores=jnp.full((batch, kept), NEG_INF, jnp.float32),
         finished_lengths=jnp.zeros((batch, kept), jnp.int32),
+        finished_log_probs=jnp.zeros((batch, kept, num_new), jnp.float32),
     )
     final = jax.lax.while_loop(
         lambda s: _beam_continues(s, alpha, config),
@@ -261,7 +330,12 @@ def _beam_loop(
         ),
         init,
     )
-    return final.finished_tokens, final.finished_scores, final.finished_lengths
+    return BeamResult(
+        tokens=final.finished_tokens,
+        scores=final.finished_scores,
+        lengths=final.finished_lengths,
+        log_probs=final.finished_log_probs,
+    )
 
 
 def beam_search(
@@ -272,13 +346,13 @@ def beam_search(
     *,
     num_beams: int,
     max_new_tokens: int,
-    eos_id: int | None,
+    eos_id: int | Sequence[int] | None,
     length_penalty: jax.typing.ArrayLike = 0.6,
     penalty: str = "gnmt",
     num_return_sequences: int = 1,
     pad_id: int = 0,
     knobs: SamplingKnobs | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> BeamResult:
     r"""Beam search for the n best continuations under a length penalty.
 
     A hypothesis :math:`y_{1..L}` ends with EOS or at ``L = N``; its score is
@@ -301,8 +375,8 @@ def beam_search(
     every one off or neutral).
 
     Static arguments: ``step_fn`` (by hash), ``num_beams``, ``max_new_tokens``,
-    ``eos_id``, ``penalty``, ``num_return_sequences``, ``pad_id`` and the
-    shapes; ``params`` and ``length_penalty`` are traced.
+    ``eos_id`` (as a set of ids), ``penalty``, ``num_return_sequences``,
+    ``pad_id`` and the shapes; ``params`` and ``length_penalty`` are traced.
 
     Args:
         step_fn: ``step_fn(params, tokens int32[M], state) -> (logits [M, V],
@@ -316,7 +390,8 @@ def beam_search(
             ``step_fn`` has one, else by ``jnp.repeat`` of every leaf.
         num_beams: ``K >= 1``.
         max_new_tokens: ``N >= 1``.
-        eos_id: id in ``[0, V)`` that ends a hypothesis, or None.
+        eos_id: None, an id in ``[0, V)`` that ends a hypothesis, or a
+            sequence of such ids, any of which ends one.
         length_penalty: the exponent ``alpha`` (0: plain log-prob sums).
         penalty: ``"gnmt"`` or ``"hf"``.
         num_return_sequences: ``1 <= n <= K`` hypotheses returned per prompt.
@@ -326,16 +401,18 @@ def beam_search(
             empty, e.g. the knobs of a request that sets none.
 
     Returns:
-        ``tokens int32 [B, n, N]``, ``scores float32 [B, n]`` and ``lengths
-        int32 [B, n]``, best first. If fewer than ``n`` hypotheses exist (tiny
-        ``V`` and ``N``), the missing ones have score ``-inf`` and length 0.
+        A :class:`BeamResult`: ``tokens int32 [B, n, N]``, ``scores float32
+        [B, n]``, ``lengths int32 [B, n]`` and each token's raw log-prob
+        ``log_probs float32 [B, n, N]``, best first. If fewer than ``n``
+        hypotheses exist (tiny ``V`` and ``N``), the missing ones have score
+        ``-inf`` and length 0.
 
     Examples:
         >>> import jax.numpy as jnp
         >>> table = jnp.log(jnp.array([[0.1, 0.6, 0.3], [0.2, 0.1, 0.7],
         ...                            [0.5, 0.3, 0.2]]))
         >>> markov = lambda table, tokens, state: (table[tokens], state)
-        >>> tokens, scores, lengths = beam_search(
+        >>> tokens, scores, lengths, log_probs = beam_search(
         ...     markov, table, table[jnp.array([1])], (), num_beams=3,
         ...     max_new_tokens=3, eos_id=0, length_penalty=0.0,
         ...     num_return_sequences=2, pad_id=-1)
@@ -344,6 +421,8 @@ def beam_search(
                 [ 0, -1, -1]]], dtype=int32)
         >>> scores.round(4).tolist(), lengths.tolist()  # log(0.7 * 0.5), log 0.2
         ([[-1.0498, -1.6094]], [[2, 1]])
+        >>> log_probs.round(4).tolist()  # log 0.7, log 0.5; log 0.2
+        [[[-0.3567, -0.6931, 0.0], [-1.6094, 0.0, 0.0]]]
 
     References:
         Wu et al., `Google's Neural Machine Translation System
@@ -362,7 +441,7 @@ def beam_search(
             f"{num_beams}; got {num_return_sequences}."
         )
     _checks.check_choice("penalty", penalty, PENALTIES)
-    _loop.check_token_id("eos_id", eos_id, vocab_size)
+    eos_ids = _eos_ids(eos_id, vocab_size)
     if not _checks.is_traced(length_penalty) and not np.isfinite(length_penalty):
         raise ValueError(f"length_penalty must be finite; got {length_penalty}.")
     active = SamplingKnobs.of(knobs).active()
@@ -375,7 +454,7 @@ def beam_search(
         num_beams=int(num_beams),
         num_return_sequences=int(num_return_sequences),
         max_new_tokens=int(max_new_tokens),
-        eos_id=None if eos_id is None else int(eos_id),
+        eos_ids=eos_ids,
         pad_id=int(pad_id),
         penalty=penalty,
     )

@@ -187,7 +187,7 @@ class Engine:
         logits, cache, _ = self._prefill(
             [ids for request in requests for ids in request.prompt_ids]
         )
-        tokens, scores, lengths = jax.device_get(
+        tokens, scores, lengths, _ = jax.device_get(
             decoding.beam_search(
                 self._step_fn,
                 self.params,

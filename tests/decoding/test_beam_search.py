@@ -31,8 +31,10 @@ def test_greedy_equals_one_beam_without_eos():
     the ended hypothesis aside and goes on with the best non-EOS token.)
     """
     chain = MarkovChain(5, vocab_size=4, batch=5)
-    tokens, log_probs, _ = generate_greedy(chain, 10)
-    beam_tokens, beam_scores, beam_lengths = decoding.beam_search(
+    # Indexed, not unpacked: generate's result grows fields.
+    greedy = generate_greedy(chain, 10)
+    tokens, log_probs = greedy[0], greedy[1]
+    beam_tokens, beam_scores, beam_lengths, beam_log_probs = decoding.beam_search(
         markov_step,
         chain.table,
         chain.logits,
@@ -47,15 +49,22 @@ def test_greedy_equals_one_beam_without_eos():
         beam_scores[:, 0], log_probs.sum(-1) / np_divisor(10, 0.6, "gnmt"), rtol=1e-5
     )
     np.testing.assert_array_equal(beam_lengths[:, 0], 10)
+    np.testing.assert_allclose(beam_log_probs[:, 0], log_probs, rtol=1e-5, atol=1e-6)
+
+
+def eos_set(eos_id):
+    """``eos_id`` (None, an id or a tuple of ids) as a set."""
+    return set() if eos_id is None else set(np.atleast_1d(eos_id).tolist())
 
 
 def brute_force_scores(chain, row, max_new_tokens, eos_id, alpha, penalty):
-    """{sequence: score} for every hypothesis: ended by EOS, or of length N."""
-    scores = {}
+    """{sequence: score} for every hypothesis: ended by EOS (any of the ids
+    ``eos_id``), or of length N."""
+    scores, eos = {}, eos_set(eos_id)
     for length in range(1, max_new_tokens + 1):
         for sequence in itertools.product(range(chain.vocab_size), repeat=length):
-            ends_with_eos = eos_id is not None and sequence[-1] == eos_id
-            if eos_id is not None and eos_id in sequence[:-1]:
+            ends_with_eos = sequence[-1] in eos
+            if eos.intersection(sequence[:-1]):
                 continue
             if length < max_new_tokens and not ends_with_eos:
                 continue
@@ -67,12 +76,13 @@ def brute_force_scores(chain, row, max_new_tokens, eos_id, alpha, penalty):
 def assert_matches_brute_force(
     chain, outputs, max_new_tokens, eos_id, alpha, penalty, pad_id
 ):
-    """The n-best scores are the n largest; each sequence has its score.
+    """The n-best scores are the n largest; each sequence has its score, and
+    its tokens' log-probs are the chain's, 0 after the end.
 
     (Sequences with exactly equal scores exist in a Markov chain, e.g. ones
     that make the same transitions in another order; either order is right.)
     """
-    tokens, scores, lengths = (np.asarray(x) for x in outputs)
+    tokens, scores, lengths, log_probs = (np.asarray(x) for x in outputs)
     for row in range(tokens.shape[0]):
         every = brute_force_scores(chain, row, max_new_tokens, eos_id, alpha, penalty)
         best = sorted(every.values(), reverse=True)[: tokens.shape[1]]
@@ -85,11 +95,18 @@ def assert_matches_brute_force(
             np.testing.assert_allclose(
                 every[sequence], scores[row, rank], rtol=1e-5, atol=1e-5
             )
+            np.testing.assert_allclose(
+                log_probs[row, rank, :length],
+                chain.log_probs(row, sequence),
+                rtol=1e-5,
+                atol=1e-6,
+            )
+            np.testing.assert_array_equal(log_probs[row, rank, length:], 0.0)
             found.append(sequence)
         assert len(set(found)) == len(found), found
 
 
-@pytest.mark.parametrize("eos_id", [None, 0])
+@pytest.mark.parametrize("eos_id", [None, 0, (2, 0)])
 @pytest.mark.parametrize("penalty", ["gnmt", "hf"])
 def test_beam_search_with_enough_beams_is_exhaustive(eos_id, penalty):
     chain = MarkovChain(12, vocab_size=3, batch=2, eos_boost=-0.5)
@@ -162,7 +179,7 @@ def test_beam_search_goes_on_while_a_longer_hypothesis_can_still_win():
 
 def test_beam_search_with_fewer_hypotheses_than_asked():
     chain = MarkovChain(14, vocab_size=2, batch=1)
-    tokens, scores, lengths = decoding.beam_search(
+    tokens, scores, lengths, log_probs = decoding.beam_search(
         markov_step,
         chain.table,
         chain.logits,
@@ -176,6 +193,37 @@ def test_beam_search_with_fewer_hypotheses_than_asked():
     assert np.isfinite(scores[0, :2]).all() and np.isneginf(scores[0, 2])
     np.testing.assert_array_equal(lengths[0], [1, 1, 0])
     np.testing.assert_array_equal(tokens[0, 2], [5])
+    np.testing.assert_array_equal(log_probs[0, 2], [0.0])
+
+
+def test_any_of_several_eos_ids_ends_a_hypothesis():
+    """eos_id=(1, 2) on a chain where 1 and 2 are certain after the prompt:
+    both end at once with their own log-probs; the order of the ids and
+    repeats do not matter."""
+    chain = MarkovChain(3, vocab_size=4, batch=1)
+    chain.logits = np.log(np.array([[0.1, 0.5, 0.3, 0.1]], np.float32))
+    results = [
+        decoding.beam_search(
+            markov_step,
+            chain.table,
+            chain.logits,
+            chain.state(),
+            num_beams=2,
+            max_new_tokens=3,
+            eos_id=eos_id,
+            length_penalty=0.0,
+            num_return_sequences=2,
+            pad_id=9,
+        )
+        for eos_id in ((1, 2), [2, 1, 2], np.array([2, 1]))
+    ]
+    for result in results:
+        np.testing.assert_array_equal(result.tokens[0], [[1, 9, 9], [2, 9, 9]])
+        np.testing.assert_array_equal(result.lengths[0], [1, 1])
+        np.testing.assert_allclose(
+            result.log_probs[0], np.log([[0.5, 1, 1], [0.3, 1, 1]]), rtol=1e-6
+        )
+        np.testing.assert_allclose(result.scores[0], np.log([0.5, 0.3]), rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------
@@ -233,20 +281,25 @@ def test_beam_search_through_the_kv_cache_matches_recomputing_the_prefix(monkeyp
         eos_id=None,
         num_return_sequences=3,
     )
-    tokens, scores, lengths = beams(cached, cache_logits, cache)
+    tokens, scores, lengths, token_log_probs = beams(cached, cache_logits, cache)
     expected = beams(recompute, recompute_logits, recompute_state)
     np.testing.assert_array_equal(tokens, expected[0])
     np.testing.assert_allclose(scores, expected[1], rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(lengths, expected[2])
-    # Each score is its sequence's log-prob under the model, by teacher forcing.
+    np.testing.assert_allclose(token_log_probs, expected[3], rtol=1e-4, atol=1e-5)
+    # Each token's log-prob is the model's log_softmax along its sequence, by
+    # teacher forcing, and the score is their sum over the length penalty.
     for row, rank in itertools.product(range(2), range(3)):
         start, length = int(lengths_prompt[row]), int(lengths[row, rank])
         sequence = np.asarray(buffer[row]).copy()
         sequence[start : start + length] = tokens[row, rank, :length]
         log_probs = np_log_softmax(forward(params, jnp.asarray(sequence[None]))[0])
-        total = sum(
-            log_probs[start - 1 + t, sequence[start + t]] for t in range(length)
+        along = [log_probs[start - 1 + t, sequence[start + t]] for t in range(length)]
+        np.testing.assert_allclose(
+            token_log_probs[row, rank, :length], along, rtol=1e-4, atol=1e-5
         )
+        np.testing.assert_array_equal(token_log_probs[row, rank, length:], 0.0)
+        total = sum(along)
         np.testing.assert_allclose(
             scores[row, rank], total / np_divisor(length, 0.6, "gnmt"), rtol=1e-4
         )
@@ -272,7 +325,7 @@ def test_beam_search_through_the_kv_cache_equals_brute_force(monkeypatch):
     logits, cache = model_lib.prefill(
         model, params, prompt, jnp.asarray(prompt_lengths), max_new_tokens=num_new
     )
-    tokens, scores, _ = decoding.beam_search(
+    tokens, scores, _, token_log_probs = decoding.beam_search(
         model_lib.make_step_fn(model),
         params,
         logits,
@@ -302,6 +355,16 @@ def test_beam_search_through_the_kv_cache_equals_brute_force(monkeypatch):
         best = np.argsort(-totals, kind="stable")[:3]
         np.testing.assert_array_equal(tokens[row], continuations[best])
         np.testing.assert_allclose(scores[row], totals[best], rtol=1e-5, atol=1e-5)
+        for rank, sequence in enumerate(best):
+            np.testing.assert_allclose(
+                token_log_probs[row, rank],
+                [
+                    log_probs[sequence, start - 1 + t, continuations[sequence, t]]
+                    for t in range(num_new)
+                ],
+                rtol=1e-5,
+                atol=1e-5,
+            )
 
 
 # ---------------------------------------------------------------------------
@@ -342,6 +405,12 @@ BAD_INPUT_MESSAGES = [
         "penalty must be one of 'gnmt', 'hf'",
     ),
     (lambda: _beam(eos_id=-1), ValueError, "eos_id must be an integer in [0, V)"),
+    (
+        lambda: _beam(eos_id=(0, 4)),
+        ValueError,
+        "eos_id must be an integer in [0, V)",
+    ),
+    (lambda: _beam(eos_id=()), ValueError, "eos_id must be None, an id or ids"),
     (
         lambda: _beam(length_penalty=float("nan")),
         ValueError,

@@ -152,7 +152,7 @@ def test_beam_search_runs_with_an_int8_head():
                 step_fn, p, logits, cache, num_beams=3, max_new_tokens=6, eos_id=None
             )
         )
-    (tokens, scores, _), (q_tokens, q_scores, _) = results
+    (tokens, scores, _, _), (q_tokens, q_scores, _, _) = results
     assert q_tokens.shape == tokens.shape == (3, 1, 6)
     same = np.all(np.asarray(tokens) == np.asarray(q_tokens), axis=(1, 2))
     assert same.sum() >= 2

@@ -65,7 +65,7 @@ def test_beam_equals_beam_search(run, engine):
         logits, cache = model_lib.prefill(
             model, params, tokenizer.encode_array(prompt)[None]
         )
-        tokens, scores, _ = decoding.beam_search(
+        tokens, scores, _, _ = decoding.beam_search(
             model_lib.make_step_fn(model),
             params,
             logits,

@@ -183,7 +183,7 @@ def _continue_window(
     logits, cache = model_lib.prefill(model, params, context, lengths)
     step_fn = model_lib.make_step_fn(model)
     if num_beams:
-        tokens, _, _ = decoding.beam_search(
+        tokens, _, _, _ = decoding.beam_search(
             step_fn,
             params,
             logits,

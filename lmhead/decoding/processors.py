@@ -185,6 +185,9 @@ def apply_top_p(
     # The argmax (the lowest id among ties) stays even when p <= epsilon.
     first = jnp.argmax(logits, axis=-1, keepdims=True)
     keep = keep | (jnp.arange(logits.shape[-1]) == first)
+    # p = 1 is neutral exactly: the tolerance must not cut a tail whose mass
+    # is below it.
+    keep = keep | (p >= 1.0)
     return jnp.where(keep, logits, NEG_INF)
 
 

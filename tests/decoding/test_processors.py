@@ -87,6 +87,12 @@ class ProcessorTest(chex.TestCase):
             )
         uniform = top_p(jnp.zeros((1, 4)), 0.5)  # exact in float32; ties to lower ids
         np.testing.assert_array_equal(np.isfinite(uniform), [[1, 1, 0, 0]])
+        # p = 1 keeps a tail lighter than the float32 tolerance too: neutral.
+        peaked = jnp.array([[10.0, -10.0, -20.0], [0.0, 0.0, 0.0]])
+        np.testing.assert_array_equal(
+            top_p(peaked, jnp.array([1.0, 0.5])),
+            [[10.0, -10.0, -20.0], [0.0, 0.0, -np.inf]],
+        )
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_top_k_and_top_p_on_a_wide_vocabulary_with_ties(self):

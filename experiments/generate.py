@@ -6,9 +6,16 @@ r"""Continues a prompt with a trained run's newest checkpoint and tokenizer.
         --prompt="ROMEO:" --num_beams=4           # beam search
     python experiments/generate.py --workdir=... --temperature=0   # greedy
     python experiments/generate.py --workdir=... --quantize=int8   # int8 head
+    python experiments/generate.py --workdir=... --stop='\n\n' --stop=ROMEO: \
+        --presence_penalty=0.5 --frequency_penalty=0.3 --top_logprobs=3
 
-After the text it prints, on stderr, the time to first token (prefill and
-one step) and the milliseconds per new token of the compiled programs.
+A stop string ends a sample and is not printed, nor what follows it; its
+``\n``, ``\t`` and ``\uXXXX`` escapes are read as in Python. With
+``--top_logprobs=k`` each sample's text is followed by one line per
+generated token: the token and its step's ``k`` likeliest tokens with their
+log-probabilities. After the text it prints, on stderr, the time to first
+token (prefill and one step) and the milliseconds per new token of the
+compiled programs.
 """
 
 import sys
@@ -41,6 +48,20 @@ flags.DEFINE_integer(
     "Beam search with this many beams (ignores the sampling flags).",
     lower_bound=1,
 )
+flags.DEFINE_multi_string(
+    "stop", None, "A stop string (repeat the flag for several); escapes as in Python."
+)
+flags.DEFINE_float(
+    "presence_penalty", None, "Subtract this from the logit of every generated token."
+)
+flags.DEFINE_float(
+    "frequency_penalty",
+    None,
+    "Subtract this times its count from the logit of every generated token.",
+)
+flags.DEFINE_integer(
+    "top_logprobs", 0, "Print this many likeliest tokens per step.", lower_bound=0
+)
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_enum(
     "quantize",
@@ -53,6 +74,26 @@ flags.DEFINE_bool(
 )
 
 
+def unescape(text: str) -> str:
+    """``text`` with Python's backslash escapes read (``\\n`` -> newline);
+    other characters stay as they are."""
+    return text.encode("raw_unicode_escape").decode("unicode_escape")
+
+
+def top_logprobs_lines(continuation, tokenizer) -> str:
+    """One line per generated token and its step's likeliest tokens; empty
+    when there are none."""
+    lines = [
+        f"{tokenizer.decode([token])!r}: "
+        + " ".join(f"{alt!r} {p:.3f}" for alt, p in top)
+        for token, top in zip(
+            continuation.tokens, continuation.top_logprobs, strict=True
+        )
+        if top
+    ]
+    return "".join("\n" + line for line in lines)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -62,7 +103,8 @@ def main(argv):
     _, tokenizer, model, params = generation.load_run(f.workdir)
     if f.quantize:
         params = generation.quantize_for_decoding(model, params, f.quantize)
-    texts = generation.continue_text(
+    stop = [unescape(s) for s in f.stop] if f.stop else None
+    continuations = generation.continuations(
         model,
         params,
         tokenizer,
@@ -74,7 +116,12 @@ def main(argv):
         top_k=f.top_k,
         top_p=f.top_p,
         num_beams=f.num_beams,
+        stop=stop,
+        presence_penalty=f.presence_penalty,
+        frequency_penalty=f.frequency_penalty,
+        top_logprobs=f.top_logprobs,
     )
+    texts = [c.text + top_logprobs_lines(c, tokenizer) for c in continuations]
     print(generation.SAMPLE_SEPARATOR.join(texts), flush=True)
     if f.timings:
         prompt, new_tokens = generation.timing_prompt(

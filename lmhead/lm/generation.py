@@ -15,9 +15,11 @@ import functools
 import json
 import os
 import time
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from tokenizers import decoders
@@ -89,30 +91,51 @@ def token_bytes(tokenizer: data.Tokenizer) -> list[bytes]:
     return decoding.token_bytes_from_decode(tokenizer.decode, tokenizer.vocab_size)
 
 
+class Continuation(NamedTuple):
+    """One continuation from :func:`continuations`.
+
+    Attributes:
+        text: the prompt and its continuation, cut before the first stop
+            string the continuation completes (OpenAI's rule: neither the
+            stop string nor anything after it is returned).
+        finish_reason: ``"stop"`` (a stop string ended it) or ``"length"``
+            (it reached ``max_new_tokens``).
+        tokens: the generated ids, up to and including the one that
+            completed the stop string (which may hold text past it).
+        top_logprobs: one list per id of ``tokens``: its step's
+            ``top_logprobs`` likeliest tokens as ``(text, log-prob)`` pairs
+            under the sampled (processed) distribution, likeliest first;
+            empty lists when ``top_logprobs`` is 0 or with beam search.
+    """
+
+    text: str
+    finish_reason: str
+    tokens: list[int]
+    top_logprobs: list[list[tuple[str, float]]]
+
+
+class _WindowSettings(NamedTuple):
+    """The static settings of one window of :func:`continuations`."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    num_beams: int | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    top_logprobs: int
+
+
 def continue_text(
     model: model_lib.DecoderLM,
     params: Any,
     tokenizer: data.Tokenizer,
     prompt: str,
-    *,
-    key: jax.Array,
-    num_samples: int,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    num_beams: int | None = None,
+    **settings: Any,
 ) -> list[str]:
-    """``num_samples`` continuations of ``prompt``, each with the prompt.
-
-    The cache holds ``max_len`` positions, so the text is made window by
-    window, as nanoGPT crops its context: each window is prefilled with the
-    last ``C = max_len // 2`` tokens so far (at first the prompt, cropped to
-    ``C`` and right-padded) and adds ``max_len - C`` tokens; the last window's
-    surplus is cut off. Every window has the same shapes, so it compiles once.
-    Beam search, too, runs per window and keeps the best beam.
-    ``temperature=0`` is greedy; the sampling knobs are
-    ``decoding.generate``'s.
+    """``num_samples`` continuations of ``prompt``, each with the prompt:
+    the texts of :func:`continuations` (same arguments).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -126,85 +149,203 @@ def continue_text(
         >>> [len(text) for text in texts], {text[:2] for text in texts}
         ([12, 12], {'ab'})
     """
+    return [c.text for c in continuations(model, params, tokenizer, prompt, **settings)]
+
+
+def continuations(
+    model: model_lib.DecoderLM,
+    params: Any,
+    tokenizer: data.Tokenizer,
+    prompt: str,
+    *,
+    key: jax.Array,
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    num_beams: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    top_logprobs: int = 0,
+) -> list[Continuation]:
+    """``num_samples`` :class:`Continuation` s of ``prompt``.
+
+    The cache holds ``max_len`` positions, so the text is made window by
+    window, as nanoGPT crops its context: each window is prefilled with the
+    last ``C = max_len // 2`` tokens so far (at first the prompt, cropped to
+    ``C`` and right-padded) and adds ``max_len - C`` tokens; the last window's
+    surplus is cut off. Every window has the same shapes, so it compiles once.
+    Beam search, too, runs per window and keeps the best beam.
+    ``temperature=0`` is greedy; the sampling knobs are
+    ``decoding.generate``'s.
+
+    Stop strings end a sample inside the compiled loop
+    (``decoding.StopStrings`` on :func:`token_bytes`, exact across tokens for
+    this project's tokenizers); one that spans two windows is found in the
+    text after the first, and the text is always cut with
+    ``decoding.trim_at_stop``. No more windows run once every sample has
+    stopped. Beam search only cuts the text.
+
+    Args:
+        stop: a stop string or a list of them, matched in the generated text
+            only (not the prompt).
+        presence_penalty, frequency_penalty: OpenAI's penalties (see
+            ``decoding.process_logits``) over the tokens generated in the
+            window; None is off.
+        top_logprobs: ``k >= 0`` alternatives per token in
+            :attr:`Continuation.top_logprobs`.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> tokenizer = data.CharTokenizer("abc")
+        >>> model = model_lib.DecoderLM(vocab_size=3, num_layers=1, num_heads=2,
+        ...                             d_model=8, mlp_dim=16, max_len=8)
+        >>> params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+        >>> out = continuations(model, params["params"], tokenizer, "ab",
+        ...                     key=jax.random.key(1), num_samples=3,
+        ...                     max_new_tokens=40, stop="cc", top_logprobs=2)
+        >>> [("cc" in c.text[2:], c.finish_reason) for c in out]
+        [(False, 'stop'), (False, 'stop'), (False, 'stop')]
+        >>> len(out[0].top_logprobs) == len(out[0].tokens)
+        True
+    """
     if model.max_len < 2:
         raise ValueError("continue_text needs a model with max_len >= 2.")
     prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:
         raise ValueError("prompt must encode to at least one token.")
+    stop_strings = None
+    if stop is not None:
+        stop_strings = decoding.StopStrings.build(stop, token_bytes(tokenizer))
     context_len = model.max_len // 2
+    settings = _WindowSettings(
+        max_new_tokens=model.max_len - context_len,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        num_beams=num_beams,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        top_logprobs=top_logprobs,
+    )
     ids = [np.tile(np.asarray(prompt_ids[-context_len:], np.int32), (num_samples, 1))]
     lengths = np.full([num_samples], ids[0].shape[1], np.int32)
+    rows = [_Row([], [], False) for _ in range(num_samples)]
     generated = 0
-    while generated < max_new_tokens:
+    while generated < max_new_tokens and not all(row.stopped for row in rows):
         context = np.concatenate(ids, axis=1)[:, -context_len:]
         context = np.pad(context, [(0, 0), (0, context_len - context.shape[1])])
         key, window_key = jax.random.split(key)
-        ids.append(
-            np.asarray(
-                _continue_window(
-                    model,
-                    params,
-                    context,
-                    lengths,
-                    window_key,
-                    max_new_tokens=model.max_len - context_len,
-                    temperature=temperature,
-                    top_k=top_k,
-                    top_p=top_p,
-                    num_beams=num_beams,
-                )
-            )
+        window = jax.tree.map(
+            np.asarray,
+            _continue_window(
+                model, params, context, lengths, window_key, stop_strings, settings
+            ),
         )
-        generated += ids[-1].shape[1]
+        ids.append(window.tokens)
+        take = min(window.tokens.shape[1], max_new_tokens - generated)
+        for b, row in enumerate(rows):
+            if not row.stopped:
+                rows[b] = _extend_row(row, window, b, take, tokenizer, stop)
+        generated += window.tokens.shape[1]
         lengths[:] = context_len
-    new_ids = np.concatenate(ids[1:], axis=1)[:, :max_new_tokens]
-    return [prompt + tokenizer.decode(row) for row in new_ids]
+    return [_continuation(prompt, row, tokenizer, stop) for row in rows]
 
 
-@functools.partial(
-    jax.jit,
-    static_argnums=0,
-    static_argnames=("max_new_tokens", "temperature", "top_k", "top_p", "num_beams"),
-)
+class _Row(NamedTuple):
+    """A sample's generated ids so far, their alternatives, and whether a
+    stop string has ended it."""
+
+    tokens: list[int]
+    top: list[list[tuple[int, float]]]
+    stopped: bool
+
+
+def _extend_row(row: _Row, window, b: int, take: int, tokenizer, stop) -> _Row:
+    """``row`` with window row ``b``'s first ``take`` tokens (fewer if a stop
+    string ended it in the loop, or if the text then completes one)."""
+    count = min(int(window.lengths[b]), take)
+    tokens = row.tokens + window.tokens[b, :count].tolist()
+    top = row.top + [
+        list(zip(window.top_tokens[b, t].tolist(), window.top_log_probs[b, t].tolist()))
+        for t in range(count)
+    ]
+    if stop is None:
+        return _Row(tokens, top, False)
+    if (
+        window.finish_reasons[b] == decoding.FINISHED_STOP
+        and count == window.lengths[b]
+    ):
+        return _Row(tokens, top, True)
+    if decoding.find_stop(tokenizer.decode(tokens), stop) is None:
+        return _Row(tokens, top, False)
+    # A stop string across the windows' boundary: end at the token completing it.
+    end = next(
+        t
+        for t in range(len(row.tokens), len(tokens))
+        if decoding.find_stop(tokenizer.decode(tokens[: t + 1]), stop) is not None
+    )
+    return _Row(tokens[: end + 1], top[: end + 1], True)
+
+
+def _continuation(prompt: str, row: _Row, tokenizer, stop) -> Continuation:
+    text = tokenizer.decode(row.tokens)
+    if stop is not None:
+        text = decoding.trim_at_stop(text, stop)
+    top = [[(tokenizer.decode([i]), p) for i, p in step] for step in row.top]
+    return Continuation(
+        text=prompt + text,
+        finish_reason="stop" if row.stopped else "length",
+        tokens=row.tokens,
+        top_logprobs=top,
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6))
 def _continue_window(
-    model,
-    params,
-    context,
-    lengths,
-    key,
-    *,
-    max_new_tokens,
-    temperature,
-    top_k,
-    top_p,
-    num_beams,
-):
-    """``[B, max_new_tokens]`` tokens after ``context[b, :lengths[b]]``."""
+    model, params, context, lengths, key, stop, settings: _WindowSettings
+) -> decoding.Generation:
+    """The :class:`decoding.Generation` of ``settings.max_new_tokens`` tokens
+    after ``context[b, :lengths[b]]`` (beam search: its best beam, every row
+    of full length, no alternatives)."""
     logits, cache = model_lib.prefill(model, params, context, lengths)
     step_fn = model_lib.make_step_fn(model)
-    if num_beams:
-        tokens, _, _, _ = decoding.beam_search(
+    if settings.num_beams:
+        tokens = decoding.beam_search(
             step_fn,
             params,
             logits,
             cache,
-            num_beams=num_beams,
-            max_new_tokens=max_new_tokens,
+            num_beams=settings.num_beams,
+            max_new_tokens=settings.max_new_tokens,
             eos_id=None,
+        )[0][:, 0]
+        batch, width = tokens.shape
+        return decoding.Generation(
+            tokens=tokens,
+            log_probs=jnp.zeros(tokens.shape, jnp.float32),
+            lengths=jnp.full([batch], width, jnp.int32),
+            finish_reasons=jnp.full([batch], decoding.FINISHED_LENGTH, jnp.int32),
+            top_tokens=jnp.zeros([batch, width, 0], jnp.int32),
+            top_log_probs=jnp.zeros([batch, width, 0], jnp.float32),
         )
-        return tokens[:, 0]
-    tokens, _, _ = decoding.generate(
+    return decoding.generate(
         step_fn,
         params,
         logits,
         cache,
         key=key,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
+        top_k=settings.top_k,
+        top_p=settings.top_p,
+        presence_penalty=settings.presence_penalty,
+        frequency_penalty=settings.frequency_penalty,
+        stop=stop,
+        top_logprobs=settings.top_logprobs,
     )
-    return tokens
 
 
 def quantize_for_decoding(model: model_lib.DecoderLM, params: Any, dtype: str) -> Any:

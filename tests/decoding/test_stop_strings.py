@@ -123,6 +123,36 @@ class StopStringsTest(chex.TestCase):
         assert table == [b"a", "é".encode(), "☃".encode()]
 
 
+@pytest.mark.parametrize("num_samples", [1, 3])
+def test_generate_ends_rows_where_the_decoded_text_first_holds_a_stop_string(
+    num_samples,
+):
+    """In the loop: each row ends at the token that completes one of its stop
+    strings, and keeps the tokens it would have drawn without them."""
+    rng = np.random.default_rng(2)
+    table = jnp.asarray(rng.standard_normal((len(TOKENS),) * 2), jnp.float32)
+    markov = lambda table, tokens, state: (table[tokens], state)
+    rows = [["ROMEO:", "\n\n"], ["a"], ["é:", "é"], ["xy xy", ".\n"]] * 2
+    logits = table[jnp.arange(len(rows)) % len(TOKENS)]
+    run = lambda **stop: decoding.generate(
+        markov, table, logits, (), key=jax.random.key(0), max_new_tokens=24,
+        temperature=1.0, num_samples=num_samples, **stop,
+    )  # fmt: skip
+    plain = run()
+    out = run(stop=StopStrings.build(rows, TOKENS))
+    ends = []
+    for b in range(len(rows) * num_samples):
+        ids = np.asarray(plain.tokens[b]).tolist()
+        end = reference_stop_step(ids, rows[b // num_samples])
+        ends.append(end)
+        length = 24 if end is None else end + 1
+        assert int(out.lengths[b]) == length
+        np.testing.assert_array_equal(out.tokens[b, :length], plain.tokens[b, :length])
+        reason = decoding.FINISHED_LENGTH if end is None else decoding.FINISHED_STOP
+        assert int(out.finish_reasons[b]) == reason
+    assert len({e for e in ends if e is not None}) > 2, ends
+
+
 def test_check_names_stop():
     stop = StopStrings.build([["a"], ["b"]], TOKENS)
     stop.check(2, len(TOKENS))

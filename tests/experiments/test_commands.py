@@ -73,6 +73,49 @@ def test_generate_beams(workdir):
     assert first == second  # beam search is deterministic
 
 
+def test_generate_with_stop_strings_penalties_and_top_logprobs(workdir):
+    from lmhead.lm import generation
+
+    workdir, _ = workdir
+    _, tokenizer, model, params = generation.load_run(workdir)
+    settings = dict(
+        key=jax.random.key(0),
+        num_samples=2,
+        max_new_tokens=12,
+        temperature=0.0,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+    )
+    plain = generation.continue_text(model, params, tokenizer, "ROMEO:", **settings)
+    stops = [plain[0][9:11], "\n\n"]
+    expected = generation.continuations(
+        model, params, tokenizer, "ROMEO:", stop=stops, top_logprobs=2, **settings
+    )
+    stdout = run(
+        "generate.py",
+        f"--workdir={workdir}",
+        "--prompt=ROMEO:",
+        "--max_new_tokens=12",
+        "--num_samples=2",
+        "--temperature=0",
+        "--presence_penalty=0.5",
+        "--frequency_penalty=0.25",
+        f"--stop={stops[0]}",
+        "--stop=\\n\\n",  # escapes are read as in Python
+        "--top_logprobs=2",
+        "--notimings",
+    )
+    samples = stdout.rstrip("\n").split("\n---------------\n")
+    assert len(samples) == 2
+    for sample, continuation in zip(samples, expected, strict=True):
+        assert continuation.finish_reason == "stop"
+        assert sample.startswith(continuation.text + "\n")
+        lines = sample[len(continuation.text) + 1 :].split("\n")
+        assert len(lines) == len(continuation.tokens)
+        for line in lines:  # "'x': 'x' -0.123 'y' -1.234": two log-probs
+            assert len(re.findall(r" -?\d+\.\d{3}(?= |$)", line)) == 2, line
+
+
 def test_bad_config_value_fails_before_training(tmp_path):
     result = subprocess.run(
         [

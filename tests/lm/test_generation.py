@@ -267,6 +267,105 @@ def test_greedy_text_matches_full_forward_passes(run):
     assert text == [tokenizer.decode(ids[: 4 + 20])] * 2
 
 
+def plain_and_stopped(run, stop, **settings):
+    """The run's continuations without and with ``stop``, same key."""
+    _, tokenizer, model, params = generation.load_run(run[0])
+    common = dict(key=jax.random.key(3), num_samples=3, max_new_tokens=30, **settings)
+    plain = generation.continuations(model, params, tokenizer, "KING", **common)
+    stopped = generation.continuations(
+        model, params, tokenizer, "KING", stop=stop, **common
+    )
+    return tokenizer, plain, stopped
+
+
+STOP_CASES = {
+    # Windows add 8 tokens (characters): the greedy text's positions 6..9
+    # span the first two windows' boundary, 11..12 lie inside the second.
+    "across windows": (0.0, lambda greedy: [greedy[6:10]]),
+    "inside a window": (0.0, lambda greedy: [greedy[11:13], "zzq"]),
+    "sampled": (1.0, lambda greedy: ["a", "c", "v", "zzq"]),
+}
+
+
+@pytest.mark.parametrize("case", STOP_CASES)
+def test_stop_strings_cut_the_text_where_the_plain_text_first_holds_one(run, case):
+    temperature, make_stops = STOP_CASES[case]
+    _, tokenizer, model, params = generation.load_run(run[0])
+    greedy_text = generation.continue_text(
+        model,
+        params,
+        tokenizer,
+        "KING",
+        key=jax.random.key(3),
+        num_samples=1,
+        max_new_tokens=30,
+        temperature=0.0,
+    )[0][4:]
+    stops = make_stops(greedy_text)
+    tokenizer, plain, stopped = plain_and_stopped(run, stops, temperature=temperature)
+    ends = []
+    for before, after in zip(plain, stopped, strict=True):
+        new_text = before.text[4:]
+        # Reference: decode after every token, stop at the first that holds one.
+        end = next(
+            (
+                t
+                for t in range(len(before.tokens))
+                if any(s in tokenizer.decode(before.tokens[: t + 1]) for s in stops)
+            ),
+            None,
+        )
+        ends.append(end)
+        if end is None:
+            assert after == before
+            continue
+        assert after.finish_reason == "stop" and before.finish_reason == "length"
+        assert after.tokens == before.tokens[: end + 1]
+        cut = min(new_text.find(s) for s in stops if s in new_text[: end + 1])
+        assert after.text == "KING" + new_text[:cut]
+    assert all(end is not None for end in ends), ends
+    if case == "sampled":
+        assert len(set(ends)) > 1, ends
+
+
+def test_no_window_runs_after_every_sample_stopped(run):
+    # The first token of every greedy sample stops it: one window only, and
+    # the text is the prompt alone.
+    _, tokenizer, model, params = generation.load_run(run[0])
+    common = dict(key=jax.random.key(0), num_samples=2, temperature=0.0)
+    first = generation.continuations(
+        model, params, tokenizer, "KING", max_new_tokens=1, **common
+    )[0].text[4:]
+    out = generation.continuations(
+        model, params, tokenizer, "KING", max_new_tokens=200, stop=first, **common
+    )
+    assert [(c.text, c.tokens, c.finish_reason) for c in out] == [
+        ("KING", tokenizer.encode(first), "stop")
+    ] * 2
+
+
+def test_top_logprobs_and_penalties(run):
+    _, tokenizer, model, params = generation.load_run(run[0])
+    common = dict(key=jax.random.key(0), num_samples=1, max_new_tokens=16)
+    greedy = generation.continuations(
+        model, params, tokenizer, "KING", temperature=0.0, top_logprobs=3, **common
+    )[0]
+    assert len(greedy.top_logprobs) == len(greedy.tokens) == 16
+    for token, top in zip(greedy.tokens, greedy.top_logprobs, strict=True):
+        texts, log_probs = zip(*top, strict=True)
+        assert texts[0] == tokenizer.decode([token])  # greedy takes the likeliest
+        assert list(log_probs) == sorted(log_probs, reverse=True)
+        assert np.exp(log_probs).sum() <= 1 + 1e-5
+    # A large frequency penalty forbids a repeat among a window's 8 tokens.
+    penalized = generation.continuations(
+        model, params, tokenizer, "KING", temperature=0.0, frequency_penalty=1e3,
+        **common,
+    )[0]  # fmt: skip
+    for window in (penalized.tokens[:8], penalized.tokens[8:]):
+        assert len(set(window)) == len(window)
+    assert len(set(greedy.tokens[:8])) < 8  # the penalty changed something
+
+
 def test_bad_requests_are_refused_before_anything_compiles():
     tokenizer = data.CharTokenizer("abc")
     model = tiny_model(tied=True)
@@ -301,6 +400,13 @@ def test_bad_requests_are_refused_before_anything_compiles():
             ),
             ValueError,
             "repeats",
+        ),
+        (
+            lambda: generation.continue_text(
+                model, None, tokenizer, "a", stop=["b", ""], **knobs
+            ),
+            ValueError,
+            "stop",
         ),
     ]
     for call, error, named in cases:

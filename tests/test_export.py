@@ -1,0 +1,365 @@
+"""GPU and TPU readiness, checked on a CPU: every jitted entry point lowers
+for ``cuda`` and ``tpu`` with ``jax.export``.
+
+``jax.export.export(jitted, platforms=(platform,))(*structs)`` traces and
+lowers a program for a platform this machine does not have, from
+``jax.ShapeDtypeStruct`` inputs: nothing is computed or compiled. It fails
+when an operation has no lowering rule for the platform (a CPU-only custom
+call, a host callback such as ``jax.pure_callback``) or is a custom call
+without a compatibility guarantee, so such a program fails this suite here
+rather than on the accelerator. Each entry point is built once (a cached
+``jax.jit`` object and its input structs), so that its second platform
+reuses the trace. Every export is checked against ``jax.eval_shape`` of the
+same program: the output tree, shapes and dtypes, and the number of devices.
+
+What this covers: lowering only. XLA's GPU and TPU compilers run on those
+machines, after this; a program can still fail there for lack of memory or
+for a compiler bug. The fused loss's default block sizes follow
+``jax.default_backend()`` (``fused.BLOCK_ELEMENTS``), the CPU's here; at
+these shapes every platform's defaults give the same blocks, so the programs
+exported are those a GPU or TPU would trace.
+
+Versions: run with jax 0.10.2, the version of these CPU machines. The GPU
+machine had jax 0.11.2 at last look; that version needs Python 3.12 and has
+not run this file yet (docs/scale_out.md, "GPU and TPU lowering, checked on
+a CPU", says how to run it there).
+"""
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from configs import default
+from lmhead import decoding, fused, vocab_parallel
+from lmhead.lm import configuration, ensemble, kv_cache, sharding, train
+from lmhead.lm import model as model_lib
+from lmhead.lm import state as state_lib
+
+PLATFORMS = ("cuda", "tpu")
+VOCAB = 64  # divisible by the model axis of MESH_SHAPE
+# Eight devices this machine does not have: an abstract mesh lowers the
+# vocabulary split as on one GPU host (docs/scale_out.md's data=4, model=2).
+MESH_SHAPE = {sharding.DATA_AXIS: 4, sharding.MODEL_AXIS: 2}
+MEMBERS = 2
+BATCH, PROMPT, NEW_TOKENS, BEAMS = 2, 4, 4, 2
+
+S = jax.ShapeDtypeStruct
+KEY = jax.eval_shape(jax.random.key, 0)
+
+
+def lowered(fn, args, platform: str, mesh: AbstractMesh | None = None):
+    """``jax.export`` of the jitted ``fn`` at ``args`` (structs) for
+    ``platform``, checked against ``jax.eval_shape``: the output tree,
+    shapes and dtypes, and the number of devices (``mesh``'s, or 1)."""
+    with jax.sharding.use_abstract_mesh(mesh) if mesh else contextlib.nullcontext():
+        exported = export.export(fn, platforms=(platform,))(*args)
+        expected = jax.eval_shape(fn, *args)
+    assert exported.platforms == (platform,)
+    assert exported.out_tree == jax.tree.structure(expected)
+    assert [(a.shape, a.dtype) for a in exported.out_avals] == [
+        (x.shape, x.dtype) for x in jax.tree.leaves(expected)
+    ]
+    assert exported.nr_devices == (mesh.size if mesh else 1)
+    assert "func.func public @main" in exported.mlir_module()
+    return exported
+
+
+# --- The programs and their input structs, built once per test session -------
+
+
+@functools.cache
+def tiny_config():
+    return default.get_config("tiny")
+
+
+@functools.cache
+def tiny_model() -> model_lib.DecoderLM:
+    return configuration.make_model(tiny_config(), VOCAB)
+
+
+def batch_structs(leading=(), weights=False):
+    shape = (*leading, tiny_config().train.batch_size, tiny_config().data.block_size)
+    names = ("inputs", "labels", "weights") if weights else ("inputs", "labels")
+    return {n: S(shape, jnp.float32 if n == "weights" else jnp.int32) for n in names}
+
+
+@functools.cache
+def state_structs() -> state_lib.TrainState:
+    create = functools.partial(
+        state_lib.create_train_state, tiny_model(), tiny_config()
+    )
+    return jax.eval_shape(create, KEY)
+
+
+def stacked(tree, count: int = MEMBERS):
+    return jax.tree.map(lambda x: S((count, *x.shape), x.dtype), tree)
+
+
+def train_step_of(config):
+    """``train.train_step`` as ``train.compile_steps`` builds it for ``config``."""
+    return functools.partial(
+        train.train_step,
+        model=tiny_model(),
+        loss_kwargs=train.loss_keywords(config.loss),
+        learning_rate_fn=state_lib.learning_rate_schedule(config),
+        microbatches=config.train.microbatches,
+        untie_step=config.model.untie_step,
+    )
+
+
+@functools.cache
+def train_step():
+    step = jax.jit(train_step_of(tiny_config()), donate_argnums=0)
+    return step, (state_structs(), batch_structs(), KEY)
+
+
+@functools.cache
+def sharded_train_step():
+    """The train step of docs/scale_out.md's eight-GPU run on ``MESH_SHAPE``:
+    the vocabulary-parallel loss, the state split by ``sharding``'s rules."""
+    config = tiny_config().copy_and_resolve_references()
+    config.loss.loss_impl = "vocab_parallel"
+    mesh = abstract_mesh()
+    state = sharding.tree_shardings(state_structs(), mesh)
+    replicated = sharding.replicated(mesh)
+    step = jax.jit(
+        train_step_of(config),
+        donate_argnums=0,
+        in_shardings=(state, sharding.batch_sharding(mesh), replicated),
+        out_shardings=(state, replicated),
+    )
+    return step, (state_structs(), batch_structs(), KEY)
+
+
+@functools.cache
+def eval_step():
+    step = functools.partial(train.eval_step, model=tiny_model())
+    return jax.jit(step), (state_structs().params, batch_structs(weights=True))
+
+
+@functools.cache
+def ensemble_train_step():
+    # One vmap of the members, the default off a CPU, and patience's lax.cond.
+    step = functools.partial(
+        ensemble.ensemble_train_step,
+        model=tiny_model(),
+        config=tiny_config(),
+        vmap_size=MEMBERS,
+        skip_stopped=True,
+    )
+    values = {"optim.lr": S((MEMBERS,), jnp.float32)}
+    values["loss.label_smoothing"] = S((MEMBERS,), jnp.float32)
+    args = (
+        stacked(state_structs()),
+        batch_structs((MEMBERS,)),
+        stacked(KEY),
+        values,
+        S((MEMBERS,), jnp.bool_),
+    )
+    return jax.jit(step, donate_argnums=0), args
+
+
+@functools.cache
+def ensemble_eval_step():
+    step = functools.partial(
+        ensemble.ensemble_eval_step, model=tiny_model(), vmap_size=MEMBERS, stacked=True
+    )
+    args = (stacked(state_structs().params), batch_structs((MEMBERS,), weights=True))
+    return jax.jit(step), args
+
+
+def loss_structs(mesh: AbstractMesh | None = None):
+    """``h [B, T, D]``, ``w [V, D]``, ``bias [V]``, ``labels`` and
+    ``weights [B, T]``; on ``mesh``, split as ``sharding`` splits them."""
+
+    def on(*spec):
+        return None if mesh is None else NamedSharding(mesh, P(*spec))
+
+    data, model = sharding.DATA_AXIS, sharding.MODEL_AXIS
+    tokens = (BATCH * MESH_SHAPE[data], 3)
+    return (
+        S((*tokens, 16), jnp.float32, sharding=on(data)),
+        S((VOCAB, 16), jnp.float32, sharding=on(model)),
+        S((VOCAB,), jnp.float32, sharding=on(model)),
+        S(tokens, jnp.int32, sharding=on(data)),
+        S(tokens, jnp.float32, sharding=on(data)),
+    )
+
+
+LOSS_OPTIONS = dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0, chunk_size=4)
+
+
+@functools.cache
+def fused_loss_and_grad():
+    def objective(h, w, bias, labels, weights):
+        return fused.fused_cross_entropy(
+            h, w, labels, bias=bias, weights=weights, **LOSS_OPTIONS
+        )
+
+    grad = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)
+    return jax.jit(grad), loss_structs()
+
+
+@functools.cache
+def abstract_mesh() -> AbstractMesh:
+    return AbstractMesh(tuple(MESH_SHAPE.values()), tuple(MESH_SHAPE))
+
+
+@functools.cache
+def vocab_parallel_loss_and_grad():
+    def objective(h, w, bias, labels, weights):
+        return vocab_parallel.vocab_parallel_cross_entropy(
+            h, w, labels, bias=bias, weights=weights, **LOSS_OPTIONS
+        )
+
+    grad = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)
+    return jax.jit(grad), loss_structs(abstract_mesh())
+
+
+def decoding_structs(rows: int = BATCH):
+    """The params, next-token logits and cache structs of ``rows`` prompts."""
+    params = state_structs().params
+    cache = jax.eval_shape(lambda: kv_cache.init_cache(tiny_model(), rows))
+    return params, S((rows, VOCAB), jnp.float32), cache
+
+
+@functools.cache
+def generate():
+    step_fn = model_lib.make_step_fn(tiny_model())
+
+    # The whole return, whatever its fields: a pytree like any other output.
+    def sample(params, logits, cache, key):
+        return decoding.generate(
+            step_fn, params, logits, cache, key=key, max_new_tokens=NEW_TOKENS,
+            temperature=0.8, top_k=8, top_p=0.9, min_p=0.05, eos_id=1,
+        )  # fmt: skip
+
+    return jax.jit(sample), (*decoding_structs(), KEY)
+
+
+@functools.cache
+def beam_search():
+    step_fn = model_lib.make_step_fn(tiny_model())
+
+    def search(params, logits, cache):
+        return decoding.beam_search(
+            step_fn, params, logits, cache, num_beams=BEAMS,
+            max_new_tokens=NEW_TOKENS, eos_id=1, num_return_sequences=BEAMS,
+        )  # fmt: skip
+
+    return jax.jit(search), decoding_structs()
+
+
+@functools.cache
+def prefill():
+    fill = functools.partial(model_lib.prefill, tiny_model())
+    prompt = S((BATCH, PROMPT), jnp.int32)
+    return jax.jit(fill), (state_structs().params, prompt, S((BATCH,), jnp.int32))
+
+
+# --- One test per entry point -------------------------------------------------
+
+platforms = pytest.mark.parametrize("platform", PLATFORMS)
+
+
+@platforms
+def test_train_step(platform):
+    fn, args = train_step()
+    exported = lowered(fn, args, platform)
+    # The new state has the old one's structure (what the donation aliases).
+    state_out = exported.out_tree.children()[0]
+    assert state_out == jax.tree.structure(args[0])
+
+
+@platforms
+def test_sharded_train_step(platform):
+    text = lowered(*sharded_train_step(), platform, mesh=abstract_mesh()).mlir_module()
+    assert "all_reduce" in text
+
+
+@platforms
+def test_eval_step(platform):
+    lowered(*eval_step(), platform)
+
+
+@platforms
+def test_ensemble_train_step(platform):
+    exported = lowered(*ensemble_train_step(), platform)
+    assert all(a.shape[0] == MEMBERS for a in exported.out_avals)
+
+
+@platforms
+def test_ensemble_eval_step(platform):
+    lowered(*ensemble_eval_step(), platform)
+
+
+@platforms
+def test_fused_loss_value_and_grad(platform):
+    fn, args = fused_loss_and_grad()
+    exported = lowered(fn, args, platform)
+    (_, _), grads = jax.tree.unflatten(exported.out_tree, exported.out_avals)
+    assert [g.shape for g in grads] == [a.shape for a in args[:3]]
+
+
+@platforms
+def test_vocab_parallel_loss_value_and_grad(platform):
+    fn, args = vocab_parallel_loss_and_grad()
+    text = lowered(fn, args, platform, mesh=abstract_mesh()).mlir_module()
+    # The statistics are combined across devices, not gathered on one.
+    assert "all_reduce" in text
+    assert "all_gather" not in text
+
+
+@platforms
+def test_generate(platform):
+    exported = lowered(*generate(), platform)
+    assert (BATCH, NEW_TOKENS) in [a.shape for a in exported.out_avals]
+
+
+@platforms
+def test_beam_search(platform):
+    exported = lowered(*beam_search(), platform)
+    assert (BATCH, BEAMS, NEW_TOKENS) in [a.shape for a in exported.out_avals]
+
+
+@platforms
+def test_prefill(platform):
+    exported = lowered(*prefill(), platform)
+    logits, cache = jax.tree.unflatten(exported.out_tree, exported.out_avals)
+    assert logits.shape == (BATCH, VOCAB)
+    assert jax.tree.structure(cache) == jax.tree.structure(decoding_structs()[2])
+
+
+# --- The check itself can fail ------------------------------------------------
+
+
+def _through_the_host(x):
+    """``x + 1`` computed by numpy on the host: a CPU-only program."""
+    out = S(x.shape, x.dtype)
+    return jax.pure_callback(lambda a: np.asarray(a + 1, a.dtype), out, x)
+
+
+def _cpu_only_kernel(x):
+    """A custom call to a kernel that nothing registers for GPU or TPU."""
+    return jax.ffi.ffi_call("lmhead_cpu_only_kernel", S(x.shape, x.dtype))(x)
+
+
+@platforms
+def test_a_host_callback_does_not_lower(platform):
+    x = S((BATCH, VOCAB), jnp.float32)
+    with pytest.raises(ValueError, match=f"lowering platform {platform}"):
+        lowered(jax.jit(_through_the_host), (x,), platform)
+
+
+@platforms
+def test_a_custom_call_without_guarantees_does_not_lower(platform):
+    x = S((BATCH, VOCAB), jnp.float32)
+    with pytest.raises(ValueError, match="no compatibility guarantees"):
+        lowered(jax.jit(_cpu_only_kernel), (x,), platform)

@@ -390,7 +390,10 @@ def _initial_history(
 def _stop_conditions(
     stop: Any, stop_sequences: Any, batch: int, vocab_size: int
 ) -> tuple:
-    conditions = () if stop is None else stop if isinstance(stop, tuple) else (stop,)
+    if stop is None:
+        conditions = ()
+    else:
+        conditions = tuple(stop) if isinstance(stop, (tuple, list)) else (stop,)
     for condition in conditions:
         if not isinstance(condition, StopCondition):
             raise TypeError(
@@ -601,7 +604,7 @@ def generate(
         row_max_new_tokens: ``int [B]``, each row's own limit ``1 <= n_b <=
             N``, or None (every row ``N``).
         stop: a :class:`~lmhead.decoding.stopping.StopCondition` or a tuple
-            of them, or None.
+            (or list) of them, or None.
         stop_sequences: token-id lists shared by every row, or one list of
             them per row: builds a :class:`~lmhead.decoding.stopping.StopSequences`
             added to ``stop``.

@@ -43,6 +43,12 @@ def _reorder(step_fn: StepFn, state: Any, rows: jax.Array) -> Any:
     return getattr(step_fn, "reorder", gather_rows)(state, rows)
 
 
+def _trim(step_fn: StepFn, state: Any, num_steps: int) -> Any:
+    """``step_fn.trim(state, num_steps)`` if ``step_fn`` has one, else ``state``."""
+    trim = getattr(step_fn, "trim", None)
+    return state if trim is None else trim(state, num_steps)
+
+
 def length_penalty_divisor(
     length: jax.typing.ArrayLike, alpha: jax.typing.ArrayLike, penalty: str = "gnmt"
 ) -> jax.Array:
@@ -381,8 +387,12 @@ def beam_search(
     Args:
         step_fn: ``step_fn(params, tokens int32[M], state) -> (logits [M, V],
             state)`` for any number of rows ``M`` (it gets ``B * num_beams``);
-            hashable; may have a ``reorder(state, rows int32[M]) -> state``
-            and a ``repeat(state, repeats) -> state`` (see ``state``).
+            hashable; may have a ``reorder(state, rows int32[M]) -> state``,
+            a ``repeat(state, repeats) -> state`` (see ``state``) and a
+            ``trim(state, num_steps) -> state``, called first, outside
+            ``jit``, with ``num_steps = N - 1`` (the calls the search makes):
+            a state that may drop the room those calls cannot reach, so
+            that repeating it costs less (a model's cache drops pieces).
         params: any pytree, passed to every ``step_fn`` call (traced).
         logits: ``[B, V]`` next-token logits after each prompt.
         state: pytree whose every leaf has leading axis ``B``; repeated to
@@ -459,5 +469,10 @@ def beam_search(
         penalty=penalty,
     )
     return _beam_loop(
-        step_fn, params, logits, state, jnp.asarray(length_penalty, jnp.float32), config
+        step_fn,
+        params,
+        logits,
+        _trim(step_fn, state, config.max_new_tokens - 1),
+        jnp.asarray(length_penalty, jnp.float32),
+        config,
     )

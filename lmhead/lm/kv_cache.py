@@ -37,6 +37,15 @@ written once, when that row is at position ``s``, and never changed after,
 so every pointer stays valid. :func:`cached_keys_values` reads any cache as a
 plain one, pieces joined and pointers resolved.
 
+**A decoder keeps only the room it can reach.** Before a loop of ``n`` steps,
+:func:`trim_cache` drops the pieces that no row can reach in ``n`` steps
+(those that start at or after ``max(index) + n``), and the slot pointers past
+them. Dropping a piece copies nothing, and a decoder that copies its cache
+(beam search's ``K`` rows per prompt, :func:`repeat_cache`) then copies the
+pieces it can fill, so that the call costs what the prompt and the new tokens
+take, not ``max_len``; no step writes into the dropped pieces, and attention
+never reads them (they hold nothing).
+
 **Writes** (:func:`write_slots`) are one scatter per piece, most of whose
 writes are dropped. Skipping the pieces that no position falls in by a
 ``lax.cond`` was measured and rejected (``docs/decoding.md``): XLA copies a
@@ -292,6 +301,51 @@ def reorder_cache(cache: DecodeCache, rows: jax.Array) -> DecodeCache:
     return cache._replace(
         index=jnp.take(cache.index, rows),
         rows=jnp.take(_slot_pointers(cache), rows, axis=0),
+    )
+
+
+def trim_cache(cache: DecodeCache, num_steps: int) -> DecodeCache:
+    """The cache without the pieces that ``num_steps`` more tokens per row
+    cannot reach (see the module docstring).
+
+    Row ``b``'s next ``num_steps`` tokens take slots ``index[b]`` to
+    ``index[b] + num_steps - 1``; the pieces of :func:`cache_segments` that
+    start at or after ``max(index) + num_steps`` hold nothing and are dropped
+    (the first piece is always kept), with the slot pointers past them. The
+    cache then reads, and decodes those steps, as before. With a traced
+    ``index`` (inside ``jit``) the cache is returned as it is.
+
+    Args:
+        cache: a :class:`DecodeCache`.
+        num_steps: an integer ``>= 0``.
+
+    Raises:
+        TypeError: ``num_steps`` is not an integer.
+        ValueError: ``num_steps < 0``.
+
+    Examples:
+        >>> from lmhead.lm.model import DecoderLM
+        >>> cache = init_cache(DecoderLM(vocab_size=17, num_layers=1, max_len=1024), 2)
+        >>> cache = cache._replace(index=jnp.array([16, 30]))
+        >>> [piece.shape[2] for piece in trim_cache(cache, 48).keys[0]]  # 30 + 48
+        [64, 64]
+        >>> [piece.shape[2] for piece in trim_cache(cache, 20).keys[0]]
+        [64]
+    """
+    if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)):
+        raise TypeError(f"num_steps must be an integer >= 0; got {num_steps!r}.")
+    if num_steps < 0:
+        raise ValueError(f"num_steps must be an integer >= 0; got {num_steps}.")
+    if _checks.is_traced(cache.index):
+        return cache
+    reach = int(np.max(np.asarray(cache.index), initial=0)) + num_steps
+    starts = np.cumsum((0,) + tuple(piece.shape[2] for piece in cache.keys[0]))
+    kept = max(1, int(np.sum(starts[:-1] < reach)))
+    return DecodeCache(
+        keys=tuple(pieces[:kept] for pieces in cache.keys),
+        values=tuple(pieces[:kept] for pieces in cache.values),
+        index=cache.index,
+        rows=None if cache.rows is None else cache.rows[:, : starts[kept]],
     )
 
 

@@ -613,6 +613,9 @@ class DecodeStep:
     def repeat(self, cache: kv_cache.DecodeCache, repeats: int) -> kv_cache.DecodeCache:
         return kv_cache.repeat_cache(cache, repeats)
 
+    def trim(self, cache: kv_cache.DecodeCache, num_steps: int) -> kv_cache.DecodeCache:
+        return kv_cache.trim_cache(cache, num_steps)
+
 
 def make_step_fn(model: DecoderLM) -> DecodeStep:
     """The decoders' ``step_fn(params, tokens: int [B], cache) -> (float32 [B, V], cache)``.
@@ -624,7 +627,10 @@ def make_step_fn(model: DecoderLM) -> DecodeStep:
     any number of rows (beam search repeats it with ``step_fn.repeat``,
     :func:`~lmhead.lm.kv_cache.repeat_cache`, then reorders it with
     ``step_fn.reorder``, :func:`~lmhead.lm.kv_cache.reorder_cache`, which move
-    pointers, not keys and values). A row must not step past ``max_len`` (see
+    pointers, not keys and values; before that it drops the pieces its steps
+    cannot reach with ``step_fn.trim(cache, num_steps)``,
+    :func:`~lmhead.lm.kv_cache.trim_cache`, so that the copy costs what it
+    holds, not ``max_len``). A row must not step past ``max_len`` (see
     :meth:`DecoderLM.extend`; :func:`prefill`'s ``max_new_tokens`` checks it).
 
     Examples:

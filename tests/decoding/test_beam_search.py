@@ -307,15 +307,17 @@ def test_beam_search_through_the_kv_cache_matches_recomputing_the_prefix(monkeyp
 
 def test_beam_search_through_the_kv_cache_equals_brute_force(monkeypatch):
     """With K = V ** (N - 1) beams nothing is pruned, so the n-best from the
-    model's cache (in pieces of 2, 2, 3 slots: MIN_SPAN = 2) must be the n-best
-    of all V ** N continuations, scored by running the model on each."""
+    model's cache (in pieces of 2, 2, 4, 4 slots: MIN_SPAN = 2) must be the
+    n-best of all V ** N continuations, scored by running the model on each.
+    The search's N - 1 = 2 steps after prompts of 4 and 3 reach slot 5, so it
+    drops the last piece (kv_cache.trim_cache) before repeating the cache."""
     from lmhead.lm import kv_cache
     from lmhead.lm import model as model_lib
 
     monkeypatch.setattr(kv_cache, "MIN_SPAN", 2)
     vocab, num_new = 4, 3
     model = model_lib.DecoderLM(
-        vocab_size=vocab, num_layers=1, num_heads=2, d_model=8, mlp_dim=16, max_len=7
+        vocab_size=vocab, num_layers=1, num_heads=2, d_model=8, mlp_dim=16, max_len=12
     )
     rng = np.random.default_rng(1)
     prompt = jnp.asarray(rng.integers(0, vocab, (2, 4)), jnp.int32)
@@ -325,6 +327,7 @@ def test_beam_search_through_the_kv_cache_equals_brute_force(monkeypatch):
     logits, cache = model_lib.prefill(
         model, params, prompt, jnp.asarray(prompt_lengths), max_new_tokens=num_new
     )
+    assert len(kv_cache.trim_cache(cache, num_new - 1).keys[0]) == 3
     tokens, scores, _, token_log_probs = decoding.beam_search(
         model_lib.make_step_fn(model),
         params,

@@ -262,3 +262,43 @@ def test_repeat_cache_copies_or_shares_the_prefix():
         assert (repeated.rows is None) == (source.rows is None)
         got, _ = step_fn(params, tokens, repeated)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_trim_cache_drops_the_pieces_no_step_reaches_and_decodes_the_same(
+    small_spans,
+):
+    """Pieces (4, 4, 8): rows at 5 and 2 reach slot 7 in 3 steps (2 pieces)
+    and slot 8 in 4 (all 3); decoding the 3 steps through the trimmed cache,
+    with pointers too, gives the logits of the whole one."""
+    model = small_model()
+    params = init_params(model, noise=0.2)
+    logits, cache = model_lib.prefill(
+        model, params, random_tokens((2, 5)), jnp.array([5, 2])
+    )
+    sizes = lambda c: [piece.shape[2] for piece in c.keys[0]]
+    assert sizes(kv_cache.trim_cache(cache, 4)) == [4, 4, 8]
+    assert sizes(kv_cache.trim_cache(cache, 0)) == [4, 4]
+    assert sizes(kv_cache.trim_cache(cache._replace(index=jnp.array([1, 2])), 2)) == [4]
+    step_fn = model_lib.make_step_fn(model)
+    for whole in (cache, kv_cache.reorder_cache(cache, jnp.arange(2))):
+        trimmed = step_fn.trim(whole, 3)
+        assert sizes(trimmed) == [4, 4]
+        assert all(len(pieces) == 2 for pieces in trimmed.keys + trimmed.values)
+        if whole.rows is not None:
+            np.testing.assert_array_equal(trimmed.rows, whole.rows[:, :8])
+        for step in range(3):
+            tokens = random_tokens((2,), seed=10 + step)
+            want, whole = step_fn(params, tokens, whole)
+            got, trimmed = step_fn(params, tokens, trimmed)
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # Inside jit the reach is unknown: nothing is dropped.
+    traced = jax.jit(lambda c: kv_cache.trim_cache(c, 0).keys[0][-1].shape[2])
+    assert traced(cache) == 8
+
+
+@pytest.mark.parametrize("num_steps,error", [(-1, ValueError), (1.0, TypeError)])
+def test_trim_cache_refuses_a_bad_step_count(num_steps, error):
+    cache = kv_cache.init_cache(small_model(), 2)
+    assert_raises_exactly(
+        lambda: kv_cache.trim_cache(cache, num_steps), error, "num_steps"
+    )

@@ -24,6 +24,20 @@ ms/step the same time over ``N``. With the same ``N`` at every
 that of the smallest ``max_len`` of the row, shows what the cache's capacity
 costs: a step should cost what the cache holds, not its size.
 
+After the table come rows of ratios measured in the same run, at
+``--knobs_batch`` rows and ``--knobs_max_len``, each timed in alternation
+with plain greedy (donated cache, one key), which it is divided by:
+
+* "new knobs": greedy with every new option on at once: token stop
+  sequences, text stop strings, per-row ``row_max_new_tokens`` (some rows
+  stop early, the longest runs all ``N`` steps), one PRNG key per row,
+  per-row presence, frequency and repetition penalties, and
+  ``top_logprobs=5``. The stop sequences and strings are ones the random
+  model never completes, so every step runs.
+* "stream k": ``generate_stream`` with ``chunk_steps=k`` for each of
+  ``--chunk_steps``, each chunk's tokens fetched to the host as a server
+  sending them would, against one call whose tokens are fetched once.
+
 ``--compare_hf`` (needs torch and transformers, which the library never
 imports) copies the same weights into a ``transformers`` ``GPT2LMHeadModel``,
 checks that both give the same greedy tokens, and times its ``generate()``
@@ -77,6 +91,11 @@ flags.DEFINE_bool(
     "Time by the process's CPU time (all threads) "
     "instead of wall time: steadier on a shared machine.",
 )
+flags.DEFINE_integer("knobs_batch", 32, "Batch of the new-knobs and streaming rows.")
+flags.DEFINE_integer(
+    "knobs_max_len", 256, "Cache capacity of the new-knobs and streaming rows."
+)
+flags.DEFINE_list("chunk_steps", ["1", "4", "16"], "Streaming chunk sizes k.")
 FLAGS = flags.FLAGS
 
 
@@ -224,9 +243,9 @@ def alternate(runs: dict, setups: dict, repeats: int) -> dict[str, float]:
     return {kind: float(np.median(t)) for kind, t in times.items()}
 
 
-def bench_max_len(max_len: int, batch_sizes, decoders, repeats: int) -> list[dict]:
-    """Rows ``{decoder, batch, max_len, new, lmhead, hf}`` (seconds) at one capacity."""
-    model = configuration.make_model(FLAGS.config, FLAGS.vocab_size).clone(
+def bench_model(max_len: int) -> model_lib.DecoderLM:
+    """``--config``'s model in the GPT-2 layout, V = ``--vocab_size``."""
+    return configuration.make_model(FLAGS.config, FLAGS.vocab_size).clone(
         max_len=max_len,
         positions="learned",
         use_bias=True,
@@ -235,6 +254,11 @@ def bench_max_len(max_len: int, batch_sizes, decoders, repeats: int) -> list[dic
         logits_softcap=None,
         dtype=jnp.float32,
     )
+
+
+def bench_max_len(max_len: int, batch_sizes, decoders, repeats: int) -> list[dict]:
+    """Rows ``{decoder, batch, max_len, new, lmhead, hf}`` (seconds) at one capacity."""
+    model = bench_model(max_len)
     params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, max_len), jnp.int32))[
         "params"
     ]
@@ -274,6 +298,94 @@ def bench_max_len(max_len: int, batch_sizes, decoders, repeats: int) -> list[dic
     return rows
 
 
+def new_knob_settings(batch: int, new: int, vocab_size: int) -> dict:
+    """``generate`` keywords that turn every new option on (module docstring)."""
+    rng = np.random.default_rng(0)
+    limits = rng.integers(max(1, new // 2), new + 1, batch)
+    limits[0] = new  # the loop runs all N steps
+    # Ids outside what random weights complete in N steps: 4-token stops of
+    # the highest ids, and text stop strings of bytes no token holds.
+    stop_ids = [[vocab_size - 1 - i] * 4 for i in range(4)]
+    table = [bytes([33 + v % 90]) for v in range(vocab_size)]
+    texts = decoding.StopStrings.build(["\x7f\x7f", "\x7e\x7f\x7e"], table)
+    return dict(
+        temperature=0.0,
+        key=jax.random.split(jax.random.key(0), batch),
+        row_max_new_tokens=jnp.asarray(limits, jnp.int32),
+        stop_sequences=stop_ids,
+        stop=texts,
+        presence_penalty=jnp.full([batch], 0.5),
+        frequency_penalty=jnp.full([batch], 0.25),
+        repetition_penalty=jnp.full([batch], 1.1),
+        top_logprobs=5,
+    )
+
+
+def bench_knobs_and_streaming(repeats: int) -> list[tuple[str, float, float]]:
+    """``(name, ms/step, ratio to plain greedy)`` for the new-knobs and
+    streaming rows, each timed in alternation with plain greedy."""
+    model = bench_model(FLAGS.knobs_max_len)
+    params = jax.jit(model.init)(
+        jax.random.key(0), jnp.zeros((1, FLAGS.knobs_max_len), jnp.int32)
+    )["params"]
+    batch = FLAGS.knobs_batch
+    new = min(FLAGS.new_tokens, FLAGS.knobs_max_len - FLAGS.prompt_len)
+    prompt = jax.random.randint(
+        jax.random.key(batch), (batch, FLAGS.prompt_len), 0, model.vocab_size
+    )
+    logits, cache = model_lib.prefill(model, params, prompt, max_new_tokens=new)
+    step_fn = model_lib.make_step_fn(model)
+    common = dict(max_new_tokens=new, donate_state=True)
+    knobs = new_knob_settings(batch, new, model.vocab_size)
+
+    def plain(cache):
+        return np.asarray(
+            decoding.generate(
+                step_fn, params, logits, cache, key=jax.random.key(0),
+                temperature=0.0, **common,
+            ).tokens
+        )  # fmt: skip
+
+    def all_knobs(cache):
+        out = decoding.generate(
+            step_fn, params, logits, cache, prompt_tokens=prompt, **knobs, **common
+        )
+        if int(out.lengths[0]) != new:
+            raise RuntimeError("a stop fired: the new-knobs row must run every step")
+        return np.asarray(out.tokens)
+
+    def stream(k):
+        def run(cache):
+            chunks = decoding.generate_stream(
+                step_fn, params, logits, cache, chunk_steps=k,
+                key=jax.random.key(0), temperature=0.0, **common,
+            )  # fmt: skip
+            return np.concatenate([np.asarray(c.tokens) for c in chunks], axis=1)
+
+        return run
+
+    fresh = lambda: (jax.tree.map(jnp.copy, cache),)
+    variants = {"new knobs": all_knobs}
+    variants.update({f"stream k={k}": stream(int(k)) for k in FLAGS.chunk_steps})
+    results = []
+    for name, variant in variants.items():
+        if name.startswith("stream") and not np.array_equal(
+            variant(*fresh()), plain(*fresh())
+        ):
+            raise RuntimeError(f"{name}: the chunks differ from one call")
+        seconds = alternate(
+            {"plain": plain, name: variant}, {"plain": fresh, name: fresh}, repeats
+        )
+        step = 1e3 * seconds[name] / new
+        results.append((name, step, seconds[name] / seconds["plain"]))
+        print(
+            f"  {name}, batch {batch}, max_len {FLAGS.knobs_max_len}: {step:.2f} "
+            f"ms/step, plain greedy {1e3 * seconds['plain'] / new:.2f} ms/step",
+            flush=True,
+        )
+    return results
+
+
 def print_table(rows: list[dict]) -> None:
     hf = "hf" in rows[0]
     print(
@@ -303,7 +415,7 @@ def main(argv):
     repeats = FLAGS.repeats
     if FLAGS.quick:
         batch_sizes, max_lens, repeats = [1, 4], [64, 128], 2
-        FLAGS.new_tokens = 8
+        FLAGS.new_tokens, FLAGS.knobs_batch, FLAGS.knobs_max_len = 8, 4, 64
     rate = timing.matmul_rate(FLAGS.matmul_size, repeats, clock=chosen_clock())
     print(
         f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, jax {jax.__version__}; "
@@ -318,6 +430,14 @@ def main(argv):
         for row in bench_max_len(max_len, batch_sizes, FLAGS.decoders, repeats)
     ]
     print_table(rows)
+    knob_rows = bench_knobs_and_streaming(repeats)
+    print("\n| greedy with | batch | max_len | ms/step | vs plain greedy |")
+    print("|---" * 5 + "|")
+    for name, step, ratio in knob_rows:
+        print(
+            f"| {name} | {FLAGS.knobs_batch} | {FLAGS.knobs_max_len} | "
+            f"{step:.2f} | {ratio:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

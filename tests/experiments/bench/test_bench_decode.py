@@ -1,5 +1,6 @@
 """The decoding benchmark, experiments/bench/bench_decode.py --quick: its
-table of decoders x batch sizes x cache capacities (slow)."""
+table of decoders x batch sizes x cache capacities, and the new-knobs and
+streaming rows against plain greedy (slow)."""
 
 import re
 
@@ -21,3 +22,15 @@ def test_bench_decode_quick_table():
     assert len(rows) == 3 * 2 * 2  # decoders x batch sizes 1, 4 x max_len 64, 128
     for _, _, max_len, ms, ratio in rows:
         assert float(ms) > 0 and (max_len != "64" or ratio == "1.00")
+    knobs = re.findall(
+        r"^\| (new knobs|stream k=\d+) \| 4 \| 64 \| (\S+) \| (\S+)x \|$",
+        stdout,
+        re.M,
+    )
+    assert [name for name, _, _ in knobs] == [
+        "new knobs",
+        "stream k=1",
+        "stream k=4",
+        "stream k=16",
+    ]
+    assert all(float(ms) > 0 and float(ratio) > 0 for _, ms, ratio in knobs)

@@ -164,11 +164,14 @@ def _append_to_parents(
 
 
 def _eos_ids(eos_id: Any, vocab_size: int) -> tuple[int, ...]:
-    """``eos_id`` (None, an id, or a sequence of ids) as sorted distinct ids."""
+    """``eos_id`` (None, an id, or a sequence or set of ids) as sorted distinct ids."""
     if eos_id is None:
         return ()
     try:
-        ids = tuple(np.asarray(eos_id).reshape(-1).tolist())
+        if isinstance(eos_id, (set, frozenset)):
+            ids = tuple(eos_id)
+        else:
+            ids = tuple(np.asarray(eos_id).reshape(-1).tolist())
     except TypeError:
         ids = (eos_id,)  # not array-like: check_token_id names it
     if not ids:
@@ -352,7 +355,7 @@ def beam_search(
     *,
     num_beams: int,
     max_new_tokens: int,
-    eos_id: int | Sequence[int] | None,
+    eos_id: int | Sequence[int] | set[int] | None,
     length_penalty: jax.typing.ArrayLike = 0.6,
     penalty: str = "gnmt",
     num_return_sequences: int = 1,
@@ -401,7 +404,7 @@ def beam_search(
         num_beams: ``K >= 1``.
         max_new_tokens: ``N >= 1``.
         eos_id: None, an id in ``[0, V)`` that ends a hypothesis, or a
-            sequence of such ids, any of which ends one.
+            sequence or set of such ids, any of which ends one.
         length_penalty: the exponent ``alpha`` (0: plain log-prob sums).
         penalty: ``"gnmt"`` or ``"hf"``.
         num_return_sequences: ``1 <= n <= K`` hypotheses returned per prompt.

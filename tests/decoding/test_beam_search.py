@@ -215,7 +215,7 @@ def test_any_of_several_eos_ids_ends_a_hypothesis():
             num_return_sequences=2,
             pad_id=9,
         )
-        for eos_id in ((1, 2), [2, 1, 2], np.array([2, 1]))
+        for eos_id in ((1, 2), [2, 1, 2], {2, 1}, np.array([2, 1]))
     ]
     for result in results:
         np.testing.assert_array_equal(result.tokens[0], [[1, 9, 9], [2, 9, 9]])
@@ -414,6 +414,7 @@ BAD_INPUT_MESSAGES = [
         "eos_id must be an integer in [0, V)",
     ),
     (lambda: _beam(eos_id=()), ValueError, "eos_id must be None, an id or ids"),
+    (lambda: _beam(eos_id={0, "a"}), ValueError, "eos_id must be an integer"),
     (
         lambda: _beam(length_penalty=float("nan")),
         ValueError,

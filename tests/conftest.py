@@ -1,13 +1,35 @@
-"""Fixtures shared by the test files."""
+"""Fixtures shared by the test files, and one compilation cache for the suite."""
 
+import atexit
+import os
 import shutil
+import tempfile
 
-import ml_collections
-import pytest
+# Many tests build the same programs (the tiny config's train and eval steps,
+# the decoding loops), in this process and in the subprocesses that the
+# command tests start: with a compilation cache that lasts the session, XLA
+# compiles each program once and later builds load it. The cache holds
+# compiled code only: tracing, lowering and every result stay what they were.
+# Set before jax is imported, so that subprocesses inherit it too.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="lmhead-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+# Every program, however quickly it compiles: the tests' programs are small.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
-from configs import default
-from lmhead.lm import data, train
-from lmhead.lm import state as state_lib
+import jax  # noqa: E402
+import ml_collections  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs",
+    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
+)
+
+from configs import default  # noqa: E402
+from lmhead.lm import data, train  # noqa: E402
+from lmhead.lm import state as state_lib  # noqa: E402
 
 
 @pytest.fixture(scope="session")

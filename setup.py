@@ -40,6 +40,7 @@ setuptools.setup(
             "nbformat>=5.10",
             "ipykernel>=6.29",
             "ruff>=0.15",
+            "openai>=1.40",
         ],
     },
 )

@@ -29,7 +29,7 @@ import numpy as np
 from lmhead import _checks, decoding
 from lmhead.lm import model as model_lib
 from lmhead.lm import scoring
-from lmhead.serve import requests
+from lmhead.serve import completions, openai_api, requests
 from lmhead.serve.requests import SERVED_KNOBS, GenerateRequest, ScoreRequest, bucket
 
 
@@ -230,6 +230,11 @@ class Engine:
             log_probs=[_json_float(x) for x in score.log_probs],
         )
 
+    def complete(self, batch: list[openai_api.CompletionRequest]) -> list[dict]:
+        """OpenAI completion requests of one group (see
+        :func:`completions.run_completions`)."""
+        return completions.run_completions(self, batch)
+
     def warm_up(self) -> int:
         """Runs every bucketed shape once, so that later requests compile
         nothing; returns the number of batches run."""
@@ -273,6 +278,8 @@ def group_of(request: Any) -> tuple:
     """Jobs of equal groups may share a batch (see ``lmhead/serve/requests.py``)."""
     if isinstance(request, requests.ScoreRequest):
         return ("score", next(_unique))
+    if isinstance(request, openai_api.CompletionRequest):
+        return request.group()
     if request.num_beams > 1:
         return ("beam", request.num_beams, request.max_new_tokens)
     if request.seed is not None:
@@ -402,6 +409,8 @@ class Batcher:
                 results = [self.engine.score(batch_requests[0])]
             elif kind == "beam":
                 results = self.engine.beam(batch_requests)
+            elif kind == "complete":
+                results = self.engine.complete(batch_requests)
             else:
                 results = self.engine.sample(batch_requests)
         except Exception as error:

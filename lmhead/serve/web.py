@@ -13,6 +13,11 @@ Endpoints (JSON in and out; errors are ``{"error": {"field", "message"}}``):
   :meth:`scoring.TextScore.summary` (``nats``, ``bits_per_character``,
   ...), ``token_texts`` and their ``log_probs``.
 * ``GET /healthz`` (never needs the token) and ``GET /metrics``.
+* The OpenAI-compatible routes of :mod:`lmhead.serve.openai_web`
+  (``POST /v1/completions``, ``GET /v1/models``, ``GET /tokenizer_info``,
+  ``POST /tokenize``, ``POST /detokenize``), whose errors take OpenAI's shape
+  ``{"error": {"message", "type", "param", "code"}}`` and say 400 for a bad
+  field.
 
 Statuses: 400 unreadable JSON, 401 a missing or wrong token, 413 a body over
 the cap, 422 a field out of its rules, 503 (with ``Retry-After``) a full queue,
@@ -33,9 +38,9 @@ import threading
 import time
 from typing import Any
 
-from lmhead.serve import batching, requests
+from lmhead.serve import batching, openai_web, requests
 
-ENDPOINTS = ("/v1/generate", "/v1/score", "/healthz", "/metrics")
+ENDPOINTS = ("/v1/generate", "/v1/score", "/healthz", "/metrics", *openai_web.ROUTES)
 OPEN_ENDPOINTS = ("/healthz",)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 RETRY_AFTER_SECONDS = 1
@@ -53,6 +58,7 @@ class ServiceConfig:
         window_s: how long a request waits for others to batch with.
         timeout_s: a request not answered by then gets 504.
         limits: the caps of :class:`requests.Limits`.
+        model_name: the ``model`` of the OpenAI routes.
     """
 
     token: str | None = None
@@ -61,6 +67,7 @@ class ServiceConfig:
     window_s: float = 0.005
     timeout_s: float = 30.0
     limits: requests.Limits = requests.Limits()
+    model_name: str = "lmhead"
 
 
 def read_token(path: str) -> str:
@@ -117,15 +124,20 @@ class Metrics:
 
 
 def _error(
-    status: int, field: str | None, message: str, headers: dict[str, str] | None = None
+    status: int,
+    field: str | None,
+    message: str,
+    headers: dict[str, str] | None = None,
+    path: str = "",
 ):
     from fastapi import responses
 
-    return responses.JSONResponse(
-        {"error": {"field": field, "message": message}},
-        status_code=status,
-        headers=headers,
-    )
+    if path in openai_web.ROUTES:
+        status = openai_web.openai_status(status)
+        body = openai_web.error_body(status, field, message)
+    else:
+        body = {"error": {"field": field, "message": message}}
+    return responses.JSONResponse(body, status_code=status, headers=headers)
 
 
 class _Guard:
@@ -173,11 +185,14 @@ class _Guard:
             "Authorization",
             "a valid bearer token is required.",
             {"WWW-Authenticate": "Bearer"},
+            scope["path"],
         )
 
     async def _read_body(self, scope, receive):
         cap = self.config.max_body_bytes
-        too_large = _error(413, "body", f"the body must be at most {cap} bytes.")
+        too_large = _error(
+            413, "body", f"the body must be at most {cap} bytes.", path=scope["path"]
+        )
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         if not declared.isdigit() or int(declared) > cap:
             return receive, too_large
@@ -255,6 +270,17 @@ def make_app(engine: batching.Engine, config: ServiceConfig = ServiceConfig()):
         )
         return await run(parsed)
 
+    openai_web.add_routes(
+        app,
+        engine,
+        model_name=config.model_name,
+        limits=config.limits,
+        read_json=_json,
+        submit=batcher.submit,
+        run=run,
+        on_tokens=metrics.tokens.inc,
+    )
+
     @app.get("/healthz")
     async def healthz():
         return {"status": "ok", "queue_depth": batcher.depth()}
@@ -269,19 +295,22 @@ def make_app(engine: batching.Engine, config: ServiceConfig = ServiceConfig()):
 def _add_error_handlers(app, config: ServiceConfig) -> None:
     """A bad field: 4xx naming it; a full queue: 503; too late: 504."""
 
-    async def refuse_request(_, error: requests.RequestError):
-        return _error(error.status, error.field, error.message)
+    async def refuse_request(request, error: requests.RequestError):
+        return _error(error.status, error.field, error.message, path=request.url.path)
 
-    async def refuse_full(_, error: requests.QueueFull):
+    async def refuse_full(request, error: requests.QueueFull):
         return _error(
             503,
             None,
             f"the queue is full ({error}); retry later.",
             {"Retry-After": str(RETRY_AFTER_SECONDS)},
+            request.url.path,
         )
 
-    async def refuse_late(_, error: TimeoutError):
-        return _error(504, None, f"no answer within {config.timeout_s} s.")
+    async def refuse_late(request, error: TimeoutError):
+        return _error(
+            504, None, f"no answer within {config.timeout_s} s.", path=request.url.path
+        )
 
     app.add_exception_handler(requests.RequestError, refuse_request)
     app.add_exception_handler(requests.QueueFull, refuse_full)

@@ -1,0 +1,342 @@
+"""Running OpenAI completion requests on an engine: one batch of
+:class:`~lmhead.serve.openai_api.CompletionRequest` as one call of
+:func:`lmhead.decoding.generate` (or :func:`lmhead.decoding.generate_stream`
+when a request streams), with per-row knobs, keys, lengths and stop strings,
+and the echoed prompt's log-probs from the scorer
+(:func:`lmhead.lm.scoring.strided_log_probs`).
+
+Log-probs are the model's own (``log_probs_from="model"``: the raw
+``log_softmax``, before temperature, penalties and truncation), as an
+evaluation harness expects.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from lmhead import decoding
+from lmhead.lm import generation, scoring
+from lmhead.serve import requests
+from lmhead.serve.openai_api import (
+    FINISH_REASONS,
+    MAX_LOGPROBS,
+    MAX_STOP_CHARS,
+    MAX_STOPS,
+    STREAM_CHUNK_STEPS,
+    CompletionRequest,
+)
+
+
+def token_text(tokenizer: Any, token: int) -> str:
+    """One token's text, as ``tokens`` and ``top_logprobs`` name it."""
+    return tokenizer.decode([int(token)])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _prompt_top(logits_fn, params, tokens, k):
+    log_probs = jax.nn.log_softmax(logits_fn(params, tokens).astype(np.float32))
+    return jax.lax.top_k(log_probs, k)
+
+
+def prompt_log_probs(engine: Any, ids: np.ndarray, k: int) -> tuple[list, list]:
+    """The echoed prompt's ``token_logprobs`` (the scorer's, the first one
+    None: nothing predicts it) and ``top_logprobs`` (``k`` most likely
+    ``{token text: log-prob}`` at each position, None first).
+
+    The top ``k`` come from one forward pass of the prompt padded to its
+    bucket (causal, so the padding changes nothing before it)."""
+    chosen = [None]
+    if len(ids) > 1:
+        chosen += [
+            float(x)
+            for x in scoring.strided_log_probs(
+                scoring.ModelLogits(engine.model),
+                engine.params,
+                ids,
+                window=engine.model.max_len,
+                batch_size=engine.score_batch_size,
+            )
+        ]
+    if k == 0:
+        return chosen, [None] + [{} for _ in ids[1:]]
+    width = requests.bucket(len(ids), engine.buckets.prompt_lengths)
+    padded = np.zeros([1, width], np.int32)
+    padded[0, : len(ids)] = ids
+    values, tokens = jax.device_get(
+        _prompt_top(scoring.ModelLogits(engine.model), engine.params, padded, k)
+    )
+    tops = [
+        _top_map(engine.tokenizer, tokens[0, j], values[0, j])
+        for j in range(len(ids) - 1)
+    ]
+    return chosen, [None] + tops
+
+
+def _top_map(tokenizer: Any, tokens, values) -> dict[str, float]:
+    top = {}
+    for token, value in zip(tokens, values):
+        top.setdefault(token_text(tokenizer, token), float(value))
+    return top
+
+
+_TOKEN_BYTES: dict[int, tuple[Any, list[bytes]]] = {}
+
+
+def _token_bytes(tokenizer: Any) -> list[bytes]:
+    """:func:`generation.token_bytes`, made once per tokenizer."""
+    held = _TOKEN_BYTES.get(id(tokenizer))
+    if held is None or held[0] is not tokenizer:
+        held = _TOKEN_BYTES[id(tokenizer)] = (
+            tokenizer,
+            generation.token_bytes(tokenizer),
+        )
+    return held[1]
+
+
+def _row_keys(engine: Any, batch: list[CompletionRequest], rows: list, size: int):
+    """One key per row: a seeded request's row ``p n + s`` draws from
+    ``fold_in(key(seed), p n + s)``, whatever its batch; the others from the
+    batch's key folded with the row."""
+    base = jax.random.fold_in(engine._key, next(engine._batch_index))
+    keys = []
+    for row in range(size):
+        if row >= len(rows):
+            keys.append(base)
+            continue
+        r, p, s = rows[row]
+        seed = batch[r].seed
+        keys.append(
+            jax.random.fold_in(base, row)
+            if seed is None
+            else jax.random.fold_in(jax.random.key(seed), p * batch[r].n + s)
+        )
+    return jax.random.wrap_key_data(np.stack([jax.random.key_data(k) for k in keys]))
+
+
+def _batch_knobs(batch: list, rows: list, size: int) -> decoding.SamplingKnobs:
+    knobs = [batch[r].knobs for r, _, _ in rows]
+    if any(k.reads_counts for k in knobs):  # set in every row or in none
+        knobs = [
+            dataclasses.replace(
+                k,
+                presence_penalty=k.presence_penalty or 0.0,
+                frequency_penalty=k.frequency_penalty or 0.0,
+            )
+            for k in knobs
+        ]
+    return decoding.SamplingKnobs.stack(knobs, size=size)
+
+
+def _generate(engine: Any, batch: list[CompletionRequest], rows: list) -> Any:
+    """The batch's :class:`decoding.Generation` (as numpy), streaming each
+    chunk to the requests that have a sink."""
+    logits, cache, history = engine._prefill(
+        [batch[r].prompt_ids[p] for r, p, _ in rows]
+    )
+    size = len(logits)
+    row_max = np.ones([size], np.int32)
+    row_max[: len(rows)] = [batch[r].max_tokens for r, _, _ in rows]
+    stops = [batch[r].stop for r, _, _ in rows] + [[]] * (size - len(rows))
+    arguments = dict(
+        key=_row_keys(engine, batch, rows, size),
+        max_new_tokens=requests.bucket(int(row_max.max()), engine.buckets.new_tokens),
+        knobs=_batch_knobs(batch, rows, size),
+        prompt_tokens=history,
+        eos_id=engine.tokenizer.eos_id,
+        row_max_new_tokens=row_max,
+        stop=None
+        if not any(stops)
+        else decoding.StopStrings.build(
+            stops,
+            _token_bytes(engine.tokenizer),
+            max_bytes=4 * MAX_STOP_CHARS,
+            max_strings=MAX_STOPS,
+        ),
+        top_logprobs=MAX_LOGPROBS if any(r.logprobs is not None for r in batch) else 0,
+        log_probs_from="model",
+    )
+    step_fn, params = engine._step_fn, engine.params
+    if not any(r.sink is not None for r in batch):
+        return jax.device_get(
+            decoding.generate(
+                step_fn, params, logits, cache, donate_state=True, **arguments
+            )
+        )
+    chunks = []
+    for chunk in decoding.generate_stream(
+        step_fn, params, logits, cache, chunk_steps=STREAM_CHUNK_STEPS, **arguments
+    ):
+        chunks.append(jax.device_get(chunk))
+        _emit(engine, batch, rows, chunks)
+    last = chunks[-1]
+    return last._replace(
+        **{
+            name: np.concatenate([getattr(c, name) for c in chunks], axis=1)
+            for name in ("tokens", "log_probs", "top_tokens", "top_log_probs")
+        }
+    )
+
+
+def _completion_text(engine: Any, request: CompletionRequest, ids, done: bool) -> str:
+    """The completion's text; while the row runs, without the characters
+    that may still turn out part of a stop string or of a character."""
+    text = decoding.detokenize(
+        np.asarray(ids, np.int32), engine.tokenizer, eos_id=engine.tokenizer.eos_id
+    )
+    if request.stop:
+        text = decoding.trim_at_stop(text, request.stop)
+    if not done:
+        hold = max((len(s) for s in request.stop), default=1) - 1
+        text = text[: len(text) - hold].rstrip("\ufffd")
+    return text
+
+
+def _emit(engine: Any, batch: list, rows: list, chunks: list) -> None:
+    """Calls each streaming request's sink with its rows' text so far."""
+    steps = sum(c.tokens.shape[1] for c in chunks)
+    lengths = chunks[-1].lengths
+    updates = {id(r): [] for r in batch if r.sink is not None}
+    for row, (r, p, s) in enumerate(rows):
+        request = batch[r]
+        if request.sink is None:
+            continue
+        length = int(lengths[row])
+        ids = np.concatenate([c.tokens[row] for c in chunks])[:length]
+        done = length < steps or length >= request.max_tokens
+        text = _completion_text(engine, request, ids, done)
+        prefix = request.prompt_texts[p] if request.echo else ""
+        updates[id(request)].append((p * request.n + s, prefix + text, length))
+    for request in batch:
+        if request.sink is not None:
+            request.sink(updates[id(request)])
+
+
+def _logprobs_block(tokenizer, entries: list, offset: int) -> dict:
+    """OpenAI's ``logprobs`` of ``(token id, log-prob, top map)`` entries."""
+    tokens = [token_text(tokenizer, t) for t, _, _ in entries]
+    offsets = list(np.cumsum([offset] + [len(t) for t in tokens])[:-1].tolist())
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": [top for _, _, top in entries],
+        "text_offset": offsets,
+    }
+
+
+def _choice(engine, request, p, s, generated, row, prompt_scores) -> tuple[dict, int]:
+    """One choice and its count of generated tokens."""
+    tokenizer = engine.tokenizer
+    ids, entries, finish = np.zeros([0], np.int32), [], "length"
+    if generated is not None:
+        length = int(generated.lengths[row])
+        ids = generated.tokens[row, :length]
+        finish = FINISH_REASONS[int(generated.finish_reasons[row])]
+        if request.logprobs is not None:
+            k = request.logprobs
+            entries = [
+                (
+                    ids[j],
+                    _json_float(generated.log_probs[row, j]),
+                    _top_map(
+                        tokenizer,
+                        generated.top_tokens[row, j, :k],
+                        generated.top_log_probs[row, j, :k],
+                    ),
+                )
+                for j in range(length)
+            ]
+    text = _completion_text(engine, request, ids, done=True)
+    prompt_text = request.prompt_texts[p]
+    offset = len(prompt_text)
+    if request.echo:
+        text, offset = prompt_text + text, 0
+        if request.logprobs is not None:
+            chosen, tops = prompt_scores[p]
+            prompt_ids = request.prompt_ids[p]
+            entries = list(zip(prompt_ids, chosen, tops)) + entries
+    block = (
+        None
+        if request.logprobs is None
+        else _logprobs_block(tokenizer, entries, offset)
+    )
+    choice = {
+        "text": text,
+        "index": p * request.n + s,
+        "finish_reason": finish,
+        "logprobs": block,
+    }
+    return choice, len(ids)
+
+
+def _json_float(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
+
+
+def run_completions(engine: Any, batch: list[CompletionRequest]) -> list[dict]:
+    """Runs completion requests of one :meth:`CompletionRequest.group` as
+    one batch on ``engine`` (a :class:`lmhead.serve.batching.Engine`).
+
+    Returns, per request, ``{"choices", "prompt_tokens",
+    "completion_tokens"}``: the choices in OpenAI's order (prompt by prompt,
+    ``n`` each), as :func:`completion_body` sends them."""
+    rows = [
+        (r, p, s)
+        for r, request in enumerate(batch)
+        for p in range(len(request.prompt_ids))
+        for s in range(request.n)
+    ]
+    generated = None if batch[0].max_tokens == 0 else _generate(engine, batch, rows)
+    results = []
+    for r, request in enumerate(batch):
+        prompt_scores = {}
+        if request.echo and request.logprobs is not None:
+            prompt_scores = {
+                p: prompt_log_probs(engine, ids, request.logprobs)
+                for p, ids in enumerate(request.prompt_ids)
+            }
+        choices, tokens = [], 0
+        for row, (owner, p, s) in enumerate(rows):
+            if owner == r:
+                choice, count = _choice(
+                    engine, request, p, s, generated, row, prompt_scores
+                )
+                choices.append(choice)
+                tokens += count
+        results.append(
+            {
+                "choices": choices,
+                "prompt_tokens": sum(len(ids) for ids in request.prompt_ids),
+                "completion_tokens": tokens,
+            }
+        )
+    return results
+
+
+def beam_result(request: CompletionRequest, completions: list[dict]) -> dict:
+    """:func:`run_completions`'s result from the engine's beam completions
+    (prompt by prompt, best first; the first ``n`` of each prompt's)."""
+    choices, tokens = [], 0
+    for p in range(len(request.prompt_ids)):
+        mine = [c for c in completions if c["prompt_index"] == p][: request.n]
+        for s, c in enumerate(mine):
+            prefix = request.prompt_texts[p] if request.echo else ""
+            choices.append(
+                {
+                    "text": prefix + c["text"],
+                    "index": p * request.n + s,
+                    "finish_reason": "length"
+                    if c["length"] >= request.max_tokens
+                    else "stop",
+                    "logprobs": None,
+                }
+            )
+            tokens += c["length"]
+    return {
+        "choices": choices,
+        "prompt_tokens": sum(len(ids) for ids in request.prompt_ids),
+        "completion_tokens": tokens,
+    }

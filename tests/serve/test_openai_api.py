@@ -1,0 +1,325 @@
+"""Tests for the OpenAI-compatible routes (lmhead/serve/openai_api.py,
+completions.py, openai_web.py): the official ``openai`` client against the
+real uvicorn server on the tiny run of conftest.py.
+
+References: ``lmhead.decoding.generate`` on the same run, one prompt at a
+time, the scorer (``lmhead.lm.scoring.score_text``), and a numpy
+``log_softmax`` of the model's logits.
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from lmhead import decoding
+from lmhead.lm import model as model_lib
+from lmhead.lm import scoring
+from lmhead.serve import openai_api, requests, web
+from tests.serve.tiny_run import PROMPTS
+
+openai = pytest.importorskip("openai")  # the dev extra
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+MODEL = "lmhead"
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    app = web.make_app(engine, web.ServiceConfig(model_name=MODEL))
+    with web.BackgroundServer(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def reference(run, prompt, max_new_tokens, *, keys=None, knobs=None, top=5):
+    """``decoding.generate`` on ``prompt`` alone (one row per key)."""
+    model, params, tokenizer = run
+    ids = tokenizer.encode_array(prompt)[None]
+    rows = 1 if keys is None else len(keys)
+    logits, cache = model_lib.prefill(model, params, np.repeat(ids, rows, 0))
+    result = decoding.generate(
+        model_lib.make_step_fn(model),
+        params,
+        logits,
+        cache,
+        key=jax.random.key(0) if keys is None else keys,
+        max_new_tokens=max_new_tokens,
+        knobs=knobs or decoding.SamplingKnobs(temperature=0.0),
+        top_logprobs=top,
+        log_probs_from="model",
+    )
+    return jax.device_get(result)
+
+
+def top_map(tokenizer, tokens, values):
+    return {tokenizer.decode([int(t)]): float(v) for t, v in zip(tokens, values)}
+
+
+def assert_top_equal(got, want):
+    assert list(got) == list(want)
+    np.testing.assert_allclose(list(got.values()), list(want.values()), atol=1e-5)
+
+
+def test_greedy_with_logprobs_equals_generate(run, client):
+    tokenizer = run[2]
+    answer = client.completions.create(
+        model=MODEL, prompt=PROMPTS[:2], max_tokens=6, temperature=0, logprobs=5
+    )
+    assert answer.object == "text_completion" and answer.model == MODEL
+    assert [c.index for c in answer.choices] == [0, 1]
+    for prompt, choice in zip(PROMPTS, answer.choices):
+        want = reference(run, prompt, 6)
+        assert choice.text == tokenizer.decode(want.tokens[0])
+        assert choice.finish_reason == "length"
+        got = choice.logprobs
+        assert got.tokens == [tokenizer.decode([int(t)]) for t in want.tokens[0]]
+        np.testing.assert_allclose(got.token_logprobs, want.log_probs[0], atol=1e-5)
+        for j, top in enumerate(got.top_logprobs):
+            assert_top_equal(
+                top,
+                top_map(tokenizer, want.top_tokens[0, j], want.top_log_probs[0, j]),
+            )
+        assert got.text_offset == list(len(prompt) + np.arange(6))
+    assert answer.usage.prompt_tokens == len(PROMPTS[0]) + len(PROMPTS[1])
+    assert answer.usage.completion_tokens == 12 and answer.usage.total_tokens == 12 + 8
+
+
+def test_stream_equals_one_answer(client):
+    body = dict(model=MODEL, prompt=["KING", "Lord"], max_tokens=8, temperature=0)
+    whole = client.completions.create(**body)
+    chunks = list(
+        client.completions.create(
+            **body, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    texts, reasons = {0: "", 1: ""}, {}
+    for chunk in chunks[:-1]:
+        assert chunk.usage is None
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason is not None:
+                reasons[choice.index] = choice.finish_reason
+    assert len(chunks) > 3  # text came in more than one delta per choice
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert reasons == {0: "length", 1: "length"}
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_sampled_n_with_seed_equals_generate_with_row_keys(run, engine, client):
+    body = {"model": MODEL, "prompt": "To be", "max_tokens": 8, "n": 3, "seed": 7}
+    answer = client.completions.create(**body, temperature=1.0, extra_body={"top_k": 0})
+    again = client.completions.create(**body)
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert [c.text for c in again.choices] == [c.text for c in answer.choices]
+    parsed = openai_api.parse_completion(
+        dict(body, temperature=1.0),
+        engine.tokenizer,
+        engine.buckets,
+        requests.Limits(),
+        MODEL,
+    )
+    keys = jax.random.wrap_key_data(
+        np.stack(
+            [
+                jax.random.key_data(jax.random.fold_in(jax.random.key(7), s))
+                for s in range(3)
+            ]
+        )
+    )
+    want = reference(
+        run,
+        "To be",
+        8,
+        keys=keys,
+        knobs=decoding.SamplingKnobs.stack([parsed.knobs] * 3, size=3),
+        top=0,
+    )
+    assert [c.text for c in answer.choices] == [run[2].decode(t) for t in want.tokens]
+
+
+def test_stop_string_is_cut_and_ends_the_choice(run, client):
+    tokenizer = run[2]
+    full = tokenizer.decode(reference(run, "Lord", 8).tokens[0])
+    stop = full[3:5]
+    answer = client.completions.create(
+        model=MODEL, prompt="Lord", max_tokens=8, temperature=0, stop=[stop, "\x00"]
+    )
+    choice = answer.choices[0]
+    assert choice.text == decoding.trim_at_stop(full, stop)
+    assert stop not in choice.text and choice.finish_reason == "stop"
+
+
+def numpy_log_softmax(run, ids):
+    model, params, _ = run
+    logits = np.asarray(model.apply({"params": params}, ids[None])[0], np.float64)
+    return (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1))[:, None]
+        - logits.max(-1, keepdims=True)
+    )
+
+
+def test_echo_with_zero_tokens_gives_the_scorer_log_probs(run, client):
+    model, params, tokenizer = run
+    text = "ROMEO: O"
+    answer = client.completions.create(
+        model=MODEL, prompt=text, max_tokens=0, echo=True, logprobs=5
+    )
+    choice = answer.choices[0]
+    assert choice.text == text and choice.finish_reason == "length"
+    got = choice.logprobs
+    score = scoring.score_text(model, params, tokenizer, text)
+    assert got.tokens == list(text) and got.token_logprobs[0] is None
+    assert got.top_logprobs[0] is None and got.text_offset == list(range(len(text)))
+    np.testing.assert_allclose(got.token_logprobs[1:], score.log_probs, atol=1e-5)
+    ids = tokenizer.encode_array(text)
+    full = numpy_log_softmax(run, ids)
+    for j in range(1, len(ids)):
+        order = np.argsort(-full[j - 1], kind="stable")[:5]
+        assert_top_equal(
+            got.top_logprobs[j],
+            {tokenizer.decode([int(t)]): full[j - 1, t] for t in order},
+        )
+    assert answer.usage.completion_tokens == 0
+
+
+def test_harness_log_likelihood_request(run, url):
+    """lm-evaluation-harness's shape: token-id prompts, echo, 1 token, logprobs 1."""
+    tokenizer = run[2]
+    tokenized = httpx.post(
+        url + "/tokenize", json={"prompt": "KING"}, timeout=60
+    ).json()
+    ids = tokenized["tokens"]
+    assert ids == tokenizer.encode_array("KING").tolist() and tokenized["count"] == 4
+    back = httpx.post(url + "/detokenize", json={"tokens": ids}, timeout=60).json()
+    assert back == {"prompt": "KING"}
+    info = httpx.get(url + "/tokenizer_info", timeout=60).json()
+    assert "eos_token" in info and info["vocab_size"] == tokenizer.vocab_size
+    body = {"model": MODEL, "prompt": [ids], "echo": True, "max_tokens": 1,
+            "logprobs": 1, "temperature": 0}  # fmt: skip
+    choice = httpx.post(url + "/v1/completions", json=body, timeout=60).json()[
+        "choices"
+    ][0]
+    want = reference(run, "KING", 1, top=1)
+    assert choice["text"] == "KING" + tokenizer.decode(want.tokens[0])
+    lps = choice["logprobs"]
+    assert len(lps["token_logprobs"]) == 5 and lps["token_logprobs"][0] is None
+    np.testing.assert_allclose(
+        lps["token_logprobs"][-1], want.log_probs[0, 0], atol=1e-5
+    )
+    assert all(len(top) == 1 for top in lps["top_logprobs"][1:])
+
+
+def test_models_lists_the_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+BAD = [
+    ({"prompt": "K"}, 404, "model"),
+    ({"model": "gpt-4", "prompt": "K"}, 404, "model"),
+    ({"model": MODEL}, 400, "prompt"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [[0, -1]]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [[10**6]]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [[0], "K", 3]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "K" * 9}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "K", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "K", "max_tokens": 9}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "K", "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "K", "temperature": 2.5}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "K", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "K", "n": 0}, 400, "n"),
+    ({"model": MODEL, "prompt": ["K", "O"], "n": 3}, 400, "n"),
+    ({"model": MODEL, "prompt": "K", "stream": "yes"}, 400, "stream"),
+    (
+        {"model": MODEL, "prompt": "K", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),  # fmt: skip
+    ({"model": MODEL, "prompt": "K", "logprobs": 6}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "K", "logprobs": True}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "K", "echo": 1}, 400, "echo"),
+    ({"model": MODEL, "prompt": "K", "stop": ["a"] * 5}, 400, "stop"),
+    ({"model": MODEL, "prompt": "K", "stop": [""]}, 400, "stop"),
+    ({"model": MODEL, "prompt": "K", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    (
+        {"model": MODEL, "prompt": "K", "frequency_penalty": -3},
+        400,
+        "frequency_penalty",
+    ),
+    ({"model": MODEL, "prompt": "K", "logit_bias": {"0": 101}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "K", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "K", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "K", "logit_bias": [1]}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "K", "seed": "7"}, 400, "seed"),
+    ({"model": MODEL, "prompt": "K", "user": 3}, 400, "user"),
+    ({"model": MODEL, "prompt": "K", "top_k": -2}, 400, "top_k"),
+    ({"model": MODEL, "prompt": "K", "min_p": 1.5}, 400, "min_p"),
+    (
+        {"model": MODEL, "prompt": "K", "repetition_penalty": 0},
+        400,
+        "repetition_penalty",
+    ),
+    ({"model": MODEL, "prompt": "K", "num_beams": 3}, 400, "num_beams"),
+    ({"model": MODEL, "prompt": "K", "num_beams": 2, "logprobs": 1}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "K", "suffix": "x"}, 400, "suffix"),
+    ({"model": MODEL, "prompt": "K", "best_of": 2}, 400, "best_of"),
+    ({"model": MODEL, "prompt": "K", "functions": []}, 400, "functions"),
+    ([1, 2], 400, "body"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD)
+def test_bad_request_names_the_param(url, body, status, param):
+    response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+
+
+@pytest.mark.parametrize(
+    "path,content,status,param",
+    [
+        ("/v1/completions", b'{"model": "lmhead", "prompt": "K', 400, "body"),
+        ("/v1/completions", b"x" * 70_000, 413, "body"),
+        ("/tokenize", b'{"prompt": 3}', 400, "prompt"),
+        ("/detokenize", b'{"tokens": [-1]}', 400, "tokens"),
+    ],
+)
+def test_bad_raw_body_names_the_param(url, path, content, status, param):
+    response = httpx.post(
+        url + path,
+        content=content,
+        timeout=60,
+        headers={"Content-Type": "application/json"},
+    )
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_the_client_raises_on_a_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="K", presence_penalty=3)
+    assert caught.value.body["param"] == "presence_penalty"
+
+
+def test_penalties_and_bias_are_served(run, client):
+    tokenizer = run[2]
+    greedy = client.completions.create(model=MODEL, prompt="KING", max_tokens=4,
+                                       temperature=0)  # fmt: skip
+    first = tokenizer.encode_array(greedy.choices[0].text[0])[0]
+    biased = client.completions.create(
+        model=MODEL, prompt="KING", max_tokens=4, temperature=0,
+        logit_bias={str(first): -100}, presence_penalty=1.0, frequency_penalty=0.5,
+    )  # fmt: skip
+    text = biased.choices[0].text
+    assert len(text) == 4 and tokenizer.decode([int(first)]) not in text
+    assert json.loads(biased.model_dump_json())["usage"]["completion_tokens"] == 4

@@ -32,7 +32,13 @@ from lmhead.serve.openai_api import (
 
 
 def token_text(tokenizer: Any, token: int) -> str:
-    """One token's text, as ``tokens`` and ``top_logprobs`` name it."""
+    """One token's text, as ``tokens`` and ``top_logprobs`` name it.
+
+    Examples:
+        >>> from lmhead.lm import data
+        >>> token_text(data.CharTokenizer("ab"), 1)
+        'b'
+    """
     return tokenizer.decode([int(token)])
 
 

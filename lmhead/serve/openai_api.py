@@ -350,12 +350,23 @@ def _check_combinations(body: dict, request: CompletionRequest, buckets) -> None
 
 
 def new_id() -> str:
-    """A completion's ``id``."""
+    """A completion's ``id``.
+
+    Examples:
+        >>> new_id().startswith("cmpl-")
+        True
+    """
     return f"cmpl-{uuid.uuid4().hex}"
 
 
 def usage(result: dict) -> dict:
-    """OpenAI's ``usage`` of a :func:`run_completions` result."""
+    """OpenAI's ``usage`` of a :func:`lmhead.serve.completions.run_completions`
+    result.
+
+    Examples:
+        >>> usage({"prompt_tokens": 4, "completion_tokens": 6, "choices": []})
+        {'prompt_tokens': 4, 'completion_tokens': 6, 'total_tokens': 10}
+    """
     prompt, completion = result["prompt_tokens"], result["completion_tokens"]
     return {
         "prompt_tokens": prompt,

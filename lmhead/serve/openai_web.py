@@ -55,7 +55,12 @@ def error_body(status: int, param: str | None, message: str) -> dict:
 
 
 def openai_status(status: int) -> int:
-    """OpenAI answers a bad field with 400 where lmhead's routes say 422."""
+    """OpenAI answers a bad field with 400 where lmhead's routes say 422.
+
+    Examples:
+        >>> openai_status(422), openai_status(413)
+        (400, 413)
+    """
     return 400 if status == 422 else status
 
 

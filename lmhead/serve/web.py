@@ -103,7 +103,7 @@ class Metrics:
         )
         self.tokens = prom.Counter(
             "lmhead_generated_tokens",
-            "Tokens returned by /v1/generate.",
+            "Tokens returned by /v1/generate and /v1/completions.",
             registry=self.registry,
         )
         self.batch_rows = prom.Histogram(

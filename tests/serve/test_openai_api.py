@@ -323,3 +323,35 @@ def test_penalties_and_bias_are_served(run, client):
     text = biased.choices[0].text
     assert len(text) == 4 and tokenizer.decode([int(first)]) not in text
     assert json.loads(biased.model_dump_json())["usage"]["completion_tokens"] == 4
+
+
+def test_stream_with_stop_sends_no_text_the_stop_removes(run, client):
+    full = run[2].decode(reference(run, "Lord", 8).tokens[0])
+    body = dict(model=MODEL, prompt="Lord", max_tokens=8, temperature=0,
+                stop=full[3:6])  # fmt: skip
+    whole = client.completions.create(**body).choices[0]
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(**body, stream=True)
+        if c.choices
+    ]
+    assert "".join(pieces) == whole.text == decoding.trim_at_stop(full, full[3:6])
+
+
+def test_beam_extension_equals_beam_search(run, client):
+    model, params, tokenizer = run
+    answer = client.completions.create(
+        model=MODEL, prompt="KING", max_tokens=8, n=2, echo=True,
+        extra_body={"num_beams": 2},
+    )  # fmt: skip
+    logits, cache = model_lib.prefill(
+        model, params, tokenizer.encode_array("KING")[None]
+    )
+    tokens, _, lengths, _ = decoding.beam_search(
+        model_lib.make_step_fn(model), params, logits, cache, num_beams=2,
+        max_new_tokens=8, eos_id=None, num_return_sequences=2,
+    )  # fmt: skip
+    assert [c.text for c in answer.choices] == [
+        "KING" + tokenizer.decode(tokens[0, k, : lengths[0, k]]) for k in range(2)
+    ]
+    assert answer.usage.completion_tokens == int(lengths.sum())

@@ -355,3 +355,34 @@ def test_beam_extension_equals_beam_search(run, client):
         "KING" + tokenizer.decode(tokens[0, k, : lengths[0, k]]) for k in range(2)
     ]
     assert answer.usage.completion_tokens == int(lengths.sum())
+
+
+def test_a_batch_of_requests_equals_each_alone(engine):
+    """Per-row stops, keys, lengths, penalties and log-probs: a request's
+    choices do not depend on its batch neighbours."""
+
+    def parse(body):
+        return openai_api.parse_completion(
+            dict(body, model=MODEL), engine.tokenizer, engine.buckets,
+            requests.Limits(), MODEL,
+        )  # fmt: skip
+
+    bodies = [
+        {"prompt": "KING", "temperature": 0, "stop": "E", "logprobs": 2},
+        {"prompt": "Lord", "n": 2, "seed": 3, "presence_penalty": 0.5,
+         "max_tokens": 5, "logit_bias": {"1": 3}},
+    ]  # fmt: skip
+    together = engine.complete([parse(b) for b in bodies])
+    for body, result in zip(bodies, together):
+        alone = engine.complete([parse(body)])[0]
+        assert result["completion_tokens"] == alone["completion_tokens"]
+        for got, want in zip(result["choices"], alone["choices"], strict=True):
+            assert {k: got[k] for k in ("text", "index", "finish_reason")} == {
+                k: want[k] for k in ("text", "index", "finish_reason")
+            }
+            if want["logprobs"] is not None:  # batch sizes round differently
+                np.testing.assert_allclose(
+                    got["logprobs"]["token_logprobs"],
+                    want["logprobs"]["token_logprobs"],
+                    atol=1e-5,
+                )

@@ -1,6 +1,6 @@
 """What both decoding loops share: argument checks and the guarded model step."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -18,7 +18,8 @@ LOG_PROBS_FROM = ("processed", "model")
 def check_token_id(name: str, value: int | None, vocab_size: int) -> None:
     if value is None:
         return
-    if not isinstance(value, (int, np.integer)) or not 0 <= value < vocab_size:
+    integer = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    if not integer or not 0 <= value < vocab_size:
         raise ValueError(
             f"{name} must be an integer in [0, V) = [0, {vocab_size}); got {value!r}."
         )
@@ -107,14 +108,33 @@ def check_prompt_tokens(prompt_tokens: Any, batch: int, vocab_size: int) -> None
     _checks.check_in_range("prompt_tokens", prompt_tokens, high=vocab_size - 1)
 
 
-def eos_ids(eos_id: int | Sequence[int] | None, vocab_size: int) -> tuple[int, ...]:
-    """``eos_id`` as a tuple of ids (empty for None), each checked."""
+def eos_ids(eos_id: Any, vocab_size: int) -> tuple[int, ...]:
+    """``eos_id`` (None, an id, or a non-empty sequence, set or array of ids)
+    as its distinct ids in increasing order, each checked; ``()`` for None.
+
+    Raises:
+        TypeError: ``eos_id`` is neither an integer nor a collection.
+        ValueError: an empty collection, or an id that is not an integer in
+            ``[0, V)``.
+    """
     if eos_id is None:
         return ()
-    ids = (eos_id,) if isinstance(eos_id, (int, np.integer)) else tuple(eos_id)
+    if isinstance(eos_id, (int, np.integer)):
+        ids = (eos_id,)
+    elif isinstance(eos_id, str) or not isinstance(eos_id, Iterable):
+        raise TypeError(
+            "eos_id must be None, an integer id or a collection of them; "
+            f"got {eos_id!r}."
+        )
+    else:
+        ids = tuple(eos_id)
+        if not ids:
+            raise ValueError(
+                "eos_id must be None, an id or ids; got an empty collection."
+            )
     for token_id in ids:
         check_token_id("eos_id", token_id, vocab_size)
-    return tuple(dict.fromkeys(int(token_id) for token_id in ids))
+    return tuple(sorted({int(token_id) for token_id in ids}))
 
 
 def row_keys(key: Any, batch: int, num_samples: int) -> jax.Array:

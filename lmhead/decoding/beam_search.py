@@ -163,24 +163,6 @@ def _append_to_parents(
     return picked.at[:, :, step].set(value)
 
 
-def _eos_ids(eos_id: Any, vocab_size: int) -> tuple[int, ...]:
-    """``eos_id`` (None, an id, or a sequence or set of ids) as sorted distinct ids."""
-    if eos_id is None:
-        return ()
-    try:
-        if isinstance(eos_id, (set, frozenset)):
-            ids = tuple(eos_id)
-        else:
-            ids = tuple(np.asarray(eos_id).reshape(-1).tolist())
-    except TypeError:
-        ids = (eos_id,)  # not array-like: check_token_id names it
-    if not ids:
-        raise ValueError("eos_id must be None, an id or ids; got an empty sequence.")
-    for value in ids:
-        _loop.check_token_id("eos_id", value, vocab_size)
-    return tuple(sorted({int(value) for value in ids}))
-
-
 def _beam_continues(s: BeamState, alpha: jax.Array, config: _BeamConfig) -> jax.Array:
     """False once no live beam can still enter the finished n-best.
 
@@ -454,7 +436,7 @@ def beam_search(
             f"{num_beams}; got {num_return_sequences}."
         )
     _checks.check_choice("penalty", penalty, PENALTIES)
-    eos_ids = _eos_ids(eos_id, vocab_size)
+    eos_ids = _loop.eos_ids(eos_id, vocab_size)
     if not _checks.is_traced(length_penalty) and not np.isfinite(length_penalty):
         raise ValueError(f"length_penalty must be finite; got {length_penalty}.")
     active = SamplingKnobs.of(knobs).active()

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmhead import _checks
-from lmhead.decoding import top_set
+from lmhead.decoding import _loop, top_set
 from lmhead.decoding.knobs import (
     SamplingKnobs,
     check_knob,
@@ -377,7 +377,7 @@ def apply_min_new_tokens(
                [  0.,   0.,   0.]], dtype=float32)
     """
     logits = _checks.as_logits(logits, "[B, V]")
-    eos_ids = _eos_ids(eos_id, logits.shape[-1])
+    eos_ids = _loop.eos_ids(eos_id, logits.shape[-1])
     if not eos_ids:
         return logits
     check_knob("min_new_tokens", min_new_tokens)
@@ -390,29 +390,6 @@ def apply_min_new_tokens(
     else:
         is_eos = jnp.isin(vocab, jnp.asarray(eos_ids, jnp.int32))
     return jnp.where(too_early & is_eos, NEG_INF, logits)
-
-
-def _eos_ids(eos_id: Any, vocab_size: int) -> tuple[int, ...]:
-    """``eos_id`` (None, an id or a sequence of ids) as a tuple of ids."""
-    if eos_id is None:
-        ids = ()
-    elif isinstance(eos_id, Sequence) and not isinstance(eos_id, str):
-        ids = tuple(eos_id)
-    else:
-        ids = (eos_id,)
-    for token_id in ids:
-        if isinstance(token_id, (bool, np.bool_)) or not isinstance(
-            token_id, (int, np.integer)
-        ):
-            raise TypeError(
-                "eos_id must be None, an integer id or a sequence of them; "
-                f"got {eos_id!r}."
-            )
-        if not 0 <= token_id < vocab_size:
-            raise ValueError(
-                f"eos_id must hold ids in [0, V) = [0, {vocab_size}); got {eos_id!r}."
-            )
-    return tuple(int(token_id) for token_id in ids)
 
 
 def apply_presence_frequency(

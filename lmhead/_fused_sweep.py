@@ -85,6 +85,10 @@ class Plan:
     softcap: float | None
     precision: jax.lax.PrecisionLike
     grads_in_forward: bool
+    # Chunks of weight-0 tokens are skipped, weighted tokens packed first.
+    skip_zero_weights: bool = False
+    # A fifth statistic, each token's entropy, with its gradient.
+    entropy: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -168,11 +172,20 @@ def _vocab_blocks(plan, h_chunk, w, bias, kept):
     return block
 
 
-def _block_stats(z, labels, v0, is_new):
-    """Per-token max, sum of exp(z - max), label logit, logit sum, argmax."""
+def _finite(peak):
+    """A running max as the reference of ``exp(z - max)``, with 0 for a max
+    of -inf (every logit so far -inf, e.g. a block of banned tokens), where
+    ``-inf - (-inf)`` would make the sum NaN rather than 0."""
+    return jnp.where(peak == NEG_INF, 0.0, peak)
+
+
+def _block_stats(z, labels, v0, is_new, entropy=False):
+    """Per-token max, sum of exp(z - max), label logit, logit sum, argmax,
+    and with ``entropy`` the sum of ``exp(z - max) * (z - max)``."""
     live = jnp.where(is_new, z, NEG_INF)
     peak = jnp.max(live, axis=0)
-    sum_exp = jnp.sum(jnp.exp(live - peak), axis=0)
+    exp = jnp.exp(live - _finite(peak))
+    sum_exp = jnp.sum(exp, axis=0)
     logit_sum = jnp.sum(jnp.where(is_new, z, 0.0), axis=0)
     # A gather of one logit per token, not a masked pass over the block.
     rows = z.shape[0]
@@ -187,10 +200,21 @@ def _block_stats(z, labels, v0, is_new):
     index = lax.broadcasted_iota(jnp.float32, z.shape, 0)
     first = jnp.min(jnp.where(live == peak, index, jnp.inf), axis=0)
     argmax = v0 + jnp.minimum(first, rows - 1).astype(jnp.int32)
-    return peak, sum_exp, label_logit, logit_sum, argmax
+    if not entropy:
+        return peak, sum_exp, label_logit, logit_sum, argmax
+    # 0 where exp(z - max) is 0 (a logit of -inf), not 0 * -inf.
+    tilted = jnp.sum(jnp.where(exp > 0, exp * (live - peak), 0.0), axis=0)
+    return peak, sum_exp, label_logit, logit_sum, argmax, tilted
 
 
-def _combine_devices(plan, peak, sum_exp, label_logit, logit_sum, argmax):
+def _rescaled_tilt(tilted, sum_exp, peak, new_peak):
+    """``sum e_i (z_i - m)`` re-based from the max ``m = peak`` to ``new_peak``:
+    ``e^(m - M) (t + (m - M) s)``; 0 while nothing is summed (``s = 0``)."""
+    shift = peak - new_peak
+    return jnp.where(sum_exp > 0, jnp.exp(shift) * (tilted + shift * sum_exp), 0.0)
+
+
+def _combine_devices(plan, peak, sum_exp, label_logit, logit_sum, argmax, *tilted):
     """The statistics of the whole vocabulary from each device's rows.
 
     The online logsumexp of the blocks, once more across devices: ``pmax``
@@ -199,7 +223,10 @@ def _combine_devices(plan, peak, sum_exp, label_logit, logit_sum, argmax):
     """
     axis = plan.vocab_axis
     top = lax.pmax(peak, axis)
-    sum_exp = lax.psum(sum_exp * jnp.exp(peak - top), axis)
+    tilted = tuple(
+        lax.psum(_rescaled_tilt(t, sum_exp, peak, top), axis) for t in tilted
+    )
+    sum_exp = lax.psum(sum_exp * jnp.exp(peak - _finite(top)), axis)
     # Ties go to the lowest index, as jnp.argmax does.
     argmax = lax.pmin(
         jnp.where(peak == top, argmax + plan.first_row(), plan.vocab_size), axis
@@ -210,53 +237,80 @@ def _combine_devices(plan, peak, sum_exp, label_logit, logit_sum, argmax):
         lax.psum(label_logit, axis),
         lax.psum(logit_sum, axis),
         argmax,
+        *tilted,
     )
 
 
 def _chunk_stats(plan, h_chunk, w, bias, labels):
-    """``(kept logits or None, (lse, label_logit, logit_sum, argmax))``.
+    """``(kept logits or None, (lse, label_logit, logit_sum, argmax[, entropy]))``.
 
     Block by block, with a running max and rescaled sum of exponentials
     (an online logsumexp), so no temporary is larger than one block.
     ``labels`` count from this device's first row; the statistics are those
-    of all devices' rows.
+    of all devices' rows. The entropy is ``log s - t / s`` with ``s = sum_i
+    e^(z_i - m)`` and ``t = sum_i e^(z_i - m) (z_i - m)``, both re-based to
+    each new running max ``m``: ``lse - E_p[z]`` without ``p`` or ``log p``.
     """
     kept = _logits(plan, h_chunk, w, bias) if plan.keep_logits else None
     block = _vocab_blocks(plan, h_chunk, w, bias, kept)
 
     def merge(j, carry):
-        peak, sum_exp, label_logit, logit_sum, argmax = carry
+        peak, sum_exp, label_logit, logit_sum, argmax, *tilted = carry
         v0, is_new, _, z = block(j)
-        b_peak, b_sum_exp, b_label, b_sum, b_arg = _block_stats(z, labels, v0, is_new)
+        b_peak, b_sum_exp, b_label, b_sum, b_arg, *b_tilted = _block_stats(
+            z, labels, v0, is_new, plan.entropy
+        )
         new_peak = jnp.maximum(peak, b_peak)
-        sum_exp = sum_exp * jnp.exp(peak - new_peak) + b_sum_exp * jnp.exp(
-            b_peak - new_peak
+        tilted = tuple(
+            _rescaled_tilt(t, sum_exp, peak, new_peak)
+            + _rescaled_tilt(b_t, b_sum_exp, b_peak, new_peak)
+            for t, b_t in zip(tilted, b_tilted)
+        )
+        reference = _finite(new_peak)
+        sum_exp = sum_exp * jnp.exp(peak - reference) + b_sum_exp * jnp.exp(
+            b_peak - reference
         )
         # Strictly greater: on ties the earlier block (lower index) wins,
         # as jnp.argmax does.
         argmax = jnp.where(b_peak > peak, b_arg, argmax)
-        return (new_peak, sum_exp, label_logit + b_label, logit_sum + b_sum, argmax)
+        return (
+            new_peak,
+            sum_exp,
+            label_logit + b_label,
+            logit_sum + b_sum,
+            argmax,
+            *tilted,
+        )
 
     # zeros_like keeps h's mesh axes, which a loop carry must keep inside
     # shard_map.
     zeros = jnp.zeros_like(h_chunk[:, 0], jnp.float32)
     init = (zeros + NEG_INF, zeros, zeros, zeros, zeros.astype(jnp.int32))
+    init += (zeros,) if plan.entropy else ()
     stats = lax.fori_loop(0, plan.num_blocks, merge, init)
     if plan.vocab_axis is not None:
         stats = _combine_devices(plan, *stats)
-    peak, sum_exp, *rest = stats
-    return kept, (peak + jnp.log(sum_exp), *rest)
+    peak, sum_exp, label_logit, logit_sum, argmax, *tilted = stats
+    entropy = tuple(jnp.log(sum_exp) - t / sum_exp for t in tilted)
+    return kept, (peak + jnp.log(sum_exp), label_logit, logit_sum, argmax, *entropy)
 
 
 def _logit_grads(plan, z, lse, coefs, labels, v0, live):
     """``dL/du`` for the pre-softcap logits ``u`` of one block, ``[Vb, Nc]``.
 
     ``live: [Vb, Nc]`` masks out rows of an overlapping block and tokens that
-    add nothing (whose logits may not even be finite).
+    add nothing (whose logits may not even be finite). ``coefs`` are
+    ``(alpha, beta, gamma)``, and ``(c, H)`` after them for a cotangent ``c``
+    on the entropy ``H``: ``dH/dz_i = -p_i (log p_i + H)``.
     """
-    alpha, beta, gamma = coefs
+    alpha, beta, gamma, *entropy = coefs
     token_ids = v0 + lax.broadcasted_iota(jnp.int32, z.shape, 0)
-    dz = alpha * jnp.exp(z - lse) + jnp.where(token_ids == labels, beta, 0.0) + gamma
+    p = jnp.exp(z - lse)
+    dz = alpha * p + jnp.where(token_ids == labels, beta, 0.0) + gamma
+    if entropy:
+        c, ent = entropy
+        # 0 where p is 0 (a logit of -inf), not 0 * -inf.
+        dz = dz - jnp.where(p > 0, c * p * (z - lse + ent), 0.0)
     if plan.softcap is not None:
         # d/du c tanh(u / c) = 1 - tanh^2 = 1 - (z / c)^2.
         dz = dz * (1.0 - jnp.square(z / plan.softcap))
@@ -329,17 +383,81 @@ def _sweep(
     ``(dh, dw, db)`` with None for one not wanted. Tokens of weight 0 never
     contribute to a gradient.
 
+    With ``plan.skip_zero_weights`` the tokens are first put in the order of
+    a stable argsort of ``loss_weights == 0`` (weighted tokens first, each
+    group in its own order), and the loop runs over the
+    ``ceil(#weighted / chunk_size)`` chunks that hold a weighted token only
+    (a ``while`` loop: the count is traced, every shape static); statistics
+    and ``dh`` are put back in the tokens' order after it. When every token
+    is weighted the order is the identity and the chunks are those of the
+    unpacked sweep. Tokens in skipped chunks get statistics 0.
+
     Returns:
         ``(stats, grads)``; ``stats`` is ``(lse, label_logit, logit_sum,
-        argmax)``, each ``[N]`` (None when ``coefs`` are given).
+        argmax[, entropy])``, each ``[N]`` (None when ``coefs`` are given).
     """
+    n, size = h.shape[0], plan.chunk_size
+    # One chunk is computed as before: a while loop of one trip is compiled
+    # apart from what surrounds it, and may round differently.
+    if not plan.skip_zero_weights or n <= size:
+        return _chunk_loop(
+            plan,
+            h,
+            w,
+            bias,
+            loss_scalars,
+            labels,
+            loss_weights,
+            grads,
+            lse,
+            coefs,
+            num_chunks=-(-n // size),
+        )
+    weighted = loss_weights != 0
+    order = jnp.argsort(jnp.logical_not(weighted), stable=True)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))
+    num_chunks = (jnp.sum(weighted, dtype=jnp.int32) + size - 1) // size
+
+    # asarray: custom_vjp may pass a constant argument as a numpy array.
+    def packed(x):
+        return None if x is None else jnp.asarray(x)[order]
+
+    def unpacked(x):
+        return None if x is None else x[inverse]
+
+    dh, dw, db = (None, None, None) if grads is None else grads
+    stats, (dh, dw, db) = _chunk_loop(
+        plan,
+        packed(h),
+        w,
+        bias,
+        loss_scalars,
+        packed(labels),
+        packed(loss_weights),
+        None if grads is None else (packed(dh), dw, db),
+        packed(lse),
+        None if coefs is None else tuple(packed(c) for c in coefs),
+        num_chunks=num_chunks,
+    )
+    stats = None if stats is None else tuple(unpacked(s) for s in stats)
+    return stats, (unpacked(dh), dw, db)
+
+
+def _chunk_loop(
+    plan, h, w, bias, loss_scalars, labels, loss_weights, grads, lse, coefs, num_chunks
+):
+    """:func:`_sweep`'s loop over the first ``num_chunks`` chunks of tokens."""
     n, size = h.shape[0], plan.chunk_size
     # zeros_like keeps the mesh axes of the inputs, which a loop carry must
     # keep inside shard_map: the statistics vary as the tokens do.
     stats = (
         None
         if coefs is not None
-        else ((jnp.zeros_like(loss_weights),) * 3 + (jnp.zeros_like(labels),))
+        else (
+            (jnp.zeros_like(loss_weights),) * 3
+            + (jnp.zeros_like(labels),)
+            + (jnp.zeros_like(loss_weights),) * plan.entropy
+        )
     )
     label_rows = labels - plan.first_row()
 
@@ -388,7 +506,7 @@ def _sweep(
         return stats, (dh, dw, db)
 
     init = (None, None, None) if grads is None else grads
-    return lax.fori_loop(0, -(-n // size), body, (stats, init))
+    return lax.fori_loop(0, num_chunks, body, (stats, init))
 
 
 def _objective(plan, loss_scalars, stats, loss_weights):
@@ -453,6 +571,8 @@ def _fused_core_bwd(plan, residuals, cotangents):
             plan, loss_scalars, stats[:3], d_objective * loss_weights
         )
         coefs = tuple(c + o for c, o in zip(coefs, objective_coefs))
+    # The entropy's cotangent, and the entropy its gradient needs.
+    coefs += (d_stats[4], stats[4]) if plan.entropy else ()
 
     def recompute(grads):
         # A cotangent on the statistics themselves (a metric or the unreduced
@@ -471,7 +591,7 @@ def _fused_core_bwd(plan, residuals, cotangents):
         )[1]
 
     grads = lax.cond(
-        jnp.any(jnp.stack(coefs) != 0), recompute, lambda grads: grads, grads
+        jnp.any(jnp.stack(coefs[:4]) != 0), recompute, lambda grads: grads, grads
     )
     # The statistics do not depend on loss_scalars or loss_weights: their
     # gradients are those of the objective alone.

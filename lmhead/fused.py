@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from lmhead import _checks, _fused_sweep, head, losses
 
@@ -124,6 +125,22 @@ def _loss_scalars(label_smoothing, z_loss):
     return *static, jnp.stack([jnp.asarray(x, jnp.float32) for x in values])
 
 
+def _entropy_metrics(entropy, reduction, token_entropy, weights):
+    """``{"entropy": weighted mean[, "token_entropy": [...]]}``, or ``{}``."""
+    if not entropy:
+        return {}
+    # Weight 0 (skipped, or padding whose logits may not be finite) gives 0.
+    token_entropy = jnp.where(weights != 0, token_entropy, 0.0)
+    weight_sum = jnp.sum(weights)
+    metrics = {
+        "entropy": jnp.sum(weights * token_entropy)
+        / jnp.where(weight_sum > 0, weight_sum, 1.0)
+    }
+    if reduction == "none":
+        metrics["token_entropy"] = token_entropy
+    return metrics
+
+
 def fused_cross_entropy(
     h: jax.typing.ArrayLike,
     w: jax.typing.ArrayLike,
@@ -141,6 +158,8 @@ def fused_cross_entropy(
     precision: jax.lax.PrecisionLike = None,
     reduction: str = "mean",
     vocab_shards: VocabShards | None = None,
+    entropy: bool = False,
+    skip_zero_weights: bool = True,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""Cross-entropy of ``unembed(h, w, bias)`` without materializing logits.
 
@@ -196,6 +215,31 @@ def fused_cross_entropy(
             ``vocab_parallel.vocab_parallel_cross_entropy``, which splits the rows
             of ``w`` over devices and combines each device's statistics
             with ``pmax``/``psum`` (see :mod:`lmhead._fused_sweep`).
+        entropy: False (default), or True to add ``metrics["entropy"]``, the
+            weighted mean of each token's :math:`H_t = -\sum_i p_i \log p_i`,
+            :math:`p = \mathrm{softmax}(z_t)` of the logits the loss sees
+            (after ``scale``, ``bias`` and ``softcap``; a token of logit
+            ``-inf`` adds 0), from the same sweep: a running
+            :math:`\sum_i e^{z_i - m}(z_i - m)` beside the logsumexp's sum,
+            :math:`H = \mathrm{lse} - \mathbb{E}_p[z]`. With
+            ``reduction="none"`` also ``metrics["token_entropy"]``: ``[...]``,
+            :math:`H_t`, and 0 for a token of weight 0. Both have the exact
+            gradient (an entropy bonus or penalty is a loss term):
+            :math:`\partial H / \partial z_i = -p_i (\log p_i + H)`,
+            from a second sweep that recomputes the logits, as for any
+            metric's gradient.
+        skip_zero_weights: True (default) skips the tokens of weight 0
+            (padding, prompt tokens): weighted tokens are packed first (a
+            stable argsort of ``weights == 0``, a gather of ``h`` and a
+            scatter of ``dh``, ``O(N D)``, against the ``O(N V D)`` of the
+            chunks' matmuls, so it is always done), and only the chunks
+            that hold one are swept (a ``while`` loop over a traced count;
+            shapes stay static). The loss and the gradients w.r.t. ``h``,
+            ``w`` and ``bias`` are those of the full sweep up to float32
+            rounding (bitwise when no weight is 0). The gradient w.r.t. a
+            weight that is 0 is then 0 (its token's logits are not
+            computed); False computes every token, for the exact one
+            (that token's loss).
 
     Returns:
         ``(loss, metrics)`` as ``losses.cross_entropy`` returns them; ``loss``
@@ -238,6 +282,15 @@ def fused_cross_entropy(
         >>> print(per_member(jnp.array([0.0, 0.1])).round(3))
         [2.127 2.372]
 
+        Each token's entropy, padding skipped (weight 0, entropy 0):
+
+        >>> _, metrics = fused_cross_entropy(
+        ...     h, w, labels, weights=jnp.array([[1, 1, 1], [1, 0, 0]]),
+        ...     entropy=True, reduction="none", chunk_size=2)
+        >>> print(metrics["token_entropy"].astype(float).round(3))
+        [[0.68  1.651 0.331]
+         [1.203 0.    0.   ]]
+
     References:
         Wijmans et al., `Cut Your Losses in Large-Vocabulary Language Models
         <https://arxiv.org/abs/2411.09009>`_, 2024 (Cut Cross-Entropy);
@@ -255,13 +308,18 @@ def fused_cross_entropy(
         static=dict(scale=scale, softcap=softcap),
     )
     losses.check_loss_options(label_smoothing, smoothing, z_loss, reduction)
+    for name, flag in dict(
+        entropy=entropy, skip_zero_weights=skip_zero_weights
+    ).items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False; got {flag!r}.")
     vocab_size, d_model = jnp.shape(w)
     leading = jnp.shape(h)[:-1]
     losses.check_labels_and_weights(labels, weights, leading, vocab_size)
     _check_vocab_shards(vocab_shards, vocab_size)
     num_tokens = math.prod(leading)
     if num_tokens == 0:  # nothing to block or split: the logits are empty
-        return losses.cross_entropy(
+        loss, metrics = losses.cross_entropy(
             head.unembed(h, w, bias, scale=scale, softcap=softcap),
             labels,
             weights=weights,
@@ -269,6 +327,10 @@ def fused_cross_entropy(
             smoothing=smoothing,
             z_loss=z_loss,
             reduction=reduction,
+        )
+        no_tokens = jnp.zeros(leading, jnp.float32)
+        return loss, metrics | _entropy_metrics(
+            entropy, reduction, no_tokens, no_tokens
         )
 
     plan_smoothing, plan_z_loss, loss_scalars = _loss_scalars(label_smoothing, z_loss)
@@ -287,6 +349,8 @@ def fused_cross_entropy(
             _optional_float(softcap),
             precision,
             grads_in_forward=reduction != "none",
+            skip_zero_weights=skip_zero_weights,
+            entropy=entropy,
         )
         return _fused_sweep.fused_core(
             plan, h, w, bias, loss_scalars, loss_weights, labels
@@ -298,6 +362,12 @@ def fused_cross_entropy(
         None if weights is None else jnp.reshape(weights, -1),
         vocab_size,
     )
+    if skip_zero_weights:
+        # A skipped token has no statistics: the gradient w.r.t. its weight
+        # is made 0 rather than that of made-up statistics.
+        loss_weights = jnp.where(
+            loss_weights != 0, loss_weights, lax.stop_gradient(loss_weights)
+        )
     args = (
         jnp.reshape(h, (num_tokens, d_model)).astype(dtype),
         jnp.asarray(w, dtype),
@@ -306,7 +376,7 @@ def fused_cross_entropy(
         loss_weights,
         safe_labels,
     )
-    objective, (lse, label_logit, logit_sum, argmax) = (
+    objective, (lse, label_logit, logit_sum, argmax, *token_entropy) = (
         core(*args) if vocab_shards is None else vocab_shards.run(core, *args)
     )
     token_loss, nll, z_term = losses.token_losses(
@@ -321,6 +391,13 @@ def fused_cross_entropy(
     loss, metrics = losses.weighted_metrics(
         token_loss, nll, z_term, argmax == safe_labels, loss_weights, invalid, reduction
     )
+    if entropy:
+        metrics |= _entropy_metrics(
+            entropy,
+            reduction,
+            jnp.reshape(token_entropy[0], leading),
+            jnp.reshape(loss_weights, leading),
+        )
     if reduction == "none":
         return jnp.reshape(loss, leading), metrics
     if reduction == "sum":

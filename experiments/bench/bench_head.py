@@ -15,6 +15,14 @@ program that needs more than ``--memory_fraction`` of the available memory
 is compiled but not run. The effective rate counts the ``6 N D V`` FLOPs of
 the three matmuls of the materialized path (logits, ``dh``, ``dw``).
 
+``--zero_fraction=0.5,0.9`` and ``--entropy`` time the fused loss alone
+instead (at the first of the shapes, or ``--shapes``): ``jax.value_and_grad``
+with that fraction of tokens at weight 0 (random positions, skipped by
+``skip_zero_weights``) against all tokens weighted, and the forward with
+``entropy=True`` against without, all in alternating rounds::
+
+    python experiments/bench/bench_head.py --zero_fraction=0.5,0.9 --entropy
+
 ``--quantized`` measures the inference head with a smaller table instead
 (``quantize.quantize_unembedding``: bfloat16, float16, int8 with per-row
 scales) against float32::
@@ -112,6 +120,15 @@ flags.DEFINE_integer(
     4096,
     "--quantized: validation positions "
     "(and random rows) on which accuracy is measured.",
+)
+flags.DEFINE_list(
+    "zero_fraction",
+    [],
+    "Fractions of tokens at weight 0 (random positions), e.g. 0.5,0.9: "
+    "time the fused forward + backward with each against all weighted.",
+)
+flags.DEFINE_bool(
+    "entropy", False, "Time the fused forward with entropy=True against without."
 )
 FLAGS = flags.FLAGS
 
@@ -410,6 +427,83 @@ def run_quantized(quick: bool, repeats: int, matmul) -> None:
         )
 
 
+def zero_weights(n: int, fraction: float, seed: int = 0) -> np.ndarray:
+    """``[n]`` weights: ``round(fraction * n)`` zeros at random positions."""
+    weights = np.ones(n, np.float32)
+    zeros = np.random.default_rng(seed).permutation(n)[: round(fraction * n)]
+    weights[zeros] = 0.0
+    return weights
+
+
+def skip_entropy_programs(n, zero_fractions, entropy, chunk_size, vocab_chunk_size):
+    """``[(label, compiled-to-be function, weights, baseline label)]``."""
+
+    def loss(h, w, labels, weights, entropy=False):
+        return fused.fused_cross_entropy(
+            h,
+            w,
+            labels,
+            weights=weights,
+            entropy=entropy,
+            chunk_size=chunk_size,
+            vocab_chunk_size=vocab_chunk_size,
+        )
+
+    train = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    base = "fused fwd+bwd, all weighted"
+    programs = [(base, train, np.ones(n, np.float32), base)]
+    programs += [
+        (f"fused fwd+bwd, {f:.0%} weight 0", train, zero_weights(n, f), base)
+        for f in zero_fractions
+    ]
+    if entropy:
+        forward = "fused fwd"
+        programs += [
+            (forward, jax.jit(loss), np.ones(n, np.float32), forward),
+            (
+                "fused fwd + entropy",
+                jax.jit(functools.partial(loss, entropy=True)),
+                np.ones(n, np.float32),
+                forward,
+            ),
+        ]
+    return programs
+
+
+def skip_entropy_rows(n, d, v, dtype, repeats, seconds) -> list[str]:
+    """Median times of the fused loss with weight-0 tokens and with entropy,
+    each against its baseline, timed in alternating rounds."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    h = jax.random.normal(keys[0], (n, d), dtype)
+    w = (0.02 * jax.random.normal(keys[1], (v, d))).astype(dtype)
+    labels = jax.random.randint(keys[2], (n,), 0, v)
+    programs = skip_entropy_programs(
+        n,
+        [float(f) for f in FLAGS.zero_fraction],
+        FLAGS.entropy,
+        FLAGS.chunk_size,
+        FLAGS.vocab_chunk_size,
+    )
+    calls = [(fn, (h, w, labels, jnp.asarray(wt))) for _, fn, wt, _ in programs]
+    warmup = max(timing.call_seconds(fn, args) for fn, args in calls)
+    runs = int(np.clip(seconds // warmup, 1, repeats))
+    times = [[] for _ in calls]
+    for _ in range(runs):  # alternate, so all see the same load
+        for column, (fn, args) in zip(times, calls):
+            column.append(timing.call_seconds(fn, args))
+    median = {label: float(np.median(t)) for (label, *_), t in zip(programs, times)}
+    return [
+        f"| {n} | {d} | {v} | {label} | {int(np.sum(wt == 0))} | "
+        f"{median[label]:.3g} | {median[label] / median[base]:.2f} | {runs} |"
+        for label, _, wt, base in programs
+    ]
+
+
+SKIP_ENTROPY_HEADER = (
+    "| N | D | V | program | weight-0 tokens | s | x baseline | runs |\n|" + "---|" * 8
+)
+
+
 def main(argv):
     del argv
     specs = FLAGS.shapes or (QUICK_SHAPES if FLAGS.quick else DEFAULT_SHAPES)
@@ -424,6 +518,14 @@ def main(argv):
     )
     if FLAGS.quantized:
         run_quantized(FLAGS.quick, repeats, matmul)
+        return
+    if FLAGS.zero_fraction or FLAGS.entropy:
+        print(SKIP_ENTROPY_HEADER, flush=True)
+        for n, d, v in parse_shapes(FLAGS.shapes or [specs[0]]):
+            rows = skip_entropy_rows(
+                n, d, v, jnp.dtype(FLAGS.dtype), repeats, FLAGS.seconds_per_program
+            )
+            print("\n".join(rows), flush=True)
         return
     print(HEADER, flush=True)
     for n, d, v in parse_shapes(specs):

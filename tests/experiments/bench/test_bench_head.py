@@ -40,3 +40,26 @@ def test_bench_head_quantized_quick_tables():
     for _, _, bytes_ratio, agreement, kl in accuracy:
         assert 0 < float(bytes_ratio) < 1 and 0 <= float(agreement) <= 100
         assert float(kl) >= 0
+
+
+@pytest.mark.slow
+def test_bench_head_skipping_and_entropy_table():
+    stdout = run_bench(
+        "bench_head.py", "--quick", "--zero_fraction=0.5,0.9", "--entropy"
+    )
+    rows = re.findall(
+        r"^\| 512 \| 64 \| 1024 \| ([^|]+) \| (\d+) \| (\S+) \| (\S+) \| \d+ \|$",
+        stdout,
+        re.M,
+    )
+    names = [name for name, *_ in rows]
+    assert names == [
+        "fused fwd+bwd, all weighted",
+        "fused fwd+bwd, 50% weight 0",
+        "fused fwd+bwd, 90% weight 0",
+        "fused fwd",
+        "fused fwd + entropy",
+    ]
+    assert [int(zeros) for _, zeros, *_ in rows] == [0, 256, 461, 0, 0]
+    assert float(rows[0][3]) == 1.0 and float(rows[3][3]) == 1.0
+    assert all(float(seconds) > 0 for _, _, seconds, _ in rows)

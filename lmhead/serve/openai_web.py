@@ -107,6 +107,15 @@ def add_routes(
         on_tokens(result["completion_tokens"])
         return openai_api.completion_body(parsed, result, id_)
 
+    _add_info_routes(app, engine, model_name, read_json)
+
+
+def _add_info_routes(app: Any, engine: Any, model_name: str, read_json) -> None:
+    """``/v1/models`` and the tokenizer routes."""
+    import fastapi
+
+    tokenizer = engine.tokenizer
+
     @app.get("/v1/models")
     async def models():
         return {

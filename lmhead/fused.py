@@ -159,7 +159,7 @@ def fused_cross_entropy(
     reduction: str = "mean",
     vocab_shards: VocabShards | None = None,
     entropy: bool = False,
-    skip_zero_weights: bool = True,
+    skip_zero_weights: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""Cross-entropy of ``unembed(h, w, bias)`` without materializing logits.
 
@@ -228,7 +228,7 @@ def fused_cross_entropy(
             :math:`\partial H / \partial z_i = -p_i (\log p_i + H)`,
             from a second sweep that recomputes the logits, as for any
             metric's gradient.
-        skip_zero_weights: True (default) skips the tokens of weight 0
+        skip_zero_weights: True skips the tokens of weight 0
             (padding, prompt tokens): weighted tokens are packed first (a
             stable argsort of ``weights == 0``, a gather of ``h`` and a
             scatter of ``dh``, ``O(N D)``, against the ``O(N V D)`` of the
@@ -238,8 +238,10 @@ def fused_cross_entropy(
             ``w`` and ``bias`` are those of the full sweep up to float32
             rounding (bitwise when no weight is 0). The gradient w.r.t. a
             weight that is 0 is then 0 (its token's logits are not
-            computed); False computes every token, for the exact one
-            (that token's loss).
+            computed), which is why it is not the default: False (default)
+            computes every token, and the gradient w.r.t. a zero weight is
+            exactly that token's loss. Pass True when ``weights`` is data
+            (padding masks), not something differentiated.
 
     Returns:
         ``(loss, metrics)`` as ``losses.cross_entropy`` returns them; ``loss``

@@ -445,6 +445,7 @@ def skip_entropy_programs(n, zero_fractions, entropy, chunk_size, vocab_chunk_si
             labels,
             weights=weights,
             entropy=entropy,
+            skip_zero_weights=True,
             chunk_size=chunk_size,
             vocab_chunk_size=vocab_chunk_size,
         )

@@ -80,8 +80,10 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# --durations: the 30 slowest tests, so that every run (CI's too) shows where
+# the suite's time goes.
 test: lint
-	$(PY) -m pytest -m 'not slow' lmhead tests
+	$(PY) -m pytest -m 'not slow' --durations=30 lmhead tests
 
 clean:
 	rm -rf $(VENV) *.egg-info

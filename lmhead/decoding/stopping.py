@@ -29,7 +29,10 @@ class StopCondition(Protocol):
     """The protocol of a stop condition (``B`` rows).
 
     A condition is a pytree (e.g. a ``jax.tree_util.register_dataclass``
-    dataclass) whose leaves have leading axis ``B``.
+    dataclass) of traced leaves; only its carry must lead with ``B`` (a
+    condition may hold tables shared by every row, as
+    :class:`~lmhead.decoding.stop_strings.StopStrings` holds each token's
+    bytes), and the loop never slices a condition by row.
 
     * ``init(batch) -> carry``: the carry before the first token, every leaf
       ``[batch, ...]``.

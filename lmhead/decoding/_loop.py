@@ -94,18 +94,32 @@ def maybe_step(
     return jax.lax.cond(keep_going, call, lambda: (logits, model_state))
 
 
+def check_token_rows(name: str, tokens: Any, batch: int, shape: str) -> None:
+    """Raises unless ``tokens`` is an integer array of ``shape`` (``"[B, P]"``)
+    with ``batch`` rows."""
+    _checks.check_integer(name, tokens)
+    _checks.check_rank(name, tokens, 2, shape)
+    if jnp.shape(tokens)[0] != batch:
+        raise ValueError(
+            f"{name} must have shape {shape} with B = {batch}; got {jnp.shape(tokens)}."
+        )
+
+
 def check_prompt_tokens(prompt_tokens: Any, batch: int, vocab_size: int) -> None:
     """Raises unless ``prompt_tokens`` is None or integer ``[B, P]`` below ``V``."""
     if prompt_tokens is None:
         return
-    _checks.check_integer("prompt_tokens", prompt_tokens)
-    _checks.check_rank("prompt_tokens", prompt_tokens, 2, "[B, P]")
-    if jnp.shape(prompt_tokens)[0] != batch:
-        raise ValueError(
-            f"prompt_tokens must have shape [B, P] with B = "
-            f"{batch}; got {jnp.shape(prompt_tokens)}."
-        )
+    check_token_rows("prompt_tokens", prompt_tokens, batch, "[B, P]")
     _checks.check_in_range("prompt_tokens", prompt_tokens, high=vocab_size - 1)
+
+
+def check_call(step_fn: Any, logits: Any, state: Any) -> tuple[jax.Array, int, int]:
+    """The checks both loops open with: ``(logits [B, V] as float, B, V)``."""
+    logits = _checks.as_logits(logits, "[B, V]")
+    batch, vocab_size = logits.shape
+    check_step_fn(step_fn)
+    check_state(state, batch)
+    return logits, batch, vocab_size
 
 
 def eos_ids(eos_id: Any, vocab_size: int) -> tuple[int, ...]:

@@ -423,10 +423,7 @@ def beam_search(
         Wu et al., `Google's Neural Machine Translation System
         <https://arxiv.org/abs/1609.08144>`_, 2016.
     """
-    logits = _checks.as_logits(logits, "[B, V]")
-    batch, vocab_size = logits.shape
-    _loop.check_step_fn(step_fn)
-    _loop.check_state(state, batch)
+    logits, _, vocab_size = _loop.check_call(step_fn, logits, state)
     _checks.check_count("num_beams", num_beams)
     _checks.check_count("max_new_tokens", max_new_tokens)
     _checks.check_count("num_return_sequences", num_return_sequences)

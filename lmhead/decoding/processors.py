@@ -496,13 +496,7 @@ def apply_logit_bias(
 
 
 def _as_history(history: jax.typing.ArrayLike, batch: int) -> jax.Array:
-    _checks.check_integer("history", history)
-    _checks.check_rank("history", history, 2, "[B, L]")
-    if jnp.shape(history)[0] != batch:
-        raise ValueError(
-            f"history must have shape [B, L] with B = {batch}; "
-            f"got {jnp.shape(history)}."
-        )
+    _loop.check_token_rows("history", history, batch, "[B, L]")
     return jnp.asarray(history, jnp.int32)
 
 

@@ -429,10 +429,7 @@ def _prepare(
     stop_sequences, top_logprobs, log_probs_from, processor, knob_values,
 ) -> _LoopArguments:  # fmt: skip
     """Checks :func:`generate`'s arguments and repeats the rows per sample."""
-    logits = _checks.as_logits(logits, "[B, V]")
-    batch, vocab_size = logits.shape
-    _loop.check_step_fn(step_fn)
-    _loop.check_state(state, batch)
+    logits, batch, vocab_size = _loop.check_call(step_fn, logits, state)
     _checks.check_count("max_new_tokens", max_new_tokens)
     _checks.check_count("num_samples", num_samples)
     knobs = SamplingKnobs.of(knobs, **knob_values)

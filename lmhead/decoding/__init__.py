@@ -51,7 +51,9 @@ Modules: :mod:`~lmhead.decoding.knobs` (:class:`SamplingKnobs`),
 :mod:`~lmhead.decoding.text` (:func:`detokenize`, which needs only a
 ``decode`` method, not a tokenizer library, and :func:`trim_at_stop`),
 :mod:`~lmhead.decoding.stop_strings` (:class:`StopStrings`, text stop strings
-checked in the loop on each token's bytes).
+checked in the loop on each token's bytes), :mod:`~lmhead.decoding.slots`
+(continuous batching: :func:`empty_slots`, :func:`fill_slots`,
+:func:`step_slots`, :func:`free_slots`).
 """
 
 from lmhead.decoding._loop import StepFn
@@ -88,6 +90,15 @@ from lmhead.decoding.sampling import (
     ProcessorContext,
     SamplingState,
     generate,
+)
+from lmhead.decoding.slots import (
+    SlotChunk,
+    SlotState,
+    empty_slots,
+    fill_slots,
+    free_slots,
+    full_knobs,
+    step_slots,
 )
 from lmhead.decoding.stop_strings import StopStrings, token_bytes_from_decode
 from lmhead.decoding.stopping import StopCondition, StopSequences

@@ -349,6 +349,33 @@ def trim_cache(cache: DecodeCache, num_steps: int) -> DecodeCache:
     )
 
 
+def reset_rows(cache: DecodeCache, rows: jax.typing.ArrayLike) -> DecodeCache:
+    """The cache with the rows where ``rows`` is True emptied: their
+    ``index`` back to 0, so that their next token takes position 0 (what the
+    slots held stays, unread: attention reads only the slots before
+    ``index``). Continuous batching (:mod:`lmhead.decoding.slots`) resets the
+    rows no request holds, which would otherwise step past ``max_len``.
+
+    Args:
+        cache: a :class:`DecodeCache` without slot pointers (``rows`` None).
+        rows: ``bool [B]``.
+
+    Examples:
+        >>> from lmhead.lm.model import DecoderLM
+        >>> cache = init_cache(DecoderLM(vocab_size=17, num_layers=1, max_len=8), 3)
+        >>> cache = cache._replace(index=jnp.array([5, 7, 2]))
+        >>> reset_rows(cache, jnp.array([False, True, False])).index
+        Array([5, 0, 2], dtype=int32)
+    """
+    if cache.rows is not None:
+        raise ValueError("reset_rows needs a cache without slot pointers (rows None).")
+    if jnp.shape(rows) != cache.index.shape:
+        raise ValueError(
+            f"rows must have shape [B] = {cache.index.shape}; got {jnp.shape(rows)}."
+        )
+    return cache._replace(index=jnp.where(rows, 0, cache.index).astype(jnp.int32))
+
+
 def repeat_cache(cache: DecodeCache, repeats: int) -> DecodeCache:
     """Each row repeated ``repeats`` times: row ``b * repeats + k`` continues row ``b``.
 

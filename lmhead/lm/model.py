@@ -616,6 +616,11 @@ class DecodeStep:
     def trim(self, cache: kv_cache.DecodeCache, num_steps: int) -> kv_cache.DecodeCache:
         return kv_cache.trim_cache(cache, num_steps)
 
+    def reset_rows(
+        self, cache: kv_cache.DecodeCache, rows: jax.Array
+    ) -> kv_cache.DecodeCache:
+        return kv_cache.reset_rows(cache, rows)
+
 
 def make_step_fn(model: DecoderLM) -> DecodeStep:
     """The decoders' ``step_fn(params, tokens: int [B], cache) -> (float32 [B, V], cache)``.
@@ -630,7 +635,9 @@ def make_step_fn(model: DecoderLM) -> DecodeStep:
     pointers, not keys and values; before that it drops the pieces its steps
     cannot reach with ``step_fn.trim(cache, num_steps)``,
     :func:`~lmhead.lm.kv_cache.trim_cache`, so that the copy costs what it
-    holds, not ``max_len``). A row must not step past ``max_len`` (see
+    holds, not ``max_len``; continuous batching empties the rows no request
+    holds with ``step_fn.reset_rows``, :func:`~lmhead.lm.kv_cache.reset_rows`).
+    A row must not step past ``max_len`` (see
     :meth:`DecoderLM.extend`; :func:`prefill`'s ``max_new_tokens`` checks it).
 
     Examples:

@@ -103,7 +103,7 @@ def _token_bytes(tokenizer: Any) -> list[bytes]:
     return held[1]
 
 
-def _row_keys(engine: Any, batch: list[CompletionRequest], rows: list, size: int):
+def row_keys(engine: Any, batch: list[CompletionRequest], rows: list, size: int):
     """One key per row: a seeded request's row ``p n + s`` draws from
     ``fold_in(key(seed), p n + s)``, whatever its batch; the others from the
     batch's key folded with the row."""
@@ -148,7 +148,7 @@ def _generate(engine: Any, batch: list[CompletionRequest], rows: list) -> Any:
     row_max[: len(rows)] = [batch[r].max_tokens for r, _, _ in rows]
     stops = [batch[r].stop for r, _, _ in rows] + [[]] * (size - len(rows))
     arguments = dict(
-        key=_row_keys(engine, batch, rows, size),
+        key=row_keys(engine, batch, rows, size),
         max_new_tokens=requests.bucket(int(row_max.max()), engine.buckets.new_tokens),
         knobs=_batch_knobs(batch, rows, size),
         prompt_tokens=history,
@@ -162,7 +162,9 @@ def _generate(engine: Any, batch: list[CompletionRequest], rows: list) -> Any:
             max_bytes=4 * MAX_STOP_CHARS,
             max_strings=MAX_STOPS,
         ),
-        top_logprobs=MAX_LOGPROBS if any(r.logprobs is not None for r in batch) else 0,
+        top_logprobs=min(MAX_LOGPROBS, engine.model.vocab_size)
+        if any(r.logprobs is not None for r in batch)
+        else 0,
         log_probs_from="model",
     )
     step_fn, params = engine._step_fn, engine.params
@@ -187,7 +189,7 @@ def _generate(engine: Any, batch: list[CompletionRequest], rows: list) -> Any:
     )
 
 
-def _completion_text(engine: Any, request: CompletionRequest, ids, done: bool) -> str:
+def completion_text(engine: Any, request: CompletionRequest, ids, done: bool) -> str:
     """The completion's text; while the row runs, without the characters
     that may still turn out part of a stop string or of a character."""
     text = decoding.detokenize(
@@ -213,7 +215,7 @@ def _emit(engine: Any, batch: list, rows: list, chunks: list) -> None:
         length = int(lengths[row])
         ids = np.concatenate([c.tokens[row] for c in chunks])[:length]
         done = length < steps or length >= request.max_tokens
-        text = _completion_text(engine, request, ids, done)
+        text = completion_text(engine, request, ids, done)
         prefix = request.prompt_texts[p] if request.echo else ""
         updates[id(request)].append((p * request.n + s, prefix + text, length))
     for request in batch:
@@ -255,7 +257,7 @@ def _choice(engine, request, p, s, generated, row, prompt_scores) -> tuple[dict,
                 )
                 for j in range(length)
             ]
-    text = _completion_text(engine, request, ids, done=True)
+    text = completion_text(engine, request, ids, done=True)
     prompt_text = request.prompt_texts[p]
     offset = len(prompt_text)
     if request.echo:
@@ -282,13 +284,48 @@ def _json_float(x: float) -> float | None:
     return float(x) if math.isfinite(x) else None
 
 
+def echo_scores(engine: Any, request: CompletionRequest) -> dict[int, tuple]:
+    """:func:`prompt_log_probs` of each prompt, by prompt index, when the
+    request echoes its prompts with log-probs; else ``{}``."""
+    if not (request.echo and request.logprobs is not None):
+        return {}
+    return {
+        p: prompt_log_probs(engine, ids, request.logprobs)
+        for p, ids in enumerate(request.prompt_ids)
+    }
+
+
+def request_result(
+    engine: Any,
+    request: CompletionRequest,
+    rows: list[tuple[int, int, int]],
+    generated: Any,
+    prompt_scores: dict[int, tuple],
+) -> dict:
+    """One request's ``{"choices", "prompt_tokens", "completion_tokens"}``.
+
+    ``rows`` lists ``(row, p, s)``: row ``row`` of ``generated`` (a
+    :class:`decoding.Generation` of numpy arrays; None when ``max_tokens``
+    is 0) is sample ``s`` of prompt ``p``, in OpenAI's order."""
+    choices, tokens = [], 0
+    for row, p, s in rows:
+        choice, count = _choice(engine, request, p, s, generated, row, prompt_scores)
+        choices.append(choice)
+        tokens += count
+    return {
+        "choices": choices,
+        "prompt_tokens": sum(len(ids) for ids in request.prompt_ids),
+        "completion_tokens": tokens,
+    }
+
+
 def run_completions(engine: Any, batch: list[CompletionRequest]) -> list[dict]:
     """Runs completion requests of one :meth:`CompletionRequest.group` as
     one batch on ``engine`` (a :class:`lmhead.serve.batching.Engine`).
 
-    Returns, per request, ``{"choices", "prompt_tokens",
-    "completion_tokens"}``: the choices in OpenAI's order (prompt by prompt,
-    ``n`` each), as :func:`completion_body` sends them."""
+    Returns, per request, :func:`request_result`: the choices in OpenAI's
+    order (prompt by prompt, ``n`` each), as :func:`completion_body` sends
+    them."""
     rows = [
         (r, p, s)
         for r, request in enumerate(batch)
@@ -296,30 +333,16 @@ def run_completions(engine: Any, batch: list[CompletionRequest]) -> list[dict]:
         for s in range(request.n)
     ]
     generated = None if batch[0].max_tokens == 0 else _generate(engine, batch, rows)
-    results = []
-    for r, request in enumerate(batch):
-        prompt_scores = {}
-        if request.echo and request.logprobs is not None:
-            prompt_scores = {
-                p: prompt_log_probs(engine, ids, request.logprobs)
-                for p, ids in enumerate(request.prompt_ids)
-            }
-        choices, tokens = [], 0
-        for row, (owner, p, s) in enumerate(rows):
-            if owner == r:
-                choice, count = _choice(
-                    engine, request, p, s, generated, row, prompt_scores
-                )
-                choices.append(choice)
-                tokens += count
-        results.append(
-            {
-                "choices": choices,
-                "prompt_tokens": sum(len(ids) for ids in request.prompt_ids),
-                "completion_tokens": tokens,
-            }
+    return [
+        request_result(
+            engine,
+            request,
+            [(row, p, s) for row, (owner, p, s) in enumerate(rows) if owner == r],
+            generated,
+            echo_scores(engine, request),
         )
-    return results
+        for r, request in enumerate(batch)
+    ]
 
 
 def beam_result(request: CompletionRequest, completions: list[dict]) -> dict:

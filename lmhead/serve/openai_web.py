@@ -76,14 +76,15 @@ def add_routes(
     limits: requests.Limits,
     read_json: Callable[[Any], Awaitable[Any]],
     submit: Callable[[Any], Any],
+    cancel: Callable[[Any], None],
     run: Callable[[Any], Awaitable[Any]],
     on_tokens: Callable[[int], None],
 ) -> None:
     """Adds the routes to the FastAPI ``app``.
 
-    ``submit(request)`` queues a request and gives its future; ``run``
-    awaits one within the service's timeout; ``on_tokens`` counts generated
-    tokens for the metrics."""
+    ``submit(request)`` queues a request and gives its future; ``cancel``
+    drops one whose client left; ``run`` awaits one within the service's
+    timeout; ``on_tokens`` counts generated tokens for the metrics."""
     import fastapi
     from fastapi import responses
 
@@ -97,7 +98,7 @@ def add_routes(
         id_ = openai_api.new_id()
         if parsed.stream:
             return responses.StreamingResponse(
-                _events(parsed, id_, submit, on_tokens),
+                _events(parsed, id_, submit, cancel, on_tokens),
                 media_type="text/event-stream",
             )
         if parsed.num_beams > 1:
@@ -185,7 +186,7 @@ def _add_info_routes(app: Any, engine: Any, model_name: str, read_json) -> None:
         return {"prompt": text}
 
 
-async def _events(parsed, id_: str, submit, on_tokens):
+async def _events(parsed, id_: str, submit, cancel, on_tokens):
     """The server-sent events of a streaming request: text deltas as the
     engine's chunks arrive, each choice's last chunk with its
     ``finish_reason`` and its whole ``logprobs``, the usage chunk when
@@ -246,5 +247,5 @@ async def _events(parsed, id_: str, submit, on_tokens):
                 openai_api.stream_chunk(parsed, id_, [], openai_api.usage(result))
             )
         yield "data: [DONE]\n\n"
-    finally:
-        future.cancel()  # a no-op once it runs or ran
+    finally:  # the client left, or the stream ended: a no-op once it ran
+        cancel(future)

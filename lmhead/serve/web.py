@@ -38,11 +38,13 @@ import threading
 import time
 from typing import Any
 
-from lmhead.serve import batching, openai_web, requests
+from lmhead.serve import batching, continuous, openai_api, openai_web, requests
 
 ENDPOINTS = ("/v1/generate", "/v1/score", "/healthz", "/metrics", *openai_web.ROUTES)
 OPEN_ENDPOINTS = ("/healthz",)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TOKEN_GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+BATCHING = ("continuous", "window")
 RETRY_AFTER_SECONDS = 1
 
 
@@ -56,9 +58,17 @@ class ServiceConfig:
         max_body_bytes: larger bodies get 413 before they are read whole.
         max_queue: requests that may wait for a batch; more get 503.
         window_s: how long a request waits for others to batch with.
-        timeout_s: a request not answered by then gets 504.
+        timeout_s: a request not answered by then gets 504 (and a running
+            completion is cancelled).
         limits: the caps of :class:`requests.Limits`.
         model_name: the ``model`` of the OpenAI routes.
+        batching: how ``/v1/completions`` requests that generate without
+            beam search are batched: ``"continuous"`` (decode slots,
+            :mod:`lmhead.serve.continuous`) or ``"window"`` (the batcher of
+            :mod:`lmhead.serve.batching`, which every other request uses).
+        slots: the continuous batcher's decode slots; None: the largest
+            batch size.
+        steps_per_call: its decoding steps per compiled call.
     """
 
     token: str | None = None
@@ -68,6 +78,15 @@ class ServiceConfig:
     timeout_s: float = 30.0
     limits: requests.Limits = requests.Limits()
     model_name: str = "lmhead"
+    batching: str = "continuous"
+    slots: int | None = None
+    steps_per_call: int = continuous.DEFAULT_STEPS_PER_CALL
+
+    def __post_init__(self):
+        if self.batching not in BATCHING:
+            raise ValueError(
+                f"batching must be one of {BATCHING}; got {self.batching!r}."
+            )
 
 
 def read_token(path: str) -> str:
@@ -115,7 +134,31 @@ class Metrics:
         )
         self.queue_depth = prom.Gauge(
             "lmhead_queue_depth",
-            "Requests waiting for a batch.",
+            "Requests waiting for a batch or for decode slots.",
+            registry=self.registry,
+        )
+        self.active_slots = prom.Gauge(
+            "lmhead_active_slots",
+            "Decode slots holding a running sequence (continuous batching).",
+            registry=self.registry,
+        )
+        self.cancelled = prom.Counter(
+            "lmhead_cancelled_sequences",
+            "Running sequences cancelled (client gone or timed out) that left "
+            "their slots.",
+            registry=self.registry,
+        )
+        self.first_token = prom.Histogram(
+            "lmhead_time_to_first_token_seconds",
+            "From a completion's arrival to its first tokens (continuous batching).",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token = prom.Histogram(
+            "lmhead_inter_token_seconds",
+            "Gap between deliveries of a completion's tokens, per token "
+            "(continuous batching).",
+            buckets=TOKEN_GAP_BUCKETS,
             registry=self.registry,
         )
 
@@ -219,8 +262,10 @@ class _Guard:
 
 
 def make_app(engine: batching.Engine, config: ServiceConfig = ServiceConfig()):
-    """The service's ASGI app, with a :class:`batching.Batcher` over ``engine``
-    (warmed up already) that stops when the app shuts down."""
+    """The service's ASGI app over ``engine`` (warmed up already): a
+    :class:`batching.Batcher` and, with ``config.batching == "continuous"``,
+    a :class:`continuous.SlotBatcher` (compiled here), which stop when the
+    app shuts down."""
     import fastapi
 
     metrics = Metrics(engine.buckets.batch_sizes)
@@ -230,12 +275,47 @@ def make_app(engine: batching.Engine, config: ServiceConfig = ServiceConfig()):
         window_s=config.window_s,
         on_batch=lambda kind, rows: metrics.batch_rows.labels(kind).observe(rows),
     )
-    metrics.queue_depth.set_function(batcher.depth)
+    slots = None
+    if config.batching == "continuous":
+        slots = continuous.SlotBatcher(
+            engine,
+            slots=config.slots,
+            max_queue=config.max_queue,
+            steps_per_call=config.steps_per_call,
+            events=continuous.SlotEvents(
+                first_token=metrics.first_token.observe,
+                inter_token=metrics.inter_token.observe,
+                cancelled=metrics.cancelled.inc,
+            ),
+        )
+        slots.warm_up()
+        metrics.active_slots.set_function(slots.active)
+    depth = lambda: batcher.depth() + (slots.depth() if slots else 0)
+    metrics.queue_depth.set_function(depth)
+
+    def submit(request: Any):
+        """Queues a checked request with the batcher that runs its kind."""
+        in_slots = (
+            slots is not None
+            and isinstance(request, openai_api.CompletionRequest)
+            and request.max_tokens > 0
+            and request.num_beams == 1
+        )
+        return (slots if in_slots else batcher).submit(request)
+
+    def cancel(future) -> None:
+        """Drops a request nobody waits for: a waiting one leaves its queue,
+        a running completion frees its slots (a no-op once it ended)."""
+        future.cancel()
+        if slots is not None:
+            slots.cancel(future)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
         yield
         batcher.stop()
+        if slots is not None:
+            slots.stop()
 
     app = fastapi.FastAPI(
         title="lmhead",
@@ -248,11 +328,11 @@ def make_app(engine: batching.Engine, config: ServiceConfig = ServiceConfig()):
     _add_error_handlers(app, config)
 
     async def run(request: Any) -> Any:
-        future = batcher.submit(request)
+        future = submit(request)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), config.timeout_s)
         finally:
-            future.cancel()  # a no-op once it runs or ran
+            cancel(future)
 
     @app.post("/v1/generate")
     async def generate(request: fastapi.Request):
@@ -276,14 +356,15 @@ def make_app(engine: batching.Engine, config: ServiceConfig = ServiceConfig()):
         model_name=config.model_name,
         limits=config.limits,
         read_json=_json,
-        submit=batcher.submit,
+        submit=submit,
+        cancel=cancel,
         run=run,
         on_tokens=metrics.tokens.inc,
     )
 
     @app.get("/healthz")
     async def healthz():
-        return {"status": "ok", "queue_depth": batcher.depth()}
+        return {"status": "ok", "queue_depth": depth()}
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -1,0 +1,458 @@
+"""Continuous batching's decoding: a fixed set of ``S`` slots that requests
+enter and leave between steps.
+
+:func:`generate` runs a batch from its first step to its last: a row that
+ends early idles until the longest one ends, and a new request waits for the
+whole batch. Here each slot has its own step count, limit, key, history and
+knobs. :func:`empty_slots` makes the state, :func:`fill_slots` puts prefilled
+prompts into free slots, and :func:`step_slots` decodes every slot
+``num_steps`` times in one compiled call, returning the tokens as
+:class:`SlotChunk`. A caller (the service's scheduler,
+``lmhead/serve/continuous.py``) frees a slot by :func:`free_slots` or by
+filling it again. Every shape is static: ``S``, the history length ``H``, and
+the ``R`` rows of a fill compile once each.
+
+A row's draws equal :func:`generate`'s with per-row keys: a row filled with
+the key that ``generate`` gets for it draws at each step from the same key,
+after the same processors (the
+per-row knobs, ``num_generated = t``, its own history and counts), so a
+seeded request gives the same tokens whatever else shares the slots (up to
+the float rounding of a different batch shape). Log-probs are the model's own
+``log_softmax`` (``log_probs_from="model"``), with the top ``K``.
+
+Stop strings are the caller's: it reads the text each chunk and frees the
+slot (a slot runs at most ``num_steps - 1`` steps past one).
+"""
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lmhead import _checks
+from lmhead.decoding import _loop
+from lmhead.decoding._loop import StepFn
+from lmhead.decoding.knobs import KNOBS, TRACED_KNOBS, SamplingKnobs, neutral_value
+from lmhead.decoding.processors import NO_TOKEN, process_logits
+from lmhead.decoding.sampling import (
+    FINISHED_BAD_LOGITS,
+    FINISHED_EOS,
+    FINISHED_LENGTH,
+)
+from lmhead.head import NEG_INF
+
+
+class SlotState(NamedTuple):
+    """The slots' state; every leaf has the ``S`` slots first.
+
+    Attributes:
+        logits: ``float32 [S, V]``, each slot's logits for its next token.
+        model_state: ``step_fn``'s state for ``S`` rows (a key/value cache).
+        keys: ``[S]`` PRNG keys; step ``t`` of slot ``s`` draws from
+            ``fold_in(keys[s], t)``.
+        generated: ``int32 [S]``, tokens the slot's row has generated.
+        limits: ``int32 [S]``: the row runs while ``generated < limits``;
+            0 for a free slot, and set to ``generated`` when the row ends
+            early (EOS or non-finite logits).
+        finish_reasons: ``int32 [S]``, ``FINISHED_*`` of :class:`Generation`.
+        history: ``int32 [S, H]``, prompt then generated tokens, latest
+            last, ``NO_TOKEN`` before them (what ``repetition_penalty`` reads).
+        counts: ``int32 [S, V]``, how often the row generated each token
+            (what the presence and frequency penalties read).
+        knobs: :class:`SamplingKnobs` with every traced knob ``[S]``
+            (``logit_bias`` ``[S, V]``) and no static knob.
+    """
+
+    logits: jax.Array
+    model_state: Any
+    keys: jax.Array
+    generated: jax.Array
+    limits: jax.Array
+    finish_reasons: jax.Array
+    history: jax.Array
+    counts: jax.Array
+    knobs: SamplingKnobs
+
+
+class SlotChunk(NamedTuple):
+    """What :func:`step_slots` produced, ``N = num_steps``, ``K = top_logprobs``.
+
+    Attributes:
+        tokens: ``int32 [S, N]``; ``emitted[s, j]`` says whether step ``j``
+            gave slot ``s`` a token (0 where not).
+        emitted: ``bool [S, N]``; a slot's emitted steps come first.
+        log_probs: ``float32 [S, N]``, the model's log-prob of each token.
+        top_tokens: ``int32 [S, N, K]``; top_log_probs: ``float32 [S, N, K]``.
+        generated, limits, finish_reasons: the state's after the chunk; a
+            slot whose row ended has ``generated == limits > 0``.
+    """
+
+    tokens: jax.Array
+    emitted: jax.Array
+    log_probs: jax.Array
+    top_tokens: jax.Array
+    top_log_probs: jax.Array
+    generated: jax.Array
+    limits: jax.Array
+    finish_reasons: jax.Array
+
+
+def full_knobs(knobs: SamplingKnobs, rows: int, vocab_size: int) -> SamplingKnobs:
+    """``knobs`` with every traced knob as ``rows`` values (``logit_bias``
+    ``[rows, V]``): a knob that is None becomes its neutral value, a scalar
+    is repeated. The slots hold every knob, so that one compiled step serves
+    every request.
+
+    Raises:
+        ValueError: a static knob (``no_repeat_ngram_size``,
+            ``suppress_tokens``) is set: it would be one value for all slots.
+
+    Examples:
+        >>> knobs = full_knobs(SamplingKnobs(temperature=0.5, top_k=None), 2, 3)
+        >>> knobs.temperature, knobs.top_k, knobs.logit_bias.shape
+        (array([0.5, 0.5], dtype=float32), array([0, 0], dtype=int32), (2, 3))
+    """
+    for name in KNOBS:
+        if name not in TRACED_KNOBS and getattr(knobs, name) is not None:
+            raise ValueError(
+                f"{name} is one value for the whole batch; slots take per-row "
+                "knobs only (leave it None)."
+            )
+    knobs.check(rows, vocab_size)
+    values = {}
+    for name in TRACED_KNOBS:
+        spec = SamplingKnobs.__dataclass_fields__[name].metadata
+        value = getattr(knobs, name)
+        if value is None:
+            value = neutral_value(name)
+        shape = (rows, vocab_size) if spec.get("per_token") else (rows,)
+        values[name] = np.broadcast_to(np.asarray(value, spec["dtype"]), shape)
+    return SamplingKnobs(**values)
+
+
+def empty_slots(
+    model_state: Any, *, vocab_size: int, history_len: int, key: jax.Array
+) -> SlotState:
+    """Free slots, one per row of ``model_state``.
+
+    Args:
+        model_state: ``step_fn``'s state for ``S`` rows, e.g.
+            ``kv_cache.init_cache(model, S)``.
+        vocab_size: ``V``.
+        history_len: ``H``, the longest prompt plus generation a slot holds
+            (the model's ``max_len``).
+        key: any PRNG key (the free slots' keys; a fill replaces them).
+
+    Examples:
+        >>> state = empty_slots(jnp.zeros([3, 2]), vocab_size=5, history_len=4,
+        ...                     key=jax.random.key(0))
+        >>> state.logits.shape, state.limits, state.knobs.logit_bias.shape
+        ((3, 5), Array([0, 0, 0], dtype=int32), (3, 5))
+    """
+    _checks.check_count("vocab_size", vocab_size)
+    _checks.check_count("history_len", history_len)
+    leaves = jax.tree.leaves(model_state)
+    if not leaves or not jnp.ndim(leaves[0]):
+        raise ValueError("model_state must have leaves with the slots first.")
+    slots = jnp.shape(leaves[0])[0]
+    _loop.check_state(model_state, slots)
+    knobs = full_knobs(SamplingKnobs(temperature=0.0), slots, vocab_size)
+    zeros = lambda: jnp.zeros((slots,), jnp.int32)  # distinct, to be donated
+    return SlotState(
+        logits=jnp.zeros((slots, vocab_size), jnp.float32),
+        model_state=model_state,
+        keys=jax.random.split(key, slots),
+        generated=zeros(),
+        limits=zeros(),
+        finish_reasons=jnp.full((slots,), FINISHED_LENGTH, jnp.int32),
+        history=jnp.full((slots, history_len), NO_TOKEN, jnp.int32),
+        counts=jnp.zeros((slots, vocab_size), jnp.int32),
+        knobs=jax.tree.map(jnp.asarray, knobs),
+    )
+
+
+def _right_aligned(prompt_tokens: jax.Array, history_len: int) -> jax.Array:
+    """``int32 [R, H]``: each row's non-negative ids, right-aligned, after
+    ``NO_TOKEN``."""
+    rows, width = prompt_tokens.shape
+    if width < history_len:
+        pad = jnp.full((rows, history_len - width), NO_TOKEN, jnp.int32)
+        prompt_tokens = jnp.concatenate([pad, prompt_tokens], axis=1)
+    order = jnp.argsort(prompt_tokens >= 0, axis=1, stable=True)
+    aligned = jnp.take_along_axis(prompt_tokens, order, axis=1)[:, -history_len:]
+    return jnp.where(aligned >= 0, aligned, NO_TOKEN)
+
+
+@partial(jax.jit, donate_argnames="state")
+def _fill(state, slots, logits, model_state, keys, limits, history, knobs):
+    put = lambda whole, rows: whole.at[slots].set(rows, mode="drop")
+    history = _right_aligned(history, state.history.shape[1])
+    return SlotState(
+        logits=put(state.logits, logits),
+        model_state=jax.tree.map(put, state.model_state, model_state),
+        keys=put(state.keys, keys),
+        generated=put(state.generated, jnp.zeros_like(limits)),
+        limits=put(state.limits, limits),
+        finish_reasons=put(
+            state.finish_reasons, jnp.full_like(limits, FINISHED_LENGTH)
+        ),
+        history=put(state.history, history),
+        counts=put(state.counts, jnp.zeros_like(logits, jnp.int32)),
+        knobs=jax.tree.map(put, state.knobs, knobs),
+    )
+
+
+def fill_slots(
+    state: SlotState,
+    slots: jax.typing.ArrayLike,
+    logits: jax.typing.ArrayLike,
+    model_state: Any,
+    *,
+    keys: jax.Array,
+    max_new_tokens: jax.typing.ArrayLike,
+    prompt_tokens: jax.typing.ArrayLike,
+    knobs: SamplingKnobs,
+) -> SlotState:
+    """Starts ``R`` prefilled rows in ``slots`` (donates ``state``).
+
+    Args:
+        state: the slots.
+        slots: ``int [R]``, the slot each row takes; a value ``>= S`` drops
+            the row (the padding of a bucketed prefill).
+        logits: ``float [R, V]``, each prompt's next-token logits.
+        model_state: ``step_fn``'s state for the ``R`` rows (a prefilled
+            cache with the shapes of ``state.model_state``'s rows).
+        keys: ``[R]`` PRNG keys, one per row, as :func:`generate`'s ``key``
+            of one key per row: the row then draws what ``generate`` would.
+        max_new_tokens: ``int [R]``, each row's limit, ``>= 1`` (the caller
+            makes sure prompt plus limit fits the model).
+        prompt_tokens: ``int [R, P]``, each prompt, negative ids after it.
+        knobs: the rows' knobs as :func:`full_knobs` gives them.
+
+    Examples:
+        >>> state = empty_slots(jnp.zeros([3]), vocab_size=2, history_len=4,
+        ...                     key=jax.random.key(0))
+        >>> state = fill_slots(
+        ...     state, jnp.array([2]), jnp.zeros([1, 2]), jnp.ones([1]),
+        ...     keys=jax.random.split(jax.random.key(1), 1),
+        ...     max_new_tokens=jnp.array([5]), prompt_tokens=jnp.array([[1, -1]]),
+        ...     knobs=full_knobs(SamplingKnobs(), 1, 2))
+        >>> state.limits, state.model_state, state.history[2]
+        (Array([0, 0, 5], dtype=int32), Array([0., 0., 1.], dtype=float32), Array([-1, -1, -1,  1], dtype=int32))
+    """
+    logits = _checks.as_logits(logits, "[R, V]")
+    rows = logits.shape[0]
+    if logits.shape[1] != state.logits.shape[1]:
+        raise ValueError(
+            f"logits must have V = {state.logits.shape[1]} columns; got {logits.shape}."
+        )
+    for name, value in (("slots", slots), ("max_new_tokens", max_new_tokens)):
+        _checks.check_integer(name, value)
+        if jnp.shape(value) != (rows,):
+            raise ValueError(
+                f"{name} must have shape [R] = ({rows},); got {jnp.shape(value)}."
+            )
+    _checks.check_in_range("slots", slots, low=0)
+    _checks.check_in_range("max_new_tokens", max_new_tokens, low=1)
+    _loop.check_token_rows("prompt_tokens", prompt_tokens, rows, "[R, P]")
+    _loop.check_state(model_state, rows)
+    full = jax.tree.structure(state.knobs)
+    if jax.tree.structure(knobs) != full:
+        raise ValueError(
+            "knobs must hold every traced knob; build them with full_knobs."
+        )
+    knobs.check(rows, state.logits.shape[1])
+    return _fill(
+        state,
+        jnp.asarray(slots, jnp.int32),
+        logits,
+        model_state,
+        _loop.row_keys(keys, rows, 1),
+        jnp.asarray(max_new_tokens, jnp.int32),
+        jnp.asarray(prompt_tokens, jnp.int32),
+        jax.tree.map(jnp.asarray, knobs),
+    )
+
+
+@partial(jax.jit, donate_argnames="state")
+def free_slots(state: SlotState, slots: jax.Array) -> SlotState:
+    """Ends the rows in ``slots`` (``int [F]``; values ``>= S`` are ignored):
+    their limit becomes what they have generated, so that they emit nothing
+    more. A cancelled request or a stop string frees its slots this way.
+
+    Examples:
+        >>> state = empty_slots(jnp.zeros([2]), vocab_size=2, history_len=2,
+        ...                     key=jax.random.key(0))
+        >>> state = state._replace(limits=jnp.array([4, 4]), generated=jnp.array([1, 3]))
+        >>> free_slots(state, jnp.array([1, 5])).limits
+        Array([4, 3], dtype=int32)
+    """
+    limits = state.limits.at[slots].set(state.generated[slots], mode="drop")
+    return state._replace(limits=limits)
+
+
+def _not_finite(logits: jax.Array) -> jax.Array:
+    return jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1) | jnp.all(
+        logits == NEG_INF, axis=-1
+    )
+
+
+def _one_step(step_fn, params, eos_ids, top_logprobs, state: SlotState):
+    live = state.generated < state.limits
+    eos_argument = eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None)
+    processed = process_logits(
+        state.logits,
+        state.knobs,
+        history=state.history,
+        counts=state.counts,
+        num_generated=state.generated,
+        eos_id=eos_argument,
+    )
+    step_keys = jax.vmap(jax.random.fold_in)(state.keys, state.generated)
+    sampled = jax.vmap(jax.random.categorical)(step_keys, processed)
+    greedy = jnp.argmax(processed, axis=-1)
+    token = jnp.where(state.knobs.temperature > 0, sampled, greedy).astype(jnp.int32)
+    log_dist = jax.nn.log_softmax(state.logits, axis=-1)
+    log_prob = jnp.take_along_axis(log_dist, token[:, None], axis=-1)[:, 0]
+    top_log_probs, top_tokens = jax.lax.top_k(log_dist, max(top_logprobs, 1))
+    bad = _not_finite(state.logits) & live
+    emitted = live & ~bad
+    eos = jnp.zeros_like(live)
+    for eos_id in eos_ids:
+        eos = eos | (token == eos_id)
+    eos = eos & emitted
+    token = jnp.where(emitted, token, 0)
+    generated = state.generated + emitted.astype(jnp.int32)
+    limits = jnp.where(eos | bad, generated, state.limits)
+    reasons = jnp.where(eos, FINISHED_EOS, state.finish_reasons)
+    reasons = jnp.where(bad, FINISHED_BAD_LOGITS, reasons).astype(jnp.int32)
+    history = jnp.where(
+        emitted[:, None],
+        jnp.concatenate([state.history[:, 1:], token[:, None]], axis=1),
+        state.history,
+    )
+    row_ids = jnp.arange(token.shape[0])
+    counts = state.counts.at[row_ids, token].add(emitted.astype(jnp.int32))
+    # A row that emitted nothing feeds position 0 of its own cache row: it is
+    # free or has ended, and its next fill overwrites it; left alone, its
+    # position would run past the model's max_len.
+    model_state = state.model_state
+    reset = getattr(step_fn, "reset_rows", None)
+    if reset is not None:
+        model_state = reset(model_state, ~emitted)
+    logits, model_state = step_fn(params, token, model_state)
+    new = SlotState(
+        logits=jnp.asarray(logits, jnp.float32),
+        model_state=model_state,
+        keys=state.keys,
+        generated=generated,
+        limits=limits,
+        finish_reasons=reasons,
+        history=history,
+        counts=counts,
+        knobs=state.knobs,
+    )
+    zero = lambda x: jnp.where(
+        emitted.reshape(emitted.shape + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x)
+    )
+    out = (
+        token,
+        emitted,
+        zero(log_prob),
+        zero(top_tokens[:, :top_logprobs]),
+        zero(top_log_probs[:, :top_logprobs]),
+    )
+    return new, out
+
+
+@partial(
+    jax.jit,
+    static_argnames=("step_fn", "num_steps", "eos_ids", "top_logprobs"),
+    donate_argnames="state",
+)
+def _step_slots(step_fn, params, state, *, num_steps, eos_ids, top_logprobs):
+    step = partial(_one_step, step_fn, params, eos_ids, top_logprobs)
+    state, outs = jax.lax.scan(lambda s, _: step(s), state, length=num_steps)
+    tokens, emitted, log_probs, top_tokens, top_log_probs = (
+        jnp.moveaxis(x, 0, 1) for x in outs
+    )
+    chunk = SlotChunk(
+        tokens=tokens,
+        emitted=emitted,
+        log_probs=log_probs,
+        top_tokens=top_tokens,
+        top_log_probs=top_log_probs,
+        generated=state.generated,
+        limits=state.limits,
+        finish_reasons=state.finish_reasons,
+    )
+    return state, chunk
+
+
+def step_slots(
+    step_fn: StepFn,
+    params: Any,
+    state: SlotState,
+    *,
+    num_steps: int,
+    eos_id: int | Sequence[int] | None = None,
+    top_logprobs: int = 0,
+) -> tuple[SlotState, SlotChunk]:
+    """Decodes every slot ``num_steps`` times in one compiled call (donates
+    ``state``).
+
+    At each step a running slot (``generated < limits``) draws its next
+    token from ``process_logits(logits, knobs, history, counts,
+    num_generated=generated)`` (greedy where its temperature is 0), and
+    every slot's token goes through ``step_fn``: ``S`` rows per step however
+    many run. A row ends at its limit, at an ``eos_id`` (which it emits), or
+    at non-finite logits (emitting nothing, reason ``FINISHED_BAD_LOGITS``).
+    If ``step_fn`` has ``reset_rows(state, rows)``, the rows that emitted
+    nothing are emptied before the step (see
+    :func:`lmhead.lm.kv_cache.reset_rows`), so a free slot never runs past
+    the cache.
+
+    Args:
+        step_fn: ``(params, tokens int32 [S], state) -> (logits [S, V],
+            state)``, hashable (it is static).
+        params: its parameters.
+        state: the slots.
+        num_steps: ``N >= 1`` steps per call.
+        eos_id: None, an id or ids that end a row.
+        top_logprobs: ``K``, the top log-probs to return per step.
+
+    Returns:
+        ``(state, chunk)``, :class:`SlotChunk` of the ``N`` steps.
+
+    Examples:
+        >>> table = jnp.log(jnp.array([[0.1, 0.9], [0.8, 0.2]]))
+        >>> step_fn = lambda params, tokens, state: (params[tokens], state)
+        >>> state = empty_slots(jnp.zeros([2]), vocab_size=2, history_len=8,
+        ...                     key=jax.random.key(0))
+        >>> state = fill_slots(
+        ...     state, jnp.array([0, 1]), table, jnp.zeros([2]),
+        ...     keys=jax.random.split(jax.random.key(1), 2),
+        ...     max_new_tokens=jnp.array([3, 1]),
+        ...     prompt_tokens=jnp.array([[0], [1]]),
+        ...     knobs=full_knobs(SamplingKnobs(temperature=0.0), 2, 2))
+        >>> state, chunk = step_slots(step_fn, table, state, num_steps=4)
+        >>> chunk.tokens, chunk.emitted.sum(axis=1)
+        (Array([[1, 0, 1, 0],
+               [0, 0, 0, 0]], dtype=int32), Array([3, 1], dtype=int32))
+    """
+    _loop.check_step_fn(step_fn)
+    _checks.check_count("num_steps", num_steps)
+    vocab_size = state.logits.shape[1]
+    eos_ids = _loop.eos_ids(eos_id, vocab_size)
+    _loop.check_outputs(top_logprobs, "model", vocab_size)
+    return _step_slots(
+        step_fn,
+        params,
+        state,
+        num_steps=int(num_steps),
+        eos_ids=eos_ids,
+        top_logprobs=int(top_logprobs),
+    )

@@ -1,0 +1,484 @@
+"""Continuous batching of OpenAI completion requests: :class:`SlotBatcher`.
+
+The engine holds ``S`` decode slots (:mod:`lmhead.decoding.slots`). One
+worker thread repeats: free the slots of finished, stopped and cancelled
+rows; prefill waiting requests, oldest first, into free slots (all rows of a
+request at once, several requests per prefill); decode every slot
+``steps_per_call`` steps in one compiled call; hand each request its new
+tokens. A short request leaves as soon as it ends, and the next one starts
+in its slot before the following call, so one long request holds no other
+behind it. Shapes are static: ``S`` slots, the engine's prefill buckets, and
+one fill program per batch bucket, all compiled by :meth:`SlotBatcher.warm_up`.
+
+Beam requests and echo-only requests (``max_tokens`` 0) keep the window
+batcher (``lmhead/serve/batching.py``); the service routes them there.
+
+A request's rows draw as :func:`lmhead.decoding.generate` with per-row keys
+would (:func:`completions.row_keys`): a seeded request gives the same
+completions whatever else runs beside it.
+"""
+
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from lmhead import _checks, decoding
+from lmhead.lm import kv_cache
+from lmhead.serve import completions, requests
+from lmhead.serve.openai_api import MAX_LOGPROBS, CompletionRequest
+
+DEFAULT_STEPS_PER_CALL = 4
+
+
+@dataclasses.dataclass(eq=False)
+class _Row:
+    """One sequence of a request: sample ``s`` of prompt ``p``, in ``slot``."""
+
+    p: int
+    s: int
+    slot: int = -1
+    tokens: list = dataclasses.field(default_factory=list)
+    log_probs: list = dataclasses.field(default_factory=list)
+    top_tokens: list = dataclasses.field(default_factory=list)
+    top_log_probs: list = dataclasses.field(default_factory=list)
+    reason: int | None = None  # FINISHED_* once the row has ended
+
+
+@dataclasses.dataclass(eq=False)
+class _Job:
+    request: CompletionRequest
+    arrival: float
+    future: concurrent.futures.Future = dataclasses.field(
+        default_factory=concurrent.futures.Future
+    )
+    rows: list = dataclasses.field(default_factory=list)
+    prompt_scores: dict = dataclasses.field(default_factory=dict)
+    cancelled: bool = False
+    last_tokens_at: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotEvents:
+    """Callbacks of :class:`SlotBatcher`, called from its worker thread.
+
+    Attributes:
+        first_token: ``(seconds)`` from a request's arrival to its first
+            tokens.
+        inter_token: ``(seconds)`` per token between two deliveries of a
+            request's tokens (the gap divided by the tokens delivered).
+        cancelled: ``(rows)`` when a running request is cancelled and its
+            rows leave their slots.
+    """
+
+    first_token: Callable[[float], None] = lambda seconds: None
+    inter_token: Callable[[float], None] = lambda seconds: None
+    cancelled: Callable[[int], None] = lambda rows: None
+
+
+class SlotBatcher:
+    """Queues completion requests for ``engine`` and decodes them in slots.
+
+    Args:
+        engine: a :class:`lmhead.serve.batching.Engine` (its prefill buckets
+            are used; :meth:`warm_up` compiles what the slots add).
+        slots: ``S``, at least the largest batch bucket (a request's rows
+            start together). Default: the largest batch bucket.
+        max_queue: requests that may wait; :meth:`submit` raises
+            :class:`requests.QueueFull` beyond.
+        steps_per_call: decoding steps per compiled call: more steps cost
+            fewer host round trips, fewer make a finished slot free sooner.
+        events: :class:`SlotEvents` for the metrics.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from lmhead.lm import data, model as model_lib
+        >>> from lmhead.serve import batching, openai_api
+        >>> tokenizer = data.CharTokenizer("abcd")
+        >>> model = model_lib.DecoderLM(vocab_size=4, num_layers=1, num_heads=2,
+        ...                             d_model=8, mlp_dim=16, max_len=8)
+        >>> params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+        >>> engine = batching.Engine(model, params, tokenizer,
+        ...                          requests.Buckets((2,), (4,), (4,)))
+        >>> slots = SlotBatcher(engine, max_queue=4)
+        >>> request = openai_api.parse_completion(
+        ...     {"model": "m", "prompt": "ab", "max_tokens": 3, "temperature": 0},
+        ...     tokenizer,
+        ...     engine.buckets, requests.Limits(), "m")
+        >>> slots.submit(request).result()["completion_tokens"]
+        3
+        >>> slots.stop()
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        slots: int | None = None,
+        max_queue: int,
+        steps_per_call: int = DEFAULT_STEPS_PER_CALL,
+        events: SlotEvents = SlotEvents(),
+    ):
+        largest = engine.buckets.batch_sizes[-1]
+        slots = largest if slots is None else slots
+        _checks.check_count("slots", slots)
+        if slots < largest:
+            raise ValueError(
+                f"slots must be at least the largest batch size {largest} (a "
+                f"request's rows start together); got {slots}."
+            )
+        _checks.check_count("max_queue", max_queue)
+        _checks.check_count("steps_per_call", steps_per_call)
+        self.engine, self.slots, self.max_queue = engine, slots, max_queue
+        self.steps_per_call, self._events = steps_per_call, events
+        model = engine.model
+        self._vocab_size, self._history_len = model.vocab_size, model.max_len
+        self._eos_id = engine.tokenizer.eos_id
+        self._top = min(MAX_LOGPROBS, model.vocab_size)
+        self._state = decoding.empty_slots(
+            kv_cache.init_cache(model, slots),
+            vocab_size=model.vocab_size,
+            history_len=model.max_len,
+            key=jax.random.key(0),
+        )
+        self._holders: list[tuple[_Job, _Row] | None] = [None] * slots
+        self._waiting: collections.deque[_Job] = collections.deque()
+        self._jobs: dict[concurrent.futures.Future, _Job] = {}
+        self._changed = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(
+            target=self._serve, name="slot-batcher", daemon=True
+        )
+        self._thread.start()
+
+    # The interface the web layer uses, as the window batcher's.
+
+    def depth(self) -> int:
+        """Requests waiting for slots."""
+        return len(self._waiting)
+
+    def active(self) -> int:
+        """Slots that hold a running row."""
+        return sum(holder is not None for holder in self._holders)
+
+    def submit(self, request: CompletionRequest) -> concurrent.futures.Future:
+        """Queues a checked completion request (``max_tokens >= 1``, no beam
+        search); its future gives :func:`completions.request_result`."""
+        if request.max_tokens == 0 or request.num_beams > 1:
+            raise ValueError("slots run sampled and greedy requests that generate.")
+        job = _Job(request, time.monotonic())
+        job.rows = [
+            _Row(p, s) for p in range(len(request.prompt_ids)) for s in range(request.n)
+        ]
+        with self._changed:
+            if self._stopping:
+                raise RuntimeError("the batcher is stopped.")
+            if len(self._waiting) >= self.max_queue:
+                raise requests.QueueFull(f"{self.max_queue} requests are waiting.")
+            self._waiting.append(job)
+            self._jobs[job.future] = job
+            self._changed.notify()
+        return job.future
+
+    def cancel(self, future: concurrent.futures.Future) -> None:
+        """Cancels a request: a waiting one leaves the queue, a running one
+        frees its slots before the next decoding call. A no-op once it ended."""
+        with self._changed:
+            job = self._jobs.get(future)
+            if job is None:
+                return
+            job.cancelled = True
+            future.cancel()  # succeeds while it waits
+            self._changed.notify()
+
+    def stop(self) -> None:
+        """Cancels every request and ends the worker after its call."""
+        with self._changed:
+            self._stopping = True
+            for job in self._jobs.values():
+                job.future.cancel()
+            self._changed.notify()
+        self._thread.join()
+
+    def warm_up(self) -> int:
+        """Compiles the slots' programs: a fill per batch bucket, the freeing
+        of slots, and the decoding call; returns the number compiled."""
+        engine, runs = self.engine, 0
+        for rows in engine.buckets.batch_sizes:
+            logits, cache, history = engine._prefill([np.zeros([1], np.int32)] * rows)
+            self._state = decoding.fill_slots(
+                self._state,
+                np.full([len(logits)], self.slots, np.int32),  # dropped
+                logits,
+                cache,
+                keys=jax.random.split(jax.random.key(0), len(logits)),
+                max_new_tokens=np.ones([len(logits)], np.int32),
+                prompt_tokens=history,
+                knobs=self._knobs([], len(logits)),
+            )
+            runs += 1
+        self._free([])
+        self._state, chunk = self._step()
+        jax.block_until_ready(chunk)
+        return runs + 2
+
+    # The worker.
+
+    def _serve(self) -> None:
+        while True:
+            with self._changed:
+                while not (self._stopping or self._waiting or self.active()):
+                    self._changed.wait()
+                if self._stopping:
+                    return
+                admitted = self._admissible()
+                cancelled = [
+                    (job, row)
+                    for job, row in filter(None, self._holders)
+                    if job.cancelled
+                ]
+            try:
+                self._release(cancelled)
+                self._admit(admitted)
+                if self.active():
+                    self._state, chunk = self._step()
+                    self._deliver(jax.device_get(chunk))
+            except Exception as error:  # fail the running requests, go on
+                self._fail_all(error)
+
+    def _admissible(self) -> list[_Job]:
+        """The waiting jobs, oldest first, that fit in the free slots (one
+        job that does not fit stops the rest: none overtakes the oldest)."""
+        free = self.slots - self.active()
+        taken = []
+        while self._waiting:
+            job = self._waiting[0]
+            if job.future.cancelled():
+                self._waiting.popleft()
+                self._jobs.pop(job.future, None)
+                continue
+            if len(job.rows) > free:
+                break
+            self._waiting.popleft()
+            if job.future.set_running_or_notify_cancel():
+                taken.append(job)
+                free -= len(job.rows)
+            else:
+                self._jobs.pop(job.future, None)
+        return taken
+
+    def _knobs(self, rows: list[tuple[_Job, _Row]], size: int):
+        """Every row's knobs (:func:`decoding.full_knobs`), padding rows greedy."""
+        pad = decoding.SamplingKnobs(temperature=0.0)
+        each = [job.request.knobs for job, _ in rows] + [pad] * (size - len(rows))
+        full = [decoding.full_knobs(k, 1, self._vocab_size) for k in each]
+        return jax.tree.map(lambda *values: np.concatenate(values), *full)
+
+    def _admit(self, jobs: list[_Job]) -> None:
+        """Prefills the jobs' rows, as few prefills as the batch buckets allow."""
+        largest = self.engine.buckets.batch_sizes[-1]
+        group, size = [], 0
+        for job in jobs:
+            job.prompt_scores = completions.echo_scores(self.engine, job.request)
+            if size + len(job.rows) > largest:
+                self._prefill(group)
+                group, size = [], 0
+            group.append(job)
+            size += len(job.rows)
+        if group:
+            self._prefill(group)
+
+    def _prefill(self, jobs: list[_Job]) -> None:
+        rows = [(job, row) for job in jobs for row in job.rows]
+        free = [slot for slot, holder in enumerate(self._holders) if holder is None]
+        logits, cache, history = self.engine._prefill(
+            [job.request.prompt_ids[row.p] for job, row in rows]
+        )
+        size = len(logits)
+        slots = np.full([size], self.slots, np.int32)
+        limits = np.ones([size], np.int32)
+        keys = []
+        for i, (job, row) in enumerate(rows):
+            row.slot = slots[i] = free[i]
+            limits[i] = job.request.max_tokens
+            self._holders[row.slot] = (job, row)
+        for job in jobs:
+            mine = [(0, row.p, row.s) for row in job.rows]
+            keys.append(
+                completions.row_keys(self.engine, [job.request], mine, len(mine))
+            )
+        keys.append(jax.random.split(jax.random.key(0), size - len(rows)))
+        self._state = decoding.fill_slots(
+            self._state,
+            slots,
+            logits,
+            cache,
+            keys=jax.numpy.concatenate(keys),
+            max_new_tokens=limits,
+            prompt_tokens=history,
+            knobs=self._knobs(rows, size),
+        )
+
+    def _step(self):
+        state, chunk = decoding.step_slots(
+            self.engine._step_fn,
+            self.engine.params,
+            self._state,
+            num_steps=self.steps_per_call,
+            eos_id=self._eos_id,
+            top_logprobs=self._top,
+        )
+        return state, chunk
+
+    def _free(self, slots: list[int]) -> None:
+        """Ends the rows in ``slots`` on the device (one program: the list is
+        padded to ``S`` with dropped entries)."""
+        padded = np.full([self.slots], self.slots, np.int32)
+        padded[: len(slots)] = slots
+        self._state = decoding.free_slots(self._state, padded)
+
+    def _release(self, rows: list[tuple[_Job, _Row]]) -> None:
+        """Frees the slots of cancelled rows and forgets their jobs."""
+        if not rows:
+            return
+        self._free([row.slot for _, row in rows])
+        for job, row in rows:
+            self._holders[row.slot] = None
+            row.reason = decoding.FINISHED_STOP
+            self._jobs.pop(job.future, None)
+            if not job.future.done():
+                job.future.set_exception(concurrent.futures.CancelledError())
+        self._events.cancelled(len(rows))
+
+    def _deliver(self, chunk: decoding.SlotChunk) -> None:
+        """Gives each running row its new tokens; ends rows at their limit,
+        EOS or stop string; streams and answers the jobs."""
+        now, stopped, touched = time.monotonic(), [], {}  # touched: job -> new tokens
+        for slot, holder in enumerate(self._holders):
+            if holder is None:
+                continue
+            job, row = holder
+            count = int(chunk.emitted[slot].sum())
+            if count == 0 and chunk.generated[slot] < chunk.limits[slot]:
+                continue
+            before = len(row.tokens)
+            row.tokens += chunk.tokens[slot, :count].tolist()
+            row.log_probs += chunk.log_probs[slot, :count].tolist()
+            row.top_tokens += list(chunk.top_tokens[slot, :count])
+            row.top_log_probs += list(chunk.top_log_probs[slot, :count])
+            touched[job] = touched.get(job, 0) + count
+            end = self._stop_string_end(job.request, row, before)
+            if end is not None:
+                self._truncate(row, end)
+                row.reason = decoding.FINISHED_STOP
+                stopped.append(slot)
+            elif chunk.generated[slot] >= chunk.limits[slot]:
+                row.reason = int(chunk.finish_reasons[slot])
+            if row.reason is not None:
+                self._holders[slot] = None
+        if stopped:
+            self._free(stopped)
+        for job, count in touched.items():
+            self._report(job, count, now)
+
+    def _stop_string_end(self, request, row: _Row, before: int) -> int | None:
+        """How many tokens the row keeps if a stop string ends in its new
+        tokens (the token that completes it is the last), else None."""
+        if not request.stop:
+            return None
+        tokenizer = self.engine.tokenizer
+        text = lambda n: decoding.detokenize(
+            np.asarray(row.tokens[:n], np.int32), tokenizer, eos_id=tokenizer.eos_id
+        )
+        if decoding.find_stop(text(len(row.tokens)), request.stop) is None:
+            return None
+        for n in range(before + 1, len(row.tokens) + 1):
+            if decoding.find_stop(text(n), request.stop) is not None:
+                return n
+        return len(row.tokens)
+
+    @staticmethod
+    def _truncate(row: _Row, n: int) -> None:
+        for name in ("tokens", "log_probs", "top_tokens", "top_log_probs"):
+            del getattr(row, name)[n:]
+
+    def _report(self, job: _Job, new: int, now: float) -> None:
+        """The job's metrics, its stream chunk, and its answer once every
+        row has ended; ``new`` tokens came in this call."""
+        if new and job.last_tokens_at is None:
+            self._events.first_token(now - job.arrival)
+        elif new:
+            self._events.inter_token((now - job.last_tokens_at) / new)
+        if new:
+            job.last_tokens_at = now
+        request, done = job.request, all(row.reason is not None for row in job.rows)
+        if request.sink is not None and not done:
+            request.sink(
+                [
+                    (
+                        row.p * request.n + row.s,
+                        (request.prompt_texts[row.p] if request.echo else "")
+                        + completions.completion_text(
+                            self.engine, request, row.tokens, row.reason is not None
+                        ),
+                        len(row.tokens),
+                    )
+                    for row in job.rows
+                ]
+            )
+        if done:
+            self._jobs.pop(job.future, None)
+            if not job.future.done():
+                job.future.set_result(self._result(job))
+
+    def _result(self, job: _Job) -> dict:
+        request, rows = job.request, job.rows
+        width = max(1, max(len(row.tokens) for row in rows))
+        k = self._top
+
+        def pad(values, shape, dtype):
+            out = np.zeros([len(rows), width, *shape], dtype)
+            for i, row in enumerate(rows):
+                if getattr(row, values):
+                    out[i, : len(getattr(row, values))] = np.asarray(
+                        getattr(row, values), dtype
+                    ).reshape(-1, *shape)
+            return out
+
+        generated = decoding.Generation(
+            tokens=pad("tokens", (), np.int32),
+            log_probs=pad("log_probs", (), np.float32),
+            lengths=np.asarray([len(row.tokens) for row in rows], np.int32),
+            finish_reasons=np.asarray([row.reason for row in rows], np.int32),
+            top_tokens=pad("top_tokens", (k,), np.int32),
+            top_log_probs=pad("top_log_probs", (k,), np.float32),
+        )
+        return completions.request_result(
+            self.engine,
+            request,
+            [(i, row.p, row.s) for i, row in enumerate(rows)],
+            generated,
+            job.prompt_scores,
+        )
+
+    def _fail_all(self, error: Exception) -> None:
+        """Fails every running job (the state is rebuilt: a failed call may
+        have consumed its donated buffers)."""
+        jobs = {id(job): job for job, _ in filter(None, self._holders)}
+        self._holders = [None] * self.slots
+        for job in jobs.values():
+            self._jobs.pop(job.future, None)
+            if not job.future.done():
+                job.future.set_exception(error)
+        self._state = decoding.empty_slots(
+            kv_cache.init_cache(self.engine.model, self.slots),
+            vocab_size=self._vocab_size,
+            history_len=self._history_len,
+            key=jax.random.key(0),
+        )

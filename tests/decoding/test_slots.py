@@ -1,0 +1,223 @@
+"""Tests for continuous batching's slots (lmhead/decoding/slots.py): rows
+that enter and leave the slots between calls decode exactly as
+``decoding.generate`` decodes each row alone, the reference."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lmhead import decoding
+from lmhead.lm import kv_cache
+from lmhead.lm import model as model_lib
+from tests.errors import assert_raises_exactly
+
+MAX_LEN = 24
+VOCAB = 11
+SLOTS = 3
+TOP = 3
+
+
+@pytest.fixture(scope="module")
+def lm():
+    model = model_lib.DecoderLM(
+        vocab_size=VOCAB, num_layers=1, num_heads=2, d_model=16, mlp_dim=32,
+        max_len=MAX_LEN,
+    )  # fmt: skip
+    params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    return model, params, model_lib.make_step_fn(model)
+
+
+# (prompt, limit, knobs): greedy and sampled rows, each knob that reads the
+# history or the counts, a bias.
+ROWS = [
+    ([1, 2, 3], 7, decoding.SamplingKnobs(temperature=0.0)),
+    ([4], 3, decoding.SamplingKnobs(temperature=1.3, top_k=5)),
+    ([5, 6, 7, 8, 9], 10, decoding.SamplingKnobs(top_p=0.9, repetition_penalty=1.4)),
+    ([2, 2], 5, decoding.SamplingKnobs(presence_penalty=0.7, frequency_penalty=0.4)),
+    ([3, 1, 4, 1], 6, decoding.SamplingKnobs(min_p=0.05, min_new_tokens=4)),
+    (
+        [7, 7, 7],
+        8,
+        decoding.SamplingKnobs(logit_bias=np.linspace(-2, 2, VOCAB, dtype=np.float32)),
+    ),
+]
+
+
+def alone(lm, prompt, limit, knobs, key, eos_id=None):
+    """``generate`` on the row by itself."""
+    model, params, step_fn = lm
+    logits, cache = model_lib.prefill(model, params, jnp.asarray([prompt]))
+    return jax.device_get(
+        decoding.generate(
+            step_fn, params, logits, cache,
+            key=key[None], max_new_tokens=limit, knobs=knobs,
+            prompt_tokens=jnp.asarray([prompt]), eos_id=eos_id,
+            top_logprobs=TOP, log_probs_from="model",
+        )
+    )  # fmt: skip
+
+
+def run_slots(lm, rows, keys, *, num_steps, eos_id=None):
+    """Every row through the slots: waiting rows fill free slots (oldest
+    first, two at most per fill) before each call. Returns each row's
+    tokens, log-probs, top tokens and finish reason, and the calls made."""
+    model, params, step_fn = lm
+    state = decoding.empty_slots(
+        kv_cache.init_cache(model, SLOTS), vocab_size=VOCAB, history_len=MAX_LEN,
+        key=jax.random.key(99),
+    )  # fmt: skip
+    waiting, holder = list(range(len(rows))), [None] * SLOTS
+    out = {i: dict(tokens=[], log_probs=[], top=[], reason=None) for i in waiting}
+    calls = 0
+    while waiting or any(h is not None for h in holder):
+        free = [s for s in range(SLOTS) if holder[s] is None]
+        entering = waiting[: min(len(free), 2)]
+        if entering:
+            del waiting[: len(entering)]
+            width = max(len(rows[i][0]) for i in entering)
+            prompts = np.full([len(entering), width], -1, np.int32)
+            for j, i in enumerate(entering):
+                prompts[j, : len(rows[i][0])] = rows[i][0]
+            lengths = np.array([len(rows[i][0]) for i in entering])
+            logits, cache = model_lib.prefill(
+                model, params, np.maximum(prompts, 0), lengths
+            )
+            full = [decoding.full_knobs(rows[i][2], 1, VOCAB) for i in entering]
+            state = decoding.fill_slots(
+                state, np.array(free[: len(entering)]), logits, cache,
+                keys=keys[np.array(entering)],
+                max_new_tokens=np.array([rows[i][1] for i in entering]),
+                prompt_tokens=prompts,
+                knobs=jax.tree.map(lambda *v: np.concatenate(v), *full),
+            )  # fmt: skip
+            for slot, i in zip(free, entering):
+                holder[slot] = i
+        state, chunk = decoding.step_slots(
+            step_fn, params, state, num_steps=num_steps, eos_id=eos_id,
+            top_logprobs=TOP,
+        )  # fmt: skip
+        chunk = jax.device_get(chunk)
+        calls += 1
+        for slot, i in enumerate(holder):
+            if i is None:
+                continue
+            n = int(chunk.emitted[slot].sum())
+            assert chunk.emitted[slot, :n].all()  # emitted steps come first
+            out[i]["tokens"] += chunk.tokens[slot, :n].tolist()
+            out[i]["log_probs"] += chunk.log_probs[slot, :n].tolist()
+            out[i]["top"] += chunk.top_tokens[slot, :n].tolist()
+            if chunk.generated[slot] >= chunk.limits[slot]:
+                out[i]["reason"] = int(chunk.finish_reasons[slot])
+                holder[slot] = None
+    return out, calls, state
+
+
+@pytest.mark.parametrize("num_steps", [1, 4])
+def test_rows_that_join_and_leave_equal_generate_alone(lm, num_steps):
+    keys = jax.random.split(jax.random.key(5), len(ROWS))
+    out, calls, state = run_slots(lm, ROWS, keys, num_steps=num_steps)
+    assert calls < sum(limit for _, limit, _ in ROWS)  # rows shared calls
+    for i, (prompt, limit, knobs) in enumerate(ROWS):
+        want = alone(lm, prompt, limit, knobs, keys[i])
+        assert out[i]["tokens"] == want.tokens[0].tolist(), i
+        np.testing.assert_allclose(out[i]["log_probs"], want.log_probs[0], atol=1e-5)
+        assert out[i]["top"] == want.top_tokens[0].tolist()
+        assert out[i]["reason"] == decoding.FINISHED_LENGTH
+    # The freed slots' cache rows were emptied, not run past max_len.
+    assert int(jnp.max(state.model_state.index)) <= MAX_LEN
+
+
+def test_eos_ends_a_row_and_is_emitted(lm):
+    keys = jax.random.split(jax.random.key(2), 2)
+    rows = [ROWS[0], ROWS[2]]
+    first = alone(lm, *rows[0], keys[0]).tokens[0]
+    eos = int(first[2])
+    out, _, _ = run_slots(lm, rows, keys, num_steps=2, eos_id=eos)
+    for i, row in enumerate(rows):
+        want = alone(lm, *row, keys[i], eos_id=eos)
+        length = int(want.lengths[0])
+        assert out[i]["tokens"] == want.tokens[0, :length].tolist()
+        assert out[i]["reason"] == int(want.finish_reasons[0])
+    assert out[0]["tokens"][-1] == eos
+    assert out[0]["reason"] == decoding.FINISHED_EOS
+
+
+def test_free_slots_stay_empty_and_freed_rows_stop(lm):
+    model, params, step_fn = lm
+    state = decoding.empty_slots(
+        kv_cache.init_cache(model, SLOTS), vocab_size=VOCAB, history_len=MAX_LEN,
+        key=jax.random.key(0),
+    )  # fmt: skip
+    # More steps than max_len: each step of a free slot writes position 0.
+    state, chunk = decoding.step_slots(step_fn, params, state, num_steps=MAX_LEN + 3)
+    assert not np.asarray(chunk.emitted).any()
+    np.testing.assert_array_equal(state.model_state.index, 1)
+    logits, cache = model_lib.prefill(model, params, jnp.array([[1, 2], [3, 4]]))
+    state = decoding.fill_slots(
+        state, np.array([0, 1]), logits, cache,
+        keys=jax.random.split(jax.random.key(1), 2),
+        max_new_tokens=np.array([9, 9]), prompt_tokens=np.array([[1, 2], [3, 4]]),
+        knobs=decoding.full_knobs(decoding.SamplingKnobs(), 2, VOCAB),
+    )  # fmt: skip
+    state, chunk = decoding.step_slots(step_fn, params, state, num_steps=2)
+    state = decoding.free_slots(state, np.array([1, SLOTS]))  # SLOTS: ignored
+    state, chunk = decoding.step_slots(step_fn, params, state, num_steps=2)
+    np.testing.assert_array_equal(np.asarray(chunk.emitted).sum(1), [2, 0, 0])
+    np.testing.assert_array_equal(chunk.generated, [4, 2, 0])
+    np.testing.assert_array_equal(state.model_state.index, [6, 1, 1])
+
+
+def test_bad_input_names_the_argument(lm):
+    model, params, step_fn = lm
+    state = decoding.empty_slots(
+        kv_cache.init_cache(model, SLOTS), vocab_size=VOCAB, history_len=MAX_LEN,
+        key=jax.random.key(0),
+    )  # fmt: skip
+    logits, cache = model_lib.prefill(model, params, jnp.array([[1, 2]]))
+    good = dict(
+        keys=jax.random.split(jax.random.key(1), 1),
+        max_new_tokens=np.array([3]),
+        prompt_tokens=np.array([[1, 2]]),
+        knobs=decoding.full_knobs(decoding.SamplingKnobs(), 1, VOCAB),
+    )
+    fill = lambda slots=(0,), **changes: decoding.fill_slots(
+        state, np.asarray(slots), logits, cache, **{**good, **changes}
+    )
+    assert_raises_exactly(lambda: fill(np.array([0, 1])), ValueError, "slots")
+    assert_raises_exactly(lambda: fill(np.array([-1])), ValueError, "slots")
+    assert_raises_exactly(
+        lambda: fill(max_new_tokens=np.array([0])), ValueError, "max_new_tokens"
+    )
+    assert_raises_exactly(
+        lambda: fill(prompt_tokens=np.array([[1.0]])), TypeError, "prompt_tokens"
+    )
+    assert_raises_exactly(
+        lambda: fill(knobs=decoding.SamplingKnobs()), ValueError, "knobs"
+    )
+    assert_raises_exactly(
+        lambda: decoding.full_knobs(
+            decoding.SamplingKnobs(no_repeat_ngram_size=2), 1, VOCAB
+        ),
+        ValueError,
+        "no_repeat_ngram_size",
+    )
+    assert_raises_exactly(
+        lambda: decoding.full_knobs(
+            dataclasses.replace(decoding.SamplingKnobs(), top_p=2.0), 1, VOCAB
+        ),
+        ValueError,
+        "top_p",
+    )
+    assert_raises_exactly(
+        lambda: decoding.step_slots(step_fn, params, state, num_steps=0),
+        ValueError,
+        "num_steps",
+    )
+    assert_raises_exactly(
+        lambda: decoding.step_slots(step_fn, params, state, num_steps=1, eos_id=VOCAB),
+        ValueError,
+        "eos_id",
+    )

@@ -1,0 +1,211 @@
+"""Tests for continuous batching (lmhead/serve/continuous.py): the slot
+batcher on its own, and the real uvicorn service with the ``openai`` client.
+
+References: the window batcher's own answer to the same request
+(``Engine.complete``, which runs ``decoding.generate``), and the requests'
+own bookkeeping (every request answered once, every slot freed).
+"""
+
+import concurrent.futures
+import random
+import re
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from lmhead.lm import data
+from lmhead.lm import model as model_lib
+from lmhead.serve import batching, continuous, openai_api, requests, web
+from tests.serve.tiny_run import PROMPTS
+
+MODEL = "lmhead"
+LONG = 200  # tokens of a request that runs long enough to be cut short
+
+
+@pytest.fixture(scope="module")
+def long_engine():
+    """An untrained model with room for long completions (no warm-up: the
+    tests compile what they run)."""
+    tokenizer = data.CharTokenizer("abcdefghijklmnopqrstuvwxyz ,.")
+    model = model_lib.DecoderLM(
+        vocab_size=tokenizer.vocab_size, num_layers=1, num_heads=2, d_model=16,
+        mlp_dim=32, max_len=LONG + 8,
+    )  # fmt: skip
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    buckets = requests.Buckets(
+        batch_sizes=(1, 4), prompt_lengths=(8,), new_tokens=(LONG,), beam_sizes=()
+    )
+    return batching.Engine(model, params, tokenizer, buckets)
+
+
+def parse(engine, **body):
+    return openai_api.parse_completion(
+        {"model": MODEL, **body}, engine.tokenizer, engine.buckets,
+        requests.Limits(), MODEL,
+    )  # fmt: skip
+
+
+def assert_same(got, want, path="result"):
+    """Equal JSON values, floats (log-probs) to 1e-5: a batch of another
+    shape rounds differently."""
+    if isinstance(want, float):
+        assert got == pytest.approx(want, abs=1e-5), path
+    elif isinstance(want, dict):
+        assert list(got) == list(want), path
+        for key in want:
+            assert_same(got[key], want[key], f"{path}[{key!r}]")
+    elif isinstance(want, list):
+        assert len(got) == len(want), path
+        for j, (a, b) in enumerate(zip(got, want)):
+            assert_same(a, b, f"{path}[{j}]")
+    else:
+        assert got == want, path
+
+
+def wait_until(condition, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def test_short_requests_pass_a_long_one_and_answers_equal_the_window_path(
+    long_engine,
+):
+    slots = continuous.SlotBatcher(long_engine, max_queue=8, steps_per_call=1)
+    try:
+        long = parse(long_engine, prompt="the", max_tokens=LONG, temperature=0)
+        short = [
+            parse(long_engine, prompt=p, max_tokens=3, temperature=0, logprobs=2)
+            for p in ("a", "be", "cat")
+        ]
+        seeded = parse(long_engine, prompt="dog", max_tokens=6, n=2, seed=3)
+        held = slots.submit(long)
+        wait_until(lambda: slots.active() == 1)
+        answers = [slots.submit(r) for r in [*short, seeded]]
+        results = [a.result(timeout=60) for a in answers]
+        assert not held.done()  # the short ones did not wait for it
+        for request, result in zip([*short, seeded], results):
+            # The window batcher's answer, the request alone in its batch.
+            assert_same(result, long_engine.complete([request])[0])
+        assert_same(held.result(timeout=120), long_engine.complete([long])[0])
+        wait_until(lambda: slots.active() == 0)
+    finally:
+        slots.stop()
+
+
+def test_cancel_frees_the_slots_of_a_running_request(long_engine):
+    cancelled = []
+    slots = continuous.SlotBatcher(
+        long_engine, max_queue=8, steps_per_call=1,
+        events=continuous.SlotEvents(cancelled=cancelled.append),
+    )  # fmt: skip
+    try:
+        future = slots.submit(parse(long_engine, prompt="ab", max_tokens=LONG, n=3))
+        wait_until(lambda: slots.active() == 3)
+        slots.cancel(future)
+        wait_until(lambda: slots.active() == 0)
+        assert cancelled == [3]
+        with pytest.raises(concurrent.futures.CancelledError):
+            future.result(timeout=10)
+        # A waiting request leaves the queue without running.
+        first = slots.submit(parse(long_engine, prompt="a", max_tokens=LONG, n=4))
+        second = slots.submit(parse(long_engine, prompt="b", max_tokens=2))
+        slots.cancel(second)
+        assert second.cancelled()
+        slots.cancel(first)
+        wait_until(lambda: slots.active() == 0 and slots.depth() == 0)
+    finally:
+        slots.stop()
+
+
+def test_slots_must_hold_a_whole_request(long_engine):
+    with pytest.raises(ValueError, match="slots"):
+        continuous.SlotBatcher(long_engine, slots=2, max_queue=1)
+
+
+openai = pytest.importorskip("openai")  # the dev extra
+httpx = pytest.importorskip("httpx")
+
+
+def metric(url, name):
+    text = httpx.get(url + "/metrics").text
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(long_engine):
+    config = web.ServiceConfig(model_name=MODEL, steps_per_call=1)
+    with web.BackgroundServer(web.make_app(long_engine, config)) as url:
+        body = {"model": MODEL, "prompt": "the", "max_tokens": LONG, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            next(response.iter_lines())  # the first chunk, then hang up
+        wait_until(lambda: metric(url, "lmhead_active_slots") == 0)
+        assert metric(url, "lmhead_cancelled_sequences_total") == 1
+    # A request past its timeout is cancelled in the engine too.
+    late = web.ServiceConfig(model_name=MODEL, steps_per_call=1, timeout_s=0.05)
+    with web.BackgroundServer(web.make_app(long_engine, late)) as url:
+        body = {"model": MODEL, "prompt": "a", "max_tokens": LONG}
+        answer = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 504
+        wait_until(lambda: metric(url, "lmhead_active_slots") == 0)
+        assert metric(url, "lmhead_cancelled_sequences_total") == 1
+
+
+def test_load_nothing_lost_or_duplicated_and_the_slots_drain(engine):
+    """300 requests from 16 clients: mixed lengths, ``n``, stop strings,
+    streams read whole or dropped early; greedy answers equal the window
+    path's."""
+    config = web.ServiceConfig(model_name=MODEL, max_queue=300)
+    greedy = {}
+    with web.BackgroundServer(web.make_app(engine, config)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        lock, seen = threading.Lock(), []
+
+        def one(i):
+            rng = random.Random(i)
+            body = dict(
+                model=MODEL,
+                prompt=rng.choice(PROMPTS),
+                max_tokens=rng.randint(1, 8),
+                n=rng.choice([1, 1, 2]),
+                temperature=rng.choice([0.0, 1.0]),
+                stop=rng.choice([None, ["e"]]),
+            )
+            kind = rng.choice(["plain", "plain", "stream", "drop"])
+            if kind == "plain":
+                answer = client.completions.create(**body)
+                texts = [c.text for c in answer.choices]
+                assert [c.index for c in answer.choices] == list(range(body["n"]))
+                assert {c.finish_reason for c in answer.choices} <= {"stop", "length"}
+            else:
+                stream = client.completions.create(**body, stream=True)
+                pieces = {}
+                for chunk in stream:
+                    for c in chunk.choices:
+                        pieces[c.index] = pieces.get(c.index, "") + c.text
+                    if kind == "drop":
+                        stream.close()
+                        break
+                texts = [pieces.get(j, "") for j in range(body["n"])]
+            with lock:
+                seen.append(i)
+                if kind != "drop" and body["temperature"] == 0:
+                    greedy[(i, kind)] = (body, texts)
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            list(pool.map(one, range(300)))
+        assert sorted(seen) == list(range(300))
+        wait_until(lambda: metric(url, "lmhead_active_slots") == 0)
+        assert metric(url, "lmhead_queue_depth") == 0
+    assert len(greedy) > 50
+    references = {}
+    for body, texts in greedy.values():
+        key = (body["prompt"], body["max_tokens"], tuple(body["stop"] or ()))
+        if key not in references:
+            request = parse(engine, **dict(body, n=1))
+            references[key] = engine.complete([request])[0]["choices"][0]["text"]
+        assert texts == [references[key]] * body["n"], body

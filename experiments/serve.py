@@ -5,13 +5,21 @@ r"""Serves a trained run over HTTP: generation, scoring, health and metrics.
     python experiments/serve.py --workdir=runs/nanogpt_tied --host=0.0.0.0 \
         --token_file=secret.txt     # any other address needs a bearer token
 
-Every shape the service runs is compiled before it listens (the bucketed
-batch sizes, prompt lengths and new-token counts, and beam sizes); the
-endpoints are described in ``lmhead/serve/web.py``.
+Completions that generate are batched continuously (``--batching``, see
+``lmhead/serve/continuous.py``); the prefill shapes (the bucketed batch sizes
+and prompt lengths), the decode slots and the scorer are compiled before it
+listens, and so is every decoding shape of the window batcher with
+``--batching=window`` (otherwise ``/v1/generate`` and beam search compile a
+shape on its first use). Compiled programs are kept in
+``--compilation_cache`` (default ``WORKDIR/xla_cache``), so a second start of
+the same run loads them. The endpoints are described in
+``lmhead/serve/web.py``.
 """
 
+import os
 import time
 
+import jax
 from absl import app, flags, logging
 
 from lmhead.lm import generation
@@ -65,6 +73,30 @@ flags.DEFINE_float(
     "timeout_s", 30.0, "A request not answered by then gets 504.", lower_bound=0.0
 )
 flags.DEFINE_integer("seed", 0, "Key of the batches of requests without a seed.")
+flags.DEFINE_enum(
+    "batching",
+    "continuous",
+    web.BATCHING,
+    "How /v1/completions requests that generate are batched: in decode slots "
+    "that requests enter and leave between steps, or in windows (a batch runs "
+    "to its longest request).",
+)
+flags.DEFINE_integer(
+    "slots", None, "Decode slots; default the largest batch size.", lower_bound=1
+)
+flags.DEFINE_integer(
+    "steps_per_call",
+    web.ServiceConfig.steps_per_call,
+    "Decoding steps per compiled call of the slots.",
+    lower_bound=1,
+)
+flags.DEFINE_string("model_name", "lmhead", "The model name of the OpenAI routes.")
+flags.DEFINE_string(
+    "compilation_cache",
+    None,
+    "Directory of JAX's persistent compilation cache; default WORKDIR/xla_cache, "
+    "'' for none.",
+)
 
 
 def _sizes(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
@@ -85,6 +117,14 @@ def main(argv):
         requests.check_exposure(f.host, token)
     except ValueError as error:
         raise app.UsageError(str(error)) from None
+    cache = (
+        os.path.join(f.workdir, "xla_cache")
+        if f.compilation_cache is None
+        else f.compilation_cache
+    )
+    if cache:  # every program, however fast it compiles: warm starts load them
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     _, tokenizer, model, params = generation.load_run(f.workdir)
     prompt_lengths = _sizes(
         "prompt_lengths", requests.powers_of_two(model.max_len // 2)
@@ -99,12 +139,7 @@ def main(argv):
     )
     engine = batching.Engine(model, params, tokenizer, buckets, seed=f.seed)
     start = time.perf_counter()
-    runs = engine.warm_up()
-    print(
-        f"warm-up: {runs} shapes in {time.perf_counter() - start:.1f} s; "
-        f"buckets {buckets}",
-        flush=True,
-    )
+    runs = engine.warm_up(decode=f.batching == "window")
     config = web.ServiceConfig(
         token=token,
         max_body_bytes=f.max_body_bytes,
@@ -114,8 +149,18 @@ def main(argv):
         limits=requests.Limits(
             max_prompts=f.max_prompts, max_score_chars=f.max_score_chars
         ),
+        model_name=f.model_name,
+        batching=f.batching,
+        slots=f.slots,
+        steps_per_call=f.steps_per_call,
     )
-    web.serve(web.make_app(engine, config), f.host, f.port)
+    service = web.make_app(engine, config)  # compiles the decode slots
+    print(
+        f"warm-up: {runs} engine shapes and the {f.batching} batcher in "
+        f"{time.perf_counter() - start:.1f} s; buckets {buckets}",
+        flush=True,
+    )
+    web.serve(service, f.host, f.port)
 
 
 if __name__ == "__main__":

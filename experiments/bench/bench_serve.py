@@ -2,6 +2,7 @@ r"""Latency and throughput of the HTTP service, over loopback.
 
     python experiments/bench/bench_serve.py --workdir=runs/nanogpt_tied
     python experiments/bench/bench_serve.py --quick   # a tiny run trained here, seconds
+    python experiments/bench/bench_serve.py --quick --compare_batching
 
 Starts ``experiments/serve.py`` on 127.0.0.1 (a free port) and sends the same
 ``--requests`` sampled requests (one prompt, ``--max_new_tokens`` each) from
@@ -10,10 +11,20 @@ generated tokens per second over the wall time; the ratio column divides by
 the 1-client row, which serves the requests one at a time, so at 16 clients
 it is the gain from dynamic batching. The machine's float32 matmul rate
 (``timing.matmul_rate``), measured in the same run, says how fast the machine
-was. The results and the machine they were measured on are in
-``docs/serving.md``.
+was.
+
+``--compare_batching`` instead runs ``/v1/completions`` with the two
+batchers side by side in one run (``--batching=window``, then
+``continuous``): ``--requests`` streamed, sampled requests whose
+``max_tokens`` are drawn from ``--min_tokens``..``--max_tokens`` (the same
+draws for both) from ``--clients`` clients. It prints tokens/s, p50 and p99
+latency, the p99 latency of the short requests (``max_tokens <= 16``), time to
+first token, and the server's start-up time: cold (an empty compilation
+cache) and warm (a second start of the same run). The results and the
+machine they were measured on are in ``docs/serving.md``.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -54,12 +65,23 @@ flags.DEFINE_string("prompt", "ROMEO:", "The prompt of every request.")
 flags.DEFINE_float("temperature", 0.8, "Sampling temperature of every request.")
 flags.DEFINE_integer("startup_timeout_s", 900, "How long to wait for the warm-up.")
 flags.DEFINE_integer("matmul_size", 1024, "Side of the timed float32 matmul.")
+flags.DEFINE_bool(
+    "compare_batching",
+    False,
+    "Window against continuous batching on /v1/completions, and start-up times.",
+)
+flags.DEFINE_integer("clients", 16, "Concurrent clients of --compare_batching.")
+flags.DEFINE_integer("min_tokens", 8, "Least max_tokens of --compare_batching.")
+flags.DEFINE_integer("max_tokens", 128, "Most max_tokens of --compare_batching.")
+SHORT = 16  # the requests whose p99 latency --compare_batching reports
 FLAGS = flags.FLAGS
 
 
-def tiny_run(workdir: str) -> str:
+def tiny_run(workdir: str, block_size: int | None = None) -> str:
     config = configuration.load_config("tiny")
     config.update_from_flattened_dict({"train.steps": 20, "sample.num_samples": 0})
+    if block_size is not None:
+        config.data.block_size = block_size
     train.train_and_evaluate(config, workdir)
     return workdir
 
@@ -133,6 +155,117 @@ def measure(url: str, num_clients: int, body: dict) -> dict:
     }
 
 
+def stream_completion(session: httpx.Client, url: str, body: dict) -> tuple:
+    """``(latency, time to first token, completion tokens)`` of one streamed
+    completion."""
+    start, first, tokens = time.perf_counter(), None, 0
+    with session.stream("POST", url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if first is None and any(c["text"] for c in chunk["choices"]):
+                first = time.perf_counter() - start
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return time.perf_counter() - start, first, tokens
+
+
+def load(url: str, lengths: list[int], num_clients: int) -> dict:
+    """Streams one completion per entry of ``lengths`` (its ``max_tokens``)
+    from ``num_clients`` threads; the table's row."""
+    remaining = iter(enumerate(lengths))
+    claim, ready = threading.Lock(), threading.Barrier(num_clients + 1)
+    results = []
+
+    def client():
+        with httpx.Client(timeout=600) as session:
+            session.get(url + "/healthz").raise_for_status()
+            ready.wait()
+            while True:
+                with claim:
+                    item = next(remaining, None)
+                if item is None:
+                    return
+                index, max_tokens = item
+                body = {
+                    "model": "lmhead",
+                    "prompt": FLAGS.prompt,
+                    "max_tokens": max_tokens,
+                    "temperature": FLAGS.temperature,
+                    "seed": index,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                results.append((max_tokens, *stream_completion(session, url, body)))
+
+    threads = [threading.Thread(target=client) for _ in range(num_clients)]
+    for thread in threads:
+        thread.start()
+    ready.wait()
+    start = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    latency = np.array([r[1] for r in results])
+    first = np.array([r[2] for r in results if r[2] is not None])
+    short = np.array([r[1] for r in results if r[0] <= SHORT])
+    return {
+        "tokens_per_s": sum(r[3] for r in results) / wall,
+        "p50": np.percentile(latency, 50),
+        "p99": np.percentile(latency, 99),
+        "short_p99": np.percentile(short, 99) if len(short) else float("nan"),
+        "ttft_p50": np.percentile(first, 50),
+        "ttft_p99": np.percentile(first, 99),
+    }
+
+
+def compare_batching(workdir: str, extra: list[str], scratch: str) -> None:
+    """The window and continuous batchers on the same requests, and start-ups."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(FLAGS.min_tokens, FLAGS.max_tokens + 1, FLAGS.requests)
+    rows, starts = {}, {}
+    for mode in ("window", "continuous"):
+        cache = os.path.join(scratch, f"xla_cache_{mode}")
+        flags_ = [*extra, f"--batching={mode}", f"--compilation_cache={cache}"]
+        for start in ("cold", "warm"):
+            began = time.perf_counter()
+            process, url = start_server(workdir, flags_)
+            starts[mode, start] = time.perf_counter() - began
+            try:
+                if start == "warm":
+                    load(url, lengths[: FLAGS.clients].tolist(), FLAGS.clients)
+                    rows[mode] = load(url, lengths.tolist(), FLAGS.clients)
+            finally:
+                process.terminate()
+                process.wait()
+    rate = timing.matmul_rate(FLAGS.matmul_size)
+    print(
+        f"\n{FLAGS.requests} streamed completions, max_tokens drawn from "
+        f"{FLAGS.min_tokens}..{FLAGS.max_tokens}, {FLAGS.clients} clients; "
+        f"float32 matmul {rate / 1e9:.0f} GFLOP/s\n"
+    )
+    print(
+        "| batching | tokens/s | p50 latency (s) | p99 latency (s) | p99 latency, "
+        f"max_tokens <= {SHORT} (s) | time to first token p50 / p99 (s) | "
+        "start-up cold / warm (s) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for mode, row in rows.items():
+        print(
+            f"| {mode} | {row['tokens_per_s']:.0f} | {row['p50']:.2f} | "
+            f"{row['p99']:.2f} | {row['short_p99']:.2f} | {row['ttft_p50']:.3f} / "
+            f"{row['ttft_p99']:.3f} | {starts[mode, 'cold']:.1f} / "
+            f"{starts[mode, 'warm']:.1f} |"
+        )
+    window, slots = rows["window"], rows["continuous"]
+    print(
+        f"\ncontinuous / window: tokens/s {slots['tokens_per_s'] / window['tokens_per_s']:.2f}x, "
+        f"short p99 latency {slots['short_p99'] / window['short_p99']:.2f}x"
+    )
+
+
 def batch_rows(url: str) -> tuple[float, float]:
     """Rows and batches the service has run so far, from /metrics."""
     values = {}
@@ -155,6 +288,13 @@ def main(argv):
         FLAGS.requests = FLAGS.requests if FLAGS["requests"].present else 32
     elif not FLAGS.workdir:
         raise app.UsageError("Give --workdir=RUN, or --quick.")
+    if FLAGS.compare_batching:
+        with tempfile.TemporaryDirectory() as scratch:
+            block = 8 + FLAGS.max_tokens if FLAGS.quick else None
+            workdir = FLAGS.workdir or tiny_run(os.path.join(scratch, "run"), block)
+            extra = ["--prompt_lengths=8"] if FLAGS.quick else []
+            compare_batching(workdir, extra, scratch)
+        return
     with tempfile.TemporaryDirectory() as scratch:
         workdir = FLAGS.workdir or tiny_run(os.path.join(scratch, "run"))
         extra = ["--prompt_lengths=8", "--new_tokens=8"] if FLAGS.quick else []

@@ -235,9 +235,12 @@ class Engine:
         :func:`completions.run_completions`)."""
         return completions.run_completions(self, batch)
 
-    def warm_up(self) -> int:
+    def warm_up(self, decode: bool = True) -> int:
         """Runs every bucketed shape once, so that later requests compile
-        nothing; returns the number of batches run."""
+        nothing; returns the number of batches run. ``decode=False`` runs the
+        prefills and the scorer only: with continuous batching the window
+        batcher's decoding programs serve only ``/v1/generate`` and beam
+        search, which then compile on first use."""
         runs = 0
         one = np.zeros([1], np.int32)
         # Every served knob set, as a parsed request sets them (a knob left at
@@ -254,7 +257,7 @@ class Engine:
                 prompts = [np.zeros([length], np.int32)] * rows
                 self._prefill(prompts)
                 runs += 1
-            for num_new in self.buckets.new_tokens:
+            for num_new in self.buckets.new_tokens if decode else ():
                 request = GenerateRequest([one] * rows, num_new, num_beams=1, **plain)
                 self.sample([request])
                 for num_beams in self.buckets.beam_sizes:

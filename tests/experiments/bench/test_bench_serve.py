@@ -18,3 +18,23 @@ def test_bench_serve_quick_table():
     )
     assert [r[0] for r in rows] == ["1", "4", "16"] and rows[0][4] == "1.00"
     assert all(float(p50) <= float(p99) for _, p50, p99, *_ in rows)
+
+
+@pytest.mark.slow
+def test_bench_serve_compares_window_and_continuous_batching():
+    """Both batchers on the same streamed requests, with start-up times."""
+    stdout = run_bench(
+        "bench_serve.py", "--quick", "--compare_batching", "--requests=24",
+        "--clients=4", "--max_tokens=32",
+    )  # fmt: skip
+    rows = re.findall(
+        r"^\| (window|continuous) \| (\d+) \| (\S+) \| (\S+) \| (\S+) \| "
+        r"(\S+) / (\S+) \| (\S+) / (\S+) \|$",
+        stdout,
+        re.M,
+    )
+    assert [r[0] for r in rows] == ["window", "continuous"]
+    for _, tokens, p50, p99, _, first50, first99, cold, warm in rows:
+        assert int(tokens) > 0 and float(p50) <= float(p99)
+        assert float(first50) <= float(first99) and float(cold) > 0 < float(warm)
+    assert re.search(r"continuous / window: tokens/s \S+x, short p99 latency", stdout)

@@ -46,6 +46,11 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 TOKEN_GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 BATCHING = ("continuous", "window")
 RETRY_AFTER_SECONDS = 1
+# A body over the cap is read and dropped up to this many bytes before the
+# 413 goes out: a client that is still sending when the server answers and
+# closes (Python's urllib, httpx, requests, openai) sees a reset connection
+# instead of the answer. Past it, the server answers and closes at once.
+DRAIN_BYTES = 16 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +243,8 @@ class _Guard:
         )
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         if not declared.isdigit() or int(declared) > cap:
+            if declared.isdigit() and int(declared) <= DRAIN_BYTES:
+                await _drain(receive, 0)
             return receive, too_large
         chunks, size, more = [], 0, True
         while more:
@@ -246,9 +253,11 @@ class _Guard:
                 break
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > cap:
-                return receive, too_large
             more = message.get("more_body", False)
+            if size > cap:
+                if more:
+                    await _drain(receive, size)
+                return receive, too_large
         body, replayed = b"".join(chunks), False
 
         async def replay():
@@ -259,6 +268,18 @@ class _Guard:
             return {"type": "http.request", "body": body, "more_body": False}
 
         return replay, None
+
+
+async def _drain(receive, size: int) -> None:
+    """Reads and drops the rest of a body, up to :data:`DRAIN_BYTES` in all
+    (``size`` read already)."""
+    while size <= DRAIN_BYTES:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        size += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 def make_app(engine: batching.Engine, config: ServiceConfig = ServiceConfig()):

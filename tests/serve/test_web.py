@@ -84,6 +84,25 @@ def test_chunked_body_over_the_cap_gets_413(url):
     assert response.json()["error"]["field"] == "body"
 
 
+@pytest.mark.parametrize(
+    "path,size", [("/v1/score", 2**20), ("/v1/generate", 5 * 2**20)]
+)
+def test_python_clients_get_the_413_of_a_large_body(url, path, size):
+    """The body is drained before the answer, so that a client still sending
+    reads the 413 rather than a reset connection."""
+    import urllib.error
+    import urllib.request
+
+    body = b'{"text": "' + b"x" * size + b'"}'
+    request = urllib.request.Request(url + path, data=body, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(request, timeout=60)
+    assert answer.value.code == 413
+    assert json.loads(answer.value.read())["error"]["field"] == "body"
+    response = httpx.post(url + path, content=body, timeout=60)
+    assert response.status_code == 413
+
+
 def test_token_is_required_except_for_healthz(engine):
     with start(engine, token=TOKEN) as url:
         body = {"prompt": "K", "max_new_tokens": 1}

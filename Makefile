@@ -80,10 +80,12 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# --durations: the 30 slowest tests, so that every run (CI's too) shows where
-# the suite's time goes.
+# -n auto: one pytest worker per core (pytest-xdist); --dist loadfile keeps a
+# file's tests, and so its module fixtures (a trained run, a server), on one
+# worker. --durations: the 30 slowest tests, so that every run (CI's too)
+# shows where the suite's time goes.
 test: lint
-	$(PY) -m pytest -m 'not slow' --durations=30 lmhead tests
+	$(PY) -m pytest -m 'not slow' -n auto --dist loadfile --durations=30 lmhead tests
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -35,6 +35,7 @@ setuptools.setup(
         ],
         "dev": [
             "pytest>=8.0",
+            "pytest-xdist>=3.5",
             "hypothesis>=6.100",
             "nbclient>=0.10",
             "nbformat>=5.10",

@@ -41,8 +41,8 @@ from lmhead.decoding.sampling import (
     FINISHED_BAD_LOGITS,
     FINISHED_EOS,
     FINISHED_LENGTH,
+    _not_finite,
 )
-from lmhead.head import NEG_INF
 
 
 class SlotState(NamedTuple):
@@ -292,12 +292,6 @@ def free_slots(state: SlotState, slots: jax.Array) -> SlotState:
     """
     limits = state.limits.at[slots].set(state.generated[slots], mode="drop")
     return state._replace(limits=limits)
-
-
-def _not_finite(logits: jax.Array) -> jax.Array:
-    return jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1) | jnp.all(
-        logits == NEG_INF, axis=-1
-    )
 
 
 def _one_step(step_fn, params, eos_ids, top_logprobs, state: SlotState):

@@ -47,17 +47,33 @@ ROWS = [
 
 
 def alone(lm, prompt, limit, knobs, key, eos_id=None):
-    """``generate`` on the row by itself."""
+    """``generate`` on the row by itself, its tokens up to ``limit``. Every
+    row runs one program: the longest limit, every knob set (neutral where
+    the row has none), the prompt padded to the longest."""
     model, params, step_fn = lm
-    logits, cache = model_lib.prefill(model, params, jnp.asarray([prompt]))
-    return jax.device_get(
+    width = max(len(p) for p, _, _ in ROWS)
+    padded = np.full([1, width], -1, np.int32)
+    padded[0, : len(prompt)] = prompt
+    logits, cache = model_lib.prefill(
+        model, params, np.maximum(padded, 0), np.array([len(prompt)])
+    )
+    result = jax.device_get(
         decoding.generate(
             step_fn, params, logits, cache,
-            key=key[None], max_new_tokens=limit, knobs=knobs,
-            prompt_tokens=jnp.asarray([prompt]), eos_id=eos_id,
+            key=key[None], max_new_tokens=max(n for _, n, _ in ROWS),
+            row_max_new_tokens=np.array([limit]),
+            knobs=decoding.full_knobs(knobs, 1, VOCAB),
+            prompt_tokens=padded, eos_id=eos_id,
             top_logprobs=TOP, log_probs_from="model",
         )
     )  # fmt: skip
+    cut = lambda x: x[:, :limit]
+    return result._replace(
+        tokens=cut(result.tokens),
+        log_probs=cut(result.log_probs),
+        top_tokens=cut(result.top_tokens),
+        top_log_probs=cut(result.top_log_probs),
+    )
 
 
 def run_slots(lm, rows, keys, *, num_steps, eos_id=None):
@@ -152,8 +168,9 @@ def test_free_slots_stay_empty_and_freed_rows_stop(lm):
         key=jax.random.key(0),
     )  # fmt: skip
     # More steps than max_len: each step of a free slot writes position 0.
-    state, chunk = decoding.step_slots(step_fn, params, state, num_steps=MAX_LEN + 3)
-    assert not np.asarray(chunk.emitted).any()
+    for _ in range(MAX_LEN // 4 + 1):
+        state, chunk = decoding.step_slots(step_fn, params, state, num_steps=4)
+        assert not np.asarray(chunk.emitted).any()
     np.testing.assert_array_equal(state.model_state.index, 1)
     logits, cache = model_lib.prefill(model, params, jnp.array([[1, 2], [3, 4]]))
     state = decoding.fill_slots(
@@ -162,12 +179,12 @@ def test_free_slots_stay_empty_and_freed_rows_stop(lm):
         max_new_tokens=np.array([9, 9]), prompt_tokens=np.array([[1, 2], [3, 4]]),
         knobs=decoding.full_knobs(decoding.SamplingKnobs(), 2, VOCAB),
     )  # fmt: skip
-    state, chunk = decoding.step_slots(step_fn, params, state, num_steps=2)
+    state, chunk = decoding.step_slots(step_fn, params, state, num_steps=4)
     state = decoding.free_slots(state, np.array([1, SLOTS]))  # SLOTS: ignored
-    state, chunk = decoding.step_slots(step_fn, params, state, num_steps=2)
-    np.testing.assert_array_equal(np.asarray(chunk.emitted).sum(1), [2, 0, 0])
-    np.testing.assert_array_equal(chunk.generated, [4, 2, 0])
-    np.testing.assert_array_equal(state.model_state.index, [6, 1, 1])
+    state, chunk = decoding.step_slots(step_fn, params, state, num_steps=4)
+    np.testing.assert_array_equal(np.asarray(chunk.emitted).sum(1), [4, 0, 0])
+    np.testing.assert_array_equal(chunk.generated, [8, 4, 0])
+    np.testing.assert_array_equal(state.model_state.index, [10, 1, 1])
 
 
 def test_bad_input_names_the_argument(lm):

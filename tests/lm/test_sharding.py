@@ -24,7 +24,9 @@ import pytest
 
 from tests import ROOT, references
 
-MESHES = ((8, 1), (4, 2), (2, 4), (1, 8))
+# Data only, both axes, model only ((4, 2) is a mesh of both axes too; the
+# checkpoint test saves from it).
+MESHES = ((8, 1), (2, 4), (1, 8))
 TOLERANCE = 1e-5
 # The tiny run compared across one and two processes (4 steps, then an eval).
 RUN_CONFIG = "tiny,steps=4"

@@ -22,7 +22,7 @@ from lmhead.serve import batching, continuous, openai_api, requests, web
 from tests.serve.tiny_run import PROMPTS
 
 MODEL = "lmhead"
-LONG = 200  # tokens of a request that runs long enough to be cut short
+LONG = 128  # tokens of a request that runs long enough to be cut short
 
 
 @pytest.fixture(scope="module")

@@ -633,6 +633,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two more processes, each compiling the tiny run (~30 s)
 def test_two_processes_match_one(results, tmp_path):
     """Two processes of 4 devices each (the same 8-device mesh) train the
     reference run's config; only process 0 writes; the losses match."""

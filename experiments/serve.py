@@ -6,10 +6,11 @@ r"""Serves a trained run over HTTP: generation, scoring, health and metrics.
         --token_file=secret.txt     # any other address needs a bearer token
 
 Completions that generate are batched continuously (``--batching``, see
-``lmhead/serve/continuous.py``); the prefill shapes (the bucketed batch sizes
-and prompt lengths), the decode slots and the scorer are compiled before it
-listens, and so is every decoding shape of the window batcher with
-``--batching=window`` (otherwise ``/v1/generate`` and beam search compile a
+``lmhead/serve/continuous.py``); the decode slots (a prefill per prompt
+length, a fill, the step) and the scorer are compiled before it listens, and
+so is every shape of the window batcher (the bucketed batch sizes, prompt
+lengths, new-token counts and beam sizes) with ``--batching=window``
+(otherwise ``/v1/generate``, beam search and echo-only completions compile a
 shape on its first use). Compiled programs are kept in
 ``--compilation_cache`` (default ``WORKDIR/xla_cache``), so a second start of
 the same run loads them. The endpoints are described in
@@ -139,7 +140,7 @@ def main(argv):
     )
     engine = batching.Engine(model, params, tokenizer, buckets, seed=f.seed)
     start = time.perf_counter()
-    runs = engine.warm_up(decode=f.batching == "window")
+    runs = engine.warm_up(window=f.batching == "window")
     config = web.ServiceConfig(
         token=token,
         max_body_bytes=f.max_body_bytes,

@@ -235,12 +235,12 @@ class Engine:
         :func:`completions.run_completions`)."""
         return completions.run_completions(self, batch)
 
-    def warm_up(self, decode: bool = True) -> int:
+    def warm_up(self, window: bool = True) -> int:
         """Runs every bucketed shape once, so that later requests compile
-        nothing; returns the number of batches run. ``decode=False`` runs the
-        prefills and the scorer only: with continuous batching the window
-        batcher's decoding programs serve only ``/v1/generate`` and beam
-        search, which then compile on first use."""
+        nothing; returns the number of programs run. ``window=False`` runs
+        the scorer only: with continuous batching the window batcher's
+        prefills and decoding serve only ``/v1/generate``, beam search and
+        echo-only completions, which then compile a shape on its first use."""
         runs = 0
         one = np.zeros([1], np.int32)
         # Every served knob set, as a parsed request sets them (a knob left at
@@ -252,12 +252,12 @@ class Engine:
             logprobs=False,
             num_return_sequences=1,
         )
-        for rows in self.buckets.batch_sizes:
+        for rows in self.buckets.batch_sizes if window else ():
             for length in self.buckets.prompt_lengths:
                 prompts = [np.zeros([length], np.int32)] * rows
                 self._prefill(prompts)
                 runs += 1
-            for num_new in self.buckets.new_tokens if decode else ():
+            for num_new in self.buckets.new_tokens:
                 request = GenerateRequest([one] * rows, num_new, num_beams=1, **plain)
                 self.sample([request])
                 for num_beams in self.buckets.beam_sizes:

@@ -7,8 +7,9 @@ request at once, several requests per prefill); decode every slot
 ``steps_per_call`` steps in one compiled call; hand each request its new
 tokens. A short request leaves as soon as it ends, and the next one starts
 in its slot before the following call, so one long request holds no other
-behind it. Shapes are static: ``S`` slots, the engine's prefill buckets, and
-one fill program per batch bucket, all compiled by :meth:`SlotBatcher.warm_up`.
+behind it. Shapes are static: ``S`` slots, prefills of ``prefill_rows`` rows
+at each prompt-length bucket, one fill program, all compiled by
+:meth:`SlotBatcher.warm_up`.
 
 Beam requests and echo-only requests (``max_tokens`` 0) keep the window
 batcher (``lmhead/serve/batching.py``); the service routes them there.
@@ -31,6 +32,7 @@ import numpy as np
 
 from lmhead import _checks, decoding
 from lmhead.lm import kv_cache
+from lmhead.lm import model as model_lib
 from lmhead.serve import completions, requests
 from lmhead.serve.openai_api import MAX_LOGPROBS, CompletionRequest
 
@@ -86,14 +88,17 @@ class SlotBatcher:
     """Queues completion requests for ``engine`` and decodes them in slots.
 
     Args:
-        engine: a :class:`lmhead.serve.batching.Engine` (its prefill buckets
-            are used; :meth:`warm_up` compiles what the slots add).
+        engine: a :class:`lmhead.serve.batching.Engine`: its model, tokenizer
+            and prompt-length buckets (:meth:`warm_up` compiles what the
+            slots run).
         slots: ``S``, at least the largest batch bucket (a request's rows
             start together). Default: the largest batch bucket.
         max_queue: requests that may wait; :meth:`submit` raises
             :class:`requests.QueueFull` beyond.
         steps_per_call: decoding steps per compiled call: more steps cost
             fewer host round trips, fewer make a finished slot free sooner.
+        prefill_rows: rows per prefill (waiting rows are prefilled this
+            many at a time, padded); default ``min(4, slots)``.
         events: :class:`SlotEvents` for the metrics.
 
     Examples:
@@ -123,6 +128,7 @@ class SlotBatcher:
         slots: int | None = None,
         max_queue: int,
         steps_per_call: int = DEFAULT_STEPS_PER_CALL,
+        prefill_rows: int | None = None,
         events: SlotEvents = SlotEvents(),
     ):
         largest = engine.buckets.batch_sizes[-1]
@@ -137,6 +143,8 @@ class SlotBatcher:
         _checks.check_count("steps_per_call", steps_per_call)
         self.engine, self.slots, self.max_queue = engine, slots, max_queue
         self.steps_per_call, self._events = steps_per_call, events
+        self.prefill_rows = min(4, slots) if prefill_rows is None else prefill_rows
+        _checks.check_count("prefill_rows", self.prefill_rows)
         model = engine.model
         self._vocab_size, self._history_len = model.vocab_size, model.max_len
         self._eos_id = engine.tokenizer.eos_id
@@ -207,26 +215,16 @@ class SlotBatcher:
         self._thread.join()
 
     def warm_up(self) -> int:
-        """Compiles the slots' programs: a fill per batch bucket, the freeing
-        of slots, and the decoding call; returns the number compiled."""
-        engine, runs = self.engine, 0
-        for rows in engine.buckets.batch_sizes:
-            logits, cache, history = engine._prefill([np.zeros([1], np.int32)] * rows)
-            self._state = decoding.fill_slots(
-                self._state,
-                np.full([len(logits)], self.slots, np.int32),  # dropped
-                logits,
-                cache,
-                keys=jax.random.split(jax.random.key(0), len(logits)),
-                max_new_tokens=np.ones([len(logits)], np.int32),
-                prompt_tokens=history,
-                knobs=self._knobs([], len(logits)),
-            )
-            runs += 1
+        """Compiles the slots' programs: a prefill per prompt-length bucket,
+        the fill, the freeing of slots and the decoding call; returns the
+        number compiled."""
+        lengths = self.engine.buckets.prompt_lengths
+        for length in lengths:
+            self._prefill([], length)
         self._free([])
         self._state, chunk = self._step()
         jax.block_until_ready(chunk)
-        return runs + 2
+        return len(lengths) + 3
 
     # The worker.
 
@@ -281,48 +279,55 @@ class SlotBatcher:
         return jax.tree.map(lambda *values: np.concatenate(values), *full)
 
     def _admit(self, jobs: list[_Job]) -> None:
-        """Prefills the jobs' rows, as few prefills as the batch buckets allow."""
-        largest = self.engine.buckets.batch_sizes[-1]
-        group, size = [], 0
+        """Prefills the jobs' rows into free slots, ``prefill_rows`` rows per
+        prefill (padded: one program per prompt-length bucket)."""
+        rows, free = (
+            [],
+            iter(slot for slot, holder in enumerate(self._holders) if holder is None),
+        )
         for job in jobs:
             job.prompt_scores = completions.echo_scores(self.engine, job.request)
-            if size + len(job.rows) > largest:
-                self._prefill(group)
-                group, size = [], 0
-            group.append(job)
-            size += len(job.rows)
-        if group:
-            self._prefill(group)
-
-    def _prefill(self, jobs: list[_Job]) -> None:
-        rows = [(job, row) for job in jobs for row in job.rows]
-        free = [slot for slot, holder in enumerate(self._holders) if holder is None]
-        logits, cache, history = self.engine._prefill(
-            [job.request.prompt_ids[row.p] for job, row in rows]
-        )
-        size = len(logits)
-        slots = np.full([size], self.slots, np.int32)
-        limits = np.ones([size], np.int32)
-        keys = []
-        for i, (job, row) in enumerate(rows):
-            row.slot = slots[i] = free[i]
-            limits[i] = job.request.max_tokens
-            self._holders[row.slot] = (job, row)
-        for job in jobs:
             mine = [(0, row.p, row.s) for row in job.rows]
-            keys.append(
-                completions.row_keys(self.engine, [job.request], mine, len(mine))
+            keys = completions.row_keys(self.engine, [job.request], mine, len(mine))
+            for row, key in zip(job.rows, keys):
+                row.slot = next(free)
+                self._holders[row.slot] = (job, row)
+                rows.append((job, job.request.prompt_ids[row.p], row, key))
+        for start in range(0, len(rows), self.prefill_rows):
+            group = rows[start : start + self.prefill_rows]
+            longest = max(len(ids) for _, ids, _, _ in group)
+            self._prefill(
+                group, requests.bucket(longest, self.engine.buckets.prompt_lengths)
             )
-        keys.append(jax.random.split(jax.random.key(0), size - len(rows)))
+
+    def _prefill(self, group: list[tuple], length: int) -> None:
+        """Prefills ``(job, prompt ids, row, key)`` entries, padded to
+        ``prefill_rows`` rows of ``length`` tokens, and fills their slots."""
+        size, width = self.prefill_rows, self.engine.buckets.prompt_lengths[-1]
+        prompts = np.full([size, width], -1, np.int32)
+        lengths = np.ones([size], np.int32)
+        slots = np.full([size], self.slots, np.int32)  # padding rows: dropped
+        limits = np.ones([size], np.int32)
+        for i, (job, ids, row, _) in enumerate(group):
+            prompts[i, : len(ids)], lengths[i] = ids, len(ids)
+            slots[i], limits[i] = row.slot, job.request.max_tokens
+        keys = [key for _, _, _, key in group]
+        keys += list(jax.random.split(jax.random.key(0), size - len(group)))
+        logits, cache = model_lib.prefill(
+            self.engine.model,
+            self.engine.params,
+            np.maximum(prompts[:, :length], 0),
+            lengths,
+        )
         self._state = decoding.fill_slots(
             self._state,
             slots,
             logits,
             cache,
-            keys=jax.numpy.concatenate(keys),
+            keys=jax.numpy.stack(keys),
             max_new_tokens=limits,
-            prompt_tokens=history,
-            knobs=self._knobs(rows, size),
+            prompt_tokens=prompts,
+            knobs=self._knobs([(job, row) for job, _, row, _ in group], size),
         )
 
     def _step(self):

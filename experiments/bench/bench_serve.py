@@ -115,12 +115,12 @@ def start_server(workdir: str, extra: list[str]) -> tuple[subprocess.Popen, str]
     raise RuntimeError(f"serve.py exited with {process.wait()} before listening.")
 
 
-def measure(url: str, num_clients: int, body: dict) -> dict:
-    """Latencies and tokens of ``FLAGS.requests`` requests from ``num_clients``
-    threads, each with a connection opened before the clock starts."""
-    remaining = iter(range(FLAGS.requests))
-    claim = threading.Lock()
-    ready = threading.Barrier(num_clients + 1)
+def run_clients(url: str, items, num_clients: int, send) -> tuple[list, float]:
+    """Sends ``send(session, item)`` for each of ``items`` from ``num_clients``
+    threads, each with a connection opened before the clock starts; returns
+    what the calls returned and the wall time from the start to the last."""
+    remaining = iter(items)
+    claim, ready = threading.Lock(), threading.Barrier(num_clients + 1)
     results = []
 
     def client():
@@ -129,23 +129,34 @@ def measure(url: str, num_clients: int, body: dict) -> dict:
             ready.wait()
             while True:
                 with claim:
-                    if next(remaining, None) is None:
-                        return
-                start = time.perf_counter()
-                response = session.post(url + "/v1/generate", json=body)
-                response.raise_for_status()
-                length = response.json()["completions"][0]["length"]
-                results.append((time.perf_counter() - start, length))
+                    item = next(remaining, None)
+                if item is None:
+                    return
+                results.append(send(session, item))
 
     threads = [threading.Thread(target=client) for _ in range(num_clients)]
     for thread in threads:
         thread.start()
-    before = batch_rows(url)
     ready.wait()
     start = time.perf_counter()
     for thread in threads:
         thread.join()
-    wall = time.perf_counter() - start
+    return results, time.perf_counter() - start
+
+
+def measure(url: str, num_clients: int, body: dict) -> dict:
+    """Latencies and tokens of ``FLAGS.requests`` requests to /v1/generate
+    from ``num_clients`` clients."""
+
+    def send(session, _):
+        start = time.perf_counter()
+        response = session.post(url + "/v1/generate", json=body)
+        response.raise_for_status()
+        length = response.json()["completions"][0]["length"]
+        return time.perf_counter() - start, length
+
+    before = batch_rows(url)
+    results, wall = run_clients(url, range(FLAGS.requests), num_clients, send)
     rows, batches = np.subtract(batch_rows(url), before)
     latencies = np.array([r[0] for r in results])
     return {
@@ -175,40 +186,22 @@ def stream_completion(session: httpx.Client, url: str, body: dict) -> tuple:
 
 def load(url: str, lengths: list[int], num_clients: int) -> dict:
     """Streams one completion per entry of ``lengths`` (its ``max_tokens``)
-    from ``num_clients`` threads; the table's row."""
-    remaining = iter(enumerate(lengths))
-    claim, ready = threading.Lock(), threading.Barrier(num_clients + 1)
-    results = []
+    from ``num_clients`` clients; the table's row."""
 
-    def client():
-        with httpx.Client(timeout=600) as session:
-            session.get(url + "/healthz").raise_for_status()
-            ready.wait()
-            while True:
-                with claim:
-                    item = next(remaining, None)
-                if item is None:
-                    return
-                index, max_tokens = item
-                body = {
-                    "model": "lmhead",
-                    "prompt": FLAGS.prompt,
-                    "max_tokens": max_tokens,
-                    "temperature": FLAGS.temperature,
-                    "seed": index,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                }
-                results.append((max_tokens, *stream_completion(session, url, body)))
+    def send(session, item):
+        index, max_tokens = item
+        body = {
+            "model": "lmhead",
+            "prompt": FLAGS.prompt,
+            "max_tokens": max_tokens,
+            "temperature": FLAGS.temperature,
+            "seed": index,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        return (max_tokens, *stream_completion(session, url, body))
 
-    threads = [threading.Thread(target=client) for _ in range(num_clients)]
-    for thread in threads:
-        thread.start()
-    ready.wait()
-    start = time.perf_counter()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - start
+    results, wall = run_clients(url, enumerate(lengths), num_clients, send)
     latency = np.array([r[1] for r in results])
     first = np.array([r[2] for r in results if r[2] is not None])
     short = np.array([r[1] for r in results if r[0] <= SHORT])

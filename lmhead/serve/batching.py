@@ -306,7 +306,47 @@ class Job:
         return getattr(self.request, "rows", 1)
 
 
-class Batcher:
+class WorkQueue:
+    """A bounded queue of jobs and the one worker thread that serves them,
+    which :class:`Batcher` and :class:`lmhead.serve.continuous.SlotBatcher`
+    share. A subclass sets up its own state, then calls :meth:`_start`.
+
+    ``_changed`` is a condition over a re-entrant lock, so a subclass may
+    hold it around :meth:`_enqueue` to record the job in the same step.
+    """
+
+    def __init__(self, max_queue: int):
+        _checks.check_count("max_queue", max_queue)
+        self.max_queue = max_queue
+        self._waiting: collections.deque = collections.deque()
+        self._changed = threading.Condition()
+        self._stopping = False
+
+    def _start(self, target: Callable[[], None], name: str) -> None:
+        self._thread = threading.Thread(target=target, name=name, daemon=True)
+        self._thread.start()
+
+    def depth(self) -> int:
+        """Jobs waiting (not counting those that run)."""
+        return len(self._waiting)
+
+    def _enqueue(self, job: Any) -> None:
+        """Queues ``job`` for the worker.
+
+        Raises:
+            requests.QueueFull: ``max_queue`` jobs are waiting already.
+            RuntimeError: the queue is stopped.
+        """
+        with self._changed:
+            if self._stopping:
+                raise RuntimeError("the batcher is stopped.")
+            if len(self._waiting) >= self.max_queue:
+                raise requests.QueueFull(f"{self.max_queue} requests are waiting.")
+            self._waiting.append(job)
+            self._changed.notify()
+
+
+class Batcher(WorkQueue):
     """Queues requests for ``engine`` and runs them in batches.
 
     Args:
@@ -326,35 +366,19 @@ class Batcher:
         window_s: float,
         on_batch: Callable[[str, int], None] | None = None,
     ):
-        _checks.check_count("max_queue", max_queue)
+        super().__init__(max_queue)
         if window_s < 0:
             raise ValueError(f"window_s must be >= 0; got {window_s!r}.")
-        self.engine, self.max_queue, self.window_s = engine, max_queue, window_s
+        self.engine, self.window_s = engine, window_s
         self.max_rows = engine.buckets.batch_sizes[-1]
         self._on_batch = on_batch or (lambda kind, rows: None)
-        self._waiting: collections.deque[Job] = collections.deque()
-        self._changed = threading.Condition()
-        self._stopping = False
-        self._thread = threading.Thread(
-            target=self._serve_batches, name="batcher", daemon=True
-        )
-        self._thread.start()
-
-    def depth(self) -> int:
-        """Jobs waiting (not counting the batch that runs)."""
-        return len(self._waiting)
+        self._start(self._serve_batches, "batcher")
 
     def submit(self, request: Any) -> concurrent.futures.Future:
         """Queues a checked request; its future gives a list of completions
         (generate) or a dict (score), or raises what the engine raised."""
         job = Job(request, group_of(request), time.monotonic())
-        with self._changed:
-            if self._stopping:
-                raise RuntimeError("the batcher is stopped.")
-            if len(self._waiting) >= self.max_queue:
-                raise requests.QueueFull(f"{self.max_queue} requests are waiting.")
-            self._waiting.append(job)
-            self._changed.notify()
+        self._enqueue(job)
         return job.future
 
     def stop(self) -> None:

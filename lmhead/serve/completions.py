@@ -48,6 +48,13 @@ def _prompt_top(logits_fn, params, tokens, k):
     return jax.lax.top_k(log_probs, k)
 
 
+def top_width(engine: Any) -> int:
+    """How many top log-probs a decoding batch computes: OpenAI's most, or
+    every token of a smaller vocabulary (a request's ``logprobs`` reads its
+    first ones)."""
+    return min(MAX_LOGPROBS, engine.model.vocab_size)
+
+
 def prompt_log_probs(engine: Any, ids: np.ndarray, k: int) -> tuple[list, list]:
     """The echoed prompt's ``token_logprobs`` (the scorer's, the first one
     None: nothing predicts it) and ``top_logprobs`` (``k`` most likely
@@ -162,7 +169,7 @@ def _generate(engine: Any, batch: list[CompletionRequest], rows: list) -> Any:
             max_bytes=4 * MAX_STOP_CHARS,
             max_strings=MAX_STOPS,
         ),
-        top_logprobs=min(MAX_LOGPROBS, engine.model.vocab_size)
+        top_logprobs=top_width(engine)
         if any(r.logprobs is not None for r in batch)
         else 0,
         log_probs_from="model",

@@ -19,10 +19,8 @@ would (:func:`completions.row_keys`): a seeded request gives the same
 completions whatever else runs beside it.
 """
 
-import collections
 import concurrent.futures
 import dataclasses
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,8 +31,8 @@ import numpy as np
 from lmhead import _checks, decoding
 from lmhead.lm import kv_cache
 from lmhead.lm import model as model_lib
-from lmhead.serve import completions, requests
-from lmhead.serve.openai_api import MAX_LOGPROBS, CompletionRequest
+from lmhead.serve import batching, completions, requests
+from lmhead.serve.openai_api import CompletionRequest
 
 DEFAULT_STEPS_PER_CALL = 4
 
@@ -84,7 +82,7 @@ class SlotEvents:
     cancelled: Callable[[int], None] = lambda rows: None
 
 
-class SlotBatcher:
+class SlotBatcher(batching.WorkQueue):
     """Queues completion requests for ``engine`` and decodes them in slots.
 
     Args:
@@ -139,37 +137,30 @@ class SlotBatcher:
                 f"slots must be at least the largest batch size {largest} (a "
                 f"request's rows start together); got {slots}."
             )
-        _checks.check_count("max_queue", max_queue)
+        super().__init__(max_queue)
         _checks.check_count("steps_per_call", steps_per_call)
-        self.engine, self.slots, self.max_queue = engine, slots, max_queue
+        self.engine, self.slots = engine, slots
         self.steps_per_call, self._events = steps_per_call, events
         self.prefill_rows = min(4, slots) if prefill_rows is None else prefill_rows
         _checks.check_count("prefill_rows", self.prefill_rows)
         model = engine.model
         self._vocab_size, self._history_len = model.vocab_size, model.max_len
         self._eos_id = engine.tokenizer.eos_id
-        self._top = min(MAX_LOGPROBS, model.vocab_size)
-        self._state = decoding.empty_slots(
-            kv_cache.init_cache(model, slots),
-            vocab_size=model.vocab_size,
-            history_len=model.max_len,
+        self._top = completions.top_width(engine)
+        self._state = self._empty_state()
+        self._holders: list[tuple[_Job, _Row] | None] = [None] * slots
+        self._jobs: dict[concurrent.futures.Future, _Job] = {}
+        self._start(self._serve, "slot-batcher")
+
+    def _empty_state(self) -> decoding.SlotState:
+        return decoding.empty_slots(
+            kv_cache.init_cache(self.engine.model, self.slots),
+            vocab_size=self._vocab_size,
+            history_len=self._history_len,
             key=jax.random.key(0),
         )
-        self._holders: list[tuple[_Job, _Row] | None] = [None] * slots
-        self._waiting: collections.deque[_Job] = collections.deque()
-        self._jobs: dict[concurrent.futures.Future, _Job] = {}
-        self._changed = threading.Condition()
-        self._stopping = False
-        self._thread = threading.Thread(
-            target=self._serve, name="slot-batcher", daemon=True
-        )
-        self._thread.start()
 
     # The interface the web layer uses, as the window batcher's.
-
-    def depth(self) -> int:
-        """Requests waiting for slots."""
-        return len(self._waiting)
 
     def active(self) -> int:
         """Slots that hold a running row."""
@@ -184,14 +175,9 @@ class SlotBatcher:
         job.rows = [
             _Row(p, s) for p in range(len(request.prompt_ids)) for s in range(request.n)
         ]
-        with self._changed:
-            if self._stopping:
-                raise RuntimeError("the batcher is stopped.")
-            if len(self._waiting) >= self.max_queue:
-                raise requests.QueueFull(f"{self.max_queue} requests are waiting.")
-            self._waiting.append(job)
+        with self._changed:  # re-entrant: the job is queued and known at once
+            self._enqueue(job)
             self._jobs[job.future] = job
-            self._changed.notify()
         return job.future
 
     def cancel(self, future: concurrent.futures.Future) -> None:
@@ -330,8 +316,8 @@ class SlotBatcher:
             knobs=self._knobs([(job, row) for job, _, row, _ in group], size),
         )
 
-    def _step(self):
-        state, chunk = decoding.step_slots(
+    def _step(self) -> tuple[decoding.SlotState, decoding.SlotChunk]:
+        return decoding.step_slots(
             self.engine._step_fn,
             self.engine.params,
             self._state,
@@ -339,7 +325,6 @@ class SlotBatcher:
             eos_id=self._eos_id,
             top_logprobs=self._top,
         )
-        return state, chunk
 
     def _free(self, slots: list[int]) -> None:
         """Ends the rows in ``slots`` on the device (one program: the list is
@@ -481,9 +466,4 @@ class SlotBatcher:
             self._jobs.pop(job.future, None)
             if not job.future.done():
                 job.future.set_exception(error)
-        self._state = decoding.empty_slots(
-            kv_cache.init_cache(self.engine.model, self.slots),
-            vocab_size=self._vocab_size,
-            history_len=self._history_len,
-            key=jax.random.key(0),
-        )
+        self._state = self._empty_state()

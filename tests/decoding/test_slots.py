@@ -46,6 +46,14 @@ ROWS = [
 ]
 
 
+def empty_slots(model):
+    """``SLOTS`` free slots (their keys are replaced when a row fills one)."""
+    return decoding.empty_slots(
+        kv_cache.init_cache(model, SLOTS), vocab_size=VOCAB, history_len=MAX_LEN,
+        key=jax.random.key(0),
+    )  # fmt: skip
+
+
 def alone(lm, prompt, limit, knobs, key, eos_id=None):
     """``generate`` on the row by itself, its tokens up to ``limit``. Every
     row runs one program: the longest limit, every knob set (neutral where
@@ -81,10 +89,7 @@ def run_slots(lm, rows, keys, *, num_steps, eos_id=None):
     first, two at most per fill) before each call. Returns each row's
     tokens, log-probs, top tokens and finish reason, and the calls made."""
     model, params, step_fn = lm
-    state = decoding.empty_slots(
-        kv_cache.init_cache(model, SLOTS), vocab_size=VOCAB, history_len=MAX_LEN,
-        key=jax.random.key(99),
-    )  # fmt: skip
+    state = empty_slots(model)
     waiting, holder = list(range(len(rows))), [None] * SLOTS
     out = {i: dict(tokens=[], log_probs=[], top=[], reason=None) for i in waiting}
     calls = 0
@@ -163,10 +168,7 @@ def test_eos_ends_a_row_and_is_emitted(lm):
 
 def test_free_slots_stay_empty_and_freed_rows_stop(lm):
     model, params, step_fn = lm
-    state = decoding.empty_slots(
-        kv_cache.init_cache(model, SLOTS), vocab_size=VOCAB, history_len=MAX_LEN,
-        key=jax.random.key(0),
-    )  # fmt: skip
+    state = empty_slots(model)
     # More steps than max_len: each step of a free slot writes position 0.
     for _ in range(MAX_LEN // 4 + 1):
         state, chunk = decoding.step_slots(step_fn, params, state, num_steps=4)
@@ -189,10 +191,7 @@ def test_free_slots_stay_empty_and_freed_rows_stop(lm):
 
 def test_bad_input_names_the_argument(lm):
     model, params, step_fn = lm
-    state = decoding.empty_slots(
-        kv_cache.init_cache(model, SLOTS), vocab_size=VOCAB, history_len=MAX_LEN,
-        key=jax.random.key(0),
-    )  # fmt: skip
+    state = empty_slots(model)
     logits, cache = model_lib.prefill(model, params, jnp.array([[1, 2]]))
     good = dict(
         keys=jax.random.split(jax.random.key(1), 1),

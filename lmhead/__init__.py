@@ -3,6 +3,8 @@
 The pure functions live in :mod:`lmhead.head` (unembedding, softmax),
 :mod:`lmhead.losses` (cross-entropy, smoothing, z-loss, metrics),
 :mod:`lmhead.fused` (a linear + cross-entropy that never builds the logits),
+:mod:`lmhead.distillation` (a teacher's distribution as the target, fused
+too),
 :mod:`lmhead.decoding` (logits processors, sampling, beam search),
 :mod:`lmhead.quantize` (half-precision and int8 unembeddings for inference)
 and :mod:`lmhead.vocab_parallel` (the loss with the vocabulary split over
@@ -13,7 +15,15 @@ training), the service (:mod:`lmhead.serve`), the sweep tooling
 (:mod:`lmhead.lab`) and the studies (:mod:`lmhead.studies`).
 """
 
-from lmhead import decoding, head, losses, modules, quantize, vocab_parallel
+from lmhead import (
+    decoding,
+    distillation,
+    head,
+    losses,
+    modules,
+    quantize,
+    vocab_parallel,
+)
 from lmhead.decoding import (
     SamplingKnobs,
     beam_search,
@@ -21,6 +31,7 @@ from lmhead.decoding import (
     generate,
     process_logits,
 )
+from lmhead.distillation import distillation_loss, fused_distillation_loss
 from lmhead.fused import fused_cross_entropy
 from lmhead.head import (
     apply_softcap,

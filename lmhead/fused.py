@@ -91,6 +91,21 @@ def _check_vocab_shards(vocab_shards, vocab_size):
         )
 
 
+def default_chunk_size(width: int) -> int:
+    """Tokens per chunk when a chunk's ``[width, chunk_size]`` logits are kept.
+
+    ``BLOCK_ELEMENTS[platform] // width`` clipped to ``[MIN_CHUNK_SIZE,
+    MAX_CHUNK_SIZE]`` (see the module docstring).
+
+    Examples:
+        >>> default_chunk_size(32768) == max(
+        ...     MIN_CHUNK_SIZE, BLOCK_ELEMENTS[jax.default_backend()] // 32768)
+        True
+    """
+    elements = BLOCK_ELEMENTS.get(jax.default_backend(), BLOCK_ELEMENTS["cpu"])
+    return min(max(elements // width, MIN_CHUNK_SIZE), MAX_CHUNK_SIZE)
+
+
 def _block_sizes(num_tokens, num_rows, chunk_size, vocab_chunk_size):
     """``(chunk_size, block_rows, keep_logits)`` with the defaults filled in.
 
@@ -100,8 +115,7 @@ def _block_sizes(num_tokens, num_rows, chunk_size, vocab_chunk_size):
     keep_logits = vocab_chunk_size is None or vocab_chunk_size >= num_rows
     width = num_rows if keep_logits else int(vocab_chunk_size)
     if chunk_size is None:
-        elements = BLOCK_ELEMENTS.get(platform, BLOCK_ELEMENTS["cpu"])
-        chunk_size = min(max(elements // width, MIN_CHUNK_SIZE), MAX_CHUNK_SIZE)
+        chunk_size = default_chunk_size(width)
     rows = (
         VOCAB_BLOCK_ROWS.get(platform, VOCAB_BLOCK_ROWS["cpu"])
         if keep_logits

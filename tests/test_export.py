@@ -37,7 +37,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from configs import default
-from lmhead import decoding, fused, vocab_parallel
+from lmhead import decoding, distillation, fused, vocab_parallel
 from lmhead.lm import configuration, ensemble, kv_cache, sharding, train
 from lmhead.lm import model as model_lib
 from lmhead.lm import state as state_lib
@@ -208,6 +208,36 @@ def fused_loss_and_grad():
 
 
 @functools.cache
+def fused_distillation_and_grad():
+    """The fused distillation loss, the teacher as its own ``(h_t, w_t)``,
+    with the hard labels mixed in."""
+
+    def objective(h, w, bias, labels, weights, h_t, w_t):
+        return distillation.fused_distillation_loss(
+            h,
+            w,
+            (h_t, w_t),
+            labels=labels,
+            bias=bias,
+            weights=weights,
+            divergence="jsd",
+            temperature=2.0,
+            hard_weight=0.5,
+            chunk_size=4,
+        )
+
+    grad = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)
+    h, w, *rest = loss_structs()
+    return jax.jit(grad), (
+        h,
+        w,
+        *rest,
+        S(h.shape[:-1] + (8,), h.dtype),
+        S((VOCAB, 8), w.dtype),
+    )
+
+
+@functools.cache
 def abstract_mesh() -> AbstractMesh:
     return AbstractMesh(tuple(MESH_SHAPE.values()), tuple(MESH_SHAPE))
 
@@ -303,6 +333,14 @@ def test_ensemble_eval_step(platform):
 @platforms
 def test_fused_loss_value_and_grad(platform):
     fn, args = fused_loss_and_grad()
+    exported = lowered(fn, args, platform)
+    (_, _), grads = jax.tree.unflatten(exported.out_tree, exported.out_avals)
+    assert [g.shape for g in grads] == [a.shape for a in args[:3]]
+
+
+@platforms
+def test_fused_distillation_value_and_grad(platform):
+    fn, args = fused_distillation_and_grad()
     exported = lowered(fn, args, platform)
     (_, _), grads = jax.tree.unflatten(exported.out_tree, exported.out_avals)
     assert [g.shape for g in grads] == [a.shape for a in args[:3]]

@@ -23,6 +23,13 @@ with that fraction of tokens at weight 0 (random positions, skipped by
 
     python experiments/bench/bench_head.py --zero_fraction=0.5,0.9 --entropy
 
+``--distillation=forward_kl,jsd`` times ``distillation.fused_distillation_loss``
+against ``distillation.distillation_loss`` of the materialized logits the
+same way (at the first shape, or ``--shapes``), the teacher given as its
+logits or, with ``--teacher=head``, as its own ``(h_t, w_t)``::
+
+    python experiments/bench/bench_head.py --distillation=forward_kl,jsd
+
 ``--quantized`` measures the inference head with a smaller table instead
 (``quantize.quantize_unembedding``: bfloat16, float16, int8 with per-row
 scales) against float32::
@@ -54,7 +61,7 @@ import numpy as np
 import timing  # experiments/bench/timing.py, beside this file
 from absl import app, flags, logging
 
-from lmhead import fused, head, losses, quantize
+from lmhead import distillation, fused, head, losses, quantize
 from lmhead.lm import data, generation
 from lmhead.lm import model as model_lib
 
@@ -130,6 +137,21 @@ flags.DEFINE_list(
 flags.DEFINE_bool(
     "entropy", False, "Time the fused forward with entropy=True against without."
 )
+flags.DEFINE_list(
+    "distillation",
+    [],
+    "Divergences (forward_kl, reverse_kl, jsd) of the distillation loss to "
+    "time instead of the cross-entropy: fused_distillation_loss against "
+    "distillation_loss of the materialized logits.",
+)
+flags.DEFINE_enum(
+    "teacher",
+    "logits",
+    ["logits", "head"],
+    "--distillation: the teacher as its logits (an input) or as its own "
+    "(h_t, w_t), D_t = D, whose logits each path computes as it computes the "
+    "student's.",
+)
 FLAGS = flags.FLAGS
 
 GIB = 2.0**30
@@ -147,19 +169,47 @@ def available_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def make_steps(chunk_size, vocab_chunk_size):
-    def materialized(h, w, labels):
-        return losses.cross_entropy(head.unembed(h, w), labels)
+def make_steps(chunk_size, vocab_chunk_size, divergence=None, teacher="logits"):
+    """``{"fused": step, "materialized": step}``, ``step(h, w, target)``
+    jitted ``value_and_grad`` w.r.t. ``h`` and ``w``; ``target`` is the
+    labels, or with ``divergence`` the teacher (see :func:`make_target`)."""
 
-    def fused_loss(h, w, labels):
-        return fused.fused_cross_entropy(
-            h, w, labels, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size
+    def materialized(h, w, target):
+        if divergence is None:
+            return losses.cross_entropy(head.unembed(h, w), target)
+        teacher_logits = target if teacher == "logits" else head.unembed(*target)
+        return distillation.distillation_loss(
+            head.unembed(h, w), teacher_logits, divergence=divergence
+        )
+
+    def fused_loss(h, w, target):
+        if divergence is None:
+            return fused.fused_cross_entropy(
+                h, w, target, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size
+            )
+        return distillation.fused_distillation_loss(
+            h, w, target, divergence=divergence, chunk_size=chunk_size
         )
 
     return {
         name: jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
         for name, loss in (("fused", fused_loss), ("materialized", materialized))
     }
+
+
+def make_target(key, n, d, v, dtype, teacher):
+    """The labels ``[n]`` (``teacher=None``), a teacher's logits ``[n, v]``
+    (``"logits"``, float32, std 2) or its ``(h_t [n, d], w_t [v, d])``
+    (``"head"``)."""
+    if teacher is None:
+        return jax.random.randint(key, (n,), 0, v)
+    if teacher == "logits":
+        return 2.0 * jax.random.normal(key, (n, v))
+    h_key, w_key = jax.random.split(key)
+    return (
+        jax.random.normal(h_key, (n, d), dtype),
+        (0.05 * jax.random.normal(w_key, (v, d))).astype(dtype),
+    )
 
 
 def bench_shape(
@@ -172,15 +222,17 @@ def bench_shape(
     repeats: int,
     seconds: float,
     memory_fraction: float,
+    teacher: str | None = None,
 ) -> dict:
     """Compiled memory and median times of each program at one shape.
 
-    ``matmul`` (``timing.Matmul``) is a reference timed in the same rounds.
+    ``matmul`` (``timing.Matmul``) is a reference timed in the same rounds;
+    ``teacher`` is the distillation target's form, None for the labels.
     """
     keys = jax.random.split(jax.random.key(0), 3)
     h = jax.random.normal(keys[0], (n, d), dtype)
     w = (0.02 * jax.random.normal(keys[1], (v, d))).astype(dtype)
-    labels = jax.random.randint(keys[2], (n,), 0, v)
+    labels = make_target(keys[2], n, d, v, dtype, teacher)
     row = {"shape": (n, d, v)}
     compiled = {}
     for name, step in steps.items():
@@ -528,24 +580,36 @@ def main(argv):
             )
             print("\n".join(rows), flush=True)
         return
-    print(HEADER, flush=True)
-    for n, d, v in parse_shapes(specs):
-        print(
-            format_row(
-                bench_shape(
-                    n,
-                    d,
-                    v,
-                    steps,
-                    matmul,
-                    jnp.dtype(FLAGS.dtype),
-                    repeats,
-                    FLAGS.seconds_per_program,
-                    FLAGS.memory_fraction,
-                )
-            ),
-            flush=True,
-        )
+    if FLAGS.distillation:
+        specs = FLAGS.shapes or specs[:1]
+    for divergence in FLAGS.distillation or [None]:
+        if divergence is not None:
+            steps = make_steps(
+                FLAGS.chunk_size, None, divergence=divergence, teacher=FLAGS.teacher
+            )
+            print(
+                f"\nDistillation, {divergence}, teacher as {FLAGS.teacher} "
+                "(GFLOP/s count the student's 6 N D V):"
+            )
+        print(HEADER, flush=True)
+        for n, d, v in parse_shapes(specs):
+            print(
+                format_row(
+                    bench_shape(
+                        n,
+                        d,
+                        v,
+                        steps,
+                        matmul,
+                        jnp.dtype(FLAGS.dtype),
+                        repeats,
+                        FLAGS.seconds_per_program,
+                        FLAGS.memory_fraction,
+                        teacher=None if divergence is None else FLAGS.teacher,
+                    )
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

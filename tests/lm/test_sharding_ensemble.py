@@ -1,0 +1,38 @@
+"""Tests for lmhead/lm/sharding.py that run in a second 8-device subprocess:
+an ensemble split over the devices, and the vocabulary-parallel loss's
+options against numpy.
+
+The subprocess is ``test_sharding.py`` run as a script (its docstring says
+how); these checks have a file of their own so that the suite's workers run
+the two subprocesses side by side.
+"""
+
+import numpy as np
+import pytest
+
+from tests.lm.test_sharding import TOLERANCE, run_checks
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_checks(tmp_path_factory.mktemp("sharding"), ["loss_options", "ensemble"])
+
+
+def test_ensemble_members_split_over_devices(results):
+    """The members split over the devices train as when each member's batch
+    is split over them: the same losses to float32 rounding, member by member."""
+    split_members, split_batches = (results["ensemble"][k] for k in ("members", "data"))
+    assert len(split_members) == 8 and len(split_members[0]) >= 2
+    np.testing.assert_allclose(split_members, split_batches, rtol=1e-5)
+    # The members differ (seeds and rates): the comparison is member by member.
+    assert len({tuple(losses) for losses in split_members}) == 8
+
+
+def test_loss_options_match_numpy(results):
+    checks = results["loss_options"]
+    differences = {k: v for k, v in checks.items() if k.startswith("case")}
+    invalid = {k: v for k, v in checks.items() if k.startswith("invalid")}
+    assert len(differences) == len(invalid) == 5
+    assert max(differences.values()) < TOLERANCE, differences
+    assert invalid.pop("invalid 4 (2, 4)") == 0  # without jit: none passed
+    assert set(invalid.values()) == {2}

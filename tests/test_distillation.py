@@ -1,0 +1,417 @@
+"""Tests for lmhead/distillation.py against float64 numpy.
+
+The reference loss is written here from the formulas (KL, the generalized
+JSD with its mixture, the cross-entropy, the weighted reductions), and its
+gradients are central finite differences of it in float64, so that neither
+the value nor the gradient of either function is checked against code of
+the library. N = 2 x 5 = 10 tokens in chunks of 4, so the last chunk is
+ragged.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+from lmhead import distillation, head
+from tests import references
+from tests.errors import assert_raises_exactly
+
+B, T, D, D_T, V = 2, 5, 4, 6, 11
+CHUNK = 4
+
+OPTIONS = {
+    "forward_kl": dict(divergence="forward_kl"),
+    "reverse_kl": dict(divergence="reverse_kl", temperature=2.5),
+    "jsd": dict(divergence="jsd", beta=0.3, temperature=0.7),
+    "jsd_at_0": dict(divergence="jsd", beta=0.0),
+    "jsd_at_1": dict(divergence="jsd", beta=1.0, temperature=2.0),
+    "hard": dict(divergence="jsd", beta=0.5, temperature=2.0, hard_weight=0.4),
+}
+
+
+@pytest.fixture(autouse=True)
+def exact_matmuls():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def make_inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    return dict(
+        h=rng.standard_normal((B, T, D)),
+        w=rng.standard_normal((V, D)),
+        bias=rng.standard_normal(V),
+        h_t=rng.standard_normal((B, T, D_T)),
+        w_t=rng.standard_normal((V, D_T)),
+        labels=rng.integers(0, V, (B, T)).astype(np.int32),
+        # Some zeros (padding) and a spread of positive weights.
+        weights=np.where(rng.random((B, T)) < 0.3, 0.0, rng.uniform(0.5, 2, (B, T))),
+    )
+
+
+def np_divergence(log_q, log_p, divergence, beta):
+    q, p = np.exp(log_q), np.exp(log_p)
+
+    def kl(a, log_a, log_b):  # sum a log(a / b), 0 log 0 = 0
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(a > 0, a * (log_a - log_b), 0.0).sum(-1)
+
+    if divergence == "jsd" and beta == 0.0:
+        divergence = "forward_kl"
+    if divergence == "jsd" and beta == 1.0:
+        divergence = "reverse_kl"
+    if divergence == "forward_kl":
+        return kl(p, log_p, log_q)
+    if divergence == "reverse_kl":
+        return kl(q, log_q, log_p)
+    with np.errstate(divide="ignore"):
+        log_m = np.log(beta * p + (1 - beta) * q)
+    return beta * kl(p, log_p, log_m) + (1 - beta) * kl(q, log_q, log_m)
+
+
+def np_loss(
+    z,
+    z_t,
+    labels=None,
+    weights=None,
+    divergence="forward_kl",
+    beta=0.5,
+    temperature=1.0,
+    hard_weight=0.0,
+    reduction="mean",
+):
+    """The loss from logits, float64."""
+    d = np_divergence(
+        references.log_softmax(z, temperature),
+        references.log_softmax(z_t, temperature),
+        divergence,
+        beta,
+    )
+    loss = d
+    if hard_weight > 0:
+        nll = -np.take_along_axis(
+            references.log_softmax(z), labels[..., None], axis=-1
+        )[..., 0]
+        loss = hard_weight * nll + (1 - hard_weight) * d
+    weights = np.ones(loss.shape) if weights is None else weights
+    if reduction == "none":
+        return weights * loss
+    total = (weights * loss).sum()
+    return total if reduction == "sum" else total / weights.sum()
+
+
+def np_fused_loss(h, w, bias, teacher_logits, **options):
+    return np_loss(references.unembed(h, w, bias), teacher_logits, **options)
+
+
+def finite_differences(f, x, eps=1e-6):
+    """``d f / d x`` by central differences, float64."""
+    x = np.asarray(x, np.float64)
+    grad = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        up, down = x.copy(), x.copy()
+        up[i] += eps
+        down[i] -= eps
+        grad[i] = (f(up) - f(down)) / (2 * eps)
+    return grad
+
+
+def f32(x):
+    return jnp.asarray(x, jnp.float32)
+
+
+class MaterializedTest(parameterized.TestCase):
+    @parameterized.named_parameters(
+        (f"{name}_{reduction}", name, reduction)
+        for name in OPTIONS
+        for reduction in ("mean", "sum", "none")
+    )
+    def test_equals_numpy(self, name, reduction):
+        x = make_inputs()
+        z = references.unembed(x["h"], x["w"], x["bias"])
+        z_t = references.unembed(x["h_t"], x["w_t"])
+        options = dict(OPTIONS[name], reduction=reduction)
+        loss, metrics = distillation.distillation_loss(
+            f32(z), f32(z_t), labels=x["labels"], weights=f32(x["weights"]), **options
+        )
+        expected = np_loss(z, z_t, x["labels"], x["weights"], **options)
+        np.testing.assert_allclose(loss, expected, rtol=2e-5, atol=1e-6)
+        nll = -np.take_along_axis(
+            references.log_softmax(z), x["labels"][..., None], -1
+        )[..., 0]
+        np.testing.assert_allclose(
+            metrics["nll"], (x["weights"] * nll).sum() / x["weights"].sum(), rtol=2e-5
+        )
+
+    def test_gradient_is_the_numpy_losss_and_the_teacher_gets_none(self):
+        x = make_inputs()
+        z = references.unembed(x["h"], x["w"], x["bias"])
+        z_t = references.unembed(x["h_t"], x["w_t"])
+        options = OPTIONS["hard"]
+        dz, dz_t = jax.grad(
+            lambda a, b: distillation.distillation_loss(
+                a, b, labels=x["labels"], weights=f32(x["weights"]), **options
+            )[0],
+            argnums=(0, 1),
+        )(f32(z), f32(z_t))
+        expected = finite_differences(
+            lambda z: np_loss(z, z_t, x["labels"], x["weights"], **options), z
+        )
+        np.testing.assert_allclose(dz, expected, rtol=1e-4, atol=1e-6)
+        np.testing.assert_array_equal(dz_t, np.zeros(z_t.shape))
+
+    def test_a_token_the_teacher_bans_adds_nothing_to_the_forward_kl(self):
+        z = np.array([[0.5, -1.0, 2.0, 0.0]])
+        z_t = np.array([[1.0, -np.inf, 0.0, -np.inf]])
+        forward, _ = distillation.distillation_loss(f32(z), f32(z_t))
+        reverse, _ = distillation.distillation_loss(
+            f32(z), f32(z_t), divergence="reverse_kl"
+        )
+        np.testing.assert_allclose(forward, np_loss(z, z_t), rtol=1e-6)
+        self.assertEqual(float(reverse), np.inf)  # q > 0 where p = 0
+
+
+class FusedTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(
+        (f"{name}_{teacher}", name, teacher)
+        for name in OPTIONS
+        for teacher in ("logits", "head")
+    )
+    def test_value_and_gradients_equal_numpy(self, name, teacher):
+        x = make_inputs()
+        z_t = references.unembed(x["h_t"], x["w_t"])
+        options = OPTIONS[name]
+        teacher_arg = (
+            f32(z_t) if teacher == "logits" else (f32(x["h_t"]), f32(x["w_t"]))
+        )
+
+        @self.variant
+        def value_and_grad(h, w, bias, weights):
+            return jax.value_and_grad(
+                lambda *a: distillation.fused_distillation_loss(
+                    a[0],
+                    a[1],
+                    teacher_arg,
+                    labels=x["labels"],
+                    bias=a[2],
+                    weights=a[3],
+                    chunk_size=CHUNK,
+                    **options,
+                )[0],
+                argnums=(0, 1, 2, 3),
+            )(h, w, bias, weights)
+
+        loss, grads = value_and_grad(
+            f32(x["h"]), f32(x["w"]), f32(x["bias"]), f32(x["weights"])
+        )
+        args = dict(h=x["h"], w=x["w"], bias=x["bias"], weights=x["weights"])
+
+        def reference(name, value):
+            inputs = dict(args, **{name: value})
+            return np_fused_loss(
+                inputs["h"],
+                inputs["w"],
+                inputs["bias"],
+                z_t,
+                labels=x["labels"],
+                weights=inputs["weights"],
+                **options,
+            )
+
+        np.testing.assert_allclose(loss, reference("h", x["h"]), rtol=2e-5)
+        for grad, argument in zip(grads, args):
+            np.testing.assert_allclose(
+                grad,
+                finite_differences(
+                    functools.partial(reference, argument), args[argument]
+                ),
+                rtol=2e-4,
+                atol=2e-6,
+                err_msg=argument,
+            )
+
+    @parameterized.named_parameters(("sum", "sum"), ("none", "none"))
+    def test_other_reductions_and_their_gradients_equal_the_materialized(
+        self, reduction
+    ):
+        x = make_inputs(1)
+        options = dict(OPTIONS["jsd"], reduction=reduction)
+        cotangent = np.random.default_rng(2).standard_normal((B, T))
+        weights = f32(x["weights"])
+
+        def fused_loss(h, w):
+            loss = distillation.fused_distillation_loss(
+                h,
+                w,
+                (f32(x["h_t"]), f32(x["w_t"])),
+                weights=weights,
+                chunk_size=CHUNK,
+                **options,
+            )[0]
+            return jnp.sum(loss * cotangent) if reduction == "none" else loss
+
+        def materialized(h, w):
+            loss = distillation.distillation_loss(
+                head.unembed(h, w),
+                head.unembed(f32(x["h_t"]), f32(x["w_t"])),
+                weights=weights,
+                **options,
+            )[0]
+            return jnp.sum(loss * cotangent) if reduction == "none" else loss
+
+        got = jax.jit(jax.value_and_grad(fused_loss, argnums=(0, 1)))(
+            f32(x["h"]), f32(x["w"])
+        )
+        want = jax.value_and_grad(materialized, argnums=(0, 1))(
+            f32(x["h"]), f32(x["w"])
+        )
+        chex.assert_trees_all_close(got, want, rtol=2e-5, atol=1e-6)
+
+    def test_the_teacher_gets_no_gradient_and_the_metrics_are_the_materialized(self):
+        x = make_inputs()
+        args = (f32(x["h"]), f32(x["w"]), f32(x["h_t"]), f32(x["w_t"]))
+
+        def loss(h, w, h_t, w_t):
+            return distillation.fused_distillation_loss(
+                h,
+                w,
+                (h_t, w_t),
+                labels=x["labels"],
+                chunk_size=CHUNK,
+                **OPTIONS["hard"],
+            )
+
+        grads = jax.grad(lambda *a: loss(*a)[0], argnums=(2, 3))(*args)
+        chex.assert_trees_all_equal(grads, tuple(jnp.zeros_like(a) for a in args[2:]))
+        _, metrics = loss(*args)
+        _, expected = distillation.distillation_loss(
+            head.unembed(*args[:2]),
+            head.unembed(*args[2:]),
+            labels=x["labels"],
+            **OPTIONS["hard"],
+        )
+        chex.assert_trees_all_close(metrics, expected, rtol=2e-5)
+
+    def test_bfloat16_inputs_give_bfloat16_gradients_close_to_float32(self):
+        x = make_inputs()
+        z_t = f32(references.unembed(x["h_t"], x["w_t"]))
+
+        def grads(dtype):
+            return jax.grad(
+                lambda h, w: distillation.fused_distillation_loss(
+                    h, w, z_t, chunk_size=CHUNK
+                )[0],
+                argnums=(0, 1),
+            )(jnp.asarray(x["h"], dtype), jnp.asarray(x["w"], dtype))
+
+        low, high = grads(jnp.bfloat16), grads(jnp.float32)
+        self.assertEqual({g.dtype for g in low}, {jnp.dtype(jnp.bfloat16)})
+        chex.assert_trees_all_close(
+            jax.tree.map(lambda g: g.astype(jnp.float32), low), high, atol=0.03
+        )
+
+    def test_no_tokens_gives_zero(self):
+        loss, metrics = distillation.fused_distillation_loss(
+            jnp.zeros((0, D)), jnp.ones((V, D)), jnp.zeros((0, V))
+        )
+        self.assertEqual((float(loss), float(metrics["weight_sum"])), (0.0, 0.0))
+
+
+H, W = np.ones((B, T, D), np.float32), np.ones((V, D), np.float32)
+
+
+@pytest.mark.parametrize(
+    "call, error, named",
+    [
+        (
+            lambda: distillation.fused_distillation_loss(H, W, np.ones((B, T, V + 1))),
+            ValueError,
+            "teacher",
+        ),
+        (
+            lambda: distillation.fused_distillation_loss(
+                H, W, (np.ones((B, T, 3)), np.ones((V - 1, 3)))
+            ),
+            ValueError,
+            "teacher",
+        ),
+        (
+            lambda: distillation.fused_distillation_loss(H, W, (np.ones((B, T, 3)),)),
+            ValueError,
+            "teacher",
+        ),
+        (
+            lambda: distillation.distillation_loss(
+                np.ones((B, V)), np.ones((B, V + 1))
+            ),
+            ValueError,
+            "teacher_logits",
+        ),
+        (
+            lambda: distillation.fused_distillation_loss(
+                H, W, np.ones((B, T, V)), divergence="jsd", beta=1.5
+            ),
+            ValueError,
+            "beta",
+        ),
+        (
+            lambda: distillation.distillation_loss(
+                np.ones((B, V)), np.ones((B, V)), beta=-0.1
+            ),
+            ValueError,
+            "beta",
+        ),
+        (
+            lambda: distillation.fused_distillation_loss(
+                H, W, np.ones((B, T, V)), temperature=0.0
+            ),
+            ValueError,
+            "temperature",
+        ),
+        (
+            lambda: distillation.fused_distillation_loss(
+                H, W, np.ones((B, T, V)), hard_weight=0.5
+            ),
+            ValueError,
+            "labels",
+        ),
+        (
+            lambda: distillation.fused_distillation_loss(
+                H, W, np.ones((B, T, V)), divergence="kl"
+            ),
+            ValueError,
+            "divergence",
+        ),
+        (
+            lambda: distillation.fused_distillation_loss(
+                H, W, np.ones((B, T, V)), chunk_size=0
+            ),
+            ValueError,
+            "chunk_size",
+        ),
+        (
+            lambda: distillation.fused_distillation_loss(
+                H, W, np.ones((B, T, V)), weights=-np.ones((B, T))
+            ),
+            ValueError,
+            "weights",
+        ),
+        (
+            lambda: jax.jit(
+                lambda b: distillation.fused_distillation_loss(
+                    H, W, np.ones((B, T, V)), divergence="jsd", beta=b
+                )
+            )(0.5),
+            TypeError,
+            "beta",
+        ),
+    ],
+)
+def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
+    assert_raises_exactly(call, error, named)

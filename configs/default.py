@@ -154,6 +154,10 @@ def model_defaults() -> ml_collections.ConfigDict:
     model.positions = "learned"  # "learned" | "rope"
     model.use_bias = True  # in blocks and LayerNorms; nanogpt: False
     model.head_bias = False
+    # A factorized head of this rank, w = A @ B with A [V, r] and B [r, D]
+    # (tied: the input embedding is factorized the same way and shared);
+    # None: a [V, D] head. lmhead/modules.py's docstring has the savings.
+    model.head_rank = config_dict.placeholder(int)
     model.head_scale = config_dict.placeholder(float)
     model.logits_softcap = config_dict.placeholder(float)
     model.dtype = "float32"  # compute dtype: "float32" | "bfloat16"

@@ -342,6 +342,12 @@ class _Plan:
         )
 
 
+def _log_probs(z, temperature):
+    """``log softmax(z / T)`` over the last axis, as ``z / T - lse``."""
+    scaled = z / temperature
+    return scaled - jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+
+
 def _chunk(plan, i, num_tokens, h, w, bias, teacher, labels):
     """Chunk ``i``'s start, new-token mask, ``h`` rows and terms.
 
@@ -365,8 +371,11 @@ def _chunk(plan, i, num_tokens, h, w, bias, teacher, labels):
             lax.dynamic_slice_in_dim(h_t, start, size), w_t, _CONTRACT_COLUMNS
         )
     t = plan.temperature
-    log_q = jax.nn.log_softmax(z / t)
-    log_p = jax.nn.log_softmax(z_t / t)
+    # Log-probs as logits minus a logsumexp, not jax.nn.log_softmax: XLA then
+    # fuses each reduction below and the gradient with the elementwise work
+    # that feeds it, and no [C, V] array but the logits and g is written.
+    log_q = _log_probs(z, t)
+    log_p = _log_probs(z_t, t)
     div = token_divergence(log_q, log_p, divergence=plan.divergence, beta=plan.beta)
     q = jnp.exp(log_q)
     if plan.divergence == "forward_kl":
@@ -384,13 +393,13 @@ def _chunk(plan, i, num_tokens, h, w, bias, teacher, labels):
     token_loss = div
     if plan.has_labels:
         y = lax.dynamic_slice_in_dim(labels, start, size)
-        log_probs = log_q if t == 1.0 else jax.nn.log_softmax(z)
-        nll = -jnp.take_along_axis(log_probs, y[:, None], axis=-1)[:, 0]
+        lse = jax.nn.logsumexp(z, axis=-1)
+        nll = lse - jnp.take_along_axis(z, y[:, None], axis=-1)[:, 0]
         if plan.hard_weight > 0:
             a = plan.hard_weight
             token_loss = a * nll + (1.0 - a) * div
-            one_hot = jax.nn.one_hot(y, z.shape[-1], dtype=jnp.float32)
-            g = a * (jnp.exp(log_probs) - one_hot) + (1.0 - a) * g
+            is_label = lax.broadcasted_iota(jnp.int32, z.shape, 1) == y[:, None]
+            g = a * (jnp.exp(z - lse[:, None]) - is_label) + (1.0 - a) * g
     return start, is_new, h_c, token_loss, div, nll, g
 
 

@@ -1,9 +1,20 @@
-"""Flax Linen wrapper of the output head.
+"""Flax Linen wrappers of the output head and of a factorized embedding.
 
 ``LMHead`` only decides which ``[V, D]`` array is the unembedding -- the
 input embedding table when tied, a parameter of its own when untied -- and
 calls the pure functions in :mod:`lmhead.head`, :mod:`lmhead.losses` and
 :mod:`lmhead.fused`. No math is written here.
+
+A factorized head (``LMHead(rank=r)``) has the unembedding ``w = A @ B``,
+``A: [V, r]``, ``B: [r, D]``, and never forms it: the head projects
+``h' = h @ B.T`` (``[..., r]``) and hands ``(h', A)`` to the same pure
+functions, so the fused loss, decoding and quantization (of ``A``) work on
+it unchanged. Untied, the head owns ``A`` (``unembedding``) and ``B``
+(``projection``). Tied, it shares both with a :class:`FactorizedEmbed`,
+whose embedding of token ``i`` is ``A[i] @ B``: the head's ``w`` is the
+input embedding matrix ``A @ B`` itself, as in ALBERT's factorized
+embedding. Parameters: ``V r + r D`` instead of ``V D``; FLOPs of the
+logits of ``N`` tokens: ``2 N r (D + V)`` instead of ``2 N D V``.
 """
 
 import math
@@ -18,7 +29,103 @@ from lmhead import _checks, fused, head, losses, quantize, vocab_parallel
 
 LOSS_IMPLS = ("fused", "materialized", "vocab_parallel")
 
-Embedding = nn.Embed | jax.typing.ArrayLike
+
+def projection_init(rank: int) -> nn.initializers.Initializer:
+    """``B: [r, D]`` drawn from ``N(0, 1/r)``, so that ``A @ B`` has the
+    standard deviation of ``A``'s entries (``sqrt(r) * std(A) / sqrt(r)``)."""
+    return nn.initializers.normal(rank**-0.5)
+
+
+class FactorizedEmbed(nn.Module):
+    """A token embedding of rank ``r``: token ``i`` embeds as ``A[i] @ B``.
+
+    ``A = embedding: [V, r]`` and ``B = projection: [r, D]``; the matrix
+    ``A @ B: [V, D]`` is never formed. A tied ``LMHead(rank=r)`` given this
+    module unembeds with the same two arrays. Ids outside ``[0, V)`` follow
+    ``nn.Embed``'s rule (``jnp.take``'s: NaN rows inside ``jit``).
+
+    Attributes:
+        num_embeddings: ``V``.
+        features: ``D``.
+        rank: ``r``, an integer in ``[1, min(V, D)]``.
+        embedding_init: of ``A`` (default ``N(0, 0.02^2)``, ``nn.Embed``'s
+            scale for ``A @ B`` given the default ``B``).
+        projection_init: of ``B``; default :func:`projection_init`.
+        dtype: of the output; param_dtype: of ``A`` and ``B``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> embed = FactorizedEmbed(num_embeddings=10, features=8, rank=2)
+        >>> params = embed.init(jax.random.key(0), jnp.zeros((1, 3), jnp.int32))
+        >>> jax.tree.map(jnp.shape, params)
+        {'params': {'embedding': (10, 2), 'projection': (2, 8)}}
+        >>> ids = jnp.array([[4, 1, 9]])
+        >>> table = params["params"]["embedding"] @ params["params"]["projection"]
+        >>> bool(jnp.allclose(embed.apply(params, ids), table[ids], atol=1e-6))
+        True
+    """
+
+    num_embeddings: int
+    features: int
+    rank: int
+    embedding_init: nn.initializers.Initializer = nn.initializers.normal(0.02)
+    projection_init: nn.initializers.Initializer | None = None
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        for name in ("num_embeddings", "features", "rank"):
+            _checks.check_count(name, getattr(self, name))
+        _check_rank(self.rank, self.num_embeddings, self.features)
+        super().__post_init__()
+
+    def setup(self):
+        self.embedding = self.param(
+            "embedding",
+            self.embedding_init,
+            (self.num_embeddings, self.rank),
+            self.param_dtype,
+        )
+        self.projection = self.param(
+            "projection",
+            self.projection_init or projection_init(self.rank),
+            (self.rank, self.features),
+            self.param_dtype,
+        )
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """``[..., D]`` embeddings of integer ``ids: [...]``."""
+        _checks.check_integer("ids", ids)
+        rows = jnp.take(jnp.asarray(self.embedding, self.dtype), ids, axis=0)
+        return jnp.einsum(
+            "...r,rd->...d",
+            rows,
+            jnp.asarray(self.projection, self.dtype),
+            preferred_element_type=jnp.float32,
+        ).astype(self.dtype)
+
+
+Embedding = (
+    nn.Embed
+    | FactorizedEmbed
+    | jax.typing.ArrayLike
+    | tuple[jax.typing.ArrayLike, jax.typing.ArrayLike]
+)
+
+
+def _check_rank(rank: int | None, vocab_size: int, d_model: int | None) -> None:
+    """``rank`` in ``[1, min(V, D)]`` (``D`` when known): a larger rank
+    saves nothing and ``A @ B`` cannot have it."""
+    _checks.check_count("rank", rank, optional=True)
+    if rank is None:
+        return
+    bound = vocab_size if d_model is None else min(vocab_size, d_model)
+    if rank > bound:
+        raise ValueError(
+            f"rank must be in [1, min(V, D)] = [1, {bound}] (V = {vocab_size}"
+            + ("" if d_model is None else f", D = {d_model}")
+            + f"); got {rank}."
+        )
 
 
 class LMHead(nn.Module):
@@ -38,6 +145,12 @@ class LMHead(nn.Module):
             and logits are float32.
         param_dtype: dtype of the head's own parameters.
         kernel_init: initializer of the untied ``unembedding``.
+        rank: None (default) for a ``[V, D]`` unembedding, or ``r`` in
+            ``[1, min(V, D)]`` for the factorized ``w = A @ B`` (see the
+            module docstring): untied, the head owns ``unembedding: [V, r]``
+            and ``projection: [r, D]`` (initialized by
+            :func:`projection_init`); tied, the call's ``embedding`` is a
+            :class:`FactorizedEmbed` or its pair ``(A, B)``.
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -58,6 +171,7 @@ class LMHead(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     kernel_init: nn.initializers.Initializer = nn.initializers.normal(0.02)
+    rank: int | None = None
 
     def __post_init__(self):
         # When the module is built, so that a bad field fails before any
@@ -75,29 +189,36 @@ class LMHead(nn.Module):
                 high=math.inf,
                 high_open=True,
             )
+        _check_rank(self.rank, self.vocab_size, None)
         super().__post_init__()
 
     @nn.compact
     def unembedding(
         self, d_model: int, embedding: Embedding | None
-    ) -> tuple[jax.Array, jax.Array | None]:
-        """Returns ``(w: [V, D], bias: [V] | None)`` as used by the head.
+    ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+        """Returns ``(w, bias: [V] | None, projection: [r, D] | None)``.
 
-        At inference ``w`` may be a ``quantize.QuantizedTable`` (passed as the
+        ``w`` is ``[V, D]``, or ``A: [V, r]`` of a factorized head, whose
+        logits are those of ``h @ projection.T`` against it. At inference
+        ``w`` may be a ``quantize.QuantizedTable`` (passed as the
         ``embedding`` when tied, or in place of ``params["unembedding"]`` when
         untied); it is used as it is, not cast to ``dtype``.
         """
+        _check_rank(self.rank, self.vocab_size, d_model)
+        width = d_model if self.rank is None else self.rank
+        projection = None
         if self.tied:
-            if embedding is None:
+            w, projection = self._tied_arrays(embedding)
+            if _table_shape(w) != (self.vocab_size, width):
+                layout = "[V, D]" if self.rank is None else "[V, r]"
                 raise ValueError(
-                    "embedding is required when tied=True: pass the nn.Embed "
-                    "module or its [V, D] table."
+                    f"embedding must have shape {layout} = ({self.vocab_size}, "
+                    f"{width}); got {_table_shape(w)}."
                 )
-            w = embedding.embedding if isinstance(embedding, nn.Embed) else embedding
-            if _table_shape(w) != (self.vocab_size, d_model):
+            if projection is not None and jnp.shape(projection) != (width, d_model):
                 raise ValueError(
-                    f"embedding must have shape [V, D] = ({self.vocab_size}, "
-                    f"{d_model}); got {_table_shape(w)}."
+                    f"embedding's projection must have shape [r, D] = ({width}, "
+                    f"{d_model}); got {jnp.shape(projection)}."
                 )
         else:
             if embedding is not None:
@@ -108,9 +229,16 @@ class LMHead(nn.Module):
             w = self.param(
                 "unembedding",
                 self.kernel_init,
-                (self.vocab_size, d_model),
+                (self.vocab_size, width),
                 self.param_dtype,
             )
+            if self.rank is not None:
+                projection = self.param(
+                    "projection",
+                    projection_init(self.rank),
+                    (self.rank, d_model),
+                    self.param_dtype,
+                )
         bias = (
             self.param(
                 "bias", nn.initializers.zeros, (self.vocab_size,), self.param_dtype
@@ -118,16 +246,66 @@ class LMHead(nn.Module):
             if self.use_bias
             else None
         )
+        if projection is not None:
+            projection = jnp.asarray(projection, self.dtype)
         if isinstance(w, quantize.QuantizedTable):
-            return w, bias
-        return jnp.asarray(w, self.dtype), bias
+            return w, bias, projection
+        return jnp.asarray(w, self.dtype), bias, projection
+
+    def _tied_arrays(self, embedding: Embedding | None) -> tuple[Any, Any]:
+        """``(table, projection or None)`` of a tied head's ``embedding``."""
+        if embedding is None:
+            raise ValueError(
+                "embedding is required when tied=True: pass the nn.Embed "
+                "module or its [V, D] table (for rank=r, the FactorizedEmbed "
+                "module or its pair (A [V, r], B [r, D]))."
+            )
+        if isinstance(embedding, FactorizedEmbed):
+            embedding = (embedding.embedding, embedding.projection)
+        # A QuantizedTable is a NamedTuple, and one table, not a pair.
+        factorized = isinstance(embedding, (tuple, list)) and not isinstance(
+            embedding, quantize.QuantizedTable
+        )
+        if factorized != (self.rank is not None):
+            wanted = (
+                "a FactorizedEmbed or a pair (A, B)"
+                if self.rank
+                else "an nn.Embed or a [V, D] table"
+            )
+            got = "a pair" if factorized else type(embedding).__name__
+            raise ValueError(
+                f"embedding must be {wanted} for a tied head with "
+                f"rank={self.rank}; got {got}."
+            )
+        if factorized:
+            if len(embedding) != 2:
+                raise ValueError(
+                    "embedding must be the pair (A [V, r], B [r, D]); got "
+                    f"{len(embedding)} arrays."
+                )
+            return tuple(embedding)
+        w = embedding.embedding if isinstance(embedding, nn.Embed) else embedding
+        return w, None
+
+    def _project(self, h: jax.Array, projection: jax.Array | None) -> jax.Array:
+        """``h`` in ``dtype``, times ``projection.T`` for a factorized head."""
+        h = jnp.asarray(h, self.dtype)
+        if projection is None:
+            return h
+        return jnp.einsum(
+            "...d,rd->...r", h, projection, preferred_element_type=jnp.float32
+        ).astype(self.dtype)
 
     def __call__(self, h: jax.Array, embedding: Embedding | None = None) -> jax.Array:
         """Logits ``[..., V]`` (float32) from hidden states ``h: [..., D]``."""
         _checks.check_floating("h", h)  # before the cast to self.dtype
-        w, bias = self.unembedding(jnp.shape(h)[-1], embedding)
+        w, bias, projection = self.unembedding(jnp.shape(h)[-1], embedding)
         return head.unembed(
-            jnp.asarray(h, self.dtype), w, bias, scale=self.scale, softcap=self.softcap
+            self._project(h, projection),
+            w,
+            bias,
+            scale=self.scale,
+            softcap=self.softcap,
         )
 
     def loss(
@@ -172,13 +350,13 @@ class LMHead(nn.Module):
                 f"'vocab_parallel'); got chunk_size={chunk_size!r} with "
                 f"loss_impl='materialized'."
             )
-        w, bias = self.unembedding(jnp.shape(h)[-1], embedding)
+        w, bias, projection = self.unembedding(jnp.shape(h)[-1], embedding)
         if isinstance(w, quantize.QuantizedTable):
             raise ValueError(
                 "a QuantizedTable is for inference; train and "
                 "evaluate the loss with the float table."
             )
-        h = jnp.asarray(h, self.dtype)
+        h = self._project(h, projection)
         options = dict(
             weights=weights,
             label_smoothing=label_smoothing,

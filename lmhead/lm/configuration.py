@@ -98,6 +98,7 @@ def _ranges(config) -> dict[str, tuple[Any, Any, str]]:
         "train.eval_train_batches": (0, None, "[)"),
         "train.patience": (0, None, "[)"),
         "model.dropout_rate": (0.0, 1.0, "[)"),
+        "model.head_rank": (1, config.model.d_model, "[]"),
         "model.head_scale": (0.0, None, "()"),
         "model.logits_softcap": (0.0, None, "()"),
         "loss.label_smoothing": (0.0, 1.0, "[)"),
@@ -175,6 +176,13 @@ def _check_rules_between_values(config) -> None:
             "config.model.untie_step unties a head that starts tied, which "
             "needs the untied model's own head: config.model.tied=False; got "
             f"untie_step={config.model.untie_step} with tied=True."
+        )
+    if config.model.untie_step is not None and config.model.head_rank is not None:
+        raise ValueError(
+            "config.model.untie_step copies a [V, D] table into the head, and "
+            "a factorized head (config.model.head_rank) has none; got "
+            f"untie_step={config.model.untie_step} with "
+            f"head_rank={config.model.head_rank}."
         )
     if config.model.d_model % config.model.num_heads:
         raise ValueError(

@@ -351,7 +351,8 @@ def _continue_window(
 def quantize_for_decoding(model: model_lib.DecoderLM, params: Any, dtype: str) -> Any:
     """``params`` with the head's table quantized once, for inference.
 
-    Untied: ``head/unembedding`` is replaced by its quantized table. Tied:
+    Untied: ``head/unembedding`` is replaced by its quantized table (with
+    ``head_rank``, the factor ``A: [V, r]``; the projection stays float). Tied:
     the embedding lookup keeps the float32 table and the head reads a
     quantized copy of it, stored as ``params[model.HEAD_TABLE]``. Either way
     the result is a params tree like any other: ``prefill``, the step

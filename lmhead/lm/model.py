@@ -29,6 +29,10 @@ Parameter tree (``params``)::
     blocks_{i}/mlp_out       kernel [F, D], bias [D]    (residual projection)
     final_norm               scale, bias [D]
     head/...                 untied: unembedding [V, D]; bias [V] if head_bias
+    (head_rank = r)          embed/embedding [V, r] and embed/projection [r, D]
+                             when tied (modules.FactorizedEmbed, shared by the
+                             head); head/unembedding [V, r] and
+                             head/projection [r, D] when untied
     head_table               optional, tied only, inference only: the head's
                              [V, D] table in place of embed/embedding (e.g. a
                              quantize.QuantizedTable; see
@@ -246,6 +250,11 @@ class DecoderLM(nn.Module):
         use_bias: biases in the attention and MLP dense layers and in every
             LayerNorm (GPT-2); False drops them all, as nanoGPT's default
             ``bias=False`` does. The head's bias is ``head_bias``.
+        head_rank: None, or ``r`` for the factorized head ``w = A @ B``
+            (``modules.LMHead``'s ``rank``): tied, the input embedding is a
+            ``modules.FactorizedEmbed`` of the same rank and the head shares
+            its ``A`` and ``B``; untied, the embedding stays ``[V, D]`` and
+            the head owns its factors.
         head_bias, head_scale, logits_softcap: passed to ``modules.LMHead``
             as ``use_bias``, ``scale``, ``softcap``.
         dtype: compute dtype, e.g. ``jnp.float32`` or ``jnp.bfloat16``.
@@ -283,12 +292,18 @@ class DecoderLM(nn.Module):
     head_bias: bool = False
     head_scale: float | None = None
     logits_softcap: float | None = None
+    head_rank: int | None = None
     dtype: Any = jnp.float32
 
     def setup(self):
         self._check_config()
         normal = nn.initializers.normal(INIT_STD)
-        self.embed = nn.Embed(self.vocab_size, self.d_model, embedding_init=normal)
+        if self.tied and self.head_rank is not None:
+            self.embed = modules.FactorizedEmbed(
+                self.vocab_size, self.d_model, self.head_rank, embedding_init=normal
+            )
+        else:
+            self.embed = nn.Embed(self.vocab_size, self.d_model, embedding_init=normal)
         if self.positions == "learned":
             self.position_embedding = self.param(
                 "position_embedding", normal, (self.max_len, self.d_model)
@@ -315,6 +330,7 @@ class DecoderLM(nn.Module):
             scale=self.head_scale,
             softcap=self.logits_softcap,
             dtype=self.dtype,
+            rank=self.head_rank,
         )
 
     def _check_config(self):
@@ -358,13 +374,18 @@ class DecoderLM(nn.Module):
     def _tied_unembedding(self) -> Any:
         """The unembedding the head is given when tied: ``params[HEAD_TABLE]``
         if present (a table for inference, see
-        ``generation.quantize_for_decoding``), else the embedding table.
-        None when untied (the head owns its own)."""
+        ``generation.quantize_for_decoding``), else the embedding table;
+        with ``head_rank``, the pair (that table, the embedding's
+        projection). None when untied (the head owns its own)."""
         if not self.tied:
             return None
         if self.has_variable("params", HEAD_TABLE):
-            return self.get_variable("params", HEAD_TABLE)
-        return self.embed.embedding
+            table = self.get_variable("params", HEAD_TABLE)
+        else:
+            table = self.embed.embedding
+        if self.head_rank is None:
+            return table
+        return table, self.embed.projection
 
     def _hidden_states(self, tokens, positions, mask, caches, train):
         """Embedding, blocks and final LayerNorm: ([B, T, D], new caches)."""

@@ -1,0 +1,230 @@
+"""Tests for the factorized head, lmhead/modules.py's ``LMHead(rank=r)`` and
+``FactorizedEmbed``, and the model's ``head_rank``.
+
+The reference is the unfactorized head: numpy's ``h @ (A @ B).T``, and a
+``DecoderLM`` without ``head_rank`` whose ``[V, D]`` table (tied) or head
+(untied) is set to ``A @ B`` and whose other parameters are the factorized
+model's. The two must give the same logits, the same loss (fused and
+materialized) and the same greedy and beam decoding.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lmhead import decoding, modules
+from lmhead.lm import generation
+from lmhead.lm import model as model_lib
+from tests import references
+from tests.errors import assert_raises_exactly
+
+V, D, R = 13, 8, 3
+
+
+def factors(seed=0):
+    rng = np.random.default_rng(seed)
+    return (
+        rng.standard_normal((2, 5, D)).astype(np.float32),
+        rng.standard_normal((V, R)).astype(np.float32),
+        rng.standard_normal((R, D)).astype(np.float32),
+    )
+
+
+def test_untied_head_owns_both_factors_and_gives_h_times_their_product():
+    h, _, _ = factors()
+    lm_head = modules.LMHead(V, tied=False, rank=R, use_bias=True)
+    params = lm_head.init(jax.random.key(0), h)["params"]
+    chex.assert_trees_all_equal_shapes(
+        params,
+        {
+            "unembedding": np.zeros((V, R)),
+            "projection": np.zeros((R, D)),
+            "bias": np.zeros(V),
+        },
+    )
+    params = {**params, "bias": np.arange(V, dtype=np.float32)}
+    w = np.asarray(params["unembedding"]) @ np.asarray(params["projection"])
+    np.testing.assert_allclose(
+        lm_head.apply({"params": params}, h),
+        references.unembed(h, w, params["bias"]),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+@pytest.mark.parametrize("pass_module", [True, False])
+def test_tied_head_shares_the_embeddings_factors(pass_module):
+    h, a, b = factors()
+    embed = modules.FactorizedEmbed(V, D, R)
+    ids = jnp.array([[0, 4, 12]])
+    variables = {"params": {"embedding": a, "projection": b}}
+    np.testing.assert_allclose(
+        embed.apply(variables, ids), (a @ b)[np.asarray(ids)], rtol=1e-5, atol=1e-6
+    )
+    lm_head = modules.LMHead(V, tied=True, rank=R)
+    if pass_module:
+        logits = lm_head.apply({}, h, embed.bind(variables))
+    else:
+        logits = lm_head.apply({}, h, (a, b))
+    np.testing.assert_allclose(
+        logits, references.unembed(h, a @ b), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("loss_impl", ["fused", "materialized"])
+def test_loss_is_the_cross_entropy_of_the_products_logits(loss_impl):
+    h, a, b = factors()
+    labels = np.random.default_rng(1).integers(0, V, h.shape[:-1])
+    lm_head = modules.LMHead(V, tied=True, rank=R)
+    loss, _ = lm_head.apply(
+        {},
+        h,
+        labels,
+        (a, b),
+        loss_impl=loss_impl,
+        label_smoothing=0.1,
+        method=modules.LMHead.loss,
+    )
+    _, expected = references.cross_entropy(
+        references.unembed(h, a @ b),
+        labels,
+        np.ones(labels.shape),
+        0.1,
+        "uniform",
+        0.0,
+    )
+    np.testing.assert_allclose(loss, expected["loss"], rtol=1e-5)
+
+
+def model(**overrides):
+    return model_lib.DecoderLM(
+        vocab_size=V,
+        num_layers=1,
+        num_heads=2,
+        d_model=D,
+        mlp_dim=16,
+        max_len=12,
+        **overrides,
+    )
+
+
+def unfactorized(params, tied):
+    """The factorized model's params with ``A @ B`` as the ``[V, D]`` table."""
+    if tied:
+        embed = params["embed"]
+        return {
+            **params,
+            "embed": {"embedding": embed["embedding"] @ embed["projection"]},
+        }
+    head = params["head"]
+    return {**params, "head": {"unembedding": head["unembedding"] @ head["projection"]}}
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def models(request):
+    tied = request.param == "tied"
+    tokens = jnp.array([[1, 5, 2, 7], [3, 3, 9, 0]])
+    factorized = model(tied=tied, head_rank=R)
+    params = factorized.init(jax.random.key(0), tokens)["params"]
+    return (
+        tied,
+        tokens,
+        factorized,
+        params,
+        model(tied=tied),
+        unfactorized(params, tied),
+    )
+
+
+def test_the_model_is_the_unfactorized_model_of_the_product(models):
+    tied, tokens, factorized, params, full, full_params = models
+    shapes = jax.tree.map(jnp.shape, params)
+    if tied:
+        assert shapes["embed"] == {"embedding": (V, R), "projection": (R, D)}
+        assert "head" not in shapes
+    else:
+        assert shapes["embed"] == {"embedding": (V, D)}
+        assert shapes["head"] == {"unembedding": (V, R), "projection": (R, D)}
+    np.testing.assert_allclose(
+        factorized.apply({"params": params}, tokens),
+        full.apply({"params": full_params}, tokens),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_greedy_and_beam_decoding_equal_the_unfactorized_models(models):
+    tied, tokens, factorized, params, full, full_params = models
+
+    def decode(m, p):
+        logits, cache = model_lib.prefill(m, p, tokens, max_new_tokens=4)
+        step = model_lib.make_step_fn(m)
+        greedy, *_ = decoding.generate(
+            step,
+            p,
+            logits,
+            cache,
+            key=jax.random.key(0),
+            max_new_tokens=4,
+            temperature=0.0,
+        )
+        beams, scores, *_ = decoding.beam_search(
+            step, p, logits, cache, num_beams=2, max_new_tokens=4, eos_id=0
+        )
+        return greedy, beams, scores
+
+    got, want = decode(factorized, params), decode(full, full_params)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-5)
+
+
+def test_an_int8_factor_decodes_close_to_float(models):
+    tied, tokens, factorized, params, *_ = models
+    small = generation.quantize_for_decoding(factorized, params, "int8")
+    full, fewer = (factorized.apply({"params": p}, tokens) for p in (params, small))
+    np.testing.assert_allclose(fewer, full, atol=2e-3)
+
+
+@pytest.mark.parametrize(
+    "call, named",
+    [
+        (lambda: modules.LMHead(V, rank=0), "rank"),
+        (lambda: modules.LMHead(V, rank=V + 1), "rank"),
+        (
+            lambda: modules.LMHead(V, tied=False, rank=D + 1).init(
+                jax.random.key(0), jnp.ones((1, D))
+            ),
+            "rank",
+        ),
+        (lambda: modules.FactorizedEmbed(V, D, D + 1), "rank"),
+        (
+            lambda: modules.LMHead(V, tied=True, rank=R).apply(
+                {}, jnp.ones((1, D)), jnp.ones((V, D))
+            ),
+            "embedding",
+        ),
+        (
+            lambda: modules.LMHead(V, tied=True).apply(
+                {}, jnp.ones((1, D)), (jnp.ones((V, R)), jnp.ones((R, D)))
+            ),
+            "embedding",
+        ),
+        (
+            lambda: modules.LMHead(V, tied=True, rank=R).apply(
+                {}, jnp.ones((1, D)), (jnp.ones((V, R)), jnp.ones((R + 1, D)))
+            ),
+            "projection",
+        ),
+        (
+            lambda: model(head_rank=D + 1).init(
+                jax.random.key(0), jnp.ones((1, 2), jnp.int32)
+            ),
+            "rank",
+        ),
+    ],
+)
+def test_bad_ranks_and_embeddings_are_named(call, named):
+    assert_raises_exactly(call, ValueError, named)

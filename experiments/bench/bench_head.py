@@ -30,6 +30,17 @@ logits or, with ``--teacher=head``, as its own ``(h_t, w_t)``::
 
     python experiments/bench/bench_head.py --distillation=forward_kl,jsd
 
+``--preset=gemma2`` prints one table at Gemma 2 2B's head (N = 8192,
+D = 2304, V = 256,000, bfloat16), the shape Cut Cross-Entropy's paper times:
+the forward and forward + backward of the fused and materialized losses, and
+of Liger's ``LigerFusedLinearCrossEntropyLoss`` and CCE's
+``linear_cross_entropy`` when torch, a CUDA device and their packages are
+there (each checked for the fused loss's value before it is timed; a peer
+that cannot run is named with why). Memory is XLA's compiled temporaries for
+the JAX programs and torch's peak allocation for the peers. On a GPU::
+
+    python experiments/bench/bench_head.py --preset=gemma2
+
 ``--quantized`` measures the inference head with a smaller table instead
 (``quantize.quantize_unembedding``: bfloat16, float16, int8 with per-row
 scales) against float32::
@@ -151,6 +162,16 @@ flags.DEFINE_enum(
     "--distillation: the teacher as its logits (an input) or as its own "
     "(h_t, w_t), D_t = D, whose logits each path computes as it computes the "
     "student's.",
+)
+flags.DEFINE_enum(
+    "preset",
+    None,
+    list(PRESETS := {"gemma2": (8192, 2304, 256_000)}),
+    "One table for a published shape, forward and forward + backward of "
+    "the fused and materialized losses in bfloat16, beside Liger's and Cut "
+    "Cross-Entropy's when torch, a CUDA device and their packages are there "
+    "(gemma2: Gemma 2 2B's head, N=8192, D=2304, V=256000, as Cut "
+    "Cross-Entropy's paper times it). --shapes overrides the shape.",
 )
 FLAGS = flags.FLAGS
 
@@ -557,6 +578,135 @@ SKIP_ENTROPY_HEADER = (
 )
 
 
+def torch_peers(h, w, labels) -> tuple[dict, list[str]]:
+    """``{name: (forward, train)}`` of the torch peers that can run here,
+    each a function of no arguments returning the loss (``train`` after its
+    backward pass), and a note for each peer that cannot (why)."""
+    try:
+        import torch
+    except ImportError:
+        return {}, ["Liger, CCE: torch is not installed"]
+    if not torch.cuda.is_available():
+        return {}, ["Liger, CCE: torch sees no CUDA device"]
+    to_torch = {  # bfloat16 -> float32 is exact, so the inputs are the same
+        name: torch.tensor(np.asarray(x, np.float32), device="cuda")
+        for name, x in (("h", h), ("w", w))
+    }
+    th, tw = (to_torch[k].to(torch.bfloat16) for k in ("h", "w"))
+    ty = torch.tensor(np.asarray(labels), device="cuda", dtype=torch.long)
+    losses_by_peer, notes = {}, []
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss()
+        losses_by_peer["Liger"] = lambda h_, w_: liger(w_, h_, ty)
+    except ImportError:
+        notes.append("Liger: liger_kernel is not installed")
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+
+        losses_by_peer["CCE"] = lambda h_, w_: linear_cross_entropy(h_, w_, ty)
+    except ImportError:
+        notes.append("CCE: cut_cross_entropy is not installed")
+
+    def programs(loss_fn):
+        def forward():
+            with torch.no_grad():
+                loss = loss_fn(th, tw)
+            torch.cuda.synchronize()
+            return float(loss)
+
+        def train():
+            h_, w_ = (x.detach().requires_grad_() for x in (th, tw))
+            loss = loss_fn(h_, w_)
+            loss.backward()
+            torch.cuda.synchronize()
+            return float(loss)
+
+        return forward, train
+
+    return {name: programs(fn) for name, fn in losses_by_peer.items()}, notes
+
+
+def torch_peak_bytes(run) -> float:
+    """Peak CUDA memory allocated by torch during ``run()``, beyond what was
+    allocated before it."""
+    import torch
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    return float(torch.cuda.max_memory_allocated() - before)
+
+
+def run_preset(n, d, v, matmul, repeats: int) -> None:
+    """Prints the preset's table: each implementation's forward and
+    forward + backward time (median of ``repeats`` alternating rounds),
+    memory and loss, after checking that every loss equals the fused one."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    h = jax.random.normal(keys[0], (n, d), jnp.bfloat16)
+    w = (0.02 * jax.random.normal(keys[1], (v, d))).astype(jnp.bfloat16)
+    labels = jax.random.randint(keys[2], (n,), 0, v)
+    steps = make_steps(FLAGS.chunk_size, FLAGS.vocab_chunk_size)
+    losses_of = {
+        "fused": lambda h, w, y: fused.fused_cross_entropy(
+            h,
+            w,
+            y,
+            chunk_size=FLAGS.chunk_size,
+            vocab_chunk_size=FLAGS.vocab_chunk_size,
+        ),
+        "materialized": lambda h, w, y: losses.cross_entropy(head.unembed(h, w), y),
+    }
+    programs, memory, loss = {}, {}, {}
+    for name, step in steps.items():
+        forward = jax.jit(losses_of[name]).lower(h, w, labels).compile()
+        train = step.lower(h, w, labels).compile()
+        programs[name] = (
+            lambda f=forward: jax.block_until_ready(f(h, w, labels)),
+            lambda f=train: jax.block_until_ready(f(h, w, labels)),
+        )
+        memory[name] = train.memory_analysis().temp_size_in_bytes
+        loss[name] = float(forward(h, w, labels)[0])
+    peers, notes = torch_peers(h, w, labels)
+    for name, (forward, train) in peers.items():
+        try:
+            loss[name] = forward()
+            if not np.isclose(loss[name], loss["fused"], rtol=1e-2):
+                notes.append(f"{name}: loss {loss[name]:.4f} != {loss['fused']:.4f}")
+                continue
+            memory[name] = torch_peak_bytes(train)
+            programs[name] = (forward, train)
+        except Exception as error:  # a peer's failure is reported, not fatal
+            notes.append(f"{name}: {type(error).__name__}: {error}")
+    calls = {
+        f"{name} {part}": run
+        for name, runs in programs.items()
+        for part, run in zip(("fwd", "train"), runs)
+    }
+    times = timing.alternate(calls, matmul, rounds=repeats)
+    print(
+        "| implementation | fwd ms | fwd+bwd ms | fwd+bwd x fused | memory | loss |\n"
+        + "|---|---|---|---|---|---|"
+    )
+    fused_train = times["fused train"][0]
+    for name in programs:
+        train = times[f"{name} train"][0]
+        kind = "XLA temp" if name in steps else "torch peak"
+        print(
+            f"| {name} | {1e3 * times[f'{name} fwd'][0]:.1f} | {1e3 * train:.1f} | "
+            f"{train / fused_train:.2f} | {format_bytes(memory[name])} ({kind}) | "
+            f"{loss[name]:.4f} |"
+        )
+    print(
+        f"\nmatmul {matmul.flops / times['matmul'][0] / 1e12:.1f} TFLOP/s "
+        f"(float32, side {matmul.size}); {repeats} rounds."
+    )
+    for note in notes:
+        print("not timed:", note)
+
+
 def main(argv):
     del argv
     specs = FLAGS.shapes or (QUICK_SHAPES if FLAGS.quick else DEFAULT_SHAPES)
@@ -571,6 +721,11 @@ def main(argv):
     )
     if FLAGS.quantized:
         run_quantized(FLAGS.quick, repeats, matmul)
+        return
+    if FLAGS.preset:
+        shape = parse_shapes(FLAGS.shapes)[0] if FLAGS.shapes else PRESETS[FLAGS.preset]
+        print(f"preset {FLAGS.preset}: N, D, V = {shape}, bfloat16\n")
+        run_preset(*shape, matmul, repeats)
         return
     if FLAGS.zero_fraction or FLAGS.entropy:
         print(SKIP_ENTROPY_HEADER, flush=True)

@@ -63,3 +63,35 @@ def test_bench_head_skipping_and_entropy_table():
     assert [int(zeros) for _, zeros, *_ in rows] == [0, 256, 461, 0, 0]
     assert float(rows[0][3]) == 1.0 and float(rows[3][3]) == 1.0
     assert all(float(seconds) > 0 for _, _, seconds, _ in rows)
+
+
+@pytest.mark.slow
+def test_bench_head_distillation_tables():
+    stdout = run_bench("bench_head.py", "--quick", "--distillation=forward_kl,jsd")
+    assert stdout.count("Distillation, ") == 2
+    rows = re.findall(
+        r"^\| 512 \| 64 \| 1024 \| (\S+) \| (\S+) \| (\S+) \|", stdout, re.M
+    )
+    assert len(rows) == 2
+    for fused, materialized, ratio in rows:
+        assert float(ratio) == pytest.approx(
+            float(fused) / float(materialized), rel=0.02, abs=0.02
+        )
+
+
+@pytest.mark.slow
+def test_bench_head_preset_table_at_a_small_shape():
+    """The gemma2 preset's code path at a small shape; without torch and a
+    CUDA device the peers are named as not timed."""
+    stdout = run_bench(
+        "bench_head.py", "--preset=gemma2", "--shapes=256,64,4096", "--repeats=1"
+    )
+    rows = re.findall(
+        r"^\| (fused|materialized) \| (\S+) \| (\S+) \| (\S+) \| .* \| (\S+) \|$",
+        stdout,
+        re.M,
+    )
+    assert [row[0] for row in rows] == ["fused", "materialized"]
+    assert rows[0][3] == "1.00"
+    assert rows[0][4] == rows[1][4]  # the same loss, to 4 decimals
+    assert "Liger" in stdout and "CCE" in stdout

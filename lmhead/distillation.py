@@ -76,7 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lmhead import _checks, fused, losses
+from lmhead import _checks, fused, head, losses
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -335,6 +335,8 @@ class _Plan:
     chunk_size: int
     precision: jax.lax.PrecisionLike
     grads_in_forward: bool
+    scale: float | None = None  # the student's, as in head.unembed
+    softcap: float | None = None
 
     def dot(self, a, b, dims):
         return lax.dot_general(
@@ -352,7 +354,8 @@ def _chunk(plan, i, num_tokens, h, w, bias, teacher, labels):
     """Chunk ``i``'s start, new-token mask, ``h`` rows and terms.
 
     Returns ``(start, is_new [C], h_c [C, D], token_loss, divergence, nll,
-    g [C, V])`` with ``g`` the per-token loss's gradient w.r.t. the logits.
+    g [C, V])`` with ``g`` the per-token loss's gradient w.r.t. the logits
+    before the softcap (``scale * h @ w.T + bias``).
     The last chunk of a ragged ``N`` starts at ``N - C`` and masks what the
     previous chunk covered, so nothing is padded or indexed out of range.
     """
@@ -361,8 +364,12 @@ def _chunk(plan, i, num_tokens, h, w, bias, teacher, labels):
     is_new = start + jnp.arange(size) >= i * size
     h_c = lax.dynamic_slice_in_dim(h, start, size)
     z = plan.dot(h_c, w, _CONTRACT_COLUMNS)
+    if plan.scale is not None:
+        z = z * plan.scale
     if bias is not None:
         z = z + bias.astype(jnp.float32)
+    if plan.softcap is not None:
+        z = head.apply_softcap(z, plan.softcap)
     if plan.teacher_is_logits:
         z_t = lax.dynamic_slice_in_dim(teacher[0], start, size).astype(jnp.float32)
     else:
@@ -400,6 +407,8 @@ def _chunk(plan, i, num_tokens, h, w, bias, teacher, labels):
             token_loss = a * nll + (1.0 - a) * div
             is_label = lax.broadcasted_iota(jnp.int32, z.shape, 1) == y[:, None]
             g = a * (jnp.exp(z - lse[:, None]) - is_label) + (1.0 - a) * g
+    if plan.softcap is not None:  # d(c tanh(u / c)) / du = 1 - (z / c)^2
+        g = g * (1.0 - jnp.square(z / plan.softcap))
     return start, is_new, h_c, token_loss, div, nll, g
 
 
@@ -441,11 +450,13 @@ def _sweep(plan, h, w, bias, teacher, labels, coefficients):
         # A token of coefficient 0 (padding, a covered token) adds exactly 0,
         # even where its terms are not finite.
         g = jnp.where(c[:, None] != 0, g * c[:, None], 0.0)
+        if dbias is not None:
+            dbias = dbias + jnp.sum(g, axis=0)
+        if plan.scale is not None:
+            g = g * plan.scale
         g_in = g.astype(h_c.dtype)  # the matmuls at the inputs' precision
         dh = put(dh, start, is_new, plan.dot(g_in, w, _MATMUL))
         dw = dw + plan.dot(g_in, h_c, _CONTRACT_ROWS)
-        if dbias is not None:
-            dbias = dbias + jnp.sum(g, axis=0)
         return terms + (dh, dw, dbias)
 
     return lax.fori_loop(0, num_chunks, body, carry)
@@ -564,13 +575,15 @@ def fused_distillation_loss(
     temperature: float = 1.0,
     hard_weight: float = 0.0,
     reduction: str = "mean",
+    scale: float | None = None,
+    softcap: float | None = None,
     chunk_size: int | None = None,
     precision: jax.lax.PrecisionLike = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    r""":func:`distillation_loss` of the student ``h @ w.T + bias``, fused.
+    r""":func:`distillation_loss` of the student ``unembed(h, w, bias)``, fused.
 
-    Returns what ``distillation_loss(head.unembed(h, w, bias), teacher_logits,
-    ...)`` returns, holding the logits of ``chunk_size`` tokens at a time:
+    Returns what ``distillation_loss(head.unembed(h, w, bias, scale=scale,
+    softcap=softcap), teacher_logits, ...)`` returns, holding the logits of ``chunk_size`` tokens at a time:
     temporary memory ``O(chunk_size * V)`` instead of ``O(N * V)``. The
     teacher is its logits ``[..., V]`` (an input, read a chunk at a time), or
     its hidden states and unembedding ``(h_t, w_t)``, whose logits are
@@ -587,6 +600,9 @@ def fused_distillation_loss(
         labels, weights, divergence, beta, temperature, hard_weight,
             reduction: as in :func:`distillation_loss`.
         bias: optional ``[V]``, the student's.
+        scale, softcap: the student's, as in ``head.unembed``; concrete
+            numbers > 0 or None. A teacher ``(h_t, w_t)`` is plain
+            ``h_t @ w_t.T``: pass its logits for any other head.
         chunk_size: tokens per chunk, an integer >= 1. Default:
             ``fused.BLOCK_ELEMENTS[platform] // V`` clipped to
             ``[fused.MIN_CHUNK_SIZE, fused.MAX_CHUNK_SIZE]``, as for
@@ -632,6 +648,9 @@ def fused_distillation_loss(
     _checks.check_unembed_inputs(h, w, bias)
     _checks.check_count("chunk_size", chunk_size, optional=True)
     _check_options(divergence, beta, temperature, hard_weight, labels, reduction)
+    _checks.check_concrete("fused_distillation_loss", scale=scale, softcap=softcap)
+    for name, value in dict(scale=scale, softcap=softcap).items():
+        _checks.check_in_range(name, value, low=0.0, low_open=True)
     vocab_size, d_model = np.shape(w)
     leading = np.shape(h)[:-1]
     teacher, teacher_is_logits = _check_teacher(teacher, leading, vocab_size)
@@ -653,6 +672,8 @@ def fused_distillation_loss(
         chunk_size=min(int(chunk_size), num_tokens),
         precision=precision,
         grads_in_forward=reduction != "none",
+        scale=None if scale is None else float(scale),
+        softcap=None if softcap is None else float(softcap),
     )
     dtype = jnp.result_type(h, w)
     if teacher_is_logits:

@@ -2,8 +2,8 @@
 
 ``LMHead`` only decides which ``[V, D]`` array is the unembedding -- the
 input embedding table when tied, a parameter of its own when untied -- and
-calls the pure functions in :mod:`lmhead.head`, :mod:`lmhead.losses` and
-:mod:`lmhead.fused`. No math is written here.
+calls the pure functions in :mod:`lmhead.head`, :mod:`lmhead.losses`,
+:mod:`lmhead.fused` and :mod:`lmhead.distillation`. No math is written here.
 
 A factorized head (``LMHead(rank=r)``) has the unembedding ``w = A @ B``,
 ``A: [V, r]``, ``B: [r, D]``, and never forms it: the head projects
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmhead import _checks, fused, head, losses, quantize, vocab_parallel
+from lmhead import _checks, distillation, fused, head, losses, quantize, vocab_parallel
 
 LOSS_IMPLS = ("fused", "materialized", "vocab_parallel")
 
@@ -380,6 +380,82 @@ class LMHead(nn.Module):
             )
         logits = head.unembed(h, w, bias, scale=self.scale, softcap=self.softcap)
         return losses.cross_entropy(logits, labels, **options)
+
+    def distillation_loss(
+        self,
+        h: jax.Array,
+        teacher: Any,
+        embedding: Embedding | None = None,
+        *,
+        labels: jax.Array | None = None,
+        weights: jax.Array | None = None,
+        divergence: str = "forward_kl",
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        hard_weight: float = 0.0,
+        reduction: str = "mean",
+        loss_impl: str = "fused",
+        chunk_size: int | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The distillation loss of this head's logits of ``h`` against a teacher.
+
+        See ``distillation.fused_distillation_loss`` (``loss_impl="fused"``,
+        the default, which never builds the ``[..., V]`` logits) and
+        ``distillation.distillation_loss`` (``"materialized"``); the head's
+        bias, scale and softcap apply to the student, and a factorized head
+        distills through its projection.
+
+        Args:
+            h: ``[..., D]`` the student's hidden states.
+            teacher: ``[..., V]`` logits, or ``(h_t, w_t)``.
+            embedding: the table (or module) when tied, as for ``__call__``.
+            labels, weights, divergence, beta, temperature, hard_weight,
+                reduction: as in ``distillation.distillation_loss``.
+            loss_impl: ``"fused"`` or ``"materialized"``.
+            chunk_size: tokens per chunk of the fused loss; None for
+                ``"materialized"``.
+
+        Returns:
+            ``(loss, metrics)`` as ``distillation.distillation_loss``
+            returns them.
+        """
+        _checks.check_choice("loss_impl", loss_impl, ("fused", "materialized"))
+        _checks.check_floating("h", h)
+        if loss_impl == "materialized" and chunk_size is not None:
+            raise ValueError(
+                "chunk_size is for loss_impl='fused'; got "
+                f"chunk_size={chunk_size!r} with loss_impl='materialized'."
+            )
+        w, bias, projection = self.unembedding(jnp.shape(h)[-1], embedding)
+        if isinstance(w, quantize.QuantizedTable):
+            raise ValueError(
+                "a QuantizedTable is for inference; distill with the float table."
+            )
+        h = self._project(h, projection)
+        options = dict(
+            labels=labels,
+            weights=weights,
+            divergence=divergence,
+            beta=beta,
+            temperature=temperature,
+            hard_weight=hard_weight,
+            reduction=reduction,
+        )
+        if loss_impl == "fused":
+            return distillation.fused_distillation_loss(
+                h,
+                w,
+                teacher,
+                bias=bias,
+                scale=self.scale,
+                softcap=self.softcap,
+                chunk_size=chunk_size,
+                **options,
+            )
+        logits = head.unembed(h, w, bias, scale=self.scale, softcap=self.softcap)
+        if isinstance(teacher, (tuple, list)):
+            teacher = head.unembed(*teacher)
+        return distillation.distillation_loss(logits, teacher, **options)
 
 
 def _table_shape(w: Any) -> tuple[int, ...]:

@@ -32,6 +32,9 @@ OPTIONS = {
     "jsd_at_1": dict(divergence="jsd", beta=1.0, temperature=2.0),
     "hard": dict(divergence="jsd", beta=0.5, temperature=2.0, hard_weight=0.4),
 }
+# The student's scale and softcap (fused only: the materialized loss takes
+# logits), with the hard labels, so every term of the gradient goes through.
+STUDENT = dict(scale=0.7, softcap=2.5)
 
 
 @pytest.fixture(autouse=True)
@@ -105,10 +108,6 @@ def np_loss(
     return total if reduction == "sum" else total / weights.sum()
 
 
-def np_fused_loss(h, w, bias, teacher_logits, **options):
-    return np_loss(references.unembed(h, w, bias), teacher_logits, **options)
-
-
 def finite_differences(f, x, eps=1e-6):
     """``d f / d x`` by central differences, float64."""
     x = np.asarray(x, np.float64)
@@ -179,14 +178,18 @@ class MaterializedTest(parameterized.TestCase):
 class FusedTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(
-        (f"{name}_{teacher}", name, teacher)
-        for name in OPTIONS
-        for teacher in ("logits", "head")
+        [
+            (f"{name}_{teacher}", name, teacher, False)
+            for name in OPTIONS
+            for teacher in ("logits", "head")
+        ]
+        + [("hard_scale_softcap", "hard", "head", True)]
     )
-    def test_value_and_gradients_equal_numpy(self, name, teacher):
+    def test_value_and_gradients_equal_numpy(self, name, teacher, student):
         x = make_inputs()
         z_t = references.unembed(x["h_t"], x["w_t"])
         options = OPTIONS[name]
+        student = STUDENT if student else {}
         teacher_arg = (
             f32(z_t) if teacher == "logits" else (f32(x["h_t"]), f32(x["w_t"]))
         )
@@ -203,6 +206,7 @@ class FusedTest(chex.TestCase):
                     weights=a[3],
                     chunk_size=CHUNK,
                     **options,
+                    **student,
                 )[0],
                 argnums=(0, 1, 2, 3),
             )(h, w, bias, weights)
@@ -214,10 +218,8 @@ class FusedTest(chex.TestCase):
 
         def reference(name, value):
             inputs = dict(args, **{name: value})
-            return np_fused_loss(
-                inputs["h"],
-                inputs["w"],
-                inputs["bias"],
+            return np_loss(
+                references.unembed(inputs["h"], inputs["w"], inputs["bias"], **student),
                 z_t,
                 labels=x["labels"],
                 weights=inputs["weights"],
@@ -397,6 +399,13 @@ H, W = np.ones((B, T, D), np.float32), np.ones((V, D), np.float32)
         ),
         (
             lambda: distillation.fused_distillation_loss(
+                H, W, np.ones((B, T, V)), softcap=0.0
+            ),
+            ValueError,
+            "softcap",
+        ),
+        (
+            lambda: distillation.fused_distillation_loss(
                 H, W, np.ones((B, T, V)), weights=-np.ones((B, T))
             ),
             ValueError,
@@ -415,3 +424,33 @@ H, W = np.ones((B, T, D), np.float32), np.ones((V, D), np.float32)
 )
 def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
     assert_raises_exactly(call, error, named)
+
+
+@pytest.mark.parametrize("loss_impl", ["fused", "materialized"])
+def test_a_tied_factorized_heads_distillation_is_numpys(loss_impl):
+    """``LMHead.distillation_loss`` of a tied head of rank 2 with a scale and a
+    softcap: the student's logits are softcap(scale * h @ (A @ B).T)."""
+    from lmhead import modules
+
+    x = make_inputs()
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((V, 2)), rng.standard_normal((2, D))
+    lm_head = modules.LMHead(V, tied=True, rank=2, **STUDENT)
+    options = dict(OPTIONS["hard"], labels=x["labels"], weights=f32(x["weights"]))
+    loss, _ = lm_head.apply(
+        {},
+        f32(x["h"]),
+        (f32(x["h_t"]), f32(x["w_t"])),
+        (f32(a), f32(b)),
+        loss_impl=loss_impl,
+        method=modules.LMHead.distillation_loss,
+        **options,
+    )
+    expected = np_loss(
+        references.unembed(x["h"], a @ b, **STUDENT),
+        references.unembed(x["h_t"], x["w_t"]),
+        x["labels"],
+        x["weights"],
+        **OPTIONS["hard"],
+    )
+    np.testing.assert_allclose(loss, expected, rtol=2e-5)

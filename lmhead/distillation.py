@@ -86,8 +86,13 @@ _MATMUL = (((1,), (0,)), ((), ()))  # [a, k] x [k, b] -> [a, b]
 
 
 def _x_log_ratio(x, log_x, log_y):
-    """``x * (log_x - log_y)``, and 0 where ``x`` is 0 (``0 log 0 = 0``)."""
-    return jnp.where(x > 0, x * (log_x - log_y), 0.0)
+    """``x * (log_x - log_y)``, and 0 where ``x`` is 0 (``0 log 0 = 0``).
+
+    A NaN ``x`` stays NaN. The inner ``where`` keeps the gradient of a
+    zeroed term 0 rather than ``0 * inf``.
+    """
+    nonzero = x != 0
+    return jnp.where(nonzero, x * jnp.where(nonzero, log_x - log_y, 0.0), 0.0)
 
 
 def _effective(divergence: str, beta: float) -> str:
@@ -95,6 +100,16 @@ def _effective(divergence: str, beta: float) -> str:
     if divergence == "jsd" and beta in (0.0, 1.0):
         return "forward_kl" if beta == 0.0 else "reverse_kl"
     return divergence
+
+
+def _mix(hard_weight, nll, divergence):
+    """``a * nll + (1 - a) * divergence``; at ``a`` 0 or 1 the other term is
+    left out, even where it is infinite (``0 * inf`` would be NaN)."""
+    if hard_weight == 0:
+        return divergence
+    if hard_weight == 1:
+        return nll
+    return hard_weight * nll + (1.0 - hard_weight) * divergence
 
 
 def _log_mixture(log_p, log_q, beta):
@@ -140,6 +155,7 @@ def token_divergence(
         jsd 0.2476
     """
     _checks.check_choice("divergence", divergence, DIVERGENCES)
+    _checks.check_concrete("token_divergence", beta=beta)
     _checks.check_in_range("beta", beta, low=0.0, high=1.0)
     log_q = jnp.asarray(log_q, jnp.float32)
     log_p = jnp.asarray(log_p, jnp.float32)
@@ -301,6 +317,9 @@ def distillation_loss(
     z_t = lax.stop_gradient(
         jnp.reshape(jnp.asarray(teacher_logits, jnp.float32), (-1, vocab_size))
     )
+    # A token of weight 0 (padding) may have a teacher row that is all -inf or
+    # NaN: it adds 0 to the loss, and 0 (not NaN) to the gradient.
+    z_t = jnp.where(weights[:, None] != 0, z_t, 0.0)
     div = token_divergence(
         jax.nn.log_softmax(z / temperature),
         jax.nn.log_softmax(z_t / temperature),
@@ -312,8 +331,7 @@ def distillation_loss(
     if safe_labels is not None:
         log_probs = jax.nn.log_softmax(z)
         nll = -jnp.take_along_axis(log_probs, safe_labels[:, None], axis=-1)[:, 0]
-        if hard_weight > 0:
-            token_loss = hard_weight * nll + (1.0 - hard_weight) * div
+        token_loss = _mix(hard_weight, nll, div)
     return _reduce(token_loss, div, nll, weights, invalid, leading, reduction)
 
 
@@ -402,11 +420,12 @@ def _chunk(plan, i, num_tokens, h, w, bias, teacher, labels):
         y = lax.dynamic_slice_in_dim(labels, start, size)
         lse = jax.nn.logsumexp(z, axis=-1)
         nll = lse - jnp.take_along_axis(z, y[:, None], axis=-1)[:, 0]
-        if plan.hard_weight > 0:
-            a = plan.hard_weight
-            token_loss = a * nll + (1.0 - a) * div
+        a = plan.hard_weight
+        token_loss = _mix(a, nll, div)
+        if a > 0:
             is_label = lax.broadcasted_iota(jnp.int32, z.shape, 1) == y[:, None]
-            g = a * (jnp.exp(z - lse[:, None]) - is_label) + (1.0 - a) * g
+            g_ce = jnp.exp(z - lse[:, None]) - is_label
+            g = g_ce if a == 1 else a * g_ce + (1.0 - a) * g
     if plan.softcap is not None:  # d(c tanh(u / c)) / du = 1 - (z / c)^2
         g = g * (1.0 - jnp.square(z / plan.softcap))
     return start, is_new, h_c, token_loss, div, nll, g

@@ -48,8 +48,9 @@ class FactorizedEmbed(nn.Module):
         num_embeddings: ``V``.
         features: ``D``.
         rank: ``r``, an integer in ``[1, min(V, D)]``.
-        embedding_init: of ``A`` (default ``N(0, 0.02^2)``, ``nn.Embed``'s
-            scale for ``A @ B`` given the default ``B``).
+        embedding_init: of ``A`` (default ``N(0, 0.02^2)``, the scale of
+            ``LMHead``'s ``kernel_init``, which ``A @ B`` then has given the
+            default ``B``).
         projection_init: of ``B``; default :func:`projection_init`.
         dtype: of the output; param_dtype: of ``A`` and ``B``.
 

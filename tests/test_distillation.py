@@ -454,3 +454,63 @@ def test_a_tied_factorized_heads_distillation_is_numpys(loss_impl):
         **OPTIONS["hard"],
     )
     np.testing.assert_allclose(loss, expected, rtol=2e-5)
+
+
+@pytest.mark.parametrize("bad", [-np.inf, np.nan])
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+def test_a_padded_tokens_bad_teacher_row_changes_nothing(bad, divergence):
+    """A token of weight 0 whose teacher row is all -inf or NaN (padding) adds
+    0 to the loss and 0 to every gradient, in both functions."""
+    x = make_inputs()
+    weights = np.ones((B, T))
+    weights[1, 2] = 0.0
+    z_t = references.unembed(x["h_t"], x["w_t"])
+    bad_t = z_t.copy()
+    bad_t[1, 2] = bad
+
+    def value_and_grads(fn, teacher):
+        return jax.value_and_grad(fn, argnums=(0, 1))(
+            f32(x["h"]), f32(x["w"]), f32(teacher)
+        )
+
+    def fused_loss(h, w, teacher):
+        return distillation.fused_distillation_loss(
+            h, w, teacher, weights=f32(weights), divergence=divergence, chunk_size=CHUNK
+        )[0]
+
+    def materialized(h, w, teacher):
+        return distillation.distillation_loss(
+            head.unembed(h, w), teacher, weights=f32(weights), divergence=divergence
+        )[0]
+
+    clean = value_and_grads(materialized, z_t)
+    for fn in (fused_loss, materialized):
+        chex.assert_trees_all_close(
+            value_and_grads(fn, bad_t), clean, rtol=2e-5, atol=1e-6
+        )
+
+
+def test_a_nan_teacher_on_a_weighted_token_is_a_nan_loss_not_a_zero():
+    z = np.zeros((1, 4), np.float32)
+    z_t = np.array([[0.0, np.nan, 1.0, 2.0]], np.float32)
+    for divergence in distillation.DIVERGENCES:
+        loss, _ = distillation.distillation_loss(z, z_t, divergence=divergence)
+        assert np.isnan(loss), divergence
+
+
+def test_reverse_kl_where_student_and_teacher_both_give_a_token_nothing():
+    """The student's probability underflows to 0 where the teacher bans the
+    token: the term is 0 log 0 = 0, and its gradient 0, not NaN."""
+    w = jnp.diag(jnp.array([0.0, 1.0, -200.0]))
+    z_t = jnp.array([[0.0, 1.0, -jnp.inf]])
+    for fn in (
+        lambda w: distillation.distillation_loss(
+            head.unembed(jnp.ones((1, 3)), w), z_t, divergence="reverse_kl"
+        )[0],
+        lambda w: distillation.fused_distillation_loss(
+            jnp.ones((1, 3)), w, z_t, divergence="reverse_kl"
+        )[0],
+    ):
+        loss, grad = jax.value_and_grad(fn)(w)
+        assert float(loss) == pytest.approx(0.0, abs=1e-6)
+        assert np.all(np.isfinite(grad))

@@ -228,3 +228,30 @@ def test_an_int8_factor_decodes_close_to_float(models):
 )
 def test_bad_ranks_and_embeddings_are_named(call, named):
     assert_raises_exactly(call, ValueError, named)
+
+
+def test_the_shared_factors_get_the_chain_rule_of_the_tables_gradient(models):
+    """Tied: A and B get dE @ B.T and A.T @ dE, where dE is the unfactorized
+    model's gradient w.r.t. its table E = A @ B (embedding and head paths
+    together); the other parameters get the same gradients."""
+    tied, tokens, factorized, params, full, full_params = models
+    labels = jnp.roll(tokens, -1, axis=1)
+
+    def loss(m):
+        return lambda p: m.apply({"params": p}, tokens, labels, method=m.loss)[0]
+
+    grads = jax.grad(loss(factorized))(params)
+    full_grads = jax.grad(loss(full))(full_params)
+    if tied:
+        a, b = params["embed"]["embedding"], params["embed"]["projection"]
+        d_table = full_grads["embed"]["embedding"]
+        expected = {"embedding": d_table @ b.T, "projection": a.T @ d_table}
+        chex.assert_trees_all_close(grads.pop("embed"), expected, rtol=1e-4, atol=1e-6)
+        full_grads.pop("embed")
+    else:
+        a, b = params["head"]["unembedding"], params["head"]["projection"]
+        d_table = full_grads["head"]["unembedding"]
+        expected = {"unembedding": d_table @ b.T, "projection": a.T @ d_table}
+        chex.assert_trees_all_close(grads.pop("head"), expected, rtol=1e-4, atol=1e-6)
+        full_grads.pop("head")
+    chex.assert_trees_all_close(grads, full_grads, rtol=1e-4, atol=1e-6)

@@ -623,9 +623,9 @@ def fused_distillation_loss(
             numbers > 0 or None. A teacher ``(h_t, w_t)`` is plain
             ``h_t @ w_t.T``: pass its logits for any other head.
         chunk_size: tokens per chunk, an integer >= 1. Default:
-            ``fused.BLOCK_ELEMENTS[platform] // V`` clipped to
-            ``[fused.MIN_CHUNK_SIZE, fused.MAX_CHUNK_SIZE]``, as for
-            ``fused.fused_cross_entropy``.
+            ``2 * fused.BLOCK_ELEMENTS[platform] // V`` clipped to
+            ``[fused.MIN_CHUNK_SIZE, fused.MAX_CHUNK_SIZE]``, twice
+            ``fused.fused_cross_entropy``'s.
         precision: of the matmuls, as in ``head.unembed``.
 
     Returns:
@@ -680,7 +680,10 @@ def fused_distillation_loss(
         nll = None if labels is None else empty
         return _reduce(empty, empty, nll, weights, invalid, leading, reduction)
     if chunk_size is None:
-        chunk_size = fused.default_chunk_size(vocab_size)
+        # Twice the cross-entropy's chunk: the largest temporary here is the
+        # dw accumulator, so a chunk of [C, V] arrays twice as long costs
+        # little memory, and the dw matmul contracts over twice the tokens.
+        chunk_size = fused.default_chunk_size(max(1, vocab_size // 2))
     plan = _Plan(
         divergence=_effective(divergence, float(beta)),
         beta=float(beta),

@@ -11,7 +11,9 @@ runs differ by the tying alone.
 
 The two ``[V, D]`` tables (:data:`TABLES`) may train at a multiple of the
 schedule's rate, ``optim.table_lr_multiplier``; the optimizer's state is the
-same whatever the multiple. An untied model trained with ``model.untie_step``
+same whatever the multiple. With a factorized head (``model.head_rank = r``)
+the same paths hold the ``[V, r]`` factors ``A``; the ``[r, D]`` projections
+``B`` are not tables (no decay, the schedule's rate). An untied model trained with ``model.untie_step``
 keeps its head equal to the embedding table, and the head's AdamW moments
 equal to the table's, until that step (:func:`copy_table_to_head`).
 """
@@ -40,8 +42,9 @@ OPTIMIZER_VALUES = (
     "weight_decay",
     "table_lr_multiplier",
 )
-# The params paths of the [V, D] tables: the input embedding (also the tied
-# head's unembedding) and the untied head's own unembedding.
+# The params paths of the [V, D] tables (the [V, r] factors of a factorized
+# head): the input embedding (also the tied head's unembedding) and the
+# untied head's own unembedding.
 EMBEDDING = ("embed", "embedding")
 UNEMBEDDING = ("head", "unembedding")
 TABLES = (EMBEDDING, UNEMBEDDING)

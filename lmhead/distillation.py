@@ -222,8 +222,7 @@ def _reduce(token_loss, divergence, nll, weights, invalid, leading, reduction):
     safe_sum = jnp.where(weight_sum > 0, weight_sum, 1.0)
 
     def weighted(x):
-        # A token of weight 0 adds exactly 0, even if its value is not finite.
-        return weights * jnp.where(jnp.isfinite(x) | (weights != 0), x, 0.0)
+        return losses.weighted_values(x, weights)
 
     metrics = {
         "loss": jnp.sum(weighted(token_loss)) / safe_sum,
@@ -233,12 +232,9 @@ def _reduce(token_loss, divergence, nll, weights, invalid, leading, reduction):
         metrics["nll"] = jnp.sum(weighted(nll)) / safe_sum
     metrics["weight_sum"] = weight_sum
     metrics["invalid_labels"] = jnp.sum(invalid).astype(jnp.int32)
-    if reduction == "mean":
-        loss = metrics["loss"]
-    elif reduction == "sum":
-        loss = jnp.sum(weighted(token_loss))
-    else:
-        loss = jnp.reshape(weighted(token_loss), leading)
+    loss = _objective(token_loss, weights, reduction)
+    if reduction == "none":
+        loss = jnp.reshape(loss, leading)
     return loss, jax.tree.map(lax.stop_gradient, metrics)
 
 
@@ -507,8 +503,8 @@ def _fused_core(plan, reduction, h, w, bias, teacher, labels, weights):
 
 
 def _objective(token_loss, weights, reduction):
-    finite = jnp.where(jnp.isfinite(token_loss) | (weights != 0), token_loss, 0.0)
-    per_token = weights * finite
+    """The reduced loss: the weighted mean, the sum, or ``[N]`` ``w * loss``."""
+    per_token = losses.weighted_values(token_loss, weights)
     if reduction == "none":
         return per_token
     total = jnp.sum(per_token)

@@ -196,6 +196,32 @@ def _times_or_zero(coefficient: float, term: jax.Array) -> jax.Array:
     return jnp.where(coefficient == 0, 0.0, coefficient * term)
 
 
+def weighted_values(values: jax.Array, weights: jax.Array) -> jax.Array:
+    r"""``weights * values``, and exactly 0 where a weight is 0.
+
+    .. math::
+        y_t = w_t x_t \ (w_t \neq 0), \qquad y_t = 0 \ (w_t = 0),
+
+    even where :math:`x_t` is not finite (e.g. the logits of a padding id
+    outside the embedding, or a padded token's teacher). A finite value is
+    kept as it is, so :math:`\partial (w x) / \partial w = x` holds at
+    :math:`w = 0` too. The rule of every weighted mean and sum of the losses.
+
+    Args:
+        values: ``[...]`` per-token values.
+        weights: ``[...]`` per-token weights, the same shape.
+
+    Returns:
+        ``[...]`` the weighted values.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> weighted_values(jnp.array([2.0, jnp.inf, 3.0]), jnp.array([0.5, 0.0, 0.0]))
+        Array([1., 0., 0.], dtype=float32)
+    """
+    return weights * jnp.where(jnp.isfinite(values) | (weights != 0), values, 0.0)
+
+
 def weighted_metrics(
     loss: jax.Array,
     nll: jax.Array,
@@ -235,10 +261,7 @@ def weighted_metrics(
     safe_sum = jnp.where(weight_sum > 0, weight_sum, 1.0)
 
     def weighted(x):
-        # A token of weight 0 contributes exactly 0, even if its value is not
-        # finite (e.g. the logits of a padding id outside the embedding). A
-        # finite value is kept as is, so d/dw (w x) = x holds at w = 0 too.
-        return weights * jnp.where(jnp.isfinite(x) | (weights != 0), x, 0.0)
+        return weighted_values(x, weights)
 
     def mean(x):
         return jnp.sum(weighted(x)) / safe_sum

@@ -297,6 +297,18 @@ class LMHead(nn.Module):
             "...d,rd->...r", h, projection, preferred_element_type=jnp.float32
         ).astype(self.dtype)
 
+    def _loss_arrays(
+        self, h: jax.Array, embedding: Embedding | None
+    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """``(h projected, w, bias)`` for a loss, which needs the float table."""
+        w, bias, projection = self.unembedding(jnp.shape(h)[-1], embedding)
+        if isinstance(w, quantize.QuantizedTable):
+            raise ValueError(
+                "a QuantizedTable is for inference; train, evaluate and "
+                "distill with the float table."
+            )
+        return self._project(h, projection), w, bias
+
     def __call__(self, h: jax.Array, embedding: Embedding | None = None) -> jax.Array:
         """Logits ``[..., V]`` (float32) from hidden states ``h: [..., D]``."""
         _checks.check_floating("h", h)  # before the cast to self.dtype
@@ -351,13 +363,7 @@ class LMHead(nn.Module):
                 f"'vocab_parallel'); got chunk_size={chunk_size!r} with "
                 f"loss_impl='materialized'."
             )
-        w, bias, projection = self.unembedding(jnp.shape(h)[-1], embedding)
-        if isinstance(w, quantize.QuantizedTable):
-            raise ValueError(
-                "a QuantizedTable is for inference; train and "
-                "evaluate the loss with the float table."
-            )
-        h = self._project(h, projection)
+        h, w, bias = self._loss_arrays(h, embedding)
         options = dict(
             weights=weights,
             label_smoothing=label_smoothing,
@@ -427,12 +433,7 @@ class LMHead(nn.Module):
                 "chunk_size is for loss_impl='fused'; got "
                 f"chunk_size={chunk_size!r} with loss_impl='materialized'."
             )
-        w, bias, projection = self.unembedding(jnp.shape(h)[-1], embedding)
-        if isinstance(w, quantize.QuantizedTable):
-            raise ValueError(
-                "a QuantizedTable is for inference; distill with the float table."
-            )
-        h = self._project(h, projection)
+        h, w, bias = self._loss_arrays(h, embedding)
         options = dict(
             labels=labels,
             weights=weights,

@@ -190,10 +190,10 @@ def available_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def make_steps(chunk_size, vocab_chunk_size, divergence=None, teacher="logits"):
-    """``{"fused": step, "materialized": step}``, ``step(h, w, target)``
-    jitted ``value_and_grad`` w.r.t. ``h`` and ``w``; ``target`` is the
-    labels, or with ``divergence`` the teacher (see :func:`make_target`)."""
+def make_losses(chunk_size, vocab_chunk_size, divergence=None, teacher="logits"):
+    """``{"fused": loss, "materialized": loss}``, ``loss(h, w, target) ->
+    (loss, metrics)``; ``target`` is the labels, or with ``divergence`` the
+    teacher (see :func:`make_target`)."""
 
     def materialized(h, w, target):
         if divergence is None:
@@ -212,9 +212,16 @@ def make_steps(chunk_size, vocab_chunk_size, divergence=None, teacher="logits"):
             h, w, target, divergence=divergence, chunk_size=chunk_size
         )
 
+    return {"fused": fused_loss, "materialized": materialized}
+
+
+def make_steps(*args, **kwargs):
+    """``{"fused": step, "materialized": step}``: each of
+    :func:`make_losses`' losses as a jitted ``value_and_grad`` w.r.t. ``h``
+    and ``w``."""
     return {
         name: jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-        for name, loss in (("fused", fused_loss), ("materialized", materialized))
+        for name, loss in make_losses(*args, **kwargs).items()
     }
 
 
@@ -648,17 +655,8 @@ def run_preset(n, d, v, matmul, repeats: int) -> None:
     h = jax.random.normal(keys[0], (n, d), jnp.bfloat16)
     w = (0.02 * jax.random.normal(keys[1], (v, d))).astype(jnp.bfloat16)
     labels = jax.random.randint(keys[2], (n,), 0, v)
+    losses_of = make_losses(FLAGS.chunk_size, FLAGS.vocab_chunk_size)
     steps = make_steps(FLAGS.chunk_size, FLAGS.vocab_chunk_size)
-    losses_of = {
-        "fused": lambda h, w, y: fused.fused_cross_entropy(
-            h,
-            w,
-            y,
-            chunk_size=FLAGS.chunk_size,
-            vocab_chunk_size=FLAGS.vocab_chunk_size,
-        ),
-        "materialized": lambda h, w, y: losses.cross_entropy(head.unembed(h, w), y),
-    }
     programs, memory, loss = {}, {}, {}
     for name, step in steps.items():
         forward = jax.jit(losses_of[name]).lower(h, w, labels).compile()

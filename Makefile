@@ -28,13 +28,17 @@ compare: $(STAMP)
 
 # The whole tying study: the tuning stage, the test stage at each cell's
 # chosen learning rate, then runs.csv and the report into docs/tying_study.
-# Resumable: rerun it after a stop.
+# Resumable: rerun it after a stop. On a machine without runs/tying_study, the
+# finished runs of the committed docs/tying_study/runs.csv are restored from
+# their rows first, so the study goes on where that table stands.
 ENSEMBLE ?= 8
+STUDY_CSV := docs/tying_study/runs.csv
 study: $(STAMP)
 	$(PY) experiments/sweep.py --sweep=$(STUDY):stage=tune \
-	    --workdir=runs/tying_study --ensemble=$(ENSEMBLE) --noreport $(SWEEP_FLAGS)
+	    --workdir=runs/tying_study --ensemble=$(ENSEMBLE) --noreport \
+	    --restore_from=$(STUDY_CSV) $(SWEEP_FLAGS)
 	$(PY) experiments/sweep.py --sweep=$(STUDY) --workdir=runs/tying_study \
-	    --ensemble=$(ENSEMBLE) --noreport $(SWEEP_FLAGS)
+	    --ensemble=$(ENSEMBLE) --noreport --restore_from=$(STUDY_CSV) $(SWEEP_FLAGS)
 	$(PY) experiments/report.py --workdir=runs/tying_study --out=docs/tying_study
 
 # The same design on one GPU, every cell's runs in one ensemble (one vmap of

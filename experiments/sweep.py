@@ -40,6 +40,11 @@ rerunning the same command resumes the same programs (``lmhead/lab/ensembles.py`
 that many programs at a time::
 
     python experiments/sweep.py --sweep=... --workdir=DIR --ensemble=8
+
+``--restore_from=runs.csv`` first recreates the finished runs of a committed
+table that the sweep directory lacks (a sweep file's ``restore_runs``), so
+that a long sweep goes on from where its committed table stands on a machine
+that does not have its directory.
 """
 
 import os
@@ -48,7 +53,7 @@ import sys
 
 from absl import app, flags
 
-from lmhead.lab import runner
+from lmhead.lab import runner, sweeps
 
 EXPERIMENTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -85,6 +90,14 @@ _DRY_RUN = flags.DEFINE_bool(
     "Print the commands of the runs (or programs) still to do, one a line, and "
     "run nothing.",
 )
+_RESTORE_FROM = flags.DEFINE_string(
+    "restore_from",
+    None,
+    "A table of runs that the sweep file's report wrote (the tying study's "
+    "docs/tying_study/runs.csv): its finished runs that --workdir lacks are "
+    "recreated from their rows first, so that a sweep resumes on another "
+    "machine where its committed table stands.",
+)
 _REPORT = flags.DEFINE_bool(
     "report", True, "Write REPORT.md and the plots when the runs are done."
 )
@@ -103,6 +116,14 @@ def main(argv):
         _SWEEP.value, _WORKDIR.value, _TRAIN_SCRIPT.value, ensemble=_ENSEMBLE.value
     )
     try:
+        if _RESTORE_FROM.value:
+            restored = sweeps.restore_runs(
+                _SWEEP.value, _RESTORE_FROM.value, _WORKDIR.value
+            )
+            print(
+                f"Restored {len(restored)} finished runs from {_RESTORE_FROM.value}.",
+                flush=True,
+            )
         runs, jobs = sweep.plan_jobs()
         if _DRY_RUN.value:
             runner.print_commands(runs, jobs)

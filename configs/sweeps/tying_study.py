@@ -247,6 +247,16 @@ def get_sweep(arg=None, workdir=None):
     return design.base, [design.overrides(r) for r in runs], design.shared
 
 
+def restore_runs(csv_path, workdir):
+    """Recreates in ``workdir`` the finished runs of a committed ``runs.csv``
+    that it lacks (``results.restore_runs``), so that ``make study`` on a
+    fresh machine resumes where ``docs/tying_study/runs.csv`` stands."""
+    from lmhead.studies.tying import results
+
+    os.makedirs(workdir, exist_ok=True)
+    return results.restore_runs(csv_path, workdir)
+
+
 def write_report(arg, sweep_dir, out_dir):
     """``runs.csv``, REPORT.md and the plots of ``sweep_dir`` into ``out_dir``
     (``lmhead/studies/tying/results.py``): ``(the answer to print, plot

@@ -16,6 +16,10 @@ dicts, one per run, built with :func:`sweep`, :func:`product` and
 (flags of every command, left out of the run names), and may take a second
 parameter, ``workdir``: the sweep directory, for a sweep whose later stage
 depends on the results of an earlier one (``configs/sweeps/tying_study.py``).
+A sweep file whose report writes a table of its runs may define
+``restore_runs(csv_path, workdir)``, which recreates the finished runs of
+such a committed table in a sweep directory that lacks them
+(:func:`restore_runs`), so that a sweep resumes on another machine.
 :func:`parse_arg` parses a sweep file's ``key=value`` argument.
 
 Each run is an ordinary ``experiments/train.py`` command whose
@@ -183,6 +187,26 @@ def load_sweep(
             f"get_sweep in {path!r} sets {key!r} both per run and for every run."
         )
     return base, list(overrides), shared
+
+
+def restore_runs(spec: str, csv_path: str, workdir: str) -> list[str]:
+    """Runs ``restore_runs(csv_path, workdir)`` of the sweep file of ``spec``
+    (``path.py[:arg]``): the names of the finished runs it recreated.
+
+    Raises:
+        ValueError: a sweep file without ``restore_runs``.
+        FileNotFoundError: no sweep file, or no ``csv_path``.
+    """
+    path, _ = split_spec(spec)
+    module = load_module(path)
+    if not hasattr(module, "restore_runs"):
+        raise ValueError(
+            f"Sweep file {path!r} has no restore_runs(csv_path, workdir): it "
+            "cannot restore runs from a table."
+        )
+    if not os.path.isfile(csv_path):
+        raise FileNotFoundError(f"No table of runs {csv_path!r} to restore from.")
+    return module.restore_runs(csv_path, workdir)
 
 
 def split_spec(spec: str) -> tuple[str, str | None]:

@@ -22,6 +22,8 @@ from lmhead.studies.tying import analysis, literature, shapes, study, table
 
 RUNS_CSV = "runs.csv"
 VERSION_KEYS = ("jax", "flax", "optax")
+# The key of a restored run's summary.json that holds its runs.csv row.
+RESTORED = "restored_row"
 
 
 @functools.cache
@@ -75,8 +77,11 @@ def _metric(summary: dict, name: str) -> float | None:
 
 
 def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> dict:
-    """One ``runs.csv`` row of a planned run (``table.COLUMNS``)."""
+    """One ``runs.csv`` row of a planned run (``table.COLUMNS``); a run
+    restored from a committed table (:func:`restore_runs`) gives its row back."""
     cell, summary = planned.cell, run.summary or {}
+    if RESTORED in summary:
+        return dict(summary[RESTORED])
     test = summary.get("test") or {}
     params = summary.get("num_params") or shapes.count_params(
         cell.vocab_size, cell.shape, design.arch
@@ -128,6 +133,78 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
         "run": run.name,
         "ensemble": _program(summary),
     }
+
+
+def restored_summary(row: dict) -> dict:
+    """The ``summary.json`` of a finished run recreated from its row: the
+    values the sweep plans from (the best validation loss and step, the
+    steps run, the program's time) and the row itself (:data:`RESTORED`).
+
+    Examples:
+        >>> row = dict.fromkeys(table.COLUMNS) | {"val_loss": 2.5,
+        ...     "steps_to_best": 300, "steps_run": 600, "ensemble": "p0"}
+        >>> summary = restored_summary(row)
+        >>> summary["best"], summary["best_step"], summary["ensemble"]
+        ({'eval/loss': 2.5, 'eval/bits_per_char': None}, 300, {'program': 'p0'})
+    """
+    summary = {
+        "best": {"eval/loss": row["val_loss"], "eval/bits_per_char": row["val_bpc"]},
+        "best_step": row["steps_to_best"],
+        "steps_run": row["steps_run"],
+        "stopped_early": row["reached_cap"] is False,
+        "wall_seconds": row["wall_seconds"],
+        RESTORED: dict(row),
+    }
+    if row["ensemble"] is not None:
+        summary["ensemble"] = {"program": row["ensemble"]}
+    return summary
+
+
+def restore_runs(csv_path: str, sweep_dir: str) -> list[str]:
+    """Recreates in ``sweep_dir`` each finished run of the table ``csv_path``
+    (a ``runs.csv`` that :func:`write_report` wrote) whose workdir has no
+    ``summary.json``: the workdir (its ``run`` column) with the
+    :func:`restored_summary`. The sweep runner then counts the run as
+    finished, the plan reads its validation loss and best step, and the
+    report its row, unchanged. A workdir that holds a summary already (the
+    run finished here) is left alone. Returns the restored runs' names.
+
+    Raises:
+        ValueError: a row's ``run`` that is not a plain directory name.
+
+    Examples:
+        >>> import tempfile
+        >>> out, sweep_dir = tempfile.mkdtemp(), tempfile.mkdtemp()
+        >>> row = dict.fromkeys(table.COLUMNS) | {"role": "tune", "arm": "a",
+        ...     "status": "finished", "run": "lr=0.001,seed=100", "val_loss": 2.5}
+        >>> table.write_rows(os.path.join(out, RUNS_CSV),
+        ...     [row, row | {"run": "lr=0.002,seed=100", "status": "unfinished"}])
+        >>> restore_runs(os.path.join(out, RUNS_CSV), sweep_dir)
+        ['lr=0.001,seed=100']
+        >>> workdirs.read_run(os.path.join(sweep_dir, "lr=0.001,seed=100")).status
+        'finished'
+        >>> restore_runs(os.path.join(out, RUNS_CSV), sweep_dir)
+        []
+    """
+    restored = []
+    for index, entry in enumerate(table.read_rows(csv_path)):
+        name = entry["run"]
+        if entry["status"] != "finished":
+            continue
+        if not name or os.path.basename(name) != name or name in (".", ".."):
+            raise ValueError(
+                f"{csv_path} row {index}: run {name!r} is not a directory name."
+            )
+        workdir = os.path.join(sweep_dir, name)
+        summary_path = os.path.join(workdir, "summary.json")
+        if os.path.exists(summary_path):
+            continue
+        os.makedirs(workdir, exist_ok=True)
+        with open(summary_path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(restored_summary(entry), f, indent=1)
+        os.replace(summary_path + ".tmp", summary_path)
+        restored.append(name)
+    return restored
 
 
 def collect_rows(design: study.Design, sweep_dir: str) -> list[dict]:

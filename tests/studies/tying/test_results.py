@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from lmhead.lab import runner, sweeps
 from lmhead.lm import configuration
 from lmhead.studies.tying import analysis, results, shapes, study, table
 from tests import ROOT
@@ -152,3 +153,54 @@ def test_report_regenerates_from_runs_csv_alone(sweep, tmp_path):
     text, plots = results.report_from_csv(str(out / results.RUNS_CSV), str(again))
     assert text == written == (again / "REPORT.md").read_text()
     assert plots and all(os.path.isfile(p) for p in plots)
+
+
+def test_a_fresh_sweep_directory_resumes_from_the_committed_table(sweep, tmp_path):
+    """The finished runs of runs.csv, restored through the sweep file into an
+    empty directory, plan the same runs (the chosen rates and arm e's untie
+    step come from them), count as finished for the runner, and give back
+    the same rows; an unfinished row is left to train, and a run finished
+    here keeps its own summary."""
+    design, sweep_dir, _ = sweep
+    rows = results.collect_rows(design, str(sweep_dir))
+    rows[-1] = rows[-1] | {"status": "unfinished"}
+    csv_path = tmp_path / results.RUNS_CSV
+    table.write_rows(csv_path, rows)
+    fresh = tmp_path / "fresh"
+    kept = fresh / rows[0]["run"]
+    kept.mkdir(parents=True)
+    (kept / "summary.json").write_text(json.dumps({"best": {"eval/loss": 3.0}}))
+
+    restored = sweeps.restore_runs(f"{STUDY}:{ARG}", str(csv_path), str(fresh))
+
+    assert restored == [r["run"] for r in rows[1:-1]]
+    assert json.loads((kept / "summary.json").read_text()) == {
+        "best": {"eval/loss": 3.0}
+    }
+    original = study.read_plan(design, str(sweep_dir))
+    again = study.read_plan(design, str(fresh), strict=False)
+    assert list(again) == list(original)
+    assert [r["run"] for r in results.collect_rows(design, str(fresh))[1:-1]] == [
+        r["run"] for r in rows[1:-1]
+    ]
+    assert results.collect_rows(design, str(fresh))[1:-1] == rows[1:-1]
+    planned = runner.Sweep(f"{STUDY}:{ARG},stage=test", str(fresh), "train.py")
+    assert [run["name"] for run in planned.plan_jobs()[1]] == [rows[-1]["run"]]
+
+
+def test_restoring_needs_a_table_and_a_sweep_file_that_can(tmp_path):
+    with pytest.raises(FileNotFoundError, match="table of runs"):
+        sweeps.restore_runs(STUDY, str(tmp_path / "none.csv"), str(tmp_path))
+    (tmp_path / "runs.csv").write_text("")
+    other = os.path.join(SWEEP_CONFIGS, "tied_vs_untied_large.py")
+    with pytest.raises(ValueError, match="no restore_runs"):
+        sweeps.restore_runs(other, str(tmp_path / "runs.csv"), str(tmp_path))
+    row = dict.fromkeys(table.COLUMNS) | {
+        "role": "tune",
+        "arm": "a",
+        "status": "finished",
+        "run": "../elsewhere",
+    }
+    table.write_rows(tmp_path / "bad.csv", [row])
+    with pytest.raises(ValueError, match="not a directory name"):
+        results.restore_runs(str(tmp_path / "bad.csv"), str(tmp_path))

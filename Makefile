@@ -19,8 +19,9 @@ SWEEP_FLAGS ?=
 # runs/compare/REPORT.md. Finished runs are skipped and interrupted ones
 # resume, so the command can be rerun after a stop.
 # Its three programs (one per arm) run two at a time, each on a core of its
-# own: a program's mapped step keeps about one core busy (docs/training.md,
-# "Speed of an ensemble"), and three at once on two cores are slower still.
+# own (so each has one CPU device and does not split its members:
+# docs/training.md, "Speed of an ensemble"); three at once on two cores are
+# slower still.
 COMPARE_FLAGS ?= --parallel=2 --cpus_per_run=1
 compare: $(STAMP)
 	$(PY) experiments/sweep.py --sweep=$(STUDY):small --workdir=runs/compare \

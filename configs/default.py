@@ -211,9 +211,14 @@ def mesh_defaults() -> ml_collections.ConfigDict:
     mesh = ml_collections.ConfigDict()
     mesh.data = -1
     mesh.model = 1
-    # An ensemble's members split over this many devices (the rest: data and
-    # model); each device trains members / this many of them.
-    mesh.members = 1
+    # An ensemble's members split over this many devices (shard_map; the
+    # rest: data and model); each device trains members / this many of them.
+    # None: on a CPU, the most CPU devices that divide the members (an
+    # ensemble of experiments/train.py gets one CPU device per core it may
+    # use), so that a program keeps every core busy, which one device's
+    # lax.map over the members does not (docs/training.md, "Speed of an
+    # ensemble"); 1 on a GPU or TPU.
+    mesh.members = config_dict.placeholder(int)
     return mesh
 
 

@@ -33,6 +33,11 @@ keeps every core busy (docs/nanogpt_parity.md, "Microbatches and CPU
 devices", measures it). Results then differ from a single device's by
 float32 rounding, and a run killed and resumed may differ from an
 uninterrupted one in the last bits, which with one device it never does.
+An ensemble (``--member``) gets one CPU device per CPU it may use unless
+``--cpu_devices`` says otherwise, and splits its members over them
+(``config.mesh.members``, docs/training.md, "Ensembles"); a member's step
+is the same computation on one device and many, and its results agree to
+float32 rounding.
 """
 
 import re
@@ -63,9 +68,10 @@ flags.DEFINE_integer("process_id", None, "This process's index, 0 to N - 1.")
 flags.DEFINE_integer(
     "cpu_devices",
     None,
-    "Devices of the CPU backend (default: JAX's, one); with "
-    "the default config.mesh each batch is split over them "
-    "(data parallel). No effect on GPU or TPU.",
+    "Devices of the CPU backend (default: JAX's, one; for an ensemble "
+    "(--member), one per CPU the process may use); with the default "
+    "config.mesh a single run splits each batch over them (data parallel), "
+    "an ensemble its members. No effect on GPU or TPU.",
     lower_bound=1,
 )
 flags.DEFINE_multi_string(
@@ -85,8 +91,14 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    if flags.FLAGS.cpu_devices:  # before any backend starts
-        jax.config.update("jax_num_cpu_devices", flags.FLAGS.cpu_devices)
+    # Before any backend starts. An ensemble's members split over the CPU
+    # devices (config.mesh.members None), one device per core: a lax.map over
+    # members on one device keeps about one core busy.
+    cpu_devices = flags.FLAGS.cpu_devices or (
+        sharding.available_cpus() if flags.FLAGS.member else None
+    )
+    if cpu_devices:
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
     if flags.FLAGS.distributed or flags.FLAGS.coordinator_address:
         sharding.initialize_distributed(
             flags.FLAGS.coordinator_address,

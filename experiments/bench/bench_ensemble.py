@@ -28,7 +28,13 @@ not on the text (the table gives V). Programs timed side by side:
 * ``ensemble.ensemble_train_step`` (stacked state donated, as
   ``train_ensemble`` compiles it) with ``vmap_size`` 1 (a ``lax.map`` over
   the members), each of ``--vmap_sizes`` below M (``vmap`` over groups of
-  that many, the groups in a ``lax.map``) and M (one ``vmap``).
+  that many, the groups in a ``lax.map``) and M (one ``vmap``);
+* on several CPU devices (``--cpu_devices``, by default one per CPU, as
+  ``experiments/train.py`` gives an ensemble), the ``lax.map`` with the
+  members split over as many devices as divide them (``shard_map``), which
+  is how ``train_ensemble`` runs them there by default
+  (``ensemble_program.member_devices``). The separate steps run on the first
+  device, whose computations still use every core.
 
 Each runs ``--steps`` ensemble steps per call (dispatched, then waited for
 once, as the training loop does), in ``--rounds`` rounds of alternation with
@@ -80,8 +86,11 @@ import jax.numpy as jnp
 import numpy as np
 import timing  # experiments/bench/timing.py, beside this file
 from absl import app, flags
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from lmhead.lm import configuration, data, ensemble, train
+from lmhead.lm import configuration, data, ensemble, sharding, train
+from lmhead.lm import ensemble_program as ensemble_program_lib
 from lmhead.lm import state as state_lib
 
 SEPARATE = "separate steps"
@@ -160,6 +169,14 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_multi_integer(
     "slice_members", list(DEFAULTS.slice_members), "Members per ensemble program."
+)
+flags.DEFINE_integer(
+    "cpu_devices",
+    None,
+    "Devices of the CPU backend; default: one per CPU this process may use, "
+    "as experiments/train.py gives an ensemble. Separate steps run on the "
+    "first; the members are split over as many as divide them.",
+    lower_bound=1,
 )
 flags.DEFINE_bool("gpu", False, "The GPU preset instead (see the module docstring).")
 flags.DEFINE_string("gpu_shape", DEFAULTS.gpu_shape, "The GPU preset's shape.")
@@ -395,6 +412,42 @@ def ensemble_program(
     return EnsembleSteps(compiled, state, members)
 
 
+def split_program(shape: Shape, members: Members, devices: int) -> EnsembleSteps:
+    """:func:`ensemble_program`'s ``lax.map`` with the members split over the
+    first ``devices`` devices (``ensemble.split_over_devices``), as
+    ``train_ensemble`` runs it with ``mesh.members``; on a copy of the
+    members' initial state, every array placed on that mesh."""
+    mesh = ensemble_program_lib.members_mesh(jax.devices()[:devices])
+    split = NamedSharding(mesh, P(ensemble_program_lib.MEMBERS_AXIS))
+    placed = dataclasses.replace(
+        members,
+        state=jax.device_put(copy_tree(members.state), split),
+        dropout_keys=jax.device_put(members.dropout_keys, split),
+        values=jax.device_put(members.values, split),
+        active=jax.device_put(members.active, split),
+        batches=[jax.device_put(b, split) for b in members.batches],
+    )
+    step = functools.partial(
+        ensemble.ensemble_train_step,
+        vmap_size=1,
+        model=shape.model,
+        config=shape.config,
+    )
+    step = ensemble.split_over_devices(step, mesh)
+    args = (placed.state, placed.batches[0], placed.dropout_keys, placed.values)
+    compiled = jax.jit(step, donate_argnums=0).lower(*args, placed.active).compile()
+    return EnsembleSteps(compiled, placed.state, placed)
+
+
+def split_devices(count: int) -> int:
+    """The devices ``train_ensemble`` splits ``count`` members over by
+    default here (``ensemble_program.member_devices``; 1: no split)."""
+    mesh = configuration.load_config().mesh
+    return ensemble_program_lib.member_devices(
+        mesh, count, jax.device_count(), jax.default_backend()
+    )
+
+
 # --- Member-steps per second ------------------------------------------------------
 
 
@@ -442,6 +495,11 @@ def time_members(
     for vmap_size in vmap_sizes:
         programs[form_name(vmap_size, count)] = ensemble_program(
             shape, members, vmap_size
+        )
+    devices = split_devices(count)
+    if devices > 1:
+        programs[f"{form_name(1, count)} on {devices} devices"] = split_program(
+            shape, members, devices
         )
     for run in programs.values():
         jax.block_until_ready(run())  # the first calls after compiling are slower
@@ -513,6 +571,8 @@ def print_verdicts(shape: Shape, rows: list[Row]) -> None:
         best = min(timed, key=lambda r: r.wall)
         default = ensemble.default_vmap_members(shape.config, count)
         default_form = form_name(default, count)
+        if split_devices(count) > 1:
+            default_form += f" on {split_devices(count)} devices"
         default_row = next((r for r in timed if r.form == default_form), None)
         line = (
             f"  {shape.name} M={count}: fastest {best.form}, "
@@ -638,8 +698,10 @@ def main(argv):
     if FLAGS.gpu:
         # Before the first array: the client reads it when it starts.
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    # Before the first array, as experiments/train.py does for an ensemble.
+    cpus = sharding.available_cpus()
+    jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices or cpus)
     settings = settings_from_flags()
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     rounds = f"; {settings.rounds} rounds of {settings.steps} steps, medians"
     print(
         f"{jax.devices()[0].device_kind} ({jax.default_backend()}), {cpus} CPUs, "

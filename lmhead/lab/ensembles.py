@@ -169,6 +169,33 @@ def read_assignment(sweep_dir: str) -> Assignment:
         return json.load(f)
 
 
+def reserve(sweep_dir: str, programs: dict[str, Sequence[str]]) -> None:
+    """Records in ``ensembles.json`` programs that trained elsewhere (their
+    runs restored as finished, ``lmhead/studies/tying/results.py``), with
+    no member overrides: their names then go to no new program, so that a
+    program's name still names one program in a report's totals. A program
+    already recorded, and a run already in one, are left as they are.
+
+    Examples:
+        >>> import tempfile
+        >>> sweep_dir = tempfile.mkdtemp()
+        >>> write_assignment(sweep_dir, {"p=0": {"a": {"train.seed": 0}}})
+        >>> reserve(sweep_dir, {"p=0": ["b"], "q=0": ["a", "c"]})
+        >>> read_assignment(sweep_dir)
+        {'p=0': {'a': {'train.seed': 0}}, 'q=0': {'c': {}}}
+    """
+    assignment = read_assignment(sweep_dir)
+    assigned = {run for program in assignment.values() for run in program}
+    added = {
+        name: {run: {} for run in runs if run not in assigned}
+        for name, runs in programs.items()
+        if name not in assignment
+    }
+    added = {name: runs for name, runs in added.items() if runs}
+    if added:
+        write_assignment(sweep_dir, {**assignment, **added})
+
+
 def write_assignment(sweep_dir: str, assignment: Assignment) -> None:
     """Writes ``ensembles.json`` whole or not at all (a new file, renamed)."""
     os.makedirs(sweep_dir, exist_ok=True)

@@ -275,7 +275,7 @@ def default_types() -> dict[str, tuple[type, bool]]:
 
     Examples:
         >>> {k: v for k, v in default_types().items() if k.startswith("mesh.")}
-        {'mesh.data': (<class 'int'>, False), 'mesh.members': (<class 'int'>, False), 'mesh.model': (<class 'int'>, False)}
+        {'mesh.data': (<class 'int'>, False), 'mesh.members': (<class 'int'>, True), 'mesh.model': (<class 'int'>, False)}
         >>> default_types()["sample.top_k"]
         (<class 'int'>, True)
     """

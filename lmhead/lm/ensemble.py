@@ -9,7 +9,11 @@ of ``train.vmap_members`` members and a ``lax.map`` over the groups (by
 default a ``lax.map`` over single members on a CPU, one ``vmap`` of all of
 them on a GPU or TPU: ``experiments/bench/bench_train.py --ensemble``
 measures both). With ``mesh.members = n > 1`` the members are split over
-``n`` devices (``shard_map``), each device running its share the same way.
+``n`` devices (``shard_map``), each device running its share the same way;
+``mesh.members = None`` (the default) splits them over the most CPU devices
+that divide them on a CPU (``experiments/train.py`` gives an ensemble one CPU
+device per core), and not at all on a GPU or TPU
+(:func:`lmhead.lm.ensemble_program.member_devices`).
 
 Every member behaves as its own run:
 
@@ -107,6 +111,30 @@ def default_vmap_members(config: ml_collections.ConfigDict, count: int) -> int:
     if config.train.vmap_members is not None:
         return config.train.vmap_members
     return 1 if jax.default_backend() == "cpu" else count
+
+
+def split_over_devices(fn, mesh: jax.sharding.Mesh, in_specs: Any = None):
+    """``fn`` run by each device of ``mesh`` on its share of the members
+    (``shard_map`` over :data:`~lmhead.lm.ensemble_program.MEMBERS_AXIS`),
+    with no collectives: the members never meet. ``in_specs``: by default
+    every argument split over the members (leading axis ``M``); the outputs
+    are.
+
+    Examples:
+        >>> mesh = ensemble_program.members_mesh(jax.devices()[:1])
+        >>> split_over_devices(lambda x: 2 * x, mesh)(jnp.arange(3.0)).tolist()
+        [0.0, 2.0, 4.0]
+    """
+    members = P(ensemble_program.MEMBERS_AXIS)
+    # check_vma off: a frozen member's zeros would have to be marked as
+    # varying over the members.
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=members if in_specs is None else in_specs,
+        out_specs=members,
+        check_vma=False,
+    )
 
 
 def member_train_step(
@@ -257,7 +285,7 @@ def _check_mesh(config) -> None:
             "config.mesh.model must be 1 in an ensemble; the vocabulary "
             f"split is for single runs. Got {config.mesh.model}."
         )
-    if config.mesh.members > 1 and config.mesh.data not in (1, -1):
+    if (config.mesh.members or 1) > 1 and config.mesh.data not in (1, -1):
         raise ValueError(
             "config.mesh.members > 1 splits the members over the devices; "
             f"config.mesh.data must then be 1 (or -1); got {config.mesh.data}."
@@ -339,15 +367,7 @@ def _compile(program: ensemble_program.Program, state, shardings) -> None:
     )
     in_mesh = ensemble_program.MEMBERS_AXIS in program.mesh.axis_names
     if in_mesh:
-        # No collectives: each device steps its own members. (check_vma would
-        # ask the frozen branch's zeros to be marked as varying over members.)
-        step = jax.shard_map(
-            step,
-            mesh=program.mesh,
-            in_specs=P(ensemble_program.MEMBERS_AXIS),
-            out_specs=P(ensemble_program.MEMBERS_AXIS),
-            check_vma=False,
-        )
+        step = split_over_devices(step, program.mesh)
     active = np.ones(program.count, bool)
     args = (
         state,
@@ -366,21 +386,17 @@ def _compile(program: ensemble_program.Program, state, shardings) -> None:
     for stacked in (False, True):
         eval_step = functools.partial(ensemble_eval_step, stacked=stacked, **common)
         if in_mesh:
-            eval_step = jax.shard_map(
-                eval_step,
-                mesh=program.mesh,
-                in_specs=(
-                    P(ensemble_program.MEMBERS_AXIS),
-                    P(ensemble_program.MEMBERS_AXIS) if stacked else P(),
-                ),
-                out_specs=P(ensemble_program.MEMBERS_AXIS),
-                check_vma=False,
+            members = P(ensemble_program.MEMBERS_AXIS)
+            eval_step = split_over_devices(
+                eval_step, program.mesh, (members, members if stacked else P())
             )
         program.eval_fns[stacked] = jax.jit(eval_step)
+    devices = program.mesh.shape.get(ensemble_program.MEMBERS_AXIS, 1)
     monitoring.log(
         f"{program.count} members of {monitoring.count_params(state.params) // program.count:,} "
         f"parameters; train step compiled in {program.compile_seconds:.1f} s "
-        f"({program.vmap_size} member(s) per vmap)."
+        f"({program.vmap_size} member(s) per vmap, split over {devices} "
+        f"device(s))."
     )
 
 

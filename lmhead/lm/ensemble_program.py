@@ -37,7 +37,8 @@ from lmhead.lm import members as members_lib
 from lmhead.lm import model as model_lib
 from lmhead.vocab_parallel import DATA_AXIS
 
-# The mesh axis that mesh.members > 1 splits the members over.
+# The mesh axis that the members are split over (mesh.members > 1, or None
+# on several CPU devices: member_devices).
 MEMBERS_AXIS = "members"
 
 
@@ -196,20 +197,59 @@ def _get(config, key: str):
     return config[section][name]
 
 
+def member_devices(
+    mesh: ml_collections.ConfigDict, count: int, devices: int, platform: str
+) -> int:
+    """How many devices a program of ``count`` members splits them over:
+    ``mesh.members``, or when it is None, on a CPU the most of the
+    ``devices`` that divide ``count`` (while ``mesh.data`` and ``mesh.model``
+    leave the devices free: 1 or -1), else 1.
+
+    Examples:
+        >>> mesh = ml_collections.ConfigDict(dict(data=-1, model=1, members=None))
+        >>> [member_devices(mesh, m, 2, "cpu") for m in (8, 7, 1)]
+        [2, 1, 1]
+        >>> member_devices(mesh, 6, 4, "cpu"), member_devices(mesh, 8, 8, "gpu")
+        (3, 1)
+    """
+    if mesh.members is not None:
+        return mesh.members
+    if platform != "cpu" or mesh.data not in (1, -1) or mesh.model != 1:
+        return 1
+    return max(d for d in range(1, min(devices, count) + 1) if count % d == 0)
+
+
 def _make_mesh(config, count: int) -> jax.sharding.Mesh:
-    if config.mesh.members == 1:
-        return sharding.make_mesh(config.mesh.data, config.mesh.model)
     devices = jax.devices()
-    if config.mesh.members != len(devices) or count % config.mesh.members:
+    split = member_devices(config.mesh, count, len(devices), jax.default_backend())
+    if split == 1 and config.mesh.members is None:
+        # Members that no count of the devices divides train on one device,
+        # as on a machine of one: the CPU devices given to split members are
+        # not asked to split each member's batch instead.
+        return sharding.make_mesh(devices=devices[:1])
+    if split == 1:
+        return sharding.make_mesh(config.mesh.data, config.mesh.model)
+    if config.mesh.members is not None and (split != len(devices) or count % split):
         raise ValueError(
             f"config.mesh.members={config.mesh.members} must equal the number "
             f"of devices, {len(devices)}, and divide the {count} members."
         )
+    return members_mesh(devices[:split])
+
+
+def members_mesh(devices) -> jax.sharding.Mesh:
+    """A one-axis mesh (:data:`MEMBERS_AXIS`) over ``devices``, which a
+    program's members are split over.
+
+    Examples:
+        >>> dict(members_mesh(jax.devices()[:1]).shape)
+        {'members': 1}
+    """
     return jax.make_mesh(
-        (config.mesh.members,),
+        (len(devices),),
         (MEMBERS_AXIS,),
         axis_types=(jax.sharding.AxisType.Auto,),
-        devices=devices,
+        devices=list(devices),
     )
 
 

@@ -25,6 +25,7 @@ every process then sees the same global mesh, builds the same global batch
 """
 
 import math
+import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,6 +50,19 @@ PARAM_RULES = (
 )
 
 Rules = Sequence[tuple[str, P]]
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask where the system
+    has one (``taskset``, a sweep's ``--cpus_per_run``), else every CPU.
+
+    Examples:
+        >>> available_cpus() >= 1
+        True
+    """
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def make_mesh(

@@ -416,15 +416,21 @@ def reference_run(workdir):
 
 def check_ensemble(workdir):
     """An 8-member program with its members split over the 8 devices
-    (``mesh.members``), and with each member's batch split over them instead:
-    each member's losses."""
+    (``mesh.members`` 8, and the default, None, which on a CPU splits them
+    over as many devices as divide them), and with each member's batch split
+    over them instead (``mesh.members`` 1): each member's losses."""
     from configs import default
     from lmhead.lm import ensemble
     from lmhead.lm import members as members_lib
 
     specs = [{"train.seed": i, "optim.lr": 1e-3 * (1 + i)} for i in range(8)]
     results = {}
-    for name, mesh in (("members", {"mesh.members": 8, "mesh.data": 1}), ("data", {})):
+    variants = (
+        ("members", {"mesh.members": 8, "mesh.data": 1}),
+        ("default", {}),
+        ("data", {"mesh.members": 1}),
+    )
+    for name, mesh in variants:
         config = default.get_config(RUN_CONFIG)
         config.update_from_flattened_dict(
             {"optim.warmup_steps": 1, "sample.num_samples": 0, **mesh}

@@ -24,6 +24,9 @@ def test_ensemble_members_split_over_devices(results):
     split_members, split_batches = (results["ensemble"][k] for k in ("members", "data"))
     assert len(split_members) == 8 and len(split_members[0]) >= 2
     np.testing.assert_allclose(split_members, split_batches, rtol=1e-5)
+    # The default config splits the members as mesh.members=8 does: the same
+    # program, so the same bits, which the batch split does not give.
+    assert results["ensemble"]["default"] == split_members != split_batches
     # The members differ (seeds and rates): the comparison is member by member.
     assert len({tuple(losses) for losses in split_members}) == 8
 

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from lmhead.lab import workdirs
+from lmhead.lab import ensembles, workdirs
 from lmhead.lm import data
 from lmhead.studies.tying import analysis, literature, shapes, study, table
 
@@ -81,7 +81,7 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
     restored from a committed table (:func:`restore_runs`) gives its row back."""
     cell, summary = planned.cell, run.summary or {}
     if RESTORED in summary:
-        return dict(summary[RESTORED])
+        return _checked_restored(design, planned, run.name, summary[RESTORED])
     test = summary.get("test") or {}
     params = summary.get("num_params") or shapes.count_params(
         cell.vocab_size, cell.shape, design.arch
@@ -135,6 +135,46 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
     }
 
 
+# The columns that say which run a row is: a restored row must agree with
+# the run the design plans under its name.
+IDENTITY = (
+    "role",
+    "vocab",
+    "amount",
+    "arm",
+    "seed",
+    "lr",
+    "table_lr_multiplier",
+    "untie_step",
+    "steps_cap",
+)
+
+
+def _checked_restored(
+    design: study.Design, planned: study.PlannedRun, name: str, restored: dict
+) -> dict:
+    cell = planned.cell
+    expected = {
+        "role": planned.role,
+        "vocab": study.vocabulary_label(cell.vocab),
+        "amount": cell.amount.fraction,
+        "arm": cell.arm,
+        "seed": planned.seed,
+        "lr": planned.lr,
+        "table_lr_multiplier": planned.table_lr,
+        "untie_step": planned.untie_step,
+        "steps_cap": cell.amount.steps,
+    }
+    differ = {k: (restored[k], v) for k, v in expected.items() if restored[k] != v}
+    if differ:
+        raise ValueError(
+            f"Run {name} was restored from a table whose row differs from the "
+            f"run the design plans under that name (column: (row, planned)): "
+            f"{differ}. Remove its directory to train it again."
+        )
+    return dict(restored)
+
+
 def restored_summary(row: dict) -> dict:
     """The ``summary.json`` of a finished run recreated from its row: the
     values the sweep plans from (the best validation loss and step, the
@@ -153,11 +193,11 @@ def restored_summary(row: dict) -> dict:
         "steps_run": row["steps_run"],
         "stopped_early": row["reached_cap"] is False,
         "wall_seconds": row["wall_seconds"],
-        RESTORED: dict(row),
+        "ensemble": {"program": row["ensemble"]},
     }
-    if row["ensemble"] is not None:
-        summary["ensemble"] = {"program": row["ensemble"]}
-    return summary
+    # An empty cell is no value: readers default a missing key, not None.
+    summary = {k: v for k, v in summary.items() if v not in (None, {"program": None})}
+    return summary | {RESTORED: dict(row)}
 
 
 def restore_runs(csv_path: str, sweep_dir: str) -> list[str]:
@@ -166,8 +206,12 @@ def restore_runs(csv_path: str, sweep_dir: str) -> list[str]:
     ``summary.json``: the workdir (its ``run`` column) with the
     :func:`restored_summary`. The sweep runner then counts the run as
     finished, the plan reads its validation loss and best step, and the
-    report its row, unchanged. A workdir that holds a summary already (the
-    run finished here) is left alone. Returns the restored runs' names.
+    report its row, unchanged (checked against the run the design plans
+    under its name). A workdir that holds a summary already (the run
+    finished here) is left alone. The programs the restored runs trained in
+    are recorded in ``ensembles.json`` (:func:`lmhead.lab.ensembles.reserve`),
+    so that no new program takes one of their names. Returns the restored
+    runs' names.
 
     Raises:
         ValueError: a row's ``run`` that is not a plain directory name.
@@ -186,7 +230,7 @@ def restore_runs(csv_path: str, sweep_dir: str) -> list[str]:
         >>> restore_runs(os.path.join(out, RUNS_CSV), sweep_dir)
         []
     """
-    restored = []
+    restored, programs = [], {}
     for index, entry in enumerate(table.read_rows(csv_path)):
         name = entry["run"]
         if entry["status"] != "finished":
@@ -204,6 +248,9 @@ def restore_runs(csv_path: str, sweep_dir: str) -> list[str]:
             json.dump(restored_summary(entry), f, indent=1)
         os.replace(summary_path + ".tmp", summary_path)
         restored.append(name)
+        if entry["ensemble"] is not None:
+            programs.setdefault(entry["ensemble"], []).append(name)
+    ensembles.reserve(sweep_dir, programs)
     return restored
 
 

@@ -4,6 +4,7 @@ and REPORT.md regenerated from runs.csv alone, through the report command."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from lmhead.lab import runner, sweeps
+from lmhead.lab import ensembles, runner, sweeps
 from lmhead.lm import configuration
 from lmhead.studies.tying import analysis, results, shapes, study, table
 from tests import ROOT
@@ -186,6 +187,23 @@ def test_a_fresh_sweep_directory_resumes_from_the_committed_table(sweep, tmp_pat
     assert results.collect_rows(design, str(fresh))[1:-1] == rows[1:-1]
     planned = runner.Sweep(f"{STUDY}:{ARG},stage=test", str(fresh), "train.py")
     assert [run["name"] for run in planned.plan_jobs()[1]] == [rows[-1]["run"]]
+    # The restored runs' programs keep their names from new programs.
+    reserved = ensembles.read_assignment(str(fresh))
+    assert {r["ensemble"] for r in rows[1:-1]} == set(reserved)
+    assert sorted(run for p in reserved.values() for run in p) == sorted(restored)
+
+
+def test_a_restored_row_must_be_the_run_planned_under_its_name(sweep, tmp_path):
+    design, sweep_dir, _ = sweep
+    rows = results.collect_rows(design, str(sweep_dir))
+    rows[3] = rows[3] | {"lr": 2 * rows[3]["lr"], "wall_seconds": None}
+    table.write_rows(tmp_path / results.RUNS_CSV, rows)
+    fresh = tmp_path / "fresh"
+    results.restore_runs(str(tmp_path / results.RUNS_CSV), str(fresh))
+    summary = json.loads((fresh / rows[3]["run"] / "summary.json").read_text())
+    assert "wall_seconds" not in summary  # an empty cell is no value
+    with pytest.raises(ValueError, match=f"Run {re.escape(rows[3]['run'])} .*'lr'"):
+        results.collect_rows(design, str(fresh))
 
 
 def test_restoring_needs_a_table_and_a_sweep_file_that_can(tmp_path):

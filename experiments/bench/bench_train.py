@@ -149,13 +149,6 @@ def model_flops_per_token(config, vocab_size: int) -> float:
     return 6 * matmul_params + 6 * m.num_layers * T * m.d_model
 
 
-def cpu_count() -> int:
-    """The CPUs this process may run on (its affinity mask where there is one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def lmhead_setup(config, dataset, batches, num_devices: int):
     """``(model, mesh, state, sharded, dropout_key)``: lmhead's model, a mesh
     of the first ``num_devices`` devices, a fresh train state and the
@@ -410,7 +403,7 @@ def nanogpt_program(path: str, config, vocab_size: int, batches):
     import torch  # only here: torch is a peer, not a dependency
 
     module = configuration.load_module(os.path.join(path, "model.py"))
-    torch.set_num_threads(cpu_count())
+    torch.set_num_threads(sharding.available_cpus())
     torch.manual_seed(0)
     m, o = config.model, config.optim
     gpt_config = module.GPTConfig(
@@ -642,7 +635,7 @@ def print_profile(
 def device_counts() -> list[int]:
     """``--devices``, or 1 and (on a CPU) the number of CPUs; on a CPU, makes
     JAX give the process one device per CPU (before its backends start)."""
-    counts = FLAGS.devices or [1, cpu_count()]
+    counts = FLAGS.devices or [1, sharding.available_cpus()]
     jax.config.update("jax_num_cpu_devices", max(counts))  # CPU backend only
     if jax.default_backend() != "cpu" and not FLAGS.devices:
         counts = [1]
@@ -660,7 +653,7 @@ def main(argv):
         (3, 3, 256) if FLAGS.quick else (FLAGS.steps, FLAGS.rounds, FLAGS.matmul_size)
     )
     print(
-        f"{jax.devices()[0].device_kind}, {cpu_count()} CPUs, jax "
+        f"{jax.devices()[0].device_kind}, {sharding.available_cpus()} CPUs, jax "
         f"{jax.__version__}; {rounds} rounds of {steps} steps, medians",
         flush=True,
     )

@@ -420,7 +420,7 @@ def check_ensemble(workdir):
     over as many devices as divide them), and with each member's batch split
     over them instead (``mesh.members`` 1): each member's losses."""
     from configs import default
-    from lmhead.lm import ensemble
+    from lmhead.lm import ensemble, ensemble_program
     from lmhead.lm import members as members_lib
 
     specs = [{"train.seed": i, "optim.lr": 1e-3 * (1 + i)} for i in range(8)]
@@ -448,6 +448,13 @@ def check_ensemble(workdir):
             + [read_metrics(m.workdir)[-1]["eval/loss"]]
             for m in members
         ]
+    # The default's mesh for member counts that 8 does not divide: 6 members
+    # on 6 of the devices, 11 (no divisor up to 8) on one device, unsplit.
+    results["meshes"] = {
+        count: [dict(mesh.shape), int(mesh.devices.size)]
+        for count in (6, 11)
+        for mesh in [ensemble_program._make_mesh(default.get_config(RUN_CONFIG), count)]
+    }
     return results
 
 

@@ -27,6 +27,10 @@ def test_ensemble_members_split_over_devices(results):
     # The default config splits the members as mesh.members=8 does: the same
     # program, so the same bits, which the batch split does not give.
     assert results["ensemble"]["default"] == split_members != split_batches
+    assert results["ensemble"]["meshes"] == {
+        "6": [{"members": 6}, 6],
+        "11": [{"data": 1, "model": 1}, 1],
+    }
     # The members differ (seeds and rates): the comparison is member by member.
     assert len({tuple(losses) for losses in split_members}) == 8
 

@@ -41,8 +41,10 @@ once, as the training loop does), in ``--rounds`` rounds of alternation with
 a float32 matmul (``timing.alternate``); the medians are printed: ms per
 ensemble step, its CPU time (all threads), member-steps/s (``M / time``) and
 the ratio to separate steps. Then, per M, the fastest form beside the
-library's default here (``ensemble.default_vmap_members``: a ``lax.map`` on a
-CPU, one ``vmap`` on a GPU or TPU).
+library's default here (``ensemble.default_vmap_members`` and
+``ensemble_program.member_devices``: on a CPU a ``lax.map`` on each of the
+CPU devices the members are split over, on a GPU or TPU one ``vmap`` on one
+device).
 
 The table's last column is each program's largest difference in parameters
 from the separate steps' after the same steps on the same batches: a check

@@ -253,7 +253,6 @@ def restore_runs(csv_path, workdir):
     fresh machine resumes where ``docs/tying_study/runs.csv`` stands."""
     from lmhead.studies.tying import results
 
-    os.makedirs(workdir, exist_ok=True)
     return results.restore_runs(csv_path, workdir)
 
 

@@ -573,8 +573,9 @@ def print_verdicts(shape: Shape, rows: list[Row]) -> None:
         best = min(timed, key=lambda r: r.wall)
         default = ensemble.default_vmap_members(shape.config, count)
         default_form = form_name(default, count)
-        if split_devices(count) > 1:
-            default_form += f" on {split_devices(count)} devices"
+        devices = split_devices(count)
+        if devices > 1:
+            default_form += f" on {devices} devices"
         default_row = next((r for r in timed if r.form == default_form), None)
         line = (
             f"  {shape.name} M={count}: fastest {best.form}, "

@@ -81,7 +81,7 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
     restored from a committed table (:func:`restore_runs`) gives its row back."""
     cell, summary = planned.cell, run.summary or {}
     if RESTORED in summary:
-        return _checked_restored(design, planned, run.name, summary[RESTORED])
+        return _checked_restored(planned, run.name, summary[RESTORED])
     test = summary.get("test") or {}
     params = summary.get("num_params") or shapes.count_params(
         cell.vocab_size, cell.shape, design.arch
@@ -91,16 +91,9 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
     tokens = _train_tokens(run.workdir)
     steps_run = summary.get("steps_run")
     return {
-        "role": planned.role,
-        "vocab": study.vocabulary_label(cell.vocab),
+        **identity(planned),
         "vocab_size": cell.vocab_size,
-        "amount": cell.amount.fraction,
         "offset": cell.amount.offset(planned.seed),
-        "arm": cell.arm,
-        "seed": planned.seed,
-        "lr": planned.lr,
-        "table_lr_multiplier": planned.table_lr,
-        "untie_step": planned.untie_step,
         "d_model": cell.shape.d_model,
         "num_layers": cell.shape.num_layers,
         "mlp_dim": cell.shape.mlp_dim,
@@ -112,7 +105,6 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
         "train_chars": train_chars(design, planned),
         "train_tokens": tokens,
         "tokens_per_param": None if tokens is None else tokens / params,
-        "steps_cap": cell.amount.steps,
         "steps_run": _integer(steps_run),
         "steps_to_best": _integer(summary.get("best_step")),
         "reached_cap": None
@@ -135,26 +127,11 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
     }
 
 
-# The columns that say which run a row is: a restored row must agree with
-# the run the design plans under its name.
-IDENTITY = (
-    "role",
-    "vocab",
-    "amount",
-    "arm",
-    "seed",
-    "lr",
-    "table_lr_multiplier",
-    "untie_step",
-    "steps_cap",
-)
-
-
-def _checked_restored(
-    design: study.Design, planned: study.PlannedRun, name: str, restored: dict
-) -> dict:
+def identity(planned: study.PlannedRun) -> dict:
+    """The ``runs.csv`` columns that say which run a row is, from the plan:
+    a row restored under a run's name must agree with them."""
     cell = planned.cell
-    expected = {
+    return {
         "role": planned.role,
         "vocab": study.vocabulary_label(cell.vocab),
         "amount": cell.amount.fraction,
@@ -165,6 +142,10 @@ def _checked_restored(
         "untie_step": planned.untie_step,
         "steps_cap": cell.amount.steps,
     }
+
+
+def _checked_restored(planned: study.PlannedRun, name: str, restored: dict) -> dict:
+    expected = identity(planned)
     differ = {k: (restored[k], v) for k, v in expected.items() if restored[k] != v}
     if differ:
         raise ValueError(

@@ -58,7 +58,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from lmhead import decoding
-from lmhead.lm import configuration
+from lmhead.lm import configuration, sharding
 from lmhead.lm import model as model_lib
 
 config_flags.DEFINE_config_file(
@@ -96,6 +96,14 @@ flags.DEFINE_integer(
     "knobs_max_len", 256, "Cache capacity of the new-knobs and streaming rows."
 )
 flags.DEFINE_list("chunk_steps", ["1", "4", "16"], "Streaming chunk sizes k.")
+flags.DEFINE_integer(
+    "cpu_devices",
+    None,
+    "Devices of the CPU backend; default: one per CPU this process may use. "
+    "A batch's rows are split over as many as divide it "
+    "(model.make_step_fn's mesh); 1 keeps every row on one device.",
+    lower_bound=1,
+)
 FLAGS = flags.FLAGS
 
 
@@ -104,9 +112,10 @@ def chosen_clock() -> Callable[[], float]:
     return time.process_time if FLAGS.cpu_time else time.perf_counter
 
 
-def lmhead_decoder(name: str, model, max_new_tokens: int):
-    """``decode(params, logits, cache) -> tokens [B, N]``, one compiled loop."""
-    step_fn = model_lib.make_step_fn(model)
+def lmhead_decoder(name: str, model, max_new_tokens: int, batch: int):
+    """``decode(params, logits, cache) -> tokens [B, N]``, one compiled loop,
+    the ``batch`` rows split over the devices that divide them."""
+    step_fn = model_lib.make_step_fn(model, model_lib.rows_mesh(batch))
     key = jax.random.key(0)
     if name == "greedy":
         return lambda params, logits, cache: decoding.generate(
@@ -269,9 +278,11 @@ def bench_max_len(max_len: int, batch_sizes, decoders, repeats: int) -> list[dic
         prompt = jax.random.randint(
             jax.random.key(batch), (batch, FLAGS.prompt_len), 0, model.vocab_size
         )
-        logits, cache = model_lib.prefill(model, params, prompt, max_new_tokens=new)
+        logits, cache = model_lib.prefill(
+            model, params, prompt, max_new_tokens=new, mesh=model_lib.rows_mesh(batch)
+        )
         for name in decoders:
-            decode = lmhead_decoder(name, model, new)
+            decode = lmhead_decoder(name, model, new, batch)
             # A fresh copy of the prefilled cache per run, untimed: greedy and
             # top-p take it donated, as after a prefill, so they need not copy it.
             fresh = lambda: (jax.tree.map(jnp.copy, cache),)
@@ -333,8 +344,11 @@ def bench_knobs_and_streaming(repeats: int) -> list[tuple[str, float, float]]:
     prompt = jax.random.randint(
         jax.random.key(batch), (batch, FLAGS.prompt_len), 0, model.vocab_size
     )
-    logits, cache = model_lib.prefill(model, params, prompt, max_new_tokens=new)
-    step_fn = model_lib.make_step_fn(model)
+    mesh = model_lib.rows_mesh(batch)
+    logits, cache = model_lib.prefill(
+        model, params, prompt, max_new_tokens=new, mesh=mesh
+    )
+    step_fn = model_lib.make_step_fn(model, mesh)
     common = dict(max_new_tokens=new, donate_state=True)
     knobs = new_knob_settings(batch, new, model.vocab_size)
 
@@ -416,9 +430,14 @@ def main(argv):
     if FLAGS.quick:
         batch_sizes, max_lens, repeats = [1, 4], [64, 128], 2
         FLAGS.new_tokens, FLAGS.knobs_batch, FLAGS.knobs_max_len = 8, 4, 64
+    # Before the first array: the CPU client reads it when it starts.
+    jax.config.update(
+        "jax_num_cpu_devices", FLAGS.cpu_devices or sharding.available_cpus()
+    )
     rate = timing.matmul_rate(FLAGS.matmul_size, repeats, clock=chosen_clock())
     print(
-        f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, jax {jax.__version__}; "
+        f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, "
+        f"{len(jax.local_devices())} devices, jax {jax.__version__}; "
         f"float32 matmul {rate / 1e9:.0f} GFLOP/s; prompt {FLAGS.prompt_len}, "
         f"{FLAGS.new_tokens} new tokens; "
         f"{'CPU' if FLAGS.cpu_time else 'wall'} time",

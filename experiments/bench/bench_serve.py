@@ -17,8 +17,9 @@ was.
 batchers side by side in one run (``--batching=window``, then
 ``continuous``): ``--requests`` streamed, sampled requests whose
 ``max_tokens`` are drawn from ``--min_tokens``..``--max_tokens`` (the same
-draws for both) from ``--clients`` clients, after one unmeasured pass of
-the same requests. It prints tokens/s, p50 and p99
+draws for both) from ``--clients`` clients, after ``--unmeasured_passes`` passes of the
+same requests (so that the window batcher has compiled the batches it
+forms). It prints tokens/s, p50 and p99
 latency, the p99 latency of the short requests (``max_tokens <= 16``), time to
 first token, and the server's start-up time: cold (an empty compilation
 cache) and warm (a second start of the same run). The results and the
@@ -74,6 +75,12 @@ flags.DEFINE_bool(
 flags.DEFINE_integer("clients", 16, "Concurrent clients of --compare_batching.")
 flags.DEFINE_integer("min_tokens", 8, "Least max_tokens of --compare_batching.")
 flags.DEFINE_integer("max_tokens", 128, "Most max_tokens of --compare_batching.")
+flags.DEFINE_integer(
+    "unmeasured_passes",
+    2,
+    "Passes of the same requests before the measured one, per server.",
+    lower_bound=0,
+)
 SHORT = 16  # the requests whose p99 latency --compare_batching reports
 FLAGS = flags.FLAGS
 
@@ -229,10 +236,12 @@ def compare_batching(workdir: str, extra: list[str], scratch: str) -> None:
             starts[mode, start] = time.perf_counter() - began
             try:
                 if start == "warm":
-                    # One unmeasured pass first: the window batcher compiles
-                    # a completion shape (rows, new-token bucket) on its first
-                    # use, which its warm-up does not cover.
-                    load(url, lengths.tolist(), FLAGS.clients)
+                    # Unmeasured passes first: the window batcher compiles a
+                    # completion shape (rows, new-token bucket) on its first
+                    # use, which its warm-up does not cover, and one pass
+                    # forms only some of the batches that the next may form.
+                    for _ in range(FLAGS.unmeasured_passes):
+                        load(url, lengths.tolist(), FLAGS.clients)
                     rows[mode] = load(url, lengths.tolist(), FLAGS.clients)
             finally:
                 process.terminate()

@@ -1,5 +1,6 @@
 """What both decoding loops share: argument checks and the guarded model step."""
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -151,27 +152,34 @@ def eos_ids(eos_id: Any, vocab_size: int) -> tuple[int, ...]:
     return tuple(sorted({int(token_id) for token_id in ids}))
 
 
+@functools.partial(jax.jit, static_argnames=("num_samples", "raw"))
+def _sample_keys(key: jax.Array, num_samples: int, raw: bool) -> jax.Array:
+    """``[B * S]`` keys: ``fold_in(key_b, s)`` (``key`` raw ``[B, 2]`` data if ``raw``)."""
+    if raw:
+        key = jax.random.wrap_key_data(key)
+    fold = lambda k: jax.vmap(lambda s: jax.random.fold_in(k, s))(
+        jnp.arange(num_samples)
+    )
+    return jax.vmap(fold)(key).reshape(-1)
+
+
 def row_keys(key: Any, batch: int, num_samples: int) -> jax.Array:
     """One key, as it is; or ``[B]`` keys, sample ``s`` of row ``b`` getting
-    ``fold_in(key_b, s)`` (rows ``b * S + s``)."""
-    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    ``fold_in(key_b, s)`` (rows ``b * S + s``), in one compiled call."""
+    if not isinstance(key, jax.Array):
+        key = np.asarray(key)
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-    if not typed and key.ndim == 2 and key.shape[0] == batch:
-        key = jax.random.wrap_key_data(key)  # [B] raw keys, e.g. split(raw, B)
-    elif not typed and key.ndim == 1:
-        return key  # one raw key
+    raw = not typed and key.ndim == 2 and key.shape[0] == batch
+    if not typed and key.ndim == 1:
+        return jnp.asarray(key)  # one raw key
     if key.ndim == 0:
         return key
-    if key.shape != (batch,):
+    if not raw and key.shape != (batch,):
         raise ValueError(
             f"key must be one PRNG key or one per row, shape [B] = ({batch},); "
             f"got shape {key.shape}."
         )
-    samples = jnp.arange(num_samples)
-    per_sample = jax.vmap(
-        lambda k: jax.vmap(lambda s: jax.random.fold_in(k, s))(samples)
-    )
-    return per_sample(key).reshape(batch * num_samples)
+    return _sample_keys(key, num_samples=num_samples, raw=raw)
 
 
 def row_limits(

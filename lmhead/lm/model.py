@@ -531,6 +531,45 @@ def _compiled_extend(model, params, tokens, cache, lengths):
     )
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _split_extend(model, mesh, params, tokens, cache, lengths):
+    """``_compiled_extend`` with the rows split over ``mesh``'s one axis: each
+    device extends its own rows (a ``shard_map`` without collectives)."""
+    rows = jax.sharding.PartitionSpec(mesh.axis_names[0])
+
+    def local(params, tokens, cache, lengths):
+        # Slot pointers name rows of the whole batch; a device holds a block.
+        offset = jax.lax.axis_index(mesh.axis_names[0]) * tokens.shape[0]
+        if cache.rows is not None:
+            cache = cache._replace(rows=cache.rows - offset)
+        logits, cache = model.apply(
+            {"params": params}, tokens, cache, lengths, method=DecoderLM.extend
+        )
+        if cache.rows is not None:
+            cache = cache._replace(rows=cache.rows + offset)
+        return logits, cache
+
+    split = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(jax.sharding.PartitionSpec(), rows, rows, rows),
+        out_specs=(rows, rows),
+    )
+    return split(params, tokens, cache, lengths)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _compiled_prefill(model, mesh, params, tokens, lengths):
+    # The empty cache is made inside the program: made op by op, each of its
+    # pieces would cost a dispatch at every prefill.
+    cache = kv_cache.init_cache(model, tokens.shape[0])
+    if mesh is not None:
+        return _split_extend(model, mesh, params, tokens, cache, lengths)
+    return model.apply(
+        {"params": params}, tokens, cache, lengths, method=DecoderLM.extend
+    )
+
+
 def prefill(
     model: DecoderLM,
     params: Any,
@@ -538,6 +577,7 @@ def prefill(
     lengths: jax.typing.ArrayLike | None = None,
     *,
     max_new_tokens: int | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[jax.Array, kv_cache.DecodeCache]:
     """Runs a prompt once: the next-token logits and the filled cache.
 
@@ -554,6 +594,10 @@ def prefill(
         max_new_tokens: if given, checks that ``max(lengths) +
             max_new_tokens <= max_len``, so that every generated token fits in
             the cache.
+        mesh: if given (:func:`rows_mesh`), the rows are split over its
+            devices, and the logits and cache are left there, as a step of
+            :func:`make_step_fn` with the same mesh reads them; ``B`` must be
+            a multiple of its size.
 
     Returns:
         ``float32 [B, V]`` logits of the token after each prompt, and a
@@ -601,11 +645,16 @@ def prefill(
                 f"{longest + max_new_tokens} exceeds the model's max_len "
                 f"{model.max_len}."
             )
-    return _compiled_extend(
+    if mesh is not None and batch % mesh.size:
+        raise ValueError(
+            f"prompt has {batch} rows, which the mesh's {mesh.size} devices do "
+            "not divide."
+        )
+    return _compiled_prefill(
         model,
+        mesh,
         params,
         jnp.asarray(prompt, jnp.int32),
-        kv_cache.init_cache(model, batch),
         jnp.asarray(lengths, jnp.int32),
     )
 
@@ -615,6 +664,7 @@ class DecodeStep:
     """The decoders' ``step_fn`` for a :class:`DecoderLM`; see :func:`make_step_fn`."""
 
     model: DecoderLM
+    mesh: jax.sharding.Mesh | None = None
 
     def __call__(
         self, params: Any, tokens: jax.Array, cache: kv_cache.DecodeCache
@@ -622,9 +672,22 @@ class DecodeStep:
         _checks.check_integer("tokens", tokens)
         _checks.check_rank("tokens", tokens, 1, "[B]")
         tokens = jnp.asarray(tokens, jnp.int32)
-        return _compiled_extend(
-            self.model, params, tokens[:, None], cache, jnp.ones_like(tokens)
+        if self.mesh is None:
+            return _compiled_extend(
+                self.model, params, tokens[:, None], cache, jnp.ones_like(tokens)
+            )
+        self._check_split("tokens", tokens.shape[0])
+        return _split_extend(
+            self.model, self.mesh, params, tokens[:, None], cache, jnp.ones_like(tokens)
         )
+
+    def _check_split(self, name: str, batch: int) -> None:
+        if self.mesh is not None and batch % self.mesh.size:
+            raise ValueError(
+                f"{name} has {batch} rows, which the step's {self.mesh.size} "
+                "devices do not divide; make_step_fn(model, mesh=rows_mesh(B)) "
+                "takes a mesh that does."
+            )
 
     def reorder(
         self, cache: kv_cache.DecodeCache, rows: jax.Array
@@ -632,6 +695,11 @@ class DecodeStep:
         return kv_cache.reorder_cache(cache, rows)
 
     def repeat(self, cache: kv_cache.DecodeCache, repeats: int) -> kv_cache.DecodeCache:
+        if cache.rows is not None:
+            # A row's copies point at its slots: they must share its device.
+            self._check_split(
+                "the cache repeated with slot pointers", cache.index.shape[0]
+            )
         return kv_cache.repeat_cache(cache, repeats)
 
     def trim(self, cache: kv_cache.DecodeCache, num_steps: int) -> kv_cache.DecodeCache:
@@ -643,7 +711,23 @@ class DecodeStep:
         return kv_cache.reset_rows(cache, rows)
 
 
-def make_step_fn(model: DecoderLM) -> DecodeStep:
+def rows_mesh(batch: int, devices: Any = None) -> jax.sharding.Mesh | None:
+    """A one-axis mesh (``"rows"``) over the most of ``devices`` (default:
+    this process's) that divide ``batch``, for :func:`make_step_fn`; None
+    where that is one device.
+
+    Examples:
+        >>> rows_mesh(32, jax.local_devices()[:1]) is None
+        True
+    """
+    devices = jax.local_devices() if devices is None else list(devices)
+    count = max(d for d in range(1, len(devices) + 1) if batch % d == 0)
+    if count == 1:
+        return None
+    return jax.sharding.Mesh(np.array(devices[:count]), ("rows",))
+
+
+def make_step_fn(model: DecoderLM, mesh: jax.sharding.Mesh | None = None) -> DecodeStep:
     """The decoders' ``step_fn(params, tokens: int [B], cache) -> (float32 [B, V], cache)``.
 
     Feeds one token per row at position ``cache.index`` and sends that one
@@ -661,6 +745,15 @@ def make_step_fn(model: DecoderLM) -> DecodeStep:
     A row must not step past ``max_len`` (see
     :meth:`DecoderLM.extend`; :func:`prefill`'s ``max_new_tokens`` checks it).
 
+    With ``mesh``, a one-axis mesh (:func:`rows_mesh`), the rows are split
+    over its devices and each device steps its own block of them; the
+    tokens, logits and cache are the same as without it. On a CPU, where
+    a step runs on one core per device, several CPU devices
+    (``jax_num_cpu_devices``) then use several cores; ``docs/decoding.md``
+    measures it. The number of rows must be a multiple of the mesh's size,
+    and so must the prompts of a beam search (each prompt's beams share
+    slots, so they must share a device).
+
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> model = DecoderLM(vocab_size=17, num_layers=1, num_heads=2,
@@ -673,4 +766,4 @@ def make_step_fn(model: DecoderLM) -> DecodeStep:
         >>> bool(jnp.allclose(logits, full[:, -1], atol=1e-6)), cache.index
         (True, Array([4], dtype=int32))
     """
-    return DecodeStep(model)
+    return DecodeStep(model, mesh)

@@ -16,6 +16,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from lmhead import decoding
@@ -110,24 +111,65 @@ def _token_bytes(tokenizer: Any) -> list[bytes]:
     return held[1]
 
 
-def row_keys(engine: Any, batch: list[CompletionRequest], rows: list, size: int):
-    """One key per row: a seeded request's row ``p n + s`` draws from
-    ``fold_in(key(seed), p n + s)``, whatever its batch; the others from the
-    batch's key folded with the row."""
-    base = jax.random.fold_in(engine._key, next(engine._batch_index))
-    keys = []
-    for row in range(size):
-        if row >= len(rows):
-            keys.append(base)
-            continue
-        r, p, s = rows[row]
-        seed = batch[r].seed
-        keys.append(
-            jax.random.fold_in(base, row)
-            if seed is None
-            else jax.random.fold_in(jax.random.key(seed), p * batch[r].n + s)
+def derive_keys(
+    key: jax.Array, batch_index: jax.Array, seeds: jax.Array, folds: jax.Array
+) -> jax.Array:
+    """Raw keys ``uint32 [R, 2]`` from :func:`key_recipe`'s arrays (``[R]``
+    each): row ``r`` folds ``folds[r]`` into ``key(seeds[r])``, or, where
+    ``seeds[r] < 0``, into its batch's key ``fold_in(key, batch_index[r])``
+    (which it takes unfolded where ``folds[r] < 0``). Traceable, so that a
+    caller may make the keys inside its own program.
+
+    Examples:
+        >>> raw = derive_keys(jax.random.key(0), np.zeros([2], np.int32),
+        ...                   np.array([7, -1], np.int32), np.array([3, 1], np.int32))
+        >>> bool((raw[0] == jax.random.key_data(
+        ...     jax.random.fold_in(jax.random.key(7), 3))).all())
+        True
+    """
+
+    def one(index, seed, fold):
+        base = jax.random.fold_in(key, index)
+        own = jax.random.fold_in(jax.random.key(jnp.maximum(seed, 0)), fold)
+        shared = jnp.where(
+            fold < 0,
+            jax.random.key_data(base),
+            jax.random.key_data(jax.random.fold_in(base, fold)),
         )
-    return jax.random.wrap_key_data(np.stack([jax.random.key_data(k) for k in keys]))
+        return jnp.where(seed >= 0, jax.random.key_data(own), shared)
+
+    return jax.vmap(one)(batch_index, seeds, folds)
+
+
+def key_recipe(
+    engine: Any, batch: list[CompletionRequest], rows: list, size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What :func:`derive_keys` needs for one batch of ``size`` rows, each
+    ``int32 [size]``: the batch's number (the engine's next), the seeds
+    (-1: none) and the folds. A seeded request's row ``p n + s`` draws from
+    ``fold_in(key(seed), p n + s)``, whatever its batch; the others from the
+    batch's key folded with the row; padding rows take the batch's key."""
+    seeds = np.full([size], -1, np.int32)
+    folds = np.full([size], -1, np.int32)
+    for row, (r, p, s) in enumerate(rows):
+        seed = batch[r].seed
+        if seed is None:
+            folds[row] = row
+        else:
+            seeds[row], folds[row] = seed, p * batch[r].n + s
+    return np.full([size], next(engine._batch_index), np.int32), seeds, folds
+
+
+_derive_keys = jax.jit(derive_keys)
+
+
+def row_keys(
+    engine: Any, batch: list[CompletionRequest], rows: list, size: int
+) -> np.ndarray:
+    """One raw key per row, ``uint32 [size, 2]`` (a form ``generate`` takes),
+    as :func:`key_recipe` describes; one compiled call, since keys made op by
+    op cost a dispatch per operation."""
+    return np.asarray(_derive_keys(engine._key, *key_recipe(engine, batch, rows, size)))
 
 
 def _batch_knobs(batch: list, rows: list, size: int) -> decoding.SamplingKnobs:

@@ -21,6 +21,7 @@ completions whatever else runs beside it.
 
 import concurrent.futures
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,28 @@ from lmhead.serve import batching, completions, requests
 from lmhead.serve.openai_api import CompletionRequest
 
 DEFAULT_STEPS_PER_CALL = 4
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnames="state")
+def _prefill_into_slots(
+    model, params, state, slots, prompts, lengths, key, recipe, limits, history, knobs
+):  # fmt: skip
+    """``model_lib.prefill`` of ``prompts`` and ``decoding.fill_slots`` of the
+    result, with each row's key made from ``recipe`` (the arrays of
+    ``completions.key_recipe``), as one program: one dispatch per admission
+    instead of one per operation (the rows were checked when their requests
+    were parsed)."""
+    logits, cache = model_lib.prefill(model, params, prompts, lengths)
+    return decoding.fill_slots(
+        state,
+        slots,
+        logits,
+        cache,
+        keys=completions.derive_keys(key, *recipe),
+        max_new_tokens=limits,
+        prompt_tokens=history,
+        knobs=knobs,
+    )
 
 
 @dataclasses.dataclass(eq=False)
@@ -274,8 +297,8 @@ class SlotBatcher(batching.WorkQueue):
         for job in jobs:
             job.prompt_scores = completions.echo_scores(self.engine, job.request)
             mine = [(0, row.p, row.s) for row in job.rows]
-            keys = completions.row_keys(self.engine, [job.request], mine, len(mine))
-            for row, key in zip(job.rows, keys):
+            recipe = completions.key_recipe(self.engine, [job.request], mine, len(mine))
+            for row, key in zip(job.rows, zip(*recipe)):
                 row.slot = next(free)
                 self._holders[row.slot] = (job, row)
                 rows.append((job, job.request.prompt_ids[row.p], row, key))
@@ -297,23 +320,22 @@ class SlotBatcher(batching.WorkQueue):
         for i, (job, ids, row, _) in enumerate(group):
             prompts[i, : len(ids)], lengths[i] = ids, len(ids)
             slots[i], limits[i] = row.slot, job.request.max_tokens
-        keys = [key for _, _, _, key in group]
-        keys += list(jax.random.split(jax.random.key(0), size - len(group)))
-        logits, cache = model_lib.prefill(
+        # completions.key_recipe's arrays; padding rows: any key.
+        recipe = np.zeros([3, size], np.int32)
+        for i, (_, _, _, key) in enumerate(group):
+            recipe[:, i] = key
+        self._state = _prefill_into_slots(
             self.engine.model,
             self.engine.params,
-            np.maximum(prompts[:, :length], 0),
-            lengths,
-        )
-        self._state = decoding.fill_slots(
             self._state,
             slots,
-            logits,
-            cache,
-            keys=jax.numpy.stack(keys),
-            max_new_tokens=limits,
-            prompt_tokens=prompts,
-            knobs=self._knobs([(job, row) for job, _, row, _ in group], size),
+            np.maximum(prompts[:, :length], 0),
+            lengths,
+            self.engine._key,
+            recipe,
+            limits,
+            prompts,
+            self._knobs([(job, row) for job, _, row, _ in group], size),
         )
 
     def _step(self) -> tuple[decoding.SlotState, decoding.SlotChunk]:

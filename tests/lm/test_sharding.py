@@ -458,6 +458,82 @@ def check_ensemble(workdir):
     return results
 
 
+def check_split_decoding():
+    """Greedy, sampled and beam decoding with the rows split over the devices
+    (``model.make_step_fn(model, mesh)``, a prefill on the same mesh) against
+    the same calls on one device; the errors of a batch the mesh does not
+    divide; the sizes of ``rows_mesh``."""
+    import jax
+    import jax.numpy as jnp
+
+    from lmhead import decoding
+    from lmhead.lm import model as model_lib
+
+    model = model_lib.DecoderLM(
+        vocab_size=17, num_layers=2, num_heads=2, d_model=16, mlp_dim=32, max_len=96
+    )
+    prompt = jax.random.randint(jax.random.key(1), (8, 5), 0, 17)
+    lengths = jnp.array([5, 3, 4, 5, 1, 2, 5, 4])
+    params = model.init(jax.random.key(0), prompt)["params"]
+    results = {}
+
+    def decode(mesh):
+        step = model_lib.make_step_fn(model, mesh)
+        start = lambda: model_lib.prefill(model, params, prompt, lengths, mesh=mesh)
+        runs = {
+            "greedy": decoding.generate(
+                step, params, *start(), key=jax.random.key(2), max_new_tokens=70,
+                temperature=0.0,
+            ),
+            "one key": decoding.generate(
+                step, params, *start(), key=jax.random.key(2), max_new_tokens=70,
+                temperature=0.9, top_p=0.9, top_logprobs=3,
+            ),
+            "row keys": decoding.generate(
+                step, params, *start(), key=jax.random.split(jax.random.key(3), 8),
+                max_new_tokens=70, temperature=0.9, presence_penalty=0.5,
+            ),
+        }  # fmt: skip
+        beams = decoding.beam_search(
+            step, params, *start(), num_beams=4, max_new_tokens=12, eos_id=None
+        )
+        out = {
+            k: (np.asarray(g.tokens), np.asarray(g.log_probs)) for k, g in runs.items()
+        }
+        out["beam"] = (np.asarray(beams[0]), np.asarray(beams[1]))
+        return out
+
+    one, split = decode(None), decode(model_lib.rows_mesh(8))
+    for name in one:
+        results[name] = {
+            "same tokens": bool(np.array_equal(one[name][0], split[name][0])),
+            "log-prob difference": float(np.max(np.abs(one[name][1] - split[name][1]))),
+        }
+    mesh = model_lib.rows_mesh(8)
+    errors = {}
+    for name, call in (
+        ("prefill", lambda: model_lib.prefill(model, params, prompt[:6], mesh=mesh)),
+        (
+            "step",
+            lambda: model_lib.make_step_fn(model, mesh)(
+                params, prompt[:6, 0], model_lib.prefill(model, params, prompt[:6])[1]
+            ),
+        ),
+    ):
+        try:
+            call()
+            errors[name] = "no error"
+        except ValueError as error:
+            errors[name] = str(error)
+    results["errors"] = errors
+    results["mesh sizes"] = {
+        str(batch): None if mesh is None else int(mesh.size)
+        for batch in (1, 6, 7, 32)
+        for mesh in [model_lib.rows_mesh(batch)]
+    }
+    return results
+
+
 def read_metrics(workdir):
     from lmhead.lm import monitoring
 
@@ -488,6 +564,7 @@ def main(workdir, names):
         "errors": check_errors,
         "reference_run": lambda: reference_run(os.path.join(workdir, "run")),
         "ensemble": lambda: check_ensemble(os.path.join(workdir, "ensemble")),
+        "split_decoding": check_split_decoding,
     }
     results = {}
     for name in names:

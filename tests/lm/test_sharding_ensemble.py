@@ -1,6 +1,6 @@
 """Tests for lmhead/lm/sharding.py that run in a second 8-device subprocess:
-an ensemble split over the devices, and the vocabulary-parallel loss's
-options against numpy.
+an ensemble split over the devices, decoding with its rows split over them,
+and the vocabulary-parallel loss's options against numpy.
 
 The subprocess is ``test_sharding.py`` run as a script (its docstring says
 how); these checks have a file of their own so that the suite's workers run
@@ -15,7 +15,10 @@ from tests.lm.test_sharding import TOLERANCE, run_checks
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_checks(tmp_path_factory.mktemp("sharding"), ["loss_options", "ensemble"])
+    return run_checks(
+        tmp_path_factory.mktemp("sharding"),
+        ["loss_options", "ensemble", "split_decoding"],
+    )
 
 
 def test_ensemble_members_split_over_devices(results):
@@ -43,3 +46,22 @@ def test_loss_options_match_numpy(results):
     assert max(differences.values()) < TOLERANCE, differences
     assert invalid.pop("invalid 4 (2, 4)") == 0  # without jit: none passed
     assert set(invalid.values()) == {2}
+
+
+@pytest.mark.parametrize("decoder", ["greedy", "one key", "row keys", "beam"])
+def test_split_decoding_matches_one_device(results, decoder):
+    """Rows split over 8 devices decode the tokens of one device (a single
+    key too: its draws do not depend on how the rows are placed), with the
+    same log-probs to float32 rounding."""
+    check = results["split_decoding"][decoder]
+    assert check["same tokens"]
+    assert check["log-prob difference"] < TOLERANCE
+
+
+def test_split_decoding_errors_and_mesh_sizes(results):
+    errors = results["split_decoding"]["errors"]
+    assert "prompt has 6 rows" in errors["prefill"]
+    assert "tokens has 6 rows" in errors["step"]
+    assert results["split_decoding"]["mesh sizes"] == {
+        "1": None, "6": 6, "7": 7, "32": 8
+    }  # fmt: skip

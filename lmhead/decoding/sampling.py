@@ -1,10 +1,13 @@
 """Greedy decoding and sampling: :func:`generate`, one ``lax.while_loop``."""
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from lmhead import _checks
 from lmhead.decoding import _loop
@@ -476,8 +479,140 @@ def _prepare(
 
 def _run(arguments: _LoopArguments, until: int) -> SamplingState:
     """The loop from its start to step ``until`` (or until every row ends)."""
-    loop = _donating_sampling_loop if arguments.donate else _sampling_loop
-    return loop(*arguments[:-1], until=jnp.int32(until))
+    return _loops(arguments)[0](until)
+
+
+def _loops(arguments: _LoopArguments) -> tuple[Callable, Callable]:
+    """``(start(until), resume(s, until))``: the loop from its start, and
+    resumed from ``s`` (which it consumes), to step ``until``; each device
+    runs its own rows' loop where :func:`_split_loops` allows. Made once per
+    call of :func:`generate` or stream, since deciding costs a trace."""
+    a = arguments
+    split = _split_loops(a)
+    if split is not None:
+        start, resume, specs = split
+        # Placed once, rather than sent to the devices by each call.
+        mesh = a.step_fn.mesh
+        params, knobs, stop, rows = jax.device_put(
+            (a.params, a.knobs, a.stop, a.rows),
+            jax.tree.map(
+                lambda spec: NamedSharding(mesh, spec),
+                (P(), *specs),
+                is_leaf=lambda x: isinstance(x, P),
+            ),
+        )
+        return (
+            lambda until: start(params, *a[2:6], knobs, stop, rows, jnp.int32(until)),
+            lambda s, until: resume(s, jnp.int32(until), params, knobs, stop, rows),
+        )
+    loop = _donating_sampling_loop if a.donate else _sampling_loop
+    return (
+        lambda until: loop(*a[:-1], until=jnp.int32(until)),
+        lambda s, until: _resume_loop(
+            s, jnp.int32(until), a.step_fn, a.params, a.knobs, a.stop, a.rows, a.config
+        ),
+    )
+
+
+def _row_specs(tree: Any, axis: str) -> Any:
+    """A ``PartitionSpec`` per leaf of ``tree`` (knobs or a stop condition):
+    ``P(axis)`` for a leaf with one entry per row (``tree.repeat_rows(2)``
+    doubles its leading axis), ``P()`` for a shared one."""
+    leaves, structure = jax.tree.flatten(tree)
+    shapes = tuple((jnp.shape(leaf), jnp.result_type(leaf)) for leaf in leaves)
+    return structure.unflatten(_row_spec_leaves(structure, shapes, axis))
+
+
+@functools.lru_cache(maxsize=256)
+def _row_spec_leaves(structure: Any, shapes: tuple, axis: str) -> tuple:
+    # Cached: finding them traces repeat_rows, which costs more than a step.
+    tree = structure.unflatten([jax.ShapeDtypeStruct(*shape) for shape in shapes])
+    doubled = jax.tree.leaves(jax.eval_shape(lambda t: t.repeat_rows(2), tree))
+    return tuple(
+        P(axis) if shape and new.shape[0] == 2 * shape[0] else P()
+        for (shape, _), new in zip(shapes, doubled)
+    )
+
+
+def _split_loops(arguments: _LoopArguments) -> tuple[Callable, Callable, tuple] | None:
+    """The loop's start and resume run by each device on its own rows (and
+    the ``PartitionSpec`` trees of the knobs, stops and rows), when
+    ``step_fn`` splits the rows over a mesh (``step_fn.mesh``, and
+    ``step_fn.per_device()`` the step of one device's rows) and a row's
+    tokens cannot depend on that: a key per row, or one key with every
+    temperature 0 (greedy), and no processor hook (which sees all rows).
+    Each device then runs its own ``while_loop`` with no collective, the
+    processors and stops included. None otherwise: the loop runs on the
+    whole batch, only the step split."""
+    a = arguments
+    mesh = getattr(a.step_fn, "mesh", None)
+    if mesh is None or a.config.processor is not None:
+        return None
+    per_row_key = _per_row_keys(a.key)
+    temperature = a.knobs.temperature
+    if not per_row_key and (
+        _checks.is_traced(temperature) or jnp.any(jnp.asarray(temperature) > 0)
+    ):
+        return None
+    axis = mesh.axis_names[0]
+    rows = P(axis)
+    specs = (
+        rows,  # logits
+        rows,  # model_state
+        rows if per_row_key else P(),
+        rows,  # history
+        _row_specs(a.knobs, axis),
+        tuple(_row_specs(c, axis) for c in a.stop),
+        rows,  # rows
+    )
+    leaves, tree = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
+    return _split_programs(
+        a.step_fn.per_device(), a.config, mesh, tree, tuple(leaves), per_row_key,
+        a.donate,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _split_programs(step_fn, config, mesh, tree, leaves, per_row_key, donate):
+    """The compiled start and resume of :func:`_split_loops`, and the specs
+    of the knobs, stops and rows (one per set of static arguments and
+    shardings, as ``jax.jit`` caches a function's)."""
+    axis = mesh.axis_names[0]
+    logits, model_state, key, history, knobs, stop, rows = tree.unflatten(leaves)
+
+    # Outside, a device's own scalars (its step, and the single key it
+    # splits) are stacked: one per device.
+    def stacked(s):
+        return s._replace(step=s.step[None], key=s.key if per_row_key else s.key[None])
+
+    def unstacked(s):
+        return s._replace(step=s.step[0], key=s.key if per_row_key else s.key[0])
+
+    def start(params, logits, model_state, key, history, knobs, stop, rows, until):
+        return stacked(
+            _start(step_fn, params, logits, model_state, key, history, knobs, stop,
+                   rows, config, until)
+        )  # fmt: skip
+
+    def resume(s, until, params, knobs, stop, rows):
+        return stacked(
+            _advance(unstacked(s), until, step_fn, params, knobs, stop, rows, config)
+        )
+
+    split = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
+    start = split(
+        start,
+        in_specs=(P(), logits, model_state, key, history, knobs, stop, rows, P()),
+        out_specs=P(axis),
+    )
+    resume = split(
+        resume, in_specs=(P(axis), P(), P(), knobs, stop, rows), out_specs=P(axis)
+    )
+    return (
+        jax.jit(start, donate_argnums=(2,) if donate else ()),
+        jax.jit(resume, donate_argnums=(0,)),
+        (knobs, stop, rows),
+    )
 
 
 def _generation_of(s: SamplingState) -> Generation:
@@ -562,7 +697,12 @@ def generate(
     Args:
         step_fn: ``step_fn(params, tokens int32[B], state) -> (logits [B, V],
             state)``; hashable; must keep the structure, shapes and dtypes of
-            ``state``.
+            ``state``. A step that splits the rows over a mesh (a ``mesh``
+            attribute, and ``per_device()`` giving the step of one device's
+            rows, as ``lmhead.lm.model.make_step_fn(model, mesh)``) makes
+            each device run the loop on its own rows when that cannot
+            change a token (a key per row, or greedy decoding; no
+            ``processor``); the outputs are the same.
         params: any pytree, passed to every ``step_fn`` call (traced).
         logits: ``[B, V]`` next-token logits after each prompt.
         state: pytree whose every leaf has leading axis ``B`` (may be empty).

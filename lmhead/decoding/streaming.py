@@ -14,18 +14,22 @@ from lmhead.decoding._loop import StepFn
 from lmhead.decoding.sampling import Generation, SamplingState
 
 
-@functools.partial(jax.jit, static_argnames="width")
-def _columns(s: SamplingState, start: jax.Array, width: int) -> Generation:
+def _columns(s: SamplingState, start: int, width: int) -> Generation:
     """Columns ``start : start + width`` of the outputs: one program per width
-    (at most two: ``chunk_steps`` and the remainder), not one per chunk."""
+    (at most two: ``chunk_steps`` and the remainder), not one per chunk. It
+    is handed the outputs only: each array handed to a compiled call costs
+    its dispatch, and the state holds the whole model state."""
+    return _slice_columns(sampling._generation_of(s), jnp.int32(start), width=width)
+
+
+@functools.partial(jax.jit, static_argnames="width")
+def _slice_columns(whole: Generation, start: jax.Array, width: int) -> Generation:
     take = lambda x: jax.lax.dynamic_slice_in_dim(x, start, width, axis=1)
-    return Generation(
-        tokens=take(s.tokens),
-        log_probs=take(s.log_probs),
-        lengths=s.lengths,
-        finish_reasons=s.finish_reasons,
-        top_tokens=take(s.top_tokens),
-        top_log_probs=take(s.top_log_probs),
+    return whole._replace(
+        tokens=take(whole.tokens),
+        log_probs=take(whole.log_probs),
+        top_tokens=take(whole.top_tokens),
+        top_log_probs=take(whole.top_log_probs),
     )
 
 
@@ -88,14 +92,12 @@ def generate_stream(
 def _chunks(loop: Any, chunk_steps: int) -> Iterator[Generation]:
     num_new = loop.config.max_new_tokens
     end = min(chunk_steps, num_new)
-    s = sampling._run(loop, end)
+    start_loop, resume_loop = sampling._loops(loop)
+    s = start_loop(end)
     start = 0
     while True:
-        yield _columns(s, jnp.int32(start), width=end - start)
+        yield _columns(s, start, width=end - start)
         if end == num_new:
             return
         start, end = end, min(end + chunk_steps, num_new)
-        s = sampling._resume_loop(
-            s, jnp.int32(end), loop.step_fn, loop.params, loop.knobs, loop.stop,
-            loop.rows, loop.config,
-        )  # fmt: skip
+        s = resume_loop(s, end)

@@ -531,26 +531,28 @@ def _compiled_extend(model, params, tokens, cache, lengths):
     )
 
 
+def _extend_block(model, axis, params, tokens, cache, lengths):
+    """``DecoderLM.extend`` of one device's block of rows, inside a
+    ``shard_map`` over ``axis``: slot pointers name rows of the whole batch,
+    so they are offset to the block's own."""
+    offset = jax.lax.axis_index(axis) * tokens.shape[0]
+    if cache.rows is not None:
+        cache = cache._replace(rows=cache.rows - offset)
+    logits, cache = model.apply(
+        {"params": params}, tokens, cache, lengths, method=DecoderLM.extend
+    )
+    if cache.rows is not None:
+        cache = cache._replace(rows=cache.rows + offset)
+    return logits, cache
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _split_extend(model, mesh, params, tokens, cache, lengths):
     """``_compiled_extend`` with the rows split over ``mesh``'s one axis: each
     device extends its own rows (a ``shard_map`` without collectives)."""
     rows = jax.sharding.PartitionSpec(mesh.axis_names[0])
-
-    def local(params, tokens, cache, lengths):
-        # Slot pointers name rows of the whole batch; a device holds a block.
-        offset = jax.lax.axis_index(mesh.axis_names[0]) * tokens.shape[0]
-        if cache.rows is not None:
-            cache = cache._replace(rows=cache.rows - offset)
-        logits, cache = model.apply(
-            {"params": params}, tokens, cache, lengths, method=DecoderLM.extend
-        )
-        if cache.rows is not None:
-            cache = cache._replace(rows=cache.rows + offset)
-        return logits, cache
-
     split = jax.shard_map(
-        local,
+        functools.partial(_extend_block, model, mesh.axis_names[0]),
         mesh=mesh,
         in_specs=(jax.sharding.PartitionSpec(), rows, rows, rows),
         out_specs=(rows, rows),
@@ -665,6 +667,8 @@ class DecodeStep:
 
     model: DecoderLM
     mesh: jax.sharding.Mesh | None = None
+    # Set on the step that runs inside a shard_map over this mesh axis.
+    device_axis: str | None = None
 
     def __call__(
         self, params: Any, tokens: jax.Array, cache: kv_cache.DecodeCache
@@ -672,6 +676,11 @@ class DecodeStep:
         _checks.check_integer("tokens", tokens)
         _checks.check_rank("tokens", tokens, 1, "[B]")
         tokens = jnp.asarray(tokens, jnp.int32)
+        if self.device_axis is not None:
+            return _extend_block(
+                self.model, self.device_axis, params, tokens[:, None], cache,
+                jnp.ones_like(tokens),
+            )  # fmt: skip
         if self.mesh is None:
             return _compiled_extend(
                 self.model, params, tokens[:, None], cache, jnp.ones_like(tokens)
@@ -680,6 +689,14 @@ class DecodeStep:
         return _split_extend(
             self.model, self.mesh, params, tokens[:, None], cache, jnp.ones_like(tokens)
         )
+
+    def per_device(self) -> "DecodeStep":
+        """The step of one device's block of rows, for a decoder that runs
+        its whole loop inside a ``shard_map`` over ``mesh`` (as
+        :func:`lmhead.decoding.generate` does when it may)."""
+        if self.mesh is None:
+            raise ValueError("per_device needs a step made with a mesh.")
+        return DecodeStep(self.model, device_axis=self.mesh.axis_names[0])
 
     def _check_split(self, name: str, batch: int) -> None:
         if self.mesh is not None and batch % self.mesh.size:
@@ -746,8 +763,10 @@ def make_step_fn(model: DecoderLM, mesh: jax.sharding.Mesh | None = None) -> Dec
     :meth:`DecoderLM.extend`; :func:`prefill`'s ``max_new_tokens`` checks it).
 
     With ``mesh``, a one-axis mesh (:func:`rows_mesh`), the rows are split
-    over its devices and each device steps its own block of them; the
-    tokens, logits and cache are the same as without it. On a CPU, where
+    over its devices and each device steps its own block of them
+    (``lmhead.decoding.generate`` then runs a whole loop per device where
+    it may, through :meth:`DecodeStep.per_device`); the tokens, logits and
+    cache are the same as without it. On a CPU, where
     a step runs on one core per device, several CPU devices
     (``jax_num_cpu_devices``) then use several cores; ``docs/decoding.md``
     measures it. The number of rows must be a multiple of the mesh's size,

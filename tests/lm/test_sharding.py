@@ -459,7 +459,7 @@ def check_ensemble(workdir):
 
 
 def check_split_decoding():
-    """Greedy, sampled and beam decoding with the rows split over the devices
+    """Greedy, sampled and beam decoding with the rows split over two devices
     (``model.make_step_fn(model, mesh)``, a prefill on the same mesh) against
     the same calls on one device; the errors of a batch the mesh does not
     divide; the sizes of ``rows_mesh``."""
@@ -494,21 +494,56 @@ def check_split_decoding():
                 max_new_tokens=70, temperature=0.9, presence_penalty=0.5,
             ),
         }  # fmt: skip
+        chunks = list(
+            decoding.generate_stream(
+                step, params, *start(), chunk_steps=16, max_new_tokens=70,
+                key=jax.random.split(jax.random.key(3), 8), temperature=0.9,
+                presence_penalty=0.5,
+            )
+        )  # fmt: skip
         beams = decoding.beam_search(
             step, params, *start(), num_beams=4, max_new_tokens=12, eos_id=None
         )
         out = {
             k: (np.asarray(g.tokens), np.asarray(g.log_probs)) for k, g in runs.items()
         }
+        out["stream"] = tuple(
+            np.concatenate([np.asarray(getattr(c, name)) for c in chunks], axis=1)
+            for name in ("tokens", "log_probs")
+        )
         out["beam"] = (np.asarray(beams[0]), np.asarray(beams[1]))
         return out
 
-    one, split = decode(None), decode(model_lib.rows_mesh(8))
+    # Two of the devices, as on a 2-core machine: the one-key loop's
+    # collectives then wait on two threads, not eight, on a loaded machine.
+    two = model_lib.rows_mesh(8, jax.devices()[:2])
+    one, split = decode(None), decode(two)
     for name in one:
         results[name] = {
             "same tokens": bool(np.array_equal(one[name][0], split[name][0])),
             "log-prob difference": float(np.max(np.abs(one[name][1] - split[name][1]))),
         }
+    # Which loop each generate ran: every device its own (a key per row, or
+    # greedy), or the whole batch's with only the step split (one key).
+    step = model_lib.make_step_fn(model, two)
+    logits, cache = model_lib.prefill(model, params, prompt, lengths)
+    results["own loops"] = {
+        name: decoding.sampling._split_loops(
+            decoding.sampling._prepare(
+                step, params, logits, cache, key=key, max_new_tokens=4, knobs=None,
+                eos_id=None, pad_id=-1, num_samples=1, prompt_tokens=None,
+                donate_state=False, row_max_new_tokens=None, stop=None,
+                stop_sequences=None, top_logprobs=0, log_probs_from="processed",
+                processor=None, knob_values={"temperature": temperature},
+            )
+        )
+        is not None
+        for name, key, temperature in (
+            ("greedy", jax.random.key(2), 0.0),
+            ("one key", jax.random.key(2), 0.9),
+            ("row keys", jax.random.split(jax.random.key(3), 8), 0.9),
+        )
+    }  # fmt: skip
     mesh = model_lib.rows_mesh(8)
     errors = {}
     for name, call in (

@@ -48,11 +48,11 @@ def test_loss_options_match_numpy(results):
     assert set(invalid.values()) == {2}
 
 
-@pytest.mark.parametrize("decoder", ["greedy", "one key", "row keys", "beam"])
+@pytest.mark.parametrize("decoder", ["greedy", "one key", "row keys", "stream", "beam"])
 def test_split_decoding_matches_one_device(results, decoder):
-    """Rows split over 8 devices decode the tokens of one device (a single
+    """Rows split over two devices decode the tokens of one device (a single
     key too: its draws do not depend on how the rows are placed), with the
-    same log-probs to float32 rounding."""
+    same log-probs to float32 rounding; streamed chunks too."""
     check = results["split_decoding"][decoder]
     assert check["same tokens"]
     assert check["log-prob difference"] < TOLERANCE
@@ -64,4 +64,12 @@ def test_split_decoding_errors_and_mesh_sizes(results):
     assert "tokens has 6 rows" in errors["step"]
     assert results["split_decoding"]["mesh sizes"] == {
         "1": None, "6": 6, "7": 7, "32": 8
+    }  # fmt: skip
+
+
+def test_split_decoding_runs_a_loop_per_device_when_rows_are_independent(results):
+    """Greedy and a key per row run a loop per device; one sampling key
+    keeps the batch's loop, with only the model's step split."""
+    assert results["split_decoding"]["own loops"] == {
+        "greedy": True, "one key": False, "row keys": True
     }  # fmt: skip

@@ -54,7 +54,10 @@ def generate_stream(
     axis (with the last chunk's ``lengths`` and ``finish_reasons``) equal one
     :func:`~lmhead.decoding.generate` call bitwise. The iterator always
     covers all ``N = max_new_tokens`` columns; once every row has ended, the
-    rest are ``pad_id`` and the loop does no more steps.
+    rest are ``pad_id`` and the loop does no more steps. Each chunk's
+    successor is already dispatched when the chunk is yielded, so the
+    device decodes while the caller reads; a caller that stops early has
+    paid for one chunk more.
 
     The arguments are checked when this function is called, not at the first
     chunk.
@@ -96,8 +99,12 @@ def _chunks(loop: Any, chunk_steps: int) -> Iterator[Generation]:
     s = start_loop(end)
     start = 0
     while True:
-        yield _columns(s, start, width=end - start)
+        chunk = _columns(s, start, width=end - start)
         if end == num_new:
+            yield chunk
             return
         start, end = end, min(end + chunk_steps, num_new)
+        # The next chunk's steps are dispatched before this chunk is handed
+        # over, so that the device works while the caller reads it.
         s = resume_loop(s, end)
+        yield chunk

@@ -3,11 +3,13 @@
 The engine holds ``S`` decode slots (:mod:`lmhead.decoding.slots`). One
 worker thread repeats: free the slots of finished, stopped and cancelled
 rows; prefill waiting requests, oldest first, into free slots (all rows of a
-request at once, several requests per prefill); decode every slot
-``steps_per_call`` steps in one compiled call; hand each request its new
-tokens. A short request leaves as soon as it ends, and the next one starts
-in its slot before the following call, so one long request holds no other
-behind it. Shapes are static: ``S`` slots, prefills of ``prefill_rows`` rows
+request at once, several requests per prefill); dispatch a compiled call
+that decodes every slot ``steps_per_call`` steps; and, while it runs, hand
+each request its new tokens from the call before. A short request leaves
+as soon as the call that ends it has been read, and the next one starts in
+its slot at the call after the one in flight, so one long request holds no
+other behind it, and the device does not wait for the host's work between
+calls. Shapes are static: ``S`` slots, prefills of ``prefill_rows`` rows
 at each prompt-length bucket, one fill program, all compiled by
 :meth:`SlotBatcher.warm_up`.
 
@@ -72,6 +74,7 @@ class _Row:
     top_tokens: list = dataclasses.field(default_factory=list)
     top_log_probs: list = dataclasses.field(default_factory=list)
     reason: int | None = None  # FINISHED_* once the row has ended
+    first_call: int = 0  # the number of the first decoding call that runs it
 
 
 @dataclasses.dataclass(eq=False)
@@ -172,6 +175,7 @@ class SlotBatcher(batching.WorkQueue):
         self._top = completions.top_width(engine)
         self._state = self._empty_state()
         self._holders: list[tuple[_Job, _Row] | None] = [None] * slots
+        self._calls = 0  # decoding calls dispatched
         self._jobs: dict[concurrent.futures.Future, _Job] = {}
         self._start(self._serve, "slot-batcher")
 
@@ -238,9 +242,10 @@ class SlotBatcher(batching.WorkQueue):
     # The worker.
 
     def _serve(self) -> None:
+        pending = None  # (number, chunk) of the decoding call in flight
         while True:
             with self._changed:
-                while not (self._stopping or self._waiting or self.active()):
+                while not (self._stopping or self._waiting or self.active() or pending):
                     self._changed.wait()
                 if self._stopping:
                     return
@@ -253,10 +258,18 @@ class SlotBatcher(batching.WorkQueue):
             try:
                 self._release(cancelled)
                 self._admit(admitted)
+                running = None
                 if self.active():
                     self._state, chunk = self._step()
-                    self._deliver(jax.device_get(chunk))
+                    self._calls += 1
+                    running = (self._calls, chunk)
+                # The previous call's tokens are handed over while this one
+                # runs, so the device does not wait for the host's work.
+                if pending is not None:
+                    self._deliver(*pending)
+                pending = running
             except Exception as error:  # fail the running requests, go on
+                pending = None
                 self._fail_all(error)
 
     def _admissible(self) -> list[_Job]:
@@ -299,7 +312,7 @@ class SlotBatcher(batching.WorkQueue):
             mine = [(0, row.p, row.s) for row in job.rows]
             recipe = completions.key_recipe(self.engine, [job.request], mine, len(mine))
             for row, key in zip(job.rows, zip(*recipe)):
-                row.slot = next(free)
+                row.slot, row.first_call = next(free), self._calls + 1
                 self._holders[row.slot] = (job, row)
                 rows.append((job, job.request.prompt_ids[row.p], row, key))
         for start in range(0, len(rows), self.prefill_rows):
@@ -368,12 +381,14 @@ class SlotBatcher(batching.WorkQueue):
                 job.future.set_exception(concurrent.futures.CancelledError())
         self._events.cancelled(len(rows))
 
-    def _deliver(self, chunk: decoding.SlotChunk) -> None:
-        """Gives each running row its new tokens; ends rows at their limit,
-        EOS or stop string; streams and answers the jobs."""
+    def _deliver(self, number: int, chunk: decoding.SlotChunk) -> None:
+        """Gives each row that call ``number`` ran its new tokens (``chunk``);
+        ends rows at their limit, EOS or stop string; streams and answers
+        the jobs. A row admitted after that call started is not in it."""
+        chunk = jax.device_get(chunk)
         now, stopped, touched = time.monotonic(), [], {}  # touched: job -> new tokens
         for slot, holder in enumerate(self._holders):
-            if holder is None:
+            if holder is None or holder[1].first_call > number:
                 continue
             job, row = holder
             count = int(chunk.emitted[slot].sum())

@@ -548,6 +548,8 @@ def _split_loops(arguments: _LoopArguments) -> tuple[Callable, Callable, tuple] 
     mesh = getattr(a.step_fn, "mesh", None)
     if mesh is None or a.config.processor is not None:
         return None
+    if a.logits.shape[0] % mesh.size:  # the step says why it cannot split
+        return None
     per_row_key = _per_row_keys(a.key)
     temperature = a.knobs.temperature
     if not per_row_key and (

@@ -554,6 +554,17 @@ def check_split_decoding():
                 params, prompt[:6, 0], model_lib.prefill(model, params, prompt[:6])[1]
             ),
         ),
+        (
+            "generate",
+            lambda: decoding.generate(
+                model_lib.make_step_fn(model, mesh),
+                params,
+                *model_lib.prefill(model, params, prompt[:6]),
+                key=jax.random.key(0),
+                max_new_tokens=3,
+                temperature=0.0,
+            ),
+        ),  # fmt: skip
     ):
         try:
             call()

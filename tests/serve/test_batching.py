@@ -138,9 +138,14 @@ def test_a_text_the_tokenizer_cannot_encode_is_refused_naming_the_text(engine):
 def test_requests_compile_nothing_after_warm_up(engine):
     compiles = []
     counting = threading.Event()
+    # Compiles in this thread only, where the engine's calls run: the
+    # listener is process-wide, and a thread another test left winding down
+    # may compile its own programs meanwhile.
+    here = threading.get_ident()
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, _seconds, **kw: (
             counting.is_set()
+            and threading.get_ident() == here
             and event == "/jax/core/compile/backend_compile_duration"
             and compiles.append(event)
         )

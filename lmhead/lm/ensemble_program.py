@@ -216,7 +216,7 @@ def member_devices(
         return mesh.members
     if platform != "cpu" or mesh.data not in (1, -1) or mesh.model != 1:
         return 1
-    return max(d for d in range(1, min(devices, count) + 1) if count % d == 0)
+    return sharding.dividing_devices(count, devices)
 
 
 def _make_mesh(config, count: int) -> jax.sharding.Mesh:

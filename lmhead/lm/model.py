@@ -59,7 +59,7 @@ import numpy as np
 
 from lmhead import _checks, modules
 from lmhead.head import last_positions
-from lmhead.lm import kv_cache
+from lmhead.lm import kv_cache, sharding
 from lmhead.lm.attention import softmax_weights
 
 POSITIONS = ("learned", "rope")
@@ -567,9 +567,7 @@ def _compiled_prefill(model, mesh, params, tokens, lengths):
     cache = kv_cache.init_cache(model, tokens.shape[0])
     if mesh is not None:
         return _split_extend(model, mesh, params, tokens, cache, lengths)
-    return model.apply(
-        {"params": params}, tokens, cache, lengths, method=DecoderLM.extend
-    )
+    return _compiled_extend(model, params, tokens, cache, lengths)
 
 
 def prefill(
@@ -738,7 +736,7 @@ def rows_mesh(batch: int, devices: Any = None) -> jax.sharding.Mesh | None:
         True
     """
     devices = jax.local_devices() if devices is None else list(devices)
-    count = max(d for d in range(1, len(devices) + 1) if batch % d == 0)
+    count = sharding.dividing_devices(batch, len(devices))
     if count == 1:
         return None
     return jax.sharding.Mesh(np.array(devices[:count]), ("rows",))

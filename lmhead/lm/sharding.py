@@ -65,6 +65,17 @@ def available_cpus() -> int:
     return os.cpu_count() or 1
 
 
+def dividing_devices(count: int, devices: int) -> int:
+    """The most of ``devices`` that divide ``count`` evenly: how many devices
+    a split of ``count`` rows or members uses (1: no split).
+
+    Examples:
+        >>> dividing_devices(8, 2), dividing_devices(6, 4), dividing_devices(7, 2)
+        (2, 3, 1)
+    """
+    return max(d for d in range(1, min(devices, count) + 1) if count % d == 0)
+
+
 def make_mesh(
     data: int = -1, model: int = 1, *, devices: Sequence[jax.Device] | None = None
 ) -> Mesh:

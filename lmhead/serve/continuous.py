@@ -219,7 +219,8 @@ class SlotBatcher(batching.WorkQueue):
             self._changed.notify()
 
     def stop(self) -> None:
-        """Cancels every request and ends the worker after its call."""
+        """Cancels every request (a running one's future raises
+        ``CancelledError``) and ends the worker after its call."""
         with self._changed:
             self._stopping = True
             for job in self._jobs.values():
@@ -248,6 +249,8 @@ class SlotBatcher(batching.WorkQueue):
                 while not (self._stopping or self._waiting or self.active() or pending):
                     self._changed.wait()
                 if self._stopping:
+                    # A running job's future cannot be cancelled: fail it.
+                    self._fail_running(concurrent.futures.CancelledError())
                     return
                 admitted = self._admissible()
                 cancelled = [
@@ -494,13 +497,17 @@ class SlotBatcher(batching.WorkQueue):
             job.prompt_scores,
         )
 
-    def _fail_all(self, error: Exception) -> None:
-        """Fails every running job (the state is rebuilt: a failed call may
-        have consumed its donated buffers)."""
+    def _fail_running(self, error: Exception) -> None:
+        """Fails every running job and empties its slots."""
         jobs = {id(job): job for job, _ in filter(None, self._holders)}
         self._holders = [None] * self.slots
         for job in jobs.values():
             self._jobs.pop(job.future, None)
             if not job.future.done():
                 job.future.set_exception(error)
+
+    def _fail_all(self, error: Exception) -> None:
+        """Fails every running job (the state is rebuilt: a failed call may
+        have consumed its donated buffers)."""
+        self._fail_running(error)
         self._state = self._empty_state()

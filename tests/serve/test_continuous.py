@@ -122,6 +122,19 @@ def test_cancel_frees_the_slots_of_a_running_request(long_engine):
         slots.stop()
 
 
+def test_stop_cancels_a_running_request_rather_than_leaving_it_waiting(long_engine):
+    slots = continuous.SlotBatcher(long_engine, max_queue=8, steps_per_call=1)
+    try:
+        running = slots.submit(parse(long_engine, prompt="ab", max_tokens=LONG, n=2))
+        wait_until(lambda: slots.active() == 2)
+        waiting = slots.submit(parse(long_engine, prompt="a", max_tokens=LONG, n=4))
+    finally:
+        slots.stop()
+    for future in (running, waiting):
+        with pytest.raises(concurrent.futures.CancelledError):
+            future.result(timeout=10)
+
+
 def test_slots_must_hold_a_whole_request(long_engine):
     with pytest.raises(ValueError, match="slots"):
         continuous.SlotBatcher(long_engine, slots=2, max_queue=1)

@@ -486,12 +486,14 @@ def _loops(arguments: _LoopArguments) -> tuple[Callable, Callable]:
     """``(start(until), resume(s, until))``: the loop from its start, and
     resumed from ``s`` (which it consumes), to step ``until``; each device
     runs its own rows' loop where :func:`_split_loops` allows. Made once per
-    call of :func:`generate` or stream, since deciding costs a trace."""
+    call of :func:`generate` or stream: the split places the parameters and
+    per-row inputs on the mesh once for all of its chunks."""
     a = arguments
     split = _split_loops(a)
     if split is not None:
         start, resume, specs = split
-        # Placed once, rather than sent to the devices by each call.
+        # Placed once, rather than sent to the devices by each chunk (no
+        # copy where the caller has replicated them: sharding.replicate).
         mesh = a.step_fn.mesh
         params, knobs, stop, rows = jax.device_put(
             (a.params, a.knobs, a.stop, a.rows),
@@ -546,7 +548,8 @@ def _split_loops(arguments: _LoopArguments) -> tuple[Callable, Callable, tuple] 
     whole batch, only the step split."""
     a = arguments
     mesh = getattr(a.step_fn, "mesh", None)
-    if mesh is None or a.config.processor is not None:
+    per_device = getattr(a.step_fn, "per_device", None)
+    if mesh is None or per_device is None or a.config.processor is not None:
         return None
     if a.logits.shape[0] % mesh.size:  # the step says why it cannot split
         return None
@@ -569,8 +572,7 @@ def _split_loops(arguments: _LoopArguments) -> tuple[Callable, Callable, tuple] 
     )
     leaves, tree = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
     return _split_programs(
-        a.step_fn.per_device(), a.config, mesh, tree, tuple(leaves), per_row_key,
-        a.donate,
+        per_device(), a.config, mesh, tree, tuple(leaves), per_row_key, a.donate,
     )  # fmt: skip
 
 
@@ -703,8 +705,9 @@ def generate(
             attribute, and ``per_device()`` giving the step of one device's
             rows, as ``lmhead.lm.model.make_step_fn(model, mesh)``) makes
             each device run the loop on its own rows when that cannot
-            change a token (a key per row, or greedy decoding; no
-            ``processor``); the outputs are the same.
+            change which rows a draw reads (a key per row, or greedy
+            decoding; no ``processor``); the outputs are one device's to
+            float32 rounding.
         params: any pytree, passed to every ``step_fn`` call (traced).
         logits: ``[B, V]`` next-token logits after each prompt.
         state: pytree whose every leaf has leading axis ``B`` (may be empty).

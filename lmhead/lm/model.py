@@ -645,11 +645,8 @@ def prefill(
                 f"{longest + max_new_tokens} exceeds the model's max_len "
                 f"{model.max_len}."
             )
-    if mesh is not None and batch % mesh.size:
-        raise ValueError(
-            f"prompt has {batch} rows, which the mesh's {mesh.size} devices do "
-            "not divide."
-        )
+    _check_rows_mesh(mesh)
+    _check_split(mesh, "prompt", batch)
     return _compiled_prefill(
         model,
         mesh,
@@ -674,19 +671,16 @@ class DecodeStep:
         _checks.check_integer("tokens", tokens)
         _checks.check_rank("tokens", tokens, 1, "[B]")
         tokens = jnp.asarray(tokens, jnp.int32)
+        # One new position per row.
+        column, lengths = tokens[:, None], jnp.ones_like(tokens)
         if self.device_axis is not None:
             return _extend_block(
-                self.model, self.device_axis, params, tokens[:, None], cache,
-                jnp.ones_like(tokens),
-            )  # fmt: skip
-        if self.mesh is None:
-            return _compiled_extend(
-                self.model, params, tokens[:, None], cache, jnp.ones_like(tokens)
+                self.model, self.device_axis, params, column, cache, lengths
             )
-        self._check_split("tokens", tokens.shape[0])
-        return _split_extend(
-            self.model, self.mesh, params, tokens[:, None], cache, jnp.ones_like(tokens)
-        )
+        if self.mesh is None:
+            return _compiled_extend(self.model, params, column, cache, lengths)
+        _check_split(self.mesh, "tokens", tokens.shape[0])
+        return _split_extend(self.model, self.mesh, params, column, cache, lengths)
 
     def per_device(self) -> "DecodeStep":
         """The step of one device's block of rows, for a decoder that runs
@@ -696,14 +690,6 @@ class DecodeStep:
             raise ValueError("per_device needs a step made with a mesh.")
         return DecodeStep(self.model, device_axis=self.mesh.axis_names[0])
 
-    def _check_split(self, name: str, batch: int) -> None:
-        if self.mesh is not None and batch % self.mesh.size:
-            raise ValueError(
-                f"{name} has {batch} rows, which the step's {self.mesh.size} "
-                "devices do not divide; make_step_fn(model, mesh=rows_mesh(B)) "
-                "takes a mesh that does."
-            )
-
     def reorder(
         self, cache: kv_cache.DecodeCache, rows: jax.Array
     ) -> kv_cache.DecodeCache:
@@ -712,8 +698,8 @@ class DecodeStep:
     def repeat(self, cache: kv_cache.DecodeCache, repeats: int) -> kv_cache.DecodeCache:
         if cache.rows is not None:
             # A row's copies point at its slots: they must share its device.
-            self._check_split(
-                "the cache repeated with slot pointers", cache.index.shape[0]
+            _check_split(
+                self.mesh, "the cache repeated with slot pointers", cache.index.shape[0]
             )
         return kv_cache.repeat_cache(cache, repeats)
 
@@ -726,6 +712,22 @@ class DecodeStep:
         return kv_cache.reset_rows(cache, rows)
 
 
+def _check_rows_mesh(mesh: jax.sharding.Mesh | None) -> None:
+    if mesh is not None and len(mesh.axis_names) != 1:
+        raise ValueError(
+            "mesh must have one axis, over which the rows are split (as "
+            f"rows_mesh(B) makes); got axes {mesh.axis_names}."
+        )
+
+
+def _check_split(mesh: jax.sharding.Mesh | None, name: str, batch: int) -> None:
+    if mesh is not None and batch % mesh.size:
+        raise ValueError(
+            f"{name} has {batch} rows, which the mesh's {mesh.size} devices do "
+            "not divide; rows_mesh(B) makes a mesh that does."
+        )
+
+
 def rows_mesh(batch: int, devices: Any = None) -> jax.sharding.Mesh | None:
     """A one-axis mesh (``"rows"``) over the most of ``devices`` (default:
     this process's) that divide ``batch``, for :func:`make_step_fn`; None
@@ -735,7 +737,10 @@ def rows_mesh(batch: int, devices: Any = None) -> jax.sharding.Mesh | None:
         >>> rows_mesh(32, jax.local_devices()[:1]) is None
         True
     """
+    _checks.check_count("batch", batch)
     devices = jax.local_devices() if devices is None else list(devices)
+    if not devices:
+        raise ValueError("devices must hold at least one device; got none.")
     count = sharding.dividing_devices(batch, len(devices))
     if count == 1:
         return None
@@ -763,8 +768,9 @@ def make_step_fn(model: DecoderLM, mesh: jax.sharding.Mesh | None = None) -> Dec
     With ``mesh``, a one-axis mesh (:func:`rows_mesh`), the rows are split
     over its devices and each device steps its own block of them
     (``lmhead.decoding.generate`` then runs a whole loop per device where
-    it may, through :meth:`DecodeStep.per_device`); the tokens, logits and
-    cache are the same as without it. On a CPU, where
+    it may, through :meth:`DecodeStep.per_device`); the logits and cache
+    are those without it to float32 rounding (each device computes on its
+    own rows), so the tokens are too but at a near-tie. On a CPU, where
     a step runs on one core per device, several CPU devices
     (``jax_num_cpu_devices``) then use several cores; ``docs/decoding.md``
     measures it. The number of rows must be a multiple of the mesh's size,
@@ -783,4 +789,5 @@ def make_step_fn(model: DecoderLM, mesh: jax.sharding.Mesh | None = None) -> Dec
         >>> bool(jnp.allclose(logits, full[:, -1], atol=1e-6)), cache.index
         (True, Array([4], dtype=int32))
     """
+    _check_rows_mesh(mesh)
     return DecodeStep(model, mesh)

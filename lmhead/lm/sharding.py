@@ -37,6 +37,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lmhead import _checks
 from lmhead.vocab_parallel import DATA_AXIS, MODEL_AXIS
 
 # (regex searched in a leaf's "/"-joined path, spec); the first match wins and
@@ -73,6 +74,8 @@ def dividing_devices(count: int, devices: int) -> int:
         >>> dividing_devices(8, 2), dividing_devices(6, 4), dividing_devices(7, 2)
         (2, 3, 1)
     """
+    _checks.check_count("count", count)
+    _checks.check_count("devices", devices)
     return max(d for d in range(1, min(devices, count) + 1) if count % d == 0)
 
 

@@ -165,11 +165,12 @@ _derive_keys = jax.jit(derive_keys)
 
 def row_keys(
     engine: Any, batch: list[CompletionRequest], rows: list, size: int
-) -> np.ndarray:
+) -> jax.Array:
     """One raw key per row, ``uint32 [size, 2]`` (a form ``generate`` takes),
     as :func:`key_recipe` describes; one compiled call, since keys made op by
-    op cost a dispatch per operation."""
-    return np.asarray(_derive_keys(engine._key, *key_recipe(engine, batch, rows, size)))
+    op cost a dispatch per operation. Left on the device, where ``generate``
+    reads them."""
+    return _derive_keys(engine._key, *key_recipe(engine, batch, rows, size))
 
 
 def _batch_knobs(batch: list, rows: list, size: int) -> decoding.SamplingKnobs:

@@ -314,10 +314,10 @@ class SlotBatcher(batching.WorkQueue):
             job.prompt_scores = completions.echo_scores(self.engine, job.request)
             mine = [(0, row.p, row.s) for row in job.rows]
             recipe = completions.key_recipe(self.engine, [job.request], mine, len(mine))
-            for row, key in zip(job.rows, zip(*recipe)):
+            for row, row_recipe in zip(job.rows, zip(*recipe)):
                 row.slot, row.first_call = next(free), self._calls + 1
                 self._holders[row.slot] = (job, row)
-                rows.append((job, job.request.prompt_ids[row.p], row, key))
+                rows.append((job, job.request.prompt_ids[row.p], row, row_recipe))
         for start in range(0, len(rows), self.prefill_rows):
             group = rows[start : start + self.prefill_rows]
             longest = max(len(ids) for _, ids, _, _ in group)
@@ -326,7 +326,7 @@ class SlotBatcher(batching.WorkQueue):
             )
 
     def _prefill(self, group: list[tuple], length: int) -> None:
-        """Prefills ``(job, prompt ids, row, key)`` entries, padded to
+        """Prefills ``(job, prompt ids, row, key recipe)`` entries, padded to
         ``prefill_rows`` rows of ``length`` tokens, and fills their slots."""
         size, width = self.prefill_rows, self.engine.buckets.prompt_lengths[-1]
         prompts = np.full([size, width], -1, np.int32)
@@ -338,8 +338,8 @@ class SlotBatcher(batching.WorkQueue):
             slots[i], limits[i] = row.slot, job.request.max_tokens
         # completions.key_recipe's arrays; padding rows: any key.
         recipe = np.zeros([3, size], np.int32)
-        for i, (_, _, _, key) in enumerate(group):
-            recipe[:, i] = key
+        for i, (_, _, _, row_recipe) in enumerate(group):
+            recipe[:, i] = row_recipe
         self._state = _prefill_into_slots(
             self.engine.model,
             self.engine.params,

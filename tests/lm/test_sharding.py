@@ -489,9 +489,13 @@ def check_split_decoding():
                 step, params, *start(), key=jax.random.key(2), max_new_tokens=70,
                 temperature=0.9, top_p=0.9, top_logprobs=3,
             ),
+            # Per-row knobs, stops and limits, split with the rows
+            # (repeated per sample first).
             "row keys": decoding.generate(
                 step, params, *start(), key=jax.random.split(jax.random.key(3), 8),
-                max_new_tokens=70, temperature=0.9, presence_penalty=0.5,
+                max_new_tokens=70, temperature=jnp.linspace(0.6, 1.2, 8),
+                presence_penalty=0.5, stop_sequences=[[5, 5]], num_samples=2,
+                row_max_new_tokens=jnp.arange(63, 71, dtype=jnp.int32),
             ),
         }  # fmt: skip
         chunks = list(
@@ -552,6 +556,12 @@ def check_split_decoding():
             "step",
             lambda: model_lib.make_step_fn(model, mesh)(
                 params, prompt[:6, 0], model_lib.prefill(model, params, prompt[:6])[1]
+            ),
+        ),
+        (
+            "two axes",
+            lambda: model_lib.make_step_fn(
+                model, jax.make_mesh((4, 2), ("data", "model"))
             ),
         ),
         (

@@ -62,6 +62,7 @@ def test_split_decoding_errors_and_mesh_sizes(results):
     errors = results["split_decoding"]["errors"]
     assert "prompt has 6 rows" in errors["prefill"]
     assert "tokens has 6 rows" in errors["step"] == errors["generate"]
+    assert "mesh must have one axis" in errors["two axes"]
     assert results["split_decoding"]["mesh sizes"] == {
         "1": None, "6": 6, "7": 7, "32": 8
     }  # fmt: skip

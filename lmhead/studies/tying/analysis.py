@@ -71,6 +71,14 @@ def _spread_text(values: Sequence[float], decimals: int = 4) -> str:
     return f"{report.mean_std_text(values, decimals)} ({len(values)})"
 
 
+def _range_text(values: Sequence[float]) -> str:
+    """``"from min to max"`` of the finite values (a cell's spread), or a dash."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return DASH
+    return f"from {min(finite):.4f} to {max(finite):.4f}"
+
+
 # --- The design, as the rows show it -----------------------------------------
 
 
@@ -320,27 +328,34 @@ def primary_section(rows: Rows) -> str:
             p_text(c.holm_p),
             pair_text(*c.pooled),
             pair_text(*c.simultaneous),
+            f"{c.capped} of {2 * c.difference.n}",
         ]
         for c in family.contrasts
     ]
     pooled = "; ".join(
-        f"{label}: {p.std:.4f} ({p.dof} degrees of freedom)"
+        f"{label}: {p.std:.4f} ({p.dof} degrees of freedom; the cells' own "
+        f"{_range_text([c.difference.std for c in family.contrasts if c.label == label])})"
         for label, p in family.pooled.items()
     )
     return "\n\n".join(
         [
             head,
-            f"One family of {len(family.contrasts)} contrasts (every cell x "
-            f"{len(PRIMARY)}), named in the sweep file before the runs. Mean "
+            f"One family of {family.size} contrasts (every cell of the design x "
+            f"{len(PRIMARY)}), named in the sweep file before the runs; "
+            f"{len(family.contrasts)} have paired test runs so far, and the "
+            "corrections count all of them. Mean "
             "[95% t-interval] of the per-seed differences, the paired t-test's "
             "two-sided p, and Holm's step-down adjusted p over the whole family. "
-            "Pooled: the cell's mean ± t · s_p / √n with the standard deviation "
+            "Pooled (unadjusted, an estimate stated as such): the cell's mean "
+            "± t · s_p / √n with the standard deviation "
             "s_p of that contrast's differences pooled over all cells, "
             "√(Σ(n_i − 1)s_i² / Σ(n_i − 1)), which assumes the spread is the "
-            "same in every cell. Simultaneous: Bonferroni intervals that hold "
+            "same in every cell; no conclusion here rests on it. Simultaneous: "
+            "Bonferroni intervals that hold "
             "together for the whole family at 95%; Bonferroni is more "
             "conservative than Holm, so such an interval may include 0 where "
-            "the Holm-adjusted p is below 0.05.",
+            "the Holm-adjusted p is below 0.05. At cap: the pairs' runs that "
+            "reached their step cap, budget-limited rather than early-stopped.",
             report.markdown_table(
                 [
                     "vocabulary",
@@ -352,6 +367,7 @@ def primary_section(rows: Rows) -> str:
                     "Holm p",
                     "pooled 95%",
                     "simultaneous 95%",
+                    "at cap",
                 ],  # fmt: skip
                 lines,
             ),
@@ -366,11 +382,14 @@ def family_counts(contrasts: Sequence[Contrast]) -> str:
     parts = []
     for x, y in PRIMARY:
         of = [c for c in contrasts if (c.minuend, c.subtrahend) == (x, y)]
-        lower = sum(c.holm_p < ALPHA and c.difference.mean < 0 for c in of)
-        higher = sum(c.holm_p < ALPHA and c.difference.mean > 0 for c in of)
+        found = [c for c in of if c.holm_p < ALPHA]
+        lower = sum(c.difference.mean < 0 for c in found)
+        capped = sum(bool(c.capped) for c in found)
         parts.append(
-            f"{x} − {y}: Holm-adjusted p < {ALPHA} in {lower + higher} of "
-            f"{len(of)} cells ({x} lower in {lower}, higher in {higher})"
+            f"{x} − {y}: Holm-adjusted p < {ALPHA} in {len(found)} of "
+            f"{len(of)} cells ({x} lower in {lower}, higher in "
+            f"{len(found) - lower}; {capped} of them with runs at their step "
+            "cap, budget-limited)"
         )
     return "Corrected for the family: " + "; ".join(parts) + "."
 
@@ -541,7 +560,7 @@ def answer(rows: Rows) -> str:
     ]
     note = (
         f"Simultaneous: Bonferroni intervals over the family of "
-        f"{len(family.contrasts)} primary contrasts (more conservative than "
+        f"{family.size} primary contrasts (more conservative than "
         "Holm's p); lower bits/char is better."
     )
     return "\n\n".join(
@@ -562,9 +581,14 @@ def meaning(contrast: Contrast) -> str:
     """
     x, y = contrast.minuend, contrast.subtrahend
     if math.isnan(contrast.holm_p) or contrast.holm_p >= ALPHA:
-        return f"{x} and {y} not told apart at {contrast.difference.n} seeds"
-    better, worse = (x, y) if contrast.difference.mean < 0 else (y, x)
-    return f"{better} better than {worse}"
+        said = f"{x} and {y} not told apart at {contrast.difference.n} seeds"
+    else:
+        better, worse = (x, y) if contrast.difference.mean < 0 else (y, x)
+        said = f"{better} better than {worse}"
+    if contrast.capped:
+        runs = "run" if contrast.capped == 1 else "runs"
+        said += f" (budget-limited: {contrast.capped} {runs} at the step cap)"
+    return said
 
 
 def answer_sentence(contrasts: Sequence[Contrast]) -> str:

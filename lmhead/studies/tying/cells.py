@@ -143,6 +143,8 @@ class Contrast:
         holm_p: Holm-adjusted over the primary family (NaN outside it).
         pooled: the 95% interval with the family's pooled spread.
         simultaneous: the family's Bonferroni 95% interval.
+        capped: runs of the pairs (both arms) that reached their step cap:
+            budget-limited rather than early-stopped.
     """
 
     vocab: str
@@ -155,11 +157,17 @@ class Contrast:
     holm_p: float = math.nan
     pooled: tuple[float, float] = (math.nan, math.nan)
     simultaneous: tuple[float, float] = (math.nan, math.nan)
+    capped: int = 0
 
 
 def by_seed(runs: Mapping[int, Row], metric: str = "test_bpc") -> dict[int, float]:
-    """``{seed: metric}`` over the runs that measured it."""
-    return {s: r[metric] for s, r in runs.items() if r[metric] is not None}
+    """``{seed: metric}`` over the runs that measured it (a non-finite value,
+    a run that diverged, counts as not measured)."""
+    return {
+        s: r[metric]
+        for s, r in runs.items()
+        if r[metric] is not None and math.isfinite(r[metric])
+    }
 
 
 def contrast(
@@ -172,6 +180,7 @@ def contrast(
 ) -> Contrast:
     """The contrast of the runs ``x`` minus ``y`` (``{seed: row}``), paired by seed."""
     x_values, y_values = by_seed(x, metric), by_seed(y, metric)
+    shared = x_values.keys() & y_values.keys()
     return Contrast(
         cell[0],
         cell[1],
@@ -179,6 +188,7 @@ def contrast(
         label or f"{arms[0]} − {arms[1]}",
         stats.paired_difference(x_values, y_values),
         stats.paired_p_value(x_values, y_values),
+        capped=sum(bool(runs[s].get("reached_cap")) for runs in (x, y) for s in shared),
     )
 
 
@@ -203,43 +213,58 @@ class Family:
     """The primary contrasts of every cell, corrected together.
 
     Attributes:
-        contrasts: every cell x :data:`PRIMARY`, with Holm p, pooled and
-            simultaneous intervals.
+        contrasts: every cell x :data:`PRIMARY` that has paired test runs,
+            with Holm p, pooled and simultaneous intervals.
         pooled: each contrast label's pooled spread over the cells.
         head_shares: ``{vocab: head share}`` of the tied arm a.
+        size: the family's size ``m``: every cell of the design (every cell
+            with tuning runs of these arms) x :data:`PRIMARY`, as named
+            before the runs. Holm and Bonferroni correct for all ``m``, the
+            contrasts without test runs yet included (as untested).
     """
 
     contrasts: list[Contrast]
     pooled: dict[str, stats.PooledStd]
     head_shares: dict[str, float]
+    size: int
 
 
 def primary_family(rows: Sequence[Row]) -> Family:
-    """:data:`PRIMARY` in every cell, Holm-adjusted over all of them, with
+    """:data:`PRIMARY` in every cell, Holm-adjusted over all of them (the
+    design's, :attr:`Family.size`, not only those measured so far), with
     each contrast's spread pooled over the cells (``stats.pooled_std``)."""
     groups = group_runs(rows, "test")
     plain = paired_contrasts(groups, PRIMARY)
+    arms = {arm for pair in PRIMARY for arm in pair}
+    design = {
+        (r["vocab"], r["amount"])
+        for r in rows
+        if r["role"] in ("tune", "test") and r["arm"] in arms
+    }
+    size = max(len(design) * len(PRIMARY), len(plain))
     pooled = {}
     for label in dict.fromkeys(c.label for c in plain):
         pooled[label] = stats.pooled_std(
             [_differences(groups, c) for c in plain if c.label == label]
         )
-    holm = stats.holm_adjusted([c.p for c in plain])
+    # An untested contrast enters Holm's count as NaN, which never rejects.
+    untested = [math.nan] * (size - len(plain))
+    holm = stats.holm_adjusted([c.p for c in plain] + untested)
     contrasts = [
         dataclasses.replace(
             c,
             holm_p=adjusted,
             pooled=pooled[c.label].interval(c.difference.mean, c.difference.n),
-            simultaneous=stats.simultaneous_interval(c.difference, len(plain)),
+            simultaneous=stats.simultaneous_interval(c.difference, size),
         )
         for c, adjusted in zip(plain, holm)
     ]
     shares = {}
     for (vocab, _, arm), runs in groups.items():
         for row in runs.values():
-            if arm == "a" and row["head_share"] is not None:
+            if arm == "a" and row.get("head_share") is not None:
                 shares.setdefault(vocab, row["head_share"])
-    return Family(contrasts, pooled, shares)
+    return Family(contrasts, pooled, shares, size)
 
 
 def _differences(groups: Mapping[tuple, Mapping[int, Row]], c: Contrast) -> list:

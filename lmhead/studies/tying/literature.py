@@ -184,8 +184,10 @@ def compare(
 ) -> list[cells_lib.Contrast]:
     """``x - y`` of ``column`` per cell with both arms, over the finished test
     runs paired by seed (:func:`~lmhead.studies.tying.cells.paired_contrasts`), with the paired
-    t-test's p-value Holm-adjusted over these cells (``stats.holm_adjusted``);
-    in cell order.
+    t-test's p-value Holm-adjusted: over the study's primary family
+    (:func:`~lmhead.studies.tying.cells.primary_family`) for a primary
+    contrast of test bits/char, the same p as the report's primary section;
+    otherwise over these cells alone (exploratory); in cell order.
 
     Examples:
         >>> rows = [dict(role="test", status="finished", run=f"{arm}{s}",
@@ -194,9 +196,15 @@ def compare(
         ...              test_bpc=2.0 + s + (0.1 + 0.01 * s) * (arm == "b"))
         ...         for arm in "ab" for s in range(3)]
         >>> (cell,) = compare(rows, "b", "a", "test_bpc")
-        >>> round(cell.difference.mean, 6), cell.difference.n, cell.p == cell.holm_p
-        (0.11, 3, True)
+        >>> round(cell.difference.mean, 6), cell.difference.n
+        (0.11, 3)
+        >>> # The family: b - a and c - a of the one cell, c - a untested.
+        >>> cell.holm_p == min(1.0, 2 * cell.p)
+        True
     """
+    if is_primary(x, y, column):
+        family = cells_lib.primary_family(rows).contrasts
+        return [c for c in family if (c.minuend, c.subtrahend) == (x, y)]
     groups = cells_lib.group_runs(rows, "test")
     found = [
         c
@@ -205,6 +213,12 @@ def compare(
     ]
     adjusted = stats.holm_adjusted([c.p for c in found])
     return [dataclasses.replace(c, holm_p=p) for c, p in zip(found, adjusted)]
+
+
+def is_primary(x: str, y: str, column: str) -> bool:
+    """Whether ``x - y`` of ``column`` is one of the study's primary
+    contrasts (named before the runs), rather than exploratory."""
+    return (x, y) in cells_lib.PRIMARY and column == "test_bpc"
 
 
 def word_ppl_change(
@@ -282,10 +296,13 @@ _INTRO = (
     "Each published claim (checked as `docs/tying_study/literature_sources.md` "
     "says) and its counterpart in `runs.csv`'s test runs, paired by seed within "
     "a cell (one vocabulary at one data amount), in bits/char: b - a > 0 means "
-    f"the tied arm a is the better. Arms: {ARMS}. A cell agrees or disagrees "
-    "only where its Holm-adjusted p-value over the comparison's cells is below "
-    f"{ALPHA} (its 95% interval then excludes zero); otherwise this study cannot "
-    f"tell. On {PER_WORD}."
+    f"the tied arm a is the better. Arms: {ARMS}. A primary contrast (b - a or "
+    "c - a of test bits/char) agrees or disagrees in a cell only where its "
+    "Holm-adjusted p-value over the study's family of primary contrasts, the "
+    f"same as in the primary section, is below {ALPHA}; the other contrasts "
+    "are exploratory (Holm over their own cells only) and can only lean toward "
+    "or against a claim. Otherwise this study cannot tell. On "
+    f"{PER_WORD}."
 )
 
 
@@ -303,7 +320,11 @@ def _contrast_lines(rows, claim, contrast, number, shown) -> list[str]:
         lines = [f"{label}:", "", _table(rows, cells, f"{x} - {y}", key == _WORD_PPL)]
     sign = {1: "> 0", -1: "< 0", 0: "about 0"}[predicted]
     reason = claim.not_comparable
-    summary = f"**cannot tell**: {reason}." if reason else _summary(cells, predicted)
+    # A primary contrast is corrected over the study's family, of this size.
+    family = cells_lib.primary_family(rows).size if is_primary(x, y, column) else None
+    summary = (
+        f"**cannot tell**: {reason}." if reason else _summary(cells, predicted, family)
+    )
     return lines + ["", f"Verdict ({x} - {y} {sign} predicted): {summary}", ""]
 
 
@@ -336,15 +357,22 @@ def _p(cell: cells_lib.Contrast) -> str:
     return "—" if math.isnan(cell.holm_p) else f"{cell.holm_p:.3g}"
 
 
-def _summary(cells, predicted) -> str:
+def _summary(cells, predicted, family: int | None) -> str:
+    """The verdict over a contrast's cells: a primary contrast (``family``:
+    the size of the study's primary family) agrees or disagrees at the
+    family's corrected level; an exploratory one (``family`` None) only
+    leans toward or against the claim."""
     verdicts = [verdict(c, predicted) for c in cells]
+    names = {"agrees": "agrees", "disagrees": "disagrees", "cannot tell": "cannot tell"}
+    if family is None:
+        names.update(agrees="leans toward", disagrees="leans against")
     parts = []
     for v in ("agrees", "disagrees", "cannot tell"):
         at = [" ".join(_label(c)) for c, w in zip(cells, verdicts) if w == v]
         named = f" ({', '.join(at)})" if at and v != "cannot tell" else ""
-        parts.append(f"{v} at {len(at)}{named}")
+        parts.append(f"{names[v]} at {len(at)}{named}")
     agree, disagree = "agrees" in verdicts, "disagrees" in verdicts
-    words = ("cannot tell", "disagrees", "agrees", "differs by cell")
+    words = ("cannot tell", names["disagrees"], names["agrees"], "differs by cell")
     word, note = words[2 * agree + disagree], ""
     if predicted == 0 and not disagree:
         widths = [c.difference.high - c.difference.low for c in cells]
@@ -354,7 +382,12 @@ def _summary(cells, predicted) -> str:
             f"{widest:.4f} wide do not show that it is zero"
         )
     n = len(cells)
-    return f"**{word}**{note}; cells: {', '.join(parts)}, of {n} (Holm over the {n})."
+    corrected = (
+        f"exploratory: Holm over these {n} cells only"
+        if family is None
+        else f"Holm over the study's {family} primary contrasts"
+    )
+    return f"**{word}**{note}; cells: {', '.join(parts)}, of {n} ({corrected})."
 
 
 def _label(cell: cells_lib.Contrast) -> tuple[str, str]:

@@ -192,6 +192,44 @@ class TestPrimary:
                 holm, multitest.multipletests(p_values, method="holm")[1]
             )
 
+    def test_runs_at_their_step_cap_are_counted_in_each_pair(self, rows, reported):
+        (lines,) = tables(section(reported[0], "## Primary contrasts"))
+        for line in lines:
+            x, y = line["contrast"][0], line["contrast"][-1]
+            of = {
+                arm: {r["seed"]: r for r in finished(rows, role="test", arm=arm,
+                      vocab=cell_of(line)[0], amount=cell_of(line)[1])}
+                for arm in (x, y)
+            }  # fmt: skip
+            shared = of[x].keys() & of[y].keys()
+            capped = sum(bool(of[a][s]["reached_cap"]) for a in (x, y) for s in shared)
+            assert line["at cap"] == f"{capped} of {2 * len(shared)}"
+        assert any(not line["at cap"].startswith("0 ") for line in lines)
+
+    def test_the_family_is_the_design_not_the_cells_measured_so_far(self, rows):
+        """Without one cell's test runs, Holm and Bonferroni still correct
+        for all 8 named contrasts (the missing two as untested)."""
+        vocab, amount = synthetic_rows.ABLATION_CELL
+        fewer = [
+            r
+            for r in rows
+            if not (
+                r["role"] == "test" and (r["vocab"], r["amount"]) == (vocab, amount)
+            )
+        ]
+        family = cells.primary_family(fewer)
+        assert family.size == 8 and len(family.contrasts) == 6
+        p_values = [c.p for c in family.contrasts]
+        want = holm_by_hand(np.array(p_values + [1.0, 1.0]))[:6]
+        for c, p in zip(family.contrasts, want):
+            assert c.holm_p == pytest.approx(p)
+            half = stats.t.ppf(1 - 0.025 / 8, c.difference.n - 1) * (
+                c.difference.std / math.sqrt(c.difference.n)
+            )
+            assert c.simultaneous == pytest.approx(
+                (c.difference.mean - half, c.difference.mean + half)
+            )
+
     def test_pooled_intervals_by_hand(self, rows, reported):
         primary = section(reported[0], "## Primary contrasts")
         (lines,) = tables(primary)
@@ -200,7 +238,11 @@ class TestPrimary:
             diffs = [paired(rows, *cell_of(r), label[0], "a")[0] for r in of]
             dof = sum(len(d) - 1 for d in diffs)
             pooled = math.sqrt(sum((len(d) - 1) * d.var(ddof=1) for d in diffs) / dof)
-            assert f"{label}: {pooled:.4f} ({dof} degrees of freedom)" in primary
+            own = [d.std(ddof=1) for d in diffs]
+            assert (
+                f"{label}: {pooled:.4f} ({dof} degrees of freedom; the cells' own "
+                f"from {min(own):.4f} to {max(own):.4f})"
+            ) in primary
             for line, d in zip(of, diffs):
                 half = stats.t.ppf(0.975, dof) * pooled / math.sqrt(len(d))
                 low, high = numbers(line["pooled 95%"])
@@ -216,15 +258,14 @@ class TestPrimary:
             effect = synthetic_rows.ARM_EFFECT[line["contrast"][0]]
             assert mean == pytest.approx(effect, abs=0.015)
         for label, arm in (("b − a", "b"), ("c − a", "c")):
-            means = [
-                numbers(r["mean [95% t]"])[0]
-                for r in lines
-                if r["contrast"] == label and _holm(r) < 0.05
-            ]
+            found = [r for r in lines if r["contrast"] == label and _holm(r) < 0.05]
+            means = [numbers(r["mean [95% t]"])[0] for r in found]
             lower, higher = sum(m < 0 for m in means), sum(m > 0 for m in means)
+            capped = sum(not r["at cap"].startswith("0 ") for r in found)
             assert (
                 f"{label}: Holm-adjusted p < 0.05 in {lower + higher} of 4 cells "
-                f"({arm} lower in {lower}, higher in {higher})"
+                f"({arm} lower in {lower}, higher in {higher}; {capped} of them "
+                "with runs at their step cap, budget-limited)"
             ) in primary
         # "k of n" appears only in the corrected section.
         assert " of 4 cells" not in reported[0].replace(primary, "").replace(
@@ -396,10 +437,16 @@ class TestTotalsAndAnswer:
             assert_close(low, d.mean() - half)
             assert_close(high, d.mean() + half)
             check_p(line["Holm p"], p)
+            of = [finished(one_cell, role="test", arm=arm) for arm in (x, "a")]
+            seeds = {r["seed"] for r in of[0]} & {r["seed"] for r in of[1]}
+            capped = sum(r["reached_cap"] and r["seed"] in seeds for r in of[0] + of[1])
             assert line["what it means"] == (
                 f"{x} better than a" if p < 0.05 and d.mean() < 0
                 else f"a better than {x}" if p < 0.05
                 else f"{x} and a not told apart at {len(d)} seeds"
+            ) + (
+                f" (budget-limited: {capped} run{'s' * (capped != 1)} at the step cap)"
+                if capped else ""
             )  # fmt: skip
         bpc = [r["test_bpc"] for r in finished(one_cell, role="test", arm="a")]
         assert numbers(

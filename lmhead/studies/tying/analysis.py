@@ -71,6 +71,13 @@ def _spread_text(values: Sequence[float], decimals: int = 4) -> str:
     return f"{report.mean_std_text(values, decimals)} ({len(values)})"
 
 
+def _places_text(places: dict[float, tuple[float, int]]) -> str:
+    """``"0: +0.0120 (4); 0.5: +0.0080 (4)"``, or a dash for one place."""
+    if len(places) < 2:
+        return DASH
+    return "; ".join(f"{o:g}: {m:+.4f} ({n})" for o, (m, n) in places.items())
+
+
 def _range_text(values: Sequence[float]) -> str:
     """``"from min to max"`` of the finite values (a cell's spread), or a dash."""
     finite = [v for v in values if math.isfinite(v)]
@@ -208,6 +215,9 @@ def tuning_section(rows: Rows) -> str:
         )
         chosen = ", ".join(f"{lr:.3g}" for lr in tuning.chosen) or DASH
         note = "" if tuning.best in tuning.chosen or not tuning.chosen else " (≠ best)"
+        tried = sorted(tuning.mean_loss)
+        if len(tried) > 1 and set(tuning.chosen) & {tried[0], tried[-1]}:
+            note += " (edge of the rates tried)"
         lines.append(
             [
                 cells_lib.vocab_label(tuning.vocab),
@@ -223,7 +233,9 @@ def tuning_section(rows: Rows) -> str:
             "## Learning rates",
             "Mean validation loss (nats/token) of the tuning seeds at each rate "
             "tried; the test runs' rate in bold. The tuning seeds are never "
-            "test seeds.",
+            "test seeds. A chosen rate at the edge of the rates tried may not "
+            "be the arm's best: the contrasts of that cell can favour the "
+            "other arm.",
             report.markdown_table(
                 [
                     "vocabulary",
@@ -322,6 +334,7 @@ def primary_section(rows: Rows) -> str:
     head = "## Primary contrasts: " + ", ".join(f"{x} − {y}" for x, y in PRIMARY)
     if not family.contrasts:
         return f"{head}\n\nNo cell has paired test runs of these arms yet."
+    groups = cells_lib.group_runs(rows, "test")
     lines = [
         [
             *_contrast_cells(c),
@@ -329,6 +342,7 @@ def primary_section(rows: Rows) -> str:
             pair_text(*c.pooled),
             pair_text(*c.simultaneous),
             f"{c.capped} of {2 * c.difference.n}",
+            _places_text(cells_lib.place_means(groups, c)),
         ]
         for c in family.contrasts
     ]
@@ -355,7 +369,11 @@ def primary_section(rows: Rows) -> str:
             "together for the whole family at 95%; Bonferroni is more "
             "conservative than Holm, so such an interval may include 0 where "
             "the Holm-adjusted p is below 0.05. At cap: the pairs' runs that "
-            "reached their step cap, budget-limited rather than early-stopped.",
+            "reached their step cap, budget-limited rather than early-stopped. "
+            "By place: the mean difference (pairs) at each place in the "
+            "training plays that a subset was drawn from (`data.train_offset`, "
+            "by seed); with two places, the intervals speak for these two "
+            "draws of plays, not for plays in general.",
             report.markdown_table(
                 [
                     "vocabulary",
@@ -368,6 +386,7 @@ def primary_section(rows: Rows) -> str:
                     "pooled 95%",
                     "simultaneous 95%",
                     "at cap",
+                    "by place",
                 ],  # fmt: skip
                 lines,
             ),

@@ -267,6 +267,33 @@ def primary_family(rows: Sequence[Row]) -> Family:
     return Family(contrasts, pooled, shares, size)
 
 
+def place_means(
+    groups: Mapping[tuple, Mapping[int, Row]], c: Contrast
+) -> dict[float, tuple[float, int]]:
+    """``{offset: (mean difference, pairs)}``: a contrast's paired
+    differences by the place in the training plays its subset was drawn
+    from (``offset``), so that the choice of plays shows as a source of
+    variance; one place where every run reads the same text.
+
+    Examples:
+        >>> d = stats.paired_difference({}, {})
+        >>> run = lambda seed, bpc: dict(offset=seed % 2 / 2, test_bpc=bpc)
+        >>> groups = {("char", 0.01, arm): {s: run(s, s + (arm == "b") * (s + 1))
+        ...                                 for s in range(4)} for arm in "ab"}
+        >>> place_means(groups, Contrast("char", 0.01, "b", "a", "b − a", d, 1.0))
+        {0.0: (2.0, 2), 0.5: (3.0, 2)}
+    """
+    x = groups[(c.vocab, c.amount, c.minuend)]
+    y = groups[(c.vocab, c.amount, c.subtrahend)]
+    xs, ys = by_seed(x), by_seed(y)
+    places: dict[float, list[float]] = {}
+    for seed in sorted(xs.keys() & ys.keys()):
+        places.setdefault(x[seed]["offset"], []).append(xs[seed] - ys[seed])
+    return {
+        offset: (math.fsum(d) / len(d), len(d)) for offset, d in sorted(places.items())
+    }
+
+
 def _differences(groups: Mapping[tuple, Mapping[int, Row]], c: Contrast) -> list:
     x = by_seed(groups[(c.vocab, c.amount, c.minuend)])
     y = by_seed(groups[(c.vocab, c.amount, c.subtrahend)])

@@ -206,6 +206,32 @@ class TestPrimary:
             assert line["at cap"] == f"{capped} of {2 * len(shared)}"
         assert any(not line["at cap"].startswith("0 ") for line in lines)
 
+    def test_differences_by_subset_place_against_numpy(self, rows, reported):
+        (lines,) = tables(section(reported[0], "## Primary contrasts"))
+        for line in lines:
+            x, y = line["contrast"][0], line["contrast"][-1]
+            vocab, amount = cell_of(line)
+            of = {
+                arm: {r["seed"]: r for r in finished(rows, role="test", arm=arm,
+                      vocab=vocab, amount=amount)}
+                for arm in (x, y)
+            }  # fmt: skip
+            shared = sorted(of[x].keys() & of[y].keys())
+            offsets = sorted({of[x][s]["offset"] for s in shared})
+            if len(offsets) == 1:
+                assert line["by place"] == "—"
+                continue
+            want = []
+            for offset in offsets:
+                d = [
+                    of[x][s]["test_bpc"] - of[y][s]["test_bpc"]
+                    for s in shared
+                    if of[x][s]["offset"] == offset
+                ]
+                want.append(f"{offset:g}: {np.mean(d):+.4f} ({len(d)})")
+            assert line["by place"] == "; ".join(want)
+        assert any(line["by place"] != "—" for line in lines)
+
     def test_the_family_is_the_design_not_the_cells_measured_so_far(self, rows):
         """Without one cell's test runs, Holm and Bonferroni still correct
         for all 8 named contrasts (the missing two as untested)."""
@@ -378,8 +404,12 @@ class TestDesignAndTuning:
         for line in lines:
             vocab, amount = cell_of(line)
             arm = line["arm"]
-            chosen = synthetic_rows.LR_GRID[synthetic_rows.BEST_LR_INDEX[arm]]
-            assert line["chosen lr"] == f"{chosen:.3g}"
+            index = synthetic_rows.BEST_LR_INDEX[arm]
+            chosen = synthetic_rows.LR_GRID[index]
+            edge = index in (0, len(synthetic_rows.LR_GRID) - 1)
+            assert line["chosen lr"] == f"{chosen:.3g}" + (
+                " (edge of the rates tried)" if edge else ""
+            )
             for lr in synthetic_rows.LR_GRID:
                 losses = [
                     r["val_loss"]

@@ -257,13 +257,14 @@ def tuning_section(rows: Rows) -> str:
 def results_section(rows: Rows) -> str:
     """Each cell's arms: test bits/char, validation, gap, steps, cap, ppl."""
     groups = cells_lib.group_runs(rows, "test")
-    lines, capped = [], []
+    lines, capped, untrained = [], [], []
     for key, runs in groups.items():
         vocab, amount, arm = key
         values = list(runs.values())
         reached = sum(bool(r["reached_cap"]) for r in values)
         if reached:
             capped.append(f"{cells_lib.cell_label((vocab, amount))} {arm} {reached}")
+        untrained += [r["run"] for r in values if r["steps_to_best"] == 0]
         lines.append(
             [
                 cells_lib.vocab_label(vocab),
@@ -309,6 +310,12 @@ def results_section(rows: Rows) -> str:
             "Runs that reached the step cap are budget-limited, not "
             "early-stopped: their numbers are those of a fixed budget (cell, "
             f"arm, runs): {'; '.join(capped)}."
+        )
+    if untrained:
+        text.append(
+            "Runs never better than their initial parameters (best step 0: "
+            "the loss diverged before the first evaluation), so tested "
+            f"untrained, and in their pairs as such: {'; '.join(untrained)}."
         )
     return "\n\n".join(text)
 

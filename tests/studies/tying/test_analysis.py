@@ -151,6 +151,18 @@ class TestResults:
                 rel=1e-2,
             )
 
+    def test_a_run_never_better_than_its_start_is_named(self, rows, reported):
+        assert "best step 0" not in section(reported[0], "## Results by cell")
+        first = next(
+            r for r in rows if r["role"] == "test" and r["status"] == "finished"
+        )
+        text = analysis.results_section(
+            [dict(r, steps_to_best=0) if r is first else r for r in rows]
+        )
+        assert (
+            f"so tested untrained, and in their pairs as such: {first['run']}." in text
+        )
+
     def test_the_failed_run_is_left_out_and_capped_runs_are_named(self, reported):
         (lines,) = tables(section(reported[0], "## Results by cell"))
         line = next(r for r in lines if cell_of(r) == ("2048", 1.0) and r["arm"] == "c")

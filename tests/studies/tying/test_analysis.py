@@ -535,6 +535,37 @@ class TestFiles:
             assert f"![{name}]({name})" in text
         assert (out / "REPORT.md").read_text() == text
 
+    def test_contrasts_at_the_step_cap_are_hollow_and_not_joined(
+        self, rows, tmp_path, monkeypatch
+    ):
+        import matplotlib.figure
+
+        from lmhead.studies.tying import contrast_plots
+
+        saved = []
+        monkeypatch.setattr(
+            matplotlib.figure.Figure,
+            "savefig",
+            lambda figure, *a, **k: saved.append(figure),
+        )
+        family = cells.primary_family(rows)
+        contrast_plots.plot_contrasts(family, str(tmp_path))
+        axes = saved[0].axes  # the amount plot: b − a, then c − a
+        for axis, label in zip(axes, ("b − a", "c − a")):
+            hollow = set()
+            for line in axis.lines:
+                if line.get_marker() != "o":
+                    continue
+                if line.get_markerfacecolor() == "none":
+                    assert line.get_linestyle() == "None"
+                    hollow |= set(line.get_xdata())
+            capped = [c for c in family.contrasts if c.label == label and c.capped]
+            # Shifted side by side by at most 5%: compare amounts loosely.
+            near = lambda x, pool: any(abs(x / p - 1) < 0.06 for p in pool)  # noqa: E731
+            assert all(near(c.amount, hollow) for c in capped)
+            assert all(near(x, [c.amount for c in capped]) for x in hollow)
+        assert any(c.capped for c in family.contrasts)
+
     def test_the_literature_hook(self, rows, tmp_path):
         seen = []
 

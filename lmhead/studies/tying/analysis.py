@@ -214,7 +214,12 @@ def tuning_section(rows: Rows) -> str:
             for lr, (loss, n) in sorted(tuning.mean_loss.items())
         )
         chosen = ", ".join(f"{lr:.3g}" for lr in tuning.chosen) or DASH
-        note = "" if tuning.best in tuning.chosen or not tuning.chosen else " (≠ best)"
+        if not tuning.mean_loss:
+            note = " (not tuned: arm a's)" if tuning.chosen else ""
+        elif tuning.best in tuning.chosen or not tuning.chosen:
+            note = ""
+        else:
+            note = " (≠ best)"
         tried = sorted(tuning.mean_loss)
         if len(tried) > 1 and set(tuning.chosen) & {tried[0], tried[-1]}:
             note += " (edge of the rates tried)"

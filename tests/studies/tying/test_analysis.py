@@ -411,6 +411,16 @@ class TestDesignAndTuning:
         )
         assert "No arm d at characters" in design
 
+    def test_an_arm_that_takes_arm_as_rate_is_not_called_off_its_best(self, rows):
+        untuned = [r for r in rows if not (r["role"] == "tune" and r["arm"] == "d")]
+        (lines,) = tables(analysis.tuning_section(untuned))
+        d_lines = [line for line in lines if line["arm"] == "d"]
+        assert d_lines and all(
+            line["chosen lr"].endswith(" (not tuned: arm a's)")
+            and line["mean tuning val loss by rate"] == "—"
+            for line in d_lines
+        )
+
     def test_the_chosen_rates_and_mean_tuning_losses(self, rows, reported):
         (lines,) = tables(section(reported[0], "## Learning rates"))
         for line in lines:

@@ -28,7 +28,8 @@ compare: $(STAMP)
 	    --ensemble=8 $(COMPARE_FLAGS) $(SWEEP_FLAGS)
 
 # The whole tying study: the tuning stage, the test stage at each cell's
-# chosen learning rate, then runs.csv and the report into docs/tying_study.
+# chosen learning rate, then runs.csv and the report into docs/tying_study,
+# and the diagnostics of a few cells' test runs into its diagnostics/.
 # Resumable: rerun it after a stop. On a machine without runs/tying_study, the
 # finished runs of the committed docs/tying_study/runs.csv are restored from
 # their rows first, so the study goes on where that table stands.
@@ -41,6 +42,8 @@ study: $(STAMP)
 	$(PY) experiments/sweep.py --sweep=$(STUDY) --workdir=runs/tying_study \
 	    --ensemble=$(ENSEMBLE) --noreport --restore_from=$(STUDY_CSV) $(SWEEP_FLAGS)
 	$(PY) experiments/report.py --workdir=runs/tying_study --out=docs/tying_study
+	$(PY) experiments/tying_diagnostics.py --study_dir=runs/tying_study \
+	    --study_csv=$(STUDY_CSV) --out=docs/tying_study/diagnostics
 
 # The same design on one GPU, every cell's runs in one ensemble (one vmap of
 # all members on a GPU), with the Python that has jax with CUDA (no .venv:

@@ -5,6 +5,17 @@ frequency bucket, for one or more runs side by side.
     python experiments/tying_diagnostics.py --workdir=runs/tied \
         --workdir=runs/untied --out=docs/tying_study/diagnostics --split=test
 
+or, for the tying study's diagnosed cells (``diagnostics_report.study_runs``:
+test seed 0 of arms a, b and e at characters and BPE 8192 on the whole
+training split and at BPE 8192 on 3% of it), as ``make study`` runs it::
+
+    python experiments/tying_diagnostics.py --study_dir=runs/tying_study \
+        --study_csv=docs/tying_study/runs.csv --out=docs/tying_study/diagnostics
+
+which diagnoses those of them that are in ``--study_dir`` with a checkpoint
+(a run restored from the CSV alone has none), and writes nothing while there
+are none.
+
 Writes ``norms.png``, ``cosines.png`` (untied runs), ``bucket_loss.png``,
 ``diagnostics.json`` and ``diagnostics.md`` into ``--out``. Token
 frequencies are each run's training tokens; each run is read at its
@@ -14,10 +25,14 @@ frequencies are each run's training tokens; each run is read at its
 
 from absl import app, flags, logging
 
-from lmhead.studies.tying import diagnostics_report
+from lmhead.studies.tying import diagnostics_report, table
 
-flags.DEFINE_multi_string(
-    "workdir", None, "A trained run's directory (repeatable).", required=True
+flags.DEFINE_multi_string("workdir", None, "A trained run's directory (repeatable).")
+flags.DEFINE_string(
+    "study_dir", None, "Instead of --workdir: the tying study's sweep directory."
+)
+flags.DEFINE_string(
+    "study_csv", None, "With --study_dir: the study's runs.csv, which names the runs."
 )
 flags.DEFINE_string("out", None, "Where to write the plots and tables.", required=True)
 flags.DEFINE_enum(
@@ -44,6 +59,16 @@ def main(argv):
     f = flags.FLAGS
     if not f["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    if bool(f.workdir) == bool(f.study_dir) or bool(f.study_dir) != bool(f.study_csv):
+        raise app.UsageError(
+            "Give --workdir (repeatable), or --study_dir with --study_csv."
+        )
+    workdirs = f.workdir or diagnostics_report.study_workdirs(
+        f.study_dir, table.read_rows(f.study_csv)
+    )
+    if not workdirs:
+        print(f"No test run of the diagnosed cells in {f.study_dir} yet.")
+        return
     runs = [
         diagnostics_report.diagnose_run(
             workdir,
@@ -53,7 +78,7 @@ def main(argv):
             batch_size=f.batch_size,
             name=name,
         )
-        for workdir, name in zip(f.workdir, diagnostics_report.run_names(f.workdir))
+        for workdir, name in zip(workdirs, diagnostics_report.run_names(workdirs))
     ]
     for path in diagnostics_report.write_diagnostics(runs, f.out):
         print(path)

@@ -17,7 +17,7 @@ from scipy import stats
 
 from lmhead.lm import checkpoints, configuration, generation
 from lmhead.lm import state as state_lib
-from lmhead.studies.tying import diagnostics_report
+from lmhead.studies.tying import diagnostics_report, table
 from tests import ROOT
 
 MAX_WINDOWS = 6
@@ -171,3 +171,55 @@ def test_bad_splits_are_named(finished_run):
         diagnostics_report.diagnose_run(finished_run, split="test")
     with pytest.raises(ValueError, match="runs must hold"):
         diagnostics_report.write_diagnostics([], "unused")
+
+
+def _study_csv(path, runs):
+    """A runs.csv whose finished test runs (seed 0) are ``{(vocab, amount,
+    arm): run name}``."""
+    rows = [
+        dict.fromkeys(table.COLUMNS)
+        | dict(role="test", vocab=vocab, amount=amount, arm=arm, seed=0,
+               status="finished", run=name)
+        for (vocab, amount, arm), name in runs.items()
+    ]  # fmt: skip
+    table.write_rows(str(path), rows)
+    return str(path)
+
+
+def test_the_study_diagnoses_its_cells_runs_that_hold_a_checkpoint(
+    finished_run, tmp_path
+):
+    study = tmp_path / "study"
+    study.mkdir()
+    os.symlink(finished_run, study / "char-a")
+    (study / "char-b").mkdir()  # restored from the CSV: no checkpoint
+    os.symlink(finished_run, study / "bpe-a")
+    csv_path = _study_csv(
+        tmp_path / "runs.csv",
+        {("8192", 1.0, "a"): "bpe-a", ("char", 1.0, "b"): "char-b",
+         ("char", 1.0, "a"): "char-a", ("512", 1.0, "a"): "elsewhere"},
+    )  # fmt: skip
+    rows = table.read_rows(csv_path)
+    assert diagnostics_report.study_workdirs(str(study), rows) == [
+        str(study / "char-a"), str(study / "bpe-a")
+    ]  # fmt: skip
+
+
+def test_the_study_before_its_test_runs_writes_nothing(tmp_path):
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "experiments", "tying_diagnostics.py"),
+            f"--study_dir={tmp_path}",
+            f"--study_csv={_study_csv(tmp_path / 'runs.csv', {})}",
+            f"--out={out}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "No test run of the diagnosed cells" in done.stdout
+    assert not out.exists()

@@ -425,6 +425,59 @@ def write_diagnostics(runs: list[RunDiagnostics], out_dir: str) -> list[str]:
     return paths
 
 
+# The study's diagnosed cells: the smallest and the largest head share at
+# the whole training split, and the largest at a small subset.
+STUDY_CELLS = (("char", 1.0), ("8192", 1.0), ("8192", 0.03))
+STUDY_ARMS = ("a", "b", "e")
+
+
+def study_runs(
+    rows: list[dict[str, Any]],
+    cells: tuple[tuple[str, float], ...] = STUDY_CELLS,
+    arms: tuple[str, ...] = STUDY_ARMS,
+    seed: int = 0,
+) -> list[str]:
+    """The run names (``runs.csv``'s ``run``) of the finished test runs of
+    test seed ``seed`` in ``cells`` x ``arms``, in that order: the runs the
+    study's diagnostics read (``make study``). A cell or arm without such a
+    run is left out.
+
+    Examples:
+        >>> row = lambda arm, status="finished": dict(
+        ...     role="test", vocab="char", amount=1.0, arm=arm, seed=0,
+        ...     status=status, table_lr_multiplier=None, run=f"char-{arm}")
+        >>> study_runs([row("b"), row("a"), row("e", "failed")])
+        ['char-a', 'char-b']
+    """
+    chosen = {
+        (r["vocab"], r["amount"], r["arm"]): r["run"]
+        for r in rows
+        if r["role"] == "test" and r["status"] == "finished" and r["seed"] == seed
+    }
+    return [
+        chosen[(*cell, arm)] for cell in cells for arm in arms if (*cell, arm) in chosen
+    ]
+
+
+def study_workdirs(study_dir: str, rows: list[dict[str, Any]]) -> list[str]:
+    """The directories under ``study_dir`` of :func:`study_runs` ``(rows)``
+    that hold a saved step (a run restored from ``runs.csv`` alone has none)."""
+    return [
+        workdir
+        for workdir in (os.path.join(study_dir, name) for name in study_runs(rows))
+        if _has_checkpoint(workdir)
+    ]
+
+
+def _has_checkpoint(workdir: str) -> bool:
+    """An orbax step folder in ``checkpoints/`` or ``best_checkpoint/``."""
+    for folder in ("checkpoints", checkpoints.BEST_CHECKPOINT):
+        path = os.path.join(workdir, folder)
+        if os.path.isdir(path) and any(name.isdigit() for name in os.listdir(path)):
+            return True
+    return False
+
+
 def run_names(workdirs: list[str]) -> list[str]:
     """A short, distinct name per run directory: its last path component, or
     as many of its last components as tell it apart from the others.

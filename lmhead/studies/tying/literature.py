@@ -204,7 +204,9 @@ def compare(
     """
     if is_primary(x, y, column):
         family = cells_lib.primary_family(rows).contrasts
-        return [c for c in family if (c.minuend, c.subtrahend) == (x, y)]
+        return [
+            c for c in family if (c.minuend, c.subtrahend) == (x, y) and c.difference.n
+        ]
     groups = cells_lib.group_runs(rows, "test")
     found = [
         c

@@ -126,6 +126,43 @@ def paired_p_value(x: dict[Any, float], y: dict[Any, float]) -> float:
     )
 
 
+def blocked_mean(blocks: Sequence[Sequence[float]]) -> tuple[float, float, float]:
+    r"""The mean of ``k`` blocks' means, with a two-sided 95% t-interval from
+    the spread within blocks: for block means :math:`\bar d_j` of
+    :math:`n_j` values (:math:`n = \sum n_j`),
+
+    .. math::
+        \hat\mu = \frac1k \sum_j \bar d_j, \qquad
+        s^2 = \frac{\sum_j \sum_i (d_{ij} - \bar d_j)^2}{n - k}, \qquad
+        \hat\mu \pm t_{0.975,\,n-k}\, \frac{s}{k} \sqrt{\sum_j 1/n_j},
+
+    the intercept of least squares on effect-coded block indicators: a paired
+    difference with each seed's block (where its data came from) taken out of
+    the noise, on :math:`n - k` degrees of freedom. ``(mean, low, high)``;
+    the ends are NaN unless :math:`n > k` and every block holds a value.
+
+    Examples:
+        >>> [round(v, 4) for v in blocked_mean([[1.0, 2.0], [4.0, 5.0]])]
+        [3.0, 1.4788, 4.5212]
+    """
+    blocks = [list(b) for b in blocks]
+    k, n = len(blocks), sum(len(b) for b in blocks)
+    if not k or any(not b for b in blocks):
+        return math.nan, math.nan, math.nan
+    means = [math.fsum(b) / len(b) for b in blocks]
+    mean = math.fsum(means) / k
+    if n <= k:
+        return mean, math.nan, math.nan
+    within = math.fsum((v - m) ** 2 for b, m in zip(blocks, means) for v in b)
+    scale = (
+        math.sqrt(within / (n - k))
+        / k
+        * math.sqrt(math.fsum(1 / len(b) for b in blocks))
+    )
+    half = t_critical_95(n - k) * scale
+    return mean, mean - half, mean + half
+
+
 def holm_adjusted(p_values: Sequence[float]) -> list[float]:
     r"""Holm's (1979) step-down adjusted p-values of a family of ``m`` tests,
     in the order given: with the p-values sorted,

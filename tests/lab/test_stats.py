@@ -160,3 +160,35 @@ def test_simultaneous_interval_is_bonferroni_and_agrees_with_holm():
     )
     with pytest.raises(ValueError, match="family_size"):
         stats_lib.simultaneous_interval(family[0][1], 0)
+
+
+@pytest.mark.parametrize("sizes", [(4, 4), (3, 5), (2, 3, 4)])
+def test_blocked_mean_is_least_squares_on_effect_coded_blocks(sizes):
+    """The intercept and its t-interval of d ~ 1 + blocks, effect-coded
+    (each block's column +1 in it, -1 in the last block), by numpy."""
+    rng = np.random.default_rng(sum(sizes))
+    blocks = [list(rng.normal(0.1 * j, 1.0, n)) for j, n in enumerate(sizes)]
+    d = np.concatenate(blocks)
+    k, n = len(sizes), len(d)
+    columns = [np.ones(n)]
+    for j in range(k - 1):
+        column = np.concatenate(
+            [np.full(m, 1.0 if i == j else (-1.0 if i == k - 1 else 0.0))
+             for i, m in enumerate(sizes)]
+        )  # fmt: skip
+        columns.append(column)
+    x = np.stack(columns, axis=1)
+    beta = np.linalg.lstsq(x, d, rcond=None)[0]
+    residual = d - x @ beta
+    covariance = residual @ residual / (n - k) * np.linalg.inv(x.T @ x)
+    half = stats.t.ppf(0.975, n - k) * np.sqrt(covariance[0, 0])
+    mean, low, high = stats_lib.blocked_mean(blocks)
+    np.testing.assert_allclose(
+        [mean, low, high], [beta[0], beta[0] - half, beta[0] + half], rtol=1e-10
+    )
+    assert mean == pytest.approx(np.mean([np.mean(b) for b in blocks]))
+
+
+def test_blocked_mean_without_spread_to_estimate():
+    assert math.isnan(stats_lib.blocked_mean([[1.0], [2.0]])[1])
+    assert math.isnan(stats_lib.blocked_mean([[1.0, 2.0], []])[0])

@@ -71,11 +71,15 @@ def _spread_text(values: Sequence[float], decimals: int = 4) -> str:
     return f"{report.mean_std_text(values, decimals)} ({len(values)})"
 
 
-def _places_text(places: dict[float, tuple[float, int]]) -> str:
-    """``"0: +0.0120 (4); 0.5: +0.0080 (4)"``, or a dash for one place."""
+def _places_text(
+    places: dict[float, tuple[float, int]], blocked: tuple[float, float, float]
+) -> str:
+    """``"0: +0.0120 (4); 0.5: +0.0080 (4); blocked +0.0100 [..]"``, or a
+    dash for one place."""
     if len(places) < 2:
         return DASH
-    return "; ".join(f"{o:g}: {m:+.4f} ({n})" for o, (m, n) in places.items())
+    means = "; ".join(f"{o:g}: {m:+.4f} ({n})" for o, (m, n) in places.items())
+    return f"{means}; blocked {blocked[0]:+.4f} {pair_text(*blocked[1:])}"
 
 
 def _range_text(values: Sequence[float]) -> str:
@@ -354,7 +358,9 @@ def primary_section(rows: Rows) -> str:
             pair_text(*c.pooled),
             pair_text(*c.simultaneous),
             f"{c.capped} of {2 * c.difference.n}",
-            _places_text(cells_lib.place_means(groups, c)),
+            _places_text(
+                cells_lib.place_means(groups, c), cells_lib.blocked_by_place(groups, c)
+            ),
         ]
         for c in family.contrasts
     ]
@@ -384,8 +390,11 @@ def primary_section(rows: Rows) -> str:
             "reached their step cap, budget-limited rather than early-stopped. "
             "By place: the mean difference (pairs) at each place in the "
             "training plays that a subset was drawn from (`data.train_offset`, "
-            "by seed); with two places, the intervals speak for these two "
-            "draws of plays, not for plays in general.",
+            "by seed), and the contrast blocked by place: the mean of the "
+            "places' means with a 95% t-interval on the spread within places "
+            "(n − 2 degrees of freedom; unadjusted). With two places, the "
+            "intervals speak for these two draws of plays, not for plays in "
+            "general.",
             report.markdown_table(
                 [
                     "vocabulary",

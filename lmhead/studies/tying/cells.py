@@ -283,15 +283,34 @@ def place_means(
         >>> place_means(groups, Contrast("char", 0.01, "b", "a", "b − a", d, 1.0))
         {0.0: (2.0, 2), 0.5: (3.0, 2)}
     """
+    return {
+        offset: (math.fsum(d) / len(d), len(d))
+        for offset, d in _by_place(groups, c).items()
+    }
+
+
+def blocked_by_place(
+    groups: Mapping[tuple, Mapping[int, Row]], c: Contrast
+) -> tuple[float, float, float]:
+    """``(mean, low, high)``: the contrast with each pair's subset place as a
+    block (``stats.blocked_mean``): the mean of the places' means, with a
+    95% t-interval on the spread within places (``n - places`` degrees of
+    freedom). NaN where the runs have one place only."""
+    places = _by_place(groups, c)
+    if len(places) < 2:
+        return math.nan, math.nan, math.nan
+    return stats.blocked_mean(list(places.values()))
+
+
+def _by_place(groups: Mapping[tuple, Mapping[int, Row]], c: Contrast) -> dict:
+    """``{offset: [paired differences]}``, in offset order."""
     x = groups[(c.vocab, c.amount, c.minuend)]
     y = groups[(c.vocab, c.amount, c.subtrahend)]
     xs, ys = by_seed(x), by_seed(y)
     places: dict[float, list[float]] = {}
     for seed in sorted(xs.keys() & ys.keys()):
         places.setdefault(x[seed]["offset"], []).append(xs[seed] - ys[seed])
-    return {
-        offset: (math.fsum(d) / len(d), len(d)) for offset, d in sorted(places.items())
-    }
+    return dict(sorted(places.items()))
 
 
 def _differences(groups: Mapping[tuple, Mapping[int, Row]], c: Contrast) -> list:

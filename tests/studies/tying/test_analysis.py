@@ -233,7 +233,7 @@ class TestPrimary:
             if len(offsets) == 1:
                 assert line["by place"] == "—"
                 continue
-            want = []
+            want, blocks = [], []
             for offset in offsets:
                 d = [
                     of[x][s]["test_bpc"] - of[y][s]["test_bpc"]
@@ -241,6 +241,16 @@ class TestPrimary:
                     if of[x][s]["offset"] == offset
                 ]
                 want.append(f"{offset:g}: {np.mean(d):+.4f} ({len(d)})")
+                blocks.append(np.array(d))
+            # Blocked: the mean of the places' means, t on the within spread.
+            n, mean = sum(map(len, blocks)), np.mean([b.mean() for b in blocks])
+            within = sum(((b - b.mean()) ** 2).sum() for b in blocks) / (n - 2)
+            half = (
+                stats.t.ppf(0.975, n - 2)
+                * np.sqrt(within * sum(1 / len(b) for b in blocks))
+                / 2
+            )
+            want.append(f"blocked {mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}]")
             assert line["by place"] == "; ".join(want)
         assert any(line["by place"] != "—" for line in lines)
 

@@ -369,51 +369,67 @@ def primary_section(rows: Rows) -> str:
         f"{_range_text([c.difference.std for c in family.contrasts if c.label == label])})"
         for label, p in family.pooled.items()
     )
-    return "\n\n".join(
-        [
-            head,
-            f"One family of {family.size} contrasts (every cell of the design x "
-            f"{len(PRIMARY)}), named in the sweep file before the runs; "
-            f"{len(family.contrasts)} have paired test runs so far, and the "
-            "corrections count all of them. Mean "
-            "[95% t-interval] of the per-seed differences, the paired t-test's "
-            "two-sided p, and Holm's step-down adjusted p over the whole family. "
-            "Pooled (unadjusted, an estimate stated as such): the cell's mean "
-            "± t · s_p / √n with the standard deviation "
-            "s_p of that contrast's differences pooled over all cells, "
-            "√(Σ(n_i − 1)s_i² / Σ(n_i − 1)), which assumes the spread is the "
-            "same in every cell; no conclusion here rests on it. Simultaneous: "
-            "Bonferroni intervals that hold "
-            "together for the whole family at 95%; Bonferroni is more "
-            "conservative than Holm, so such an interval may include 0 where "
-            "the Holm-adjusted p is below 0.05. At cap: the pairs' runs that "
-            "reached their step cap, budget-limited rather than early-stopped. "
-            "By place: the mean difference (pairs) at each place in the "
-            "training plays that a subset was drawn from (`data.train_offset`, "
-            "by seed), and the contrast blocked by place: the mean of the "
-            "places' means with a 95% t-interval on the spread within places "
-            "(n − 2 degrees of freedom; unadjusted). With two places, the "
-            "intervals speak for these two draws of plays, not for plays in "
-            "general.",
-            report.markdown_table(
-                [
-                    "vocabulary",
-                    "amount",
-                    "contrast",
-                    "n",
-                    "mean [95% t]",
-                    "p",
-                    "Holm p",
-                    "pooled 95%",
-                    "simultaneous 95%",
-                    "at cap",
-                    "by place",
-                ],  # fmt: skip
-                lines,
-            ),
-            f"Pooled standard deviations of the differences: {pooled}.",
-            family_counts(family.contrasts),
-        ]
+    parts = [
+        head,
+        f"One family of {family.size} contrasts (every cell of the design x "
+        f"{len(PRIMARY)}), named in the sweep file before the runs; "
+        f"{len(family.contrasts)} have paired test runs so far, and the "
+        "corrections count all of them. Mean "
+        "[95% t-interval] of the per-seed differences, the paired t-test's "
+        "two-sided p, and Holm's step-down adjusted p over the whole family. "
+        "Pooled (unadjusted, an estimate stated as such): the cell's mean "
+        "± t · s_p / √n with the standard deviation "
+        "s_p of that contrast's differences pooled over all cells, "
+        "√(Σ(n_i − 1)s_i² / Σ(n_i − 1)), which assumes the spread is the "
+        "same in every cell; no conclusion here rests on it. Simultaneous: "
+        "Bonferroni intervals that hold "
+        "together for the whole family at 95%; Bonferroni is more "
+        "conservative than Holm, so such an interval may include 0 where "
+        "the Holm-adjusted p is below 0.05. At cap: the pairs' runs that "
+        "reached their step cap, budget-limited rather than early-stopped. "
+        "By place: the mean difference (pairs) at each place in the "
+        "training plays that a subset was drawn from (`data.train_offset`, "
+        "by seed), and the contrast blocked by place: the mean of the "
+        "places' means with a 95% t-interval on the spread within places "
+        "(n − 2 degrees of freedom; unadjusted). With two places, the "
+        "intervals speak for these two draws of plays, not for plays in "
+        "general.",
+        report.markdown_table(
+            [
+                "vocabulary",
+                "amount",
+                "contrast",
+                "n",
+                "mean [95% t]",
+                "p",
+                "Holm p",
+                "pooled 95%",
+                "simultaneous 95%",
+                "at cap",
+                "by place",
+            ],  # fmt: skip
+            lines,
+        ),
+        f"Pooled standard deviations of the differences: {pooled}.",
+        family_counts(family.contrasts),
+        untrained_sensitivity(rows),
+    ]
+    return "\n\n".join(part for part in parts if part)
+
+
+def untrained_sensitivity(rows: Rows) -> str:
+    """The corrected counts again without the test runs never better than
+    their initial parameters (best step 0: diverged before the first
+    evaluation), where there are any; else empty."""
+    untrained = [r for r in rows if r["role"] == "test" and r.get("steps_to_best") == 0]
+    if not untrained:
+        return ""
+    kept = [r for r in rows if not any(r is u for u in untrained)]
+    counts = family_counts(cells_lib.primary_family(kept).contrasts)
+    return (
+        f"Without the {len(untrained)} test runs never better than their "
+        "initial parameters (named under the results by cell): "
+        + counts.removeprefix("Corrected for the family: ")
     )
 
 

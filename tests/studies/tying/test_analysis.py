@@ -151,6 +151,30 @@ class TestResults:
                 rel=1e-2,
             )
 
+    def test_the_counts_again_without_runs_never_better_than_their_start(
+        self, rows, reported
+    ):
+        primary = section(reported[0], "## Primary contrasts")
+        assert "never better than their initial" not in primary
+        # One b run per cell made useless: its test value far off.
+        marked, seen = [], set()
+        for r in rows:
+            cell = (r["vocab"], r["amount"])
+            if r["role"] == "test" and r["arm"] == "b" and r["status"] == "finished":
+                if cell not in seen:
+                    seen.add(cell)
+                    r = dict(r, steps_to_best=0, test_bpc=r["test_bpc"] + 5.0)
+            marked.append(r)
+        text = analysis.primary_section(marked)
+        without = [r for r in marked if r.get("steps_to_best") != 0]
+        counts = analysis.family_counts(cells.primary_family(without).contrasts)
+        assert text.endswith(
+            f"Without the {len(seen)} test runs never better than their initial "
+            "parameters (named under the results by cell): "
+            + counts.removeprefix("Corrected for the family: ")
+        )
+        assert counts != analysis.family_counts(cells.primary_family(marked).contrasts)
+
     def test_a_run_never_better_than_its_start_is_named(self, rows, reported):
         assert "best step 0" not in section(reported[0], "## Results by cell")
         first = next(

@@ -54,6 +54,21 @@ def _untied_copy(finished_run, tied_run, workdir):
     return heads[5]
 
 
+def _command(*flags: str) -> subprocess.CompletedProcess:
+    """experiments/tying_diagnostics.py with ``flags``, in a subprocess."""
+    return subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "experiments", "tying_diagnostics.py"),
+            *flags,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 @pytest.fixture(scope="module")
 def diagnosed(finished_run, tmp_path_factory):
     root = tmp_path_factory.mktemp("diagnostics")
@@ -61,22 +76,14 @@ def diagnosed(finished_run, tmp_path_factory):
     tied_run = generation.load_run(finished_run)
     best_head = _untied_copy(finished_run, tied_run, untied)
     out = root / "out"
-    result = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "experiments", "tying_diagnostics.py"),
-            f"--workdir={finished_run}",
-            f"--workdir={untied}",
-            f"--out={out}",
-            "--split=val",
-            f"--max_windows={MAX_WINDOWS}",
-            "--num_buckets=3",
-            "--batch_size=4",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = _command(
+        f"--workdir={finished_run}",
+        f"--workdir={untied}",
+        f"--out={out}",
+        "--split=val",
+        f"--max_windows={MAX_WINDOWS}",
+        "--num_buckets=3",
+        "--batch_size=4",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     with open(out / "diagnostics.json") as f:
@@ -207,18 +214,10 @@ def test_the_study_diagnoses_its_cells_runs_that_hold_a_checkpoint(
 
 def test_the_study_before_its_test_runs_writes_nothing(tmp_path):
     out = tmp_path / "out"
-    done = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "experiments", "tying_diagnostics.py"),
-            f"--study_dir={tmp_path}",
-            f"--study_csv={_study_csv(tmp_path / 'runs.csv', {})}",
-            f"--out={out}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    done = _command(
+        f"--study_dir={tmp_path}",
+        f"--study_csv={_study_csv(tmp_path / 'runs.csv', {})}",
+        f"--out={out}",
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "No test run of the diagnosed cells" in done.stdout

@@ -50,6 +50,22 @@ def checkpoint_manager(
     )
 
 
+def has_saved_step(workdir: str, folder: str = "checkpoints") -> bool:
+    """Whether ``workdir/folder`` holds a completed step (orbax names each
+    step's folder by the step; a partial save ends in ``-tmp``). Reads the
+    directory only: unlike a manager, it creates nothing.
+
+    Examples:
+        >>> import tempfile
+        >>> workdir = tempfile.mkdtemp()
+        >>> os.makedirs(os.path.join(workdir, "checkpoints", "500"))
+        >>> has_saved_step(workdir), has_saved_step(workdir, BEST_CHECKPOINT)
+        (True, False)
+    """
+    path = os.path.join(workdir, folder)
+    return os.path.isdir(path) and any(name.isdigit() for name in os.listdir(path))
+
+
 def best_checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
     """The manager of ``workdir/best_checkpoint``: the state of the best
     evaluation so far, one step (training saves there only on a new best)."""

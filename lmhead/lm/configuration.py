@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from lmhead import modules
+from lmhead.lm import checkpoints
 from lmhead.lm import model as model_lib
 from lmhead.lm.data import corpus
 
@@ -375,12 +376,7 @@ def check_resumable(config: ml_collections.ConfigDict, workdir: str) -> None:
         ValueError: naming each changed key with both values.
     """
     path = os.path.join(workdir, "config.json")
-    checkpoints = os.path.join(workdir, "checkpoints")
-    if not (
-        os.path.isfile(path)
-        and os.path.isdir(checkpoints)
-        and any(name.isdigit() for name in os.listdir(checkpoints))
-    ):
+    if not (os.path.isfile(path) and checkpoints.has_saved_step(workdir)):
         return
     with open(path) as f:
         saved = flatten(json.load(f))

@@ -273,7 +273,7 @@ def results_section(rows: Rows) -> str:
         reached = sum(bool(r["reached_cap"]) for r in values)
         if reached:
             capped.append(f"{cells_lib.cell_label((vocab, amount))} {arm} {reached}")
-        untrained += [r["run"] for r in values if r["steps_to_best"] == 0]
+        untrained += [r["run"] for r in values if _untrained(r)]
         lines.append(
             [
                 cells_lib.vocab_label(vocab),
@@ -417,17 +417,21 @@ def primary_section(rows: Rows) -> str:
     return "\n\n".join(part for part in parts if part)
 
 
+def _untrained(row) -> bool:
+    """The run was never better than its initial parameters (best step 0)."""
+    return row.get("steps_to_best") == 0
+
+
 def untrained_sensitivity(rows: Rows) -> str:
     """The corrected counts again without the test runs never better than
     their initial parameters (best step 0: diverged before the first
     evaluation), where there are any; else empty."""
-    untrained = [r for r in rows if r["role"] == "test" and r.get("steps_to_best") == 0]
-    if not untrained:
+    kept = [r for r in rows if not (r["role"] == "test" and _untrained(r))]
+    if len(kept) == len(rows):
         return ""
-    kept = [r for r in rows if not any(r is u for u in untrained)]
     counts = family_counts(cells_lib.primary_family(kept).contrasts)
     return (
-        f"Without the {len(untrained)} test runs never better than their "
+        f"Without the {len(rows) - len(kept)} test runs never better than their "
         "initial parameters (named under the results by cell): "
         + counts.removeprefix("Corrected for the family: ")
     )

@@ -218,7 +218,7 @@ class Family:
         pooled: each contrast label's pooled spread over the cells.
         head_shares: ``{vocab: head share}`` of the tied arm a.
         size: the family's size ``m``: every cell of the design (every cell
-            with tuning runs of these arms) x :data:`PRIMARY`, as named
+            with tuning or test runs of these arms) x :data:`PRIMARY`, as named
             before the runs. Holm and Bonferroni correct for all ``m``, the
             contrasts without test runs yet included (as untested).
     """

@@ -465,17 +465,9 @@ def study_workdirs(study_dir: str, rows: list[dict[str, Any]]) -> list[str]:
     return [
         workdir
         for workdir in (os.path.join(study_dir, name) for name in study_runs(rows))
-        if _has_checkpoint(workdir)
+        if checkpoints.has_saved_step(workdir)
+        or checkpoints.has_saved_step(workdir, checkpoints.BEST_CHECKPOINT)
     ]
-
-
-def _has_checkpoint(workdir: str) -> bool:
-    """An orbax step folder in ``checkpoints/`` or ``best_checkpoint/``."""
-    for folder in ("checkpoints", checkpoints.BEST_CHECKPOINT):
-        path = os.path.join(workdir, folder)
-        if os.path.isdir(path) and any(name.isdigit() for name in os.listdir(path)):
-            return True
-    return False
 
 
 def run_names(workdirs: list[str]) -> list[str]:

@@ -203,10 +203,7 @@ def compare(
         True
     """
     if is_primary(x, y, column):
-        family = cells_lib.primary_family(rows).contrasts
-        return [
-            c for c in family if (c.minuend, c.subtrahend) == (x, y) and c.difference.n
-        ]
+        return _primary_cells(cells_lib.primary_family(rows), x, y)
     groups = cells_lib.group_runs(rows, "test")
     found = [
         c
@@ -215,6 +212,15 @@ def compare(
     ]
     adjusted = stats.holm_adjusted([c.p for c in found])
     return [dataclasses.replace(c, holm_p=p) for c, p in zip(found, adjusted)]
+
+
+def _primary_cells(family: cells_lib.Family, x: str, y: str) -> list:
+    """The cells of the primary contrast ``x - y`` that have pairs."""
+    return [
+        c
+        for c in family.contrasts
+        if (c.minuend, c.subtrahend) == (x, y) and c.difference.n
+    ]
 
 
 def is_primary(x: str, y: str, column: str) -> bool:
@@ -286,10 +292,11 @@ def literature_text(rows: Sequence[Mapping[str, Any]]) -> str:
     """
     lines = ["## Against published results", "", _INTRO, ""]
     shown: dict[Contrast, int] = {}
+    family = cells_lib.primary_family(rows)  # the primary contrasts' Holm p
     for number, claim in enumerate(CLAIMS, start=1):
         lines.append(_CLAIM.format(number, *claim[:4]))
         for contrast in claim.contrasts:
-            lines += _contrast_lines(rows, claim, contrast, number, shown)
+            lines += _contrast_lines(rows, family, claim, contrast, number, shown)
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -308,10 +315,11 @@ _INTRO = (
 )
 
 
-def _contrast_lines(rows, claim, contrast, number, shown) -> list[str]:
+def _contrast_lines(rows, family, claim, contrast, number, shown) -> list[str]:
     x, y, column, predicted = contrast
     label = f"**{x} - {y}** ({COLUMN_NAMES.get(column, column)})"
-    cells = compare(rows, x, y, column)
+    primary = is_primary(x, y, column)
+    cells = _primary_cells(family, x, y) if primary else compare(rows, x, y, column)
     if not cells:
         return [f"{label}: no cell has both arms with test runs yet.", ""]
     key = contrast._replace(predicted=0)
@@ -323,9 +331,9 @@ def _contrast_lines(rows, claim, contrast, number, shown) -> list[str]:
     sign = {1: "> 0", -1: "< 0", 0: "about 0"}[predicted]
     reason = claim.not_comparable
     # A primary contrast is corrected over the study's family, of this size.
-    family = cells_lib.primary_family(rows).size if is_primary(x, y, column) else None
+    size = family.size if primary else None
     summary = (
-        f"**cannot tell**: {reason}." if reason else _summary(cells, predicted, family)
+        f"**cannot tell**: {reason}." if reason else _summary(cells, predicted, size)
     )
     return lines + ["", f"Verdict ({x} - {y} {sign} predicted): {summary}", ""]
 

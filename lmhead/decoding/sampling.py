@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -358,15 +359,50 @@ def _start(
     return _advance(init, until, step_fn, params, knobs, stop, rows, config)
 
 
-_STATIC = ("step_fn", "config")
-_sampling_loop = jax.jit(_start, static_argnames=_STATIC)
+def _columns(s: SamplingState, until: jax.Array, width: int | None) -> Any:
+    """``s``, or with ``width`` given ``(s, chunk)``: the :class:`Generation`
+    of columns ``until - width ... until - 1`` (a stream's chunk, cut by the
+    program that computed it, so that the host dispatches one program per
+    chunk and never waits between two)."""
+    if width is None:
+        return s
+    take = lambda x: jax.lax.dynamic_slice_in_dim(x, until - width, width, axis=1)
+    whole = _generation_of(s)
+    return s, whole._replace(
+        tokens=take(whole.tokens),
+        log_probs=take(whole.log_probs),
+        top_tokens=take(whole.top_tokens),
+        top_log_probs=take(whole.top_log_probs),
+    )
+
+
+def _start_columns(
+    step_fn, params, logits, model_state, key, history, knobs, stop, rows, config,
+    until, width,
+):  # fmt: skip
+    """:func:`_start`, then :func:`_columns`."""
+    s = _start(
+        step_fn, params, logits, model_state, key, history, knobs, stop, rows, config,
+        until,
+    )  # fmt: skip
+    return _columns(s, until, width)
+
+
+def _advance_columns(s, until, step_fn, params, knobs, stop, rows, config, width):
+    """:func:`_advance`, then :func:`_columns`."""
+    s = _advance(s, until, step_fn, params, knobs, stop, rows, config)
+    return _columns(s, until, width)
+
+
+_STATIC = ("step_fn", "config", "width")
+_sampling_loop = jax.jit(_start_columns, static_argnames=_STATIC)
 # Without donation the loop must first copy the caller's state into buffers
 # it may write: for a key/value cache, a cost that follows its capacity.
 _donating_sampling_loop = jax.jit(
-    _start, static_argnames=_STATIC, donate_argnames="model_state"
+    _start_columns, static_argnames=_STATIC, donate_argnames="model_state"
 )
 # A resumed loop owns its state: each chunk updates it in place.
-_resume_loop = jax.jit(_advance, static_argnames=_STATIC, donate_argnames="s")
+_resume_loop = jax.jit(_advance_columns, static_argnames=_STATIC, donate_argnames="s")
 
 
 def _initial_history(
@@ -483,11 +519,15 @@ def _run(arguments: _LoopArguments, until: int) -> SamplingState:
 
 
 def _loops(arguments: _LoopArguments) -> tuple[Callable, Callable]:
-    """``(start(until), resume(s, until))``: the loop from its start, and
-    resumed from ``s`` (which it consumes), to step ``until``; each device
-    runs its own rows' loop where :func:`_split_loops` allows. Made once per
-    call of :func:`generate` or stream: the split places the parameters and
-    per-row inputs on the mesh once for all of its chunks."""
+    """``(start(until, width=None), resume(s, until, width=None))``: the
+    loop from its start, and resumed from ``s`` (which it consumes), to step
+    ``until``; each device runs its own rows' loop where :func:`_split_loops`
+    allows. Each returns the state, or with ``width`` the state and the
+    chunk of columns ``until - width ... until - 1`` (:func:`_columns`).
+    Made once per call of :func:`generate` or stream: the split places the
+    parameters and per-row inputs on the mesh once for all of its chunks.
+    ``until`` goes in as a host scalar: a device array would be made on the
+    default device and copied to the others, behind its queued work."""
     a = arguments
     split = _split_loops(a)
     if split is not None:
@@ -504,15 +544,27 @@ def _loops(arguments: _LoopArguments) -> tuple[Callable, Callable]:
             ),
         )
         return (
-            lambda until: start(params, *a[2:6], knobs, stop, rows, jnp.int32(until)),
-            lambda s, until: resume(s, jnp.int32(until), params, knobs, stop, rows),
+            lambda until, width=None: start(
+                params, *a[2:6], knobs, stop, rows, np.int32(until), width=width
+            ),
+            lambda s, until, width=None: resume(
+                s, np.int32(until), params, knobs, stop, rows, width=width
+            ),
         )
     loop = _donating_sampling_loop if a.donate else _sampling_loop
     return (
-        lambda until: loop(*a[:-1], until=jnp.int32(until)),
-        lambda s, until: _resume_loop(
-            s, jnp.int32(until), a.step_fn, a.params, a.knobs, a.stop, a.rows, a.config
-        ),
+        lambda until, width=None: loop(*a[:-1], until=np.int32(until), width=width),
+        lambda s, until, width=None: _resume_loop(
+            s,
+            np.int32(until),
+            a.step_fn,
+            a.params,
+            a.knobs,
+            a.stop,
+            a.rows,
+            a.config,
+            width=width,
+        ),  # fmt: skip
     )
 
 
@@ -582,40 +634,48 @@ def _split_programs(step_fn, config, mesh, tree, leaves, per_row_key, donate):
     of the knobs, stops and rows (one per set of static arguments and
     shardings, as ``jax.jit`` caches a function's)."""
     axis = mesh.axis_names[0]
-    logits, model_state, key, history, knobs, stop, rows = tree.unflatten(leaves)
+    logits_spec, state_spec, key_spec, history_spec, *row_specs = tree.unflatten(leaves)
+    row_specs = tuple(row_specs)  # the knobs', stops' and rows' specs
 
     # Outside, a device's own scalars (its step, and the single key it
-    # splits) are stacked: one per device.
+    # splits) are stacked: one per device. A stream's chunk is cut inside.
     def stacked(s):
         return s._replace(step=s.step[None], key=s.key if per_row_key else s.key[None])
 
     def unstacked(s):
         return s._replace(step=s.step[0], key=s.key if per_row_key else s.key[0])
 
-    def start(params, logits, model_state, key, history, knobs, stop, rows, until):
-        return stacked(
-            _start(step_fn, params, logits, model_state, key, history, knobs, stop,
-                   rows, config, until)
-        )  # fmt: skip
+    split = functools.partial(
+        jax.shard_map, mesh=mesh, check_vma=False, out_specs=P(axis)
+    )
 
-    def resume(s, until, params, knobs, stop, rows):
-        return stacked(
-            _advance(unstacked(s), until, step_fn, params, knobs, stop, rows, config)
+    def start(
+        params, logits, model_state, key, history, knobs, stop, rows, until, width
+    ):
+        def local(params, logits, model_state, key, history, knobs, stop, rows, until):
+            s = _start(step_fn, params, logits, model_state, key, history, knobs,
+                       stop, rows, config, until)  # fmt: skip
+            return _columns(stacked(s), until, width)
+
+        specs = (P(), logits_spec, state_spec, key_spec, history_spec, *row_specs, P())
+        return split(local, in_specs=specs)(
+            params, logits, model_state, key, history, knobs, stop, rows, until
         )
 
-    split = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
-    start = split(
-        start,
-        in_specs=(P(), logits, model_state, key, history, knobs, stop, rows, P()),
-        out_specs=P(axis),
-    )
-    resume = split(
-        resume, in_specs=(P(axis), P(), P(), knobs, stop, rows), out_specs=P(axis)
-    )
+    def resume(s, until, params, knobs, stop, rows, width):
+        def local(s, until, params, knobs, stop, rows):
+            s = _advance(
+                unstacked(s), until, step_fn, params, knobs, stop, rows, config
+            )
+            return _columns(stacked(s), until, width)
+
+        specs = (P(axis), P(), P(), *row_specs)
+        return split(local, in_specs=specs)(s, until, params, knobs, stop, rows)
+
     return (
-        jax.jit(start, donate_argnums=(2,) if donate else ()),
-        jax.jit(resume, donate_argnums=(0,)),
-        (knobs, stop, rows),
+        jax.jit(start, static_argnames="width", donate_argnums=(2,) if donate else ()),
+        jax.jit(resume, static_argnames="width", donate_argnums=(0,)),
+        row_specs,
     )
 
 

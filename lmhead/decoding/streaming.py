@@ -1,36 +1,15 @@
 """Streaming: :func:`generate_stream`, :func:`~lmhead.decoding.generate` in chunks of steps."""
 
-import functools
 import inspect
 from collections.abc import Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from lmhead import _checks
 from lmhead.decoding import sampling
 from lmhead.decoding._loop import StepFn
-from lmhead.decoding.sampling import Generation, SamplingState
-
-
-def _columns(s: SamplingState, start: int, width: int) -> Generation:
-    """Columns ``start : start + width`` of the outputs: one program per width
-    (at most two: ``chunk_steps`` and the remainder), not one per chunk. It
-    is handed the outputs only: each array handed to a compiled call costs
-    its dispatch, and the state holds the whole model state."""
-    return _slice_columns(sampling._generation_of(s), jnp.int32(start), width=width)
-
-
-@functools.partial(jax.jit, static_argnames="width")
-def _slice_columns(whole: Generation, start: jax.Array, width: int) -> Generation:
-    take = lambda x: jax.lax.dynamic_slice_in_dim(x, start, width, axis=1)
-    return whole._replace(
-        tokens=take(whole.tokens),
-        log_probs=take(whole.log_probs),
-        top_tokens=take(whole.top_tokens),
-        top_log_probs=take(whole.top_log_probs),
-    )
+from lmhead.decoding.sampling import Generation
 
 
 def generate_stream(
@@ -96,15 +75,14 @@ def _chunks(loop: Any, chunk_steps: int) -> Iterator[Generation]:
     num_new = loop.config.max_new_tokens
     end = min(chunk_steps, num_new)
     start_loop, resume_loop = sampling._loops(loop)
-    s = start_loop(end)
-    start = 0
-    while True:
-        chunk = _columns(s, start, width=end - start)
-        if end == num_new:
-            yield chunk
-            return
-        start, end = end, min(end + chunk_steps, num_new)
-        # The next chunk's steps are dispatched before this chunk is handed
-        # over, so that the device works while the caller reads it.
-        s = resume_loop(s, end)
+    # Each program returns its chunk's columns beside the state, so that the
+    # next one is dispatched before the caller reads (and so waits for) this
+    # one: the device decodes while the caller reads.
+    s, chunk = start_loop(end, width=end)
+    while end < num_new:
+        width = min(chunk_steps, num_new - end)
+        end += width
+        s, following = resume_loop(s, end, width=width)
         yield chunk
+        chunk = following
+    yield chunk

@@ -146,7 +146,53 @@ def design_section(rows: Rows) -> str:
             f"No arm d at {', '.join(no_d)}: the design adds whole blocks only "
             "where the saved V·D pays for at least one."
         )
+    lines.append(cap_counts(rows))
     return "\n\n".join(lines)
+
+
+# The most runs of a subset amount that may reach their step cap (the study's
+# issue: at the smaller amounts the cap must leave room to early-stop).
+SUBSET_CAP_LIMIT = 0.1
+
+
+def cap_counts(rows: Rows) -> str:
+    """How many finished runs (every role) reached their step cap, by amount,
+    against the design's bound: at most :data:`SUBSET_CAP_LIMIT` of a subset
+    amount's runs; the whole split (amount 1) is budget-limited on purpose.
+
+    Examples:
+        >>> run = lambda amount, cap: {"status": "finished", "amount": amount,
+        ...                            "reached_cap": cap}
+        >>> print(cap_counts([run(0.01, False), run(0.01, True), run(1.0, True)]))
+        Runs that reached their step cap, by amount (finished runs of every role): 1% 1 of 2 (50%), 100% 1 of 1 (100%). At most 10% of a subset amount's runs may: 1% is over that bound, so its numbers are partly those of a fixed budget. The whole split is budget-limited by design.
+    """
+    finished = [r for r in rows if r["status"] == "finished"]
+    if not finished:
+        return "No run has finished yet, so none has reached its step cap."
+    counts, over = [], []
+    for amount in cells_lib.amounts(finished):
+        of = [r for r in finished if r["amount"] == amount]
+        reached = sum(bool(r["reached_cap"]) for r in of)
+        label = cells_lib.amount_label(amount)
+        counts.append(f"{label} {reached} of {len(of)} ({reached / len(of):.0%})")
+        if amount < 1.0 and reached > SUBSET_CAP_LIMIT * len(of):
+            over.append(label)
+    text = (
+        "Runs that reached their step cap, by amount (finished runs of every "
+        f"role): {', '.join(counts)}. At most {SUBSET_CAP_LIMIT:.0%} of a "
+        "subset amount's runs may"
+    )
+    if len(over) == 1:
+        text += f": {over[0]} is over that bound, so its numbers are partly "
+    elif over:
+        text += f": {', '.join(over)} are over that bound, so their numbers are partly "
+    if over:
+        text += "those of a fixed budget."
+    else:
+        text += ", and none is over it."
+    if 1.0 in cells_lib.amounts(finished):
+        text += " The whole split is budget-limited by design."
+    return text
 
 
 def _int_text(value: int | None) -> str:

@@ -445,6 +445,31 @@ class TestDesignAndTuning:
         )
         assert "No arm d at characters" in design
 
+    def test_runs_at_their_step_cap_counted_by_amount(self, rows, reported):
+        done = [r for r in rows if r["status"] == "finished"]
+        counts = {
+            a: (sum(r["reached_cap"] for r in done if r["amount"] == a),
+                sum(r["amount"] == a for r in done))
+            for a in (0.01, 1.0)
+        }  # fmt: skip
+        (said,) = [
+            line for line in section(reported[0], "## Design").split("\n\n")
+            if line.startswith("Runs that reached their step cap")
+        ]  # fmt: skip
+        want = [
+            f"{label} {k} of {n} ({k / n:.0%})"
+            for label, (k, n) in zip(("1%", "100%"), counts.values())
+        ]
+        assert ", ".join(want) in said
+        over = counts[0.01][0] > 0.1 * counts[0.01][1]
+        assert ("1% is over that bound" in said) == over
+        assert ("none is over it" in said) == (not over)
+        # Every run of the subset amount at its cap: over the 10% bound.
+        capped = [
+            {**r, "reached_cap": True} if r["amount"] == 0.01 else r for r in rows
+        ]
+        assert "1% is over that bound" in analysis.cap_counts(capped)
+
     def test_an_arm_that_takes_arm_as_rate_is_not_called_off_its_best(self, rows):
         untuned = [r for r in rows if not (r["role"] == "tune" and r["arm"] == "d")]
         (lines,) = tables(analysis.tuning_section(untuned))

@@ -29,7 +29,8 @@ compare: $(STAMP)
 
 # The whole tying study: the tuning stage, the test stage at each cell's
 # chosen learning rate, then runs.csv and the report into docs/tying_study,
-# and the diagnostics of a few cells' test runs into its diagnostics/.
+# the diagnostics of a few cells' test runs into its diagnostics/, and how
+# precisely the validation windows chose each rate (rate_noise.md).
 # Resumable: rerun it after a stop. On a machine without runs/tying_study, the
 # finished runs of the committed docs/tying_study/runs.csv are restored from
 # their rows first, so the study goes on where that table stands.
@@ -44,6 +45,8 @@ study: $(STAMP)
 	$(PY) experiments/report.py --workdir=runs/tying_study --out=docs/tying_study
 	$(PY) experiments/tying_diagnostics.py --study_dir=runs/tying_study \
 	    --study_csv=$(STUDY_CSV) --out=docs/tying_study/diagnostics
+	$(PY) experiments/tying_rate_noise.py --study_dir=runs/tying_study \
+	    --study_csv=$(STUDY_CSV) --out=docs/tying_study
 
 # The same design on one GPU, every cell's runs in one ensemble (one vmap of
 # all members on a GPU), with the Python that has jax with CUDA (no .venv:

@@ -15,7 +15,7 @@ import collections
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from lmhead.lab import stats
 
@@ -325,7 +325,7 @@ class Tuning:
 
     Attributes:
         vocab, amount, arm: the cell's arm.
-        mean_loss: ``{lr: (mean validation loss, tuning runs)}``.
+        losses: ``{lr: {seed: validation loss}}`` of its finished tuning runs.
         seeds: the tuning seeds.
         chosen: the test runs' rates (one, once the tuning is done).
     """
@@ -333,9 +333,17 @@ class Tuning:
     vocab: str
     amount: float
     arm: str
-    mean_loss: dict[float, tuple[float, int]]
+    losses: dict[float, dict[int, float]]
     seeds: tuple[int, ...]
     chosen: tuple[float, ...]
+
+    @property
+    def mean_loss(self) -> dict[float, tuple[float, int]]:
+        """``{lr: (mean validation loss, tuning runs)}``."""
+        return {
+            lr: (sum(by_seed.values()) / len(by_seed), len(by_seed))
+            for lr, by_seed in self.losses.items()
+        }
 
     @property
     def best(self) -> float | None:
@@ -350,26 +358,94 @@ class Tuning:
 
 def tunings(rows: Sequence[Row]) -> list[Tuning]:
     """Every cell's arm with tuning or test runs, in cell and arm order."""
-    losses = collections.defaultdict(lambda: collections.defaultdict(list))
+    losses = collections.defaultdict(lambda: collections.defaultdict(dict))
     seeds, chosen = collections.defaultdict(set), collections.defaultdict(set)
     for row in rows:
         key = (row["vocab"], row["amount"], row["arm"])
         if row["role"] == "tune" and row["status"] == FINISHED:
             seeds[key].add(row["seed"])
             if row["val_loss"] is not None:
-                losses[key][row["lr"]].append(row["val_loss"])
+                losses[key][row["lr"]][row["seed"]] = row["val_loss"]
         elif row["role"] == "test":
             chosen[key].add(row["lr"])
     keys = sorted(set(losses) | set(chosen), key=lambda k: (cell_order(k[:2]), k[2]))
     return [
         Tuning(
             *key,
-            {lr: (sum(v) / len(v), len(v)) for lr, v in sorted(losses[key].items())},
+            dict(sorted(losses[key].items())),
             tuple(sorted(seeds[key])),
             tuple(sorted(chosen[key])),
         )
         for key in keys
     ]
+
+
+class Margin(NamedTuple):
+    """A tuned arm's chosen rate against the next best one: ``margin`` is
+    the mean over its ``seeds`` tuning seeds of the next rate's validation
+    loss minus the chosen rate's, paired by seed."""
+
+    chosen: float
+    following: float
+    margin: float
+    seeds: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionNoise:
+    """How far each tuned arm's chosen rate is from the next best rate, set
+    against the seeds' noise in that distance.
+
+    Attributes:
+        margins: ``{(vocab, amount, arm): Margin}``.
+        pooled: the pooled standard deviation of the paired differences
+            behind the margins, over the arms (:func:`~lmhead.lab.stats.pooled_std`).
+    """
+
+    margins: dict[tuple, Margin]
+    pooled: stats.PooledStd
+
+    def standard_error(self, seeds: int) -> float:
+        """A margin's standard error over ``seeds`` seeds: ``pooled.std / sqrt(seeds)``."""
+        return self.pooled.std / math.sqrt(seeds)
+
+
+def selection_noise(tunings: Sequence[Tuning]) -> SelectionNoise:
+    """The margin of each arm whose chosen rate was tuned (two rates or more,
+    every one with the same seeds as the chosen), and the pooled spread.
+
+    Examples:
+        >>> tuned = Tuning("char", 0.01, "a", {0.001: {100: 2.0, 101: 2.2},
+        ...     0.002: {100: 1.9, 101: 2.0}, 0.004: {100: 2.1, 101: 2.3}},
+        ...     (100, 101), (0.002,))
+        >>> noise = selection_noise([tuned])
+        >>> found = noise.margins[("char", 0.01, "a")]
+        >>> found.following, round(found.margin, 4)  # 0.001 against 0.002: +0.1, +0.2
+        (0.001, 0.15)
+        >>> round(noise.pooled.std, 4), noise.pooled.dof
+        (0.0707, 1)
+    """
+    margins, differences = {}, []
+    for tuning in tunings:
+        chosen = [lr for lr in tuning.losses if tuning.is_chosen(lr)]
+        if len(chosen) != 1:
+            continue
+        mine = tuning.losses[chosen[0]]
+        others = {
+            lr: by_seed
+            for lr, by_seed in tuning.losses.items()
+            if lr != chosen[0] and by_seed.keys() == mine.keys()
+        }
+        if not others or len(mine) < 2:
+            continue
+        means = {lr: sum(v.values()) / len(v) for lr, v in others.items()}
+        following = min(means, key=means.get)
+        paired = [others[following][seed] - mine[seed] for seed in sorted(mine)]
+        margins[(tuning.vocab, tuning.amount, tuning.arm)] = Margin(
+            chosen[0], following, sum(paired) / len(paired), len(paired)
+        )
+        differences.append(paired)
+    return SelectionNoise(margins, stats.pooled_std(differences))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -503,6 +503,57 @@ class TestDesignAndTuning:
                     "mean tuning val loss by rate"
                 ]
 
+    def test_the_margins_and_their_noise_by_hand(self, rows, reported):
+        text = section(reported[0], "## Learning rates")
+        (lines,) = tables(text)
+        differences, margins = [], {}
+        for line in lines:
+            vocab, amount = cell_of(line)
+            arm = line["arm"]
+            chosen = synthetic_rows.LR_GRID[synthetic_rows.BEST_LR_INDEX[arm]]
+            loss = {
+                lr: {
+                    r["seed"]: r["val_loss"]
+                    for r in select(rows, role="tune", vocab=vocab, amount=amount,
+                                    arm=arm, lr=lr)
+                }
+                for lr in synthetic_rows.LR_GRID
+            }  # fmt: skip
+            seeds = sorted(loss[chosen])
+            following = min(
+                (lr for lr in loss if lr != chosen),
+                key=lambda lr: np.mean(list(loss[lr].values())),
+            )
+            d = np.array([loss[following][s] - loss[chosen][s] for s in seeds])
+            differences.append(d)
+            margins[f"{line['vocabulary']} at {line['amount']} {arm}"] = d.mean()
+            assert numbers(line["margin (next lr)"]) == pytest.approx(
+                [d.mean(), following], abs=TOLERANCE
+            )
+        dof = sum(len(d) - 1 for d in differences)
+        pooled = np.sqrt(sum(((d - d.mean()) ** 2).sum() for d in differences) / dof)
+        said = text[text.index("Selection noise") :]
+        assert f"is {pooled:.4f} nats ({dof} degrees of freedom" in said
+        error = pooled / np.sqrt(2)
+        assert f"standard error of about {error:.4f}" in said
+        below = [name for name, m in margins.items() if m < error]
+        assert f"and {len(below)} below one" in said
+        for name in below:
+            assert name in said
+
+    def test_a_near_tie_is_named(self, rows):
+        arm = dict(role="tune", vocab="2048", amount=0.01, arm="b")
+        chosen = synthetic_rows.LR_GRID[synthetic_rows.BEST_LR_INDEX["b"]]
+        at_chosen = {r["seed"]: r["val_loss"] for r in select(rows, **arm, lr=chosen)}
+        neighbour = synthetic_rows.LR_GRID[synthetic_rows.BEST_LR_INDEX["b"] - 1]
+        tied = [
+            {**r, "val_loss": at_chosen[r["seed"]] + 1e-4}
+            if r in select(rows, **arm, lr=neighbour) else r
+            for r in rows
+        ]  # fmt: skip
+        said = analysis.selection_noise_text(cells.selection_noise(cells.tunings(tied)))
+        assert "and 1 below one: BPE 2048 at 1% b. The tuning cannot tell" in said
+
 
 class TestTotalsAndAnswer:
     def test_measured_totals(self, rows, reported):

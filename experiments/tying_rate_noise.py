@@ -1,0 +1,46 @@
+r"""How precisely the tying study's validation windows tell each chosen
+learning rate from the next best one: every tuned arm's margin measured
+again on the windows the tuning read, with its standard error over them,
+beside the report's standard error from the seeds.
+
+    python experiments/tying_rate_noise.py --study_dir=runs/tying_study \
+        --study_csv=docs/tying_study/runs.csv --out=docs/tying_study
+
+Reads the tuning runs under ``--study_dir`` (at their ``best_checkpoint``;
+a run restored from the CSV alone has no parameters and is left out) and
+writes ``rate_noise.md`` into ``--out`` (see
+``lmhead/studies/tying/rate_noise.py``).
+"""
+
+import os
+
+from absl import app, flags, logging
+
+from lmhead.studies.tying import rate_noise, table
+
+flags.DEFINE_string(
+    "study_dir", None, "The tying study's sweep directory.", required=True
+)
+flags.DEFINE_string("study_csv", None, "The study's runs.csv.", required=True)
+flags.DEFINE_string("out", None, "Where to write rate_noise.md.", required=True)
+flags.DEFINE_integer("batch_size", 16, "Windows per model call.", lower_bound=1)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    f = flags.FLAGS
+    if not f["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    found = rate_noise.rate_noise(
+        f.study_dir, table.read_rows(f.study_csv), batch_size=f.batch_size
+    )
+    os.makedirs(f.out, exist_ok=True)
+    path = os.path.join(f.out, rate_noise.MARKDOWN_FILE)
+    with open(path, "w") as file:
+        file.write(rate_noise.markdown(found) + "\n")
+    print(path)
+
+
+if __name__ == "__main__":
+    app.run(main)

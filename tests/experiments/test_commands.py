@@ -3,24 +3,16 @@
 import json
 import os
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 
-from tests import ROOT
+from tests import run_experiment
 
 
 def run(script, *args):
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "experiments", script), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_experiment(script, *args)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -117,18 +109,11 @@ def test_generate_with_stop_strings_penalties_and_top_logprobs(workdir):
 
 
 def test_bad_config_value_fails_before_training(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "experiments", "train.py"),
-            "--config=configs/default.py:tiny",
-            f"--workdir={tmp_path}",
-            "--config.model.num_heads=3",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_experiment(
+        "train.py",
+        "--config=configs/default.py:tiny",
+        f"--workdir={tmp_path}",
+        "--config.model.num_heads=3",
     )
     assert result.returncode != 0
     assert "config.model.num_heads must divide config.model.d_model" in result.stderr
@@ -159,20 +144,13 @@ def test_data_parallel_cpu_devices_train_the_same_model(tmp_path):
 
 def test_generate_with_an_int8_head_reports_timings(workdir):
     workdir, _ = workdir
-    result = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "experiments", "generate.py"),
-            f"--workdir={workdir}",
-            "--prompt=ROMEO:",
-            "--max_new_tokens=10",
-            "--quantize=int8",
-            "--temperature=0",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_experiment(
+        "generate.py",
+        f"--workdir={workdir}",
+        "--prompt=ROMEO:",
+        "--max_new_tokens=10",
+        "--quantize=int8",
+        "--temperature=0",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("ROMEO:") and len(result.stdout) == 6 + 10 + 1
@@ -183,16 +161,9 @@ def test_generate_with_an_int8_head_reports_timings(workdir):
 
 
 def test_generate_command_line_without_a_run(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "experiments", "generate.py"),
-            f"--workdir={tmp_path}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_experiment(
+        "generate.py",
+        f"--workdir={tmp_path}",
     )
     assert result.returncode == 1
     assert "FileNotFoundError" in result.stderr

@@ -2,24 +2,13 @@
 reports themselves are tested in tests/lab/test_report.py and
 tests/studies/tying/test_report.py)."""
 
-import os
-import subprocess
-import sys
-
-from tests import ROOT
+from tests import run_experiment
 from tests.lab import synthetic_sweep
-
-REPORT_SCRIPT = os.path.join(ROOT, "experiments", "report.py")
 
 
 def test_the_command_prints_the_table_and_the_paths(tmp_path):
     sweep_dir = synthetic_sweep.write_sweep(tmp_path)
-    result = subprocess.run(
-        [sys.executable, REPORT_SCRIPT, f"--workdir={sweep_dir}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_experiment("report.py", f"--workdir={sweep_dir}", timeout=120)
     assert result.returncode == 0, result.stderr
     stdout = result.stdout
     assert stdout.startswith("| head | vocabulary |")
@@ -29,10 +18,5 @@ def test_the_command_prints_the_table_and_the_paths(tmp_path):
 
 
 def test_unexpected_arguments_are_refused(tmp_path):
-    result = subprocess.run(
-        [sys.executable, REPORT_SCRIPT, f"--workdir={tmp_path}", "extra"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_experiment("report.py", f"--workdir={tmp_path}", "extra", timeout=120)
     assert result.returncode != 0 and "Unexpected arguments" in result.stderr

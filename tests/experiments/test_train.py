@@ -5,23 +5,15 @@ The program's runs themselves are tested in test_commands.py.
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests import ROOT
+from tests import run_experiment
 from tests.errors import names
 
 
 def run_train(*args):
-    return subprocess.run(
-        [sys.executable, os.path.join(ROOT, "experiments", "train.py"), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_experiment("train.py", *args)
 
 
 # The program exits with 1 and names the flag (and the closest key).

@@ -6,8 +6,6 @@ prefer), checked against numpy on the loaded arrays."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import ml_collections
@@ -18,7 +16,7 @@ from scipy import stats
 from lmhead.lm import checkpoints, configuration, generation
 from lmhead.lm import state as state_lib
 from lmhead.studies.tying import diagnostics_report, table
-from tests import ROOT
+from tests import run_experiment
 
 MAX_WINDOWS = 6
 
@@ -54,21 +52,6 @@ def _untied_copy(finished_run, tied_run, workdir):
     return heads[5]
 
 
-def _command(*flags: str) -> subprocess.CompletedProcess:
-    """experiments/tying_diagnostics.py with ``flags``, in a subprocess."""
-    return subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "experiments", "tying_diagnostics.py"),
-            *flags,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 @pytest.fixture(scope="module")
 def diagnosed(finished_run, tmp_path_factory):
     root = tmp_path_factory.mktemp("diagnostics")
@@ -76,7 +59,8 @@ def diagnosed(finished_run, tmp_path_factory):
     tied_run = generation.load_run(finished_run)
     best_head = _untied_copy(finished_run, tied_run, untied)
     out = root / "out"
-    result = _command(
+    result = run_experiment(
+        "tying_diagnostics.py",
         f"--workdir={finished_run}",
         f"--workdir={untied}",
         f"--out={out}",
@@ -214,7 +198,8 @@ def test_the_study_diagnoses_its_cells_runs_that_hold_a_checkpoint(
 
 def test_the_study_before_its_test_runs_writes_nothing(tmp_path):
     out = tmp_path / "out"
-    done = _command(
+    done = run_experiment(
+        "tying_diagnostics.py",
         f"--study_dir={tmp_path}",
         f"--study_csv={_study_csv(tmp_path / 'runs.csv', {})}",
         f"--out={out}",

@@ -6,8 +6,6 @@ rate_noise.window_losses against the run's own validation loss."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -16,7 +14,7 @@ import pytest
 from lmhead.lm import checkpoints, data, generation
 from lmhead.lm import state as state_lib
 from lmhead.studies.tying import rate_noise, table
-from tests import ROOT
+from tests import run_experiment
 
 CHOSEN, FOLLOWING, SEEDS = 0.001, 0.002, (100, 101)
 
@@ -95,19 +93,12 @@ def measured(finished_run, tmp_path_factory):
     csv_path = str(root / "runs.csv")
     table.write_rows(csv_path, rows)
     out = root / "out"
-    done = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "experiments", "tying_rate_noise.py"),
-            f"--study_dir={study}",
-            f"--study_csv={csv_path}",
-            f"--out={out}",
-            "--batch_size=3",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    done = run_experiment(
+        "tying_rate_noise.py",
+        f"--study_dir={study}",
+        f"--study_csv={csv_path}",
+        f"--out={out}",
+        "--batch_size=3",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return nll, (out / rate_noise.MARKDOWN_FILE).read_text()

@@ -7,9 +7,6 @@ tests/serve/test_batching.py compares with the decoders and the scorer).
 
 import concurrent.futures
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -17,7 +14,7 @@ import numpy as np
 import pytest
 
 from lmhead.serve import requests, web
-from tests import ROOT
+from tests import run_experiment
 from tests.serve.tiny_run import PROMPTS
 
 httpx = pytest.importorskip("httpx")  # the serve extra
@@ -240,17 +237,10 @@ def test_metrics_and_health(url):
 
 
 def test_serve_refuses_other_addresses_without_a_token(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "experiments", "serve.py"),
-            f"--workdir={tmp_path}",
-            "--host=0.0.0.0",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_experiment(
+        "serve.py",
+        f"--workdir={tmp_path}",
+        "--host=0.0.0.0",
     )
     assert result.returncode != 0
     assert "not a loopback address: give a bearer token (--token_file)" in result.stderr

@@ -6,8 +6,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ import pytest
 from lmhead.lab import ensembles, runner, sweeps
 from lmhead.lm import configuration
 from lmhead.studies.tying import analysis, results, shapes, study, table
-from tests import ROOT
+from tests import run_experiment
 from tests.lab.sweep_helpers import SWEEP_CONFIGS
 
 STUDY = os.path.join(SWEEP_CONFIGS, "tying_study.py")
@@ -133,17 +131,11 @@ def test_report_regenerates_from_runs_csv_alone(sweep, tmp_path):
     copy = tmp_path / "runs"
     shutil.copytree(sweep_dir, copy)
     out = tmp_path / "docs"
-    result = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "experiments", "report.py"),
-            f"--workdir={copy}",
-            f"--sweep={STUDY}:{ARG}",
-            f"--out={out}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = run_experiment(
+        "report.py",
+        f"--workdir={copy}",
+        f"--sweep={STUDY}:{ARG}",
+        f"--out={out}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "b − a" in result.stdout or "b - a" in result.stdout

@@ -7,11 +7,13 @@ beside the report's standard error from the seeds.
         --study_csv=docs/tying_study/runs.csv --out=docs/tying_study
 
 Reads the tuning runs under ``--study_dir`` (at their ``best_checkpoint``;
-a run restored from the CSV alone has no parameters and is left out) and
-writes ``rate_noise.md`` into ``--out`` (see
-``lmhead/studies/tying/rate_noise.py``).
+a run restored from the CSV alone has no parameters and is not read) and
+writes ``rate_noise.md`` and ``rate_noise.json`` into ``--out``; an arm's
+reading in an earlier ``rate_noise.json`` there stands where it read more
+seeds than this machine can (see ``lmhead/studies/tying/rate_noise.py``).
 """
 
+import json
 import os
 
 from absl import app, flags, logging
@@ -22,7 +24,9 @@ flags.DEFINE_string(
     "study_dir", None, "The tying study's sweep directory.", required=True
 )
 flags.DEFINE_string("study_csv", None, "The study's runs.csv.", required=True)
-flags.DEFINE_string("out", None, "Where to write rate_noise.md.", required=True)
+flags.DEFINE_string(
+    "out", None, "Where to write rate_noise.md and rate_noise.json.", required=True
+)
 flags.DEFINE_integer("batch_size", 16, "Windows per model call.", lower_bound=1)
 
 
@@ -32,13 +36,21 @@ def main(argv):
     f = flags.FLAGS
     if not f["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    path = os.path.join(f.out, rate_noise.JSON_FILE)
+    previous = None
+    if os.path.exists(path):
+        with open(path) as file:
+            previous = {entry["key"]: entry for entry in json.load(file)}
     found = rate_noise.rate_noise(
-        f.study_dir, table.read_rows(f.study_csv), batch_size=f.batch_size
+        f.study_dir, table.read_rows(f.study_csv), previous, batch_size=f.batch_size
     )
     os.makedirs(f.out, exist_ok=True)
-    path = os.path.join(f.out, rate_noise.MARKDOWN_FILE)
     with open(path, "w") as file:
+        json.dump(found, file, indent=1)
+    markdown = os.path.join(f.out, rate_noise.MARKDOWN_FILE)
+    with open(markdown, "w") as file:
         file.write(rate_noise.markdown(found) + "\n")
+    print(markdown)
     print(path)
 
 

@@ -526,8 +526,7 @@ def _loops(arguments: _LoopArguments) -> tuple[Callable, Callable]:
     chunk of columns ``until - width ... until - 1`` (:func:`_columns`).
     Made once per call of :func:`generate` or stream: the split places the
     parameters and per-row inputs on the mesh once for all of its chunks.
-    ``until`` goes in as a host scalar: a device array would be made on the
-    default device and copied to the others, behind its queued work."""
+    ``until`` goes in as a host scalar, which the call places itself."""
     a = arguments
     split = _split_loops(a)
     if split is not None:

@@ -498,22 +498,30 @@ def check_split_decoding():
                 row_max_new_tokens=jnp.arange(63, 71, dtype=jnp.int32),
             ),
         }  # fmt: skip
-        chunks = list(
-            decoding.generate_stream(
-                step, params, *start(), chunk_steps=16, max_new_tokens=70,
-                key=jax.random.split(jax.random.key(3), 8), temperature=0.9,
-                presence_penalty=0.5,
-            )
+        streamed = dict(
+            max_new_tokens=70, key=jax.random.split(jax.random.key(3), 8),
+            temperature=0.9, presence_penalty=0.5, top_logprobs=2,
         )  # fmt: skip
+        chunks = list(
+            decoding.generate_stream(step, params, *start(), chunk_steps=16, **streamed)
+        )
+        whole = decoding.generate(step, params, *start(), **streamed)
         beams = decoding.beam_search(
             step, params, *start(), num_beams=4, max_new_tokens=12, eos_id=None
         )
         out = {
             k: (np.asarray(g.tokens), np.asarray(g.log_probs)) for k, g in runs.items()
         }
-        out["stream"] = tuple(
-            np.concatenate([np.asarray(getattr(c, name)) for c in chunks], axis=1)
-            for name in ("tokens", "log_probs")
+        joined = {
+            name: np.concatenate([np.asarray(getattr(c, name)) for c in chunks], axis=1)
+            for name in ("tokens", "log_probs", "top_tokens", "top_log_probs")
+        }
+        out["stream"] = (joined["tokens"], joined["log_probs"])
+        out["stream top"] = (joined["top_tokens"], joined["top_log_probs"])
+        # The chunks are one call's columns, bit for bit, on each placement.
+        out["stream is one call"] = all(
+            np.array_equal(value, np.asarray(getattr(whole, name)))
+            for name, value in joined.items()
         )
         out["beam"] = (np.asarray(beams[0]), np.asarray(beams[1]))
         return out
@@ -522,6 +530,9 @@ def check_split_decoding():
     # collectives then wait on two threads, not eight, on a loaded machine.
     two = model_lib.rows_mesh(8, jax.devices()[:2])
     one, split = decode(None), decode(two)
+    results["stream is one call"] = [
+        out.pop("stream is one call") for out in (one, split)
+    ]
     for name in one:
         results[name] = {
             "same tokens": bool(np.array_equal(one[name][0], split[name][0])),

@@ -48,7 +48,9 @@ def test_loss_options_match_numpy(results):
     assert set(invalid.values()) == {2}
 
 
-@pytest.mark.parametrize("decoder", ["greedy", "one key", "row keys", "stream", "beam"])
+@pytest.mark.parametrize(
+    "decoder", ["greedy", "one key", "row keys", "stream", "stream top", "beam"]
+)
 def test_split_decoding_matches_one_device(results, decoder):
     """Rows split over two devices decode the tokens of one device (a single
     key too: its draws do not depend on how the rows are placed), with the
@@ -56,6 +58,12 @@ def test_split_decoding_matches_one_device(results, decoder):
     check = results["split_decoding"][decoder]
     assert check["same tokens"]
     assert check["log-prob difference"] < TOLERANCE
+
+
+def test_split_streams_are_one_call_bitwise(results):
+    """On one device and split over two, the streamed chunks (top log-probs
+    too) concatenated are that placement's one call, bit for bit."""
+    assert results["split_decoding"]["stream is one call"] == [True, True]
 
 
 def test_split_decoding_errors_and_mesh_sizes(results):

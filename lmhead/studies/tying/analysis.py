@@ -292,8 +292,8 @@ def tuning_section(rows: Rows) -> str:
             "tried; the test runs' rate in bold. The tuning seeds are never "
             "test seeds. A chosen rate at the edge of the rates tried may not "
             "be the arm's best: the contrasts of that cell can favour the "
-            "other arm. Margin: the next best rate's mean loss minus the "
-            "chosen one's, paired by tuning seed.",
+            "other arm. Margin: the next best rate's validation bits/char "
+            "minus the chosen one's, paired by tuning seed and averaged.",
             report.markdown_table(
                 [
                     "vocabulary",
@@ -323,37 +323,35 @@ def selection_noise_text(noise: cells_lib.SelectionNoise) -> str:
     arms whose chosen rate is within one or two standard errors of the next."""
     if not noise.margins:
         return "No arm has a chosen rate with another rate tuned on the same seeds yet."
-    if noise.pooled.dof == 0:
-        return "Too few tuning seeds to estimate the noise in the margins."
-    seeds = min(found.seeds for found in noise.margins.values())
+    seeds = min(len(found.seeds) for found in noise.margins.values())
     error = noise.standard_error(seeds)
     within = {
         bound: [
             f"{cells_lib.cell_label(key[:2])} {key[2]}"
             for key, found in noise.margins.items()
-            if found.margin < bound * noise.standard_error(found.seeds)
+            if found.margin < bound * noise.standard_error(len(found.seeds))
         ]
         for bound in (1, 2)
     }
     ties = (
         f": {'; '.join(within[1])}. The tuning cannot tell those arms' chosen "
         "rate from the next: either may be the better by up to about two "
-        f"standard errors ({2 * error:.4f} nats/token, or that times tokens "
-        "per character / ln 2 in bits/char), and a contrast of such an arm "
-        "carries that much uncertainty from the choice of rate beyond its "
-        "seeds' interval"
+        f"standard errors ({2 * error:.4f} bits/char), and a contrast of such "
+        "an arm carries that much uncertainty from the choice of rate beyond "
+        "its seeds' interval"
         if within[1]
         else ""
     )
     return (
         f"Selection noise: over the {len(noise.margins)} arms whose chosen rate "
         "was tuned, the pooled standard deviation of the paired differences "
-        f"behind the margins is {noise.pooled.std:.4f} nats "
+        f"behind the margins is {noise.pooled.std:.4f} bits/char "
         f"({noise.pooled.dof} degrees of freedom; pooled, so it assumes one "
         f"spread for every arm), so a margin over {seeds} seeds has a standard "
         f"error of about {error:.4f}. {len(within[2])} of the {len(noise.margins)} "
         f"margins are below two standard errors and {len(within[1])} below "
-        f"one{ties}."
+        f"one{ties}. The validation windows' own noise in the margins is in "
+        "`rate_noise.md` (`experiments/tying_rate_noise.py`)."
     )
 
 

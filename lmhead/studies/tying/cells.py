@@ -325,7 +325,9 @@ class Tuning:
 
     Attributes:
         vocab, amount, arm: the cell's arm.
-        losses: ``{lr: {seed: validation loss}}`` of its finished tuning runs.
+        losses: ``{lr: {seed: validation loss}}`` (nats/token, what chose
+            the rate) of its finished tuning runs; ``inf`` where not finite.
+        bits: the same runs' validation bits/char, ``{lr: {seed: bpc}}``.
         seeds: the tuning seeds.
         chosen: the test runs' rates (one, once the tuning is done).
     """
@@ -334,6 +336,7 @@ class Tuning:
     amount: float
     arm: str
     losses: dict[float, dict[int, float]]
+    bits: dict[float, dict[int, float]]
     seeds: tuple[int, ...]
     chosen: tuple[float, ...]
 
@@ -348,31 +351,41 @@ class Tuning:
     @property
     def best(self) -> float | None:
         """The rate of the lowest mean tuning loss."""
-        if not self.mean_loss:
-            return None
-        return min(self.mean_loss, key=lambda lr: self.mean_loss[lr][0])
+        means = self.mean_loss
+        return min(means, key=lambda lr: means[lr][0]) if means else None
 
     def is_chosen(self, lr: float) -> bool:
         return any(math.isclose(lr, c, rel_tol=1e-9) for c in self.chosen)
 
 
+def _finite_or_inf(value: float) -> float:
+    # As the sweep reads a diverged run's loss: never the best.
+    return value if math.isfinite(value) else math.inf
+
+
 def tunings(rows: Sequence[Row]) -> list[Tuning]:
     """Every cell's arm with tuning or test runs, in cell and arm order."""
-    losses = collections.defaultdict(lambda: collections.defaultdict(dict))
+    values = {
+        name: collections.defaultdict(lambda: collections.defaultdict(dict))
+        for name in ("val_loss", "val_bpc")
+    }
     seeds, chosen = collections.defaultdict(set), collections.defaultdict(set)
     for row in rows:
         key = (row["vocab"], row["amount"], row["arm"])
         if row["role"] == "tune" and row["status"] == FINISHED:
             seeds[key].add(row["seed"])
-            if row["val_loss"] is not None:
-                losses[key][row["lr"]][row["seed"]] = row["val_loss"]
+            for name, found in values.items():
+                if row[name] is not None:
+                    found[key][row["lr"]][row["seed"]] = _finite_or_inf(row[name])
         elif row["role"] == "test":
             chosen[key].add(row["lr"])
+    losses, bits = values["val_loss"], values["val_bpc"]
     keys = sorted(set(losses) | set(chosen), key=lambda k: (cell_order(k[:2]), k[2]))
     return [
         Tuning(
             *key,
             dict(sorted(losses[key].items())),
+            dict(sorted(bits[key].items())),
             tuple(sorted(seeds[key])),
             tuple(sorted(chosen[key])),
         )
@@ -381,20 +394,23 @@ def tunings(rows: Sequence[Row]) -> list[Tuning]:
 
 
 class Margin(NamedTuple):
-    """A tuned arm's chosen rate against the next best one: ``margin`` is
-    the mean over its ``seeds`` tuning seeds of the next rate's validation
-    loss minus the chosen rate's, paired by seed."""
+    """A tuned arm's chosen rate against the next best one (by mean tuning
+    loss): ``margin`` is the mean over ``seeds``, the tuning seeds, of the
+    next rate's validation bits/char minus the chosen rate's, paired by
+    seed."""
 
     chosen: float
     following: float
     margin: float
-    seeds: int
+    seeds: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class SelectionNoise:
     """How far each tuned arm's chosen rate is from the next best rate, set
-    against the seeds' noise in that distance.
+    against the seeds' noise in that distance, in validation bits/char (the
+    scale of the contrasts; a loss per token would weigh a character model's
+    margins about three times a BPE 8192 model's).
 
     Attributes:
         margins: ``{(vocab, amount, arm): Margin}``.
@@ -412,12 +428,13 @@ class SelectionNoise:
 
 def selection_noise(tunings: Sequence[Tuning]) -> SelectionNoise:
     """The margin of each arm whose chosen rate was tuned (two rates or more,
-    every one with the same seeds as the chosen), and the pooled spread.
+    with the same two or more seeds and finite bits/char as the chosen), and
+    the pooled spread.
 
     Examples:
-        >>> tuned = Tuning("char", 0.01, "a", {0.001: {100: 2.0, 101: 2.2},
-        ...     0.002: {100: 1.9, 101: 2.0}, 0.004: {100: 2.1, 101: 2.3}},
-        ...     (100, 101), (0.002,))
+        >>> bits = {0.001: {100: 2.0, 101: 2.2}, 0.002: {100: 1.9, 101: 2.0},
+        ...         0.004: {100: 2.1, 101: 2.3}}
+        >>> tuned = Tuning("char", 0.01, "a", bits, bits, (100, 101), (0.002,))
         >>> noise = selection_noise([tuned])
         >>> found = noise.margins[("char", 0.01, "a")]
         >>> found.following, round(found.margin, 4)  # 0.001 against 0.002: +0.1, +0.2
@@ -430,21 +447,24 @@ def selection_noise(tunings: Sequence[Tuning]) -> SelectionNoise:
         chosen = [lr for lr in tuning.losses if tuning.is_chosen(lr)]
         if len(chosen) != 1:
             continue
-        mine = tuning.losses[chosen[0]]
-        others = {
-            lr: by_seed
-            for lr, by_seed in tuning.losses.items()
-            if lr != chosen[0] and by_seed.keys() == mine.keys()
+        chosen = chosen[0]
+        mine = tuning.bits.get(chosen, {})
+        usable = {
+            lr
+            for lr, by_seed in tuning.bits.items()
+            if by_seed.keys() == mine.keys()
+            and tuning.losses[lr].keys() == mine.keys()
+            and all(map(math.isfinite, by_seed.values()))
         }
-        if not others or len(mine) < 2:
+        means = {lr: m for lr, (m, _) in tuning.mean_loss.items() if lr in usable}
+        if chosen not in means or len(means) < 2 or len(mine) < 2:
             continue
-        means = {lr: sum(v.values()) / len(v) for lr, v in others.items()}
-        following = min(means, key=means.get)
-        paired = [others[following][seed] - mine[seed] for seed in sorted(mine)]
+        following = min((lr for lr in means if lr != chosen), key=means.get)
+        paired = stats.paired_difference(tuning.bits[following], mine)
         margins[(tuning.vocab, tuning.amount, tuning.arm)] = Margin(
-            chosen[0], following, sum(paired) / len(paired), len(paired)
+            chosen, following, paired.mean, tuple(sorted(mine))
         )
-        differences.append(paired)
+        differences.append([tuning.bits[following][s] - mine[s] for s in sorted(mine)])
     return SelectionNoise(margins, stats.pooled_std(differences))
 
 

@@ -103,6 +103,12 @@ def evaluation_windows(
     batches = data.eval_batches(
         tokens, num_batches=count, batch_size=1, block_size=block_size
     )
+    return concatenated(batches)
+
+
+def concatenated(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """``data.eval_batches``' batches as one: each key's ``[B, T]`` arrays
+    stacked into ``[W, T]``."""
     return {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
 
 

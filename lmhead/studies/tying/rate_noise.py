@@ -2,47 +2,67 @@ r"""How precisely the tying study's validation windows tell a chosen
 learning rate from the next best one.
 
 The report's selection noise (:func:`~lmhead.studies.tying.cells.selection_noise`)
-is the tuning *seeds'* noise in a margin: the next best rate's mean
-validation loss minus the chosen rate's. The other source is the finite
-validation set: the tuning read each run's loss on ``train.eval_batches *
-train.batch_size`` evenly spaced windows (384 in the study), and a margin
-measured on other windows of the same text would differ. Both rates are read
-on the same windows, so what matters is the spread of the *per-window
-differences*: for a tuning seed with per-window losses :math:`\ell_w` at the
-chosen rate and :math:`\ell'_w` at the next, :math:`\delta_w = \ell'_w -
-\ell_w`, the margin on those windows is :math:`\bar\delta` with standard
-error :math:`s_\delta / \sqrt{W}` (the windows are evenly spaced over the
-split, and this treats them as independent draws of its text). Over ``n``
-tuning seeds the margin is the mean of theirs, with standard error
-:math:`\sqrt{\sum_s \mathrm{SE}_s^2} / n`.
+is the tuning *seeds'* noise in a margin: the next best rate's validation
+bits/char minus the chosen rate's, averaged over the tuning seeds. Those
+seeds were all read on the same validation windows (``train.eval_batches *
+train.batch_size`` evenly spaced ones, 384 in the study), so their spread
+leaves out a second source: the windows themselves, a sample of the split's
+text. This module measures it. For tuning seed ``s`` with per-window losses
+:math:`\ell_{s,w}` at the chosen rate and :math:`\ell'_{s,w}` at the next,
+the margin is a mean over windows of
+
+.. math::
+    \bar\delta_w = \frac{1}{n}\sum_s (\ell'_{s,w} - \ell_{s,w}),
+
+and its standard error over the windows is :math:`s_{\bar\delta} /
+\sqrt{W}`: the seeds are averaged window by window first, since they share
+the windows. It treats the windows as independent draws of the split's
+text; they are evenly spaced over it, so neighbours come from the same
+play. Losses are nats per token; every window is full, so the bits/char of
+the mean is the mean times the windows' tokens / (characters ln 2).
 
 :func:`window_losses` evaluates one run on its own validation windows, at
 the parameters its early stopping kept; :func:`rate_noise` does it for the
-chosen and next rate of every tuned arm; :func:`markdown` writes the table.
+chosen and next rate of every tuned arm, keeping earlier measurements of
+runs that are no longer on the machine; :func:`markdown` writes the table.
 ``experiments/tying_rate_noise.py`` is the command.
 """
 
 import math
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from lmhead.lab import report
+from lmhead.lab import report, stats
 from lmhead.lm import checkpoints, data
 from lmhead.studies.tying import cells, diagnostics_report
 
 MARKDOWN_FILE = "rate_noise.md"
+JSON_FILE = "rate_noise.json"
 
 
-def window_losses(workdir: str, batch_size: int = 16) -> np.ndarray:
-    """``float [W]``: the mean loss (nats/token) of each validation window of
-    the run in ``workdir``, at ``best_checkpoint``'s parameters (else its
-    newest; ``diagnostics_report.load_parameters``). The windows are the ones
-    its evaluations read (``data.eval_batches`` with the run's
-    ``train.eval_batches`` and ``train.batch_size``), so their mean is the
-    run's validation loss at its best step to float rounding.
+class ValidationWindows(NamedTuple):
+    """A run's losses on its validation windows.
+
+    Attributes:
+        nll: ``float [W]``, each window's mean loss (nats/token).
+        bits_per_nat: the windows' tokens / (characters ln 2): a mean
+            nats/token over all of them times this is their bits/char.
+    """
+
+    nll: np.ndarray
+    bits_per_nat: float
+
+
+def window_losses(workdir: str, batch_size: int = 16) -> ValidationWindows:
+    """The run in ``workdir`` on its validation windows, at
+    ``best_checkpoint``'s parameters (else its newest;
+    ``diagnostics_report.load_parameters``). The windows are the ones its
+    evaluations read (``data.eval_batches`` with the run's
+    ``train.eval_batches`` and ``train.batch_size``), so the mean of ``nll``
+    is the run's validation loss at that step to float rounding.
     """
     config, model, params, _, _ = diagnostics_report.load_parameters(workdir)
     dataset = data.load_dataset(config.data, workdir)
@@ -52,7 +72,7 @@ def window_losses(workdir: str, batch_size: int = 16) -> np.ndarray:
         batch_size=config.train.batch_size,
         block_size=config.data.block_size,
     )
-    windows = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+    windows = diagnostics_report.concatenated(batches)
     positions = diagnostics_report.position_statistics(
         model, params, windows, batch_size
     )
@@ -60,41 +80,39 @@ def window_losses(workdir: str, batch_size: int = 16) -> np.ndarray:
     count = len(windows["inputs"])
     nll = positions["nll"].reshape(shape)[:count]
     weights = positions["weights"].reshape(shape)[:count]
-    return (nll * weights).sum(1) / weights.sum(1)
+    chars = data.label_chars(dataset.tokenizer, batches)
+    return ValidationWindows(
+        (nll * weights).sum(1) / weights.sum(1),
+        float(weights.sum() / (chars * math.log(2))),
+    )
 
 
-def paired_windows(chosen: np.ndarray, following: np.ndarray) -> tuple[float, float]:
-    r"""``(mean, standard error)`` of the per-window differences
-    :math:`\delta_w = \ell'_w - \ell_w` (``following - chosen``, both
-    ``[W]``, ``W >= 2``): :math:`\bar\delta` and :math:`s_\delta/\sqrt W`.
+def window_margin(
+    chosen: Sequence[np.ndarray], following: Sequence[np.ndarray]
+) -> tuple[float, float]:
+    r"""``(mean, standard error)`` over windows of :math:`\bar\delta_w`, the
+    per-window difference ``following[s] - chosen[s]`` averaged over the
+    seeds ``s`` (each ``[W]``, the same ``W >= 2`` windows).
 
     Examples:
-        >>> mean, error = paired_windows(np.array([1.0, 2.0, 3.0]),
-        ...                              np.array([1.5, 2.0, 3.7]))
+        >>> mean, error = window_margin([np.array([1.0, 2.0, 3.0])],
+        ...                             [np.array([1.5, 2.0, 3.7])])
         >>> round(mean, 4), round(error, 4)  # differences 0.5, 0, 0.7
         (0.4, 0.2082)
     """
-    if chosen.shape != following.shape or chosen.ndim != 1 or len(chosen) < 2:
+    shapes = {np.shape(x) for x in (*chosen, *following)}
+    if len(chosen) != len(following) or not chosen or len(shapes) != 1:
         raise ValueError(
-            "chosen and following must be [W] losses of the same W >= 2 "
-            f"windows; got shapes {chosen.shape} and {following.shape}."
+            "chosen and following must be one [W] array per seed, as many of "
+            f"each, all of one shape; got {len(chosen)} and {len(following)} "
+            f"arrays of shapes {sorted(shapes)}."
         )
-    d = following - chosen
-    return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
-
-
-def combine_seeds(per_seed: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    r"""``(mean, standard error)`` over tuning seeds of their ``(mean,
-    standard error)`` pairs: the mean of the means, and
-    :math:`\sqrt{\sum_s \mathrm{SE}_s^2} / n` (independent windows' errors).
-
-    Examples:
-        >>> combine_seeds([(0.01, 0.003), (0.03, 0.004)])
-        (0.02, 0.0025)
-    """
-    n = len(per_seed)
-    mean = sum(m for m, _ in per_seed) / n
-    return mean, math.sqrt(sum(e**2 for _, e in per_seed)) / n
+    (shape,) = shapes
+    if len(shape) != 1 or shape[0] < 2:
+        raise ValueError(f"each array must be [W] with W >= 2; got shape {shape}.")
+    d = np.mean(following, 0, dtype=np.float64) - np.mean(chosen, 0, dtype=np.float64)
+    mean, std, count = stats.mean_std(d.tolist())
+    return mean, std / math.sqrt(count)
 
 
 def _tuning_runs(rows: Sequence[Mapping[str, Any]], key: tuple) -> dict:
@@ -114,51 +132,80 @@ def _has_parameters(workdir: str) -> bool:
     )
 
 
+def _key(vocab: str, amount: float, arm: str) -> str:
+    return f"{vocab} {amount:g} {arm}"
+
+
 def rate_noise(
-    study_dir: str, rows: Sequence[Mapping[str, Any]], batch_size: int = 16
+    study_dir: str,
+    rows: Sequence[Mapping[str, Any]],
+    previous: Mapping[str, Mapping[str, Any]] | None = None,
+    batch_size: int = 16,
 ) -> list[dict[str, Any]]:
     """For each arm whose chosen rate was tuned (``cells.selection_noise``),
-    the margin of the next best rate measured on the validation windows of
-    each tuning seed's two runs, and its standard error over the windows.
+    its margin re-read on the validation windows of its tuning seeds' runs,
+    with the standard error over the windows (:func:`window_margin`).
 
-    Returns one dict per arm, in the report's order: ``vocab``, ``amount``,
-    ``arm``, ``chosen_lr``, ``next_lr``, ``margin`` (the report's, from
-    ``runs.csv``), ``seed_error`` (the report's standard error of that
-    margin from the seeds' spread), ``seeds`` (those whose two runs have
-    parameters under ``study_dir``: a run restored from ``runs.csv`` alone
-    has none) and, over them, ``window_margin`` and ``window_error``
-    (:func:`combine_seeds`; None without a seed).
+    Args:
+        study_dir: the study's sweep directory; a run whose folder holds no
+            parameters there (one restored from ``runs.csv`` alone) is not read.
+        rows: ``runs.csv``'s rows.
+        previous: an earlier result, ``{key: entry}`` as
+            :func:`rate_noise` returns them: an arm's earlier entry (same chosen
+            and next rate) stands where it read more seeds than can be read now.
+        batch_size: windows per model call.
+
+    Returns:
+        One dict per arm, in the report's order: ``key``, ``vocab``,
+        ``amount``, ``arm``, ``chosen_lr``, ``next_lr``, ``margin`` (the
+        report's, bits/char, from ``runs.csv``), ``seed_error`` (the report's
+        standard error of that margin, from the seeds' spread), ``seeds``
+        (those whose two runs were read) and, over them, ``window_margin``
+        and ``window_error`` in bits/char (None without a seed).
     """
     noise = cells.selection_noise(cells.tunings(rows))
     found = []
-    for key, margin in noise.margins.items():
-        runs = _tuning_runs(rows, key)
-        seeds, per_seed = [], []
-        for seed in sorted({seed for _, seed in runs}):
+    for (vocab, amount, arm), margin in noise.margins.items():
+        runs = _tuning_runs(rows, (vocab, amount, arm))
+        read = {}
+        for seed in margin.seeds:
             pair = [
                 os.path.join(study_dir, runs[(lr, seed)])
                 for lr in (margin.chosen, margin.following)
-                if (lr, seed) in runs
             ]
-            if len(pair) == 2 and all(map(_has_parameters, pair)):
-                seeds.append(seed)
-                losses = [window_losses(workdir, batch_size) for workdir in pair]
-                per_seed.append(paired_windows(*losses))
-        window = combine_seeds(per_seed) if per_seed else (None, None)
-        found.append(
-            {
-                "vocab": key[0],
-                "amount": key[1],
-                "arm": key[2],
-                "chosen_lr": margin.chosen,
-                "next_lr": margin.following,
-                "margin": margin.margin,
-                "seed_error": noise.standard_error(margin.seeds),
-                "seeds": seeds,
-                "window_margin": window[0],
-                "window_error": window[1],
-            }
-        )
+            if all(map(_has_parameters, pair)):
+                read[seed] = [window_losses(workdir, batch_size) for workdir in pair]
+        entry = {
+            "key": _key(vocab, amount, arm),
+            "vocab": vocab,
+            "amount": amount,
+            "arm": arm,
+            "chosen_lr": margin.chosen,
+            "next_lr": margin.following,
+            "margin": margin.margin,
+            "seed_error": noise.standard_error(len(margin.seeds)),
+            "seeds": sorted(read),
+            "window_margin": None,
+            "window_error": None,
+        }
+        if read:
+            bits = next(iter(read.values()))[0].bits_per_nat
+            mean, error = window_margin(
+                [pair[0].nll for pair in read.values()],
+                [pair[1].nll for pair in read.values()],
+            )
+            entry.update(window_margin=mean * bits, window_error=error * bits)
+        earlier = (previous or {}).get(entry["key"])
+        if (
+            earlier is not None
+            and (earlier["chosen_lr"], earlier["next_lr"])
+            == (margin.chosen, margin.following)
+            and len(earlier["seeds"]) > len(entry["seeds"])
+        ):
+            entry.update(
+                {k: earlier[k] for k in ("seeds", "window_margin", "window_error")}
+            )
+        found.append(entry)
     return found
 
 
@@ -182,14 +229,20 @@ def markdown(found: Sequence[Mapping[str, Any]]) -> str:
     return "\n\n".join(
         [
             "# How precisely the validation windows choose a rate",
-            "For each arm whose chosen learning rate was tuned: the next best "
-            "rate's mean validation loss minus the chosen one's (margin, "
-            "nats/token, from `runs.csv`), its standard error from the tuning "
-            "seeds' spread (pooled over the arms, as in `REPORT.md`), and the "
-            "same margin measured again on the validation windows the tuning "
-            "read, with its standard error over those windows (paired by "
-            "window, combined over the seeds whose runs are on this machine; "
-            "`lmhead/studies/tying/rate_noise.py`).",
+            "For each arm whose chosen learning rate was tuned, in validation "
+            "bits/char: the next best rate's value minus the chosen one's, "
+            "averaged over the tuning seeds (margin, from `runs.csv`), and its "
+            "standard error from the seeds' spread, pooled over the arms as in "
+            "`REPORT.md`. Those seeds were read on the same windows, so the "
+            "windows' own noise is not in that spread: the last two columns "
+            "read the seeds' runs again window by window. The re-read margin "
+            "is a check (the same windows and parameters give the CSV's); the "
+            "windows' standard error is that of the per-window differences, "
+            "averaged over the seeds read, treating the evenly spaced windows "
+            "as independent draws of the split's text "
+            "(`lmhead/studies/tying/rate_noise.py`). A seed's runs are read "
+            "where their parameters are on the machine that wrote this file, "
+            "and an earlier reading stands where it read more seeds.",
             report.markdown_table(
                 [
                     "cell",
@@ -199,7 +252,7 @@ def markdown(found: Sequence[Mapping[str, Any]]) -> str:
                     "margin",
                     "seeds' SE",
                     "seeds read",
-                    "margin on the windows",
+                    "margin re-read",
                     "windows' SE",
                 ],  # fmt: skip
                 lines,

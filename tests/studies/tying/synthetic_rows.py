@@ -89,7 +89,7 @@ def _row(rng, role, vocab, amount, arm, seed, lr, multiplier, bpc):
         "reached_cap": reached,
         "train_bpc": train_bpc,
         "val_bpc": val_bpc,
-        "val_loss": val_bpc * np.log(2) * (1.0 if vocab == "char" else 3.0),
+        "val_loss": val_bpc * np.log(2) * _chars_per_token(vocab),
         "heldout_bpc": heldout,
         "gap_bpc": heldout - train_bpc,
         "test_bpc": bpc,
@@ -107,6 +107,12 @@ def _row(rng, role, vocab, amount, arm, seed, lr, multiplier, bpc):
         row |= dict.fromkeys(measured + ["val_loss", "steps_to_best"], None)
         row["status"] = "failed"
     return row
+
+
+def _chars_per_token(vocab):
+    """Characters per token: nats per token are bits per character times
+    this and ln 2."""
+    return 1.0 if vocab == "char" else 3.0
 
 
 def tuning_loss(arm, lr_index, seed, rng):
@@ -128,6 +134,9 @@ def synthetic_rows(seed=0):
                         rng, "tune", vocab, amount, arm, tuning_seed, lr, 1.0, 9.0
                     )
                     row["val_loss"] = tuning_loss(arm, index, tuning_seed, rng)
+                    row["val_bpc"] = (
+                        row["val_loss"] / np.log(2) / _chars_per_token(vocab)
+                    )
                     rows.append(row)
             lr = LR_GRID[BEST_LR_INDEX[arm]]
             for s in TEST_SEEDS:

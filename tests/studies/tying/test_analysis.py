@@ -511,20 +511,18 @@ class TestDesignAndTuning:
             vocab, amount = cell_of(line)
             arm = line["arm"]
             chosen = synthetic_rows.LR_GRID[synthetic_rows.BEST_LR_INDEX[arm]]
-            loss = {
-                lr: {
-                    r["seed"]: r["val_loss"]
-                    for r in select(rows, role="tune", vocab=vocab, amount=amount,
-                                    arm=arm, lr=lr)
-                }
+            runs = {
+                lr: select(rows, role="tune", vocab=vocab, amount=amount, arm=arm,
+                           lr=lr)
                 for lr in synthetic_rows.LR_GRID
             }  # fmt: skip
-            seeds = sorted(loss[chosen])
+            # The next rate by mean loss (what chose); the margin in bits/char.
             following = min(
-                (lr for lr in loss if lr != chosen),
-                key=lambda lr: np.mean(list(loss[lr].values())),
+                (lr for lr in runs if lr != chosen),
+                key=lambda lr: np.mean([r["val_loss"] for r in runs[lr]]),
             )
-            d = np.array([loss[following][s] - loss[chosen][s] for s in seeds])
+            bits = {lr: {r["seed"]: r["val_bpc"] for r in runs[lr]} for lr in runs}
+            d = np.array([bits[following][s] - bits[chosen][s] for s in bits[chosen]])
             differences.append(d)
             margins[f"{line['vocabulary']} at {line['amount']} {arm}"] = d.mean()
             assert numbers(line["margin (next lr)"]) == pytest.approx(
@@ -533,7 +531,7 @@ class TestDesignAndTuning:
         dof = sum(len(d) - 1 for d in differences)
         pooled = np.sqrt(sum(((d - d.mean()) ** 2).sum() for d in differences) / dof)
         said = text[text.index("Selection noise") :]
-        assert f"is {pooled:.4f} nats ({dof} degrees of freedom" in said
+        assert f"is {pooled:.4f} bits/char ({dof} degrees of freedom" in said
         error = pooled / np.sqrt(2)
         assert f"standard error of about {error:.4f}" in said
         below = [name for name, m in margins.items() if m < error]
@@ -544,15 +542,26 @@ class TestDesignAndTuning:
     def test_a_near_tie_is_named(self, rows):
         arm = dict(role="tune", vocab="2048", amount=0.01, arm="b")
         chosen = synthetic_rows.LR_GRID[synthetic_rows.BEST_LR_INDEX["b"]]
-        at_chosen = {r["seed"]: r["val_loss"] for r in select(rows, **arm, lr=chosen)}
-        neighbour = synthetic_rows.LR_GRID[synthetic_rows.BEST_LR_INDEX["b"] - 1]
+        at_chosen = {r["seed"]: r for r in select(rows, **arm, lr=chosen)}
+        # Every other rate of the arm just behind the chosen one, seed by seed.
         tied = [
-            {**r, "val_loss": at_chosen[r["seed"]] + 1e-4}
-            if r in select(rows, **arm, lr=neighbour) else r
+            r | {k: at_chosen[r["seed"]][k] + 1e-4 for k in ("val_loss", "val_bpc")}
+            if r in select(rows, **arm) and r["lr"] != chosen else r
             for r in rows
         ]  # fmt: skip
         said = analysis.selection_noise_text(cells.selection_noise(cells.tunings(tied)))
         assert "and 1 below one: BPE 2048 at 1% b. The tuning cannot tell" in said
+
+    def test_steps_at_the_cap_over_the_bound_in_two_amounts(self, rows):
+        capped = [r | {"reached_cap": r["status"] == "finished"} for r in rows]
+        said = analysis.cap_counts(capped)
+        assert "1%" in said and "are over that bound, so their numbers" not in said
+        two = capped + [r | {"amount": 0.03} for r in capped if r["amount"] == 0.01]
+        said = analysis.cap_counts(two)
+        assert "1%, 3% are over that bound, so their numbers are partly" in said
+        assert analysis.cap_counts([]) == (
+            "No run has finished yet, so none has reached its step cap."
+        )
 
 
 class TestTotalsAndAnswer:

@@ -1,24 +1,49 @@
-"""Tests for lmhead/studies/tying/rate_noise.py's arithmetic against numpy
-and the formula (tests/experiments/test_tying_rate_noise.py runs it on
-trained runs)."""
+"""Tests for lmhead/studies/tying/rate_noise.py's arithmetic against numpy,
+and its keeping of earlier readings (tests/experiments/test_tying_rate_noise.py
+runs it on trained runs)."""
 
 import numpy as np
 import pytest
 
 from lmhead.studies.tying import rate_noise
+from tests.studies.tying import synthetic_rows
 
 
-def test_paired_windows_and_combine_seeds_against_numpy():
+def test_window_margin_averages_the_seeds_window_by_window():
     rng = np.random.default_rng(0)
-    a, b = rng.normal(size=50), rng.normal(size=50)
-    mean, error = rate_noise.paired_windows(a, b)
-    assert mean == pytest.approx((b - a).mean())
-    assert error == pytest.approx(np.std(b - a, ddof=1) / np.sqrt(50))
-    pairs = [(0.1, 0.02), (0.3, 0.05), (-0.1, 0.01)]
-    assert rate_noise.combine_seeds(pairs) == pytest.approx(
-        (0.1, np.sqrt(0.02**2 + 0.05**2 + 0.01**2) / 3)
-    )
-    with pytest.raises(ValueError, match="same W >= 2"):
-        rate_noise.paired_windows(a, b[:10])
-    with pytest.raises(ValueError, match="same W >= 2"):
-        rate_noise.paired_windows(a[:1], b[:1])
+    chosen = [rng.normal(size=50) for _ in range(3)]
+    following = [c + 0.1 + rng.normal(size=50) * 0.2 for c in chosen]
+    mean, error = rate_noise.window_margin(chosen, following)
+    d = np.mean(following, 0) - np.mean(chosen, 0)
+    assert mean == pytest.approx(d.mean())
+    assert error == pytest.approx(np.std(d, ddof=1) / np.sqrt(50))
+
+
+@pytest.mark.parametrize(
+    "chosen, following",
+    [
+        ([np.zeros(5)], [np.zeros(4)]),
+        ([np.zeros(5)], [np.zeros(5), np.zeros(5)]),
+        ([np.zeros(1)], [np.zeros(1)]),
+        ([], []),
+    ],
+)
+def test_window_margin_refuses_mismatched_windows(chosen, following):
+    with pytest.raises(ValueError, match=r"\[W\]"):
+        rate_noise.window_margin(chosen, following)
+
+
+def test_an_earlier_reading_stands_only_where_it_read_more_seeds(tmp_path):
+    rows = synthetic_rows.synthetic_rows()
+    fresh = rate_noise.rate_noise(str(tmp_path), rows)  # no run on this machine
+    assert fresh and all(e["seeds"] == [] and e["window_error"] is None for e in fresh)
+    first, second = fresh[0], fresh[1]
+    earlier = {
+        first["key"]: {**first, "seeds": [100], "window_margin": 0.1, "window_error": 0.01},
+        # Another pair of rates than the one chosen now: not this arm's reading.
+        second["key"]: {**second, "next_lr": -1.0, "seeds": [100], "window_error": 0.2},
+    }  # fmt: skip
+    found = {e["key"]: e for e in rate_noise.rate_noise(str(tmp_path), rows, earlier)}
+    assert found[first["key"]]["seeds"] == [100]
+    assert found[first["key"]]["window_error"] == 0.01
+    assert found[second["key"]]["window_error"] is None

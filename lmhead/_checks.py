@@ -150,23 +150,22 @@ def check_concrete(where: str, **values: Any) -> None:
             )
 
 
-def check_logits(logits: jax.typing.ArrayLike) -> None:
-    """Checks ``logits: [..., V]``: floating point, rank >= 1, ``V >= 1``."""
+def check_logits(logits: jax.typing.ArrayLike, layout: str = "[..., V]") -> None:
+    """Checks ``logits``: floating point, ``V >= 1``, and rank 2 for
+    ``layout="[B, V]"``, else rank >= 1."""
     check_floating("logits", logits)
-    check_rank("logits", logits, set(range(1, 64)), "[..., V]")
+    ranks = 2 if layout == "[B, V]" else set(range(1, 64))
+    check_rank("logits", logits, ranks, layout)
     if np.shape(logits)[-1] < 1:
         raise ValueError(
-            f"logits must have shape [..., V] with V >= 1; got "
-            f"shape {np.shape(logits)}."
+            f"logits must have shape {layout} with V >= 1; got shape "
+            f"{np.shape(logits)}."
         )
 
 
 def as_logits(logits: jax.typing.ArrayLike, layout: str = "[..., V]") -> jax.Array:
-    """``logits`` as float32, after checking them: floating point, and rank 2
-    for ``layout="[B, V]"``, else rank >= 1."""
-    check_floating("logits", logits)
-    ranks = 2 if layout == "[B, V]" else set(range(1, 64))
-    check_rank("logits", logits, ranks, layout)
+    """``logits`` as float32, after :func:`check_logits`."""
+    check_logits(logits, layout)
     return jnp.asarray(logits, jnp.float32)
 
 

@@ -95,6 +95,19 @@ def maybe_step(
     return jax.lax.cond(keep_going, call, lambda: (logits, model_state))
 
 
+def not_finite(logits: jax.Array) -> jax.Array:
+    """``bool [...]``: the row of ``logits [..., V]`` has a NaN or ``+inf``
+    logit, or no finite one: it cannot be decoded.
+
+    Examples:
+        >>> not_finite(jnp.array([[0.0, 1.0], [jnp.nan, 1.0], [-jnp.inf, -jnp.inf]]))
+        Array([False,  True,  True], dtype=bool)
+    """
+    return jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1) | jnp.all(
+        logits == -jnp.inf, axis=-1
+    )
+
+
 def check_token_rows(name: str, tokens: Any, batch: int, shape: str) -> None:
     """Raises unless ``tokens`` is an integer array of ``shape`` (``"[B, P]"``)
     with ``batch`` rows."""

@@ -237,7 +237,12 @@ def _beam_step(
     batch, num_beams, _ = s.live_tokens.shape
     vocab_size = s.logits.shape[-1]
     length = s.step + 1
-    token_log_probs = jax.nn.log_softmax(s.logits, axis=-1).reshape(batch, -1)
+    # A beam whose logits cannot be decoded has no continuation.
+    token_log_probs = jnp.where(
+        _loop.not_finite(s.logits)[:, None],
+        NEG_INF,
+        jax.nn.log_softmax(s.logits, axis=-1),
+    ).reshape(batch, -1)
     totals = s.live_log_probs[..., None] + token_log_probs.reshape(
         batch, num_beams, vocab_size
     )
@@ -363,7 +368,10 @@ def beam_search(
     never changes the result. With ``K >= V ** (N - 1)`` nothing is pruned
     and the result is the exact n-best over all sequences. Scores use the
     model's raw log-probs: no sampling knob applies (``knobs`` must leave
-    every one off or neutral).
+    every one off or neutral). A beam whose model logits are not finite (a
+    NaN or ``+inf``, or every logit ``-inf``) cannot be scored: it ends
+    there, with no continuation, and the hypotheses it had already
+    finished stand; a prompt left with none has only missing ones.
 
     Static arguments: ``step_fn`` (by hash), ``num_beams``, ``max_new_tokens``,
     ``eos_id`` (as a set of ids), ``penalty``, ``num_return_sequences``,

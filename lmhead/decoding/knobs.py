@@ -60,6 +60,7 @@ def _knob(
 _STATIC = dict(static=True)
 # Any finite real: (-inf, inf) with both ends open also refuses NaN.
 _FINITE = dict(low=-math.inf, high=math.inf, low_open=True, high_open=True)
+_POSITIVE = dict(low=0.0, high=math.inf, low_open=True, high_open=True)
 # What a padding row of a stacked batch holds where it is not neutral: it is
 # greedy, so that it draws nothing.
 _PADDING = {"temperature": 0.0}
@@ -80,14 +81,15 @@ class SamplingKnobs:
     whose leaves are the traced knobs that are not None.
 
     Attributes:
-        temperature: ``T >= 0``, per row, default 1 (neutral); 0 is greedy.
+        temperature: finite ``T >= 0``, per row, default 1 (neutral); 0 is
+            greedy.
         top_k: integer ``k >= 0``, per row; 0 keeps every token (neutral).
             Default None: off.
         top_p: ``0 < p <= 1``, per row; 1 keeps every token (neutral).
             Default None: off.
         min_p: ``0 <= m <= 1``, per row; 0 keeps every token (neutral).
             Default None: off.
-        repetition_penalty: ``theta > 0``, per row; 1 changes nothing
+        repetition_penalty: finite ``theta > 0``, per row; 1 changes nothing
             (neutral). Default None: off. Reads the token history.
         min_new_tokens: integer ``>= 0``, per row: EOS is removed before
             that many tokens. Default 0 (neutral).
@@ -116,8 +118,9 @@ class SamplingKnobs:
     """
 
     temperature: jax.typing.ArrayLike = _knob(
-        1.0, np.float32, low=0.0, per_row=True, neutral=1.0
-    )
+        1.0, np.float32, low=0.0, high=math.inf, high_open=True, per_row=True,
+        neutral=1.0,
+    )  # fmt: skip
     top_k: jax.typing.ArrayLike | None = _knob(
         None, np.int32, low=0, per_row=True, neutral=0
     )
@@ -128,7 +131,7 @@ class SamplingKnobs:
         None, np.float32, low=0.0, high=1.0, per_row=True, neutral=0.0
     )
     repetition_penalty: jax.typing.ArrayLike | None = _knob(
-        None, np.float32, low=0.0, low_open=True, per_row=True, neutral=1.0
+        None, np.float32, **_POSITIVE, per_row=True, neutral=1.0
     )
     min_new_tokens: jax.typing.ArrayLike = _knob(
         0, np.int32, low=0, per_row=True, neutral=0
@@ -190,9 +193,12 @@ class SamplingKnobs:
             size: ``B``, the batch's rows.
 
         Raises:
-            ValueError: a per-batch knob differs between rows, a per-row
-                knob is None in some rows only, or a row's ``logit_bias`` is
-                not ``[V]`` with the same ``V`` as the others'.
+            ValueError: ``rows`` is empty or longer than ``size``, a
+                per-batch knob differs between rows, a per-row knob is None
+                in some rows only, or a row's ``logit_bias`` is not ``[V]``
+                with the same ``V`` as the others'.
+            TypeError, ValueError: a row's value is not one its knob takes
+                (:func:`check_knob`).
 
         Examples:
             >>> rows = [SamplingKnobs(logit_bias=np.array([0.0, 5.0, -5.0])),
@@ -202,6 +208,10 @@ class SamplingKnobs:
                    [ 0.,  0.,  0.],
                    [ 0.,  0.,  0.]], dtype=float32)
         """
+        if not 1 <= len(rows) <= size:
+            raise ValueError(
+                f"rows must hold 1 to size = {size} knobs; got {len(rows)}."
+            )
         first, stacked = rows[0], {}
         for name in KNOBS:
             spec = _field_spec(name)
@@ -214,6 +224,8 @@ class SamplingKnobs:
                     continue
                 if any(value is None for value in values):
                     raise ValueError(f"{name} must be set in every row or in none.")
+                for value in values:
+                    check_knob(name, value)
                 pad = _PADDING.get(name, spec["neutral"])
                 values += [pad] * (size - len(rows))
                 stacked[name] = np.asarray(values, spec["dtype"])

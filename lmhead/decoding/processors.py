@@ -73,11 +73,13 @@ def apply_temperature(
     ``z' <= 0``, so a tiny ``T`` can push a logit to ``-inf`` but never to
     ``+inf`` (where ``inf - inf`` would give NaN). ``T = 0`` is greedy
     decoding, which the samplers do by argmax; nothing is divided by zero.
-    Inside ``jit`` a negative traced ``T`` acts as 0.
+    Inside ``jit`` a negative or NaN traced ``T`` acts as 0, and ``T =
+    inf`` gives the limit, 0 for every token that is not ``-inf``.
 
     Args:
         logits: ``[..., V]`` scores.
-        temperature: ``T >= 0``, a scalar or one per row (may be traced).
+        temperature: finite ``T >= 0``, a scalar or one per row (may be
+            traced).
 
     Returns:
         ``[..., V]`` float32.
@@ -94,6 +96,8 @@ def apply_temperature(
     temperature = _per_row("temperature", temperature, logits)
     positive = temperature > 0
     scaled = (logits - _row_max(logits)) / jnp.where(positive, temperature, 1.0)
+    # -inf stays -inf (-inf / inf would be NaN).
+    scaled = jnp.where(logits == NEG_INF, NEG_INF, scaled)
     return jnp.where(positive, scaled, logits)
 
 
@@ -247,8 +251,9 @@ def apply_repetition_penalty(
         logits: ``[B, V]`` scores.
         history: ``int [B, L]`` tokens so far (prompt and generated); entries
             outside ``[0, V)``, e.g. ``NO_TOKEN``, are ignored.
-        penalty: ``theta > 0``, a scalar or one per row ``[B]`` (may be
-            traced), or None for no penalty.
+        penalty: finite ``theta > 0``, a scalar or one per row ``[B]``, or
+            None for no penalty. Inside ``jit`` a traced ``theta`` outside
+            ``(0, inf)`` (or NaN) acts as 1, no penalty.
 
     Returns:
         ``[B, V]`` float32.
@@ -268,6 +273,7 @@ def apply_repetition_penalty(
         return logits
     check_knob("repetition_penalty", penalty)
     penalty = _per_row("repetition_penalty", penalty, logits)
+    penalty = jnp.where((penalty > 0) & (penalty < jnp.inf), penalty, 1.0)
     history = _as_history(history, logits.shape[0])
     penalized = jnp.where(logits > 0, logits / penalty, logits * penalty)
     return jnp.where(_token_mask(history, logits.shape[-1]), penalized, logits)
@@ -530,7 +536,10 @@ def process_logits(
 
     A row whose every token got removed falls back to a point mass on the
     argmax of the raw ``logits`` (0 there, ``-inf`` elsewhere), so the result
-    is always a valid distribution and never NaN.
+    is always a valid distribution and never NaN. Where a logit is ``+inf``
+    before temperature (a small ``repetition_penalty`` can overflow a large
+    positive logit), the ``+inf`` ones share the mass: 0 there, ``-inf``
+    elsewhere, the limit of softmax.
 
     Args:
         logits: ``[B, V]`` raw next-token logits.
@@ -588,6 +597,10 @@ def process_logits(
     z = apply_min_new_tokens(
         z, num_generated, min_new_tokens=knobs.min_new_tokens, eos_id=eos_id
     )
+    # A logit the penalty pushed (or the model put) at +inf holds all the
+    # mass, as the limit of softmax says; inf - inf would be NaN.
+    top = jnp.max(z, axis=-1, keepdims=True)
+    z = jnp.where(top == jnp.inf, jnp.where(z == top, 0.0, NEG_INF), z)
     z = apply_temperature(z, knobs.temperature)
     z = apply_top_k(z, knobs.top_k)
     z = apply_min_p(apply_top_p(z, knobs.top_p), knobs.min_p)

@@ -23,7 +23,6 @@ FINISHED_LENGTH = 0  # it reached its max_new_tokens (or row_max_new_tokens)
 FINISHED_EOS = 1  # it produced one of eos_id
 FINISHED_STOP = 2  # a stop condition ended it
 FINISHED_BAD_LOGITS = 3  # the model's logits were not finite
-LOG_PROBS_FROM = _loop.LOG_PROBS_FROM
 
 
 class Generation(NamedTuple):
@@ -203,13 +202,6 @@ def _sampling_continues(s: SamplingState) -> jax.Array:
     return (s.step < s.tokens.shape[1]) & ~jnp.all(s.finished)
 
 
-def _not_finite(logits: jax.Array) -> jax.Array:
-    """``bool [B]``: the row has a NaN or ``+inf`` logit, or no finite one."""
-    return jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1) | jnp.all(
-        logits == NEG_INF, axis=-1
-    )
-
-
 def _update_stops(
     s: SamplingState, stop: tuple, token: jax.Array, active: jax.Array
 ) -> tuple[tuple, jax.Array]:
@@ -259,7 +251,7 @@ def _sampling_step(
     processed = _processed_logits(s, knobs, rows, config)
     token, key = _choose_tokens(s, processed, knobs.temperature)
     log_prob, top_tokens, top_log_probs = _token_log_probs(s, processed, token, config)
-    bad = _not_finite(s.logits) & ~s.finished
+    bad = _loop.not_finite(s.logits) & ~s.finished
     active = ~s.finished & ~bad
     token = jnp.where(s.finished | bad, config.pad_id, token)
     log_prob = jnp.where(s.finished, 0.0, jnp.where(bad, NEG_INF, log_prob))
@@ -406,10 +398,7 @@ _resume_loop = jax.jit(_advance_columns, static_argnames=_STATIC, donate_argname
 
 
 def _initial_history(
-    prompt_tokens: jax.typing.ArrayLike | None,
-    batch: int,
-    vocab_size: int,
-    max_new_tokens: int,
+    prompt_tokens: jax.typing.ArrayLike | None, batch: int, max_new_tokens: int
 ) -> jax.Array:
     """``int32 [B, P + N - 1]``: the prompt right-aligned, ``NO_TOKEN`` before it."""
     if prompt_tokens is None:
@@ -485,7 +474,7 @@ def _prepare(
     if knobs.reads_history or processor is not None:
         _loop.check_prompt_tokens(prompt_tokens, batch, vocab_size)
     if knobs.reads_history:
-        history = _initial_history(prompt_tokens, batch, vocab_size, max_new_tokens)
+        history = _initial_history(prompt_tokens, batch, max_new_tokens)
     if processor is not None:
         prompt_lengths = jnp.zeros((batch,), jnp.int32)
         if prompt_tokens is not None:
@@ -606,8 +595,10 @@ def _split_loops(arguments: _LoopArguments) -> tuple[Callable, Callable, tuple] 
         return None
     per_row_key = _per_row_keys(a.key)
     temperature = a.knobs.temperature
+    # Read on the host (np, not jnp): a comparison on the device would wait
+    # behind the work queued there.
     if not per_row_key and (
-        _checks.is_traced(temperature) or jnp.any(jnp.asarray(temperature) > 0)
+        _checks.is_traced(temperature) or np.any(np.asarray(temperature) > 0)
     ):
         return None
     axis = mesh.axis_names[0]

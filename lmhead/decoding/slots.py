@@ -41,7 +41,6 @@ from lmhead.decoding.sampling import (
     FINISHED_BAD_LOGITS,
     FINISHED_EOS,
     FINISHED_LENGTH,
-    _not_finite,
 )
 
 
@@ -87,7 +86,9 @@ class SlotChunk(NamedTuple):
         log_probs: ``float32 [S, N]``, the model's log-prob of each token.
         top_tokens: ``int32 [S, N, K]``; top_log_probs: ``float32 [S, N, K]``.
         generated, limits, finish_reasons: the state's after the chunk; a
-            slot whose row ended has ``generated == limits > 0``.
+            slot whose row ended has ``generated == limits`` (0 for a row
+            whose first logits could not be decoded, which
+            ``finish_reasons`` tells apart from a free slot).
     """
 
     tokens: jax.Array
@@ -225,8 +226,9 @@ def fill_slots(
         logits: ``float [R, V]``, each prompt's next-token logits.
         model_state: ``step_fn``'s state for the ``R`` rows (a prefilled
             cache with the shapes of ``state.model_state``'s rows).
-        keys: ``[R]`` PRNG keys, one per row, as :func:`generate`'s ``key``
-            of one key per row: the row then draws what ``generate`` would.
+        keys: ``[R]`` PRNG keys (or ``[R, 2]`` raw key data), one per row, as
+            :func:`generate`'s ``key`` of one key per row: the row then draws
+            what ``generate`` would.
         max_new_tokens: ``int [R]``, each row's limit, ``>= 1`` (the caller
             makes sure prompt plus limit fits the model).
         prompt_tokens: ``int [R, P]``, each prompt, negative ids after it.
@@ -257,6 +259,12 @@ def fill_slots(
             )
     _checks.check_in_range("slots", slots, low=0)
     _checks.check_in_range("max_new_tokens", max_new_tokens, low=1)
+    typed = jnp.issubdtype(jnp.result_type(keys), jax.dtypes.prng_key)
+    if jnp.shape(keys) != ((rows,) if typed else (rows, 2)):
+        raise ValueError(
+            f"keys must be one PRNG key per row: [R] = ({rows},) keys or "
+            f"[R, 2] = ({rows}, 2) raw key data; got shape {jnp.shape(keys)}."
+        )
     _loop.check_token_rows("prompt_tokens", prompt_tokens, rows, "[R, P]")
     _loop.check_state(model_state, rows)
     full = jax.tree.structure(state.knobs)
@@ -279,17 +287,24 @@ def fill_slots(
 
 @partial(jax.jit, donate_argnames="state")
 def free_slots(state: SlotState, slots: jax.Array) -> SlotState:
-    """Ends the rows in ``slots`` (``int [F]``; values ``>= S`` are ignored):
-    their limit becomes what they have generated, so that they emit nothing
-    more. A cancelled request or a stop string frees its slots this way.
+    """Ends the rows in ``slots`` (``int [F]``; values outside ``[0, S)`` are
+    ignored): their limit becomes what they have generated, so that they
+    emit nothing more. A cancelled request or a stop string frees its slots
+    this way.
 
     Examples:
-        >>> state = empty_slots(jnp.zeros([2]), vocab_size=2, history_len=2,
-        ...                     key=jax.random.key(0))
-        >>> state = state._replace(limits=jnp.array([4, 4]), generated=jnp.array([1, 3]))
-        >>> free_slots(state, jnp.array([1, 5])).limits
+        >>> def two_rows():
+        ...     state = empty_slots(jnp.zeros([2]), vocab_size=2, history_len=2,
+        ...                         key=jax.random.key(0))
+        ...     return state._replace(limits=jnp.array([4, 4]),
+        ...                           generated=jnp.array([1, 3]))
+        >>> free_slots(two_rows(), jnp.array([1, 5])).limits
         Array([4, 3], dtype=int32)
+        >>> free_slots(two_rows(), jnp.array([-1])).limits  # no slot
+        Array([4, 4], dtype=int32)
     """
+    # A negative id would index from the end: it is sent past it instead.
+    slots = jnp.where(slots < 0, state.limits.shape[0], slots)
     limits = state.limits.at[slots].set(state.generated[slots], mode="drop")
     return state._replace(limits=limits)
 
@@ -312,7 +327,7 @@ def _one_step(step_fn, params, eos_ids, top_logprobs, state: SlotState):
     log_dist = jax.nn.log_softmax(state.logits, axis=-1)
     log_prob = jnp.take_along_axis(log_dist, token[:, None], axis=-1)[:, 0]
     top_log_probs, top_tokens = jax.lax.top_k(log_dist, max(top_logprobs, 1))
-    bad = _not_finite(state.logits) & live
+    bad = _loop.not_finite(state.logits) & live
     emitted = live & ~bad
     eos = jnp.zeros_like(live)
     for eos_id in eos_ids:

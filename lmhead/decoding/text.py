@@ -9,7 +9,7 @@ token completes one even when the string splits across tokens, is
 on the decoded text, which is exact for every tokenizer.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -31,7 +31,7 @@ def detokenize(
     ids: npt.ArrayLike,
     tokenizer: TokenDecoder,
     *,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     pad_id: int | None = None,
     stop: str | Sequence[str] | None = None,
 ) -> str | list:
@@ -42,7 +42,8 @@ def detokenize(
         ids: ``int [..., N]``; a single row gives a string, ``[B, N]`` a list
             of strings, ``[B, n, N]`` (beam search) a list of lists.
         tokenizer: a :class:`TokenDecoder`.
-        eos_id: the row ends before its first ``eos_id`` (EOS is not text).
+        eos_id: an id, or ids (as :func:`~lmhead.decoding.generate` takes
+            them): the row ends before the first of them (EOS is not text).
             None: no cut.
         pad_id: every ``pad_id`` is dropped. None: none is, which is right for
             rows cut at EOS and for a ``pad_id`` that is also a real token.
@@ -59,6 +60,8 @@ def detokenize(
         ...         return "".join("abcd"[i] for i in ids)
         >>> detokenize([[0, 1, 3, 2], [2, 2, 2, 2]], Letters(), eos_id=3)
         ['ab', 'cccc']
+        >>> detokenize([0, 1, 3, 2], Letters(), eos_id=(2, 3))
+        'ab'
         >>> detokenize([[0, 1, 3, 2], [2, 2, 2, 2]], Letters(), stop=["bd", "cc"])
         ['a', '']
     """
@@ -67,6 +70,7 @@ def detokenize(
             "tokenizer must have a decode(ids: list[int]) -> str "
             f"method; got {type(tokenizer).__name__}."
         )
+    eos = _ids("eos_id", eos_id)
     ids = np.asarray(ids)
     if ids.ndim == 0:
         raise ValueError(f"ids must have shape [..., N]; got shape {ids.shape}.")
@@ -74,16 +78,31 @@ def detokenize(
         _checks.check_integer("ids", ids)
     if ids.ndim > 1:
         return [
-            detokenize(row, tokenizer, eos_id=eos_id, pad_id=pad_id, stop=stop)
+            detokenize(row, tokenizer, eos_id=eos, pad_id=pad_id, stop=stop)
             for row in ids
         ]
     row = ids.tolist()
-    if eos_id is not None and eos_id in row:
-        row = row[: row.index(eos_id)]
+    row = row[: next((i for i, token in enumerate(row) if token in eos), len(row))]
     if pad_id is not None:
         row = [i for i in row if i != pad_id]
     text = tokenizer.decode(row)
     return text if stop is None else trim_at_stop(text, stop)
+
+
+def _ids(name: str, value: int | Sequence[int] | None) -> tuple[int, ...]:
+    """``value`` (None, an id or a collection of ids) as a tuple of ids."""
+    integer = lambda i: isinstance(i, (int, np.integer)) and not isinstance(i, bool)
+    if value is None:
+        return ()
+    if integer(value):
+        return (int(value),)
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        ids = [value]
+    else:
+        ids = list(value)
+    if not all(map(integer, ids)):
+        raise TypeError(f"{name} must be None, an integer id or ids; got {value!r}.")
+    return tuple(int(i) for i in ids)
 
 
 def find_stop(text: str, stop: str | Sequence[str]) -> tuple[int, int] | None:

@@ -59,7 +59,7 @@ def eos_set(eos_id):
 
 def brute_force_scores(chain, row, max_new_tokens, eos_id, alpha, penalty):
     """{sequence: score} for every hypothesis: ended by EOS (any of the ids
-    ``eos_id``), or of length N."""
+    ``eos_id``), or of length N; one that reads NaN logits has none."""
     scores, eos = {}, eos_set(eos_id)
     for length in range(1, max_new_tokens + 1):
         for sequence in itertools.product(range(chain.vocab_size), repeat=length):
@@ -68,8 +68,10 @@ def brute_force_scores(chain, row, max_new_tokens, eos_id, alpha, penalty):
                 continue
             if length < max_new_tokens and not ends_with_eos:
                 continue
-            log_prob = sum(chain.log_probs(row, sequence))
-            scores[sequence] = log_prob / np_divisor(length, alpha, penalty)
+            with np.errstate(invalid="ignore"):  # NaN logits: no score
+                log_prob = sum(chain.log_probs(row, sequence))
+            if not np.isnan(log_prob):
+                scores[sequence] = log_prob / np_divisor(length, alpha, penalty)
     return scores
 
 
@@ -125,6 +127,30 @@ def test_beam_search_with_enough_beams_is_exhaustive(eos_id, penalty):
             pad_id=7,
         )
         assert_matches_brute_force(chain, outputs, 4, eos_id, alpha, penalty, pad_id=7)
+
+
+def test_a_beam_that_reads_nan_logits_ends_there():
+    """A transition whose next logits are NaN: every hypothesis that reads
+    them is dropped, the rest are the exact n-best (brute force without
+    them); with NaN logits after the prompt there is no hypothesis."""
+    chain = MarkovChain(12, vocab_size=3, batch=2, eos_boost=-0.5)
+    chain.table[1, 2] = np.nan  # after tokens 1 then 2
+    chain.table[2, 2, 0] = np.inf  # and a +inf logit after 2 then 2
+    outputs = decoding.beam_search(
+        markov_step, chain.table, chain.logits, chain.state(), num_beams=27,
+        max_new_tokens=4, eos_id=0, length_penalty=0.6, num_return_sequences=6,
+        pad_id=7,
+    )  # fmt: skip
+    every = brute_force_scores(chain, 0, 4, 0, 0.6, "gnmt")
+    assert any(1 in seq[:-1] for seq in every)  # the table still has paths
+    assert_matches_brute_force(chain, outputs, 4, 0, 0.6, "gnmt", pad_id=7)
+    assert np.isfinite(np.asarray(outputs[1])).all()
+    nan_prompt = decoding.beam_search(
+        markov_step, chain.table, np.full_like(chain.logits, np.nan), chain.state(),
+        num_beams=3, max_new_tokens=4, eos_id=0, num_return_sequences=2,
+    )  # fmt: skip
+    np.testing.assert_array_equal(nan_prompt.scores, -np.inf)
+    np.testing.assert_array_equal(nan_prompt.lengths, 0)
 
 
 @pytest.mark.parametrize(

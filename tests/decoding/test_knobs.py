@@ -342,6 +342,26 @@ def test_repeat_rows_repeats_per_row_values_only():
 
 BAD_INPUTS = [
     (
+        "stack of a value its knob does not take",
+        lambda: SamplingKnobs.stack(
+            [SamplingKnobs(top_k=2.7), SamplingKnobs(top_k=3)], size=2
+        ),
+        TypeError,
+        "top_k",
+    ),
+    (
+        "stack of more rows than its size",
+        lambda: SamplingKnobs.stack([SamplingKnobs()] * 3, size=2),
+        ValueError,
+        ("rows", "size"),
+    ),
+    (
+        "stack of no rows",
+        lambda: SamplingKnobs.stack([], size=2),
+        ValueError,
+        ("rows", "size"),
+    ),
+    (
         "per-row knob of the wrong shape",
         lambda: SamplingKnobs(top_p=np.full(3, 0.9)).check(2, 5),
         ValueError,

@@ -390,6 +390,28 @@ class ProcessorTest(chex.TestCase):
             self.assertFalse(np.isnan(out).any())
             self.assertFalse(np.isnan(jax.nn.log_softmax(out)).any())
 
+    @chex.variants(with_jit=True)
+    def test_traced_out_of_range_knobs_follow_their_rules(self):
+        """Inside jit the ranges cannot be checked: a repetition penalty
+        outside (0, inf) is no penalty, T = inf keeps every token that is not
+        -inf at 0, and a penalty that overflows a logit to +inf puts the
+        mass there; never NaN."""
+        z = jnp.array([[2.0, 0.0, -1.0, -np.inf]])
+        history = jnp.array([[0, 1]])
+        penalize = self.variant(
+            lambda z, theta: decoding.process_logits(
+                z, repetition_penalty=theta, history=history, temperature=1.0
+            )
+        )
+        none = decoding.process_logits(z, temperature=1.0)
+        for theta in (0.0, -1.0, np.inf, np.nan):
+            np.testing.assert_array_equal(penalize(z, theta), none, err_msg=theta)
+        overflow = penalize(jnp.array([[3e38, 1.0, 0.0, -np.inf]]), 1e-30)
+        np.testing.assert_array_equal(overflow, [[0.0, -np.inf, -np.inf, -np.inf]])
+        hot = self.variant(lambda z, t: decoding.process_logits(z, temperature=t))
+        np.testing.assert_array_equal(hot(z, np.inf), [[0.0, 0.0, 0.0, -np.inf]])
+        np.testing.assert_array_equal(hot(z, np.nan), z)  # acts as T = 0
+
 
 # ---------------------------------------------------------------------------
 # bad input: the message names the argument and what is allowed
@@ -422,6 +444,18 @@ BAD_INPUT_MESSAGES = [
         "temperature must be in [0",
     ),
     (
+        lambda: decoding.apply_temperature(CHAIN.logits, np.inf),
+        ValueError,
+        "temperature must be in [0, inf)",
+    ),
+    (
+        lambda: decoding.apply_repetition_penalty(
+            CHAIN.logits, jnp.zeros((2, 1), jnp.int32), np.inf
+        ),
+        ValueError,
+        "repetition_penalty must be in (0, inf)",
+    ),
+    (
         lambda: decoding.apply_repetition_penalty(
             CHAIN.logits, jnp.zeros((2, 1), jnp.int32), -1.0
         ),
@@ -437,6 +471,11 @@ BAD_INPUT_MESSAGES = [
         lambda: decoding.apply_top_k(jnp.array([1, 2]), 1),
         TypeError,
         "logits must have a floating-point dtype",
+    ),
+    (
+        lambda: decoding.process_logits(jnp.zeros((2, 0))),
+        ValueError,
+        "logits must have shape [B, V] with V >= 1",
     ),
 ]
 

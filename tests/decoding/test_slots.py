@@ -204,6 +204,11 @@ def test_bad_input_names_the_argument(lm):
     )
     assert_raises_exactly(lambda: fill(np.array([0, 1])), ValueError, "slots")
     assert_raises_exactly(lambda: fill(np.array([-1])), ValueError, "slots")
+    # One key for every row would give every row the same draws.
+    assert_raises_exactly(lambda: fill(keys=jax.random.key(1)), ValueError, "keys")
+    assert_raises_exactly(
+        lambda: fill(keys=np.zeros((2,), np.uint32)), ValueError, "keys"
+    )
     assert_raises_exactly(
         lambda: fill(max_new_tokens=np.array([0])), ValueError, "max_new_tokens"
     )

@@ -14,6 +14,12 @@ class Letters:
         return "".join("abcdefgh"[i] for i in ids)
 
 
+def test_detokenize_cuts_at_the_first_of_several_eos_ids():
+    ids = [[0, 1, 3, 2], [2, 2, 0, 1]]
+    for eos_id in ((2, 3), [3, 2], {2, 3}, np.array([3, 2])):
+        assert decoding.detokenize(ids, Letters(), eos_id=eos_id) == ["ab", ""]
+
+
 def test_detokenize_cuts_at_eos_and_drops_padding():
     ids = np.array([[0, 1, 7, 2], [3, 3, 3, 3], [7, 0, 0, 0]])
     assert decoding.detokenize(ids, Letters(), eos_id=7) == ["ab", "dddd", ""]
@@ -100,6 +106,12 @@ def test_bad_input_is_named(call, error, fragment):
 
 
 BAD_INPUTS = [
+    (
+        "detokenize eos_id not an id",
+        lambda: decoding.detokenize([0, 1], Letters(), eos_id=1.0),
+        TypeError,
+        "eos_id",
+    ),
     (
         "trim_at_stop empty string",
         lambda: decoding.trim_at_stop("abc", ["b", ""]),

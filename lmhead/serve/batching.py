@@ -17,7 +17,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import itertools
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -31,11 +30,6 @@ from lmhead.lm import model as model_lib
 from lmhead.lm import scoring
 from lmhead.serve import completions, openai_api, requests
 from lmhead.serve.requests import SERVED_KNOBS, GenerateRequest, ScoreRequest, bucket
-
-
-def _json_float(x: float) -> float | None:
-    """JSON has no infinities: a non-finite value becomes null."""
-    return float(x) if math.isfinite(x) else None
 
 
 class Engine:
@@ -118,9 +112,11 @@ class Engine:
             "length": int(length),
         }
         if log_probs is not None:
-            completion["log_probs"] = [_json_float(x) for x in log_probs[:length]]
+            completion["log_probs"] = [
+                completions.json_float(x) for x in log_probs[:length]
+            ]
         if score is not None:
-            completion["score"] = _json_float(score)
+            completion["score"] = completions.json_float(score)
         return completion
 
     def sample(self, requests: list[GenerateRequest]) -> list[list[dict]]:
@@ -227,7 +223,7 @@ class Engine:
         return dict(
             summary,
             token_texts=score.token_texts,
-            log_probs=[_json_float(x) for x in score.log_probs],
+            log_probs=[completions.json_float(x) for x in score.log_probs],
         )
 
     def complete(self, batch: list[openai_api.CompletionRequest]) -> list[dict]:
@@ -355,7 +351,8 @@ class Batcher(WorkQueue):
             :class:`requests.QueueFull` beyond.
         window_s: how long the oldest waiting job waits for company.
         on_batch: called as ``on_batch(kind, rows)`` after each batch runs
-            (``kind`` is ``"sample"``, ``"beam"`` or ``"score"``).
+            (``kind`` is ``"sample"``, ``"beam"``, ``"score"`` or
+            ``"complete"``).
     """
 
     def __init__(

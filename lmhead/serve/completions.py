@@ -59,7 +59,8 @@ def top_width(engine: Any) -> int:
 def prompt_log_probs(engine: Any, ids: np.ndarray, k: int) -> tuple[list, list]:
     """The echoed prompt's ``token_logprobs`` (the scorer's, the first one
     None: nothing predicts it) and ``top_logprobs`` (``k`` most likely
-    ``{token text: log-prob}`` at each position, None first).
+    ``{token text: log-prob}`` at each position, None first; ``k`` past the
+    vocabulary gives every token, as the completion's top log-probs do).
 
     The top ``k`` come from one forward pass of the prompt padded to its
     bucket (causal, so the padding changes nothing before it)."""
@@ -75,6 +76,7 @@ def prompt_log_probs(engine: Any, ids: np.ndarray, k: int) -> tuple[list, list]:
                 batch_size=engine.score_batch_size,
             )
         ]
+    k = min(k, engine.model.vocab_size)
     if k == 0:
         return chosen, [None] + [{} for _ in ids[1:]]
     width = requests.bucket(len(ids), engine.buckets.prompt_lengths)
@@ -249,7 +251,7 @@ def completion_text(engine: Any, request: CompletionRequest, ids, done: bool) ->
         text = decoding.trim_at_stop(text, request.stop)
     if not done:
         hold = max((len(s) for s in request.stop), default=1) - 1
-        text = text[: len(text) - hold].rstrip("\ufffd")
+        text = text[: max(len(text) - hold, 0)].rstrip("\ufffd")
     return text
 
 
@@ -298,7 +300,7 @@ def _choice(engine, request, p, s, generated, row, prompt_scores) -> tuple[dict,
             entries = [
                 (
                     ids[j],
-                    _json_float(generated.log_probs[row, j]),
+                    json_float(generated.log_probs[row, j]),
                     _top_map(
                         tokenizer,
                         generated.top_tokens[row, j, :k],
@@ -330,7 +332,13 @@ def _choice(engine, request, p, s, generated, row, prompt_scores) -> tuple[dict,
     return choice, len(ids)
 
 
-def _json_float(x: float) -> float | None:
+def json_float(x: float) -> float | None:
+    """JSON has no infinities: a non-finite value becomes null.
+
+    Examples:
+        >>> json_float(-0.5), json_float(float("-inf"))
+        (-0.5, None)
+    """
     return float(x) if math.isfinite(x) else None
 
 

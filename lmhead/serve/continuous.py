@@ -223,7 +223,7 @@ class SlotBatcher(batching.WorkQueue):
         ``CancelledError``) and ends the worker after its call."""
         with self._changed:
             self._stopping = True
-            for job in self._jobs.values():
+            for job in list(self._jobs.values()):
                 job.future.cancel()
             self._changed.notify()
         self._thread.join()
@@ -273,7 +273,7 @@ class SlotBatcher(batching.WorkQueue):
                 pending = running
             except Exception as error:  # fail the running requests, go on
                 pending = None
-                self._fail_all(error)
+                self._fail_all(error, admitted)
 
     def _admissible(self) -> list[_Job]:
         """The waiting jobs, oldest first, that fit in the free slots (one
@@ -311,9 +311,15 @@ class SlotBatcher(batching.WorkQueue):
             iter(slot for slot, holder in enumerate(self._holders) if holder is None),
         )
         for job in jobs:
-            job.prompt_scores = completions.echo_scores(self.engine, job.request)
-            mine = [(0, row.p, row.s) for row in job.rows]
-            recipe = completions.key_recipe(self.engine, [job.request], mine, len(mine))
+            try:
+                job.prompt_scores = completions.echo_scores(self.engine, job.request)
+                mine = [(0, row.p, row.s) for row in job.rows]
+                recipe = completions.key_recipe(
+                    self.engine, [job.request], mine, len(mine)
+                )
+            except Exception as error:  # this request only: the others go on
+                self._fail_jobs([job], error)
+                continue
             for row, row_recipe in zip(job.rows, zip(*recipe)):
                 row.slot, row.first_call = next(free), self._calls + 1
                 self._holders[row.slot] = (job, row)
@@ -415,7 +421,10 @@ class SlotBatcher(batching.WorkQueue):
         if stopped:
             self._free(stopped)
         for job, count in touched.items():
-            self._report(job, count, now)
+            try:
+                self._report(job, count, now)
+            except Exception as error:  # this request only: the others go on
+                self._fail_jobs([job], error)
 
     def _stop_string_end(self, request, row: _Row, before: int) -> int | None:
         """How many tokens the row keeps if a stop string ends in its new
@@ -497,17 +506,37 @@ class SlotBatcher(batching.WorkQueue):
             job.prompt_scores,
         )
 
-    def _fail_running(self, error: Exception) -> None:
-        """Fails every running job and empties its slots."""
+    def _fail_jobs(self, jobs: list[_Job], error: Exception) -> None:
+        """Fails ``jobs`` and frees the slots they hold."""
+        failed = {id(job) for job in jobs}
+        held = [
+            slot
+            for slot, holder in enumerate(self._holders)
+            if holder is not None and id(holder[0]) in failed
+        ]
+        for slot in held:
+            self._holders[slot] = None
+        if held:
+            self._free(held)
+        for job in jobs:
+            self._jobs.pop(job.future, None)
+            if not job.future.done():
+                job.future.set_exception(error)
+
+    def _fail_running(self, error: Exception, others: list[_Job] = ()) -> None:
+        """Fails every running job, and ``others`` (admitted, perhaps not
+        yet in a slot), and empties their slots (without a device call: the
+        caller rebuilds the state, or the worker ends)."""
         jobs = {id(job): job for job, _ in filter(None, self._holders)}
+        jobs.update((id(job), job) for job in others)
         self._holders = [None] * self.slots
         for job in jobs.values():
             self._jobs.pop(job.future, None)
             if not job.future.done():
                 job.future.set_exception(error)
 
-    def _fail_all(self, error: Exception) -> None:
-        """Fails every running job (the state is rebuilt: a failed call may
-        have consumed its donated buffers)."""
-        self._fail_running(error)
+    def _fail_all(self, error: Exception, others: list[_Job] = ()) -> None:
+        """Fails every running job and ``others`` (the state is rebuilt: a
+        failed call may have consumed its donated buffers)."""
+        self._fail_running(error, others)
         self._state = self._empty_state()

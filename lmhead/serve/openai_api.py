@@ -70,7 +70,7 @@ class CompletionRequest:
     ``prompt_ids[i]`` encodes prompt ``i`` and ``prompt_texts[i]`` is its text
     (decoded when it came as token ids). ``sink``, set by the web layer for a
     streaming request, is called from the engine's thread with each chunk's
-    list of ``(choice index, text, token ids, log-prob rows)``.
+    list of ``(choice index, text so far, tokens so far)``.
     """
 
     prompt_ids: list[np.ndarray]
@@ -147,17 +147,17 @@ def _prompts(body: dict, tokenizer: Any, max_tokens: int, limits) -> list:
             raise RequestError(
                 "prompt", "prompt items must be strings or lists of token ids."
             )
-        ids = np.asarray(item, np.int64)
-        if ids.min() < 0 or ids.max() >= tokenizer.vocab_size:
+        # Compared as Python ints: one past int64 must be refused, not overflow.
+        if min(item) < 0 or max(item) >= tokenizer.vocab_size:
             raise RequestError(
                 "prompt",
                 f"prompt token ids must be in [0, {tokenizer.vocab_size}).",
             )
-        if len(ids) > max_tokens:
+        if len(item) > max_tokens:
             raise RequestError(
                 "prompt", f"a prompt may hold at most {max_tokens} tokens."
             )
-        ids = ids.astype(np.int32)
+        ids = np.asarray(item, np.int32)
         out.append((ids, decoding.detokenize(ids, tokenizer)))
     return out
 
@@ -257,8 +257,9 @@ def parse_completion(
 
     ``max_tokens`` defaults to OpenAI's 16 (capped by the largest new-token
     bucket) and may be 0 only with ``echo``; ``logprobs`` is an integer in
-    ``[0, 5]``; ``seed`` is any integer (taken modulo ``2**31``); ``n`` times
-    the prompts fits the largest batch; ``top_k`` ``-1`` means off.
+    ``[0, 5]``; ``seed`` is an integer in ``[-2**63, 2**63)`` (taken modulo
+    ``2**31``); ``n`` times the prompts fits the largest batch; ``top_k``
+    ``-1`` means off.
 
     Raises:
         RequestError: naming the first bad field (status 404 for an unknown

@@ -79,14 +79,17 @@ def add_routes(
     cancel: Callable[[Any], None],
     run: Callable[[Any], Awaitable[Any]],
     on_tokens: Callable[[int], None],
+    timeout_s: float,
 ) -> None:
     """Adds the routes to the FastAPI ``app``.
 
     ``submit(request)`` queues a request and gives its future; ``cancel``
     drops one whose client left; ``run`` awaits one within the service's
-    timeout; ``on_tokens`` counts generated tokens for the metrics."""
+    timeout, ``timeout_s``, which a stream keeps too; ``on_tokens`` counts
+    generated tokens for the metrics."""
     import fastapi
     from fastapi import responses
+    from starlette import background
 
     tokenizer = engine.tokenizer
 
@@ -97,9 +100,12 @@ def add_routes(
         )
         id_ = openai_api.new_id()
         if parsed.stream:
+            future, updates = _submit_stream(parsed, submit)
             return responses.StreamingResponse(
-                _events(parsed, id_, submit, cancel, on_tokens),
+                _events(parsed, id_, future, updates, cancel, on_tokens, timeout_s),
                 media_type="text/event-stream",
+                # Also when the client leaves before the body starts.
+                background=background.BackgroundTask(cancel, future),
             )
         if parsed.num_beams > 1:
             result = completions.beam_result(parsed, await run(parsed.as_generate()))
@@ -186,16 +192,22 @@ def _add_info_routes(app: Any, engine: Any, model_name: str, read_json) -> None:
         return {"prompt": text}
 
 
-async def _events(parsed, id_: str, submit, cancel, on_tokens):
+def _submit_stream(parsed, submit) -> tuple[Any, asyncio.Queue]:
+    """Queues a streaming request (raising as :func:`submit` does, before
+    any byte of the response is sent) with a sink that hands its updates
+    to the event loop: ``(future, updates)``."""
+    loop, updates = asyncio.get_running_loop(), asyncio.Queue()
+    parsed.sink = lambda found: loop.call_soon_threadsafe(updates.put_nowait, found)
+    return submit(parsed), updates
+
+
+async def _events(parsed, id_: str, future, queue, cancel, on_tokens, timeout_s):
     """The server-sent events of a streaming request: text deltas as the
     engine's chunks arrive, each choice's last chunk with its
     ``finish_reason`` and its whole ``logprobs``, the usage chunk when
-    asked, and ``[DONE]``."""
-    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-    parsed.sink = lambda updates: loop.call_soon_threadsafe(queue.put_nowait, updates)
-    if parsed.num_beams > 1:  # refused by parse_completion; kept for safety
-        raise RequestError("stream", "stream does not apply to num_beams > 1.")
-    future = submit(parsed)
+    asked, and ``[DONE]``; past ``timeout_s``, an error (504) in band."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
     sent: dict[int, str] = {}
 
     def deltas(updates):
@@ -218,9 +230,19 @@ async def _events(parsed, id_: str, submit, cancel, on_tokens):
         waiting = asyncio.ensure_future(asyncio.wrap_future(future))
         while True:
             getter = asyncio.ensure_future(queue.get())
-            await asyncio.wait({getter, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                {getter, waiting},
+                timeout=max(deadline - loop.time(), 0.0),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
             if not getter.done():
                 getter.cancel()
+                if not waiting.done():  # past the deadline
+                    yield _sse(
+                        error_body(504, None, f"no answer within {timeout_s} s.")
+                    )
+                    yield "data: [DONE]\n\n"
+                    return
                 break
             choices = deltas(getter.result())
             if choices:

@@ -8,9 +8,11 @@ and ``lmhead/serve/batching.py`` runs them; none of it needs a web framework:
 * :class:`Buckets` bounds the shapes: a batch of ``R`` rows runs as the
   smallest batch size ``>= R``, a prompt of ``P`` tokens as the smallest
   prompt length ``>= P``, and ``N`` new tokens as the smallest count
-  ``>= N``. Every program is compiled by
-  :meth:`lmhead.serve.batching.Engine.warm_up` at start-up, so no request waits
-  for a compile.
+  ``>= N``. :meth:`lmhead.serve.batching.Engine.warm_up` compiles the
+  window batcher's programs at start-up and the slot batcher's warm-up its
+  own; a request of a kind neither warmed up (``/v1/generate``, beam search,
+  echo only, under continuous batching) compiles its shape once, at first
+  use.
 * :class:`lmhead.serve.batching.Engine` runs a batch of requests;
   :class:`lmhead.serve.batching.Batcher` queues them (at most ``max_queue``) for one worker thread: jobs that
   arrive within ``window_s`` of the oldest waiting one, and can share a
@@ -229,13 +231,17 @@ def _number(
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RequestError(name, f"{name} must be a number; got {value!r}.")
-    too_low = value <= low if low_open else value < low
-    if not math.isfinite(value) or too_low or value > high:
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past float's range
+        number = math.inf if value > 0 else -math.inf
+    too_low = number <= low if low_open else number < low
+    if not math.isfinite(number) or too_low or number > high:
         bracket = "(" if low_open else "["
         raise RequestError(
-            name, f"{name} must be in {bracket}{low}, {high}]; got {value}."
+            name, f"{name} must be in {bracket}{low}, {high}]; got {number:g}."
         )
-    return float(value)
+    return number
 
 
 def _knob(body: dict, name: str) -> float | int:

@@ -381,6 +381,7 @@ def make_app(engine: batching.Engine, config: ServiceConfig = ServiceConfig()):
         cancel=cancel,
         run=run,
         on_tokens=metrics.tokens.inc,
+        timeout_s=config.timeout_s,
     )
 
     @app.get("/healthz")

@@ -7,6 +7,7 @@ own bookkeeping (every request answered once, every slot freed).
 """
 
 import concurrent.futures
+import json
 import random
 import re
 import threading
@@ -135,6 +136,53 @@ def test_stop_cancels_a_running_request_rather_than_leaving_it_waiting(long_engi
             future.result(timeout=10)
 
 
+def test_a_request_that_fails_fails_alone_and_frees_its_slots(long_engine, monkeypatch):
+    """An error in one request's bookkeeping (here its echo's scores) answers
+    that request with the error; the others are served, no slot is held."""
+    slots = continuous.SlotBatcher(long_engine, max_queue=8, steps_per_call=1)
+    scores = continuous.completions.echo_scores
+
+    def echo_scores(engine, request):
+        if request.prompt_texts == ["bad"]:
+            raise RuntimeError("no scores")
+        return scores(engine, request)
+
+    monkeypatch.setattr(continuous.completions, "echo_scores", echo_scores)
+    try:
+        bad = slots.submit(parse(long_engine, prompt="bad", max_tokens=2))
+        good = slots.submit(parse(long_engine, prompt="good", max_tokens=2))
+        with pytest.raises(RuntimeError, match="no scores"):
+            bad.result(timeout=60)
+        assert good.result(timeout=60)["completion_tokens"] == 2
+        wait_until(lambda: slots.active() == 0 and slots.depth() == 0)
+    finally:
+        slots.stop()
+
+
+def test_echoed_top_logprobs_past_a_small_vocabulary_give_every_token():
+    """``logprobs`` 5 over 4 tokens: every token, as the completion's are."""
+    tokenizer = data.CharTokenizer("abc")
+    model = model_lib.DecoderLM(
+        vocab_size=tokenizer.vocab_size, num_layers=1, num_heads=2, d_model=8,
+        mlp_dim=16, max_len=16,
+    )  # fmt: skip
+    params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    buckets = requests.Buckets(
+        batch_sizes=(1,), prompt_lengths=(8,), new_tokens=(4,), beam_sizes=()
+    )
+    engine = batching.Engine(model, params, tokenizer, buckets)
+    assert tokenizer.vocab_size < openai_api.MAX_LOGPROBS
+    slots = continuous.SlotBatcher(engine, max_queue=2, steps_per_call=1)
+    try:
+        request = parse(engine, prompt="abc", max_tokens=3, echo=True, logprobs=5)
+        result = slots.submit(request).result(timeout=60)
+        tops = result["choices"][0]["logprobs"]["top_logprobs"]
+        assert tops[0] is None
+        assert {len(top) for top in tops[1:]} == {tokenizer.vocab_size}
+    finally:
+        slots.stop()
+
+
 def test_slots_must_hold_a_whole_request(long_engine):
     with pytest.raises(ValueError, match="slots"):
         continuous.SlotBatcher(long_engine, slots=2, max_queue=1)
@@ -158,7 +206,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(long_engine):
             next(response.iter_lines())  # the first chunk, then hang up
         wait_until(lambda: metric(url, "lmhead_active_slots") == 0)
         assert metric(url, "lmhead_cancelled_sequences_total") == 1
-    # A request past its timeout is cancelled in the engine too.
+    # A request past its timeout is cancelled in the engine too; a stream
+    # ends with the error in band.
     late = web.ServiceConfig(model_name=MODEL, steps_per_call=1, timeout_s=0.05)
     with web.BackgroundServer(web.make_app(long_engine, late)) as url:
         body = {"model": MODEL, "prompt": "a", "max_tokens": LONG}
@@ -166,6 +215,31 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(long_engine):
         assert answer.status_code == 504
         wait_until(lambda: metric(url, "lmhead_active_slots") == 0)
         assert metric(url, "lmhead_cancelled_sequences_total") == 1
+        with httpx.stream(
+            "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as response:
+            assert response.status_code == 200
+            events = [line for line in response.iter_lines() if line]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][len("data: ") :])["error"]["type"] == "timeout"
+        wait_until(lambda: metric(url, "lmhead_active_slots") == 0)
+        assert metric(url, "lmhead_cancelled_sequences_total") == 2
+
+
+def test_a_full_queue_refuses_a_stream_before_it_starts(long_engine, monkeypatch):
+    def full(self, request):
+        raise requests.QueueFull("the queue is full.")
+
+    monkeypatch.setattr(continuous.SlotBatcher, "submit", full)
+    config = web.ServiceConfig(model_name=MODEL, steps_per_call=1)
+    with web.BackgroundServer(web.make_app(long_engine, config)) as url:
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 2}
+        for stream in (False, True):
+            answer = httpx.post(
+                url + "/v1/completions", json={**body, "stream": stream}, timeout=60
+            )
+            assert answer.status_code == 503, (stream, answer.text)
+            assert answer.json()["error"]["type"] == "server_overloaded"
 
 
 def test_load_nothing_lost_or_duplicated_and_the_slots_drain(engine):

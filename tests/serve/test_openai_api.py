@@ -16,7 +16,7 @@ import pytest
 from lmhead import decoding
 from lmhead.lm import model as model_lib
 from lmhead.lm import scoring
-from lmhead.serve import openai_api, requests, web
+from lmhead.serve import completions, openai_api, requests, web
 from tests.serve.tiny_run import PROMPTS
 
 openai = pytest.importorskip("openai")  # the dev extra
@@ -229,6 +229,8 @@ BAD = [
     ({"model": MODEL, "prompt": ""}, 400, "prompt"),
     ({"model": MODEL, "prompt": [[0, -1]]}, 400, "prompt"),
     ({"model": MODEL, "prompt": [[10**6]]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [[10**30]]}, 400, "prompt"),  # past int64
+    ({"model": MODEL, "prompt": "K", "temperature": 10**400}, 400, "temperature"),
     ({"model": MODEL, "prompt": [[0], "K", 3]}, 400, "prompt"),
     ({"model": MODEL, "prompt": "K" * 9}, 400, "prompt"),
     ({"model": MODEL, "prompt": "K", "max_tokens": 0}, 400, "max_tokens"),
@@ -325,17 +327,34 @@ def test_penalties_and_bias_are_served(run, client):
     assert json.loads(biased.model_dump_json())["usage"]["completion_tokens"] == 4
 
 
-def test_stream_with_stop_sends_no_text_the_stop_removes(run, client):
+@pytest.mark.parametrize("start,end", [(3, 6), (1, 7)])
+def test_stream_with_stop_sends_no_text_the_stop_removes(run, client, start, end):
+    """Also a stop string longer than the text of the first chunks."""
     full = run[2].decode(reference(run, "Lord", 8).tokens[0])
     body = dict(model=MODEL, prompt="Lord", max_tokens=8, temperature=0,
-                stop=full[3:6])  # fmt: skip
+                stop=full[start:end])  # fmt: skip
     whole = client.completions.create(**body).choices[0]
     pieces = [
         c.choices[0].text
         for c in client.completions.create(**body, stream=True)
         if c.choices
     ]
-    assert "".join(pieces) == whole.text == decoding.trim_at_stop(full, full[3:6])
+    assert "".join(pieces) == whole.text == decoding.trim_at_stop(full, full[start:end])
+
+
+def test_running_text_holds_back_what_may_start_a_stop_string(engine):
+    """While a row runs, the last ``len(longest stop) - 1`` characters are
+    held back; a text shorter than that sends nothing."""
+    stop = "LMNOPQ"
+    request = openai_api.parse_completion(
+        {"model": MODEL, "prompt": "K", "stop": [stop, "Z"]},
+        engine.tokenizer, engine.buckets, requests.Limits(), MODEL,
+    )  # fmt: skip
+    for text in ("AB", "ABCD", "ABCDEFGH"):
+        ids = engine.tokenizer.encode_array(text)
+        running = completions.completion_text(engine, request, ids, done=False)
+        assert running == text[: max(len(text) - (len(stop) - 1), 0)]
+        assert completions.completion_text(engine, request, ids, done=True) == text
 
 
 def test_beam_extension_equals_beam_search(run, client):

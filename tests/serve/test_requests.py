@@ -27,6 +27,7 @@ BAD_GENERATE = [
     ({"prompt": "x" * 9}, "prompt"),
     ({"prompt": "KING\u20ac"}, "prompt"),
     ({"prompt": "K", "max_new_tokens": 0}, "max_new_tokens"),
+    ({"prompt": "K", "temperature": 10**400}, "temperature"),  # past float
     ({"prompt": "K", "max_new_tokens": 9}, "max_new_tokens"),
     ({"prompt": "K", "max_new_tokens": "5"}, "max_new_tokens"),
     ({"prompt": "K", "max_new_tokens": 2.5}, "max_new_tokens"),

@@ -70,8 +70,9 @@ flags.DEFINE_float(
     "How long a request waits for others to share its batch.",
     lower_bound=0.0,
 )
-flags.DEFINE_float(
-    "timeout_s", 30.0, "A request not answered by then gets 504.", lower_bound=0.0
+flags.DEFINE_float("timeout_s", 30.0, "A request not answered by then gets 504.")
+flags.register_validator(
+    "timeout_s", lambda value: value > 0, message="--timeout_s must be > 0."
 )
 flags.DEFINE_integer("seed", 0, "Key of the batches of requests without a seed.")
 flags.DEFINE_enum(
@@ -155,7 +156,10 @@ def main(argv):
         slots=f.slots,
         steps_per_call=f.steps_per_call,
     )
-    service = web.make_app(engine, config)  # compiles the decode slots
+    try:
+        service = web.make_app(engine, config)  # compiles the decode slots
+    except ValueError as error:  # a flag the batcher refuses (--slots)
+        raise app.UsageError(str(error)) from None
     print(
         f"warm-up: {runs} engine shapes and the {f.batching} batcher in "
         f"{time.perf_counter() - start:.1f} s; buckets {buckets}",

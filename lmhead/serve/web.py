@@ -396,7 +396,8 @@ def make_app(engine: batching.Engine, config: ServiceConfig = ServiceConfig()):
 
 
 def _add_error_handlers(app, config: ServiceConfig) -> None:
-    """A bad field: 4xx naming it; a full queue: 503; too late: 504."""
+    """A bad field: 4xx naming it; a full queue: 503; too late: 504; any
+    other error: 500 in the same error shape (the server logs it)."""
 
     async def refuse_request(request, error: requests.RequestError):
         return _error(error.status, error.field, error.message, path=request.url.path)
@@ -415,9 +416,13 @@ def _add_error_handlers(app, config: ServiceConfig) -> None:
             504, None, f"no answer within {config.timeout_s} s.", path=request.url.path
         )
 
+    async def fail(request, error: Exception):
+        return _error(500, None, f"the request failed: {error}", path=request.url.path)
+
     app.add_exception_handler(requests.RequestError, refuse_request)
     app.add_exception_handler(requests.QueueFull, refuse_full)
     app.add_exception_handler(TimeoutError, refuse_late)
+    app.add_exception_handler(Exception, fail)
 
 
 async def _json(request) -> Any:

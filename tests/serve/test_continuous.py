@@ -226,11 +226,23 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(long_engine):
         assert metric(url, "lmhead_cancelled_sequences_total") == 2
 
 
-def test_a_full_queue_refuses_a_stream_before_it_starts(long_engine, monkeypatch):
-    def full(self, request):
-        raise requests.QueueFull("the queue is full.")
+@pytest.mark.parametrize(
+    "error,status,kind",
+    [
+        (requests.QueueFull("the queue is full."), 503, "server_overloaded"),
+        (RuntimeError("a bug"), 500, "server_error"),
+    ],
+)
+def test_a_request_that_cannot_be_queued_is_refused_before_it_starts(
+    long_engine, monkeypatch, error, status, kind
+):
+    """Streamed too: the refusal comes before the response's first byte, in
+    OpenAI's error shape."""
 
-    monkeypatch.setattr(continuous.SlotBatcher, "submit", full)
+    def refuse(self, request):
+        raise error
+
+    monkeypatch.setattr(continuous.SlotBatcher, "submit", refuse)
     config = web.ServiceConfig(model_name=MODEL, steps_per_call=1)
     with web.BackgroundServer(web.make_app(long_engine, config)) as url:
         body = {"model": MODEL, "prompt": "a", "max_tokens": 2}
@@ -238,8 +250,8 @@ def test_a_full_queue_refuses_a_stream_before_it_starts(long_engine, monkeypatch
             answer = httpx.post(
                 url + "/v1/completions", json={**body, "stream": stream}, timeout=60
             )
-            assert answer.status_code == 503, (stream, answer.text)
-            assert answer.json()["error"]["type"] == "server_overloaded"
+            assert answer.status_code == status, (stream, answer.text)
+            assert answer.json()["error"]["type"] == kind
 
 
 def test_load_nothing_lost_or_duplicated_and_the_slots_drain(engine):

@@ -244,3 +244,9 @@ def test_serve_refuses_other_addresses_without_a_token(tmp_path):
     )
     assert result.returncode != 0
     assert "not a loopback address: give a bearer token (--token_file)" in result.stderr
+
+
+def test_serve_refuses_a_timeout_of_zero(tmp_path):
+    result = run_experiment("serve.py", f"--workdir={tmp_path}", "--timeout_s=0")
+    assert result.returncode != 0
+    assert "--timeout_s must be > 0." in result.stderr

@@ -215,7 +215,9 @@ class SlotBatcher(batching.WorkQueue):
             if job is None:
                 return
             job.cancelled = True
-            future.cancel()  # succeeds while it waits
+            if future.cancel():  # it was waiting: it leaves the queue now
+                self._waiting.remove(job)
+                del self._jobs[future]
             self._changed.notify()
 
     def stop(self) -> None:

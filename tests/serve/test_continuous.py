@@ -114,9 +114,12 @@ def test_cancel_frees_the_slots_of_a_running_request(long_engine):
             future.result(timeout=10)
         # A waiting request leaves the queue without running.
         first = slots.submit(parse(long_engine, prompt="a", max_tokens=LONG, n=4))
+        wait_until(lambda: slots.active() == 4)
         second = slots.submit(parse(long_engine, prompt="b", max_tokens=2))
+        assert slots.depth() == 1
         slots.cancel(second)
-        assert second.cancelled()
+        # At once, not when it would reach the head of the queue.
+        assert second.cancelled() and slots.depth() == 0
         slots.cancel(first)
         wait_until(lambda: slots.active() == 0 and slots.depth() == 0)
     finally:

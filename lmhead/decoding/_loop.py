@@ -12,6 +12,8 @@ from lmhead import _checks
 
 # step_fn(params, tokens int32[B], state) -> (logits [B, V], state)
 StepFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]
+# An empty slot of a token history (left padding, or not yet generated).
+NO_TOKEN = -1
 # Where generate's log-probs come from: what was sampled, or the model.
 LOG_PROBS_FROM = ("processed", "model")
 
@@ -93,6 +95,62 @@ def maybe_step(
         return jnp.asarray(new_logits, jnp.float32), new_state
 
     return jax.lax.cond(keep_going, call, lambda: (logits, model_state))
+
+
+def right_aligned(prompt_tokens: jax.Array, width: int) -> jax.Array:
+    """``int32 [B, width]``: each row's non-negative ids (a prompt, padded
+    with negative ids anywhere) moved to the right end, in order, after
+    :data:`NO_TOKEN`; the last ``width`` of them where there are more.
+
+    Examples:
+        >>> right_aligned(jnp.array([[5, -1, 6], [-1, -1, 7]]), 4).tolist()
+        [[-1, -1, 5, 6], [-1, -1, -1, 7]]
+    """
+    prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+    rows, have = prompt_tokens.shape
+    if have < width:
+        pad = jnp.full((rows, width - have), NO_TOKEN, jnp.int32)
+        prompt_tokens = jnp.concatenate([pad, prompt_tokens], axis=1)
+    # Padding (negative ids) moves to the left, so that the prompt's tokens
+    # and the generated ones form one contiguous sequence for the n-grams.
+    order = jnp.argsort(prompt_tokens >= 0, axis=1, stable=True)
+    aligned = jnp.take_along_axis(prompt_tokens, order, axis=1)[:, -width:]
+    return jnp.where(aligned >= 0, aligned, NO_TOKEN)
+
+
+def eos_argument(eos_ids: tuple[int, ...]) -> int | tuple[int, ...] | None:
+    """``eos_id`` for :func:`~lmhead.decoding.process_logits`: None, the one
+    id, or the ids.
+
+    Examples:
+        >>> eos_argument(()), eos_argument((3,)), eos_argument((3, 5))
+        (None, 3, (3, 5))
+    """
+    if not eos_ids:
+        return None
+    return eos_ids[0] if len(eos_ids) == 1 else eos_ids
+
+
+def is_eos(token: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    """``bool [B]``: ``token [B]`` is one of ``eos_ids``."""
+    return jnp.isin(token, jnp.asarray(eos_ids, token.dtype))
+
+
+def row_samples(keys: jax.Array, steps: jax.Array, logits: jax.Array) -> jax.Array:
+    """Row ``b``'s draw from ``softmax(logits[b])`` with the key
+    ``fold_in(keys[b], steps[b])`` (``steps`` a scalar or ``[B]``): a row's
+    draw depends on its own key and step only."""
+    step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(steps, keys.shape))
+    return jax.vmap(jax.random.categorical)(step_keys, logits)
+
+
+def greedy_where_cold(
+    sampled: jax.Array, logits: jax.Array, temperature: jax.Array
+) -> jax.Array:
+    """``int32 [B]``: ``sampled``, or the argmax of ``logits`` where
+    ``temperature`` is 0 (greedy decoding)."""
+    greedy = jnp.argmax(logits, axis=-1)
+    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
 
 
 def not_finite(logits: jax.Array) -> jax.Array:

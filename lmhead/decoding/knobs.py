@@ -214,7 +214,7 @@ class SamplingKnobs:
             )
         first, stacked = rows[0], {}
         for name in KNOBS:
-            spec = _field_spec(name)
+            spec = knob_spec(name)
             values = [getattr(row, name) for row in rows]
             if spec.get("per_token"):
                 stacked[name] = _stack_per_token(name, values, size)
@@ -246,7 +246,7 @@ class SamplingKnobs:
         concrete, not every value neutral (a traced value counts as active)."""
         names = []
         for name in KNOBS:
-            value, spec = getattr(self, name), _field_spec(name)
+            value, spec = getattr(self, name), knob_spec(name)
             if value is None or (name == "suppress_tokens" and len(value) == 0):
                 continue
             if (
@@ -286,7 +286,7 @@ class SamplingKnobs:
             TypeError: an integer knob is not an integer.
         """
         for name in KNOBS:
-            if _field_spec(name).get("per_token"):
+            if knob_spec(name).get("per_token"):
                 check_per_token(name, getattr(self, name), rows, vocab_size)
             elif _per_row(name):
                 check_per_row(name, getattr(self, name), (rows,))
@@ -303,7 +303,7 @@ class SamplingKnobs:
         values = {
             name: None
             if getattr(self, name) is None
-            else jnp.asarray(getattr(self, name), _field_spec(name)["dtype"])
+            else jnp.asarray(getattr(self, name), knob_spec(name)["dtype"])
             for name in TRACED_KNOBS
         }
         ngram, suppress = self.no_repeat_ngram_size, self.suppress_tokens
@@ -323,7 +323,7 @@ class SamplingKnobs:
         for name in TRACED_KNOBS:
             value = getattr(self, name)
             # The rank a per-row value has: [B], or [B, V] for a per-token one.
-            rank = 2 if _field_spec(name).get("per_token") else 1
+            rank = 2 if knob_spec(name).get("per_token") else 1
             if value is not None and jnp.ndim(value) == rank:
                 value = jnp.repeat(value, repeats, axis=0)
             values[name] = value
@@ -338,12 +338,19 @@ TRACED_KNOBS = tuple(
 )
 
 
-def _field_spec(name: str) -> dict:
+def knob_spec(name: str) -> Mapping[str, Any]:
+    """The metadata of knob ``name``'s field: ``dtype``, the range,
+    ``per_row``/``per_token`` and ``neutral`` (see ``_knob``).
+
+    Examples:
+        >>> knob_spec("top_k")["neutral"], knob_spec("logit_bias").get("per_token")
+        (0, True)
+    """
     return SamplingKnobs.__dataclass_fields__[name].metadata
 
 
 def _per_row(name: str) -> bool:
-    return bool(_field_spec(name).get("per_row"))
+    return bool(knob_spec(name).get("per_row"))
 
 
 def _equal_values(a: Any, b: Any) -> bool:
@@ -353,7 +360,7 @@ def _equal_values(a: Any, b: Any) -> bool:
 def knob_range(name: str) -> dict:
     """``low``, ``high`` (None: unbounded), ``low_open`` and ``high_open`` of
     a traced knob (the finite knobs: ``(-inf, inf)``, both ends open)."""
-    spec = _field_spec(name)
+    spec = knob_spec(name)
     return dict(
         low=spec["low"],
         high=spec["high"],
@@ -364,12 +371,12 @@ def knob_range(name: str) -> dict:
 
 def is_integer_knob(name: str) -> bool:
     """True for a traced knob whose values are integers (``top_k``, ...)."""
-    return np.issubdtype(_field_spec(name)["dtype"], np.integer)
+    return np.issubdtype(knob_spec(name)["dtype"], np.integer)
 
 
 def neutral_value(name: str) -> Any:
     """The value of a traced knob that changes nothing (``top_k`` 0, ...)."""
-    return _field_spec(name)["neutral"]
+    return knob_spec(name)["neutral"]
 
 
 def check_knob(name: str, value: jax.typing.ArrayLike | None) -> None:
@@ -430,7 +437,7 @@ def _stack_per_token(name: str, values: list, size: int) -> np.ndarray | None:
                 f"{name} must be one [V] vector per row, with the same V in "
                 f"every row; got shapes {[v.shape for v in given]}."
             )
-    stacked = np.zeros((size, vocab_size), _field_spec(name)["dtype"])
+    stacked = np.zeros((size, vocab_size), knob_spec(name)["dtype"])
     for row, value in enumerate(values):
         if value is not None:
             stacked[row] = value

@@ -22,6 +22,7 @@ import numpy as np
 
 from lmhead import _checks
 from lmhead.decoding import _loop, top_set
+from lmhead.decoding._loop import NO_TOKEN
 from lmhead.decoding.knobs import (
     SamplingKnobs,
     check_knob,
@@ -35,8 +36,6 @@ from lmhead.head import NEG_INF
 # .52 + .15 gives 0.66999996), which would keep one token too many for
 # p = 0.67; masses this close to p count as p.
 TOP_P_TOLERANCE = 1e-6
-# An empty slot of a token history (left padding, or not yet generated).
-NO_TOKEN = -1
 
 
 def _row_max(logits: jax.Array) -> jax.Array:

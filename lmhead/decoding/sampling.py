@@ -14,7 +14,7 @@ from lmhead import _checks
 from lmhead.decoding import _loop
 from lmhead.decoding._loop import StepFn
 from lmhead.decoding.knobs import SamplingKnobs
-from lmhead.decoding.processors import NO_TOKEN, process_logits
+from lmhead.decoding.processors import process_logits
 from lmhead.decoding.stopping import StopCondition, StopSequences
 from lmhead.head import NEG_INF
 
@@ -131,13 +131,6 @@ class _Rows(NamedTuple):
     prompt_lengths: jax.Array | None  # int32 [B], when there is a processor
 
 
-def _eos_argument(eos_ids: tuple[int, ...]) -> int | tuple[int, ...] | None:
-    """``eos_id`` for :func:`process_logits`: None, the one id, or the ids."""
-    if not eos_ids:
-        return None
-    return eos_ids[0] if len(eos_ids) == 1 else eos_ids
-
-
 def _processed_logits(
     s: SamplingState, knobs: SamplingKnobs, rows: _Rows, config: _SamplingConfig
 ) -> jax.Array:
@@ -148,7 +141,7 @@ def _processed_logits(
         knobs,
         history=s.history,
         num_generated=s.step,
-        eos_id=_eos_argument(config.eos_ids),
+        eos_id=_loop.eos_argument(config.eos_ids),
         **counts,
     )
     if config.processor is None:
@@ -171,14 +164,11 @@ def _choose_tokens(
     """A draw from softmax(processed), or its argmax when ``temperature == 0``,
     and the key for the next step."""
     if _per_row_keys(s.key):  # the draw depends on the row's key and the step
-        step_keys = jax.vmap(jax.random.fold_in, (0, None))(s.key, s.step)
-        sampled = jax.vmap(jax.random.categorical)(step_keys, processed)
-        key = s.key
+        sampled, key = _loop.row_samples(s.key, s.step, processed), s.key
     else:
         key, sample_key = jax.random.split(s.key)
         sampled = jax.random.categorical(sample_key, processed, axis=-1)
-    greedy = jnp.argmax(processed, axis=-1)
-    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32), key
+    return _loop.greedy_where_cold(sampled, processed, temperature), key
 
 
 def _per_row_keys(key: jax.Array) -> bool:
@@ -224,10 +214,7 @@ def _finish(
 ) -> tuple[jax.Array, jax.Array]:
     """``finished`` and ``finish_reasons`` after this step's tokens."""
     active = ~s.finished & ~bad
-    eos = jnp.zeros_like(active)
-    for eos_id in config.eos_ids:
-        eos = eos | (token == eos_id)
-    eos = eos & active
+    eos = _loop.is_eos(token, config.eos_ids) & active
     at_limit = jnp.zeros_like(active)
     if rows.max_new_tokens is not None:
         at_limit = active & (s.step + 1 >= rows.max_new_tokens)
@@ -397,24 +384,6 @@ _donating_sampling_loop = jax.jit(
 _resume_loop = jax.jit(_advance_columns, static_argnames=_STATIC, donate_argnames="s")
 
 
-def _initial_history(
-    prompt_tokens: jax.typing.ArrayLike | None, batch: int, max_new_tokens: int
-) -> jax.Array:
-    """``int32 [B, P + N - 1]``: the prompt right-aligned, ``NO_TOKEN`` before it."""
-    if prompt_tokens is None:
-        prompt = jnp.zeros((batch, 0), jnp.int32)
-    else:
-        prompt = jnp.asarray(prompt_tokens, jnp.int32)
-    # Padding (negative ids) moves to the left, so that the prompt's tokens
-    # and the generated ones form one contiguous sequence for the n-grams.
-    prompt = jnp.take_along_axis(
-        prompt, jnp.argsort(prompt >= 0, axis=1, stable=True), axis=1
-    )
-    prompt = jnp.where(prompt >= 0, prompt, NO_TOKEN)
-    empty = jnp.full((batch, max_new_tokens - 1), NO_TOKEN, jnp.int32)
-    return jnp.concatenate([empty, prompt], axis=1)
-
-
 def _stop_conditions(
     stop: Any, stop_sequences: Any, batch: int, vocab_size: int
 ) -> tuple:
@@ -473,8 +442,11 @@ def _prepare(
     history = prompt_lengths = None
     if knobs.reads_history or processor is not None:
         _loop.check_prompt_tokens(prompt_tokens, batch, vocab_size)
-    if knobs.reads_history:
-        history = _initial_history(prompt_tokens, batch, max_new_tokens)
+    if knobs.reads_history:  # [B, P + N - 1]: the prompt, right-aligned
+        prompt = (
+            jnp.zeros((batch, 0), jnp.int32) if prompt_tokens is None else prompt_tokens
+        )
+        history = _loop.right_aligned(prompt, jnp.shape(prompt)[1] + max_new_tokens - 1)
     if processor is not None:
         prompt_lengths = jnp.zeros((batch,), jnp.int32)
         if prompt_tokens is not None:

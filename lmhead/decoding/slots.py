@@ -35,7 +35,13 @@ import numpy as np
 from lmhead import _checks
 from lmhead.decoding import _loop
 from lmhead.decoding._loop import StepFn
-from lmhead.decoding.knobs import KNOBS, TRACED_KNOBS, SamplingKnobs, neutral_value
+from lmhead.decoding.knobs import (
+    KNOBS,
+    TRACED_KNOBS,
+    SamplingKnobs,
+    knob_spec,
+    neutral_value,
+)
 from lmhead.decoding.processors import NO_TOKEN, process_logits
 from lmhead.decoding.sampling import (
     FINISHED_BAD_LOGITS,
@@ -125,7 +131,7 @@ def full_knobs(knobs: SamplingKnobs, rows: int, vocab_size: int) -> SamplingKnob
     knobs.check(rows, vocab_size)
     values = {}
     for name in TRACED_KNOBS:
-        spec = SamplingKnobs.__dataclass_fields__[name].metadata
+        spec = knob_spec(name)
         value = getattr(knobs, name)
         if value is None:
             value = neutral_value(name)
@@ -175,22 +181,10 @@ def empty_slots(
     )
 
 
-def _right_aligned(prompt_tokens: jax.Array, history_len: int) -> jax.Array:
-    """``int32 [R, H]``: each row's non-negative ids, right-aligned, after
-    ``NO_TOKEN``."""
-    rows, width = prompt_tokens.shape
-    if width < history_len:
-        pad = jnp.full((rows, history_len - width), NO_TOKEN, jnp.int32)
-        prompt_tokens = jnp.concatenate([pad, prompt_tokens], axis=1)
-    order = jnp.argsort(prompt_tokens >= 0, axis=1, stable=True)
-    aligned = jnp.take_along_axis(prompt_tokens, order, axis=1)[:, -history_len:]
-    return jnp.where(aligned >= 0, aligned, NO_TOKEN)
-
-
 @partial(jax.jit, donate_argnames="state")
 def _fill(state, slots, logits, model_state, keys, limits, history, knobs):
     put = lambda whole, rows: whole.at[slots].set(rows, mode="drop")
-    history = _right_aligned(history, state.history.shape[1])
+    history = _loop.right_aligned(history, state.history.shape[1])
     return SlotState(
         logits=put(state.logits, logits),
         model_state=jax.tree.map(put, state.model_state, model_state),
@@ -311,28 +305,22 @@ def free_slots(state: SlotState, slots: jax.Array) -> SlotState:
 
 def _one_step(step_fn, params, eos_ids, top_logprobs, state: SlotState):
     live = state.generated < state.limits
-    eos_argument = eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None)
     processed = process_logits(
         state.logits,
         state.knobs,
         history=state.history,
         counts=state.counts,
         num_generated=state.generated,
-        eos_id=eos_argument,
+        eos_id=_loop.eos_argument(eos_ids),
     )
-    step_keys = jax.vmap(jax.random.fold_in)(state.keys, state.generated)
-    sampled = jax.vmap(jax.random.categorical)(step_keys, processed)
-    greedy = jnp.argmax(processed, axis=-1)
-    token = jnp.where(state.knobs.temperature > 0, sampled, greedy).astype(jnp.int32)
+    sampled = _loop.row_samples(state.keys, state.generated, processed)
+    token = _loop.greedy_where_cold(sampled, processed, state.knobs.temperature)
     log_dist = jax.nn.log_softmax(state.logits, axis=-1)
     log_prob = jnp.take_along_axis(log_dist, token[:, None], axis=-1)[:, 0]
     top_log_probs, top_tokens = jax.lax.top_k(log_dist, max(top_logprobs, 1))
     bad = _loop.not_finite(state.logits) & live
     emitted = live & ~bad
-    eos = jnp.zeros_like(live)
-    for eos_id in eos_ids:
-        eos = eos | (token == eos_id)
-    eos = eos & emitted
+    eos = _loop.is_eos(token, eos_ids) & emitted
     token = jnp.where(emitted, token, 0)
     generated = state.generated + emitted.astype(jnp.int32)
     limits = jnp.where(eos | bad, generated, state.limits)

@@ -20,8 +20,9 @@ compiled programs.
 
 import sys
 
+import cli  # experiments/cli.py, beside this file
 import jax
-from absl import app, flags, logging
+from absl import app, flags
 
 from lmhead.lm import generation
 
@@ -95,11 +96,7 @@ def top_logprobs_lines(continuation, tokenizer) -> str:
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    f = flags.FLAGS
+    f = cli.start(argv)
     _, tokenizer, model, params = generation.load_run(f.workdir)
     if f.quantize:
         params = generation.quantize_for_decoding(model, params, f.quantize)

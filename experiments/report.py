@@ -12,6 +12,7 @@ generic tied-vs-untied report, in the sweep directory. Prints the study's
 answer (the generic report's table) and the paths at the end.
 """
 
+import cli  # experiments/cli.py, beside this file
 from absl import app, flags
 
 from lmhead.lab import report
@@ -29,8 +30,7 @@ _OUT = flags.DEFINE_string(
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    cli.start(argv, quiet=False)
     text, report_path, plots = report.write_sweep_report(
         _WORKDIR.value, out_dir=_OUT.value, spec=_SWEEP.value
     )

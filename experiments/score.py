@@ -8,7 +8,8 @@ A text longer than the model's context is scored window by window (see
 ``lmhead/lm/scoring.py``); ``--stride`` trades context for time.
 """
 
-from absl import app, flags, logging
+import cli  # experiments/cli.py, beside this file
+from absl import app, flags
 
 from lmhead.lm import generation, scoring
 
@@ -31,13 +32,9 @@ flags.DEFINE_bool("json", False, "Print the totals as JSON.")
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    f = flags.FLAGS
+    f = cli.start(argv)
     if not f.file and not f.text:
         raise app.UsageError("Give --file=PATH or --text=TEXT (either repeatable).")
-    if not f["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     _, tokenizer, model, params = generation.load_run(f.workdir)
     sources = scoring.read_texts(f.file, f.text)
     scores = [

@@ -20,8 +20,9 @@ the same run loads them. The endpoints are described in
 import os
 import time
 
+import cli  # experiments/cli.py, beside this file
 import jax
-from absl import app, flags, logging
+from absl import app, flags
 
 from lmhead.lm import generation
 from lmhead.serve import batching, requests, web
@@ -109,11 +110,7 @@ def _sizes(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    f = flags.FLAGS
-    if not f["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    f = cli.start(argv)
     token = web.read_token(f.token_file) if f.token_file else None
     try:
         requests.check_exposure(f.host, token)

@@ -51,6 +51,7 @@ import os
 import shlex
 import sys
 
+import cli  # experiments/cli.py, beside this file
 from absl import app, flags
 
 from lmhead.lab import runner, sweeps
@@ -110,8 +111,7 @@ _TRAIN_SCRIPT = flags.DEFINE_string(
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    cli.start(argv, quiet=False)
     sweep = runner.Sweep(
         _SWEEP.value, _WORKDIR.value, _TRAIN_SCRIPT.value, ensemble=_ENSEMBLE.value
     )

@@ -44,8 +44,9 @@ import re
 import signal
 import sys
 
+import cli  # experiments/cli.py, beside this file
 import jax
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from lmhead.lm import configuration, ensemble, preemption, sharding, train
@@ -87,10 +88,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    cli.start(argv)
     # Before any backend starts. An ensemble's members split over the CPU
     # devices (config.mesh.members None), one device per core: a lax.map over
     # members on one device keeps about one core busy.

@@ -23,7 +23,8 @@ frequencies are each run's training tokens; each run is read at its
 ``lmhead/studies/tying/diagnostics_report.py``).
 """
 
-from absl import app, flags, logging
+import cli  # experiments/cli.py, beside this file
+from absl import app, flags
 
 from lmhead.studies.tying import diagnostics_report, table
 
@@ -54,11 +55,7 @@ flags.DEFINE_integer("batch_size", 16, "Windows per model call.", lower_bound=1)
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    f = flags.FLAGS
-    if not f["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    f = cli.start(argv)
     if bool(f.workdir) == bool(f.study_dir) or bool(f.study_dir) != bool(f.study_csv):
         raise app.UsageError(
             "Give --workdir (repeatable), or --study_dir with --study_csv."

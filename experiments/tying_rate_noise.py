@@ -16,7 +16,8 @@ seeds than this machine can (see ``lmhead/studies/tying/rate_noise.py``).
 import json
 import os
 
-from absl import app, flags, logging
+import cli  # experiments/cli.py, beside this file
+from absl import app, flags
 
 from lmhead.studies.tying import rate_noise, table
 
@@ -31,11 +32,7 @@ flags.DEFINE_integer("batch_size", 16, "Windows per model call.", lower_bound=1)
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-    f = flags.FLAGS
-    if not f["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
+    f = cli.start(argv)
     path = os.path.join(f.out, rate_noise.JSON_FILE)
     previous = None
     if os.path.exists(path):

@@ -25,7 +25,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -520,24 +520,25 @@ class SlotBatcher(batching.WorkQueue):
             self._holders[slot] = None
         if held:
             self._free(held)
+        self._answer_failed(jobs, error)
+
+    def _answer_failed(self, jobs: Sequence[_Job], error: Exception) -> None:
+        """Forgets ``jobs`` and answers each that is not done with ``error``."""
         for job in jobs:
             self._jobs.pop(job.future, None)
             if not job.future.done():
                 job.future.set_exception(error)
 
-    def _fail_running(self, error: Exception, others: list[_Job] = ()) -> None:
+    def _fail_running(self, error: Exception, others: Sequence[_Job] = ()) -> None:
         """Fails every running job, and ``others`` (admitted, perhaps not
         yet in a slot), and empties their slots (without a device call: the
         caller rebuilds the state, or the worker ends)."""
         jobs = {id(job): job for job, _ in filter(None, self._holders)}
         jobs.update((id(job), job) for job in others)
         self._holders = [None] * self.slots
-        for job in jobs.values():
-            self._jobs.pop(job.future, None)
-            if not job.future.done():
-                job.future.set_exception(error)
+        self._answer_failed(list(jobs.values()), error)
 
-    def _fail_all(self, error: Exception, others: list[_Job] = ()) -> None:
+    def _fail_all(self, error: Exception, others: Sequence[_Job] = ()) -> None:
         """Fails every running job and ``others`` (the state is rebuilt: a
         failed call may have consumed its donated buffers)."""
         self._fail_running(error, others)

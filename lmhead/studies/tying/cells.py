@@ -460,11 +460,12 @@ def selection_noise(tunings: Sequence[Tuning]) -> SelectionNoise:
         if chosen not in means or len(means) < 2 or len(mine) < 2:
             continue
         following = min((lr for lr in means if lr != chosen), key=means.get)
-        paired = stats.paired_difference(tuning.bits[following], mine)
+        seeds = tuple(sorted(mine))
+        paired = [tuning.bits[following][s] - mine[s] for s in seeds]
         margins[(tuning.vocab, tuning.amount, tuning.arm)] = Margin(
-            chosen, following, paired.mean, tuple(sorted(mine))
+            chosen, following, sum(paired) / len(paired), seeds
         )
-        differences.append([tuning.bits[following][s] - mine[s] for s in sorted(mine)])
+        differences.append(paired)
     return SelectionNoise(margins, stats.pooled_std(differences))
 
 

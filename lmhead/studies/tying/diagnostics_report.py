@@ -91,6 +91,15 @@ def load_parameters(workdir: str):
     return config, model, params, folder, step
 
 
+def has_parameters(workdir: str) -> bool:
+    """Whether the run in ``workdir`` has parameters that
+    :func:`load_parameters` can read: a saved step in ``checkpoints/`` or
+    ``best_checkpoint/`` (a run restored from ``runs.csv`` alone has none)."""
+    return checkpoints.has_saved_step(workdir) or checkpoints.has_saved_step(
+        workdir, checkpoints.BEST_CHECKPOINT
+    )
+
+
 def evaluation_windows(
     tokens: np.ndarray, block_size: int, max_windows: int | None
 ) -> dict[str, np.ndarray]:
@@ -471,8 +480,7 @@ def study_workdirs(study_dir: str, rows: list[dict[str, Any]]) -> list[str]:
     return [
         workdir
         for workdir in (os.path.join(study_dir, name) for name in study_runs(rows))
-        if checkpoints.has_saved_step(workdir)
-        or checkpoints.has_saved_step(workdir, checkpoints.BEST_CHECKPOINT)
+        if has_parameters(workdir)
     ]
 
 

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from lmhead.lab import report, stats
-from lmhead.lm import checkpoints, data
+from lmhead.lm import data
 from lmhead.studies.tying import cells, diagnostics_report
 
 MARKDOWN_FILE = "rate_noise.md"
@@ -126,12 +126,6 @@ def _tuning_runs(rows: Sequence[Mapping[str, Any]], key: tuple) -> dict:
     }
 
 
-def _has_parameters(workdir: str) -> bool:
-    return checkpoints.has_saved_step(workdir) or checkpoints.has_saved_step(
-        workdir, checkpoints.BEST_CHECKPOINT
-    )
-
-
 def _key(vocab: str, amount: float, arm: str) -> str:
     return f"{vocab} {amount:g} {arm}"
 
@@ -173,7 +167,7 @@ def rate_noise(
                 os.path.join(study_dir, runs[(lr, seed)])
                 for lr in (margin.chosen, margin.following)
             ]
-            if all(map(_has_parameters, pair)):
+            if all(map(diagnostics_report.has_parameters, pair)):
                 read[seed] = [window_losses(workdir, batch_size) for workdir in pair]
         entry = {
             "key": _key(vocab, amount, arm),

@@ -25,7 +25,7 @@ import jax
 from absl import app, flags
 
 from lmhead.lm import generation
-from lmhead.serve import batching, requests, web
+from lmhead.serve import batching, continuous, requests, web
 
 flags.DEFINE_string("workdir", None, "A training run's directory.", required=True)
 flags.DEFINE_string(
@@ -112,8 +112,11 @@ def _sizes(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
 def main(argv):
     f = cli.start(argv)
     token = web.read_token(f.token_file) if f.token_file else None
+    batch_sizes = _sizes("batch_sizes", requests.powers_of_two(16))
     try:
         requests.check_exposure(f.host, token)
+        if f.batching == "continuous":  # refused before loading and warm-up
+            continuous.slot_count(f.slots, batch_sizes)
     except ValueError as error:
         raise app.UsageError(str(error)) from None
     cache = (
@@ -129,7 +132,7 @@ def main(argv):
         "prompt_lengths", requests.powers_of_two(model.max_len // 2)
     )
     buckets = requests.Buckets(
-        batch_sizes=_sizes("batch_sizes", requests.powers_of_two(16)),
+        batch_sizes=batch_sizes,
         prompt_lengths=prompt_lengths,
         new_tokens=_sizes(
             "new_tokens", requests.powers_of_two(model.max_len - prompt_lengths[-1])
@@ -155,7 +158,7 @@ def main(argv):
     )
     try:
         service = web.make_app(engine, config)  # compiles the decode slots
-    except ValueError as error:  # a flag the batcher refuses (--slots)
+    except ValueError as error:  # a flag the batcher refuses (--steps_per_call)
         raise app.UsageError(str(error)) from None
     print(
         f"warm-up: {runs} engine shapes and the {f.batching} batcher in "

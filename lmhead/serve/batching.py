@@ -378,6 +378,17 @@ class Batcher(WorkQueue):
         self._enqueue(job)
         return job.future
 
+    def cancel(self, future: concurrent.futures.Future) -> None:
+        """Cancels a waiting request: it leaves the queue at once, so it
+        takes no place in a batch and none against ``max_queue``. A no-op
+        once its batch runs."""
+        with self._changed:
+            if future.cancel():
+                self._waiting = collections.deque(
+                    job for job in self._waiting if job.future is not future
+                )
+                self._changed.notify()
+
     def stop(self) -> None:
         """Cancels the waiting jobs and ends the worker after its batch."""
         with self._changed:
@@ -399,12 +410,12 @@ class Batcher(WorkQueue):
     def _next_batch(self) -> list[Job]:
         """Waits for the oldest job's window to close or a full batch."""
         with self._changed:
-            while not self._waiting and not self._stopping:
-                self._changed.wait()
-            if self._stopping:
-                return []
-            head = self._waiting[0]
-            while True:
+            while True:  # the head is read again after each wait: it may be gone
+                while not self._waiting and not self._stopping:
+                    self._changed.wait()
+                if self._stopping:
+                    return []
+                head = self._waiting[0]
                 batch = self._batch_for(head)
                 left = head.arrival + self.window_s - time.monotonic()
                 full = sum(job.rows for job in batch) >= self.max_rows

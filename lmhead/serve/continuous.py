@@ -108,6 +108,29 @@ class SlotEvents:
     cancelled: Callable[[int], None] = lambda rows: None
 
 
+def slot_count(slots: int | None, batch_sizes: tuple[int, ...]) -> int:
+    """The decode slots of a :class:`SlotBatcher` over buckets of
+    ``batch_sizes``: ``slots``, or the largest batch size when None.
+
+    Raises:
+        ValueError: ``slots`` is below the largest batch size (a request's
+            rows start together) or not a positive integer.
+
+    Examples:
+        >>> slot_count(None, (1, 4)), slot_count(8, (1, 4))
+        (4, 8)
+    """
+    largest = batch_sizes[-1]
+    slots = largest if slots is None else slots
+    _checks.check_count("slots", slots)
+    if slots < largest:
+        raise ValueError(
+            f"slots must be at least the largest batch size {largest} (a "
+            f"request's rows start together); got {slots}."
+        )
+    return slots
+
+
 class SlotBatcher(batching.WorkQueue):
     """Queues completion requests for ``engine`` and decodes them in slots.
 
@@ -155,14 +178,7 @@ class SlotBatcher(batching.WorkQueue):
         prefill_rows: int | None = None,
         events: SlotEvents = SlotEvents(),
     ):
-        largest = engine.buckets.batch_sizes[-1]
-        slots = largest if slots is None else slots
-        _checks.check_count("slots", slots)
-        if slots < largest:
-            raise ValueError(
-                f"slots must be at least the largest batch size {largest} (a "
-                f"request's rows start together); got {slots}."
-            )
+        slots = slot_count(slots, engine.buckets.batch_sizes)
         super().__init__(max_queue)
         _checks.check_count("steps_per_call", steps_per_call)
         self.engine, self.slots = engine, slots

@@ -281,6 +281,8 @@ def parse_completion(
     """
     body = requests._body_object(body, COMPLETION_FIELDS)
     model = body.get("model")
+    if model is None:
+        raise RequestError("model", f"model is required: {model_name!r}.")
     if model != model_name:
         raise RequestError(
             "model", f"model must be {model_name!r}; got {model!r}.", status=404

@@ -29,7 +29,6 @@ ROUTES = (
 )
 ERROR_TYPES = {
     401: "authentication_error",
-    404: "not_found_error",
     503: "server_overloaded",
     504: "timeout",
 }

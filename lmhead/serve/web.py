@@ -180,7 +180,8 @@ def _error(
 ):
     from fastapi import responses
 
-    if path in openai_web.ROUTES:
+    unknown_v1 = path.startswith("/v1/") and path not in ENDPOINTS
+    if path in openai_web.ROUTES or unknown_v1:  # OpenAI's clients call /v1/...
         status = openai_web.openai_status(status)
         body = openai_web.error_body(status, field, message)
     else:
@@ -327,7 +328,7 @@ def make_app(engine: batching.Engine, config: ServiceConfig = ServiceConfig()):
     def cancel(future) -> None:
         """Drops a request nobody waits for: a waiting one leaves its queue,
         a running completion frees its slots (a no-op once it ended)."""
-        future.cancel()
+        batcher.cancel(future)
         if slots is not None:
             slots.cancel(future)
 
@@ -396,8 +397,10 @@ def make_app(engine: batching.Engine, config: ServiceConfig = ServiceConfig()):
 
 
 def _add_error_handlers(app, config: ServiceConfig) -> None:
-    """A bad field: 4xx naming it; a full queue: 503; too late: 504; any
-    other error: 500 in the same error shape (the server logs it)."""
+    """A bad field: 4xx naming it; an unknown route or method: 404 or 405;
+    a full queue: 503; too late: 504; any other error: 500, all in the
+    same error shape (the server logs a 500)."""
+    from starlette import exceptions
 
     async def refuse_request(request, error: requests.RequestError):
         return _error(error.status, error.field, error.message, path=request.url.path)
@@ -416,9 +419,15 @@ def _add_error_handlers(app, config: ServiceConfig) -> None:
             504, None, f"no answer within {config.timeout_s} s.", path=request.url.path
         )
 
+    async def refuse_route(request, error):
+        # An unknown route or method, in the error shape of its path.
+        message = f"Invalid URL ({request.method} {request.url.path}): {error.detail}."
+        return _error(error.status_code, None, message, path=request.url.path)
+
     async def fail(request, error: Exception):
         return _error(500, None, f"the request failed: {error}", path=request.url.path)
 
+    app.add_exception_handler(exceptions.HTTPException, refuse_route)
     app.add_exception_handler(requests.RequestError, refuse_request)
     app.add_exception_handler(requests.QueueFull, refuse_full)
     app.add_exception_handler(TimeoutError, refuse_late)

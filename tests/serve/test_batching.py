@@ -2,6 +2,7 @@
 decoders and the scorer called directly on the same run."""
 
 import threading
+import types
 
 import jax
 import numpy as np
@@ -198,20 +199,21 @@ def test_rows_of_different_repetition_penalties_equal_their_requests_alone(engin
     assert together[1] != sample(engine, penalized)  # the penalty acts
 
 
+def request(**knobs):
+    """A one-row sampling request with ``knobs``, built without an engine."""
+    return requests.GenerateRequest(
+        prompt_ids=[np.zeros([1], np.int32)],
+        max_new_tokens=4,
+        knobs=SamplingKnobs(**knobs),
+        num_beams=1,
+        num_return_sequences=1,
+        seed=None,
+        logprobs=False,
+    )
+
+
 def test_requests_share_a_batch_when_they_share_the_per_batch_knobs():
     """Per-row knobs may differ within a batch; the others split batches."""
-
-    def request(**knobs):
-        return requests.GenerateRequest(
-            prompt_ids=[np.zeros([1], np.int32)],
-            max_new_tokens=4,
-            knobs=SamplingKnobs(**knobs),
-            num_beams=1,
-            num_return_sequences=1,
-            seed=None,
-            logprobs=False,
-        )
-
     group = batching.group_of
     assert group(request(temperature=0.5, top_k=3)) == group(request(top_p=0.9))
     # The repetition penalty is per row; a static knob splits batches.
@@ -221,3 +223,36 @@ def test_requests_share_a_batch_when_they_share_the_per_batch_knobs():
     seeded = request()
     seeded.seed = 1
     assert group(seeded) != group(seeded)  # a seeded request runs alone
+
+
+class _RecordingEngine:
+    """An engine that records its batches: the queue's logic without a model."""
+
+    buckets = types.SimpleNamespace(batch_sizes=(4,))
+
+    def __init__(self):
+        self.batches = []
+
+    def sample(self, batch):
+        self.batches.append(list(batch))
+        return [[request] for request in batch]
+
+
+def test_a_cancelled_waiting_request_leaves_the_queue_at_once():
+    """It takes no place against ``max_queue`` and never reaches the engine."""
+    engine = _RecordingEngine()
+    batcher = batching.Batcher(engine, max_queue=1, window_s=0.2)
+    try:
+        first, second = request(), request()
+        cancelled = batcher.submit(first)
+        with pytest.raises(requests.QueueFull):
+            batcher.submit(second)
+        batcher.cancel(cancelled)
+        assert cancelled.cancelled() and batcher.depth() == 0
+        served = batcher.submit(second)
+        assert served.result(timeout=10) == [second]
+        assert engine.batches == [[second]]
+        batcher.cancel(served)  # it ran: a no-op
+        assert served.result() == [second] and not served.cancelled()
+    finally:
+        batcher.stop()

@@ -223,7 +223,7 @@ def test_models_lists_the_model(client):
 
 
 BAD = [
-    ({"prompt": "K"}, 404, "model"),
+    ({"prompt": "K"}, 400, "model"),
     ({"model": "gpt-4", "prompt": "K"}, 404, "model"),
     ({"model": MODEL}, 400, "prompt"),
     ({"model": MODEL, "prompt": ""}, 400, "prompt"),
@@ -284,7 +284,11 @@ def test_bad_request_names_the_param(url, body, status, param):
     response = httpx.post(url + "/v1/completions", json=body, timeout=60)
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert error["param"] == param and error["message"] and error["type"]
+    assert error["param"] == param and error["message"]
+    # OpenAI's shape: every 4xx of a bad request is an invalid_request_error,
+    # an unknown model's carries the code model_not_found.
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == ("model_not_found" if status == 404 else None)
 
 
 @pytest.mark.parametrize(
@@ -311,6 +315,33 @@ def test_the_client_raises_on_a_bad_request(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt="K", presence_penalty=3)
     assert caught.value.body["param"] == "presence_penalty"
+
+
+def test_the_client_raises_not_found_for_an_unknown_model(client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="gpt-4", prompt="K")
+    assert caught.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    "method,path,status,shape",
+    [
+        ("POST", "/v1/chat/completions", 404, "openai"),
+        ("GET", "/v1/completions", 405, "openai"),
+        ("GET", "/nowhere", 404, "lmhead"),
+    ],
+)
+def test_an_unknown_route_answers_in_its_paths_error_shape(
+    url, method, path, status, shape
+):
+    response = httpx.request(method, url + path, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert path in error["message"]
+    if shape == "openai":
+        assert error["type"] == "invalid_request_error" and error["param"] is None
+    else:
+        assert error["field"] is None
 
 
 def test_penalties_and_bias_are_served(run, client):

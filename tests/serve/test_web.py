@@ -250,3 +250,12 @@ def test_serve_refuses_a_timeout_of_zero(tmp_path):
     result = run_experiment("serve.py", f"--workdir={tmp_path}", "--timeout_s=0")
     assert result.returncode != 0
     assert "--timeout_s must be > 0." in result.stderr
+
+
+def test_serve_refuses_fewer_slots_than_the_largest_batch_before_loading(tmp_path):
+    # tmp_path holds no run: the flag is refused before anything loads.
+    result = run_experiment(
+        "serve.py", f"--workdir={tmp_path}", "--batch_sizes=1,4", "--slots=2"
+    )
+    assert result.returncode != 0
+    assert "slots must be at least the largest batch size 4" in result.stderr

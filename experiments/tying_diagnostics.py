@@ -60,10 +60,13 @@ def main(argv):
         raise app.UsageError(
             "Give --workdir (repeatable), or --study_dir with --study_csv."
         )
-    workdirs = f.workdir or diagnostics_report.study_workdirs(
-        f.study_dir, table.read_rows(f.study_csv)
-    )
-    if not workdirs:
+    if f.workdir:
+        labels = dict(zip(f.workdir, diagnostics_report.run_names(f.workdir)))
+    else:
+        labels = diagnostics_report.study_workdirs(
+            f.study_dir, table.read_rows(f.study_csv)
+        )
+    if not labels:
         print(f"No test run of the diagnosed cells in {f.study_dir} yet.")
         return
     runs = [
@@ -75,7 +78,7 @@ def main(argv):
             batch_size=f.batch_size,
             name=name,
         )
-        for workdir, name in zip(workdirs, diagnostics_report.run_names(workdirs))
+        for workdir, name in labels.items()
     ]
     for path in diagnostics_report.write_diagnostics(runs, f.out):
         print(path)

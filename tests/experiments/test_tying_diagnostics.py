@@ -191,9 +191,10 @@ def test_the_study_diagnoses_its_cells_runs_that_hold_a_checkpoint(
          ("char", 1.0, "a"): "char-a", ("512", 1.0, "a"): "elsewhere"},
     )  # fmt: skip
     rows = table.read_rows(csv_path)
-    assert diagnostics_report.study_workdirs(str(study), rows) == [
-        str(study / "char-a"), str(study / "bpe-a")
-    ]  # fmt: skip
+    assert diagnostics_report.study_workdirs(str(study), rows) == {
+        str(study / "char-a"): "characters at 100%, a (tied), seed 0",
+        str(study / "bpe-a"): "BPE 8192 at 100%, a (tied), seed 0",
+    }
 
 
 def test_the_study_before_its_test_runs_writes_nothing(tmp_path):

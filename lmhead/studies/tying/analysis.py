@@ -271,8 +271,7 @@ def tuning_section(rows: Rows) -> str:
             note = ""
         else:
             note = " (≠ best)"
-        tried = sorted(tuning.mean_loss)
-        if len(tried) > 1 and set(tuning.chosen) & {tried[0], tried[-1]}:
+        if tuning.at_edge:
             note += " (edge of the rates tried)"
         lines.append(
             [
@@ -453,6 +452,7 @@ def primary_section(rows: Rows) -> str:
             pair_text(*c.pooled),
             pair_text(*c.simultaneous),
             f"{c.capped} of {2 * c.difference.n}",
+            ", ".join(c.edge) or DASH,
             _places_text(
                 cells_lib.place_means(groups, c), cells_lib.blocked_by_place(groups, c)
             ),
@@ -482,6 +482,9 @@ def primary_section(rows: Rows) -> str:
         "conservative than Holm, so such an interval may include 0 where "
         "the Holm-adjusted p is below 0.05. At cap: the pairs' runs that "
         "reached their step cap, budget-limited rather than early-stopped. "
+        "Rate at edge: the arms whose test rate is the lowest or highest "
+        "rate their tuning tried (see Learning rates), so that their best "
+        "rate may lie beyond and the contrast may favour the other arm. "
         "By place: the mean difference (pairs) at each place in the "
         "training plays that a subset was drawn from (`data.train_offset`, "
         "by seed), and the contrast blocked by place: the mean of the "
@@ -501,6 +504,7 @@ def primary_section(rows: Rows) -> str:
                 "pooled 95%",
                 "simultaneous 95%",
                 "at cap",
+                "rate at edge",
                 "by place",
             ],  # fmt: skip
             lines,
@@ -540,11 +544,13 @@ def family_counts(contrasts: Sequence[Contrast]) -> str:
         found = [c for c in of if c.holm_p < ALPHA]
         lower = sum(c.difference.mean < 0 for c in found)
         capped = sum(bool(c.capped) for c in found)
+        edge = sum(bool(c.edge) for c in found)
         parts.append(
             f"{x} − {y}: Holm-adjusted p < {ALPHA} in {len(found)} of "
             f"{len(of)} cells ({x} lower in {lower}, higher in "
             f"{len(found) - lower}; {capped} of them with runs at their step "
-            "cap, budget-limited)"
+            f"cap, budget-limited; {edge} with an arm's rate at the edge of "
+            "the rates tried)"
         )
     return "Corrected for the family: " + "; ".join(parts) + "."
 

@@ -145,6 +145,9 @@ class Contrast:
         simultaneous: the family's Bonferroni 95% interval.
         capped: runs of the pairs (both arms) that reached their step cap:
             budget-limited rather than early-stopped.
+        edge: the contrast's arms whose test rate is the lowest or highest
+            rate their tuning tried (:attr:`Tuning.at_edge`): their best
+            rate may lie beyond, so the contrast can favour the other arm.
     """
 
     vocab: str
@@ -158,6 +161,7 @@ class Contrast:
     pooled: tuple[float, float] = (math.nan, math.nan)
     simultaneous: tuple[float, float] = (math.nan, math.nan)
     capped: int = 0
+    edge: tuple[str, ...] = ()
 
 
 def by_seed(runs: Mapping[int, Row], metric: str = "test_bpc") -> dict[int, float]:
@@ -250,12 +254,23 @@ def primary_family(rows: Sequence[Row]) -> Family:
     # An untested contrast enters Holm's count as NaN, which never rejects.
     untested = [math.nan] * (size - len(plain))
     holm = stats.holm_adjusted([c.p for c in plain] + untested)
+    tuned = any(r["role"] == "tune" for r in rows)  # no tuning stage: no edges
+    edges = (
+        {(t.vocab, t.amount, t.arm) for t in tunings(rows) if t.at_edge}
+        if tuned
+        else set()
+    )
     contrasts = [
         dataclasses.replace(
             c,
             holm_p=adjusted,
             pooled=pooled[c.label].interval(c.difference.mean, c.difference.n),
             simultaneous=stats.simultaneous_interval(c.difference, size),
+            edge=tuple(
+                arm
+                for arm in (c.minuend, c.subtrahend)
+                if (c.vocab, c.amount, arm) in edges
+            ),
         )
         for c, adjusted in zip(plain, holm)
     ]
@@ -353,6 +368,14 @@ class Tuning:
         """The rate of the lowest mean tuning loss."""
         means = self.mean_loss
         return min(means, key=lambda lr: means[lr][0]) if means else None
+
+    @property
+    def at_edge(self) -> bool:
+        """Whether a chosen rate is the lowest or highest of two or more
+        rates tried: the arm's best may lie beyond (an untuned arm, which
+        takes arm a's rate, is never at an edge of its own)."""
+        tried = sorted(self.mean_loss)
+        return len(tried) > 1 and bool(set(self.chosen) & {tried[0], tried[-1]})
 
     def is_chosen(self, lr: float) -> bool:
         return any(math.isclose(lr, c, rel_tol=1e-9) for c in self.chosen)

@@ -37,6 +37,7 @@ import numpy as np
 from lmhead.lab import report
 from lmhead.lm import checkpoints, data, generation, scoring
 from lmhead.lm import state as state_lib
+from lmhead.studies.tying import cells as cells_lib
 from lmhead.studies.tying import diagnostics
 
 SPLITS = ("test", "val")
@@ -331,11 +332,11 @@ def plot_cosines(runs: list[RunDiagnostics], path: str) -> bool:
             name = run.summary["run"]
             histogram, scatter = axes[2 * i], axes[2 * i + 1]
             histogram.hist(run.cosines, bins=40, range=(-1.0, 1.0))
-            histogram.set_title(f"{name}: cos(embedding, head)", fontsize=9)
+            histogram.set_title(f"{name}\ncos(embedding, head)", fontsize=9)
             histogram.set_xlabel("cosine")
             histogram.set_ylabel("tokens")
             scatter.scatter(run.log_frequency, run.cosines, s=6)
-            scatter.set_title(f"{name}: cosine by frequency", fontsize=9)
+            scatter.set_title(f"{name}\ncosine by frequency", fontsize=9)
             scatter.set_xlabel("log training frequency (add-one)")
             scatter.set_ylabel("cosine")
     return True
@@ -451,37 +452,50 @@ def study_runs(
     cells: tuple[tuple[str, float], ...] = STUDY_CELLS,
     arms: tuple[str, ...] = STUDY_ARMS,
     seed: int = 0,
-) -> list[str]:
+) -> dict[str, str]:
     """The run names (``runs.csv``'s ``run``) of the finished test runs of
-    test seed ``seed`` in ``cells`` x ``arms``, in that order: the runs the
-    study's diagnostics read (``make study``). A cell or arm without such a
-    run is left out.
+    test seed ``seed`` in ``cells`` x ``arms``, in that order, each mapped to
+    a label that names its cell, arm and seed: the runs the study's
+    diagnostics read (``make study``). A cell or arm without such a run is
+    left out.
 
     Examples:
         >>> row = lambda arm, status="finished": dict(
         ...     role="test", vocab="char", amount=1.0, arm=arm, seed=0,
         ...     status=status, table_lr_multiplier=None, run=f"char-{arm}")
-        >>> study_runs([row("b"), row("a"), row("e", "failed")])
-        ['char-a', 'char-b']
+        >>> for name, label in study_runs([row("b"), row("a"), row("e", "no")]).items():
+        ...     print(name, "|", label)
+        char-a | characters at 100%, a (tied), seed 0
+        char-b | characters at 100%, b (untied), seed 0
     """
     chosen = {
         (r["vocab"], r["amount"], r["arm"]): r["run"]
         for r in rows
         if r["role"] == "test" and r["status"] == "finished" and r["seed"] == seed
     }
-    return [
-        chosen[(*cell, arm)] for cell in cells for arm in arms if (*cell, arm) in chosen
-    ]
+    return {
+        chosen[(*cell, arm)]: (
+            f"{cells_lib.cell_label(cell)}, {arm} "
+            f"({cells_lib.ARM_NAMES.get(arm, arm)}), seed {seed}"
+        )
+        for cell in cells
+        for arm in arms
+        if (*cell, arm) in chosen
+    }
 
 
-def study_workdirs(study_dir: str, rows: list[dict[str, Any]]) -> list[str]:
+def study_workdirs(study_dir: str, rows: list[dict[str, Any]]) -> dict[str, str]:
     """The directories under ``study_dir`` of :func:`study_runs` ``(rows)``
-    that hold a saved step (a run restored from ``runs.csv`` alone has none)."""
-    return [
-        workdir
-        for workdir in (os.path.join(study_dir, name) for name in study_runs(rows))
+    that hold a saved step (a run restored from ``runs.csv`` alone has none),
+    each mapped to its label."""
+    return {
+        workdir: label
+        for workdir, label in (
+            (os.path.join(study_dir, name), label)
+            for name, label in study_runs(rows).items()
+        )
         if has_parameters(workdir)
-    ]
+    }
 
 
 def run_names(workdirs: list[str]) -> list[str]:

@@ -242,6 +242,30 @@ class TestPrimary:
             assert line["at cap"] == f"{capped} of {2 * len(shared)}"
         assert any(not line["at cap"].startswith("0 ") for line in lines)
 
+    def test_arms_at_the_edge_of_their_rates_are_named(self, rows):
+        # Arm b's lowest rate left out: its chosen rate becomes the lowest tried.
+        low = synthetic_rows.LR_GRID[0]
+        trimmed = [
+            r
+            for r in rows
+            if not (r["role"] == "tune" and r["arm"] == "b" and r["lr"] == low)
+        ]
+        for given in (rows, trimmed):
+            (lines,) = tables(analysis.primary_section(given))
+            for line in lines:
+                vocab, amount = cell_of(line)
+                want = []
+                for arm in (line["contrast"][0], line["contrast"][-1]):
+                    tried = sorted(
+                        {r["lr"] for r in finished(given, role="tune", vocab=vocab,
+                                                   amount=amount, arm=arm)}
+                    )  # fmt: skip
+                    chosen = synthetic_rows.LR_GRID[synthetic_rows.BEST_LR_INDEX[arm]]
+                    if len(tried) > 1 and chosen in (tried[0], tried[-1]):
+                        want.append(arm)
+                assert line["rate at edge"] == (", ".join(want) or "—")
+        assert {line["rate at edge"] for line in lines} == {"a", "b, a"}
+
     def test_differences_by_subset_place_against_numpy(self, rows, reported):
         (lines,) = tables(section(reported[0], "## Primary contrasts"))
         for line in lines:
@@ -334,10 +358,12 @@ class TestPrimary:
             means = [numbers(r["mean [95% t]"])[0] for r in found]
             lower, higher = sum(m < 0 for m in means), sum(m > 0 for m in means)
             capped = sum(not r["at cap"].startswith("0 ") for r in found)
+            edge = sum(r["rate at edge"] != "—" for r in found)
             assert (
                 f"{label}: Holm-adjusted p < 0.05 in {lower + higher} of 4 cells "
                 f"({arm} lower in {lower}, higher in {higher}; {capped} of them "
-                "with runs at their step cap, budget-limited)"
+                f"with runs at their step cap, budget-limited; {edge} with an "
+                "arm's rate at the edge of the rates tried)"
             ) in primary
         # "k of n" appears only in the corrected section.
         assert " of 4 cells" not in reported[0].replace(primary, "").replace(

@@ -13,7 +13,7 @@ import pytest
 from lmhead.lab import ensembles, runner, sweeps
 from lmhead.lm import configuration
 from lmhead.studies.tying import analysis, results, shapes, study, table
-from tests import run_experiment
+from tests import ROOT, run_experiment
 from tests.lab.sweep_helpers import SWEEP_CONFIGS
 
 STUDY = os.path.join(SWEEP_CONFIGS, "tying_study.py")
@@ -214,3 +214,16 @@ def test_restoring_needs_a_table_and_a_sweep_file_that_can(tmp_path):
     table.write_rows(tmp_path / "bad.csv", [row])
     with pytest.raises(ValueError, match="not a directory name"):
         results.restore_runs(str(tmp_path / "bad.csv"), str(tmp_path))
+
+
+@pytest.mark.parametrize("folder", ["docs/tying_study", "docs/compare"])
+def test_the_committed_reports_are_what_their_csv_gives_today(folder, tmp_path):
+    """A change to the report's code rewrites the committed reports with it:
+    each committed REPORT.md is what ``report_from_csv`` gives from the
+    committed runs.csv beside it."""
+    folder = os.path.join(ROOT, folder)
+    text, _ = results.report_from_csv(
+        os.path.join(folder, results.RUNS_CSV), str(tmp_path)
+    )
+    with open(os.path.join(folder, "REPORT.md"), encoding="utf-8") as f:
+        assert text == f.read()

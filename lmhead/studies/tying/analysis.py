@@ -731,25 +731,39 @@ def answer(rows: Rows) -> str:
 
 def meaning(contrast: Contrast) -> str:
     """What a primary contrast says at the family's corrected level (Holm p
-    below :data:`ALPHA`); lower bits/char is better.
+    below :data:`ALPHA`); lower bits/char is better. Named beside it: runs
+    at their step cap, and the arms whose rate at the edge of the rates
+    tried could change the verdict (the worse arm of a difference found,
+    either arm of one not found), since their best rate may lie beyond.
 
     Examples:
         >>> d = stats.PairedDifference(-0.02, 0.01, 8, -0.03, -0.01)
         >>> meaning(Contrast("char", 0.1, "b", "a", "b − a", d, 0.001, 0.004))
         'b better than a'
+        >>> meaning(Contrast("char", 0.1, "b", "a", "b − a", d, 0.001, 0.004,
+        ...                  edge=("b", "a")))
+        "b better than a (a's rate at the edge of the rates tried)"
         >>> meaning(Contrast("char", 0.1, "c", "a", "c − a", d, 0.03, 0.06))
         'c and a not told apart at 8 seeds'
     """
     x, y = contrast.minuend, contrast.subtrahend
     if math.isnan(contrast.holm_p) or contrast.holm_p >= ALPHA:
         said = f"{x} and {y} not told apart at {contrast.difference.n} seeds"
+        open_to_change = (x, y)
     else:
         better, worse = (x, y) if contrast.difference.mean < 0 else (y, x)
         said = f"{better} better than {worse}"
+        open_to_change = (worse,)
+    notes = []
     if contrast.capped:
         runs = "run" if contrast.capped == 1 else "runs"
-        said += f" (budget-limited: {contrast.capped} {runs} at the step cap)"
-    return said
+        notes.append(f"budget-limited: {contrast.capped} {runs} at the step cap")
+    edge = [arm for arm in open_to_change if arm in contrast.edge]
+    if edge:
+        whose = " and ".join(f"{arm}'s" for arm in edge)
+        rates = "rate" if len(edge) == 1 else "rates"
+        notes.append(f"{whose} {rates} at the edge of the rates tried")
+    return f"{said} ({'; '.join(notes)})" if notes else said
 
 
 def answer_sentence(contrasts: Sequence[Contrast]) -> str:

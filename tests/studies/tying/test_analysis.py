@@ -114,6 +114,19 @@ def cell_of(line):
     return vocab, float(line["amount"].rstrip("%")) / 100
 
 
+def edge_arms(rows, vocab, amount):
+    """The cell's arms whose chosen rate (synthetic_rows.BEST_LR_INDEX) is the
+    lowest or highest of two or more rates their tuning runs tried."""
+    arms = set()
+    for arm, index in synthetic_rows.BEST_LR_INDEX.items():
+        tune = finished(rows, role="tune", vocab=vocab, amount=amount, arm=arm)
+        tried = sorted({r["lr"] for r in tune})
+        chosen = synthetic_rows.LR_GRID[index]
+        if len(tried) > 1 and chosen in (tried[0], tried[-1]):
+            arms.add(arm)
+    return arms
+
+
 class TestResults:
     def test_each_arm_of_each_cell_against_numpy(self, rows, reported):
         (lines,) = tables(section(reported[0], "## Results by cell"))
@@ -253,16 +266,9 @@ class TestPrimary:
         for given in (rows, trimmed):
             (lines,) = tables(analysis.primary_section(given))
             for line in lines:
-                vocab, amount = cell_of(line)
-                want = []
-                for arm in (line["contrast"][0], line["contrast"][-1]):
-                    tried = sorted(
-                        {r["lr"] for r in finished(given, role="tune", vocab=vocab,
-                                                   amount=amount, arm=arm)}
-                    )  # fmt: skip
-                    chosen = synthetic_rows.LR_GRID[synthetic_rows.BEST_LR_INDEX[arm]]
-                    if len(tried) > 1 and chosen in (tried[0], tried[-1]):
-                        want.append(arm)
+                at_edge = edge_arms(given, *cell_of(line))
+                want = [a for a in (line["contrast"][0], line["contrast"][-1])
+                        if a in at_edge]  # fmt: skip
                 assert line["rate at edge"] == (", ".join(want) or "—")
         assert {line["rate at edge"] for line in lines} == {"a", "b, a"}
 
@@ -624,6 +630,7 @@ class TestTotalsAndAnswer:
             diffs[x], xs, ys = paired(rows, vocab, amount, x, "a")
             p_values.append(stats.ttest_rel(xs, ys).pvalue)
         holm = holm_by_hand(np.array(p_values))  # a family of 2 here
+        checked_edges = 0
         for line, x, p in zip(lines[3:], "bc", holm):
             d = diffs[x]
             half = stats.t.ppf(1 - 0.025 / 2, len(d) - 1) * stats.sem(d)
@@ -637,14 +644,29 @@ class TestTotalsAndAnswer:
             of = [finished(one_cell, role="test", arm=arm) for arm in (x, "a")]
             seeds = {r["seed"] for r in of[0]} & {r["seed"] for r in of[1]}
             capped = sum(r["reached_cap"] and r["seed"] in seeds for r in of[0] + of[1])
+            # The arms whose edge could change the verdict: the worse one of a
+            # difference found, both of one not found.
+            worse = ("a" if d.mean() < 0 else x) if p < 0.05 else None
+            edge = [
+                a
+                for a in (x, "a")
+                if a in edge_arms(one_cell, vocab, amount) and worse in (None, a)
+            ]
+            notes = []
+            if capped:
+                notes.append(f"budget-limited: {capped} run{'s' * (capped != 1)} "
+                             "at the step cap")  # fmt: skip
+            if edge:
+                whose = " and ".join(f"{a}'s" for a in edge)
+                notes.append(f"{whose} rate{'s' * (len(edge) > 1)} at the edge "
+                             "of the rates tried")  # fmt: skip
             assert line["what it means"] == (
                 f"{x} better than a" if p < 0.05 and d.mean() < 0
                 else f"a better than {x}" if p < 0.05
                 else f"{x} and a not told apart at {len(d)} seeds"
-            ) + (
-                f" (budget-limited: {capped} run{'s' * (capped != 1)} at the step cap)"
-                if capped else ""
-            )  # fmt: skip
+            ) + (f" ({'; '.join(notes)})" if notes else "")  # fmt: skip
+            checked_edges += bool(edge)
+        assert checked_edges  # the synthetic cell has an arm at the edge
         bpc = [r["test_bpc"] for r in finished(one_cell, role="test", arm="a")]
         assert numbers(
             lines[0]["test bits/char (n), or difference [simultaneous 95%]"]

@@ -93,12 +93,31 @@ def _range_text(values: Sequence[float]) -> str:
 # --- The design, as the rows show it -----------------------------------------
 
 
+def _untie_text(steps: dict[float, int]) -> str:
+    """Arm e's untie step in each amount's cell.
+
+    Examples:
+        >>> _untie_text({0.003: 67, 1.0: 667}), _untie_text({})
+        ('67 at 0.3%, 667 at 100%', '—')
+    """
+    return (
+        ", ".join(
+            f"{_int_text(step)} at {cells_lib.amount_label(amount)}"
+            for amount, step in sorted(steps.items())
+        )
+        or DASH
+    )
+
+
 def design_section(rows: Rows) -> str:
     """The vocabularies, amounts, offsets, seeds and each arm's shape."""
     tested = [r for r in rows if r["role"] == "test"]
-    shapes = {}
+    shapes, untie = {}, {}
     for row in sorted(tested, key=cells_lib.row_order):
         shapes.setdefault((row["vocab"], row["arm"]), row)
+        if row["untie_step"] is not None:  # arm e's, which depends on the cell
+            steps = untie.setdefault((row["vocab"], row["arm"]), {})
+            steps.setdefault(row["amount"], row["untie_step"])
     arms = report.markdown_table(
         [
             "vocabulary",
@@ -123,7 +142,7 @@ def design_section(rows: Rows) -> str:
                 _int_text(row["params"]),
                 _int_text(row["flops_per_token"]),
                 DASH if row["head_share"] is None else f"{row['head_share']:.1%}",
-                _int_text(row["untie_step"]),
+                _untie_text(untie.get((vocab, arm), {})),
             ]
             for (vocab, arm), row in shapes.items()
         ),

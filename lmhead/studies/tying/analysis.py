@@ -63,6 +63,18 @@ def _mean_text(values: Sequence[float], decimals: int = 4) -> str:
     return DASH if n == 0 else f"{mean:,.{decimals}f}"
 
 
+def _geometric_mean_text(values: Sequence[float], decimals: int = 2) -> str:
+    """Examples:
+    >>> _geometric_mean_text([100.0, 400.0]), _geometric_mean_text([])
+    ('200.00', '—')
+    """
+    values = list(values)
+    if not values:
+        return DASH
+    mean = math.exp(sum(math.log(v) for v in values) / len(values))
+    return f"{mean:,.{decimals}f}"
+
+
 def _spread_text(values: Sequence[float], decimals: int = 4) -> str:
     """``mean ± std (n)``."""
     values = list(values)
@@ -224,6 +236,7 @@ def amounts_table(rows: Rows) -> str:
     lines = []
     for amount in cells_lib.amounts(rows):
         of = [r for r in rows if r["amount"] == amount]
+        offsets = sorted({r["offset"] for r in of})
         seeds = {
             role: sorted({r["seed"] for r in of if r["role"] == role})
             for role in table.ROLES
@@ -231,10 +244,8 @@ def amounts_table(rows: Rows) -> str:
         lines.append(
             [
                 cells_lib.amount_label(amount),
-                ", ".join(f"{o:g}" for o in sorted({r["offset"] for r in of})),
-                ", ".join(
-                    f"{c:,}" for c in sorted({r["train_chars"] for r in of} - {None})
-                ),
+                ", ".join(f"{o:g}" for o in offsets),
+                _chars_by_offset(of, offsets),
                 ", ".join(
                     f"{s:,}" for s in sorted({r["steps_cap"] for r in of} - {None})
                 ),
@@ -245,7 +256,7 @@ def amounts_table(rows: Rows) -> str:
         [
             "amount",
             "offsets",
-            "training chars",
+            "training chars (at offset)",
             "step cap",
             "tuning seeds",
             "test seeds",
@@ -253,6 +264,25 @@ def amounts_table(rows: Rows) -> str:
         ],  # fmt: skip
         lines,
     )
+
+
+def _chars_by_offset(rows: Rows, offsets: Sequence[float]) -> str:
+    """The training characters at each offset, named by offset where there
+    are several.
+
+    Examples:
+        >>> rows = [dict(offset=0.5, train_chars=36074),
+        ...         dict(offset=0.0, train_chars=36586)]
+        >>> _chars_by_offset(rows, [0.0, 0.5]), _chars_by_offset(rows[:1], [0.5])
+        ('36,586 at 0, 36,074 at 0.5', '36,074')
+    """
+    parts = []
+    for offset in offsets:
+        chars = sorted({r["train_chars"] for r in rows if r["offset"] == offset})
+        text = ", ".join(f"{c:,}" for c in chars if c is not None)
+        if text:
+            parts.append(f"{text} at {offset:g}" if len(offsets) > 1 else text)
+    return ", ".join(parts) or DASH
 
 
 def _seeds_text(seeds: Sequence[int]) -> str:
@@ -399,7 +429,7 @@ def results_section(rows: Rows) -> str:
                 _mean_text(cells_lib.column(values, "steps_to_best"), 0),
                 f"{reached} of {len(values)}",
                 _mean_text(cells_lib.column(values, "tokens_per_param"), 2),
-                _mean_text(cells_lib.column(values, "test_word_ppl"), 2),
+                _geometric_mean_text(cells_lib.column(values, "test_word_ppl")),
             ]
         )
     text = [
@@ -409,7 +439,8 @@ def results_section(rows: Rows) -> str:
         "held-out windows of the training plays minus on training windows, "
         "at the tested step. Steps to best: the step of the lowest validation "
         "loss, whose parameters were tested. Word perplexity: exp(test nats / "
-        "words of the test text, `len(text.split())`).",
+        "words of the test text, `len(text.split())`), its geometric mean over "
+        "the runs (the mean of a log-scale quantity).",
         report.markdown_table(
             [
                 "vocabulary",
@@ -471,7 +502,7 @@ def primary_section(rows: Rows) -> str:
             pair_text(*c.pooled),
             pair_text(*c.simultaneous),
             f"{c.capped} of {2 * c.difference.n}",
-            ", ".join(c.edge) or DASH,
+            ", ".join(c.edge or ()) or DASH,
             _places_text(
                 cells_lib.place_means(groups, c), cells_lib.blocked_by_place(groups, c)
             ),
@@ -556,20 +587,27 @@ def untrained_sensitivity(rows: Rows) -> str:
 
 
 def family_counts(contrasts: Sequence[Contrast]) -> str:
-    """``k of n cells`` per primary contrast, beside the Holm correction."""
+    """``k of n cells`` per primary contrast, beside the Holm correction, and
+    of those the budget-limited ones and, where rates were tuned, the ones
+    whose worse arm's rate is at the edge of the rates tried."""
+    tuned = any(c.edge is not None for c in contrasts)
     parts = []
     for x, y in PRIMARY:
         of = [c for c in contrasts if (c.minuend, c.subtrahend) == (x, y)]
         found = [c for c in of if c.holm_p < ALPHA]
         lower = sum(c.difference.mean < 0 for c in found)
         capped = sum(bool(c.capped) for c in found)
-        edge = sum(bool(c.edge) for c in found)
+        edge = sum(bool(verdict_edges(c)) for c in found)
+        edge_text = (
+            f"; {edge} with the worse arm's rate at the edge of the rates tried"
+            if tuned
+            else ""
+        )
         parts.append(
             f"{x} − {y}: Holm-adjusted p < {ALPHA} in {len(found)} of "
             f"{len(of)} cells ({x} lower in {lower}, higher in "
             f"{len(found) - lower}; {capped} of them with runs at their step "
-            f"cap, budget-limited; {edge} with an arm's rate at the edge of "
-            "the rates tried)"
+            f"cap, budget-limited{edge_text})"
         )
     return "Corrected for the family: " + "; ".join(parts) + "."
 
@@ -652,7 +690,10 @@ def totals_section(rows: Rows) -> str:
             f"{totals.steps:,} training steps; "
             f"{totals.wall_seconds:,.0f} s = {totals.wall_seconds / 3600:.2f} h of "
             f"wall time, summed over the runs trained alone and the ensemble "
-            f"programs ({totals.programs}), each program counted once.",
+            f"programs ({totals.programs}), each program counted once. Each "
+            "time is that of the process that finished the run: a resumed "
+            "run's earlier processes, and runs lost with a machine and trained "
+            "again, are not counted, so the total is a lower bound.",
         ]
     )
 
@@ -766,23 +807,46 @@ def meaning(contrast: Contrast) -> str:
         'c and a not told apart at 8 seeds'
     """
     x, y = contrast.minuend, contrast.subtrahend
-    if math.isnan(contrast.holm_p) or contrast.holm_p >= ALPHA:
-        said = f"{x} and {y} not told apart at {contrast.difference.n} seeds"
-        open_to_change = (x, y)
-    else:
+    if _found(contrast):
         better, worse = (x, y) if contrast.difference.mean < 0 else (y, x)
         said = f"{better} better than {worse}"
-        open_to_change = (worse,)
+    else:
+        said = f"{x} and {y} not told apart at {contrast.difference.n} seeds"
     notes = []
     if contrast.capped:
         runs = "run" if contrast.capped == 1 else "runs"
         notes.append(f"budget-limited: {contrast.capped} {runs} at the step cap")
-    edge = [arm for arm in open_to_change if arm in contrast.edge]
+    edge = verdict_edges(contrast)
     if edge:
         whose = " and ".join(f"{arm}'s" for arm in edge)
         rates = "rate" if len(edge) == 1 else "rates"
         notes.append(f"{whose} {rates} at the edge of the rates tried")
     return f"{said} ({'; '.join(notes)})" if notes else said
+
+
+def _found(contrast: Contrast) -> bool:
+    return not math.isnan(contrast.holm_p) and contrast.holm_p < ALPHA
+
+
+def verdict_edges(contrast: Contrast) -> tuple[str, ...]:
+    """The contrast's arms at the edge of their rates tried whose best rate,
+    if it lies beyond, could change the verdict: the worse arm of a
+    difference found (Holm p below :data:`ALPHA`), either arm of one not
+    found. A better arm at its edge could only do better still.
+
+    Examples:
+        >>> d = stats.PairedDifference(-0.02, 0.01, 8, -0.03, -0.01)
+        >>> found = Contrast("char", 0.1, "b", "a", "b − a", d, 0.001, 0.004,
+        ...                  edge=("b", "a"))
+        >>> not_found = Contrast("char", 0.1, "b", "a", "b − a", d, 0.1, 0.2,
+        ...                      edge=("b", "a"))
+        >>> verdict_edges(found), verdict_edges(not_found)
+        (('a',), ('b', 'a'))
+    """
+    if not _found(contrast):
+        return contrast.edge or ()
+    worse = contrast.subtrahend if contrast.difference.mean < 0 else contrast.minuend
+    return tuple(arm for arm in contrast.edge or () if arm == worse)
 
 
 def answer_sentence(contrasts: Sequence[Contrast]) -> str:

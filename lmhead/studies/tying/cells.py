@@ -147,7 +147,8 @@ class Contrast:
             budget-limited rather than early-stopped.
         edge: the contrast's arms whose test rate is the lowest or highest
             rate their tuning tried (:attr:`Tuning.at_edge`): their best
-            rate may lie beyond, so the contrast can favour the other arm.
+            rate may lie beyond, so the contrast can favour the other arm;
+            None where the rows have no tuning stage.
     """
 
     vocab: str
@@ -161,7 +162,7 @@ class Contrast:
     pooled: tuple[float, float] = (math.nan, math.nan)
     simultaneous: tuple[float, float] = (math.nan, math.nan)
     capped: int = 0
-    edge: tuple[str, ...] = ()
+    edge: tuple[str, ...] | None = None
 
 
 def by_seed(runs: Mapping[int, Row], metric: str = "test_bpc") -> dict[int, float]:
@@ -255,11 +256,7 @@ def primary_family(rows: Sequence[Row]) -> Family:
     untested = [math.nan] * (size - len(plain))
     holm = stats.holm_adjusted([c.p for c in plain] + untested)
     tuned = any(r["role"] == "tune" for r in rows)  # no tuning stage: no edges
-    edges = (
-        {(t.vocab, t.amount, t.arm) for t in tunings(rows) if t.at_edge}
-        if tuned
-        else set()
-    )
+    edges = {(t.vocab, t.amount, t.arm) for t in tunings(rows) if t.at_edge}
     contrasts = [
         dataclasses.replace(
             c,
@@ -270,7 +267,9 @@ def primary_family(rows: Sequence[Row]) -> Family:
                 arm
                 for arm in (c.minuend, c.subtrahend)
                 if (c.vocab, c.amount, arm) in edges
-            ),
+            )
+            if tuned
+            else None,
         )
         for c, adjusted in zip(plain, holm)
     ]

@@ -17,7 +17,8 @@ from lmhead.studies.tying import cells as cells_lib
 ALPHA = 0.05
 ARMS = (
     "a tied; b untied, a's shape; c untied, narrower to a's parameter count; d "
-    "tied plus whole blocks to b's count; e b's shape, tied until 2/3 of the cap"
+    "tied plus whole blocks to b's count; e b's shape, tied until 2/3 of arm a's median best step in the cell, then "
+    "untied"
 )
 COLUMN_NAMES = {"test_bpc": "test bits/char", "train_bpc": "training bits/char"}
 PER_WORD = (

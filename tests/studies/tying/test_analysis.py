@@ -155,7 +155,7 @@ class TestResults:
                 np.mean([r["steps_to_best"] for r in runs]), abs=0.5
             )
             assert numbers(line["word ppl"])[0] == pytest.approx(
-                np.mean([r["test_word_ppl"] for r in runs]), abs=0.005
+                stats.gmean([r["test_word_ppl"] for r in runs]), abs=0.005
             )
             capped = sum(r["reached_cap"] for r in runs)
             assert line["reached cap"] == f"{capped} of {len(runs)}"
@@ -254,6 +254,13 @@ class TestPrimary:
             capped = sum(bool(of[a][s]["reached_cap"]) for a in (x, y) for s in shared)
             assert line["at cap"] == f"{capped} of {2 * len(shared)}"
         assert any(not line["at cap"].startswith("0 ") for line in lines)
+
+    def test_without_a_tuning_stage_no_edge_is_claimed(self, rows):
+        untuned = [r for r in rows if r["role"] != "tune"]
+        counts = analysis.family_counts(cells.primary_family(untuned).contrasts)
+        assert "edge" not in counts and "budget-limited" in counts
+        (lines,) = tables(analysis.primary_section(untuned))
+        assert {line["rate at edge"] for line in lines} == {"—"}
 
     def test_arms_at_the_edge_of_their_rates_are_named(self, rows):
         # Arm b's lowest rate left out: its chosen rate becomes the lowest tried.
@@ -359,18 +366,25 @@ class TestPrimary:
             mean = numbers(line["mean [95% t]"])[0]
             effect = synthetic_rows.ARM_EFFECT[line["contrast"][0]]
             assert mean == pytest.approx(effect, abs=0.015)
+        edges = 0
         for label, arm in (("b − a", "b"), ("c − a", "c")):
             found = [r for r in lines if r["contrast"] == label and _holm(r) < 0.05]
             means = [numbers(r["mean [95% t]"])[0] for r in found]
             lower, higher = sum(m < 0 for m in means), sum(m > 0 for m in means)
             capped = sum(not r["at cap"].startswith("0 ") for r in found)
-            edge = sum(r["rate at edge"] != "—" for r in found)
+            # Counted where the worse arm's rate is at its edge.
+            edge = sum(
+                (arm if m > 0 else "a") in r["rate at edge"].split(", ")
+                for r, m in zip(found, means)
+            )
+            edges += edge
             assert (
                 f"{label}: Holm-adjusted p < 0.05 in {lower + higher} of 4 cells "
                 f"({arm} lower in {lower}, higher in {higher}; {capped} of them "
-                f"with runs at their step cap, budget-limited; {edge} with an "
-                "arm's rate at the edge of the rates tried)"
+                f"with runs at their step cap, budget-limited; {edge} with the "
+                "worse arm's rate at the edge of the rates tried)"
             ) in primary
+        assert edges  # the synthetic arm a's rate is at the edge
         # "k of n" appears only in the corrected section.
         assert " of 4 cells" not in reported[0].replace(primary, "").replace(
             section(reported[0], "Over 4 cells"), ""

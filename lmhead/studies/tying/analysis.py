@@ -502,6 +502,7 @@ def primary_section(rows: Rows) -> str:
             pair_text(*c.pooled),
             pair_text(*c.simultaneous),
             f"{c.capped} of {2 * c.difference.n}",
+            f"{c.first_eval} of {2 * c.difference.n}",
             ", ".join(c.edge or ()) or DASH,
             _places_text(
                 cells_lib.place_means(groups, c), cells_lib.blocked_by_place(groups, c)
@@ -532,7 +533,10 @@ def primary_section(rows: Rows) -> str:
         "conservative than Holm, so such an interval may include 0 where "
         "the Holm-adjusted p is below 0.05. At cap: the pairs' runs that "
         "reached their step cap, budget-limited rather than early-stopped. "
-        "Rate at edge: the arms whose test rate is the lowest or highest "
+        "Best at first validation: the pairs' runs whose best validation was "
+        "their first, so that their best parameters may lie earlier and the "
+        "contrast measures how fast the arms overfit as much as how good they "
+        "get. Rate at edge: the arms whose test rate is the lowest or highest "
         "rate their tuning tried (see Learning rates), so that their best "
         "rate may lie beyond and the contrast may favour the other arm. "
         "By place: the mean difference (pairs) at each place in the "
@@ -554,6 +558,7 @@ def primary_section(rows: Rows) -> str:
                 "pooled 95%",
                 "simultaneous 95%",
                 "at cap",
+                "best at first validation",
                 "rate at edge",
                 "by place",
             ],  # fmt: skip
@@ -598,6 +603,7 @@ def family_counts(contrasts: Sequence[Contrast]) -> str:
         lower = sum(c.difference.mean < 0 for c in found)
         capped = sum(bool(c.capped) for c in found)
         edge = sum(bool(verdict_edges(c)) for c in found)
+        first = sum(bool(c.first_eval) for c in found)
         edge_text = (
             f"; {edge} with the worse arm's rate at the edge of the rates tried"
             if tuned
@@ -607,7 +613,8 @@ def family_counts(contrasts: Sequence[Contrast]) -> str:
             f"{x} − {y}: Holm-adjusted p < {ALPHA} in {len(found)} of "
             f"{len(of)} cells ({x} lower in {lower}, higher in "
             f"{len(found) - lower}; {capped} of them with runs at their step "
-            f"cap, budget-limited{edge_text})"
+            f"cap, budget-limited; {first} with runs best at their first "
+            f"validation{edge_text})"
         )
     return "Corrected for the family: " + "; ".join(parts) + "."
 
@@ -816,6 +823,9 @@ def meaning(contrast: Contrast) -> str:
     if contrast.capped:
         runs = "run" if contrast.capped == 1 else "runs"
         notes.append(f"budget-limited: {contrast.capped} {runs} at the step cap")
+    if contrast.first_eval:
+        runs = "run" if contrast.first_eval == 1 else "runs"
+        notes.append(f"{contrast.first_eval} {runs} best at the first validation")
     edge = verdict_edges(contrast)
     if edge:
         whose = " and ".join(f"{arm}'s" for arm in edge)

@@ -145,6 +145,8 @@ class Contrast:
         simultaneous: the family's Bonferroni 95% interval.
         capped: runs of the pairs (both arms) that reached their step cap:
             budget-limited rather than early-stopped.
+        first_eval: runs of the pairs best at their first validation
+            (:func:`best_at_first_eval`): their best may lie earlier.
         edge: the contrast's arms whose test rate is the lowest or highest
             rate their tuning tried (:attr:`Tuning.at_edge`): their best
             rate may lie beyond, so the contrast can favour the other arm;
@@ -162,6 +164,7 @@ class Contrast:
     pooled: tuple[float, float] = (math.nan, math.nan)
     simultaneous: tuple[float, float] = (math.nan, math.nan)
     capped: int = 0
+    first_eval: int = 0
     edge: tuple[str, ...] | None = None
 
 
@@ -194,7 +197,26 @@ def contrast(
         stats.paired_difference(x_values, y_values),
         stats.paired_p_value(x_values, y_values),
         capped=sum(bool(runs[s].get("reached_cap")) for runs in (x, y) for s in shared),
+        first_eval=sum(best_at_first_eval(runs[s]) for runs in (x, y) for s in shared),
     )
+
+
+def best_at_first_eval(row: Row) -> bool:
+    """Whether the run's best validation was its first (``steps_to_best ==
+    eval_every``): its best parameters may lie before it, and a contrast
+    with such runs measures how fast the arms overfit as much as how good
+    they get.
+
+    Examples:
+        >>> best_at_first_eval({"steps_to_best": 100, "eval_every": 100})
+        True
+        >>> best_at_first_eval({"steps_to_best": 200, "eval_every": 100})
+        False
+        >>> best_at_first_eval({"steps_to_best": 100, "eval_every": None})
+        False
+    """
+    every, best = row.get("eval_every"), row.get("steps_to_best")
+    return every is not None and best == every
 
 
 def paired_contrasts(
@@ -256,7 +278,11 @@ def primary_family(rows: Sequence[Row]) -> Family:
     untested = [math.nan] * (size - len(plain))
     holm = stats.holm_adjusted([c.p for c in plain] + untested)
     tuned = any(r["role"] == "tune" for r in rows)  # no tuning stage: no edges
-    edges = {(t.vocab, t.amount, t.arm) for t in tunings(rows) if t.at_edge}
+    edges = (
+        {(t.vocab, t.amount, t.arm) for t in tunings(rows) if t.at_edge}
+        if tuned
+        else set()
+    )
     contrasts = [
         dataclasses.replace(
             c,

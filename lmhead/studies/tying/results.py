@@ -80,8 +80,11 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
     """One ``runs.csv`` row of a planned run (``table.COLUMNS``); a run
     restored from a committed table (:func:`restore_runs`) gives its row back."""
     cell, summary = planned.cell, run.summary or {}
+    eval_every = design.shared.get("train.eval_every")
     if RESTORED in summary:
-        return _checked_restored(planned, run.name, summary[RESTORED])
+        restored = _checked_restored(planned, run.name, summary[RESTORED])
+        # A table written before the column existed: the design's value.
+        return {**restored, "eval_every": restored.get("eval_every", eval_every)}
     test = summary.get("test") or {}
     params = summary.get("num_params") or shapes.count_params(
         cell.vocab_size, cell.shape, design.arch
@@ -107,6 +110,7 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
         "tokens_per_param": None if tokens is None else tokens / params,
         "steps_run": _integer(steps_run),
         "steps_to_best": _integer(summary.get("best_step")),
+        "eval_every": eval_every,
         "reached_cap": None
         if steps_run is None
         else not summary.get("stopped_early", False) and steps_run >= cell.amount.steps,

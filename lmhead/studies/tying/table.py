@@ -17,7 +17,8 @@ from typing import Any
 # are on the split their prefix names: ``train`` (training windows),
 # ``val`` (validation), ``heldout`` (held-out windows of the training
 # plays), ``test`` (the whole test split); ``gap_bpc`` is heldout - train at
-# the tested step. ``ensemble`` names the program a run trained in (its
+# the tested step. ``eval_every``: the steps between validations, so a run
+# whose ``steps_to_best`` equals it was best at its first one. ``ensemble`` names the program a run trained in (its
 # summary's ``ensemble.program``; None: trained alone): every member reports
 # the program's ``wall_seconds``, so a total counts each program once.
 COLUMNS: dict[str, type] = {
@@ -43,6 +44,7 @@ COLUMNS: dict[str, type] = {
     "steps_cap": int,
     "steps_run": int,
     "steps_to_best": int,
+    "eval_every": int,
     "reached_cap": bool,
     "train_bpc": float,
     "val_bpc": float,

@@ -45,6 +45,9 @@ SHAPES = {
 }
 STEPS_CAP = {0.01: 5000, 1.0: 1000}
 FAILED = ("test", "2048", 1.0, "c", 7)  # role, vocab, amount, arm, seed
+EVAL_EVERY = 100
+# Runs of this (vocab, amount, arm) are best at their first validation.
+FIRST_EVAL = ("char", 0.01, "c")
 
 
 def arms_of(vocab):
@@ -85,7 +88,12 @@ def _row(rng, role, vocab, amount, arm, seed, lr, multiplier, bpc):
         "tokens_per_param": train_tokens / params,
         "steps_cap": steps_cap,
         "steps_run": steps_run,
-        "steps_to_best": steps_run if reached else steps_run - 200,
+        "steps_to_best": EVAL_EVERY
+        if (vocab, amount, arm) == FIRST_EVAL
+        else steps_run
+        if reached
+        else steps_run - 200,
+        "eval_every": EVAL_EVERY,
         "reached_cap": reached,
         "train_bpc": train_bpc,
         "val_bpc": val_bpc,

@@ -255,6 +255,26 @@ class TestPrimary:
             assert line["at cap"] == f"{capped} of {2 * len(shared)}"
         assert any(not line["at cap"].startswith("0 ") for line in lines)
 
+    def test_runs_best_at_their_first_validation_are_counted(self, rows):
+        (lines,) = tables(analysis.primary_section(rows))
+        for line in lines:
+            vocab, amount = cell_of(line)
+            arms = (line["contrast"][0], line["contrast"][-1])
+            runs = [
+                finished(rows, role="test", vocab=vocab, amount=amount, arm=arm)
+                for arm in arms
+            ]
+            seeds = {r["seed"] for r in runs[0]} & {r["seed"] for r in runs[1]}
+            first = sum(
+                (vocab, amount, r["arm"]) == synthetic_rows.FIRST_EVAL
+                for of in runs
+                for r in of
+                if r["seed"] in seeds
+            )
+            assert line["best at first validation"] == f"{first} of {2 * len(seeds)}"
+        assert any(not line["best at first validation"].startswith("0 ")
+                   for line in lines)  # fmt: skip
+
     def test_without_a_tuning_stage_no_edge_is_claimed(self, rows):
         untuned = [r for r in rows if r["role"] != "tune"]
         counts = analysis.family_counts(cells.primary_family(untuned).contrasts)
@@ -372,6 +392,9 @@ class TestPrimary:
             means = [numbers(r["mean [95% t]"])[0] for r in found]
             lower, higher = sum(m < 0 for m in means), sum(m > 0 for m in means)
             capped = sum(not r["at cap"].startswith("0 ") for r in found)
+            first = sum(
+                not r["best at first validation"].startswith("0 ") for r in found
+            )
             # Counted where the worse arm's rate is at its edge.
             edge = sum(
                 (arm if m > 0 else "a") in r["rate at edge"].split(", ")
@@ -381,8 +404,9 @@ class TestPrimary:
             assert (
                 f"{label}: Holm-adjusted p < 0.05 in {lower + higher} of 4 cells "
                 f"({arm} lower in {lower}, higher in {higher}; {capped} of them "
-                f"with runs at their step cap, budget-limited; {edge} with the "
-                "worse arm's rate at the edge of the rates tried)"
+                f"with runs at their step cap, budget-limited; {first} with runs "
+                f"best at their first validation; {edge} with the worse arm's "
+                "rate at the edge of the rates tried)"
             ) in primary
         assert edges  # the synthetic arm a's rate is at the edge
         # "k of n" appears only in the corrected section.
@@ -674,10 +698,17 @@ class TestTotalsAndAnswer:
                 for a in (x, "a")
                 if a in edge_arms(one_cell, vocab, amount) and worse in (None, a)
             ]
+            first = sum(
+                r["steps_to_best"] == r["eval_every"] and r["seed"] in seeds
+                for r in of[0] + of[1]
+            )
             notes = []
             if capped:
                 notes.append(f"budget-limited: {capped} run{'s' * (capped != 1)} "
                              "at the step cap")  # fmt: skip
+            if first:
+                notes.append(f"{first} run{'s' * (first != 1)} best at the first "
+                             "validation")  # fmt: skip
             if edge:
                 whose = " and ".join(f"{a}'s" for a in edge)
                 notes.append(f"{whose} rate{'s' * (len(edge) > 1)} at the edge "

@@ -208,10 +208,17 @@ class PooledStd:
         std: :math:`s_p = \sqrt{\sum_i (n_i - 1) s_i^2 / \sum_i (n_i - 1)}`
             (NaN when no cell has 2 pairs).
         dof: its degrees of freedom, :math:`\sum_i (n_i - 1)`.
+        equal_spread_p: the p-value of the Brown-Forsythe test (Levene's,
+            centred on each cell's median) that every cell has the same
+            variance, the assumption of :math:`s_p`, over the cells of 3 or
+            more differences (in a cell of 2 both lie equally far from their
+            median, so it has no spread to test); NaN with fewer than two
+            such cells.
     """
 
     std: float
     dof: int
+    equal_spread_p: float = math.nan
 
     def interval(self, mean: float, n: int) -> tuple[float, float]:
         r"""A cell's 95% interval with the pooled spread:
@@ -244,14 +251,26 @@ def pooled_std(cells: Sequence[Sequence[float]]) -> PooledStd:
         (3.333333, 3)
         >>> [round(v, 4) for v in pooled.interval(2.0, 3)]
         [-1.3546, 5.3546]
+        >>> pooled.equal_spread_p  # cells of 3 or more differences: one
+        nan
+        >>> round(pooled_std([[1.0, 2.0, 3.0], [0.0, 4.0, 5.0]]).equal_spread_p, 4)
+        0.4676
     """
-    dof, squares = 0, 0.0
+    dof, squares, tested = 0, 0.0, []
     for values in cells:
-        mean, std, n = mean_std(list(values))
+        values = list(values)
+        mean, std, n = mean_std(values)
         if n >= 2:
             dof += n - 1
             squares += (n - 1) * std**2
-    return PooledStd(math.sqrt(squares / dof) if dof else math.nan, dof)
+            if n >= 3:
+                tested.append(values)
+    equal_spread_p = (
+        float(scipy_stats.levene(*tested, center="median").pvalue)
+        if len(tested) >= 2
+        else math.nan
+    )
+    return PooledStd(math.sqrt(squares / dof) if dof else math.nan, dof, equal_spread_p)
 
 
 def simultaneous_interval(

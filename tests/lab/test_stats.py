@@ -107,6 +107,9 @@ def test_pooled_std_matches_a_hand_computation():
     by_hand = sum((len(c) - 1) * np.var(c, ddof=1) for c in cells[:3]) / (7 + 4 + 2)
     assert pooled.dof == 13
     assert pooled.std == pytest.approx(math.sqrt(by_hand), rel=1e-12)
+    # Brown-Forsythe: one-way ANOVA of the distances to each cell's median.
+    distances = [np.abs(np.asarray(c) - np.median(c)) for c in cells[:3]]
+    assert pooled.equal_spread_p == pytest.approx(stats.f_oneway(*distances).pvalue)
     low, high = pooled.interval(0.25, 8)
     half_width = stats.t.ppf(0.975, 13) * pooled.std / math.sqrt(8)
     assert (low, high) == (
@@ -122,6 +125,7 @@ def test_pooled_std_matches_a_hand_computation():
         pytest.approx(own.low),
         pytest.approx(own.high),
     )
+    assert math.isnan(single.equal_spread_p)  # one cell: nothing to compare
     empty = stats_lib.pooled_std([[1.0]])
     assert empty.dof == 0 and math.isnan(empty.std)
     assert all(math.isnan(v) for v in empty.interval(1.0, 1))

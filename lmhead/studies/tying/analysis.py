@@ -46,6 +46,19 @@ def p_text(p: float) -> str:
     return "<0.0001" if p < 1e-4 else f"{p:.4f}"
 
 
+def _equal_spread_text(p: float) -> str:
+    """The test of one spread in every cell, or nothing without one.
+
+    Examples:
+        >>> _equal_spread_text(3e-6), _equal_spread_text(float("nan"))
+        ('; one spread in every cell: Brown-Forsythe p < 0.0001', '')
+    """
+    if math.isnan(p):
+        return ""
+    p = "< 0.0001" if p < 1e-4 else f"= {p:.4f}"
+    return f"; one spread in every cell: Brown-Forsythe p {p}"
+
+
 def pair_text(low: float, high: float) -> str:
     """``"[low, high]"`` with signs, a dash for NaN.
 
@@ -512,7 +525,8 @@ def primary_section(rows: Rows) -> str:
     ]
     pooled = "; ".join(
         f"{label}: {p.std:.4f} ({p.dof} degrees of freedom; the cells' own "
-        f"{_range_text([c.difference.std for c in family.contrasts if c.label == label])})"
+        f"{_range_text([c.difference.std for c in family.contrasts if c.label == label])}"
+        f"{_equal_spread_text(p.equal_spread_p)})"
         for label, p in family.pooled.items()
     )
     parts = [
@@ -527,7 +541,9 @@ def primary_section(rows: Rows) -> str:
         "± t · s_p / √n with the standard deviation "
         "s_p of that contrast's differences pooled over all cells, "
         "√(Σ(n_i − 1)s_i² / Σ(n_i − 1)), which assumes the spread is the "
-        "same in every cell; no conclusion here rests on it. Simultaneous: "
+        "same in every cell (tested below the table: where that test's p is "
+        "small, the pooled intervals are too wide for some cells and too "
+        "narrow for others); no conclusion here rests on it. Simultaneous: "
         "Bonferroni intervals that hold "
         "together for the whole family at 95%; Bonferroni is more "
         "conservative than Holm, so such an interval may include 0 where "

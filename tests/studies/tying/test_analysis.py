@@ -368,9 +368,13 @@ class TestPrimary:
             dof = sum(len(d) - 1 for d in diffs)
             pooled = math.sqrt(sum((len(d) - 1) * d.var(ddof=1) for d in diffs) / dof)
             own = [d.std(ddof=1) for d in diffs]
+            distances = [np.abs(d - np.median(d)) for d in diffs]
+            equal = stats.f_oneway(*distances).pvalue  # Brown-Forsythe
+            equal_text = "< 0.0001" if equal < 1e-4 else f"= {equal:.4f}"
             assert (
                 f"{label}: {pooled:.4f} ({dof} degrees of freedom; the cells' own "
-                f"from {min(own):.4f} to {max(own):.4f})"
+                f"from {min(own):.4f} to {max(own):.4f}; one spread in every "
+                f"cell: Brown-Forsythe p {equal_text})"
             ) in primary
             for line, d in zip(of, diffs):
                 half = stats.t.ppf(0.975, dof) * pooled / math.sqrt(len(d))

@@ -380,37 +380,41 @@ def _margin_text(noise: cells_lib.SelectionNoise, tuning: cells_lib.Tuning) -> s
 
 
 def selection_noise_text(noise: cells_lib.SelectionNoise) -> str:
-    """The margins set against the seeds' noise: the pooled spread, and the
-    arms whose chosen rate is within one or two standard errors of the next."""
+    """The margins set against the seeds' noise: the spread pooled within
+    each vocabulary, and the arms whose chosen rate is within one or two
+    standard errors of the next."""
     if not noise.margins:
         return "No arm has a chosen rate with another rate tuned on the same seeds yet."
     seeds = min(len(found.seeds) for found in noise.margins.values())
-    error = noise.standard_error(seeds)
     within = {
         bound: [
             f"{cells_lib.cell_label(key[:2])} {key[2]}"
             for key, found in noise.margins.items()
-            if found.margin < bound * noise.standard_error(len(found.seeds))
+            if found.margin < bound * noise.standard_error(key[0], len(found.seeds))
         ]
         for bound in (1, 2)
     }
+    spreads = "; ".join(
+        f"{cells_lib.vocab_label(vocab)} {pooled.std:.4f} ({pooled.dof} degrees "
+        f"of freedom; a margin's standard error {noise.standard_error(vocab, seeds):.4f})"
+        for vocab, pooled in noise.pooled.items()
+    )
     ties = (
         f": {'; '.join(within[1])}. The tuning cannot tell those arms' chosen "
         "rate from the next: either may be the better by up to about two "
-        f"standard errors ({2 * error:.4f} bits/char), and a contrast of such "
-        "an arm carries that much uncertainty from the choice of rate beyond "
-        "its seeds' interval"
+        "standard errors, and a contrast of such an arm carries that much "
+        "uncertainty from the choice of rate beyond its seeds' interval"
         if within[1]
         else ""
     )
     return (
         f"Selection noise: over the {len(noise.margins)} arms whose chosen rate "
-        "was tuned, the pooled standard deviation of the paired differences "
-        f"behind the margins is {noise.pooled.std:.4f} bits/char "
-        f"({noise.pooled.dof} degrees of freedom; pooled, so it assumes one "
-        f"spread for every arm), so a margin over {seeds} seeds has a standard "
-        f"error of about {error:.4f}. {len(within[2])} of the {len(noise.margins)} "
-        f"margins are below two standard errors and {len(within[1])} below "
+        "was tuned, the standard deviation of the paired differences behind "
+        "the margins, pooled over each vocabulary's arms (pooled, so it "
+        f"assumes one spread for the arms of a vocabulary), and the standard "
+        f"error of a margin over {seeds} seeds: {spreads}. "
+        f"{len(within[2])} of the {len(noise.margins)} margins are below two "
+        f"standard errors of their vocabulary and {len(within[1])} below "
         f"one{ties}. The validation windows' own noise in the margins is in "
         "`rate_noise.md` (`experiments/tying_rate_noise.py`)."
     )

@@ -462,16 +462,21 @@ class SelectionNoise:
 
     Attributes:
         margins: ``{(vocab, amount, arm): Margin}``.
-        pooled: the pooled standard deviation of the paired differences
-            behind the margins, over the arms (:func:`~lmhead.lab.stats.pooled_std`).
+        pooled: ``{vocab: PooledStd}``, the standard deviation of the paired
+            differences behind the margins pooled over each vocabulary's
+            arms (:func:`~lmhead.lab.stats.pooled_std`): the spread differs
+            between vocabularies (bits/char of a character model vary more
+            from seed to seed than a BPE model's), so one pool would
+            overstate some arms' noise and understate others'.
     """
 
     margins: dict[tuple, Margin]
-    pooled: stats.PooledStd
+    pooled: dict[str, stats.PooledStd]
 
-    def standard_error(self, seeds: int) -> float:
-        """A margin's standard error over ``seeds`` seeds: ``pooled.std / sqrt(seeds)``."""
-        return self.pooled.std / math.sqrt(seeds)
+    def standard_error(self, vocab: str, seeds: int) -> float:
+        """A margin's standard error over ``seeds`` seeds of a ``vocab`` arm:
+        ``pooled[vocab].std / sqrt(seeds)``."""
+        return self.pooled[vocab].std / math.sqrt(seeds)
 
 
 def selection_noise(tunings: Sequence[Tuning]) -> SelectionNoise:
@@ -487,10 +492,10 @@ def selection_noise(tunings: Sequence[Tuning]) -> SelectionNoise:
         >>> found = noise.margins[("char", 0.01, "a")]
         >>> found.following, round(found.margin, 4)  # 0.001 against 0.002: +0.1, +0.2
         (0.001, 0.15)
-        >>> round(noise.pooled.std, 4), noise.pooled.dof
+        >>> round(noise.pooled["char"].std, 4), noise.pooled["char"].dof
         (0.0707, 1)
     """
-    margins, differences = {}, []
+    margins, differences = {}, collections.defaultdict(list)
     for tuning in tunings:
         chosen = [lr for lr in tuning.losses if tuning.is_chosen(lr)]
         if len(chosen) != 1:
@@ -513,8 +518,14 @@ def selection_noise(tunings: Sequence[Tuning]) -> SelectionNoise:
         margins[(tuning.vocab, tuning.amount, tuning.arm)] = Margin(
             chosen, following, sum(paired) / len(paired), seeds
         )
-        differences.append(paired)
-    return SelectionNoise(margins, stats.pooled_std(differences))
+        differences[tuning.vocab].append(paired)
+    return SelectionNoise(
+        margins,
+        {
+            vocab: stats.pooled_std(differences[vocab])
+            for vocab in sorted(differences, key=vocab_order)
+        },
+    )
 
 
 @dataclasses.dataclass(frozen=True)

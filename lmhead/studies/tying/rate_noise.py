@@ -177,7 +177,7 @@ def rate_noise(
             "chosen_lr": margin.chosen,
             "next_lr": margin.following,
             "margin": margin.margin,
-            "seed_error": noise.standard_error(len(margin.seeds)),
+            "seed_error": noise.standard_error(vocab, len(margin.seeds)),
             "seeds": sorted(read),
             "window_margin": None,
             "window_error": None,
@@ -226,7 +226,7 @@ def markdown(found: Sequence[Mapping[str, Any]]) -> str:
             "For each arm whose chosen learning rate was tuned, in validation "
             "bits/char: the next best rate's value minus the chosen one's, "
             "averaged over the tuning seeds (margin, from `runs.csv`), and its "
-            "standard error from the seeds' spread, pooled over the arms as in "
+            "standard error from the seeds' spread, pooled over each vocabulary's arms as in "
             "`REPORT.md`. Those seeds were read on the same windows, so the "
             "windows' own noise is not in that spread: the last two columns "
             "read the seeds' runs again window by window. The re-read margin "

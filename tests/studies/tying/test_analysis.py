@@ -588,7 +588,7 @@ class TestDesignAndTuning:
     def test_the_margins_and_their_noise_by_hand(self, rows, reported):
         text = section(reported[0], "## Learning rates")
         (lines,) = tables(text)
-        differences, margins = [], {}
+        differences, margins = {}, {}
         for line in lines:
             vocab, amount = cell_of(line)
             arm = line["arm"]
@@ -605,18 +605,24 @@ class TestDesignAndTuning:
             )
             bits = {lr: {r["seed"]: r["val_bpc"] for r in runs[lr]} for lr in runs}
             d = np.array([bits[following][s] - bits[chosen][s] for s in bits[chosen]])
-            differences.append(d)
-            margins[f"{line['vocabulary']} at {line['amount']} {arm}"] = d.mean()
+            differences.setdefault(line["vocabulary"], []).append(d)
+            name = f"{line['vocabulary']} at {line['amount']} {arm}"
+            margins[name] = (line["vocabulary"], d.mean())
             assert numbers(line["margin (next lr)"]) == pytest.approx(
                 [d.mean(), following], abs=TOLERANCE
             )
-        dof = sum(len(d) - 1 for d in differences)
-        pooled = np.sqrt(sum(((d - d.mean()) ** 2).sum() for d in differences) / dof)
         said = text[text.index("Selection noise") :]
-        assert f"is {pooled:.4f} bits/char ({dof} degrees of freedom" in said
-        error = pooled / np.sqrt(2)
-        assert f"standard error of about {error:.4f}" in said
-        below = [name for name, m in margins.items() if m < error]
+        errors = {}
+        for vocabulary, of in differences.items():  # pooled within a vocabulary
+            dof = sum(len(d) - 1 for d in of)
+            pooled = np.sqrt(sum(((d - d.mean()) ** 2).sum() for d in of) / dof)
+            errors[vocabulary] = pooled / np.sqrt(2)
+            assert (
+                f"{vocabulary} {pooled:.4f} ({dof} degrees of freedom; a margin's "
+                f"standard error {errors[vocabulary]:.4f})"
+            ) in said
+        assert len(errors) > 1
+        below = [name for name, (v, m) in margins.items() if m < errors[v]]
         assert f"and {len(below)} below one" in said
         for name in below:
             assert name in said

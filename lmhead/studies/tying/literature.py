@@ -385,6 +385,9 @@ def _summary(cells, predicted, family: int | None) -> str:
     agree, disagree = "agrees" in verdicts, "disagrees" in verdicts
     words = ("cannot tell", names["disagrees"], names["agrees"], "differs by cell")
     word, note = words[2 * agree + disagree], ""
+    told = sum(v != "cannot tell" for v in verdicts)
+    if told and told < len(cells):  # a verdict from some of the cells only
+        word += f" where it can tell ({told} of {len(cells)} cells)"
     if predicted == 0 and not disagree:
         widths = [c.difference.high - c.difference.low for c in cells]
         widest = max((w for w in widths if math.isfinite(w)), default=math.nan)

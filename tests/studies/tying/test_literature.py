@@ -214,17 +214,20 @@ def test_section_verdicts(rows):
     text = literature.literature_text(rows)
     tail = "of 3 (Holm over the study's 6 primary contrasts)."
     assert (
-        "Verdict (b - a > 0 predicted): **differs by cell**; cells: agrees at 1 "
+        "Verdict (b - a > 0 predicted): **differs by cell where it can tell (2 of "
+        "3 cells)**; cells: agrees at 1 "
         f"(characters 1%), disagrees at 1 (characters 100%), cannot tell at 1, {tail}"
     ) in section(text, 1)
     # Chung et al.'s "about zero": any significant cell contradicts it.
-    assert "Verdict (b - a about 0 predicted): **disagrees**; cells: agrees at 0" in (
-        section(text, 3)
-    )
+    assert (
+        "Verdict (b - a about 0 predicted): **disagrees where it can tell (2 of 3 "
+        "cells)**; cells: agrees at 0"
+    ) in (section(text, 3))
     assert "the table of point 1" in section(text, 3)
     # MobileLLM's sign is the other way round.
     assert (
-        "Verdict (b - a < 0 predicted): **differs by cell**; cells: agrees at 1 "
+        "Verdict (b - a < 0 predicted): **differs by cell where it can tell (2 of "
+        "3 cells)**; cells: agrees at 1 "
         "(characters 100%), disagrees at 1 (characters 1%)"
     ) in section(text, 5)
     # Claims whose setting does not carry over are "cannot tell", with why.
@@ -235,7 +238,8 @@ def test_section_verdicts(rows):
     # An exploratory contrast (training bits/char) only leans, corrected over
     # its own cells.
     assert (
-        "Verdict (a - b < 0 predicted): **differs by cell**; cells: leans toward "
+        "Verdict (a - b < 0 predicted): **differs by cell where it can tell (2 "
+        "of 3 cells)**; cells: leans toward "
         "at 1 (characters 1%), leans against at 1 (characters 100%), cannot tell "
         "at 1, of 3 (exploratory: Holm over these 3 cells only)."
     ) in section(text, 2)

@@ -76,6 +76,17 @@ def _mean_text(values: Sequence[float], decimals: int = 4) -> str:
     return DASH if n == 0 else f"{mean:,.{decimals}f}"
 
 
+def _significant_text(values: Sequence[float]) -> str:
+    """The mean to 3 significant digits.
+
+    Examples:
+        >>> _significant_text([0.0123, 0.0125]), _significant_text([4.48, 4.5])
+        ('0.0124', '4.49')
+    """
+    mean, _, n = stats.mean_std(list(values))
+    return DASH if n == 0 else f"{mean:.3g}"
+
+
 def _geometric_mean_text(values: Sequence[float], decimals: int = 2) -> str:
     """Examples:
     >>> _geometric_mean_text([100.0, 400.0]), _geometric_mean_text([])
@@ -445,7 +456,7 @@ def results_section(rows: Rows) -> str:
                 _mean_text(cells_lib.column(values, "gap_bpc")),
                 _mean_text(cells_lib.column(values, "steps_to_best"), 0),
                 f"{reached} of {len(values)}",
-                _mean_text(cells_lib.column(values, "tokens_per_param"), 2),
+                _significant_text(cells_lib.column(values, "tokens_per_param")),
                 _geometric_mean_text(cells_lib.column(values, "test_word_ppl")),
             ]
         )
@@ -457,7 +468,9 @@ def results_section(rows: Rows) -> str:
         "at the tested step. Steps to best: the step of the lowest validation "
         "loss, whose parameters were tested. Word perplexity: exp(test nats / "
         "words of the test text, `len(text.split())`), its geometric mean over "
-        "the runs (the mean of a log-scale quantity).",
+        "the runs (the mean of a log-scale quantity). Data tokens/param: the "
+        "training text's tokens per parameter, the size of the data and not "
+        "of the training (a run on a subset passes over it many times).",
         report.markdown_table(
             [
                 "vocabulary",
@@ -469,7 +482,7 @@ def results_section(rows: Rows) -> str:
                 "held-out gap",
                 "steps to best",
                 "reached cap",
-                "tokens/param",
+                "data tokens/param",
                 "word ppl",
             ],  # fmt: skip
             lines,

@@ -154,6 +154,8 @@ class TestResults:
             assert numbers(line["steps to best"])[0] == pytest.approx(
                 np.mean([r["steps_to_best"] for r in runs]), abs=0.5
             )
+            per_param = np.mean([r["train_tokens"] / r["params"] for r in runs])
+            assert line["data tokens/param"] == f"{per_param:.3g}"
             assert numbers(line["word ppl"])[0] == pytest.approx(
                 stats.gmean([r["test_word_ppl"] for r in runs]), abs=0.005
             )

@@ -188,8 +188,11 @@ class MatchesMaterializedTest(parameterized.TestCase):
             )
             return metrics["nll"] + 2.0 * metrics["z_loss"] + loss
 
-        got = jax.grad(
-            functools.partial(nll_plus_loss, fused.fused_cross_entropy), (0, 1)
+        # Compiled: op by op, the fused loss's scans take seconds.
+        got = jax.jit(
+            jax.grad(
+                functools.partial(nll_plus_loss, fused.fused_cross_entropy), (0, 1)
+            )
         )(h, w)
         want = jax.grad(functools.partial(nll_plus_loss, materialized), (0, 1))(h, w)
         chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
@@ -340,7 +343,10 @@ class FusedTest(chex.TestCase):
                 vocab_chunk_size=4,
             )[0]
 
-        check_grads(loss, (h, w, bias), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
+        # Compiled once: the finite differences call the loss many times.
+        check_grads(
+            jax.jit(loss), (h, w, bias), order=1, modes=("rev",), atol=1e-2, rtol=1e-2
+        )
 
     def test_large_logits_give_finite_loss_and_gradients(self):
         h, w, _, labels, _ = make_inputs(9)

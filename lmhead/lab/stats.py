@@ -6,7 +6,8 @@ compares two settings seed by seed, which removes the variation the seed
 causes in both (the data order and the initialisation);
 :func:`paired_p_value` is the same comparison's two-sided t-test. For a
 family of such comparisons, :func:`holm_adjusted` corrects the p-values for
-their number, and :func:`pooled_std` estimates one spread of the paired
+their number, :func:`equivalence_p_value` tests that a difference is
+smaller than a stated margin, and :func:`pooled_std` estimates one spread of the paired
 differences from every cell at once (an assumption of equal variances,
 stated as such wherever it is used).
 """
@@ -304,3 +305,38 @@ def simultaneous_interval(
     quantile = float(scipy_stats.t.ppf(1 - 0.025 / family_size, difference.n - 1))
     half_width = quantile * difference.std / math.sqrt(difference.n)
     return difference.mean - half_width, difference.mean + half_width
+
+
+def equivalence_p_value(difference: PairedDifference, margin: float) -> float:
+    r"""The p-value of Schuirmann's (1987) two one-sided tests (TOST) that
+    the mean paired difference lies inside ``(-margin, margin)``: with
+    :math:`\bar d`, :math:`s_d` and :math:`n` of ``difference`` and
+    :math:`\mathrm{se} = s_d / \sqrt{n}`,
+
+    .. math::
+        p = \max\Big(P\big(T_{n-1} \ge (\bar d + \delta) / \mathrm{se}\big),\
+                     P\big(T_{n-1} \le (\bar d - \delta) / \mathrm{se}\big)\Big).
+
+    Below :math:`\alpha`, the difference is shown to be smaller than the
+    margin in size (equivalently, the :math:`1 - 2\alpha` interval lies
+    inside it); a test that only fails to find a difference shows nothing of
+    the kind. NaN for fewer than 2 pairs or a zero spread.
+
+    Raises:
+        ValueError: ``margin`` is not a positive number.
+
+    Examples:
+        >>> d = paired_difference({0: 0.1, 1: -0.1, 2: 0.2, 3: 0.0},
+        ...                       {0: 0.0, 1: 0.0, 2: 0.0, 3: 0.0})
+        >>> round(equivalence_p_value(d, 0.5), 4), round(equivalence_p_value(d, 0.1), 4)
+        (0.003, 0.2475)
+    """
+    if not (isinstance(margin, (int, float)) and margin > 0):
+        raise ValueError(f"margin must be a positive number, got {margin!r}.")
+    if difference.n < 2 or not difference.std > 0:
+        return math.nan
+    error = difference.std / math.sqrt(difference.n)
+    dof = difference.n - 1
+    above = scipy_stats.t.sf((difference.mean + margin) / error, dof)
+    below = scipy_stats.t.cdf((difference.mean - margin) / error, dof)
+    return float(max(above, below))

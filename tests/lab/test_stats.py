@@ -196,3 +196,30 @@ def test_blocked_mean_is_least_squares_on_effect_coded_blocks(sizes):
 def test_blocked_mean_without_spread_to_estimate():
     assert math.isnan(stats_lib.blocked_mean([[1.0], [2.0]])[1])
     assert math.isnan(stats_lib.blocked_mean([[1.0, 2.0], []])[0])
+
+
+@pytest.mark.parametrize("shift", [0.0, 0.04, -0.07, 0.3])
+def test_equivalence_p_value_is_scipys_two_one_sided_tests(shift):
+    """TOST: the larger of scipy's one-sided one-sample t-tests against the
+    margin's two ends; below 0.05 exactly where the 90% interval lies
+    inside the margin."""
+    rng = np.random.default_rng(7)
+    differences = shift + 0.05 * rng.standard_normal(9)
+    d = stats_lib.paired_difference(
+        dict(enumerate(differences)), dict.fromkeys(range(9), 0.0)
+    )
+    margin = 0.1
+    lower = stats.ttest_1samp(differences, -margin, alternative="greater").pvalue
+    upper = stats.ttest_1samp(differences, margin, alternative="less").pvalue
+    p = stats_lib.equivalence_p_value(d, margin)
+    assert p == pytest.approx(max(lower, upper), rel=1e-10)
+    half = stats.t.ppf(0.95, 8) * differences.std(ddof=1) / 3
+    inside = -margin < differences.mean() - half and differences.mean() + half < margin
+    assert (p < 0.05) == inside
+
+
+def test_equivalence_p_value_needs_a_spread_and_a_positive_margin():
+    one = stats_lib.paired_difference({0: 1.0}, {0: 0.0})
+    assert math.isnan(stats_lib.equivalence_p_value(one, 0.1))
+    with pytest.raises(ValueError, match="margin must be a positive number"):
+        stats_lib.equivalence_p_value(one, 0.0)

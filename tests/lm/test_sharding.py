@@ -201,7 +201,7 @@ def check_loss_options():
     for shape in ((2, 4),):
         mesh = sharding.make_mesh(*shape)
 
-        def all_cases(h, w, bias, labels, weights):
+        def all_cases(h, w, bias, labels, weights, cases=cases):
             return [
                 vocab_parallel.vocab_parallel_cross_entropy(
                     h, w, labels, bias=bias, weights=weights, mesh=mesh, **case
@@ -210,8 +210,10 @@ def check_loss_options():
             ]
 
         outputs = jax.jit(all_cases)(h, w, bias, labels, weights)
-        if shape == (2, 4):  # and once without jit, where bad labels raise
-            outputs.append(all_cases(h, w, bias, np.clip(labels, 0, 15), valid)[-1])
+        if shape == (2, 4):  # and the last case without jit, where bad labels
+            # raise (op by op over 8 devices: seconds per case)
+            clipped = np.clip(labels, 0, 15)
+            outputs += all_cases(h, w, bias, clipped, valid, cases=cases[-1:])
         for index, ((loss, metrics), (want, accuracy)) in enumerate(
             zip(outputs, expected + expected[-1:])
         ):
@@ -416,9 +418,10 @@ def reference_run(workdir):
 
 def check_ensemble(workdir):
     """An 8-member program with its members split over the 8 devices
-    (``mesh.members`` 8, and the default, None, which on a CPU splits them
-    over as many devices as divide them), and with each member's batch split
-    over them instead (``mesh.members`` 1): each member's losses."""
+    (``mesh.members`` 8) and with each member's batch split over them instead
+    (``mesh.members`` 1): each member's losses; and the meshes that the
+    default, None, gives (on a CPU, the members split over as many devices as
+    divide them)."""
     from configs import default
     from lmhead.lm import ensemble, ensemble_program
     from lmhead.lm import members as members_lib
@@ -427,14 +430,18 @@ def check_ensemble(workdir):
     results = {}
     variants = (
         ("members", {"mesh.members": 8, "mesh.data": 1}),
-        ("default", {}),
         ("data", {"mesh.members": 1}),
     )
-    for name, mesh in variants:
+
+    def config_of(mesh):
         config = default.get_config(RUN_CONFIG)
         config.update_from_flattened_dict(
             {"optim.warmup_steps": 1, "sample.num_samples": 0, **mesh}
         )
+        return config
+
+    for name, mesh in variants:
+        config = config_of(mesh)
         run = os.path.join(workdir, name)
         with open(os.devnull, "w") as quiet:
             sys.stdout, stdout = quiet, sys.stdout
@@ -448,21 +455,26 @@ def check_ensemble(workdir):
             + [read_metrics(m.workdir)[-1]["eval/loss"]]
             for m in members
         ]
-    # The default's mesh for member counts that 8 does not divide: 6 members
-    # on 6 of the devices, 11 (no divisor up to 8) on one device, unsplit.
+    # The default's mesh: for 8 members, the mesh of mesh.members=8 (so the
+    # same program as "members"); for counts that 8 does not divide, 6
+    # members on 6 of the devices, 11 (no divisor up to 8) on one, unsplit.
     results["meshes"] = {
         count: [dict(mesh.shape), int(mesh.devices.size)]
-        for count in (6, 11)
-        for mesh in [ensemble_program._make_mesh(default.get_config(RUN_CONFIG), count)]
+        for count in (6, 8, 11)
+        for mesh in [ensemble_program._make_mesh(config_of({}), count)]
     }
+    results["default is members"] = ensemble_program._make_mesh(
+        config_of({}), 8
+    ) == ensemble_program._make_mesh(config_of(variants[0][1]), 8)
     return results
 
 
-def check_split_decoding():
+def check_split_decoding(streams=False):
     """Greedy, sampled and beam decoding with the rows split over two devices
     (``model.make_step_fn(model, mesh)``, a prefill on the same mesh) against
     the same calls on one device; the errors of a batch the mesh does not
-    divide; the sizes of ``rows_mesh``."""
+    divide; the sizes of ``rows_mesh``. With ``streams``, instead: one
+    sampling key for the batch, and streamed chunks against one call."""
     import jax
     import jax.numpy as jnp
 
@@ -480,14 +492,12 @@ def check_split_decoding():
     def decode(mesh):
         step = model_lib.make_step_fn(model, mesh)
         start = lambda: model_lib.prefill(model, params, prompt, lengths, mesh=mesh)
+        if streams:
+            return decode_streams(step, start)
         runs = {
             "greedy": decoding.generate(
                 step, params, *start(), key=jax.random.key(2), max_new_tokens=70,
                 temperature=0.0,
-            ),
-            "one key": decoding.generate(
-                step, params, *start(), key=jax.random.key(2), max_new_tokens=70,
-                temperature=0.9, top_p=0.9, top_logprobs=3,
             ),
             # Per-row knobs, stops and limits, split with the rows
             # (repeated per sample first).
@@ -498,6 +508,20 @@ def check_split_decoding():
                 row_max_new_tokens=jnp.arange(63, 71, dtype=jnp.int32),
             ),
         }  # fmt: skip
+        beams = decoding.beam_search(
+            step, params, *start(), num_beams=4, max_new_tokens=12, eos_id=None
+        )
+        out = {
+            k: (np.asarray(g.tokens), np.asarray(g.log_probs)) for k, g in runs.items()
+        }
+        out["beam"] = (np.asarray(beams[0]), np.asarray(beams[1]))
+        return out
+
+    def decode_streams(step, start):
+        one_key = decoding.generate(
+            step, params, *start(), key=jax.random.key(2), max_new_tokens=70,
+            temperature=0.9, top_p=0.9, top_logprobs=3,
+        )  # fmt: skip
         streamed = dict(
             max_new_tokens=70, key=jax.random.split(jax.random.key(3), 8),
             temperature=0.9, presence_penalty=0.5, top_logprobs=2,
@@ -506,38 +530,36 @@ def check_split_decoding():
             decoding.generate_stream(step, params, *start(), chunk_steps=16, **streamed)
         )
         whole = decoding.generate(step, params, *start(), **streamed)
-        beams = decoding.beam_search(
-            step, params, *start(), num_beams=4, max_new_tokens=12, eos_id=None
-        )
-        out = {
-            k: (np.asarray(g.tokens), np.asarray(g.log_probs)) for k, g in runs.items()
-        }
         joined = {
             name: np.concatenate([np.asarray(getattr(c, name)) for c in chunks], axis=1)
             for name in ("tokens", "log_probs", "top_tokens", "top_log_probs")
         }
-        out["stream"] = (joined["tokens"], joined["log_probs"])
-        out["stream top"] = (joined["top_tokens"], joined["top_log_probs"])
-        # The chunks are one call's columns, bit for bit, on each placement.
-        out["stream is one call"] = all(
-            np.array_equal(value, np.asarray(getattr(whole, name)))
-            for name, value in joined.items()
-        )
-        out["beam"] = (np.asarray(beams[0]), np.asarray(beams[1]))
-        return out
+        return {
+            "one key": (np.asarray(one_key.tokens), np.asarray(one_key.log_probs)),
+            "stream": (joined["tokens"], joined["log_probs"]),
+            "stream top": (joined["top_tokens"], joined["top_log_probs"]),
+            # The chunks are one call's columns, bit for bit, on each placement.
+            "stream is one call": all(
+                np.array_equal(value, np.asarray(getattr(whole, name)))
+                for name, value in joined.items()
+            ),
+        }
 
     # Two of the devices, as on a 2-core machine: the one-key loop's
     # collectives then wait on two threads, not eight, on a loaded machine.
     two = model_lib.rows_mesh(8, jax.devices()[:2])
     one, split = decode(None), decode(two)
-    results["stream is one call"] = [
-        out.pop("stream is one call") for out in (one, split)
-    ]
+    if streams:
+        results["stream is one call"] = [
+            out.pop("stream is one call") for out in (one, split)
+        ]
     for name in one:
         results[name] = {
             "same tokens": bool(np.array_equal(one[name][0], split[name][0])),
             "log-prob difference": float(np.max(np.abs(one[name][1] - split[name][1]))),
         }
+    if streams:
+        return results
     # Which loop each generate ran: every device its own (a key per row, or
     # greedy), or the whole batch's with only the step split (one key).
     step = model_lib.make_step_fn(model, two)
@@ -632,6 +654,7 @@ def main(workdir, names):
         "reference_run": lambda: reference_run(os.path.join(workdir, "run")),
         "ensemble": lambda: check_ensemble(os.path.join(workdir, "ensemble")),
         "split_decoding": check_split_decoding,
+        "split_streams": lambda: check_split_decoding(streams=True),
     }
     results = {}
     for name in names:

@@ -8,6 +8,7 @@ per cell (:func:`compare`) and a verdict per cell (:func:`verdict`).
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -67,6 +68,13 @@ PTB_PAIRS = (
     PerplexityPair(_INAN, "2x650, variational dropout", _IN1, 77.7, 73.9),
     PerplexityPair(_INAN, "2x1500, variational dropout", _IN1, 72.6, 69.0),
 )
+
+
+# "About zero" is shown only by an equivalence test against a margin: the
+# smallest change that the tying studies above publish as tying's effect,
+# |ln(tied / untied)| of per-word perplexity (Press & Wolf's small model,
+# 114.5 -> 112.4), on each cell's bits/char scale (:func:`equivalence_margin`).
+EQUIVALENCE_LOG_PPL = min(abs(math.log(p.tied / p.untied)) for p in PTB_PAIRS)
 
 
 class Contrast(NamedTuple):
@@ -261,22 +269,78 @@ def word_ppl_change(
     return math.expm1(d.mean), math.expm1(d.low), math.expm1(d.high)
 
 
-def verdict(cell: cells_lib.Contrast, predicted: int) -> str:
+def equivalence_margin(
+    rows: Sequence[Mapping[str, Any]], vocab: str, amount: float
+) -> float:
+    r"""The equivalence margin of one cell in bits/char: the log ratio
+    :data:`EQUIVALENCE_LOG_PPL` of per-word perplexities on this cell's
+    scale, :math:`\delta = \ln(P_t / P_u) / (\ln 2 \cdot c)`, where
+    :math:`c = \ln P_w / (\ln 2 \cdot \mathrm{bpc})` is the test text's
+    characters per word (the median over the cell's finished test runs, which
+    all read the same text); NaN without such runs.
+
+    Examples:
+        >>> rows = [dict(role="test", status="finished", vocab="char", amount=1.0,
+        ...              test_bpc=2.0, test_word_ppl=2.0 ** (2.0 * 5.5))]
+        >>> round(equivalence_margin(rows, "char", 1.0), 6)  # 0.018512 / (ln 2 * 5.5)
+        0.004856
+    """
+    per_word = [
+        math.log(r["test_word_ppl"]) / (math.log(2) * r["test_bpc"])
+        for r in rows
+        if (r["role"], r["status"], r["vocab"], r["amount"])
+        == ("test", "finished", vocab, amount)
+        and r.get("test_word_ppl")
+        and r.get("test_bpc")
+    ]
+    if not per_word:
+        return math.nan
+    return EQUIVALENCE_LOG_PPL / (math.log(2) * statistics.median(per_word))
+
+
+def equivalence_p_values(
+    rows: Sequence[Mapping[str, Any]], cells: Sequence[cells_lib.Contrast]
+) -> list[tuple[float, float]]:
+    """``(margin, p, holm_p)`` per cell: :func:`equivalence_margin`, the two
+    one-sided tests' p-value (:func:`~lmhead.lab.stats.equivalence_p_value`)
+    that the cell's difference lies inside it, and that p Holm-adjusted over
+    ``cells``.
+
+    Examples:
+        >>> equivalence_p_values([], [])
+        []
+    """
+    margins = [equivalence_margin(rows, c.vocab, c.amount) for c in cells]
+    raw = [
+        stats.equivalence_p_value(c.difference, m) if m > 0 else math.nan
+        for c, m in zip(cells, margins)
+    ]
+    return list(zip(margins, raw, stats.holm_adjusted(raw)))
+
+
+def verdict(
+    cell: cells_lib.Contrast, predicted: int, equivalence_p: float = math.nan
+) -> str:
     """``"agrees"`` or ``"disagrees"`` with a predicted sign of the
-    difference (+1, -1; or 0, about zero, which any significant cell
-    contradicts) where ``cell.holm_p < ALPHA``; else ``"cannot tell"``.
+    difference (+1, -1) where ``cell.holm_p < ALPHA``; else ``"cannot
+    tell"``. A prediction of about zero (0) is contradicted by a significant
+    difference and agreed with only where the equivalence test's
+    ``equivalence_p`` (Holm-adjusted, :func:`equivalence_p_values`) is below
+    ``ALPHA``: a difference not found is not one shown to be small.
 
     Examples:
         >>> d = stats.PairedDifference(-0.02, 0.01, 8, -0.03, -0.01)
         >>> c = cells_lib.Contrast("char", 1.0, "b", "a", "b − a", d, 0.0)
         >>> [verdict(dataclasses.replace(c, holm_p=p), sign)
-        ...  for p, sign in ((0.01, +1), (0.2, +1), (0.01, 0))]
-        ['disagrees', 'cannot tell', 'disagrees']
+        ...  for p, sign in ((0.01, +1), (0.2, +1), (0.01, 0), (0.2, 0))]
+        ['disagrees', 'cannot tell', 'disagrees', 'cannot tell']
+        >>> verdict(dataclasses.replace(c, holm_p=0.2), 0, equivalence_p=0.01)
+        'agrees'
     """
     if predicted not in (-1, 0, 1):
         raise ValueError(f"predicted must be -1, 0 or 1, got {predicted!r}.")
     if not cell.holm_p < ALPHA:  # NaN too: no test could be made
-        return "cannot tell"
+        return "agrees" if predicted == 0 and equivalence_p < ALPHA else "cannot tell"
     agrees = predicted != 0 and (cell.difference.mean > 0) == (predicted > 0)
     return "agrees" if agrees else "disagrees"
 
@@ -333,10 +397,36 @@ def _contrast_lines(rows, family, claim, contrast, number, shown) -> list[str]:
     reason = claim.not_comparable
     # A primary contrast is corrected over the study's family, of this size.
     size = family.size if primary else None
+    equivalence = equivalence_p_values(rows, cells) if predicted == 0 else None
+    if equivalence and not reason:
+        lines += ["", _EQUIVALENCE, "", _equivalence_table(cells, equivalence)]
     summary = (
-        f"**cannot tell**: {reason}." if reason else _summary(cells, predicted, size)
+        f"**cannot tell**: {reason}."
+        if reason
+        else _summary(cells, predicted, size, equivalence)
     )
     return lines + ["", f"Verdict ({x} - {y} {sign} predicted): {summary}", ""]
+
+
+_EQUIVALENCE = (
+    "About zero is agreed with only where two one-sided t-tests (TOST) show "
+    "the difference inside a margin, Holm-adjusted over these cells: the "
+    "smallest change that the tying studies above publish as an effect, "
+    f"|ln(112.4 / 114.5)| = {EQUIVALENCE_LOG_PPL:.4f} of per-word perplexity "
+    "(Press & Wolf's small model), on each cell's bits/char scale (divided by "
+    "ln 2 and the test text's characters per word). The margin was set after "
+    "the first test runs were in, not named with the primary contrasts."
+)
+
+
+def _equivalence_table(cells, equivalence) -> str:
+    header = ["vocabulary", "amount", "margin (bits/char)", "TOST p", "(Holm)"]
+    text = lambda p: "—" if math.isnan(p) else f"{p:.3g}"
+    body = [
+        [*_label(c), f"±{margin:.4f}", text(p), text(holm_p)]
+        for c, (margin, p, holm_p) in zip(cells, equivalence)
+    ]
+    return report.markdown_table(header, body)
 
 
 _WORD_PPL = Contrast("b", "a", "test_bpc", 0)  # shown with per-word perplexity
@@ -368,12 +458,14 @@ def _p(cell: cells_lib.Contrast) -> str:
     return "—" if math.isnan(cell.holm_p) else f"{cell.holm_p:.3g}"
 
 
-def _summary(cells, predicted, family: int | None) -> str:
+def _summary(cells, predicted, family: int | None, equivalence=None) -> str:
     """The verdict over a contrast's cells: a primary contrast (``family``:
     the size of the study's primary family) agrees or disagrees at the
     family's corrected level; an exploratory one (``family`` None) only
-    leans toward or against the claim."""
-    verdicts = [verdict(c, predicted) for c in cells]
+    leans toward or against the claim. ``equivalence``: each cell's margin
+    and TOST p, for a prediction of about zero."""
+    tests = [p for *_, p in equivalence] if equivalence else [math.nan] * len(cells)
+    verdicts = [verdict(c, predicted, p) for c, p in zip(cells, tests)]
     names = {"agrees": "agrees", "disagrees": "disagrees", "cannot tell": "cannot tell"}
     if family is None:
         names.update(agrees="leans toward", disagrees="leans against")
@@ -388,12 +480,12 @@ def _summary(cells, predicted, family: int | None) -> str:
     told = sum(v != "cannot tell" for v in verdicts)
     if told and told < len(cells):  # a verdict from some of the cells only
         word += f" where it can tell ({told} of {len(cells)} cells)"
-    if predicted == 0 and not disagree:
+    if predicted == 0 and not disagree and not agree:
         widths = [c.difference.high - c.difference.low for c in cells]
         widest = max((w for w in widths if math.isfinite(w)), default=math.nan)
         note = (
-            ": no cell differs, as about zero predicts, but intervals up to "
-            f"{widest:.4f} wide do not show that it is zero"
+            ": no cell differs, but none is shown inside its margin either "
+            f"(intervals up to {widest:.4f} wide)"
         )
     n = len(cells)
     corrected = (

@@ -251,10 +251,45 @@ def test_an_about_zero_claim_with_no_significant_cell_cannot_tell(rows):
     (cell,) = literature.compare(noisy, "b", "a", "test_bpc")
     width = cell.difference.high - cell.difference.low
     assert (
-        "**cannot tell**: no cell differs, as about zero predicts, but intervals "
-        f"up to {width:.4f} wide do not show that it is zero; cells: agrees at 0, "
+        "**cannot tell**: no cell differs, but none is shown inside its margin "
+        f"either (intervals up to {width:.4f} wide); cells: agrees at 0, "
         "disagrees at 0, cannot tell at 1, of 1 (Holm over the study's 2 primary "
         "contrasts)."
+    ) in text
+
+
+def test_about_zero_agrees_where_two_one_sided_tests_put_it_inside_the_margin():
+    """Two cells of b - a near zero, one with a small spread (shown inside
+    the margin) and one with a wide one (not shown): the margin is
+    ln(114.5 / 112.4) of per-word perplexity over ln 2 and the characters per
+    word, and the TOST p is scipy's larger one-sided p, Holm over the cells."""
+    small = [0.0004, -0.0003, 0.0001, -0.0002]
+    wide = [0.008, -0.006, 0.004, -0.004]
+    found = [
+        row("test", vocab, 0.01, arm, s, 2.0 + 0.1 * s + (arm == "b") * d[s])
+        for vocab, d in (("char", small), ("2048", wide))
+        for arm in "ab"
+        for s in SEEDS
+    ]
+    margin = math.log(114.5 / 112.4) / (math.log(2) * CHARS_PER_WORD)
+    raw = [
+        max(
+            scipy_stats.ttest_1samp(d, -margin, alternative="greater").pvalue,
+            scipy_stats.ttest_1samp(d, margin, alternative="less").pvalue,
+        )
+        for d in (small, wide)
+    ]
+    holm = [min(1.0, 2 * min(raw)), min(1.0, max(raw))]  # two tests, Holm by hand
+    assert raw[0] < raw[1]
+    text = section(literature.literature_text(found), 3)
+    lines = table_rows(text, "vocabulary")
+    assert [r["margin (bits/char)"] for r in lines] == [f"±{margin:.4f}"] * 2
+    assert [r["TOST p"] for r in lines] == [f"{p:.3g}" for p in raw]
+    assert [r["(Holm)"] for r in lines] == [f"{p:.3g}" for p in holm]
+    assert holm[0] < 0.05 < holm[1]
+    assert (
+        "**agrees where it can tell (1 of 2 cells)**; cells: agrees at 1 "
+        "(characters 1%), disagrees at 0, cannot tell at 1"
     ) in text
 
 

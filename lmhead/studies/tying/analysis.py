@@ -457,6 +457,13 @@ def results_section(rows: Rows) -> str:
                 _mean_text(cells_lib.column(values, "steps_to_best"), 0),
                 f"{reached} of {len(values)}",
                 _significant_text(cells_lib.column(values, "tokens_per_param")),
+                _significant_text(
+                    [
+                        t
+                        for t in map(cells_lib.trained_tokens_per_param, values)
+                        if t is not None
+                    ]
+                ),
                 _geometric_mean_text(cells_lib.column(values, "test_word_ppl")),
             ]
         )
@@ -470,7 +477,10 @@ def results_section(rows: Rows) -> str:
         "words of the test text, `len(text.split())`), its geometric mean over "
         "the runs (the mean of a log-scale quantity). Data tokens/param: the "
         "training text's tokens per parameter, the size of the data and not "
-        "of the training (a run on a subset passes over it many times).",
+        "of the training (a run on a subset passes over it many times). "
+        "Trained tokens/param: the tokens that trained the tested parameters "
+        "(steps to best x tokens per step) per parameter; Chinchilla's "
+        "compute-optimal ratio is about 20.",
         report.markdown_table(
             [
                 "vocabulary",
@@ -483,6 +493,7 @@ def results_section(rows: Rows) -> str:
                 "steps to best",
                 "reached cap",
                 "data tokens/param",
+                "trained tokens/param",
                 "word ppl",
             ],  # fmt: skip
             lines,

@@ -201,6 +201,26 @@ def contrast(
     )
 
 
+def trained_tokens_per_param(row: Mapping[str, Any]) -> float | None:
+    """The tokens that trained a run's tested parameters per parameter,
+    ``steps_to_best * step_tokens / params`` (None where one is missing).
+
+    Examples:
+        >>> trained_tokens_per_param(
+        ...     {"steps_to_best": 300, "step_tokens": 2048, "params": 614_400})
+        1.0
+        >>> trained_tokens_per_param({"steps_to_best": 300, "step_tokens": None,
+        ...                           "params": 614_400}) is None
+        True
+    """
+    steps, tokens, params = (
+        row.get(k) for k in ("steps_to_best", "step_tokens", "params")
+    )
+    if steps is None or tokens is None or not params:
+        return None
+    return steps * tokens / params
+
+
 def best_at_first_eval(row: Row) -> bool:
     """Whether the run's best validation was its first (``steps_to_best ==
     eval_every``): its best parameters may lie before it, and a contrast

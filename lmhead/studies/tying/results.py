@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from lmhead.lab import ensembles, workdirs
-from lmhead.lm import data
+from lmhead.lm import configuration, data
 from lmhead.studies.tying import analysis, literature, shapes, study, table
 
 RUNS_CSV = "runs.csv"
@@ -37,6 +37,22 @@ def train_chars(design: study.Design, planned: study.PlannedRun) -> int:
     keys = {**design.shared, **design.overrides(planned)}
     items = tuple(sorted((k, v) for k, v in keys.items() if k.startswith("data.")))
     return _train_chars(design.base, items)
+
+
+@functools.cache
+def _step_tokens(base: str, overrides: tuple) -> int:
+    config = configuration.load_config(base)
+    config.update_from_flattened_dict(dict(overrides))
+    return config.train.batch_size * config.data.block_size
+
+
+def step_tokens(design: study.Design) -> int:
+    """The tokens of one training step of every run of ``design``: batch
+    size x block size of its base config with its shared overrides."""
+    keys = ("train.batch_size", "data.block_size")
+    return _step_tokens(
+        design.base, tuple((k, v) for k, v in design.shared.items() if k in keys)
+    )
 
 
 def _train_tokens(workdir: str) -> int | None:
@@ -80,11 +96,14 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
     """One ``runs.csv`` row of a planned run (``table.COLUMNS``); a run
     restored from a committed table (:func:`restore_runs`) gives its row back."""
     cell, summary = planned.cell, run.summary or {}
-    eval_every = design.shared.get("train.eval_every")
+    from_design = {
+        "eval_every": design.shared.get("train.eval_every"),
+        "step_tokens": step_tokens(design),
+    }
     if RESTORED in summary:
         restored = _checked_restored(planned, run.name, summary[RESTORED])
-        # A table written before the column existed: the design's value.
-        return {**restored, "eval_every": restored.get("eval_every", eval_every)}
+        # A table written before a column existed: the design's value.
+        return {**restored, **{k: restored.get(k, v) for k, v in from_design.items()}}
     test = summary.get("test") or {}
     params = summary.get("num_params") or shapes.count_params(
         cell.vocab_size, cell.shape, design.arch
@@ -110,7 +129,7 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
         "tokens_per_param": None if tokens is None else tokens / params,
         "steps_run": _integer(steps_run),
         "steps_to_best": _integer(summary.get("best_step")),
-        "eval_every": eval_every,
+        **from_design,
         "reached_cap": None
         if steps_run is None
         else not summary.get("stopped_early", False) and steps_run >= cell.amount.steps,

@@ -18,7 +18,11 @@ from typing import Any
 # ``val`` (validation), ``heldout`` (held-out windows of the training
 # plays), ``test`` (the whole test split); ``gap_bpc`` is heldout - train at
 # the tested step. ``eval_every``: the steps between validations, so a run
-# whose ``steps_to_best`` equals it was best at its first one. ``ensemble`` names the program a run trained in (its
+# whose ``steps_to_best`` equals it was best at its first one.
+# ``step_tokens``: the tokens of one training step (batch size x block
+# size), so ``steps_to_best * step_tokens`` tokens trained the tested
+# parameters (``train_tokens`` is the size of the training text, which a run
+# on a subset passes over many times). ``ensemble`` names the program a run trained in (its
 # summary's ``ensemble.program``; None: trained alone): every member reports
 # the program's ``wall_seconds``, so a total counts each program once.
 COLUMNS: dict[str, type] = {
@@ -45,6 +49,7 @@ COLUMNS: dict[str, type] = {
     "steps_run": int,
     "steps_to_best": int,
     "eval_every": int,
+    "step_tokens": int,
     "reached_cap": bool,
     "train_bpc": float,
     "val_bpc": float,

@@ -46,6 +46,7 @@ SHAPES = {
 STEPS_CAP = {0.01: 5000, 1.0: 1000}
 FAILED = ("test", "2048", 1.0, "c", 7)  # role, vocab, amount, arm, seed
 EVAL_EVERY = 100
+STEP_TOKENS = 2048  # batch 32 x block 64
 # Runs of this (vocab, amount, arm) are best at their first validation.
 FIRST_EVAL = ("char", 0.01, "c")
 
@@ -94,6 +95,7 @@ def _row(rng, role, vocab, amount, arm, seed, lr, multiplier, bpc):
         if reached
         else steps_run - 200,
         "eval_every": EVAL_EVERY,
+        "step_tokens": STEP_TOKENS,
         "reached_cap": reached,
         "train_bpc": train_bpc,
         "val_bpc": val_bpc,

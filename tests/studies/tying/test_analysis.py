@@ -156,6 +156,11 @@ class TestResults:
             )
             per_param = np.mean([r["train_tokens"] / r["params"] for r in runs])
             assert line["data tokens/param"] == f"{per_param:.3g}"
+            trained = [
+                r["steps_to_best"] * synthetic_rows.STEP_TOKENS / r["params"]
+                for r in runs
+            ]
+            assert line["trained tokens/param"] == f"{np.mean(trained):.3g}"
             assert numbers(line["word ppl"])[0] == pytest.approx(
                 stats.gmean([r["test_word_ppl"] for r in runs]), abs=0.005
             )

@@ -77,6 +77,7 @@ def test_rows_hold_each_runs_design_and_measurements(sweep):
     rows = results.collect_rows(design, str(sweep_dir))
     assert len(rows) == len(design.tuning_runs()) + len(test_runs)
     test = [r for r in rows if r["role"] == "test"]
+    tiny = configuration.load_config("tiny")
     assert {r["arm"] for r in test} == {"a", "b", "c", "e"}
     assert {r["seed"] for r in test} == {0, 1}
     for r in rows:
@@ -89,6 +90,7 @@ def test_rows_hold_each_runs_design_and_measurements(sweep):
         assert r["tokens_per_param"] == pytest.approx(321 / r["params"])
         assert r["ensemble"] == f"p{r['arm']}" and r["versions"] == "jax=0.1"
         assert r["test_chars"] == 5000 and r["steps_cap"] == 60
+        assert r["step_tokens"] == tiny.train.batch_size * tiny.data.block_size
     a = next(r for r in test if r["arm"] == "a" and r["seed"] == 0)
     assert a["head_share"] == pytest.approx(300 * 32 / a["params"])
     assert a["flops_per_token"] == shapes.flops_per_token(
@@ -183,6 +185,27 @@ def test_a_fresh_sweep_directory_resumes_from_the_committed_table(sweep, tmp_pat
     reserved = ensembles.read_assignment(str(fresh))
     assert {r["ensemble"] for r in rows[1:-1]} == set(reserved)
     assert sorted(run for p in reserved.values() for run in p) == sorted(restored)
+
+
+def test_a_row_restored_before_a_design_column_existed_gets_the_designs(sweep):
+    """A run restored from an older table (its summary's row lacks
+    eval_every and step_tokens) reads back with the design's values."""
+    design, sweep_dir, _ = sweep
+    rows = results.collect_rows(design, str(sweep_dir))
+    older = {k: v for k, v in rows[2].items() if k not in ("eval_every", "step_tokens")}
+    workdir = sweep_dir / rows[2]["run"]
+    kept = (workdir / "summary.json").read_text()
+    try:
+        (workdir / "summary.json").write_text(
+            json.dumps(results.restored_summary(older))
+        )
+        again = results.collect_rows(design, str(sweep_dir))[2]
+    finally:
+        (workdir / "summary.json").write_text(kept)
+    tiny = configuration.load_config("tiny")
+    assert again["eval_every"] == design.shared["train.eval_every"]
+    assert again["step_tokens"] == tiny.train.batch_size * tiny.data.block_size
+    assert again == rows[2]
 
 
 def test_a_restored_row_must_be_the_run_planned_under_its_name(sweep, tmp_path):

@@ -23,7 +23,7 @@ def test_the_columns_are_the_designed_ones_in_order():
     assert list(table.COLUMNS)[-5:] == [
         "status", "wall_seconds", "versions", "run", "ensemble"
     ]  # fmt: skip
-    assert len(table.COLUMNS) == 38
+    assert len(table.COLUMNS) == 39
 
 
 def test_rows_round_trip_exactly(tmp_path):

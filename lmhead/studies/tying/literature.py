@@ -125,8 +125,11 @@ CLAIMS = (
         f"{_SMALL.train_tied} (small, no dropout); {_LARGE.train_untied} -> "
         f"{_LARGE.train_tied} (large, dropout: the regularizer reading's source)",
         f"{_PW6}; {_PW5}",
-        "2-layer LSTMs on PTB, training perplexity per word; this study's models "
-        "have no dropout either",
+        "2-layer LSTMs on PTB, training perplexity per word of the trained "
+        "model; this study's models have no dropout either, and its training "
+        "bits/char are on training windows at each run's tested step (its best "
+        "validation step), so an arm that stops earlier is measured earlier in "
+        "its training",
         (Contrast("a", "b", "train_bpc", -1),),
     ),
     Claim(

@@ -57,12 +57,13 @@ class FactorizedEmbed(nn.Module):
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> embed = FactorizedEmbed(num_embeddings=10, features=8, rank=2)
-        >>> params = embed.init(jax.random.key(0), jnp.zeros((1, 3), jnp.int32))
+        >>> init = jax.jit(embed.init)
+        >>> params = init(jax.random.key(0), jnp.zeros((1, 3), jnp.int32))
         >>> jax.tree.map(jnp.shape, params)
         {'params': {'embedding': (10, 2), 'projection': (2, 8)}}
         >>> ids = jnp.array([[4, 1, 9]])
         >>> table = params["params"]["embedding"] @ params["params"]["projection"]
-        >>> bool(jnp.allclose(embed.apply(params, ids), table[ids], atol=1e-6))
+        >>> bool(jnp.allclose(jax.jit(embed.apply)(params, ids), table[ids], atol=1e-6))
         True
     """
 
@@ -157,10 +158,10 @@ class LMHead(nn.Module):
         >>> import jax, jax.numpy as jnp, flax.linen as nn
         >>> lm_head = LMHead(vocab_size=5, tied=False)
         >>> h = jnp.ones((2, 3, 4))
-        >>> params = lm_head.init(jax.random.key(0), h)
+        >>> params = jax.jit(lm_head.init)(jax.random.key(0), h)
         >>> jax.tree.map(jnp.shape, params)
         {'params': {'unembedding': (5, 4)}}
-        >>> lm_head.apply(params, h).shape
+        >>> jax.jit(lm_head.apply)(params, h).shape
         (2, 3, 5)
     """
 

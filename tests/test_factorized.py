@@ -35,7 +35,7 @@ def factors(seed=0):
 def test_untied_head_owns_both_factors_and_gives_h_times_their_product():
     h, _, _ = factors()
     lm_head = modules.LMHead(V, tied=False, rank=R, use_bias=True)
-    params = lm_head.init(jax.random.key(0), h)["params"]
+    params = jax.jit(lm_head.init)(jax.random.key(0), h)["params"]
     chex.assert_trees_all_equal_shapes(
         params,
         {
@@ -127,7 +127,7 @@ def models(request):
     tied = request.param == "tied"
     tokens = jnp.array([[1, 5, 2, 7], [3, 3, 9, 0]])
     factorized = model(tied=tied, head_rank=R)
-    params = factorized.init(jax.random.key(0), tokens)["params"]
+    params = jax.jit(factorized.init)(jax.random.key(0), tokens)["params"]
     return (
         tied,
         tokens,
@@ -148,8 +148,8 @@ def test_the_model_is_the_unfactorized_model_of_the_product(models):
         assert shapes["embed"] == {"embedding": (V, D)}
         assert shapes["head"] == {"unembedding": (V, R), "projection": (R, D)}
     np.testing.assert_allclose(
-        factorized.apply({"params": params}, tokens),
-        full.apply({"params": full_params}, tokens),
+        jax.jit(factorized.apply)({"params": params}, tokens),
+        jax.jit(full.apply)({"params": full_params}, tokens),
         rtol=1e-5,
         atol=1e-5,
     )
@@ -184,7 +184,9 @@ def test_greedy_and_beam_decoding_equal_the_unfactorized_models(models):
 def test_an_int8_factor_decodes_close_to_float(models):
     tied, tokens, factorized, params, *_ = models
     small = generation.quantize_for_decoding(factorized, params, "int8")
-    full, fewer = (factorized.apply({"params": p}, tokens) for p in (params, small))
+    full, fewer = (
+        jax.jit(factorized.apply)({"params": p}, tokens) for p in (params, small)
+    )
     np.testing.assert_allclose(fewer, full, atol=2e-3)
 
 
@@ -240,8 +242,8 @@ def test_the_shared_factors_get_the_chain_rule_of_the_tables_gradient(models):
     def loss(m):
         return lambda p: m.apply({"params": p}, tokens, labels, method=m.loss)[0]
 
-    grads = jax.grad(loss(factorized))(params)
-    full_grads = jax.grad(loss(full))(full_params)
+    grads = jax.jit(jax.grad(loss(factorized)))(params)
+    full_grads = jax.jit(jax.grad(loss(full)))(full_params)
     if tied:
         a, b = params["embed"]["embedding"], params["embed"]["projection"]
         d_table = full_grads["embed"]["embedding"]

@@ -77,7 +77,7 @@ class LogitsTest(chex.TestCase):
     def test_tied_logits_are_h_times_table_transposed(self):
         h, table = random_inputs(2)
         head = modules.LMHead(V, tied=True, scale=0.5, softcap=1.5)
-        variables = head.init(jax.random.key(0), h, table)
+        variables = jax.jit(head.init)(jax.random.key(0), h, table)
         got = self.variant(head.apply)(variables, h, table)
         want = references.unembed(h, table, scale=0.5, softcap=1.5)
         self.assertEqual(got.shape, (2, 3, V))
@@ -89,7 +89,9 @@ class LogitsTest(chex.TestCase):
         head = modules.LMHead(V, tied=False, use_bias=True)
         bias = np.linspace(-1.0, 1.0, V).astype(np.float32)
         variables = {"params": {"unembedding": table, "bias": bias}}
-        chex.assert_trees_all_equal_shapes(variables, head.init(jax.random.key(0), h))
+        chex.assert_trees_all_equal_shapes(
+            variables, jax.jit(head.init)(jax.random.key(0), h)
+        )
         got = self.variant(head.apply)(variables, h)
         np.testing.assert_allclose(
             got, references.unembed(h, table, bias), rtol=1e-5, atol=1e-6
@@ -131,7 +133,7 @@ class TiedGradientTest(chex.TestCase):
         labels = np.array([[4, 1, 0], [10, 3, 2]])
         scale = D**-0.5
         model = TiedLM(pass_module=True, scale=scale)
-        variables = model.init(jax.random.key(2), tokens)
+        variables = jax.jit(model.init)(jax.random.key(2), tokens)
 
         def objective(params):
             return model.apply({"params": params}, tokens, labels, method=TiedLM.loss)[
@@ -172,7 +174,7 @@ class LossTest(chex.TestCase):
         for tied in (True, False):
             head = modules.LMHead(V, tied=tied, use_bias=True, scale=0.8)
             embedding = table if tied else None
-            variables = head.init(jax.random.key(0), h, embedding)
+            variables = jax.jit(head.init)(jax.random.key(0), h, embedding)
             logits = head.apply(variables, h, embedding)
             loss, metrics = self.variant(
                 functools.partial(

@@ -130,7 +130,7 @@ def test_bad_tables():
 def test_lm_head_takes_a_quantized_table_tied_and_untied():
     h = jax.random.normal(jax.random.key(1), (2, 3, 8))
     untied = modules.LMHead(vocab_size=11, tied=False, use_bias=True)
-    params = untied.init(jax.random.key(0), h)["params"]
+    params = jax.jit(untied.init)(jax.random.key(0), h)["params"]
     w = np.asarray(params["unembedding"], np.float64)
     q = quantize.quantize_unembedding(params["unembedding"], "int8")
     expected = (

@@ -142,7 +142,8 @@ def continue_text(
         >>> tokenizer = data.CharTokenizer("abc")
         >>> model = model_lib.DecoderLM(vocab_size=3, num_layers=1, num_heads=2,
         ...                             d_model=8, mlp_dim=16, max_len=8)
-        >>> params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+        >>> init = jax.jit(model.init)
+        >>> params = init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
         >>> texts = continue_text(model, params["params"], tokenizer, "ab",
         ...                       key=jax.random.key(1), num_samples=2,
         ...                       max_new_tokens=10)  # windows of 4 + 4 tokens
@@ -202,7 +203,8 @@ def continuations(
         >>> tokenizer = data.CharTokenizer("abc")
         >>> model = model_lib.DecoderLM(vocab_size=3, num_layers=1, num_heads=2,
         ...                             d_model=8, mlp_dim=16, max_len=8)
-        >>> params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+        >>> init = jax.jit(model.init)
+        >>> params = init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
         >>> out = continuations(model, params["params"], tokenizer, "ab",
         ...                     key=jax.random.key(1), num_samples=3,
         ...                     max_new_tokens=40, stop="cc", top_logprobs=2)
@@ -372,11 +374,12 @@ def quantize_for_decoding(model: model_lib.DecoderLM, params: Any, dtype: str) -
         >>> model = model_lib.DecoderLM(vocab_size=17, num_layers=1, num_heads=2,
         ...                             d_model=8, mlp_dim=16, max_len=8)
         >>> tokens = jnp.array([[1, 2, 3]])
-        >>> params = model.init(jax.random.key(0), tokens)["params"]
+        >>> params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
         >>> small = quantize_for_decoding(model, params, "int8")
         >>> type(small[model_lib.HEAD_TABLE]).__name__
         'QuantizedTable'
-        >>> full, fewer = (model.apply({"params": p}, tokens) for p in (params, small))
+        >>> apply = jax.jit(model.apply)
+        >>> full, fewer = (apply({"params": p}, tokens) for p in (params, small))
         >>> bool(jnp.abs(full - fewer).max() < 1e-3)
         True
     """
@@ -447,7 +450,7 @@ def time_generation(
         >>> model = model_lib.DecoderLM(vocab_size=17, num_layers=1, num_heads=2,
         ...                             d_model=8, mlp_dim=16, max_len=8)
         >>> prompt = jnp.array([[1, 2, 3]])
-        >>> params = model.init(jax.random.key(0), prompt)["params"]
+        >>> params = jax.jit(model.init)(jax.random.key(0), prompt)["params"]
         >>> t = time_generation(model, params, prompt, max_new_tokens=4, repeats=1)
         >>> t.new_tokens, t.time_to_first_token_ms > 0, t.ms_per_token > 0
         (4, True, True)

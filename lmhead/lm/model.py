@@ -268,10 +268,10 @@ class DecoderLM(nn.Module):
         >>> model = DecoderLM(vocab_size=17, num_layers=1, num_heads=2,
         ...                   d_model=8, mlp_dim=16, max_len=8)
         >>> tokens = jnp.array([[1, 2, 3, 4]])
-        >>> params = model.init(jax.random.key(0), tokens)["params"]
+        >>> params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
         >>> sum(x.size for x in jax.tree.leaves(params))
         816
-        >>> model.apply({"params": params}, tokens).shape
+        >>> jax.jit(model.apply)({"params": params}, tokens).shape
         (1, 4, 17)
         >>> loss, metrics = model.apply({"params": params}, tokens[:, :-1],
         ...                             tokens[:, 1:], method=DecoderLM.loss)
@@ -512,7 +512,7 @@ def attention_weights(
         >>> model = DecoderLM(vocab_size=17, num_layers=2, num_heads=2,
         ...                   d_model=8, mlp_dim=16, max_len=8)
         >>> tokens = jnp.array([[1, 2, 3, 4]])
-        >>> params = model.init(jax.random.key(0), tokens)["params"]
+        >>> params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
         >>> maps = attention_weights(model, params, tokens)
         >>> len(maps), maps[0].shape, maps[0][0, 0, 0]
         (2, (1, 2, 4, 4), Array([1., 0., 0., 0.], dtype=float32))
@@ -608,11 +608,11 @@ def prefill(
         >>> model = DecoderLM(vocab_size=17, num_layers=1, num_heads=2,
         ...                   d_model=8, mlp_dim=16, max_len=8)
         >>> prompt = jnp.array([[1, 2, 3], [4, 5, 0]])
-        >>> params = model.init(jax.random.key(0), prompt)["params"]
+        >>> params = jax.jit(model.init)(jax.random.key(0), prompt)["params"]
         >>> logits, cache = prefill(model, params, prompt, jnp.array([3, 2]))
         >>> logits.shape, cache.index
         ((2, 17), Array([3, 2], dtype=int32))
-        >>> full = model.apply({"params": params}, prompt[1:, :2])
+        >>> full = jax.jit(model.apply)({"params": params}, prompt[1:, :2])
         >>> bool(jnp.allclose(logits[1], full[0, -1], atol=1e-6))
         True
         >>> prefill(model, params, prompt, max_new_tokens=6)
@@ -782,10 +782,10 @@ def make_step_fn(model: DecoderLM, mesh: jax.sharding.Mesh | None = None) -> Dec
         >>> model = DecoderLM(vocab_size=17, num_layers=1, num_heads=2,
         ...                   d_model=8, mlp_dim=16, max_len=8)
         >>> tokens = jnp.array([[1, 2, 3, 4]])
-        >>> params = model.init(jax.random.key(0), tokens)["params"]
+        >>> params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
         >>> logits, cache = prefill(model, params, tokens[:, :3])
         >>> logits, cache = make_step_fn(model)(params, tokens[:, 3], cache)
-        >>> full = model.apply({"params": params}, tokens)
+        >>> full = jax.jit(model.apply)({"params": params}, tokens)
         >>> bool(jnp.allclose(logits, full[:, -1], atol=1e-6)), cache.index
         (True, Array([4], dtype=int32))
     """

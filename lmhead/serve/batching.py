@@ -47,7 +47,8 @@ class Engine:
         >>> tokenizer = data.CharTokenizer("abcd")
         >>> model = model_lib.DecoderLM(vocab_size=4, num_layers=1, num_heads=2,
         ...                             d_model=8, mlp_dim=16, max_len=8)
-        >>> params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+        >>> init = jax.jit(model.init)
+        >>> params = init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
         >>> engine = Engine(model, params, tokenizer, requests.Buckets((2,), (4,), (4,)))
         >>> request = requests.parse_generate(
         ...     {"prompt": ["ab", "c"], "temperature": 0, "max_new_tokens": 3},

@@ -375,7 +375,7 @@ def test_beam_search_through_the_kv_cache_equals_brute_force(monkeypatch):
             1,
         )
         log_probs = np_log_softmax(
-            model.apply({"params": params}, jnp.asarray(sequences))
+            jax.jit(model.apply)({"params": params}, jnp.asarray(sequences))
         )
         totals = sum(
             log_probs[np.arange(len(sequences)), start - 1 + t, continuations[:, t]]

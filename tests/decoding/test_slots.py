@@ -26,7 +26,9 @@ def lm():
         vocab_size=VOCAB, num_layers=1, num_heads=2, d_model=16, mlp_dim=32,
         max_len=MAX_LEN,
     )  # fmt: skip
-    params = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+    params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))[
+        "params"
+    ]
     return model, params, model_lib.make_step_fn(model)
 
 

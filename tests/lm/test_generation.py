@@ -26,7 +26,9 @@ VOCAB, MAX_LEN, NEW = 61, 24, 12
 
 def noisy_params(model, seed, noise=0.3):
     """Random parameters far from init, so that the logits spread out."""
-    params = model.init(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))["params"]
+    params = jax.jit(model.init)(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))[
+        "params"
+    ]
     return perturbed(params, seed, noise)
 
 
@@ -103,7 +105,7 @@ def test_int8_greedy_decoding_agrees_with_float32(tied):
     # The quantized model's own full forward pass argmaxes to the same tokens.
     small = generation.quantize_for_decoding(model, params, "int8")
     sequence = jnp.concatenate([PROMPT, jnp.asarray(got)], axis=1)
-    recomputed = model.apply({"params": small}, sequence[:, :-1])
+    recomputed = jax.jit(model.apply)({"params": small}, sequence[:, :-1])
     np.testing.assert_array_equal(
         np.argmax(recomputed[:, PROMPT.shape[1] - 1 :], -1), got
     )

@@ -520,7 +520,9 @@ def test_greedy_decoding_with_a_donated_cache_matches_recomputation():
     )
     for row, length in enumerate(lengths):
         sequence = np.concatenate([np.asarray(prompt)[row, :length], tokens[row]])
-        full = model.apply({"params": params}, jnp.asarray(sequence[None, :-1]))
+        full = jax.jit(model.apply)(
+            {"params": params}, jnp.asarray(sequence[None, :-1])
+        )
         np.testing.assert_array_equal(np.argmax(full[0, length - 1 :], -1), tokens[row])
     assert all(
         leaf.is_deleted() for leaf in jax.tree.leaves((cache.keys, cache.values))
@@ -573,7 +575,7 @@ def test_a_plain_apply_sows_nothing():
     model = small_model()
     params = init_params(model)
     tokens = random_tokens((1, 5))
-    logits = model.apply({"params": params}, tokens)
+    logits = jax.jit(model.apply)({"params": params}, tokens)
     assert logits.shape == (1, 5, VOCAB)  # an array, not (logits, state)
     _, state = model.apply({"params": params}, tokens, mutable=["intermediates"])
     assert set(state["intermediates"]) == {f"blocks_{i}" for i in range(LAYERS)}

@@ -29,7 +29,9 @@ def tiny_model():
     model = model_lib.DecoderLM(
         vocab_size=13, num_layers=1, num_heads=2, d_model=8, mlp_dim=16, max_len=8
     )
-    params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))[
+        "params"
+    ]
     return model, params
 
 
@@ -117,7 +119,7 @@ def test_strided_scores_use_the_context_each_window_gives(tiny_model):
                 for s in starts
             ]
         )
-        logits = model.apply({"params": params}, jnp.asarray(contexts))
+        logits = jax.jit(model.apply)({"params": params}, jnp.asarray(contexts))
         rows = references.log_softmax(logits)[
             np.arange(len(targets)), targets - starts - 1
         ]

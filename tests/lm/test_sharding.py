@@ -486,7 +486,7 @@ def check_split_decoding(streams=False):
     )
     prompt = jax.random.randint(jax.random.key(1), (8, 5), 0, 17)
     lengths = jnp.array([5, 3, 4, 5, 1, 2, 5, 4])
-    params = model.init(jax.random.key(0), prompt)["params"]
+    params = jax.jit(model.init)(jax.random.key(0), prompt)["params"]
     results = {}
 
     def decode(mesh):

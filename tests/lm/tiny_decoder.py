@@ -30,7 +30,9 @@ def _full_params(seed: int):
     """One initialisation holding every parameter any small_model variant has
     (untied head, learned positions), so that the tests compile init once."""
     model = small_model(tied=False, positions="learned")
-    params = model.init(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))["params"]
+    params = jax.jit(model.init)(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))[
+        "params"
+    ]
     return jax.tree.map(np.asarray, params)
 
 

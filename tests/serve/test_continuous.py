@@ -35,7 +35,9 @@ def long_engine():
         vocab_size=tokenizer.vocab_size, num_layers=1, num_heads=2, d_model=16,
         mlp_dim=32, max_len=LONG + 8,
     )  # fmt: skip
-    params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))[
+        "params"
+    ]
     buckets = requests.Buckets(
         batch_sizes=(1, 4), prompt_lengths=(8,), new_tokens=(LONG,), beam_sizes=()
     )
@@ -169,7 +171,9 @@ def test_echoed_top_logprobs_past_a_small_vocabulary_give_every_token():
         vocab_size=tokenizer.vocab_size, num_layers=1, num_heads=2, d_model=8,
         mlp_dim=16, max_len=16,
     )  # fmt: skip
-    params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))[
+        "params"
+    ]
     buckets = requests.Buckets(
         batch_sizes=(1,), prompt_lengths=(8,), new_tokens=(4,), beam_sizes=()
     )

@@ -159,7 +159,9 @@ def test_stop_string_is_cut_and_ends_the_choice(run, client):
 
 def numpy_log_softmax(run, ids):
     model, params, _ = run
-    logits = np.asarray(model.apply({"params": params}, ids[None])[0], np.float64)
+    logits = np.asarray(
+        jax.jit(model.apply)({"params": params}, ids[None])[0], np.float64
+    )
     return (
         logits
         - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1))[:, None]

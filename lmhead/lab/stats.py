@@ -323,7 +323,7 @@ def equivalence_p_value(difference: PairedDifference, margin: float) -> float:
     the kind. NaN for fewer than 2 pairs or a zero spread.
 
     Raises:
-        ValueError: ``margin`` is not a positive number.
+        ValueError: ``margin`` is not a finite positive number.
 
     Examples:
         >>> d = paired_difference({0: 0.1, 1: -0.1, 2: 0.2, 3: 0.0},
@@ -331,8 +331,8 @@ def equivalence_p_value(difference: PairedDifference, margin: float) -> float:
         >>> round(equivalence_p_value(d, 0.5), 4), round(equivalence_p_value(d, 0.1), 4)
         (0.003, 0.2475)
     """
-    if not (isinstance(margin, (int, float)) and margin > 0):
-        raise ValueError(f"margin must be a positive number, got {margin!r}.")
+    if isinstance(margin, bool) or not (math.isfinite(margin) and margin > 0):
+        raise ValueError(f"margin must be a finite positive number, got {margin!r}.")
     if difference.n < 2 or not difference.std > 0:
         return math.nan
     error = difference.std / math.sqrt(difference.n)

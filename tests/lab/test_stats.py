@@ -218,8 +218,22 @@ def test_equivalence_p_value_is_scipys_two_one_sided_tests(shift):
     assert (p < 0.05) == inside
 
 
-def test_equivalence_p_value_needs_a_spread_and_a_positive_margin():
+@pytest.mark.parametrize("margin", [0.0, -0.1, math.nan, math.inf, True])
+def test_equivalence_p_value_refuses_a_margin_that_is_not_finite_and_positive(
+    margin,
+):
+    d = stats_lib.paired_difference({0: 1.0, 1: 2.0}, {0: 0.0, 1: 0.0})
+    with pytest.raises(ValueError, match="margin must be a finite positive number"):
+        stats_lib.equivalence_p_value(d, margin)
+
+
+def test_equivalence_p_value_needs_two_pairs_and_a_spread():
     one = stats_lib.paired_difference({0: 1.0}, {0: 0.0})
+    same = stats_lib.paired_difference({0: 1.0, 1: 2.0}, {0: 0.5, 1: 1.5})
     assert math.isnan(stats_lib.equivalence_p_value(one, 0.1))
-    with pytest.raises(ValueError, match="margin must be a positive number"):
-        stats_lib.equivalence_p_value(one, 0.0)
+    assert math.isnan(stats_lib.equivalence_p_value(same, 0.5))
+    # A numpy float is a margin too.
+    d = stats_lib.paired_difference(
+        {0: 0.1, 1: -0.1, 2: 0.0}, dict.fromkeys(range(3), 0.0)
+    )
+    assert stats_lib.equivalence_p_value(d, np.float32(0.5)) < 0.05

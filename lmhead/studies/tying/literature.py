@@ -72,9 +72,10 @@ PTB_PAIRS = (
 
 # "About zero" is shown only by an equivalence test against a margin: the
 # smallest change that the tying studies above publish as tying's effect,
-# |ln(tied / untied)| of per-word perplexity (Press & Wolf's small model,
-# 114.5 -> 112.4), on each cell's bits/char scale (:func:`equivalence_margin`).
-EQUIVALENCE_LOG_PPL = min(abs(math.log(p.tied / p.untied)) for p in PTB_PAIRS)
+# |ln(tied / untied)| of per-word perplexity, on each cell's bits/char scale
+# (:func:`equivalence_margin`).
+EQUIVALENCE_PAIR = min(PTB_PAIRS, key=lambda p: abs(math.log(p.tied / p.untied)))
+EQUIVALENCE_LOG_PPL = abs(math.log(EQUIVALENCE_PAIR.tied / EQUIVALENCE_PAIR.untied))
 
 
 class Contrast(NamedTuple):
@@ -276,60 +277,89 @@ def equivalence_margin(
     rows: Sequence[Mapping[str, Any]], vocab: str, amount: float
 ) -> float:
     r"""The equivalence margin of one cell in bits/char: the log ratio
-    :data:`EQUIVALENCE_LOG_PPL` of per-word perplexities on this cell's
-    scale, :math:`\delta = \ln(P_t / P_u) / (\ln 2 \cdot c)`, where
-    :math:`c = \ln P_w / (\ln 2 \cdot \mathrm{bpc})` is the test text's
-    characters per word (the median over the cell's finished test runs, which
-    all read the same text); NaN without such runs.
+    :data:`EQUIVALENCE_LOG_PPL` of per-word perplexities,
+    :math:`\delta_w = |\ln(P_t / P_u)|`, on this cell's scale,
+    :math:`\delta = \delta_w / (\ln 2 \cdot C / W)`, where :math:`C / W` is
+    the test text's characters per word (``test_chars / test_words``, the
+    median over the cell's finished test runs); NaN without such runs.
+
+    A difference of :math:`\delta` bits/char changes the per-word log
+    perplexity by :math:`\delta \ln 2 \cdot C / W = \delta_w`. PTB's words
+    count punctuation and end-of-sentence tokens, which ``text.split()``
+    attaches to words, so :math:`C / W` here is larger than on PTB's count
+    and the margin in bits/char smaller: the test errs against agreeing.
 
     Examples:
         >>> rows = [dict(role="test", status="finished", vocab="char", amount=1.0,
-        ...              test_bpc=2.0, test_word_ppl=2.0 ** (2.0 * 5.5))]
-        >>> round(equivalence_margin(rows, "char", 1.0), 6)  # 0.018512 / (ln 2 * 5.5)
+        ...              test_chars=5500, test_words=1000)]
+        >>> round(equivalence_margin(rows, "char", 1.0), 6)  # 0.018511 / (ln 2 * 5.5)
         0.004856
     """
     per_word = [
-        math.log(r["test_word_ppl"]) / (math.log(2) * r["test_bpc"])
+        r["test_chars"] / r["test_words"]
         for r in rows
         if (r["role"], r["status"], r["vocab"], r["amount"])
         == ("test", "finished", vocab, amount)
-        and r.get("test_word_ppl")
-        and r.get("test_bpc")
+        and r.get("test_chars")
+        and r.get("test_words")
     ]
     if not per_word:
         return math.nan
     return EQUIVALENCE_LOG_PPL / (math.log(2) * statistics.median(per_word))
 
 
-def equivalence_p_values(
+class Equivalence(NamedTuple):
+    """One cell's equivalence test: its ``margin`` in bits/char, the two
+    one-sided tests' ``p`` and that p Holm-adjusted over the cells tested
+    together (``holm_p``); NaN where no test could be made."""
+
+    margin: float
+    p: float
+    holm_p: float
+
+
+def equivalence_tests(
     rows: Sequence[Mapping[str, Any]], cells: Sequence[cells_lib.Contrast]
-) -> list[tuple[float, float]]:
-    """``(margin, p, holm_p)`` per cell: :func:`equivalence_margin`, the two
-    one-sided tests' p-value (:func:`~lmhead.lab.stats.equivalence_p_value`)
-    that the cell's difference lies inside it, and that p Holm-adjusted over
-    ``cells``.
+) -> list[Equivalence]:
+    """Per cell, :func:`equivalence_margin` and the two one-sided tests
+    (:func:`~lmhead.lab.stats.equivalence_p_value`) that the cell's
+    difference lies inside it, Holm-adjusted over ``cells``.
 
     Examples:
-        >>> equivalence_p_values([], [])
-        []
+        >>> def cell(vocab, differences):
+        ...     d = stats.paired_difference(dict(enumerate(differences)),
+        ...                                 dict.fromkeys(range(4), 0.0))
+        ...     return cells_lib.Contrast(vocab, 1.0, "b", "a", "b − a", d, 1.0)
+        >>> rows = [dict(role="test", status="finished", vocab=v, amount=1.0,
+        ...              test_chars=5500, test_words=1000) for v in ("x", "y")]
+        >>> small, wide = cell("x", [1e-4, -1e-4, 2e-4, 0.0]), cell("y", [0.01, -0.01, 0.02, 0.0])
+        >>> [(round(t.margin, 4), t.holm_p < 0.05) for t in equivalence_tests(rows, [small, wide])]
+        [(0.0049, True), (0.0049, False)]
     """
     margins = [equivalence_margin(rows, c.vocab, c.amount) for c in cells]
     raw = [
         stats.equivalence_p_value(c.difference, m) if m > 0 else math.nan
         for c, m in zip(cells, margins)
     ]
-    return list(zip(margins, raw, stats.holm_adjusted(raw)))
+    return [
+        Equivalence(m, p, holm)
+        for m, p, holm in zip(margins, raw, stats.holm_adjusted(raw))
+    ]
 
 
 def verdict(
-    cell: cells_lib.Contrast, predicted: int, equivalence_p: float = math.nan
+    cell: cells_lib.Contrast, predicted: int, equivalence: Equivalence | None = None
 ) -> str:
     """``"agrees"`` or ``"disagrees"`` with a predicted sign of the
     difference (+1, -1) where ``cell.holm_p < ALPHA``; else ``"cannot
-    tell"``. A prediction of about zero (0) is contradicted by a significant
-    difference and agreed with only where the equivalence test's
-    ``equivalence_p`` (Holm-adjusted, :func:`equivalence_p_values`) is below
-    ``ALPHA``: a difference not found is not one shown to be small.
+    tell"``.
+
+    A prediction of about zero (0) agrees where the ``equivalence`` test's
+    Holm p is below ``ALPHA`` (a difference not found is not one shown to be
+    small); it disagrees where the difference is significant and its
+    interval (the family's simultaneous one for a primary contrast) lies
+    wholly outside the margin. Without a margin, any significant difference
+    disagrees.
 
     Examples:
         >>> d = stats.PairedDifference(-0.02, 0.01, 8, -0.03, -0.01)
@@ -337,15 +367,30 @@ def verdict(
         >>> [verdict(dataclasses.replace(c, holm_p=p), sign)
         ...  for p, sign in ((0.01, +1), (0.2, +1), (0.01, 0), (0.2, 0))]
         ['disagrees', 'cannot tell', 'disagrees', 'cannot tell']
-        >>> verdict(dataclasses.replace(c, holm_p=0.2), 0, equivalence_p=0.01)
+        >>> significant = dataclasses.replace(c, holm_p=0.01)
+        >>> [verdict(significant, 0, Equivalence(m, 0.5, 0.5)) for m in (0.005, 0.02)]
+        ['disagrees', 'cannot tell']
+        >>> verdict(significant, 0, Equivalence(0.05, 0.001, 0.01))
         'agrees'
     """
     if predicted not in (-1, 0, 1):
         raise ValueError(f"predicted must be -1, 0 or 1, got {predicted!r}.")
-    if not cell.holm_p < ALPHA:  # NaN too: no test could be made
-        return "agrees" if predicted == 0 and equivalence_p < ALPHA else "cannot tell"
-    agrees = predicted != 0 and (cell.difference.mean > 0) == (predicted > 0)
-    return "agrees" if agrees else "disagrees"
+    significant = cell.holm_p < ALPHA  # NaN: no test could be made
+    if predicted != 0:
+        if not significant:
+            return "cannot tell"
+        return (
+            "agrees" if (cell.difference.mean > 0) == (predicted > 0) else "disagrees"
+        )
+    if equivalence is None or not equivalence.margin > 0:
+        return "disagrees" if significant else "cannot tell"
+    if equivalence.holm_p < ALPHA:
+        return "agrees"
+    low, high = cell.simultaneous
+    if not (math.isfinite(low) and math.isfinite(high)):
+        low, high = cell.difference.low, cell.difference.high
+    outside = low > equivalence.margin or high < -equivalence.margin
+    return "disagrees" if significant and outside else "cannot tell"
 
 
 def literature_text(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -400,9 +445,14 @@ def _contrast_lines(rows, family, claim, contrast, number, shown) -> list[str]:
     reason = claim.not_comparable
     # A primary contrast is corrected over the study's family, of this size.
     size = family.size if primary else None
-    equivalence = equivalence_p_values(rows, cells) if predicted == 0 else None
+    equivalence = equivalence_tests(rows, cells) if predicted == 0 else None
     if equivalence and not reason:
-        lines += ["", _EQUIVALENCE, "", _equivalence_table(cells, equivalence)]
+        lines += [
+            "",
+            _equivalence_text(len(cells)),
+            "",
+            _equivalence_table(cells, equivalence),
+        ]
     summary = (
         f"**cannot tell**: {reason}."
         if reason
@@ -411,24 +461,33 @@ def _contrast_lines(rows, family, claim, contrast, number, shown) -> list[str]:
     return lines + ["", f"Verdict ({x} - {y} {sign} predicted): {summary}", ""]
 
 
-_EQUIVALENCE = (
-    "About zero is agreed with only where two one-sided t-tests (TOST) show "
-    "the difference inside a margin, Holm-adjusted over these cells: the "
-    "smallest change that the tying studies above publish as an effect, "
-    f"|ln(112.4 / 114.5)| = {EQUIVALENCE_LOG_PPL:.4f} of per-word perplexity "
-    "(Press & Wolf's small model), on each cell's bits/char scale (divided by "
-    "ln 2 and the test text's characters per word). The margin was set after "
-    "the first test runs were in, not named with the primary contrasts."
-)
+def _equivalence_text(cells: int) -> str:
+    pair = EQUIVALENCE_PAIR
+    return (
+        "About zero agrees in a cell only where two one-sided t-tests (TOST) "
+        "put the difference inside a margin, Holm-adjusted over these "
+        f"{cells} cells (so the best cell needs a TOST p below "
+        f"{ALPHA / cells:.2g}); it disagrees where the difference is "
+        "significant and its simultaneous interval lies wholly outside the "
+        "margin. The margin is the smallest change the tying studies above "
+        f"publish as an effect, |ln({pair.tied} / {pair.untied})| = "
+        f"{EQUIVALENCE_LOG_PPL:.4f} of per-word perplexity ({pair.source}, "
+        f"{pair.model}), on each cell's bits/char scale (divided by ln 2 and "
+        "the test text's characters per word; whitespace-separated words are "
+        "longer than PTB's tokens, so this errs against agreeing). It was set "
+        "after the first test runs were in, not named with the primary "
+        "contrasts."
+    )
 
 
 def _equivalence_table(cells, equivalence) -> str:
     header = ["vocabulary", "amount", "margin (bits/char)", "TOST p", "(Holm)"]
     text = lambda p: "—" if math.isnan(p) else f"{p:.3g}"
     body = [
-        [*_label(c), f"±{margin:.4f}", text(p), text(holm_p)]
-        for c, (margin, p, holm_p) in zip(cells, equivalence)
-    ]
+        [*_label(c), "—" if math.isnan(t.margin) else f"±{t.margin:.4f}", text(t.p),
+         text(t.holm_p)]
+        for c, t in zip(cells, equivalence)
+    ]  # fmt: skip
     return report.markdown_table(header, body)
 
 
@@ -465,10 +524,10 @@ def _summary(cells, predicted, family: int | None, equivalence=None) -> str:
     """The verdict over a contrast's cells: a primary contrast (``family``:
     the size of the study's primary family) agrees or disagrees at the
     family's corrected level; an exploratory one (``family`` None) only
-    leans toward or against the claim. ``equivalence``: each cell's margin
-    and TOST p, for a prediction of about zero."""
-    tests = [p for *_, p in equivalence] if equivalence else [math.nan] * len(cells)
-    verdicts = [verdict(c, predicted, p) for c, p in zip(cells, tests)]
+    leans toward or against the claim. ``equivalence``: each cell's
+    :class:`Equivalence`, for a prediction of about zero."""
+    tests = equivalence or [None] * len(cells)
+    verdicts = [verdict(c, predicted, t) for c, t in zip(cells, tests)]
     names = {"agrees": "agrees", "disagrees": "disagrees", "cannot tell": "cannot tell"}
     if family is None:
         names.update(agrees="leans toward", disagrees="leans against")
@@ -486,9 +545,15 @@ def _summary(cells, predicted, family: int | None, equivalence=None) -> str:
     if predicted == 0 and not disagree and not agree:
         widths = [c.difference.high - c.difference.low for c in cells]
         widest = max((w for w in widths if math.isfinite(w)), default=math.nan)
+        margins = sorted({round(t.margin, 4) for t in tests if t and t.margin > 0})
+        within = (
+            f"±{margins[0]:.4f}" if len(margins) == 1
+            else f"±{margins[0]:.4f} to ±{margins[-1]:.4f}" if margins
+            else "a margin"
+        )  # fmt: skip
         note = (
-            ": no cell differs, but none is shown inside its margin either "
-            f"(intervals up to {widest:.4f} wide)"
+            f": no cell is shown inside {within} bits/char, nor outside it "
+            f"(95% intervals up to {widest:.4f} wide)"
         )
     n = len(cells)
     corrected = (
@@ -496,6 +561,8 @@ def _summary(cells, predicted, family: int | None, equivalence=None) -> str:
         if family is None
         else f"Holm over the study's {family} primary contrasts"
     )
+    if equivalence:
+        corrected += f"; equivalence: Holm over these {n} cell{'s' * (n != 1)}"
     return f"**{word}**{note}; cells: {', '.join(parts)}, of {n} ({corrected})."
 
 

@@ -94,7 +94,12 @@ def _metric(summary: dict, name: str) -> float | None:
 
 def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> dict:
     """One ``runs.csv`` row of a planned run (``table.COLUMNS``); a run
-    restored from a committed table (:func:`restore_runs`) gives its row back."""
+    restored from a committed table (:func:`restore_runs`) gives its row back.
+
+    ``eval_every`` and ``step_tokens`` are the design's (no run overrides
+    the evaluation interval, the batch or the block); a restored row from a
+    table written before those columns existed gets them from the design,
+    and one whose values differ from the design's is refused."""
     cell, summary = planned.cell, run.summary or {}
     from_design = {
         "eval_every": design.shared.get("train.eval_every"),
@@ -102,8 +107,18 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
     }
     if RESTORED in summary:
         restored = _checked_restored(planned, run.name, summary[RESTORED])
+        differ = {
+            k: (restored[k], v)
+            for k, v in from_design.items()
+            if restored.get(k) is not None and restored[k] != v
+        }
+        if differ:
+            raise ValueError(
+                f"Run {run.name} was restored from a table of another design "
+                f"(column: (row, design)): {differ}."
+            )
         # A table written before a column existed: the design's value.
-        return {**restored, **{k: restored.get(k, v) for k, v in from_design.items()}}
+        return {**restored, **from_design}
     test = summary.get("test") or {}
     params = summary.get("num_params") or shapes.count_params(
         cell.vocab_size, cell.shape, design.arch

@@ -52,6 +52,8 @@ def row(role, vocab, amount, arm, seed, value):
         "test_bpc": value,
         "train_bpc": None if value is None else value - 0.5,
         "test_word_ppl": None if value is None else 2 ** (value * CHARS_PER_WORD),
+        "test_chars": None if value is None else round(1000 * CHARS_PER_WORD),
+        "test_words": None if value is None else 1000,
     }
 
 
@@ -250,11 +252,12 @@ def test_an_about_zero_claim_with_no_significant_cell_cannot_tell(rows):
     text = section(literature.literature_text(noisy), 3)
     (cell,) = literature.compare(noisy, "b", "a", "test_bpc")
     width = cell.difference.high - cell.difference.low
+    margin = math.log(114.5 / 112.4) / (math.log(2) * CHARS_PER_WORD)
     assert (
-        "**cannot tell**: no cell differs, but none is shown inside its margin "
-        f"either (intervals up to {width:.4f} wide); cells: agrees at 0, "
+        f"**cannot tell**: no cell is shown inside ±{margin:.4f} bits/char, nor "
+        f"outside it (95% intervals up to {width:.4f} wide); cells: agrees at 0, "
         "disagrees at 0, cannot tell at 1, of 1 (Holm over the study's 2 primary "
-        "contrasts)."
+        "contrasts; equivalence: Holm over these 1 cell)."
     ) in text
 
 
@@ -265,25 +268,28 @@ def test_about_zero_agrees_where_two_one_sided_tests_put_it_inside_the_margin():
     word, and the TOST p is scipy's larger one-sided p, Holm over the cells."""
     small = [0.0004, -0.0003, 0.0001, -0.0002]
     wide = [0.008, -0.006, 0.004, -0.004]
+    # Each cell's own characters per word (the median of its runs).
+    per_word = {"char": 5.5, "2048": 4.0}
     found = [
         row("test", vocab, 0.01, arm, s, 2.0 + 0.1 * s + (arm == "b") * d[s])
+        | {"test_chars": round(1000 * per_word[vocab])}
         for vocab, d in (("char", small), ("2048", wide))
         for arm in "ab"
         for s in SEEDS
     ]
-    margin = math.log(114.5 / 112.4) / (math.log(2) * CHARS_PER_WORD)
+    margins = [math.log(114.5 / 112.4) / (math.log(2) * per_word[v]) for v in per_word]
     raw = [
         max(
             scipy_stats.ttest_1samp(d, -margin, alternative="greater").pvalue,
             scipy_stats.ttest_1samp(d, margin, alternative="less").pvalue,
         )
-        for d in (small, wide)
+        for d, margin in zip((small, wide), margins)
     ]
     holm = [min(1.0, 2 * min(raw)), min(1.0, max(raw))]  # two tests, Holm by hand
     assert raw[0] < raw[1]
     text = section(literature.literature_text(found), 3)
     lines = table_rows(text, "vocabulary")
-    assert [r["margin (bits/char)"] for r in lines] == [f"±{margin:.4f}"] * 2
+    assert [r["margin (bits/char)"] for r in lines] == [f"±{m:.4f}" for m in margins]
     assert [r["TOST p"] for r in lines] == [f"{p:.3g}" for p in raw]
     assert [r["(Holm)"] for r in lines] == [f"{p:.3g}" for p in holm]
     assert holm[0] < 0.05 < holm[1]

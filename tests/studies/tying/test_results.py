@@ -206,6 +206,16 @@ def test_a_row_restored_before_a_design_column_existed_gets_the_designs(sweep):
     assert again["eval_every"] == design.shared["train.eval_every"]
     assert again["step_tokens"] == tiny.train.batch_size * tiny.data.block_size
     assert again == rows[2]
+    # A value of another design is refused, not kept or overwritten.
+    other = rows[2] | {"step_tokens": 2 * rows[2]["step_tokens"]}
+    try:
+        (workdir / "summary.json").write_text(
+            json.dumps(results.restored_summary(other))
+        )
+        with pytest.raises(ValueError, match="another design.*step_tokens"):
+            results.collect_rows(design, str(sweep_dir))
+    finally:
+        (workdir / "summary.json").write_text(kept)
 
 
 def test_a_restored_row_must_be_the_run_planned_under_its_name(sweep, tmp_path):

@@ -645,8 +645,8 @@ def fused_distillation_loss(
         ...                                  divergence="jsd", temperature=2.0)
         >>> print(f"{loss:.5f} {reference:.5f}")
         0.10795 0.10795
-        >>> dh, dw = jax.grad(lambda h, w: fused_distillation_loss(
-        ...     h, w, teacher, chunk_size=4)[0], argnums=(0, 1))(h, w)
+        >>> dh, dw = jax.jit(jax.grad(lambda h, w: fused_distillation_loss(
+        ...     h, w, teacher, chunk_size=4)[0], argnums=(0, 1)))(h, w)
         >>> dh.shape, dw.shape
         ((2, 3, 4), (10, 4))
 

@@ -285,9 +285,9 @@ def fused_cross_entropy(
         accuracy 0.5
         weight_sum 6.0
         invalid_labels 0.0
-        >>> dh, dw = jax.grad(lambda h, w: fused_cross_entropy(
+        >>> dh, dw = jax.jit(jax.grad(lambda h, w: fused_cross_entropy(
         ...     h, w, labels, chunk_size=4, vocab_chunk_size=3)[0],
-        ...     argnums=(0, 1))(h, w)
+        ...     argnums=(0, 1)))(h, w)
         >>> dh.shape, dw.shape
         ((2, 3, 4), (10, 4))
 

@@ -291,17 +291,23 @@ def equivalence_margin(
 
     Examples:
         >>> rows = [dict(role="test", status="finished", vocab="char", amount=1.0,
-        ...              test_chars=5500, test_words=1000)]
+        ...              arm=arm, seed=0, run=arm, table_lr_multiplier=None,
+        ...              test_chars=5500, test_words=1000) for arm in "ab"]
         >>> round(equivalence_margin(rows, "char", 1.0), 6)  # 0.018511 / (ln 2 * 5.5)
         0.004856
     """
+    return _margin(cells_lib.group_runs(rows, "test"), vocab, amount)
+
+
+def _margin(groups: Mapping[tuple, Mapping[int, Any]], vocab: str, amount: float):
+    """:func:`equivalence_margin` from the finished test runs grouped by
+    :func:`~lmhead.studies.tying.cells.group_runs`."""
     per_word = [
         r["test_chars"] / r["test_words"]
-        for r in rows
-        if (r["role"], r["status"], r["vocab"], r["amount"])
-        == ("test", "finished", vocab, amount)
-        and r.get("test_chars")
-        and r.get("test_words")
+        for (v, a, _), runs in groups.items()
+        if (v, a) == (vocab, amount)
+        for r in runs.values()
+        if r.get("test_chars") and r.get("test_words")
     ]
     if not per_word:
         return math.nan
@@ -331,12 +337,15 @@ def equivalence_tests(
         ...                                 dict.fromkeys(range(4), 0.0))
         ...     return cells_lib.Contrast(vocab, 1.0, "b", "a", "b − a", d, 1.0)
         >>> rows = [dict(role="test", status="finished", vocab=v, amount=1.0,
-        ...              test_chars=5500, test_words=1000) for v in ("x", "y")]
-        >>> small, wide = cell("x", [1e-4, -1e-4, 2e-4, 0.0]), cell("y", [0.01, -0.01, 0.02, 0.0])
+        ...              arm="a", seed=0, run=v, table_lr_multiplier=None,
+        ...              test_chars=5500, test_words=1000) for v in ("char", "512")]
+        >>> small = cell("char", [1e-4, -1e-4, 2e-4, 0.0])
+        >>> wide = cell("512", [0.01, -0.01, 0.02, 0.0])
         >>> [(round(t.margin, 4), t.holm_p < 0.05) for t in equivalence_tests(rows, [small, wide])]
         [(0.0049, True), (0.0049, False)]
     """
-    margins = [equivalence_margin(rows, c.vocab, c.amount) for c in cells]
+    groups = cells_lib.group_runs(rows, "test")
+    margins = [_margin(groups, c.vocab, c.amount) for c in cells]
     raw = [
         stats.equivalence_p_value(c.difference, m) if m > 0 else math.nan
         for c, m in zip(cells, margins)

@@ -43,7 +43,8 @@ refused while there is a checkpoint. A member already finished (its
 ``summary.json``) is left out of a program that has not started, so it is
 never trained again. A member whose loss or parameters stop being finite
 (``train.stop_on_nonfinite``) is frozen without a summary, and the others go
-on; ``train_ensemble`` returns ``None`` for it.
+on; ``train_ensemble`` returns ``None`` for it, and its ``failed.json``
+names the step, so that a rerun of the program does not train it again.
 
 Not supported in an ensemble: ``mesh.model > 1`` (the vocabulary split),
 several processes, and ``mesh.members > 1`` together with ``mesh.data > 1``.
@@ -87,6 +88,9 @@ from lmhead.lm import state as state_lib
 
 # In the program's workdir: its members, as train_ensemble was given them.
 ENSEMBLE_FILE = "ensemble.json"
+# In a member's workdir: the step at which a non-finite loss, gradient norm
+# or state stopped it (``train.stop_on_nonfinite``).
+FAILED_FILE = "failed.json"
 
 
 def over_members(fn, xs: Any, vmap_size: int) -> Any:
@@ -242,15 +246,21 @@ def train_ensemble(
     configuration.check_resumable(config, workdir)
     manager = checkpoints.checkpoint_manager(workdir)
     summaries = _finished_summaries(members)
-    if len(summaries) == len(members):
+    started = manager.latest_step() is not None
+    # A failed member is one of this program's only: a new program trains it.
+    failed = _failed_members(members) if started else set()
+    if len(summaries) + len(failed) == len(members):
         manager.close()
-        monitoring.log(f"Every member of {workdir} has finished.")
-        return [summaries[m.workdir] for m in members]
-    if manager.latest_step() is None:
+        monitoring.log(f"Every member of {workdir} has finished or failed.")
+        return [summaries.get(m.workdir) for m in members]
+    if not started:
         # Not started: the finished members are left out, never trained again.
         kept = [i for i, m in enumerate(members) if m.workdir not in summaries]
         program_members = [members[i] for i in kept]
         configs = [configs[i] for i in kept]
+        for member in program_members:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(member.workdir, FAILED_FILE))
     else:
         _check_same_members(workdir, members)
         program_members = members
@@ -266,6 +276,7 @@ def train_ensemble(
     program.finished = {
         i for i, m in enumerate(program_members) if m.workdir in summaries
     }
+    program.failed = {i for i, m in enumerate(program_members) if m.workdir in failed}
     try:
         state, best, timer = _restore_and_train(program)
         results = _finish(program, state, best, timer, wall_start)
@@ -303,6 +314,19 @@ def _finished_summaries(members) -> dict[str, dict]:
                 summaries[member.workdir] = json.load(f)
             monitoring.log(f"{member.workdir} has finished; it is not trained again.")
     return summaries
+
+
+def _failed_members(members) -> set[str]:
+    """The workdirs of the members that a non-finite value stopped."""
+    failed = set()
+    for member in members:
+        if os.path.exists(os.path.join(member.workdir, FAILED_FILE)):
+            failed.add(member.workdir)
+            monitoring.log(
+                f"{member.workdir} was stopped by a non-finite value "
+                f"({FAILED_FILE}); it is not trained again."
+            )
+    return failed
 
 
 def _members_record(members) -> list[dict]:
@@ -483,11 +507,16 @@ def _log_training(program, timer, pending, done, active, state) -> None:
     timer.step_done()
     seconds = timer.lap(len(pending))
     config = program.config
+    finite = _members_finite(pending, state) if config.train.stop_on_nonfinite else None
     losses = []
     for index in np.flatnonzero(active):
         own = [{k: v[index] for k, v in m.items()} for m in pending]
-        if config.train.stop_on_nonfinite and not _finite(own, state, index):
+        if finite is not None and not finite[index]:
             program.failed.add(int(index))
+            with open(
+                os.path.join(program.members[index].workdir, FAILED_FILE), "w"
+            ) as f:
+                json.dump(dict(step=done), f)
             monitoring.log(
                 f"member {index} ({program.members[index].workdir}): a non-finite "
                 f"loss, gradient norm or state by step {done}; it is stopped "
@@ -509,12 +538,26 @@ def _log_training(program, timer, pending, done, active, state) -> None:
     )
 
 
-def _finite(own_pending, state, index) -> bool:
-    values = [float(m[k]) for m in own_pending for k in ("loss", "grad_norm")]
-    if not np.all(np.isfinite(values)):
-        return False
-    member = jax.tree.map(lambda x: x[index], state)
-    return bool(checkpoints.all_finite(member))
+def _members_finite(pending, state) -> np.ndarray:
+    """``[M]`` bool: whether each member's logged losses and gradient norms
+    and every floating-point leaf of its state are finite (one compiled
+    reduction over the stacked state, not one per member and leaf)."""
+    logged = np.stack(
+        [np.asarray(m[k]) for m in pending for k in ("loss", "grad_norm")]
+    )
+    return np.isfinite(logged).all(axis=0) & np.asarray(_state_finite(state))
+
+
+@jax.jit
+def _state_finite(state) -> jax.Array:
+    """``[M]`` bool: every floating-point leaf of each member's state is finite."""
+    return jnp.stack(
+        [
+            jnp.isfinite(x).reshape(x.shape[0], -1).all(axis=1)
+            for x in jax.tree.leaves(state)
+            if jnp.issubdtype(x.dtype, jnp.inexact)
+        ]
+    ).all(axis=0)
 
 
 def _log_evaluation(program, done, active, state, best):
@@ -555,6 +598,8 @@ def _finish(
     steps_run = [int(s) for s in jax.device_get(state.step)]
     finals = _final_evaluations(program, state, steps_run)
     tests = _test_evaluations(program, state, best, steps_run)
+    # One transfer of the stacked states; each member's is a view of it.
+    state, best = jax.device_get((state, best))
     summaries = []
     for index, (member, member_config) in enumerate(
         zip(program.members, program.configs)

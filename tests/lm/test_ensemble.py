@@ -2,7 +2,7 @@
 single runs with their values, stop early on their own, resume exactly, and
 leave the files a single run leaves.
 
-One 4-member program of the shared short config (10 steps, an evaluation
+One 5-member program of the shared short config (10 steps, an evaluation
 every 2) serves most tests; the references are single runs of
 ``train.train_and_evaluate`` with a member's values.
 """
@@ -52,7 +52,13 @@ SPECS = [
         "optim.warmup_steps": 3,
         "train.patience": 2,
     },
+    # A rate that overflows float32 within the first steps: the member fails
+    # at the first log (step 2, the first evaluation's), without a summary,
+    # and the others go on.
+    {"train.seed": 4, "optim.lr": 1e30, "optim.min_lr": 0.0},
 ]
+FAILED = 4
+TRAINED = [i for i in range(len(SPECS)) if i != FAILED]
 PROGRAM = {"train.eval_every": 2, "data.split": "works", "train.test_eval": True}
 # float32 rounding over 10 steps: the members' steps are compiled as one
 # program, the single run's alone. Adam divides by the gradient's root mean
@@ -137,7 +143,8 @@ class TestMembersAreRuns:
         by_member = {}
         for seed, step, num_tokens in program["drawn"]:
             by_member.setdefault(seed, []).append((step, num_tokens))
-        for index, summary in enumerate(program["summaries"]):
+        for index in TRAINED:
+            summary = program["summaries"][index]
             seed = SPECS[index].get("train.seed", 0)
             steps = [s for s, _ in by_member[seed]]
             # Step 0 is drawn once more, to compile the step.
@@ -148,7 +155,7 @@ class TestMembersAreRuns:
             return {n for n in os.listdir(workdir) if not n.startswith("events.")}
 
         single = files(single_runs[2][0])
-        for index in range(len(SPECS)):
+        for index in TRAINED:
             own = files(member_dir(program, index))
             if "train.patience" not in SPECS[index]:
                 own.add("best_checkpoint")
@@ -159,9 +166,23 @@ class TestMembersAreRuns:
         with open(os.path.join(member_dir(program, 1), "config.json")) as f:
             config = json.load(f)
         assert config["optim"]["lr"] == 2e-3 and config["train"]["seed"] == 1
-        assert program["summaries"][1]["ensemble"]["members"] == 4
+        assert program["summaries"][1]["ensemble"]["members"] == len(SPECS)
         with open(os.path.join(program["workdir"], ensemble.ENSEMBLE_FILE)) as f:
-            assert len(json.load(f)["members"]) == 4
+            assert len(json.load(f)["members"]) == len(SPECS)
+
+
+def test_a_non_finite_member_fails_alone(program):
+    """The member whose rate overflows is stopped at its first log (step 2) with a
+    ``failed.json`` and no summary; the others finish (their equality with
+    single runs is checked above)."""
+    assert program["summaries"][FAILED] is None
+    workdir = member_dir(program, FAILED)
+    assert not os.path.exists(os.path.join(workdir, "summary.json"))
+    with open(os.path.join(workdir, ensemble.FAILED_FILE)) as f:
+        assert json.load(f) == {"step": 2}
+    # Its first log is where it failed: nothing of it is logged.
+    assert read_records(workdir, "train/loss") == {}
+    assert all(program["summaries"][i] is not None for i in TRAINED)
 
 
 class TestEarlyStopping:
@@ -195,7 +216,8 @@ class TestResume:
                 ensemble.train_ensemble(config, make_members(workdir), workdir)
         assert not os.path.exists(os.path.join(workdir, "m0", "summary.json"))
         resumed = ensemble.train_ensemble(config, make_members(workdir), workdir)
-        for index in range(len(SPECS)):
+        assert resumed[FAILED] is None
+        for index in TRAINED:
             jax.tree.map(
                 np.testing.assert_array_equal,
                 generation.load_run(os.path.join(workdir, f"m{index}"))[3],
@@ -206,6 +228,7 @@ class TestResume:
     def test_a_finished_program_is_not_trained_again(
         self, short_config, program, monkeypatch
     ):
+        # Finished members and the failed one: nothing is built or trained.
         monkeypatch.setattr(ensemble_program, "make_program", None)
         again = ensemble.train_ensemble(
             short_config(**PROGRAM),
@@ -217,7 +240,7 @@ class TestResume:
     def test_other_members_are_refused(self, short_config, program, tmp_path):
         workdir = str(tmp_path / "copy")
         shutil.copytree(program["workdir"], workdir)
-        for index in range(len(SPECS)):
+        for index in TRAINED:
             os.remove(os.path.join(workdir, f"m{index}", "summary.json"))
         members = make_members(workdir)[:3]
         with pytest.raises(ValueError, match="other members"):

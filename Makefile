@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint format compare study study-gpu clean constraints
+.PHONY: test lint format compare study study-edges study-gpu clean constraints
 
 STUDY := configs/sweeps/tying_study.py
 # Extra experiments/sweep.py flags for compare and study, e.g. on a 2-core CPU
@@ -47,6 +47,20 @@ study: $(STAMP)
 	    --study_csv=$(STUDY_CSV) --out=docs/tying_study/diagnostics
 	$(PY) experiments/tying_rate_noise.py --study_dir=runs/tying_study \
 	    --study_csv=$(STUDY_CSV) --out=docs/tying_study
+
+# A sensitivity check of the study's rates (configs/sweeps/tying_study.py:
+# edges): BPE 2048 and 8192 on all of the text, where every arm chose the top
+# of the rates it tried, with the ladder let run up to four rungs past the
+# grid instead of two. The runs the study has are restored from its runs.csv
+# (same names); the report goes to docs/tying_study/edges. Resumable.
+study-edges: $(STAMP)
+	$(PY) experiments/sweep.py --sweep=$(STUDY):edges,stage=tune \
+	    --workdir=runs/tying_edges --ensemble=$(ENSEMBLE) --noreport \
+	    --restore_from=$(STUDY_CSV) $(SWEEP_FLAGS)
+	$(PY) experiments/sweep.py --sweep=$(STUDY):edges --workdir=runs/tying_edges \
+	    --ensemble=$(ENSEMBLE) --noreport --restore_from=$(STUDY_CSV) $(SWEEP_FLAGS)
+	$(PY) experiments/report.py --workdir=runs/tying_edges \
+	    --out=docs/tying_study/edges
 
 # The same design on one GPU, every cell's runs in one ensemble (one vmap of
 # all members on a GPU), with the Python that has jax with CUDA (no .venv:

@@ -59,7 +59,11 @@ Budget, cuts and what the runs measured: ``docs/tying_study/README.md``.
 
 Arguments: an optional preset first (``full``, the default; ``small``,
 ``make compare``'s version: BPE 2048, 1% of the data, arms a, b and c, 8
-seeds, one learning rate, no tuning, 16 validation batches every 50 steps; ``tiny``, for tests), then
+seeds, one learning rate, no tuning, 16 validation batches every 50 steps;
+``edges``, ``make study-edges``'s sensitivity check: the full design's
+cells whose every arm chose the top of its ladder, BPE 2048 and 8192 on all
+of the text, arms a, b and c, with the ladder let run up to four rungs past
+the grid instead of two; ``tiny``, for tests), then
 comma-separated ``key=value`` (``+`` separates list items)::
 
     stage=test      tune | test (test lists the tuning runs too)
@@ -138,6 +142,18 @@ PRESETS = {
         secondary_bpe=(300,),
     ),
 }
+# Its runs that the full design has are the same runs (same names), so
+# ``make study-edges`` restores them from the study's runs.csv.
+PRESETS["edges"] = dict(
+    PRESETS["full"],
+    char=False,
+    bpe=(2048, 8192),
+    amounts=(1.0,),
+    arms=("a", "b", "c"),
+    extend=4,
+    ablation=False,
+    secondary_bpe=(),
+)
 # The model each preset's base config argument gives (configs/default.py).
 BASE_MODELS = {
     "nanogpt": (

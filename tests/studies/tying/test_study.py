@@ -217,6 +217,27 @@ def test_tuning_walks_the_ladder_past_an_end_while_the_best_is_there(tmp_path):
     }
 
 
+def test_the_edges_preset_is_the_full_designs_cells_with_a_longer_ladder():
+    """``make study-edges`` restores the full study's runs by name: its grid
+    must be exactly the full grid's runs of its cells."""
+    module = study_module()
+    edges = module.get_study("edges,stage=tune")
+    assert edges.extend_edges == 4 and module.get_study("stage=tune").extend_edges == 2
+    assert {(c.vocab, c.amount.fraction, c.arm) for c in edges.cells()} == {
+        (v, 1.0, arm) for v in (2048, 8192) for arm in "abc"
+    }
+    _, full, _ = sweeps.load_sweep(f"{STUDY}:stage=tune")
+    _, own, _ = sweeps.load_sweep(f"{STUDY}:edges,stage=tune")
+    want = [
+        o
+        for o in full
+        if o.get("data.vocab_size") in (2048, 8192) and o["data.train_fraction"] == 1
+    ]
+    assert len(own) == 2 * 3 * 3 * 2 and own == want
+    full_names = dict(zip(sweeps.run_names(full), map(str, full)))
+    assert [full_names[n] for n in sweeps.run_names(own)] == list(map(str, own))
+
+
 def test_presets_and_argument_errors():
     module = study_module()
     small = module.get_study("small")

@@ -52,13 +52,16 @@ study: $(STAMP)
 # edges): BPE 2048 and 8192 on all of the text, where every arm chose the top
 # of the rates it tried, with the ladder let run up to four rungs past the
 # grid instead of two. The runs the study has are restored from its runs.csv
-# (same names); the report goes to docs/tying_study/edges. Resumable.
+# (same names), and the check's own finished runs from its committed table
+# when there is one; the report goes to docs/tying_study/edges. Resumable.
+EDGES_CSV := docs/tying_study/edges/runs.csv
+EDGES_RESTORE := $(addprefix --restore_from=,$(STUDY_CSV) $(wildcard $(EDGES_CSV)))
 study-edges: $(STAMP)
 	$(PY) experiments/sweep.py --sweep=$(STUDY):edges,stage=tune \
 	    --workdir=runs/tying_edges --ensemble=$(ENSEMBLE) --noreport \
-	    --restore_from=$(STUDY_CSV) $(SWEEP_FLAGS)
+	    $(EDGES_RESTORE) $(SWEEP_FLAGS)
 	$(PY) experiments/sweep.py --sweep=$(STUDY):edges --workdir=runs/tying_edges \
-	    --ensemble=$(ENSEMBLE) --noreport --restore_from=$(STUDY_CSV) $(SWEEP_FLAGS)
+	    --ensemble=$(ENSEMBLE) --noreport $(EDGES_RESTORE) $(SWEEP_FLAGS)
 	$(PY) experiments/report.py --workdir=runs/tying_edges \
 	    --out=docs/tying_study/edges
 

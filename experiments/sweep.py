@@ -44,7 +44,9 @@ that many programs at a time::
 ``--restore_from=runs.csv`` first recreates the finished runs of a committed
 table that the sweep directory lacks (a sweep file's ``restore_runs``), so
 that a long sweep goes on from where its committed table stands on a machine
-that does not have its directory.
+that does not have its directory. The flag may be given more than once (the
+study's table and a sensitivity check's own, say); the tables are read in
+order, and a run that an earlier table restored is left as it is.
 """
 
 import os
@@ -91,13 +93,14 @@ _DRY_RUN = flags.DEFINE_bool(
     "Print the commands of the runs (or programs) still to do, one a line, and "
     "run nothing.",
 )
-_RESTORE_FROM = flags.DEFINE_string(
+_RESTORE_FROM = flags.DEFINE_multi_string(
     "restore_from",
-    None,
+    [],
     "A table of runs that the sweep file's report wrote (the tying study's "
     "docs/tying_study/runs.csv): its finished runs that --workdir lacks are "
     "recreated from their rows first, so that a sweep resumes on another "
-    "machine where its committed table stands.",
+    "machine where its committed table stands. Repeat the flag to restore "
+    "from several tables, in order.",
 )
 _REPORT = flags.DEFINE_bool(
     "report", True, "Write REPORT.md and the plots when the runs are done."
@@ -116,14 +119,9 @@ def main(argv):
         _SWEEP.value, _WORKDIR.value, _TRAIN_SCRIPT.value, ensemble=_ENSEMBLE.value
     )
     try:
-        if _RESTORE_FROM.value:
-            restored = sweeps.restore_runs(
-                _SWEEP.value, _RESTORE_FROM.value, _WORKDIR.value
-            )
-            print(
-                f"Restored {len(restored)} finished runs from {_RESTORE_FROM.value}.",
-                flush=True,
-            )
+        for table in _RESTORE_FROM.value:
+            restored = sweeps.restore_runs(_SWEEP.value, table, _WORKDIR.value)
+            print(f"Restored {len(restored)} finished runs from {table}.", flush=True)
         runs, jobs = sweep.plan_jobs()
         if _DRY_RUN.value:
             runner.print_commands(runs, jobs)

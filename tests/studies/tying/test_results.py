@@ -6,6 +6,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from lmhead.lab import ensembles, runner, sweeps
 from lmhead.lm import configuration
 from lmhead.studies.tying import analysis, results, shapes, study, table
 from tests import ROOT, run_experiment
-from tests.lab.sweep_helpers import SWEEP_CONFIGS
+from tests.lab.sweep_helpers import SWEEP_CONFIGS, SWEEP_SCRIPT
 
 STUDY = os.path.join(SWEEP_CONFIGS, "tying_study.py")
 ARG = "tiny,char=false,amounts=0.2,arms=a+b+c+e,ablation=false"
@@ -229,6 +231,32 @@ def test_a_restored_row_must_be_the_run_planned_under_its_name(sweep, tmp_path):
     assert "wall_seconds" not in summary  # an empty cell is no value
     with pytest.raises(ValueError, match=f"Run {re.escape(rows[3]['run'])} .*'lr'"):
         results.collect_rows(design, str(fresh))
+
+
+def test_the_sweep_command_restores_from_several_tables_in_order(sweep, tmp_path):
+    """``--restore_from`` twice (the study's table, then a check's own): the
+    runs of both are restored, a run in both keeps the first table's row, and
+    nothing is left to train."""
+    design, sweep_dir, _ = sweep
+    rows = results.collect_rows(design, str(sweep_dir))
+    tuning = [r for r in rows if r["role"] == "tune"]
+    test = [r for r in rows if r["role"] == "test"]
+    first, second = tmp_path / "first.csv", tmp_path / "second.csv"
+    table.write_rows(first, tuning)
+    table.write_rows(second, [tuning[0] | {"val_loss": 9.0}] + test)
+    fresh = tmp_path / "fresh"
+    result = subprocess.run(
+        [sys.executable, SWEEP_SCRIPT, f"--sweep={STUDY}:{ARG}",
+         f"--workdir={fresh}", f"--restore_from={first}",
+         f"--restore_from={second}", "--dry_run"],
+        cwd=ROOT, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        f"Restored {len(tuning)} finished runs from {first}.",
+        f"Restored {len(test)} finished runs from {second}.",
+    ]
+    assert results.collect_rows(design, str(fresh)) == rows
 
 
 def test_restoring_needs_a_table_and_a_sweep_file_that_can(tmp_path):

@@ -84,12 +84,13 @@ def _program(summary: dict) -> str | None:
     return None if program is None else os.path.basename(os.path.normpath(program))
 
 
-def _metric(summary: dict, name: str) -> float | None:
-    for record in ("best", "train_at_best", "heldout_at_best", "final"):
-        value = (summary.get(record) or {}).get(name)
-        if value is not None:
-            return value
-    return None
+def _at_best(summary: dict, record: str, name: str) -> float | None:
+    """``name`` of the summary's ``record`` (``best``, ``train_at_best`` or
+    ``heldout_at_best``: all at the best validation step), or None. A run
+    without the record has no value: one from another step (the summary's
+    ``final``) would pair the best step's validation with another step's
+    training numbers."""
+    return (summary.get(record) or {}).get(name)
 
 
 def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> dict:
@@ -123,8 +124,8 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
     params = summary.get("num_params") or shapes.count_params(
         cell.vocab_size, cell.shape, design.arch
     )
-    train = _metric(summary, "train_eval/bits_per_char")
-    heldout = _metric(summary, "heldout/bits_per_char")
+    train = _at_best(summary, "train_at_best", "train_eval/bits_per_char")
+    heldout = _at_best(summary, "heldout_at_best", "heldout/bits_per_char")
     tokens = _train_tokens(run.workdir)
     steps_run = summary.get("steps_run")
     return {
@@ -149,8 +150,8 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
         if steps_run is None
         else not summary.get("stopped_early", False) and steps_run >= cell.amount.steps,
         "train_bpc": train,
-        "val_bpc": _metric(summary, "eval/bits_per_char"),
-        "val_loss": _metric(summary, "eval/loss"),
+        "val_bpc": _at_best(summary, "best", "eval/bits_per_char"),
+        "val_loss": _at_best(summary, "best", "eval/loss"),
         "heldout_bpc": heldout,
         "gap_bpc": None if heldout is None or train is None else heldout - train,
         "test_bpc": test.get("bits_per_char"),

@@ -189,6 +189,26 @@ def test_a_fresh_sweep_directory_resumes_from_the_committed_table(sweep, tmp_pat
     assert sorted(run for p in reserved.values() for run in p) == sorted(restored)
 
 
+def test_a_run_without_its_best_steps_training_numbers_has_none(sweep):
+    """train_bpc and gap_bpc come from the best validation step's records
+    only; a summary without ``train_at_best`` leaves them empty rather than
+    reading its last step's (``final``)."""
+    design, sweep_dir, _ = sweep
+    rows = results.collect_rows(design, str(sweep_dir))
+    workdir = sweep_dir / rows[1]["run"]
+    kept = (workdir / "summary.json").read_text()
+    changed = json.loads(kept)
+    changed["final"] = changed.pop("train_at_best") | {"eval/loss": 0.5}
+    try:
+        (workdir / "summary.json").write_text(json.dumps(changed))
+        again = results.collect_rows(design, str(sweep_dir))[1]
+    finally:
+        (workdir / "summary.json").write_text(kept)
+    assert again["train_bpc"] is None and again["gap_bpc"] is None
+    assert again["val_loss"] == rows[1]["val_loss"] != 0.5
+    assert again == rows[1] | {"train_bpc": None, "gap_bpc": None}
+
+
 def test_a_row_restored_before_a_design_column_existed_gets_the_designs(sweep):
     """A run restored from an older table (its summary's row lacks
     eval_every and step_tokens) reads back with the design's values."""

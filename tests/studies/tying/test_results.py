@@ -297,7 +297,9 @@ def test_restoring_needs_a_table_and_a_sweep_file_that_can(tmp_path):
         results.restore_runs(str(tmp_path / "bad.csv"), str(tmp_path))
 
 
-@pytest.mark.parametrize("folder", ["docs/tying_study", "docs/compare"])
+@pytest.mark.parametrize(
+    "folder", ["docs/tying_study", "docs/tying_study/edges", "docs/compare"]
+)
 def test_the_committed_reports_are_what_their_csv_gives_today(folder, tmp_path):
     """A change to the report's code rewrites the committed reports with it:
     each committed REPORT.md is what ``report_from_csv`` gives from the

@@ -6,8 +6,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ from lmhead.lab import ensembles, runner, sweeps
 from lmhead.lm import configuration
 from lmhead.studies.tying import analysis, results, shapes, study, table
 from tests import ROOT, run_experiment
-from tests.lab.sweep_helpers import SWEEP_CONFIGS, SWEEP_SCRIPT
+from tests.lab.sweep_helpers import SWEEP_CONFIGS
 
 STUDY = os.path.join(SWEEP_CONFIGS, "tying_study.py")
 ARG = "tiny,char=false,amounts=0.2,arms=a+b+c+e,ablation=false"
@@ -265,12 +263,14 @@ def test_the_sweep_command_restores_from_several_tables_in_order(sweep, tmp_path
     table.write_rows(first, tuning)
     table.write_rows(second, [tuning[0] | {"val_loss": 9.0}] + test)
     fresh = tmp_path / "fresh"
-    result = subprocess.run(
-        [sys.executable, SWEEP_SCRIPT, f"--sweep={STUDY}:{ARG}",
-         f"--workdir={fresh}", f"--restore_from={first}",
-         f"--restore_from={second}", "--dry_run"],
-        cwd=ROOT, capture_output=True, text=True, check=False,
-    )  # fmt: skip
+    result = run_experiment(
+        "sweep.py",
+        f"--sweep={STUDY}:{ARG}",
+        f"--workdir={fresh}",
+        f"--restore_from={first}",
+        f"--restore_from={second}",
+        "--dry_run",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == [
         f"Restored {len(tuning)} finished runs from {first}.",

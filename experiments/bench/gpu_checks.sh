@@ -12,6 +12,10 @@
 # 2. ensemble_gpu: experiments/bench/bench_ensemble.py --gpu, member-steps/s
 #    of one vmap at 1, 16, 64 and 256 members against separate steps, and
 #    the most members that fit: what `make study-gpu` runs on.
+# 3. decode: experiments/bench/bench_decode.py at batch 32 (greedy at max_len
+#    256 and 1024, 200 new tokens), then the request options and streaming at
+#    chunk_steps 1, 4 and 16, each as a ratio to plain greedy in the same run:
+#    docs/decoding.md's targets.
 #
 # Run from the repository root. It needs jax (with CUDA), flax, optax, chex,
 # orbax-checkpoint, ml-collections, absl-py, tensorboardX and the corpus
@@ -27,9 +31,11 @@ python=${PYTHON:-python3}
 # QUICK: each benchmark's --quick sizes (the gemma2 preset has none: the
 # quick head run is the default shapes' --quick), to check that it all runs.
 head=(--preset=gemma2)
+decode=(--decoders=greedy --batch_sizes=32 --max_lens=256,1024 --new_tokens=200)
 quick=()
 if [ -n "${QUICK:-}" ]; then
     head=(--quick)
+    decode=(--quick --decoders=greedy)
     quick=(--quick)
 fi
 failures=0
@@ -54,7 +60,8 @@ check() {  # check NAME SECONDS COMMAND...
     "$python" -c 'import jax, sys; print(sys.version); print("jax", jax.__version__, jax.devices())'
 } 2>&1 | tee "$out/machine.txt"
 
-check head_gemma2 240 "$python" experiments/bench/bench_head.py "${head[@]}"
-check ensemble_gpu 240 "$python" experiments/bench/bench_ensemble.py --gpu "${quick[@]}"
-echo "== $failures of 2 failed; outputs in $out"
+check head_gemma2 200 "$python" experiments/bench/bench_head.py "${head[@]}"
+check ensemble_gpu 200 "$python" experiments/bench/bench_ensemble.py --gpu "${quick[@]}"
+check decode 130 "$python" experiments/bench/bench_decode.py "${decode[@]}"
+echo "== $failures of 3 failed; outputs in $out"
 exit "$failures"

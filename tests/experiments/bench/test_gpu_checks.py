@@ -23,9 +23,7 @@ def test_quick_checks_run_and_leave_their_outputs(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "== 0 of 3 failed" in done.stdout
     names = sorted(os.listdir(tmp_path))
-    assert names == [
-        "decode.txt", "ensemble_gpu.txt", "head_gemma2.txt", "machine.txt"
-    ]
+    assert names == ["decode.txt", "ensemble_gpu.txt", "head_gemma2.txt", "machine.txt"]
     assert "member-steps/s" in (tmp_path / "ensemble_gpu.txt").read_text()
     assert "| stream k=16 |" in (tmp_path / "decode.txt").read_text()
     assert "jax" in (tmp_path / "machine.txt").read_text()

@@ -50,12 +50,15 @@ study: $(STAMP)
 
 # A sensitivity check of the study's rates (configs/sweeps/tying_study.py:
 # edges): BPE 2048 and 8192 on all of the text, where every arm chose the top
-# of the rates it tried, with the ladder let run up to four rungs past the
-# grid instead of two. The runs the study has are restored from its runs.csv
-# (same names), and the check's own finished runs from its committed table
-# when there is one; the report goes to docs/tying_study/edges. Resumable.
-EDGES_CSV := docs/tying_study/edges/runs.csv
-EDGES_RESTORE := $(addprefix --restore_from=,$(STUDY_CSV) $(wildcard $(EDGES_CSV)))
+# of the rates it tried, with the ladder let run up to eight rungs past the
+# grid instead of two (four at first: docs/tying_study/README.md says why).
+# The runs the study has are restored from its runs.csv (same names), and the
+# check's own finished runs from its committed tables: runs.csv, the finished
+# check's, and pending.csv, the runs of a longer ladder still under way (its
+# rows, as report.py writes them, until the check finishes); the report goes
+# to docs/tying_study/edges. Resumable.
+EDGES_CSVS := docs/tying_study/edges/runs.csv docs/tying_study/edges/pending.csv
+EDGES_RESTORE := $(addprefix --restore_from=,$(STUDY_CSV) $(wildcard $(EDGES_CSVS)))
 study-edges: $(STAMP)
 	$(PY) experiments/sweep.py --sweep=$(STUDY):edges,stage=tune \
 	    --workdir=runs/tying_edges --ensemble=$(ENSEMBLE) --noreport \

@@ -62,7 +62,7 @@ Arguments: an optional preset first (``full``, the default; ``small``,
 seeds, one learning rate, no tuning, 16 validation batches every 50 steps;
 ``edges``, ``make study-edges``'s sensitivity check: the full design's
 cells whose every arm chose the top of its ladder, BPE 2048 and 8192 on all
-of the text, arms a, b and c, with the ladder let run up to four rungs past
+of the text, arms a, b and c, with the ladder let run up to eight rungs past
 the grid instead of two; ``tiny``, for tests), then
 comma-separated ``key=value`` (``+`` separates list items)::
 
@@ -150,7 +150,7 @@ PRESETS["edges"] = dict(
     bpe=(2048, 8192),
     amounts=(1.0,),
     arms=("a", "b", "c"),
-    extend=4,
+    extend=8,
     ablation=False,
     secondary_bpe=(),
 )

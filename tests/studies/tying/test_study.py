@@ -222,7 +222,7 @@ def test_the_edges_preset_is_the_full_designs_cells_with_a_longer_ladder():
     must be exactly the full grid's runs of its cells."""
     module = study_module()
     edges = module.get_study("edges,stage=tune")
-    assert edges.extend_edges == 4 and module.get_study("stage=tune").extend_edges == 2
+    assert edges.extend_edges == 8 and module.get_study("stage=tune").extend_edges == 2
     assert {(c.vocab, c.amount.fraction, c.arm) for c in edges.cells()} == {
         (v, 1.0, arm) for v in (2048, 8192) for arm in "abc"
     }

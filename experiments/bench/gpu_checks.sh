@@ -39,12 +39,14 @@ if [ -n "${QUICK:-}" ]; then
     quick=(--quick)
 fi
 failures=0
+checks=0
 
 check() {  # check NAME SECONDS COMMAND...
     local name=$1 seconds=$2
     shift 2
     echo "== $name (at most ${seconds} s): $*"
     local start=$SECONDS
+    checks=$((checks + 1))
     timeout "$seconds" "$@" >"$out/$name.txt" 2>&1
     local status=$?
     tail -n 40 "$out/$name.txt"
@@ -63,5 +65,5 @@ check() {  # check NAME SECONDS COMMAND...
 check head_gemma2 200 "$python" experiments/bench/bench_head.py "${head[@]}"
 check ensemble_gpu 200 "$python" experiments/bench/bench_ensemble.py --gpu "${quick[@]}"
 check decode 130 "$python" experiments/bench/bench_decode.py "${decode[@]}"
-echo "== $failures of 3 failed; outputs in $out"
+echo "== $failures of $checks failed; outputs in $out"
 exit "$failures"

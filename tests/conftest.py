@@ -11,9 +11,20 @@ import tempfile
 # compiles each program once and later builds load it. The cache holds
 # compiled code only: tracing, lowering and every result stay what they were.
 # Set before jax is imported, so that subprocesses inherit it too.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="lmhead-xla-")
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+# Each pytest-xdist worker gets a folder of its own under the session's: JAX
+# writes a cache entry in place, so a worker could read another's half-written
+# entry ("incomplete or truncated stream"). A worker's command tests run one
+# subprocess at a time while it waits, so they share its folder safely.
+if "LMHEAD_TEST_XLA_CACHE" not in os.environ:
+    os.environ["LMHEAD_TEST_XLA_CACHE"] = os.environ.get(
+        "JAX_COMPILATION_CACHE_DIR"
+    ) or tempfile.mkdtemp(prefix="lmhead-xla-")
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        atexit.register(shutil.rmtree, os.environ["LMHEAD_TEST_XLA_CACHE"], True)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
+    os.environ["LMHEAD_TEST_XLA_CACHE"],
+    os.environ.get("PYTEST_XDIST_WORKER", "main"),
+)
 # Every program, however quickly it compiles: the tests' programs are small.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The tests' programs are tiny, so LLVM's optimizations take most of their

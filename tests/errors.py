@@ -33,3 +33,40 @@ def assert_raises_with(call, error, fragment: str) -> None:
     with pytest.raises(error) as raised:
         call()
     assert fragment in str(raised.value), (fragment, str(raised.value))
+
+
+def cases(table) -> list:
+    """pytest parameters of a table whose rows are ``(id, *arguments)``."""
+    return [pytest.param(*row[1:], id=row[0]) for row in table]
+
+
+def bad_input_test(table):
+    """The test of a table of bad inputs, rows ``(id, call, error, named)``:
+    each ``call()`` raises exactly ``error`` naming ``named``.
+
+    A test module binds it to a ``test_`` name, e.g.
+    ``test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)``.
+    """
+
+    @pytest.mark.parametrize("call,error,named", cases(table))
+    def test(call, error, named):
+        assert_raises_exactly(call, error, named)
+
+    return test
+
+
+def rules_test(table, rtol: float = 1e-6):
+    """The test of a table of documented rules for values that cannot be
+    checked under jit, rows ``(id, fn, args, expected)``: ``fn(*args)``,
+    eager and compiled, has no NaN and equals ``expected``."""
+    import jax
+    import numpy as np
+
+    @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+    @pytest.mark.parametrize("fn,args,expected", cases(table))
+    def test(fn, args, expected, jit):
+        got = np.asarray((jax.jit(fn) if jit else fn)(*args))
+        assert not np.any(np.isnan(got)), got
+        np.testing.assert_allclose(got, expected, rtol=rtol)
+
+    return test

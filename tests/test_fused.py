@@ -20,7 +20,7 @@ from jax.test_util import check_grads
 
 from lmhead import fused, head, losses
 from tests import loss_scalars, references
-from tests.errors import assert_raises_exactly
+from tests.errors import bad_input_test, rules_test
 
 B, T, D, V = 3, 7, 8, 37
 RAGGED = {"chunk_size": 5}
@@ -565,11 +565,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
-)
-def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
-    assert_raises_exactly(call, error, named)
+test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)
 
 
 RULES = [
@@ -582,11 +578,4 @@ RULES = [
 ]
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize(
-    "fn,args,expected", [pytest.param(*case[1:], id=case[0]) for case in RULES]
-)
-def test_documented_rules(fn, args, expected, jit):
-    got = np.asarray((jax.jit(fn) if jit else fn)(*args))
-    assert not np.any(np.isnan(got)), got
-    np.testing.assert_allclose(got, expected, rtol=1e-6)
+test_documented_rules = rules_test(RULES)

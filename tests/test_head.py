@@ -8,12 +8,11 @@ import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from hypothesis import strategies as st
 
 from lmhead import head
 from tests import references
-from tests.errors import assert_raises_exactly
+from tests.errors import bad_input_test, rules_test
 
 SETTINGS = hypothesis.settings(max_examples=25, deadline=None)
 
@@ -440,11 +439,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
-)
-def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
-    assert_raises_exactly(call, error, named)
+test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)
 
 
 RULES = [
@@ -472,11 +467,4 @@ RULES = [
 ]
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize(
-    "fn,args,expected", [pytest.param(*case[1:], id=case[0]) for case in RULES]
-)
-def test_documented_rules(fn, args, expected, jit):
-    got = np.asarray((jax.jit(fn) if jit else fn)(*args))
-    assert not np.any(np.isnan(got)), got
-    np.testing.assert_allclose(got, expected, rtol=1e-6)
+test_documented_rules = rules_test(RULES)

@@ -7,11 +7,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from lmhead import losses, modules, vocab_parallel
 from tests import loss_scalars, references
-from tests.errors import assert_raises_exactly
+from tests.errors import bad_input_test
 
 V, D = 11, 6
 
@@ -359,8 +358,4 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
-)
-def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
-    assert_raises_exactly(call, error, named)
+test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)

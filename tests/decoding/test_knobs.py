@@ -7,7 +7,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from lmhead import decoding
 from lmhead.decoding import knobs as knobs_lib
@@ -18,7 +17,7 @@ from tests.decoding.references import (
     np_counts,
     np_openai_penalties,
 )
-from tests.errors import assert_raises_exactly
+from tests.errors import assert_raises_exactly, bad_input_test
 
 CHAIN = MarkovChain(21, vocab_size=6, batch=3)
 SETTINGS = dict(
@@ -490,8 +489,4 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
-)
-def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
-    assert_raises_exactly(call, error, named)
+test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)

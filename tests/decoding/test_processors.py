@@ -19,7 +19,7 @@ from tests.decoding.references import (
     np_top_k_mask,
     np_top_p_mask,
 )
-from tests.errors import assert_raises_exactly, assert_raises_with
+from tests.errors import assert_raises_with, bad_input_test
 from tests.references import log_softmax as np_log_softmax
 
 
@@ -606,8 +606,4 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
-)
-def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
-    assert_raises_exactly(call, error, named)
+test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)

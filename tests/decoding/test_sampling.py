@@ -20,7 +20,7 @@ from tests.decoding.references import (
     np_sampling_probs,
     uniform_markov,
 )
-from tests.errors import assert_raises_exactly, assert_raises_with
+from tests.errors import assert_raises_with, bad_input_test
 
 
 def assert_greedy_matches_numpy(chain, outputs, **settings):
@@ -477,11 +477,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
-)
-def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
-    assert_raises_exactly(call, error, named)
+test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)
 
 
 def test_generate_on_nonfinite_logits_ends_the_row_and_flags_it():

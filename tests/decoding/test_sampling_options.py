@@ -7,11 +7,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from lmhead import decoding
 from tests.decoding.references import MarkovChain, markov_step
-from tests.errors import assert_raises_exactly
+from tests.errors import bad_input_test
 from tests.references import log_softmax as np_log_softmax
 
 
@@ -245,8 +244,4 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
-)
-def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
-    assert_raises_exactly(call, error, named)
+test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)

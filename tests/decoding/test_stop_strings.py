@@ -9,7 +9,7 @@ import pytest
 
 from lmhead import decoding
 from lmhead.decoding.stop_strings import StopStrings, token_bytes_from_decode
-from tests.errors import assert_raises_exactly
+from tests.errors import assert_raises_exactly, bad_input_test
 
 # Tokens chosen so that stop strings split across 2 and 3 tokens, end inside
 # a token, and hold a two-byte character split across tokens ("é" = c3 a9).
@@ -202,11 +202,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
-)
-def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
-    assert_raises_exactly(call, error, named)
+test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)
 
 
 def test_exported():

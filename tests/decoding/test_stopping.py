@@ -7,11 +7,10 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from lmhead import decoding
 from tests.decoding.references import MarkovChain, generate_greedy
-from tests.errors import assert_raises_exactly
+from tests.errors import bad_input_test
 
 
 def python_greedy(chain, row, width, *, eos=(), stops=(), limit=None, pad=0):
@@ -233,8 +232,4 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
-)
-def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
-    assert_raises_exactly(call, error, named)
+test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)

@@ -6,7 +6,7 @@ import pytest
 
 from lmhead import decoding
 from lmhead.lm import data
-from tests.errors import assert_raises_exactly, assert_raises_with
+from tests.errors import assert_raises_with, bad_input_test
 
 
 class Letters:
@@ -151,8 +151,4 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
-)
-def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
-    assert_raises_exactly(call, error, named)
+test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)

@@ -21,7 +21,7 @@ from lmhead.lm import kv_cache
 from lmhead.lm import model as model_lib
 from lmhead.lm.model import DecoderLM
 from tests import references
-from tests.errors import assert_raises_exactly
+from tests.errors import bad_input_test
 from tests.lm.tiny_decoder import (
     HEADS,
     LAYERS,
@@ -409,11 +409,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "call,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS]
-)
-def test_bad_input_raises_exactly_and_names_the_argument(call, error, named):
-    assert_raises_exactly(call, error, named)
+test_bad_input_raises_exactly_and_names_the_argument = bad_input_test(BAD_INPUTS)
 
 
 def test_bad_tokens_and_prompts_are_refused():

@@ -36,6 +36,8 @@ CONTRAST_NAMES = {
     "c − a": "untying it at the tied model's parameter count",
 }
 FINISHED = "finished"
+# The level at which a (Holm-adjusted) p-value counts as a difference found.
+ALPHA = 0.05
 
 
 def vocab_order(vocab: str) -> tuple:

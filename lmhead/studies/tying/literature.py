@@ -1,21 +1,25 @@
-"""The tying study against published results: the published numbers as data
-(:data:`PTB_PAIRS`, :data:`CLAIMS`, each with its source, setting and metric,
-checked as ``docs/tying_study/literature_sources.md`` records), and
+"""The tying study against published results: the published numbers, read
+from ``literature.toml`` beside this module (:data:`PTB_PAIRS`,
+:data:`CLAIMS`, each with its source, setting and metric, as
+``docs/tying_study/literature_sources.md`` records them), and
 :func:`literature_text`, the report's section "Against published results"
 from ``runs.csv``'s rows alone: per claim, paired differences of two arms
 per cell (:func:`compare`) and a verdict per cell (:func:`verdict`).
 """
 
 import dataclasses
+import importlib.resources
 import math
 import statistics
+import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from lmhead.lab import report, stats
 from lmhead.studies.tying import cells as cells_lib
+from lmhead.studies.tying.cells import ALPHA
 
-ALPHA = 0.05
+DATA_FILE = "literature.toml"
 ARMS = (
     "a tied; b untied, a's shape; c untied, narrower to a's parameter count; d "
     "tied plus whole blocks to b's count; e b's shape, tied until 2/3 of arm a's median best step in the cell, then "
@@ -32,7 +36,8 @@ PER_WORD = (
 @dataclasses.dataclass(frozen=True)
 class PerplexityPair:
     """One published pair of per-word perplexities on PTB, untied and tied:
-    test (``untied``, ``tied``) and training (None: not reported)."""
+    test (``untied``, ``tied``) and training (None: not reported), with
+    ``train_note`` naming the model where training numbers are quoted."""
 
     source: str
     model: str
@@ -41,6 +46,7 @@ class PerplexityPair:
     tied: float
     train_untied: float | None = None
     train_tied: float | None = None
+    train_note: str | None = None
 
     @property
     def change(self) -> float:
@@ -51,31 +57,6 @@ class PerplexityPair:
             -0.05
         """
         return self.tied / self.untied - 1
-
-
-_PW, _INAN = "Press & Wolf 2017", "Inan et al. 2017"
-_PW6 = "arXiv:1608.05859 (EACL 2017), Table 6 (Small model vs Small + WT)"
-_PW5 = "arXiv:1608.05859 (EACL 2017), Table 5 (Large vs Large + Weight Tying)"
-_IN1 = "arXiv:1611.01462 (ICLR 2017), Table 1 (VD-LSTM vs VD-LSTM+RE)"
-# PTB, 10k words. Press & Wolf's untied rows are Zaremba et al.'s (2014)
-# published models, which their tied runs modify.
-PTB_PAIRS = (
-    PerplexityPair(
-        _PW, "2x200, no dropout, 4.65M->2.65M", _PW6, 114.5, 112.4, 38.0, 36.4
-    ),
-    PerplexityPair(_PW, "2x1500, dropout, 66M->51M", _PW5, 78.4, 74.3, 37.8, 48.5),
-    PerplexityPair(_INAN, "2x200, variational dropout", _IN1, 87.3, 85.1),
-    PerplexityPair(_INAN, "2x650, variational dropout", _IN1, 77.7, 73.9),
-    PerplexityPair(_INAN, "2x1500, variational dropout", _IN1, 72.6, 69.0),
-)
-
-
-# "About zero" is shown only by an equivalence test against a margin: the
-# smallest change that the tying studies above publish as tying's effect,
-# |ln(tied / untied)| of per-word perplexity, on each cell's bits/char scale
-# (:func:`equivalence_margin`).
-EQUIVALENCE_PAIR = min(PTB_PAIRS, key=lambda p: abs(math.log(p.tied / p.untied)))
-EQUIVALENCE_LOG_PPL = abs(math.log(EQUIVALENCE_PAIR.tied / EQUIVALENCE_PAIR.untied))
 
 
 class Contrast(NamedTuple):
@@ -101,95 +82,67 @@ class Claim(NamedTuple):
     not_comparable: str | None = None
 
 
-_MODDED = "github.com/KellerJordan/modded-nanogpt (read at f411b3d3)"
-_MODDED_SETTING = (
-    "the NanoGPT speedrun: 124M active parameters, FineWeb, GPT-2 tokenizer, "
-    "8xH100, judged by time and steps to 3.28 validation loss (nats/token)"
-)
-_PTB = "2-layer LSTMs on PTB (about 0.93M training words); " + PER_WORD
-_SMALL, _LARGE = PTB_PAIRS[:2]
-CLAIMS = (
-    Claim(
-        "Tying lowers per-word test perplexity (Press & Wolf 2017; Inan et al. 2017)",
-        "per-word test perplexity on PTB, untied -> tied: "
-        + "; ".join(
+def _ptb_text(pairs: Sequence[PerplexityPair], ptb: str) -> tuple[str, str]:
+    """A PTB claim's published numbers and source, from its ``pairs``: the
+    test perplexities (``ptb="test"``) or the training ones (``"train"``)."""
+    if ptb == "test":
+        published = "per-word test perplexity on PTB, untied -> tied: " + "; ".join(
             f"{p.source} {p.model}: {p.untied} -> {p.tied} ({p.change:+.1%})"
-            for p in PTB_PAIRS
-        ),
-        "; ".join(dict.fromkeys(p.where for p in PTB_PAIRS)),
-        _PTB,
-        (Contrast("b", "a", "test_bpc", +1),),
-    ),
-    Claim(
-        "Without dropout, tying lowered training perplexity too (Press & Wolf 2017)",
-        f"training perplexity untied -> tied: {_SMALL.train_untied} -> "
-        f"{_SMALL.train_tied} (small, no dropout); {_LARGE.train_untied} -> "
-        f"{_LARGE.train_tied} (large, dropout: the regularizer reading's source)",
-        f"{_PW6}; {_PW5}",
-        "2-layer LSTMs on PTB, training perplexity per word of the trained "
-        "model; this study's models have no dropout either, and its training "
-        "bits/char are on training windows at each run's tested step (its best "
-        "validation step), so an arm that stops earlier is measured earlier in "
-        "its training",
-        (Contrast("a", "b", "train_bpc", -1),),
-    ),
-    Claim(
-        "Decoupling at the same embedding size is about neutral (Chung et al. 2021)",
-        "E_in = E_out = 768: coupled, 177M pre-training parameters, XTREME average "
-        "62.3; decoupled, 269M, 62.7 ('does not greatly affect the performance'); "
-        "masked-LM accuracy 61.1 -> 61.6",
-        "arXiv:2010.12821 (ICLR 2021), §4 and Table 2; Table 8",
-        "an mBERT-shaped masked-LM encoder judged after fine-tuning, the output "
-        "embedding discarded; the same shape decoupled: b - a here, not c - a",
-        (Contrast("b", "a", "test_bpc", 0),),
-    ),
-    Claim(
-        "Decoupled, the input embedding reinvested in depth, is better (Chung et al.)",
-        "E_in = 128, E_out = 768 and 23 layers for 12: 178M fine-tuning "
-        "parameters against the coupled baseline's 177M, XTREME average 66.2 "
-        "against 62.3 (+3.9); reinvested in width (H = 1024, 168M): 64.5",
-        "arXiv:2010.12821 (ICLR 2021), §5 and Table 6",
-        "as above; the equal count is of fine-tuning parameters, without the "
-        "output embedding (270M in pre-training)",
-        (Contrast("c", "a", "test_bpc", +1),),
-        "no arm is its counterpart: a causal LM keeps its head, and c pays for it "
-        "by narrowing the body, not by moving input parameters into it",
-    ),
-    Claim(
-        "Sharing costs a little; depth bought with the saving restores it (MobileLLM)",
-        "30 layers, 125M parameters: sharing saves 16M (11.8%) for 'a 0.2 "
-        "points drop in average accuracy', 'readily restored by reallocating "
-        "the saved parameters to add more layers'",
-        "arXiv:2402.14905 (ICML 2024), §2.2.3, as quoted; its ablation table "
-        "was not reached, so no number of the deeper model is cited",
-        "a 32k-vocabulary decoder judged by zero-shot reasoning accuracy",
-        tuple(Contrast(x, y, "test_bpc", -1) for x, y in ("ba", "da", "db")),
-    ),
-    Claim(
-        "Re-tying the head set a speedrun record (modded-nanogpt PR 175)",
-        "record 51, re-tied with retuned FP8 scales: 2035 steps, mean validation "
-        "loss 3.2776 (9 runs), 123.93 s; the scales untied on the previous 2090-"
-        "step schedule: 3.2755 (5 runs). Tying reached the target 55 steps sooner",
-        _MODDED + ": records/track_1_short/2025-12-19_RetieLMHead/README.md, "
-        "train_gpt.py at d8377c77 (PR 175) and 49465ccd (PR 172)",
-        _MODDED_SETTING,
-        (Contrast("b", "a", "test_bpc", +1),),
-        "a record judged by time to a target, the FP8 scales changed with it, "
-        "and no comparison at equal steps published",
-    ),
-    Claim(
-        "Untying at two thirds of training set the next record (modded-nanogpt PR 178)",
-        "record 53: tied until step 1254 of 1920 (2/3 of 1880 scheduled), then the "
-        "embedding starts as a copy of the head, Adam moments too, and trains apart; "
-        "mean validation loss 3.2787 (14 runs), 119.76 s (README table: 1.988 min)",
-        _MODDED + ": records/track_1_short/2025-12-22_MultiTokenPrediction/"
-        "README.md and train_gpt.py at 9060ff47 (PR 178)",
-        _MODDED_SETTING,
-        tuple(Contrast("e", y, "test_bpc", -1) for y in "ab"),
-        "multi-token prediction and other changes came in the same record, and "
-        "no ablation of the untying alone is published: e is measured here first",
-    ),
+            for p in pairs
+        )
+    elif ptb == "train":
+        pairs = [p for p in pairs if p.train_untied is not None]
+        published = "training perplexity untied -> tied: " + "; ".join(
+            f"{p.train_untied} -> {p.train_tied} ({p.train_note})" for p in pairs
+        )
+    else:
+        raise ValueError(f"{DATA_FILE}: ptb must be 'test' or 'train', got {ptb!r}.")
+    return published, "; ".join(dict.fromkeys(p.where for p in pairs))
+
+
+def load(text: str) -> tuple[tuple[PerplexityPair, ...], tuple[Claim, ...]]:
+    """The PTB pairs and the claims of a ``literature.toml`` text.
+
+    Examples:
+        >>> pairs, claims = load('''
+        ... [[ptb_pairs]]
+        ... source = "S"
+        ... model = "m"
+        ... where = "Table 1"
+        ... untied = 100.0
+        ... tied = 95.0
+        ... [[claims]]
+        ... title = "T"
+        ... ptb = "test"
+        ... setting = "PTB; {per_word}"
+        ... contrasts = [["b", "a", "test_bpc", 1]]
+        ... ''')
+        >>> claims[0].published, claims[0].source, claims[0].contrasts
+        ('per-word test perplexity on PTB, untied -> tied: S m: 100.0 -> 95.0 (-5.0%)', 'Table 1', (Contrast(x='b', y='a', column='test_bpc', predicted=1),))
+    """
+    data = tomllib.loads(text)
+    pairs = tuple(PerplexityPair(**pair) for pair in data["ptb_pairs"])
+    claims = []
+    for claim in data["claims"]:
+        claim = dict(claim)
+        if "ptb" in claim:
+            claim["published"], claim["source"] = _ptb_text(pairs, claim.pop("ptb"))
+        claim["setting"] = claim["setting"].format(per_word=PER_WORD)
+        claim["contrasts"] = tuple(Contrast(*c) for c in claim["contrasts"])
+        claims.append(Claim(**claim))
+    return pairs, tuple(claims)
+
+
+PTB_PAIRS, CLAIMS = load(
+    importlib.resources.files(__package__).joinpath(DATA_FILE).read_text("utf-8")
 )
+
+# "About zero" is shown only by an equivalence test against a margin: the
+# smallest change that the tying studies above publish as tying's effect,
+# |ln(tied / untied)| of per-word perplexity, on each cell's bits/char scale
+# (:func:`equivalence_margin`).
+EQUIVALENCE_PAIR = min(PTB_PAIRS, key=lambda p: abs(math.log(p.tied / p.untied)))
+EQUIVALENCE_LOG_PPL = abs(math.log(EQUIVALENCE_PAIR.tied / EQUIVALENCE_PAIR.untied))
 
 
 def compare(

@@ -1,9 +1,11 @@
 """Tests for lmhead/studies/tying/literature.py: synthetic runs.csv rows with
 known paired differences (three cells, four seeds) read back as the section
 "Against published results", checked against numpy and scipy computed here;
-and the published data's internal consistency."""
+and the published data (literature.toml) read and internally consistent."""
 
+import importlib.resources
 import math
+import tomllib
 
 import numpy as np
 import pytest
@@ -348,3 +350,22 @@ def test_published_claims_are_consistent():
     assert f"{2050 + 40}-step" in retie.published
     assert f"{(2050 + 40) - (1995 + 40)} steps sooner" in retie.published
     assert f"step {math.ceil(2 / 3 * 1880)} of {1880 + 40}" in untie.published
+
+
+def test_the_data_file_is_read_as_published():
+    """The claims come from literature.toml: a PTB claim's numbers and
+    source from the pairs, every other claim's text as the file has it."""
+    text = (
+        importlib.resources.files("lmhead.studies.tying")
+        .joinpath(literature.DATA_FILE)
+        .read_text("utf-8")
+    )
+    assert literature.load(text) == (literature.PTB_PAIRS, literature.CLAIMS)
+    data = tomllib.loads(text)
+    for claim, found in zip(data["claims"], literature.CLAIMS):
+        for key in ("published", "source", "not_comparable"):
+            assert claim.get(key, getattr(found, key)) == getattr(found, key)
+    assert literature.CLAIMS[0].setting.endswith(literature.PER_WORD)
+    bad = text.replace('ptb = "train"', 'ptb = "validation"')
+    with pytest.raises(ValueError, match="ptb must be 'test' or 'train'"):
+        literature.load(bad)

@@ -51,7 +51,7 @@ Design (``lmhead/studies/tying/shapes.py`` solves the matched shapes):
 * Ablation: ``optim.table_lr_multiplier`` 3 and 10 for arms a and b at BPE
   2048 and 3% of the data (multiplier 1 is the cell's test runs).
 
-The primary contrasts (``study.PRIMARY_CONTRASTS``: b - a and c - a in every
+The primary contrasts (``cells.PRIMARY``: b - a and c - a in every
 cell) are fixed here, before the runs; the report adjusts their p-values
 with Holm's method over that family.
 

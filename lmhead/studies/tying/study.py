@@ -48,10 +48,6 @@ SUBSET_OFFSETS = (0.0, 0.5)
 UNTIE_FRACTION = 2 / 3
 # The arms whose learning rates are tuned; the others take arm a's.
 TUNED_ARMS = ("a", "b", "c")
-# The primary contrasts, named before the runs: (arm, minus arm).
-PRIMARY_CONTRASTS = (("b", "a"), ("c", "a"))
-# Secondary contrasts, reported unadjusted as exploratory.
-SECONDARY_CONTRASTS = (("d", "a"), ("e", "a"), ("e", "b"))
 
 
 def ladder_rate(index: int) -> float:

@@ -1,4 +1,5 @@
-"""Tests for lmhead/studies/tying/analysis.py (and cells.py, contrast_plots.py):
+"""Tests for lmhead/studies/tying/analysis.py and its sections (answer.py,
+design_text.py, tuning_text.py, report_text.py; and cells.py, contrast_plots.py):
 the report of synthetic runs.csv rows with known effects, every number
 checked against numpy/scipy (and statsmodels where installed) on the rows
 themselves; Holm's adjustment by hand; the report regenerated from a CSV
@@ -11,7 +12,14 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from lmhead.studies.tying import analysis, cells, table
+from lmhead.studies.tying import (
+    analysis,
+    answer,
+    cells,
+    design_text,
+    table,
+    tuning_text,
+)
 from tests.studies.tying import synthetic_rows
 from tests.studies.tying.synthetic_rows import select
 
@@ -187,13 +195,13 @@ class TestResults:
             marked.append(r)
         text = analysis.primary_section(marked)
         without = [r for r in marked if r.get("steps_to_best") != 0]
-        counts = analysis.family_counts(cells.primary_family(without).contrasts)
+        counts = answer.family_counts(cells.primary_family(without).contrasts)
         assert text.endswith(
             f"Without the {len(seen)} test runs never better than their initial "
             "parameters (named under the results by cell): "
             + counts.removeprefix("Corrected for the family: ")
         )
-        assert counts != analysis.family_counts(cells.primary_family(marked).contrasts)
+        assert counts != answer.family_counts(cells.primary_family(marked).contrasts)
 
     def test_a_run_never_better_than_its_start_is_named(self, rows, reported):
         assert "best step 0" not in section(reported[0], "## Results by cell")
@@ -284,7 +292,7 @@ class TestPrimary:
 
     def test_without_a_tuning_stage_no_edge_is_claimed(self, rows):
         untuned = [r for r in rows if r["role"] != "tune"]
-        counts = analysis.family_counts(cells.primary_family(untuned).contrasts)
+        counts = answer.family_counts(cells.primary_family(untuned).contrasts)
         assert "edge" not in counts and "budget-limited" in counts
         (lines,) = tables(analysis.primary_section(untuned))
         assert {line["rate at edge"] for line in lines} == {"—"}
@@ -557,11 +565,11 @@ class TestDesignAndTuning:
         capped = [
             {**r, "reached_cap": True} if r["amount"] == 0.01 else r for r in rows
         ]
-        assert "1% is over that bound" in analysis.cap_counts(capped)
+        assert "1% is over that bound" in design_text.cap_counts(capped)
 
     def test_an_arm_that_takes_arm_as_rate_is_not_called_off_its_best(self, rows):
         untuned = [r for r in rows if not (r["role"] == "tune" and r["arm"] == "d")]
-        (lines,) = tables(analysis.tuning_section(untuned))
+        (lines,) = tables(tuning_text.tuning_section(untuned))
         d_lines = [line for line in lines if line["arm"] == "d"]
         assert d_lines and all(
             line["chosen lr"].endswith(" (not tuned: arm a's)")
@@ -644,17 +652,19 @@ class TestDesignAndTuning:
             if r in select(rows, **arm) and r["lr"] != chosen else r
             for r in rows
         ]  # fmt: skip
-        said = analysis.selection_noise_text(cells.selection_noise(cells.tunings(tied)))
+        said = tuning_text.selection_noise_text(
+            cells.selection_noise(cells.tunings(tied))
+        )
         assert "and 1 below one: BPE 2048 at 1% b. The tuning cannot tell" in said
 
     def test_steps_at_the_cap_over_the_bound_in_two_amounts(self, rows):
         capped = [r | {"reached_cap": r["status"] == "finished"} for r in rows]
-        said = analysis.cap_counts(capped)
+        said = design_text.cap_counts(capped)
         assert "1%" in said and "are over that bound, so their numbers" not in said
         two = capped + [r | {"amount": 0.03} for r in capped if r["amount"] == 0.01]
-        said = analysis.cap_counts(two)
+        said = design_text.cap_counts(two)
         assert "1%, 3% are over that bound, so their numbers are partly" in said
-        assert analysis.cap_counts([]) == (
+        assert design_text.cap_counts([]) == (
             "No run has finished yet, so none has reached its step cap."
         )
 
@@ -681,7 +691,7 @@ class TestTotalsAndAnswer:
     def test_the_answer_of_one_cell(self, rows):
         vocab, amount = synthetic_rows.ABLATION_CELL
         one_cell = [r for r in rows if (r["vocab"], r["amount"]) == (vocab, amount)]
-        text = analysis.answer(one_cell)
+        text = answer.answer(one_cell)
         sentence, table_text, note = text.split("\n\n")
         assert "family of 2 primary contrasts" in note
         (lines,) = tables(table_text)
@@ -745,9 +755,9 @@ class TestTotalsAndAnswer:
         assert sentence.count("Holm-adjusted p") == 2 and "\n" not in sentence
 
     def test_the_answer_of_the_whole_study_counts_cells(self, reported):
-        answer = section(reported[0], "Over 4 cells")
-        assert "b − a: Holm-adjusted p < 0.05 in" in answer.splitlines()[0]
-        assert tables(answer)[0][0]["cell"] == "characters at 1%"
+        opening = section(reported[0], "Over 4 cells")
+        assert "b − a: Holm-adjusted p < 0.05 in" in opening.splitlines()[0]
+        assert tables(opening)[0][0]["cell"] == "characters at 1%"
 
     def test_nothing_to_pair_yet(self, rows, tmp_path):
         tuning_only = [r for r in rows if r["role"] == "tune"]

@@ -12,7 +12,7 @@ import pytest
 
 from lmhead.lab import ensembles, runner, sweeps
 from lmhead.lm import configuration
-from lmhead.studies.tying import analysis, results, shapes, study, table
+from lmhead.studies.tying import results, shapes, study, table, tuning_text
 from tests import ROOT, run_experiment
 from tests.lab.sweep_helpers import SWEEP_CONFIGS
 
@@ -120,7 +120,7 @@ def test_without_tuning_the_rows_are_the_test_runs(tmp_path):
     rows = results.collect_rows(design, str(tmp_path))
     assert [r["run"] for r in rows] == design.names(runs)
     assert {r["role"] for r in rows} == {"test"} and len(rows) == 3 * 8
-    assert analysis.tuning_section(rows).endswith(
+    assert tuning_text.tuning_section(rows).endswith(
         f"every run trained at {rows[0]['lr']:.3g}, chosen before the runs, not "
         "on their results."
     )

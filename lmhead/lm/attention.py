@@ -1,6 +1,6 @@
 """The softmax of the model's attention, one function for its two paths.
 
-:func:`softmax_weights` is what ``model.CausalSelfAttention`` computes over a
+:func:`softmax_weights` is what ``layers.CausalSelfAttention`` computes over a
 sequence and what ``kv_cache.attend_filled`` computes over the filled slots
 of a cache, so that the two cannot drift apart. Keys may come in pieces (the
 cache's layout, see :mod:`lmhead.lm.kv_cache`); the scores are their

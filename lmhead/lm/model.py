@@ -41,10 +41,8 @@ Parameter tree (``params``)::
 With ``use_bias=False`` (nanoGPT's default) none of the blocks' or norms'
 ``bias`` entries exist; the head's bias is ``head_bias``'s alone.
 
-The module is over 400 lines because it is one piece: the Flax modules of
-the Transformer and the four functions that run them (attention maps,
-prefill, the step); splitting the functions off would leave them a module
-that only calls this one's methods.
+The layers (rotary positions, GELU, LayerNorm, attention, the block) are
+:mod:`lmhead.lm.layers`'s; this module assembles them and runs them.
 """
 
 import dataclasses
@@ -60,166 +58,12 @@ import numpy as np
 from lmhead import _checks, modules
 from lmhead.head import last_positions
 from lmhead.lm import kv_cache, sharding
-from lmhead.lm.attention import softmax_weights
+from lmhead.lm.layers import INIT_STD, Block, layer_norm
+from lmhead.lm.layers import LAYER_NORM_EPSILON as LAYER_NORM_EPSILON
 
 POSITIONS = ("learned", "rope")
-INIT_STD = 0.02
-# GPT-2's and nanoGPT's (PyTorch's default); Flax's own default is 1e-6.
-LAYER_NORM_EPSILON = 1e-5
-ROPE_BASE = 10000.0
 # The params entry of a tied model's inference-only head table.
 HEAD_TABLE = "head_table"
-
-
-def _rotate(x: jax.Array, positions: jax.Array) -> jax.Array:
-    r"""Rotary position embedding of ``x: [B, T, H, Dh]`` at ``positions: [B, T]``.
-
-    Pairs :math:`(x_i, x_{i + Dh/2})` turn by the angle
-    :math:`p \cdot \mathrm{base}^{-2i/Dh}` (Su et al., 2021).
-    """
-    half = x.shape[-1] // 2
-    frequencies = ROPE_BASE ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions[:, :, None, None].astype(jnp.float32) * frequencies
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    first, second = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    rotated = jnp.concatenate(
-        [first * cos - second * sin, first * sin + second * cos], axis=-1
-    )
-    return rotated.astype(x.dtype)
-
-
-def _gelu(x: jax.Array) -> jax.Array:
-    r"""Exact GELU, :math:`\tfrac12 x\,(1 + \mathrm{erf}(x / \sqrt 2))`, in x's dtype.
-
-    The same function as ``jax.nn.gelu(x, approximate=False)``, which is
-    written with ``erfc(-x / sqrt 2)``; XLA's CPU ``erf`` is the cheaper of the
-    two. In float32 the two agree to within 1e-6 everywhere; for ``x < -4``,
-    where the exact value is below 1.3e-4, ``1 + erf`` loses its relative
-    precision but stays within 1e-6. It is evaluated in float32 because in
-    bfloat16 that cancellation would cost 3e-3 near ``x = -3``.
-    """
-    x32 = x.astype(jnp.float32)
-    return (0.5 * x32 * (1.0 + jax.lax.erf(x32 / math.sqrt(2.0)))).astype(x.dtype)
-
-
-def _layer_norm(use_bias: bool, dtype: Any, name: str | None = None) -> nn.LayerNorm:
-    return nn.LayerNorm(
-        epsilon=LAYER_NORM_EPSILON, use_bias=use_bias, dtype=dtype, name=name
-    )
-
-
-class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention over the sequence or over a key/value cache."""
-
-    num_heads: int
-    dropout_rate: float
-    residual_init_std: float
-    rope: bool
-    use_bias: bool
-    dtype: Any
-
-    @nn.compact
-    def __call__(self, x, positions, mask, cache, *, train):
-        """x: [B, T, D]; positions: int [B, T]; cache: None (keys are this
-        call's T positions, masked by mask: bool [B | 1, T, T]) or a layer's
-        (keys, values), each in pieces [B, H, n_j, Dh]
-        (kv_cache.cache_segments), and the cache's rows (see
-        kv_cache.DecodeCache), into whose keys and values this
-        call writes its T positions and whose slots up to each query's
-        position it reads (mask unused). Returns ([B, T, D], the updated
-        (keys, values) or None).
-
-        Without a cache, the float32 softmax weights ``[B, H, T, T]`` (before
-        dropout) are sown as ``intermediates/attention_weights`` when that
-        collection is mutable (see :func:`attention_weights`)."""
-        batch, time, width = x.shape
-        head_dim = width // self.num_heads
-        qkv = nn.Dense(
-            3 * width,
-            use_bias=self.use_bias,
-            dtype=self.dtype,
-            kernel_init=nn.initializers.normal(INIT_STD),
-            name="qkv",
-        )(x)
-        qkv = qkv.reshape(batch, time, 3, self.num_heads, head_dim)
-        query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        if self.rope:
-            query, key = _rotate(query, positions), _rotate(key, positions)
-        if cache is None:
-            weights = softmax_weights(query, [key], mask)
-            # A no-op unless "intermediates" is mutable: free when not asked for.
-            self.sow("intermediates", "attention_weights", weights)
-            weights = weights.astype(self.dtype)
-            weights = nn.Dropout(self.dropout_rate, deterministic=not train)(weights)
-            out = jnp.einsum("bhts,bshd->bthd", weights, value.astype(self.dtype))
-        else:
-            # Positions past the cache's end are dropped (see DecoderLM.extend).
-            keys, values, slot_rows = cache
-            cache = (
-                kv_cache.write_slots(keys, key, positions),
-                kv_cache.write_slots(values, value, positions),
-            )
-            out = kv_cache.attend_filled(
-                query, *cache, slot_rows, positions, self.dtype
-            )
-        out = nn.Dense(
-            width,
-            use_bias=self.use_bias,
-            dtype=self.dtype,
-            name="out",
-            kernel_init=nn.initializers.normal(self.residual_init_std),
-        )(out.reshape(batch, time, width))
-        return out, cache
-
-
-class Block(nn.Module):
-    """Pre-LayerNorm Transformer block: x + attention(LN(x)), then x + MLP(LN(x))."""
-
-    num_heads: int
-    mlp_dim: int
-    dropout_rate: float
-    residual_init_std: float
-    rope: bool
-    use_bias: bool
-    dtype: Any
-
-    @nn.compact
-    def __call__(self, x, positions, mask, cache, *, train):
-        """Same arguments and results as CausalSelfAttention."""
-        dropout = nn.Dropout(self.dropout_rate, deterministic=not train)
-        attention = CausalSelfAttention(
-            num_heads=self.num_heads,
-            dropout_rate=self.dropout_rate,
-            residual_init_std=self.residual_init_std,
-            rope=self.rope,
-            use_bias=self.use_bias,
-            dtype=self.dtype,
-            name="attention",
-        )
-        y, cache = attention(
-            _layer_norm(self.use_bias, self.dtype, "attention_norm")(x),
-            positions,
-            mask,
-            cache,
-            train=train,
-        )
-        x = x + dropout(y)
-        y = _layer_norm(self.use_bias, self.dtype, "mlp_norm")(x)
-        y = nn.Dense(
-            self.mlp_dim,
-            use_bias=self.use_bias,
-            dtype=self.dtype,
-            name="mlp_in",
-            kernel_init=nn.initializers.normal(INIT_STD),
-        )(y)
-        y = nn.Dense(
-            x.shape[-1],
-            use_bias=self.use_bias,
-            dtype=self.dtype,
-            name="mlp_out",
-            kernel_init=nn.initializers.normal(self.residual_init_std),
-        )(_gelu(y))
-        return x + dropout(y), cache
 
 
 class DecoderLM(nn.Module):
@@ -322,7 +166,7 @@ class DecoderLM(nn.Module):
             for _ in range(self.num_layers)
         ]
         self.embed_dropout = nn.Dropout(self.dropout_rate)
-        self.final_norm = _layer_norm(self.use_bias, self.dtype)
+        self.final_norm = layer_norm(self.use_bias, self.dtype)
         self.head = modules.LMHead(
             self.vocab_size,
             tied=self.tied,

@@ -131,25 +131,6 @@ def test_without_bias_has_no_biases_and_matches_numpy_reference():
     assert np.abs(flax_epsilon - expected).max() > 1e-2
 
 
-def test_gelu_is_the_exact_gelu_in_float32_and_bfloat16():
-    x = np.linspace(-12, 12, 20001)
-    # bfloat16: the rounding of the output (relative 2^-9) and nothing more,
-    # also in the negative tail, where 1 + erf cancels.
-    for dtype, rtol, atol in ((jnp.float32, 0.0, 1.2e-6), (jnp.bfloat16, 2**-8, 1e-6)):
-        inputs = jnp.asarray(x, dtype)
-        got = model_lib._gelu(inputs)
-        assert got.dtype == dtype
-        exact = np.asarray(inputs.astype(jnp.float32), np.float64)
-        exact = 0.5 * exact * special.erfc(-exact / np.sqrt(2))
-        np.testing.assert_allclose(
-            np.asarray(got.astype(jnp.float32)),
-            exact,
-            rtol=rtol,
-            atol=atol,
-            err_msg=str(dtype),
-        )
-
-
 def test_tied_has_exactly_vocab_times_width_fewer_params():
     def shapes(model):
         return jax.eval_shape(

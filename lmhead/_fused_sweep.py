@@ -1,58 +1,37 @@
-r"""The blocked sweep behind :func:`lmhead.fused.fused_cross_entropy`, and its custom VJP.
+r"""The one chunked sweep behind every loss through the head, and its custom VJP.
 
-One piece because the forward sweep, the gradients it computes on the way
-and the backward rule share one plan and one block iteration: the custom
-VJP's residuals are the sweep's own results.
+A loss of ``logits = softcap(scale * h @ w.T + bias)`` that never holds the
+``[N, V]`` logits is written as a *rule* (:class:`Rule`) and run by this
+engine. The engine owns everything that is not the loss's formula: chunks of
+tokens and blocks of vocabulary rows, the logits of a block (scale, bias,
+softcap), the ragged last chunk and block, the split of the vocabulary over
+a mesh axis, packing and skipping the tokens of weight 0, the gradients
+``dh``, ``dw``, ``dbias`` (accumulated in float32) and the second sweep that
+recomputes the logits for any other cotangent. A rule says only:
 
-How it works. Every option of the loss is a function of three statistics of
-each token's logits ``z`` -- ``lse = logsumexp(z)``, the label's logit
-``z_y`` and ``sum_i z_i`` -- (see :func:`lmhead.losses.token_losses`), and
-accuracy needs the argmax. So the forward pass sweeps over chunks of tokens,
-computes a chunk's logits, reduces them to these four numbers per token and
-drops them. For a loss :math:`L` of the statistics, the gradient with
-respect to the logits is
+* the per-token statistics a token needs, as accumulators reduced over the
+  vocabulary blocks (online-softmax style: a running max and rescaled sums),
+  merged block by block and, with a split vocabulary, across devices; one or
+  more passes, each of which may read the previous passes' results;
+* the per-token loss as a function of the finished statistics, and the
+  gradient coefficients of the loss and of any cotangent on the statistics;
+* the gradient with respect to a block's logits, ``dlogits: [Vb, Nc]``,
+  from those coefficients.
 
-.. math::
-    \frac{\partial L}{\partial z_{i}} = \alpha\, p_{i}
-        + \beta\, [i = y] + \gamma, \qquad
-    p_i = e^{z_i - \mathrm{lse}}, \quad
-    (\alpha, \beta, \gamma) = \Big(\frac{\partial L}{\partial \mathrm{lse}},
-        \frac{\partial L}{\partial z_y},
-        \frac{\partial L}{\partial \textstyle\sum_i z_i}\Big),
-
-(e.g. :math:`\alpha = 1 + 2\lambda_z\,\mathrm{lse}`,
-:math:`\beta = -(1-\epsilon)`, :math:`\gamma = -\epsilon / V` for uniform
-smoothing), times :math:`1 - (z_i / c)^2` through a softcap :math:`c`, times
-the scale :math:`s` before the matmul. Because :math:`(\alpha, \beta,
-\gamma)` of a reduced (``"mean"`` or ``"sum"``) loss are known as soon as a
-chunk's ``lse`` is, the differentiated forward pass computes ``dh``, ``dw``
-and ``dbias`` in the same sweep, from the chunk's logits while they are still
-in cache: three matmuls per chunk and no recomputation. Any other cotangent
-(``reduction="none"``, or differentiating a metric) is handled by a second
-sweep that recomputes the logits.
-
-Split vocabulary. With :class:`lmhead.fused.VocabShards` (what
-``vocab_parallel.vocab_parallel_cross_entropy`` passes), each device holds ``V/m``
-rows of ``w`` inside ``shard_map`` and runs the same sweep on them: after a
-chunk's blocks, the online logsumexp goes one step further, across devices
-(``pmax`` of the running max, ``psum`` of the rescaled sums, the label logits
-and the logit sums). Every device then knows the chunk's global ``lse`` and
-:math:`(\alpha, \beta, \gamma)`, so it computes its rows' ``dw`` and its
-share of ``dh`` in the same sweep; the sum of the shares is ``dh``. The
-custom VJP has no symbolic zeros, which ``shard_map`` does not support: the
-second sweep is skipped at run time when the statistics' cotangent is zero
-(under ``jit`` XLA removes it when that zero is a constant).
-
-Traced loss options. ``label_smoothing`` and ``z_loss`` may be traced (an
-ensemble's members, one value each under ``vmap`` or ``lax.map``): they
-then reach the sweep as the operand ``loss_scalars`` of :func:`fused_core`,
-whose gradient is exact, and :class:`Plan` holds None for them. A concrete
-value stays a Python float in the plan, compiled in, so a single run's
-program and numbers are those it always had.
+For a chunk of tokens the forward sweep computes the chunk's logits
+(``[V, Nc]``, vocabulary-major, kept when they fit, else block by block),
+runs the rule's passes over its blocks, and, for a reduced loss (whose
+per-token cotangent, the weight, is known in advance), turns each block's
+``dlogits`` into ``dh``, ``dw`` and ``dbias`` while the logits are live.
+``dlogits`` is the one place where the per-chunk gradient coefficient
+exists (:func:`_block_grads`), after the softcap's derivative and before the
+matmuls. docs/fused_loss.md ("The engine and its rules") derives the
+gradients and shows where the rules and sweep options planned next plug in.
 """
 
 import dataclasses
 import functools
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -65,30 +44,92 @@ _CONTRACT_COLUMNS = (((1,), (1,)), ((), ()))  # [a, D] x [b, D] -> [a, b]
 _CONTRACT_ROWS = (((0,), (0,)), ((), ()))  # [V, a] x [V, b] -> [a, b]
 _MATMUL = (((1,), (0,)), ((), ()))  # [a, k] x [k, b] -> [a, b]
 
+# Default block sizes by platform (``jax.default_backend()``): numbers in one
+# chunk's kept logits, and vocabulary rows per block of the elementwise work
+# and of each ``dw`` update (XLA does not accumulate into a matmul's output,
+# so an update needs a ``[rows, D]`` temporary). docs/fused_loss.md says why.
+BLOCK_ELEMENTS = {"cpu": 2**22, "gpu": 2**26, "tpu": 2**26}
+VOCAB_BLOCK_ROWS = {"cpu": 1024, "gpu": 16384, "tpu": 16384}
+MIN_CHUNK_SIZE = 128
+MAX_CHUNK_SIZE = 1024
+
+
+def default_chunk_size(width: int) -> int:
+    """Tokens per chunk when a chunk's ``[width, chunk_size]`` logits are kept.
+
+    ``BLOCK_ELEMENTS[platform] // width`` clipped to ``[MIN_CHUNK_SIZE,
+    MAX_CHUNK_SIZE]``.
+
+    Examples:
+        >>> default_chunk_size(32768) == max(
+        ...     MIN_CHUNK_SIZE, BLOCK_ELEMENTS[jax.default_backend()] // 32768)
+        True
+    """
+    elements = BLOCK_ELEMENTS.get(jax.default_backend(), BLOCK_ELEMENTS["cpu"])
+    return min(max(elements // width, MIN_CHUNK_SIZE), MAX_CHUNK_SIZE)
+
+
+def block_sizes(num_tokens, num_rows, chunk_size, vocab_chunk_size):
+    """``(chunk_size, block_rows, keep_logits)`` with the defaults filled in.
+
+    ``num_tokens`` and ``num_rows`` are those of ``h`` and ``w`` on a device.
+    """
+    platform = jax.default_backend()
+    keep_logits = vocab_chunk_size is None or vocab_chunk_size >= num_rows
+    width = num_rows if keep_logits else int(vocab_chunk_size)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(width)
+    rows = (
+        VOCAB_BLOCK_ROWS.get(platform, VOCAB_BLOCK_ROWS["cpu"])
+        if keep_logits
+        else width
+    )
+    return min(int(chunk_size), num_tokens), min(rows, num_rows), keep_logits
+
+
+class Rule(Protocol):
+    """A loss as the engine runs it; a frozen (hashable) dataclass.
+
+    ``outputs`` are the per-token results of all passes, a tuple of ``[N]``
+    (``[Nc]`` inside a chunk) arrays. ``inputs`` is the rule's own operand
+    of :func:`fused_core`, ``(token_inputs, row_inputs)``: pytrees of arrays
+    with a leading token axis (sliced per chunk, packed when weight-0 tokens
+    are skipped) and a leading vocabulary axis (split with ``w``). ``coefs``
+    are a tuple of ``[Nc]`` cotangent coefficients; an entry may be None (a
+    symbolic zero).
+    """
+
+    passes: int
+
+    def empty(self, zeros: jax.Array, token_inputs: Any) -> tuple: ...
+    def chunk_context(self, plan, h_chunk, token_inputs, row_inputs) -> Any: ...
+    def init(self, pass_: int, zeros: jax.Array) -> tuple: ...
+    def block_stats(self, plan, pass_, z, v0, is_new, context, previous): ...
+    def merge(self, pass_: int, carry: tuple, block: tuple) -> tuple: ...
+    def combine(self, plan, pass_: int, carry: tuple) -> tuple: ...
+    def finish(self, pass_: int, carry: tuple) -> tuple: ...
+    def loss(self, loss_scalars: jax.Array, outputs: tuple) -> jax.Array: ...
+    def loss_coefs(self, loss_scalars, outputs, weights) -> tuple: ...
+    def cotangent_coefs(self, outputs: tuple, cotangents: tuple) -> tuple: ...
+    def dlogits(self, z, v0, context, outputs, coefs) -> jax.Array: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The static part of a call: loss options, block sizes, vocabulary split."""
+    """The static part of a call: the rule, block sizes, vocabulary split."""
 
-    vocab_size: int  # V of the loss, all devices' rows together
+    rule: Any  # a Rule
     num_rows: int  # rows of w on this device: V, or V / devices along vocab_axis
     vocab_axis: str | None  # the mesh axis w's rows are split over, if any
     chunk_size: int
     block_rows: int  # vocabulary rows per block
     keep_logits: bool  # a chunk's [V, Nc] logits computed once and kept
-    # A concrete value is compiled in, as a Python float; None means it is
-    # traced and read from fused_core's loss_scalars operand.
-    label_smoothing: float | None
-    smoothing: str
-    z_loss: float | None
     scale: float | None
     softcap: float | None
     precision: jax.lax.PrecisionLike
     grads_in_forward: bool
     # Chunks of weight-0 tokens are skipped, weighted tokens packed first.
     skip_zero_weights: bool = False
-    # A fifth statistic, each token's entropy, with its gradient.
-    entropy: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -100,27 +141,73 @@ class Plan:
             return 0
         return lax.axis_index(self.vocab_axis) * self.num_rows
 
-    def token_loss(self, loss_scalars, lse, label_logit, logit_sum):
-        """``losses.token_losses``' loss; ``loss_scalars: [2]`` float32 holds
-        ``(label_smoothing, z_loss)``, used where the plan holds None."""
-        return losses.token_losses(
-            lse,
-            label_logit,
-            logit_sum,
-            self.vocab_size,
-            label_smoothing=(
-                loss_scalars[0]
-                if self.label_smoothing is None
-                else self.label_smoothing
-            ),
-            smoothing=self.smoothing,
-            z_loss=loss_scalars[1] if self.z_loss is None else self.z_loss,
-        )[0]
-
     def dot(self, a, b, dims):
         return lax.dot_general(
             a, b, dims, precision=self.precision, preferred_element_type=jnp.float32
         )
+
+
+# ----------------------------------------------------------------------------
+# Online-softmax helpers, shared by the rules.
+# ----------------------------------------------------------------------------
+
+
+def finite(peak):
+    """A running max as the reference of ``exp(z - max)``, with 0 for a max
+    of -inf (every logit so far -inf, e.g. a block of banned tokens), where
+    ``-inf - (-inf)`` would make the sum NaN rather than 0."""
+    return jnp.where(peak == NEG_INF, 0.0, peak)
+
+
+def rescaled_tilt(tilted, sum_exp, peak, new_peak):
+    """``sum e_i (z_i - m)`` re-based from the max ``m = peak`` to ``new_peak``:
+    ``e^(m - M) (t + (m - M) s)``; 0 while nothing is summed (``s = 0``)."""
+    shift = peak - new_peak
+    return jnp.where(sum_exp > 0, jnp.exp(shift) * (tilted + shift * sum_exp), 0.0)
+
+
+def block_softmax(z, is_new):
+    """A block's ``(peak, exp(z - peak), sum_exp)`` over its new rows."""
+    live = jnp.where(is_new, z, NEG_INF)
+    peak = jnp.max(live, axis=0)
+    exp = jnp.exp(live - finite(peak))
+    return live, peak, exp, jnp.sum(exp, axis=0)
+
+
+def merge_softmax(peak, sum_exp, b_peak, b_sum_exp):
+    """The online logsumexp's step: ``(new_peak, rescaled sum_exp)``."""
+    new_peak = jnp.maximum(peak, b_peak)
+    reference = finite(new_peak)
+    sum_exp = sum_exp * jnp.exp(peak - reference) + b_sum_exp * jnp.exp(
+        b_peak - reference
+    )
+    return new_peak, sum_exp
+
+
+def label_logit(z, labels, v0, is_new):
+    """Each token's logit of its label if the label is a new row of the block,
+    else 0: a gather of one logit per token, not a masked pass over the block."""
+    rows = z.shape[0]
+    row = labels - v0
+    safe_row = jnp.clip(row, 0, rows - 1)
+    value = jnp.take_along_axis(z, safe_row[None, :], axis=0)[0]
+    counted = (row >= 0) & (row < rows) & is_new[safe_row, 0]
+    return jnp.where(counted, value, 0.0)
+
+
+def is_label(z, v0, labels):
+    """``[Vb, Nc]`` True at each token's label row."""
+    return v0 + lax.broadcasted_iota(jnp.int32, z.shape, 0) == labels
+
+
+def add_coefs(a, b):
+    """Coefficients summed entry by entry; None is a zero."""
+    return tuple(y if x is None else x if y is None else x + y for x, y in zip(a, b))
+
+
+# ----------------------------------------------------------------------------
+# The sweep.
+# ----------------------------------------------------------------------------
 
 
 def _new_positions(start: jax.Array, first_new: jax.Array, size: int) -> jax.Array:
@@ -172,149 +259,32 @@ def _vocab_blocks(plan, h_chunk, w, bias, kept):
     return block
 
 
-def _finite(peak):
-    """A running max as the reference of ``exp(z - max)``, with 0 for a max
-    of -inf (every logit so far -inf, e.g. a block of banned tokens), where
-    ``-inf - (-inf)`` would make the sum NaN rather than 0."""
-    return jnp.where(peak == NEG_INF, 0.0, peak)
+def _chunk_stats(plan, h_chunk, w, bias, context):
+    """``(kept logits or None, outputs)`` of one chunk: the rule's passes.
 
-
-def _block_stats(z, labels, v0, is_new, entropy=False):
-    """Per-token max, sum of exp(z - max), label logit, logit sum, argmax,
-    and with ``entropy`` the sum of ``exp(z - max) * (z - max)``."""
-    live = jnp.where(is_new, z, NEG_INF)
-    peak = jnp.max(live, axis=0)
-    exp = jnp.exp(live - _finite(peak))
-    sum_exp = jnp.sum(exp, axis=0)
-    logit_sum = jnp.sum(jnp.where(is_new, z, 0.0), axis=0)
-    # A gather of one logit per token, not a masked pass over the block.
-    rows = z.shape[0]
-    row = labels - v0
-    safe_row = jnp.clip(row, 0, rows - 1)
-    label_logit = jnp.take_along_axis(z, safe_row[None, :], axis=0)[0]
-    counted = (row >= 0) & (row < rows) & is_new[safe_row, 0]
-    label_logit = jnp.where(counted, label_logit, 0.0)
-    # The first row that attains the max, as jnp.argmax; a float min-reduce
-    # is several times faster on CPU than XLA's (value, index) reduce, and
-    # float32 holds row numbers exactly up to 2^24.
-    index = lax.broadcasted_iota(jnp.float32, z.shape, 0)
-    first = jnp.min(jnp.where(live == peak, index, jnp.inf), axis=0)
-    argmax = v0 + jnp.minimum(first, rows - 1).astype(jnp.int32)
-    if not entropy:
-        return peak, sum_exp, label_logit, logit_sum, argmax
-    # 0 where exp(z - max) is 0 (a logit of -inf), not 0 * -inf.
-    tilted = jnp.sum(jnp.where(exp > 0, exp * (live - peak), 0.0), axis=0)
-    return peak, sum_exp, label_logit, logit_sum, argmax, tilted
-
-
-def _rescaled_tilt(tilted, sum_exp, peak, new_peak):
-    """``sum e_i (z_i - m)`` re-based from the max ``m = peak`` to ``new_peak``:
-    ``e^(m - M) (t + (m - M) s)``; 0 while nothing is summed (``s = 0``)."""
-    shift = peak - new_peak
-    return jnp.where(sum_exp > 0, jnp.exp(shift) * (tilted + shift * sum_exp), 0.0)
-
-
-def _combine_devices(plan, peak, sum_exp, label_logit, logit_sum, argmax, *tilted):
-    """The statistics of the whole vocabulary from each device's rows.
-
-    The online logsumexp of the blocks, once more across devices: ``pmax``
-    of the running max, ``psum`` of the rescaled sums of exponentials and of
-    the sums; every device then holds the same values.
+    Block by block, so no temporary is larger than one block (or the kept
+    logits); with a split vocabulary each pass's accumulators are combined
+    across devices before they are finished.
     """
-    axis = plan.vocab_axis
-    top = lax.pmax(peak, axis)
-    tilted = tuple(
-        lax.psum(_rescaled_tilt(t, sum_exp, peak, top), axis) for t in tilted
-    )
-    sum_exp = lax.psum(sum_exp * jnp.exp(peak - _finite(top)), axis)
-    # Ties go to the lowest index, as jnp.argmax does.
-    argmax = lax.pmin(
-        jnp.where(peak == top, argmax + plan.first_row(), plan.vocab_size), axis
-    )
-    return (
-        top,
-        sum_exp,
-        lax.psum(label_logit, axis),
-        lax.psum(logit_sum, axis),
-        argmax,
-        *tilted,
-    )
-
-
-def _chunk_stats(plan, h_chunk, w, bias, labels):
-    """``(kept logits or None, (lse, label_logit, logit_sum, argmax[, entropy]))``.
-
-    Block by block, with a running max and rescaled sum of exponentials
-    (an online logsumexp), so no temporary is larger than one block.
-    ``labels`` count from this device's first row; the statistics are those
-    of all devices' rows. The entropy is ``log s - t / s`` with ``s = sum_i
-    e^(z_i - m)`` and ``t = sum_i e^(z_i - m) (z_i - m)``, both re-based to
-    each new running max ``m``: ``lse - E_p[z]`` without ``p`` or ``log p``.
-    """
+    rule = plan.rule
     kept = _logits(plan, h_chunk, w, bias) if plan.keep_logits else None
     block = _vocab_blocks(plan, h_chunk, w, bias, kept)
-
-    def merge(j, carry):
-        peak, sum_exp, label_logit, logit_sum, argmax, *tilted = carry
-        v0, is_new, _, z = block(j)
-        b_peak, b_sum_exp, b_label, b_sum, b_arg, *b_tilted = _block_stats(
-            z, labels, v0, is_new, plan.entropy
-        )
-        new_peak = jnp.maximum(peak, b_peak)
-        tilted = tuple(
-            _rescaled_tilt(t, sum_exp, peak, new_peak)
-            + _rescaled_tilt(b_t, b_sum_exp, b_peak, new_peak)
-            for t, b_t in zip(tilted, b_tilted)
-        )
-        reference = _finite(new_peak)
-        sum_exp = sum_exp * jnp.exp(peak - reference) + b_sum_exp * jnp.exp(
-            b_peak - reference
-        )
-        # Strictly greater: on ties the earlier block (lower index) wins,
-        # as jnp.argmax does.
-        argmax = jnp.where(b_peak > peak, b_arg, argmax)
-        return (
-            new_peak,
-            sum_exp,
-            label_logit + b_label,
-            logit_sum + b_sum,
-            argmax,
-            *tilted,
-        )
-
     # zeros_like keeps h's mesh axes, which a loop carry must keep inside
     # shard_map.
     zeros = jnp.zeros_like(h_chunk[:, 0], jnp.float32)
-    init = (zeros + NEG_INF, zeros, zeros, zeros, zeros.astype(jnp.int32))
-    init += (zeros,) if plan.entropy else ()
-    stats = lax.fori_loop(0, plan.num_blocks, merge, init)
-    if plan.vocab_axis is not None:
-        stats = _combine_devices(plan, *stats)
-    peak, sum_exp, label_logit, logit_sum, argmax, *tilted = stats
-    entropy = tuple(jnp.log(sum_exp) - t / sum_exp for t in tilted)
-    return kept, (peak + jnp.log(sum_exp), label_logit, logit_sum, argmax, *entropy)
+    outputs = ()
+    for pass_ in range(rule.passes):
 
+        def merge(j, carry, pass_=pass_, previous=outputs):
+            v0, is_new, _, z = block(j)
+            stats = rule.block_stats(plan, pass_, z, v0, is_new, context, previous)
+            return rule.merge(pass_, carry, stats)
 
-def _logit_grads(plan, z, lse, coefs, labels, v0, live):
-    """``dL/du`` for the pre-softcap logits ``u`` of one block, ``[Vb, Nc]``.
-
-    ``live: [Vb, Nc]`` masks out rows of an overlapping block and tokens that
-    add nothing (whose logits may not even be finite). ``coefs`` are
-    ``(alpha, beta, gamma)``, and ``(c, H)`` after them for a cotangent ``c``
-    on the entropy ``H``: ``dH/dz_i = -p_i (log p_i + H)``.
-    """
-    alpha, beta, gamma, *entropy = coefs
-    token_ids = v0 + lax.broadcasted_iota(jnp.int32, z.shape, 0)
-    p = jnp.exp(z - lse)
-    dz = alpha * p + jnp.where(token_ids == labels, beta, 0.0) + gamma
-    if entropy:
-        c, ent = entropy
-        # 0 where p is 0 (a logit of -inf), not 0 * -inf.
-        dz = dz - jnp.where(p > 0, c * p * (z - lse + ent), 0.0)
-    if plan.softcap is not None:
-        # d/du c tanh(u / c) = 1 - tanh^2 = 1 - (z / c)^2.
-        dz = dz * (1.0 - jnp.square(z / plan.softcap))
-    return jnp.where(live, dz, 0.0)
+        carry = lax.fori_loop(0, plan.num_blocks, merge, rule.init(pass_, zeros))
+        if plan.vocab_axis is not None:
+            carry = rule.combine(plan, pass_, carry)
+        outputs += rule.finish(pass_, carry)
+    return kept, outputs
 
 
 def _add_rows(total, start, update):
@@ -323,7 +293,22 @@ def _add_rows(total, start, update):
     return lax.dynamic_update_slice_in_dim(total, rows + update, start, 0)
 
 
-def _chunk_grads(plan, h_chunk, active, w, bias, labels, kept, lse, coefs, grads):
+def _block_grads(plan, z, v0, live, context, outputs, coefs):
+    """``dL/du`` for the pre-softcap logits ``u`` of one block, ``[Vb, Nc]``.
+
+    The per-chunk gradient coefficient, in one place: the rule's ``dlogits``
+    times the softcap's derivative. ``live: [Vb, Nc]`` masks out rows of an
+    overlapping block and tokens that add nothing (whose logits may not even
+    be finite).
+    """
+    dz = plan.rule.dlogits(z, v0, context, outputs, coefs)
+    if plan.softcap is not None:
+        # d/du c tanh(u / c) = 1 - tanh^2 = 1 - (z / c)^2.
+        dz = dz * (1.0 - jnp.square(z / plan.softcap))
+    return jnp.where(live, dz, 0.0)
+
+
+def _chunk_grads(plan, h_chunk, active, w, bias, kept, context, outputs, coefs, grads):
     """One token chunk's ``dh: [Nc, D]`` and its additions to ``dw``, ``db``.
 
     ``kept`` is the chunk's ``[V, Nc]`` logits when the forward sweep holds
@@ -341,7 +326,8 @@ def _chunk_grads(plan, h_chunk, active, w, bias, labels, kept, lse, coefs, grads
     def step(j, carry):
         dh_chunk, dw, db = carry
         v0, is_new, w_block, z = block(j)
-        dz = _logit_grads(plan, z, lse, coefs, labels, v0, is_new & active)
+        live = is_new & active
+        dz = _block_grads(plan, z, v0, live, context, outputs, coefs)
         dz_in = dz.astype(h_chunk.dtype)
         if dh_chunk is not None:
             dh_chunk = dh_chunk + scale * plan.dot(dz_in, w_block, _CONTRACT_ROWS)
@@ -355,64 +341,37 @@ def _chunk_grads(plan, h_chunk, active, w, bias, labels, kept, lse, coefs, grads
     return lax.fori_loop(0, plan.num_blocks, step, (dh_chunk, dw, db))
 
 
-def _loss_coefs(plan, loss_scalars, stats, loss_weights):
-    """``loss_weights * dL/d(lse, label_logit, logit_sum)``, token by token."""
-    _, pullback = jax.vjp(functools.partial(plan.token_loss, loss_scalars), *stats)
-    return pullback(loss_weights)
-
-
 def _sweep(
-    plan,
-    h,
-    w,
-    bias,
-    loss_scalars,
-    labels,
-    loss_weights,
-    *,
-    grads=None,
-    lse=None,
-    coefs=None,
+    plan, h, w, bias, loss_scalars, inputs, loss_weights, *, grads=None, given=None
 ):
     """One pass over chunks of tokens.
 
-    Three uses: statistics only (``grads`` is None: the primal); statistics
-    and the gradient of ``sum_t loss_weights_t * L_t`` (the differentiated
-    forward pass); or, given ``lse`` and per-token ``coefs``, the gradient
-    they define (recomputing the logits). Gradients are added to ``grads``,
-    ``(dh, dw, db)`` with None for one not wanted. Tokens of weight 0 never
-    contribute to a gradient.
+    Three uses: outputs only (``grads`` is None: the primal); outputs and
+    the gradient of ``sum_t loss_weights_t * L_t`` (the differentiated
+    forward pass); or, given ``(outputs, coefs)``, the gradient those
+    per-token coefficients define (recomputing the logits). Gradients are
+    added to ``grads``, ``(dh, dw, db)`` with None for one not wanted.
+    Tokens of weight 0 never contribute to a gradient.
 
     With ``plan.skip_zero_weights`` the tokens are first put in the order of
     a stable argsort of ``loss_weights == 0`` (weighted tokens first, each
     group in its own order), and the loop runs over the
     ``ceil(#weighted / chunk_size)`` chunks that hold a weighted token only
-    (a ``while`` loop: the count is traced, every shape static); statistics
+    (a ``while`` loop: the count is traced, every shape static); outputs
     and ``dh`` are put back in the tokens' order after it. When every token
     is weighted the order is the identity and the chunks are those of the
-    unpacked sweep. Tokens in skipped chunks get statistics 0.
+    unpacked sweep. Tokens in skipped chunks get outputs 0.
 
     Returns:
-        ``(stats, grads)``; ``stats`` is ``(lse, label_logit, logit_sum,
-        argmax[, entropy])``, each ``[N]`` (None when ``coefs`` are given).
+        ``(outputs, grads)``; ``outputs`` is the rule's, each ``[N]`` (None
+        when ``given``).
     """
     n, size = h.shape[0], plan.chunk_size
     # One chunk is computed as before: a while loop of one trip is compiled
     # apart from what surrounds it, and may round differently.
     if not plan.skip_zero_weights or n <= size:
-        return _chunk_loop(
-            plan,
-            h,
-            w,
-            bias,
-            loss_scalars,
-            labels,
-            loss_weights,
-            grads,
-            lse,
-            coefs,
-            num_chunks=-(-n // size),
-        )
+        loop = functools.partial(_chunk_loop, num_chunks=-(-n // size))
+        return loop(plan, h, w, bias, loss_scalars, inputs, loss_weights, grads, given)
     weighted = loss_weights != 0
     order = jnp.argsort(jnp.logical_not(weighted), stable=True)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))
@@ -420,102 +379,94 @@ def _sweep(
 
     # asarray: custom_vjp may pass a constant argument as a numpy array.
     def packed(x):
-        return None if x is None else jnp.asarray(x)[order]
+        return jax.tree.map(lambda x: jnp.asarray(x)[order], x)
 
     def unpacked(x):
-        return None if x is None else x[inverse]
+        return jax.tree.map(lambda x: x[inverse], x)
 
     dh, dw, db = (None, None, None) if grads is None else grads
-    stats, (dh, dw, db) = _chunk_loop(
+    token_inputs, row_inputs = inputs
+    outputs, (dh, dw, db) = _chunk_loop(
         plan,
         packed(h),
         w,
         bias,
         loss_scalars,
-        packed(labels),
+        (packed(token_inputs), row_inputs),
         packed(loss_weights),
         None if grads is None else (packed(dh), dw, db),
-        packed(lse),
-        None if coefs is None else tuple(packed(c) for c in coefs),
+        packed(given),
         num_chunks=num_chunks,
     )
-    stats = None if stats is None else tuple(unpacked(s) for s in stats)
-    return stats, (unpacked(dh), dw, db)
+    return unpacked(outputs), (unpacked(dh), dw, db)
 
 
 def _chunk_loop(
-    plan, h, w, bias, loss_scalars, labels, loss_weights, grads, lse, coefs, num_chunks
+    plan, h, w, bias, loss_scalars, inputs, loss_weights, grads, given, num_chunks
 ):
     """:func:`_sweep`'s loop over the first ``num_chunks`` chunks of tokens."""
+    rule = plan.rule
     n, size = h.shape[0], plan.chunk_size
+    token_inputs, row_inputs = inputs
     # zeros_like keeps the mesh axes of the inputs, which a loop carry must
-    # keep inside shard_map: the statistics vary as the tokens do.
-    stats = (
-        None
-        if coefs is not None
-        else (
-            (jnp.zeros_like(loss_weights),) * 3
-            + (jnp.zeros_like(labels),)
-            + (jnp.zeros_like(loss_weights),) * plan.entropy
-        )
-    )
-    label_rows = labels - plan.first_row()
+    # keep inside shard_map: the outputs vary as the tokens do.
+    outputs = rule.empty(jnp.zeros_like(loss_weights), token_inputs)
+    if given is not None:
+        outputs = None
 
     def body(i, carry):
-        stats, (dh, dw, db) = carry
+        outputs, (dh, dw, db) = carry
         start = _block_start(i, size, n)
         is_new = _new_positions(start, i * size, size)
 
         def chunk(x):
-            return lax.dynamic_slice_in_dim(x, start, size)
+            return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, start, size), x)
 
-        h_chunk, chunk_labels = chunk(h), chunk(label_rows)
-        if coefs is None:
-            z, new = _chunk_stats(plan, h_chunk, w, bias, chunk_labels)
-            stats = tuple(
+        h_chunk = chunk(h)
+        context = rule.chunk_context(plan, h_chunk, chunk(token_inputs), row_inputs)
+        if given is None:
+            z, new = _chunk_stats(plan, h_chunk, w, bias, context)
+            outputs = tuple(
                 lax.dynamic_update_slice_in_dim(
                     s, jnp.where(is_new, x, chunk(s)), start, 0
                 )
-                for s, x in zip(stats, new)
+                for s, x in zip(outputs, new)
             )
             if grads is None:
-                return stats, (dh, dw, db)
-            chunk_lse = new[0]
-            chunk_coefs = _loss_coefs(plan, loss_scalars, new[:3], chunk(loss_weights))
+                return outputs, (dh, dw, db)
+            chunk_coefs = rule.loss_coefs(loss_scalars, new, chunk(loss_weights))
         else:
-            z, chunk_lse = None, chunk(lse)
-            chunk_coefs = tuple(chunk(c) for c in coefs)
+            z, (new, chunk_coefs) = None, chunk(given)
         # Not a token of an earlier chunk, and of nonzero weight: 0 * NaN is
         # NaN, so the others are masked rather than multiplied by 0.
         active = is_new & (chunk(loss_weights) != 0)
-        chunk_coefs = tuple(jnp.where(active, c, 0.0) for c in chunk_coefs)
+        chunk_coefs = tuple(
+            None if c is None else jnp.where(active, c, 0.0) for c in chunk_coefs
+        )
         dh_chunk, dw, db = _chunk_grads(
             plan,
             h_chunk,
             active,
             w,
             bias,
-            chunk_labels,
             z,
-            chunk_lse,
+            context,
+            new,
             chunk_coefs,
             (dh is not None, dw, db),
         )
         if dh is not None:
             dh = _add_rows(dh, start, dh_chunk)
-        return stats, (dh, dw, db)
+        return outputs, (dh, dw, db)
 
     init = (None, None, None) if grads is None else grads
-    return lax.fori_loop(0, num_chunks, body, (stats, init))
+    return lax.fori_loop(0, num_chunks, body, (outputs, init))
 
 
-def _objective(plan, loss_scalars, stats, loss_weights):
-    """``sum_t w_t L_t`` by the rule of ``losses.weighted_metrics``."""
-    token_loss = plan.token_loss(loss_scalars, *stats[:3])
-    zeros = jnp.zeros_like(token_loss)
-    return losses.weighted_metrics(
-        token_loss, zeros, zeros, zeros, loss_weights, zeros, "sum"
-    )[0]
+def _objective(plan, loss_scalars, outputs, loss_weights):
+    """``sum_t w_t L_t``, a weight of 0 giving 0 (``losses.weighted_values``)."""
+    token_loss = plan.rule.loss(loss_scalars, outputs)
+    return jnp.sum(losses.weighted_values(token_loss, loss_weights))
 
 
 def _zero_grads(h, w, bias):
@@ -525,57 +476,57 @@ def _zero_grads(h, w, bias):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def fused_core(plan, h, w, bias, loss_scalars, loss_weights, labels):
-    """``(sum_t loss_weights_t * L_t, stats)`` without keeping any logits.
+def fused_core(plan, h, w, bias, loss_scalars, loss_weights, inputs):
+    """``(sum_t loss_weights_t * L_t, outputs)`` without keeping any logits.
 
-    ``loss_scalars: [2]`` float32 is ``(label_smoothing, z_loss)``, read
-    where ``plan`` holds None for them (traced values, e.g. one per member
-    of a ``vmap``); its gradient, like that of ``loss_weights``, is exact.
-    Inside ``shard_map``, ``h``, ``w`` and ``bias`` must vary over the same
-    mesh axes (``lax.pcast``): each one's gradient is a product of the
-    others, and a cotangent has the type of its input; ``loss_scalars``
-    must vary over the axes of the tokens.
+    ``loss_scalars`` is an array operand of the rule's loss (e.g. traced
+    loss options, one per member of a ``vmap``); its gradient, like that of
+    ``loss_weights``, is exact. ``inputs`` is the rule's
+    ``(token_inputs, row_inputs)``; it gets no gradient. Inside
+    ``shard_map``, ``h``, ``w`` and ``bias`` must vary over the same mesh
+    axes (``lax.pcast``): each one's gradient is a product of the others,
+    and a cotangent has the type of its input; ``loss_scalars`` must vary
+    over the axes of the tokens.
     """
-    stats, _ = _sweep(plan, h, w, bias, loss_scalars, labels, loss_weights)
-    return _objective(plan, loss_scalars, stats, loss_weights), stats
+    outputs, _ = _sweep(plan, h, w, bias, loss_scalars, inputs, loss_weights)
+    return _objective(plan, loss_scalars, outputs, loss_weights), outputs
 
 
 # The rule has no symbolic zeros, which shard_map does not support: every
-# input is taken to be differentiated, and a zero cotangent of the statistics
+# input is taken to be differentiated, and a zero cotangent of the outputs
 # is told from a nonzero one at run time.
-def _fused_core_fwd(plan, h, w, bias, loss_scalars, loss_weights, labels):
-    stats, saved = _sweep(
+def _fused_core_fwd(plan, h, w, bias, loss_scalars, loss_weights, inputs):
+    outputs, saved = _sweep(
         plan,
         h,
         w,
         bias,
         loss_scalars,
-        labels,
+        inputs,
         loss_weights,
         grads=_zero_grads(h, w, bias) if plan.grads_in_forward else None,
     )
-    residuals = (h, w, bias, loss_scalars, loss_weights, labels, stats, saved)
-    objective = _objective(plan, loss_scalars, stats, loss_weights)
-    return (objective, stats), residuals
+    residuals = (h, w, bias, loss_scalars, loss_weights, inputs, outputs, saved)
+    objective = _objective(plan, loss_scalars, outputs, loss_weights)
+    return (objective, outputs), residuals
 
 
 def _fused_core_bwd(plan, residuals, cotangents):
-    h, w, bias, loss_scalars, loss_weights, labels, stats, saved = residuals
-    d_objective, d_stats = cotangents
-    coefs = d_stats[:3]
+    h, w, bias, loss_scalars, loss_weights, inputs, outputs, saved = residuals
+    d_objective, d_outputs = cotangents
+    rule = plan.rule
     if plan.grads_in_forward:
         grads = tuple(None if g is None else d_objective * g for g in saved)
+        coefs = rule.cotangent_coefs(outputs, d_outputs)
     else:
         grads = _zero_grads(h, w, bias)
-        objective_coefs = _loss_coefs(
-            plan, loss_scalars, stats[:3], d_objective * loss_weights
+        objective_coefs = rule.loss_coefs(
+            loss_scalars, outputs, d_objective * loss_weights
         )
-        coefs = tuple(c + o for c, o in zip(coefs, objective_coefs))
-    # The entropy's cotangent, and the entropy its gradient needs.
-    coefs += (d_stats[4], stats[4]) if plan.entropy else ()
+        coefs = add_coefs(rule.cotangent_coefs(outputs, d_outputs), objective_coefs)
 
     def recompute(grads):
-        # A cotangent on the statistics themselves (a metric or the unreduced
+        # A cotangent on the outputs themselves (a metric or the unreduced
         # loss is differentiated): the logits are needed again.
         return _sweep(
             plan,
@@ -583,20 +534,18 @@ def _fused_core_bwd(plan, residuals, cotangents):
             w,
             bias,
             loss_scalars,
-            labels,
+            inputs,
             loss_weights,
             grads=grads,
-            lse=stats[0],
-            coefs=coefs,
+            given=(outputs, coefs),
         )[1]
 
-    grads = lax.cond(
-        jnp.any(jnp.stack(coefs[:4]) != 0), recompute, lambda grads: grads, grads
-    )
-    # The statistics do not depend on loss_scalars or loss_weights: their
+    nonzero = jnp.any(jnp.stack([c for c in coefs if c is not None]) != 0)
+    grads = lax.cond(nonzero, recompute, lambda grads: grads, grads)
+    # The outputs do not depend on loss_scalars or loss_weights: their
     # gradients are those of the objective alone.
     _, pullback = jax.vjp(
-        lambda s, x: _objective(plan, s, stats, x), loss_scalars, loss_weights
+        lambda s, x: _objective(plan, s, outputs, x), loss_scalars, loss_weights
     )
     d_scalars, d_weights = pullback(d_objective)
     dh, dw, db = (

@@ -67,7 +67,6 @@ References:
 """
 
 import dataclasses
-import functools
 import math
 
 import chex
@@ -76,13 +75,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lmhead import _checks, fused, head, losses
+from lmhead import _checks, _fused_sweep, losses
+from lmhead.head import NEG_INF
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
 _CONTRACT_COLUMNS = (((1,), (1,)), ((), ()))  # [a, D] x [b, D] -> [a, b]
-_CONTRACT_ROWS = (((0,), (0,)), ((), ()))  # [N, a] x [N, b] -> [a, b]
-_MATMUL = (((1,), (0,)), ((), ()))  # [a, k] x [k, b] -> [a, b]
 
 
 def _x_log_ratio(x, log_x, log_y):
@@ -216,26 +214,28 @@ def _token_weights(labels, weights, leading, vocab_size):
     return weights, None, jnp.zeros(num_tokens, bool)
 
 
-def _reduce(token_loss, divergence, nll, weights, invalid, leading, reduction):
-    """``(loss, metrics)``: the weighted mean, sum or per-token ``w * loss``."""
-    weight_sum = jnp.sum(weights)
-    safe_sum = jnp.where(weight_sum > 0, weight_sum, 1.0)
-
-    def weighted(x):
-        return losses.weighted_values(x, weights)
-
-    metrics = {
-        "loss": jnp.sum(weighted(token_loss)) / safe_sum,
-        "divergence": jnp.sum(weighted(divergence)) / safe_sum,
-    }
-    if nll is not None:
-        metrics["nll"] = jnp.sum(weighted(nll)) / safe_sum
-    metrics["weight_sum"] = weight_sum
-    metrics["invalid_labels"] = jnp.sum(invalid).astype(jnp.int32)
-    loss = _objective(token_loss, weights, reduction)
+def _reduce(token_loss, weights, reduction):
+    """The weighted mean, the sum, or ``[N]`` ``w * loss``; a weight of 0
+    gives 0 (``losses.weighted_values``)."""
+    per_token = losses.weighted_values(token_loss, weights)
     if reduction == "none":
-        loss = jnp.reshape(loss, leading)
-    return loss, jax.tree.map(lax.stop_gradient, metrics)
+        return per_token
+    total = jnp.sum(per_token)
+    if reduction == "sum":
+        return total
+    weight_sum = jnp.sum(weights)
+    return total / jnp.where(weight_sum > 0, weight_sum, 1.0)
+
+
+def _metrics(token_loss, divergence, nll, weights, invalid):
+    """The weighted means of the terms and the counts; no gradient."""
+    metrics = {"loss": token_loss, "divergence": divergence}
+    if nll is not None:
+        metrics["nll"] = nll
+    metrics = {k: _reduce(v, weights, "mean") for k, v in metrics.items()}
+    metrics["weight_sum"] = jnp.sum(weights)
+    metrics["invalid_labels"] = jnp.sum(invalid).astype(jnp.int32)
+    return jax.tree.map(lax.stop_gradient, metrics)
 
 
 def distillation_loss(
@@ -328,17 +328,40 @@ def distillation_loss(
         log_probs = jax.nn.log_softmax(z)
         nll = -jnp.take_along_axis(log_probs, safe_labels[:, None], axis=-1)[:, 0]
         token_loss = _mix(hard_weight, nll, div)
-    return _reduce(token_loss, div, nll, weights, invalid, leading, reduction)
+    loss = _reduce(token_loss, weights, reduction)
+    if reduction == "none":
+        loss = jnp.reshape(loss, leading)
+    return loss, _metrics(token_loss, div, nll, weights, invalid)
 
 
-# ----------------------------------------------------------------------------
-# The fused sweep.
-# ----------------------------------------------------------------------------
+# Indices of the rule's outputs: pass 0's log-normalizers and nll, pass 1's
+# divergence (and jsd's KL(q || m), which its gradient needs).
+_LSE_Q, _LSE_P, _NLL, _LSE_1, _DIV, _KL_QM = range(6)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
-    """The static part of a fused call."""
+class DistillationRule:
+    r"""The distillation loss as a rule of :mod:`lmhead._fused_sweep`.
+
+    Pass 0 reduces the vocabulary blocks to the student's and the teacher's
+    log-normalizers at temperature :math:`T` (online logsumexps), and with
+    labels to the student's at temperature 1 and the label's logit; pass 1
+    sums the divergence's terms (and :math:`\mathrm{KL}(q \| m)` for
+    ``jsd``), which need those normalizers. With :math:`s = z_s / T`:
+
+    .. math::
+        \frac{\partial\, \mathrm{KL}(p \| q)}{\partial s_i} = q_i - p_i,
+        \qquad \frac{\partial\, \mathrm{KL}(q \| p)}{\partial s_i}
+            = q_i \big(\log\tfrac{q_i}{p_i} - \mathrm{KL}(q \| p)\big),
+        \qquad \frac{\partial\, \mathrm{jsd}_\beta}{\partial s_i}
+            = (1 - \beta)\, q_i \big(\log\tfrac{q_i}{m_i}
+              - \mathrm{KL}(q \| m)\big),
+
+    then :math:`1/T` to reach :math:`z_s`, and the cross-entropy's
+    :math:`\mathrm{softmax}(z_s) - e_y`. ``inputs`` are ``((labels or None,
+    teacher logits [N, V] or h_t [N, D_t]), w_t [V, D_t] or ())``; a chunk's
+    teacher logits are computed (or transposed) once, ``[V, Nc]``.
+    """
 
     divergence: str  # forward_kl, reverse_kl or jsd with 0 < beta < 1
     beta: float
@@ -346,206 +369,120 @@ class _Plan:
     hard_weight: float
     has_labels: bool
     teacher_is_logits: bool
-    chunk_size: int
-    precision: jax.lax.PrecisionLike
-    grads_in_forward: bool
-    scale: float | None = None  # the student's, as in head.unembed
-    softcap: float | None = None
+    passes = 2
 
-    def dot(self, a, b, dims):
-        return lax.dot_general(
-            a, b, dims, precision=self.precision, preferred_element_type=jnp.float32
+    def empty(self, zeros, token_inputs):
+        return (zeros,) * 6
+
+    def chunk_context(self, plan, h_chunk, token_inputs, w_t):
+        labels, teacher = token_inputs
+        if self.teacher_is_logits:
+            return labels, teacher.astype(jnp.float32).T
+        return labels, plan.dot(w_t, teacher, _CONTRACT_COLUMNS)
+
+    def _groups(self, z, teacher):
+        """The logits whose logsumexps pass 0 takes: ``z / T``, the
+        teacher's ``/ T``, and ``z`` itself for the labels when ``T != 1``."""
+        t = self.temperature
+        groups = (z / t, teacher / t)
+        return groups + ((z,) if self.has_labels and t != 1.0 else ())
+
+    def init(self, pass_, zeros):
+        if pass_ == 1:
+            return (zeros, zeros)
+        groups = 2 + (self.has_labels and self.temperature != 1.0)
+        return ((zeros + NEG_INF, zeros),) * groups + (zeros,)
+
+    def block_stats(self, plan, pass_, z, v0, is_new, context, previous):
+        labels, teacher = context
+        teacher = lax.dynamic_slice_in_dim(teacher, v0, z.shape[0])
+        if pass_ == 0:
+            sums = tuple(
+                _fused_sweep.block_softmax(x, is_new)[1::2]
+                for x in self._groups(z, teacher)
+            )
+            labelled = self.has_labels
+            label = _fused_sweep.label_logit(z, labels, v0, is_new) if labelled else 0.0
+            return sums + (label,)
+        log_q, log_p = self._log_probs(z, teacher, previous)
+        if self.divergence == "forward_kl":
+            terms = (_x_log_ratio(jnp.exp(log_p), log_p, log_q),)
+        elif self.divergence == "reverse_kl":
+            terms = (_x_log_ratio(jnp.exp(log_q), log_q, log_p),)
+        else:
+            log_m = _log_mixture(log_p, log_q, self.beta)
+            kl_qm = _x_log_ratio(jnp.exp(log_q), log_q, log_m)
+            kl_pm = _x_log_ratio(jnp.exp(log_p), log_p, log_m)
+            terms = (self.beta * kl_pm + (1.0 - self.beta) * kl_qm, kl_qm)
+        sums = tuple(jnp.sum(jnp.where(is_new, x, 0.0), axis=0) for x in terms)
+        return sums + (0.0,) * (2 - len(sums))
+
+    def merge(self, pass_, carry, block):
+        if pass_ == 1:
+            return tuple(a + b for a, b in zip(carry, block))
+        *groups, label = carry
+        *b_groups, b_label = block
+        merged = tuple(
+            _fused_sweep.merge_softmax(*a, *b) for a, b in zip(groups, b_groups)
         )
+        return merged + (label + b_label,)
 
+    def combine(self, plan, pass_, carry):
+        raise NotImplementedError("distillation over a split vocabulary")
 
-def _log_probs(z, temperature):
-    """``log softmax(z / T)`` over the last axis, as ``z / T - lse``."""
-    scaled = z / temperature
-    return scaled - jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+    def finish(self, pass_, carry):
+        if pass_ == 1:
+            return carry  # (divergence, KL(q || m) or 0)
+        *groups, label = carry
+        lse = tuple(peak + jnp.log(sum_exp) for peak, sum_exp in groups)
+        lse_1 = lse[2] if len(lse) > 2 else lse[0]
+        nll = lse_1 - label if self.has_labels else jnp.zeros_like(lse_1)
+        return (lse[0], lse[1], nll, lse_1)
 
+    def _log_probs(self, z, teacher, outputs):
+        """The student's and the teacher's ``log softmax(. / T)`` of a block."""
+        t = self.temperature
+        return z / t - outputs[_LSE_Q], teacher / t - outputs[_LSE_P]
 
-def _chunk(plan, i, num_tokens, h, w, bias, teacher, labels):
-    """Chunk ``i``'s start, new-token mask, ``h`` rows and terms.
+    def loss(self, loss_scalars, outputs):
+        return _mix(self.hard_weight, outputs[_NLL], outputs[_DIV])
 
-    Returns ``(start, is_new [C], h_c [C, D], token_loss, divergence, nll,
-    g [C, V])`` with ``g`` the per-token loss's gradient w.r.t. the logits
-    before the softcap (``scale * h @ w.T + bias``).
-    The last chunk of a ragged ``N`` starts at ``N - C`` and masks what the
-    previous chunk covered, so nothing is padded or indexed out of range.
-    """
-    size = plan.chunk_size
-    start = jnp.minimum(i * size, num_tokens - size)
-    is_new = start + jnp.arange(size) >= i * size
-    h_c = lax.dynamic_slice_in_dim(h, start, size)
-    z = plan.dot(h_c, w, _CONTRACT_COLUMNS)
-    if plan.scale is not None:
-        z = z * plan.scale
-    if bias is not None:
-        z = z + bias.astype(jnp.float32)
-    if plan.softcap is not None:
-        z = head.apply_softcap(z, plan.softcap)
-    if plan.teacher_is_logits:
-        z_t = lax.dynamic_slice_in_dim(teacher[0], start, size).astype(jnp.float32)
-    else:
-        h_t, w_t = teacher
-        z_t = plan.dot(
-            lax.dynamic_slice_in_dim(h_t, start, size), w_t, _CONTRACT_COLUMNS
-        )
-    t = plan.temperature
-    # Log-probs as logits minus a logsumexp, not jax.nn.log_softmax: XLA then
-    # fuses each reduction below and the gradient with the elementwise work
-    # that feeds it, and no [C, V] array but the logits and g is written.
-    log_q = _log_probs(z, t)
-    log_p = _log_probs(z_t, t)
-    div = token_divergence(log_q, log_p, divergence=plan.divergence, beta=plan.beta)
-    q = jnp.exp(log_q)
-    if plan.divergence == "forward_kl":
-        g = q - jnp.exp(log_p)
-    elif plan.divergence == "reverse_kl":
-        g = jnp.where(q > 0, q * (log_q - log_p - div[:, None]), 0.0)
-    else:
-        log_m = _log_mixture(log_p, log_q, plan.beta)
-        kl_qm = jnp.sum(_x_log_ratio(q, log_q, log_m), axis=-1)
-        g = (1.0 - plan.beta) * jnp.where(
-            q > 0, q * (log_q - log_m - kl_qm[:, None]), 0.0
-        )
-    g = g / t
-    nll = jnp.zeros(size, jnp.float32)
-    token_loss = div
-    if plan.has_labels:
-        y = lax.dynamic_slice_in_dim(labels, start, size)
-        lse = jax.nn.logsumexp(z, axis=-1)
-        nll = lse - jnp.take_along_axis(z, y[:, None], axis=-1)[:, 0]
-        a = plan.hard_weight
-        token_loss = _mix(a, nll, div)
-        if a > 0:
-            is_label = lax.broadcasted_iota(jnp.int32, z.shape, 1) == y[:, None]
-            g_ce = jnp.exp(z - lse[:, None]) - is_label
-            g = g_ce if a == 1 else a * g_ce + (1.0 - a) * g
-    if plan.softcap is not None:  # d(c tanh(u / c)) / du = 1 - (z / c)^2
-        g = g * (1.0 - jnp.square(z / plan.softcap))
-    return start, is_new, h_c, token_loss, div, nll, g
+    def loss_coefs(self, loss_scalars, outputs, weights):
+        """``weights * d loss / d(divergence, nll)``; None for a left-out term."""
+        a = self.hard_weight
+        c_div = None if a == 1 else weights if a == 0 else (1.0 - a) * weights
+        c_nll = None if a == 0 else weights if a == 1 else a * weights
+        return c_div, c_nll
 
+    def cotangent_coefs(self, outputs, cotangents):
+        nll = cotangents[_NLL] if self.has_labels else None
+        return cotangents[_DIV], nll
 
-def _sweep(plan, h, w, bias, teacher, labels, coefficients):
-    """Per-token terms ``[N]`` x 3 and, with ``coefficients: [N]``, the
-    gradients of ``sum_t c_t l_t`` w.r.t. ``h``, ``w`` and ``bias``."""
-    num_tokens = h.shape[0]
-    size = plan.chunk_size
-    num_chunks = -(-num_tokens // size)
-    with_grads = coefficients is not None
-    zeros = jnp.zeros(num_tokens, jnp.float32)
-    carry = (zeros, zeros, zeros)
-    if with_grads:
-        carry += (
-            jnp.zeros(h.shape, jnp.float32),
-            jnp.zeros(w.shape, jnp.float32),
-            None if bias is None else jnp.zeros(bias.shape, jnp.float32),
-        )
-
-    def put(total, start, is_new, value):
-        old = lax.dynamic_slice_in_dim(total, start, size)
-        mask = is_new.reshape((size,) + (1,) * (value.ndim - 1))
-        return lax.dynamic_update_slice_in_dim(
-            total, jnp.where(mask, value, old), start, axis=0
-        )
-
-    def body(i, carry):
-        start, is_new, h_c, token_loss, div, nll, g = _chunk(
-            plan, i, num_tokens, h, w, bias, teacher, labels
-        )
-        terms = tuple(
-            put(total, start, is_new, value)
-            for total, value in zip(carry[:3], (token_loss, div, nll))
-        )
-        if not with_grads:
-            return terms
-        dh, dw, dbias = carry[3:]
-        c = jnp.where(is_new, lax.dynamic_slice_in_dim(coefficients, start, size), 0.0)
-        # A token of coefficient 0 (padding, a covered token) adds exactly 0,
-        # even where its terms are not finite.
-        g = jnp.where(c[:, None] != 0, g * c[:, None], 0.0)
-        if dbias is not None:
-            dbias = dbias + jnp.sum(g, axis=0)
-        if plan.scale is not None:
-            g = g * plan.scale
-        g_in = g.astype(h_c.dtype)  # the matmuls at the inputs' precision
-        dh = put(dh, start, is_new, plan.dot(g_in, w, _MATMUL))
-        dw = dw + plan.dot(g_in, h_c, _CONTRACT_ROWS)
-        return terms + (dh, dw, dbias)
-
-    return lax.fori_loop(0, num_chunks, body, carry)
-
-
-def _weights_cotangent(token_loss, weights, reduction, g):
-    """The exact gradient w.r.t. the weights of the reduced loss."""
-    finite = jnp.where(jnp.isfinite(token_loss) | (weights != 0), token_loss, 0.0)
-    if reduction in ("none", "sum"):
-        return g * finite
-    weight_sum = jnp.sum(weights)
-    safe_sum = jnp.where(weight_sum > 0, weight_sum, 1.0)
-    mean = jnp.sum(weights * finite) / safe_sum
-    return g * (finite - mean) / safe_sum
-
-
-def _objective_coefficients(weights, reduction):
-    if reduction == "sum":
-        return weights
-    weight_sum = jnp.sum(weights)
-    return weights / jnp.where(weight_sum > 0, weight_sum, 1.0)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fused_core(plan, reduction, h, w, bias, teacher, labels, weights):
-    """``(objective or [N] w * loss, (token_loss, divergence, nll))``."""
-    token_loss, div, nll = _sweep(plan, h, w, bias, teacher, labels, None)[:3]
-    return _objective(token_loss, weights, reduction), (token_loss, div, nll)
-
-
-def _objective(token_loss, weights, reduction):
-    """The reduced loss: the weighted mean, the sum, or ``[N]`` ``w * loss``."""
-    per_token = losses.weighted_values(token_loss, weights)
-    if reduction == "none":
-        return per_token
-    total = jnp.sum(per_token)
-    if reduction == "sum":
-        return total
-    weight_sum = jnp.sum(weights)
-    return total / jnp.where(weight_sum > 0, weight_sum, 1.0)
-
-
-def _fused_forward(plan, reduction, h, w, bias, teacher, labels, weights):
-    if plan.grads_in_forward:
-        coefficients = _objective_coefficients(weights, reduction)
-        token_loss, div, nll, dh, dw, dbias = _sweep(
-            plan, h, w, bias, teacher, labels, coefficients
-        )
-        grads = (dh, dw, dbias)
-    else:
-        token_loss, div, nll = _sweep(plan, h, w, bias, teacher, labels, None)[:3]
-        grads = None
-    out = (_objective(token_loss, weights, reduction), (token_loss, div, nll))
-    return out, (h, w, bias, teacher, labels, weights, token_loss, grads)
-
-
-def _fused_backward(plan, reduction, residuals, cotangents):
-    h, w, bias, teacher, labels, weights, token_loss, grads = residuals
-    g = cotangents[0]  # the terms' cotangents are zero: they are metrics only
-    if grads is None:
-        _, _, _, dh, dw, dbias = _sweep(plan, h, w, bias, teacher, labels, g * weights)
-    else:
-        dh, dw, dbias = (None if x is None else g * x for x in grads)
-    return (
-        dh.astype(h.dtype),
-        dw.astype(w.dtype),
-        None if bias is None else dbias.astype(bias.dtype),
-        None,  # the teacher is a constant
-        None,
-        _weights_cotangent(token_loss, weights, reduction, g),
-    )
-
-
-_fused_core.defvjp(_fused_forward, _fused_backward)
+    def dlogits(self, z, v0, context, outputs, coefs):
+        labels, teacher = context
+        c_div, c_nll = coefs
+        dz = jnp.zeros_like(z)
+        # A token of coefficient 0 (padding, a left-out term) adds exactly 0,
+        # even where its term's gradient is not finite.
+        if c_div is not None:
+            teacher = lax.dynamic_slice_in_dim(teacher, v0, z.shape[0])
+            log_q, log_p = self._log_probs(z, teacher, outputs)
+            q = jnp.exp(log_q)
+            if self.divergence == "forward_kl":
+                g = q - jnp.exp(log_p)
+            elif self.divergence == "reverse_kl":
+                g = jnp.where(q > 0, q * (log_q - log_p - outputs[_DIV]), 0.0)
+            else:
+                log_m = _log_mixture(log_p, log_q, self.beta)
+                g = (1.0 - self.beta) * jnp.where(
+                    q > 0, q * (log_q - log_m - outputs[_KL_QM]), 0.0
+                )
+            dz = jnp.where(c_div != 0, c_div * (g / self.temperature), 0.0)
+        if c_nll is not None:
+            p = jnp.exp(z - outputs[_LSE_1])
+            g = p - _fused_sweep.is_label(z, v0, labels)
+            dz = dz + jnp.where(c_nll != 0, c_nll * g, 0.0)
+        return dz
 
 
 def _check_teacher(teacher, leading, vocab_size):
@@ -674,50 +611,53 @@ def fused_distillation_loss(
     if num_tokens == 0:
         empty = jnp.zeros(0, jnp.float32)
         nll = None if labels is None else empty
-        return _reduce(empty, empty, nll, weights, invalid, leading, reduction)
+        loss = _reduce(empty, weights, reduction)
+        loss = jnp.reshape(loss, leading) if reduction == "none" else loss
+        return loss, _metrics(empty, empty, nll, weights, invalid)
     if chunk_size is None:
         # Twice the cross-entropy's chunk: the largest temporary here is the
-        # dw accumulator, so a chunk of [C, V] arrays twice as long costs
+        # dw accumulator, so a chunk of [V, C] arrays twice as long costs
         # little memory, and the dw matmul contracts over twice the tokens.
-        chunk_size = fused.default_chunk_size(max(1, vocab_size // 2))
-    plan = _Plan(
+        chunk_size = _fused_sweep.default_chunk_size(max(1, vocab_size // 2))
+    rule = DistillationRule(
         divergence=_effective(divergence, float(beta)),
         beta=float(beta),
         temperature=float(temperature),
         hard_weight=float(hard_weight),
         has_labels=labels is not None,
         teacher_is_logits=teacher_is_logits,
-        chunk_size=min(int(chunk_size), num_tokens),
-        precision=precision,
-        grads_in_forward=reduction != "none",
+    )
+    plan = _fused_sweep.Plan(
+        rule,
+        vocab_size,
+        None,
+        *_fused_sweep.block_sizes(num_tokens, vocab_size, chunk_size, None),
         scale=None if scale is None else float(scale),
         softcap=None if softcap is None else float(softcap),
+        precision=precision,
+        grads_in_forward=reduction != "none",
     )
     dtype = jnp.result_type(h, w)
-    if teacher_is_logits:
-        teacher = (jnp.reshape(teacher[0], (num_tokens, vocab_size)),)
+    if teacher_is_logits:  # the teacher is a constant: no gradient
+        inputs = (jnp.reshape(teacher[0], (num_tokens, vocab_size)), ())
     else:  # w_t keeps its [V, D_t]
-        teacher = (jnp.reshape(teacher[0], (num_tokens, -1)), jnp.asarray(teacher[1]))
-    objective, terms = _fused_core(
+        inputs = (jnp.reshape(teacher[0], (num_tokens, -1)), jnp.asarray(teacher[1]))
+    inputs = jax.tree.map(lax.stop_gradient, ((safe_labels, inputs[0]), inputs[1]))
+    objective, outputs = _fused_sweep.fused_core(
         plan,
-        reduction,
         jnp.reshape(h, (num_tokens, d_model)).astype(dtype),
         jnp.asarray(w, dtype),
         None if bias is None else jnp.asarray(bias),
-        tuple(lax.stop_gradient(x) for x in teacher),
-        safe_labels,
+        jnp.zeros(0, jnp.float32),
         weights,
+        inputs,
     )
-    token_loss, div, nll = (lax.stop_gradient(x) for x in terms)
-    _, metrics = _reduce(
-        token_loss,
-        div,
-        nll if plan.has_labels else None,
-        weights,
-        invalid,
-        leading,
-        reduction,
-    )
+    token_loss = rule.loss(None, outputs)
+    nll = outputs[_NLL] if rule.has_labels else None
+    metrics = _metrics(token_loss, outputs[_DIV], nll, weights, invalid)
     if reduction == "none":
-        return jnp.reshape(objective, leading), metrics
-    return objective, metrics
+        return jnp.reshape(_reduce(token_loss, weights, "none"), leading), metrics
+    if reduction == "sum":
+        return objective, metrics
+    weight_sum = jnp.sum(weights)
+    return objective / jnp.where(weight_sum > 0, weight_sum, 1.0), metrics

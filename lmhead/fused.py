@@ -7,28 +7,16 @@ computes the same loss and metrics as
 ``losses.cross_entropy(head.unembed(h, w, bias, ...), labels, ...)`` while
 holding the logits of one block of tokens at a time.
 
-The sweep and its custom VJP are in :mod:`lmhead._fused_sweep`, whose
-docstring derives the gradient and explains how a split vocabulary combines
-across devices; this module holds the public function, its checks and the
-block sizes.
-
-Blocks. The forward sweep computes a chunk's logits ``[V, chunk_size]`` with
-one matmul and keeps them while it reduces them (an online logsumexp) and
-turns them into gradients, ``VOCAB_BLOCK_ROWS`` vocabulary rows at a time.
-The kept logits are the largest temporary, so by default ``chunk_size`` is
-``BLOCK_ELEMENTS // V`` clipped to ``[MIN_CHUNK_SIZE, MAX_CHUNK_SIZE]``. On
-CPU (``2**22`` numbers, 16 MiB; 1024-row blocks) each vocabulary block
-stays in a core's cache and the matmuls stay large enough to run near the
-machine's matmul rate; on GPU and TPU (``2**26`` numbers, 16384-row blocks)
-there are fewer, larger kernels, still a small fraction of the device's
-memory. The ``dw`` matmul contracts over the chunk's tokens, so chunks much
-smaller than 128 tokens make it slow. With ``vocab_chunk_size`` the logits
-are computed that many rows at a time, twice (statistics, then gradients),
-as Cut Cross-Entropy does: no temporary grows with ``V``, at the price of a
-fourth matmul.
+It is a rule of the one chunked sweep, :mod:`lmhead._fused_sweep` (chunks,
+blocks, the vocabulary split, skipped tokens, the custom VJP):
+:class:`CrossEntropyRule` says which statistics a token needs and the
+gradient with respect to its logits. This module holds the rule, the public
+function, its checks and the block sizes' re-exports. docs/fused_loss.md
+derives the gradient and says how the block sizes were chosen.
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -37,15 +25,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from lmhead import _checks, _fused_sweep, head, losses
-
-# Default block sizes by platform (``jax.default_backend()``), see the module
-# docstring: numbers in one chunk's kept logits, and vocabulary rows per block
-# of the elementwise work and of each ``dw`` update (XLA does not accumulate
-# into a matmul's output, so an update needs a ``[rows, D]`` temporary).
-BLOCK_ELEMENTS = {"cpu": 2**22, "gpu": 2**26, "tpu": 2**26}
-VOCAB_BLOCK_ROWS = {"cpu": 1024, "gpu": 16384, "tpu": 16384}
-MIN_CHUNK_SIZE = 128
-MAX_CHUNK_SIZE = 1024
+from lmhead._fused_sweep import (  # noqa: F401  (re-exported: the sizes' knobs)
+    BLOCK_ELEMENTS,
+    MAX_CHUNK_SIZE,
+    MIN_CHUNK_SIZE,
+    VOCAB_BLOCK_ROWS,
+    default_chunk_size,
+)
+from lmhead.head import NEG_INF
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,18 +45,150 @@ class VocabShards:
     Attributes:
         axis: the mesh axis.
         count: devices along it; it must divide ``V``.
-        run: ``run(core, h, w, bias, loss_scalars, weights, labels) ->
-            (objective, stats)`` calls ``core`` (a function of the same
+        run: ``run(core, h, w, bias, loss_scalars, weights, inputs) ->
+            (objective, outputs)`` calls ``core`` (a function of the same
             arguments) on every device, with a device's tokens and its rows
             of ``w`` and ``bias`` (``[N, D]``, ``[V, D]``, ``[V]``, ``[2]``,
-            ``[N]``, ``[N]`` in all; ``loss_scalars`` is replicated), and
-            returns ``core``'s objective summed over the devices' tokens and
-            its statistics of every token.
+            ``[N]`` in all; ``loss_scalars`` is replicated; ``inputs`` is
+            ``(labels [N], ())``), and returns ``core``'s objective summed
+            over the devices' tokens and its outputs for every token.
     """
 
     axis: str
     count: int
     run: Callable[..., tuple[jax.Array, tuple[jax.Array, ...]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossEntropyRule:
+    r"""Cross-entropy (smoothing, z-loss) and optionally the entropy, as a rule.
+
+    Every option of the loss is a function of three statistics of a token's
+    logits ``z`` -- ``lse``, the label's logit ``z_y`` and ``sum_i z_i``
+    (:func:`lmhead.losses.token_losses`) -- and accuracy needs the argmax;
+    the entropy adds :math:`t = \sum_i e^{z_i - m}(z_i - m)`, so that
+    :math:`H = \log s - t / s` with :math:`s = \sum_i e^{z_i - m}`. Outputs:
+    ``(lse, label_logit, logit_sum, argmax[, entropy])``. The gradient is
+
+    .. math::
+        \frac{\partial L}{\partial z_i} = \alpha p_i + \beta [i = y] + \gamma
+            - c\, p_i (\log p_i + H),
+
+    with :math:`(\alpha, \beta, \gamma)` the cotangents of the three
+    statistics and :math:`c` that of the entropy. ``label_smoothing`` and
+    ``z_loss`` are Python floats compiled in, or None: traced, read from
+    ``loss_scalars: [2]``.
+    """
+
+    vocab_size: int  # V of the loss, all devices' rows together
+    label_smoothing: float | None
+    smoothing: str
+    z_loss: float | None
+    entropy: bool = False
+    passes = 1
+
+    def empty(self, zeros, labels):
+        return (zeros,) * 3 + (jnp.zeros_like(labels),) + (zeros,) * self.entropy
+
+    def chunk_context(self, plan, h_chunk, labels, row_inputs):
+        return labels - plan.first_row()  # labels count from this device's rows
+
+    def init(self, pass_, zeros):
+        init = (zeros + NEG_INF, zeros, zeros, zeros, zeros.astype(jnp.int32))
+        return init + (zeros,) * self.entropy
+
+    def block_stats(self, plan, pass_, z, v0, is_new, labels, previous):
+        """Per-token max, sum of exp(z - max), label logit, logit sum, argmax,
+        and with ``entropy`` the sum of ``exp(z - max) * (z - max)``."""
+        live, peak, exp, sum_exp = _fused_sweep.block_softmax(z, is_new)
+        logit_sum = jnp.sum(jnp.where(is_new, z, 0.0), axis=0)
+        label = _fused_sweep.label_logit(z, labels, v0, is_new)
+        # The first row that attains the max, as jnp.argmax; a float
+        # min-reduce is several times faster on CPU than XLA's (value,
+        # index) reduce, and float32 holds row numbers exactly up to 2^24.
+        rows = z.shape[0]
+        index = lax.broadcasted_iota(jnp.float32, z.shape, 0)
+        first = jnp.min(jnp.where(live == peak, index, jnp.inf), axis=0)
+        argmax = v0 + jnp.minimum(first, rows - 1).astype(jnp.int32)
+        stats = (peak, sum_exp, label, logit_sum, argmax)
+        if not self.entropy:
+            return stats
+        # 0 where exp(z - max) is 0 (a logit of -inf), not 0 * -inf.
+        return stats + (jnp.sum(jnp.where(exp > 0, exp * (live - peak), 0.0), axis=0),)
+
+    def merge(self, pass_, carry, block):
+        peak, sum_exp, label, logit_sum, argmax, *tilted = carry
+        b_peak, b_sum_exp, b_label, b_sum, b_arg, *b_tilted = block
+        new_peak = jnp.maximum(peak, b_peak)
+        tilted = tuple(
+            _fused_sweep.rescaled_tilt(t, sum_exp, peak, new_peak)
+            + _fused_sweep.rescaled_tilt(b_t, b_sum_exp, b_peak, new_peak)
+            for t, b_t in zip(tilted, b_tilted)
+        )
+        _, sum_exp = _fused_sweep.merge_softmax(peak, sum_exp, b_peak, b_sum_exp)
+        # Strictly greater: on ties the earlier block (lower index) wins,
+        # as jnp.argmax does.
+        argmax = jnp.where(b_peak > peak, b_arg, argmax)
+        return (new_peak, sum_exp, label + b_label, logit_sum + b_sum, argmax, *tilted)
+
+    def combine(self, plan, pass_, carry):
+        """The statistics of the whole vocabulary from each device's rows:
+        ``pmax`` of the running max, ``psum`` of the rescaled sums."""
+        peak, sum_exp, label, logit_sum, argmax, *tilted = carry
+        axis = plan.vocab_axis
+        top = lax.pmax(peak, axis)
+        tilted = tuple(
+            lax.psum(_fused_sweep.rescaled_tilt(t, sum_exp, peak, top), axis)
+            for t in tilted
+        )
+        sum_exp = lax.psum(sum_exp * jnp.exp(peak - _fused_sweep.finite(top)), axis)
+        # Ties go to the lowest index, as jnp.argmax does.
+        argmax = lax.pmin(
+            jnp.where(peak == top, argmax + plan.first_row(), self.vocab_size), axis
+        )
+        label, logit_sum = lax.psum(label, axis), lax.psum(logit_sum, axis)
+        return (top, sum_exp, label, logit_sum, argmax, *tilted)
+
+    def finish(self, pass_, carry):
+        peak, sum_exp, label, logit_sum, argmax, *tilted = carry
+        entropy = tuple(jnp.log(sum_exp) - t / sum_exp for t in tilted)
+        return (peak + jnp.log(sum_exp), label, logit_sum, argmax, *entropy)
+
+    def loss(self, loss_scalars, outputs):
+        """``losses.token_losses``' loss; ``loss_scalars: [2]`` float32 holds
+        ``(label_smoothing, z_loss)``, used where the rule holds None."""
+        return losses.token_losses(
+            *outputs[:3],
+            self.vocab_size,
+            label_smoothing=(
+                loss_scalars[0]
+                if self.label_smoothing is None
+                else self.label_smoothing
+            ),
+            smoothing=self.smoothing,
+            z_loss=loss_scalars[1] if self.z_loss is None else self.z_loss,
+        )[0]
+
+    def loss_coefs(self, loss_scalars, outputs, weights):
+        """``weights * dL/d(lse, label_logit, logit_sum)``, token by token."""
+        loss = functools.partial(lambda s, *x: self.loss(s, x), loss_scalars)
+        _, pullback = jax.vjp(loss, *outputs[:3])
+        return pullback(weights) + (None,) * self.entropy
+
+    def cotangent_coefs(self, outputs, cotangents):
+        return cotangents[:3] + (cotangents[4:5] if self.entropy else ())
+
+    def dlogits(self, z, v0, labels, outputs, coefs):
+        alpha, beta, gamma, *c_entropy = coefs
+        lse = outputs[0]
+        p = jnp.exp(z - lse)
+        dz = alpha * p + jnp.where(_fused_sweep.is_label(z, v0, labels), beta, 0.0)
+        dz = dz + gamma
+        if c_entropy and c_entropy[0] is not None:
+            # dH/dz_i = -p_i (log p_i + H); 0 where p is 0 (a logit of
+            # -inf), not 0 * -inf.
+            dz = dz - jnp.where(p > 0, c_entropy[0] * p * (z - lse + outputs[4]), 0.0)
+        return dz
 
 
 def _check_inputs(h, w, bias, chunk_size, vocab_chunk_size, scalars, static):
@@ -89,39 +208,6 @@ def _check_vocab_shards(vocab_shards, vocab_size):
             f"w has {vocab_size} rows, which the mesh's {vocab_shards.axis!r} "
             f"axis ({vocab_shards.count}) must divide."
         )
-
-
-def default_chunk_size(width: int) -> int:
-    """Tokens per chunk when a chunk's ``[width, chunk_size]`` logits are kept.
-
-    ``BLOCK_ELEMENTS[platform] // width`` clipped to ``[MIN_CHUNK_SIZE,
-    MAX_CHUNK_SIZE]`` (see the module docstring).
-
-    Examples:
-        >>> default_chunk_size(32768) == max(
-        ...     MIN_CHUNK_SIZE, BLOCK_ELEMENTS[jax.default_backend()] // 32768)
-        True
-    """
-    elements = BLOCK_ELEMENTS.get(jax.default_backend(), BLOCK_ELEMENTS["cpu"])
-    return min(max(elements // width, MIN_CHUNK_SIZE), MAX_CHUNK_SIZE)
-
-
-def _block_sizes(num_tokens, num_rows, chunk_size, vocab_chunk_size):
-    """``(chunk_size, block_rows, keep_logits)`` with the defaults filled in.
-
-    ``num_tokens`` and ``num_rows`` are those of ``h`` and ``w`` on a device.
-    """
-    platform = jax.default_backend()
-    keep_logits = vocab_chunk_size is None or vocab_chunk_size >= num_rows
-    width = num_rows if keep_logits else int(vocab_chunk_size)
-    if chunk_size is None:
-        chunk_size = default_chunk_size(width)
-    rows = (
-        VOCAB_BLOCK_ROWS.get(platform, VOCAB_BLOCK_ROWS["cpu"])
-        if keep_logits
-        else width
-    )
-    return min(int(chunk_size), num_tokens), min(rows, num_rows), keep_logits
 
 
 def _optional_float(x):
@@ -351,25 +437,27 @@ def fused_cross_entropy(
 
     plan_smoothing, plan_z_loss, loss_scalars = _loss_scalars(label_smoothing, z_loss)
 
-    def core(h, w, bias, loss_scalars, loss_weights, labels):
+    rule = CrossEntropyRule(
+        vocab_size, plan_smoothing, smoothing, plan_z_loss, entropy=entropy
+    )
+
+    def core(h, w, bias, loss_scalars, loss_weights, inputs):
         # Block sizes from what one device holds: its tokens and its rows.
         plan = _fused_sweep.Plan(
-            vocab_size,
+            rule,
             w.shape[0],
             None if vocab_shards is None else vocab_shards.axis,
-            *_block_sizes(h.shape[0], w.shape[0], chunk_size, vocab_chunk_size),
-            plan_smoothing,
-            smoothing,
-            plan_z_loss,
+            *_fused_sweep.block_sizes(
+                h.shape[0], w.shape[0], chunk_size, vocab_chunk_size
+            ),
             _optional_float(scale),
             _optional_float(softcap),
             precision,
             grads_in_forward=reduction != "none",
             skip_zero_weights=skip_zero_weights,
-            entropy=entropy,
         )
         return _fused_sweep.fused_core(
-            plan, h, w, bias, loss_scalars, loss_weights, labels
+            plan, h, w, bias, loss_scalars, loss_weights, inputs
         )
 
     dtype = jnp.result_type(h, w)
@@ -390,7 +478,7 @@ def fused_cross_entropy(
         None if bias is None else jnp.asarray(bias),
         loss_scalars,
         loss_weights,
-        safe_labels,
+        (safe_labels, ()),
     )
     objective, (lse, label_logit, logit_sum, argmax, *token_entropy) = (
         core(*args) if vocab_shards is None else vocab_shards.run(core, *args)

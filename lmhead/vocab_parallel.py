@@ -39,7 +39,7 @@ def _context_mesh(mesh: Mesh | None):
     return mesh
 
 
-def _on_mesh(mesh, core, h, w, bias, loss_scalars, loss_weights, labels):
+def _on_mesh(mesh, core, h, w, bias, loss_scalars, loss_weights, inputs):
     """``core`` on every device of ``mesh``: its tokens (split over
     ``"data"`` when that divides their number, replicated otherwise) against
     its rows of ``w`` and ``bias``, and the replicated ``loss_scalars``; see
@@ -50,7 +50,7 @@ def _on_mesh(mesh, core, h, w, bias, loss_scalars, loss_weights, labels):
         else None
     )
 
-    def per_device(h, w, bias, loss_scalars, loss_weights, labels):
+    def per_device(h, w, bias, loss_scalars, loss_weights, inputs):
         # The fused gradient of each of h, w, bias is a product with the
         # others, so all three vary over both axes; the transposes of these
         # casts then sum dh over "model" and dw, dbias over "data". That of
@@ -61,7 +61,7 @@ def _on_mesh(mesh, core, h, w, bias, loss_scalars, loss_weights, labels):
             w, bias, loss_scalars = lax.pcast(
                 (w, bias, loss_scalars), tokens, to="varying"
             )
-        objective, stats = core(h, w, bias, loss_scalars, loss_weights, labels)
+        objective, stats = core(h, w, bias, loss_scalars, loss_weights, inputs)
         if tokens is not None:
             objective = lax.psum(objective, tokens)
         return objective, stats
@@ -70,9 +70,9 @@ def _on_mesh(mesh, core, h, w, bias, loss_scalars, loss_weights, labels):
     return jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(by_token, by_row, by_row, P(), by_token, by_token),
+        in_specs=(by_token, by_row, by_row, P(), by_token, (by_token, by_row)),
         out_specs=(P(), by_token),
-    )(h, w, bias, loss_scalars, loss_weights, labels)
+    )(h, w, bias, loss_scalars, loss_weights, inputs)
 
 
 def vocab_parallel_cross_entropy(

@@ -169,8 +169,9 @@ class SkipZeroWeightsTest(parameterized.TestCase):
         # and keep statistics 0; chunk 1 holds 4 of them, computed.
         h, w, _, labels = make_inputs(3)
         weights = weight_patterns()["empty_ends"].reshape(-1)
+        rule = fused.CrossEntropyRule(V, 0.0, "uniform", 0.0)
         plan = _fused_sweep.Plan(
-            V, V, None, CHUNK, 16, True, 0.0, "uniform", 0.0, None, None, None,
+            rule, V, None, CHUNK, 16, True, None, None, None,
             grads_in_forward=False, skip_zero_weights=True,
         )  # fmt: skip
         _, (lse, *_) = _fused_sweep.fused_core(
@@ -180,7 +181,7 @@ class SkipZeroWeightsTest(parameterized.TestCase):
             None,
             jnp.zeros(2),
             jnp.asarray(weights),
-            jnp.reshape(labels, -1),
+            (jnp.reshape(labels, -1), ()),
         )
         order = np.argsort(weights == 0, kind="stable")
         computed = np.zeros(N, bool)

@@ -27,10 +27,6 @@ directory (:func:`lmhead.lab.workdirs.read_sweep`) and writes there:
 * ``loss_vs_vocab.png`` and ``loss_vs_params.png``: final validation loss
   (nats per token, and bits per character, the one comparable across
   tokenizers) against vocabulary size and against parameter count.
-
-It is one module, over 400 lines, because the generic report is the shared
-pieces put together: a reader sees in one file what a report is made of and
-one report made of it.
 """
 
 import contextlib

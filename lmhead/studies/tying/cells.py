@@ -479,8 +479,8 @@ class Margin(NamedTuple):
 class SelectionNoise:
     """How far each tuned arm's chosen rate is from the next best rate, set
     against the seeds' noise in that distance, in validation bits/char (the
-    scale of the contrasts; a loss per token would weigh a character model's
-    margins about three times a BPE 8192 model's).
+    scale of the contrasts; a loss per token would weigh each vocabulary's
+    margins by its characters per token).
 
     Attributes:
         margins: ``{(vocab, amount, arm): Margin}``.

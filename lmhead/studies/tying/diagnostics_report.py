@@ -18,10 +18,7 @@ computes the functions of :mod:`lmhead.studies.tying.diagnostics`.
 - ``diagnostics.json`` and ``diagnostics.md``: the numbers (logit scale,
   rank correlations, mean cosines, bucket losses).
 
-``experiments/tying_diagnostics.py`` is its command. The module is over 400
-lines because it is that command's one pipeline, in order: loading a run,
-computing its numbers, and the outputs, each used once by
-:func:`write_diagnostics`.
+``experiments/tying_diagnostics.py`` is its command.
 """
 
 import dataclasses

@@ -5,7 +5,7 @@ The report's selection noise (:func:`~lmhead.studies.tying.cells.selection_noise
 is the tuning *seeds'* noise in a margin: the next best rate's validation
 bits/char minus the chosen rate's, averaged over the tuning seeds. Those
 seeds were all read on the same validation windows (``train.eval_batches *
-train.batch_size`` evenly spaced ones, 384 in the study), so their spread
+train.batch_size`` evenly spaced ones), so their spread
 leaves out a second source: the windows themselves, a sample of the split's
 text. This module measures it. For tuning seed ``s`` with per-window losses
 :math:`\ell_{s,w}` at the chosen rate and :math:`\ell'_{s,w}` at the next,

@@ -20,6 +20,7 @@ from lmhead.studies.tying import cells as cells_lib
 from lmhead.studies.tying.cells import ALPHA
 
 DATA_FILE = "literature.toml"
+DASH = report.DASH
 ARMS = (
     "a tied; b untied, a's shape; c untied, narrower to a's parameter count; d "
     "tied plus whole blocks to b's count; e b's shape, tied until 2/3 of arm a's median best step in the cell, then "
@@ -444,10 +445,9 @@ def _equivalence_text(cells: int) -> str:
 
 def _equivalence_table(cells, equivalence) -> str:
     header = ["vocabulary", "amount", "margin (bits/char)", "TOST p", "(Holm)"]
-    text = lambda p: "—" if math.isnan(p) else f"{p:.3g}"
     body = [
-        [*_label(c), "—" if math.isnan(t.margin) else f"±{t.margin:.4f}", text(t.p),
-         text(t.holm_p)]
+        [*_label(c), DASH if math.isnan(t.margin) else f"±{t.margin:.4f}", _p(t.p),
+         _p(t.holm_p)]
         for c, t in zip(cells, equivalence)
     ]  # fmt: skip
     return report.markdown_table(header, body)
@@ -459,7 +459,12 @@ _WORD_PPL = Contrast("b", "a", "test_bpc", 0)  # shown with per-word perplexity
 def _table(rows, cells, name, with_word_ppl) -> str:
     header = ["vocabulary", "amount", "pairs", f"{name} [95%]", "p (Holm)"]
     body = [
-        [*_label(c), str(c.difference.n), report.interval_text(c.difference), _p(c)]
+        [
+            *_label(c),
+            str(c.difference.n),
+            report.interval_text(c.difference),
+            _p(c.holm_p),
+        ]
         for c in cells
     ]
     if not with_word_ppl:
@@ -467,7 +472,7 @@ def _table(rows, cells, name, with_word_ppl) -> str:
     changes = [word_ppl_change(rows, c.vocab, c.amount) for c in cells]
     for line, (change, low, high) in zip(body, changes):
         ends = "" if math.isnan(low) else f" [{low:+.2%}, {high:+.2%}]"
-        line.append("—" if math.isnan(change) else f"{change:+.2%}{ends}")
+        line.append(DASH if math.isnan(change) else f"{change:+.2%}{ends}")
     means = [m for m, *_ in changes if math.isfinite(m)]
     here = f"{min(means):+.1%} to {max(means):+.1%}" if means else "unmeasured"
     published = sorted(p.change for p in PTB_PAIRS)
@@ -478,8 +483,9 @@ def _table(rows, cells, name, with_word_ppl) -> str:
     )
 
 
-def _p(cell: cells_lib.Contrast) -> str:
-    return "—" if math.isnan(cell.holm_p) else f"{cell.holm_p:.3g}"
+def _p(p: float) -> str:
+    """A p-value to 3 significant digits, a dash for NaN (no test)."""
+    return DASH if math.isnan(p) else f"{p:.3g}"
 
 
 def _summary(cells, predicted, family: int | None, equivalence=None) -> str:

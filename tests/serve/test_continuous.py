@@ -75,12 +75,47 @@ def wait_until(condition, timeout=60.0):
         time.sleep(0.002)
 
 
+def gate_decoding(monkeypatch, go):
+    """Makes each decoding call of a :class:`continuous.SlotBatcher` wait
+    until ``go(batcher)`` holds (checked again whenever a request is queued
+    or cancelled, or the batcher stops): a request cannot run further than
+    the test lets it, however fast the machine."""
+    step = continuous.SlotBatcher._step
+
+    def gated(self):
+        with self._changed:
+            self._changed.wait_for(lambda: self._stopping or go(self))
+        return step(self)
+
+    monkeypatch.setattr(continuous.SlotBatcher, "_step", gated)
+
+
+def running_jobs(batcher):
+    return {id(job): job for job, _ in filter(None, batcher._holders)}.values()
+
+
+def all_cancelled(batcher):
+    return all(job.cancelled for job in running_jobs(batcher))
+
+
 def test_short_requests_pass_a_long_one_and_answers_equal_the_window_path(
-    long_engine,
+    long_engine, monkeypatch
 ):
+    # The long request decodes only while another request waits or runs (or
+    # once released): the short ones take far fewer than its LONG steps, so
+    # it cannot finish first, however fast the machine.
+    released = threading.Event()
+    long = parse(long_engine, prompt="the", max_tokens=LONG, temperature=0)
+    gate_decoding(
+        monkeypatch,
+        lambda slots: (
+            released.is_set()
+            or slots._waiting
+            or any(job.request is not long for job in running_jobs(slots))
+        ),
+    )
     slots = continuous.SlotBatcher(long_engine, max_queue=8, steps_per_call=1)
     try:
-        long = parse(long_engine, prompt="the", max_tokens=LONG, temperature=0)
         short = [
             parse(long_engine, prompt=p, max_tokens=3, temperature=0, logprobs=2)
             for p in ("a", "be", "cat")
@@ -94,13 +129,17 @@ def test_short_requests_pass_a_long_one_and_answers_equal_the_window_path(
         for request, result in zip([*short, seeded], results):
             # The window batcher's answer, the request alone in its batch.
             assert_same(result, long_engine.complete([request])[0])
+        with slots._changed:
+            released.set()
+            slots._changed.notify_all()
         assert_same(held.result(timeout=120), long_engine.complete([long])[0])
         wait_until(lambda: slots.active() == 0)
     finally:
         slots.stop()
 
 
-def test_cancel_frees_the_slots_of_a_running_request(long_engine):
+def test_cancel_frees_the_slots_of_a_running_request(long_engine, monkeypatch):
+    gate_decoding(monkeypatch, all_cancelled)  # no request finishes by itself
     cancelled = []
     slots = continuous.SlotBatcher(
         long_engine, max_queue=8, steps_per_call=1,
@@ -128,7 +167,10 @@ def test_cancel_frees_the_slots_of_a_running_request(long_engine):
         slots.stop()
 
 
-def test_stop_cancels_a_running_request_rather_than_leaving_it_waiting(long_engine):
+def test_stop_cancels_a_running_request_rather_than_leaving_it_waiting(
+    long_engine, monkeypatch
+):
+    gate_decoding(monkeypatch, all_cancelled)  # no request finishes by itself
     slots = continuous.SlotBatcher(long_engine, max_queue=8, steps_per_call=1)
     try:
         running = slots.submit(parse(long_engine, prompt="ab", max_tokens=LONG, n=2))
@@ -204,7 +246,11 @@ def metric(url, name):
     return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
-def test_a_client_that_disconnects_mid_stream_frees_its_slot(long_engine):
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(long_engine, monkeypatch):
+    # The first two decoding calls run (the first call's tokens are handed
+    # over while the second runs); then the request waits until it is
+    # cancelled, so it is still running when its client leaves.
+    gate_decoding(monkeypatch, lambda slots: slots._calls < 2 or all_cancelled(slots))
     config = web.ServiceConfig(model_name=MODEL, steps_per_call=1)
     with web.BackgroundServer(web.make_app(long_engine, config)) as url:
         body = {"model": MODEL, "prompt": "the", "max_tokens": LONG, "stream": True}
@@ -214,7 +260,17 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(long_engine):
         wait_until(lambda: metric(url, "lmhead_active_slots") == 0)
         assert metric(url, "lmhead_cancelled_sequences_total") == 1
     # A request past its timeout is cancelled in the engine too; a stream
-    # ends with the error in band.
+    # ends with the error in band. The request cannot finish before it is
+    # cancelled, and its timeout starts once it runs (submit returns then).
+    gate_decoding(monkeypatch, all_cancelled)
+    submit = continuous.SlotBatcher.submit
+
+    def submit_and_wait_until_running(self, request):
+        future = submit(self, request)
+        wait_until(lambda: future.running() or future.done())
+        return future
+
+    monkeypatch.setattr(continuous.SlotBatcher, "submit", submit_and_wait_until_running)
     late = web.ServiceConfig(model_name=MODEL, steps_per_call=1, timeout_s=0.05)
     with web.BackgroundServer(web.make_app(long_engine, late)) as url:
         body = {"model": MODEL, "prompt": "a", "max_tokens": LONG}

@@ -81,16 +81,7 @@ from lmhead.decoding.processors import (
     apply_top_p,
     process_logits,
 )
-from lmhead.decoding.sampling import (
-    FINISHED_BAD_LOGITS,
-    FINISHED_EOS,
-    FINISHED_LENGTH,
-    FINISHED_STOP,
-    Generation,
-    ProcessorContext,
-    SamplingState,
-    generate,
-)
+from lmhead.decoding.sampling import Generation, SamplingState, generate
 from lmhead.decoding.slots import (
     SlotChunk,
     SlotState,
@@ -99,6 +90,17 @@ from lmhead.decoding.slots import (
     free_slots,
     full_knobs,
     step_slots,
+)
+from lmhead.decoding.step import (
+    FINISHED_BAD_LOGITS,
+    FINISHED_EOS,
+    FINISHED_LENGTH,
+    FINISHED_STOP,
+    DecodeRows,
+    ProcessorContext,
+    StepConfig,
+    StepOutput,
+    decode_step,
 )
 from lmhead.decoding.stop_strings import StopStrings, token_bytes_from_decode
 from lmhead.decoding.stopping import StopCondition, StopSequences

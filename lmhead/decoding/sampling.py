@@ -1,28 +1,27 @@
-"""Greedy decoding and sampling: :func:`generate`, one ``lax.while_loop``."""
+"""Greedy decoding and sampling: :func:`generate`, one ``lax.while_loop`` of :func:`~lmhead.decoding.step.decode_step`."""
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from lmhead import _checks
 from lmhead.decoding import _loop
 from lmhead.decoding._loop import StepFn
 from lmhead.decoding.knobs import SamplingKnobs
-from lmhead.decoding.processors import process_logits
+from lmhead.decoding.split import split_loops
+from lmhead.decoding.step import (
+    FINISHED_LENGTH,
+    DecodeRows,
+    ProcessorContext,
+    StepConfig,
+    decode_step,
+    is_running,
+)
 from lmhead.decoding.stopping import StopCondition, StopSequences
 from lmhead.head import NEG_INF
-
-# Why a row ended (Generation.finish_reasons).
-FINISHED_LENGTH = 0  # it reached its max_new_tokens (or row_max_new_tokens)
-FINISHED_EOS = 1  # it produced one of eos_id
-FINISHED_STOP = 2  # a stop condition ended it
-FINISHED_BAD_LOGITS = 3  # the model's logits were not finite
 
 
 class Generation(NamedTuple):
@@ -52,76 +51,37 @@ class Generation(NamedTuple):
     top_log_probs: jax.Array
 
 
-class ProcessorContext(NamedTuple):
-    """What a ``processor`` hook of :func:`generate` sees at each step.
-
-    Attributes:
-        step: ``int32 []``, the step (tokens generated so far by every row
-            still going).
-        tokens: ``int32 [B, N]``, the tokens generated so far, ``pad_id`` after.
-        lengths: ``int32 [B]``, each row's generated tokens so far.
-        prompt_lengths: ``int32 [B]``, each prompt's tokens (the non-negative
-            ids of ``prompt_tokens``), 0 when ``prompt_tokens`` is None.
-    """
-
-    step: jax.Array
-    tokens: jax.Array
-    lengths: jax.Array
-    prompt_lengths: jax.Array
-
-
 class SamplingState(NamedTuple):
     """The carry of :func:`generate`'s while loop.
 
-    ``B`` rows (prompts times samples), ``N = max_new_tokens``, ``V`` tokens,
-    ``H = P + N - 1`` history slots for a prompt of ``P`` tokens, ``k =
+    ``B`` rows (prompts times samples), ``N = max_new_tokens``, ``k =
     top_logprobs``.
 
     Attributes:
         step: ``int32 []``, tokens generated so far by every row.
-        logits: ``float32 [B, V]``, the model's logits for the next token.
+        rows: the :class:`~lmhead.decoding.step.DecodeRows` that
+            :func:`~lmhead.decoding.step.decode_step` advances (logits, key,
+            lengths and limits, finish reasons, history, counts, stop carries).
         model_state: ``step_fn``'s state, every leaf ``[B, ...]``.
-        key: a PRNG key for the remaining steps, or ``[B]`` keys, one per row,
-            that stay as they are (the draw at step ``t`` uses ``fold_in(key,
-            t)``).
         tokens: ``int32 [B, N]``, the output; ``pad_id`` after a row's end.
         log_probs: ``float32 [B, N]``, see :class:`Generation`.
-        finished: ``bool [B]``, the row has ended.
-        lengths: ``int32 [B]``, tokens generated, EOS included.
-        history: ``int32 [B, H]``, prompt then generated tokens, latest last,
-            ``NO_TOKEN`` on the left; None when no processor reads it.
-        finish_reasons: ``int32 [B]``, see :class:`Generation`.
         top_tokens: ``int32 [B, N, k]``; top_log_probs: ``float32 [B, N, k]``.
-        stop_carry: a tuple, each stop condition's carry.
-        counts: ``int32 [B, V]``, how many times each token has been
-            generated in the row; None unless a knob reads it.
     """
 
     step: jax.Array
-    logits: jax.Array
+    rows: DecodeRows
     model_state: Any
-    key: jax.Array
     tokens: jax.Array
     log_probs: jax.Array
-    finished: jax.Array
-    lengths: jax.Array
-    history: jax.Array | None
-    finish_reasons: jax.Array
     top_tokens: jax.Array
     top_log_probs: jax.Array
-    stop_carry: tuple
-    counts: jax.Array | None
 
 
 class _SamplingConfig(NamedTuple):
     """Static (hashable) settings of :func:`generate` besides the knobs'."""
 
     max_new_tokens: int
-    eos_ids: tuple[int, ...]
-    pad_id: int
-    top_logprobs: int = 0
-    log_probs_from: str = "processed"
-    processor: Callable | None = None
+    step: StepConfig
 
 
 class _Rows(NamedTuple):
@@ -131,98 +91,8 @@ class _Rows(NamedTuple):
     prompt_lengths: jax.Array | None  # int32 [B], when there is a processor
 
 
-def _processed_logits(
-    s: SamplingState, knobs: SamplingKnobs, rows: _Rows, config: _SamplingConfig
-) -> jax.Array:
-    """The built-in processors, then the ``processor`` hook."""
-    counts = {} if s.counts is None else {"counts": s.counts}
-    processed = process_logits(
-        s.logits,
-        knobs,
-        history=s.history,
-        num_generated=s.step,
-        eos_id=_loop.eos_argument(config.eos_ids),
-        **counts,
-    )
-    if config.processor is None:
-        return processed
-    context = ProcessorContext(s.step, s.tokens, s.lengths, rows.prompt_lengths)
-    hooked = config.processor(processed, context)
-    if jnp.shape(hooked) != processed.shape:
-        raise ValueError(
-            f"processor must return logits of shape {processed.shape}; got "
-            f"{jnp.shape(hooked)}."
-        )
-    hooked = jnp.asarray(hooked, jnp.float32)
-    emptied = jnp.all(hooked == NEG_INF, axis=-1, keepdims=True)
-    return jnp.where(emptied, processed, hooked)
-
-
-def _choose_tokens(
-    s: SamplingState, processed: jax.Array, temperature: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """A draw from softmax(processed), or its argmax when ``temperature == 0``,
-    and the key for the next step."""
-    if _per_row_keys(s.key):  # the draw depends on the row's key and the step
-        sampled, key = _loop.row_samples(s.key, s.step, processed), s.key
-    else:
-        key, sample_key = jax.random.split(s.key)
-        sampled = jax.random.categorical(sample_key, processed, axis=-1)
-    return _loop.greedy_where_cold(sampled, processed, temperature), key
-
-
-def _per_row_keys(key: jax.Array) -> bool:
-    return jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.ndim == 1
-
-
-def _token_log_probs(
-    s: SamplingState, processed: jax.Array, token: jax.Array, config: _SamplingConfig
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The chosen tokens' log-probs ``[B]`` and the top ``k`` ``[B, k]``."""
-    source = processed if config.log_probs_from == "processed" else s.logits
-    log_dist = jax.nn.log_softmax(source, axis=-1)
-    log_prob = jnp.take_along_axis(log_dist, token[:, None], axis=-1)[:, 0]
-    if config.top_logprobs == 0:
-        return log_prob, s.top_tokens[:, 0], s.top_log_probs[:, 0]
-    top_log_probs, top_tokens = jax.lax.top_k(log_dist, config.top_logprobs)
-    return log_prob, top_tokens.astype(jnp.int32), top_log_probs
-
-
 def _sampling_continues(s: SamplingState) -> jax.Array:
-    return (s.step < s.tokens.shape[1]) & ~jnp.all(s.finished)
-
-
-def _update_stops(
-    s: SamplingState, stop: tuple, token: jax.Array, active: jax.Array
-) -> tuple[tuple, jax.Array]:
-    ended = jnp.zeros_like(active)
-    carries = []
-    for condition, carry in zip(stop, s.stop_carry):
-        carry, stopped = condition.update(carry, token, active)
-        carries.append(carry)
-        ended = ended | stopped
-    return tuple(carries), ended & active
-
-
-def _finish(
-    s: SamplingState,
-    token: jax.Array,
-    bad: jax.Array,
-    stopped: jax.Array,
-    rows: _Rows,
-    config: _SamplingConfig,
-) -> tuple[jax.Array, jax.Array]:
-    """``finished`` and ``finish_reasons`` after this step's tokens."""
-    active = ~s.finished & ~bad
-    eos = _loop.is_eos(token, config.eos_ids) & active
-    at_limit = jnp.zeros_like(active)
-    if rows.max_new_tokens is not None:
-        at_limit = active & (s.step + 1 >= rows.max_new_tokens)
-    reasons = jnp.where(stopped, FINISHED_STOP, s.finish_reasons)
-    reasons = jnp.where(eos, FINISHED_EOS, reasons)
-    reasons = jnp.where(bad, FINISHED_BAD_LOGITS, reasons)
-    finished = s.finished | bad | eos | stopped | at_limit
-    return finished, reasons.astype(jnp.int32)
+    return (s.step < s.tokens.shape[1]) & jnp.any(is_running(s.rows))
 
 
 def _sampling_step(
@@ -235,41 +105,27 @@ def _sampling_step(
     rows: _Rows,
     config: _SamplingConfig,
 ) -> SamplingState:
-    processed = _processed_logits(s, knobs, rows, config)
-    token, key = _choose_tokens(s, processed, knobs.temperature)
-    log_prob, top_tokens, top_log_probs = _token_log_probs(s, processed, token, config)
-    bad = _loop.not_finite(s.logits) & ~s.finished
-    active = ~s.finished & ~bad
-    token = jnp.where(s.finished | bad, config.pad_id, token)
-    log_prob = jnp.where(s.finished, 0.0, jnp.where(bad, NEG_INF, log_prob))
-    top_tokens = jnp.where(active[:, None], top_tokens, config.pad_id)
-    top_log_probs = jnp.where(active[:, None], top_log_probs, 0.0)
-    stop_carry, stopped = _update_stops(s, stop, token, active)
-    finished, reasons = _finish(s, token, bad, stopped, rows, config)
-    history, counts = s.history, s.counts
-    if history is not None:
-        history = jnp.concatenate([history[:, 1:], token[:, None]], axis=1)
-    if counts is not None:
-        row_ids = jnp.arange(counts.shape[0])
-        counts = counts.at[row_ids, token].add(active.astype(jnp.int32), mode="drop")
+    context = None
+    if config.step.processor is not None:
+        lengths = s.rows.generated
+        context = ProcessorContext(s.step, s.tokens, lengths, rows.prompt_lengths)
+    decoded, out = decode_step(
+        s.rows, knobs, stop, config.step, step=s.step, context=context
+    )
+    column = lambda whole, value: whole.at[:, s.step].set(value)
     new = s._replace(
         step=s.step + 1,
-        key=key,
-        tokens=s.tokens.at[:, s.step].set(token),
-        log_probs=s.log_probs.at[:, s.step].set(log_prob),
-        finished=finished,
-        lengths=s.lengths + active.astype(jnp.int32),
-        history=history,
-        finish_reasons=reasons,
-        top_tokens=s.top_tokens.at[:, s.step].set(top_tokens),
-        top_log_probs=s.top_log_probs.at[:, s.step].set(top_log_probs),
-        stop_carry=stop_carry,
-        counts=counts,
+        rows=decoded,
+        tokens=column(s.tokens, out.tokens),
+        log_probs=column(s.log_probs, jnp.where(out.bad, NEG_INF, out.log_probs)),
+        top_tokens=column(s.top_tokens, out.top_tokens),
+        top_log_probs=column(s.top_log_probs, out.top_log_probs),
     )
     logits, model_state = _loop.maybe_step(
-        step_fn, params, _sampling_continues(new), token, s.logits, s.model_state
-    )
-    return new._replace(logits=logits, model_state=model_state)
+        step_fn, params, _sampling_continues(new), out.tokens, s.rows.logits,
+        s.model_state,
+    )  # fmt: skip
+    return new._replace(rows=decoded._replace(logits=logits), model_state=model_state)
 
 
 def _advance(
@@ -315,25 +171,31 @@ def _start(
     """The loop's first state, advanced to step ``until``; the state is
     returned whole (its model state too, so that a donated state's buffers
     can alias it and be updated in place)."""
-    batch, num_new, k = logits.shape[0], config.max_new_tokens, config.top_logprobs
+    batch, num_new = logits.shape[0], config.max_new_tokens
+    k, pad_id = config.step.top_logprobs, config.step.pad_id
+    limits = rows.max_new_tokens
+    if limits is None:
+        limits = jnp.full((batch,), num_new, jnp.int32)
     counts = None
     if knobs.reads_counts:
         counts = jnp.zeros(logits.shape, jnp.int32)
     init = SamplingState(
         step=jnp.zeros((), jnp.int32),
-        logits=logits,
+        rows=DecodeRows(
+            logits=logits,
+            key=key,
+            generated=jnp.zeros((batch,), jnp.int32),
+            limits=limits,
+            finish_reasons=jnp.full((batch,), FINISHED_LENGTH, jnp.int32),
+            history=history,
+            counts=counts,
+            stop_carry=tuple(condition.init(batch) for condition in stop),
+        ),
         model_state=model_state,
-        key=key,
-        tokens=jnp.full((batch, num_new), config.pad_id, jnp.int32),
+        tokens=jnp.full((batch, num_new), pad_id, jnp.int32),
         log_probs=jnp.zeros((batch, num_new), jnp.float32),
-        finished=jnp.zeros((batch,), bool),
-        lengths=jnp.zeros((batch,), jnp.int32),
-        history=history,
-        finish_reasons=jnp.full((batch,), FINISHED_LENGTH, jnp.int32),
-        top_tokens=jnp.full((batch, num_new, k), config.pad_id, jnp.int32),
+        top_tokens=jnp.full((batch, num_new, k), pad_id, jnp.int32),
         top_log_probs=jnp.zeros((batch, num_new, k), jnp.float32),
-        stop_carry=tuple(condition.init(batch) for condition in stop),
-        counts=counts,
     )
     return _advance(init, until, step_fn, params, knobs, stop, rows, config)
 
@@ -461,11 +323,13 @@ def _prepare(
         stop = tuple(condition.repeat_rows(num_samples) for condition in stop)
     config = _SamplingConfig(
         max_new_tokens=int(max_new_tokens),
-        eos_ids=eos_ids,
-        pad_id=int(pad_id),
-        top_logprobs=int(top_logprobs),
-        log_probs_from=log_probs_from,
-        processor=processor,
+        step=StepConfig(
+            eos_ids=eos_ids,
+            pad_id=int(pad_id),
+            top_logprobs=int(top_logprobs),
+            log_probs_from=log_probs_from,
+            processor=processor,
+        ),
     )
     # The repeated state of num_samples > 1 is the loop's own to write.
     donate = bool(donate_state) or num_samples > 1
@@ -482,35 +346,15 @@ def _run(arguments: _LoopArguments, until: int) -> SamplingState:
 def _loops(arguments: _LoopArguments) -> tuple[Callable, Callable]:
     """``(start(until, width=None), resume(s, until, width=None))``: the
     loop from its start, and resumed from ``s`` (which it consumes), to step
-    ``until``; each device runs its own rows' loop where :func:`_split_loops`
-    allows. Each returns the state, or with ``width`` the state and the
+    ``until``; each device runs its own rows' loop where
+    :func:`~lmhead.decoding.split.split_loops` allows. Each returns the state, or with ``width`` the state and the
     chunk of columns ``until - width ... until - 1`` (:func:`_columns`).
-    Made once per call of :func:`generate` or stream: the split places the
-    parameters and per-row inputs on the mesh once for all of its chunks.
-    ``until`` goes in as a host scalar, which the call places itself."""
+    Made once per call of :func:`generate` or stream. ``until`` goes in as a
+    host scalar, which the call places itself."""
     a = arguments
-    split = _split_loops(a)
+    split = split_loops(a, _start, _advance, _columns)
     if split is not None:
-        start, resume, specs = split
-        # Placed once, rather than sent to the devices by each chunk (no
-        # copy where the caller has replicated them: sharding.replicate).
-        mesh = a.step_fn.mesh
-        params, knobs, stop, rows = jax.device_put(
-            (a.params, a.knobs, a.stop, a.rows),
-            jax.tree.map(
-                lambda spec: NamedSharding(mesh, spec),
-                (P(), *specs),
-                is_leaf=lambda x: isinstance(x, P),
-            ),
-        )
-        return (
-            lambda until, width=None: start(
-                params, *a[2:6], knobs, stop, rows, np.int32(until), width=width
-            ),
-            lambda s, until, width=None: resume(
-                s, np.int32(until), params, knobs, stop, rows, width=width
-            ),
-        )
+        return split
     loop = _donating_sampling_loop if a.donate else _sampling_loop
     return (
         lambda until, width=None: loop(*a[:-1], until=np.int32(until), width=width),
@@ -528,125 +372,12 @@ def _loops(arguments: _LoopArguments) -> tuple[Callable, Callable]:
     )
 
 
-def _row_specs(tree: Any, axis: str) -> Any:
-    """A ``PartitionSpec`` per leaf of ``tree`` (knobs or a stop condition):
-    ``P(axis)`` for a leaf with one entry per row (``tree.repeat_rows(2)``
-    doubles its leading axis), ``P()`` for a shared one."""
-    leaves, structure = jax.tree.flatten(tree)
-    shapes = tuple((jnp.shape(leaf), jnp.result_type(leaf)) for leaf in leaves)
-    return structure.unflatten(_row_spec_leaves(structure, shapes, axis))
-
-
-@functools.lru_cache(maxsize=256)
-def _row_spec_leaves(structure: Any, shapes: tuple, axis: str) -> tuple:
-    # Cached: finding them traces repeat_rows, which costs more than a step.
-    tree = structure.unflatten([jax.ShapeDtypeStruct(*shape) for shape in shapes])
-    doubled = jax.tree.leaves(jax.eval_shape(lambda t: t.repeat_rows(2), tree))
-    return tuple(
-        P(axis) if shape and new.shape[0] == 2 * shape[0] else P()
-        for (shape, _), new in zip(shapes, doubled)
-    )
-
-
-def _split_loops(arguments: _LoopArguments) -> tuple[Callable, Callable, tuple] | None:
-    """The loop's start and resume run by each device on its own rows (and
-    the ``PartitionSpec`` trees of the knobs, stops and rows), when
-    ``step_fn`` splits the rows over a mesh (``step_fn.mesh``, and
-    ``step_fn.per_device()`` the step of one device's rows) and a row's
-    tokens cannot depend on that: a key per row, or one key with every
-    temperature 0 (greedy), and no processor hook (which sees all rows).
-    Each device then runs its own ``while_loop`` with no collective, the
-    processors and stops included. None otherwise: the loop runs on the
-    whole batch, only the step split."""
-    a = arguments
-    mesh = getattr(a.step_fn, "mesh", None)
-    per_device = getattr(a.step_fn, "per_device", None)
-    if mesh is None or per_device is None or a.config.processor is not None:
-        return None
-    if a.logits.shape[0] % mesh.size:  # the step says why it cannot split
-        return None
-    per_row_key = _per_row_keys(a.key)
-    temperature = a.knobs.temperature
-    # Read on the host (np, not jnp): a comparison on the device would wait
-    # behind the work queued there.
-    if not per_row_key and (
-        _checks.is_traced(temperature) or np.any(np.asarray(temperature) > 0)
-    ):
-        return None
-    axis = mesh.axis_names[0]
-    rows = P(axis)
-    specs = (
-        rows,  # logits
-        rows,  # model_state
-        rows if per_row_key else P(),
-        rows,  # history
-        _row_specs(a.knobs, axis),
-        tuple(_row_specs(c, axis) for c in a.stop),
-        rows,  # rows
-    )
-    leaves, tree = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
-    return _split_programs(
-        per_device(), a.config, mesh, tree, tuple(leaves), per_row_key, a.donate,
-    )  # fmt: skip
-
-
-@functools.lru_cache(maxsize=64)
-def _split_programs(step_fn, config, mesh, tree, leaves, per_row_key, donate):
-    """The compiled start and resume of :func:`_split_loops`, and the specs
-    of the knobs, stops and rows (one per set of static arguments and
-    shardings, as ``jax.jit`` caches a function's)."""
-    axis = mesh.axis_names[0]
-    logits_spec, state_spec, key_spec, history_spec, *row_specs = tree.unflatten(leaves)
-    row_specs = tuple(row_specs)  # the knobs', stops' and rows' specs
-
-    # Outside, a device's own scalars (its step, and the single key it
-    # splits) are stacked: one per device. A stream's chunk is cut inside.
-    def stacked(s):
-        return s._replace(step=s.step[None], key=s.key if per_row_key else s.key[None])
-
-    def unstacked(s):
-        return s._replace(step=s.step[0], key=s.key if per_row_key else s.key[0])
-
-    split = functools.partial(
-        jax.shard_map, mesh=mesh, check_vma=False, out_specs=P(axis)
-    )
-
-    def start(
-        params, logits, model_state, key, history, knobs, stop, rows, until, width
-    ):
-        def local(params, logits, model_state, key, history, knobs, stop, rows, until):
-            s = _start(step_fn, params, logits, model_state, key, history, knobs,
-                       stop, rows, config, until)  # fmt: skip
-            return _columns(stacked(s), until, width)
-
-        specs = (P(), logits_spec, state_spec, key_spec, history_spec, *row_specs, P())
-        return split(local, in_specs=specs)(
-            params, logits, model_state, key, history, knobs, stop, rows, until
-        )
-
-    def resume(s, until, params, knobs, stop, rows, width):
-        def local(s, until, params, knobs, stop, rows):
-            s = _advance(
-                unstacked(s), until, step_fn, params, knobs, stop, rows, config
-            )
-            return _columns(stacked(s), until, width)
-
-        specs = (P(axis), P(), P(), *row_specs)
-        return split(local, in_specs=specs)(s, until, params, knobs, stop, rows)
-
-    return (
-        jax.jit(start, static_argnames="width", donate_argnums=(2,) if donate else ()),
-        jax.jit(resume, static_argnames="width", donate_argnums=(0,)),
-        row_specs,
-    )
-
-
 def _generation_of(s: SamplingState) -> Generation:
     return Generation(
         tokens=s.tokens,
         log_probs=s.log_probs,
-        lengths=s.lengths,
-        finish_reasons=s.finish_reasons,
+        lengths=s.rows.generated,
+        finish_reasons=s.rows.finish_reasons,
         top_tokens=s.top_tokens,
         top_log_probs=s.top_log_probs,
     )

@@ -42,12 +42,8 @@ from lmhead.decoding.knobs import (
     knob_spec,
     neutral_value,
 )
-from lmhead.decoding.processors import NO_TOKEN, process_logits
-from lmhead.decoding.sampling import (
-    FINISHED_BAD_LOGITS,
-    FINISHED_EOS,
-    FINISHED_LENGTH,
-)
+from lmhead.decoding.processors import NO_TOKEN
+from lmhead.decoding.step import FINISHED_LENGTH, DecodeRows, StepConfig, decode_step
 
 
 class SlotState(NamedTuple):
@@ -303,66 +299,44 @@ def free_slots(state: SlotState, slots: jax.Array) -> SlotState:
     return state._replace(limits=limits)
 
 
-def _one_step(step_fn, params, eos_ids, top_logprobs, state: SlotState):
-    live = state.generated < state.limits
-    processed = process_logits(
-        state.logits,
-        state.knobs,
+def _one_step(step_fn, params, config: StepConfig, state: SlotState):
+    rows = DecodeRows(
+        logits=state.logits,
+        key=state.keys,
+        generated=state.generated,
+        limits=state.limits,
+        finish_reasons=state.finish_reasons,
         history=state.history,
         counts=state.counts,
-        num_generated=state.generated,
-        eos_id=_loop.eos_argument(eos_ids),
+        stop_carry=(),
     )
-    sampled = _loop.row_samples(state.keys, state.generated, processed)
-    token = _loop.greedy_where_cold(sampled, processed, state.knobs.temperature)
-    log_dist = jax.nn.log_softmax(state.logits, axis=-1)
-    log_prob = jnp.take_along_axis(log_dist, token[:, None], axis=-1)[:, 0]
-    top_log_probs, top_tokens = jax.lax.top_k(log_dist, max(top_logprobs, 1))
-    bad = _loop.not_finite(state.logits) & live
-    emitted = live & ~bad
-    eos = _loop.is_eos(token, eos_ids) & emitted
-    token = jnp.where(emitted, token, 0)
-    generated = state.generated + emitted.astype(jnp.int32)
-    limits = jnp.where(eos | bad, generated, state.limits)
-    reasons = jnp.where(eos, FINISHED_EOS, state.finish_reasons)
-    reasons = jnp.where(bad, FINISHED_BAD_LOGITS, reasons).astype(jnp.int32)
-    history = jnp.where(
-        emitted[:, None],
-        jnp.concatenate([state.history[:, 1:], token[:, None]], axis=1),
-        state.history,
-    )
-    row_ids = jnp.arange(token.shape[0])
-    counts = state.counts.at[row_ids, token].add(emitted.astype(jnp.int32))
+    rows, out = decode_step(rows, state.knobs, (), config, step=state.generated)
     # A row that emitted nothing feeds position 0 of its own cache row: it is
     # free or has ended, and its next fill overwrites it; left alone, its
     # position would run past the model's max_len.
     model_state = state.model_state
     reset = getattr(step_fn, "reset_rows", None)
     if reset is not None:
-        model_state = reset(model_state, ~emitted)
-    logits, model_state = step_fn(params, token, model_state)
+        model_state = reset(model_state, ~out.emitted)
+    logits, model_state = step_fn(params, out.tokens, model_state)
     new = SlotState(
         logits=jnp.asarray(logits, jnp.float32),
         model_state=model_state,
-        keys=state.keys,
-        generated=generated,
-        limits=limits,
-        finish_reasons=reasons,
-        history=history,
-        counts=counts,
+        keys=rows.key,
+        generated=rows.generated,
+        limits=rows.limits,
+        finish_reasons=rows.finish_reasons,
+        history=rows.history,
+        counts=rows.counts,
         knobs=state.knobs,
     )
-    zero = lambda x: jnp.where(
-        emitted.reshape(emitted.shape + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x)
+    return new, (
+        out.tokens,
+        out.emitted,
+        out.log_probs,
+        out.top_tokens,
+        out.top_log_probs,
     )
-    out = (
-        token,
-        emitted,
-        zero(log_prob),
-        zero(top_tokens[:, :top_logprobs]),
-        zero(top_log_probs[:, :top_logprobs]),
-    )
-    return new, out
 
 
 @partial(
@@ -371,7 +345,9 @@ def _one_step(step_fn, params, eos_ids, top_logprobs, state: SlotState):
     donate_argnames="state",
 )
 def _step_slots(step_fn, params, state, *, num_steps, eos_ids, top_logprobs):
-    step = partial(_one_step, step_fn, params, eos_ids, top_logprobs)
+    # The slots' tokens are 0 where a slot emits none; log-probs are the model's.
+    config = StepConfig(eos_ids, 0, top_logprobs, log_probs_from="model")
+    step = partial(_one_step, step_fn, params, config)
     state, outs = jax.lax.scan(lambda s, _: step(s), state, length=num_steps)
     tokens, emitted, log_probs, top_tokens, top_log_probs = (
         jnp.moveaxis(x, 0, 1) for x in outs

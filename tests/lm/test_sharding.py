@@ -565,14 +565,16 @@ def check_split_decoding(streams=False):
     step = model_lib.make_step_fn(model, two)
     logits, cache = model_lib.prefill(model, params, prompt, lengths)
     results["own loops"] = {
-        name: decoding.sampling._split_loops(
+        name: decoding.split.split_loops(
             decoding.sampling._prepare(
                 step, params, logits, cache, key=key, max_new_tokens=4, knobs=None,
                 eos_id=None, pad_id=-1, num_samples=1, prompt_tokens=None,
                 donate_state=False, row_max_new_tokens=None, stop=None,
                 stop_sequences=None, top_logprobs=0, log_probs_from="processed",
                 processor=None, knob_values={"temperature": temperature},
-            )
+            ),
+            decoding.sampling._start, decoding.sampling._advance,
+            decoding.sampling._columns,
         )
         is not None
         for name, key, temperature in (

@@ -1,0 +1,178 @@
+"""The rows of :func:`~lmhead.decoding.generate` split over devices: a loop per device.
+
+When ``step_fn`` splits the rows over a one-axis mesh (``step_fn.mesh``, and
+``step_fn.per_device()`` the step of one device's rows, as
+``lmhead.lm.model.make_step_fn(model, mesh)`` gives) and a row's tokens
+cannot depend on the split, each device runs the whole decoding loop on its
+own rows (a ``shard_map`` of the loop with no collective: the step, the
+processors, the stops and the log-probs, each device stopping when its rows
+have ended). Otherwise the loop runs over the whole batch and only the
+model's step is split. ``docs/decoding.md`` measures what each costs.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lmhead import _checks
+from lmhead.decoding.step import per_row_keys
+
+
+def _row_specs(tree: Any, axis: str) -> Any:
+    """A ``PartitionSpec`` per leaf of ``tree`` (knobs or a stop condition):
+    ``P(axis)`` for a leaf with one entry per row (``tree.repeat_rows(2)``
+    doubles its leading axis), ``P()`` for a shared one."""
+    leaves, structure = jax.tree.flatten(tree)
+    shapes = tuple((jnp.shape(leaf), jnp.result_type(leaf)) for leaf in leaves)
+    return structure.unflatten(_row_spec_leaves(structure, shapes, axis))
+
+
+@functools.lru_cache(maxsize=256)
+def _row_spec_leaves(structure: Any, shapes: tuple, axis: str) -> tuple:
+    # Cached: finding them traces repeat_rows, which costs more than a step.
+    tree = structure.unflatten([jax.ShapeDtypeStruct(*shape) for shape in shapes])
+    doubled = jax.tree.leaves(jax.eval_shape(lambda t: t.repeat_rows(2), tree))
+    return tuple(
+        P(axis) if shape and new.shape[0] == 2 * shape[0] else P()
+        for (shape, _), new in zip(shapes, doubled)
+    )
+
+
+def _split(
+    arguments: Any, start: Callable, advance: Callable, columns: Callable
+) -> tuple[Callable, Callable, tuple] | None:
+    """The loop's start and resume run by each device on its own rows (and
+    the ``PartitionSpec`` trees of the knobs, stops and rows), when
+    ``step_fn`` splits the rows over a mesh (``step_fn.mesh``, and
+    ``step_fn.per_device()`` the step of one device's rows) and a row's
+    tokens cannot depend on that: a key per row, or one key with every
+    temperature 0 (greedy), and no processor hook (which sees all rows).
+    Each device then runs its own ``while_loop`` with no collective, the
+    processors and stops included. None otherwise: the loop runs on the
+    whole batch, only the step split."""
+    a = arguments
+    mesh = getattr(a.step_fn, "mesh", None)
+    per_device = getattr(a.step_fn, "per_device", None)
+    if mesh is None or per_device is None or a.config.step.processor is not None:
+        return None
+    if a.logits.shape[0] % mesh.size:  # the step says why it cannot split
+        return None
+    per_row_key = per_row_keys(a.key)
+    temperature = a.knobs.temperature
+    # Read on the host (np, not jnp): a comparison on the device would wait
+    # behind the work queued there.
+    if not per_row_key and (
+        _checks.is_traced(temperature) or np.any(np.asarray(temperature) > 0)
+    ):
+        return None
+    axis = mesh.axis_names[0]
+    rows = P(axis)
+    specs = (
+        rows,  # logits
+        rows,  # model_state
+        rows if per_row_key else P(),
+        rows,  # history
+        _row_specs(a.knobs, axis),
+        tuple(_row_specs(c, axis) for c in a.stop),
+        rows,  # rows
+    )
+    leaves, tree = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
+    return _split_programs(
+        per_device(), a.config, mesh, tree, tuple(leaves), per_row_key, a.donate,
+        start, advance, columns,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _split_programs(
+    step_fn, config, mesh, tree, leaves, per_row_key, donate, start_loop, advance,
+    columns,
+):  # fmt: skip
+    """The compiled start and resume of :func:`_split`, and the specs
+    of the knobs, stops and rows (one per set of static arguments and
+    shardings, as ``jax.jit`` caches a function's)."""
+    axis = mesh.axis_names[0]
+    logits_spec, state_spec, key_spec, history_spec, *row_specs = tree.unflatten(leaves)
+    row_specs = tuple(row_specs)  # the knobs', stops' and rows' specs
+
+    # Outside, a device's own scalars (its step, and the single key it
+    # splits) are stacked: one per device. A stream's chunk is cut inside.
+    def stacked(s):
+        key = s.rows.key if per_row_key else s.rows.key[None]
+        return s._replace(step=s.step[None], rows=s.rows._replace(key=key))
+
+    def unstacked(s):
+        key = s.rows.key if per_row_key else s.rows.key[0]
+        return s._replace(step=s.step[0], rows=s.rows._replace(key=key))
+
+    split = functools.partial(
+        jax.shard_map, mesh=mesh, check_vma=False, out_specs=P(axis)
+    )
+
+    def start(
+        params, logits, model_state, key, history, knobs, stop, rows, until, width
+    ):
+        def local(params, logits, model_state, key, history, knobs, stop, rows, until):
+            s = start_loop(step_fn, params, logits, model_state, key, history,
+                           knobs, stop, rows, config, until)  # fmt: skip
+            return columns(stacked(s), until, width)
+
+        specs = (P(), logits_spec, state_spec, key_spec, history_spec, *row_specs, P())
+        return split(local, in_specs=specs)(
+            params, logits, model_state, key, history, knobs, stop, rows, until
+        )
+
+    def resume(s, until, params, knobs, stop, rows, width):
+        def local(s, until, params, knobs, stop, rows):
+            s = advance(unstacked(s), until, step_fn, params, knobs, stop, rows, config)
+            return columns(stacked(s), until, width)
+
+        specs = (P(axis), P(), P(), *row_specs)
+        return split(local, in_specs=specs)(s, until, params, knobs, stop, rows)
+
+    return (
+        jax.jit(start, static_argnames="width", donate_argnums=(2,) if donate else ()),
+        jax.jit(resume, static_argnames="width", donate_argnums=(0,)),
+        row_specs,
+    )
+
+
+def split_loops(
+    arguments: Any, start: Callable, advance: Callable, columns: Callable
+) -> tuple[Callable, Callable] | None:
+    """``(start(until, width=None), resume(s, until, width=None))`` of the
+    sampling loop (``arguments``: its ``_LoopArguments``; ``start``,
+    ``advance`` and ``columns``: its functions of the whole batch) with each
+    device running its own rows' loop, or None where the rows cannot split
+    (see the module's docstring). The parameters and per-row inputs are
+    placed on the mesh once, for all of a stream's chunks."""
+    a = arguments
+    split = _split(a, start, advance, columns)
+    if split is None:
+        return None
+    start_split, resume_split, specs = split
+    # Placed once, rather than sent to the devices by each chunk (no copy
+    # where the caller has replicated them: sharding.replicate).
+    mesh = a.step_fn.mesh
+    params, knobs, stop, rows = jax.device_put(
+        (a.params, a.knobs, a.stop, a.rows),
+        jax.tree.map(
+            lambda spec: NamedSharding(mesh, spec),
+            (P(), *specs),
+            is_leaf=lambda x: isinstance(x, P),
+        ),
+    )
+    return (
+        lambda until, width=None: start_split(
+            params, *a[2:6], knobs, stop, rows, np.int32(until), width=width
+        ),
+        lambda s, until, width=None: resume_split(
+            s, np.int32(until), params, knobs, stop, rows, width=width
+        ),
+    )

@@ -1,0 +1,298 @@
+"""One decoding step, :func:`decode_step`: what every sampling decoder runs per token.
+
+:func:`~lmhead.decoding.generate`, :func:`~lmhead.decoding.generate_stream`
+and the decode slots of continuous batching
+(:func:`~lmhead.decoding.step_slots`) differ only in how they drive it: the
+first two in one ``lax.while_loop`` over a batch that starts together, the
+slots in a ``lax.scan`` over rows that enter and leave between calls. Each
+then feeds the step's tokens to the model's ``step_fn``. Beam search is a
+decoder of its own; it shares the processors and the knobs.
+"""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from lmhead.decoding import _loop
+from lmhead.decoding.knobs import SamplingKnobs
+from lmhead.decoding.processors import process_logits
+from lmhead.head import NEG_INF
+
+# Why a row ended (Generation.finish_reasons, SlotChunk.finish_reasons).
+FINISHED_LENGTH = 0  # it reached its limit of new tokens
+FINISHED_EOS = 1  # it produced one of eos_id
+FINISHED_STOP = 2  # a stop condition ended it
+FINISHED_BAD_LOGITS = 3  # the model's logits were not finite
+
+
+class ProcessorContext(NamedTuple):
+    """What a ``processor`` hook of :func:`~lmhead.decoding.generate` sees at each step.
+
+    Attributes:
+        step: ``int32 []``, the step (tokens generated so far by every row
+            still going).
+        tokens: ``int32 [B, N]``, the tokens generated so far, ``pad_id`` after.
+        lengths: ``int32 [B]``, each row's generated tokens so far.
+        prompt_lengths: ``int32 [B]``, each prompt's tokens (the non-negative
+            ids of ``prompt_tokens``), 0 when ``prompt_tokens`` is None.
+    """
+
+    step: jax.Array
+    tokens: jax.Array
+    lengths: jax.Array
+    prompt_lengths: jax.Array
+
+
+class DecodeRows(NamedTuple):
+    """The rows' state that :func:`decode_step` reads and advances (``B``
+    rows, ``V`` tokens, ``H`` history slots).
+
+    Attributes:
+        logits: ``float32 [B, V]``, the model's logits for each row's next token.
+        key: one PRNG key, split at every step, or ``[B]`` keys, one per row,
+            that stay as they are (the draw at step ``t`` uses ``fold_in(key,
+            t)``).
+        generated: ``int32 [B]``, tokens each row has generated, EOS included.
+        limits: ``int32 [B]``: a row runs while ``generated < limits``; an
+            ending (EOS, a stop, non-finite logits) sets it to ``generated``.
+        finish_reasons: ``int32 [B]``, ``FINISHED_*``.
+        history: ``int32 [B, H]``, prompt then generated tokens, latest last,
+            ``NO_TOKEN`` on the left; None when no processor reads it.
+        counts: ``int32 [B, V]``, how often each row generated each token;
+            None when no knob reads them.
+        stop_carry: a tuple, each stop condition's carry.
+    """
+
+    logits: jax.Array
+    key: jax.Array
+    generated: jax.Array
+    limits: jax.Array
+    finish_reasons: jax.Array
+    history: jax.Array | None
+    counts: jax.Array | None
+    stop_carry: tuple
+
+
+class StepConfig(NamedTuple):
+    """The step's static (hashable) settings besides the knobs'.
+
+    Attributes:
+        eos_ids: the distinct ids that end a row, in increasing order.
+        pad_id: the token of a row that emits nothing.
+        top_logprobs: ``k``, the most likely tokens to return per step.
+        log_probs_from: ``"processed"`` (the distribution drawn from) or
+            ``"model"`` (the model's ``log_softmax``).
+        processor: None, or the hook ``(logits [B, V], ProcessorContext) ->
+            logits [B, V]`` applied after the built-in processors.
+    """
+
+    eos_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+    top_logprobs: int = 0
+    log_probs_from: str = "processed"
+    processor: Callable | None = None
+
+
+class StepOutput(NamedTuple):
+    """What one step emitted (``B`` rows, ``k = top_logprobs``).
+
+    Attributes:
+        tokens: ``int32 [B]``, each row's token, ``pad_id`` where it emitted none.
+        emitted: ``bool [B]``, the row was running and its logits were finite.
+        bad: ``bool [B]``, the row was running and its logits were not finite:
+            it ended at this step without a token.
+        log_probs: ``float32 [B]``, each token's log-probability, 0 where none.
+        top_tokens: ``int32 [B, k]``, the ``k`` most likely tokens, most likely
+            first (ties: lower id), ``pad_id`` where none.
+        top_log_probs: ``float32 [B, k]``, their log-probabilities, 0 where none.
+    """
+
+    tokens: jax.Array
+    emitted: jax.Array
+    bad: jax.Array
+    log_probs: jax.Array
+    top_tokens: jax.Array
+    top_log_probs: jax.Array
+
+
+def is_running(rows: DecodeRows) -> jax.Array:
+    """``bool [B]``: the row has not ended."""
+    return rows.generated < rows.limits
+
+
+def _processed_logits(
+    rows: DecodeRows,
+    knobs: SamplingKnobs,
+    config: StepConfig,
+    step: jax.Array,
+    context: ProcessorContext | None,
+) -> jax.Array:
+    """The built-in processors, then the ``processor`` hook."""
+    processed = process_logits(
+        rows.logits,
+        knobs,
+        history=rows.history,
+        counts=rows.counts,
+        num_generated=step,
+        eos_id=_loop.eos_argument(config.eos_ids),
+    )
+    if config.processor is None:
+        return processed
+    hooked = config.processor(processed, context)
+    if jnp.shape(hooked) != processed.shape:
+        raise ValueError(
+            f"processor must return logits of shape {processed.shape}; got "
+            f"{jnp.shape(hooked)}."
+        )
+    hooked = jnp.asarray(hooked, jnp.float32)
+    emptied = jnp.all(hooked == NEG_INF, axis=-1, keepdims=True)
+    return jnp.where(emptied, processed, hooked)
+
+
+def per_row_keys(key: jax.Array) -> bool:
+    """Whether ``key`` is one typed PRNG key per row (``[B]``)."""
+    return jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.ndim == 1
+
+
+def _choose_tokens(
+    rows: DecodeRows, processed: jax.Array, temperature: jax.Array, step: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """A draw from softmax(processed), or its argmax where ``temperature ==
+    0``, and the key for the next step."""
+    if per_row_keys(rows.key):  # the draw depends on the row's key and step
+        sampled, key = _loop.row_samples(rows.key, step, processed), rows.key
+    else:
+        key, sample_key = jax.random.split(rows.key)
+        sampled = jax.random.categorical(sample_key, processed, axis=-1)
+    return _loop.greedy_where_cold(sampled, processed, temperature), key
+
+
+def _token_log_probs(
+    rows: DecodeRows, processed: jax.Array, token: jax.Array, config: StepConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The chosen tokens' log-probs ``[B]`` and the top ``k`` ``[B, k]``."""
+    source = processed if config.log_probs_from == "processed" else rows.logits
+    log_dist = jax.nn.log_softmax(source, axis=-1)
+    log_prob = jnp.take_along_axis(log_dist, token[:, None], axis=-1)[:, 0]
+    batch, k = token.shape[0], config.top_logprobs
+    if k == 0:
+        return log_prob, jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0))
+    top_log_probs, top_tokens = jax.lax.top_k(log_dist, k)
+    return log_prob, top_tokens.astype(jnp.int32), top_log_probs
+
+
+def _update_stops(
+    rows: DecodeRows, stop: tuple, token: jax.Array, emitted: jax.Array
+) -> tuple[tuple, jax.Array]:
+    ended = jnp.zeros_like(emitted)
+    carries = []
+    for condition, carry in zip(stop, rows.stop_carry):
+        carry, stopped = condition.update(carry, token, emitted)
+        carries.append(carry)
+        ended = ended | stopped
+    return tuple(carries), ended & emitted
+
+
+def decode_step(
+    rows: DecodeRows,
+    knobs: SamplingKnobs,
+    stop: tuple,
+    config: StepConfig,
+    *,
+    step: jax.Array,
+    context: ProcessorContext | None = None,
+) -> tuple[DecodeRows, StepOutput]:
+    r"""One token for every running row: processors, hook, draw, stops, log-probs.
+
+    A running row (``generated < limits``) with finite logits :math:`z`
+    emits
+
+    .. math::
+        y \sim \mathrm{softmax}(\tilde z), \qquad
+        \tilde z = h(\mathrm{process\_logits}(z, \dots), c)
+
+    (``argmax`` where its temperature is 0; :math:`h` the ``processor``
+    hook, if any, with its context :math:`c`), and its log-probability
+    under :math:`\log\mathrm{softmax}(\tilde z)` (``log_probs_from ==
+    "processed"``) or :math:`\log\mathrm{softmax}(z)` (``"model"``), with the
+    top ``k`` of the same distribution. The row then ends, its limit set to
+    its new length, at an ``eos_ids`` token (:data:`FINISHED_EOS`) or where a
+    stop condition fires (:data:`FINISHED_STOP`); a row whose ``generated``
+    reaches its limit ends with :data:`FINISHED_LENGTH`. A running row whose
+    logits are not finite (:func:`~lmhead.decoding._loop.not_finite`) emits
+    nothing and ends (:data:`FINISHED_BAD_LOGITS`). Rows that emit append
+    their token to ``history`` and ``counts``.
+
+    Args:
+        rows: the rows' :class:`DecodeRows`.
+        knobs: :class:`~lmhead.decoding.knobs.SamplingKnobs` as arrays, each a
+            scalar or one value per row.
+        stop: a tuple of :class:`~lmhead.decoding.stopping.StopCondition`,
+            whose carries are ``rows.stop_carry``.
+        config: the static :class:`StepConfig`.
+        step: ``int32 []`` or ``[B]``, the tokens generated so far (what
+            ``min_new_tokens`` reads, and what a per-row key is folded with).
+        context: the hook's :class:`ProcessorContext` (when there is one).
+
+    Returns:
+        ``(rows, out)``: the advanced rows and the :class:`StepOutput`.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> rows = DecodeRows(
+        ...     logits=jnp.log(jnp.array([[0.2, 0.8], [0.6, 0.4]])),
+        ...     key=jax.random.key(0), generated=jnp.array([0, 0]),
+        ...     limits=jnp.array([3, 3]), finish_reasons=jnp.array([0, 0]),
+        ...     history=None, counts=None, stop_carry=())
+        >>> knobs = SamplingKnobs(temperature=0.0).as_arrays()
+        >>> rows, out = decode_step(rows, knobs, (), StepConfig(eos_ids=(0,)),
+        ...                         step=jnp.int32(0))
+        >>> out.tokens, jnp.exp(out.log_probs)
+        (Array([1, 0], dtype=int32), Array([0.8, 0.6], dtype=float32))
+        >>> rows.generated, rows.limits, rows.finish_reasons  # row 1: EOS
+        (Array([1, 1], dtype=int32), Array([3, 1], dtype=int32), Array([0, 1], dtype=int32))
+    """
+    running = is_running(rows)
+    processed = _processed_logits(rows, knobs, config, step, context)
+    chosen, key = _choose_tokens(rows, processed, knobs.temperature, step)
+    log_prob, top_tokens, top_log_probs = _token_log_probs(
+        rows, processed, chosen, config
+    )
+    bad = _loop.not_finite(rows.logits) & running
+    emitted = running & ~bad
+    token = jnp.where(emitted, chosen, config.pad_id)
+    stop_carry, stopped = _update_stops(rows, stop, token, emitted)
+    eos = _loop.is_eos(token, config.eos_ids) & emitted
+    generated = rows.generated + emitted.astype(jnp.int32)
+    limits = jnp.where(eos | stopped | bad, generated, rows.limits)
+    reasons = jnp.where(stopped, FINISHED_STOP, rows.finish_reasons)
+    reasons = jnp.where(eos, FINISHED_EOS, reasons)
+    reasons = jnp.where(bad, FINISHED_BAD_LOGITS, reasons).astype(jnp.int32)
+    history, counts = rows.history, rows.counts
+    if history is not None:
+        rolled = jnp.concatenate([history[:, 1:], chosen[:, None]], axis=1)
+        history = jnp.where(emitted[:, None], rolled, history)
+    if counts is not None:
+        row_ids = jnp.arange(counts.shape[0])
+        counts = counts.at[row_ids, chosen].add(emitted.astype(jnp.int32))
+    new = DecodeRows(
+        logits=rows.logits,
+        key=key,
+        generated=generated,
+        limits=limits,
+        finish_reasons=reasons,
+        history=history,
+        counts=counts,
+        stop_carry=stop_carry,
+    )
+    out = StepOutput(
+        tokens=token,
+        emitted=emitted,
+        bad=bad,
+        log_probs=jnp.where(emitted, log_prob, 0.0),
+        top_tokens=jnp.where(emitted[:, None], top_tokens, config.pad_id),
+        top_log_probs=jnp.where(emitted[:, None], top_log_probs, 0.0),
+    )
+    return new, out

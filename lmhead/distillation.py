@@ -34,24 +34,10 @@ divergence is not multiplied by :math:`T^2`; multiply it by ``temperature**2``
 (or fold it into the learning rate) to keep its gradients' size across
 temperatures as Hinton et al. suggest.
 
-The fused gradient. With :math:`s = z_s / T`, the gradients of the
-divergences with respect to the student's scaled logits are
-
-.. math::
-    \frac{\partial\, \mathrm{KL}(p \| q)}{\partial s_i} = q_i - p_i, \qquad
-    \frac{\partial\, \mathrm{KL}(q \| p)}{\partial s_i}
-        = q_i \big(\log\tfrac{q_i}{p_i} - \mathrm{KL}(q \| p)\big), \qquad
-    \frac{\partial\, \mathrm{jsd}_\beta}{\partial s_i}
-        = (1 - \beta)\, q_i \big(\log\tfrac{q_i}{m_i} - \mathrm{KL}(q \| m)\big),
-
-(for ``jsd`` the teacher's term and the :math:`m` in the student's log
-cancel), then :math:`1/T` to reach :math:`z_s`, and the cross-entropy's
-:math:`\mathrm{softmax}(z_s) - e_y`. For a ``"mean"`` or ``"sum"`` loss a
-chunk's gradient is known once its logits are, so the forward sweep
-computes ``dh``, ``dw`` and ``dbias`` from each chunk's logits while they are
-live: two matmuls per chunk beside the logits' one (the materialized
-path's three), and no recomputation. ``reduction="none"`` recomputes the
-logits in the backward pass, with each token's cotangent.
+The fused loss is :class:`DistillationRule`, a rule of the one chunked sweep
+(:mod:`lmhead._fused_sweep`), whose docstring gives the gradients with
+respect to the student's logits (for ``jsd`` the teacher's term and the
+:math:`m` in the student's log cancel).
 
 The teacher is a constant: it gets no gradient (a zero cotangent, as
 ``lax.stop_gradient`` would give), in both functions. So do the metrics,
@@ -540,8 +526,9 @@ def fused_distillation_loss(
     teacher is its logits ``[..., V]`` (an input, read a chunk at a time), or
     its hidden states and unembedding ``(h_t, w_t)``, whose logits are
     computed chunk by chunk too. The gradient w.r.t. ``h``, ``w``, ``bias``
-    and ``weights`` is a custom VJP (the module docstring derives it), exact
-    and computed in the forward sweep for ``"mean"`` and ``"sum"``; the
+    and ``weights`` is the one sweep's custom VJP (:class:`DistillationRule`
+    gives it), exact and computed in the forward sweep for ``"mean"`` and
+    ``"sum"``; the
     teacher's is zero. Logits and gradients are float32 whatever the inputs'
     dtypes; gradients come back in the inputs' dtypes.
 

@@ -276,7 +276,7 @@ def fused_cross_entropy(
             + \lambda_z\, \mathrm{lse}(z_t)^2\big)}{\sum_t w_t}.
 
     The gradient with respect to ``h``, ``w`` and ``bias`` is a custom VJP
-    (:mod:`lmhead._fused_sweep` derives it): for ``reduction="mean"`` or
+    (:class:`CrossEntropyRule` gives it): for ``reduction="mean"`` or
     ``"sum"`` it is computed during the forward sweep, from each chunk's
     logits, so a training step does the three matmuls of the materialized
     path and nothing more. Statistics and gradients accumulate in float32
@@ -314,7 +314,7 @@ def fused_cross_entropy(
         vocab_shards: None (default) on one device; see
             ``vocab_parallel.vocab_parallel_cross_entropy``, which splits the rows
             of ``w`` over devices and combines each device's statistics
-            with ``pmax``/``psum`` (see :mod:`lmhead._fused_sweep`).
+            with ``pmax``/``psum`` (see :meth:`CrossEntropyRule.combine`).
         entropy: False (default), or True to add ``metrics["entropy"]``, the
             weighted mean of each token's :math:`H_t = -\sum_i p_i \log p_i`,
             :math:`p = \mathrm{softmax}(z_t)` of the logits the loss sees

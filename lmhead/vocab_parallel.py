@@ -5,8 +5,9 @@ With the ``[V, D]`` table split over the mesh's ``"model"`` axis,
 each device reduces the logits of its own slice of the vocabulary to
 per-token statistics (logsumexp, the label's logit, the sum of the logits,
 the argmax), and the statistics are combined over ``"model"`` with
-``pmax``/``psum``. The per-device work is :mod:`lmhead.fused`'s sweep over
-chunks of tokens, gradient included. Neither the ``[N, V]`` logits nor the
+``pmax``/``psum``. The per-device work is the one chunked sweep
+(:mod:`lmhead._fused_sweep`) with the cross-entropy's rule, whose ``combine``
+does that step, gradient included. Neither the ``[N, V]`` logits nor the
 whole table are ever on one device.
 
 The mesh itself (its axes, the parameter rules, batches) is the experiment's:

@@ -8,6 +8,7 @@ every loop ragged: N = 21 tokens in chunks of 5, V = 37 rows in blocks of 16
 (kept logits) or 7 (recomputed).
 """
 
+import dataclasses
 import functools
 
 import chex
@@ -18,7 +19,7 @@ import pytest
 from absl.testing import parameterized
 from jax.test_util import check_grads
 
-from lmhead import fused, head, losses
+from lmhead import _fused_sweep, fused, head, losses
 from tests import loss_scalars, references
 from tests.errors import bad_input_test, rules_test
 
@@ -579,3 +580,89 @@ RULES = [
 
 
 test_documented_rules = rules_test(RULES)
+
+
+@dataclasses.dataclass(frozen=True)
+class SquaredLogitsRule:
+    """A loss written only as a rule: ``L_t = sum_i z_ti^2 / 2``, its one
+    output ``sum_i z_ti^2``; ``dL/dz_ti = z_ti`` (``c z_ti`` for a cotangent
+    ``c`` on the output: ``2 c z_ti``)."""
+
+    passes = 1
+
+    def empty(self, zeros, token_inputs):
+        return (zeros,)
+
+    def chunk_context(self, plan, h_chunk, token_inputs, row_inputs):
+        return None
+
+    def init(self, pass_, zeros):
+        return (zeros,)
+
+    def block_stats(self, plan, pass_, z, v0, is_new, context, previous):
+        return (jnp.sum(jnp.where(is_new, z * z, 0.0), axis=0),)
+
+    def merge(self, pass_, carry, block):
+        return (carry[0] + block[0],)
+
+    def combine(self, plan, pass_, carry):
+        raise NotImplementedError
+
+    def finish(self, pass_, carry):
+        return carry
+
+    def loss(self, loss_scalars, outputs):
+        return 0.5 * outputs[0]
+
+    def loss_coefs(self, loss_scalars, outputs, weights):
+        return (0.5 * weights,)
+
+    def cotangent_coefs(self, outputs, cotangents):
+        return (cotangents[0],)
+
+    def dlogits(self, z, v0, context, outputs, coefs):
+        return 2.0 * coefs[0] * z
+
+
+class EngineTest(parameterized.TestCase):
+    """The one sweep runs a rule it has never seen: value and gradients of
+    the squared logits equal numpy's and autodiff's of the materialized
+    logits, through the forward gradients and the recompute sweep."""
+
+    @parameterized.product(blocks=["kept", "recomputed"], forward=[True, False])
+    def test_a_new_loss_is_a_rule(self, blocks, forward):
+        h, w, bias, _, weights = make_inputs(5)
+        h, weights = h.reshape(-1, D), weights.reshape(-1)
+        vocab_chunk = None if blocks == "kept" else RECOMPUTED["vocab_chunk_size"]
+        plan = _fused_sweep.Plan(
+            SquaredLogitsRule(),
+            V,
+            None,
+            *_fused_sweep.block_sizes(len(h), V, 5, vocab_chunk),
+            scale=0.9,
+            softcap=3.0,
+            precision=None,
+            grads_in_forward=forward,
+        )
+
+        def fused_loss(h, w, bias):
+            objective, (squares,) = _fused_sweep.fused_core(
+                plan, h, w, bias, jnp.zeros(0), jnp.asarray(weights), ((), ())
+            )
+            # A cotangent on the output too: the recompute sweep's work.
+            return objective + jnp.sum(jnp.arange(len(h)) * squares)
+
+        def reference(h, w, bias):
+            # A token of weight 0 adds nothing to a gradient (the engine's rule).
+            z = head.unembed(h, w, bias, scale=0.9, softcap=3.0)
+            squares = jnp.sum(z * z, axis=-1)
+            cotangent = jnp.arange(len(h)) * (weights != 0)
+            return jnp.sum(weights * 0.5 * squares + cotangent * squares)
+
+        z = references.unembed(h, w, bias, scale=0.9, softcap=3.0)
+        squares = np.sum(z.astype(np.float64) ** 2, axis=-1)
+        expected = np.sum(weights * 0.5 * squares + np.arange(len(h)) * squares)
+        value, grads = jax.jit(jax.value_and_grad(fused_loss, (0, 1, 2)))(h, w, bias)
+        np.testing.assert_allclose(value, expected, rtol=1e-5)
+        want = jax.grad(reference, (0, 1, 2))(h, w, bias)
+        chex.assert_trees_all_close(grads, want, rtol=2e-5, atol=1e-4)

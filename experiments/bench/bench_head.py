@@ -58,9 +58,9 @@ labelled as such, on random-normal tables whose logits have std 3. The
 results and the machine they were measured on are in ``docs/fused_loss.md``
 and ``docs/large_vocab.md``.
 
-It is one file, over 400 lines, because a benchmark is one command: its two
-tables (fused vs materialized, and ``--quantized``) time the same head with
-the same helpers, side by side.
+The ``--quantized`` tables and the memory and byte formats that all the
+tables share are in ``head_tables.py`` beside this file; this one holds the
+flags and the loss tables.
 """
 
 import functools
@@ -71,10 +71,15 @@ import jax.numpy as jnp
 import numpy as np
 import timing  # experiments/bench/timing.py, beside this file
 from absl import app, flags, logging
+from head_tables import (  # experiments/bench/head_tables.py, beside this file
+    GIB,
+    available_bytes,
+    format_bytes,
+    format_ratio,
+    print_quantized,
+)
 
-from lmhead import distillation, fused, head, losses, quantize
-from lmhead.lm import data, generation
-from lmhead.lm import model as model_lib
+from lmhead import distillation, fused, head, losses
 
 DEFAULT_SHAPES = [
     "8192,512,32768",  # the shape of the targets
@@ -174,20 +179,6 @@ flags.DEFINE_enum(
     "Cross-Entropy's paper times it). --shapes overrides the shape.",
 )
 FLAGS = flags.FLAGS
-
-GIB = 2.0**30
-
-
-def available_bytes() -> float:
-    """MemAvailable from /proc/meminfo (Linux), else the physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def make_losses(chunk_size, vocab_chunk_size, divergence=None, teacher="logits"):
@@ -295,14 +286,6 @@ def bench_shape(
     return row
 
 
-def format_ratio(ratio: float) -> str:
-    return f"1/{1 / ratio:.0f}" if ratio < 0.5 else f"{ratio:.2f}"
-
-
-def format_bytes(size: float) -> str:
-    return f"{size / GIB:.2f} GiB" if size >= GIB else f"{size / 2**20:.1f} MiB"
-
-
 def time_cell(row: dict, name: str) -> str:
     if row[name + "_time"] is not None:
         return f"{row[name + '_time']:.3g}"
@@ -354,114 +337,6 @@ def parse_shapes(specs: list[str]) -> list[tuple[int, int, int]]:
     return [tuple(numbers[i : i + 3]) for i in range(0, len(numbers), 3)]
 
 
-TABLE_DTYPES = ("float32",) + quantize.DTYPES
-
-
-def smaller_tables(w: jax.Array) -> dict:
-    """``w`` itself and its quantized forms, by dtype name."""
-    return {
-        "float32": w,
-        **{dtype: quantize.quantize_unembedding(w, dtype) for dtype in quantize.DTYPES},
-    }
-
-
-def table_bytes(table) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(table))
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "softcap"))
-def agreement_sums(h, reference, table, bias, *, scale, softcap):
-    """Over the rows of ``h``: how many argmaxes agree, and the summed
-    KL(softmax(reference logits) || softmax(table's logits)) in nats."""
-    options = dict(scale=scale, softcap=softcap)
-    log_p = head.log_probs(head.unembed(h, reference, bias, **options))
-    log_q = head.log_probs(head.unembed(h, table, bias, **options))
-    same = jnp.argmax(log_p, -1) == jnp.argmax(log_q, -1)
-    kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
-    return jnp.sum(same), jnp.sum(kl)
-
-
-def accuracy_rows(
-    label: str, h, w, bias=None, scale=None, softcap=None, block: int = 512
-) -> list[str]:
-    """One table line per quantized dtype: agreement and KL against ``w``."""
-    tables = smaller_tables(w)
-    lines = []
-    for dtype in quantize.DTYPES:
-        same = kl = 0.0
-        for start in range(0, h.shape[0], block):
-            sums = agreement_sums(
-                h[start : start + block],
-                w,
-                tables[dtype],
-                bias,
-                scale=scale,
-                softcap=softcap,
-            )
-            same, kl = same + float(sums[0]), kl + float(sums[1])
-        lines.append(
-            f"| {label} | {w.shape[0]} | {w.shape[1]} | {h.shape[0]} | "
-            f"{dtype} | {table_bytes(tables[dtype]) / table_bytes(w):.3f}"
-            f" | {same / h.shape[0]:.2%} | {kl / h.shape[0]:.2e} |"
-        )
-    return lines
-
-
-def trained_accuracy(workdir: str, positions: int) -> list[str]:
-    """Accuracy on a run's head and the hidden states of its validation text
-    (evenly spaced windows of the run's block size)."""
-    config, _, model, params = generation.load_run(workdir)
-    val = data.load_dataset(config.data, workdir).val_tokens
-    block = model.max_len
-    count = max(1, positions // block)
-    starts = np.linspace(0, len(val) - block, count).astype(int)
-    tokens = jnp.asarray(val[starts[:, None] + np.arange(block)], jnp.int32)
-    h = model.apply({"params": params}, tokens, method=model_lib.DecoderLM.hidden)
-    w = params["embed"]["embedding"] if model.tied else params["head"]["unembedding"]
-    return accuracy_rows(
-        f"trained ({workdir})",
-        h.reshape(-1, h.shape[-1]),
-        w,
-        params.get("head", {}).get("bias"),
-        model.head_scale,
-        model.logits_softcap,
-    )
-
-
-def random_table(v: int, d: int, seed: int = 0) -> jax.Array:
-    """Normal entries of std 3 / sqrt(D): logits of std 3 for unit-normal h."""
-    return 3.0 / np.sqrt(d) * jax.random.normal(jax.random.key(seed), (v, d))
-
-
-def speed_rows(v: int, d: int, batch: int, matmul, repeats: int) -> list[str]:
-    """Table bytes and median unembed time of each table, float32's in the
-    same alternating rounds."""
-    tables = smaller_tables(random_table(v, d))
-    h = jax.random.normal(jax.random.key(1), (batch, d))
-    compiled = {
-        dtype: jax.jit(head.unembed).lower(h, table).compile()
-        for dtype, table in tables.items()
-    }
-    times = {name: [] for name in TABLE_DTYPES + ("matmul",)}
-    for _ in range(repeats + 1):  # the first round warms up
-        for dtype in TABLE_DTYPES:
-            times[dtype].append(
-                timing.call_seconds(compiled[dtype], (h, tables[dtype]))
-            )
-        times["matmul"].append(matmul.seconds())
-    median = {name: float(np.median(t[1:])) for name, t in times.items()}
-    float32_bytes = table_bytes(tables["float32"])
-    return [
-        f"| {v} | {d} | {batch} | {dtype} | "
-        f"{format_bytes(table_bytes(tables[dtype]))} | "
-        f"{table_bytes(tables[dtype]) / float32_bytes:.3f} | "
-        f"{median[dtype] * 1e3:.3g} | "
-        f"{median[dtype] / median['float32']:.2f} | "
-        f"{matmul.flops / median['matmul'] / 1e9:.0f} |"
-        for dtype in TABLE_DTYPES
-    ]
-
-
 def quantized_setting(quick: bool) -> tuple[list[int], list[int], int, int]:
     """``(vocab_sizes, rows, width, positions)``: the flags, or small values
     with ``--quick`` for those not given."""
@@ -482,29 +357,7 @@ def run_quantized(quick: bool, repeats: int, matmul) -> None:
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs a restore at INFO
     vocab_sizes, rows, width, positions = quantized_setting(quick)
-    print(
-        "| V | D | B | table | table memory | x float32 bytes | unembed ms | "
-        "x float32 time | matmul GFLOP/s |\n|" + "---|" * 9,
-        flush=True,
-    )
-    for v in vocab_sizes:
-        for batch in rows:
-            print("\n".join(speed_rows(v, width, batch, matmul, repeats)), flush=True)
-    print(
-        "\n| weights | V | D | rows | table | x float32 bytes | top-1 agreement "
-        "| mean KL(float32 || table) nats |\n|" + "---|" * 8,
-        flush=True,
-    )
-    if FLAGS.workdir:
-        print("\n".join(trained_accuracy(FLAGS.workdir, positions)), flush=True)
-    h = jax.random.normal(jax.random.key(2), (positions, width))
-    for v in vocab_sizes:
-        print(
-            "\n".join(
-                accuracy_rows("random-normal, not trained", h, random_table(v, width))
-            ),
-            flush=True,
-        )
+    print_quantized(vocab_sizes, rows, width, positions, FLAGS.workdir, repeats, matmul)
 
 
 def zero_weights(n: int, fraction: float, seed: int = 0) -> np.ndarray:

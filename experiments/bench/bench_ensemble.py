@@ -11,70 +11,18 @@ runs finished per hour for a slice of the tying study, and a GPU preset.
 ``experiments/bench/bench_train.py --ensemble [FLAGS]`` is the same command.
 The programs are ``lmhead/lm/ensemble.py``'s.
 
-**Member-steps per second** (the default). For each shape (``--shapes``,
-``configs/default.py`` arguments: nanoGPT's and the tying study's BPE-2048
-one) and each member count M (``--members``), M members: member k has seed k
-(its initial parameters and batches are a single run's with that seed) and
-learning rate ``lr (1 + k / M)``, ``min_lr`` in proportion, so ``values``
-holds ``optim.lr`` and ``optim.min_lr`` arrays. The shapes train on the first
-``--train_fraction`` of the training split, so that BPE trains on a few
-plays, not the whole corpus: a step's cost depends on the vocabulary's size,
-not on the text (the table gives V). Programs timed side by side:
-
-* separate steps: ``train.train_step`` jitted once (state donated) and
-  called M times per ensemble step, on M states: one process per member
-  without the fixed costs. The learning rates are arguments of the compiled
-  step, so that one compile serves every member;
-* ``ensemble.ensemble_train_step`` (stacked state donated, as
-  ``train_ensemble`` compiles it) with ``vmap_size`` 1 (a ``lax.map`` over
-  the members), each of ``--vmap_sizes`` below M (``vmap`` over groups of
-  that many, the groups in a ``lax.map``) and M (one ``vmap``);
-* on several CPU devices (``--cpu_devices``, by default one per CPU, as
-  ``experiments/train.py`` gives an ensemble), the ``lax.map`` with the
-  members split over as many devices as divide them (``shard_map``), which
-  is how ``train_ensemble`` runs them there by default
-  (``ensemble_program.member_devices``). The separate steps run on the first
-  device, whose computations still use every core.
-
-Each runs ``--steps`` ensemble steps per call (dispatched, then waited for
-once, as the training loop does), in ``--rounds`` rounds of alternation with
-a float32 matmul (``timing.alternate``); the medians are printed: ms per
-ensemble step, its CPU time (all threads), member-steps/s (``M / time``) and
-the ratio to separate steps. Then, per M, the fastest form beside the
-library's default here (``ensemble.default_vmap_members`` and
-``ensemble_program.member_devices``: on a CPU a ``lax.map`` on each of the
-CPU devices the members are split over, on a GPU or TPU one ``vmap`` on one
-device).
-
-The table's last column is each program's largest difference in parameters
-from the separate steps' after the same steps on the same batches: a check
-that the programs timed do the same work (equal up to float32 rounding).
-
-**Runs finished per hour** (``--runs_per_hour``; ``ensemble_runs.py``
-beside this file has the details). One cell of the tying study
-(``--slice``: arguments of ``configs/sweeps/tying_study.py``; by default
-BPE 2048, arm a, the whole training split, 16 seeds at one rate), trained as
-``experiments/train.py`` processes, fixed costs included: each run in a
-process of its own, and the runs in ensembles of M (``--slice_members``).
-``--slice_steps`` shortens every run (default: the study's step cap).
-
-**GPU preset** (``--gpu``). ``nanogpt,tied`` with ``train.microbatches=1``
-(the value for a GPU, ``configs/default.py``): member-steps/s of one ``vmap``
-at M = 1, 16, 64, 256 (``--gpu_members``) against separate steps, then the
-largest M that fits: from twice the largest of those, M doubles until the
-one-vmap step runs out of memory (caught), or up to ``--max_members``.
-``XLA_PYTHON_CLIENT_MEM_FRACTION`` is set to 0.95 unless already set, so
-that "fits" means most of the chip's memory, not JAX's default 75%. It runs
-on a CPU too, where nothing runs out of memory before the cap.
-
-``--quick`` runs each mode at tiny sizes (the tiny config; a tiny slice of
-the study's tiny preset): it checks that the benchmark runs and measures
-nothing. Measure on an otherwise idle machine: two programs timed side by
-side share its cores with everything else.
-
-It is one file, over 400 lines, because the programs it times serve its two
-timed modes and nothing else; the runs-per-hour mode, which times processes,
-is ``ensemble_runs.py``.
+Three modes: **member-steps per second** (the default: each ensemble form,
+``ensemble.ensemble_train_step`` with a ``lax.map``, ``vmap`` groups, one
+``vmap`` and, on several CPU devices, split over them, timed side by side
+with M separate jitted ``train.train_step`` calls in alternating rounds, and
+each form's largest parameter difference from the separate steps), **runs
+finished per hour** (``--runs_per_hour``: a slice of the tying study as
+``experiments/train.py`` processes, separate against ensembles;
+``ensemble_runs.py`` beside this file) and the **GPU preset** (``--gpu``:
+one ``vmap`` at M = 1, 16, 64, 256 and the largest M that fits).
+``--quick`` runs each mode at tiny sizes: it checks that the benchmark runs
+and measures nothing. docs/training.md ("Speed of an ensemble") says what
+each mode times, how, and what it measured.
 """
 
 import dataclasses

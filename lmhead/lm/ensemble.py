@@ -51,9 +51,12 @@ several processes, and ``mesh.members > 1`` together with ``mesh.data > 1``.
 
 What a program is made of -- the members' data with one tokenizer, their
 evaluation sets, the mesh, the stacked shardings -- is
-``lmhead/lm/ensemble_program.py``'s. This module is one piece, in the order
-a program uses it: the mapped steps, ``train_ensemble`` and its loop, and
-the end of the program.
+``lmhead/lm/ensemble_program.py``'s, with the hooks by which the loop of
+every run (``lmhead.lm.loop``: logging, evaluation, early stopping,
+finiteness checks, checkpoints, SIGTERM, the test evaluation and the
+summaries) reads its stacked state. This module holds the mapped steps and
+``train_ensemble``, which sets a program up, compiles its steps and runs
+that loop.
 """
 
 import contextlib
@@ -73,12 +76,9 @@ from jax.sharding import PartitionSpec as P
 from lmhead.lm import (
     checkpoints,
     configuration,
-    data,
     ensemble_program,
-    evaluation,
-    generation,
+    loop,
     monitoring,
-    preemption,
     sharding,
     train,
 )
@@ -88,9 +88,8 @@ from lmhead.lm import state as state_lib
 
 # In the program's workdir: its members, as train_ensemble was given them.
 ENSEMBLE_FILE = "ensemble.json"
-# In a member's workdir: the step at which a non-finite loss, gradient norm
-# or state stopped it (``train.stop_on_nonfinite``).
-FAILED_FILE = "failed.json"
+# In a member's workdir: the step at which a non-finite value stopped it.
+FAILED_FILE = ensemble_program.FAILED_FILE
 
 
 def over_members(fn, xs: Any, vmap_size: int) -> Any:
@@ -279,7 +278,7 @@ def train_ensemble(
     program.failed = {i for i, m in enumerate(program_members) if m.workdir in failed}
     try:
         state, best, timer = _restore_and_train(program)
-        results = _finish(program, state, best, timer, wall_start)
+        results = loop.finish(program, state, best, timer, wall_start)
     finally:
         program.close()
     summaries.update(
@@ -374,7 +373,7 @@ def _restore_and_train(program: ensemble_program.Program):
         # Copies: the train step donates the state's buffers.
         restored = {"state": state, "best": jax.tree.map(jnp.copy, state)}
     _compile(program, restored["state"], shardings)
-    return _train_loop(program, restored["state"], restored["best"])
+    return loop.train_loop(program, restored["state"], restored["best"])
 
 
 def _compile(program: ensemble_program.Program, state, shardings) -> None:
@@ -422,294 +421,3 @@ def _compile(program: ensemble_program.Program, state, shardings) -> None:
         f"({program.vmap_size} member(s) per vmap, split over {devices} "
         f"device(s))."
     )
-
-
-@jax.jit
-def _select(mask: jax.Array, new: Any, old: Any) -> Any:
-    """``new`` for the members where ``mask``, else ``old``."""
-    return jax.tree.map(
-        lambda n, o: jnp.where(mask.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
-        new,
-        old,
-    )
-
-
-def _active(program: ensemble_program.Program, state) -> np.ndarray:
-    """The members still training: not stopped early, not failed, and not
-    at ``train.steps``."""
-    steps = np.asarray(jax.device_get(state.step))
-    return np.array(
-        [
-            not program.stoppings[i].should_stop
-            and i not in program.failed
-            and i not in program.finished
-            and steps[i] < program.config.train.steps
-            for i in range(program.count)
-        ]
-    )
-
-
-def _train_loop(program: ensemble_program.Program, state, best):
-    """Steps from the program's step to ``train.steps`` (or until every
-    member has stopped), with each member's periodic actions."""
-    config, steps = program.config, program.config.train.steps
-    active = _active(program, state)
-    first = int(np.max(jax.device_get(state.step)))
-    timer, pending = monitoring.StepTimer(), []
-    timer.start()
-    active_array = jnp.asarray(active)
-    with preemption.sigterm_flag() as terminated:
-        for step in range(first, steps):
-            if not active.any():
-                break
-            if preemption.stop_requested(program.manager, step, terminated):
-                if pending:
-                    _log_training(program, timer, pending, step, active, state)
-                _save(program, step, state, best)
-                raise preemption.Preempted(step, str(program.manager.directory))
-            state, metrics = program.train_fn(
-                state,
-                program.batch(step, active),
-                program.keys["dropout"],
-                program.values,
-                active_array,
-            )
-            pending.append(metrics)
-            if len(pending) > 1:
-                jax.block_until_ready(pending[-2])
-                timer.step_done()
-            done = step + 1
-            log_now, evaluate_now, checkpoint_now = train.periodic_actions(config, done)
-            if not log_now:
-                continue
-            _log_training(program, timer, pending, done, active, state)
-            pending = []
-            if evaluate_now:
-                best = _log_evaluation(program, done, active, state, best)
-            stopped = active & ~_active(program, state)
-            if checkpoint_now or stopped.any():
-                _save(program, done, state, best)
-            active = active & ~stopped
-            active_array = jnp.asarray(active)
-            timer.start()
-    return state, best, timer
-
-
-def _save(program: ensemble_program.Program, step: int, state, best) -> None:
-    checkpoints.save(program.manager, step, {"state": state, "best": best})
-
-
-def _log_training(program, timer, pending, done, active, state) -> None:
-    """Each active member's lap record (``monitoring.training_record``), a
-    non-finite member marked failed (``train.stop_on_nonfinite``), and one
-    progress line for the program."""
-    pending = jax.device_get(pending)
-    timer.step_done()
-    seconds = timer.lap(len(pending))
-    config = program.config
-    finite = _members_finite(pending, state) if config.train.stop_on_nonfinite else None
-    losses = []
-    for index in np.flatnonzero(active):
-        own = [{k: v[index] for k, v in m.items()} for m in pending]
-        if finite is not None and not finite[index]:
-            program.failed.add(int(index))
-            with open(
-                os.path.join(program.members[index].workdir, FAILED_FILE), "w"
-            ) as f:
-                json.dump(dict(step=done), f)
-            monitoring.log(
-                f"member {index} ({program.members[index].workdir}): a non-finite "
-                f"loss, gradient norm or state by step {done}; it is stopped "
-                "without a summary."
-            )
-            continue
-        record = monitoring.training_record(timer, own, seconds, config)
-        program.writers[index].write(done, record)
-        losses.append(record["train/loss"])
-    tokens = len(pending) * config.train.batch_size * config.data.block_size
-    eta = (config.train.steps - done) * timer.wall / timer.steps
-    monitoring.log(
-        f"step {done}/{config.train.steps}  {len(losses)}/{program.count} members "
-        f"training  loss {np.mean(losses) if losses else float('nan'):.4f} "
-        f"(min {min(losses, default=float('nan')):.4f}, max "
-        f"{max(losses, default=float('nan')):.4f})  "
-        f"{tokens * len(losses) / seconds:,.0f} tokens/s  "
-        f"{1e3 * seconds / len(pending):.1f} ms/step  ETA {eta:.0f} s"
-    )
-
-
-def _members_finite(pending, state) -> np.ndarray:
-    """``[M]`` bool: whether each member's logged losses and gradient norms
-    and every floating-point leaf of its state are finite (one compiled
-    reduction over the stacked state, not one per member and leaf)."""
-    logged = np.stack(
-        [np.asarray(m[k]) for m in pending for k in ("loss", "grad_norm")]
-    )
-    return np.isfinite(logged).all(axis=0) & np.asarray(_state_finite(state))
-
-
-@jax.jit
-def _state_finite(state) -> jax.Array:
-    """``[M]`` bool: every floating-point leaf of each member's state is finite."""
-    return jnp.stack(
-        [
-            jnp.isfinite(x).reshape(x.shape[0], -1).all(axis=1)
-            for x in jax.tree.leaves(state)
-            if jnp.issubdtype(x.dtype, jnp.inexact)
-        ]
-    ).all(axis=0)
-
-
-def _log_evaluation(program, done, active, state, best):
-    """Each active member's evaluation, counted for its early stopping; the
-    members with a new best get their state kept in ``best``."""
-    results = program.evaluate(state.params)
-    improved = np.zeros(program.count, bool)
-    for index in np.flatnonzero(active):
-        if index in program.failed:
-            continue
-        metrics = results[index]
-        program.writers[index].write(done, metrics)
-        improved[index] = program.stoppings[index].update(done, metrics["eval/loss"])
-        if program.stoppings[index].should_stop:
-            monitoring.log(
-                f"member {index} stopped early at step {done}: "
-                f"{program.configs[index].train.patience} evaluations without a "
-                f"lower eval/loss than step {program.stoppings[index].best_step}'s."
-            )
-    evaluated = [results[i]["eval/loss"] for i in np.flatnonzero(active)]
-    monitoring.log(
-        f"step {done}/{program.config.train.steps}  eval/loss "
-        f"{np.mean(evaluated):.4f} (min {min(evaluated):.4f}, max "
-        f"{max(evaluated):.4f}) over {len(evaluated)} members"
-    )
-    if improved.any():
-        best = _select(jnp.asarray(improved), state, best)
-    return best
-
-
-# --- The end of the program ------------------------------------------------------
-
-
-def _finish(
-    program: ensemble_program.Program, state, best, timer, wall_start
-) -> list[dict | None]:
-    """Final and test evaluations, the members' checkpoints, samples and summaries."""
-    steps_run = [int(s) for s in jax.device_get(state.step)]
-    finals = _final_evaluations(program, state, steps_run)
-    tests = _test_evaluations(program, state, best, steps_run)
-    # One transfer of the stacked states; each member's is a view of it.
-    state, best = jax.device_get((state, best))
-    summaries = []
-    for index, (member, member_config) in enumerate(
-        zip(program.members, program.configs)
-    ):
-        if index in program.failed or index in program.finished:
-            summaries.append(None)
-            continue
-        own, own_best = (
-            jax.tree.map(lambda x, i=index: x[i], tree) for tree in (state, best)
-        )
-        _save_member(member, member_config, own, own_best)
-        if member_config.sample.num_samples:
-            generation.write_samples(
-                member_config,
-                program.model,
-                sharding.to_host(own.params),
-                program.dataset.tokenizer,
-                program.keys["sample"][index],
-                member.workdir,
-            )
-        summary = {
-            **monitoring.run_summary(
-                member_config,
-                own.params,
-                program.dataset.vocab_size,
-                finals[index],
-                timer,
-                program.compile_seconds,
-                wall_start,
-            ),
-            **monitoring.best_summary(
-                member_config, program.writers[index].records, steps_run[index]
-            ),
-            **({"test": tests[index]} if tests else {}),
-            "ensemble": dict(
-                program=str(program.manager.directory.parent),
-                members=program.count,
-                index=index,
-            ),
-        }
-        with open(os.path.join(member.workdir, train.SUMMARY_FILE), "w") as f:
-            json.dump(summary, f, indent=2)
-        summaries.append(summary)
-    return summaries
-
-
-def _final_evaluations(program, state, steps_run) -> list[dict]:
-    """Each member's evaluation at its last step: the logged one, or (a
-    member without one) a new one, logged."""
-    finals, results = [], None
-    for index, writer in enumerate(program.writers):
-        if index in program.failed or index in program.finished:
-            finals.append(None)
-            continue
-        final = next((r for r in reversed(writer.records) if "eval/loss" in r), None)
-        if final is None or final["step"] != steps_run[index]:
-            results = results or program.evaluate(state.params)
-            final = {"step": steps_run[index], **results[index]}
-            writer.write(steps_run[index], results[index])
-        finals.append(final)
-    return finals
-
-
-def _test_evaluations(program, state, best, steps_run) -> list[dict] | None:
-    """The whole test split, once per member, with its best parameters
-    (``train.patience`` set) or its last; logged as ``test/...``."""
-    if not evaluation.wants_test_evaluation(program.config):
-        return None
-    test_set = evaluation.make_test_set(
-        data.load_test_tokens(program.config.data, program.dataset.tokenizer),
-        program.config,
-        program.dataset.tokenizer,
-    )
-    with_patience = np.array([c.train.patience > 0 for c in program.configs])
-    params = _select(jnp.asarray(with_patience), best.params, state.params)
-    members_test = ensemble_program.shared_eval_set(
-        test_set, program.mesh, program.count
-    )
-    best_steps = jax.device_get(best.step)
-    results = []
-    for index, metrics in enumerate(program.evaluate_set(params, members_test)):
-        if index in program.failed or index in program.finished:
-            results.append(None)
-            continue
-        metrics = {f"test/{k.split('/', 1)[1]}": v for k, v in metrics.items()}
-        program.writers[index].write(steps_run[index], metrics)
-        results.append(
-            {
-                **{k.split("/", 1)[1]: v for k, v in metrics.items()},
-                "num_tokens": test_set.num_tokens,
-                "num_chars": test_set.num_chars,
-                "step": int(best_steps[index])
-                if with_patience[index]
-                else steps_run[index],
-            }
-        )
-    return results
-
-
-def _save_member(member, member_config, state, best) -> None:
-    """The member's own checkpoint (and best checkpoint with patience), as a
-    single run leaves them: ``experiments/generate.py`` and a resumed single
-    run read them."""
-    with contextlib.ExitStack() as stack:
-        manager = stack.enter_context(
-            contextlib.closing(checkpoints.checkpoint_manager(member.workdir))
-        )
-        checkpoints.save(manager, int(state.step), state)
-        if member_config.train.patience:
-            best_manager = stack.enter_context(
-                contextlib.closing(checkpoints.best_checkpoint_manager(member.workdir))
-            )
-            checkpoints.save(best_manager, int(best.step), best)

@@ -13,7 +13,9 @@ held-out windows of ``data.holdout_fraction`` are stacked, one set per
 member, when the members train on different text.
 """
 
+import contextlib
 import dataclasses
+import json
 import os
 import shutil
 from typing import Any
@@ -26,9 +28,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lmhead.lm import (
+    checkpoints,
     configuration,
     data,
     evaluation,
+    generation,
+    loop,
     monitoring,
     sharding,
     train,
@@ -40,6 +45,9 @@ from lmhead.vocab_parallel import DATA_AXIS
 # The mesh axis that the members are split over (mesh.members > 1, or None
 # on several CPU devices: member_devices).
 MEMBERS_AXIS = "members"
+# In a member's workdir: the step at which a non-finite loss, gradient norm
+# or state stopped it (``train.stop_on_nonfinite``).
+FAILED_FILE = "failed.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +62,11 @@ class MemberEvalSet:
 
 
 @dataclasses.dataclass
-class Program:
-    """What the loop uses, made once by :func:`make_program`."""
+class Program(loop.Run):
+    """An ensemble program as the loop of every run
+    (:func:`lmhead.lm.loop.train_loop`) reads it, made once by
+    :func:`make_program`: a stacked state (a leading members axis), and in
+    memory and in the program's checkpoints the stacked best states."""
 
     config: ml_collections.ConfigDict
     members: list[members_lib.Member]
@@ -77,10 +88,27 @@ class Program:
     failed: set = dataclasses.field(default_factory=set)
     # Members with a summary before this process started (a resumed program).
     finished: set = dataclasses.field(default_factory=set)
+    stacked = True
+    _active: tuple = (None, None)
 
     @property
     def count(self) -> int:
         return len(self.members)
+
+    @property
+    def workdirs(self) -> list[str]:
+        return [m.workdir for m in self.members]
+
+    def train_step(self, state, step: int, active: np.ndarray):
+        if self._active[0] is None or not np.array_equal(self._active[0], active):
+            self._active = (active.copy(), jnp.asarray(active))
+        return self.train_fn(
+            state,
+            self.batch(step, active),
+            self.keys["dropout"],
+            self.values,
+            self._active[1],
+        )
 
     def batch(self, step: int, active: np.ndarray) -> dict[str, jax.Array]:
         """The stacked training batches of ``step``: each member's
@@ -129,10 +157,103 @@ class Program:
             for index in range(self.count)
         ]
 
+    def evaluate_test(self, params, test_set: evaluation.EvalSet) -> list[dict]:
+        return self.evaluate_set(
+            params, shared_eval_set(test_set, self.mesh, self.count)
+        )
+
+    def save(self, step: int, state, best) -> None:
+        checkpoints.save(self.manager, step, {"state": state, "best": best})
+
+    def keep_best(self, improved: np.ndarray, state, best):
+        return select(jnp.asarray(improved), state, best)
+
+    def best_params(self, state, best):
+        with_patience = np.array([c.train.patience > 0 for c in self.configs])
+        params = select(jnp.asarray(with_patience), best.params, state.params)
+        best_steps, steps = jax.device_get((best.step, state.step))
+        return params, [
+            int(b if p else s) for b, s, p in zip(best_steps, steps, with_patience)
+        ]
+
+    def fail(self, index: int, done: int, pending: list[dict], state) -> None:
+        """The member is frozen, without a summary; its ``failed.json`` names
+        the step, so that a rerun of the program does not train it again."""
+        self.failed.add(index)
+        with open(os.path.join(self.workdirs[index], FAILED_FILE), "w") as f:
+            json.dump(dict(step=done), f)
+        monitoring.log(
+            f"{self.member_name(index)}: a non-finite loss, gradient norm or "
+            f"state by step {done}; it is stopped without a summary."
+        )
+
+    def end_members(self, state, best) -> list:
+        """Each trained member's checkpoints (:func:`save_member`) and samples."""
+        # One transfer of the stacked states; each member's is a view of it.
+        state, best = jax.device_get((state, best))
+        params = []
+        for index, member_config in enumerate(self.configs):
+            if index in self.failed or index in self.finished:
+                params.append(None)
+                continue
+            own, own_best = (jax.tree.map(lambda x: x[index], t) for t in (state, best))
+            save_member(self.workdirs[index], member_config, own, own_best)
+            if member_config.sample.num_samples:
+                generation.write_samples(
+                    member_config,
+                    self.model,
+                    sharding.to_host(own.params),
+                    self.dataset.tokenizer,
+                    self.keys["sample"][index],
+                    self.workdirs[index],
+                )
+            params.append(own.params)
+        return params
+
+    def summary_extra(self, index: int) -> dict:
+        return {
+            "ensemble": dict(
+                program=str(self.manager.directory.parent),
+                members=self.count,
+                index=index,
+            )
+        }
+
     def close(self) -> None:
         for writer in self.writers:
             writer.close()
         self.manager.close()
+
+
+@jax.jit
+def select(mask: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` for the members where ``mask`` (``[M]``), else ``old``.
+
+    Examples:
+        >>> select(jnp.array([True, False]), jnp.ones(2), jnp.zeros(2)).tolist()
+        [1.0, 0.0]
+    """
+    return jax.tree.map(
+        lambda n, o: jnp.where(mask.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
+        new,
+        old,
+    )
+
+
+def save_member(workdir: str, member_config, state, best) -> None:
+    """The member's own checkpoint (and best checkpoint with patience), as a
+    single run leaves them: ``experiments/generate.py`` and a resumed single
+    run read them."""
+    with contextlib.ExitStack() as stack:
+        manager = stack.enter_context(
+            contextlib.closing(checkpoints.checkpoint_manager(workdir))
+        )
+        checkpoints.save(manager, int(state.step), state)
+        if member_config.train.patience:
+            best_manager = stack.enter_context(
+                contextlib.closing(checkpoints.best_checkpoint_manager(workdir))
+            )
+            checkpoints.save(best_manager, int(best.step), best)
 
 
 def make_program(

@@ -3,9 +3,10 @@
 :class:`MetricWriter` appends to the workdir's ``metrics.jsonl`` and
 TensorBoard events, :class:`StepTimer` times the training steps (without
 evaluations and checkpoints), :func:`memory_metrics` reads device and host
-memory, :func:`log_training` writes and prints a training log line, and
-:func:`run_summary`, :func:`best_summary` and :func:`finished_summary` make
-and read ``summary.json`` (its keys: :func:`run_summary`, :func:`best_summary`).
+memory, :func:`training_record` makes a lap's ``metrics.jsonl`` record (the
+loop of every run, ``lmhead.lm.loop``, writes it and prints the progress
+line), and :func:`run_summary`, :func:`best_summary` and
+:func:`finished_summary` make and read ``summary.json`` (its keys: :func:`run_summary`, :func:`best_summary`).
 :data:`MEASURED_METRICS` are the logged metrics that are measured, not
 computed, and so differ between two runs of the same config.
 """
@@ -154,33 +155,6 @@ def memory_metrics() -> dict[str, float]:
         )
     )
     return metrics
-
-
-def log_training(
-    writer: MetricWriter,
-    timer: StepTimer,
-    pending: list,
-    done: int,
-    seconds: float,
-    config: ml_collections.ConfigDict,
-) -> None:
-    """Writes the mean of the ``pending`` steps' metrics (host values, the
-    last at step ``done``) with the lap's speed (tokens/s over ``seconds``,
-    step-time p50 and p90) and the memory (:func:`memory_metrics`), and
-    prints a progress line with the time left."""
-    logged = training_record(timer, pending, seconds, config)
-    writer.write(done, logged)
-    percentiles = timer.percentiles_ms(len(pending))
-    steps = config.train.steps
-    eta = (steps - done) * timer.wall / timer.steps
-    peak = logged.get("memory/device_peak_bytes", logged["memory/host_peak_rss_bytes"])
-    log(
-        f"step {done}/{steps}  loss {logged['train/loss']:.4f}  "
-        f"{logged['train/tokens_per_sec']:,.0f} tokens/s  "
-        f"{1e3 * seconds / len(pending):.1f} ms/step (p50 "
-        f"{percentiles['step_ms_p50']:.1f}, p90 {percentiles['step_ms_p90']:.1f})  "
-        f"peak memory {peak / 2**20:,.0f} MiB  ETA {eta:.0f} s"
-    )
 
 
 def training_record(

@@ -1,27 +1,25 @@
-"""Training and evaluation of a ``DecoderLM``: one loop, driven by a config.
+"""Training and evaluation of a ``DecoderLM``, driven by a config.
 
 ``train_and_evaluate(config, workdir)`` reads and encodes the corpus, builds
 the model and an AdamW optimizer, resumes from the newest checkpoint in
-``workdir`` if there is one, trains, evaluates, checkpoints, and ends with
-decoded samples. ``train_step`` and ``eval_step`` are pure functions;
-:func:`compile_steps` is the one place that jits them; ``lmhead.lm.evaluation``
-reduces ``eval_step`` over fixed evaluation sets. The run's state and optimizer
-are ``lmhead.lm.state``'s; its metrics, timings and summary
-``lmhead.lm.monitoring``'s.
+``workdir`` if there is one, and runs the training loop of every run
+(``lmhead.lm.loop``: train, evaluate, checkpoint, stop early, test) over a
+run of one member, then writes decoded samples. ``train_step`` and
+``eval_step`` are pure functions; :func:`compile_steps` is the one place
+that jits them; ``lmhead.lm.evaluation`` reduces ``eval_step`` over fixed
+evaluation sets. The run's state and optimizer are ``lmhead.lm.state``'s;
+its metrics, timings and summary ``lmhead.lm.monitoring``'s. An ensemble
+(``lmhead.lm.ensemble``) maps the same steps over its members and runs the
+same loop.
 
 docs/training.md describes the design: what a workdir holds, what is
 evaluated when, how a run resumes, stops on SIGTERM or on a non-finite loss,
 and what is deterministic where.
-
-The module is one piece, read top to bottom in the order a run uses it: the
-pure steps, the one place that compiles them, then ``train_and_evaluate``
-and the private parts of its loop, which nothing else calls.
 """
 
 import contextlib
 import dataclasses
 import functools
-import json
 import os
 import time
 from typing import Any
@@ -31,7 +29,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 
 from lmhead import losses
 from lmhead.lm import (
@@ -40,8 +37,8 @@ from lmhead.lm import (
     data,
     evaluation,
     generation,
+    loop,
     monitoring,
-    preemption,
     sharding,
     versions,
 )
@@ -49,7 +46,7 @@ from lmhead.lm import model as model_lib
 from lmhead.lm import state as state_lib
 
 # What a finished run leaves in its workdir; a workdir with one is not trained again.
-SUMMARY_FILE = "summary.json"
+SUMMARY_FILE = loop.SUMMARY_FILE
 
 
 def loss_keywords(loss_config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -257,7 +254,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Trains ``config`` in ``workdir`` (resuming if it holds a checkpoint).
 
     A run that has already finished is not trained again: its
-    ``summary.json`` is returned.
+    ``summary.json`` is returned. The loop is every run's
+    (:func:`lmhead.lm.loop.train_loop`), over a run of one member.
 
     Returns:
         The summary also written to ``summary.json``: the model's size, the
@@ -295,37 +293,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         manager.close()
         return finished
     start_workdir(config, workdir)
-    parts = _make_loop_parts(
-        config, workdir, dataset, model, state, manager, dropout_key, mesh
+    run = _SingleRun(
+        config, workdir, dataset, model, state, manager, dropout_key, sample_key, mesh
     )
     try:
-        state, timer = _train_loop(parts, state)
-        final = _final_evaluation(parts, state)
-        test = (
-            _test_evaluation(parts, state, dataset, mesh)
-            if evaluation.wants_test_evaluation(config)
-            else None
-        )
+        state, _, timer = loop.train_loop(run, state)
+        (summary,) = loop.finish(run, state, None, timer, wall_start)
     finally:
-        parts.close()
-    if config.sample.num_samples:
-        _write_samples(config, model, state, dataset.tokenizer, sample_key, workdir)
-    summary = {
-        **monitoring.run_summary(
-            config,
-            state.params,
-            dataset.vocab_size,
-            final,
-            timer,
-            parts.compile_seconds,
-            wall_start,
-        ),
-        **monitoring.best_summary(config, parts.writer.records, int(state.step)),
-        **({"test": test} if test else {}),
-    }
-    if sharding.is_main_process():
-        with open(summary_path, "w") as f:
-            json.dump(summary, f, indent=2)
+        run.close()
     return summary
 
 
@@ -343,14 +318,6 @@ def _load_dataset(config, workdir) -> data.Dataset:
     return dataset
 
 
-def _write_samples(config, model, state, tokenizer, key, workdir) -> None:
-    """``samples.txt`` from the trained parameters, written by process 0
-    (:func:`generation.write_samples`); every process gathers them."""
-    params = sharding.to_host(state.params)
-    if sharding.is_main_process():
-        generation.write_samples(config, model, params, tokenizer, key, workdir)
-
-
 def start_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Process 0 writes ``config.json`` and ``versions.json`` and removes the
     ``summary.json`` of a run that is not finished (an older ``train.steps``)."""
@@ -364,232 +331,124 @@ def start_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
     versions.write_versions(workdir)
 
 
-@dataclasses.dataclass(frozen=True)
-class _LoopParts:
-    """What the training loop uses, made once by :func:`_make_loop_parts`.
+class _SingleRun(loop.Run):
+    """A single run as :func:`loop.train_loop` reads it: one member, whose
+    state has no members axis. It compiles the steps on ``state`` and the
+    first batch and opens the metric writer, the evaluation sets, the
+    early-stopping count and, with ``train.patience``, the best checkpoint's
+    manager, which keeps the best evaluation's state on disk."""
 
-    ``batch(step)`` is the sharded training batch of ``step``; ``train_fn``
-    and ``eval_fn`` the compiled steps (:func:`compile_steps`), which took
-    ``compile_seconds``; ``evaluate(params)`` the periodic evaluation's
-    metrics (``eval/...`` and ``train_eval/...``); ``best_manager`` keeps the
-    best evaluation's checkpoint when ``train.patience`` is set.
-    """
+    stacked = False
 
-    config: ml_collections.ConfigDict
-    manager: ocp.CheckpointManager
-    writer: monitoring.MetricWriter
-    train_fn: Any
-    eval_fn: Any
-    compile_seconds: float
-    batch: Any
-    dropout_key: jax.Array
-    evaluate: Any
-    stopping: evaluation.EarlyStopping
-    best_manager: ocp.CheckpointManager | None
-
-    def close(self) -> None:
-        """Closes the metric writer and the checkpoint managers."""
-        for closable in (self.writer, self.manager, self.best_manager):
-            if closable is not None:
-                closable.close()
-
-
-def _make_loop_parts(
-    config: ml_collections.ConfigDict,
-    workdir: str,
-    dataset: data.Dataset,
-    model: model_lib.DecoderLM,
-    state: state_lib.TrainState,
-    manager: ocp.CheckpointManager,
-    dropout_key: jax.Array,
-    mesh: jax.sharding.Mesh,
-) -> _LoopParts:
-    """Compiles the steps on ``state`` and the first batch, and opens the
-    metric writer, the evaluation sets and the early-stopping count."""
-
-    def batch(step: int) -> dict[str, jax.Array]:
-        return sharding.shard_batch(
-            data.train_batch(
-                dataset.train_tokens,
-                seed=config.train.seed,
-                step=step,
-                batch_size=config.train.batch_size,
-                block_size=config.data.block_size,
-            ),
-            mesh,
-        )
-
-    train_fn, eval_fn, compile_seconds = compile_steps(
-        model, config, state, batch(0), dropout_key, mesh
-    )
-    monitoring.log(
-        f"{monitoring.count_params(state.params):,} parameters; "
-        f"train step compiled in {compile_seconds:.1f} s; starting "
-        f"at step {int(state.step)}."
-    )
-    eval_sets = evaluation.periodic_eval_sets(config, dataset, mesh)
-    writer = monitoring.MetricWriter(workdir, int(state.step))
-    return _LoopParts(
+    def __init__(
+        self,
         config,
+        workdir,
+        dataset,
+        model,
+        state,
         manager,
-        writer,
-        train_fn,
-        eval_fn,
-        compile_seconds,
-        batch,
         dropout_key,
-        evaluate=lambda params: {
-            k: v
-            for eval_set in eval_sets
-            for k, v in evaluation.evaluate(eval_fn, params, eval_set).items()
-        },
-        stopping=evaluation.EarlyStopping.from_records(
-            config.train.patience, writer.records
-        ),
-        best_manager=(
+        sample_key,
+        mesh,
+    ):
+        self.config, self.configs, self.workdirs = config, [config], [workdir]
+        self.dataset, self.model, self.mesh, self.manager = (
+            dataset,
+            model,
+            mesh,
+            manager,
+        )
+        self.dropout_key, self.sample_key = dropout_key, sample_key
+        self.failed, self.finished = set(), set()
+        self.train_fn, self.eval_fn, self.compile_seconds = compile_steps(
+            model, config, state, self.batch(0), dropout_key, mesh
+        )
+        monitoring.log(
+            f"{monitoring.count_params(state.params):,} parameters; "
+            f"train step compiled in {self.compile_seconds:.1f} s; starting "
+            f"at step {int(state.step)}."
+        )
+        self.eval_sets = evaluation.periodic_eval_sets(config, dataset, mesh)
+        self.writers = [monitoring.MetricWriter(workdir, int(state.step))]
+        self.stoppings = [
+            evaluation.EarlyStopping.from_records(
+                config.train.patience, self.writers[0].records
+            )
+        ]
+        self.best_manager = (
             checkpoints.best_checkpoint_manager(workdir)
             if config.train.patience
             else None
-        ),
-    )
+        )
 
+    def batch(self, step: int) -> dict[str, jax.Array]:
+        """The sharded training batch of ``step``."""
+        return sharding.shard_batch(
+            data.train_batch(
+                self.dataset.train_tokens,
+                seed=self.config.train.seed,
+                step=step,
+                batch_size=self.config.train.batch_size,
+                block_size=self.config.data.block_size,
+            ),
+            self.mesh,
+        )
 
-def _train_loop(
-    parts: _LoopParts, state: state_lib.TrainState
-) -> tuple[state_lib.TrainState, monitoring.StepTimer]:
-    """Steps from ``state.step`` to ``train.steps`` (or an early stop) with
-    the periodic actions: log, evaluate, checkpoint. The host reads metrics
-    only at those steps and on SIGTERM; between them it waits for each step
-    once the next one is queued, to time it without idling the device."""
-    config, steps = parts.config, parts.config.train.steps
-    timer, pending = monitoring.StepTimer(), []
-    timer.start()
-    # A run that had stopped early before it was interrupted stays stopped.
-    first_step = steps if parts.stopping.should_stop else int(state.step)
-    with preemption.sigterm_flag() as terminated:
-        for step in range(first_step, steps):
-            if preemption.stop_requested(parts.manager, step, terminated):
-                if pending:
-                    _log_training(parts, timer, pending, step, state)
-                checkpoints.save(parts.manager, step, state)
-                raise preemption.Preempted(step, str(parts.manager.directory))
-            state, metrics = parts.train_fn(state, parts.batch(step), parts.dropout_key)
-            pending.append(metrics)
-            if len(pending) > 1:  # step `step` is queued: time the one before
-                jax.block_until_ready(pending[-2])
-                timer.step_done()
-            done = step + 1
-            log_now, evaluate_now, checkpoint_now = periodic_actions(config, done)
-            if not log_now:
-                continue
-            _log_training(parts, timer, pending, done, state)
-            pending = []
-            if evaluate_now:
-                _log_evaluation(parts, done, parts.evaluate(state.params), state)
-            if checkpoint_now or parts.stopping.should_stop:
-                checkpoints.save(parts.manager, done, state)
-            if parts.stopping.should_stop:
-                monitoring.log(
-                    f"Stopped early at step {done}: {config.train.patience} "
-                    "evaluations without a lower eval/loss than step "
-                    f"{parts.stopping.best_step}'s."
-                )
-                break
-            timer.start()
-    return state, timer
+    def train_step(self, state, step, active):
+        return self.train_fn(state, self.batch(step), self.dropout_key)
 
+    def evaluate(self, params):
+        return [
+            {
+                k: v
+                for eval_set in self.eval_sets
+                for k, v in evaluation.evaluate(self.eval_fn, params, eval_set).items()
+            }
+        ]
 
-def periodic_actions(
-    config: ml_collections.ConfigDict, done: int
-) -> tuple[bool, bool, bool]:
-    """``(log, evaluate, checkpoint)`` after ``done`` steps: every
-    ``train.log_every`` / ``eval_every`` / ``checkpoint_every`` steps and at
-    ``train.steps``; an evaluation or a checkpoint is logged too.
+    def evaluate_test(self, params, test_set):
+        batches = [sharding.shard_batch(b, self.mesh) for b in test_set.batches]
+        sharded = dataclasses.replace(test_set, batches=batches)
+        return [evaluation.evaluate(self.eval_fn, params, sharded)]
 
-    Examples:
-        >>> config = ml_collections.ConfigDict({"train": {"steps": 30,
-        ...     "log_every": 5, "eval_every": 10, "checkpoint_every": 20}})
-        >>> [periodic_actions(config, s) for s in (5, 7, 10, 20, 30)]  # doctest: +NORMALIZE_WHITESPACE
-        [(True, False, False), (False, False, False), (True, True, False),
-         (True, True, True), (True, True, True)]
-    """
-    steps = config.train.steps
-    evaluate = done % config.train.eval_every == 0 or done == steps
-    checkpoint = done % config.train.checkpoint_every == 0 or done == steps
-    log = evaluate or checkpoint or done % config.train.log_every == 0
-    return log, evaluate, checkpoint
+    def save(self, step, state, best):
+        checkpoints.save(self.manager, step, state)
 
+    def keep_best(self, improved, state, best):
+        if self.best_manager is not None:
+            checkpoints.save(self.best_manager, int(state.step), state)
+        return best
 
-def _log_training(
-    parts: _LoopParts,
-    timer: monitoring.StepTimer,
-    pending: list,
-    done: int,
-    state: state_lib.TrainState,
-) -> None:
-    """Waits for the ``pending`` steps' metrics (the last at step ``done``),
-    checks them and ``state`` (``train.stop_on_nonfinite``), and logs them
-    (:func:`monitoring.log_training`)."""
-    pending = jax.device_get(pending)
-    timer.step_done()
-    seconds = timer.lap(len(pending))
-    if parts.config.train.stop_on_nonfinite:
-        checkpoints.check_finite(pending, done, state, parts.manager)
-    monitoring.log_training(parts.writer, timer, pending, done, seconds, parts.config)
-
-
-def _log_evaluation(
-    parts: _LoopParts, done: int, metrics: dict[str, float], state: state_lib.TrainState
-) -> None:
-    """Logs an evaluation and counts it for early stopping; a new best
-    evaluation's state is kept in ``parts.best_manager``."""
-    parts.writer.write(done, metrics)
-    monitoring.log(
-        f"step {done}/{parts.config.train.steps}  "
-        + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-    )
-    if parts.stopping.update(done, metrics["eval/loss"]) and parts.best_manager:
-        checkpoints.save(parts.best_manager, done, state)
-
-
-def _final_evaluation(
-    parts: _LoopParts, state: state_lib.TrainState
-) -> dict[str, float]:
-    """The evaluation at the last step trained: the logged one, or a new one,
-    logged."""
-    step = int(state.step)
-    final = next((r for r in reversed(parts.writer.records) if "eval/loss" in r), None)
-    if final is None or final["step"] != step:
-        final = {"step": step, **parts.evaluate(state.params)}
-        parts.writer.write(step, {k: v for k, v in final.items() if k != "step"})
-    return final
-
-
-def _test_evaluation(
-    parts: _LoopParts, state: state_lib.TrainState, dataset: data.Dataset, mesh
-) -> dict[str, float]:
-    """The whole test split, read now (nothing reads it before), evaluated
-    once with the best evaluation's parameters (``train.patience`` set) or
-    the last; logged as ``test/...``."""
-    test_set = evaluation.make_test_set(
-        data.load_test_tokens(parts.config.data, dataset.tokenizer),
-        parts.config,
-        dataset.tokenizer,
-        mesh,
-    )
-    params, step = state.params, int(state.step)
-    if parts.best_manager is not None:
+    def best_params(self, state, best):
+        if self.best_manager is None:
+            return state.params, [int(state.step)]
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
         )
-        best = checkpoints.restore_newest(parts.best_manager, target)
-        params, step = best.params, int(best.step)
-    metrics = evaluation.evaluate(parts.eval_fn, params, test_set)
-    parts.writer.write(int(state.step), metrics)
-    monitoring.log("test  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-    return {
-        **{k.split("/", 1)[1]: v for k, v in metrics.items()},
-        "num_tokens": test_set.num_tokens,
-        "num_chars": test_set.num_chars,
-        "step": step,
-    }
+        best = checkpoints.restore_newest(self.best_manager, target)
+        return best.params, [int(best.step)]
+
+    def fail(self, index, done, pending, state):
+        checkpoints.check_finite(pending, done, state, self.manager)
+
+    def end_members(self, state, best):
+        """``samples.txt`` from the trained parameters, written by process 0
+        (:func:`generation.write_samples`); every process gathers them."""
+        if self.config.sample.num_samples:
+            params = sharding.to_host(state.params)
+            if sharding.is_main_process():
+                generation.write_samples(
+                    self.config,
+                    self.model,
+                    params,
+                    self.dataset.tokenizer,
+                    self.sample_key,
+                    self.workdirs[0],
+                )
+        return [state.params]
+
+    def close(self):
+        for closable in (self.writers[0], self.manager, self.best_manager):
+            if closable is not None:
+                closable.close()

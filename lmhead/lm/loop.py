@@ -1,0 +1,403 @@
+"""The training loop of every run: a single run (``lmhead.lm.train``) and an
+ensemble's members (``lmhead.lm.ensemble``) go through the same code.
+
+A run is ``count`` members: one for a single run, ``M`` for an ensemble
+program, whose state has a leading members axis. :func:`train_loop` steps
+them from the run's step to ``train.steps`` and does each member's periodic
+actions: it logs (``metrics.jsonl``, TensorBoard and a progress line), checks
+that the losses, gradient norms and state are finite
+(``train.stop_on_nonfinite``), evaluates, counts the evaluation for early
+stopping (``train.patience``), keeps the best state and checkpoints; SIGTERM
+stops it at a step boundary with a checkpoint of that step. :func:`finish`
+ends the run: each member's final evaluation, its test evaluation (on its
+best parameters with patience, else its last) and its ``summary.json``.
+
+What differs between a single run and a program is how a step, a checkpoint,
+a best state and a failure are made of its state; :class:`Run` names these
+hooks, and ``train._SingleRun`` and ``ensemble_program.Program`` fill them in.
+docs/training.md describes what a run writes, when, and how it resumes.
+"""
+
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from lmhead.lm import data, evaluation, monitoring, preemption, sharding
+
+# What a finished run leaves in its workdir; a workdir with one is not trained again.
+SUMMARY_FILE = "summary.json"
+
+
+class Run:
+    """What :func:`train_loop` and :func:`finish` read of a run.
+
+    Attributes (set by the subclass): ``config`` (the run's config; an
+    ensemble's before the members' overrides), ``configs`` and ``workdirs``
+    (each member's), ``manager`` (the checkpoint manager of the run's state),
+    ``writers`` and ``stoppings`` (each member's ``monitoring.MetricWriter``
+    and ``evaluation.EarlyStopping``), ``dataset`` (its tokenizer is every
+    member's), ``compile_seconds``, ``stacked`` (whether the state has a
+    leading members axis), ``failed`` and ``finished`` (member indices: a
+    non-finite value stopped it; it had a summary before this process began).
+    """
+
+    config: ml_collections.ConfigDict
+    configs: list[ml_collections.ConfigDict]
+    workdirs: list[str]
+    manager: Any
+    writers: list[monitoring.MetricWriter]
+    stoppings: list[evaluation.EarlyStopping]
+    dataset: data.Dataset
+    compile_seconds: float
+    stacked: bool
+    failed: set
+    finished: set
+
+    @property
+    def count(self) -> int:
+        return len(self.workdirs)
+
+    def member_name(self, index: int) -> str:
+        """How the progress lines name member ``index``."""
+        return f"member {index} ({self.workdirs[index]})" if self.stacked else "the run"
+
+    def train_step(self, state, step: int, active: np.ndarray):
+        """``(state, metrics)`` after training step ``step`` of the ``active``
+        members (``[M]`` bool); the metrics' leaves hold ``count`` values."""
+        raise NotImplementedError
+
+    def evaluate(self, params) -> list[dict[str, float]]:
+        """Each member's metrics over the periodic evaluation sets."""
+        raise NotImplementedError
+
+    def evaluate_test(self, params, test_set: evaluation.EvalSet) -> list[dict]:
+        """Each member's metrics over ``test_set``."""
+        raise NotImplementedError
+
+    def save(self, step: int, state, best) -> None:
+        """Checkpoints the state (and ``best``, where the run keeps it) as ``step``."""
+        raise NotImplementedError
+
+    def keep_best(self, improved: np.ndarray, state, best):
+        """Keeps ``state`` as the best of the members where ``improved``; returns ``best``."""
+        raise NotImplementedError
+
+    def best_params(self, state, best) -> tuple[Any, list[int]]:
+        """The parameters that the test split evaluates (a member's best with
+        ``train.patience``, else its last) and the step of each member's."""
+        raise NotImplementedError
+
+    def fail(self, index: int, done: int, pending: list[dict], state) -> None:
+        """Member ``index``'s ``pending`` metrics (the last at step ``done``)
+        or state are not finite."""
+        raise NotImplementedError
+
+    def end_members(self, state, best) -> list[Any]:
+        """Writes what each trained member keeps beside its summary (its
+        checkpoints, samples); returns each one's parameters, None for a
+        failed or finished member."""
+        raise NotImplementedError
+
+    def summary_extra(self, index: int) -> dict:
+        """Keys of member ``index``'s summary beyond a single run's."""
+        return {}
+
+    def close(self) -> None:
+        """Closes the metric writers and the checkpoint managers."""
+        raise NotImplementedError
+
+
+def steps_of(state) -> np.ndarray:
+    """``[M]``: each member's step (a single run's state has one)."""
+    return np.atleast_1d(np.asarray(jax.device_get(state.step)))
+
+
+def periodic_actions(
+    config: ml_collections.ConfigDict, done: int
+) -> tuple[bool, bool, bool]:
+    """``(log, evaluate, checkpoint)`` after ``done`` steps: every
+    ``train.log_every`` / ``eval_every`` / ``checkpoint_every`` steps and at
+    ``train.steps``; an evaluation or a checkpoint is logged too.
+
+    Examples:
+        >>> config = ml_collections.ConfigDict({"train": {"steps": 30,
+        ...     "log_every": 5, "eval_every": 10, "checkpoint_every": 20}})
+        >>> [periodic_actions(config, s) for s in (5, 7, 10, 20, 30)]  # doctest: +NORMALIZE_WHITESPACE
+        [(True, False, False), (False, False, False), (True, True, False),
+         (True, True, True), (True, True, True)]
+    """
+    steps = config.train.steps
+    evaluate = done % config.train.eval_every == 0 or done == steps
+    checkpoint = done % config.train.checkpoint_every == 0 or done == steps
+    log = evaluate or checkpoint or done % config.train.log_every == 0
+    return log, evaluate, checkpoint
+
+
+def _active(run: Run, state) -> np.ndarray:
+    """The members still training: not stopped early, not failed, not
+    finished before, and not at ``train.steps``."""
+    steps = steps_of(state)
+    return np.array(
+        [
+            not run.stoppings[i].should_stop
+            and i not in run.failed
+            and i not in run.finished
+            and steps[i] < run.config.train.steps
+            for i in range(run.count)
+        ]
+    )
+
+
+def train_loop(run: Run, state, best=None):
+    """Steps from the run's step to ``train.steps`` (or until every member
+    has stopped), with each member's periodic actions. The host reads metrics
+    only at those steps and on SIGTERM; between them it waits for each step
+    once the next one is queued, to time it without idling the device.
+    Returns the state, the best states (where the run keeps them) and the
+    step timer."""
+    config, steps = run.config, run.config.train.steps
+    # A member that had stopped early before an interruption stays stopped.
+    active = _active(run, state)
+    first = int(np.max(steps_of(state)))
+    timer, pending = monitoring.StepTimer(), []
+    timer.start()
+    with preemption.sigterm_flag() as terminated:
+        for step in range(first, steps):
+            if not active.any():
+                break
+            if preemption.stop_requested(run.manager, step, terminated):
+                if pending:
+                    _log_training(run, timer, pending, step, active, state)
+                run.save(step, state, best)
+                raise preemption.Preempted(step, str(run.manager.directory))
+            state, metrics = run.train_step(state, step, active)
+            pending.append(metrics)
+            if len(pending) > 1:  # step `step` is queued: time the one before
+                jax.block_until_ready(pending[-2])
+                timer.step_done()
+            done = step + 1
+            log_now, evaluate_now, checkpoint_now = periodic_actions(config, done)
+            if not log_now:
+                continue
+            _log_training(run, timer, pending, done, active, state)
+            pending = []
+            if evaluate_now:
+                best = _log_evaluation(run, done, active, state, best)
+            stopped = active & ~_active(run, state)
+            if checkpoint_now or stopped.any():
+                run.save(done, state, best)
+            active = active & ~stopped
+            timer.start()
+    return state, best, timer
+
+
+def _log_training(run: Run, timer, pending, done: int, active, state) -> None:
+    """Waits for the ``pending`` steps' metrics (the last at step ``done``),
+    checks them and ``state`` (``train.stop_on_nonfinite``), writes each
+    active member's lap record (``monitoring.training_record``) and prints
+    one progress line."""
+    pending = [
+        {k: np.reshape(v, (run.count,)) for k, v in m.items()}
+        for m in jax.device_get(pending)
+    ]
+    timer.step_done()
+    seconds = timer.lap(len(pending))
+    config = run.config
+    finite = (
+        members_finite(pending, state, run.stacked)
+        if config.train.stop_on_nonfinite
+        else None
+    )
+    records = []
+    for index in np.flatnonzero(active):
+        own = [{k: v[index] for k, v in m.items()} for m in pending]
+        if finite is not None and not finite[index]:
+            run.fail(int(index), done, own, state)
+            continue
+        record = monitoring.training_record(timer, own, seconds, config)
+        run.writers[index].write(done, record)
+        records.append(record)
+    losses = [r["train/loss"] for r in records]
+    tokens = len(pending) * config.train.batch_size * config.data.block_size
+    percentiles = timer.percentiles_ms(len(pending))
+    memory = records[-1] if records else monitoring.memory_metrics()
+    peak = memory.get("memory/device_peak_bytes", memory["memory/host_peak_rss_bytes"])
+    members = (
+        f" (min {min(losses, default=np.nan):.4f}, max "
+        f"{max(losses, default=np.nan):.4f}; {len(losses)}/{run.count} members "
+        "training)"
+        if run.stacked
+        else ""
+    )
+    monitoring.log(
+        f"step {done}/{config.train.steps}  loss "
+        f"{np.mean(losses) if losses else np.nan:.4f}{members}  "
+        f"{tokens * len(losses) / seconds:,.0f} tokens/s  "
+        f"{1e3 * seconds / len(pending):.1f} ms/step (p50 "
+        f"{percentiles['step_ms_p50']:.1f}, p90 {percentiles['step_ms_p90']:.1f})  "
+        f"peak memory {peak / 2**20:,.0f} MiB  "
+        f"ETA {(config.train.steps - done) * timer.wall / timer.steps:.0f} s"
+    )
+
+
+def members_finite(pending: list[dict], state, stacked: bool) -> np.ndarray:
+    """``[M]`` bool: whether each member's logged losses and gradient norms
+    (``pending``: host metrics, each leaf ``[M]``) and every floating-point
+    leaf of its state (a leading members axis if ``stacked``) are finite."""
+    logged = np.stack(
+        [np.asarray(m[k]) for m in pending for k in ("loss", "grad_norm")]
+    )
+    return np.isfinite(logged).all(axis=0) & np.atleast_1d(
+        np.asarray(_state_finite(state, stacked))
+    )
+
+
+@jax.jit(static_argnums=1)
+def _state_finite(state, stacked: bool) -> jax.Array:
+    """``[M]`` bool (a scalar if not ``stacked``): every floating-point leaf
+    of each member's state is finite; one compiled reduction over the state."""
+
+    def finite(x):
+        if stacked:
+            return jnp.isfinite(x).reshape(x.shape[0], -1).all(axis=1)
+        return jnp.isfinite(x).all()
+
+    return jnp.stack(
+        [
+            finite(x)
+            for x in jax.tree.leaves(state)
+            if jnp.issubdtype(x.dtype, jnp.inexact)
+        ]
+    ).all(axis=0)
+
+
+def _log_evaluation(run: Run, done: int, active, state, best):
+    """Each active member's evaluation, written and counted for its early
+    stopping; the members with a new best get their state kept
+    (:meth:`Run.keep_best`). Returns ``best``."""
+    results = run.evaluate(state.params)
+    improved = np.zeros(run.count, bool)
+    evaluated = []
+    for index in np.flatnonzero(active):
+        if index in run.failed:
+            continue
+        metrics, stopping = results[index], run.stoppings[index]
+        run.writers[index].write(done, metrics)
+        evaluated.append(metrics["eval/loss"])
+        improved[index] = stopping.update(done, metrics["eval/loss"])
+        if stopping.should_stop:
+            monitoring.log(
+                f"{run.member_name(index)} stopped early at step {done}: "
+                f"{run.configs[index].train.patience} evaluations without a "
+                f"lower eval/loss than step {stopping.best_step}'s."
+            )
+    if not run.stacked and evaluated:
+        line = "  ".join(f"{k} {v:.4f}" for k, v in results[0].items())
+    else:
+        line = (
+            f"eval/loss {np.mean(evaluated):.4f} (min {min(evaluated):.4f}, max "
+            f"{max(evaluated):.4f}) over {len(evaluated)} members"
+        )
+    monitoring.log(f"step {done}/{run.config.train.steps}  {line}")
+    if improved.any():
+        best = run.keep_best(improved, state, best)
+    return best
+
+
+def finish(run: Run, state, best, timer, wall_start: float) -> list[dict | None]:
+    """Each member's final and test evaluations, what it keeps
+    (:meth:`Run.end_members`) and its summary, also written to its
+    ``summary.json``: ``monitoring.run_summary``'s and
+    ``monitoring.best_summary``'s keys, ``test`` (with ``train.test_eval``)
+    and :meth:`Run.summary_extra`'s. None for a failed or finished member."""
+    steps_run = [int(s) for s in steps_of(state)]
+    finals = _final_evaluations(run, state, steps_run)
+    tests = (
+        _test_evaluations(run, state, best, steps_run)
+        if evaluation.wants_test_evaluation(run.config)
+        else None
+    )
+    summaries = []
+    for index, params in enumerate(run.end_members(state, best)):
+        if params is None:
+            summaries.append(None)
+            continue
+        member_config = run.configs[index]
+        summary = {
+            **monitoring.run_summary(
+                member_config,
+                params,
+                run.dataset.vocab_size,
+                finals[index],
+                timer,
+                run.compile_seconds,
+                wall_start,
+            ),
+            **monitoring.best_summary(
+                member_config, run.writers[index].records, steps_run[index]
+            ),
+            **({"test": tests[index]} if tests else {}),
+            **run.summary_extra(index),
+        }
+        if sharding.is_main_process():
+            with open(os.path.join(run.workdirs[index], SUMMARY_FILE), "w") as f:
+                json.dump(summary, f, indent=2)
+        summaries.append(summary)
+    return summaries
+
+
+def _done(run: Run, index: int) -> bool:
+    return index in run.failed or index in run.finished
+
+
+def _final_evaluations(run: Run, state, steps_run) -> list[dict | None]:
+    """Each member's evaluation at its last step: the logged one, or (a
+    member without one) a new one, logged."""
+    finals, results = [], None
+    for index, writer in enumerate(run.writers):
+        if _done(run, index):
+            finals.append(None)
+            continue
+        final = next((r for r in reversed(writer.records) if "eval/loss" in r), None)
+        if final is None or final["step"] != steps_run[index]:
+            results = results or run.evaluate(state.params)
+            final = {"step": steps_run[index], **results[index]}
+            writer.write(steps_run[index], results[index])
+        finals.append(final)
+    return finals
+
+
+def _test_evaluations(run: Run, state, best, steps_run) -> list[dict | None]:
+    """The whole test split, read now (nothing reads it before), evaluated
+    once per member with :meth:`Run.best_params`; logged as ``test/...``."""
+    test_set = evaluation.make_test_set(
+        data.load_test_tokens(run.config.data, run.dataset.tokenizer),
+        run.config,
+        run.dataset.tokenizer,
+    )
+    params, steps = run.best_params(state, best)
+    results = []
+    for index, metrics in enumerate(run.evaluate_test(params, test_set)):
+        if _done(run, index):
+            results.append(None)
+            continue
+        metrics = {f"test/{k.split('/', 1)[1]}": v for k, v in metrics.items()}
+        run.writers[index].write(steps_run[index], metrics)
+        if not run.stacked:
+            monitoring.log(
+                "test  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+            )
+        results.append(
+            {
+                **{k.split("/", 1)[1]: v for k, v in metrics.items()},
+                "num_tokens": test_set.num_tokens,
+                "num_chars": test_set.num_chars,
+                "step": steps[index],
+            }
+        )
+    return results

@@ -1,6 +1,8 @@
 """Tests for continuous batching's slots (lmhead/decoding/slots.py): rows
-that enter and leave the slots between calls decode exactly as
-``decoding.generate`` decodes each row alone, the reference."""
+that enter and leave the slots between calls decode as a numpy reference
+decodes each row by itself: the model's full forward pass (no cache), the
+processors in float64, greedy or the draw with ``fold_in(fold_in(key, 0),
+t)`` at step ``t`` (the key of sample 0, as ``generate`` folds it), the model's log-softmax and its top tokens."""
 
 import dataclasses
 
@@ -12,7 +14,14 @@ import pytest
 from lmhead import decoding
 from lmhead.lm import kv_cache
 from lmhead.lm import model as model_lib
+from tests.decoding.references import (
+    np_min_p_mask,
+    np_repetition_penalty,
+    np_top_k_mask,
+    np_top_p_mask,
+)
 from tests.errors import assert_raises_exactly
+from tests.references import log_softmax as np_log_softmax
 
 MAX_LEN = 24
 VOCAB = 11
@@ -56,34 +65,58 @@ def empty_slots(model):
     )  # fmt: skip
 
 
-def alone(lm, prompt, limit, knobs, key, eos_id=None):
-    """``generate`` on the row by itself, its tokens up to ``limit``. Every
-    row runs one program: the longest limit, every knob set (neutral where
-    the row has none), the prompt padded to the longest."""
-    model, params, step_fn = lm
-    width = max(len(p) for p, _, _ in ROWS)
-    padded = np.full([1, width], -1, np.int32)
-    padded[0, : len(prompt)] = prompt
-    logits, cache = model_lib.prefill(
-        model, params, np.maximum(padded, 0), np.array([len(prompt)])
-    )
-    result = jax.device_get(
-        decoding.generate(
-            step_fn, params, logits, cache,
-            key=key[None], max_new_tokens=max(n for _, n, _ in ROWS),
-            row_max_new_tokens=np.array([limit]),
-            knobs=decoding.full_knobs(knobs, 1, VOCAB),
-            prompt_tokens=padded, eos_id=eos_id,
-            top_logprobs=TOP, log_probs_from="model",
-        )
+def np_processed(z, knobs, history, generated, eos_id):
+    """The processors in their documented order, in float64: repetition
+    penalty (prompt and generated tokens), presence and frequency penalties
+    (generated), bias, EOS banned before ``min_new_tokens``; temperature;
+    top-k, top-p, min-p."""
+    value = lambda name, neutral: neutral if getattr(knobs, name) is None else (
+        np.asarray(getattr(knobs, name), np.float64)
     )  # fmt: skip
-    cut = lambda x: x[:, :limit]
-    return result._replace(
-        tokens=cut(result.tokens),
-        log_probs=cut(result.log_probs),
-        top_tokens=cut(result.top_tokens),
-        top_log_probs=cut(result.top_log_probs),
-    )
+    z = np_repetition_penalty(z[None], [history], value("repetition_penalty", 1.0))[0]
+    counts = np.bincount(np.asarray(generated, int), minlength=z.shape[0])
+    z = z - value("presence_penalty", 0.0) * (counts > 0)
+    z = z - value("frequency_penalty", 0.0) * counts + value("logit_bias", 0.0)
+    if eos_id is not None and len(generated) < (knobs.min_new_tokens or 0):
+        z[eos_id] = -np.inf
+    temperature = float(knobs.temperature)
+    if temperature == 0:
+        return z
+    z = z / temperature
+    for name, mask in (("top_k", np_top_k_mask), ("top_p", np_top_p_mask)):
+        if getattr(knobs, name) is not None:
+            z = np.where(mask(z[None], getattr(knobs, name))[0], z, -np.inf)
+    if knobs.min_p is not None:
+        z = np.where(np_min_p_mask(z[None], knobs.min_p)[0], z, -np.inf)
+    return z
+
+
+def reference(lm, prompt, limit, knobs, key, eos_id=None):
+    """The row decoded by itself in numpy (module docstring): its tokens,
+    log-probs, top tokens and finish reason."""
+    model, params, _ = lm
+    forward = jax.jit(lambda tokens: model.apply({"params": params}, tokens))
+    sequence, out = list(prompt), dict(tokens=[], log_probs=[], top=[])
+    reason = decoding.FINISHED_LENGTH
+    for step in range(limit):
+        padded = np.zeros([1, MAX_LEN], np.int32)
+        padded[0, : len(sequence)] = sequence
+        z = np.asarray(forward(padded)[0, len(sequence) - 1], np.float64)
+        processed = np_processed(z, knobs, sequence, out["tokens"], eos_id)
+        if float(knobs.temperature) == 0:
+            token = int(np.argmax(processed))
+        else:
+            # Sample 0's key is fold_in(key, 0), as generate's for one sample.
+            step_key = jax.random.fold_in(jax.random.fold_in(key, 0), step)
+            token = int(jax.random.categorical(step_key, processed.astype(np.float32)))
+        out["tokens"].append(token)
+        out["log_probs"].append(np_log_softmax(z)[token])
+        out["top"].append(np.argsort(-z, kind="stable")[:TOP].tolist())
+        sequence.append(token)
+        if token == eos_id:
+            reason = decoding.FINISHED_EOS
+            break
+    return out, reason
 
 
 def run_slots(lm, rows, keys, *, num_steps, eos_id=None):
@@ -139,31 +172,30 @@ def run_slots(lm, rows, keys, *, num_steps, eos_id=None):
 
 
 @pytest.mark.parametrize("num_steps", [1, 4])
-def test_rows_that_join_and_leave_equal_generate_alone(lm, num_steps):
+def test_rows_that_join_and_leave_decode_as_the_numpy_reference(lm, num_steps):
     keys = jax.random.split(jax.random.key(5), len(ROWS))
     out, calls, state = run_slots(lm, ROWS, keys, num_steps=num_steps)
     assert calls < sum(limit for _, limit, _ in ROWS)  # rows shared calls
     for i, (prompt, limit, knobs) in enumerate(ROWS):
-        want = alone(lm, prompt, limit, knobs, keys[i])
-        assert out[i]["tokens"] == want.tokens[0].tolist(), i
-        np.testing.assert_allclose(out[i]["log_probs"], want.log_probs[0], atol=1e-5)
-        assert out[i]["top"] == want.top_tokens[0].tolist()
-        assert out[i]["reason"] == decoding.FINISHED_LENGTH
+        want, reason = reference(lm, prompt, limit, knobs, keys[i])
+        assert out[i]["tokens"] == want["tokens"], i
+        np.testing.assert_allclose(out[i]["log_probs"], want["log_probs"], atol=1e-5)
+        assert out[i]["top"] == want["top"]
+        assert out[i]["reason"] == reason == decoding.FINISHED_LENGTH
     # The freed slots' cache rows were emptied, not run past max_len.
     assert int(jnp.max(state.model_state.index)) <= MAX_LEN
 
 
 def test_eos_ends_a_row_and_is_emitted(lm):
     keys = jax.random.split(jax.random.key(2), 2)
-    rows = [ROWS[0], ROWS[2]]
-    first = alone(lm, *rows[0], keys[0]).tokens[0]
-    eos = int(first[2])
+    rows = [ROWS[0], ROWS[4]]  # greedy; min_new_tokens 4 holds EOS back
+    first, _ = reference(lm, *rows[0], keys[0])
+    eos = first["tokens"][2]
     out, _, _ = run_slots(lm, rows, keys, num_steps=2, eos_id=eos)
     for i, row in enumerate(rows):
-        want = alone(lm, *row, keys[i], eos_id=eos)
-        length = int(want.lengths[0])
-        assert out[i]["tokens"] == want.tokens[0, :length].tolist()
-        assert out[i]["reason"] == int(want.finish_reasons[0])
+        want, reason = reference(lm, *row, keys[i], eos_id=eos)
+        assert out[i]["tokens"] == want["tokens"]
+        assert out[i]["reason"] == reason
     assert out[0]["tokens"][-1] == eos
     assert out[0]["reason"] == decoding.FINISHED_EOS
 

@@ -44,7 +44,11 @@ Conventions shared by everything below:
 Modules: :mod:`~lmhead.decoding.knobs` (:class:`SamplingKnobs`),
 :mod:`~lmhead.decoding.processors` (the logits processors),
 :mod:`~lmhead.decoding.top_set` (the top-k and top-p cut without a sort),
+:mod:`~lmhead.decoding.step` (:func:`decode_step`, the one step that
+:func:`generate`, :func:`generate_stream` and the slots run),
 :mod:`~lmhead.decoding.sampling` (:func:`generate`),
+:mod:`~lmhead.decoding.split` (a loop per device when ``step_fn`` splits the
+rows over a mesh),
 :mod:`~lmhead.decoding.stopping` (:class:`StopCondition`, :class:`StopSequences`),
 :mod:`~lmhead.decoding.streaming` (:func:`generate_stream`),
 :mod:`~lmhead.decoding.beam_search` (:func:`beam_search`),

@@ -12,9 +12,9 @@ prompts into free slots, and :func:`step_slots` decodes every slot
 filling it again. Every shape is static: ``S``, the history length ``H``, and
 the ``R`` rows of a fill compile once each.
 
-A row's draws equal :func:`generate`'s with per-row keys: a row filled with
-the key that ``generate`` gets for it draws at each step from the same key,
-after the same processors (the
+Each step is :func:`~lmhead.decoding.step.decode_step`, the one that
+:func:`generate` runs: a row filled with the key that ``generate`` gets for
+it draws at each step from the same key, after the same processors (the
 per-row knobs, ``num_generated = t``, its own history and counts), so a
 seeded request gives the same tokens whatever else shares the slots (up to
 the float rounding of a different batch shape). Log-probs are the model's own

@@ -18,14 +18,9 @@ pieces, one per span's growth (:func:`cache_segments`: 64, 64, 128, 256, ...
 slots), so that a span is a whole number of arrays that the matmuls read as
 they lie: on XLA:CPU, slicing a span out of one ``[B, H, max_len, Dh]``
 array copies it at every step, which costs more than the attention itself.
-Length buckets were chosen over a loop over blocks with an online softmax
-(flash decoding) by measurement (the decoding benchmark, ``docs/decoding.md``):
-at the same filled length both keep a step's cost nearly flat in
-``max_len``, but the block loop pays its per-iteration overhead and
-rescaling on every block and was the slower and less steady of the two. A
-bucket is one plain softmax, the arithmetic of the sequence path
+A bucket is one plain softmax, the arithmetic of the sequence path
 (:func:`lmhead.lm.attention.softmax_weights`), and reads at most twice the
-filled length.
+filled length (``docs/decoding.md`` says why buckets and not blocks).
 
 **Rows move by pointers.** Each row may keep a pointer per slot to the cache
 row that holds it (``DecodeCache.rows``). Beam search's reorder
@@ -47,10 +42,7 @@ take, not ``max_len``; no step writes into the dropped pieces, and attention
 never reads them (they hold nothing).
 
 **Writes** (:func:`write_slots`) are one scatter per piece, most of whose
-writes are dropped. Skipping the pieces that no position falls in by a
-``lax.cond`` was measured and rejected (``docs/decoding.md``): XLA copies a
-piece in and out of a conditional, which costs more than it saves at large
-batches.
+writes are dropped.
 """
 
 from typing import Any, NamedTuple

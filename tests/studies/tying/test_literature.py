@@ -3,8 +3,10 @@ known paired differences (three cells, four seeds) read back as the section
 "Against published results", checked against numpy and scipy computed here;
 and the published data (literature.toml) read and internally consistent."""
 
+import ast
 import importlib.resources
 import math
+import os
 import tomllib
 
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from lmhead.studies.tying import literature
+from tests import ROOT
 from tests.lab.markdown import table_rows
 
 SEEDS = (0, 1, 2, 3)
@@ -369,3 +372,17 @@ def test_the_data_file_is_read_as_published():
     bad = text.replace('ptb = "train"', 'ptb = "validation"')
     with pytest.raises(ValueError, match="ptb must be 'test' or 'train'"):
         literature.load(bad)
+
+
+def test_the_data_file_ships_with_the_package():
+    """setup.py's package_data names the data file, so an installed copy
+    (not only this checkout) has it beside literature.py."""
+    with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as f:
+        (call,) = [
+            node
+            for node in ast.walk(ast.parse(f.read()))
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "setup"
+        ]
+    (package_data,) = [k.value for k in call.keywords if k.arg == "package_data"]
+    package = literature.__name__.rpartition(".")[0]
+    assert literature.DATA_FILE in ast.literal_eval(package_data)[package]

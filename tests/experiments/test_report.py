@@ -1,6 +1,7 @@
 """Tests for experiments/report.py, the report command: what it prints (the
 reports themselves are tested in tests/lab/test_report.py and
-tests/studies/tying/test_report.py)."""
+tests/studies/tying/test_analysis.py; the committed reports rebuilt from
+their runs.csv, byte for byte, in tests/studies/tying/test_results.py)."""
 
 from tests import run_experiment
 from tests.lab import synthetic_sweep

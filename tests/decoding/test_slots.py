@@ -223,6 +223,35 @@ def test_free_slots_stay_empty_and_freed_rows_stop(lm):
     np.testing.assert_array_equal(state.model_state.index, [10, 1, 1])
 
 
+def test_a_row_with_nonfinite_logits_ends_without_a_token(lm):
+    """The documented rule: a running row whose logits hold a NaN (or are
+    all -inf) emits nothing and ends (FINISHED_BAD_LOGITS, its limit set to
+    what it has generated); the other rows decode on."""
+    model, params, step_fn = lm
+    prompts = np.array([[1, 2], [3, 4], [5, 6]])
+    logits, cache = model_lib.prefill(model, params, prompts)
+    logits = np.array(logits)
+    logits[0, 3], logits[2] = np.nan, -np.inf
+    state = decoding.fill_slots(
+        empty_slots(model), np.arange(SLOTS), logits, cache,
+        keys=jax.random.split(jax.random.key(1), SLOTS),
+        max_new_tokens=np.array([5, 5, 5]), prompt_tokens=prompts,
+        knobs=decoding.full_knobs(decoding.SamplingKnobs(temperature=0.0), 3, VOCAB),
+    )  # fmt: skip
+    _, chunk = decoding.step_slots(step_fn, params, state, num_steps=3, top_logprobs=2)
+    np.testing.assert_array_equal(np.asarray(chunk.emitted).sum(1), [0, 3, 0])
+    np.testing.assert_array_equal(chunk.generated, [0, 3, 0])
+    np.testing.assert_array_equal(chunk.limits, [0, 5, 0])
+    bad = decoding.FINISHED_BAD_LOGITS
+    np.testing.assert_array_equal(chunk.finish_reasons, [bad, 0, bad])
+    for silent in (0, 2):  # what a slot writes where it emits nothing
+        assert not np.asarray(chunk.tokens[silent]).any()
+        assert not np.asarray(chunk.log_probs[silent]).any()
+        assert not np.asarray(chunk.top_tokens[silent]).any()
+    want = np.argmax(logits[1])
+    assert int(chunk.tokens[1, 0]) == want
+
+
 def test_bad_input_names_the_argument(lm):
     model, params, step_fn = lm
     state = empty_slots(model)

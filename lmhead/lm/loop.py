@@ -298,12 +298,13 @@ def _log_evaluation(run: Run, done: int, active, state, best):
             )
     if not run.stacked and evaluated:
         line = "  ".join(f"{k} {v:.4f}" for k, v in results[0].items())
-    else:
-        line = (
-            f"eval/loss {np.mean(evaluated):.4f} (min {min(evaluated):.4f}, max "
+        monitoring.log(f"step {done}/{run.config.train.steps}  {line}")
+    elif evaluated:
+        monitoring.log(
+            f"step {done}/{run.config.train.steps}  eval/loss "
+            f"{np.mean(evaluated):.4f} (min {min(evaluated):.4f}, max "
             f"{max(evaluated):.4f}) over {len(evaluated)} members"
         )
-    monitoring.log(f"step {done}/{run.config.train.steps}  {line}")
     if improved.any():
         best = run.keep_best(improved, state, best)
     return best

@@ -367,7 +367,7 @@ def _sweep(
         when ``given``).
     """
     n, size = h.shape[0], plan.chunk_size
-    # One chunk is computed as before: a while loop of one trip is compiled
+    # A single chunk is not packed: a while loop of one trip is compiled
     # apart from what surrounds it, and may round differently.
     if not plan.skip_zero_weights or n <= size:
         loop = functools.partial(_chunk_loop, num_chunks=-(-n // size))

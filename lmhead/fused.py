@@ -103,9 +103,9 @@ class CrossEntropyRule:
         live, peak, exp, sum_exp = _fused_sweep.block_softmax(z, is_new)
         logit_sum = jnp.sum(jnp.where(is_new, z, 0.0), axis=0)
         label = _fused_sweep.label_logit(z, labels, v0, is_new)
-        # The first row that attains the max, as jnp.argmax; a float
-        # min-reduce is several times faster on CPU than XLA's (value,
-        # index) reduce, and float32 holds row numbers exactly up to 2^24.
+        # The first row that attains the max, as jnp.argmax, by a float
+        # min-reduce rather than XLA's (value, index) reduce (the cost is in
+        # docs/fused_loss.md); float32 holds row numbers exactly up to 2^24.
         rows = z.shape[0]
         index = lax.broadcasted_iota(jnp.float32, z.shape, 0)
         first = jnp.min(jnp.where(live == peak, index, jnp.inf), axis=0)
@@ -215,10 +215,10 @@ def _optional_float(x):
 
 
 def _loss_scalars(label_smoothing, z_loss):
-    """``(plan's label_smoothing, plan's z_loss, loss_scalars: [2] float32)``.
+    """``(rule's label_smoothing, rule's z_loss, loss_scalars: [2] float32)``.
 
-    A concrete value goes into the plan as a Python float, compiled in as
-    before; a traced one is None there and read from ``loss_scalars``.
+    A concrete value goes into the rule as a Python float, compiled in; a
+    traced one is None there and read from ``loss_scalars``.
     """
     values = (label_smoothing, z_loss)
     static = (None if _checks.is_traced(x) else float(x) for x in values)

@@ -23,11 +23,17 @@ import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from lmhead.lm import data, evaluation, monitoring, preemption, sharding
+from lmhead.lm import (
+    checkpoints,
+    data,
+    evaluation,
+    monitoring,
+    preemption,
+    sharding,
+)
 
 # What a finished run leaves in its workdir; a workdir with one is not trained again.
 SUMMARY_FILE = "summary.json"
@@ -248,32 +254,14 @@ def _log_training(run: Run, timer, pending, done: int, active, state) -> None:
 def members_finite(pending: list[dict], state, stacked: bool) -> np.ndarray:
     """``[M]`` bool: whether each member's logged losses and gradient norms
     (``pending``: host metrics, each leaf ``[M]``) and every floating-point
-    leaf of its state (a leading members axis if ``stacked``) are finite."""
+    leaf of its state (``checkpoints.all_finite``; a leading members axis
+    if ``stacked``) are finite."""
     logged = np.stack(
         [np.asarray(m[k]) for m in pending for k in ("loss", "grad_norm")]
     )
     return np.isfinite(logged).all(axis=0) & np.atleast_1d(
-        np.asarray(_state_finite(state, stacked))
+        np.asarray(checkpoints.all_finite(state, stacked=stacked))
     )
-
-
-@jax.jit(static_argnums=1)
-def _state_finite(state, stacked: bool) -> jax.Array:
-    """``[M]`` bool (a scalar if not ``stacked``): every floating-point leaf
-    of each member's state is finite; one compiled reduction over the state."""
-
-    def finite(x):
-        if stacked:
-            return jnp.isfinite(x).reshape(x.shape[0], -1).all(axis=1)
-        return jnp.isfinite(x).all()
-
-    return jnp.stack(
-        [
-            finite(x)
-            for x in jax.tree.leaves(state)
-            if jnp.issubdtype(x.dtype, jnp.inexact)
-        ]
-    ).all(axis=0)
 
 
 def _log_evaluation(run: Run, done: int, active, state, best):

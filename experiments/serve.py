@@ -1,17 +1,14 @@
-r"""Serves a trained run over HTTP: generation, scoring, health and metrics.
+r"""Serves a trained run over HTTP: OpenAI's completions, health and metrics.
 
     pip install -e '.[serve]'
     python experiments/serve.py --workdir=runs/nanogpt_tied          # 127.0.0.1:8000
     python experiments/serve.py --workdir=runs/nanogpt_tied --host=0.0.0.0 \
         --token_file=secret.txt     # any other address needs a bearer token
 
-Completions that generate are batched continuously (``--batching``, see
-``lmhead/serve/continuous.py``); the decode slots (a prefill per prompt
-length, a fill, the step) and the scorer are compiled before it listens, and
-so is every shape of the window batcher (the bucketed batch sizes, prompt
-lengths, new-token counts and beam sizes) with ``--batching=window``
-(otherwise ``/v1/generate``, beam search and echo-only completions compile a
-shape on its first use). Compiled programs are kept in
+Completions are batched continuously (``lmhead/serve/continuous.py``); the
+decode slots (a prefill per prompt length, a fill, the step) and the scorer
+of echoed prompts are compiled before it listens, and beam search compiles a
+shape on its first use. Compiled programs are kept in
 ``--compilation_cache`` (default ``WORKDIR/xla_cache``), so a second start of
 the same run loads them. The endpoints are described in
 ``lmhead/serve/web.py``.
@@ -25,7 +22,7 @@ import jax
 from absl import app, flags
 
 from lmhead.lm import generation
-from lmhead.serve import batching, continuous, requests, web
+from lmhead.serve import continuous, engine, requests, web
 
 flags.DEFINE_string("workdir", None, "A training run's directory.", required=True)
 flags.DEFINE_string(
@@ -58,32 +55,15 @@ flags.DEFINE_list(
 )
 flags.DEFINE_list("beam_sizes", ["2", "4"], "num_beams values above 1 to allow.")
 flags.DEFINE_integer("max_prompts", 16, "Prompts per request.", lower_bound=1)
-flags.DEFINE_integer(
-    "max_score_chars", 4096, "Characters per text to score.", lower_bound=2
-)
 flags.DEFINE_integer("max_body_bytes", 65536, "Largest request body.", lower_bound=1)
 flags.DEFINE_integer(
     "max_queue", 64, "Requests that may wait; more get 503.", lower_bound=1
-)
-flags.DEFINE_float(
-    "batch_window_ms",
-    5.0,
-    "How long a request waits for others to share its batch.",
-    lower_bound=0.0,
 )
 flags.DEFINE_float("timeout_s", 30.0, "A request not answered by then gets 504.")
 flags.register_validator(
     "timeout_s", lambda value: value > 0, message="--timeout_s must be > 0."
 )
 flags.DEFINE_integer("seed", 0, "Key of the batches of requests without a seed.")
-flags.DEFINE_enum(
-    "batching",
-    "continuous",
-    web.BATCHING,
-    "How /v1/completions requests that generate are batched: in decode slots "
-    "that requests enter and leave between steps, or in windows (a batch runs "
-    "to its longest request).",
-)
 flags.DEFINE_integer(
     "slots", None, "Decode slots; default the largest batch size.", lower_bound=1
 )
@@ -115,8 +95,7 @@ def main(argv):
     batch_sizes = _sizes("batch_sizes", requests.powers_of_two(16))
     try:
         requests.check_exposure(f.host, token)
-        if f.batching == "continuous":  # refused before loading and warm-up
-            continuous.slot_count(f.slots, batch_sizes)
+        continuous.slot_count(f.slots, batch_sizes)  # before loading and warm-up
     except ValueError as error:
         raise app.UsageError(str(error)) from None
     cache = (
@@ -139,29 +118,25 @@ def main(argv):
         ),
         beam_sizes=_sizes("beam_sizes", ()),
     )
-    engine = batching.Engine(model, params, tokenizer, buckets, seed=f.seed)
+    served = engine.Engine(model, params, tokenizer, buckets, seed=f.seed)
     start = time.perf_counter()
-    runs = engine.warm_up(window=f.batching == "window")
+    served.warm_up()
     config = web.ServiceConfig(
         token=token,
         max_body_bytes=f.max_body_bytes,
         max_queue=f.max_queue,
-        window_s=f.batch_window_ms / 1000,
         timeout_s=f.timeout_s,
-        limits=requests.Limits(
-            max_prompts=f.max_prompts, max_score_chars=f.max_score_chars
-        ),
+        limits=requests.Limits(max_prompts=f.max_prompts),
         model_name=f.model_name,
-        batching=f.batching,
         slots=f.slots,
         steps_per_call=f.steps_per_call,
     )
     try:
-        service = web.make_app(engine, config)  # compiles the decode slots
+        service = web.make_app(served, config)  # compiles the decode slots
     except ValueError as error:  # a flag the batcher refuses (--steps_per_call)
         raise app.UsageError(str(error)) from None
     print(
-        f"warm-up: {runs} engine shapes and the {f.batching} batcher in "
+        f"warm-up: the scorer and the decode slots in "
         f"{time.perf_counter() - start:.1f} s; buckets {buckets}",
         flush=True,
     )

@@ -2,28 +2,25 @@ r"""Latency and throughput of the HTTP service, over loopback.
 
     python experiments/bench/bench_serve.py --workdir=runs/nanogpt_tied
     python experiments/bench/bench_serve.py --quick   # a tiny run trained here, seconds
-    python experiments/bench/bench_serve.py --quick --compare_batching
+    python experiments/bench/bench_serve.py --quick --streamed
 
 Starts ``experiments/serve.py`` on 127.0.0.1 (a free port) and sends the same
-``--requests`` sampled requests (one prompt, ``--max_new_tokens`` each) from
-1, 4 and 16 concurrent clients. For each it prints p50 and p99 latency, and
-generated tokens per second over the wall time; the ratio column divides by
-the 1-client row, which serves the requests one at a time, so at 16 clients
-it is the gain from dynamic batching. The machine's float32 matmul rate
-(``timing.matmul_rate``), measured in the same run, says how fast the machine
-was.
+``--requests`` sampled ``/v1/completions`` requests (one prompt,
+``--max_new_tokens`` each) from 1, 4 and 16 concurrent clients. For each it
+prints p50 and p99 latency, and generated tokens per second over the wall
+time; the ratio column divides by the 1-client row, which serves the
+requests one at a time, so at 16 clients it is the gain from batching. The
+machine's float32 matmul rate (``timing.matmul_rate``), measured in the same
+run, says how fast the machine was.
 
-``--compare_batching`` instead runs ``/v1/completions`` with the two
-batchers side by side in one run (``--batching=window``, then
-``continuous``): ``--requests`` streamed, sampled requests whose
-``max_tokens`` are drawn from ``--min_tokens``..``--max_tokens`` (the same
-draws for both) from ``--clients`` clients, after ``--unmeasured_passes`` passes of the
-same requests (so that the window batcher has compiled the batches it
-forms). It prints tokens/s, p50 and p99
-latency, the p99 latency of the short requests (``max_tokens <= 16``), time to
-first token, and the server's start-up time: cold (an empty compilation
-cache) and warm (a second start of the same run). The results and the
-machine they were measured on are in ``docs/serving.md``.
+``--streamed`` instead sends ``--requests`` streamed, sampled completions
+whose ``max_tokens`` are drawn from ``--min_tokens``..``--max_tokens`` from
+``--clients`` clients, after ``--unmeasured_passes`` passes of the same
+requests. It prints tokens/s, p50 and p99 latency, the p99 latency of the
+short requests (``max_tokens <= 16``), time to first token, and the
+server's start-up time: cold (an empty compilation cache) and warm (a
+second start of the same run). The results and the machine they were
+measured on are in ``docs/serving.md``.
 """
 
 import json
@@ -68,20 +65,20 @@ flags.DEFINE_float("temperature", 0.8, "Sampling temperature of every request.")
 flags.DEFINE_integer("startup_timeout_s", 900, "How long to wait for the warm-up.")
 flags.DEFINE_integer("matmul_size", 1024, "Side of the timed float32 matmul.")
 flags.DEFINE_bool(
-    "compare_batching",
+    "streamed",
     False,
-    "Window against continuous batching on /v1/completions, and start-up times.",
+    "Streamed completions of mixed lengths, and start-up times.",
 )
-flags.DEFINE_integer("clients", 16, "Concurrent clients of --compare_batching.")
-flags.DEFINE_integer("min_tokens", 8, "Least max_tokens of --compare_batching.")
-flags.DEFINE_integer("max_tokens", 128, "Most max_tokens of --compare_batching.")
+flags.DEFINE_integer("clients", 16, "Concurrent clients of --streamed.")
+flags.DEFINE_integer("min_tokens", 8, "Least max_tokens of --streamed.")
+flags.DEFINE_integer("max_tokens", 128, "Most max_tokens of --streamed.")
 flags.DEFINE_integer(
     "unmeasured_passes",
     2,
     "Passes of the same requests before the measured one, per server.",
     lower_bound=0,
 )
-SHORT = 16  # the requests whose p99 latency --compare_batching reports
+SHORT = 16  # the requests whose p99 latency --streamed reports
 FLAGS = flags.FLAGS
 
 
@@ -152,25 +149,22 @@ def run_clients(url: str, items, num_clients: int, send) -> tuple[list, float]:
 
 
 def measure(url: str, num_clients: int, body: dict) -> dict:
-    """Latencies and tokens of ``FLAGS.requests`` requests to /v1/generate
+    """Latencies and tokens of ``FLAGS.requests`` requests to /v1/completions
     from ``num_clients`` clients."""
 
     def send(session, _):
         start = time.perf_counter()
-        response = session.post(url + "/v1/generate", json=body)
+        response = session.post(url + "/v1/completions", json=body)
         response.raise_for_status()
-        length = response.json()["completions"][0]["length"]
+        length = response.json()["usage"]["completion_tokens"]
         return time.perf_counter() - start, length
 
-    before = batch_rows(url)
     results, wall = run_clients(url, range(FLAGS.requests), num_clients, send)
-    rows, batches = np.subtract(batch_rows(url), before)
     latencies = np.array([r[0] for r in results])
     return {
         "p50": np.percentile(latencies, 50),
         "p99": np.percentile(latencies, 99),
         "tokens_per_s": sum(r[1] for r in results) / wall,
-        "rows_per_batch": rows / max(batches, 1),
     }
 
 
@@ -222,30 +216,24 @@ def load(url: str, lengths: list[int], num_clients: int) -> dict:
     }
 
 
-def compare_batching(workdir: str, extra: list[str], scratch: str) -> None:
-    """The window and continuous batchers on the same requests, and start-ups."""
+def streamed(workdir: str, extra: list[str], scratch: str) -> None:
+    """The streamed load's row, with cold and warm start-up times."""
     rng = np.random.default_rng(0)
     lengths = rng.integers(FLAGS.min_tokens, FLAGS.max_tokens + 1, FLAGS.requests)
-    rows, starts = {}, {}
-    for mode in ("window", "continuous"):
-        cache = os.path.join(scratch, f"xla_cache_{mode}")
-        flags_ = [*extra, f"--batching={mode}", f"--compilation_cache={cache}"]
-        for start in ("cold", "warm"):
-            began = time.perf_counter()
-            process, url = start_server(workdir, flags_)
-            starts[mode, start] = time.perf_counter() - began
-            try:
-                if start == "warm":
-                    # Unmeasured passes first: the window batcher compiles a
-                    # completion shape (rows, new-token bucket) on its first
-                    # use, which its warm-up does not cover, and one pass
-                    # forms only some of the batches that the next may form.
-                    for _ in range(FLAGS.unmeasured_passes):
-                        load(url, lengths.tolist(), FLAGS.clients)
-                    rows[mode] = load(url, lengths.tolist(), FLAGS.clients)
-            finally:
-                process.terminate()
-                process.wait()
+    starts = {}
+    flags_ = [*extra, f"--compilation_cache={os.path.join(scratch, 'xla_cache')}"]
+    for start in ("cold", "warm"):
+        began = time.perf_counter()
+        process, url = start_server(workdir, flags_)
+        starts[start] = time.perf_counter() - began
+        try:
+            if start == "warm":
+                for _ in range(FLAGS.unmeasured_passes):
+                    load(url, lengths.tolist(), FLAGS.clients)
+                row = load(url, lengths.tolist(), FLAGS.clients)
+        finally:
+            process.terminate()
+            process.wait()
     rate = timing.matmul_rate(FLAGS.matmul_size)
     print(
         f"\n{FLAGS.requests} streamed completions, max_tokens drawn from "
@@ -253,35 +241,15 @@ def compare_batching(workdir: str, extra: list[str], scratch: str) -> None:
         f"float32 matmul {rate / 1e9:.0f} GFLOP/s\n"
     )
     print(
-        "| batching | tokens/s | p50 latency (s) | p99 latency (s) | p99 latency, "
+        "| tokens/s | p50 latency (s) | p99 latency (s) | p99 latency, "
         f"max_tokens <= {SHORT} (s) | time to first token p50 / p99 (s) | "
         "start-up cold / warm (s) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for mode, row in rows.items():
-        print(
-            f"| {mode} | {row['tokens_per_s']:.0f} | {row['p50']:.2f} | "
-            f"{row['p99']:.2f} | {row['short_p99']:.2f} | {row['ttft_p50']:.3f} / "
-            f"{row['ttft_p99']:.3f} | {starts[mode, 'cold']:.1f} / "
-            f"{starts[mode, 'warm']:.1f} |"
-        )
-    window, slots = rows["window"], rows["continuous"]
+    print("|---:|---:|---:|---:|---:|---:|")
     print(
-        f"\ncontinuous / window: tokens/s {slots['tokens_per_s'] / window['tokens_per_s']:.2f}x, "
-        f"short p99 latency {slots['short_p99'] / window['short_p99']:.2f}x"
-    )
-
-
-def batch_rows(url: str) -> tuple[float, float]:
-    """Rows and batches the service has run so far, from /metrics."""
-    values = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return (
-        values.get('lmhead_batch_rows_sum{kind="sample"}', 0.0),
-        values.get('lmhead_batch_rows_count{kind="sample"}', 0.0),
+        f"| {row['tokens_per_s']:.0f} | {row['p50']:.2f} | {row['p99']:.2f} | "
+        f"{row['short_p99']:.2f} | {row['ttft_p50']:.3f} / {row['ttft_p99']:.3f} | "
+        f"{starts['cold']:.1f} / {starts['warm']:.1f} |"
     )
 
 
@@ -294,12 +262,12 @@ def main(argv):
         FLAGS.requests = FLAGS.requests if FLAGS["requests"].present else 32
     elif not FLAGS.workdir:
         raise app.UsageError("Give --workdir=RUN, or --quick.")
-    if FLAGS.compare_batching:
+    if FLAGS.streamed:
         with tempfile.TemporaryDirectory() as scratch:
             block = 8 + FLAGS.max_tokens if FLAGS.quick else None
             workdir = FLAGS.workdir or tiny_run(os.path.join(scratch, "run"), block)
             extra = ["--prompt_lengths=8"] if FLAGS.quick else []
-            compare_batching(workdir, extra, scratch)
+            streamed(workdir, extra, scratch)
         return
     with tempfile.TemporaryDirectory() as scratch:
         workdir = FLAGS.workdir or tiny_run(os.path.join(scratch, "run"))
@@ -307,8 +275,9 @@ def main(argv):
         process, url = start_server(workdir, extra)
         try:
             body = {
+                "model": "lmhead",
                 "prompt": FLAGS.prompt,
-                "max_new_tokens": FLAGS.max_new_tokens,
+                "max_tokens": FLAGS.max_new_tokens,
                 "temperature": FLAGS.temperature,
             }
             measure(url, 4, body)  # the first requests of a process run slower
@@ -323,15 +292,14 @@ def main(argv):
     )
     print(
         "| clients | p50 latency (ms) | p99 latency (ms) | tokens/s | vs one at "
-        "a time | rows per batch |"
+        "a time |"
     )
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|")
     for clients, row in rows.items():
         print(
             f"| {clients} | {row['p50'] * 1e3:.1f} | {row['p99'] * 1e3:.1f} | "
             f"{row['tokens_per_s']:.0f} | "
-            f"{row['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}x | "
-            f"{row['rows_per_batch']:.1f} |"
+            f"{row['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}x |"
         )
 
 

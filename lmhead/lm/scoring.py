@@ -4,7 +4,7 @@ token, and its totals (nats, bits per character, perplexity).
 :func:`score_text` scores a text under a :class:`model.DecoderLM` (a run's,
 as :func:`generation.load_run` gives); :func:`strided_log_probs` does the
 work for any causal ``logits_fn``. Used by ``experiments/score.py`` and the
-service's ``/score`` (``lmhead.serve.batching``).
+service's echoed prompts (``lmhead.serve.completions``).
 
 A text longer than the model's context is scored with a sliding window
 (the strided method of the ``transformers`` perplexity guide): windows of

@@ -1,18 +1,18 @@
-"""Running OpenAI completion requests on an engine: one batch of
-:class:`~lmhead.serve.openai_api.CompletionRequest` as one call of
-:func:`lmhead.decoding.generate` (or :func:`lmhead.decoding.generate_stream`
-when a request streams), with per-row knobs, keys, lengths and stop strings,
-and the echoed prompt's log-probs from the scorer
-(:func:`lmhead.lm.scoring.strided_log_probs`).
+"""The answers of ``/v1/completions``: a request's choices, texts and
+log-probs from its decoded rows (:func:`request_result`), the echoed
+prompt's log-probs from the scorer (:func:`lmhead.lm.scoring.strided_log_probs`),
+each row's key (:func:`key_recipe`, :func:`derive_keys`), and OpenAI's
+response objects (:func:`completion_body`, :func:`stream_chunk`).
 
 Log-probs are the model's own (``log_probs_from="model"``: the raw
 ``log_softmax``, before temperature, penalties and truncation), as an
 evaluation harness expects.
 """
 
-import dataclasses
 import functools
 import math
+import time
+import uuid
 from typing import Any
 
 import jax
@@ -20,16 +20,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmhead import decoding
-from lmhead.lm import generation, scoring
+from lmhead.lm import scoring
 from lmhead.serve import requests
-from lmhead.serve.openai_api import (
-    FINISH_REASONS,
-    MAX_LOGPROBS,
-    MAX_STOP_CHARS,
-    MAX_STOPS,
-    STREAM_CHUNK_STEPS,
-    CompletionRequest,
-)
+from lmhead.serve.requests import MAX_LOGPROBS, CompletionRequest
+
+FINISH_REASONS = {
+    decoding.FINISHED_LENGTH: "length",
+    decoding.FINISHED_EOS: "stop",
+    decoding.FINISHED_STOP: "stop",
+    decoding.FINISHED_BAD_LOGITS: "stop",  # the row cannot go on
+}
 
 
 def token_text(tokenizer: Any, token: int) -> str:
@@ -99,20 +99,6 @@ def _top_map(tokenizer: Any, tokens, values) -> dict[str, float]:
     return top
 
 
-_TOKEN_BYTES: dict[int, tuple[Any, list[bytes]]] = {}
-
-
-def _token_bytes(tokenizer: Any) -> list[bytes]:
-    """:func:`generation.token_bytes`, made once per tokenizer."""
-    held = _TOKEN_BYTES.get(id(tokenizer))
-    if held is None or held[0] is not tokenizer:
-        held = _TOKEN_BYTES[id(tokenizer)] = (
-            tokenizer,
-            generation.token_bytes(tokenizer),
-        )
-    return held[1]
-
-
 def derive_keys(
     key: jax.Array, batch_index: jax.Array, seeds: jax.Array, folds: jax.Array
 ) -> jax.Array:
@@ -162,85 +148,6 @@ def key_recipe(
     return np.full([size], next(engine._batch_index), np.int32), seeds, folds
 
 
-_derive_keys = jax.jit(derive_keys)
-
-
-def row_keys(
-    engine: Any, batch: list[CompletionRequest], rows: list, size: int
-) -> jax.Array:
-    """One raw key per row, ``uint32 [size, 2]`` (a form ``generate`` takes),
-    as :func:`key_recipe` describes; one compiled call, since keys made op by
-    op cost a dispatch per operation. Left on the device, where ``generate``
-    reads them."""
-    return _derive_keys(engine._key, *key_recipe(engine, batch, rows, size))
-
-
-def _batch_knobs(batch: list, rows: list, size: int) -> decoding.SamplingKnobs:
-    knobs = [batch[r].knobs for r, _, _ in rows]
-    if any(k.reads_counts for k in knobs):  # set in every row or in none
-        knobs = [
-            dataclasses.replace(
-                k,
-                presence_penalty=k.presence_penalty or 0.0,
-                frequency_penalty=k.frequency_penalty or 0.0,
-            )
-            for k in knobs
-        ]
-    return decoding.SamplingKnobs.stack(knobs, size=size)
-
-
-def _generate(engine: Any, batch: list[CompletionRequest], rows: list) -> Any:
-    """The batch's :class:`decoding.Generation` (as numpy), streaming each
-    chunk to the requests that have a sink."""
-    logits, cache, history = engine._prefill(
-        [batch[r].prompt_ids[p] for r, p, _ in rows]
-    )
-    size = len(logits)
-    row_max = np.ones([size], np.int32)
-    row_max[: len(rows)] = [batch[r].max_tokens for r, _, _ in rows]
-    stops = [batch[r].stop for r, _, _ in rows] + [[]] * (size - len(rows))
-    arguments = dict(
-        key=row_keys(engine, batch, rows, size),
-        max_new_tokens=requests.bucket(int(row_max.max()), engine.buckets.new_tokens),
-        knobs=_batch_knobs(batch, rows, size),
-        prompt_tokens=history,
-        eos_id=engine.tokenizer.eos_id,
-        row_max_new_tokens=row_max,
-        stop=None
-        if not any(stops)
-        else decoding.StopStrings.build(
-            stops,
-            _token_bytes(engine.tokenizer),
-            max_bytes=4 * MAX_STOP_CHARS,
-            max_strings=MAX_STOPS,
-        ),
-        top_logprobs=top_width(engine)
-        if any(r.logprobs is not None for r in batch)
-        else 0,
-        log_probs_from="model",
-    )
-    step_fn, params = engine._step_fn, engine.params
-    if not any(r.sink is not None for r in batch):
-        return jax.device_get(
-            decoding.generate(
-                step_fn, params, logits, cache, donate_state=True, **arguments
-            )
-        )
-    chunks = []
-    for chunk in decoding.generate_stream(
-        step_fn, params, logits, cache, chunk_steps=STREAM_CHUNK_STEPS, **arguments
-    ):
-        chunks.append(jax.device_get(chunk))
-        _emit(engine, batch, rows, chunks)
-    last = chunks[-1]
-    return last._replace(
-        **{
-            name: np.concatenate([getattr(c, name) for c in chunks], axis=1)
-            for name in ("tokens", "log_probs", "top_tokens", "top_log_probs")
-        }
-    )
-
-
 def completion_text(engine: Any, request: CompletionRequest, ids, done: bool) -> str:
     """The completion's text; while the row runs, without the characters
     that may still turn out part of a stop string or of a character."""
@@ -253,26 +160,6 @@ def completion_text(engine: Any, request: CompletionRequest, ids, done: bool) ->
         hold = max((len(s) for s in request.stop), default=1) - 1
         text = text[: max(len(text) - hold, 0)].rstrip("\ufffd")
     return text
-
-
-def _emit(engine: Any, batch: list, rows: list, chunks: list) -> None:
-    """Calls each streaming request's sink with its rows' text so far."""
-    steps = sum(c.tokens.shape[1] for c in chunks)
-    lengths = chunks[-1].lengths
-    updates = {id(r): [] for r in batch if r.sink is not None}
-    for row, (r, p, s) in enumerate(rows):
-        request = batch[r]
-        if request.sink is None:
-            continue
-        length = int(lengths[row])
-        ids = np.concatenate([c.tokens[row] for c in chunks])[:length]
-        done = length < steps or length >= request.max_tokens
-        text = completion_text(engine, request, ids, done)
-        prefix = request.prompt_texts[p] if request.echo else ""
-        updates[id(request)].append((p * request.n + s, prefix + text, length))
-    for request in batch:
-        if request.sink is not None:
-            request.sink(updates[id(request)])
 
 
 def _logprobs_block(tokenizer, entries: list, offset: int) -> dict:
@@ -377,53 +264,55 @@ def request_result(
     }
 
 
-def run_completions(engine: Any, batch: list[CompletionRequest]) -> list[dict]:
-    """Runs completion requests of one :meth:`CompletionRequest.group` as
-    one batch on ``engine`` (a :class:`lmhead.serve.batching.Engine`).
+def new_id() -> str:
+    """A completion's ``id``.
 
-    Returns, per request, :func:`request_result`: the choices in OpenAI's
-    order (prompt by prompt, ``n`` each), as :func:`completion_body` sends
-    them."""
-    rows = [
-        (r, p, s)
-        for r, request in enumerate(batch)
-        for p in range(len(request.prompt_ids))
-        for s in range(request.n)
-    ]
-    generated = None if batch[0].max_tokens == 0 else _generate(engine, batch, rows)
-    return [
-        request_result(
-            engine,
-            request,
-            [(row, p, s) for row, (owner, p, s) in enumerate(rows) if owner == r],
-            generated,
-            echo_scores(engine, request),
-        )
-        for r, request in enumerate(batch)
-    ]
+    Examples:
+        >>> new_id().startswith("cmpl-")
+        True
+    """
+    return f"cmpl-{uuid.uuid4().hex}"
 
 
-def beam_result(request: CompletionRequest, completions: list[dict]) -> dict:
-    """:func:`run_completions`'s result from the engine's beam completions
-    (prompt by prompt, best first; the first ``n`` of each prompt's)."""
-    choices, tokens = [], 0
-    for p in range(len(request.prompt_ids)):
-        mine = [c for c in completions if c["prompt_index"] == p][: request.n]
-        for s, c in enumerate(mine):
-            prefix = request.prompt_texts[p] if request.echo else ""
-            choices.append(
-                {
-                    "text": prefix + c["text"],
-                    "index": p * request.n + s,
-                    "finish_reason": "length"
-                    if c["length"] >= request.max_tokens
-                    else "stop",
-                    "logprobs": None,
-                }
-            )
-            tokens += c["length"]
+def usage(result: dict) -> dict:
+    """OpenAI's ``usage`` of a :func:`request_result`.
+
+    Examples:
+        >>> usage({"prompt_tokens": 4, "completion_tokens": 6, "choices": []})
+        {'prompt_tokens': 4, 'completion_tokens': 6, 'total_tokens': 10}
+    """
+    prompt, completion = result["prompt_tokens"], result["completion_tokens"]
     return {
-        "choices": choices,
-        "prompt_tokens": sum(len(ids) for ids in request.prompt_ids),
-        "completion_tokens": tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
+
+
+def completion_body(request: CompletionRequest, result: dict, id_: str) -> dict:
+    """The ``text_completion`` object of a finished request."""
+    return {
+        "id": id_,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": request.model,
+        "choices": result["choices"],
+        "usage": usage(result),
+    }
+
+
+def stream_chunk(
+    request: CompletionRequest, id_: str, choices: list[dict], usage_: Any = None
+) -> dict:
+    """One server-sent ``text_completion`` chunk (``usage`` null except in
+    the last chunk, when ``stream_options.include_usage`` asks for it)."""
+    chunk = {
+        "id": id_,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": request.model,
+        "choices": choices,
+    }
+    if request.include_usage:
+        chunk["usage"] = usage_
+    return chunk

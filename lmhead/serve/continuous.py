@@ -13,17 +13,22 @@ calls. Shapes are static: ``S`` slots, prefills of ``prefill_rows`` rows
 at each prompt-length bucket, one fill program, all compiled by
 :meth:`SlotBatcher.warm_up`.
 
-Beam requests and echo-only requests (``max_tokens`` 0) keep the window
-batcher (``lmhead/serve/batching.py``); the service routes them there.
+Beam requests (the ``num_beams`` extension) and echo-only requests
+(``max_tokens`` 0) queue with the others and run whole on the same worker,
+between two decoding calls, when they reach the head of the queue
+(:meth:`lmhead.serve.engine.Engine.run_whole`): one queue, one thread on the
+device.
 
 A request's rows draw as :func:`lmhead.decoding.generate` with per-row keys
 would (:func:`completions.row_keys`): a seeded request gives the same
 completions whatever else runs beside it.
 """
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,8 +39,8 @@ import numpy as np
 from lmhead import _checks, decoding
 from lmhead.lm import kv_cache
 from lmhead.lm import model as model_lib
-from lmhead.serve import batching, completions, requests
-from lmhead.serve.openai_api import CompletionRequest
+from lmhead.serve import completions, requests
+from lmhead.serve.requests import CompletionRequest
 
 DEFAULT_STEPS_PER_CALL = 4
 
@@ -131,11 +136,12 @@ def slot_count(slots: int | None, batch_sizes: tuple[int, ...]) -> int:
     return slots
 
 
-class SlotBatcher(batching.WorkQueue):
-    """Queues completion requests for ``engine`` and decodes them in slots.
+class SlotBatcher:
+    """Queues completion requests for ``engine`` and decodes them in slots,
+    on one worker thread.
 
     Args:
-        engine: a :class:`lmhead.serve.batching.Engine`: its model, tokenizer
+        engine: a :class:`lmhead.serve.engine.Engine`: its model, tokenizer
             and prompt-length buckets (:meth:`warm_up` compiles what the
             slots run).
         slots: ``S``, at least the largest batch bucket (a request's rows
@@ -151,16 +157,16 @@ class SlotBatcher(batching.WorkQueue):
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> from lmhead.lm import data, model as model_lib
-        >>> from lmhead.serve import batching, openai_api
+        >>> from lmhead.serve import engine as engine_lib
         >>> tokenizer = data.CharTokenizer("abcd")
         >>> model = model_lib.DecoderLM(vocab_size=4, num_layers=1, num_heads=2,
         ...                             d_model=8, mlp_dim=16, max_len=8)
         >>> init = jax.jit(model.init)
         >>> params = init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-        >>> engine = batching.Engine(model, params, tokenizer,
-        ...                          requests.Buckets((2,), (4,), (4,)))
+        >>> engine = engine_lib.Engine(model, params, tokenizer,
+        ...                            requests.Buckets((2,), (4,), (4,)))
         >>> slots = SlotBatcher(engine, max_queue=4)
-        >>> request = openai_api.parse_completion(
+        >>> request = requests.parse_completion(
         ...     {"model": "m", "prompt": "ab", "max_tokens": 3, "temperature": 0},
         ...     tokenizer,
         ...     engine.buckets, requests.Limits(), "m")
@@ -180,8 +186,14 @@ class SlotBatcher(batching.WorkQueue):
         events: SlotEvents = SlotEvents(),
     ):
         slots = slot_count(slots, engine.buckets.batch_sizes)
-        super().__init__(max_queue)
+        _checks.check_count("max_queue", max_queue)
         _checks.check_count("steps_per_call", steps_per_call)
+        self.max_queue = max_queue
+        self._waiting: collections.deque = collections.deque()
+        # Over a re-entrant lock: submit holds it around _enqueue to record
+        # the job in the same step.
+        self._changed = threading.Condition()
+        self._stopping = False
         self.engine, self.slots = engine, slots
         self.steps_per_call, self._events = steps_per_call, events
         self.prefill_rows = min(4, slots) if prefill_rows is None else prefill_rows
@@ -194,7 +206,10 @@ class SlotBatcher(batching.WorkQueue):
         self._holders: list[tuple[_Job, _Row] | None] = [None] * slots
         self._calls = 0  # decoding calls dispatched
         self._jobs: dict[concurrent.futures.Future, _Job] = {}
-        self._start(self._serve, "slot-batcher")
+        self._thread = threading.Thread(
+            target=self._serve, name="slot-batcher", daemon=True
+        )
+        self._thread.start()
 
     def _empty_state(self) -> decoding.SlotState:
         return decoding.empty_slots(
@@ -204,29 +219,49 @@ class SlotBatcher(batching.WorkQueue):
             key=jax.random.key(0),
         )
 
-    # The interface the web layer uses, as the window batcher's.
+    # The interface the web layer uses.
 
     def active(self) -> int:
         """Slots that hold a running row."""
         return sum(holder is not None for holder in self._holders)
 
+    def depth(self) -> int:
+        """Requests waiting (not counting those that run)."""
+        return len(self._waiting)
+
     def submit(self, request: CompletionRequest) -> concurrent.futures.Future:
-        """Queues a checked completion request (``max_tokens >= 1``, no beam
-        search); its future gives :func:`completions.request_result`."""
-        if request.max_tokens == 0 or request.num_beams > 1:
-            raise ValueError("slots run sampled and greedy requests that generate.")
+        """Queues a checked completion request; its future gives
+        :func:`completions.request_result`.
+
+        Raises:
+            requests.QueueFull: ``max_queue`` requests are waiting already.
+            RuntimeError: the batcher is stopped.
+        """
         job = _Job(request, time.monotonic())
-        job.rows = [
-            _Row(p, s) for p in range(len(request.prompt_ids)) for s in range(request.n)
-        ]
+        if not _runs_whole(request):
+            job.rows = [
+                _Row(p, s)
+                for p in range(len(request.prompt_ids))
+                for s in range(request.n)
+            ]
         with self._changed:  # re-entrant: the job is queued and known at once
             self._enqueue(job)
             self._jobs[job.future] = job
         return job.future
 
+    def _enqueue(self, job: _Job) -> None:
+        with self._changed:
+            if self._stopping:
+                raise RuntimeError("the batcher is stopped.")
+            if len(self._waiting) >= self.max_queue:
+                raise requests.QueueFull(f"{self.max_queue} requests are waiting.")
+            self._waiting.append(job)
+            self._changed.notify()
+
     def cancel(self, future: concurrent.futures.Future) -> None:
         """Cancels a request: a waiting one leaves the queue, a running one
-        frees its slots before the next decoding call. A no-op once it ended."""
+        frees its slots before the next decoding call. A no-op once it ended
+        (or once a request that runs whole has started)."""
         with self._changed:
             job = self._jobs.get(future)
             if job is None:
@@ -252,10 +287,14 @@ class SlotBatcher(batching.WorkQueue):
         the fill, the freeing of slots and the decoding call; returns the
         number compiled."""
         lengths = self.engine.buckets.prompt_lengths
-        for length in lengths:
-            self._prefill([], length)
-        self._free([])
-        self._state, chunk = self._step()
+        # Twice: the state a prefill takes comes from the empty state first,
+        # and from a decoding call once serving (a state the fill leaves may
+        # be laid out otherwise, which is another program).
+        for _ in range(2):
+            for length in lengths:
+                self._prefill([], length)
+            self._free([])
+            self._state, chunk = self._step()
         jax.block_until_ready(chunk)
         return len(lengths) + 3
 
@@ -296,7 +335,8 @@ class SlotBatcher(batching.WorkQueue):
 
     def _admissible(self) -> list[_Job]:
         """The waiting jobs, oldest first, that fit in the free slots (one
-        job that does not fit stops the rest: none overtakes the oldest)."""
+        job that does not fit stops the rest: none overtakes the oldest; a
+        job that runs whole takes no slot)."""
         free = self.slots - self.active()
         taken = []
         while self._waiting:
@@ -330,6 +370,9 @@ class SlotBatcher(batching.WorkQueue):
             iter(slot for slot, holder in enumerate(self._holders) if holder is None),
         )
         for job in jobs:
+            if _runs_whole(job.request):
+                self._run_whole(job)
+                continue
             try:
                 job.prompt_scores = completions.echo_scores(self.engine, job.request)
                 mine = [(0, row.p, row.s) for row in job.rows]
@@ -349,6 +392,14 @@ class SlotBatcher(batching.WorkQueue):
             self._prefill(
                 group, requests.bucket(longest, self.engine.buckets.prompt_lengths)
             )
+
+    def _run_whole(self, job: _Job) -> None:
+        """Runs a beam or echo-only job as one program and answers it."""
+        self._jobs.pop(job.future, None)
+        try:
+            job.future.set_result(self.engine.run_whole(job.request))
+        except Exception as error:  # this request only: the others go on
+            job.future.set_exception(error)
 
     def _prefill(self, group: list[tuple], length: int) -> None:
         """Prefills ``(job, prompt ids, row, key recipe)`` entries, padded to
@@ -560,3 +611,8 @@ class SlotBatcher(batching.WorkQueue):
         failed call may have consumed its donated buffers)."""
         self._fail_running(error, others)
         self._state = self._empty_state()
+
+
+def _runs_whole(request: CompletionRequest) -> bool:
+    """Beam and echo-only requests run whole, not in slots."""
+    return request.num_beams > 1 or request.max_tokens == 0

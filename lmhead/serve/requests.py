@@ -1,60 +1,38 @@
-"""Serving a trained run: request checks and shape buckets.
+"""The service's requests: checks of a ``/v1/completions`` body and the
+shape buckets.
 
-The web layer (``lmhead/serve/web.py``) turns HTTP into the requests below,
-and ``lmhead/serve/batching.py`` runs them; none of it needs a web framework:
-
-* :func:`parse_generate` / :func:`parse_score` check a JSON body field by
-  field and raise :class:`RequestError` naming the first bad field.
+* :func:`parse_completion` checks a body field by field (OpenAI's schema,
+  see ``docs/serving.md``) and raises :class:`RequestError` naming the first
+  bad field (OpenAI's ``param``).
 * :class:`Buckets` bounds the shapes: a batch of ``R`` rows runs as the
   smallest batch size ``>= R``, a prompt of ``P`` tokens as the smallest
   prompt length ``>= P``, and ``N`` new tokens as the smallest count
-  ``>= N``. :meth:`lmhead.serve.batching.Engine.warm_up` compiles the
-  window batcher's programs at start-up and the slot batcher's warm-up its
-  own; a request of a kind neither warmed up (``/v1/generate``, beam search,
-  echo only, under continuous batching) compiles its shape once, at first
-  use.
-* :class:`lmhead.serve.batching.Engine` runs a batch of requests;
-  :class:`lmhead.serve.batching.Batcher` queues them (at most ``max_queue``) for one worker thread: jobs that
-  arrive within ``window_s`` of the oldest waiting one, and can share a
-  program, run as one batch of at most ``max(batch_sizes)`` rows with
-  per-row sampling knobs.
-
-Which jobs share a batch: sampled and greedy rows do (the per-row knobs of
-:class:`~lmhead.decoding.knobs.SamplingKnobs`, temperature, top-k, top-p,
-min-p and the repetition penalty, differ between rows; the static ones
-are one value per batch, so their values split batches; a sampled row is
-truncated to its own ``max_new_tokens``, which does not change its tokens);
-beam search runs per ``(num_beams, max_new_tokens)``, because a shorter beam
-search is not a prefix of a longer one; a request with a ``seed`` that
-samples runs in a batch of its own, keyed by that seed, so that it is
-reproducible (``generate`` draws every row from one key, so a row's draw
-depends on its batch); a score runs alone.
+  ``>= N``.
 """
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from lmhead import _checks
-from lmhead.decoding import knobs as knobs_lib
-from lmhead.decoding.knobs import SamplingKnobs
+from lmhead import _checks, decoding
 
-MAX_SEED = 2**31 - 1
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class RequestError(ValueError):
-    """A request that cannot be served as sent: ``field`` names the culprit."""
+    """A request that cannot be served as sent: ``field`` names the culprit
+    (OpenAI's ``param``), ``status`` is the HTTP status of the answer."""
 
-    def __init__(self, field: str, message: str, status: int = 422):
+    def __init__(self, field: str, message: str, status: int = 400):
         super().__init__(message)
         self.field, self.message, self.status = field, message, status
 
 
 class QueueFull(RuntimeError):
-    """The batcher holds ``max_queue`` jobs already."""
+    """The batcher holds ``max_queue`` waiting requests already."""
 
 
 def check_exposure(host: str, token: str | None) -> None:
@@ -144,49 +122,8 @@ class Limits:
     """Caps a request must respect besides the buckets."""
 
     max_prompts: int = 16
-    max_score_chars: int = 4096
 
 
-@dataclasses.dataclass
-class GenerateRequest:
-    """A checked ``/v1/generate`` body. ``prompt_ids[i]`` encodes prompt ``i``."""
-
-    prompt_ids: list[np.ndarray]
-    max_new_tokens: int
-    knobs: SamplingKnobs
-    num_beams: int
-    num_return_sequences: int
-    seed: int | None
-    logprobs: bool
-
-    @property
-    def rows(self) -> int:
-        """Rows of a batch this request takes."""
-        if self.num_beams > 1:
-            return len(self.prompt_ids)
-        return len(self.prompt_ids) * self.num_return_sequences
-
-
-@dataclasses.dataclass
-class ScoreRequest:
-    """A checked ``/v1/score`` body."""
-
-    text: str
-    stride: int | None
-
-
-# The knobs of SamplingKnobs a request may set (scalars, one per request).
-SERVED_KNOBS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-GENERATE_FIELDS = (
-    "prompt",
-    "max_new_tokens",
-    *SERVED_KNOBS,
-    "num_beams",
-    "num_return_sequences",
-    "seed",
-    "logprobs",
-)
-SAMPLING_FIELDS = (*SERVED_KNOBS, "seed")
 # A request's upper bound on a knob that has none: the largest int32, and a
 # float cap that keeps a value finite through the loop's float32 arithmetic.
 MAX_INTEGER_KNOB = 2**31 - 1
@@ -244,19 +181,6 @@ def _number(
     return number
 
 
-def _knob(body: dict, name: str) -> float | int:
-    """The value of a served knob, its neutral value when absent, checked
-    against the knob's range (capped where it has no upper bound)."""
-    default, bounds = knobs_lib.neutral_value(name), knobs_lib.knob_range(name)
-    if knobs_lib.is_integer_knob(name):
-        high = MAX_INTEGER_KNOB if bounds["high"] is None else bounds["high"]
-        return _integer(body, name, default, bounds["low"], high)
-    high = MAX_FLOAT_KNOB if bounds["high"] is None else bounds["high"]
-    return _number(
-        body, name, default, bounds["low"], high, low_open=bounds["low_open"]
-    )
-
-
 def _encode(tokenizer: Any, text: Any, field: str, max_tokens: int) -> np.ndarray:
     if not isinstance(text, str) or not text:
         raise RequestError(field, f"{field} must hold non-empty strings.")
@@ -273,112 +197,302 @@ def _encode(tokenizer: Any, text: Any, field: str, max_tokens: int) -> np.ndarra
     return ids
 
 
-def parse_generate(
-    body: Any, tokenizer: Any, buckets: Buckets, limits: Limits
-) -> GenerateRequest:
-    """A checked ``/v1/generate`` body (``prompt``: one string or a list).
+MAX_STOPS = 4  # OpenAI's
+MAX_STOP_CHARS = 32
+MAX_LOGPROBS = 5  # OpenAI's
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's presence and frequency penalties
+BIAS_RANGE = (-100.0, 100.0)  # OpenAI's logit_bias values
+DEFAULT_MAX_TOKENS = 16  # OpenAI's
+EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "num_beams")
+COMPLETION_FIELDS = (
+    "model",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "echo",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "seed",
+    "user",
+    "best_of",
+    "suffix",
+    *EXTENSIONS,
+)
 
-    The knobs of ``SERVED_KNOBS`` take the ranges of
-    :class:`~lmhead.decoding.knobs.SamplingKnobs` (capped at
-    ``MAX_INTEGER_KNOB`` and ``MAX_FLOAT_KNOB`` where they have no upper
-    bound); an absent knob is neutral: ``temperature`` 1, ``top_k`` 0,
-    ``top_p`` 1, ``min_p`` 0, ``repetition_penalty`` 1. ``max_new_tokens``
-    defaults to its cap. Beam search (``num_beams > 1``) takes none of the sampling knobs
-    nor ``seed``, and its ``max_new_tokens`` must be a bucket.
+
+@dataclasses.dataclass(eq=False)
+class CompletionRequest:
+    """A checked ``/v1/completions`` body.
+
+    ``prompt_ids[i]`` encodes prompt ``i`` and ``prompt_texts[i]`` is its text
+    (decoded when it came as token ids). ``sink``, set by the web layer for a
+    streaming request, is called from the batcher's thread with each chunk's
+    list of ``(choice index, text so far, tokens so far)``. A beam request
+    (``num_beams > 1``, the extension) and an echo-only one (``max_tokens``
+    0) run whole (:func:`lmhead.serve.engine.Engine.run_whole`); the others
+    decode in slots (:mod:`lmhead.serve.continuous`).
+    """
+
+    prompt_ids: list[np.ndarray]
+    prompt_texts: list[str]
+    max_tokens: int
+    knobs: decoding.SamplingKnobs
+    n: int
+    seed: int | None
+    logprobs: int | None
+    echo: bool
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    num_beams: int
+    model: str
+    sink: Callable[[list[tuple]], None] | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.prompt_ids) * (1 if self.num_beams > 1 else self.n)
+
+
+def _get(body: dict, name: str, kinds: tuple, what: str, default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise RequestError(name, f"{name} must be {what}; got {value!r}.")
+    return value
+
+
+def _prompts(body: dict, tokenizer: Any, max_tokens: int, limits) -> list:
+    """``[(ids, text)]`` of OpenAI's four prompt forms."""
+    prompt = body.get("prompt")
+
+    def is_ids(value):
+        return (
+            isinstance(value, list)
+            and value
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+        )
+
+    if isinstance(prompt, str) or is_ids(prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not 1 <= len(prompt) <= limits.max_prompts:
+        raise RequestError(
+            "prompt",
+            "prompt must be a string, a list of token ids, or a list of 1 to "
+            f"{limits.max_prompts} of either.",
+        )
+    out = []
+    for item in prompt:
+        if isinstance(item, str):
+            out.append((_encode(tokenizer, item, "prompt", max_tokens), item))
+            continue
+        if not is_ids(item):
+            raise RequestError(
+                "prompt", "prompt items must be strings or lists of token ids."
+            )
+        # Compared as Python ints: one past int64 must be refused, not overflow.
+        if min(item) < 0 or max(item) >= tokenizer.vocab_size:
+            raise RequestError(
+                "prompt",
+                f"prompt token ids must be in [0, {tokenizer.vocab_size}).",
+            )
+        if len(item) > max_tokens:
+            raise RequestError(
+                "prompt", f"a prompt may hold at most {max_tokens} tokens."
+            )
+        ids = np.asarray(item, np.int32)
+        out.append((ids, decoding.detokenize(ids, tokenizer)))
+    return out
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if (
+        not isinstance(stop, list)
+        or len(stop) > MAX_STOPS
+        or not all(isinstance(s, str) and 1 <= len(s) <= MAX_STOP_CHARS for s in stop)
+    ):
+        raise RequestError(
+            "stop",
+            f"stop must be a string or a list of at most {MAX_STOPS} strings of "
+            f"1 to {MAX_STOP_CHARS} characters.",
+        )
+    return stop
+
+
+def _logit_bias(body: dict, vocab_size: int) -> np.ndarray | None:
+    bias = body.get("logit_bias")
+    if bias is None or bias == {}:
+        return None
+    if not isinstance(bias, dict):
+        raise RequestError("logit_bias", "logit_bias must map token ids to numbers.")
+    mapping = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise RequestError(
+                "logit_bias", f"logit_bias keys must be token ids; got {key!r}."
+            ) from None
+        if not 0 <= token < vocab_size:
+            raise RequestError(
+                "logit_bias", f"logit_bias ids must be in [0, {vocab_size}); got {key}."
+            )
+        low, high = BIAS_RANGE
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not low <= value <= high
+        ):
+            raise RequestError(
+                "logit_bias",
+                f"logit_bias values must be numbers in [{low}, {high}]; got {value!r}.",
+            )
+        mapping[token] = float(value)
+    return decoding.logit_bias_vector(mapping, vocab_size)
+
+
+def _penalty(body: dict, name: str) -> float | None:
+    value = _number(body, name, 0.0, *PENALTY_RANGE)
+    return None if value == 0 else value  # off keeps the warmed-up program
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise RequestError("stream_options", "stream_options needs stream: true.")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise RequestError(
+            "stream_options", "stream_options may hold include_usage only."
+        )
+    return _get(options, "include_usage", (bool,), "true or false", False)
+
+
+def _sampling_knobs(body: dict, vocab_size: int) -> decoding.SamplingKnobs:
+    top_k = body.get("top_k")
+    if top_k == -1:  # vLLM's spelling of "off"
+        body = {**body, "top_k": 0}
+    return decoding.SamplingKnobs(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=_integer(body, "top_k", 0, 0, MAX_INTEGER_KNOB),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=_number(
+            body, "repetition_penalty", 1.0, 0.0, MAX_FLOAT_KNOB, low_open=True
+        ),
+        presence_penalty=_penalty(body, "presence_penalty"),
+        frequency_penalty=_penalty(body, "frequency_penalty"),
+        logit_bias=_logit_bias(body, vocab_size),
+    )
+
+
+def parse_completion(
+    body: Any,
+    tokenizer: Any,
+    buckets: Buckets,
+    limits: Limits,
+    model_name: str,
+) -> CompletionRequest:
+    """A checked ``/v1/completions`` body.
+
+    ``max_tokens`` defaults to OpenAI's 16 (capped by the largest new-token
+    bucket) and may be 0 only with ``echo``; ``logprobs`` is an integer in
+    ``[0, 5]``; ``seed`` is an integer in ``[-2**63, 2**63)`` (taken modulo
+    ``2**31``); ``n`` times the prompts fits the largest batch; ``top_k``
+    ``-1`` means off.
 
     Raises:
-        RequestError: naming the first field that is missing, of the wrong
-            type, out of range, or not allowed with the others.
+        RequestError: naming the first bad field (status 404 for an unknown
+            ``model``).
 
     Examples:
         >>> from lmhead.lm import data
         >>> tokenizer = data.CharTokenizer("abc")
         >>> buckets = Buckets((1, 4), (8,), (8,), (2,))
-        >>> request = parse_generate({"prompt": ["ab", "c"], "top_k": 2},
-        ...                          tokenizer, buckets, Limits())
-        >>> request.prompt_ids, request.max_new_tokens, request.rows
-        ([array([0, 1], dtype=int32), array([2], dtype=int32)], 8, 2)
-        >>> parse_generate({"prompt": "ab", "num_beams": 2, "top_k": 2},
-        ...                tokenizer, buckets, Limits())
+        >>> request = parse_completion({"model": "m", "prompt": [[0, 1], "c"],
+        ...     "n": 2, "stop": "a"}, tokenizer, buckets, Limits(), "m")
+        >>> request.prompt_texts, request.max_tokens, request.rows
+        (['ab', 'c'], 8, 4)
+        >>> parse_completion({"model": "m", "prompt": "a", "max_tokens": 0},
+        ...     tokenizer, buckets, Limits(), "m")
         Traceback (most recent call last):
         ...
-        lmhead.serve.requests.RequestError: top_k does not apply to beam search (num_beams > 1).
+        lmhead.serve.requests.RequestError: max_tokens may be 0 only with echo.
     """
-    body = _body_object(body, GENERATE_FIELDS)
-    prompts = body.get("prompt")
-    prompts = [prompts] if isinstance(prompts, str) else prompts
-    if not isinstance(prompts, list) or not 1 <= len(prompts) <= limits.max_prompts:
+    body = _body_object(body, COMPLETION_FIELDS)
+    model = body.get("model")
+    if model is None:
+        raise RequestError("model", f"model is required: {model_name!r}.")
+    if model != model_name:
         raise RequestError(
-            "prompt",
-            f"prompt must be a string or a list of 1 to {limits.max_prompts} strings.",
+            "model", f"model must be {model_name!r}; got {model!r}.", status=404
         )
-    ids = [_encode(tokenizer, p, "prompt", buckets.prompt_lengths[-1]) for p in prompts]
-    max_new = buckets.new_tokens[-1]
+    prompts = _prompts(body, tokenizer, buckets.prompt_lengths[-1], limits)
+    echo = _get(body, "echo", (bool,), "true or false", False)
+    stream = _get(body, "stream", (bool,), "true or false", False)
+    _get(body, "user", (str,), "a string")
+    cap = buckets.new_tokens[-1]
+    max_tokens = _integer(body, "max_tokens", min(DEFAULT_MAX_TOKENS, cap), 0, cap)
+    if max_tokens == 0 and not echo:
+        raise RequestError("max_tokens", "max_tokens may be 0 only with echo.")
     num_beams = _integer(body, "num_beams", 1, 1, max(buckets.beam_sizes, default=1))
-    if num_beams > 1 and num_beams not in buckets.beam_sizes:
-        raise RequestError(
-            "num_beams",
-            "num_beams must be 1 or one of "
-            f"{list(buckets.beam_sizes)}; got {num_beams}.",
-        )
-    max_new_tokens = _integer(body, "max_new_tokens", max_new, 1, max_new)
-    request = GenerateRequest(
-        prompt_ids=ids,
-        max_new_tokens=max_new_tokens,
-        knobs=SamplingKnobs(**{name: _knob(body, name) for name in SERVED_KNOBS}),
+    seed = _integer(body, "seed", None, -(2**63), 2**63 - 1)
+    request = CompletionRequest(
+        prompt_ids=[ids for ids, _ in prompts],
+        prompt_texts=[text for _, text in prompts],
+        max_tokens=max_tokens,
+        knobs=_sampling_knobs(body, tokenizer.vocab_size),
+        n=_integer(body, "n", 1, 1, buckets.batch_sizes[-1]),
+        seed=None if seed is None else seed % 2**31,
+        logprobs=_integer(body, "logprobs", None, 0, MAX_LOGPROBS),
+        echo=echo,
+        stop=_stops(body),
+        stream=stream,
+        include_usage=_stream_options(body, stream),
         num_beams=num_beams,
-        num_return_sequences=1,
-        seed=_integer(body, "seed", None, 0, MAX_SEED),
-        logprobs=False if body.get("logprobs") is None else body["logprobs"],
+        model=model,
     )
-    if not isinstance(request.logprobs, bool):
-        raise RequestError("logprobs", "logprobs must be true or false.")
-    if num_beams > 1:
-        _check_beam_request(body, request, buckets)
-    most = num_beams if num_beams > 1 else buckets.batch_sizes[-1] // len(ids)
-    request.num_return_sequences = _integer(
-        body, "num_return_sequences", 1, 1, max(most, 1)
-    )
-    if request.rows > buckets.batch_sizes[-1]:
-        raise RequestError(
-            "prompt",
-            f"a request may hold at most "
-            f"{buckets.batch_sizes[-1]} prompts (times "
-            "num_return_sequences when sampling).",
-        )
-    if request.knobs.temperature == 0:
-        request.seed = None  # greedy: nothing is drawn
+    _check_combinations(body, request, buckets)
     return request
 
 
-def _check_beam_request(body: dict, request: GenerateRequest, buckets: Buckets) -> None:
-    for name in SAMPLING_FIELDS:
-        if body.get(name) is not None:
-            raise RequestError(
-                name, f"{name} does not apply to beam search (num_beams > 1)."
-            )
-    if request.logprobs:
+def _check_combinations(body: dict, request: CompletionRequest, buckets) -> None:
+    if body.get("suffix") is not None:
+        raise RequestError("suffix", "suffix is not supported.")
+    best_of = _integer(body, "best_of", request.n, 1, MAX_INTEGER_KNOB)
+    if best_of != request.n:
+        raise RequestError("best_of", "best_of must equal n when given.")
+    if request.rows > buckets.batch_sizes[-1]:
         raise RequestError(
-            "logprobs",
-            "logprobs is not available with beam "
-            "search (num_beams > 1); each sequence has a score.",
+            "n",
+            f"the prompts times n must be at most {buckets.batch_sizes[-1]}.",
         )
-    if request.max_new_tokens not in buckets.new_tokens:
+    if request.num_beams == 1:
+        return
+    if request.num_beams not in buckets.beam_sizes:
         raise RequestError(
-            "max_new_tokens",
-            "with beam search, max_new_tokens "
-            f"must be one of {list(buckets.new_tokens)}; got "
-            f"{request.max_new_tokens}.",
+            "num_beams",
+            f"num_beams must be 1 or one of {list(buckets.beam_sizes)}.",
         )
-
-
-def parse_score(body: Any, max_len: int, limits: Limits) -> ScoreRequest:
-    """A checked ``/v1/score`` body: ``text``, optional ``stride`` in ``[1, max_len]``."""
-    body = _body_object(body, ("text", "stride"))
-    text = body.get("text")
-    if not isinstance(text, str) or not 2 <= len(text) <= limits.max_score_chars:
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "logit_bias", "seed",
+                 "logprobs", "stop", "stream"):  # fmt: skip
+        if body.get(name) not in (None, False):
+            raise RequestError(name, f"{name} does not apply to num_beams > 1.")
+    if request.max_tokens not in buckets.new_tokens:
         raise RequestError(
-            "text",
-            f"text must be a string of 2 to {limits.max_score_chars} characters.",
+            "max_tokens",
+            f"with num_beams > 1, max_tokens must be one of {list(buckets.new_tokens)}.",
         )
-    return ScoreRequest(text=text, stride=_integer(body, "stride", None, 1, max_len))
+    if request.n > request.num_beams:
+        raise RequestError("n", "n must be at most num_beams.")

@@ -1,27 +1,21 @@
-"""The HTTP service: FastAPI routes over :mod:`lmhead.serve.requests` and
-:mod:`lmhead.serve.batching`, a bearer token, a body-size cap, Prometheus metrics.
+"""The HTTP service: OpenAI's completions API over continuous batching
+(:mod:`lmhead.serve.continuous`), a bearer token, a body-size cap,
+Prometheus metrics.
 
-Endpoints (JSON in and out; errors are ``{"error": {"field", "message"}}``):
+Endpoints (JSON in and out, see ``docs/serving.md``):
 
-* ``POST /v1/generate``: ``{"prompt": str | [str], "max_new_tokens",
-  "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-  "num_beams", "num_return_sequences", "seed", "logprobs"}`` ->
-  ``{"completions": [{"prompt_index", "text", "token_ids", "length",
-  "log_probs"?, "score"?}]}``, prompt by prompt, each prompt's sequences in
-  order (best first for beam search).
-* ``POST /v1/score``: ``{"text", "stride"?}`` -> the totals of
-  :meth:`scoring.TextScore.summary` (``nats``, ``bits_per_character``,
-  ...), ``token_texts`` and their ``log_probs``.
+* ``POST /v1/completions`` (JSON, or server-sent events with ``stream``);
+  scoring a text is ``echo`` + ``logprobs`` + ``max_tokens: 0``.
+* ``GET /v1/models``, and vLLM's tokenizer routes ``GET /tokenizer_info``,
+  ``POST /tokenize`` and ``POST /detokenize``.
 * ``GET /healthz`` (never needs the token) and ``GET /metrics``.
-* The OpenAI-compatible routes of :mod:`lmhead.serve.openai_web`
-  (``POST /v1/completions``, ``GET /v1/models``, ``GET /tokenizer_info``,
-  ``POST /tokenize``, ``POST /detokenize``), whose errors take OpenAI's shape
-  ``{"error": {"message", "type", "param", "code"}}`` and say 400 for a bad
-  field.
 
-Statuses: 400 unreadable JSON, 401 a missing or wrong token, 413 a body over
-the cap, 422 a field out of its rules, 503 (with ``Retry-After``) a full queue,
-504 a request that did not finish within its timeout.
+Errors take OpenAI's shape, ``{"error": {"message", "type", "param",
+"code"}}`` (:func:`error_body`). Statuses: 400 unreadable JSON or a field
+out of its rules (named in ``param``), 401 a missing or wrong token, 404 an
+unknown model or route, 413 a body over the cap, 503 (with ``Retry-After``)
+a full queue, 504 a request that did not finish within its timeout (a
+stream ends with the error in band).
 
 FastAPI, uvicorn and prometheus-client are the ``serve`` extra
 (``pip install -e '.[serve]'``); they are imported where used, so that the
@@ -38,13 +32,29 @@ import threading
 import time
 from typing import Any
 
-from lmhead.serve import batching, continuous, openai_api, openai_web, requests
+import numpy as np
 
-ENDPOINTS = ("/v1/generate", "/v1/score", "/healthz", "/metrics", *openai_web.ROUTES)
+from lmhead import decoding
+from lmhead.serve import completions, continuous, requests
+from lmhead.serve.engine import Engine
+from lmhead.serve.requests import RequestError
+
+ROUTES = (
+    "/v1/completions",
+    "/v1/models",
+    "/tokenizer_info",
+    "/tokenize",
+    "/detokenize",
+)
+ENDPOINTS = (*ROUTES, "/healthz", "/metrics")
 OPEN_ENDPOINTS = ("/healthz",)
+ERROR_TYPES = {
+    401: "authentication_error",
+    503: "server_overloaded",
+    504: "timeout",
+}
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TOKEN_GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
-BATCHING = ("continuous", "window")
 RETRY_AFTER_SECONDS = 1
 # A body over the cap is read and dropped up to this many bytes before the
 # 413 goes out: a client that is still sending when the server answers and
@@ -61,37 +71,23 @@ class ServiceConfig:
         token: the bearer token every endpoint but ``/healthz`` requires;
             None: no token (loopback only, see :func:`requests.check_exposure`).
         max_body_bytes: larger bodies get 413 before they are read whole.
-        max_queue: requests that may wait for a batch; more get 503.
-        window_s: how long a request waits for others to batch with.
+        max_queue: requests that may wait; more get 503.
         timeout_s: a request not answered by then gets 504 (and a running
-            completion is cancelled).
+            one is cancelled).
         limits: the caps of :class:`requests.Limits`.
-        model_name: the ``model`` of the OpenAI routes.
-        batching: how ``/v1/completions`` requests that generate without
-            beam search are batched: ``"continuous"`` (decode slots,
-            :mod:`lmhead.serve.continuous`) or ``"window"`` (the batcher of
-            :mod:`lmhead.serve.batching`, which every other request uses).
-        slots: the continuous batcher's decode slots; None: the largest
-            batch size.
+        model_name: the ``model`` of the routes.
+        slots: the batcher's decode slots; None: the largest batch size.
         steps_per_call: its decoding steps per compiled call.
     """
 
     token: str | None = None
     max_body_bytes: int = 65536
     max_queue: int = 64
-    window_s: float = 0.005
     timeout_s: float = 30.0
     limits: requests.Limits = requests.Limits()
     model_name: str = "lmhead"
-    batching: str = "continuous"
     slots: int | None = None
     steps_per_call: int = continuous.DEFAULT_STEPS_PER_CALL
-
-    def __post_init__(self):
-        if self.batching not in BATCHING:
-            raise ValueError(
-                f"batching must be one of {BATCHING}; got {self.batching!r}."
-            )
 
 
 def read_token(path: str) -> str:
@@ -106,7 +102,7 @@ def read_token(path: str) -> str:
 class Metrics:
     """The Prometheus metrics of one service, in a registry of their own."""
 
-    def __init__(self, batch_sizes: tuple[int, ...]):
+    def __init__(self):
         import prometheus_client as prom
 
         self._prom = prom
@@ -127,24 +123,17 @@ class Metrics:
         )
         self.tokens = prom.Counter(
             "lmhead_generated_tokens",
-            "Tokens returned by /v1/generate and /v1/completions.",
-            registry=self.registry,
-        )
-        self.batch_rows = prom.Histogram(
-            "lmhead_batch_rows",
-            "Rows (prompts times sequences) per batch run.",
-            ["kind"],
-            buckets=batch_sizes,
+            "Tokens returned by /v1/completions.",
             registry=self.registry,
         )
         self.queue_depth = prom.Gauge(
             "lmhead_queue_depth",
-            "Requests waiting for a batch or for decode slots.",
+            "Requests waiting for decode slots (or to run whole).",
             registry=self.registry,
         )
         self.active_slots = prom.Gauge(
             "lmhead_active_slots",
-            "Decode slots holding a running sequence (continuous batching).",
+            "Decode slots holding a running sequence.",
             registry=self.registry,
         )
         self.cancelled = prom.Counter(
@@ -155,14 +144,13 @@ class Metrics:
         )
         self.first_token = prom.Histogram(
             "lmhead_time_to_first_token_seconds",
-            "From a completion's arrival to its first tokens (continuous batching).",
+            "From a completion's arrival to its first tokens.",
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.inter_token = prom.Histogram(
             "lmhead_inter_token_seconds",
-            "Gap between deliveries of a completion's tokens, per token "
-            "(continuous batching).",
+            "Gap between deliveries of a completion's tokens, per token.",
             buckets=TOKEN_GAP_BUCKETS,
             registry=self.registry,
         )
@@ -171,22 +159,31 @@ class Metrics:
         return self._prom.generate_latest(self.registry)
 
 
-def _error(
-    status: int,
-    field: str | None,
-    message: str,
-    headers: dict[str, str] | None = None,
-    path: str = "",
-):
+def error_body(status: int, param: str | None, message: str) -> dict:
+    """OpenAI's error object (``type`` ``invalid_request_error`` for a 4xx
+    not listed in :data:`ERROR_TYPES`).
+
+    Examples:
+        >>> error_body(400, "n", "n must be an integer.")["error"]["type"]
+        'invalid_request_error'
+    """
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "")
+    return {
+        "error": {
+            "message": message,
+            "type": kind or "server_error",
+            "param": param,
+            "code": "model_not_found" if param == "model" and status == 404 else None,
+        }
+    }
+
+
+def _error(status: int, param: str | None, message: str, headers=None):
     from fastapi import responses
 
-    unknown_v1 = path.startswith("/v1/") and path not in ENDPOINTS
-    if path in openai_web.ROUTES or unknown_v1:  # OpenAI's clients call /v1/...
-        status = openai_web.openai_status(status)
-        body = openai_web.error_body(status, field, message)
-    else:
-        body = {"error": {"field": field, "message": message}}
-    return responses.JSONResponse(body, status_code=status, headers=headers)
+    return responses.JSONResponse(
+        error_body(status, param, message), status_code=status, headers=headers
+    )
 
 
 class _Guard:
@@ -234,14 +231,11 @@ class _Guard:
             "Authorization",
             "a valid bearer token is required.",
             {"WWW-Authenticate": "Bearer"},
-            scope["path"],
         )
 
     async def _read_body(self, scope, receive):
         cap = self.config.max_body_bytes
-        too_large = _error(
-            413, "body", f"the body must be at most {cap} bytes.", path=scope["path"]
-        )
+        too_large = _error(413, "body", f"the body must be at most {cap} bytes.")
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         if not declared.isdigit() or int(declared) > cap:
             if declared.isdigit() and int(declared) <= DRAIN_BYTES:
@@ -283,61 +277,32 @@ async def _drain(receive, size: int) -> None:
             return
 
 
-def make_app(engine: batching.Engine, config: ServiceConfig = ServiceConfig()):
+def make_app(engine: Engine, config: ServiceConfig = ServiceConfig()):
     """The service's ASGI app over ``engine`` (warmed up already): a
-    :class:`batching.Batcher` and, with ``config.batching == "continuous"``,
-    a :class:`continuous.SlotBatcher` (compiled here), which stop when the
+    :class:`continuous.SlotBatcher` (compiled here), which stops when the
     app shuts down."""
     import fastapi
 
-    metrics = Metrics(engine.buckets.batch_sizes)
-    batcher = batching.Batcher(
+    metrics = Metrics()
+    slots = continuous.SlotBatcher(
         engine,
+        slots=config.slots,
         max_queue=config.max_queue,
-        window_s=config.window_s,
-        on_batch=lambda kind, rows: metrics.batch_rows.labels(kind).observe(rows),
+        steps_per_call=config.steps_per_call,
+        events=continuous.SlotEvents(
+            first_token=metrics.first_token.observe,
+            inter_token=metrics.inter_token.observe,
+            cancelled=metrics.cancelled.inc,
+        ),
     )
-    slots = None
-    if config.batching == "continuous":
-        slots = continuous.SlotBatcher(
-            engine,
-            slots=config.slots,
-            max_queue=config.max_queue,
-            steps_per_call=config.steps_per_call,
-            events=continuous.SlotEvents(
-                first_token=metrics.first_token.observe,
-                inter_token=metrics.inter_token.observe,
-                cancelled=metrics.cancelled.inc,
-            ),
-        )
-        slots.warm_up()
-        metrics.active_slots.set_function(slots.active)
-    depth = lambda: batcher.depth() + (slots.depth() if slots else 0)
-    metrics.queue_depth.set_function(depth)
-
-    def submit(request: Any):
-        """Queues a checked request with the batcher that runs its kind."""
-        in_slots = (
-            slots is not None
-            and isinstance(request, openai_api.CompletionRequest)
-            and request.max_tokens > 0
-            and request.num_beams == 1
-        )
-        return (slots if in_slots else batcher).submit(request)
-
-    def cancel(future) -> None:
-        """Drops a request nobody waits for: a waiting one leaves its queue,
-        a running completion frees its slots (a no-op once it ended)."""
-        batcher.cancel(future)
-        if slots is not None:
-            slots.cancel(future)
+    slots.warm_up()
+    metrics.active_slots.set_function(slots.active)
+    metrics.queue_depth.set_function(slots.depth)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
         yield
-        batcher.stop()
-        if slots is not None:
-            slots.stop()
+        slots.stop()
 
     app = fastapi.FastAPI(
         title="lmhead",
@@ -349,45 +314,49 @@ def make_app(engine: batching.Engine, config: ServiceConfig = ServiceConfig()):
     app.add_middleware(_Guard, config=config, metrics=metrics)
     _add_error_handlers(app, config)
 
-    async def run(request: Any) -> Any:
-        future = submit(request)
+    async def run(request: requests.CompletionRequest) -> dict:
+        """Queues ``request`` and awaits its result within the timeout; a
+        request nobody waits for any more is cancelled (a no-op once done)."""
+        future = slots.submit(request)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), config.timeout_s)
         finally:
-            cancel(future)
+            slots.cancel(future)
 
-    @app.post("/v1/generate")
-    async def generate(request: fastapi.Request):
-        parsed = requests.parse_generate(
-            await _json(request), engine.tokenizer, engine.buckets, config.limits
+    @app.post("/v1/completions")
+    async def create_completion(request: fastapi.Request):
+        from fastapi import responses
+        from starlette import background
+
+        parsed = requests.parse_completion(
+            await _json(request),
+            engine.tokenizer,
+            engine.buckets,
+            config.limits,
+            config.model_name,
         )
-        completions = await run(parsed)
-        metrics.tokens.inc(sum(c["length"] for c in completions))
-        return {"completions": completions}
+        id_ = completions.new_id()
+        if parsed.stream:
+            future, updates = _submit_stream(parsed, slots.submit)
+            events = _events(
+                parsed, id_, future, updates, slots.cancel, metrics.tokens.inc,
+                config.timeout_s,
+            )  # fmt: skip
+            return responses.StreamingResponse(
+                events,
+                media_type="text/event-stream",
+                # Also when the client leaves before the body starts.
+                background=background.BackgroundTask(slots.cancel, future),
+            )
+        result = await run(parsed)
+        metrics.tokens.inc(result["completion_tokens"])
+        return completions.completion_body(parsed, result, id_)
 
-    @app.post("/v1/score")
-    async def score(request: fastapi.Request):
-        parsed = requests.parse_score(
-            await _json(request), engine.model.max_len, config.limits
-        )
-        return await run(parsed)
-
-    openai_web.add_routes(
-        app,
-        engine,
-        model_name=config.model_name,
-        limits=config.limits,
-        read_json=_json,
-        submit=submit,
-        cancel=cancel,
-        run=run,
-        on_tokens=metrics.tokens.inc,
-        timeout_s=config.timeout_s,
-    )
+    _add_info_routes(app, engine, config.model_name)
 
     @app.get("/healthz")
     async def healthz():
-        return {"status": "ok", "queue_depth": depth()}
+        return {"status": "ok", "queue_depth": slots.depth()}
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -396,14 +365,89 @@ def make_app(engine: batching.Engine, config: ServiceConfig = ServiceConfig()):
     return app
 
 
+def _add_info_routes(app: Any, engine: Engine, model_name: str) -> None:
+    """``/v1/models`` and the tokenizer routes."""
+    import fastapi
+
+    tokenizer = engine.tokenizer
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "lmhead",
+                    "max_model_len": engine.model.max_len,
+                }
+            ],
+        }
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        eos = tokenizer.eos_id
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            "eos_token": None if eos is None else tokenizer.decode([eos]),
+            "eos_token_id": eos,
+            "vocab_size": tokenizer.vocab_size,
+            "model_max_length": engine.model.max_len,
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(request: fastapi.Request):
+        body = requests._body_object(
+            await _json(request), ("model", "prompt", "add_special_tokens")
+        )
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise RequestError("prompt", "prompt must be a string.")
+        requests._get(body, "add_special_tokens", (bool,), "true or false")
+        try:
+            tokens = (
+                np.asarray(tokenizer.encode_array(prompt)).tolist() if prompt else []
+            )
+        except (ValueError, TypeError, KeyError) as error:
+            raise RequestError("prompt", f"prompt: {error}") from None
+        return {
+            "tokens": tokens,
+            "count": len(tokens),
+            "max_model_len": engine.model.max_len,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(request: fastapi.Request):
+        body = requests._body_object(await _json(request), ("model", "tokens"))
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int)
+            and not isinstance(t, bool)
+            and 0 <= t < tokenizer.vocab_size
+            for t in tokens
+        ):
+            raise RequestError(
+                "tokens",
+                f"tokens must be a list of token ids in [0, {tokenizer.vocab_size}).",
+            )
+        text = (
+            decoding.detokenize(np.asarray(tokens, np.int32), tokenizer)
+            if tokens
+            else ""
+        )
+        return {"prompt": text}
+
+
 def _add_error_handlers(app, config: ServiceConfig) -> None:
     """A bad field: 4xx naming it; an unknown route or method: 404 or 405;
-    a full queue: 503; too late: 504; any other error: 500, all in the
-    same error shape (the server logs a 500)."""
+    a full queue: 503; too late: 504; any other error: 500, all in OpenAI's
+    error shape (the server logs a 500)."""
     from starlette import exceptions
 
-    async def refuse_request(request, error: requests.RequestError):
-        return _error(error.status, error.field, error.message, path=request.url.path)
+    async def refuse_request(request, error: RequestError):
+        return _error(error.status, error.field, error.message)
 
     async def refuse_full(request, error: requests.QueueFull):
         return _error(
@@ -411,24 +455,20 @@ def _add_error_handlers(app, config: ServiceConfig) -> None:
             None,
             f"the queue is full ({error}); retry later.",
             {"Retry-After": str(RETRY_AFTER_SECONDS)},
-            request.url.path,
         )
 
     async def refuse_late(request, error: TimeoutError):
-        return _error(
-            504, None, f"no answer within {config.timeout_s} s.", path=request.url.path
-        )
+        return _error(504, None, f"no answer within {config.timeout_s} s.")
 
     async def refuse_route(request, error):
-        # An unknown route or method, in the error shape of its path.
         message = f"Invalid URL ({request.method} {request.url.path}): {error.detail}."
-        return _error(error.status_code, None, message, path=request.url.path)
+        return _error(error.status_code, None, message)
 
     async def fail(request, error: Exception):
-        return _error(500, None, f"the request failed: {error}", path=request.url.path)
+        return _error(500, None, f"the request failed: {error}")
 
     app.add_exception_handler(exceptions.HTTPException, refuse_route)
-    app.add_exception_handler(requests.RequestError, refuse_request)
+    app.add_exception_handler(RequestError, refuse_request)
     app.add_exception_handler(requests.QueueFull, refuse_full)
     app.add_exception_handler(TimeoutError, refuse_late)
     app.add_exception_handler(Exception, fail)
@@ -438,13 +478,11 @@ async def _json(request) -> Any:
     try:
         return json.loads(await request.body())
     except ValueError as error:  # not JSON, not UTF-8, or a 5000-digit number
-        raise requests.RequestError(
+        raise RequestError(
             "body", f"the body is not JSON: {error}", status=400
         ) from None
     except RecursionError:
-        raise requests.RequestError(
-            "body", "the body nests too deeply.", status=400
-        ) from None
+        raise RequestError("body", "the body nests too deeply.", status=400) from None
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -500,3 +538,88 @@ class BackgroundServer:
         self._server.should_exit = True
         self._thread.join()
         self._socket.close()
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _submit_stream(parsed, submit) -> tuple[Any, asyncio.Queue]:
+    """Queues a streaming request (raising as :func:`submit` does, before
+    any byte of the response is sent) with a sink that hands its updates
+    to the event loop: ``(future, updates)``."""
+    loop, updates = asyncio.get_running_loop(), asyncio.Queue()
+    parsed.sink = lambda found: loop.call_soon_threadsafe(updates.put_nowait, found)
+    return submit(parsed), updates
+
+
+async def _events(parsed, id_: str, future, queue, cancel, on_tokens, timeout_s):
+    """The server-sent events of a streaming request: text deltas as the
+    engine's chunks arrive, each choice's last chunk with its
+    ``finish_reason`` and its whole ``logprobs``, the usage chunk when
+    asked, and ``[DONE]``; past ``timeout_s``, an error (504) in band."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    sent: dict[int, str] = {}
+
+    def deltas(updates):
+        choices = []
+        for index, text, _ in updates:
+            done = sent.get(index, "")
+            if len(text) > len(done) and text.startswith(done):
+                choices.append(
+                    {
+                        "text": text[len(done) :],
+                        "index": index,
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }  # fmt: skip
+                )
+                sent[index] = text
+        return choices
+
+    try:
+        waiting = asyncio.ensure_future(asyncio.wrap_future(future))
+        while True:
+            getter = asyncio.ensure_future(queue.get())
+            await asyncio.wait(
+                {getter, waiting},
+                timeout=max(deadline - loop.time(), 0.0),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if not getter.done():
+                getter.cancel()
+                if not waiting.done():  # past the deadline
+                    yield _sse(
+                        error_body(504, None, f"no answer within {timeout_s} s.")
+                    )
+                    yield "data: [DONE]\n\n"
+                    return
+                break
+            choices = deltas(getter.result())
+            if choices:
+                yield _sse(completions.stream_chunk(parsed, id_, choices))
+        while not queue.empty():
+            choices = deltas(queue.get_nowait())
+            if choices:
+                yield _sse(completions.stream_chunk(parsed, id_, choices))
+        try:
+            result = waiting.result()
+        except Exception as error:  # the stream has begun: report it in band
+            yield _sse(error_body(500, None, f"the request failed: {error}"))
+            yield "data: [DONE]\n\n"
+            return
+        on_tokens(result["completion_tokens"])
+        for choice in result["choices"]:
+            done = sent.get(choice["index"], "")
+            rest = (
+                choice["text"][len(done) :] if choice["text"].startswith(done) else ""
+            )
+            yield _sse(completions.stream_chunk(parsed, id_, [dict(choice, text=rest)]))
+        if parsed.include_usage:
+            yield _sse(
+                completions.stream_chunk(parsed, id_, [], completions.usage(result))
+            )
+        yield "data: [DONE]\n\n"
+    finally:  # the client left, or the stream ended: a no-op once it ran
+        cancel(future)

@@ -5,7 +5,7 @@ import pytest
 
 from configs import default
 from lmhead.lm import generation, train
-from lmhead.serve import batching
+from lmhead.serve import engine as engine_lib
 from tests.serve.tiny_run import BUCKETS
 
 
@@ -32,6 +32,6 @@ def run(corpus, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine(run):
-    engine = batching.Engine(*run, BUCKETS)
+    engine = engine_lib.Engine(*run, BUCKETS)
     engine.warm_up()
     return engine

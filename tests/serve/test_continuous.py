@@ -1,9 +1,11 @@
 """Tests for continuous batching (lmhead/serve/continuous.py): the slot
 batcher on its own, and the real uvicorn service with the ``openai`` client.
 
-References: the window batcher's own answer to the same request
-(``Engine.complete``, which runs ``decoding.generate``), and the requests'
-own bookkeeping (every request answered once, every slot freed).
+References: ``decoding.generate`` on the same run (greedy texts), the same
+request alone in the slots (its answer does not depend on its company), and
+the requests' own bookkeeping (every request answered once, every slot
+freed). The answers themselves are checked against the decoders in
+tests/serve/test_openai_api.py.
 """
 
 import concurrent.futures
@@ -17,10 +19,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from lmhead import decoding
 from lmhead.lm import data
 from lmhead.lm import model as model_lib
-from lmhead.serve import batching, continuous, openai_api, requests, web
-from tests.serve.tiny_run import PROMPTS
+from lmhead.serve import continuous, requests, web
+from lmhead.serve import engine as engine_lib
+from tests.serve.tiny_run import BUCKETS, PROMPTS, direct_greedy
 
 MODEL = "lmhead"
 LONG = 128  # tokens of a request that runs long enough to be cut short
@@ -41,11 +45,11 @@ def long_engine():
     buckets = requests.Buckets(
         batch_sizes=(1, 4), prompt_lengths=(8,), new_tokens=(LONG,), beam_sizes=()
     )
-    return batching.Engine(model, params, tokenizer, buckets)
+    return engine_lib.Engine(model, params, tokenizer, buckets)
 
 
 def parse(engine, **body):
-    return openai_api.parse_completion(
+    return requests.parse_completion(
         {"model": MODEL, **body}, engine.tokenizer, engine.buckets,
         requests.Limits(), MODEL,
     )  # fmt: skip
@@ -98,7 +102,7 @@ def all_cancelled(batcher):
     return all(job.cancelled for job in running_jobs(batcher))
 
 
-def test_short_requests_pass_a_long_one_and_answers_equal_the_window_path(
+def test_short_requests_pass_a_long_one_and_answers_equal_each_alone(
     long_engine, monkeypatch
 ):
     # The long request decodes only while another request waits or runs (or
@@ -126,14 +130,13 @@ def test_short_requests_pass_a_long_one_and_answers_equal_the_window_path(
         answers = [slots.submit(r) for r in [*short, seeded]]
         results = [a.result(timeout=60) for a in answers]
         assert not held.done()  # the short ones did not wait for it
-        for request, result in zip([*short, seeded], results):
-            # The window batcher's answer, the request alone in its batch.
-            assert_same(result, long_engine.complete([request])[0])
         with slots._changed:
             released.set()
             slots._changed.notify_all()
-        assert_same(held.result(timeout=120), long_engine.complete([long])[0])
+        together = held.result(timeout=120)
         wait_until(lambda: slots.active() == 0)
+        for request, result in zip([long, *short, seeded], [together, *results]):
+            assert_same(result, slots.submit(request).result(timeout=120))
     finally:
         slots.stop()
 
@@ -219,8 +222,8 @@ def test_echoed_top_logprobs_past_a_small_vocabulary_give_every_token():
     buckets = requests.Buckets(
         batch_sizes=(1,), prompt_lengths=(8,), new_tokens=(4,), beam_sizes=()
     )
-    engine = batching.Engine(model, params, tokenizer, buckets)
-    assert tokenizer.vocab_size < openai_api.MAX_LOGPROBS
+    engine = engine_lib.Engine(model, params, tokenizer, buckets)
+    assert tokenizer.vocab_size < requests.MAX_LOGPROBS
     slots = continuous.SlotBatcher(engine, max_queue=2, steps_per_call=1)
     try:
         request = parse(engine, prompt="abc", max_tokens=3, echo=True, logprobs=5)
@@ -230,6 +233,45 @@ def test_echoed_top_logprobs_past_a_small_vocabulary_give_every_token():
         assert {len(top) for top in tops[1:]} == {tokenizer.vocab_size}
     finally:
         slots.stop()
+
+
+def test_requests_compile_nothing_after_warm_up(run):
+    """Sampled requests of every served knob, seeded ones, and echo-only
+    scoring run the programs the warm-ups compiled (beam search compiles
+    its shapes on first use, as docs/serving.md says)."""
+    # An engine warmed up here, right before its requests: the session's was
+    # warmed up long before, and JAX's bounded caches may have let its
+    # programs go since.
+    engine = engine_lib.Engine(*run, BUCKETS)
+    engine.warm_up()
+    slots = continuous.SlotBatcher(engine, max_queue=8)
+    slots.warm_up()
+    compiles, counting, current = [], threading.Event(), [None]
+    # Compiles in the batcher's thread only, where the requests run: the
+    # listener is process-wide.
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _seconds, **kw: (
+            counting.is_set()
+            and threading.get_ident() == slots._thread.ident
+            and event == "/jax/core/compile/backend_compile_duration"
+            and compiles.append(current[0])
+        )
+    )
+    counting.set()
+    try:
+        for body in (
+            {"prompt": "K", "max_tokens": 1},
+            {"prompt": PROMPTS[:3], "max_tokens": 3, "top_p": 0.9, "min_p": 0.1,
+             "repetition_penalty": 1.3, "logprobs": 2},
+            {"prompt": "KING", "seed": 3, "n": 4},
+            {"prompt": "KING RI", "max_tokens": 0, "echo": True, "logprobs": 0},
+        ):  # fmt: skip
+            current[0] = body
+            assert slots.submit(parse(engine, **body)).result(timeout=120)
+    finally:
+        counting.clear()
+        slots.stop()
+    assert compiles == []
 
 
 def test_slots_must_hold_a_whole_request(long_engine):
@@ -317,10 +359,10 @@ def test_a_request_that_cannot_be_queued_is_refused_before_it_starts(
             assert answer.json()["error"]["type"] == kind
 
 
-def test_load_nothing_lost_or_duplicated_and_the_slots_drain(engine):
+def test_load_nothing_lost_or_duplicated_and_the_slots_drain(run, engine):
     """300 requests from 16 clients: mixed lengths, ``n``, stop strings,
-    streams read whole or dropped early; greedy answers equal the window
-    path's."""
+    streams read whole or dropped early; greedy answers equal
+    ``decoding.generate``'s."""
     config = web.ServiceConfig(model_name=MODEL, max_queue=300)
     greedy = {}
     with web.BackgroundServer(web.make_app(engine, config)) as url:
@@ -368,6 +410,7 @@ def test_load_nothing_lost_or_duplicated_and_the_slots_drain(engine):
     for body, texts in greedy.values():
         key = (body["prompt"], body["max_tokens"], tuple(body["stop"] or ()))
         if key not in references:
-            request = parse(engine, **dict(body, n=1))
-            references[key] = engine.complete([request])[0]["choices"][0]["text"]
+            tokens, _ = direct_greedy(run, body["prompt"], body["max_tokens"])
+            text = engine.tokenizer.decode(tokens)
+            references[key] = decoding.trim_at_stop(text, body["stop"] or [])
         assert texts == [references[key]] * body["n"], body

@@ -1,6 +1,6 @@
-"""Tests for the OpenAI-compatible routes (lmhead/serve/openai_api.py,
-completions.py, openai_web.py): the official ``openai`` client against the
-real uvicorn server on the tiny run of conftest.py.
+"""Tests for the completions API (lmhead/serve/requests.py, completions.py,
+engine.py, web.py): the official ``openai`` client against the real uvicorn
+server on the tiny run of conftest.py.
 
 References: ``lmhead.decoding.generate`` on the same run, one prompt at a
 time, the scorer (``lmhead.lm.scoring.score_text``), and a numpy
@@ -16,7 +16,7 @@ import pytest
 from lmhead import decoding
 from lmhead.lm import model as model_lib
 from lmhead.lm import scoring
-from lmhead.serve import completions, openai_api, requests, web
+from lmhead.serve import completions, continuous, requests, web
 from tests.serve.tiny_run import PROMPTS
 
 openai = pytest.importorskip("openai")  # the dev extra
@@ -119,7 +119,7 @@ def test_sampled_n_with_seed_equals_generate_with_row_keys(run, engine, client):
     again = client.completions.create(**body)
     assert [c.index for c in answer.choices] == [0, 1, 2]
     assert [c.text for c in again.choices] == [c.text for c in answer.choices]
-    parsed = openai_api.parse_completion(
+    parsed = requests.parse_completion(
         dict(body, temperature=1.0),
         engine.tokenizer,
         engine.buckets,
@@ -326,24 +326,20 @@ def test_the_client_raises_not_found_for_an_unknown_model(client):
 
 
 @pytest.mark.parametrize(
-    "method,path,status,shape",
+    "method,path,status",
     [
-        ("POST", "/v1/chat/completions", 404, "openai"),
-        ("GET", "/v1/completions", 405, "openai"),
-        ("GET", "/nowhere", 404, "lmhead"),
+        ("POST", "/v1/chat/completions", 404),
+        ("GET", "/v1/completions", 405),
+        ("GET", "/nowhere", 404),
+        ("POST", "/v1/generate", 404),  # the old API is gone
     ],
 )
-def test_an_unknown_route_answers_in_its_paths_error_shape(
-    url, method, path, status, shape
-):
+def test_an_unknown_route_answers_in_openais_error_shape(url, method, path, status):
     response = httpx.request(method, url + path, timeout=60)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert path in error["message"]
-    if shape == "openai":
-        assert error["type"] == "invalid_request_error" and error["param"] is None
-    else:
-        assert error["field"] is None
+    assert error["type"] == "invalid_request_error" and error["param"] is None
 
 
 def test_penalties_and_bias_are_served(run, client):
@@ -379,7 +375,7 @@ def test_running_text_holds_back_what_may_start_a_stop_string(engine):
     """While a row runs, the last ``len(longest stop) - 1`` characters are
     held back; a text shorter than that sends nothing."""
     stop = "LMNOPQ"
-    request = openai_api.parse_completion(
+    request = requests.parse_completion(
         {"model": MODEL, "prompt": "K", "stop": [stop, "Z"]},
         engine.tokenizer, engine.buckets, requests.Limits(), MODEL,
     )  # fmt: skip
@@ -411,10 +407,10 @@ def test_beam_extension_equals_beam_search(run, client):
 
 def test_a_batch_of_requests_equals_each_alone(engine):
     """Per-row stops, keys, lengths, penalties and log-probs: a request's
-    choices do not depend on its batch neighbours."""
+    choices do not depend on the requests decoding beside it."""
 
     def parse(body):
-        return openai_api.parse_completion(
+        return requests.parse_completion(
             dict(body, model=MODEL), engine.tokenizer, engine.buckets,
             requests.Limits(), MODEL,
         )  # fmt: skip
@@ -423,18 +419,27 @@ def test_a_batch_of_requests_equals_each_alone(engine):
         {"prompt": "KING", "temperature": 0, "stop": "E", "logprobs": 2},
         {"prompt": "Lord", "n": 2, "seed": 3, "presence_penalty": 0.5,
          "max_tokens": 5, "logit_bias": {"1": 3}},
+        {"prompt": "What", "temperature": 0, "repetition_penalty": 3.0},
     ]  # fmt: skip
-    together = engine.complete([parse(b) for b in bodies])
-    for body, result in zip(bodies, together):
-        alone = engine.complete([parse(body)])[0]
-        assert result["completion_tokens"] == alone["completion_tokens"]
-        for got, want in zip(result["choices"], alone["choices"], strict=True):
+    slots = continuous.SlotBatcher(engine, max_queue=8)
+    try:
+        together = [slots.submit(parse(b)) for b in bodies]
+        together = [future.result(timeout=60) for future in together]
+        alone = [slots.submit(parse(b)).result(timeout=60) for b in bodies]
+        unpenalized = dict(bodies[2], repetition_penalty=1.0)
+        plain = slots.submit(parse(unpenalized)).result(timeout=60)
+    finally:
+        slots.stop()
+    assert plain["choices"][0]["text"] != alone[2]["choices"][0]["text"]  # it acts
+    for result, want in zip(together, alone):
+        assert result["completion_tokens"] == want["completion_tokens"]
+        for got, one in zip(result["choices"], want["choices"], strict=True):
             assert {k: got[k] for k in ("text", "index", "finish_reason")} == {
-                k: want[k] for k in ("text", "index", "finish_reason")
+                k: one[k] for k in ("text", "index", "finish_reason")
             }
-            if want["logprobs"] is not None:  # batch sizes round differently
+            if one["logprobs"] is not None:  # batch sizes round differently
                 np.testing.assert_allclose(
                     got["logprobs"]["token_logprobs"],
-                    want["logprobs"]["token_logprobs"],
+                    one["logprobs"]["token_logprobs"],
                     atol=1e-5,
                 )

@@ -1,21 +1,20 @@
 """Tests for lmhead/serve/web.py (and experiments/serve.py): the HTTP
-service over real HTTP on 127.0.0.1, on the tiny run of conftest.py.
+service over real HTTP on 127.0.0.1, on the tiny run of conftest.py: the
+guard (token, body cap), the refusals (503, 504), the metrics, and load.
 
-References: the engine called directly on the same run (whose batches
-tests/serve/test_batching.py compares with the decoders and the scorer).
+References: ``decoding.generate`` on the same run (tiny_run.direct_greedy).
 """
 
 import concurrent.futures
 import json
 import threading
-import time
 
 import numpy as np
 import pytest
 
-from lmhead.serve import requests, web
+from lmhead.serve import continuous, web
 from tests import run_experiment
-from tests.serve.tiny_run import PROMPTS
+from tests.serve.tiny_run import PROMPTS, direct_greedy
 
 httpx = pytest.importorskip("httpx")  # the serve extra
 pytest.importorskip("fastapi")
@@ -23,6 +22,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
 TOKEN = "s3cret-token"
+MODEL = "lmhead"
 
 
 def start(engine, **config):
@@ -35,105 +35,130 @@ def url(engine):
         yield url
 
 
-def post(url, path, body, **kwargs):
-    return httpx.post(url + path, json=body, timeout=60, **kwargs)
+def post(url, body, **kwargs):
+    return httpx.post(
+        url + "/v1/completions", json={"model": MODEL, **body}, timeout=60, **kwargs
+    )
 
 
 BAD_RAW = [
-    ("/v1/generate", b'{"prompt": "K', 400, "body"),
-    ("/v1/generate", b'{"prompt": "K", "temperature": NaN}', 422, "temperature"),
-    ("/v1/generate", b"\xff\xfe", 400, "body"),
-    ("/v1/generate", b'{"prompt": "\\ud800"}', 422, "prompt"),
-    ("/v1/score", b'{"text": "ab\\ud800"}', 422, "text"),
-    ("/v1/generate", b"[" * 60_000, 400, "body"),
-    ("/v1/generate", b'{"seed": ' + b"9" * 5000 + b"}", 400, "body"),
-    (
-        "/v1/generate",
-        b'{"prompt": "K", "max_new_tokens": 1e400}',
-        422,
-        "max_new_tokens",
-    ),
-    ("/v1/score", b"x" * 70_000, 413, "body"),
+    (b'{"model": "lmhead", "prompt": "K', 400, "body"),
+    (b'{"model": "lmhead", "prompt": "K", "temperature": NaN}', 400, "temperature"),
+    (b"\xff\xfe", 400, "body"),
+    (b'{"model": "lmhead", "prompt": "\\ud800"}', 400, "prompt"),
+    (b"[" * 60_000, 400, "body"),
+    (b'{"seed": ' + b"9" * 5000 + b"}", 400, "body"),
+    (b'{"model": "lmhead", "prompt": "K", "max_tokens": 1e400}', 400, "max_tokens"),
+    (b"x" * 70_000, 413, "body"),
 ]
 
 
-@pytest.mark.parametrize(
-    "path,body,status,field",
-    BAD_RAW,
-)
-def test_bad_request_names_the_field(url, path, body, status, field):
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+@pytest.mark.parametrize("body,status,param", BAD_RAW)
+def test_bad_request_names_the_param(url, body, status, param):
     response = httpx.post(
-        url + path,
-        content=content,
+        url + "/v1/completions",
+        content=body,
         timeout=60,
         headers={"Content-Type": "application/json"},
     )
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert error["field"] == field and error["message"]
+    assert error["param"] == param and error["message"]
 
 
 def test_chunked_body_over_the_cap_gets_413(url):
     chunks = iter([b'{"prompt": "' + b"K" * 40_000, b"K" * 40_000 + b'"}'])
-    response = httpx.post(url + "/v1/generate", content=chunks, timeout=60)
+    response = httpx.post(url + "/v1/completions", content=chunks, timeout=60)
     assert response.status_code == 413
-    assert response.json()["error"]["field"] == "body"
+    assert response.json()["error"]["param"] == "body"
 
 
-@pytest.mark.parametrize(
-    "path,size", [("/v1/score", 2**20), ("/v1/generate", 5 * 2**20)]
-)
-def test_python_clients_get_the_413_of_a_large_body(url, path, size):
+@pytest.mark.parametrize("size", [2**20, 5 * 2**20])
+def test_python_clients_get_the_413_of_a_large_body(url, size):
     """The body is drained before the answer, so that a client still sending
     reads the 413 rather than a reset connection."""
     import urllib.error
     import urllib.request
 
-    body = b'{"text": "' + b"x" * size + b'"}'
-    request = urllib.request.Request(url + path, data=body, method="POST")
+    path = url + "/v1/completions"
+    body = b'{"prompt": "' + b"x" * size + b'"}'
+    request = urllib.request.Request(path, data=body, method="POST")
     with pytest.raises(urllib.error.HTTPError) as answer:
         urllib.request.urlopen(request, timeout=60)
     assert answer.value.code == 413
-    assert json.loads(answer.value.read())["error"]["field"] == "body"
-    response = httpx.post(url + path, content=body, timeout=60)
-    assert response.status_code == 413
+    assert json.loads(answer.value.read())["error"]["param"] == "body"
+    assert httpx.post(path, content=body, timeout=60).status_code == 413
 
 
 def test_token_is_required_except_for_healthz(engine):
     with start(engine, token=TOKEN) as url:
-        body = {"prompt": "K", "max_new_tokens": 1}
+        body = {"prompt": "K", "max_tokens": 1}
         for headers in (
             {},
             {"Authorization": "Bearer wrong"},
             {"Authorization": TOKEN},
             {"Authorization": f"Basic {TOKEN}"},
         ):
-            response = post(url, "/v1/generate", body, headers=headers)
+            response = post(url, body, headers=headers)
             assert response.status_code == 401, headers
             assert response.headers["WWW-Authenticate"] == "Bearer"
-            assert response.json()["error"]["field"] == "Authorization"
+            error = response.json()["error"]
+            assert error["param"] == "Authorization"
+            assert error["type"] == "authentication_error"
         assert httpx.get(url + "/metrics").status_code == 401
         good = {"Authorization": f"Bearer {TOKEN}"}
-        assert post(url, "/v1/generate", body, headers=good).status_code == 200
+        assert post(url, body, headers=good).status_code == 200
         assert httpx.get(url + "/metrics", headers=good).status_code == 200
         assert httpx.get(url + "/healthz").json()["status"] == "ok"
 
 
-def test_full_queue_answers_503_and_late_requests_504(engine):
-    # A long batching window keeps the first request waiting in the queue.
-    with start(engine, max_queue=1, window_s=1.0) as url:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            first = pool.submit(post, url, "/v1/generate", {"prompt": "K"})
-            while httpx.get(url + "/healthz").json()["queue_depth"] < 1:
-                time.sleep(0.01)
-            refused = post(url, "/v1/generate", {"prompt": "O"})
+def test_full_queue_answers_503_and_late_requests_504(engine, monkeypatch):
+    # No decoding call runs until the test releases it, a request is
+    # cancelled, or the batcher stops: the first request holds every slot,
+    # the second waits in the queue, and neither can finish first, however
+    # fast the machine (and their timeout is not what ends them).
+    released = threading.Event()
+    step = continuous.SlotBatcher._step
+
+    def held(self):
+        with self._changed:  # polled: released is set outside the batcher
+            while not (
+                released.is_set()
+                or self._stopping
+                or all(job.cancelled for job, _ in filter(None, self._holders))
+            ):
+                self._changed.wait(0.01)
+        return step(self)
+
+    monkeypatch.setattr(continuous.SlotBatcher, "_step", held)
+    with start(engine, max_queue=1, timeout_s=3600) as url:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(post, url, {"prompt": "K", "n": 4})
+            metrics = lambda: httpx.get(url + "/metrics").text
+            wait_for(lambda: metric(metrics(), "lmhead_active_slots") == 4)
+            second = pool.submit(post, url, {"prompt": "O"})
+            wait_for(lambda: httpx.get(url + "/healthz").json()["queue_depth"] == 1)
+            refused = post(url, {"prompt": "L"})
             assert refused.status_code == 503
             assert refused.headers["Retry-After"] == "1"
+            assert refused.json()["error"]["type"] == "server_overloaded"
+            released.set()
             assert first.result().status_code == 200
-    with start(engine, window_s=1.0, timeout_s=0.1) as url:
-        late = post(url, "/v1/generate", {"prompt": "K"})
-        assert late.status_code == 504 and "error" in late.json()
+            assert second.result().status_code == 200
+    released.clear()
+    with start(engine, timeout_s=0.05) as url:
+        late = post(url, {"prompt": "K"})
+        assert late.status_code == 504, late.text
+        assert late.json()["error"]["type"] == "timeout"
+
+
+def wait_for(condition, timeout=60.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def metric(text, name):
@@ -143,30 +168,18 @@ def metric(text, name):
     return 0.0
 
 
-def engine_greedy(engine, prompt):
-    """Tokens and log-probs of ``prompt``'s 8 greedy tokens, alone in a batch
-    (``test_greedy_equals_generate`` checks this path against ``generate``)."""
-    request = requests.parse_generate(
-        {"prompt": prompt, "temperature": 0, "logprobs": True},
-        engine.tokenizer,
-        engine.buckets,
-        requests.Limits(),
-    )
-    completion = engine.sample([request])[0][0]
-    return np.array(completion["token_ids"]), np.array(completion["log_probs"])
-
-
-def load(url, engine, num_requests, num_clients):
+def load(url, run, num_requests, num_clients):
     """``num_requests`` greedy requests from ``num_clients`` threads; each
     answer must match its own request (log-probs depend on the prompt)."""
-    references = {p: engine_greedy(engine, p) for p in PROMPTS}
+    references = {p: direct_greedy(run, p, 8) for p in PROMPTS}
     bodies = [
         {
+            "model": MODEL,
             "prompt": [PROMPTS[i % 8], PROMPTS[(i // 8) % 8]][: 1 + i % 2],
-            "max_new_tokens": 1 + (i // 2) % 8,
+            "max_tokens": 1 + (i // 2) % 8,
             "temperature": 0,
-            "num_return_sequences": 1 + (i // 3) % 2,
-            "logprobs": True,
+            "n": 1 + (i // 3) % 2,
+            "logprobs": 0,
         }
         for i in range(num_requests)
     ]
@@ -176,59 +189,49 @@ def load(url, engine, num_requests, num_clients):
     def send(body):
         if not hasattr(local, "client"):
             local.client = httpx.Client(timeout=120)
-        return local.client.post(url + "/v1/generate", json=body)
+        return local.client.post(url + "/v1/completions", json=body)
 
     with concurrent.futures.ThreadPoolExecutor(num_clients) as pool:
         responses = list(pool.map(send, bodies))
+    tokenizer = run[2]
     for body, response in zip(bodies, responses):
         assert response.status_code == 200, response.text
-        completions = response.json()["completions"]
-        n, m = body["num_return_sequences"], body["max_new_tokens"]
-        assert [c["prompt_index"] for c in completions] == [
-            p for p in range(len(body["prompt"])) for _ in range(n)
-        ]
-        for c in completions:
-            tokens, log_probs = references[body["prompt"][c["prompt_index"]]]
-            assert c["length"] == m and c["token_ids"] == tokens[:m].tolist()
-            np.testing.assert_allclose(c["log_probs"], log_probs[:m], atol=1e-4)
+        choices = response.json()["choices"]
+        n, m = body["n"], body["max_tokens"]
+        assert [c["index"] for c in choices] == list(range(len(body["prompt"]) * n))
+        for c in choices:
+            tokens, log_probs = references[body["prompt"][c["index"] // n]]
+            assert c["text"] == tokenizer.decode(tokens[:m])
+            np.testing.assert_allclose(
+                c["logprobs"]["token_logprobs"], log_probs[:m], atol=1e-4
+            )
     after = httpx.get(url + "/metrics").text
-    ok = 'lmhead_requests_total{endpoint="/v1/generate",status="200"}'
+    ok = 'lmhead_requests_total{endpoint="/v1/completions",status="200"}'
     assert metric(after, ok) - metric(before, ok) == num_requests
-    tokens = sum(
-        len(b["prompt"]) * b["num_return_sequences"] * b["max_new_tokens"]
-        for b in bodies
-    )
+    tokens = sum(len(b["prompt"]) * b["n"] * b["max_tokens"] for b in bodies)
     assert (
         metric(after, "lmhead_generated_tokens_total")
         - metric(before, "lmhead_generated_tokens_total")
     ) == tokens
-    batches = metric(after, 'lmhead_batch_rows_count{kind="sample"}') - metric(
-        before, 'lmhead_batch_rows_count{kind="sample"}'
-    )
-    return batches
 
 
-def test_load_short(url, engine):
-    assert load(url, engine, num_requests=32, num_clients=8) <= 32
+def test_load_short(url, run):
+    load(url, run, num_requests=32, num_clients=8)
 
 
 @pytest.mark.slow
-def test_load_300_requests_16_clients(url, engine):
-    batches = load(url, engine, num_requests=300, num_clients=16)
-    assert batches < 300  # some requests shared a batch
+def test_load_300_requests_16_clients(url, run):
+    load(url, run, num_requests=300, num_clients=16)
 
 
 def test_metrics_and_health(url):
-    assert (
-        post(url, "/v1/generate", {"prompt": "K", "max_new_tokens": 2}).status_code
-        == 200
-    )
+    assert post(url, {"prompt": "K", "max_tokens": 2}).status_code == 200
     text = httpx.get(url + "/metrics").text
     for name in (
-        'lmhead_requests_total{endpoint="/v1/generate",status="200"}',
-        'lmhead_request_latency_seconds_count{endpoint="/v1/generate"}',
+        'lmhead_requests_total{endpoint="/v1/completions",status="200"}',
+        'lmhead_request_latency_seconds_count{endpoint="/v1/completions"}',
         "lmhead_generated_tokens_total",
-        'lmhead_batch_rows_count{kind="sample"}',
+        "lmhead_time_to_first_token_seconds_count",
         "process_resident_memory_bytes",
     ):
         assert metric(text, name) > 0, name

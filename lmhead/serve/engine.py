@@ -1,0 +1,138 @@
+"""The model a service runs: :class:`Engine` holds a run's model, parameters,
+tokenizer, shape buckets and key, and runs the requests that do not decode
+in slots (:mod:`lmhead.serve.continuous` decodes the others) whole, as one
+program each: beam search (the ``num_beams`` extension) and echo-only
+scoring (``max_tokens`` 0).
+"""
+
+import itertools
+from typing import Any
+
+import jax
+import numpy as np
+
+from lmhead import decoding
+from lmhead.lm import model as model_lib
+from lmhead.lm import scoring
+from lmhead.serve import completions, requests
+from lmhead.serve.requests import CompletionRequest, bucket
+
+
+class Engine:
+    """A run to serve, within the buckets.
+
+    Args:
+        model, params, tokenizer: a run's, as :func:`generation.load_run` gives.
+        buckets: the shapes to compile (checked against ``model.max_len``).
+        seed: the key of the requests that give no seed.
+        score_batch_size: windows per call of the scorer (echoed prompts).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from lmhead.lm import data
+        >>> tokenizer = data.CharTokenizer("abcd")
+        >>> model = model_lib.DecoderLM(vocab_size=4, num_layers=1, num_heads=2,
+        ...                             d_model=8, mlp_dim=16, max_len=8)
+        >>> init = jax.jit(model.init)
+        >>> params = init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+        >>> buckets = requests.Buckets((2,), (4,), (4,), (2,))
+        >>> engine = Engine(model, params, tokenizer, buckets)
+        >>> request = requests.parse_completion(
+        ...     {"model": "m", "prompt": "ab", "max_tokens": 4, "num_beams": 2,
+        ...      "n": 2}, tokenizer, buckets, requests.Limits(), "m")
+        >>> [c["index"] for c in engine.run_whole(request)["choices"]]
+        [0, 1]
+    """
+
+    def __init__(
+        self,
+        model: model_lib.DecoderLM,
+        params: Any,
+        tokenizer: Any,
+        buckets: requests.Buckets,
+        *,
+        seed: int = 0,
+        score_batch_size: int = 8,
+    ):
+        buckets.check(model.max_len)
+        self.model, self.params, self.tokenizer = model, params, tokenizer
+        self.buckets, self.score_batch_size = buckets, score_batch_size
+        self._step_fn = model_lib.make_step_fn(model)
+        self._key = jax.random.key(seed)
+        self._batch_index = itertools.count()
+
+    def _prefill(self, prompts: list[np.ndarray]):
+        """Logits and cache of the prompts padded to their buckets (padding
+        rows: a one-token prompt)."""
+        rows = bucket(len(prompts), self.buckets.batch_sizes)
+        width = self.buckets.prompt_lengths[-1]
+        history = np.zeros([rows, width], np.int32)
+        lengths = np.ones([rows], np.int32)
+        for row, ids in enumerate(prompts):
+            history[row, : len(ids)], lengths[row] = ids, len(ids)
+        time_ = bucket(int(lengths.max()), self.buckets.prompt_lengths)
+        return model_lib.prefill(self.model, self.params, history[:, :time_], lengths)
+
+    def run_whole(self, request: CompletionRequest) -> dict:
+        """A beam or echo-only request's :func:`completions.request_result`."""
+        if request.num_beams > 1:
+            return self._beam(request)
+        if request.max_tokens != 0:
+            raise ValueError("run_whole runs beam and echo-only requests.")
+        rows = [(None, p, 0) for p in range(len(request.prompt_ids))]
+        scores = completions.echo_scores(self, request)
+        return completions.request_result(self, request, rows, None, scores)
+
+    def _beam(self, request: CompletionRequest) -> dict:
+        """:func:`decoding.beam_search` of each prompt (knobs neutral:
+        :func:`requests.parse_completion` refuses sampling knobs with beams);
+        each prompt's first ``n`` sequences, best first."""
+        logits, cache = self._prefill(request.prompt_ids)
+        tokens, _, lengths, _ = jax.device_get(
+            decoding.beam_search(
+                self._step_fn,
+                self.params,
+                logits,
+                cache,
+                num_beams=request.num_beams,
+                max_new_tokens=request.max_tokens,
+                eos_id=self.tokenizer.eos_id,
+                num_return_sequences=request.num_beams,
+            )
+        )
+        choices, count = [], 0
+        for p, prompt in enumerate(request.prompt_texts):
+            for s in range(request.n):
+                length = int(lengths[p, s])
+                text = decoding.detokenize(
+                    tokens[p, s, :length], self.tokenizer, eos_id=self.tokenizer.eos_id
+                )
+                choices.append(
+                    {
+                        "text": (prompt if request.echo else "") + text,
+                        "index": p * request.n + s,
+                        "finish_reason": "length"
+                        if length >= request.max_tokens
+                        else "stop",
+                        "logprobs": None,
+                    }
+                )
+                count += length
+        return {
+            "choices": choices,
+            "prompt_tokens": sum(len(ids) for ids in request.prompt_ids),
+            "completion_tokens": count,
+        }
+
+    def warm_up(self) -> int:
+        """Compiles the scorer of echoed prompts (one program per window
+        shape, whatever the text); returns the number of programs run. Beam
+        search compiles a shape on its first use."""
+        scoring.strided_log_probs(
+            scoring.ModelLogits(self.model),
+            self.params,
+            np.zeros([2], np.int32),
+            window=self.model.max_len,
+            batch_size=self.score_batch_size,
+        )
+        return 1

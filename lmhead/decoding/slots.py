@@ -50,31 +50,18 @@ class SlotState(NamedTuple):
     """The slots' state; every leaf has the ``S`` slots first.
 
     Attributes:
-        logits: ``float32 [S, V]``, each slot's logits for its next token.
+        rows: the one step's :class:`~lmhead.decoding.step.DecodeRows` of the
+            ``S`` slots: their logits, ``[S]`` PRNG keys (step ``t`` of slot
+            ``s`` draws from ``fold_in(key[s], t)``), ``generated`` and
+            ``limits`` (0 for a free slot), finish reasons, ``[S, H]``
+            history and ``[S, V]`` counts, and no stop carry.
         model_state: ``step_fn``'s state for ``S`` rows (a key/value cache).
-        keys: ``[S]`` PRNG keys; step ``t`` of slot ``s`` draws from
-            ``fold_in(keys[s], t)``.
-        generated: ``int32 [S]``, tokens the slot's row has generated.
-        limits: ``int32 [S]``: the row runs while ``generated < limits``;
-            0 for a free slot, and set to ``generated`` when the row ends
-            early (EOS or non-finite logits).
-        finish_reasons: ``int32 [S]``, ``FINISHED_*`` of :class:`Generation`.
-        history: ``int32 [S, H]``, prompt then generated tokens, latest
-            last, ``NO_TOKEN`` before them (what ``repetition_penalty`` reads).
-        counts: ``int32 [S, V]``, how often the row generated each token
-            (what the presence and frequency penalties read).
         knobs: :class:`SamplingKnobs` with every traced knob ``[S]``
             (``logit_bias`` ``[S, V]``) and no static knob.
     """
 
-    logits: jax.Array
+    rows: DecodeRows
     model_state: Any
-    keys: jax.Array
-    generated: jax.Array
-    limits: jax.Array
-    finish_reasons: jax.Array
-    history: jax.Array
-    counts: jax.Array
     knobs: SamplingKnobs
 
 
@@ -152,7 +139,7 @@ def empty_slots(
     Examples:
         >>> state = empty_slots(jnp.zeros([3, 2]), vocab_size=5, history_len=4,
         ...                     key=jax.random.key(0))
-        >>> state.logits.shape, state.limits, state.knobs.logit_bias.shape
+        >>> state.rows.logits.shape, state.rows.limits, state.knobs.logit_bias.shape
         ((3, 5), Array([0, 0, 0], dtype=int32), (3, 5))
     """
     _checks.check_count("vocab_size", vocab_size)
@@ -164,34 +151,36 @@ def empty_slots(
     _loop.check_state(model_state, slots)
     knobs = full_knobs(SamplingKnobs(temperature=0.0), slots, vocab_size)
     zeros = lambda: jnp.zeros((slots,), jnp.int32)  # distinct, to be donated
-    return SlotState(
+    rows = DecodeRows(
         logits=jnp.zeros((slots, vocab_size), jnp.float32),
-        model_state=model_state,
-        keys=jax.random.split(key, slots),
+        key=jax.random.split(key, slots),
         generated=zeros(),
         limits=zeros(),
         finish_reasons=jnp.full((slots,), FINISHED_LENGTH, jnp.int32),
         history=jnp.full((slots, history_len), NO_TOKEN, jnp.int32),
         counts=jnp.zeros((slots, vocab_size), jnp.int32),
-        knobs=jax.tree.map(jnp.asarray, knobs),
+        stop_carry=(),
     )
+    return SlotState(rows, model_state, jax.tree.map(jnp.asarray, knobs))
 
 
 @partial(jax.jit, donate_argnames="state")
 def _fill(state, slots, logits, model_state, keys, limits, history, knobs):
     put = lambda whole, rows: whole.at[slots].set(rows, mode="drop")
-    history = _loop.right_aligned(history, state.history.shape[1])
+    old = state.rows
+    rows = DecodeRows(
+        logits=put(old.logits, logits),
+        key=put(old.key, keys),
+        generated=put(old.generated, jnp.zeros_like(limits)),
+        limits=put(old.limits, limits),
+        finish_reasons=put(old.finish_reasons, jnp.full_like(limits, FINISHED_LENGTH)),
+        history=put(old.history, _loop.right_aligned(history, old.history.shape[1])),
+        counts=put(old.counts, jnp.zeros_like(logits, jnp.int32)),
+        stop_carry=(),
+    )
     return SlotState(
-        logits=put(state.logits, logits),
+        rows=rows,
         model_state=jax.tree.map(put, state.model_state, model_state),
-        keys=put(state.keys, keys),
-        generated=put(state.generated, jnp.zeros_like(limits)),
-        limits=put(state.limits, limits),
-        finish_reasons=put(
-            state.finish_reasons, jnp.full_like(limits, FINISHED_LENGTH)
-        ),
-        history=put(state.history, history),
-        counts=put(state.counts, jnp.zeros_like(logits, jnp.int32)),
         knobs=jax.tree.map(put, state.knobs, knobs),
     )
 
@@ -232,14 +221,15 @@ def fill_slots(
         ...     keys=jax.random.split(jax.random.key(1), 1),
         ...     max_new_tokens=jnp.array([5]), prompt_tokens=jnp.array([[1, -1]]),
         ...     knobs=full_knobs(SamplingKnobs(), 1, 2))
-        >>> state.limits, state.model_state, state.history[2]
+        >>> state.rows.limits, state.model_state, state.rows.history[2]
         (Array([0, 0, 5], dtype=int32), Array([0., 0., 1.], dtype=float32), Array([-1, -1, -1,  1], dtype=int32))
     """
     logits = _checks.as_logits(logits, "[R, V]")
     rows = logits.shape[0]
-    if logits.shape[1] != state.logits.shape[1]:
+    vocab_size = state.rows.logits.shape[1]
+    if logits.shape[1] != vocab_size:
         raise ValueError(
-            f"logits must have V = {state.logits.shape[1]} columns; got {logits.shape}."
+            f"logits must have V = {vocab_size} columns; got {logits.shape}."
         )
     for name, value in (("slots", slots), ("max_new_tokens", max_new_tokens)):
         _checks.check_integer(name, value)
@@ -262,7 +252,7 @@ def fill_slots(
         raise ValueError(
             "knobs must hold every traced knob; build them with full_knobs."
         )
-    knobs.check(rows, state.logits.shape[1])
+    knobs.check(rows, vocab_size)
     return _fill(
         state,
         jnp.asarray(slots, jnp.int32),
@@ -286,31 +276,25 @@ def free_slots(state: SlotState, slots: jax.Array) -> SlotState:
         >>> def two_rows():
         ...     state = empty_slots(jnp.zeros([2]), vocab_size=2, history_len=2,
         ...                         key=jax.random.key(0))
-        ...     return state._replace(limits=jnp.array([4, 4]),
-        ...                           generated=jnp.array([1, 3]))
-        >>> free_slots(two_rows(), jnp.array([1, 5])).limits
+        ...     rows = state.rows._replace(limits=jnp.array([4, 4]),
+        ...                                generated=jnp.array([1, 3]))
+        ...     return state._replace(rows=rows)
+        >>> free_slots(two_rows(), jnp.array([1, 5])).rows.limits
         Array([4, 3], dtype=int32)
-        >>> free_slots(two_rows(), jnp.array([-1])).limits  # no slot
+        >>> free_slots(two_rows(), jnp.array([-1])).rows.limits  # no slot
         Array([4, 4], dtype=int32)
     """
     # A negative id would index from the end: it is sent past it instead.
-    slots = jnp.where(slots < 0, state.limits.shape[0], slots)
-    limits = state.limits.at[slots].set(state.generated[slots], mode="drop")
-    return state._replace(limits=limits)
+    rows = state.rows
+    slots = jnp.where(slots < 0, rows.limits.shape[0], slots)
+    limits = rows.limits.at[slots].set(rows.generated[slots], mode="drop")
+    return state._replace(rows=rows._replace(limits=limits))
 
 
 def _one_step(step_fn, params, config: StepConfig, state: SlotState):
-    rows = DecodeRows(
-        logits=state.logits,
-        key=state.keys,
-        generated=state.generated,
-        limits=state.limits,
-        finish_reasons=state.finish_reasons,
-        history=state.history,
-        counts=state.counts,
-        stop_carry=(),
+    rows, out = decode_step(
+        state.rows, state.knobs, (), config, step=state.rows.generated
     )
-    rows, out = decode_step(rows, state.knobs, (), config, step=state.generated)
     # A row that emitted nothing feeds position 0 of its own cache row: it is
     # free or has ended, and its next fill overwrites it; left alone, its
     # position would run past the model's max_len.
@@ -319,24 +303,9 @@ def _one_step(step_fn, params, config: StepConfig, state: SlotState):
     if reset is not None:
         model_state = reset(model_state, ~out.emitted)
     logits, model_state = step_fn(params, out.tokens, model_state)
-    new = SlotState(
-        logits=jnp.asarray(logits, jnp.float32),
-        model_state=model_state,
-        keys=rows.key,
-        generated=rows.generated,
-        limits=rows.limits,
-        finish_reasons=rows.finish_reasons,
-        history=rows.history,
-        counts=rows.counts,
-        knobs=state.knobs,
-    )
-    return new, (
-        out.tokens,
-        out.emitted,
-        out.log_probs,
-        out.top_tokens,
-        out.top_log_probs,
-    )
+    rows = rows._replace(logits=jnp.asarray(logits, jnp.float32))
+    outputs = (out.tokens, out.emitted, out.log_probs, out.top_tokens)
+    return SlotState(rows, model_state, state.knobs), (*outputs, out.top_log_probs)
 
 
 @partial(
@@ -358,9 +327,9 @@ def _step_slots(step_fn, params, state, *, num_steps, eos_ids, top_logprobs):
         log_probs=log_probs,
         top_tokens=top_tokens,
         top_log_probs=top_log_probs,
-        generated=state.generated,
-        limits=state.limits,
-        finish_reasons=state.finish_reasons,
+        generated=state.rows.generated,
+        limits=state.rows.limits,
+        finish_reasons=state.rows.finish_reasons,
     )
     return state, chunk
 
@@ -418,7 +387,7 @@ def step_slots(
     """
     _loop.check_step_fn(step_fn)
     _checks.check_count("num_steps", num_steps)
-    vocab_size = state.logits.shape[1]
+    vocab_size = state.rows.logits.shape[1]
     eos_ids = _loop.eos_ids(eos_id, vocab_size)
     _loop.check_outputs(top_logprobs, "model", vocab_size)
     return _step_slots(

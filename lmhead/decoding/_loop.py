@@ -1,4 +1,4 @@
-"""What both decoding loops share: argument checks and the guarded model step."""
+"""What the decoders share: argument checks, EOS and finiteness tests, the guarded model step."""
 
 import functools
 from collections.abc import Callable, Iterable
@@ -118,39 +118,9 @@ def right_aligned(prompt_tokens: jax.Array, width: int) -> jax.Array:
     return jnp.where(aligned >= 0, aligned, NO_TOKEN)
 
 
-def eos_argument(eos_ids: tuple[int, ...]) -> int | tuple[int, ...] | None:
-    """``eos_id`` for :func:`~lmhead.decoding.process_logits`: None, the one
-    id, or the ids.
-
-    Examples:
-        >>> eos_argument(()), eos_argument((3,)), eos_argument((3, 5))
-        (None, 3, (3, 5))
-    """
-    if not eos_ids:
-        return None
-    return eos_ids[0] if len(eos_ids) == 1 else eos_ids
-
-
 def is_eos(token: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     """``bool [B]``: ``token [B]`` is one of ``eos_ids``."""
     return jnp.isin(token, jnp.asarray(eos_ids, token.dtype))
-
-
-def row_samples(keys: jax.Array, steps: jax.Array, logits: jax.Array) -> jax.Array:
-    """Row ``b``'s draw from ``softmax(logits[b])`` with the key
-    ``fold_in(keys[b], steps[b])`` (``steps`` a scalar or ``[B]``): a row's
-    draw depends on its own key and step only."""
-    step_keys = jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(steps, keys.shape))
-    return jax.vmap(jax.random.categorical)(step_keys, logits)
-
-
-def greedy_where_cold(
-    sampled: jax.Array, logits: jax.Array, temperature: jax.Array
-) -> jax.Array:
-    """``int32 [B]``: ``sampled``, or the argmax of ``logits`` where
-    ``temperature`` is 0 (greedy decoding)."""
-    greedy = jnp.argmax(logits, axis=-1)
-    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
 
 
 def not_finite(logits: jax.Array) -> jax.Array:

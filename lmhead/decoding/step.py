@@ -130,13 +130,14 @@ def _processed_logits(
     context: ProcessorContext | None,
 ) -> jax.Array:
     """The built-in processors, then the ``processor`` hook."""
+    eos_ids = config.eos_ids
     processed = process_logits(
         rows.logits,
         knobs,
         history=rows.history,
         counts=rows.counts,
         num_generated=step,
-        eos_id=_loop.eos_argument(config.eos_ids),
+        eos_id=eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
     )
     if config.processor is None:
         return processed
@@ -161,12 +162,15 @@ def _choose_tokens(
 ) -> tuple[jax.Array, jax.Array]:
     """A draw from softmax(processed), or its argmax where ``temperature ==
     0``, and the key for the next step."""
-    if per_row_keys(rows.key):  # the draw depends on the row's key and step
-        sampled, key = _loop.row_samples(rows.key, step, processed), rows.key
+    if per_row_keys(rows.key):  # a row's draw depends on its key and step only
+        steps = jnp.broadcast_to(step, rows.key.shape)
+        step_keys = jax.vmap(jax.random.fold_in)(rows.key, steps)
+        sampled, key = jax.vmap(jax.random.categorical)(step_keys, processed), rows.key
     else:
         key, sample_key = jax.random.split(rows.key)
         sampled = jax.random.categorical(sample_key, processed, axis=-1)
-    return _loop.greedy_where_cold(sampled, processed, temperature), key
+    greedy = jnp.argmax(processed, axis=-1)
+    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32), key
 
 
 def _token_log_probs(

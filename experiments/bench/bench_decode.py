@@ -37,6 +37,11 @@ with plain greedy (donated cache, one key), which it is divided by:
 * "stream k": ``generate_stream`` with ``chunk_steps=k`` for each of
   ``--chunk_steps``, each chunk's tokens fetched to the host as a server
   sending them would, against one call whose tokens are fetched once.
+* "step split only" (when the rows are split over several devices): plain
+  greedy with the loop over the whole batch and only the model's step split,
+  as a batch sampled with one key runs, against the loop per device
+  (``lmhead/decoding/split.py``) that plain greedy gets: what that loop
+  still pays for.
 
 ``--compare_hf`` (needs torch and transformers, which the library never
 imports) copies the same weights into a ``transformers`` ``GPT2LMHeadModel``,
@@ -46,6 +51,7 @@ same load; the ratio is lmhead's tokens/s over transformers'. The results
 and the machine they were measured on are in ``docs/decoding.md``.
 """
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -105,6 +111,21 @@ flags.DEFINE_integer(
     lower_bound=1,
 )
 FLAGS = flags.FLAGS
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSplitOnly:
+    """A rows-split ``step_fn`` without ``per_device``: ``generate`` then
+    runs its loop over the whole batch and only the step splits."""
+
+    step_fn: model_lib.DecodeStep
+
+    @property
+    def mesh(self):
+        return self.step_fn.mesh
+
+    def __call__(self, params, tokens, cache):
+        return self.step_fn(params, tokens, cache)
 
 
 def chosen_clock() -> Callable[[], float]:
@@ -352,13 +373,18 @@ def bench_knobs_and_streaming(repeats: int) -> list[tuple[str, float, float]]:
     common = dict(max_new_tokens=new, donate_state=True)
     knobs = new_knob_settings(batch, new, model.vocab_size)
 
-    def plain(cache):
-        return np.asarray(
-            decoding.generate(
-                step_fn, params, logits, cache, key=jax.random.key(0),
-                temperature=0.0, **common,
-            ).tokens
-        )  # fmt: skip
+    def greedy(step_fn):
+        def run(cache):
+            return np.asarray(
+                decoding.generate(
+                    step_fn, params, logits, cache, key=jax.random.key(0),
+                    temperature=0.0, **common,
+                ).tokens
+            )  # fmt: skip
+
+        return run
+
+    plain = greedy(step_fn)
 
     def all_knobs(cache):
         out = decoding.generate(
@@ -381,6 +407,8 @@ def bench_knobs_and_streaming(repeats: int) -> list[tuple[str, float, float]]:
     fresh = lambda: (jax.tree.map(jnp.copy, cache),)
     variants = {"new knobs": all_knobs}
     variants.update({f"stream k={k}": stream(int(k)) for k in FLAGS.chunk_steps})
+    if mesh is not None:
+        variants["step split only"] = greedy(StepSplitOnly(step_fn))
     results = []
     for name, variant in variants.items():
         if name.startswith("stream") and not np.array_equal(

@@ -25,6 +25,7 @@ setuptools.setup(
         "tokenizers>=0.19",
         "matplotlib>=3.8",
         "numpy>=1.26",
+        "statsmodels>=0.14",
     ],
     extras_require={
         "cuda12": ["jax[cuda12]>=0.4.30"],

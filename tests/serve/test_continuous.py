@@ -13,7 +13,6 @@ import json
 import random
 import re
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +23,7 @@ from lmhead.lm import data
 from lmhead.lm import model as model_lib
 from lmhead.serve import continuous, requests, web
 from lmhead.serve import engine as engine_lib
+from tests.serve.gates import all_cancelled, gate_decoding, running_jobs, wait_until
 from tests.serve.tiny_run import BUCKETS, PROMPTS, direct_greedy
 
 MODEL = "lmhead"
@@ -72,36 +72,6 @@ def assert_same(got, want, path="result"):
         assert got == want, path
 
 
-def wait_until(condition, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.002)
-
-
-def gate_decoding(monkeypatch, go):
-    """Makes each decoding call of a :class:`continuous.SlotBatcher` wait
-    until ``go(batcher)`` holds (checked again whenever a request is queued
-    or cancelled, or the batcher stops): a request cannot run further than
-    the test lets it, however fast the machine."""
-    step = continuous.SlotBatcher._step
-
-    def gated(self):
-        with self._changed:
-            self._changed.wait_for(lambda: self._stopping or go(self))
-        return step(self)
-
-    monkeypatch.setattr(continuous.SlotBatcher, "_step", gated)
-
-
-def running_jobs(batcher):
-    return {id(job): job for job, _ in filter(None, batcher._holders)}.values()
-
-
-def all_cancelled(batcher):
-    return all(job.cancelled for job in running_jobs(batcher))
-
-
 def test_short_requests_pass_a_long_one_and_answers_equal_each_alone(
     long_engine, monkeypatch
 ):
@@ -130,9 +100,7 @@ def test_short_requests_pass_a_long_one_and_answers_equal_each_alone(
         answers = [slots.submit(r) for r in [*short, seeded]]
         results = [a.result(timeout=60) for a in answers]
         assert not held.done()  # the short ones did not wait for it
-        with slots._changed:
-            released.set()
-            slots._changed.notify_all()
+        released.set()
         together = held.result(timeout=120)
         wait_until(lambda: slots.active() == 0)
         for request, result in zip([long, *short, seeded], [together, *results]):

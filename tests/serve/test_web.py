@@ -12,8 +12,9 @@ import threading
 import numpy as np
 import pytest
 
-from lmhead.serve import continuous, web
+from lmhead.serve import web
 from tests import run_experiment
+from tests.serve.gates import all_cancelled, gate_decoding, wait_until
 from tests.serve.tiny_run import PROMPTS, direct_greedy
 
 httpx = pytest.importorskip("httpx")  # the serve extra
@@ -118,26 +119,14 @@ def test_full_queue_answers_503_and_late_requests_504(engine, monkeypatch):
     # the second waits in the queue, and neither can finish first, however
     # fast the machine (and their timeout is not what ends them).
     released = threading.Event()
-    step = continuous.SlotBatcher._step
-
-    def held(self):
-        with self._changed:  # polled: released is set outside the batcher
-            while not (
-                released.is_set()
-                or self._stopping
-                or all(job.cancelled for job, _ in filter(None, self._holders))
-            ):
-                self._changed.wait(0.01)
-        return step(self)
-
-    monkeypatch.setattr(continuous.SlotBatcher, "_step", held)
+    gate_decoding(monkeypatch, lambda slots: released.is_set() or all_cancelled(slots))
     with start(engine, max_queue=1, timeout_s=3600) as url:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             first = pool.submit(post, url, {"prompt": "K", "n": 4})
             metrics = lambda: httpx.get(url + "/metrics").text
-            wait_for(lambda: metric(metrics(), "lmhead_active_slots") == 4)
+            wait_until(lambda: metric(metrics(), "lmhead_active_slots") == 4)
             second = pool.submit(post, url, {"prompt": "O"})
-            wait_for(lambda: httpx.get(url + "/healthz").json()["queue_depth"] == 1)
+            wait_until(lambda: httpx.get(url + "/healthz").json()["queue_depth"] == 1)
             refused = post(url, {"prompt": "L"})
             assert refused.status_code == 503
             assert refused.headers["Retry-After"] == "1"
@@ -150,15 +139,6 @@ def test_full_queue_answers_503_and_late_requests_504(engine, monkeypatch):
         late = post(url, {"prompt": "K"})
         assert late.status_code == 504, late.text
         assert late.json()["error"]["type"] == "timeout"
-
-
-def wait_for(condition, timeout=60.0):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def metric(text, name):

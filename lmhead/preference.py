@@ -1,0 +1,378 @@
+r"""Preference losses on chosen/rejected pairs: DPO (sigmoid, hinge, IPO),
+SimPO, ORPO and CPO, through the head without the ``[N, V]`` logits.
+
+:func:`preference_loss` is plain JAX on per-token log-probabilities
+``[B, T]`` and token masks; :func:`fused_preference_loss` gets them from
+:func:`lmhead.token_logprobs.fused_token_logprobs` (one sweep for the
+chosen and rejected tokens together, one more without gradient for a
+reference head), so the gradient is exact and no ``[N, V]`` array exists.
+The formulas follow Liger-Kernel's ``chunked_loss`` (sums of log-probs for
+DPO, means for SimPO, ORPO and CPO); docs/post_training.md lists them with
+their papers.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lmhead import _checks, token_logprobs
+
+LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo", "orpo", "cpo")
+# The DPO family compares the policy with a reference; the others do not.
+WITH_REFERENCE = ("sigmoid", "hinge", "ipo")
+
+
+def _check_pair(chosen, rejected, chosen_mask, rejected_mask):
+    for name, x in dict(chosen_logps=chosen, rejected_logps=rejected).items():
+        _checks.check_floating(name, x)
+        _checks.check_rank(name, x, 2, "[B, T]")
+    if jnp.shape(chosen)[0] != jnp.shape(rejected)[0]:
+        raise ValueError(
+            "chosen_logps and rejected_logps must have the same batch size B "
+            f"(one pair per row); got {jnp.shape(chosen)[0]} and "
+            f"{jnp.shape(rejected)[0]}."
+        )
+    for name, mask, logps in (
+        ("chosen_mask", chosen_mask, chosen),
+        ("rejected_mask", rejected_mask, rejected),
+    ):
+        if jnp.shape(mask) != jnp.shape(logps):
+            raise ValueError(
+                f"{name} must have the shape of its log-probs {jnp.shape(logps)}; "
+                f"got {jnp.shape(mask)}."
+            )
+        if not _checks.is_traced(mask):
+            m = np.asarray(mask, np.float64)
+            if np.any(~(m >= 0)) or np.any(~np.isfinite(m)):
+                raise ValueError(f"{name} must be finite and >= 0.")
+            if np.any(m.sum(-1) == 0):
+                raise ValueError(
+                    f"{name} must mark at least one token of every sequence; "
+                    f"rows {np.flatnonzero(m.sum(-1) == 0).tolist()} have none."
+                )
+
+
+def check_options(loss_type, beta, gamma, alpha, label_smoothing):
+    """The loss options, as :func:`preference_loss` checks them."""
+    _checks.check_choice("loss_type", loss_type, LOSS_TYPES)
+    _checks.check_in_range("beta", beta, low=0.0, low_open=True)
+    _checks.check_in_range("alpha", alpha, low=0.0)
+    _checks.check_in_range("label_smoothing", label_smoothing, low=0.0, high=0.5)
+    _checks.check_in_range(
+        "gamma", gamma, low=-math.inf, high=math.inf, low_open=True, high_open=True
+    )
+
+
+def _sigmoid_loss(logits, label_smoothing):
+    """``-(1 - eps) log sigmoid(x) - eps log sigmoid(-x)``."""
+    return -(1.0 - label_smoothing) * jax.nn.log_sigmoid(
+        logits
+    ) - label_smoothing * jax.nn.log_sigmoid(-logits)
+
+
+def _log1m_exp(x):
+    """``log(1 - e^x)`` for ``x < 0``, accurate at both ends."""
+    return jnp.where(x > -0.693, jnp.log(-jnp.expm1(x)), jnp.log1p(-jnp.exp(x)))
+
+
+def preference_loss(
+    chosen_logps: jax.typing.ArrayLike,
+    rejected_logps: jax.typing.ArrayLike,
+    chosen_mask: jax.typing.ArrayLike,
+    rejected_mask: jax.typing.ArrayLike,
+    *,
+    loss_type: str = "sigmoid",
+    beta: float = 0.1,
+    gamma: float = 0.5,
+    alpha: float = 1.0,
+    label_smoothing: float = 0.0,
+    ref_chosen_logps: jax.typing.ArrayLike | None = None,
+    ref_rejected_logps: jax.typing.ArrayLike | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    r"""A preference loss from per-token log-probabilities, mean over pairs.
+
+    With :math:`S = \sum_t m_t \log\pi(y_t)` and :math:`A = S / \sum_t m_t`
+    for a sequence (:math:`m` its mask, which may weight tokens), ``c`` the
+    chosen and ``r`` the rejected one, :math:`\sigma` the sigmoid,
+    :math:`\ell_\epsilon(x) = -(1-\epsilon)\log\sigma(x) - \epsilon
+    \log\sigma(-x)`, and :math:`\Delta = (S_c - S^{ref}_c) - (S_r - S^{ref}_r)`:
+
+    * ``sigmoid`` (DPO): :math:`\ell_\epsilon(\beta\Delta)`;
+      ``hinge``: :math:`\max(0, 1 - \beta\Delta)`; ``ipo``:
+      :math:`(\Delta - 1/(2\beta))^2`. Rewards :math:`\beta(S - S^{ref})`.
+      A missing reference counts as 0 (Liger's ``use_ref_model=False``).
+      IPO on sums of log-probs, as Liger's DPO; TRL averages them for IPO.
+    * ``simpo``: :math:`\ell_\epsilon(\beta(A_c - A_r) - \gamma)`.
+    * ``orpo``: :math:`-\beta\log\sigma(\log\frac{e^{A_c}}{1 - e^{A_c}}
+      - \log\frac{e^{A_r}}{1 - e^{A_r}})` plus :math:`\alpha` times the
+      chosen tokens' mean negative log-likelihood.
+    * ``cpo``: :math:`\ell_\epsilon(\beta(A_c - A_r))` plus :math:`\alpha`
+      times that NLL.
+
+    SimPO, ORPO and CPO have rewards :math:`\beta A`. The NLL is
+    :math:`-\sum S_c / \sum m` over all chosen tokens of the batch.
+
+    Args:
+        chosen_logps, rejected_logps: ``[B, T_c]``, ``[B, T_r]`` per-token
+            log-probabilities under the policy (row ``b`` of each is pair
+            ``b``).
+        chosen_mask, rejected_mask: same shapes, ``>= 0``: the response's
+            tokens (1) among prompt and padding (0), or token weights. Every
+            row needs a token.
+        loss_type: one of ``LOSS_TYPES``.
+        beta: ``> 0``. gamma: SimPO's margin. alpha: the NLL's weight in
+            ORPO and CPO, ``>= 0``. label_smoothing: ``[0, 0.5]``, for the
+            sigmoid losses (sigmoid, simpo, cpo).
+        ref_chosen_logps, ref_rejected_logps: the reference's per-token
+            log-probs, same shapes, for the DPO family (no gradient).
+
+    Returns:
+        ``(loss, metrics)``: ``loss`` a scalar; ``metrics`` the means over
+        pairs of ``chosen_rewards``, ``rejected_rewards``, ``reward_margin``
+        and ``reward_accuracy`` (chosen reward > rejected reward), and of
+        ``chosen_logps`` and ``rejected_logps`` (:math:`S` for the DPO
+        family, :math:`A` otherwise), ``preference_loss`` (the loss without
+        the NLL), and ``nll`` (ORPO, CPO) and ``log_odds_ratio`` (ORPO).
+
+    Raises:
+        ValueError, TypeError: for bad shapes or options, naming the argument.
+
+    Examples:
+        DPO at a reward margin of 0 is :math:`\log 2`:
+
+        >>> import jax.numpy as jnp
+        >>> logps, mask = jnp.full((1, 2), -1.0), jnp.ones((1, 2))
+        >>> loss, metrics = preference_loss(logps, logps, mask, mask)
+        >>> print(f"{loss:.4f} {metrics['reward_accuracy']}")
+        0.6931 0.0
+
+    References:
+        Rafailov et al., `Direct Preference Optimization
+        <https://arxiv.org/abs/2305.18290>`_, 2023; Azar et al., `A General
+        Theoretical Paradigm to Understand Learning from Human Preferences
+        <https://arxiv.org/abs/2310.12036>`_, 2023 (IPO); Meng et al.,
+        `SimPO <https://arxiv.org/abs/2405.14734>`_, 2024; Hong et al.,
+        `ORPO <https://arxiv.org/abs/2403.07691>`_, 2024; Xu et al.,
+        `Contrastive Preference Optimization
+        <https://arxiv.org/abs/2401.08417>`_, 2024 (CPO).
+    """
+    _check_pair(chosen_logps, rejected_logps, chosen_mask, rejected_mask)
+    check_options(loss_type, beta, gamma, alpha, label_smoothing)
+    masks = [jnp.asarray(m, jnp.float32) for m in (chosen_mask, rejected_mask)]
+    logps = [
+        jnp.where(m != 0, jnp.asarray(x, jnp.float32), 0.0)
+        for x, m in zip((chosen_logps, rejected_logps), masks)
+    ]
+    sums = [jnp.sum(m * x, -1) for x, m in zip(logps, masks)]
+    counts = [jnp.sum(m, -1) for m in masks]
+    metrics = {}
+    if loss_type in WITH_REFERENCE:
+        refs = []
+        for name, ref, m in zip(
+            ("ref_chosen_logps", "ref_rejected_logps"),
+            (ref_chosen_logps, ref_rejected_logps),
+            masks,
+        ):
+            if ref is None:
+                refs.append(0.0)
+                continue
+            if jnp.shape(ref) != jnp.shape(m):
+                raise ValueError(
+                    f"{name} must have shape {jnp.shape(m)}; got {jnp.shape(ref)}."
+                )
+            ref = jax.lax.stop_gradient(jnp.asarray(ref, jnp.float32))
+            refs.append(jnp.sum(m * jnp.where(m != 0, ref, 0.0), -1))
+        chosen, rejected = sums
+        rewards = [beta * (s - r) for s, r in zip(sums, refs)]
+        delta = (sums[0] - refs[0]) - (sums[1] - refs[1])
+        if loss_type == "sigmoid":
+            pair_loss = _sigmoid_loss(beta * delta, label_smoothing)
+        elif loss_type == "hinge":
+            pair_loss = jax.nn.relu(1.0 - beta * delta)
+        else:
+            pair_loss = jnp.square(delta - 1.0 / (2.0 * beta))
+    else:
+        chosen, rejected = [s / c for s, c in zip(sums, counts)]
+        rewards = [beta * chosen, beta * rejected]
+        if loss_type == "simpo":
+            pair_loss = _sigmoid_loss(
+                beta * (chosen - rejected) - gamma, label_smoothing
+            )
+        elif loss_type == "cpo":
+            pair_loss = _sigmoid_loss(beta * (chosen - rejected), label_smoothing)
+        else:
+            log_odds = (chosen - rejected) - (_log1m_exp(chosen) - _log1m_exp(rejected))
+            pair_loss = -beta * jax.nn.log_sigmoid(log_odds)
+            metrics["log_odds_ratio"] = jnp.mean(log_odds)
+    loss = jnp.mean(pair_loss)
+    metrics |= {
+        "preference_loss": loss,
+        "chosen_rewards": jnp.mean(rewards[0]),
+        "rejected_rewards": jnp.mean(rewards[1]),
+        "reward_margin": jnp.mean(rewards[0] - rewards[1]),
+        "reward_accuracy": jnp.mean((rewards[0] > rewards[1]).astype(jnp.float32)),
+        "chosen_logps": jnp.mean(chosen),
+        "rejected_logps": jnp.mean(rejected),
+    }
+    if loss_type in ("orpo", "cpo"):
+        nll = -jnp.sum(sums[0]) / jnp.sum(counts[0])
+        metrics["nll"] = nll
+        loss = loss + alpha * nll
+    return loss, metrics
+
+
+def _pair_logps(h_chosen, h_rejected, w, chosen_ids, rejected_ids, masks, options):
+    """Per-token log-probs of chosen and rejected from one fused sweep."""
+    flat = [jnp.reshape(x, (-1, jnp.shape(x)[-1])) for x in (h_chosen, h_rejected)]
+    sizes = [jnp.size(chosen_ids), jnp.size(rejected_ids)]
+    out = token_logprobs.fused_token_logprobs(
+        jnp.concatenate(flat),
+        w,
+        jnp.concatenate([jnp.ravel(chosen_ids), jnp.ravel(rejected_ids)]),
+        weights=jnp.concatenate([jnp.ravel(m) for m in masks]),
+        **options,
+    )
+    return (
+        jnp.reshape(out.logprobs[: sizes[0]], jnp.shape(chosen_ids)),
+        jnp.reshape(out.logprobs[sizes[0] :], jnp.shape(rejected_ids)),
+    )
+
+
+def fused_preference_loss(
+    h_chosen: jax.typing.ArrayLike,
+    h_rejected: jax.typing.ArrayLike,
+    w: jax.typing.ArrayLike,
+    chosen_ids: jax.typing.ArrayLike,
+    rejected_ids: jax.typing.ArrayLike,
+    chosen_mask: jax.typing.ArrayLike,
+    rejected_mask: jax.typing.ArrayLike,
+    *,
+    bias: jax.typing.ArrayLike | None = None,
+    reference_logps: tuple[jax.typing.ArrayLike, jax.typing.ArrayLike] | None = None,
+    reference_head: tuple | None = None,
+    loss_type: str = "sigmoid",
+    beta: float = 0.1,
+    gamma: float = 0.5,
+    alpha: float = 1.0,
+    label_smoothing: float = 0.0,
+    temperature: float = 1.0,
+    scale: float | None = None,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    r""":func:`preference_loss` of the head ``softcap(scale * h @ w.T + bias)``,
+    fused.
+
+    The policy's per-token log-probs of ``chosen_ids`` and ``rejected_ids``
+    come from one :func:`lmhead.token_logprobs.fused_token_logprobs` sweep
+    over both sequences' tokens; the gradient w.r.t. ``h_chosen``,
+    ``h_rejected``, ``w`` and ``bias`` is exact, through the sweep's
+    recompute pass, and no ``[N, V]`` array is built. The reference is
+    either ``reference_logps`` (precomputed) or ``reference_head``, whose
+    log-probs come from a second sweep that gets no gradient.
+
+    Args:
+        h_chosen, h_rejected: ``[B, T_c, D]``, ``[B, T_r, D]`` hidden states
+            (each position predicts its id).
+        w: ``[V, D]``. bias: optional ``[V]``.
+        chosen_ids, rejected_ids: ``[B, T_c]``, ``[B, T_r]`` the responses'
+            tokens.
+        chosen_mask, rejected_mask: as in :func:`preference_loss`.
+        reference_logps: ``(ref_chosen [B, T_c], ref_rejected [B, T_r])``.
+        reference_head: ``(h_ref_chosen, h_ref_rejected, w_ref[, bias_ref])``
+            of the frozen reference; the same scale, softcap and temperature.
+        loss_type, beta, gamma, alpha, label_smoothing: as in
+            :func:`preference_loss`.
+        temperature, scale, softcap, chunk_size, vocab_chunk_size: as in
+            :func:`lmhead.token_logprobs.fused_token_logprobs`.
+
+    Returns:
+        ``(loss, metrics)`` as :func:`preference_loss`.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> keys = jax.random.split(jax.random.key(0), 3)
+        >>> h_c, h_r = jax.random.normal(keys[0], (2, 2, 3, 4))
+        >>> w = jax.random.normal(keys[1], (10, 4))
+        >>> ids = jax.random.randint(keys[2], (2, 2, 3), 0, 10)
+        >>> mask = jnp.ones((2, 3))
+        >>> loss, metrics = fused_preference_loss(
+        ...     h_c, h_r, w, ids[0], ids[1], mask, mask, chunk_size=4,
+        ...     reference_head=(h_c, h_r, w))  # the policy as its reference
+        >>> print(f"{loss:.4f} {metrics['reward_margin']:.4f}")
+        0.6931 0.0000
+
+    References:
+        As :func:`preference_loss`.
+    """
+    check_options(loss_type, beta, gamma, alpha, label_smoothing)
+    for name, x in dict(h_chosen=h_chosen, h_rejected=h_rejected).items():
+        _checks.check_rank(name, x, 3, "[B, T, D]")
+    for name, ids, h in (
+        ("chosen_ids", chosen_ids, h_chosen),
+        ("rejected_ids", rejected_ids, h_rejected),
+    ):
+        if jnp.shape(ids) != jnp.shape(h)[:2]:
+            raise ValueError(
+                f"{name} must have shape [B, T] = {jnp.shape(h)[:2]}; "
+                f"got {jnp.shape(ids)}."
+            )
+    if reference_logps is not None and reference_head is not None:
+        raise ValueError("give reference_logps or reference_head, not both; got both.")
+    masks = (chosen_mask, rejected_mask)
+    options = dict(
+        temperature=temperature,
+        scale=scale,
+        softcap=softcap,
+        chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
+    )
+    chosen, rejected = _pair_logps(
+        h_chosen,
+        h_rejected,
+        w,
+        chosen_ids,
+        rejected_ids,
+        masks,
+        options | {"bias": bias},
+    )
+    if reference_head is not None:
+        if len(reference_head) not in (3, 4):
+            raise ValueError(
+                "reference_head must be (h_ref_chosen, h_ref_rejected, w_ref"
+                f"[, bias_ref]); got {len(reference_head)} arrays."
+            )
+        h_rc, h_rr, w_ref, *bias_ref = jax.lax.stop_gradient(tuple(reference_head))
+        reference_logps = _pair_logps(
+            h_rc,
+            h_rr,
+            w_ref,
+            chosen_ids,
+            rejected_ids,
+            masks,
+            options | {"bias": bias_ref[0] if bias_ref else None},
+        )
+    if reference_logps is not None and len(reference_logps) != 2:
+        raise ValueError(
+            "reference_logps must be (ref_chosen [B, T_c], ref_rejected [B, T_r]); "
+            f"got {len(reference_logps)} arrays."
+        )
+    ref_chosen, ref_rejected = (
+        (None, None) if reference_logps is None else reference_logps
+    )
+    return preference_loss(
+        chosen,
+        rejected,
+        chosen_mask,
+        rejected_mask,
+        loss_type=loss_type,
+        beta=beta,
+        gamma=gamma,
+        alpha=alpha,
+        label_smoothing=label_smoothing,
+        ref_chosen_logps=ref_chosen,
+        ref_rejected_logps=ref_rejected,
+    )

@@ -1,0 +1,317 @@
+"""Tests for lmhead/preference.py.
+
+Hand-worked cases pin each loss's formula (Liger-Kernel's definitions); the
+fused loss is checked against the same formulas written here in float64 on
+numpy's log-softmax of the materialized logits, with gradients by central
+differences. B = 2 pairs of T = 5 tokens (chosen) and 4 (rejected), N = 18
+tokens in chunks of 4 (a ragged last chunk), some masked.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+from lmhead import preference
+from tests import post_training_references as refs
+from tests.errors import bad_input_test
+
+B, T_C, T_R, D, V = 2, 5, 4, 4, 11
+BETA, GAMMA, ALPHA, SMOOTHING = 0.7, 0.3, 0.6, 0.1
+OPTIONS = dict(scale=0.8, softcap=3.0, temperature=0.9)
+
+
+@pytest.fixture(autouse=True)
+def exact_matmuls():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def np_log_sigmoid(x):
+    return -np.logaddexp(0.0, -x)
+
+
+def np_preference_loss(lc, lr, mc, mr, loss_type, ref_c=None, ref_r=None):
+    """The losses from their papers' formulas, float64."""
+    s_c, s_r = np.sum(mc * lc, -1), np.sum(mr * lr, -1)
+    a_c, a_r = s_c / mc.sum(-1), s_r / mr.sum(-1)
+    smoothed = lambda x: (
+        -(1 - SMOOTHING) * np_log_sigmoid(x) - SMOOTHING * np_log_sigmoid(-x)
+    )  # noqa: E731
+    if loss_type in ("sigmoid", "hinge", "ipo"):
+        delta = (s_c - np.sum(mc * ref_c, -1)) - (s_r - np.sum(mr * ref_r, -1))
+        per_pair = {
+            "sigmoid": lambda: smoothed(BETA * delta),
+            "hinge": lambda: np.maximum(0, 1 - BETA * delta),
+            "ipo": lambda: (delta - 1 / (2 * BETA)) ** 2,
+        }[loss_type]()
+        return per_pair.mean()
+    nll = -np.sum(mc * lc) / mc.sum()
+    if loss_type == "simpo":
+        return smoothed(BETA * (a_c - a_r) - GAMMA).mean()
+    if loss_type == "cpo":
+        return smoothed(BETA * (a_c - a_r)).mean() + ALPHA * nll
+    odds = lambda a: a - np.log1p(-np.exp(a))  # noqa: E731
+    return (-BETA * np_log_sigmoid(odds(a_c) - odds(a_r))).mean() + ALPHA * nll
+
+
+def make_inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    mask_c = np.ones((B, T_C))
+    mask_c[0, :2] = 0  # a prompt
+    mask_r = np.ones((B, T_R))
+    mask_r[1, -1] = 0  # padding
+    return dict(
+        h_c=rng.standard_normal((B, T_C, D)),
+        h_r=rng.standard_normal((B, T_R, D)),
+        w=rng.standard_normal((V, D)),
+        bias=rng.standard_normal(V),
+        h_rc=rng.standard_normal((B, T_C, D)),
+        h_rr=rng.standard_normal((B, T_R, D)),
+        w_ref=rng.standard_normal((V, D)),
+        ids_c=rng.integers(0, V, (B, T_C)).astype(np.int32),
+        ids_r=rng.integers(0, V, (B, T_R)).astype(np.int32),
+        mask_c=mask_c,
+        mask_r=mask_r,
+    )
+
+
+class HandWorkedTest(parameterized.TestCase):
+    """Sequences of one token each, so S = A = the token's log-prob."""
+
+    @parameterized.named_parameters(
+        # Delta = 0: -log sigmoid(0) = log 2.
+        ("dpo_sigmoid_at_0", "sigmoid", -1.0, -1.0, dict(beta=0.1), np.log(2)),
+        # Delta = 2, beta = 0.5: -log sigmoid(1) = log(1 + e^-1).
+        ("dpo_sigmoid", "sigmoid", -1.0, -3.0, dict(beta=0.5), np.log1p(np.exp(-1))),
+        # max(0, 1 - 0.25 * 2) = 0.5.
+        ("dpo_hinge", "hinge", -1.0, -3.0, dict(beta=0.25), 0.5),
+        # (Delta - 1 / (2 beta))^2 = (2 - 5)^2 = 9.
+        ("ipo", "ipo", -1.0, -3.0, dict(beta=0.1), 9.0),
+        # beta (A_c - A_r) - gamma = 0 - 0.5: log(1 + e^0.5).
+        ("simpo", "simpo", -2.0, -2.0, dict(gamma=0.5), np.log1p(np.exp(0.5))),
+        # odds(1/2) = 1, odds(1/4) = 1/3: -0.1 log sigmoid(log 3) = 0.1 log(4/3),
+        # plus the NLL -log(1/2).
+        (
+            "orpo",
+            "orpo",
+            np.log(0.5),
+            np.log(0.25),
+            dict(beta=0.1),
+            0.1 * np.log(4 / 3) + np.log(2),
+        ),
+        # -log sigmoid(1 * (log 1/2 - log 1/4)) = log(1 + 1/2), plus 0.5 log 2.
+        (
+            "cpo",
+            "cpo",
+            np.log(0.5),
+            np.log(0.25),
+            dict(beta=1.0, alpha=0.5),
+            np.log(1.5) + 0.5 * np.log(2),
+        ),
+    )
+    def test_case(self, loss_type, chosen, rejected, options, expected):
+        one = jnp.ones((1, 1))
+        loss, metrics = preference.preference_loss(
+            jnp.full((1, 1), chosen),
+            jnp.full((1, 1), rejected),
+            one,
+            one,
+            loss_type=loss_type,
+            **options,
+        )
+        np.testing.assert_allclose(loss, expected, rtol=1e-6)
+        self.assertEqual(float(metrics["reward_accuracy"]), float(chosen > rejected))
+
+    def test_dpo_rewards_subtract_the_reference(self):
+        """beta = 0.5, S_c = -1 (ref -2), S_r = -3 (ref -1): rewards 0.5 and
+        -1, margin 1.5, accuracy 1."""
+        one = jnp.ones((1, 1))
+        _, m = preference.preference_loss(
+            jnp.full((1, 1), -1.0),
+            jnp.full((1, 1), -3.0),
+            one,
+            one,
+            beta=0.5,
+            ref_chosen_logps=jnp.full((1, 1), -2.0),
+            ref_rejected_logps=jnp.full((1, 1), -1.0),
+        )
+        for name, value in dict(
+            chosen_rewards=0.5,
+            rejected_rewards=-1.0,
+            reward_margin=1.5,
+            reward_accuracy=1.0,
+        ).items():
+            np.testing.assert_allclose(m[name], value, rtol=1e-6, err_msg=name)
+
+    def test_masked_tokens_are_left_out_of_sums_and_means(self):
+        """SimPO, beta = 1, gamma = 0: chosen (-1, masked -100) has A = -1,
+        rejected (-2, -4) has A = -3; -log sigmoid(2) = log(1 + e^-2)."""
+        loss, _ = preference.preference_loss(
+            jnp.array([[-1.0, -100.0]]),
+            jnp.array([[-2.0, -4.0]]),
+            jnp.array([[1.0, 0.0]]),
+            jnp.ones((1, 2)),
+            loss_type="simpo",
+            beta=1.0,
+            gamma=0.0,
+        )
+        np.testing.assert_allclose(loss, np.log1p(np.exp(-2)), rtol=1e-6)
+
+
+class FusedTest(parameterized.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(loss_type=preference.LOSS_TYPES, reference=("head", "logps"))
+    def test_value_and_gradients_match_float64(self, loss_type, reference):
+        """Value and d/d(h_chosen, h_rejected, w, bias) equal the numpy
+        formula's and its central differences; the reference gets none."""
+        if reference == "logps" and loss_type not in preference.WITH_REFERENCE:
+            self.skipTest("no reference in this loss")
+        x = make_inputs()
+        ref_c, *_ = refs.token_logprobs(
+            x["h_rc"], x["w_ref"], None, x["ids_c"], **OPTIONS
+        )
+        ref_r, *_ = refs.token_logprobs(
+            x["h_rr"], x["w_ref"], None, x["ids_r"], **OPTIONS
+        )
+        kwargs = dict(
+            loss_type=loss_type,
+            beta=BETA,
+            gamma=GAMMA,
+            alpha=ALPHA,
+            label_smoothing=SMOOTHING,
+            chunk_size=4,
+            **OPTIONS,
+        )
+
+        def fused(h_c, h_r, w, bias, h_rc, w_ref):
+            if reference == "head":
+                kwargs["reference_head"] = (h_rc, x["h_rr"], w_ref)
+            else:
+                kwargs["reference_logps"] = (ref_c, ref_r)
+            return preference.fused_preference_loss(
+                h_c,
+                h_r,
+                w,
+                x["ids_c"],
+                x["ids_r"],
+                x["mask_c"],
+                x["mask_r"],
+                bias=bias,
+                **kwargs,
+            )[0]
+
+        def reference_loss(h_c, h_r, w, bias):
+            lc, *_ = refs.token_logprobs(h_c, w, bias, x["ids_c"], **OPTIONS)
+            lr, *_ = refs.token_logprobs(h_r, w, bias, x["ids_r"], **OPTIONS)
+            return np_preference_loss(
+                lc, lr, x["mask_c"], x["mask_r"], loss_type, ref_c, ref_r
+            )
+
+        names = ("h_c", "h_r", "w", "bias", "h_rc", "w_ref")
+        args = [jnp.asarray(x[n], jnp.float32) for n in names]
+        value, grads = self.variant(jax.value_and_grad(fused, tuple(range(6))))(*args)
+        np.testing.assert_allclose(
+            value, reference_loss(x["h_c"], x["h_r"], x["w"], x["bias"]), rtol=1e-5
+        )
+        for i, name in enumerate(names[:4]):
+            others = [x[n] for n in names[:4]]
+
+            def along(v, i=i, others=others):
+                return reference_loss(*others[:i], v, *others[i + 1 :])
+
+            np.testing.assert_allclose(
+                grads[i],
+                refs.numeric_grad(along, x[name]),
+                rtol=1e-4,
+                atol=1e-5,
+                err_msg=name,
+            )
+        # The frozen reference: exactly no gradient.
+        np.testing.assert_array_equal(grads[4], 0.0)
+        np.testing.assert_array_equal(grads[5], 0.0)
+
+
+def _loss(**overrides):
+    one = np.ones((2, 3))
+    args = (
+        dict(chosen_logps=-one, rejected_logps=-one, chosen_mask=one, rejected_mask=one)
+        | overrides
+    )
+    return lambda: preference.preference_loss(**args)
+
+
+def _fused(**overrides):
+    x = make_inputs()
+    args = (
+        dict(
+            h_chosen=x["h_c"],
+            h_rejected=x["h_r"],
+            w=x["w"],
+            chosen_ids=x["ids_c"],
+            rejected_ids=x["ids_r"],
+            chosen_mask=x["mask_c"],
+            rejected_mask=x["mask_r"],
+        )
+        | overrides
+    )
+    return lambda: preference.fused_preference_loss(**args)
+
+
+BAD_INPUTS = [
+    (
+        "batch_sizes_differ",
+        _loss(rejected_logps=-np.ones((3, 3))),
+        ValueError,
+        ("chosen_logps", "rejected_logps"),
+    ),
+    (
+        "mask_with_no_tokens",
+        _loss(chosen_mask=np.array([[1.0] * 3, [0.0] * 3])),
+        ValueError,
+        "chosen_mask",
+    ),
+    ("mask_shape", _loss(rejected_mask=np.ones((2, 2))), ValueError, "rejected_mask"),
+    ("unknown_loss_type", _loss(loss_type="kto"), ValueError, "loss_type"),
+    ("beta_zero", _loss(beta=0.0), ValueError, "beta"),
+    ("smoothing_above_half", _loss(label_smoothing=0.6), ValueError, "label_smoothing"),
+    ("logps_rank", _loss(chosen_logps=-np.ones(2)), ValueError, "chosen_logps"),
+    (
+        "ref_shape",
+        _loss(ref_chosen_logps=np.ones((2, 2))),
+        ValueError,
+        "ref_chosen_logps",
+    ),
+    (
+        "fused_ids_shape",
+        _fused(chosen_ids=np.zeros((B, 2), np.int32)),
+        ValueError,
+        "chosen_ids",
+    ),
+    (
+        "fused_both_references",
+        _fused(
+            reference_logps=(np.zeros((B, T_C)), np.zeros((B, T_R))),
+            reference_head=(
+                np.zeros((B, T_C, D)),
+                np.zeros((B, T_R, D)),
+                np.zeros((V, D)),
+            ),
+        ),
+        ValueError,
+        ("reference_logps", "reference_head"),
+    ),
+    (
+        "fused_batch_sizes_differ",
+        _fused(
+            h_rejected=np.zeros((3, T_R, D)),
+            rejected_ids=np.zeros((3, T_R), np.int32),
+            rejected_mask=np.ones((3, T_R)),
+        ),
+        ValueError,
+        ("chosen_logps", "rejected_logps"),
+    ),
+]
+test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)

@@ -1,0 +1,172 @@
+"""Tests for lmhead/sparse_distillation.py.
+
+Hand-worked cases pin the two forms; the fused loss is checked against the
+KL written here in float64 on numpy's log-softmax of the materialized
+logits, with gradients by central differences. N = 2 x 5 = 10 tokens in
+chunks of 4 (a ragged last chunk), V = 11, k = 3, some tokens masked.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+from lmhead import sparse_distillation
+from tests import post_training_references as refs
+from tests.errors import bad_input_test
+
+B, T, D, V, K = 2, 5, 4, 11, 3
+OPTIONS = dict(scale=0.8, softcap=3.0, temperature=1.5)
+
+
+@pytest.fixture(autouse=True)
+def exact_matmuls():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def np_sparse_kl(log_q, log_p, renormalize):
+    """Forward KL on the support, float64."""
+    if renormalize:
+        log_p = log_p - np.log(np.exp(log_p).sum(-1, keepdims=True))
+        log_q = log_q - np.log(np.exp(log_q).sum(-1, keepdims=True))
+    p = np.exp(log_p)
+    return np.sum(p * (log_p - log_q), -1)
+
+
+class HandWorkedTest(parameterized.TestCase):
+    @parameterized.named_parameters(
+        # Teacher (1/2, 3/10), student (1/4, 1/4):
+        # 1/2 log 2 + 3/10 log(6/5) = 0.401270.
+        ("unrenormalized", False, 0.5 * np.log(2) + 0.3 * np.log(1.2)),
+        # Both renormalized: teacher (5/8, 3/8), student (1/2, 1/2):
+        # 5/8 log(5/4) + 3/8 log(3/4) = 0.031583.
+        ("renormalized", True, 0.625 * np.log(1.25) + 0.375 * np.log(0.75)),
+    )
+    def test_case(self, renormalize, expected):
+        loss, metrics = sparse_distillation.sparse_distillation_loss(
+            jnp.log(jnp.array([[0.25, 0.25]])),
+            jnp.log(jnp.array([[0.5, 0.3]])),
+            renormalize=renormalize,
+        )
+        np.testing.assert_allclose(loss, expected, rtol=1e-6)
+        np.testing.assert_allclose(metrics["teacher_mass"], 0.8, rtol=1e-6)
+        np.testing.assert_allclose(metrics["student_mass"], 0.5, rtol=1e-6)
+
+    def test_renormalized_is_zero_for_a_proportional_student(self):
+        """Student (0.1, 0.3) against teacher (0.2, 0.6): both (1/4, 3/4)."""
+        loss, _ = sparse_distillation.sparse_distillation_loss(
+            jnp.log(jnp.array([[0.1, 0.3]])),
+            jnp.log(jnp.array([[0.2, 0.6]])),
+        )
+        np.testing.assert_allclose(loss, 0.0, atol=1e-7)
+
+    def test_an_id_of_probability_zero_adds_nothing(self):
+        """Teacher (1, 0): log(1 / q_1) = log 4, finite."""
+        loss, _ = sparse_distillation.sparse_distillation_loss(
+            jnp.log(jnp.array([[0.25, 0.5]])),
+            jnp.array([[0.0, -jnp.inf]]),
+            renormalize=False,
+        )
+        np.testing.assert_allclose(loss, np.log(4), rtol=1e-6)
+
+
+def make_inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(V, K, replace=False) for _ in range(B * T)])
+    teacher = rng.standard_normal((B * T, V)) * 2
+    teacher = teacher - np.log(np.exp(teacher).sum(-1, keepdims=True))
+    return dict(
+        h=rng.standard_normal((B, T, D)),
+        w=rng.standard_normal((V, D)),
+        bias=rng.standard_normal(V),
+        ids=ids.reshape(B, T, K).astype(np.int32),
+        teacher=np.take_along_axis(teacher, ids, -1).reshape(B, T, K),
+        weights=np.where(np.isin(np.arange(B * T), (2, 9)), 0.0, 1.5).reshape(B, T),
+    )
+
+
+class FusedTest(parameterized.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(renormalize=(False, True), vocab_chunk_size=(None, 4))
+    def test_value_and_gradients_match_float64(self, renormalize, vocab_chunk_size):
+        """The weighted mean KL and d/d(h, w, bias); the teacher gets none."""
+        x = make_inputs()
+
+        def fused(h, w, bias, teacher):
+            return sparse_distillation.fused_sparse_distillation_loss(
+                h,
+                w,
+                x["ids"],
+                teacher,
+                bias=bias,
+                weights=x["weights"],
+                renormalize=renormalize,
+                chunk_size=4,
+                vocab_chunk_size=vocab_chunk_size,
+                **OPTIONS,
+            )[0]
+
+        def reference(h, w, bias):
+            log_q, *_ = refs.token_logprobs(h, w, bias, x["ids"], **OPTIONS)
+            kl = np_sparse_kl(log_q, x["teacher"], renormalize)
+            return np.sum(x["weights"] * kl) / x["weights"].sum()
+
+        names = ("h", "w", "bias", "teacher")
+        args = [jnp.asarray(x[n], jnp.float32) for n in names]
+        value, grads = self.variant(jax.value_and_grad(fused, (0, 1, 2, 3)))(*args)
+        np.testing.assert_allclose(
+            value, reference(x["h"], x["w"], x["bias"]), rtol=1e-5
+        )
+        want = refs.grads(reference, x["h"], x["w"], x["bias"])
+        for name, g, e in zip(names, grads, want):
+            np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5, err_msg=name)
+        np.testing.assert_array_equal(grads[3], 0.0)
+
+
+def _fused(**overrides):
+    x = make_inputs()
+    args = dict(h=x["h"], w=x["w"], teacher_ids=x["ids"], teacher_logps=x["teacher"])
+    return lambda: sparse_distillation.fused_sparse_distillation_loss(
+        **(args | overrides)
+    )
+
+
+BAD_INPUTS = [
+    (
+        "ids_out_of_range",
+        _fused(teacher_ids=np.full((B, T, K), V, np.int32)),
+        ValueError,
+        "teacher_ids",
+    ),
+    (
+        "ids_negative",
+        _fused(teacher_ids=np.full((B, T, K), -1, np.int32)),
+        ValueError,
+        "teacher_ids",
+    ),
+    ("ids_float", _fused(teacher_ids=np.zeros((B, T, K))), TypeError, "teacher_ids"),
+    (
+        "ids_without_k",
+        _fused(teacher_ids=np.zeros((B, T), np.int32)),
+        ValueError,
+        "teacher_ids",
+    ),
+    (
+        "teacher_positive",
+        _fused(teacher_logps=np.full((B, T, K), 0.1)),
+        ValueError,
+        "teacher_logps",
+    ),
+    (
+        "teacher_shape",
+        _fused(teacher_logps=np.zeros((B, T, K + 1)) - 1),
+        ValueError,
+        "teacher_logps",
+    ),
+    ("unknown_reduction", _fused(reduction="max"), ValueError, "reduction"),
+    ("renormalize_not_bool", _fused(renormalize="yes"), TypeError, "renormalize"),
+]
+test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)

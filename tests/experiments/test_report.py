@@ -3,8 +3,13 @@ reports themselves are tested in tests/lab/test_report.py and
 tests/studies/tying/test_analysis.py; the committed reports rebuilt from
 their runs.csv, byte for byte, in tests/studies/tying/test_results.py)."""
 
-from tests import run_experiment
+import os
+
+from tests import ROOT, run_experiment
 from tests.lab import synthetic_sweep
+
+COMPARE = os.path.join(ROOT, "docs", "compare")
+STUDY = os.path.join(ROOT, "configs", "sweeps", "tying_study.py")
 
 
 def test_the_command_prints_the_table_and_the_paths(tmp_path):
@@ -21,3 +26,30 @@ def test_the_command_prints_the_table_and_the_paths(tmp_path):
 def test_unexpected_arguments_are_refused(tmp_path):
     result = run_experiment("report.py", f"--workdir={tmp_path}", "extra", timeout=120)
     assert result.returncode != 0 and "Unexpected arguments" in result.stderr
+
+
+def test_a_committed_report_is_rewritten_from_its_table_alone(tmp_path):
+    """--restore_from recreates the table's finished runs in an empty sweep
+    directory, and the report written from them is the committed one."""
+    out = tmp_path / "out"
+    result = run_experiment(
+        "report.py",
+        f"--workdir={tmp_path / 'runs'}",
+        f"--sweep={STUDY}:small",
+        f"--restore_from={os.path.join(COMPARE, 'runs.csv')}",
+        f"--out={out}",
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Restored 24 finished runs from" in result.stdout  # its 24 rows
+    for name in ("runs.csv", "REPORT.md"):
+        with open(os.path.join(COMPARE, name), encoding="utf-8") as f:
+            assert (out / name).read_text() == f.read(), name
+
+
+def test_restoring_needs_the_sweep_file(tmp_path):
+    csv = os.path.join(COMPARE, "runs.csv")
+    result = run_experiment(
+        "report.py", f"--workdir={tmp_path}", f"--restore_from={csv}", timeout=120
+    )
+    assert result.returncode != 0 and "--restore_from needs --sweep" in result.stderr

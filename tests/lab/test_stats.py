@@ -237,3 +237,26 @@ def test_equivalence_p_value_needs_two_pairs_and_a_spread():
         {0: 0.1, 1: -0.1, 2: 0.0}, dict.fromkeys(range(3), 0.0)
     )
     assert stats_lib.equivalence_p_value(d, np.float32(0.5)) < 0.05
+
+
+def test_the_detectable_difference_against_the_normal_limit():
+    # With many pairs the t-test is the z-test: (z_{1-α/2} + z_power) s / √n.
+    n, std, alpha = 20_000, 0.3, 0.01
+    want = (stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(0.8)) * std / math.sqrt(n)
+    got = stats_lib.minimum_detectable_difference(std, n, alpha, 0.8)
+    assert got == pytest.approx(want, rel=1e-3)
+    assert math.isnan(stats_lib.minimum_detectable_difference(0.0, 8))
+    for bad in ({"alpha": 0.0}, {"power": 1.0}, {"alpha": True}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            stats_lib.minimum_detectable_difference(1.0, 8, **bad)
+
+
+def test_the_detectable_difference_has_the_stated_power_by_simulation():
+    # Paired t-tests of simulated differences at the returned mean: about 80%
+    # reject, within three binomial standard errors of 20,000 draws.
+    rng = np.random.default_rng(0)
+    n, std, alpha = 8, 0.02, 0.05 / 32
+    effect = stats_lib.minimum_detectable_difference(std, n, alpha, 0.8)
+    draws = effect + std * rng.standard_normal((20_000, n))
+    p = stats.ttest_1samp(draws, 0.0, axis=1).pvalue
+    assert np.mean(p < alpha) == pytest.approx(0.8, abs=3 * math.sqrt(0.16 / 20_000))

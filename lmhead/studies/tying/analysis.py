@@ -16,7 +16,8 @@ unadjusted and labelled exploratory.
 the contrasts, and each other concern has a module of its own: the answer
 that opens the report and that ``make compare`` prints (``answer.py``), the
 design (``design_text.py``), the learning rates (``tuning_text.py``), the
-numbers as text (``report_text.py``). The numbers come from ``cells.py``.
+model across cells and the power (``across_cells.py``), the runs to read
+narrowly (``flags_text.py``), the numbers as text (``report_text.py``). The numbers come from ``cells.py``.
 
 Every value is test bits per character, paired by seed within a cell,
 unless a column says otherwise; a difference x - y < 0 means x is better.
@@ -29,9 +30,11 @@ from typing import Any
 from lmhead.lab import report
 from lmhead.studies.tying import cells as cells_lib
 from lmhead.studies.tying import contrast_plots, table
+from lmhead.studies.tying.across_cells import model_section, power_section
 from lmhead.studies.tying.answer import answer, family_counts
 from lmhead.studies.tying.cells import PRIMARY, SECONDARY, Contrast
 from lmhead.studies.tying.design_text import design_section
+from lmhead.studies.tying.flags_text import flags_section
 from lmhead.studies.tying.report_text import (
     DASH,
     equal_spread_text,
@@ -130,9 +133,6 @@ def results_section(rows: Rows) -> str:
             f"untrained, and in their pairs as such: {'; '.join(untrained)}."
         )
     return "\n\n".join(text)
-
-
-# --- Contrasts ----------------------------------------------------------------
 
 
 # --- Contrasts ----------------------------------------------------------------
@@ -342,9 +342,6 @@ def totals_section(rows: Rows) -> str:
     )
 
 
-# --- The report and the answer ------------------------------------------------
-
-
 # --- The report ---------------------------------------------------------------
 
 
@@ -381,6 +378,9 @@ def write_report(
         "\n\n".join(
             f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plot_paths
         ),
+        model_section(rows),
+        power_section(rows),
+        flags_section(rows),
         secondary_section(rows),
         ablation_section(rows),
         literature or "",

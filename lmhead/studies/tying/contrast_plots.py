@@ -3,7 +3,10 @@ each contrast with its 95% t-interval against the data amount, one line per
 vocabulary (:data:`AMOUNT_PLOT`), and against the tied model's head share,
 one line per data amount (:data:`HEAD_SHARE_PLOT`). A contrast with runs at
 their step cap (budget-limited, not early-stopped) is a hollow marker that
-no line joins to the others."""
+no line joins to the others; one with an arm whose rate is at an edge of
+the rates its tuning tried (``Contrast.edge``) is framed by a square. Every
+contrast is at the rates of the table's own tuning, which the title says, so
+that a cell tuned again elsewhere is not read from this figure."""
 
 import math
 import os
@@ -17,8 +20,9 @@ from lmhead.studies.tying import cells as cells_lib
 AMOUNT_PLOT = "contrast_vs_amount.png"
 HEAD_SHARE_PLOT = "contrast_vs_head_share.png"
 _TITLE = (
-    "Primary contrasts, mean over seeds; bars: 95% t-interval; "
-    "hollow: runs at their step cap"
+    "Primary contrasts at the rates this table's tuning chose, mean over "
+    "seeds; bars: 95% t-interval\nhollow: runs at their step cap; square: an "
+    "arm's rate at an edge of the rates tried (its best may lie beyond)"
 )
 _Y_LABEL = "Δ test bits/char (paired by seed)"
 
@@ -67,7 +71,7 @@ def _plot(
         for axis, label in zip(axes, labels):
             for index, line in enumerate(lines):
                 points = sorted(
-                    (x_of(c), c.difference, bool(c.capped))
+                    (x_of(c), c.difference, bool(c.capped), bool(c.edge))
                     for c in family.contrasts
                     if c.label == label and line_of(c) == line and c.difference.n
                     and not math.isnan(x_of(c))
@@ -76,7 +80,7 @@ def _plot(
                 shift = 1.0 + 0.03 * (index - (len(lines) - 1) / 2)
                 color = None
                 for capped in (False, True):
-                    these = [(x, d) for x, d, at_cap in points if at_cap == capped]
+                    these = [(x, d) for x, d, at_cap, _ in points if at_cap == capped]
                     if not these:
                         continue
                     drawn = axis.errorbar(
@@ -94,6 +98,16 @@ def _plot(
                         label=None if color else line_label(line),
                     )
                     color = drawn.lines[0].get_color()
+                edges = [(x, d) for x, d, _, at_edge in points if at_edge]
+                if edges:
+                    axis.scatter(
+                        [x * shift for x, _ in edges],
+                        [d.mean for _, d in edges],
+                        marker="s",
+                        s=120,
+                        facecolors="none",
+                        edgecolors=color,
+                    )
             axis.axhline(0.0, color="gray", linewidth=0.8)
             axis.set(xscale="log", title=label, xlabel=x_label, ylabel=_Y_LABEL)
             # One tick per measured x, instead of log-scale decades.

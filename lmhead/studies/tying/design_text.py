@@ -71,10 +71,13 @@ def design_section(rows: Rows) -> str:
             for (vocab, arm), row in shapes.items()
         ),
     )
+    # Where no vocabulary has arm d, these runs did not include it (a check
+    # of some arms only): the design's reason would not apply.
+    with_d = any(arm == "d" for _, arm in shapes)
     no_d = [
         cells_lib.vocab_label(v)
         for v in cells_lib.vocabularies(tested)
-        if (v, "d") not in shapes
+        if with_d and (v, "d") not in shapes
     ]
     lines = [
         "## Design",
@@ -122,20 +125,30 @@ def cap_counts(rows: Rows) -> str:
             over.append(label)
     text = (
         "Runs that reached their step cap, by amount (finished runs of every "
-        f"role): {', '.join(counts)}. At most {SUBSET_CAP_LIMIT:.0%} of a "
-        "subset amount's runs may"
+        f"role): {', '.join(counts)}."
     )
-    if len(over) == 1:
-        text += f": {over[0]} is over that bound, so its numbers are partly "
-    elif over:
-        text += f": {', '.join(over)} are over that bound, so their numbers are partly "
-    if over:
-        text += "those of a fixed budget."
-    else:
-        text += ", and none is over it."
+    if any(amount < 1.0 for amount in cells_lib.amounts(finished)):
+        text += (
+            f" At most {SUBSET_CAP_LIMIT:.0%} of a subset amount's runs may"
+            + _over_text(over)
+        )
     if 1.0 in cells_lib.amounts(finished):
         text += " The whole split is budget-limited by design."
     return text
+
+
+def _over_text(over: Sequence[str]) -> str:
+    if not over:
+        return ", and none is over it."
+    if len(over) == 1:
+        return (
+            f": {over[0]} is over that bound, so its numbers are partly those "
+            "of a fixed budget."
+        )
+    return (
+        f": {', '.join(over)} are over that bound, so their numbers are partly "
+        "those of a fixed budget."
+    )
 
 
 def amounts_table(rows: Rows) -> str:

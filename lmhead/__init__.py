@@ -6,7 +6,11 @@ The pure functions live in :mod:`lmhead.head` (unembedding, softmax),
 :mod:`lmhead.distillation` (a teacher's distribution as the target, fused
 too),
 :mod:`lmhead.decoding` (logits processors, sampling, beam search),
-:mod:`lmhead.quantize` (half-precision and int8 unembeddings for inference)
+:mod:`lmhead.quantize` (half-precision and int8 unembeddings for inference),
+:mod:`lmhead.token_logprobs` (per-token log-probs and entropies, fused), the
+post-training losses on them (:mod:`lmhead.preference`: DPO and its family;
+:mod:`lmhead.policy_gradient`: GRPO and its family;
+:mod:`lmhead.sparse_distillation`: a top-k teacher)
 and :mod:`lmhead.vocab_parallel` (the loss with the vocabulary split over
 devices); parameters live in :mod:`lmhead.modules`. This package is the head
 library: it imports jax, flax, numpy and itself only. Above it, each in a
@@ -21,7 +25,11 @@ from lmhead import (
     head,
     losses,
     modules,
+    policy_gradient,
+    preference,
     quantize,
+    sparse_distillation,
+    token_logprobs,
     vocab_parallel,
 )
 from lmhead.decoding import (
@@ -51,6 +59,13 @@ from lmhead.losses import (
     perplexity,
 )
 from lmhead.modules import LMHead
+from lmhead.policy_gradient import fused_policy_gradient_loss, policy_gradient_loss
+from lmhead.preference import fused_preference_loss, preference_loss
 from lmhead.quantize import QuantizedTable, quantize_unembedding
+from lmhead.sparse_distillation import (
+    fused_sparse_distillation_loss,
+    sparse_distillation_loss,
+)
+from lmhead.token_logprobs import fused_token_logprobs
 
 __version__ = "0.1.0"

@@ -25,7 +25,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmhead import _checks, distillation, fused, head, losses, quantize, vocab_parallel
+from lmhead import (
+    _checks,
+    distillation,
+    fused,
+    head,
+    losses,
+    policy_gradient,
+    preference,
+    quantize,
+    sparse_distillation,
+    token_logprobs,
+    vocab_parallel,
+)
 
 LOSS_IMPLS = ("fused", "materialized", "vocab_parallel")
 
@@ -459,6 +471,102 @@ class LMHead(nn.Module):
         if isinstance(teacher, (tuple, list)):
             teacher = head.unembed(*teacher)
         return distillation.distillation_loss(logits, teacher, **options)
+
+    def _post_training(self, fn, hs, embedding, *args, **options):
+        """``fn(*projected hs, w, *args, bias=..., scale=..., softcap=...)``:
+        one read of the unembedding for every ``h`` of a loss."""
+        for h in hs:
+            _checks.check_floating("h", h)
+        w, bias, projection = self.unembedding(jnp.shape(hs[0])[-1], embedding)
+        if isinstance(w, quantize.QuantizedTable):
+            raise ValueError(
+                "a QuantizedTable is for inference; train with the float table."
+            )
+        hs = [self._project(h, projection) for h in hs]
+        head_options = dict(bias=bias, scale=self.scale, softcap=self.softcap)
+        return fn(*hs, w, *args, **head_options, **options)
+
+    def token_logprobs(
+        self,
+        h: jax.Array,
+        ids: jax.Array,
+        embedding: Embedding | None = None,
+        **options,
+    ) -> token_logprobs.TokenLogProbs:
+        """Per-token log-probs (and entropies) of ``ids`` under this head,
+        fused; see ``token_logprobs.fused_token_logprobs`` for ``options``.
+        A factorized head goes through its projection."""
+        return self._post_training(
+            lambda h, w, **o: token_logprobs.fused_token_logprobs(h, w, ids, **o),
+            [h],
+            embedding,
+            **options,
+        )
+
+    def preference_loss(
+        self,
+        h_chosen: jax.Array,
+        h_rejected: jax.Array,
+        chosen_ids: jax.Array,
+        rejected_ids: jax.Array,
+        chosen_mask: jax.Array,
+        rejected_mask: jax.Array,
+        embedding: Embedding | None = None,
+        **options,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """DPO, SimPO, ORPO or CPO of this head's log-probs, fused; see
+        ``preference.fused_preference_loss`` for ``options`` (a
+        ``reference_head`` gives the reference's own ``h`` and ``w``)."""
+        return self._post_training(
+            preference.fused_preference_loss,
+            [h_chosen, h_rejected],
+            embedding,
+            chosen_ids,
+            rejected_ids,
+            chosen_mask,
+            rejected_mask,
+            **options,
+        )
+
+    def policy_gradient_loss(
+        self,
+        h: jax.Array,
+        ids: jax.Array,
+        mask: jax.Array,
+        advantages: jax.Array,
+        embedding: Embedding | None = None,
+        **options,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """GRPO and its variants on this head's log-probs, fused; see
+        ``policy_gradient.fused_policy_gradient_loss`` for ``options``."""
+        return self._post_training(
+            policy_gradient.fused_policy_gradient_loss,
+            [h],
+            embedding,
+            ids,
+            mask,
+            advantages,
+            **options,
+        )
+
+    def sparse_distillation_loss(
+        self,
+        h: jax.Array,
+        teacher_ids: jax.Array,
+        teacher_logps: jax.Array,
+        embedding: Embedding | None = None,
+        **options,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The forward KL from a teacher's top-k on this head, fused; see
+        ``sparse_distillation.fused_sparse_distillation_loss``."""
+        return self._post_training(
+            sparse_distillation.fused_sparse_distillation_loss,
+            [h],
+            embedding,
+            teacher_ids,
+            teacher_logps,
+            **options,
+        )
 
 
 def _table_shape(w: Any) -> tuple[int, ...]:

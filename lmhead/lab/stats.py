@@ -9,7 +9,8 @@ family of such comparisons, :func:`holm_adjusted` corrects the p-values for
 their number, :func:`equivalence_p_value` tests that a difference is
 smaller than a stated margin, and :func:`pooled_std` estimates one spread of the paired
 differences from every cell at once (an assumption of equal variances,
-stated as such wherever it is used).
+stated as such wherever it is used). :func:`minimum_detectable_difference`
+is the smallest mean difference such a test finds at a stated power.
 """
 
 import dataclasses

@@ -1,4 +1,5 @@
-"""Tests for experiments/report.py, the report command: what it prints (the
+"""Tests for experiments/report.py, the report command: what it prints and
+that --restore_from rewrites a committed report from its table (the
 reports themselves are tested in tests/lab/test_report.py and
 tests/studies/tying/test_analysis.py; the committed reports rebuilt from
 their runs.csv, byte for byte, in tests/studies/tying/test_results.py)."""

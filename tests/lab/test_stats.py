@@ -1,5 +1,6 @@
 """Tests for lmhead/lab/stats.py: the t quantile against scipy, the paired
-interval against a known t-test, mean and std against numpy."""
+interval against a known t-test, mean and std against numpy, the detectable
+difference against the normal limit and a simulation."""
 
 import math
 

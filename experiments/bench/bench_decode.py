@@ -37,11 +37,11 @@ with plain greedy (donated cache, one key), which it is divided by:
 * "stream k": ``generate_stream`` with ``chunk_steps=k`` for each of
   ``--chunk_steps``, each chunk's tokens fetched to the host as a server
   sending them would, against one call whose tokens are fetched once.
-* "step split only" (when the rows are split over several devices): plain
-  greedy with the loop over the whole batch and only the model's step split,
-  as a batch sampled with one key runs, against the loop per device
-  (``lmhead/decoding/split.py``) that plain greedy gets: what that loop
-  still pays for.
+* "whole-batch loop" (when the rows are split over several devices): plain
+  greedy with the loop over the whole batch, its step on the split rows
+  left to XLA, as a batch with a ``processor`` hook runs, against the loop
+  per device (``lmhead/decoding/split.py``) that plain greedy gets: what
+  that loop pays for.
 
 ``--compare_hf`` (needs torch and transformers, which the library never
 imports) copies the same weights into a ``transformers`` ``GPT2LMHeadModel``,
@@ -114,9 +114,9 @@ FLAGS = flags.FLAGS
 
 
 @dataclasses.dataclass(frozen=True)
-class StepSplitOnly:
+class WholeBatchLoop:
     """A rows-split ``step_fn`` without ``per_device``: ``generate`` then
-    runs its loop over the whole batch and only the step splits."""
+    runs its loop over the whole batch, as with a ``processor`` hook."""
 
     step_fn: model_lib.DecodeStep
 
@@ -408,7 +408,7 @@ def bench_knobs_and_streaming(repeats: int) -> list[tuple[str, float, float]]:
     variants = {"new knobs": all_knobs}
     variants.update({f"stream k={k}": stream(int(k)) for k in FLAGS.chunk_steps})
     if mesh is not None:
-        variants["step split only"] = greedy(StepSplitOnly(step_fn))
+        variants["whole-batch loop"] = greedy(WholeBatchLoop(step_fn))
     results = []
     for name, variant in variants.items():
         if name.startswith("stream") and not np.array_equal(

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmhead import _checks
-from lmhead.decoding import _loop
+from lmhead.decoding import _loop, split
 from lmhead.decoding._loop import StepFn
 from lmhead.decoding.knobs import SamplingKnobs
 from lmhead.head import NEG_INF
@@ -385,7 +385,11 @@ def beam_search(
             ``trim(state, num_steps) -> state``, called first, outside
             ``jit``, with ``num_steps = N - 1`` (the calls the search makes):
             a state that may drop the room those calls cannot reach, so
-            that repeating it costs less (a model's cache drops pieces).
+            that repeating it costs less (a model's cache drops pieces). A
+            step that splits the rows over a mesh (``mesh`` and
+            ``per_device()``, as ``lmhead.lm.model.make_step_fn(model,
+            mesh)``) makes each device search its own prompts, their beams
+            included (``decoding/split.py``), when the devices divide ``B``.
         params: any pytree, passed to every ``step_fn`` call (traced).
         logits: ``[B, V]`` next-token logits after each prompt.
         state: pytree whose every leaf has leading axis ``B``; repeated to
@@ -458,11 +462,21 @@ def beam_search(
         pad_id=int(pad_id),
         penalty=penalty,
     )
-    return _beam_loop(
-        step_fn,
-        params,
-        logits,
-        _trim(step_fn, state, config.max_new_tokens - 1),
-        jnp.asarray(length_penalty, jnp.float32),
-        config,
+    state = _trim(step_fn, state, config.max_new_tokens - 1)
+    alpha = jnp.asarray(length_penalty, jnp.float32)
+    mesh = split.rows_mesh(step_fn, logits.shape[0])
+    if mesh is None:
+        return _beam_loop(step_fn, params, logits, state, alpha, config)
+    loop = _split_beam_loop(step_fn.per_device(), mesh, config)
+    return loop(params, logits, state, alpha)
+
+
+@functools.lru_cache(maxsize=64)
+def _split_beam_loop(step_fn: StepFn, mesh: Any, config: _BeamConfig):
+    """``_beam_loop`` run by each device of ``mesh`` on its own prompts."""
+    rows = jax.sharding.PartitionSpec(mesh.axis_names[0])
+    whole = jax.sharding.PartitionSpec()
+    local = lambda params, logits, state, alpha: _beam_loop(
+        step_fn, params, logits, state, alpha, config
     )
+    return jax.jit(split.split_rows(local, mesh, (whole, rows, rows, whole)))

@@ -1,13 +1,18 @@
-"""The rows of :func:`~lmhead.decoding.generate` split over devices: a loop per device.
+"""Rows split over devices, a loop per device: decoding's one row split.
 
 When ``step_fn`` splits the rows over a one-axis mesh (``step_fn.mesh``, and
 ``step_fn.per_device()`` the step of one device's rows, as
-``lmhead.lm.model.make_step_fn(model, mesh)`` gives) and a row's tokens
-cannot depend on the split, each device runs the whole decoding loop on its
-own rows (a ``shard_map`` of the loop with no collective: the step, the
-processors, the stops and the log-probs, each device stopping when its rows
-have ended). Otherwise the loop runs over the whole batch and only the
-model's step is split. ``docs/decoding.md`` measures what each costs.
+``lmhead.lm.model.make_step_fn(model, mesh)`` gives), each device runs the
+whole decoding loop on its own block of rows: a ``shard_map`` of the loop
+with no collective (the step, the processors, the stops, the log-probs; each
+device stopping when its rows have ended). :func:`~lmhead.decoding.generate`
+and its streams (:func:`split_loops`) and
+:func:`~lmhead.decoding.beam_search` (its prompts split, each with its beams:
+:func:`split_rows`) run so. A single sampling key's draw takes each device's
+rows of the whole batch's noise (``StepConfig.row_axis``), so a row's draws do
+not depend on the split. A ``processor`` hook, which sees every row, keeps the
+loop over the whole batch on the step's own placement. ``docs/decoding.md``
+measures what the split pays.
 """
 
 import functools
@@ -17,10 +22,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lmhead import _checks
 from lmhead.decoding.step import per_row_keys
 
 
@@ -44,33 +48,42 @@ def _row_spec_leaves(structure: Any, shapes: tuple, axis: str) -> tuple:
     )
 
 
+def rows_mesh(step_fn: Any, batch: int) -> Mesh | None:
+    """The one-axis mesh over which ``step_fn`` splits ``batch`` rows, with
+    one loop per device (``step_fn.mesh`` and ``step_fn.per_device``), or
+    None: the step has none, or its devices do not divide the rows (the
+    step then says so itself)."""
+    mesh = getattr(step_fn, "mesh", None)
+    if mesh is None or getattr(step_fn, "per_device", None) is None:
+        return None
+    return None if batch % mesh.size else mesh
+
+
+def split_rows(local: Callable, mesh: Mesh, in_specs: tuple) -> Callable:
+    """``local`` run by each device of ``mesh`` on its own block of rows: a
+    ``shard_map`` with no collective, whose every output is split by rows
+    and whose inputs are split as ``in_specs`` says (``P(axis)``: by rows;
+    ``P()``: whole on every device)."""
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=P(mesh.axis_names[0]),
+        check_vma=False,
+    )
+
+
 def _split(
     arguments: Any, start: Callable, advance: Callable, columns: Callable
 ) -> tuple[Callable, Callable, tuple] | None:
     """The loop's start and resume run by each device on its own rows (and
-    the ``PartitionSpec`` trees of the knobs, stops and rows), when
-    ``step_fn`` splits the rows over a mesh (``step_fn.mesh``, and
-    ``step_fn.per_device()`` the step of one device's rows) and a row's
-    tokens cannot depend on that: a key per row, or one key with every
-    temperature 0 (greedy), and no processor hook (which sees all rows).
-    Each device then runs its own ``while_loop`` with no collective, the
-    processors and stops included. None otherwise: the loop runs on the
-    whole batch, only the step split."""
+    the ``PartitionSpec`` trees of the knobs, stops and rows), or None where
+    the loop runs over the whole batch (see the module's docstring)."""
     a = arguments
-    mesh = getattr(a.step_fn, "mesh", None)
-    per_device = getattr(a.step_fn, "per_device", None)
-    if mesh is None or per_device is None or a.config.step.processor is not None:
-        return None
-    if a.logits.shape[0] % mesh.size:  # the step says why it cannot split
+    mesh = rows_mesh(a.step_fn, a.logits.shape[0])
+    if mesh is None or a.config.step.processor is not None:
         return None
     per_row_key = per_row_keys(a.key)
-    temperature = a.knobs.temperature
-    # Read on the host (np, not jnp): a comparison on the device would wait
-    # behind the work queued there.
-    if not per_row_key and (
-        _checks.is_traced(temperature) or np.any(np.asarray(temperature) > 0)
-    ):
-        return None
     axis = mesh.axis_names[0]
     rows = P(axis)
     specs = (
@@ -83,9 +96,10 @@ def _split(
         rows,  # rows
     )
     leaves, tree = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
+    config = a.config._replace(step=a.config.step._replace(row_axis=axis))
     return _split_programs(
-        per_device(), a.config, mesh, tree, tuple(leaves), per_row_key, a.donate,
-        start, advance, columns,
+        a.step_fn.per_device(), config, mesh, tree, tuple(leaves), per_row_key,
+        a.donate, start, advance, columns,
     )  # fmt: skip
 
 
@@ -111,9 +125,7 @@ def _split_programs(
         key = s.rows.key if per_row_key else s.rows.key[0]
         return s._replace(step=s.step[0], rows=s.rows._replace(key=key))
 
-    split = functools.partial(
-        jax.shard_map, mesh=mesh, check_vma=False, out_specs=P(axis)
-    )
+    split = functools.partial(split_rows, mesh=mesh)
 
     def start(
         params, logits, model_state, key, history, knobs, stop, rows, until, width

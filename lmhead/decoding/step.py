@@ -86,6 +86,9 @@ class StepConfig(NamedTuple):
             ``"model"`` (the model's ``log_softmax``).
         processor: None, or the hook ``(logits [B, V], ProcessorContext) ->
             logits [B, V]`` applied after the built-in processors.
+        row_axis: None, or the mesh axis whose devices each step their own
+            block of the batch's rows (``decoding/split.py``): one key's draw
+            then takes this block's rows of the whole batch's noise.
     """
 
     eos_ids: tuple[int, ...] = ()
@@ -93,6 +96,7 @@ class StepConfig(NamedTuple):
     top_logprobs: int = 0
     log_probs_from: str = "processed"
     processor: Callable | None = None
+    row_axis: str | None = None
 
 
 class StepOutput(NamedTuple):
@@ -157,8 +161,29 @@ def per_row_keys(key: jax.Array) -> bool:
     return jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.ndim == 1
 
 
+def _one_key_draw(
+    key: jax.Array, processed: jax.Array, row_axis: str | None
+) -> jax.Array:
+    """``jax.random.categorical(key, processed)`` of the whole batch, whose
+    rows, with ``row_axis``, are split in blocks over that axis's devices:
+    each device draws the whole batch's Gumbel noise and adds its own
+    block's, so a row's noise is the one it has on one device, bit for bit."""
+    if row_axis is None:
+        return jax.random.categorical(key, processed, axis=-1)
+    block, vocab_size = processed.shape
+    whole = (block * jax.lax.axis_size(row_axis), vocab_size)
+    noise = jax.random.gumbel(key, whole, processed.dtype)
+    start = jax.lax.axis_index(row_axis) * block
+    noise = jax.lax.dynamic_slice_in_dim(noise, start, block, axis=0)
+    return jnp.argmax(noise + processed, axis=-1)
+
+
 def _choose_tokens(
-    rows: DecodeRows, processed: jax.Array, temperature: jax.Array, step: jax.Array
+    rows: DecodeRows,
+    processed: jax.Array,
+    temperature: jax.Array,
+    step: jax.Array,
+    row_axis: str | None,
 ) -> tuple[jax.Array, jax.Array]:
     """A draw from softmax(processed), or its argmax where ``temperature ==
     0``, and the key for the next step."""
@@ -168,7 +193,7 @@ def _choose_tokens(
         sampled, key = jax.vmap(jax.random.categorical)(step_keys, processed), rows.key
     else:
         key, sample_key = jax.random.split(rows.key)
-        sampled = jax.random.categorical(sample_key, processed, axis=-1)
+        sampled = _one_key_draw(sample_key, processed, row_axis)
     greedy = jnp.argmax(processed, axis=-1)
     return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32), key
 
@@ -260,7 +285,9 @@ def decode_step(
     """
     running = is_running(rows)
     processed = _processed_logits(rows, knobs, config, step, context)
-    chosen, key = _choose_tokens(rows, processed, knobs.temperature, step)
+    chosen, key = _choose_tokens(
+        rows, processed, knobs.temperature, step, config.row_axis
+    )
     log_prob, top_tokens, top_log_probs = _token_log_probs(
         rows, processed, chosen, config
     )

@@ -375,42 +375,29 @@ def _compiled_extend(model, params, tokens, cache, lengths):
     )
 
 
-def _extend_block(model, axis, params, tokens, cache, lengths):
-    """``DecoderLM.extend`` of one device's block of rows, inside a
-    ``shard_map`` over ``axis``: slot pointers name rows of the whole batch,
-    so they are offset to the block's own."""
-    offset = jax.lax.axis_index(axis) * tokens.shape[0]
-    if cache.rows is not None:
-        cache = cache._replace(rows=cache.rows - offset)
-    logits, cache = model.apply(
-        {"params": params}, tokens, cache, lengths, method=DecoderLM.extend
-    )
-    if cache.rows is not None:
-        cache = cache._replace(rows=cache.rows + offset)
-    return logits, cache
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _split_extend(model, mesh, params, tokens, cache, lengths):
-    """``_compiled_extend`` with the rows split over ``mesh``'s one axis: each
-    device extends its own rows (a ``shard_map`` without collectives)."""
+def _split_prefill(model, mesh, params, tokens, lengths):
+    """``_compiled_prefill`` with the rows split over ``mesh``'s one axis: each
+    device fills its own rows' cache (a ``shard_map`` without collectives),
+    and the logits and cache stay there for a decoder that runs a loop per
+    device (``lmhead/decoding/split.py``)."""
     rows = jax.sharding.PartitionSpec(mesh.axis_names[0])
     split = jax.shard_map(
-        functools.partial(_extend_block, model, mesh.axis_names[0]),
+        functools.partial(_compiled_prefill, model, None),
         mesh=mesh,
-        in_specs=(jax.sharding.PartitionSpec(), rows, rows, rows),
+        in_specs=(jax.sharding.PartitionSpec(), rows, rows),
         out_specs=(rows, rows),
     )
-    return split(params, tokens, cache, lengths)
+    return split(params, tokens, lengths)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _compiled_prefill(model, mesh, params, tokens, lengths):
     # The empty cache is made inside the program: made op by op, each of its
     # pieces would cost a dispatch at every prefill.
-    cache = kv_cache.init_cache(model, tokens.shape[0])
     if mesh is not None:
-        return _split_extend(model, mesh, params, tokens, cache, lengths)
+        return _split_prefill(model, mesh, params, tokens, lengths)
+    cache = kv_cache.init_cache(model, tokens.shape[0])
     return _compiled_extend(model, params, tokens, cache, lengths)
 
 
@@ -506,8 +493,6 @@ class DecodeStep:
 
     model: DecoderLM
     mesh: jax.sharding.Mesh | None = None
-    # Set on the step that runs inside a shard_map over this mesh axis.
-    device_axis: str | None = None
 
     def __call__(
         self, params: Any, tokens: jax.Array, cache: kv_cache.DecodeCache
@@ -517,22 +502,17 @@ class DecodeStep:
         tokens = jnp.asarray(tokens, jnp.int32)
         # One new position per row.
         column, lengths = tokens[:, None], jnp.ones_like(tokens)
-        if self.device_axis is not None:
-            return _extend_block(
-                self.model, self.device_axis, params, column, cache, lengths
-            )
-        if self.mesh is None:
-            return _compiled_extend(self.model, params, column, cache, lengths)
         _check_split(self.mesh, "tokens", tokens.shape[0])
-        return _split_extend(self.model, self.mesh, params, column, cache, lengths)
+        return _compiled_extend(self.model, params, column, cache, lengths)
 
     def per_device(self) -> "DecodeStep":
         """The step of one device's block of rows, for a decoder that runs
-        its whole loop inside a ``shard_map`` over ``mesh`` (as
-        :func:`lmhead.decoding.generate` does when it may)."""
+        its whole loop inside a ``shard_map`` over ``mesh``
+        (``lmhead/decoding/split.py``); slot pointers made inside that loop
+        name rows of the device's own block."""
         if self.mesh is None:
             raise ValueError("per_device needs a step made with a mesh.")
-        return DecodeStep(self.model, device_axis=self.mesh.axis_names[0])
+        return DecodeStep(self.model)
 
     def reorder(
         self, cache: kv_cache.DecodeCache, rows: jax.Array
@@ -540,11 +520,6 @@ class DecodeStep:
         return kv_cache.reorder_cache(cache, rows)
 
     def repeat(self, cache: kv_cache.DecodeCache, repeats: int) -> kv_cache.DecodeCache:
-        if cache.rows is not None:
-            # A row's copies point at its slots: they must share its device.
-            _check_split(
-                self.mesh, "the cache repeated with slot pointers", cache.index.shape[0]
-            )
         return kv_cache.repeat_cache(cache, repeats)
 
     def trim(self, cache: kv_cache.DecodeCache, num_steps: int) -> kv_cache.DecodeCache:
@@ -609,17 +584,19 @@ def make_step_fn(model: DecoderLM, mesh: jax.sharding.Mesh | None = None) -> Dec
     A row must not step past ``max_len`` (see
     :meth:`DecoderLM.extend`; :func:`prefill`'s ``max_new_tokens`` checks it).
 
-    With ``mesh``, a one-axis mesh (:func:`rows_mesh`), the rows are split
-    over its devices and each device steps its own block of them
-    (``lmhead.decoding.generate`` then runs a whole loop per device where
-    it may, through :meth:`DecodeStep.per_device`); the logits and cache
-    are those without it to float32 rounding (each device computes on its
-    own rows), so the tokens are too but at a near-tie. On a CPU, where
-    a step runs on one core per device, several CPU devices
+    With ``mesh``, a one-axis mesh (:func:`rows_mesh`), the decoders
+    split the rows over its devices: ``lmhead.decoding.generate``, its
+    streams and ``beam_search`` run a whole loop per device on its own
+    block of rows (prompts, with their beams), each stepping it with
+    :meth:`DecodeStep.per_device` (``lmhead/decoding/split.py``); the
+    logits are those without it to float32 rounding (each device computes
+    on its own rows), so the tokens are too but at a near-tie. Called on
+    the whole batch (as ``generate`` does with a ``processor`` hook) the
+    step is the one without a mesh, on the rows where they are. On a CPU,
+    where a step runs on one core per device, several CPU devices
     (``jax_num_cpu_devices``) then use several cores; ``docs/decoding.md``
     measures it. The number of rows must be a multiple of the mesh's size,
-    and so must the prompts of a beam search (each prompt's beams share
-    slots, so they must share a device).
+    and so must the prompts of a beam search.
 
     Examples:
         >>> import jax, jax.numpy as jnp

@@ -560,8 +560,8 @@ def check_split_decoding(streams=False):
         }
     if streams:
         return results
-    # Which loop each generate ran: every device its own (a key per row, or
-    # greedy), or the whole batch's with only the step split (one key).
+    # Which loop each generate ran: every device its own, or the whole
+    # batch's (a processor hook, which sees every row).
     step = model_lib.make_step_fn(model, two)
     logits, cache = model_lib.prefill(model, params, prompt, lengths)
     results["own loops"] = {
@@ -571,16 +571,17 @@ def check_split_decoding(streams=False):
                 eos_id=None, pad_id=-1, num_samples=1, prompt_tokens=None,
                 donate_state=False, row_max_new_tokens=None, stop=None,
                 stop_sequences=None, top_logprobs=0, log_probs_from="processed",
-                processor=None, knob_values={"temperature": temperature},
+                processor=hook, knob_values={"temperature": temperature},
             ),
             decoding.sampling._start, decoding.sampling._advance,
             decoding.sampling._columns,
         )
         is not None
-        for name, key, temperature in (
-            ("greedy", jax.random.key(2), 0.0),
-            ("one key", jax.random.key(2), 0.9),
-            ("row keys", jax.random.split(jax.random.key(3), 8), 0.9),
+        for name, key, temperature, hook in (
+            ("greedy", jax.random.key(2), 0.0, None),
+            ("one key", jax.random.key(2), 0.9, None),
+            ("row keys", jax.random.split(jax.random.key(3), 8), 0.9, None),
+            ("hook", jax.random.key(2), 0.0, lambda logits, context: logits),
         )
     }  # fmt: skip
     mesh = model_lib.rows_mesh(8)

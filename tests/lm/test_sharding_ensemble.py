@@ -70,9 +70,9 @@ def test_split_decoding_errors_and_mesh_sizes(results):
     }  # fmt: skip
 
 
-def test_split_decoding_runs_a_loop_per_device_when_rows_are_independent(results):
-    """Greedy and a key per row run a loop per device; one sampling key
-    keeps the batch's loop, with only the model's step split."""
+def test_split_decoding_runs_a_loop_per_device_but_with_a_hook(results):
+    """Greedy, one sampling key and a key per row run a loop per device; a
+    processor hook, which sees every row, keeps the batch's loop."""
     assert results["split_decoding"]["own loops"] == {
-        "greedy": True, "one key": False, "row keys": True
+        "greedy": True, "one key": True, "row keys": True, "hook": False
     }  # fmt: skip

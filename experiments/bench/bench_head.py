@@ -30,6 +30,15 @@ logits or, with ``--teacher=head``, as its own ``(h_t, w_t)``::
 
     python experiments/bench/bench_head.py --distillation=forward_kl,jsd
 
+``--post_training=dpo,grpo`` times ``preference.fused_preference_loss``
+(sigmoid DPO with a reference head) and
+``policy_gradient.fused_policy_gradient_loss`` (GRPO with old and reference
+log-probs given) against the same losses on the materialized logits'
+log-softmax, the same way (at the first shape, or ``--shapes``), on
+sequences of ``N / 16`` tokens::
+
+    python experiments/bench/bench_head.py --post_training=dpo,grpo
+
 ``--preset=gemma2`` prints one table at Gemma 2 2B's head (N = 8192,
 D = 2304, V = 256,000, bfloat16), the shape Cut Cross-Entropy's paper times:
 the forward and forward + backward of the fused and materialized losses, and
@@ -73,9 +82,12 @@ import timing  # experiments/bench/timing.py, beside this file
 from absl import app, flags, logging
 from head_tables import (  # experiments/bench/head_tables.py, beside this file
     GIB,
+    POST_TRAINING,
     available_bytes,
     format_bytes,
     format_ratio,
+    post_training_steps,
+    post_training_target,
     print_quantized,
 )
 
@@ -168,6 +180,12 @@ flags.DEFINE_enum(
     "(h_t, w_t), D_t = D, whose logits each path computes as it computes the "
     "student's.",
 )
+flags.DEFINE_list(
+    "post_training",
+    [],
+    "Post-training losses (dpo, grpo) to time instead of the cross-entropy: "
+    "fused against the same loss of the materialized logits.",
+)
 flags.DEFINE_enum(
     "preset",
     None,
@@ -222,6 +240,8 @@ def make_target(key, n, d, v, dtype, teacher):
     (``"head"``)."""
     if teacher is None:
         return jax.random.randint(key, (n,), 0, v)
+    if teacher in ("dpo", "grpo"):
+        return post_training_target(key, n, d, v, dtype, teacher)
     if teacher == "logits":
         return 2.0 * jax.random.normal(key, (n, v))
     h_key, w_key = jax.random.split(key)
@@ -586,10 +606,18 @@ def main(argv):
             )
             print("\n".join(rows), flush=True)
         return
-    if FLAGS.distillation:
+    if FLAGS.distillation or FLAGS.post_training:
         specs = FLAGS.shapes or specs[:1]
-    for divergence in FLAGS.distillation or [None]:
-        if divergence is not None:
+    for divergence in FLAGS.post_training + FLAGS.distillation or [None]:
+        if divergence in FLAGS.post_training:
+            steps = post_training_steps(
+                divergence, FLAGS.chunk_size, FLAGS.vocab_chunk_size
+            )
+            print(
+                f"\nPost-training, {divergence}: {POST_TRAINING[divergence]} "
+                "(GFLOP/s count the policy's 6 N D V):"
+            )
+        elif divergence is not None:
             steps = make_steps(
                 FLAGS.chunk_size, None, divergence=divergence, teacher=FLAGS.teacher
             )
@@ -611,7 +639,13 @@ def main(argv):
                         repeats,
                         FLAGS.seconds_per_program,
                         FLAGS.memory_fraction,
-                        teacher=None if divergence is None else FLAGS.teacher,
+                        teacher=(
+                            divergence
+                            if divergence in FLAGS.post_training
+                            else None
+                            if divergence is None
+                            else FLAGS.teacher
+                        ),
                     )
                 ),
                 flush=True,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's GPU measurements in one command, sized for a short lease of
-# one GPU (under 9 minutes): what the machine is, then each benchmark under
+# one GPU (under 11 minutes): what the machine is, then each benchmark under
 # its own time limit, its output in $OUT/<name>.txt.
 #
 #   OUT=/tmp/checks bash experiments/bench/gpu_checks.sh           # on a GPU
@@ -9,10 +9,14 @@
 # 1. head_gemma2: experiments/bench/bench_head.py --preset=gemma2, the fused
 #    loss against the materialized one (and Liger and Cut Cross-Entropy where
 #    torch and their packages are installed) at Gemma 2 2B's head.
-# 2. ensemble_gpu: experiments/bench/bench_ensemble.py --gpu, member-steps/s
+# 2. head_post_training: bench_head.py --post_training=dpo,grpo at the gemma2
+#    shape in bfloat16: DPO with a reference head and GRPO with old and
+#    reference log-probs, fused against materialized (docs/post_training.md's
+#    targets: at most 1/32 of the memory, at most 1.0x the time).
+# 3. ensemble_gpu: experiments/bench/bench_ensemble.py --gpu, member-steps/s
 #    of one vmap at 1, 16, 64 and 256 members against separate steps, and
 #    the most members that fit: what `make study-gpu` runs on.
-# 3. decode: experiments/bench/bench_decode.py at batch 32 (greedy at max_len
+# 4. decode: experiments/bench/bench_decode.py at batch 32 (greedy at max_len
 #    256 and 1024, 200 new tokens), then the request options and streaming at
 #    chunk_steps 1, 4 and 16, each as a ratio to plain greedy in the same run:
 #    docs/decoding.md's targets.
@@ -31,10 +35,12 @@ python=${PYTHON:-python3}
 # QUICK: each benchmark's --quick sizes (the gemma2 preset has none: the
 # quick head run is the default shapes' --quick), to check that it all runs.
 head=(--preset=gemma2)
+post_training=(--post_training=dpo,grpo --shapes=8192,2304,256000 --dtype=bfloat16 --repeats=2)
 decode=(--decoders=greedy --batch_sizes=32 --max_lens=256,1024 --new_tokens=200)
 quick=()
 if [ -n "${QUICK:-}" ]; then
     head=(--quick)
+    post_training=(--quick --post_training=dpo,grpo)
     decode=(--quick --decoders=greedy)
     quick=(--quick)
 fi
@@ -63,6 +69,7 @@ check() {  # check NAME SECONDS COMMAND...
 } 2>&1 | tee "$out/machine.txt"
 
 check head_gemma2 200 "$python" experiments/bench/bench_head.py "${head[@]}"
+check head_post_training 120 "$python" experiments/bench/bench_head.py "${post_training[@]}"
 check ensemble_gpu 200 "$python" experiments/bench/bench_ensemble.py --gpu "${quick[@]}"
 check decode 130 "$python" experiments/bench/bench_decode.py "${decode[@]}"
 echo "== $failures of $checks failed; outputs in $out"

@@ -1,6 +1,7 @@
 """Helpers of ``bench_head.py``: the memory and byte formats its tables
 share, and its ``--quantized`` tables (the inference head with a smaller
-table: bfloat16, float16, int8 with per-row scales, against float32).
+table: bfloat16, float16, int8 with per-row scales, against float32), and
+its ``--post_training`` programs (DPO and GRPO, fused and materialized).
 
 Not a command: ``python experiments/bench/bench_head.py --quantized``.
 """
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import timing  # experiments/bench/timing.py, beside this file
 
-from lmhead import head, quantize
+from lmhead import head, policy_gradient, preference, quantize
 from lmhead.lm import data, generation
 from lmhead.lm import model as model_lib
 
@@ -175,3 +176,106 @@ def print_quantized(vocab_sizes, rows, width, positions, workdir, repeats, matmu
             ),
             flush=True,
         )
+
+
+# ----------------------------------------------------------------------------
+# --post_training: DPO and GRPO, fused against materialized.
+# ----------------------------------------------------------------------------
+
+POST_TRAINING = {
+    "dpo": "sigmoid DPO on N / (2T) pairs of T tokens, a reference head",
+    "grpo": "GRPO (dapo, k3 KL 0.04) on N / T rollouts of T tokens, old and "
+    "reference log-probs given",
+}
+
+
+def sequence_length(n: int) -> int:
+    """T of the post-training rows: N / 16 tokens (512 at N = 8192)."""
+    return n // 16 if n % 16 == 0 else n // 2
+
+
+def post_training_target(key, n, d, v, dtype, loss):
+    """The inputs of a post-training row besides ``h`` and ``w``: the ids,
+    a mask whose first quarter of each sequence is the prompt, and for
+    ``dpo`` the reference head ``(h_ref, w_ref)``, for ``grpo`` the
+    advantages and the old and reference log-probs."""
+    t = sequence_length(n)
+    keys = jax.random.split(key, 4)
+    ids = jax.random.randint(keys[0], (n // t, t), 0, v)
+    mask = jnp.broadcast_to(jnp.arange(t) >= t // 4, ids.shape).astype(jnp.float32)
+    if loss == "dpo":
+        h_ref = jax.random.normal(keys[1], (n, d), dtype)
+        w_ref = (0.02 * jax.random.normal(keys[2], (v, d))).astype(dtype)
+        return ids, mask, h_ref, w_ref
+    logps = -jnp.log(v) + 0.1 * jax.random.normal(keys[1], (2,) + ids.shape)
+    return ids, mask, jax.random.normal(keys[2], ids.shape[:1]), logps[0], logps[1]
+
+
+def post_training_steps(loss, chunk_size, vocab_chunk_size):
+    """``{"fused": step, "materialized": step}``: jitted ``value_and_grad``
+    w.r.t. ``h`` and ``w`` of ``loss`` (``dpo`` or ``grpo``), ``step(h, w,
+    target)`` with ``target`` from :func:`post_training_target`."""
+    fused_options = dict(chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
+
+    def materialized_logps(h, w, ids):
+        logits = head.unembed(h.reshape(ids.shape + h.shape[-1:]), w)
+        return jnp.take_along_axis(jax.nn.log_softmax(logits), ids[..., None], -1)[
+            ..., 0
+        ]
+
+    def dpo(h, w, target, fused):
+        ids, mask, h_ref, w_ref = target
+        pairs = ids.shape[0] // 2
+        if fused:
+            hs = h.reshape(ids.shape + h.shape[-1:])
+            hr = h_ref.reshape(hs.shape)
+            return preference.fused_preference_loss(
+                hs[:pairs],
+                hs[pairs:],
+                w,
+                ids[:pairs],
+                ids[pairs:],
+                mask[:pairs],
+                mask[pairs:],
+                reference_head=(hr[:pairs], hr[pairs:], w_ref),
+                **fused_options,
+            )
+        logps = materialized_logps(h, w, ids)
+        ref = jax.lax.stop_gradient(materialized_logps(h_ref, w_ref, ids))
+        return preference.preference_loss(
+            logps[:pairs],
+            logps[pairs:],
+            mask[:pairs],
+            mask[pairs:],
+            ref_chosen_logps=ref[:pairs],
+            ref_rejected_logps=ref[pairs:],
+        )
+
+    def grpo(h, w, target, fused):
+        ids, mask, advantages, old, ref = target
+        options = dict(old_logps=old, ref_logps=ref, beta=0.04, loss_type="dapo")
+        if fused:
+            return policy_gradient.fused_policy_gradient_loss(
+                h.reshape(ids.shape + h.shape[-1:]),
+                w,
+                ids,
+                mask,
+                advantages,
+                **options,
+                **fused_options,
+            )
+        return policy_gradient.policy_gradient_loss(
+            materialized_logps(h, w, ids), mask, advantages, **options
+        )
+
+    loss_fn = {"dpo": dpo, "grpo": grpo}[loss]
+    return {
+        name: jax.jit(
+            jax.value_and_grad(
+                functools.partial(loss_fn, fused=name == "fused"),
+                argnums=(0, 1),
+                has_aux=True,
+            )
+        )
+        for name in ("fused", "materialized")
+    }

@@ -80,6 +80,26 @@ def test_bench_head_distillation_tables():
 
 
 @pytest.mark.slow
+def test_bench_head_post_training_tables():
+    """DPO and GRPO, fused and materialized, at the first quick shape: the
+    ratio is that of the two times, and the fused one needs less memory."""
+    stdout = run_bench("bench_head.py", "--quick", "--post_training=dpo,grpo")
+    assert stdout.count("Post-training, ") == 2
+    rows = re.findall(
+        r"^\| 512 \| 64 \| 1024 \| (\S+) \| (\S+) \| (\S+) \| (\S+) MiB \| "
+        r"(\S+) MiB \|",
+        stdout,
+        re.M,
+    )
+    assert len(rows) == 2
+    for fused, materialized, ratio, fused_temp, materialized_temp in rows:
+        assert float(ratio) == pytest.approx(
+            float(fused) / float(materialized), rel=0.02, abs=0.02
+        )
+        assert float(fused_temp) < float(materialized_temp)
+
+
+@pytest.mark.slow
 def test_bench_head_preset_table_at_a_small_shape():
     """The gemma2 preset's code path at a small shape; without torch and a
     CUDA device the peers are named as not timed."""

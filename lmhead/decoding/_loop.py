@@ -118,9 +118,10 @@ def right_aligned(prompt_tokens: jax.Array, width: int) -> jax.Array:
     return jnp.where(aligned >= 0, aligned, NO_TOKEN)
 
 
-def is_eos(token: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
-    """``bool [B]``: ``token [B]`` is one of ``eos_ids``."""
-    return jnp.isin(token, jnp.asarray(eos_ids, token.dtype))
+def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    """``bool [...]``: each of ``tokens [...]`` is one of ``eos_ids`` (the
+    generated tokens, or ``arange(V)`` for a mask over the vocabulary)."""
+    return jnp.isin(tokens, jnp.asarray(eos_ids, tokens.dtype))
 
 
 def not_finite(logits: jax.Array) -> jax.Array:

@@ -246,7 +246,7 @@ def _beam_step(
     totals = s.live_log_probs[..., None] + token_log_probs.reshape(
         batch, num_beams, vocab_size
     )
-    is_eos = jnp.isin(jnp.arange(vocab_size), jnp.asarray(config.eos_ids, jnp.int32))
+    is_eos = _loop.is_eos(jnp.arange(vocab_size), config.eos_ids)
     # Every candidate ends at the last step, with or without EOS.
     ends_now = is_eos | (length == config.max_new_tokens)
     ending_scores = jnp.where(

@@ -389,11 +389,7 @@ def apply_min_new_tokens(
     check_per_row("min_new_tokens", min_new_tokens, logits.shape[:-1])
     check_per_row("num_generated", num_generated, logits.shape[:-1])
     too_early = jnp.reshape(jnp.asarray(num_generated) < min_new_tokens, (-1, 1))
-    vocab = jnp.arange(logits.shape[-1])
-    if len(eos_ids) == 1:
-        is_eos = vocab == eos_ids[0]
-    else:
-        is_eos = jnp.isin(vocab, jnp.asarray(eos_ids, jnp.int32))
+    is_eos = _loop.is_eos(jnp.arange(logits.shape[-1]), eos_ids)
     return jnp.where(too_early & is_eos, NEG_INF, logits)
 
 

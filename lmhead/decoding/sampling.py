@@ -13,12 +13,12 @@ from lmhead.decoding._loop import StepFn
 from lmhead.decoding.knobs import SamplingKnobs
 from lmhead.decoding.split import split_loops
 from lmhead.decoding.step import (
-    FINISHED_LENGTH,
     DecodeRows,
     ProcessorContext,
     StepConfig,
     decode_step,
     is_running,
+    start_rows,
 )
 from lmhead.decoding.stopping import StopCondition, StopSequences
 from lmhead.head import NEG_INF
@@ -181,14 +181,12 @@ def _start(
         counts = jnp.zeros(logits.shape, jnp.int32)
     init = SamplingState(
         step=jnp.zeros((), jnp.int32),
-        rows=DecodeRows(
-            logits=logits,
-            key=key,
-            generated=jnp.zeros((batch,), jnp.int32),
-            limits=limits,
-            finish_reasons=jnp.full((batch,), FINISHED_LENGTH, jnp.int32),
-            history=history,
-            counts=counts,
+        rows=start_rows(
+            logits,
+            key,
+            limits,
+            history,
+            counts,
             stop_carry=tuple(condition.init(batch) for condition in stop),
         ),
         model_state=model_state,

@@ -43,7 +43,7 @@ from lmhead.decoding.knobs import (
     neutral_value,
 )
 from lmhead.decoding.processors import NO_TOKEN
-from lmhead.decoding.step import FINISHED_LENGTH, DecodeRows, StepConfig, decode_step
+from lmhead.decoding.step import DecodeRows, StepConfig, decode_step, start_rows
 
 
 class SlotState(NamedTuple):
@@ -150,16 +150,12 @@ def empty_slots(
     slots = jnp.shape(leaves[0])[0]
     _loop.check_state(model_state, slots)
     knobs = full_knobs(SamplingKnobs(temperature=0.0), slots, vocab_size)
-    zeros = lambda: jnp.zeros((slots,), jnp.int32)  # distinct, to be donated
-    rows = DecodeRows(
+    rows = start_rows(
         logits=jnp.zeros((slots, vocab_size), jnp.float32),
         key=jax.random.split(key, slots),
-        generated=zeros(),
-        limits=zeros(),
-        finish_reasons=jnp.full((slots,), FINISHED_LENGTH, jnp.int32),
+        limits=jnp.zeros((slots,), jnp.int32),
         history=jnp.full((slots, history_len), NO_TOKEN, jnp.int32),
         counts=jnp.zeros((slots, vocab_size), jnp.int32),
-        stop_carry=(),
     )
     return SlotState(rows, model_state, jax.tree.map(jnp.asarray, knobs))
 
@@ -168,18 +164,15 @@ def empty_slots(
 def _fill(state, slots, logits, model_state, keys, limits, history, knobs):
     put = lambda whole, rows: whole.at[slots].set(rows, mode="drop")
     old = state.rows
-    rows = DecodeRows(
-        logits=put(old.logits, logits),
-        key=put(old.key, keys),
-        generated=put(old.generated, jnp.zeros_like(limits)),
-        limits=put(old.limits, limits),
-        finish_reasons=put(old.finish_reasons, jnp.full_like(limits, FINISHED_LENGTH)),
-        history=put(old.history, _loop.right_aligned(history, old.history.shape[1])),
-        counts=put(old.counts, jnp.zeros_like(logits, jnp.int32)),
-        stop_carry=(),
+    new = start_rows(
+        logits,
+        keys,
+        limits,
+        history=_loop.right_aligned(history, old.history.shape[1]),
+        counts=jnp.zeros_like(logits, jnp.int32),
     )
     return SlotState(
-        rows=rows,
+        rows=jax.tree.map(put, old, new),
         model_state=jax.tree.map(put, state.model_state, model_state),
         knobs=jax.tree.map(put, state.knobs, knobs),
     )

@@ -121,6 +121,30 @@ class StepOutput(NamedTuple):
     top_log_probs: jax.Array
 
 
+def start_rows(
+    logits: jax.Array,
+    key: jax.Array,
+    limits: jax.Array,
+    history: jax.Array | None = None,
+    counts: jax.Array | None = None,
+    stop_carry: tuple = (),
+) -> DecodeRows:
+    """Rows about to draw their first token: none generated, each running
+    until its limit (``int32 [B]``), :data:`FINISHED_LENGTH` unless
+    something ends it first."""
+    batch = logits.shape[0]
+    return DecodeRows(
+        logits=logits,
+        key=key,
+        generated=jnp.zeros((batch,), jnp.int32),
+        limits=limits,
+        finish_reasons=jnp.full((batch,), FINISHED_LENGTH, jnp.int32),
+        history=history,
+        counts=counts,
+        stop_carry=stop_carry,
+    )
+
+
 def is_running(rows: DecodeRows) -> jax.Array:
     """``bool [B]``: the row has not ended."""
     return rows.generated < rows.limits

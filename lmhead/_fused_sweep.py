@@ -96,7 +96,8 @@ class Rule(Protocol):
     with a leading token axis (sliced per chunk, packed when weight-0 tokens
     are skipped) and a leading vocabulary axis (split with ``w``). ``coefs``
     are a tuple of ``[Nc]`` cotangent coefficients; an entry may be None (a
-    symbolic zero).
+    symbolic zero). ``loss`` and ``loss_coefs`` also get the token inputs (a
+    chunk's, or all tokens'), for a loss with per-token operands.
     """
 
     passes: int
@@ -108,8 +109,8 @@ class Rule(Protocol):
     def merge(self, pass_: int, carry: tuple, block: tuple) -> tuple: ...
     def combine(self, plan, pass_: int, carry: tuple) -> tuple: ...
     def finish(self, pass_: int, carry: tuple) -> tuple: ...
-    def loss(self, loss_scalars: jax.Array, outputs: tuple) -> jax.Array: ...
-    def loss_coefs(self, loss_scalars, outputs, weights) -> tuple: ...
+    def loss(self, loss_scalars, outputs, token_inputs) -> jax.Array: ...
+    def loss_coefs(self, loss_scalars, outputs, weights, token_inputs) -> tuple: ...
     def cotangent_coefs(self, outputs: tuple, cotangents: tuple) -> tuple: ...
     def dlogits(self, z, v0, context, outputs, coefs) -> jax.Array: ...
 
@@ -434,7 +435,9 @@ def _chunk_loop(
             )
             if grads is None:
                 return outputs, (dh, dw, db)
-            chunk_coefs = rule.loss_coefs(loss_scalars, new, chunk(loss_weights))
+            chunk_coefs = rule.loss_coefs(
+                loss_scalars, new, chunk(loss_weights), chunk(token_inputs)
+            )
         else:
             z, (new, chunk_coefs) = None, chunk(given)
         # Not a token of an earlier chunk, and of nonzero weight: 0 * NaN is
@@ -463,9 +466,9 @@ def _chunk_loop(
     return lax.fori_loop(0, num_chunks, body, (outputs, init))
 
 
-def _objective(plan, loss_scalars, outputs, loss_weights):
+def _objective(plan, loss_scalars, outputs, loss_weights, token_inputs):
     """``sum_t w_t L_t``, a weight of 0 giving 0 (``losses.weighted_values``)."""
-    token_loss = plan.rule.loss(loss_scalars, outputs)
+    token_loss = plan.rule.loss(loss_scalars, outputs, token_inputs)
     return jnp.sum(losses.weighted_values(token_loss, loss_weights))
 
 
@@ -489,7 +492,7 @@ def fused_core(plan, h, w, bias, loss_scalars, loss_weights, inputs):
     over the axes of the tokens.
     """
     outputs, _ = _sweep(plan, h, w, bias, loss_scalars, inputs, loss_weights)
-    return _objective(plan, loss_scalars, outputs, loss_weights), outputs
+    return _objective(plan, loss_scalars, outputs, loss_weights, inputs[0]), outputs
 
 
 # The rule has no symbolic zeros, which shard_map does not support: every
@@ -507,7 +510,7 @@ def _fused_core_fwd(plan, h, w, bias, loss_scalars, loss_weights, inputs):
         grads=_zero_grads(h, w, bias) if plan.grads_in_forward else None,
     )
     residuals = (h, w, bias, loss_scalars, loss_weights, inputs, outputs, saved)
-    objective = _objective(plan, loss_scalars, outputs, loss_weights)
+    objective = _objective(plan, loss_scalars, outputs, loss_weights, inputs[0])
     return (objective, outputs), residuals
 
 
@@ -521,7 +524,7 @@ def _fused_core_bwd(plan, residuals, cotangents):
     else:
         grads = _zero_grads(h, w, bias)
         objective_coefs = rule.loss_coefs(
-            loss_scalars, outputs, d_objective * loss_weights
+            loss_scalars, outputs, d_objective * loss_weights, inputs[0]
         )
         coefs = add_coefs(rule.cotangent_coefs(outputs, d_outputs), objective_coefs)
 
@@ -545,7 +548,9 @@ def _fused_core_bwd(plan, residuals, cotangents):
     # The outputs do not depend on loss_scalars or loss_weights: their
     # gradients are those of the objective alone.
     _, pullback = jax.vjp(
-        lambda s, x: _objective(plan, s, outputs, x), loss_scalars, loss_weights
+        lambda s, x: _objective(plan, s, outputs, x, inputs[0]),
+        loss_scalars,
+        loss_weights,
     )
     d_scalars, d_weights = pullback(d_objective)
     dh, dw, db = (

@@ -430,10 +430,10 @@ class DistillationRule:
         t = self.temperature
         return z / t - outputs[_LSE_Q], teacher / t - outputs[_LSE_P]
 
-    def loss(self, loss_scalars, outputs):
+    def loss(self, loss_scalars, outputs, token_inputs=None):
         return _mix(self.hard_weight, outputs[_NLL], outputs[_DIV])
 
-    def loss_coefs(self, loss_scalars, outputs, weights):
+    def loss_coefs(self, loss_scalars, outputs, weights, token_inputs=None):
         """``weights * d loss / d(divergence, nll)``; None for a left-out term."""
         a = self.hard_weight
         c_div = None if a == 1 else weights if a == 0 else (1.0 - a) * weights

@@ -154,7 +154,7 @@ class CrossEntropyRule:
         entropy = tuple(jnp.log(sum_exp) - t / sum_exp for t in tilted)
         return (peak + jnp.log(sum_exp), label, logit_sum, argmax, *entropy)
 
-    def loss(self, loss_scalars, outputs):
+    def loss(self, loss_scalars, outputs, token_inputs=None):
         """``losses.token_losses``' loss; ``loss_scalars: [2]`` float32 holds
         ``(label_smoothing, z_loss)``, used where the rule holds None."""
         return losses.token_losses(
@@ -169,7 +169,7 @@ class CrossEntropyRule:
             z_loss=loss_scalars[1] if self.z_loss is None else self.z_loss,
         )[0]
 
-    def loss_coefs(self, loss_scalars, outputs, weights):
+    def loss_coefs(self, loss_scalars, outputs, weights, token_inputs=None):
         """``weights * dL/d(lse, label_logit, logit_sum)``, token by token."""
         loss = functools.partial(lambda s, *x: self.loss(s, x), loss_scalars)
         _, pullback = jax.vjp(loss, *outputs[:3])

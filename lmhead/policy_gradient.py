@@ -9,6 +9,8 @@ the exact gradient. The formulas follow Liger-Kernel's GRPO
 (``chunked_loss/grpo_loss.py``); docs/post_training.md lists them.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +37,40 @@ def k3_kl(logps: jax.Array, ref_logps: jax.Array) -> jax.Array:
     """
     r = ref_logps - logps
     return jnp.exp(r) - r - 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenObjective:
+    """GRPO's per-token loss given each token's log-ratio: the clipped
+    surrogate, ``beta`` times the k3 KL, minus the entropy bonus. Hashable,
+    so that :class:`lmhead.token_logprobs.LogProbRule` can hold it."""
+
+    epsilon_low: float
+    epsilon_high: float
+    delta: float | None
+    beta: float
+    entropy_weight: float
+
+    def terms(self, log_ratio, advantage, logps, ref_logps, entropy):
+        """``(token loss, ratio)``; ``log_ratio`` and ``advantage`` broadcast
+        against ``logps``, ``ref_logps`` and ``entropy`` (None: left out)."""
+        ratio = jnp.exp(log_ratio)
+        clipped = jnp.clip(ratio, 1.0 - self.epsilon_low, 1.0 + self.epsilon_high)
+        unclipped = ratio if self.delta is None else jnp.minimum(ratio, self.delta)
+        loss = -jnp.minimum(unclipped * advantage, clipped * advantage)
+        if self.beta > 0:
+            loss = loss + self.beta * k3_kl(logps, ref_logps)
+        if entropy is not None and self.entropy_weight != 0:
+            loss = loss - self.entropy_weight * entropy
+        return loss, ratio
+
+    def __call__(self, logps, entropy, operands):
+        """The rule's ``token_loss``: ``logps [Nc, 1]``, ``operands = (old
+        log-probs or None, reference log-probs, advantages)``, each ``[Nc]``."""
+        old, ref, advantage = operands
+        logps = logps[:, 0]
+        old = jax.lax.stop_gradient(logps) if old is None else old
+        return self.terms(logps - old, advantage, logps, ref, entropy)[0]
 
 
 def check_options(
@@ -208,10 +244,16 @@ def policy_gradient_loss(
     if importance_sampling == "sequence":
         counts = jnp.maximum(jnp.sum(m, -1, keepdims=True), 1.0)
         log_ratio = jnp.sum(m * log_ratio, -1, keepdims=True) / counts
-    ratio = jnp.exp(log_ratio)
-    clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    unclipped = ratio if delta is None else jnp.minimum(ratio, delta)
-    token_loss = -jnp.minimum(unclipped * advantage, clipped * advantage)
+    objective = TokenObjective(
+        epsilon_low,
+        epsilon_high,
+        delta,
+        beta,
+        0.0 if entropy is None else entropy_weight,
+    )
+    ref = None if ref_logps is None else jax.lax.stop_gradient(masked(ref_logps))
+    entropy = None if entropy is None else masked(entropy)
+    token_loss, ratio = objective.terms(log_ratio, advantage, logps, ref, entropy)
     token_loss = jnp.broadcast_to(token_loss, m.shape)
     low = jnp.broadcast_to((ratio < 1.0 - epsilon_low) & (advantage < 0), m.shape)
     high = jnp.broadcast_to((ratio > 1.0 + epsilon_high) & (advantage > 0), m.shape)
@@ -222,16 +264,10 @@ def policy_gradient_loss(
         "clip_ratio": token_mean(low | high),
         "ratio": token_mean(jnp.broadcast_to(ratio, m.shape)),
     }
-    if ref_logps is not None:
-        kl = masked(k3_kl(logps, jax.lax.stop_gradient(masked(ref_logps))))
-        metrics["kl"] = token_mean(kl)
-        if beta > 0:
-            token_loss = token_loss + beta * kl
+    if ref is not None:
+        metrics["kl"] = token_mean(masked(k3_kl(logps, ref)))
     if entropy is not None:
-        entropy = masked(entropy)
         metrics["entropy"] = token_mean(entropy)
-        if entropy_weight != 0:
-            token_loss = token_loss - entropy_weight * entropy
     total = jnp.sum(m * token_loss)
     if loss_type == "grpo":
         counts = jnp.maximum(jnp.sum(m, -1), 1.0)
@@ -316,16 +352,26 @@ def fused_policy_gradient_loss(
         )
     if ref_logps is not None and reference_head is not None:
         raise ValueError("give ref_logps or reference_head, not both; got both.")
+    settings = _DEFAULTS | options
+    if set(options) - set(_DEFAULTS):
+        raise TypeError(
+            f"unknown options {sorted(set(options) - set(_DEFAULTS))}; allowed: "
+            f"{sorted(_DEFAULTS)}."
+        )
+    check_options(*(settings[name] for name in _DEFAULTS))
+    _check_shapes(
+        jnp.zeros(jnp.shape(ids), jnp.float32),
+        mask,
+        advantages,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
+    )
     sweep = dict(
         temperature=temperature,
         scale=scale,
         softcap=softcap,
         chunk_size=chunk_size,
         vocab_chunk_size=vocab_chunk_size,
-        weights=mask,
-    )
-    out = token_logprobs.fused_token_logprobs(
-        h, w, ids, bias=bias, entropy=entropy_weight is not None, **sweep
     )
     if reference_head is not None:
         if len(reference_head) not in (2, 3):
@@ -335,15 +381,103 @@ def fused_policy_gradient_loss(
             )
         h_ref, w_ref, *bias_ref = jax.lax.stop_gradient(tuple(reference_head))
         ref_logps = token_logprobs.fused_token_logprobs(
-            h_ref, w_ref, ids, bias=bias_ref[0] if bias_ref else None, **sweep
+            h_ref,
+            w_ref,
+            ids,
+            bias=bias_ref[0] if bias_ref else None,
+            weights=mask,
+            **sweep,
         ).logprobs
-    return policy_gradient_loss(
-        out.logprobs,
+    if settings["beta"] > 0 and ref_logps is None:
+        raise ValueError("ref_logps is required for beta > 0 (the KL's reference).")
+    bonus = 0.0 if entropy_weight is None else entropy_weight
+    if settings["importance_sampling"] == "sequence":
+        out = token_logprobs.fused_token_logprobs(
+            h,
+            w,
+            ids,
+            bias=bias,
+            weights=mask,
+            entropy=entropy_weight is not None,
+            **sweep,
+        )
+        return policy_gradient_loss(
+            out.logprobs,
+            mask,
+            advantages,
+            old_logps=old_logps,
+            ref_logps=ref_logps,
+            entropy=out.entropy,
+            entropy_weight=bonus,
+            **options,
+        )
+    # Token-level ratios: each token's loss depends on its own log-prob only,
+    # so the sweep takes its gradient while it holds the logits.
+    _checks.check_unembed_inputs(h, w, bias)
+    _checks.check_integer("ids", ids)
+    token_logprobs.check_options(
+        temperature, scale, softcap, chunk_size, vocab_chunk_size
+    )
+    _checks.check_ids_in_range("ids", ids, mask, jnp.shape(w)[0])
+    m = jnp.asarray(mask, jnp.float32)
+    live = m != 0
+
+    def operand(x):
+        return None if x is None else jnp.ravel(jnp.where(live, x, 0.0))
+
+    advantage = jnp.broadcast_to(jnp.asarray(advantages, jnp.float32)[:, None], m.shape)
+    operands = jax.lax.stop_gradient(
+        (operand(old_logps), operand(ref_logps), jnp.ravel(advantage))
+    )
+    objective = TokenObjective(
+        settings["epsilon_low"],
+        settings["epsilon_high"],
+        settings["delta"],
+        settings["beta"],
+        bonus,
+    )
+    loss, out = token_logprobs.token_loss_sweep(
+        h,
+        w,
+        ids,
+        _token_weights(m, settings),
+        token_loss=objective,
+        operands=operands,
+        bias=bias,
+        entropy=entropy_weight is not None,
+        precision=None,
+        **sweep,
+    )
+    _, metrics = policy_gradient_loss(
+        jax.lax.stop_gradient(out.logprobs),
         mask,
         advantages,
         old_logps=old_logps,
         ref_logps=ref_logps,
-        entropy=out.entropy,
-        entropy_weight=0.0 if entropy_weight is None else entropy_weight,
+        entropy=jax.lax.stop_gradient(out.entropy),
+        entropy_weight=bonus,
         **options,
     )
+    return loss, metrics
+
+
+_DEFAULTS = dict(
+    loss_type="dapo",
+    importance_sampling="token",
+    epsilon_low=0.2,
+    epsilon_high=0.2,
+    delta=None,
+    beta=0.0,
+    max_completion_length=None,
+)
+
+
+def _token_weights(m, settings):
+    """Each token's weight in the aggregation: ``grpo`` ``m / (B n_b)``,
+    ``bnpo`` and ``dapo`` ``m / sum m``, ``dr_grpo`` ``m / (B L_max)``."""
+    loss_type, batch = settings["loss_type"], m.shape[0]
+    if loss_type == "grpo":
+        return m / (batch * jnp.maximum(jnp.sum(m, -1, keepdims=True), 1.0))
+    if loss_type == "dr_grpo":
+        return m / (batch * settings["max_completion_length"])
+    return m / jnp.sum(m)

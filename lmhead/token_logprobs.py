@@ -15,6 +15,7 @@ docs/post_training.md derives the rule and lists the losses.
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -39,20 +40,25 @@ class LogProbRule:
         \frac{\partial L}{\partial z_i} = \alpha p_i + \sum_j \beta_j [i = y_j]
             - c\, p_i (\log p_i + H).
 
-    The rule's own loss (the sweep's objective) is the first id's negative
-    log-likelihood, ``lse - z_{y_1}``; :func:`fused_token_logprobs` does not
-    use it, so every gradient comes from the recompute sweep.
+    The rule's own loss (the sweep's objective) is ``token_loss(log p [Nc, k],
+    H [Nc] or None, operands)``, ``operands`` the per-token arrays given
+    beside the ids (``token_inputs = (ids, operands)``); its gradient
+    coefficients are its VJP, known per token while the forward sweep holds
+    a chunk's logits, so the sweep's forward gradients apply. Without
+    ``token_loss`` it is the first id's negative log-likelihood, which
+    :func:`fused_token_logprobs` does not use.
     """
 
     num_ids: int
     entropy: bool
+    token_loss: Callable | None = None  # hashable: a module-level function
     passes = 1
 
-    def empty(self, zeros, ids):
+    def empty(self, zeros, token_inputs):
         return (zeros,) * (1 + self.num_ids + self.entropy)
 
-    def chunk_context(self, plan, h_chunk, ids, row_inputs):
-        return ids - plan.first_row()
+    def chunk_context(self, plan, h_chunk, token_inputs, row_inputs):
+        return token_inputs[0] - plan.first_row()
 
     def init(self, pass_, zeros):
         return (zeros + NEG_INF, zeros) + (zeros,) * (self.num_ids + self.entropy)
@@ -93,11 +99,21 @@ class LogProbRule:
         entropy = tuple(jnp.log(sum_exp) - t / sum_exp for t in tilted)
         return (peak + jnp.log(sum_exp), *picked, *entropy)
 
-    def loss(self, loss_scalars, outputs):
-        return outputs[0] - outputs[1]
+    def loss(self, loss_scalars, outputs, token_inputs):
+        if self.token_loss is None:
+            return outputs[0] - outputs[1]
+        lse, *picked = outputs[: 1 + self.num_ids]
+        logps = jnp.stack(picked, axis=-1) - lse[:, None]
+        entropy = outputs[-1] if self.entropy else None
+        return self.token_loss(logps, entropy, token_inputs[1])
 
-    def loss_coefs(self, loss_scalars, outputs, weights):
-        return (weights, -weights) + (None,) * (self.num_ids - 1 + self.entropy)
+    def loss_coefs(self, loss_scalars, outputs, weights, token_inputs):
+        if self.token_loss is None:
+            return (weights, -weights) + (None,) * (self.num_ids - 1 + self.entropy)
+        _, pullback = jax.vjp(
+            lambda *x: self.loss(loss_scalars, x, token_inputs), *outputs
+        )
+        return pullback(weights)
 
     def cotangent_coefs(self, outputs, cotangents):
         return tuple(cotangents)
@@ -264,10 +280,50 @@ def fused_token_logprobs(
         if weights is None
         else (jnp.reshape(weights, -1) != 0).astype(jnp.float32)
     )
+    options = dict(
+        bias=bias,
+        temperature=temperature,
+        scale=scale,
+        softcap=softcap,
+        entropy=entropy,
+        chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
+        precision=precision,
+    )
+    return token_loss_sweep(h, w, ids, live, **options)[1]
+
+
+def token_loss_sweep(
+    h, w, ids, loss_weights, *, token_loss=None, operands=(), **options
+) -> tuple[jax.Array, TokenLogProbs]:
+    """``(sum_t loss_weights_t * token_loss_t, TokenLogProbs)`` from one sweep.
+
+    For losses that are a weighted sum over tokens of a function of each
+    token's own log-probs, entropy and ``operands`` (``[N]`` arrays, e.g.
+    old log-probs and advantages): :class:`LogProbRule` with ``token_loss``
+    computes the gradient of the sum in the forward sweep, from each
+    chunk's kept logits, as the fused cross-entropy does. Tokens of
+    ``loss_weights`` 0 have outputs 0 and no gradient. ``h``, ``w``, ``ids``
+    and the options are :func:`fused_token_logprobs`' (after its checks);
+    ``token_loss(logps [Nc, k], entropy [Nc] or None, operands) -> [Nc]``.
+    """
+    bias, temperature, entropy = (
+        options["bias"],
+        options["temperature"],
+        options["entropy"],
+    )
+    vocab_size, d_model = jnp.shape(w)
+    leading, ids_shape = jnp.shape(h)[:-1], jnp.shape(ids)
+    num_tokens = math.prod(leading)
+    num_ids = 1 if len(ids_shape) == len(leading) else ids_shape[-1]
+    loss_weights = jnp.reshape(jnp.asarray(loss_weights, jnp.float32), -1)
     flat_ids = jnp.reshape(jnp.clip(ids, 0, vocab_size - 1), (num_tokens, num_ids))
-    bias, scale, softcap = _tempered(bias, scale, softcap, float(temperature))
-    rule = LogProbRule(num_ids, entropy)
+    bias, scale, softcap = _tempered(
+        bias, options["scale"], options["softcap"], float(temperature)
+    )
+    rule = LogProbRule(num_ids, entropy, token_loss)
     if num_tokens == 0:
+        objective = jnp.zeros((), jnp.float32)
         outputs = (jnp.zeros((0,), jnp.float32),) * (1 + num_ids + entropy)
     else:
         plan = _fused_sweep.Plan(
@@ -275,23 +331,27 @@ def fused_token_logprobs(
             vocab_size,
             None,
             *_fused_sweep.block_sizes(
-                num_tokens, vocab_size, chunk_size, vocab_chunk_size
+                num_tokens,
+                vocab_size,
+                options["chunk_size"],
+                options["vocab_chunk_size"],
             ),
             None if scale is None else float(scale),
             None if softcap is None else float(softcap),
-            precision,
-            grads_in_forward=False,
+            options["precision"],
+            grads_in_forward=token_loss is not None,
         )
         dtype = jnp.result_type(h, w)
-        _, outputs = _fused_sweep.fused_core(
+        objective, outputs = _fused_sweep.fused_core(
             plan,
             jnp.reshape(h, (num_tokens, d_model)).astype(dtype),
             jnp.asarray(w, dtype),
             None if bias is None else jnp.asarray(bias),
             jnp.zeros((0,), jnp.float32),
-            live,
-            (flat_ids, ()),
+            loss_weights,
+            ((flat_ids, operands), ()),
         )
+    live = loss_weights
     lse, *picked = outputs[: 1 + num_ids]
     kept = live != 0
 
@@ -302,7 +362,7 @@ def fused_token_logprobs(
         )
 
     logprobs = jnp.stack(picked, axis=-1) - lse[:, None]
-    return TokenLogProbs(
+    return objective, TokenLogProbs(
         shaped(logprobs, ids_shape),
         shaped(outputs[-1], leading) if entropy else None,
         shaped(lse, leading),

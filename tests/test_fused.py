@@ -611,10 +611,10 @@ class SquaredLogitsRule:
     def finish(self, pass_, carry):
         return carry
 
-    def loss(self, loss_scalars, outputs):
+    def loss(self, loss_scalars, outputs, token_inputs):
         return 0.5 * outputs[0]
 
-    def loss_coefs(self, loss_scalars, outputs, weights):
+    def loss_coefs(self, loss_scalars, outputs, weights, token_inputs):
         return (0.5 * weights,)
 
     def cotangent_coefs(self, outputs, cotangents):

@@ -43,7 +43,17 @@ def k3_kl(logps: jax.Array, ref_logps: jax.Array) -> jax.Array:
 class TokenObjective:
     """GRPO's per-token loss given each token's log-ratio: the clipped
     surrogate, ``beta`` times the k3 KL, minus the entropy bonus. Hashable,
-    so that :class:`lmhead.token_logprobs.LogProbRule` can hold it."""
+    so that :class:`lmhead.token_logprobs.LogProbRule` can hold it.
+
+    Examples:
+        A ratio of 1.5 clipped to 1.2 for an advantage of 1:
+
+        >>> import jax.numpy as jnp
+        >>> objective = TokenObjective(0.2, 0.2, None, 0.0, 0.0)
+        >>> loss, ratio = objective.terms(jnp.log(1.5), 1.0, None, None, None)
+        >>> print(f"{loss:.2f} {ratio:.2f}")
+        -1.20 1.50
+    """
 
     epsilon_low: float
     epsilon_high: float

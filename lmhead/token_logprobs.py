@@ -305,7 +305,24 @@ def token_loss_sweep(
     chunk's kept logits, as the fused cross-entropy does. Tokens of
     ``loss_weights`` 0 have outputs 0 and no gradient. ``h``, ``w``, ``ids``
     and the options are :func:`fused_token_logprobs`' (after its checks);
-    ``token_loss(logps [Nc, k], entropy [Nc] or None, operands) -> [Nc]``.
+    ``token_loss(logps [Nc, k], entropy [Nc] or None, operands) -> [Nc]``,
+    a hashable callable (a frozen dataclass or a module-level function).
+
+    Examples:
+        The negative log-likelihood as a token loss, weighted:
+
+        >>> import jax, jax.numpy as jnp
+        >>> h = jax.random.normal(jax.random.key(0), (6, 4))
+        >>> w = jax.random.normal(jax.random.key(1), (10, 4))
+        >>> ids = jnp.array([8, 5, 3, 1, 2, 6])
+        >>> weights = jnp.array([1.0, 1.0, 1.0, 0.5, 0.5, 0.0])
+        >>> nll = lambda logps, entropy, operands: -logps[:, 0]
+        >>> loss, out = token_loss_sweep(
+        ...     h, w, ids, weights, token_loss=nll, bias=None, temperature=1.0,
+        ...     scale=None, softcap=None, entropy=False, chunk_size=4,
+        ...     vocab_chunk_size=None, precision=None)
+        >>> bool(jnp.allclose(loss, -jnp.sum(weights * out.logprobs)))
+        True
     """
     bias, temperature, entropy = (
         options["bias"],

@@ -336,11 +336,6 @@ def _prepare(
     )
 
 
-def _run(arguments: _LoopArguments, until: int) -> SamplingState:
-    """The loop from its start to step ``until`` (or until every row ends)."""
-    return _loops(arguments)[0](until)
-
-
 def _loops(arguments: _LoopArguments) -> tuple[Callable, Callable]:
     """``(start(until, width=None), resume(s, until, width=None))``: the
     loop from its start, and resumed from ``s`` (which it consumes), to step
@@ -548,4 +543,5 @@ def generate(
         stop_sequences=stop_sequences, top_logprobs=top_logprobs,
         log_probs_from=log_probs_from, processor=processor, knob_values=knob_values,
     )  # fmt: skip
-    return _generation_of(_run(arguments, max_new_tokens))
+    start = _loops(arguments)[0]  # the loop from its start, to its end
+    return _generation_of(start(max_new_tokens))

@@ -450,10 +450,10 @@ def generate(
             ``state``. A step that splits the rows over a mesh (a ``mesh``
             attribute, and ``per_device()`` giving the step of one device's
             rows, as ``lmhead.lm.model.make_step_fn(model, mesh)``) makes
-            each device run the loop on its own rows when that cannot
-            change which rows a draw reads (a key per row, or greedy
-            decoding; no ``processor``); the outputs are one device's to
-            float32 rounding.
+            each device run the loop on its own rows
+            (:mod:`lmhead.decoding.split`; a single key's draws are still
+            those of the whole batch), but with a ``processor``, which sees
+            every row; the outputs are one device's to float32 rounding.
         params: any pytree, passed to every ``step_fn`` call (traced).
         logits: ``[B, V]`` next-token logits after each prompt.
         state: pytree whose every leaf has leading axis ``B`` (may be empty).

@@ -469,6 +469,11 @@ def check_ensemble(workdir):
     return results
 
 
+def _ban_token_3(logits, context):
+    """A processor hook for check_split_decoding."""
+    return logits.at[:, 3].set(-1e30)
+
+
 def check_split_decoding(streams=False):
     """Greedy, sampled and beam decoding with the rows split over two devices
     (``model.make_step_fn(model, mesh)``, a prefill on the same mesh) against
@@ -506,6 +511,11 @@ def check_split_decoding(streams=False):
                 max_new_tokens=70, temperature=jnp.linspace(0.6, 1.2, 8),
                 presence_penalty=0.5, stop_sequences=[[5, 5]], num_samples=2,
                 row_max_new_tokens=jnp.arange(63, 71, dtype=jnp.int32),
+            ),
+            # A hook sees every row: the loop over the whole batch.
+            "hook": decoding.generate(
+                step, params, *start(), key=jax.random.key(2), max_new_tokens=20,
+                temperature=0.0, processor=_ban_token_3,
             ),
         }  # fmt: skip
         beams = decoding.beam_search(
@@ -545,8 +555,8 @@ def check_split_decoding(streams=False):
             ),
         }
 
-    # Two of the devices, as on a 2-core machine: the one-key loop's
-    # collectives then wait on two threads, not eight, on a loaded machine.
+    # Two of the devices, as on a 2-core machine: the hook's whole-batch
+    # loop then waits on two threads, not eight, on a loaded machine.
     two = model_lib.rows_mesh(8, jax.devices()[:2])
     one, split = decode(None), decode(two)
     if streams:

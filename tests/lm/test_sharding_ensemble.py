@@ -50,7 +50,7 @@ def test_loss_options_match_numpy(results):
     assert set(invalid.values()) == {2}
 
 
-@pytest.mark.parametrize("decoder", ["greedy", "row keys", "beam"])
+@pytest.mark.parametrize("decoder", ["greedy", "row keys", "beam", "hook"])
 def test_split_decoding_matches_one_device(results, decoder):
     """Rows split over two devices decode the tokens of one device, with the
     same log-probs to float32 rounding (one sampling key for the batch and

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lmhead.lm import data, ensemble, ensemble_program, generation, train
+from lmhead.lm import data, ensemble, ensemble_program, generation, loop, train
 from lmhead.lm import members as members_lib
 from tests import ROOT
 
@@ -80,6 +80,7 @@ def program(short_config, tmp_path_factory):
     training batch each member drew."""
     workdir = str(tmp_path_factory.mktemp("ensemble") / "program")
     drawn, original = [], data.train_batch
+    loops, original_loop = [], loop.train_loop
 
     def recording(tokens, *, seed, step, batch_size, block_size):
         drawn.append((seed, step, len(tokens)))
@@ -89,10 +90,17 @@ def program(short_config, tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(data, "train_batch", recording)
+        monkeypatch.setattr(
+            loop,
+            "train_loop",
+            lambda run, *a: (
+                loops.append((type(run), run.count)) or original_loop(run, *a)
+            ),
+        )
         summaries = ensemble.train_ensemble(
             short_config(**PROGRAM), make_members(workdir), workdir
         )
-    return dict(workdir=workdir, summaries=summaries, drawn=drawn)
+    return dict(workdir=workdir, summaries=summaries, drawn=drawn, loops=loops)
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +146,9 @@ class TestMembersAreRuns:
             got_params,
             want_params,
         )
+
+    def test_the_program_is_the_one_loop_over_its_members(self, program):
+        assert program["loops"] == [(ensemble_program.Program, len(SPECS))]
 
     def test_batches_are_the_single_runs(self, program):
         by_member = {}

@@ -2,10 +2,10 @@
 
 What the loop does over a whole run (logging, evaluation, early stopping,
 checkpoints, SIGTERM and SIGKILL resume, the test evaluation) is tested
-through the runs that use it: a single run in test_train.py,
-test_preemption.py and test_checkpoints.py, an ensemble's members in
-test_ensemble.py. Here: its pieces against references written in the test,
-and that both kinds of run go through it.
+through the runs that use it, which also check that they go through it: a
+single run in test_train.py, test_preemption.py and test_checkpoints.py, an
+ensemble's members in test_ensemble.py. Here: its pieces against references
+written in the test.
 """
 
 import jax.numpy as jnp
@@ -13,8 +13,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from lmhead.lm import ensemble, ensemble_program, loop, train
-from lmhead.lm import members as members_lib
+from lmhead.lm import loop
 
 
 def state_of(step, leaves):
@@ -86,34 +85,3 @@ def test_periodic_actions_against_the_rule():
         checkpoint = done % 20 == 0 or done == 50
         log = evaluate or checkpoint or done % 3 == 0
         assert loop.periodic_actions(config, done) == (log, evaluate, checkpoint)
-
-
-def test_a_single_run_and_an_ensemble_run_the_same_loop(
-    short_config, tmp_path, monkeypatch
-):
-    """Both entry points train through loop.train_loop and end with loop.finish,
-    with a run of one member and of two."""
-    runs, original = [], loop.train_loop
-    monkeypatch.setattr(
-        loop,
-        "train_loop",
-        lambda run, *args: runs.append((type(run), run.count)) or original(run, *args),
-    )
-    config = short_config(
-        **{"train.steps": 4, "train.eval_every": 2, "train.checkpoint_every": 2}
-    )
-    summary = train.train_and_evaluate(config, str(tmp_path / "single"))
-    members = members_lib.make_members(
-        [
-            {"workdir": str(tmp_path / "program" / f"m{i}"), "train.seed": i}
-            for i in range(2)
-        ],
-        str(tmp_path / "program"),
-    )
-    summaries = ensemble.train_ensemble(config, members, str(tmp_path / "program"))
-    assert runs == [(train._SingleRun, 1), (ensemble_program.Program, 2)]
-    assert summary["steps_run"] == 4 and [s["steps_run"] for s in summaries] == [4, 4]
-    # Member 0 has the single run's seed: the same evaluations to float32 rounding.
-    np.testing.assert_allclose(
-        summaries[0]["final"]["eval/loss"], summary["final"]["eval/loss"], rtol=1e-5
-    )

@@ -103,8 +103,10 @@ def test_sigterm_stops_the_runner_and_its_runs(tmp_path):
         cwd=ROOT,
     )
     run = tmp_path / "sweep" / "tied=True,seed=0"
-    deadline = time.time() + 60
-    while not (run / "started").exists() and time.time() < deadline:
+    # However slow the machine, the run is started before the runner is
+    # stopped: the run waits for the signal (SLOW_TRAIN), the test for it.
+    while not (run / "started").exists():
+        assert process.poll() is None, process.communicate()[0]
         time.sleep(0.1)
     process.terminate()
     output, _ = process.communicate(timeout=60)

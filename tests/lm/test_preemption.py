@@ -73,9 +73,35 @@ def finished(corpus, tmp_path_factory):
     return workdir
 
 
-def command(corpus, workdir):
+# Runs experiments/train.py as the command line does, except that the run
+# waits once it has logged the step given first: a SIGKILL finds it there,
+# and a SIGTERM reaches the run's own handler there and lets it go on to the
+# next step boundary. However fast the machine, the run has not finished.
+HOLD_AFTER = """
+import os, runpy, signal, sys, threading
+from lmhead.lm import monitoring
+log, step = monitoring.log, sys.argv.pop(1)
+def held(message):
+    log(message)
+    if message.startswith(f"step {step}/"):
+        handler, terminated = signal.getsignal(signal.SIGTERM), threading.Event()
+        signal.signal(signal.SIGTERM, lambda *args: terminated.set())
+        while not terminated.wait(0.1):
+            pass
+        signal.signal(signal.SIGTERM, handler)
+        handler(signal.SIGTERM, None)
+monitoring.log = held
+sys.argv.pop(0)
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def command(corpus, workdir, hold_after=None):
+    held = [] if hold_after is None else ["-c", HOLD_AFTER, str(hold_after)]
     return [
         sys.executable,
+        *held,
         os.path.join(ROOT, "experiments", "train.py"),
         "--config=configs/default.py:tiny",
         f"--workdir={workdir}",
@@ -83,9 +109,9 @@ def command(corpus, workdir):
     ] + [f"--config.{key}={value}" for key, value in CONFIG.items()]
 
 
-def start(corpus, workdir, log):
+def start(corpus, workdir, log, hold_after=None):
     return subprocess.Popen(
-        command(corpus, workdir),
+        command(corpus, workdir, hold_after),
         cwd=ROOT,
         text=True,
         stdout=subprocess.PIPE,
@@ -148,8 +174,9 @@ def assert_same_run(workdir, reference):
 
 
 def kill_during_training(corpus, workdir, log):
-    """SIGKILL after step 10, and a partial write of the next checkpoint."""
-    signal_after(start(corpus, workdir, log), 10, signal.SIGKILL)
+    """SIGKILL after step 10, where the run waits for it, and a partial write
+    of the next checkpoint."""
+    signal_after(start(corpus, workdir, log, hold_after=10), 10, signal.SIGKILL)
     kept = checkpoint_steps(workdir)
     assert not os.path.exists(os.path.join(workdir, "summary.json")), (
         "the run finished before the kill",
@@ -180,7 +207,7 @@ def test_kill_term_and_corruption_end_bitwise_equal(corpus, finished, tmp_path):
     resumed_from = kill_during_training(corpus, workdir, log)
 
     # SIGTERM after step 25: a checkpoint at the next step boundary, status 143.
-    terminated = start(corpus, workdir, log)
+    terminated = start(corpus, workdir, log, hold_after=25)
     stdout = signal_after(terminated, 25, signal.SIGTERM)
     log.seek(0)
     stderr = log.read()

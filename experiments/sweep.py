@@ -12,6 +12,18 @@ interrupted ones resume, so rerunning the same command continues a sweep. A
 failed run does not stop the others; the command exits with status 1 at the
 end and lists the failed runs with the end of their logs.
 
+While they train, every ``--progress_every_s`` seconds (default 30; 0: never)
+the runner prints a line per running run or ensemble program, read from the
+files its members write (``lmhead/lab/progress.py``)::
+
+      tied=True,ensemble=0: step 300/600, best eval/loss 5.4321 (members' bests
+      up to 5.5012), 7/8 members training, ETA 2.1 min at 2.40 steps/s (early
+      stopping may end it sooner)
+
+The ETA is the time to the step budget (``train.steps``) at the step rate
+measured since the program's first logged step, evaluations included; the
+members that have a patience may all stop before it.
+
 On a cluster, ``--dry_run`` prints the remaining runs' commands, one a line,
 for a Slurm array or GNU parallel; afterwards ``experiments/report.py`` reads
 the same directory (a sweep in stages, like the tying study, runs each
@@ -56,7 +68,7 @@ import sys
 import cli  # experiments/cli.py, beside this file
 from absl import app, flags
 
-from lmhead.lab import runner, sweeps
+from lmhead.lab import progress, runner, sweeps
 
 EXPERIMENTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -102,6 +114,13 @@ _RESTORE_FROM = flags.DEFINE_multi_string(
     "machine where its committed table stands. Repeat the flag to restore "
     "from several tables, in order.",
 )
+_PROGRESS_EVERY_S = flags.DEFINE_float(
+    "progress_every_s",
+    progress.PROGRESS_EVERY_S,
+    "Print each running run's or program's progress (step, best eval/loss, "
+    "members still training, ETA) every this many seconds; 0: never.",
+    lower_bound=0.0,
+)
 _REPORT = flags.DEFINE_bool(
     "report", True, "Write REPORT.md and the plots when the runs are done."
 )
@@ -142,6 +161,7 @@ def main(argv):
             command=shlex.join(["python", *sys.argv]),
             report_command=report if _REPORT.value else None,
             jobs=jobs,
+            progress_every_s=_PROGRESS_EVERY_S.value,
         )
     except runner.Terminated:
         sys.exit(

@@ -19,6 +19,9 @@ runs do not contend for cores; whether running several at a time pays on a
 CPU is measured in ``docs/scale_out.md`` ("Several runs on one CPU").
 SIGTERM (``kill``, a scheduler's preemption) stops the running runs with
 the runner (:class:`Terminated`), so none outlives it to race a rerun.
+Besides a line when a job starts and when it ends, every few tens of
+seconds each running job's progress (step, best validation loss, members
+training, ETA) comes from its members' files (:mod:`lmhead.lab.progress`).
 
 Ensembles: with ``Sweep(ensemble=M)``, ``M > 1``, the runs that differ only
 in member keys run as programs of at most M members, one process and one
@@ -43,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from lmhead.lab import ensembles, sweeps, workdirs
+from lmhead.lab import ensembles, progress, sweeps, workdirs
 from lmhead.lm import configuration
 
 LOG_TAIL_LINES = 20
@@ -337,10 +340,15 @@ def run_all(
     slots: list[Slot],
     replan: Callable[[], list[dict]] | None = None,
     stop: threading.Event | None = None,
+    progress_every_s: float = 0.0,
 ) -> tuple[list[dict], int]:
     """Runs ``runs`` (runs or programs: jobs, each one process), one per slot
     at a time (a slot: the CPUs a job is pinned to, or ``None``); returns the
     ones that failed and how many ran.
+
+    ``progress_every_s`` > 0: every that many seconds, a line per running
+    job with its step, best validation loss, members still training and ETA
+    (:class:`lmhead.lab.progress.Progress`, from its members' files).
 
     ``replan``: called whenever a job ends; the unfinished jobs it returns
     that have not been queued yet join the queue (a sweep that plans from its
@@ -351,12 +359,17 @@ def run_all(
     """
     queue = _Queue(collections.deque(), collections.deque(slots))
     queue.add(runs)
+    watch = progress.Progress(progress_every_s) if progress_every_s > 0 else None
     try:
         while queue.pending or queue.running:
             if stop is not None and stop.is_set():
                 raise Terminated()
             while queue.pending and queue.free:
                 queue.start_next()
+            if watch is not None:
+                running = [job for job, *_ in queue.running.values()]
+                for line in watch.poll(running, time.monotonic()):
+                    print(line, flush=True)
             for process in list(queue.running):
                 if process.poll() is not None:
                     name = describe(queue.running[process][0])
@@ -430,9 +443,12 @@ def run_sweep(
     command: str,
     report_command: list[str] | None = None,
     jobs: list[dict] | None = None,
+    progress_every_s: float = progress.PROGRESS_EVERY_S,
 ) -> int:
     """Runs the unfinished ``runs`` of ``sweep`` (its :meth:`Sweep.plan`), one
     job per slot at a time, planning again as jobs end; then ``report_command``.
+    Every ``progress_every_s`` seconds (0: never) it prints each running
+    job's progress (:func:`run_all`).
 
     ``jobs``: the processes that run them (:meth:`Sweep.plan_jobs`, which
     groups them into programs with ensembles); default: the unfinished runs.
@@ -469,7 +485,9 @@ def run_sweep(
         flush=True,
     )
     started = time.time()
-    failed, ran = run_all(jobs, slots, sweep.unfinished_jobs, stop)
+    failed, ran = run_all(
+        jobs, slots, sweep.unfinished_jobs, stop, progress_every_s=progress_every_s
+    )
     write_sweep_record(sweep, sweep.plan(), command)
     print(f"The runs took {(time.time() - started) / 60:.1f} min.", flush=True)
     report_failed = (

@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +22,7 @@ import pytest
 from lmhead.lm import data, ensemble, ensemble_program, generation, loop, train
 from lmhead.lm import members as members_lib
 from tests import ROOT
+from tests.lm.test_preemption import HOLD_AFTER, signal_after
 
 # Every member sets warmup_steps=3, not the program config's 2: a value the
 # members share but the program's config does not.
@@ -260,12 +260,16 @@ class TestResume:
 
 @pytest.mark.slow
 def test_sigkill_then_the_same_command_resumes_bitwise(tmp_path):
-    """The command killed with SIGKILL after its first checkpoint, then run
-    again: every member's parameters equal an uninterrupted program's."""
+    """The command killed with SIGKILL at step 20, after its first checkpoint
+    (10) and before its second, then run again: every member's parameters
+    equal an uninterrupted program's. The killed command waits once it has
+    logged step 20 (test_preemption's wrapper of train.py), so it is killed
+    there however fast the machine."""
 
-    def command(workdir):
+    def command(workdir, hold_after=()):
         return [
             sys.executable,
+            *hold_after,
             os.path.join(ROOT, "experiments", "train.py"),
             "--config=configs/default.py:tiny",
             f"--workdir={workdir}",
@@ -276,12 +280,18 @@ def test_sigkill_then_the_same_command_resumes_bitwise(tmp_path):
         ]
 
     killed, whole = str(tmp_path / "killed"), str(tmp_path / "whole")
-    process = subprocess.Popen(command(killed), cwd=ROOT, stdout=subprocess.DEVNULL)
-    first = os.path.join(killed, "checkpoints", "10")
-    while not os.path.isdir(first) and process.poll() is None:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    with open(tmp_path / "killed.log", "w") as log:
+        process = subprocess.Popen(
+            command(killed, ["-c", HOLD_AFTER, "20"]),
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=log,
+        )
+        signal_after(process, 20, signal.SIGKILL)
+    assert process.returncode == -signal.SIGKILL
+    kept = os.listdir(os.path.join(killed, "checkpoints"))
+    assert [name for name in kept if name.isdigit()] == ["10"]
     subprocess.run(command(killed), cwd=ROOT, check=True, capture_output=True)
     subprocess.run(command(whole), cwd=ROOT, check=True, capture_output=True)
     for index in range(2):

@@ -25,6 +25,8 @@ setuptools.setup(
         "tokenizers>=0.19",
         "matplotlib>=3.8",
         "numpy>=1.26",
+        # lmhead.lab.stats and the tying study's reports (t quantiles, tests).
+        "scipy>=1.11",
         "statsmodels>=0.14",
     ],
     extras_require={

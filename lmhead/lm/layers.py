@@ -1,6 +1,7 @@
 """The layers of the decoder-only Transformer (``model.DecoderLM``): rotary
-positions, the exact GELU, LayerNorm, causal self-attention over a sequence
-or a key/value cache, and the pre-LayerNorm block, in GPT-2's layout.
+positions, the GELU (exact, or GPT-2's tanh form), LayerNorm, causal
+self-attention over a sequence or a key/value cache, and the pre-LayerNorm
+block, in GPT-2's layout.
 
 Attention's softmax is :func:`lmhead.lm.attention.softmax_weights`, shared
 with the cache's path (:mod:`lmhead.lm.kv_cache`).
@@ -20,6 +21,9 @@ INIT_STD = 0.02
 # GPT-2's and nanoGPT's (PyTorch's default); Flax's own default is 1e-6.
 LAYER_NORM_EPSILON = 1e-5
 ROPE_BASE = 10000.0
+# The MLP's activations: the exact GELU, and the tanh form GPT-2 was trained
+# with (Hugging Face's "gelu_new").
+ACTIVATIONS = ("gelu", "gelu_tanh")
 
 
 def rotary(x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -50,23 +54,31 @@ def rotary(x: jax.Array, positions: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
-def gelu(x: jax.Array) -> jax.Array:
-    r"""Exact GELU, :math:`\tfrac12 x\,(1 + \mathrm{erf}(x / \sqrt 2))`, of
-    ``x: [...]``, evaluated in float32 and returned in ``x``'s dtype.
+def gelu(x: jax.Array, approximate: bool = False) -> jax.Array:
+    r"""GELU of ``x: [...]``, evaluated in float32 and returned in ``x``'s
+    dtype: exact, :math:`\tfrac12 x\,(1 + \mathrm{erf}(x / \sqrt 2))`, or
+    with ``approximate`` the tanh form
+    :math:`\tfrac12 x\,(1 + \tanh(\sqrt{2/\pi}\,(x + 0.044715\,x^3)))`
+    that GPT-2 was trained with.
 
-    The same function as ``jax.nn.gelu(x, approximate=False)``, which is
-    written with ``erfc(-x / sqrt 2)``; ``docs/design.md`` ("The MLP's GELU")
-    says why ``erf`` and why float32.
+    The exact one is the same function as ``jax.nn.gelu(x,
+    approximate=False)``, which is written with ``erfc(-x / sqrt 2)``;
+    ``docs/design.md`` ("The MLP's GELU") says why ``erf`` and why float32.
 
     Examples:
         >>> gelu(jnp.array([-1.0, 0.0, 1.0])).round(4)
         Array([-0.1587,  0.    ,  0.8413], dtype=float32)
+        >>> gelu(jnp.array([-1.0, 0.0, 1.0]), approximate=True).round(4).tolist()
+        [-0.1588, 0.0, 0.8412]
 
     References:
         Hendrycks & Gimpel 2016, "Gaussian Error Linear Units (GELUs)",
         arXiv:1606.08415.
     """
     x32 = x.astype(jnp.float32)
+    if approximate:
+        inner = math.sqrt(2.0 / math.pi) * (x32 + 0.044715 * x32**3)
+        return (0.5 * x32 * (1.0 + jnp.tanh(inner))).astype(x.dtype)
     return (0.5 * x32 * (1.0 + jax.lax.erf(x32 / math.sqrt(2.0)))).astype(x.dtype)
 
 
@@ -155,7 +167,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm Transformer block: x + attention(LN(x)), then x + MLP(LN(x))."""
+    """Pre-LayerNorm Transformer block: x + attention(LN(x)), then x + MLP(LN(x));
+    the MLP's activation is one of :data:`ACTIVATIONS`."""
 
     num_heads: int
     mlp_dim: int
@@ -164,6 +177,7 @@ class Block(nn.Module):
     rope: bool
     use_bias: bool
     dtype: Any
+    activation: str = "gelu"
 
     @nn.compact
     def __call__(self, x, positions, mask, cache, *, train):
@@ -200,5 +214,5 @@ class Block(nn.Module):
             dtype=self.dtype,
             name="mlp_out",
             kernel_init=nn.initializers.normal(self.residual_init_std),
-        )(gelu(y))
+        )(gelu(y, approximate=self.activation == "gelu_tanh"))
         return x + dropout(y), cache

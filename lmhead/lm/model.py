@@ -58,7 +58,7 @@ import numpy as np
 from lmhead import _checks, modules
 from lmhead.head import last_positions
 from lmhead.lm import kv_cache, sharding
-from lmhead.lm.layers import INIT_STD, Block, layer_norm
+from lmhead.lm.layers import ACTIVATIONS, INIT_STD, Block, layer_norm
 from lmhead.lm.layers import LAYER_NORM_EPSILON as LAYER_NORM_EPSILON
 
 POSITIONS = ("learned", "rope")
@@ -77,7 +77,7 @@ class DecoderLM(nn.Module):
     \sqrt{2 L})^2)`, so that the residual stream's variance does not grow
     with depth; biases 0, LayerNorm scales 1. LayerNorms use
     :math:`\epsilon` = ``LAYER_NORM_EPSILON`` (1e-5, as GPT-2), the MLP the
-    exact (erf) GELU.
+    exact (erf) GELU unless ``activation`` says otherwise.
 
     Attributes:
         vocab_size: ``V``.
@@ -102,6 +102,9 @@ class DecoderLM(nn.Module):
         head_bias, head_scale, logits_softcap: passed to ``modules.LMHead``
             as ``use_bias``, ``scale``, ``softcap``.
         dtype: compute dtype, e.g. ``jnp.float32`` or ``jnp.bfloat16``.
+        activation: the MLP's, one of ``layers.ACTIVATIONS``: ``"gelu"``
+            (exact) or ``"gelu_tanh"`` (GPT-2's tanh form, for checkpoints
+            trained with it; see ``lmhead.lm.gpt2_import``).
 
     Token ids outside ``[0, V)`` raise ValueError outside ``jit``; inside
     ``jit`` they look up NaN embeddings (``nn.Embed``'s rule), so the logits of
@@ -138,6 +141,7 @@ class DecoderLM(nn.Module):
     logits_softcap: float | None = None
     head_rank: int | None = None
     dtype: Any = jnp.float32
+    activation: str = "gelu"
 
     def setup(self):
         self._check_config()
@@ -162,6 +166,7 @@ class DecoderLM(nn.Module):
                 rope=self.positions == "rope",
                 use_bias=self.use_bias,
                 dtype=self.dtype,
+                activation=self.activation,
             )
             for _ in range(self.num_layers)
         ]
@@ -193,6 +198,7 @@ class DecoderLM(nn.Module):
                 f"{self.num_heads}, d_model={self.d_model}."
             )
         _checks.check_choice("positions", self.positions, POSITIONS)
+        _checks.check_choice("activation", self.activation, ACTIVATIONS)
         if self.positions == "rope" and (self.d_model // self.num_heads) % 2:
             raise ValueError(
                 "positions='rope' needs an even head size d_model / "

@@ -36,6 +36,16 @@ class LayersTest(chex.TestCase):
             )
 
     @chex.variants(with_jit=True, without_jit=True)
+    def test_gelu_tanh_is_gpt2s_formula(self):
+        x = np.linspace(-12, 12, 20001)
+        got = self.variant(lambda x: layers.gelu(x, approximate=True))(
+            jnp.asarray(x, jnp.float32)
+        )
+        x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+        want = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+
+    @chex.variants(with_jit=True, without_jit=True)
     def test_rotary_turns_each_pair_by_its_angle(self):
         rng = np.random.default_rng(0)
         x = rng.normal(size=(2, 5, 3, 8)).astype(np.float32)

@@ -9,7 +9,9 @@ STAMP := $(VENV)/.installed
 
 STUDY := configs/sweeps/tying_study.py
 # Extra experiments/sweep.py flags for compare and study, e.g. on a 2-core CPU
-# SWEEP_FLAGS="--parallel=2 --cpus_per_run=1" (two one-core runs at a time).
+# SWEEP_FLAGS="--parallel=2 --cpus_per_run=1" (two one-core runs at a time),
+# or --progress_every_s=N: each running program's progress every N seconds
+# (30 by default; 0: none).
 SWEEP_FLAGS ?=
 
 # A small version of the tying study (configs/sweeps/tying_study.py:small):

@@ -5,8 +5,10 @@ r"""Serves a trained run over HTTP: OpenAI's completions, health and metrics.
     python experiments/serve.py --workdir=runs/nanogpt_tied --host=0.0.0.0 \
         --token_file=secret.txt     # any other address needs a bearer token
 
-Completions are batched continuously (``lmhead/serve/continuous.py``); the
-decode slots (a prefill per prompt length, a fill, the step) and the scorer
+Completions are batched continuously (``lmhead/serve/continuous.py``); a
+request fits when its prompt plus ``max_tokens`` fits the run's context
+(``echo`` with ``max_tokens`` 0 or 1 scores a prompt of the whole context).
+The decode slots (a prefill per prompt length, a fill, the step) and the scorer
 of echoed prompts are compiled before it listens, and beam search compiles a
 shape on its first use. Compiled programs are kept in
 ``--compilation_cache`` (default ``WORKDIR/xla_cache``), so a second start of
@@ -44,17 +46,34 @@ flags.DEFINE_list(
     "prompt_lengths",
     [],
     "Prompt lengths (tokens) to compile; the "
-    "largest caps a prompt. Default: powers of 2 up to max_len // 2.",
+    "largest caps a prompt. Default: powers of 2 up to max_len, and max_len.",
 )
 flags.DEFINE_list(
     "new_tokens",
     [],
-    "New-token counts to compile; the largest caps "
-    "max_new_tokens. Default: powers of 2 up to max_len - the "
-    "longest prompt.",
+    "The max_tokens values beam search may run (each compiles on its first "
+    "use). Default: powers of 2 up to max_len, and max_len.",
 )
 flags.DEFINE_list("beam_sizes", ["2", "4"], "num_beams values above 1 to allow.")
 flags.DEFINE_integer("max_prompts", 16, "Prompts per request.", lower_bound=1)
+flags.DEFINE_integer(
+    "max_stops",
+    requests.Limits.max_stops,
+    "Stop strings (and stop_token_ids) per request.",
+    lower_bound=1,
+)
+flags.DEFINE_integer(
+    "max_stop_chars",
+    requests.Limits.max_stop_chars,
+    "Characters of one stop string.",
+    lower_bound=1,
+)
+flags.DEFINE_bool(
+    "cap_max_tokens",
+    False,
+    "Cut a max_tokens past the context to the room the prompt leaves instead "
+    "of answering 400 (for harnesses that send one count to every model).",
+)
 flags.DEFINE_integer("max_body_bytes", 65536, "Largest request body.", lower_bound=1)
 flags.DEFINE_integer(
     "max_queue", 64, "Requests that may wait; more get 503.", lower_bound=1
@@ -107,15 +126,11 @@ def main(argv):
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     _, tokenizer, model, params = generation.load_run(f.workdir)
-    prompt_lengths = _sizes(
-        "prompt_lengths", requests.powers_of_two(model.max_len // 2)
-    )
+    whole = requests.powers_of_two(model.max_len)
     buckets = requests.Buckets(
         batch_sizes=batch_sizes,
-        prompt_lengths=prompt_lengths,
-        new_tokens=_sizes(
-            "new_tokens", requests.powers_of_two(model.max_len - prompt_lengths[-1])
-        ),
+        prompt_lengths=_sizes("prompt_lengths", whole),
+        new_tokens=_sizes("new_tokens", whole),
         beam_sizes=_sizes("beam_sizes", ()),
     )
     served = engine.Engine(model, params, tokenizer, buckets, seed=f.seed)
@@ -126,7 +141,12 @@ def main(argv):
         max_body_bytes=f.max_body_bytes,
         max_queue=f.max_queue,
         timeout_s=f.timeout_s,
-        limits=requests.Limits(max_prompts=f.max_prompts),
+        limits=requests.Limits(
+            max_prompts=f.max_prompts,
+            max_stops=f.max_stops,
+            max_stop_chars=f.max_stop_chars,
+            cap_max_tokens=f.cap_max_tokens,
+        ),
         model_name=f.model_name,
         slots=f.slots,
         steps_per_call=f.steps_per_call,

@@ -69,7 +69,7 @@ from lmhead.decoding.beam_search import (
     gather_rows,
     length_penalty_divisor,
 )
-from lmhead.decoding.knobs import SamplingKnobs, logit_bias_vector
+from lmhead.decoding.knobs import SamplingKnobs, logit_bias_vector, stop_token_mask
 from lmhead.decoding.processors import (
     NO_TOKEN,
     TOP_P_TOLERANCE,

@@ -12,7 +12,10 @@ A new knob is a new field here with its metadata;
 :meth:`SamplingKnobs.check`, the per-row rule, the service's parsing and
 batching then cover it. Most knobs hold one number per row; ``logit_bias``
 holds one number per token (``[V]``, or ``[B, V]`` per row), and
-:func:`logit_bias_vector` builds it from OpenAI's ``{token id: bias}`` map.
+:func:`logit_bias_vector` builds it from OpenAI's ``{token id: bias}`` map;
+``stop_tokens`` marks the tokens that end a row in the same layout, and
+:func:`stop_token_mask` builds it from a list of ids (vLLM's
+``stop_token_ids``).
 """
 
 import dataclasses
@@ -71,11 +74,11 @@ _PADDING = {"temperature": 0.0}
 class SamplingKnobs:
     """What turns next-token logits into the distribution a token is drawn from.
 
-    The traced knobs (the first nine) are arrays inside the compiled loop:
+    The traced knobs (the first ten) are arrays inside the compiled loop:
     changing their values does not recompile. A *per-row* knob is a scalar or
     one value per row, shape ``[B]``, so one batch serves requests with
-    different settings; ``logit_bias`` is one value per token, ``[V]``
-    shared by the rows or ``[B, V]``. None turns a processor off, which is
+    different settings; ``logit_bias`` and ``stop_tokens`` are one value
+    per token, ``[V]`` shared by the rows or ``[B, V]``. None turns a processor off, which is
     static (switching it on recompiles). The last two knobs are static: part
     of the compiled program, one value for the batch. The class is a pytree
     whose leaves are the traced knobs that are not None.
@@ -103,6 +106,13 @@ class SamplingKnobs:
             value, and a narrower range is a policy a service may add.
         logit_bias: finite, ``[V]`` added to every row's logits or
             ``[B, V]`` one per row; 0 is neutral. Default None: off.
+        stop_tokens: integer 0 or 1, ``[V]`` or ``[B, V]`` one per row; 1
+            marks a token that ends its row when drawn (it is emitted,
+            finish reason ``FINISHED_STOP``) and that, like EOS, cannot be
+            drawn before ``min_new_tokens`` (vLLM's ``stop_token_ids``);
+            0 is neutral. Default None: off. Read by the decoding step
+            (:func:`~lmhead.decoding.step.decode_step`: ``generate`` and the
+            slots); beam search and ``process_logits`` alone do not end rows.
         no_repeat_ngram_size: static integer ``n >= 1``, or None (off).
             Reads the token history.
         suppress_tokens: static ids in ``[0, V)`` never produced, or None;
@@ -144,6 +154,9 @@ class SamplingKnobs:
     )
     logit_bias: jax.typing.ArrayLike | None = _knob(
         None, np.float32, **_FINITE, per_token=True, neutral=0.0
+    )
+    stop_tokens: jax.typing.ArrayLike | None = _knob(
+        None, np.int32, low=0, high=1, per_token=True, neutral=0
     )
     no_repeat_ngram_size: int | None = dataclasses.field(default=None, metadata=_STATIC)
     suppress_tokens: Sequence[int] | None = dataclasses.field(
@@ -506,3 +519,33 @@ def logit_bias_vector(mapping: Mapping[int, float], vocab_size: int) -> np.ndarr
             )
         bias[token_id] = value
     return bias
+
+
+def stop_token_mask(ids: Sequence[int], vocab_size: int) -> np.ndarray:
+    r"""The ``stop_tokens`` knob from a list of token ids.
+
+    .. math::
+        m_i = 1 \text{ if } i \in \text{ids} \text{ else } 0
+
+    Args:
+        ids: integer token ids in ``[0, V)`` (repeats allowed; an empty list
+            gives zeros).
+        vocab_size: ``V >= 1``.
+
+    Returns:
+        ``int32 [V]``.
+
+    Raises:
+        ValueError: an id is not an integer in ``[0, V)`` (naming
+            ``stop_tokens``).
+
+    Examples:
+        >>> stop_token_mask([3, 0], vocab_size=5)
+        array([1, 0, 0, 1, 0], dtype=int32)
+    """
+    _checks.check_count("vocab_size", vocab_size)
+    mask = np.zeros(vocab_size, np.int32)
+    for token_id in ids:
+        _loop.check_token_id("stop_tokens", token_id, vocab_size)
+        mask[token_id] = 1
+    return mask

@@ -160,7 +160,7 @@ def _processed_logits(
     """The built-in processors, then the ``processor`` hook."""
     eos_ids = config.eos_ids
     processed = process_logits(
-        rows.logits,
+        _early_stops_removed(rows.logits, knobs, step),
         knobs,
         history=rows.history,
         counts=rows.counts,
@@ -178,6 +178,26 @@ def _processed_logits(
     hooked = jnp.asarray(hooked, jnp.float32)
     emptied = jnp.all(hooked == NEG_INF, axis=-1, keepdims=True)
     return jnp.where(emptied, processed, hooked)
+
+
+def _early_stops_removed(
+    logits: jax.Array, knobs: SamplingKnobs, step: jax.Array
+) -> jax.Array:
+    """``logits`` with the ``stop_tokens`` removed from the rows that have
+    made fewer than ``min_new_tokens`` tokens (as ``min_new_tokens`` removes
+    EOS), so that a stop token cannot end a row early."""
+    if knobs.stop_tokens is None:
+        return logits
+    early = jnp.reshape(jnp.asarray(step) < knobs.min_new_tokens, (-1, 1))
+    return jnp.where(early & (knobs.stop_tokens > 0), NEG_INF, logits)
+
+
+def _is_stop_token(knobs: SamplingKnobs, token: jax.Array) -> jax.Array:
+    """``bool [B]``: each row's token is one of its ``stop_tokens``."""
+    mask = jnp.broadcast_to(
+        knobs.stop_tokens, (token.shape[0], knobs.stop_tokens.shape[-1])
+    )
+    return jnp.take_along_axis(mask, token[:, None], axis=-1)[:, 0] > 0
 
 
 def per_row_keys(key: jax.Array) -> bool:
@@ -271,8 +291,10 @@ def decode_step(
     under :math:`\log\mathrm{softmax}(\tilde z)` (``log_probs_from ==
     "processed"``) or :math:`\log\mathrm{softmax}(z)` (``"model"``), with the
     top ``k`` of the same distribution. The row then ends, its limit set to
-    its new length, at an ``eos_ids`` token (:data:`FINISHED_EOS`) or where a
-    stop condition fires (:data:`FINISHED_STOP`); a row whose ``generated``
+    its new length, at an ``eos_ids`` token (:data:`FINISHED_EOS`), or where a
+    stop condition fires or at one of its ``stop_tokens``
+    (:data:`FINISHED_STOP`; before ``min_new_tokens`` tokens the stop
+    tokens are removed from :math:`z` as EOS is); a row whose ``generated``
     reaches its limit ends with :data:`FINISHED_LENGTH`. A running row whose
     logits are not finite (:func:`~lmhead.decoding._loop.not_finite`) emits
     nothing and ends (:data:`FINISHED_BAD_LOGITS`). Rows that emit append
@@ -319,6 +341,8 @@ def decode_step(
     emitted = running & ~bad
     token = jnp.where(emitted, chosen, config.pad_id)
     stop_carry, stopped = _update_stops(rows, stop, token, emitted)
+    if knobs.stop_tokens is not None:
+        stopped = stopped | (_is_stop_token(knobs, token) & emitted)
     eos = _loop.is_eos(token, config.eos_ids) & emitted
     generated = rows.generated + emitted.astype(jnp.int32)
     limits = jnp.where(eos | stopped | bad, generated, rows.limits)

@@ -50,7 +50,8 @@ def _prompt_top(logits_fn, params, tokens, k):
 
 
 def top_width(engine: Any) -> int:
-    """How many top log-probs a decoding batch computes: OpenAI's most, or
+    """How many top log-probs a decoding batch computes: the most a request
+    may ask, or
     every token of a smaller vocabulary (a request's ``logprobs`` reads its
     first ones)."""
     return min(MAX_LOGPROBS, engine.model.vocab_size)
@@ -148,14 +149,76 @@ def key_recipe(
     return np.full([size], next(engine._batch_index), np.int32), seeds, folds
 
 
-def completion_text(engine: Any, request: CompletionRequest, ids, done: bool) -> str:
-    """The completion's text; while the row runs, without the characters
-    that may still turn out part of a stop string or of a character."""
-    text = decoding.detokenize(
-        np.asarray(ids, np.int32), engine.tokenizer, eos_id=engine.tokenizer.eos_id
+def eos_id(engine: Any, request: CompletionRequest) -> int | None:
+    """The EOS id that cuts a row's text: the tokenizer's, or None with
+    ``ignore_eos``."""
+    return None if request.ignore_eos else getattr(engine.tokenizer, "eos_id", None)
+
+
+def _text(engine: Any, request: CompletionRequest, ids) -> str:
+    return decoding.detokenize(
+        np.asarray(ids, np.int32), engine.tokenizer, eos_id=eos_id(engine, request)
     )
-    if request.stop:
-        text = decoding.trim_at_stop(text, request.stop)
+
+
+def stop_string_end(
+    engine: Any, request: CompletionRequest, ids, start: int = 0
+) -> tuple[int, int] | None:
+    """Where a stop string ends the row of tokens ``ids``: ``(tokens kept,
+    characters of the text kept)``, or None.
+
+    The row ends at the first token ``n > start``, ``n >= min_tokens``,
+    whose text completes a stop string (one ending after the text of the
+    first ``n - 1`` tokens, as vLLM checks the new text only; of several,
+    the one ending first, then the longest, as
+    :func:`lmhead.decoding.find_stop`); it keeps its tokens up to ``n`` and
+    its text up to the stop string, or through it with
+    ``include_stop_str_in_output``.
+
+    Examples:
+        >>> from lmhead.lm import data
+        >>> from lmhead.serve import requests as r
+        >>> class Engine: tokenizer = data.CharTokenizer("abc")
+        >>> request = r.parse_completion({"model": "m", "prompt": "a",
+        ...     "stop": ["bc"]}, Engine.tokenizer, r.Buckets((1,), (8,), (8,)),
+        ...     r.Limits(), "m")
+        >>> stop_string_end(Engine, request, [0, 1, 2, 1, 2])
+        (3, 1)
+    """
+    if not request.stop:
+        return None
+    first = max(request.min_tokens, start + 1)
+    if first > len(ids):
+        return None
+    before = len(_text(engine, request, ids[: first - 1]))
+    longest = max(len(s) for s in request.stop)
+    if not any(
+        s in _text(engine, request, ids)[max(0, before - longest + 1) :]
+        for s in request.stop
+    ):
+        return None
+    for n in range(first, len(ids) + 1):
+        text = _text(engine, request, ids[:n])
+        ends = []
+        for s in request.stop:
+            at = text.find(s, max(0, before - len(s) + 1))
+            if at >= 0:
+                ends.append((at + len(s), -len(s)))
+        if ends:
+            end, minus_length = min(ends)
+            return n, end if request.include_stop_str else end + minus_length
+        before = len(text)
+    return None
+
+
+def completion_text(engine: Any, request: CompletionRequest, ids, done: bool) -> str:
+    """The completion's text (cut where :func:`stop_string_end` says); while
+    the row runs, without the characters that may still turn out part of a
+    stop string or of a character."""
+    text = _text(engine, request, ids)
+    found = stop_string_end(engine, request, ids)
+    if found is not None:
+        text = _text(engine, request, ids[: found[0]])[: found[1]]
     if not done:
         hold = max((len(s) for s in request.stop), default=1) - 1
         text = text[: max(len(text) - hold, 0)].rstrip("\ufffd")

@@ -169,7 +169,7 @@ class SlotBatcher:
         >>> request = requests.parse_completion(
         ...     {"model": "m", "prompt": "ab", "max_tokens": 3, "temperature": 0},
         ...     tokenizer,
-        ...     engine.buckets, requests.Limits(), "m")
+        ...     engine.buckets, requests.Limits(), "m", context=8)
         >>> slots.submit(request).result()["completion_tokens"]
         3
         >>> slots.stop()
@@ -200,7 +200,6 @@ class SlotBatcher:
         _checks.check_count("prefill_rows", self.prefill_rows)
         model = engine.model
         self._vocab_size, self._history_len = model.vocab_size, model.max_len
-        self._eos_id = engine.tokenizer.eos_id
         self._top = completions.top_width(engine)
         self._state = self._empty_state()
         self._holders: list[tuple[_Job, _Row] | None] = [None] * slots
@@ -436,7 +435,7 @@ class SlotBatcher:
             self.engine.params,
             self._state,
             num_steps=self.steps_per_call,
-            eos_id=self._eos_id,
+            eos_id=None,  # EOS is each row's stop token unless it ignores it
             top_logprobs=self._top,
         )
 
@@ -479,9 +478,11 @@ class SlotBatcher:
             row.top_tokens += list(chunk.top_tokens[slot, :count])
             row.top_log_probs += list(chunk.top_log_probs[slot, :count])
             touched[job] = touched.get(job, 0) + count
-            end = self._stop_string_end(job.request, row, before)
+            end = completions.stop_string_end(
+                self.engine, job.request, row.tokens, before
+            )
             if end is not None:
-                self._truncate(row, end)
+                self._truncate(row, end[0])
                 row.reason = decoding.FINISHED_STOP
                 stopped.append(slot)
             elif chunk.generated[slot] >= chunk.limits[slot]:
@@ -495,22 +496,6 @@ class SlotBatcher:
                 self._report(job, count, now)
             except Exception as error:  # this request only: the others go on
                 self._fail_jobs([job], error)
-
-    def _stop_string_end(self, request, row: _Row, before: int) -> int | None:
-        """How many tokens the row keeps if a stop string ends in its new
-        tokens (the token that completes it is the last), else None."""
-        if not request.stop:
-            return None
-        tokenizer = self.engine.tokenizer
-        text = lambda n: decoding.detokenize(
-            np.asarray(row.tokens[:n], np.int32), tokenizer, eos_id=tokenizer.eos_id
-        )
-        if decoding.find_stop(text(len(row.tokens)), request.stop) is None:
-            return None
-        for n in range(before + 1, len(row.tokens) + 1):
-            if decoding.find_stop(text(n), request.stop) is not None:
-                return n
-        return len(row.tokens)
 
     @staticmethod
     def _truncate(row: _Row, n: int) -> None:

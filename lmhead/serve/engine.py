@@ -39,7 +39,7 @@ class Engine:
         >>> engine = Engine(model, params, tokenizer, buckets)
         >>> request = requests.parse_completion(
         ...     {"model": "m", "prompt": "ab", "max_tokens": 4, "num_beams": 2,
-        ...      "n": 2}, tokenizer, buckets, requests.Limits(), "m")
+        ...      "n": 2}, tokenizer, buckets, requests.Limits(), "m", context=8)
         >>> [c["index"] for c in engine.run_whole(request)["choices"]]
         [0, 1]
     """
@@ -96,7 +96,7 @@ class Engine:
                 cache,
                 num_beams=request.num_beams,
                 max_new_tokens=request.max_tokens,
-                eos_id=self.tokenizer.eos_id,
+                eos_id=completions.eos_id(self, request),
                 num_return_sequences=request.num_beams,
             )
         )
@@ -105,7 +105,9 @@ class Engine:
             for s in range(request.n):
                 length = int(lengths[p, s])
                 text = decoding.detokenize(
-                    tokens[p, s, :length], self.tokenizer, eos_id=self.tokenizer.eos_id
+                    tokens[p, s, :length],
+                    self.tokenizer,
+                    eos_id=completions.eos_id(self, request),
                 )
                 choices.append(
                     {

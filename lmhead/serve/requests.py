@@ -6,8 +6,14 @@ shape buckets.
   bad field (OpenAI's ``param``).
 * :class:`Buckets` bounds the shapes: a batch of ``R`` rows runs as the
   smallest batch size ``>= R``, a prompt of ``P`` tokens as the smallest
-  prompt length ``>= P``, and ``N`` new tokens as the smallest count
-  ``>= N``.
+  prompt length ``>= P``; beam search runs exactly one of the new-token
+  counts.
+
+A request fits the model's context ``C`` (vLLM's rule) when each prompt's
+tokens plus ``max_tokens`` are at most ``C``; with ``echo`` and
+``max_tokens`` 0 or 1 a prompt may fill the whole context (the one new
+token comes from the prompt's own logits, and no position is needed after
+it).
 """
 
 import dataclasses
@@ -96,8 +102,9 @@ class Buckets:
     beam_sizes: tuple[int, ...] = ()
 
     def check(self, max_len: int) -> None:
-        """Every size is a positive integer and a prompt plus its new tokens
-        fits the model's context ``max_len``."""
+        """Every size is a positive integer, and no prompt length and no
+        new-token count exceeds the model's context ``max_len`` (a request's
+        prompt plus its new tokens is checked against it when it comes)."""
         for name in ("batch_sizes", "prompt_lengths", "new_tokens", "beam_sizes"):
             sizes = getattr(self, name)
             for size in sizes:
@@ -110,18 +117,33 @@ class Buckets:
                 raise ValueError(f"{name} must not be empty.")
         if 1 in self.beam_sizes:
             raise ValueError("beam_sizes lists sizes above 1 (1 is sampling).")
-        if self.prompt_lengths[-1] + self.new_tokens[-1] > max_len:
-            raise ValueError(
-                f"the longest prompt {self.prompt_lengths[-1]} + the most new "
-                f"tokens {self.new_tokens[-1]} exceed the model's max_len {max_len}."
-            )
+        for name in ("prompt_lengths", "new_tokens"):
+            if getattr(self, name)[-1] > max_len:
+                raise ValueError(
+                    f"{name} must be at most the model's max_len {max_len}; got "
+                    f"{getattr(self, name)[-1]}."
+                )
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Caps a request must respect besides the buckets."""
+    """Caps a request must respect besides the buckets and the context.
+
+    Attributes:
+        max_prompts: prompts per request.
+        max_stops: stop strings per request, and ``stop_token_ids`` too.
+        max_stop_chars: characters of one stop string.
+        cap_max_tokens: a ``max_tokens`` past the context is cut to the
+            room the prompt leaves instead of refused (for harnesses that
+            send one fixed count, as lm-evaluation-harness's 256 new tokens,
+            to a model of a shorter context); a prompt past the context is
+            refused either way.
+    """
 
     max_prompts: int = 16
+    max_stops: int = 16
+    max_stop_chars: int = 64
+    cap_max_tokens: bool = False
 
 
 # A request's upper bound on a knob that has none: the largest int32, and a
@@ -181,29 +203,57 @@ def _number(
     return number
 
 
-def _encode(tokenizer: Any, text: Any, field: str, max_tokens: int) -> np.ndarray:
+def _encode(tokenizer: Any, text: Any, field: str) -> np.ndarray:
     if not isinstance(text, str) or not text:
         raise RequestError(field, f"{field} must hold non-empty strings.")
     try:
         ids = np.asarray(tokenizer.encode_array(text), np.int32)
     except (ValueError, TypeError) as error:  # e.g. a lone surrogate
         raise RequestError(field, f"{field}: {error}") from None
-    if not 1 <= len(ids) <= max_tokens:
-        raise RequestError(
-            field,
-            f"{field}: a prompt must encode to 1 to "
-            f"{max_tokens} tokens; got {len(ids)}.",
-        )
+    if len(ids) == 0:
+        raise RequestError(field, f"{field}: a prompt must encode to 1 token or more.")
     return ids
 
 
-MAX_STOPS = 4  # OpenAI's
-MAX_STOP_CHARS = 32
-MAX_LOGPROBS = 5  # OpenAI's
+def context_error(context: int, prompt: int, new: int | None = None) -> RequestError:
+    """vLLM's refusal of a request past the model's context, naming ``prompt``:
+    a prompt of ``prompt`` tokens alone, or with ``new`` tokens to make.
+
+    Examples:
+        >>> context_error(16, 12, 8).message  # doctest: +NORMALIZE_WHITESPACE
+        "This model's maximum context length is 16 tokens. However, you
+        requested 20 tokens (12 in the messages, 8 in the completion). Please
+        reduce the length of the messages or completion."
+    """
+    head = f"This model's maximum context length is {context} tokens. "
+    if new is None:
+        return RequestError(
+            "prompt",
+            head + f"However, your request has {prompt} input tokens. Please "
+            "reduce the length of the input messages.",
+        )
+    return RequestError(
+        "prompt",
+        head + f"However, you requested {prompt + new} tokens ({prompt} in the "
+        f"messages, {new} in the completion). Please reduce the length of the "
+        "messages or completion.",
+    )
+
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's presence and frequency penalties
 BIAS_RANGE = (-100.0, 100.0)  # OpenAI's logit_bias values
 DEFAULT_MAX_TOKENS = 16  # OpenAI's
-EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "num_beams")
+EXTENSIONS = (
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "num_beams",
+    "stop_token_ids",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "min_tokens",
+)
 COMPLETION_FIELDS = (
     "model",
     "prompt",
@@ -232,7 +282,13 @@ class CompletionRequest:
     """A checked ``/v1/completions`` body.
 
     ``prompt_ids[i]`` encodes prompt ``i`` and ``prompt_texts[i]`` is its text
-    (decoded when it came as token ids). ``sink``, set by the web layer for a
+    (decoded when it came as token ids). The vLLM extensions:
+    ``stop_token_ids`` end a row at any of those ids (the row keeps it, as
+    EOS); ``ignore_eos`` decodes past EOS; ``include_stop_str`` keeps the
+    stop string that ended a row in its text; ``min_tokens`` (in
+    ``knobs.min_new_tokens``) makes no stop of any kind end a row before it
+    has that many tokens. ``knobs.stop_tokens`` marks the stop ids and EOS
+    (unless ignored). ``sink``, set by the web layer for a
     streaming request, is called from the batcher's thread with each chunk's
     list of ``(choice index, text so far, tokens so far)``. A beam request
     (``num_beams > 1``, the extension) and an echo-only one (``max_tokens``
@@ -249,6 +305,10 @@ class CompletionRequest:
     logprobs: int | None
     echo: bool
     stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    include_stop_str: bool
+    min_tokens: int
     stream: bool
     include_usage: bool
     num_beams: int
@@ -269,7 +329,7 @@ def _get(body: dict, name: str, kinds: tuple, what: str, default: Any = None) ->
     return value
 
 
-def _prompts(body: dict, tokenizer: Any, max_tokens: int, limits) -> list:
+def _prompts(body: dict, tokenizer: Any, limits) -> list:
     """``[(ids, text)]`` of OpenAI's four prompt forms."""
     prompt = body.get("prompt")
 
@@ -291,7 +351,7 @@ def _prompts(body: dict, tokenizer: Any, max_tokens: int, limits) -> list:
     out = []
     for item in prompt:
         if isinstance(item, str):
-            out.append((_encode(tokenizer, item, "prompt", max_tokens), item))
+            out.append((_encode(tokenizer, item, "prompt"), item))
             continue
         if not is_ids(item):
             raise RequestError(
@@ -303,29 +363,46 @@ def _prompts(body: dict, tokenizer: Any, max_tokens: int, limits) -> list:
                 "prompt",
                 f"prompt token ids must be in [0, {tokenizer.vocab_size}).",
             )
-        if len(item) > max_tokens:
-            raise RequestError(
-                "prompt", f"a prompt may hold at most {max_tokens} tokens."
-            )
         ids = np.asarray(item, np.int32)
         out.append((ids, decoding.detokenize(ids, tokenizer)))
     return out
 
 
-def _stops(body: dict) -> list[str]:
+def _stops(body: dict, limits: Limits) -> list[str]:
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    most, chars = limits.max_stops, limits.max_stop_chars
     if (
         not isinstance(stop, list)
-        or len(stop) > MAX_STOPS
-        or not all(isinstance(s, str) and 1 <= len(s) <= MAX_STOP_CHARS for s in stop)
+        or len(stop) > most
+        or not all(isinstance(s, str) and 1 <= len(s) <= chars for s in stop)
     ):
         raise RequestError(
             "stop",
-            f"stop must be a string or a list of at most {MAX_STOPS} strings of "
-            f"1 to {MAX_STOP_CHARS} characters.",
+            f"stop must be a string or a list of at most {most} strings of "
+            f"1 to {chars} characters.",
         )
     return stop
+
+
+def _stop_token_ids(body: dict, vocab_size: int, limits: Limits) -> list[int]:
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return []
+    if (
+        not isinstance(ids, list)
+        or len(ids) > limits.max_stops
+        or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size
+            for i in ids
+        )
+    ):
+        raise RequestError(
+            "stop_token_ids",
+            f"stop_token_ids must be a list of at most {limits.max_stops} token "
+            f"ids in [0, {vocab_size}).",
+        )
+    return ids
 
 
 def _logit_bias(body: dict, vocab_size: int) -> np.ndarray | None:
@@ -378,7 +455,7 @@ def _stream_options(body: dict, stream: bool) -> bool:
     return _get(options, "include_usage", (bool,), "true or false", False)
 
 
-def _sampling_knobs(body: dict, vocab_size: int) -> decoding.SamplingKnobs:
+def _sampling_knobs(body: dict, vocab_size: int, stops: list[int], min_tokens: int):
     top_k = body.get("top_k")
     if top_k == -1:  # vLLM's spelling of "off"
         body = {**body, "top_k": 0}
@@ -393,6 +470,8 @@ def _sampling_knobs(body: dict, vocab_size: int) -> decoding.SamplingKnobs:
         presence_penalty=_penalty(body, "presence_penalty"),
         frequency_penalty=_penalty(body, "frequency_penalty"),
         logit_bias=_logit_bias(body, vocab_size),
+        min_new_tokens=min_tokens,
+        stop_tokens=decoding.stop_token_mask(stops, vocab_size) if stops else None,
     )
 
 
@@ -402,14 +481,26 @@ def parse_completion(
     buckets: Buckets,
     limits: Limits,
     model_name: str,
+    *,
+    context: int | None = None,
 ) -> CompletionRequest:
     """A checked ``/v1/completions`` body.
 
-    ``max_tokens`` defaults to OpenAI's 16 (capped by the largest new-token
-    bucket) and may be 0 only with ``echo``; ``logprobs`` is an integer in
-    ``[0, 5]``; ``seed`` is an integer in ``[-2**63, 2**63)`` (taken modulo
-    ``2**31``); ``n`` times the prompts fits the largest batch; ``top_k``
-    ``-1`` means off.
+    A prompt of ``P`` tokens needs ``P + max_tokens <= context`` (vLLM's
+    rule; with ``echo`` and ``max_tokens`` 0 or 1, ``P <= context``), and
+    ``P`` at most the longest prompt bucket; ``max_tokens`` defaults to
+    OpenAI's 16 cut to the room the prompts leave, and may be 0 only with
+    ``echo``; ``logprobs`` is an integer in ``[0, 20]``; ``seed`` is an
+    integer in ``[-2**63, 2**63)`` (taken modulo ``2**31``); ``n`` times the
+    prompts fits the largest batch; ``top_k`` ``-1`` means off; the stops,
+    ``stop_token_ids`` and ``min_tokens`` as :class:`CompletionRequest` says.
+    EOS is ``getattr(tokenizer, "eos_id", None)``.
+
+    Args:
+        body: the JSON body.
+        tokenizer, buckets, limits, model_name: the service's.
+        context: the model's context ``max_len``; default the longest
+            prompt bucket.
 
     Raises:
         RequestError: naming the first bad field (status 404 for an unknown
@@ -422,7 +513,7 @@ def parse_completion(
         >>> request = parse_completion({"model": "m", "prompt": [[0, 1], "c"],
         ...     "n": 2, "stop": "a"}, tokenizer, buckets, Limits(), "m")
         >>> request.prompt_texts, request.max_tokens, request.rows
-        (['ab', 'c'], 8, 4)
+        (['ab', 'c'], 6, 4)
         >>> parse_completion({"model": "m", "prompt": "a", "max_tokens": 0},
         ...     tokenizer, buckets, Limits(), "m")
         Traceback (most recent call last):
@@ -437,26 +528,36 @@ def parse_completion(
         raise RequestError(
             "model", f"model must be {model_name!r}; got {model!r}.", status=404
         )
-    prompts = _prompts(body, tokenizer, buckets.prompt_lengths[-1], limits)
+    context = buckets.prompt_lengths[-1] if context is None else context
+    prompts = _prompts(body, tokenizer, limits)
     echo = _get(body, "echo", (bool,), "true or false", False)
     stream = _get(body, "stream", (bool,), "true or false", False)
     _get(body, "user", (str,), "a string")
-    cap = buckets.new_tokens[-1]
-    max_tokens = _integer(body, "max_tokens", min(DEFAULT_MAX_TOKENS, cap), 0, cap)
-    if max_tokens == 0 and not echo:
-        raise RequestError("max_tokens", "max_tokens may be 0 only with echo.")
+    max_tokens = _max_tokens(body, [len(ids) for ids, _ in prompts], echo, context,
+                             buckets.prompt_lengths[-1], limits)  # fmt: skip
     num_beams = _integer(body, "num_beams", 1, 1, max(buckets.beam_sizes, default=1))
     seed = _integer(body, "seed", None, -(2**63), 2**63 - 1)
+    min_tokens = _integer(body, "min_tokens", 0, 0, max_tokens)
+    ignore_eos = _get(body, "ignore_eos", (bool,), "true or false", False)
+    stop_token_ids = _stop_token_ids(body, tokenizer.vocab_size, limits)
+    eos = getattr(tokenizer, "eos_id", None)
+    ends = stop_token_ids + ([] if eos is None or ignore_eos else [eos])
     request = CompletionRequest(
         prompt_ids=[ids for ids, _ in prompts],
         prompt_texts=[text for _, text in prompts],
         max_tokens=max_tokens,
-        knobs=_sampling_knobs(body, tokenizer.vocab_size),
+        knobs=_sampling_knobs(body, tokenizer.vocab_size, ends, min_tokens),
         n=_integer(body, "n", 1, 1, buckets.batch_sizes[-1]),
         seed=None if seed is None else seed % 2**31,
         logprobs=_integer(body, "logprobs", None, 0, MAX_LOGPROBS),
         echo=echo,
-        stop=_stops(body),
+        stop=_stops(body, limits),
+        stop_token_ids=stop_token_ids,
+        ignore_eos=ignore_eos,
+        include_stop_str=_get(
+            body, "include_stop_str_in_output", (bool,), "true or false", False
+        ),
+        min_tokens=min_tokens,
         stream=stream,
         include_usage=_stream_options(body, stream),
         num_beams=num_beams,
@@ -464,6 +565,33 @@ def parse_completion(
     )
     _check_combinations(body, request, buckets)
     return request
+
+
+def _max_tokens(
+    body: dict, lengths: list[int], echo: bool, context: int, longest: int, limits
+) -> int:
+    """The request's ``max_tokens``, checked against the context (each
+    prompt's ``lengths``) and the longest prompt bucket."""
+    for length in lengths:
+        if length > context:
+            raise context_error(context, length)
+        if length > longest:
+            raise RequestError(
+                "prompt", f"a prompt may hold at most {longest} tokens; got {length}."
+            )
+    room = context - max(lengths)
+    max_tokens = _integer(
+        body, "max_tokens", min(DEFAULT_MAX_TOKENS, room), 0, MAX_INTEGER_KNOB
+    )
+    if max_tokens == 0 and not echo:
+        if room == 0 and body.get("max_tokens") is None:
+            raise context_error(context, max(lengths), 1)
+        raise RequestError("max_tokens", "max_tokens may be 0 only with echo.")
+    if max_tokens > room and not (echo and max_tokens <= 1):
+        if not limits.cap_max_tokens or room == 0:
+            raise context_error(context, max(lengths), max_tokens)
+        max_tokens = room
+    return max_tokens
 
 
 def _check_combinations(body: dict, request: CompletionRequest, buckets) -> None:
@@ -486,7 +614,8 @@ def _check_combinations(body: dict, request: CompletionRequest, buckets) -> None
         )
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                  "presence_penalty", "frequency_penalty", "logit_bias", "seed",
-                 "logprobs", "stop", "stream"):  # fmt: skip
+                 "logprobs", "stop", "stream", "stop_token_ids", "min_tokens",
+                 "include_stop_str_in_output"):  # fmt: skip
         if body.get(name) not in (None, False):
             raise RequestError(name, f"{name} does not apply to num_beams > 1.")
     if request.max_tokens not in buckets.new_tokens:

@@ -334,6 +334,7 @@ def make_app(engine: Engine, config: ServiceConfig = ServiceConfig()):
             engine.buckets,
             config.limits,
             config.model_name,
+            context=engine.model.max_len,
         )
         id_ = completions.new_id()
         if parsed.stream:

@@ -46,8 +46,8 @@ def test_every_field_is_a_knob_with_documented_metadata():
     """The traced knobs carry a dtype, a range and a neutral value; the
     static ones are pytree metadata; the docstring documents every field."""
     names = tuple(SETTINGS)
-    assert knobs_lib.KNOBS == (*names[:6], *NEW_KNOBS, *names[6:])
-    assert knobs_lib.TRACED_KNOBS == knobs_lib.KNOBS[:9]
+    assert knobs_lib.KNOBS == (*names[:6], *NEW_KNOBS, "stop_tokens", *names[6:])
+    assert knobs_lib.TRACED_KNOBS == knobs_lib.KNOBS[:10]
     for name in knobs_lib.KNOBS:
         assert f"{name}:" in SamplingKnobs.__doc__, name
     for name in knobs_lib.TRACED_KNOBS:
@@ -64,6 +64,7 @@ def test_every_field_is_a_knob_with_documented_metadata():
         False,
         False,
         False,
+        True,
     ]
     for name in NEW_KNOBS:  # any finite real
         assert knobs_lib.knob_range(name) == dict(

@@ -68,8 +68,8 @@ def empty_slots(model):
 def np_processed(z, knobs, history, generated, eos_id):
     """The processors in their documented order, in float64: repetition
     penalty (prompt and generated tokens), presence and frequency penalties
-    (generated), bias, EOS banned before ``min_new_tokens``; temperature;
-    top-k, top-p, min-p."""
+    (generated), bias, EOS and the stop tokens banned before
+    ``min_new_tokens``; temperature; top-k, top-p, min-p."""
     value = lambda name, neutral: neutral if getattr(knobs, name) is None else (
         np.asarray(getattr(knobs, name), np.float64)
     )  # fmt: skip
@@ -77,8 +77,8 @@ def np_processed(z, knobs, history, generated, eos_id):
     counts = np.bincount(np.asarray(generated, int), minlength=z.shape[0])
     z = z - value("presence_penalty", 0.0) * (counts > 0)
     z = z - value("frequency_penalty", 0.0) * counts + value("logit_bias", 0.0)
-    if eos_id is not None and len(generated) < (knobs.min_new_tokens or 0):
-        z[eos_id] = -np.inf
+    if len(generated) < (knobs.min_new_tokens or 0):
+        z[list(np_stop_tokens(knobs)) + ([] if eos_id is None else [eos_id])] = -np.inf
     temperature = float(knobs.temperature)
     if temperature == 0:
         return z
@@ -89,6 +89,10 @@ def np_processed(z, knobs, history, generated, eos_id):
     if knobs.min_p is not None:
         z = np.where(np_min_p_mask(z[None], knobs.min_p)[0], z, -np.inf)
     return z
+
+
+def np_stop_tokens(knobs):
+    return () if knobs.stop_tokens is None else np.flatnonzero(knobs.stop_tokens)
 
 
 def reference(lm, prompt, limit, knobs, key, eos_id=None):
@@ -115,6 +119,9 @@ def reference(lm, prompt, limit, knobs, key, eos_id=None):
         sequence.append(token)
         if token == eos_id:
             reason = decoding.FINISHED_EOS
+            break
+        if token in np_stop_tokens(knobs):
+            reason = decoding.FINISHED_STOP
             break
     return out, reason
 
@@ -198,6 +205,30 @@ def test_eos_ends_a_row_and_is_emitted(lm):
         assert out[i]["reason"] == reason
     assert out[0]["tokens"][-1] == eos
     assert out[0]["reason"] == decoding.FINISHED_EOS
+
+
+def test_each_rows_stop_tokens_end_it_after_min_new_tokens(lm):
+    """The ``stop_tokens`` knob, one set per row (vLLM's ``stop_token_ids``,
+    and EOS held per row): the row emits the token and stops; before
+    ``min_new_tokens`` the tokens cannot be drawn."""
+    keys = jax.random.split(jax.random.key(4), 3)
+    first, _ = reference(lm, *ROWS[0], keys[0])
+    stops = decoding.stop_token_mask(first["tokens"][:1], VOCAB)
+    rows = [
+        (ROWS[0][0], 7, decoding.SamplingKnobs(temperature=0.0, stop_tokens=stops)),
+        (ROWS[0][0], 7, decoding.SamplingKnobs(temperature=0.0, stop_tokens=stops,
+                                               min_new_tokens=5)),
+        ROWS[1],  # sampled, no stop tokens beside the others
+    ]  # fmt: skip
+    out, _, _ = run_slots(lm, rows, keys, num_steps=2)
+    for i, row in enumerate(rows):
+        want, reason = reference(lm, *row, keys[i])
+        assert out[i]["tokens"] == want["tokens"], i
+        np.testing.assert_allclose(out[i]["log_probs"], want["log_probs"], atol=1e-5)
+        assert out[i]["reason"] == reason
+    assert out[0]["tokens"] == first["tokens"][:1]
+    assert out[0]["reason"] == decoding.FINISHED_STOP
+    assert len(out[1]["tokens"]) >= 5 and first["tokens"][0] not in out[1]["tokens"][:5]
 
 
 def test_free_slots_stay_empty_and_freed_rows_stop(lm):

@@ -24,7 +24,7 @@ from lmhead.lm import model as model_lib
 from lmhead.serve import continuous, requests, web
 from lmhead.serve import engine as engine_lib
 from tests.serve.gates import all_cancelled, gate_decoding, running_jobs, wait_until
-from tests.serve.tiny_run import BUCKETS, PROMPTS, direct_greedy
+from tests.serve.tiny_run import BUCKETS, PROMPTS, direct_greedy, text_of
 
 MODEL = "lmhead"
 LONG = 128  # tokens of a request that runs long enough to be cut short
@@ -51,7 +51,7 @@ def long_engine():
 def parse(engine, **body):
     return requests.parse_completion(
         {"model": MODEL, **body}, engine.tokenizer, engine.buckets,
-        requests.Limits(), MODEL,
+        requests.Limits(), MODEL, context=engine.model.max_len,
     )  # fmt: skip
 
 
@@ -379,6 +379,6 @@ def test_load_nothing_lost_or_duplicated_and_the_slots_drain(run, engine):
         key = (body["prompt"], body["max_tokens"], tuple(body["stop"] or ()))
         if key not in references:
             tokens, _ = direct_greedy(run, body["prompt"], body["max_tokens"])
-            text = engine.tokenizer.decode(tokens)
+            text = text_of(run, tokens)
             references[key] = decoding.trim_at_stop(text, body["stop"] or [])
         assert texts == [references[key]] * body["n"], body

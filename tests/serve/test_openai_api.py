@@ -17,7 +17,7 @@ from lmhead import decoding
 from lmhead.lm import model as model_lib
 from lmhead.lm import scoring
 from lmhead.serve import completions, continuous, requests, web
-from tests.serve.tiny_run import PROMPTS
+from tests.serve.tiny_run import PROMPTS, eos_id, text_of
 
 openai = pytest.importorskip("openai")  # the dev extra
 httpx = pytest.importorskip("httpx")
@@ -55,6 +55,7 @@ def reference(run, prompt, max_new_tokens, *, keys=None, knobs=None, top=5):
         knobs=knobs or decoding.SamplingKnobs(temperature=0.0),
         top_logprobs=top,
         log_probs_from="model",
+        eos_id=eos_id(run),
     )
     return jax.device_get(result)
 
@@ -77,7 +78,8 @@ def test_greedy_with_logprobs_equals_generate(run, client):
     assert [c.index for c in answer.choices] == [0, 1]
     for prompt, choice in zip(PROMPTS, answer.choices):
         want = reference(run, prompt, 6)
-        assert choice.text == tokenizer.decode(want.tokens[0])
+        assert want.lengths[0] == 6  # no EOS: every token below is compared
+        assert choice.text == text_of(run, want.tokens[0])
         assert choice.finish_reason == "length"
         got = choice.logprobs
         assert got.tokens == [tokenizer.decode([int(t)]) for t in want.tokens[0]]
@@ -142,12 +144,13 @@ def test_sampled_n_with_seed_equals_generate_with_row_keys(run, engine, client):
         knobs=decoding.SamplingKnobs.stack([parsed.knobs] * 3, size=3),
         top=0,
     )
-    assert [c.text for c in answer.choices] == [run[2].decode(t) for t in want.tokens]
+    assert [c.text for c in answer.choices] == [
+        text_of(run, t[:n]) for t, n in zip(want.tokens, want.lengths)
+    ]
 
 
 def test_stop_string_is_cut_and_ends_the_choice(run, client):
-    tokenizer = run[2]
-    full = tokenizer.decode(reference(run, "Lord", 8).tokens[0])
+    full = text_of(run, reference(run, "Lord", 8).tokens[0])
     stop = full[3:5]
     answer = client.completions.create(
         model=MODEL, prompt="Lord", max_tokens=8, temperature=0, stop=[stop, "\x00"]
@@ -211,7 +214,7 @@ def test_harness_log_likelihood_request(run, url):
         "choices"
     ][0]
     want = reference(run, "KING", 1, top=1)
-    assert choice["text"] == "KING" + tokenizer.decode(want.tokens[0])
+    assert choice["text"] == "KING" + text_of(run, want.tokens[0])
     lps = choice["logprobs"]
     assert len(lps["token_logprobs"]) == 5 and lps["token_logprobs"][0] is None
     np.testing.assert_allclose(
@@ -234,9 +237,14 @@ BAD = [
     ({"model": MODEL, "prompt": [[10**30]]}, 400, "prompt"),  # past int64
     ({"model": MODEL, "prompt": "K", "temperature": 10**400}, 400, "temperature"),
     ({"model": MODEL, "prompt": [[0], "K", 3]}, 400, "prompt"),
-    ({"model": MODEL, "prompt": "K" * 9}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "K" * 17}, 400, "prompt"),  # past the context
+    (
+        {"model": MODEL, "prompt": [[1] * 17], "echo": True, "max_tokens": 0},
+        400,
+        "prompt",
+    ),  # fmt: skip
+    ({"model": MODEL, "prompt": "K" * 9, "max_tokens": 8}, 400, "prompt"),
     ({"model": MODEL, "prompt": "K", "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": "K", "max_tokens": 9}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "K", "max_tokens": -1}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "K", "temperature": 2.5}, 400, "temperature"),
     ({"model": MODEL, "prompt": "K", "top_p": 0}, 400, "top_p"),
@@ -248,10 +256,24 @@ BAD = [
         400,
         "stream_options",
     ),  # fmt: skip
-    ({"model": MODEL, "prompt": "K", "logprobs": 6}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "K", "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "K", "logprobs": True}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "K", "echo": 1}, 400, "echo"),
-    ({"model": MODEL, "prompt": "K", "stop": ["a"] * 5}, 400, "stop"),
+    ({"model": MODEL, "prompt": "K", "stop": ["a"] * 17}, 400, "stop"),
+    ({"model": MODEL, "prompt": "K", "stop": ["a" * 65]}, 400, "stop"),
+    ({"model": MODEL, "prompt": "K", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ({"model": MODEL, "prompt": "K", "stop_token_ids": 3}, 400, "stop_token_ids"),
+    ({"model": MODEL, "prompt": "K", "ignore_eos": 1}, 400, "ignore_eos"),
+    (
+        {"model": MODEL, "prompt": "K", "max_tokens": 4, "min_tokens": 5},
+        400,
+        "min_tokens",
+    ),  # fmt: skip
+    (
+        {"model": MODEL, "prompt": "K", "include_stop_str_in_output": "y"},
+        400,
+        "include_stop_str_in_output",
+    ),  # fmt: skip
     ({"model": MODEL, "prompt": "K", "stop": [""]}, 400, "stop"),
     ({"model": MODEL, "prompt": "K", "presence_penalty": 2.5}, 400, "presence_penalty"),
     (
@@ -359,7 +381,7 @@ def test_penalties_and_bias_are_served(run, client):
 @pytest.mark.parametrize("start,end", [(3, 6), (1, 7)])
 def test_stream_with_stop_sends_no_text_the_stop_removes(run, client, start, end):
     """Also a stop string longer than the text of the first chunks."""
-    full = run[2].decode(reference(run, "Lord", 8).tokens[0])
+    full = text_of(run, reference(run, "Lord", 8).tokens[0])
     body = dict(model=MODEL, prompt="Lord", max_tokens=8, temperature=0,
                 stop=full[start:end])  # fmt: skip
     whole = client.completions.create(**body).choices[0]
@@ -397,10 +419,10 @@ def test_beam_extension_equals_beam_search(run, client):
     )
     tokens, _, lengths, _ = decoding.beam_search(
         model_lib.make_step_fn(model), params, logits, cache, num_beams=2,
-        max_new_tokens=8, eos_id=None, num_return_sequences=2,
+        max_new_tokens=8, eos_id=eos_id(run), num_return_sequences=2,
     )  # fmt: skip
     assert [c.text for c in answer.choices] == [
-        "KING" + tokenizer.decode(tokens[0, k, : lengths[0, k]]) for k in range(2)
+        "KING" + text_of(run, tokens[0, k, : lengths[0, k]]) for k in range(2)
     ]
     assert answer.usage.completion_tokens == int(lengths.sum())
 

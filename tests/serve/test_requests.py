@@ -71,7 +71,8 @@ BAD_BUCKETS = [
     ),
     ("no batch size", dict(batch_sizes=()), ValueError, "batch_sizes"),
     ("beam size 1", dict(beam_sizes=(1, 2)), ValueError, "beam_sizes"),
-    ("longer than max_len", dict(new_tokens=(16,)), ValueError, "max_len"),
+    ("new tokens past max_len", dict(new_tokens=(17,)), ValueError, "max_len"),
+    ("prompt past max_len", dict(prompt_lengths=(4, 17)), ValueError, "max_len"),
 ]
 
 

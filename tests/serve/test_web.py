@@ -15,7 +15,7 @@ import pytest
 from lmhead.serve import web
 from tests import run_experiment
 from tests.serve.gates import all_cancelled, gate_decoding, wait_until
-from tests.serve.tiny_run import PROMPTS, direct_greedy
+from tests.serve.tiny_run import PROMPTS, direct_greedy, text_of
 
 httpx = pytest.importorskip("httpx")  # the serve extra
 pytest.importorskip("fastapi")
@@ -173,7 +173,6 @@ def load(url, run, num_requests, num_clients):
 
     with concurrent.futures.ThreadPoolExecutor(num_clients) as pool:
         responses = list(pool.map(send, bodies))
-    tokenizer = run[2]
     for body, response in zip(bodies, responses):
         assert response.status_code == 200, response.text
         choices = response.json()["choices"]
@@ -181,7 +180,7 @@ def load(url, run, num_requests, num_clients):
         assert [c["index"] for c in choices] == list(range(len(body["prompt"]) * n))
         for c in choices:
             tokens, log_probs = references[body["prompt"][c["index"] // n]]
-            assert c["text"] == tokenizer.decode(tokens[:m])
+            assert c["text"] == text_of(run, tokens[:m])
             np.testing.assert_allclose(
                 c["logprobs"]["token_logprobs"], log_probs[:m], atol=1e-4
             )

@@ -196,16 +196,18 @@ def test_the_runner_prints_each_programs_progress(tmp_path):
     process = subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    # A line may catch the program between its writes (a member's file not
+    # yet written); the one the test waits for has both members' files read.
     released, output = set(), []
     for line in process.stdout:
         output.append(line)
         for tied in (True, False):
             name = f"tied={tied},ensemble=0"
-            if line.startswith(f"  {name}: step 10/40, ") and name not in released:
-                assert line.startswith(
-                    f"  {name}: step 10/40, best eval/loss 2.0000 (members' bests "
-                    "up to 2.1000), 2/2 members training, "
-                )
+            expected = (
+                f"  {name}: step 10/40, best eval/loss 2.0000 (members' bests up "
+                "to 2.1000), 2/2 members training, "
+            )
+            if line.startswith(expected) and name not in released:
                 released.add(name)
                 (tmp_path / "sweep" / "ensembles" / name / "go").touch()
     assert process.wait(timeout=60) == 0, "".join(output)

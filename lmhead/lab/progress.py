@@ -163,11 +163,12 @@ class _Watch:
     def budget(self) -> int | None:
         """The most steps a member may train (``train.steps``; the job's own
         ``config.json`` until the members have theirs)."""
-        steps = [m.read_train().get("steps") for m in self.members]
-        steps = [s for s in steps if s]
-        if not steps and "members" in self.job:
-            steps = [_Member(self.job["workdir"]).read_train().get("steps")]
-        return max((s for s in steps if s), default=None)
+        members = self.members
+        if "members" in self.job and not any(m.read_train() for m in members):
+            members = [_Member(self.job["workdir"])]
+        return (
+            max((m.read_train().get("steps") or 0 for m in members), default=0) or None
+        )
 
     def line(self, now: float) -> str:
         """The job's progress line at time ``now``."""

@@ -410,7 +410,7 @@ class SlotBatcher:
         limits = np.ones([size], np.int32)
         for i, (job, ids, row, _) in enumerate(group):
             prompts[i, : len(ids)], lengths[i] = ids, len(ids)
-            slots[i], limits[i] = row.slot, job.request.max_tokens
+            slots[i], limits[i] = row.slot, job.request.prompt_max_tokens[row.p]
         # completions.key_recipe's arrays; padding rows: any key.
         recipe = np.zeros([3, size], np.int32)
         for i, (_, _, _, row_recipe) in enumerate(group):

@@ -282,7 +282,9 @@ class CompletionRequest:
     """A checked ``/v1/completions`` body.
 
     ``prompt_ids[i]`` encodes prompt ``i`` and ``prompt_texts[i]`` is its text
-    (decoded when it came as token ids). The vLLM extensions:
+    (decoded when it came as token ids). ``prompt_max_tokens[i]`` is the most
+    tokens prompt ``i`` may make (``max_tokens``, or the room it leaves in
+    the context), ``max_tokens`` the largest of them. The vLLM extensions:
     ``stop_token_ids`` end a row at any of those ids (the row keeps it, as
     EOS); ``ignore_eos`` decodes past EOS; ``include_stop_str`` keeps the
     stop string that ended a row in its text; ``min_tokens`` (in
@@ -299,6 +301,7 @@ class CompletionRequest:
     prompt_ids: list[np.ndarray]
     prompt_texts: list[str]
     max_tokens: int
+    prompt_max_tokens: list[int]
     knobs: decoding.SamplingKnobs
     n: int
     seed: int | None
@@ -512,8 +515,8 @@ def parse_completion(
         >>> buckets = Buckets((1, 4), (8,), (8,), (2,))
         >>> request = parse_completion({"model": "m", "prompt": [[0, 1], "c"],
         ...     "n": 2, "stop": "a"}, tokenizer, buckets, Limits(), "m")
-        >>> request.prompt_texts, request.max_tokens, request.rows
-        (['ab', 'c'], 6, 4)
+        >>> request.prompt_texts, request.prompt_max_tokens, request.rows
+        (['ab', 'c'], [6, 7], 4)
         >>> parse_completion({"model": "m", "prompt": "a", "max_tokens": 0},
         ...     tokenizer, buckets, Limits(), "m")
         Traceback (most recent call last):
@@ -533,8 +536,9 @@ def parse_completion(
     echo = _get(body, "echo", (bool,), "true or false", False)
     stream = _get(body, "stream", (bool,), "true or false", False)
     _get(body, "user", (str,), "a string")
-    max_tokens = _max_tokens(body, [len(ids) for ids, _ in prompts], echo, context,
-                             buckets.prompt_lengths[-1], limits)  # fmt: skip
+    each = _max_tokens(body, [len(ids) for ids, _ in prompts], echo, context,
+                       buckets.prompt_lengths[-1], limits)  # fmt: skip
+    max_tokens = max(each)
     num_beams = _integer(body, "num_beams", 1, 1, max(buckets.beam_sizes, default=1))
     seed = _integer(body, "seed", None, -(2**63), 2**63 - 1)
     min_tokens = _integer(body, "min_tokens", 0, 0, max_tokens)
@@ -546,6 +550,7 @@ def parse_completion(
         prompt_ids=[ids for ids, _ in prompts],
         prompt_texts=[text for _, text in prompts],
         max_tokens=max_tokens,
+        prompt_max_tokens=each,
         knobs=_sampling_knobs(body, tokenizer.vocab_size, ends, min_tokens),
         n=_integer(body, "n", 1, 1, buckets.batch_sizes[-1]),
         seed=None if seed is None else seed % 2**31,
@@ -569,9 +574,11 @@ def parse_completion(
 
 def _max_tokens(
     body: dict, lengths: list[int], echo: bool, context: int, longest: int, limits
-) -> int:
-    """The request's ``max_tokens``, checked against the context (each
-    prompt's ``lengths``) and the longest prompt bucket."""
+) -> list[int]:
+    """Each prompt's ``max_tokens``, checked against the context (the
+    prompts' ``lengths``) and the longest prompt bucket: the one asked, or
+    OpenAI's 16 when none is, cut to the room a prompt leaves when none is
+    asked or ``limits.cap_max_tokens``."""
     for length in lengths:
         if length > context:
             raise context_error(context, length)
@@ -579,19 +586,22 @@ def _max_tokens(
             raise RequestError(
                 "prompt", f"a prompt may hold at most {longest} tokens; got {length}."
             )
-    room = context - max(lengths)
-    max_tokens = _integer(
-        body, "max_tokens", min(DEFAULT_MAX_TOKENS, room), 0, MAX_INTEGER_KNOB
-    )
-    if max_tokens == 0 and not echo:
-        if room == 0 and body.get("max_tokens") is None:
-            raise context_error(context, max(lengths), 1)
+    given = body.get("max_tokens") is not None
+    asked = _integer(body, "max_tokens", DEFAULT_MAX_TOKENS, 0, MAX_INTEGER_KNOB)
+    if asked == 0 and not echo:
         raise RequestError("max_tokens", "max_tokens may be 0 only with echo.")
-    if max_tokens > room and not (echo and max_tokens <= 1):
-        if not limits.cap_max_tokens or room == 0:
-            raise context_error(context, max(lengths), max_tokens)
-        max_tokens = room
-    return max_tokens
+    each = []
+    for length in lengths:
+        room = context - length
+        if asked <= room or (echo and asked <= 1):
+            each.append(asked)
+        elif room > 0 and (limits.cap_max_tokens or not given):
+            each.append(room)
+        elif echo and not given:
+            each.append(1)  # the whole context is a prompt to score
+        else:
+            raise context_error(context, length, asked if given else 1)
+    return each
 
 
 def _check_combinations(body: dict, request: CompletionRequest, buckets) -> None:
@@ -618,6 +628,11 @@ def _check_combinations(body: dict, request: CompletionRequest, buckets) -> None
                  "include_stop_str_in_output"):  # fmt: skip
         if body.get(name) not in (None, False):
             raise RequestError(name, f"{name} does not apply to num_beams > 1.")
+    if len(set(request.prompt_max_tokens)) > 1:
+        raise RequestError(
+            "max_tokens",
+            "with num_beams > 1, max_tokens must fit every prompt's context.",
+        )
     if request.max_tokens not in buckets.new_tokens:
         raise RequestError(
             "max_tokens",

@@ -9,7 +9,7 @@ from lmhead.decoding import SamplingKnobs
 from lmhead.decoding import knobs as knobs_lib
 from lmhead.lm import data
 from lmhead.serve import requests
-from tests.errors import assert_raises_exactly
+from tests.errors import assert_raises_exactly, cases
 from tests.serve.tiny_run import BUCKETS
 
 
@@ -88,3 +88,36 @@ def test_bad_buckets_are_refused_naming_the_field(fields, error, named):
 def test_a_request_runs_in_the_smallest_bucket_that_holds_it():
     assert [requests.bucket(n, (1, 4, 8)) for n in (1, 2, 4, 5, 8)] == [1, 4, 4, 8, 8]
     assert np.all(np.diff(BUCKETS.batch_sizes) > 0)
+
+
+# (id, body, cap_max_tokens, each prompt's max_tokens or the field a 400
+# names) on a context of 16 tokens (BUCKETS' longest prompt).
+CONTEXT_RULE = [
+    ("fits", {"prompt": "K" * 8, "max_tokens": 8}, False, [8]),
+    ("one past", {"prompt": "K" * 9, "max_tokens": 8}, False, "prompt"),
+    ("prompt past", {"prompt": "K" * 17, "echo": True, "max_tokens": 0}, True, "prompt"),
+    ("default 16, cut", {"prompt": ["K" * 4, "K" * 12]}, False, [12, 4]),
+    ("whole prompt, none", {"prompt": "K" * 16}, False, "prompt"),
+    ("echo scores it, 0", {"prompt": "K" * 16, "echo": True, "max_tokens": 0}, False, [0]),
+    ("echo scores it, 1", {"prompt": "K" * 16, "echo": True, "max_tokens": 1}, False, [1]),
+    ("echo, default", {"prompt": "K" * 16, "echo": True}, False, [1]),
+    ("echo, 2", {"prompt": "K" * 16, "echo": True, "max_tokens": 2}, True, "prompt"),
+    ("capped", {"prompt": ["K" * 4, "K" * 12], "max_tokens": 256}, True, [12, 4]),
+    ("capped, no room", {"prompt": "K" * 16, "max_tokens": 256}, True, "prompt"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body,cap,want", cases(CONTEXT_RULE))
+def test_a_prompt_plus_max_tokens_must_fit_the_context(tokenizer, body, cap, want):
+    """vLLM's rule, the echo exception, and --cap_max_tokens."""
+    limits = requests.Limits(cap_max_tokens=cap)
+    call = lambda: requests.parse_completion(
+        {"model": "m", **body}, tokenizer, BUCKETS, limits, "m", context=16
+    )
+    if isinstance(want, str):  # OpenAI's param; vLLM's words
+        with pytest.raises(requests.RequestError) as raised:
+            call()
+        assert raised.value.field == want and raised.value.status == 400
+        assert "maximum context length is 16 tokens" in raised.value.message
+    else:
+        assert call().prompt_max_tokens == want

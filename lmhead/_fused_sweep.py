@@ -25,8 +25,8 @@ per-token cotangent, the weight, is known in advance), turns each block's
 ``dlogits`` into ``dh``, ``dw`` and ``dbias`` while the logits are live.
 ``dlogits`` is the one place where the per-chunk gradient coefficient
 exists (:func:`_block_grads`), after the softcap's derivative and before the
-matmuls. docs/fused_loss.md ("The engine and its rules") derives the
-gradients and shows where the rules and sweep options planned next plug in.
+matmuls, and where every rule's tiles of small coefficients are filtered
+(:func:`gradient_options`). docs/fused_loss.md derives the gradients.
 """
 
 import dataclasses
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lmhead import head, losses
+from lmhead import _checks, head, losses
 from lmhead.head import NEG_INF
 
 _CONTRACT_COLUMNS = (((1,), (1,)), ((), ()))  # [a, D] x [b, D] -> [a, b]
@@ -52,6 +52,12 @@ BLOCK_ELEMENTS = {"cpu": 2**22, "gpu": 2**26, "tpu": 2**26}
 VOCAB_BLOCK_ROWS = {"cpu": 1024, "gpu": 16384, "tpu": 16384}
 MIN_CHUNK_SIZE = 128
 MAX_CHUNK_SIZE = 1024
+
+# The gradients a filtered tile leaves out; how dw is summed over chunks.
+FILTER_TARGETS = ("both", "dh", "dw")
+DW_ACCUMULATIONS = ("float32", "kahan", "input_dtype")
+# filter_eps="auto": finfo(dtype).eps / AUTO_FILTER_DIVISOR, as CCE.
+AUTO_FILTER_DIVISOR = 32
 
 
 def default_chunk_size(width: int) -> int:
@@ -85,6 +91,66 @@ def block_sizes(num_tokens, num_rows, chunk_size, vocab_chunk_size):
         else width
     )
     return min(int(chunk_size), num_tokens), min(rows, num_rows), keep_logits
+
+
+def gradient_options(filter_eps, filter_target, dw_accumulation, dtype) -> dict:
+    r"""The :class:`Plan` fields of the gradient's options, checked.
+
+    ``filter_eps``: None (exact), a number ``>= 0``, or ``"auto"``,
+    ``finfo(dtype).eps / 32`` of the inputs' dtype. A tile (a chunk's tokens
+    x a vocabulary block) is skipped when each entry of its coefficient
+    :math:`g = \partial L / \partial u` (the rule's ``dlogits`` after the
+    softcap's derivative) is 0 or :math:`|g_{ti}| < \epsilon \sigma_t`, with
+    :math:`\sigma_t = \max_k |c_{tk}|` the token's largest coefficient: for
+    the cross-entropy :math:`g_{ti} / \sigma_t = p_{ti} - [i = y_t]`, whatever
+    the token's weight or the reduction. A skipped tile adds nothing to
+    ``dh`` (``filter_target`` ``"both"`` or ``"dh"``) and ``dw`` (``"both"``
+    or ``"dw"``); ``dbias`` and the outputs stay exact. With the scale
+    :math:`s` and the objective's cotangent :math:`c` (``1 / sum(weights)``
+    for a mean), :math:`S_t` (:math:`S_i`) the rows (tokens) of token
+    ``t``'s (row ``i``'s) skipped tiles, or all of them:
+
+    .. math::
+        |\Delta dh_{td}| \le |s| c \epsilon \sigma_t \sum_{i \in S_t} |w_{id}|,
+        \qquad |\Delta dw_{id}| \le |s| c \epsilon \sum_{t \in S_i}
+        \sigma_t |h_{td}|.
+
+    ``dw_accumulation``: ``"float32"`` (default) sums the chunks' ``dw`` in
+    float32; ``"kahan"`` adds a float32 Kahan compensation (a second
+    ``[V, D]`` array), so the sum's error does not grow with the chunks;
+    ``"input_dtype"`` sums in the inputs' dtype (bf16: half the memory).
+
+    Examples:
+        >>> gradient_options("auto", "dh", "float32", jnp.bfloat16)
+        {'filter_eps': 0.000244140625, 'filter_target': 'dh', 'dw_accumulation': 'float32'}
+
+    References:
+        Wijmans et al., `Cut Your Losses in Large-Vocabulary Language Models
+        <https://arxiv.org/abs/2411.09009>`_, 2024 (gradient filtering);
+        Kahan, `Further remarks on reducing truncation errors
+        <https://doi.org/10.1145/363707.363723>`_, 1965.
+    """
+    if isinstance(filter_eps, str):
+        if filter_eps != "auto":
+            raise ValueError(
+                f"filter_eps must be None, a number >= 0 or 'auto'; got {filter_eps!r}."
+            )
+        filter_eps = float(jnp.finfo(dtype).eps) / AUTO_FILTER_DIVISOR
+    elif filter_eps is not None:
+        if isinstance(filter_eps, bool) or _checks.is_traced(filter_eps):
+            raise TypeError(
+                "filter_eps must be None, a concrete number >= 0 or 'auto'; "
+                f"got {filter_eps!r}."
+            )
+        _checks.check_in_range("filter_eps", filter_eps, low=0.0)
+        filter_eps = float(filter_eps)
+    _checks.check_choice("filter_target", filter_target, FILTER_TARGETS)
+    _checks.check_choice("dw_accumulation", dw_accumulation, DW_ACCUMULATIONS)
+    return dict(
+        filter_eps=filter_eps,
+        filter_target=filter_target,
+        dw_accumulation=dw_accumulation,
+    )
 
 
 class Rule(Protocol):
@@ -131,6 +197,9 @@ class Plan:
     grads_in_forward: bool
     # Chunks of weight-0 tokens are skipped, weighted tokens packed first.
     skip_zero_weights: bool = False
+    filter_eps: float | None = None  # gradient_options' three fields
+    filter_target: str = "both"
+    dw_accumulation: str = "float32"
 
     @property
     def num_blocks(self) -> int:
@@ -270,8 +339,7 @@ def _chunk_stats(plan, h_chunk, w, bias, context):
     rule = plan.rule
     kept = _logits(plan, h_chunk, w, bias) if plan.keep_logits else None
     block = _vocab_blocks(plan, h_chunk, w, bias, kept)
-    # zeros_like keeps h's mesh axes, which a loop carry must keep inside
-    # shard_map.
+    # zeros_like keeps h's mesh axes, as a loop carry inside shard_map must.
     zeros = jnp.zeros_like(h_chunk[:, 0], jnp.float32)
     outputs = ()
     for pass_ in range(rule.passes):
@@ -294,19 +362,57 @@ def _add_rows(total, start, update):
     return lax.dynamic_update_slice_in_dim(total, rows + update, start, 0)
 
 
-def _block_grads(plan, z, v0, live, context, outputs, coefs):
-    """``dL/du`` for the pre-softcap logits ``u`` of one block, ``[Vb, Nc]``.
+def _accumulate(dw, start, update):
+    """:func:`_add_rows` into an array of any dtype, or into a Kahan pair
+    ``(sum, compensation)`` (the low-order part each addition lost)."""
+    if not isinstance(dw, tuple):
+        return _add_rows(dw, start, update.astype(dw.dtype))
+    total, lost = dw
+    rows = update.shape[0]
+    old = lax.dynamic_slice_in_dim(total, start, rows)
+    corrected = update - lax.dynamic_slice_in_dim(lost, start, rows)
+    new = old + corrected
+    lost = lax.dynamic_update_slice_in_dim(lost, (new - old) - corrected, start, 0)
+    return lax.dynamic_update_slice_in_dim(total, new, start, 0), lost
+
+
+def _block_grads(plan, z, v0, live, context, outputs, coefs, sigma):
+    """``(dL/du, keep)`` for the pre-softcap logits ``u`` of one block.
 
     The per-chunk gradient coefficient, in one place: the rule's ``dlogits``
-    times the softcap's derivative. ``live: [Vb, Nc]`` masks out rows of an
-    overlapping block and tokens that add nothing (whose logits may not even
-    be finite).
+    times the softcap's derivative, ``[Vb, Nc]``. ``live: [Vb, Nc]`` masks
+    out rows of an overlapping block and tokens that add nothing (whose
+    logits may not even be finite). ``keep``: None without a filter, else
+    False when each entry is 0 or below ``filter_eps * sigma`` of its token.
     """
     dz = plan.rule.dlogits(z, v0, context, outputs, coefs)
     if plan.softcap is not None:
         # d/du c tanh(u / c) = 1 - tanh^2 = 1 - (z / c)^2.
         dz = dz * (1.0 - jnp.square(z / plan.softcap))
-    return jnp.where(live, dz, 0.0)
+    dz = jnp.where(live, dz, 0.0)
+    if plan.filter_eps is None:
+        return dz, None
+    small = (jnp.abs(dz) < plan.filter_eps * sigma) | (dz == 0)
+    return dz, jnp.logical_not(jnp.all(small))
+
+
+def _filtered(plan, keep, updates, values):
+    """``{name: updates[name](values[name])}``, None staying None; those that
+    ``filter_target`` names run under one ``lax.cond`` on ``keep``, so that a
+    skipped tile's matmuls are not run."""
+    names = [k for k, v in values.items() if v is not None]
+    cut = (
+        [] if keep is None else [k for k in names if plan.filter_target in ("both", k)]
+    )
+    out = {
+        k: updates[k](v) if k in names and k not in cut else v
+        for k, v in values.items()
+    }
+    if cut:
+        run = lambda x: tuple(updates[k](v) for k, v in zip(cut, x))
+        kept = lax.cond(keep, run, lambda x: x, tuple(values[k] for k in cut))
+        out |= dict(zip(cut, kept))
+    return out
 
 
 def _chunk_grads(plan, h_chunk, active, w, bias, kept, context, outputs, coefs, grads):
@@ -315,7 +421,9 @@ def _chunk_grads(plan, h_chunk, active, w, bias, kept, context, outputs, coefs, 
     ``kept`` is the chunk's ``[V, Nc]`` logits when the forward sweep holds
     them; otherwise the logits are computed again, block by block. Tokens
     not ``active`` contribute nothing: their rows of ``h`` are zeroed for the
-    ``dw`` matmul, so that even a non-finite one cannot reach ``dw``.
+    ``dw`` matmul, so that even a non-finite one cannot reach ``dw``. ``dw``
+    is :func:`_accumulators`'; with ``filter_eps``, a vocabulary block
+    whose coefficients are all small skips its matmuls (:func:`_filtered`).
     """
     want_dh, dw, db = grads
     h_active = jnp.where(active[:, None], h_chunk, 0.0)
@@ -323,20 +431,26 @@ def _chunk_grads(plan, h_chunk, active, w, bias, kept, context, outputs, coefs, 
         kept = _logits(plan, h_chunk, w, bias)
     block = _vocab_blocks(plan, h_chunk, w, bias, kept)
     scale = 1.0 if plan.scale is None else plan.scale
+    # The filter's scale of each token, sigma_t = max_k |c_tk|, [Nc].
+    present = [jnp.abs(c) for c in coefs if c is not None]
+    sigma = None if plan.filter_eps is None else functools.reduce(jnp.maximum, present)
 
     def step(j, carry):
         dh_chunk, dw, db = carry
         v0, is_new, w_block, z = block(j)
         live = is_new & active
-        dz = _block_grads(plan, z, v0, live, context, outputs, coefs)
+        dz, keep = _block_grads(plan, z, v0, live, context, outputs, coefs, sigma)
         dz_in = dz.astype(h_chunk.dtype)
-        if dh_chunk is not None:
-            dh_chunk = dh_chunk + scale * plan.dot(dz_in, w_block, _CONTRACT_ROWS)
-        if dw is not None:
-            dw = _add_rows(dw, v0, scale * plan.dot(dz_in, h_active, _MATMUL))
+        updates = dict(
+            dh=lambda dh: dh + scale * plan.dot(dz_in, w_block, _CONTRACT_ROWS),
+            dw=lambda dw: _accumulate(
+                dw, v0, scale * plan.dot(dz_in, h_active, _MATMUL)
+            ),
+        )
+        new = _filtered(plan, keep, updates, dict(dh=dh_chunk, dw=dw))
         if db is not None:
             db = _add_rows(db, v0, jnp.sum(dz, axis=1))
-        return dh_chunk, dw, db
+        return new["dh"], new["dw"], db
 
     dh_chunk = jnp.zeros_like(h_chunk, jnp.float32) if want_dh else None
     return lax.fori_loop(0, plan.num_blocks, step, (dh_chunk, dw, db))
@@ -478,6 +592,24 @@ def _zero_grads(h, w, bias):
     )
 
 
+def _accumulators(plan, grads, dtype):
+    """``(dh, dw, db)`` with ``dw`` as :func:`_accumulate` sums into it."""
+    dh, dw, db = grads
+    if dw is not None and plan.dw_accumulation == "kahan":
+        dw = dw, jnp.zeros_like(dw)
+    elif dw is not None and plan.dw_accumulation == "input_dtype":
+        dw = dw.astype(dtype)
+    return dh, dw, db
+
+
+def _sums(grads):
+    """:func:`_accumulators`' inverse: ``(dh, dw, db)`` float32."""
+    dh, dw, db = grads
+    if isinstance(dw, tuple):
+        dw = dw[0] - dw[1]  # the sum less what the compensation holds back
+    return dh, None if dw is None else dw.astype(jnp.float32), db
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def fused_core(plan, h, w, bias, loss_scalars, loss_weights, inputs):
     """``(sum_t loss_weights_t * L_t, outputs)`` without keeping any logits.
@@ -507,8 +639,13 @@ def _fused_core_fwd(plan, h, w, bias, loss_scalars, loss_weights, inputs):
         loss_scalars,
         inputs,
         loss_weights,
-        grads=_zero_grads(h, w, bias) if plan.grads_in_forward else None,
+        grads=(
+            _accumulators(plan, _zero_grads(h, w, bias), w.dtype)
+            if plan.grads_in_forward
+            else None
+        ),
     )
+    saved = _sums(saved)
     residuals = (h, w, bias, loss_scalars, loss_weights, inputs, outputs, saved)
     objective = _objective(plan, loss_scalars, outputs, loss_weights, inputs[0])
     return (objective, outputs), residuals
@@ -544,7 +681,8 @@ def _fused_core_bwd(plan, residuals, cotangents):
         )[1]
 
     nonzero = jnp.any(jnp.stack([c for c in coefs if c is not None]) != 0)
-    grads = lax.cond(nonzero, recompute, lambda grads: grads, grads)
+    grads = _accumulators(plan, grads, w.dtype)
+    grads = _sums(lax.cond(nonzero, recompute, lambda grads: grads, grads))
     # The outputs do not depend on loss_scalars or loss_weights: their
     # gradients are those of the objective alone.
     _, pullback = jax.vjp(

@@ -517,6 +517,9 @@ def fused_distillation_loss(
     softcap: float | None = None,
     chunk_size: int | None = None,
     precision: jax.lax.PrecisionLike = None,
+    filter_eps: float | str | None = None,
+    filter_target: str = "both",
+    dw_accumulation: str = "float32",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r""":func:`distillation_loss` of the student ``unembed(h, w, bias)``, fused.
 
@@ -547,6 +550,9 @@ def fused_distillation_loss(
             ``[fused.MIN_CHUNK_SIZE, fused.MAX_CHUNK_SIZE]``, twice
             ``fused.fused_cross_entropy``'s.
         precision: of the matmuls, as in ``head.unembed``.
+        filter_eps, filter_target, dw_accumulation: gradient filtering and
+            ``dw``'s accumulation, as in ``fused.fused_cross_entropy``
+            (:func:`lmhead._fused_sweep.gradient_options`).
 
     Returns:
         ``(loss, metrics)`` as :func:`distillation_loss` returns them.
@@ -593,6 +599,10 @@ def fused_distillation_loss(
     vocab_size, d_model = np.shape(w)
     leading = np.shape(h)[:-1]
     teacher, teacher_is_logits = _check_teacher(teacher, leading, vocab_size)
+    dtype = jnp.result_type(h, w)
+    gradients = _fused_sweep.gradient_options(
+        filter_eps, filter_target, dw_accumulation, dtype
+    )
     weights, safe_labels, invalid = _token_weights(labels, weights, leading, vocab_size)
     num_tokens = math.prod(leading)
     if num_tokens == 0:
@@ -623,8 +633,8 @@ def fused_distillation_loss(
         softcap=None if softcap is None else float(softcap),
         precision=precision,
         grads_in_forward=reduction != "none",
+        **gradients,
     )
-    dtype = jnp.result_type(h, w)
     if teacher_is_logits:  # the teacher is a constant: no gradient
         inputs = (jnp.reshape(teacher[0], (num_tokens, vocab_size)), ())
     else:  # w_t keeps its [V, D_t]

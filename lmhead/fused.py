@@ -260,6 +260,9 @@ def fused_cross_entropy(
     vocab_shards: VocabShards | None = None,
     entropy: bool = False,
     skip_zero_weights: bool = False,
+    filter_eps: float | str | None = None,
+    filter_target: str = "both",
+    dw_accumulation: str = "float32",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""Cross-entropy of ``unembed(h, w, bias)`` without materializing logits.
 
@@ -342,6 +345,24 @@ def fused_cross_entropy(
             computes every token, and the gradient w.r.t. a zero weight is
             exactly that token's loss. Pass True when ``weights`` is data
             (padding masks), not something differentiated.
+        filter_eps: None (default: the exact gradient), a number ``>= 0``,
+            or ``"auto"`` (``finfo(dtype).eps / 32`` of the inputs' dtype):
+            a tile of a chunk's tokens and a vocabulary block where every
+            :math:`|p - \mathrm{onehot}|` (the gradient coefficient divided
+            by the token's largest coefficient, e.g. its weight) is below
+            it adds nothing to the gradients ``filter_target`` names, and
+            their matmuls are skipped, as Cut Cross-Entropy does. The loss,
+            the metrics and ``dbias`` stay exact; the error of ``dh`` and
+            ``dw`` is bounded as :func:`lmhead._fused_sweep.gradient_options`
+            states.
+        filter_target: ``"both"`` (default), ``"dh"`` or ``"dw"``: the
+            gradients a skipped tile leaves out (CCE's ``filter_e_grad`` and
+            ``filter_c_grad``; filtering ``dh`` only keeps the classifier's
+            gradient exact).
+        dw_accumulation: ``"float32"`` (default), ``"kahan"`` (float32 with a
+            Kahan compensation, a second ``[V, D]`` array) or
+            ``"input_dtype"`` (``dw`` summed over the chunks in the inputs'
+            dtype).
 
     Returns:
         ``(loss, metrics)`` as ``losses.cross_entropy`` returns them; ``loss``
@@ -419,6 +440,10 @@ def fused_cross_entropy(
     leading = jnp.shape(h)[:-1]
     losses.check_labels_and_weights(labels, weights, leading, vocab_size)
     _check_vocab_shards(vocab_shards, vocab_size)
+    dtype = jnp.result_type(h, w)
+    gradients = _fused_sweep.gradient_options(
+        filter_eps, filter_target, dw_accumulation, dtype
+    )
     num_tokens = math.prod(leading)
     if num_tokens == 0:  # nothing to block or split: the logits are empty
         loss, metrics = losses.cross_entropy(
@@ -455,12 +480,12 @@ def fused_cross_entropy(
             precision,
             grads_in_forward=reduction != "none",
             skip_zero_weights=skip_zero_weights,
+            **gradients,
         )
         return _fused_sweep.fused_core(
             plan, h, w, bias, loss_scalars, loss_weights, inputs
         )
 
-    dtype = jnp.result_type(h, w)
     loss_weights, safe_labels, invalid = losses.valid_weights(
         jnp.reshape(labels, (num_tokens,)),
         None if weights is None else jnp.reshape(weights, -1),

@@ -346,6 +346,7 @@ class LMHead(nn.Module):
         smoothing: str = "uniform",
         z_loss: float = 0.0,
         chunk_size: int | None = None,
+        **gradients: Any,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The training loss on hidden states; see ``losses.cross_entropy``.
 
@@ -364,6 +365,9 @@ class LMHead(nn.Module):
                 for ``"materialized"``.
             label_smoothing, smoothing, z_loss: as in
                 ``losses.cross_entropy``.
+            **gradients: ``filter_eps``, ``filter_target`` and
+                ``dw_accumulation`` of ``fused.fused_cross_entropy``, for
+                ``loss_impl="fused"`` only.
 
         Returns:
             ``(loss, metrics)`` as ``losses.cross_entropy`` returns them.
@@ -376,6 +380,7 @@ class LMHead(nn.Module):
                 f"'vocab_parallel'); got chunk_size={chunk_size!r} with "
                 f"loss_impl='materialized'."
             )
+        _check_gradient_options(gradients, loss_impl)
         h, w, bias = self._loss_arrays(h, embedding)
         options = dict(
             weights=weights,
@@ -397,6 +402,7 @@ class LMHead(nn.Module):
                 softcap=self.softcap,
                 chunk_size=chunk_size,
                 **options,
+                **gradients,
             )
         logits = head.unembed(h, w, bias, scale=self.scale, softcap=self.softcap)
         return losses.cross_entropy(logits, labels, **options)
@@ -416,6 +422,7 @@ class LMHead(nn.Module):
         reduction: str = "mean",
         loss_impl: str = "fused",
         chunk_size: int | None = None,
+        **gradients: Any,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The distillation loss of this head's logits of ``h`` against a teacher.
 
@@ -434,6 +441,8 @@ class LMHead(nn.Module):
             loss_impl: ``"fused"`` or ``"materialized"``.
             chunk_size: tokens per chunk of the fused loss; None for
                 ``"materialized"``.
+            **gradients: ``filter_eps``, ``filter_target`` and
+                ``dw_accumulation`` of the fused loss.
 
         Returns:
             ``(loss, metrics)`` as ``distillation.distillation_loss``
@@ -446,6 +455,7 @@ class LMHead(nn.Module):
                 "chunk_size is for loss_impl='fused'; got "
                 f"chunk_size={chunk_size!r} with loss_impl='materialized'."
             )
+        _check_gradient_options(gradients, loss_impl)
         h, w, bias = self._loss_arrays(h, embedding)
         options = dict(
             labels=labels,
@@ -466,6 +476,7 @@ class LMHead(nn.Module):
                 softcap=self.softcap,
                 chunk_size=chunk_size,
                 **options,
+                **gradients,
             )
         logits = head.unembed(h, w, bias, scale=self.scale, softcap=self.softcap)
         if isinstance(teacher, (tuple, list)):
@@ -566,6 +577,20 @@ class LMHead(nn.Module):
             teacher_ids,
             teacher_logps,
             **options,
+        )
+
+
+def _check_gradient_options(gradients: dict, loss_impl: str) -> None:
+    """``LMHead``'s pass-through of the fused sweep's gradient options:
+    known names, and the fused loss only."""
+    allowed = ("filter_eps", "filter_target", "dw_accumulation")
+    unknown = sorted(set(gradients) - set(allowed))
+    if unknown:
+        raise TypeError(f"unknown options {unknown}; allowed: {list(allowed)}.")
+    if gradients and loss_impl != "fused":
+        raise ValueError(
+            f"{', '.join(sorted(gradients))} are options of loss_impl='fused'; "
+            f"got loss_impl={loss_impl!r}."
         )
 
 

@@ -10,6 +10,7 @@ the exact gradient. The formulas follow Liger-Kernel's GRPO
 """
 
 import dataclasses
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -306,6 +307,9 @@ def fused_policy_gradient_loss(
     softcap: float | None = None,
     chunk_size: int | None = None,
     vocab_chunk_size: int | None = None,
+    filter_eps: float | str | None = None,
+    filter_target: str = "both",
+    dw_accumulation: str = "float32",
     **options,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r""":func:`policy_gradient_loss` of the head ``softcap(scale * h @ w.T +
@@ -328,7 +332,8 @@ def fused_policy_gradient_loss(
             w_ref [V, D_ref][, bias_ref])``; not with ``ref_logps``.
         entropy_weight: None computes no entropy; a number computes it (the
             ``entropy`` metric) and weights the bonus (0: metric only).
-        temperature, scale, softcap, chunk_size, vocab_chunk_size: as in
+        temperature, scale, softcap, chunk_size, vocab_chunk_size,
+            filter_eps, filter_target, dw_accumulation: as in
             :func:`lmhead.token_logprobs.fused_token_logprobs`.
         **options: the rest of :func:`policy_gradient_loss`'s options
             (``loss_type``, ``importance_sampling``, ``epsilon_low``,
@@ -362,13 +367,13 @@ def fused_policy_gradient_loss(
         )
     if ref_logps is not None and reference_head is not None:
         raise ValueError("give ref_logps or reference_head, not both; got both.")
-    settings = _DEFAULTS | options
-    if set(options) - set(_DEFAULTS):
+    settings = _OPTIONS | options
+    if set(options) - set(_OPTIONS):
         raise TypeError(
-            f"unknown options {sorted(set(options) - set(_DEFAULTS))}; allowed: "
-            f"{sorted(_DEFAULTS)}."
+            f"unknown options {sorted(set(options) - set(_OPTIONS))}; allowed: "
+            f"{sorted(_OPTIONS)}."
         )
-    check_options(*(settings[name] for name in _DEFAULTS))
+    check_options(**settings)
     _check_shapes(
         jnp.zeros(jnp.shape(ids), jnp.float32),
         mask,
@@ -382,6 +387,9 @@ def fused_policy_gradient_loss(
         softcap=softcap,
         chunk_size=chunk_size,
         vocab_chunk_size=vocab_chunk_size,
+        filter_eps=filter_eps,
+        filter_target=filter_target,
+        dw_accumulation=dw_accumulation,
     )
     if reference_head is not None:
         if len(reference_head) not in (2, 3):
@@ -471,15 +479,12 @@ def fused_policy_gradient_loss(
     return loss, metrics
 
 
-_DEFAULTS = dict(
-    loss_type="dapo",
-    importance_sampling="token",
-    epsilon_low=0.2,
-    epsilon_high=0.2,
-    delta=None,
-    beta=0.0,
-    max_completion_length=None,
-)
+# The options check_options takes, with policy_gradient_loss's defaults:
+# what fused_policy_gradient_loss's **options may hold.
+_OPTIONS = {
+    name: inspect.signature(policy_gradient_loss).parameters[name].default
+    for name in inspect.signature(check_options).parameters
+}
 
 
 def _token_weights(m, settings):

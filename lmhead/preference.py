@@ -262,6 +262,9 @@ def fused_preference_loss(
     softcap: float | None = None,
     chunk_size: int | None = None,
     vocab_chunk_size: int | None = None,
+    filter_eps: float | str | None = None,
+    filter_target: str = "both",
+    dw_accumulation: str = "float32",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r""":func:`preference_loss` of the head ``softcap(scale * h @ w.T + bias)``,
     fused.
@@ -286,8 +289,11 @@ def fused_preference_loss(
             of the frozen reference; the same scale, softcap and temperature.
         loss_type, beta, gamma, alpha, label_smoothing: as in
             :func:`preference_loss`.
-        temperature, scale, softcap, chunk_size, vocab_chunk_size: as in
-            :func:`lmhead.token_logprobs.fused_token_logprobs`.
+        temperature, scale, softcap, chunk_size, vocab_chunk_size,
+            filter_eps, filter_target, dw_accumulation: as in
+            :func:`lmhead.token_logprobs.fused_token_logprobs` (the
+            reference's sweep, which gets no gradient, ignores the last
+            three).
 
     Returns:
         ``(loss, metrics)`` as :func:`preference_loss`.
@@ -330,6 +336,11 @@ def fused_preference_loss(
         chunk_size=chunk_size,
         vocab_chunk_size=vocab_chunk_size,
     )
+    gradients = dict(
+        filter_eps=filter_eps,
+        filter_target=filter_target,
+        dw_accumulation=dw_accumulation,
+    )
     chosen, rejected = _pair_logps(
         h_chosen,
         h_rejected,
@@ -337,7 +348,7 @@ def fused_preference_loss(
         chosen_ids,
         rejected_ids,
         masks,
-        options | {"bias": bias},
+        options | gradients | {"bias": bias},
     )
     if reference_head is not None:
         if len(reference_head) not in (3, 4):

@@ -150,6 +150,9 @@ def fused_sparse_distillation_loss(
     softcap: float | None = None,
     chunk_size: int | None = None,
     vocab_chunk_size: int | None = None,
+    filter_eps: float | str | None = None,
+    filter_target: str = "both",
+    dw_accumulation: str = "float32",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r""":func:`sparse_distillation_loss` of the head ``softcap(scale * h @ w.T
     + bias) / T``, fused.
@@ -168,7 +171,8 @@ def fused_sparse_distillation_loss(
             concrete, where ``weights`` is nonzero).
         teacher_logps: ``[..., k]`` their log-probs, ``<= 0``.
         weights, renormalize, reduction: as in :func:`sparse_distillation_loss`.
-        temperature, scale, softcap, chunk_size, vocab_chunk_size: as in
+        temperature, scale, softcap, chunk_size, vocab_chunk_size,
+            filter_eps, filter_target, dw_accumulation: as in
             :func:`lmhead.token_logprobs.fused_token_logprobs`.
 
     Returns:
@@ -220,6 +224,9 @@ def fused_sparse_distillation_loss(
         softcap=softcap,
         chunk_size=chunk_size,
         vocab_chunk_size=vocab_chunk_size,
+        filter_eps=filter_eps,
+        filter_target=filter_target,
+        dw_accumulation=dw_accumulation,
     )
     return sparse_distillation_loss(
         student.logprobs,

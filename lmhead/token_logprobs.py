@@ -186,6 +186,9 @@ def fused_token_logprobs(
     chunk_size: int | None = None,
     vocab_chunk_size: int | None = None,
     precision: jax.lax.PrecisionLike = None,
+    filter_eps: float | str | None = None,
+    filter_target: str = "both",
+    dw_accumulation: str = "float32",
 ) -> TokenLogProbs:
     r"""Each token's log-probability of given ids, without the ``[N, V]`` logits.
 
@@ -216,6 +219,11 @@ def fused_token_logprobs(
         scale, softcap, precision: as in ``head.unembed``; concrete.
         entropy: True to return :math:`H_t` too.
         chunk_size, vocab_chunk_size: as in ``fused.fused_cross_entropy``.
+        filter_eps, filter_target, dw_accumulation: gradient filtering and
+            ``dw``'s accumulation, as in ``fused.fused_cross_entropy``
+            (:func:`lmhead._fused_sweep.gradient_options`); the filter
+            compares :math:`|p - \\mathrm{onehot}|` of the ids a function
+            of the outputs puts a cotangent on.
 
     Returns:
         :class:`TokenLogProbs` ``(logprobs, entropy or None, log_normalizer)``,
@@ -289,6 +297,9 @@ def fused_token_logprobs(
         chunk_size=chunk_size,
         vocab_chunk_size=vocab_chunk_size,
         precision=precision,
+        filter_eps=filter_eps,
+        filter_target=filter_target,
+        dw_accumulation=dw_accumulation,
     )
     return token_loss_sweep(h, w, ids, live, **options)[1]
 
@@ -320,7 +331,8 @@ def token_loss_sweep(
         >>> loss, out = token_loss_sweep(
         ...     h, w, ids, weights, token_loss=nll, bias=None, temperature=1.0,
         ...     scale=None, softcap=None, entropy=False, chunk_size=4,
-        ...     vocab_chunk_size=None, precision=None)
+        ...     vocab_chunk_size=None, precision=None, filter_eps=None,
+        ...     filter_target="both", dw_accumulation="float32")
         >>> bool(jnp.allclose(loss, -jnp.sum(weights * out.logprobs)))
         True
     """
@@ -339,6 +351,13 @@ def token_loss_sweep(
         bias, options["scale"], options["softcap"], float(temperature)
     )
     rule = LogProbRule(num_ids, entropy, token_loss)
+    dtype = jnp.result_type(h, w)
+    gradients = _fused_sweep.gradient_options(
+        options["filter_eps"],
+        options["filter_target"],
+        options["dw_accumulation"],
+        dtype,
+    )
     if num_tokens == 0:
         objective = jnp.zeros((), jnp.float32)
         outputs = (jnp.zeros((0,), jnp.float32),) * (1 + num_ids + entropy)
@@ -357,8 +376,8 @@ def token_loss_sweep(
             None if softcap is None else float(softcap),
             options["precision"],
             grads_in_forward=token_loss is not None,
+            **gradients,
         )
-        dtype = jnp.result_type(h, w)
         objective, outputs = _fused_sweep.fused_core(
             plan,
             jnp.reshape(h, (num_tokens, d_model)).astype(dtype),

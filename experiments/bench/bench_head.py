@@ -39,6 +39,15 @@ sequences of ``N / 16`` tokens::
 
     python experiments/bench/bench_head.py --post_training=dpo,grpo
 
+``--filter_eps=auto,1e-4`` times the fused cross-entropy with each
+``filter_eps`` against the exact fused and the materialized losses, with the
+tiles skipped and the gradients' error, on random or (``--peaked``)
+synthetic trained-like inputs; ``--dw_accumulation`` each accumulation of
+``dw``, with its error against float64::
+
+    python experiments/bench/bench_head.py --filter_eps=auto,1e-4 --peaked
+    python experiments/bench/bench_head.py --dw_accumulation --dtype=bfloat16
+
 ``--preset=gemma2`` prints one table at Gemma 2 2B's head (N = 8192,
 D = 2304, V = 256,000, bfloat16), the shape Cut Cross-Entropy's paper times:
 the forward and forward + backward of the fused and materialized losses, and
@@ -81,9 +90,13 @@ import numpy as np
 import timing  # experiments/bench/timing.py, beside this file
 from absl import app, flags, logging
 from head_tables import (  # experiments/bench/head_tables.py, beside this file
+    ACCUMULATION_HEADER,
+    FILTER_HEADER,
     GIB,
     POST_TRAINING,
+    accumulation_rows,
     available_bytes,
+    filter_rows,
     format_bytes,
     format_ratio,
     post_training_steps,
@@ -196,6 +209,14 @@ flags.DEFINE_enum(
     "(gemma2: Gemma 2 2B's head, N=8192, D=2304, V=256000, as Cut "
     "Cross-Entropy's paper times it). --shapes overrides the shape.",
 )
+flags.DEFINE_list(
+    "filter_eps",
+    [],
+    "filter_eps values (numbers or auto) of the fused cross-entropy to time "
+    "against the exact fused and the materialized losses.",
+)
+flags.DEFINE_bool("peaked", False, "--filter_eps: synthetic trained-like inputs.")
+flags.DEFINE_bool("dw_accumulation", False, "Time and check dw's accumulations.")
 FLAGS = flags.FLAGS
 
 
@@ -603,6 +624,19 @@ def main(argv):
         for n, d, v in parse_shapes(FLAGS.shapes or [specs[0]]):
             rows = skip_entropy_rows(
                 n, d, v, jnp.dtype(FLAGS.dtype), repeats, FLAGS.seconds_per_program
+            )
+            print("\n".join(rows), flush=True)
+        return
+    if FLAGS.filter_eps or FLAGS.dw_accumulation:
+        eps_values = [x if x == "auto" else float(x) for x in FLAGS.filter_eps]
+        print(FILTER_HEADER if eps_values else ACCUMULATION_HEADER, flush=True)
+        for n, d, v in parse_shapes(FLAGS.shapes or [specs[0]]):
+            args = n, d, v, jnp.dtype(FLAGS.dtype)
+            timed = repeats, FLAGS.seconds_per_program, FLAGS.chunk_size
+            rows = (
+                filter_rows(*args, eps_values, FLAGS.peaked, *timed)
+                if eps_values
+                else accumulation_rows(*args, *timed)
             )
             print("\n".join(rows), flush=True)
         return

@@ -1,7 +1,8 @@
 """Helpers of ``bench_head.py``: the memory and byte formats its tables
 share, and its ``--quantized`` tables (the inference head with a smaller
 table: bfloat16, float16, int8 with per-row scales, against float32), and
-its ``--post_training`` programs (DPO and GRPO, fused and materialized).
+its ``--post_training`` programs (DPO and GRPO, fused and materialized),
+and its ``--filter_eps`` table (gradient filtering).
 
 Not a command: ``python experiments/bench/bench_head.py --quantized``.
 """
@@ -14,7 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 import timing  # experiments/bench/timing.py, beside this file
 
-from lmhead import head, policy_gradient, preference, quantize
+from lmhead import (
+    _fused_sweep,
+    fused,
+    head,
+    losses,
+    policy_gradient,
+    preference,
+    quantize,
+)
 from lmhead.lm import data, generation
 from lmhead.lm import model as model_lib
 
@@ -279,3 +288,178 @@ def post_training_steps(loss, chunk_size, vocab_chunk_size):
         )
         for name in ("fused", "materialized")
     }
+
+
+def synthetic_peaked(key, n, d, v, dtype):
+    """``(h, w, labels)`` whose softmax looks trained (synthetic, not a model):
+    labels Zipf-distributed over ids in frequency order (as BPE's are, roughly),
+    the first feature of ``w`` each id's log-frequency (a unigram prior that
+    ``h``'s first feature, 1, reads), and each ``h`` pointing at its label's
+    row of the others, so the label takes about half the mass."""
+    rank = np.arange(1, v + 1)
+    log_freq = -np.log(rank) - np.log(np.sum(1.0 / rank))
+    labels = np.random.default_rng(0).choice(v, n, p=np.exp(log_freq))
+    w_key, h_key = jax.random.split(key)
+    w = jax.random.normal(w_key, (v, d)) / np.sqrt(d)
+    w = w.at[:, 0].set(log_freq - log_freq.mean())
+    h = 8.0 * w[labels] + 0.5 * jax.random.normal(h_key, (n, d)) / np.sqrt(d)
+    h = h.at[:, 0].set(1.0)
+    return h.astype(dtype), w.astype(dtype), jnp.asarray(labels)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "rows", "eps"))
+def skipped_fraction(h, w, labels, *, chunk, rows, eps):
+    """The fraction of tiles (``chunk`` tokens x ``rows`` rows) where every
+    ``|p - onehot| < eps``: those the filter skips, for unit weights. Written
+    here from the softmax, apart from the sweep."""
+    n, v = h.shape[0], w.shape[0]
+    pad = -n % chunk, -v % rows
+
+    def tiles(x):  # [chunk, V] -> [V / rows] True where the tile is small
+        hc, yc = x
+        p = jax.nn.softmax(head.unembed(hc, w), axis=-1)
+        small = jnp.abs(p - jax.nn.one_hot(yc, v)) < eps
+        small = jnp.pad(small, ((0, 0), (0, pad[1])), constant_values=True)
+        return jnp.all(small.reshape(chunk, -1, rows), axis=(0, 2))
+
+    hs = jnp.pad(h, ((0, pad[0]), (0, 0))).reshape(-1, chunk, h.shape[1])
+    ys = jnp.pad(labels, (0, pad[0])).reshape(-1, chunk)
+    return jnp.mean(jax.lax.map(tiles, (hs, ys)))
+
+
+def filter_rows(n, d, v, dtype, eps_values, peaked, repeats, seconds, chunk_size):
+    """Rows of the filtered fused cross-entropy's value and gradient against
+    the exact fused and the materialized ones, timed in alternating rounds:
+    the fraction ``f`` of tiles skipped, the bound ``1/3 + 2/3 (1 - f)`` of
+    the time ratio, and the gradients' relative error."""
+    key = jax.random.key(0)
+    if peaked:
+        h, w, labels = synthetic_peaked(key, n, d, v, dtype)
+    else:
+        keys = jax.random.split(key, 3)
+        h = jax.random.normal(keys[0], (n, d), dtype)
+        w = (0.02 * jax.random.normal(keys[1], (v, d))).astype(dtype)
+        labels = jax.random.randint(keys[2], (n,), 0, v)
+
+    def step(loss):
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(h, w).compile()
+
+    programs = {
+        "materialized": step(
+            lambda h, w: losses.cross_entropy(head.unembed(h, w), labels)[0]
+        )
+    }
+    for eps in [None] + eps_values:
+        programs[eps] = step(
+            lambda h, w, eps=eps: fused.fused_cross_entropy(
+                h, w, labels, chunk_size=chunk_size, filter_eps=eps
+            )[0]
+        )
+    exact = programs[None](h, w)[1]
+    warmup = max(timing.call_seconds(p, (h, w)) for p in programs.values())
+    runs = int(np.clip(seconds // warmup, 1, repeats))
+    times = {name: [] for name in programs}
+    for _ in range(runs):  # alternate, so all see the same load
+        for name, program in programs.items():
+            times[name].append(timing.call_seconds(program, (h, w)))
+    median = {name: float(np.median(t)) for name, t in times.items()}
+    chunk, rows, _ = _fused_sweep.block_sizes(n, v, chunk_size, None)
+    out = []
+    for eps in [None] + eps_values:
+        value = (
+            None
+            if eps is None
+            else _fused_sweep.gradient_options(eps, "both", "float32", dtype)[
+                "filter_eps"
+            ]
+        )
+        f = (
+            0.0
+            if eps is None
+            else float(
+                skipped_fraction(h, w, labels, chunk=chunk, rows=rows, eps=value)
+            )
+        )
+        grads = programs[eps](h, w)[1]
+        error = [
+            float(
+                jnp.linalg.norm((g - e).astype(jnp.float32))
+                / jnp.linalg.norm(e.astype(jnp.float32))
+            )
+            for g, e in zip(grads, exact)
+        ]
+        out.append(
+            f"| {n} | {d} | {v} | {'peaked (synthetic)' if peaked else 'random'} | "
+            f"{'exact' if eps is None else f'{eps} ({value:.3g})'} | {f:.1%} | "
+            f"{1 / 3 + 2 / 3 * (1 - f):.2f} | {median[eps]:.3g} | "
+            f"{median[eps] / median[None]:.2f} | "
+            f"{median[eps] / median['materialized']:.2f} | "
+            f"{error[0]:.1e} | {error[1]:.1e} | {runs} |"
+        )
+    return out
+
+
+FILTER_HEADER = (
+    "| N | D | V | inputs | filter_eps | tiles skipped | bound | fused s | "
+    "x exact | x materialized | dh rel. error | dw rel. error | runs |\n|" + "---|" * 13
+)
+
+
+def float64_dw(h, w, labels, chunk=256):
+    """The mean cross-entropy's ``dw`` in float64 numpy, ``chunk`` tokens at
+    a time: the reference of :func:`accumulation_rows`."""
+    h, w = np.asarray(h, np.float64), np.asarray(w, np.float64)
+    dw = np.zeros_like(w)
+    for i in range(0, len(h), chunk):
+        z = h[i : i + chunk] @ w.T
+        p = np.exp(z - z.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        p[np.arange(len(z)), np.asarray(labels[i : i + chunk])] -= 1.0
+        dw += p.T @ h[i : i + chunk]
+    return dw / len(h)
+
+
+def accumulation_rows(n, d, v, dtype, repeats, seconds, chunk_size):
+    """Rows of ``dw``'s relative error against float64 and the time of
+    value and gradient with each ``dw_accumulation``, in alternating rounds
+    (random inputs, ``w`` of std 0.02 as at initialization)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    h = jax.random.normal(keys[0], (n, d), dtype)
+    w = (0.02 * jax.random.normal(keys[1], (v, d))).astype(dtype)
+    labels = jax.random.randint(keys[2], (n,), 0, v)
+    programs = {
+        mode: jax.jit(
+            jax.value_and_grad(
+                lambda w, mode=mode: fused.fused_cross_entropy(
+                    h, w, labels, chunk_size=chunk_size, dw_accumulation=mode
+                )[0]
+            )
+        )
+        .lower(w)
+        .compile()
+        for mode in _fused_sweep.DW_ACCUMULATIONS
+    }
+    reference = float64_dw(h, w, labels)
+    warmup = max(timing.call_seconds(p, (w,)) for p in programs.values())
+    runs = int(np.clip(seconds // warmup, 1, repeats))
+    times = {mode: [] for mode in programs}
+    for _ in range(runs):  # alternate, so all see the same load
+        for mode, program in programs.items():
+            times[mode].append(timing.call_seconds(program, (w,)))
+    base = float(np.median(times["float32"]))
+    out = []
+    for mode, program in programs.items():
+        dw = np.asarray(program(w)[1], np.float64)
+        error = np.linalg.norm(dw - reference) / np.linalg.norm(reference)
+        seconds = float(np.median(times[mode]))
+        out.append(
+            f"| {n} | {d} | {v} | {jnp.dtype(dtype).name} | {mode} | {error:.1e} | "
+            f"{seconds:.3g} | {seconds / base:.2f} | {runs} |"
+        )
+    return out
+
+
+ACCUMULATION_HEADER = (
+    "| N | D | V | dtype | dw_accumulation | dw rel. error vs float64 | s | "
+    "x float32 | runs |\n|" + "---|" * 9
+)

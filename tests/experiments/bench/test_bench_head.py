@@ -115,3 +115,33 @@ def test_bench_head_preset_table_at_a_small_shape():
     assert rows[0][3] == "1.00"
     assert rows[0][4] == rows[1][4]  # the same loss, to 4 decimals
     assert "Liger" in stdout and "CCE" in stdout
+
+
+@pytest.mark.slow
+def test_bench_head_filter_and_accumulation_tables():
+    """--filter_eps: the exact row first, each ratio that of the times, the
+    bound that of the fraction skipped; --dw_accumulation: each mode's error
+    against float64."""
+    stdout = run_bench("bench_head.py", "--quick", "--filter_eps=auto,1", "--peaked")
+    rows = re.findall(
+        r"^\| 512 \| 64 \| 1024 \| peaked \(synthetic\) \| ([^|]+) \| (\S+)% \| "
+        r"(\S+) \| (\S+) \| (\S+) \| (\S+) \| (\S+) \| (\S+) \| \d+ \|$",
+        stdout,
+        re.M,
+    )
+    assert [row[0].split()[0] for row in rows] == ["exact", "auto", "1.0"]
+    exact_seconds = float(rows[0][3])
+    for _, skipped, bound, seconds, ratio, _, dh_error, dw_error in rows:
+        f = float(skipped) / 100
+        assert float(bound) == pytest.approx(1 / 3 + 2 / 3 * (1 - f), abs=0.01)
+        assert float(ratio) == pytest.approx(
+            float(seconds) / exact_seconds, rel=0.02, abs=0.02
+        )
+        assert float(dh_error) >= 0 and float(dw_error) >= 0
+    assert float(rows[0][1]) == 0 and float(rows[2][1]) > 0  # 1 skips the tile
+    stdout = run_bench("bench_head.py", "--quick", "--dw_accumulation")
+    modes = re.findall(
+        r"^\| 512 \| 64 \| 1024 \| float32 \| (\w+) \| (\S+) \|", stdout, re.M
+    )
+    assert [mode for mode, _ in modes] == ["float32", "kahan", "input_dtype"]
+    assert all(float(error) < 1e-4 for _, error in modes)

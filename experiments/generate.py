@@ -9,7 +9,10 @@ r"""Continues a prompt with a trained run's newest checkpoint and tokenizer.
     python experiments/generate.py --workdir=... --stop='\n\n' --stop=ROMEO: \
         --presence_penalty=0.5 --frequency_penalty=0.3 --top_logprobs=3
 
-A stop string ends a sample and is not printed, nor what follows it; its
+A sample ends at the run's end-of-text token (``<|endoftext|>``, which new
+runs put between works), which is not printed; ``--ignore_eos`` goes on past
+it and prints it. A stop string ends a sample and is not printed, nor what
+follows it; its
 ``\n``, ``\t`` and ``\uXXXX`` escapes are read as in Python. With
 ``--top_logprobs=k`` each sample's text is followed by one line per
 generated token: the token and its step's ``k`` likeliest tokens with their
@@ -62,6 +65,11 @@ flags.DEFINE_float(
 )
 flags.DEFINE_integer(
     "top_logprobs", 0, "Print this many likeliest tokens per step.", lower_bound=0
+)
+flags.DEFINE_bool(
+    "ignore_eos",
+    False,
+    "Go on past the end-of-text token instead of ending the sample there.",
 )
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_enum(
@@ -117,6 +125,7 @@ def main(argv):
         presence_penalty=f.presence_penalty,
         frequency_penalty=f.frequency_penalty,
         top_logprobs=f.top_logprobs,
+        ignore_eos=f.ignore_eos,
     )
     texts = [c.text + top_logprobs_lines(c, tokenizer) for c in continuations]
     print(generation.SAMPLE_SEPARATOR.join(texts), flush=True)

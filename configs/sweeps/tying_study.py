@@ -203,6 +203,9 @@ def get_study(arg=None) -> study.Design:
         )
     every = args["eval_every"]
     shared = {
+        # The committed runs (docs/tying_study, docs/compare) had no
+        # end-of-text token; restoring and resuming them needs the same data.
+        "data.end_of_text": False,
         "data.split": "works",
         "data.tokenizer_fraction": 1.0,
         **HOLDOUT,

@@ -66,7 +66,8 @@ def token_bytes(tokenizer: data.Tokenizer) -> list[bytes]:
     """Each token's bytes, ``[V]`` byte strings: what
     ``decoding.StopStrings.build`` matches stop strings on.
 
-    ``CharTokenizer``: the character's UTF-8 bytes. ``BPETokenizer``
+    ``CharTokenizer``: the character's UTF-8 bytes (the end-of-text token's:
+    those of its literal ``<|endoftext|>``, what it decodes to). ``BPETokenizer``
     (byte-level): the bytes its vocabulary string stands for, which may be
     part of a character; decoding the token alone would give U+FFFD instead.
     Either way the text of a row is the UTF-8 decoding of its tokens' bytes
@@ -80,7 +81,9 @@ def token_bytes(tokenizer: data.Tokenizer) -> list[bytes]:
         [b'a', b'\\xc3\\xa9']
     """
     if isinstance(tokenizer, data.CharTokenizer):
-        return [c.encode("utf-8") for c in tokenizer.chars]
+        return [
+            tokenizer.decode([v]).encode("utf-8") for v in range(tokenizer.vocab_size)
+        ]
     inner = getattr(tokenizer, "tokenizer", None)
     if inner is not None and isinstance(inner.decoder, decoders.ByteLevel):
         chars = _byte_level_chars()
@@ -97,11 +100,13 @@ class Continuation(NamedTuple):
     Attributes:
         text: the prompt and its continuation, cut before the first stop
             string the continuation completes (OpenAI's rule: neither the
-            stop string nor anything after it is returned).
-        finish_reason: ``"stop"`` (a stop string ended it) or ``"length"``
-            (it reached ``max_new_tokens``).
+            stop string nor anything after it is returned), or before the
+            end-of-text token that ended it.
+        finish_reason: ``"stop"`` (the end-of-text token or a stop string
+            ended it) or ``"length"`` (it reached ``max_new_tokens``).
         tokens: the generated ids, up to and including the one that
-            completed the stop string (which may hold text past it).
+            completed the stop string (which may hold text past it) or the
+            end-of-text token.
         top_logprobs: one list per id of ``tokens``: its step's
             ``top_logprobs`` likeliest tokens as ``(text, log-prob)`` pairs
             under the sampled (processed) distribution, likeliest first;
@@ -125,6 +130,7 @@ class _WindowSettings(NamedTuple):
     presence_penalty: float | None
     frequency_penalty: float | None
     top_logprobs: int
+    eos_id: int | None
 
 
 def continue_text(
@@ -170,6 +176,7 @@ def continuations(
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
     top_logprobs: int = 0,
+    ignore_eos: bool = False,
 ) -> list[Continuation]:
     """``num_samples`` :class:`Continuation` s of ``prompt``.
 
@@ -186,8 +193,12 @@ def continuations(
     (``decoding.StopStrings`` on :func:`token_bytes`, exact across tokens for
     this project's tokenizers); one that spans two windows is found in the
     text after the first, and the text is always cut with
-    ``decoding.trim_at_stop``. No more windows run once every sample has
-    stopped. Beam search only cuts the text.
+    ``decoding.trim_at_stop``. Beam search only cuts the text. A tokenizer
+    with an end-of-text token (``tokenizer.eos_id``) ends a sample (and a
+    beam) at it, as GPT-2's ``<|endoftext|>`` ends a document, unless
+    ``ignore_eos`` (OpenAI's extension of that name); the token is kept in
+    :attr:`Continuation.tokens` but not in the text. No more windows run
+    once every sample has stopped.
 
     Args:
         stop: a stop string or a list of them, matched in the generated text
@@ -197,6 +208,8 @@ def continuations(
             window; None is off.
         top_logprobs: ``k >= 0`` alternatives per token in
             :attr:`Continuation.top_logprobs`.
+        ignore_eos: go on past the end-of-text token, which then is text
+            like any other (its literal ``<|endoftext|>``).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -231,6 +244,7 @@ def continuations(
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
         top_logprobs=top_logprobs,
+        eos_id=None if ignore_eos else tokenizer.eos_id,
     )
     ids = [np.tile(np.asarray(prompt_ids[-context_len:], np.int32), (num_samples, 1))]
     lengths = np.full([num_samples], ids[0].shape[1], np.int32)
@@ -253,7 +267,9 @@ def continuations(
                 rows[b] = _extend_row(row, window, b, take, tokenizer, stop)
         generated += window.tokens.shape[1]
         lengths[:] = context_len
-    return [_continuation(prompt, row, tokenizer, stop) for row in rows]
+    return [
+        _continuation(prompt, row, tokenizer, stop, settings.eos_id) for row in rows
+    ]
 
 
 class _Row(NamedTuple):
@@ -266,21 +282,22 @@ class _Row(NamedTuple):
 
 
 def _extend_row(row: _Row, window, b: int, take: int, tokenizer, stop) -> _Row:
-    """``row`` with window row ``b``'s first ``take`` tokens (fewer if a stop
-    string ended it in the loop, or if the text then completes one)."""
+    """``row`` with window row ``b``'s first ``take`` tokens (fewer if the
+    end-of-text token or a stop string ended it in the loop, or if the text
+    then completes a stop string)."""
     count = min(int(window.lengths[b]), take)
     tokens = row.tokens + window.tokens[b, :count].tolist()
     top = row.top + [
         list(zip(window.top_tokens[b, t].tolist(), window.top_log_probs[b, t].tolist()))
         for t in range(count)
     ]
-    if stop is None:
-        return _Row(tokens, top, False)
-    if (
-        window.finish_reasons[b] == decoding.FINISHED_STOP
-        and count == window.lengths[b]
+    if count == window.lengths[b] and window.finish_reasons[b] in (
+        decoding.FINISHED_EOS,
+        decoding.FINISHED_STOP,
     ):
         return _Row(tokens, top, True)
+    if stop is None:
+        return _Row(tokens, top, False)
     if decoding.find_stop(tokenizer.decode(tokens), stop) is None:
         return _Row(tokens, top, False)
     # A stop string across the windows' boundary: end at the token completing it.
@@ -292,8 +309,9 @@ def _extend_row(row: _Row, window, b: int, take: int, tokenizer, stop) -> _Row:
     return _Row(tokens[: end + 1], top[: end + 1], True)
 
 
-def _continuation(prompt: str, row: _Row, tokenizer, stop) -> Continuation:
-    text = tokenizer.decode(row.tokens)
+def _continuation(prompt: str, row: _Row, tokenizer, stop, eos_id) -> Continuation:
+    ended_by_eos = row.stopped and eos_id is not None and row.tokens[-1:] == [eos_id]
+    text = tokenizer.decode(row.tokens[:-1] if ended_by_eos else row.tokens)
     if stop is not None:
         text = decoding.trim_at_stop(text, stop)
     top = [[(tokenizer.decode([i]), p) for i, p in step] for step in row.top]
@@ -311,25 +329,32 @@ def _continue_window(
 ) -> decoding.Generation:
     """The :class:`decoding.Generation` of ``settings.max_new_tokens`` tokens
     after ``context[b, :lengths[b]]`` (beam search: its best beam, every row
-    of full length, no alternatives)."""
+    of its length up to the end-of-text token, no alternatives)."""
     logits, cache = model_lib.prefill(model, params, context, lengths)
     step_fn = model_lib.make_step_fn(model)
     if settings.num_beams:
-        tokens = decoding.beam_search(
+        beams = decoding.beam_search(
             step_fn,
             params,
             logits,
             cache,
             num_beams=settings.num_beams,
             max_new_tokens=settings.max_new_tokens,
-            eos_id=None,
-        )[0][:, 0]
+            eos_id=settings.eos_id,
+        )
+        tokens, lengths = beams.tokens[:, 0], beams.lengths[:, 0]
         batch, width = tokens.shape
+        ended = jnp.zeros([batch], bool)
+        if settings.eos_id is not None:
+            last = jnp.take_along_axis(tokens, jnp.maximum(lengths - 1, 0)[:, None], 1)
+            ended = (lengths > 0) & (last[:, 0] == settings.eos_id)
         return decoding.Generation(
             tokens=tokens,
             log_probs=jnp.zeros(tokens.shape, jnp.float32),
-            lengths=jnp.full([batch], width, jnp.int32),
-            finish_reasons=jnp.full([batch], decoding.FINISHED_LENGTH, jnp.int32),
+            lengths=lengths,
+            finish_reasons=jnp.where(
+                ended, decoding.FINISHED_EOS, decoding.FINISHED_LENGTH
+            ).astype(jnp.int32),
             top_tokens=jnp.zeros([batch, width, 0], jnp.int32),
             top_log_probs=jnp.zeros([batch, width, 0], jnp.float32),
         )
@@ -347,6 +372,7 @@ def _continue_window(
         frequency_penalty=settings.frequency_penalty,
         stop=stop,
         top_logprobs=settings.top_logprobs,
+        eos_id=settings.eos_id,
     )
 
 

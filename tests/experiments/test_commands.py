@@ -45,7 +45,7 @@ def test_train(workdir):
     with open(os.path.join(workdir, "summary.json")) as f:
         summary = json.load(f)
     assert summary["steps"] == 20
-    assert summary["num_head_params"] == 84 * 32  # the untied [V, D]
+    assert summary["num_head_params"] == 85 * 32  # the untied [V, D], end of text
     with open(os.path.join(workdir, "samples.txt")) as f:
         assert f.read().startswith("KING") and "KING" in stdout
 
@@ -59,6 +59,7 @@ def test_generate_beams(workdir):
         "--max_new_tokens=12",
         "--num_beams=2",
         "--num_samples=2",
+        "--ignore_eos",  # else a short run's beams end at the end-of-text token
     )
     first, second = stdout.rstrip("\n").split("\n---------------\n")
     assert first.startswith("ROMEO:") and len(first) == 6 + 12

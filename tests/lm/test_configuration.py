@@ -9,6 +9,7 @@ import ml_collections
 import pytest
 
 from configs import default
+from lmhead.lab import sweeps
 from lmhead.lm import configuration, train
 from lmhead.lm import model as model_lib
 from tests.errors import assert_raises_exactly
@@ -75,6 +76,15 @@ class TestDefaultConfig:
                 config.train.eval_train_batches,
                 config.train.test_eval,
             ) == ("tail", 1.0, 0, 0, None)
+
+    def test_new_runs_have_the_end_of_text_token_committed_runs_do_not(self):
+        for arg in ("", "tied", "nanogpt", "tiny", "tiny,bpe=512"):
+            assert default.get_config(arg).data.end_of_text is True, arg
+        # make compare's and the tying study's committed runs had none.
+        assert default.get_config("compare").data.end_of_text is False
+        path = os.path.join(configuration.REPOSITORY, "configs/sweeps/tying_study.py")
+        shared = sweeps.load_module(path).get_study("tiny").shared
+        assert shared["data.end_of_text"] is False
 
     def test_locked(self):
         with pytest.raises(AttributeError):

@@ -196,15 +196,15 @@ def test_timing_prompt_is_one_window_of_continue_text():
     assert rows.shape == (1, 3) and new == 5
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def write_run(workdir, end_of_text):
     """A run's workdir as training leaves it, written without training: the
-    tiny config, the character tokenizer of the corpus, and a checkpoint at
-    step 10 of noisy parameters (far from init, so that greedy decoding has
-    clear winners). Returns the workdir and the saved parameters."""
-    workdir = str(tmp_path_factory.mktemp("run"))
+    tiny config (``data.end_of_text`` as given), the character tokenizer of
+    the corpus, and a checkpoint at step 10 of noisy parameters (far from
+    init, so that greedy decoding has clear winners). Returns the workdir
+    and the saved parameters."""
     config = default.get_config("tiny")
-    tokenizer = data.make_tokenizer("char", "", data.shakespeare_text(), None)
+    config.data.end_of_text = end_of_text
+    tokenizer = data.train_tokenizer(config.data)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json(indent=2))
     tokenizer.save(os.path.join(workdir, data.TOKENIZER_FILE))
@@ -219,10 +219,24 @@ def run(tmp_path_factory):
     return workdir, jax.tree.map(np.asarray, state.params)
 
 
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A run made before the end-of-text token (one token, one character:
+    what the stop-string tests count on)."""
+    return write_run(str(tmp_path_factory.mktemp("run")), end_of_text=False)
+
+
+@pytest.fixture(scope="module")
+def eot_run(tmp_path_factory):
+    """A new run: its tokenizer has the end-of-text token."""
+    return write_run(str(tmp_path_factory.mktemp("eot_run")), end_of_text=True)
+
+
 def test_load_run(run):
     workdir, saved = run
     config, tokenizer, model, params = generation.load_run(workdir)
     assert config.model.d_model == 32 and tokenizer.vocab_size == 84
+    assert tokenizer.eos_id is None  # saved without the token: as before
     assert params["embed"]["embedding"].shape == (84, 32)
     assert model.max_len == 16
     jax.tree.map(np.testing.assert_array_equal, params, saved)
@@ -328,6 +342,75 @@ def test_stop_strings_cut_the_text_where_the_plain_text_first_holds_one(run, cas
     assert all(end is not None for end in ends), ends
     if case == "sampled":
         assert len(set(ends)) > 1, ends
+
+
+def likelier_eos(model, params, tokenizer, scale):
+    """``params`` whose (tied) table row of the end-of-text token is
+    ``scale`` times that of the token greedy decoding picks most often, so
+    that the token comes up (the noisy parameters seldom draw it)."""
+    greedy = generation.continuations(
+        model,
+        params,
+        tokenizer,
+        "KING",
+        key=jax.random.key(0),
+        num_samples=1,
+        max_new_tokens=24,
+        temperature=0.0,
+        ignore_eos=True,
+    )[0].tokens
+    params = jax.tree.map(np.array, params)
+    table = params["embed"]["embedding"]
+    table[tokenizer.eos_id] = scale * table[max(set(greedy), key=greedy.count)]
+    return params
+
+
+def test_samples_end_at_the_end_of_text_token_unless_ignore_eos(eot_run):
+    """The same key with ``ignore_eos`` draws the same tokens: each sample
+    is that one cut after its first end-of-text token, whose literal is not
+    in the text."""
+    _, tokenizer, model, params = generation.load_run(eot_run[0])
+    eos = tokenizer.eos_id
+    assert (eos, tokenizer.vocab_size) == (84, 85)
+    params = likelier_eos(model, params, tokenizer, 0.7)
+    common = dict(key=jax.random.key(5), num_samples=12, max_new_tokens=40)
+    ended = generation.continuations(model, params, tokenizer, "KING", **common)
+    going = generation.continuations(
+        model, params, tokenizer, "KING", ignore_eos=True, **common
+    )
+    cut = 0
+    for after, before in zip(ended, going, strict=True):
+        assert len(before.tokens) == 40 and before.finish_reason == "length"
+        assert before.text == "KING" + tokenizer.decode(before.tokens)
+        if eos not in before.tokens:
+            assert after == before
+            continue
+        cut += 1
+        end = before.tokens.index(eos)
+        assert after.tokens == before.tokens[: end + 1]
+        assert after.finish_reason == "stop"
+        assert after.text == "KING" + tokenizer.decode(before.tokens[:end])
+        assert data.END_OF_TEXT not in after.text
+        assert after.top_logprobs == before.top_logprobs[: end + 1]
+    assert 0 < cut < 12, cut  # some samples end at it, some do not
+
+
+def test_beam_search_ends_at_the_end_of_text_token(eot_run):
+    _, tokenizer, model, params = generation.load_run(eot_run[0])
+    eos = tokenizer.eos_id
+    params = likelier_eos(model, params, tokenizer, 1.2)
+    common = dict(key=jax.random.key(0), num_samples=1, max_new_tokens=24)
+    beams = {
+        ignore: generation.continuations(
+            model, params, tokenizer, "KING", num_beams=3, ignore_eos=ignore, **common
+        )[0]
+        for ignore in (False, True)
+    }
+    assert eos in beams[True].tokens  # the unstopped search goes past it
+    ended = beams[False]
+    assert ended.finish_reason == "stop" and ended.tokens[-1] == eos
+    assert eos not in ended.tokens[:-1]
+    assert ended.text == "KING" + tokenizer.decode(ended.tokens[:-1])
 
 
 def test_no_window_runs_after_every_sample_stopped(run):
@@ -449,6 +532,10 @@ def test_bpe_token_bytes_join_to_the_decoded_text(bpe):
 def test_char_token_bytes_are_each_characters_utf8():
     tokenizer = data.CharTokenizer.train("aé☃\n")
     assert generation.token_bytes(tokenizer) == [c.encode() for c in tokenizer.chars]
+    tokenizer = data.CharTokenizer.train("aé☃\n", data.END_OF_TEXT)
+    assert generation.token_bytes(tokenizer) == [c.encode() for c in "\naé☃"] + [
+        b"<|endoftext|>"
+    ]
 
 
 def test_bpe_stop_strings_match_decoding_after_every_step(bpe):

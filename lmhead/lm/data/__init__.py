@@ -24,6 +24,8 @@ from lmhead.lm.data.corpus import (
     SPLITS,
     Splits,
     assign_works,
+    cut_at,
+    join_works,
     load_text,
     read_splits,
     shakespeare_text,
@@ -43,9 +45,11 @@ from lmhead.lm.data.dataset import (
     train_tokenizer,
 )
 from lmhead.lm.data.tokenization import (
+    END_OF_TEXT,
     BPETokenizer,
     CharTokenizer,
     Tokenizer,
     load_tokenizer,
     make_tokenizer,
+    text_length,
 )

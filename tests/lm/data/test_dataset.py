@@ -2,6 +2,7 @@
 cache, the test split, and data that a run refuses before it compiles."""
 
 import hashlib
+import json
 import os
 
 import numpy as np
@@ -200,9 +201,10 @@ class TestTokenizerFraction:
 
     def test_fingerprint_of_unset_settings_is_unchanged(self, data_config):
         tiny = configuration.load_config("tiny").data  # tokenizer_fraction None
-        assert tiny.tokenizer_fraction is None
+        assert tiny.tokenizer_fraction is None and tiny.end_of_text
+        assert dataset_lib._fingerprint("abc", tiny) != todays_fingerprint("abc", tiny)
         for config in (
-            tiny,
+            data_config(end_of_text=False),
             data_config(),  # no tokenizer_fraction key at all
             data_config(tokenizer_fraction=None),
             data_config(split="works", tokenizer="bpe", vocab_size=512),
@@ -385,3 +387,69 @@ def test_data_is_refused_before_anything_compiles(
     assert_raises_exactly(
         lambda: train.train_and_evaluate(config, str(tmp_path / "run")), error, named
     )
+
+
+class TestEndOfText:
+    """New runs have the token between works; a pinned or older config gets
+    bitwise the data it had (an old-recipe reference built here)."""
+
+    def test_pinned_run_has_todays_data(self, works, data_config, tmp_path):
+        # The tying study's data settings, end_of_text pinned off.
+        settings = dict(
+            split="works",
+            train_fraction=0.03,
+            train_offset=0.5,
+            holdout_fraction=0.1,
+            holdout_chunk=512,
+        )
+        names = data.assign_works(works, 0.1, 0.1)
+        split = np.array(list("".join(works[n] for n in names["train"])))
+        positions = np.arange(len(split))
+        held = (positions // 512) % 10 == 9
+        start = int(len(split) * 0.5)
+        in_range = (positions >= start) & (positions < start + int(len(split) * 0.03))
+        chars = sorted(set("".join(works.values())))
+        lookup = np.zeros(128, np.int64)
+        lookup[[ord(c) for c in chars]] = np.arange(len(chars))
+        for pinned in (dict(end_of_text=False), {}):
+            config = data_config(**settings, **pinned)
+            dataset = data.load_dataset(config, str(tmp_path / str(len(pinned))))
+            for tokens, mask in (
+                (dataset.train_tokens, in_range & ~held),
+                (dataset.heldout_tokens, in_range & held),
+            ):
+                expected = lookup[[ord(c) for c in split[mask]]]
+                np.testing.assert_array_equal(tokens, expected)
+            assert dataset.tokenizer.to_json() == (
+                '{"kind": "char", "chars": ' + json.dumps("".join(chars)) + "}"
+            )
+            assert dataset.tokenizer.eos_id is None
+            assert dataset.val_chars_per_token == 1.0
+
+    def test_new_run_has_it_between_works(self, works, data_config):
+        dataset = data.load_dataset(data_config(end_of_text=True))
+        tok = dataset.tokenizer
+        assert tok.eos_id == tok.vocab_size - 1 == 84
+        tokens = np.concatenate([dataset.train_tokens, dataset.val_tokens])
+        ends = np.flatnonzero(tokens == tok.eos_id)
+        assert len(ends) == 42 and ends[-1] == len(tokens) - 1
+        lengths = np.diff(np.concatenate([[-1], ends])) - 1
+        np.testing.assert_array_equal(lengths, [len(w) for w in works.values()])
+        val = tok.decode(dataset.val_tokens)
+        assert dataset.val_chars_per_token == pytest.approx(
+            len(val.replace(data.END_OF_TEXT, "")) / len(dataset.val_tokens)
+        )
+
+    def test_bpe_vocab_size_counts_the_token(self, text_file, data_config):
+        text = ("the cat sat on the mat\n" * 30 + data.END_OF_TEXT) * 4
+        config = data_config(
+            path=text_file(text), tokenizer="bpe", vocab_size=262, end_of_text=True
+        )
+        dataset = data.load_dataset(config)
+        assert data.tokenizer_vocab_size(config) == dataset.vocab_size == 262
+        assert dataset.tokenizer.eos_id == 261
+        off = data_config(path=config.path, tokenizer="bpe", vocab_size=262)
+        assert data.load_dataset(off).tokenizer.eos_id is None
+        assert dataset_lib._fingerprint(text, config) != dataset_lib._fingerprint(
+            text, off
+        )

@@ -23,6 +23,8 @@ setuptools.setup(
         "orbax-checkpoint>=0.5.20",
         "tensorboardX>=2.6",
         "tokenizers>=0.19",
+        # Hugging Face checkpoints, read as numpy (lmhead/lm/gpt2_import.py).
+        "safetensors>=0.4",
         "matplotlib>=3.8",
         "numpy>=1.26",
         # lmhead.lab.stats and the tying study's reports (t quantiles, tests).

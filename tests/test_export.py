@@ -197,10 +197,16 @@ LOSS_OPTIONS = dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0, chunk_size=4
 
 
 @functools.cache
-def fused_loss_and_grad():
+def fused_loss_and_grad(filtered=False):
+    """The fused loss, exact or with its gradient filtered (a ``lax.cond``
+    per vocabulary block) and ``dw`` Kahan-compensated."""
+    options = LOSS_OPTIONS | (
+        dict(filter_eps="auto", dw_accumulation="kahan") if filtered else {}
+    )
+
     def objective(h, w, bias, labels, weights):
         return fused.fused_cross_entropy(
-            h, w, labels, bias=bias, weights=weights, **LOSS_OPTIONS
+            h, w, labels, bias=bias, weights=weights, **options
         )
 
     grad = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)
@@ -331,8 +337,9 @@ def test_ensemble_eval_step(platform):
 
 
 @platforms
-def test_fused_loss_value_and_grad(platform):
-    fn, args = fused_loss_and_grad()
+@pytest.mark.parametrize("filtered", [False, True], ids=["exact", "filtered"])
+def test_fused_loss_value_and_grad(platform, filtered):
+    fn, args = fused_loss_and_grad(filtered)
     exported = lowered(fn, args, platform)
     (_, _), grads = jax.tree.unflatten(exported.out_tree, exported.out_avals)
     assert [g.shape for g in grads] == [a.shape for a in args[:3]]

@@ -171,6 +171,9 @@ def model_defaults() -> ml_collections.ConfigDict:
     model.head_scale = config_dict.placeholder(float)
     model.logits_softcap = config_dict.placeholder(float)
     model.dtype = "float32"  # compute dtype: "float32" | "bfloat16"
+    # The MLP's GELU: "gelu" (exact) | "gelu_tanh" (GPT-2's tanh form, which
+    # runs imported by experiments/import_gpt2.py compute).
+    model.activation = "gelu"
     # Untied models only: the steps before this one train tied (the embedding
     # table is the head), then the head starts as a copy of the table, with
     # the table's AdamW moments, and trains on its own (lmhead/lm/train.py's

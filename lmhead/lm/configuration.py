@@ -60,6 +60,7 @@ CHOICES = {
     "data.split": ("tail", "works"),
     "model.positions": model_lib.POSITIONS,
     "model.dtype": tuple(DTYPES),
+    "model.activation": model_lib.ACTIVATIONS,
     "loss.loss_impl": modules.LOSS_IMPLS,
     "loss.smoothing": ("uniform", "normalized"),
 }

@@ -201,6 +201,12 @@ CONFIGS = [
         ("config.model.positions", "'learned'", "'rope'"),
     ),
     ("mesh.data", 3, ValueError, ("mesh.data", "mesh.model")),
+    (
+        "model.activation",
+        "relu",
+        ValueError,
+        ("config.model.activation", "'gelu'", "'gelu_tanh'"),
+    ),
 ]
 
 

@@ -3,9 +3,14 @@ r"""Scores texts under a trained run: nats, bits per character, perplexity.
     python experiments/score.py --workdir=runs/nanogpt_tied --file=a.txt --file=b.txt
     python experiments/score.py --workdir=runs/nanogpt_tied --text="To be, or not to be"
     python experiments/score.py --workdir=... --file=a.txt --json --per_token=a.tsv
+    python experiments/score.py --workdir=... --file=a.txt --prefix_eos
 
 A text longer than the model's context is scored window by window (see
-``lmhead/lm/scoring.py``); ``--stride`` trades context for time.
+``lmhead/lm/scoring.py``); ``--stride`` trades context for time. The first
+token is only context, unless ``--prefix_eos`` puts the run's end-of-text
+token before the text (as each work follows it in training, and as
+lm-evaluation-harness's rolling log-likelihood does). The end-of-text token
+counts no characters in bits per character.
 """
 
 import cli  # experiments/cli.py, beside this file
@@ -29,6 +34,11 @@ flags.DEFINE_string(
     "Write a TSV of (name, token, log_prob) of every scored token to this path.",
 )
 flags.DEFINE_bool("json", False, "Print the totals as JSON.")
+flags.DEFINE_bool(
+    "prefix_eos",
+    False,
+    "Score the text after the run's end-of-text token, its first token included.",
+)
 
 
 def main(argv):
@@ -46,6 +56,7 @@ def main(argv):
             name=name,
             stride=f.stride,
             batch_size=f.batch_size,
+            prefix_eos=f.prefix_eos,
         )
         for name, text in sources
     ]

@@ -6,7 +6,8 @@ the number of tokens and characters they predict, made once per run.
 standard error over windows, perplexity, bits per character, accuracy and
 calibration error. Bits per character = (summed nats) / (ln 2 x the
 characters the evaluated tokens decode to), the same computation for every
-tokenizer. :func:`periodic_eval_sets` are a training run's fixed validation
+tokenizer; the end-of-text token's nats count, and it adds no characters
+(``data.text_length``; docs/training.md says why). :func:`periodic_eval_sets` are a training run's fixed validation
 (and, with ``train.eval_train_batches``, training; with
 ``data.holdout_fraction``, held-out: :func:`heldout_eval_set`) windows;
 :func:`wants_test_evaluation` says whether the run ends with the whole test
@@ -101,7 +102,8 @@ def make_test_set(
     :attr:`EvalSet.num_words` the words of the test text,
     ``count_words(tokenizer.decode(tokens))`` (both tokenizers decode their
     encoding back to the text exactly, so this is the text read from the
-    corpus).
+    corpus), the end-of-text token being no word but a boundary between
+    two (the works on either side are counted apart).
 
     Its labels are tokens ``1 .. T * floor((N - 1) / T)`` (``T`` =
     ``data.block_size``): the whole text but its first token and at most
@@ -116,8 +118,15 @@ def make_test_set(
         config,
         tokenizer,
         mesh,
-        num_words=count_words(tokenizer.decode(tokens)),
+        num_words=sum(map(count_words, _documents(tokenizer, tokens))),
     )
+
+
+def _documents(tokenizer: data.Tokenizer, tokens: np.ndarray) -> list[str]:
+    """The texts of ``tokens`` between end-of-text tokens (all of it, for a
+    tokenizer without one)."""
+    text = tokenizer.decode(tokens)
+    return text.split(tokenizer.eos_token) if tokenizer.eos_token else [text]
 
 
 def periodic_eval_sets(
@@ -208,7 +217,8 @@ def evaluate(eval_fn, params: Any, eval_set: EvalSet) -> dict[str, float]:
     :math:`k` windows of mean size :math:`\bar n` (NaN for one window, and
     for a loss that is not finite).
     ``bits_per_char`` is :math:`\sum_w y_w / (\ln 2 \cdot` the characters the
-    labels decode to), the same for every tokenizer. Also ``perplexity``
+    labels decode to), the same for every tokenizer; an end-of-text label's
+    nats are in the sum, and it adds no characters. Also ``perplexity``
     (per token), ``accuracy`` and ``ece``.
 
     A set with :attr:`EvalSet.num_words` (the test split's,

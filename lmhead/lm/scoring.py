@@ -11,8 +11,12 @@ A text longer than the model's context is scored with a sliding window
 ``L`` tokens start every ``stride`` tokens, and each window scores only the
 tokens that no earlier window scored, so every token is scored once, with
 at least ``L - stride + 1`` tokens of context once the first window is
-past. The first token of a text has no context and is not scored (the
-tokenizers have no beginning-of-text token).
+past. The first token of a text has no context and is not scored, unless
+``prefix_eos``: then the text follows the run's end-of-text token, as each
+work follows it in training, and every token is scored (lm-evaluation-
+harness's rolling log-likelihood prefixes its first window the same way).
+The end-of-text token counts no characters in bits per character
+(``data.text_length``).
 """
 
 import dataclasses
@@ -173,7 +177,8 @@ class TextScore:
         token_texts: ``[N - 1]`` the scored tokens, as text.
         log_probs: ``float [N - 1]`` their log-probabilities in nats.
         num_characters: characters of the scored tokens (the text less its
-            first token).
+            first token, unless that is the end-of-text prefix), the
+            end-of-text token counting none.
     """
 
     name: str
@@ -209,13 +214,20 @@ def score_text(
     name: str = "text",
     stride: int | None = None,
     batch_size: int = 8,
+    prefix_eos: bool = False,
 ) -> TextScore:
     """Scores ``text`` under a :class:`model.DecoderLM` with
     :func:`strided_log_probs` (window ``model.max_len``).
 
+    With ``prefix_eos``, the text's ids follow the tokenizer's end-of-text
+    id, so that its first token is scored too (``token_texts`` and
+    ``log_probs`` then cover the whole text).
+
     Raises:
         ValueError: for an empty text, one with characters outside a
-            character vocabulary, or one that encodes to fewer than 2 tokens.
+            character vocabulary, one that encodes to fewer than 2 tokens
+            (1 with ``prefix_eos``), or ``prefix_eos`` with a tokenizer
+            without an end-of-text token.
     """
     if not text:
         raise ValueError(f"{name}: the text is empty; nothing to score.")
@@ -223,6 +235,13 @@ def score_text(
         ids = tokenizer.encode_array(text)
     except ValueError as error:
         raise ValueError(f"{name}: {error}") from error
+    if prefix_eos:
+        if getattr(tokenizer, "eos_id", None) is None:
+            raise ValueError(
+                f"{name}: prefix_eos needs a tokenizer with an end-of-text "
+                "token; this run's has none (it was made without one)."
+            )
+        ids = np.concatenate([np.array([tokenizer.eos_id], ids.dtype), ids])
     if len(ids) < 2:
         raise ValueError(
             f"{name}: the text must encode to at least 2 tokens "
@@ -237,11 +256,14 @@ def score_text(
         batch_size=batch_size,
     )
     pieces = [tokenizer.decode([i]) for i in ids]
+    first = 0 if prefix_eos else len(pieces[0])
+    eos_token = getattr(tokenizer, "eos_token", None)
+    ends = 0 if eos_token is None else np.sum(ids[1:] == tokenizer.eos_id)
     return TextScore(
         name=name,
         token_texts=pieces[1:],
         log_probs=log_probs,
-        num_characters=max(1, len(text) - len(pieces[0])),
+        num_characters=max(1, len(text) - first - int(ends) * len(eos_token or "")),
     )
 
 

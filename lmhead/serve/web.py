@@ -389,11 +389,12 @@ def _add_info_routes(app: Any, engine: Engine, model_name: str) -> None:
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
-        eos = tokenizer.eos_id
+        # The end-of-text token (<|endoftext|> in new runs, GPT-2's in an
+        # imported one; None in a run made without it), as vLLM names it.
         return {
             "tokenizer_class": type(tokenizer).__name__,
-            "eos_token": None if eos is None else tokenizer.decode([eos]),
-            "eos_token_id": eos,
+            "eos_token": getattr(tokenizer, "eos_token", None),
+            "eos_token_id": tokenizer.eos_id,
             "vocab_size": tokenizer.vocab_size,
             "model_max_length": engine.model.max_len,
         }

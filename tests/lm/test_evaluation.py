@@ -107,6 +107,49 @@ class TestBitsPerCharacter:
             assert chars > 2 * 16 * k  # several characters per token
 
 
+class TestEndOfText:
+    """The end-of-text token's nats count, and it adds no characters and
+    no words (hand computations on a text of two-line works)."""
+
+    TEXT = "the cat sat on the mat,\nthe dog sat.<|endoftext|>" * 30
+
+    @pytest.mark.parametrize("kind", ["char", "bpe"])
+    def test_bits_per_character(self, kind):
+        tokenizer = data.make_tokenizer(
+            kind, self.TEXT, self.TEXT, 300 if kind == "bpe" else None, True
+        )
+        tokens = tokenizer.encode_array(self.TEXT)
+        assert np.sum(tokens == tokenizer.eos_id) == 30
+        config = default.get_config("tiny")
+        eval_set = evaluation.make_eval_set("eval", tokens, None, config, tokenizer)
+        got = evaluation.evaluate(TestWordPerplexity.nats_by_label, None, eval_set)
+        k = (len(tokens) - 1) // 16
+        labels = tokens[1 : 1 + 16 * k]
+        nats = np.sum(0.1 * (labels % 5 + 1))  # end-of-text labels' included
+        # The characters: the text less the first token's and the tail's, and
+        # less 13 for each end-of-text label.
+        chars = (
+            len(self.TEXT)
+            - len(tokenizer.decode(tokens[:1]))
+            - len(tokenizer.decode(tokens[1 + 16 * k :]))
+            - len(data.END_OF_TEXT) * np.sum(labels == tokenizer.eos_id)
+        )
+        if kind == "char":
+            assert chars == np.sum(labels != tokenizer.eos_id)
+        assert eval_set.num_chars == chars
+        assert got["eval/bits_per_char"] == pytest.approx(
+            nats / (math.log(2) * chars), rel=1e-5
+        )
+
+    def test_words(self):
+        tokenizer = data.make_tokenizer("char", "", self.TEXT, None, True)
+        tokens = tokenizer.encode_array(self.TEXT)
+        test_set = evaluation.make_test_set(
+            tokens, default.get_config("tiny"), tokenizer
+        )
+        assert test_set.num_words == 9 * 30  # "sat.<|endoftext|>the": two words
+
+
 class TestWordPerplexity:
     @staticmethod
     def nats_by_label(params, batch):  # a stand-in for eval_step

@@ -202,6 +202,38 @@ def test_score_text_summary_and_bad_input(tiny_model, tmp_path):
         scoring.read_texts([str(tmp_path / "missing.txt")], [])
 
 
+def test_score_text_with_the_end_of_text_token(tiny_model):
+    """Its log-loss counts, its characters do not; ``prefix_eos`` scores
+    the first token after it (the harness's rolling windows' prefix)."""
+    model, params = tiny_model
+    tokenizer = data.CharTokenizer("abcdefghij k", data.END_OF_TEXT)
+    text = "abc<|endoftext|>de"
+    ids = tokenizer.encode_array(text)
+    assert ids.tolist() == [0, 1, 2, 12, 3, 4]
+    plain = scoring.score_text(model, params, tokenizer, text)
+    prefixed = scoring.score_text(model, params, tokenizer, text, prefix_eos=True)
+    reference = scoring.strided_log_probs(
+        scoring.ModelLogits(model), params, np.array([12, *ids]), window=8
+    )
+    np.testing.assert_array_equal(prefixed.log_probs, reference)
+    np.testing.assert_array_equal(
+        plain.log_probs,
+        scoring.strided_log_probs(scoring.ModelLogits(model), params, ids, window=8),
+    )
+    assert len(plain.log_probs) == 5 and len(prefixed.log_probs) == 6
+    assert prefixed.token_texts == ["a", "b", "c", data.END_OF_TEXT, "d", "e"]
+    # Characters: b c d e after "a", and a b c d e after the prefix.
+    assert (plain.num_characters, prefixed.num_characters) == (4, 5)
+    nats = -float(np.sum(prefixed.log_probs, dtype=np.float64))
+    assert prefixed.summary()["bits_per_character"] == pytest.approx(
+        nats / math.log(2) / 5, rel=1e-12
+    )
+    with pytest.raises(ValueError, match="prefix_eos needs a tokenizer with an"):
+        scoring.score_text(
+            model, params, data.CharTokenizer("abc"), "ab", prefix_eos=True
+        )
+
+
 @pytest.mark.slow
 def test_score_script_end_to_end(tmp_path):
 
@@ -238,3 +270,13 @@ def test_score_script_end_to_end(tmp_path):
     assert scores[0]["nats_per_token"] < math.log(84)  # it learned something
     plain = run("score.py", f"--workdir={workdir}", "--text=To be, or not to be")
     assert plain.startswith("text1: ") and "bits/char" in plain
+    (prefixed,) = json.loads(
+        run(
+            "score.py",
+            f"--workdir={workdir}",
+            f"--file={second}",
+            "--prefix_eos",
+            "--json",
+        )
+    )
+    assert (prefixed["tokens"], prefixed["characters"]) == (19, 19)

@@ -11,7 +11,7 @@ same data stream.
 
 import numpy as np
 
-from lmhead.lm.data.tokenization import Tokenizer
+from lmhead.lm.data.tokenization import Tokenizer, text_length
 
 # Keeps the two numpy streams apart: default_rng([seed, TRAIN_STREAM, step]).
 TRAIN_STREAM = 0
@@ -74,12 +74,13 @@ def train_batch(
 
 def label_chars(tokenizer: Tokenizer, batches: list[dict[str, np.ndarray]]) -> int:
     """The number of characters that the weighted labels of ``batches`` decode
-    to, window by window: the denominator of bits per character.
+    to, window by window, the end-of-text token counting none
+    (``tokenization.text_length``): the denominator of bits per character.
 
-    Bits per character = (sum of the labels' nats) / (ln 2 * this), the same
-    computation for every tokenizer. (A byte-level BPE window that starts or
-    ends inside a multi-byte character counts its bytes as one replacement
-    character each.)
+    Bits per character = (sum of the labels' nats, the end-of-text token's
+    included) / (ln 2 * this), the same computation for every tokenizer. (A
+    byte-level BPE window that starts or ends inside a multi-byte character
+    counts its bytes as one replacement character each.)
 
     Examples:
         >>> from lmhead.lm.data import CharTokenizer
@@ -89,7 +90,7 @@ def label_chars(tokenizer: Tokenizer, batches: list[dict[str, np.ndarray]]) -> i
         6
     """
     return sum(
-        len(tokenizer.decode(labels[weights > 0]))
+        text_length(tokenizer, labels[weights > 0])
         for batch in batches
         for labels, weights in zip(batch["labels"], batch["weights"])
     )

@@ -21,7 +21,6 @@ import numpy as np
 
 from lmhead import decoding
 from lmhead.lm import scoring
-from lmhead.serve import requests
 from lmhead.serve.requests import MAX_LOGPROBS, CompletionRequest
 
 FINISH_REASONS = {
@@ -63,8 +62,10 @@ def prompt_log_probs(engine: Any, ids: np.ndarray, k: int) -> tuple[list, list]:
     ``{token text: log-prob}`` at each position, None first; ``k`` past the
     vocabulary gives every token, as the completion's top log-probs do).
 
-    The top ``k`` come from one forward pass of the prompt padded to its
-    bucket (causal, so the padding changes nothing before it)."""
+    The top ``k`` come from one forward pass of the prompt padded to the
+    context (causal, so the padding changes nothing before it; the scorer
+    runs that width too), which takes the top :func:`top_width` whatever
+    ``k``: one program for every request."""
     chosen = [None]
     if len(ids) > 1:
         chosen += [
@@ -80,12 +81,14 @@ def prompt_log_probs(engine: Any, ids: np.ndarray, k: int) -> tuple[list, list]:
     k = min(k, engine.model.vocab_size)
     if k == 0:
         return chosen, [None] + [{} for _ in ids[1:]]
-    width = requests.bucket(len(ids), engine.buckets.prompt_lengths)
-    padded = np.zeros([1, width], np.int32)
+    padded = np.zeros([1, engine.model.max_len], np.int32)
     padded[0, : len(ids)] = ids
     values, tokens = jax.device_get(
-        _prompt_top(scoring.ModelLogits(engine.model), engine.params, padded, k)
+        _prompt_top(
+            scoring.ModelLogits(engine.model), engine.params, padded, top_width(engine)
+        )
     )
+    values, tokens = values[..., :k], tokens[..., :k]
     tops = [
         _top_map(engine.tokenizer, tokens[0, j], values[0, j])
         for j in range(len(ids) - 1)

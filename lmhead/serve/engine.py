@@ -13,7 +13,6 @@ import numpy as np
 
 from lmhead import decoding
 from lmhead.lm import model as model_lib
-from lmhead.lm import scoring
 from lmhead.serve import completions, requests
 from lmhead.serve.requests import CompletionRequest, bucket
 
@@ -127,14 +126,8 @@ class Engine:
         }
 
     def warm_up(self) -> int:
-        """Compiles the scorer of echoed prompts (one program per window
-        shape, whatever the text); returns the number of programs run. Beam
-        search compiles a shape on its first use."""
-        scoring.strided_log_probs(
-            scoring.ModelLogits(self.model),
-            self.params,
-            np.zeros([2], np.int32),
-            window=self.model.max_len,
-            batch_size=self.score_batch_size,
-        )
-        return 1
+        """Compiles the log-probs of echoed prompts: the scorer and the top
+        log-probs, one program each whatever the text; returns the number of
+        programs run. Beam search compiles a shape on its first use."""
+        completions.prompt_log_probs(self, np.zeros([2], np.int32), 1)
+        return 2

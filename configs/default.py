@@ -8,11 +8,13 @@ warmup steps and cosine decay to 1e-4, AdamW (0.9, 0.99), weight decay 0.1,
 gradient clipping 1.0, dropout 0, no biases in the blocks and LayerNorms
 (nanoGPT's ``bias=False``), characters, the last 10% of the text for
 validation. The defaults are the same values but keep the biases
-(``model.use_bias=True``, GPT-2's layout). Two differences from nanoGPT, both
+(``model.use_bias=True``, GPT-2's layout). Three differences from nanoGPT, all
 ours on purpose: weight decay applies to dense kernels only, not to the
-embedding tables (see ``lmhead/lm/state.py``), and evaluations (every 500 steps,
+embedding tables (see ``lmhead/lm/state.py``), evaluations (every 500 steps,
 not 250) cover the whole validation split (``train.eval_batches=None``), not
-20 random batches.
+20 random batches, and GPT-2's end-of-text token follows each work
+(``data.end_of_text``; nanoGPT's ``shakespeare_char`` has none, and
+``--config.data.end_of_text=False`` leaves it out).
 
 Train, tied and untied (one command each)::
 

@@ -95,7 +95,7 @@ import ml_collections
 import numpy as np
 import tokenizers
 from safetensors import safe_open
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors
 
 from lmhead.lm import checkpoints, configuration, data, versions
 from lmhead.lm import model as model_lib
@@ -454,6 +454,10 @@ def read_tokenizer(
             f"the tokenizer's {END_OF_TEXT} (id {eos_id}), which is lmhead's "
             "end-of-text token."
         )
+    if tokenizer.post_processor is None:
+        # Adds no token; marks a tokenizer that encodes texts whole, as GPT-2's
+        # (data.BPETokenizer), not line by line as one trained here.
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     if eos_id is not None:
         tokenizer.add_special_tokens([tokenizers.AddedToken(END_OF_TEXT, special=True)])
     if tokenizer.get_vocab_size() != gpt2.vocab_size:

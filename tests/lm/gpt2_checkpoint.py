@@ -21,10 +21,11 @@ from scipy import special
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 END_OF_TEXT = "<|endoftext|>"
+# Blank lines between the lines, so that "\n\n" is a merge, as GPT-2's 628.
 TEXT = (
-    "To be, or not to be, that is the question:\n"
-    "Whether 'tis nobler in the mind to suffer\n"
-    "The slings and arrows of outrageous fortune,\n"
+    "To be, or not to be, that is the question:\n\n\n"
+    "Whether 'tis nobler in the mind to suffer\n\n\n"
+    "The slings and arrows of outrageous fortune,\n\n\n"
 ) * 4
 
 

@@ -27,7 +27,9 @@ from tests.lm.gpt2_checkpoint import (
     write_gpt2_checkpoint,
 )
 
-TEXT = "To be, or not to be: the question"
+# Encoded whole, as GPT-2's tokenizer does: "\n\n\n" is the merge "\n\n" and
+# "\n", where encoding line by line would give three "\n".
+TEXT = "To be, or not\n\n\nto be: the question"
 
 
 def import_checkpoint(tmp_path, **options):
@@ -57,6 +59,7 @@ def test_imported_run_gives_gpt2s_logits(tmp_path, options):
     )
     source = byte_level_tokenizer()
     assert tokenizer.encode(TEXT) == source.encode(TEXT).ids
+    assert source.token_to_id("ĊĊ") in tokenizer.encode(TEXT)
     assert (
         tokenizer.eos_id == tokenizer.vocab_size - 1 == source.token_to_id(END_OF_TEXT)
     )

@@ -129,9 +129,14 @@ class BPETokenizer:
 
     Text is pre-tokenized GPT-2 style on bytes (no prefix space), so every
     string round-trips. Training and encoding go line by line (each line keeps
-    its newline), so no token spans a line break. The end-of-text token is
-    the ``tokenizers`` special token :data:`END_OF_TEXT` when the tokenizer
-    has it (a trained one with ``eos_token``, or GPT-2's own
+    its newline), so no token spans a line break. A tokenizer with a
+    post-processor -- Hugging Face's GPT-2 files, whose ``ByteLevel`` one adds
+    no token, as ``gpt2_import`` writes them -- was not trained here and
+    encodes each text whole, as GPT-2 does (``"\\n\\n\\n"`` before a word is
+    GPT-2's tokens ``"\\n\\n"`` and ``"\\n"``, not three ``"\\n"`` of three
+    lines); one trained here has none. The
+    end-of-text token is the ``tokenizers`` special token :data:`END_OF_TEXT`
+    when the tokenizer has it (a trained one with ``eos_token``, or GPT-2's own
     ``tokenizer.json``): ``eos_id`` is its id, else ``None``. A trained one
     learns its merges from the text between the literals, and gets the token
     last, after ``vocab_size - 1`` learned ones.
@@ -158,6 +163,7 @@ class BPETokenizer:
         }
         self.eos_id = special.get(END_OF_TEXT)
         self.eos_token = None if self.eos_id is None else END_OF_TEXT
+        self.by_lines = tokenizer.post_processor is None
 
     @classmethod
     def train(
@@ -188,6 +194,8 @@ class BPETokenizer:
         return self.tokenizer.get_vocab_size()
 
     def encode_array(self, text: str) -> np.ndarray:
+        if not self.by_lines:
+            return np.asarray(self.tokenizer.encode(text).ids, dtype=np.int32)
         encodings = self.tokenizer.encode_batch(text.splitlines(keepends=True))
         ids = [np.asarray(e.ids, dtype=np.int32) for e in encodings]
         return np.concatenate(ids) if ids else np.zeros([0], np.int32)

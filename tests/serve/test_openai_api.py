@@ -465,3 +465,64 @@ def test_a_batch_of_requests_equals_each_alone(engine):
                     one["logprobs"]["token_logprobs"],
                     atol=1e-5,
                 )
+
+
+def greedy_tokens(run, prompt, max_new_tokens, **knobs):
+    """``decoding.generate``'s greedy tokens of ``prompt`` with ``knobs``."""
+    want = reference(
+        run, prompt, max_new_tokens,
+        knobs=decoding.SamplingKnobs(temperature=0.0, **knobs), top=0,
+    )  # fmt: skip
+    return want.tokens[0, : want.lengths[0]].tolist()
+
+
+def test_stop_token_ids_and_min_tokens_are_vllms(run, client):
+    """A stop id ends the choice and stays in it (vLLM's rule for a token
+    that is not special); with ``min_tokens`` it cannot come before."""
+    tokenizer, vocab = run[2], run[2].vocab_size
+    plain = greedy_tokens(run, "Lord", 8)
+    stop = plain[2]
+    body = dict(model=MODEL, prompt="Lord", max_tokens=8, temperature=0, logprobs=0)
+    answer = client.completions.create(**body, extra_body={"stop_token_ids": [stop]})
+    choice = answer.choices[0]
+    want = plain[: plain.index(stop) + 1]
+    assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in want]
+    assert choice.finish_reason == "stop" and choice.text == text_of(run, want)
+    late = client.completions.create(
+        **body, extra_body={"stop_token_ids": [stop], "min_tokens": 5}
+    ).choices[0]
+    mask = decoding.stop_token_mask(
+        [stop] + [eos_id(run)] * (eos_id(run) is not None), vocab
+    )
+    want = greedy_tokens(run, "Lord", 8, stop_tokens=mask, min_new_tokens=5)
+    assert late.logprobs.tokens == [tokenizer.decode([t]) for t in want]
+    assert tokenizer.decode([stop]) not in late.logprobs.tokens[:5]
+
+
+def test_sixteen_stops_up_to_64_characters_and_the_stop_kept(run, client):
+    full = text_of(run, greedy_tokens(run, "Lord", 8))
+    stops = [full[3:5]] + [f"{i:02d}" + "x" * 62 for i in range(15)]
+    body = dict(model=MODEL, prompt="Lord", max_tokens=8, temperature=0, stop=stops)
+    cut = client.completions.create(**body).choices[0]
+    assert (
+        cut.text == decoding.trim_at_stop(full, stops) and cut.finish_reason == "stop"
+    )
+    kept = client.completions.create(
+        **body, extra_body={"include_stop_str_in_output": True}
+    ).choices[0]
+    assert kept.text == cut.text + full[3:5]
+
+
+def test_eos_ends_a_choice_unless_ignore_eos(run, client):
+    """EOS, made certain by a bias, ends the choice at once; ``ignore_eos``
+    decodes on to ``max_tokens``."""
+    eos = eos_id(run)
+    assert eos is not None
+    body = dict(model=MODEL, prompt="Lord", max_tokens=5, temperature=0,
+                logit_bias={str(eos): 100})  # fmt: skip
+    ended = client.completions.create(**body)
+    assert ended.choices[0].text == "" and ended.choices[0].finish_reason == "stop"
+    assert ended.usage.completion_tokens == 1
+    on = client.completions.create(**body, extra_body={"ignore_eos": True})
+    assert on.choices[0].finish_reason == "length"
+    assert on.usage.completion_tokens == 5

@@ -170,6 +170,19 @@ def write_gpt2_checkpoint(
     return fields, weights
 
 
+def imported_gpt2_run(folder, **options) -> tuple[dict, dict[str, np.ndarray], str]:
+    """Writes a random checkpoint (:func:`write_gpt2_checkpoint`'s
+    ``options``) to ``folder/hf`` and imports it into ``folder/run``;
+    returns ``(config.json fields, weights, the run directory)``, e.g. for a
+    fixture that serves it."""
+    from lmhead.lm import gpt2_import
+
+    fields, weights = write_gpt2_checkpoint(os.path.join(folder, "hf"), **options)
+    workdir = os.path.join(folder, "run")
+    gpt2_import.import_gpt2(os.path.join(folder, "hf"), workdir)
+    return fields, weights, workdir
+
+
 def _layer_norm(x, scale, bias, epsilon=1e-5):
     mean = x.mean(-1, keepdims=True)
     variance = ((x - mean) ** 2).mean(-1, keepdims=True)

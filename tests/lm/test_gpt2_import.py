@@ -24,6 +24,7 @@ from tests.lm.gpt2_checkpoint import (
     gpt2_greedy,
     gpt2_log_softmax,
     gpt2_logits,
+    imported_gpt2_run,
     write_gpt2_checkpoint,
 )
 
@@ -35,9 +36,8 @@ TEXT = "To be, or not\n\n\nto be: the question"
 def import_checkpoint(tmp_path, **options):
     """Writes a random checkpoint with ``options``, imports it; returns
     ``(fields, weights, load_run's (config, tokenizer, model, params))``."""
-    fields, weights = write_gpt2_checkpoint(tmp_path / "hf", **options)
-    gpt2_import.import_gpt2(str(tmp_path / "hf"), str(tmp_path / "run"))
-    return fields, weights, generation.load_run(str(tmp_path / "run"))
+    fields, weights, workdir = imported_gpt2_run(str(tmp_path), **options)
+    return fields, weights, generation.load_run(workdir)
 
 
 @pytest.mark.parametrize(

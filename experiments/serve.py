@@ -46,7 +46,8 @@ flags.DEFINE_list(
     "prompt_lengths",
     [],
     "Prompt lengths (tokens) to compile; the "
-    "largest caps a prompt. Default: powers of 2 up to max_len, and max_len.",
+    "largest caps a prompt. Default: powers of 2 from 8 up to max_len, and "
+    "max_len.",
 )
 flags.DEFINE_list(
     "new_tokens",
@@ -126,11 +127,10 @@ def main(argv):
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     _, tokenizer, model, params = generation.load_run(f.workdir)
-    whole = requests.powers_of_two(model.max_len)
     buckets = requests.Buckets(
         batch_sizes=batch_sizes,
-        prompt_lengths=_sizes("prompt_lengths", whole),
-        new_tokens=_sizes("new_tokens", whole),
+        prompt_lengths=_sizes("prompt_lengths", requests.prompt_buckets(model.max_len)),
+        new_tokens=_sizes("new_tokens", requests.powers_of_two(model.max_len)),
         beam_sizes=_sizes("beam_sizes", ()),
     )
     served = engine.Engine(model, params, tokenizer, buckets, seed=f.seed)

@@ -57,7 +57,9 @@ class SlotState(NamedTuple):
             history and ``[S, V]`` counts, and no stop carry.
         model_state: ``step_fn``'s state for ``S`` rows (a key/value cache).
         knobs: :class:`SamplingKnobs` with every traced knob ``[S]``
-            (``logit_bias`` ``[S, V]``) and no static knob.
+            (``logit_bias`` and ``stop_tokens`` ``[S, V]``: a slot's own
+            stop ids, EOS among them when the caller wants it per row) and
+            no static knob.
     """
 
     rows: DecodeRows
@@ -343,8 +345,8 @@ def step_slots(
     token from ``process_logits(logits, knobs, history, counts,
     num_generated=generated)`` (greedy where its temperature is 0), and
     every slot's token goes through ``step_fn``: ``S`` rows per step however
-    many run. A row ends at its limit, at an ``eos_id`` (which it emits), or
-    at non-finite logits (emitting nothing, reason ``FINISHED_BAD_LOGITS``).
+    many run. A row ends at its limit, at an ``eos_id`` or one of its
+    ``stop_tokens`` (which it emits), or at non-finite logits (emitting nothing, reason ``FINISHED_BAD_LOGITS``).
     If ``step_fn`` has ``reset_rows(state, rows)``, the rows that emitted
     nothing are emptied before the step (see
     :func:`lmhead.lm.kv_cache.reset_rows`), so a free slot never runs past

@@ -71,16 +71,32 @@ def bucket(value: int, sizes: tuple[int, ...]) -> int:
     raise ValueError(f"{value} exceeds the largest bucket {sizes[-1]}.")
 
 
-def powers_of_two(limit: int) -> tuple[int, ...]:
-    """``1, 2, 4, ...`` up to ``limit``, and ``limit`` itself.
+def powers_of_two(limit: int, smallest: int = 1) -> tuple[int, ...]:
+    """``smallest, 2 smallest, 4 smallest, ...`` (powers of 2) up to
+    ``limit``, and ``limit`` itself.
 
     Examples:
-        >>> powers_of_two(12)
-        (1, 2, 4, 8, 12)
+        >>> powers_of_two(12), powers_of_two(12, smallest=8)
+        ((1, 2, 4, 8, 12), (8, 12))
     """
-    return tuple(
-        sorted({2**i for i in range(limit.bit_length()) if 2**i <= limit} | {limit})
-    )
+    sizes = {2**i for i in range(limit.bit_length()) if smallest <= 2**i <= limit}
+    return tuple(sorted(sizes | {limit}))
+
+
+# The shortest prompt bucket: a shorter prompt costs a prefill about as
+# much, and each bucket is two more programs to compile at start-up.
+SHORTEST_PROMPT_BUCKET = 8
+
+
+def prompt_buckets(max_len: int) -> tuple[int, ...]:
+    """The default prompt lengths: powers of 2 from 8 up to the whole
+    context ``max_len``, and ``max_len`` itself.
+
+    Examples:
+        >>> prompt_buckets(16), prompt_buckets(100), prompt_buckets(4)
+        ((8, 16), (8, 16, 32, 64, 100), (4,))
+    """
+    return powers_of_two(max_len, min(SHORTEST_PROMPT_BUCKET, max_len))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -112,7 +112,8 @@ class SamplingKnobs:
             drawn before ``min_new_tokens`` (vLLM's ``stop_token_ids``);
             0 is neutral. Default None: off. Read by the decoding step
             (:func:`~lmhead.decoding.step.decode_step`: ``generate`` and the
-            slots); beam search and ``process_logits`` alone do not end rows.
+            slots); ``process_logits`` does not end rows, and beam search
+            refuses it as every active knob.
         no_repeat_ngram_size: static integer ``n >= 1``, or None (off).
             Reads the token history.
         suppress_tokens: static ids in ``[0, V)`` never produced, or None;

@@ -13,8 +13,10 @@ from lmhead.decoding import knobs as knobs_lib
 from lmhead.decoding.knobs import SamplingKnobs
 from tests.decoding.references import (
     MarkovChain,
+    generate_greedy,
     markov_step,
     np_counts,
+    np_greedy,
     np_openai_penalties,
 )
 from tests.errors import assert_raises_exactly, bad_input_test
@@ -124,6 +126,29 @@ def test_generate_takes_the_knobs_or_their_keywords_bitwise():
 
     for got, want in zip(run(knobs=SamplingKnobs(**SETTINGS)), run(**SETTINGS)):
         np.testing.assert_array_equal(got, want)
+
+
+def test_stop_tokens_end_generates_rows_after_min_new_tokens():
+    """The ``stop_tokens`` knob in ``generate``: a row ends at the first of
+    its stop tokens, which it emits (``FINISHED_STOP``), and cannot draw one
+    before ``min_new_tokens``: as the numpy greedy loop ends at an EOS id,
+    one row at a time."""
+    chain = MarkovChain(5, vocab_size=6, batch=3)
+    plain = np.asarray(generate_greedy(chain, 6).tokens)
+    stops = [int(plain[0, 1]), int(plain[1, 0]), int(plain[2, 3])]
+    mask = np.stack([decoding.stop_token_mask([t], 6) for t in stops])
+    least = np.array([0, 2, 0], np.int32)
+    got = generate_greedy(chain, 6, stop_tokens=mask, min_new_tokens=least)
+    for row, stop in enumerate(stops):
+        tokens, _, length = np_greedy(
+            chain, row, 6, eos_id=stop, min_new_tokens=int(least[row])
+        )
+        assert int(got.lengths[row]) == length
+        assert np.asarray(got.tokens[row, :length]).tolist() == tokens[:length]
+        ended = length < 6 or tokens[length - 1] == stop
+        assert int(got.finish_reasons[row]) == (
+            decoding.FINISHED_STOP if ended else decoding.FINISHED_LENGTH
+        )
 
 
 def test_beam_search_takes_neutral_knobs_and_refuses_an_active_one():

@@ -154,7 +154,18 @@ def key_recipe(
 
 def eos_id(engine: Any, request: CompletionRequest) -> int | None:
     """The EOS id that cuts a row's text: the tokenizer's, or None with
-    ``ignore_eos``."""
+    ``ignore_eos``.
+
+    Examples:
+        >>> from lmhead.lm import data
+        >>> from lmhead.serve import requests as r
+        >>> class Engine: tokenizer = data.CharTokenizer("ab", "<|endoftext|>")
+        >>> body = {"model": "m", "prompt": "a", "ignore_eos": True}
+        >>> buckets = r.Buckets((1,), (8,), (8,))
+        >>> request = r.parse_completion(body, Engine.tokenizer, buckets, r.Limits(), "m")
+        >>> eos_id(Engine, request), Engine.tokenizer.eos_id
+        (None, 2)
+    """
     return None if request.ignore_eos else getattr(engine.tokenizer, "eos_id", None)
 
 

@@ -363,17 +363,16 @@ def _add_rows(total, start, update):
 
 
 def _accumulate(dw, start, update):
-    """:func:`_add_rows` into an array of any dtype, or into a Kahan pair
-    ``(sum, compensation)`` (the low-order part each addition lost)."""
+    """:func:`_add_rows` into an array of any dtype, or into ``(pair,)``, a
+    Kahan sum and its compensation (what each addition lost) as one
+    ``[2, V, D]`` array, read and written at once so it is updated in place."""
     if not isinstance(dw, tuple):
         return _add_rows(dw, start, update.astype(dw.dtype))
-    total, lost = dw
-    rows = update.shape[0]
-    old = lax.dynamic_slice_in_dim(total, start, rows)
-    corrected = update - lax.dynamic_slice_in_dim(lost, start, rows)
+    old, lost = lax.dynamic_slice_in_dim(dw[0], start, update.shape[0], axis=1)
+    corrected = update - lost
     new = old + corrected
-    lost = lax.dynamic_update_slice_in_dim(lost, (new - old) - corrected, start, 0)
-    return lax.dynamic_update_slice_in_dim(total, new, start, 0), lost
+    pair = jnp.stack([new, (new - old) - corrected])
+    return (lax.dynamic_update_slice_in_dim(dw[0], pair, start, axis=1),)
 
 
 def _block_grads(plan, z, v0, live, context, outputs, coefs, sigma):
@@ -596,7 +595,7 @@ def _accumulators(plan, grads, dtype):
     """``(dh, dw, db)`` with ``dw`` as :func:`_accumulate` sums into it."""
     dh, dw, db = grads
     if dw is not None and plan.dw_accumulation == "kahan":
-        dw = dw, jnp.zeros_like(dw)
+        dw = (jnp.stack([dw, jnp.zeros_like(dw)]),)
     elif dw is not None and plan.dw_accumulation == "input_dtype":
         dw = dw.astype(dtype)
     return dh, dw, db
@@ -606,7 +605,7 @@ def _sums(grads):
     """:func:`_accumulators`' inverse: ``(dh, dw, db)`` float32."""
     dh, dw, db = grads
     if isinstance(dw, tuple):
-        dw = dw[0] - dw[1]  # the sum less what the compensation holds back
+        dw = dw[0][0] - dw[0][1]  # the sum less what the compensation holds
     return dh, None if dw is None else dw.astype(jnp.float32), db
 
 

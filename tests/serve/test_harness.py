@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 
 from lmhead import decoding
+from lmhead.lm import generation, scoring
 from lmhead.lm import model as model_lib
-from lmhead.lm import scoring
+from lmhead.serve import engine as engine_lib
 from lmhead.serve import requests, web
-from tests.serve.tiny_run import eos_id, text_of
+from tests.lm import gpt2_checkpoint
+from tests.serve.tiny_run import BUCKETS, eos_id, text_of
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -33,20 +35,35 @@ TEXT = (
 )
 
 
+@pytest.fixture(scope="module", params=["trained", "imported_gpt2"])
+def served(request, tmp_path_factory):
+    """``(run, engine)``: the tiny run trained here (conftest.py), or a
+    random GPT-2-layout checkpoint of a 16-token context with a byte-level
+    BPE tokenizer, imported (``tests/lm/gpt2_checkpoint.py``)."""
+    if request.param == "trained":
+        return request.getfixturevalue("run"), request.getfixturevalue("engine")
+    folder = str(tmp_path_factory.mktemp("gpt2"))
+    _, _, workdir = gpt2_checkpoint.imported_gpt2_run(folder)
+    _, tokenizer, model, params = generation.load_run(workdir)
+    engine = engine_lib.Engine(model, params, tokenizer, BUCKETS)
+    engine.warm_up()
+    return (model, params, tokenizer), engine
+
+
 @pytest.fixture(scope="module")
-def url(engine):
-    app = web.make_app(engine, web.ServiceConfig(model_name=MODEL))
+def url(served):
+    app = web.make_app(served[1], web.ServiceConfig(model_name=MODEL))
     with web.BackgroundServer(app) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
-def capped_url(engine):
+def capped_url(served):
     """A service that cuts ``max_tokens`` to the room a prompt leaves
     (``--cap_max_tokens``), as a harness's fixed 256 new tokens needs on a
     16-token model."""
     limits = requests.Limits(cap_max_tokens=True)
-    app = web.make_app(engine, web.ServiceConfig(model_name=MODEL, limits=limits))
+    app = web.make_app(served[1], web.ServiceConfig(model_name=MODEL, limits=limits))
     with web.BackgroundServer(app) as url:
         yield url
 
@@ -131,13 +148,15 @@ def numpy_log_softmax(run, ids):
 
 def check_against_the_scorer(run, inp, ctxlen, values, tops):
     """The harness's slice equals the scorer's log-probs of the same tokens
-    (``experiments/score.py`` on the window's text), and its top-1 the numpy
+    (``experiments/score.py``'s ``strided_log_probs`` of the window, as
+    ``score_text`` calls it on the window's text), and its top-1 the numpy
     argmax of the model's distribution."""
     model, params, tokenizer = run
-    window_text = decoding.detokenize(np.asarray(inp, np.int32), tokenizer)
-    assert tokenizer.encode_array(window_text).tolist() == inp
-    score = scoring.score_text(model, params, tokenizer, window_text)
-    np.testing.assert_allclose(values, score.log_probs[ctxlen - 1 :], atol=1e-5)
+    scored = scoring.strided_log_probs(
+        scoring.ModelLogits(model), params, np.asarray(inp, np.int32),
+        window=model.max_len,
+    )  # fmt: skip
+    np.testing.assert_allclose(values, scored[ctxlen - 1 :], atol=1e-5)
     full = numpy_log_softmax(run, inp)
     for j, top in zip(range(ctxlen, len(inp)), tops, strict=True):
         best = int(np.argmax(full[j - 1]))
@@ -145,14 +164,15 @@ def check_against_the_scorer(run, inp, ctxlen, values, tops):
         np.testing.assert_allclose(list(top.values()), [full[j - 1, best]], atol=1e-5)
 
 
-def test_loglikelihood(run, url):
+def test_loglikelihood(served, url):
     """Multiple choice: a batch of token-id prompts, one cut to the whole
     context (the harness's max_length = the context)."""
+    run = served[0]
     context = run[0].max_len
     pairs = [
         (encode(url, "KING HENRY"), encode(url, ". Now")),
         (encode(url, "KING HENRY"), encode(url, " lords")),
-        (encode(url, TEXT[:30]), encode(url, TEXT[30:34])),  # longer: left-cut
+        (encode(url, TEXT[:60]), encode(url, TEXT[60:64])),  # longer: left-cut
     ]
     inputs, ctxlens = harness_inputs(pairs, context - 1)  # + 1 new token
     assert len(inputs[2]) == context - 1
@@ -174,10 +194,11 @@ def test_loglikelihood(run, url):
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1])
-def test_loglikelihood_rolling_windows_of_the_whole_context(run, url, max_tokens):
+def test_loglikelihood_rolling_windows_of_the_whole_context(served, url, max_tokens):
     """Perplexity: windows of the whole context, each after the end-of-text
     id (the harness run with max_length = the context + 1, so that its one
     token of room is the echoed prompt's own)."""
+    run = served[0]
     prefix, _ = end_of_text(url, run)
     context = run[0].max_len
     tokens = encode(url, TEXT)
@@ -205,11 +226,12 @@ def test_loglikelihood_rolling_windows_of_the_whole_context(run, url, max_tokens
     assert predicted == tokens  # every token once
 
 
-def test_generate_until(run, url, capped_url):
+def test_generate_until(served, url, capped_url):
     """Generation: 8 stops, the end-of-text string among them, the
     harness's 256 new tokens: cut to the room each prompt leaves where the
     service caps ``max_tokens`` (``--cap_max_tokens``), refused naming the
     prompt where it does not (vLLM's rule)."""
+    run = served[0]
     model, params, tokenizer = run
     _, eos_text = end_of_text(url, run)
     prompts = [encode(url, "KING HENRY."), encode(url, "To be")]
@@ -247,11 +269,12 @@ class _Compiles(logging.Handler):
             self.lines.append(record.getMessage())
 
 
-def test_no_request_compiles_after_the_warm_up(run, url):
+def test_no_request_compiles_after_the_warm_up(served, url):
     """The harness's shapes and vLLM's knobs run the programs the warm-up
     (``web.make_app``, ``Engine.warm_up``) compiled: whole-context echo with
     0 or 1 new tokens, 20 log-probs, 16 stops of 64 characters, stop ids,
     min_tokens, ignore_eos, sampling."""
+    run = served[0]
     ids = encode(url, TEXT)[: run[0].max_len]
     bodies = [
         {"prompt": [ids], "echo": True, "max_tokens": 0, "logprobs": 1},

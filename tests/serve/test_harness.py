@@ -69,17 +69,19 @@ def capped_url(served):
 
 
 def end_of_text(url, run):
-    """The harness's prefix token and stop string, from ``/tokenizer_info``."""
+    """The harness's prefix token and stop string: ``/tokenizer_info``'s
+    ``eos_token``, and its id as ``RemoteTokenizer.eos_token_id`` finds it
+    (the first id of the token's text)."""
     info = httpx.get(url + "/tokenizer_info", timeout=60).json()
-    assert info["eos_token_id"] == eos_id(run) is not None
-    return info["eos_token_id"], info["eos_token"]
+    prefix = encode(url, info["eos_token"])[0]
+    assert prefix == info["eos_token_id"] == eos_id(run) is not None
+    return prefix, info["eos_token"]
 
 
 def encode(url, text):
-    """The harness's remote tokenizer."""
-    return httpx.post(url + "/tokenize", json={"prompt": text}, timeout=60).json()[
-        "tokens"
-    ]
+    """``lm_eval.utils.RemoteTokenizer.encode``."""
+    body = {"prompt": text, "add_special_tokens": False}
+    return httpx.post(url + "/tokenize", json=body, timeout=60).json()["tokens"]
 
 
 def loglikelihood_payload(prompts):

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# The project's GPU measurements in one command, sized for a short lease of
-# one GPU (under 11 minutes): what the machine is, then each benchmark under
-# its own time limit, its output in $OUT/<name>.txt.
+# The project's GPU measurements, sized for a short lease of one GPU: what the
+# machine is, then each benchmark under its own time limit, its output in
+# $OUT/<name>.txt. All five take at most 12.3 minutes; CHECKS names a subset,
+# so that two calls of under 10 minutes each cover them:
 #
 #   OUT=/tmp/checks bash experiments/bench/gpu_checks.sh           # on a GPU
+#   OUT=/tmp/checks CHECKS="head_gemma2 head_post_training head_filter" \
+#       bash experiments/bench/gpu_checks.sh                       # 6.8 min at most
+#   OUT=/tmp/checks CHECKS="ensemble_gpu decode" \
+#       bash experiments/bench/gpu_checks.sh                       # 5.5 min at most
 #   OUT=/tmp/checks QUICK=1 bash experiments/bench/gpu_checks.sh   # tiny, any machine
 #
 # 1. head_gemma2: experiments/bench/bench_head.py --preset=gemma2, the fused
@@ -13,10 +18,14 @@
 #    shape in bfloat16: DPO with a reference head and GRPO with old and
 #    reference log-probs, fused against materialized (docs/post_training.md's
 #    targets: at most 1/32 of the memory, at most 1.0x the time).
-# 3. ensemble_gpu: experiments/bench/bench_ensemble.py --gpu, member-steps/s
+# 3. head_filter: bench_head.py --filter_eps=auto --peaked at the gemma2
+#    shape in bfloat16: the fused cross-entropy with its gradient filtered
+#    (filter_eps 2^-12) against the exact fused and the materialized losses,
+#    with the tiles skipped (docs/fused_loss.md, "Gradient filtering").
+# 4. ensemble_gpu: experiments/bench/bench_ensemble.py --gpu, member-steps/s
 #    of one vmap at 1, 16, 64 and 256 members against separate steps, and
 #    the most members that fit: what `make study-gpu` runs on.
-# 4. decode: experiments/bench/bench_decode.py at batch 32 (greedy at max_len
+# 5. decode: experiments/bench/bench_decode.py at batch 32 (greedy at max_len
 #    256 and 1024, 200 new tokens), then the request options and streaming at
 #    chunk_steps 1, 4 and 16, each as a ratio to plain greedy in the same run:
 #    docs/decoding.md's targets.
@@ -36,20 +45,30 @@ python=${PYTHON:-python3}
 # quick head run is the default shapes' --quick), to check that it all runs.
 head=(--preset=gemma2)
 post_training=(--post_training=dpo,grpo --shapes=8192,2304,256000 --dtype=bfloat16 --repeats=2)
+filter=(--filter_eps=auto --peaked --shapes=8192,2304,256000 --dtype=bfloat16 --repeats=2)
 decode=(--decoders=greedy --batch_sizes=32 --max_lens=256,1024 --new_tokens=200)
 quick=()
 if [ -n "${QUICK:-}" ]; then
     head=(--quick)
     post_training=(--quick --post_training=dpo,grpo)
+    filter=(--quick --filter_eps=auto --peaked --dtype=bfloat16)
     decode=(--quick --decoders=greedy)
     quick=(--quick)
 fi
+known="head_gemma2 head_post_training head_filter ensemble_gpu decode"
+for name in ${CHECKS:-}; do
+    case " $known " in
+        *" $name "*) ;;
+        *) echo "CHECKS: no check $name; the checks are: $known" >&2; exit 2 ;;
+    esac
+done
 failures=0
 checks=0
 
 check() {  # check NAME SECONDS COMMAND...
     local name=$1 seconds=$2
     shift 2
+    case " ${CHECKS:-$name} " in *" $name "*) ;; *) return ;; esac
     echo "== $name (at most ${seconds} s): $*"
     local start=$SECONDS
     checks=$((checks + 1))
@@ -70,6 +89,7 @@ check() {  # check NAME SECONDS COMMAND...
 
 check head_gemma2 200 "$python" experiments/bench/bench_head.py "${head[@]}"
 check head_post_training 120 "$python" experiments/bench/bench_head.py "${post_training[@]}"
+check head_filter 90 "$python" experiments/bench/bench_head.py "${filter[@]}"
 check ensemble_gpu 200 "$python" experiments/bench/bench_ensemble.py --gpu "${quick[@]}"
 check decode 130 "$python" experiments/bench/bench_decode.py "${decode[@]}"
 echo "== $failures of $checks failed; outputs in $out"

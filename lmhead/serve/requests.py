@@ -374,7 +374,9 @@ def _prompts(body: dict, tokenizer: Any, limits) -> list:
             continue
         if not is_ids(item):
             raise RequestError(
-                "prompt", "prompt items must be strings or lists of token ids."
+                "prompt",
+                "prompt items must be non-empty strings or non-empty lists of "
+                "token ids.",
             )
         # Compared as Python ints: one past int64 must be refused, not overflow.
         if min(item) < 0 or max(item) >= tokenizer.vocab_size:

@@ -60,6 +60,15 @@ def test_a_text_the_tokenizer_cannot_encode_is_refused_naming_the_prompt(tokeniz
     assert raised.value.field == "prompt" and raised.value.status == 400
 
 
+@pytest.mark.parametrize("prompt", [[[], []], [[1], []], ["K", ""]])
+def test_an_empty_prompt_item_is_refused_as_empty(tokenizer, prompt):
+    # lm-evaluation-harness sends empty token lists when it cuts a prompt to
+    # nothing (max_gen_toks >= max_length): the message says what is wrong.
+    with pytest.raises(requests.RequestError, match="non-empty") as raised:
+        parse(tokenizer, {"prompt": prompt, "max_tokens": 4})
+    assert raised.value.field == "prompt" and raised.value.status == 400
+
+
 BAD_BUCKETS = [
     ("batch size 0", dict(batch_sizes=(0, 4)), ValueError, "batch_sizes"),
     ("float new tokens", dict(new_tokens=(8.0,)), TypeError, "new_tokens"),

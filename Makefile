@@ -118,7 +118,7 @@ format: $(STAMP)
 # worker. --durations: the 30 slowest tests, so that every run (CI's too)
 # shows where the suite's time goes.
 test: lint
-	$(PY) -m pytest -m 'not slow' -n auto --dist loadfile --durations=30 lmhead tests
+	$(PY) -m pytest -m 'not slow' -n auto --dist loadfile --durations=30 -rs lmhead tests
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -142,7 +142,9 @@ def test_a_tile_just_below_eps_is_dropped_and_one_just_above_is_kept():
 
 
 class ExactTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
+    # Compiled only: the sweep runs its scans and custom VJP compiled either
+    # way, and the plain JAX around it is stricter under jit than op by op.
+    @chex.variants(with_jit=True)
     def test_eps_zero_is_the_exact_gradient_and_the_loss_stays_exact(self):
         (h, w), labels, weights = make_inputs(peaked=True)
 

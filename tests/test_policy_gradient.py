@@ -155,7 +155,9 @@ def make_inputs(seed=0):
 
 
 class FusedTest(parameterized.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
+    # Compiled only: the sweep runs its scans and custom VJP compiled either
+    # way, and the plain JAX around it is stricter under jit than op by op.
+    @chex.variants(with_jit=True)
     @parameterized.product(
         loss_type=policy_gradient.LOSS_TYPES,
         level=policy_gradient.IMPORTANCE_SAMPLING,

@@ -162,13 +162,16 @@ class HandWorkedTest(parameterized.TestCase):
 
 
 class FusedTest(parameterized.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.product(loss_type=preference.LOSS_TYPES, reference=("head", "logps"))
+    # Compiled only: the sweep runs its scans and custom VJP compiled either
+    # way, and the plain JAX around it is stricter under jit than op by op.
+    @chex.variants(with_jit=True)
+    @parameterized.parameters(
+        *[(loss_type, "head") for loss_type in preference.LOSS_TYPES],
+        *[(loss_type, "logps") for loss_type in preference.WITH_REFERENCE],
+    )
     def test_value_and_gradients_match_float64(self, loss_type, reference):
         """Value and d/d(h_chosen, h_rejected, w, bias) equal the numpy
         formula's and its central differences; the reference gets none."""
-        if reference == "logps" and loss_type not in preference.WITH_REFERENCE:
-            self.skipTest("no reference in this loss")
         x = make_inputs()
         ref_c, *_ = refs.token_logprobs(
             x["h_rc"], x["w_ref"], None, x["ids_c"], **OPTIONS

@@ -89,7 +89,9 @@ def make_inputs(seed=0):
 
 
 class FusedTest(parameterized.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
+    # Compiled only: the sweep runs its scans and custom VJP compiled either
+    # way, and the plain JAX around it is stricter under jit than op by op.
+    @chex.variants(with_jit=True)
     @parameterized.product(renormalize=(False, True), vocab_chunk_size=(None, 4))
     def test_value_and_gradients_match_float64(self, renormalize, vocab_chunk_size):
         """The weighted mean KL and d/d(h, w, bias); the teacher gets none."""

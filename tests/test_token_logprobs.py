@@ -54,7 +54,9 @@ def make_inputs(case="plain", k=None, seed=0):
 
 
 class TokenLogProbsTest(parameterized.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
+    # Compiled only: the sweep runs its scans and custom VJP compiled either
+    # way, and the plain JAX around it is stricter under jit than op by op.
+    @chex.variants(with_jit=True)
     @parameterized.product(case=tuple(OPTIONS), vocab_chunk_size=(None, 4), k=(None, K))
     def test_values_and_gradients_match_float64(self, case, vocab_chunk_size, k):
         """log p, H and lse of kept tokens equal numpy's; padding gives 0; the

@@ -206,10 +206,8 @@ def stop_string_end(
         return None
     before = len(_text(engine, request, ids[: first - 1]))
     longest = max(len(s) for s in request.stop)
-    if not any(
-        s in _text(engine, request, ids)[max(0, before - longest + 1) :]
-        for s in request.stop
-    ):
+    tail = _text(engine, request, ids)[max(0, before - longest + 1) :]
+    if not any(s in tail for s in request.stop):
         return None
     for n in range(first, len(ids) + 1):
         text = _text(engine, request, ids[:n])

@@ -3,60 +3,13 @@ trained as one program over a leading *members* axis.
 
 ``train_ensemble(config, members, workdir)`` trains the members
 (:mod:`lmhead.lm.members`: a workdir and overrides of ``MEMBER_KEYS`` each)
-in one jitted step over stacked parameters, optimizer states and batches:
-:func:`over_members` maps the one-member step with ``jax.vmap`` over groups
-of ``train.vmap_members`` members and a ``lax.map`` over the groups (by
-default a ``lax.map`` over single members on a CPU, one ``vmap`` of all of
-them on a GPU or TPU: ``experiments/bench/bench_train.py --ensemble``
-measures both). With ``mesh.members = n > 1`` the members are split over
-``n`` devices (``shard_map``), each device running its share the same way;
-``mesh.members = None`` (the default) splits them over the most CPU devices
-that divide them on a CPU (``experiments/train.py`` gives an ensemble one CPU
-device per core), and not at all on a GPU or TPU
-(:func:`lmhead.lm.ensemble_program.member_devices`).
-
-Every member behaves as its own run:
-
-* its batches, initial parameters and dropout keys are those of a single
-  run with its seed, and its step is ``train.train_step`` with its own
-  values (the ones that differ between members enter as traced arrays);
-  so its trajectory is the single run's up to float32 rounding;
-* its workdir gets what a single run writes: ``config.json`` with its own
-  values, ``metrics.jsonl`` and TensorBoard events, ``tokenizer.json``,
-  ``tokens.npz``, its final checkpoint (and ``best_checkpoint`` with
-  patience), ``samples.txt`` and ``summary.json`` -- with one more key,
-  ``ensemble``: the program's workdir, the number of members and its index;
-* early stopping is its own: a member that stops is frozen (a ``lax.cond``
-  skips its update when members have patience; under ``vmap``, or without
-  patience, the update is computed and discarded),
-  and keeps its best state, step and evaluation; the program ends when every
-  member has stopped or at ``train.steps``;
-* the test split is evaluated once per member, on its best parameters
-  (patience) or its last.
-
-The program's workdir holds its ``config.json`` (the config before the
-members' overrides), ``ensemble.json`` (the members), the shared tokenizer
-and one checkpoint series of the stacked state and best states, so a rerun
-resumes every member exactly (bitwise on one CPU device) and SIGTERM stops
-at a step boundary as a single run does. A rerun with other members is
-refused while there is a checkpoint. A member already finished (its
-``summary.json``) is left out of a program that has not started, so it is
-never trained again. A member whose loss or parameters stop being finite
-(``train.stop_on_nonfinite``) is frozen without a summary, and the others go
-on; ``train_ensemble`` returns ``None`` for it, and its ``failed.json``
-names the step, so that a rerun of the program does not train it again.
-
-Not supported in an ensemble: ``mesh.model > 1`` (the vocabulary split),
-several processes, and ``mesh.members > 1`` together with ``mesh.data > 1``.
-
-What a program is made of -- the members' data with one tokenizer, their
-evaluation sets, the mesh, the stacked shardings -- is
-``lmhead/lm/ensemble_program.py``'s, with the hooks by which the loop of
-every run (``lmhead.lm.loop``: logging, evaluation, early stopping,
-finiteness checks, checkpoints, SIGTERM, the test evaluation and the
-summaries) reads its stacked state. This module holds the mapped steps and
-``train_ensemble``, which sets a program up, compiles its steps and runs
-that loop.
+in one jitted step over stacked states and batches (:func:`over_members`,
+optionally split over devices: :func:`split_over_devices`), through the loop
+of every run (:mod:`lmhead.lm.loop`). Each member behaves as, and writes
+what, the single run with its values would, up to float32 rounding; what a
+program is made of is :mod:`lmhead.lm.ensemble_program`'s. docs/training.md,
+"Ensembles", gives the rules: what may differ, early stopping, checkpoints
+and resume, the shared tokenizer, non-finite members and devices.
 """
 
 import contextlib

@@ -1,79 +1,12 @@
 """GPT-2-layout checkpoints from a Hugging Face directory, as lmhead runs.
 
-:func:`import_gpt2` turns a directory in Hugging Face's GPT-2 layout --
-``config.json``, ``model.safetensors`` (or shards listed by
-``model.safetensors.index.json``) and ``tokenizer.json`` (or ``vocab.json``
-+ ``merges.txt``) -- into a run directory like the ones training writes:
-``config.json`` (this project's config, ``configs/default.py``'s keys),
-``tokenizer.json``, ``checkpoints/0`` (the weights, and a fresh AdamW
-state), ``versions.json`` and ``import.json`` (where it came from, which
-fields were read and which ignored). ``generation.load_run`` then loads it
-as any run, so ``experiments/generate.py``, ``score.py``, ``serve.py``,
-``generation.quantize_for_decoding`` and the notebook use it unchanged.
-Weights are read with ``safetensors``' numpy API and the tokenizer with
-``tokenizers``: neither torch nor transformers is needed.
-
-``model.DecoderLM`` has GPT-2's layout: learned positions, pre-LayerNorm
-blocks with biases, the attention's fused ``c_attn`` as ``qkv`` (queries,
-keys, values, each head after head), GELU MLPs, a final LayerNorm, and the
-head tied to the token table (GPT-2's). Hugging Face's ``Conv1D`` stores its
-weight ``[in, out]`` and computes ``x @ W + b``, as a Flax ``Dense`` kernel
-does, so the matrices are copied as they are. The names, with or without the
-``transformer.`` prefix (``GPT2LMHeadModel`` writes it, ``GPT2Model`` does
-not)::
-
-    wte.weight [V, D]             embed/embedding
-    wpe.weight [P, D]             position_embedding
-    h.{i}.ln_1.weight, .bias      blocks_{i}/attention_norm/scale, bias
-    h.{i}.attn.c_attn.weight [D, 3D], .bias    blocks_{i}/attention/qkv/kernel, bias
-    h.{i}.attn.c_proj.weight [D, D], .bias     blocks_{i}/attention/out/kernel, bias
-    h.{i}.ln_2.weight, .bias      blocks_{i}/mlp_norm/scale, bias
-    h.{i}.mlp.c_fc.weight [D, F], .bias        blocks_{i}/mlp_in/kernel, bias
-    h.{i}.mlp.c_proj.weight [F, D], .bias      blocks_{i}/mlp_out/kernel, bias
-    ln_f.weight, .bias            final_norm/scale, bias
-    lm_head.weight [V, D]         tied: absent or equal to wte.weight;
-                                  untied: head/unembedding
-
-The attention's causal-mask buffers (``h.{i}.attn.bias``,
-``h.{i}.attn.masked_bias``) are skipped; any other name is refused, as is a
-missing one, a shape other than the config's, a non-float or non-finite
-tensor. Half-precision tensors are widened to float32.
-
-``config.json``'s fields (:data:`READ`, :data:`REQUIRED_VALUES`, the rest
-ignored):
-
-* read: ``vocab_size``, ``n_positions`` (the model's context and cache
-  length), ``n_embd``, ``n_layer``, ``n_head`` (all five required);
-  ``n_inner`` (default ``4 * n_embd``); ``activation_function`` (default
-  ``"gelu_new"``, as Hugging Face's): ``"gelu"`` and ``"gelu_python"`` are the
-  exact GELU, ``"gelu_new"``, ``"gelu_pytorch_tanh"`` and ``"gelu_fast"`` its
-  tanh form (``layers.gelu``); ``layer_norm_epsilon`` (default 1e-5);
-  ``tie_word_embeddings`` (default true; false imports ``lm_head.weight`` as
-  the untied head); ``eos_token_id`` (when present, ``<|endoftext|>``'s id);
-  ``model_type`` (``"gpt2"`` when present); ``reorder_and_upcast_attn``, accepted either way, since it
-  only reorders the attention's scaling and does it in float32, as lmhead's
-  float32 model does anyway.
-* refused unless they have GPT-2's value: another ``activation_function``,
-  ``layer_norm_epsilon`` other than 1e-5 (the model's
-  ``layers.LAYER_NORM_EPSILON``), ``scale_attn_weights`` false,
-  ``scale_attn_by_inverse_layer_idx`` true, ``add_cross_attention`` true,
-  ``model_type`` other than ``"gpt2"``. Each refusal is a ValueError naming
-  the field, its value and what lmhead can represent.
-* ignored, and listed in ``import.json`` and by the command: every other
-  field. GPT-2's own -- dropout rates (``attn_pdrop``, ``embd_pdrop``,
-  ``resid_pdrop``: training's, not inference's), ``initializer_range``,
-  ``n_ctx``, the ``summary_*`` fields of the sequence-summary head,
-  ``bos_token_id``, ``pad_token_id``, ``use_cache``, ``architectures``,
-  ``torch_dtype``, ``transformers_version``, ``task_specific_params`` --
-  do not change the function the weights compute; a field this list does
-  not know is ignored too, and the list shows it.
-
-The tokenizer's vocabulary must have ``vocab_size`` tokens. Its end-of-text
-token is ``<|endoftext|>``, made a special token (the run's
-``tokenizer.eos_id``): encoding its text gives the one id, as GPT-2's
-tokenizer does, and decoding stops at it. A vocabulary without it imports
-without an end-of-text token; an ``eos_token_id`` naming another token is
-refused.
+:func:`import_gpt2` turns a directory in Hugging Face's GPT-2 layout
+(``config.json``, ``model.safetensors`` or its shards, ``tokenizer.json`` or
+``vocab.json`` + ``merges.txt``) into a run directory like the ones training
+writes, which ``generation.load_run`` loads as any run. Weights are read with
+``safetensors``' numpy API and the tokenizer with ``tokenizers``, without torch
+or transformers. docs/gpt2_checkpoints.md lists the names and their params, the
+``config.json`` fields read, refused and ignored, and what the run holds.
 
 References:
     Radford et al. 2019, "Language Models are Unsupervised Multitask
@@ -212,8 +145,9 @@ def parse_config(fields: dict, path: str = "config.json") -> GPT2Config:
 
     Raises:
         ValueError: a required field is missing, a field has a value of the
-            wrong type, or one lmhead cannot represent (the module
-            docstring lists them); the message names ``path`` and the field.
+            wrong type, or one lmhead cannot represent
+            (docs/gpt2_checkpoints.md lists them); the message names
+            ``path`` and the field.
 
     Examples:
         >>> fields = dict(vocab_size=50257, n_positions=1024, n_embd=768,
@@ -523,7 +457,7 @@ class ImportedRun(NamedTuple):
 
 def import_gpt2(source: str, workdir: str) -> ImportedRun:
     """Writes the run directory ``workdir`` of the GPT-2-layout checkpoint in
-    ``source`` (the module docstring lists what is read and refused).
+    ``source`` (docs/gpt2_checkpoints.md lists what is read and refused).
 
     Everything is read and checked before anything is written. ``workdir``
     must not hold checkpoints already.

@@ -1,48 +1,12 @@
 """The key/value cache of :class:`lmhead.lm.model.DecoderLM`: pieces and pointers.
 
-This docstring is the one account of the cache's design; the rest of the
-code points here, and ``docs/decoding.md`` holds its measurements.
-
-**What it holds.** :class:`DecodeCache`: for each layer, the attention keys
-(rotated, with RoPE) and values of every position written so far, and
-``index[b]``, how many positions row ``b`` holds. Every leaf has a leading
-batch axis (the decoders' contract: beam search tiles rows). Heads come
-before slots, ``[B, H, n, Dh]``, so that attention's batched matmuls over
-``(B, H)`` read the cache as it lies, without a transpose of it.
-
-**A step costs what the cache holds, not its capacity.** Attention reads the
-first ``S`` slots only, ``S`` the smallest of the spans 64, 128, 256, ...,
-``max_len`` that covers the longest row (:func:`attention_spans`), chosen by
-a ``lax.switch`` (:func:`attend_filled`). Each layer's cache is stored in
-pieces, one per span's growth (:func:`cache_segments`: 64, 64, 128, 256, ...
-slots), so that a span is a whole number of arrays that the matmuls read as
-they lie: on XLA:CPU, slicing a span out of one ``[B, H, max_len, Dh]``
-array copies it at every step, which costs more than the attention itself.
-A bucket is one plain softmax, the arithmetic of the sequence path
-(:func:`lmhead.lm.attention.softmax_weights`), and reads at most twice the
-filled length (``docs/decoding.md`` says why buckets and not blocks).
-
-**Rows move by pointers.** Each row may keep a pointer per slot to the cache
-row that holds it (``DecodeCache.rows``). Beam search's reorder
-(:func:`reorder_cache`) permutes these pointers instead of the keys and
-values, so beams share the slots of their common prefix, as a tree, and a
-reorder costs ``B * max_len`` integers, not the cache's floats;
-:func:`repeat_cache` writes a shared prefix once. Slot ``s`` of a row is
-written once, when that row is at position ``s``, and never changed after,
-so every pointer stays valid. :func:`cached_keys_values` reads any cache as a
-plain one, pieces joined and pointers resolved.
-
-**A decoder keeps only the room it can reach.** Before a loop of ``n`` steps,
-:func:`trim_cache` drops the pieces that no row can reach in ``n`` steps
-(those that start at or after ``max(index) + n``), and the slot pointers past
-them. Dropping a piece copies nothing, and a decoder that copies its cache
-(beam search's ``K`` rows per prompt, :func:`repeat_cache`) then copies the
-pieces it can fill, so that the call costs what the prompt and the new tokens
-take, not ``max_len``; no step writes into the dropped pieces, and attention
-never reads them (they hold nothing).
-
-**Writes** (:func:`write_slots`) are one scatter per piece, most of whose
-writes are dropped.
+:class:`DecodeCache` holds each layer's keys and values in pieces of 64, 64,
+128, 256, ... slots (:func:`cache_segments`), of which attention reads the
+shortest span that holds the longest row (:func:`attend_filled`), so that a
+step costs what the cache holds, not its capacity. Rows may keep a pointer
+per slot (``rows``), so that beam search reorders pointers, not keys and
+values (:func:`reorder_cache`). docs/decoding.md, "The KV cache", gives the
+design and its measurements.
 """
 
 from typing import Any, NamedTuple
@@ -61,7 +25,7 @@ MIN_SPAN = 64
 
 class DecodeCache(NamedTuple):
     """Key/value cache of a :class:`~lmhead.lm.model.DecoderLM`; every leaf
-    has leading axis B (the design is the module docstring's).
+    has leading axis B (docs/decoding.md, "The KV cache").
 
     Attributes:
         keys: ``num_layers`` tuples of arrays ``[B, H, n_j, Dh]`` (compute
@@ -188,7 +152,7 @@ def attend_filled(
     already holding the positions being attended from; with ``rows`` (see
     :class:`DecodeCache`) row ``b``'s slot ``s`` is read from cache row
     ``rows[b, s]``. Only the first pieces, whole, that make the shortest span
-    holding the longest row are read (the module docstring says why).
+    holding the longest row are read (docs/decoding.md, "The KV cache", says why).
     Weights are cast to ``dtype`` before they mix the values.
 
     Examples:
@@ -298,7 +262,7 @@ def reorder_cache(cache: DecodeCache, rows: jax.Array) -> DecodeCache:
 
 def trim_cache(cache: DecodeCache, num_steps: int) -> DecodeCache:
     """The cache without the pieces that ``num_steps`` more tokens per row
-    cannot reach (see the module docstring).
+    cannot reach (docs/decoding.md, "The KV cache").
 
     Row ``b``'s next ``num_steps`` tokens take slots ``index[b]`` to
     ``index[b] + num_steps - 1``; the pieces of :func:`cache_segments` that

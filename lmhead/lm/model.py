@@ -1,22 +1,11 @@
 """A small decoder-only Transformer whose output layer is ``modules.LMHead``.
 
 GPT-2 layout: token embedding plus positions (learned, or rotary), pre-LayerNorm
-blocks of causal self-attention and a GELU MLP, a final LayerNorm, then the
-head, tied to the embedding table or with an unembedding of its own.
-
-Decoding: :func:`prefill` runs a prompt once into a key/value cache
-(:class:`lmhead.lm.kv_cache.DecodeCache`) and sends only each row's last
-position through the head; :func:`make_step_fn` gives the decoders'
-``step_fn(params, tokens, cache) -> (logits, cache)``, with the ``repeat``
-and ``reorder`` of rows that sampling and beam search use. These are the
-model's public decoding API and live here, beside :meth:`DecoderLM.extend`
-that they compile; the cache itself -- its pieces, its pointers, and why a
-step costs what the cache holds rather than its capacity -- is
-:mod:`lmhead.lm.kv_cache`'s, and its docstring explains the design.
-
-Each attention layer sows its softmax weights into the ``"intermediates"``
-collection, which :func:`attention_weights` reads; an ``apply`` that does not
-make that collection mutable neither keeps nor returns them.
+blocks of causal self-attention and a GELU MLP (:mod:`lmhead.lm.layers`), a
+final LayerNorm, then the head, tied to the embedding table or with an
+unembedding of its own. Decoding: :func:`prefill` fills a key/value cache
+(:mod:`lmhead.lm.kv_cache`) and :func:`make_step_fn` gives the decoders'
+``step_fn(params, tokens, cache) -> (logits, cache)``.
 
 Parameter tree (``params``)::
 
@@ -40,9 +29,6 @@ Parameter tree (``params``)::
 
 With ``use_bias=False`` (nanoGPT's default) none of the blocks' or norms'
 ``bias`` entries exist; the head's bias is ``head_bias``'s alone.
-
-The layers (rotary positions, GELU, LayerNorm, attention, the block) are
-:mod:`lmhead.lm.layers`'s; this module assembles them and runs them.
 """
 
 import dataclasses
@@ -578,31 +564,18 @@ def make_step_fn(model: DecoderLM, mesh: jax.sharding.Mesh | None = None) -> Dec
     Feeds one token per row at position ``cache.index`` and sends that one
     position through the head. ``params`` is an argument, so one compiled
     decoding loop serves every parameter set; steps of equal models are equal
-    (a frozen dataclass), so they share compilations too. ``cache`` may have
-    any number of rows (beam search repeats it with ``step_fn.repeat``,
-    :func:`~lmhead.lm.kv_cache.repeat_cache`, then reorders it with
-    ``step_fn.reorder``, :func:`~lmhead.lm.kv_cache.reorder_cache`, which move
-    pointers, not keys and values; before that it drops the pieces its steps
-    cannot reach with ``step_fn.trim(cache, num_steps)``,
-    :func:`~lmhead.lm.kv_cache.trim_cache`, so that the copy costs what it
-    holds, not ``max_len``; continuous batching empties the rows no request
-    holds with ``step_fn.reset_rows``, :func:`~lmhead.lm.kv_cache.reset_rows`).
-    A row must not step past ``max_len`` (see
-    :meth:`DecoderLM.extend`; :func:`prefill`'s ``max_new_tokens`` checks it).
+    (a frozen dataclass), so they share compilations too. The step's
+    ``repeat``, ``reorder``, ``trim`` and ``reset_rows`` are
+    :mod:`lmhead.lm.kv_cache`'s, for beam search and continuous batching. A
+    row must not step past ``max_len`` (:func:`prefill`'s ``max_new_tokens``
+    checks it).
 
-    With ``mesh``, a one-axis mesh (:func:`rows_mesh`), the decoders
-    split the rows over its devices: ``lmhead.decoding.generate``, its
-    streams and ``beam_search`` run a whole loop per device on its own
-    block of rows (prompts, with their beams), each stepping it with
-    :meth:`DecodeStep.per_device` (``lmhead/decoding/split.py``); the
-    logits are those without it to float32 rounding (each device computes
-    on its own rows), so the tokens are too but at a near-tie. Called on
-    the whole batch (as ``generate`` does with a ``processor`` hook) the
-    step is the one without a mesh, on the rows where they are. On a CPU,
-    where a step runs on one core per device, several CPU devices
-    (``jax_num_cpu_devices``) then use several cores; ``docs/decoding.md``
-    measures it. The number of rows must be a multiple of the mesh's size,
-    and so must the prompts of a beam search.
+    With ``mesh``, a one-axis mesh (:func:`rows_mesh`), the decoders run a
+    whole loop per device on its own block of rows, each stepping it with
+    :meth:`DecodeStep.per_device` (``lmhead/decoding/split.py``); the logits
+    are those without it to float32 rounding. The number of rows (and of a
+    beam search's prompts) must be a multiple of the mesh's size.
+    docs/decoding.md describes the split and measures it.
 
     Examples:
         >>> import jax, jax.numpy as jnp

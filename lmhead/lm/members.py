@@ -10,14 +10,8 @@ the whole program, and a member that sets one is refused with the reason
 with errors that name the member; :func:`split_overrides` divides a sweep
 run's overrides into the program's part and the member's part.
 
-The tokenizer is the program's, trained once. When the members train on
-different parts of the training split (``data.train_fraction``,
-``data.train_offset``), it is trained on the shortest prefix of the split
-that covers all of them -- with offsets 0, the largest fraction's text, of
-which the others' are prefixes -- and every member's ``config.json`` says so
-with ``data.tokenizer_fraction``, so that a single run of a member's config
-is that member. With equal parts, or the character tokenizer (made from the
-whole text whatever the part), nothing changes and nothing is recorded.
+The tokenizer is the program's, trained once on the shortest prefix that
+covers every member's text (docs/training.md, "Ensembles").
 """
 
 import dataclasses

@@ -1,64 +1,21 @@
 r"""The sweep command: runs a sweep file (``configs/sweeps/*.py``), one
-``experiments/train.py`` process per run, then the report. The runner is
-``lmhead/lab/runner.py``; the sweep-file API, ``lmhead/lab/sweeps.py``.
+``experiments/train.py`` process per run (or per ensemble program with
+``--ensemble=M``), then the report (``lmhead/lab/runner.py``).
 
     python experiments/sweep.py --sweep=configs/sweeps/tying_study.py:small,stage=tune \
         --workdir=runs/compare
 
-Each run gets the workdir ``<--workdir>/<name>``, named from its overrides
-(e.g. ``tokenizer=bpe,vocab_size=2048,tied=False,...,seed=1``), with the train
-process's output in ``run.log`` there. Finished runs are skipped and
-interrupted ones resume, so rerunning the same command continues a sweep. A
-failed run does not stop the others; the command exits with status 1 at the
-end and lists the failed runs with the end of their logs.
-
-While they train, every ``--progress_every_s`` seconds (default 30; 0: never)
-the runner prints a line per running run or ensemble program, read from the
-files its members write (``lmhead/lab/progress.py``)::
-
-      tied=True,ensemble=0: step 300/600, best eval/loss 5.4321 (members' bests
-      up to 5.5012), 7/8 members training, ETA 2.1 min at 2.40 steps/s (early
-      stopping may end it sooner)
-
-The ETA is the time to the step budget (``train.steps``) at the step rate
-measured since the program's first logged step, evaluations included; the
-members that have a patience may all stop before it.
-
-On a cluster, ``--dry_run`` prints the remaining runs' commands, one a line,
-for a Slurm array or GNU parallel; afterwards ``experiments/report.py`` reads
-the same directory (a sweep in stages, like the tying study, runs each
-stage's commands in turn: a later stage plans from the earlier one's
-results)::
+Finished runs are skipped and interrupted ones resume, so the same command
+continues a sweep; a failed run does not stop the others (exit status 1 at
+the end, with the end of its log). ``--dry_run`` prints the remaining
+commands, one a line, for a cluster::
 
     python experiments/sweep.py --sweep=... --workdir=DIR --dry_run > runs.txt
-    parallel -j 8 < runs.txt      # or a Slurm array, one line per task:
     sbatch --array=1-$(wc -l < runs.txt) --wrap='sed -n "${SLURM_ARRAY_TASK_ID}p" runs.txt | bash'
     python experiments/report.py --workdir=DIR
 
-Each train process uses every core it sees; on a CPU-only machine
-``--parallel`` above 1 helps only when one run cannot keep the cores busy,
-and then with ``--cpus_per_run``, which gives each running run CPUs of its
-own (Linux). ``docs/scale_out.md`` ("Several runs on one CPU") measures when
-that pays.
-
-``--ensemble=M`` trains the runs that differ only in member keys (seed,
-learning rates, loss weights, data subset: ``lmhead/lm/members.py``) as
-programs of at most M members, one train process and one ``run.log`` per
-program in ``<--workdir>/ensembles/<program>``; each run keeps its workdir
-and files, so the report reads them as before. The grouping is kept in
-``<--workdir>/ensembles.json`` and never changes for runs already grouped, so
-rerunning the same command resumes the same programs (``lmhead/lab/ensembles.py``).
-``--dry_run`` then prints one command per program, and ``--parallel`` runs
-that many programs at a time::
-
-    python experiments/sweep.py --sweep=... --workdir=DIR --ensemble=8
-
-``--restore_from=runs.csv`` first recreates the finished runs of a committed
-table that the sweep directory lacks (a sweep file's ``restore_runs``), so
-that a long sweep goes on from where its committed table stands on a machine
-that does not have its directory. The flag may be given more than once (the
-study's table and a sensitivity check's own, say); the tables are read in
-order, and a run that an earlier table restored is left as it is.
+docs/sweeps.md describes the runner, ensemble programs, the progress lines,
+``--cpus_per_run`` and ``--restore_from``.
 """
 
 import os

@@ -3,41 +3,13 @@ r"""Trains a language model: parses flags, then calls the library.
     python experiments/train.py --config=configs/default.py:nanogpt,tied \
         --workdir=runs/nanogpt_tied [--config.train.steps=500 ...]
 
-Several runs that differ only in member keys (the seed, the learning rates,
-the loss weights, the text trained on; ``lmhead/lm/members.py``) train as
-one program, each in its own workdir, with one ``--member`` flag each::
-
-    python experiments/train.py --config=configs/default.py:nanogpt \
-        --workdir=runs/seeds --member='{"workdir": "runs/seeds/seed=0"}' \
-        --member='{"workdir": "runs/seeds/seed=1", "train.seed": 1}'
-
-Rerunning with the same --workdir resumes from its newest checkpoint; a
-workdir made by another config is refused (see
-``configuration.check_resumable``).
-SIGTERM saves a checkpoint at the next step boundary and exits with status
-143 (128 + SIGTERM); the same command then resumes.
-
-Several processes (hosts), each started with the same flags plus::
-
-    --coordinator_address=HOST0:PORT --num_processes=N --process_id=I
-
-or ``--distributed`` where JAX finds the cluster itself (Cloud TPU slices,
-SLURM, Open MPI). See ``lmhead/lm/sharding.py`` and docs/scale_out.md for
-the device mesh; docs/training.md for what the run writes and how it
-resumes.
-
-On a CPU, ``--cpu_devices=N`` (e.g. the number of cores) gives the process
-N devices and splits each batch over them (data parallel): XLA runs a small
-model's many small operations on one core at a time, and a device per core
-keeps every core busy (docs/nanogpt_parity.md, "Microbatches and CPU
-devices", measures it). Results then differ from a single device's by
-float32 rounding, and a run killed and resumed may differ from an
-uninterrupted one in the last bits, which with one device it never does.
-An ensemble (``--member``) gets one CPU device per CPU it may use unless
-``--cpu_devices`` says otherwise, and splits its members over them
-(``config.mesh.members``, docs/training.md, "Ensembles"); a member's step
-is the same computation on one device and many, and its results agree to
-float32 rounding.
+Runs that differ only in member keys (``lmhead/lm/members.py``) train as
+one program with a ``--member`` flag each; the same --workdir resumes;
+SIGTERM saves and exits with status 143. Several processes take
+``--coordinator_address=HOST0:PORT --num_processes=N --process_id=I`` or
+``--distributed``; ``--cpu_devices=N`` splits each batch over N CPU devices.
+docs/training.md describes each (ensembles, resuming, reliability,
+determinism), docs/scale_out.md the mesh and the hosts.
 """
 
 import re

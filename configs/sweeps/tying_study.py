@@ -18,44 +18,11 @@ rules) and trains the test seeds at it, arms d and e, and the table
 learning-rate ablation. The report is written from ``docs/tying_study/
 runs.csv`` alone (:func:`write_report`), one row per run of both stages.
 
-Design (``lmhead/studies/tying/shapes.py`` solves the matched shapes):
-
-* Model: nanoGPT's CPU example (``configs/default.py:nanogpt``): d_model
-  128, 4 blocks, 4 heads, MLP 512, block 64, batch 12, no biases, AdamW,
-  100 warmup steps, cosine to lr/10 at the step cap.
-* Vocabularies: characters (84) and byte-level BPE 512, 2048, 8192, each
-  tokenizer trained once on the whole training split less its held-out
-  chunks, and shared by every data amount.
-* Data amounts (``data.train_fraction``): 0.3%, 1% and 3% of the training
-  split (subsets, at most 3000 steps), each drawn from two places
-  (``data.train_offset`` 0 and 0.5, by seed: ``study.SUBSET_OFFSETS``), and
-  100% (at most 1000 steps: budget-limited on this CPU, as the report says).
-* Held out of everything: every tenth chunk of 512 characters of the
-  training split (``data.holdout_fraction``); a run's held-out windows are
-  those of its own subset, so the generalization gap (held-out minus
-  training windows) is measured within the plays it trains on.
-* Every run early-stops on validation (32 batches of evenly spaced windows
-  every 100 steps, patience 3) and is tested on its best parameters, on the
-  whole test split (bits per character and per-word perplexity).
-* Arms (``shapes.ARMS``): a tied; b untied, same shape (primary: b - a,
-  equal FLOPs per token); c untied, narrower, a's parameter count (primary:
-  c - a); d tied plus the whole blocks the saved ``V D`` pays for (it pays
-  for one only at BPE 2048 and 8192); e b's shape, tied until two thirds of
-  arm a's median best step in the cell, then untied. d and e, the secondary
-  arms, run at BPE 2048 and 8192 only (a cut for time).
-* Learning rates: a ladder of factor sqrt(2) (``study.ladder_rate``), three
-  rungs around each vocabulary's centre, up to two more past an end while
-  the best is there; chosen per cell on the mean validation loss of tuning
-  seeds 100 and 101; d and e take arm a's rate.
-* Seeds: test seeds 0-7 in every cell (4 per subset location).
-* Ablation: ``optim.table_lr_multiplier`` 3 and 10 for arms a and b at BPE
-  2048 and 3% of the data (multiplier 1 is the cell's test runs).
-
-The primary contrasts (``cells.PRIMARY``: b - a and c - a in every
-cell) are fixed here, before the runs; the report adjusts their p-values
-with Holm's method over that family.
-
-Budget, cuts and what the runs measured: ``docs/tying_study/README.md``.
+The design (model, vocabularies, data amounts, splits, stopping, arms,
+learning rates, seeds, ablation), its budget and cuts are in
+``docs/tying_study/README.md``. The primary contrasts (``cells.PRIMARY``:
+b - a and c - a in every cell) are fixed here, before the runs; the report
+adjusts their p-values with Holm's method over that family.
 
 Arguments: an optional preset first (``full``, the default; ``small``,
 ``make compare``'s version: BPE 2048, 1% of the data, arms a, b and c, 8

@@ -12,15 +12,10 @@ The model, for one contrast x − y (``cells.PRIMARY``), of the difference
               + \varepsilon_{vas},
     \quad u_s \sim N(0, \sigma_u^2),\ \varepsilon \sim N(0, \sigma^2),
 
-a fixed effect of each vocabulary, a slope in the log of the amount of text
-for each vocabulary, and a random intercept per seed (the seed draws the
-initialisation, the data order and the subset's place in every cell), fitted
-by REML (``statsmodels.MixedLM``). The amount, not the trained tokens per
-head parameter, is the covariate: it is what the design set, where the
-trained tokens come from each run's best step, an outcome of its arm and
-rate. Each test is a Wald χ² on the fixed effects it names: the interaction
-(:math:`\gamma_v = 0`, does the amount's effect depend on the vocabulary),
-the vocabulary (:math:`\beta_v = \gamma_v = 0`) and the amount
+a fixed effect and a slope in the log amount per vocabulary and a random
+intercept per seed, fitted by REML (``statsmodels.MixedLM``), with Wald
+χ² tests of the interaction (:math:`\gamma_v = 0`), the vocabulary
+(:math:`\beta_v = \gamma_v = 0`) and the amount
 (:math:`\gamma_0 = \gamma_v = 0`).
 """
 
@@ -39,7 +34,7 @@ from lmhead.lab import report
 from lmhead.lab import stats as stats_lib
 from lmhead.studies.tying import cells as cells_lib
 from lmhead.studies.tying.cells import PRIMARY
-from lmhead.studies.tying.report_text import p_text, range_text
+from lmhead.studies.tying.report_text import columns, p_text, prose, range_text
 
 Rows = Sequence[Mapping[str, Any]]
 # The power and level of the table of smallest detectable differences.
@@ -180,11 +175,7 @@ def model_section(rows: Rows) -> str:
     models = [fit_cells_model(k, v) for k, v in differences(rows).items()]
     models = [m for m in models if m is not None]
     if not models:
-        return (
-            f"{head}\n\nNot fitted: the model needs paired test runs at two "
-            "vocabularies, two amounts and two seeds at least, and every "
-            "vocabulary at two amounts."
-        )
+        return f"{head}\n\n{prose('model_unfitted')}"
     lines = [
         [
             m.label,
@@ -203,31 +194,9 @@ def model_section(rows: Rows) -> str:
     return "\n\n".join(
         [
             head,
-            "Instead of counting the cells whose contrast differs, one linear "
-            "mixed model per primary contrast of all its per-seed differences: "
-            "d = vocabulary + log(amount) + vocabulary × log(amount) + a random "
-            "intercept per seed, fitted by REML (statsmodels `MixedLM`; "
-            "`lmhead/studies/tying/across_cells.py`). The amount of text, not "
-            "the trained tokens per parameter, is the covariate: it is what the "
-            "design set. Wald χ² tests (degrees of freedom) and their p: "
-            "vocabulary × amount, whether the amount's effect on the contrast "
-            "depends on the vocabulary; vocabulary, whether the contrast depends "
-            "on the vocabulary at all (its terms and the interaction's); amount, "
-            "the same for the amount. Unadjusted; the model assumes one "
-            "residual spread for every cell (the pooled spreads' test under "
-            "the primary contrasts says how far that holds), and each cell's "
-            "runs are at the rates this table's tuning chose.",
+            prose("model"),
             report.markdown_table(
-                [
-                    "contrast",
-                    "differences",
-                    "cells",
-                    "seeds",
-                    "seed sd",
-                    "residual sd",
-                    *(f"{t}: χ² (df), p" for t in TESTS),
-                ],  # fmt: skip
-                lines,
+                columns("model_columns") + [f"{t}: χ² (df), p" for t in TESTS], lines
             ),
         ]
     )
@@ -263,27 +232,14 @@ def power_section(rows: Rows) -> str:
     return "\n\n".join(
         [
             "## Power",
-            "The smallest true mean difference (bits/char) that each primary "
-            f"contrast's paired t-test finds with probability {POWER:.0%} at "
-            f"the seeds run, given the spread of its per-seed differences: "
-            f"two-sided, at α = {ALPHA} alone and Bonferroni-corrected over the "
-            f"family of {family.size} (α = {ALPHA}/{family.size}; Holm's first "
-            "step), from the noncentral t distribution "
-            "(`stats.minimum_detectable_difference`). A difference smaller "
-            "than that is likely missed, so a contrast not told apart says "
-            f"little below it. Corrected: median {median:.4f}, "
-            f"{range_text(finite)}.",
-            report.markdown_table(
-                [
-                    "vocabulary",
-                    "amount",
-                    "contrast",
-                    "n",
-                    "sd of differences",
-                    f"detectable at α = {ALPHA}",
-                    "detectable, Bonferroni",
-                ],  # fmt: skip
-                lines,
+            prose(
+                "power",
+                power=POWER,
+                alpha=ALPHA,
+                size=family.size,
+                median=median,
+                range=range_text(finite),
             ),
+            report.markdown_table(columns("power_columns", alpha=ALPHA), lines),
         ]
     )

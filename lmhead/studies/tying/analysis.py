@@ -1,26 +1,9 @@
 """The tying study's report from the rows of ``runs.csv`` alone
-(``table.read_rows``'s list of dicts): no run directory is read, so anyone
-with the committed CSV regenerates it, or re-pairs arms, re-chooses rates
-and applies another analysis.
-
-A *cell* is one vocabulary at one data amount (``train_fraction``); its
-arms a..e are compared within it, paired by seed. The *primary* contrasts,
-named before the runs, are :data:`PRIMARY` (b - a and c - a) in every cell:
-one family, whose p-values are Holm-adjusted together, with a spread of the
-paired differences pooled over the cells beside each cell's own. Every
-other comparison (:data:`SECONDARY`, the table learning-rate ablation) is
-unadjusted and labelled exploratory.
-
-:func:`write_report` writes ``REPORT.md`` and the plots
-(``contrast_plots.py``); this module holds the sections of the results and
-the contrasts, and each other concern has a module of its own: the answer
-that opens the report and that ``make compare`` prints (``answer.py``), the
-design (``design_text.py``), the learning rates (``tuning_text.py``), the
-model across cells and the power (``across_cells.py``), the runs to read
-narrowly (``flags_text.py``), the numbers as text (``report_text.py``). The numbers come from ``cells.py``.
-
-Every value is test bits per character, paired by seed within a cell,
-unless a column says otherwise; a difference x - y < 0 means x is better.
+(``table.read_rows``'s list of dicts): :func:`write_report` writes
+``REPORT.md`` and the plots; this module holds the results by cell, the
+primary (:data:`PRIMARY`, one Holm family) and secondary contrasts, the
+ablation and the totals; the other sections have modules of their own
+(``docs/tying_study/README.md``, "The code").
 """
 
 import os
@@ -37,12 +20,14 @@ from lmhead.studies.tying.design_text import design_section
 from lmhead.studies.tying.flags_text import flags_section
 from lmhead.studies.tying.report_text import (
     DASH,
+    columns,
     equal_spread_text,
     geometric_mean_text,
     mean_text,
     p_text,
     pair_text,
     places_text,
+    prose,
     range_text,
     significant_text,
     spread_text,
@@ -90,48 +75,13 @@ def results_section(rows: Rows) -> str:
         )
     text = [
         "## Results by cell",
-        "Test bits/char: mean ± sample std (runs) over the test seeds; the other "
-        "columns are means over the same runs. Held-out gap: bits/char on "
-        "held-out windows of the training plays minus on training windows, "
-        "at the tested step. Steps to best: the step of the lowest validation "
-        "loss, whose parameters were tested. Word perplexity: exp(test nats / "
-        "words of the test text, `len(text.split())`), its geometric mean over "
-        "the runs (the mean of a log-scale quantity). Data tokens/param: the "
-        "training text's tokens per parameter, the size of the data and not "
-        "of the training (a run on a subset passes over it many times). "
-        "Trained tokens/param: the tokens that trained the tested parameters "
-        "(steps to best x tokens per step) per parameter; Chinchilla's "
-        "compute-optimal ratio is about 20.",
-        report.markdown_table(
-            [
-                "vocabulary",
-                "amount",
-                "arm",
-                "lr",
-                "test bits/char",
-                "val bits/char",
-                "held-out gap",
-                "steps to best",
-                "reached cap",
-                "data tokens/param",
-                "trained tokens/param",
-                "word ppl",
-            ],  # fmt: skip
-            lines,
-        ),
+        prose("results"),
+        report.markdown_table(columns("results_columns"), lines),
     ]
     if capped:
-        text.append(
-            "Runs that reached the step cap are budget-limited, not "
-            "early-stopped: their numbers are those of a fixed budget (cell, "
-            f"arm, runs): {'; '.join(capped)}."
-        )
+        text.append(prose("results_capped", runs="; ".join(capped)))
     if untrained:
-        text.append(
-            "Runs never better than their initial parameters (best step 0: "
-            "the loss diverged before the first evaluation), so tested "
-            f"untrained, and in their pairs as such: {'; '.join(untrained)}."
-        )
+        text.append(prose("results_untrained", runs="; ".join(untrained)))
     return "\n\n".join(text)
 
 
@@ -180,55 +130,13 @@ def primary_section(rows: Rows) -> str:
     )
     parts = [
         head,
-        f"One family of {family.size} contrasts (every cell of the design x "
-        f"{len(PRIMARY)}), named in the sweep file before the runs; "
-        f"{len(family.contrasts)} have paired test runs so far, and the "
-        "corrections count all of them. Mean "
-        "[95% t-interval] of the per-seed differences, the paired t-test's "
-        "two-sided p, and Holm's step-down adjusted p over the whole family. "
-        "Pooled (unadjusted, an estimate stated as such): the cell's mean "
-        "± t · s_p / √n with the standard deviation "
-        "s_p of that contrast's differences pooled over all cells, "
-        "√(Σ(n_i − 1)s_i² / Σ(n_i − 1)), which assumes the spread is the "
-        "same in every cell (tested below the table: where that test's p is "
-        "small, the pooled intervals are too wide for some cells and too "
-        "narrow for others); no conclusion here rests on it. Simultaneous: "
-        "Bonferroni intervals that hold "
-        "together for the whole family at 95%; Bonferroni is more "
-        "conservative than Holm, so such an interval may include 0 where "
-        "the Holm-adjusted p is below 0.05. At cap: the pairs' runs that "
-        "reached their step cap, budget-limited rather than early-stopped. "
-        "Best at first validation: the pairs' runs whose best validation was "
-        "their first, so that their best parameters may lie earlier and the "
-        "contrast measures how fast the arms overfit as much as how good they "
-        "get. Rate at edge: the arms whose test rate is the lowest or highest "
-        "rate their tuning tried (see Learning rates), so that their best "
-        "rate may lie beyond and the contrast may favour the other arm. "
-        "By place: the mean difference (pairs) at each place in the "
-        "training plays that a subset was drawn from (`data.train_offset`, "
-        "by seed), and the contrast blocked by place: the mean of the "
-        "places' means with a 95% t-interval on the spread within places "
-        "(n − 2 degrees of freedom; unadjusted). With two places, the "
-        "intervals speak for these two draws of plays, not for plays in "
-        "general.",
-        report.markdown_table(
-            [
-                "vocabulary",
-                "amount",
-                "contrast",
-                "n",
-                "mean [95% t]",
-                "p",
-                "Holm p",
-                "pooled 95%",
-                "simultaneous 95%",
-                "at cap",
-                "best at first validation",
-                "rate at edge",
-                "by place",
-            ],  # fmt: skip
-            lines,
+        prose(
+            "primary",
+            size=family.size,
+            contrasts=len(PRIMARY),
+            measured=len(family.contrasts),
         ),
+        report.markdown_table(columns("primary_columns"), lines),
         f"Pooled standard deviations of the differences: {pooled}.",
         family_counts(family.contrasts),
         untrained_sensitivity(rows),
@@ -249,10 +157,10 @@ def untrained_sensitivity(rows: Rows) -> str:
     if len(kept) == len(rows):
         return ""
     counts = family_counts(cells_lib.primary_family(kept).contrasts)
-    return (
-        f"Without the {len(rows) - len(kept)} test runs never better than their "
-        "initial parameters (named under the results by cell): "
-        + counts.removeprefix("Corrected for the family: ")
+    return prose(
+        "untrained_sensitivity",
+        runs=len(rows) - len(kept),
+        counts=counts.removeprefix("Corrected for the family: "),
     )
 
 
@@ -263,9 +171,7 @@ def secondary_section(rows: Rows) -> str:
     )
     text = [
         "## Secondary contrasts (exploratory)",
-        "Unadjusted: each interval and p-value stands alone, with no "
-        "correction for the number of comparisons; read them as leads, not "
-        "findings. A cell without arm d has no d − a.",
+        prose("secondary"),
     ]
     if contrasts:
         text.append(
@@ -300,9 +206,7 @@ def ablation_section(rows: Rows) -> str:
     ]
     text = [
         "## Table learning-rate ablation (exploratory)",
-        "`optim.table_lr_multiplier` m: the embedding table (and an untied "
-        "head's kernel) train at lr · m. Unadjusted, like the secondary "
-        "contrasts."
+        prose("ablation")
         + (
             f" Multiplier 1 is the cell's test runs ({', '.join(ablation.borrowed)})."
             if ablation.borrowed
@@ -330,14 +234,16 @@ def totals_section(rows: Rows) -> str:
     return "\n\n".join(
         [
             "## Measured totals",
-            f"{totals.runs} runs ({by_role}; {by_status}); "
-            f"{totals.steps:,} training steps; "
-            f"{totals.wall_seconds:,.0f} s = {totals.wall_seconds / 3600:.2f} h of "
-            f"wall time, summed over the runs trained alone and the ensemble "
-            f"programs ({totals.programs}), each program counted once. Each "
-            "time is that of the process that finished the run: a resumed "
-            "run's earlier processes, and runs lost with a machine and trained "
-            "again, are not counted, so the total is a lower bound.",
+            prose(
+                "totals",
+                runs=totals.runs,
+                by_role=by_role,
+                by_status=by_status,
+                steps=totals.steps,
+                seconds=totals.wall_seconds,
+                hours=totals.wall_seconds / 3600,
+                programs=totals.programs,
+            ),
         ]
     )
 
@@ -366,10 +272,7 @@ def write_report(
         literature = literature(rows)
     sections = [
         "# The tying study",
-        f"Written from `runs.csv` alone ({len(rows)} rows). Test bits per "
-        "character unless a column says otherwise; differences are paired by "
-        "seed within a cell (one vocabulary at one data amount), and x − y < 0 "
-        "means x is better.",
+        prose("report_intro", rows=len(rows)),
         answer(rows),
         design_section(rows),
         tuning_section(rows),

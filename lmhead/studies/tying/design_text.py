@@ -8,11 +8,7 @@ from typing import Any
 from lmhead.lab import report
 from lmhead.studies.tying import cells as cells_lib
 from lmhead.studies.tying import table
-from lmhead.studies.tying.report_text import (
-    DASH,
-    int_text,
-    seeds_text,
-)
+from lmhead.studies.tying.report_text import DASH, columns, int_text, prose, seeds_text
 
 Rows = Sequence[Mapping[str, Any]]
 
@@ -43,18 +39,7 @@ def design_section(rows: Rows) -> str:
             steps = untie.setdefault((row["vocab"], row["arm"]), {})
             steps.setdefault(row["amount"], row["untie_step"])
     arms = report.markdown_table(
-        [
-            "vocabulary",
-            "tokens",
-            "arm",
-            "d_model",
-            "layers",
-            "MLP",
-            "params",
-            "FLOPs/token",
-            "head share",
-            "untie step",
-        ],  # fmt: skip
+        columns("design_columns"),
         (
             [
                 cells_lib.vocab_label(vocab),
@@ -81,17 +66,12 @@ def design_section(rows: Rows) -> str:
     ]
     lines = [
         "## Design",
-        "Shapes of the test runs (head share: the [V, D] unembedding's share "
-        "of the parameters; a tied table counts once). FLOPs per token are "
-        "training FLOPs (`shapes.flops_per_token`).",
+        prose("design"),
         arms,
         amounts_table(rows),
     ]
     if no_d:
-        lines.append(
-            f"No arm d at {', '.join(no_d)}: the design adds whole blocks only "
-            "where the saved V·D pays for at least one."
-        )
+        lines.append(prose("design_no_d", vocabs=", ".join(no_d)))
     lines.append(cap_counts(rows))
     return "\n\n".join(lines)
 
@@ -174,15 +154,7 @@ def amounts_table(rows: Rows) -> str:
             ]
         )
     return report.markdown_table(
-        [
-            "amount",
-            "offsets",
-            "training chars (at offset)",
-            "step cap",
-            "tuning seeds",
-            "test seeds",
-            "ablation seeds",
-        ],  # fmt: skip
+        columns("amounts_columns"),
         lines,
     )
 

@@ -17,17 +17,8 @@ logits of evaluation windows).
   log-likelihood of the evaluation tokens whose *target* falls in each
   bucket (:func:`bucket_losses`).
 
-Equal-mass buckets rather than deciles of log frequency: with a Zipfian
-vocabulary, deciles of the token *types* put most evaluation tokens in the
-top decile and a handful in the bottom ones, so their means differ in
-precision by orders of magnitude; buckets of equal training mass hold
-about equal numbers of evaluation tokens (as far as the evaluation text
-follows the training text), so each bucket's mean is about as precise as
-the others, and buckets are comparable across vocabularies (bucket ``k``
-is the ``k``-th ``1/K`` of the training text, most frequent first).
-
-``experiments/tying_diagnostics.py`` computes them for trained runs and
-plots them (``lmhead/studies/tying/diagnostics_report.py``).
+Buckets hold equal training-token mass (why: ``docs/tying_study/README.md``,
+"Diagnostics of the trained heads").
 """
 
 from typing import NamedTuple

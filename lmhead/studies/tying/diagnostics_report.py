@@ -1,24 +1,9 @@
-"""The tying study's diagnostics of trained runs: computed from each run's
-directory, written as plots, ``diagnostics.json`` and ``diagnostics.md``.
-
-:func:`diagnose_run` loads a run (``generation.load_run``: its
-``config.json``, tokenizer and newest checkpoint; the parameters of
-``best_checkpoint`` instead where the run kept one, the ones its test
-evaluation used), counts its *training* tokens (``data.load_dataset`` with
-the run's config, which reads the ``tokens.npz`` the run trained on), runs
-the model over evaluation windows of the test or validation split, and
-computes the functions of :mod:`lmhead.studies.tying.diagnostics`.
-:func:`write_diagnostics` writes, for one or more runs:
-
-- ``norms.png``: row norms of the embedding and of the head against the log
-  training frequency, one panel per run;
-- ``cosines.png``: for untied runs, the histogram of the cosines between a
-  token's input and output rows, and the cosines against log frequency;
-- ``bucket_loss.png``: the mean loss by frequency bucket, runs overlaid;
-- ``diagnostics.json`` and ``diagnostics.md``: the numbers (logit scale,
-  rank correlations, mean cosines, bucket losses).
-
-``experiments/tying_diagnostics.py`` is its command.
+"""The tying study's diagnostics of trained runs: :func:`diagnose_run` reads
+a run (its parameters at ``best_checkpoint``, else the newest, and its own
+training tokens) and computes :mod:`lmhead.studies.tying.diagnostics` on
+evaluation windows; :func:`write_diagnostics` writes ``norms.png``,
+``cosines.png`` (untied runs), ``bucket_loss.png``, ``diagnostics.json`` and
+``diagnostics.md``. ``experiments/tying_diagnostics.py`` is its command.
 """
 
 import dataclasses
@@ -35,7 +20,7 @@ from lmhead.lab import report
 from lmhead.lm import checkpoints, data, generation, scoring
 from lmhead.lm import state as state_lib
 from lmhead.studies.tying import cells as cells_lib
-from lmhead.studies.tying import diagnostics
+from lmhead.studies.tying import diagnostics, report_text
 
 SPLITS = ("test", "val")
 NUM_BUCKETS = 5
@@ -357,11 +342,6 @@ def plot_bucket_losses(runs: list[RunDiagnostics], path: str) -> None:
 
 def markdown(runs: list[RunDiagnostics]) -> str:
     """The numbers as markdown: one row per run, then the bucket losses."""
-    header = [
-        "run", "head", "checkpoint (step)", "V", "positions", "nll",
-        "logit std", "mean max logit", "ρ(‖embedding‖, log f)",
-        "ρ(‖head‖, log f)", "cos, count-weighted", "cos, mean",
-    ]  # fmt: skip
     rows = [
         [
             s["run"],
@@ -393,16 +373,9 @@ def markdown(runs: list[RunDiagnostics]) -> str:
     return "\n\n".join(
         [
             "# Head diagnostics",
-            f"Evaluation windows of the {split} split. Token frequencies: "
-            f"{FREQUENCY_SOURCE}. Spearman's ρ of row norms with the add-one "
-            "log frequency; cosines between each token's input and output "
-            "rows (untied heads only); logit std over the vocabulary and the "
-            "max logit, averaged over positions.",
-            report.markdown_table(header, rows),
-            f"## Loss by frequency bucket\n\nMean {split} nll in nats/token of "
-            f"the tokens whose target lies in each of {num_buckets} buckets of "
-            "equal training-token mass (0 = most frequent); in brackets the "
-            "evaluated tokens, the token types and the training share.",
+            report_text.prose("diagnostics", split=split, source=FREQUENCY_SOURCE),
+            report.markdown_table(report_text.columns("diagnostics_columns"), rows),
+            report_text.prose("diagnostics_buckets", split=split, buckets=num_buckets),
             report.markdown_table(
                 ["run", *(f"bucket {k}" for k in range(num_buckets))], buckets
             ),

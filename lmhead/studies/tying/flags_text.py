@@ -8,7 +8,7 @@ from typing import Any
 
 from lmhead.lab import report
 from lmhead.studies.tying import cells as cells_lib
-from lmhead.studies.tying.report_text import DASH, seeds_text
+from lmhead.studies.tying.report_text import DASH, prose, seeds_text
 
 Rows = Sequence[Mapping[str, Any]]
 
@@ -57,10 +57,11 @@ def flags_section(rows: Rows) -> str:
     edges = edge_arms(rows)
     parts = [
         "## Flags",
-        "Test runs best at their first validation (step `eval_every`): their "
-        "best parameters may lie before it, and the evaluation is too coarse to "
-        f"see them; {sum(map(len, first.values()))} runs of "
-        f"{sum(len(r) for r in groups.values())}.",
+        prose(
+            "flags_first_eval",
+            first=sum(map(len, first.values())),
+            runs=sum(len(r) for r in groups.values()),
+        ),
     ]
     if first:
         parts.append(
@@ -82,11 +83,7 @@ def flags_section(rows: Rows) -> str:
     if not tuned:
         parts.append("No arm tried two rates or more, so none is at a ladder's edge.")
         return "\n\n".join(parts)
-    parts.append(
-        "Arms whose test rate is at an edge of the rates their tuning tried: "
-        "their best rate may lie beyond it, so a contrast with them may favour "
-        f"the other arm; {len(edges)} of {tuned} tuned arms."
-    )
+    parts.append(prose("flags_edges", edges=len(edges), tuned=tuned))
     if edges:
         parts.append(
             report.markdown_table(

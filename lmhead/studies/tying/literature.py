@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from lmhead.lab import report, stats
 from lmhead.studies.tying import cells as cells_lib
 from lmhead.studies.tying.cells import ALPHA
+from lmhead.studies.tying.report_text import prose
 
 DATA_FILE = "literature.toml"
 DASH = report.DASH
@@ -377,18 +378,7 @@ def literature_text(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 _CLAIM = "### {}. {}\n\n- Published: {}.\n- Source: {}.\n- Setting: {}.\n"
-_INTRO = (
-    "Each published claim (checked as `docs/tying_study/literature_sources.md` "
-    "says) and its counterpart in `runs.csv`'s test runs, paired by seed within "
-    "a cell (one vocabulary at one data amount), in bits/char: b - a > 0 means "
-    f"the tied arm a is the better. Arms: {ARMS}. A primary contrast (b - a or "
-    "c - a of test bits/char) agrees or disagrees in a cell only where its "
-    "Holm-adjusted p-value over the study's family of primary contrasts, the "
-    f"same as in the primary section, is below {ALPHA}; the other contrasts "
-    "are exploratory (Holm over their own cells only) and can only lean toward "
-    "or against a claim. Otherwise this study cannot tell. On "
-    f"{PER_WORD}."
-)
+_INTRO = prose("literature_intro", arms=ARMS, alpha=ALPHA, per_word=PER_WORD)
 
 
 def _contrast_lines(rows, family, claim, contrast, number, shown) -> list[str]:
@@ -426,20 +416,15 @@ def _contrast_lines(rows, family, claim, contrast, number, shown) -> list[str]:
 
 def _equivalence_text(cells: int) -> str:
     pair = EQUIVALENCE_PAIR
-    return (
-        "About zero agrees in a cell only where two one-sided t-tests (TOST) "
-        "put the difference inside a margin, Holm-adjusted over these "
-        f"{cells} cells (so the best cell needs a TOST p below "
-        f"{ALPHA / cells:.2g}); it disagrees where the difference is "
-        "significant and its simultaneous interval lies wholly outside the "
-        "margin. The margin is the smallest change the tying studies above "
-        f"publish as an effect, |ln({pair.tied} / {pair.untied})| = "
-        f"{EQUIVALENCE_LOG_PPL:.4f} of per-word perplexity ({pair.source}, "
-        f"{pair.model}), on each cell's bits/char scale (divided by ln 2 and "
-        "the test text's characters per word; whitespace-separated words are "
-        "longer than PTB's tokens, so this errs against agreeing). It was set "
-        "after the first test runs were in, not named with the primary "
-        "contrasts."
+    return prose(
+        "literature_equivalence",
+        cells=cells,
+        best=ALPHA / cells,
+        tied=pair.tied,
+        untied=pair.untied,
+        log_ppl=EQUIVALENCE_LOG_PPL,
+        source=pair.source,
+        model=pair.model,
     )
 
 

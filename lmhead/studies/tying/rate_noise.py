@@ -1,30 +1,16 @@
 r"""How precisely the tying study's validation windows tell a chosen
 learning rate from the next best one.
 
-The report's selection noise (:func:`~lmhead.studies.tying.cells.selection_noise`)
-is the tuning *seeds'* noise in a margin: the next best rate's validation
-bits/char minus the chosen rate's, averaged over the tuning seeds. Those
-seeds were all read on the same validation windows (``train.eval_batches *
-train.batch_size`` evenly spaced ones), so their spread
-leaves out a second source: the windows themselves, a sample of the split's
-text. This module measures it. For tuning seed ``s`` with per-window losses
+A margin (:func:`~lmhead.studies.tying.cells.selection_noise`) is read again
+window by window: for tuning seed ``s`` with per-window losses
 :math:`\ell_{s,w}` at the chosen rate and :math:`\ell'_{s,w}` at the next,
-the margin is a mean over windows of
 
 .. math::
     \bar\delta_w = \frac{1}{n}\sum_s (\ell'_{s,w} - \ell_{s,w}),
 
-and its standard error over the windows is :math:`s_{\bar\delta} /
-\sqrt{W}`: the seeds are averaged window by window first, since they share
-the windows. It treats the windows as independent draws of the split's
-text; they are evenly spaced over it, so neighbours come from the same
-play. Losses are nats per token; every window is full, so the bits/char of
-the mean is the mean times the windows' tokens / (characters ln 2).
-
-:func:`window_losses` evaluates one run on its own validation windows, at
-the parameters its early stopping kept; :func:`rate_noise` does it for the
-chosen and next rate of every tuned arm, keeping earlier measurements of
-runs that are no longer on the machine; :func:`markdown` writes the table.
+with standard error :math:`s_{\bar\delta} / \sqrt{W}` over the ``W``
+windows (the seeds share the windows, so they are averaged first). Why and
+what it assumes: ``docs/tying_study/README.md`` ("The code").
 ``experiments/tying_rate_noise.py`` is the command.
 """
 
@@ -37,7 +23,7 @@ import numpy as np
 
 from lmhead.lab import report, stats
 from lmhead.lm import data
-from lmhead.studies.tying import cells, diagnostics_report
+from lmhead.studies.tying import cells, diagnostics_report, report_text
 
 MARKDOWN_FILE = "rate_noise.md"
 JSON_FILE = "rate_noise.json"
@@ -223,33 +209,7 @@ def markdown(found: Sequence[Mapping[str, Any]]) -> str:
     return "\n\n".join(
         [
             "# How precisely the validation windows choose a rate",
-            "For each arm whose chosen learning rate was tuned, in validation "
-            "bits/char: the next best rate's value minus the chosen one's, "
-            "averaged over the tuning seeds (margin, from `runs.csv`), and its "
-            "standard error from the seeds' spread, pooled over each vocabulary's arms as in "
-            "`REPORT.md`. Those seeds were read on the same windows, so the "
-            "windows' own noise is not in that spread: the last two columns "
-            "read the seeds' runs again window by window. The re-read margin "
-            "is a check (the same windows and parameters give the CSV's); the "
-            "windows' standard error is that of the per-window differences, "
-            "averaged over the seeds read, treating the evenly spaced windows "
-            "as independent draws of the split's text "
-            "(`lmhead/studies/tying/rate_noise.py`). A seed's runs are read "
-            "where their parameters are on the machine that wrote this file, "
-            "and an earlier reading stands where it read more seeds.",
-            report.markdown_table(
-                [
-                    "cell",
-                    "arm",
-                    "chosen lr",
-                    "next lr",
-                    "margin",
-                    "seeds' SE",
-                    "seeds read",
-                    "margin re-read",
-                    "windows' SE",
-                ],  # fmt: skip
-                lines,
-            ),
+            report_text.prose("rate_noise"),
+            report.markdown_table(report_text.columns("rate_noise_columns"), lines),
         ]
     )

@@ -1,13 +1,39 @@
-"""The numbers of the tying study's report as text: p-values, intervals,
-means and spreads, counts and seed lists, each with a dash for what is not
-measured (``analysis.py`` and its sections use these)."""
+"""The tying study's report as text: its fixed paragraphs and table columns
+(:func:`prose`, read from ``prose.toml`` beside this module), and the
+numbers as text: p-values, intervals, means and spreads, counts and seed
+lists, each with a dash for what is not measured."""
 
+import importlib.resources
 import math
+import tomllib
 from collections.abc import Sequence
 
 from lmhead.lab import report, stats
 
 DASH = report.DASH
+PROSE = tomllib.loads(
+    importlib.resources.files(__package__).joinpath("prose.toml").read_text("utf-8")
+)
+
+
+def prose(key: str, **fields) -> str:
+    """The paragraph ``key`` of ``prose.toml`` with its ``{fields}`` filled.
+
+    Examples:
+        >>> prose("results_capped", runs="BPE 512 at 3% a 2")[-20:]
+        ': BPE 512 at 3% a 2.'
+    """
+    return PROSE[key].format(**fields)
+
+
+def columns(key: str, **fields) -> list[str]:
+    """The table columns ``key`` of ``prose.toml``, their ``{fields}`` filled.
+
+    Examples:
+        >>> columns("power_columns", alpha=0.05)[-2]
+        'detectable at α = 0.05'
+    """
+    return [name.format(**fields) for name in PROSE[key]]
 
 
 def p_text(p: float) -> str:

@@ -1,27 +1,8 @@
-"""The tying study's arms: their shapes, solved for matched parameter counts.
-
-Five arms per vocabulary (``V`` tokens, base width ``D``):
-
-* ``a``: tied, the base shape;
-* ``b``: untied, the base shape (``V * D`` more parameters than ``a``, the
-  same FLOPs per token);
-* ``c``: untied, *narrower*, matched to ``a``: the ``d_model`` (a multiple of
-  ``num_heads``) whose model with the base MLP ratio is nearest ``a``'s count,
-  then ``mlp_dim`` solved so that the counts agree;
-* ``d``: tied, *deeper*: the ``V * D`` that tying saves spent on whole blocks
-  of the base shape, as many as it pays for (so at most ``b``'s count), and
-  only where it pays for at least one; elsewhere there is no ``d``
-  (:func:`deeper_tied` returns ``None``);
-* ``e``: ``b``'s shape, tied for the first part of training and untied from
-  then on (``config.model.untie_step``; the step is the study's, not a shape).
-
-Counts come from :func:`count_params`, a closed form of ``model.DecoderLM``'s
-parameter tree (the tests check it against ``jax.eval_shape`` of the model's
-init), so the matched shapes are solved (:func:`arm_shapes`), not typed in,
-at the number of tokens the tokenizer has (``study.Design.vocab_sizes``):
-byte-level BPE trained on a short text runs out of pairs to merge before the
-size asked for. The grid of cells and the learning-rate choice are in
-``study.py`` here.
+"""The tying study's arms (:data:`ARMS`: a tied; b untied; c untied,
+narrower to a's count; d tied, deeper by whole blocks to at most b's; e b's
+shape, tied then untied), their shapes solved for matched parameter counts
+(:func:`arm_shapes`) from :func:`count_params`, a closed form of
+``model.DecoderLM``'s parameter tree.
 """
 
 import dataclasses
@@ -34,8 +15,6 @@ ARMS = {
     "d": "tied, deeper by whole blocks",
     "e": "tied, then untied",
 }
-# The arms an arm is compared with, by the study's contrasts.
-UNTIED_ARMS = ("b", "c", "e")
 # Parameter counts of matched arms may differ by at most this fraction.
 MATCH_TOLERANCE = 0.02
 

@@ -1,29 +1,10 @@
 """The tying study's design: the grid of vocabularies x data amounts x arms
 (:class:`Design`), the seeds and data locations of its runs, and the
-learning-rate choice that links its two stages. The arms and their shapes,
-solved for matched parameter counts, are in ``shapes.py`` here.
-
-Two stages in one sweep directory:
-
-* ``tune``: each tuned arm's cells at the rates of a ladder of factor
-  :math:`\\sqrt 2` (:func:`ladder_rate`) around the vocabulary's centre, on
-  the tuning seeds (:data:`TUNING_SEEDS`, never test seeds), with edge
-  extensions while a cell's best rate is at an end of those tried
-  (:func:`extend_rates`); the rate of a cell is the one with the lowest mean
-  validation loss over the tuning seeds (:func:`choose_learning_rates`);
-* ``test``: the test seeds of every cell at its rate. Arms ``d`` and ``e``
-  take the tied arm's rate of their cell (they are not tuned: a stated cut),
-  ``e`` unties at two thirds of the tied arm's tuning runs' median best step
-  there (:func:`untie_step`); the table learning-rate ablation
-  (``optim.table_lr_multiplier``) adds arms ``a`` and ``b`` of one cell at
-  each multiplier.
-
-Every run early-stops on validation (``train.patience``) and is tested on
-its best parameters. A data subset (``data.train_fraction`` below 1) starts
-at one of :data:`SUBSET_OFFSETS` of the training split: seed ``s``'s location
-is ``SUBSET_OFFSETS[s % 2]``, so each cell's seeds sample two places of the
-training plays equally and a contrast paired by seed compares arms on the
-same text.
+learning-rate choice that links its two stages, ``tune`` (a ladder of
+rates, :func:`ladder_rate`, :func:`extend_rates`, on :data:`TUNING_SEEDS`)
+and ``test`` (every cell's test seeds at its rate,
+:func:`choose_learning_rates`; arm e's :func:`untie_step`). The stages are
+described in ``docs/tying_study/README.md`` ("The design").
 """
 
 import dataclasses

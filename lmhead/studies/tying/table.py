@@ -1,11 +1,8 @@
-"""The tying study's runs as one table: ``docs/tying_study/runs.csv``, one row
-per run (tuning, test and ablation runs alike), from which the report
-regenerates with no run directory (:mod:`lmhead.studies.tying.analysis`).
-
-A row is a dict of :data:`COLUMNS`, each value of its column's type or
-``None`` (not measured: an empty cell). :func:`write_rows` and
-:func:`read_rows` round-trip a table exactly: floats are written with
-``repr``, so every float reads back to the same number.
+"""The tying study's runs as one table, ``docs/tying_study/runs.csv``: one
+row per run, a dict of :data:`COLUMNS` (each value of its column's type, or
+None: not measured), which :func:`write_rows` and :func:`read_rows`
+round-trip exactly (floats are written with ``repr``). The columns are
+described in ``docs/tying_study/README.md`` ("The code").
 """
 
 import csv
@@ -13,18 +10,7 @@ import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-# Each column and its type, in the file's order. Bits per char (``*_bpc``)
-# are on the split their prefix names: ``train`` (training windows),
-# ``val`` (validation), ``heldout`` (held-out windows of the training
-# plays), ``test`` (the whole test split); ``gap_bpc`` is heldout - train at
-# the tested step. ``eval_every``: the steps between validations, so a run
-# whose ``steps_to_best`` equals it was best at its first one.
-# ``step_tokens``: the tokens of one training step (batch size x block
-# size), so ``steps_to_best * step_tokens`` tokens trained the tested
-# parameters (``train_tokens`` is the size of the training text, which a run
-# on a subset passes over many times). ``ensemble`` names the program a run trained in (its
-# summary's ``ensemble.program``; None: trained alone): every member reports
-# the program's ``wall_seconds``, so a total counts each program once.
+# Each column and its type, in the file's order.
 COLUMNS: dict[str, type] = {
     "role": str,
     "vocab": str,

@@ -7,10 +7,7 @@ from typing import Any
 
 from lmhead.lab import report
 from lmhead.studies.tying import cells as cells_lib
-from lmhead.studies.tying.report_text import (
-    DASH,
-    seeds_text,
-)
+from lmhead.studies.tying.report_text import DASH, columns, prose, seeds_text
 
 Rows = Sequence[Mapping[str, Any]]
 
@@ -20,11 +17,8 @@ def tuning_section(rows: Rows) -> str:
     without tuning runs, the one rate every cell trained at."""
     if not any(row["role"] == "tune" for row in rows):
         rates = sorted({row["lr"] for row in rows if row["lr"] is not None})
-        return (
-            "## Learning rates\n\nNo tuning stage: every run trained at "
-            f"{', '.join(f'{lr:.3g}' for lr in rates) or DASH}, chosen before "
-            "the runs, not on their results."
-        )
+        rates = ", ".join(f"{lr:.3g}" for lr in rates) or DASH
+        return f"## Learning rates\n\n{prose('tuning_untuned', rates=rates)}"
     lines, tunings = [], cells_lib.tunings(rows)
     noise = cells_lib.selection_noise(tunings)
     for tuning in tunings:
@@ -58,24 +52,8 @@ def tuning_section(rows: Rows) -> str:
     return "\n\n".join(
         [
             "## Learning rates",
-            "Mean validation loss (nats/token) of the tuning seeds at each rate "
-            "tried; the test runs' rate in bold. The tuning seeds are never "
-            "test seeds. A chosen rate at the edge of the rates tried may not "
-            "be the arm's best: the contrasts of that cell can favour the "
-            "other arm. Margin: the next best rate's validation bits/char "
-            "minus the chosen one's, paired by tuning seed and averaged.",
-            report.markdown_table(
-                [
-                    "vocabulary",
-                    "amount",
-                    "arm",
-                    "chosen lr",
-                    "tuning seeds",
-                    "margin (next lr)",
-                    "mean tuning val loss by rate",
-                ],  # fmt: skip
-                lines,
-            ),
+            prose("tuning"),
+            report.markdown_table(columns("tuning_columns"), lines),
             selection_noise_text(noise),
         ]
     )
@@ -108,22 +86,13 @@ def selection_noise_text(noise: cells_lib.SelectionNoise) -> str:
         f"of freedom; a margin's standard error {noise.standard_error(vocab, seeds):.4f})"
         for vocab, pooled in noise.pooled.items()
     )
-    ties = (
-        f": {'; '.join(within[1])}. The tuning cannot tell those arms' chosen "
-        "rate from the next: either may be the better by up to about two "
-        "standard errors, and a contrast of such an arm carries that much "
-        "uncertainty from the choice of rate beyond its seeds' interval"
-        if within[1]
-        else ""
-    )
-    return (
-        f"Selection noise: over the {len(noise.margins)} arms whose chosen rate "
-        "was tuned, the standard deviation of the paired differences behind "
-        "the margins, pooled over each vocabulary's arms (pooled, so it "
-        f"assumes one spread for the arms of a vocabulary), and the standard "
-        f"error of a margin over {seeds} seeds: {spreads}. "
-        f"{len(within[2])} of the {len(noise.margins)} margins are below two "
-        f"standard errors of their vocabulary and {len(within[1])} below "
-        f"one{ties}. The validation windows' own noise in the margins is in "
-        "`rate_noise.md` (`experiments/tying_rate_noise.py`)."
+    ties = prose("selection_ties", arms="; ".join(within[1])) if within[1] else ""
+    return prose(
+        "selection_noise",
+        arms=len(noise.margins),
+        seeds=seeds,
+        spreads=spreads,
+        two=len(within[2]),
+        one=len(within[1]),
+        ties=ties,
     )

@@ -374,9 +374,10 @@ def test_the_data_file_is_read_as_published():
         literature.load(bad)
 
 
-def test_the_data_file_ships_with_the_package():
-    """setup.py's package_data names the data file, so an installed copy
-    (not only this checkout) has it beside literature.py."""
+def test_the_data_files_ship_with_the_package():
+    """setup.py's package_data names the data files (the published results
+    and the report's prose), so an installed copy (not only this checkout)
+    has them beside the modules that read them."""
     with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as f:
         (call,) = [
             node
@@ -385,4 +386,6 @@ def test_the_data_file_ships_with_the_package():
         ]
     (package_data,) = [k.value for k in call.keywords if k.arg == "package_data"]
     package = literature.__name__.rpartition(".")[0]
-    assert literature.DATA_FILE in ast.literal_eval(package_data)[package]
+    assert {literature.DATA_FILE, "prose.toml"} <= set(
+        ast.literal_eval(package_data)[package]
+    )

@@ -1,27 +1,13 @@
-"""Continuous batching of OpenAI completion requests: :class:`SlotBatcher`.
-
-The engine holds ``S`` decode slots (:mod:`lmhead.decoding.slots`). One
-worker thread repeats: free the slots of finished, stopped and cancelled
-rows; prefill waiting requests, oldest first, into free slots (all rows of a
-request at once, several requests per prefill); dispatch a compiled call
-that decodes every slot ``steps_per_call`` steps; and, while it runs, hand
-each request its new tokens from the call before. A short request leaves
-as soon as the call that ends it has been read, and the next one starts in
-its slot at the call after the one in flight, so one long request holds no
-other behind it, and the device does not wait for the host's work between
-calls. Shapes are static: ``S`` slots, prefills of ``prefill_rows`` rows
-at each prompt-length bucket, one fill program, all compiled by
-:meth:`SlotBatcher.warm_up`.
-
-Beam requests (the ``num_beams`` extension) and echo-only requests
-(``max_tokens`` 0) queue with the others and run whole on the same worker,
-between two decoding calls, when they reach the head of the queue
-(:meth:`lmhead.serve.engine.Engine.run_whole`): one queue, one thread on the
-device.
-
-A request's rows draw as :func:`lmhead.decoding.generate` with per-row keys
-would (:func:`completions.row_keys`): a seeded request gives the same
-completions whatever else runs beside it.
+"""Continuous batching of OpenAI completion requests, the service's one
+batcher: :class:`SlotBatcher` decodes ``S`` slots
+(:mod:`lmhead.decoding.slots`) on one worker thread, which frees the slots
+of ended and cancelled rows, prefills waiting requests into free ones
+(oldest first), dispatches a compiled call of ``steps_per_call`` steps, and
+hands out the tokens of the call before while it runs. Beam and echo-only
+requests queue with the others and run whole between two calls
+(:meth:`lmhead.serve.engine.Engine.run_whole`). A request's rows draw as
+:func:`lmhead.decoding.generate` with per-row keys would, whatever runs
+beside them. ``docs/serving.md`` describes it.
 """
 
 import collections
@@ -190,8 +176,6 @@ class SlotBatcher:
         _checks.check_count("steps_per_call", steps_per_call)
         self.max_queue = max_queue
         self._waiting: collections.deque = collections.deque()
-        # Over a re-entrant lock: submit holds it around _enqueue to record
-        # the job in the same step.
         self._changed = threading.Condition()
         self._stopping = False
         self.engine, self.slots = engine, slots
@@ -243,19 +227,15 @@ class SlotBatcher:
                 for p in range(len(request.prompt_ids))
                 for s in range(request.n)
             ]
-        with self._changed:  # re-entrant: the job is queued and known at once
-            self._enqueue(job)
-            self._jobs[job.future] = job
-        return job.future
-
-    def _enqueue(self, job: _Job) -> None:
         with self._changed:
             if self._stopping:
                 raise RuntimeError("the batcher is stopped.")
             if len(self._waiting) >= self.max_queue:
                 raise requests.QueueFull(f"{self.max_queue} requests are waiting.")
             self._waiting.append(job)
+            self._jobs[job.future] = job
             self._changed.notify()
+        return job.future
 
     def cancel(self, future: concurrent.futures.Future) -> None:
         """Cancels a request: a waiting one leaves the queue, a running one
@@ -307,16 +287,16 @@ class SlotBatcher:
                     self._changed.wait()
                 if self._stopping:
                     # A running job's future cannot be cancelled: fail it.
-                    self._fail_running(concurrent.futures.CancelledError())
+                    cancelled = concurrent.futures.CancelledError()
+                    self._fail(self._running(), cancelled, on_device=False)
                     return
                 admitted = self._admissible()
-                cancelled = [
-                    (job, row)
-                    for job, row in filter(None, self._holders)
-                    if job.cancelled
-                ]
+                cancelled = [job for job in self._running() if job.cancelled]
             try:
-                self._release(cancelled)
+                if cancelled:
+                    held = [h for h in self._holders if h and h[0].cancelled]
+                    self._events.cancelled(len(held))
+                    self._fail(cancelled, concurrent.futures.CancelledError())
                 self._admit(admitted)
                 running = None
                 if self.active():
@@ -330,7 +310,9 @@ class SlotBatcher:
                 pending = running
             except Exception as error:  # fail the running requests, go on
                 pending = None
-                self._fail_all(error, admitted)
+                self._fail([*self._running(), *admitted], error, on_device=False)
+                # A failed call may have consumed its donated buffers.
+                self._state = self._empty_state()
 
     def _admissible(self) -> list[_Job]:
         """The waiting jobs, oldest first, that fit in the free slots (one
@@ -379,7 +361,7 @@ class SlotBatcher:
                     self.engine, [job.request], mine, len(mine)
                 )
             except Exception as error:  # this request only: the others go on
-                self._fail_jobs([job], error)
+                self._fail([job], error)
                 continue
             for row, row_recipe in zip(job.rows, zip(*recipe)):
                 row.slot, row.first_call = next(free), self._calls + 1
@@ -408,12 +390,10 @@ class SlotBatcher:
         lengths = np.ones([size], np.int32)
         slots = np.full([size], self.slots, np.int32)  # padding rows: dropped
         limits = np.ones([size], np.int32)
-        for i, (job, ids, row, _) in enumerate(group):
+        recipe = np.zeros([3, size], np.int32)  # padding rows: any key
+        for i, (job, ids, row, row_recipe) in enumerate(group):
             prompts[i, : len(ids)], lengths[i] = ids, len(ids)
             slots[i], limits[i] = row.slot, job.request.prompt_max_tokens[row.p]
-        # completions.key_recipe's arrays; padding rows: any key.
-        recipe = np.zeros([3, size], np.int32)
-        for i, (_, _, _, row_recipe) in enumerate(group):
             recipe[:, i] = row_recipe
         self._state = _prefill_into_slots(
             self.engine.model,
@@ -445,19 +425,6 @@ class SlotBatcher:
         padded = np.full([self.slots], self.slots, np.int32)
         padded[: len(slots)] = slots
         self._state = decoding.free_slots(self._state, padded)
-
-    def _release(self, rows: list[tuple[_Job, _Row]]) -> None:
-        """Frees the slots of cancelled rows and forgets their jobs."""
-        if not rows:
-            return
-        self._free([row.slot for _, row in rows])
-        for job, row in rows:
-            self._holders[row.slot] = None
-            row.reason = decoding.FINISHED_STOP
-            self._jobs.pop(job.future, None)
-            if not job.future.done():
-                job.future.set_exception(concurrent.futures.CancelledError())
-        self._events.cancelled(len(rows))
 
     def _deliver(self, number: int, chunk: decoding.SlotChunk) -> None:
         """Gives each row that call ``number`` ran its new tokens (``chunk``);
@@ -495,7 +462,7 @@ class SlotBatcher:
             try:
                 self._report(job, count, now)
             except Exception as error:  # this request only: the others go on
-                self._fail_jobs([job], error)
+                self._fail([job], error)
 
     @staticmethod
     def _truncate(row: _Row, n: int) -> None:
@@ -536,13 +503,11 @@ class SlotBatcher:
         width = max(1, max(len(row.tokens) for row in rows))
         k = self._top
 
-        def pad(values, shape, dtype):
+        def pad(name, shape, dtype):
             out = np.zeros([len(rows), width, *shape], dtype)
             for i, row in enumerate(rows):
-                if getattr(row, values):
-                    out[i, : len(getattr(row, values))] = np.asarray(
-                        getattr(row, values), dtype
-                    ).reshape(-1, *shape)
+                values = np.asarray(getattr(row, name), dtype).reshape(-1, *shape)
+                out[i, : len(values)] = values
             return out
 
         generated = decoding.Generation(
@@ -561,8 +526,16 @@ class SlotBatcher:
             job.prompt_scores,
         )
 
-    def _fail_jobs(self, jobs: list[_Job], error: Exception) -> None:
-        """Fails ``jobs`` and frees the slots they hold."""
+    def _running(self) -> list[_Job]:
+        """The jobs whose rows hold slots."""
+        return list({id(job): job for job, _ in filter(None, self._holders)}.values())
+
+    def _fail(
+        self, jobs: Sequence[_Job], error: Exception, on_device: bool = True
+    ) -> None:
+        """Answers each of ``jobs`` that is not done with ``error``, forgets
+        them and empties the slots they hold (on the device too unless the
+        caller rebuilds the state or the worker ends)."""
         failed = {id(job) for job in jobs}
         held = [
             slot
@@ -571,31 +544,12 @@ class SlotBatcher:
         ]
         for slot in held:
             self._holders[slot] = None
-        if held:
+        if held and on_device:
             self._free(held)
-        self._answer_failed(jobs, error)
-
-    def _answer_failed(self, jobs: Sequence[_Job], error: Exception) -> None:
-        """Forgets ``jobs`` and answers each that is not done with ``error``."""
         for job in jobs:
             self._jobs.pop(job.future, None)
             if not job.future.done():
                 job.future.set_exception(error)
-
-    def _fail_running(self, error: Exception, others: Sequence[_Job] = ()) -> None:
-        """Fails every running job, and ``others`` (admitted, perhaps not
-        yet in a slot), and empties their slots (without a device call: the
-        caller rebuilds the state, or the worker ends)."""
-        jobs = {id(job): job for job, _ in filter(None, self._holders)}
-        jobs.update((id(job), job) for job in others)
-        self._holders = [None] * self.slots
-        self._answer_failed(list(jobs.values()), error)
-
-    def _fail_all(self, error: Exception, others: Sequence[_Job] = ()) -> None:
-        """Fails every running job and ``others`` (the state is rebuilt: a
-        failed call may have consumed its donated buffers)."""
-        self._fail_running(error, others)
-        self._state = self._empty_state()
 
 
 def _runs_whole(request: CompletionRequest) -> bool:

@@ -1,8 +1,7 @@
-"""The model a service runs: :class:`Engine` holds a run's model, parameters,
-tokenizer, shape buckets and key, and runs the requests that do not decode
-in slots (:mod:`lmhead.serve.continuous` decodes the others) whole, as one
-program each: beam search (the ``num_beams`` extension) and echo-only
-scoring (``max_tokens`` 0).
+"""The run a service serves (:class:`Engine`), and the requests that run
+whole, as one program each, instead of in the decode slots of
+:mod:`lmhead.serve.continuous`: beam search (the ``num_beams`` extension)
+and echo-only scoring (``max_tokens`` 0); ``docs/serving.md``.
 """
 
 import itertools
@@ -74,18 +73,25 @@ class Engine:
 
     def run_whole(self, request: CompletionRequest) -> dict:
         """A beam or echo-only request's :func:`completions.request_result`."""
+        prompts = range(len(request.prompt_ids))
         if request.num_beams > 1:
-            return self._beam(request)
+            beams, n = request.num_beams, request.n
+            rows = [(p * beams + s, p, s) for p in prompts for s in range(n)]
+            return completions.request_result(
+                self, request, rows, self._beam(request), {}
+            )
         if request.max_tokens != 0:
             raise ValueError("run_whole runs beam and echo-only requests.")
-        rows = [(None, p, 0) for p in range(len(request.prompt_ids))]
         scores = completions.echo_scores(self, request)
-        return completions.request_result(self, request, rows, None, scores)
+        return completions.request_result(
+            self, request, [(None, p, 0) for p in prompts], None, scores
+        )
 
-    def _beam(self, request: CompletionRequest) -> dict:
+    def _beam(self, request: CompletionRequest) -> decoding.Generation:
         """:func:`decoding.beam_search` of each prompt (knobs neutral:
-        :func:`requests.parse_completion` refuses sampling knobs with beams);
-        each prompt's first ``n`` sequences, best first."""
+        :func:`requests.parse_completion` refuses sampling knobs with beams):
+        prompt ``p``'s sequences, best first, in rows ``p * num_beams``
+        on (no log-probs: beam requests refuse them)."""
         logits, cache = self._prefill(request.prompt_ids)
         tokens, _, lengths, _ = jax.device_get(
             decoding.beam_search(
@@ -99,31 +105,17 @@ class Engine:
                 num_return_sequences=request.num_beams,
             )
         )
-        choices, count = [], 0
-        for p, prompt in enumerate(request.prompt_texts):
-            for s in range(request.n):
-                length = int(lengths[p, s])
-                text = decoding.detokenize(
-                    tokens[p, s, :length],
-                    self.tokenizer,
-                    eos_id=completions.eos_id(self, request),
-                )
-                choices.append(
-                    {
-                        "text": (prompt if request.echo else "") + text,
-                        "index": p * request.n + s,
-                        "finish_reason": "length"
-                        if length >= request.max_tokens
-                        else "stop",
-                        "logprobs": None,
-                    }
-                )
-                count += length
-        return {
-            "choices": choices,
-            "prompt_tokens": sum(len(ids) for ids in request.prompt_ids),
-            "completion_tokens": count,
-        }
+        ended = lengths < request.max_tokens  # by EOS
+        return decoding.Generation(
+            tokens=tokens.reshape(-1, tokens.shape[-1]),
+            log_probs=None,
+            lengths=lengths.reshape(-1),
+            finish_reasons=np.where(
+                ended, decoding.FINISHED_EOS, decoding.FINISHED_LENGTH
+            ).reshape(-1),
+            top_tokens=None,
+            top_log_probs=None,
+        )
 
     def warm_up(self) -> int:
         """Compiles the log-probs of echoed prompts: the scorer and the top

@@ -24,14 +24,9 @@ def gate_decoding(monkeypatch, go):
     monkeypatch.setattr(continuous.SlotBatcher, "_step", gated)
 
 
-def running_jobs(batcher):
-    """The jobs whose rows hold slots."""
-    return {id(job): job for job, _ in filter(None, batcher._holders)}.values()
-
-
 def all_cancelled(batcher):
     """Every running job is cancelled (true when none runs)."""
-    return all(job.cancelled for job in running_jobs(batcher))
+    return all(job.cancelled for job in batcher._running())
 
 
 def wait_until(condition, timeout=60.0):

@@ -81,7 +81,9 @@ def end_of_text(url, run):
 def encode(url, text):
     """``lm_eval.utils.RemoteTokenizer.encode``."""
     body = {"prompt": text, "add_special_tokens": False}
-    return httpx.post(url + "/tokenize", json=body, timeout=60).json()["tokens"]
+    answer = httpx.post(url + "/tokenize", json=body, timeout=60).json()
+    assert answer["count"] == len(answer["tokens"])
+    return answer["tokens"]
 
 
 def loglikelihood_payload(prompts):
@@ -171,6 +173,9 @@ def test_loglikelihood(served, url):
     context (the harness's max_length = the context)."""
     run = served[0]
     context = run[0].max_len
+    ids = encode(url, "KING HENRY")
+    back = httpx.post(url + "/detokenize", json={"tokens": ids}, timeout=60).json()
+    assert back == {"prompt": "KING HENRY"}
     pairs = [
         (encode(url, "KING HENRY"), encode(url, ". Now")),
         (encode(url, "KING HENRY"), encode(url, " lords")),
@@ -272,10 +277,12 @@ class _Compiles(logging.Handler):
 
 
 def test_no_request_compiles_after_the_warm_up(served, url):
-    """The harness's shapes and vLLM's knobs run the programs the warm-up
-    (``web.make_app``, ``Engine.warm_up``) compiled: whole-context echo with
-    0 or 1 new tokens, 20 log-probs, 16 stops of 64 characters, stop ids,
-    min_tokens, ignore_eos, sampling."""
+    """The harness's shapes and every served knob run the programs the
+    warm-up (``web.make_app``, ``Engine.warm_up``) compiled: whole-context
+    echo with 0 or 1 new tokens, 20 log-probs, 16 stops of 64 characters,
+    stop ids, min_tokens, ignore_eos, sampling knobs and penalties, seeds,
+    one row or as many as the largest batch (beam search compiles its
+    shapes on first use, as docs/serving.md says)."""
     run = served[0]
     ids = encode(url, TEXT)[: run[0].max_len]
     bodies = [
@@ -285,6 +292,10 @@ def test_no_request_compiles_after_the_warm_up(served, url):
          "stop": [f"{i:02d}" + "x" * 62 for i in range(15)] + ["\n"]},
         {"prompt": "KING", "max_tokens": 9, "stop_token_ids": [1, 2],
          "min_tokens": 3, "ignore_eos": True, "temperature": 0.7, "n": 2},
+        {"prompt": ["K", "To", "be"], "max_tokens": 3, "top_p": 0.9, "min_p": 0.1,
+         "top_k": 5, "repetition_penalty": 1.3, "presence_penalty": 0.5,
+         "frequency_penalty": 0.2, "logit_bias": {"1": 2}},
+        {"prompt": "KING", "seed": 3, "n": 4, "max_tokens": 2},
     ]  # fmt: skip
     handler, logger = _Compiles(), logging.getLogger("jax")
     level, logged = logger.level, jax.config.jax_log_compiles

@@ -1,6 +1,7 @@
-"""Tests for lmhead/serve/requests.py: absent knobs are neutral, a bad
-field is named (the table of bad bodies is tests/serve/test_openai_api.py's,
-through the service), and the buckets are checked."""
+"""Tests for lmhead/serve/requests.py: absent knobs are neutral, the
+context rule, and the buckets are checked (the table of bad bodies, each
+field just outside its range, is tests/serve/test_openai_api.py's, through
+the service)."""
 
 import numpy as np
 import pytest
@@ -34,30 +35,6 @@ def test_absent_knobs_are_neutral_and_given_ones_are_kept(tokenizer):
     assert (knobs.temperature, knobs.top_k) == (0.5, 7)
     assert knobs.active() == ("temperature", "top_k")
     assert isinstance(knobs, SamplingKnobs)
-
-
-def test_a_knob_just_outside_its_range_is_refused_naming_it(tokenizer):
-    """The knobs' ranges (OpenAI's where it has one: temperature <= 2)."""
-    for name, value in [
-        ("temperature", -0.1),
-        ("temperature", 2.01),
-        ("top_k", -2),  # -1 is vLLM's "off"
-        ("top_p", 0.0),
-        ("min_p", 1.01),
-        ("repetition_penalty", 0.0),
-        ("presence_penalty", 2.01),
-    ]:
-        assert_raises_exactly(
-            lambda: parse(tokenizer, {"prompt": "K", name: value}),
-            requests.RequestError,
-            name,
-        )
-
-
-def test_a_text_the_tokenizer_cannot_encode_is_refused_naming_the_prompt(tokenizer):
-    with pytest.raises(requests.RequestError) as raised:
-        parse(tokenizer, {"prompt": "KING\u20ac"})
-    assert raised.value.field == "prompt" and raised.value.status == 400
 
 
 @pytest.mark.parametrize("prompt", [[[], []], [[1], []], ["K", ""]])

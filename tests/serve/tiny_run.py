@@ -1,4 +1,5 @@
-"""The service tests' tiny run: its buckets, prompts, and a greedy reference."""
+"""The service tests' tiny run: its buckets, prompts, and the reference
+decoder, ``decoding.generate`` on one prompt at a time."""
 
 import jax
 import numpy as np
@@ -23,23 +24,35 @@ def text_of(run, tokens):
     return decoding.detokenize(np.asarray(tokens, np.int32), run[2], eos_id=eos_id(run))
 
 
-def direct_greedy(run, prompt, max_new_tokens):
-    """``decoding.generate``'s greedy tokens and log-probs for ``prompt``
-    alone, up to its end (EOS included)."""
+def reference(run, prompt, max_new_tokens, *, keys=None, knobs=None, top=5):
+    """``decoding.generate`` (numpy arrays) on ``prompt`` (a text or token
+    ids) alone, one row per key (default: one greedy row), with the
+    model's log-probs and ``top`` top log-probs, ending at EOS."""
     model, params, tokenizer = run
+    ids = tokenizer.encode_array(prompt) if isinstance(prompt, str) else prompt
+    rows = 1 if keys is None else len(keys)
     logits, cache = model_lib.prefill(
-        model, params, tokenizer.encode_array(prompt)[None]
+        model, params, np.repeat(np.asarray(ids, np.int32)[None], rows, 0)
     )
-    tokens, log_probs, lengths, *_ = decoding.generate(
+    result = decoding.generate(
         model_lib.make_step_fn(model),
         params,
         logits,
         cache,
-        key=jax.random.key(0),
+        key=jax.random.key(0) if keys is None else keys,
         max_new_tokens=max_new_tokens,
-        temperature=0.0,
-        eos_id=eos_id(run),
+        knobs=knobs or decoding.SamplingKnobs(temperature=0.0),
+        top_logprobs=top,
         log_probs_from="model",
+        eos_id=eos_id(run),
     )
-    length = int(lengths[0])
-    return np.asarray(tokens[0, :length]), np.asarray(log_probs[0, :length])
+    return jax.device_get(result)
+
+
+def greedy_tokens(run, prompt, max_new_tokens, **knobs):
+    """The greedy tokens of :func:`reference` with ``knobs``, up to the end."""
+    want = reference(
+        run, prompt, max_new_tokens,
+        knobs=decoding.SamplingKnobs(temperature=0.0, **knobs), top=0,
+    )  # fmt: skip
+    return want.tokens[0, : want.lengths[0]].tolist()

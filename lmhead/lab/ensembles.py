@@ -1,45 +1,10 @@
-"""A sweep's runs grouped into ensemble programs (library), for
-``experiments/sweep.py --ensemble=M`` (through :mod:`lmhead.lab.runner`).
-
-Grouping
---------
-Runs that differ only in member keys (:data:`lmhead.lm.members.MEMBER_KEYS`:
-the seed, the learning rates, the loss weights, the data subset) can train as
-one program (:mod:`lmhead.lm.ensemble`). :func:`split_runs` divides each
-run's overrides into the program's part and the member's part
-(:func:`lmhead.lm.members.split_overrides`, on the run's full config: the
-base config with the shared overrides and the run's); :func:`assign` puts
-runs with equal program parts into programs of at most M members, in plan
-order, each named from its program part and a count
-(``tied=False,ensemble=0``).
-
-A program is one ``train.py`` process (:func:`make_programs`): its
-``--workdir`` is ``<sweep_dir>/ensembles/<name>`` (the stacked checkpoint,
-``run.log``, ``status.json``), its ``--config.*`` flags are the shared
-overrides and the program part, and it has one ``--member`` flag per run:
-the run's usual workdir ``<sweep_dir>/<run name>`` and its member part
-(:meth:`lmhead.lm.members.Member.to_json`). Each member writes in its
-workdir what a single run writes, so ``summary.json`` still marks a finished
-run and the reports read members as runs. When a program ends the runner
-writes the ``status.json`` of each member it trained, with the program's
-times, its directory (``ensemble``) and its member count (``members``).
-
-A program's checkpoint fits its member list only, so the assignment is kept
-in ``<sweep_dir>/ensembles.json`` (program name -> ``{run name: member
-overrides}``, in the order the programs were formed), written before any
-program starts (and by ``--dry_run``, so that its commands and a later run
-agree), and an assigned run never moves:
-
-* rerunning the same command (after SIGKILL or SIGTERM) runs the same
-  programs, which resume from their checkpoints;
-* runs that planning again adds while the sweep runs (the tying study's
-  tuning stage) form new programs of their own, grouped the same way;
-* a program runs while any of its members is planned and unfinished, with
-  all its members (the program skips those already finished);
-* only runs unfinished when first seen are grouped; an unfinished run with
-  a ``checkpoints/`` folder of its own (started as a single run) resumes as
-  a single run;
-* another M on a later command changes only the programs still to form.
+"""A sweep's runs grouped into ensemble programs, for ``experiments/sweep.py
+--ensemble=M``: each run's overrides split into a program part and a member
+part (:func:`split_runs`), runs with equal program parts put into programs
+of at most M members (:func:`assign`), kept in ``ensembles.json`` so that
+an assigned run never moves, and each program's ``train.py`` command with
+one ``--member`` flag per run (:func:`make_programs`). Why the assignment
+stays fixed across reruns is in ``docs/sweeps.md``.
 """
 
 import json
@@ -104,15 +69,10 @@ def _as_stored(overrides: Overrides) -> Overrides:
 def assign(
     names: Sequence[str], parts: Parts, assignment: Assignment, size: int
 ) -> Assignment:
-    """``assignment`` with the runs ``names`` that are in none of its
-    programs grouped into new programs: runs with equal program parts
+    """``assignment`` (the programs formed before, kept as they are) with
+    the runs ``names`` that are in none of its programs grouped into new
+    programs: runs with equal program parts (``parts``, :func:`split_runs`)
     together, at most ``size`` each, in the order of ``names``.
-
-    Args:
-        names: the runs that may be grouped, in plan order.
-        parts: each run's ``(program part, member part)`` (:func:`split_runs`).
-        assignment: the programs formed before, kept as they are.
-        size: the most members a new program gets (>= 1).
 
     Examples:
         >>> parts = {"a": ({"model.tied": True}, {"train.seed": 0}),
@@ -171,10 +131,9 @@ def read_assignment(sweep_dir: str) -> Assignment:
 
 def reserve(sweep_dir: str, programs: dict[str, Sequence[str]]) -> None:
     """Records in ``ensembles.json`` programs that trained elsewhere (their
-    runs restored as finished, ``lmhead/studies/tying/results.py``), with
-    no member overrides: their names then go to no new program, so that a
-    program's name still names one program in a report's totals. A program
-    already recorded, and a run already in one, are left as they are.
+    runs restored as finished), with no member overrides, so that no new
+    program takes their names; a program already recorded, and a run
+    already in one, are left as they are.
 
     Examples:
         >>> import tempfile
@@ -212,19 +171,13 @@ def make_programs(
     sweep_dir: str,
     train_command: Callable[[str, Overrides], list[str]],
 ) -> list[dict]:
-    """The programs of ``assignment`` that hold a run of ``todo`` (the
-    planned unfinished runs), each a dict: ``name``, ``workdir``,
-    ``overrides`` (the program part), ``command`` and ``members`` (each
-    member's ``name`` and ``workdir``, in the assignment's order). A program
-    keeps every member it was formed with, finished or no longer planned.
-
-    Args:
-        todo: the planned runs still to do (``name``, ``overrides``).
-        parts: their ``(program part, member part)`` (:func:`split_runs`).
-        assignment: the programs (:func:`assign`).
-        sweep_dir: the sweep directory, which holds the members' workdirs.
-        train_command: ``(workdir, program part) -> argv`` of a train process
-            without ``--member`` flags.
+    """The programs of ``assignment`` (:func:`assign`) that hold a run of
+    ``todo`` (the planned unfinished runs, whose ``parts`` are
+    :func:`split_runs`'), each a dict: ``name``, ``workdir``, ``overrides``
+    (the program part), ``command`` (``train_command(workdir, program
+    part)`` and a ``--member`` flag per member) and ``members`` (each
+    member's ``name`` and ``workdir`` under ``sweep_dir``). A program keeps
+    every member it was formed with, finished or no longer planned.
 
     Raises:
         ValueError: a planned run whose overrides no longer fit its program
@@ -313,19 +266,11 @@ def group(
     size: int,
     train_command: Callable[[str, Overrides], list[str]],
 ) -> list[dict]:
-    """The processes that run the planned unfinished runs ``todo``: programs
-    (:func:`make_programs`) and the runs that stay single (those with a
-    ``checkpoints/`` folder of their own and no program), in plan order.
-    Runs in no program yet are assigned to new ones (:func:`assign`), and
-    ``ensembles.json`` is written when that changes it.
-
-    Args:
-        todo: the planned unfinished runs (``name``, ``workdir``,
-            ``overrides``, ``command``), in plan order.
-        parts: their ``(program part, member part)`` (:func:`split_runs`).
-        sweep_dir: the sweep directory.
-        size: the most members a new program gets.
-        train_command: as for :func:`make_programs`.
+    """The processes that run the planned unfinished runs ``todo``, in plan
+    order: programs (:func:`make_programs`) and the runs that stay single
+    (those with a ``checkpoints/`` folder of their own and no program).
+    Runs in no program yet are assigned to new ones of at most ``size``
+    (:func:`assign`), and ``ensembles.json`` is written when that changes it.
     """
     before = read_assignment(sweep_dir)
     assigned = {name for program in before.values() for name in program}

@@ -1,34 +1,15 @@
-r"""The running jobs' progress on the terminal (library), for the sweep
-runner (:func:`lmhead.lab.runner.run_all`): every few tens of seconds, one
-line per running job (a run, or an ensemble program) with its step, its
-best validation loss so far, its members still training and its ETA.
-
-It reads what the train processes already write, nothing else: each
-member's ``metrics.jsonl`` (the steps logged and the evaluations),
-``config.json`` (``train.steps``, the step budget, and ``train.patience``),
-``summary.json`` (finished) and ``failed.json`` (stopped by a non-finite
-value); a single run is a job whose one member is itself. A member is still
-training when it has neither file, is short of its ``train.steps`` and its
-evaluations have not stopped it early
-(:class:`lmhead.lm.evaluation.EarlyStopping` on its records, the rule the
-training loop applies).
-
-The step rate is measured here, on the caller's clock: a job's step is the
-highest one its members have logged, and the rate runs from the first step
-logged past those its files held at its start (so that start-up and
-compilation do not count, nor a resumed run's steps after its checkpoint)
-to the latest, evaluations and checkpoints included:
+r"""The running jobs' progress lines for the sweep runner
+(:func:`lmhead.lab.runner.run_all`), read from the files the train
+processes write (``docs/sweeps.md``): step, best validation loss, members
+still training, and the ETA to the step budget ``S`` from the rate since
+the first step logged past the job's start,
 
 .. math::
 
     \text{rate} = \frac{s_\text{last} - s_\text{first}}
                         {t_\text{last} - t_\text{first}}, \qquad
     \text{ETA} = \max\Big(0, \frac{S - s_\text{last}}{\text{rate}}
-                            - (t_\text{now} - t_\text{last})\Big),
-
-with ``S`` the step budget. It is the time to the budget: members with a
-patience may stop earlier (the line says so), and the final and test
-evaluations come after it.
+                            - (t_\text{now} - t_\text{last})\Big).
 """
 
 import dataclasses

@@ -1,44 +1,21 @@
-"""The sweep report writer (library): what every report of a sweep is made of,
-and the generic tied-vs-untied report. Its command is
-``experiments/report.py``; the tying study's report
-(``lmhead/studies/tying/analysis.py``) builds on the pieces here.
-
-The pieces: :func:`mean_std_text` (mean ± sample std over seeds),
-:func:`interval_text` (a paired difference and its interval),
-:func:`by_seed` (a metric of each finished run, keyed by seed, for
-``stats.paired_difference``), :func:`markdown_table`, :func:`provenance`
-(where the runs came from, what they cost, when the report was written),
-:func:`panels` and :func:`plot_curve` (the figures), and
-:func:`write_markdown` (``REPORT.md``). :func:`write_sweep_report` writes a
-sweep directory's report: the sweep file's own when it defines
-``write_report(arg, sweep_dir, out_dir)`` (the tying study's does), else
-:func:`write_report`'s.
-
-:func:`write_report`, the generic report, reads every run of the sweep
-directory (:func:`lmhead.lab.workdirs.read_sweep`) and writes there:
-
-* ``REPORT.md``: one table row per setting (head, vocabulary, width) with
-  each final validation metric as mean ± sample std over seeds and n; the
-  paired difference untied - tied with a 95% t-interval per vocabulary, and
-  a sentence on whether it is distinguishable from zero; the runs that did not
-  finish, with their status, instead of dropping them.
-* ``loss_curves.png``: validation loss against step, tied vs untied, mean
-  and a ±1 std band over seeds, one panel per vocabulary.
-* ``loss_vs_vocab.png`` and ``loss_vs_params.png``: final validation loss
-  (nats per token, and bits per character, the one comparable across
-  tokenizers) against vocabulary size and against parameter count.
+"""The sweep report behind ``experiments/report.py``: a sweep file's own
+report when it defines ``write_report`` (the tying study's), else the
+generic tied-vs-untied one (:func:`write_report`: ``REPORT.md`` and three
+plots, ``docs/sweeps.md``); and the pieces every report is made of
+(:func:`mean_std_text`, :func:`interval_text`, :func:`markdown_table`,
+:func:`panels`, :func:`write_markdown`).
 """
 
 import contextlib
 import os
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt
+import numpy as np
 
 from lmhead.lab import stats, sweeps, workdirs
 from lmhead.lm import configuration, data
@@ -96,32 +73,6 @@ def interval_text(difference: stats.PairedDifference) -> str:
     return f"{difference.mean:+.4f} [{difference.low:+.4f}, {difference.high:+.4f}]"
 
 
-def by_seed(
-    runs: Iterable[tuple[Hashable, workdirs.Run]],
-    key: str,
-    values: Callable[[workdirs.Run], Mapping[str, Any]] = workdirs.final_metrics,
-) -> dict:
-    """``{seed: values(run)[key]}`` over the ``(seed, run)`` pairs whose run
-    finished and whose values have ``key`` (not None): one side of
-    ``stats.paired_difference``.
-
-    Examples:
-        >>> def run(status, loss):
-        ...     return workdirs.Run("r", "r", {}, {}, [], {"final": {"eval/loss": loss}},
-        ...                         status)
-        >>> by_seed([(0, run("finished", 2.0)), (1, run("failed", 9.0)),
-        ...          (2, run("finished", 1.5))], "loss")
-        {0: 2.0, 2: 1.5}
-    """
-    found = {}
-    for seed, run in runs:
-        if run.status == "finished":
-            value = values(run).get(key)
-            if value is not None:
-                found[seed] = value
-    return found
-
-
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     """A markdown table of ``header`` and the ``rows`` of cells.
 
@@ -135,14 +86,6 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cells) + " |" for cells in rows]
     return "\n".join(lines)
-
-
-def provenance(source: Sequence[str], costs: Sequence[str]) -> str:
-    """The report's provenance: the ``source`` lines (the command or sweep,
-    the machine), the ``costs`` lines (what the runs took), and when the
-    report was written, as markdown lines (two spaces break a line)."""
-    written = f"Report written {time.strftime('%Y-%m-%d %H:%M')}."
-    return "  \n".join([*source, *costs, written])
 
 
 @contextlib.contextmanager
@@ -162,27 +105,6 @@ def panels(
         figure.savefig(path, dpi=120)
     finally:
         plt.close(figure)
-
-
-def plot_curve(
-    axis,
-    steps: Sequence[int],
-    values: Sequence[float],
-    fmt: str = "-",
-    *,
-    spread: Sequence[float] | None = None,
-    **style,
-) -> None:
-    """``values`` against ``steps`` on ``axis`` (matplotlib's ``fmt`` and
-    ``style``), with a band of ± ``spread`` around them when given."""
-    axis.plot(steps, values, fmt, **style)
-    if spread is not None:
-        axis.fill_between(
-            steps,
-            [v - s for v, s in zip(values, spread)],
-            [v + s for v, s in zip(values, spread)],
-            alpha=0.25,
-        )
 
 
 def write_markdown(out_dir: str, sections: Sequence[str]) -> tuple[str, str]:
@@ -319,11 +241,15 @@ def compared_settings(runs: list[workdirs.Run]) -> list[tuple[dict, list, list]]
 def paired_by_seed(
     x: list[workdirs.Run], y: list[workdirs.Run], key: str
 ) -> stats.PairedDifference:
-    """``x - y`` of the final metric ``key``, paired by :func:`workdirs.seed_of`."""
-    return stats.paired_difference(
-        by_seed(((workdirs.seed_of(r), r) for r in x), key),
-        by_seed(((workdirs.seed_of(r), r) for r in y), key),
-    )
+    """``x - y`` of the final metric ``key`` of the finished runs that have
+    it, paired by :func:`workdirs.seed_of`."""
+
+    def by_seed(runs):
+        finished = [r for r in runs if r.status == "finished"]
+        finals = {workdirs.seed_of(r): workdirs.final_metrics(r) for r in finished}
+        return {seed: m[key] for seed, m in finals.items() if m.get(key) is not None}
+
+    return stats.paired_difference(by_seed(x), by_seed(y))
 
 
 def verdict(difference: stats.PairedDifference, label: str) -> str:
@@ -436,7 +362,9 @@ def plot_loss_curves(runs: list[workdirs.Run], path: str) -> None:
         for axis, (d, tied, untied) in zip(axes, compared):
             for head, head_runs in (("tied", tied), ("untied", untied)):
                 steps, mean, std, n = mean_curve(head_runs)
-                plot_curve(axis, steps, mean, spread=std, label=f"{head} (n={n})")
+                mean, std = np.asarray(mean), np.asarray(std)
+                axis.plot(steps, mean, label=f"{head} (n={n})")
+                axis.fill_between(steps, mean - std, mean + std, alpha=0.25)
             axis.set(
                 title=f"{d['vocabulary']}, d_model {d['d_model']} {d['other']}",
                 xlabel="step",
@@ -522,7 +450,7 @@ def write_report(sweep_dir: str) -> tuple[str, str, list[str]]:
     plot_finals(groups, "vocab_size", "vocabulary size", plots[1])
     plot_finals(groups, "params", "parameters", plots[2])
     table = settings_table(groups)
-    seconds = workdirs.wall_seconds(runs)
+    seconds, written = workdirs.wall_seconds(runs), time.strftime("%Y-%m-%d %H:%M")
     costs = [
         f"{len(runs)} runs; the finished ones took {seconds / 60:.1f} min in "
         "all (their wall_seconds, an ensemble program's counted once)."
@@ -531,7 +459,9 @@ def write_report(sweep_dir: str) -> tuple[str, str, list[str]]:
         sweep_dir,
         [
             f"# Tied vs untied head: {os.path.basename(os.path.abspath(sweep_dir))}",
-            provenance(command_lines(sweep_dir), costs),
+            "  \n".join(  # two spaces break a markdown line
+                [*command_lines(sweep_dir), *costs, f"Report written {written}."]
+            ),
             "Final validation metrics: mean ± sample standard deviation (n - 1) over "
             "seeds; n = finished runs. Loss is per token, so compare vocabularies by "
             "bits per character.",

@@ -1,36 +1,9 @@
-"""The sweep runner (library): one ``experiments/train.py`` process per run,
-a few at a time. Its command is ``experiments/sweep.py``; the sweep files
-it runs are ``configs/sweeps/*.py`` (:mod:`lmhead.lab.sweeps`).
-
-:class:`Sweep` plans a sweep file's runs in a sweep directory, each in the
-workdir ``<sweep_dir>/<name>`` named from its overrides;
-:func:`run_sweep` runs the unfinished ones (:func:`run_all`), each with its
-output appended to ``run.log`` in its workdir and its exit recorded in
-``status.json`` (exit code, start and end times, CPUs), then the report.
-Runs with a ``summary.json`` are skipped; others start again in the same
-workdir, where ``train.py`` resumes from the newest checkpoint, so running
-the same sweep again continues an interrupted one. A failed run does not
-stop the others. A sweep that plans from its own results (the tying study's
-tuning stage adds rates past the grid's ends) is planned again whenever a
-run ends, and the new runs join the queue, until the plan stops growing.
-
-:func:`cpu_slots` gives each concurrent run CPUs of its own (Linux), so that
-runs do not contend for cores; whether running several at a time pays on a
-CPU is measured in ``docs/scale_out.md`` ("Several runs on one CPU").
-SIGTERM (``kill``, a scheduler's preemption) stops the running runs with
-the runner (:class:`Terminated`), so none outlives it to race a rerun.
-Besides a line when a job starts and when it ends, every few tens of
-seconds each running job's progress (step, best validation loss, members
-training, ETA) comes from its members' files (:mod:`lmhead.lab.progress`).
-
-Ensembles: with ``Sweep(ensemble=M)``, ``M > 1``, the runs that differ only
-in member keys run as programs of at most M members, one process and one
-``run.log`` each in ``<sweep_dir>/ensembles/<program>``; the grouping and
-why it stays fixed across reruns are :mod:`lmhead.lab.ensembles`'s. The
-runner treats a program as a run (a *job*: one process) whose ``members``
-are finished when each has its ``summary.json``; when it ends, each member
-it trained gets a ``status.json`` with the program's times, so reading runs
-back is unchanged. ``M`` of 0 or 1: one process per run, as before.
+"""The sweep runner behind ``experiments/sweep.py``: a sweep file's runs
+(:class:`Sweep`), one train process per run or per ensemble program
+(:mod:`lmhead.lab.ensembles`), a few at a time (:func:`run_all`), each
+pinned to CPUs of its own if asked (:func:`cpu_slots`); skipping finished
+runs, resuming interrupted ones, planning again as runs end, and stopping
+them all on SIGTERM (``docs/sweeps.md``).
 """
 
 import collections
@@ -99,15 +72,13 @@ class Sweep:
 
     def plan_jobs(self) -> tuple[list[dict], list[dict]]:
         """The sweep's runs (:meth:`plan`) and the jobs that run the
-        unfinished ones: the runs themselves, or with ``ensemble > 1`` the
-        programs that hold them (``members`` added) and the runs that stay
-        single, in plan order, the new programs recorded in ``ensembles.json``
+        unfinished ones: the runs, or with ``ensemble > 1`` the programs
+        that hold them and the runs that stay single
         (:func:`lmhead.lab.ensembles.group`).
 
         Raises:
-            ValueError, FileNotFoundError: a sweep file that does not load or
-                plan, or (ensembles) a run whose overrides do not fit its
-                config or its program.
+            ValueError, FileNotFoundError: as :meth:`plan`, or a run whose
+                overrides do not fit its config or its program.
         """
         base, shared, runs = self._plan()
         todo = [run for run in runs if not is_finished(run)]
@@ -250,13 +221,9 @@ def record_exit(
     cpus: Slot,
     trained: Sequence[dict] = (),
 ) -> bool:
-    """Writes the run's ``status.json`` (exit code, start and end times in
-    seconds since the epoch, CPUs, command); whether the run finished.
-
-    For a program, also the ``status.json`` of each member it ``trained``
-    (those unfinished when it started): the program's record, its directory
-    (``ensemble``) and its member count (``members``), so that each member
-    reads back as a run timed by the program."""
+    """Writes the ``status.json`` of the run, or of the program and each
+    member it ``trained`` (with the program's directory and member count);
+    whether the run finished."""
     status = dict(
         returncode=returncode,
         seconds=ended - started,
@@ -342,20 +309,15 @@ def run_all(
     stop: threading.Event | None = None,
     progress_every_s: float = 0.0,
 ) -> tuple[list[dict], int]:
-    """Runs ``runs`` (runs or programs: jobs, each one process), one per slot
-    at a time (a slot: the CPUs a job is pinned to, or ``None``); returns the
-    ones that failed and how many ran.
+    """Runs the jobs ``runs`` (runs or programs, one process each), one per
+    slot at a time (a slot: the CPUs a job is pinned to, or ``None``);
+    returns the ones that failed and how many ran.
 
-    ``progress_every_s`` > 0: every that many seconds, a line per running
-    job with its step, best validation loss, members still training and ETA
-    (:class:`lmhead.lab.progress.Progress`, from its members' files).
-
-    ``replan``: called whenever a job ends; the unfinished jobs it returns
-    that have not been queued yet join the queue (a sweep that plans from its
-    own results). ``stop`` (set by SIGTERM): the running runs get SIGTERM too
-    (train.py saves a checkpoint and exits) and are waited for, so that none
-    outlives the runner and races a rerun for its workdir; then
-    :class:`Terminated`.
+    Every ``progress_every_s`` seconds (0: never), each running job's
+    progress line (:class:`lmhead.lab.progress.Progress`). ``replan``,
+    called whenever a job ends, gives unfinished jobs to queue if they were
+    not. Once ``stop`` is set (SIGTERM), the running jobs get SIGTERM, are
+    waited for, and :class:`Terminated` is raised.
     """
     queue = _Queue(collections.deque(), collections.deque(slots))
     queue.add(runs)
@@ -416,10 +378,8 @@ def write_sweep_record(sweep: Sweep, runs: list[dict], command: str) -> None:
 
 
 def print_commands(runs: list[dict], jobs: list[dict] | None = None) -> None:
-    """The commands of the ``jobs`` still to do (default: the unfinished
-    ``runs``; with ensembles, :meth:`Sweep.plan_jobs`'s programs), one a line
-    on stdout (for a Slurm array or GNU parallel), and how many runs are
-    done on stderr."""
+    """The commands of the unfinished ``jobs`` (default: ``runs``), one a
+    line on stdout, and how many runs are done on stderr."""
     todo = [run for run in runs if not is_finished(run)]
     jobs = todo if jobs is None else [job for job in jobs if not is_finished(job)]
     print(
@@ -445,19 +405,14 @@ def run_sweep(
     jobs: list[dict] | None = None,
     progress_every_s: float = progress.PROGRESS_EVERY_S,
 ) -> int:
-    """Runs the unfinished ``runs`` of ``sweep`` (its :meth:`Sweep.plan`), one
-    job per slot at a time, planning again as jobs end; then ``report_command``.
-    Every ``progress_every_s`` seconds (0: never) it prints each running
-    job's progress (:func:`run_all`).
-
-    ``jobs``: the processes that run them (:meth:`Sweep.plan_jobs`, which
-    groups them into programs with ensembles); default: the unfinished runs.
-    ``command`` (the runner's own command line) goes into ``sweep.json``.
-    The failed jobs are listed at the end with the last lines of their logs.
+    """Runs the unfinished ``runs`` of ``sweep`` (:func:`run_all` of
+    ``jobs``, default the runs; :meth:`Sweep.plan_jobs` groups them into
+    programs), planning again as jobs end, writes ``sweep.json`` (with the
+    runner's ``command``), then runs ``report_command`` and lists the
+    failed jobs with the end of their logs.
 
     Returns:
-        The exit status: 0 when every job finished and the report succeeded,
-        else 1.
+        0 when every job finished and the report succeeded, else 1.
 
     Raises:
         Terminated: on SIGTERM, once the running jobs have stopped.
@@ -465,9 +420,8 @@ def run_sweep(
     """
     todo = [run for run in runs if not is_finished(run)]
     jobs = todo if jobs is None else jobs
-    # SIGTERM only sets a flag, which run_all reads between polls: an
-    # exception raised wherever the signal lands could lose a run just started.
-    # (preemption.sigterm_flag would start a JAX backend in the runner.)
+    # A flag, read between polls (docs/sweeps.md); preemption.sigterm_flag
+    # would start a JAX backend in the runner.
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     write_sweep_record(sweep, runs, command)

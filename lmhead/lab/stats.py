@@ -1,16 +1,10 @@
-"""Statistics over seeds: mean and spread, and paired differences with a
-Student's t 95% interval, for comparing runs that differ in one setting.
-
-:func:`mean_std` summarises one metric over seeds; :func:`paired_difference`
-compares two settings seed by seed, which removes the variation the seed
-causes in both (the data order and the initialisation);
-:func:`paired_p_value` is the same comparison's two-sided t-test. For a
-family of such comparisons, :func:`holm_adjusted` corrects the p-values for
-their number, :func:`equivalence_p_value` tests that a difference is
-smaller than a stated margin, and :func:`pooled_std` estimates one spread of the paired
-differences from every cell at once (an assumption of equal variances,
-stated as such wherever it is used). :func:`minimum_detectable_difference`
-is the smallest mean difference such a test finds at a stated power.
+"""Statistics over seeds for comparing runs that differ in one setting:
+:func:`mean_std`, the paired difference and its t-test
+(:func:`paired_difference`, :func:`paired_p_value`, :func:`blocked_mean`),
+and for a family of comparisons :func:`holm_adjusted`,
+:func:`simultaneous_interval`, :func:`equivalence_p_value`,
+:func:`pooled_std` and :func:`minimum_detectable_difference`
+(``docs/sweeps.md``).
 """
 
 import dataclasses

@@ -1,31 +1,8 @@
-"""The sweep-file API (library): grids of config overrides, run names and
-train commands. The command that runs a sweep is ``experiments/sweep.py``
-(through :mod:`lmhead.lab.runner`); the sweep files are ``configs/sweeps/*.py``.
-
-A sweep file's ``get_sweep(arg=None)`` returns the argument of
-``configs/default.py`` that every run starts from and a list of override
-dicts, one per run, built with :func:`sweep`, :func:`product` and
-:func:`zipped` (as in big_vision and T5X)::
-
-    def get_sweep(arg=None):
-        return "nanogpt,steps=500", sweeps.product(
-            sweeps.sweep("model.tied", [True, False]),
-            sweeps.sweep("train.seed", [0, 1, 2]))
-
-``get_sweep`` may also return a third item, overrides shared by every run
-(flags of every command, left out of the run names), and may take a second
-parameter, ``workdir``: the sweep directory, for a sweep whose later stage
-depends on the results of an earlier one (``configs/sweeps/tying_study.py``).
-A sweep file whose report writes a table of its runs may define
-``restore_runs(csv_path, workdir)``, which recreates the finished runs of
-such a committed table in a sweep directory that lacks them
-(:func:`restore_runs`), so that a sweep resumes on another machine.
-:func:`parse_arg` parses a sweep file's ``key=value`` argument.
-
-Each run is an ordinary ``experiments/train.py`` command whose
-``--config.KEY=VALUE`` flags are the overrides (:func:`train_command`), in
-its own workdir named from them (:func:`run_names`). Reading the runs back
-is :mod:`lmhead.lab.workdirs`'s job.
+"""The sweep-file API: grids of config overrides (:func:`sweep`,
+:func:`product`, :func:`zipped`), a sweep file's argument
+(:func:`parse_arg`) and plan (:func:`load_sweep`), run names
+(:func:`run_names`) and train commands (:func:`train_command`). What a
+sweep file (``configs/sweeps/*.py``) defines is in ``docs/sweeps.md``.
 """
 
 import hashlib

@@ -1,17 +1,7 @@
-"""Runs read back from their work directories: one run (:func:`read_run`), a
-sweep directory (:func:`read_sweep`), the runs grouped by setting and paired
-by seed (:func:`group_runs`, :func:`seed_of`), and the time they took
-(:func:`wall_seconds`, the members of an ensemble program counted once).
-
-A run's workdir holds what ``experiments/train.py`` writes (``config.json``,
-``metrics.jsonl``, ``summary.json``) and what the sweep runner adds
-(:data:`STATUS_FILE`, :data:`LOG_FILE`); the sweep directory holds
-:data:`SWEEP_FILE` and one workdir per run (``lmhead/lab/runner.py``), and
-with ensembles ``ensembles.json`` and ``ensembles/``, the programs'
-(``lmhead/lab/ensembles.py``): a member's workdir is a run's, its
-``status.json`` naming its program (``ensemble``). The
-reports (``lmhead/lab/report.py``, ``lmhead/studies/tying/results.py``) read
-the runs through this module.
+"""Runs read back from their work directories: one run (:func:`read_run`),
+a sweep directory (:func:`read_sweep`), the runs grouped by setting and
+paired by seed (:func:`group_runs`, :func:`seed_of`), and the time they
+took (:func:`wall_seconds`); the files are listed in ``docs/sweeps.md``.
 """
 
 import dataclasses

@@ -1,11 +1,6 @@
-"""Stand-ins for the sweep runner's tests: a train program that writes a
-run's files without training (and one that does so for an ensemble's
-members), a sweep file of four runs, and the runner's command line on them
-(``experiments/sweep.py``).
-
-The stand-in train program writes the files of a finished run, fails on
-request (``FAIL_RUN``) and records whether it resumed, so skip / resume /
-failure handling needs no training.
+"""Stand-ins for the sweep runner's tests: a train program that writes the
+files of finished runs without training, a sweep file of four runs, and the
+runner's command line on them (``experiments/sweep.py``).
 """
 
 import os
@@ -23,46 +18,14 @@ SWEEP_SCRIPT = os.path.join(ROOT, "experiments", "sweep.py")
 SWEEP_CONFIGS = os.path.join(ROOT, "configs", "sweeps")
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "default.py")
 
-# Writes the files of a finished run unless its workdir's name is $FAIL_RUN;
-# appends "start" or "resume" (a checkpoints/ folder exists) to calls.txt.
+# train.py's stand-in: a single run, or an ensemble program (--member flags),
+# whose members each get the files of a finished run (a program's summaries
+# name it), except the member whose workdir's name is $FAIL_RUN (the process
+# then exits 1) or $EMPTY_RUN (it exits 0 all the same); members finished
+# before are skipped. The workdir gets checkpoints/ once a member has
+# trained, and its calls.txt the lines "start" or "resume" (checkpoints/
+# existed), then, for a program, "train NAME" or "skip NAME" per member.
 FAKE_TRAIN = textwrap.dedent("""\
-    import json, math, os, sys
-    args = dict(a.split("=", 1) for a in sys.argv[1:])
-    workdir = args["--workdir"]
-    name = os.path.basename(workdir)
-    os.makedirs(workdir, exist_ok=True)
-    checkpoints = os.path.join(workdir, "checkpoints")
-    with open(os.path.join(workdir, "calls.txt"), "a") as f:
-        f.write("resume\\n" if os.path.isdir(checkpoints) else "start\\n")
-    print("training", name, args["--config"])
-    if name == os.environ.get("FAIL_RUN"):
-        sys.exit("simulated failure in " + name)
-    os.makedirs(checkpoints, exist_ok=True)
-    seed = int(args["--config.train.seed"])
-    tied = args["--config.model.tied"] == "True"
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump({"model": {"tied": tied, "d_model": 8},
-                   "data": {"tokenizer": "char", "vocab_size": None},
-                   "train": {"seed": seed}}, f)
-    loss = 2.0 + 0.1 * seed + (0.0 if tied else 0.05)
-    final = {"eval/loss": loss, "eval/perplexity": math.exp(loss),
-             "eval/bits_per_char": loss / math.log(2), "eval/accuracy": 0.4,
-             "eval/ece": 0.01}
-    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
-        f.write(json.dumps({"step": 5, "eval/loss": loss + 1}) + "\\n")
-        f.write(json.dumps({"step": 10, **final}) + "\\n")
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump({"num_params": 100 if tied else 120, "num_head_params": 20,
-                   "final": final, "tokens_per_sec": 1000.0, "steps": 10,
-                   "wall_seconds": 0.1}, f)
-    """)
-
-# The stand-in of an ensemble program (train.py with --member flags): writes
-# each unfinished member's files as FAKE_TRAIN does, with the summary's
-# "ensemble" key, except the member whose workdir's name is $FAIL_MEMBER
-# (then it exits 1); appends to the program's calls.txt "start" or "resume"
-# and "train NAME" or "skip NAME" (finished before) per member.
-FAKE_ENSEMBLE_TRAIN = textwrap.dedent("""\
     import json, math, os, sys
     flags = [a.split("=", 1) for a in sys.argv[1:]]
     args = {k: v for k, v in flags if k != "--member"}
@@ -71,19 +34,27 @@ FAKE_ENSEMBLE_TRAIN = textwrap.dedent("""\
     os.makedirs(workdir, exist_ok=True)
     checkpoints = os.path.join(workdir, "checkpoints")
     calls = ["resume" if os.path.isdir(checkpoints) else "start"]
-    os.makedirs(checkpoints, exist_ok=True)
+    print("training", os.path.basename(workdir), args["--config"])
     tied = args["--config.model.tied"] == "True"
+    program = bool(members)
+    members = members or [{"workdir": workdir,
+                           "train.seed": int(args["--config.train.seed"])}]
     failed = False
     for index, member in enumerate(members):
         run = member["workdir"]
         name = os.path.basename(run)
-        if os.path.exists(os.path.join(run, "summary.json")):
+        if program and os.path.exists(os.path.join(run, "summary.json")):
             calls.append("skip " + name)
             continue
-        calls.append("train " + name)
-        if name == os.environ.get("FAIL_MEMBER"):
+        calls += ["train " + name] if program else []
+        if name == os.environ.get("FAIL_RUN"):
+            print("simulated failure in " + name)
             failed = True
             continue
+        if name == os.environ.get("EMPTY_RUN"):
+            print("did nothing")
+            continue
+        os.makedirs(checkpoints, exist_ok=True)
         os.makedirs(run, exist_ok=True)
         seed = member["train.seed"]
         with open(os.path.join(run, "config.json"), "w") as f:
@@ -95,15 +66,19 @@ FAKE_ENSEMBLE_TRAIN = textwrap.dedent("""\
                  "eval/bits_per_char": loss / math.log(2), "eval/accuracy": 0.4,
                  "eval/ece": 0.01}
         with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"step": 5, "eval/loss": loss + 1}) + "\\n")
             f.write(json.dumps({"step": 10, **final}) + "\\n")
-        ensemble = {"program": workdir, "members": len(members), "index": index}
+        summary = {"num_params": 100 if tied else 120, "num_head_params": 20,
+                   "final": final, "tokens_per_sec": 1000.0, "steps": 10,
+                   "wall_seconds": 30.0}
+        if program:
+            summary["ensemble"] = {"program": workdir, "members": len(members),
+                                   "index": index}
         with open(os.path.join(run, "summary.json"), "w") as f:
-            json.dump({"num_params": 100 if tied else 120, "num_head_params": 20,
-                       "final": final, "tokens_per_sec": 1000.0, "steps": 10,
-                       "wall_seconds": 30.0, "ensemble": ensemble}, f)
+            json.dump(summary, f)
     with open(os.path.join(workdir, "calls.txt"), "a") as f:
         f.write("".join(call + "\\n" for call in calls))
-    print("trained", len(members), "members")
+    print("trained", len(members), "members" if program else "run")
     sys.exit(1 if failed else 0)
     """)
 
@@ -155,15 +130,9 @@ def run_sweep(tmp_path, *flags_, env=None, **sources):
     )
 
 
-def calls(tmp_path, name):
-    """How the stand-in train program was started in run ``name``: "start"s
-    and "resume"s, in order."""
-    path = tmp_path / "sweep" / name / "calls.txt"
-    return path.read_text().split() if path.exists() else []
-
-
-def program_calls(tmp_path, name):
-    """What the stand-in ensemble program did in program ``name``, a line per
-    item: "start"/"resume", then "train RUN"/"skip RUN" per member."""
-    path = tmp_path / "sweep" / "ensembles" / name / "calls.txt"
+def calls(tmp_path, name, program=False):
+    """What the stand-in train program did in run (or ``program``) ``name``,
+    a line per item (see :data:`FAKE_TRAIN`)."""
+    folder = tmp_path / "sweep" / ("ensembles" if program else "") / name
+    path = folder / "calls.txt"
     return path.read_text().splitlines() if path.exists() else []

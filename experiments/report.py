@@ -1,24 +1,13 @@
-r"""The report command: writes a sweep directory's REPORT.md and plots
-(``lmhead/lab/report.py``; ``experiments/sweep.py`` runs it after a sweep).
+r"""The report command: writes a sweep directory's REPORT.md and plots, and
+prints the answer and the paths (``lmhead/lab/report.py``).
 
     python experiments/report.py --workdir=runs/tying_study --out=docs/tying_study
 
-A sweep whose file defines ``write_report`` (``configs/sweeps/tying_study.py``)
-gets its own report in ``--out`` (the tying study's: ``runs.csv``, then
-REPORT.md from it alone, ``lmhead/studies/tying/results.py``); the sweep file
-is the one ``sweep.json`` names, or ``--sweep`` for runs launched from
-``--dry_run`` commands. Any other sweep gets the
-generic tied-vs-untied report, in the sweep directory. Prints the study's
-answer (the generic report's table) and the paths at the end.
-
-``--restore_from`` first recreates, in the sweep directory, the finished runs
-of committed tables (as ``experiments/sweep.py``'s flag does), so that a
-study's committed report is rewritten from its committed ``runs.csv`` alone,
-without its runs:
-
-    python experiments/report.py --workdir=/tmp/tying_study \
-        --sweep=configs/sweeps/tying_study.py \
-        --restore_from=docs/tying_study/runs.csv --out=docs/tying_study
+A sweep file that defines ``write_report`` (``configs/sweeps/tying_study.py``)
+writes its own report into ``--out``; any other sweep gets the generic
+tied-vs-untied report. ``--restore_from`` first recreates the finished runs
+of committed tables, so that a committed report is rewritten from its
+``runs.csv`` alone (docs/tying_study/README.md, "Commands").
 """
 
 import cli  # experiments/cli.py, beside this file

@@ -1,26 +1,15 @@
-r"""Diagnostics of trained heads: row norms against token frequency, the
-alignment of an untied head with its table, the logit scale, and the loss by
-frequency bucket, for one or more runs side by side.
+r"""Diagnostics of trained heads (row norms against frequency, an untied
+head's alignment with its table, the logit scale, the loss by frequency
+bucket) for runs side by side, or for the tying study's diagnosed cells:
 
     python experiments/tying_diagnostics.py --workdir=runs/tied \
         --workdir=runs/untied --out=docs/tying_study/diagnostics --split=test
-
-or, for the tying study's diagnosed cells (``diagnostics_report.study_runs``:
-test seed 0 of arms a, b and e at characters and BPE 8192 on the whole
-training split and at BPE 8192 on 3% of it), as ``make study`` runs it::
-
     python experiments/tying_diagnostics.py --study_dir=runs/tying_study \
         --study_csv=docs/tying_study/runs.csv --out=docs/tying_study/diagnostics
 
-which diagnoses those of them that are in ``--study_dir`` with a checkpoint
-(a run restored from the CSV alone has none), and writes nothing while there
-are none.
-
-Writes ``norms.png``, ``cosines.png`` (untied runs), ``bucket_loss.png``,
-``diagnostics.json`` and ``diagnostics.md`` into ``--out``. Token
-frequencies are each run's training tokens; each run is read at its
-``best_checkpoint`` where it kept one, else its newest checkpoint (see
-``lmhead/studies/tying/diagnostics_report.py``).
+Writes the plots, ``diagnostics.json`` and ``diagnostics.md`` into ``--out``
+(``lmhead/studies/tying/diagnostics_report.py``; docs/tying_study/README.md,
+"Diagnostics of the trained heads").
 """
 
 import cli  # experiments/cli.py, beside this file

@@ -1,16 +1,12 @@
 r"""How precisely the tying study's validation windows tell each chosen
-learning rate from the next best one: every tuned arm's margin measured
-again on the windows the tuning read, with its standard error over them,
-beside the report's standard error from the seeds.
+learning rate from the next best one (``lmhead/studies/tying/rate_noise.py``):
 
     python experiments/tying_rate_noise.py --study_dir=runs/tying_study \
         --study_csv=docs/tying_study/runs.csv --out=docs/tying_study
 
-Reads the tuning runs under ``--study_dir`` (at their ``best_checkpoint``;
-a run restored from the CSV alone has no parameters and is not read) and
-writes ``rate_noise.md`` and ``rate_noise.json`` into ``--out``; an arm's
-reading in an earlier ``rate_noise.json`` there stands where it read more
-seeds than this machine can (see ``lmhead/studies/tying/rate_noise.py``).
+Reads the tuning runs under ``--study_dir`` that hold parameters and writes
+``rate_noise.md`` and ``rate_noise.json`` into ``--out``, keeping an earlier
+reading there where it read more seeds.
 """
 
 import json

@@ -6,6 +6,8 @@ their runs.csv, byte for byte, in tests/studies/tying/test_results.py)."""
 
 import os
 
+import pytest
+
 from tests import ROOT, run_experiment
 from tests.lab import synthetic_sweep
 
@@ -22,11 +24,6 @@ def test_the_command_prints_the_table_and_the_paths(tmp_path):
     assert f"\n\nReport: {sweep_dir / 'REPORT.md'}\n" in stdout
     for name in ("loss_curves.png", "loss_vs_vocab.png", "loss_vs_params.png"):
         assert f"Plot:   {sweep_dir / name}" in stdout
-
-
-def test_unexpected_arguments_are_refused(tmp_path):
-    result = run_experiment("report.py", f"--workdir={tmp_path}", "extra", timeout=120)
-    assert result.returncode != 0 and "Unexpected arguments" in result.stderr
 
 
 def test_a_committed_report_is_rewritten_from_its_table_alone(tmp_path):
@@ -48,9 +45,13 @@ def test_a_committed_report_is_rewritten_from_its_table_alone(tmp_path):
             assert (out / name).read_text() == f.read(), name
 
 
-def test_restoring_needs_the_sweep_file(tmp_path):
-    csv = os.path.join(COMPARE, "runs.csv")
-    result = run_experiment(
-        "report.py", f"--workdir={tmp_path}", f"--restore_from={csv}", timeout=120
-    )
-    assert result.returncode != 0 and "--restore_from needs --sweep" in result.stderr
+@pytest.mark.parametrize(
+    "argument, error",
+    [
+        ("extra", "Unexpected arguments"),
+        (f"--restore_from={os.path.join(COMPARE, 'runs.csv')}", "needs --sweep"),
+    ],
+)
+def test_bad_command_lines_are_refused(tmp_path, argument, error):
+    result = run_experiment("report.py", f"--workdir={tmp_path}", argument, timeout=120)
+    assert result.returncode != 0 and error in result.stderr

@@ -145,14 +145,12 @@ class Contrast:
         holm_p: Holm-adjusted over the primary family (NaN outside it).
         pooled: the 95% interval with the family's pooled spread.
         simultaneous: the family's Bonferroni 95% interval.
-        capped: runs of the pairs (both arms) that reached their step cap:
-            budget-limited rather than early-stopped.
+        capped: runs of the pairs (both arms) that reached their step cap.
         first_eval: runs of the pairs best at their first validation
-            (:func:`best_at_first_eval`): their best may lie earlier.
+            (:func:`best_at_first_eval`).
         edge: the contrast's arms whose test rate is the lowest or highest
-            rate their tuning tried (:attr:`Tuning.at_edge`): their best
-            rate may lie beyond, so the contrast can favour the other arm;
-            None where the rows have no tuning stage.
+            rate their tuning tried (:attr:`Tuning.at_edge`); None where the
+            rows have no tuning stage.
     """
 
     vocab: str
@@ -225,9 +223,7 @@ def trained_tokens_per_param(row: Mapping[str, Any]) -> float | None:
 
 def best_at_first_eval(row: Row) -> bool:
     """Whether the run's best validation was its first (``steps_to_best ==
-    eval_every``): its best parameters may lie before it, and a contrast
-    with such runs measures how fast the arms overfit as much as how good
-    they get.
+    eval_every``): its best parameters may lie before it.
 
     Examples:
         >>> best_at_first_eval({"steps_to_best": 100, "eval_every": 100})
@@ -478,18 +474,13 @@ class Margin(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class SelectionNoise:
     """How far each tuned arm's chosen rate is from the next best rate, set
-    against the seeds' noise in that distance, in validation bits/char (the
-    scale of the contrasts; a loss per token would weigh each vocabulary's
-    margins by its characters per token).
+    against the seeds' noise in that distance, in validation bits/char.
 
     Attributes:
         margins: ``{(vocab, amount, arm): Margin}``.
         pooled: ``{vocab: PooledStd}``, the standard deviation of the paired
             differences behind the margins pooled over each vocabulary's
-            arms (:func:`~lmhead.lab.stats.pooled_std`): the spread differs
-            between vocabularies (bits/char of a character model vary more
-            from seed to seed than a BPE model's), so one pool would
-            overstate some arms' noise and understate others'.
+            arms (:func:`~lmhead.lab.stats.pooled_std`).
     """
 
     margins: dict[tuple, Margin]

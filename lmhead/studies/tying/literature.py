@@ -22,17 +22,9 @@ from lmhead.studies.tying.report_text import prose
 
 DATA_FILE = "literature.toml"
 DASH = report.DASH
-ARMS = (
-    "a tied; b untied, a's shape; c untied, narrower to a's parameter count; d "
-    "tied plus whole blocks to b's count; e b's shape, tied until 2/3 of arm a's median best step in the cell, then "
-    "untied"
-)
+ARMS = prose("literature_arms")
 COLUMN_NAMES = {"test_bpc": "test bits/char", "train_bpc": "training bits/char"}
-PER_WORD = (
-    "per-word perplexity: this study's is the whole test split's over its "
-    "whitespace-separated words (`test_word_ppl`), PTB's over Mikolov's tokens "
-    "with one end of sentence per sentence, so changes compare, levels do not"
-)
+PER_WORD = prose("per_word")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,13 +228,8 @@ def equivalence_margin(
     :math:`\delta_w = |\ln(P_t / P_u)|`, on this cell's scale,
     :math:`\delta = \delta_w / (\ln 2 \cdot C / W)`, where :math:`C / W` is
     the test text's characters per word (``test_chars / test_words``, the
-    median over the cell's finished test runs); NaN without such runs.
-
-    A difference of :math:`\delta` bits/char changes the per-word log
-    perplexity by :math:`\delta \ln 2 \cdot C / W = \delta_w`. PTB's words
-    count punctuation and end-of-sentence tokens, which ``text.split()``
-    attaches to words, so :math:`C / W` here is larger than on PTB's count
-    and the margin in bits/char smaller: the test errs against agreeing.
+    median over the cell's finished test runs); NaN without such runs. Why
+    this margin: ``docs/tying_study/README.md``, "Against published results".
 
     Examples:
         >>> rows = [dict(role="test", status="finished", vocab="char", amount=1.0,

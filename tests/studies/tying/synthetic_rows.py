@@ -171,3 +171,14 @@ def synthetic_rows(seed=0):
 def select(rows, **where):
     """The rows whose columns equal ``where``'s values."""
     return [r for r in rows if all(r[k] == v for k, v in where.items())]
+
+
+def holm_by_hand(p_values):
+    """Holm's step-down adjustment written out: the i-th smallest p times
+    (m - i), made monotone, capped at 1."""
+    m, order = len(p_values), np.argsort(p_values)
+    adjusted, running = np.empty(m), 0.0
+    for rank, index in enumerate(order):
+        running = max(running, (m - rank) * p_values[index])
+        adjusted[index] = min(running, 1.0)
+    return adjusted

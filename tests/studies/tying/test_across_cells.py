@@ -13,7 +13,7 @@ import pytest
 import statsmodels.formula.api as smf
 from scipy import integrate, stats
 
-from lmhead.studies.tying import across_cells, analysis, design_text
+from lmhead.studies.tying import across_cells, design_text
 from tests.studies.tying import synthetic_rows
 from tests.studies.tying.test_analysis import (
     assert_close,
@@ -30,13 +30,8 @@ INTERACTION_CELL, INTERACTION = ("char", 1.0), 0.1
 
 
 @pytest.fixture(scope="module")
-def rows():
-    return synthetic_rows.synthetic_rows()
-
-
-@pytest.fixture(scope="module")
-def text(rows, tmp_path_factory):
-    return analysis.write_report(rows, str(tmp_path_factory.mktemp("report")))[0]
+def text(reported):
+    return reported[0]
 
 
 def differences_frame(rows, x, y):

@@ -12,6 +12,7 @@ from absl.testing import absltest
 from scipy import stats
 
 from lmhead.studies.tying import diagnostics
+from tests import errors
 
 V, D = 11, 5
 
@@ -139,34 +140,36 @@ def test_a_dominant_token_leaves_a_bucket_empty():
     np.testing.assert_array_equal(buckets, [1, 3, 3])
 
 
-@pytest.mark.parametrize(
-    "call, match",
-    [
-        (lambda: diagnostics.token_counts(np.array([0, 5]), 5), "vocab_size=5"),
-        (lambda: diagnostics.token_counts(np.array([0.5]), 5), "int array"),
-        (lambda: diagnostics.frequency_buckets(np.zeros(3), 2), "positive sum"),
-        (lambda: diagnostics.frequency_buckets(np.array([-1, 2]), 2), "counts"),
-        (lambda: diagnostics.frequency_buckets(np.ones(3), 0), "num_buckets"),
-        (lambda: diagnostics.weighted_mean(np.ones(2), np.zeros(2)), "weights"),
-        (lambda: diagnostics.weighted_mean(np.ones(2), np.array([1, -1])), "weights"),
-        (lambda: diagnostics.rank_correlation(np.ones(3), np.ones(2)), "x and y"),
-        (
-            lambda: diagnostics.bucket_losses(
-                np.ones(2), np.array([0, 7]), np.ones(2), np.array([0, 1]), 2
-            ),
-            "labels",
-        ),
-        (
-            lambda: diagnostics.bucket_losses(
-                np.ones(2), np.array([0, 1]), np.ones(2), np.array([0, 2]), 2
-            ),
-            "buckets",
-        ),
-    ],
-)
-def test_bad_arguments_are_named(call, match):
-    with pytest.raises(ValueError, match=match):
-        call()
+def _bucket_losses(labels, buckets):
+    return lambda: diagnostics.bucket_losses(
+        np.ones(2), np.array(labels), np.ones(2), np.array(buckets), 2
+    )
+
+
+BAD_INPUTS = [
+    ("id past V", lambda: diagnostics.token_counts(np.array([0, 5]), 5), ValueError,
+     "vocab_size"),
+    ("float ids", lambda: diagnostics.token_counts(np.array([0.5]), 5), ValueError,
+     "tokens"),
+    ("zero counts", lambda: diagnostics.frequency_buckets(np.zeros(3), 2), ValueError,
+     "counts"),
+    ("negative count", lambda: diagnostics.frequency_buckets(np.array([-1, 2]), 2),
+     ValueError, "counts"),
+    ("no buckets", lambda: diagnostics.frequency_buckets(np.ones(3), 0), ValueError,
+     "num_buckets"),
+    ("zero weights", lambda: diagnostics.weighted_mean(np.ones(2), np.zeros(2)),
+     ValueError, "weights"),
+    ("negative weight",
+     lambda: diagnostics.weighted_mean(np.ones(2), np.array([1, -1])), ValueError,
+     "weights"),
+    ("lengths", lambda: diagnostics.rank_correlation(np.ones(3), np.ones(2)),
+     ValueError, ("x", "y")),
+    ("label past V", _bucket_losses([0, 7], [0, 1]), ValueError, "labels"),
+    ("bucket past K", _bucket_losses([0, 1], [0, 2]), ValueError, "buckets"),
+    ("int table", lambda: diagnostics.row_norms(np.ones((3, 2), np.int32)),
+     TypeError, "table"),
+]  # fmt: skip
+test_bad_arguments_raise_exactly_naming_them = errors.bad_input_test(BAD_INPUTS)
 
 
 def test_shapes_are_checked():
@@ -174,8 +177,6 @@ def test_shapes_are_checked():
         diagnostics.row_cosines(np.ones((3, 2)), np.ones((4, 2)))
     with pytest.raises(AssertionError):
         diagnostics.row_norms(np.ones(3))
-    with pytest.raises(TypeError, match="table"):
-        diagnostics.row_norms(np.ones((3, 2), np.int32))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from scipy import stats as scipy_stats
 from lmhead.studies.tying import literature
 from tests import ROOT
 from tests.lab.markdown import table_rows
+from tests.studies.tying.synthetic_rows import holm_by_hand
 
 SEEDS = (0, 1, 2, 3)
 JITTER = np.array([0.004, -0.003, 0.001, -0.002])  # per seed, so std > 0
@@ -96,21 +97,10 @@ def primary_holm(cells=tuple(BASE)):
         reference(v, a, x, "a", seeds=[s for s in SEEDS if (v, a, x, s) != FAILED])[3]
         for v, a, x in keys
     ]
-    return dict(zip(keys, holm(np.array(p))))
+    return dict(zip(keys, holm_by_hand(np.array(p))))
 
 
 FAILED = ("char", 1.0, "c", 4)
-
-
-def holm(p):
-    """Holm's step-down adjustment written out: sorted p_(i) times (m - i),
-    made monotone, capped at 1."""
-    order, m = np.argsort(p), len(p)
-    adjusted, running = np.empty(m), 0.0
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (m - rank) * p[i]))
-        adjusted[i] = running
-    return adjusted
 
 
 def section(text, number):

@@ -147,7 +147,9 @@ def test_report_regenerates_from_runs_csv_alone(sweep, tmp_path):
     again = tmp_path / "again"
     text, plots = results.report_from_csv(str(out / results.RUNS_CSV), str(again))
     assert text == written == (again / "REPORT.md").read_text()
-    assert plots and all(os.path.isfile(p) for p in plots)
+    for plot in plots:  # the plots too, byte for byte
+        assert (out / os.path.basename(plot)).read_bytes() == open(plot, "rb").read()
+    assert plots
 
 
 def test_a_fresh_sweep_directory_resumes_from_the_committed_table(sweep, tmp_path):

@@ -8,13 +8,9 @@ warmup steps and cosine decay to 1e-4, AdamW (0.9, 0.99), weight decay 0.1,
 gradient clipping 1.0, dropout 0, no biases in the blocks and LayerNorms
 (nanoGPT's ``bias=False``), characters, the last 10% of the text for
 validation. The defaults are the same values but keep the biases
-(``model.use_bias=True``, GPT-2's layout). Three differences from nanoGPT, all
-ours on purpose: weight decay applies to dense kernels only, not to the
-embedding tables (see ``lmhead/lm/state.py``), evaluations (every 500 steps,
-not 250) cover the whole validation split (``train.eval_batches=None``), not
-20 random batches, and GPT-2's end-of-text token follows each work
-(``data.end_of_text``; nanoGPT's ``shakespeare_char`` has none, and
-``--config.data.end_of_text=False`` leaves it out).
+(``model.use_bias=True``, GPT-2's layout). The differences from nanoGPT
+(weight decay, evaluations, the end-of-text token) are in
+docs/nanogpt_parity.md.
 
 Train, tied and untied (one command each)::
 
@@ -135,20 +131,14 @@ def data_defaults() -> ml_collections.ConfigDict:
     # trained on a prefix that covers all of it (lmhead/lm/members.py).
     data.tokenizer_fraction = config_dict.placeholder(float)
     # Held-out windows of the training plays: every round(1 / holdout_fraction)-th
-    # chunk of holdout_chunk characters of the training split is left out of the
-    # training text and BPE's, and the run evaluates the ones inside its range
-    # (heldout/...): the generalization gap on the same plays, which validation
-    # (other plays) mixes with the shift between works. 0: none.
+    # chunk of holdout_chunk characters of the training split is left out of
+    # training and evaluated (heldout/...; docs/training.md). 0: none.
     data.holdout_fraction = 0.0
-    # Long enough that a window rarely spans a seam, short enough that the
-    # held-out chunks sample the whole range.
     data.holdout_chunk = 1024
     # GPT-2's end-of-text token <|endoftext|> after each work of the embedded
-    # corpus (a text file: where its own literals stand), with the last id of
-    # both tokenizers (lmhead/lm/data/tokenization.py); generation stops at it.
-    # False: no such token, the data every run before it had (the sweep files
-    # of the committed runs pin it; a saved config without the key reads as
-    # False).
+    # corpus (a text file: where its own literals stand), the last id of both
+    # tokenizers; generation stops at it. False: no such token (a saved config
+    # without the key reads as False).
     data.end_of_text = True
     data.block_size = 64
     return data
@@ -188,13 +178,9 @@ def loss_defaults() -> ml_collections.ConfigDict:
     """The defaults of ``config.loss``."""
     loss = ml_collections.ConfigDict()
     # "materialized" | "fused" (no [N, V] logits) | "vocab_parallel" (the
-    # vocabulary split over mesh.model, see lmhead/lm/sharding.py). All three
-    # give the same losses to float32 rounding; docs/fused_loss.md compares
-    # their time and memory.
-    # Evaluation builds the [B, T, V] logits whatever loss_impl says: the
-    # calibration error (eval/ece) needs every token's top probability, which
-    # the blocked losses do not compute. Without gradients that is one batch
-    # of logits at a time (B * T * V floats), not the training step's residuals.
+    # vocabulary split over mesh.model): the same losses to float32 rounding
+    # (docs/fused_loss.md). Evaluation builds one batch's logits whatever it
+    # says: the calibration error (eval/ece) needs every token's probability.
     loss.loss_impl = "fused"
     loss.label_smoothing = 0.0
     loss.smoothing = "uniform"  # "uniform" | "normalized"
@@ -236,12 +222,8 @@ def mesh_defaults() -> ml_collections.ConfigDict:
     mesh.data = -1
     mesh.model = 1
     # An ensemble's members split over this many devices (shard_map; the
-    # rest: data and model); each device trains members / this many of them.
-    # None: on a CPU, the most CPU devices that divide the members (an
-    # ensemble of experiments/train.py gets one CPU device per core it may
-    # use), so that a program keeps every core busy, which one device's
-    # lax.map over the members does not (docs/training.md, "Speed of an
-    # ensemble"); 1 on a GPU or TPU.
+    # rest: data and model). None: on a CPU, the most CPU devices that divide
+    # the members; 1 on a GPU or TPU (docs/training.md, "Speed of an ensemble").
     mesh.members = config_dict.placeholder(int)
     return mesh
 
@@ -252,15 +234,12 @@ def train_defaults() -> ml_collections.ConfigDict:
     train.steps = 2000
     train.batch_size = 12
     # Gradient accumulation over this many microbatches of each batch (the
-    # same step up to rounding, see lmhead/lm/train.py's train_step): on a CPU,
-    # 2 keeps the nanogpt config's activations in cache, which makes its step
-    # cheaper (docs/nanogpt_parity.md, "Microbatches and CPU devices"); on a
-    # GPU or TPU keep 1.
+    # same step up to rounding; docs/nanogpt_parity.md, "Microbatches and CPU
+    # devices", says when it pays).
     train.microbatches = 1
     # An ensemble's members in one vmap; the rest go one group after another
-    # in a lax.map. None: 1 on a CPU (a lax.map over members), all of them on
-    # a GPU or TPU. The same results to float32 rounding; only the speed
-    # differs (experiments/bench/bench_train.py --ensemble measures it).
+    # in a lax.map. None: 1 on a CPU, all of them on a GPU or TPU (the same
+    # results to float32 rounding).
     train.vmap_members = config_dict.placeholder(int)
     train.seed = 0
     train.log_every = 100

@@ -1,5 +1,5 @@
-"""Tests for experiments/train.py's flags: a bad flag fails before the
-workdir is made, with status 1 and a message that names the flag.
+"""Tests for experiments/train.py's flags: a bad flag or config value fails
+before the workdir is made, with status 1 and a message that names it.
 
 The program's runs themselves are tested in test_commands.py.
 """
@@ -9,7 +9,7 @@ import os
 import pytest
 
 from tests import run_experiment
-from tests.errors import names
+from tests.errors import cases, names
 
 
 def run_train(*args):
@@ -18,23 +18,17 @@ def run_train(*args):
 
 # The program exits with 1 and names the flag (and the closest key).
 CLI = [
-    (
-        "unknown key",
-        ["--config.trian.steps=3"],
-        ("config.trian.steps", "config.train.steps"),
-    ),
+    ("unknown key", ["--config.trian.steps=3"],
+     ("config.trian.steps", "config.train.steps")),
     ("not an int", ["--config.train.steps=ten"], ("config.train.steps", "ten")),
-    (
-        "lr out of range",
-        ["--config.optim.lr=-0.001"],
-        ("ValueError", "config.optim.lr"),
-    ),
-]
+    ("lr out of range", ["--config.optim.lr=-0.001"],
+     ("ValueError", "config.optim.lr")),
+    ("heads do not divide d_model", ["--config.model.num_heads=3"],
+     ("config.model.num_heads", "config.model.d_model")),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "args,named", [pytest.param(*case[1:], id=case[0]) for case in CLI]
-)
+@pytest.mark.parametrize("args,named", cases(CLI))
 def test_train_command_line(tmp_path, args, named):
     workdir = str(tmp_path / "run")
     result = run_train(

@@ -1,12 +1,11 @@
 """Tests for lmhead/lab/progress.py: the progress lines of running jobs, read
-from the files a stand-in program writes when the test tells it to, on a
-clock the test drives (so no line depends on the machine's speed); and the
-lines on the runner's terminal (experiments/sweep.py), which the test waits
-for while the stand-in program waits for the test."""
+from the files the test writes, on a clock the test drives (so no line
+depends on the machine's speed); and the lines on the runner's terminal
+(experiments/sweep.py), which the test waits for while the stand-in program
+waits for the test."""
 
 import json
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -16,39 +15,17 @@ from tests import ROOT
 from tests.errors import bad_input_test
 from tests.lab.sweep_helpers import FAKE_SWEEP, sweep_command
 
-# A program that writes what it reads on stdin, one JSON request a line
-# ({"path", "text", "mode"}: "a" appends, "w" writes the file anew), and
-# answers "done" once the file is closed: the test decides when each metrics
-# line exists, as a train process's writes would make it.
-WRITER = textwrap.dedent("""\
-    import json, os, sys
-    for line in sys.stdin:
-        request = json.loads(line)
-        os.makedirs(os.path.dirname(request["path"]), exist_ok=True)
-        with open(request["path"], request["mode"]) as f:
-            f.write(request["text"])
-        print("done", flush=True)
-    """)
-
 
 @pytest.fixture
 def writer():
-    process = subprocess.Popen(
-        [sys.executable, "-c", WRITER],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    """Writes a file as a train process would: appending (``"a"``) or anew."""
 
     def write(path, text, mode="a"):
-        request = dict(path=str(path), text=text, mode=mode)
-        process.stdin.write(json.dumps(request) + "\n")
-        process.stdin.flush()
-        assert process.stdout.readline() == "done\n"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, mode, encoding="utf-8") as f:
+            f.write(text)
 
-    yield write
-    process.stdin.close()
-    process.wait(timeout=60)
+    return write
 
 
 def metrics_line(step, **values):

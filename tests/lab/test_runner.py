@@ -193,13 +193,21 @@ def read_json(path):
     return json.loads(pathlib.Path(path).read_text())
 
 
-def test_ensemble_programs_run_once_each_and_time_their_members(tmp_path):
-    sweep_dir = tmp_path / "sweep"
-    result = run_sweep(tmp_path, "--ensemble=2", "--noreport", arg=":3")
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_ensemble_programs_run_once_each_rerun_failed_members_and_time_them(tmp_path):
+    """Programs of at most 2 members, one process each; a program whose
+    member failed runs again with the same members, skipping the finished
+    one; then the same command runs nothing."""
+    sweep_dir, failing = tmp_path / "sweep", "tied=False,seed=1"
+    flags_ = ("--ensemble=2", "--noreport", "--parallel=2")
+    result = run_sweep(tmp_path, *flags_, env={"FAIL_RUN": failing}, arg=":3")
+    assert result.returncode == 1
     assert "6 runs in" in result.stdout
     assert "in 4 processes (4 programs of at most 2 members)" in result.stdout
     assert "start tied=True,ensemble=0 (2 members)" in result.stdout
+    assert "FAILED: tied=False,ensemble=0 (2 members)" in result.stdout
+    assert f"members not finished: {failing}\n" in result.stdout
+    assert "trained 2 members" in result.stdout  # the program log's tail
+    assert "1 of 4 processes failed" in result.stdout
     programs = {
         "tied=True,ensemble=0": [(True, 0), (True, 1)],
         "tied=True,ensemble=1": [(True, 2)],
@@ -212,7 +220,7 @@ def test_ensemble_programs_run_once_each_and_time_their_members(tmp_path):
         assert calls(tmp_path, name, program=True) == ["start", *trained]
         assert (program / workdirs.LOG_FILE).read_text().startswith("=== ")
         status = read_json(program / workdirs.STATUS_FILE)
-        assert status["returncode"] == 0
+        assert status["returncode"] == int(name == "tied=False,ensemble=0")
         member_flags = [f for f in status["command"] if f.startswith("--member=")]
         assert len(member_flags) == len(members)
         assert not any(
@@ -225,48 +233,12 @@ def test_ensemble_programs_run_once_each_and_time_their_members(tmp_path):
                 "ensemble": str(program),
                 "members": len(members),
             }
-    runs = workdirs.read_sweep(str(sweep_dir))
-    assert [r.status for r in runs] == ["finished"] * 6
-    intervals = {r.name: r.interval for r in runs}
-    assert intervals["tied=True,seed=0"] == intervals["tied=True,seed=1"]
-    assert intervals["tied=True,seed=0"] != intervals["tied=True,seed=2"]
-    # Each program's 30 s once, not each member's (the reports' total).
-    assert workdirs.wall_seconds(runs) == 4 * 30.0
-
-    # The same command again runs nothing.
-    assignment = (sweep_dir / "ensembles.json").read_text()
-    result = run_sweep(tmp_path, "--ensemble=2", "--noreport", arg=":3")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "6 finished before, 0 to run" in result.stdout
-    assert calls(tmp_path, "tied=True,ensemble=0", program=True) == [
-        "start",
-        "train tied=True,seed=0",
-        "train tied=True,seed=1",
-    ]
-    assert (sweep_dir / "ensembles.json").read_text() == assignment
-
-
-def test_a_failed_program_reruns_with_the_same_members_and_skips_finished(tmp_path):
-    sweep_dir = tmp_path / "sweep"
-    failing = "tied=False,seed=1"
-    flags_ = ("--ensemble=2", "--noreport", "--parallel=2")
-    result = run_sweep(tmp_path, *flags_, env={"FAIL_RUN": failing})
-    assert result.returncode == 1
-    assert "FAILED: tied=False,ensemble=0 (2 members)" in result.stdout
-    assert f"members not finished: {failing}\n" in result.stdout
-    assert "trained 2 members" in result.stdout  # the program log's tail
-    assert "1 of 2 processes failed" in result.stdout
     statuses = {r.name: r.status for r in workdirs.read_sweep(str(sweep_dir))}
-    assert statuses == {
-        "tied=True,seed=0": "finished",
-        "tied=True,seed=1": "finished",
-        "tied=False,seed=0": "finished",
-        failing: "failed",
-    }
+    assert [name for name, s in statuses.items() if s != "finished"] == [failing]
     finished_member = read_json(sweep_dir / "tied=False,seed=0" / "status.json")
-    assert finished_member["returncode"] == 1
 
-    result = run_sweep(tmp_path, *flags_)
+    assignment = (sweep_dir / "ensembles.json").read_text()
+    result = run_sweep(tmp_path, *flags_, arg=":3")
     assert result.returncode == 0, result.stdout + result.stderr
     assert calls(tmp_path, "tied=False,ensemble=0", program=True) == [
         "start",
@@ -276,12 +248,24 @@ def test_a_failed_program_reruns_with_the_same_members_and_skips_finished(tmp_pa
         "skip tied=False,seed=0",
         f"train {failing}",
     ]
+    # The member the rerun skipped keeps its own process's record.
+    assert read_json(sweep_dir / "tied=False,seed=0" / "status.json") == finished_member
+    rerun = read_json(sweep_dir / failing / "status.json")
+    assert rerun["returncode"] == 0 and rerun["started"] > finished_member["ended"]
+    runs = workdirs.read_sweep(str(sweep_dir))
+    assert [r.status for r in runs] == ["finished"] * 6
+    intervals = {r.name: r.interval for r in runs}
+    assert intervals["tied=True,seed=0"] == intervals["tied=True,seed=1"]
+    assert intervals["tied=True,seed=0"] != intervals["tied=True,seed=2"]
+    # Each program's 30 s once, not each member's (the reports' total).
+    assert workdirs.wall_seconds(runs) == 4 * 30.0
+
+    result = run_sweep(tmp_path, *flags_, arg=":3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "6 finished before, 0 to run" in result.stdout
     assert calls(tmp_path, "tied=True,ensemble=0", program=True) == [
         "start",
         "train tied=True,seed=0",
         "train tied=True,seed=1",
     ]
-    # The member the rerun skipped keeps its own process's record.
-    assert read_json(sweep_dir / "tied=False,seed=0" / "status.json") == finished_member
-    rerun = read_json(sweep_dir / failing / "status.json")
-    assert rerun["returncode"] == 0 and rerun["started"] > finished_member["ended"]
+    assert (sweep_dir / "ensembles.json").read_text() == assignment

@@ -40,6 +40,7 @@ def test_a_committed_report_is_rewritten_from_its_table_alone(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "Restored 24 finished runs from" in result.stdout  # its 24 rows
+    assert "b − a" in result.stdout and f"Report: {out / 'REPORT.md'}" in result.stdout
     for name in ("runs.csv", "REPORT.md"):
         with open(os.path.join(COMPARE, name), encoding="utf-8") as f:
             assert (out / name).read_text() == f.read(), name

@@ -16,7 +16,7 @@ from scipy import stats
 from lmhead.lm import checkpoints, configuration, generation
 from lmhead.lm import state as state_lib
 from lmhead.studies.tying import diagnostics_report, table
-from tests import run_experiment
+from tests import references, run_experiment
 
 MAX_WINDOWS = 6
 
@@ -116,8 +116,7 @@ def test_tied_run_against_numpy(diagnosed):
     logits = jax.jit(model.apply)({"params": params}, windows["inputs"])
     logits = np.asarray(logits, np.float64)
     labels = windows["labels"]
-    shifted = logits - logits.max(-1, keepdims=True)
-    log_p = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    log_p = references.log_softmax(logits)
     nll = -np.take_along_axis(log_p, labels[..., None], -1)[..., 0]
     assert tied["windows"] == MAX_WINDOWS and tied["positions"] == MAX_WINDOWS * block
     np.testing.assert_allclose(tied["nll"], nll.mean(), rtol=1e-5)

@@ -16,7 +16,7 @@ import pytest
 from lmhead.lm import checkpoints, data, generation
 from lmhead.lm import state as state_lib
 from lmhead.studies.tying import rate_noise, table
-from tests import run_experiment
+from tests import references, run_experiment
 
 CHOSEN, FOLLOWING, SEEDS = 0.001, 0.002, (100, 101)
 
@@ -55,9 +55,8 @@ def _window_nll(config, model, params, val_tokens):
     )
     inputs = np.concatenate([b["inputs"] for b in batches])
     labels = np.concatenate([b["labels"] for b in batches])
-    logits = np.asarray(jax.jit(model.apply)({"params": params}, inputs), np.float64)
-    shifted = logits - logits.max(-1, keepdims=True)
-    log_p = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    logits = jax.jit(model.apply)({"params": params}, inputs)
+    log_p = references.log_softmax(np.asarray(logits, np.float64))
     return -np.take_along_axis(log_p, labels[..., None], -1)[..., 0].mean(-1), labels
 
 

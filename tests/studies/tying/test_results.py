@@ -1,11 +1,12 @@
 """Tests for lmhead/studies/tying/results.py: the rows of runs.csv read from a
 sweep directory of the tiny design (run directories written, not trained),
-and REPORT.md regenerated from runs.csv alone, through the report command."""
+restored into fresh directories, and the committed reports and plots
+regenerated from their runs.csv alone (through the report command, in
+tests/experiments/test_report.py)."""
 
 import json
 import os
 import re
-import shutil
 
 import numpy as np
 import pytest
@@ -124,32 +125,6 @@ def test_without_tuning_the_rows_are_the_test_runs(tmp_path):
         f"every run trained at {rows[0]['lr']:.3g}, chosen before the runs, not "
         "on their results."
     )
-
-
-def test_report_regenerates_from_runs_csv_alone(sweep, tmp_path):
-    """The report command writes runs.csv and REPORT.md; with the run
-    directories gone, REPORT.md rebuilt from that CSV is the same text."""
-    design, sweep_dir, _ = sweep
-    copy = tmp_path / "runs"
-    shutil.copytree(sweep_dir, copy)
-    out = tmp_path / "docs"
-    result = run_experiment(
-        "report.py",
-        f"--workdir={copy}",
-        f"--sweep={STUDY}:{ARG}",
-        f"--out={out}",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "b − a" in result.stdout or "b - a" in result.stdout
-    assert f"Report: {out / 'REPORT.md'}" in result.stdout
-    written = (out / "REPORT.md").read_text()
-    shutil.rmtree(copy)
-    again = tmp_path / "again"
-    text, plots = results.report_from_csv(str(out / results.RUNS_CSV), str(again))
-    assert text == written == (again / "REPORT.md").read_text()
-    for plot in plots:  # the plots too, byte for byte
-        assert (out / os.path.basename(plot)).read_bytes() == open(plot, "rb").read()
-    assert plots
 
 
 def test_a_fresh_sweep_directory_resumes_from_the_committed_table(sweep, tmp_path):
@@ -304,11 +279,15 @@ def test_restoring_needs_a_table_and_a_sweep_file_that_can(tmp_path):
 )
 def test_the_committed_reports_are_what_their_csv_gives_today(folder, tmp_path):
     """A change to the report's code rewrites the committed reports with it:
-    each committed REPORT.md is what ``report_from_csv`` gives from the
-    committed runs.csv beside it."""
+    each committed REPORT.md and its plots are what ``report_from_csv`` gives,
+    byte for byte, from the committed runs.csv beside it."""
     folder = os.path.join(ROOT, folder)
-    text, _ = results.report_from_csv(
+    text, plots = results.report_from_csv(
         os.path.join(folder, results.RUNS_CSV), str(tmp_path)
     )
     with open(os.path.join(folder, "REPORT.md"), encoding="utf-8") as f:
         assert text == f.read()
+    assert len(plots) == 2
+    for plot in plots:
+        with open(os.path.join(folder, os.path.basename(plot)), "rb") as f:
+            assert open(plot, "rb").read() == f.read(), plot

@@ -1,19 +1,9 @@
-"""The service's requests: checks of a ``/v1/completions`` body and the
-shape buckets.
-
-* :func:`parse_completion` checks a body field by field (OpenAI's schema,
-  see ``docs/serving.md``) and raises :class:`RequestError` naming the first
-  bad field (OpenAI's ``param``).
-* :class:`Buckets` bounds the shapes: a batch of ``R`` rows runs as the
-  smallest batch size ``>= R``, a prompt of ``P`` tokens as the smallest
-  prompt length ``>= P``; beam search runs exactly one of the new-token
-  counts.
-
-A request fits the model's context ``C`` (vLLM's rule) when each prompt's
-tokens plus ``max_tokens`` are at most ``C``; with ``echo`` and
-``max_tokens`` 0 or 1 a prompt may fill the whole context (the one new
-token comes from the prompt's own logits, and no position is needed after
-it).
+"""The service's requests: :func:`parse_completion` checks a
+``/v1/completions`` body field by field (OpenAI's schema and vLLM's
+extensions and context rule, ``docs/serving.md``) and raises
+:class:`RequestError` naming the first bad field (OpenAI's ``param``);
+:class:`Buckets` are the shapes compiled at start-up, :class:`Limits` the
+other caps of a request.
 """
 
 import dataclasses
@@ -260,36 +250,12 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's presence and frequency penalties
 BIAS_RANGE = (-100.0, 100.0)  # OpenAI's logit_bias values
 DEFAULT_MAX_TOKENS = 16  # OpenAI's
-EXTENSIONS = (
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "num_beams",
-    "stop_token_ids",
-    "ignore_eos",
-    "include_stop_str_in_output",
-    "min_tokens",
-)
-COMPLETION_FIELDS = (
-    "model",
-    "prompt",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "n",
-    "stream",
-    "stream_options",
-    "logprobs",
-    "echo",
-    "stop",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "seed",
-    "user",
-    "best_of",
-    "suffix",
-    *EXTENSIONS,
+# OpenAI's fields, then vLLM's extensions and num_beams.
+COMPLETION_FIELDS = tuple(
+    """model prompt max_tokens temperature top_p n stream stream_options
+    logprobs echo stop presence_penalty frequency_penalty logit_bias seed user
+    best_of suffix top_k min_p repetition_penalty num_beams stop_token_ids
+    ignore_eos include_stop_str_in_output min_tokens""".split()
 )
 
 
@@ -300,18 +266,11 @@ class CompletionRequest:
     ``prompt_ids[i]`` encodes prompt ``i`` and ``prompt_texts[i]`` is its text
     (decoded when it came as token ids). ``prompt_max_tokens[i]`` is the most
     tokens prompt ``i`` may make (``max_tokens``, or the room it leaves in
-    the context), ``max_tokens`` the largest of them. The vLLM extensions:
-    ``stop_token_ids`` end a row at any of those ids (the row keeps it, as
-    EOS); ``ignore_eos`` decodes past EOS; ``include_stop_str`` keeps the
-    stop string that ended a row in its text; ``min_tokens`` (in
-    ``knobs.min_new_tokens``) makes no stop of any kind end a row before it
-    has that many tokens. ``knobs.stop_tokens`` marks the stop ids and EOS
-    (unless ignored). ``sink``, set by the web layer for a
-    streaming request, is called from the batcher's thread with each chunk's
-    list of ``(choice index, text so far, tokens so far)``. A beam request
-    (``num_beams > 1``, the extension) and an echo-only one (``max_tokens``
-    0) run whole (:func:`lmhead.serve.engine.Engine.run_whole`); the others
-    decode in slots (:mod:`lmhead.serve.continuous`).
+    the context), ``max_tokens`` the largest of them. ``knobs.stop_tokens``
+    marks the ``stop_token_ids`` and EOS (unless ``ignore_eos``), and
+    ``knobs.min_new_tokens`` is ``min_tokens``. ``sink``, set by the web
+    layer for a streaming request, is called from the batcher's thread with
+    each chunk's list of ``(choice index, text so far, tokens so far)``.
     """
 
     prompt_ids: list[np.ndarray]
@@ -389,41 +348,37 @@ def _prompts(body: dict, tokenizer: Any, limits) -> list:
     return out
 
 
+def _short_list(value: Any, name: str, most: int, valid, what: str) -> list:
+    """``value`` (None: ``[]``), a list of at most ``most`` items each
+    ``valid``; else the :class:`RequestError` that says it must be ``what``."""
+    value = [] if value is None else value
+    if not isinstance(value, list) or len(value) > most or not all(map(valid, value)):
+        raise RequestError(name, f"{name} must be {what}.")
+    return value
+
+
 def _stops(body: dict, limits: Limits) -> list[str]:
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    most, chars = limits.max_stops, limits.max_stop_chars
-    if (
-        not isinstance(stop, list)
-        or len(stop) > most
-        or not all(isinstance(s, str) and 1 <= len(s) <= chars for s in stop)
-    ):
-        raise RequestError(
-            "stop",
-            f"stop must be a string or a list of at most {most} strings of "
-            f"1 to {chars} characters.",
-        )
-    return stop
+    stop, most, chars = body.get("stop"), limits.max_stops, limits.max_stop_chars
+    return _short_list(
+        [stop] if isinstance(stop, str) else stop,
+        "stop",
+        most,
+        lambda s: isinstance(s, str) and 1 <= len(s) <= chars,
+        f"a string or a list of at most {most} strings of 1 to {chars} characters",
+    )
 
 
 def _stop_token_ids(body: dict, vocab_size: int, limits: Limits) -> list[int]:
-    ids = body.get("stop_token_ids")
-    if ids is None:
-        return []
-    if (
-        not isinstance(ids, list)
-        or len(ids) > limits.max_stops
-        or not all(
+    most = limits.max_stops
+    return _short_list(
+        body.get("stop_token_ids"),
+        "stop_token_ids",
+        most,
+        lambda i: (
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size
-            for i in ids
-        )
-    ):
-        raise RequestError(
-            "stop_token_ids",
-            f"stop_token_ids must be a list of at most {limits.max_stops} token "
-            f"ids in [0, {vocab_size}).",
-        )
-    return ids
+        ),
+        f"a list of at most {most} token ids in [0, {vocab_size})",
+    )
 
 
 def _logit_bias(body: dict, vocab_size: int) -> np.ndarray | None:

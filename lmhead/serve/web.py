@@ -1,25 +1,10 @@
-"""The HTTP service: OpenAI's completions API over continuous batching
-(:mod:`lmhead.serve.continuous`), a bearer token, a body-size cap,
-Prometheus metrics.
-
-Endpoints (JSON in and out, see ``docs/serving.md``):
-
-* ``POST /v1/completions`` (JSON, or server-sent events with ``stream``);
-  scoring a text is ``echo`` + ``logprobs`` + ``max_tokens: 0``.
-* ``GET /v1/models``, and vLLM's tokenizer routes ``GET /tokenizer_info``,
-  ``POST /tokenize`` and ``POST /detokenize``.
-* ``GET /healthz`` (never needs the token) and ``GET /metrics``.
-
-Errors take OpenAI's shape, ``{"error": {"message", "type", "param",
-"code"}}`` (:func:`error_body`). Statuses: 400 unreadable JSON or a field
-out of its rules (named in ``param``), 401 a missing or wrong token, 404 an
-unknown model or route, 413 a body over the cap, 503 (with ``Retry-After``)
-a full queue, 504 a request that did not finish within its timeout (a
-stream ends with the error in band).
-
-FastAPI, uvicorn and prometheus-client are the ``serve`` extra
-(``pip install -e '.[serve]'``); they are imported where used, so that the
-rest of ``lmhead`` needs none of them.
+"""The HTTP service: OpenAI's ``POST /v1/completions`` over continuous
+batching (:mod:`lmhead.serve.continuous`), ``GET /v1/models``, vLLM's
+tokenizer routes, ``/healthz`` and Prometheus ``/metrics``, behind a bearer
+token and a body-size cap; errors in OpenAI's shape (:func:`error_body`).
+The routes, statuses and metrics are listed in ``docs/serving.md``.
+FastAPI, uvicorn and prometheus-client (the ``serve`` extra) are imported
+where used, so that the rest of ``lmhead`` needs none of them.
 """
 
 import asyncio
@@ -106,53 +91,54 @@ class Metrics:
         import prometheus_client as prom
 
         self._prom = prom
-        self.registry = prom.CollectorRegistry()
-        prom.ProcessCollector(registry=self.registry)  # memory, CPU, open files
-        self.requests = prom.Counter(
+        self.registry = registry = prom.CollectorRegistry()
+        prom.ProcessCollector(registry=registry)  # memory, CPU, open files
+
+        def metric(kind, name, text, *labels, **options):
+            return getattr(prom, kind)(name, text, labels, registry=registry, **options)
+
+        self.requests = metric(
+            "Counter",
             "lmhead_requests",
             "HTTP requests by endpoint and status.",
-            ["endpoint", "status"],
-            registry=self.registry,
+            "endpoint",
+            "status",
         )
-        self.latency = prom.Histogram(
+        self.latency = metric(
+            "Histogram",
             "lmhead_request_latency_seconds",
             "Time to answer a request.",
-            ["endpoint"],
+            "endpoint",
             buckets=LATENCY_BUCKETS,
-            registry=self.registry,
         )
-        self.tokens = prom.Counter(
-            "lmhead_generated_tokens",
-            "Tokens returned by /v1/completions.",
-            registry=self.registry,
+        self.tokens = metric(
+            "Counter", "lmhead_generated_tokens", "Tokens returned by /v1/completions."
         )
-        self.queue_depth = prom.Gauge(
+        self.queue_depth = metric(
+            "Gauge",
             "lmhead_queue_depth",
             "Requests waiting for decode slots (or to run whole).",
-            registry=self.registry,
         )
-        self.active_slots = prom.Gauge(
-            "lmhead_active_slots",
-            "Decode slots holding a running sequence.",
-            registry=self.registry,
+        self.active_slots = metric(
+            "Gauge", "lmhead_active_slots", "Decode slots holding a running sequence."
         )
-        self.cancelled = prom.Counter(
+        self.cancelled = metric(
+            "Counter",
             "lmhead_cancelled_sequences",
             "Running sequences cancelled (client gone or timed out) that left "
             "their slots.",
-            registry=self.registry,
         )
-        self.first_token = prom.Histogram(
+        self.first_token = metric(
+            "Histogram",
             "lmhead_time_to_first_token_seconds",
             "From a completion's arrival to its first tokens.",
             buckets=LATENCY_BUCKETS,
-            registry=self.registry,
         )
-        self.inter_token = prom.Histogram(
+        self.inter_token = metric(
+            "Histogram",
             "lmhead_inter_token_seconds",
             "Gap between deliveries of a completion's tokens, per token.",
             buckets=TOKEN_GAP_BUCKETS,
-            registry=self.registry,
         )
 
     def text(self) -> bytes:

@@ -1,12 +1,10 @@
 """The answers of ``/v1/completions``: a request's choices, texts and
 log-probs from its decoded rows (:func:`request_result`), the echoed
-prompt's log-probs from the scorer (:func:`lmhead.lm.scoring.strided_log_probs`),
-each row's key (:func:`key_recipe`, :func:`derive_keys`), and OpenAI's
-response objects (:func:`completion_body`, :func:`stream_chunk`).
-
-Log-probs are the model's own (``log_probs_from="model"``: the raw
-``log_softmax``, before temperature, penalties and truncation), as an
-evaluation harness expects.
+prompt's log-probs (:func:`prompt_log_probs`), each row's key
+(:func:`key_recipe`, :func:`derive_keys`), and OpenAI's response objects
+(:func:`completion_body`, :func:`stream_chunk`). Log-probs are the model's
+own (the raw ``log_softmax``, before temperature, penalties and
+truncation), as an evaluation harness expects.
 """
 
 import functools
@@ -50,22 +48,19 @@ def _prompt_top(logits_fn, params, tokens, k):
 
 def top_width(engine: Any) -> int:
     """How many top log-probs a decoding batch computes: the most a request
-    may ask, or
-    every token of a smaller vocabulary (a request's ``logprobs`` reads its
-    first ones)."""
+    may ask, or every token of a smaller vocabulary (a request's
+    ``logprobs`` reads its first ones)."""
     return min(MAX_LOGPROBS, engine.model.vocab_size)
 
 
 def prompt_log_probs(engine: Any, ids: np.ndarray, k: int) -> tuple[list, list]:
-    """The echoed prompt's ``token_logprobs`` (the scorer's, the first one
-    None: nothing predicts it) and ``top_logprobs`` (``k`` most likely
-    ``{token text: log-prob}`` at each position, None first; ``k`` past the
-    vocabulary gives every token, as the completion's top log-probs do).
-
-    The top ``k`` come from one forward pass of the prompt padded to the
-    context (causal, so the padding changes nothing before it; the scorer
-    runs that width too), which takes the top :func:`top_width` whatever
-    ``k``: one program for every request."""
+    """The echoed prompt's ``token_logprobs`` (the scorer's,
+    :func:`lmhead.lm.scoring.strided_log_probs`; None first: nothing
+    predicts it) and ``top_logprobs`` (``k`` most likely ``{token text:
+    log-prob}`` at each position, None first; ``k`` past the vocabulary
+    gives every token), from one forward pass of the prompt padded to the
+    context (causal: the padding changes nothing before it) that takes the
+    top :func:`top_width` whatever ``k``, one program for every request."""
     chosen = [None]
     if len(ids) > 1:
         chosen += [
@@ -134,22 +129,31 @@ def derive_keys(
 
 
 def key_recipe(
-    engine: Any, batch: list[CompletionRequest], rows: list, size: int
+    engine: Any, request: CompletionRequest
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """What :func:`derive_keys` needs for one batch of ``size`` rows, each
-    ``int32 [size]``: the batch's number (the engine's next), the seeds
+    """What :func:`derive_keys` needs for the request's rows ``p n + s``
+    (``int32 [R]`` each): the batch's number (the engine's next), the seeds
     (-1: none) and the folds. A seeded request's row ``p n + s`` draws from
-    ``fold_in(key(seed), p n + s)``, whatever its batch; the others from the
-    batch's key folded with the row; padding rows take the batch's key."""
-    seeds = np.full([size], -1, np.int32)
-    folds = np.full([size], -1, np.int32)
-    for row, (r, p, s) in enumerate(rows):
-        seed = batch[r].seed
-        if seed is None:
-            folds[row] = row
-        else:
-            seeds[row], folds[row] = seed, p * batch[r].n + s
-    return np.full([size], next(engine._batch_index), np.int32), seeds, folds
+    ``fold_in(key(seed), p n + s)`` whatever its batch, the others from the
+    batch's key folded with the row.
+
+    Examples:
+        >>> from lmhead.lm import data
+        >>> from lmhead.serve import requests as r
+        >>> class Engine: _batch_index = iter([5])
+        >>> request = r.parse_completion({"model": "m", "prompt": "a", "n": 2,
+        ...     "seed": 7}, data.CharTokenizer("a"), r.Buckets((2,), (4,), (4,)),
+        ...     r.Limits(), "m")
+        >>> [a.tolist() for a in key_recipe(Engine, request)]
+        [[5, 5], [7, 7], [0, 1]]
+    """
+    rows = request.rows
+    seed = -1 if request.seed is None else request.seed
+    return (
+        np.full([rows], next(engine._batch_index), np.int32),
+        np.full([rows], seed, np.int32),
+        np.arange(rows, dtype=np.int32),
+    )
 
 
 def eos_id(engine: Any, request: CompletionRequest) -> int | None:
@@ -366,14 +370,8 @@ def usage(result: dict) -> dict:
 
 def completion_body(request: CompletionRequest, result: dict, id_: str) -> dict:
     """The ``text_completion`` object of a finished request."""
-    return {
-        "id": id_,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": request.model,
-        "choices": result["choices"],
-        "usage": usage(result),
-    }
+    body = stream_chunk(request, id_, result["choices"])
+    return {**body, "usage": usage(result)}
 
 
 def stream_chunk(

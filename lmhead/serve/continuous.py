@@ -356,10 +356,7 @@ class SlotBatcher:
                 continue
             try:
                 job.prompt_scores = completions.echo_scores(self.engine, job.request)
-                mine = [(0, row.p, row.s) for row in job.rows]
-                recipe = completions.key_recipe(
-                    self.engine, [job.request], mine, len(mine)
-                )
+                recipe = completions.key_recipe(self.engine, job.request)
             except Exception as error:  # this request only: the others go on
                 self._fail([job], error)
                 continue

@@ -34,7 +34,7 @@ from lmhead.lab import report
 from lmhead.lab import stats as stats_lib
 from lmhead.studies.tying import cells as cells_lib
 from lmhead.studies.tying.cells import PRIMARY
-from lmhead.studies.tying.report_text import columns, p_text, prose, range_text
+from lmhead.studies.tying.report_text import column_names, p_text, prose, range_text
 
 Rows = Sequence[Mapping[str, Any]]
 # The power and level of the table of smallest detectable differences.
@@ -196,7 +196,8 @@ def model_section(rows: Rows) -> str:
             head,
             prose("model"),
             report.markdown_table(
-                columns("model_columns") + [f"{t}: χ² (df), p" for t in TESTS], lines
+                column_names("model_columns") + [f"{t}: χ² (df), p" for t in TESTS],
+                lines,
             ),
         ]
     )
@@ -240,6 +241,6 @@ def power_section(rows: Rows) -> str:
                 median=median,
                 range=range_text(finite),
             ),
-            report.markdown_table(columns("power_columns", alpha=ALPHA), lines),
+            report.markdown_table(column_names("power_columns", alpha=ALPHA), lines),
         ]
     )

@@ -20,7 +20,7 @@ from lmhead.studies.tying.design_text import design_section
 from lmhead.studies.tying.flags_text import flags_section
 from lmhead.studies.tying.report_text import (
     DASH,
-    columns,
+    column_names,
     equal_spread_text,
     geometric_mean_text,
     mean_text,
@@ -76,7 +76,7 @@ def results_section(rows: Rows) -> str:
     text = [
         "## Results by cell",
         prose("results"),
-        report.markdown_table(columns("results_columns"), lines),
+        report.markdown_table(column_names("results_columns"), lines),
     ]
     if capped:
         text.append(prose("results_capped", runs="; ".join(capped)))
@@ -136,7 +136,7 @@ def primary_section(rows: Rows) -> str:
             contrasts=len(PRIMARY),
             measured=len(family.contrasts),
         ),
-        report.markdown_table(columns("primary_columns"), lines),
+        report.markdown_table(column_names("primary_columns"), lines),
         f"Pooled standard deviations of the differences: {pooled}.",
         family_counts(family.contrasts),
         untrained_sensitivity(rows),

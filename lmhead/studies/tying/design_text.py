@@ -8,7 +8,13 @@ from typing import Any
 from lmhead.lab import report
 from lmhead.studies.tying import cells as cells_lib
 from lmhead.studies.tying import table
-from lmhead.studies.tying.report_text import DASH, columns, int_text, prose, seeds_text
+from lmhead.studies.tying.report_text import (
+    DASH,
+    column_names,
+    int_text,
+    prose,
+    seeds_text,
+)
 
 Rows = Sequence[Mapping[str, Any]]
 
@@ -39,7 +45,7 @@ def design_section(rows: Rows) -> str:
             steps = untie.setdefault((row["vocab"], row["arm"]), {})
             steps.setdefault(row["amount"], row["untie_step"])
     arms = report.markdown_table(
-        columns("design_columns"),
+        column_names("design_columns"),
         (
             [
                 cells_lib.vocab_label(vocab),
@@ -154,7 +160,7 @@ def amounts_table(rows: Rows) -> str:
             ]
         )
     return report.markdown_table(
-        columns("amounts_columns"),
+        column_names("amounts_columns"),
         lines,
     )
 

@@ -374,7 +374,9 @@ def markdown(runs: list[RunDiagnostics]) -> str:
         [
             "# Head diagnostics",
             report_text.prose("diagnostics", split=split, source=FREQUENCY_SOURCE),
-            report.markdown_table(report_text.columns("diagnostics_columns"), rows),
+            report.markdown_table(
+                report_text.column_names("diagnostics_columns"), rows
+            ),
             report_text.prose("diagnostics_buckets", split=split, buckets=num_buckets),
             report.markdown_table(
                 ["run", *(f"bucket {k}" for k in range(num_buckets))], buckets

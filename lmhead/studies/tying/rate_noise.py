@@ -210,6 +210,8 @@ def markdown(found: Sequence[Mapping[str, Any]]) -> str:
         [
             "# How precisely the validation windows choose a rate",
             report_text.prose("rate_noise"),
-            report.markdown_table(report_text.columns("rate_noise_columns"), lines),
+            report.markdown_table(
+                report_text.column_names("rate_noise_columns"), lines
+            ),
         ]
     )

@@ -26,11 +26,11 @@ def prose(key: str, **fields) -> str:
     return PROSE[key].format(**fields)
 
 
-def columns(key: str, **fields) -> list[str]:
+def column_names(key: str, **fields) -> list[str]:
     """The table columns ``key`` of ``prose.toml``, their ``{fields}`` filled.
 
     Examples:
-        >>> columns("power_columns", alpha=0.05)[-2]
+        >>> column_names("power_columns", alpha=0.05)[-2]
         'detectable at α = 0.05'
     """
     return [name.format(**fields) for name in PROSE[key]]

@@ -7,7 +7,7 @@ from typing import Any
 
 from lmhead.lab import report
 from lmhead.studies.tying import cells as cells_lib
-from lmhead.studies.tying.report_text import DASH, columns, prose, seeds_text
+from lmhead.studies.tying.report_text import DASH, column_names, prose, seeds_text
 
 Rows = Sequence[Mapping[str, Any]]
 
@@ -53,7 +53,7 @@ def tuning_section(rows: Rows) -> str:
         [
             "## Learning rates",
             prose("tuning"),
-            report.markdown_table(columns("tuning_columns"), lines),
+            report.markdown_table(column_names("tuning_columns"), lines),
             selection_noise_text(noise),
         ]
     )

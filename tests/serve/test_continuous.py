@@ -77,6 +77,8 @@ def assert_same(got, want, path="result"):
 def test_short_requests_pass_a_long_one_and_answers_equal_each_alone(
     long_engine, monkeypatch
 ):
+    """Per-row stops, keys, lengths, penalties and log-probs: a request's
+    choices do not depend on the requests decoding beside it."""
     # The long request decodes only while another request waits or runs (or
     # once released): the short ones take far fewer than its LONG steps, so
     # it cannot finish first, however fast the machine.
@@ -93,9 +95,14 @@ def test_short_requests_pass_a_long_one_and_answers_equal_each_alone(
     slots = continuous.SlotBatcher(long_engine, max_queue=8, steps_per_call=1)
     try:
         short = [
-            parse(long_engine, prompt=p, max_tokens=3, temperature=0, logprobs=2)
-            for p in ("a", "be", "cat")
-        ]
+            parse(long_engine, max_tokens=8, **body)
+            for body in (
+                {"prompt": "a", "temperature": 0, "stop": "e", "logprobs": 2},
+                {"prompt": "be", "n": 2, "seed": 3, "presence_penalty": 0.5,
+                 "logit_bias": {"1": 3}},
+                {"prompt": "cat", "temperature": 0, "repetition_penalty": 3.0},
+            )
+        ]  # fmt: skip
         seeded = parse(long_engine, prompt="dog", max_tokens=6, n=2, seed=3)
         held = slots.submit(long)
         wait_until(lambda: slots.active() == 1)
@@ -107,6 +114,10 @@ def test_short_requests_pass_a_long_one_and_answers_equal_each_alone(
         wait_until(lambda: slots.active() == 0)
         for request, result in zip([long, *short, seeded], [together, *results]):
             assert_same(result, slots.submit(request).result(timeout=120))
+        plain = parse(long_engine, prompt="cat", max_tokens=8, temperature=0)
+        plain = slots.submit(plain).result(timeout=120)
+        # The penalty acts.
+        assert plain["choices"][0]["text"] != results[2]["choices"][0]["text"]
     finally:
         slots.stop()
 

@@ -20,7 +20,7 @@ from lmhead.lm import model as model_lib
 from lmhead.serve import engine as engine_lib
 from lmhead.serve import requests, web
 from tests.lm import gpt2_checkpoint
-from tests.serve.tiny_run import BUCKETS, eos_id, text_of
+from tests.serve.tiny_run import BUCKETS, eos_id, numpy_log_softmax, text_of
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -140,14 +140,6 @@ def rolling_windows(tokens, prefix, max_seq_len):
         )
         predicted += count
     return [(a[: len(a) - (len(b) - 1)], b) for a, b in windows]
-
-
-def numpy_log_softmax(run, ids):
-    model, params, _ = run
-    logits = np.asarray(jax.jit(model.apply)({"params": params}, np.asarray([ids]))[0])
-    logits = logits.astype(np.float64)
-    shifted = logits - logits.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
 def check_against_the_scorer(run, inp, ctxlen, values, tops):

@@ -16,8 +16,15 @@ import pytest
 from lmhead import decoding
 from lmhead.lm import model as model_lib
 from lmhead.lm import scoring
-from lmhead.serve import completions, continuous, requests, web
-from tests.serve.tiny_run import PROMPTS, eos_id, greedy_tokens, reference, text_of
+from lmhead.serve import completions, requests, web
+from tests.serve.tiny_run import (
+    PROMPTS,
+    eos_id,
+    greedy_tokens,
+    numpy_log_softmax,
+    reference,
+    text_of,
+)
 
 openai = pytest.importorskip("openai")  # the dev extra
 httpx = pytest.importorskip("httpx")
@@ -126,18 +133,6 @@ def test_sampled_n_with_seed_equals_generate_with_row_keys(run, engine, client):
     assert [c.text for c in answer.choices] == [
         text_of(run, t[:n]) for t, n in zip(want.tokens, want.lengths)
     ]
-
-
-def numpy_log_softmax(run, ids):
-    model, params, _ = run
-    logits = np.asarray(
-        jax.jit(model.apply)({"params": params}, ids[None])[0], np.float64
-    )
-    return (
-        logits
-        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1))[:, None]
-        - logits.max(-1, keepdims=True)
-    )
 
 
 def test_echo_with_zero_tokens_gives_the_scorer_log_probs(run, client):
@@ -329,46 +324,6 @@ def test_beam_extension_equals_beam_search(run, client):
         "KING" + text_of(run, tokens[0, k, : lengths[0, k]]) for k in range(2)
     ]
     assert answer.usage.completion_tokens == int(lengths.sum())
-
-
-def test_a_batch_of_requests_equals_each_alone(engine):
-    """Per-row stops, keys, lengths, penalties and log-probs: a request's
-    choices do not depend on the requests decoding beside it."""
-
-    def parse(body):
-        return requests.parse_completion(
-            dict(body, model=MODEL), engine.tokenizer, engine.buckets,
-            requests.Limits(), MODEL,
-        )  # fmt: skip
-
-    bodies = [
-        {"prompt": "KING", "temperature": 0, "stop": "E", "logprobs": 2},
-        {"prompt": "Lord", "n": 2, "seed": 3, "presence_penalty": 0.5,
-         "max_tokens": 5, "logit_bias": {"1": 3}},
-        {"prompt": "What", "temperature": 0, "repetition_penalty": 3.0},
-    ]  # fmt: skip
-    slots = continuous.SlotBatcher(engine, max_queue=8)
-    try:
-        together = [slots.submit(parse(b)) for b in bodies]
-        together = [future.result(timeout=60) for future in together]
-        alone = [slots.submit(parse(b)).result(timeout=60) for b in bodies]
-        unpenalized = dict(bodies[2], repetition_penalty=1.0)
-        plain = slots.submit(parse(unpenalized)).result(timeout=60)
-    finally:
-        slots.stop()
-    assert plain["choices"][0]["text"] != alone[2]["choices"][0]["text"]  # it acts
-    for result, want in zip(together, alone):
-        assert result["completion_tokens"] == want["completion_tokens"]
-        for got, one in zip(result["choices"], want["choices"], strict=True):
-            assert {k: got[k] for k in ("text", "index", "finish_reason")} == {
-                k: one[k] for k in ("text", "index", "finish_reason")
-            }
-            if one["logprobs"] is not None:  # batch sizes round differently
-                np.testing.assert_allclose(
-                    got["logprobs"]["token_logprobs"],
-                    one["logprobs"]["token_logprobs"],
-                    atol=1e-5,
-                )
 
 
 def test_stop_token_ids_and_min_tokens_are_vllms(run, client):

@@ -24,6 +24,14 @@ def text_of(run, tokens):
     return decoding.detokenize(np.asarray(tokens, np.int32), run[2], eos_id=eos_id(run))
 
 
+def numpy_log_softmax(run, ids):
+    """The model's log-softmax at each position of ``ids``, in float64 numpy."""
+    model, params, _ = run
+    logits = np.asarray(jax.jit(model.apply)({"params": params}, np.asarray([ids]))[0])
+    shifted = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
 def reference(run, prompt, max_new_tokens, *, keys=None, knobs=None, top=5):
     """``decoding.generate`` (numpy arrays) on ``prompt`` (a text or token
     ids) alone, one row per key (default: one greedy row), with the

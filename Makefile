@@ -115,10 +115,12 @@ format: $(STAMP)
 
 # -n auto: one pytest worker per core (pytest-xdist); --dist loadfile keeps a
 # file's tests, and so its module fixtures (a trained run, a server), on one
-# worker. --durations: the 30 slowest tests, so that every run (CI's too)
-# shows where the suite's time goes.
+# worker; --no-loadscope-reorder hands the files out in the order that
+# tests/conftest.py gives them (its longest few first). --durations: the 30
+# slowest tests, so that every run (CI's too) shows where the suite's time goes.
 test: lint
-	$(PY) -m pytest -m 'not slow' -n auto --dist loadfile --durations=30 -rs lmhead tests
+	$(PY) -m pytest -m 'not slow' -n auto --dist loadfile --no-loadscope-reorder \
+	    --durations=30 -rs lmhead tests
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,6 +1,7 @@
 """Fixtures shared by the test files, and one compilation cache for the suite."""
 
 import atexit
+import collections
 import os
 import shutil
 import tempfile
@@ -50,6 +51,28 @@ jax.config.update(
 from configs import default  # noqa: E402
 from lmhead.lm import data, train  # noqa: E402
 from lmhead.lm import state as state_lib  # noqa: E402
+
+# Files of few tests whose fixtures run for tens of seconds (a subprocess of
+# 8 devices, the notebook, a trained study): handed out first, so that none
+# of them is left to run on one worker at the end while the other idles.
+FIRST = (
+    "tests/lm/test_sharding_ensemble.py",
+    "tests/lm/test_sharding.py",
+    "tests/experiments/test_notebook.py",
+    "tests/experiments/test_tying_rate_noise.py",
+    "tests/experiments/test_dpo_shakespeare.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    """Orders the files as `make test`'s workers take them (pytest-xdist's
+    ``--dist loadfile --no-loadscope-reorder``): :data:`FIRST`, then the
+    others by their number of tests, most first, as xdist would; a file's
+    tests keep their order."""
+    path = lambda item: item.nodeid.split("::")[0]
+    counts = collections.Counter(map(path, items))
+    rank = lambda p: FIRST.index(p) if p in FIRST else len(FIRST)
+    items.sort(key=lambda item: (rank(path(item)), -counts[path(item)]))
 
 
 @pytest.fixture(scope="session")

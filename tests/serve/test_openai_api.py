@@ -80,8 +80,14 @@ def test_greedy_with_logprobs_equals_generate(run, client):
     assert answer.usage.completion_tokens == 12 and answer.usage.total_tokens == 12 + 8
 
 
-def test_stream_equals_one_answer(client):
-    body = dict(model=MODEL, prompt=["KING", "Lord"], max_tokens=8, temperature=0)
+@pytest.mark.parametrize("stop", [None, (3, 6), (1, 7)])
+def test_stream_equals_one_answer(run, client, stop):
+    """Also with a stop string, one longer than the text of the first
+    chunks: the stream sends no text the stop removes."""
+    full = text_of(run, reference(run, "Lord", 8).tokens[0])
+    stop = stop and full[slice(*stop)]
+    body = dict(model=MODEL, prompt=["KING", "Lord"], max_tokens=8, temperature=0,
+                stop=stop)  # fmt: skip
     whole = client.completions.create(**body)
     chunks = list(
         client.completions.create(
@@ -95,10 +101,14 @@ def test_stream_equals_one_answer(client):
             texts[choice.index] += choice.text
             if choice.finish_reason is not None:
                 reasons[choice.index] = choice.finish_reason
-    assert len(chunks) > 3  # text came in more than one delta per choice
     assert texts == {c.index: c.text for c in whole.choices}
-    assert reasons == {0: "length", 1: "length"}
+    assert reasons == {c.index: c.finish_reason for c in whole.choices}
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    if stop is None:
+        assert len(chunks) > 3  # text came in more than one delta per choice
+        assert reasons == {0: "length", 1: "length"}
+    else:
+        assert texts[1] == decoding.trim_at_stop(full, stop) and reasons[1] == "stop"
 
 
 def test_sampled_n_with_seed_equals_generate_with_row_keys(run, engine, client):
@@ -275,21 +285,6 @@ def test_penalties_and_bias_are_served(run, client):
     text = biased.choices[0].text
     assert len(text) == 4 and tokenizer.decode([int(first)]) not in text
     assert json.loads(biased.model_dump_json())["usage"]["completion_tokens"] == 4
-
-
-@pytest.mark.parametrize("start,end", [(3, 6), (1, 7)])
-def test_stream_with_stop_sends_no_text_the_stop_removes(run, client, start, end):
-    """Also a stop string longer than the text of the first chunks."""
-    full = text_of(run, reference(run, "Lord", 8).tokens[0])
-    body = dict(model=MODEL, prompt="Lord", max_tokens=8, temperature=0,
-                stop=full[start:end])  # fmt: skip
-    whole = client.completions.create(**body).choices[0]
-    pieces = [
-        c.choices[0].text
-        for c in client.completions.create(**body, stream=True)
-        if c.choices
-    ]
-    assert "".join(pieces) == whole.text == decoding.trim_at_stop(full, full[start:end])
 
 
 def test_running_text_holds_back_what_may_start_a_stop_string(engine):

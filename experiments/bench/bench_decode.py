@@ -4,55 +4,15 @@ r"""Decoding speed by batch, cache capacity and decoder, optionally against tran
     python experiments/bench/bench_decode.py --new_tokens=200 --max_lens=256,1024 --compare_hf
     python experiments/bench/bench_decode.py --quick --compare_hf   # a check that it runs
 
-The model is ``--config``'s (by default ``configs/default.py``: 4 layers, 4
-heads, d_model 128) in the GPT-2 layout (learned positions, biases, exact
-GELU, LayerNorm epsilon 1e-5), with V = 84, the Shakespeare characters, and
-random weights: speed does not depend on them, and with no EOS every decoder
-runs all its steps. Its ``max_len`` is set to each of ``--max_lens``.
-
-Each row decodes ``--new_tokens`` tokens (fewer if the cache cannot hold
-them) after a ``--prompt_len``-token prompt: greedy, top-p sampling (p = 0.9,
-T = 0.8) and 4-beam search, each one jitted ``lax.while_loop`` given the
-parameters as an argument; greedy and top-p take the prefilled cache with
-``donate_state=True``, as a caller does right after a prefill, so that they
-update it in place instead of first copying all ``max_len`` slots of it.
-Tokens/s is ``B * N`` over the median wall time (``timing.call_seconds``;
-the prefill excluded, and the fresh copy of its cache that each timed run
-gets; a beam search does 4 times the model work for the same count),
-ms/step the same time over ``N``. With the same ``N`` at every
-``max_len`` the filled length is the same, so the last column, ms/step over
-that of the smallest ``max_len`` of the row, shows what the cache's capacity
-costs: a step should cost what the cache holds, not its size.
-
-After the table come rows of ratios measured in the same run, at
-``--knobs_batch`` rows and ``--knobs_max_len``, each timed in alternation
-with plain greedy (donated cache, one key), which it is divided by:
-
-* "new knobs": greedy with every new option on at once: token stop
-  sequences, text stop strings, per-row ``row_max_new_tokens`` (some rows
-  stop early, the longest runs all ``N`` steps), one PRNG key per row,
-  per-row presence, frequency and repetition penalties, and
-  ``top_logprobs=5``. The stop sequences and strings are ones the random
-  model never completes, so every step runs.
-* "stream k": ``generate_stream`` with ``chunk_steps=k`` for each of
-  ``--chunk_steps``, each chunk's tokens fetched to the host as a server
-  sending them would, against one call whose tokens are fetched once.
-* "whole-batch loop" (when the rows are split over several devices): plain
-  greedy with the loop over the whole batch, its step on the split rows
-  left to XLA, as a batch with a ``processor`` hook runs, against the loop
-  per device (``lmhead/decoding/split.py``) that plain greedy gets: what
-  that loop pays for.
-
-``--compare_hf`` (needs torch and transformers, which the library never
-imports) copies the same weights into a ``transformers`` ``GPT2LMHeadModel``,
-checks that both give the same greedy tokens, and times its ``generate()``
-(dynamic cache, no EOS) in alternation with lmhead's, so that both see the
-same load; the ratio is lmhead's tokens/s over transformers'. The results
-and the machine they were measured on are in ``docs/decoding.md``.
+Greedy, top-p and 4-beam decoding of ``--config``'s model (GPT-2 layout,
+random weights) by batch and ``max_len``, then greedy with every request
+option, streamed, and with the whole batch's loop, each against plain
+greedy; ``--compare_hf`` times ``transformers``' GPT-2 with the same weights.
+``docs/benchmarks.md`` says what each row times and how.
 """
 
 import dataclasses
-import os
+import functools
 import time
 from collections.abc import Callable
 
@@ -64,7 +24,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from lmhead import decoding
-from lmhead.lm import configuration, sharding
+from lmhead.lm import configuration, gpt2_import, sharding
 from lmhead.lm import model as model_lib
 
 config_flags.DEFINE_config_file(
@@ -137,39 +97,35 @@ def lmhead_decoder(name: str, model, max_new_tokens: int, batch: int):
     """``decode(params, logits, cache) -> tokens [B, N]``, one compiled loop,
     the ``batch`` rows split over the devices that divide them."""
     step_fn = model_lib.make_step_fn(model, model_lib.rows_mesh(batch))
-    key = jax.random.key(0)
-    if name == "greedy":
-        return lambda params, logits, cache: decoding.generate(
-            step_fn,
-            params,
-            logits,
-            cache,
-            key=key,
-            max_new_tokens=max_new_tokens,
-            temperature=0.0,
-            donate_state=True,
-        )[0]
-    if name == "top-p":
-        return lambda params, logits, cache: decoding.generate(
-            step_fn,
-            params,
-            logits,
-            cache,
-            key=key,
-            max_new_tokens=max_new_tokens,
-            temperature=0.8,
-            top_p=0.9,
-            donate_state=True,
-        )[0]
-    return lambda params, logits, cache: decoding.beam_search(
-        step_fn,
-        params,
-        logits,
-        cache,
-        num_beams=int(name.split()[-1]),
-        max_new_tokens=max_new_tokens,
-        eos_id=None,
-    )[0][:, 0]
+    if name.startswith("beam"):
+        return lambda params, logits, cache: decoding.beam_search(
+            step_fn, params, logits, cache, num_beams=int(name.split()[-1]),
+            max_new_tokens=max_new_tokens, eos_id=None,
+        )[0][:, 0]  # fmt: skip
+    knobs = (
+        dict(temperature=0.0) if name == "greedy" else dict(temperature=0.8, top_p=0.9)
+    )
+    return lambda params, logits, cache: decoding.generate(
+        step_fn, params, logits, cache, key=jax.random.key(0),
+        max_new_tokens=max_new_tokens, donate_state=True, **knobs,
+    )[0]  # fmt: skip
+
+
+def hf_weights(model, params) -> dict[str, np.ndarray]:
+    """``params`` under ``GPT2LMHeadModel``'s names: ``gpt2_import``'s
+    names and paths, read the other way (GPT-2 layout)."""
+    gpt2 = gpt2_import.GPT2Config(
+        model.vocab_size, model.max_len, model.d_model, model.num_layers,
+        model.num_heads, model.mlp_dim, "gelu", model.tied, None, (),
+    )  # fmt: skip
+    weights = {
+        name if name.startswith("lm_head") else f"transformer.{name}": np.array(
+            functools.reduce(lambda node, key: node[key], path, params), np.float32
+        )
+        for name, path in gpt2_import.weight_paths(gpt2).items()
+    }
+    weights.setdefault("lm_head.weight", weights["transformer.wte.weight"])
+    return weights
 
 
 def hf_model(model, params):
@@ -194,39 +150,8 @@ def hf_model(model, params):
         eos_token_id=None,
     )
     hf = transformers.GPT2LMHeadModel(config).eval()
-    tensor = lambda x: torch.from_numpy(np.array(x, np.float32))
-    state = {
-        "transformer.wte.weight": params["embed"]["embedding"],
-        "transformer.wpe.weight": params["position_embedding"],
-        "transformer.ln_f.weight": params["final_norm"]["scale"],
-        "transformer.ln_f.bias": params["final_norm"]["bias"],
-        "lm_head.weight": (
-            params["embed"]["embedding"]
-            if model.tied
-            else params["head"]["unembedding"]
-        ),
-    }
-    names = {
-        "ln_1": "attention_norm",
-        "ln_2": "mlp_norm",
-        "attn.c_attn": "attention/qkv",
-        "attn.c_proj": "attention/out",
-        "mlp.c_fc": "mlp_in",
-        "mlp.c_proj": "mlp_out",
-    }
-    for i in range(model.num_layers):
-        for hf_name, name in names.items():
-            layer = params[f"blocks_{i}"]
-            for part in name.split("/"):
-                layer = layer[part]
-            weight = (
-                layer["scale"] if "ln" in hf_name else layer["kernel"]
-            )  # Conv1D: [in, out]
-            state[f"transformer.h.{i}.{hf_name}.weight"] = weight
-            state[f"transformer.h.{i}.{hf_name}.bias"] = layer["bias"]
-    missing, unexpected = hf.load_state_dict(
-        {k: tensor(v) for k, v in state.items()}, strict=False
-    )
+    state = {k: torch.from_numpy(v) for k, v in hf_weights(model, params).items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if not k.endswith("attn.bias")]:
         raise RuntimeError(f"weights do not match: {missing}, {unexpected}")
     return hf
@@ -260,22 +185,17 @@ def hf_decoder(name: str, hf, max_new_tokens: int):
 
 def alternate(runs: dict, setups: dict, repeats: int) -> dict[str, float]:
     """Median seconds of each of ``runs`` (``run(*setups[kind]())``, the
-    setup untimed), timed in alternation after one call that compiles and
-    warms up, so that all see the same load."""
+    setup untimed; ``timing.alternate``), after one call that compiles."""
     for kind, run in runs.items():
         jax.block_until_ready(run(*setups[kind]()))
-    times = {kind: [] for kind in runs}
-    for _ in range(repeats):
-        for kind, run in runs.items():
-            times[kind].append(
-                timing.call_seconds(run, setup=setups[kind], clock=chosen_clock())
-            )
-    return {kind: float(np.median(t)) for kind, t in times.items()}
+    times = timing.alternate(runs, None, repeats, setups=setups, clock=chosen_clock())
+    return {kind: float(t) for kind, t in times.items()}
 
 
-def bench_model(max_len: int) -> model_lib.DecoderLM:
-    """``--config``'s model in the GPT-2 layout, V = ``--vocab_size``."""
-    return configuration.make_model(FLAGS.config, FLAGS.vocab_size).clone(
+def bench_model(max_len: int) -> tuple[model_lib.DecoderLM, dict]:
+    """``--config``'s model in the GPT-2 layout, V = ``--vocab_size``, and
+    its random parameters."""
+    model = configuration.make_model(FLAGS.config, FLAGS.vocab_size).clone(
         max_len=max_len,
         positions="learned",
         use_bias=True,
@@ -284,24 +204,30 @@ def bench_model(max_len: int) -> model_lib.DecoderLM:
         logits_softcap=None,
         dtype=jnp.float32,
     )
+    tokens = jnp.zeros((1, max_len), jnp.int32)
+    return model, jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+
+
+def prefilled(model, params, batch: int, new: int) -> tuple:
+    """``(prompt, logits, cache)``: a random ``--prompt_len``-token prompt of
+    ``batch`` rows prefilled for ``new`` tokens, the rows split as decoding
+    splits them."""
+    shape = (batch, FLAGS.prompt_len)
+    prompt = jax.random.randint(jax.random.key(batch), shape, 0, model.vocab_size)
+    mesh = model_lib.rows_mesh(batch)
+    return prompt, *model_lib.prefill(
+        model, params, prompt, max_new_tokens=new, mesh=mesh
+    )
 
 
 def bench_max_len(max_len: int, batch_sizes, decoders, repeats: int) -> list[dict]:
     """Rows ``{decoder, batch, max_len, new, lmhead, hf}`` (seconds) at one capacity."""
-    model = bench_model(max_len)
-    params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, max_len), jnp.int32))[
-        "params"
-    ]
+    model, params = bench_model(max_len)
     new = min(FLAGS.new_tokens, max_len - FLAGS.prompt_len)
     hf = hf_model(model, params) if FLAGS.compare_hf else None
     rows = []
     for batch in batch_sizes:
-        prompt = jax.random.randint(
-            jax.random.key(batch), (batch, FLAGS.prompt_len), 0, model.vocab_size
-        )
-        logits, cache = model_lib.prefill(
-            model, params, prompt, max_new_tokens=new, mesh=model_lib.rows_mesh(batch)
-        )
+        prompt, logits, cache = prefilled(model, params, batch, new)
         for name in decoders:
             decode = lmhead_decoder(name, model, new, batch)
             # A fresh copy of the prefilled cache per run, untimed: greedy and
@@ -356,19 +282,11 @@ def new_knob_settings(batch: int, new: int, vocab_size: int) -> dict:
 def bench_knobs_and_streaming(repeats: int) -> list[tuple[str, float, float]]:
     """``(name, ms/step, ratio to plain greedy)`` for the new-knobs and
     streaming rows, each timed in alternation with plain greedy."""
-    model = bench_model(FLAGS.knobs_max_len)
-    params = jax.jit(model.init)(
-        jax.random.key(0), jnp.zeros((1, FLAGS.knobs_max_len), jnp.int32)
-    )["params"]
+    model, params = bench_model(FLAGS.knobs_max_len)
     batch = FLAGS.knobs_batch
     new = min(FLAGS.new_tokens, FLAGS.knobs_max_len - FLAGS.prompt_len)
-    prompt = jax.random.randint(
-        jax.random.key(batch), (batch, FLAGS.prompt_len), 0, model.vocab_size
-    )
+    prompt, logits, cache = prefilled(model, params, batch, new)
     mesh = model_lib.rows_mesh(batch)
-    logits, cache = model_lib.prefill(
-        model, params, prompt, max_new_tokens=new, mesh=mesh
-    )
     step_fn = model_lib.make_step_fn(model, mesh)
     common = dict(max_new_tokens=new, donate_state=True)
     knobs = new_knob_settings(batch, new, model.vocab_size)
@@ -430,24 +348,20 @@ def bench_knobs_and_streaming(repeats: int) -> list[tuple[str, float, float]]:
 
 def print_table(rows: list[dict]) -> None:
     hf = "hf" in rows[0]
-    print(
-        "\n| decoder | batch | max_len | new tokens | tokens/s | ms/step | "
-        "ms/step vs smallest max_len |"
-        + (" transformers tokens/s | lmhead / transformers |" if hf else "")
-    )
-    print("|---" * (9 if hf else 7) + "|")
-    smallest = {}
+    header = ["decoder", "batch", "max_len", "new tokens", "tokens/s", "ms/step"]
+    header += ["ms/step vs smallest max_len"]
+    header += ["transformers tokens/s", "lmhead / transformers"] * hf
+    lines, smallest = [], {}
     for row in sorted(rows, key=lambda r: (r["decoder"], r["batch"], r["max_len"])):
         step = row["lmhead"] / row["new"]
         base = smallest.setdefault((row["decoder"], row["batch"], row["new"]), step)
-        rate = lambda seconds: row["batch"] * row["new"] / seconds
-        line = (
-            f"| {row['decoder']} | {row['batch']} | {row['max_len']} | {row['new']} | "
-            f"{rate(row['lmhead']):.0f} | {1e3 * step:.2f} | {step / base:.2f}x |"
-        )
+        rate = lambda seconds: f"{row['batch'] * row['new'] / seconds:.0f}"
+        line = [row[k] for k in ("decoder", "batch", "max_len", "new")]
+        line += [rate(row["lmhead"]), f"{1e3 * step:.2f}", f"{step / base:.2f}x"]
         if hf:
-            line += f" {rate(row['hf']):.0f} | {row['hf'] / row['lmhead']:.2f}x |"
-        print(line)
+            line += [rate(row["hf"]), f"{row['hf'] / row['lmhead']:.2f}x"]
+        lines.append(line)
+    print("\n" + timing.table(header, lines))
 
 
 def main(argv):
@@ -462,10 +376,9 @@ def main(argv):
     jax.config.update(
         "jax_num_cpu_devices", FLAGS.cpu_devices or sharding.available_cpus()
     )
-    rate = timing.matmul_rate(FLAGS.matmul_size, repeats, clock=chosen_clock())
+    rate = timing.Matmul(FLAGS.matmul_size).rate(repeats, clock=chosen_clock())
     print(
-        f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, "
-        f"{len(jax.local_devices())} devices, jax {jax.__version__}; "
+        f"{timing.machine()}; "
         f"float32 matmul {rate / 1e9:.0f} GFLOP/s; prompt {FLAGS.prompt_len}, "
         f"{FLAGS.new_tokens} new tokens; "
         f"{'CPU' if FLAGS.cpu_time else 'wall'} time",
@@ -477,14 +390,11 @@ def main(argv):
         for row in bench_max_len(max_len, batch_sizes, FLAGS.decoders, repeats)
     ]
     print_table(rows)
-    knob_rows = bench_knobs_and_streaming(repeats)
-    print("\n| greedy with | batch | max_len | ms/step | vs plain greedy |")
-    print("|---" * 5 + "|")
-    for name, step, ratio in knob_rows:
-        print(
-            f"| {name} | {FLAGS.knobs_batch} | {FLAGS.knobs_max_len} | "
-            f"{step:.2f} | {ratio:.2f}x |"
-        )
+    header = ["greedy with", "batch", "max_len", "ms/step", "vs plain greedy"]
+    knobs = (FLAGS.knobs_batch, FLAGS.knobs_max_len)
+    rows = [(name, *knobs, f"{step:.2f}", f"{ratio:.2f}x") for name, step, ratio in
+            bench_knobs_and_streaming(repeats)]  # fmt: skip
+    print("\n" + timing.table(header, rows))
 
 
 if __name__ == "__main__":

@@ -8,21 +8,10 @@ runs finished per hour for a slice of the tying study, and a GPU preset.
     python experiments/bench/bench_ensemble.py --gpu           # a few minutes
     python experiments/bench/bench_ensemble.py --quick         # tiny, for tests
 
-``experiments/bench/bench_train.py --ensemble [FLAGS]`` is the same command.
-The programs are ``lmhead/lm/ensemble.py``'s.
-
-Three modes: **member-steps per second** (the default: each ensemble form,
-``ensemble.ensemble_train_step`` with a ``lax.map``, ``vmap`` groups, one
-``vmap`` and, on several CPU devices, split over them, timed side by side
-with M separate jitted ``train.train_step`` calls in alternating rounds, and
-each form's largest parameter difference from the separate steps), **runs
-finished per hour** (``--runs_per_hour``: a slice of the tying study as
-``experiments/train.py`` processes, separate against ensembles;
-``ensemble_runs.py`` beside this file) and the **GPU preset** (``--gpu``:
-one ``vmap`` at M = 1, 16, 64, 256 and the largest M that fits).
-``--quick`` runs each mode at tiny sizes: it checks that the benchmark runs
-and measures nothing. docs/training.md ("Speed of an ensemble") says what
-each mode times, how, and what it measured.
+``experiments/bench/bench_train.py --ensemble [FLAGS]`` is the same command;
+the programs are ``lmhead/lm/ensemble.py``'s. ``docs/benchmarks.md`` says
+what each mode times, docs/training.md ("Speed of an ensemble") how, and
+what it measured.
 """
 
 import dataclasses
@@ -345,48 +334,34 @@ class EnsembleSteps:
 
 
 def ensemble_program(
-    shape: Shape, members: Members, vmap_size: int, *, copy: bool = True
+    shape: Shape, members: Members, vmap_size: int, devices: int = 1, copy: bool = True
 ) -> EnsembleSteps:
     """:class:`EnsembleSteps` of ``ensemble.ensemble_train_step`` with
-    ``vmap_size``, jitted with the state donated; on a copy of the members'
-    initial state (``copy=False``: on it)."""
-    state = copy_tree(members.state) if copy else members.state
+    ``vmap_size``, jitted with the state donated, on a copy of the members'
+    initial state (``copy=False``: on it). With ``devices`` > 1, the members
+    split over the first ``devices`` devices (``ensemble.split_over_devices``,
+    every array placed on that mesh), as ``train_ensemble`` runs them with
+    ``mesh.members``."""
+    members = dataclasses.replace(
+        members, state=copy_tree(members.state) if copy else members.state
+    )
     step = functools.partial(
         ensemble.ensemble_train_step,
         vmap_size=vmap_size,
         model=shape.model,
         config=shape.config,
     )
-    args = (state, members.batches[0], members.dropout_keys, members.values)
-    compiled = jax.jit(step, donate_argnums=0).lower(*args, members.active).compile()
-    return EnsembleSteps(compiled, state, members)
-
-
-def split_program(shape: Shape, members: Members, devices: int) -> EnsembleSteps:
-    """:func:`ensemble_program`'s ``lax.map`` with the members split over the
-    first ``devices`` devices (``ensemble.split_over_devices``), as
-    ``train_ensemble`` runs it with ``mesh.members``; on a copy of the
-    members' initial state, every array placed on that mesh."""
-    mesh = ensemble_program_lib.members_mesh(jax.devices()[:devices])
-    split = NamedSharding(mesh, P(ensemble_program_lib.MEMBERS_AXIS))
-    placed = dataclasses.replace(
-        members,
-        state=jax.device_put(copy_tree(members.state), split),
-        dropout_keys=jax.device_put(members.dropout_keys, split),
-        values=jax.device_put(members.values, split),
-        active=jax.device_put(members.active, split),
-        batches=[jax.device_put(b, split) for b in members.batches],
-    )
-    step = functools.partial(
-        ensemble.ensemble_train_step,
-        vmap_size=1,
-        model=shape.model,
-        config=shape.config,
-    )
-    step = ensemble.split_over_devices(step, mesh)
-    args = (placed.state, placed.batches[0], placed.dropout_keys, placed.values)
-    compiled = jax.jit(step, donate_argnums=0).lower(*args, placed.active).compile()
-    return EnsembleSteps(compiled, placed.state, placed)
+    if devices > 1:
+        mesh = ensemble_program_lib.members_mesh(jax.devices()[:devices])
+        split = NamedSharding(mesh, P(ensemble_program_lib.MEMBERS_AXIS))
+        fields = ("state", "dropout_keys", "values", "active", "batches")
+        placed = {k: jax.device_put(getattr(members, k), split) for k in fields}
+        members = dataclasses.replace(members, **placed)
+        step = ensemble.split_over_devices(step, mesh)
+    m = members
+    args = (m.state, m.batches[0], m.dropout_keys, m.values, m.active)
+    compiled = jax.jit(step, donate_argnums=0).lower(*args).compile()
+    return EnsembleSteps(compiled, m.state, m)
 
 
 def split_devices(count: int) -> int:
@@ -448,8 +423,8 @@ def time_members(
         )
     devices = split_devices(count)
     if devices > 1:
-        programs[f"{form_name(1, count)} on {devices} devices"] = split_program(
-            shape, members, devices
+        programs[f"{form_name(1, count)} on {devices} devices"] = ensemble_program(
+            shape, members, 1, devices
         )
     for run in programs.values():
         jax.block_until_ready(run())  # the first calls after compiling are slower
@@ -493,18 +468,17 @@ def print_table(shape: Shape, rows: list[Row], rate: float) -> None:
     tokens = shape.config.train.batch_size * shape.config.data.block_size
     print(
         f"\n{shape.name}: V={shape.vocab_size}, {tokens} tokens per member-step; "
-        f"float32 matmul {rate / 1e9:.1f} GFLOP/s\n"
-        "| shape | M | form | ms per ensemble step | CPU ms | member-steps/s "
-        "| x separate steps | max param difference |"
-        "\n|---|---|---|---|---|---|---|---|"
+        f"float32 matmul {rate / 1e9:.1f} GFLOP/s"
     )
-    for row in rows:
-        separate = separate_row(rows, row.members)
-        print(
-            f"| {row.shape} | {row.members} | {row.form} | {1e3 * row.wall:.2f} | "
-            f"{1e3 * row.cpu:.2f} | {row.members / row.wall:.1f} | "
-            f"{separate.wall / row.wall:.2f} | {row.gap:.1e} |"
-        )
+    header = ["shape", "M", "form", "ms per ensemble step", "CPU ms"]
+    header += ["member-steps/s", "x separate steps", "max param difference"]
+    lines = [
+        (r.shape, r.members, r.form, f"{1e3 * r.wall:.2f}", f"{1e3 * r.cpu:.2f}",
+         f"{r.members / r.wall:.1f}",
+         f"{separate_row(rows, r.members).wall / r.wall:.2f}", f"{r.gap:.1e}")
+        for r in rows
+    ]  # fmt: skip
+    print(timing.table(header, lines))
 
 
 def separate_row(rows: list[Row], count: int) -> Row:
@@ -547,21 +521,30 @@ def print_verdicts(shape: Shape, rows: list[Row]) -> None:
             )
 
 
+def member_steps_table(
+    shape: Shape, counts, vmap_sizes, settings: Settings
+) -> list[Row]:
+    """Times separate steps and the forms ``vmap_sizes(M)`` at each M of
+    ``counts`` (:func:`time_members`) and prints the table; its rows."""
+    matmul = timing.Matmul(settings.matmul_size)
+    single_step = compile_single_run_step(shape)
+    rows, matmul_seconds = [], []
+    for count in counts:
+        group, seconds = time_members(
+            shape, count, vmap_sizes(count), settings, matmul, single_step
+        )
+        rows += group
+        matmul_seconds.append(seconds)
+    print_table(shape, rows, matmul.flops / np.median(matmul_seconds))
+    return rows
+
+
 def member_steps(settings: Settings) -> None:
     """The member-steps tables of ``settings.shapes`` x ``settings.members``."""
-    matmul = timing.Matmul(settings.matmul_size)
     for name in settings.shapes:
         shape = load_shape(name, {"data.train_fraction": settings.train_fraction})
-        single_step = compile_single_run_step(shape)
-        rows, matmul_seconds = [], []
-        for count in settings.members:
-            vmap_sizes = forms(count, settings.vmap_sizes)
-            group, seconds = time_members(
-                shape, count, vmap_sizes, settings, matmul, single_step
-            )
-            rows += group
-            matmul_seconds.append(seconds)
-        print_table(shape, rows, matmul.flops / np.median(matmul_seconds))
+        vmap_sizes = lambda count: forms(count, settings.vmap_sizes)
+        rows = member_steps_table(shape, settings.members, vmap_sizes, settings)
         print_verdicts(shape, rows)
 
 
@@ -603,16 +586,7 @@ def gpu_preset(settings: Settings) -> None:
         settings.gpu_shape,
         {"data.train_fraction": settings.train_fraction, "train.microbatches": 1},
     )
-    matmul = timing.Matmul(settings.matmul_size)
-    single_step = compile_single_run_step(shape)
-    rows, matmul_seconds = [], []
-    for count in settings.gpu_members:
-        group, seconds = time_members(
-            shape, count, [count], settings, matmul, single_step
-        )
-        rows += group
-        matmul_seconds.append(seconds)
-    print_table(shape, rows, matmul.flops / np.median(matmul_seconds))
+    member_steps_table(shape, settings.gpu_members, lambda count: [count], settings)
     print(f"\nThe largest M that fits, one vmap ({shape.name}, microbatches 1):")
     measured = max(settings.gpu_members)
     fits, reason = largest_members(shape, 2 * measured, settings.max_members)
@@ -623,22 +597,12 @@ def gpu_preset(settings: Settings) -> None:
 
 
 def settings_from_flags() -> Settings:
+    """:data:`QUICK` with ``--quick``, else the flags' values (named as the fields)."""
     if FLAGS.quick:
         return QUICK
+    values = {f.name: FLAGS[f.name].value for f in dataclasses.fields(Settings)}
     return Settings(
-        shapes=tuple(FLAGS.shapes),
-        members=tuple(FLAGS.members),
-        vmap_sizes=tuple(FLAGS.vmap_sizes),
-        train_fraction=FLAGS.train_fraction,
-        steps=FLAGS.steps,
-        rounds=FLAGS.rounds,
-        matmul_size=FLAGS.matmul_size,
-        slice=FLAGS.slice,
-        slice_steps=FLAGS.slice_steps,
-        slice_members=tuple(FLAGS.slice_members),
-        gpu_shape=FLAGS.gpu_shape,
-        gpu_members=tuple(FLAGS.gpu_members),
-        max_members=FLAGS.max_members,
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     )
 
 

@@ -3,18 +3,11 @@ r"""Imports a random GPT-2-small-shaped checkpoint and measures its int8 head.
     python experiments/bench/bench_import_gpt2.py                # GPT-2 small: 12 x 768, V = 50,257
     python experiments/bench/bench_import_gpt2.py --quick        # tiny shapes, seconds
 
-Writes, in ``--folder`` (default: a temporary one, removed after), a
-Hugging Face GPT-2 directory: ``config.json``, ``model.safetensors`` with
-``GPT2LMHeadModel``'s names, and GPT-2's tokenizer files ``vocab.json`` +
-``merges.txt`` of a synthetic byte-level vocabulary (the 256 bytes, random
-merges, ``<|endoftext|>`` last). The weights are GPT-2's initialization
-(normal, std 0.02; LayerNorm scales 1, biases 0), not trained ones. Then it
-times ``gpt2_import.import_gpt2`` (reading, checking, writing the run
-directory with its checkpoint), the first ``generation.load_run`` of the
-run, and reports the head table's bytes in float32 and int8
-(``generation.quantize_for_decoding``) and how often the int8 head's argmax
-equals float32's over the model's positions on ``--windows`` windows of
-random tokens. ``docs/gpt2_checkpoints.md`` has the results.
+A Hugging Face GPT-2 directory at GPT-2's initialization with a synthetic
+byte-level tokenizer, then the times of ``gpt2_import.import_gpt2`` and the
+first ``generation.load_run``, the head's bytes in float32 and int8 and the
+int8 head's top-1 agreement. ``docs/benchmarks.md`` says how;
+``docs/gpt2_checkpoints.md`` has the results.
 """
 
 import json

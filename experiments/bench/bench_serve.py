@@ -4,23 +4,12 @@ r"""Latency and throughput of the HTTP service, over loopback.
     python experiments/bench/bench_serve.py --quick   # a tiny run trained here, seconds
     python experiments/bench/bench_serve.py --quick --streamed
 
-Starts ``experiments/serve.py`` on 127.0.0.1 (a free port) and sends the same
-``--requests`` sampled ``/v1/completions`` requests (one prompt,
-``--max_new_tokens`` each) from 1, 4 and 16 concurrent clients. For each it
-prints p50 and p99 latency, and generated tokens per second over the wall
-time; the ratio column divides by the 1-client row, which serves the
-requests one at a time, so at 16 clients it is the gain from batching. The
-machine's float32 matmul rate (``timing.matmul_rate``), measured in the same
-run, says how fast the machine was.
-
-``--streamed`` instead sends ``--requests`` streamed, sampled completions
-whose ``max_tokens`` are drawn from ``--min_tokens``..``--max_tokens`` from
-``--clients`` clients, after ``--unmeasured_passes`` passes of the same
-requests. It prints tokens/s, p50 and p99 latency, the p99 latency of the
-short requests (``max_tokens <= 16``), time to first token, and the
-server's start-up time: cold (an empty compilation cache) and warm (a
-second start of the same run). The results and the machine they were
-measured on are in ``docs/serving.md``.
+``experiments/serve.py`` on 127.0.0.1, sent the same sampled
+``/v1/completions`` requests from 1, 4 and 16 concurrent clients (p50 and
+p99 latency, tokens/s, the ratio to one client at a time), or with
+``--streamed`` streamed completions of mixed lengths (tokens/s, latencies,
+time to first token, start-up cold and warm). ``docs/benchmarks.md`` says
+how; ``docs/serving.md`` has the results.
 """
 
 import json
@@ -160,12 +149,8 @@ def measure(url: str, num_clients: int, body: dict) -> dict:
         return time.perf_counter() - start, length
 
     results, wall = run_clients(url, range(FLAGS.requests), num_clients, send)
-    latencies = np.array([r[0] for r in results])
-    return {
-        "p50": np.percentile(latencies, 50),
-        "p99": np.percentile(latencies, 99),
-        "tokens_per_s": sum(r[1] for r in results) / wall,
-    }
+    p50, p99 = np.percentile([r[0] for r in results], [50, 99])
+    return {"p50": p50, "p99": p99, "tokens_per_s": sum(r[1] for r in results) / wall}
 
 
 def stream_completion(session: httpx.Client, url: str, body: dict) -> tuple:
@@ -203,16 +188,14 @@ def load(url: str, lengths: list[int], num_clients: int) -> dict:
         return (max_tokens, *stream_completion(session, url, body))
 
     results, wall = run_clients(url, enumerate(lengths), num_clients, send)
-    latency = np.array([r[1] for r in results])
-    first = np.array([r[2] for r in results if r[2] is not None])
-    short = np.array([r[1] for r in results if r[0] <= SHORT])
+    latency = [r[1] for r in results]
+    first = [r[2] for r in results if r[2] is not None]
+    short = [r[1] for r in results if r[0] <= SHORT]
     return {
         "tokens_per_s": sum(r[3] for r in results) / wall,
-        "p50": np.percentile(latency, 50),
-        "p99": np.percentile(latency, 99),
-        "short_p99": np.percentile(short, 99) if len(short) else float("nan"),
-        "ttft_p50": np.percentile(first, 50),
-        "ttft_p99": np.percentile(first, 99),
+        **dict(zip(("p50", "p99"), np.percentile(latency, [50, 99]))),
+        "short_p99": np.percentile(short, 99) if short else float("nan"),
+        **dict(zip(("ttft_p50", "ttft_p99"), np.percentile(first, [50, 99]))),
     }
 
 
@@ -234,23 +217,22 @@ def streamed(workdir: str, extra: list[str], scratch: str) -> None:
         finally:
             process.terminate()
             process.wait()
-    rate = timing.matmul_rate(FLAGS.matmul_size)
+    rate = timing.Matmul(FLAGS.matmul_size).rate()
     print(
         f"\n{FLAGS.requests} streamed completions, max_tokens drawn from "
         f"{FLAGS.min_tokens}..{FLAGS.max_tokens}, {FLAGS.clients} clients; "
         f"float32 matmul {rate / 1e9:.0f} GFLOP/s\n"
     )
-    print(
-        "| tokens/s | p50 latency (s) | p99 latency (s) | p99 latency, "
-        f"max_tokens <= {SHORT} (s) | time to first token p50 / p99 (s) | "
-        "start-up cold / warm (s) |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|")
-    print(
-        f"| {row['tokens_per_s']:.0f} | {row['p50']:.2f} | {row['p99']:.2f} | "
-        f"{row['short_p99']:.2f} | {row['ttft_p50']:.3f} / {row['ttft_p99']:.3f} | "
-        f"{starts['cold']:.1f} / {starts['warm']:.1f} |"
-    )
+    header = ["tokens/s", "p50 latency (s)", "p99 latency (s)"]
+    header += [f"p99 latency, max_tokens <= {SHORT} (s)"]
+    header += ["time to first token p50 / p99 (s)", "start-up cold / warm (s)"]
+    cells = [f"{row['tokens_per_s']:.0f}", f"{row['p50']:.2f}", f"{row['p99']:.2f}"]
+    cells += [
+        f"{row['short_p99']:.2f}",
+        f"{row['ttft_p50']:.3f} / {row['ttft_p99']:.3f}",
+    ]
+    cells += [f"{starts['cold']:.1f} / {starts['warm']:.1f}"]
+    print(timing.table(header, [cells], "---:"))
 
 
 def main(argv):
@@ -285,22 +267,19 @@ def main(argv):
         finally:
             process.terminate()
             process.wait()
-    rate = timing.matmul_rate(FLAGS.matmul_size)
+    rate = timing.Matmul(FLAGS.matmul_size).rate()
     print(
         f"\n{FLAGS.requests} requests per row, {FLAGS.max_new_tokens} new tokens "
         f"each; float32 matmul {rate / 1e9:.0f} GFLOP/s\n"
     )
-    print(
-        "| clients | p50 latency (ms) | p99 latency (ms) | tokens/s | vs one at "
-        "a time |"
-    )
-    print("|---:|---:|---:|---:|---:|")
-    for clients, row in rows.items():
-        print(
-            f"| {clients} | {row['p50'] * 1e3:.1f} | {row['p99'] * 1e3:.1f} | "
-            f"{row['tokens_per_s']:.0f} | "
-            f"{row['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}x |"
-        )
+    header = ["clients", "p50 latency (ms)", "p99 latency (ms)", "tokens/s"]
+    lines = [
+        (clients, f"{row['p50'] * 1e3:.1f}", f"{row['p99'] * 1e3:.1f}",
+         f"{row['tokens_per_s']:.0f}",
+         f"{row['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}x")
+        for clients, row in rows.items()
+    ]  # fmt: skip
+    print(timing.table([*header, "vs one at a time"], lines, "---:"))
 
 
 if __name__ == "__main__":

@@ -8,63 +8,12 @@ r"""Training speed, side by side with nanoGPT: tokens/s, FLOP rates, ratio.
     python experiments/bench/bench_train.py --profile     # where a step's time goes
     python experiments/bench/bench_train.py --ensemble ...   # = bench_ensemble.py ...
 
-``--nanogpt`` is a checkout of https://github.com/karpathy/nanoGPT (e.g.
-``git clone https://github.com/karpathy/nanoGPT /tmp/nanoGPT``); its
-``model.py`` is imported from there, never copied here. Its ``GPT`` is built
-with the same config (layers, heads, width, block, vocabulary, dropout,
-biases), trained with its own ``configure_optimizers`` (AdamW with the
-config's betas and weight decay) and ``clip_grad_norm_``, as its
-``train.py`` does, on the same batches of our corpus, with
-``torch.set_num_threads`` set to the CPUs this process may use (XLA's CPU
-client uses them all). The column is skipped when the flag is absent, torch
-is not installed, or the config is not one nanoGPT can express (untied head,
-rotary positions, a head bias, scale or softcap, bfloat16).
-
-lmhead's step is timed on one device and, on a CPU, on one device per CPU
-with the batch split over them (``--devices``; ``experiments/train.py
---cpu_devices``): XLA runs each of this model's small matmuls on one core,
-so a second device is what keeps a second core busy.
-
-The programs run in alternation, ``--steps`` steps each per round, with a
-float32 ``[S, S] @ [S, S]`` matmul (``timing.Matmul``, the fastest of 5
-calls) timed in every round too, so that all see the same load on a shared
-machine; the medians over rounds are printed (``timing.call_seconds``).
-Besides wall time, the process's CPU time per step (all threads) is
-printed: other processes do not inflate it. Compare wall times on an
-otherwise idle machine only: under oversubscription a preempted OpenMP
-thread stalls PyTorch's others at every barrier, which slows nanoGPT far
-more than XLA's task-based thread pool (``taskset -c 0 python ...`` runs
-both on one CPU, where that cannot happen).
-
-Model FLOPs per token, as in PaLM (Chowdhery et al., 2022, App. B):
-``6 N + 6 L T D`` for the forward and backward passes, with ``N`` the
-parameters that take part in matmuls (not the embedding lookup; the
-unembedding always) and ``6 L T D`` the attention scores and mixing with a
-causal mask (half of ``12 L T D``). Both implementations do the same model
-FLOPs; XLA's own count of the compiled step (optimizer and elementwise work
-included; a loop's body counted once, so about 1/n of the step's with
-``train.microbatches=n``) is printed beside it, and so is the step time that every model
-FLOP run at the measured matmul rate would take: the bound on the speed.
-
-``--profile`` splits lmhead's one-device step into stages and times them in
-the same rounds, on the same batches: the loss alone (``train.train_loss``
-over the step's microbatches, ``train.accumulate``), the loss and its
-gradient (``jax.value_and_grad`` of the same), and the whole step; the
-differences are the backward pass and the optimizer (clipping, AdamW, the
-metrics). It then reads every ``dot`` of the compiled step's HLO (with the
-operand shapes and dimension numbers; a loop body's dots counted once per
-trip), and times each distinct dot as a jitted ``lax.dot_general`` on
-random operands of its shapes and dtypes, in a loop of as many trips per
-step as the step runs it (one dispatch per step and dot, where the step has
-one for all), in the same rounds. The sum is what the step's matmuls take
-at their own shapes, to set against the square matmul's rate. The dots
-include the masked half of the attention scores and mixing, so their FLOPs
-exceed the model FLOPs. The results and the machine they were measured on
-are in ``docs/nanogpt_parity.md``.
-
-It is one file, over 400 lines, because a benchmark is one command: the
-programs it times side by side, the HLO reading of ``--profile`` and the
-tables that set them against each other serve this command only.
+lmhead's train step on one device and on one per CPU, and nanoGPT's
+(``--nanogpt``, a checkout of karpathy/nanoGPT, imported from there, never
+copied here), timed in alternating rounds on the same batches with the
+machine's matmul rate; ``--profile`` times the step's stages and each of its
+matmuls alone. ``docs/benchmarks.md`` says how; ``docs/nanogpt_parity.md``
+has the results.
 """
 
 import collections
@@ -93,41 +42,21 @@ flags.DEFINE_multi_string(
 flags.DEFINE_multi_string(
     "loss_impl", [], "config.loss.loss_impl values to compare; none: the config's own."
 )
-flags.DEFINE_string(
-    "nanogpt",
-    None,
-    "A checkout of karpathy/nanoGPT whose "
-    "model.py is timed beside lmhead (needs torch).",
-)
+flags.DEFINE_string("nanogpt", None, "A karpathy/nanoGPT checkout (needs torch).")
 flags.DEFINE_multi_integer(
     "devices",
     None,
-    "lmhead's step is timed on a "
-    "mesh of each of these numbers of devices, the "
-    "batch split over them (data parallel); default: 1 "
-    "and, on a CPU, the number of CPUs. On a CPU, JAX "
-    "then makes one device per CPU.",
+    "Devices of each timed mesh, the batch split over them; default: 1 and, "
+    "on a CPU, one per CPU (JAX then makes one device per CPU).",
 )
 flags.DEFINE_integer("steps", 20, "Timed steps per program per round.", lower_bound=1)
-flags.DEFINE_integer(
-    "rounds",
-    10,
-    "Rounds of alternation (medians over rounds are printed).",
-    lower_bound=1,
-)
+flags.DEFINE_integer("rounds", 10, "Rounds of alternation (medians).", lower_bound=1)
 flags.DEFINE_integer("matmul_size", 1024, "Side of the timed square matmul.")
 flags.DEFINE_bool(
-    "quick",
-    False,
-    "3 rounds of 3 steps and a 256 matmul: "
-    "checks that the benchmark runs, measures nothing.",
+    "quick", False, "3 rounds of 3 steps, a 256 matmul: measures nothing."
 )
 flags.DEFINE_bool(
-    "profile",
-    False,
-    "Also time the stages of lmhead's "
-    "one-device step (loss, gradient, whole step) and each of "
-    "its matmuls alone at its own shapes.",
+    "profile", False, "Also the one-device step's stages and each of its matmuls."
 )
 flags.DEFINE_bool(
     "ensemble",
@@ -166,13 +95,9 @@ def lmhead_setup(config, dataset, batches, num_devices: int):
 
 
 def lmhead_program(config, dataset, batches, num_devices: int):
-    """``(run(batches), train_fn)``: ``run`` times lmhead's train step
-    ``train_fn`` (jitted and compiled) on a mesh of the first ``num_devices``
-    devices (the batch split over them).
-
-    Like the training loop, ``run`` dispatches every step and waits once, at
-    the end.
-    """
+    """``(run(batches), train_fn)``: lmhead's compiled train step on the
+    first ``num_devices`` devices; ``run`` dispatches every step and waits
+    once, at the end, as the training loop does."""
     model, mesh, state, sharded, dropout_key = lmhead_setup(
         config, dataset, batches, num_devices
     )
@@ -190,12 +115,9 @@ def lmhead_program(config, dataset, batches, num_devices: int):
 
 
 def stage_programs(config, dataset, batches) -> dict:
-    """``{stage: run(batches)}`` of two parts of lmhead's one-device step,
-    each jitted on its own: "forward", the loss as the step computes it
-    (``train.train_loss`` over the step's microbatches, ``train.accumulate``),
-    and "forward + backward", its ``jax.value_and_grad``, accumulated the
-    same way. Like the step's, ``run`` dispatches every batch and waits once.
-    """
+    """``{stage: run(batches)}`` of the one-device step's "forward" (its
+    loss, ``train.accumulate`` over its microbatches) and "forward +
+    backward" (its ``jax.value_and_grad``), each jitted on its own."""
     model, mesh, state, sharded, dropout_key = lmhead_setup(config, dataset, batches, 1)
     loss_fn = functools.partial(
         train.train_loss, model=model, loss_kwargs=train.loss_keywords(config.loss)
@@ -340,11 +262,8 @@ def step_dots(hlo: str) -> collections.Counter:
 
 def dot_program(dot: Dot, count: int):
     """``run(batches)`` of ``dot`` alone: a jitted ``lax.dot_general`` on
-    random operands of its shapes and dtypes, run ``count`` times per batch
-    (as often as the step runs it) in a ``lax.fori_loop``, so that no
-    dispatch from Python is timed with each one, as none is in the step; an
-    ``optimization_barrier`` keeps XLA from hoisting it out of the loop.
-    Like the step's, ``run`` dispatches every batch and waits once.
+    random operands of its shapes, ``count`` times per batch in a
+    ``lax.fori_loop`` (``docs/benchmarks.md``).
 
     Raises:
         ValueError: the compiled program does not run exactly ``count``
@@ -458,9 +377,8 @@ def alternate(programs: dict, batches, matmul: timing.Matmul, rounds: int) -> di
 def lmhead_programs(
     arg: str, config, dataset, batches, loss_impls, device_counts, profile: bool
 ) -> tuple[dict, dict, dict, dict]:
-    """lmhead's programs for each loss implementation and device count:
-    ``(programs, XLA's FLOPs of each, the profiled parts, the dots of each
-    profiled step)``, by name (``--profile`` profiles the one-device steps)."""
+    """``(programs, XLA's FLOPs of each, the profiled parts, the dots of each
+    profiled step)`` by name, for each loss implementation and device count."""
     programs, xla_flops, profiled, step_dot_counts = {}, {}, {}, {}
     for loss_impl in loss_impls or [config.loss.loss_impl]:
         variant = config.copy_and_resolve_references()
@@ -586,35 +504,31 @@ def print_profile(
     step = times[name]
     forward = times[f"{name}: forward"]
     gradient = times[f"{name}: forward + backward"]
-    print(
-        f"\n| {name}: stage | ms/step (wall) | CPU ms/step | of the step |"
-        "\n|---|---|---|---|"
-    )
-    for stage, (wall, cpu) in {
+    stages = {
         "forward (the loss)": forward,
         "forward + backward (value_and_grad)": gradient,
         "train step (+ optimizer)": step,
         "backward = forward + backward - forward": gradient - forward,
         "optimizer = train step - (forward + backward)": step - gradient,
-    }.items():
-        print(
-            f"| {stage} | {1e3 * wall:.2f} | {1e3 * cpu:.2f} | {wall / step[0]:.0%} |"
-        )
-    print(
-        f"\n| {name}: dot | per step | MFLOP | ms each | ms/step | GFLOP/s |"
-        "\n|---|---|---|---|---|---|"
-    )
-    total = np.zeros(2)
+    }
+    rows = [
+        (stage, f"{1e3 * wall:.2f}", f"{1e3 * cpu:.2f}", f"{wall / step[0]:.0%}")
+        for stage, (wall, cpu) in stages.items()
+    ]
+    header = [f"{name}: stage", "ms/step (wall)", "CPU ms/step", "of the step"]
+    print("\n" + timing.table(header, rows))
+    total, rows = np.zeros(2), []
     for dot, count in sorted(
         dots.items(), key=lambda item: -times[f"{name}: {item[0]}"][0]
     ):
         wall, cpu = times[f"{name}: {dot}"]
         total += (wall, cpu)
-        print(
-            f"| {dot} | {count} | {dot.flops / 1e6:.2f} | "
-            f"{1e3 * wall / count:.3f} | {1e3 * wall:.2f} | "
-            f"{count * dot.flops / wall / 1e9:.1f} |"
-        )
+        rows.append((
+            dot, count, f"{dot.flops / 1e6:.2f}", f"{1e3 * wall / count:.3f}",
+            f"{1e3 * wall:.2f}", f"{count * dot.flops / wall / 1e9:.1f}",
+        ))  # fmt: skip
+    header = [f"{name}: dot", "per step", "MFLOP", "ms each", "ms/step", "GFLOP/s"]
+    print("\n" + timing.table(header, rows))
     dot_flops = sum(count * dot.flops for dot, count in dots.items())
     print(
         f"\n  {sum(dots.values())} dots per step, {dot_flops / 1e9:.2f} "
@@ -652,11 +566,7 @@ def main(argv):
     steps, rounds, size = (
         (3, 3, 256) if FLAGS.quick else (FLAGS.steps, FLAGS.rounds, FLAGS.matmul_size)
     )
-    print(
-        f"{jax.devices()[0].device_kind}, {sharding.available_cpus()} CPUs, jax "
-        f"{jax.__version__}; {rounds} rounds of {steps} steps, medians",
-        flush=True,
-    )
+    print(f"{timing.machine()}; {rounds} rounds of {steps} steps, medians", flush=True)
     matmul = timing.Matmul(size)
     for arg in FLAGS.config:
         bench(

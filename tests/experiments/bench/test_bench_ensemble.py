@@ -52,7 +52,7 @@ def test_quick_table_times_equivalent_programs(bench, capsys):
     bench.member_steps(bench.QUICK)
     stdout = capsys.readouterr().out
     assert re.search(
-        r"V=84, 128 tokens per member-step; float32 matmul \S+ GFLOP/s", stdout
+        r"V=85, 128 tokens per member-step; float32 matmul \S+ GFLOP/s", stdout
     )
     rows = table_rows(stdout, "tiny")
     assert [row[:2] for row in rows] == [

@@ -56,7 +56,7 @@ def test_the_matmul_probe():
     assert matmul.size == 32 and matmul.flops == 2 * 32**3
     seconds = matmul.seconds(3, reduce=np.min)
     assert seconds > 0 and matmul.rate(3) > 0
-    assert timing.matmul_rate(32, repeats=2, clock=time.process_time) > 0
+    assert matmul.rate(2, clock=time.process_time) > 0
 
 
 def test_alternate_runs_every_program_then_the_matmul_each_round():
@@ -85,15 +85,13 @@ def test_alternate_runs_every_program_then_the_matmul_each_round():
         (lambda: timing.call_seconds(np.ones, (2,), repeats=0), ValueError, "repeats"),
         (lambda: timing.Matmul(0), ValueError, "size"),
         (lambda: timing.Matmul(8.0), TypeError, "size"),
-        (lambda: timing.matmul_rate(0), ValueError, "size"),
-        (lambda: timing.matmul_rate(8, repeats=0), ValueError, "repeats"),
+        (lambda: timing.Matmul(8).rate(repeats=0), ValueError, "repeats"),
         (lambda: timing.alternate({}, None, rounds=0), ValueError, "rounds"),
     ],
     ids=[
         "repeats 0",
         "size 0",
         "size float",
-        "rate size 0",
         "rate repeats 0",
         "rounds 0",
     ],

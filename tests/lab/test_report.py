@@ -9,7 +9,6 @@ from scipy import stats
 
 from lmhead.lab import report as report_lib
 from lmhead.lab import workdirs
-from tests.lab import synthetic_sweep
 from tests.lab.markdown import mean_std_text, table_rows
 from tests.lab.synthetic_sweep import (
     D_MODEL,
@@ -19,11 +18,6 @@ from tests.lab.synthetic_sweep import (
     VOCABULARIES,
     final_metrics,
 )
-
-
-@pytest.fixture(scope="module")
-def sweep_dir(tmp_path_factory):
-    return synthetic_sweep.write_sweep(tmp_path_factory.mktemp("sweep"))
 
 
 @pytest.fixture(scope="module")

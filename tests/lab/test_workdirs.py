@@ -11,11 +11,6 @@ from lmhead.lab import workdirs
 from tests.lab import synthetic_sweep
 
 
-@pytest.fixture(scope="module")
-def sweep_dir(tmp_path_factory):
-    return synthetic_sweep.write_sweep(tmp_path_factory.mktemp("sweep"))
-
-
 def test_read_metrics_keeps_the_last_record_of_a_repeated_step(tmp_path):
     path = tmp_path / "metrics.jsonl"
     records = [

@@ -1,30 +1,15 @@
 """The experiment's config: loading it, checking it, flattening it, and the
 model it describes.
 
-This is the *experiment's* config layer, not the head library's argument
-checks: ``lmhead/_checks.py`` checks the arrays and arguments of the pure
-functions (shapes, dtypes, counts); this module checks a whole
-``ml_collections`` config of a training run, key by key.
-
-* Loading: :func:`load_config` runs ``get_config(arg)`` of a config file
-  (``configs/default.py`` by default, as ``--config=path:arg`` does);
-  :func:`load_module` imports a config or sweep file.
-* Checking: ``configs/default.py`` is the one list of config keys:
-  ``get_config()`` gives every key, and each key's type is that of its
-  default (a placeholder default, ``None``, also allows ``None``;
-  :func:`default_types`). :func:`validate_config` refuses a config with
-  another key (naming the closest valid ones, :func:`check_config_keys`), a
-  missing key, a value of the wrong type, or one out of its range, before
-  anything is read or compiled. What it cannot know from the config alone is
-  checked where it becomes known: the prompt encodes (``train``, once the
-  tokenizer exists), the mesh fits the devices and divides the batch and the
-  vocabulary (``sharding``). :func:`check_resumable` refuses to resume a
-  workdir with another config than the one that made it, up to the keys in
-  :data:`RESUMABLE_CHANGES`.
-* Flattening: :func:`flatten` turns a nested config into dotted keys, as
-  the checks, the resume check and the sweeps compare them.
-* The model: :func:`make_model` builds the ``DecoderLM`` of
-  ``config.model``.
+``configs/default.py`` is the one list of config keys, each typed by its
+default (a ``None`` placeholder also allows ``None``). :func:`validate_config`
+refuses another key (naming the closest, :func:`check_config_keys`), a
+missing one, a wrong type or a value out of range, before anything is read or
+compiled; :func:`check_resumable` refuses to resume a workdir with another
+config than its own, up to :data:`RESUMABLE_CHANGES`. :func:`load_config`
+runs a config file's ``get_config(arg)``, :func:`flatten` gives dotted keys,
+and :func:`make_model` builds the ``DecoderLM`` of ``config.model``. (The
+head library's argument checks are ``lmhead/_checks.py``'s.)
 """
 
 import difflib

@@ -1,21 +1,14 @@
 """The training loop of every run: a single run (``lmhead.lm.train``) and an
 ensemble's members (``lmhead.lm.ensemble``) go through the same code.
 
-A run is ``count`` members: one for a single run, ``M`` for an ensemble
-program, whose state has a leading members axis. :func:`train_loop` steps
-them from the run's step to ``train.steps`` and does each member's periodic
-actions: it logs (``metrics.jsonl``, TensorBoard and a progress line), checks
-that the losses, gradient norms and state are finite
-(``train.stop_on_nonfinite``), evaluates, counts the evaluation for early
-stopping (``train.patience``), keeps the best state and checkpoints; SIGTERM
-stops it at a step boundary with a checkpoint of that step. :func:`finish`
-ends the run: each member's final evaluation, its test evaluation (on its
-best parameters with patience, else its last) and its ``summary.json``.
-
-What differs between a single run and a program is how a step, a checkpoint,
-a best state and a failure are made of its state; :class:`Run` names these
-hooks, and ``train._SingleRun`` and ``ensemble_program.Program`` fill them in.
-docs/training.md describes what a run writes, when, and how it resumes.
+A run is ``count`` members (one, or ``M`` with a leading members axis).
+:func:`train_loop` steps them to ``train.steps`` with each member's periodic
+actions: logging, finiteness checks, evaluation, early stopping, the best
+state, checkpoints and SIGTERM; :func:`finish` writes each member's final and
+test evaluations and ``summary.json``. What differs between a single run and
+a program are the hooks of :class:`Run` (``train._SingleRun``,
+``ensemble_program.Program``). docs/training.md, "One loop for a single run
+and an ensemble", gives the design.
 """
 
 import json

@@ -1,22 +1,13 @@
 """Scoring a given text under a trained model: the log-probability of each
 token, and its totals (nats, bits per character, perplexity).
 
-:func:`score_text` scores a text under a :class:`model.DecoderLM` (a run's,
-as :func:`generation.load_run` gives); :func:`strided_log_probs` does the
-work for any causal ``logits_fn``. Used by ``experiments/score.py`` and the
-service's echoed prompts (``lmhead.serve.completions``).
-
-A text longer than the model's context is scored with a sliding window
-(the strided method of the ``transformers`` perplexity guide): windows of
-``L`` tokens start every ``stride`` tokens, and each window scores only the
-tokens that no earlier window scored, so every token is scored once, with
-at least ``L - stride + 1`` tokens of context once the first window is
-past. The first token of a text has no context and is not scored, unless
-``prefix_eos``: then the text follows the run's end-of-text token, as each
-work follows it in training, and every token is scored (lm-evaluation-
-harness's rolling log-likelihood prefixes its first window the same way).
-The end-of-text token counts no characters in bits per character
-(``data.text_length``).
+:func:`score_text` scores a text under a :class:`model.DecoderLM`;
+:func:`strided_log_probs` does the work for any causal ``logits_fn``, with
+sliding windows for a text longer than the context (the strided method of
+the ``transformers`` perplexity guide: every token scored once). With
+``prefix_eos`` the text follows the end-of-text token and its first token is
+scored too. Used by ``experiments/score.py`` and the service's echoed
+prompts (``lmhead.serve.completions``).
 """
 
 import dataclasses

@@ -1,27 +1,14 @@
-r"""Device meshes and shardings: data- and vocabulary-parallel training.
+"""Device meshes and shardings: data- and vocabulary-parallel training.
 
-One mesh with two axes, built from ``config.mesh``:
-
-- ``"data"``: the batch is split over it; XLA sums the gradients over it.
-- ``"model"``: the vocabulary axis of the ``[V, D]`` tables -- the input
-  embedding (which is the unembedding when tied), the untied unembedding and
-  the head's bias -- is split over it, as in Megatron-LM.
-
-Everything else is replicated, by a small table of rules (:data:`PARAM_RULES`,
-regular expressions on a leaf's path). The rules match the *end* of a path,
-and optax keeps each moment (Adam's ``mu`` and ``nu``) as a copy of the
-parameter tree, so applying the same rules to the whole train state shards
-the optimizer state like its parameters.
-
-With the tables split over ``"model"``, the loss is
-:func:`lmhead.vocab_parallel.vocab_parallel_cross_entropy`, which never holds
-the ``[N, V]`` logits or the whole table on one device.
-
-Several hosts: :func:`initialize_distributed` starts ``jax.distributed``;
-every process then sees the same global mesh, builds the same global batch
-(a pure function of the seed and the step) and hands its own rows to
-:func:`shard_batch`; orbax saves and restores the sharded arrays, and
-:func:`is_main_process` says who writes logs.
+One mesh with two axes, built from ``config.mesh``: ``"data"`` splits the
+batch (XLA sums the gradients over it), and ``"model"`` splits the
+vocabulary axis of the ``[V, D]`` tables (the embedding, the untied
+unembedding, the head's bias), as in Megatron-LM, for
+:func:`lmhead.vocab_parallel.vocab_parallel_cross_entropy`. Everything else is
+replicated by :data:`PARAM_RULES`, which match the end of a leaf's path, so
+the optimizer's moments shard like their parameters. Several hosts:
+:func:`initialize_distributed`, :func:`shard_batch` (each process hands its
+own rows) and :func:`is_main_process`. docs/scale_out.md gives the design.
 """
 
 import math

@@ -1,21 +1,13 @@
 """A training run's state: the AdamW optimizer and its schedule, the initial
 parameters, and restoring the newest checkpoint that restores.
 
-Weight decay applies to the kernels of dense layers (attention and MLP
-projections) and to nothing else: not to LayerNorm scales, biases, the
-position table, or the ``[V, D]`` tables of the input embedding and of the
-untied unembedding. A tied table is shared by the input and the head and gets
-no decay; for an even comparison the untied head's own ``[V, D]`` -- one
-vector per token, like the embedding -- gets none either, so tied and untied
-runs differ by the tying alone.
-
-The two ``[V, D]`` tables (:data:`TABLES`) may train at a multiple of the
-schedule's rate, ``optim.table_lr_multiplier``; the optimizer's state is the
-same whatever the multiple. With a factorized head (``model.head_rank = r``)
-the same paths hold the ``[V, r]`` factors ``A``; the ``[r, D]`` projections
-``B`` are not tables (no decay, the schedule's rate). An untied model trained with ``model.untie_step``
-keeps its head equal to the embedding table, and the head's AdamW moments
-equal to the table's, until that step (:func:`copy_table_to_head`).
+Weight decay applies to the dense layers' kernels only: not to norms,
+biases, the position table or the ``[V, D]`` tables (:data:`TABLES`), so tied
+and untied runs differ by the tying alone. The tables may train at a multiple
+of the schedule's rate (``optim.table_lr_multiplier``), with the same
+optimizer state; an untied run with ``model.untie_step`` keeps its head and
+the head's moments equal to the table's until that step
+(:func:`copy_table_to_head`). docs/training.md gives the rules.
 """
 
 import functools

@@ -2,19 +2,11 @@
 
 ``train_and_evaluate(config, workdir)`` reads and encodes the corpus, builds
 the model and an AdamW optimizer, resumes from the newest checkpoint in
-``workdir`` if there is one, and runs the training loop of every run
-(``lmhead.lm.loop``: train, evaluate, checkpoint, stop early, test) over a
-run of one member, then writes decoded samples. ``train_step`` and
-``eval_step`` are pure functions; :func:`compile_steps` is the one place
-that jits them; ``lmhead.lm.evaluation`` reduces ``eval_step`` over fixed
-evaluation sets. The run's state and optimizer are ``lmhead.lm.state``'s;
-its metrics, timings and summary ``lmhead.lm.monitoring``'s. An ensemble
-(``lmhead.lm.ensemble``) maps the same steps over its members and runs the
-same loop.
-
-docs/training.md describes the design: what a workdir holds, what is
-evaluated when, how a run resumes, stops on SIGTERM or on a non-finite loss,
-and what is deterministic where.
+``workdir`` if there is one, and runs the loop of every run
+(:mod:`lmhead.lm.loop`) over a run of one member. ``train_step`` and
+``eval_step`` are pure functions; :func:`compile_steps` is the one place that
+jits them. docs/training.md describes what a workdir holds, what is evaluated
+when, how a run resumes and stops, and what is deterministic where.
 """
 
 import contextlib

@@ -37,8 +37,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lmhead import _checks, head, losses
-from lmhead.head import NEG_INF
+from lmhead import head, losses
+
+# The gradient's options and the rules' online-softmax steps, named here too.
+from lmhead._gradient_options import DW_ACCUMULATIONS as DW_ACCUMULATIONS
+from lmhead._gradient_options import FILTER_TARGETS as FILTER_TARGETS
+from lmhead._gradient_options import gradient_options as gradient_options
+from lmhead._online_softmax import block_softmax as block_softmax
+from lmhead._online_softmax import finite as finite
+from lmhead._online_softmax import is_label as is_label
+from lmhead._online_softmax import label_logit as label_logit
+from lmhead._online_softmax import merge_softmax as merge_softmax
+from lmhead._online_softmax import rescaled_tilt as rescaled_tilt
 
 _CONTRACT_COLUMNS = (((1,), (1,)), ((), ()))  # [a, D] x [b, D] -> [a, b]
 _CONTRACT_ROWS = (((0,), (0,)), ((), ()))  # [V, a] x [V, b] -> [a, b]
@@ -52,12 +62,6 @@ BLOCK_ELEMENTS = {"cpu": 2**22, "gpu": 2**26, "tpu": 2**26}
 VOCAB_BLOCK_ROWS = {"cpu": 1024, "gpu": 16384, "tpu": 16384}
 MIN_CHUNK_SIZE = 128
 MAX_CHUNK_SIZE = 1024
-
-# The gradients a filtered tile leaves out; how dw is summed over chunks.
-FILTER_TARGETS = ("both", "dh", "dw")
-DW_ACCUMULATIONS = ("float32", "kahan", "input_dtype")
-# filter_eps="auto": finfo(dtype).eps / AUTO_FILTER_DIVISOR, as CCE.
-AUTO_FILTER_DIVISOR = 32
 
 
 def default_chunk_size(width: int) -> int:
@@ -75,82 +79,28 @@ def default_chunk_size(width: int) -> int:
     return min(max(elements // width, MIN_CHUNK_SIZE), MAX_CHUNK_SIZE)
 
 
-def block_sizes(num_tokens, num_rows, chunk_size, vocab_chunk_size):
+def block_sizes(
+    num_tokens, num_rows, chunk_size, vocab_chunk_size, segment_length=None
+):
     """``(chunk_size, block_rows, keep_logits)`` with the defaults filled in.
 
-    ``num_tokens`` and ``num_rows`` are those of ``h`` and ``w`` on a device.
+    ``num_tokens`` and ``num_rows`` are those of ``h`` and ``w`` on a device;
+    with ``segment_length`` (:class:`Plan`'s) no longer than a chunk, the
+    chunk holds whole segments.
     """
     platform = jax.default_backend()
     keep_logits = vocab_chunk_size is None or vocab_chunk_size >= num_rows
     width = num_rows if keep_logits else int(vocab_chunk_size)
     if chunk_size is None:
         chunk_size = default_chunk_size(width)
+    if segment_length is not None and segment_length <= chunk_size:
+        chunk_size = chunk_size // segment_length * segment_length
     rows = (
         VOCAB_BLOCK_ROWS.get(platform, VOCAB_BLOCK_ROWS["cpu"])
         if keep_logits
         else width
     )
     return min(int(chunk_size), num_tokens), min(rows, num_rows), keep_logits
-
-
-def gradient_options(filter_eps, filter_target, dw_accumulation, dtype) -> dict:
-    r"""The :class:`Plan` fields of the gradient's options, checked.
-
-    ``filter_eps``: None (exact), a number ``>= 0``, or ``"auto"``,
-    ``finfo(dtype).eps / 32`` of the inputs' dtype. A tile (a chunk's tokens
-    x a vocabulary block) is skipped when each entry of its coefficient
-    :math:`g = \partial L / \partial u` (the rule's ``dlogits`` after the
-    softcap's derivative) is 0 or :math:`|g_{ti}| < \epsilon \sigma_t`, with
-    :math:`\sigma_t = \max_k |c_{tk}|` the token's largest coefficient: for
-    the cross-entropy :math:`g_{ti} / \sigma_t = p_{ti} - [i = y_t]`, whatever
-    the token's weight or the reduction. A skipped tile adds nothing to
-    ``dh`` (``filter_target`` ``"both"`` or ``"dh"``) and ``dw`` (``"both"``
-    or ``"dw"``); ``dbias`` and the outputs stay exact. With the scale
-    :math:`s` and the objective's cotangent :math:`c` (``1 / sum(weights)``
-    for a mean), :math:`S_t` (:math:`S_i`) the rows (tokens) of token
-    ``t``'s (row ``i``'s) skipped tiles, or all of them:
-
-    .. math::
-        |\Delta dh_{td}| \le |s| c \epsilon \sigma_t \sum_{i \in S_t} |w_{id}|,
-        \qquad |\Delta dw_{id}| \le |s| c \epsilon \sum_{t \in S_i}
-        \sigma_t |h_{td}|.
-
-    ``dw_accumulation``: ``"float32"`` (default) sums the chunks' ``dw`` in
-    float32; ``"kahan"`` adds a float32 Kahan compensation (a second
-    ``[V, D]`` array), so the sum's error does not grow with the chunks;
-    ``"input_dtype"`` sums in the inputs' dtype (bf16: half the memory).
-
-    Examples:
-        >>> gradient_options("auto", "dh", "float32", jnp.bfloat16)
-        {'filter_eps': 0.000244140625, 'filter_target': 'dh', 'dw_accumulation': 'float32'}
-
-    References:
-        Wijmans et al., `Cut Your Losses in Large-Vocabulary Language Models
-        <https://arxiv.org/abs/2411.09009>`_, 2024 (gradient filtering);
-        Kahan, `Further remarks on reducing truncation errors
-        <https://doi.org/10.1145/363707.363723>`_, 1965.
-    """
-    if isinstance(filter_eps, str):
-        if filter_eps != "auto":
-            raise ValueError(
-                f"filter_eps must be None, a number >= 0 or 'auto'; got {filter_eps!r}."
-            )
-        filter_eps = float(jnp.finfo(dtype).eps) / AUTO_FILTER_DIVISOR
-    elif filter_eps is not None:
-        if isinstance(filter_eps, bool) or _checks.is_traced(filter_eps):
-            raise TypeError(
-                "filter_eps must be None, a concrete number >= 0 or 'auto'; "
-                f"got {filter_eps!r}."
-            )
-        _checks.check_in_range("filter_eps", filter_eps, low=0.0)
-        filter_eps = float(filter_eps)
-    _checks.check_choice("filter_target", filter_target, FILTER_TARGETS)
-    _checks.check_choice("dw_accumulation", dw_accumulation, DW_ACCUMULATIONS)
-    return dict(
-        filter_eps=filter_eps,
-        filter_target=filter_target,
-        dw_accumulation=dw_accumulation,
-    )
 
 
 class Rule(Protocol):
@@ -163,7 +113,10 @@ class Rule(Protocol):
     are skipped) and a leading vocabulary axis (split with ``w``). ``coefs``
     are a tuple of ``[Nc]`` cotangent coefficients; an entry may be None (a
     symbolic zero). ``loss`` and ``loss_coefs`` also get the token inputs (a
-    chunk's, or all tokens'), for a loss with per-token operands.
+    chunk's, or all tokens'), for a loss with per-token operands. With
+    ``Plan.segment_length``, the objective is ``sum_s segment_loss(U)_s``
+    of the segments' sums ``U_s = sum_{t in s} w_t L_t`` (elementwise on
+    ``[S]``); ``loss_coefs`` are then those of ``U``'s terms.
     """
 
     passes: int
@@ -177,6 +130,7 @@ class Rule(Protocol):
     def finish(self, pass_: int, carry: tuple) -> tuple: ...
     def loss(self, loss_scalars, outputs, token_inputs) -> jax.Array: ...
     def loss_coefs(self, loss_scalars, outputs, weights, token_inputs) -> tuple: ...
+    def segment_loss(self, loss_scalars, sums: jax.Array) -> jax.Array: ...
     def cotangent_coefs(self, outputs: tuple, cotangents: tuple) -> tuple: ...
     def dlogits(self, z, v0, context, outputs, coefs) -> jax.Array: ...
 
@@ -200,6 +154,9 @@ class Plan:
     filter_eps: float | None = None  # gradient_options' three fields
     filter_target: str = "both"
     dw_accumulation: str = "float32"
+    # Tokens [s L, (s + 1) L) are segment s of a segment objective (Rule),
+    # never packed; a chunk holds whole segments or lies within one.
+    segment_length: int | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -215,59 +172,6 @@ class Plan:
         return lax.dot_general(
             a, b, dims, precision=self.precision, preferred_element_type=jnp.float32
         )
-
-
-# ----------------------------------------------------------------------------
-# Online-softmax helpers, shared by the rules.
-# ----------------------------------------------------------------------------
-
-
-def finite(peak):
-    """A running max as the reference of ``exp(z - max)``, with 0 for a max
-    of -inf (every logit so far -inf, e.g. a block of banned tokens), where
-    ``-inf - (-inf)`` would make the sum NaN rather than 0."""
-    return jnp.where(peak == NEG_INF, 0.0, peak)
-
-
-def rescaled_tilt(tilted, sum_exp, peak, new_peak):
-    """``sum e_i (z_i - m)`` re-based from the max ``m = peak`` to ``new_peak``:
-    ``e^(m - M) (t + (m - M) s)``; 0 while nothing is summed (``s = 0``)."""
-    shift = peak - new_peak
-    return jnp.where(sum_exp > 0, jnp.exp(shift) * (tilted + shift * sum_exp), 0.0)
-
-
-def block_softmax(z, is_new):
-    """A block's ``(peak, exp(z - peak), sum_exp)`` over its new rows."""
-    live = jnp.where(is_new, z, NEG_INF)
-    peak = jnp.max(live, axis=0)
-    exp = jnp.exp(live - finite(peak))
-    return live, peak, exp, jnp.sum(exp, axis=0)
-
-
-def merge_softmax(peak, sum_exp, b_peak, b_sum_exp):
-    """The online logsumexp's step: ``(new_peak, rescaled sum_exp)``."""
-    new_peak = jnp.maximum(peak, b_peak)
-    reference = finite(new_peak)
-    sum_exp = sum_exp * jnp.exp(peak - reference) + b_sum_exp * jnp.exp(
-        b_peak - reference
-    )
-    return new_peak, sum_exp
-
-
-def label_logit(z, labels, v0, is_new):
-    """Each token's logit of its label if the label is a new row of the block,
-    else 0: a gather of one logit per token, not a masked pass over the block."""
-    rows = z.shape[0]
-    row = labels - v0
-    safe_row = jnp.clip(row, 0, rows - 1)
-    value = jnp.take_along_axis(z, safe_row[None, :], axis=0)[0]
-    counted = (row >= 0) & (row < rows) & is_new[safe_row, 0]
-    return jnp.where(counted, value, 0.0)
-
-
-def is_label(z, v0, labels):
-    """``[Vb, Nc]`` True at each token's label row."""
-    return v0 + lax.broadcasted_iota(jnp.int32, z.shape, 0) == labels
 
 
 def add_coefs(a, b):
@@ -518,20 +422,35 @@ def _sweep(
 def _chunk_loop(
     plan, h, w, bias, loss_scalars, inputs, loss_weights, grads, given, num_chunks
 ):
-    """:func:`_sweep`'s loop over the first ``num_chunks`` chunks of tokens."""
+    """:func:`_sweep`'s loop over the first ``num_chunks`` chunks of tokens.
+
+    Differentiated with segments longer than a chunk, it loops over the
+    segments and over each one's chunks (the last one clamped to the
+    segment's end), with the coefficients of ``U_s``'s terms: a segment's
+    ``dw`` and ``db`` are summed apart and its ``dh`` rows (0 before it)
+    kept, and all are multiplied by ``segment_loss'(U_s)`` once the segment
+    is done, the gradients being linear in the coefficients.
+    """
     rule = plan.rule
-    n, size = h.shape[0], plan.chunk_size
+    n, size, length = h.shape[0], plan.chunk_size, plan.segment_length
     token_inputs, row_inputs = inputs
     # zeros_like keeps the mesh axes of the inputs, which a loop carry must
     # keep inside shard_map: the outputs vary as the tokens do.
     outputs = rule.empty(jnp.zeros_like(loss_weights), token_inputs)
     if given is not None:
         outputs = None
+    deferred = grads is not None and given is None and (length or 0) > size
+    per_segment = -(-length // size) if deferred else 1
 
     def body(i, carry):
-        outputs, (dh, dw, db) = carry
-        start = _block_start(i, size, n)
-        is_new = _new_positions(start, i * size, size)
+        outputs, (dh, dw, db), total = carry
+        if deferred:
+            first = i // per_segment * length
+            start = first + _block_start(i % per_segment, size, length)
+            is_new = _new_positions(start, first + i % per_segment * size, size)
+        else:
+            start = _block_start(i, size, n)
+            is_new = _new_positions(start, i * size, size)
 
         def chunk(x):
             return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, start, size), x)
@@ -547,9 +466,14 @@ def _chunk_loop(
                 for s, x in zip(outputs, new)
             )
             if grads is None:
-                return outputs, (dh, dw, db)
-            chunk_coefs = rule.loss_coefs(
-                loss_scalars, new, chunk(loss_weights), chunk(token_inputs)
+                return outputs, (dh, dw, db), total
+            chunk_coefs = _loss_coefs(
+                plan,
+                deferred,
+                loss_scalars,
+                new,
+                chunk(loss_weights),
+                chunk(token_inputs),
             )
         else:
             z, (new, chunk_coefs) = None, chunk(given)
@@ -559,6 +483,10 @@ def _chunk_loop(
         chunk_coefs = tuple(
             None if c is None else jnp.where(active, c, 0.0) for c in chunk_coefs
         )
+        if deferred:
+            token_loss = rule.loss(loss_scalars, new, chunk(token_inputs))
+            weights = jnp.where(active, chunk(loss_weights), 0.0)
+            total = total + jnp.sum(losses.weighted_values(token_loss, weights))
         dh_chunk, dw, db = _chunk_grads(
             plan,
             h_chunk,
@@ -573,16 +501,56 @@ def _chunk_loop(
         )
         if dh is not None:
             dh = _add_rows(dh, start, dh_chunk)
-        return outputs, (dh, dw, db)
+        return outputs, (dh, dw, db), total
 
     init = (None, None, None) if grads is None else grads
-    return lax.fori_loop(0, num_chunks, body, (outputs, init))
+    zero = jnp.zeros((), jnp.float32)
+    if not deferred:
+        return lax.fori_loop(0, num_chunks, body, (outputs, init, zero))[:2]
+
+    def segment(s, carry):
+        outputs, (dh, dw, db) = carry
+        apart = tuple(
+            None if x is None else jnp.zeros(x.shape, jnp.float32) for x in (w, bias)
+        )
+        outputs, (dh, dw_s, db_s), total = lax.fori_loop(
+            s * per_segment, (s + 1) * per_segment, body, (outputs, (dh, *apart), zero)
+        )
+        factor = jax.grad(lambda u: jnp.sum(rule.segment_loss(loss_scalars, u)))(
+            total[None]
+        )[0]
+        if dh is not None:
+            rows = lax.dynamic_slice_in_dim(dh, s * length, length)
+            dh = lax.dynamic_update_slice_in_dim(dh, factor * rows, s * length, 0)
+        if dw is not None:
+            dw = _accumulate(dw, 0, factor * dw_s)
+        if db is not None:
+            db = db + factor * db_s
+        return outputs, (dh, dw, db)
+
+    return lax.fori_loop(0, n // length, segment, (outputs, init))
+
+
+def _loss_coefs(plan, deferred, loss_scalars, outputs, weights, token_inputs):
+    """The objective's coefficients on a chunk's outputs: the rule's
+    ``loss_coefs``, or, for a chunk of whole segments, the segments' VJP."""
+    if plan.segment_length is None or deferred:
+        return plan.rule.loss_coefs(loss_scalars, outputs, weights, token_inputs)
+    _, pullback = jax.vjp(
+        lambda *x: _objective(plan, loss_scalars, x, weights, token_inputs), *outputs
+    )
+    return pullback(jnp.ones((), jnp.float32))
 
 
 def _objective(plan, loss_scalars, outputs, loss_weights, token_inputs):
-    """``sum_t w_t L_t``, a weight of 0 giving 0 (``losses.weighted_values``)."""
+    """``sum_t w_t L_t``, a weight of 0 giving 0 (``losses.weighted_values``),
+    or with segments ``sum_s segment_loss(U)_s`` of the segments' sums."""
     token_loss = plan.rule.loss(loss_scalars, outputs, token_inputs)
-    return jnp.sum(losses.weighted_values(token_loss, loss_weights))
+    values = losses.weighted_values(token_loss, loss_weights)
+    if plan.segment_length is None:
+        return jnp.sum(values)
+    sums = jnp.sum(jnp.reshape(values, (-1, plan.segment_length)), axis=1)
+    return jnp.sum(plan.rule.segment_loss(loss_scalars, sums))
 
 
 def _zero_grads(h, w, bias):

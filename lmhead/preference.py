@@ -11,6 +11,7 @@ DPO, means for SimPO, ORPO and CPO); docs/post_training.md lists them with
 their papers.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -22,6 +23,9 @@ from lmhead import _checks, token_logprobs
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo", "orpo", "cpo")
 # The DPO family compares the policy with a reference; the others do not.
 WITH_REFERENCE = ("sigmoid", "hinge", "ipo")
+# A pair's loss a function of one weighted sum of its log-probs (Delta, or
+# A_c - A_r): the fused sweep takes their gradient in its forward pass.
+MARGIN_LOSSES = ("sigmoid", "hinge", "ipo", "simpo")
 
 
 def _check_pair(chosen, rejected, chosen_mask, rejected_mask):
@@ -70,6 +74,34 @@ def _sigmoid_loss(logits, label_smoothing):
     return -(1.0 - label_smoothing) * jax.nn.log_sigmoid(
         logits
     ) - label_smoothing * jax.nn.log_sigmoid(-logits)
+
+
+def _margin_loss(loss_type, margin, beta, gamma, label_smoothing):
+    """The loss of a pair of margin ``Delta`` (DPO family) or ``A_c - A_r``."""
+    if loss_type == "sigmoid":
+        return _sigmoid_loss(beta * margin, label_smoothing)
+    if loss_type == "hinge":
+        return jax.nn.relu(1.0 - beta * margin)
+    if loss_type == "ipo":
+        return jnp.square(margin - 1.0 / (2.0 * beta))
+    return _sigmoid_loss(beta * margin - gamma, label_smoothing)  # simpo
+
+
+@dataclasses.dataclass(frozen=True)
+class MarginLoss:
+    """:func:`_margin_loss` as the sweep's ``segment_loss`` of a pair's
+    margin, ``loss_scalars = (beta, gamma, label_smoothing)``."""
+
+    loss_type: str
+
+    def __call__(self, scalars, margins):
+        return _margin_loss(self.loss_type, margins, *(scalars[i] for i in range(3)))
+
+
+def margin_terms(logps, entropy, operands):
+    """A token's term of its pair's margin, ``c_t (log p_t - ref_t)``."""
+    coef, ref = operands
+    return coef * (logps[:, 0] - ref)
 
 
 def _log1m_exp(x):
@@ -187,18 +219,13 @@ def preference_loss(
         chosen, rejected = sums
         rewards = [beta * (s - r) for s, r in zip(sums, refs)]
         delta = (sums[0] - refs[0]) - (sums[1] - refs[1])
-        if loss_type == "sigmoid":
-            pair_loss = _sigmoid_loss(beta * delta, label_smoothing)
-        elif loss_type == "hinge":
-            pair_loss = jax.nn.relu(1.0 - beta * delta)
-        else:
-            pair_loss = jnp.square(delta - 1.0 / (2.0 * beta))
+        pair_loss = _margin_loss(loss_type, delta, beta, gamma, label_smoothing)
     else:
         chosen, rejected = [s / c for s, c in zip(sums, counts)]
         rewards = [beta * chosen, beta * rejected]
         if loss_type == "simpo":
-            pair_loss = _sigmoid_loss(
-                beta * (chosen - rejected) - gamma, label_smoothing
+            pair_loss = _margin_loss(
+                loss_type, chosen - rejected, beta, gamma, label_smoothing
             )
         elif loss_type == "cpo":
             pair_loss = _sigmoid_loss(beta * (chosen - rejected), label_smoothing)
@@ -328,6 +355,9 @@ def fused_preference_loss(
             )
     if reference_logps is not None and reference_head is not None:
         raise ValueError("give reference_logps or reference_head, not both; got both.")
+    token_logprobs.check_options(
+        temperature, scale, softcap, chunk_size, vocab_chunk_size
+    )
     masks = (chosen_mask, rejected_mask)
     options = dict(
         temperature=temperature,
@@ -341,14 +371,10 @@ def fused_preference_loss(
         filter_target=filter_target,
         dw_accumulation=dw_accumulation,
     )
-    chosen, rejected = _pair_logps(
-        h_chosen,
-        h_rejected,
-        w,
-        chosen_ids,
-        rejected_ids,
-        masks,
-        options | gradients | {"bias": bias},
+    # The pairs' shapes and masks, checked before any sweep.
+    _check_pair(
+        *(np.zeros(jnp.shape(x), np.float32) for x in (chosen_ids, rejected_ids)),
+        *masks,
     )
     if reference_head is not None:
         if len(reference_head) not in (3, 4):
@@ -374,11 +400,7 @@ def fused_preference_loss(
     ref_chosen, ref_rejected = (
         (None, None) if reference_logps is None else reference_logps
     )
-    return preference_loss(
-        chosen,
-        rejected,
-        chosen_mask,
-        rejected_mask,
+    settings = dict(
         loss_type=loss_type,
         beta=beta,
         gamma=gamma,
@@ -387,3 +409,61 @@ def fused_preference_loss(
         ref_chosen_logps=ref_chosen,
         ref_rejected_logps=ref_rejected,
     )
+    options |= gradients | {"bias": bias}
+    args = h_chosen, h_rejected, w, chosen_ids, rejected_ids, masks
+    if loss_type not in MARGIN_LOSSES:
+        chosen, rejected = _pair_logps(*args, options)
+        return preference_loss(chosen, rejected, *masks, **settings)
+    total, (chosen, rejected) = _pair_margins(*args, settings, options)
+    _, metrics = preference_loss(chosen, rejected, *masks, **settings)
+    return total / jnp.shape(chosen_ids)[0], metrics
+
+
+def _pair_margins(h_c, h_r, w, ids_c, ids_r, masks, settings, options):
+    """``(the pairs' losses summed, (chosen, rejected) log-probs)`` from one
+    sweep over the tokens pair by pair (chosen, then rejected): a pair is a
+    segment, its loss a :class:`MarginLoss` of the sum of its tokens'
+    :func:`margin_terms`, so the sweep takes the gradient in its forward
+    pass."""
+    lengths = jnp.shape(ids_c)[1], jnp.shape(ids_r)[1]
+    m = [jnp.asarray(x, jnp.float32) for x in masks]
+    if settings["loss_type"] == "simpo":  # means, not sums
+        m = [x / jnp.sum(x, -1, keepdims=True) for x in m]
+    refs = [settings["ref_chosen_logps"], settings["ref_rejected_logps"]]
+    refs = [
+        jnp.zeros_like(x)
+        if r is None or settings["loss_type"] not in WITH_REFERENCE
+        else jnp.where(x != 0, jnp.asarray(r, jnp.float32), 0.0)
+        for x, r in zip(m, refs)
+    ]
+
+    def pairs(chosen, rejected):
+        return jnp.concatenate([chosen, rejected], axis=1)
+
+    h = pairs(jnp.asarray(h_c), jnp.asarray(h_r))
+    ids = pairs(jnp.asarray(ids_c), jnp.asarray(ids_r))
+    live = (pairs(*m) != 0).astype(jnp.float32)
+    _checks.check_unembed_inputs(h, w, options["bias"])
+    _checks.check_integer("chosen_ids and rejected_ids", ids)
+    _checks.check_ids_in_range(
+        "chosen_ids and rejected_ids", ids, live, jnp.shape(w)[0]
+    )
+    operands = jax.lax.stop_gradient(
+        (jnp.ravel(pairs(m[0], -m[1])), jnp.ravel(pairs(*refs)))
+    )
+    scalars = [settings[k] for k in ("beta", "gamma", "label_smoothing")]
+    total, out = token_logprobs.token_loss_sweep(
+        h,
+        w,
+        ids,
+        live,
+        token_loss=margin_terms,
+        operands=operands,
+        segment_loss=MarginLoss(settings["loss_type"]),
+        segment_length=sum(lengths),
+        loss_scalars=jnp.stack([jnp.asarray(x, jnp.float32) for x in scalars]),
+        entropy=False,
+        precision=None,
+        **options,
+    )
+    return total, (out.logprobs[:, : lengths[0]], out.logprobs[:, lengths[0] :])

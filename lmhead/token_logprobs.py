@@ -46,12 +46,16 @@ class LogProbRule:
     coefficients are its VJP, known per token while the forward sweep holds
     a chunk's logits, so the sweep's forward gradients apply. Without
     ``token_loss`` it is the first id's negative log-likelihood, which
-    :func:`fused_token_logprobs` does not use.
+    :func:`fused_token_logprobs` does not use. With ``segment_loss_fn``
+    (``(loss_scalars, sums [S]) -> [S]``, elementwise) and the plan's
+    ``segment_length``, the objective is that of each segment's weighted
+    sum of ``token_loss``, summed (:class:`lmhead._fused_sweep.Rule`).
     """
 
     num_ids: int
     entropy: bool
     token_loss: Callable | None = None  # hashable: a module-level function
+    segment_loss_fn: Callable | None = None  # hashable too
     passes = 1
 
     def empty(self, zeros, token_inputs):
@@ -114,6 +118,9 @@ class LogProbRule:
             lambda *x: self.loss(loss_scalars, x, token_inputs), *outputs
         )
         return pullback(weights)
+
+    def segment_loss(self, loss_scalars, sums):
+        return self.segment_loss_fn(loss_scalars, sums)
 
     def cotangent_coefs(self, outputs, cotangents):
         return tuple(cotangents)
@@ -305,7 +312,17 @@ def fused_token_logprobs(
 
 
 def token_loss_sweep(
-    h, w, ids, loss_weights, *, token_loss=None, operands=(), **options
+    h,
+    w,
+    ids,
+    loss_weights,
+    *,
+    token_loss=None,
+    operands=(),
+    segment_loss=None,
+    segment_length=None,
+    loss_scalars=(),
+    **options,
 ) -> tuple[jax.Array, TokenLogProbs]:
     """``(sum_t loss_weights_t * token_loss_t, TokenLogProbs)`` from one sweep.
 
@@ -318,6 +335,16 @@ def token_loss_sweep(
     and the options are :func:`fused_token_logprobs`' (after its checks);
     ``token_loss(logps [Nc, k], entropy [Nc] or None, operands) -> [Nc]``,
     a hashable callable (a frozen dataclass or a module-level function).
+
+    With ``segment_length`` ``L`` (dividing ``N``) and ``segment_loss``
+    (hashable, ``(loss_scalars, sums [S]) -> [S]`` elementwise), the first
+    output is ``sum_s segment_loss(U)_s``, ``U_s`` the weighted sum of
+    ``token_loss`` over tokens ``[s L, (s + 1) L)`` (e.g. a DPO pair's
+    log-ratio margin): its gradient comes from the forward sweep too, each
+    token's coefficient scaled by its segment's ``segment_loss'(U_s)`` once
+    the segment is done (:func:`lmhead._fused_sweep._chunk_loop`).
+    ``loss_scalars``: ``[k]`` array operands of ``segment_loss`` (traced
+    options), with exact gradients.
 
     Examples:
         The negative log-likelihood as a token loss, weighted:
@@ -350,7 +377,7 @@ def token_loss_sweep(
     bias, scale, softcap = _tempered(
         bias, options["scale"], options["softcap"], float(temperature)
     )
-    rule = LogProbRule(num_ids, entropy, token_loss)
+    rule = LogProbRule(num_ids, entropy, token_loss, segment_loss)
     dtype = jnp.result_type(h, w)
     gradients = _fused_sweep.gradient_options(
         options["filter_eps"],
@@ -371,19 +398,21 @@ def token_loss_sweep(
                 vocab_size,
                 options["chunk_size"],
                 options["vocab_chunk_size"],
+                segment_length,
             ),
             None if scale is None else float(scale),
             None if softcap is None else float(softcap),
             options["precision"],
             grads_in_forward=token_loss is not None,
             **gradients,
+            segment_length=segment_length,
         )
         objective, outputs = _fused_sweep.fused_core(
             plan,
             jnp.reshape(h, (num_tokens, d_model)).astype(dtype),
             jnp.asarray(w, dtype),
             None if bias is None else jnp.asarray(bias),
-            jnp.zeros((0,), jnp.float32),
+            jnp.asarray(loss_scalars, jnp.float32),
             loss_weights,
             ((flat_ids, operands), ()),
         )

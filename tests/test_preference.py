@@ -57,22 +57,23 @@ def np_preference_loss(lc, lr, mc, mr, loss_type, ref_c=None, ref_r=None):
     return (-BETA * np_log_sigmoid(odds(a_c) - odds(a_r))).mean() + ALPHA * nll
 
 
-def make_inputs(seed=0):
+def make_inputs(seed=0, pairs=B):
     rng = np.random.default_rng(seed)
-    mask_c = np.ones((B, T_C))
+    mask_c = np.ones((pairs, T_C))
     mask_c[0, :2] = 0  # a prompt
-    mask_r = np.ones((B, T_R))
+    mask_r = np.ones((pairs, T_R))
     mask_r[1, -1] = 0  # padding
+    mask_r[-1, 0] = 0.5  # a weighted token
     return dict(
-        h_c=rng.standard_normal((B, T_C, D)),
-        h_r=rng.standard_normal((B, T_R, D)),
+        h_c=rng.standard_normal((pairs, T_C, D)),
+        h_r=rng.standard_normal((pairs, T_R, D)),
         w=rng.standard_normal((V, D)),
         bias=rng.standard_normal(V),
-        h_rc=rng.standard_normal((B, T_C, D)),
-        h_rr=rng.standard_normal((B, T_R, D)),
+        h_rc=rng.standard_normal((pairs, T_C, D)),
+        h_rr=rng.standard_normal((pairs, T_R, D)),
         w_ref=rng.standard_normal((V, D)),
-        ids_c=rng.integers(0, V, (B, T_C)).astype(np.int32),
-        ids_r=rng.integers(0, V, (B, T_R)).astype(np.int32),
+        ids_c=rng.integers(0, V, (pairs, T_C)).astype(np.int32),
+        ids_r=rng.integers(0, V, (pairs, T_R)).astype(np.int32),
         mask_c=mask_c,
         mask_r=mask_r,
     )
@@ -235,6 +236,108 @@ class FusedTest(parameterized.TestCase):
         # The frozen reference: exactly no gradient.
         np.testing.assert_array_equal(grads[4], 0.0)
         np.testing.assert_array_equal(grads[5], 0.0)
+
+
+class PairSegmentsTest(parameterized.TestCase):
+    """The DPO family and SimPO take their gradient in the forward sweep, a
+    pair being a segment of the sweep (``Plan.segment_length``): 3 pairs of
+    9 tokens, in chunks of 4 inside a pair (each pair's gradient scaled once
+    it is done; its last chunk clamped to its end) or of 18, two whole pairs
+    (the last chunk clamped to the tokens' end, overlapping a pair)."""
+
+    @chex.variants(with_jit=True)
+    @parameterized.product(
+        loss_type=preference.MARGIN_LOSSES,
+        chunk_size=(4, 20),
+        dw_accumulation=("float32", "kahan"),
+    )
+    def test_gradients_match_float64(self, loss_type, chunk_size, dw_accumulation):
+        x = make_inputs(seed=1, pairs=3)
+        ref_c, *_ = refs.token_logprobs(
+            x["h_rc"], x["w_ref"], None, x["ids_c"], **OPTIONS
+        )
+        ref_r, *_ = refs.token_logprobs(
+            x["h_rr"], x["w_ref"], None, x["ids_r"], **OPTIONS
+        )
+
+        def fused(h_c, h_r, w, bias):
+            return preference.fused_preference_loss(
+                h_c,
+                h_r,
+                w,
+                x["ids_c"],
+                x["ids_r"],
+                x["mask_c"],
+                x["mask_r"],
+                bias=bias,
+                reference_logps=(ref_c, ref_r),
+                loss_type=loss_type,
+                beta=BETA,
+                gamma=GAMMA,
+                label_smoothing=SMOOTHING,
+                chunk_size=chunk_size,
+                dw_accumulation=dw_accumulation,
+                **OPTIONS,
+            )
+
+        def reference_loss(h_c, h_r, w, bias):
+            lc, *_ = refs.token_logprobs(h_c, w, bias, x["ids_c"], **OPTIONS)
+            lr, *_ = refs.token_logprobs(h_r, w, bias, x["ids_r"], **OPTIONS)
+            return np_preference_loss(
+                lc, lr, x["mask_c"], x["mask_r"], loss_type, ref_c, ref_r
+            )
+
+        names = ("h_c", "h_r", "w", "bias")
+        args = [jnp.asarray(x[n], jnp.float32) for n in names]
+        step = jax.value_and_grad(fused, (0, 1, 2, 3), has_aux=True)
+        (value, metrics), grads = self.variant(step)(*args)
+        expected = reference_loss(*(x[n] for n in names))
+        np.testing.assert_allclose(value, expected, rtol=1e-5)
+        np.testing.assert_allclose(metrics["preference_loss"], expected, rtol=1e-5)
+        for i, name in enumerate(names):
+            others = [x[n] for n in names]
+
+            def along(v, i=i, others=others):
+                return reference_loss(*others[:i], v, *others[i + 1 :])
+
+            np.testing.assert_allclose(
+                grads[i],
+                refs.numeric_grad(along, x[name]),
+                rtol=1e-4,
+                atol=1e-5,
+                err_msg=name,
+            )
+
+    def test_a_metric_differentiated_takes_the_recompute_sweep(self):
+        """d(reward margin)/dw: a cotangent on the log-probs themselves,
+        against the float64 margin's central differences (DPO, no reference:
+        margin = beta (S_c - S_r) averaged over pairs)."""
+        x = make_inputs(seed=2, pairs=3)
+
+        def margin(w):
+            _, metrics = preference.fused_preference_loss(
+                *(jnp.asarray(x[n], jnp.float32) for n in ("h_c", "h_r")),
+                w,
+                x["ids_c"],
+                x["ids_r"],
+                x["mask_c"],
+                x["mask_r"],
+                beta=BETA,
+                chunk_size=4,
+                **OPTIONS,
+            )
+            return metrics["reward_margin"]
+
+        def reference(w):
+            lc, *_ = refs.token_logprobs(x["h_c"], w, None, x["ids_c"], **OPTIONS)
+            lr, *_ = refs.token_logprobs(x["h_r"], w, None, x["ids_r"], **OPTIONS)
+            sums = np.sum(x["mask_c"] * lc, -1) - np.sum(x["mask_r"] * lr, -1)
+            return BETA * sums.mean()
+
+        grad = jax.jit(jax.grad(margin))(jnp.asarray(x["w"], jnp.float32))
+        np.testing.assert_allclose(
+            grad, refs.numeric_grad(reference, x["w"]), rtol=1e-4, atol=1e-5
+        )
 
 
 def _loss(**overrides):

@@ -2,15 +2,10 @@
 the members' data with one tokenizer, their evaluation sets, the mesh, the
 stacked state's shardings, and :class:`Program`, the record the loop reads.
 
-:func:`make_program` trains the tokenizer once, in the program's workdir (on
-the text that covers every member's, ``data.tokenizer_fraction``;
-``lmhead/lm/members.py`` says why), encodes each distinct data config once,
-and gives every member's workdir the ``tokenizer.json`` and ``tokens.npz`` a
-single run would write. The validation windows are every member's (the
-validation split does not depend on any member key), so they are made once
-and shared; the training windows of ``train.eval_train_batches`` and the
-held-out windows of ``data.holdout_fraction`` are stacked, one set per
-member, when the members train on different text.
+The tokenizer is trained once, in the program's workdir, and every member's
+workdir gets the ``tokenizer.json`` and ``tokens.npz`` a single run would
+write. The validation windows are shared; the training and held-out windows
+are stacked, one set per member, when the members train on different text.
 """
 
 import contextlib

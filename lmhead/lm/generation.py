@@ -190,15 +190,12 @@ def continuations(
     ``decoding.generate``'s.
 
     Stop strings end a sample inside the compiled loop
-    (``decoding.StopStrings`` on :func:`token_bytes`, exact across tokens for
-    this project's tokenizers); one that spans two windows is found in the
-    text after the first, and the text is always cut with
-    ``decoding.trim_at_stop``. Beam search only cuts the text. A tokenizer
-    with an end-of-text token (``tokenizer.eos_id``) ends a sample (and a
-    beam) at it, as GPT-2's ``<|endoftext|>`` ends a document, unless
-    ``ignore_eos`` (OpenAI's extension of that name); the token is kept in
-    :attr:`Continuation.tokens` but not in the text. No more windows run
-    once every sample has stopped.
+    (``decoding.StopStrings`` on :func:`token_bytes`), or across two windows
+    in the text after the first; the text is cut with
+    ``decoding.trim_at_stop`` (beam search only cuts the text). The
+    end-of-text token (``tokenizer.eos_id``) ends a sample and a beam unless
+    ``ignore_eos``; it is kept in :attr:`Continuation.tokens`, not in the
+    text. No more windows run once every sample has stopped.
 
     Args:
         stop: a stop string or a list of them, matched in the generated text
@@ -383,11 +380,9 @@ def quantize_for_decoding(model: model_lib.DecoderLM, params: Any, dtype: str) -
     ``head_rank``, the factor ``A: [V, r]``; the projection stays float). Tied:
     the embedding lookup keeps the float32 table and the head reads a
     quantized copy of it, stored as ``params[model.HEAD_TABLE]``. Either way
-    the result is a params tree like any other: ``prefill``, the step
-    function, ``generate``, ``beam_search``, ``continue_text`` and
-    ``model.apply`` take it as an argument (one compile serves every
-    quantized set of the same dtype), while the loss refuses a
-    ``QuantizedTable``.
+    the result is a params tree that every decoding function takes as an
+    argument (one compile serves every quantized set of the same dtype);
+    the loss refuses a ``QuantizedTable``.
 
     Args:
         model: the :class:`model.DecoderLM`.

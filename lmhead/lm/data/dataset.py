@@ -1,19 +1,12 @@
 """The encoded dataset of a run: its splits tokenized once, cached in the
 workdir, and checked against the data settings that made them.
 
-:func:`load_dataset` reads and splits the corpus (:mod:`.corpus`), makes the
-tokenizer (:mod:`.tokenization`) and encodes the training and validation
-text; with a workdir it writes ``tokenizer.json`` and ``tokens.npz`` there,
-which later calls (a resumed run) reuse after checking their fingerprint of
-the text and settings. The test split is never encoded with the others:
-:func:`load_test_tokens` reads it when it is evaluated.
-:func:`tokenizer_vocab_size` is the size a run's tokenizer will have,
-cached per settings in the process.
-
-Several runs can share one tokenizer (an ensemble's members, whose training
-texts are parts of the one it learned from, ``data.tokenizer_fraction``):
-:func:`train_tokenizer` trains it once and ``load_dataset(...,
-tokenizer=...)`` encodes each run's text with it.
+:func:`load_dataset` reads and splits the corpus (:mod:`.corpus`), makes or
+takes the tokenizer (:mod:`.tokenization`; :func:`train_tokenizer` trains
+one that several runs share) and encodes the training and validation text,
+cached in the workdir as ``tokenizer.json`` and ``tokens.npz`` under a
+fingerprint of the text and settings. :func:`load_test_tokens` encodes the
+test split only when it is evaluated.
 """
 
 import dataclasses

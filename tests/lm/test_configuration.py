@@ -13,16 +13,9 @@ from lmhead.lab import sweeps
 from lmhead.lm import configuration, train
 from lmhead.lm import model as model_lib
 from tests.errors import assert_raises_exactly
+from tests.lm.conftest import tiny_config
 
 NAN, INF = float("nan"), float("inf")
-
-
-def tiny_config(**overrides):
-    config = default.get_config("tiny")
-    for name, value in overrides.items():
-        section, key = name.split(".")
-        config[section][key] = value
-    return config
 
 
 class TestDefaultConfig:

@@ -344,6 +344,8 @@ def test_bad_member_lists_are_refused(specs, message):
         ({"optim.min_lr": 1.0}, ValueError, "member 1 .*config.optim.min_lr"),
         ({"train.seed": "one"}, TypeError, "member 1 .*train.seed"),
         ({"loss.label_smoothing": 1.5}, ValueError, "member 1 .*label_smoothing"),
+        # The vocabulary split is for single runs.
+        ({"mesh.model": 2}, ValueError, "config.mesh.model must be 1"),
     ],
 )
 def test_bad_values_are_refused_before_training(
@@ -351,30 +353,40 @@ def test_bad_values_are_refused_before_training(
 ):
     monkeypatch.setattr(ensemble_program, "make_program", None)
     workdir = str(tmp_path / "p")
-    members = members_lib.make_members([{}, spec], "p")
+    # mesh.model is the program's key: a member may not set it.
+    program = {k: spec.pop(k) for k in list(spec) if k.startswith("mesh.")}
+    members = members_lib.make_members([{}, {"train.seed": 1, **spec}], "p")
     with pytest.raises(error, match=message):
-        ensemble.train_ensemble(short_config(), members, workdir)
+        ensemble.train_ensemble(short_config(**program), members, workdir)
     assert not os.path.exists(workdir)
 
 
-def test_the_vocabulary_split_is_refused(short_config, tmp_path, monkeypatch):
-    monkeypatch.setattr(ensemble_program, "make_program", None)
-    members = members_lib.make_members([{}, {"train.seed": 1}], "p")
-    with pytest.raises(ValueError, match="config.mesh.model must be 1"):
-        ensemble.train_ensemble(short_config(**{"mesh.model": 2}), members, "p")
-
-
-def test_the_shared_tokenizer_is_recorded(short_config):
+@pytest.mark.parametrize(
+    "parts, covering, member_key",
+    [
+        # With offsets 0, the largest fraction's text covers the others'.
+        ([{"data.train_fraction": 0.5}, {"data.train_fraction": 1.0}], 1.0,
+         "data.train_fraction"),
+        ([{"data.train_fraction": 0.25, "data.train_offset": 0.5},
+          {"data.train_fraction": 0.25}], 0.75, "data.train_offset"),
+    ],
+)  # fmt: skip
+def test_the_shared_tokenizer_is_recorded(short_config, parts, covering, member_key):
     base = short_config(**{"data.tokenizer": "bpe", "data.vocab_size": 300})
-    members = members_lib.make_members(
-        [{"data.train_fraction": 0.5}, {"data.train_fraction": 1.0}], "p"
-    )
-    configs = members_lib.member_configs(base, members)
-    assert [c.data.tokenizer_fraction for c in configs] == [1.0, 1.0]
+    configs = members_lib.member_configs(base, members_lib.make_members(parts, "p"))
+    assert [c.data.tokenizer_fraction for c in configs] == [covering, covering]
+    # A key that moves the tokenizer's text is the program's, unless the
+    # tokenizer's text is fixed.
+    value = parts[0][member_key]
     program, member = members_lib.split_overrides(
-        {"data.train_fraction": 0.5, "train.seed": 1}, base
+        {member_key: value, "train.seed": 1}, base
     )
-    assert program == {"data.train_fraction": 0.5} and member == {"train.seed": 1}
+    assert program == {member_key: value} and member == {"train.seed": 1}
+    shared = short_config(**{"data.tokenizer": "bpe", "data.tokenizer_fraction": 1.0})
+    assert members_lib.split_overrides({member_key: value}, shared) == (
+        {},
+        {member_key: value},
+    )
 
 
 @pytest.mark.parametrize("vmap_size", [1, 2, 3, 5])

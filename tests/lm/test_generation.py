@@ -20,16 +20,14 @@ from lmhead.lm import checkpoints, configuration, data, generation
 from lmhead.lm import model as model_lib
 from lmhead.lm import state as state_lib
 from tests.errors import assert_raises_exactly
+from tests.lm.tiny_decoder import MAX_LEN, init_params, random_tokens, small_model
 
-VOCAB, MAX_LEN, NEW = 61, 24, 12
+NEW = 11
 
 
-def noisy_params(model, seed, noise=0.3):
+def noisy_params(model, seed):
     """Random parameters far from init, so that the logits spread out."""
-    params = jax.jit(model.init)(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))[
-        "params"
-    ]
-    return perturbed(params, seed, noise)
+    return init_params(model, seed=seed, noise=0.3)
 
 
 def perturbed(params, seed, noise=0.3):
@@ -42,18 +40,10 @@ def perturbed(params, seed, noise=0.3):
 
 
 def tiny_model(tied):
-    return model_lib.DecoderLM(
-        vocab_size=VOCAB,
-        num_layers=2,
-        num_heads=2,
-        d_model=32,
-        mlp_dim=64,
-        max_len=MAX_LEN,
-        tied=tied,
-    )
+    return small_model(tied=tied)
 
 
-PROMPT = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (3, 5)), jnp.int32)
+PROMPT = random_tokens((3, 5))
 
 
 def greedy(model, params):
@@ -187,11 +177,9 @@ def test_timings_exist_and_are_positive():
 def test_timing_prompt_is_one_window_of_continue_text():
     model = tiny_model(tied=True)
     tokenizer = data.CharTokenizer("abcdefgh")
-    rows, new = generation.timing_prompt(
-        model, tokenizer, "abcdefghabcdefgh" * 2, 2, 100
-    )
+    rows, new = generation.timing_prompt(model, tokenizer, "aabbccddeeffgghh", 2, 100)
     assert rows.shape == (2, MAX_LEN // 2) and new == MAX_LEN - MAX_LEN // 2
-    np.testing.assert_array_equal(rows[0], tokenizer.encode("efghabcdefgh"))
+    np.testing.assert_array_equal(rows[0], tokenizer.encode("eeffgghh"))
     rows, new = generation.timing_prompt(model, tokenizer, "abc", 1, 5)
     assert rows.shape == (1, 3) and new == 5
 

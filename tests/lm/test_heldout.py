@@ -16,6 +16,7 @@ import pytest
 from lmhead.lm import data, ensemble, evaluation, generation, train
 from lmhead.lm import members as members_lib
 from tests import references
+from tests.lm.conftest import read_metrics
 
 # On the 20,000-character corpus (split="tail": 18,000 of training), chunks of
 # 256 with every 10th held out: 768 held-out characters in [0, 9000), 1024 in
@@ -36,8 +37,7 @@ RTOL = 1e-5
 
 
 def records(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return read_metrics(workdir, drop=())
 
 
 class TestHeldoutEvalSet:
@@ -170,25 +170,3 @@ def test_a_member_with_an_offset_is_its_single_run(short_config, single_run, tmp
     assert len(other) == 2 and not np.allclose(other, want)
     with open(os.path.join(members[1].workdir, "config.json")) as f:
         assert json.load(f)["data"]["train_offset"] == 0.5
-
-
-def test_offsets_share_a_covering_tokenizer(short_config):
-    base = short_config(**{"data.tokenizer": "bpe", "data.vocab_size": 300})
-    members = members_lib.make_members(
-        [
-            {"data.train_fraction": 0.25, "data.train_offset": 0.5},
-            {"data.train_fraction": 0.25},
-        ],
-        "p",
-    )
-    configs = members_lib.member_configs(base, members)
-    assert [c.data.tokenizer_fraction for c in configs] == [0.75, 0.75]
-    program, member = members_lib.split_overrides(
-        {"data.train_offset": 0.5, "train.seed": 1}, base
-    )
-    assert program == {"data.train_offset": 0.5} and member == {"train.seed": 1}
-    shared = short_config(**{"data.tokenizer": "bpe", "data.tokenizer_fraction": 1.0})
-    assert members_lib.split_overrides({"data.train_offset": 0.5}, shared) == (
-        {},
-        {"data.train_offset": 0.5},
-    )

@@ -17,7 +17,6 @@ from flax import traverse_util
 from scipy import special
 
 from lmhead import decoding, losses
-from lmhead.lm import kv_cache
 from lmhead.lm import model as model_lib
 from lmhead.lm.model import DecoderLM
 from tests import references
@@ -307,22 +306,6 @@ def test_dropout_needs_train_and_an_rng():
     assert np.abs(first - evaluation).max() > 1e-3
 
 
-@pytest.mark.parametrize(
-    "overrides,message",
-    [
-        (dict(num_heads=3), "num_heads must divide d_model"),
-        (dict(positions="sinusoidal"), "positions must be one of"),
-        (dict(num_heads=32, positions="rope"), "even head size"),
-        (dict(dropout_rate=1.0), "dropout_rate must be in"),
-        (dict(num_layers=0), "num_layers must be an integer >= 1"),
-    ],
-)
-def test_bad_config_is_refused(overrides, message):
-    """Every bad value is a ValueError naming the field and the rule."""
-    with pytest.raises(ValueError, match=message):
-        small_model(**overrides).init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32))
-
-
 def decoder(**overrides):
     return DecoderLM(
         **{
@@ -342,6 +325,7 @@ def decoder_init(tokens, **overrides):
 
 
 TOKENS = jnp.ones((1, 4), jnp.int32)
+PROMPTS = jnp.zeros((3, 5), jnp.int32)
 
 # Each raises exactly this type, with a message that names the argument.
 BAD_INPUTS = [
@@ -387,44 +371,55 @@ BAD_INPUTS = [
         ValueError,
         ("tokens", "max_len"),
     ),
-    # The check comes before the parameters are used.
+    (
+        "DecoderLM num_layers 0",
+        lambda: decoder_init(TOKENS, num_layers=0),
+        ValueError,
+        "num_layers",
+    ),
+    # The prefill's checks come before the parameters are used.
     (
         "prefill prompt + max_new_tokens",
         lambda: model_lib.prefill(decoder(), None, TOKENS, max_new_tokens=5),
         ValueError,
         ("max_new_tokens", "max_len"),
     ),
+    (
+        "prefill the longest real row + max_new_tokens",
+        lambda: model_lib.prefill(
+            decoder(), None, PROMPTS, jnp.array([3, 2, 4]), max_new_tokens=5
+        ),
+        ValueError,
+        ("max_new_tokens", "max_len"),
+    ),
+    (
+        "prefill lengths 0",
+        lambda: model_lib.prefill(decoder(), None, PROMPTS, jnp.array([0, 2, 5])),
+        ValueError,
+        "lengths",
+    ),
+    (
+        "prefill lengths shape",
+        lambda: model_lib.prefill(decoder(), None, PROMPTS, jnp.array([1, 2])),
+        ValueError,
+        ("lengths", "[B]"),
+    ),
+    (
+        "prefill prompt past max_len",
+        lambda: model_lib.prefill(decoder(), None, jnp.zeros((1, 9), jnp.int32)),
+        ValueError,
+        ("prompt", "max_len"),
+    ),
+    (
+        "step tokens [B]",
+        lambda: model_lib.make_step_fn(decoder())(None, PROMPTS, None),
+        ValueError,
+        "tokens",
+    ),
 ]
 
 
 test_bad_input_raises_exactly_and_names_the_argument = bad_input_test(BAD_INPUTS)
-
-
-def test_bad_tokens_and_prompts_are_refused():
-    model = small_model()
-    params = init_params(model)
-    variables = {"params": params}
-    with pytest.raises(ValueError, match=r"tokens must be in \[0, 16\]"):
-        model.apply(variables, jnp.array([[1, VOCAB]]))
-    with pytest.raises(TypeError, match="tokens must have an integer dtype"):
-        model.apply(variables, jnp.ones((1, 3)))
-    with pytest.raises(ValueError, match="max_len is 16"):
-        model.apply(variables, jnp.zeros((1, MAX_LEN + 1), jnp.int32))
-    prompt = jnp.zeros((3, 5), jnp.int32)
-    with pytest.raises(
-        ValueError, match="max_new_tokens 12 = 17 exceeds the model's max_len 16"
-    ):
-        model_lib.prefill(model, params, prompt, max_new_tokens=12)
-    # Ragged rows are checked against the longest real row, not the padding.
-    model_lib.prefill(model, params, prompt, jnp.array([3, 2, 4]), max_new_tokens=12)
-    with pytest.raises(ValueError, match=r"lengths must be in \[1, 5\]"):
-        model_lib.prefill(model, params, prompt, jnp.array([0, 2, 5]))
-    with pytest.raises(ValueError, match=r"lengths must have shape \[B\] = \(3,\)"):
-        model_lib.prefill(model, params, prompt, jnp.array([1, 2]))
-    with pytest.raises(ValueError, match="prompt must have 1 to max_len=16"):
-        model_lib.prefill(model, params, jnp.zeros((1, MAX_LEN + 1), jnp.int32))
-    with pytest.raises(ValueError, match=r"tokens must have shape \[B\]"):
-        model_lib.make_step_fn(model)(params, prompt, kv_cache.init_cache(model, 3))
 
 
 def test_decoding_compiles_once_for_any_parameters_and_embeds_none():
@@ -530,3 +525,12 @@ def test_a_plain_apply_sows_nothing():
     assert logits.shape == (1, 5, VOCAB)  # an array, not (logits, state)
     _, state = model.apply({"params": params}, tokens, mutable=["intermediates"])
     assert set(state["intermediates"]) == {f"blocks_{i}" for i in range(LAYERS)}
+
+
+def test_prefill_checks_the_longest_real_row_not_the_padding():
+    params = decoder_init(TOKENS)["params"]
+    # 4 + 4 fits max_len 8 where the padded 5 + 4 would not.
+    logits, cache = model_lib.prefill(
+        decoder(), params, PROMPTS, jnp.array([3, 2, 4]), max_new_tokens=4
+    )
+    assert logits.shape == (3, 17) and cache.index.tolist() == [3, 2, 4]

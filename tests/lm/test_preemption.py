@@ -45,6 +45,7 @@ from lmhead.lm import (
 )
 from lmhead.lm import state as state_lib
 from tests import ROOT
+from tests.lm.conftest import read_metrics
 
 STEPS, EVERY = 60, 5
 CONFIG = {
@@ -145,18 +146,6 @@ def garble(step_dir):
     for path in paths:
         with open(path, "wb") as f:
             f.write(b"\x00junk" * 7)
-
-
-def read_metrics(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [
-            {
-                k: v
-                for k, v in json.loads(line).items()
-                if k not in monitoring.MEASURED_METRICS
-            }
-            for line in f
-        ]
 
 
 def finish(corpus, workdir):

@@ -1,7 +1,6 @@
 """Tests for lmhead/lm/state.py: the optimizer (weight decay, schedule,
 clipping), the initial state, and restoring the newest checkpoint."""
 
-import functools
 import math
 
 import jax
@@ -13,25 +12,7 @@ import pytest
 from configs import default
 from lmhead.lm import checkpoints, configuration
 from lmhead.lm import state as state_lib
-
-
-def tiny_config(**overrides):
-    config = default.get_config("tiny")
-    for name, value in overrides.items():
-        section, key = name.split(".")
-        config[section][key] = value
-    return config
-
-
-def init_state(config, key):
-    model = configuration.make_model(config, vocab_size=84)
-    return jax.jit(functools.partial(state_lib.create_train_state, model, config))(key)
-
-
-@pytest.fixture(scope="module")
-def untied_state():
-    config = tiny_config(**{"model.tied": False, "model.head_bias": True})
-    return config, init_state(config, jax.random.key(0))
+from tests.lm.conftest import tiny_config
 
 
 class TestOptimizer:

@@ -1,15 +1,12 @@
 """Tests for lmhead/lm/train.py: the loop end to end, the train step, early
 stopping and the test evaluation.
 
-Three tiny runs are shared by the module: ``first`` and ``second`` train the
-same config in two workdirs (determinism); ``second`` then loses its last
-checkpoint and its summary -- as a run killed right after the middle
-checkpoint would -- and is resumed (exact resume).
+One tiny run of the default config (``runs``) serves the end-to-end tests;
+that a run is deterministic and resumes exactly is test_preemption.py's,
+through the command killed and run again.
 """
 
-import contextlib
 import functools
-import io
 import json
 import math
 import os
@@ -32,27 +29,12 @@ from lmhead.lm import (
     train,
 )
 from lmhead.lm import state as state_lib
-
-
-def tiny_config(**overrides):
-    config = default.get_config("tiny")
-    for name, value in overrides.items():
-        section, key = name.split(".")
-        config[section][key] = value
-    return config
-
-
-def read_metrics(workdir, drop=monitoring.MEASURED_METRICS):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [
-            {k: v for k, v in json.loads(line).items() if k not in drop} for line in f
-        ]
+from tests.lm.conftest import read_metrics, tiny_config
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
-    first, second = str(root / "first"), str(root / "second")
+    first = str(tmp_path_factory.mktemp("runs") / "first")
     loops, original = [], loop.train_loop
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(
@@ -61,29 +43,12 @@ def runs(tmp_path_factory):
             lambda run, *a: loops.append((type(run), run.count)) or original(run, *a),
         )
         summary = train.train_and_evaluate(tiny_config(), first)
-        train.train_and_evaluate(tiny_config(**{"sample.num_samples": 0}), second)
-        uninterrupted = read_metrics(second)
-        shutil.rmtree(os.path.join(second, "checkpoints", "40"))
-        os.remove(os.path.join(second, "summary.json"))
-        resumed_log = io.StringIO()
-        with contextlib.redirect_stdout(resumed_log):
-            resumed_summary = train.train_and_evaluate(
-                tiny_config(**{"sample.num_samples": 0}), second
-            )
-    return dict(
-        loops=loops,
-        first=first,
-        second=second,
-        summary=summary,
-        uninterrupted=uninterrupted,
-        resumed_summary=resumed_summary,
-        resumed_log=resumed_log.getvalue(),
-    )
+    return dict(loops=loops, first=first, summary=summary)
 
 
 class TestTraining:
     def test_a_single_run_is_the_one_loop_over_one_member(self, runs):
-        assert runs["loops"] == [(train._SingleRun, 1)] * 3
+        assert runs["loops"] == [(train._SingleRun, 1)]
 
     def test_loss_falls(self, runs):
         records = read_metrics(runs["first"])
@@ -171,34 +136,10 @@ class TestTraining:
             s.startswith("KING") and len(s.rstrip("\n")) <= 4 + 24 for s in samples
         )
 
-    def test_same_seed_same_metrics(self, runs):
-        assert read_metrics(runs["first"]) == runs["uninterrupted"]
-
-    def test_resume_is_exact(self, runs):
-        # From the checkpoint left (step 20 of 40), not from scratch: training
-        # again from step 0 would end with the same metrics and parameters.
-        saved_step = tiny_config().train.checkpoint_every
-        assert f"starting at step {saved_step}." in runs["resumed_log"]
-        assert read_metrics(runs["second"]) == runs["uninterrupted"]
-        assert runs["resumed_summary"]["final"] == runs["summary"]["final"]
-        params = [generation.load_run(runs[name])[3] for name in ("first", "second")]
-        jax.tree.map(np.testing.assert_array_equal, *params)
-
     def test_finished_run_is_not_trained_again(self, runs, monkeypatch):
         monkeypatch.setattr(train, "compile_steps", None)
         summary = train.train_and_evaluate(tiny_config(), runs["first"])
         assert summary == runs["summary"]
-
-
-@pytest.fixture(scope="module")
-def untied_state():
-    config = tiny_config(**{"model.tied": False, "model.head_bias": True})
-    return config, init_state(config, jax.random.key(0))
-
-
-def init_state(config, key):
-    model = configuration.make_model(config, vocab_size=84)
-    return jax.jit(functools.partial(state_lib.create_train_state, model, config))(key)
 
 
 class TestLossImpl:

@@ -21,6 +21,7 @@ import pytest
 from configs import default
 from lmhead.lm import checkpoints, configuration, data, ensemble, train
 from lmhead.lm import state as state_lib
+from tests.lm import conftest
 
 UNTIE_STEP = 4
 STEPS = UNTIE_STEP + 2
@@ -30,10 +31,7 @@ RTOL, ATOL = 1e-6, 1e-7
 
 
 def tiny_config(**overrides):
-    config = default.get_config("tiny")
-    for name, value in overrides.items():
-        section, key = name.split(".")
-        config[section][key] = value
+    config = conftest.tiny_config(**overrides)
     configuration.validate_config(config)
     return config
 

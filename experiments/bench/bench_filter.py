@@ -1,0 +1,281 @@
+r"""Gradient filtering of the fused cross-entropy on trained models' hidden states.
+
+    python experiments/bench/bench_filter.py --workdir=/tmp/filter/bpe8192 \
+        --vocab_size=8192 --train_steps=400
+    python experiments/bench/bench_filter.py --workdir=/tmp/filter/bpe8192 \
+        --workdir=runs/compare/<run>            # runs trained before
+    python experiments/bench/bench_filter.py --quick --workdir=/tmp/f --vocab_size=300
+
+Random ``h`` and ``w`` give a flat softmax where nothing can be skipped; a
+trained model's softmax puts almost no mass on most of a large vocabulary.
+For each ``--workdir`` (a run of ``experiments/train.py``; one without a
+checkpoint is trained first by :func:`recipe`, the tying study's arm a at
+BPE ``--vocab_size`` on all of the training text), the run's hidden states
+and table on ``--tokens`` tokens of its validation text (evenly spaced
+windows of its block size) go through ``jax.value_and_grad`` w.r.t. ``h``
+and ``w`` of the materialized cross-entropy, the exact fused one and the
+fused one at each ``--filter_eps``, at the engine's default vocabulary
+blocks and at each of ``--block_rows``, timed in alternating rounds. Each
+row has the fraction ``f`` of tiles skipped (``head_tables.skipped_fraction``,
+from the softmax apart from the sweep), the bound ``1/3 + 2/3 (1 - f)`` of
+the time against exact, the times' ratios to the exact fused loss at the
+same blocks and to the materialized loss, and the relative error (Frobenius)
+of ``dh`` and ``dw`` against the exact fused gradient. docs/fused_loss.md
+has the results ("Measured on trained models").
+"""
+
+import contextlib
+import json
+import os
+
+import head_tables  # experiments/bench/head_tables.py, beside this file
+import jax
+import jax.numpy as jnp
+import numpy as np
+import timing  # experiments/bench/timing.py, beside this file
+from absl import app, flags
+
+from lmhead import _fused_sweep, fused, head, losses
+from lmhead.lm import configuration, data, generation, loop, train
+from lmhead.lm import model as model_lib
+
+flags.DEFINE_multi_string(
+    "workdir", [], "Runs to measure; one without a checkpoint is trained first."
+)
+flags.DEFINE_integer(
+    "vocab_size", None, "BPE size of the runs this benchmark trains.", lower_bound=256
+)
+flags.DEFINE_integer(
+    "train_steps",
+    1000,
+    "Steps of the runs it trains (the study's cap: 1000).",
+    lower_bound=1,
+)
+flags.DEFINE_integer("tokens", 8192, "Validation tokens measured.", lower_bound=1)
+flags.DEFINE_list(
+    "filter_eps",
+    ["0.000244140625", "auto"],
+    "filter_eps values (numbers or auto); 2^-12 is bfloat16's auto.",
+)
+flags.DEFINE_list(
+    "block_rows", ["256"], "Vocabulary rows per block besides the engine's default."
+)
+flags.DEFINE_integer("rounds", 3, "Alternating timing rounds.", lower_bound=1)
+flags.DEFINE_bool("quick", False, "The tiny config (for tests), few tokens, 1 round.")
+FLAGS = flags.FLAGS
+
+# The tying study's test run of arm a at BPE 8192 on 100% of the training
+# text (configs/sweeps/tying_study.py; its cell chose the rate 0.000707 in
+# docs/tying_study/runs.csv), with validation every 100 steps, no test
+# evaluation and one checkpoint at the end; the steps and BPE size are flags.
+RECIPE = {
+    "data.end_of_text": False,
+    "data.split": "works",
+    "data.tokenizer": "bpe",
+    "data.tokenizer_fraction": 1.0,
+    "data.holdout_fraction": 0.1,
+    "data.holdout_chunk": 512,
+    "data.train_fraction": 1.0,
+    "model.tied": True,
+    "model.d_model": 128,
+    "model.num_layers": 4,
+    "model.mlp_dim": 512,
+    "optim.lr": 0.000707,
+    "optim.min_lr": 7.07e-05,
+    "train.seed": 0,
+    "train.eval_every": 100,
+    "train.log_every": 50,
+    "train.eval_batches": 32,
+    "train.test_eval": False,
+    "sample.num_samples": 0,
+}
+HEADER = (
+    "run",
+    "V",
+    "N",
+    "D",
+    "chunk",
+    "block rows",
+    "filter_eps",
+    "tiles skipped",
+    "bound",
+    "s",
+    "x exact",
+    "x materialized",
+    "dh rel. error",
+    "dw rel. error",
+)
+
+
+def recipe(vocab_size: int, steps: int, quick: bool = False):
+    """The config of a run this benchmark trains (``RECIPE``; ``quick``: the
+    tiny config at BPE ``vocab_size``, for tests)."""
+    if quick:
+        config = configuration.load_config(f"tiny,bpe={vocab_size}")
+        overrides = {"train.test_eval": False, "sample.num_samples": 0}
+    else:
+        config = configuration.load_config("nanogpt")
+        overrides = {**RECIPE, "data.vocab_size": vocab_size}
+    overrides |= {"train.steps": steps, "train.checkpoint_every": steps}
+    for name, value in overrides.items():
+        section, key = name.split(".")
+        config[section][key] = value
+    configuration.validate_config(config)
+    return config
+
+
+def validation_batch(workdir: str, tokens: int):
+    """``(h [N, D], w [V, D], labels [N], val bits/char)`` of a trained run:
+    its newest checkpoint's hidden states on evenly spaced windows of its
+    validation text, each position labelled with the next token."""
+    config, _, model, params = generation.load_run(workdir)
+    if model.head_rank is not None or model.head_bias or model.head_scale:
+        raise ValueError(
+            f"{workdir}: a factorized, biased or scaled head is not measured here."
+        )
+    val = data.load_dataset(config.data, workdir).val_tokens
+    block = model.max_len
+    count = max(1, tokens // block)
+    starts = np.linspace(0, len(val) - block - 1, count).astype(int)
+    windows = jnp.asarray(val[starts[:, None] + np.arange(block + 1)], jnp.int32)
+    h = model.apply(
+        {"params": params}, windows[:, :-1], method=model_lib.DecoderLM.hidden
+    )
+    w = params["embed"]["embedding"] if model.tied else params["head"]["unembedding"]
+    with open(os.path.join(workdir, loop.SUMMARY_FILE)) as f:
+        best = json.load(f)["best"]
+    return (
+        h.reshape(-1, h.shape[-1]),
+        jnp.asarray(w, h.dtype),
+        windows[:, 1:].reshape(-1),
+        best.get("eval/bits_per_char"),
+        model.logits_softcap,
+    )
+
+
+@contextlib.contextmanager
+def vocab_block_rows(rows: int | None):
+    """The fused sweep's vocabulary rows per block on this platform, for the
+    programs traced inside (None: the engine's default)."""
+    table = _fused_sweep.VOCAB_BLOCK_ROWS
+    platform = jax.default_backend()
+    key = platform if platform in table else "cpu"
+    default = table[key]
+    table[key] = default if rows is None else rows
+    try:
+        yield
+    finally:
+        table[key] = default
+
+
+def programs(h, w, labels, softcap, eps_values, block_rows):
+    """``{name: compiled value_and_grad}``: "materialized", and for each block
+    size ``(rows, eps)`` with ``eps`` None (exact) or each value."""
+
+    def compiled(loss):
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        return step.lower(h, w).compile()
+
+    out = {
+        "materialized": compiled(
+            lambda h, w: losses.cross_entropy(
+                head.unembed(h, w, softcap=softcap), labels
+            )[0]
+        )
+    }
+    for rows in block_rows:
+        with vocab_block_rows(rows):
+            for eps in [None, *eps_values]:
+                out[rows, eps] = compiled(
+                    lambda h, w, eps=eps: fused.fused_cross_entropy(
+                        h, w, labels, softcap=softcap, filter_eps=eps
+                    )[0]
+                )
+    return out
+
+
+def rows_of_run(name, workdir, eps_values, block_rows, tokens, rounds):
+    """The table's rows of one run, and a line on how trained it is."""
+    h, w, labels, val_bpc, softcap = validation_batch(workdir, tokens)
+    (n, d), v = h.shape, w.shape[0]
+    compiled = programs(h, w, labels, softcap, eps_values, block_rows)
+    times = {key: [] for key in compiled}
+    for _ in range(rounds):  # alternate, so all see the same load
+        for key, program in compiled.items():
+            times[key].append(timing.call_seconds(program, (h, w)))
+    median = {key: float(np.median(t)) for key, t in times.items()}
+    out = []
+    for rows in block_rows:
+        chunk, rows_used, _ = _with_rows(rows, n, v)
+        exact = compiled[rows, None](h, w)[1]
+        for eps in [None, *eps_values]:
+            value = (
+                None
+                if eps is None
+                else _fused_sweep.gradient_options(eps, "both", "float32", h.dtype)[
+                    "filter_eps"
+                ]
+            )
+            f = 0.0
+            if eps is not None:
+                f = float(
+                    head_tables.skipped_fraction(
+                        h, w, labels, chunk=chunk, rows=rows_used, eps=value
+                    )
+                )
+            grads = compiled[rows, eps](h, w)[1]
+            error = [
+                float(jnp.linalg.norm(g - e) / jnp.linalg.norm(e))
+                for g, e in zip(grads, exact)
+            ]
+            seconds = median[rows, eps]
+            out.append(
+                (
+                    name,
+                    v,
+                    n,
+                    d,
+                    chunk,
+                    rows_used,
+                    "exact" if eps is None else f"{eps} ({value:.3g})",
+                    f"{f:.1%}",
+                    f"{1 / 3 + 2 / 3 * (1 - f):.2f}",
+                    f"{seconds:.3g}",
+                    f"{seconds / median[rows, None]:.2f}",
+                    f"{seconds / median['materialized']:.2f}",
+                    f"{error[0]:.1e}",
+                    f"{error[1]:.1e}",
+                )
+            )
+    trained = f"{name}: V = {v}, validation bits/char {val_bpc}, {workdir}"
+    return out, trained
+
+
+def _with_rows(rows, n, v):
+    with vocab_block_rows(rows):
+        return _fused_sweep.block_sizes(n, v, None, None)
+
+
+def main(argv):
+    del argv
+    tokens, rounds = (128, 1) if FLAGS.quick else (FLAGS.tokens, FLAGS.rounds)
+    eps_values = [x if x == "auto" else float(x) for x in FLAGS.filter_eps]
+    block_rows = [None, *(int(r) for r in FLAGS.block_rows)]
+    print(f"{timing.machine()}; {rounds} rounds, medians", flush=True)
+    table, trained = [], []
+    for workdir in FLAGS.workdir:
+        if not os.path.isfile(os.path.join(workdir, loop.SUMMARY_FILE)):
+            if FLAGS.vocab_size is None:
+                raise app.UsageError(f"{workdir} is not a finished run: --vocab_size.")
+            config = recipe(FLAGS.vocab_size, FLAGS.train_steps, FLAGS.quick)
+            train.train_and_evaluate(config, workdir)
+        name = os.path.basename(os.path.normpath(workdir))
+        out, line = rows_of_run(name, workdir, eps_values, block_rows, tokens, rounds)
+        table += out
+        trained.append(line)
+    print("\n".join(trained))
+    print(timing.table(HEADER, table))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,22 +1,10 @@
 """lmhead: the output head of a language model in JAX and Flax.
 
-The pure functions live in :mod:`lmhead.head` (unembedding, softmax),
-:mod:`lmhead.losses` (cross-entropy, smoothing, z-loss, metrics),
-:mod:`lmhead.fused` (a linear + cross-entropy that never builds the logits),
-:mod:`lmhead.distillation` (a teacher's distribution as the target, fused
-too),
-:mod:`lmhead.decoding` (logits processors, sampling, beam search),
-:mod:`lmhead.quantize` (half-precision and int8 unembeddings for inference),
-:mod:`lmhead.token_logprobs` (per-token log-probs and entropies, fused), the
-post-training losses on them (:mod:`lmhead.preference`: DPO and its family;
-:mod:`lmhead.policy_gradient`: GRPO and its family;
-:mod:`lmhead.sparse_distillation`: a top-k teacher)
-and :mod:`lmhead.vocab_parallel` (the loss with the vocabulary split over
-devices); parameters live in :mod:`lmhead.modules`. This package is the head
-library: it imports jax, flax, numpy and itself only. Above it, each in a
-folder of its own: the experiment (:mod:`lmhead.lm`: the Transformer, data,
-training), the service (:mod:`lmhead.serve`), the sweep tooling
-(:mod:`lmhead.lab`) and the studies (:mod:`lmhead.studies`).
+This package is the head library (pure functions of arrays, and the
+``LMHead`` module); it imports jax, flax, chex, numpy and itself only. Above
+it, each in a folder of its own: the experiment (:mod:`lmhead.lm`), the
+service (:mod:`lmhead.serve`), the sweep tooling (:mod:`lmhead.lab`) and the
+studies (:mod:`lmhead.studies`). docs/design.md lists every module.
 """
 
 from lmhead import (

@@ -16,13 +16,9 @@ from lmhead import _checks, quantize
 # A traced temperature cannot be checked for zero at trace time; it is
 # clamped to this value instead, which gives a (near) one-hot distribution.
 MIN_TEMPERATURE = 1e-6
-# The logit of a token with probability 0 (masked, removed by a decoding
-# filter, or outside the vocabulary). -inf rather than a large finite number:
-# exp gives exactly 0, it stays -inf under every later rescaling (temperature,
-# a repetition penalty), and no finite logit can be mistaken for it. The one
-# way -inf makes NaN, a row of nothing but -inf (max - max), is ruled out
-# where it can occur: here by computing such a row on zeros, in decoding by
-# the all-removed fallback of `process_logits` and by guarded row maxima.
+# The logit of a token with probability 0: exp gives exactly 0 and it stays
+# -inf under any rescaling. A row of nothing but -inf (max - max = NaN) is
+# computed on zeros here, and avoided in decoding (docs/reliability.md).
 NEG_INF = float("-inf")
 
 OUTPUTS = ("logits", "log_probs", "probs")
@@ -97,8 +93,6 @@ def unembed(
         >>> import jax.numpy as jnp
         >>> h = jnp.array([[1.0, 2.0]])
         >>> w = jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
-        >>> unembed(h, w)
-        Array([[1., 2., 3.]], dtype=float32)
         >>> unembed(h, w, jnp.array([0.5, 0.0, -0.5]), scale=2.0)
         Array([[2.5, 4. , 5.5]], dtype=float32)
     """
@@ -179,10 +173,6 @@ def log_probs(logits: jax.typing.ArrayLike, temperature: float = 1.0) -> jax.Arr
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> log_probs(jnp.array([0.0, 0.0]))
-        Array([-0.6931472, -0.6931472], dtype=float32)
-        >>> log_probs(jnp.array([1e4, 0.0]))
-        Array([     0., -10000.], dtype=float32)
         >>> inf = jnp.inf
         >>> log_probs(jnp.array([[0.0, -inf], [-inf, -inf]]))
         Array([[  0., -inf],
@@ -210,14 +200,8 @@ def probs(logits: jax.typing.ArrayLike, temperature: float = 1.0) -> jax.Array:
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> probs(jnp.array([2.0, 1.0, 0.0]))
-        Array([0.66524094, 0.24472848, 0.09003057], dtype=float32)
         >>> probs(jnp.array([2.0, 1.0, 0.0]), temperature=10.0)
         Array([0.3671654, 0.332225 , 0.3006096], dtype=float32)
-        >>> inf = jnp.inf
-        >>> probs(jnp.array([[inf, 0.0, inf], [-inf, -inf, -inf]]))
-        Array([[0.5, 0. , 0.5],
-               [0. , 0. , 0. ]], dtype=float32)
     """
     return _distribution(logits, temperature, log=False)
 
@@ -254,8 +238,6 @@ def output_distribution(
     Examples:
         >>> import jax.numpy as jnp
         >>> h, w = jnp.ones((1, 2)), jnp.array([[1.0, 0.0], [1.0, 1.0]])
-        >>> output_distribution(h, w, output="logits")
-        Array([[1., 2.]], dtype=float32)
         >>> output_distribution(h, w, output="probs")
         Array([[0.26894143, 0.7310586 ]], dtype=float32)
     """
@@ -337,8 +319,6 @@ def token_log_probs(
     Examples:
         >>> import jax.numpy as jnp
         >>> logits = jnp.log(jnp.array([[[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]]))
-        >>> token_log_probs(logits, jnp.array([[0, 2]]))
-        Array([[-0.6931472 , -0.22314355]], dtype=float32)
         >>> token_log_probs(logits, jnp.array([[0, 2]]), jnp.array([[1.0, 0.0]]))
         Array([[-0.6931472,  0.       ]], dtype=float32)
     """

@@ -6,13 +6,8 @@ logits ``z`` -- the log-normalizer ``lse = logsumexp(z)``, the label's logit
 smoothing conventions, z-loss) is a function of them. The fused loss in
 :mod:`lmhead.fused` computes the same statistics a block at a time and reuses
 :func:`token_losses` and :func:`weighted_metrics`, so the two paths cannot
-drift apart.
-
-It is one module, longer than most, because the cross-entropy and the
-calibration metrics take logits, labels and weights under one set of checks
-(:func:`check_labels_and_weights`, :func:`valid_weights`) and one weighting
-rule, which the fused and the vocabulary-parallel losses import from here
-too; the conversions of a mean loss (perplexity, bits) sit beside the loss.
+drift apart. The calibration metrics and the conversions of a mean loss
+(perplexity, bits) share its checks and weighting rule.
 """
 
 import math
@@ -367,10 +362,6 @@ def cross_entropy(
         >>> loss, m = cross_entropy(logits, jnp.array([0, 2]))
         >>> round(float(loss), 4), float(m["accuracy"])
         (1.6672, 0.5)
-        >>> loss, _ = cross_entropy(logits, jnp.array([0, 2]),
-        ...                         weights=jnp.array([1.0, 0.0]))
-        >>> round(float(loss), 4)
-        0.2395
 
     References:
         Szegedy et al., `Rethinking the Inception Architecture

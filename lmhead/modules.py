@@ -2,19 +2,10 @@
 
 ``LMHead`` only decides which ``[V, D]`` array is the unembedding -- the
 input embedding table when tied, a parameter of its own when untied -- and
-calls the pure functions in :mod:`lmhead.head`, :mod:`lmhead.losses`,
-:mod:`lmhead.fused` and :mod:`lmhead.distillation`. No math is written here.
-
-A factorized head (``LMHead(rank=r)``) has the unembedding ``w = A @ B``,
-``A: [V, r]``, ``B: [r, D]``, and never forms it: the head projects
-``h' = h @ B.T`` (``[..., r]``) and hands ``(h', A)`` to the same pure
-functions, so the fused loss, decoding and quantization (of ``A``) work on
-it unchanged. Untied, the head owns ``A`` (``unembedding``) and ``B``
-(``projection``). Tied, it shares both with a :class:`FactorizedEmbed`,
-whose embedding of token ``i`` is ``A[i] @ B``: the head's ``w`` is the
-input embedding matrix ``A @ B`` itself, as in ALBERT's factorized
-embedding. Parameters: ``V r + r D`` instead of ``V D``; FLOPs of the
-logits of ``N`` tokens: ``2 N r (D + V)`` instead of ``2 N D V``.
+calls the pure functions of the head library with it. No math is written
+here. A factorized head (``LMHead(rank=r)``) has ``w = A @ B``, ``A: [V, r]``,
+``B: [r, D]``, and never forms it: it projects ``h @ B.T`` and hands it with
+``A`` to the same functions (docs/large_vocab.md, "A factorized head").
 """
 
 import math
@@ -40,6 +31,7 @@ from lmhead import (
 )
 
 LOSS_IMPLS = ("fused", "materialized", "vocab_parallel")
+GRADIENT_OPTIONS = ("filter_eps", "filter_target", "dw_accumulation")
 
 
 def projection_init(rank: int) -> nn.initializers.Initializer:
@@ -69,14 +61,9 @@ class FactorizedEmbed(nn.Module):
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> embed = FactorizedEmbed(num_embeddings=10, features=8, rank=2)
-        >>> init = jax.jit(embed.init)
-        >>> params = init(jax.random.key(0), jnp.zeros((1, 3), jnp.int32))
+        >>> params = jax.jit(embed.init)(jax.random.key(0), jnp.zeros((1, 3), int))
         >>> jax.tree.map(jnp.shape, params)
         {'params': {'embedding': (10, 2), 'projection': (2, 8)}}
-        >>> ids = jnp.array([[4, 1, 9]])
-        >>> table = params["params"]["embedding"] @ params["params"]["projection"]
-        >>> bool(jnp.allclose(jax.jit(embed.apply)(params, ids), table[ids], atol=1e-6))
-        True
     """
 
     num_embeddings: int
@@ -127,6 +114,12 @@ Embedding = (
 )
 
 
+def _times_transposed(x: jax.Array, matrix: jax.Array) -> jax.Array:
+    """``x @ matrix.T`` accumulated in float32, in ``x``'s dtype."""
+    product = jnp.einsum("...a,ba->...b", x, matrix, preferred_element_type=jnp.float32)
+    return product.astype(x.dtype)
+
+
 def _check_rank(rank: int | None, vocab_size: int, d_model: int | None) -> None:
     """``rank`` in ``[1, min(V, D)]`` (``D`` when known): a larger rank
     saves nothing and ``A @ B`` cannot have it."""
@@ -140,6 +133,34 @@ def _check_rank(rank: int | None, vocab_size: int, d_model: int | None) -> None:
             + ("" if d_model is None else f", D = {d_model}")
             + f"); got {rank}."
         )
+
+
+def _check_blocked_options(
+    loss_impl: str, impls: tuple[str, ...], chunk_size: Any, gradients: dict
+) -> None:
+    """``loss_impl`` in ``impls``; ``chunk_size`` for the blocked losses and
+    the fused sweep's gradient options (known names) for ``"fused"`` only."""
+    _checks.check_choice("loss_impl", loss_impl, impls)
+    if loss_impl == "materialized" and chunk_size is not None:
+        blocked = ", ".join(repr(i) for i in impls if i != "materialized")
+        raise ValueError(
+            f"chunk_size is for the blocked losses ({blocked}); got "
+            f"chunk_size={chunk_size!r} with loss_impl='materialized'."
+        )
+    unknown = sorted(set(gradients) - set(GRADIENT_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"unknown options {unknown}; allowed: {list(GRADIENT_OPTIONS)}."
+        )
+    if gradients and loss_impl != "fused":
+        raise ValueError(
+            f"{', '.join(sorted(gradients))} are options of loss_impl='fused'; "
+            f"got loss_impl={loss_impl!r}."
+        )
+
+
+def _table_shape(w: Any) -> tuple[int, ...]:
+    return w.shape if isinstance(w, quantize.QuantizedTable) else jnp.shape(w)
 
 
 class LMHead(nn.Module):
@@ -160,11 +181,10 @@ class LMHead(nn.Module):
         param_dtype: dtype of the head's own parameters.
         kernel_init: initializer of the untied ``unembedding``.
         rank: None (default) for a ``[V, D]`` unembedding, or ``r`` in
-            ``[1, min(V, D)]`` for the factorized ``w = A @ B`` (see the
-            module docstring): untied, the head owns ``unembedding: [V, r]``
-            and ``projection: [r, D]`` (initialized by
-            :func:`projection_init`); tied, the call's ``embedding`` is a
-            :class:`FactorizedEmbed` or its pair ``(A, B)``.
+            ``[1, min(V, D)]`` for the factorized ``w = A @ B``: untied, the
+            head owns ``unembedding: [V, r]`` and ``projection: [r, D]``
+            (initialized by :func:`projection_init`); tied, the call's
+            ``embedding`` is a :class:`FactorizedEmbed` or its pair ``(A, B)``.
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -301,38 +321,27 @@ class LMHead(nn.Module):
         w = embedding.embedding if isinstance(embedding, nn.Embed) else embedding
         return w, None
 
-    def _project(self, h: jax.Array, projection: jax.Array | None) -> jax.Array:
-        """``h`` in ``dtype``, times ``projection.T`` for a factorized head."""
-        h = jnp.asarray(h, self.dtype)
-        if projection is None:
-            return h
-        return jnp.einsum(
-            "...d,rd->...r", h, projection, preferred_element_type=jnp.float32
-        ).astype(self.dtype)
-
-    def _loss_arrays(
-        self, h: jax.Array, embedding: Embedding | None
-    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-        """``(h projected, w, bias)`` for a loss, which needs the float table."""
-        w, bias, projection = self.unembedding(jnp.shape(h)[-1], embedding)
-        if isinstance(w, quantize.QuantizedTable):
+    def _through_head(self, fn, hs, embedding, *args, training=True, **options):
+        """``fn(*hs projected, w, *args, bias=, scale=, softcap=, **options)``:
+        one read of the unembedding for every ``h`` of a call; a loss
+        (``training``) refuses a quantized table."""
+        for h in hs:
+            _checks.check_floating("h", h)  # before the cast to self.dtype
+        w, bias, projection = self.unembedding(jnp.shape(hs[0])[-1], embedding)
+        if training and isinstance(w, quantize.QuantizedTable):
             raise ValueError(
                 "a QuantizedTable is for inference; train, evaluate and "
                 "distill with the float table."
             )
-        return self._project(h, projection), w, bias
+        hs = [jnp.asarray(h, self.dtype) for h in hs]
+        if projection is not None:
+            hs = [_times_transposed(h, projection) for h in hs]
+        head_options = dict(bias=bias, scale=self.scale, softcap=self.softcap)
+        return fn(*hs, w, *args, **head_options, **options)
 
     def __call__(self, h: jax.Array, embedding: Embedding | None = None) -> jax.Array:
         """Logits ``[..., V]`` (float32) from hidden states ``h: [..., D]``."""
-        _checks.check_floating("h", h)  # before the cast to self.dtype
-        w, bias, projection = self.unembedding(jnp.shape(h)[-1], embedding)
-        return head.unembed(
-            self._project(h, projection),
-            w,
-            bias,
-            scale=self.scale,
-            softcap=self.softcap,
-        )
+        return self._through_head(head.unembed, [h], embedding, training=False)
 
     def loss(
         self,
@@ -357,9 +366,8 @@ class LMHead(nn.Module):
             weights: optional ``[...]`` per-token weights.
             loss_impl: ``"fused"`` never builds the ``[..., V]`` logits
                 (see ``fused.fused_cross_entropy``); ``"materialized"``
-                builds them;
-                ``"vocab_parallel"`` splits them over the ``"model"`` axis of
-                the mesh set by ``jax.set_mesh`` (see
+                builds them; ``"vocab_parallel"`` splits them over the
+                ``"model"`` axis of the mesh set by ``jax.set_mesh`` (see
                 ``vocab_parallel.vocab_parallel_cross_entropy``).
             chunk_size: tokens per block of the blocked losses; must be None
                 for ``"materialized"``.
@@ -372,40 +380,34 @@ class LMHead(nn.Module):
         Returns:
             ``(loss, metrics)`` as ``losses.cross_entropy`` returns them.
         """
-        _checks.check_choice("loss_impl", loss_impl, LOSS_IMPLS)
-        _checks.check_floating("h", h)  # before the cast to self.dtype
-        if loss_impl == "materialized" and chunk_size is not None:
-            raise ValueError(
-                f"chunk_size is for the blocked losses ('fused', "
-                f"'vocab_parallel'); got chunk_size={chunk_size!r} with "
-                f"loss_impl='materialized'."
-            )
-        _check_gradient_options(gradients, loss_impl)
-        h, w, bias = self._loss_arrays(h, embedding)
+        _check_blocked_options(loss_impl, LOSS_IMPLS, chunk_size, gradients)
         options = dict(
             weights=weights,
             label_smoothing=label_smoothing,
             smoothing=smoothing,
             z_loss=z_loss,
         )
+        if loss_impl == "materialized":
+            return self._through_head(
+                lambda h, w, **o: losses.cross_entropy(
+                    head.unembed(h, w, **o), labels, **options
+                ),
+                [h],
+                embedding,
+            )
         blocked = {
             "fused": fused.fused_cross_entropy,
             "vocab_parallel": vocab_parallel.vocab_parallel_cross_entropy,
         }
-        if loss_impl in blocked:
-            return blocked[loss_impl](
-                h,
-                w,
-                labels,
-                bias=bias,
-                scale=self.scale,
-                softcap=self.softcap,
-                chunk_size=chunk_size,
-                **options,
-                **gradients,
-            )
-        logits = head.unembed(h, w, bias, scale=self.scale, softcap=self.softcap)
-        return losses.cross_entropy(logits, labels, **options)
+        return self._through_head(
+            blocked[loss_impl],
+            [h],
+            embedding,
+            labels,
+            chunk_size=chunk_size,
+            **options,
+            **gradients,
+        )
 
     def distillation_loss(
         self,
@@ -413,16 +415,9 @@ class LMHead(nn.Module):
         teacher: Any,
         embedding: Embedding | None = None,
         *,
-        labels: jax.Array | None = None,
-        weights: jax.Array | None = None,
-        divergence: str = "forward_kl",
-        beta: float = 0.5,
-        temperature: float = 1.0,
-        hard_weight: float = 0.0,
-        reduction: str = "mean",
         loss_impl: str = "fused",
         chunk_size: int | None = None,
-        **gradients: Any,
+        **options: Any,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The distillation loss of this head's logits of ``h`` against a teacher.
 
@@ -436,66 +431,40 @@ class LMHead(nn.Module):
             h: ``[..., D]`` the student's hidden states.
             teacher: ``[..., V]`` logits, or ``(h_t, w_t)``.
             embedding: the table (or module) when tied, as for ``__call__``.
-            labels, weights, divergence, beta, temperature, hard_weight,
-                reduction: as in ``distillation.distillation_loss``.
             loss_impl: ``"fused"`` or ``"materialized"``.
             chunk_size: tokens per chunk of the fused loss; None for
                 ``"materialized"``.
-            **gradients: ``filter_eps``, ``filter_target`` and
-                ``dw_accumulation`` of the fused loss.
+            **options: ``labels``, ``weights``, ``divergence``, ``beta``,
+                ``temperature``, ``hard_weight`` and ``reduction`` of
+                ``distillation.distillation_loss``, and for the fused loss
+                ``filter_eps``, ``filter_target`` and ``dw_accumulation``.
 
         Returns:
             ``(loss, metrics)`` as ``distillation.distillation_loss``
             returns them.
         """
-        _checks.check_choice("loss_impl", loss_impl, ("fused", "materialized"))
-        _checks.check_floating("h", h)
-        if loss_impl == "materialized" and chunk_size is not None:
-            raise ValueError(
-                "chunk_size is for loss_impl='fused'; got "
-                f"chunk_size={chunk_size!r} with loss_impl='materialized'."
-            )
-        _check_gradient_options(gradients, loss_impl)
-        h, w, bias = self._loss_arrays(h, embedding)
-        options = dict(
-            labels=labels,
-            weights=weights,
-            divergence=divergence,
-            beta=beta,
-            temperature=temperature,
-            hard_weight=hard_weight,
-            reduction=reduction,
-        )
+        gradients = {k: options.pop(k) for k in GRADIENT_OPTIONS if k in options}
+        impls = ("fused", "materialized")
+        _check_blocked_options(loss_impl, impls, chunk_size, gradients)
         if loss_impl == "fused":
-            return distillation.fused_distillation_loss(
-                h,
-                w,
+            return self._through_head(
+                distillation.fused_distillation_loss,
+                [h],
+                embedding,
                 teacher,
-                bias=bias,
-                scale=self.scale,
-                softcap=self.softcap,
                 chunk_size=chunk_size,
                 **options,
                 **gradients,
             )
-        logits = head.unembed(h, w, bias, scale=self.scale, softcap=self.softcap)
         if isinstance(teacher, (tuple, list)):
             teacher = head.unembed(*teacher)
-        return distillation.distillation_loss(logits, teacher, **options)
-
-    def _post_training(self, fn, hs, embedding, *args, **options):
-        """``fn(*projected hs, w, *args, bias=..., scale=..., softcap=...)``:
-        one read of the unembedding for every ``h`` of a loss."""
-        for h in hs:
-            _checks.check_floating("h", h)
-        w, bias, projection = self.unembedding(jnp.shape(hs[0])[-1], embedding)
-        if isinstance(w, quantize.QuantizedTable):
-            raise ValueError(
-                "a QuantizedTable is for inference; train with the float table."
-            )
-        hs = [self._project(h, projection) for h in hs]
-        head_options = dict(bias=bias, scale=self.scale, softcap=self.softcap)
-        return fn(*hs, w, *args, **head_options, **options)
+        return self._through_head(
+            lambda h, w, **o: distillation.distillation_loss(
+                head.unembed(h, w, **o), teacher, **options
+            ),
+            [h],
+            embedding,
+        )
 
     def token_logprobs(
         self,
@@ -507,7 +476,7 @@ class LMHead(nn.Module):
         """Per-token log-probs (and entropies) of ``ids`` under this head,
         fused; see ``token_logprobs.fused_token_logprobs`` for ``options``.
         A factorized head goes through its projection."""
-        return self._post_training(
+        return self._through_head(
             lambda h, w, **o: token_logprobs.fused_token_logprobs(h, w, ids, **o),
             [h],
             embedding,
@@ -528,7 +497,7 @@ class LMHead(nn.Module):
         """DPO, SimPO, ORPO or CPO of this head's log-probs, fused; see
         ``preference.fused_preference_loss`` for ``options`` (a
         ``reference_head`` gives the reference's own ``h`` and ``w``)."""
-        return self._post_training(
+        return self._through_head(
             preference.fused_preference_loss,
             [h_chosen, h_rejected],
             embedding,
@@ -550,7 +519,7 @@ class LMHead(nn.Module):
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """GRPO and its variants on this head's log-probs, fused; see
         ``policy_gradient.fused_policy_gradient_loss`` for ``options``."""
-        return self._post_training(
+        return self._through_head(
             policy_gradient.fused_policy_gradient_loss,
             [h],
             embedding,
@@ -570,7 +539,7 @@ class LMHead(nn.Module):
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The forward KL from a teacher's top-k on this head, fused; see
         ``sparse_distillation.fused_sparse_distillation_loss``."""
-        return self._post_training(
+        return self._through_head(
             sparse_distillation.fused_sparse_distillation_loss,
             [h],
             embedding,
@@ -578,21 +547,3 @@ class LMHead(nn.Module):
             teacher_logps,
             **options,
         )
-
-
-def _check_gradient_options(gradients: dict, loss_impl: str) -> None:
-    """``LMHead``'s pass-through of the fused sweep's gradient options:
-    known names, and the fused loss only."""
-    allowed = ("filter_eps", "filter_target", "dw_accumulation")
-    unknown = sorted(set(gradients) - set(allowed))
-    if unknown:
-        raise TypeError(f"unknown options {unknown}; allowed: {list(allowed)}.")
-    if gradients and loss_impl != "fused":
-        raise ValueError(
-            f"{', '.join(sorted(gradients))} are options of loss_impl='fused'; "
-            f"got loss_impl={loss_impl!r}."
-        )
-
-
-def _table_shape(w: Any) -> tuple[int, ...]:
-    return w.shape if isinstance(w, quantize.QuantizedTable) else jnp.shape(w)

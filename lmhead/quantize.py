@@ -1,13 +1,10 @@
 """A smaller unembedding for inference: half precision, or int8 per-row.
 
-A 50k-token head at D = 512 holds 25.6M numbers, 102 MB in float32; at decode
-time it is read once per generated token. :func:`quantize_unembedding` stores
-it in bfloat16 or float16 (half the bytes) or in int8 with one float32 scale
-per token (about a quarter). The result goes wherever a ``w: [V, D]`` goes at
-inference: ``head.unembed`` and ``modules.LMHead`` accept it as is. Training
-is unchanged; a tied model quantizes its embedding table once, for decoding
-only (the embedding lookup keeps the float32 table):
-``generation.quantize_for_decoding`` does either for a ``model.DecoderLM``.
+:func:`quantize_unembedding` stores ``w: [V, D]`` in bfloat16 or float16, or
+in int8 with one float32 scale per token; the result goes wherever a
+``w: [V, D]`` goes at inference (``head.unembed``, ``modules.LMHead``).
+``generation.quantize_for_decoding`` does it for a ``model.DecoderLM``;
+docs/large_vocab.md gives the sizes, accuracy and speed.
 """
 
 from typing import NamedTuple
@@ -60,10 +57,8 @@ def quantize_unembedding(
         s_v = \max_d |w_{vd}| / 127, \qquad
         q_{vd} = \mathrm{round}(w_{vd} / s_v) \in [-127, 127]
 
-    so that :math:`|w_{vd} - s_v q_{vd}| \le s_v / 2`, and the table takes
-    ``V (D + 4)`` bytes: ``(D + 4) / 4D`` of float32's (0.252 at D = 512).
-    ``head.unembed`` computes :math:`(h\, q^\top) \cdot s` accumulating in
-    float32.
+    so that :math:`|w_{vd} - s_v q_{vd}| \le s_v / 2`, in ``V (D + 4)``
+    bytes. ``head.unembed`` computes :math:`(h\, q^\top) \cdot s` in float32.
 
     Args:
         w: ``[V, D]`` floating table (float32 or bfloat16, say).
@@ -87,8 +82,6 @@ def quantize_unembedding(
                [   0,    0,    0]], dtype=int8)
         >>> table.scales
         Array([0.00787402, 0.        ], dtype=float32)
-        >>> quantize_unembedding(w, "bfloat16").dtype
-        dtype(bfloat16)
     """
     _checks.check_choice("dtype", dtype, DTYPES)
     _checks.check_floating("w", w)
@@ -170,9 +163,8 @@ def matmul_transposed(
     if jax.default_backend() != "cpu" or vocab_size <= CPU_BLOCK_ROWS:
         logits = product(table.values)
     else:
-        # On XLA:CPU, converting the whole table ahead of the matmul is several
-        # times slower than the float32 matmul; converting a block of rows at
-        # a time comes much closer to it.
+        # XLA:CPU converts the whole table slowly ahead of the matmul; a block
+        # of rows at a time comes close to the float32 matmul's speed.
         blocks = -(-vocab_size // CPU_BLOCK_ROWS)
         values = jnp.pad(
             table.values, [(0, blocks * CPU_BLOCK_ROWS - vocab_size), (0, 0)]

@@ -6,6 +6,7 @@ the message must say more -- the allowed choices, the closest key to a
 misspelled one -- the test names those words too.
 """
 
+import functools
 import re
 
 import pytest
@@ -38,6 +39,16 @@ def assert_raises_with(call, error, fragment: str) -> None:
 def cases(table) -> list:
     """pytest parameters of a table whose rows are ``(id, *arguments)``."""
     return [pytest.param(*row[1:], id=row[0]) for row in table]
+
+
+def keyword_rows(prefix: str, fn, rows) -> list:
+    """Rows ``(id, kwargs, error, named)`` of calls ``fn(**kwargs)`` as rows
+    of :func:`bad_input_test`, each id after ``prefix``: a table of one
+    function's bad arguments, written as the arguments alone."""
+    return [
+        (f"{prefix} {id_}", functools.partial(fn, **kwargs), error, named)
+        for id_, kwargs, error, named in rows
+    ]
 
 
 def bad_input_test(table):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from lmhead import head
 from tests import references
-from tests.errors import bad_input_test, rules_test
+from tests.errors import bad_input_test, keyword_rows, rules_test
 
 SETTINGS = hypothesis.settings(max_examples=25, deadline=None)
 
@@ -24,29 +24,25 @@ def random_arrays(seed, *shapes, dtype=np.float32):
 
 class UnembedTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
-    def test_matches_numpy_with_bias_scale_softcap(self):
-        h, w, b = random_arrays(0, (2, 3, 8), (11, 8), (11,))
-        fn = self.variant(functools.partial(head.unembed, scale=0.5, softcap=2.0))
-        got = fn(h, w, b)
-        self.assertEqual(got.shape, (2, 3, 11))
-        self.assertEqual(got.dtype, jnp.float32)
-        np.testing.assert_allclose(
-            got, references.unembed(h, w, b, 0.5, 2.0), rtol=1e-5, atol=1e-5
-        )
+    def test_matches_numpy_for_leading_axes_and_options(self):
+        w, b = random_arrays(0, (11, 8), (11,))
+        cases = [  # shape of h, bias, scale, softcap
+            ((8,), None, None, None),
+            ((3, 8), b, None, None),
+            ((2, 1, 3, 8), None, 0.5, None),
+            ((2, 3, 8), b, 0.5, 2.0),
+        ]
+        for shape, bias, scale, softcap in cases:
+            (h,) = random_arrays(1, shape)
+            fn = functools.partial(head.unembed, scale=scale, softcap=softcap)
+            got = self.variant(fn)(h, w, bias)
+            self.assertEqual(got.shape, shape[:-1] + (11,))
+            self.assertEqual(got.dtype, jnp.float32)
+            want = references.unembed(h, w, bias, scale, softcap)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         # The cap binds: without it some logits exceed 2 in magnitude.
         self.assertGreater(np.abs(references.unembed(h, w, b, 0.5)).max(), 2.0)
         self.assertLess(np.abs(got).max(), 2.0)
-
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_plain_product_and_leading_axes(self):
-        (w,) = random_arrays(1, (7, 4))
-        for shape in [(4,), (3, 4), (2, 1, 3, 4)]:
-            (h,) = random_arrays(2, shape)
-            got = self.variant(head.unembed)(h, w)
-            self.assertEqual(got.shape, shape[:-1] + (7,))
-            np.testing.assert_allclose(
-                got, references.unembed(h, w), rtol=1e-5, atol=1e-5
-            )
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_half_precision_inputs_give_float32_of_the_rounded_inputs(self):
@@ -65,12 +61,8 @@ class UnembedTest(chex.TestCase):
             self.assertGreater(
                 np.abs(rounded_out - want).max(), np.abs(np.asarray(got) - want).max()
             )
-
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_out_dtype(self):
-        h, w = random_arrays(4, (2, 4), (5, 4))
-        fn = self.variant(functools.partial(head.unembed, out_dtype=jnp.bfloat16))
-        got = fn(h, w)
+        fn = functools.partial(head.unembed, out_dtype=jnp.bfloat16)
+        got = self.variant(fn)(h, w)
         self.assertEqual(got.dtype, jnp.bfloat16)
         np.testing.assert_allclose(
             np.asarray(got, np.float32), references.unembed(h, w), rtol=1e-2, atol=1e-2
@@ -90,34 +82,18 @@ class DistributionTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_log_probs_and_probs_match_numpy(self):
         (z,) = random_arrays(5, (2, 3, 6))
-        z = z * 5.0
-        for temperature in (0.3, 1.0, 4.0):
-            lp = self.variant(head.log_probs)(z, temperature)
-            p = self.variant(head.probs)(z, temperature)
-            want = references.log_softmax(z, temperature)
-            self.assertEqual(lp.dtype, jnp.float32)
+        cases = [
+            (z * 5.0, 0.3),
+            (z * 5.0, 4.0),
+            (jnp.asarray(z * 5, jnp.bfloat16), 1.0),
+        ]
+        for logits, temperature in cases:
+            lp = self.variant(head.log_probs)(logits, temperature)
+            p = self.variant(head.probs)(logits, temperature)
+            want = references.log_softmax(np.asarray(logits, np.float32), temperature)
+            self.assertEqual((lp.dtype, p.dtype), (jnp.float32, jnp.float32))
             np.testing.assert_allclose(lp, want, rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(p, np.exp(want), rtol=1e-5, atol=1e-6)
-
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_bf16_logits_give_float32(self):
-        z = jnp.asarray([[3.0, -2.0, 0.5, 8.0]], jnp.bfloat16)
-        got = self.variant(head.log_probs)(z)
-        self.assertEqual(got.dtype, jnp.float32)
-        np.testing.assert_allclose(
-            got, references.log_softmax(np.asarray(z, np.float32)), atol=1e-6
-        )
-
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_finite_at_large_logits(self):
-        z = np.array(
-            [[1e4, -1e4, 0.0], [-1e4, -1e4, -1e4], [1e4, 1e4, 0.0]], np.float32
-        )
-        lp = self.variant(head.log_probs)(z)
-        p = self.variant(head.probs)(z)
-        self.assertTrue(np.all(np.isfinite(lp)) and np.all(np.isfinite(p)))
-        np.testing.assert_allclose(lp, references.log_softmax(z), rtol=1e-6)
-        np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-6)
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_infinite_logits_follow_the_limit_and_keep_gradients_finite(self):
@@ -203,26 +179,19 @@ class OutputDistributionTest(chex.TestCase):
             "log_probs": references.log_softmax(logits, 2.0),
             "probs": np.exp(references.log_softmax(logits, 2.0)),
         }
-        for output, expected in want.items():
-            fn = self.variant(
-                functools.partial(
-                    head.output_distribution,
-                    output=output,
-                    temperature=2.0,
-                    scale=0.7,
-                    softcap=3.0,
-                )
+        for output, expected in want.items():  # "logits" ignore temperature
+            fn = functools.partial(
+                head.output_distribution,
+                output=output,
+                temperature=2.0,
+                scale=0.7,
+                softcap=3.0,
             )
-            got = fn(h, w, b)
+            got = self.variant(fn)(h, w, b)
             self.assertEqual(got.dtype, jnp.float32)
             np.testing.assert_allclose(
                 got, expected, rtol=1e-5, atol=1e-5, err_msg=output
             )
-
-    def test_logits_ignore_temperature(self):
-        h, w = random_arrays(7, (2, 5), (7, 5))
-        got = head.output_distribution(h, w, output="logits", temperature=3.0)
-        np.testing.assert_allclose(got, references.unembed(h, w), rtol=1e-5, atol=1e-5)
 
 
 class TokenLogProbsTest(chex.TestCase):
@@ -270,171 +239,93 @@ class LastPositionsTest(chex.TestCase):
         np.testing.assert_array_equal(got, h[[0, 1], [0, 2]])
 
 
-# ---------------------------------------------------------------------------
-# bad input: each case raises exactly the expected exception type (not a
-# subclass, not an error from deeper down) with a message that names the
-# argument (tests/errors.py). Bad values that cannot be refused inside jit
-# follow a documented rule instead (RULES), checked with and without jit:
-# never a NaN.
+# Bad input raises exactly its error, naming the argument (tests/errors.py);
+# values that cannot be refused inside jit follow a documented rule (RULES).
 
 H = jnp.ones((2, 3, 4))
 W = jnp.ones((5, 4))
 LOGITS = jnp.zeros((2, 5))
 LABELS = jnp.zeros((2,), jnp.int32)
-NAN, INF = float("nan"), float("inf")
-NEG = -float("inf")
+INF, NEG = float("inf"), -float("inf")
+GREEDY = ("temperature", "greedy")  # temperature 0 is greedy decoding
 
 
+def unembed(h=H, w=W, bias=None, **kwargs):
+    return head.unembed(h, w, bias, **kwargs)
+
+
+LENGTHS = jnp.array([1, 1])
+
+
+def last_positions(h=H, lengths=LENGTHS):
+    return head.last_positions(h, lengths)
+
+
+UNEMBED = [
+    ("integer h", dict(h=H.astype(int)), TypeError, "h"),
+    ("integer w", dict(w=W.astype(int)), TypeError, "w"),
+    ("integer bias", dict(bias=jnp.ones(5, int)), TypeError, "bias"),
+    ("scalar h", dict(h=jnp.float32(1.0)), ValueError, "h"),
+    ("w rank 1", dict(w=W[0]), ValueError, "w"),
+    ("w rank 3", dict(w=W[..., None]), ValueError, "w"),
+    ("V = 0", dict(w=W[:0]), ValueError, "w"),
+    ("D = 0", dict(h=H[..., :0], w=W[:, :0]), ValueError, "w"),
+    ("D mismatch", dict(h=jnp.ones((2, 3))), ValueError, "h"),
+    ("bias shape", dict(bias=jnp.zeros(4)), ValueError, "bias"),
+    ("bias [1, V]", dict(bias=jnp.zeros((1, 5))), ValueError, "bias"),
+    ("scalar bias", dict(bias=jnp.float32(0.0)), ValueError, "bias"),
+    ("scale 0", dict(scale=0.0), ValueError, "scale"),
+    ("scale < 0", dict(scale=-1.0), ValueError, "scale"),
+    ("scale inf", dict(scale=INF), ValueError, "scale"),
+    ("softcap 0", dict(softcap=0.0), ValueError, "softcap"),
+    ("softcap < 0", dict(softcap=-1.0), ValueError, "softcap"),
+    ("softcap inf", dict(softcap=INF), ValueError, "softcap"),  # inf * 0 = NaN
+]
+DISTRIBUTION = [  # each row for head.probs and head.log_probs
+    ("integer logits", dict(logits=LABELS), TypeError, "logits"),
+    ("scalar logits", dict(logits=jnp.float32(1.0)), ValueError, "logits"),
+    ("V = 0", dict(logits=LOGITS[:, :0]), ValueError, "logits"),
+    ("temperature 0", dict(logits=LOGITS, temperature=0.0), ValueError, GREEDY),
+    ("temperature int 0", dict(logits=LOGITS, temperature=0), ValueError, GREEDY),
+    (
+        "temperature np.float32 0",
+        dict(logits=LOGITS, temperature=np.float32(0.0)),
+        ValueError,
+        GREEDY,
+    ),
+    (
+        "temperature array 0",
+        dict(logits=LOGITS, temperature=jnp.array(0.0)),
+        ValueError,
+        GREEDY,
+    ),
+    (
+        "temperature < 0",
+        dict(logits=LOGITS, temperature=-0.5),
+        ValueError,
+        "temperature",
+    ),
+]
+LAST_POSITIONS = [
+    ("h rank", dict(h=H[0]), ValueError, "h"),
+    ("T = 0", dict(h=H[:, :0]), ValueError, "h"),
+    ("float lengths", dict(lengths=jnp.ones(2)), TypeError, "lengths"),
+    ("lengths shape", dict(lengths=jnp.ones(3, int)), ValueError, "lengths"),
+    ("length 0", dict(lengths=jnp.array([0, 1])), ValueError, "lengths"),
+    ("length < 0", dict(lengths=jnp.array([-1, 1])), ValueError, "lengths"),
+    ("length > T", dict(lengths=jnp.array([1, 4])), ValueError, "lengths"),
+]
 BAD_INPUTS = [
-    ("unembed integer h", lambda: head.unembed(H.astype(jnp.int32), W), TypeError, "h"),
-    ("unembed integer w", lambda: head.unembed(H, W.astype(jnp.int32)), TypeError, "w"),
-    (
-        "unembed integer bias",
-        lambda: head.unembed(H, W, jnp.ones(5, jnp.int32)),
-        TypeError,
-        "bias",
-    ),
-    ("unembed scalar h", lambda: head.unembed(jnp.float32(1.0), W), ValueError, "h"),
-    ("unembed w rank 1", lambda: head.unembed(H, W[0]), ValueError, "w"),
-    ("unembed w rank 3", lambda: head.unembed(H, W[..., None]), ValueError, "w"),
-    ("unembed V = 0", lambda: head.unembed(H, W[:0]), ValueError, "w"),
-    ("unembed D = 0", lambda: head.unembed(H[..., :0], W[:, :0]), ValueError, "w"),
-    ("unembed D mismatch", lambda: head.unembed(jnp.ones((2, 3)), W), ValueError, "h"),
-    (
-        "unembed bias shape",
-        lambda: head.unembed(H, W, jnp.zeros(4)),
-        ValueError,
-        "bias",
-    ),
-    (
-        "unembed bias [1, V]",
-        lambda: head.unembed(H, W, jnp.zeros((1, 5))),
-        ValueError,
-        "bias",
-    ),
-    (
-        "unembed scalar bias",
-        lambda: head.unembed(H, W, jnp.float32(0.0)),
-        ValueError,
-        "bias",
-    ),
-    ("unembed scale 0", lambda: head.unembed(H, W, scale=0.0), ValueError, "scale"),
-    ("unembed scale < 0", lambda: head.unembed(H, W, scale=-1.0), ValueError, "scale"),
-    ("unembed scale inf", lambda: head.unembed(H, W, scale=INF), ValueError, "scale"),
-    (
-        "unembed softcap 0",
-        lambda: head.unembed(H, W, softcap=0.0),
-        ValueError,
-        "softcap",
-    ),
-    (
-        "unembed softcap < 0",
-        lambda: head.unembed(H, W, softcap=-1.0),
-        ValueError,
-        "softcap",
-    ),
-    # c * tanh(z / c) would be inf * 0 = NaN.
-    (
-        "unembed softcap inf",
-        lambda: head.unembed(H, W, softcap=INF),
-        ValueError,
-        "softcap",
-    ),
-    ("log_probs integer logits", lambda: head.log_probs(LABELS), TypeError, "logits"),
-    ("probs integer logits", lambda: head.probs(LABELS), TypeError, "logits"),
-    (
-        "log_probs scalar logits",
-        lambda: head.log_probs(jnp.float32(1.0)),
-        ValueError,
-        "logits",
-    ),
-    ("probs scalar logits", lambda: head.probs(jnp.float32(1.0)), ValueError, "logits"),
-    ("probs V = 0", lambda: head.probs(LOGITS[:, :0]), ValueError, "logits"),
-    # Temperature 0 is greedy decoding, which the message points to.
-    (
-        "probs temperature 0",
-        lambda: head.probs(LOGITS, 0.0),
-        ValueError,
-        ("temperature", "greedy"),
-    ),
-    (
-        "log_probs temperature int 0",
-        lambda: head.log_probs(LOGITS, 0),
-        ValueError,
-        ("temperature", "greedy"),
-    ),
-    (
-        "probs temperature np.float32 0",
-        lambda: head.probs(LOGITS, np.float32(0.0)),
-        ValueError,
-        ("temperature", "greedy"),
-    ),
-    (
-        "log_probs temperature array 0",
-        lambda: head.log_probs(LOGITS, jnp.array(0.0)),
-        ValueError,
-        ("temperature", "greedy"),
-    ),
-    (
-        "probs temperature < 0",
-        lambda: head.probs(LOGITS, -1.0),
-        ValueError,
-        "temperature",
-    ),
-    (
-        "log_probs temperature < 0",
-        lambda: head.log_probs(LOGITS, -0.5),
-        ValueError,
-        "temperature",
-    ),
+    *keyword_rows("unembed", unembed, UNEMBED),
+    *keyword_rows("probs", head.probs, DISTRIBUTION),
+    *keyword_rows("log_probs", head.log_probs, DISTRIBUTION),
+    *keyword_rows("last_positions", last_positions, LAST_POSITIONS),
     # The message lists what is allowed.
     (
         "output_distribution output",
         lambda: head.output_distribution(H, W, output="softmax"),
         ValueError,
         ("output", "'logits'", "'log_probs'", "'probs'"),
-    ),
-    (
-        "last_positions h rank",
-        lambda: head.last_positions(H[0], LABELS),
-        ValueError,
-        "h",
-    ),
-    (
-        "last_positions T = 0",
-        lambda: head.last_positions(H[:, :0], jnp.array([1, 1])),
-        ValueError,
-        "h",
-    ),
-    (
-        "last_positions float lengths",
-        lambda: head.last_positions(H, jnp.ones(2)),
-        TypeError,
-        "lengths",
-    ),
-    (
-        "last_positions lengths shape",
-        lambda: head.last_positions(H, jnp.ones(3, jnp.int32)),
-        ValueError,
-        "lengths",
-    ),
-    (
-        "last_positions length 0",
-        lambda: head.last_positions(H, jnp.array([0, 1])),
-        ValueError,
-        "lengths",
-    ),
-    (
-        "last_positions length < 0",
-        lambda: head.last_positions(H, jnp.array([-1, 1])),
-        ValueError,
-        "lengths",
-    ),
-    (
-        "last_positions length > T",
-        lambda: head.last_positions(H, jnp.array([1, 4])),
-        ValueError,
-        "lengths",
     ),
 ]
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from lmhead import losses, modules, vocab_parallel
 from tests import loss_scalars, references
-from tests.errors import bad_input_test
+from tests.errors import bad_input_test, keyword_rows
 
 V, D = 11, 6
 
@@ -61,13 +61,8 @@ class ParametersTest(chex.TestCase):
             self.assertEqual(tied_shapes, bias)
             self.assertEqual(untied_shapes, {"unembedding": (V, D), **bias})
             self.assertEqual(count_params(untied) - count_params(tied), V * D)
-
-    def test_param_dtype(self):
-        h, _ = random_inputs(1)
-        variables = modules.LMHead(
-            V, tied=False, use_bias=True, param_dtype=jnp.bfloat16
-        ).init(jax.random.key(0), h)
-        for leaf in jax.tree.leaves(variables):
+        bf16 = modules.LMHead(V, tied=False, use_bias=True, param_dtype=jnp.bfloat16)
+        for leaf in jax.tree.leaves(bf16.init(key, h)):
             self.assertEqual(leaf.dtype, jnp.bfloat16)
 
 
@@ -81,6 +76,15 @@ class LogitsTest(chex.TestCase):
         want = references.unembed(h, table, scale=0.5, softcap=1.5)
         self.assertEqual(got.shape, (2, 3, V))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        # The nn.Embed module or its table: the same logits.
+        tokens = jnp.array([[1, 4, 7], [0, 10, 3]])
+        variables = TiedLM().init(jax.random.key(1), tokens)
+        table = np.asarray(variables["params"]["embed"]["embedding"])
+        self.assertEqual(count_params(variables), V * D)
+        want = table[np.asarray(tokens)].astype(np.float64) @ table.T
+        for pass_module in (True, False):
+            got = self.variant(TiedLM(pass_module=pass_module).apply)(variables, tokens)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_untied_logits_use_the_own_matrix_and_bias(self):
@@ -95,18 +99,6 @@ class LogitsTest(chex.TestCase):
         np.testing.assert_allclose(
             got, references.unembed(h, table, bias), rtol=1e-5, atol=1e-6
         )
-
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_embed_module_or_its_table_give_the_same_logits(self):
-        tokens = jnp.array([[1, 4, 7], [0, 10, 3]])
-        variables = TiedLM().init(jax.random.key(1), tokens)
-        table = np.asarray(variables["params"]["embed"]["embedding"])
-        self.assertEqual(count_params(variables), V * D)
-        by_module = self.variant(TiedLM(pass_module=True).apply)(variables, tokens)
-        by_array = self.variant(TiedLM(pass_module=False).apply)(variables, tokens)
-        want = table[np.asarray(tokens)].astype(np.float64) @ table.T
-        np.testing.assert_allclose(by_module, want, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(by_array, want, rtol=1e-5, atol=1e-6)
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_bf16_dtype_returns_float32_logits(self):
@@ -231,29 +223,20 @@ class TracedLossScalarsTest(chex.TestCase):
             loss_scalars.assert_members_match_static_calls(losses_of_every_impl)
 
 
-# ---------------------------------------------------------------------------
-# bad input: each case raises exactly the expected exception type (not a
-# subclass, not an error from deeper down) with a message that names the
-# argument (tests/errors.py). Bad values that cannot be refused inside jit
-# follow a documented rule instead (RULES), checked with and without jit:
-# never a NaN.
+# Bad input raises exactly its error, naming the argument (tests/errors.py).
 
 H = jnp.ones((2, 3, 4))
 W = jnp.ones((5, 4))
-LABELS = jnp.zeros((2,), jnp.int32)
-NAN, INF = float("nan"), float("inf")
 KEY = jax.random.key(0)
 
 
-def lm_head_loss(loss_impl="fused", **kwargs):
+def tied_logits(embedding=None, h=H):
+    return modules.LMHead(5, tied=True).apply({}, h, embedding)
+
+
+def lm_head_loss(loss_impl="fused", h=H, **kwargs):
     return modules.LMHead(5, tied=True).apply(
-        {},
-        H,
-        jnp.zeros((2, 3), jnp.int32),
-        W,
-        loss_impl=loss_impl,
-        method="loss",
-        **kwargs,
+        {}, h, jnp.zeros((2, 3), int), W, loss_impl=loss_impl, method="loss", **kwargs
     )
 
 
@@ -266,95 +249,53 @@ class WrongSizeEmbed(nn.Module):
         return modules.LMHead(5, tied=True)(embed(tokens), embed)
 
 
+# Fields are checked when the module is built.
+FIELDS = [
+    ("vocab_size 0", dict(vocab_size=0), ValueError, "vocab_size"),
+    ("vocab_size < 0", dict(vocab_size=-1), ValueError, "vocab_size"),
+    ("vocab_size float", dict(vocab_size=5.0), TypeError, "vocab_size"),
+    ("vocab_size bool", dict(vocab_size=True), TypeError, "vocab_size"),
+    ("tied string", dict(vocab_size=5, tied="no"), TypeError, "tied"),
+    ("use_bias int", dict(vocab_size=5, use_bias=1), TypeError, "use_bias"),
+    ("scale 0", dict(vocab_size=5, scale=0.0), ValueError, "scale"),
+    ("softcap inf", dict(vocab_size=5, softcap=float("inf")), ValueError, "softcap"),
+]
+TIED = [
+    ("without embedding", dict(), ValueError, ("embedding", "tied")),
+    ("table [V, D - 1]", dict(embedding=jnp.ones((5, 3))), ValueError, "embedding"),
+    ("table [V + 1, D]", dict(embedding=jnp.ones((6, 4))), ValueError, "embedding"),
+    ("table [D, V]", dict(embedding=jnp.ones((4, 5))), ValueError, "embedding"),
+    ("table flat", dict(embedding=jnp.ones(20)), ValueError, "embedding"),
+]
+LOSS = [
+    ("integer h", dict(h=H.astype(int)), TypeError, "h"),
+    ("loss_impl", dict(loss_impl="chunked"), ValueError, "loss_impl"),
+    (
+        "chunk_size with materialized",
+        dict(loss_impl="materialized", chunk_size=4),
+        ValueError,
+        ("chunk_size", "loss_impl"),
+    ),
+]
+UNTIED = modules.LMHead(5, tied=False)
 BAD_INPUTS = [
-    # Fields are checked when the module is built.
-    ("LMHead vocab_size 0", lambda: modules.LMHead(0), ValueError, "vocab_size"),
-    ("LMHead vocab_size < 0", lambda: modules.LMHead(-1), ValueError, "vocab_size"),
-    ("LMHead vocab_size float", lambda: modules.LMHead(5.0), TypeError, "vocab_size"),
-    ("LMHead vocab_size bool", lambda: modules.LMHead(True), TypeError, "vocab_size"),
-    ("LMHead tied string", lambda: modules.LMHead(5, tied="no"), TypeError, "tied"),
-    (
-        "LMHead use_bias int",
-        lambda: modules.LMHead(5, use_bias=1),
-        TypeError,
-        "use_bias",
-    ),
-    ("LMHead scale 0", lambda: modules.LMHead(5, scale=0.0), ValueError, "scale"),
-    (
-        "LMHead softcap inf",
-        lambda: modules.LMHead(5, softcap=INF),
-        ValueError,
-        "softcap",
-    ),
-    (
-        "LMHead tied without embedding",
-        lambda: modules.LMHead(5, tied=True).apply({}, H),
-        ValueError,
-        ("embedding", "tied"),
-    ),
-    (
-        "LMHead tied table [V, D - 1]",
-        lambda: modules.LMHead(5, tied=True).apply({}, H, jnp.ones((5, 3))),
-        ValueError,
-        "embedding",
-    ),
-    (
-        "LMHead tied table [V + 1, D]",
-        lambda: modules.LMHead(5, tied=True).apply({}, H, jnp.ones((6, 4))),
-        ValueError,
-        "embedding",
-    ),
-    (
-        "LMHead tied table [D, V]",
-        lambda: modules.LMHead(5, tied=True).apply({}, H, jnp.ones((4, 5))),
-        ValueError,
-        "embedding",
-    ),
-    (
-        "LMHead tied table flat",
-        lambda: modules.LMHead(5, tied=True).apply({}, H, jnp.ones(20)),
-        ValueError,
-        "embedding",
-    ),
+    *keyword_rows("LMHead", modules.LMHead, FIELDS),
+    *keyword_rows("LMHead tied", tied_logits, TIED),
+    *keyword_rows("LMHead loss", lm_head_loss, LOSS),
     (
         "LMHead tied nn.Embed of V + 1",
-        lambda: WrongSizeEmbed().init(KEY, LABELS),
+        lambda: WrongSizeEmbed().init(KEY, jnp.zeros(2, int)),
         ValueError,
         "embedding",
     ),
     (
         "LMHead untied with embedding",
-        lambda: modules.LMHead(5, tied=False).init(KEY, H, W),
+        lambda: UNTIED.init(KEY, H, W),
         ValueError,
         ("embedding", "tied"),
     ),
-    (
-        "LMHead integer h",
-        lambda: modules.LMHead(5, tied=False).init(KEY, H.astype(jnp.int32)),
-        TypeError,
-        "h",
-    ),
-    (
-        "LMHead loss integer h",
-        lambda: modules.LMHead(5, tied=True).apply(
-            {}, H.astype(jnp.int32), jnp.zeros((2, 3), jnp.int32), W, method="loss"
-        ),
-        TypeError,
-        "h",
-    ),
-    (
-        "LMHead untied D = 0",
-        lambda: modules.LMHead(5, tied=False).init(KEY, H[..., :0]),
-        ValueError,
-        "w",
-    ),
-    ("LMHead loss_impl", lambda: lm_head_loss("chunked"), ValueError, "loss_impl"),
-    (
-        "LMHead chunk_size with materialized",
-        lambda: lm_head_loss("materialized", chunk_size=4),
-        ValueError,
-        ("chunk_size", "loss_impl"),
-    ),
+    ("LMHead integer h", lambda: UNTIED.init(KEY, H.astype(int)), TypeError, "h"),
+    ("LMHead untied D = 0", lambda: UNTIED.init(KEY, H[..., :0]), ValueError, "w"),
 ]
 
 

@@ -4,9 +4,10 @@ The three loss paths of ``LMHead.loss`` -- materialized
 (``losses.cross_entropy(head.unembed(...))``), fused and vocabulary-parallel
 (on a one-device mesh) -- get hidden states that make logits of +-1e4, in
 float32, bfloat16 and float16, with all tokens weighted, all but one masked,
-or none. With ``w`` the identity the logits are ``h`` itself, so the loss and
-its gradient with respect to ``h`` are checked against the float64 numpy
-references of the (rounded) inputs (tests/references.py). A mean over zero weight is 0 (``losses.weighted_metrics``).
+or none, with both label smoothing and the z-loss. With ``w`` the identity
+the logits are ``h`` itself, so the loss and its gradient with respect to
+``h`` are checked against the float64 numpy references of the (rounded)
+inputs (tests/references.py). A mean over zero weight is 0.
 
 The training tests inject a NaN into a tiny run through ``train.train_step``
 and check that the run stops with the step named, before it saves, both when
@@ -80,7 +81,13 @@ class StressTest(parameterized.TestCase):
 
         def objective(h, weights):
             return IMPLS[impl](
-                h, w, LABELS, weights=weights, label_smoothing=EPS, z_loss=Z_LOSS
+                h,
+                w,
+                LABELS,
+                weights=weights,
+                label_smoothing=EPS,
+                smoothing="normalized",
+                z_loss=Z_LOSS,
             )
 
         value_and_grad = self.variant(jax.value_and_grad(objective, has_aux=True))
@@ -90,7 +97,7 @@ class StressTest(parameterized.TestCase):
         for mask, weights in MASKS.items():
             (loss, metrics), grad = value_and_grad(h, weights)
             logits = np.asarray(h, np.float32)
-            options = (weights, EPS, "uniform", Z_LOSS)
+            options = (weights, EPS, "normalized", Z_LOSS)
             _, want = references.cross_entropy(logits, LABELS, *options)
             want_grad = references.cross_entropy_gradient(logits, LABELS, *options)
             self.assertEqual(grad.dtype, h.dtype)

@@ -1,13 +1,10 @@
 r"""Knowledge distillation losses: a teacher's distribution as the target.
 
-Two functions compute one loss. :func:`distillation_loss` takes the
-student's and the teacher's logits; :func:`fused_distillation_loss` takes
-the student's hidden states and unembedding, ``h: [N, D]`` and ``w: [V, D]``,
-and computes the student's logits a chunk of tokens at a time, never
-``[N, V]`` at once (the teacher may be given the same way). Both reduce the
-same per-token terms, :func:`token_divergence`, so they cannot drift apart.
-
-The divergences. With a temperature :math:`T`, the student's
+:func:`distillation_loss` takes the student's and the teacher's logits;
+:func:`fused_distillation_loss` takes the student's hidden states and
+unembedding, ``h: [N, D]`` and ``w: [V, D]``, and is :class:`DistillationRule`
+on the one chunked sweep (:mod:`lmhead._fused_sweep`), never holding
+``[N, V]`` logits. Both reduce :func:`token_divergence`. With the student's
 :math:`q = \mathrm{softmax}(z_s / T)` and the teacher's
 :math:`p = \mathrm{softmax}(z_t / T)`:
 
@@ -18,30 +15,14 @@ The divergences. With a temperature :math:`T`, the student's
         + (1 - \beta)\, \mathrm{KL}(q \,\|\, m), \qquad
     m = \beta p + (1 - \beta) q,
 
-the generalized Jensen-Shannon divergence of Agarwal et al. (GKD), as Liger
-Kernel's ``LigerFusedLinearJSD`` defines it, and, as there, ``beta = 0``
-and ``beta = 1`` mean forward and reverse KL (the limits of
-:math:`\mathrm{jsd}_\beta / \beta` and :math:`\mathrm{jsd}_\beta / (1 -
-\beta)`; ``jsd`` itself vanishes at both ends). A term :math:`0 \log 0` is
-0, so a token banned by the teacher (logit ``-inf``) adds nothing to the
-forward KL; under the reverse KL a student that gives it mass pays
-:math:`+\infty`, as the formula says.
-
-With ``labels`` and ``hard_weight`` :math:`\alpha`, the loss mixes in the
-student's cross-entropy at temperature 1, as Hinton et al. do:
-:math:`\ell_t = \alpha\, \mathrm{CE}(z_s, y) + (1 - \alpha)\, D_t`. The
-divergence is not multiplied by :math:`T^2`; multiply it by ``temperature**2``
-(or fold it into the learning rate) to keep its gradients' size across
-temperatures as Hinton et al. suggest.
-
-The fused loss is :class:`DistillationRule`, a rule of the one chunked sweep
-(:mod:`lmhead._fused_sweep`), whose docstring gives the gradients with
-respect to the student's logits (for ``jsd`` the teacher's term and the
-:math:`m` in the student's log cancel).
-
-The teacher is a constant: it gets no gradient (a zero cotangent, as
-``lax.stop_gradient`` would give), in both functions. So do the metrics,
-which are values to log; differentiate the loss.
+the generalized JSD of GKD as Liger Kernel's ``LigerFusedLinearJSD`` defines
+it, where ``beta`` 0 and 1 mean forward and reverse KL. A term
+:math:`0 \log 0` is 0: a token the teacher bans adds nothing to the forward
+KL, and under the reverse KL a student that gives it mass pays
+:math:`+\infty`. With ``labels`` and ``hard_weight`` :math:`\alpha`:
+:math:`\ell_t = \alpha\, \mathrm{CE}(z_s, y) + (1 - \alpha)\, D_t`, with no
+:math:`T^2` factor. The teacher and the metrics get no gradient.
+docs/fused_loss.md ("Distillation") describes the options and the sweep.
 
 References:
     Hinton, Vinyals and Dean, `Distilling the Knowledge in a Neural Network
@@ -144,18 +125,23 @@ def token_divergence(
     log_q = jnp.asarray(log_q, jnp.float32)
     log_p = jnp.asarray(log_p, jnp.float32)
     chex.assert_equal_shape((log_q, log_p))
-    q, p = jnp.exp(log_q), jnp.exp(log_p)
-    divergence = _effective(divergence, float(beta))
-    if divergence == "forward_kl":
-        return jnp.sum(_x_log_ratio(p, log_p, log_q), axis=-1)
-    if divergence == "reverse_kl":
-        return jnp.sum(_x_log_ratio(q, log_q, log_p), axis=-1)
-    log_m = _log_mixture(log_p, log_q, beta)
-    return jnp.sum(
-        beta * _x_log_ratio(p, log_p, log_m)
-        + (1.0 - beta) * _x_log_ratio(q, log_q, log_m),
-        axis=-1,
+    terms, _ = _divergence_terms(
+        log_q, log_p, _effective(divergence, float(beta)), beta
     )
+    return jnp.sum(terms, axis=-1)
+
+
+def _divergence_terms(log_q, log_p, divergence, beta):
+    """The divergence's terms ``[..., V]`` (their sum over ``V`` is the
+    divergence), and for ``jsd`` those of ``KL(q || m)``, else None."""
+    if divergence == "forward_kl":
+        return _x_log_ratio(jnp.exp(log_p), log_p, log_q), None
+    if divergence == "reverse_kl":
+        return _x_log_ratio(jnp.exp(log_q), log_q, log_p), None
+    log_m = _log_mixture(log_p, log_q, beta)
+    kl_qm = _x_log_ratio(jnp.exp(log_q), log_q, log_m)
+    kl_pm = _x_log_ratio(jnp.exp(log_p), log_p, log_m)
+    return beta * kl_pm + (1.0 - beta) * kl_qm, kl_qm
 
 
 def _check_options(divergence, beta, temperature, hard_weight, labels, reduction):
@@ -279,11 +265,6 @@ def distillation_loss(
         >>> loss, metrics = distillation_loss(student, teacher)
         >>> print(f"{loss:.4f}")  # (1.1504 + 0) / 2
         0.5752
-        >>> loss, metrics = distillation_loss(
-        ...     student, teacher, labels=jnp.array([2, 0]), hard_weight=0.5,
-        ...     divergence="jsd", temperature=2.0)
-        >>> print(f"{loss:.4f} {metrics['nll']:.4f}")
-        0.2590 0.4795
     """
     _checks.check_logits(logits)
     _checks.check_floating("teacher_logits", teacher_logits)
@@ -391,17 +372,11 @@ class DistillationRule:
             label = _fused_sweep.label_logit(z, labels, v0, is_new) if labelled else 0.0
             return sums + (label,)
         log_q, log_p = self._log_probs(z, teacher, previous)
-        if self.divergence == "forward_kl":
-            terms = (_x_log_ratio(jnp.exp(log_p), log_p, log_q),)
-        elif self.divergence == "reverse_kl":
-            terms = (_x_log_ratio(jnp.exp(log_q), log_q, log_p),)
-        else:
-            log_m = _log_mixture(log_p, log_q, self.beta)
-            kl_qm = _x_log_ratio(jnp.exp(log_q), log_q, log_m)
-            kl_pm = _x_log_ratio(jnp.exp(log_p), log_p, log_m)
-            terms = (self.beta * kl_pm + (1.0 - self.beta) * kl_qm, kl_qm)
-        sums = tuple(jnp.sum(jnp.where(is_new, x, 0.0), axis=0) for x in terms)
-        return sums + (0.0,) * (2 - len(sums))
+        terms = _divergence_terms(log_q, log_p, self.divergence, self.beta)
+        return tuple(
+            0.0 if x is None else jnp.sum(jnp.where(is_new, x, 0.0), axis=0)
+            for x in terms
+        )
 
     def merge(self, pass_, carry, block):
         if pass_ == 1:
@@ -524,16 +499,13 @@ def fused_distillation_loss(
     r""":func:`distillation_loss` of the student ``unembed(h, w, bias)``, fused.
 
     Returns what ``distillation_loss(head.unembed(h, w, bias, scale=scale,
-    softcap=softcap), teacher_logits, ...)`` returns, holding the logits of ``chunk_size`` tokens at a time:
-    temporary memory ``O(chunk_size * V)`` instead of ``O(N * V)``. The
-    teacher is its logits ``[..., V]`` (an input, read a chunk at a time), or
-    its hidden states and unembedding ``(h_t, w_t)``, whose logits are
-    computed chunk by chunk too. The gradient w.r.t. ``h``, ``w``, ``bias``
-    and ``weights`` is the one sweep's custom VJP (:class:`DistillationRule`
-    gives it), exact and computed in the forward sweep for ``"mean"`` and
-    ``"sum"``; the
-    teacher's is zero. Logits and gradients are float32 whatever the inputs'
-    dtypes; gradients come back in the inputs' dtypes.
+    softcap=softcap), teacher_logits, ...)`` returns, holding the logits of
+    ``chunk_size`` tokens at a time: temporary memory ``O(chunk_size * V)``
+    instead of ``O(N * V)``. The teacher is its logits ``[..., V]`` or its
+    ``(h_t, w_t)``, whose logits are computed chunk by chunk too. The
+    gradient w.r.t. ``h``, ``w``, ``bias`` and ``weights`` is exact (the
+    sweep's custom VJP); the teacher's is zero. Gradients come back in the
+    inputs' dtypes.
 
     Args:
         h: ``[..., D]`` the student's hidden states.
@@ -575,20 +547,6 @@ def fused_distillation_loss(
         ...                                  divergence="jsd", temperature=2.0)
         >>> print(f"{loss:.5f} {reference:.5f}")
         0.10795 0.10795
-        >>> dh, dw = jax.jit(jax.grad(lambda h, w: fused_distillation_loss(
-        ...     h, w, teacher, chunk_size=4)[0], argnums=(0, 1)))(h, w)
-        >>> dh.shape, dw.shape
-        ((2, 3, 4), (10, 4))
-
-        A teacher given by its own head, with a quarter of the hard loss:
-
-        >>> h_t = jax.random.normal(k3, (2, 3, 6))
-        >>> w_t = jax.random.normal(k1, (10, 6))
-        >>> labels = jnp.array([[8, 5, 3], [1, 2, 6]])
-        >>> loss, metrics = fused_distillation_loss(
-        ...     h, w, (h_t, w_t), labels=labels, hard_weight=0.25)
-        >>> sorted(metrics)
-        ['divergence', 'invalid_labels', 'loss', 'nll', 'weight_sum']
     """
     _checks.check_unembed_inputs(h, w, bias)
     _checks.check_count("chunk_size", chunk_size, optional=True)

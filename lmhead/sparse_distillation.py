@@ -1,12 +1,9 @@
-r"""Distillation from a sparse teacher: its top-k ids and their log-probs,
-as a serving stack returns them, through the head without ``[N, V]`` logits.
+r"""Distillation from a sparse teacher: its top-k ids and their log-probs.
 
-The student's log-probabilities of the teacher's ``k`` ids per token come
-from :func:`lmhead.token_logprobs.fused_token_logprobs` (one sweep,
-gathering ``k`` logits per token beside the log-normalizer); the forward KL
-on the teacher's support is plain JAX on those ``[N, k]`` values, and its
-gradient is exact through the sweep. docs/post_training.md says how the
-two forms treat the teacher's missing mass.
+The student's log-probs of the teacher's ``k`` ids come from one
+:func:`lmhead.token_logprobs.fused_token_logprobs` sweep; the forward KL on
+the teacher's support is plain JAX on those ``[N, k]`` values
+(docs/post_training.md, "A sparse teacher").
 """
 
 import jax
@@ -53,12 +50,8 @@ def sparse_distillation_loss(
         \quad \hat p_j = \frac{p_j}{\sum_i p_i},\ \hat q_j = \frac{q_j}{\sum_i q_i}.
 
     The unrenormalized form drops the teacher's missing mass
-    :math:`1 - \sum_j p_j` (it is the full KL's terms on the support; its
-    gradient w.r.t. the student's logits is :math:`(\sum_j p_j) q - p`,
-    pushing the support's mass up by what the teacher gives it). The
-    renormalized form is the KL of both distributions restricted to the
-    support: it is 0 when the student's probabilities are proportional to
-    the teacher's there, whatever mass the student puts elsewhere. An id of
+    :math:`1 - \sum_j p_j`; the renormalized form is 0 when the student's
+    probabilities are proportional to the teacher's on the support. An id of
     teacher log-prob ``-inf`` adds 0.
 
     Args:
@@ -157,13 +150,9 @@ def fused_sparse_distillation_loss(
     r""":func:`sparse_distillation_loss` of the head ``softcap(scale * h @ w.T
     + bias) / T``, fused.
 
-    The student's log-probs of the teacher's ids come from one
-    :func:`lmhead.token_logprobs.fused_token_logprobs` sweep that gathers
-    the ``k`` ids' logits of each token; the gradient w.r.t. ``h``, ``w``
-    and ``bias`` is exact, and neither ``[N, V]`` logits nor a dense
-    teacher exist. The student's temperature ``T`` is applied here; the
-    teacher's log-probs are taken as given (at whatever temperature the
-    teacher was sampled).
+    The gradient w.r.t. ``h``, ``w`` and ``bias`` is exact, and neither
+    ``[N, V]`` logits nor a dense teacher exist. The student's temperature
+    ``T`` applies here; the teacher's log-probs are taken as given.
 
     Args:
         h: ``[..., D]``. w: ``[V, D]``. bias: optional ``[V]``.

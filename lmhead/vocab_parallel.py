@@ -1,17 +1,9 @@
 r"""The vocabulary-parallel cross-entropy: the unembedding split over a mesh axis.
 
-With the ``[V, D]`` table split over the mesh's ``"model"`` axis,
-:func:`vocab_parallel_cross_entropy` computes the loss the way Megatron's vocabulary-parallel cross-entropy does:
-each device reduces the logits of its own slice of the vocabulary to
-per-token statistics (logsumexp, the label's logit, the sum of the logits,
-the argmax), and the statistics are combined over ``"model"`` with
-``pmax``/``psum``. The per-device work is the one chunked sweep
-(:mod:`lmhead._fused_sweep`) with the cross-entropy's rule, whose ``combine``
-does that step, gradient included. Neither the ``[N, V]`` logits nor the
-whole table are ever on one device.
-
-The mesh itself (its axes, the parameter rules, batches) is the experiment's:
-``lmhead.lm.sharding``.
+The one chunked sweep (:mod:`lmhead._fused_sweep`) on each device's slice of
+the vocabulary, its statistics combined over ``"model"`` by the
+cross-entropy rule's ``combine``, as Megatron does. The mesh itself is the
+experiment's: ``lmhead.lm.sharding``.
 """
 
 import functools
@@ -100,13 +92,9 @@ def vocab_parallel_cross_entropy(
         \sum_i z_i = \sum_s \sum_{i \in V_s} z_i,
 
     with ``pmax``/``psum`` over ``"model"`` and the argmax of the shard with
-    the largest logit. The loss, the metrics and the gradient are then those
-    of :func:`lmhead.fused.fused_cross_entropy` -- every option, the blocks
-    of ``chunk_size`` tokens (whose default counts ``V/m`` rows), and the
-    hand-written gradient computed in the forward sweep -- so a device's
-    largest temporary is a chunk's ``[V/m, chunk_size]`` logits and nothing
-    is recomputed. Tokens are split over ``"data"`` when it divides their
-    number (replicated otherwise).
+    the largest logit; the rest (every option, the gradient in the forward
+    sweep) is :func:`lmhead.fused.fused_cross_entropy`'s. Tokens are split
+    over ``"data"`` when it divides their number (replicated otherwise).
 
     Args:
         h: ``[..., D]`` hidden states.
@@ -123,8 +111,7 @@ def vocab_parallel_cross_entropy(
         ``(loss, metrics)`` as ``losses.cross_entropy`` returns them.
 
     Raises:
-        ValueError, TypeError: bad shapes, dtypes or options, no mesh, or a
-            vocabulary not divisible by the ``"model"`` axis.
+        ValueError: no mesh, or a vocabulary not divisible by ``"model"``.
 
     Examples:
         Under ``jax.set_mesh`` (as ``train.py`` traces its steps), on the

@@ -19,7 +19,8 @@ from absl.testing import parameterized
 
 from lmhead import distillation, head
 from tests import references
-from tests.errors import assert_raises_exactly
+from tests.errors import bad_input_test, keyword_rows
+from tests.post_training_references import numeric_grad
 
 B, T, D, D_T, V = 2, 5, 4, 6, 11
 CHUNK = 4
@@ -108,18 +109,6 @@ def np_loss(
     return total if reduction == "sum" else total / weights.sum()
 
 
-def finite_differences(f, x, eps=1e-6):
-    """``d f / d x`` by central differences, float64."""
-    x = np.asarray(x, np.float64)
-    grad = np.zeros_like(x)
-    for i in np.ndindex(x.shape):
-        up, down = x.copy(), x.copy()
-        up[i] += eps
-        down[i] -= eps
-        grad[i] = (f(up) - f(down)) / (2 * eps)
-    return grad
-
-
 def f32(x):
     return jnp.asarray(x, jnp.float32)
 
@@ -158,7 +147,7 @@ class MaterializedTest(parameterized.TestCase):
             )[0],
             argnums=(0, 1),
         )(f32(z), f32(z_t))
-        expected = finite_differences(
+        expected = numeric_grad(
             lambda z: np_loss(z, z_t, x["labels"], x["weights"], **options), z
         )
         np.testing.assert_allclose(dz, expected, rtol=1e-4, atol=1e-6)
@@ -232,9 +221,7 @@ class FusedTest(chex.TestCase):
         for grad, argument in zip(grads, args):
             np.testing.assert_allclose(
                 grad,
-                finite_differences(
-                    functools.partial(reference, argument), args[argument]
-                ),
+                numeric_grad(functools.partial(reference, argument), args[argument]),
                 rtol=2e-4,
                 atol=2e-6,
                 err_msg=argument,
@@ -328,104 +315,49 @@ class FusedTest(chex.TestCase):
 
 
 H, W = np.ones((B, T, D), np.float32), np.ones((V, D), np.float32)
+TEACHER, LOGITS = np.ones((B, T, V)), np.ones((B, V))
 
 
-@pytest.mark.parametrize(
-    "call, error, named",
-    [
-        (
-            lambda: distillation.fused_distillation_loss(H, W, np.ones((B, T, V + 1))),
-            ValueError,
-            "teacher",
-        ),
-        (
-            lambda: distillation.fused_distillation_loss(
-                H, W, (np.ones((B, T, 3)), np.ones((V - 1, 3)))
-            ),
-            ValueError,
-            "teacher",
-        ),
-        (
-            lambda: distillation.fused_distillation_loss(H, W, (np.ones((B, T, 3)),)),
-            ValueError,
-            "teacher",
-        ),
-        (
-            lambda: distillation.distillation_loss(
-                np.ones((B, V)), np.ones((B, V + 1))
-            ),
-            ValueError,
-            "teacher_logits",
-        ),
-        (
-            lambda: distillation.fused_distillation_loss(
-                H, W, np.ones((B, T, V)), divergence="jsd", beta=1.5
-            ),
-            ValueError,
-            "beta",
-        ),
-        (
-            lambda: distillation.distillation_loss(
-                np.ones((B, V)), np.ones((B, V)), beta=-0.1
-            ),
-            ValueError,
-            "beta",
-        ),
-        (
-            lambda: distillation.fused_distillation_loss(
-                H, W, np.ones((B, T, V)), temperature=0.0
-            ),
-            ValueError,
-            "temperature",
-        ),
-        (
-            lambda: distillation.fused_distillation_loss(
-                H, W, np.ones((B, T, V)), hard_weight=0.5
-            ),
-            ValueError,
-            "labels",
-        ),
-        (
-            lambda: distillation.fused_distillation_loss(
-                H, W, np.ones((B, T, V)), divergence="kl"
-            ),
-            ValueError,
-            "divergence",
-        ),
-        (
-            lambda: distillation.fused_distillation_loss(
-                H, W, np.ones((B, T, V)), chunk_size=0
-            ),
-            ValueError,
-            "chunk_size",
-        ),
-        (
-            lambda: distillation.fused_distillation_loss(
-                H, W, np.ones((B, T, V)), softcap=0.0
-            ),
-            ValueError,
-            "softcap",
-        ),
-        (
-            lambda: distillation.fused_distillation_loss(
-                H, W, np.ones((B, T, V)), weights=-np.ones((B, T))
-            ),
-            ValueError,
-            "weights",
-        ),
-        (
-            lambda: jax.jit(
-                lambda b: distillation.fused_distillation_loss(
-                    H, W, np.ones((B, T, V)), divergence="jsd", beta=b
-                )
-            )(0.5),
-            TypeError,
-            "beta",
-        ),
-    ],
-)
-def test_bad_input_raises_exactly_naming_the_argument(call, error, named):
-    assert_raises_exactly(call, error, named)
+def fused(teacher=TEACHER, **kwargs):
+    return distillation.fused_distillation_loss(H, W, teacher, **kwargs)
+
+
+def materialized(teacher_logits=LOGITS, **kwargs):
+    return distillation.distillation_loss(LOGITS, teacher_logits, **kwargs)
+
+
+FUSED = [
+    ("teacher vocabulary", dict(teacher=np.ones((B, T, V + 1))), ValueError, "teacher"),
+    ("teacher head", dict(teacher=(H[..., :3], W[:-1, :3])), ValueError, "teacher"),
+    ("teacher of one", dict(teacher=(H[..., :3],)), ValueError, "teacher"),
+    ("beta > 1", dict(divergence="jsd", beta=1.5), ValueError, "beta"),
+    ("temperature 0", dict(temperature=0.0), ValueError, "temperature"),
+    ("hard_weight without labels", dict(hard_weight=0.5), ValueError, "labels"),
+    ("divergence", dict(divergence="kl"), ValueError, "divergence"),
+    ("chunk_size 0", dict(chunk_size=0), ValueError, "chunk_size"),
+    ("softcap 0", dict(softcap=0.0), ValueError, "softcap"),
+    ("negative weights", dict(weights=-np.ones((B, T))), ValueError, "weights"),
+]
+MATERIALIZED = [
+    (
+        "teacher vocabulary",
+        dict(teacher_logits=np.ones((B, V + 1))),
+        ValueError,
+        "teacher_logits",
+    ),
+    ("beta < 0", dict(beta=-0.1), ValueError, "beta"),
+]
+BAD_INPUTS = [
+    *keyword_rows("fused", fused, FUSED),
+    *keyword_rows("materialized", materialized, MATERIALIZED),
+    (
+        "fused traced beta",
+        lambda: jax.jit(lambda b: fused(divergence="jsd", beta=b))(0.5),
+        TypeError,
+        "beta",
+    ),
+]
+test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)
 
 
 @pytest.mark.parametrize("loss_impl", ["fused", "materialized"])

@@ -88,12 +88,7 @@ def test_loss_is_the_cross_entropy_of_the_products_logits(loss_impl):
         method=modules.LMHead.loss,
     )
     _, expected = references.cross_entropy(
-        references.unembed(h, a @ b),
-        labels,
-        np.ones(labels.shape),
-        0.1,
-        "uniform",
-        0.0,
+        references.unembed(h, a @ b), labels, eps=0.1
     )
     np.testing.assert_allclose(loss, expected["loss"], rtol=1e-5)
 
@@ -190,42 +185,27 @@ def test_an_int8_factor_decodes_close_to_float(models):
     np.testing.assert_allclose(fewer, full, atol=2e-3)
 
 
+def tied(rank, embedding):
+    return modules.LMHead(V, tied=True, rank=rank).apply(
+        {}, jnp.ones((1, D)), embedding
+    )
+
+
+A, B = jnp.ones((V, R)), jnp.ones((R, D))
+KEY, X = jax.random.key(0), jnp.ones((1, D))
+
+
 @pytest.mark.parametrize(
     "call, named",
     [
         (lambda: modules.LMHead(V, rank=0), "rank"),
         (lambda: modules.LMHead(V, rank=V + 1), "rank"),
-        (
-            lambda: modules.LMHead(V, tied=False, rank=D + 1).init(
-                jax.random.key(0), jnp.ones((1, D))
-            ),
-            "rank",
-        ),
+        (lambda: modules.LMHead(V, tied=False, rank=D + 1).init(KEY, X), "rank"),
         (lambda: modules.FactorizedEmbed(V, D, D + 1), "rank"),
-        (
-            lambda: modules.LMHead(V, tied=True, rank=R).apply(
-                {}, jnp.ones((1, D)), jnp.ones((V, D))
-            ),
-            "embedding",
-        ),
-        (
-            lambda: modules.LMHead(V, tied=True).apply(
-                {}, jnp.ones((1, D)), (jnp.ones((V, R)), jnp.ones((R, D)))
-            ),
-            "embedding",
-        ),
-        (
-            lambda: modules.LMHead(V, tied=True, rank=R).apply(
-                {}, jnp.ones((1, D)), (jnp.ones((V, R)), jnp.ones((R + 1, D)))
-            ),
-            "projection",
-        ),
-        (
-            lambda: model(head_rank=D + 1).init(
-                jax.random.key(0), jnp.ones((1, 2), jnp.int32)
-            ),
-            "rank",
-        ),
+        (lambda: tied(R, jnp.ones((V, D))), "embedding"),
+        (lambda: tied(None, (A, B)), "embedding"),
+        (lambda: tied(R, (A, jnp.ones((R + 1, D)))), "projection"),
+        (lambda: model(head_rank=D + 1).init(KEY, jnp.ones((1, 2), int)), "rank"),
     ],
 )
 def test_bad_ranks_and_embeddings_are_named(call, named):

@@ -3,9 +3,11 @@ SimPO, ORPO and CPO, through the head without the ``[N, V]`` logits.
 
 :func:`preference_loss` is plain JAX on per-token log-probabilities
 ``[B, T]`` and token masks; :func:`fused_preference_loss` gets them from
-:func:`lmhead.token_logprobs.fused_token_logprobs` (one sweep for the
-chosen and rejected tokens together, one more without gradient for a
-reference head), so the gradient is exact and no ``[N, V]`` array exists.
+one sweep of :class:`lmhead.token_logprobs.LogProbRule` over the chosen and
+rejected tokens together (one more without gradient for a reference head),
+so the gradient is exact and no ``[N, V]`` array exists. The losses of a
+pair's margin (``MARGIN_LOSSES``) are that sweep's objective, a pair being
+one of its segments, and take their gradient in its forward pass.
 The formulas follow Liger-Kernel's ``chunked_loss`` (sums of log-probs for
 DPO, means for SimPO, ORPO and CPO); docs/post_training.md lists them with
 their papers.
@@ -89,8 +91,19 @@ def _margin_loss(loss_type, margin, beta, gamma, label_smoothing):
 
 @dataclasses.dataclass(frozen=True)
 class MarginLoss:
-    """:func:`_margin_loss` as the sweep's ``segment_loss`` of a pair's
-    margin, ``loss_scalars = (beta, gamma, label_smoothing)``."""
+    """A pair's loss of its margin ``U`` ``[S]``, as the sweep's
+    ``segment_loss``: ``l_eps(beta U)`` (sigmoid), ``max(0, 1 - beta U)``
+    (hinge), ``(U - 1 / (2 beta))^2`` (ipo), ``l_eps(beta U - gamma)``
+    (simpo), with ``scalars = (beta, gamma, label_smoothing)``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> MarginLoss("ipo")(jnp.array([0.1, 0.5, 0.0]), jnp.array([2.0]))
+        Array([9.], dtype=float32)
+
+    References:
+        As :func:`preference_loss`.
+    """
 
     loss_type: str
 
@@ -99,7 +112,20 @@ class MarginLoss:
 
 
 def margin_terms(logps, entropy, operands):
-    """A token's term of its pair's margin, ``c_t (log p_t - ref_t)``."""
+    """A token's term of its pair's margin, ``c_t (log p_t - ref_t)``: a
+    ``token_loss`` of the sweep, ``logps: [Nc, 1]``, ``operands = (c, ref)``
+    ``[Nc]`` each, ``entropy`` unused.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> coef, ref = jnp.array([1.0, -1.0]), jnp.array([-1.0, -1.0])
+        >>> margin_terms(jnp.array([[-0.5], [-2.0]]), None, (coef, ref))
+        Array([0.5, 1. ], dtype=float32)
+
+    References:
+        Rafailov et al., `Direct Preference Optimization
+        <https://arxiv.org/abs/2305.18290>`_, 2023.
+    """
     coef, ref = operands
     return coef * (logps[:, 0] - ref)
 
@@ -297,10 +323,15 @@ def fused_preference_loss(
     fused.
 
     The policy's per-token log-probs of ``chosen_ids`` and ``rejected_ids``
-    come from one :func:`lmhead.token_logprobs.fused_token_logprobs` sweep
-    over both sequences' tokens; the gradient w.r.t. ``h_chosen``,
-    ``h_rejected``, ``w`` and ``bias`` is exact, through the sweep's
-    recompute pass, and no ``[N, V]`` array is built. The reference is
+    come from one sweep over both sequences' tokens, and no ``[N, V]``
+    array is built; the gradient w.r.t. ``h_chosen``, ``h_rejected``, ``w``
+    and ``bias`` is exact. For ``MARGIN_LOSSES`` the tokens are swept pair
+    by pair and the loss is the sweep's segment objective: the pair's loss
+    of its margin :math:`\sum_t c_t (\log\pi(y_t) - \log\pi^{ref}(y_t))`
+    (:func:`margin_terms`, :class:`MarginLoss`), whose gradient the sweep
+    takes in its forward pass (``_fused_sweep.Plan.segment_length``); ORPO
+    and CPO, and a gradient of the metrics, take the recompute sweep of
+    :func:`lmhead.token_logprobs.fused_token_logprobs`. The reference is
     either ``reference_logps`` (precomputed) or ``reference_head``, whose
     log-probs come from a second sweep that gets no gradient.
 

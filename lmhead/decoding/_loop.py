@@ -53,11 +53,6 @@ def check_static_callable(name: str, fn: Any) -> None:
         ) from None
 
 
-def check_step_fn(step_fn: Any) -> None:
-    """The loops jit with ``step_fn`` static, so it must be hashable."""
-    check_static_callable("step_fn", step_fn)
-
-
 def repeat_rows(step_fn: StepFn, state: Any, repeats: int) -> Any:
     """``state`` with each row repeated ``repeats`` times: row ``b * repeats +
     k`` continues row ``b``. By ``step_fn.repeat(state, repeats)`` if
@@ -160,7 +155,7 @@ def check_call(step_fn: Any, logits: Any, state: Any) -> tuple[jax.Array, int, i
     """The checks both loops open with: ``(logits [B, V] as float, B, V)``."""
     logits = _checks.as_logits(logits, "[B, V]")
     batch, vocab_size = logits.shape
-    check_step_fn(step_fn)
+    check_static_callable("step_fn", step_fn)
     check_state(state, batch)
     return logits, batch, vocab_size
 

@@ -22,8 +22,7 @@ def gather_rows(state: Any, rows: jax.Array) -> Any:
     """``state`` with every leaf's rows reordered: ``leaf[rows]``.
 
     The reorder :func:`beam_search` uses when ``step_fn`` brings none of its
-    own: it reads and writes every slot of every leaf, e.g. the whole capacity
-    of a key/value cache.
+    own (it copies every leaf whole).
 
     Args:
         state: pytree whose every leaf has leading axis ``M``.
@@ -164,17 +163,9 @@ def _append_to_parents(
 
 
 def _beam_continues(s: BeamState, alpha: jax.Array, config: _BeamConfig) -> jax.Array:
-    """False once no live beam can still enter the finished n-best.
-
-    A live beam with summed log-probs ``S`` at length ``l`` ends at some
-    ``L`` in ``[l + 1, N]`` with a sum ``S' <= S`` (log-probs are ``<= 0``),
-    so its score ``S' / d(L) <= S / d(L) <= S / max_L d(L)`` because ``S <= 0``.
-    ``d`` is monotone in ``L`` for either sign of ``alpha``, so the maximum is
-    at ``L = l + 1`` or ``L = N``. This bound is attained when the remaining
-    tokens have probability 1, so it is exact, not a heuristic. A tie with
-    the worst kept hypothesis cannot displace it (the n-best keeps the older
-    one), hence the strict ``>``.
-    """
+    """False once no live beam can still enter the finished n-best: its best
+    score ``S / max(d(l + 1), d(N))`` (``S <= 0``, ``d`` monotone) is not above
+    the worst kept one; an exact bound (``docs/decoding.md``)."""
     num_new = config.max_new_tokens
     divisor = jnp.maximum(
         length_penalty_divisor(s.step + 1, alpha, config.penalty),
@@ -360,18 +351,12 @@ def beam_search(
     step extends the ``K`` live beams by every token, moves the candidates
     that end (EOS, or any token at step ``N``) into a separate n-best store,
     and keeps the ``K`` best other candidates by summed log-probs as the new
-    live beams; ``step_fn``'s state is reordered to their parent rows by
-    ``step_fn.reorder(state, rows)`` if ``step_fn`` has one (a model's cache
-    can then move pointers instead of keys and values), else by
-    :func:`gather_rows`. The search stops early only when no live beam can
-    still enter the n-best, by an exact bound (see ``_beam_continues``), so stopping early
-    never changes the result. With ``K >= V ** (N - 1)`` nothing is pruned
-    and the result is the exact n-best over all sequences. Scores use the
-    model's raw log-probs: no sampling knob applies (``knobs`` must leave
-    every one off or neutral). A beam whose model logits are not finite (a
-    NaN or ``+inf``, or every logit ``-inf``) cannot be scored: it ends
-    there, with no continuation, and the hypotheses it had already
-    finished stand; a prompt left with none has only missing ones.
+    live beams, ``step_fn``'s state reordered to their parent rows. It stops
+    early only when no live beam can still enter the n-best (an exact bound),
+    so with ``K >= V ** (N - 1)`` the result is the exact n-best over all
+    sequences. Scores use the model's raw log-probs: no sampling knob
+    applies. A beam whose model logits are not finite ends there with no
+    continuation; a prompt left with no hypothesis has only missing ones.
 
     Static arguments: ``step_fn`` (by hash), ``num_beams``, ``max_new_tokens``,
     ``eos_id`` (as a set of ids), ``penalty``, ``num_return_sequences``,
@@ -379,22 +364,17 @@ def beam_search(
 
     Args:
         step_fn: ``step_fn(params, tokens int32[M], state) -> (logits [M, V],
-            state)`` for any number of rows ``M`` (it gets ``B * num_beams``);
-            hashable; may have a ``reorder(state, rows int32[M]) -> state``,
-            a ``repeat(state, repeats) -> state`` (see ``state``) and a
-            ``trim(state, num_steps) -> state``, called first, outside
-            ``jit``, with ``num_steps = N - 1`` (the calls the search makes):
-            a state that may drop the room those calls cannot reach, so
-            that repeating it costs less (a model's cache drops pieces). A
-            step that splits the rows over a mesh (``mesh`` and
-            ``per_device()``, as ``lmhead.lm.model.make_step_fn(model,
-            mesh)``) makes each device search its own prompts, their beams
-            included (``decoding/split.py``), when the devices divide ``B``.
+            state)`` for any number of rows ``M``; hashable; may have
+            ``reorder(state, rows int32[M])`` (else :func:`gather_rows`),
+            ``repeat(state, repeats)`` and ``trim(state, num_steps)``, called
+            first with ``N - 1``, the calls the search makes (a cache drops
+            the room they cannot reach). A step that splits the rows over a
+            mesh makes each device search its own prompts
+            (``decoding/split.py``) when the devices divide ``B``.
         params: any pytree, passed to every ``step_fn`` call (traced).
         logits: ``[B, V]`` next-token logits after each prompt.
         state: pytree whose every leaf has leading axis ``B``; repeated to
-            ``B * num_beams`` rows by ``step_fn.repeat(state, num_beams)`` if
-            ``step_fn`` has one, else by ``jnp.repeat`` of every leaf.
+            ``B * num_beams`` rows.
         num_beams: ``K >= 1``.
         max_new_tokens: ``N >= 1``.
         eos_id: None, an id in ``[0, V)`` that ends a hypothesis, or a

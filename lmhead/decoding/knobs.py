@@ -1,22 +1,8 @@
-"""The sampling knobs, defined once: :class:`SamplingKnobs`.
-
-:func:`~lmhead.decoding.process_logits`, :func:`~lmhead.decoding.generate`,
-:func:`~lmhead.decoding.beam_search` and the service all take this one
-definition: a knob's name, its default, the range its values must lie in,
-its dtype inside the loop, whether it may take one value per row, and the
-value at which it changes nothing are written here and nowhere else. The
-functions also take the knobs as keywords (``generate(..., temperature=0.8,
-top_k=40)``), which build a :class:`SamplingKnobs`.
-
-A new knob is a new field here with its metadata;
-:meth:`SamplingKnobs.check`, the per-row rule, the service's parsing and
-batching then cover it. Most knobs hold one number per row; ``logit_bias``
-holds one number per token (``[V]``, or ``[B, V]`` per row), and
-:func:`logit_bias_vector` builds it from OpenAI's ``{token id: bias}`` map;
-``stop_tokens`` marks the tokens that end a row in the same layout, and
-:func:`stop_token_mask` builds it from a list of ids (vLLM's
-``stop_token_ids``).
-"""
+"""The sampling knobs, defined once: :class:`SamplingKnobs` (each knob's
+default, range, dtype, per-row or per-token layout and neutral value), taken
+by :func:`~lmhead.decoding.process_logits`, :func:`~lmhead.decoding.generate`,
+:func:`~lmhead.decoding.beam_search`, the slots and the service. A new knob is
+a new field here (``docs/decoding.md``)."""
 
 import dataclasses
 import math
@@ -64,9 +50,6 @@ _STATIC = dict(static=True)
 # Any finite real: (-inf, inf) with both ends open also refuses NaN.
 _FINITE = dict(low=-math.inf, high=math.inf, low_open=True, high_open=True)
 _POSITIVE = dict(low=0.0, high=math.inf, low_open=True, high_open=True)
-# What a padding row of a stacked batch holds where it is not neutral: it is
-# greedy, so that it draws nothing.
-_PADDING = {"temperature": 0.0}
 
 
 @jax.tree_util.register_dataclass
@@ -101,9 +84,7 @@ class SamplingKnobs:
             Default None: off. Reads the generated tokens' counts.
         frequency_penalty: any finite real, per row, subtracted once per
             time a token was generated; 0 is neutral. Default None: off.
-            Reads the counts. Both penalties take any finite value, not
-            only OpenAI's ``[-2, 2]``: the formula is defined for every
-            value, and a narrower range is a policy a service may add.
+            Reads the counts.
         logit_bias: finite, ``[V]`` added to every row's logits or
             ``[B, V]`` one per row; 0 is neutral. Default None: off.
         stop_tokens: integer 0 or 1, ``[V]`` or ``[B, V]`` one per row; 1
@@ -124,8 +105,8 @@ class SamplingKnobs:
         >>> knobs = SamplingKnobs(temperature=0.8, top_k=40)
         >>> knobs.active()
         ('temperature', 'top_k')
-        >>> SamplingKnobs.stack([knobs, SamplingKnobs(top_k=2)], size=3).top_k
-        array([40,  2,  0], dtype=int32)
+        >>> knobs.as_arrays().repeat_rows(2).top_k
+        Array(40, dtype=int32)
     """
 
     temperature: jax.typing.ArrayLike = _knob(
@@ -190,71 +171,6 @@ class SamplingKnobs:
             )
         return knobs
 
-    @classmethod
-    def stack(cls, rows: Sequence["SamplingKnobs"], size: int) -> "SamplingKnobs":
-        """One batch's knobs from each row's scalar knobs.
-
-        Per-row knobs become ``[size]`` arrays of their dtype; the rows past
-        ``len(rows)`` (padding) are greedy with every other knob neutral.
-        Each row's ``logit_bias`` ``[V]`` becomes a row of ``[size, V]``: a
-        row without one, and a padding row, gets zeros (when no row has one
-        it stays None). A knob that is one value per batch must be the same
-        in every row.
-
-        Args:
-            rows: ``R <= size`` knobs of scalars (and ``[V]`` biases), one
-                per row.
-            size: ``B``, the batch's rows.
-
-        Raises:
-            ValueError: ``rows`` is empty or longer than ``size``, a
-                per-batch knob differs between rows, a per-row knob is None
-                in some rows only, or a row's ``logit_bias`` is not ``[V]``
-                with the same ``V`` as the others'.
-            TypeError, ValueError: a row's value is not one its knob takes
-                (:func:`check_knob`).
-
-        Examples:
-            >>> rows = [SamplingKnobs(logit_bias=np.array([0.0, 5.0, -5.0])),
-            ...         SamplingKnobs(temperature=0.5)]
-            >>> SamplingKnobs.stack(rows, size=3).logit_bias
-            array([[ 0.,  5., -5.],
-                   [ 0.,  0.,  0.],
-                   [ 0.,  0.,  0.]], dtype=float32)
-        """
-        if not 1 <= len(rows) <= size:
-            raise ValueError(
-                f"rows must hold 1 to size = {size} knobs; got {len(rows)}."
-            )
-        first, stacked = rows[0], {}
-        for name in KNOBS:
-            spec = knob_spec(name)
-            values = [getattr(row, name) for row in rows]
-            if spec.get("per_token"):
-                stacked[name] = _stack_per_token(name, values, size)
-            elif spec.get("per_row"):
-                if all(value is None for value in values):
-                    stacked[name] = None
-                    continue
-                if any(value is None for value in values):
-                    raise ValueError(f"{name} must be set in every row or in none.")
-                for value in values:
-                    check_knob(name, value)
-                pad = _PADDING.get(name, spec["neutral"])
-                values += [pad] * (size - len(rows))
-                stacked[name] = np.asarray(values, spec["dtype"])
-            elif any(not _equal_values(value, values[0]) for value in values):
-                raise ValueError(
-                    f"{name} must be one value for the whole batch; got {values}."
-                )
-            else:
-                value = getattr(first, name)
-                dtype = spec.get("dtype")
-                stacked[name] = (
-                    value if value is None or dtype is None else dtype(value)
-                )
-        return cls(**stacked)
-
     def active(self) -> tuple[str, ...]:
         """The knobs that may change the distribution: not None and, where
         concrete, not every value neutral (a traced value counts as active)."""
@@ -271,11 +187,6 @@ class SamplingKnobs:
                 continue
             names.append(name)
         return tuple(names)
-
-    def shared(self) -> tuple:
-        """The values that rows of one batch must share (the knobs that are
-        not per row): requests with equal ``shared()`` can be batched."""
-        return tuple(getattr(self, name) for name in KNOBS if not _per_row(name))
 
     @property
     def reads_counts(self) -> bool:
@@ -367,27 +278,6 @@ def _per_row(name: str) -> bool:
     return bool(knob_spec(name).get("per_row"))
 
 
-def _equal_values(a: Any, b: Any) -> bool:
-    return (a is None) == (b is None) and (a is None or np.array_equal(a, b))
-
-
-def knob_range(name: str) -> dict:
-    """``low``, ``high`` (None: unbounded), ``low_open`` and ``high_open`` of
-    a traced knob (the finite knobs: ``(-inf, inf)``, both ends open)."""
-    spec = knob_spec(name)
-    return dict(
-        low=spec["low"],
-        high=spec["high"],
-        low_open=spec["low_open"],
-        high_open=spec["high_open"],
-    )
-
-
-def is_integer_knob(name: str) -> bool:
-    """True for a traced knob whose values are integers (``top_k``, ...)."""
-    return np.issubdtype(knob_spec(name)["dtype"], np.integer)
-
-
 def neutral_value(name: str) -> Any:
     """The value of a traced knob that changes nothing (``top_k`` 0, ...)."""
     return knob_spec(name)["neutral"]
@@ -407,9 +297,11 @@ def check_knob(name: str, value: jax.typing.ArrayLike | None) -> None:
     """
     if value is None:
         return
-    if is_integer_knob(name):
+    spec = knob_spec(name)
+    if np.issubdtype(spec["dtype"], np.integer):
         _checks.check_integer(name, value)
-    _checks.check_in_range(name, value, **knob_range(name))
+    bounds = ("low", "high", "low_open", "high_open")
+    _checks.check_in_range(name, value, **{bound: spec[bound] for bound in bounds})
 
 
 def check_per_row(
@@ -436,26 +328,6 @@ def check_per_token(
             f"{name} must have shape [V] = ({vocab_size},) or [B, V] = "
             f"({rows}, {vocab_size}); got shape {np.shape(value)}."
         )
-
-
-def _stack_per_token(name: str, values: list, size: int) -> np.ndarray | None:
-    """``[size, V]`` float32 from the rows' ``[V]`` values, zeros for a row
-    without one and for padding; None when no row has one."""
-    given = [np.asarray(value) for value in values if value is not None]
-    if not given:
-        return None
-    vocab_size = np.shape(given[0])[-1] if given[0].ndim else 0
-    for value in given:
-        if value.shape != (vocab_size,) or vocab_size == 0:
-            raise ValueError(
-                f"{name} must be one [V] vector per row, with the same V in "
-                f"every row; got shapes {[v.shape for v in given]}."
-            )
-    stacked = np.zeros((size, vocab_size), knob_spec(name)["dtype"])
-    for row, value in enumerate(values):
-        if value is not None:
-            stacked[row] = value
-    return stacked
 
 
 def logit_bias_vector(mapping: Mapping[int, float], vocab_size: int) -> np.ndarray:

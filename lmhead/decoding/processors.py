@@ -1,17 +1,8 @@
-"""Logits processors: each maps next-token logits to the logits a sampler draws from.
-
-One function per knob of :class:`~lmhead.decoding.knobs.SamplingKnobs`, and
-:func:`process_logits`, which applies them all in a fixed order. Each is short
-and they share one set of conventions and helpers, so they are one module:
-
-* A removed token has logit :data:`NEG_INF`, i.e. probability exactly 0.
-* Ties are broken towards the lower token id everywhere (argmax, top-k, top-p,
-  beam ranking), so ``top_k=1`` is exactly greedy.
-* The per-row knobs (every traced one but ``logit_bias``) are a scalar or
-  one value per row (shape ``logits.shape[:-1]``, e.g. ``[B]``), so one batch
-  serves requests with different settings; ``logit_bias`` is ``[V]`` or
-  ``[B, V]``.
-"""
+"""Logits processors, one per knob of :class:`~lmhead.decoding.knobs.SamplingKnobs`,
+and :func:`process_logits`, which applies them all in a fixed order. A removed
+token has logit :data:`NEG_INF`; ties go to the lower token id, so ``top_k=1``
+is exactly greedy; a per-row knob is a scalar or one value per row
+(``logits.shape[:-1]``), ``logit_bias`` is ``[V]`` or ``[B, V]``."""
 
 from collections.abc import Sequence
 from typing import Any
@@ -31,10 +22,8 @@ from lmhead.decoding.knobs import (
 )
 from lmhead.head import NEG_INF
 
-# top-p compares float32 cumulative sums with p. A set whose exact mass is p
-# often sums to an ulp below it (softmax of log [.52, .15, .13, .13, .07]:
-# .52 + .15 gives 0.66999996), which would keep one token too many for
-# p = 0.67; masses this close to p count as p.
+# Masses this close to p count as p: float32 sums of a set whose exact mass
+# is p often fall an ulp below it (docs/decoding.md).
 TOP_P_TOLERANCE = 1e-6
 
 
@@ -45,8 +34,9 @@ def _row_max(logits: jax.Array) -> jax.Array:
 
 
 def _per_row(name: str, value: jax.typing.ArrayLike, logits: jax.Array) -> jax.Array:
-    """A knob as an array that broadcasts against ``logits [..., V]``: a
-    scalar stays a scalar, one value per row gets a trailing axis."""
+    """A knob, checked, as an array that broadcasts against ``logits [..., V]``:
+    a scalar stays a scalar, one value per row gets a trailing axis."""
+    check_knob(name, value)
     check_per_row(name, value, logits.shape[:-1])
     value = jnp.asarray(value)
     return value[..., None] if value.ndim else value
@@ -87,11 +77,8 @@ def apply_temperature(
         >>> import jax.numpy as jnp
         >>> apply_temperature(jnp.array([1.0, 2.0, 3.0]), 0.5)
         Array([-4., -2.,  0.], dtype=float32)
-        >>> apply_temperature(jnp.array([1.0, 2.0, 3.0]), 0.0)
-        Array([1., 2., 3.], dtype=float32)
     """
     logits = _checks.as_logits(logits)
-    check_knob("temperature", temperature)
     temperature = _per_row("temperature", temperature, logits)
     positive = temperature > 0
     scaled = (logits - _row_max(logits)) / jnp.where(positive, temperature, 1.0)
@@ -124,15 +111,10 @@ def apply_top_k(
         >>> import jax.numpy as jnp
         >>> apply_top_k(jnp.array([1.0, 3.0, 2.0, 3.0]), 2)
         Array([-inf,   3., -inf,   3.], dtype=float32)
-        >>> apply_top_k(jnp.array([1.0, 2.0, 2.0]), 2)  # tie: lower id wins
-        Array([-inf,   2.,   2.], dtype=float32)
-        >>> apply_top_k(jnp.array([1.0, 2.0, 2.0]), 1)
-        Array([-inf,   2., -inf], dtype=float32)
     """
     logits = _checks.as_logits(logits)
     if k is None:
         return logits
-    check_knob("top_k", k)
     k = _per_row("top_k", k, logits)
     budget = jnp.broadcast_to(k, logits.shape[:-1] + (1,)).astype(jnp.int32)
     keep = (k <= 0) | top_set.keep_from_the_top(
@@ -171,8 +153,6 @@ def apply_top_p(
         >>> logits = jnp.log(jnp.array([0.1, 0.5, 0.15, 0.25]))
         >>> apply_top_p(logits, 0.75)
         Array([      -inf, -0.6931472,       -inf, -1.3862944], dtype=float32)
-        >>> apply_top_p(logits, 0.8)
-        Array([      -inf, -0.6931472, -1.89712  , -1.3862944], dtype=float32)
 
     References:
         Holtzman et al., `The Curious Case of Neural Text Degeneration
@@ -181,7 +161,6 @@ def apply_top_p(
     logits = _checks.as_logits(logits)
     if p is None:
         return logits
-    check_knob("top_p", p)
     p = _per_row("top_p", p, logits)
     budget = jnp.broadcast_to(p - TOP_P_TOLERANCE, logits.shape[:-1] + (1,))
     keep = top_set.keep_from_the_top(logits, jax.nn.softmax(logits, axis=-1), budget)
@@ -225,7 +204,6 @@ def apply_min_p(
     logits = _checks.as_logits(logits)
     if min_p is None:
         return logits
-    check_knob("min_p", min_p)
     min_p = _per_row("min_p", min_p, logits)
     keep = logits - _row_max(logits) >= jnp.log(jnp.clip(min_p, 0.0, 1.0))
     return jnp.where(keep, logits, NEG_INF)
@@ -270,7 +248,6 @@ def apply_repetition_penalty(
     logits = _checks.as_logits(logits, "[B, V]")
     if penalty is None:
         return logits
-    check_knob("repetition_penalty", penalty)
     penalty = _per_row("repetition_penalty", penalty, logits)
     penalty = jnp.where((penalty > 0) & (penalty < jnp.inf), penalty, 1.0)
     history = _as_history(history, logits.shape[0])
@@ -376,10 +353,6 @@ def apply_min_new_tokens(
         ...                      min_new_tokens=2, eos_id=1)
         Array([[  0., -inf,   0.],
                [  0.,   0.,   0.]], dtype=float32)
-        >>> apply_min_new_tokens(jnp.zeros((2, 3)), 1,
-        ...                      min_new_tokens=jnp.array([2, 0]), eos_id=(0, 2))
-        Array([[-inf,   0., -inf],
-               [  0.,   0.,   0.]], dtype=float32)
     """
     logits = _checks.as_logits(logits, "[B, V]")
     eos_ids = _loop.eos_ids(eos_id, logits.shape[-1])
@@ -439,11 +412,9 @@ def apply_presence_frequency(
     counts = _as_counts(counts, logits.shape)
     z = logits
     if presence is not None:
-        check_knob("presence_penalty", presence)
         presence = _per_row("presence_penalty", presence, logits)
         z = z - presence * (counts > 0).astype(jnp.float32)
     if frequency is not None:
-        check_knob("frequency_penalty", frequency)
         frequency = _per_row("frequency_penalty", frequency, logits)
         z = z - frequency * counts.astype(jnp.float32)
     return z
@@ -516,20 +487,8 @@ def process_logits(
     On the raw logits: repetition penalty, presence and frequency
     penalties, logit bias, no-repeat-n-gram, suppressed tokens and minimum
     new tokens; then temperature; then top-k, top-p and min-p on the
-    tempered distribution. A processor left at None is off. Why this order:
-
-    * The repetition penalty comes first, as in Hugging Face's ``generate``
-      and vLLM: its rule reads the sign of the model's own logit, which a
-      bias or penalty added before it could flip.
-    * The presence and frequency penalties and the bias are additions to
-      the model's logits, as in OpenAI's API, so their order among
-      themselves changes nothing; they come before temperature (as in
-      OpenAI's and vLLM's samplers), so at temperature ``T`` a bias ``b``
-      weighs ``b / T`` in the drawn distribution.
-    * The bans (n-grams, suppressed tokens, minimum new tokens) set ``-inf``,
-      which no finite addition undoes, so they commute with the additions.
-
-    A row whose every token got removed falls back to a point mass on the
+    tempered distribution (``docs/decoding.md`` says why this order). A
+    processor left at None is off. A row whose every token got removed falls back to a point mass on the
     argmax of the raw ``logits`` (0 there, ``-inf`` elsewhere), so the result
     is always a valid distribution and never NaN. Where a logit is ``+inf``
     before temperature (a small ``repetition_penalty`` can overflow a large
@@ -564,13 +523,6 @@ def process_logits(
         >>> logits = jnp.array([[3.0, 2.0, 1.0, 0.0]])
         >>> process_logits(logits, temperature=0.5, top_k=2)
         Array([[  0.,  -2., -inf, -inf]], dtype=float32)
-        >>> process_logits(logits, SamplingKnobs(temperature=0.5, top_k=2))
-        Array([[  0.,  -2., -inf, -inf]], dtype=float32)
-        >>> process_logits(logits, suppress_tokens=[0, 1, 2, 3])  # fallback
-        Array([[  0., -inf, -inf, -inf]], dtype=float32)
-        >>> process_logits(logits, temperature=0.0, counts=jnp.array([[2, 0, 0, 0]]),
-        ...                frequency_penalty=1.0, logit_bias=jnp.array([0, 0, 2, 0]))
-        Array([[1., 2., 3., 0.]], dtype=float32)
     """
     knobs = SamplingKnobs.of(knobs, **knob_values)
     raw = _checks.as_logits(logits, "[B, V]")

@@ -1,6 +1,9 @@
-"""Greedy decoding and sampling: :func:`generate`, one ``lax.while_loop`` of :func:`~lmhead.decoding.step.decode_step`."""
+"""Greedy decoding and sampling: :func:`generate`, one ``lax.while_loop`` of
+:func:`~lmhead.decoding.step.decode_step`, and :func:`generate_stream`, the same
+loop resumed in chunks of steps."""
 
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -137,11 +140,12 @@ def _advance(
     stop: tuple,
     rows: _Rows,
     config: _SamplingConfig,
-) -> SamplingState:
-    """Runs the loop from ``s`` until step ``until`` or until every row ends.
-
-    Streaming resumes the loop with this function, and :func:`generate` runs
-    it once to the end: the same body, so chunks equal one call bitwise."""
+    width: int | None = None,
+) -> Any:
+    """Runs the loop from ``s`` until step ``until`` or until every row ends;
+    returns :func:`_columns`. Streaming resumes the loop with this function,
+    and :func:`generate` runs it once to the end: the same body, so chunks
+    equal one call bitwise."""
     body = lambda s: _sampling_step(
         s,
         step_fn=step_fn,
@@ -152,7 +156,7 @@ def _advance(
         config=config,
     )
     cond = lambda s: _sampling_continues(s) & (s.step < until)
-    return jax.lax.while_loop(cond, body, s)
+    return _columns(jax.lax.while_loop(cond, body, s), until, width)
 
 
 def _start(
@@ -167,10 +171,11 @@ def _start(
     rows: _Rows,
     config: _SamplingConfig,
     until: jax.Array,
-) -> SamplingState:
-    """The loop's first state, advanced to step ``until``; the state is
-    returned whole (its model state too, so that a donated state's buffers
-    can alias it and be updated in place)."""
+    width: int | None = None,
+) -> Any:
+    """The loop's first state, advanced to step ``until`` (:func:`_advance`);
+    the state is returned whole (its model state too, so that a donated
+    state's buffers can alias it and be updated in place)."""
     batch, num_new = logits.shape[0], config.max_new_tokens
     k, pad_id = config.step.top_logprobs, config.step.pad_id
     limits = rows.max_new_tokens
@@ -195,7 +200,7 @@ def _start(
         top_tokens=jnp.full((batch, num_new, k), pad_id, jnp.int32),
         top_log_probs=jnp.zeros((batch, num_new, k), jnp.float32),
     )
-    return _advance(init, until, step_fn, params, knobs, stop, rows, config)
+    return _advance(init, until, step_fn, params, knobs, stop, rows, config, width)
 
 
 def _columns(s: SamplingState, until: jax.Array, width: int | None) -> Any:
@@ -215,33 +220,15 @@ def _columns(s: SamplingState, until: jax.Array, width: int | None) -> Any:
     )
 
 
-def _start_columns(
-    step_fn, params, logits, model_state, key, history, knobs, stop, rows, config,
-    until, width,
-):  # fmt: skip
-    """:func:`_start`, then :func:`_columns`."""
-    s = _start(
-        step_fn, params, logits, model_state, key, history, knobs, stop, rows, config,
-        until,
-    )  # fmt: skip
-    return _columns(s, until, width)
-
-
-def _advance_columns(s, until, step_fn, params, knobs, stop, rows, config, width):
-    """:func:`_advance`, then :func:`_columns`."""
-    s = _advance(s, until, step_fn, params, knobs, stop, rows, config)
-    return _columns(s, until, width)
-
-
 _STATIC = ("step_fn", "config", "width")
-_sampling_loop = jax.jit(_start_columns, static_argnames=_STATIC)
+_sampling_loop = jax.jit(_start, static_argnames=_STATIC)
 # Without donation the loop must first copy the caller's state into buffers
 # it may write: for a key/value cache, a cost that follows its capacity.
 _donating_sampling_loop = jax.jit(
-    _start_columns, static_argnames=_STATIC, donate_argnames="model_state"
+    _start, static_argnames=_STATIC, donate_argnames="model_state"
 )
 # A resumed loop owns its state: each chunk updates it in place.
-_resume_loop = jax.jit(_advance_columns, static_argnames=_STATIC, donate_argnames="s")
+_resume_loop = jax.jit(_advance, static_argnames=_STATIC, donate_argnames="s")
 
 
 def _stop_conditions(
@@ -426,34 +413,21 @@ def generate(
     loop stops as soon as every row has ended.
 
     A row whose model logits are not finite (a NaN or ``+inf``, or every
-    logit ``-inf``) cannot be decoded, and inside the loop nothing can raise:
-    the row ends at that step (:data:`FINISHED_BAD_LOGITS`), which holds
-    ``pad_id`` with log-prob ``-inf`` and adds nothing to its length.
-    ``-inf`` never occurs otherwise (a chosen token has positive
-    probability), so ``jnp.isneginf(log_probs).any(-1)`` flags exactly those
-    rows.
+    logit ``-inf``) ends at that step (:data:`FINISHED_BAD_LOGITS`) with
+    ``pad_id`` and log-prob ``-inf``, which occurs nowhere else.
 
-    Static arguments (changing them recompiles): ``step_fn`` and
-    ``processor`` (by hash), ``max_new_tokens``, ``num_samples``, the shapes
-    of ``logits``, ``state``, ``prompt_tokens`` and the stop conditions,
-    which processors and options are on (None or not), the static knobs
-    (``no_repeat_ngram_size``, ``suppress_tokens``), ``eos_id``, ``pad_id``,
-    ``top_logprobs``, ``log_probs_from`` and ``donate_state``. ``params``,
-    ``key``, ``row_max_new_tokens``, the stop sequences' ids and the values
-    of the traced knobs (``temperature``, 0 included, ``top_k``, ...) are
-    traced: changing them does not recompile. Inside an outer ``jit`` they
-    cannot be checked; the processors' documented rules apply.
+    ``params``, ``key``, ``row_max_new_tokens``, the stop conditions' arrays
+    and the traced knobs' values are traced (changing them does not
+    recompile; inside an outer ``jit`` the processors' documented rules
+    apply); every other argument, the shapes and which knobs are on are
+    static.
 
     Args:
         step_fn: ``step_fn(params, tokens int32[B], state) -> (logits [B, V],
             state)``; hashable; must keep the structure, shapes and dtypes of
-            ``state``. A step that splits the rows over a mesh (a ``mesh``
-            attribute, and ``per_device()`` giving the step of one device's
-            rows, as ``lmhead.lm.model.make_step_fn(model, mesh)``) makes
-            each device run the loop on its own rows
-            (:mod:`lmhead.decoding.split`; a single key's draws are still
-            those of the whole batch), but with a ``processor``, which sees
-            every row; the outputs are one device's to float32 rounding.
+            ``state``. A step that splits the rows over a mesh makes each
+            device run the loop on its own rows (:mod:`lmhead.decoding.split`)
+            unless there is a ``processor``.
         params: any pytree, passed to every ``step_fn`` call (traced).
         logits: ``[B, V]`` next-token logits after each prompt.
         state: pytree whose every leaf has leading axis ``B`` (may be empty).
@@ -480,15 +454,9 @@ def generate(
             penalty, the n-gram filter and ``ProcessorContext.prompt_lengths``
             (negative ids are padding, at either end). None: those see only
             the generated tokens.
-        donate_state: True hands ``state``'s buffers (each leaf a distinct
-            array) to the loop, which updates them in place and deletes the
-            caller's arrays (on a backend that supports donation). False
-            keeps ``state`` usable but copies it whole first, a per-call cost
-            that grows with a cache's capacity, not its filled length: pass
-            True for a state made for this call alone, such as
-            :func:`lmhead.lm.model.prefill`'s. With ``num_samples > 1`` the loop
-            always updates its own repeated copy in place. Inside an outer
-            ``jit`` it changes nothing.
+        donate_state: True hands ``state``'s buffers to the loop, which
+            updates them in place (a fresh :func:`lmhead.lm.model.prefill`
+            state); False copies ``state`` first.
         row_max_new_tokens: ``int [B]``, each row's own limit ``1 <= n_b <=
             N``, or None (every row ``N``).
         stop: a :class:`~lmhead.decoding.stopping.StopCondition` or a tuple
@@ -523,17 +491,6 @@ def generate(
                [ 2,  0, -1, -1]], dtype=int32)
         >>> out.lengths, jnp.exp(out.log_probs[1])
         (Array([3, 2], dtype=int32), Array([0.7, 0.5, 1. , 1. ], dtype=float32))
-        >>> out = generate(
-        ...     markov, table, logits, (), key=jax.random.key(0), max_new_tokens=4,
-        ...     temperature=0.0, pad_id=-1, stop_sequences=[[2, 0]],
-        ...     top_logprobs=2, row_max_new_tokens=jnp.array([4, 1]))
-        >>> out.tokens
-        Array([[ 1,  2,  0, -1],
-               [ 2, -1, -1, -1]], dtype=int32)
-        >>> out.finish_reasons  # FINISHED_STOP, FINISHED_LENGTH
-        Array([2, 0], dtype=int32)
-        >>> out.top_tokens[0, 0], jnp.exp(out.top_log_probs[0, 0])
-        (Array([1, 2], dtype=int32), Array([0.6, 0.3], dtype=float32))
     """
     arguments = _prepare(
         step_fn, params, logits, state, key=key, max_new_tokens=max_new_tokens,
@@ -545,3 +502,78 @@ def generate(
     )  # fmt: skip
     start = _loops(arguments)[0]  # the loop from its start, to its end
     return _generation_of(start(max_new_tokens))
+
+
+def generate_stream(
+    step_fn: StepFn,
+    params: Any,
+    logits: jax.typing.ArrayLike,
+    state: Any,
+    *,
+    chunk_steps: int,
+    **arguments: Any,
+) -> Iterator[Generation]:
+    """:func:`~lmhead.decoding.generate`, yielding its columns ``chunk_steps`` at a time.
+
+    The first chunk runs :func:`~lmhead.decoding.generate`'s compiled loop to
+    step ``k = chunk_steps``; each next one resumes it from its carried state
+    (donated: updated in place) to ``k`` steps further. Chunk ``c`` holds
+    columns ``c k ... min((c + 1) k, N) - 1`` of ``tokens``, ``log_probs``,
+    ``top_tokens`` and ``top_log_probs``, and ``lengths`` and
+    ``finish_reasons`` as they stand after those steps. Every chunk runs the
+    same loop body as one call, so the chunks concatenated along the token
+    axis (with the last chunk's ``lengths`` and ``finish_reasons``) equal one
+    :func:`~lmhead.decoding.generate` call bitwise. The iterator always
+    covers all ``N = max_new_tokens`` columns; once every row has ended, the
+    rest are ``pad_id`` and the loop does no more steps. Each chunk's
+    successor is already dispatched when the chunk is yielded, so the
+    device decodes while the caller reads; a caller that stops early has
+    paid for one chunk more.
+
+    The arguments are checked when this function is called.
+
+    Args:
+        step_fn, params, logits, state: as for :func:`~lmhead.decoding.generate`.
+        chunk_steps: ``k >= 1`` steps per chunk.
+        **arguments: :func:`~lmhead.decoding.generate`'s keyword arguments
+            (``key`` and ``max_new_tokens`` are required).
+
+    Returns:
+        An iterator of ``ceil(N / k)`` :class:`~lmhead.decoding.Generation`
+        chunks.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> table = jnp.log(jnp.array([[0.1, 0.6, 0.3], [0.2, 0.1, 0.7],
+        ...                            [0.5, 0.3, 0.2]]))
+        >>> markov = lambda table, tokens, state: (table[tokens], state)
+        >>> chunks = generate_stream(
+        ...     markov, table, table[jnp.array([0])], (), chunk_steps=2,
+        ...     key=jax.random.key(0), max_new_tokens=5, temperature=0.0)
+        >>> [chunk.tokens.tolist() for chunk in chunks]
+        [[[1, 2]], [[0, 1]], [[2]]]
+    """
+    _checks.check_count("chunk_steps", chunk_steps)
+    bound = inspect.signature(generate).bind(
+        step_fn, params, logits, state, **arguments
+    )
+    bound.apply_defaults()
+    loop = _prepare(**bound.arguments)
+    return _chunks(loop, chunk_steps)
+
+
+def _chunks(loop: Any, chunk_steps: int) -> Iterator[Generation]:
+    num_new = loop.config.max_new_tokens
+    end = min(chunk_steps, num_new)
+    start_loop, resume_loop = _loops(loop)
+    # Each program returns its chunk's columns beside the state, so that the
+    # next one is dispatched before the caller reads (and so waits for) this
+    # one: the device decodes while the caller reads.
+    s, chunk = start_loop(end, width=end)
+    while end < num_new:
+        width = min(chunk_steps, num_new - end)
+        end += width
+        s, following = resume_loop(s, end, width=width)
+        yield chunk
+        chunk = following
+    yield chunk

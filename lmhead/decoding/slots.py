@@ -1,27 +1,14 @@
-"""Continuous batching's decoding: a fixed set of ``S`` slots that requests
-enter and leave between steps.
+"""Continuous batching's decoding: ``S`` slots that requests enter and leave
+between steps, each with its own step count, limit, key, history and knobs.
 
-:func:`generate` runs a batch from its first step to its last: a row that
-ends early idles until the longest one ends, and a new request waits for the
-whole batch. Here each slot has its own step count, limit, key, history and
-knobs. :func:`empty_slots` makes the state, :func:`fill_slots` puts prefilled
-prompts into free slots, and :func:`step_slots` decodes every slot
-``num_steps`` times in one compiled call, returning the tokens as
-:class:`SlotChunk`. A caller (the service's scheduler,
-``lmhead/serve/continuous.py``) frees a slot by :func:`free_slots` or by
-filling it again. Every shape is static: ``S``, the history length ``H``, and
-the ``R`` rows of a fill compile once each.
-
-Each step is :func:`~lmhead.decoding.step.decode_step`, the one that
-:func:`generate` runs: a row filled with the key that ``generate`` gets for
-it draws at each step from the same key, after the same processors (the
-per-row knobs, ``num_generated = t``, its own history and counts), so a
-seeded request gives the same tokens whatever else shares the slots (up to
-the float rounding of a different batch shape). Log-probs are the model's own
-``log_softmax`` (``log_probs_from="model"``), with the top ``K``.
-
-Stop strings are the caller's: it reads the text each chunk and frees the
-slot (a slot runs at most ``num_steps - 1`` steps past one).
+:func:`empty_slots` makes the state, :func:`fill_slots` puts prefilled prompts
+into free slots, :func:`step_slots` runs :func:`~lmhead.decoding.step.decode_step`
+(the step :func:`generate` runs) ``num_steps`` times in one compiled call, and
+:func:`free_slots` ends rows. A row filled with the key ``generate`` gets for
+it draws what ``generate`` draws (up to the float rounding of another batch
+shape). Log-probs are the model's own. Stop strings are the caller's
+(``lmhead/serve/continuous.py``): it reads the text each chunk and frees the
+slot.
 """
 
 from collections.abc import Sequence
@@ -50,16 +37,13 @@ class SlotState(NamedTuple):
     """The slots' state; every leaf has the ``S`` slots first.
 
     Attributes:
-        rows: the one step's :class:`~lmhead.decoding.step.DecodeRows` of the
-            ``S`` slots: their logits, ``[S]`` PRNG keys (step ``t`` of slot
-            ``s`` draws from ``fold_in(key[s], t)``), ``generated`` and
-            ``limits`` (0 for a free slot), finish reasons, ``[S, H]``
-            history and ``[S, V]`` counts, and no stop carry.
+        rows: the ``S`` slots' :class:`~lmhead.decoding.step.DecodeRows`,
+            with ``[S]`` keys (step ``t`` of slot ``s`` draws from
+            ``fold_in(key[s], t)``), limits 0 for a free slot, ``[S, H]``
+            history, ``[S, V]`` counts and no stop carry.
         model_state: ``step_fn``'s state for ``S`` rows (a key/value cache).
-        knobs: :class:`SamplingKnobs` with every traced knob ``[S]``
-            (``logit_bias`` and ``stop_tokens`` ``[S, V]``: a slot's own
-            stop ids, EOS among them when the caller wants it per row) and
-            no static knob.
+        knobs: :class:`SamplingKnobs`, every traced knob ``[S]`` (``[S, V]``
+            per token) and no static knob.
     """
 
     rows: DecodeRows
@@ -299,8 +283,7 @@ def _one_step(step_fn, params, config: StepConfig, state: SlotState):
         model_state = reset(model_state, ~out.emitted)
     logits, model_state = step_fn(params, out.tokens, model_state)
     rows = rows._replace(logits=jnp.asarray(logits, jnp.float32))
-    outputs = (out.tokens, out.emitted, out.log_probs, out.top_tokens)
-    return SlotState(rows, model_state, state.knobs), (*outputs, out.top_log_probs)
+    return SlotState(rows, model_state, state.knobs), out._replace(bad=None)
 
 
 @partial(
@@ -313,20 +296,12 @@ def _step_slots(step_fn, params, state, *, num_steps, eos_ids, top_logprobs):
     config = StepConfig(eos_ids, 0, top_logprobs, log_probs_from="model")
     step = partial(_one_step, step_fn, params, config)
     state, outs = jax.lax.scan(lambda s, _: step(s), state, length=num_steps)
-    tokens, emitted, log_probs, top_tokens, top_log_probs = (
-        jnp.moveaxis(x, 0, 1) for x in outs
-    )
-    chunk = SlotChunk(
-        tokens=tokens,
-        emitted=emitted,
-        log_probs=log_probs,
-        top_tokens=top_tokens,
-        top_log_probs=top_log_probs,
-        generated=state.rows.generated,
-        limits=state.rows.limits,
-        finish_reasons=state.rows.finish_reasons,
-    )
-    return state, chunk
+    outs = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), outs)  # [S, N, ...]
+    rows = state.rows
+    return state, SlotChunk(
+        outs.tokens, outs.emitted, outs.log_probs, outs.top_tokens, outs.top_log_probs,
+        rows.generated, rows.limits, rows.finish_reasons,
+    )  # fmt: skip
 
 
 def step_slots(
@@ -341,15 +316,13 @@ def step_slots(
     """Decodes every slot ``num_steps`` times in one compiled call (donates
     ``state``).
 
-    At each step a running slot (``generated < limits``) draws its next
-    token from ``process_logits(logits, knobs, history, counts,
-    num_generated=generated)`` (greedy where its temperature is 0), and
-    every slot's token goes through ``step_fn``: ``S`` rows per step however
-    many run. A row ends at its limit, at an ``eos_id`` or one of its
-    ``stop_tokens`` (which it emits), or at non-finite logits (emitting nothing, reason ``FINISHED_BAD_LOGITS``).
-    If ``step_fn`` has ``reset_rows(state, rows)``, the rows that emitted
-    nothing are emptied before the step (see
-    :func:`lmhead.lm.kv_cache.reset_rows`), so a free slot never runs past
+    Each step is :func:`~lmhead.decoding.step.decode_step` of every slot
+    (``num_generated = generated``; a row ends at its limit, at an
+    ``eos_id`` or one of its ``stop_tokens``, which it emits, or at
+    non-finite logits, emitting nothing), then ``step_fn`` on all ``S``
+    rows; if ``step_fn`` has ``reset_rows(state, rows)``, the rows that
+    emitted nothing are emptied first
+    (:func:`lmhead.lm.kv_cache.reset_rows`), so a free slot never runs past
     the cache.
 
     Args:
@@ -380,7 +353,7 @@ def step_slots(
         (Array([[1, 0, 1, 0],
                [0, 0, 0, 0]], dtype=int32), Array([3, 1], dtype=int32))
     """
-    _loop.check_step_fn(step_fn)
+    _loop.check_static_callable("step_fn", step_fn)
     _checks.check_count("num_steps", num_steps)
     vocab_size = state.rows.logits.shape[1]
     eos_ids = _loop.eos_ids(eos_id, vocab_size)

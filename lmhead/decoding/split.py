@@ -3,16 +3,13 @@
 When ``step_fn`` splits the rows over a one-axis mesh (``step_fn.mesh``, and
 ``step_fn.per_device()`` the step of one device's rows, as
 ``lmhead.lm.model.make_step_fn(model, mesh)`` gives), each device runs the
-whole decoding loop on its own block of rows: a ``shard_map`` of the loop
-with no collective (the step, the processors, the stops, the log-probs; each
-device stopping when its rows have ended). :func:`~lmhead.decoding.generate`
-and its streams (:func:`split_loops`) and
-:func:`~lmhead.decoding.beam_search` (its prompts split, each with its beams:
-:func:`split_rows`) run so. A single sampling key's draw takes each device's
-rows of the whole batch's noise (``StepConfig.row_axis``), so a row's draws do
-not depend on the split. A ``processor`` hook, which sees every row, keeps the
-loop over the whole batch on the step's own placement. ``docs/decoding.md``
-measures what the split pays.
+whole decoding loop on its own block of rows, a ``shard_map`` with no
+collective: :func:`~lmhead.decoding.generate` and its streams
+(:func:`split_loops`), and :func:`~lmhead.decoding.beam_search` (its prompts,
+each with its beams: :func:`split_rows`). A single sampling key's draw takes
+each device's rows of the whole batch's noise (``StepConfig.row_axis``), so a
+row's draws do not depend on the split. A ``processor`` hook, which sees every
+row, keeps the loop over the whole batch. ``docs/decoding.md`` measures it.
 """
 
 import functools
@@ -73,42 +70,12 @@ def split_rows(local: Callable, mesh: Mesh, in_specs: tuple) -> Callable:
     )
 
 
-def _split(
-    arguments: Any, start: Callable, advance: Callable, columns: Callable
-) -> tuple[Callable, Callable, tuple] | None:
-    """The loop's start and resume run by each device on its own rows (and
-    the ``PartitionSpec`` trees of the knobs, stops and rows), or None where
-    the loop runs over the whole batch (see the module's docstring)."""
-    a = arguments
-    mesh = rows_mesh(a.step_fn, a.logits.shape[0])
-    if mesh is None or a.config.step.processor is not None:
-        return None
-    per_row_key = per_row_keys(a.key)
-    axis = mesh.axis_names[0]
-    rows = P(axis)
-    specs = (
-        rows,  # logits
-        rows,  # model_state
-        rows if per_row_key else P(),
-        rows,  # history
-        _row_specs(a.knobs, axis),
-        tuple(_row_specs(c, axis) for c in a.stop),
-        rows,  # rows
-    )
-    leaves, tree = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
-    config = a.config._replace(step=a.config.step._replace(row_axis=axis))
-    return _split_programs(
-        a.step_fn.per_device(), config, mesh, tree, tuple(leaves), per_row_key,
-        a.donate, start, advance, columns,
-    )  # fmt: skip
-
-
 @functools.lru_cache(maxsize=64)
 def _split_programs(
     step_fn, config, mesh, tree, leaves, per_row_key, donate, start_loop, advance,
     columns,
 ):  # fmt: skip
-    """The compiled start and resume of :func:`_split`, and the specs
+    """The compiled start and resume of :func:`split_loops`, and the specs
     of the knobs, stops and rows (one per set of static arguments and
     shardings, as ``jax.jit`` caches a function's)."""
     axis = mesh.axis_names[0]
@@ -165,13 +132,28 @@ def split_loops(
     (see the module's docstring). The parameters and per-row inputs are
     placed on the mesh once, for all of a stream's chunks."""
     a = arguments
-    split = _split(a, start, advance, columns)
-    if split is None:
+    mesh = rows_mesh(a.step_fn, a.logits.shape[0])
+    if mesh is None or a.config.step.processor is not None:
         return None
-    start_split, resume_split, specs = split
+    per_row_key = per_row_keys(a.key)
+    axis = mesh.axis_names[0]
+    specs = (
+        P(axis),  # logits
+        P(axis),  # model_state
+        P(axis) if per_row_key else P(),
+        P(axis),  # history
+        _row_specs(a.knobs, axis),
+        tuple(_row_specs(c, axis) for c in a.stop),
+        P(axis),  # rows
+    )
+    leaves, tree = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, P))
+    config = a.config._replace(step=a.config.step._replace(row_axis=axis))
+    start_split, resume_split, specs = _split_programs(
+        a.step_fn.per_device(), config, mesh, tree, tuple(leaves), per_row_key,
+        a.donate, start, advance, columns,
+    )  # fmt: skip
     # Placed once, rather than sent to the devices by each chunk (no copy
     # where the caller has replicated them: sharding.replicate).
-    mesh = a.step_fn.mesh
     params, knobs, stop, rows = jax.device_put(
         (a.params, a.knobs, a.stop, a.rows),
         jax.tree.map(

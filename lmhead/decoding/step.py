@@ -1,12 +1,7 @@
-"""One decoding step, :func:`decode_step`: what every sampling decoder runs per token.
-
-:func:`~lmhead.decoding.generate`, :func:`~lmhead.decoding.generate_stream`
-and the decode slots of continuous batching
-(:func:`~lmhead.decoding.step_slots`) differ only in how they drive it: the
-first two in one ``lax.while_loop`` over a batch that starts together, the
-slots in a ``lax.scan`` over rows that enter and leave between calls. Each
-then feeds the step's tokens to the model's ``step_fn``. Beam search is a
-decoder of its own; it shares the processors and the knobs.
+"""One decoding step, :func:`decode_step`, that every sampling decoder runs:
+:func:`~lmhead.decoding.generate` and its streams in a ``lax.while_loop``, the
+slots of continuous batching (:func:`~lmhead.decoding.step_slots`) in a
+``lax.scan``; each feeds the step's tokens to the model's ``step_fn``.
 """
 
 from collections.abc import Callable

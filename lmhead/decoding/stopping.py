@@ -1,15 +1,7 @@
-"""When a row stops besides EOS and its length: :class:`StopCondition`, :class:`StopSequences`.
-
-:func:`~lmhead.decoding.generate` checks any number of stop conditions inside
-its compiled loop. A condition is a pytree (its leaves are traced, its shapes
-and static fields part of the compiled program) that keeps a small carry per
-row, updated once per step with the token each row just generated. The loop
-ends a row at the step where any condition says so, with finish reason
-:data:`~lmhead.decoding.FINISHED_STOP`; the output keeps the tokens that made
-the stop (like EOS, they count in ``lengths``), and the text layer trims them.
-
-:class:`StopSequences` is the one for token ids. A stop string of text is the
-text layer's business (it maps strings to a condition of its own).
+"""Stop conditions besides EOS and a row's length: the protocol
+:class:`StopCondition`, and :class:`StopSequences` of token ids. The loop ends
+a row where any condition fires (:data:`~lmhead.decoding.FINISHED_STOP`),
+keeping the tokens that made the stop; the text layer trims them.
 """
 
 import dataclasses
@@ -28,11 +20,8 @@ from lmhead.decoding.processors import NO_TOKEN
 class StopCondition(Protocol):
     """The protocol of a stop condition (``B`` rows).
 
-    A condition is a pytree (e.g. a ``jax.tree_util.register_dataclass``
-    dataclass) of traced leaves; only its carry must lead with ``B`` (a
-    condition may hold tables shared by every row, as
-    :class:`~lmhead.decoding.stop_strings.StopStrings` holds each token's
-    bytes), and the loop never slices a condition by row.
+    A condition is a pytree of traced leaves (its shapes and static fields
+    are part of the compiled program); only its carry leads with ``B``.
 
     * ``init(batch) -> carry``: the carry before the first token, every leaf
       ``[batch, ...]``.

@@ -1,11 +1,6 @@
-"""The top set of a row without a sort, for the top-k and top-p filters.
-
-:func:`keep_from_the_top` marks the tokens that come first in a stable
-descending order of the logits (ties towards the lower id) until a budget of
-weight is spent: with weights 1 that is the top ``k``, with probabilities
-the nucleus. It finds the cut by bisection over order-preserving integer
-keys of the float32 logits (:func:`order_keys`, :func:`smallest_key`), so
-every pass is a vectorized reduction over ``[..., V]``.
+"""The top set of a row without a sort (:func:`keep_from_the_top`), for the
+top-k and top-p filters: a bisection over order-preserving integer keys of the
+float32 logits, each pass a vectorized reduction over ``[..., V]``.
 """
 
 from collections.abc import Callable
@@ -30,10 +25,8 @@ def smallest_key(
     """Per row, the smallest uint32 ``K`` with ``holds(K)``, for ``holds``
     monotone in ``K`` (False, then True); ``2**32 - 1`` if it never holds.
 
-    32 halvings of the key range, each one pass over ``[..., V]``. The top-k
-    and top-p filters find their cut this way instead of sorting: on XLA:CPU
-    a sort of a row costs far more than a few dozen vectorized passes
-    (``docs/decoding.md`` has the measurement).
+    32 halvings of the key range, each one pass over ``[..., V]``, instead
+    of a sort (``docs/decoding.md`` measures both).
     """
 
     def halve(_, bounds):

@@ -8,6 +8,7 @@ wrongly gets wrong logits. The chain's table is the step function's
 """
 
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -56,11 +57,13 @@ def np_sampling_probs(logits, temperature, top_k, top_p, min_p):
 
 
 def np_repetition_penalty(z, history, penalty):
+    """CTRL's rule, row by row; ``penalty`` a scalar or one per row."""
     z = np.array(z, np.float64)
+    penalty = np.broadcast_to(np.asarray(penalty, np.float64), z.shape[:1])
     for row, tokens in enumerate(history):
         for token in {int(t) for t in tokens if t >= 0}:
-            value = z[row, token]
-            z[row, token] = value * penalty if value < 0 else value / penalty
+            value, theta = z[row, token], penalty[row]
+            z[row, token] = value * theta if value < 0 else value / theta
     return z
 
 
@@ -132,21 +135,35 @@ def np_greedy(
     ngram=None,
     suppress=(),
     min_new_tokens=0,
+    presence=0.0,
+    frequency=0.0,
+    allowed=None,
+    stops=(),
+    limit=None,
 ):
-    """Greedy decoding with the raw-logit processors, one row, in numpy."""
+    """Greedy decoding of one row in numpy: the raw-logit processors
+    (``presence`` and ``frequency`` over the generated tokens' counts), then
+    ``allowed(step, tokens) -> bool [V]`` if given; the row stops after an
+    EOS id (``eos_id``: an id or ids), after a stop sequence of generated
+    tokens, or after ``limit`` tokens. Returns the tokens and log-probs
+    padded to ``max_new_tokens``, the length and the finish reason."""
+    eos = set() if eos_id is None else set(np.atleast_1d(eos_id).tolist())
     history = [int(t) for t in prompt if t >= 0]
-    tokens, log_probs = [], []
+    tokens, log_probs, reason = [], [], decoding.FINISHED_LENGTH
+    counts = np.zeros(chain.vocab_size)
     prev, logits = chain.prev[row], chain.logits[row].astype(np.float64)
-    for step in range(max_new_tokens):
+    for step in range(max_new_tokens if limit is None else limit):
         z = logits[None]
         if repetition_penalty is not None:
             z = np_repetition_penalty(z, [history], repetition_penalty)
-        z = z[0].copy()
+        z = z[0] - presence * (counts > 0) - frequency * counts
         if ngram is not None:
             z[list(np_ngram_banned(history, ngram))] = -np.inf
         z[list(suppress)] = -np.inf
-        if eos_id is not None and step < min_new_tokens:
-            z[eos_id] = -np.inf
+        if step < min_new_tokens:
+            z[list(eos)] = -np.inf
+        if allowed is not None:
+            z = np.where(allowed(step, tokens), z, -np.inf)
         if np.all(np.isneginf(z)):
             token, log_prob = int(np.argmax(logits)), 0.0
         else:
@@ -155,25 +172,60 @@ def np_greedy(
         tokens.append(token)
         log_probs.append(log_prob)
         history.append(token)
-        if token == eos_id:
+        counts[token] += 1
+        if token in eos:
+            reason = decoding.FINISHED_EOS
+            break
+        if any(tokens[-len(s) :] == list(s) for s in stops if len(tokens) >= len(s)):
+            reason = decoding.FINISHED_STOP
             break
         logits, prev = chain.table[prev, token].astype(np.float64), token
-    length = len(tokens)
-    pad = max_new_tokens - length
-    return tokens + [pad_id] * pad, log_probs + [0.0] * pad, length
+    pad = max_new_tokens - len(tokens)
+    return tokens + [pad_id] * pad, log_probs + [0.0] * pad, len(tokens), reason
 
 
-def generate_greedy(chain, max_new_tokens, step_fn=markov_step, **kwargs):
-    """``decoding.generate`` at temperature 0 on the chain's prompts."""
+def assert_greedy(chain, out, of_row=None, samples=1, reasons=True, **settings):
+    """``generate``'s greedy ``out`` against :func:`np_greedy` row by row
+    (``settings``, and ``of_row(row)``'s for prompt row ``row``; output row
+    ``r`` is sample ``r % samples`` of prompt ``r // samples``): tokens,
+    log-probs, lengths and, if ``reasons``, finish reasons."""
+    for r in range(out.tokens.shape[0]):
+        row = r // samples
+        tokens, log_probs, length, reason = np_greedy(
+            chain,
+            row,
+            out.tokens.shape[1],
+            **settings,
+            **(of_row(row) if of_row else {}),
+        )
+        np.testing.assert_array_equal(out.tokens[r], tokens, err_msg=f"row {r}")
+        np.testing.assert_allclose(out.log_probs[r], log_probs, rtol=1e-5, atol=1e-6)
+        assert int(out.lengths[r]) == length, r
+        assert not reasons or int(out.finish_reasons[r]) == reason, r
+
+
+def run_chain(chain, rows=None, step_fn=markov_step, **kwargs):
+    """``decoding.generate`` on the chain's prompts ``rows`` (default all),
+    with ``max_new_tokens=6`` and ``key(0)`` unless given."""
+    rows = np.arange(len(chain.prev)) if rows is None else np.asarray(rows)
     return decoding.generate(
         step_fn,
         chain.table,
-        chain.logits,
-        chain.state(),
-        key=jax.random.key(0),
-        max_new_tokens=max_new_tokens,
-        temperature=0.0,
-        **kwargs,
+        chain.logits[rows],
+        {"prev": jnp.asarray(chain.prev[rows])},
+        **{"max_new_tokens": 6, "key": jax.random.key(0), **kwargs},
+    )
+
+
+def generate_greedy(chain, max_new_tokens, **kwargs):
+    """``decoding.generate`` at temperature 0 on the chain's prompts."""
+    return run_chain(chain, max_new_tokens=max_new_tokens, temperature=0.0, **kwargs)
+
+
+def beam_chain(chain, step_fn=markov_step, **kwargs):
+    """``decoding.beam_search`` on the chain's prompts."""
+    return decoding.beam_search(
+        step_fn, chain.table, chain.logits, chain.state(), **kwargs
     )
 
 
@@ -209,3 +261,13 @@ def np_counts(generated, vocab_size):
         for token in tokens:
             counts[row, token] += 1
     return counts
+
+
+def calls(fn, table):
+    """``bad_input_test`` rows ``(id, call, error, named)`` from rows ``(id,
+    keywords, error[, named])``: each call is ``fn(**keywords)``, and the
+    error must name ``named``, by default the keywords given."""
+    return [
+        (name, functools.partial(fn, **kw), error, named[0] if named else tuple(kw))
+        for name, kw, error, *named in table
+    ]

@@ -14,6 +14,8 @@ from tests.decoding.references import (
     UNIFORM_LOGITS,
     UNIFORM_TABLE,
     MarkovChain,
+    beam_chain,
+    calls,
     counted_markov_step,
     generate_greedy,
     markov_step,
@@ -34,15 +36,8 @@ def test_greedy_equals_one_beam_without_eos():
     # Indexed, not unpacked: generate's result grows fields.
     greedy = generate_greedy(chain, 10)
     tokens, log_probs = greedy[0], greedy[1]
-    beam_tokens, beam_scores, beam_lengths, beam_log_probs = decoding.beam_search(
-        markov_step,
-        chain.table,
-        chain.logits,
-        chain.state(),
-        num_beams=1,
-        max_new_tokens=10,
-        eos_id=None,
-        length_penalty=0.6,
+    beam_tokens, beam_scores, beam_lengths, beam_log_probs = beam_chain(
+        chain, num_beams=1, max_new_tokens=10, eos_id=None, length_penalty=0.6
     )
     np.testing.assert_array_equal(beam_tokens[:, 0], tokens)
     np.testing.assert_allclose(
@@ -113,11 +108,8 @@ def assert_matches_brute_force(
 def test_beam_search_with_enough_beams_is_exhaustive(eos_id, penalty):
     chain = MarkovChain(12, vocab_size=3, batch=2, eos_boost=-0.5)
     for alpha in (0.0, 0.6, 2.0, -0.5):
-        outputs = decoding.beam_search(
-            markov_step,
-            chain.table,
-            chain.logits,
-            chain.state(),
+        outputs = beam_chain(
+            chain,
             num_beams=27,
             max_new_tokens=4,
             eos_id=eos_id,
@@ -136,11 +128,15 @@ def test_a_beam_that_reads_nan_logits_ends_there():
     chain = MarkovChain(12, vocab_size=3, batch=2, eos_boost=-0.5)
     chain.table[1, 2] = np.nan  # after tokens 1 then 2
     chain.table[2, 2, 0] = np.inf  # and a +inf logit after 2 then 2
-    outputs = decoding.beam_search(
-        markov_step, chain.table, chain.logits, chain.state(), num_beams=27,
-        max_new_tokens=4, eos_id=0, length_penalty=0.6, num_return_sequences=6,
+    outputs = beam_chain(
+        chain,
+        num_beams=27,
+        max_new_tokens=4,
+        eos_id=0,
+        length_penalty=0.6,
+        num_return_sequences=6,
         pad_id=7,
-    )  # fmt: skip
+    )
     every = brute_force_scores(chain, 0, 4, 0, 0.6, "gnmt")
     assert any(1 in seq[:-1] for seq in every)  # the table still has paths
     assert_matches_brute_force(chain, outputs, 4, 0, 0.6, "gnmt", pad_id=7)
@@ -161,11 +157,9 @@ def test_beam_search_stops_early_with_the_exact_result(penalty, alpha):
     for seed in (13, 15):
         chain = MarkovChain(seed, vocab_size=3, batch=2, eos_boost=2.5)
         CALLS.clear()
-        outputs = decoding.beam_search(
+        outputs = beam_chain(
+            chain,
             counted_markov_step,
-            chain.table,
-            chain.logits,
-            chain.state(),
             num_beams=128,
             max_new_tokens=8,
             eos_id=0,
@@ -188,11 +182,8 @@ def test_beam_search_goes_on_while_a_longer_hypothesis_can_still_win():
     chain = MarkovChain(0, vocab_size=3, batch=1)
     chain.logits = np.log(np.array([[0.6, 0.4, 1e-6]], np.float32))
     chain.table[:, 1] = np.log(np.array([1e-4, 1 - 2e-4, 1e-4], np.float32))
-    outputs = decoding.beam_search(
-        markov_step,
-        chain.table,
-        chain.logits,
-        chain.state(),
+    outputs = beam_chain(
+        chain,
         num_beams=2,
         max_new_tokens=8,
         eos_id=0,
@@ -205,16 +196,8 @@ def test_beam_search_goes_on_while_a_longer_hypothesis_can_still_win():
 
 def test_beam_search_with_fewer_hypotheses_than_asked():
     chain = MarkovChain(14, vocab_size=2, batch=1)
-    tokens, scores, lengths, log_probs = decoding.beam_search(
-        markov_step,
-        chain.table,
-        chain.logits,
-        chain.state(),
-        num_beams=3,
-        max_new_tokens=1,
-        eos_id=0,
-        num_return_sequences=3,
-        pad_id=5,
+    tokens, scores, lengths, log_probs = beam_chain(
+        chain, num_beams=3, max_new_tokens=1, eos_id=0, num_return_sequences=3, pad_id=5
     )
     assert np.isfinite(scores[0, :2]).all() and np.isneginf(scores[0, 2])
     np.testing.assert_array_equal(lengths[0], [1, 1, 0])
@@ -229,11 +212,8 @@ def test_any_of_several_eos_ids_ends_a_hypothesis():
     chain = MarkovChain(3, vocab_size=4, batch=1)
     chain.logits = np.log(np.array([[0.1, 0.5, 0.3, 0.1]], np.float32))
     results = [
-        decoding.beam_search(
-            markov_step,
-            chain.table,
-            chain.logits,
-            chain.state(),
+        beam_chain(
+            chain,
             num_beams=2,
             max_new_tokens=3,
             eos_id=eos_id,
@@ -412,59 +392,23 @@ def uniform_beam(logits=UNIFORM_LOGITS, state=(), **kwargs):
     )
 
 
-BAD_INPUTS = [
-    ("beam num_beams 0", lambda: uniform_beam(num_beams=0), ValueError, "num_beams"),
-    (
-        "beam num_return_sequences > K",
-        lambda: uniform_beam(num_return_sequences=3),
-        ValueError,
-        "num_return_sequences",
-    ),
-    ("beam penalty", lambda: uniform_beam(penalty="wu"), ValueError, "penalty"),
-    (
-        "beam length_penalty inf",
-        lambda: uniform_beam(length_penalty=float("inf")),
-        ValueError,
-        "length_penalty",
-    ),
-    (
-        "beam length_penalty nan",
-        lambda: uniform_beam(length_penalty=float("nan")),
-        ValueError,
-        ("length_penalty", "finite"),
-    ),
-    ("beam eos_id < 0", lambda: uniform_beam(eos_id=-1), ValueError, "eos_id"),
-    (
-        "beam eos_id = V among several",
-        lambda: uniform_beam(eos_id=(0, 5)),
-        ValueError,
-        ("eos_id", "[0, V)"),
-    ),
-    ("beam eos_id empty", lambda: uniform_beam(eos_id=()), ValueError, "eos_id"),
-    (
-        "beam eos_id not an id",
-        lambda: uniform_beam(eos_id={0, "a"}),
-        ValueError,
-        "eos_id",
-    ),
-    (
-        "beam max_new_tokens 0",
-        lambda: uniform_beam(max_new_tokens=0),
-        ValueError,
-        "max_new_tokens",
-    ),
-    (
-        "beam logits rank 1",
-        lambda: uniform_beam(logits=UNIFORM_LOGITS[0]),
-        ValueError,
-        ("logits", "[B, V]"),
-    ),
-    (
-        "beam state batch axis",
-        lambda: uniform_beam(state=jnp.zeros((1, 2))),
-        ValueError,
-        "state",
-    ),
+BAD_INPUTS = calls(
+    uniform_beam,
+    [
+        ("num_beams 0", dict(num_beams=0), ValueError),
+        ("3 sequences of 2 beams", dict(num_return_sequences=3), ValueError),
+        ("penalty 'wu'", dict(penalty="wu"), ValueError),
+        ("length_penalty inf", dict(length_penalty=np.inf), ValueError),
+        ("length_penalty nan", dict(length_penalty=np.nan), ValueError, "finite"),
+        ("eos_id < 0", dict(eos_id=-1), ValueError),
+        ("eos_id = V among several", dict(eos_id=(0, 5)), ValueError, "[0, V)"),
+        ("eos_id empty", dict(eos_id=()), ValueError),
+        ("eos_id not an id", dict(eos_id={0, "a"}), ValueError),
+        ("max_new_tokens 0", dict(max_new_tokens=0), ValueError),
+        ("logits rank 1", dict(logits=UNIFORM_LOGITS[0]), ValueError, "[B, V]"),
+        ("state's batch", dict(state=jnp.zeros((1, 2))), ValueError),
+    ],
+) + [
     (
         "length_penalty_divisor penalty",
         lambda: decoding.length_penalty_divisor(3, 0.6, "gnmt2"),

@@ -13,11 +13,12 @@ from lmhead.decoding import knobs as knobs_lib
 from lmhead.decoding.knobs import SamplingKnobs
 from tests.decoding.references import (
     MarkovChain,
+    assert_greedy,
+    beam_chain,
+    calls,
     generate_greedy,
-    markov_step,
-    np_counts,
     np_greedy,
-    np_openai_penalties,
+    run_chain,
 )
 from tests.errors import assert_raises_exactly, bad_input_test
 
@@ -45,33 +46,23 @@ NEW_KNOBS = ("presence_penalty", "frequency_penalty", "logit_bias")
 
 
 def test_every_field_is_a_knob_with_documented_metadata():
-    """The traced knobs carry a dtype, a range and a neutral value; the
-    static ones are pytree metadata; the docstring documents every field."""
+    """The traced knobs carry a dtype, a range holding their neutral value;
+    the static ones are pytree metadata; the docstring documents every field."""
     names = tuple(SETTINGS)
     assert knobs_lib.KNOBS == (*names[:6], *NEW_KNOBS, "stop_tokens", *names[6:])
     assert knobs_lib.TRACED_KNOBS == knobs_lib.KNOBS[:10]
     for name in knobs_lib.KNOBS:
         assert f"{name}:" in SamplingKnobs.__doc__, name
+    integers = []
     for name in knobs_lib.TRACED_KNOBS:
-        bounds = knobs_lib.knob_range(name)
-        assert bounds["low"] <= knobs_lib.neutral_value(name)
-        assert bounds["high"] is None or knobs_lib.neutral_value(name) <= bounds["high"]
-    assert [knobs_lib.is_integer_knob(n) for n in knobs_lib.TRACED_KNOBS] == [
-        False,
-        True,
-        False,
-        False,
-        False,
-        True,
-        False,
-        False,
-        False,
-        True,
-    ]
-    for name in NEW_KNOBS:  # any finite real
-        assert knobs_lib.knob_range(name) == dict(
-            low=-np.inf, high=np.inf, low_open=True, high_open=True
-        )
+        spec = knobs_lib.knob_spec(name)
+        assert spec["low"] <= knobs_lib.neutral_value(name)
+        assert spec["high"] is None or knobs_lib.neutral_value(name) <= spec["high"]
+        integers += [name] if np.issubdtype(spec["dtype"], np.integer) else []
+        if name in NEW_KNOBS:  # any finite real
+            bounds = [spec[k] for k in ("low", "high", "low_open", "high_open")]
+            assert bounds == [-np.inf, np.inf, True, True]
+    assert integers == ["top_k", "min_new_tokens", "stop_tokens"]
 
 
 def test_reads_counts_for_the_presence_and_frequency_penalties_only():
@@ -112,11 +103,8 @@ def test_process_logits_takes_the_knobs_or_their_keywords_bitwise():
 
 def test_generate_takes_the_knobs_or_their_keywords_bitwise():
     def run(**kwargs):
-        return decoding.generate(
-            markov_step,
-            CHAIN.table,
-            CHAIN.logits,
-            CHAIN.state(),
+        return run_chain(
+            CHAIN,
             key=jax.random.key(4),
             max_new_tokens=5,
             eos_id=0,
@@ -139,30 +127,17 @@ def test_stop_tokens_end_generates_rows_after_min_new_tokens():
     mask = np.stack([decoding.stop_token_mask([t], 6) for t in stops])
     least = np.array([0, 2, 0], np.int32)
     got = generate_greedy(chain, 6, stop_tokens=mask, min_new_tokens=least)
-    for row, stop in enumerate(stops):
-        tokens, _, length = np_greedy(
-            chain, row, 6, eos_id=stop, min_new_tokens=int(least[row])
-        )
-        assert int(got.lengths[row]) == length
-        assert np.asarray(got.tokens[row, :length]).tolist() == tokens[:length]
-        ended = length < 6 or tokens[length - 1] == stop
-        assert int(got.finish_reasons[row]) == (
-            decoding.FINISHED_STOP if ended else decoding.FINISHED_LENGTH
-        )
+    of_row = lambda row: dict(eos_id=stops[row], min_new_tokens=int(least[row]))
+    assert_greedy(chain, got, of_row, reasons=False)
+    for row in range(3):
+        reason = np_greedy(chain, row, 6, **of_row(row))[3]
+        stopped = reason == decoding.FINISHED_EOS
+        assert got.finish_reasons[row] == (decoding.FINISHED_STOP if stopped else 0)
 
 
 def test_beam_search_takes_neutral_knobs_and_refuses_an_active_one():
     def run(knobs):
-        return decoding.beam_search(
-            markov_step,
-            CHAIN.table,
-            CHAIN.logits,
-            CHAIN.state(),
-            num_beams=2,
-            max_new_tokens=3,
-            eos_id=0,
-            knobs=knobs,
-        )
+        return beam_chain(CHAIN, num_beams=2, max_new_tokens=3, eos_id=0, knobs=knobs)
 
     neutral = SamplingKnobs(
         **{name: knobs_lib.neutral_value(name) for name in knobs_lib.TRACED_KNOBS}
@@ -183,21 +158,10 @@ def test_beam_search_takes_neutral_knobs_and_refuses_an_active_one():
     )
 
 
-def test_of_refuses_both_forms_and_unknown_names():
+def test_of_takes_the_knobs_or_their_keywords():
     knobs = SamplingKnobs(top_k=2)
     assert SamplingKnobs.of(knobs) is knobs
     assert SamplingKnobs.of(None, top_k=2).top_k == 2
-    assert_raises_exactly(
-        lambda: SamplingKnobs.of(knobs, top_p=0.5), TypeError, ("knobs", "top_p")
-    )
-    assert_raises_exactly(
-        lambda: SamplingKnobs.of(None, temprature=0.5),
-        TypeError,
-        ("temprature", "temperature"),
-    )
-    assert_raises_exactly(
-        lambda: SamplingKnobs.of({"top_k": 2}), TypeError, ("knobs", "SamplingKnobs")
-    )
 
 
 def test_active_lists_the_knobs_that_change_the_distribution():
@@ -215,70 +179,6 @@ def test_active_lists_the_knobs_that_change_the_distribution():
     assert traced(1.0) == 1  # a traced value may be anything: active
 
 
-def test_stack_makes_per_row_arrays_and_greedy_neutral_padding():
-    rows = [
-        SamplingKnobs(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.3),
-        SamplingKnobs(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.1),
-    ]
-    stacked = SamplingKnobs.stack(rows, size=4)
-    np.testing.assert_array_equal(stacked.temperature, np.float32([0.8, 0, 0, 0]))
-    assert stacked.temperature.dtype == np.float32
-    np.testing.assert_array_equal(stacked.top_k, [40, 0, 0, 0])
-    assert stacked.top_k.dtype == np.int32
-    np.testing.assert_array_equal(stacked.top_p, np.float32([0.9, 1.0, 1.0, 1.0]))
-    assert stacked.min_p is None
-    np.testing.assert_array_equal(
-        stacked.repetition_penalty, np.float32([1.3, 1.1, 1.0, 1.0])
-    )
-    np.testing.assert_array_equal(stacked.min_new_tokens, np.int32([0, 0, 0, 0]))
-    assert stacked.suppress_tokens is None and stacked.logit_bias is None
-    # What rows must share is what the service groups requests by: the
-    # repetition penalty no longer splits batches; a static knob does.
-    assert rows[0].shared() == rows[1].shared() == SamplingKnobs().shared()
-    assert rows[0].shared() != SamplingKnobs(no_repeat_ngram_size=2).shared()
-
-
-def test_stack_makes_per_row_penalties_and_a_bias_matrix():
-    """Each row's [V] bias becomes a row of [B, V]; rows without one and
-    padding rows get zeros; the penalties are per row, padding neutral."""
-    rows = [
-        SamplingKnobs(presence_penalty=0.5, frequency_penalty=-0.25, min_new_tokens=3),
-        SamplingKnobs(
-            presence_penalty=-1.0,
-            frequency_penalty=2.0,
-            logit_bias=knobs_lib.logit_bias_vector({1: -100.0, 3: 2.5}, 4),
-        ),
-        SamplingKnobs(presence_penalty=0.0, frequency_penalty=0.0),
-    ]
-    stacked = SamplingKnobs.stack(rows, size=4)
-    np.testing.assert_array_equal(stacked.presence_penalty, [0.5, -1.0, 0.0, 0.0])
-    np.testing.assert_array_equal(stacked.frequency_penalty, [-0.25, 2.0, 0.0, 0.0])
-    np.testing.assert_array_equal(stacked.min_new_tokens, [3, 0, 0, 0])
-    np.testing.assert_array_equal(
-        stacked.logit_bias,
-        np.float32([[0, 0, 0, 0], [0, -100, 0, 2.5], [0, 0, 0, 0], [0, 0, 0, 0]]),
-    )
-    assert stacked.logit_bias.dtype == np.float32
-    stacked.check(4, 4)
-    # The stacked batch processes each row as OpenAI's formula does alone.
-    rng = np.random.default_rng(3)
-    logits = rng.standard_normal((4, 4)).astype(np.float32)
-    generated = [[1, 1, 3], [0, 3, 3, 3], [2], []]
-    got = decoding.process_logits(
-        logits,
-        dataclasses.replace(stacked, temperature=0.0),
-        counts=np_counts(generated, 4),
-    )
-    want = np_openai_penalties(
-        logits,
-        generated,
-        stacked.presence_penalty,
-        stacked.frequency_penalty,
-        stacked.logit_bias,
-    )
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-
-
 def test_logit_bias_vector_from_an_openai_map():
     bias = knobs_lib.logit_bias_vector({0: 1.5, np.int64(4): -100, 2: 0.25}, 6)
     want = np.zeros(6, np.float32)
@@ -286,44 +186,6 @@ def test_logit_bias_vector_from_an_openai_map():
     np.testing.assert_array_equal(bias, want)
     assert bias.dtype == np.float32
     np.testing.assert_array_equal(decoding.logit_bias_vector({}, 3), np.zeros(3))
-
-
-def test_stack_refuses_rows_that_cannot_share_a_batch():
-    assert_raises_exactly(
-        lambda: SamplingKnobs.stack(
-            [
-                SamplingKnobs(logit_bias=np.zeros(3)),
-                SamplingKnobs(logit_bias=np.zeros(4)),
-            ],
-            size=2,
-        ),
-        ValueError,
-        "logit_bias",
-    )
-    assert_raises_exactly(
-        lambda: SamplingKnobs.stack([SamplingKnobs(logit_bias=np.zeros((2, 3)))], 2),
-        ValueError,
-        "logit_bias",
-    )
-    assert_raises_exactly(
-        lambda: SamplingKnobs.stack(
-            [SamplingKnobs(no_repeat_ngram_size=2), SamplingKnobs()], size=2
-        ),
-        ValueError,
-        "no_repeat_ngram_size",
-    )
-    assert_raises_exactly(
-        lambda: SamplingKnobs.stack(
-            [SamplingKnobs(repetition_penalty=1.1), SamplingKnobs()], size=2
-        ),
-        ValueError,
-        "repetition_penalty",
-    )
-    assert_raises_exactly(
-        lambda: SamplingKnobs.stack([SamplingKnobs(top_k=2), SamplingKnobs()], size=2),
-        ValueError,
-        "top_k",
-    )
 
 
 def test_a_knobs_value_is_traced_and_its_switch_and_static_fields_are_not():
@@ -365,154 +227,57 @@ def test_repeat_rows_repeats_per_row_values_only():
     np.testing.assert_array_equal(shared.logit_bias, [0.0, 1.0, 2.0])  # [V] stays
 
 
-BAD_INPUTS = [
+def check(**knobs):
+    """``SamplingKnobs(**knobs).check`` for B = 2 rows, V = 5 tokens."""
+    SamplingKnobs(**knobs).check(2, 5)
+
+
+def bias_map(mapping):
+    return knobs_lib.logit_bias_vector(mapping, 5)
+
+
+NAN = np.float32([0, np.nan])
+CHECKS = [
+    ("top_p of 3 rows", dict(top_p=np.full(3, 0.9)), ValueError),
+    ("penalty 0", dict(repetition_penalty=0.0), ValueError),
+    ("penalty of 3 rows", dict(repetition_penalty=np.ones(3)), ValueError),
     (
-        "stack of a value its knob does not take",
-        lambda: SamplingKnobs.stack(
-            [SamplingKnobs(top_k=2.7), SamplingKnobs(top_k=3)], size=2
-        ),
-        TypeError,
-        "top_k",
-    ),
-    (
-        "stack of more rows than its size",
-        lambda: SamplingKnobs.stack([SamplingKnobs()] * 3, size=2),
+        "min_new_tokens [2, 1]",
+        dict(min_new_tokens=np.ones((2, 1), np.int32)),
         ValueError,
-        ("rows", "size"),
     ),
-    (
-        "stack of no rows",
-        lambda: SamplingKnobs.stack([], size=2),
-        ValueError,
-        ("rows", "size"),
-    ),
-    (
-        "per-row knob of the wrong shape",
-        lambda: SamplingKnobs(top_p=np.full(3, 0.9)).check(2, 5),
-        ValueError,
-        "top_p",
-    ),
-    (
-        "per-row knob checked in range",
-        lambda: SamplingKnobs(repetition_penalty=0.0).check(2, 5),
-        ValueError,
-        "repetition_penalty",
-    ),
-    (
-        "repetition_penalty of the wrong shape",
-        lambda: SamplingKnobs(repetition_penalty=np.ones(3)).check(2, 5),
-        ValueError,
-        "repetition_penalty",
-    ),
-    (
-        "min_new_tokens of the wrong shape",
-        lambda: SamplingKnobs(min_new_tokens=np.ones((2, 1), np.int32)).check(2, 5),
-        ValueError,
-        "min_new_tokens",
-    ),
-    (
-        "presence_penalty of the wrong shape",
-        lambda: SamplingKnobs(presence_penalty=np.zeros(5)).check(2, 5),
-        ValueError,
-        "presence_penalty",
-    ),
-    (
-        "frequency_penalty not finite",
-        lambda: SamplingKnobs(frequency_penalty=np.float32([0, np.nan])).check(2, 5),
-        ValueError,
-        "frequency_penalty",
-    ),
-    (
-        "presence_penalty infinite",
-        lambda: SamplingKnobs(presence_penalty=-np.inf).check(2, 5),
-        ValueError,
-        "presence_penalty",
-    ),
-    (
-        "logit_bias of the wrong vocabulary",
-        lambda: SamplingKnobs(logit_bias=np.zeros(4)).check(2, 5),
-        ValueError,
-        "logit_bias",
-    ),
-    (
-        "logit_bias per row of the wrong batch",
-        lambda: SamplingKnobs(logit_bias=np.zeros((3, 5))).check(2, 5),
-        ValueError,
-        "logit_bias",
-    ),
-    (
-        "logit_bias a scalar",
-        lambda: SamplingKnobs(logit_bias=0.5).check(2, 5),
-        ValueError,
-        "logit_bias",
-    ),
-    (
-        "logit_bias not finite",
-        lambda: SamplingKnobs(logit_bias=np.full(5, np.nan)).check(2, 5),
-        ValueError,
-        "logit_bias",
-    ),
-    (
-        "logit_bias_vector id outside the vocabulary",
-        lambda: knobs_lib.logit_bias_vector({1: 1.0, 5: -2.0}, 5),
-        ValueError,
-        ("logit_bias", "5"),
-    ),
-    (
-        "logit_bias_vector negative id",
-        lambda: knobs_lib.logit_bias_vector({-1: 1.0}, 5),
-        ValueError,
-        ("logit_bias", "-1"),
-    ),
-    (
-        "logit_bias_vector id not an integer",
-        lambda: knobs_lib.logit_bias_vector({"3": 1.0}, 5),
-        TypeError,
-        ("logit_bias", "3"),
-    ),
-    (
-        "logit_bias_vector bias not finite",
-        lambda: knobs_lib.logit_bias_vector({2: float("inf")}, 5),
-        ValueError,
-        ("logit_bias", "2"),
-    ),
-    (
-        "logit_bias_vector bias not a number",
-        lambda: knobs_lib.logit_bias_vector({2: "high"}, 5),
-        TypeError,
-        ("logit_bias", "2"),
-    ),
-    (
-        "logit_bias_vector not a mapping",
-        lambda: knobs_lib.logit_bias_vector([(2, 1.0)], 5),
-        TypeError,
-        "logit_bias",
-    ),
-    (
-        "integer knob given a float",
-        lambda: SamplingKnobs(min_new_tokens=1.5).check(2, 5),
-        TypeError,
-        "min_new_tokens",
-    ),
-    (
-        "static count below 1",
-        lambda: SamplingKnobs(no_repeat_ngram_size=0).check(2, 5),
-        ValueError,
-        "no_repeat_ngram_size",
-    ),
-    (
-        "suppressed id outside the vocabulary",
-        lambda: SamplingKnobs(suppress_tokens=(5,)).check(2, 5),
-        ValueError,
-        "suppress_tokens",
-    ),
-    (
-        "check_knob top_p > 1",
-        lambda: knobs_lib.check_knob("top_p", 1.5),
-        ValueError,
-        "top_p",
-    ),
+    ("min_new_tokens 1.5", dict(min_new_tokens=1.5), TypeError),
+    ("presence of 5 rows", dict(presence_penalty=np.zeros(5)), ValueError),
+    ("presence inf", dict(presence_penalty=-np.inf), ValueError),
+    ("frequency NaN", dict(frequency_penalty=NAN), ValueError),
+    ("bias of V = 4", dict(logit_bias=np.zeros(4)), ValueError),
+    ("bias of B = 3", dict(logit_bias=np.zeros((3, 5))), ValueError),
+    ("bias a scalar", dict(logit_bias=0.5), ValueError),
+    ("bias NaN", dict(logit_bias=np.full(5, np.nan)), ValueError),
+    ("ngram 0", dict(no_repeat_ngram_size=0), ValueError),
+    ("suppressed id 5", dict(suppress_tokens=(5,)), ValueError),
 ]
+BIAS_MAPS = [
+    ("map id 5", dict(mapping={1: 1.0, 5: -2.0}), ValueError, ("logit_bias", "5")),
+    ("map id -1", dict(mapping={-1: 1.0}), ValueError, ("logit_bias", "-1")),
+    ("map id '3'", dict(mapping={"3": 1.0}), TypeError, ("logit_bias", "3")),
+    ("map bias inf", dict(mapping={2: float("inf")}), ValueError, ("logit_bias", "2")),
+    ("map bias 'high'", dict(mapping={2: "high"}), TypeError, ("logit_bias", "2")),
+    ("not a map", dict(mapping=[(2, 1.0)]), TypeError, "logit_bias"),
+]
+OF = [  # SamplingKnobs.of: both forms, a misspelled knob, not knobs
+    ("knobs and keywords", dict(knobs=SamplingKnobs(), top_p=0.5), TypeError),
+    (
+        "misspelled",
+        dict(knobs=None, temprature=0.5),
+        TypeError,
+        ("temprature", "temperature"),
+    ),
+    ("a dict", dict(knobs={"top_k": 2}), TypeError, ("knobs", "SamplingKnobs")),
+]
+BAD_INPUTS = (
+    calls(check, CHECKS) + calls(bias_map, BIAS_MAPS) + calls(SamplingKnobs.of, OF)
+)
 
 
 test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)

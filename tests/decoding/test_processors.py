@@ -8,8 +8,8 @@ import numpy as np
 
 from lmhead import decoding
 from tests.decoding.references import (
-    UNIFORM_LOGITS,
     MarkovChain,
+    calls,
     np_counts,
     np_min_p_mask,
     np_ngram_banned,
@@ -96,10 +96,11 @@ class ProcessorTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_top_k_and_top_p_on_a_wide_vocabulary_with_ties(self):
         """V = 3000 with values from a few levels (long runs of exact ties,
-        0.0 and -0.0 among them, which tie) and banned -inf tokens: the cut
+        0.0 and -0.0 among them, which tie, and the smallest normal float32)
+        and banned -inf tokens: the cut
         found by halving the key range equals the stable sort's."""
         rng = np.random.default_rng(7)
-        levels = np.array([-np.inf, -2.0, -0.0, 0.0, 0.5, 1.25, 3.0], np.float32)
+        levels = np.array([-np.inf, -2.0, -0.0, 0.0, 1.2e-38, 1.25, 3.0], np.float32)
         logits = levels[rng.integers(0, len(levels), (3, 3000))]
         logits[:, :3] = 3.0  # the row's largest value occurs at least thrice
         top_k, top_p = (
@@ -150,7 +151,8 @@ class ProcessorTest(chex.TestCase):
         rng = np.random.default_rng(1)
         history = rng.integers(-1, 7, (6, 5)).astype(np.int32)
         penalize = self.variant(decoding.apply_repetition_penalty)
-        for penalty in (0.5, 1.3, 2.0):
+        per_row = np.float32([0.5, 1.0, 1.3, 2.0, 0.8, 3.0])
+        for penalty in (0.5, 1.3, 2.0, per_row):
             np.testing.assert_allclose(
                 penalize(self.logits, history, penalty),
                 np_repetition_penalty(self.logits, history, penalty),
@@ -236,22 +238,6 @@ class ProcessorTest(chex.TestCase):
         np.testing.assert_array_equal(np.isneginf(out), np.isneginf(removed))
 
     @chex.variants(with_jit=True, without_jit=True)
-    def test_per_row_repetition_penalty_matches_row_by_row(self):
-        rng = np.random.default_rng(6)
-        history = rng.integers(-1, 7, (6, 5)).astype(np.int32)
-        penalties = np.float32([0.5, 1.0, 1.3, 2.0, 0.8, 3.0])
-        got = self.variant(decoding.apply_repetition_penalty)(
-            self.logits, history, penalties
-        )
-        want = np.concatenate(
-            [
-                np_repetition_penalty(self.logits[b : b + 1], history[b : b + 1], p)
-                for b, p in enumerate(penalties)
-            ]
-        )
-        np.testing.assert_allclose(got, want, rtol=1e-6)
-
-    @chex.variants(with_jit=True, without_jit=True)
     def test_per_row_min_new_tokens_removes_every_eos_id(self):
         minimum = jnp.array([0, 1, 2, 3, 4, 5])
         for eos_id, num_generated in [
@@ -293,12 +279,7 @@ class ProcessorTest(chex.TestCase):
                 z, knobs, history=h, counts=c, num_generated=4, eos_id=(1, 5)
             )
         )(self.logits, knobs, history, np_counts(generated, 7))
-        z = np.concatenate(
-            [
-                np_repetition_penalty(self.logits[b : b + 1], history[b : b + 1], p)
-                for b, p in enumerate(knobs.repetition_penalty)
-            ]
-        )
+        z = np_repetition_penalty(self.logits, history, knobs.repetition_penalty)
         z = np_openai_penalties(
             z, generated, knobs.presence_penalty, 0.25, knobs.logit_bias
         )
@@ -313,32 +294,25 @@ class ProcessorTest(chex.TestCase):
         rng = np.random.default_rng(9)
         generated = [rng.integers(0, 7, 5).tolist() for _ in range(3)]
         history, counts = np.array(generated, np.int32), np_counts(generated, 7)
-        rows = [
-            decoding.SamplingKnobs(
-                temperature=float(rng.uniform(0.5, 2)),
-                repetition_penalty=float(rng.uniform(0.5, 2)),
-                presence_penalty=float(rng.uniform(-2, 2)),
-                frequency_penalty=float(rng.uniform(-2, 2)),
-                logit_bias=rng.uniform(-5, 5, 7).astype(np.float32),
-                min_new_tokens=int(rng.integers(0, 8)),
-            )
-            for _ in range(3)
-        ]
+        uniform = lambda low, high, shape=3: rng.uniform(low, high, shape)
+        rows = dict(  # one value per row
+            temperature=uniform(0.5, 2),
+            repetition_penalty=uniform(0.5, 2),
+            presence_penalty=uniform(-2, 2),
+            frequency_penalty=uniform(-2, 2),
+            logit_bias=uniform(-5, 5, (3, 7)),
+            min_new_tokens=rng.integers(0, 8, 3).astype(np.int32),
+        )
         process = self.variant(
             lambda z, knobs, h, c: decoding.process_logits(
                 z, knobs, history=h, counts=c, num_generated=4, eos_id=0
             )
         )
-        batch = process(
-            self.logits[:3], decoding.SamplingKnobs.stack(rows, 3), history, counts
-        )
-        for b, knobs in enumerate(rows):
-            alone = process(
-                self.logits[:3],
-                decoding.SamplingKnobs.stack([knobs] * 3, 3),
-                history,
-                counts,
-            )
+        knobs = lambda **values: decoding.SamplingKnobs(**values).as_arrays()
+        batch = process(self.logits[:3], knobs(**rows), history, counts)
+        for b in range(3):
+            row_b = {name: np.repeat(v[b : b + 1], 3, 0) for name, v in rows.items()}
+            alone = process(self.logits[:3], knobs(**row_b), history, counts)
             np.testing.assert_array_equal(batch[b], alone[b], f"row {b}")
 
     @chex.variants(with_jit=True, without_jit=True)
@@ -417,188 +391,91 @@ class ProcessorTest(chex.TestCase):
 # names the argument, and what is allowed where that is the point
 # (tests/errors.py).
 
-CHAIN = MarkovChain(15, vocab_size=4, batch=2)
-
-
+Z = MarkovChain(15, vocab_size=4, batch=2).logits  # [B, V] = [2, 4]
 COUNTS = jnp.zeros((2, 4), jnp.int32)
 HISTORY = jnp.zeros((2, 1), jnp.int32)
+ROWS_3 = np.ones(3, np.float32)
+PROCESSORS = {  # each knob's processor, on Z
+    "temperature": lambda t: decoding.apply_temperature(Z, t),
+    "top_k": lambda k: decoding.apply_top_k(Z, k),
+    "top_p": lambda p: decoding.apply_top_p(Z, p),
+    "min_p": lambda m: decoding.apply_min_p(Z, m),
+    "repetition_penalty": lambda r: decoding.apply_repetition_penalty(Z, HISTORY, r),
+    "logit_bias": lambda b: decoding.apply_logit_bias(Z, b),
+    "min_new_tokens": lambda m: decoding.apply_min_new_tokens(
+        Z, 0, min_new_tokens=m, eos_id=0
+    ),
+    "num_generated": lambda n: decoding.apply_min_new_tokens(
+        Z, n, min_new_tokens=1, eos_id=0
+    ),
+    "presence_penalty": lambda p: decoding.apply_presence_frequency(Z, COUNTS, p, None),
+    "frequency_penalty": lambda f: decoding.apply_presence_frequency(
+        Z, COUNTS, None, f
+    ),
+    "counts": lambda c: decoding.apply_presence_frequency(Z, c, 0.5, None),
+}
 
-BAD_INPUTS = [
-    (
-        "process_logits history missing",
-        lambda: decoding.process_logits(UNIFORM_LOGITS, repetition_penalty=1.2),
-        ValueError,
-        "history",
-    ),
-    (
-        "process_logits counts missing",
-        lambda: decoding.process_logits(CHAIN.logits, frequency_penalty=0.5),
-        ValueError,
-        ("counts", "frequency_penalty"),
-    ),
-    (
-        "counts of the wrong shape",
-        lambda: decoding.apply_presence_frequency(
-            CHAIN.logits, jnp.zeros((2, 5), jnp.int32), 0.5, None
+
+def apply(**knob):
+    ((name, value),) = knob.items()
+    return PROCESSORS[name](value)
+
+
+def process(logits=Z, **knobs):
+    return decoding.process_logits(logits, **knobs)
+
+
+INF_ROW = np.float32([0, np.inf])
+EMPTY, INTEGERS = jnp.zeros((2, 0)), jnp.ones((2, 4), int)
+BAD_INPUTS = calls(
+    apply,
+    [
+        ("counts of V = 5", dict(counts=jnp.zeros((2, 5), jnp.int32)), ValueError),
+        ("counts not integers", dict(counts=jnp.zeros((2, 4))), TypeError),
+        ("negative counts", dict(counts=-COUNTS - 1), ValueError),
+        ("presence of 3 rows", dict(presence_penalty=ROWS_3), ValueError),
+        ("frequency NaN", dict(frequency_penalty=np.nan), ValueError),
+        ("presence inf", dict(presence_penalty=INF_ROW), ValueError),
+        ("bias of V = 5", dict(logit_bias=np.zeros(5)), ValueError),
+        ("bias of B = 3", dict(logit_bias=np.zeros((3, 4))), ValueError),
+        ("penalty of 3 rows", dict(repetition_penalty=ROWS_3), ValueError),
+        ("penalty < 0", dict(repetition_penalty=-1.0), ValueError),
+        (
+            "min_new_tokens of 3 rows",
+            dict(min_new_tokens=ROWS_3.astype(int)),
+            ValueError,
         ),
-        ValueError,
-        "counts",
-    ),
-    (
-        "counts not integers",
-        lambda: decoding.apply_presence_frequency(
-            CHAIN.logits, jnp.zeros((2, 4)), 0.5, None
+        ("num_generated of 3 rows", dict(num_generated=jnp.zeros(3, int)), ValueError),
+        ("top_k < 0", dict(top_k=-2), ValueError),
+        ("temperature < 0", dict(temperature=-0.5), ValueError),
+        ("top_p 0", dict(top_p=0.0), ValueError, ("top_p", "(0, 1]")),
+        ("min_p > 1", dict(min_p=2.0), ValueError, ("min_p", "[0, 1]")),
+        ("T inf", dict(temperature=np.inf), ValueError, ("temperature", "[0, inf)")),
+        (
+            "penalty inf",
+            dict(repetition_penalty=np.inf),
+            ValueError,
+            ("repetition_penalty", "(0, inf)"),
         ),
-        TypeError,
-        "counts",
-    ),
-    (
-        "negative counts",
-        lambda: decoding.apply_presence_frequency(
-            CHAIN.logits, -jnp.ones((2, 4), jnp.int32), 0.5, None
+    ],
+) + calls(
+    process,
+    [
+        ("history missing", dict(repetition_penalty=1.2), ValueError, "history"),
+        ("ngram, no history", dict(no_repeat_ngram_size=2), ValueError, "history"),
+        (
+            "no counts",
+            dict(frequency_penalty=0.5),
+            ValueError,
+            ("counts", "frequency_penalty"),
         ),
-        ValueError,
-        "counts",
-    ),
-    (
-        "presence_penalty of the wrong shape",
-        lambda: decoding.apply_presence_frequency(
-            CHAIN.logits, COUNTS, np.zeros(3, np.float32), None
-        ),
-        ValueError,
-        "presence_penalty",
-    ),
-    (
-        "frequency_penalty not a number",
-        lambda: decoding.apply_presence_frequency(CHAIN.logits, COUNTS, None, np.nan),
-        ValueError,
-        "frequency_penalty",
-    ),
-    (
-        "presence_penalty infinite",
-        lambda: decoding.apply_presence_frequency(
-            CHAIN.logits, COUNTS, np.float32([0.0, np.inf]), None
-        ),
-        ValueError,
-        "presence_penalty",
-    ),
-    (
-        "logit_bias of the wrong shape",
-        lambda: decoding.apply_logit_bias(CHAIN.logits, np.zeros(5, np.float32)),
-        ValueError,
-        "logit_bias",
-    ),
-    (
-        "logit_bias per row of the wrong batch",
-        lambda: decoding.apply_logit_bias(CHAIN.logits, np.zeros((3, 4), np.float32)),
-        ValueError,
-        "logit_bias",
-    ),
-    (
-        "logit_bias not finite",
-        lambda: decoding.process_logits(
-            CHAIN.logits, logit_bias=np.float32([0, -np.inf, 0, 0])
-        ),
-        ValueError,
-        "logit_bias",
-    ),
-    (
-        "repetition_penalty of the wrong shape",
-        lambda: decoding.apply_repetition_penalty(
-            CHAIN.logits, HISTORY, np.ones(3, np.float32)
-        ),
-        ValueError,
-        "repetition_penalty",
-    ),
-    (
-        "min_new_tokens of the wrong shape",
-        lambda: decoding.apply_min_new_tokens(
-            CHAIN.logits, 0, min_new_tokens=np.ones(3, np.int32), eos_id=0
-        ),
-        ValueError,
-        "min_new_tokens",
-    ),
-    (
-        "num_generated of the wrong shape",
-        lambda: decoding.apply_min_new_tokens(
-            CHAIN.logits, jnp.zeros(3, jnp.int32), min_new_tokens=1, eos_id=0
-        ),
-        ValueError,
-        "num_generated",
-    ),
-    (
-        "an eos id outside the vocabulary",
-        lambda: decoding.process_logits(CHAIN.logits, eos_id=(0, 4)),
-        ValueError,
-        "eos_id",
-    ),
-    (
-        "an eos id that is not an integer",
-        lambda: decoding.process_logits(CHAIN.logits, eos_id=1.0),
-        TypeError,
-        "eos_id",
-    ),
-    (
-        "top_p 0",
-        lambda: decoding.apply_top_p(CHAIN.logits, 0.0),
-        ValueError,
-        ("top_p", "(0, 1]"),
-    ),
-    (
-        "top_k < 0",
-        lambda: decoding.apply_top_k(CHAIN.logits, -2),
-        ValueError,
-        "top_k",
-    ),
-    (
-        "min_p > 1",
-        lambda: decoding.apply_min_p(CHAIN.logits, 2.0),
-        ValueError,
-        ("min_p", "[0, 1]"),
-    ),
-    (
-        "temperature < 0",
-        lambda: decoding.apply_temperature(CHAIN.logits, -0.5),
-        ValueError,
-        "temperature",
-    ),
-    (
-        "temperature inf",
-        lambda: decoding.apply_temperature(CHAIN.logits, np.inf),
-        ValueError,
-        ("temperature", "[0, inf)"),
-    ),
-    (
-        "repetition_penalty inf",
-        lambda: decoding.apply_repetition_penalty(CHAIN.logits, HISTORY, np.inf),
-        ValueError,
-        ("repetition_penalty", "(0, inf)"),
-    ),
-    (
-        "repetition_penalty < 0",
-        lambda: decoding.apply_repetition_penalty(CHAIN.logits, HISTORY, -1.0),
-        ValueError,
-        "repetition_penalty",
-    ),
-    (
-        "no_repeat_ngram_size without history",
-        lambda: decoding.process_logits(CHAIN.logits, no_repeat_ngram_size=2),
-        ValueError,
-        "history",
-    ),
-    (
-        "integer logits",
-        lambda: decoding.apply_top_k(jnp.array([1, 2]), 1),
-        TypeError,
-        ("logits", "floating-point"),
-    ),
-    (
-        "no vocabulary",
-        lambda: decoding.process_logits(jnp.zeros((2, 0))),
-        ValueError,
-        ("logits", "V >= 1"),
-    ),
-]
+        ("bias -inf", dict(logit_bias=-INF_ROW[[0, 1, 0, 0]]), ValueError),
+        ("an eos id = V", dict(eos_id=(0, 4)), ValueError),
+        ("an eos id 1.0", dict(eos_id=1.0), TypeError),
+        ("no vocabulary", dict(logits=EMPTY), ValueError, ("logits", "V >= 1")),
+        ("int logits", dict(logits=INTEGERS), TypeError, ("logits", "floating-point")),
+    ],
+)
 
 
 test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)

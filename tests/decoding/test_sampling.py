@@ -12,25 +12,16 @@ from tests.decoding.references import (
     UNIFORM_LOGITS,
     UNIFORM_TABLE,
     MarkovChain,
+    assert_greedy,
+    calls,
     counted_markov_step,
     generate_greedy,
     markov_step,
-    np_greedy,
     np_sampling_probs,
+    run_chain,
     uniform_markov,
 )
 from tests.errors import bad_input_test
-
-
-def assert_greedy_matches_numpy(chain, outputs, **settings):
-    tokens, log_probs, lengths = outputs[:3]
-    for row in range(tokens.shape[0]):
-        ref_tokens, ref_log_probs, ref_length = np_greedy(
-            chain, row, tokens.shape[1], **settings
-        )
-        np.testing.assert_array_equal(tokens[row], ref_tokens, err_msg=str(settings))
-        np.testing.assert_allclose(log_probs[row], ref_log_probs, rtol=1e-5, atol=1e-6)
-        assert lengths[row] == ref_length
 
 
 def test_greedy_matches_numpy_and_stops_when_every_row_has_ended():
@@ -38,7 +29,7 @@ def test_greedy_matches_numpy_and_stops_when_every_row_has_ended():
     CALLS.clear()
     outputs = generate_greedy(chain, 10, step_fn=counted_markov_step)
     jax.effects_barrier()
-    assert_greedy_matches_numpy(chain, outputs)
+    assert_greedy(chain, outputs)
     assert len(CALLS) == 9  # the last token's logits are never computed
 
     CALLS.clear()
@@ -46,7 +37,7 @@ def test_greedy_matches_numpy_and_stops_when_every_row_has_ended():
         chain, 10, step_fn=counted_markov_step, eos_id=0, pad_id=3
     )
     jax.effects_barrier()
-    assert_greedy_matches_numpy(chain, outputs, eos_id=0, pad_id=3)
+    assert_greedy(chain, outputs, eos_id=0, pad_id=3)
     lengths = np.asarray(outputs[2])
     assert lengths.max() < 10 and len(set(lengths)) > 1, lengths
     assert len(CALLS) == lengths.max() - 1
@@ -55,15 +46,8 @@ def test_greedy_matches_numpy_and_stops_when_every_row_has_ended():
 def test_num_samples_orders_rows_prompt_major_and_top_k_one_is_greedy():
     chain = MarkovChain(11, vocab_size=4, batch=5)
     greedy = generate_greedy(chain, 10)[0]
-    sample = lambda **kwargs: decoding.generate(
-        markov_step,
-        chain.table,
-        chain.logits,
-        chain.state(),
-        key=jax.random.key(1),
-        max_new_tokens=10,
-        num_samples=3,
-        **kwargs,
+    sample = lambda **kwargs: run_chain(
+        chain, key=jax.random.key(1), max_new_tokens=10, num_samples=3, **kwargs
     )[0]
     np.testing.assert_array_equal(
         sample(temperature=1.0, top_k=1), np.repeat(greedy, 3, axis=0)
@@ -82,11 +66,8 @@ def test_sampled_frequencies_match_processed_distribution():
         dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.25),
     ]
     for seed, config in enumerate(configs):
-        tokens, log_probs, *_ = decoding.generate(
-            markov_step,
-            chain.table,
-            chain.logits,
-            chain.state(),
+        tokens, log_probs, *_ = run_chain(
+            chain,
             key=jax.random.key(seed),
             max_new_tokens=1,
             num_samples=num_samples,
@@ -157,14 +138,8 @@ def test_per_row_knobs_equal_row_by_row_decoding():
             processed[row],
             decoding.process_logits(chain.logits[row : row + 1], **scalar)[0],
         )
-    tokens, log_probs, *_ = decoding.generate(
-        markov_step,
-        chain.table,
-        chain.logits,
-        chain.state(),
-        key=jax.random.key(2),
-        max_new_tokens=5,
-        **knobs,
+    tokens, log_probs, *_ = run_chain(
+        chain, key=jax.random.key(2), max_new_tokens=5, **knobs
     )
     np.testing.assert_array_equal(tokens[0], generate_greedy(chain, 5)[0][0])
     for row in range(1, 4):
@@ -244,26 +219,23 @@ def test_history_processors_in_the_loop_match_numpy():
             no_repeat_ngram_size=2,
             prompt_tokens=prompt,
         )
-        for row in range(3):
-            ref_tokens, ref_log_probs, _ = np_greedy(
-                chain, row, 6, prompt=prompt[row], repetition_penalty=penalty, ngram=2
-            )
-            np.testing.assert_array_equal(
-                outputs[0][row], ref_tokens, err_msg=str(penalty)
-            )
-            np.testing.assert_allclose(
-                outputs[1][row], ref_log_probs, rtol=1e-5, atol=1e-6
-            )
+        assert_greedy(
+            chain,
+            outputs,
+            lambda row: dict(prompt=prompt[row]),
+            repetition_penalty=penalty,
+            ngram=2,
+        )
 
 
 def test_min_new_tokens_suppress_and_fallback_in_the_loop():
     chain = MarkovChain(10, vocab_size=4, batch=4, eos_boost=4.0)
     settings = dict(eos_id=0, min_new_tokens=3)
     outputs = generate_greedy(chain, 5, suppress_tokens=[2], **settings)
-    assert_greedy_matches_numpy(chain, outputs, suppress=[2], **settings)
+    assert_greedy(chain, outputs, suppress=[2], **settings)
     assert (outputs[2] >= 3).all()
     outputs = generate_greedy(chain, 5, suppress_tokens=[0, 1, 2, 3], **settings)
-    assert_greedy_matches_numpy(chain, outputs, suppress=[0, 1, 2, 3], **settings)
+    assert_greedy(chain, outputs, suppress=[0, 1, 2, 3], **settings)
     np.testing.assert_array_equal(outputs[1], 0.0)
 
 
@@ -284,126 +256,35 @@ def uniform_generate(logits=UNIFORM_LOGITS, state=(), **kwargs):
     )
 
 
-BAD_INPUTS = [
-    (
-        "generate logits rank",
-        lambda: decoding.generate(
-            uniform_markov,
-            UNIFORM_TABLE,
-            UNIFORM_LOGITS[None],
-            (),
-            key=jax.random.key(0),
-            max_new_tokens=2,
+# The knobs' ranges are SamplingKnobs.check's (test_knobs.py); here, that
+# generate checks them, and its own arguments.
+STATE = {"cache": jnp.zeros((2, 4)), "scale": jnp.float32(1.0)}
+PROMPT = jnp.zeros((3, 2), jnp.int32)
+BAD_INPUTS = calls(
+    uniform_generate,
+    [
+        ("logits rank 3", dict(logits=UNIFORM_LOGITS[None]), ValueError, "logits"),
+        ("logits rank 1", dict(logits=UNIFORM_LOGITS[0]), ValueError, "[B, V]"),
+        ("max_new_tokens 0", dict(max_new_tokens=0), ValueError, "max_new_tokens"),
+        ("max_new_tokens 2.0", dict(max_new_tokens=2.0), TypeError, "max_new_tokens"),
+        ("num_samples 0", dict(num_samples=0), ValueError, "num_samples"),
+        ("temperature < 0", dict(temperature=-0.5), ValueError, "temperature"),
+        ("top_k float", dict(top_k=2.0), TypeError, "top_k"),
+        ("top_p of 3 rows", dict(top_p=jnp.full(3, 0.9)), ValueError, "top_p"),
+        ("min_p > 1", dict(min_p=1.5), ValueError, ("min_p", "[0, 1]")),
+        ("ngram 0", dict(no_repeat_ngram_size=0), ValueError, "no_repeat_ngram_size"),
+        ("eos_id = V", dict(eos_id=5), ValueError, "eos_id"),
+        ("suppress_tokens", dict(suppress_tokens=[7]), ValueError, "suppress_tokens"),
+        ("state's batch", dict(state=PROMPT), ValueError, ("state", "B = 2")),
+        ("state scalar leaf", dict(state=STATE), ValueError, "state['scale']"),
+        (
+            "prompt_tokens batch",
+            dict(repetition_penalty=1.2, prompt_tokens=PROMPT),
+            ValueError,
+            "prompt_tokens",
         ),
-        ValueError,
-        "logits",
-    ),
-    (
-        "generate max_new_tokens 0",
-        lambda: uniform_generate(max_new_tokens=0),
-        ValueError,
-        "max_new_tokens",
-    ),
-    (
-        "generate max_new_tokens float",
-        lambda: uniform_generate(max_new_tokens=2.0),
-        TypeError,
-        "max_new_tokens",
-    ),
-    (
-        "generate num_samples 0",
-        lambda: uniform_generate(num_samples=0),
-        ValueError,
-        "num_samples",
-    ),
-    (
-        "generate temperature < 0",
-        lambda: uniform_generate(temperature=-0.5),
-        ValueError,
-        "temperature",
-    ),
-    ("generate top_k < 0", lambda: uniform_generate(top_k=-1), ValueError, "top_k"),
-    (
-        "generate top_p per row, wrong shape",
-        lambda: uniform_generate(top_p=jnp.full(3, 0.9)),
-        ValueError,
-        "top_p",
-    ),
-    (
-        "generate temperature per row < 0",
-        lambda: uniform_generate(temperature=jnp.array([0.0, -1.0])),
-        ValueError,
-        "temperature",
-    ),
-    ("generate top_k float", lambda: uniform_generate(top_k=2.0), TypeError, "top_k"),
-    (
-        "generate top_p 0",
-        lambda: uniform_generate(top_p=0.0),
-        ValueError,
-        ("top_p", "(0, 1]"),
-    ),
-    ("generate top_p > 1", lambda: uniform_generate(top_p=1.5), ValueError, "top_p"),
-    (
-        "generate min_p > 1",
-        lambda: uniform_generate(min_p=1.5),
-        ValueError,
-        ("min_p", "[0, 1]"),
-    ),
-    ("generate min_p < 0", lambda: uniform_generate(min_p=-0.1), ValueError, "min_p"),
-    (
-        "generate logits rank 1",
-        lambda: uniform_generate(logits=UNIFORM_LOGITS[0]),
-        ValueError,
-        ("logits", "[B, V]"),
-    ),
-    (
-        "generate repetition_penalty 0",
-        lambda: uniform_generate(repetition_penalty=0.0),
-        ValueError,
-        "repetition_penalty",
-    ),
-    (
-        "generate no_repeat_ngram_size 0",
-        lambda: uniform_generate(no_repeat_ngram_size=0),
-        ValueError,
-        "no_repeat_ngram_size",
-    ),
-    (
-        "generate min_new_tokens < 0",
-        lambda: uniform_generate(min_new_tokens=-1),
-        ValueError,
-        "min_new_tokens",
-    ),
-    ("generate eos_id = V", lambda: uniform_generate(eos_id=5), ValueError, "eos_id"),
-    (
-        "generate suppress_tokens",
-        lambda: uniform_generate(suppress_tokens=[7]),
-        ValueError,
-        "suppress_tokens",
-    ),
-    (
-        "generate state batch axis",
-        lambda: uniform_generate(state={"cache": jnp.zeros((3, 4))}),
-        ValueError,
-        ("state", "B = 2"),
-    ),
-    (
-        "generate state scalar leaf",
-        lambda: uniform_generate(
-            state={"cache": jnp.zeros((2, 4)), "scale": jnp.float32(1.0)}
-        ),
-        ValueError,
-        "state['scale']",
-    ),
-    (
-        "generate prompt_tokens batch",
-        lambda: uniform_generate(
-            repetition_penalty=1.2, prompt_tokens=jnp.zeros((3, 2), jnp.int32)
-        ),
-        ValueError,
-        "prompt_tokens",
-    ),
-]
+    ],
+)
 
 
 test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)

@@ -1,29 +1,28 @@
 """Tests for generate's per-row keys and lengths, top log-probs, the
 processor hook and the penalties' counts, against row-by-row decoding and
-numpy references written here."""
+numpy references written here, and for generate_stream against generate."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from lmhead import decoding
-from tests.decoding.references import MarkovChain, markov_step
-from tests.errors import bad_input_test
+from tests.decoding.references import (
+    MarkovChain,
+    assert_greedy,
+    calls,
+    markov_step,
+    np_greedy,
+    run_chain,
+)
+from tests.errors import assert_raises_exactly, bad_input_test
 from tests.references import log_softmax as np_log_softmax
 
-
-def run(chain, rows=None, **kwargs):
-    """``generate`` on the chain's prompts ``rows`` (default all)."""
-    rows = np.arange(len(chain.prev)) if rows is None else np.asarray(rows)
-    return decoding.generate(
-        markov_step,
-        chain.table,
-        chain.logits[rows],
-        {"prev": jnp.asarray(chain.prev[rows])},
-        **{"max_new_tokens": 6, **kwargs},
-    )
+run = run_chain
 
 
 def test_per_row_keys_a_row_is_the_same_alone_and_in_any_batch():
@@ -127,18 +126,16 @@ def test_processor_hook_matches_applying_it_by_hand_row_by_row():
         prompt_tokens=prompt,
     )  # fmt: skip
     vowels = np.asarray(VOWELS)
-    for row in range(4):
-        prev, logits = chain.prev[row], chain.logits[row].astype(np.float64)
-        tokens = []
-        for step in range(6):
-            z = logits.copy()
+
+    def allowed(row):  # the grammar, in numpy
+        def rule(step, tokens):
             if step > 0 and not vowels[tokens[-1]]:
-                z[~vowels] = -np.inf
-            elif step == 0 and (prompt[row] >= 0).sum() > 2:
-                z[vowels] = -np.inf
-            tokens.append(int(np.argmax(z)))
-            logits, prev = chain.table[prev, tokens[-1]].astype(np.float64), tokens[-1]
-        np.testing.assert_array_equal(out.tokens[row], tokens)
+                return vowels
+            return ~vowels if step == 0 and (prompt[row] >= 0).sum() > 2 else True
+
+        return dict(allowed=rule)
+
+    assert_greedy(chain, out, allowed)
     sampled = run(
         chain, key=jax.random.key(1), temperature=2.0, processor=vowel_after_consonant,
         max_new_tokens=12, num_samples=3,
@@ -146,19 +143,6 @@ def test_processor_hook_matches_applying_it_by_hand_row_by_row():
     tokens = np.asarray(sampled.tokens)
     assert (vowels[tokens[:, 1:]] | vowels[tokens[:, :-1]]).all()
     assert not vowels[tokens].all()
-
-
-def np_penalized_greedy(chain, row, width, presence, frequency):
-    """Greedy in numpy with z - presence [c > 0] - frequency c, where c
-    counts the row's generated tokens (not the prompt)."""
-    prev, logits = chain.prev[row], chain.logits[row].astype(np.float64)
-    counts, tokens = np.zeros(chain.vocab_size), []
-    for _ in range(width):
-        z = logits - presence * (counts > 0) - frequency * counts
-        tokens.append(int(np.argmax(z)))
-        counts[tokens[-1]] += 1
-        logits, prev = chain.table[prev, tokens[-1]].astype(np.float64), tokens[-1]
-    return tokens
 
 
 def test_penalties_read_the_counts_of_generated_tokens():
@@ -171,12 +155,96 @@ def test_penalties_read_the_counts_of_generated_tokens():
         chain, key=jax.random.key(0), temperature=0.0, max_new_tokens=8,
         presence_penalty=presence, frequency_penalty=frequency,
     )  # fmt: skip
-    changed = False
-    for row in range(3):
-        tokens = np_penalized_greedy(chain, row, 8, presence[row], frequency[row])
-        np.testing.assert_array_equal(out.tokens[row], tokens, err_msg=str(row))
-        changed |= tokens != np_penalized_greedy(chain, row, 8, 0.0, 0.0)
-    assert changed  # the penalties act on this chain
+    of_row = lambda row: dict(presence=presence[row], frequency=frequency[row])
+    assert_greedy(chain, out, of_row)
+    plain = [np_greedy(chain, row, 8)[0] for row in range(3)]
+    assert plain != np.asarray(out.tokens).tolist()  # the penalties act here
+
+
+# ---------------------------------------------------------------------------
+# streaming: the chunks concatenated equal one generate call bitwise, with
+# every option of the loop on.
+
+STREAM_CHAIN = MarkovChain(41, vocab_size=6, batch=3, eos_boost=0.2)
+
+
+def stream_settings():
+    return dict(
+        key=jax.random.split(jax.random.key(5), 3),
+        max_new_tokens=7,
+        temperature=np.array([0.0, 1.2, 0.9], np.float32),
+        top_p=0.95,
+        eos_id=(0,),
+        pad_id=5,
+        num_samples=2,
+        row_max_new_tokens=np.array([7, 4, 6], np.int32),
+        stop_sequences=[[3, 3]],
+        top_logprobs=2,
+        processor=vowel_after_consonant,
+        frequency_penalty=0.5,
+    )
+
+
+def run_all_options(fn, **kwargs):
+    """``fn`` (generate or generate_stream) with every option of the loop on."""
+    return fn(
+        markov_step,
+        STREAM_CHAIN.table,
+        STREAM_CHAIN.logits,
+        STREAM_CHAIN.state(),
+        **{**stream_settings(), **kwargs},
+    )
+
+
+@pytest.mark.parametrize("chunk_steps", [1, 3, 7])
+def test_chunks_concatenated_equal_one_call_bitwise(chunk_steps):
+    whole = run_all_options(decoding.generate)
+    chunks = list(run_all_options(decoding.generate_stream, chunk_steps=chunk_steps))
+    widths = [chunk.tokens.shape[1] for chunk in chunks]
+    assert sum(widths) == 7 and max(widths) <= chunk_steps
+    assert len(chunks) == -(-7 // chunk_steps)
+    for name in ("tokens", "log_probs", "top_tokens", "top_log_probs"):
+        joined = np.concatenate([getattr(c, name) for c in chunks], axis=1)
+        np.testing.assert_array_equal(joined, getattr(whole, name), err_msg=name)
+    for name in ("lengths", "finish_reasons"):
+        np.testing.assert_array_equal(getattr(chunks[-1], name), getattr(whole, name))
+    # A chunk's lengths are those after its steps.
+    end = 0
+    for chunk in chunks:
+        end += chunk.tokens.shape[1]
+        assert (np.asarray(chunk.lengths) <= end).all()
+
+
+def test_a_stream_whose_rows_all_end_early_still_covers_every_column():
+    whole = run_all_options(
+        decoding.generate, row_max_new_tokens=np.array([2, 1, 2], np.int32)
+    )
+    chunks = list(
+        run_all_options(
+            decoding.generate_stream,
+            chunk_steps=2,
+            row_max_new_tokens=np.array([2, 1, 2], np.int32),
+        )
+    )
+    assert len(chunks) == 4
+    joined = np.concatenate([c.tokens for c in chunks], axis=1)
+    np.testing.assert_array_equal(joined, whole.tokens)
+    assert (joined[:, 2:] == 5).all()
+
+
+def test_bad_arguments_raise_when_called_not_at_the_first_chunk():
+    assert_raises_exactly(
+        lambda: run_all_options(decoding.generate_stream, chunk_steps=0),
+        ValueError,
+        "chunk_steps",
+    )
+    assert_raises_exactly(
+        lambda: run_all_options(
+            decoding.generate_stream, chunk_steps=2, top_logprobs=-1
+        ),
+        ValueError,
+        "top_logprobs",
+    )
 
 
 CHAIN = MarkovChain(36, vocab_size=4, batch=2)
@@ -188,60 +256,24 @@ class UnhashableProcessor:  # eq without frozen: __hash__ is None
         return logits
 
 
-BAD_INPUTS = [
-    (
-        "top_logprobs < 0",
-        lambda: run(CHAIN, key=jax.random.key(0), top_logprobs=-1),
-        ValueError,
-        "top_logprobs",
-    ),
-    (
-        "top_logprobs > V",
-        lambda: run(CHAIN, key=jax.random.key(0), top_logprobs=5),
-        ValueError,
-        "top_logprobs",
-    ),
-    (
-        "top_logprobs float",
-        lambda: run(CHAIN, key=jax.random.key(0), top_logprobs=2.0),
-        TypeError,
-        "top_logprobs",
-    ),
-    (
-        "log_probs_from",
-        lambda: run(CHAIN, key=jax.random.key(0), log_probs_from="raw"),
-        ValueError,
-        "log_probs_from",
-    ),
-    (
-        "key per row of the wrong shape",
-        lambda: run(CHAIN, key=jax.random.split(jax.random.key(0), 3)),
-        ValueError,
-        "key",
-    ),
-    (
-        "temperature per row of the wrong shape",
-        lambda: run(CHAIN, key=jax.random.key(0), temperature=np.ones(3)),
-        ValueError,
-        "temperature",
-    ),
-    (
-        "processor not hashable",
-        lambda: run(
-            CHAIN,
-            key=jax.random.key(0),
-            processor=UnhashableProcessor(),
+KEYS = jax.random.split(jax.random.key(0), 3)  # one per row, for 3 rows
+BAD_INPUTS = calls(
+    functools.partial(run, CHAIN, key=jax.random.key(0)),
+    [
+        ("top_logprobs < 0", dict(top_logprobs=-1), ValueError, "top_logprobs"),
+        ("top_logprobs > V", dict(top_logprobs=5), ValueError, "top_logprobs"),
+        ("top_logprobs float", dict(top_logprobs=2.0), TypeError, "top_logprobs"),
+        ("log_probs_from", dict(log_probs_from="raw"), ValueError, "log_probs_from"),
+        ("keys of 3 rows", dict(key=KEYS), ValueError, "key"),
+        (
+            "unhashable hook",
+            dict(processor=UnhashableProcessor()),
+            TypeError,
+            "processor",
         ),
-        TypeError,
-        "processor",
-    ),
-    (
-        "processor not callable",
-        lambda: run(CHAIN, key=jax.random.key(0), processor=3),
-        TypeError,
-        "processor",
-    ),
-]
+        ("hook not callable", dict(processor=3), TypeError, "processor"),
+    ],
+)
 
 
 test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)

@@ -4,8 +4,6 @@ decodes each row by itself: the model's full forward pass (no cache), the
 processors in float64, greedy or the draw with ``fold_in(fold_in(key, 0),
 t)`` at step ``t`` (the key of sample 0, as ``generate`` folds it), the model's log-softmax and its top tokens."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +13,7 @@ from lmhead import decoding
 from lmhead.lm import kv_cache
 from lmhead.lm import model as model_lib
 from tests.decoding.references import (
+    calls,
     np_min_p_mask,
     np_repetition_penalty,
     np_top_k_mask,
@@ -296,43 +295,25 @@ def test_bad_input_names_the_argument(lm):
     fill = lambda slots=(0,), **changes: decoding.fill_slots(
         state, np.asarray(slots), logits, cache, **{**good, **changes}
     )
-    assert_raises_exactly(lambda: fill(np.array([0, 1])), ValueError, "slots")
-    assert_raises_exactly(lambda: fill(np.array([-1])), ValueError, "slots")
+    step = lambda **arguments: decoding.step_slots(step_fn, params, state, **arguments)
+    full = lambda **knobs: decoding.full_knobs(
+        decoding.SamplingKnobs(**knobs), 1, VOCAB
+    )
     # One key for every row would give every row the same draws.
-    assert_raises_exactly(lambda: fill(keys=jax.random.key(1)), ValueError, "keys")
-    assert_raises_exactly(
-        lambda: fill(keys=np.zeros((2,), np.uint32)), ValueError, "keys"
-    )
-    assert_raises_exactly(
-        lambda: fill(max_new_tokens=np.array([0])), ValueError, "max_new_tokens"
-    )
-    assert_raises_exactly(
-        lambda: fill(prompt_tokens=np.array([[1.0]])), TypeError, "prompt_tokens"
-    )
-    assert_raises_exactly(
-        lambda: fill(knobs=decoding.SamplingKnobs()), ValueError, "knobs"
-    )
-    assert_raises_exactly(
-        lambda: decoding.full_knobs(
-            decoding.SamplingKnobs(no_repeat_ngram_size=2), 1, VOCAB
-        ),
-        ValueError,
-        "no_repeat_ngram_size",
-    )
-    assert_raises_exactly(
-        lambda: decoding.full_knobs(
-            dataclasses.replace(decoding.SamplingKnobs(), top_p=2.0), 1, VOCAB
-        ),
-        ValueError,
-        "top_p",
-    )
-    assert_raises_exactly(
-        lambda: decoding.step_slots(step_fn, params, state, num_steps=0),
-        ValueError,
-        "num_steps",
-    )
-    assert_raises_exactly(
-        lambda: decoding.step_slots(step_fn, params, state, num_steps=1, eos_id=VOCAB),
-        ValueError,
-        "eos_id",
-    )
+    bad = calls(fill, [
+        ("2 slots", dict(slots=np.array([0, 1])), ValueError),
+        ("slot -1", dict(slots=np.array([-1])), ValueError),
+        ("one key", dict(keys=jax.random.key(1)), ValueError),
+        ("raw keys' shape", dict(keys=np.zeros((2,), np.uint32)), ValueError),
+        ("limit 0", dict(max_new_tokens=np.array([0])), ValueError),
+        ("float prompt", dict(prompt_tokens=np.array([[1.0]])), TypeError),
+        ("knobs not full", dict(knobs=decoding.SamplingKnobs()), ValueError),
+    ]) + calls(full, [
+        ("static knob", dict(no_repeat_ngram_size=2), ValueError),
+        ("top_p 2", dict(top_p=2.0), ValueError),
+    ]) + calls(step, [
+        ("num_steps 0", dict(num_steps=0), ValueError),
+        ("eos_id = V", dict(num_steps=1, eos_id=VOCAB), ValueError, "eos_id"),
+    ])  # fmt: skip
+    for _, call, error, named in bad:
+        assert_raises_exactly(call, error, named)

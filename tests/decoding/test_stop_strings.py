@@ -9,6 +9,7 @@ import pytest
 
 from lmhead import decoding
 from lmhead.decoding.stop_strings import StopStrings, token_bytes_from_decode
+from tests.decoding.references import calls
 from tests.errors import assert_raises_exactly, bad_input_test
 
 # Tokens chosen so that stop strings split across 2 and 3 tokens, end inside
@@ -161,49 +162,27 @@ def test_check_names_stop():
     assert_raises_exactly(lambda: stop.check(2, 99), ValueError, "stop")
 
 
-BAD_INPUTS = [
-    ("empty string", lambda: StopStrings.build(["a", ""], TOKENS), ValueError, "stop"),
-    ("no string", lambda: StopStrings.build([], TOKENS), ValueError, "stop"),
-    (
-        "no string per row",
-        lambda: StopStrings.build([[], []], TOKENS),
-        ValueError,
-        "stop",
-    ),
-    (
-        "too long",
-        lambda: StopStrings.build(["abcdef"], TOKENS, max_bytes=4),
-        ValueError,
-        ("stop", "max_bytes"),
-    ),
-    (
-        "too long by default",
-        lambda: StopStrings.build(["x" * 300], TOKENS),
-        ValueError,
-        "stop",
-    ),
-    (
-        "a character longer than the budget",
-        lambda: StopStrings.build(["éé"], TOKENS, max_bytes=3),
-        ValueError,
-        "max_bytes",
-    ),
-    (
-        "too many",
-        lambda: StopStrings.build(["a", "b"], TOKENS, max_strings=1),
-        ValueError,
-        "max_strings",
-    ),
-    ("bytes", lambda: StopStrings.build([b"a"], TOKENS), TypeError, "stop"),
-    ("not a list", lambda: StopStrings.build(3, TOKENS), TypeError, "stop"),
-    ("mixed", lambda: StopStrings.build(["a", ["b"]], TOKENS), TypeError, "stop"),
-    ("table of str", lambda: StopStrings.build(["a"], ["a"]), TypeError, "token_bytes"),
-    ("empty table", lambda: StopStrings.build(["a"], []), TypeError, "token_bytes"),
-]
+def build(stop, token_bytes=TOKENS, **budgets):
+    return StopStrings.build(stop, token_bytes, **budgets)
+
+
+BAD_INPUTS = calls(
+    build,
+    [
+        ("empty string", dict(stop=["a", ""]), ValueError),
+        ("no string", dict(stop=[]), ValueError),
+        ("no string per row", dict(stop=[[], []]), ValueError),
+        ("too long", dict(stop=["abcdef"], max_bytes=4), ValueError),
+        ("too long by default", dict(stop=["x" * 300]), ValueError, "stop"),
+        ("a character over", dict(stop=["éé"], max_bytes=3), ValueError, "max_bytes"),
+        ("too many", dict(stop=["a", "b"], max_strings=1), ValueError, "max_strings"),
+        ("bytes", dict(stop=[b"a"]), TypeError),
+        ("not a list", dict(stop=3), TypeError),
+        ("mixed", dict(stop=["a", ["b"]]), TypeError),
+        ("table of str", dict(stop=["a"], token_bytes=["a"]), TypeError, "token_bytes"),
+        ("empty table", dict(stop=["a"], token_bytes=[]), TypeError, "token_bytes"),
+    ],
+)
 
 
 test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)
-
-
-def test_exported():
-    assert decoding.StopStrings is StopStrings

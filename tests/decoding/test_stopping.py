@@ -2,6 +2,7 @@
 stop sequences and per-row lengths against a Python loop that stops by hand."""
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -9,37 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmhead import decoding
-from tests.decoding.references import MarkovChain, generate_greedy
+from tests.decoding.references import (
+    MarkovChain,
+    assert_greedy,
+    calls,
+    generate_greedy,
+    np_greedy,
+)
 from tests.errors import bad_input_test
-
-
-def python_greedy(chain, row, width, *, eos=(), stops=(), limit=None, pad=0):
-    """Greedy decoding of one row in numpy, stopped by hand: after an EOS id,
-    after a stop sequence made of generated tokens only, or after ``limit``
-    tokens. Returns (tokens padded to width, length, finish reason)."""
-    tokens, reason = [], decoding.FINISHED_LENGTH
-    prev, logits = chain.prev[row], chain.logits[row].astype(np.float64)
-    for _ in range(width if limit is None else limit):
-        token = int(np.argmax(logits))
-        tokens.append(token)
-        if token in eos:
-            reason = decoding.FINISHED_EOS
-            break
-        if any(tokens[-len(s) :] == list(s) for s in stops if len(tokens) >= len(s)):
-            reason = decoding.FINISHED_STOP
-            break
-        logits, prev = chain.table[prev, token].astype(np.float64), token
-    return tokens + [pad] * (width - len(tokens)), len(tokens), reason
-
-
-def assert_rows_match(out, chain, width, settings_of_row, pad=0):
-    for row in range(out.tokens.shape[0]):
-        tokens, length, reason = python_greedy(
-            chain, row, width, pad=pad, **settings_of_row(row)
-        )
-        np.testing.assert_array_equal(out.tokens[row], tokens, err_msg=str(row))
-        assert int(out.lengths[row]) == length, row
-        assert int(out.finish_reasons[row]) == reason, row
 
 
 def test_eos_ids_as_a_set_end_rows_like_a_python_loop():
@@ -47,7 +25,7 @@ def test_eos_ids_as_a_set_end_rows_like_a_python_loop():
     free = np.asarray(generate_greedy(chain, 8).tokens)
     eos = (int(free[0, 3]), int(free[1, 1]))  # ids that occur in the free runs
     out = generate_greedy(chain, 8, eos_id=list(eos), pad_id=5)
-    assert_rows_match(out, chain, 8, lambda row: dict(eos=eos), pad=5)
+    assert_greedy(chain, out, eos_id=eos, pad_id=5)
     reasons = np.asarray(out.finish_reasons)
     assert (reasons == decoding.FINISHED_EOS).any(), reasons
 
@@ -65,14 +43,14 @@ def test_stop_sequences_shared_and_per_row_match_a_python_loop():
         [[int(chain.prev[3]), int(free[3, 0])]],
     ]
     out = generate_greedy(chain, 9, stop_sequences=per_row, eos_id=None)
-    assert_rows_match(out, chain, 9, lambda row: dict(stops=per_row[row]))
+    assert_greedy(chain, out, lambda row: dict(stops=per_row[row]))
     assert int(out.lengths[3]) > 1  # the prompt's token did not count
     assert int(out.finish_reasons[0]) == decoding.FINISHED_STOP
     assert int(out.finish_reasons[2]) == decoding.FINISHED_LENGTH
 
     shared = [free[2, 3:5].tolist(), [int(free[1, 0])]]
     out = generate_greedy(chain, 9, stop_sequences=shared)
-    assert_rows_match(out, chain, 9, lambda row: dict(stops=shared))
+    assert_greedy(chain, out, stops=shared)
 
 
 def test_row_lengths_eos_and_stops_together_and_num_samples():
@@ -88,13 +66,14 @@ def test_row_lengths_eos_and_stops_together_and_num_samples():
         eos_id=eos,
         num_samples=2,
     )
-    for row in range(6):
-        tokens, length, reason = python_greedy(
-            chain, row // 2, 7, eos=eos, stops=stops, limit=limits[row // 2]
-        )
-        np.testing.assert_array_equal(out.tokens[row], tokens)
-        assert int(out.lengths[row]) == length
-        assert int(out.finish_reasons[row]) == reason
+    assert_greedy(
+        chain,
+        out,
+        lambda row: dict(limit=limits[row]),
+        samples=2,
+        eos_id=eos,
+        stops=stops,
+    )
 
 
 def test_a_stop_condition_of_ones_own_through_the_protocol():
@@ -103,7 +82,7 @@ def test_a_stop_condition_of_ones_own_through_the_protocol():
     chain = MarkovChain(24, vocab_size=6, batch=3)
     out = generate_greedy(chain, 8, stop=SecondHighToken(jnp.array([2, 3, 4])))
     for row, threshold in enumerate((2, 3, 4)):
-        tokens, length, reason = python_greedy(chain, row, 8)
+        tokens, _, length, reason = np_greedy(chain, row, 8)
         high = np.cumsum(np.asarray(tokens[:length]) > threshold)
         end = int(np.argmax(high >= 2)) + 1 if high[-1] >= 2 else length
         np.testing.assert_array_equal(out.tokens[row, :end], tokens[:end])
@@ -159,75 +138,33 @@ class StopSequencesTest(chex.TestCase):
 
 
 CHAIN = MarkovChain(25, vocab_size=4, batch=2)
+STOP_3 = decoding.StopSequences.of([[1]], batch=3)
 
-BAD_INPUTS = [
+ROWS_3 = [[[1]], [[2]], [[3]]]
+BAD_INPUTS = calls(
+    functools.partial(generate_greedy, CHAIN, 3),
+    [
+        ("empty stop sequence", dict(stop_sequences=[[1], []]), ValueError),
+        ("stop sequence id = V", dict(stop_sequences=[[1, 4]]), ValueError),
+        ("stop sequences of 3 rows", dict(stop_sequences=ROWS_3), ValueError),
+        ("stop of 3 rows", dict(stop=STOP_3), ValueError, "stop_sequences"),
+        ("stop not a condition", dict(stop=[[1, 2]]), TypeError),
+        ("eos_id set with V", dict(eos_id=(1, 4)), ValueError),
+        ("limits of 3 rows", dict(row_max_new_tokens=np.array([1, 2, 3])), ValueError),
+        (
+            "limit > max_new_tokens",
+            dict(row_max_new_tokens=np.array([1, 4])),
+            ValueError,
+        ),
+        ("limit 0", dict(row_max_new_tokens=np.array([0, 1])), ValueError),
+        ("limits float", dict(row_max_new_tokens=np.array([1.0, 2.0])), TypeError),
+    ],
+) + [
     (
         "stop sequence longer than its window",
         lambda: decoding.StopSequences.of([[1, 2, 3]], batch=2, window=2),
         ValueError,
         "stop_sequences",
-    ),
-    (
-        "empty stop sequence",
-        lambda: generate_greedy(CHAIN, 3, stop_sequences=[[1], []]),
-        ValueError,
-        "stop_sequences",
-    ),
-    (
-        "stop sequence id out of range",
-        lambda: generate_greedy(CHAIN, 3, stop_sequences=[[1, 4]]),
-        ValueError,
-        "stop_sequences",
-    ),
-    (
-        "per-row stop sequences for the wrong number of rows",
-        lambda: generate_greedy(CHAIN, 3, stop_sequences=[[[1]], [[2]], [[3]]]),
-        ValueError,
-        "stop_sequences",
-    ),
-    (
-        "stop sequences of another batch",
-        lambda: generate_greedy(
-            CHAIN, 3, stop=decoding.StopSequences.of([[1]], batch=3)
-        ),
-        ValueError,
-        "stop_sequences",
-    ),
-    (
-        "stop not a condition",
-        lambda: generate_greedy(CHAIN, 3, stop=[[1, 2]]),
-        TypeError,
-        "stop",
-    ),
-    (
-        "eos_id set with an id out of range",
-        lambda: generate_greedy(CHAIN, 3, eos_id=(1, 4)),
-        ValueError,
-        "eos_id",
-    ),
-    (
-        "row_max_new_tokens of the wrong shape",
-        lambda: generate_greedy(CHAIN, 3, row_max_new_tokens=np.array([1, 2, 3])),
-        ValueError,
-        "row_max_new_tokens",
-    ),
-    (
-        "row_max_new_tokens above max_new_tokens",
-        lambda: generate_greedy(CHAIN, 3, row_max_new_tokens=np.array([1, 4])),
-        ValueError,
-        "row_max_new_tokens",
-    ),
-    (
-        "row_max_new_tokens 0",
-        lambda: generate_greedy(CHAIN, 3, row_max_new_tokens=np.array([0, 1])),
-        ValueError,
-        "row_max_new_tokens",
-    ),
-    (
-        "row_max_new_tokens float",
-        lambda: generate_greedy(CHAIN, 3, row_max_new_tokens=np.array([1.0, 2.0])),
-        TypeError,
-        "row_max_new_tokens",
     ),
 ]
 

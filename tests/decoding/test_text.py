@@ -1,12 +1,15 @@
 """Tests for lmhead/decoding/text.py (detokenize)."""
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from lmhead import decoding
 from lmhead.lm import data
-from tests.errors import assert_raises_with, bad_input_test
+from tests.decoding.references import calls
+from tests.errors import bad_input_test
 
 
 class Letters:
@@ -51,6 +54,16 @@ def reference_trim(text, stops):
     return text
 
 
+def reference_find(text, stops, after):
+    """``(start, end)`` of the first stop string to end past ``after``
+    characters, the longest of those ending there; None if none does."""
+    for end in range(after + 1, len(text) + 1):
+        ending = [s for s in stops if text[:end].endswith(s)]
+        if ending:
+            return end - max(map(len, ending)), end
+    return None
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_trim_at_stop_against_a_brute_force_reference(seed):
     rng = np.random.default_rng(seed)
@@ -63,6 +76,10 @@ def test_trim_at_stop_against_a_brute_force_reference(seed):
         assert decoding.trim_at_stop(text, chosen[::-1]) == expected
         found = decoding.find_stop(text, chosen)
         assert (found is None) == (not any(s in text for s in chosen))
+        after = int(rng.integers(0, len(text) + 1))
+        assert decoding.find_stop(text, chosen, after) == reference_find(
+            text, chosen, after
+        )
 
 
 def test_trim_at_stop_follows_the_stop_the_loop_meets_first():
@@ -80,75 +97,29 @@ def test_detokenize_trims_at_a_stop_string():
     assert decoding.detokenize(ids[0], Letters(), stop="z", eos_id=3) == "abc"
 
 
-# ---------------------------------------------------------------------------
-# bad input: the message names the argument and what is allowed
-# (BAD_INPUT_MESSAGES, whose fragments are pinned), and each case raises
-# exactly the expected type with a message that names the argument
-# (BAD_INPUTS, tests/errors.py).
-
-BAD_INPUT_MESSAGES = [
-    (
-        lambda: decoding.detokenize(3, Letters()),
-        ValueError,
-        "ids must have shape [..., N]",
-    ),
-    (
-        lambda: decoding.detokenize([1], object()),
-        TypeError,
-        "tokenizer must have a decode",
-    ),
-]
+LETTERS = Letters()
 
 
-@pytest.mark.parametrize("call,error,fragment", BAD_INPUT_MESSAGES)
-def test_bad_input_is_named(call, error, fragment):
-    assert_raises_with(call, error, fragment)
+def detokenize(ids=(0, 1), tokenizer=LETTERS, **options):
+    return decoding.detokenize(ids, tokenizer, **options)
 
 
-BAD_INPUTS = [
-    (
-        "detokenize eos_id not an id",
-        lambda: decoding.detokenize([0, 1], Letters(), eos_id=1.0),
-        TypeError,
-        "eos_id",
-    ),
-    (
-        "trim_at_stop empty string",
-        lambda: decoding.trim_at_stop("abc", ["b", ""]),
-        ValueError,
-        "stop",
-    ),
-    (
-        "trim_at_stop not a string",
-        lambda: decoding.trim_at_stop("abc", [3]),
-        TypeError,
-        "stop",
-    ),
-    (
-        "detokenize empty stop",
-        lambda: decoding.detokenize([0, 1], Letters(), stop=""),
-        ValueError,
-        "stop",
-    ),
-    (
-        "detokenize no decode",
-        lambda: decoding.detokenize([[0, 1]], object()),
-        TypeError,
-        ("tokenizer", "decode"),
-    ),
-    (
-        "detokenize float ids",
-        lambda: decoding.detokenize([0.5], Letters()),
-        TypeError,
-        "ids",
-    ),
-    (
-        "detokenize scalar ids",
-        lambda: decoding.detokenize(3, Letters()),
-        ValueError,
-        "ids",
-    ),
-]
+BAD_INPUTS = calls(
+    detokenize,
+    [
+        ("eos_id not an id", dict(eos_id=1.0), TypeError),
+        ("empty stop", dict(stop=""), ValueError),
+        ("no decode", dict(tokenizer=object()), TypeError, ("tokenizer", "decode")),
+        ("float ids", dict(ids=[0.5]), TypeError),
+        ("scalar ids", dict(ids=3), ValueError, ("ids", "[..., N]")),
+    ],
+) + calls(
+    functools.partial(decoding.trim_at_stop, "abc"),
+    [
+        ("an empty stop string", dict(stop=["b", ""]), ValueError),
+        ("a stop string not a str", dict(stop=[3]), TypeError),
+    ],
+)
 
 
 test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)

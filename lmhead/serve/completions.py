@@ -188,8 +188,8 @@ def stop_string_end(
     The row ends at the first token ``n > start``, ``n >= min_tokens``,
     whose text completes a stop string (one ending after the text of the
     first ``n - 1`` tokens, as vLLM checks the new text only; of several,
-    the one ending first, then the longest, as
-    :func:`lmhead.decoding.find_stop`); it keeps its tokens up to ``n`` and
+    the one ending first, then the longest: :func:`lmhead.decoding.find_stop`
+    with ``after`` that text's length); it keeps its tokens up to ``n`` and
     its text up to the stop string, or through it with
     ``include_stop_str_in_output``.
 
@@ -215,14 +215,9 @@ def stop_string_end(
         return None
     for n in range(first, len(ids) + 1):
         text = _text(engine, request, ids[:n])
-        ends = []
-        for s in request.stop:
-            at = text.find(s, max(0, before - len(s) + 1))
-            if at >= 0:
-                ends.append((at + len(s), -len(s)))
-        if ends:
-            end, minus_length = min(ends)
-            return n, end if request.include_stop_str else end + minus_length
+        found = decoding.find_stop(text, request.stop, after=before)
+        if found is not None:
+            return n, found[1] if request.include_stop_str else found[0]
         before = len(text)
     return None
 

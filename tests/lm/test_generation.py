@@ -19,7 +19,7 @@ from lmhead import decoding, quantize
 from lmhead.lm import checkpoints, configuration, data, generation
 from lmhead.lm import model as model_lib
 from lmhead.lm import state as state_lib
-from tests.errors import assert_raises_exactly
+from tests.errors import assert_raises_exactly, bad_input_test
 from tests.lm.tiny_decoder import MAX_LEN, init_params, random_tokens, small_model
 
 NEW = 11
@@ -170,8 +170,6 @@ def test_timings_exist_and_are_positive():
     assert t.time_to_first_token_ms == pytest.approx(t.prefill_ms + t.first_step_ms)
     line = generation.format_timings(t, batch_size=3)
     assert "time to first token" in line and "ms per new token over 4 tokens" in line
-    with pytest.raises(ValueError, match="exceeds the model's max_len"):
-        generation.time_generation(model, params, PROMPT, max_new_tokens=MAX_LEN)
 
 
 def test_timing_prompt_is_one_window_of_continue_text():
@@ -439,51 +437,41 @@ def test_top_logprobs_and_penalties(run):
     assert len(set(greedy.tokens[:8])) < 8  # the penalty changed something
 
 
-def test_bad_requests_are_refused_before_anything_compiles():
-    tokenizer = data.CharTokenizer("abc")
-    model = tiny_model(tied=True)
-    one_slot = model_lib.DecoderLM(
-        vocab_size=3, num_layers=1, num_heads=2, d_model=8, mlp_dim=16, max_len=1
-    )
-    knobs = dict(key=jax.random.key(0), num_samples=1, max_new_tokens=4)
-    cases = [
-        (
-            lambda: generation.continue_text(one_slot, None, tokenizer, "a", **knobs),
-            ValueError,
-            "max_len",
-        ),
-        (
-            lambda: generation.continue_text(model, None, tokenizer, "", **knobs),
-            ValueError,
-            "prompt",
-        ),
-        (
-            lambda: generation.timing_prompt(model, tokenizer, "", 1, 4),
-            ValueError,
-            "prompt",
-        ),
-        (
-            lambda: generation.time_generation(model, None, PROMPT, max_new_tokens=0),
-            ValueError,
-            "max_new_tokens",
-        ),
-        (
-            lambda: generation.time_generation(
-                model, None, PROMPT, max_new_tokens=2, repeats=0
-            ),
-            ValueError,
-            "repeats",
-        ),
-        (
-            lambda: generation.continue_text(
-                model, None, tokenizer, "a", stop=["b", ""], **knobs
-            ),
-            ValueError,
-            "stop",
-        ),
-    ]
-    for call, error, named in cases:
-        assert_raises_exactly(call, error, named)
+TOKENIZER = data.CharTokenizer("abc")
+ONE_SLOT = model_lib.DecoderLM(
+    vocab_size=3, num_layers=1, num_heads=2, d_model=8, mlp_dim=16, max_len=1
+)
+KNOBS = dict(key=jax.random.key(0), num_samples=1, max_new_tokens=4)
+# Refused before anything compiles (no parameters are given).
+BAD_REQUESTS = [
+    ("continue_text max_len 1",
+     lambda: generation.continue_text(ONE_SLOT, None, TOKENIZER, "a", **KNOBS),
+     ValueError, "max_len"),
+    ("continue_text empty prompt",
+     lambda: generation.continue_text(tiny_model(True), None, TOKENIZER, "", **KNOBS),
+     ValueError, "prompt"),
+    ("continue_text empty stop",
+     lambda: generation.continue_text(
+         tiny_model(True), None, TOKENIZER, "a", stop=["b", ""], **KNOBS),
+     ValueError, "stop"),
+    ("timing_prompt empty prompt",
+     lambda: generation.timing_prompt(tiny_model(True), TOKENIZER, "", 1, 4),
+     ValueError, "prompt"),
+    ("time_generation max_new_tokens 0",
+     lambda: generation.time_generation(
+         tiny_model(True), None, PROMPT, max_new_tokens=0),
+     ValueError, "max_new_tokens"),
+    ("time_generation past max_len",
+     lambda: generation.time_generation(
+         tiny_model(True), None, PROMPT, max_new_tokens=MAX_LEN),
+     ValueError, ("max_new_tokens", "max_len")),
+    ("time_generation repeats 0",
+     lambda: generation.time_generation(
+         tiny_model(True), None, PROMPT, max_new_tokens=2, repeats=0),
+     ValueError, "repeats"),
+]  # fmt: skip
+
+test_bad_requests_are_refused_exactly_naming_the_argument = bad_input_test(BAD_REQUESTS)
 
 
 # ---------------------------------------------------------------------------

@@ -284,7 +284,9 @@ class TestEarlyStoppingAndTest:
         )
         assert events[-1] == "test"
 
-    def test_test_evaluation_uses_the_best_parameters(self, stopped, corpus):
+    def test_test_evaluation_of_the_best_parameters(self, stopped, corpus):
+        """On the best step's parameters: counts, bits per character and the
+        per-word perplexity of the whole test text."""
         test = stopped["summary"]["test"]
         assert test["step"] == 10
         with open(corpus, encoding="utf-8") as f:
@@ -295,11 +297,6 @@ class TestEarlyStoppingAndTest:
         )
         assert test["bits_per_char"] == pytest.approx(test["loss"] / math.log(2))
         assert test["loss_stderr"] > 0
-
-    def test_test_evaluation_reports_the_per_word_perplexity(self, stopped, corpus):
-        test = stopped["summary"]["test"]
-        with open(corpus, encoding="utf-8") as f:
-            test_text = data.split_blocks(f.read(), 0.1, 0.1)[2]
         assert test["words"] == len(test_text.split())
         assert test["word_perplexity"] == pytest.approx(
             math.exp(test["loss"] * test["num_tokens"] / test["words"]), rel=1e-6

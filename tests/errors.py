@@ -42,12 +42,13 @@ def cases(table) -> list:
 
 
 def keyword_rows(prefix: str, fn, rows) -> list:
-    """Rows ``(id, kwargs, error, named)`` of calls ``fn(**kwargs)`` as rows
+    """Rows ``(id, kwargs, error[, named])`` of calls ``fn(**kwargs)`` as rows
     of :func:`bad_input_test`, each id after ``prefix``: a table of one
-    function's bad arguments, written as the arguments alone."""
+    function's bad arguments, written as the arguments alone. Without
+    ``named`` the message must name the keywords given."""
     return [
-        (f"{prefix} {id_}", functools.partial(fn, **kwargs), error, named)
-        for id_, kwargs, error, named in rows
+        (f"{prefix} {id_}", functools.partial(fn, **kw), error, *(named or [tuple(kw)]))
+        for id_, kw, error, *named in rows
     ]
 
 

@@ -8,7 +8,6 @@ wrongly gets wrong logits. The chain's table is the step function's
 """
 
 import collections
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -261,13 +260,3 @@ def np_counts(generated, vocab_size):
         for token in tokens:
             counts[row, token] += 1
     return counts
-
-
-def calls(fn, table):
-    """``bad_input_test`` rows ``(id, call, error, named)`` from rows ``(id,
-    keywords, error[, named])``: each call is ``fn(**keywords)``, and the
-    error must name ``named``, by default the keywords given."""
-    return [
-        (name, functools.partial(fn, **kw), error, named[0] if named else tuple(kw))
-        for name, kw, error, *named in table
-    ]

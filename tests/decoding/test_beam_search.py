@@ -15,14 +15,13 @@ from tests.decoding.references import (
     UNIFORM_TABLE,
     MarkovChain,
     beam_chain,
-    calls,
     counted_markov_step,
     generate_greedy,
     markov_step,
     np_divisor,
     uniform_markov,
 )
-from tests.errors import bad_input_test
+from tests.errors import bad_input_test, keyword_rows
 from tests.references import log_softmax as np_log_softmax
 
 
@@ -392,7 +391,8 @@ def uniform_beam(logits=UNIFORM_LOGITS, state=(), **kwargs):
     )
 
 
-BAD_INPUTS = calls(
+BAD_INPUTS = keyword_rows(
+    "beam_search",
     uniform_beam,
     [
         ("num_beams 0", dict(num_beams=0), ValueError),

@@ -15,12 +15,11 @@ from tests.decoding.references import (
     MarkovChain,
     assert_greedy,
     beam_chain,
-    calls,
     generate_greedy,
     np_greedy,
     run_chain,
 )
-from tests.errors import assert_raises_exactly, bad_input_test
+from tests.errors import assert_raises_exactly, bad_input_test, keyword_rows
 
 CHAIN = MarkovChain(21, vocab_size=6, batch=3)
 SETTINGS = dict(
@@ -276,7 +275,9 @@ OF = [  # SamplingKnobs.of: both forms, a misspelled knob, not knobs
     ("a dict", dict(knobs={"top_k": 2}), TypeError, ("knobs", "SamplingKnobs")),
 ]
 BAD_INPUTS = (
-    calls(check, CHECKS) + calls(bias_map, BIAS_MAPS) + calls(SamplingKnobs.of, OF)
+    keyword_rows("check", check, CHECKS)
+    + keyword_rows("logit_bias_vector", bias_map, BIAS_MAPS)
+    + keyword_rows("of", SamplingKnobs.of, OF)
 )
 
 

@@ -9,7 +9,6 @@ import numpy as np
 from lmhead import decoding
 from tests.decoding.references import (
     MarkovChain,
-    calls,
     np_counts,
     np_min_p_mask,
     np_ngram_banned,
@@ -18,7 +17,7 @@ from tests.decoding.references import (
     np_top_k_mask,
     np_top_p_mask,
 )
-from tests.errors import bad_input_test
+from tests.errors import bad_input_test, keyword_rows
 from tests.references import log_softmax as np_log_softmax
 
 
@@ -427,7 +426,8 @@ def process(logits=Z, **knobs):
 
 INF_ROW = np.float32([0, np.inf])
 EMPTY, INTEGERS = jnp.zeros((2, 0)), jnp.ones((2, 4), int)
-BAD_INPUTS = calls(
+BAD_INPUTS = keyword_rows(
+    "apply",
     apply,
     [
         ("counts of V = 5", dict(counts=jnp.zeros((2, 5), jnp.int32)), ValueError),
@@ -458,7 +458,8 @@ BAD_INPUTS = calls(
             ("repetition_penalty", "(0, inf)"),
         ),
     ],
-) + calls(
+) + keyword_rows(
+    "process_logits",
     process,
     [
         ("history missing", dict(repetition_penalty=1.2), ValueError, "history"),

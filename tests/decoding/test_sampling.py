@@ -13,7 +13,6 @@ from tests.decoding.references import (
     UNIFORM_TABLE,
     MarkovChain,
     assert_greedy,
-    calls,
     counted_markov_step,
     generate_greedy,
     markov_step,
@@ -21,7 +20,7 @@ from tests.decoding.references import (
     run_chain,
     uniform_markov,
 )
-from tests.errors import bad_input_test
+from tests.errors import bad_input_test, keyword_rows
 
 
 def test_greedy_matches_numpy_and_stops_when_every_row_has_ended():
@@ -260,7 +259,8 @@ def uniform_generate(logits=UNIFORM_LOGITS, state=(), **kwargs):
 # generate checks them, and its own arguments.
 STATE = {"cache": jnp.zeros((2, 4)), "scale": jnp.float32(1.0)}
 PROMPT = jnp.zeros((3, 2), jnp.int32)
-BAD_INPUTS = calls(
+BAD_INPUTS = keyword_rows(
+    "generate",
     uniform_generate,
     [
         ("logits rank 3", dict(logits=UNIFORM_LOGITS[None]), ValueError, "logits"),

@@ -14,15 +14,12 @@ from lmhead import decoding
 from tests.decoding.references import (
     MarkovChain,
     assert_greedy,
-    calls,
     markov_step,
     np_greedy,
     run_chain,
 )
-from tests.errors import assert_raises_exactly, bad_input_test
+from tests.errors import assert_raises_exactly, bad_input_test, keyword_rows
 from tests.references import log_softmax as np_log_softmax
-
-run = run_chain
 
 
 def test_per_row_keys_a_row_is_the_same_alone_and_in_any_batch():
@@ -30,10 +27,10 @@ def test_per_row_keys_a_row_is_the_same_alone_and_in_any_batch():
     keys = jax.random.split(jax.random.key(7), 4)
     limits = np.array([6, 3, 5, 1], np.int32)
     settings = dict(temperature=1.3, top_p=0.95, num_samples=2)
-    batch = run(chain, key=keys, row_max_new_tokens=limits, **settings)
+    batch = run_chain(chain, key=keys, row_max_new_tokens=limits, **settings)
     assert len({tuple(row) for row in np.asarray(batch.tokens[::2])}) > 1
     for order in ([2, 0], [3, 1, 0, 2]):
-        other = run(
+        other = run_chain(
             chain, order, key=keys[np.array(order)], row_max_new_tokens=limits[order],
             **settings,
         )  # fmt: skip
@@ -47,7 +44,7 @@ def test_per_row_keys_a_row_is_the_same_alone_and_in_any_batch():
     # Row by row: alone, with its own limit; raw keys work too.
     raw = jax.random.key_data(keys)
     for row in range(4):
-        alone = run(
+        alone = run_chain(
             chain, [row], key=raw[row : row + 1], row_max_new_tokens=limits[row : row + 1],
             **settings,
         )  # fmt: skip
@@ -55,17 +52,19 @@ def test_per_row_keys_a_row_is_the_same_alone_and_in_any_batch():
         assert (np.asarray(alone.tokens[:, limits[row] :]) == 0).all()
     np.testing.assert_array_equal(batch.lengths, np.repeat(limits, 2))
     # Sample 0 of a row does not depend on num_samples.
-    one = run(chain, key=keys, row_max_new_tokens=limits, temperature=1.3, top_p=0.95)
+    one = run_chain(
+        chain, key=keys, row_max_new_tokens=limits, temperature=1.3, top_p=0.95
+    )
     np.testing.assert_array_equal(one.tokens, batch.tokens[::2])
 
 
 def test_one_key_is_unchanged_and_differs_from_per_row_keys():
     chain = MarkovChain(32, vocab_size=6, batch=3)
     key = jax.random.key(3)
-    single = run(chain, key=key, temperature=1.0)
-    again = run(chain, key=key, temperature=1.0)
+    single = run_chain(chain, key=key, temperature=1.0)
+    again = run_chain(chain, key=key, temperature=1.0)
     np.testing.assert_array_equal(single.tokens, again.tokens)
-    per_row = run(chain, key=jax.random.split(key, 3), temperature=1.0)
+    per_row = run_chain(chain, key=jax.random.split(key, 3), temperature=1.0)
     assert not np.array_equal(single.tokens, per_row.tokens)
     assert single.top_tokens.shape == single.top_log_probs.shape == (3, 6, 0)
 
@@ -84,7 +83,7 @@ def test_top_logprobs_match_log_softmax_and_a_stable_sort():
     chain.logits = np.round(chain.logits, 0)
     settings = dict(key=jax.random.key(1), temperature=0.7, top_k=4, top_logprobs=5)
     for source in ("processed", "model"):
-        out = run(chain, log_probs_from=source, **settings)
+        out = run_chain(chain, log_probs_from=source, **settings)
         assert out.top_tokens.shape == (3, 6, 5)
         for row in range(3):
             prev, logits = chain.prev[row], chain.logits[row].astype(np.float64)
@@ -121,7 +120,7 @@ def vowel_after_consonant(logits, context):
 def test_processor_hook_matches_applying_it_by_hand_row_by_row():
     chain = MarkovChain(34, vocab_size=6, batch=4)
     prompt = np.array([[1, 2, 3], [-1, 4, 5], [2, -1, -1], [0, 1, 2]], np.int32)
-    out = run(
+    out = run_chain(
         chain, key=jax.random.key(0), temperature=0.0, processor=vowel_after_consonant,
         prompt_tokens=prompt,
     )  # fmt: skip
@@ -136,7 +135,7 @@ def test_processor_hook_matches_applying_it_by_hand_row_by_row():
         return dict(allowed=rule)
 
     assert_greedy(chain, out, allowed)
-    sampled = run(
+    sampled = run_chain(
         chain, key=jax.random.key(1), temperature=2.0, processor=vowel_after_consonant,
         max_new_tokens=12, num_samples=3,
     )  # fmt: skip
@@ -151,7 +150,7 @@ def test_penalties_read_the_counts_of_generated_tokens():
     chain = MarkovChain(35, vocab_size=5, batch=3)
     presence = np.array([0.0, 1.5, -0.5], np.float32)
     frequency = np.array([0.8, 0.0, 0.3], np.float32)
-    out = run(
+    out = run_chain(
         chain, key=jax.random.key(0), temperature=0.0, max_new_tokens=8,
         presence_penalty=presence, frequency_penalty=frequency,
     )  # fmt: skip
@@ -257,8 +256,9 @@ class UnhashableProcessor:  # eq without frozen: __hash__ is None
 
 
 KEYS = jax.random.split(jax.random.key(0), 3)  # one per row, for 3 rows
-BAD_INPUTS = calls(
-    functools.partial(run, CHAIN, key=jax.random.key(0)),
+BAD_INPUTS = keyword_rows(
+    "generate",
+    functools.partial(run_chain, CHAIN),
     [
         ("top_logprobs < 0", dict(top_logprobs=-1), ValueError, "top_logprobs"),
         ("top_logprobs > V", dict(top_logprobs=5), ValueError, "top_logprobs"),

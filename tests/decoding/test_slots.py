@@ -13,13 +13,12 @@ from lmhead import decoding
 from lmhead.lm import kv_cache
 from lmhead.lm import model as model_lib
 from tests.decoding.references import (
-    calls,
     np_min_p_mask,
     np_repetition_penalty,
     np_top_k_mask,
     np_top_p_mask,
 )
-from tests.errors import assert_raises_exactly
+from tests.errors import assert_raises_exactly, keyword_rows
 from tests.references import log_softmax as np_log_softmax
 
 MAX_LEN = 24
@@ -300,20 +299,36 @@ def test_bad_input_names_the_argument(lm):
         decoding.SamplingKnobs(**knobs), 1, VOCAB
     )
     # One key for every row would give every row the same draws.
-    bad = calls(fill, [
-        ("2 slots", dict(slots=np.array([0, 1])), ValueError),
-        ("slot -1", dict(slots=np.array([-1])), ValueError),
-        ("one key", dict(keys=jax.random.key(1)), ValueError),
-        ("raw keys' shape", dict(keys=np.zeros((2,), np.uint32)), ValueError),
-        ("limit 0", dict(max_new_tokens=np.array([0])), ValueError),
-        ("float prompt", dict(prompt_tokens=np.array([[1.0]])), TypeError),
-        ("knobs not full", dict(knobs=decoding.SamplingKnobs()), ValueError),
-    ]) + calls(full, [
-        ("static knob", dict(no_repeat_ngram_size=2), ValueError),
-        ("top_p 2", dict(top_p=2.0), ValueError),
-    ]) + calls(step, [
-        ("num_steps 0", dict(num_steps=0), ValueError),
-        ("eos_id = V", dict(num_steps=1, eos_id=VOCAB), ValueError, "eos_id"),
-    ])  # fmt: skip
+    bad = (
+        keyword_rows(
+            "fill_slots",
+            fill,
+            [
+                ("2 slots", dict(slots=np.array([0, 1])), ValueError),
+                ("slot -1", dict(slots=np.array([-1])), ValueError),
+                ("one key", dict(keys=jax.random.key(1)), ValueError),
+                ("raw keys' shape", dict(keys=np.zeros((2,), np.uint32)), ValueError),
+                ("limit 0", dict(max_new_tokens=np.array([0])), ValueError),
+                ("float prompt", dict(prompt_tokens=np.array([[1.0]])), TypeError),
+                ("knobs not full", dict(knobs=decoding.SamplingKnobs()), ValueError),
+            ],
+        )
+        + keyword_rows(
+            "full_knobs",
+            full,
+            [
+                ("static knob", dict(no_repeat_ngram_size=2), ValueError),
+                ("top_p 2", dict(top_p=2.0), ValueError),
+            ],
+        )
+        + keyword_rows(
+            "step_slots",
+            step,
+            [
+                ("num_steps 0", dict(num_steps=0), ValueError),
+                ("eos_id = V", dict(num_steps=1, eos_id=VOCAB), ValueError, "eos_id"),
+            ],
+        )
+    )
     for _, call, error, named in bad:
         assert_raises_exactly(call, error, named)

@@ -9,8 +9,7 @@ import pytest
 
 from lmhead import decoding
 from lmhead.decoding.stop_strings import StopStrings, token_bytes_from_decode
-from tests.decoding.references import calls
-from tests.errors import assert_raises_exactly, bad_input_test
+from tests.errors import assert_raises_exactly, bad_input_test, keyword_rows
 
 # Tokens chosen so that stop strings split across 2 and 3 tokens, end inside
 # a token, and hold a two-byte character split across tokens ("é" = c3 a9).
@@ -166,7 +165,8 @@ def build(stop, token_bytes=TOKENS, **budgets):
     return StopStrings.build(stop, token_bytes, **budgets)
 
 
-BAD_INPUTS = calls(
+BAD_INPUTS = keyword_rows(
+    "StopStrings.build",
     build,
     [
         ("empty string", dict(stop=["a", ""]), ValueError),

@@ -13,11 +13,10 @@ from lmhead import decoding
 from tests.decoding.references import (
     MarkovChain,
     assert_greedy,
-    calls,
     generate_greedy,
     np_greedy,
 )
-from tests.errors import bad_input_test
+from tests.errors import bad_input_test, keyword_rows
 
 
 def test_eos_ids_as_a_set_end_rows_like_a_python_loop():
@@ -141,7 +140,8 @@ CHAIN = MarkovChain(25, vocab_size=4, batch=2)
 STOP_3 = decoding.StopSequences.of([[1]], batch=3)
 
 ROWS_3 = [[[1]], [[2]], [[3]]]
-BAD_INPUTS = calls(
+BAD_INPUTS = keyword_rows(
+    "generate",
     functools.partial(generate_greedy, CHAIN, 3),
     [
         ("empty stop sequence", dict(stop_sequences=[[1], []]), ValueError),

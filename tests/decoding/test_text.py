@@ -8,8 +8,7 @@ import pytest
 
 from lmhead import decoding
 from lmhead.lm import data
-from tests.decoding.references import calls
-from tests.errors import bad_input_test
+from tests.errors import bad_input_test, keyword_rows
 
 
 class Letters:
@@ -104,7 +103,8 @@ def detokenize(ids=(0, 1), tokenizer=LETTERS, **options):
     return decoding.detokenize(ids, tokenizer, **options)
 
 
-BAD_INPUTS = calls(
+BAD_INPUTS = keyword_rows(
+    "detokenize",
     detokenize,
     [
         ("eos_id not an id", dict(eos_id=1.0), TypeError),
@@ -113,7 +113,8 @@ BAD_INPUTS = calls(
         ("float ids", dict(ids=[0.5]), TypeError),
         ("scalar ids", dict(ids=3), ValueError, ("ids", "[..., N]")),
     ],
-) + calls(
+) + keyword_rows(
+    "trim_at_stop",
     functools.partial(decoding.trim_at_stop, "abc"),
     [
         ("an empty stop string", dict(stop=["b", ""]), ValueError),

@@ -488,25 +488,16 @@ def process_logits(
     penalties, logit bias, no-repeat-n-gram, suppressed tokens and minimum
     new tokens; then temperature; then top-k, top-p and min-p on the
     tempered distribution (``docs/decoding.md`` says why this order). A
-    processor left at None is off. A row whose every token got removed falls back to a point mass on the
-    argmax of the raw ``logits`` (0 there, ``-inf`` elsewhere), so the result
-    is always a valid distribution and never NaN. Where a logit is ``+inf``
-    before temperature (a small ``repetition_penalty`` can overflow a large
-    positive logit), the ``+inf`` ones share the mass: 0 there, ``-inf``
-    elsewhere, the limit of softmax.
+    processor left at None is off. A row whose every token got removed falls
+    back to a point mass on the argmax of the raw ``logits``; where a logit
+    is ``+inf`` before temperature, the ``+inf`` ones share the mass (the
+    limit of softmax): never NaN.
 
     Args:
         logits: ``[B, V]`` raw next-token logits.
         knobs: a :class:`~lmhead.decoding.knobs.SamplingKnobs`, or None to
-            give its fields as keywords (``temperature``, ``top_k``,
-            ``top_p``, ``min_p``, ``repetition_penalty``, ``min_new_tokens``,
-            ``presence_penalty``, ``frequency_penalty``, ``logit_bias``,
-            ``no_repeat_ngram_size``, ``suppress_tokens``), not both. Each is
-            the argument of its processor: :func:`apply_temperature`,
-            :func:`apply_top_k`, :func:`apply_top_p`, :func:`apply_min_p`,
-            :func:`apply_repetition_penalty`, :func:`apply_min_new_tokens`,
-            :func:`apply_presence_frequency`, :func:`apply_logit_bias`,
-            :func:`apply_no_repeat_ngram`, :func:`apply_suppress_tokens`.
+            give its fields as keywords, not both; each is the argument of
+            its ``apply_*`` processor.
         history: ``int [B, L]`` tokens so far, latest last, negative = empty;
             required by ``repetition_penalty`` and ``no_repeat_ngram_size``.
         counts: ``int [B, V]``, how many times each token has been generated

@@ -25,9 +25,11 @@ from tests.lm.tiny_decoder import MAX_LEN, init_params, random_tokens, small_mod
 NEW = 11
 
 
-def noisy_params(model, seed):
-    """Random parameters far from init, so that the logits spread out."""
-    return init_params(model, seed=seed, noise=0.3)
+def noisy(tied, seed):
+    """A small model and random parameters far from init, so that the logits
+    spread out."""
+    model = small_model(tied=tied)
+    return model, init_params(model, seed=seed, noise=0.3)
 
 
 def perturbed(params, seed, noise=0.3):
@@ -37,10 +39,6 @@ def perturbed(params, seed, noise=0.3):
         lambda x: jnp.asarray(x + noise * rng.standard_normal(x.shape), jnp.float32),
         params,
     )
-
-
-def tiny_model(tied):
-    return small_model(tied=tied)
 
 
 PROMPT = random_tokens((3, 5))
@@ -60,40 +58,40 @@ def greedy(model, params):
     return logits, np.asarray(tokens)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_int8_head_logits_are_h_times_the_dequantized_table(tied):
-    model = tiny_model(tied)
-    params = noisy_params(model, seed=1)
-    small = generation.quantize_for_decoding(model, params, "int8")
-    if tied:  # the lookup keeps the float table; the head reads the int8 copy
+@pytest.mark.parametrize(
+    "tied,dtype",
+    [(True, "int8"), (False, "int8"), (True, "bfloat16"), (True, "float16")],
+)
+def test_a_smaller_heads_logits_are_h_times_its_table(tied, dtype):
+    model, params = noisy(tied, seed=1)
+    small = generation.quantize_for_decoding(model, params, dtype)
+    if tied:  # the lookup keeps the float table; the head reads the copy
         assert small["embed"]["embedding"] is params["embed"]["embedding"]
-        table = small[model_lib.HEAD_TABLE]
-    else:
-        table = small["head"]["unembedding"]
-    assert isinstance(table, quantize.QuantizedTable)
+    table = small[model_lib.HEAD_TABLE] if tied else small["head"]["unembedding"]
+    if dtype == "int8":
+        assert isinstance(table, quantize.QuantizedTable)
+        table = quantize.dequantize(table)
+    assert table.dtype == jnp.dtype("float32" if dtype == "int8" else dtype)
     h = model.apply({"params": params}, PROMPT, method=model_lib.DecoderLM.hidden)
-    expected = (
-        np.asarray(h[:, -1], np.float64)
-        @ np.asarray(quantize.dequantize(table), np.float64).T
-    )
+    expected = np.asarray(h[:, -1], np.float64) @ np.asarray(table, np.float64).T
     logits, _ = model_lib.prefill(model, small, PROMPT)
-    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
     full, _ = model_lib.prefill(model, params, PROMPT)
-    assert (
-        np.abs(np.asarray(logits) - np.asarray(full)).max() < 2e-2 * np.abs(full).max()
-    )
+    scale = np.abs(full).max()
+    tolerance = 1e-4 if dtype == "int8" else 1e-2 * scale
+    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=tolerance)
+    difference = np.abs(np.asarray(logits) - np.asarray(full)).max()
+    assert 0 < difference < (2e-2 if dtype == "int8" else 1e-2) * scale
 
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_int8_greedy_decoding_agrees_with_float32(tied):
-    model = tiny_model(tied)
-    params = noisy_params(model, seed=2)
+    model, params = noisy(tied, seed=2)
+    small = generation.quantize_for_decoding(model, params, "int8")
     _, expected = greedy(model, params)
-    _, got = greedy(model, generation.quantize_for_decoding(model, params, "int8"))
+    _, got = greedy(model, small)
     # A flip would change every later token of its row: most must agree.
     assert np.mean(got == expected) >= 0.8, (got, expected)
     # The quantized model's own full forward pass argmaxes to the same tokens.
-    small = generation.quantize_for_decoding(model, params, "int8")
     sequence = jnp.concatenate([PROMPT, jnp.asarray(got)], axis=1)
     recomputed = jax.jit(model.apply)({"params": small}, sequence[:, :-1])
     np.testing.assert_array_equal(
@@ -102,39 +100,18 @@ def test_int8_greedy_decoding_agrees_with_float32(tied):
 
 
 def test_a_second_quantized_parameter_set_reuses_the_compiled_loop():
-    model = tiny_model(tied=True)
     loop = decoding.sampling._sampling_loop
-    _, first = greedy(
-        model,
-        generation.quantize_for_decoding(model, noisy_params(model, seed=3), "int8"),
-    )
+    model, params = noisy(True, seed=3)
+    _, first = greedy(model, generation.quantize_for_decoding(model, params, "int8"))
     compiled = loop._cache_size()
-    _, second = greedy(
-        model,
-        generation.quantize_for_decoding(model, noisy_params(model, seed=4), "int8"),
-    )
+    params = noisy(True, seed=4)[1]
+    _, second = greedy(model, generation.quantize_for_decoding(model, params, "int8"))
     assert loop._cache_size() == compiled
     assert not np.array_equal(first, second)  # the new values were used
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_heads_decode_close_to_float32(dtype):
-    model = tiny_model(tied=True)
-    params = noisy_params(model, seed=5)
-    full, _ = model_lib.prefill(model, params, PROMPT)
-    small = generation.quantize_for_decoding(model, params, dtype)
-    assert small[model_lib.HEAD_TABLE].dtype == jnp.dtype(dtype)
-    logits, _ = model_lib.prefill(model, small, PROMPT)
-    assert (
-        0
-        < np.abs(np.asarray(logits) - np.asarray(full)).max()
-        < 1e-2 * np.abs(full).max()
-    )
-
-
 def test_beam_search_runs_with_an_int8_head():
-    model = tiny_model(tied=False)
-    params = noisy_params(model, seed=6)
+    model, params = noisy(False, seed=6)
     step_fn = model_lib.make_step_fn(model)
     results = []
     for p in (params, generation.quantize_for_decoding(model, params, "int8")):
@@ -153,16 +130,8 @@ def test_beam_search_runs_with_an_int8_head():
     )
 
 
-def test_the_loss_refuses_a_quantized_head_table():
-    model = tiny_model(tied=True)
-    small = generation.quantize_for_decoding(model, noisy_params(model, seed=7), "int8")
-    with pytest.raises(ValueError, match="QuantizedTable is for inference"):
-        model.apply({"params": small}, PROMPT, PROMPT, method=model_lib.DecoderLM.loss)
-
-
 def test_timings_exist_and_are_positive():
-    model = tiny_model(tied=True)
-    params = noisy_params(model, seed=8)
+    model, params = noisy(True, seed=8)
     t = generation.time_generation(model, params, PROMPT, max_new_tokens=4, repeats=2)
     assert t.new_tokens == 4
     for name in ("compile_seconds", "prefill_ms", "first_step_ms", "ms_per_token"):
@@ -173,7 +142,7 @@ def test_timings_exist_and_are_positive():
 
 
 def test_timing_prompt_is_one_window_of_continue_text():
-    model = tiny_model(tied=True)
+    model = small_model(tied=True)
     tokenizer = data.CharTokenizer("abcdefgh")
     rows, new = generation.timing_prompt(model, tokenizer, "aabbccddeeffgghh", 2, 100)
     assert rows.shape == (2, MAX_LEN // 2) and new == MAX_LEN - MAX_LEN // 2
@@ -269,17 +238,6 @@ def test_greedy_text_matches_full_forward_passes(run):
     assert text == [tokenizer.decode(ids[: 4 + 20])] * 2
 
 
-def plain_and_stopped(run, stop, **settings):
-    """The run's continuations without and with ``stop``, same key."""
-    _, tokenizer, model, params = generation.load_run(run[0])
-    common = dict(key=jax.random.key(3), num_samples=3, max_new_tokens=30, **settings)
-    plain = generation.continuations(model, params, tokenizer, "KING", **common)
-    stopped = generation.continuations(
-        model, params, tokenizer, "KING", stop=stop, **common
-    )
-    return tokenizer, plain, stopped
-
-
 STOP_CASES = {
     # Windows add 8 tokens (characters): the greedy text's positions 6..9
     # span the first two windows' boundary, 11..12 lie inside the second.
@@ -304,7 +262,13 @@ def test_stop_strings_cut_the_text_where_the_plain_text_first_holds_one(run, cas
         temperature=0.0,
     )[0][4:]
     stops = make_stops(greedy_text)
-    tokenizer, plain, stopped = plain_and_stopped(run, stops, temperature=temperature)
+    common = dict(key=jax.random.key(3), num_samples=3, max_new_tokens=30)
+    plain, stopped = (
+        generation.continuations(
+            model, params, tokenizer, "KING", temperature=temperature, stop=s, **common
+        )
+        for s in (None, stops)
+    )
     ends = []
     for before, after in zip(plain, stopped, strict=True):
         new_text = before.text[4:]
@@ -448,26 +412,31 @@ BAD_REQUESTS = [
      lambda: generation.continue_text(ONE_SLOT, None, TOKENIZER, "a", **KNOBS),
      ValueError, "max_len"),
     ("continue_text empty prompt",
-     lambda: generation.continue_text(tiny_model(True), None, TOKENIZER, "", **KNOBS),
+     lambda: generation.continue_text(small_model(tied=True), None, TOKENIZER, "", **KNOBS),
      ValueError, "prompt"),
     ("continue_text empty stop",
      lambda: generation.continue_text(
-         tiny_model(True), None, TOKENIZER, "a", stop=["b", ""], **KNOBS),
+         small_model(tied=True), None, TOKENIZER, "a", stop=["b", ""], **KNOBS),
      ValueError, "stop"),
     ("timing_prompt empty prompt",
-     lambda: generation.timing_prompt(tiny_model(True), TOKENIZER, "", 1, 4),
+     lambda: generation.timing_prompt(small_model(tied=True), TOKENIZER, "", 1, 4),
      ValueError, "prompt"),
     ("time_generation max_new_tokens 0",
      lambda: generation.time_generation(
-         tiny_model(True), None, PROMPT, max_new_tokens=0),
+         small_model(tied=True), None, PROMPT, max_new_tokens=0),
      ValueError, "max_new_tokens"),
     ("time_generation past max_len",
      lambda: generation.time_generation(
-         tiny_model(True), None, PROMPT, max_new_tokens=MAX_LEN),
+         small_model(tied=True), None, PROMPT, max_new_tokens=MAX_LEN),
      ValueError, ("max_new_tokens", "max_len")),
+    ("loss with a quantized head",
+     lambda: small_model(tied=True).apply(
+         {"params": generation.quantize_for_decoding(*noisy(True, 7), "int8")},
+         PROMPT, PROMPT, method=model_lib.DecoderLM.loss),
+     ValueError, "QuantizedTable"),
     ("time_generation repeats 0",
      lambda: generation.time_generation(
-         tiny_model(True), None, PROMPT, max_new_tokens=2, repeats=0),
+         small_model(tied=True), None, PROMPT, max_new_tokens=2, repeats=0),
      ValueError, "repeats"),
 ]  # fmt: skip
 

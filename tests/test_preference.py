@@ -16,7 +16,7 @@ from absl.testing import parameterized
 
 from lmhead import preference
 from tests import post_training_references as refs
-from tests.errors import bad_input_test
+from tests.errors import bad_input_test, keyword_rows
 
 B, T_C, T_R, D, V = 2, 5, 4, 4, 11
 BETA, GAMMA, ALPHA, SMOOTHING = 0.7, 0.3, 0.6, 0.1
@@ -77,6 +77,43 @@ def make_inputs(seed=0, pairs=B):
         mask_c=mask_c,
         mask_r=mask_r,
     )
+
+
+def reference_logps(x):
+    """The frozen reference's per-token log-probs of the chosen and rejected
+    tokens, float64."""
+    return tuple(
+        refs.token_logprobs(x[h], x["w_ref"], None, x[ids], **OPTIONS)[0]
+        for h, ids in (("h_rc", "ids_c"), ("h_rr", "ids_r"))
+    )
+
+
+def assert_matches_float64(x, loss_type, value, grads, names):
+    """``value`` and ``grads`` (of ``names``) equal the numpy formula's on the
+    float64 log-probs, and its central differences."""
+    ref_c, ref_r = reference_logps(x)
+
+    def reference_loss(h_c, h_r, w, bias):
+        lc, *_ = refs.token_logprobs(h_c, w, bias, x["ids_c"], **OPTIONS)
+        lr, *_ = refs.token_logprobs(h_r, w, bias, x["ids_r"], **OPTIONS)
+        return np_preference_loss(
+            lc, lr, x["mask_c"], x["mask_r"], loss_type, ref_c, ref_r
+        )
+
+    inputs = [x[n] for n in ("h_c", "h_r", "w", "bias")]
+    np.testing.assert_allclose(value, reference_loss(*inputs), rtol=1e-5)
+    for i, name in enumerate(names):
+
+        def along(v, i=i):
+            return reference_loss(*inputs[:i], v, *inputs[i + 1 :])
+
+        np.testing.assert_allclose(
+            grads[i],
+            refs.numeric_grad(along, x[name]),
+            rtol=1e-4,
+            atol=1e-5,
+            err_msg=name,
+        )
 
 
 class HandWorkedTest(parameterized.TestCase):
@@ -174,12 +211,7 @@ class FusedTest(parameterized.TestCase):
         """Value and d/d(h_chosen, h_rejected, w, bias) equal the numpy
         formula's and its central differences; the reference gets none."""
         x = make_inputs()
-        ref_c, *_ = refs.token_logprobs(
-            x["h_rc"], x["w_ref"], None, x["ids_c"], **OPTIONS
-        )
-        ref_r, *_ = refs.token_logprobs(
-            x["h_rr"], x["w_ref"], None, x["ids_r"], **OPTIONS
-        )
+        ref_c, ref_r = reference_logps(x)
         kwargs = dict(
             loss_type=loss_type,
             beta=BETA,
@@ -207,32 +239,10 @@ class FusedTest(parameterized.TestCase):
                 **kwargs,
             )[0]
 
-        def reference_loss(h_c, h_r, w, bias):
-            lc, *_ = refs.token_logprobs(h_c, w, bias, x["ids_c"], **OPTIONS)
-            lr, *_ = refs.token_logprobs(h_r, w, bias, x["ids_r"], **OPTIONS)
-            return np_preference_loss(
-                lc, lr, x["mask_c"], x["mask_r"], loss_type, ref_c, ref_r
-            )
-
         names = ("h_c", "h_r", "w", "bias", "h_rc", "w_ref")
         args = [jnp.asarray(x[n], jnp.float32) for n in names]
         value, grads = self.variant(jax.value_and_grad(fused, tuple(range(6))))(*args)
-        np.testing.assert_allclose(
-            value, reference_loss(x["h_c"], x["h_r"], x["w"], x["bias"]), rtol=1e-5
-        )
-        for i, name in enumerate(names[:4]):
-            others = [x[n] for n in names[:4]]
-
-            def along(v, i=i, others=others):
-                return reference_loss(*others[:i], v, *others[i + 1 :])
-
-            np.testing.assert_allclose(
-                grads[i],
-                refs.numeric_grad(along, x[name]),
-                rtol=1e-4,
-                atol=1e-5,
-                err_msg=name,
-            )
+        assert_matches_float64(x, loss_type, value, grads, names[:4])
         # The frozen reference: exactly no gradient.
         np.testing.assert_array_equal(grads[4], 0.0)
         np.testing.assert_array_equal(grads[5], 0.0)
@@ -253,12 +263,7 @@ class PairSegmentsTest(parameterized.TestCase):
     )
     def test_gradients_match_float64(self, loss_type, chunk_size, dw_accumulation):
         x = make_inputs(seed=1, pairs=3)
-        ref_c, *_ = refs.token_logprobs(
-            x["h_rc"], x["w_ref"], None, x["ids_c"], **OPTIONS
-        )
-        ref_r, *_ = refs.token_logprobs(
-            x["h_rr"], x["w_ref"], None, x["ids_r"], **OPTIONS
-        )
+        ref_c, ref_r = reference_logps(x)
 
         def fused(h_c, h_r, w, bias):
             return preference.fused_preference_loss(
@@ -280,33 +285,12 @@ class PairSegmentsTest(parameterized.TestCase):
                 **OPTIONS,
             )
 
-        def reference_loss(h_c, h_r, w, bias):
-            lc, *_ = refs.token_logprobs(h_c, w, bias, x["ids_c"], **OPTIONS)
-            lr, *_ = refs.token_logprobs(h_r, w, bias, x["ids_r"], **OPTIONS)
-            return np_preference_loss(
-                lc, lr, x["mask_c"], x["mask_r"], loss_type, ref_c, ref_r
-            )
-
         names = ("h_c", "h_r", "w", "bias")
         args = [jnp.asarray(x[n], jnp.float32) for n in names]
         step = jax.value_and_grad(fused, (0, 1, 2, 3), has_aux=True)
         (value, metrics), grads = self.variant(step)(*args)
-        expected = reference_loss(*(x[n] for n in names))
-        np.testing.assert_allclose(value, expected, rtol=1e-5)
-        np.testing.assert_allclose(metrics["preference_loss"], expected, rtol=1e-5)
-        for i, name in enumerate(names):
-            others = [x[n] for n in names]
-
-            def along(v, i=i, others=others):
-                return reference_loss(*others[:i], v, *others[i + 1 :])
-
-            np.testing.assert_allclose(
-                grads[i],
-                refs.numeric_grad(along, x[name]),
-                rtol=1e-4,
-                atol=1e-5,
-                err_msg=name,
-            )
+        assert_matches_float64(x, loss_type, value, grads, names)
+        np.testing.assert_allclose(metrics["preference_loss"], value, rtol=1e-5)
 
     def test_a_metric_differentiated_takes_the_recompute_sweep(self):
         """d(reward margin)/dw: a cotangent on the log-probs themselves,
@@ -340,84 +324,43 @@ class PairSegmentsTest(parameterized.TestCase):
         )
 
 
-def _loss(**overrides):
+def loss(**overrides):
     one = np.ones((2, 3))
-    args = (
-        dict(chosen_logps=-one, rejected_logps=-one, chosen_mask=one, rejected_mask=one)
-        | overrides
-    )
-    return lambda: preference.preference_loss(**args)
+    args = dict(chosen_logps=-one, rejected_logps=-one, chosen_mask=one)
+    return preference.preference_loss(**(args | dict(rejected_mask=one) | overrides))
 
 
-def _fused(**overrides):
+def fused(**overrides):
     x = make_inputs()
-    args = (
-        dict(
-            h_chosen=x["h_c"],
-            h_rejected=x["h_r"],
-            w=x["w"],
-            chosen_ids=x["ids_c"],
-            rejected_ids=x["ids_r"],
-            chosen_mask=x["mask_c"],
-            rejected_mask=x["mask_r"],
-        )
-        | overrides
-    )
-    return lambda: preference.fused_preference_loss(**args)
+    args = dict(h_chosen=x["h_c"], h_rejected=x["h_r"], w=x["w"])
+    args |= dict(chosen_ids=x["ids_c"], rejected_ids=x["ids_r"])
+    args |= dict(chosen_mask=x["mask_c"], rejected_mask=x["mask_r"])
+    return preference.fused_preference_loss(**(args | overrides))
 
 
-BAD_INPUTS = [
-    (
-        "batch_sizes_differ",
-        _loss(rejected_logps=-np.ones((3, 3))),
-        ValueError,
-        ("chosen_logps", "rejected_logps"),
-    ),
-    (
-        "mask_with_no_tokens",
-        _loss(chosen_mask=np.array([[1.0] * 3, [0.0] * 3])),
-        ValueError,
-        "chosen_mask",
-    ),
-    ("mask_shape", _loss(rejected_mask=np.ones((2, 2))), ValueError, "rejected_mask"),
-    ("unknown_loss_type", _loss(loss_type="kto"), ValueError, "loss_type"),
-    ("beta_zero", _loss(beta=0.0), ValueError, "beta"),
-    ("smoothing_above_half", _loss(label_smoothing=0.6), ValueError, "label_smoothing"),
-    ("logps_rank", _loss(chosen_logps=-np.ones(2)), ValueError, "chosen_logps"),
-    (
-        "ref_shape",
-        _loss(ref_chosen_logps=np.ones((2, 2))),
-        ValueError,
-        "ref_chosen_logps",
-    ),
-    (
-        "fused_ids_shape",
-        _fused(chosen_ids=np.zeros((B, 2), np.int32)),
-        ValueError,
-        "chosen_ids",
-    ),
-    (
-        "fused_both_references",
-        _fused(
-            reference_logps=(np.zeros((B, T_C)), np.zeros((B, T_R))),
-            reference_head=(
-                np.zeros((B, T_C, D)),
-                np.zeros((B, T_R, D)),
-                np.zeros((V, D)),
-            ),
-        ),
-        ValueError,
-        ("reference_logps", "reference_head"),
-    ),
-    (
-        "fused_batch_sizes_differ",
-        _fused(
-            h_rejected=np.zeros((3, T_R, D)),
-            rejected_ids=np.zeros((3, T_R), np.int32),
-            rejected_mask=np.ones((3, T_R)),
-        ),
-        ValueError,
-        ("chosen_logps", "rejected_logps"),
-    ),
-]
+LOSS = [
+    ("batch sizes differ", dict(rejected_logps=-np.ones((3, 3))), ValueError,
+     ("chosen_logps", "rejected_logps")),
+    ("mask with no tokens", dict(chosen_mask=np.array([[1.0] * 3, [0.0] * 3])),
+     ValueError),
+    ("mask shape", dict(rejected_mask=np.ones((2, 2))), ValueError),
+    ("unknown loss_type", dict(loss_type="kto"), ValueError),
+    ("beta 0", dict(beta=0.0), ValueError),
+    ("smoothing above half", dict(label_smoothing=0.6), ValueError),
+    ("logps rank", dict(chosen_logps=-np.ones(2)), ValueError),
+    ("ref shape", dict(ref_chosen_logps=np.ones((2, 2))), ValueError),
+]  # fmt: skip
+FUSED = [
+    ("ids shape", dict(chosen_ids=np.zeros((B, 2), np.int32)), ValueError),
+    ("both references",
+     dict(reference_logps=(np.zeros((B, T_C)), np.zeros((B, T_R))),
+          reference_head=(np.zeros((B, T_C, D)), np.zeros((B, T_R, D)),
+                          np.zeros((V, D)))),
+     ValueError),
+    ("batch sizes differ",
+     dict(h_rejected=np.zeros((3, T_R, D)), rejected_ids=np.zeros((3, T_R), np.int32),
+          rejected_mask=np.ones((3, T_R))),
+     ValueError, ("chosen_logps", "rejected_logps")),
+]  # fmt: skip
+BAD_INPUTS = [*keyword_rows("loss", loss, LOSS), *keyword_rows("fused", fused, FUSED)]
 test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)

@@ -293,80 +293,68 @@ def prefill():
 platforms = pytest.mark.parametrize("platform", PLATFORMS)
 
 
-@platforms
-def test_train_step(platform):
-    fn, args = train_step()
-    exported = lowered(fn, args, platform)
+def _same_state(exported, args):
     # The new state has the old one's structure (what the donation aliases).
-    state_out = exported.out_tree.children()[0]
-    assert state_out == jax.tree.structure(args[0])
+    assert exported.out_tree.children()[0] == jax.tree.structure(args[0])
 
 
-@platforms
-def test_sharded_train_step(platform):
-    text = lowered(*sharded_train_step(), platform, mesh=abstract_mesh()).mlir_module()
-    assert "all_reduce" in text
+def _all_reduced(exported, args):
+    assert "all_reduce" in exported.mlir_module()
 
 
-@platforms
-def test_eval_step(platform):
-    lowered(*eval_step(), platform)
-
-
-@platforms
-def test_ensemble_train_step(platform):
-    exported = lowered(*ensemble_train_step(), platform)
+def _members_first(exported, args):
     assert all(a.shape[0] == MEMBERS for a in exported.out_avals)
 
 
-@platforms
-def test_ensemble_eval_step(platform):
-    lowered(*ensemble_eval_step(), platform)
+def _reduced_not_gathered(exported, args):
+    # The statistics are combined across devices, not gathered on one.
+    text = exported.mlir_module()
+    assert "all_reduce" in text and "all_gather" not in text
 
 
-LOSSES = {
-    "fused": lambda: fused_loss_and_grad(False),
-    "fused_filtered": lambda: fused_loss_and_grad(True),
-    "distillation": fused_distillation_and_grad,
-}
-
-
-@platforms
-@pytest.mark.parametrize("loss", LOSSES)
-def test_fused_losses_value_and_grad(platform, loss):
-    fn, args = LOSSES[loss]()
-    exported = lowered(fn, args, platform)
+def _grads_like_inputs(exported, args):
     (_, _), grads = jax.tree.unflatten(exported.out_tree, exported.out_avals)
     assert [g.shape for g in grads] == [a.shape for a in args[:3]]
 
 
-@platforms
-def test_vocab_parallel_loss_value_and_grad(platform):
-    fn, args = vocab_parallel_loss_and_grad()
-    text = lowered(fn, args, platform, mesh=abstract_mesh()).mlir_module()
-    # The statistics are combined across devices, not gathered on one.
-    assert "all_reduce" in text
-    assert "all_gather" not in text
+def _has_shape(shape):
+    def check(exported, args):
+        assert shape in [a.shape for a in exported.out_avals]
+
+    return check
 
 
-@platforms
-def test_generate(platform):
-    exported = lowered(*generate(), platform)
-    assert (BATCH, NEW_TOKENS) in [a.shape for a in exported.out_avals]
-
-
-@platforms
-def test_beam_search(platform):
-    exported = lowered(*beam_search(), platform)
-    assert (BATCH, BEAMS, NEW_TOKENS) in [a.shape for a in exported.out_avals]
-
-
-@platforms
-def test_prefill(platform):
-    exported = lowered(*prefill(), platform)
+def _prefill_outputs(exported, args):
     logits, cache = jax.tree.unflatten(exported.out_tree, exported.out_avals)
     assert logits.shape == (BATCH, VOCAB)
     assert jax.tree.structure(cache) == jax.tree.structure(decoding_structs()[2])
+
+
+# name: (the program and its structs, lowered on the abstract mesh, a check)
+ENTRY_POINTS = {
+    "train_step": (train_step, False, _same_state),
+    "sharded_train_step": (sharded_train_step, True, _all_reduced),
+    "eval_step": (eval_step, False, None),
+    "ensemble_train_step": (ensemble_train_step, False, _members_first),
+    "ensemble_eval_step": (ensemble_eval_step, False, None),
+    "fused": (lambda: fused_loss_and_grad(False), False, _grads_like_inputs),
+    "fused_filtered": (lambda: fused_loss_and_grad(True), False, _grads_like_inputs),
+    "distillation": (fused_distillation_and_grad, False, _grads_like_inputs),
+    "vocab_parallel": (vocab_parallel_loss_and_grad, True, _reduced_not_gathered),
+    "generate": (generate, False, _has_shape((BATCH, NEW_TOKENS))),
+    "beam_search": (beam_search, False, _has_shape((BATCH, BEAMS, NEW_TOKENS))),
+    "prefill": (prefill, False, _prefill_outputs),
+}
+
+
+@platforms
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_entry_point_lowers(platform, entry):
+    build, on_mesh, check = ENTRY_POINTS[entry]
+    fn, args = build()
+    exported = lowered(fn, args, platform, mesh=abstract_mesh() if on_mesh else None)
+    if check is not None:
+        check(exported, args)
 
 
 # --- The check itself can fail ------------------------------------------------

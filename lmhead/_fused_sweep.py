@@ -49,6 +49,8 @@ from lmhead._online_softmax import is_label as is_label
 from lmhead._online_softmax import label_logit as label_logit
 from lmhead._online_softmax import merge_softmax as merge_softmax
 from lmhead._online_softmax import rescaled_tilt as rescaled_tilt
+from lmhead._vocab_order import check_vocab_order as check_vocab_order
+from lmhead._vocab_order import sorted_call
 
 _CONTRACT_COLUMNS = (((1,), (1,)), ((), ()))  # [a, D] x [b, D] -> [a, b]
 _CONTRACT_ROWS = (((0,), (0,)), ((), ()))  # [V, a] x [V, b] -> [a, b]
@@ -116,7 +118,10 @@ class Rule(Protocol):
     chunk's, or all tokens'), for a loss with per-token operands. With
     ``Plan.segment_length``, the objective is ``sum_s segment_loss(U)_s``
     of the segments' sums ``U_s = sum_{t in s} w_t L_t`` (elementwise on
-    ``[S]``); ``loss_coefs`` are then those of ``U``'s terms.
+    ``[S]``); ``loss_coefs`` are then those of ``U``'s terms. With a row
+    order (:func:`fused_core`'s ``vocab_order``), ``sorted_inputs`` maps the
+    token inputs' vocabulary ids ``y`` to ``inverse[y]`` and their
+    vocabulary axes by ``order``, and ``caller_outputs`` maps output ids back.
     """
 
     passes: int
@@ -133,6 +138,8 @@ class Rule(Protocol):
     def segment_loss(self, loss_scalars, sums: jax.Array) -> jax.Array: ...
     def cotangent_coefs(self, outputs: tuple, cotangents: tuple) -> tuple: ...
     def dlogits(self, z, v0, context, outputs, coefs) -> jax.Array: ...
+    def sorted_inputs(self, token_inputs, order, inverse) -> Any: ...
+    def caller_outputs(self, outputs: tuple, order: jax.Array) -> tuple: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -577,8 +584,18 @@ def _sums(grads):
     return dh, None if dw is None else dw.astype(jnp.float32), db
 
 
+def fused_core(plan, h, w, bias, loss_scalars, loss_weights, inputs, order=None):
+    """:func:`_fused_core`, with the rows of ``w`` swept in ``order``
+    (:func:`check_vocab_order`'s) when given, invisibly to the caller
+    (:mod:`lmhead._vocab_order`)."""
+    args = (plan, h, w, bias, loss_scalars, loss_weights, inputs)
+    return (
+        _fused_core(*args) if order is None else sorted_call(_fused_core, *args, order)
+    )
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def fused_core(plan, h, w, bias, loss_scalars, loss_weights, inputs):
+def _fused_core(plan, h, w, bias, loss_scalars, loss_weights, inputs):
     """``(sum_t loss_weights_t * L_t, outputs)`` without keeping any logits.
 
     ``loss_scalars`` is an array operand of the rule's loss (e.g. traced
@@ -664,4 +681,4 @@ def _fused_core_bwd(plan, residuals, cotangents):
     return dh, dw, db, d_scalars, d_weights, None
 
 
-fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)
+_fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)

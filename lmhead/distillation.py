@@ -445,6 +445,15 @@ class DistillationRule:
             dz = dz + jnp.where(c_nll != 0, c_nll * g, 0.0)
         return dz
 
+    def sorted_inputs(self, token_inputs, order, inverse):
+        labels, teacher = token_inputs
+        if self.teacher_is_logits:  # [N, V]; h_t has no vocabulary axis
+            teacher = jnp.take(teacher, order, axis=1)
+        return (None if labels is None else inverse[labels]), teacher
+
+    def caller_outputs(self, outputs, order):
+        return outputs
+
 
 def _check_teacher(teacher, leading, vocab_size):
     """``(teacher arrays, is_logits)``: logits ``[..., V]`` or ``(h_t, w_t)``."""
@@ -495,6 +504,7 @@ def fused_distillation_loss(
     filter_eps: float | str | None = None,
     filter_target: str = "both",
     dw_accumulation: str = "float32",
+    vocab_order: jax.typing.ArrayLike | str | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r""":func:`distillation_loss` of the student ``unembed(h, w, bias)``, fused.
 
@@ -522,8 +532,9 @@ def fused_distillation_loss(
             ``[fused.MIN_CHUNK_SIZE, fused.MAX_CHUNK_SIZE]``, twice
             ``fused.fused_cross_entropy``'s.
         precision: of the matmuls, as in ``head.unembed``.
-        filter_eps, filter_target, dw_accumulation: gradient filtering and
-            ``dw``'s accumulation, as in ``fused.fused_cross_entropy``
+        filter_eps, filter_target, dw_accumulation, vocab_order: gradient
+            filtering, ``dw``'s accumulation and the sweep's row order, as
+            in ``fused.fused_cross_entropy``
             (:func:`lmhead._fused_sweep.gradient_options`).
 
     Returns:
@@ -561,6 +572,7 @@ def fused_distillation_loss(
     gradients = _fused_sweep.gradient_options(
         filter_eps, filter_target, dw_accumulation, dtype
     )
+    order = _fused_sweep.check_vocab_order(vocab_order, vocab_size)
     weights, safe_labels, invalid = _token_weights(labels, weights, leading, vocab_size)
     num_tokens = math.prod(leading)
     if num_tokens == 0:
@@ -606,6 +618,7 @@ def fused_distillation_loss(
         jnp.zeros(0, jnp.float32),
         weights,
         inputs,
+        order,
     )
     token_loss = rule.loss(None, outputs)
     nll = outputs[_NLL] if rule.has_labels else None

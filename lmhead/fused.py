@@ -191,6 +191,13 @@ class CrossEntropyRule:
             dz = dz - jnp.where(p > 0, c_entropy[0] * p * (z - lse + outputs[4]), 0.0)
         return dz
 
+    def sorted_inputs(self, labels, order, inverse):
+        return inverse[labels]
+
+    def caller_outputs(self, outputs, order):
+        lse, label, logit_sum, argmax, *entropy = outputs
+        return (lse, label, logit_sum, order[argmax], *entropy)
+
 
 def _check_inputs(h, w, bias, chunk_size, vocab_chunk_size, scalars, static):
     _checks.check_unembed_inputs(h, w, bias)
@@ -264,6 +271,7 @@ def fused_cross_entropy(
     filter_eps: float | str | None = None,
     filter_target: str = "both",
     dw_accumulation: str = "float32",
+    vocab_order: jax.typing.ArrayLike | str | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""Cross-entropy of ``unembed(h, w, bias)`` without materializing logits.
 
@@ -364,6 +372,18 @@ def fused_cross_entropy(
             Kahan compensation, a second ``[V, D]`` array) or
             ``"input_dtype"`` (``dw`` summed over the chunks in the inputs'
             dtype).
+        vocab_order: None (default: the rows of ``w`` in their order), an
+            integer ``[V]`` permutation of ``range(V)`` (e.g.
+            ``_vocab_order.frequency_order`` of the training data's token
+            counts) or ``"mean_logit"`` (this call's rows by mean logit,
+            ``_vocab_order.mean_logit_order``): the sweep's order of the
+            rows, invisible to the caller, which gets the same loss,
+            metrics and gradients in its own order up to float32 rounding
+            (the blocks' merges and ``dh``'s sum run in another order; an
+            argmax tie goes to the row first in ``vocab_order``). With
+            ``filter_eps`` it changes which tiles are skipped, within the
+            same bound. Not with ``vocab_shards``. A traced order is
+            assumed to be a permutation (checked when concrete).
 
     Returns:
         ``(loss, metrics)`` as ``losses.cross_entropy`` returns them; ``loss``
@@ -441,6 +461,9 @@ def fused_cross_entropy(
     leading = jnp.shape(h)[:-1]
     losses.check_labels_and_weights(labels, weights, leading, vocab_size)
     _check_vocab_shards(vocab_shards, vocab_size)
+    order = _fused_sweep.check_vocab_order(
+        vocab_order, vocab_size, split=vocab_shards is not None
+    )
     dtype = jnp.result_type(h, w)
     gradients = _fused_sweep.gradient_options(
         filter_eps, filter_target, dw_accumulation, dtype
@@ -484,7 +507,7 @@ def fused_cross_entropy(
             **gradients,
         )
         return _fused_sweep.fused_core(
-            plan, h, w, bias, loss_scalars, loss_weights, inputs
+            plan, h, w, bias, loss_scalars, loss_weights, inputs, order
         )
 
     loss_weights, safe_labels, invalid = losses.valid_weights(

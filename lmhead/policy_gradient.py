@@ -310,6 +310,7 @@ def fused_policy_gradient_loss(
     filter_eps: float | str | None = None,
     filter_target: str = "both",
     dw_accumulation: str = "float32",
+    vocab_order: jax.typing.ArrayLike | str | None = None,
     **options,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r""":func:`policy_gradient_loss` of the head ``softcap(scale * h @ w.T +
@@ -333,7 +334,7 @@ def fused_policy_gradient_loss(
         entropy_weight: None computes no entropy; a number computes it (the
             ``entropy`` metric) and weights the bonus (0: metric only).
         temperature, scale, softcap, chunk_size, vocab_chunk_size,
-            filter_eps, filter_target, dw_accumulation: as in
+            filter_eps, filter_target, dw_accumulation, vocab_order: as in
             :func:`lmhead.token_logprobs.fused_token_logprobs`.
         **options: the rest of :func:`policy_gradient_loss`'s options
             (``loss_type``, ``importance_sampling``, ``epsilon_low``,
@@ -390,6 +391,7 @@ def fused_policy_gradient_loss(
         filter_eps=filter_eps,
         filter_target=filter_target,
         dw_accumulation=dw_accumulation,
+        vocab_order=vocab_order,
     )
     if reference_head is not None:
         if len(reference_head) not in (2, 3):

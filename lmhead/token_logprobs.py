@@ -139,6 +139,13 @@ class LogProbRule:
             dz = dz - jnp.where(p > 0, c_entropy * p * (z - lse + outputs[-1]), 0.0)
         return dz
 
+    def sorted_inputs(self, token_inputs, order, inverse):
+        ids, operands = token_inputs
+        return inverse[ids], operands
+
+    def caller_outputs(self, outputs, order):
+        return outputs
+
 
 class TokenLogProbs(NamedTuple):
     """What :func:`fused_token_logprobs` returns.
@@ -196,6 +203,7 @@ def fused_token_logprobs(
     filter_eps: float | str | None = None,
     filter_target: str = "both",
     dw_accumulation: str = "float32",
+    vocab_order: jax.typing.ArrayLike | str | None = None,
 ) -> TokenLogProbs:
     r"""Each token's log-probability of given ids, without the ``[N, V]`` logits.
 
@@ -231,6 +239,8 @@ def fused_token_logprobs(
             (:func:`lmhead._fused_sweep.gradient_options`); the filter
             compares :math:`|p - \\mathrm{onehot}|` of the ids a function
             of the outputs puts a cotangent on.
+        vocab_order: the sweep's row order, as in
+            ``fused.fused_cross_entropy``; invisible to the caller.
 
     Returns:
         :class:`TokenLogProbs` ``(logprobs, entropy or None, log_normalizer)``,
@@ -307,6 +317,7 @@ def fused_token_logprobs(
         filter_eps=filter_eps,
         filter_target=filter_target,
         dw_accumulation=dw_accumulation,
+        vocab_order=vocab_order,
     )
     return token_loss_sweep(h, w, ids, live, **options)[1]
 
@@ -385,6 +396,7 @@ def token_loss_sweep(
         options["dw_accumulation"],
         dtype,
     )
+    order = _fused_sweep.check_vocab_order(options.get("vocab_order"), vocab_size)
     if num_tokens == 0:
         objective = jnp.zeros((), jnp.float32)
         outputs = (jnp.zeros((0,), jnp.float32),) * (1 + num_ids + entropy)
@@ -415,6 +427,7 @@ def token_loss_sweep(
             jnp.asarray(loss_scalars, jnp.float32),
             loss_weights,
             ((flat_ids, operands), ()),
+            order,
         )
     live = loss_weights
     lse, *picked = outputs[: 1 + num_ids]

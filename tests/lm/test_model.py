@@ -1,9 +1,10 @@
 """Tests of the decoder-only Transformer and its decoding API (prefill, the step).
 
 References: a float64 numpy forward pass written here, the model's own full
-forward pass (for decoding), and losses.cross_entropy on materialized logits.
-The cache's own contract (spans, pieces, pointers) is tested in
-test_kv_cache.py.
+forward pass (for decoding), and the numpy cross-entropy of tests/references.py
+on its logits. The cache's own contract (spans, pieces, pointers) is tested in
+test_kv_cache.py; the tied table's gradient, the sum of its two uses, in
+test_modules.py against numpy and in test_untie.py through training steps.
 """
 
 import functools
@@ -16,11 +17,11 @@ import pytest
 from flax import traverse_util
 from scipy import special
 
-from lmhead import decoding, losses
+from lmhead import decoding
 from lmhead.lm import model as model_lib
 from lmhead.lm.model import DecoderLM
 from tests import references
-from tests.errors import bad_input_test
+from tests.errors import bad_input_test, keyword_rows
 from tests.lm.tiny_decoder import (
     HEADS,
     LAYERS,
@@ -99,6 +100,13 @@ def test_forward_matches_numpy_reference(positions, tied):
         params, tokens, num_heads=HEADS, rope=positions == "rope", tied=tied
     )
     np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+    # The head is the final hidden state times the (tied or untied) table.
+    h = jax.jit(functools.partial(model.apply, method=DecoderLM.hidden))(
+        {"params": params}, tokens
+    )
+    table = params["embed"]["embedding"] if tied else params["head"]["unembedding"]
+    expected = np.asarray(h, np.float64) @ np.asarray(table, np.float64).T
+    np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_without_bias_has_no_biases_and_matches_numpy_reference():
@@ -141,49 +149,6 @@ def test_tied_has_exactly_vocab_times_width_fewer_params():
     assert "head" not in tied
     assert untied["head"]["unembedding"].shape == (VOCAB, WIDTH)
     assert "position_embedding" not in shapes(small_model(positions="rope"))
-
-
-def test_tied_head_is_hidden_times_embedding_table():
-    model = small_model()
-    params = init_params(model, noise=0.1)
-    tokens = random_tokens((2, 6))
-    h = jax.jit(functools.partial(model.apply, method=DecoderLM.hidden))(
-        {"params": params}, tokens
-    )
-    expected = (
-        np.asarray(h, np.float64)
-        @ np.asarray(params["embed"]["embedding"], np.float64).T
-    )
-    np.testing.assert_allclose(
-        forward(model, params, tokens), expected, rtol=1e-5, atol=1e-5
-    )
-
-
-def test_tied_table_gets_gradient_from_embedding_and_head():
-    # The untied model with unembedding := the table computes the same loss
-    # with the two uses split into two parameters; the tied table's gradient
-    # must be the sum of the two.
-    tied_model, untied_model = small_model(tied=True), small_model(tied=False)
-    tied = init_params(tied_model, noise=0.1)
-    untied = dict(tied, head={"unembedding": tied["embed"]["embedding"]})
-    tokens = random_tokens((2, 8))
-
-    def loss(model, params):
-        return model.apply(
-            {"params": params}, tokens[:, :-1], tokens[:, 1:], method=DecoderLM.loss
-        )[0]
-
-    tied_grad = jax.jit(jax.grad(functools.partial(loss, tied_model)))(tied)
-    untied_grad = jax.jit(jax.grad(functools.partial(loss, untied_model)))(untied)
-    from_embedding = untied_grad["embed"]["embedding"]
-    from_head = untied_grad["head"]["unembedding"]
-    assert np.abs(from_embedding).max() > 1e-4 and np.abs(from_head).max() > 1e-4
-    np.testing.assert_allclose(
-        tied_grad["embed"]["embedding"],
-        from_embedding + from_head,
-        rtol=1e-5,
-        atol=1e-7,
-    )
 
 
 @pytest.mark.parametrize("donate", [False, True])
@@ -279,16 +244,12 @@ def test_loss_equals_cross_entropy_of_the_logits():
     loss, metrics = jax.jit(
         functools.partial(model.apply, method=DecoderLM.loss, **options)
     )({"params": params}, inputs, labels, weights)
-    logits = forward(model, params, inputs)
-    expected, expected_metrics = losses.cross_entropy(
-        logits, labels, weights=weights, **options
+    _, expected = references.cross_entropy(
+        forward(model, params, inputs), labels, weights, eps=0.1, z_loss=1e-3
     )
-    np.testing.assert_allclose(loss, expected, rtol=1e-6)
-    for name, value in expected_metrics.items():
-        np.testing.assert_allclose(metrics[name], value, rtol=1e-6, err_msg=name)
-    # And the plain nll against numpy.
-    _, want = references.cross_entropy(logits, labels, weights)
-    np.testing.assert_allclose(metrics["nll"], want["nll"], rtol=1e-5)
+    np.testing.assert_allclose(loss, expected["loss"], rtol=1e-5)
+    for name in ("nll", "z_loss", "accuracy"):
+        np.testing.assert_allclose(metrics[name], expected[name], rtol=1e-5)
 
 
 def test_dropout_needs_train_and_an_rng():
@@ -320,134 +281,63 @@ def decoder(**overrides):
     )
 
 
-def decoder_init(tokens, **overrides):
+def decoder_init(tokens=None, **overrides):
+    tokens = jnp.ones((1, 4), jnp.int32) if tokens is None else tokens
     return decoder(**overrides).init(jax.random.key(0), tokens)
 
 
-TOKENS = jnp.ones((1, 4), jnp.int32)
 PROMPTS = jnp.zeros((3, 5), jnp.int32)
 
+
+def prefill(prompt=PROMPTS, lengths=None, **kwargs):
+    """The prefill's checks come before the parameters are used."""
+    return model_lib.prefill(decoder(), None, prompt, lengths, **kwargs)
+
+
+MAX_LEN_TOO = ("max_new_tokens", "max_len")
 # Each raises exactly this type, with a message that names the argument.
 BAD_INPUTS = [
-    (
-        "DecoderLM num_heads",
-        lambda: decoder_init(TOKENS, num_heads=3),
-        ValueError,
-        ("num_heads", "d_model"),
-    ),
-    (
-        "DecoderLM positions",
-        lambda: decoder_init(TOKENS, positions="alibi"),
-        ValueError,
-        "positions",
-    ),
-    (
-        "DecoderLM rope odd head",
-        lambda: decoder_init(TOKENS, positions="rope", num_heads=8),
-        ValueError,
-        "positions",
-    ),
-    (
-        "DecoderLM dropout_rate 1",
-        lambda: decoder_init(TOKENS, dropout_rate=1.0),
-        ValueError,
-        "dropout_rate",
-    ),
-    (
-        "DecoderLM float tokens",
-        lambda: decoder_init(jnp.ones((1, 4))),
-        TypeError,
-        "tokens",
-    ),
-    (
-        "DecoderLM token = V",
-        lambda: decoder_init(jnp.full((1, 4), 17)),
-        ValueError,
-        "tokens",
-    ),
-    (
-        "DecoderLM tokens past max_len",
-        lambda: decoder_init(jnp.ones((1, 9), jnp.int32)),
-        ValueError,
-        ("tokens", "max_len"),
-    ),
-    (
-        "DecoderLM num_layers 0",
-        lambda: decoder_init(TOKENS, num_layers=0),
-        ValueError,
-        "num_layers",
-    ),
-    # The prefill's checks come before the parameters are used.
-    (
-        "prefill prompt + max_new_tokens",
-        lambda: model_lib.prefill(decoder(), None, TOKENS, max_new_tokens=5),
-        ValueError,
-        ("max_new_tokens", "max_len"),
-    ),
-    (
-        "prefill the longest real row + max_new_tokens",
-        lambda: model_lib.prefill(
-            decoder(), None, PROMPTS, jnp.array([3, 2, 4]), max_new_tokens=5
-        ),
-        ValueError,
-        ("max_new_tokens", "max_len"),
-    ),
-    (
-        "prefill lengths 0",
-        lambda: model_lib.prefill(decoder(), None, PROMPTS, jnp.array([0, 2, 5])),
-        ValueError,
-        "lengths",
-    ),
-    (
-        "prefill lengths shape",
-        lambda: model_lib.prefill(decoder(), None, PROMPTS, jnp.array([1, 2])),
-        ValueError,
-        ("lengths", "[B]"),
-    ),
-    (
-        "prefill prompt past max_len",
-        lambda: model_lib.prefill(decoder(), None, jnp.zeros((1, 9), jnp.int32)),
-        ValueError,
-        ("prompt", "max_len"),
-    ),
-    (
-        "step tokens [B]",
-        lambda: model_lib.make_step_fn(decoder())(None, PROMPTS, None),
-        ValueError,
-        "tokens",
-    ),
-]
+    *keyword_rows("DecoderLM", decoder_init, [
+        ("num_heads", dict(num_heads=3), ValueError, ("num_heads", "d_model")),
+        ("positions", dict(positions="alibi"), ValueError),
+        ("rope odd head", dict(positions="rope", num_heads=8), ValueError,
+         "positions"),
+        ("dropout_rate 1", dict(dropout_rate=1.0), ValueError),
+        ("float tokens", dict(tokens=jnp.ones((1, 4))), TypeError),
+        ("token = V", dict(tokens=jnp.full((1, 4), 17)), ValueError),
+        ("tokens past max_len", dict(tokens=jnp.ones((1, 9), jnp.int32)), ValueError,
+         ("tokens", "max_len")),
+        ("num_layers 0", dict(num_layers=0), ValueError),
+    ]),
+    *keyword_rows("prefill", prefill, [
+        ("prompt + max_new_tokens",
+         dict(prompt=jnp.ones((1, 4), jnp.int32), max_new_tokens=5), ValueError,
+         MAX_LEN_TOO),
+        ("the longest real row + max_new_tokens",
+         dict(lengths=jnp.array([3, 2, 4]), max_new_tokens=5), ValueError,
+         MAX_LEN_TOO),
+        ("lengths 0", dict(lengths=jnp.array([0, 2, 5])), ValueError),
+        ("lengths shape", dict(lengths=jnp.array([1, 2])), ValueError,
+         ("lengths", "[B]")),
+        ("prompt past max_len", dict(prompt=jnp.zeros((1, 9), jnp.int32)), ValueError,
+         ("prompt", "max_len")),
+    ]),
+    ("step tokens [B]",
+     lambda: model_lib.make_step_fn(decoder())(None, PROMPTS, None),
+     ValueError, "tokens"),
+]  # fmt: skip
 
 
 test_bad_input_raises_exactly_and_names_the_argument = bad_input_test(BAD_INPUTS)
 
 
-def test_decoding_compiles_once_for_any_parameters_and_embeds_none():
-    """params is an argument of the decoding loop: a second parameter set of
-    the same shapes reuses the compiled loop (counted), gives other tokens,
-    and no parameter appears as a constant in the lowered program."""
+def test_decoding_embeds_no_parameter_as_a_constant():
+    """params is an argument of the decoding loop: no parameter appears as a
+    constant in the lowered program (test_generation counts the compiled
+    loops of two parameter sets)."""
     model = small_model()
     step_fn = model_lib.make_step_fn(model)
     prompt = random_tokens((2, 3), seed=5)
-
-    def greedy(params):
-        logits, cache = model_lib.prefill(model, params, prompt, max_new_tokens=6)
-        return decoding.generate(
-            step_fn,
-            params,
-            logits,
-            cache,
-            key=jax.random.key(0),
-            max_new_tokens=6,
-            temperature=0.0,
-        )[0]
-
-    loop = decoding.sampling._sampling_loop
-    first = greedy(init_params(model, seed=0, noise=0.5))
-    compiled = loop._cache_size()
-    second = greedy(init_params(model, seed=1, noise=0.5))
-    assert loop._cache_size() == compiled
-    assert not np.array_equal(first, second)  # the new values were used
 
     params = init_params(model)
     logits, cache = model_lib.prefill(model, params, prompt, max_new_tokens=6)
@@ -528,7 +418,7 @@ def test_a_plain_apply_sows_nothing():
 
 
 def test_prefill_checks_the_longest_real_row_not_the_padding():
-    params = decoder_init(TOKENS)["params"]
+    params = decoder_init()["params"]
     # 4 + 4 fits max_len 8 where the padded 5 + 4 would not.
     logits, cache = model_lib.prefill(
         decoder(), params, PROMPTS, jnp.array([3, 2, 4]), max_new_tokens=4

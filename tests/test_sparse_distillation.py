@@ -15,7 +15,7 @@ from absl.testing import parameterized
 
 from lmhead import sparse_distillation
 from tests import post_training_references as refs
-from tests.errors import bad_input_test
+from tests.errors import bad_input_test, keyword_rows
 
 B, T, D, V, K = 2, 5, 4, 11, 3
 OPTIONS = dict(scale=0.8, softcap=3.0, temperature=1.5)
@@ -128,47 +128,21 @@ class FusedTest(parameterized.TestCase):
         np.testing.assert_array_equal(grads[3], 0.0)
 
 
-def _fused(**overrides):
+def fused(**overrides):
     x = make_inputs()
     args = dict(h=x["h"], w=x["w"], teacher_ids=x["ids"], teacher_logps=x["teacher"])
-    return lambda: sparse_distillation.fused_sparse_distillation_loss(
-        **(args | overrides)
-    )
+    return sparse_distillation.fused_sparse_distillation_loss(**(args | overrides))
 
 
-BAD_INPUTS = [
-    (
-        "ids_out_of_range",
-        _fused(teacher_ids=np.full((B, T, K), V, np.int32)),
-        ValueError,
-        "teacher_ids",
-    ),
-    (
-        "ids_negative",
-        _fused(teacher_ids=np.full((B, T, K), -1, np.int32)),
-        ValueError,
-        "teacher_ids",
-    ),
-    ("ids_float", _fused(teacher_ids=np.zeros((B, T, K))), TypeError, "teacher_ids"),
-    (
-        "ids_without_k",
-        _fused(teacher_ids=np.zeros((B, T), np.int32)),
-        ValueError,
-        "teacher_ids",
-    ),
-    (
-        "teacher_positive",
-        _fused(teacher_logps=np.full((B, T, K), 0.1)),
-        ValueError,
-        "teacher_logps",
-    ),
-    (
-        "teacher_shape",
-        _fused(teacher_logps=np.zeros((B, T, K + 1)) - 1),
-        ValueError,
-        "teacher_logps",
-    ),
-    ("unknown_reduction", _fused(reduction="max"), ValueError, "reduction"),
-    ("renormalize_not_bool", _fused(renormalize="yes"), TypeError, "renormalize"),
-]
+IDS = (B, T, K)
+BAD_INPUTS = keyword_rows("fused", fused, [
+    ("ids out of range", dict(teacher_ids=np.full(IDS, V, np.int32)), ValueError),
+    ("ids negative", dict(teacher_ids=np.full(IDS, -1, np.int32)), ValueError),
+    ("ids float", dict(teacher_ids=np.zeros(IDS)), TypeError),
+    ("ids without k", dict(teacher_ids=np.zeros((B, T), np.int32)), ValueError),
+    ("teacher positive", dict(teacher_logps=np.full(IDS, 0.1)), ValueError),
+    ("teacher shape", dict(teacher_logps=np.zeros((B, T, K + 1)) - 1), ValueError),
+    ("unknown reduction", dict(reduction="max"), ValueError),
+    ("renormalize not bool", dict(renormalize="yes"), TypeError),
+])  # fmt: skip
 test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)

@@ -17,7 +17,7 @@ from absl.testing import parameterized
 
 from lmhead import policy_gradient
 from tests import post_training_references as refs
-from tests.errors import bad_input_test
+from tests.errors import bad_input_test, keyword_rows
 
 B, T, D, V = 3, 4, 4, 11
 OPTIONS = dict(scale=0.8, softcap=3.0, temperature=0.9)
@@ -196,17 +196,8 @@ class FusedTest(parameterized.TestCase):
 
         def reference_loss(h, w, bias):
             logp, entropy, _ = refs.token_logprobs(h, w, bias, x["ids"], **OPTIONS)
-            return np_policy_gradient_loss(
-                logp,
-                old,
-                ref,
-                entropy,
-                x["mask"],
-                x["advantages"],
-                loss_type,
-                level,
-                delta,
-            )
+            args = (logp, old, ref, entropy, x["mask"], x["advantages"])
+            return np_policy_gradient_loss(*args, loss_type, level, delta)
 
         names = ("h", "w", "bias", "h_ref", "w_ref")
         args = [jnp.asarray(x[n], jnp.float32) for n in names]
@@ -221,48 +212,29 @@ class FusedTest(parameterized.TestCase):
         np.testing.assert_array_equal(grads[4], 0.0)
 
 
-def _loss(**overrides):
+def loss(**overrides):
     args = dict(logps=-np.ones((2, 3)), mask=np.ones((2, 3)), advantages=np.ones(2))
-    return lambda: policy_gradient.policy_gradient_loss(**(args | overrides))
+    return policy_gradient.policy_gradient_loss(**(args | overrides))
 
 
 BAD_INPUTS = [
-    ("epsilon_low_negative", _loss(epsilon_low=-0.1), ValueError, "epsilon_low"),
-    ("epsilon_high_negative", _loss(epsilon_high=-0.1), ValueError, "epsilon_high"),
-    ("delta_inside_clip", _loss(delta=1.1), ValueError, "delta"),
-    ("unknown_loss_type", _loss(loss_type="ppo"), ValueError, "loss_type"),
-    (
-        "unknown_level",
-        _loss(importance_sampling="batch"),
-        ValueError,
-        "importance_sampling",
-    ),
-    (
-        "dr_grpo_without_length",
-        _loss(loss_type="dr_grpo"),
-        ValueError,
-        "max_completion_length",
-    ),
-    ("mask_with_no_tokens", _loss(mask=np.zeros((2, 3))), ValueError, "mask"),
-    (
-        "advantages_per_token",
-        _loss(advantages=np.ones((2, 3))),
-        ValueError,
-        "advantages",
-    ),
-    ("old_logps_shape", _loss(old_logps=np.ones((2, 2))), ValueError, "old_logps"),
-    ("beta_without_reference", _loss(beta=0.1), ValueError, "ref_logps"),
-    (
-        "fused_ids_shape",
-        lambda: policy_gradient.fused_policy_gradient_loss(
-            np.ones((2, 3, D)),
-            np.ones((V, D)),
-            np.zeros((2, 2), np.int32),
-            np.ones((2, 3)),
-            np.ones(2),
-        ),
-        ValueError,
-        "ids",
-    ),
-]
+    *keyword_rows("loss", loss, [
+        ("epsilon_low negative", dict(epsilon_low=-0.1), ValueError),
+        ("epsilon_high negative", dict(epsilon_high=-0.1), ValueError),
+        ("delta inside the clip", dict(delta=1.1), ValueError),
+        ("unknown loss_type", dict(loss_type="ppo"), ValueError),
+        ("unknown level", dict(importance_sampling="batch"), ValueError),
+        ("dr_grpo without a length", dict(loss_type="dr_grpo"), ValueError,
+         "max_completion_length"),
+        ("mask with no tokens", dict(mask=np.zeros((2, 3))), ValueError),
+        ("advantages per token", dict(advantages=np.ones((2, 3))), ValueError),
+        ("old_logps shape", dict(old_logps=np.ones((2, 2))), ValueError),
+        ("beta without a reference", dict(beta=0.1), ValueError, "ref_logps"),
+    ]),
+    ("fused ids shape",
+     lambda: policy_gradient.fused_policy_gradient_loss(
+         np.ones((2, 3, D)), np.ones((V, D)), np.zeros((2, 2), np.int32),
+         np.ones((2, 3)), np.ones(2)),
+     ValueError, "ids"),
+]  # fmt: skip
 test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)

@@ -195,6 +195,12 @@ def loss_defaults() -> ml_collections.ConfigDict:
     # it did to the compare config's test bits/char.
     loss.filter_eps = config_dict.placeholder(object)
     loss.filter_target = "both"
+    # The fused sweep's row order of the vocabulary (docs/fused_loss.md,
+    # "Vocabulary sorting"), invisible to the loss and its gradients: None
+    # (the table's), "frequency" (the training split's token counts, most
+    # frequent first, counted once) or "mean_logit" (each step's rows by
+    # their mean logit over its batch). It changes which tiles a filter skips.
+    loss.vocab_order = config_dict.placeholder(str)
     return loss
 
 

@@ -33,6 +33,10 @@ from lmhead._fused_sweep import (  # noqa: F401  (re-exported: the knobs' values
     VOCAB_BLOCK_ROWS,
     default_chunk_size,
 )
+from lmhead._vocab_order import (  # noqa: F401  (re-exported: the row orders)
+    frequency_order,
+    mean_logit_order,
+)
 from lmhead.head import NEG_INF
 
 

@@ -31,7 +31,7 @@ from lmhead import (
 )
 
 LOSS_IMPLS = ("fused", "materialized", "vocab_parallel")
-GRADIENT_OPTIONS = ("filter_eps", "filter_target", "dw_accumulation")
+GRADIENT_OPTIONS = ("filter_eps", "filter_target", "dw_accumulation", "vocab_order")
 
 
 def projection_init(rank: int) -> nn.initializers.Initializer:
@@ -373,9 +373,9 @@ class LMHead(nn.Module):
                 for ``"materialized"``.
             label_smoothing, smoothing, z_loss: as in
                 ``losses.cross_entropy``.
-            **gradients: ``filter_eps``, ``filter_target`` and
-                ``dw_accumulation`` of ``fused.fused_cross_entropy``, for
-                ``loss_impl="fused"`` only.
+            **gradients: ``filter_eps``, ``filter_target``,
+                ``dw_accumulation`` and ``vocab_order`` of
+                ``fused.fused_cross_entropy``, for ``loss_impl="fused"`` only.
 
         Returns:
             ``(loss, metrics)`` as ``losses.cross_entropy`` returns them.
@@ -437,7 +437,8 @@ class LMHead(nn.Module):
             **options: ``labels``, ``weights``, ``divergence``, ``beta``,
                 ``temperature``, ``hard_weight`` and ``reduction`` of
                 ``distillation.distillation_loss``, and for the fused loss
-                ``filter_eps``, ``filter_target`` and ``dw_accumulation``.
+                ``filter_eps``, ``filter_target``, ``dw_accumulation`` and
+                ``vocab_order``.
 
         Returns:
             ``(loss, metrics)`` as ``distillation.distillation_loss``

@@ -9,6 +9,8 @@ ragged last chunk), V = 37 rows in blocks of 8 (a ragged last block), some
 tokens of weight 0, a bias.
 """
 
+import types
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -19,10 +21,12 @@ from lmhead import (
     _vocab_order,
     distillation,
     fused,
+    modules,
     policy_gradient,
     token_logprobs,
     vocab_parallel,
 )
+from lmhead.lm import configuration, train
 from tests.errors import bad_input_test, keyword_rows
 
 N, D, V = 23, 6, 37
@@ -336,3 +340,68 @@ def test_a_traced_order_is_taken_as_given():
     )
     want = fused.fused_cross_entropy(h, w, labels, weights=weights, chunk_size=CHUNK)
     np.testing.assert_allclose(loss(ORDERS["permutation"]), want[0], rtol=2e-6)
+
+
+def config_with(**loss):
+    config = configuration.load_config("tiny")
+    for key, value in loss.items():
+        config.loss[key] = value
+    return config
+
+
+CONFIG_ROWS = [
+    (
+        "config word",
+        lambda: configuration.validate_config(config_with(vocab_order="sorted")),
+        ValueError,
+        "loss.vocab_order",
+    ),
+    (
+        "config materialized",
+        lambda: configuration.validate_config(
+            config_with(vocab_order="mean_logit", loss_impl="materialized")
+        ),
+        ValueError,
+        ("loss.vocab_order", "loss_impl"),
+    ),
+    (
+        "config frequency without tokens",
+        lambda: train.loss_keywords(config_with(vocab_order="frequency").loss),
+        ValueError,
+        "loss.vocab_order",
+    ),
+]
+test_bad_config_raises_exactly_naming_the_key = bad_input_test(CONFIG_ROWS)
+
+
+def test_training_counts_its_tokens_and_the_head_passes_the_order():
+    h, w, _, labels, weights = make_inputs()
+    tokens = np.random.default_rng(5).zipf(1.5, 500) % V
+    dataset = types.SimpleNamespace(train_tokens=tokens.astype(np.uint16), vocab_size=V)
+    keywords = train.loss_keywords(config_with(vocab_order="frequency").loss, dataset)
+    counts = np.array([np.sum(tokens == i) for i in range(V)])
+    want = sorted(range(V), key=lambda i: (-counts[i], i))
+    np.testing.assert_array_equal(keywords["vocab_order"], want)
+    assert "vocab_order" not in train.loss_keywords(config_with().loss)
+    assert (
+        train.loss_keywords(config_with(vocab_order="mean_logit").loss)["vocab_order"]
+        == "mean_logit"
+    )
+
+    def head_loss(h, **options):
+        return modules.LMHead(V).apply(
+            {},
+            h,
+            labels,
+            w,
+            weights=weights,
+            chunk_size=CHUNK,
+            method="loss",
+            **options,
+        )[0]
+
+    order = keywords["vocab_order"]
+    sorted_dh = jax.jit(jax.grad(lambda h: head_loss(h, vocab_order=order)))(h)
+    dh = jax.jit(jax.grad(head_loss))(h)
+    np.testing.assert_allclose(sorted_dh, dh, rtol=1e-5, atol=2e-7)
+    assert np.any(sorted_dh != dh)  # the order was applied: other rounding

@@ -49,6 +49,7 @@ CHOICES = {
     "loss.loss_impl": modules.LOSS_IMPLS,
     "loss.smoothing": ("uniform", "normalized"),
     "loss.filter_target": fused.FILTER_TARGETS,
+    "loss.vocab_order": (None, "frequency", "mean_logit"),
 }
 
 
@@ -185,6 +186,7 @@ def _check_rules_between_values(config) -> None:
             "'materialized'; leave it unset."
         )
     _check_filter_eps(config.loss)
+    _check_vocab_order(config.loss)
     for name in ("data", "model"):
         if config.mesh[name] == 0:
             raise ValueError(
@@ -220,6 +222,16 @@ def _check_filter_eps(loss) -> None:
         raise ValueError(
             "config.loss.filter_eps filters the gradient of loss_impl='fused' "
             f"only; got filter_eps={eps!r} with loss_impl={loss.loss_impl!r}."
+        )
+
+
+def _check_vocab_order(loss) -> None:
+    """``loss.vocab_order`` orders the sweep of ``loss_impl="fused"`` only."""
+    if loss.get("vocab_order") is not None and loss.loss_impl != "fused":
+        raise ValueError(
+            "config.loss.vocab_order orders the sweep of loss_impl='fused' only; "
+            f"got vocab_order={loss.vocab_order!r} with "
+            f"loss_impl={loss.loss_impl!r}."
         )
 
 

@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from lmhead import losses
+from lmhead import fused, losses
 from lmhead.lm import (
     checkpoints,
     configuration,
@@ -41,10 +41,14 @@ from lmhead.lm import state as state_lib
 SUMMARY_FILE = loop.SUMMARY_FILE
 
 
-def loss_keywords(loss_config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """``DecoderLM.loss`` keywords of ``config.loss``: chunk_size only if
-    set, filter_eps and filter_target only with a filter_eps (so an exact
-    run compiles the program it did before they existed).
+def loss_keywords(
+    loss_config: ml_collections.ConfigDict, dataset: data.Dataset | None = None
+) -> dict[str, Any]:
+    """``DecoderLM.loss`` keywords of ``config.loss``: chunk_size and
+    vocab_order only if set, filter_eps and filter_target only with a
+    filter_eps (so an exact run compiles the program it did before they
+    existed). ``vocab_order="frequency"`` becomes the order of ``dataset``'s
+    training tokens counted (``fused.frequency_order``), most frequent first.
 
     Examples:
         >>> loss = ml_collections.ConfigDict(dict(
@@ -57,11 +61,19 @@ def loss_keywords(loss_config: ml_collections.ConfigDict) -> dict[str, Any]:
         {'filter_eps': 'auto', 'filter_target': 'both', 'loss_impl': 'fused'}
     """
     keywords = loss_config.to_dict()
-    for name in ("chunk_size", "filter_eps"):
+    for name in ("chunk_size", "filter_eps", "vocab_order"):
         if keywords.get(name, None) is None:
             keywords.pop(name, None)
     if "filter_eps" not in keywords:
         keywords.pop("filter_target", None)
+    if keywords.get("vocab_order") == "frequency":
+        if dataset is None:
+            raise ValueError(
+                "config.loss.vocab_order='frequency' counts the training split's "
+                "tokens, which this program is not given; use 'mean_logit' or None."
+            )
+        counts = np.bincount(dataset.train_tokens, minlength=dataset.vocab_size)
+        keywords["vocab_order"] = fused.frequency_order(counts)
     return keywords
 
 
@@ -220,19 +232,22 @@ def compile_steps(
     batch: dict[str, np.ndarray],
     key: jax.Array,
     mesh: jax.sharding.Mesh | None = None,
+    dataset: data.Dataset | None = None,
 ):
     """Jits ``train_step`` (state donated, compiled ahead of time) and ``eval_step``.
 
     With a ``mesh``, the state is sharded by ``sharding.tree_shardings``, the
     batch over ``"data"``, the metrics replicated, and the step is traced
     under ``jax.set_mesh(mesh)`` (which ``loss_impl="vocab_parallel"`` uses).
+    ``dataset``: the run's, whose training tokens ``loss.vocab_order=
+    "frequency"`` counts.
     Returns ``(train_fn, eval_fn, compile_seconds)``; ``train_fn(state, batch,
     key)`` and ``eval_fn(params, batch)`` take the shapes of the examples.
     """
     step = functools.partial(
         train_step,
         model=model,
-        loss_kwargs=loss_keywords(config.loss),
+        loss_kwargs=loss_keywords(config.loss, dataset),
         learning_rate_fn=state_lib.learning_rate_schedule(config),
         microbatches=config.train.microbatches,
         untie_step=config.model.untie_step,
@@ -370,7 +385,7 @@ class _SingleRun(loop.Run):
         self.dropout_key, self.sample_key = dropout_key, sample_key
         self.failed, self.finished = set(), set()
         self.train_fn, self.eval_fn, self.compile_seconds = compile_steps(
-            model, config, state, self.batch(0), dropout_key, mesh
+            model, config, state, self.batch(0), dropout_key, mesh, dataset
         )
         monitoring.log(
             f"{monitoring.count_params(state.params):,} parameters; "

@@ -13,7 +13,7 @@ from scipy import special
 
 from lmhead.lm import kv_cache
 from lmhead.lm import model as model_lib
-from tests.errors import assert_raises_exactly
+from tests.errors import bad_input_test
 from tests.lm.tiny_decoder import (
     HEADS,
     MAX_LEN,
@@ -143,17 +143,6 @@ def test_cached_keys_values_resolve_the_pointers():
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize(
-    "repeats,error",
-    [(0, ValueError), (-1, ValueError), (1.5, TypeError), ("2", TypeError)],
-)
-def test_repeat_cache_refuses_a_bad_count(repeats, error):
-    cache = kv_cache.init_cache(small_model(), 2)
-    assert_raises_exactly(
-        lambda: kv_cache.repeat_cache(cache, repeats), error, "repeats"
-    )
-
-
 @pytest.fixture
 def small_spans(monkeypatch):
     """Attention spans (4, 8, 16) instead of (16,), so that decoding crosses
@@ -234,18 +223,6 @@ def test_cache_leaves_lead_with_the_batch_axis_and_rows_can_be_reordered(small_s
         )
 
 
-def test_reorder_cache_refuses_rows_of_other_lengths():
-    model = small_model()
-    params = init_params(model)
-    _, cache = model_lib.prefill(
-        model, params, random_tokens((2, 5)), jnp.array([4, 2])
-    )
-    with pytest.raises(
-        ValueError, match="rows must map each row to a row of the same length"
-    ):
-        kv_cache.reorder_cache(cache, jnp.array([0, 0]))
-
-
 def test_repeat_cache_copies_or_shares_the_prefix():
     model = small_model()
     params = init_params(model, noise=0.2)
@@ -296,9 +273,24 @@ def test_trim_cache_drops_the_pieces_no_step_reaches_and_decodes_the_same(
     assert traced(cache) == 8
 
 
-@pytest.mark.parametrize("num_steps,error", [(-1, ValueError), (1.0, TypeError)])
-def test_trim_cache_refuses_a_bad_step_count(num_steps, error):
-    cache = kv_cache.init_cache(small_model(), 2)
-    assert_raises_exactly(
-        lambda: kv_cache.trim_cache(cache, num_steps), error, "num_steps"
-    )
+def empty_cache(index=(0, 0)):
+    return kv_cache.init_cache(small_model(), 2)._replace(index=jnp.array(index))
+
+
+BAD_INPUTS = [
+    *[
+        (f"repeat_cache repeats {r!r}", lambda r=r: kv_cache.repeat_cache(
+            empty_cache(), r), error, "repeats")
+        for r, error in ((0, ValueError), (-1, ValueError), (1.5, TypeError),
+                         ("2", TypeError))
+    ],
+    *[
+        (f"trim_cache num_steps {n!r}", lambda n=n: kv_cache.trim_cache(
+            empty_cache(), n), error, "num_steps")
+        for n, error in ((-1, ValueError), (1.0, TypeError))
+    ],
+    ("reorder_cache rows of other lengths",
+     lambda: kv_cache.reorder_cache(empty_cache((4, 2)), jnp.array([0, 0])),
+     ValueError, ("rows", "same length")),
+]  # fmt: skip
+test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)

@@ -375,6 +375,7 @@ RESUMABLE_CHANGES = (
     "train.vmap_members",
     "loss.loss_impl",
     "loss.chunk_size",
+    "loss.vocab_order",
     "mesh.data",
     "mesh.model",
     "mesh.members",

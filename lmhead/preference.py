@@ -318,6 +318,7 @@ def fused_preference_loss(
     filter_eps: float | str | None = None,
     filter_target: str = "both",
     dw_accumulation: str = "float32",
+    vocab_order: jax.typing.ArrayLike | str | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r""":func:`preference_loss` of the head ``softcap(scale * h @ w.T + bias)``,
     fused.
@@ -348,10 +349,10 @@ def fused_preference_loss(
         loss_type, beta, gamma, alpha, label_smoothing: as in
             :func:`preference_loss`.
         temperature, scale, softcap, chunk_size, vocab_chunk_size,
-            filter_eps, filter_target, dw_accumulation: as in
+            filter_eps, filter_target, dw_accumulation, vocab_order: as in
             :func:`lmhead.token_logprobs.fused_token_logprobs` (the
             reference's sweep, which gets no gradient, ignores the last
-            three).
+            four).
 
     Returns:
         ``(loss, metrics)`` as :func:`preference_loss`.
@@ -401,6 +402,7 @@ def fused_preference_loss(
         filter_eps=filter_eps,
         filter_target=filter_target,
         dw_accumulation=dw_accumulation,
+        vocab_order=vocab_order,
     )
     # The pairs' shapes and masks, checked before any sweep.
     _check_pair(

@@ -146,6 +146,7 @@ def fused_sparse_distillation_loss(
     filter_eps: float | str | None = None,
     filter_target: str = "both",
     dw_accumulation: str = "float32",
+    vocab_order: jax.typing.ArrayLike | str | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r""":func:`sparse_distillation_loss` of the head ``softcap(scale * h @ w.T
     + bias) / T``, fused.
@@ -161,7 +162,7 @@ def fused_sparse_distillation_loss(
         teacher_logps: ``[..., k]`` their log-probs, ``<= 0``.
         weights, renormalize, reduction: as in :func:`sparse_distillation_loss`.
         temperature, scale, softcap, chunk_size, vocab_chunk_size,
-            filter_eps, filter_target, dw_accumulation: as in
+            filter_eps, filter_target, dw_accumulation, vocab_order: as in
             :func:`lmhead.token_logprobs.fused_token_logprobs`.
 
     Returns:
@@ -216,6 +217,7 @@ def fused_sparse_distillation_loss(
         filter_eps=filter_eps,
         filter_target=filter_target,
         dw_accumulation=dw_accumulation,
+        vocab_order=vocab_order,
     )
     return sparse_distillation_loss(
         student.logprobs,

@@ -23,6 +23,8 @@ from lmhead import (
     fused,
     modules,
     policy_gradient,
+    preference,
+    sparse_distillation,
     token_logprobs,
     vocab_parallel,
 )
@@ -405,3 +407,48 @@ def test_training_counts_its_tokens_and_the_head_passes_the_order():
     dh = jax.jit(jax.grad(head_loss))(h)
     np.testing.assert_allclose(sorted_dh, dh, rtol=1e-5, atol=2e-7)
     assert np.any(sorted_dh != dh)  # the order was applied: other rounding
+
+
+@pytest.mark.parametrize("name", ["dpo", "sparse_distillation"])
+def test_the_other_post_training_losses_take_the_order(name):
+    # DPO's pairs are segments of the sweep (their gradient deferred to the
+    # pair's end); the sparse teacher's ids are mapped as labels are.
+    h, w, bias, labels, weights = make_inputs()
+    ids = labels[:22].reshape(2, 11)
+    mask = (weights[:22] > 0).astype(np.float32).reshape(2, 11)
+    teacher_ids = np.stack([labels, (labels + 5) % V], -1)
+    teacher_logps = np.log(np.full((N, 2), 0.4, np.float32))
+    losses = {
+        "dpo": lambda h, w, b, order: preference.fused_preference_loss(
+            h[:11][None],
+            h[11:22][None],
+            w,
+            ids[:1],
+            ids[1:],
+            mask[:1],
+            mask[1:],
+            bias=b,
+            reference_logps=(np.zeros((1, 11)), np.zeros((1, 11))),
+            chunk_size=CHUNK,
+            vocab_order=order,
+        )[0],
+        "sparse_distillation": lambda h, w, b, order: (
+            sparse_distillation.fused_sparse_distillation_loss(
+                h,
+                w,
+                teacher_ids,
+                teacher_logps,
+                bias=b,
+                weights=weights,
+                chunk_size=CHUNK,
+                vocab_order=order,
+            )[0]
+        ),
+    }
+    step = jax.jit(jax.value_and_grad(losses[name], argnums=(0, 1, 2)))
+    value, grads = step(h, w, bias, None)
+    got, got_grads = step(h, w, bias, ORDERS["permutation"])
+    np.testing.assert_allclose(got, value, rtol=2e-6)
+    for g, e in zip(got_grads, grads):
+        assert np.any(e != 0)
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=2e-7)

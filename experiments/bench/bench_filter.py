@@ -25,8 +25,10 @@ has the results ("Measured on trained models").
 """
 
 import contextlib
+import itertools
 import json
 import os
+import time
 
 import head_tables  # experiments/bench/head_tables.py, beside this file
 import jax
@@ -35,7 +37,7 @@ import numpy as np
 import timing  # experiments/bench/timing.py, beside this file
 from absl import app, flags
 
-from lmhead import _fused_sweep, fused, head, losses
+from lmhead import _fused_sweep, _vocab_order, fused, head, losses
 from lmhead.lm import configuration, data, generation, loop, train
 from lmhead.lm import model as model_lib
 
@@ -59,6 +61,12 @@ flags.DEFINE_list(
 )
 flags.DEFINE_list(
     "block_rows", ["256"], "Vocabulary rows per block besides the engine's default."
+)
+flags.DEFINE_list(
+    "vocab_order",
+    ["frequency", "mean_logit"],
+    "Row orders besides the table's own: frequency (the run's training "
+    "tokens, most frequent first) and mean_logit (computed in the loss).",
 )
 flags.DEFINE_integer("rounds", 3, "Alternating timing rounds.", lower_bound=1)
 flags.DEFINE_bool("quick", False, "The tiny config (for tests), few tokens, 1 round.")
@@ -97,6 +105,7 @@ HEADER = (
     "chunk",
     "block rows",
     "filter_eps",
+    "order",
     "tiles skipped",
     "bound",
     "s",
@@ -133,7 +142,8 @@ def validation_batch(workdir: str, tokens: int):
         raise ValueError(
             f"{workdir}: a factorized, biased or scaled head is not measured here."
         )
-    val = data.load_dataset(config.data, workdir).val_tokens
+    dataset = data.load_dataset(config.data, workdir)
+    val = dataset.val_tokens
     block = model.max_len
     count = max(1, tokens // block)
     starts = np.linspace(0, len(val) - block - 1, count).astype(int)
@@ -144,12 +154,14 @@ def validation_batch(workdir: str, tokens: int):
     w = params["embed"]["embedding"] if model.tied else params["head"]["unembedding"]
     with open(os.path.join(workdir, loop.SUMMARY_FILE)) as f:
         best = json.load(f)["best"]
+    counts = np.bincount(dataset.train_tokens, minlength=w.shape[0])
     return (
         h.reshape(-1, h.shape[-1]),
         jnp.asarray(w, h.dtype),
         windows[:, 1:].reshape(-1),
         best.get("eval/bits_per_char"),
         model.logits_softcap,
+        counts,
     )
 
 
@@ -168,9 +180,11 @@ def vocab_block_rows(rows: int | None):
         table[key] = default
 
 
-def programs(h, w, labels, softcap, eps_values, block_rows):
+def programs(h, w, labels, softcap, eps_values, block_rows, orders):
     """``{name: compiled value_and_grad}``: "materialized", and for each block
-    size ``(rows, eps)`` with ``eps`` None (exact) or each value."""
+    size ``(rows, eps, order)``: ``eps`` None (exact) or each value, ``order``
+    None (the table's) or each of ``orders`` (``{name: order [V] or
+    "mean_logit"}``)."""
 
     def compiled(loss):
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
@@ -186,29 +200,42 @@ def programs(h, w, labels, softcap, eps_values, block_rows):
     for rows in block_rows:
         with vocab_block_rows(rows):
             for eps in [None, *eps_values]:
-                out[rows, eps] = compiled(
-                    lambda h, w, eps=eps: fused.fused_cross_entropy(
-                        h, w, labels, softcap=softcap, filter_eps=eps
-                    )[0]
-                )
+                for name in [None, *orders]:
+                    out[rows, eps, name] = compiled(
+                        lambda h, w, eps=eps, name=name: fused.fused_cross_entropy(
+                            h,
+                            w,
+                            labels,
+                            softcap=softcap,
+                            filter_eps=eps,
+                            vocab_order=None if name is None else orders[name],
+                        )[0]
+                    )
     return out
 
 
-def rows_of_run(name, workdir, eps_values, block_rows, tokens, rounds):
+def rows_of_run(name, workdir, eps_values, block_rows, tokens, rounds, order_names):
     """The table's rows of one run, and a line on how trained it is."""
-    h, w, labels, val_bpc, softcap = validation_batch(workdir, tokens)
+    h, w, labels, val_bpc, softcap, counts = validation_batch(workdir, tokens)
     (n, d), v = h.shape, w.shape[0]
-    compiled = programs(h, w, labels, softcap, eps_values, block_rows)
-    times = {key: [] for key in compiled}
-    for _ in range(rounds):  # alternate, so all see the same load
-        for key, program in compiled.items():
-            times[key].append(timing.call_seconds(program, (h, w)))
-    median = {key: float(np.median(t)) for key, t in times.items()}
+    orders = {
+        "frequency": _vocab_order.frequency_order(counts),
+        "mean_logit": "mean_logit",
+    }
+    orders = {k: orders[k] for k in order_names}
+    compiled = programs(h, w, labels, softcap, eps_values, block_rows, orders)
+    median = timing.alternate(
+        compiled,
+        None,
+        rounds,
+        setups={key: lambda: (h, w) for key in compiled},
+        clock=time.perf_counter,
+    )
     out = []
     for rows in block_rows:
         chunk, rows_used, _ = _with_rows(rows, n, v)
-        exact = compiled[rows, None](h, w)[1]
-        for eps in [None, *eps_values]:
+        exact = compiled[rows, None, None](h, w)[1]
+        for eps, order in itertools.product([None, *eps_values], [None, *orders]):
             value = (
                 None
                 if eps is None
@@ -218,17 +245,27 @@ def rows_of_run(name, workdir, eps_values, block_rows, tokens, rounds):
             )
             f = 0.0
             if eps is not None:
+                perm = orders.get(order)
+                if isinstance(perm, str):
+                    perm = _vocab_order.mean_logit_order(h, w)
+                perm = np.arange(v) if perm is None else np.asarray(perm)
+                inverse = np.argsort(perm)
                 f = float(
                     head_tables.skipped_fraction(
-                        h, w, labels, chunk=chunk, rows=rows_used, eps=value
+                        h,
+                        w[perm],
+                        inverse[np.asarray(labels)],
+                        chunk=chunk,
+                        rows=rows_used,
+                        eps=value,
                     )
                 )
-            grads = compiled[rows, eps](h, w)[1]
+            grads = compiled[rows, eps, order](h, w)[1]
             error = [
                 float(jnp.linalg.norm(g - e) / jnp.linalg.norm(e))
                 for g, e in zip(grads, exact)
             ]
-            seconds = median[rows, eps]
+            seconds = float(median[rows, eps, order])
             out.append(
                 (
                     name,
@@ -238,10 +275,11 @@ def rows_of_run(name, workdir, eps_values, block_rows, tokens, rounds):
                     chunk,
                     rows_used,
                     "exact" if eps is None else f"{eps} ({value:.3g})",
+                    order or "table",
                     f"{f:.1%}",
                     f"{1 / 3 + 2 / 3 * (1 - f):.2f}",
                     f"{seconds:.3g}",
-                    f"{seconds / median[rows, None]:.2f}",
+                    f"{seconds / median[rows, None, None]:.2f}",
                     f"{seconds / median['materialized']:.2f}",
                     f"{error[0]:.1e}",
                     f"{error[1]:.1e}",
@@ -270,7 +308,9 @@ def main(argv):
             config = recipe(FLAGS.vocab_size, FLAGS.train_steps, FLAGS.quick)
             train.train_and_evaluate(config, workdir)
         name = os.path.basename(os.path.normpath(workdir))
-        out, line = rows_of_run(name, workdir, eps_values, block_rows, tokens, rounds)
+        out, line = rows_of_run(
+            name, workdir, eps_values, block_rows, tokens, rounds, FLAGS.vocab_order
+        )
         table += out
         trained.append(line)
     print("\n".join(trained))

@@ -43,29 +43,20 @@ class TestDataset:
             data.load_dataset(data_config(path=path, block_size=10))
 
 
-class TestWhatTheTokenizerLearnsFrom:
-    def test_bpe_is_trained_on_the_training_split_only(self, text_file, data_config):
-        text = "the cat sat on the mat. " * 400 + "zyzzyva " * 100
-        dataset = data.load_dataset(
-            data_config(
-                path=text_file(text), tokenizer="bpe", vocab_size=300, val_fraction=0.1
-            )
-        )
-        vocab = dataset.tokenizer.tokenizer.get_vocab()
-        assert "Ġmat" in vocab and not any("zyz" in t for t in vocab)
-
-    def test_bpe_learns_from_the_used_training_text_only(self, text_file, data_config):
-        text = "the cat sat on the mat. " * 400 + "zyzzyva " * 300 + "x " * 100
-        used = data.load_dataset(
-            data_config(
-                path=text_file(text),
-                tokenizer="bpe",
-                vocab_size=300,
-                train_fraction=0.7,
-            )
-        )
-        vocab = used.tokenizer.tokenizer.get_vocab()
-        assert "Ġmat" in vocab and not any("zyz" in t for t in vocab)
+@pytest.mark.parametrize(
+    "zyzzyvas,split",
+    [(100, dict(val_fraction=0.1)), (300, dict(train_fraction=0.7))],
+    ids=["not the validation split", "not the unused training text"],
+)
+def test_bpe_learns_from_the_used_training_text_only(
+    text_file, data_config, zyzzyvas, split
+):
+    text = "the cat sat on the mat. " * 400 + "zyzzyva " * zyzzyvas + "x " * 100
+    dataset = data.load_dataset(
+        data_config(path=text_file(text), tokenizer="bpe", vocab_size=300, **split)
+    )
+    vocab = dataset.tokenizer.tokenizer.get_vocab()
+    assert "Ġmat" in vocab and not any("zyz" in t for t in vocab)
 
 
 class TestCache:

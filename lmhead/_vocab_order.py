@@ -34,6 +34,14 @@ def check_vocab_order(vocab_order, vocab_size: int, split: bool = False):
     (run it once outside ``jit``, or under ``checkify``, to check it).
     ``split``: the vocabulary is split over a mesh axis, where no order is
     allowed.
+
+    Examples:
+        >>> check_vocab_order([2, 0, 1], 3)
+        Array([2, 0, 1], dtype=int32)
+        >>> check_vocab_order([2, 0, 2], 3)
+        Traceback (most recent call last):
+        ...
+        ValueError: vocab_order must be a permutation of range(3); it repeats 2 and lacks 1.
     """
     if vocab_order is None:
         return None
@@ -50,7 +58,9 @@ def check_vocab_order(vocab_order, vocab_size: int, split: bool = False):
                 f"got {vocab_order!r}."
             )
         return vocab_order
-    if not hasattr(vocab_order, "dtype") and not isinstance(vocab_order, (list, tuple)):
+    if isinstance(vocab_order, (list, tuple)):
+        vocab_order = np.asarray(vocab_order)
+    if not hasattr(vocab_order, "dtype"):
         raise TypeError(
             "vocab_order must be None, 'mean_logit' or an integer array [V]; "
             f"got {type(vocab_order).__name__}."
@@ -137,7 +147,12 @@ def mean_logit_order(h, w, bias=None, *, scale=None, weights=None) -> jax.Array:
 
 
 def inverse_order(order: jax.Array) -> jax.Array:
-    """``inverse[order[k]] = k``: where each of the caller's rows went."""
+    """``inverse[order[k]] = k``: where each of the caller's rows went.
+
+    Examples:
+        >>> inverse_order(jnp.array([2, 0, 1]))
+        Array([1, 2, 0], dtype=int32)
+    """
     rows = jnp.arange(order.shape[0], dtype=jnp.int32)
     return jnp.zeros_like(rows).at[order].set(rows, unique_indices=True)
 

@@ -14,14 +14,18 @@ BPE ``--vocab_size`` on all of the training text), the run's hidden states
 and table on ``--tokens`` tokens of its validation text (evenly spaced
 windows of its block size) go through ``jax.value_and_grad`` w.r.t. ``h``
 and ``w`` of the materialized cross-entropy, the exact fused one and the
-fused one at each ``--filter_eps``, at the engine's default vocabulary
-blocks and at each of ``--block_rows``, timed in alternating rounds. Each
-row has the fraction ``f`` of tiles skipped (``head_tables.skipped_fraction``,
-from the softmax apart from the sweep), the bound ``1/3 + 2/3 (1 - f)`` of
-the time against exact, the times' ratios to the exact fused loss at the
-same blocks and to the materialized loss, and the relative error (Frobenius)
-of ``dh`` and ``dw`` against the exact fused gradient. docs/fused_loss.md
-has the results ("Measured on trained models").
+fused one at each ``--filter_eps``, each in the table's row order and in
+each ``--vocab_order`` (``frequency``: the run's training tokens counted,
+``fused.frequency_order``; ``mean_logit``: computed in the loss), at the
+engine's default vocabulary blocks and at each of ``--block_rows``, timed
+in alternating rounds (``timing.alternate``). Each row has the fraction
+``f`` of tiles skipped in its order (``head_tables.skipped_fraction``, from
+the softmax apart from the sweep), the bound ``1/3 + 2/3 (1 - f)`` of the
+time against exact, the times' ratios to the exact fused loss in the
+table's order at the same blocks and to the materialized loss, and the
+relative error (Frobenius) of ``dh`` and ``dw`` against that exact
+gradient. docs/fused_loss.md has the results ("Measured on trained models",
+"Vocabulary sorting").
 """
 
 import contextlib

@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint format compare study study-edges study-gpu clean constraints
+.PHONY: test lint format compare study study-edges study-profiles study-gpu clean constraints
 
 STUDY := configs/sweeps/tying_study.py
 # Extra experiments/sweep.py flags for compare and study, e.g. on a 2-core CPU
@@ -69,6 +69,24 @@ study-edges: $(STAMP)
 	    --ensemble=$(ENSEMBLE) --noreport $(EDGES_RESTORE) $(SWEEP_FLAGS)
 	$(PY) experiments/report.py --workdir=runs/tying_edges \
 	    --out=docs/tying_study/edges
+
+# The learning-rate profiles (configs/sweeps/tying_study.py:profiles): arms
+# a, b and c of four cells on one shared ladder per cell and three tuning
+# seeds, grown to two rungs past every arm's best. The subset cell (fixed
+# budget, evaluated every 25 steps) and the 100% cells (every 100) are two
+# sweeps into one directory, since runs share their evaluation interval.
+# The study's and the eight-rung check's runs at these rates and seeds are
+# the same runs (same names), restored from their tables, as are the
+# profiles' own once committed. Resumable.
+PROFILES_CSVS := docs/tying_study/edges/runs.csv docs/tying_study/profiles/runs.csv
+PROFILES_RESTORE := $(addprefix --restore_from=,$(STUDY_CSV) $(wildcard $(PROFILES_CSVS)))
+study-profiles: $(STAMP)
+	$(PY) experiments/sweep.py --sweep=$(STUDY):profiles,amounts=0.003 \
+	    --workdir=runs/tying_profiles --ensemble=6 --noreport \
+	    $(PROFILES_RESTORE) $(SWEEP_FLAGS)
+	$(PY) experiments/sweep.py --sweep=$(STUDY):profiles,amounts=1.0 \
+	    --workdir=runs/tying_profiles --ensemble=6 --noreport \
+	    $(PROFILES_RESTORE) $(SWEEP_FLAGS)
 
 # The same design on one GPU, every cell's runs in one ensemble (one vmap of
 # all members on a GPU), with the Python that has jax with CUDA (no .venv:

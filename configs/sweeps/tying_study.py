@@ -30,7 +30,10 @@ seeds, one learning rate, no tuning, 16 validation batches every 50 steps;
 ``edges``, ``make study-edges``'s sensitivity check: the full design's
 cells whose every arm chose the top of its ladder, BPE 2048 and 8192 on all
 of the text, arms a, b and c, with the ladder let run up to eight rungs past
-the grid instead of two; ``tiny``, for tests), then
+the grid instead of two; ``profiles``, the learning-rate profiles of arms
+a, b and c in four cells on three tuning seeds, with the subset cell's fixed
+budget (``docs/tying_study/README.md``, "Learning-rate profiles"); ``tiny``
+and ``profiles_tiny``, for tests), then
 comma-separated ``key=value`` (``+`` separates list items)::
 
     stage=test      tune | test (test lists the tuning runs too)
@@ -39,8 +42,16 @@ comma-separated ``key=value`` (``+`` separates list items)::
     amounts=...     training fractions, e.g. amounts=0.01+1.0
     arms=a+b+c+d+e  which arms
     seeds=8         test seeds 0 .. seeds-1
+    tuning_seeds=100+101  the seeds that choose rates (never test seeds)
     tune=true       false: no tuning stage, every cell at its centre's rate
+    ladder=-1+0+1   the grid's ladder indices around each centre
     extend=2        rungs tried past an end of the grid, at most
+    profile=false   true: PROFILE_CELLS only, the arms of a cell on one
+                    shared ladder (PROFILE_CENTRES) that grows to ``margin``
+                    rungs past every arm's best on both sides
+    margin=1        see profile (a per-arm ladder: past an end while best)
+    subset_eval_every=0, subset_patience=-1  the subsets' own cadence and
+                    patience (0 and -1: the shared ones)
     secondary_bpe=2048+8192  the BPE sizes of arms d and e (none: characters
                     never have a d, and e there is cut for time)
     subset_steps, full_steps, eval_every, eval_batches (validation batches
@@ -71,6 +82,12 @@ PRESETS = {
         patience=3,
         ablation=True,
         secondary_bpe=(2048, 8192),
+        ladder=(-1, 0, 1),
+        tuning_seeds=study.TUNING_SEEDS,
+        profile=False,
+        margin=1,
+        subset_eval_every=0,
+        subset_patience=-1,
     ),
     "small": dict(
         base="nanogpt",
@@ -89,6 +106,12 @@ PRESETS = {
         patience=3,
         ablation=False,
         secondary_bpe=(),
+        ladder=(0,),
+        tuning_seeds=study.TUNING_SEEDS,
+        profile=False,
+        margin=1,
+        subset_eval_every=0,
+        subset_patience=-1,
     ),
     "tiny": dict(
         base="tiny",
@@ -107,6 +130,12 @@ PRESETS = {
         patience=2,
         ablation=True,
         secondary_bpe=(300,),
+        ladder=(-1, 0, 1),
+        tuning_seeds=study.TUNING_SEEDS,
+        profile=False,
+        margin=1,
+        subset_eval_every=0,
+        subset_patience=-1,
     ),
 }
 # Its runs that the full design has are the same runs (same names), so
@@ -121,6 +150,54 @@ PRESETS["edges"] = dict(
     ablation=False,
     secondary_bpe=(),
 )
+# The learning-rate profiles (docs/tying_study/README.md, "Learning-rate
+# profiles"): arms a, b and c of PROFILE_CELLS on one shared ladder per cell,
+# three tuning seeds a rung, grown until it holds two rungs past every arm's
+# best on both sides. The subset cell trains a fixed budget: the cosine ends
+# at 300 steps, evaluated every 25, patience off.
+PRESETS["profiles"] = dict(
+    PRESETS["full"],
+    stage="tune",
+    bpe=(512, 2048, 8192),
+    amounts=(0.003, 1.0),
+    arms=("a", "b", "c"),
+    extend=8,
+    ablation=False,
+    secondary_bpe=(),
+    ladder=(-2, -1, 0, 1, 2, 3),
+    tuning_seeds=study.PROFILE_SEEDS,
+    profile=True,
+    margin=2,
+    subset_steps=300,
+    subset_eval_every=25,
+    subset_patience=0,
+)
+PRESETS["profiles_tiny"] = dict(
+    PRESETS["tiny"],
+    stage="tune",
+    arms=("a", "b", "c"),
+    extend=2,
+    ablation=False,
+    secondary_bpe=(),
+    ladder=(0, 1),
+    tuning_seeds=study.PROFILE_SEEDS,
+    profile=True,
+    margin=1,
+    subset_steps=40,
+    subset_eval_every=5,
+    subset_patience=0,
+)
+# The profiled (vocabulary, fraction) cells of each base, cheapest first so
+# that whole cells finish early: BPE 512 on 0.3% is where v2's "tied better"
+# was mostly the arms' rates (issue 49), and its runs are cheap.
+PROFILE_CELLS = {
+    "nanogpt": ((512, 0.003), (None, 1.0), (2048, 1.0), (8192, 1.0)),
+    "tiny": ((300, 0.2), (None, 1.0)),
+}
+# Ladder indices of each profiled cell's first rungs' centre: the ladder
+# (-2 .. 3 around it) covers two rungs past v2's and the eight-rung check's
+# best rates of arms a, b and c at 100%, and v2's rates at BPE 512 on 0.3%.
+PROFILE_CENTRES = {512: 0, None: 4, 2048: 3, 8192: 4, 300: 2}
 # The model each preset's base config argument gives (configs/default.py).
 BASE_MODELS = {
     "nanogpt": (
@@ -168,7 +245,18 @@ def get_study(arg=None) -> study.Design:
         raise ValueError(
             "Arm e unties at a step the tuning runs give: write tune=true."
         )
-    every = args["eval_every"]
+    vocabularies = ((None,) if args["char"] else ()) + tuple(args["bpe"])
+    pairs, centres, fractions = None, CENTRES, args["amounts"]
+    if args["profile"]:
+        centres = PROFILE_CENTRES
+        pairs = tuple(
+            (v, f)
+            for v, f in PROFILE_CELLS[args["base"]]
+            if v in vocabularies and f in fractions
+        )
+        fractions = tuple(f for f in fractions if any(f == p for _, p in pairs))
+    amounts = tuple(amount(args, f) for f in fractions)
+    every = cadence(args, amounts)
     shared = {
         # The committed runs (docs/tying_study, docs/compare) had no
         # end-of-text token; restoring and resuming them needs the same data.
@@ -188,22 +276,21 @@ def get_study(arg=None) -> study.Design:
         "sample.num_samples": 0,
     }
     base_shape, arch = BASE_MODELS[args["base"]]
-    vocabularies = ((None,) if args["char"] else ()) + tuple(args["bpe"])
-    amounts = tuple(
-        study.Amount(f, args["full_steps"] if f >= 1.0 else args["subset_steps"])
-        for f in args["amounts"]
-    )
     return study.Design(
         base=args["base"],
         shared=shared,
         vocabularies=vocabularies,
         amounts=amounts,
         arms=tuple(args["arms"]),
-        centres={v: CENTRES[v] for v in vocabularies},
+        centres={v: centres[v] for v in vocabularies},
         test_seeds=tuple(range(args["seeds"])),
-        grid=(-1, 0, 1) if args["tune"] else (0,),
+        tuning_seeds=tuple(args["tuning_seeds"]),
+        grid=tuple(args["ladder"]) if args["tune"] else (0,),
         tune=args["tune"],
         extend_edges=args["extend"],
+        shared_ladder=args["profile"],
+        margin=args["margin"],
+        pairs=pairs,
         patience=args["patience"],
         ablation_cell=ABLATION_CELL[args["base"]] if args["ablation"] else None,
         secondary_vocabularies=tuple(int(v) for v in args["secondary_bpe"]),
@@ -218,8 +305,40 @@ def get_study(arg=None) -> study.Design:
     )
 
 
+def amount(args: dict, fraction: float) -> study.Amount:
+    """The data amount ``fraction`` of a parsed argument: the full split
+    ``full_steps``, a subset ``subset_steps``, with ``subset_eval_every`` and
+    ``subset_patience`` when set (0 and -1: the shared cadence and patience)."""
+    if fraction >= 1.0:
+        return study.Amount(fraction, args["full_steps"])
+    return study.Amount(
+        fraction,
+        args["subset_steps"],
+        eval_every=args["subset_eval_every"] or None,
+        patience=None if args["subset_patience"] < 0 else args["subset_patience"],
+    )
+
+
+def cadence(args: dict, amounts) -> int:
+    """The evaluation interval that ``amounts`` share (their own, else
+    ``eval_every``); ``eval_every`` when they differ, for a report (a sweep
+    refuses them: :func:`get_sweep`)."""
+    own = {a.eval_every or args["eval_every"] for a in amounts}
+    return own.pop() if len(own) == 1 else args["eval_every"]
+
+
 def get_sweep(arg=None, workdir=None):
     design, stage = get_study(arg), parse(arg)["stage"]
+    every = {
+        a: a.eval_every or design.shared["train.eval_every"] for a in design.amounts
+    }
+    if len(set(every.values())) > 1:
+        raise ValueError(
+            "The amounts evaluate at different intervals "
+            f"({', '.join(f'{a.fraction}: every {e}' for a, e in every.items())}), "
+            "which runs share: sweep each amount on its own (amounts=...) into "
+            "the same directory."
+        )
     if not design.tune:
         runs = design.test_runs(study.choose_learning_rates(design, {}), {})
     elif workdir is None:

@@ -97,13 +97,14 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
     """One ``runs.csv`` row of a planned run (``table.COLUMNS``); a run
     restored from a committed table (:func:`restore_runs`) gives its row back.
 
-    ``eval_every`` and ``step_tokens`` are the design's (no run overrides
-    the evaluation interval, the batch or the block); a restored row from a
+    ``eval_every`` and ``step_tokens`` are the design's (only an amount's
+    own cadence overrides the evaluation interval; no run the batch or the
+    block); a restored row from a
     table written before those columns existed gets them from the design,
     and one whose values differ from the design's is refused."""
     cell, summary = planned.cell, run.summary or {}
     from_design = {
-        "eval_every": design.shared.get("train.eval_every"),
+        "eval_every": cell.amount.eval_every or design.shared.get("train.eval_every"),
         "step_tokens": step_tokens(design),
     }
     if RESTORED in summary:

@@ -3,8 +3,11 @@
 learning-rate choice that links its two stages, ``tune`` (a ladder of
 rates, :func:`ladder_rate`, :func:`extend_rates`, on :data:`TUNING_SEEDS`)
 and ``test`` (every cell's test seeds at its rate,
-:func:`choose_learning_rates`; arm e's :func:`untie_step`). The stages are
-described in ``docs/tying_study/README.md`` ("The design").
+:func:`choose_learning_rates`; arm e's :func:`untie_step`). A ladder is
+each tuned arm's own, or with ``Design.shared_ladder`` one for the arms of a
+vocabulary and amount (the learning-rate profiles). The stages are
+described in ``docs/tying_study/README.md`` ("The design", "Learning-rate
+profiles").
 """
 
 import dataclasses
@@ -22,6 +25,15 @@ from lmhead.studies.tying import shapes
 CHAR_VOCAB_SIZE = 84
 # Seeds that choose learning rates; the test seeds are 0, 1, ... and never these.
 TUNING_SEEDS = (100, 101)
+# The profiles' tuning seeds: the study's two and a third.
+PROFILE_SEEDS = (100, 101, 102)
+# Every seed a committed or planned run of the study uses, by what it was
+# for: a new set of seeds (the confirmatory ones) must be disjoint from all.
+SEEDS_USED = {
+    "test (v2)": tuple(range(8)),
+    "tuning (v2)": TUNING_SEEDS,
+    "tuning (profiles)": PROFILE_SEEDS,
+}
 # Where a data subset starts, as a fraction of the training split (by seed).
 SUBSET_OFFSETS = (0.0, 0.5)
 # Arm e unties at this fraction of the tied arm's training (modded-nanogpt's
@@ -59,12 +71,35 @@ def vocabulary_label(vocab: int | None) -> str:
     return "char" if vocab is None else str(vocab)
 
 
+def new_seeds(seeds: Sequence[int]) -> tuple[int, ...]:
+    """``seeds``, checked to be none of :data:`SEEDS_USED`.
+
+    Raises:
+        ValueError: a seed used before, named with what it was used for.
+
+    Examples:
+        >>> new_seeds(range(200, 203))
+        (200, 201, 202)
+    """
+    for use, used in SEEDS_USED.items():
+        again = sorted(set(seeds) & set(used))
+        if again:
+            raise ValueError(f"seeds {again} are used already, as {use} seeds.")
+    return tuple(seeds)
+
+
 @dataclasses.dataclass(frozen=True)
 class Amount:
-    """A data amount: ``fraction`` of the training split, at most ``steps``."""
+    """A data amount: ``fraction`` of the training split, at most ``steps``;
+    ``patience``, when set, replaces the design's for its runs (a fixed
+    budget: patience 0, the cosine ending at ``steps``), and ``eval_every``
+    the shared evaluation interval (a run's name does not hold it: a sweep
+    trains amounts of one interval)."""
 
     fraction: float
     steps: int
+    eval_every: int | None = None
+    patience: int | None = None
 
     @property
     def offsets(self) -> tuple[float, ...]:
@@ -111,7 +146,7 @@ class PlannedRun:
             "data.train_fraction": amount.fraction,
             "data.train_offset": amount.offset(self.seed),
             "train.steps": amount.steps,
-            "train.patience": patience,
+            "train.patience": patience if amount.patience is None else amount.patience,
             **vocabulary_overrides(self.cell.vocab),
             **self.cell.shape.overrides(),
             **extra,
@@ -139,6 +174,14 @@ class Design:
     # False: no tuning stage; every cell trains at its centre's rate.
     tune: bool = True
     extend_edges: int = 2
+    # True: the tuned arms of a vocabulary and amount share one ladder, which
+    # grows until it holds ``margin`` rungs past every arm's best on both
+    # sides (extend_rates); False: each arm's own, with margin 1.
+    shared_ladder: bool = False
+    margin: int = 1
+    # The (vocabulary, fraction) pairs that have cells, in this order (None:
+    # every vocabulary x amount).
+    pairs: tuple[tuple[int | None, float], ...] | None = None
     patience: int = 3
     # The table learning-rate ablation: (vocabulary, fraction) and multipliers.
     ablation_cell: tuple[int | None, float] | None = None
@@ -164,21 +207,26 @@ class Design:
 
     def cells(self, arms: Sequence[str] | None = None) -> list[Cell]:
         """Every vocabulary x amount x arm (``arms``: these only), in that
-        order; no arm d where it does not exist (``shapes.deeper_tied``), and
+        order (or ``pairs``' x arm); no arm d where it does not exist (``shapes.deeper_tied``), and
         arms d and e only at ``secondary_vocabularies``."""
         cells = []
-        for vocab in self.vocabularies:
+        for vocab, amount in self._pairs():
             size = self.vocab_size(vocab)
             solved = shapes.arm_shapes(size, self.base_shape, self.arch)
-            for amount in self.amounts:
-                cells += [
-                    Cell(vocab, amount, arm, solved[arm], size)
-                    for arm in self.arms
-                    if arm in solved
-                    and (arms is None or arm in arms)
-                    and (arm in TUNED_ARMS or self._secondary(vocab))
-                ]
+            cells += [
+                Cell(vocab, amount, arm, solved[arm], size)
+                for arm in self.arms
+                if arm in solved
+                and (arms is None or arm in arms)
+                and (arm in TUNED_ARMS or self._secondary(vocab))
+            ]
         return cells
+
+    def _pairs(self) -> list[tuple[int | None, Amount]]:
+        if self.pairs is None:
+            return [(v, a) for v in self.vocabularies for a in self.amounts]
+        amounts = {a.fraction: a for a in self.amounts}
+        return [(vocab, amounts[fraction]) for vocab, fraction in self.pairs]
 
     def _secondary(self, vocab: int | None) -> bool:
         return (
@@ -189,32 +237,54 @@ class Design:
         """The grid's rates of ``cell``, low to high."""
         return [ladder_rate(self.centres[cell.vocab] + k) for k in self.grid]
 
+    def ladders(self) -> list[list[Cell]]:
+        """The tuned cells, grouped by the ladder they share: one cell each,
+        or with ``shared_ladder`` the arms of each vocabulary and amount."""
+        cells = self.cells(TUNED_ARMS)
+        if not self.shared_ladder:
+            return [[cell] for cell in cells]
+        groups: dict[tuple, list[Cell]] = {}
+        for cell in cells:
+            groups.setdefault((cell.vocab, cell.amount), []).append(cell)
+        return list(groups.values())
+
     def tuning_runs(
         self, results: Mapping[PlannedRun, workdirs.Run] | None = None
     ) -> list[PlannedRun]:
-        """The tuned arms' cells at every rate of their grids on every tuning
-        seed (rates in the outer loop, so that an interrupted stage has
-        every cell at one rate); then, given the ``results`` read back so
-        far, each cell's edge extensions (:func:`extend_rates`). None
-        without a tuning stage."""
+        """The tuned arms' cells at every rate of their ladders on every
+        tuning seed: the grid, then, given the ``results`` read back so far,
+        the rungs each ladder grows by (:func:`extend_rates`). Per-arm
+        ladders go rate by rate over the cells (an interrupted stage has
+        every cell at one rate); shared ones ladder by ladder (a cell's
+        profile finishes before the next one's starts). None without a
+        tuning stage."""
         if not self.tune:
             return []
-        cells = self.cells(TUNED_ARMS)
+        ladders = self.ladders()
+        order = [(ladder, i) for i in range(len(self.grid)) for ladder in ladders]
+        if self.shared_ladder:
+            order = [(ladder, i) for ladder in ladders for i in range(len(self.grid))]
         runs = [
             PlannedRun(cell, self.rates(cell)[i], seed, "tune")
-            for i in range(len(self.grid))
-            for cell in cells
+            for ladder, i in order
+            for cell in ladder
             for seed in self.tuning_seeds
         ]
         if not results or self.extend_edges == 0:
             return runs
-        for cell in cells:
-            losses = mean_losses(
-                {p: r for p, r in results.items() if p.cell == cell}, self.tuning_seeds
-            )
+        for ladder in ladders:
+            curves = [
+                mean_losses(
+                    {p: r for p, r in results.items() if p.cell == cell},
+                    self.tuning_seeds,
+                )
+                for cell in ladder
+            ]
+            grid = self.rates(ladder[0])
             runs += [
                 PlannedRun(cell, lr, seed, "tune")
-                for lr in extend_rates(losses, self.rates(cell), self.extend_edges)
+                for lr in extend_rates(curves, grid, self.extend_edges, self.margin)
+                for cell in ladder
                 for seed in self.tuning_seeds
             ]
         return runs
@@ -275,51 +345,74 @@ class Design:
 
 
 def extend_rates(
-    losses: Mapping[float, float | None], grid: Sequence[float], extend_edges: int
+    curves: Sequence[Mapping[float, float | None]],
+    grid: Sequence[float],
+    extend_edges: int,
+    margin: int = 1,
 ) -> list[float]:
-    """The rates past the grid's ends that a cell's tuning tries, given the
-    (mean) validation ``losses`` at the rates so far (``None``: not finished).
+    """The rungs past the grid's ends that a ladder tries, given each arm's
+    (mean) validation losses by rate so far (``curves``, one per arm that
+    shares the ladder; ``None`` or absent: not finished), in the order added.
 
-    Walking outward from the grid: while every rate tried has finished and
-    the highest rate's loss is below every other's, the next rung of the
-    ladder above it (:func:`ladder_rate`); the lowest's, the rung below; at
-    most ``extend_edges`` in all (the walk goes one way). It stops at a rate
-    not yet finished (returned: the runs to wait for). A diverged rate's
-    loss is ``inf``; a tie is no reason to extend; a grid of one rate is a
-    choice, not a search, and never extends.
+    An arm's best rung is its lowest loss (ties: the lower rate; a diverged
+    rung's loss is ``inf``). While every rung tried has finished for every
+    arm, the ladder grows by the rungs (:func:`ladder_rate`) that bring it to
+    ``margin`` rungs past every arm's best on both sides, nearest first, at
+    most ``extend_edges`` past the grid in all; not above a top rung, nor
+    below a bottom one, where every arm diverged. It stops at rungs not yet
+    finished (returned: the runs to wait for). A grid of one rate is a
+    choice, not a search, and never extends. With one arm and ``margin=1``
+    this is a walk past an end while the best is there.
 
     Examples:
         >>> grid = (0.000707, 0.001, 0.00141)
-        >>> extend_rates({0.000707: 2.0, 0.001: 1.95, 0.00141: 1.9}, grid, 2)
+        >>> extend_rates([{0.000707: 2.0, 0.001: 1.95, 0.00141: 1.9}], grid, 2)
         [0.002]
-        >>> extend_rates({0.000707: 2.0, 0.001: 1.95, 0.00141: 1.9, 0.002: 1.8}, grid, 2)
+        >>> extend_rates([{0.000707: 2.0, 0.001: 1.95, 0.00141: 1.9, 0.002: 1.8}], grid, 2)
         [0.002, 0.00283]
-        >>> extend_rates({0.000707: 1.8, 0.001: 1.9, 0.00141: 2.0}, grid, 2)
+        >>> extend_rates([{0.000707: 1.8, 0.001: 1.9, 0.00141: 2.0}], grid, 2)
         [0.0005]
-        >>> extend_rates({0.000707: 2.0, 0.001: 1.9, 0.00141: None}, grid, 2)
+        >>> extend_rates([{0.000707: 2.0, 0.001: 1.9, 0.00141: None}], grid, 2)
         []
-        >>> extend_rates({0.000707: 1.9, 0.001: 1.8, 0.00141: 1.9}, grid, 2)
+        >>> extend_rates([{0.000707: 1.9, 0.001: 1.8, 0.00141: 1.9}], grid, 2)
         []
+
+        Two arms sharing the ladder, two rungs past each one's best:
+
+        >>> extend_rates([{0.000707: 2.0, 0.001: 1.9, 0.00141: 2.1},
+        ...               {0.000707: 2.0, 0.001: 2.1, 0.00141: 1.9}], grid, 8, margin=2)
+        [0.002, 0.0005, 0.00283]
     """
     if len(grid) < 2:
         return []
+    low, high = min(grid), max(grid)
     tried, added = sorted(grid), []
-    while (
-        not any(losses.get(lr) is None for lr in tried)
-        and sum(not min(grid) <= lr <= max(grid) for lr in tried) < extend_edges
-    ):
+    while not any(curve.get(lr) is None for curve in curves for lr in tried):
+        indices = [_ladder_index(lr) for lr in tried]
+        wanted = set()
+        for curve in curves:
+            best = min(tried, key=lambda lr: (curve[lr], lr))
+            if math.isinf(curve[best]):
+                continue  # every rung diverged: choose_learning_rates says so
+            centre = _ladder_index(best)
+            wanted |= set(range(centre - margin, centre + margin + 1))
 
-        def strictly_best(end):
-            return all(losses[end] < losses[lr] for lr in tried if lr != end)
+        def diverged(lr):
+            return all(math.isinf(curve[lr]) for curve in curves)
 
-        if strictly_best(tried[-1]):
-            rate = ladder_rate(_ladder_index(tried[-1]) + 1)
-        elif strictly_best(tried[0]):
-            rate = ladder_rate(_ladder_index(tried[0]) - 1)
-        else:
+        above = [k for k in sorted(wanted) if k > indices[-1]]
+        below = [k for k in sorted(wanted, reverse=True) if k < indices[0]]
+        if diverged(tried[-1]):
+            above = []
+        if diverged(tried[0]):
+            below = []
+        rungs = sorted(above + below, key=lambda k: min(abs(k - i) for i in indices))
+        room = extend_edges - sum(not low <= lr <= high for lr in tried)
+        rungs = [ladder_rate(k) for k in rungs[: max(room, 0)]]
+        if not rungs:
             break
-        added.append(rate)
-        tried = sorted(tried + [rate])
+        added += rungs
+        tried = sorted(tried + rungs)
     return added
 
 

@@ -211,9 +211,11 @@ class TokenLogProbsTest(chex.TestCase):
         got = self.variant(head.token_log_probs)(logits, tokens)
         np.testing.assert_allclose(got[1], expected[1], rtol=1e-5, atol=1e-6)
         weighted = np.where(weights == 0, 0.0, weights * np.nan_to_num(expected))
-        got = self.variant(head.token_log_probs)(logits, tokens, weights)
+        padded = tokens.copy()
+        padded[0, 1] = -1  # a padding id outside the vocabulary, of weight 0
+        got = self.variant(head.token_log_probs)(logits, padded, weights)
         np.testing.assert_allclose(got, weighted, rtol=1e-5, atol=1e-6)
-        total = self.variant(head.sequence_log_prob)(logits, tokens, weights)
+        total = self.variant(head.sequence_log_prob)(logits, padded, weights)
         np.testing.assert_allclose(total, weighted.sum(-1), rtol=1e-5, atol=1e-6)
 
     @chex.variants(with_jit=True, without_jit=True)
@@ -261,6 +263,16 @@ def last_positions(h=H, lengths=LENGTHS):
     return head.last_positions(h, lengths)
 
 
+def token_log_probs(logits=LOGITS[None], tokens=LABELS[None], weights=None):
+    return head.token_log_probs(logits, tokens, weights)
+
+
+TOKEN_LOG_PROBS = [
+    ("token = V", dict(tokens=jnp.array([[0, 5]])), ValueError, ("tokens", "[0, 5)")),
+    ("tokens shape", dict(tokens=jnp.zeros((1, 3), int)), ValueError, "tokens"),
+    ("float tokens", dict(tokens=jnp.zeros((1, 2))), TypeError, "tokens"),
+    ("weights shape", dict(weights=jnp.ones(2)), ValueError, ("weights", "tokens")),
+]
 UNEMBED = [
     ("integer h", dict(h=H.astype(int)), TypeError, "h"),
     ("integer w", dict(w=W.astype(int)), TypeError, "w"),
@@ -285,19 +297,14 @@ DISTRIBUTION = [  # each row for head.probs and head.log_probs
     ("integer logits", dict(logits=LABELS), TypeError, "logits"),
     ("scalar logits", dict(logits=jnp.float32(1.0)), ValueError, "logits"),
     ("V = 0", dict(logits=LOGITS[:, :0]), ValueError, "logits"),
-    ("temperature 0", dict(logits=LOGITS, temperature=0.0), ValueError, GREEDY),
-    ("temperature int 0", dict(logits=LOGITS, temperature=0), ValueError, GREEDY),
-    (
-        "temperature np.float32 0",
-        dict(logits=LOGITS, temperature=np.float32(0.0)),
-        ValueError,
-        GREEDY,
-    ),
-    (
-        "temperature array 0",
-        dict(logits=LOGITS, temperature=jnp.array(0.0)),
-        ValueError,
-        GREEDY,
+    *(
+        (f"temperature {k}", dict(logits=LOGITS, temperature=t), ValueError, GREEDY)
+        for k, t in (
+            ("0", 0.0),
+            ("int 0", 0),
+            ("np.float32 0", np.float32(0.0)),
+            ("array 0", jnp.array(0.0)),
+        )
     ),
     (
         "temperature < 0",
@@ -320,6 +327,7 @@ BAD_INPUTS = [
     *keyword_rows("probs", head.probs, DISTRIBUTION),
     *keyword_rows("log_probs", head.log_probs, DISTRIBUTION),
     *keyword_rows("last_positions", last_positions, LAST_POSITIONS),
+    *keyword_rows("token_log_probs", token_log_probs, TOKEN_LOG_PROBS),
     # The message lists what is allowed.
     (
         "output_distribution output",
@@ -359,3 +367,8 @@ RULES = [
 
 
 test_documented_rules = rules_test(RULES)
+
+
+def test_traced_tokens_outside_the_vocabulary_have_log_prob_minus_inf():
+    got = jax.jit(head.token_log_probs)(jnp.zeros((1, 2, 3)), jnp.array([[0, 3]]))
+    np.testing.assert_allclose(got, [[-np.log(3.0), -np.inf]], rtol=1e-6)

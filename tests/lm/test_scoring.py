@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import lmhead
-from lmhead import decoding, head
+from lmhead import decoding
 from lmhead.lm import data, scoring
 from lmhead.lm import model as model_lib
 from tests import references
@@ -59,33 +59,6 @@ def test_markov_chain_by_hand():
             rtol=1e-6,
             err_msg=f"window={window}, stride={stride}",
         )
-
-
-def test_token_range_and_shape_errors():
-    logits = jnp.zeros((1, 2, 3))
-    with pytest.raises(
-        ValueError,
-        match=r"tokens must be in \[0, 3\) wherever "
-        "weights are nonzero; got 3",
-    ):
-        head.token_log_probs(logits, jnp.array([[0, 3]]))
-    # A padding id with weight 0 is allowed; inside jit an id outside the
-    # vocabulary has log-probability -inf (probability 0), not NaN.
-    np.testing.assert_allclose(
-        head.token_log_probs(logits, jnp.array([[0, -1]]), jnp.array([[1.0, 0.0]])),
-        [[-math.log(3), 0]],
-        rtol=1e-6,
-    )
-    jitted = jax.jit(head.token_log_probs)(logits, jnp.array([[0, 3]]))
-    assert np.isneginf(jitted[0, 1])
-    with pytest.raises(ValueError, match="tokens must have the leading shape"):
-        head.token_log_probs(logits, jnp.array([[0, 1, 2]]))
-    with pytest.raises(TypeError, match="tokens must have an integer dtype"):
-        head.token_log_probs(logits, jnp.zeros((1, 2)))
-    with pytest.raises(
-        ValueError, match=r"weights must have the shape of tokens \(1, 2\)"
-    ):
-        head.token_log_probs(logits, jnp.array([[0, 1]]), jnp.ones((2,)))
 
 
 def test_strided_scores_use_the_context_each_window_gives(tiny_model):

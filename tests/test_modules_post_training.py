@@ -34,21 +34,14 @@ def exact_matmuls():
 def setup_head(name, seed=0):
     rng = np.random.default_rng(seed)
     lm_head = modules.LMHead(vocab_size=V, **HEADS[name])
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
     embedding = None
     if lm_head.tied:
-        table = jnp.asarray(rng.standard_normal((V, RANK if lm_head.rank else D)))
-        embedding = (
-            (table, jnp.asarray(rng.standard_normal((RANK, D)), jnp.float32))
-            if lm_head.rank
-            else table.astype(jnp.float32)
-        )
-        if lm_head.rank:
-            embedding = (embedding[0].astype(jnp.float32), embedding[1])
-    h = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
+        embedding = (f32(V, RANK), f32(RANK, D)) if lm_head.rank else f32(V, D)
+    h = f32(B, T, D)
     params = lm_head.init(jax.random.key(seed), h, embedding)
     if lm_head.use_bias:
-        params = jax.tree.map(lambda x: x, params)
-        params["params"]["bias"] = jnp.asarray(rng.standard_normal(V), jnp.float32)
+        params["params"]["bias"] = f32(V)
     return lm_head, params, embedding, rng
 
 

@@ -71,79 +71,46 @@ class TestEvaluate:
 
 
 class TestBitsPerCharacter:
+    """Hand computations on a text of two-line works: an end-of-text token
+    between them counts its nats and adds no characters."""
+
+    @pytest.mark.parametrize("end_of_text", [False, True], ids=["plain", "eot"])
     @pytest.mark.parametrize("kind", ["char", "bpe"])
-    def test_against_a_hand_computation(self, kind):
-        text = "the cat sat on the mat, the dog sat on the log.\n" * 30
-        tokenizer = data.make_tokenizer(
-            kind, text, text, 300 if kind == "bpe" else None
-        )
+    def test_against_a_hand_computation(self, kind, end_of_text):
+        end = data.END_OF_TEXT if end_of_text else "\n"
+        text = ("the cat sat on the mat,\nthe dog sat." + end) * 30
+        size = 300 if kind == "bpe" else None
+        tokenizer = data.make_tokenizer(kind, text, text, size, end_of_text)
         tokens = tokenizer.encode_array(text)
-        config = default.get_config("tiny")
-        eval_set = evaluation.make_eval_set("eval", tokens, None, config, tokenizer)
-
-        def one_nat_per_token(params, batch):  # a stand-in for eval_step
-            return {
-                "window_nll": batch["weights"].sum(-1),
-                "window_count": batch["weights"].sum(-1),
-                "correct_sum": 0.0,
-                "bins": np.zeros((15, 3)),
-            }
-
-        got = evaluation.evaluate(one_nat_per_token, None, eval_set)
-
-        # Consecutive windows of 16 predict tokens 1 .. 16k; their characters
-        # are the text without the first token's and the tail's.
-        k = (len(tokens) - 1) // 16
-        chars = (
-            len(text)
-            - len(tokenizer.decode(tokens[:1]))
-            - len(tokenizer.decode(tokens[1 + 16 * k :]))
-        )
-        assert eval_set.num_tokens == 16 * k
-        assert got["eval/bits_per_char"] == pytest.approx(
-            16 * k / (math.log(2) * chars), rel=1e-6
-        )  # float32
-        if kind == "bpe":
-            assert chars > 2 * 16 * k  # several characters per token
-
-
-class TestEndOfText:
-    """The end-of-text token's nats count, and it adds no characters and
-    no words (hand computations on a text of two-line works)."""
-
-    TEXT = "the cat sat on the mat,\nthe dog sat.<|endoftext|>" * 30
-
-    @pytest.mark.parametrize("kind", ["char", "bpe"])
-    def test_bits_per_character(self, kind):
-        tokenizer = data.make_tokenizer(
-            kind, self.TEXT, self.TEXT, 300 if kind == "bpe" else None, True
-        )
-        tokens = tokenizer.encode_array(self.TEXT)
-        assert np.sum(tokens == tokenizer.eos_id) == 30
+        assert np.sum(tokens == tokenizer.eos_id) == 30 * end_of_text
         config = default.get_config("tiny")
         eval_set = evaluation.make_eval_set("eval", tokens, None, config, tokenizer)
         got = evaluation.evaluate(TestWordPerplexity.nats_by_label, None, eval_set)
+        # Consecutive windows of 16 predict tokens 1 .. 16k; their characters
+        # are the text less the first token's and the tail's, and less 13 for
+        # each end-of-text label.
         k = (len(tokens) - 1) // 16
         labels = tokens[1 : 1 + 16 * k]
         nats = np.sum(0.1 * (labels % 5 + 1))  # end-of-text labels' included
-        # The characters: the text less the first token's and the tail's, and
-        # less 13 for each end-of-text label.
         chars = (
-            len(self.TEXT)
+            len(text)
             - len(tokenizer.decode(tokens[:1]))
             - len(tokenizer.decode(tokens[1 + 16 * k :]))
             - len(data.END_OF_TEXT) * np.sum(labels == tokenizer.eos_id)
         )
         if kind == "char":
             assert chars == np.sum(labels != tokenizer.eos_id)
-        assert eval_set.num_chars == chars
+        else:
+            assert chars > 2 * 16 * k  # several characters per token
+        assert eval_set.num_tokens == 16 * k and eval_set.num_chars == chars
         assert got["eval/bits_per_char"] == pytest.approx(
             nats / (math.log(2) * chars), rel=1e-5
         )
 
-    def test_words(self):
-        tokenizer = data.make_tokenizer("char", "", self.TEXT, None, True)
-        tokens = tokenizer.encode_array(self.TEXT)
+    def test_end_of_text_adds_no_words(self):
+        text = "the cat sat on the mat,\nthe dog sat.<|endoftext|>" * 30
+        tokenizer = data.make_tokenizer("char", "", text, None, True)
+        tokens = tokenizer.encode_array(text)
         test_set = evaluation.make_test_set(
             tokens, default.get_config("tiny"), tokenizer
         )

@@ -182,13 +182,18 @@ def test_sharded_weights_read_as_one_file(tmp_path):
         np.testing.assert_array_equal(one[name], two[name])
 
 
-def bad_import(**options):
-    """Imports a checkpoint written with ``options`` into a fresh folder."""
+def bad_import(remove=None, twice=False, **options):
+    """Imports a checkpoint written with ``options`` (less the file
+    ``remove``) into a fresh folder, ``twice`` over the same run."""
 
     def call():
         folder = tempfile.mkdtemp()
-        write_gpt2_checkpoint(os.path.join(folder, "hf"), **options)
-        gpt2_import.import_gpt2(os.path.join(folder, "hf"), os.path.join(folder, "run"))
+        source = os.path.join(folder, "hf")
+        write_gpt2_checkpoint(source, **options)
+        if remove is not None:
+            os.remove(os.path.join(source, remove))
+        for _ in range(1 + twice):
+            gpt2_import.import_gpt2(source, os.path.join(folder, "run"))
 
     return call
 
@@ -202,25 +207,6 @@ def reshaped(name):
         tensors[name] = tensors[name][:, :-1]
 
     return edit
-
-
-def remove_file(name):
-    """A checkpoint's folder without ``name``, imported."""
-
-    def call():
-        folder = tempfile.mkdtemp()
-        write_gpt2_checkpoint(os.path.join(folder, "hf"))
-        os.remove(os.path.join(folder, "hf", name))
-        gpt2_import.import_gpt2(os.path.join(folder, "hf"), os.path.join(folder, "run"))
-
-    return call
-
-
-def import_twice():
-    folder = tempfile.mkdtemp()
-    write_gpt2_checkpoint(os.path.join(folder, "hf"))
-    for _ in range(2):
-        gpt2_import.import_gpt2(os.path.join(folder, "hf"), os.path.join(folder, "run"))
 
 
 BAD_INPUTS = [
@@ -258,12 +244,9 @@ BAD_INPUTS = [
     ("untied head", bad_import(edit=lambda t: t.update(
         {"lm_head.weight": 2 * t["lm_head.weight"]})), ValueError,
      ("lm_head.weight", "tie_word_embeddings")),
-    ("no config", remove_file("config.json"), FileNotFoundError, "config.json"),
-    ("no tokenizer", remove_file("tokenizer.json"), FileNotFoundError,
-     "tokenizer.json"),
-    ("no weights", remove_file("model.safetensors"), FileNotFoundError,
-     "model.safetensors"),
-    ("imported twice", import_twice, FileExistsError, "checkpoints"),
+    *((f"no {name}", bad_import(remove=name), FileNotFoundError, name)
+      for name in ("config.json", "tokenizer.json", "model.safetensors")),
+    ("imported twice", bad_import(twice=True), FileExistsError, "checkpoints"),
 ]  # fmt: skip
 
 test_bad_checkpoint_raises_naming_the_field_or_weight = bad_input_test(BAD_INPUTS)

@@ -28,14 +28,6 @@ def assert_raises_exactly(call, error, named) -> None:
         assert names(str(raised.value), name), (name, str(raised.value))
 
 
-def assert_raises_with(call, error, fragment: str) -> None:
-    """``call()`` raises ``error`` (or a subclass) whose message contains
-    ``fragment`` verbatim: for messages whose wording is the contract."""
-    with pytest.raises(error) as raised:
-        call()
-    assert fragment in str(raised.value), (fragment, str(raised.value))
-
-
 def cases(table) -> list:
     """pytest parameters of a table whose rows are ``(id, *arguments)``."""
     return [pytest.param(*row[1:], id=row[0]) for row in table]

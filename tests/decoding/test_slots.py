@@ -14,6 +14,7 @@ from lmhead.lm import kv_cache
 from lmhead.lm import model as model_lib
 from tests.decoding.references import (
     np_min_p_mask,
+    np_openai_penalties,
     np_repetition_penalty,
     np_top_k_mask,
     np_top_p_mask,
@@ -71,10 +72,11 @@ def np_processed(z, knobs, history, generated, eos_id):
     value = lambda name, neutral: neutral if getattr(knobs, name) is None else (
         np.asarray(getattr(knobs, name), np.float64)
     )  # fmt: skip
-    z = np_repetition_penalty(z[None], [history], value("repetition_penalty", 1.0))[0]
-    counts = np.bincount(np.asarray(generated, int), minlength=z.shape[0])
-    z = z - value("presence_penalty", 0.0) * (counts > 0)
-    z = z - value("frequency_penalty", 0.0) * counts + value("logit_bias", 0.0)
+    z = np_repetition_penalty(z[None], [history], value("repetition_penalty", 1.0))
+    z = np_openai_penalties(
+        z, [generated], value("presence_penalty", 0.0),
+        value("frequency_penalty", 0.0), value("logit_bias", 0.0),
+    )[0]  # fmt: skip
     if len(generated) < (knobs.min_new_tokens or 0):
         z[list(np_stop_tokens(knobs)) + ([] if eos_id is None else [eos_id])] = -np.inf
     temperature = float(knobs.temperature)

@@ -20,6 +20,8 @@ from safetensors.numpy import save_file
 from scipy import special
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from tests import references
+
 END_OF_TEXT = "<|endoftext|>"
 # Blank lines between the lines, so that "\n\n" is a merge, as GPT-2's 628.
 TEXT = (
@@ -208,9 +210,7 @@ def gpt2_logits(fields: dict, weights: dict, ids) -> np.ndarray:
         qkv = h @ w[f"h.{i}.attn.c_attn.weight"] + w[f"h.{i}.attn.c_attn.bias"]
         q, k, v = (a.reshape(time, heads, -1) for a in np.split(qkv, 3, axis=-1))
         scores = np.einsum("thd,shd->hts", q, k) / math.sqrt(q.shape[-1])
-        scores = np.where(causal, scores, -np.inf)
-        attention = np.exp(scores - scores.max(-1, keepdims=True))
-        attention /= attention.sum(-1, keepdims=True)
+        attention = special.softmax(np.where(causal, scores, -np.inf), axis=-1)
         out = np.einsum("hts,shd->thd", attention, v).reshape(time, -1)
         x = x + out @ w[f"h.{i}.attn.c_proj.weight"] + w[f"h.{i}.attn.c_proj.bias"]
         h = _layer_norm(x, w[f"h.{i}.ln_2.weight"], w[f"h.{i}.ln_2.bias"])
@@ -225,9 +225,7 @@ def gpt2_logits(fields: dict, weights: dict, ids) -> np.ndarray:
 
 def gpt2_log_softmax(fields: dict, weights: dict, ids) -> np.ndarray:
     """``log p(next token | ids[:t + 1])``, ``[T, V]``, float64."""
-    logits = gpt2_logits(fields, weights, ids)
-    logits = logits - logits.max(-1, keepdims=True)
-    return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return references.log_softmax(gpt2_logits(fields, weights, ids))
 
 
 def gpt2_greedy(fields: dict, weights: dict, ids, new_tokens: int) -> list[int]:

@@ -7,6 +7,7 @@ import numpy as np
 from lmhead import decoding
 from lmhead.lm import model as model_lib
 from lmhead.serve import requests
+from tests import references
 
 BUCKETS = requests.Buckets(
     batch_sizes=(1, 4), prompt_lengths=(8, 16), new_tokens=(8,), beam_sizes=(2,)
@@ -27,9 +28,8 @@ def text_of(run, tokens):
 def numpy_log_softmax(run, ids):
     """The model's log-softmax at each position of ``ids``, in float64 numpy."""
     model, params, _ = run
-    logits = np.asarray(jax.jit(model.apply)({"params": params}, np.asarray([ids]))[0])
-    shifted = logits.astype(np.float64) - logits.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    logits = jax.jit(model.apply)({"params": params}, np.asarray([ids]))[0]
+    return references.log_softmax(logits)
 
 
 def reference(run, prompt, max_new_tokens, *, keys=None, knobs=None, top=5):

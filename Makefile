@@ -77,7 +77,8 @@ study-edges: $(STAMP)
 # sweeps into one directory, since runs share their evaluation interval.
 # The study's and the eight-rung check's runs at these rates and seeds are
 # the same runs (same names), restored from their tables, as are the
-# profiles' own once committed. Resumable.
+# profiles' own once committed; the report goes to docs/tying_study/profiles
+# (its runs.csv, REPORT.md and one figure per cell). Resumable.
 PROFILES_CSVS := docs/tying_study/edges/runs.csv docs/tying_study/profiles/runs.csv
 PROFILES_RESTORE := $(addprefix --restore_from=,$(STUDY_CSV) $(wildcard $(PROFILES_CSVS)))
 study-profiles: $(STAMP)
@@ -87,6 +88,8 @@ study-profiles: $(STAMP)
 	$(PY) experiments/sweep.py --sweep=$(STUDY):profiles,amounts=1.0 \
 	    --workdir=runs/tying_profiles --ensemble=6 --noreport \
 	    $(PROFILES_RESTORE) $(SWEEP_FLAGS)
+	$(PY) experiments/report.py --workdir=runs/tying_profiles \
+	    --sweep=$(STUDY):profiles --out=docs/tying_study/profiles
 
 # The same design on one GPU, every cell's runs in one ensemble (one vmap of
 # all members on a GPU), with the Python that has jax with CUDA (no .venv:

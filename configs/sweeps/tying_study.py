@@ -364,9 +364,15 @@ def restore_runs(csv_path, workdir):
 def write_report(arg, sweep_dir, out_dir):
     """``runs.csv``, REPORT.md and the plots of ``sweep_dir`` into ``out_dir``
     (``lmhead/studies/tying/results.py``): ``(the answer to print, plot
-    paths)``, the answer being ``analysis.answer``'s sentence and table."""
+    paths)``, the answer being ``analysis.answer``'s sentence and table, or
+    for the profiles (the tuning stage's runs only, unless stage=test) their
+    REPORT.md (``lmhead/studies/tying/profiles.py``)."""
     from lmhead.studies.tying import analysis, results, table  # the report's only
 
-    _, plots = results.write_report(get_study(arg), sweep_dir, out_dir)
+    design = get_study(arg)
+    if design.shared_ladder:
+        test = parse(arg)["stage"] == "test"
+        return results.write_report(design, sweep_dir, out_dir, test=test)
+    _, plots = results.write_report(design, sweep_dir, out_dir)
     rows = table.read_rows(os.path.join(out_dir, results.RUNS_CSV))
     return analysis.answer(rows), plots

@@ -18,7 +18,7 @@ import numpy as np
 
 from lmhead.lab import ensembles, workdirs
 from lmhead.lm import configuration, data
-from lmhead.studies.tying import analysis, literature, shapes, study, table
+from lmhead.studies.tying import analysis, literature, profiles, shapes, study, table
 
 RUNS_CSV = "runs.csv"
 VERSION_KEYS = ("jax", "flax", "optax")
@@ -275,20 +275,31 @@ def restore_runs(csv_path: str, sweep_dir: str) -> list[str]:
     return restored
 
 
-def collect_rows(design: study.Design, sweep_dir: str) -> list[dict]:
-    """The rows of every run the design plans so far (:func:`~lmhead.studies.tying.study.read_plan`)."""
+def collect_rows(
+    design: study.Design, sweep_dir: str, *, test: bool = True
+) -> list[dict]:
+    """The rows of every run the design plans so far
+    (:func:`~lmhead.studies.tying.study.read_plan`; ``test`` False: the
+    tuning stage's only)."""
     return [
         row(design, p, r)
-        for p, r in study.read_plan(design, sweep_dir, strict=False).items()
+        for p, r in study.read_plan(design, sweep_dir, test=test, strict=False).items()
     ]
 
 
-def write_report(design: study.Design, sweep_dir: str, out_dir: str):
-    """``out_dir/runs.csv`` from ``sweep_dir``, then the report from that
-    file alone (:func:`report_from_csv`): ``(REPORT.md's text, plot paths)``."""
+def write_report(
+    design: study.Design, sweep_dir: str, out_dir: str, *, test: bool = True
+):
+    """``out_dir/runs.csv`` from ``sweep_dir`` (:func:`collect_rows`), then
+    the report from that file alone: :func:`report_from_csv`'s, or for a
+    design of shared ladders the learning-rate profiles'
+    (:func:`lmhead.studies.tying.profiles.report_from_csv`). Returns
+    ``(REPORT.md's text, plot paths)``."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, RUNS_CSV)
-    table.write_rows(path, collect_rows(design, sweep_dir))
+    table.write_rows(path, collect_rows(design, sweep_dir, test=test))
+    if design.shared_ladder:
+        return profiles.report_from_csv(path, out_dir)
     return report_from_csv(path, out_dir)
 
 

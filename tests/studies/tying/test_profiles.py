@@ -15,7 +15,8 @@ import pytest
 
 from lmhead.lab import sweeps
 from lmhead.lm import configuration
-from lmhead.studies.tying import study
+from lmhead.studies.tying import profiles as profiles_report
+from lmhead.studies.tying import study, table
 from tests import ROOT
 
 STUDY = os.path.join(ROOT, "configs", "sweeps", "tying_study.py")
@@ -214,3 +215,15 @@ def test_the_tiny_profiles_run_end_to_end(tmp_path):
         open(os.path.join(next(iter(read.values())).workdir, "summary.json")).read()
     )
     assert summary["steps_run"] == 40
+    # The report command's profiles mode: runs.csv of the tuning runs, and
+    # the report that this runs.csv alone gives again.
+    out = tmp_path / "report"
+    text, plots = study_module().write_report(arg, str(tmp_path), str(out))
+    rows = table.read_rows(str(out / "runs.csv"))
+    assert len(rows) == len(read) and {r["role"] for r in rows} == {"tune"}
+    assert {r["eval_every"] for r in rows} == {5}
+    assert len(plots) == 1 and "b − a" in text and "c − a" in text
+    again, _ = profiles_report.report_from_csv(
+        str(out / "runs.csv"), str(tmp_path / "again")
+    )
+    assert again == text

@@ -76,9 +76,7 @@ def reference_logits(params, tokens, *, num_heads, rope, tied=True, epsilon=1e-5
         if rope:
             q, k = rotary(q), rotary(k)
         scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
-        scores = np.where(future, -np.inf, scores)
-        weights = np.exp(scores - scores.max(-1, keepdims=True))
-        weights /= weights.sum(-1, keepdims=True)
+        weights = special.softmax(np.where(future, -np.inf, scores), axis=-1)
         attended = np.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, time, -1)
         x = x + dense(attended, block["attention"]["out"])
         y = dense(layer_norm(x, block["mlp_norm"]), block["mlp_in"])

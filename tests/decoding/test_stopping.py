@@ -19,16 +19,6 @@ from tests.decoding.references import (
 from tests.errors import bad_input_test, keyword_rows
 
 
-def test_eos_ids_as_a_set_end_rows_like_a_python_loop():
-    chain = MarkovChain(21, vocab_size=6, batch=5, eos_boost=0.5)
-    free = np.asarray(generate_greedy(chain, 8).tokens)
-    eos = (int(free[0, 3]), int(free[1, 1]))  # ids that occur in the free runs
-    out = generate_greedy(chain, 8, eos_id=list(eos), pad_id=5)
-    assert_greedy(chain, out, eos_id=eos, pad_id=5)
-    reasons = np.asarray(out.finish_reasons)
-    assert (reasons == decoding.FINISHED_EOS).any(), reasons
-
-
 def test_stop_sequences_shared_and_per_row_match_a_python_loop():
     """Sequences taken from each row's free run, so that they fire. Row 3's
     sequence spans the prompt and the first generated token: the rule
@@ -52,11 +42,12 @@ def test_stop_sequences_shared_and_per_row_match_a_python_loop():
     assert_greedy(chain, out, stops=shared)
 
 
-def test_row_lengths_eos_and_stops_together_and_num_samples():
+def test_row_lengths_eos_ids_and_stops_together_and_num_samples():
+    """Two EOS ids (a list, taken as a set) that occur in the free runs."""
     chain = MarkovChain(23, vocab_size=5, batch=3, eos_boost=0.3)
     free = np.asarray(generate_greedy(chain, 7).tokens)
     limits = np.array([2, 7, 5], np.int32)
-    stops, eos = [free[1, 2:4].tolist()], (int(free[2, 4]),)
+    stops, eos = [free[1, 2:4].tolist()], [int(free[2, 4]), int(free[0, 1])]
     out = generate_greedy(
         chain,
         7,
@@ -73,6 +64,7 @@ def test_row_lengths_eos_and_stops_together_and_num_samples():
         eos_id=eos,
         stops=stops,
     )
+    assert (np.asarray(out.finish_reasons) == decoding.FINISHED_EOS).any()
 
 
 def test_a_stop_condition_of_ones_own_through_the_protocol():

@@ -305,26 +305,22 @@ def test_sigkill_then_the_same_command_resumes_bitwise(tmp_path):
 # --- Errors, before anything is compiled ------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "key, value, reason",
-    [
-        ("model.d_model", 64, "shapes or structure"),
-        ("model.tied", False, r"owns a \[V, D\] table"),
-        ("data.block_size", 32, "batches' shape"),
-        ("data.tokenizer", "bpe", "tokenizer"),
-        ("train.batch_size", 4, "batches' shape"),
-        ("train.steps", 20, "how many steps"),
-        ("loss.loss_impl", "materialized", "code path"),
-    ],
-)
-def test_a_key_that_is_shared_is_refused(key, value, reason):
-    with pytest.raises(ValueError, match=rf"member 1 sets {key}, .*{reason}"):
-        members_lib.make_members([{}, {key: value}], "p")
+# A key that all members share (the program's), set by one member.
+SHARED = [
+    ("model.d_model", 64, "shapes or structure"),
+    ("model.tied", False, r"owns a \[V, D\] table"),
+    ("data.block_size", 32, "batches' shape"),
+    ("data.tokenizer", "bpe", "tokenizer"),
+    ("train.batch_size", 4, "batches' shape"),
+    ("train.steps", 20, "how many steps"),
+    ("loss.loss_impl", "materialized", "code path"),
+]
 
 
 @pytest.mark.parametrize(
     "specs, message",
     [
+        *(([{}, {k: v}], rf"member 1 sets {k}, .*{why}") for k, v, why in SHARED),
         ([], "at least one member"),
         ([{"train.seed": 1}, {"train.seed": 1}], "members 0 and 1 have the same"),
         ([{"workdir": "p/a"}, {"workdir": "p/a", "train.seed": 1}], "same workdir"),

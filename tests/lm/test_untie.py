@@ -101,7 +101,9 @@ def trained(corpus):
 class TestUntie:
     def test_tied_until_the_untie_step(self, trained):
         """Before U the untied model trains as the tied one: the same losses,
-        the same table and body, the same moments for the table."""
+        the same table and body, the same moments for the table; and every
+        state up to step U (the one step U starts from included) has the head
+        equal to the table, and the head's moments equal to its."""
         tied, untie = trained["tied"], trained["untie"]
         # Step U's loss too: it starts with the head equal to the table.
         np.testing.assert_allclose(
@@ -110,28 +112,18 @@ class TestUntie:
             rtol=RTOL,
         )
         assert untie["losses"][UNTIE_STEP + 1] != tied["losses"][UNTIE_STEP + 1]
+        close = functools.partial(np.testing.assert_allclose, rtol=RTOL, atol=ATOL)
         for step in range(UNTIE_STEP + 1):
-            params = dict(untie["states"][step].params)
+            state = untie["states"][step]
+            params = dict(state.params)
+            np.testing.assert_array_equal(head(params), table(params))
             del params["head"]
-            jax.tree.map(
-                functools.partial(np.testing.assert_allclose, rtol=RTOL, atol=ATOL),
-                params,
-                tied["states"][step].params,
-            )
+            jax.tree.map(close, params, tied["states"][step].params)
             for got, want in zip(
-                adam_moments(untie["states"][step]), adam_moments(tied["states"][step])
+                adam_moments(state), adam_moments(tied["states"][step])
             ):
-                np.testing.assert_allclose(
-                    table(got), table(want), rtol=RTOL, atol=ATOL
-                )
-
-    def test_the_head_is_the_table_until_the_untie_step(self, trained):
-        """Every state up to step U (the one step U starts from included) has
-        the head equal to the table, and the head's moments equal to its."""
-        for step, state in enumerate(trained["untie"]["states"][: UNTIE_STEP + 1]):
-            np.testing.assert_array_equal(head(state.params), table(state.params))
-            for moment in adam_moments(state):
-                np.testing.assert_array_equal(head(moment), table(moment))
+                np.testing.assert_array_equal(head(got), table(got))
+                close(table(got), table(want))
             if step:
                 assert np.any(table(adam_moments(state)[1]) > 0)
 

@@ -18,7 +18,7 @@ from tests.decoding.references import (
     np_greedy,
     run_chain,
 )
-from tests.errors import assert_raises_exactly, bad_input_test, keyword_rows
+from tests.errors import bad_input_test, keyword_rows
 from tests.references import log_softmax as np_log_softmax
 
 
@@ -231,21 +231,6 @@ def test_a_stream_whose_rows_all_end_early_still_covers_every_column():
     assert (joined[:, 2:] == 5).all()
 
 
-def test_bad_arguments_raise_when_called_not_at_the_first_chunk():
-    assert_raises_exactly(
-        lambda: run_all_options(decoding.generate_stream, chunk_steps=0),
-        ValueError,
-        "chunk_steps",
-    )
-    assert_raises_exactly(
-        lambda: run_all_options(
-            decoding.generate_stream, chunk_steps=2, top_logprobs=-1
-        ),
-        ValueError,
-        "top_logprobs",
-    )
-
-
 CHAIN = MarkovChain(36, vocab_size=4, batch=2)
 
 
@@ -273,7 +258,15 @@ BAD_INPUTS = keyword_rows(
         ),
         ("hook not callable", dict(processor=3), TypeError, "processor"),
     ],
-)
+) + keyword_rows(  # raised by the call, not at the first chunk
+    "generate_stream",
+    functools.partial(run_all_options, decoding.generate_stream),
+    [
+        ("chunk_steps 0", dict(chunk_steps=0), ValueError),
+        ("top_logprobs < 0", dict(chunk_steps=2, top_logprobs=-1), ValueError,
+         "top_logprobs"),
+    ],
+)  # fmt: skip
 
 
 test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)

@@ -10,7 +10,7 @@ from lmhead.decoding import SamplingKnobs
 from lmhead.decoding import knobs as knobs_lib
 from lmhead.lm import data
 from lmhead.serve import requests
-from tests.errors import assert_raises_exactly, cases
+from tests.errors import bad_input_test, cases, keyword_rows
 from tests.serve.tiny_run import BUCKETS
 
 
@@ -46,29 +46,22 @@ def test_an_empty_prompt_item_is_refused_as_empty(tokenizer, prompt):
     assert raised.value.field == "prompt" and raised.value.status == 400
 
 
-BAD_BUCKETS = [
-    ("batch size 0", dict(batch_sizes=(0, 4)), ValueError, "batch_sizes"),
-    ("float new tokens", dict(new_tokens=(8.0,)), TypeError, "new_tokens"),
-    (
-        "unsorted prompt lengths",
-        dict(prompt_lengths=(8, 4)),
-        ValueError,
-        "prompt_lengths",
-    ),
-    ("no batch size", dict(batch_sizes=()), ValueError, "batch_sizes"),
-    ("beam size 1", dict(beam_sizes=(1, 2)), ValueError, "beam_sizes"),
-    ("new tokens past max_len", dict(new_tokens=(17,)), ValueError, "max_len"),
-    ("prompt past max_len", dict(prompt_lengths=(4, 17)), ValueError, "max_len"),
-]
-
-
-@pytest.mark.parametrize(
-    "fields,error,named", [pytest.param(*case[1:], id=case[0]) for case in BAD_BUCKETS]
-)
-def test_bad_buckets_are_refused_naming_the_field(fields, error, named):
+def check_buckets(**fields):
     sizes = dict(batch_sizes=(1, 4), prompt_lengths=(8,), new_tokens=(8,))
-    buckets = requests.Buckets(**{**sizes, **fields})
-    assert_raises_exactly(lambda: buckets.check(16), error, named)
+    requests.Buckets(**{**sizes, **fields}).check(16)
+
+
+test_bad_buckets_are_refused_naming_the_field = bad_input_test(
+    keyword_rows("Buckets", check_buckets, [
+        ("batch size 0", dict(batch_sizes=(0, 4)), ValueError),
+        ("float new tokens", dict(new_tokens=(8.0,)), TypeError),
+        ("unsorted prompt lengths", dict(prompt_lengths=(8, 4)), ValueError),
+        ("no batch size", dict(batch_sizes=()), ValueError),
+        ("beam size 1", dict(beam_sizes=(1, 2)), ValueError),
+        ("new tokens past max_len", dict(new_tokens=(17,)), ValueError, "max_len"),
+        ("prompt past max_len", dict(prompt_lengths=(4, 17)), ValueError, "max_len"),
+    ])
+)  # fmt: skip
 
 
 def test_a_request_runs_in_the_smallest_bucket_that_holds_it():

@@ -1,7 +1,6 @@
 """Tests for lmhead/lm/evaluation.py: metrics against numpy, bits per
 character against a hand computation, early stopping."""
 
-import functools
 import math
 
 import jax
@@ -10,13 +9,8 @@ import pytest
 
 from configs import default
 from lmhead.lm import configuration, data, evaluation, train
-from lmhead.lm import state as state_lib
 from tests import references
-
-
-def init_state(config, key):
-    model = configuration.make_model(config, vocab_size=84)
-    return jax.jit(functools.partial(state_lib.create_train_state, model, config))(key)
+from tests.lm.conftest import init_state
 
 
 class TestEvaluate:

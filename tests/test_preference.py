@@ -79,6 +79,15 @@ def make_inputs(seed=0, pairs=B):
     )
 
 
+def fused_loss(x, h_chosen, h_rejected, w, **kwargs):
+    """``fused_preference_loss`` of the hidden states given, on the ids and
+    masks of the inputs ``x``."""
+    ids_and_masks = (x["ids_c"], x["ids_r"], x["mask_c"], x["mask_r"])
+    return preference.fused_preference_loss(
+        h_chosen, h_rejected, w, *ids_and_masks, **kwargs
+    )
+
+
 def reference_logps(x):
     """The frozen reference's per-token log-probs of the chosen and rejected
     tokens, float64."""
@@ -227,17 +236,7 @@ class FusedTest(parameterized.TestCase):
                 kwargs["reference_head"] = (h_rc, x["h_rr"], w_ref)
             else:
                 kwargs["reference_logps"] = (ref_c, ref_r)
-            return preference.fused_preference_loss(
-                h_c,
-                h_r,
-                w,
-                x["ids_c"],
-                x["ids_r"],
-                x["mask_c"],
-                x["mask_r"],
-                bias=bias,
-                **kwargs,
-            )[0]
+            return fused_loss(x, h_c, h_r, w, bias=bias, **kwargs)[0]
 
         names = ("h_c", "h_r", "w", "bias", "h_rc", "w_ref")
         args = [jnp.asarray(x[n], jnp.float32) for n in names]
@@ -266,14 +265,11 @@ class PairSegmentsTest(parameterized.TestCase):
         ref_c, ref_r = reference_logps(x)
 
         def fused(h_c, h_r, w, bias):
-            return preference.fused_preference_loss(
+            return fused_loss(
+                x,
                 h_c,
                 h_r,
                 w,
-                x["ids_c"],
-                x["ids_r"],
-                x["mask_c"],
-                x["mask_r"],
                 bias=bias,
                 reference_logps=(ref_c, ref_r),
                 loss_type=loss_type,
@@ -299,13 +295,10 @@ class PairSegmentsTest(parameterized.TestCase):
         x = make_inputs(seed=2, pairs=3)
 
         def margin(w):
-            _, metrics = preference.fused_preference_loss(
+            _, metrics = fused_loss(
+                x,
                 *(jnp.asarray(x[n], jnp.float32) for n in ("h_c", "h_r")),
                 w,
-                x["ids_c"],
-                x["ids_r"],
-                x["mask_c"],
-                x["mask_r"],
                 beta=BETA,
                 chunk_size=4,
                 **OPTIONS,

@@ -8,7 +8,7 @@ import pytest
 
 from lmhead.lm import configuration, data
 from lmhead.lm.data import dataset as dataset_lib
-from tests.errors import assert_raises_exactly
+from tests.errors import assert_raises_exactly, bad_input_test
 
 # 1000 characters, 900 of them the training split of split="tail".
 TEXT = "".join(chr(ord("a") + (i * 7 + i // 26) % 26) for i in range(1000))
@@ -112,45 +112,31 @@ class TestTheCut:
             assert len(splits.train) + len(splits.heldout) == stop - start
 
 
+def validate(**keys):
+    """``validate_config`` of the tiny config with ``config.data`` keys set."""
+    config = configuration.load_config("tiny")
+    config.data.update(keys)
+    configuration.validate_config(config)
+
+
+OFFSET, FRACTION = "config.data.train_offset", "config.data.train_fraction"
+test_refusals_name_the_keys = bad_input_test([
+    ("a range past the end", lambda: validate(train_offset=0.6, train_fraction=0.5),
+     ValueError, (OFFSET, FRACTION, "0.6", "0.5")),
+    ("a range just past the end",
+     lambda: validate(train_offset=0.99, train_fraction=0.02),
+     ValueError, (OFFSET, FRACTION, "0.99", "0.02")),
+    *((f"{key} {value}", lambda k=key, v=value: validate(**{k: v}), ValueError,
+       f"config.data.{key}")
+      for key, value in (("train_offset", 1.0), ("train_offset", -0.1),
+                         ("holdout_fraction", 0.5), ("holdout_fraction", -0.1),
+                         ("holdout_chunk", 0))),
+])  # fmt: skip
+
+
 class TestRefusals:
-    @pytest.mark.parametrize("offset,fraction", [(0.6, 0.5), (0.99, 0.02)])
-    def test_a_range_past_the_end(self, offset, fraction):
-        config = configuration.load_config("tiny")
-        config.data.train_offset, config.data.train_fraction = offset, fraction
-        assert_raises_exactly(
-            lambda: configuration.validate_config(config),
-            ValueError,
-            (
-                "config.data.train_offset",
-                "config.data.train_fraction",
-                str(offset),
-                str(fraction),
-            ),
-        )
-
-    @pytest.mark.parametrize(
-        "key,value",
-        [
-            ("train_offset", 1.0),
-            ("train_offset", -0.1),
-            ("holdout_fraction", 0.5),
-            ("holdout_fraction", -0.1),
-            ("holdout_chunk", 0),
-        ],
-    )
-    def test_out_of_range(self, key, value):
-        config = configuration.load_config("tiny")
-        config.data[key] = value
-        assert_raises_exactly(
-            lambda: configuration.validate_config(config),
-            ValueError,
-            f"config.data.{key}",
-        )
-
     def test_in_range_passes(self):
-        config = configuration.load_config("tiny")
-        config.data.update(train_offset=0.5, train_fraction=0.5, holdout_fraction=0.1)
-        configuration.validate_config(config)
+        validate(train_offset=0.5, train_fraction=0.5, holdout_fraction=0.1)
 
     def test_too_short_a_held_out_text(self, text_file, data_config):
         config = data_config(

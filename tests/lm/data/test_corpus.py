@@ -1,5 +1,6 @@
 """Tests for lmhead/lm/data/corpus.py: the embedded corpus, text files and
-the splits."""
+the splits. A missing, empty or binary file is refused by a run, with the
+key and the file named (test_dataset.py)."""
 
 import os
 import sys
@@ -41,20 +42,6 @@ class TestCorpus:
 
     def test_text_file(self, text_file):
         assert data.load_text(text_file("héllo\nwörld\n")) == "héllo\nwörld\n"
-
-    def test_missing_file(self, tmp_path):
-        with pytest.raises(FileNotFoundError, match="config.data.path"):
-            data.load_text(str(tmp_path / "nope.txt"))
-
-    def test_empty_file(self, text_file):
-        with pytest.raises(ValueError, match="empty"):
-            data.load_text(text_file(""))
-
-    def test_not_utf8(self, tmp_path):
-        path = tmp_path / "latin1.txt"
-        path.write_bytes("café".encode("latin-1"))
-        with pytest.raises(ValueError, match="not UTF-8"):
-            data.load_text(str(path))
 
 
 class TestSplit:

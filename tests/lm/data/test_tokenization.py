@@ -33,12 +33,6 @@ class TestCharTokenizer:
         with pytest.raises(ValueError, match="chars must be non-empty"):
             data.CharTokenizer(chars)
 
-    def test_save_load(self, tmp_path):
-        tok = data.CharTokenizer.train("hello world")
-        tok.save(str(tmp_path / "t.json"))
-        loaded = data.load_tokenizer(str(tmp_path / "t.json"))
-        assert loaded.chars == tok.chars
-
 
 @pytest.fixture(scope="module")
 def bpe(shakespeare):

@@ -18,11 +18,12 @@ fused one at each ``--filter_eps``, each in the table's row order and in
 each ``--vocab_order`` (``frequency``: the run's training tokens counted,
 ``fused.frequency_order``; ``mean_logit``: computed in the loss), at the
 engine's default vocabulary blocks and at each of ``--block_rows``, timed
-in alternating rounds (``timing.alternate``). Each row has the fraction
+in alternating rounds (``timing.alternate``; wall and CPU time). Each row has the fraction
 ``f`` of tiles skipped in its order (``head_tables.skipped_fraction``, from
 the softmax apart from the sweep), the bound ``1/3 + 2/3 (1 - f)`` of the
 time against exact, the times' ratios to the exact fused loss in the
-table's order at the same blocks and to the materialized loss, and the
+table's order at the same blocks and to the materialized loss (wall
+time), the CPU time and its ratio to that exact loss's, and the
 relative error (Frobenius) of ``dh`` and ``dw`` against that exact
 gradient. docs/fused_loss.md has the results ("Measured on trained models",
 "Vocabulary sorting").
@@ -32,7 +33,6 @@ import contextlib
 import itertools
 import json
 import os
-import time
 
 import head_tables  # experiments/bench/head_tables.py, beside this file
 import jax
@@ -115,6 +115,8 @@ HEADER = (
     "s",
     "x exact",
     "x materialized",
+    "cpu s",
+    "cpu x exact",
     "dh rel. error",
     "dw rel. error",
 )
@@ -233,7 +235,7 @@ def rows_of_run(name, workdir, eps_values, block_rows, tokens, rounds, order_nam
         None,
         rounds,
         setups={key: lambda: (h, w) for key in compiled},
-        clock=time.perf_counter,
+        clock=timing.wall_and_cpu,
     )
     out = []
     for rows in block_rows:
@@ -269,7 +271,7 @@ def rows_of_run(name, workdir, eps_values, block_rows, tokens, rounds, order_nam
                 float(jnp.linalg.norm(g - e) / jnp.linalg.norm(e))
                 for g, e in zip(grads, exact)
             ]
-            seconds = float(median[rows, eps, order])
+            seconds, cpu = median[rows, eps, order]
             out.append(
                 (
                     name,
@@ -283,8 +285,10 @@ def rows_of_run(name, workdir, eps_values, block_rows, tokens, rounds, order_nam
                     f"{f:.1%}",
                     f"{1 / 3 + 2 / 3 * (1 - f):.2f}",
                     f"{seconds:.3g}",
-                    f"{seconds / median[rows, None, None]:.2f}",
-                    f"{seconds / median['materialized']:.2f}",
+                    f"{seconds / median[rows, None, None][0]:.2f}",
+                    f"{seconds / median['materialized'][0]:.2f}",
+                    f"{cpu:.3g}",
+                    f"{cpu / median[rows, None, None][1]:.2f}",
                     f"{error[0]:.1e}",
                     f"{error[1]:.1e}",
                 )

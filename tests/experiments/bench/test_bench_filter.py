@@ -9,7 +9,8 @@ from tests.experiments.bench.commands import run_bench
 
 ROW = (
     r"^\| (\w+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| ([^|]+) \| (\w+) \| "
-    r"(\S+)% \| (\S+) \| (\S+) \| (\S+) \| (\S+) \| (\S+) \| (\S+) \|$"
+    r"(\S+)% \| (\S+) \| (\S+) \| (\S+) \| (\S+) \| (\S+) \| (\S+) \| (\S+) \| "
+    r"(\S+) \|$"
 )
 
 
@@ -36,21 +37,21 @@ def test_bench_filter_trains_a_run_then_measures_its_hidden_states(tmp_path):
         for eps in ("exact", "auto", "1.0")
         for order in ("table", "frequency")
     ]
-    for i, (*_, skipped, bound, seconds, ratio, _, dh_error, dw_error) in enumerate(
-        first
-    ):
+    for i, row in enumerate(first):
+        skipped, bound, seconds, ratio, _, cpu, cpu_ratio, dh_error, dw_error = row[8:]
         exact = first[i // 6 * 6]
         f = float(skipped) / 100
         assert float(bound) == pytest.approx(1 / 3 + 2 / 3 * (1 - f), abs=0.01)
-        assert float(ratio) == pytest.approx(
-            float(seconds) / float(exact[10]), rel=0.02, abs=0.02
-        )
+        for value, ratio_, reference in ((seconds, ratio, 10), (cpu, cpu_ratio, 13)):
+            assert float(ratio_) == pytest.approx(
+                float(value) / float(exact[reference]), rel=0.02, abs=0.02
+            )
         assert float(dh_error) >= 0 and float(dw_error) >= 0
     for row in (first[0], first[6]):
-        assert row[8] == "0.0" and row[13] == row[14] == "0.0e+00"
+        assert row[8] == "0.0" and row[15] == row[16] == "0.0e+00"
     # Sorted, the exact gradient is the same up to float32 rounding.
     for row in (first[1], first[7]):
-        assert row[8] == "0.0" and float(row[13]) < 1e-5 and float(row[14]) < 1e-5
+        assert row[8] == "0.0" and float(row[15]) < 1e-5 and float(row[16]) < 1e-5
     # filter_eps = 1 is above every |p - onehot| but that of a label of
     # probability 0: tiles are skipped.
     assert float(first[4][8]) > 0 and float(first[10][8]) > 0

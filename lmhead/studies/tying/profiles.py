@@ -46,6 +46,8 @@ class Profile:
     first_eval_bests: int
     planned: int
     finished: int
+    best_steps: tuple[int, ...] = ()
+    steps_cap: int | None = None
 
     @property
     def rates(self) -> list[float]:
@@ -101,6 +103,14 @@ def profiles(rows: Sequence[Mapping[str, Any]]) -> list[Profile]:
                 ),
                 planned=len(own),
                 finished=len(done),
+                best_steps=tuple(
+                    sorted(
+                        r["steps_to_best"]
+                        for r in done
+                        if r["steps_to_best"] is not None
+                    )
+                ),
+                steps_cap=max((r["steps_cap"] or 0 for r in own), default=None) or None,
             )
         )
     return found
@@ -339,6 +349,20 @@ def _margins(profile: Profile, arm: str) -> str:
     return f"{rates.index(best)} / {len(rates) - 1 - rates.index(best)}"
 
 
+def _signed(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:+.4f}"
+
+
+def _best_steps(profile: Profile) -> str:
+    steps = profile.best_steps
+    if not steps:
+        return ""
+    return (
+        f" Best evaluations at steps {steps[0]}–{steps[-1]} (median "
+        f"{statistics.median(steps):g}) of {profile.steps_cap}."
+    )
+
+
 def contrast_table(found: Sequence[tuple[Profile, Bootstrap]]) -> str:
     rows = []
     for profile, b in found:
@@ -348,8 +372,8 @@ def contrast_table(found: Sequence[tuple[Profile, Bootstrap]]) -> str:
                 f"{b.arm} − {b.reference}",
                 "-" if b.best is None else f"{b.best:g}",
                 "-" if b.reference_best is None else f"{b.reference_best:g}",
-                f"{b.difference:+.4f}",
-                f"[{b.low:+.4f}, {b.high:+.4f}]",
+                _signed(b.difference),
+                "-" if math.isnan(b.low) else f"[{b.low:+.4f}, {b.high:+.4f}]",
                 _picks(b.picks[b.arm]),
                 _picks(b.picks[b.reference]),
                 f"{_margins(profile, b.arm)}; {_margins(profile, b.reference)}",
@@ -389,7 +413,7 @@ def write_report(rows: Sequence[Mapping[str, Any]], out_dir: str):
             f"{profile.finished} of {profile.planned} runs finished; tuning seeds "
             f"{', '.join(map(str, profile.seeds))}; evaluated every "
             f"{profile.eval_every} steps; {profile.first_eval_bests} runs best "
-            f"at their first evaluation.\n\n"
+            f"at their first evaluation.{_best_steps(profile)}\n\n"
             f"![{cell_label(profile)}]({os.path.basename(path)})\n\n"
             + curve_table(profile)
         )

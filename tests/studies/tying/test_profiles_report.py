@@ -95,6 +95,7 @@ def synthetic_rows():
                         "val_bpc": loss / 1.5,
                         "eval_every": every,
                         "steps_to_best": every if k == 0 and seed == 100 else 4 * every,
+                        "steps_cap": 12 * every,
                         "run": f"{vocab},{amount},{arm},{lr},{seed}",
                     }
                     rows.append(row)
@@ -125,6 +126,12 @@ def test_the_report_is_written_from_its_csv_alone(tmp_path):
     assert f"{b_minus_a:+.4f}" in text and f"{0.02 / 1.5:+.4f}" in text
     assert "35 of 36 runs finished" in text and "36 of 36 runs finished" in text
     assert "3 runs best at their first evaluation" in text
+    assert "Best evaluations at steps 25–100 (median 100) of 300." in text
     # The diverged run shows in the table; the unfinished rung has no mean.
     assert "inf /" in text
     assert "| 0.00141 |" in text and "- (" in text
+    # A cell with no rung finished on every seed has no contrast yet.
+    unfinished = [r | {"status": "running"} if r["seed"] == 102 else r for r in rows]
+    text, _ = profiles.write_report(unfinished, str(tmp_path / "unfinished"))
+    assert "| BPE 512 on 0.3% of the text | b − a | - | - | - | - |" in text
+    assert "nan" not in text

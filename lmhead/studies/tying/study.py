@@ -207,8 +207,9 @@ class Design:
 
     def cells(self, arms: Sequence[str] | None = None) -> list[Cell]:
         """Every vocabulary x amount x arm (``arms``: these only), in that
-        order (or ``pairs``' x arm); no arm d where it does not exist (``shapes.deeper_tied``), and
-        arms d and e only at ``secondary_vocabularies``."""
+        order (or ``pairs`` x arm); no arm d where it does not exist
+        (``shapes.deeper_tied``), and arms d and e only at
+        ``secondary_vocabularies``."""
         cells = []
         for vocab, amount in self._pairs():
             size = self.vocab_size(vocab)

@@ -50,9 +50,9 @@ def test_train(workdir):
         assert f.read().startswith("KING") and "KING" in stdout
 
 
-def test_generate_beams(workdir):
+def test_generate_beams_with_an_int8_head_reports_timings(workdir):
     workdir, _ = workdir
-    stdout = run(
+    result = run_experiment(
         "generate.py",
         f"--workdir={workdir}",
         "--prompt=ROMEO:",
@@ -60,10 +60,16 @@ def test_generate_beams(workdir):
         "--num_beams=2",
         "--num_samples=2",
         "--ignore_eos",  # else a short run's beams end at the end-of-text token
+        "--quantize=int8",
     )
-    first, second = stdout.rstrip("\n").split("\n---------------\n")
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, second = result.stdout.rstrip("\n").split("\n---------------\n")
     assert first.startswith("ROMEO:") and len(first) == 6 + 12
     assert first == second  # beam search is deterministic
+    timings = re.search(
+        r"time to first token (\S+) ms .* (\S+) ms per new token", result.stderr
+    )
+    assert timings and float(timings[1]) > 0 and float(timings[2]) > 0, result.stderr
 
 
 def test_generate_with_stop_strings_penalties_and_top_logprobs(workdir):
@@ -129,24 +135,6 @@ def test_data_parallel_cpu_devices_train_the_same_model(tmp_path):
             ]
     assert len(losses[1]) == 1
     assert losses[2] == pytest.approx(losses[1], rel=1e-4)
-
-
-def test_generate_with_an_int8_head_reports_timings(workdir):
-    workdir, _ = workdir
-    result = run_experiment(
-        "generate.py",
-        f"--workdir={workdir}",
-        "--prompt=ROMEO:",
-        "--max_new_tokens=10",
-        "--quantize=int8",
-        "--temperature=0",
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.startswith("ROMEO:") and len(result.stdout) == 6 + 10 + 1
-    timings = re.search(
-        r"time to first token (\S+) ms .* (\S+) ms per new token", result.stderr
-    )
-    assert timings and float(timings[1]) > 0 and float(timings[2]) > 0, result.stderr
 
 
 def test_generate_command_line_without_a_run(tmp_path):

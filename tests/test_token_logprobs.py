@@ -100,15 +100,12 @@ class TokenLogProbsTest(parameterized.TestCase):
         log_p, entropy, lse = refs.token_logprobs(
             x["h"], x["w"], x["bias"], x["ids"], **options
         )
-        np.testing.assert_allclose(
-            out.logprobs, np.where(keep_ids, log_p, 0), rtol=1e-5, atol=1e-5
-        )
-        np.testing.assert_allclose(
-            out.entropy, np.where(keep, entropy, 0), rtol=1e-5, atol=1e-5
-        )
-        np.testing.assert_allclose(
-            out.log_normalizer, np.where(keep, lse, 0), rtol=1e-5, atol=1e-5
-        )
+        for result, want, kept in (
+            (out.logprobs, log_p, keep_ids),
+            (out.entropy, entropy, keep),
+            (out.log_normalizer, lse, keep),
+        ):
+            np.testing.assert_allclose(result, np.where(kept, want, 0), 1e-5, 1e-5)
         np.testing.assert_allclose(
             value, reference(x["h"], x["w"], x["bias"]), rtol=1e-5
         )

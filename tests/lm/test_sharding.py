@@ -5,9 +5,11 @@ The checks that need several devices run in a subprocess -- this file run
 as a script with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set
 before jax is imported, and the names of the checks to run -- which prints
 its measurements as JSON; the tests below (and those of
-``test_sharding_ensemble.py``, from a second subprocess) assert on them. Every comparison there is against a reference computed
-on one device by other code: the materialized loss of ``losses.cross_entropy``
-(the single-device training step) or the numpy cross-entropy written below.
+``test_sharding_ensemble.py``, from a second subprocess) assert on them.
+Every comparison there is against a reference computed on one device by
+other code: the materialized loss of ``losses.cross_entropy`` (the
+single-device training step) or the numpy cross-entropy of
+``tests/references.py``.
 The two-process test starts ``experiments/train.py`` twice on localhost with
 ``jax.distributed`` and compares its losses with the subprocess's own run of
 the same config on one process with the same 8 devices.
@@ -24,6 +26,7 @@ import numpy as np
 import pytest
 
 from tests import ROOT, references
+from tests.lm.conftest import read_metrics
 
 # Data only, both axes, model only ((4, 2) is a mesh of both axes too; the
 # checkpoint test saves from it).
@@ -42,13 +45,6 @@ RUN_OVERRIDES = {
 RUN_ARGS = [f"--config=configs/default.py:{RUN_CONFIG}"] + [
     f"--config.{name}={value}" for name, value in RUN_OVERRIDES.items()
 ]
-
-
-def numpy_cross_entropy(logits, labels, weights, eps, smoothing, z_loss):
-    """Weighted mean of the smoothed cross-entropy plus z-loss, in float64."""
-    return references.cross_entropy(logits, labels, weights, eps, smoothing, z_loss)[1][
-        "loss"
-    ]
 
 
 # ----------------------------------------------------------------------------
@@ -158,10 +154,10 @@ def check_train_steps():
 
 
 def check_loss_options():
-    """The vocabulary-parallel loss vs numpy across options and meshes."""
+    """The vocabulary-parallel loss vs numpy across options."""
     import jax
 
-    from lmhead import head, vocab_parallel
+    from lmhead import vocab_parallel
     from lmhead.lm import sharding
 
     rng = np.random.default_rng(1)
@@ -179,50 +175,43 @@ def check_loss_options():
         dict(label_smoothing=0.2, smoothing="normalized", z_loss=1e-2),
         dict(softcap=2.0, scale=0.5, z_loss=1e-3, chunk_size=5),
     ]
-    expected = []
-    for case in cases:
-        logits = head.unembed(
-            h, w, bias, scale=case.get("scale"), softcap=case.get("softcap")
-        )
-        expected.append(
-            (
-                numpy_cross_entropy(
-                    logits,
-                    np.clip(labels, 0, 15),
-                    valid,
-                    case.get("label_smoothing", 0.0),
-                    case.get("smoothing", "uniform"),
-                    case.get("z_loss", 0.0),
-                ),
-                np.sum(valid * (np.argmax(logits, -1) == labels)) / np.sum(valid),
-            )
-        )
-    results = {}
+    clipped = np.clip(labels, 0, 15)
+    expected = [
+        references.cross_entropy(
+            references.unembed(h, w, bias, case.get("scale"), case.get("softcap")),
+            clipped,
+            valid,
+            case.get("label_smoothing", 0.0),
+            case.get("smoothing", "uniform"),
+            case.get("z_loss", 0.0),
+        )[1]
+        for case in cases
+    ]
     # Both axes (the vocabulary split 4 ways); the model-only mesh (1, 8) is
     # checked by the train steps and the gradients, with these options.
-    for shape in ((2, 4),):
-        mesh = sharding.make_mesh(*shape)
+    mesh = sharding.make_mesh(2, 4)
 
-        def all_cases(h, w, bias, labels, weights, cases=cases):
-            return [
-                vocab_parallel.vocab_parallel_cross_entropy(
-                    h, w, labels, bias=bias, weights=weights, mesh=mesh, **case
-                )
-                for case in cases
-            ]
-
-        outputs = jax.jit(all_cases)(h, w, bias, labels, weights)
-        if shape == (2, 4):  # and the last case without jit, where bad labels
-            # raise (op by op over 8 devices: seconds per case)
-            clipped = np.clip(labels, 0, 15)
-            outputs += all_cases(h, w, bias, clipped, valid, cases=cases[-1:])
-        for index, ((loss, metrics), (want, accuracy)) in enumerate(
-            zip(outputs, expected + expected[-1:])
-        ):
-            results[f"case {index} {shape}"] = max(
-                abs(float(loss) - want), abs(float(metrics["accuracy"]) - accuracy)
+    def all_cases(h, w, bias, labels, weights, cases=cases):
+        return [
+            vocab_parallel.vocab_parallel_cross_entropy(
+                h, w, labels, bias=bias, weights=weights, mesh=mesh, **case
             )
-            results[f"invalid {index} {shape}"] = int(metrics["invalid_labels"])
+            for case in cases
+        ]
+
+    outputs = jax.jit(all_cases)(h, w, bias, labels, weights)
+    # And the last case without jit, where bad labels raise (op by op over 8
+    # devices: seconds per case).
+    outputs += all_cases(h, w, bias, clipped, valid, cases=cases[-1:])
+    results = {}
+    for index, ((loss, metrics), want) in enumerate(
+        zip(outputs, expected + expected[-1:])
+    ):
+        results[f"case {index} (2, 4)"] = max(
+            abs(float(loss) - want["loss"]),
+            abs(float(metrics["accuracy"]) - want["accuracy"]),
+        )
+        results[f"invalid {index} (2, 4)"] = int(metrics["invalid_labels"])
     return results
 
 
@@ -568,7 +557,25 @@ def check_split_decoding(streams=False):
     # Two of the devices, as on a 2-core machine: the hook's whole-batch
     # loop then waits on two threads, not eight, on a loaded machine.
     two = model_lib.rows_mesh(8, jax.devices()[:2])
-    one, split = decode(None), decode(two)
+    # Which loop each generate and stream ran on the mesh: every device its
+    # own, or the whole batch's (a processor hook, which sees every row).
+    loops, split_loops = [], decoding.sampling.split_loops
+
+    def recording(*args):
+        split = split_loops(*args)
+        loops.append(split is not None)
+        return split
+
+    one = decode(None)
+    decoding.sampling.split_loops = recording
+    try:
+        split = decode(two)
+    finally:
+        decoding.sampling.split_loops = split_loops
+    names = (
+        ("one key", "stream", "whole") if streams else ("greedy", "row keys", "hook")
+    )
+    results["own loops"] = dict(zip(names, loops, strict=True))
     if streams:
         results["stream is one call"] = [
             out.pop("stream is one call") for out in (one, split)
@@ -580,30 +587,6 @@ def check_split_decoding(streams=False):
         }
     if streams:
         return results
-    # Which loop each generate ran: every device its own, or the whole
-    # batch's (a processor hook, which sees every row).
-    step = model_lib.make_step_fn(model, two)
-    logits, cache = model_lib.prefill(model, params, prompt, lengths)
-    results["own loops"] = {
-        name: decoding.split.split_loops(
-            decoding.sampling._prepare(
-                step, params, logits, cache, key=key, max_new_tokens=4, knobs=None,
-                eos_id=None, pad_id=-1, num_samples=1, prompt_tokens=None,
-                donate_state=False, row_max_new_tokens=None, stop=None,
-                stop_sequences=None, top_logprobs=0, log_probs_from="processed",
-                processor=hook, knob_values={"temperature": temperature},
-            ),
-            decoding.sampling._start, decoding.sampling._advance,
-            decoding.sampling._columns,
-        )
-        is not None
-        for name, key, temperature, hook in (
-            ("greedy", jax.random.key(2), 0.0, None),
-            ("one key", jax.random.key(2), 0.9, None),
-            ("row keys", jax.random.split(jax.random.key(3), 8), 0.9, None),
-            ("hook", jax.random.key(2), 0.0, lambda logits, context: logits),
-        )
-    }  # fmt: skip
     mesh = model_lib.rows_mesh(8)
     errors = {}
     for name, call in (
@@ -644,20 +627,6 @@ def check_split_decoding(streams=False):
         for mesh in [model_lib.rows_mesh(batch)]
     }
     return results
-
-
-def read_metrics(workdir):
-    from lmhead.lm import monitoring
-
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [
-            {
-                k: v
-                for k, v in json.loads(line).items()
-                if k not in monitoring.MEASURED_METRICS
-            }
-            for line in f
-        ]
 
 
 def main(workdir, names):
@@ -799,9 +768,7 @@ def test_errors_on_many_devices(results, name, match):
 
 
 def test_errors_on_one_device():
-    import jax.numpy as jnp
-
-    from lmhead import vocab_parallel
+    """The vocabulary-parallel loss's own: test_vocab_parallel.py."""
     from lmhead.lm import sharding
 
     with pytest.raises(ValueError, match="must equal the number of devices"):
@@ -810,18 +777,6 @@ def test_errors_on_one_device():
         sharding.make_mesh(-1, -1)
     with pytest.raises(ValueError, match="mesh.model must be a positive"):
         sharding.make_mesh(1, 0)
-    with pytest.raises(ValueError, match="needs a mesh with a 'model' axis"):
-        vocab_parallel.vocab_parallel_cross_entropy(
-            jnp.ones((2, 4)), jnp.ones((3, 4)), jnp.zeros(2, jnp.int32)
-        )
-    with pytest.raises(ValueError, match="chunk_size must be an integer >= 1"):
-        vocab_parallel.vocab_parallel_cross_entropy(
-            jnp.ones((2, 4)),
-            jnp.ones((3, 4)),
-            jnp.zeros(2, jnp.int32),
-            chunk_size=0,
-            mesh=sharding.make_mesh(),
-        )
     with pytest.raises(ValueError, match="go together"):
         sharding.initialize_distributed("127.0.0.1:1234")
 

@@ -71,8 +71,9 @@ def test_split_decoding_errors_and_mesh_sizes(results):
 
 
 def test_split_decoding_runs_a_loop_per_device_but_with_a_hook(results):
-    """Greedy, one sampling key and a key per row run a loop per device; a
-    processor hook, which sees every row, keeps the batch's loop."""
+    """Greedy and a key per row run a loop per device (one key for the batch
+    too: test_sharding_streams.py); a processor hook, which sees every row,
+    keeps the batch's loop."""
     assert results["split_decoding"]["own loops"] == {
-        "greedy": True, "one key": True, "row keys": True, "hook": False
+        "greedy": True, "row keys": True, "hook": False
     }  # fmt: skip

@@ -27,5 +27,9 @@ def test_split_decoding_matches_one_device(results, decoder):
 
 def test_split_streams_are_one_call_bitwise(results):
     """On one device and split over two, the streamed chunks (top log-probs
-    too) concatenated are that placement's one call, bit for bit."""
+    too) concatenated are that placement's one call, bit for bit; split, one
+    key for the batch, the stream and its one call each run a loop per
+    device."""
     assert results["split_streams"]["stream is one call"] == [True, True]
+    own = dict.fromkeys(("one key", "stream", "whole"), True)
+    assert results["split_streams"]["own loops"] == own

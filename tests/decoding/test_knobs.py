@@ -157,12 +157,6 @@ def test_beam_search_takes_neutral_knobs_and_refuses_an_active_one():
     )
 
 
-def test_of_takes_the_knobs_or_their_keywords():
-    knobs = SamplingKnobs(top_k=2)
-    assert SamplingKnobs.of(knobs) is knobs
-    assert SamplingKnobs.of(None, top_k=2).top_k == 2
-
-
 def test_active_lists_the_knobs_that_change_the_distribution():
     assert SamplingKnobs().active() == ()
     neutral = {name: knobs_lib.neutral_value(name) for name in knobs_lib.TRACED_KNOBS}

@@ -176,18 +176,13 @@ class ProcessorTest(chex.TestCase):
             self.assertTrue(expected.any())
 
     @chex.variants(with_jit=True, without_jit=True)
-    def test_suppress_and_min_new_tokens(self):
+    def test_suppress_tokens(self):
         suppressed = self.variant(decoding.apply_suppress_tokens, static_argnums=1)(
             self.logits, (1, 4)
         )
         np.testing.assert_array_equal(
             np.isneginf(suppressed).sum(0), [0, 6, 0, 0, 6, 0, 0]
         )
-        early = self.variant(
-            lambda z, n: decoding.apply_min_new_tokens(z, n, min_new_tokens=3, eos_id=2)
-        )(self.logits, jnp.arange(6))
-        np.testing.assert_array_equal(np.isneginf(early)[:, 2], [1, 1, 1, 0, 0, 0])
-        self.assertEqual(int(np.isneginf(early).sum()), 3)
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_presence_and_frequency_penalties_follow_openais_formula(self):
@@ -237,12 +232,13 @@ class ProcessorTest(chex.TestCase):
         np.testing.assert_array_equal(np.isneginf(out), np.isneginf(removed))
 
     @chex.variants(with_jit=True, without_jit=True)
-    def test_per_row_min_new_tokens_removes_every_eos_id(self):
-        minimum = jnp.array([0, 1, 2, 3, 4, 5])
-        for eos_id, num_generated in [
-            (2, 3),
-            ((2, 5), 3),
-            ((0, 3, 6), jnp.array([0, 0, 5, 1, 4, 4])),
+    def test_min_new_tokens_shared_and_per_row_removes_every_eos_id(self):
+        per_row = jnp.array([0, 1, 2, 3, 4, 5])
+        for eos_id, num_generated, minimum in [
+            (2, jnp.arange(6), 3),
+            (2, 3, per_row),
+            ((2, 5), 3, per_row),
+            ((0, 3, 6), jnp.array([0, 0, 5, 1, 4, 4]), per_row),
         ]:
             early = self.variant(
                 lambda z, n, m, eos_id=eos_id: decoding.apply_min_new_tokens(

@@ -170,9 +170,10 @@ class FusedTest(chex.TestCase):
     @chex.variants(with_jit=True)
     @parameterized.named_parameters(
         [
+            # The teacher's form and the divergence are independent: each
+            # option with one form, the forms taking turns.
             (f"{name}_{teacher}", name, teacher, False, "mean")
-            for name in OPTIONS
-            for teacher in ("logits", "head")
+            for name, teacher in zip(OPTIONS, ["logits", "head"] * len(OPTIONS))
         ]
         + [("hard_scale_softcap", "hard", "head", True, "mean")]
         + [(f"jsd_{r}", "jsd", "head", False, r) for r in ("sum", "none")]

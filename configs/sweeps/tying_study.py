@@ -198,6 +198,45 @@ PROFILE_CELLS = {
 # (-2 .. 3 around it) covers two rungs past v2's and the eight-rung check's
 # best rates of arms a, b and c at 100%, and v2's rates at BPE 512 on 0.3%.
 PROFILE_CENTRES = {512: 0, None: 4, 2048: 3, 8192: 4, 300: 2}
+# The confirmatory hypotheses, fixed before the confirmatory runs
+# (docs/tying_study/README.md, "Confirmatory hypotheses, fixed before the
+# runs"), one per primary contrast of each profiled cell: (vocabulary as
+# runs.csv writes it, fraction, x, y, prediction of x - y in test bits/char:
+# +1 tied better, -1 untied better, 0 no difference within EQUIVALENCE_MARGIN;
+# the v2 figure it comes from). Holm's family is these eight.
+# fmt: off
+HYPOTHESES = {
+    "nanogpt": (
+        ("char", 1.0, "b", "a", +1,
+         "v2 +0.0563, Bonferroni [+0.0052, +0.1074], Holm p 0.022"),
+        ("char", 1.0, "c", "a", +1,
+         "v2 +0.0295, Bonferroni [+0.0137, +0.0454], Holm p 0.001"),
+        ("2048", 1.0, "b", "a", -1,
+         "eight rungs -0.0099, 95% [-0.0200, +0.0001], p 0.051"),
+        ("2048", 1.0, "c", "a", 0,
+         "eight rungs +0.0001, 95% [-0.0087, +0.0090], p 0.97"),
+        ("8192", 1.0, "b", "a", 0,
+         "eight rungs +0.0001, 95% [-0.0098, +0.0101], p 0.98"),
+        ("8192", 1.0, "c", "a", +1,
+         "eight rungs +0.0123, 95% [-0.0015, +0.0261], p 0.073"),
+        ("512", 0.003, "b", "a", +1,
+         "v2 +0.0418, Bonferroni [+0.0132, +0.0704], Holm p 0.004"),
+        ("512", 0.003, "c", "a", +1,
+         "v2 +0.0442, Bonferroni [+0.0050, +0.0833], Holm p 0.020"),
+    ),
+    # The tiny base's, for tests: each kind of prediction.
+    "tiny": (
+        ("300", 0.2, "b", "a", +1, "none (a test)"),
+        ("300", 0.2, "c", "a", 0, "none (a test)"),
+        ("char", 1.0, "b", "a", -1, "none (a test)"),
+        ("char", 1.0, "c", "a", 0, "none (a test)"),
+    ),
+}
+# fmt: on
+# The equivalence margin in test bits/char: the smallest published tying
+# effect, Press & Wolf's 1.8% of per-word perplexity, on the study's scale
+# (literature.equivalence_margin; v2's equivalence tests used it).
+EQUIVALENCE_MARGIN = 0.0049
 # The model each preset's base config argument gives (configs/default.py).
 BASE_MODELS = {
     "nanogpt": (

@@ -76,31 +76,11 @@ flags.DEFINE_integer("rounds", 3, "Alternating timing rounds.", lower_bound=1)
 flags.DEFINE_bool("quick", False, "The tiny config (for tests), few tokens, 1 round.")
 FLAGS = flags.FLAGS
 
-# The tying study's test run of arm a at BPE 8192 on 100% of the training
-# text (configs/sweeps/tying_study.py; its cell chose the rate 0.000707 in
-# docs/tying_study/runs.csv), with validation every 100 steps, no test
-# evaluation and one checkpoint at the end; the steps and BPE size are flags.
-RECIPE = {
-    "data.end_of_text": False,
-    "data.split": "works",
-    "data.tokenizer": "bpe",
-    "data.tokenizer_fraction": 1.0,
-    "data.holdout_fraction": 0.1,
-    "data.holdout_chunk": 512,
-    "data.train_fraction": 1.0,
-    "model.tied": True,
-    "model.d_model": 128,
-    "model.num_layers": 4,
-    "model.mlp_dim": 512,
-    "optim.lr": 0.000707,
-    "optim.min_lr": 7.07e-05,
-    "train.seed": 0,
-    "train.eval_every": 100,
-    "train.log_every": 50,
-    "train.eval_batches": 32,
-    "train.test_eval": False,
-    "sample.num_samples": 0,
-}
+# The run this benchmark trains: the recipe of configs/sweeps/filter_training.py
+# (the tying study's arm a on all of the text), whose exact seed 0 it is.
+SWEEP_FILE = os.path.join(
+    os.path.dirname(__file__), "..", "..", "configs", "sweeps", "filter_training.py"
+)
 HEADER = (
     "run",
     "V",
@@ -123,14 +103,16 @@ HEADER = (
 
 
 def recipe(vocab_size: int, steps: int, quick: bool = False):
-    """The config of a run this benchmark trains (``RECIPE``; ``quick``: the
-    tiny config at BPE ``vocab_size``, for tests)."""
+    """The config of a run this benchmark trains (``RECIPE`` of
+    :data:`SWEEP_FILE`, without a test evaluation and with one checkpoint at
+    the end; ``quick``: the tiny config at BPE ``vocab_size``, for tests)."""
     if quick:
         config = configuration.load_config(f"tiny,bpe={vocab_size}")
         overrides = {"train.test_eval": False, "sample.num_samples": 0}
     else:
         config = configuration.load_config("nanogpt")
-        overrides = {**RECIPE, "data.vocab_size": vocab_size}
+        recipe = configuration.load_module(SWEEP_FILE).RECIPE
+        overrides = {**recipe, "data.vocab_size": vocab_size}
     overrides |= {"train.steps": steps, "train.checkpoint_every": steps}
     for name, value in overrides.items():
         section, key = name.split(".")

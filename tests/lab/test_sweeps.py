@@ -4,9 +4,12 @@ experiments/train.py parses its flags."""
 
 import os
 
+import numpy as np
 import pytest
+import scipy.stats
 
 from lmhead.lab import sweeps
+from lmhead.lm import configuration
 from tests.lab.sweep_helpers import (
     DEFAULT_CONFIG,
     SWEEP_CONFIGS,
@@ -132,3 +135,66 @@ def test_load_sweep_errors(tmp_path):
     )
     with pytest.raises(ValueError, match="non-empty list"):
         sweeps.load_sweep(str(tmp_path / "empty.py"))
+
+
+def test_filter_training_sweep_pairs_each_seed_exact_and_filtered(monkeypatch):
+    """configs/sweeps/filter_training.py: 8 seeds, each exact and at 2^-12,
+    on its recipe at BPE 32768 with a test evaluation, as train.py parses it."""
+    path = os.path.join(SWEEP_CONFIGS, "filter_training.py")
+    base, overrides, shared = sweeps.load_sweep(path)
+    assert base == "nanogpt" and len(set(sweeps.run_names(overrides))) == 16
+    pairs = {(o["train.seed"], o.get("loss.filter_eps")) for o in overrides}
+    assert pairs == {(s, e) for s in range(8) for e in (None, 2.0**-12)}
+    argv = sweeps.train_command(
+        base,
+        "unused",
+        {**shared, **overrides[1]},
+        python="python",
+        script="x",
+        config_file=DEFAULT_CONFIG,
+    )[2:]
+    flat = parsed_train_config(argv, monkeypatch)
+    recipe = configuration.load_module(path).RECIPE
+    expected = {
+        **recipe,
+        "data.vocab_size": 32768,
+        "train.steps": 400,
+        "train.test_eval": True,
+        "loss.filter_eps": 2.0**-12,
+        "train.seed": overrides[1]["train.seed"],
+    }
+    assert {k: flat[k] for k in expected} == expected
+
+
+def test_filter_training_report_pairs_runs_by_seed():
+    """Its report's filtered - exact is the mean per-seed difference with
+    the t-interval of scipy's t quantile."""
+    module = configuration.load_module(
+        os.path.join(SWEEP_CONFIGS, "filter_training.py")
+    )
+    test = {0: (3.10, 3.12), 1: (3.00, 3.01), 2: (3.20, 3.17)}  # exact, filtered
+    rows = [
+        {
+            "run": f"r{s}{eps}",
+            "seed": s,
+            "filter_eps": eps,
+            "steps_run": 9,
+            "val_bpc": "1.0",
+            "test_bpc": str(pair[bool(eps)]),
+            "ms_per_step": "10.0",
+            "cpu_ms_per_step": str(20.0 if eps else 10.0),
+            "ensemble": "",
+        }
+        for s, pair in test.items()
+        for eps in ("", "0.1")
+    ]
+    differences = np.array([f - e for e, f in test.values()])
+    half = scipy.stats.t.ppf(0.975, 2) * differences.std(ddof=1) / np.sqrt(3)
+    mean = differences.mean()
+    text = module.report_text(rows)
+    assert (
+        f"| test bits/char | {mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}] | 3 |"
+        in text
+    )
+    assert "| val bits/char | +0.0000 [+0.0000, +0.0000] | 3 |" in text
+    assert "| cpu_ms_per_step | 10.0 | 20.0 | 2.00 |" in text

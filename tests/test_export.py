@@ -187,10 +187,12 @@ LOSS_OPTIONS = dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0, chunk_size=4
 @functools.cache
 def fused_loss_and_grad(filtered=False):
     """The fused loss, exact or with its gradient filtered (a ``lax.cond``
-    per vocabulary block) and ``dw`` Kahan-compensated."""
-    options = LOSS_OPTIONS | (
-        dict(filter_eps="auto", dw_accumulation="kahan") if filtered else {}
+    per vocabulary block), ``dw`` Kahan-compensated and the vocabulary swept
+    in the batch's mean-logit order (an argsort, a gather and a scatter)."""
+    filtering = dict(
+        filter_eps="auto", dw_accumulation="kahan", vocab_order="mean_logit"
     )
+    options = LOSS_OPTIONS | (filtering if filtered else {})
 
     def objective(h, w, bias, labels, weights):
         return fused.fused_cross_entropy(

@@ -261,6 +261,40 @@ def test_a_sorted_filter_stays_within_the_bound():
         assert np.all(np.abs(dw - exact[1]) <= dw_bound + 1e-6)
 
 
+def test_mean_logit_order_under_vmap_is_each_members_own():
+    # An ensemble's members vmap the loss: each member's order comes from its
+    # own h, w and bias, and its loss and gradients are its own unsorted ones.
+    members = [make_inputs(peaked=True, seed=s) for s in (3, 4)]
+    h, w, bias, labels, weights = (np.stack(x) for x in zip(*members))
+
+    def loss(h, w, bias, labels, weights):
+        return fused.fused_cross_entropy(
+            h,
+            w,
+            labels,
+            bias=bias,
+            weights=weights,
+            chunk_size=CHUNK,
+            vocab_order="mean_logit",
+        )[0]
+
+    values, grads = jax.jit(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2))))(
+        h, w, bias, labels, weights
+    )
+    orders = jax.vmap(
+        lambda h, w, b, k: _vocab_order.mean_logit_order(h, w, b, weights=k)
+    )(h, w, bias, weights)
+    assert not np.array_equal(orders[0], orders[1])
+    for m, (hm, wm, bm, lm, km) in enumerate(members):
+        np.testing.assert_array_equal(
+            orders[m], _vocab_order.mean_logit_order(hm, wm, bm, weights=km)
+        )
+        want, reference = np_cross_entropy(hm, wm, bm, lm, km)
+        np.testing.assert_allclose(values[m], want, rtol=2e-6)
+        for got, ref in zip((g[m] for g in grads), reference):
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
 def test_frequency_order_is_most_frequent_first_ties_by_id():
     counts = np.random.default_rng(0).integers(0, 4, 50)  # many ties
     want = sorted(range(50), key=lambda i: (-counts[i], i))

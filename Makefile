@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint format compare study study-edges study-profiles study-gpu clean constraints
+.PHONY: test lint format compare study study-edges study-profiles study-confirm study-mechanism study-gpu clean constraints
 
 STUDY := configs/sweeps/tying_study.py
 # Extra experiments/sweep.py flags for compare and study, e.g. on a 2-core CPU
@@ -90,6 +90,41 @@ study-profiles: $(STAMP)
 	    $(PROFILES_RESTORE) $(SWEEP_FLAGS)
 	$(PY) experiments/report.py --workdir=runs/tying_profiles \
 	    --sweep=$(STUDY):profiles --out=docs/tying_study/profiles
+
+# The confirmatory runs (configs/sweeps/tying_study.py:confirm; the
+# hypotheses and the decision rule are in docs/tying_study/README.md,
+# "Confirmatory hypotheses, fixed before the runs"): arms a, b and c of the
+# profiled cells on the 16 confirmatory seeds, each arm at the rate its
+# profile chose, the subset cell and the 100% cells as two sweeps (their
+# evaluation intervals differ); a cell whose profile has not finished is not
+# planned. The profiles' runs are restored from their table, and the
+# confirmatory ones from theirs once committed; the report (the verdicts)
+# goes to docs/tying_study/confirm. Resumable.
+CONFIRM_CSVS := docs/tying_study/profiles/runs.csv docs/tying_study/confirm/runs.csv
+CONFIRM_RESTORE := $(addprefix --restore_from=,$(wildcard $(CONFIRM_CSVS)))
+study-confirm: $(STAMP)
+	$(PY) experiments/sweep.py --sweep=$(STUDY):confirm,amounts=0.003 \
+	    --workdir=runs/tying_confirm --ensemble=8 --noreport \
+	    $(CONFIRM_RESTORE) $(SWEEP_FLAGS)
+	$(PY) experiments/sweep.py --sweep=$(STUDY):confirm,amounts=1.0 \
+	    --workdir=runs/tying_confirm --ensemble=8 --noreport \
+	    $(CONFIRM_RESTORE) $(SWEEP_FLAGS)
+	$(PY) experiments/report.py --workdir=runs/tying_confirm \
+	    --sweep=$(STUDY):confirm --out=docs/tying_study/confirm
+
+# The mechanism test (configs/sweeps/tying_study.py:mechanism): arm b of
+# BPE 512 on 0.3% with the tables' learning rate at k = 0.5, 2 and 4 times
+# the rate, each k on a profile of its own beside the cell's arms a and b
+# (restored from the profiles' table); the report goes to
+# docs/tying_study/mechanism. Resumable.
+MECHANISM_CSVS := docs/tying_study/profiles/runs.csv docs/tying_study/mechanism/runs.csv
+MECHANISM_RESTORE := $(addprefix --restore_from=,$(wildcard $(MECHANISM_CSVS)))
+study-mechanism: $(STAMP)
+	$(PY) experiments/sweep.py --sweep=$(STUDY):mechanism \
+	    --workdir=runs/tying_mechanism --ensemble=6 --noreport \
+	    $(MECHANISM_RESTORE) $(SWEEP_FLAGS)
+	$(PY) experiments/report.py --workdir=runs/tying_mechanism \
+	    --sweep=$(STUDY):mechanism --out=docs/tying_study/mechanism
 
 # The same design on one GPU, every cell's runs in one ensemble (one vmap of
 # all members on a GPU), with the Python that has jax with CUDA (no .venv:

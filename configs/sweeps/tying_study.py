@@ -58,6 +58,7 @@ comma-separated ``key=value`` (``+`` separates list items)::
                     of evenly spaced windows), patience, ablation (true | false)
 """
 
+import functools
 import os
 
 from lmhead.lab import sweeps
@@ -88,6 +89,8 @@ PRESETS = {
         margin=1,
         subset_eval_every=0,
         subset_patience=-1,
+        first_seed=0,
+        multipliers=(),
     ),
     "small": dict(
         base="nanogpt",
@@ -112,6 +115,8 @@ PRESETS = {
         margin=1,
         subset_eval_every=0,
         subset_patience=-1,
+        first_seed=0,
+        multipliers=(),
     ),
     "tiny": dict(
         base="tiny",
@@ -136,6 +141,8 @@ PRESETS = {
         margin=1,
         subset_eval_every=0,
         subset_patience=-1,
+        first_seed=0,
+        multipliers=(),
     ),
 }
 # Its runs that the full design has are the same runs (same names), so
@@ -186,6 +193,34 @@ PRESETS["profiles_tiny"] = dict(
     subset_steps=40,
     subset_eval_every=5,
     subset_patience=0,
+)
+# The confirmatory runs (docs/tying_study/README.md, "Confirmatory
+# hypotheses, fixed before the runs"): the profiles' test stage, arms a, b
+# and c of each profiled cell on the 16 confirmatory seeds at each arm's
+# profile-chosen rate, with the profiles' budgets and cadences.
+PRESETS["confirm"] = dict(
+    PRESETS["profiles"], stage="test", seeds=16, first_seed=study.CONFIRM_SEEDS[0]
+)
+PRESETS["confirm_tiny"] = dict(
+    PRESETS["profiles_tiny"], stage="test", seeds=2, first_seed=study.CONFIRM_SEEDS[0]
+)
+# The mechanism test (README, "The mechanism test"): BPE 512 on 0.3%, arm b
+# again with the tables' learning rate at k times the rate, each k on a
+# profile of its own beside the cell's arms a and b (same rungs and seeds).
+PRESETS["mechanism"] = dict(
+    PRESETS["profiles"],
+    char=False,
+    bpe=(512,),
+    amounts=(0.003,),
+    arms=("a", "b"),
+    multipliers=(0.5, 2.0, 4.0),
+)
+PRESETS["mechanism_tiny"] = dict(
+    PRESETS["profiles_tiny"],
+    char=False,
+    amounts=(0.2,),
+    arms=("a", "b"),
+    multipliers=(0.5, 2.0),
 )
 # The profiled (vocabulary, fraction) cells of each base, cheapest first so
 # that whole cells finish early: BPE 512 on 0.3% is where v2's "tied better"
@@ -296,6 +331,13 @@ def get_study(arg=None) -> study.Design:
         fractions = tuple(f for f in fractions if any(f == p for _, p in pairs))
     amounts = tuple(amount(args, f) for f in fractions)
     every = cadence(args, amounts)
+    test_seeds = tuple(range(args["first_seed"], args["first_seed"] + args["seeds"]))
+    if args["profile"] and args["stage"] == "test":
+        if not set(test_seeds) <= set(study.CONFIRM_SEEDS):
+            raise ValueError(
+                f"The profiles' test seeds {test_seeds} are not among the "
+                f"confirmatory seeds {study.CONFIRM_SEEDS}, named before the runs."
+            )
     shared = {
         # The committed runs (docs/tying_study, docs/compare) had no
         # end-of-text token; restoring and resuming them needs the same data.
@@ -304,9 +346,7 @@ def get_study(arg=None) -> study.Design:
         "data.tokenizer_fraction": 1.0,
         **HOLDOUT,
         "train.test_eval": True,
-        "train.eval_every": every,
-        "train.log_every": every,
-        "train.checkpoint_every": 5 * every,
+        **cadence_overrides(every),
         "train.eval_batches": args["eval_batches"],
         "train.eval_train_batches": EVAL_TRAIN_BATCHES,
         # A diverging rate ends with a NaN loss, which is never chosen,
@@ -322,13 +362,14 @@ def get_study(arg=None) -> study.Design:
         amounts=amounts,
         arms=tuple(args["arms"]),
         centres={v: centres[v] for v in vocabularies},
-        test_seeds=tuple(range(args["seeds"])),
+        test_seeds=test_seeds,
         tuning_seeds=tuple(args["tuning_seeds"]),
         grid=tuple(args["ladder"]) if args["tune"] else (0,),
         tune=args["tune"],
         extend_edges=args["extend"],
         shared_ladder=args["profile"],
         margin=args["margin"],
+        table_multipliers=tuple(float(k) for k in args["multipliers"]),
         pairs=pairs,
         patience=args["patience"],
         ablation_cell=ABLATION_CELL[args["base"]] if args["ablation"] else None,
@@ -366,18 +407,22 @@ def cadence(args: dict, amounts) -> int:
     return own.pop() if len(own) == 1 else args["eval_every"]
 
 
-def get_sweep(arg=None, workdir=None):
-    design, stage = get_study(arg), parse(arg)["stage"]
-    every = {
-        a: a.eval_every or design.shared["train.eval_every"] for a in design.amounts
+def cadence_overrides(every: int) -> dict:
+    """The shared overrides of an evaluation interval ``every``."""
+    return {
+        "train.eval_every": every,
+        "train.log_every": every,
+        "train.checkpoint_every": 5 * every,
     }
-    if len(set(every.values())) > 1:
-        raise ValueError(
-            "The amounts evaluate at different intervals "
-            f"({', '.join(f'{a.fraction}: every {e}' for a, e in every.items())}), "
-            "which runs share: sweep each amount on its own (amounts=...) into "
-            "the same directory."
-        )
+
+
+def get_sweep(arg=None, workdir=None):
+    """The runs to train: the grid without ``workdir``; else the plan so far
+    (``study.read_plan``), for the profiles' test stage (the confirmatory
+    runs) its test runs only, of the cells whose profile has finished. The
+    runs' amounts must share an evaluation interval, which the shared
+    overrides take."""
+    design, stage = get_study(arg), parse(arg)["stage"]
     if not design.tune:
         runs = design.test_runs(study.choose_learning_rates(design, {}), {})
     elif workdir is None:
@@ -386,9 +431,24 @@ def get_sweep(arg=None, workdir=None):
                 "stage=test reads the tuning runs: it needs the sweep directory."
             )
         runs = design.tuning_runs()  # the grid; its extensions need its results
+    elif design.shared_ladder and stage == "test":
+        plan = study.read_plan(design, workdir, strict=False)
+        runs = [p for p in plan if p.role != "tune"]
     else:
         runs = list(study.read_plan(design, workdir, test=stage == "test"))
-    return design.base, [design.overrides(r) for r in runs], design.shared
+    if not runs:
+        return design.base, [], design.shared
+    amounts = dict.fromkeys(r.cell.amount for r in runs)
+    every = {a: a.eval_every or design.shared["train.eval_every"] for a in amounts}
+    if len(set(every.values())) > 1:
+        raise ValueError(
+            "The amounts evaluate at different intervals "
+            f"({', '.join(f'{a.fraction}: every {e}' for a, e in every.items())}), "
+            "which runs share: sweep each amount on its own (amounts=...) into "
+            "the same directory."
+        )
+    shared = {**design.shared, **cadence_overrides(set(every.values()).pop())}
+    return design.base, [design.overrides(r) for r in runs], shared
 
 
 def restore_runs(csv_path, workdir):
@@ -404,14 +464,37 @@ def write_report(arg, sweep_dir, out_dir):
     """``runs.csv``, REPORT.md and the plots of ``sweep_dir`` into ``out_dir``
     (``lmhead/studies/tying/results.py``): ``(the answer to print, plot
     paths)``, the answer being ``analysis.answer``'s sentence and table, or
-    for the profiles (the tuning stage's runs only, unless stage=test) their
-    REPORT.md (``lmhead/studies/tying/profiles.py``)."""
+    for a design of shared ladders its REPORT.md: the confirmatory tests'
+    (stage=test, ``confirm.py``), the mechanism test's (table multipliers,
+    ``mechanism.py``), else the profiles' (the tuning stage's runs,
+    ``profiles.py``)."""
     from lmhead.studies.tying import analysis, results, table  # the report's only
 
     design = get_study(arg)
     if design.shared_ladder:
         test = parse(arg)["stage"] == "test"
-        return results.write_report(design, sweep_dir, out_dir, test=test)
+        return results.write_report(
+            design, sweep_dir, out_dir, test=test, from_csv=report_from_csv(arg)
+        )
     _, plots = results.write_report(design, sweep_dir, out_dir)
     rows = table.read_rows(os.path.join(out_dir, results.RUNS_CSV))
     return analysis.answer(rows), plots
+
+
+def report_from_csv(arg):
+    """The function ``(runs.csv's path, out_dir) -> (REPORT.md's text, plot
+    paths)`` that writes the report of a design of shared ladders from its
+    table alone (:func:`write_report` says which)."""
+    from lmhead.studies.tying import confirm, mechanism, profiles
+
+    args = parse(arg)
+    if args["stage"] == "test":
+        hypotheses = [confirm.Hypothesis(*h) for h in HYPOTHESES[args["base"]]]
+        return functools.partial(
+            confirm.report_from_csv,
+            hypotheses=hypotheses,
+            margin=EQUIVALENCE_MARGIN,
+        )
+    if args["multipliers"]:
+        return mechanism.report_from_csv
+    return profiles.report_from_csv

@@ -67,6 +67,20 @@ def _finite(value: float | None) -> float:
     return value if value is not None and math.isfinite(value) else math.inf
 
 
+def arm_label(row: Mapping[str, Any]) -> str:
+    """A row's arm, with its table learning-rate multiplier k where not 1
+    (an arm of its own: ``b×2``).
+
+    Examples:
+        >>> arm_label({"arm": "b", "table_lr_multiplier": 2.0})
+        'b×2'
+        >>> arm_label({"arm": "a", "table_lr_multiplier": None})
+        'a'
+    """
+    k = row["table_lr_multiplier"] or 1.0
+    return row["arm"] if k == 1.0 else f"{row['arm']}×{k:g}"
+
+
 def profiles(rows: Sequence[Mapping[str, Any]]) -> list[Profile]:
     """The tuning rows of each vocabulary and amount, in the rows' order, as
     :class:`Profile` s; the seeds are those of the cell's tuning rows."""
@@ -80,11 +94,12 @@ def profiles(rows: Sequence[Mapping[str, Any]]) -> list[Profile]:
         bpc: dict = {}
         done = [r for r in own if r["status"] == "finished"]
         for r in done:
-            loss.setdefault(r["arm"], {}).setdefault(r["lr"], {})[r["seed"]] = _finite(
+            arm = arm_label(r)
+            loss.setdefault(arm, {}).setdefault(r["lr"], {})[r["seed"]] = _finite(
                 r["val_loss"]
             )
             value = r["val_bpc"]
-            bpc.setdefault(r["arm"], {}).setdefault(r["lr"], {})[r["seed"]] = (
+            bpc.setdefault(arm, {}).setdefault(r["lr"], {})[r["seed"]] = (
                 math.inf if value is None or not math.isfinite(value) else value
             )
         every = {r["eval_every"] for r in own} - {None}
@@ -393,6 +408,22 @@ def contrast_table(found: Sequence[tuple[Profile, Bootstrap]]) -> str:
     return report.markdown_table(header, rows)
 
 
+def cell_section(profile: Profile, out_dir: str) -> tuple[str, str]:
+    """A cell's section of the report (its runs, the figure, the curves'
+    table) and its figure's path, the figure written (:func:`plot_profile`)."""
+    path = plot_path(out_dir, profile)
+    plot_profile(profile, path)
+    text = (
+        f"## {cell_label(profile)}\n\n"
+        f"{profile.finished} of {profile.planned} runs finished; tuning seeds "
+        f"{', '.join(map(str, profile.seeds))}; evaluated every "
+        f"{profile.eval_every} steps; {profile.first_eval_bests} runs best "
+        f"at their first evaluation.{_best_steps(profile)}\n\n"
+        f"![{cell_label(profile)}]({os.path.basename(path)})\n\n" + curve_table(profile)
+    )
+    return text, path
+
+
 def write_report(rows: Sequence[Mapping[str, Any]], out_dir: str):
     """``out_dir/REPORT.md`` and one plot per profiled cell from ``rows``:
     ``(REPORT.md's text, plot paths)``."""
@@ -400,23 +431,14 @@ def write_report(rows: Sequence[Mapping[str, Any]], out_dir: str):
     found = profiles(rows)
     plots, sections, contrasts = [], [], []
     for profile in found:
-        path = plot_path(out_dir, profile)
-        plot_profile(profile, path)
+        section, path = cell_section(profile, out_dir)
+        sections.append(section)
         plots.append(path)
         contrasts += [
             (profile, bootstrap(profile, arm, reference))
             for arm, reference in CONTRASTS
             if arm in profile.loss and reference in profile.loss
         ]
-        sections.append(
-            f"## {cell_label(profile)}\n\n"
-            f"{profile.finished} of {profile.planned} runs finished; tuning seeds "
-            f"{', '.join(map(str, profile.seeds))}; evaluated every "
-            f"{profile.eval_every} steps; {profile.first_eval_bests} runs best "
-            f"at their first evaluation.{_best_steps(profile)}\n\n"
-            f"![{cell_label(profile)}]({os.path.basename(path)})\n\n"
-            + curve_table(profile)
-        )
     seeds = sorted({s for p in found for s in p.seeds})
     intro = (
         "# Learning-rate profiles\n\n"

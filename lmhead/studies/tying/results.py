@@ -288,19 +288,25 @@ def collect_rows(
 
 
 def write_report(
-    design: study.Design, sweep_dir: str, out_dir: str, *, test: bool = True
+    design: study.Design,
+    sweep_dir: str,
+    out_dir: str,
+    *,
+    test: bool = True,
+    from_csv=None,
 ):
     """``out_dir/runs.csv`` from ``sweep_dir`` (:func:`collect_rows`), then
-    the report from that file alone: :func:`report_from_csv`'s, or for a
-    design of shared ladders the learning-rate profiles'
-    (:func:`lmhead.studies.tying.profiles.report_from_csv`). Returns
-    ``(REPORT.md's text, plot paths)``."""
+    the report from that file alone: ``from_csv(path, out_dir)`` where
+    given (the confirmatory or mechanism tests'), else
+    :func:`report_from_csv`'s, or for a design of shared ladders the
+    learning-rate profiles' (:func:`lmhead.studies.tying.profiles.
+    report_from_csv`). Returns ``(REPORT.md's text, plot paths)``."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, RUNS_CSV)
     table.write_rows(path, collect_rows(design, sweep_dir, test=test))
-    if design.shared_ladder:
-        return profiles.report_from_csv(path, out_dir)
-    return report_from_csv(path, out_dir)
+    if from_csv is None:
+        from_csv = profiles.report_from_csv if design.shared_ladder else report_from_csv
+    return from_csv(path, out_dir)
 
 
 def report_from_csv(path: str, out_dir: str):

@@ -78,14 +78,20 @@ def new_seeds(seeds: Sequence[int]) -> tuple[int, ...]:
         ValueError: a seed used before, named with what it was used for.
 
     Examples:
-        >>> new_seeds(range(200, 203))
-        (200, 201, 202)
+        >>> new_seeds(range(300, 303))
+        (300, 301, 302)
     """
     for use, used in SEEDS_USED.items():
         again = sorted(set(seeds) & set(used))
         if again:
             raise ValueError(f"seeds {again} are used already, as {use} seeds.")
     return tuple(seeds)
+
+
+# The confirmatory test seeds of the profiled cells, new when they were named
+# (docs/tying_study/README.md, "Confirmatory hypotheses, fixed before the runs").
+CONFIRM_SEEDS = new_seeds(range(200, 216))
+SEEDS_USED["test (confirmatory)"] = CONFIRM_SEEDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,13 +118,16 @@ class Amount:
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    """One vocabulary x data amount x arm: the unit that gets a rate and seeds."""
+    """One vocabulary x data amount x arm: the unit that gets a rate and seeds;
+    ``table_lr``, the tables' learning-rate multiplier its runs train with
+    (an arm of its own: the mechanism test's arm b at k)."""
 
     vocab: int | None  # None: characters
     amount: Amount
     arm: str
     shape: shapes.Shape
     vocab_size: int  # the tokens the vocabulary's tokenizer has
+    table_lr: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +195,9 @@ class Design:
     # The table learning-rate ablation: (vocabulary, fraction) and multipliers.
     ablation_cell: tuple[int | None, float] | None = None
     ablation_multipliers: tuple[float, ...] = (3.0, 10.0)
+    # Arm b again at each of these table learning-rate multipliers, each on a
+    # ladder of its own (the mechanism test; tuned like the arms).
+    table_multipliers: tuple[float, ...] = ()
     # The vocabularies of the secondary arms d and e (None: every one).
     secondary_vocabularies: tuple[int | None, ...] | None = None
     base_shape: shapes.Shape = shapes.Shape(True, 128, 4, 512)
@@ -209,7 +221,8 @@ class Design:
         """Every vocabulary x amount x arm (``arms``: these only), in that
         order (or ``pairs`` x arm); no arm d where it does not exist
         (``shapes.deeper_tied``), and arms d and e only at
-        ``secondary_vocabularies``."""
+        ``secondary_vocabularies``; then arm b at each of
+        ``table_multipliers``."""
         cells = []
         for vocab, amount in self._pairs():
             size = self.vocab_size(vocab)
@@ -220,6 +233,11 @@ class Design:
                 if arm in solved
                 and (arms is None or arm in arms)
                 and (arm in TUNED_ARMS or self._secondary(vocab))
+            ]
+            cells += [
+                Cell(vocab, amount, "b", solved["b"], size, table_lr=k)
+                for k in self.table_multipliers
+                if "b" in self.arms and (arms is None or "b" in arms)
             ]
         return cells
 
@@ -240,13 +258,15 @@ class Design:
 
     def ladders(self) -> list[list[Cell]]:
         """The tuned cells, grouped by the ladder they share: one cell each,
-        or with ``shared_ladder`` the arms of each vocabulary and amount."""
+        or with ``shared_ladder`` the arms of each vocabulary and amount (a
+        table multiplier's arm on a ladder of its own)."""
         cells = self.cells(TUNED_ARMS)
         if not self.shared_ladder:
             return [[cell] for cell in cells]
         groups: dict[tuple, list[Cell]] = {}
         for cell in cells:
-            groups.setdefault((cell.vocab, cell.amount), []).append(cell)
+            key = (cell.vocab, cell.amount, cell.table_lr)
+            groups.setdefault(key, []).append(cell)
         return list(groups.values())
 
     def tuning_runs(
@@ -266,7 +286,7 @@ class Design:
         if self.shared_ladder:
             order = [(ladder, i) for ladder in ladders for i in range(len(self.grid))]
         runs = [
-            PlannedRun(cell, self.rates(cell)[i], seed, "tune")
+            PlannedRun(cell, self.rates(cell)[i], seed, "tune", table_lr=cell.table_lr)
             for ladder, i in order
             for cell in ladder
             for seed in self.tuning_seeds
@@ -283,7 +303,7 @@ class Design:
             ]
             grid = self.rates(ladder[0])
             runs += [
-                PlannedRun(cell, lr, seed, "tune")
+                PlannedRun(cell, lr, seed, "tune", table_lr=cell.table_lr)
                 for lr in extend_rates(curves, grid, self.extend_edges, self.margin)
                 for cell in ladder
                 for seed in self.tuning_seeds
@@ -301,7 +321,7 @@ class Design:
         finished) has none yet."""
 
         runs = [
-            PlannedRun(cell, chosen[cell], seed)
+            PlannedRun(cell, chosen[cell], seed, table_lr=cell.table_lr)
             for cell in self.cells(TUNED_ARMS)
             if cell in chosen
             for seed in self.test_seeds
@@ -327,7 +347,7 @@ class Design:
             for multiplier in self.ablation_multipliers
             for cell in self.cells(("a", "b"))
             if cell.vocab == vocab and cell.amount.fraction == fraction
-            if cell in chosen
+            if cell in chosen and cell.table_lr == 1.0
             for seed in self.test_seeds
         ]
 
@@ -521,7 +541,8 @@ def choose_learning_rates(
 ) -> dict[Cell, float]:
     """Each tuned cell's rate with the lowest mean validation loss over the
     tuning seeds (ties: the lower rate); without a tuning stage, the grid's
-    rate.
+    rate. A cell whose ladder has a rung not finished, for it or (a shared
+    ladder) for another arm on it, has none: its profile is unfinished.
 
     Raises:
         ValueError: (``strict``) tuning runs not finished, named; a cell whose
@@ -548,7 +569,12 @@ def choose_learning_rates(
                 f"Every tuning rate of {cell} diverged; try lower learning rates."
             )
         chosen[cell] = lr
-    return chosen
+    ladders = design.ladders()
+    return {
+        cell: lr
+        for cell, lr in chosen.items()
+        if all(c in chosen for ladder in ladders if cell in ladder for c in ladder)
+    }
 
 
 def best_step(run: workdirs.Run) -> int | None:

@@ -32,8 +32,13 @@ cells whose every arm chose the top of its ladder, BPE 2048 and 8192 on all
 of the text, arms a, b and c, with the ladder let run up to eight rungs past
 the grid instead of two; ``profiles``, the learning-rate profiles of arms
 a, b and c in four cells on three tuning seeds, with the subset cell's fixed
-budget (``docs/tying_study/README.md``, "Learning-rate profiles"); ``tiny``
-and ``profiles_tiny``, for tests), then
+budget (``docs/tying_study/README.md``, "Learning-rate profiles");
+``confirm``, their test stage: the profiled cells' arms a, b and c on the
+16 confirmatory seeds at each arm's profile-chosen rate, tested against
+:data:`HYPOTHESES` ("Confirmatory hypotheses, fixed before the runs");
+``mechanism``, arm b of BPE 512 on 0.3% at table learning-rate multipliers
+0.5, 2 and 4, each on a profile of its own ("The mechanism test"); ``tiny``,
+``profiles_tiny``, ``confirm_tiny`` and ``mechanism_tiny``, for tests), then
 comma-separated ``key=value`` (``+`` separates list items)::
 
     stage=test      tune | test (test lists the tuning runs too)
@@ -41,7 +46,8 @@ comma-separated ``key=value`` (``+`` separates list items)::
     bpe=...         BPE sizes, e.g. bpe=512+8192
     amounts=...     training fractions, e.g. amounts=0.01+1.0
     arms=a+b+c+d+e  which arms
-    seeds=8         test seeds 0 .. seeds-1
+    seeds=8         test seeds first_seed .. first_seed+seeds-1
+    first_seed=0    (the profiles' test stage: among study.CONFIRM_SEEDS)
     tuning_seeds=100+101  the seeds that choose rates (never test seeds)
     tune=true       false: no tuning stage, every cell at its centre's rate
     ladder=-1+0+1   the grid's ladder indices around each centre
@@ -50,6 +56,8 @@ comma-separated ``key=value`` (``+`` separates list items)::
                     shared ladder (PROFILE_CENTRES) that grows to ``margin``
                     rungs past every arm's best on both sides
     margin=1        see profile (a per-arm ladder: past an end while best)
+    multipliers=    table learning-rate multipliers of arm b, each an arm on
+                    a ladder of its own, e.g. multipliers=0.5+2+4
     subset_eval_every=0, subset_patience=-1  the subsets' own cadence and
                     patience (0 and -1: the shared ones)
     secondary_bpe=2048+8192  the BPE sizes of arms d and e (none: characters

@@ -7,6 +7,8 @@ each arm at its profile's best rate."""
 
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -230,3 +232,42 @@ def test_the_plan_takes_finished_profiles_only_at_their_best_rates(tmp_path):
     assert shared["train.eval_every"] == 5 and shared["train.test_eval"] is True
     _, none, _ = module.get_sweep("confirm_tiny,amounts=1.0", workdir)
     assert none == []
+
+
+@pytest.mark.slow
+def test_the_tiny_confirmation_runs_end_to_end(tmp_path):
+    """The tiny profile of BPE 300 on 20% trained, then the confirm_tiny
+    sweep on the same directory: each arm's two confirmatory seeds at its
+    profile's best rate, test-evaluated, and the report (the 100% cell's
+    profile never run: unfinished) written again from its runs.csv alone."""
+    module = study_module()
+    for arg in ("profiles_tiny,char=false", "confirm_tiny,char=false"):
+        command = [
+            sys.executable,
+            os.path.join(ROOT, "experiments", "sweep.py"),
+            f"--sweep={STUDY}:{arg}",
+            f"--workdir={tmp_path}",
+            "--ensemble=6",
+            "--noreport",
+            "--progress_every_s=0",
+        ]
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        subprocess.run(command, check=True, cwd=ROOT, env=env, capture_output=True)
+    out = tmp_path / "report"
+    text, _ = module.write_report("confirm_tiny", str(tmp_path), str(out))
+    rows = table.read_rows(str(out / "runs.csv"))
+    tested = [r for r in rows if r["role"] == "test"]
+    assert len(tested) == 6 and all(r["status"] == "finished" for r in tested)
+    assert all(r["test_bpc"] is not None for r in tested)
+    design = module.get_study("confirm_tiny,char=false")
+    chosen = study.choose_learning_rates(
+        design, study.read_tuning(design, str(tmp_path))
+    )
+    assert {(r["arm"], r["lr"]) for r in tested} == {
+        (cell.arm, lr) for cell, lr in chosen.items()
+    }
+    assert text.count(confirm.PROFILE_UNFINISHED) == 2
+    again, _ = module.report_from_csv("confirm_tiny")(
+        str(out / "runs.csv"), str(tmp_path / "again")
+    )
+    assert again == text

@@ -39,35 +39,97 @@ def closes(baseline: profiles.Bootstrap, at_k: profiles.Bootstrap) -> bool:
     return finite and not holds_zero(baseline) and holds_zero(at_k)
 
 
-def multipliers(profile: profiles.Profile) -> list[tuple[float, str]]:
-    """The table multipliers of arm b in ``profile``, ``(k, arm label)``,
-    ascending (:func:`profiles.arm_label`'s labels)."""
-    found = []
-    for arm in profile.arms:
-        name, _, k = arm.partition("×")
-        if name == "b" and k:
-            found.append((float(k), arm))
+def multipliers(rows: Sequence[Mapping[str, Any]]) -> list[tuple[float, str]]:
+    """The table multipliers of arm b among ``rows``' tuning runs, finished
+    or not, ``(k, arm label)`` ascending (:func:`profiles.arm_label`'s
+    labels).
+
+    Examples:
+        >>> multipliers([{"role": "tune", "arm": "b", "table_lr_multiplier": k}
+        ...              for k in (4.0, 1.0, 0.5)])
+        [(0.5, 'b×0.5'), (4.0, 'b×4')]
+    """
+    found = {
+        (row["table_lr_multiplier"], profiles.arm_label(row))
+        for row in rows
+        if row["role"] == "tune"
+        and row["arm"] == "b"
+        and (row["table_lr_multiplier"] or 1.0) != 1.0
+    }
     return sorted(found)
+
+
+def unfinished(rows: Sequence[Mapping[str, Any]], profile: profiles.Profile) -> set:
+    """The arm labels of ``profile``'s cell with a tuning run not finished:
+    their profile is unfinished."""
+    return {
+        profiles.arm_label(row)
+        for row in rows
+        if row["role"] == "tune"
+        and (row["vocab"], row["amount"]) == (profile.vocab, profile.amount)
+        and row["status"] != "finished"
+    }
+
+
+def _interval(b: profiles.Bootstrap) -> str:
+    return report.DASH if math.isnan(b.low) else f"[{b.low:+.4f}, {b.high:+.4f}]"
+
+
+def _answer(baseline, found, pending) -> str:
+    closing = [k for k, b in found if b is not None and closes(baseline, b)]
+    waiting = (
+        f" (k = {', '.join(f'{k:g}' for k in pending)}: profile unfinished)"
+        if pending
+        else ""
+    )
+    if baseline is None or math.isnan(baseline.low):
+        return "b − a has no interval yet: a or b's profile is unfinished."
+    if baseline.low <= 0.0 <= baseline.high:
+        return (
+            "b − a's interval at k = 1 holds 0 already: there is no gap for a k "
+            "to close."
+        )
+    if closing:
+        return (
+            f"k = {', '.join(f'{k:g}' for k in closing)} closes b − a: its "
+            f"interval holds 0 where b − a's at k = 1 does not{waiting}."
+        )
+    if pending:
+        return f"No finished k closes b − a so far{waiting}."
+    return "No k closes b − a: every b_k − a interval excludes 0 too."
 
 
 def write_report(rows: Sequence[Mapping[str, Any]], out_dir: str):
     """``out_dir/REPORT.md`` and the cell's figure from ``rows``: each k's
-    :math:`b_k - a` beside :math:`b - a`, whether it closes it, and the
-    profiles. Returns ``(REPORT.md's text, plot paths)``."""
+    :math:`b_k - a` beside :math:`b - a`, whether it closes it (a k or an arm
+    with a tuning run not finished: profile unfinished), and the profiles.
+    Returns ``(REPORT.md's text, plot paths)``."""
     os.makedirs(out_dir, exist_ok=True)
     sections, plots, answers = [], [], []
+    ks = multipliers(rows)
     for profile in profiles.profiles(rows):
-        if "a" not in profile.loss or "b" not in profile.loss:
-            continue
-        baseline = profiles.bootstrap(profile, "b", "a")
-        found = [(1.0, baseline)]
-        found += [
-            (k, profiles.bootstrap(profile, arm, "a"))
-            for k, arm in multipliers(profile)
+        waiting = unfinished(rows, profile)
+        baseline = None
+        if {"a", "b"} <= set(profile.loss) and not {"a", "b"} & waiting:
+            baseline = profiles.bootstrap(profile, "b", "a")
+        found = [
+            (k, None if arm in waiting else profiles.bootstrap(profile, arm, "a"))
+            for k, arm in ks
         ]
         body = []
-        for k, b in found:
-            shut = "—" if k == 1.0 else ("yes" if closes(baseline, b) else "no")
+        for k, arm, b in [(1.0, "b", baseline)] + [
+            (k, a, b) for (k, a), (_, b) in zip(ks, found)
+        ]:
+            if b is None:
+                body.append(
+                    [f"{k:g}", f"{arm} − a"]
+                    + [report.DASH] * 4
+                    + ["profile unfinished"]
+                )
+                continue
+            shut = report.DASH
+            if k != 1.0 and baseline is not None:
+                shut = "yes" if closes(baseline, b) else "no"
             body.append(
                 [
                     f"{k:g}",
@@ -77,28 +139,14 @@ def write_report(rows: Sequence[Mapping[str, Any]], out_dir: str):
                     if b.reference_best is None
                     else f"{b.reference_best:g}",
                     report.DASH if math.isnan(b.difference) else f"{b.difference:+.4f}",
-                    report.DASH
-                    if math.isnan(b.low)
-                    else f"[{b.low:+.4f}, {b.high:+.4f}]",
+                    _interval(b),
                     shut,
                 ]
             )
-        closing = [k for k, b in found[1:] if closes(baseline, b)]
-        if math.isnan(baseline.low):
-            answer = "b − a has no interval yet (a profile unfinished)."
-        elif baseline.low <= 0.0 <= baseline.high:
-            answer = (
-                "b − a's interval at k = 1 holds 0 already: there is no gap for a k "
-                "to close."
-            )
-        elif closing:
-            answer = (
-                f"k = {', '.join(f'{k:g}' for k in closing)} closes b − a: its "
-                "interval holds 0 where b − a's at k = 1 does not."
-            )
-        else:
-            answer = "No k closes b − a: every b_k − a interval excludes 0 too."
-        answers.append(f"{profiles.cell_label(profile)}: {answer}")
+        pending = [k for k, b in found if b is None]
+        answers.append(
+            f"{profiles.cell_label(profile)}: {_answer(baseline, found, pending)}"
+        )
         header = [
             "k",
             "contrast",
@@ -121,7 +169,8 @@ def write_report(rows: Sequence[Mapping[str, Any]], out_dir: str):
         "validation loss over the tuning seeds), its interval the selection "
         "uncertainty of the profiles' report (every ordered resample of the "
         "tuning seeds, each best chosen again). A k closes b − a where its "
-        "interval holds 0 while b − a's at k = 1 does not."
+        "interval holds 0 while b − a's at k = 1 does not; a k with a tuning "
+        "run not finished is left out (profile unfinished)."
     )
     text, _ = report.write_markdown(out_dir, [intro, *answers, *sections])
     return text, plots

@@ -136,7 +136,7 @@ def test_a_k_that_closes_b_minus_a_by_hand(tmp_path):
     rows = synthetic()
     (profile,) = profiles.profiles(rows)
     assert profile.arms == ["a", "b", "b×0.5", "b×2"]
-    assert mechanism.multipliers(profile) == [(0.5, "b×0.5"), (2.0, "b×2")]
+    assert mechanism.multipliers(rows) == [(0.5, "b×0.5"), (2.0, "b×2")]
     baseline = profiles.bootstrap(profile, "b", "a")
     at_2 = profiles.bootstrap(profile, "b×2", "a")
     at_half = profiles.bootstrap(profile, "b×0.5", "a")
@@ -174,3 +174,17 @@ def test_no_gap_and_no_closing_are_said(tmp_path):
         level.append(row("b", 1.0, r["lr"], r["seed"], r["val_bpc"] + near))
     text, _ = mechanism.write_report(level, str(tmp_path / "two"))
     assert "holds 0 already" in text
+
+
+def test_a_k_whose_profile_is_unfinished_is_said_and_left_out(tmp_path):
+    """b×2's runs not finished (no loss yet): it is listed as profile
+    unfinished, and the answer waits for it instead of saying no k closes."""
+    rows = [
+        r | {"status": "missing", "val_loss": None, "val_bpc": None}
+        if r["table_lr_multiplier"] == 2.0
+        else r
+        for r in synthetic()
+    ]
+    text, _ = mechanism.write_report(rows, str(tmp_path))
+    assert "| 2 | b×2 − a | — | — | — | — | profile unfinished |" in text
+    assert "No finished k closes b − a so far (k = 2: profile unfinished)." in text

@@ -234,6 +234,30 @@ def test_the_plan_takes_finished_profiles_only_at_their_best_rates(tmp_path):
     assert none == []
 
 
+def test_the_committed_subset_profile_plans_its_48_runs(tmp_path):
+    """A directory holding only the committed BPE 512 on 0.3% profile: the
+    confirm sweep lists that cell's 48 runs, arm a at 0.000707 and b and c at
+    0.0005 (the profile's bests), on the 16 confirmatory seeds, and none of
+    the 100% cells, whose profiles are not there."""
+    committed = os.path.join(ROOT, "docs", "tying_study", "profiles", "runs.csv")
+    sweeps.restore_runs(f"{STUDY}:confirm", committed, str(tmp_path))
+    _, overrides, shared = study_module().get_sweep("confirm", str(tmp_path))
+    assert len(overrides) == 48
+    rates = {}
+    for o in overrides:
+        rates.setdefault((o["model.tied"], o["model.d_model"]), set()).add(
+            o["optim.lr"]
+        )
+        assert o["train.steps"] == 300 and o["train.patience"] == 0
+    assert rates == {
+        (True, 128): {0.000707},
+        (False, 128): {0.0005},
+        (False, 124): {0.0005},
+    }
+    assert sorted({o["train.seed"] for o in overrides}) == list(SEEDS)
+    assert shared["train.eval_every"] == 25 and shared["train.test_eval"] is True
+
+
 @pytest.mark.slow
 def test_the_tiny_confirmation_runs_end_to_end(tmp_path):
     """The tiny profile of BPE 300 on 20% trained, then the confirm_tiny

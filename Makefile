@@ -97,9 +97,12 @@ study-profiles: $(STAMP)
 # profiled cells on the 16 confirmatory seeds, each arm at the rate its
 # profile chose, the subset cell and the 100% cells as two sweeps (their
 # evaluation intervals differ); a cell whose profile has not finished is not
-# planned. The profiles' runs are restored from their table, and the
-# confirmatory ones from theirs once committed; the report (the verdicts)
-# goes to docs/tying_study/confirm. Resumable.
+# planned, and a sweep with no cell ready stops with that error: run it
+# once docs/tying_study/profiles/runs.csv holds all four profiles (before,
+# the first sweep alone trains the subset cell). The profiles' runs are
+# restored from their table, and the confirmatory ones from theirs once
+# committed; the report (the verdicts) goes to docs/tying_study/confirm.
+# Resumable.
 CONFIRM_CSVS := docs/tying_study/profiles/runs.csv docs/tying_study/confirm/runs.csv
 CONFIRM_RESTORE := $(addprefix --restore_from=,$(wildcard $(CONFIRM_CSVS)))
 study-confirm: $(STAMP)

@@ -442,6 +442,17 @@ def get_sweep(arg=None, workdir=None):
     elif design.shared_ladder and stage == "test":
         plan = study.read_plan(design, workdir, strict=False)
         runs = [p for p in plan if p.role != "tune"]
+        if not runs:
+            cells = ", ".join(
+                f"{study.vocabulary_label(g[0].vocab)} on {g[0].amount.fraction:g}"
+                for g in design.ladders()
+            )
+            raise ValueError(
+                f"No profile of these cells has finished in {workdir} ({cells}): "
+                "nothing to confirm yet (the report lists them as profile "
+                "unfinished). Finish the profiles, or restore them "
+                "(--restore_from=docs/tying_study/profiles/runs.csv)."
+            )
     else:
         runs = list(study.read_plan(design, workdir, test=stage == "test"))
     if not runs:

@@ -199,12 +199,12 @@ def test_the_plan_takes_finished_profiles_only_at_their_best_rates(tmp_path):
     best = {"a": 3, "b": 2, "c": 2}
     workdir, spec = str(tmp_path / "runs"), f"{STUDY}:confirm_tiny"
     for round_ in range(4):
-        _, planned_now, _ = module.get_sweep("confirm_tiny", workdir)
         read = study.read_tuning(design, workdir)
         todo = [(p, r) for p, r in read.items() if r.status != "finished"]
         if not todo:
             break
-        assert planned_now == []  # a ladder still growing: no test run yet
+        with pytest.raises(ValueError, match="No profile"):  # a ladder growing
+            module.get_sweep("confirm_tiny", workdir)
         rows = [
             row("300", 0.2, p.cell.arm, p.seed, None, role="tune", lr=p.lr)
             | {
@@ -230,8 +230,8 @@ def test_the_plan_takes_finished_profiles_only_at_their_best_rates(tmp_path):
         rates.setdefault(arm, set()).add(o["optim.lr"])
     assert rates == {arm: {study.ladder_rate(k)} for arm, k in best.items()}
     assert shared["train.eval_every"] == 5 and shared["train.test_eval"] is True
-    _, none, _ = module.get_sweep("confirm_tiny,amounts=1.0", workdir)
-    assert none == []
+    with pytest.raises(ValueError, match="No profile of these cells has finished"):
+        module.get_sweep("confirm_tiny,amounts=1.0", workdir)
 
 
 def test_the_committed_subset_profile_plans_its_48_runs(tmp_path):

@@ -148,8 +148,9 @@ def check_hypotheses(
     """Each of ``hypotheses`` tested on the finished test runs of ``rows``
     (``runs.csv``'s), Holm over all of them. A hypothesis is tested once
     every planned test run of both arms has finished; before, its numbers so
-    far are given without a verdict, and a cell without test rows is
-    :data:`PROFILE_UNFINISHED` (its rates are not chosen yet)."""
+    far are given without a verdict or adjusted p-values (it counts in Holm
+    as untested), and a cell without test rows is :data:`PROFILE_UNFINISHED`
+    (its rates are not chosen yet)."""
     groups = cells.group_runs(rows, "test")
     size = len(hypotheses)
     found = []
@@ -177,22 +178,31 @@ def check_hypotheses(
         else stats.equivalence_p_value(c.difference, margin)
         for h, c in zip(hypotheses, found)
     ]
-    own_holm = stats.holm_adjusted(raw)
-    two_sided = stats.holm_adjusted([math.nan if c is None else c.p for c in found])
+    tested = [_cell_rows(rows, h, "test") for h in hypotheses]
+    done = [[r for r in t if r["status"] == cells.FINISHED] for t in tested]
+    # Holm takes a hypothesis whose runs have not all finished as untested
+    # (NaN: counted in the family, never rejected), not at its interim value.
+    complete = [bool(t) and len(d) == len(t) for t, d in zip(tested, done)]
+    own_holm = stats.holm_adjusted(
+        [p if ok else math.nan for p, ok in zip(raw, complete)]
+    )
+    two_sided = stats.holm_adjusted(
+        [c.p if ok and c is not None else math.nan for c, ok in zip(found, complete)]
+    )
     results = []
-    for h, c, p, holm, p2 in zip(hypotheses, found, raw, own_holm, two_sided):
-        tested = _cell_rows(rows, h, "test")
-        done = [r for r in tested if r["status"] == cells.FINISHED]
+    for i, (h, c, p) in enumerate(zip(hypotheses, found, raw)):
         if c is not None:
-            c = dataclasses.replace(c, holm_p=p2)
-        if not tested:
+            c = dataclasses.replace(c, holm_p=two_sided[i])
+        if not tested[i]:
             outcome = PROFILE_UNFINISHED
-        elif len(done) < len(tested):
-            outcome = f"runs unfinished ({len(done)} of {len(tested)})"
+        elif not complete[i]:
+            outcome = f"runs unfinished ({len(done[i])} of {len(tested[i])})"
         else:
-            outcome = verdict(h, c, holm, margin, p)
-        rates = (_rate(tested, h.minuend), _rate(tested, h.subtrahend))
-        results.append(Result(h, c, p, holm, len(tested), len(done), outcome, rates))
+            outcome = verdict(h, c, own_holm[i], margin, p)
+        rates = (_rate(tested[i], h.minuend), _rate(tested[i], h.subtrahend))
+        results.append(
+            Result(h, c, p, own_holm[i], len(tested[i]), len(done[i]), outcome, rates)
+        )
     return results
 
 

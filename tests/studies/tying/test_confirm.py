@@ -144,6 +144,20 @@ def test_untested_hypotheses_count_in_holm_and_say_why():
     # Eight in the family: each tested p is adjusted by at least as much.
     for a, b in zip(alone, results):
         assert b.holm_p >= a.holm_p and math.isnan(results[-1].holm_p)
+    # A cell with a run not finished: its numbers so far, no verdict, and
+    # in Holm it counts as untested (so the others' adjusted p as for NaN).
+    partial = [
+        r | {"status": "running"}
+        if (r["vocab"], r["arm"], r["seed"]) == ("char", "b", SEEDS[-1])
+        else r
+        for r in rows
+    ]
+    results = confirm.check_hypotheses(partial, hypotheses, MARGIN)
+    assert results[0].verdict == "runs unfinished (31 of 32)"
+    assert results[0].contrast.difference.n == 15 and math.isnan(results[0].holm_p)
+    raw = [r.p for r in alone]
+    expected = holm_by_hand(np.array([np.inf] + raw[1:]))[1:]  # last, never rejects
+    assert [r.holm_p for r in results[1:]] == pytest.approx(expected)
 
 
 def test_the_report_regenerates_from_its_runs_csv_alone(tmp_path):

@@ -37,9 +37,13 @@ budget (``docs/tying_study/README.md``, "Learning-rate profiles");
 16 confirmatory seeds at each arm's profile-chosen rate, tested against
 :data:`HYPOTHESES` ("Confirmatory hypotheses, fixed before the runs");
 ``mechanism``, arm b of BPE 512 on 0.3% at table learning-rate multipliers
-0.5, 2 and 4, each on a profile of its own ("The mechanism test"); ``tiny``,
-``profiles_tiny``, ``confirm_tiny`` and ``mechanism_tiny``, for tests), then
-comma-separated ``key=value`` (``+`` separates list items)::
+0.5, 2 and 4, each on a profile of its own ("The mechanism test");
+``compute``, the compute axis: BPE 2048 on all of the text, arms a and b at
+3000 steps, profiled one rung lower, then the confirmatory seeds at each
+arm's profile-chosen rate, its report joining the 1000-step confirmatory
+runs ("One compute axis"); ``tiny``, ``profiles_tiny``, ``confirm_tiny``,
+``mechanism_tiny`` and ``compute_tiny``, for tests), then comma-separated
+``key=value`` (``+`` separates list items)::
 
     stage=test      tune | test (test lists the tuning runs too)
     char=true       include the character vocabulary
@@ -58,6 +62,12 @@ comma-separated ``key=value`` (``+`` separates list items)::
     margin=1        see profile (a per-arm ladder: past an end while best)
     multipliers=    table learning-rate multipliers of arm b, each an arm on
                     a ladder of its own, e.g. multipliers=0.5+2+4
+    centre_shift=0  rungs the profiled cells' first rungs move from
+                    PROFILE_CENTRES (compute: -1)
+    budgets=        the compute axis: the step budgets of the one profiled
+                    cell that its report compares (full_steps among them),
+                    e.g. budgets=1000+3000; the other budgets' test runs come
+                    from COMPUTE_TABLES
     subset_eval_every=0, subset_patience=-1  the subsets' own cadence and
                     patience (0 and -1: the shared ones)
     secondary_bpe=2048+8192  the BPE sizes of arms d and e (none: characters
@@ -99,6 +109,8 @@ PRESETS = {
         subset_patience=-1,
         first_seed=0,
         multipliers=(),
+        centre_shift=0,
+        budgets=(),
     ),
     "small": dict(
         base="nanogpt",
@@ -125,6 +137,8 @@ PRESETS = {
         subset_patience=-1,
         first_seed=0,
         multipliers=(),
+        centre_shift=0,
+        budgets=(),
     ),
     "tiny": dict(
         base="tiny",
@@ -151,6 +165,8 @@ PRESETS = {
         subset_patience=-1,
         first_seed=0,
         multipliers=(),
+        centre_shift=0,
+        budgets=(),
     ),
 }
 # Its runs that the full design has are the same runs (same names), so
@@ -230,6 +246,48 @@ PRESETS["mechanism_tiny"] = dict(
     arms=("a", "b"),
     multipliers=(0.5, 2.0),
 )
+# The compute axis (README, "One compute axis"): BPE 2048 on all of the
+# text, arms a and b at a 3000-step budget that the cosine ends at, every run
+# annealed (patience off), evaluated every 100 steps, profiled as the
+# profiles are but with the first rungs one rung lower (longer runs want
+# lower peak rates), then the confirmatory seeds at each arm's chosen rate,
+# so that b - a pairs by seed with the confirm preset's 1000-step runs.
+PRESETS["compute"] = dict(
+    PRESETS["profiles"],
+    stage="test",
+    char=False,
+    bpe=(2048,),
+    amounts=(1.0,),
+    arms=("a", "b"),
+    full_steps=3000,
+    patience=0,
+    centre_shift=-1,
+    budgets=(1000, 3000),
+    seeds=16,
+    first_seed=study.CONFIRM_SEEDS[0],
+)
+PRESETS["compute_tiny"] = dict(
+    PRESETS["profiles_tiny"],
+    stage="test",
+    bpe=(),
+    amounts=(1.0,),
+    arms=("a", "b"),
+    full_steps=60,
+    patience=0,
+    centre_shift=-1,
+    budgets=(30, 60),
+    seeds=2,
+    first_seed=study.CONFIRM_SEEDS[0],
+)
+# The tables whose test runs of the compute axis's cell at other budgets its
+# report joins (each where it exists; paths from the repository's root): the
+# confirmatory runs (1000 steps) and the CPU's compute axis (3000 steps, for
+# the GPU recipe's 10,000-step report).
+COMPUTE_TABLES = (
+    "docs/tying_study/confirm/runs.csv",
+    "docs/tying_study/compute/runs.csv",
+)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The profiled (vocabulary, fraction) cells of each base, cheapest first so
 # that whole cells finish early: BPE 512 on 0.3% is where v2's "tied better"
 # was mostly the arms' rates (issue 49), and its runs are cheap.
@@ -323,6 +381,8 @@ def get_study(arg=None) -> study.Design:
         raise ValueError(
             f"Unknown arms {sorted(unknown)}; arms: {', '.join(shapes.ARMS)}."
         )
+    if args["budgets"]:
+        compute_cell(args)
     if "e" in args["arms"] and not args["tune"]:
         raise ValueError(
             "Arm e unties at a step the tuning runs give: write tune=true."
@@ -330,12 +390,8 @@ def get_study(arg=None) -> study.Design:
     vocabularies = ((None,) if args["char"] else ()) + tuple(args["bpe"])
     pairs, centres, fractions = None, CENTRES, args["amounts"]
     if args["profile"]:
-        centres = PROFILE_CENTRES
-        pairs = tuple(
-            (v, f)
-            for v, f in PROFILE_CELLS[args["base"]]
-            if v in vocabularies and f in fractions
-        )
+        centres = {v: c + args["centre_shift"] for v, c in PROFILE_CENTRES.items()}
+        pairs = profile_pairs(args)
         fractions = tuple(f for f in fractions if any(f == p for _, p in pairs))
     amounts = tuple(amount(args, f) for f in fractions)
     every = cadence(args, amounts)
@@ -393,6 +449,45 @@ def get_study(arg=None) -> study.Design:
     )
 
 
+def profile_pairs(args: dict) -> tuple:
+    """The profiled (vocabulary, fraction) cells of a parsed argument: those
+    of ``PROFILE_CELLS`` among its vocabularies and amounts."""
+    vocabularies = ((None,) if args["char"] else ()) + tuple(args["bpe"])
+    return tuple(
+        (v, f)
+        for v, f in PROFILE_CELLS[args["base"]]
+        if v in vocabularies and f in args["amounts"]
+    )
+
+
+def compute_cell(args: dict) -> tuple[str, float]:
+    """The compute axis's cell, ``(vocabulary as runs.csv writes it,
+    fraction)``, of a parsed argument with ``budgets``.
+
+    Raises:
+        ValueError: not one profiled cell, or ``full_steps`` not a budget.
+    """
+    pairs = profile_pairs(args) if args["profile"] else ()
+    if len(pairs) != 1:
+        raise ValueError(
+            f"budgets={'+'.join(map(str, args['budgets']))}: the compute axis is "
+            f"one profiled cell (profile=true), not {len(pairs)}."
+        )
+    if args["full_steps"] not in budgets(args):
+        raise ValueError(
+            f"full_steps={args['full_steps']} is not among budgets="
+            f"{'+'.join(map(str, budgets(args)))}: the sweep's budget is one of "
+            "the report's."
+        )
+    vocab, fraction = pairs[0]
+    return study.vocabulary_label(vocab), fraction
+
+
+def budgets(args: dict) -> tuple[int, ...]:
+    """The step budgets of the compute axis, ascending."""
+    return tuple(sorted(int(b) for b in args["budgets"]))
+
+
 def amount(args: dict, fraction: float) -> study.Amount:
     """The data amount ``fraction`` of a parsed argument: the full split
     ``full_steps``, a subset ``subset_steps``, with ``subset_eval_every`` and
@@ -430,7 +525,8 @@ def get_sweep(arg=None, workdir=None):
     runs) its test runs only, of the cells whose profile has finished. The
     runs' amounts must share an evaluation interval, which the shared
     overrides take."""
-    design, stage = get_study(arg), parse(arg)["stage"]
+    design, args = get_study(arg), parse(arg)
+    stage = args["stage"]
     if not design.tune:
         runs = design.test_runs(study.choose_learning_rates(design, {}), {})
     elif workdir is None:
@@ -449,9 +545,11 @@ def get_sweep(arg=None, workdir=None):
             )
             raise ValueError(
                 f"No profile of these cells has finished in {workdir} ({cells}): "
-                "nothing to confirm yet (the report lists them as profile "
-                "unfinished). Finish the profiles, or restore them "
-                "(--restore_from=docs/tying_study/profiles/runs.csv)."
+                "nothing to test yet (the report lists them as profile "
+                "unfinished). Finish the profiles (stage=tune), or restore "
+                "them (--restore_from=docs/tying_study/profiles/runs.csv"
+                + (", the compute axis's: compute/runs.csv" if args["budgets"] else "")
+                + ")."
             )
     else:
         runs = list(study.read_plan(design, workdir, test=stage == "test"))
@@ -504,9 +602,16 @@ def report_from_csv(arg):
     """The function ``(runs.csv's path, out_dir) -> (REPORT.md's text, plot
     paths)`` that writes the report of a design of shared ladders from its
     table alone (:func:`write_report` says which)."""
-    from lmhead.studies.tying import confirm, mechanism, profiles
+    from lmhead.studies.tying import compute, confirm, mechanism, profiles
 
     args = parse(arg)
+    if args["budgets"]:
+        return functools.partial(
+            compute.report_from_csv,
+            cell=compute_cell(args),
+            budgets=budgets(args),
+            others={f"`{p}`": os.path.join(ROOT, p) for p in COMPUTE_TABLES},
+        )
     if args["stage"] == "test":
         hypotheses = [confirm.Hypothesis(*h) for h in HYPOTHESES[args["base"]]]
         return functools.partial(

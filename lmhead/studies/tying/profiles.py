@@ -82,14 +82,16 @@ def arm_label(row: Mapping[str, Any]) -> str:
 
 
 def profiles(rows: Sequence[Mapping[str, Any]]) -> list[Profile]:
-    """The tuning rows of each vocabulary and amount, in the rows' order, as
+    """The tuning rows of each vocabulary, amount and step budget (two
+    budgets of one amount are two cells), in the rows' order, as
     :class:`Profile` s; the seeds are those of the cell's tuning rows."""
     cells: dict[tuple, list] = {}
     for row in rows:
         if row["role"] == "tune":
-            cells.setdefault((row["vocab"], row["amount"]), []).append(row)
+            key = (row["vocab"], row["amount"], row["steps_cap"])
+            cells.setdefault(key, []).append(row)
     found = []
-    for (vocab, amount), own in cells.items():
+    for (vocab, amount, _), own in cells.items():
         loss: dict = {}
         bpc: dict = {}
         done = [r for r in own if r["status"] == "finished"]
@@ -257,23 +259,45 @@ def bootstrap(
 # --- The report -------------------------------------------------------------
 
 
-def cell_label(profile: Profile) -> str:
-    vocab = "characters" if profile.vocab == "char" else f"BPE {profile.vocab}"
-    return f"{vocab} on {100 * profile.amount:g}% of the text"
+def cell_label(profile: Profile, budget: bool = False) -> str:
+    """The cell's vocabulary and amount, with ``budget`` its step budget too.
+
+    Examples:
+        >>> p = Profile("2048", 1.0, (100,), {}, {}, 100, 0, 0, 0, steps_cap=3000)
+        >>> cell_label(p), cell_label(p, budget=True)
+        ('BPE 2048 on 100% of the text', 'BPE 2048 on 100% of the text, 3000 steps')
+    """
+    return cell_text(profile.vocab, profile.amount, budget and profile.steps_cap)
 
 
-def plot_path(out_dir: str, profile: Profile) -> str:
-    return os.path.join(
-        out_dir, PLOT.format(vocab=profile.vocab, amount=f"{profile.amount:g}")
-    )
+def cell_text(vocab: str, amount: float, steps: int | None = None) -> str:
+    """A vocabulary (as ``runs.csv`` writes it) on an amount, in words, with
+    a step budget where given.
+
+    Examples:
+        >>> cell_text("char", 0.003), cell_text("512", 1.0, 300)
+        ('characters on 0.3% of the text', 'BPE 512 on 100% of the text, 300 steps')
+    """
+    words = "characters" if vocab == "char" else f"BPE {vocab}"
+    budget = f", {steps} steps" if steps else ""
+    return f"{words} on {100 * amount:g}% of the text{budget}"
 
 
-def plot_profile(profile: Profile, path: str) -> None:
+def plot_path(out_dir: str, profile: Profile, budget: bool = False) -> str:
+    """``PLOT`` in ``out_dir``; with ``budget``, the step budget in the name."""
+    name = PLOT.format(vocab=profile.vocab, amount=f"{profile.amount:g}")
+    if budget:
+        name = name.replace(".png", f"_{profile.steps_cap}steps.png")
+    return os.path.join(out_dir, name)
+
+
+def plot_profile(profile: Profile, path: str, budget: bool = False) -> None:
     """Validation loss against the rate (log axis): per arm each seed's
     point and the mean over seeds at the rates where all finished, its best
-    circled; a diverged run is a cross at the top of the axes."""
+    circled; a diverged run is a cross at the top of the axes (``budget``:
+    the title names the step budget)."""
     title = (
-        f"{cell_label(profile)}: validation loss at the best evaluation\n"
+        f"{cell_label(profile, budget)}: validation loss at the best evaluation\n"
         f"line: mean over tuning seeds {', '.join(map(str, profile.seeds))}; "
         "dots: each seed\ncircle: the arm's best rate; x: diverged"
     )
@@ -378,12 +402,16 @@ def _best_steps(profile: Profile) -> str:
     )
 
 
-def contrast_table(found: Sequence[tuple[Profile, Bootstrap]]) -> str:
+def contrast_table(
+    found: Sequence[tuple[Profile, Bootstrap]], budget: bool = False
+) -> str:
+    """The contrasts at the best rates with their selection uncertainty, a
+    row each (``budget``: each cell's step budget named)."""
     rows = []
     for profile, b in found:
         rows.append(
             [
-                cell_label(profile),
+                cell_label(profile, budget),
                 f"{b.arm} − {b.reference}",
                 "-" if b.best is None else f"{b.best:g}",
                 "-" if b.reference_best is None else f"{b.reference_best:g}",
@@ -408,18 +436,22 @@ def contrast_table(found: Sequence[tuple[Profile, Bootstrap]]) -> str:
     return report.markdown_table(header, rows)
 
 
-def cell_section(profile: Profile, out_dir: str) -> tuple[str, str]:
+def cell_section(
+    profile: Profile, out_dir: str, budget: bool = False
+) -> tuple[str, str]:
     """A cell's section of the report (its runs, the figure, the curves'
-    table) and its figure's path, the figure written (:func:`plot_profile`)."""
-    path = plot_path(out_dir, profile)
-    plot_profile(profile, path)
+    table) and its figure's path, the figure written (:func:`plot_profile`);
+    ``budget``: the step budget in the heading and the figure's name."""
+    path = plot_path(out_dir, profile, budget)
+    plot_profile(profile, path, budget)
+    label = cell_label(profile, budget)
     text = (
-        f"## {cell_label(profile)}\n\n"
+        f"## {label}\n\n"
         f"{profile.finished} of {profile.planned} runs finished; tuning seeds "
         f"{', '.join(map(str, profile.seeds))}; evaluated every "
         f"{profile.eval_every} steps; {profile.first_eval_bests} runs best "
         f"at their first evaluation.{_best_steps(profile)}\n\n"
-        f"![{cell_label(profile)}]({os.path.basename(path)})\n\n" + curve_table(profile)
+        f"![{label}]({os.path.basename(path)})\n\n" + curve_table(profile)
     )
     return text, path
 

@@ -96,7 +96,9 @@ SEEDS_USED["test (confirmatory)"] = CONFIRM_SEEDS
 
 @dataclasses.dataclass(frozen=True)
 class Amount:
-    """A data amount: ``fraction`` of the training split, at most ``steps``;
+    """A data amount: ``fraction`` of the training split, at most ``steps``
+    (two budgets of one fraction are two amounts, and so two cells, whose
+    runs' names differ by ``train.steps``);
     ``patience``, when set, replaces the design's for its runs (a fixed
     budget: patience 0, the cosine ending at ``steps``), and ``eval_every``
     the shared evaluation interval (a run's name does not hold it: a sweep
@@ -207,6 +209,13 @@ class Design:
     vocab_sizes: Mapping[int | None, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        fractions = [a.fraction for a in self.amounts]
+        if len(set(fractions)) < len(fractions):
+            raise ValueError(
+                f"amounts {self.amounts} have a fraction twice: a design's cells "
+                "name an amount by its fraction, so each step budget of one "
+                "fraction is a design (a sweep) of its own."
+            )
         if set(self.tuning_seeds) & set(self.test_seeds):
             raise ValueError(
                 f"Tuning seeds {self.tuning_seeds} and test seeds "

@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint format compare study study-edges study-profiles study-confirm study-mechanism study-gpu clean constraints
+.PHONY: test lint format compare study study-edges study-profiles study-confirm study-mechanism study-compute study-gpu clean constraints
 
 STUDY := configs/sweeps/tying_study.py
 # Extra experiments/sweep.py flags for compare and study, e.g. on a 2-core CPU
@@ -129,10 +129,36 @@ study-mechanism: $(STAMP)
 	$(PY) experiments/report.py --workdir=runs/tying_mechanism \
 	    --sweep=$(STUDY):mechanism --out=docs/tying_study/mechanism
 
+# The compute axis (configs/sweeps/tying_study.py:compute): BPE 2048 on all
+# of the text, arms a and b at 3000 steps, every run annealed; the tuning
+# stage (its learning-rate profile, grown to two rungs past each arm's best),
+# then the test stage (the confirmatory seeds at each arm's chosen rate), in
+# programs of 6 and 8. Its runs share no name with the profiles' (the step
+# budget is in every name), so only its own table is restored, once
+# committed. The report goes to docs/tying_study/compute and joins the
+# 1000-step runs of docs/tying_study/confirm/runs.csv (not yet run until that
+# table exists). Resumable.
+COMPUTE_CSVS := docs/tying_study/compute/runs.csv
+COMPUTE_RESTORE := $(addprefix --restore_from=,$(wildcard $(COMPUTE_CSVS)))
+study-compute: $(STAMP)
+	$(PY) experiments/sweep.py --sweep=$(STUDY):compute,stage=tune \
+	    --workdir=runs/tying_compute --ensemble=6 --noreport \
+	    $(COMPUTE_RESTORE) $(SWEEP_FLAGS)
+	$(PY) experiments/sweep.py --sweep=$(STUDY):compute \
+	    --workdir=runs/tying_compute --ensemble=8 --noreport \
+	    $(COMPUTE_RESTORE) $(SWEEP_FLAGS)
+	$(PY) experiments/report.py --workdir=runs/tying_compute \
+	    --sweep=$(STUDY):compute --out=docs/tying_study/compute
+
 # The same design on one GPU, every cell's runs in one ensemble (one vmap of
 # all members on a GPU), with the Python that has jax with CUDA (no .venv:
-# GPU_PY=python by default). The report goes to docs/tying_study_gpu.
+# GPU_PY=python by default). The report goes to docs/tying_study_gpu. Then
+# the compute axis's cell at 10,000 steps (first rungs two below the
+# 1000-step profile's), whose report joins the 1000- and 3000-step runs of
+# the CPU's tables, into docs/tying_study_gpu/compute.
 GPU_PY ?= python
+COMPUTE_GPU := $(STUDY):compute,full_steps=10000,centre_shift=-2,budgets=1000+3000+10000
+COMPUTE_GPU_RESTORE := $(addprefix --restore_from=,$(wildcard docs/tying_study_gpu/compute/runs.csv))
 study-gpu:
 	PYTHONPATH=. $(GPU_PY) experiments/sweep.py --sweep=$(STUDY):stage=tune \
 	    --workdir=runs/tying_study_gpu --ensemble=64 --noreport $(SWEEP_FLAGS)
@@ -140,6 +166,14 @@ study-gpu:
 	    --workdir=runs/tying_study_gpu --ensemble=64 --noreport $(SWEEP_FLAGS)
 	PYTHONPATH=. $(GPU_PY) experiments/report.py --workdir=runs/tying_study_gpu \
 	    --out=docs/tying_study_gpu
+	PYTHONPATH=. $(GPU_PY) experiments/sweep.py --sweep=$(COMPUTE_GPU),stage=tune \
+	    --workdir=runs/tying_compute_gpu --ensemble=64 --noreport \
+	    $(COMPUTE_GPU_RESTORE) $(SWEEP_FLAGS)
+	PYTHONPATH=. $(GPU_PY) experiments/sweep.py --sweep=$(COMPUTE_GPU) \
+	    --workdir=runs/tying_compute_gpu --ensemble=64 --noreport \
+	    $(COMPUTE_GPU_RESTORE) $(SWEEP_FLAGS)
+	PYTHONPATH=. $(GPU_PY) experiments/report.py --workdir=runs/tying_compute_gpu \
+	    --sweep=$(COMPUTE_GPU) --out=docs/tying_study_gpu/compute
 
 # constraints.txt pins every package to the version the suite was run with.
 $(STAMP): setup.py constraints.txt

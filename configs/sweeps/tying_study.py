@@ -581,8 +581,9 @@ def write_report(arg, sweep_dir, out_dir):
     """``runs.csv``, REPORT.md and the plots of ``sweep_dir`` into ``out_dir``
     (``lmhead/studies/tying/results.py``): ``(the answer to print, plot
     paths)``, the answer being ``analysis.answer``'s sentence and table, or
-    for a design of shared ladders its REPORT.md: the confirmatory tests'
-    (stage=test, ``confirm.py``), the mechanism test's (table multipliers,
+    for a design of shared ladders its REPORT.md: the compute axis's
+    (budgets, ``compute.py``), the confirmatory tests' (stage=test,
+    ``confirm.py``), the mechanism test's (table multipliers,
     ``mechanism.py``), else the profiles' (the tuning stage's runs,
     ``profiles.py``)."""
     from lmhead.studies.tying import analysis, results, table  # the report's only

@@ -297,3 +297,41 @@ def test_the_tiny_preset_lists_its_profile_then_its_test_runs(tmp_path):
     }
     assert {o["train.steps"] for o in overrides} == {60}
     assert shared["train.test_eval"] is True
+
+
+@pytest.mark.slow
+def test_the_tiny_compute_axis_runs_end_to_end(tmp_path):
+    """compute_tiny's profile and test runs trained by the sweep command,
+    then the report through the sweep file: its 60-step point from the two
+    confirmatory seeds, its 30-step one not yet run, and the same report
+    written again from its runs.csv."""
+    for arg in ("compute_tiny,stage=tune", "compute_tiny"):
+        command = [
+            sys.executable,
+            os.path.join(ROOT, "experiments", "sweep.py"),
+            f"--sweep={STUDY}:{arg}",
+            f"--workdir={tmp_path}",
+            "--ensemble=6",
+            "--noreport",
+            "--progress_every_s=0",
+        ]
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        subprocess.run(command, check=True, cwd=ROOT, env=env, capture_output=True)
+    module = study_module()
+    out = tmp_path / "report"
+    text, plots = module.write_report("compute_tiny", str(tmp_path), str(out))
+    rows = table.read_rows(str(out / "runs.csv"))
+    tested = [r for r in rows if r["role"] == "test"]
+    assert len(tested) == 4 and all(r["status"] == "finished" for r in tested)
+    assert {r["steps_run"] for r in rows} == {60}
+    (point,) = [compute.point(rows, "char", 1.0, 60)]
+    assert point.status == "" and point.difference.n == 2
+    assert f"| 30 | {compute.NOT_RUN} |" in text and "| 60 | 4 finished |" in text
+    assert [os.path.basename(p) for p in plots] == [
+        "compute_axis.png",
+        "profile_char_1_60steps.png",
+    ]
+    again, _ = module.report_from_csv("compute_tiny")(
+        str(out / "runs.csv"), str(tmp_path / "again")
+    )
+    assert again == text

@@ -113,7 +113,21 @@ def point(
     it, ``amount`` the fraction) from ``rows``: its test runs of arms a and
     b at table multiplier 1, and a status of :data:`NOT_RUN` (no runs of the
     budget), :data:`PROFILE_UNFINISHED` (tuning runs but no test runs yet) or
-    ``k of n finished``."""
+    ``k of n finished``.
+
+    Examples:
+        >>> def row(arm, seed, bpc):
+        ...     return dict.fromkeys(table.COLUMNS) | {"role": "test", "vocab": "2048",
+        ...         "amount": 1.0, "steps_cap": 3000, "arm": arm, "seed": seed,
+        ...         "test_bpc": bpc, "status": "finished", "params": 1_152_000,
+        ...         "step_tokens": 768}
+        >>> t = point([row("a", 0, 2.0), row("a", 1, 2.1), row("b", 0, 1.9),
+        ...            row("b", 1, 2.2)], "2048", 1.0, 3000)
+        >>> t.per_seed, t.arms["a"].tokens_per_param, t.status
+        ({0: -0.1, 1: 0.1}, 2.0, '')
+        >>> point([], "2048", 1.0, 10_000).status
+        'not yet run'
+    """
     own = [
         r
         for r in rows
@@ -323,17 +337,20 @@ def write_report(
     """``out_dir/REPORT.md`` and :data:`PLOT` from ``rows``: b − a at each
     of ``budgets`` in the ``cell`` (``(vocab, fraction)``) and its change
     from budget to budget, then the profile of each budget that has tuning
-    rows, its contrast at the best rates (``profiles.bootstrap``) and
+    rows (the other tables' too), shortest budget first, its contrast at the best rates (``profiles.bootstrap``) and
     figure; ``tables`` names the other tables the rows came from. Returns
     ``(REPORT.md's text, plot paths)``."""
     os.makedirs(out_dir, exist_ok=True)
     vocab, amount = cell
     points = [point(rows, vocab, amount, steps) for steps in sorted(budgets)]
-    found = [
-        p
-        for p in profiles.profiles(rows)
-        if (p.vocab, p.amount) == cell and {"a", "b"} <= set(p.loss)
-    ]
+    found = sorted(
+        (
+            p
+            for p in profiles.profiles(rows)
+            if (p.vocab, p.amount) == cell and {"a", "b"} <= set(p.loss)
+        ),
+        key=lambda p: p.steps_cap or 0,
+    )
     label = profiles.cell_text(vocab, amount)
     title = f"{label}: b − a against tokens trained per parameter"
     path = os.path.join(out_dir, PLOT)

@@ -153,8 +153,16 @@ def test_the_report_regenerates_from_its_csv_and_the_other_budgets_table(tmp_pat
             ]
     path, other = str(tmp_path / "runs.csv"), str(tmp_path / "confirm.csv")
     table.write_rows(path, own)
-    # The other table repeats a 3000-step run: joined once.
-    table.write_rows(other, [r for r in rows if r["steps_cap"] == 1000] + own[:1])
+    # The other table repeats a 3000-step run (joined once) and holds the
+    # 1000-step profile, whose section comes first.
+    profile = [
+        row(arm, 1000, s, 2.2 + (lr != 2e-3) * 0.01, role="tune", lr=lr)
+        for arm in "ab"
+        for lr in (1.41e-3, 2e-3, 2.83e-3)
+        for s in (100, 101, 102)
+    ]
+    earlier = [r for r in rows if r["steps_cap"] == 1000]
+    table.write_rows(other, earlier + profile + own[:1])
     kwargs = dict(cell=CELL, budgets=(1000, 3000, 10_000))
     others = {"`confirm`": other, "`absent`": str(tmp_path / "absent.csv")}
     text, plots = compute.report_from_csv(
@@ -166,6 +174,7 @@ def test_the_report_regenerates_from_its_csv_and_the_other_budgets_table(tmp_pat
     assert again == text and open(tmp_path / "one" / "REPORT.md").read() == text
     assert [os.path.basename(p) for p in plots] == [
         "compute_axis.png",
+        "profile_2048_1_1000steps.png",
         "profile_2048_1_3000steps.png",
     ]
     for one, two in zip(plots, plots_again):

@@ -173,7 +173,11 @@ def report_text(rows: list[dict]) -> str:
                     ["metric", "filtered - exact", "seed pairs"], differences
                 ),
                 "A step's time, the mean over each arm's members (an ensemble "
-                "program's step trains all its members):",
+                "program's step trains all its members). The arms ran one "
+                "after the other, beside whatever else the machine ran, so "
+                "this is a record, not a comparison of speed: "
+                "`experiments/bench/bench_filter.py` times the two losses "
+                "side by side.",
                 report.markdown_table(
                     ["", "exact", "filtered", "filtered / exact"], time
                 ),

@@ -249,13 +249,15 @@ def test_the_plan_takes_finished_profiles_only_at_their_best_rates(tmp_path):
 
 
 def test_the_committed_subset_profile_plans_its_48_runs(tmp_path):
-    """A directory holding only the committed BPE 512 on 0.3% profile: the
-    confirm sweep lists that cell's 48 runs, arm a at 0.000707 and b and c at
-    0.0005 (the profile's bests), on the 16 confirmatory seeds, and none of
-    the 100% cells, whose profiles are not there."""
+    """A directory holding the committed profiles: the confirm sweep of the
+    subset (amounts=0.003) lists the BPE 512 on 0.3% cell's 48 runs, arm a
+    at 0.000707 and b and c at 0.0005 (the profile's bests), on the 16
+    confirmatory seeds."""
     committed = os.path.join(ROOT, "docs", "tying_study", "profiles", "runs.csv")
     sweeps.restore_runs(f"{STUDY}:confirm", committed, str(tmp_path))
-    _, overrides, shared = study_module().get_sweep("confirm", str(tmp_path))
+    _, overrides, shared = study_module().get_sweep(
+        "confirm,amounts=0.003", str(tmp_path)
+    )
     assert len(overrides) == 48
     rates = {}
     for o in overrides:

@@ -4,10 +4,12 @@ tiles (docs/fused_loss.md, "Training with it").
 
 The tying study's arm a (tied head, 4 blocks of width 128, MLP 512) at BPE
 32768 on the whole training split, as ``experiments/bench/bench_filter.py``
-trains it (:data:`RECIPE`), for each seed twice: exact (``loss.filter_eps``
-unset) and filtered (``loss.filter_eps`` 2^-12, bfloat16's ``"auto"``;
-float32's ``"auto"``, 2^-28, skips no tile of a trained model). The two
-arms are two ensemble programs of 8 members::
+trains it (:data:`RECIPE`), each seed exact (``loss.filter_eps`` unset) and
+filtered (``loss.filter_eps`` 2^-12, bfloat16's ``"auto"``; float32's
+``"auto"``, 2^-28, skips no tile of a trained model) with each
+``loss.filter_target`` of ``targets``: both ``dh`` and ``dw`` (the
+default), or ``dh`` only, Cut Cross-Entropy's variant for pretraining. Each
+arm is an ensemble program of 8 members::
 
     python experiments/sweep.py --sweep=configs/sweeps/filter_training.py \
         --workdir=runs/filter_training --ensemble=8 --noreport
@@ -16,8 +18,8 @@ arms are two ensemble programs of 8 members::
 
 The report (:func:`write_report`) writes ``runs.csv``, one row per run, and
 REPORT.md from it alone (:func:`report_text`): each seed's test and
-validation bits per character, and filtered - exact paired by seed with its
-95% t-interval.
+validation bits per character, and each filtered arm - exact paired by
+seed with its 95% t-interval.
 
 Arguments (comma-separated ``key=value``)::
 
@@ -25,7 +27,8 @@ Arguments (comma-separated ``key=value``)::
     vocab_size=32768        BPE vocabulary
     steps=400               training steps (the cosine ends there)
     seeds=8                 seeds 0 .. seeds-1
-    filter_eps=0.000244140625  the filtered arm's loss.filter_eps
+    filter_eps=0.000244140625  the filtered arms' loss.filter_eps
+    targets=both+dh         their loss.filter_target, one arm each
 """
 
 import csv
@@ -40,6 +43,7 @@ DEFAULTS = dict(
     steps=400,
     seeds=8,
     filter_eps=2.0**-12,
+    targets=("both", "dh"),
 )
 # The tying study's test run of arm a at BPE 8192 on all of the text
 # (configs/sweeps/tying_study.py; its cell chose the rate 0.000707 in
@@ -71,6 +75,7 @@ COLUMNS = (
     "run",
     "seed",
     "filter_eps",
+    "filter_target",
     "steps_run",
     "val_bpc",
     "test_bpc",
@@ -98,7 +103,12 @@ def get_sweep(arg=None):
     else:
         raise ValueError(f"base={args['base']!r}: write base=nanogpt or base=tiny.")
     shared["train.test_eval"] = True
-    arms = [{}, {"loss.filter_eps": float(args["filter_eps"])}]
+    # "both" is the default target, left out of its runs' names.
+    arms = [{}] + [
+        {"loss.filter_eps": float(args["filter_eps"])}
+        | ({} if target == "both" else {"loss.filter_target": target})
+        for target in args["targets"]
+    ]
     return (
         base,
         sweeps.product(sweeps.sweep("train.seed", list(range(args["seeds"]))), arms),
@@ -118,6 +128,9 @@ def rows_of(sweep_dir: str) -> list[dict]:
                 "run": run.name,
                 "seed": flat["train.seed"],
                 "filter_eps": flat.get("loss.filter_eps") or "",
+                "filter_target": flat["loss.filter_target"]
+                if flat.get("loss.filter_eps")
+                else "",
                 "steps_run": summary["steps_run"],
                 "val_bpc": f"{summary['final']['eval/bits_per_char']:.6f}",
                 "test_bpc": f"{summary['test']['bits_per_char']:.6f}",
@@ -128,14 +141,21 @@ def rows_of(sweep_dir: str) -> list[dict]:
                 ),
             }
         )
-    return sorted(rows, key=lambda r: (r["filter_eps"] != "", int(r["seed"])))
+    return sorted(
+        rows, key=lambda r: (r["filter_eps"] != "", r["filter_target"], int(r["seed"]))
+    )
 
 
 def report_text(rows: list[dict]) -> str:
-    """REPORT.md of :func:`rows_of`'s rows: every run, and filtered - exact
-    test and validation bits per character paired by seed."""
+    """REPORT.md of :func:`rows_of`'s rows: every run, and each filtered arm
+    (a ``filter_target``) - exact, test and validation bits per character
+    paired by seed."""
     exact = [r for r in rows if not r["filter_eps"]]
-    filtered = [r for r in rows if r["filter_eps"]]
+    targets = sorted({r["filter_target"] for r in rows if r["filter_eps"]})
+    arms = {
+        t: [r for r in rows if r["filter_eps"] and r["filter_target"] == t]
+        for t in targets
+    }
 
     def by_seed(runs, key):
         return {int(r["seed"]): float(r[key]) for r in runs}
@@ -145,20 +165,20 @@ def report_text(rows: list[dict]) -> str:
 
     differences = [
         [
-            name,
+            f"{name}, filter_target {target}",
             report.interval_text(
-                stats.paired_difference(by_seed(filtered, key), by_seed(exact, key))
+                stats.paired_difference(by_seed(runs, key), by_seed(exact, key))
             ),
-            str(len(set(by_seed(filtered, key)) & set(by_seed(exact, key)))),
+            str(len(set(by_seed(runs, key)) & set(by_seed(exact, key)))),
         ]
+        for target, runs in arms.items()
         for name, key in (("test bits/char", "test_bpc"), ("val bits/char", "val_bpc"))
     ]
     time = [
-        [
-            key,
-            f"{mean_of(exact, key):.1f}",
-            f"{mean_of(filtered, key):.1f}",
-            f"{mean_of(filtered, key) / mean_of(exact, key):.2f}",
+        [key, f"{mean_of(exact, key):.1f}"]
+        + [
+            f"{mean_of(runs, key):.1f} ({mean_of(runs, key) / mean_of(exact, key):.2f}x)"
+            for runs in arms.values()
         ]
         for key in ("ms_per_step", "cpu_ms_per_step")
     ]
@@ -167,8 +187,8 @@ def report_text(rows: list[dict]) -> str:
             [
                 "# Training with gradient filtering against the exact gradient",
                 "Written from `runs.csv` by `configs/sweeps/filter_training.py` "
-                '(docs/fused_loss.md, "Training with it"). Filtered - exact, '
-                "paired by seed, with its 95% t-interval:",
+                '(docs/fused_loss.md, "Training with it"). Each filtered arm - '
+                "exact, paired by seed, with its 95% t-interval:",
                 report.markdown_table(
                     ["metric", "filtered - exact", "seed pairs"], differences
                 ),
@@ -179,7 +199,7 @@ def report_text(rows: list[dict]) -> str:
                 "`experiments/bench/bench_filter.py` times the two losses "
                 "side by side.",
                 report.markdown_table(
-                    ["", "exact", "filtered", "filtered / exact"], time
+                    ["", "exact"] + [f"filtered, {t}" for t in arms], time
                 ),
                 "Every run:",
                 report.markdown_table(

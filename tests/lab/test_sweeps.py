@@ -138,13 +138,20 @@ def test_load_sweep_errors(tmp_path):
 
 
 def test_filter_training_sweep_pairs_each_seed_exact_and_filtered(monkeypatch):
-    """configs/sweeps/filter_training.py: 8 seeds, each exact and at 2^-12,
-    on its recipe at BPE 32768 with a test evaluation, as train.py parses it."""
+    """configs/sweeps/filter_training.py: 8 seeds, each exact and at 2^-12
+    filtering both gradients or dh only, on its recipe at BPE 32768 with a
+    test evaluation, as train.py parses it."""
     path = os.path.join(SWEEP_CONFIGS, "filter_training.py")
     base, overrides, shared = sweeps.load_sweep(path)
-    assert base == "nanogpt" and len(set(sweeps.run_names(overrides))) == 16
-    pairs = {(o["train.seed"], o.get("loss.filter_eps")) for o in overrides}
-    assert pairs == {(s, e) for s in range(8) for e in (None, 2.0**-12)}
+    assert base == "nanogpt" and len(set(sweeps.run_names(overrides))) == 24
+    arms = {
+        (o["train.seed"], o.get("loss.filter_eps"), o.get("loss.filter_target"))
+        for o in overrides
+    }
+    eps = 2.0**-12
+    assert arms == {
+        (s, *arm) for s in range(8) for arm in ((None, None), (eps, None), (eps, "dh"))
+    }
     argv = sweeps.train_command(
         base,
         "unused",
@@ -167,34 +174,41 @@ def test_filter_training_sweep_pairs_each_seed_exact_and_filtered(monkeypatch):
 
 
 def test_filter_training_report_pairs_runs_by_seed():
-    """Its report's filtered - exact is the mean per-seed difference with
-    the t-interval of scipy's t quantile."""
+    """Its report's filtered - exact, for each filter target, is the mean
+    per-seed difference with the t-interval of scipy's t quantile."""
     module = configuration.load_module(
         os.path.join(SWEEP_CONFIGS, "filter_training.py")
     )
-    test = {0: (3.10, 3.12), 1: (3.00, 3.01), 2: (3.20, 3.17)}  # exact, filtered
+    # test bits/char of seeds 0-2: exact, filtering both, filtering dh only
+    test = {0: (3.10, 3.12, 3.10), 1: (3.00, 3.01, 3.02), 2: (3.20, 3.17, 3.20)}
+    arms = (("", ""), ("0.1", "both"), ("0.1", "dh"))
     rows = [
         {
-            "run": f"r{s}{eps}",
+            "run": f"r{s}{target}",
             "seed": s,
             "filter_eps": eps,
+            "filter_target": target,
             "steps_run": 9,
             "val_bpc": "1.0",
-            "test_bpc": str(pair[bool(eps)]),
+            "test_bpc": str(values[i]),
             "ms_per_step": "10.0",
-            "cpu_ms_per_step": str(20.0 if eps else 10.0),
+            "cpu_ms_per_step": str(10.0 * (i + 1)),
             "ensemble": "",
         }
-        for s, pair in test.items()
-        for eps in ("", "0.1")
+        for s, values in test.items()
+        for i, (eps, target) in enumerate(arms)
     ]
-    differences = np.array([f - e for e, f in test.values()])
-    half = scipy.stats.t.ppf(0.975, 2) * differences.std(ddof=1) / np.sqrt(3)
-    mean = differences.mean()
     text = module.report_text(rows)
-    assert (
-        f"| test bits/char | {mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}] | 3 |"
-        in text
-    )
-    assert "| val bits/char | +0.0000 [+0.0000, +0.0000] | 3 |" in text
-    assert "| cpu_ms_per_step | 10.0 | 20.0 | 2.00 |" in text
+    for i, target in ((1, "both"), (2, "dh")):
+        differences = np.array([v[i] - v[0] for v in test.values()])
+        half = scipy.stats.t.ppf(0.975, 2) * differences.std(ddof=1) / np.sqrt(3)
+        mean = differences.mean()
+        assert (
+            f"| test bits/char, filter_target {target} | "
+            f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}] | 3 |"
+        ) in text
+        assert (
+            f"| val bits/char, filter_target {target} | +0.0000 [+0.0000, +0.0000] | 3 |"
+            in text
+        )
+    assert "| cpu_ms_per_step | 10.0 | 20.0 (2.00x) | 30.0 (3.00x) |" in text

@@ -17,11 +17,10 @@ import pytest
 from scipy import stats as scipy_stats
 
 from lmhead.lab import sweeps
-from lmhead.lm import configuration
 from lmhead.studies.tying import compute, study, table
 from tests import ROOT
+from tests.studies.tying.sweep_file import STUDY, run_sweep, study_module
 
-STUDY = os.path.join(ROOT, "configs", "sweeps", "tying_study.py")
 SEEDS = study.CONFIRM_SEEDS
 PARAMS = {"a": 1_152_000, "b": 1_414_144}
 CELL = ("2048", 1.0)
@@ -194,10 +193,6 @@ def test_the_report_regenerates_from_its_csv_and_the_other_budgets_table(tmp_pat
     assert "| 1000 → 3000 | 0 | — | — |" in alone
 
 
-def study_module():
-    return configuration.load_module(STUDY)
-
-
 def test_the_compute_preset_is_the_cell_at_3000_steps_one_rung_lower():
     module = study_module()
     design = module.get_study("compute")
@@ -315,17 +310,7 @@ def test_the_tiny_compute_axis_runs_end_to_end(tmp_path):
     confirmatory seeds, its 30-step one not yet run, and the same report
     written again from its runs.csv."""
     for arg in ("compute_tiny,stage=tune", "compute_tiny"):
-        command = [
-            sys.executable,
-            os.path.join(ROOT, "experiments", "sweep.py"),
-            f"--sweep={STUDY}:{arg}",
-            f"--workdir={tmp_path}",
-            "--ensemble=6",
-            "--noreport",
-            "--progress_every_s=0",
-        ]
-        env = dict(os.environ, PYTHONPATH=ROOT)
-        subprocess.run(command, check=True, cwd=ROOT, env=env, capture_output=True)
+        run_sweep(tmp_path, arg)
     module = study_module()
     out = tmp_path / "report"
     text, plots = module.write_report("compute_tiny", str(tmp_path), str(out))

@@ -7,20 +7,17 @@ each arm at its profile's best rate."""
 
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
 from lmhead.lab import sweeps
-from lmhead.lm import configuration
 from lmhead.studies.tying import confirm, study, table
 from tests import ROOT
+from tests.studies.tying.sweep_file import STUDY, run_sweep, study_module
 from tests.studies.tying.synthetic_rows import holm_by_hand
 
-STUDY = os.path.join(ROOT, "configs", "sweeps", "tying_study.py")
 MARGIN = 0.0049
 SEEDS = study.CONFIRM_SEEDS
 # (vocab, amount, x, prediction, mean of x - a, spread of x - a, verdict).
@@ -174,10 +171,6 @@ def test_the_report_regenerates_from_its_runs_csv_alone(tmp_path):
     assert text.count("**confirmed**") == 2 and text.count("**refuted**") == 2
 
 
-def study_module():
-    return configuration.load_module(STUDY)
-
-
 def test_the_confirmatory_seeds_are_new_and_no_test_seed_tunes():
     used = {k: v for k, v in study.SEEDS_USED.items() if k != "test (confirmatory)"}
     assert study.SEEDS_USED["test (confirmatory)"] == SEEDS == tuple(range(200, 216))
@@ -282,17 +275,7 @@ def test_the_tiny_confirmation_runs_end_to_end(tmp_path):
     profile never run: unfinished) written again from its runs.csv alone."""
     module = study_module()
     for arg in ("profiles_tiny,char=false", "confirm_tiny,char=false"):
-        command = [
-            sys.executable,
-            os.path.join(ROOT, "experiments", "sweep.py"),
-            f"--sweep={STUDY}:{arg}",
-            f"--workdir={tmp_path}",
-            "--ensemble=6",
-            "--noreport",
-            "--progress_every_s=0",
-        ]
-        env = dict(os.environ, PYTHONPATH=ROOT)
-        subprocess.run(command, check=True, cwd=ROOT, env=env, capture_output=True)
+        run_sweep(tmp_path, arg)
     out = tmp_path / "report"
     text, _ = module.write_report("confirm_tiny", str(tmp_path), str(out))
     rows = table.read_rows(str(out / "runs.csv"))

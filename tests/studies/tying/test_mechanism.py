@@ -10,18 +10,13 @@ import numpy as np
 import pytest
 
 from lmhead.lab import sweeps
-from lmhead.lm import configuration
 from lmhead.studies.tying import mechanism, profiles, study, table
 from tests import ROOT
+from tests.studies.tying.sweep_file import STUDY, study_module
 
-STUDY = os.path.join(ROOT, "configs", "sweeps", "tying_study.py")
 PROFILES_CSV = os.path.join(ROOT, "docs", "tying_study", "profiles", "runs.csv")
 R1, R2, R3 = 0.0005, 0.000707, 0.001
 SEEDS = (100, 101, 102)
-
-
-def study_module():
-    return configuration.load_module(STUDY)
 
 
 def test_each_multiplier_is_an_arm_b_on_a_ladder_of_its_own():

@@ -8,18 +8,15 @@ import csv
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
 from lmhead.lab import sweeps
-from lmhead.lm import configuration
 from lmhead.studies.tying import profiles as profiles_report
 from lmhead.studies.tying import study, table
 from tests import ROOT
+from tests.studies.tying.sweep_file import STUDY, run_sweep, study_module
 
-STUDY = os.path.join(ROOT, "configs", "sweeps", "tying_study.py")
 COMMITTED = [
     os.path.join(ROOT, "docs", "tying_study", "runs.csv"),
     os.path.join(ROOT, "docs", "tying_study", "edges", "runs.csv"),
@@ -98,10 +95,6 @@ def test_an_unfinished_rung_waits_and_the_cap_holds():
     assert study.extend_rates([rising, {**rising, rung(2): None}], grid, 8, 2) == []
     assert study.extend_rates([rising], grid, 1, margin=2) == [rung(-1)]
     assert study.extend_rates([rising], grid, 8, margin=2) == [rung(-1), rung(-2)]
-
-
-def study_module():
-    return configuration.load_module(STUDY)
 
 
 @pytest.fixture(scope="module")
@@ -193,17 +186,7 @@ def test_the_tiny_profiles_run_end_to_end(tmp_path):
     three tuning seeds) trained by the sweep command, then read back: every
     planned run finished, and the ladder holds a rung past each arm's best."""
     arg = "profiles_tiny,char=false"
-    command = [
-        sys.executable,
-        os.path.join(ROOT, "experiments", "sweep.py"),
-        f"--sweep={STUDY}:{arg}",
-        f"--workdir={tmp_path}",
-        "--ensemble=6",
-        "--noreport",
-        "--progress_every_s=0",
-    ]
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    subprocess.run(command, check=True, cwd=ROOT, env=env, capture_output=True)
+    run_sweep(tmp_path, arg)
     design = study_module().get_study(arg)
     read = study.read_tuning(design, str(tmp_path))
     assert read and all(r.status == "finished" for r in read.values())

@@ -16,8 +16,8 @@ from lmhead.lm import configuration
 from lmhead.studies.tying import results, shapes, study, table, tuning_text
 from tests import ROOT, run_experiment
 from tests.lab.sweep_helpers import SWEEP_CONFIGS
+from tests.studies.tying.sweep_file import STUDY, study_module
 
-STUDY = os.path.join(SWEEP_CONFIGS, "tying_study.py")
 ARG = "tiny,char=false,amounts=0.2,arms=a+b+c+e,ablation=false"
 
 
@@ -54,7 +54,7 @@ def summary(planned, middle, seed_effect):
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     """``(design, sweep dir, planned runs)``: every tuning and test run finished."""
-    design = configuration.load_module(STUDY).get_study(ARG)
+    design = study_module().get_study(ARG)
     sweep_dir = tmp_path_factory.mktemp("sweep")
     tuning = design.tuning_runs()
     middle = design.rates(design.cells()[0])[1]
@@ -114,7 +114,7 @@ def test_rows_hold_each_runs_design_and_measurements(sweep):
 def test_without_tuning_the_rows_are_the_test_runs(tmp_path):
     """The small preset (no tuning stage): its rows are its test runs, at the
     one rate, not tuning runs that never start."""
-    design = configuration.load_module(STUDY).get_study("small")
+    design = study_module().get_study("small")
     runs = design.test_runs(study.choose_learning_rates(design, {}), {})
     for name in design.names(runs):
         (tmp_path / name).mkdir()

@@ -5,7 +5,6 @@ the sqrt(2) ladder, arm e's untie step, the ablation, the presets, and the
 commands parsed as experiments/train.py parses them."""
 
 import json
-import os
 import statistics
 
 import pytest
@@ -15,16 +14,11 @@ from lmhead.lm import configuration
 from lmhead.studies.tying import shapes, study
 from tests.lab.sweep_helpers import (
     DEFAULT_CONFIG,
-    SWEEP_CONFIGS,
     parsed_train_config,
 )
+from tests.studies.tying.sweep_file import STUDY, study_module
 
-STUDY = os.path.join(SWEEP_CONFIGS, "tying_study.py")
 TINY = "tiny,char=false"  # one vocabulary (BPE 300), two amounts, arms a-e
-
-
-def study_module():
-    return configuration.load_module(STUDY)
 
 
 def model_param_count(base, run, vocab_size):

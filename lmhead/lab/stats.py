@@ -303,6 +303,25 @@ def simultaneous_interval(
     return difference.mean - half_width, difference.mean + half_width
 
 
+def one_sided_p_value(difference: PairedDifference, sign: int) -> float:
+    r"""The paired t-test's p-value for a mean difference of sign ``sign``:
+    :math:`P(T_{n-1} \ge \sigma \bar d \sqrt n / s_d)`; NaN for fewer than
+    2 pairs or no spread.
+
+    Examples:
+        >>> d = paired_difference({0: 2.0, 1: 3.0, 2: 4.0, 3: 5.0},
+        ...                       {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0})
+        >>> round(one_sided_p_value(d, +1), 6), round(one_sided_p_value(d, -1), 6)
+        (0.015233, 0.984767)
+    """
+    if sign not in (-1, 1):
+        raise ValueError(f"sign must be -1 or 1, got {sign!r}.")
+    if difference.n < 2 or not difference.std > 0:
+        return math.nan
+    t = sign * difference.mean * math.sqrt(difference.n) / difference.std
+    return float(scipy_stats.t.sf(t, difference.n - 1))
+
+
 def equivalence_p_value(difference: PairedDifference, margin: float) -> float:
     r"""The p-value of Schuirmann's (1987) two one-sided tests (TOST) that
     the mean paired difference lies inside ``(-margin, margin)``: with

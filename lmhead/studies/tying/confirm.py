@@ -21,8 +21,6 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from scipy import stats as scipy_stats
-
 from lmhead.lab import report, stats
 from lmhead.studies.tying import cells, literature, table
 from lmhead.studies.tying.report_text import p_text
@@ -65,25 +63,6 @@ class Result:
     finished: int
     verdict: str
     rates: tuple[float | None, float | None] = (None, None)
-
-
-def one_sided_p(difference: stats.PairedDifference, sign: int) -> float:
-    r"""The paired t-test's p-value for a mean difference of sign ``sign``:
-    :math:`P(T_{n-1} \ge \sigma \bar d \sqrt n / s_d)`; NaN for fewer than
-    2 pairs or no spread.
-
-    Examples:
-        >>> d = stats.paired_difference({0: 2.0, 1: 3.0, 2: 4.0, 3: 5.0},
-        ...                             {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0})
-        >>> round(one_sided_p(d, +1), 6), round(one_sided_p(d, -1), 6)
-        (0.015233, 0.984767)
-    """
-    if sign not in (-1, 1):
-        raise ValueError(f"sign must be -1 or 1, got {sign!r}.")
-    if difference.n < 2 or not difference.std > 0:
-        return math.nan
-    t = sign * difference.mean * math.sqrt(difference.n) / difference.std
-    return float(scipy_stats.t.sf(t, difference.n - 1))
 
 
 def verdict(
@@ -173,7 +152,7 @@ def check_hypotheses(
     raw = [
         math.nan
         if c is None
-        else one_sided_p(c.difference, h.predicted)
+        else stats.one_sided_p_value(c.difference, h.predicted)
         if h.predicted
         else stats.equivalence_p_value(c.difference, margin)
         for h, c in zip(hypotheses, found)

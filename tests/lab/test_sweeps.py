@@ -2,6 +2,7 @@
 names, train commands, and the sweep files of configs/sweeps/ parsed as
 experiments/train.py parses its flags."""
 
+import csv
 import os
 
 import numpy as np
@@ -12,6 +13,7 @@ from lmhead.lab import sweeps
 from lmhead.lm import configuration
 from tests.lab.sweep_helpers import (
     DEFAULT_CONFIG,
+    ROOT,
     SWEEP_CONFIGS,
     parsed_train_config,
 )
@@ -212,3 +214,16 @@ def test_filter_training_report_pairs_runs_by_seed():
             in text
         )
     assert "| cpu_ms_per_step | 10.0 | 20.0 (2.00x) | 30.0 (3.00x) |" in text
+
+
+def test_filter_training_committed_report_regenerates_from_its_csv():
+    """docs/filter_training/REPORT.md is its runs.csv's report, byte for byte."""
+    module = configuration.load_module(
+        os.path.join(SWEEP_CONFIGS, "filter_training.py")
+    )
+    docs = os.path.join(ROOT, "docs", "filter_training")
+    with open(os.path.join(docs, module.RUNS_CSV), newline="") as f:
+        rows = list(csv.DictReader(f))
+    with open(os.path.join(docs, "REPORT.md"), encoding="utf-8") as f:
+        committed = f.read()
+    assert module.report_text(rows).rstrip("\n") + "\n" == committed

@@ -294,3 +294,19 @@ def test_the_tiny_confirmation_runs_end_to_end(tmp_path):
         str(out / "runs.csv"), str(tmp_path / "again")
     )
     assert again == text
+
+
+def test_the_committed_confirmatory_report_is_what_its_csv_gives_today(tmp_path):
+    """docs/tying_study/confirm/REPORT.md, byte for byte, from the committed
+    runs.csv beside it and the sweep file's hypotheses and margin."""
+    module = study_module()
+    hypotheses = [confirm.Hypothesis(*h) for h in module.HYPOTHESES["nanogpt"]]
+    folder = os.path.join(ROOT, "docs", "tying_study", "confirm")
+    text, _ = confirm.report_from_csv(
+        os.path.join(folder, "runs.csv"),
+        str(tmp_path),
+        hypotheses,
+        module.EQUIVALENCE_MARGIN,
+    )
+    with open(os.path.join(folder, "REPORT.md"), encoding="utf-8") as f:
+        assert text == f.read()

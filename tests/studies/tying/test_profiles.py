@@ -210,18 +210,3 @@ def test_the_tiny_profiles_run_end_to_end(tmp_path):
         str(out / "runs.csv"), str(tmp_path / "again")
     )
     assert again == text
-
-
-def test_the_committed_profiles_are_what_their_csv_gives_today(tmp_path):
-    """docs/tying_study/profiles: REPORT.md and every figure, byte for byte,
-    from the committed runs.csv beside them."""
-    folder = os.path.join(ROOT, "docs", "tying_study", "profiles")
-    text, plots = profiles_report.report_from_csv(
-        os.path.join(folder, "runs.csv"), str(tmp_path)
-    )
-    with open(os.path.join(folder, "REPORT.md"), encoding="utf-8") as f:
-        assert text == f.read()
-    assert plots
-    for plot in plots:
-        with open(os.path.join(folder, os.path.basename(plot)), "rb") as f:
-            assert open(plot, "rb").read() == f.read(), plot

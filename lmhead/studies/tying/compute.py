@@ -336,9 +336,9 @@ def write_report(
 ):
     """``out_dir/REPORT.md`` and :data:`PLOT` from ``rows``: b − a at each
     of ``budgets`` in the ``cell`` (``(vocab, fraction)``) and its change
-    from budget to budget, then the profile of each budget that has tuning
-    rows (the other tables' too), shortest budget first, its contrast at the best rates (``profiles.bootstrap``) and
-    figure; ``tables`` names the other tables the rows came from. Returns
+    from budget to budget, then the profile of each of ``budgets`` that has
+    tuning rows (the other tables' too), shortest budget first, its contrast
+    at the best rates (``profiles.bootstrap``) and figure; ``tables`` names the other tables the rows came from. Returns
     ``(REPORT.md's text, plot paths)``."""
     os.makedirs(out_dir, exist_ok=True)
     vocab, amount = cell
@@ -347,7 +347,9 @@ def write_report(
         (
             p
             for p in profiles.profiles(rows)
-            if (p.vocab, p.amount) == cell and {"a", "b"} <= set(p.loss)
+            if (p.vocab, p.amount) == cell
+            and p.steps_cap in budgets
+            and {"a", "b"} <= set(p.loss)
         ),
         key=lambda p: p.steps_cap or 0,
     )

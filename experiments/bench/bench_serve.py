@@ -61,6 +61,13 @@ flags.DEFINE_bool(
 flags.DEFINE_integer("clients", 16, "Concurrent clients of --streamed.")
 flags.DEFINE_integer("min_tokens", 8, "Least max_tokens of --streamed.")
 flags.DEFINE_integer("max_tokens", 128, "Most max_tokens of --streamed.")
+flags.DEFINE_bool(
+    "ignore_eos",
+    True,
+    "--streamed's requests run to their max_tokens past the end-of-text token "
+    "(vLLM's ignore_eos), so that each generates the tokens drawn for it; "
+    "--noignore_eos for a server that predates the token and the extension.",
+)
 flags.DEFINE_integer(
     "unmeasured_passes",
     2,
@@ -185,6 +192,8 @@ def load(url: str, lengths: list[int], num_clients: int) -> dict:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if FLAGS.ignore_eos:
+            body["ignore_eos"] = True
         return (max_tokens, *stream_completion(session, url, body))
 
     results, wall = run_clients(url, enumerate(lengths), num_clients, send)

@@ -64,8 +64,8 @@ flags.DEFINE_integer("max_tokens", 128, "Most max_tokens of --streamed.")
 flags.DEFINE_bool(
     "ignore_eos",
     True,
-    "--streamed's requests run to their max_tokens past the end-of-text token "
-    "(vLLM's ignore_eos), so that each generates the tokens drawn for it; "
+    "Every request runs to its max_tokens past the end-of-text token (vLLM's "
+    "ignore_eos), so that each generates the tokens asked of it; "
     "--noignore_eos for a server that predates the token and the extension.",
 )
 flags.DEFINE_integer(
@@ -144,6 +144,21 @@ def run_clients(url: str, items, num_clients: int, send) -> tuple[list, float]:
     return results, time.perf_counter() - start
 
 
+def request_body(max_tokens: int, **fields) -> dict:
+    """A sampled ``/v1/completions`` request of ``FLAGS.prompt`` for
+    ``max_tokens`` tokens, with ``ignore_eos`` where ``FLAGS.ignore_eos``."""
+    body = {
+        "model": "lmhead",
+        "prompt": FLAGS.prompt,
+        "max_tokens": max_tokens,
+        "temperature": FLAGS.temperature,
+        **fields,
+    }
+    if FLAGS.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
 def measure(url: str, num_clients: int, body: dict) -> dict:
     """Latencies and tokens of ``FLAGS.requests`` requests to /v1/completions
     from ``num_clients`` clients."""
@@ -183,17 +198,12 @@ def load(url: str, lengths: list[int], num_clients: int) -> dict:
 
     def send(session, item):
         index, max_tokens = item
-        body = {
-            "model": "lmhead",
-            "prompt": FLAGS.prompt,
-            "max_tokens": max_tokens,
-            "temperature": FLAGS.temperature,
-            "seed": index,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if FLAGS.ignore_eos:
-            body["ignore_eos"] = True
+        body = request_body(
+            max_tokens,
+            seed=index,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         return (max_tokens, *stream_completion(session, url, body))
 
     results, wall = run_clients(url, enumerate(lengths), num_clients, send)
@@ -265,12 +275,7 @@ def main(argv):
         extra = ["--prompt_lengths=8", "--new_tokens=8"] if FLAGS.quick else []
         process, url = start_server(workdir, extra)
         try:
-            body = {
-                "model": "lmhead",
-                "prompt": FLAGS.prompt,
-                "max_tokens": FLAGS.max_new_tokens,
-                "temperature": FLAGS.temperature,
-            }
+            body = request_body(FLAGS.max_new_tokens)
             measure(url, 4, body)  # the first requests of a process run slower
             rows = {c: measure(url, c, body) for c in CLIENTS}
         finally:

@@ -338,8 +338,9 @@ def write_report(
     of ``budgets`` in the ``cell`` (``(vocab, fraction)``) and its change
     from budget to budget, then the profile of each of ``budgets`` that has
     tuning rows (the other tables' too), shortest budget first, its contrast
-    at the best rates (``profiles.bootstrap``) and figure; ``tables`` names the other tables the rows came from. Returns
-    ``(REPORT.md's text, plot paths)``."""
+    at the best rates (``profiles.bootstrap``) and figure; ``tables`` names
+    the other tables the rows came from. Returns ``(REPORT.md's text, plot
+    paths)``."""
     os.makedirs(out_dir, exist_ok=True)
     vocab, amount = cell
     points = [point(rows, vocab, amount, steps) for steps in sorted(budgets)]
@@ -351,7 +352,7 @@ def write_report(
             and p.steps_cap in budgets
             and {"a", "b"} <= set(p.loss)
         ),
-        key=lambda p: p.steps_cap or 0,
+        key=lambda p: p.steps_cap,
     )
     label = profiles.cell_text(vocab, amount)
     title = f"{label}: b − a against tokens trained per parameter"

@@ -90,15 +90,25 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 
 @contextlib.contextmanager
 def panels(
-    path: str, count: int, size: tuple[float, float], title: str | None = None
+    path: str,
+    count: int,
+    size: tuple[float, float],
+    title: str | None = None,
+    columns: int | None = None,
 ) -> Iterator[list]:
-    """A figure of ``count`` axes side by side, each ``size`` inches (width,
-    height), saved to ``path`` (PNG, 120 dpi) when the block ends."""
+    """A figure of ``count`` axes, each ``size`` inches (width, height), in
+    rows of ``columns`` (default: all side by side), saved to ``path`` (PNG,
+    120 dpi) when the block ends; a last row's empty places are left blank."""
+    columns = columns or count
+    rows = -(-count // columns)
     figure, axes = plt.subplots(
-        1, count, squeeze=False, figsize=(size[0] * count, size[1])
+        rows, columns, squeeze=False, figsize=(size[0] * columns, size[1] * rows)
     )
     try:
-        yield list(axes[0])
+        flat = [axis for row in axes for axis in row]
+        for blank in flat[count:]:
+            blank.set_visible(False)
+        yield flat[:count]
         if title:
             figure.suptitle(title)
         figure.tight_layout()

@@ -2,7 +2,7 @@ r"""The learning-rate profiles' report (``configs/sweeps/tying_study.py:
 profiles``), written from the rows of its ``runs.csv`` alone
 (:func:`report_from_csv`): one figure per profiled cell (validation loss
 against the learning rate, one curve per arm, the mean over the tuning seeds
-and each seed's point), the table of the curves, and the contrasts b - a
+and each seed's point) and one of them all, the table of the curves, and the contrasts b - a
 and c - a at each arm's best rate with their selection uncertainty
 (:func:`bootstrap`). ``docs/tying_study/README.md`` ("Learning-rate
 profiles") describes the design and how to read it.
@@ -23,6 +23,7 @@ from lmhead.lab import report
 from lmhead.studies.tying import table
 
 PLOT = "profile_{vocab}_{amount}.png"
+ALL_PLOT = "profiles.png"
 CONTRASTS = (("b", "a"), ("c", "a"))
 # Tuning seeds up to this many: every ordered resample (n^n); more: DRAWS.
 EXACT_UP_TO = 6
@@ -291,63 +292,87 @@ def plot_path(out_dir: str, profile: Profile, budget: bool = False) -> str:
     return os.path.join(out_dir, name)
 
 
+_LEGEND = "line: mean over tuning seeds {seeds}; dots: each seed"
+_MARKS = "circle: the arm's best rate; x: diverged"
+
+
 def plot_profile(profile: Profile, path: str, budget: bool = False) -> None:
     """Validation loss against the rate (log axis): per arm each seed's
     point and the mean over seeds at the rates where all finished, its best
     circled; a diverged run is a cross at the top of the axes (``budget``:
     the title names the step budget)."""
+    seeds = ", ".join(map(str, profile.seeds))
     title = (
         f"{cell_label(profile, budget)}: validation loss at the best evaluation\n"
-        f"line: mean over tuning seeds {', '.join(map(str, profile.seeds))}; "
-        "dots: each seed\ncircle: the arm's best rate; x: diverged"
+        f"{_LEGEND.format(seeds=seeds)}\n{_MARKS}"
     )
     with report.panels(path, 1, (7.5, 5.0), title) as (axis,):
-        finite = [
-            v
-            for curve in profile.loss.values()
-            for by_seed in curve.values()
-            for v in by_seed.values()
-            if math.isfinite(v)
-        ]
-        top = max(finite) if finite else 1.0
-        for arm in profile.arms:
-            curve = profile.loss[arm]
-            rates = profile.complete(arm)
-            means = [statistics.fmean(curve[lr].values()) for lr in rates]
-            shown = [(lr, m) for lr, m in zip(rates, means) if math.isfinite(m)]
-            (line,) = axis.plot(
-                [lr for lr, _ in shown], [m for _, m in shown], "-", label=f"arm {arm}"
-            )
-            color = line.get_color()
-            points = [(lr, v) for lr in curve for v in curve[lr].values()]
-            axis.scatter(
-                [lr for lr, v in points if math.isfinite(v)],
-                [v for _, v in points if math.isfinite(v)],
-                s=14,
-                color=color,
-                alpha=0.6,
-            )
-            diverged = [lr for lr, v in points if not math.isfinite(v)]
-            if diverged:
-                axis.scatter(diverged, [top] * len(diverged), marker="x", color=color)
-            best = best_rate(curve, profile.seeds, rates)
-            if best is not None:
-                axis.scatter(
-                    [best],
-                    [statistics.fmean(curve[best].values())],
-                    s=160,
-                    facecolors="none",
-                    edgecolors=color,
-                )
-        axis.set(
-            xscale="log",
-            xlabel="peak learning rate",
-            ylabel="validation loss (nats per token)",
+        _draw_profile(axis, profile)
+
+
+def plot_profiles(found: Sequence[Profile], path: str) -> None:
+    """:func:`plot_profile`'s curves of every cell in ``found`` in one
+    figure, two panels a row, each titled by its cell."""
+    seeds = ", ".join(map(str, sorted({s for p in found for s in p.seeds})))
+    title = (
+        "Validation loss at the best evaluation against the peak learning "
+        f"rate, per arm\n{_LEGEND.format(seeds=seeds)}; {_MARKS}"
+    )
+    columns = min(len(found), 2)
+    with report.panels(path, len(found), (6.0, 4.2), title, columns) as axes:
+        for axis, profile in zip(axes, found):
+            _draw_profile(axis, profile)
+            axis.set_title(cell_label(profile))
+            axis.tick_params(axis="x", labelrotation=30)
+
+
+def _draw_profile(axis, profile: Profile) -> None:
+    finite = [
+        v
+        for curve in profile.loss.values()
+        for by_seed in curve.values()
+        for v in by_seed.values()
+        if math.isfinite(v)
+    ]
+    top = max(finite) if finite else 1.0
+    for arm in profile.arms:
+        curve = profile.loss[arm]
+        rates = profile.complete(arm)
+        means = [statistics.fmean(curve[lr].values()) for lr in rates]
+        shown = [(lr, m) for lr, m in zip(rates, means) if math.isfinite(m)]
+        (line,) = axis.plot(
+            [lr for lr, _ in shown], [m for _, m in shown], "-", label=f"arm {arm}"
         )
-        # One tick per rung, instead of log-scale decades.
-        axis.set_xticks(profile.rates, [f"{lr:g}" for lr in profile.rates])
-        axis.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        axis.legend()
+        color = line.get_color()
+        points = [(lr, v) for lr in curve for v in curve[lr].values()]
+        axis.scatter(
+            [lr for lr, v in points if math.isfinite(v)],
+            [v for _, v in points if math.isfinite(v)],
+            s=14,
+            color=color,
+            alpha=0.6,
+        )
+        diverged = [lr for lr, v in points if not math.isfinite(v)]
+        if diverged:
+            axis.scatter(diverged, [top] * len(diverged), marker="x", color=color)
+        best = best_rate(curve, profile.seeds, rates)
+        if best is not None:
+            axis.scatter(
+                [best],
+                [statistics.fmean(curve[best].values())],
+                s=160,
+                facecolors="none",
+                edgecolors=color,
+            )
+    axis.set(
+        xscale="log",
+        xlabel="peak learning rate",
+        ylabel="validation loss (nats per token)",
+    )
+    # One tick per rung, instead of log-scale decades.
+    axis.set_xticks(profile.rates, [f"{lr:g}" for lr in profile.rates])
+    axis.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    axis.legend()
 
 
 def curve_table(profile: Profile) -> str:
@@ -457,11 +482,16 @@ def cell_section(
 
 
 def write_report(rows: Sequence[Mapping[str, Any]], out_dir: str):
-    """``out_dir/REPORT.md`` and one plot per profiled cell from ``rows``:
-    ``(REPORT.md's text, plot paths)``."""
+    """``out_dir/REPORT.md``, one plot per profiled cell and one of them all
+    (:data:`ALL_PLOT`) from ``rows``: ``(REPORT.md's text, plot paths)``."""
     os.makedirs(out_dir, exist_ok=True)
     found = profiles(rows)
     plots, sections, contrasts = [], [], []
+    figure = []
+    if found:
+        plots.append(os.path.join(out_dir, ALL_PLOT))
+        plot_profiles(found, plots[0])
+        figure = [f"![Every profiled cell's curves]({ALL_PLOT})"]
     for profile in found:
         section, path = cell_section(profile, out_dir)
         sections.append(section)
@@ -487,7 +517,9 @@ def write_report(rows: Sequence[Mapping[str, Any]], out_dir: str):
     )
     text, _ = report.write_markdown(
         out_dir,
-        [intro, "## Contrasts at the best rates", contrast_table(contrasts)] + sections,
+        [intro, "## Contrasts at the best rates", contrast_table(contrasts)]
+        + figure
+        + sections,
     )
     return text, plots
 

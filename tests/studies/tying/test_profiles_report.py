@@ -5,6 +5,7 @@ the best rate's rules, and the report written from its runs.csv alone."""
 import math
 import os
 
+import matplotlib.image
 import numpy as np
 import pytest
 
@@ -114,9 +115,13 @@ def test_the_report_is_written_from_its_csv_alone(tmp_path):
     again, plots_again = profiles.report_from_csv(str(path), str(second))
     assert text == again
     assert [os.path.basename(p) for p in plots] == [
+        "profiles.png",
         "profile_512_0.003.png",
         "profile_char_1.png",
     ]
+    # Both cells in one figure, two 6 x 4.2-inch panels a row at 120 dpi.
+    assert matplotlib.image.imread(plots[0]).shape[:2] == (504, 1440)
+    assert "![Every profiled cell's curves](profiles.png)" in text
     for plot, other in zip(plots, plots_again):
         assert open(plot, "rb").read() == open(other, "rb").read()
     assert (first / "REPORT.md").read_text() == text

@@ -24,6 +24,8 @@ from lmhead.studies.tying import table
 
 PLOT = "profile_{vocab}_{amount}.png"
 ALL_PLOT = "profiles.png"
+# Rungs that a figure's rate labels fit in level; more are slanted.
+CROWDED = 8
 CONTRASTS = (("b", "a"), ("c", "a"))
 # Tuning seeds up to this many: every ordered resample (n^n); more: DRAWS.
 EXACT_UP_TO = 6
@@ -372,6 +374,8 @@ def _draw_profile(axis, profile: Profile) -> None:
     # One tick per rung, instead of log-scale decades.
     axis.set_xticks(profile.rates, [f"{lr:g}" for lr in profile.rates])
     axis.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    if len(profile.rates) > CROWDED:
+        axis.tick_params(axis="x", labelrotation=30)
     axis.legend()
 
 

@@ -183,3 +183,17 @@ def test_a_k_whose_profile_is_unfinished_is_said_and_left_out(tmp_path):
     text, _ = mechanism.write_report(rows, str(tmp_path))
     assert "| 2 | b×2 − a | — | — | — | — | profile unfinished |" in text
     assert "No finished k closes b − a so far (k = 2: profile unfinished)." in text
+
+
+def test_the_committed_mechanism_report_is_what_its_csv_gives_today(tmp_path):
+    """docs/tying_study/mechanism: REPORT.md and its figure, byte for byte,
+    from the runs.csv beside them."""
+    folder = os.path.join(ROOT, "docs", "tying_study", "mechanism")
+    text, plots = mechanism.report_from_csv(
+        os.path.join(folder, "runs.csv"), str(tmp_path)
+    )
+    with open(os.path.join(folder, "REPORT.md"), encoding="utf-8") as f:
+        assert text == f.read()
+    assert [os.path.basename(p) for p in plots] == ["profile_512_0.003.png"]
+    with open(os.path.join(folder, os.path.basename(plots[0])), "rb") as f:
+        assert open(plots[0], "rb").read() == f.read()

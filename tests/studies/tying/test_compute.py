@@ -329,3 +329,18 @@ def test_the_tiny_compute_axis_runs_end_to_end(tmp_path):
         str(out / "runs.csv"), str(tmp_path / "again")
     )
     assert again == text
+
+
+def test_the_committed_compute_report_is_what_its_tables_give_today(tmp_path):
+    """docs/tying_study/compute: REPORT.md and its figures, byte for byte,
+    from the runs.csv beside them and the confirmatory table, as the sweep
+    file's ``report_from_csv("compute")`` joins them."""
+    folder = os.path.join(ROOT, "docs", "tying_study", "compute")
+    write = study_module().report_from_csv("compute")
+    text, plots = write(os.path.join(folder, "runs.csv"), str(tmp_path))
+    with open(os.path.join(folder, "REPORT.md"), encoding="utf-8") as f:
+        assert text == f.read()
+    assert plots
+    for plot in plots:
+        with open(os.path.join(folder, os.path.basename(plot)), "rb") as f:
+            assert open(plot, "rb").read() == f.read(), plot

@@ -12,6 +12,7 @@ import pytest
 from lmhead.lab import sweeps
 from lmhead.studies.tying import mechanism, profiles, study, table
 from tests import ROOT
+from tests.studies.tying.committed import assert_regenerates
 from tests.studies.tying.sweep_file import STUDY, study_module
 
 PROFILES_CSV = os.path.join(ROOT, "docs", "tying_study", "profiles", "runs.csv")
@@ -188,12 +189,5 @@ def test_a_k_whose_profile_is_unfinished_is_said_and_left_out(tmp_path):
 def test_the_committed_mechanism_report_is_what_its_csv_gives_today(tmp_path):
     """docs/tying_study/mechanism: REPORT.md and its figure, byte for byte,
     from the runs.csv beside them."""
-    folder = os.path.join(ROOT, "docs", "tying_study", "mechanism")
-    text, plots = mechanism.report_from_csv(
-        os.path.join(folder, "runs.csv"), str(tmp_path)
-    )
-    with open(os.path.join(folder, "REPORT.md"), encoding="utf-8") as f:
-        assert text == f.read()
-    assert [os.path.basename(p) for p in plots] == ["profile_512_0.003.png"]
-    with open(os.path.join(folder, os.path.basename(plots[0])), "rb") as f:
-        assert open(plots[0], "rb").read() == f.read()
+    plots = assert_regenerates("mechanism", mechanism.report_from_csv, tmp_path)
+    assert plots == ["profile_512_0.003.png"]

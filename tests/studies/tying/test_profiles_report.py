@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lmhead.studies.tying import profiles, table
-from tests import ROOT
+from tests.studies.tying.committed import assert_regenerates
 
 R1, R2, R3 = 0.001, 0.00141, 0.002
 
@@ -144,15 +144,7 @@ def test_the_report_is_written_from_its_csv_alone(tmp_path):
 
 
 def test_the_committed_profiles_report_is_what_its_csv_gives_today(tmp_path):
-    """docs/tying_study/profiles: REPORT.md and its figures are what
-    ``report_from_csv`` gives, byte for byte, from the runs.csv beside them."""
-    folder = os.path.join(ROOT, "docs", "tying_study", "profiles")
-    text, plots = profiles.report_from_csv(
-        os.path.join(folder, "runs.csv"), str(tmp_path)
-    )
-    with open(os.path.join(folder, "REPORT.md"), encoding="utf-8") as f:
-        assert text == f.read()
-    assert plots
-    for plot in plots:
-        with open(os.path.join(folder, os.path.basename(plot)), "rb") as f:
-            assert open(plot, "rb").read() == f.read(), plot
+    """docs/tying_study/profiles: REPORT.md and its figures, byte for byte,
+    from the runs.csv beside them."""
+    plots = assert_regenerates("profiles", profiles.report_from_csv, tmp_path)
+    assert plots[0] == profiles.ALL_PLOT and len(plots) == 5

@@ -2,9 +2,9 @@ r"""The learning-rate profiles' report (``configs/sweeps/tying_study.py:
 profiles``), written from the rows of its ``runs.csv`` alone
 (:func:`report_from_csv`): one figure per profiled cell (validation loss
 against the learning rate, one curve per arm, the mean over the tuning seeds
-and each seed's point) and one of them all, the table of the curves, and the contrasts b - a
-and c - a at each arm's best rate with their selection uncertainty
-(:func:`bootstrap`). ``docs/tying_study/README.md`` ("Learning-rate
+and each seed's point) and one of them all, the table of the curves, and the
+contrasts b - a and c - a at each arm's best rate with their selection
+uncertainty (:func:`bootstrap`). ``docs/tying_study/README.md`` ("Learning-rate
 profiles") describes the design and how to read it.
 """
 

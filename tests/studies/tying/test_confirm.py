@@ -15,6 +15,7 @@ from scipy import stats as scipy_stats
 from lmhead.lab import sweeps
 from lmhead.studies.tying import confirm, study, table
 from tests import ROOT
+from tests.studies.tying.committed import assert_regenerates
 from tests.studies.tying.sweep_file import STUDY, run_sweep, study_module
 from tests.studies.tying.synthetic_rows import holm_by_hand
 
@@ -298,15 +299,7 @@ def test_the_tiny_confirmation_runs_end_to_end(tmp_path):
 
 def test_the_committed_confirmatory_report_is_what_its_csv_gives_today(tmp_path):
     """docs/tying_study/confirm/REPORT.md, byte for byte, from the committed
-    runs.csv beside it and the sweep file's hypotheses and margin."""
-    module = study_module()
-    hypotheses = [confirm.Hypothesis(*h) for h in module.HYPOTHESES["nanogpt"]]
-    folder = os.path.join(ROOT, "docs", "tying_study", "confirm")
-    text, _ = confirm.report_from_csv(
-        os.path.join(folder, "runs.csv"),
-        str(tmp_path),
-        hypotheses,
-        module.EQUIVALENCE_MARGIN,
-    )
-    with open(os.path.join(folder, "REPORT.md"), encoding="utf-8") as f:
-        assert text == f.read()
+    runs.csv beside it and the sweep file's hypotheses and margin (the
+    sweep file's ``report_from_csv("confirm")``)."""
+    write = study_module().report_from_csv("confirm")
+    assert assert_regenerates("confirm", write, tmp_path) == []

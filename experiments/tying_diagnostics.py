@@ -8,14 +8,14 @@ bucket) for runs side by side, or for the tying study's diagnosed cells:
         --study_csv=docs/tying_study/runs.csv --out=docs/tying_study/diagnostics
 
 Writes the plots, ``diagnostics.json`` and ``diagnostics.md`` into ``--out``
-(``lmhead/studies/tying/diagnostics_report.py``; docs/tying_study/README.md,
+(``studies/tying/diagnostics_report.py``; docs/tying_study/README.md,
 "Diagnostics of the trained heads").
 """
 
 import cli  # experiments/cli.py, beside this file
 from absl import app, flags
 
-from lmhead.studies.tying import diagnostics_report, table
+from studies.tying import diagnostics_report, table
 
 flags.DEFINE_multi_string("workdir", None, "A trained run's directory (repeatable).")
 flags.DEFINE_string(

@@ -1,5 +1,5 @@
 r"""How precisely the tying study's validation windows tell each chosen
-learning rate from the next best one (``lmhead/studies/tying/rate_noise.py``):
+learning rate from the next best one (``studies/tying/rate_noise.py``):
 
     python experiments/tying_rate_noise.py --study_dir=runs/tying_study \
         --study_csv=docs/tying_study/runs.csv --out=docs/tying_study
@@ -15,7 +15,7 @@ import os
 import cli  # experiments/cli.py, beside this file
 from absl import app, flags
 
-from lmhead.studies.tying import rate_noise, table
+from studies.tying import rate_noise, table
 
 flags.DEFINE_string(
     "study_dir", None, "The tying study's sweep directory.", required=True

@@ -3,8 +3,10 @@
 This package is the head library (pure functions of arrays, and the
 ``LMHead`` module); it imports jax, flax, chex, numpy and itself only. Above
 it, each in a folder of its own: the experiment (:mod:`lmhead.lm`), the
-service (:mod:`lmhead.serve`), the sweep tooling (:mod:`lmhead.lab`) and the
-studies (:mod:`lmhead.studies`). docs/design.md lists every module.
+service (:mod:`lmhead.serve`) and the sweep tooling (:mod:`lmhead.lab`). The
+studies are a project beside the package (``studies/`` in the repository),
+which neither ``import lmhead`` nor ``pip install lmhead`` carries.
+docs/design.md lists every module.
 """
 
 from lmhead import (

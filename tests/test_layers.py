@@ -4,7 +4,7 @@ The head library (``lmhead/*.py``, ``lmhead/decoding/``) is at the bottom and
 imports jax, flax, chex, numpy, the standard library and itself only; above
 it the experiment (``lmhead/lm/``), then the service (``lmhead/serve/``) and
 the sweep tooling (``lmhead/lab/``), which do not import each other, and the
-studies (``lmhead/studies/``) on top. Nothing imports a layer above its own,
+studies (``studies/``) on top. Nothing imports a layer above its own,
 and no module imports itself through a cycle.
 """
 
@@ -16,7 +16,8 @@ import pytest
 
 from tests import ROOT
 
-PACKAGE = pathlib.Path(ROOT) / "lmhead"
+# The package, and the studies: a project beside it that imports it.
+TREES = (pathlib.Path(ROOT) / "lmhead", pathlib.Path(ROOT) / "studies")
 # layer -> the layers its modules may import (its own included)
 ALLOWED = {
     "head": {"head"},
@@ -29,12 +30,14 @@ HEAD_THIRD_PARTY = {"jax", "flax", "chex", "numpy"}
 
 
 def module_name(path: pathlib.Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def layer(module: str) -> str:
     parts = module.split(".")
+    if parts[0] == "studies":
+        return "studies"
     return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else "head"
 
 
@@ -54,7 +57,7 @@ def imports(path: pathlib.Path) -> set[str]:
     return names
 
 
-MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+MODULES = {module_name(p): p for tree in TREES for p in sorted(tree.rglob("*.py"))}
 GRAPH = {
     name: {i for i in imports(path) if i in MODULES and i != name}
     for name, path in MODULES.items()

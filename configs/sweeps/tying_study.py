@@ -13,7 +13,7 @@ three; each skips what is done, so rerunning it resumes)::
 
 The first stage tunes the learning rate of arms a, b and c in every cell
 (vocabulary x data amount) on two tuning seeds; the second reads those runs
-back, keeps each cell's rate (``lmhead/studies/tying/study.py`` has the
+back, keeps each cell's rate (``studies/tying/study.py`` has the
 rules) and trains the test seeds at it, arms d and e, and the table
 learning-rate ablation. The report is written from ``docs/tying_study/
 runs.csv`` alone (:func:`write_report`), one row per run of both stages.
@@ -91,7 +91,7 @@ import os
 
 from lmhead.lab import sweeps
 from lmhead.lm import data
-from lmhead.studies.tying import shapes, study
+from studies.tying import shapes, study
 
 PRESETS = {
     "full": dict(
@@ -629,21 +629,21 @@ def restore_runs(csv_path, workdir):
     """Recreates in ``workdir`` the finished runs of a committed ``runs.csv``
     that it lacks (``results.restore_runs``), so that ``make study`` on a
     fresh machine resumes where ``docs/tying_study/runs.csv`` stands."""
-    from lmhead.studies.tying import results
+    from studies.tying import results
 
     return results.restore_runs(csv_path, workdir)
 
 
 def write_report(arg, sweep_dir, out_dir):
     """``runs.csv``, REPORT.md and the plots of ``sweep_dir`` into ``out_dir``
-    (``lmhead/studies/tying/results.py``): ``(the answer to print, plot
+    (``studies/tying/results.py``): ``(the answer to print, plot
     paths)``, the answer being ``analysis.answer``'s sentence and table, or
     for a design of shared ladders its REPORT.md: the compute axis's
     (budgets, ``compute.py``), the confirmatory tests' (stage=test,
     ``confirm.py``), the mechanism test's (table multipliers,
     ``mechanism.py``), else the profiles' (the tuning stage's runs,
     ``profiles.py``)."""
-    from lmhead.studies.tying import analysis, results, table  # the report's only
+    from studies.tying import analysis, results, table  # the report's only
 
     design = get_study(arg)
     if design.shared_ladder:
@@ -660,7 +660,7 @@ def report_from_csv(arg):
     """The function ``(runs.csv's path, out_dir) -> (REPORT.md's text, plot
     paths)`` that writes the report of a design of shared ladders from its
     table alone (:func:`write_report` says which)."""
-    from lmhead.studies.tying import compute, confirm, mechanism, profiles
+    from studies.tying import compute, confirm, mechanism, profiles
 
     args = parse(arg)
     if args["budgets"]:

@@ -18,7 +18,7 @@ import timing  # experiments/bench/timing.py, beside this file
 from lmhead.lab import sweeps
 from lmhead.lm import configuration, train
 from lmhead.lm import members as members_lib
-from lmhead.studies.tying import study as study_lib
+from studies.tying import study as study_lib
 
 SWEEP_FILE = os.path.join(
     configuration.REPOSITORY, "configs", "sweeps", "tying_study.py"

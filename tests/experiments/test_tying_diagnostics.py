@@ -15,7 +15,7 @@ from scipy import stats
 
 from lmhead.lm import checkpoints, configuration, generation
 from lmhead.lm import state as state_lib
-from lmhead.studies.tying import diagnostics_report, table
+from studies.tying import diagnostics_report, table
 from tests import references, run_experiment
 
 MAX_WINDOWS = 6

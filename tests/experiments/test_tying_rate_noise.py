@@ -15,7 +15,7 @@ import pytest
 
 from lmhead.lm import checkpoints, data, generation
 from lmhead.lm import state as state_lib
-from lmhead.studies.tying import rate_noise, table
+from studies.tying import rate_noise, table
 from tests import references, run_experiment
 
 CHOSEN, FOLLOWING, SEEDS = 0.001, 0.002, (100, 101)

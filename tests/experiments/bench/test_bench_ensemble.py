@@ -14,7 +14,7 @@ import pytest
 
 from lmhead.lm import configuration, data, train
 from lmhead.lm import state as state_lib
-from lmhead.studies.tying import study
+from studies.tying import study
 from tests import ROOT
 from tests.experiments.bench.commands import run_bench
 

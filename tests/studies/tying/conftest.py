@@ -3,7 +3,7 @@ read them (``synthetic_rows.py``)."""
 
 import pytest
 
-from lmhead.studies.tying import analysis
+from studies.tying import analysis
 from tests.studies.tying import synthetic_rows
 
 

@@ -10,7 +10,7 @@ numpy generator with a fixed seed. One run failed (no metrics).
 
 import numpy as np
 
-from lmhead.studies.tying import table
+from studies.tying import table
 
 VOCAB_SIZES = {"char": 84, "2048": 2048}
 AMOUNTS = (0.01, 1.0)

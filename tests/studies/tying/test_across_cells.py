@@ -1,4 +1,4 @@
-"""Tests for lmhead/studies/tying/across_cells.py (the mixed model across
+"""Tests for studies/tying/across_cells.py (the mixed model across
 cells and the power table) and flags_text.py (the runs to read narrowly), on
 the report of the synthetic rows: the model against statsmodels' formula
 interface run here, the power against the noncentral t integrated by hand,
@@ -13,7 +13,7 @@ import pytest
 import statsmodels.formula.api as smf
 from scipy import integrate, stats
 
-from lmhead.studies.tying import across_cells, design_text
+from studies.tying import across_cells, design_text
 from tests.studies.tying import synthetic_rows
 from tests.studies.tying.test_analysis import (
     assert_close,

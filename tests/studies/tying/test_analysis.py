@@ -1,4 +1,4 @@
-"""Tests for lmhead/studies/tying/analysis.py and its sections (answer.py,
+"""Tests for studies/tying/analysis.py and its sections (answer.py,
 design_text.py, tuning_text.py, report_text.py; and cells.py, contrast_plots.py):
 the report of synthetic runs.csv rows with known effects, every number
 checked against numpy/scipy (and statsmodels where installed) on the rows
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from lmhead.studies.tying import (
+from studies.tying import (
     analysis,
     answer,
     cells,
@@ -761,7 +761,7 @@ class TestFiles:
     ):
         import matplotlib.figure
 
-        from lmhead.studies.tying import contrast_plots
+        from studies.tying import contrast_plots
 
         saved = []
         monkeypatch.setattr(

@@ -1,5 +1,5 @@
 """Tests of the compute axis (configs/sweeps/tying_study.py:compute and
-lmhead/studies/tying/compute.py): b - a at each budget and its change from
+studies/tying/compute.py): b - a at each budget and its change from
 budget to budget against scipy and a hand computation on synthetic tables,
 a budget without runs said as such, the report written again from its
 runs.csv (and the other budgets' table), and the plan: the tiny preset's
@@ -17,7 +17,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from lmhead.lab import sweeps
-from lmhead.studies.tying import compute, study, table
+from studies.tying import compute, study, table
 from tests import ROOT
 from tests.studies.tying.committed import assert_regenerates
 from tests.studies.tying.sweep_file import STUDY, run_sweep, study_module

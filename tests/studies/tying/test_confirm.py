@@ -1,4 +1,4 @@
-"""Tests of the confirmatory tests (lmhead/studies/tying/confirm.py and the
+"""Tests of the confirmatory tests (studies/tying/confirm.py and the
 sweep file's confirm preset): each verdict of each kind of hypothesis on
 synthetic per-seed tables against scipy and Holm written out here, the
 report written again from its runs.csv alone, the confirmatory seeds (new,
@@ -13,7 +13,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from lmhead.lab import sweeps
-from lmhead.studies.tying import confirm, study, table
+from studies.tying import confirm, study, table
 from tests import ROOT
 from tests.studies.tying.committed import assert_regenerates
 from tests.studies.tying.sweep_file import STUDY, run_sweep, study_module

@@ -1,4 +1,4 @@
-"""Tests for lmhead/studies/tying/diagnostics.py against numpy written here,
+"""Tests for studies/tying/diagnostics.py against numpy written here,
 on small random arrays, jitted and not."""
 
 import functools
@@ -11,7 +11,7 @@ import pytest
 from absl.testing import absltest
 from scipy import stats
 
-from lmhead.studies.tying import diagnostics
+from studies.tying import diagnostics
 from tests import errors
 
 V, D = 11, 5

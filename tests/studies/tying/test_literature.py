@@ -1,4 +1,4 @@
-"""Tests for lmhead/studies/tying/literature.py: synthetic runs.csv rows with
+"""Tests for studies/tying/literature.py: synthetic runs.csv rows with
 known paired differences (three cells, four seeds) read back as the section
 "Against published results", checked against numpy and scipy computed here;
 and the published data (literature.toml) read and internally consistent."""
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from lmhead.studies.tying import literature
+from studies.tying import literature
 from tests import ROOT
 from tests.lab.markdown import table_rows
 from tests.studies.tying.synthetic_rows import holm_by_hand
@@ -349,7 +349,7 @@ def test_the_data_file_is_read_as_published():
     """The claims come from literature.toml: a PTB claim's numbers and
     source from the pairs, every other claim's text as the file has it."""
     text = (
-        importlib.resources.files("lmhead.studies.tying")
+        importlib.resources.files("studies.tying")
         .joinpath(literature.DATA_FILE)
         .read_text("utf-8")
     )

@@ -1,5 +1,5 @@
 """Tests of the mechanism test (configs/sweeps/tying_study.py:mechanism and
-lmhead/studies/tying/mechanism.py): arm b at each table multiplier k on a
+studies/tying/mechanism.py): arm b at each table multiplier k on a
 ladder of its own beside the profiled cell's arms a and b, whose committed
 runs it reuses by name; whether a k closes b - a on synthetic tables; and
 the report written again from its runs.csv alone."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lmhead.lab import sweeps
-from lmhead.studies.tying import mechanism, profiles, study, table
+from studies.tying import mechanism, profiles, study, table
 from tests import ROOT
 from tests.studies.tying.committed import assert_regenerates
 from tests.studies.tying.sweep_file import STUDY, study_module

@@ -12,8 +12,8 @@ import os
 import pytest
 
 from lmhead.lab import sweeps
-from lmhead.studies.tying import profiles as profiles_report
-from lmhead.studies.tying import study, table
+from studies.tying import profiles as profiles_report
+from studies.tying import study, table
 from tests import ROOT
 from tests.studies.tying.sweep_file import STUDY, run_sweep, study_module
 

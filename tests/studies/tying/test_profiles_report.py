@@ -1,4 +1,4 @@
-"""Tests of the learning-rate profiles' report (lmhead/studies/tying/
+"""Tests of the learning-rate profiles' report (studies/tying/
 profiles.py): the bootstrap over tuning seeds against a hand computation,
 the best rate's rules, and the report written from its runs.csv alone."""
 
@@ -9,7 +9,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from lmhead.studies.tying import profiles, table
+from studies.tying import profiles, table
 from tests.studies.tying.committed import assert_regenerates
 
 R1, R2, R3 = 0.001, 0.00141, 0.002

@@ -1,11 +1,11 @@
-"""Tests for lmhead/studies/tying/rate_noise.py's arithmetic against numpy,
+"""Tests for studies/tying/rate_noise.py's arithmetic against numpy,
 and its keeping of earlier readings (tests/experiments/test_tying_rate_noise.py
 runs it on trained runs)."""
 
 import numpy as np
 import pytest
 
-from lmhead.studies.tying import rate_noise
+from studies.tying import rate_noise
 from tests.studies.tying import synthetic_rows
 
 

@@ -1,4 +1,4 @@
-"""Tests for lmhead/studies/tying/results.py: the rows of runs.csv read from a
+"""Tests for studies/tying/results.py: the rows of runs.csv read from a
 sweep directory of the tiny design (run directories written, not trained),
 restored into fresh directories, and the committed reports and plots
 regenerated from their runs.csv alone (through the report command, in
@@ -13,7 +13,7 @@ import pytest
 
 from lmhead.lab import ensembles, runner, sweeps
 from lmhead.lm import configuration
-from lmhead.studies.tying import results, shapes, study, table, tuning_text
+from studies.tying import results, shapes, study, table, tuning_text
 from tests import ROOT, run_experiment
 from tests.lab.sweep_helpers import SWEEP_CONFIGS
 from tests.studies.tying.sweep_file import STUDY, study_module

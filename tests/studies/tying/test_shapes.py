@@ -1,4 +1,4 @@
-"""Tests for lmhead/studies/tying/shapes.py: the closed-form parameter count
+"""Tests for studies/tying/shapes.py: the closed-form parameter count
 against the model's own init."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from lmhead.lm import model
-from lmhead.studies.tying import shapes
+from studies.tying import shapes
 
 
 @pytest.mark.parametrize(

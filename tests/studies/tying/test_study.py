@@ -1,4 +1,4 @@
-"""Tests for lmhead/studies/tying/study.py and its sweep file,
+"""Tests for studies/tying/study.py and its sweep file,
 configs/sweeps/tying_study.py: the designed grid with matched counts, the
 learning-rate choice on the mean of the tuning seeds, the edge extensions on
 the sqrt(2) ladder, arm e's untie step, the ablation, the presets, and the
@@ -12,7 +12,7 @@ import pytest
 
 from lmhead.lab import sweeps, workdirs
 from lmhead.lm import configuration
-from lmhead.studies.tying import results, shapes, study, table
+from studies.tying import results, shapes, study, table
 from tests.lab.sweep_helpers import (
     DEFAULT_CONFIG,
     parsed_train_config,

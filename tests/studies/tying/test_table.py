@@ -1,4 +1,4 @@
-"""Tests for lmhead/studies/tying/table.py: runs.csv round-trips every value
+"""Tests for studies/tying/table.py: runs.csv round-trips every value
 exactly (floats by repr, None as an empty cell), and a table or row of
 other columns or types is refused with an error that names them."""
 
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from lmhead.studies.tying import table
+from studies.tying import table
 from tests.studies.tying import synthetic_rows
 
 

@@ -8,9 +8,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lmhead.lab import report
-from lmhead.studies.tying import cells as cells_lib
-from lmhead.studies.tying.cells import ALPHA, PRIMARY, Contrast
-from lmhead.studies.tying.report_text import (
+from studies.tying import cells as cells_lib
+from studies.tying.cells import ALPHA, PRIMARY, Contrast
+from studies.tying.report_text import (
     p_text,
     pair_text,
     spread_text,

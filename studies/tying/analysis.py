@@ -11,14 +11,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lmhead.lab import report
-from lmhead.studies.tying import cells as cells_lib
-from lmhead.studies.tying import contrast_plots, table
-from lmhead.studies.tying.across_cells import model_section, power_section
-from lmhead.studies.tying.answer import answer, family_counts
-from lmhead.studies.tying.cells import PRIMARY, SECONDARY, Contrast
-from lmhead.studies.tying.design_text import design_section
-from lmhead.studies.tying.flags_text import flags_section
-from lmhead.studies.tying.report_text import (
+from studies.tying import cells as cells_lib
+from studies.tying import contrast_plots, table
+from studies.tying.across_cells import model_section, power_section
+from studies.tying.answer import answer, family_counts
+from studies.tying.cells import PRIMARY, SECONDARY, Contrast
+from studies.tying.design_text import design_section
+from studies.tying.flags_text import flags_section
+from studies.tying.report_text import (
     DASH,
     column_names,
     equal_spread_text,
@@ -32,7 +32,7 @@ from lmhead.studies.tying.report_text import (
     significant_text,
     spread_text,
 )
-from lmhead.studies.tying.tuning_text import tuning_section
+from studies.tying.tuning_text import tuning_section
 
 Rows = Sequence[Mapping[str, Any]]
 

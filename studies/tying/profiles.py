@@ -20,7 +20,7 @@ import matplotlib.ticker
 import numpy as np
 
 from lmhead.lab import report
-from lmhead.studies.tying import table
+from studies.tying import table
 
 PLOT = "profile_{vocab}_{amount}.png"
 ALL_PLOT = "profiles.png"

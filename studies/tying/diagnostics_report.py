@@ -1,6 +1,6 @@
 """The tying study's diagnostics of trained runs: :func:`diagnose_run` reads
 a run (its parameters at ``best_checkpoint``, else the newest, and its own
-training tokens) and computes :mod:`lmhead.studies.tying.diagnostics` on
+training tokens) and computes :mod:`studies.tying.diagnostics` on
 evaluation windows; :func:`write_diagnostics` writes ``norms.png``,
 ``cosines.png`` (untied runs), ``bucket_loss.png``, ``diagnostics.json`` and
 ``diagnostics.md``. ``experiments/tying_diagnostics.py`` is its command.
@@ -19,8 +19,8 @@ import numpy as np
 from lmhead.lab import report
 from lmhead.lm import checkpoints, data, generation, scoring
 from lmhead.lm import state as state_lib
-from lmhead.studies.tying import cells as cells_lib
-from lmhead.studies.tying import diagnostics, report_text
+from studies.tying import cells as cells_lib
+from studies.tying import diagnostics, report_text
 
 SPLITS = ("test", "val")
 NUM_BUCKETS = 5

@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lmhead.lab import report
-from lmhead.studies.tying import cells as cells_lib
-from lmhead.studies.tying.report_text import DASH, column_names, prose, seeds_text
+from studies.tying import cells as cells_lib
+from studies.tying.report_text import DASH, column_names, prose, seeds_text
 
 Rows = Sequence[Mapping[str, Any]]
 

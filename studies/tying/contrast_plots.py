@@ -15,7 +15,7 @@ from collections.abc import Callable
 import matplotlib.ticker
 
 from lmhead.lab import report
-from lmhead.studies.tying import cells as cells_lib
+from studies.tying import cells as cells_lib
 
 AMOUNT_PLOT = "contrast_vs_amount.png"
 HEAD_SHARE_PLOT = "contrast_vs_head_share.png"

@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lmhead.lab import report, stats
-from lmhead.studies.tying import profiles, table
-from lmhead.studies.tying.report_text import p_text
+from studies.tying import profiles, table
+from studies.tying.report_text import p_text
 
 PLOT = "compute_axis.png"
 ARMS = ("a", "b")

@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from lmhead.lab import report, stats
-from lmhead.studies.tying import cells, literature, table
-from lmhead.studies.tying.report_text import p_text
+from studies.tying import cells, literature, table
+from studies.tying.report_text import p_text
 
 CONFIRMED, REFUTED, NOT_TOLD = "confirmed", "refuted", "not told apart"
 PROFILE_UNFINISHED = "profile unfinished"

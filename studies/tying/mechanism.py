@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lmhead.lab import report
-from lmhead.studies.tying import profiles, table
+from studies.tying import profiles, table
 
 
 def closes(baseline: profiles.Bootstrap, at_k: profiles.Bootstrap) -> bool:

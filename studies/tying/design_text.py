@@ -6,9 +6,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lmhead.lab import report
-from lmhead.studies.tying import cells as cells_lib
-from lmhead.studies.tying import table
-from lmhead.studies.tying.report_text import (
+from studies.tying import cells as cells_lib
+from studies.tying import table
+from studies.tying.report_text import (
     DASH,
     column_names,
     int_text,

@@ -16,9 +16,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from lmhead.lab import report, stats
-from lmhead.studies.tying import cells as cells_lib
-from lmhead.studies.tying.cells import ALPHA
-from lmhead.studies.tying.report_text import prose
+from studies.tying import cells as cells_lib
+from studies.tying.cells import ALPHA
+from studies.tying.report_text import prose
 
 DATA_FILE = "literature.toml"
 DASH = report.DASH
@@ -143,9 +143,9 @@ def compare(
     rows: Sequence[Mapping[str, Any]], x: str, y: str, column: str
 ) -> list[cells_lib.Contrast]:
     """``x - y`` of ``column`` per cell with both arms, over the finished test
-    runs paired by seed (:func:`~lmhead.studies.tying.cells.paired_contrasts`), with the paired
+    runs paired by seed (:func:`~studies.tying.cells.paired_contrasts`), with the paired
     t-test's p-value Holm-adjusted: over the study's primary family
-    (:func:`~lmhead.studies.tying.cells.primary_family`) for a primary
+    (:func:`~studies.tying.cells.primary_family`) for a primary
     contrast of test bits/char, the same p as the report's primary section;
     otherwise over these cells alone (exploratory); in cell order.
 
@@ -243,7 +243,7 @@ def equivalence_margin(
 
 def _margin(groups: Mapping[tuple, Mapping[int, Any]], vocab: str, amount: float):
     """:func:`equivalence_margin` from the finished test runs grouped by
-    :func:`~lmhead.studies.tying.cells.group_runs`."""
+    :func:`~studies.tying.cells.group_runs`."""
     per_word = [
         r["test_chars"] / r["test_words"]
         for (v, a, _), runs in groups.items()

@@ -1,7 +1,7 @@
 r"""How precisely the tying study's validation windows tell a chosen
 learning rate from the next best one.
 
-A margin (:func:`~lmhead.studies.tying.cells.selection_noise`) is read again
+A margin (:func:`~studies.tying.cells.selection_noise`) is read again
 window by window: for tuning seed ``s`` with per-window losses
 :math:`\ell_{s,w}` at the chosen rate and :math:`\ell'_{s,w}` at the next,
 
@@ -23,7 +23,7 @@ import numpy as np
 
 from lmhead.lab import report, stats
 from lmhead.lm import data
-from lmhead.studies.tying import cells, diagnostics_report, report_text
+from studies.tying import cells, diagnostics_report, report_text
 
 MARKDOWN_FILE = "rate_noise.md"
 JSON_FILE = "rate_noise.json"

@@ -18,7 +18,7 @@ import numpy as np
 
 from lmhead.lab import ensembles, workdirs
 from lmhead.lm import configuration, data
-from lmhead.studies.tying import analysis, literature, profiles, shapes, study, table
+from studies.tying import analysis, literature, profiles, shapes, study, table
 
 RUNS_CSV = "runs.csv"
 VERSION_KEYS = ("jax", "flax", "optax")
@@ -277,7 +277,7 @@ def collect_rows(
     design: study.Design, sweep_dir: str, *, test: bool = True
 ) -> list[dict]:
     """The rows of every run the design plans so far
-    (:func:`~lmhead.studies.tying.study.read_plan`; ``test`` False: the
+    (:func:`~studies.tying.study.read_plan`; ``test`` False: the
     tuning stage's only)."""
     return [
         row(design, p, r)
@@ -297,7 +297,7 @@ def write_report(
     the report from that file alone: ``from_csv(path, out_dir)`` where
     given (the confirmatory or mechanism tests'), else
     :func:`report_from_csv`'s, or for a design of shared ladders the
-    learning-rate profiles' (:func:`lmhead.studies.tying.profiles.
+    learning-rate profiles' (:func:`studies.tying.profiles.
     report_from_csv`). Returns ``(REPORT.md's text, plot paths)``."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, RUNS_CSV)

@@ -19,7 +19,7 @@ from typing import Any
 
 from lmhead.lab import sweeps, workdirs
 from lmhead.lm import configuration
-from lmhead.studies.tying import shapes
+from studies.tying import shapes
 
 # Distinct characters of the embedded corpus: the character vocabulary.
 CHAR_VOCAB_SIZE = 84

@@ -32,9 +32,9 @@ from statsmodels.tools import sm_exceptions
 
 from lmhead.lab import report
 from lmhead.lab import stats as stats_lib
-from lmhead.studies.tying import cells as cells_lib
-from lmhead.studies.tying.cells import PRIMARY
-from lmhead.studies.tying.report_text import column_names, p_text, prose, range_text
+from studies.tying import cells as cells_lib
+from studies.tying.cells import PRIMARY
+from studies.tying.report_text import column_names, p_text, prose, range_text
 
 Rows = Sequence[Mapping[str, Any]]
 # The power and level of the table of smallest detectable differences.

@@ -205,7 +205,12 @@ def test_the_tiny_profiles_run_end_to_end(tmp_path):
     rows = table.read_rows(str(out / "runs.csv"))
     assert len(rows) == len(read) and {r["role"] for r in rows} == {"tune"}
     assert {r["eval_every"] for r in rows} == {5}
-    assert len(plots) == 1 and "b − a" in text and "c − a" in text
+    # Every profiled cell's curves in one figure, and the cell's own.
+    assert [os.path.basename(p) for p in plots] == [
+        "profiles.png",
+        "profile_300_0.2.png",
+    ]
+    assert "b − a" in text and "c − a" in text
     again, _ = profiles_report.report_from_csv(
         str(out / "runs.csv"), str(tmp_path / "again")
     )

@@ -11,6 +11,7 @@ from lmhead import (
     decoding,
     distillation,
     head,
+    kto,
     losses,
     modules,
     policy_gradient,
@@ -39,6 +40,7 @@ from lmhead.head import (
     token_log_probs,
     unembed,
 )
+from lmhead.kto import fused_kto_loss, kto_loss, kto_reference_point
 from lmhead.losses import (
     bits_per_character,
     bits_per_token,

@@ -274,8 +274,10 @@ def fused_kto_loss(
         ``(loss, metrics)`` as :func:`kto_loss`.
 
     Examples:
-        TRL's reference point from completions paired with the next
-        prompt's hidden states, then the loss:
+        TRL's reference point from mismatched completions, then the loss.
+        A model gives the hidden states of each prompt followed by another
+        row's completion; for brevity this example rolls the ids over the
+        same hidden states:
 
         >>> import jax, jax.numpy as jnp
         >>> from lmhead.token_logprobs import fused_token_logprobs

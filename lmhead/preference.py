@@ -8,12 +8,13 @@ rejected tokens together (one more without gradient for a reference head),
 so the gradient is exact and no ``[N, V]`` array exists. The losses of a
 pair's margin (``MARGIN_LOSSES``) are that sweep's objective, a pair being
 one of its segments, and take their gradient in its forward pass.
+
 Each loss's defaults compute what its reference's defaults compute
 (Liger-Kernel's ``chunked_loss``, TRL's trainers): sums of log-probs for
 DPO and CPO, means for IPO, SimPO and ORPO, the NLL term for ORPO and CPO;
 ``average_log_prob`` and ``compute_nll_loss`` change them.
 docs/post_training.md lists the formulas, their papers and every difference
-from the references. KTO, on completions labelled alone, is
+from the references. KTO, on completions labelled one by one, is
 :mod:`lmhead.kto`.
 """
 
@@ -76,7 +77,7 @@ def _check_pair(chosen, rejected, chosen_mask, rejected_mask):
     check_sequences("rejected_logps", rejected, "rejected_mask", rejected_mask)
 
 
-def check_switch(name, value):
+def _check_switch(name, value):
     """``value`` is True, False or None (the loss's reference default)."""
     if value is not None and not isinstance(value, bool):
         raise TypeError(
@@ -104,8 +105,8 @@ def check_options(
     _checks.check_in_range(
         "gamma", gamma, low=-math.inf, high=math.inf, low_open=True, high_open=True
     )
-    check_switch("average_log_prob", average_log_prob)
-    check_switch("compute_nll_loss", compute_nll_loss)
+    _check_switch("average_log_prob", average_log_prob)
+    _check_switch("compute_nll_loss", compute_nll_loss)
     return (
         loss_type in AVERAGED if average_log_prob is None else average_log_prob,
         loss_type in WITH_NLL if compute_nll_loss is None else compute_nll_loss,
@@ -370,9 +371,9 @@ def sequence_logps(hs, w, ids, masks, options):
         weights=jnp.concatenate([jnp.ravel(m) for m in masks]),
         **options,
     )
-    ends = np.cumsum([np.size(x) for x in ids])
+    ends = np.cumsum([jnp.size(x) for x in ids])
     return [
-        jnp.reshape(out.logprobs[end - np.size(x) : end], jnp.shape(x))
+        jnp.reshape(out.logprobs[end - jnp.size(x) : end], jnp.shape(x))
         for x, end in zip(ids, ends)
     ]
 

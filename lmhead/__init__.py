@@ -13,6 +13,7 @@ from lmhead import (
     decoding,
     distillation,
     head,
+    kto,
     losses,
     modules,
     policy_gradient,
@@ -41,6 +42,7 @@ from lmhead.head import (
     token_log_probs,
     unembed,
 )
+from lmhead.kto import fused_kto_loss, kto_loss, kto_reference_point
 from lmhead.losses import (
     bits_per_character,
     bits_per_token,

@@ -21,6 +21,7 @@ from lmhead import (
     distillation,
     fused,
     head,
+    kto,
     losses,
     policy_gradient,
     preference,
@@ -495,7 +496,8 @@ class LMHead(nn.Module):
         embedding: Embedding | None = None,
         **options,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """DPO, SimPO, ORPO or CPO of this head's log-probs, fused; see
+        """A preference loss of chosen/rejected pairs (DPO and its family,
+        SimPO, ORPO, CPO) on this head's log-probs, fused; see
         ``preference.fused_preference_loss`` for ``options`` (a
         ``reference_head`` gives the reference's own ``h`` and ``w``)."""
         return self._through_head(
@@ -506,6 +508,29 @@ class LMHead(nn.Module):
             rejected_ids,
             chosen_mask,
             rejected_mask,
+            **options,
+        )
+
+    def kto_loss(
+        self,
+        h: jax.Array,
+        ids: jax.Array,
+        mask: jax.Array,
+        desirable: jax.Array,
+        embedding: Embedding | None = None,
+        **options,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """KTO on completions labelled ``desirable`` or not, on this head's
+        log-probs, fused; see ``kto.fused_kto_loss`` for ``options`` (the
+        reference point ``kl``, e.g. ``kto.kto_reference_point`` of
+        :meth:`token_logprobs` of mismatched completions)."""
+        return self._through_head(
+            kto.fused_kto_loss,
+            [h],
+            embedding,
+            ids,
+            mask,
+            desirable,
             **options,
         )
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-from lmhead import modules, policy_gradient, preference, sparse_distillation
+from lmhead import kto, modules, policy_gradient, preference, sparse_distillation
 from tests import references
 
 B, T, D, V, RANK = 2, 3, 8, 13, 4
@@ -75,9 +75,9 @@ class MethodsTest(parameterized.TestCase):
 
     @parameterized.named_parameters(*[(n, n) for n in HEADS])
     def test_losses_and_parameter_gradients(self, name):
-        """DPO (with precomputed reference log-probs), GRPO and the sparse
-        KL through the method equal the loss of the materialized log-probs;
-        so do their gradients w.r.t. the head's parameters."""
+        """DPO and KTO (with precomputed reference log-probs), GRPO and the
+        sparse KL through the method equal the loss of the materialized
+        log-probs; so do their gradients w.r.t. the head's parameters."""
         lm_head, params, embedding, rng = setup_head(name)
         h = [jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32) for _ in range(2)]
         ids = [rng.integers(0, V, (B, T)) for _ in range(2)]
@@ -86,6 +86,7 @@ class MethodsTest(parameterized.TestCase):
         advantages = rng.standard_normal(B)
         top = rng.integers(0, V, (B, T, 2))
         teacher = np.log(np.full((B, T, 2), 0.3))
+        desirable = np.array([True, False])
 
         def materialized(params):
             def logp(h, ids):
@@ -108,7 +109,10 @@ class MethodsTest(parameterized.TestCase):
             logits = lm_head.apply(params, h[0], embedding)
             student = jnp.take_along_axis(jax.nn.log_softmax(logits), top, -1)
             kl, _ = sparse_distillation.sparse_distillation_loss(student, teacher)
-            return jnp.stack([dpo, grpo, kl])
+            unpaired, _ = kto.kto_loss(
+                logp(h[1], ids[1]), mask, desirable, ref_logps=ref[1], kl=0.2
+            )
+            return jnp.stack([dpo, grpo, kl, unpaired])
 
         def fused(params):
             apply = lambda method, *a, **k: lm_head.apply(  # noqa: E731
@@ -143,12 +147,23 @@ class MethodsTest(parameterized.TestCase):
                 embedding,
                 chunk_size=4,
             )
-            return jnp.stack([dpo, grpo, kl])
+            unpaired, _ = apply(
+                modules.LMHead.kto_loss,
+                h[1],
+                ids[1],
+                mask,
+                desirable,
+                embedding,
+                reference_logps=ref[1],
+                kl=0.2,
+                chunk_size=4,
+            )
+            return jnp.stack([dpo, grpo, kl, unpaired])
 
         np.testing.assert_allclose(
             fused(params), materialized(params), rtol=1e-5, atol=1e-7
         )
-        for i in range(3):
+        for i in range(4):
             got = jax.grad(lambda p: fused(p)[i])(params)
             want = jax.grad(lambda p: materialized(p)[i])(params)
             chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)

@@ -1,10 +1,13 @@
 """Tests for lmhead/preference.py.
 
-Hand-worked cases pin each loss's formula (Liger-Kernel's definitions); the
-fused loss is checked against the same formulas written here in float64 on
-numpy's log-softmax of the materialized logits, with gradients by central
-differences. B = 2 pairs of T = 5 tokens (chosen) and 4 (rejected), N = 18
-tokens in chunks of 4 (a ragged last chunk), some masked.
+Hand-worked cases pin each loss's formula; the losses are checked against
+the same formulas written here in float64 numpy, in the convention each
+reference uses by default (Liger-Kernel 0.8.5's ``chunked_loss``, TRL's
+DPOTrainer and CPOTrainer) and with each option that departs from it: the
+plain loss on random log-probs, the fused one on numpy's log-softmax of the
+materialized logits, with gradients by central differences. B = 2 pairs of
+T = 5 tokens (chosen) and 4 (rejected), N = 18 tokens in chunks of 4 (a
+ragged last chunk), some masked.
 """
 
 import chex
@@ -33,28 +36,53 @@ def np_log_sigmoid(x):
     return -np.logaddexp(0.0, -x)
 
 
-def np_preference_loss(lc, lr, mc, mr, loss_type, ref_c=None, ref_r=None):
-    """The losses from their papers' formulas, float64."""
-    s_c, s_r = np.sum(mc * lc, -1), np.sum(mr * lr, -1)
-    a_c, a_r = s_c / mc.sum(-1), s_r / mr.sum(-1)
-    smoothed = lambda x: (
-        -(1 - SMOOTHING) * np_log_sigmoid(x) - SMOOTHING * np_log_sigmoid(-x)
-    )  # noqa: E731
-    if loss_type in ("sigmoid", "hinge", "ipo"):
-        delta = (s_c - np.sum(mc * ref_c, -1)) - (s_r - np.sum(mr * ref_r, -1))
+# The references' defaults, from their source: means of log-probs for IPO
+# (TRL; Liger 0.8.5 has no IPO), SimPO and ORPO, sums for the others; the
+# chosen tokens' NLL for ORPO and CPO (Liger's compute_nll_loss, TRL's
+# cpo_alpha), not for SimPO (its paper, Liger's function, TRL's docs).
+REFERENCE_MEANS = ("ipo", "simpo", "orpo")
+REFERENCE_NLL = ("orpo", "cpo")
+
+
+def np_preference_loss(
+    lc, lr, mc, mr, loss_type, ref_c=None, ref_r=None, average=None, nll=None
+):
+    """The losses from their papers' formulas, float64; ``average`` and
+    ``nll`` None for the reference's default."""
+    average = loss_type in REFERENCE_MEANS if average is None else average
+    nll = loss_type in REFERENCE_NLL if nll is None else nll
+
+    def score(x, m):
+        if x is None:
+            return 0.0
+        s = np.sum(m * x, -1)
+        return s / m.sum(-1) if average else s
+
+    p_c, p_r = score(lc, mc), score(lr, mr)
+    eps = SMOOTHING
+    smoothed = lambda x: -(1 - eps) * np_log_sigmoid(x) - eps * np_log_sigmoid(-x)  # noqa: E731
+    if loss_type in ("sigmoid", "hinge", "ipo", "robust"):
+        delta = (p_c - score(ref_c, mc)) - (p_r - score(ref_r, mr))
+        x = BETA * delta
         per_pair = {
-            "sigmoid": lambda: smoothed(BETA * delta),
-            "hinge": lambda: np.maximum(0, 1 - BETA * delta),
+            "sigmoid": lambda: smoothed(x),
+            # Chowdhury et al. 2024, as Liger's and TRL's "robust".
+            "robust": lambda: (
+                (-(1 - eps) * np_log_sigmoid(x) + eps * np_log_sigmoid(-x))
+                / (1 - 2 * eps)
+            ),
+            "hinge": lambda: np.maximum(0, 1 - x),
             "ipo": lambda: (delta - 1 / (2 * BETA)) ** 2,
         }[loss_type]()
-        return per_pair.mean()
-    nll = -np.sum(mc * lc) / mc.sum()
-    if loss_type == "simpo":
-        return smoothed(BETA * (a_c - a_r) - GAMMA).mean()
-    if loss_type == "cpo":
-        return smoothed(BETA * (a_c - a_r)).mean() + ALPHA * nll
-    odds = lambda a: a - np.log1p(-np.exp(a))  # noqa: E731
-    return (-BETA * np_log_sigmoid(odds(a_c) - odds(a_r))).mean() + ALPHA * nll
+    elif loss_type == "simpo":
+        per_pair = smoothed(BETA * (p_c - p_r) - GAMMA)
+    elif loss_type == "cpo":
+        per_pair = smoothed(BETA * (p_c - p_r))
+    else:
+        odds = lambda a: a - np.log1p(-np.exp(a))  # noqa: E731
+        per_pair = -BETA * np_log_sigmoid(odds(p_c) - odds(p_r))
+    # The NLL: a token mean over all chosen tokens, sums or means aside.
+    return per_pair.mean() + (ALPHA * -np.sum(mc * lc) / mc.sum() if nll else 0.0)
 
 
 def make_inputs(seed=0, pairs=B):
@@ -97,16 +125,17 @@ def reference_logps(x):
     )
 
 
-def assert_matches_float64(x, loss_type, value, grads, names):
+def assert_matches_float64(x, loss_type, value, grads, names, **conventions):
     """``value`` and ``grads`` (of ``names``) equal the numpy formula's on the
-    float64 log-probs, and its central differences."""
+    float64 log-probs, and its central differences; ``conventions`` are
+    :func:`np_preference_loss`'s ``average`` and ``nll``."""
     ref_c, ref_r = reference_logps(x)
 
     def reference_loss(h_c, h_r, w, bias):
         lc, *_ = refs.token_logprobs(h_c, w, bias, x["ids_c"], **OPTIONS)
         lr, *_ = refs.token_logprobs(h_r, w, bias, x["ids_r"], **OPTIONS)
         return np_preference_loss(
-            lc, lr, x["mask_c"], x["mask_r"], loss_type, ref_c, ref_r
+            lc, lr, x["mask_c"], x["mask_r"], loss_type, ref_c, ref_r, **conventions
         )
 
     inputs = [x[n] for n in ("h_c", "h_r", "w", "bias")]
@@ -158,6 +187,26 @@ class HandWorkedTest(parameterized.TestCase):
             dict(beta=1.0, alpha=0.5),
             np.log(1.5) + 0.5 * np.log(2),
         ),
+        # Delta = log 3, sigmoid(log 3) = 3/4: (-0.9 log 3/4 + 0.1 log 1/4) / 0.8.
+        (
+            "robust",
+            "robust",
+            -1.0,
+            -1.0 - np.log(3.0),
+            dict(beta=1.0, label_smoothing=0.1),
+            (0.9 * np.log(4 / 3) - 0.1 * np.log(4)) / 0.8,
+        ),
+        # At Delta = 0 the robust loss is log 2 whatever eps.
+        ("robust_at_0", "robust", -1.0, -1.0, dict(label_smoothing=0.3), np.log(2)),
+        # SimPO with CPO's NLL: log(1 + e^0.5) plus 0.5 * 2.
+        (
+            "simpo_nll",
+            "simpo",
+            -2.0,
+            -2.0,
+            dict(gamma=0.5, alpha=0.5, compute_nll_loss=True),
+            np.log1p(np.exp(0.5)) + 1.0,
+        ),
     )
     def test_case(self, loss_type, chosen, rejected, options, expected):
         one = jnp.ones((1, 1))
@@ -193,6 +242,28 @@ class HandWorkedTest(parameterized.TestCase):
         ).items():
             np.testing.assert_allclose(m[name], value, rtol=1e-6, err_msg=name)
 
+    @parameterized.named_parameters(
+        # Chosen (-1, -3), rejected (-4): sums Delta = 0, loss
+        # log(1 + e^0) = log 2 plus the NLL 2; means Delta = 2, loss
+        # log(1 + e^-0.2), plus 2.
+        ("cpo_sums", "cpo", None, np.log(2) + 2.0),
+        ("cpo_means", "cpo", True, np.log1p(np.exp(-0.2)) + 2.0),
+        # IPO, beta = 0.1: means (TRL's) (2 - 5)^2, sums (0 - 5)^2.
+        ("ipo_means", "ipo", None, 9.0),
+        ("ipo_sums", "ipo", False, 25.0),
+    )
+    def test_sums_or_means(self, loss_type, average_log_prob, expected):
+        loss, _ = preference.preference_loss(
+            jnp.array([[-1.0, -3.0]]),
+            jnp.array([[-4.0, 0.0]]),
+            jnp.ones((1, 2)),
+            jnp.array([[1.0, 0.0]]),
+            loss_type=loss_type,
+            beta=0.1,
+            average_log_prob=average_log_prob,
+        )
+        np.testing.assert_allclose(loss, expected, rtol=1e-6)
+
     def test_masked_tokens_are_left_out_of_sums_and_means(self):
         """SimPO, beta = 1, gamma = 0: chosen (-1, masked -100) has A = -1,
         rejected (-2, -4) has A = -3; -log sigmoid(2) = log(1 + e^-2)."""
@@ -208,15 +279,84 @@ class HandWorkedTest(parameterized.TestCase):
         np.testing.assert_allclose(loss, np.log1p(np.exp(-2)), rtol=1e-6)
 
 
+# Options that depart from a reference's default, each on a loss that has
+# it: (loss_type, preference_loss keywords, np_preference_loss conventions).
+DEPARTURES = [
+    ("cpo", dict(average_log_prob=True), dict(average=True)),  # means
+    ("cpo", dict(compute_nll_loss=False), dict(nll=False)),
+    ("simpo", dict(compute_nll_loss=True), dict(nll=True)),  # CPO-SimPO
+    ("orpo", dict(compute_nll_loss=False), dict(nll=False)),
+    ("ipo", dict(average_log_prob=False), dict(average=False)),  # sums
+    ("sigmoid", dict(average_log_prob=True), dict(average=True)),
+    ("robust", dict(compute_nll_loss=True), dict(nll=True)),
+]
+
+
+class FormulaTest(parameterized.TestCase):
+    """The plain loss on random log-probs: value and gradients w.r.t. the
+    policy's log-probs equal the float64 formula's and its central
+    differences; the reference's log-probs get none."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(
+        *[(loss_type, {}, {}) for loss_type in preference.LOSS_TYPES], *DEPARTURES
+    )
+    def test_value_and_gradients_match_float64(self, loss_type, options, conventions):
+        x = make_inputs(seed=3)
+        rng = np.random.default_rng(3)
+        logps = [-rng.exponential(size=(B, t)) for t in (T_C, T_R)]
+        ref = [-rng.exponential(size=(B, t)) for t in (T_C, T_R)]
+        masks = x["mask_c"], x["mask_r"]
+
+        def loss(lc, lr, ref_c, ref_r):
+            return preference.preference_loss(
+                lc,
+                lr,
+                *masks,
+                loss_type=loss_type,
+                beta=BETA,
+                gamma=GAMMA,
+                alpha=ALPHA,
+                label_smoothing=SMOOTHING,
+                ref_chosen_logps=ref_c,
+                ref_rejected_logps=ref_r,
+                **options,
+            )
+
+        step = self.variant(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))
+        (value, metrics), grads = step(*(jnp.asarray(a) for a in logps + ref))
+
+        def reference(lc, lr):
+            return np_preference_loss(lc, lr, *masks, loss_type, *ref, **conventions)
+
+        np.testing.assert_allclose(value, reference(*logps), rtol=1e-5)
+        for i, want in enumerate(
+            (
+                refs.numeric_grad(lambda v: reference(v, logps[1]), logps[0]),
+                refs.numeric_grad(lambda v: reference(logps[0], v), logps[1]),
+            )
+        ):
+            np.testing.assert_allclose(grads[i], want, rtol=1e-4, atol=1e-6)
+        np.testing.assert_array_equal(grads[2], 0.0)
+        np.testing.assert_array_equal(grads[3], 0.0)
+        self.assertEqual(
+            "nll" in metrics,
+            conventions.get("nll", loss_type in REFERENCE_NLL),
+        )
+
+
 class FusedTest(parameterized.TestCase):
     # Compiled only: the sweep runs its scans and custom VJP compiled either
     # way, and the plain JAX around it is stricter under jit than op by op.
     @chex.variants(with_jit=True)
     @parameterized.parameters(
-        *[(loss_type, "head") for loss_type in preference.LOSS_TYPES],
-        *[(loss_type, "logps") for loss_type in preference.WITH_REFERENCE],
+        *[(loss_type, "head", {}, {}) for loss_type in preference.LOSS_TYPES],
+        *[(loss_type, "logps", {}, {}) for loss_type in preference.WITH_REFERENCE],
+        *[(loss_type, "head", *options) for loss_type, *options in DEPARTURES],
     )
-    def test_value_and_gradients_match_float64(self, loss_type, reference):
+    def test_value_and_gradients_match_float64(
+        self, loss_type, reference, options, conventions
+    ):
         """Value and d/d(h_chosen, h_rejected, w, bias) equal the numpy
         formula's and its central differences; the reference gets none."""
         x = make_inputs()
@@ -229,6 +369,7 @@ class FusedTest(parameterized.TestCase):
             label_smoothing=SMOOTHING,
             chunk_size=4,
             **OPTIONS,
+            **options,
         )
 
         def fused(h_c, h_r, w, bias, h_rc, w_ref):
@@ -241,15 +382,17 @@ class FusedTest(parameterized.TestCase):
         names = ("h_c", "h_r", "w", "bias", "h_rc", "w_ref")
         args = [jnp.asarray(x[n], jnp.float32) for n in names]
         value, grads = self.variant(jax.value_and_grad(fused, tuple(range(6))))(*args)
-        assert_matches_float64(x, loss_type, value, grads, names[:4])
+        assert_matches_float64(x, loss_type, value, grads, names[:4], **conventions)
         # The frozen reference: exactly no gradient.
         np.testing.assert_array_equal(grads[4], 0.0)
         np.testing.assert_array_equal(grads[5], 0.0)
 
 
 class PairSegmentsTest(parameterized.TestCase):
-    """The DPO family and SimPO take their gradient in the forward sweep, a
-    pair being a segment of the sweep (``Plan.segment_length``): 3 pairs of
+    """The margin losses without the NLL term (the DPO family, SimPO, CPO
+    with ``compute_nll_loss=False``) take their gradient in the forward
+    sweep, a pair being a segment of the sweep (``Plan.segment_length``):
+    IPO on means, the others on sums. 3 pairs of
     9 tokens, in chunks of 4 inside a pair (each pair's gradient scaled once
     it is done; its last chunk clamped to its end) or of 18, two whole pairs
     (the last chunk clamped to the tokens' end, overlapping a pair)."""
@@ -278,6 +421,7 @@ class PairSegmentsTest(parameterized.TestCase):
                 beta=BETA,
                 gamma=GAMMA,
                 label_smoothing=SMOOTHING,
+                compute_nll_loss=False,
                 chunk_size=chunk_size,
                 dw_accumulation=dw_accumulation,
                 **OPTIONS,
@@ -287,7 +431,7 @@ class PairSegmentsTest(parameterized.TestCase):
         args = [jnp.asarray(x[n], jnp.float32) for n in names]
         step = jax.value_and_grad(fused, (0, 1, 2, 3), has_aux=True)
         (value, metrics), grads = self.variant(step)(*args)
-        assert_matches_float64(x, loss_type, value, grads, names)
+        assert_matches_float64(x, loss_type, value, grads, names, nll=False)
         np.testing.assert_allclose(metrics["preference_loss"], value, rtol=1e-5)
 
     def test_a_metric_differentiated_takes_the_recompute_sweep(self):
@@ -339,9 +483,13 @@ LOSS = [
     ("mask with no tokens", dict(chosen_mask=np.array([[1.0] * 3, [0.0] * 3])),
      ValueError),
     ("mask shape", dict(rejected_mask=np.ones((2, 2))), ValueError),
-    ("unknown loss_type", dict(loss_type="kto"), ValueError),
+    ("unknown loss_type", dict(loss_type="apo_zero"), ValueError),
     ("beta 0", dict(beta=0.0), ValueError),
     ("smoothing above half", dict(label_smoothing=0.6), ValueError),
+    ("robust smoothing half", dict(loss_type="robust", label_smoothing=0.5),
+     ValueError, "label_smoothing"),
+    ("average_log_prob not bool", dict(average_log_prob="yes"), TypeError),
+    ("compute_nll_loss not bool", dict(compute_nll_loss=1), TypeError),
     ("logps rank", dict(chosen_logps=-np.ones(2)), ValueError),
     ("ref shape", dict(ref_chosen_logps=np.ones((2, 2))), ValueError),
 ]  # fmt: skip
@@ -352,6 +500,10 @@ FUSED = [
           reference_head=(np.zeros((B, T_C, D)), np.zeros((B, T_R, D)),
                           np.zeros((V, D)))),
      ValueError),
+    ("reference_head length",
+     dict(reference_head=(np.zeros((B, T_C, D)), np.zeros((V, D)))), ValueError),
+    ("robust smoothing half", dict(loss_type="robust", label_smoothing=0.5),
+     ValueError, "label_smoothing"),
     ("batch sizes differ",
      dict(h_rejected=np.zeros((3, T_R, D)), rejected_ids=np.zeros((3, T_R), np.int32),
           rejected_mask=np.ones((3, T_R))),

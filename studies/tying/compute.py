@@ -254,19 +254,27 @@ def budget_table(points: Sequence[Point]) -> str:
 
 
 def change_table(points: Sequence[Point]) -> str:
-    """The change of b − a from each budget to the next."""
-    rows = []
+    """The change of b − a from each budget to the next: paired by seed, or
+    where the budgets share fewer than two seeds (the budgets past early
+    training test seeds of their own), the difference of the two budgets'
+    mean b − a with Welch's interval (:func:`lmhead.lab.stats.welch_difference`)."""
+    rows, welch = [], False
     for low, high in zip(points, points[1:]):
         c, p = change(low, high)
-        rows.append(
-            [
-                f"{low.steps} → {high.steps}",
-                str(0 if c is None else c.n),
-                _interval(c),
-                p_text(p),
-            ]
-        )
-    header = ["steps", "seeds paired", "change of b − a [95% paired t]", "p"]
+        seeds = str(0 if c is None else c.n)
+        if c is None and len(low.per_seed) > 1 and len(high.per_seed) > 1:
+            c, p = stats.welch_difference(
+                list(high.per_seed.values()), list(low.per_seed.values())
+            )
+            seeds, welch = (
+                f"none ({len(low.per_seed)} and {len(high.per_seed)}, Welch)",
+                True,
+            )
+        rows.append([f"{low.steps} → {high.steps}", seeds, _interval(c), p_text(p)])
+    change_header = "change of b − a [95% " + (
+        "t: paired or Welch's]" if welch else "paired t]"
+    )
+    header = ["steps", "seeds paired", change_header, "p"]
     return report.markdown_table(header, rows)
 
 

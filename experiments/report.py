@@ -17,7 +17,7 @@ from absl import app, flags
 
 from lmhead.lab import report, sweeps
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Sweep directory.", required=True)
+_WORKDIR = cli.workdir_flag()
 _SWEEP = flags.DEFINE_string(
     "sweep",
     None,

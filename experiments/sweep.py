@@ -36,9 +36,7 @@ _SWEEP = flags.DEFINE_string(
     "configs/sweeps/tying_study.py:small,stage=tune.",
     required=True,
 )
-_WORKDIR = flags.DEFINE_string(
-    "workdir", None, "Sweep directory; each run gets a subdirectory.", required=True
-)
+_WORKDIR = cli.workdir_flag()
 _PARALLEL = flags.DEFINE_integer(
     "parallel", 1, "Runs at a time, as separate processes.", lower_bound=1
 )

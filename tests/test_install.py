@@ -3,7 +3,6 @@ of the experiment's, the service's or the study's stack, and the head
 functions run without them."""
 
 import ast
-import functools
 import glob
 import os
 import re
@@ -141,6 +140,7 @@ def closure(requirements: list[str]) -> dict[str, str]:
 
 
 def names(requirements: list[str]) -> set[str]:
+    """The distributions that ``requirements`` name, as pip spells them."""
     return {canonicalize_name(Requirement(text).name) for text in requirements}
 
 
@@ -238,16 +238,21 @@ def test_core_install_in_a_fresh_venv(tmp_path):
     venv = tmp_path / "venv"
     python = str(venv / "bin" / "python")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_USER")}
-    run = functools.partial(
-        subprocess.run, capture_output=True, text=True, check=True, env=env
-    )
+
+    def run(argv, timeout, cwd=None):
+        result = subprocess.run(
+            argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout
+        )
+        assert result.returncode == 0, (argv, result.stderr[-3000:])
+        return result
+
     run([sys.executable, "-m", "venv", str(venv)], timeout=300)
     constraints = os.path.join(ROOT, "constraints.txt")
     run(
         [python, "-m", "pip", "install", "--quiet", "-c", constraints, str(source)],
         timeout=1800,
     )
-    result = run([python, "-c", HEAD_CHECK, *EXTRA_MODULES], cwd=tmp_path, timeout=300)
+    result = run([python, "-c", HEAD_CHECK, *EXTRA_MODULES], 300, cwd=tmp_path)
     assert str(venv) in result.stdout  # the installed lmhead, not the tree's
     freeze = run([python, "-m", "pip", "freeze"], timeout=300).stdout
     print(freeze)

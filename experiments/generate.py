@@ -29,7 +29,7 @@ from absl import app, flags
 
 from lmhead.lm import generation
 
-flags.DEFINE_string("workdir", None, "A training run's directory.", required=True)
+cli.workdir_flag()
 flags.DEFINE_string("prompt", "\n", "Text to continue.")
 flags.DEFINE_integer("max_new_tokens", 200, "Tokens to add.", lower_bound=1)
 flags.DEFINE_integer("num_samples", 1, "Continuations to print.", lower_bound=1)

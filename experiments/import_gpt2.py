@@ -21,12 +21,7 @@ from lmhead.lm import gpt2_import
 flags.DEFINE_string(
     "from", None, "A Hugging Face GPT-2-layout directory.", required=True
 )
-flags.DEFINE_string(
-    "workdir",
-    None,
-    "The run directory to write (new, or without checkpoints).",
-    required=True,
-)
+cli.workdir_flag()  # the run to write: new, or without checkpoints
 
 
 def main(argv):

@@ -3,19 +3,21 @@ prints the answer and the paths (``lmhead/lab/report.py``).
 
     python experiments/report.py --workdir=runs/tying_study --out=docs/tying_study
 
-A sweep file that defines ``write_report`` (``configs/sweeps/tying_study.py``)
-writes its own report into ``--out``; any other sweep gets the generic
-tied-vs-untied report. ``--restore_from`` first recreates the finished runs
+The sweep file's ``write_report`` (``configs/sweeps/tying_study.py``'s)
+writes the report into ``--out``; a sweep file without one has no report
+(docs/sweeps.md, "Reports"). ``--restore_from`` first recreates the finished runs
 of committed tables, so that a committed report is rewritten from its
 ``runs.csv`` alone (docs/tying_study/README.md, "Commands").
 """
+
+import sys
 
 import cli  # experiments/cli.py, beside this file
 from absl import app, flags
 
 from lmhead.lab import report, sweeps
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Sweep directory.", required=True)
+_WORKDIR = cli.workdir_flag()
 _SWEEP = flags.DEFINE_string(
     "sweep",
     None,
@@ -40,9 +42,12 @@ def main(argv):
     for table in _RESTORE_FROM.value:
         restored = sweeps.restore_runs(_SWEEP.value, table, _WORKDIR.value)
         print(f"Restored {len(restored)} finished runs from {table}.", flush=True)
-    text, report_path, plots = report.write_sweep_report(
-        _WORKDIR.value, out_dir=_OUT.value, spec=_SWEEP.value
-    )
+    try:
+        text, report_path, plots = report.write_sweep_report(
+            _WORKDIR.value, out_dir=_OUT.value, spec=_SWEEP.value
+        )
+    except ValueError as e:
+        sys.exit(str(e))
     print(text.rstrip("\n") + "\n")
     print(f"Report: {report_path}")
     for path in plots:

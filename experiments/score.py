@@ -18,7 +18,7 @@ from absl import app, flags
 
 from lmhead.lm import generation, scoring
 
-flags.DEFINE_string("workdir", None, "A training run's directory.", required=True)
+cli.workdir_flag()
 flags.DEFINE_multi_string("file", [], "UTF-8 text file to score (repeatable).")
 flags.DEFINE_multi_string("text", [], "Text to score (repeatable).")
 flags.DEFINE_integer(

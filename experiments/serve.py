@@ -26,7 +26,7 @@ from absl import app, flags
 from lmhead.lm import generation
 from lmhead.serve import continuous, engine, requests, web
 
-flags.DEFINE_string("workdir", None, "A training run's directory.", required=True)
+cli.workdir_flag()
 flags.DEFINE_string(
     "host", "127.0.0.1", "Address to listen on; any but loopback needs --token_file."
 )

@@ -36,9 +36,7 @@ _SWEEP = flags.DEFINE_string(
     "configs/sweeps/tying_study.py:small,stage=tune.",
     required=True,
 )
-_WORKDIR = flags.DEFINE_string(
-    "workdir", None, "Sweep directory; each run gets a subdirectory.", required=True
-)
+_WORKDIR = cli.workdir_flag()
 _PARALLEL = flags.DEFINE_integer(
     "parallel", 1, "Runs at a time, as separate processes.", lower_bound=1
 )
@@ -79,7 +77,10 @@ _PROGRESS_EVERY_S = flags.DEFINE_float(
     lower_bound=0.0,
 )
 _REPORT = flags.DEFINE_bool(
-    "report", True, "Write REPORT.md and the plots when the runs are done."
+    "report",
+    True,
+    "When the runs are done, write the report of a sweep file that has one "
+    "(its write_report): REPORT.md and the plots.",
 )
 _TRAIN_SCRIPT = flags.DEFINE_string(
     "train_script",
@@ -116,7 +117,9 @@ def main(argv):
             runs,
             slots,
             command=shlex.join(["python", *sys.argv]),
-            report_command=report if _REPORT.value else None,
+            report_command=(
+                report if _REPORT.value and sweeps.has_report(_SWEEP.value) else None
+            ),
             jobs=jobs,
             progress_every_s=_PROGRESS_EVERY_S.value,
         )

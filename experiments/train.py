@@ -27,7 +27,7 @@ from lmhead.lm import members as ensemble_members
 config_flags.DEFINE_config_file(
     "config", None, "A configs/*.py file[:args].", lock_config=True
 )
-flags.DEFINE_string("workdir", None, "Directory of the run's outputs.")
+cli.workdir_flag()
 flags.DEFINE_bool(
     "distributed", False, "Start jax.distributed and let JAX detect the cluster."
 )
@@ -56,7 +56,7 @@ flags.DEFINE_multi_string(
     "(lmhead/lm/ensemble.py); a member without a workdir gets "
     "--workdir/members/<index>.",
 )
-flags.mark_flags_as_required(["config", "workdir"])
+flags.mark_flag_as_required("config")
 
 
 def main(argv):

@@ -17,7 +17,7 @@ from absl import app, flags
 
 from studies.tying import diagnostics_report, table
 
-flags.DEFINE_multi_string("workdir", None, "A trained run's directory (repeatable).")
+cli.workdir_flag(repeatable=True)
 flags.DEFINE_string(
     "study_dir", None, "Instead of --workdir: the tying study's sweep directory."
 )

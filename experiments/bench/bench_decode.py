@@ -2,7 +2,7 @@ r"""Decoding speed by batch, cache capacity and decoder, optionally against tran
 
     python experiments/bench/bench_decode.py                  # docs/decoding.md's table
     python experiments/bench/bench_decode.py --new_tokens=200 --max_lens=256,1024 --compare_hf
-    python experiments/bench/bench_decode.py --quick --compare_hf   # a check that it runs
+    python experiments/bench/bench_decode.py --quick --compare_hf   # batch 1 and 4, max_len 64 and 128, 8 new tokens, 2 repeats
 
 Greedy, top-p and 4-beam decoding of ``--config``'s model (GPT-2 layout,
 random weights) by batch and ``max_len``, then greedy with every request
@@ -30,12 +30,7 @@ from lmhead.lm import model as model_lib
 config_flags.DEFINE_config_file(
     "config", "configs/default.py", "A configs/*.py file[:args]; its model is timed."
 )
-flags.DEFINE_bool(
-    "quick",
-    False,
-    "Batch 1 and 4, max_len 64 and 128, 8 new tokens, "
-    "2 repeats: checks that the script runs.",
-)
+timing.cli.quick_flag()
 flags.DEFINE_bool(
     "compare_hf", False, "Also time transformers' GPT-2 with the same weights."
 )
@@ -50,7 +45,7 @@ flags.DEFINE_list("decoders", ["greedy", "top-p", "beam 4"], "Decoders to time."
 flags.DEFINE_integer(
     "repeats", 5, "Timed runs per measurement (median).", lower_bound=1
 )
-flags.DEFINE_integer("matmul_size", 1024, "Side of the timed square float32 matmul.")
+timing.cli.matmul_size_flag(1024)
 flags.DEFINE_bool(
     "cpu_time",
     False,

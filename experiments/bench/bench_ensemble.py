@@ -6,7 +6,7 @@ runs finished per hour for a slice of the tying study, and a GPU preset.
     python experiments/bench/bench_ensemble.py --runs_per_hour # 16 study runs
     python experiments/bench/bench_ensemble.py --runs_per_hour --slice_steps=200
     python experiments/bench/bench_ensemble.py --gpu           # a few minutes
-    python experiments/bench/bench_ensemble.py --quick         # tiny, for tests
+    python experiments/bench/bench_ensemble.py --quick         # tiny sizes in every mode, for tests
 
 ``experiments/bench/bench_train.py --ensemble [FLAGS]`` is the same command;
 the programs are ``lmhead/lm/ensemble.py``'s. ``docs/benchmarks.md`` says
@@ -95,8 +95,8 @@ flags.DEFINE_integer(
 flags.DEFINE_integer(
     "rounds", DEFAULTS.rounds, "Rounds of alternation (medians).", lower_bound=1
 )
-flags.DEFINE_integer("matmul_size", DEFAULTS.matmul_size, "Side of the square matmul.")
-flags.DEFINE_bool("quick", False, "Tiny sizes in every mode: measures nothing.")
+timing.cli.matmul_size_flag(DEFAULTS.matmul_size)
+timing.cli.quick_flag()
 flags.DEFINE_bool(
     "runs_per_hour", False, "Time a slice of the tying study as processes instead."
 )

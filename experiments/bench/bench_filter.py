@@ -4,7 +4,7 @@ r"""Gradient filtering of the fused cross-entropy on trained models' hidden stat
         --vocab_size=8192 --train_steps=400
     python experiments/bench/bench_filter.py --workdir=/tmp/filter/bpe8192 \
         --workdir=runs/compare/<run>            # runs trained before
-    python experiments/bench/bench_filter.py --quick --workdir=/tmp/f --vocab_size=300
+    python experiments/bench/bench_filter.py --quick --workdir=/tmp/f --vocab_size=300  # tiny config, 128 tokens, 1 round
 
 Random ``h`` and ``w`` give a flat softmax where nothing can be skipped; a
 trained model's softmax puts almost no mass on most of a large vocabulary.
@@ -45,9 +45,7 @@ from lmhead import _fused_sweep, _vocab_order, fused, head, losses
 from lmhead.lm import configuration, data, generation, loop, train
 from lmhead.lm import model as model_lib
 
-flags.DEFINE_multi_string(
-    "workdir", [], "Runs to measure; one without a checkpoint is trained first."
-)
+timing.cli.workdir_flag(repeatable=True)  # each run is measured
 flags.DEFINE_integer(
     "vocab_size", None, "BPE size of the runs this benchmark trains.", lower_bound=256
 )
@@ -73,7 +71,7 @@ flags.DEFINE_list(
     "tokens, most frequent first) and mean_logit (computed in the loss).",
 )
 flags.DEFINE_integer("rounds", 3, "Alternating timing rounds.", lower_bound=1)
-flags.DEFINE_bool("quick", False, "The tiny config (for tests), few tokens, 1 round.")
+timing.cli.quick_flag()
 FLAGS = flags.FLAGS
 
 # The run this benchmark trains: the recipe of configs/sweeps/filter_training.py

@@ -1,7 +1,7 @@
 r"""Fused vs materialized linear + cross-entropy: time and compiled memory.
 
     python experiments/bench/bench_head.py            # docs/fused_loss.md's table
-    python experiments/bench/bench_head.py --quick    # small shapes, a few seconds
+    python experiments/bench/bench_head.py --quick    # small shapes, 2 repeats, a few seconds
     python experiments/bench/bench_head.py --shapes=8192,512,32768
 
 For each ``(N, D, V)`` it compiles ``jax.value_and_grad`` (w.r.t. ``h`` and
@@ -123,7 +123,7 @@ flags.DEFINE_list(
     None,
     "N,D,V triples, e.g. '8192,512,32768;4096,256,8192'; default: docs/fused_loss.md's table.",
 )
-flags.DEFINE_bool("quick", False, "Small shapes and two repeats.")
+timing.cli.quick_flag()
 flags.DEFINE_integer(
     "repeats",
     5,
@@ -140,7 +140,7 @@ flags.DEFINE_float(
 flags.DEFINE_integer("chunk_size", None, "fused chunk_size (default: auto).")
 flags.DEFINE_integer("vocab_chunk_size", None, "fused vocab_chunk_size.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "dtype of h and w.")
-flags.DEFINE_integer("matmul_size", 4096, "Side of the timed square matmul.")
+timing.cli.matmul_size_flag(4096)
 flags.DEFINE_float(
     "memory_fraction",
     0.6,
@@ -152,12 +152,7 @@ flags.DEFINE_bool(
     False,
     "Measure half-precision and int8 unembedding tables against float32 instead.",
 )
-flags.DEFINE_string(
-    "workdir",
-    None,
-    "--quantized: a trained run whose table "
-    "and validation hidden states measure the accuracy.",
-)
+timing.cli.workdir_flag(required=False)  # --quantized: the accuracy's run
 flags.DEFINE_list(
     "vocab_sizes", ["32000", "50257", "128256"], "--quantized: V of the timed tables."
 )

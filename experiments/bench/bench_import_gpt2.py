@@ -1,7 +1,7 @@
 r"""Imports a random GPT-2-small-shaped checkpoint and measures its int8 head.
 
     python experiments/bench/bench_import_gpt2.py                # GPT-2 small: 12 x 768, V = 50,257
-    python experiments/bench/bench_import_gpt2.py --quick        # tiny shapes, seconds
+    python experiments/bench/bench_import_gpt2.py --quick        # 2 layers, d_model 64, V = 1000: seconds
 
 A Hugging Face GPT-2 directory at GPT-2's initialization with a synthetic
 byte-level tokenizer, then the times of ``gpt2_import.import_gpt2`` and the
@@ -18,15 +18,14 @@ import time
 
 import jax
 import numpy as np
+import timing  # experiments/bench/timing.py, beside this file
 from absl import app, flags, logging
 from safetensors.numpy import save_file
 
 from lmhead.lm import configuration, generation, gpt2_import
 from lmhead.lm import model as model_lib
 
-flags.DEFINE_bool(
-    "quick", False, "2 layers, d_model 64, V = 1000: a check that it runs."
-)
+timing.cli.quick_flag()
 flags.DEFINE_string("folder", None, "Where to write the checkpoint and the run; kept.")
 flags.DEFINE_integer("windows", 4, "Windows of random tokens for the agreement.")
 flags.DEFINE_integer("window", 256, "Tokens per window (at most n_positions).")

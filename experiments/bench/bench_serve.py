@@ -1,7 +1,7 @@
 r"""Latency and throughput of the HTTP service, over loopback.
 
     python experiments/bench/bench_serve.py --workdir=runs/nanogpt_tied
-    python experiments/bench/bench_serve.py --quick   # a tiny run trained here, seconds
+    python experiments/bench/bench_serve.py --quick   # a tiny run trained here, 8 new tokens, 32 requests a row: seconds
     python experiments/bench/bench_serve.py --quick --streamed
 
 ``experiments/serve.py`` on 127.0.0.1, sent the same sampled
@@ -31,17 +31,8 @@ from lmhead.lm import configuration, train
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLIENTS = (1, 4, 16)
 
-flags.DEFINE_string(
-    "workdir",
-    None,
-    "A training run's directory; without it, --quick trains a tiny one.",
-)
-flags.DEFINE_bool(
-    "quick",
-    False,
-    "A tiny run (trained here unless --workdir), "
-    "8 new tokens and, unless --requests, 32 requests per row.",
-)
+timing.cli.workdir_flag(required=False)  # without it, --quick trains one
+timing.cli.quick_flag()
 flags.DEFINE_integer("requests", 128, "Requests per row of the table.", lower_bound=1)
 flags.DEFINE_integer(
     "max_new_tokens",
@@ -52,7 +43,7 @@ flags.DEFINE_integer(
 flags.DEFINE_string("prompt", "ROMEO:", "The prompt of every request.")
 flags.DEFINE_float("temperature", 0.8, "Sampling temperature of every request.")
 flags.DEFINE_integer("startup_timeout_s", 900, "How long to wait for the warm-up.")
-flags.DEFINE_integer("matmul_size", 1024, "Side of the timed float32 matmul.")
+timing.cli.matmul_size_flag(1024)
 flags.DEFINE_bool(
     "streamed",
     False,

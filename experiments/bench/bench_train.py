@@ -2,7 +2,7 @@ r"""Training speed, side by side with nanoGPT: tokens/s, FLOP rates, ratio.
 
     python experiments/bench/bench_train.py                      # nanogpt,tied
     python experiments/bench/bench_train.py --nanogpt=/tmp/nanoGPT
-    python experiments/bench/bench_train.py --quick --nanogpt=/tmp/nanoGPT
+    python experiments/bench/bench_train.py --quick --nanogpt=/tmp/nanoGPT  # 3 rounds of 3 steps, a 256 matmul
     python experiments/bench/bench_train.py --config=nanogpt,tied,bpe=2048 \
         --loss_impl=materialized --loss_impl=fused
     python experiments/bench/bench_train.py --profile     # where a step's time goes
@@ -51,10 +51,8 @@ flags.DEFINE_multi_integer(
 )
 flags.DEFINE_integer("steps", 20, "Timed steps per program per round.", lower_bound=1)
 flags.DEFINE_integer("rounds", 10, "Rounds of alternation (medians).", lower_bound=1)
-flags.DEFINE_integer("matmul_size", 1024, "Side of the timed square matmul.")
-flags.DEFINE_bool(
-    "quick", False, "3 rounds of 3 steps, a 256 matmul: measures nothing."
-)
+timing.cli.matmul_size_flag(1024)
+timing.cli.quick_flag()
 flags.DEFINE_bool(
     "profile", False, "Also the one-device step's stages and each of its matmuls."
 )

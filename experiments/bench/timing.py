@@ -6,9 +6,12 @@ matmul rate of :class:`Matmul`, measured in the same run; its first line is
 :func:`machine` and its tables :func:`table`. ``docs/benchmarks.md`` says
 how each benchmark uses them. The benchmarks import this file as
 ``timing``: run as ``python experiments/bench/bench_X.py``, their folder is
-first on ``sys.path``.
+first on ``sys.path``. The flags they share with each other and with the
+commands are defined once in ``experiments/cli.py``, which this file loads
+as :data:`cli`.
 """
 
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -18,7 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from lmhead import _checks
-from lmhead.lm import sharding
+from lmhead.lm import configuration, sharding
+
+# experiments/cli.py: the folder above, which is not on a benchmark's sys.path.
+cli = configuration.load_module(
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cli.py")
+)
 
 
 def wall_and_cpu() -> np.ndarray:

@@ -14,6 +14,8 @@ from typing import Any
 
 from scipy import optimize as scipy_optimize
 from scipy import stats as scipy_stats
+from statsmodels.stats import multitest
+from statsmodels.stats import power as power_lib
 
 from lmhead import _checks
 
@@ -206,7 +208,8 @@ def holm_adjusted(p_values: Sequence[float]) -> list[float]:
     Rejecting where :math:`\tilde p \le \alpha` keeps the chance of any
     false rejection in the family at most :math:`\alpha`. A NaN (a test that
     could not be made) still counts in :math:`m`, since the family was named
-    before the data, sorts last, and stays NaN.
+    before the data, sorts last, and stays NaN. Computed by statsmodels'
+    ``multipletests(method="holm")``.
 
     Raises:
         ValueError: a p-value outside [0, 1].
@@ -221,15 +224,12 @@ def holm_adjusted(p_values: Sequence[float]) -> list[float]:
     bad = [p for p in values if not (math.isnan(p) or 0.0 <= p <= 1.0)]
     if bad:
         raise ValueError(f"p_values must lie in [0, 1] (or be NaN), got {bad}.")
-    m = len(values)
-    order = sorted(range(m), key=lambda i: (math.isnan(values[i]), values[i]))
-    adjusted, running = [math.nan] * m, 0.0
-    for rank, index in enumerate(order):
-        if math.isnan(values[index]):
-            break
-        running = max(running, min(1.0, (m - rank) * values[index]))
-        adjusted[index] = running
-    return adjusted
+    if not values:
+        return []
+    # statsmodels counts a NaN in m; numpy's sort puts it last, where the
+    # running maximum over the sorted values reaches no other test.
+    adjusted = multitest.multipletests(values, method="holm")[1]
+    return [float(p) for p in adjusted]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,7 +370,10 @@ def equivalence_p_value(difference: PairedDifference, margin: float) -> float:
     Below :math:`\alpha`, the difference is shown to be smaller than the
     margin in size (equivalently, the :math:`1 - 2\alpha` interval lies
     inside it); a test that only fails to find a difference shows nothing of
-    the kind. NaN for fewer than 2 pairs or a zero spread.
+    the kind. NaN for fewer than 2 pairs or a zero spread. On the pairs
+    themselves this is statsmodels' ``ttost_paired(x, y, -margin, margin)``;
+    it is written here on the summary, which is all a
+    :class:`PairedDifference` holds (statsmodels has no public TOST from one).
 
     Raises:
         ValueError: ``margin`` is not a finite positive number.
@@ -404,7 +407,8 @@ def minimum_detectable_difference(
         P\big(|T'_{n-1}(\lambda)| > t_{1-\alpha/2,\,n-1}\big) = \text{power},
         \qquad \lambda = \delta \sqrt{n} / s_d,
 
-    with :math:`T'` the noncentral t distribution (Cohen 1988, ch. 2). A
+    with :math:`T'` the noncentral t distribution (Cohen 1988, ch. 2), the
+    power of statsmodels' ``TTestPower`` summed over the two tails. A
     Bonferroni correction over a family of m tests is ``alpha / m``. NaN
     for fewer than 2 pairs or a spread that is not a positive number.
 
@@ -422,16 +426,15 @@ def minimum_detectable_difference(
             raise ValueError(f"{name} must lie in (0, 1), got {value!r}.")
     if n < 2 or not (math.isfinite(std) and std > 0):
         return math.nan
-    dof = n - 1
-    critical = scipy_stats.t.ppf(1 - alpha / 2, dof)
+    tests = power_lib.TTestPower()
 
     def shortfall(effect: float) -> float:
-        noncentrality = effect * math.sqrt(n)
-        found = scipy_stats.nct.sf(critical, dof, noncentrality)
-        # The far tail's mass, negligible there, can come back NaN.
-        far = scipy_stats.nct.cdf(-critical, dof, noncentrality)
-        found += far if math.isfinite(far) else 0.0
-        return found - power
+        # Each tail at alpha / 2: statsmodels' two-sided power is NaN where
+        # the far tail's mass, negligible there, comes back NaN, and so is its
+        # solve_power's answer off.
+        near = tests.power(effect, n, alpha / 2, alternative="larger")
+        far = tests.power(effect, n, alpha / 2, alternative="smaller")
+        return near + (far if math.isfinite(far) else 0.0) - power
 
     upper = 1.0
     while shortfall(upper) < 0:  # power grows with the effect: bracket it

@@ -186,6 +186,12 @@ def restore_runs(spec: str, csv_path: str, workdir: str) -> list[str]:
     return module.restore_runs(csv_path, workdir)
 
 
+def has_report(spec: str) -> bool:
+    """Whether the sweep file of ``spec`` (``path.py[:arg]``) writes a report:
+    defines ``write_report(arg, sweep_dir, out_dir)``."""
+    return hasattr(load_module(split_spec(spec)[0]), "write_report")
+
+
 def split_spec(spec: str) -> tuple[str, str | None]:
     """``"path.py:arg"`` -> ``(path.py, arg)``; the file must exist.
 

@@ -1,7 +1,7 @@
 """Runs read back from their work directories: one run (:func:`read_run`),
-a sweep directory (:func:`read_sweep`), the runs grouped by setting and
-paired by seed (:func:`group_runs`, :func:`seed_of`), and the time they
-took (:func:`wall_seconds`); the files are listed in ``docs/sweeps.md``.
+a sweep directory (:func:`read_sweep`), the time they took
+(:func:`wall_seconds`) and their curves (:func:`curve`); the files are
+listed in ``docs/sweeps.md``.
 """
 
 import dataclasses
@@ -172,68 +172,6 @@ def varying_keys(flat_configs: Sequence[dict[str, Any]]) -> list[str]:
         for k in keys
         if len({json.dumps(c.get(k), sort_keys=True) for c in flat_configs}) > 1
     ]
-
-
-# --- Settings and seeds -------------------------------------------------------
-
-
-def is_seed_key(key: str) -> bool:
-    """Whether an override key is a random seed (runs differing only there repeat a setting)."""
-    return key.rsplit(".", 1)[-1] == "seed"
-
-
-def group_runs(runs: Sequence[Run], drop: Sequence[str] = ()) -> list[list[Run]]:
-    """Groups runs whose overrides agree except on seeds and the keys ``drop``.
-
-    Groups and runs within them keep the order of ``runs``.
-
-    Examples:
-        >>> runs = [Run(n, n, o, {}, [], None, "not started") for n, o in [
-        ...     ("a", {"model.tied": True, "train.seed": 0}),
-        ...     ("b", {"model.tied": False, "train.seed": 0}),
-        ...     ("c", {"model.tied": True, "train.seed": 1})]]
-        >>> [[r.name for r in group] for group in group_runs(runs)]
-        [['a', 'c'], ['b']]
-        >>> [[r.name for r in group] for group in group_runs(runs, drop=["model.tied"])]
-        [['a', 'b', 'c']]
-    """
-    groups: dict[str, list[Run]] = {}
-    for run in runs:
-        setting = {
-            k: v
-            for k, v in run.overrides.items()
-            if not is_seed_key(k) and k not in drop
-        }
-        groups.setdefault(json.dumps(setting, sort_keys=True), []).append(run)
-    return list(groups.values())
-
-
-def seed_of(run: Run) -> tuple:
-    """The run's seed overrides (or its ``train.seed``), to pair runs across settings."""
-    seeds = tuple(v for k, v in run.overrides.items() if is_seed_key(k))
-    return seeds or (flatten(run.config).get("train.seed"),)
-
-
-# --- Values of one run ------------------------------------------------------------
-
-
-def final_metrics(run: Run) -> dict[str, float]:
-    """The final evaluation of a finished run, ``eval/`` prefixes removed.
-
-    Adds ``tokens_per_sec``, ``num_params`` and ``num_head_params`` from
-    ``summary.json``. A summary without ``final`` falls back to the last
-    ``eval/`` record of ``metrics.jsonl``.
-    """
-    summary = run.summary or {}
-    final = summary.get("final")
-    if not final:
-        evals = [m for m in run.metrics if any(k.startswith("eval/") for k in m)]
-        final = evals[-1] if evals else {}
-    values = {k.removeprefix("eval/"): v for k, v in final.items() if k != "step"}
-    for key in ("tokens_per_sec", "num_params", "num_head_params"):
-        if key in summary:
-            values[key] = summary[key]
-    return values
 
 
 def wall_seconds(runs: Sequence[Run]) -> float:

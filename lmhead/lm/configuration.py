@@ -95,7 +95,7 @@ def _ranges(config) -> dict[str, tuple[Any, Any, str]]:
         "mesh.data": (-1, None, "[)"),
         "mesh.model": (-1, None, "[)"),
         "optim.lr": (0.0, None, "()"),
-        "optim.warmup_steps": (0, config.train.steps - 1, "[]"),
+        "optim.warmup_steps": (0, None, "[)"),
         "optim.min_lr": (0.0, config.optim.lr, "[]"),
         "optim.weight_decay": (0.0, None, "[)"),
         "optim.grad_clip": (0.0, None, "[)"),
@@ -173,6 +173,13 @@ def _check_rules_between_values(config) -> None:
             "a factorized head (config.model.head_rank) has none; got "
             f"untie_step={config.model.untie_step} with "
             f"head_rank={config.model.head_rank}."
+        )
+    if config.optim.warmup_steps >= config.train.steps:
+        raise ValueError(
+            f"config.optim.warmup_steps ({config.optim.warmup_steps}) must end "
+            f"before config.train.steps ({config.train.steps}): set "
+            "--config.optim.warmup_steps below it, or give the steps as "
+            "configs/default.py's steps=N, which shortens the warmup to N // 2."
         )
     if config.model.d_model % config.model.num_heads:
         raise ValueError(

@@ -1,6 +1,6 @@
-"""Tests for experiments/report.py, the report command: what it prints and
-that --restore_from rewrites a committed report from its table (the
-reports themselves are tested in tests/lab/test_report.py and
+"""Tests for experiments/report.py, the report command: what it prints, that
+--restore_from rewrites a committed report from its table, and what it
+refuses (the reports themselves are tested in
 tests/studies/tying/test_analysis.py; the committed reports rebuilt from
 their runs.csv, byte for byte, in tests/studies/tying/test_results.py)."""
 
@@ -9,21 +9,18 @@ import os
 import pytest
 
 from tests import ROOT, run_experiment
-from tests.lab import synthetic_sweep
 
 COMPARE = os.path.join(ROOT, "docs", "compare")
 STUDY = os.path.join(ROOT, "configs", "sweeps", "tying_study.py")
 
 
-def test_the_command_prints_the_table_and_the_paths(tmp_path):
-    sweep_dir = synthetic_sweep.write_sweep(tmp_path)
-    result = run_experiment("report.py", f"--workdir={sweep_dir}", timeout=120)
-    assert result.returncode == 0, result.stderr
-    stdout = result.stdout
-    assert stdout.startswith("| head | vocabulary |")
-    assert f"\n\nReport: {sweep_dir / 'REPORT.md'}\n" in stdout
-    for name in ("loss_curves.png", "loss_vs_vocab.png", "loss_vs_params.png"):
-        assert f"Plot:   {sweep_dir / name}" in stdout
+def test_a_sweep_file_without_a_report_is_refused_by_name(tmp_path):
+    (tmp_path / "plain.py").write_text("def get_sweep(arg=None):\n    pass\n")
+    result = run_experiment(
+        "report.py", f"--workdir={tmp_path}", f"--sweep={tmp_path}/plain.py"
+    )
+    assert result.returncode == 1
+    assert "plain.py defines no write_report" in result.stderr
 
 
 def test_a_committed_report_is_rewritten_from_its_table_alone(tmp_path):

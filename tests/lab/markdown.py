@@ -1,7 +1,4 @@
-"""Reading the reports' markdown back, and the numpy reference of their
-mean ± std cells, for the tests of the generic and the study's report."""
-
-import numpy as np
+"""Reading the reports' markdown back, for the tests of the study's report."""
 
 
 def table_rows(markdown, first_header):
@@ -17,9 +14,3 @@ def table_rows(markdown, first_header):
             break
         rows.append(dict(zip(header, (c.strip() for c in line.strip("|").split("|")))))
     return rows
-
-
-def mean_std_text(values, decimals):
-    """numpy's mean and sample std, as the report writes them."""
-    values = np.asarray(values)
-    return f"{values.mean():,.{decimals}f} ± {values.std(ddof=1):,.{decimals}f}"

@@ -1,7 +1,7 @@
 """Tests for lmhead/lab/runner.py, through its command (experiments/sweep.py)
 with stand-in train programs (tests/lab/sweep_helpers.py and below): skipping
-finished runs, resuming interrupted ones, failures, SIGTERM, CPU pinning and
-planning again from the results."""
+finished runs, resuming interrupted ones, failures, the report, SIGTERM, CPU
+pinning and planning again from the results."""
 
 import itertools
 import json
@@ -17,8 +17,7 @@ from lmhead.lab import runner, workdirs
 from tests import ROOT
 from tests.lab.sweep_helpers import FAKE_SWEEP, calls, run_sweep, sweep_command
 
-# FAKE_SWEEP with a report of its own, which plots nothing (the generic
-# report's plots are tests/lab/test_report.py's).
+# FAKE_SWEEP with a report, which plots nothing.
 REPORTING_SWEEP = FAKE_SWEEP + textwrap.dedent("""\
 
     def write_report(arg, sweep_dir, out_dir):
@@ -68,6 +67,13 @@ def test_runner_skips_finished_resumes_interrupted_and_reports_failures(tmp_path
     assert status["returncode"] == 0
     assert (sweep_dir / "REPORT.md").read_text() == "The report of 4 runs."
     assert "The report of 4 runs.\n\nReport: " in result.stdout
+
+
+def test_a_sweep_file_without_a_report_ends_without_one(tmp_path):
+    result = run_sweep(tmp_path, "--report", arg=":1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Report:" not in result.stdout
+    assert not (tmp_path / "sweep" / "REPORT.md").exists()
 
 
 SLOW_TRAIN = textwrap.dedent("""\

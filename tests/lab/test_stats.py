@@ -1,14 +1,17 @@
 """Tests for lmhead/lab/stats.py: the paired interval against a known t-test
 (the t quantile's values are its doctest's, from a t table), mean and std
-against numpy, Holm by hand and statsmodels, the pooled, blocked,
-simultaneous and equivalence tests against scipy, the detectable difference
-against the normal limit and a simulation, and the refusals."""
+against numpy, Holm by hand, Holm and the detectable difference against
+their values before they called statsmodels, the pooled, blocked,
+simultaneous and equivalence tests against scipy (the last against
+statsmodels' TOST too), the detectable difference against the normal limit
+and a simulation, and the refusals."""
 
 import math
 
 import numpy as np
 import pytest
 from scipy import stats
+from statsmodels.stats import weightstats
 
 from lmhead.lab import stats as stats_lib
 from tests.errors import bad_input_test
@@ -80,11 +83,66 @@ def test_holm_matches_a_hand_computation():
     assert np.all(np.asarray(adjusted) >= p_values)
 
 
-def test_holm_matches_statsmodels():
-    multitest = pytest.importorskip("statsmodels.stats.multitest")
-    p_values = np.random.default_rng(1).uniform(0, 0.3, size=12)
-    reference = multitest.multipletests(p_values, method="holm")[1]
-    np.testing.assert_allclose(stats_lib.holm_adjusted(p_values), reference, rtol=1e-12)
+nan = math.nan
+# holm_adjusted's values before it called statsmodels (its hand-written
+# step-down at commit 1d7a624): p-values in, adjusted p-values out.
+HOLM_BEFORE = [
+    ([0.01, 0.04, 0.03, 0.005], [0.03, 0.06, 0.06, 0.02]),
+    ([0.5, nan], [1.0, nan]),
+    ([0.02, nan, 0.01], [0.04, nan, 0.03]),
+    ([], []),
+    ([nan], [nan]),
+    ([nan, nan, 0.2], [nan, nan, 0.6000000000000001]),
+    ([0.01, 0.01, 0.02], [0.03, 0.03, 0.03]),
+    ([0.3, 0.6, 0.9], [0.8999999999999999, 1.0, 1.0]),
+    ([0.0, 1.0], [0.0, 1.0]),
+    ([0.25, 0.25, 0.25, 0.25], [1.0, 1.0, 1.0, 1.0]),
+    (
+        [0.011, 0.047, 0.0003, nan, 0.2, 0.049, nan, 0.6],
+        [0.077, 0.28200000000000003, 0.0024, nan, 0.8, 0.28200000000000003, nan, 1.0],
+    ),
+    (
+        list(np.random.default_rng(0).uniform(0, 0.2, size=16)),
+        [1.0, 0.5935307702805147, 0.10653116223410619, 0.04958290658558728,
+         1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.008763200544473904,
+         1.0, 0.0940396108553002, 1.0, 0.4215734894461416],
+    ),
+]  # fmt: skip
+# minimum_detectable_difference's before it called statsmodels (its own
+# noncentral t power at commit 1d7a624): (std, n, alpha, power) -> difference.
+DETECTABLE_BEFORE = [
+    ((1.0, 8, 0.05, 0.8), 1.1560346779947352),
+    ((1.0, 8, 0.05 / 32, 0.8), 2.193774344584696),
+    ((0.02, 8, 0.05 / 32, 0.8), 0.04387548689169392),
+    ((0.3, 20000, 0.01, 0.8), 0.007250108676365104),
+    ((0.01, 2, 0.05, 0.8), 0.11549888435882315),
+    ((1.0, 3, 0.001, 0.95), 31.60290012095314),
+    ((0.0089, 16, 0.05, 0.8), 0.006670244236170638),
+    ((0.0089, 16, 0.05 / 8, 0.8), 0.009109593502480636),
+    ((0.0123, 16, 0.05 / 24, 0.8), 0.014340984803191981),
+    ((0.05, 4, 0.05 / 12, 0.9), 0.29109069864743353),
+    ((2.5, 64, 0.05, 0.5), 0.6219476922072493),
+    ((0.004, 6, 0.05 / 6, 0.8), 0.008789214921622643),
+    ((0.0, 8, 0.05, 0.8), nan),
+    ((nan, 8, 0.05, 0.8), nan),
+    ((1.0, 1, 0.05, 0.8), nan),
+    ((math.inf, 8, 0.05, 0.8), nan),
+]
+
+
+@pytest.mark.parametrize("p_values, before", HOLM_BEFORE)
+def test_holm_gives_the_values_it_gave_before_statsmodels(p_values, before):
+    adjusted = stats_lib.holm_adjusted(p_values)
+    assert all(type(p) is float for p in adjusted)  # prints as before
+    np.testing.assert_array_equal(adjusted, before)  # bitwise, NaN where NaN
+
+
+@pytest.mark.parametrize("args, before", DETECTABLE_BEFORE)
+def test_detectable_difference_gives_the_values_it_gave_before_statsmodels(
+    args, before
+):
+    got = stats_lib.minimum_detectable_difference(*args)
+    np.testing.assert_allclose(got, before, rtol=1e-12, atol=0)
 
 
 def test_holm_keeps_an_untestable_contrast_in_the_family():
@@ -205,10 +263,10 @@ def test_blocked_mean_without_spread_to_estimate():
 
 
 @pytest.mark.parametrize("shift", [0.0, 0.04, -0.07, 0.3])
-def test_equivalence_p_value_is_scipys_two_one_sided_tests(shift):
+def test_equivalence_p_value_is_two_one_sided_tests(shift):
     """TOST: the larger of scipy's one-sided one-sample t-tests against the
-    margin's two ends; below 0.05 exactly where the 90% interval lies
-    inside the margin."""
+    margin's two ends, and statsmodels' paired TOST of the pairs; below 0.05
+    exactly where the 90% interval lies inside the margin."""
     rng = np.random.default_rng(7)
     differences = shift + 0.05 * rng.standard_normal(9)
     d = stats_lib.paired_difference(
@@ -219,6 +277,8 @@ def test_equivalence_p_value_is_scipys_two_one_sided_tests(shift):
     upper = stats.ttest_1samp(differences, margin, alternative="less").pvalue
     p = stats_lib.equivalence_p_value(d, margin)
     assert p == pytest.approx(max(lower, upper), rel=1e-10)
+    ttost, *_ = weightstats.ttost_paired(differences, np.zeros(9), -margin, margin)
+    assert p == pytest.approx(ttost, rel=1e-12)
     half = stats.t.ppf(0.95, 8) * differences.std(ddof=1) / 3
     inside = -margin < differences.mean() - half and differences.mean() + half < margin
     assert (p < 0.05) == inside

@@ -94,39 +94,41 @@ def test_override_flags_reject_none():
         sweeps.override_flags({"data.vocab_size": None})
 
 
-@pytest.mark.parametrize("sweep_file,num_runs", [("tied_vs_untied_large.py", 60)])
+@pytest.mark.parametrize(
+    "sweep_file,num_runs",
+    [("tying_study.py:small", 3 * 8), ("filter_training.py", 3 * 8)],
+)
 def test_sweep_files_set_existing_knobs_and_parse_as_train_flags(
     sweep_file, num_runs, monkeypatch
 ):
     """Runs' command lines parse with config_flags into the intended configs."""
-    base, overrides, _ = sweeps.load_sweep(os.path.join(SWEEP_CONFIGS, sweep_file))
+    base, overrides, shared = sweeps.load_sweep(os.path.join(SWEEP_CONFIGS, sweep_file))
     assert len(overrides) == num_runs == len(set(sweeps.run_names(overrides)))
-    assert {o["model.tied"] for o in overrides} == {True, False}
-    assert len({o["train.seed"] for o in overrides}) == 3
-    assert {o["data.tokenizer"] for o in overrides} == {"char", "bpe"}
+    assert len({o["train.seed"] for o in overrides}) == 8
     for run in (overrides[0], overrides[-1]):
         argv = sweeps.train_command(
-            base, "unused", run, python="python", script="x", config_file=DEFAULT_CONFIG
+            base,
+            "unused",
+            run,
+            python="python",
+            script="x",
+            config_file=DEFAULT_CONFIG,
+            shared=shared,
         )[2:]
         flat = parsed_train_config(argv, monkeypatch)
-        assert {k: flat[k] for k in run} == run
-        assert flat["train.steps"] == int(base.rsplit("steps=", 1)[1])
+        assert {k: flat[k] for k in run | shared} == run | shared
 
 
 def test_sweep_arguments_size_the_sweep():
     base, overrides, shared = sweeps.load_sweep(
         os.path.join(
             SWEEP_CONFIGS,
-            "tied_vs_untied_large.py:base=tiny,steps=7,seeds=2,bpe=300+600,d_model=32",
+            "filter_training.py:base=tiny,vocab_size=300,steps=7,seeds=2,targets=dh",
         )
     )
-    assert base == "tiny,steps=7" and shared == {}
-    assert len(overrides) == 2 * 3 * 2
-    assert sorted({o.get("data.vocab_size") for o in overrides}, key=str) == [
-        300,
-        600,
-        None,
-    ]
+    assert base == "tiny,bpe=300" and shared["train.steps"] == 7
+    assert len(overrides) == 2 * 2  # exact and one filtered arm, 2 seeds each
+    assert {o["train.seed"] for o in overrides} == {0, 1}
 
 
 def test_load_sweep_errors(tmp_path):

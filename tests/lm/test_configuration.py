@@ -13,6 +13,7 @@ from lmhead.lab import sweeps
 from lmhead.lm import configuration, train
 from lmhead.lm import model as model_lib
 from tests.errors import assert_raises_exactly
+from tests.lab.sweep_helpers import parsed_train_config
 from tests.lm.conftest import tiny_config
 
 NAN, INF = float("nan"), float("inf")
@@ -48,6 +49,35 @@ class TestDefaultConfig:
     def test_bad_arguments(self, arg, match):
         with pytest.raises(ValueError, match=match):
             default.get_config(arg)
+
+    @pytest.mark.parametrize(
+        "arg,warmup",
+        [
+            ("nanogpt,tied,steps=40", 20),  # half the steps
+            ("nanogpt,steps=199", 99),
+            ("nanogpt,steps=200", 100),  # the configured warmup fits: kept
+            ("nanogpt,steps=5000", 100),
+            ("tiny,steps=10", 5),
+            ("steps=40,nanogpt", 100),  # nanogpt's 2000 steps come after
+        ],
+    )
+    def test_a_short_steps_argument_shortens_the_warmup(self, arg, warmup):
+        config = default.get_config(arg)
+        assert config.optim.warmup_steps == warmup
+        configuration.validate_config(config)
+
+    def test_an_explicit_warmup_wins_and_a_long_one_is_refused_by_flag(
+        self, monkeypatch
+    ):
+        argv = ["--config=configs/default.py:nanogpt,steps=40"]
+        flat = parsed_train_config(
+            [*argv, "--config.optim.warmup_steps=5"], monkeypatch
+        )
+        assert flat["optim.warmup_steps"] == 5 and flat["train.steps"] == 40
+        config = default.get_config("nanogpt")
+        config.train.steps = 40  # --config.train.steps=40: the warmup stays 100
+        with pytest.raises(ValueError, match="set --config.optim.warmup_steps below"):
+            configuration.validate_config(config)
 
     def test_study_keys_default_to_todays_behaviour(self):
         expected = {"data.split": "tail", "data.train_fraction": 1.0}

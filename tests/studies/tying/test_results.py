@@ -260,7 +260,7 @@ def test_restoring_needs_a_table_and_a_sweep_file_that_can(tmp_path):
     with pytest.raises(FileNotFoundError, match="table of runs"):
         sweeps.restore_runs(STUDY, str(tmp_path / "none.csv"), str(tmp_path))
     (tmp_path / "runs.csv").write_text("")
-    other = os.path.join(SWEEP_CONFIGS, "tied_vs_untied_large.py")
+    other = os.path.join(SWEEP_CONFIGS, "filter_training.py")
     with pytest.raises(ValueError, match="no restore_runs"):
         sweeps.restore_runs(other, str(tmp_path / "runs.csv"), str(tmp_path))
     row = dict.fromkeys(table.COLUMNS) | {

@@ -91,3 +91,34 @@ def test_layout_lists_the_package_folders():
         if path.name != "__init__.py"
     }
     assert folders <= listed, sorted(folders - listed)
+
+
+def test_the_docs_index_links_every_page():
+    index = pathlib.Path(ROOT) / "docs" / "README.md"
+    linked = {
+        (index.parent / target.partition("#")[0]).resolve()
+        for target in LINK.findall(index.read_text(encoding="utf-8"))
+    }
+    pages = {p.resolve() for p in (pathlib.Path(ROOT) / "docs").rglob("*.md")}
+    missing = sorted(str(p.relative_to(ROOT)) for p in pages - linked - {index})
+    assert not missing, f"docs/README.md does not link {missing}"
+
+
+def test_design_names_every_module_command_and_sweep_file():
+    """docs/design.md names each module of the package and the studies, each
+    command of experiments/ and experiments/bench/, and each sweep file."""
+    text = (pathlib.Path(ROOT) / "docs" / "design.md").read_text(encoding="utf-8")
+    root = pathlib.Path(ROOT)
+    files = [
+        *root.glob("lmhead/**/*.py"),
+        *root.glob("studies/**/*.py"),
+        *root.glob("experiments/**/*.py"),
+        *root.glob("configs/sweeps/*.py"),
+    ]
+    named = set(re.findall(r"[\w.]+\.py\b", text))
+    missing = sorted(
+        str(p.relative_to(root))
+        for p in files
+        if p.name != "__init__.py" and p.name not in named
+    )
+    assert not missing, f"docs/design.md does not name {missing}"

@@ -166,7 +166,8 @@ def fused_sparse_distillation_loss(
         teacher_logps: ``[..., k]`` their log-probs, ``<= 0``.
         weights, renormalize, reduction: as in :func:`sparse_distillation_loss`.
         temperature, scale, softcap, chunk_size, vocab_chunk_size,
-            filter_eps, filter_target, dw_accumulation, vocab_order: as in
+            filter_eps, filter_target, dw_accumulation, vocab_order,
+            ignore_index: as in
             :func:`lmhead.token_logprobs.fused_token_logprobs`.
 
     Returns:

@@ -113,7 +113,8 @@ def test_refuses_a_missing_mesh_and_bad_options(mesh):
     )
 
 
-def test_an_ignored_label_drops_its_token(mesh):
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_an_ignored_label_drops_its_token(mesh, jit):
     labels = LABELS.copy()
     labels[1, :2] = -100
     kept = labels != -100
@@ -123,7 +124,8 @@ def test_an_ignored_label_drops_its_token(mesh):
             h, w, labels, mesh=mesh, weights=WEIGHTS, chunk_size=5
         )[0]
 
-    got, (dh, dw) = jax.jit(jax.value_and_grad(loss, (0, 1)))(H, W)
+    grad = jax.value_and_grad(loss, (0, 1))
+    got, (dh, dw) = (jax.jit(grad) if jit else grad)(H, W)
     want, (want_dh, want_dw) = jax.value_and_grad(
         lambda h, w: materialized(
             h, w, LABELS[kept], bias=None, softcap=None, weights=WEIGHTS[kept]

@@ -9,10 +9,12 @@ holding the logits of one block of tokens at a time.
 
 It is a rule of the one chunked sweep, :mod:`lmhead._fused_sweep` (chunks,
 blocks, the vocabulary split, skipped tokens, the custom VJP):
-:class:`CrossEntropyRule` says which statistics a token needs and the
-gradient with respect to its logits. This module holds the rule, the public
-function, its checks and the block sizes' re-exports. docs/fused_loss.md
-derives the gradient and says how the block sizes were chosen.
+:class:`CrossEntropyRule`, the log-prob rule of the label plus what the
+loss's options and the accuracy need. This module holds the rule, the
+public function and the re-exports of the sweep's knobs, whose options are
+checked once as a :class:`lmhead._sweep_options.SweepOptions`.
+docs/fused_loss.md derives the gradient and says how the block sizes were
+chosen.
 """
 
 import dataclasses

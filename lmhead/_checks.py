@@ -164,17 +164,38 @@ def as_logits(logits: jax.typing.ArrayLike, layout: str = "[..., V]") -> jax.Arr
 
 
 def check_ids_in_range(
-    name: str, ids: Any, weights: Any, vocab_size: int, note: str = ""
+    name: str,
+    ids: Any,
+    weights: Any,
+    vocab_size: int,
+    note: str = "",
+    ignore_index: int | None = None,
 ) -> None:
     """Concrete ``ids`` outside ``[0, V)`` where ``weights`` (None: all) are
-    nonzero raise ValueError naming ``name``; traced ones are the caller's rule."""
+    nonzero raise ValueError naming ``name``; traced ones are the caller's rule.
+
+    ``weights`` has the shape of ``ids``, or one fewer axis for ``ids: [...,
+    k]``, ``k`` ids per token. With ``ignore_index``, a token whose ids all
+    equal it is allowed (``losses.valid_weights``' rule).
+    """
     if is_traced(ids) or is_traced(weights):
         return
     ids = np.asarray(ids)
     live = np.ones(ids.shape, bool) if weights is None else np.asarray(weights) != 0
+    per_id = live.ndim < ids.ndim
+    if per_id:
+        live = live[..., None]
     bad = live & ((ids < 0) | (ids >= vocab_size))
+    allowed = ""
+    if ignore_index is not None:
+        ignored = ids == ignore_index
+        if per_id:
+            ignored = np.all(ignored, axis=-1, keepdims=True)
+        bad &= ~ignored
+        allowed = f" or equal ignore_index={ignore_index}"
+        allowed += " (all of a token's ids)" if per_id else ""
     if np.any(bad):
         raise ValueError(
-            f"{name} must be in [0, {vocab_size}) wherever weights are "
+            f"{name} must be in [0, {vocab_size}){allowed} wherever weights are "
             f"nonzero; got {ids[bad].ravel()[0]}.{note}"
         )

@@ -7,16 +7,21 @@ tokens and blocks of vocabulary rows, the logits of a block (scale, bias,
 softcap), the ragged last chunk and block, the split of the vocabulary over
 a mesh axis, packing and skipping the tokens of weight 0, the gradients
 ``dh``, ``dw``, ``dbias`` (accumulated in float32) and the second sweep that
-recomputes the logits for any other cotangent. A rule says only:
+recomputes the logits for any other cotangent. A rule (:class:`Rule`, whose
+members have defaults) says only:
 
-* the per-token statistics a token needs, as accumulators reduced over the
-  vocabulary blocks (online-softmax style: a running max and rescaled sums),
-  merged block by block and, with a split vocabulary, across devices; one or
-  more passes, each of which may read the previous passes' results;
-* the per-token loss as a function of the finished statistics, and the
-  gradient coefficients of the loss and of any cotangent on the statistics;
+* the per-token statistics a token needs from a block of its logits, as
+  accumulators (online-softmax ones, :class:`lmhead._online_softmax.Softmax`,
+  and sums), which the base merges block by block and, with a split
+  vocabulary, combines across devices; one or more passes, each of which
+  may read the previous passes' results;
+* the per-token loss as a function of the finished statistics (its
+  gradient coefficients are its VJP by default);
 * the gradient with respect to a block's logits, ``dlogits: [Vb, Nc]``,
   from those coefficients.
+
+Every entry point builds its options once (:class:`~lmhead._sweep_options.SweepOptions`)
+and comes in through :func:`run`, which builds the plan from them.
 
 For a chunk of tokens the forward sweep computes the chunk's logits
 (``[V, Nc]``, vocabulary-major, kept when they fit, else block by block),
@@ -26,96 +31,64 @@ per-token cotangent, the weight, is known in advance), turns each block's
 ``dlogits`` is the one place where the per-chunk gradient coefficient
 exists (:func:`_block_grads`), after the softcap's derivative and before the
 matmuls, and where every rule's tiles of small coefficients are filtered
-(:func:`gradient_options`). docs/fused_loss.md derives the gradients.
+(:meth:`~lmhead._sweep_options.SweepOptions.gradient_options`).
+docs/fused_loss.md derives the gradients.
 """
 
 import dataclasses
 import functools
-from typing import Any, Protocol
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from lmhead import head, losses
-
-# The gradient's options and the rules' online-softmax steps, named here too.
-from lmhead._gradient_options import DW_ACCUMULATIONS as DW_ACCUMULATIONS
-from lmhead._gradient_options import FILTER_TARGETS as FILTER_TARGETS
-from lmhead._gradient_options import gradient_options as gradient_options
-from lmhead._online_softmax import block_softmax as block_softmax
-from lmhead._online_softmax import finite as finite
-from lmhead._online_softmax import is_label as is_label
-from lmhead._online_softmax import label_logit as label_logit
-from lmhead._online_softmax import merge_softmax as merge_softmax
-from lmhead._online_softmax import rescaled_tilt as rescaled_tilt
-from lmhead._vocab_order import check_vocab_order as check_vocab_order
-from lmhead._vocab_order import sorted_call
+from lmhead._online_softmax import Softmax
+from lmhead._sweep_options import SweepOptions
+from lmhead._vocab_order import check_vocab_order, sorted_call
 
 _CONTRACT_COLUMNS = (((1,), (1,)), ((), ()))  # [a, D] x [b, D] -> [a, b]
 _CONTRACT_ROWS = (((0,), (0,)), ((), ()))  # [V, a] x [V, b] -> [a, b]
 _MATMUL = (((1,), (0,)), ((), ()))  # [a, k] x [k, b] -> [a, b]
 
-# Default block sizes by platform (``jax.default_backend()``): numbers in one
-# chunk's kept logits, and vocabulary rows per block of the elementwise work
-# and of each ``dw`` update (XLA does not accumulate into a matmul's output,
-# so an update needs a ``[rows, D]`` temporary). docs/fused_loss.md says why.
-BLOCK_ELEMENTS = {"cpu": 2**22, "gpu": 2**26, "tpu": 2**26}
-VOCAB_BLOCK_ROWS = {"cpu": 1024, "gpu": 16384, "tpu": 16384}
-MIN_CHUNK_SIZE = 128
-MAX_CHUNK_SIZE = 1024
 
+class Rule:
+    r"""A loss as the engine runs it; subclass it as a frozen (hashable) dataclass.
 
-def default_chunk_size(width: int) -> int:
-    """Tokens per chunk when a chunk's ``[width, chunk_size]`` logits are kept.
+    A rule writes its per-chunk formula, three members:
 
-    ``BLOCK_ELEMENTS[platform] // width`` clipped to ``[MIN_CHUNK_SIZE,
-    MAX_CHUNK_SIZE]``.
+    * ``block_stats(plan, pass_, z, v0, is_new, context, previous)``: the
+      statistics a token needs from a block of its logits ``z: [Vb, Nc]``
+      (rows ``v0 + i``; ``is_new: [Vb, 1]`` marks the rows no earlier block
+      covered), a tuple of accumulators, each a
+      :class:`lmhead._online_softmax.Softmax` (an online logsumexp, with the
+      entropy's tilted sum and the argmax if asked) or an ``[Nc]`` array,
+      a sum over the vocabulary (a label's logit, a divergence's terms).
+      ``previous`` are the earlier passes' outputs;
+    * ``loss(loss_scalars, outputs, token_inputs)``: the per-token loss
+      ``[Nc]`` of the finished statistics;
+    * ``dlogits(z, v0, context, outputs, coefs)``: ``[Vb, Nc]``, the
+      gradient of :math:`\sum_t \sum_k c_{tk}\, o_{tk}` (``coefs`` ``c``,
+      outputs ``o``) with respect to a block's logits.
 
-    Examples:
-        >>> default_chunk_size(32768) == max(
-        ...     MIN_CHUNK_SIZE, BLOCK_ELEMENTS[jax.default_backend()] // 32768)
-        True
-    """
-    elements = BLOCK_ELEMENTS.get(jax.default_backend(), BLOCK_ELEMENTS["cpu"])
-    return min(max(elements // width, MIN_CHUNK_SIZE), MAX_CHUNK_SIZE)
-
-
-def block_sizes(
-    num_tokens, num_rows, chunk_size, vocab_chunk_size, segment_length=None
-):
-    """``(chunk_size, block_rows, keep_logits)`` with the defaults filled in.
-
-    ``num_tokens`` and ``num_rows`` are those of ``h`` and ``w`` on a device;
-    with ``segment_length`` (:class:`Plan`'s) no longer than a chunk, the
-    chunk holds whole segments.
-    """
-    platform = jax.default_backend()
-    keep_logits = vocab_chunk_size is None or vocab_chunk_size >= num_rows
-    width = num_rows if keep_logits else int(vocab_chunk_size)
-    if chunk_size is None:
-        chunk_size = default_chunk_size(width)
-    if segment_length is not None and segment_length <= chunk_size:
-        chunk_size = chunk_size // segment_length * segment_length
-    rows = (
-        VOCAB_BLOCK_ROWS.get(platform, VOCAB_BLOCK_ROWS["cpu"])
-        if keep_logits
-        else width
-    )
-    return min(int(chunk_size), num_tokens), min(rows, num_rows), keep_logits
-
-
-class Rule(Protocol):
-    """A loss as the engine runs it; a frozen (hashable) dataclass.
+    The rest has defaults, generic for any such accumulators: their merge
+    over blocks, their ``combine`` across the devices of a split
+    vocabulary (so that every rule can split it), their ``finish`` into
+    outputs (a :class:`~lmhead._online_softmax.Softmax`'s ``lse``, entropy
+    and argmax, a sum as it is), in order; ``loss_coefs``, the loss's VJP;
+    ``cotangent_coefs``, the cotangents themselves. Coefficients are then a
+    tuple aligned with the outputs, None for an integer output (or a zero);
+    a rule that overrides ``loss_coefs`` and ``cotangent_coefs`` may lay
+    them out as its ``dlogits`` reads them.
 
     ``outputs`` are the per-token results of all passes, a tuple of ``[N]``
     (``[Nc]`` inside a chunk) arrays. ``inputs`` is the rule's own operand
     of :func:`fused_core`, ``(token_inputs, row_inputs)``: pytrees of arrays
     with a leading token axis (sliced per chunk, packed when weight-0 tokens
-    are skipped) and a leading vocabulary axis (split with ``w``). ``coefs``
-    are a tuple of ``[Nc]`` cotangent coefficients; an entry may be None (a
-    symbolic zero). ``loss`` and ``loss_coefs`` also get the token inputs (a
-    chunk's, or all tokens'), for a loss with per-token operands. With
+    are skipped) and a leading vocabulary axis (split with ``w``).
+    ``loss`` and ``loss_coefs`` also get the token inputs (a chunk's, or all
+    tokens'), for a loss with per-token operands. With
     ``Plan.segment_length``, the objective is ``sum_s segment_loss(U)_s``
     of the segments' sums ``U_s = sum_{t in s} w_t L_t`` (elementwise on
     ``[S]``); ``loss_coefs`` are then those of ``U``'s terms. With a row
@@ -124,61 +97,151 @@ class Rule(Protocol):
     vocabulary axes by ``order``, and ``caller_outputs`` maps output ids back.
     """
 
-    passes: int
+    passes = 1  # passes over the vocabulary, each reading the previous ones'
+    # The default chunk is that of logits chunk_factor times narrower: for a
+    # rule whose chunk holds more than its logits (a teacher's too).
+    chunk_factor = 1
 
-    def empty(self, zeros: jax.Array, token_inputs: Any) -> tuple: ...
-    def chunk_context(self, plan, h_chunk, token_inputs, row_inputs) -> Any: ...
-    def init(self, pass_: int, zeros: jax.Array) -> tuple: ...
-    def block_stats(self, plan, pass_, z, v0, is_new, context, previous): ...
-    def merge(self, pass_: int, carry: tuple, block: tuple) -> tuple: ...
-    def combine(self, plan, pass_: int, carry: tuple) -> tuple: ...
-    def finish(self, pass_: int, carry: tuple) -> tuple: ...
-    def loss(self, loss_scalars, outputs, token_inputs) -> jax.Array: ...
-    def loss_coefs(self, loss_scalars, outputs, weights, token_inputs) -> tuple: ...
-    def segment_loss(self, loss_scalars, sums: jax.Array) -> jax.Array: ...
-    def cotangent_coefs(self, outputs: tuple, cotangents: tuple) -> tuple: ...
-    def dlogits(self, z, v0, context, outputs, coefs) -> jax.Array: ...
-    def sorted_inputs(self, token_inputs, order, inverse) -> Any: ...
-    def caller_outputs(self, outputs: tuple, order: jax.Array) -> tuple: ...
+    def chunk_context(self, plan, h_chunk, token_inputs, row_inputs):
+        """What ``block_stats`` and ``dlogits`` get besides the logits: by
+        default the chunk's token inputs. Vocabulary ids among them count
+        from ``plan.first_row()``, a device's first row."""
+        return token_inputs
+
+    def merge(self, pass_, carry, block):
+        """The accumulators of the rows of ``carry`` and ``block`` together."""
+        return tuple(
+            a.merge(b) if isinstance(a, Softmax) else a + b
+            for a, b in zip(carry, block)
+        )
+
+    def combine(self, plan, pass_, carry):
+        """The accumulators of every device's rows along ``plan.vocab_axis``."""
+        axis = plan.vocab_axis
+        return tuple(
+            a.combine(axis, plan.first_row())
+            if isinstance(a, Softmax)
+            else lax.psum(a, axis)
+            for a in carry
+        )
+
+    def finish(self, pass_, carry) -> tuple:
+        """The pass's outputs from its accumulators."""
+        return sum((a.finish() if isinstance(a, Softmax) else (a,) for a in carry), ())
+
+    def loss_coefs(self, loss_scalars, outputs, weights, token_inputs) -> tuple:
+        """``weights * dL/d(outputs)``, token by token; None for an integer output."""
+        floating = [jnp.issubdtype(x.dtype, jnp.floating) for x in outputs]
+
+        def loss(*values):
+            values = iter(values)
+            full = tuple(next(values) if f else x for x, f in zip(outputs, floating))
+            return self.loss(loss_scalars, full, token_inputs)
+
+        _, pullback = jax.vjp(loss, *(x for x, f in zip(outputs, floating) if f))
+        coefs = iter(pullback(weights))
+        return tuple(next(coefs) if f else None for f in floating)
+
+    def segment_loss(self, loss_scalars, sums):
+        raise NotImplementedError(f"{type(self).__name__} has no segment loss")
+
+    def cotangent_coefs(self, outputs, cotangents) -> tuple:
+        """The coefficients of cotangents on the outputs: themselves."""
+        return tuple(
+            None if c is None or c.dtype == jax.dtypes.float0 else c for c in cotangents
+        )
+
+    def sorted_inputs(self, token_inputs, order, inverse):
+        """The token inputs with the rows in ``order``; by default as they
+        are (a rule with vocabulary ids or axes among them maps them)."""
+        return token_inputs
+
+    def caller_outputs(self, outputs, order):
+        """The outputs with vocabulary ids in the caller's order; by default
+        as they are."""
+        return outputs
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """The static part of a call: the rule, block sizes, vocabulary split."""
+class VocabShards:
+    """The rows of ``w`` split over the devices along a mesh axis.
 
-    rule: Any  # a Rule
-    num_rows: int  # rows of w on this device: V, or V / devices along vocab_axis
-    vocab_axis: str | None  # the mesh axis w's rows are split over, if any
-    chunk_size: int
-    block_rows: int  # vocabulary rows per block
-    keep_logits: bool  # a chunk's [V, Nc] logits computed once and kept
-    scale: float | None
-    softcap: float | None
-    precision: jax.lax.PrecisionLike
-    grads_in_forward: bool
-    # Chunks of weight-0 tokens are skipped, weighted tokens packed first.
-    skip_zero_weights: bool = False
-    filter_eps: float | None = None  # gradient_options' three fields
-    filter_target: str = "both"
-    dw_accumulation: str = "float32"
-    # Tokens [s L, (s + 1) L) are segment s of a segment objective (Rule),
-    # never packed; a chunk holds whole segments or lies within one.
-    segment_length: int | None = None
+    ``vocab_parallel.vocab_shards`` makes one, for the ``vocab_shards``
+    argument of the fused losses.
 
-    @property
-    def num_blocks(self) -> int:
-        return -(-self.num_rows // self.block_rows)
+    Attributes:
+        axis: the mesh axis.
+        count: devices along it; it must divide ``V``.
+        run: ``run(core, h, w, bias, loss_scalars, weights, inputs) ->
+            (objective, outputs)`` calls ``core`` (a function of the same
+            arguments) on every device, with a device's tokens and its rows
+            of ``w`` and ``bias`` (``[N, D]``, ``[V, D]``, ``[V]``, ``[N]``
+            in all; ``loss_scalars`` is replicated; ``inputs`` is the rule's
+            ``(token_inputs, row_inputs)``), and returns ``core``'s objective
+            summed over the devices' tokens and its outputs for every token.
+    """
 
-    def first_row(self) -> jax.Array | int:
-        """The vocabulary id of this device's first row of ``w``."""
-        if self.vocab_axis is None:
-            return 0
-        return lax.axis_index(self.vocab_axis) * self.num_rows
+    axis: str
+    count: int
+    run: Callable[..., tuple[jax.Array, tuple[jax.Array, ...]]]
 
-    def dot(self, a, b, dims):
-        return lax.dot_general(
-            a, b, dims, precision=self.precision, preferred_element_type=jnp.float32
+
+def run(
+    options: SweepOptions,
+    rule: Rule,
+    h,
+    w,
+    bias,
+    loss_weights,
+    inputs,
+    *,
+    grads_in_forward: bool,
+    loss_scalars=None,
+    vocab_order=None,
+    vocab_shards: VocabShards | None = None,
+    segment_length: int | None = None,
+):
+    """``(sum_t loss_weights_t * L_t, outputs)`` of ``rule`` over ``h: [N, D]``
+    (``N >= 1``) and ``w: [V, D]``: the one way into the engine.
+
+    The :class:`~lmhead._sweep_options.Plan` is built once from ``options``
+    (on each device of ``vocab_shards``, from the rows it holds), the inputs
+    are cast to their common dtype, and :func:`fused_core` runs, with the
+    rows in ``vocab_order`` (checked here) when given.
+    ``loss_scalars``: array operands of the loss (None: none).
+    """
+    vocab_size = jnp.shape(w)[0]
+    if vocab_shards is not None and vocab_size % vocab_shards.count:
+        raise ValueError(
+            f"w has {vocab_size} rows, which the mesh's {vocab_shards.axis!r} "
+            f"axis ({vocab_shards.count}) must divide."
         )
+    order = check_vocab_order(vocab_order, vocab_size, split=vocab_shards is not None)
+    dtype = jnp.result_type(h, w)
+
+    def core(h, w, bias, loss_scalars, loss_weights, inputs):
+        # Block sizes from what one device holds: its tokens and its rows.
+        plan = options.plan(
+            rule,
+            h.shape[0],
+            w.shape[0],
+            dtype,
+            grads_in_forward=grads_in_forward,
+            vocab_axis=None if vocab_shards is None else vocab_shards.axis,
+            segment_length=segment_length,
+        )
+        return fused_core(plan, h, w, bias, loss_scalars, loss_weights, inputs, order)
+
+    bias = options.tempered_bias(bias)
+    args = (
+        jnp.asarray(h, dtype),
+        jnp.asarray(w, dtype),
+        None if bias is None else jnp.asarray(bias),
+        jnp.zeros(0, jnp.float32) if loss_scalars is None else loss_scalars,
+        loss_weights,
+        inputs,
+    )
+    return core(*args) if vocab_shards is None else vocab_shards.run(core, *args)
 
 
 def add_coefs(a, b):
@@ -255,16 +318,33 @@ def _chunk_stats(plan, h_chunk, w, bias, context):
     outputs = ()
     for pass_ in range(rule.passes):
 
-        def merge(j, carry, pass_=pass_, previous=outputs):
+        def stats(j, pass_=pass_, previous=outputs):
             v0, is_new, _, z = block(j)
-            stats = rule.block_stats(plan, pass_, z, v0, is_new, context, previous)
-            return rule.merge(pass_, carry, stats)
+            return rule.block_stats(plan, pass_, z, v0, is_new, context, previous)
 
-        carry = lax.fori_loop(0, plan.num_blocks, merge, rule.init(pass_, zeros))
+        def merge(j, carry, pass_=pass_):
+            return rule.merge(pass_, carry, stats(j, pass_))
+
+        # The accumulators of no rows, shaped as a block's (nothing computed).
+        init = tuple(
+            a.identity(zeros)
+            if isinstance(a, Softmax)
+            else jnp.zeros_like(zeros, a.dtype)
+            for a in jax.eval_shape(stats, 0)
+        )
+        carry = lax.fori_loop(0, plan.num_blocks, merge, init)
         if plan.vocab_axis is not None:
             carry = rule.combine(plan, pass_, carry)
         outputs += rule.finish(pass_, carry)
     return kept, outputs
+
+
+def _empty_outputs(plan, h_chunk, w, bias, context, zeros):
+    """Zeros shaped as ``zeros: [N]`` and typed as the rule's outputs (nothing
+    computed; the shapes do not depend on a split vocabulary's combine)."""
+    local = dataclasses.replace(plan, vocab_axis=None)
+    shapes = jax.eval_shape(lambda: _chunk_stats(local, h_chunk, w, bias, context)[1])
+    return tuple(jnp.zeros_like(zeros, x.dtype) for x in shapes)
 
 
 def _add_rows(total, start, update):
@@ -441,11 +521,15 @@ def _chunk_loop(
     rule = plan.rule
     n, size, length = h.shape[0], plan.chunk_size, plan.segment_length
     token_inputs, row_inputs = inputs
-    # zeros_like keeps the mesh axes of the inputs, which a loop carry must
-    # keep inside shard_map: the outputs vary as the tokens do.
-    outputs = rule.empty(jnp.zeros_like(loss_weights), token_inputs)
-    if given is not None:
-        outputs = None
+    outputs = None
+    if given is None:
+        # zeros_like keeps the mesh axes of the inputs, which a loop carry
+        # must keep inside shard_map: the outputs vary as the tokens do.
+        first = jax.tree.map(lambda x: x[:size], (h, token_inputs))
+        context = rule.chunk_context(plan, first[0], first[1], row_inputs)
+        outputs = _empty_outputs(
+            plan, first[0], w, bias, context, jnp.zeros_like(loss_weights)
+        )
     deferred = grads is not None and given is None and (length or 0) > size
     per_segment = -(-length // size) if deferred else 1
 

@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lmhead import _checks, _fused_sweep, losses
-from lmhead.head import NEG_INF
+from lmhead import _checks, _fused_sweep, _online_softmax, losses
+from lmhead._sweep_options import SweepOptions
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -163,21 +163,21 @@ def _check_options(divergence, beta, temperature, hard_weight, labels, reduction
         )
 
 
-def _token_weights(labels, weights, leading, vocab_size):
-    """``(weights [N] float32, safe_labels [N] | None, invalid [N])``, checked."""
+def _token_weights(labels, weights, leading, vocab_size, ignore_index):
+    """``(weights [N] float32, safe_labels [N] | None, invalid [N])``, checked:
+    ``losses.valid_weights``' rule for the labels."""
     num_tokens = math.prod(leading)
     if labels is not None:
-        losses.check_labels_and_weights(labels, weights, leading, vocab_size)
+        losses.check_labels_and_weights(labels, weights, leading)
         return losses.valid_weights(
             jnp.reshape(labels, num_tokens),
             None if weights is None else jnp.reshape(weights, num_tokens),
             vocab_size,
+            ignore_index,
         )
     # Without labels, the weights' rules are those of the losses': the
     # labels check a dummy of the right shape.
-    losses.check_labels_and_weights(
-        np.zeros(leading, np.int32), weights, leading, vocab_size
-    )
+    losses.check_labels_and_weights(np.zeros(leading, np.int32), weights, leading)
     weights = (
         jnp.ones(num_tokens, jnp.float32)
         if weights is None
@@ -221,6 +221,7 @@ def distillation_loss(
     temperature: float = 1.0,
     hard_weight: float = 0.0,
     reduction: str = "mean",
+    ignore_index: int = losses.IGNORE_INDEX,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""The distillation loss of a student's logits against a teacher's.
 
@@ -238,9 +239,12 @@ def distillation_loss(
         logits: ``[..., V]`` the student's logits.
         teacher_logits: ``[..., V]`` the teacher's logits, the same shape.
         labels: optional ``[...]`` integer targets: the cross-entropy's
-            (``hard_weight``) and ``metrics["nll"]``. Labels outside
-            ``[0, V)`` follow ``losses.cross_entropy``'s rule (an error when
-            concrete, weight 0 and counted inside ``jit``).
+            (``hard_weight``) and ``metrics["nll"]``. They follow
+            ``losses.cross_entropy``'s rule (``losses.valid_weights``): a
+            label equal to ``ignore_index`` leaves its token out (weight 0,
+            divergence included), eagerly and inside ``jit``; other labels
+            outside ``[0, V)`` are an error when concrete, and get weight 0
+            and are counted inside ``jit``.
         weights: optional ``[...]`` per-token weights >= 0 (0 for padding).
         divergence: ``"forward_kl"`` (default), ``"reverse_kl"`` or ``"jsd"``.
         beta: ``jsd``'s weight of the teacher, in ``[0, 1]``; concrete.
@@ -248,6 +252,7 @@ def distillation_loss(
         hard_weight: :math:`\alpha \in [0, 1]`; > 0 needs ``labels``.
         reduction: ``"mean"`` (over the weights), ``"sum"`` or ``"none"``
             (``[...]``, :math:`w_t \ell_t`).
+        ignore_index: the label of an ignored token, ``-100`` by default.
 
     Returns:
         ``(loss, metrics)``: ``metrics`` holds the weighted means ``loss``
@@ -275,7 +280,9 @@ def distillation_loss(
         )
     _check_options(divergence, beta, temperature, hard_weight, labels, reduction)
     leading, vocab_size = np.shape(logits)[:-1], np.shape(logits)[-1]
-    weights, safe_labels, invalid = _token_weights(labels, weights, leading, vocab_size)
+    weights, safe_labels, invalid = _token_weights(
+        labels, weights, leading, vocab_size, ignore_index
+    )
     z = jnp.reshape(jnp.asarray(logits, jnp.float32), (-1, vocab_size))
     z_t = lax.stop_gradient(
         jnp.reshape(jnp.asarray(teacher_logits, jnp.float32), (-1, vocab_size))
@@ -307,7 +314,7 @@ _LSE_Q, _LSE_P, _NLL, _LSE_1, _DIV, _KL_QM = range(6)
 
 
 @dataclasses.dataclass(frozen=True)
-class DistillationRule:
+class DistillationRule(_fused_sweep.Rule):
     r"""The distillation loss as a rule of :mod:`lmhead._fused_sweep`.
 
     Pass 0 reduces the vocabulary blocks to the student's and the teacher's
@@ -327,7 +334,9 @@ class DistillationRule:
     then :math:`1/T` to reach :math:`z_s`, and the cross-entropy's
     :math:`\mathrm{softmax}(z_s) - e_y`. ``inputs`` are ``((labels or None,
     teacher logits [N, V] or h_t [N, D_t]), w_t [V, D_t] or ())``; a chunk's
-    teacher logits are computed (or transposed) once, ``[V, Nc]``.
+    teacher logits are computed (or transposed) once, ``[V, Nc]``, the rows
+    of a device when the vocabulary is split. The accumulators merge and
+    combine as the base's; coefficients are ``(divergence, nll)``'s.
     """
 
     divergence: str  # forward_kl, reverse_kl or jsd with 0 < beta < 1
@@ -337,14 +346,22 @@ class DistillationRule:
     has_labels: bool
     teacher_is_logits: bool
     passes = 2
-
-    def empty(self, zeros, token_inputs):
-        return (zeros,) * 6
+    # The largest temporary is the dw accumulator, so a chunk of [V, C]
+    # arrays twice as long costs little memory, and the dw matmul contracts
+    # over twice the tokens.
+    chunk_factor = 2
 
     def chunk_context(self, plan, h_chunk, token_inputs, w_t):
         labels, teacher = token_inputs
+        if labels is not None:
+            labels = labels - plan.first_row()  # from a device's first row
         if self.teacher_is_logits:
-            return labels, teacher.astype(jnp.float32).T
+            rows = teacher.astype(jnp.float32).T
+            if plan.vocab_axis is None:
+                return labels, rows
+            return labels, lax.dynamic_slice_in_dim(
+                rows, plan.first_row(), plan.num_rows
+            )
         return labels, plan.dot(w_t, teacher, _CONTRACT_COLUMNS)
 
     def _groups(self, z, teacher):
@@ -354,23 +371,19 @@ class DistillationRule:
         groups = (z / t, teacher / t)
         return groups + ((z,) if self.has_labels and t != 1.0 else ())
 
-    def init(self, pass_, zeros):
-        if pass_ == 1:
-            return (zeros, zeros)
-        groups = 2 + (self.has_labels and self.temperature != 1.0)
-        return ((zeros + NEG_INF, zeros),) * groups + (zeros,)
-
     def block_stats(self, plan, pass_, z, v0, is_new, context, previous):
         labels, teacher = context
         teacher = lax.dynamic_slice_in_dim(teacher, v0, z.shape[0])
         if pass_ == 0:
-            sums = tuple(
-                _fused_sweep.block_softmax(x, is_new)[1::2]
+            groups = tuple(
+                _online_softmax.Softmax.of_block(x, v0, is_new)
                 for x in self._groups(z, teacher)
             )
             labelled = self.has_labels
-            label = _fused_sweep.label_logit(z, labels, v0, is_new) if labelled else 0.0
-            return sums + (label,)
+            label = (
+                _online_softmax.label_logit(z, labels, v0, is_new) if labelled else 0.0
+            )
+            return groups + (label,)
         log_q, log_p = self._log_probs(z, teacher, previous)
         terms = _divergence_terms(log_q, log_p, self.divergence, self.beta)
         return tuple(
@@ -378,24 +391,11 @@ class DistillationRule:
             for x in terms
         )
 
-    def merge(self, pass_, carry, block):
-        if pass_ == 1:
-            return tuple(a + b for a, b in zip(carry, block))
-        *groups, label = carry
-        *b_groups, b_label = block
-        merged = tuple(
-            _fused_sweep.merge_softmax(*a, *b) for a, b in zip(groups, b_groups)
-        )
-        return merged + (label + b_label,)
-
-    def combine(self, plan, pass_, carry):
-        raise NotImplementedError("distillation over a split vocabulary")
-
     def finish(self, pass_, carry):
-        if pass_ == 1:
-            return carry  # (divergence, KL(q || m) or 0)
+        if pass_ == 1:  # (divergence, KL(q || m) or 0)
+            return super().finish(pass_, carry)
         *groups, label = carry
-        lse = tuple(peak + jnp.log(sum_exp) for peak, sum_exp in groups)
+        lse = tuple(group.finish()[0] for group in groups)
         lse_1 = lse[2] if len(lse) > 2 else lse[0]
         nll = lse_1 - label if self.has_labels else jnp.zeros_like(lse_1)
         return (lse[0], lse[1], nll, lse_1)
@@ -441,7 +441,7 @@ class DistillationRule:
             dz = jnp.where(c_div != 0, c_div * (g / self.temperature), 0.0)
         if c_nll is not None:
             p = jnp.exp(z - outputs[_LSE_1])
-            g = p - _fused_sweep.is_label(z, v0, labels)
+            g = p - _online_softmax.is_label(z, v0, labels)
             dz = dz + jnp.where(c_nll != 0, c_nll * g, 0.0)
         return dz
 
@@ -450,9 +450,6 @@ class DistillationRule:
         if self.teacher_is_logits:  # [N, V]; h_t has no vocabulary axis
             teacher = jnp.take(teacher, order, axis=1)
         return (None if labels is None else inverse[labels]), teacher
-
-    def caller_outputs(self, outputs, order):
-        return outputs
 
 
 def _check_teacher(teacher, leading, vocab_size):
@@ -505,6 +502,8 @@ def fused_distillation_loss(
     filter_target: str = "both",
     dw_accumulation: str = "float32",
     vocab_order: jax.typing.ArrayLike | str | None = None,
+    ignore_index: int = losses.IGNORE_INDEX,
+    vocab_shards: _fused_sweep.VocabShards | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r""":func:`distillation_loss` of the student ``unembed(h, w, bias)``, fused.
 
@@ -522,7 +521,7 @@ def fused_distillation_loss(
         w: ``[V, D]`` the student's unembedding (a tied head's embedding).
         teacher: ``[..., V]`` logits, or ``(h_t: [..., D_t], w_t: [V, D_t])``.
         labels, weights, divergence, beta, temperature, hard_weight,
-            reduction: as in :func:`distillation_loss`.
+            reduction, ignore_index: as in :func:`distillation_loss`.
         bias: optional ``[V]``, the student's.
         scale, softcap: the student's, as in ``head.unembed``; concrete
             numbers > 0 or None. A teacher ``(h_t, w_t)`` is plain
@@ -535,7 +534,11 @@ def fused_distillation_loss(
         filter_eps, filter_target, dw_accumulation, vocab_order: gradient
             filtering, ``dw``'s accumulation and the sweep's row order, as
             in ``fused.fused_cross_entropy``
-            (:func:`lmhead._fused_sweep.gradient_options`).
+            (:meth:`lmhead._sweep_options.SweepOptions.gradient_options`).
+        vocab_shards: None (default) on one device, or the student's and
+            ``w_t``'s rows split over a mesh axis
+            (``vocab_parallel.vocab_shards``); each device's statistics are
+            combined as ``fused.fused_cross_entropy``'s.
 
     Returns:
         ``(loss, metrics)`` as :func:`distillation_loss` returns them.
@@ -559,21 +562,23 @@ def fused_distillation_loss(
         >>> print(f"{loss:.5f} {reference:.5f}")
         0.10795 0.10795
     """
+    options = SweepOptions(
+        scale=scale,
+        softcap=softcap,
+        chunk_size=chunk_size,
+        precision=precision,
+        filter_eps=filter_eps,
+        filter_target=filter_target,
+        dw_accumulation=dw_accumulation,
+    )
     _checks.check_unembed_inputs(h, w, bias)
-    _checks.check_count("chunk_size", chunk_size, optional=True)
     _check_options(divergence, beta, temperature, hard_weight, labels, reduction)
-    _checks.check_concrete("fused_distillation_loss", scale=scale, softcap=softcap)
-    for name, value in dict(scale=scale, softcap=softcap).items():
-        _checks.check_in_range(name, value, low=0.0, low_open=True)
     vocab_size, d_model = np.shape(w)
     leading = np.shape(h)[:-1]
     teacher, teacher_is_logits = _check_teacher(teacher, leading, vocab_size)
-    dtype = jnp.result_type(h, w)
-    gradients = _fused_sweep.gradient_options(
-        filter_eps, filter_target, dw_accumulation, dtype
+    weights, safe_labels, invalid = _token_weights(
+        labels, weights, leading, vocab_size, ignore_index
     )
-    order = _fused_sweep.check_vocab_order(vocab_order, vocab_size)
-    weights, safe_labels, invalid = _token_weights(labels, weights, leading, vocab_size)
     num_tokens = math.prod(leading)
     if num_tokens == 0:
         empty = jnp.zeros(0, jnp.float32)
@@ -581,11 +586,6 @@ def fused_distillation_loss(
         loss = _reduce(empty, weights, reduction)
         loss = jnp.reshape(loss, leading) if reduction == "none" else loss
         return loss, _metrics(empty, empty, nll, weights, invalid)
-    if chunk_size is None:
-        # Twice the cross-entropy's chunk: the largest temporary here is the
-        # dw accumulator, so a chunk of [V, C] arrays twice as long costs
-        # little memory, and the dw matmul contracts over twice the tokens.
-        chunk_size = _fused_sweep.default_chunk_size(max(1, vocab_size // 2))
     rule = DistillationRule(
         divergence=_effective(divergence, float(beta)),
         beta=float(beta),
@@ -594,31 +594,22 @@ def fused_distillation_loss(
         has_labels=labels is not None,
         teacher_is_logits=teacher_is_logits,
     )
-    plan = _fused_sweep.Plan(
-        rule,
-        vocab_size,
-        None,
-        *_fused_sweep.block_sizes(num_tokens, vocab_size, chunk_size, None),
-        scale=None if scale is None else float(scale),
-        softcap=None if softcap is None else float(softcap),
-        precision=precision,
-        grads_in_forward=reduction != "none",
-        **gradients,
-    )
     if teacher_is_logits:  # the teacher is a constant: no gradient
         inputs = (jnp.reshape(teacher[0], (num_tokens, vocab_size)), ())
     else:  # w_t keeps its [V, D_t]
         inputs = (jnp.reshape(teacher[0], (num_tokens, -1)), jnp.asarray(teacher[1]))
     inputs = jax.tree.map(lax.stop_gradient, ((safe_labels, inputs[0]), inputs[1]))
-    objective, outputs = _fused_sweep.fused_core(
-        plan,
-        jnp.reshape(h, (num_tokens, d_model)).astype(dtype),
-        jnp.asarray(w, dtype),
-        None if bias is None else jnp.asarray(bias),
-        jnp.zeros(0, jnp.float32),
+    objective, outputs = _fused_sweep.run(
+        options,
+        rule,
+        jnp.reshape(h, (num_tokens, d_model)),
+        w,
+        bias,
         weights,
         inputs,
-        order,
+        grads_in_forward=reduction != "none",
+        vocab_order=vocab_order,
+        vocab_shards=vocab_shards,
     )
     token_loss = rule.loss(None, outputs)
     nll = outputs[_NLL] if rule.has_labels else None

@@ -9,71 +9,51 @@ holding the logits of one block of tokens at a time.
 
 It is a rule of the one chunked sweep, :mod:`lmhead._fused_sweep` (chunks,
 blocks, the vocabulary split, skipped tokens, the custom VJP):
-:class:`CrossEntropyRule` says which statistics a token needs and the
-gradient with respect to its logits. This module holds the rule, the public
-function, its checks and the block sizes' re-exports. docs/fused_loss.md
-derives the gradient and says how the block sizes were chosen.
+:class:`CrossEntropyRule`, the log-prob rule of the label plus what the
+loss's options and the accuracy need. This module holds the rule, the
+public function and the re-exports of the sweep's knobs, whose options are
+checked once as a :class:`lmhead._sweep_options.SweepOptions`.
+docs/fused_loss.md derives the gradient and says how the block sizes were
+chosen.
 """
 
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lmhead import _checks, _fused_sweep, head, losses
-from lmhead._fused_sweep import (  # noqa: F401  (re-exported: the knobs' values)
+from lmhead import _checks, head, losses
+from lmhead._fused_sweep import VocabShards, run
+from lmhead._sweep_options import (  # noqa: F401  (re-exported: the knobs' values)
     BLOCK_ELEMENTS,
     FILTER_TARGETS,
     MAX_CHUNK_SIZE,
     MIN_CHUNK_SIZE,
     VOCAB_BLOCK_ROWS,
+    SweepOptions,
     default_chunk_size,
 )
 from lmhead._vocab_order import (  # noqa: F401  (re-exported: the row orders)
     frequency_order,
     mean_logit_order,
 )
-from lmhead.head import NEG_INF
+from lmhead.token_logprobs import LogProbRule
 
 
-@dataclasses.dataclass(frozen=True)
-class VocabShards:
-    """The rows of ``w`` split over the devices along a mesh axis.
-
-    For ``vocab_parallel.vocab_parallel_cross_entropy``, which passes it to
-    :func:`fused_cross_entropy`.
-
-    Attributes:
-        axis: the mesh axis.
-        count: devices along it; it must divide ``V``.
-        run: ``run(core, h, w, bias, loss_scalars, weights, inputs) ->
-            (objective, outputs)`` calls ``core`` (a function of the same
-            arguments) on every device, with a device's tokens and its rows
-            of ``w`` and ``bias`` (``[N, D]``, ``[V, D]``, ``[V]``, ``[2]``,
-            ``[N]`` in all; ``loss_scalars`` is replicated; ``inputs`` is
-            ``(labels [N], ())``), and returns ``core``'s objective summed
-            over the devices' tokens and its outputs for every token.
-    """
-
-    axis: str
-    count: int
-    run: Callable[..., tuple[jax.Array, tuple[jax.Array, ...]]]
-
-
-@dataclasses.dataclass(frozen=True)
-class CrossEntropyRule:
-    r"""Cross-entropy (smoothing, z-loss) and optionally the entropy, as a rule.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CrossEntropyRule(LogProbRule):
+    r"""Cross-entropy (smoothing, z-loss), the accuracy and optionally the
+    entropy: the log-prob rule of the label, plus a logit sum and the argmax.
 
     Every option of the loss is a function of three statistics of a token's
     logits ``z`` -- ``lse``, the label's logit ``z_y`` and ``sum_i z_i``
-    (:func:`lmhead.losses.token_losses`) -- and accuracy needs the argmax;
-    the entropy adds :math:`t = \sum_i e^{z_i - m}(z_i - m)`, so that
-    :math:`H = \log s - t / s` with :math:`s = \sum_i e^{z_i - m}`. Outputs:
-    ``(lse, label_logit, logit_sum, argmax[, entropy])``. The gradient is
+    (:func:`lmhead.losses.token_losses`) -- and accuracy needs the argmax.
+    The first two and the entropy are :class:`LogProbRule`'s (``num_ids``
+    1, the label); this rule adds the logit sum and the argmax. Outputs:
+    ``(lse[, entropy], argmax, label_logit, logit_sum)``. The gradient is
 
     .. math::
         \frac{\partial L}{\partial z_i} = \alpha p_i + \beta [i = y] + \gamma
@@ -89,81 +69,24 @@ class CrossEntropyRule:
     label_smoothing: float | None
     smoothing: str
     z_loss: float | None
-    entropy: bool = False
-    passes = 1
+    argmax = True
 
-    def empty(self, zeros, labels):
-        return (zeros,) * 3 + (jnp.zeros_like(labels),) + (zeros,) * self.entropy
-
-    def chunk_context(self, plan, h_chunk, labels, row_inputs):
-        return labels - plan.first_row()  # labels count from this device's rows
-
-    def init(self, pass_, zeros):
-        init = (zeros + NEG_INF, zeros, zeros, zeros, zeros.astype(jnp.int32))
-        return init + (zeros,) * self.entropy
+    def statistics(self, outputs) -> tuple:
+        """``(lse, label_logit, logit_sum)`` among the outputs (or coefficients)."""
+        return outputs[0], self.picked(outputs)[0], outputs[-1]
 
     def block_stats(self, plan, pass_, z, v0, is_new, labels, previous):
-        """Per-token max, sum of exp(z - max), label logit, logit sum, argmax,
-        and with ``entropy`` the sum of ``exp(z - max) * (z - max)``."""
-        live, peak, exp, sum_exp = _fused_sweep.block_softmax(z, is_new)
-        logit_sum = jnp.sum(jnp.where(is_new, z, 0.0), axis=0)
-        label = _fused_sweep.label_logit(z, labels, v0, is_new)
-        # The first row that attains the max, as jnp.argmax, by a float
-        # min-reduce rather than XLA's (value, index) reduce (the cost is in
-        # docs/fused_loss.md); float32 holds row numbers exactly up to 2^24.
-        rows = z.shape[0]
-        index = lax.broadcasted_iota(jnp.float32, z.shape, 0)
-        first = jnp.min(jnp.where(live == peak, index, jnp.inf), axis=0)
-        argmax = v0 + jnp.minimum(first, rows - 1).astype(jnp.int32)
-        stats = (peak, sum_exp, label, logit_sum, argmax)
-        if not self.entropy:
-            return stats
-        # 0 where exp(z - max) is 0 (a logit of -inf), not 0 * -inf.
-        return stats + (jnp.sum(jnp.where(exp > 0, exp * (live - peak), 0.0), axis=0),)
+        """The log-prob rule's statistics and the sum of the block's logits."""
+        stats = super().block_stats(plan, pass_, z, v0, is_new, labels, previous)
+        return stats + (jnp.sum(jnp.where(is_new, z, 0.0), axis=0),)
 
-    def merge(self, pass_, carry, block):
-        peak, sum_exp, label, logit_sum, argmax, *tilted = carry
-        b_peak, b_sum_exp, b_label, b_sum, b_arg, *b_tilted = block
-        new_peak = jnp.maximum(peak, b_peak)
-        tilted = tuple(
-            _fused_sweep.rescaled_tilt(t, sum_exp, peak, new_peak)
-            + _fused_sweep.rescaled_tilt(b_t, b_sum_exp, b_peak, new_peak)
-            for t, b_t in zip(tilted, b_tilted)
-        )
-        _, sum_exp = _fused_sweep.merge_softmax(peak, sum_exp, b_peak, b_sum_exp)
-        # Strictly greater: on ties the earlier block (lower index) wins,
-        # as jnp.argmax does.
-        argmax = jnp.where(b_peak > peak, b_arg, argmax)
-        return (new_peak, sum_exp, label + b_label, logit_sum + b_sum, argmax, *tilted)
-
-    def combine(self, plan, pass_, carry):
-        """The statistics of the whole vocabulary from each device's rows:
-        ``pmax`` of the running max, ``psum`` of the rescaled sums."""
-        peak, sum_exp, label, logit_sum, argmax, *tilted = carry
-        axis = plan.vocab_axis
-        top = lax.pmax(peak, axis)
-        tilted = tuple(
-            lax.psum(_fused_sweep.rescaled_tilt(t, sum_exp, peak, top), axis)
-            for t in tilted
-        )
-        sum_exp = lax.psum(sum_exp * jnp.exp(peak - _fused_sweep.finite(top)), axis)
-        # Ties go to the lowest index, as jnp.argmax does.
-        argmax = lax.pmin(
-            jnp.where(peak == top, argmax + plan.first_row(), self.vocab_size), axis
-        )
-        label, logit_sum = lax.psum(label, axis), lax.psum(logit_sum, axis)
-        return (top, sum_exp, label, logit_sum, argmax, *tilted)
-
-    def finish(self, pass_, carry):
-        peak, sum_exp, label, logit_sum, argmax, *tilted = carry
-        entropy = tuple(jnp.log(sum_exp) - t / sum_exp for t in tilted)
-        return (peak + jnp.log(sum_exp), label, logit_sum, argmax, *entropy)
-
-    def loss(self, loss_scalars, outputs, token_inputs=None):
+    def _token_loss(self, loss_scalars, lse, label_logit, logit_sum):
         """``losses.token_losses``' loss; ``loss_scalars: [2]`` float32 holds
         ``(label_smoothing, z_loss)``, used where the rule holds None."""
         return losses.token_losses(
-            *outputs[:3],
+            lse,
+            label_logit,
+            logit_sum,
             self.vocab_size,
             label_smoothing=(
                 loss_scalars[0]
@@ -174,56 +97,23 @@ class CrossEntropyRule:
             z_loss=loss_scalars[1] if self.z_loss is None else self.z_loss,
         )[0]
 
+    def loss(self, loss_scalars, outputs, token_inputs=None):
+        return self._token_loss(loss_scalars, *self.statistics(outputs))
+
     def loss_coefs(self, loss_scalars, outputs, weights, token_inputs=None):
-        """``weights * dL/d(lse, label_logit, logit_sum)``, token by token."""
-        loss = functools.partial(lambda s, *x: self.loss(s, x), loss_scalars)
-        _, pullback = jax.vjp(loss, *outputs[:3])
-        return pullback(weights) + (None,) * self.entropy
+        """``weights * dL/d(lse, label_logit, logit_sum)``, token by token;
+        None for the entropy and the argmax, which the loss does not read."""
+        loss = functools.partial(self._token_loss, loss_scalars)
+        _, pullback = jax.vjp(loss, *self.statistics(outputs))
+        c_lse, c_label, c_sum = pullback(weights)
+        coefs = [None] * len(outputs)
+        coefs[0], coefs[self._first_id], coefs[-1] = c_lse, c_label, c_sum
+        return tuple(coefs)
 
-    def cotangent_coefs(self, outputs, cotangents):
-        return cotangents[:3] + (cotangents[4:5] if self.entropy else ())
-
-    def dlogits(self, z, v0, labels, outputs, coefs):
-        alpha, beta, gamma, *c_entropy = coefs
-        lse = outputs[0]
-        p = jnp.exp(z - lse)
-        dz = alpha * p + jnp.where(_fused_sweep.is_label(z, v0, labels), beta, 0.0)
-        dz = dz + gamma
-        if c_entropy and c_entropy[0] is not None:
-            # dH/dz_i = -p_i (log p_i + H); 0 where p is 0 (a logit of
-            # -inf), not 0 * -inf.
-            dz = dz - jnp.where(p > 0, c_entropy[0] * p * (z - lse + outputs[4]), 0.0)
-        return dz
-
-    def sorted_inputs(self, labels, order, inverse):
-        return inverse[labels]
-
-    def caller_outputs(self, outputs, order):
-        lse, label, logit_sum, argmax, *entropy = outputs
-        return (lse, label, logit_sum, order[argmax], *entropy)
-
-
-def _check_inputs(h, w, bias, chunk_size, vocab_chunk_size, scalars, static):
-    _checks.check_unembed_inputs(h, w, bias)
-    _checks.check_count("chunk_size", chunk_size, optional=True)
-    _checks.check_count("vocab_chunk_size", vocab_chunk_size, optional=True)
-    for name, value in scalars.items():
-        _checks.check_rank(name, value, 0, "[] (a scalar)")
-    _checks.check_concrete("fused_cross_entropy", **static)
-    for name in ("scale", "softcap"):
-        _checks.check_in_range(name, static[name], low=0.0, low_open=True)
-
-
-def _check_vocab_shards(vocab_shards, vocab_size):
-    if vocab_shards is not None and vocab_size % vocab_shards.count:
-        raise ValueError(
-            f"w has {vocab_size} rows, which the mesh's {vocab_shards.axis!r} "
-            f"axis ({vocab_shards.count}) must divide."
-        )
-
-
-def _optional_float(x):
-    return None if x is None else float(x)
+    def linear_dlogits(self, z, v0, labels, p, coefs):
+        r"""The log-prob rule's, plus :math:`\gamma` of the logit sum."""
+        dz = super().linear_dlogits(z, v0, labels, p, coefs)
+        return dz if coefs[-1] is None else dz + coefs[-1]
 
 
 def _loss_scalars(label_smoothing, z_loss):
@@ -276,6 +166,7 @@ def fused_cross_entropy(
     filter_target: str = "both",
     dw_accumulation: str = "float32",
     vocab_order: jax.typing.ArrayLike | str | None = None,
+    ignore_index: int = losses.IGNORE_INDEX,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""Cross-entropy of ``unembed(h, w, bias)`` without materializing logits.
 
@@ -299,9 +190,11 @@ def fused_cross_entropy(
     whatever the input dtype; gradients are returned in the inputs' dtypes.
     ``labels`` get no gradient; ``weights`` get the exact one.
 
-    Labels outside ``[0, V)`` follow the rule of ``losses.cross_entropy``:
-    ``ValueError`` when concrete, weight 0 and a count in
-    ``metrics["invalid_labels"]`` inside ``jit``.
+    Labels follow the rule of ``losses.cross_entropy``
+    (``losses.valid_weights``): a label equal to ``ignore_index`` gives its
+    token weight 0, eagerly and inside ``jit``; any other label outside
+    ``[0, V)`` is a ``ValueError`` when concrete, and weight 0 and a count
+    in ``metrics["invalid_labels"]`` inside ``jit``.
 
     Args:
         h: ``[..., D]`` hidden states (float32, bf16 or fp16).
@@ -327,10 +220,11 @@ def fused_cross_entropy(
             whole vocabulary with one matmul and keeps them; an integer >= 1
             computes them that many rows at a time, twice, so that no
             temporary grows with ``V``.
-        vocab_shards: None (default) on one device; see
-            ``vocab_parallel.vocab_parallel_cross_entropy``, which splits the rows
-            of ``w`` over devices and combines each device's statistics
-            with ``pmax``/``psum`` (see :meth:`CrossEntropyRule.combine`).
+        vocab_shards: None (default) on one device, or the rows of ``w``
+            split over a mesh axis (``vocab_parallel.vocab_shards``; see
+            ``vocab_parallel.vocab_parallel_cross_entropy``): each device's
+            statistics are combined with ``pmax``/``psum``
+            (:meth:`lmhead._fused_sweep.Rule.combine`).
         entropy: False (default), or True to add ``metrics["entropy"]``, the
             weighted mean of each token's :math:`H_t = -\sum_i p_i \log p_i`,
             :math:`p = \mathrm{softmax}(z_t)` of the logits the loss sees
@@ -366,8 +260,8 @@ def fused_cross_entropy(
             it adds nothing to the gradients ``filter_target`` names, and
             their matmuls are skipped, as Cut Cross-Entropy does. The loss,
             the metrics and ``dbias`` stay exact; the error of ``dh`` and
-            ``dw`` is bounded as :func:`lmhead._fused_sweep.gradient_options`
-            states.
+            ``dw`` is bounded as
+            :meth:`lmhead._sweep_options.SweepOptions.gradient_options` states.
         filter_target: ``"both"`` (default), ``"dh"`` or ``"dw"``: the
             gradients a skipped tile leaves out (CCE's ``filter_e_grad`` and
             ``filter_c_grad``; filtering ``dh`` only keeps the classifier's
@@ -388,6 +282,13 @@ def fused_cross_entropy(
             ``filter_eps`` it changes which tiles are skipped, within the
             same bound. Not with ``vocab_shards``. A traced order is
             assumed to be a permutation (checked when concrete).
+        ignore_index: the label of an ignored token (weight 0), ``-100`` by
+            default as in PyTorch and Hugging Face; an integer.
+
+    The options of the sweep (``scale`` to ``dw_accumulation``, less the
+    loss's own) are checked once, as a
+    :class:`lmhead._sweep_options.SweepOptions`, which every fused loss
+    builds of the same keywords.
 
     Returns:
         ``(loss, metrics)`` as ``losses.cross_entropy`` returns them; ``loss``
@@ -446,33 +347,33 @@ def fused_cross_entropy(
         <https://arxiv.org/abs/2410.10989>`_, 2024 (fused linear
         cross-entropy).
     """
-    _check_inputs(
-        h,
-        w,
-        bias,
-        chunk_size,
-        vocab_chunk_size,
-        scalars=dict(label_smoothing=label_smoothing, z_loss=z_loss),
-        static=dict(scale=scale, softcap=softcap),
+    options = SweepOptions(
+        scale=scale,
+        softcap=softcap,
+        chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
+        precision=precision,
+        skip_zero_weights=skip_zero_weights,
+        filter_eps=filter_eps,
+        filter_target=filter_target,
+        dw_accumulation=dw_accumulation,
     )
+    _checks.check_unembed_inputs(h, w, bias)
+    for name, value in dict(label_smoothing=label_smoothing, z_loss=z_loss).items():
+        _checks.check_rank(name, value, 0, "[] (a scalar)")
     losses.check_loss_options(label_smoothing, smoothing, z_loss, reduction)
-    for name, flag in dict(
-        entropy=entropy, skip_zero_weights=skip_zero_weights
-    ).items():
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False; got {flag!r}.")
+    if not isinstance(entropy, bool):
+        raise TypeError(f"entropy must be True or False; got {entropy!r}.")
     vocab_size, d_model = jnp.shape(w)
     leading = jnp.shape(h)[:-1]
-    losses.check_labels_and_weights(labels, weights, leading, vocab_size)
-    _check_vocab_shards(vocab_shards, vocab_size)
-    order = _fused_sweep.check_vocab_order(
-        vocab_order, vocab_size, split=vocab_shards is not None
-    )
-    dtype = jnp.result_type(h, w)
-    gradients = _fused_sweep.gradient_options(
-        filter_eps, filter_target, dw_accumulation, dtype
-    )
+    losses.check_labels_and_weights(labels, weights, leading)
     num_tokens = math.prod(leading)
+    loss_weights, safe_labels, invalid = losses.valid_weights(
+        jnp.reshape(labels, (num_tokens,)),
+        None if weights is None else jnp.reshape(weights, -1),
+        vocab_size,
+        ignore_index,
+    )
     if num_tokens == 0:  # nothing to block or split: the logits are empty
         loss, metrics = losses.cross_entropy(
             head.unembed(h, w, bias, scale=scale, softcap=softcap),
@@ -482,6 +383,7 @@ def fused_cross_entropy(
             smoothing=smoothing,
             z_loss=z_loss,
             reduction=reduction,
+            ignore_index=ignore_index,
         )
         no_tokens = jnp.zeros(leading, jnp.float32)
         return loss, metrics | _entropy_metrics(
@@ -489,35 +391,12 @@ def fused_cross_entropy(
         )
 
     plan_smoothing, plan_z_loss, loss_scalars = _loss_scalars(label_smoothing, z_loss)
-
     rule = CrossEntropyRule(
-        vocab_size, plan_smoothing, smoothing, plan_z_loss, entropy=entropy
-    )
-
-    def core(h, w, bias, loss_scalars, loss_weights, inputs):
-        # Block sizes from what one device holds: its tokens and its rows.
-        plan = _fused_sweep.Plan(
-            rule,
-            w.shape[0],
-            None if vocab_shards is None else vocab_shards.axis,
-            *_fused_sweep.block_sizes(
-                h.shape[0], w.shape[0], chunk_size, vocab_chunk_size
-            ),
-            _optional_float(scale),
-            _optional_float(softcap),
-            precision,
-            grads_in_forward=reduction != "none",
-            skip_zero_weights=skip_zero_weights,
-            **gradients,
-        )
-        return _fused_sweep.fused_core(
-            plan, h, w, bias, loss_scalars, loss_weights, inputs, order
-        )
-
-    loss_weights, safe_labels, invalid = losses.valid_weights(
-        jnp.reshape(labels, (num_tokens,)),
-        None if weights is None else jnp.reshape(weights, -1),
-        vocab_size,
+        entropy=entropy,
+        vocab_size=vocab_size,
+        label_smoothing=plan_smoothing,
+        smoothing=smoothing,
+        z_loss=plan_z_loss,
     )
     if skip_zero_weights:
         # A skipped token has no statistics: the gradient w.r.t. its weight
@@ -525,34 +404,35 @@ def fused_cross_entropy(
         loss_weights = jnp.where(
             loss_weights != 0, loss_weights, lax.stop_gradient(loss_weights)
         )
-    args = (
-        jnp.reshape(h, (num_tokens, d_model)).astype(dtype),
-        jnp.asarray(w, dtype),
-        None if bias is None else jnp.asarray(bias),
-        loss_scalars,
+    objective, outputs = run(
+        options,
+        rule,
+        jnp.reshape(h, (num_tokens, d_model)),
+        w,
+        bias,
         loss_weights,
-        (safe_labels, ()),
-    )
-    objective, (lse, label_logit, logit_sum, argmax, *token_entropy) = (
-        core(*args) if vocab_shards is None else vocab_shards.run(core, *args)
+        ((safe_labels[:, None], ()), ()),
+        grads_in_forward=reduction != "none",
+        loss_scalars=loss_scalars,
+        vocab_order=vocab_order,
+        vocab_shards=vocab_shards,
     )
     token_loss, nll, z_term = losses.token_losses(
-        lse,
-        label_logit,
-        logit_sum,
+        *rule.statistics(outputs),
         vocab_size,
         label_smoothing=label_smoothing,
         smoothing=smoothing,
         z_loss=z_loss,
     )
+    correct = rule.predicted(outputs) == safe_labels
     loss, metrics = losses.weighted_metrics(
-        token_loss, nll, z_term, argmax == safe_labels, loss_weights, invalid, reduction
+        token_loss, nll, z_term, correct, loss_weights, invalid, reduction
     )
     if entropy:
         metrics |= _entropy_metrics(
             entropy,
             reduction,
-            jnp.reshape(token_entropy[0], leading),
+            jnp.reshape(rule.token_entropy(outputs), leading),
             jnp.reshape(loss_weights, leading),
         )
     if reduction == "none":

@@ -23,6 +23,9 @@ from lmhead import _checks, head
 
 SMOOTHINGS = ("uniform", "normalized")
 REDUCTIONS = ("mean", "sum", "none")
+# The label of a token that is ignored (weight 0), as PyTorch's and Hugging
+# Face's ignore_index: valid_weights is its one rule.
+IGNORE_INDEX = -100
 
 
 def check_loss_options(
@@ -49,16 +52,15 @@ def check_labels_and_weights(
     labels: jax.typing.ArrayLike,
     weights: jax.typing.ArrayLike | None,
     leading_shape: tuple[int, ...],
-    vocab_size: int,
 ) -> None:
-    """Validates dtypes and shapes, and the label range when it is concrete.
+    """Validates dtypes and shapes, and the weights when they are concrete.
+
+    The labels' values follow :func:`valid_weights`.
 
     Raises:
         TypeError: for non-integer labels.
-        ValueError: for shapes that do not match ``leading_shape``, for
-            concrete weights that are negative or not finite, and for
-            concrete labels outside ``[0, vocab_size)`` whose weight is not 0
-            (a padding label such as -100 with weight 0 is allowed).
+        ValueError: for shapes that do not match ``leading_shape``, and for
+            concrete weights that are negative or not finite.
     """
     _checks.check_integer("labels", labels)
     if jnp.shape(labels) != tuple(leading_shape):
@@ -78,40 +80,39 @@ def check_labels_and_weights(
                 "weights must be finite and >= 0 (0 for padding); got "
                 f"{np.asarray(weights)[bad_weights].ravel()[0]}."
             )
-    _checks.check_ids_in_range(
-        "labels",
-        labels,
-        weights,
-        vocab_size,
-        note=" (Inside jit such labels get weight 0 and are counted in "
-        "metrics['invalid_labels'].)",
-    )
 
 
-def check_labels(labels: jax.typing.ArrayLike, vocab_size: int) -> None:
-    """A ``checkify`` check that every label lies in ``[0, vocab_size)``.
+def check_labels(
+    labels: jax.typing.ArrayLike, vocab_size: int, ignore_index: int = IGNORE_INDEX
+) -> None:
+    """A ``checkify`` check that every label lies in ``[0, vocab_size)`` or
+    equals ``ignore_index``.
 
-    Inside ``jit`` the losses treat an out-of-range label as weight 0 (and
-    count it in ``metrics["invalid_labels"]``). Call this in a function
-    transformed by ``checkify.checkify`` to get an error instead.
+    Inside ``jit`` the losses give an out-of-range label weight 0 (and count
+    it in ``metrics["invalid_labels"]``; :func:`valid_weights`). Call this
+    in a function transformed by ``checkify.checkify`` to get an error
+    instead.
 
     Args:
         labels: integer array of any shape.
         vocab_size: ``V``.
+        ignore_index: the label of an ignored token, allowed.
 
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> from jax.experimental import checkify
         >>> f = checkify.checkify(jax.jit(lambda y: check_labels(y, 4)))
-        >>> err, _ = f(jnp.array([0, 5]))
+        >>> err, _ = f(jnp.array([0, 5, -100]))
         >>> print(err.get())
-        labels must be in [0, 4); found 1 outside (`check` failed)
+        labels must be in [0, 4) or equal ignore_index=-100; found 1 outside (`check` failed)
     """
     labels = jnp.asarray(labels)
     bad = (labels < 0) | (labels >= vocab_size)
+    bad = bad & (labels != ignore_index)
     checkify.check(
         ~jnp.any(bad),
-        f"labels must be in [0, {vocab_size}); found {{n}} outside",
+        f"labels must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
+        "found {n} outside",
         n=jnp.sum(bad),
     )
 
@@ -277,33 +278,86 @@ def weighted_metrics(
 
 
 def valid_weights(
-    labels: jax.Array, weights: jax.typing.ArrayLike | None, vocab_size: int
+    labels: jax.typing.ArrayLike,
+    weights: jax.typing.ArrayLike | None,
+    vocab_size: int,
+    ignore_index: int = IGNORE_INDEX,
+    *,
+    name: str = "labels",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Float32 weights with out-of-range labels zeroed, and clipped labels.
+    """The one rule for labels: float32 weights, clipped labels, invalid ones.
+
+    A token whose label equals ``ignore_index`` (``-100`` by default, as
+    PyTorch's and Hugging Face's) is ignored: its weight is 0, so it adds
+    nothing to a loss, a mean's denominator or a gradient, eagerly and
+    under ``jit`` alike. Any other label outside ``[0, V)`` whose weight is
+    not 0 is invalid: ``ValueError`` naming ``name`` when the labels and
+    weights are concrete; inside ``jit`` weight 0 too, counted in
+    ``invalid`` (the losses' ``metrics["invalid_labels"]``; use
+    :func:`check_labels` under ``checkify`` to fail instead).
+
+    Args:
+        labels: ``[...]`` integers, or ``[..., k]`` for ``k`` ids per token
+            (with ``weights`` given), a token ignored when all its ids equal
+            ``ignore_index``.
+        weights: ``[...]`` per-token weights, or None for 1.
+        vocab_size: ``V``.
+        ignore_index: an integer.
+        name: the labels' argument, for the error.
 
     Returns:
-        ``(weights, safe_labels, invalid)``: ``invalid`` marks labels outside
-        ``[0, V)`` that had a nonzero weight; ``safe_labels`` are clipped
-        into range so that gathers stay in bounds.
+        ``(weights, safe_labels, invalid)``: ``weights`` 0 for ignored and
+        invalid tokens, ``safe_labels`` clipped into range so that gathers
+        stay in bounds, ``invalid [...]`` bool.
+
+    Raises:
+        ValueError: for concrete invalid labels, naming ``name``.
+        TypeError: for an ``ignore_index`` that is not an integer.
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> w, y, bad = valid_weights(jnp.array([1, 7]), None, 4)
+        >>> valid_weights(jnp.array([1, -100, 2]), None, 4)[0]
+        Array([1., 0., 1.], dtype=float32)
+        >>> w, y, bad = jax.jit(valid_weights, static_argnums=2)(
+        ...     jnp.array([1, 7]), None, 4)
         >>> w, y, bad
         (Array([1., 0.], dtype=float32), Array([1, 3], dtype=int32), Array([False,  True], dtype=bool))
+        >>> valid_weights(jnp.array([1, 7]), None, 4)
+        Traceback (most recent call last):
+        ...
+        ValueError: labels must be in [0, 4) or equal ignore_index=-100 wherever weights are nonzero; got 7. (Inside jit such labels give their token weight 0; see losses.valid_weights.)
     """
+    if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(
+        ignore_index, (int, np.integer)
+    ):
+        raise TypeError(f"ignore_index must be an integer; got {ignore_index!r}.")
     labels = jnp.asarray(labels)
     w = (
         jnp.ones(labels.shape, jnp.float32)
         if weights is None
         else jnp.asarray(weights, jnp.float32)
     )
-    out_of_range = (labels < 0) | (labels >= vocab_size)
-    invalid = out_of_range & (w != 0)
+    per_id = labels.ndim > w.ndim  # [..., k] ids per token
+
+    def per_token(x, reduce):
+        return reduce(x, axis=-1) if per_id else x
+
+    ignored = per_token(labels == ignore_index, jnp.all)
+    out_of_range = per_token((labels < 0) | (labels >= vocab_size), jnp.any)
+    out_of_range = out_of_range & ~ignored
+    _checks.check_ids_in_range(
+        name,
+        labels,
+        w,
+        vocab_size,
+        ignore_index=ignore_index,
+        note=f" (Inside jit such {name} give their token weight 0; see "
+        "losses.valid_weights.)",
+    )
     return (
-        jnp.where(out_of_range, 0.0, w),
+        jnp.where(ignored | out_of_range, 0.0, w),
         jnp.clip(labels, 0, vocab_size - 1),
-        invalid,
+        out_of_range & (w != 0),
     )
 
 
@@ -316,6 +370,7 @@ def cross_entropy(
     smoothing: str = "uniform",
     z_loss: float = 0.0,
     reduction: str = "mean",
+    ignore_index: int = IGNORE_INDEX,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""Weighted softmax cross-entropy with label smoothing and z-loss.
 
@@ -334,10 +389,13 @@ def cross_entropy(
     correct and whose gradient is 0. A token of weight 0 contributes 0 to
     the loss and its gradient whatever its logits.
 
-    Labels outside ``[0, V)`` raise ``ValueError`` when they are concrete;
-    inside ``jit`` they get weight 0 and are counted in
-    ``metrics["invalid_labels"]`` (use :func:`check_labels` with ``checkify``
-    to fail instead).
+    A label equal to ``ignore_index`` (``-100``, as in PyTorch and Hugging
+    Face) gives its token weight 0, eagerly and inside ``jit``: the mean is
+    over the other tokens. Other labels outside ``[0, V)`` raise
+    ``ValueError`` when they are concrete; inside ``jit`` they get weight 0
+    and are counted in ``metrics["invalid_labels"]`` (use
+    :func:`check_labels` with ``checkify`` to fail instead). The rule is
+    :func:`valid_weights`'.
 
     ``label_smoothing`` and ``z_loss`` may be traced scalars, e.g. one value
     per ensemble member under ``jax.vmap`` or ``lax.map``; a traced value is
@@ -352,6 +410,7 @@ def cross_entropy(
         z_loss: :math:`\lambda_z \ge 0` (PaLM uses ``1e-4``).
         reduction: ``"mean"`` (over the weights), ``"sum"``, or ``"none"``
             (``[...]`` weighted per-token losses).
+        ignore_index: the label of an ignored token, an integer.
 
     Returns:
         ``(loss, metrics)``: see :func:`weighted_metrics` for the metrics.
@@ -362,6 +421,9 @@ def cross_entropy(
         >>> loss, m = cross_entropy(logits, jnp.array([0, 2]))
         >>> round(float(loss), 4), float(m["accuracy"])
         (1.6672, 0.5)
+        >>> loss, m = cross_entropy(logits, jnp.array([0, -100]))
+        >>> round(float(loss), 4), float(m["weight_sum"])
+        (0.2395, 1.0)
 
     References:
         Szegedy et al., `Rethinking the Inception Architecture
@@ -372,11 +434,13 @@ def cross_entropy(
     _checks.check_logits(logits)
     check_loss_options(label_smoothing, smoothing, z_loss, reduction)
     vocab_size = jnp.shape(logits)[-1]
-    check_labels_and_weights(labels, weights, jnp.shape(logits)[:-1], vocab_size)
+    check_labels_and_weights(labels, weights, jnp.shape(logits)[:-1])
     chex.assert_rank(logits, jnp.ndim(labels) + 1)
 
     logits = jnp.asarray(logits, jnp.float32)
-    weights, safe_labels, invalid = valid_weights(labels, weights, vocab_size)
+    weights, safe_labels, invalid = valid_weights(
+        labels, weights, vocab_size, ignore_index
+    )
     # A row of -inf (every token masked) is computed on zeros, which keeps
     # NaN out of the gradients, and then given the rule's values.
     empty = jnp.max(logits, axis=-1) == -jnp.inf
@@ -449,6 +513,8 @@ def calibration_bins(
     labels: jax.typing.ArrayLike,
     weights: jax.typing.ArrayLike | None = None,
     num_bins: int = 15,
+    *,
+    ignore_index: int = IGNORE_INDEX,
 ) -> jax.Array:
     r"""Per-bin sums for the calibration error, to accumulate over batches.
 
@@ -460,6 +526,8 @@ def calibration_bins(
         labels: ``[...]`` integers.
         weights: optional ``[...]``.
         num_bins: ``M >= 1``.
+        ignore_index: a label whose token is left out; labels follow
+            :func:`valid_weights`' rule.
 
     Returns:
         ``[M, 3]`` float32: per bin the weight, the weighted sum of
@@ -476,8 +544,8 @@ def calibration_bins(
     _checks.check_logits(logits)
     _checks.check_count("num_bins", num_bins)
     vocab_size = jnp.shape(logits)[-1]
-    check_labels_and_weights(labels, weights, jnp.shape(logits)[:-1], vocab_size)
-    weights, safe_labels, _ = valid_weights(labels, weights, vocab_size)
+    check_labels_and_weights(labels, weights, jnp.shape(logits)[:-1])
+    weights, safe_labels, _ = valid_weights(labels, weights, vocab_size, ignore_index)
     p = head.probs(logits)
     confidence = jnp.max(p, axis=-1)
     # A row of -inf logits has no distribution: confidence 0, never correct.
@@ -529,6 +597,8 @@ def expected_calibration_error(
     labels: jax.typing.ArrayLike,
     weights: jax.typing.ArrayLike | None = None,
     num_bins: int = 15,
+    *,
+    ignore_index: int = IGNORE_INDEX,
 ) -> jax.Array:
     r"""Expected calibration error of the top-1 prediction (Guo et al., 2017).
 
@@ -543,6 +613,7 @@ def expected_calibration_error(
         labels: ``[...]`` integers.
         weights: optional ``[...]`` per-token weights.
         num_bins: ``M >= 1``.
+        ignore_index: as in :func:`calibration_bins`.
 
     Returns:
         Scalar in ``[0, 1]``.
@@ -558,5 +629,5 @@ def expected_calibration_error(
         <https://arxiv.org/abs/1706.04599>`_, 2017.
     """
     return calibration_error_from_bins(
-        calibration_bins(logits, labels, weights, num_bins)
+        calibration_bins(logits, labels, weights, num_bins, ignore_index=ignore_index)
     )

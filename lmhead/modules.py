@@ -356,6 +356,7 @@ class LMHead(nn.Module):
         smoothing: str = "uniform",
         z_loss: float = 0.0,
         chunk_size: int | None = None,
+        ignore_index: int = losses.IGNORE_INDEX,
         **gradients: Any,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The training loss on hidden states; see ``losses.cross_entropy``.
@@ -374,6 +375,9 @@ class LMHead(nn.Module):
                 for ``"materialized"``.
             label_smoothing, smoothing, z_loss: as in
                 ``losses.cross_entropy``.
+            ignore_index: the label of an ignored token (weight 0), ``-100``
+                by default; the same rule for every ``loss_impl``
+                (``losses.valid_weights``).
             **gradients: ``filter_eps``, ``filter_target``,
                 ``dw_accumulation`` and ``vocab_order`` of
                 ``fused.fused_cross_entropy``, for ``loss_impl="fused"`` only.
@@ -387,6 +391,7 @@ class LMHead(nn.Module):
             label_smoothing=label_smoothing,
             smoothing=smoothing,
             z_loss=z_loss,
+            ignore_index=ignore_index,
         )
         if loss_impl == "materialized":
             return self._through_head(

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmhead import _checks, token_logprobs
+from lmhead import _checks, losses, token_logprobs
+from lmhead._sweep_options import SweepOptions
 
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 IMPORTANCE_SAMPLING = ("token", "sequence")
@@ -311,6 +312,7 @@ def fused_policy_gradient_loss(
     filter_target: str = "both",
     dw_accumulation: str = "float32",
     vocab_order: jax.typing.ArrayLike | str | None = None,
+    ignore_index: int = losses.IGNORE_INDEX,
     **options,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r""":func:`policy_gradient_loss` of the head ``softcap(scale * h @ w.T +
@@ -327,8 +329,13 @@ def fused_policy_gradient_loss(
     Args:
         h: ``[B, T, D]``; position ``t`` predicts ``ids[:, t]``.
         w: ``[V, D]``. bias: optional ``[V]``.
-        ids: ``[B, T]`` the sampled tokens. mask, advantages, old_logps,
-            ref_logps: as in :func:`policy_gradient_loss`.
+        ids: ``[B, T]`` the sampled tokens. A token whose id equals
+            ``ignore_index`` (``-100`` by default) is left out, as if its
+            mask were 0; any other id outside ``[0, V)`` where the mask is
+            nonzero is an error when concrete, and left out too inside
+            ``jit`` (``losses.valid_weights``).
+        mask, advantages, old_logps, ref_logps: as in
+            :func:`policy_gradient_loss`.
         reference_head: the frozen reference's ``(h_ref [B, T, D_ref],
             w_ref [V, D_ref][, bias_ref])``; not with ``ref_logps``.
         entropy_weight: None computes no entropy; a number computes it (the
@@ -357,6 +364,16 @@ def fused_policy_gradient_loss(
     References:
         As :func:`policy_gradient_loss`.
     """
+    sweep = SweepOptions(
+        scale=scale,
+        softcap=softcap,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
+        filter_eps=filter_eps,
+        filter_target=filter_target,
+        dw_accumulation=dw_accumulation,
+    )
     _checks.check_rank("h", h, 3, "[B, T, D]")
     if jnp.shape(ids) != jnp.shape(h)[:2]:
         raise ValueError(
@@ -382,16 +399,11 @@ def fused_policy_gradient_loss(
         old_logps=old_logps,
         ref_logps=ref_logps,
     )
-    sweep = dict(
-        temperature=temperature,
-        scale=scale,
-        softcap=softcap,
-        chunk_size=chunk_size,
-        vocab_chunk_size=vocab_chunk_size,
-        filter_eps=filter_eps,
-        filter_target=filter_target,
-        dw_accumulation=dw_accumulation,
-        vocab_order=vocab_order,
+    _checks.check_unembed_inputs(h, w, bias)
+    _checks.check_integer("ids", ids)
+    # Ignored (and, inside jit, invalid) ids leave their tokens out of the mask.
+    mask, _, _ = losses.valid_weights(
+        ids, mask, jnp.shape(w)[0], ignore_index, name="ids"
     )
     if reference_head is not None:
         if len(reference_head) not in (2, 3):
@@ -400,52 +412,47 @@ def fused_policy_gradient_loss(
                 f"{len(reference_head)} arrays."
             )
         h_ref, w_ref, *bias_ref = jax.lax.stop_gradient(tuple(reference_head))
-        ref_logps = token_logprobs.fused_token_logprobs(
+        ref_logps = token_logprobs.sweep_token_logprobs(
             h_ref,
             w_ref,
             ids,
+            sweep,
             bias=bias_ref[0] if bias_ref else None,
             weights=mask,
-            **sweep,
+            vocab_order=vocab_order,
+            ignore_index=ignore_index,
         ).logprobs
     if settings["beta"] > 0 and ref_logps is None:
         raise ValueError("ref_logps is required for beta > 0 (the KL's reference).")
     bonus = 0.0 if entropy_weight is None else entropy_weight
+    metric_options = dict(
+        old_logps=old_logps, ref_logps=ref_logps, entropy_weight=bonus, **options
+    )
     if settings["importance_sampling"] == "sequence":
-        out = token_logprobs.fused_token_logprobs(
+        out = token_logprobs.sweep_token_logprobs(
             h,
             w,
             ids,
+            sweep,
             bias=bias,
             weights=mask,
             entropy=entropy_weight is not None,
-            **sweep,
+            vocab_order=vocab_order,
+            ignore_index=ignore_index,
         )
         return policy_gradient_loss(
-            out.logprobs,
-            mask,
-            advantages,
-            old_logps=old_logps,
-            ref_logps=ref_logps,
-            entropy=out.entropy,
-            entropy_weight=bonus,
-            **options,
+            out.logprobs, mask, advantages, entropy=out.entropy, **metric_options
         )
     # Token-level ratios: each token's loss depends on its own log-prob only,
     # so the sweep takes its gradient while it holds the logits.
-    _checks.check_unembed_inputs(h, w, bias)
-    _checks.check_integer("ids", ids)
-    token_logprobs.check_options(
-        temperature, scale, softcap, chunk_size, vocab_chunk_size
-    )
-    _checks.check_ids_in_range("ids", ids, mask, jnp.shape(w)[0])
-    m = jnp.asarray(mask, jnp.float32)
-    live = m != 0
+    live = mask != 0
 
     def operand(x):
         return None if x is None else jnp.ravel(jnp.where(live, x, 0.0))
 
-    advantage = jnp.broadcast_to(jnp.asarray(advantages, jnp.float32)[:, None], m.shape)
+    advantage = jnp.broadcast_to(
+        jnp.asarray(advantages, jnp.float32)[:, None], mask.shape
+    )
     operands = jax.lax.stop_gradient(
         (operand(old_logps), operand(ref_logps), jnp.ravel(advantage))
     )
@@ -460,23 +467,20 @@ def fused_policy_gradient_loss(
         h,
         w,
         ids,
-        _token_weights(m, settings),
-        token_loss=objective,
-        operands=operands,
+        _token_weights(mask, settings),
+        sweep,
         bias=bias,
         entropy=entropy_weight is not None,
-        precision=None,
-        **sweep,
+        vocab_order=vocab_order,
+        token_loss=objective,
+        operands=operands,
     )
     _, metrics = policy_gradient_loss(
         jax.lax.stop_gradient(out.logprobs),
         mask,
         advantages,
-        old_logps=old_logps,
-        ref_logps=ref_logps,
         entropy=jax.lax.stop_gradient(out.entropy),
-        entropy_weight=bonus,
-        **options,
+        **metric_options,
     )
     return loss, metrics
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmhead import _checks, token_logprobs
+from lmhead import _checks, losses, token_logprobs
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -147,6 +147,7 @@ def fused_sparse_distillation_loss(
     filter_target: str = "both",
     dw_accumulation: str = "float32",
     vocab_order: jax.typing.ArrayLike | str | None = None,
+    ignore_index: int = losses.IGNORE_INDEX,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r""":func:`sparse_distillation_loss` of the head ``softcap(scale * h @ w.T
     + bias) / T``, fused.
@@ -157,12 +158,16 @@ def fused_sparse_distillation_loss(
 
     Args:
         h: ``[..., D]``. w: ``[V, D]``. bias: optional ``[V]``.
-        teacher_ids: ``[..., k]`` integer ids in ``[0, V)`` (checked when
-            concrete, where ``weights`` is nonzero).
+        teacher_ids: ``[..., k]`` integer ids in ``[0, V)``. A token whose
+            ids all equal ``ignore_index`` (``-100`` by default) is left
+            out (weight 0); any other id outside ``[0, V)`` where
+            ``weights`` is nonzero is an error when concrete, and leaves its
+            token out inside ``jit`` (``losses.valid_weights``).
         teacher_logps: ``[..., k]`` their log-probs, ``<= 0``.
         weights, renormalize, reduction: as in :func:`sparse_distillation_loss`.
         temperature, scale, softcap, chunk_size, vocab_chunk_size,
-            filter_eps, filter_target, dw_accumulation, vocab_order: as in
+            filter_eps, filter_target, dw_accumulation, vocab_order,
+            ignore_index: as in
             :func:`lmhead.token_logprobs.fused_token_logprobs`.
 
     Returns:
@@ -190,19 +195,20 @@ def fused_sparse_distillation_loss(
             f" got {ids_shape}."
         )
     _check_teacher(teacher_logps, ids_shape)
-    if not _checks.is_traced(teacher_ids):
-        ids = np.asarray(teacher_ids)
-        live = (
-            np.ones(ids.shape, bool)
-            if weights is None or _checks.is_traced(weights)
-            else np.broadcast_to((np.asarray(weights) != 0)[..., None], ids.shape)
+    _checks.check_unembed_inputs(h, w, bias)
+    if weights is not None and jnp.shape(weights) != ids_shape[:-1]:
+        raise ValueError(
+            f"weights must have shape [...] = {ids_shape[:-1]}; "
+            f"got {jnp.shape(weights)}."
         )
-        bad = live & ((ids < 0) | (ids >= jnp.shape(w)[0]))
-        if np.any(bad):
-            raise ValueError(
-                f"teacher_ids must be in [0, {jnp.shape(w)[0]}) (the rows of w); "
-                f"got {ids[bad].ravel()[0]}."
-            )
+    # Ignored (and, inside jit, invalid) tokens get weight 0, in the KL too.
+    weights, _, _ = losses.valid_weights(
+        teacher_ids,
+        jnp.ones(ids_shape[:-1]) if weights is None else weights,
+        jnp.shape(w)[0],
+        ignore_index,
+        name="teacher_ids",
+    )
     student = token_logprobs.fused_token_logprobs(
         h,
         w,
@@ -218,6 +224,7 @@ def fused_sparse_distillation_loss(
         filter_target=filter_target,
         dw_accumulation=dw_accumulation,
         vocab_order=vocab_order,
+        ignore_index=ignore_index,
     )
     return sparse_distillation_loss(
         student.logprobs,

@@ -22,19 +22,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmhead import _checks, _fused_sweep
-from lmhead.head import NEG_INF
+from lmhead import _checks, _fused_sweep, _online_softmax, losses
+from lmhead._sweep_options import SweepOptions
 
 
 @dataclasses.dataclass(frozen=True)
-class LogProbRule:
+class LogProbRule(_fused_sweep.Rule):
     r"""Log-normalizer, logits of ``k`` given ids and optionally the entropy.
 
-    Outputs ``(lse, z_{y_1}, ..., z_{y_k}[, H])`` per token, from an online
-    logsumexp (running max ``m``, :math:`s = \sum_i e^{z_i - m}`), ``k``
-    gathers per block and, for the entropy, :math:`t = \sum_i e^{z_i - m}
-    (z_i - m)`: :math:`H = \log s - t / s`. For cotangents
-    :math:`(\alpha, \beta_1..\beta_k, c)` on the outputs the gradient is
+    Outputs ``(lse[, H][, argmax], z_{y_1}, ..., z_{y_k})`` per token, from
+    an online logsumexp (running max ``m``, :math:`s = \sum_i e^{z_i - m}`;
+    for the entropy :math:`t = \sum_i e^{z_i - m} (z_i - m)`, :math:`H =
+    \log s - t / s`; the argmax for a subclass that sets ``argmax``,
+    :class:`lmhead.fused.CrossEntropyRule`) and ``k`` gathers per block.
+    For cotangents :math:`(\alpha, c, \beta_1..\beta_k)` on the outputs
+    the gradient is
 
     .. math::
         \frac{\partial L}{\partial z_i} = \alpha p_i + \sum_j \beta_j [i = y_j]
@@ -42,7 +44,7 @@ class LogProbRule:
 
     The rule's own loss (the sweep's objective) is ``token_loss(log p [Nc, k],
     H [Nc] or None, operands)``, ``operands`` the per-token arrays given
-    beside the ids (``token_inputs = (ids, operands)``); its gradient
+    beside the ids (``token_inputs = (ids [N, k], operands)``); its gradient
     coefficients are its VJP, known per token while the forward sweep holds
     a chunk's logits, so the sweep's forward gradients apply. Without
     ``token_loss`` it is the first id's negative log-likelihood, which
@@ -52,91 +54,75 @@ class LogProbRule:
     sum of ``token_loss``, summed (:class:`lmhead._fused_sweep.Rule`).
     """
 
-    num_ids: int
-    entropy: bool
+    num_ids: int = 1
+    entropy: bool = False
     token_loss: Callable | None = None  # hashable: a module-level function
     segment_loss_fn: Callable | None = None  # hashable too
-    passes = 1
+    argmax = False  # the first row of each token's max, an output too
 
-    def empty(self, zeros, token_inputs):
-        return (zeros,) * (1 + self.num_ids + self.entropy)
+    @property
+    def _first_id(self) -> int:
+        return 1 + self.entropy + self.argmax
+
+    def picked(self, outputs) -> tuple:
+        """The ``k`` ids' logits among the outputs."""
+        return outputs[self._first_id : self._first_id + self.num_ids]
+
+    def token_entropy(self, outputs):
+        """The entropy among the outputs, or None."""
+        return outputs[1] if self.entropy else None
+
+    def predicted(self, outputs):
+        """Each token's argmax among the outputs (a rule with ``argmax``)."""
+        return outputs[1 + self.entropy]
+
+    def logprobs(self, outputs):
+        """``[N, k]`` log-probabilities of the ids."""
+        return jnp.stack(self.picked(outputs), axis=-1) - outputs[0][:, None]
 
     def chunk_context(self, plan, h_chunk, token_inputs, row_inputs):
-        return token_inputs[0] - plan.first_row()
-
-    def init(self, pass_, zeros):
-        return (zeros + NEG_INF, zeros) + (zeros,) * (self.num_ids + self.entropy)
+        return token_inputs[0] - plan.first_row()  # ids from a device's rows
 
     def block_stats(self, plan, pass_, z, v0, is_new, ids, previous):
-        """Max, sum of ``exp(z - max)``, the ids' logits and the tilted sum."""
-        live, peak, exp, sum_exp = _fused_sweep.block_softmax(z, is_new)
+        """The online softmax (its tilted sum, its argmax) and the ids' logits."""
+        softmax = _online_softmax.Softmax.of_block(
+            z, v0, is_new, entropy=self.entropy, argmax=self.argmax
+        )
         picked = tuple(
-            _fused_sweep.label_logit(z, ids[:, j], v0, is_new)
+            _online_softmax.label_logit(z, ids[:, j], v0, is_new)
             for j in range(self.num_ids)
         )
-        stats = (peak, sum_exp) + picked
-        if not self.entropy:
-            return stats
-        # 0 where exp(z - max) is 0 (a logit of -inf), not 0 * -inf.
-        return stats + (jnp.sum(jnp.where(exp > 0, exp * (live - peak), 0.0), axis=0),)
-
-    def merge(self, pass_, carry, block):
-        peak, sum_exp, *rest = carry
-        b_peak, b_sum_exp, *b_rest = block
-        new_peak = jnp.maximum(peak, b_peak)
-        k = self.num_ids
-        picked = tuple(a + b for a, b in zip(rest[:k], b_rest[:k]))
-        tilted = tuple(
-            _fused_sweep.rescaled_tilt(t, sum_exp, peak, new_peak)
-            + _fused_sweep.rescaled_tilt(b_t, b_sum_exp, b_peak, new_peak)
-            for t, b_t in zip(rest[k:], b_rest[k:])
-        )
-        _, sum_exp = _fused_sweep.merge_softmax(peak, sum_exp, b_peak, b_sum_exp)
-        return (new_peak, sum_exp) + picked + tilted
-
-    def combine(self, plan, pass_, carry):
-        raise NotImplementedError("token log-probs over a split vocabulary")
-
-    def finish(self, pass_, carry):
-        peak, sum_exp, *rest = carry
-        picked, tilted = rest[: self.num_ids], rest[self.num_ids :]
-        entropy = tuple(jnp.log(sum_exp) - t / sum_exp for t in tilted)
-        return (peak + jnp.log(sum_exp), *picked, *entropy)
+        return (softmax, *picked)
 
     def loss(self, loss_scalars, outputs, token_inputs):
         if self.token_loss is None:
-            return outputs[0] - outputs[1]
-        lse, *picked = outputs[: 1 + self.num_ids]
-        logps = jnp.stack(picked, axis=-1) - lse[:, None]
-        entropy = outputs[-1] if self.entropy else None
-        return self.token_loss(logps, entropy, token_inputs[1])
-
-    def loss_coefs(self, loss_scalars, outputs, weights, token_inputs):
-        if self.token_loss is None:
-            return (weights, -weights) + (None,) * (self.num_ids - 1 + self.entropy)
-        _, pullback = jax.vjp(
-            lambda *x: self.loss(loss_scalars, x, token_inputs), *outputs
-        )
-        return pullback(weights)
+            return outputs[0] - self.picked(outputs)[0]
+        entropy = self.token_entropy(outputs)
+        return self.token_loss(self.logprobs(outputs), entropy, token_inputs[1])
 
     def segment_loss(self, loss_scalars, sums):
         return self.segment_loss_fn(loss_scalars, sums)
 
-    def cotangent_coefs(self, outputs, cotangents):
-        return tuple(cotangents)
+    def linear_dlogits(self, z, v0, ids, p, coefs):
+        r"""The gradient through the statistics linear in ``p`` and ``z``:
+        :math:`\alpha p_i + \sum_j \beta_j [i = y_j]`."""
+        c_lse = coefs[0]
+        dz = jnp.zeros_like(z) if c_lse is None else c_lse * p
+        for j, c in enumerate(self.picked(coefs)):
+            if c is not None:
+                dz = dz + jnp.where(_online_softmax.is_label(z, v0, ids[:, j]), c, 0.0)
+        return dz
 
     def dlogits(self, z, v0, ids, outputs, coefs):
-        c_lse, *c_ids = coefs[: 1 + self.num_ids]
         lse = outputs[0]
         p = jnp.exp(z - lse)
-        dz = jnp.zeros_like(z) if c_lse is None else c_lse * p
-        for j, c in enumerate(c_ids):
-            if c is not None:
-                dz = dz + jnp.where(_fused_sweep.is_label(z, v0, ids[:, j]), c, 0.0)
-        c_entropy = coefs[-1] if self.entropy else None
+        dz = self.linear_dlogits(z, v0, ids, p, coefs)
+        c_entropy = self.token_entropy(coefs)
         if c_entropy is not None:
-            # dH/dz_i = -p_i (log p_i + H); 0 where p is 0 (a banned token).
-            dz = dz - jnp.where(p > 0, c_entropy * p * (z - lse + outputs[-1]), 0.0)
+            # dH/dz_i = -p_i (log p_i + H); 0 where p is 0 (a logit of -inf),
+            # not 0 * -inf.
+            entropy = self.token_entropy(outputs)
+            dz = dz - jnp.where(p > 0, c_entropy * p * (z - lse + entropy), 0.0)
         return dz
 
     def sorted_inputs(self, token_inputs, order, inverse):
@@ -144,7 +130,10 @@ class LogProbRule:
         return inverse[ids], operands
 
     def caller_outputs(self, outputs, order):
-        return outputs
+        if not self.argmax:
+            return outputs
+        at = 1 + self.entropy
+        return outputs[:at] + (order[self.predicted(outputs)],) + outputs[at + 1 :]
 
 
 class TokenLogProbs(NamedTuple):
@@ -162,28 +151,16 @@ class TokenLogProbs(NamedTuple):
     log_normalizer: jax.Array
 
 
-def _tempered(bias, scale, softcap, temperature):
-    """``(bias, scale, softcap)`` of the logits divided by ``temperature``:
-    ``c tanh(u / c) / T = (c / T) tanh((u / T) / (c / T))``, so dividing the
-    pre-softcap logits ``u`` and the cap by ``T`` divides the logits by it."""
-    if temperature == 1.0:
-        return bias, scale, softcap
-    scale = (1.0 if scale is None else scale) / temperature
-    bias = None if bias is None else bias / temperature
-    return bias, scale, None if softcap is None else softcap / temperature
-
-
 def check_options(temperature, scale, softcap, chunk_size, vocab_chunk_size):
-    """The sweep's options, as :func:`fused_token_logprobs` checks them."""
-    _checks.check_concrete(
-        "fused_token_logprobs", temperature=temperature, scale=scale, softcap=softcap
+    """The sweep's options checked: the :class:`SweepOptions` they build, for
+    a caller that checks them before its first sweep."""
+    return SweepOptions(
+        scale=scale,
+        softcap=softcap,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
     )
-    for name, value in dict(
-        temperature=temperature, scale=scale, softcap=softcap
-    ).items():
-        _checks.check_in_range(name, value, low=0.0, low_open=True)
-    _checks.check_count("chunk_size", chunk_size, optional=True)
-    _checks.check_count("vocab_chunk_size", vocab_chunk_size, optional=True)
 
 
 def fused_token_logprobs(
@@ -204,6 +181,8 @@ def fused_token_logprobs(
     filter_target: str = "both",
     dw_accumulation: str = "float32",
     vocab_order: jax.typing.ArrayLike | str | None = None,
+    ignore_index: int = losses.IGNORE_INDEX,
+    vocab_shards: _fused_sweep.VocabShards | None = None,
 ) -> TokenLogProbs:
     r"""Each token's log-probability of given ids, without the ``[N, V]`` logits.
 
@@ -216,16 +195,19 @@ def fused_token_logprobs(
     and ``bias`` is exact: the sweep's custom VJP recomputes the logits chunk
     by chunk and applies :class:`LogProbRule`'s gradient for the cotangents
     the function puts on ``log p``, ``H`` and the log-normalizer. Tokens of
-    weight 0 (padding, prompts) get outputs 0 and add nothing to a gradient
-    (their logits may even be non-finite). ``ids`` get no gradient.
+    weight 0 (padding, prompts) and ignored tokens get outputs 0 and add
+    nothing to a gradient (their logits may even be non-finite). ``ids``
+    get no gradient.
 
     Args:
         h: ``[..., D]`` hidden states (float32, bf16 or fp16).
         w: ``[V, D]`` unembedding.
         ids: ``[...]`` integer ids, or ``[..., k]`` for ``k`` ids per token
-            (e.g. a teacher's top-k), in ``[0, V)`` where ``weights`` is
-            nonzero (checked when concrete; inside ``jit`` an id out of
-            range reads the logit 0).
+            (e.g. a teacher's top-k), in ``[0, V)``. A token whose ids all
+            equal ``ignore_index`` is ignored (weight 0); any other id
+            outside ``[0, V)`` where ``weights`` is nonzero is an error
+            when concrete, and inside ``jit`` gives its token weight 0
+            (``losses.valid_weights``).
         bias: optional ``[V]``.
         weights: optional ``[...]``; 0 marks a token whose outputs are 0 and
             that gets no gradient. Only ``!= 0`` matters.
@@ -236,11 +218,16 @@ def fused_token_logprobs(
         chunk_size, vocab_chunk_size: as in ``fused.fused_cross_entropy``.
         filter_eps, filter_target, dw_accumulation: gradient filtering and
             ``dw``'s accumulation, as in ``fused.fused_cross_entropy``
-            (:func:`lmhead._fused_sweep.gradient_options`); the filter
-            compares :math:`|p - \\mathrm{onehot}|` of the ids a function
-            of the outputs puts a cotangent on.
+            (:meth:`lmhead._sweep_options.SweepOptions.gradient_options`);
+            the filter compares :math:`|p - \\mathrm{onehot}|` of the ids a
+            function of the outputs puts a cotangent on.
         vocab_order: the sweep's row order, as in
             ``fused.fused_cross_entropy``; invisible to the caller.
+        ignore_index: the id of an ignored token, ``-100`` by default (as in
+            PyTorch and Hugging Face).
+        vocab_shards: None (default) on one device, or the rows of ``w``
+            split over a mesh axis (``vocab_parallel.vocab_shards``), each
+            device's statistics combined as ``fused.fused_cross_entropy``'s.
 
     Returns:
         :class:`TokenLogProbs` ``(logprobs, entropy or None, log_normalizer)``,
@@ -262,6 +249,8 @@ def fused_token_logprobs(
         True
         >>> out.entropy.shape, out.log_normalizer.shape
         ((2, 3), (2, 3))
+        >>> fused_token_logprobs(h, w, ids.at[1, 2].set(-100)).logprobs[1, 2]
+        Array(0., dtype=float32)
 
     References:
         Wijmans et al., `Cut Your Losses in Large-Vocabulary Language Models
@@ -269,12 +258,51 @@ def fused_token_logprobs(
         Hsu et al., `Liger Kernel <https://arxiv.org/abs/2410.10989>`_, 2024
         (chunked post-training losses).
     """
+    options = SweepOptions(
+        scale=scale,
+        softcap=softcap,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
+        precision=precision,
+        filter_eps=filter_eps,
+        filter_target=filter_target,
+        dw_accumulation=dw_accumulation,
+    )
+    return sweep_token_logprobs(
+        h,
+        w,
+        ids,
+        options,
+        bias=bias,
+        weights=weights,
+        entropy=entropy,
+        vocab_order=vocab_order,
+        ignore_index=ignore_index,
+        vocab_shards=vocab_shards,
+    )
+
+
+def sweep_token_logprobs(
+    h,
+    w,
+    ids,
+    options: SweepOptions,
+    *,
+    bias=None,
+    weights=None,
+    entropy=False,
+    vocab_order=None,
+    ignore_index=losses.IGNORE_INDEX,
+    vocab_shards=None,
+) -> TokenLogProbs:
+    """:func:`fused_token_logprobs` with its sweep's options built: the checks
+    of the arrays and the ids' rule, then one sweep."""
     _checks.check_unembed_inputs(h, w, bias)
     _checks.check_integer("ids", ids)
-    check_options(temperature, scale, softcap, chunk_size, vocab_chunk_size)
     if not isinstance(entropy, bool):
         raise TypeError(f"entropy must be True or False; got {entropy!r}.")
-    vocab_size, d_model = jnp.shape(w)
+    vocab_size = jnp.shape(w)[0]
     leading = jnp.shape(h)[:-1]
     ids_shape = jnp.shape(ids)
     if ids_shape[: len(leading)] != leading or len(ids_shape) > len(leading) + 1:
@@ -288,38 +316,29 @@ def fused_token_logprobs(
     if weights is not None and not _checks.is_traced(weights):
         if np.any(~np.isfinite(np.asarray(weights, np.float64))):
             raise ValueError("weights must be finite (0 marks padding).")
-    single = len(ids_shape) == len(leading)
     num_tokens = math.prod(leading)
-    num_ids = 1 if single else ids_shape[-1]
+    num_ids = 1 if len(ids_shape) == len(leading) else ids_shape[-1]
     if num_ids < 1:
         raise ValueError(f"ids must have shape [..., k] with k >= 1; got {ids_shape}.")
-    if weights is None or _checks.is_traced(weights):
-        id_weights = None
-    else:
-        id_weights = np.broadcast_to(
-            np.reshape(np.asarray(weights), (num_tokens, 1)), (num_tokens, num_ids)
-        ).reshape(ids_shape)
-    _checks.check_ids_in_range("ids", ids, id_weights, vocab_size)
-    live = (
-        jnp.ones((num_tokens,), jnp.float32)
-        if weights is None
-        else (jnp.reshape(weights, -1) != 0).astype(jnp.float32)
+    token_weights, _, _ = losses.valid_weights(
+        jnp.reshape(ids, (num_tokens, num_ids)),
+        jnp.ones(num_tokens) if weights is None else jnp.reshape(weights, -1),
+        vocab_size,
+        ignore_index,
+        name="ids",
     )
-    options = dict(
+    live = (token_weights != 0).astype(jnp.float32)
+    return token_loss_sweep(
+        h,
+        w,
+        ids,
+        live,
+        options,
         bias=bias,
-        temperature=temperature,
-        scale=scale,
-        softcap=softcap,
         entropy=entropy,
-        chunk_size=chunk_size,
-        vocab_chunk_size=vocab_chunk_size,
-        precision=precision,
-        filter_eps=filter_eps,
-        filter_target=filter_target,
-        dw_accumulation=dw_accumulation,
         vocab_order=vocab_order,
-    )
-    return token_loss_sweep(h, w, ids, live, **options)[1]
+        vocab_shards=vocab_shards,
+    )[1]
 
 
 def token_loss_sweep(
@@ -327,13 +346,18 @@ def token_loss_sweep(
     w,
     ids,
     loss_weights,
+    options: SweepOptions | None = None,
     *,
+    bias=None,
+    entropy=False,
+    vocab_order=None,
+    vocab_shards=None,
     token_loss=None,
     operands=(),
     segment_loss=None,
     segment_length=None,
     loss_scalars=(),
-    **options,
+    **keywords,
 ) -> tuple[jax.Array, TokenLogProbs]:
     """``(sum_t loss_weights_t * token_loss_t, TokenLogProbs)`` from one sweep.
 
@@ -342,10 +366,15 @@ def token_loss_sweep(
     old log-probs and advantages): :class:`LogProbRule` with ``token_loss``
     computes the gradient of the sum in the forward sweep, from each
     chunk's kept logits, as the fused cross-entropy does. Tokens of
-    ``loss_weights`` 0 have outputs 0 and no gradient. ``h``, ``w``, ``ids``
-    and the options are :func:`fused_token_logprobs`' (after its checks);
-    ``token_loss(logps [Nc, k], entropy [Nc] or None, operands) -> [Nc]``,
-    a hashable callable (a frozen dataclass or a module-level function).
+    ``loss_weights`` 0 have outputs 0 and no gradient; the ids of the
+    others are taken to be in ``[0, V)`` (clipped into it: the caller's
+    checks and rule come first). ``h``, ``w``, ``ids``, ``bias``,
+    ``entropy``, ``vocab_order`` and ``vocab_shards`` are
+    :func:`fused_token_logprobs`' (after its checks); ``options`` its
+    :class:`SweepOptions`, or None to build them of ``keywords`` (their
+    fields, by name); ``token_loss(logps [Nc, k], entropy [Nc] or None,
+    operands) -> [Nc]``, a hashable callable (a frozen dataclass or a
+    module-level function).
 
     With ``segment_length`` ``L`` (dividing ``N``) and ``segment_loss``
     (hashable, ``(loss_scalars, sums [S]) -> [S]`` elementwise), the first
@@ -367,71 +396,42 @@ def token_loss_sweep(
         >>> weights = jnp.array([1.0, 1.0, 1.0, 0.5, 0.5, 0.0])
         >>> nll = lambda logps, entropy, operands: -logps[:, 0]
         >>> loss, out = token_loss_sweep(
-        ...     h, w, ids, weights, token_loss=nll, bias=None, temperature=1.0,
-        ...     scale=None, softcap=None, entropy=False, chunk_size=4,
-        ...     vocab_chunk_size=None, precision=None, filter_eps=None,
-        ...     filter_target="both", dw_accumulation="float32")
+        ...     h, w, ids, weights, SweepOptions(chunk_size=4), token_loss=nll)
         >>> bool(jnp.allclose(loss, -jnp.sum(weights * out.logprobs)))
         True
     """
-    bias, temperature, entropy = (
-        options["bias"],
-        options["temperature"],
-        options["entropy"],
-    )
+    if options is None:
+        options = SweepOptions(**keywords)
+    elif keywords:
+        raise TypeError(
+            f"give options or their keywords, not both; got options and {sorted(keywords)}."
+        )
     vocab_size, d_model = jnp.shape(w)
     leading, ids_shape = jnp.shape(h)[:-1], jnp.shape(ids)
     num_tokens = math.prod(leading)
     num_ids = 1 if len(ids_shape) == len(leading) else ids_shape[-1]
     loss_weights = jnp.reshape(jnp.asarray(loss_weights, jnp.float32), -1)
     flat_ids = jnp.reshape(jnp.clip(ids, 0, vocab_size - 1), (num_tokens, num_ids))
-    bias, scale, softcap = _tempered(
-        bias, options["scale"], options["softcap"], float(temperature)
-    )
     rule = LogProbRule(num_ids, entropy, token_loss, segment_loss)
-    dtype = jnp.result_type(h, w)
-    gradients = _fused_sweep.gradient_options(
-        options["filter_eps"],
-        options["filter_target"],
-        options["dw_accumulation"],
-        dtype,
-    )
-    order = _fused_sweep.check_vocab_order(options.get("vocab_order"), vocab_size)
     if num_tokens == 0:
         objective = jnp.zeros((), jnp.float32)
-        outputs = (jnp.zeros((0,), jnp.float32),) * (1 + num_ids + entropy)
+        outputs = (jnp.zeros((0,), jnp.float32),) * (1 + entropy + num_ids)
     else:
-        plan = _fused_sweep.Plan(
+        objective, outputs = _fused_sweep.run(
+            options,
             rule,
-            vocab_size,
-            None,
-            *_fused_sweep.block_sizes(
-                num_tokens,
-                vocab_size,
-                options["chunk_size"],
-                options["vocab_chunk_size"],
-                segment_length,
-            ),
-            None if scale is None else float(scale),
-            None if softcap is None else float(softcap),
-            options["precision"],
-            grads_in_forward=token_loss is not None,
-            **gradients,
-            segment_length=segment_length,
-        )
-        objective, outputs = _fused_sweep.fused_core(
-            plan,
-            jnp.reshape(h, (num_tokens, d_model)).astype(dtype),
-            jnp.asarray(w, dtype),
-            None if bias is None else jnp.asarray(bias),
-            jnp.asarray(loss_scalars, jnp.float32),
+            jnp.reshape(h, (num_tokens, d_model)),
+            w,
+            bias,
             loss_weights,
             ((flat_ids, operands), ()),
-            order,
+            grads_in_forward=token_loss is not None,
+            loss_scalars=jnp.asarray(loss_scalars, jnp.float32),
+            vocab_order=vocab_order,
+            vocab_shards=vocab_shards,
+            segment_length=segment_length,
         )
-    live = loss_weights
-    lse, *picked = outputs[: 1 + num_ids]
-    kept = live != 0
+    kept = loss_weights != 0
 
     def shaped(x, shape):
         # where, not a product: a padding token's outputs may not be finite.
@@ -439,9 +439,8 @@ def token_loss_sweep(
             jnp.where(kept.reshape(kept.shape + (1,) * (x.ndim - 1)), x, 0.0), shape
         )
 
-    logprobs = jnp.stack(picked, axis=-1) - lse[:, None]
     return objective, TokenLogProbs(
-        shaped(logprobs, ids_shape),
-        shaped(outputs[-1], leading) if entropy else None,
-        shaped(lse, leading),
+        shaped(rule.logprobs(outputs), ids_shape),
+        shaped(rule.token_entropy(outputs), leading) if entropy else None,
+        shaped(outputs[0], leading),
     )

@@ -1,9 +1,13 @@
-r"""The vocabulary-parallel cross-entropy: the unembedding split over a mesh axis.
+r"""The vocabulary-parallel losses: the unembedding split over a mesh axis.
 
 The one chunked sweep (:mod:`lmhead._fused_sweep`) on each device's slice of
-the vocabulary, its statistics combined over ``"model"`` by the
-cross-entropy rule's ``combine``, as Megatron does. The mesh itself is the
-experiment's: ``lmhead.lm.sharding``.
+the vocabulary, each rule's statistics combined over ``"model"`` by its
+``combine`` (the accumulators', :class:`lmhead._fused_sweep.Rule`), as
+Megatron does for the cross-entropy. :func:`vocab_shards` is the split, for
+the ``vocab_shards`` argument of every fused loss (the cross-entropy, the
+token log-probs, the distillation); :func:`vocab_parallel_cross_entropy` is
+the training loss's. The mesh itself is the experiment's:
+``lmhead.lm.sharding``.
 """
 
 import functools
@@ -14,29 +18,43 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from lmhead import fused
+from lmhead import _fused_sweep, fused
 
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
 
 
-def _context_mesh(mesh: Mesh | None):
-    """``mesh``, or the one set by ``jax.set_mesh``; it must have ``"model"``."""
+def vocab_shards(mesh: Mesh | None = None) -> _fused_sweep.VocabShards:
+    """The rows of ``w`` split over the ``"model"`` axis of ``mesh`` (default:
+    the mesh set by ``jax.set_mesh``), tokens over ``"data"`` when it
+    divides their number: the ``vocab_shards`` argument of the fused losses.
+
+    Raises:
+        ValueError: no mesh, or one without a ``"model"`` axis.
+
+    Examples:
+        >>> mesh = jax.make_mesh((1, 1), (DATA_AXIS, MODEL_AXIS),
+        ...                      (jax.sharding.AxisType.Auto,) * 2)
+        >>> vocab_shards(mesh).axis, vocab_shards(mesh).count
+        ('model', 1)
+    """
     if mesh is None:
         mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or MODEL_AXIS not in mesh.axis_names:
         raise ValueError(
-            "vocab_parallel_cross_entropy needs a mesh with a 'model' axis: "
-            "pass mesh=, or trace it under `with jax.set_mesh(mesh):`."
+            "the vocabulary-parallel losses need a mesh with a 'model' axis: "
+            "pass mesh=, or trace them under `with jax.set_mesh(mesh):`."
         )
-    return mesh
+    return _fused_sweep.VocabShards(
+        MODEL_AXIS, mesh.shape[MODEL_AXIS], functools.partial(_on_mesh, mesh)
+    )
 
 
 def _on_mesh(mesh, core, h, w, bias, loss_scalars, loss_weights, inputs):
     """``core`` on every device of ``mesh``: its tokens (split over
     ``"data"`` when that divides their number, replicated otherwise) against
     its rows of ``w`` and ``bias``, and the replicated ``loss_scalars``; see
-    ``fused.VocabShards``."""
+    ``_fused_sweep.VocabShards``."""
     tokens = (
         DATA_AXIS
         if DATA_AXIS in mesh.axis_names and h.shape[0] % mesh.shape[DATA_AXIS] == 0
@@ -105,7 +123,7 @@ def vocab_parallel_cross_entropy(
         **options: the keywords of ``fused.fused_cross_entropy`` (``bias``,
             ``weights``, ``label_smoothing``, ``smoothing``, ``z_loss``,
             ``scale``, ``softcap``, ``chunk_size``, ``vocab_chunk_size``,
-            ``precision``, ``reduction``).
+            ``precision``, ``reduction``, ``ignore_index``, ...).
 
     Returns:
         ``(loss, metrics)`` as ``losses.cross_entropy`` returns them.
@@ -138,8 +156,6 @@ def vocab_parallel_cross_entropy(
         Models Using Model Parallelism <https://arxiv.org/abs/1909.08053>`_,
         2019 (section 3, the parallel embedding and cross-entropy).
     """
-    mesh = _context_mesh(mesh)
-    shards = fused.VocabShards(
-        MODEL_AXIS, mesh.shape[MODEL_AXIS], functools.partial(_on_mesh, mesh)
+    return fused.fused_cross_entropy(
+        h, w, labels, vocab_shards=vocab_shards(mesh), **options
     )
-    return fused.fused_cross_entropy(h, w, labels, vocab_shards=shards, **options)

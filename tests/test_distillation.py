@@ -283,6 +283,46 @@ class FusedTest(chex.TestCase):
             jax.tree.map(lambda g: g.astype(jnp.float32), low), high, atol=0.03
         )
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_an_ignored_label_drops_its_token(self):
+        """Labels of ``ignore_index`` (-100, or another) leave their tokens
+        out, divergence and cross-entropy alike: numpy's loss of the other
+        tokens, fused and materialized, eagerly and compiled."""
+        x = make_inputs(3)
+        z_t = references.unembed(x["h_t"], x["w_t"])
+        ignored = np.zeros((B, T), bool)
+        ignored[0, 2] = ignored[1, :2] = True
+        kept = ~ignored
+        options = OPTIONS["hard"]
+        want = np_loss(
+            references.unembed(x["h"][kept], x["w"]),
+            z_t[kept],
+            x["labels"][kept],
+            x["weights"][kept],
+            **options,
+        )
+        for ignore_index in (-100, -1):
+            labels = np.where(ignored, ignore_index, x["labels"]).astype(np.int32)
+            keywords = dict(options, labels=labels, ignore_index=ignore_index)
+            fused_loss = self.variant(
+                functools.partial(
+                    distillation.fused_distillation_loss, chunk_size=CHUNK, **keywords
+                )
+            )
+            loss, metrics = fused_loss(
+                f32(x["h"]), f32(x["w"]), f32(z_t), weights=f32(x["weights"])
+            )
+            np.testing.assert_allclose(loss, want, rtol=1e-5)
+            self.assertEqual(int(metrics["invalid_labels"]), 0)
+            loss, _ = self.variant(
+                functools.partial(distillation.distillation_loss, **keywords)
+            )(
+                f32(references.unembed(x["h"], x["w"])),
+                f32(z_t),
+                weights=f32(x["weights"]),
+            )
+            np.testing.assert_allclose(loss, want, rtol=1e-5)
+
     def test_no_tokens_gives_zero(self):
         loss, metrics = distillation.fused_distillation_loss(
             jnp.zeros((0, D)), jnp.ones((V, D)), jnp.zeros((0, V))
@@ -322,6 +362,7 @@ MATERIALIZED = [
         "teacher_logits",
     ),
     ("beta < 0", dict(beta=-0.1), ValueError, "beta"),
+    ("label = V", dict(labels=np.array([0, V])), ValueError, "labels"),
 ]
 BAD_INPUTS = [
     *keyword_rows("fused", fused, FUSED),

@@ -265,6 +265,33 @@ class FusedTest(chex.TestCase):
         chex.assert_trees_all_close(metrics, ref_metrics, rtol=1e-5)
         self.assertTrue(np.isfinite(loss))
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_an_ignored_label_drops_its_token(self):
+        # ignore_index -100 (the default) and another, in every kind of sweep:
+        # the loss and the gradients are numpy's of the other tokens alone.
+        h, w, bias, labels, weights = make_inputs(7)
+        ignored = np.zeros(labels.shape, bool)
+        ignored[0, :3] = ignored[2, 4] = True
+        kept = ~ignored
+        for ignore_index, sizes in ((-100, RAGGED), (V, RECOMPUTED)):
+            marked = np.where(ignored, ignore_index, labels).astype(np.int32)
+            options = dict(label_smoothing=0.1, ignore_index=ignore_index, **sizes)
+            loss_fn = functools.partial(fused.fused_cross_entropy, **options)
+            grad = self.variant(jax.value_and_grad(loss_fn, (0, 1), has_aux=True))
+            (loss, metrics), (dh, dw) = grad(h, w, marked, weights=weights)
+            args = (h[kept], w, None, labels[kept], weights[kept])
+            np.testing.assert_allclose(
+                loss, np_loss(*args, label_smoothing=0.1), rtol=1e-5
+            )
+            np.testing.assert_allclose(metrics["weight_sum"], weights[kept].sum())
+            self.assertEqual(int(metrics["invalid_labels"]), 0)
+            dz = references.cross_entropy_gradient(
+                references.unembed(h[kept], w), labels[kept], weights[kept], 0.1
+            )
+            np.testing.assert_allclose(dh[kept], dz @ w, rtol=1e-4, atol=1e-6)
+            np.testing.assert_array_equal(dh[ignored], 0.0)
+            np.testing.assert_allclose(dw, dz.T @ h[kept], rtol=1e-4, atol=1e-6)
+
     def test_zero_total_weight_gives_zero(self):
         h, w, _, labels, _ = make_inputs(6)
         loss, grads = jax.value_and_grad(
@@ -583,42 +610,18 @@ test_documented_rules = rules_test(RULES)
 
 
 @dataclasses.dataclass(frozen=True)
-class SquaredLogitsRule:
-    """A loss written only as a rule: ``L_t = sum_i z_ti^2 / 2``, its one
-    output ``sum_i z_ti^2``; ``dL/dz_ti = z_ti`` (``c z_ti`` for a cotangent
-    ``c`` on the output: ``2 c z_ti``)."""
-
-    passes = 1
-
-    def empty(self, zeros, token_inputs):
-        return (zeros,)
-
-    def chunk_context(self, plan, h_chunk, token_inputs, row_inputs):
-        return None
-
-    def init(self, pass_, zeros):
-        return (zeros,)
+class SquaredLogitsRule(_fused_sweep.Rule):
+    """A loss written only as its per-chunk formula, the three members a
+    rule must write, every other one the base's default: ``L_t = sum_i
+    z_ti^2 / 2``, its one output ``sum_i z_ti^2`` (a sum over the
+    vocabulary); ``dL/dz_ti = z_ti`` (``c z_ti`` for a cotangent ``c`` on
+    the output: ``2 c z_ti``)."""
 
     def block_stats(self, plan, pass_, z, v0, is_new, context, previous):
         return (jnp.sum(jnp.where(is_new, z * z, 0.0), axis=0),)
 
-    def merge(self, pass_, carry, block):
-        return (carry[0] + block[0],)
-
-    def combine(self, plan, pass_, carry):
-        raise NotImplementedError
-
-    def finish(self, pass_, carry):
-        return carry
-
     def loss(self, loss_scalars, outputs, token_inputs):
         return 0.5 * outputs[0]
-
-    def loss_coefs(self, loss_scalars, outputs, weights, token_inputs):
-        return (0.5 * weights,)
-
-    def cotangent_coefs(self, outputs, cotangents):
-        return (cotangents[0],)
 
     def dlogits(self, z, v0, context, outputs, coefs):
         return 2.0 * coefs[0] * z
@@ -634,20 +637,20 @@ class EngineTest(parameterized.TestCase):
         h, w, bias, _, weights = make_inputs(5)
         h, weights = h.reshape(-1, D), weights.reshape(-1)
         vocab_chunk = None if blocks == "kept" else RECOMPUTED["vocab_chunk_size"]
-        plan = _fused_sweep.Plan(
-            SquaredLogitsRule(),
-            V,
-            None,
-            *_fused_sweep.block_sizes(len(h), V, 5, vocab_chunk),
-            scale=0.9,
-            softcap=3.0,
-            precision=None,
-            grads_in_forward=forward,
+        options = fused.SweepOptions(
+            scale=0.9, softcap=3.0, chunk_size=5, vocab_chunk_size=vocab_chunk
         )
 
         def fused_loss(h, w, bias):
-            objective, (squares,) = _fused_sweep.fused_core(
-                plan, h, w, bias, jnp.zeros(0), jnp.asarray(weights), ((), ())
+            objective, (squares,) = _fused_sweep.run(
+                options,
+                SquaredLogitsRule(),
+                h,
+                w,
+                bias,
+                jnp.asarray(weights),
+                ((), ()),
+                grads_in_forward=forward,
             )
             # A cotangent on the output too: the recompute sweep's work.
             return objective + jnp.sum(jnp.arange(len(h)) * squares)
@@ -666,3 +669,40 @@ class EngineTest(parameterized.TestCase):
         np.testing.assert_allclose(value, expected, rtol=1e-5)
         want = jax.grad(reference, (0, 1, 2))(h, w, bias)
         chex.assert_trees_all_close(grads, want, rtol=2e-5, atol=1e-4)
+
+
+class SweepOptionsTest(parameterized.TestCase):
+    """The one options object: checked when built, hashable, one plan."""
+
+    def test_equal_options_are_one_static_argument(self):
+        numpy_typed = fused.SweepOptions(
+            scale=np.float32(0.5), chunk_size=np.int64(8), filter_eps=np.float64(0.25)
+        )
+        plain = fused.SweepOptions(scale=0.5, chunk_size=8, filter_eps=0.25)
+        self.assertEqual(numpy_typed, plain)
+        self.assertEqual(hash(numpy_typed), hash(plain))
+        traced = []
+
+        @functools.partial(jax.jit, static_argnums=0)
+        def scaled(options, x):
+            traced.append(options)
+            return x * options.scale
+
+        scaled(numpy_typed, 1.0), scaled(plain, 1.0)
+        self.assertLen(traced, 1)
+
+    def test_the_plan_folds_the_temperature_and_fills_the_defaults(self):
+        options = fused.SweepOptions(
+            scale=0.5, softcap=4.0, temperature=2.0, filter_eps="auto"
+        )
+        plan = options.plan(
+            SquaredLogitsRule(), 21, V, jnp.bfloat16, grads_in_forward=True
+        )
+        self.assertEqual((plan.scale, plan.softcap), (0.25, 2.0))
+        self.assertEqual(plan.filter_eps, float(jnp.finfo(jnp.bfloat16).eps) / 32)
+        # 21 tokens: one chunk of them all; V rows in blocks of 16, kept.
+        self.assertEqual((plan.chunk_size, plan.block_rows), (21, KEPT_BLOCK_ROWS))
+        self.assertTrue(plan.keep_logits)
+        np.testing.assert_array_equal(
+            options.tempered_bias(jnp.array([1.0, -2.0])), [0.5, -1.0]
+        )

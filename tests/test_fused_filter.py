@@ -3,7 +3,7 @@
 The filtered gradient is checked against a float64 numpy gradient summed
 over the tiles (a chunk's tokens x a vocabulary block) that the filter keeps,
 found in numpy from ``|p - onehot|``, and against the bound of
-``_fused_sweep.gradient_options``; the other rules' filtered gradients
+``SweepOptions.gradient_options``; the other rules' filtered gradients
 against their exact ones within that bound, their token scale ``sigma`` from
 autodiff of the plain-JAX loss. N = 24 tokens in chunks of 5 (a ragged last
 chunk), V = 40 rows in blocks of 8.
@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from lmhead import (
-    _fused_sweep,
     distillation,
     fused,
     modules,
@@ -78,7 +77,7 @@ def np_filtered_grads(h, w, labels, weights, eps, target):
 
 
 def bound(h, w, sigma, skipped, eps):
-    """``_fused_sweep.gradient_options``' bound of ``|dh - exact|`` and
+    """``SweepOptions.gradient_options``' bound of ``|dh - exact|`` and
     ``|dw - exact|`` (``sigma`` includes the objective's cotangent)."""
     s = np.where(skipped, sigma[:, None], 0.0)
     return eps * s @ np.abs(w), eps * s.T @ np.abs(h)
@@ -94,7 +93,7 @@ def fused_grads(h, w, labels, weights, **options):
 
 
 @pytest.mark.parametrize("peaked", [False, True], ids=["random", "peaked"])
-@pytest.mark.parametrize("target", _fused_sweep.FILTER_TARGETS)
+@pytest.mark.parametrize("target", fused.FILTER_TARGETS)
 def test_cross_entropy_skips_the_small_tiles_within_the_bound(peaked, target):
     (h, w), labels, weights = make_inputs(peaked)
     eps = 0.05 if peaked else 0.1

@@ -169,19 +169,20 @@ class SkipZeroWeightsTest(parameterized.TestCase):
         # and keep statistics 0; chunk 1 holds 4 of them, computed.
         h, w, _, labels = make_inputs(3)
         weights = weight_patterns()["empty_ends"].reshape(-1)
-        rule = fused.CrossEntropyRule(V, 0.0, "uniform", 0.0)
-        plan = _fused_sweep.Plan(
-            rule, V, None, CHUNK, 16, True, None, None, None,
-            grads_in_forward=False, skip_zero_weights=True,
-        )  # fmt: skip
-        _, (lse, *_) = _fused_sweep.fused_core(
-            plan,
+        rule = fused.CrossEntropyRule(
+            vocab_size=V, label_smoothing=0.0, smoothing="uniform", z_loss=0.0
+        )
+        options = fused.SweepOptions(chunk_size=CHUNK, skip_zero_weights=True)
+        _, (lse, *_) = _fused_sweep.run(
+            options,
+            rule,
             jnp.reshape(h, (N, D)),
             jnp.asarray(w),
             None,
-            jnp.zeros(2),
             jnp.asarray(weights),
-            (jnp.reshape(labels, -1), ()),
+            ((jnp.reshape(labels, (-1, 1)), ()), ()),
+            grads_in_forward=False,
+            loss_scalars=jnp.zeros(2),
         )
         order = np.argsort(weights == 0, kind="stable")
         computed = np.zeros(N, bool)

@@ -230,7 +230,7 @@ class SortedTest(chex.TestCase):
 
 def test_a_sorted_filter_stays_within_the_bound():
     # Sorting changes which tiles are skipped, not the bound of
-    # _fused_sweep.gradient_options: summed over every row (token) it bounds
+    # SweepOptions.gradient_options: summed over every row (token) it bounds
     # any set of skipped tiles.
     h, w, _, labels, weights = make_inputs(peaked=True, seed=1)
     eps = 0.05

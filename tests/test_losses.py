@@ -220,9 +220,62 @@ class InvalidLabelsTest(chex.TestCase):
     def test_checkify_reports_out_of_range(self):
         checked = checkify.checkify(jax.jit(lambda y: losses.check_labels(y, 5)))
         err, _ = checked(jnp.array([[0, 4], [5, -1]]))
-        self.assertIn("labels must be in [0, 5); found 2", err.get())
-        err, _ = checked(jnp.array([[0, 4], [3, 1]]))
+        self.assertIn("labels must be in [0, 5) or equal ignore_index=-100", err.get())
+        self.assertIn("found 2", err.get())
+        err, _ = checked(jnp.array([[0, 4], [-100, 1]]))  # an ignored label
         self.assertIsNone(err.get())
+
+
+class IgnoreIndexTest(chex.TestCase):
+    """The one ignore_index rule (``losses.valid_weights``): a token whose
+    label is ``ignore_index`` is dropped, the same eagerly and under jit."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_an_ignored_label_drops_its_token(self):
+        logits, labels, weights = random_case(13, shape=(8,))
+        ignored = np.array([0, 1, 0, 0, 1, 0, 0, 1], bool)
+        kept = ~ignored
+        for ignore_index, options in ((-100, {}), (-1, dict(ignore_index=-1))):
+            marked = np.where(ignored, ignore_index, labels).astype(np.int32)
+            loss, metrics = self.variant(
+                functools.partial(losses.cross_entropy, label_smoothing=0.1, **options)
+            )(logits, marked, weights=weights)
+            # numpy's loss of the other tokens alone
+            _, want = references.cross_entropy(
+                logits[kept], labels[kept], weights[kept], 0.1
+            )
+            np.testing.assert_allclose(loss, want["loss"], rtol=1e-5)
+            assert_metrics_close(metrics, want)
+            self.assertEqual(int(metrics["invalid_labels"]), 0)
+            bins = self.variant(
+                functools.partial(losses.calibration_bins, num_bins=4, **options)
+            )(logits, marked, weights)
+            want_ece = references.expected_calibration_error(
+                logits[kept], labels[kept], weights[kept], 4
+            )
+            np.testing.assert_allclose(
+                losses.calibration_error_from_bins(bins), want_ece, rtol=1e-5
+            )
+
+    def test_the_rule_for_ids_per_token_and_out_of_range_labels(self):
+        ids = np.array([[1, 2], [-100, -100], [3, -100], [0, 9]])
+        weights, _, invalid = jax.jit(losses.valid_weights, static_argnums=2)(
+            ids, jnp.ones(4), 5
+        )
+        # All of a token's ids ignored: weight 0; one of them: out of range.
+        np.testing.assert_array_equal(weights, [1, 0, 0, 0])
+        np.testing.assert_array_equal(invalid, [False, False, True, True])
+        # Eagerly, an error naming the argument: a partly ignored token, a
+        # label V, and -100 when another index is the ignored one.
+        for labels, weight, ignore_index, named in (
+            (ids, np.ones(4), -100, "ids"),
+            (np.array([2, -100, 7]), None, -100, "labels"),
+            (np.array([2, -100, -1]), None, -1, "labels"),
+        ):
+            with self.assertRaisesRegex(ValueError, rf"^{named} must be in \[0, 5\)"):
+                losses.valid_weights(labels, weight, 5, ignore_index, name=named)
+        with self.assertRaisesRegex(TypeError, "ignore_index"):
+            losses.valid_weights(np.array([1]), None, 5, ignore_index=-1.0)
 
 
 @SETTINGS

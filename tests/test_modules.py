@@ -183,6 +183,32 @@ class LossTest(chex.TestCase):
             for name in ("nll", "z_loss", "accuracy", "weight_sum"):
                 np.testing.assert_allclose(metrics[name], want[name], rtol=1e-5)
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_every_loss_impl_drops_a_token_of_ignored_label(self):
+        h, table = random_inputs(7)
+        labels = np.random.default_rng(7).integers(0, V, (2, 3)).astype(np.int32)
+        marked = labels.copy()
+        marked[0, 1] = marked[1, 2] = -100
+        kept = marked != -100
+        _, want = references.cross_entropy(
+            references.unembed(h[kept], table), labels[kept], None, 0.1
+        )
+        head = modules.LMHead(V, tied=True)
+        mesh = jax.make_mesh(
+            (1, 1),
+            (vocab_parallel.DATA_AXIS, vocab_parallel.MODEL_AXIS),
+            (jax.sharding.AxisType.Auto,) * 2,
+            devices=jax.devices()[:1],
+        )
+        for impl in modules.LOSS_IMPLS:
+            loss_fn = functools.partial(
+                head.apply, loss_impl=impl, label_smoothing=0.1, method="loss"
+            )
+            with jax.set_mesh(mesh):
+                loss, metrics = self.variant(loss_fn)({}, h, marked, table)
+            np.testing.assert_allclose(loss, want["loss"], rtol=1e-5, err_msg=impl)
+            self.assertEqual(float(metrics["weight_sum"]), kept.sum())
+
 
 class TracedLossScalarsTest(chex.TestCase):
     def test_every_loss_impl_takes_the_values_of_members_traced(self):

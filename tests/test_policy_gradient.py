@@ -8,6 +8,8 @@ B = 3 rollouts of T = 4 tokens, N = 12 in chunks of 5 (a ragged last
 chunk), some tokens masked.
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -212,6 +214,47 @@ class FusedTest(parameterized.TestCase):
             np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5, err_msg=name)
         np.testing.assert_array_equal(grads[3], 0.0)  # the reference: none
         np.testing.assert_array_equal(grads[4], 0.0)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(*policy_gradient.IMPORTANCE_SAMPLING)
+    def test_an_ignored_id_drops_its_token(self, level):
+        """Ids of ``ignore_index`` (-100, or another) on tokens the mask
+        keeps: numpy's loss with those tokens' mask 0, and their gradient."""
+        x = make_inputs(2)
+        ignored = np.zeros((B, T), bool)
+        ignored[1, 1] = ignored[2, 0] = True
+        mask = np.where(ignored, 0.0, x["mask"])
+        logp, *_ = refs.token_logprobs(x["h"], x["w"], None, x["ids"])
+        old = logp + x["old_shift"]
+
+        def reference_loss(h, w, bias):
+            logp, entropy, _ = refs.token_logprobs(h, w, None, x["ids"])
+            args = (logp, old, logp, 0 * entropy, mask, x["advantages"])
+            return np_policy_gradient_loss(*args, "dapo", level, None)
+
+        for ignore_index in (-100, V):
+            ids = np.where(ignored, ignore_index, x["ids"]).astype(np.int32)
+            fused = functools.partial(
+                policy_gradient.fused_policy_gradient_loss,
+                ids=ids,
+                mask=x["mask"],
+                advantages=x["advantages"],
+                old_logps=old,
+                importance_sampling=level,
+                epsilon_low=EPS_LOW,
+                epsilon_high=EPS_HIGH,
+                chunk_size=5,
+                ignore_index=ignore_index,
+            )
+            grad = jax.value_and_grad(lambda h, w: fused(h, w)[0], (0, 1))
+            args = [jnp.asarray(x[n], jnp.float32) for n in ("h", "w")]
+            value, (dh, dw) = self.variant(grad)(*args)
+            np.testing.assert_allclose(
+                value, reference_loss(x["h"], x["w"], None), rtol=1e-5
+            )
+            want = refs.grads(reference_loss, x["h"], x["w"], x["bias"])
+            np.testing.assert_allclose(dh, want[0], rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(dw, want[1], rtol=1e-4, atol=1e-5)
 
 
 def loss(**overrides):

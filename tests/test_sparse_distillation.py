@@ -127,6 +127,42 @@ class FusedTest(parameterized.TestCase):
             np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5, err_msg=name)
         np.testing.assert_array_equal(grads[3], 0.0)
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_an_ignored_token_is_left_out(self):
+        """A token whose ids are all ``ignore_index`` (-100, or another), its
+        teacher's log-probs whatever they are: numpy's mean KL of the other
+        tokens, and its gradient."""
+        x = make_inputs(1)
+        ignored = np.zeros((B, T), bool)
+        ignored[0, 3] = ignored[1, 0] = True
+        weights = np.where(ignored, 0.0, x["weights"])
+
+        def reference(h, w, bias):
+            log_q, *_ = refs.token_logprobs(h, w, bias, x["ids"], **OPTIONS)
+            kl = np_sparse_kl(log_q, x["teacher"], True)
+            return np.sum(weights * kl) / weights.sum()
+
+        for ignore_index in (-100, V):
+            ids = np.where(ignored[..., None], ignore_index, x["ids"])
+            teacher = np.where(ignored[..., None], 0.0, x["teacher"])
+
+            def fused(h, w, bias, ids=ids, teacher=teacher, ignore_index=ignore_index):
+                return sparse_distillation.fused_sparse_distillation_loss(
+                    h, w, ids, teacher, bias=bias, weights=x["weights"],
+                    chunk_size=4, ignore_index=ignore_index, **OPTIONS,
+                )  # fmt: skip
+
+            names = ("h", "w", "bias")
+            args = [jnp.asarray(x[n], jnp.float32) for n in names]
+            grad = jax.value_and_grad(fused, (0, 1, 2), has_aux=True)
+            (value, metrics), grads = self.variant(grad)(*args)
+            want_value = reference(x["h"], x["w"], x["bias"])
+            np.testing.assert_allclose(value, want_value, rtol=1e-5)
+            self.assertEqual(float(metrics["weight_sum"]), weights.sum())
+            want = refs.grads(reference, x["h"], x["w"], x["bias"])
+            for name, g, e in zip(names, grads, want):
+                np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5, err_msg=name)
+
 
 def fused(**overrides):
     x = make_inputs()

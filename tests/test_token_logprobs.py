@@ -119,6 +119,55 @@ class TokenLogProbsTest(parameterized.TestCase):
         for g, e in zip(got, want):
             np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_an_ignored_token_gets_zeros_and_no_gradient(self):
+        """A token whose k ids are all ``ignore_index`` (-100, or another)
+        is left out as a weight 0 is: outputs 0, no gradient; the gradient
+        of the others' is central differences of numpy's."""
+        x = make_inputs(k=K)
+        ignored = np.zeros((B, T), bool)
+        ignored[0, 1] = ignored[1, 4] = True
+        kept = ~ignored
+        args = [jnp.asarray(x[n], jnp.float32) for n in ("h", "w", "bias")]
+
+        def reference(h, w, bias):
+            log_p, entropy, _ = refs.token_logprobs(h, w, bias, x["ids"])
+            weighted = np.sum(x["cotangents"][0] * log_p, -1) + entropy
+            return np.sum(np.where(kept, weighted, 0.0))
+
+        for ignore_index in (-100, V):
+            ids = np.where(ignored[..., None], ignore_index, x["ids"])
+
+            def fused(h, w, bias, ids=ids, ignore_index=ignore_index):
+                out = token_logprobs.fused_token_logprobs(
+                    h, w, ids, bias=bias, entropy=True, chunk_size=CHUNK,
+                    ignore_index=ignore_index,
+                )  # fmt: skip
+                value = jnp.sum(x["cotangents"][0] * out.logprobs)
+                return value + jnp.sum(out.entropy), out
+
+            grad = self.variant(jax.value_and_grad(fused, (0, 1, 2), has_aux=True))
+            (value, out), got = grad(*args)
+            log_p, entropy, _ = refs.token_logprobs(x["h"], x["w"], x["bias"], ids % V)
+            np.testing.assert_allclose(
+                out.logprobs, np.where(kept[..., None], log_p, 0.0), 1e-5, 1e-5
+            )
+            np.testing.assert_allclose(out.entropy, np.where(kept, entropy, 0.0), 1e-5)
+            np.testing.assert_allclose(value, reference(*args), rtol=1e-5)
+            want = refs.grads(reference, x["h"], x["w"], x["bias"])
+            for g, e in zip(got, want):
+                np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
+
+    def test_ids_partly_ignored_or_out_of_range_inside_jit_drop_their_token(self):
+        # Eagerly an error (BAD_INPUTS); compiled, the documented rule.
+        x = make_inputs(k=2)
+        ids = x["ids"].copy()
+        ids[0, 0, 1], ids[1, 2, 0] = -100, V
+        out = jax.jit(token_logprobs.fused_token_logprobs)(x["h"], x["w"], ids)
+        np.testing.assert_array_equal(out.logprobs[0, 0], 0.0)
+        np.testing.assert_array_equal(out.logprobs[1, 2], 0.0)
+        self.assertTrue(np.all(out.logprobs[0, 1:] < 0))
+
     def test_entropy_of_uniform_logits_is_log_v_and_banned_tokens_add_nothing(self):
         """w = 0: every allowed token has logit 0, so p is uniform over the
         V - 2 allowed tokens: H = log 9, log p = -log 9, lse = log 9."""
@@ -159,6 +208,13 @@ def _call(**overrides):
 
 BAD_INPUTS = [
     ("ids_out_of_range", _call(ids=np.full((B, T), V)), ValueError, "ids"),
+    (
+        "ids_partly_ignored",
+        _call(ids=np.array([[[0, -100]] * T] * B)),
+        ValueError,
+        "ids",
+    ),
+    ("ignore_index_float", _call(ignore_index=-100.0), TypeError, "ignore_index"),
     ("ids_float", _call(ids=np.zeros((B, T))), TypeError, "ids"),
     ("ids_wrong_shape", _call(ids=np.zeros((B, T + 1), np.int32)), ValueError, "ids"),
     ("no_ids", _call(ids=np.zeros((B, T, 0), np.int32)), ValueError, "ids"),

@@ -41,7 +41,7 @@ import numpy as np
 import timing  # experiments/bench/timing.py, beside this file
 from absl import app, flags
 
-from lmhead import _fused_sweep, _vocab_order, fused, head, losses
+from lmhead import _sweep_options, _vocab_order, fused, head, losses
 from lmhead.lm import configuration, data, generation, loop, train
 from lmhead.lm import model as model_lib
 
@@ -155,7 +155,7 @@ def validation_batch(workdir: str, tokens: int):
 def vocab_block_rows(rows: int | None):
     """The fused sweep's vocabulary rows per block on this platform, for the
     programs traced inside (None: the engine's default)."""
-    table = _fused_sweep.VOCAB_BLOCK_ROWS
+    table = _sweep_options.VOCAB_BLOCK_ROWS
     platform = jax.default_backend()
     key = platform if platform in table else "cpu"
     default = table[key]
@@ -225,9 +225,9 @@ def rows_of_run(name, workdir, eps_values, block_rows, tokens, rounds, order_nam
             value = (
                 None
                 if eps is None
-                else _fused_sweep.gradient_options(eps, "both", "float32", h.dtype)[
-                    "filter_eps"
-                ]
+                else _sweep_options.SweepOptions(filter_eps=eps).gradient_options(
+                    h.dtype
+                )["filter_eps"]
             )
             f = 0.0
             if eps is not None:
@@ -279,7 +279,7 @@ def rows_of_run(name, workdir, eps_values, block_rows, tokens, rounds, order_nam
 
 def _with_rows(rows, n, v):
     with vocab_block_rows(rows):
-        return _fused_sweep.block_sizes(n, v, None, None)
+        return _sweep_options.block_sizes(n, v, None, None)
 
 
 def main(argv):

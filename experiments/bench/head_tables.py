@@ -16,7 +16,7 @@ import numpy as np
 import timing  # experiments/bench/timing.py, beside this file
 
 from lmhead import (
-    _fused_sweep,
+    _sweep_options,
     fused,
     head,
     losses,
@@ -363,13 +363,13 @@ def filter_rows(n, d, v, dtype, eps_values, peaked, repeats, seconds, chunk_size
         for name, program in programs.items():
             times[name].append(timing.call_seconds(program, (h, w)))
     median = {name: float(np.median(t)) for name, t in times.items()}
-    chunk, rows, _ = _fused_sweep.block_sizes(n, v, chunk_size, None)
+    chunk, rows, _ = _sweep_options.block_sizes(n, v, chunk_size, None)
     out = []
     for eps in [None] + eps_values:
         value = (
             None
             if eps is None
-            else _fused_sweep.gradient_options(eps, "both", "float32", dtype)[
+            else _sweep_options.SweepOptions(filter_eps=eps).gradient_options(dtype)[
                 "filter_eps"
             ]
         )
@@ -437,7 +437,7 @@ def accumulation_rows(n, d, v, dtype, repeats, seconds, chunk_size):
         )
         .lower(w)
         .compile()
-        for mode in _fused_sweep.DW_ACCUMULATIONS
+        for mode in _sweep_options.DW_ACCUMULATIONS
     }
     reference = float64_dw(h, w, labels)
     warmup = max(timing.call_seconds(p, (w,)) for p in programs.values())

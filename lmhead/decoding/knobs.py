@@ -78,7 +78,9 @@ class SamplingKnobs:
         repetition_penalty: finite ``theta > 0``, per row; 1 changes nothing
             (neutral). Default None: off. Reads the token history.
         min_new_tokens: integer ``>= 0``, per row: EOS is removed before
-            that many tokens. Default 0 (neutral).
+            that many tokens, and no stop condition (a stop string or
+            sequence) ends the row before it holds that many (vLLM's
+            ``min_tokens``). Default 0 (neutral).
         presence_penalty: any finite real, per row, subtracted from the
             logit of every token generated at least once; 0 is neutral.
             Default None: off. Reads the generated tokens' counts.

@@ -190,8 +190,9 @@ def continuations(
     ``decoding.generate``'s.
 
     Stop strings end a sample inside the compiled loop
-    (``decoding.StopStrings`` on :func:`token_bytes`), or across two windows
-    in the text after the first; the text is cut with
+    (``decoding.StopStrings`` on :func:`token_bytes`), each window's loop
+    resumed from the bytes the sample generated before, so a string split
+    across two windows ends it too; the text is cut with
     ``decoding.trim_at_stop`` (beam search only cuts the text). The
     end-of-text token (``tokenizer.eos_id``) ends a sample and a beam unless
     ``ignore_eos``; it is kept in :attr:`Continuation.tokens`, not in the
@@ -228,9 +229,10 @@ def continuations(
     prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:
         raise ValueError("prompt must encode to at least one token.")
-    stop_strings = None
+    stop_strings = table = None
     if stop is not None:
-        stop_strings = decoding.StopStrings.build(stop, token_bytes(tokenizer))
+        table = token_bytes(tokenizer)
+        stop_strings = decoding.StopStrings.build(stop, table)
     context_len = model.max_len // 2
     settings = _WindowSettings(
         max_new_tokens=model.max_len - context_len,
@@ -251,17 +253,21 @@ def continuations(
         context = np.concatenate(ids, axis=1)[:, -context_len:]
         context = np.pad(context, [(0, 0), (0, context_len - context.shape[1])])
         key, window_key = jax.random.split(key)
+        window_stop = None
+        if stop_strings is not None:  # each row's loop goes on from its bytes
+            generated_bytes = [b"".join(table[t] for t in row.tokens) for row in rows]
+            window_stop = stop_strings.resumed(generated_bytes)
         window = jax.tree.map(
             np.asarray,
             _continue_window(
-                model, params, context, lengths, window_key, stop_strings, settings
+                model, params, context, lengths, window_key, window_stop, settings
             ),
         )
         ids.append(window.tokens)
         take = min(window.tokens.shape[1], max_new_tokens - generated)
         for b, row in enumerate(rows):
             if not row.stopped:
-                rows[b] = _extend_row(row, window, b, take, tokenizer, stop)
+                rows[b] = _extend_row(row, window, b, take)
         generated += window.tokens.shape[1]
         lengths[:] = context_len
     return [
@@ -270,40 +276,28 @@ def continuations(
 
 
 class _Row(NamedTuple):
-    """A sample's generated ids so far, their alternatives, and whether a
-    stop string has ended it."""
+    """A sample's generated ids so far, their alternatives, and whether the
+    end-of-text token or a stop string has ended it."""
 
     tokens: list[int]
     top: list[list[tuple[int, float]]]
     stopped: bool
 
 
-def _extend_row(row: _Row, window, b: int, take: int, tokenizer, stop) -> _Row:
+def _extend_row(row: _Row, window, b: int, take: int) -> _Row:
     """``row`` with window row ``b``'s first ``take`` tokens (fewer if the
-    end-of-text token or a stop string ended it in the loop, or if the text
-    then completes a stop string)."""
+    end-of-text token or a stop string ended it in the loop)."""
     count = min(int(window.lengths[b]), take)
     tokens = row.tokens + window.tokens[b, :count].tolist()
     top = row.top + [
         list(zip(window.top_tokens[b, t].tolist(), window.top_log_probs[b, t].tolist()))
         for t in range(count)
     ]
-    if count == window.lengths[b] and window.finish_reasons[b] in (
+    ended = count == window.lengths[b] and window.finish_reasons[b] in (
         decoding.FINISHED_EOS,
         decoding.FINISHED_STOP,
-    ):
-        return _Row(tokens, top, True)
-    if stop is None:
-        return _Row(tokens, top, False)
-    if decoding.find_stop(tokenizer.decode(tokens), stop) is None:
-        return _Row(tokens, top, False)
-    # A stop string across the windows' boundary: end at the token completing it.
-    end = next(
-        t
-        for t in range(len(row.tokens), len(tokens))
-        if decoding.find_stop(tokenizer.decode(tokens[: t + 1]), stop) is not None
     )
-    return _Row(tokens[: end + 1], top[: end + 1], True)
+    return _Row(tokens, top, bool(ended))
 
 
 def _continuation(prompt: str, row: _Row, tokenizer, stop, eos_id) -> Continuation:

@@ -151,6 +151,17 @@ class Limits:
     max_stop_chars: int = 64
     cap_max_tokens: bool = False
 
+    @property
+    def max_stop_bytes(self) -> int:
+        """The UTF-8 bytes of the longest stop string a request may send (at
+        most 4 a character): the width of the decode slots' stop table.
+
+        Examples:
+            >>> Limits(max_stop_chars=8).max_stop_bytes
+            32
+        """
+        return 4 * self.max_stop_chars
+
 
 # A request's upper bound on a knob that has none: the largest int32, and a
 # float cap that keeps a value finite through the loop's float32 arithmetic.

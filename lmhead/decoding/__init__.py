@@ -22,6 +22,7 @@ from lmhead.decoding.beam_search import (
     PENALTIES,
     BeamResult,
     BeamState,
+    beam_generation,
     beam_search,
     gather_rows,
     length_penalty_divisor,

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from tokenizers import decoders
@@ -333,22 +332,7 @@ def _continue_window(
             max_new_tokens=settings.max_new_tokens,
             eos_id=settings.eos_id,
         )
-        tokens, lengths = beams.tokens[:, 0], beams.lengths[:, 0]
-        batch, width = tokens.shape
-        ended = jnp.zeros([batch], bool)
-        if settings.eos_id is not None:
-            last = jnp.take_along_axis(tokens, jnp.maximum(lengths - 1, 0)[:, None], 1)
-            ended = (lengths > 0) & (last[:, 0] == settings.eos_id)
-        return decoding.Generation(
-            tokens=tokens,
-            log_probs=jnp.zeros(tokens.shape, jnp.float32),
-            lengths=lengths,
-            finish_reasons=jnp.where(
-                ended, decoding.FINISHED_EOS, decoding.FINISHED_LENGTH
-            ).astype(jnp.int32),
-            top_tokens=jnp.zeros([batch, width, 0], jnp.int32),
-            top_log_probs=jnp.zeros([batch, width, 0], jnp.float32),
-        )
+        return decoding.beam_generation(beams, settings.eos_id)
     return decoding.generate(
         step_fn,
         params,

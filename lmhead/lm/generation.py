@@ -119,15 +119,11 @@ class Continuation(NamedTuple):
 
 
 class _WindowSettings(NamedTuple):
-    """The static settings of one window of :func:`continuations`."""
+    """The static settings of one window of :func:`continuations` (the
+    sampling knobs are traced: a new value does not recompile)."""
 
     max_new_tokens: int
-    temperature: float
-    top_k: int | None
-    top_p: float | None
     num_beams: int | None
-    presence_penalty: float | None
-    frequency_penalty: float | None
     top_logprobs: int
     eos_id: int | None
 
@@ -186,7 +182,8 @@ def continuations(
     surplus is cut off. Every window has the same shapes, so it compiles once.
     Beam search, too, runs per window and keeps the best beam.
     ``temperature=0`` is greedy; the sampling knobs are
-    ``decoding.generate``'s.
+    ``decoding.generate``'s, traced (``decoding.SamplingKnobs``), so new
+    values of them compile nothing (turning one on or off does).
 
     Stop strings end a sample inside the compiled loop
     (``decoding.StopStrings`` on :func:`token_bytes`), each window's loop
@@ -228,6 +225,14 @@ def continuations(
     prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:
         raise ValueError("prompt must encode to at least one token.")
+    knobs = decoding.SamplingKnobs(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+    )
+    knobs.check(num_samples, model.vocab_size)  # traced below: checked here
     stop_strings = table = None
     if stop is not None:
         table = token_bytes(tokenizer)
@@ -235,12 +240,7 @@ def continuations(
     context_len = model.max_len // 2
     settings = _WindowSettings(
         max_new_tokens=model.max_len - context_len,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
         num_beams=num_beams,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
         top_logprobs=top_logprobs,
         eos_id=None if ignore_eos else tokenizer.eos_id,
     )
@@ -259,7 +259,14 @@ def continuations(
         window = jax.tree.map(
             np.asarray,
             _continue_window(
-                model, params, context, lengths, window_key, window_stop, settings
+                model,
+                params,
+                context,
+                lengths,
+                window_key,
+                window_stop,
+                knobs.as_arrays(),
+                settings,
             ),
         )
         ids.append(window.tokens)
@@ -313,9 +320,9 @@ def _continuation(prompt: str, row: _Row, tokenizer, stop, eos_id) -> Continuati
     )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6))
+@functools.partial(jax.jit, static_argnums=(0, 7))
 def _continue_window(
-    model, params, context, lengths, key, stop, settings: _WindowSettings
+    model, params, context, lengths, key, stop, knobs, settings: _WindowSettings
 ) -> decoding.Generation:
     """The :class:`decoding.Generation` of ``settings.max_new_tokens`` tokens
     after ``context[b, :lengths[b]]`` (beam search: its best beam, every row
@@ -340,11 +347,7 @@ def _continue_window(
         cache,
         key=key,
         max_new_tokens=settings.max_new_tokens,
-        temperature=settings.temperature,
-        top_k=settings.top_k,
-        top_p=settings.top_p,
-        presence_penalty=settings.presence_penalty,
-        frequency_penalty=settings.frequency_penalty,
+        knobs=knobs,
         stop=stop,
         top_logprobs=settings.top_logprobs,
         eos_id=settings.eos_id,

@@ -151,10 +151,10 @@ def empty_slots(
     slots = jnp.shape(leaves[0])[0]
     _loop.check_state(model_state, slots)
     if stop is not None:
-        if stop.stop_bytes.shape[0] != slots or stop.start is not None:
+        if stop.stop_bytes.shape[0] != slots:
             raise ValueError(
-                f"stop must be a table of one row per slot (S = {slots}), built "
-                f"with StopStrings.build; got {stop.stop_bytes.shape[0]} rows."
+                f"stop must be a table of one row per slot (S = {slots}); got "
+                f"{stop.stop_bytes.shape[0]} rows."
             )
         stop.check(slots, vocab_size)
     knobs = full_knobs(SamplingKnobs(temperature=0.0), slots, vocab_size)

@@ -75,6 +75,7 @@ TOKEN_BYTES = [
     b".",
 ]
 STOP_CAPACITY = dict(max_bytes=6, max_strings=2)
+ONE_STOP = decoding.encode_stop_strings([["ab"]], **STOP_CAPACITY)
 
 
 def empty_slots(model, stops=False):
@@ -384,6 +385,12 @@ def test_bad_input_names_the_argument(lm):
                 ("limit 0", dict(max_new_tokens=np.array([0])), ValueError),
                 ("float prompt", dict(prompt_tokens=np.array([[1.0]])), TypeError),
                 ("knobs not full", dict(knobs=decoding.SamplingKnobs()), ValueError),
+                (
+                    "stop strings, no table",
+                    dict(stop_strings=ONE_STOP),
+                    ValueError,
+                    "stop_strings",
+                ),
             ],
         )
         + keyword_rows(
@@ -405,3 +412,22 @@ def test_bad_input_names_the_argument(lm):
     )
     for _, call, error, named in bad:
         assert_raises_exactly(call, error, named)
+    # Past the table's capacity: refused by name, never cut.
+    wide = decoding.encode_stop_strings([["a"]], max_bytes=7, max_strings=2)
+    table = empty_slots(model, stops=True)
+    assert_raises_exactly(
+        lambda: decoding.fill_slots(table, np.array([0]), logits, cache, **good,
+                                    stop_strings=wide),
+        ValueError, "stop_strings",
+    )  # fmt: skip
+    assert_raises_exactly(
+        lambda: decoding.encode_stop_strings([["abcdefg"]], **STOP_CAPACITY),
+        ValueError, "max_bytes",
+    )  # fmt: skip
+    one_row = decoding.StopStrings.build([[]], TOKEN_BYTES, **STOP_CAPACITY)
+    assert_raises_exactly(
+        lambda: decoding.empty_slots(state.model_state, vocab_size=VOCAB,
+                                     history_len=MAX_LEN, key=jax.random.key(0),
+                                     stop=one_row),
+        ValueError, "stop",
+    )  # fmt: skip

@@ -27,25 +27,16 @@ import cli  # experiments/cli.py, beside this file
 import jax
 from absl import app, flags
 
+from lmhead.decoding import knobs
 from lmhead.lm import generation
 
 cli.workdir_flag()
 flags.DEFINE_string("prompt", "\n", "Text to continue.")
 flags.DEFINE_integer("max_new_tokens", 200, "Tokens to add.", lower_bound=1)
 flags.DEFINE_integer("num_samples", 1, "Continuations to print.", lower_bound=1)
-flags.DEFINE_float(
-    "temperature", 1.0, "Sampling temperature; 0 is greedy.", lower_bound=0.0
-)
-flags.DEFINE_integer(
-    "top_k", None, "Sample among the k likeliest tokens.", lower_bound=1
-)
-flags.DEFINE_float(
-    "top_p",
-    None,
-    "Sample from the smallest set of mass >= p.",
-    lower_bound=0.0,
-    upper_bound=1.0,
-)
+flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 is greedy.")
+flags.DEFINE_integer("top_k", None, "Sample among the k likeliest tokens (0: all).")
+flags.DEFINE_float("top_p", None, "Sample from the smallest set of mass >= p.")
 flags.DEFINE_integer(
     "num_beams",
     None,
@@ -81,6 +72,31 @@ flags.DEFINE_enum(
 flags.DEFINE_bool(
     "timings", True, "Report time to first token and ms per new token on stderr."
 )
+SAMPLING_FLAGS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def knob_validator(name: str):
+    """The check of flag ``name``: the range and message of the sampling knob
+    of that name (``lmhead.decoding.knobs``), as the library applies them."""
+
+    def check(value) -> bool:
+        try:
+            knobs.check_knob(name, value)
+        except (ValueError, TypeError) as error:
+            raise flags.ValidationError(str(error)) from None
+        return True
+
+    return check
+
+
+for _name in SAMPLING_FLAGS:
+    flags.register_validator(_name, knob_validator(_name))
 
 
 def unescape(text: str) -> str:

@@ -22,6 +22,7 @@ from lmhead.decoding.beam_search import (
     PENALTIES,
     BeamResult,
     BeamState,
+    beam_generation,
     beam_search,
     gather_rows,
     length_penalty_divisor,
@@ -68,7 +69,11 @@ from lmhead.decoding.step import (
     StepOutput,
     decode_step,
 )
-from lmhead.decoding.stop_strings import StopStrings, token_bytes_from_decode
+from lmhead.decoding.stop_strings import (
+    StopStrings,
+    encode_stop_strings,
+    token_bytes_from_decode,
+)
 from lmhead.decoding.stopping import StopCondition, StopSequences
 from lmhead.decoding.text import TokenDecoder, detokenize, find_stop, trim_at_stop
 from lmhead.head import NEG_INF

@@ -12,6 +12,8 @@ from lmhead import _checks
 from lmhead.decoding import _loop, split
 from lmhead.decoding._loop import StepFn
 from lmhead.decoding.knobs import SamplingKnobs
+from lmhead.decoding.sampling import Generation
+from lmhead.decoding.step import FINISHED_BAD_LOGITS, FINISHED_EOS, FINISHED_LENGTH
 from lmhead.head import NEG_INF
 
 # The length penalties of length_penalty_divisor.
@@ -141,6 +143,56 @@ class BeamResult(NamedTuple):
     scores: jax.Array
     lengths: jax.Array
     log_probs: jax.Array
+
+
+def beam_generation(
+    result: BeamResult, eos_id: int | Sequence[int] | set[int] | None = None
+) -> Generation:
+    """Beam search's hypotheses as :func:`~lmhead.decoding.generate`'s
+    :class:`~lmhead.decoding.Generation`: row ``b * n + k`` is hypothesis
+    ``k`` (best first) of prompt ``b``, so that a text layer reads both
+    decoders' rows alike.
+
+    A row's finish reason is :data:`FINISHED_EOS` where its last token is
+    one of ``eos_id``, :data:`FINISHED_LENGTH` where it has ``N`` tokens,
+    and :data:`FINISHED_BAD_LOGITS` otherwise (a hypothesis that ended
+    early without EOS, or a missing one: beam search ends a beam there when
+    its logits are not finite). ``log_probs`` are the raw model log-probs of
+    :class:`BeamResult`; there are no top log-probs (``k = 0``).
+
+    Args:
+        result: a :class:`BeamResult`, ``[B, n, N]``.
+        eos_id: the ``eos_id`` the search was given (None, an id or ids).
+
+    Returns:
+        A :class:`~lmhead.decoding.Generation` of ``B * n`` rows.
+
+    Examples:
+        >>> result = BeamResult(
+        ...     tokens=jnp.array([[[2, 1, 0], [2, 2, 2]]]), scores=jnp.zeros([1, 2]),
+        ...     lengths=jnp.array([[2, 3]]), log_probs=jnp.zeros([1, 2, 3]))
+        >>> out = beam_generation(result, eos_id=1)
+        >>> out.tokens.shape, out.lengths, out.finish_reasons  # EOS, length
+        ((2, 3), Array([2, 3], dtype=int32), Array([1, 0], dtype=int32))
+    """
+    batch, n, width = jnp.shape(result.tokens)
+    rows = lambda x: jnp.reshape(x, (batch * n, *jnp.shape(x)[2:]))
+    tokens = rows(jnp.asarray(result.tokens, jnp.int32))
+    lengths = rows(jnp.asarray(result.lengths, jnp.int32))
+    last = jnp.take_along_axis(tokens, jnp.maximum(lengths - 1, 0)[:, None], axis=1)
+    ended = jnp.zeros(jnp.shape(lengths), bool)
+    if eos_id is not None:
+        ids = [eos_id] if isinstance(eos_id, (int, np.integer)) else sorted(eos_id)
+        ended = (lengths > 0) & jnp.isin(last[:, 0], jnp.asarray(ids, jnp.int32))
+    reasons = jnp.where(lengths == width, FINISHED_LENGTH, FINISHED_BAD_LOGITS)
+    return Generation(
+        tokens=tokens,
+        log_probs=rows(jnp.asarray(result.log_probs, jnp.float32)),
+        lengths=lengths,
+        finish_reasons=jnp.where(ended, FINISHED_EOS, reasons).astype(jnp.int32),
+        top_tokens=jnp.zeros((batch * n, width, 0), jnp.int32),
+        top_log_probs=jnp.zeros((batch * n, width, 0), jnp.float32),
+    )
 
 
 class _BeamConfig(NamedTuple):

@@ -78,7 +78,9 @@ class SamplingKnobs:
         repetition_penalty: finite ``theta > 0``, per row; 1 changes nothing
             (neutral). Default None: off. Reads the token history.
         min_new_tokens: integer ``>= 0``, per row: EOS is removed before
-            that many tokens. Default 0 (neutral).
+            that many tokens, and no stop condition (a stop string or
+            sequence) ends the row before it holds that many (vLLM's
+            ``min_tokens``). Default 0 (neutral).
         presence_penalty: any finite real, per row, subtracted from the
             logit of every token generated at least once; 0 is neutral.
             Default None: off. Reads the generated tokens' counts.
@@ -283,25 +285,64 @@ def neutral_value(name: str) -> Any:
     return knob_spec(name)["neutral"]
 
 
-def check_knob(name: str, value: jax.typing.ArrayLike | None) -> None:
+def knob_range(name: str, within: tuple[float, float] | None = None) -> dict[str, Any]:
+    """The range of the traced knob ``name``, as ``low``, ``high``,
+    ``low_open`` and ``high_open`` (:func:`check_knob`'s): its field's, an
+    integer knob's upper end at most its dtype's largest value, narrowed to
+    ``within = (low, high)`` (both ends included) where that is narrower: a
+    caller's policy on top of the knob's own range, as the service's
+    OpenAI ranges (``temperature`` at most 2, the penalties in ``[-2, 2]``).
+
+    Examples:
+        >>> knob_range("temperature", within=(0.0, 2.0))
+        {'low': 0.0, 'high': 2.0, 'low_open': False, 'high_open': False}
+        >>> knob_range("top_k")["high"]
+        2147483647
+    """
+    spec = knob_spec(name)
+    bounds = {bound: spec[bound] for bound in ("low", "high", "low_open", "high_open")}
+    if np.issubdtype(spec["dtype"], np.integer):
+        largest = int(np.iinfo(spec["dtype"]).max)
+        if bounds["high"] is None or bounds["high"] > largest:
+            bounds.update(high=largest, high_open=False)
+    if within is not None:
+        low, high = within
+        if low > bounds["low"]:
+            bounds.update(low=low, low_open=False)
+        if bounds["high"] is None or high < bounds["high"]:
+            bounds.update(high=high, high_open=False)
+    return bounds
+
+
+def check_knob(
+    name: str,
+    value: jax.typing.ArrayLike | None,
+    *,
+    within: tuple[float, float] | None = None,
+) -> None:
     """Raises unless ``value`` (None passes) suits the traced knob ``name``.
 
     An integer knob must have an integer dtype (TypeError); a concrete value
-    must lie in the knob's range (ValueError); traced values are not checked.
+    must lie in the knob's range, :func:`knob_range` (``within`` narrows
+    it), else ValueError names the knob and the range; traced values are
+    not checked. Every check of a knob's value, the service's and the
+    command line's included, is this one.
 
     Examples:
         >>> check_knob("top_p", 1.5)
         Traceback (most recent call last):
         ...
         ValueError: top_p must be in (0, 1]; got 1.5.
+        >>> check_knob("presence_penalty", 3.0, within=(-2.0, 2.0))
+        Traceback (most recent call last):
+        ...
+        ValueError: presence_penalty must be in [-2, 2]; got 3.0.
     """
     if value is None:
         return
-    spec = knob_spec(name)
-    if np.issubdtype(spec["dtype"], np.integer):
+    if np.issubdtype(knob_spec(name)["dtype"], np.integer):
         _checks.check_integer(name, value)
-    bounds = ("low", "high", "low_open", "high_open")
-    _checks.check_in_range(name, value, **{bound: spec[bound] for bound in bounds})
+    _checks.check_in_range(name, value, **knob_range(name, within))
 
 
 def check_per_row(

@@ -6,11 +6,13 @@ into free slots, :func:`step_slots` runs :func:`~lmhead.decoding.step.decode_ste
 (the step :func:`generate` runs) ``num_steps`` times in one compiled call, and
 :func:`free_slots` ends rows. A row filled with the key ``generate`` gets for
 it draws what ``generate`` draws (up to the float rounding of another batch
-shape). Log-probs are the model's own. Stop strings are the caller's
-(``lmhead/serve/continuous.py``): it reads the text each chunk and frees the
-slot.
+shape). Log-probs are the model's own. Each row's stop strings are matched in
+the step (:class:`~lmhead.decoding.stop_strings.StopStrings`, a table of fixed
+capacity whose rows a fill replaces), so a row ends, and its slot stops
+decoding, at the token that completes one.
 """
 
+import dataclasses
 from collections.abc import Sequence
 from functools import partial
 from typing import Any, NamedTuple
@@ -31,6 +33,7 @@ from lmhead.decoding.knobs import (
 )
 from lmhead.decoding.processors import NO_TOKEN
 from lmhead.decoding.step import DecodeRows, StepConfig, decode_step, start_rows
+from lmhead.decoding.stop_strings import StopStrings
 
 
 class SlotState(NamedTuple):
@@ -40,15 +43,18 @@ class SlotState(NamedTuple):
         rows: the ``S`` slots' :class:`~lmhead.decoding.step.DecodeRows`,
             with ``[S]`` keys (step ``t`` of slot ``s`` draws from
             ``fold_in(key[s], t)``), limits 0 for a free slot, ``[S, H]``
-            history, ``[S, V]`` counts and no stop carry.
+            history, ``[S, V]`` counts, and the carry of ``stop`` if any.
         model_state: ``step_fn``'s state for ``S`` rows (a key/value cache).
         knobs: :class:`SamplingKnobs`, every traced knob ``[S]`` (``[S, V]``
             per token) and no static knob.
+        stop: None, or the slots' :class:`StopStrings`, one row of strings
+            per slot (``stop_bytes [S, S', Ls]``; empty for a free slot).
     """
 
     rows: DecodeRows
     model_state: Any
     knobs: SamplingKnobs
+    stop: StopStrings | None = None
 
 
 class SlotChunk(NamedTuple):
@@ -110,7 +116,12 @@ def full_knobs(knobs: SamplingKnobs, rows: int, vocab_size: int) -> SamplingKnob
 
 
 def empty_slots(
-    model_state: Any, *, vocab_size: int, history_len: int, key: jax.Array
+    model_state: Any,
+    *,
+    vocab_size: int,
+    history_len: int,
+    key: jax.Array,
+    stop: StopStrings | None = None,
 ) -> SlotState:
     """Free slots, one per row of ``model_state``.
 
@@ -121,6 +132,10 @@ def empty_slots(
         history_len: ``H``, the longest prompt plus generation a slot holds
             (the model's ``max_len``).
         key: any PRNG key (the free slots' keys; a fill replaces them).
+        stop: None (no row has stop strings), or the slots' stop-string
+            table: ``StopStrings.build([[]] * S, token_bytes,
+            max_bytes=Ls, max_strings=S')``, whose capacity every fill's
+            strings must fit.
 
     Examples:
         >>> state = empty_slots(jnp.zeros([3, 2]), vocab_size=5, history_len=4,
@@ -135,6 +150,13 @@ def empty_slots(
         raise ValueError("model_state must have leaves with the slots first.")
     slots = jnp.shape(leaves[0])[0]
     _loop.check_state(model_state, slots)
+    if stop is not None:
+        if stop.stop_bytes.shape[0] != slots:
+            raise ValueError(
+                f"stop must be a table of one row per slot (S = {slots}); got "
+                f"{stop.stop_bytes.shape[0]} rows."
+            )
+        stop.check(slots, vocab_size)
     knobs = full_knobs(SamplingKnobs(temperature=0.0), slots, vocab_size)
     rows = start_rows(
         logits=jnp.zeros((slots, vocab_size), jnp.float32),
@@ -142,12 +164,18 @@ def empty_slots(
         limits=jnp.zeros((slots,), jnp.int32),
         history=jnp.full((slots, history_len), NO_TOKEN, jnp.int32),
         counts=jnp.zeros((slots, vocab_size), jnp.int32),
+        stop_carry=_stop_carry(stop, slots),
     )
-    return SlotState(rows, model_state, jax.tree.map(jnp.asarray, knobs))
+    return SlotState(rows, model_state, jax.tree.map(jnp.asarray, knobs), stop)
+
+
+def _stop_carry(stop: StopStrings | None, rows: int) -> tuple:
+    """The stop carries of ``rows`` fresh rows: ``stop``'s, or none."""
+    return () if stop is None else (stop.init(rows),)
 
 
 @partial(jax.jit, donate_argnames="state")
-def _fill(state, slots, logits, model_state, keys, limits, history, knobs):
+def _fill(state, slots, logits, model_state, keys, limits, history, knobs, stops):
     put = lambda whole, rows: whole.at[slots].set(rows, mode="drop")
     old = state.rows
     new = start_rows(
@@ -156,11 +184,21 @@ def _fill(state, slots, logits, model_state, keys, limits, history, knobs):
         limits,
         history=_loop.right_aligned(history, old.history.shape[1]),
         counts=jnp.zeros_like(logits, jnp.int32),
+        stop_carry=_stop_carry(state.stop, logits.shape[0]),
     )
+    stop = state.stop
+    if stop is not None:
+        stop_bytes, stop_len = stops
+        stop = dataclasses.replace(
+            stop,
+            stop_bytes=put(stop.stop_bytes, stop_bytes),
+            stop_len=put(stop.stop_len, stop_len),
+        )
     return SlotState(
         rows=jax.tree.map(put, old, new),
         model_state=jax.tree.map(put, state.model_state, model_state),
         knobs=jax.tree.map(put, state.knobs, knobs),
+        stop=stop,
     )
 
 
@@ -174,6 +212,7 @@ def fill_slots(
     max_new_tokens: jax.typing.ArrayLike,
     prompt_tokens: jax.typing.ArrayLike,
     knobs: SamplingKnobs,
+    stop_strings: tuple[jax.typing.ArrayLike, jax.typing.ArrayLike] | None = None,
 ) -> SlotState:
     """Starts ``R`` prefilled rows in ``slots`` (donates ``state``).
 
@@ -191,6 +230,11 @@ def fill_slots(
             makes sure prompt plus limit fits the model).
         prompt_tokens: ``int [R, P]``, each prompt, negative ids after it.
         knobs: the rows' knobs as :func:`full_knobs` gives them.
+        stop_strings: None (no row has stop strings), or the rows' strings
+            ``(stop_bytes uint8 [R, S', Ls], stop_len int32 [R, S'])`` in
+            the capacity of ``state.stop``:
+            ``encode_stop_strings(per_row, max_bytes=Ls, max_strings=S')``
+            (which refuses strings beyond it).
 
     Examples:
         >>> state = empty_slots(jnp.zeros([3]), vocab_size=2, history_len=4,
@@ -241,15 +285,38 @@ def fill_slots(
         jnp.asarray(max_new_tokens, jnp.int32),
         jnp.asarray(prompt_tokens, jnp.int32),
         jax.tree.map(jnp.asarray, knobs),
+        _stop_rows(state.stop, stop_strings, rows),
     )
+
+
+def _stop_rows(
+    stop: StopStrings | None, stop_strings: tuple | None, rows: int
+) -> tuple | None:
+    """``stop_strings`` checked against the slots' table (zeros: none)."""
+    if stop is None:
+        if stop_strings is not None:
+            raise ValueError(
+                "stop_strings needs slots with a stop table (empty_slots' stop)."
+            )
+        return None
+    shapes = ((rows, *stop.stop_bytes.shape[1:]), (rows, *stop.stop_len.shape[1:]))
+    if stop_strings is None:
+        return jnp.zeros(shapes[0], jnp.uint8), jnp.zeros(shapes[1], jnp.int32)
+    stop_bytes, stop_len = stop_strings
+    if (jnp.shape(stop_bytes), jnp.shape(stop_len)) != shapes:
+        raise ValueError(
+            f"stop_strings must have the shapes of the slots' table, [R, S', Ls] "
+            f"= {shapes[0]} and [R, S'] = {shapes[1]} (encode_stop_strings with "
+            f"that capacity); got {jnp.shape(stop_bytes)} and {jnp.shape(stop_len)}."
+        )
+    return jnp.asarray(stop_bytes, jnp.uint8), jnp.asarray(stop_len, jnp.int32)
 
 
 @partial(jax.jit, donate_argnames="state")
 def free_slots(state: SlotState, slots: jax.Array) -> SlotState:
     """Ends the rows in ``slots`` (``int [F]``; values outside ``[0, S)`` are
     ignored): their limit becomes what they have generated, so that they
-    emit nothing more. A cancelled request or a stop string frees its slots
-    this way.
+    emit nothing more. A cancelled request frees its slots this way.
 
     Examples:
         >>> def two_rows():
@@ -271,8 +338,9 @@ def free_slots(state: SlotState, slots: jax.Array) -> SlotState:
 
 
 def _one_step(step_fn, params, config: StepConfig, state: SlotState):
+    stop = () if state.stop is None else (state.stop,)
     rows, out = decode_step(
-        state.rows, state.knobs, (), config, step=state.rows.generated
+        state.rows, state.knobs, stop, config, step=state.rows.generated
     )
     # A row that emitted nothing feeds position 0 of its own cache row: it is
     # free or has ended, and its next fill overwrites it; left alone, its
@@ -283,7 +351,8 @@ def _one_step(step_fn, params, config: StepConfig, state: SlotState):
         model_state = reset(model_state, ~out.emitted)
     logits, model_state = step_fn(params, out.tokens, model_state)
     rows = rows._replace(logits=jnp.asarray(logits, jnp.float32))
-    return SlotState(rows, model_state, state.knobs), out._replace(bad=None)
+    state = state._replace(rows=rows, model_state=model_state)
+    return state, out._replace(bad=None)
 
 
 @partial(
@@ -318,8 +387,9 @@ def step_slots(
 
     Each step is :func:`~lmhead.decoding.step.decode_step` of every slot
     (``num_generated = generated``; a row ends at its limit, at an
-    ``eos_id`` or one of its ``stop_tokens``, which it emits, or at
-    non-finite logits, emitting nothing), then ``step_fn`` on all ``S``
+    ``eos_id`` or one of its ``stop_tokens``, or at the token that
+    completes one of its stop strings, which it emits, or at non-finite
+    logits, emitting nothing), then ``step_fn`` on all ``S``
     rows; if ``step_fn`` has ``reset_rows(state, rows)``, the rows that
     emitted nothing are emptied first
     (:func:`lmhead.lm.kv_cache.reset_rows`), so a free slot never runs past

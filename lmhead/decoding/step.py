@@ -289,7 +289,9 @@ def decode_step(
     its new length, at an ``eos_ids`` token (:data:`FINISHED_EOS`), or where a
     stop condition fires or at one of its ``stop_tokens``
     (:data:`FINISHED_STOP`; before ``min_new_tokens`` tokens the stop
-    tokens are removed from :math:`z` as EOS is); a row whose ``generated``
+    tokens are removed from :math:`z` as EOS is, and a stop condition that
+    fires before the row holds ``min_new_tokens`` tokens does not end it,
+    as vLLM checks stop strings); a row whose ``generated``
     reaches its limit ends with :data:`FINISHED_LENGTH`. A running row whose
     logits are not finite (:func:`~lmhead.decoding._loop.not_finite`) emits
     nothing and ends (:data:`FINISHED_BAD_LOGITS`). Rows that emit append
@@ -336,6 +338,8 @@ def decode_step(
     emitted = running & ~bad
     token = jnp.where(emitted, chosen, config.pad_id)
     stop_carry, stopped = _update_stops(rows, stop, token, emitted)
+    if knobs.min_new_tokens is not None:  # vLLM's rule for stop strings
+        stopped = stopped & (jnp.asarray(step) + 1 >= knobs.min_new_tokens)
     if knobs.stop_tokens is not None:
         stopped = stopped | (_is_stop_token(knobs, token) & emitted)
     eos = _loop.is_eos(token, config.eos_ids) & emitted

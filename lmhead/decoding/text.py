@@ -140,14 +140,28 @@ def find_stop(
     return found
 
 
-def trim_at_stop(text: str, stop: str | Sequence[str]) -> str:
-    """``text`` up to the stop string it completes first (:func:`find_stop`),
-    which is not returned, nor anything after it (the OpenAI API's rule);
-    the whole ``text`` when it holds none.
+def trim_at_stop(
+    text: str, stop: str | Sequence[str], *, after: int = 0, include_stop: bool = False
+) -> str:
+    """``text`` up to the stop string it completes first (:func:`find_stop`,
+    of those ending after the first ``after`` characters), which is not
+    returned, nor anything after it (the OpenAI API's rule); through it with
+    ``include_stop`` (vLLM's ``include_stop_str_in_output``); the whole
+    ``text`` when it holds none.
+
+    This is the text layer of a row the loop ended at a stop string
+    (:class:`~lmhead.decoding.stop_strings.StopStrings`): the loop ends the
+    row at the token that completes the string, and this cuts that token's
+    text where the string starts. ``after`` is the text of the tokens
+    before ``min_new_tokens``, whose stop strings did not end the row.
 
     Examples:
         >>> trim_at_stop("to be\\n\\nor not", ["\\n\\n", "or"])
         'to be'
+        >>> trim_at_stop("ab, cd, ef", ",", after=3, include_stop=True)
+        'ab, cd,'
     """
-    found = find_stop(text, stop)
-    return text if found is None else text[: found[0]]
+    found = find_stop(text, stop, after)
+    if found is None:
+        return text
+    return text[: found[1] if include_stop else found[0]]

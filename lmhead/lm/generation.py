@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from tokenizers import decoders
@@ -120,15 +119,11 @@ class Continuation(NamedTuple):
 
 
 class _WindowSettings(NamedTuple):
-    """The static settings of one window of :func:`continuations`."""
+    """The static settings of one window of :func:`continuations` (the
+    sampling knobs are traced: a new value does not recompile)."""
 
     max_new_tokens: int
-    temperature: float
-    top_k: int | None
-    top_p: float | None
     num_beams: int | None
-    presence_penalty: float | None
-    frequency_penalty: float | None
     top_logprobs: int
     eos_id: int | None
 
@@ -187,11 +182,13 @@ def continuations(
     surplus is cut off. Every window has the same shapes, so it compiles once.
     Beam search, too, runs per window and keeps the best beam.
     ``temperature=0`` is greedy; the sampling knobs are
-    ``decoding.generate``'s.
+    ``decoding.generate``'s, traced (``decoding.SamplingKnobs``), so new
+    values of them compile nothing (turning one on or off does).
 
     Stop strings end a sample inside the compiled loop
-    (``decoding.StopStrings`` on :func:`token_bytes`), or across two windows
-    in the text after the first; the text is cut with
+    (``decoding.StopStrings`` on :func:`token_bytes`), each window's loop
+    resumed from the bytes the sample generated before, so a string split
+    across two windows ends it too; the text is cut with
     ``decoding.trim_at_stop`` (beam search only cuts the text). The
     end-of-text token (``tokenizer.eos_id``) ends a sample and a beam unless
     ``ignore_eos``; it is kept in :attr:`Continuation.tokens`, not in the
@@ -228,18 +225,22 @@ def continuations(
     prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:
         raise ValueError("prompt must encode to at least one token.")
-    stop_strings = None
-    if stop is not None:
-        stop_strings = decoding.StopStrings.build(stop, token_bytes(tokenizer))
-    context_len = model.max_len // 2
-    settings = _WindowSettings(
-        max_new_tokens=model.max_len - context_len,
+    knobs = decoding.SamplingKnobs(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        num_beams=num_beams,
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
+    )
+    knobs.check(num_samples, model.vocab_size)  # traced below: checked here
+    stop_strings = table = None
+    if stop is not None:
+        table = token_bytes(tokenizer)
+        stop_strings = decoding.StopStrings.build(stop, table)
+    context_len = model.max_len // 2
+    settings = _WindowSettings(
+        max_new_tokens=model.max_len - context_len,
+        num_beams=num_beams,
         top_logprobs=top_logprobs,
         eos_id=None if ignore_eos else tokenizer.eos_id,
     )
@@ -251,17 +252,28 @@ def continuations(
         context = np.concatenate(ids, axis=1)[:, -context_len:]
         context = np.pad(context, [(0, 0), (0, context_len - context.shape[1])])
         key, window_key = jax.random.split(key)
+        window_stop = None
+        if stop_strings is not None:  # each row's loop goes on from its bytes
+            generated_bytes = [b"".join(table[t] for t in row.tokens) for row in rows]
+            window_stop = stop_strings.resumed(generated_bytes)
         window = jax.tree.map(
             np.asarray,
             _continue_window(
-                model, params, context, lengths, window_key, stop_strings, settings
+                model,
+                params,
+                context,
+                lengths,
+                window_key,
+                window_stop,
+                knobs.as_arrays(),
+                settings,
             ),
         )
         ids.append(window.tokens)
         take = min(window.tokens.shape[1], max_new_tokens - generated)
         for b, row in enumerate(rows):
             if not row.stopped:
-                rows[b] = _extend_row(row, window, b, take, tokenizer, stop)
+                rows[b] = _extend_row(row, window, b, take)
         generated += window.tokens.shape[1]
         lengths[:] = context_len
     return [
@@ -270,40 +282,28 @@ def continuations(
 
 
 class _Row(NamedTuple):
-    """A sample's generated ids so far, their alternatives, and whether a
-    stop string has ended it."""
+    """A sample's generated ids so far, their alternatives, and whether the
+    end-of-text token or a stop string has ended it."""
 
     tokens: list[int]
     top: list[list[tuple[int, float]]]
     stopped: bool
 
 
-def _extend_row(row: _Row, window, b: int, take: int, tokenizer, stop) -> _Row:
+def _extend_row(row: _Row, window, b: int, take: int) -> _Row:
     """``row`` with window row ``b``'s first ``take`` tokens (fewer if the
-    end-of-text token or a stop string ended it in the loop, or if the text
-    then completes a stop string)."""
+    end-of-text token or a stop string ended it in the loop)."""
     count = min(int(window.lengths[b]), take)
     tokens = row.tokens + window.tokens[b, :count].tolist()
     top = row.top + [
         list(zip(window.top_tokens[b, t].tolist(), window.top_log_probs[b, t].tolist()))
         for t in range(count)
     ]
-    if count == window.lengths[b] and window.finish_reasons[b] in (
+    ended = count == window.lengths[b] and window.finish_reasons[b] in (
         decoding.FINISHED_EOS,
         decoding.FINISHED_STOP,
-    ):
-        return _Row(tokens, top, True)
-    if stop is None:
-        return _Row(tokens, top, False)
-    if decoding.find_stop(tokenizer.decode(tokens), stop) is None:
-        return _Row(tokens, top, False)
-    # A stop string across the windows' boundary: end at the token completing it.
-    end = next(
-        t
-        for t in range(len(row.tokens), len(tokens))
-        if decoding.find_stop(tokenizer.decode(tokens[: t + 1]), stop) is not None
     )
-    return _Row(tokens[: end + 1], top[: end + 1], True)
+    return _Row(tokens, top, bool(ended))
 
 
 def _continuation(prompt: str, row: _Row, tokenizer, stop, eos_id) -> Continuation:
@@ -320,9 +320,9 @@ def _continuation(prompt: str, row: _Row, tokenizer, stop, eos_id) -> Continuati
     )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6))
+@functools.partial(jax.jit, static_argnums=(0, 7))
 def _continue_window(
-    model, params, context, lengths, key, stop, settings: _WindowSettings
+    model, params, context, lengths, key, stop, knobs, settings: _WindowSettings
 ) -> decoding.Generation:
     """The :class:`decoding.Generation` of ``settings.max_new_tokens`` tokens
     after ``context[b, :lengths[b]]`` (beam search: its best beam, every row
@@ -339,22 +339,7 @@ def _continue_window(
             max_new_tokens=settings.max_new_tokens,
             eos_id=settings.eos_id,
         )
-        tokens, lengths = beams.tokens[:, 0], beams.lengths[:, 0]
-        batch, width = tokens.shape
-        ended = jnp.zeros([batch], bool)
-        if settings.eos_id is not None:
-            last = jnp.take_along_axis(tokens, jnp.maximum(lengths - 1, 0)[:, None], 1)
-            ended = (lengths > 0) & (last[:, 0] == settings.eos_id)
-        return decoding.Generation(
-            tokens=tokens,
-            log_probs=jnp.zeros(tokens.shape, jnp.float32),
-            lengths=lengths,
-            finish_reasons=jnp.where(
-                ended, decoding.FINISHED_EOS, decoding.FINISHED_LENGTH
-            ).astype(jnp.int32),
-            top_tokens=jnp.zeros([batch, width, 0], jnp.int32),
-            top_log_probs=jnp.zeros([batch, width, 0], jnp.float32),
-        )
+        return decoding.beam_generation(beams, settings.eos_id)
     return decoding.generate(
         step_fn,
         params,
@@ -362,11 +347,7 @@ def _continue_window(
         cache,
         key=key,
         max_new_tokens=settings.max_new_tokens,
-        temperature=settings.temperature,
-        top_k=settings.top_k,
-        top_p=settings.top_p,
-        presence_penalty=settings.presence_penalty,
-        frequency_penalty=settings.frequency_penalty,
+        knobs=knobs,
         stop=stop,
         top_logprobs=settings.top_logprobs,
         eos_id=settings.eos_id,

@@ -179,19 +179,14 @@ def _text(engine: Any, request: CompletionRequest, ids) -> str:
     )
 
 
-def stop_string_end(
-    engine: Any, request: CompletionRequest, ids, start: int = 0
-) -> tuple[int, int] | None:
-    """Where a stop string ends the row of tokens ``ids``: ``(tokens kept,
-    characters of the text kept)``, or None.
-
-    The row ends at the first token ``n > start``, ``n >= min_tokens``,
-    whose text completes a stop string (one ending after the text of the
-    first ``n - 1`` tokens, as vLLM checks the new text only; of several,
-    the one ending first, then the longest: :func:`lmhead.decoding.find_stop`
-    with ``after`` that text's length); it keeps its tokens up to ``n`` and
-    its text up to the stop string, or through it with
-    ``include_stop_str_in_output``.
+def completion_text(engine: Any, request: CompletionRequest, ids, done: bool) -> str:
+    """The completion's text. A row that ended is cut at the stop string its
+    last token completed (the decode step ended it there; of the strings
+    ending after the text of the tokens before ``min_tokens``, the first,
+    :func:`lmhead.decoding.trim_at_stop`), or kept through it with
+    ``include_stop_str_in_output``; while the row runs, without the
+    characters that may still turn out part of a stop string or of a
+    character.
 
     Examples:
         >>> from lmhead.lm import data
@@ -200,40 +195,22 @@ def stop_string_end(
         >>> request = r.parse_completion({"model": "m", "prompt": "a",
         ...     "stop": ["bc"]}, Engine.tokenizer, r.Buckets((1,), (8,), (8,)),
         ...     r.Limits(), "m")
-        >>> stop_string_end(Engine, request, [0, 1, 2, 1, 2])
-        (3, 1)
+        >>> ids = [0, 1, 0, 1, 2]  # "ababc": the step ended the row at "c"
+        >>> completion_text(Engine, request, ids, done=False), completion_text(
+        ...     Engine, request, ids, done=True)
+        ('abab', 'aba')
     """
-    if not request.stop:
-        return None
-    first = max(request.min_tokens, start + 1)
-    if first > len(ids):
-        return None
-    before = len(_text(engine, request, ids[: first - 1]))
-    longest = max(len(s) for s in request.stop)
-    tail = _text(engine, request, ids)[max(0, before - longest + 1) :]
-    if not any(s in tail for s in request.stop):
-        return None
-    for n in range(first, len(ids) + 1):
-        text = _text(engine, request, ids[:n])
-        found = decoding.find_stop(text, request.stop, after=before)
-        if found is not None:
-            return n, found[1] if request.include_stop_str else found[0]
-        before = len(text)
-    return None
-
-
-def completion_text(engine: Any, request: CompletionRequest, ids, done: bool) -> str:
-    """The completion's text (cut where :func:`stop_string_end` says); while
-    the row runs, without the characters that may still turn out part of a
-    stop string or of a character."""
     text = _text(engine, request, ids)
-    found = stop_string_end(engine, request, ids)
-    if found is not None:
-        text = _text(engine, request, ids[: found[0]])[: found[1]]
-    if not done:
-        hold = max((len(s) for s in request.stop), default=1) - 1
-        text = text[: max(len(text) - hold, 0)].rstrip("\ufffd")
-    return text
+    if not request.stop:
+        return text if done else text.rstrip("\ufffd")
+    if done:
+        before = ids[: max(request.min_tokens - 1, 0)]
+        after = len(_text(engine, request, before)) if len(before) else 0
+        return decoding.trim_at_stop(
+            text, request.stop, after=after, include_stop=request.include_stop_str
+        )
+    hold = max(len(s) for s in request.stop) - 1
+    return text[: max(len(text) - hold, 0)].rstrip("\ufffd")
 
 
 def _logprobs_block(tokenizer, entries: list, offset: int) -> dict:

@@ -3,7 +3,9 @@ batcher: :class:`SlotBatcher` decodes ``S`` slots
 (:mod:`lmhead.decoding.slots`) on one worker thread, which frees the slots
 of ended and cancelled rows, prefills waiting requests into free ones
 (oldest first), dispatches a compiled call of ``steps_per_call`` steps, and
-hands out the tokens of the call before while it runs. Beam and echo-only
+hands out the tokens of the call before while it runs. Each row's stop
+strings are matched in the decode step, so a row ends, and its slot stops
+decoding, at the token that completes one. Beam and echo-only
 requests queue with the others and run whole between two calls
 (:meth:`lmhead.serve.engine.Engine.run_whole`). A request's rows draw as
 :func:`lmhead.decoding.generate` with per-row keys would, whatever runs
@@ -23,7 +25,7 @@ import jax
 import numpy as np
 
 from lmhead import _checks, decoding
-from lmhead.lm import kv_cache
+from lmhead.lm import generation, kv_cache
 from lmhead.lm import model as model_lib
 from lmhead.serve import completions, requests
 from lmhead.serve.requests import CompletionRequest
@@ -33,7 +35,8 @@ DEFAULT_STEPS_PER_CALL = 4
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnames="state")
 def _prefill_into_slots(
-    model, params, state, slots, prompts, lengths, key, recipe, limits, history, knobs
+    model, params, state, slots, prompts, lengths, key, recipe, limits, history, knobs,
+    stops,
 ):  # fmt: skip
     """``model_lib.prefill`` of ``prompts`` and ``decoding.fill_slots`` of the
     result, with each row's key made from ``recipe`` (the arrays of
@@ -50,6 +53,7 @@ def _prefill_into_slots(
         max_new_tokens=limits,
         prompt_tokens=history,
         knobs=knobs,
+        stop_strings=stops,
     )
 
 
@@ -77,6 +81,7 @@ class _Job:
     )
     rows: list = dataclasses.field(default_factory=list)
     prompt_scores: dict = dataclasses.field(default_factory=dict)
+    stop_strings: tuple = ()  # encode_stop_strings of its stop strings, 1 row
     cancelled: bool = False
     last_tokens_at: float | None = None
 
@@ -139,6 +144,10 @@ class SlotBatcher:
         prefill_rows: rows per prefill (waiting rows are prefilled this
             many at a time, padded); default ``min(4, slots)``.
         events: :class:`SlotEvents` for the metrics.
+        limits: the requests' caps (default :class:`requests.Limits`): the
+            slots hold a table of ``limits.max_stops`` stop strings of
+            ``limits.max_stop_bytes`` bytes per row, so that one compiled
+            step serves every request's strings.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -170,6 +179,7 @@ class SlotBatcher:
         steps_per_call: int = DEFAULT_STEPS_PER_CALL,
         prefill_rows: int | None = None,
         events: SlotEvents = SlotEvents(),
+        limits: requests.Limits | None = None,
     ):
         slots = slot_count(slots, engine.buckets.batch_sizes)
         _checks.check_count("max_queue", max_queue)
@@ -185,6 +195,13 @@ class SlotBatcher:
         model = engine.model
         self._vocab_size, self._history_len = model.vocab_size, model.max_len
         self._top = completions.top_width(engine)
+        limits = requests.Limits() if limits is None else limits
+        self._stop_table = decoding.StopStrings.build(
+            [[]] * slots,
+            generation.token_bytes(engine.tokenizer),
+            max_bytes=limits.max_stop_bytes,
+            max_strings=limits.max_stops,
+        )
         self._state = self._empty_state()
         self._holders: list[tuple[_Job, _Row] | None] = [None] * slots
         self._calls = 0  # decoding calls dispatched
@@ -200,6 +217,7 @@ class SlotBatcher:
             vocab_size=self._vocab_size,
             history_len=self._history_len,
             key=jax.random.key(0),
+            stop=self._stop_table,
         )
 
     # The interface the web layer uses.
@@ -356,6 +374,11 @@ class SlotBatcher:
                 continue
             try:
                 job.prompt_scores = completions.echo_scores(self.engine, job.request)
+                job.stop_strings = decoding.encode_stop_strings(
+                    [job.request.stop],
+                    max_bytes=self._stop_table.stop_bytes.shape[-1],
+                    max_strings=self._stop_table.stop_len.shape[-1],
+                )
                 recipe = completions.key_recipe(self.engine, job.request)
             except Exception as error:  # this request only: the others go on
                 self._fail([job], error)
@@ -388,10 +411,14 @@ class SlotBatcher:
         slots = np.full([size], self.slots, np.int32)  # padding rows: dropped
         limits = np.ones([size], np.int32)
         recipe = np.zeros([3, size], np.int32)  # padding rows: any key
+        table = self._stop_table
+        stop_bytes = np.zeros([size, *table.stop_bytes.shape[1:]], np.uint8)
+        stop_len = np.zeros([size, *table.stop_len.shape[1:]], np.int32)
         for i, (job, ids, row, row_recipe) in enumerate(group):
             prompts[i, : len(ids)], lengths[i] = ids, len(ids)
             slots[i], limits[i] = row.slot, job.request.prompt_max_tokens[row.p]
             recipe[:, i] = row_recipe
+            stop_bytes[i], stop_len[i] = (rows[0] for rows in job.stop_strings)
         self._state = _prefill_into_slots(
             self.engine.model,
             self.engine.params,
@@ -404,6 +431,7 @@ class SlotBatcher:
             limits,
             prompts,
             self._knobs([(job, row) for job, _, row, _ in group], size),
+            (stop_bytes, stop_len),
         )
 
     def _step(self) -> tuple[decoding.SlotState, decoding.SlotChunk]:
@@ -425,10 +453,11 @@ class SlotBatcher:
 
     def _deliver(self, number: int, chunk: decoding.SlotChunk) -> None:
         """Gives each row that call ``number`` ran its new tokens (``chunk``);
-        ends rows at their limit, EOS or stop string; streams and answers
-        the jobs. A row admitted after that call started is not in it."""
+        releases the slots of rows that ended in it (at their limit, EOS, a
+        stop id or string); streams and answers the jobs. A row admitted
+        after that call started is not in it."""
         chunk = jax.device_get(chunk)
-        now, stopped, touched = time.monotonic(), [], {}  # touched: job -> new tokens
+        now, touched = time.monotonic(), {}  # touched: job -> new tokens
         for slot, holder in enumerate(self._holders):
             if holder is None or holder[1].first_call > number:
                 continue
@@ -436,35 +465,19 @@ class SlotBatcher:
             count = int(chunk.emitted[slot].sum())
             if count == 0 and chunk.generated[slot] < chunk.limits[slot]:
                 continue
-            before = len(row.tokens)
             row.tokens += chunk.tokens[slot, :count].tolist()
             row.log_probs += chunk.log_probs[slot, :count].tolist()
             row.top_tokens += list(chunk.top_tokens[slot, :count])
             row.top_log_probs += list(chunk.top_log_probs[slot, :count])
             touched[job] = touched.get(job, 0) + count
-            end = completions.stop_string_end(
-                self.engine, job.request, row.tokens, before
-            )
-            if end is not None:
-                self._truncate(row, end[0])
-                row.reason = decoding.FINISHED_STOP
-                stopped.append(slot)
-            elif chunk.generated[slot] >= chunk.limits[slot]:
+            if chunk.generated[slot] >= chunk.limits[slot]:
                 row.reason = int(chunk.finish_reasons[slot])
-            if row.reason is not None:
                 self._holders[slot] = None
-        if stopped:
-            self._free(stopped)
         for job, count in touched.items():
             try:
                 self._report(job, count, now)
             except Exception as error:  # this request only: the others go on
                 self._fail([job], error)
-
-    @staticmethod
-    def _truncate(row: _Row, n: int) -> None:
-        for name in ("tokens", "log_probs", "top_tokens", "top_log_probs"):
-            del getattr(row, name)[n:]
 
     def _report(self, job: _Job, new: int, now: float) -> None:
         """The job's metrics, its stream chunk, and its answer once every

@@ -91,31 +91,21 @@ class Engine:
         """:func:`decoding.beam_search` of each prompt (knobs neutral:
         :func:`requests.parse_completion` refuses sampling knobs with beams):
         prompt ``p``'s sequences, best first, in rows ``p * num_beams``
-        on (no log-probs: beam requests refuse them)."""
+        on (:func:`decoding.beam_generation`; beam requests refuse
+        log-probs)."""
         logits, cache = self._prefill(request.prompt_ids)
-        tokens, _, lengths, _ = jax.device_get(
-            decoding.beam_search(
-                self._step_fn,
-                self.params,
-                logits,
-                cache,
-                num_beams=request.num_beams,
-                max_new_tokens=request.max_tokens,
-                eos_id=completions.eos_id(self, request),
-                num_return_sequences=request.num_beams,
-            )
+        eos_id = completions.eos_id(self, request)
+        beams = decoding.beam_search(
+            self._step_fn,
+            self.params,
+            logits,
+            cache,
+            num_beams=request.num_beams,
+            max_new_tokens=request.max_tokens,
+            eos_id=eos_id,
+            num_return_sequences=request.num_beams,
         )
-        ended = lengths < request.max_tokens  # by EOS
-        return decoding.Generation(
-            tokens=tokens.reshape(-1, tokens.shape[-1]),
-            log_probs=None,
-            lengths=lengths.reshape(-1),
-            finish_reasons=np.where(
-                ended, decoding.FINISHED_EOS, decoding.FINISHED_LENGTH
-            ).reshape(-1),
-            top_tokens=None,
-            top_log_probs=None,
-        )
+        return jax.device_get(decoding.beam_generation(beams, eos_id))
 
     def warm_up(self) -> int:
         """Compiles the log-probs of echoed prompts: the scorer and the top

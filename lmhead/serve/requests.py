@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from lmhead import _checks, decoding
+from lmhead.decoding import knobs as knobs_lib
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -151,11 +152,30 @@ class Limits:
     max_stop_chars: int = 64
     cap_max_tokens: bool = False
 
+    @property
+    def max_stop_bytes(self) -> int:
+        """The UTF-8 bytes of the longest stop string a request may send (at
+        most 4 a character): the width of the decode slots' stop table.
 
-# A request's upper bound on a knob that has none: the largest int32, and a
-# float cap that keeps a value finite through the loop's float32 arithmetic.
+        Examples:
+            >>> Limits(max_stop_chars=8).max_stop_bytes
+            32
+        """
+        return 4 * self.max_stop_chars
+
+
+# A request's upper bound on a count: the largest int32.
 MAX_INTEGER_KNOB = 2**31 - 1
-MAX_FLOAT_KNOB = 1e6
+# The service's policy on top of the knobs' own ranges (lmhead.decoding.knobs,
+# which checks every value): OpenAI's ranges for its knobs, and a cap that
+# keeps a repetition penalty finite through the loop's float32 arithmetic.
+KNOB_POLICY = {
+    "temperature": (0.0, 2.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "logit_bias": (-100.0, 100.0),
+    "repetition_penalty": (0.0, 1e6),
+}
 
 
 def _body_object(body: Any, fields: tuple[str, ...]) -> dict:
@@ -182,31 +202,27 @@ def _integer(
     return value
 
 
-def _number(
-    body: dict,
-    name: str,
-    default: float,
-    low: float,
-    high: float,
-    *,
-    low_open: bool = False,
-) -> float:
+def _knob(body: dict, name: str, default: Any = None) -> Any:
+    """The knob ``name`` of the body, ``default`` when absent: a JSON number
+    (an integer for an integer knob) in the knob's range
+    (:func:`lmhead.decoding.knobs.check_knob`, within :data:`KNOB_POLICY`)."""
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RequestError(name, f"{name} must be a number; got {value!r}.")
+    integer = np.issubdtype(knobs_lib.knob_spec(name)["dtype"], np.integer)
+    kinds, what = ((int,), "an integer") if integer else ((int, float), "a number")
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise RequestError(name, f"{name} must be {what}; got {value!r}.")
+    if not integer:
+        try:
+            value = float(value)
+        except OverflowError:  # an integer past float's range
+            value = math.inf if value > 0 else -math.inf
     try:
-        number = float(value)
-    except OverflowError:  # an integer past float's range
-        number = math.inf if value > 0 else -math.inf
-    too_low = number <= low if low_open else number < low
-    if not math.isfinite(number) or too_low or number > high:
-        bracket = "(" if low_open else "["
-        raise RequestError(
-            name, f"{name} must be in {bracket}{low}, {high}]; got {number:g}."
-        )
-    return number
+        knobs_lib.check_knob(name, value, within=KNOB_POLICY.get(name))
+    except ValueError as error:
+        raise RequestError(name, str(error)) from None
+    return value
 
 
 def _encode(tokenizer: Any, text: Any, field: str) -> np.ndarray:
@@ -247,8 +263,6 @@ def context_error(context: int, prompt: int, new: int | None = None) -> RequestE
 
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
-PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's presence and frequency penalties
-BIAS_RANGE = (-100.0, 100.0)  # OpenAI's logit_bias values
 DEFAULT_MAX_TOKENS = 16  # OpenAI's
 # OpenAI's fields, then vLLM's extensions and num_beams.
 COMPLETION_FIELDS = tuple(
@@ -399,22 +413,12 @@ def _logit_bias(body: dict, vocab_size: int) -> np.ndarray | None:
             raise RequestError(
                 "logit_bias", f"logit_bias ids must be in [0, {vocab_size}); got {key}."
             )
-        low, high = BIAS_RANGE
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not low <= value <= high
-        ):
-            raise RequestError(
-                "logit_bias",
-                f"logit_bias values must be numbers in [{low}, {high}]; got {value!r}.",
-            )
-        mapping[token] = float(value)
+        mapping[token] = _knob({"logit_bias": value}, "logit_bias")
     return decoding.logit_bias_vector(mapping, vocab_size)
 
 
 def _penalty(body: dict, name: str) -> float | None:
-    value = _number(body, name, 0.0, *PENALTY_RANGE)
+    value = _knob(body, name, 0.0)
     return None if value == 0 else value  # off keeps the warmed-up program
 
 
@@ -435,14 +439,13 @@ def _sampling_knobs(body: dict, vocab_size: int, stops: list[int], min_tokens: i
     top_k = body.get("top_k")
     if top_k == -1:  # vLLM's spelling of "off"
         body = {**body, "top_k": 0}
+    neutral = lambda name: _knob(body, name, knobs_lib.neutral_value(name))
     return decoding.SamplingKnobs(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        top_k=_integer(body, "top_k", 0, 0, MAX_INTEGER_KNOB),
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-        repetition_penalty=_number(
-            body, "repetition_penalty", 1.0, 0.0, MAX_FLOAT_KNOB, low_open=True
-        ),
+        temperature=neutral("temperature"),
+        top_p=neutral("top_p"),
+        top_k=neutral("top_k"),
+        min_p=neutral("min_p"),
+        repetition_penalty=neutral("repetition_penalty"),
         presence_penalty=_penalty(body, "presence_penalty"),
         frequency_penalty=_penalty(body, "frequency_penalty"),
         logit_bias=_logit_bias(body, vocab_size),
@@ -595,10 +598,9 @@ def _check_combinations(body: dict, request: CompletionRequest, buckets) -> None
             "num_beams",
             f"num_beams must be 1 or one of {list(buckets.beam_sizes)}.",
         )
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty", "logit_bias", "seed",
-                 "logprobs", "stop", "stream", "stop_token_ids", "min_tokens",
-                 "include_stop_str_in_output"):  # fmt: skip
+    knobs = [name for name in knobs_lib.TRACED_KNOBS if name in COMPLETION_FIELDS]
+    for name in knobs + ["seed", "logprobs", "stop", "stream", "stop_token_ids",
+                         "min_tokens", "include_stop_str_in_output"]:  # fmt: skip
         if body.get(name) not in (None, False):
             raise RequestError(name, f"{name} does not apply to num_beams > 1.")
     if len(set(request.prompt_max_tokens)) > 1:

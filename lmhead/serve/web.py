@@ -275,6 +275,7 @@ def make_app(engine: Engine, config: ServiceConfig = ServiceConfig()):
         slots=config.slots,
         max_queue=config.max_queue,
         steps_per_call=config.steps_per_call,
+        limits=config.limits,
         events=continuous.SlotEvents(
             first_token=metrics.first_token.observe,
             inter_token=metrics.inter_token.observe,

@@ -260,3 +260,16 @@ def np_counts(generated, vocab_size):
         for token in tokens:
             counts[row, token] += 1
     return counts
+
+
+def stop_step_on_bytes(ids, stops, token_bytes, min_new_tokens=0):
+    """The first step t, from ``min_new_tokens - 1`` on, whose token's bytes
+    complete a stop string: the bytes of tokens 0..t (``token_bytes[id]``
+    each) hold one that ends past those of tokens 0..t-1; None if none."""
+    encoded = [s.encode() for s in stops]
+    for t in range(max(min_new_tokens - 1, 0), len(ids)):
+        text = b"".join(token_bytes[i] for i in ids[: t + 1])
+        before = len(text) - len(token_bytes[ids[t]])
+        if any(text.find(s, max(0, before - len(s) + 1)) >= 0 for s in encoded):
+            return t
+    return None

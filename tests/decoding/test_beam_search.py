@@ -235,6 +235,30 @@ def test_any_of_several_eos_ids_ends_a_hypothesis():
 # through the model's key/value cache
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_beam_generation_gives_rows_and_reasons_as_generate_does(jit):
+    """Row ``b * n + k`` is hypothesis ``k`` of prompt ``b``; the reasons by
+    hand: EOS (any of a set, also as the N-th token), the length, and an
+    early end without EOS or a missing hypothesis (bad logits)."""
+    tokens = np.array([[[4, 1, 0, 0], [2, 2, 2, 3]], [[1, 2, 0, 0], [0, 0, 0, 0]]])
+    lengths = np.array([[2, 4], [2, 0]])
+    log_probs = -np.arange(16, dtype=np.float32).reshape(2, 2, 4)
+    result = decoding.BeamResult(tokens, np.zeros([2, 2]), lengths, log_probs)
+    convert = jax.jit(decoding.beam_generation, static_argnums=1) if jit else (
+        decoding.beam_generation
+    )  # fmt: skip
+    out = convert(result, frozenset({1, 3}) if jit else {1, 3})
+    np.testing.assert_array_equal(out.tokens, tokens.reshape(4, 4))
+    np.testing.assert_array_equal(out.lengths, [2, 4, 2, 0])
+    np.testing.assert_array_equal(out.log_probs, log_probs.reshape(4, 4))
+    eos, length, bad = (decoding.FINISHED_EOS, decoding.FINISHED_LENGTH,
+                        decoding.FINISHED_BAD_LOGITS)  # fmt: skip
+    np.testing.assert_array_equal(out.finish_reasons, [eos, eos, bad, bad])
+    none = decoding.beam_generation(result, None)
+    np.testing.assert_array_equal(none.finish_reasons, [bad, length, bad, bad])
+    assert out.top_tokens.shape == out.top_log_probs.shape == (4, 4, 0)
+
+
 def test_beam_search_through_the_kv_cache_matches_recomputing_the_prefix(monkeypatch):
     """Beam search on the model's cache (kv_cache.py; repeated to beams
     sharing the prompt's slots, reordered by moving slot pointers) gives what

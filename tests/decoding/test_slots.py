@@ -4,6 +4,8 @@ decodes each row by itself: the model's full forward pass (no cache), the
 processors in float64, greedy or the draw with ``fold_in(fold_in(key, 0),
 t)`` at step ``t`` (the key of sample 0, as ``generate`` folds it), the model's log-softmax and its top tokens."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from tests.decoding.references import (
     np_repetition_penalty,
     np_top_k_mask,
     np_top_p_mask,
+    stop_step_on_bytes,
 )
 from tests.errors import assert_raises_exactly, keyword_rows
 from tests.references import log_softmax as np_log_softmax
@@ -56,11 +59,34 @@ ROWS = [
 ]
 
 
-def empty_slots(model):
-    """``SLOTS`` free slots (their keys are replaced when a row fills one)."""
+# The model's tokens as bytes, for stop strings: strings split across tokens,
+# end inside one ("c\n") and hold a character split in two ("é" = c3 a9).
+TOKEN_BYTES = [
+    b"a",
+    b"b",
+    b"ab",
+    b"\n",
+    b"c\n",
+    b"\xc3",
+    b"\xa9",
+    b"de",
+    b"e",
+    b" ",
+    b".",
+]
+STOP_CAPACITY = dict(max_bytes=6, max_strings=2)
+ONE_STOP = decoding.encode_stop_strings([["ab"]], **STOP_CAPACITY)
+
+
+def empty_slots(model, stops=False):
+    """``SLOTS`` free slots (their keys are replaced when a row fills one),
+    with a stop-string table of ``STOP_CAPACITY`` if ``stops``."""
+    table = None
+    if stops:
+        table = decoding.StopStrings.build([[]] * SLOTS, TOKEN_BYTES, **STOP_CAPACITY)
     return decoding.empty_slots(
         kv_cache.init_cache(model, SLOTS), vocab_size=VOCAB, history_len=MAX_LEN,
-        key=jax.random.key(0),
+        key=jax.random.key(0), stop=table,
     )  # fmt: skip
 
 
@@ -126,12 +152,13 @@ def reference(lm, prompt, limit, knobs, key, eos_id=None):
     return out, reason
 
 
-def run_slots(lm, rows, keys, *, num_steps, eos_id=None):
+def run_slots(lm, rows, keys, *, num_steps, eos_id=None, stops=None):
     """Every row through the slots: waiting rows fill free slots (oldest
-    first, two at most per fill) before each call. Returns each row's
-    tokens, log-probs, top tokens and finish reason, and the calls made."""
+    first, two at most per fill) before each call, with their ``stops[i]``
+    stop strings if given. Returns each row's tokens, log-probs, top tokens
+    and finish reason, and the calls made."""
     model, params, step_fn = lm
-    state = empty_slots(model)
+    state = empty_slots(model, stops=stops is not None)
     waiting, holder = list(range(len(rows))), [None] * SLOTS
     out = {i: dict(tokens=[], log_probs=[], top=[], reason=None) for i in waiting}
     calls = 0
@@ -149,12 +176,18 @@ def run_slots(lm, rows, keys, *, num_steps, eos_id=None):
                 model, params, np.maximum(prompts, 0), lengths
             )
             full = [decoding.full_knobs(rows[i][2], 1, VOCAB) for i in entering]
+            strings = None
+            if stops is not None:
+                strings = decoding.encode_stop_strings(
+                    [stops[i] for i in entering], **STOP_CAPACITY
+                )
             state = decoding.fill_slots(
                 state, np.array(free[: len(entering)]), logits, cache,
                 keys=keys[np.array(entering)],
                 max_new_tokens=np.array([rows[i][1] for i in entering]),
                 prompt_tokens=prompts,
                 knobs=jax.tree.map(lambda *v: np.concatenate(v), *full),
+                stop_strings=strings,
             )  # fmt: skip
             for slot, i in zip(free, entering):
                 holder[slot] = i
@@ -229,6 +262,45 @@ def test_each_rows_stop_tokens_end_it_after_min_new_tokens(lm):
     assert out[0]["tokens"] == first["tokens"][:1]
     assert out[0]["reason"] == decoding.FINISHED_STOP
     assert len(out[1]["tokens"]) >= 5 and first["tokens"][0] not in out[1]["tokens"][:5]
+
+
+def test_stop_strings_end_each_row_at_the_token_that_completes_one(lm):
+    """Each row's own strings, matched in the step: the row emits the token
+    that completes one (from ``min_new_tokens`` tokens on) and ends there,
+    in the call it completes it, whatever other rows' strings; a row that
+    fills a slot does not inherit its last holder's strings or bytes."""
+    keys = jax.random.split(jax.random.key(6), 6)
+    rows = [ROWS[1], ROWS[2], ROWS[3], ROWS[5], ROWS[4], ROWS[0]]
+    plain = [reference(lm, *row, keys[i])[0]["tokens"] for i, row in enumerate(rows)]
+    text = [b"".join(TOKEN_BYTES[t] for t in ids) for ids in plain]
+
+    def piece(b, start, length):  # the first valid UTF-8 piece from start on
+        for k in range(start, len(text[b])):
+            with contextlib.suppress(UnicodeDecodeError):
+                return text[b][k : k + length].decode()
+
+    stops = [
+        [piece(0, 0, 1)],
+        [piece(1, 3, 3), "zz"],  # across tokens, ending inside one
+        [],  # none: the slot of a row that had some
+        [piece(3, 3, 3), "zz"],
+        [piece(4, 0, 1)],  # before min_new_tokens 4: a later one, or none
+        [piece(5, 0, 2)],
+    ]
+    out, _, _ = run_slots(lm, rows, keys, num_steps=3, stops=stops)
+    ends = []
+    for i, (row, ids) in enumerate(zip(rows, plain, strict=True)):
+        min_new_tokens = int(row[2].min_new_tokens or 0)
+        end = stop_step_on_bytes(ids, stops[i], TOKEN_BYTES, min_new_tokens)
+        ends.append(end)
+        length = len(ids) if end is None else end + 1
+        assert out[i]["tokens"] == ids[:length], i
+        reason = decoding.FINISHED_LENGTH if end is None else decoding.FINISHED_STOP
+        assert out[i]["reason"] == reason, i
+    cut = [end is not None and end + 1 < len(ids) for end, ids in zip(ends, plain)]
+    assert sum(cut) >= 3, ends
+    early = stop_step_on_bytes(plain[4], stops[4], TOKEN_BYTES)
+    assert early is not None and early < 3 and ends[4] != early
 
 
 def test_free_slots_stay_empty_and_freed_rows_stop(lm):
@@ -313,6 +385,12 @@ def test_bad_input_names_the_argument(lm):
                 ("limit 0", dict(max_new_tokens=np.array([0])), ValueError),
                 ("float prompt", dict(prompt_tokens=np.array([[1.0]])), TypeError),
                 ("knobs not full", dict(knobs=decoding.SamplingKnobs()), ValueError),
+                (
+                    "stop strings, no table",
+                    dict(stop_strings=ONE_STOP),
+                    ValueError,
+                    "stop_strings",
+                ),
             ],
         )
         + keyword_rows(
@@ -334,3 +412,22 @@ def test_bad_input_names_the_argument(lm):
     )
     for _, call, error, named in bad:
         assert_raises_exactly(call, error, named)
+    # Past the table's capacity: refused by name, never cut.
+    wide = decoding.encode_stop_strings([["a"]], max_bytes=7, max_strings=2)
+    table = empty_slots(model, stops=True)
+    assert_raises_exactly(
+        lambda: decoding.fill_slots(table, np.array([0]), logits, cache, **good,
+                                    stop_strings=wide),
+        ValueError, "stop_strings",
+    )  # fmt: skip
+    assert_raises_exactly(
+        lambda: decoding.encode_stop_strings([["abcdefg"]], **STOP_CAPACITY),
+        ValueError, "max_bytes",
+    )  # fmt: skip
+    one_row = decoding.StopStrings.build([[]], TOKEN_BYTES, **STOP_CAPACITY)
+    assert_raises_exactly(
+        lambda: decoding.empty_slots(state.model_state, vocab_size=VOCAB,
+                                     history_len=MAX_LEN, key=jax.random.key(0),
+                                     stop=one_row),
+        ValueError, "stop",
+    )  # fmt: skip

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from lmhead import decoding
+from lmhead.decoding import stop_strings
 from lmhead.decoding.stop_strings import StopStrings, token_bytes_from_decode
+from tests.decoding.references import stop_step_on_bytes
 from tests.errors import assert_raises_exactly, bad_input_test, keyword_rows
 
 # Tokens chosen so that stop strings split across 2 and 3 tokens, end inside
@@ -118,17 +120,41 @@ class StopStringsTest(chex.TestCase):
             None
         ]
 
+    def test_a_resumed_row_ends_where_one_loop_ends_it(self):
+        """A row's loop cut in two (as ``continue_text``'s windows are): the
+        second part, resumed from the first's bytes, ends where one loop
+        does; without them a string split by the cut is missed."""
+        stops = ["ROMEO:", "\n\n", "é:", "xy xy"]
+        update = jax.jit(lambda s, c, t, a: s.update(c, t, a))
+        ids = random_rows(3, 48, 12)
+        ids[0, :4] = [9, 0, 1, 2]  # " ROMEO:", which the cut at 2 splits
+        stop = StopStrings.build(stops, TOKENS)
+        whole = first_ended(stop, ids, update)
+        assert whole[0] == 3
+        for cut in (1, 2, 5, 8):
+            head = first_ended(stop, ids[:, :cut], update)
+            bytes_so_far = [b"".join(TOKENS[i] for i in row[:cut]) for row in ids]
+            tail = first_ended(stop.resumed(bytes_so_far), ids[:, cut:], update)
+            joined = [
+                h if h is not None else (None if t is None else t + cut)
+                for h, t in zip(head, tail)
+            ]
+            assert joined == whole, cut
+        assert first_ended(stop, ids[:1, 2:], update) != [1]  # not resumed
+
     def test_token_bytes_from_decode(self):
         table = token_bytes_from_decode(lambda ids: "".join("aé☃"[i] for i in ids), 3)
         assert table == [b"a", "é".encode(), "☃".encode()]
 
 
-@pytest.mark.parametrize("num_samples", [1, 3])
+@pytest.mark.parametrize("num_samples,min_new_tokens", [(1, 0), (3, 0), (2, 5)])
 def test_generate_ends_rows_where_the_decoded_text_first_holds_a_stop_string(
-    num_samples,
+    num_samples, min_new_tokens
 ):
     """In the loop: each row ends at the token that completes one of its stop
-    strings, and keeps the tokens it would have drawn without them."""
+    strings, and keeps the tokens it would have drawn without them; with
+    ``min_new_tokens``, at the first such token from that many tokens on
+    (vLLM's rule)."""
     rng = np.random.default_rng(2)
     table = jnp.asarray(rng.standard_normal((len(TOKENS),) * 2), jnp.float32)
     markov = lambda table, tokens, state: (table[tokens], state)
@@ -136,14 +162,18 @@ def test_generate_ends_rows_where_the_decoded_text_first_holds_a_stop_string(
     logits = table[jnp.arange(len(rows)) % len(TOKENS)]
     run = lambda **stop: decoding.generate(
         markov, table, logits, (), key=jax.random.key(0), max_new_tokens=24,
-        temperature=1.0, num_samples=num_samples, **stop,
+        temperature=1.0, num_samples=num_samples, min_new_tokens=min_new_tokens,
+        **stop,
     )  # fmt: skip
     plain = run()
     out = run(stop=StopStrings.build(rows, TOKENS))
     ends = []
     for b in range(len(rows) * num_samples):
         ids = np.asarray(plain.tokens[b]).tolist()
-        end = reference_stop_step(ids, rows[b // num_samples])
+        stops = rows[b // num_samples]
+        end = stop_step_on_bytes(ids, stops, TOKENS, min_new_tokens)
+        if min_new_tokens == 0:
+            assert end == reference_stop_step(ids, stops)
         ends.append(end)
         length = 24 if end is None else end + 1
         assert int(out.lengths[b]) == length
@@ -151,6 +181,50 @@ def test_generate_ends_rows_where_the_decoded_text_first_holds_a_stop_string(
         reason = decoding.FINISHED_LENGTH if end is None else decoding.FINISHED_STOP
         assert int(out.finish_reasons[b]) == reason
     assert len({e for e in ends if e is not None}) > 2, ends
+    if min_new_tokens:  # the rule held some row back
+        early = [stop_step_on_bytes(np.asarray(plain.tokens[b]).tolist(),
+                                    rows[b // num_samples], TOKENS) for b in range(len(ends))]  # fmt: skip
+        assert any(e is not None and e < min_new_tokens - 1 for e in early), early
+
+
+SPAN_CASES = {
+    "no string": [[]] * 4,
+    "short": [["\n\n"], ["é:"], [], ["ROMEO:", "xy xy"]],
+    "17 bytes": [["ROMEO:ROMEO:ROMEO"], ["é:"], [], ["\n\n"]],
+    "66 bytes": [["ROMEO:" * 11], ["é:"], [], ["xy xy", "a"]],
+}
+
+
+@pytest.mark.parametrize("case", SPAN_CASES)
+def test_a_wide_table_compares_the_span_its_longest_string_needs(case):
+    """A table of 300-byte capacity (the slots'), whose step compares the
+    last 16, 64, 256 or 300 bytes: every span ends rows as the reference."""
+    assert stop_strings._spans(300) == [16, 64, 256, 300]
+    rows = SPAN_CASES[case] * 2
+    ids = random_rows(4, len(rows), 40)
+    ids[0, :37] = [0, 1, 2] * 12 + [3]  # "ROMEO:" 12 times
+    ids[1, 5:8], ids[3, 10:14] = [6, 7, 2], [9, 0, 1, 2]  # "é:", " ROMEO:"
+    stop = StopStrings.build(rows, TOKENS, max_bytes=300, max_strings=2)
+    update = jax.jit(lambda s, c, t, a: s.update(c, t, a))
+    expected = [reference_stop_step(row.tolist(), rows[b]) for b, row in enumerate(ids)]
+    assert first_ended(stop, ids, update) == expected
+    assert (case == "no string") == all(e is None for e in expected)
+    assert (expected[0] is not None) == (case in ("17 bytes", "66 bytes"))
+
+
+def test_a_table_of_fixed_capacity_may_hold_no_string_and_refuses_more():
+    stop_bytes, stop_len = decoding.encode_stop_strings(
+        [[], ["ab"]], max_bytes=4, max_strings=2
+    )
+    assert stop_bytes.shape == (2, 2, 4) and stop_len.tolist() == [[0, 0], [2, 0]]
+    empty = StopStrings.build([[]] * 3, TOKENS, max_bytes=4, max_strings=2)
+    ids = random_rows(5, 3, 10)
+    assert first_ended(empty, ids, lambda s, c, t, a: s.update(c, t, a)) == [None] * 3
+    for stop, named in (([["abcde"]], "max_bytes"), ([["a", "b", "c"]], "max_strings")):
+        assert_raises_exactly(
+            lambda: decoding.encode_stop_strings(stop, max_bytes=4, max_strings=2),
+            ValueError, named,
+        )  # fmt: skip
 
 
 def test_check_names_stop():

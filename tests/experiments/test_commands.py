@@ -145,3 +145,19 @@ def test_generate_command_line_without_a_run(tmp_path):
     assert result.returncode == 1
     assert "FileNotFoundError" in result.stderr
     assert os.path.join(str(tmp_path), "config.json") in result.stderr
+
+
+@pytest.mark.parametrize(
+    "flag,message",
+    [
+        ("--top_p=0", "top_p must be in (0, 1]; got 0.0."),
+        ("--temperature=-1", "temperature must be in [0, inf); got -1.0."),
+        ("--presence_penalty=nan", "presence_penalty must be in (-inf, inf); got nan."),
+    ],
+)
+def test_generate_refuses_a_knob_flag_with_the_knobs_range(tmp_path, flag, message):
+    """The sampling flags' ranges and messages are the knobs' own
+    (``lmhead.decoding.knobs``), checked before anything runs."""
+    result = run_experiment("generate.py", f"--workdir={tmp_path}", flag)
+    assert result.returncode == 1
+    assert message in result.stderr and "FileNotFoundError" not in result.stderr

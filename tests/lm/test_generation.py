@@ -294,6 +294,24 @@ def test_stop_strings_cut_the_text_where_the_plain_text_first_holds_one(run, cas
         assert len(set(ends)) > 1, ends
 
 
+def test_new_knob_values_reuse_the_compiled_window(run):
+    """The sampling knobs are traced: other temperatures (greedy included)
+    and top-p values run the program the first call compiled, and act."""
+    _, tokenizer, model, params = generation.load_run(run[0])
+    window = generation._continue_window
+    texts = {}
+    for temperature, top_p in ((0.7, 0.9), (1.3, 0.5), (0.0, 0.8)):
+        texts[temperature, top_p] = generation.continue_text(
+            model, params, tokenizer, "KING", key=jax.random.key(1), num_samples=3,
+            max_new_tokens=12, temperature=temperature, top_p=top_p, top_k=20,
+        )  # fmt: skip
+        if len(texts) == 1:
+            compiled = window._cache_size()
+    assert window._cache_size() == compiled
+    assert len({tuple(t) for t in texts.values()}) == 3  # the values were used
+    assert len(set(texts[0.0, 0.8])) == 1  # greedy: every sample alike
+
+
 def likelier_eos(model, params, tokenizer, scale):
     """``params`` whose (tied) table row of the end-of-text token is
     ``scale`` times that of the token greedy decoding picks most often, so
@@ -414,6 +432,10 @@ BAD_REQUESTS = [
     ("continue_text empty prompt",
      lambda: generation.continue_text(small_model(tied=True), None, TOKENIZER, "", **KNOBS),
      ValueError, "prompt"),
+    ("continue_text top_p 1.5",  # the traced knobs are checked before the loop
+     lambda: generation.continue_text(
+         small_model(tied=True), None, TOKENIZER, "a", top_p=1.5, **KNOBS),
+     ValueError, "top_p"),
     ("continue_text empty stop",
      lambda: generation.continue_text(
          small_model(tied=True), None, TOKENIZER, "a", stop=["b", ""], **KNOBS),

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from lmhead import decoding
-from lmhead.lm import data
+from lmhead.lm import data, generation
 from lmhead.lm import model as model_lib
 from lmhead.serve import continuous, requests, web
 from lmhead.serve import engine as engine_lib
@@ -203,6 +203,97 @@ def test_echoed_top_logprobs_past_a_small_vocabulary_give_every_token(long_engin
         assert {len(top) for top in logprobs["top_logprobs"][1:]} == {vocab_size}
     finally:
         slots.stop()
+
+
+def stop_reference(text, stops, min_tokens, include):
+    """Brute force over a text of one character per token: the first token
+    ``n >= min_tokens`` whose text ends with a stop string, and the text cut
+    before that string (the longest ending there: the first to start), or
+    through it; None when no token ends one."""
+    for n in range(max(min_tokens, 1), len(text) + 1):
+        ending = [s for s in stops if text[:n].endswith(s)]
+        if ending:
+            return n, text[:n] if include else text[: n - max(map(len, ending))]
+    return None
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 3])
+def test_stop_strings_end_rows_in_the_step_where_generate_ends_them(
+    long_engine, steps_per_call
+):
+    """Sampled rows with stop strings split across tokens and across calls,
+    with ``min_tokens`` and ``include_stop_str_in_output``, streamed: the
+    tokens are ``decoding.generate``'s with the same stop strings (cut where
+    it cuts), the text is cut where a brute-force search of the plain text
+    says, the stream never sends text the stop removes, and a row's slot
+    decodes no token past its stop."""
+    engine, run = long_engine, (long_engine.model, long_engine.params,
+                                long_engine.tokenizer)  # fmt: skip
+    common = dict(prompt="the", max_tokens=24, temperature=1.0, seed=11)
+    plain = continuous.SlotBatcher(engine, max_queue=8, steps_per_call=steps_per_call)
+    try:
+        text = plain.submit(parse(engine, **common)).result(timeout=60)
+    finally:
+        plain.stop()
+    text = text["choices"][0]["text"]
+    assert len(text) == 24 and len(set(text)) > 4, text
+    cases = [  # (stop strings, min_tokens, include_stop_str_in_output)
+        ([text[1:3]], 0, False),  # inside the first call when it has 3 steps
+        ([text[2:5], "zzz"], 0, False),  # across the first two calls
+        ([text[5:7], text[6:9]], 0, True),  # two ending together: the longer
+        ([text[0:2]], 4, False),  # too early: a later one, or none
+    ]
+    keys = jax.random.wrap_key_data(
+        jax.random.key_data(jax.random.fold_in(jax.random.key(11), 0))[None]
+    )
+    table = generation.token_bytes(engine.tokenizer)
+    slots = continuous.SlotBatcher(engine, max_queue=8, steps_per_call=steps_per_call)
+    try:
+        streamed, futures = [], []
+        for stops, min_tokens, include in cases:
+            request = parse(engine, **common, stop=stops, min_tokens=min_tokens,
+                            include_stop_str_in_output=include)  # fmt: skip
+            sent = []  # the text so far at each streamed chunk
+            request.sink = lambda texts, sent=sent: sent.append(texts[0][1])
+            streamed.append(sent)
+            futures.append(slots.submit(request))
+        results = [future.result(timeout=60)["choices"][0] for future in futures]
+    finally:
+        slots.stop()
+    for (stops, min_tokens, include), choice, sent in zip(cases, results, streamed):
+        found = stop_reference(text, stops, min_tokens, include)
+        n, cut = (24, text) if found is None else found
+        assert choice["text"] == cut, (stops, min_tokens)
+        assert choice["finish_reason"] == ("length" if found is None else "stop")
+        assert all(cut.startswith(piece) for piece in sent), (sent, cut)
+        knobs = parse(engine, **common, min_tokens=min_tokens).knobs
+        want = reference(run, "the", 24, keys=keys, knobs=knobs, top=0,
+                         stop=decoding.StopStrings.build(stops, table))  # fmt: skip
+        assert int(want.lengths[0]) == n
+        assert text_of(run, want.tokens[0, :n]) == text[:n]
+    assert any(stop_reference(text, *case) for case in cases)
+
+
+def test_a_row_that_stops_frees_its_slot_at_the_stop(long_engine):
+    """Four steps a call and a stop string that the second token completes:
+    the slot decodes two tokens, not on to the end of the call or past the
+    next one."""
+    engine = long_engine
+    common = dict(prompt="the", temperature=0)
+    slots = continuous.SlotBatcher(engine, max_queue=8, steps_per_call=4)
+    try:
+        text = slots.submit(parse(engine, **common, max_tokens=4)).result(timeout=60)
+        stop = text["choices"][0]["text"][:2]
+        request = parse(engine, **common, max_tokens=LONG, stop=stop)
+        result = slots.submit(request).result(timeout=60)
+        wait_until(lambda: slots.active() == 0)
+        generated = np.asarray(slots._state.rows.generated)
+    finally:
+        slots.stop()
+    choice = result["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("", "stop")
+    assert result["completion_tokens"] == 2
+    assert generated[0] == 2  # the slot the request held
 
 
 def test_slots_must_hold_a_whole_request(long_engine):

@@ -37,6 +37,26 @@ def test_absent_knobs_are_neutral_and_given_ones_are_kept(tokenizer):
     assert isinstance(knobs, SamplingKnobs)
 
 
+# A value past an end of a knob's range and the message, the knob's own
+# (lmhead.decoding.knobs) where the service adds no narrower policy.
+KNOB_MESSAGES = [
+    ({"temperature": 2.5}, "temperature must be in [0, 2]; got 2.5."),
+    ({"top_p": 0}, "top_p must be in (0, 1]; got 0.0."),
+    ({"top_k": 2**31}, "top_k must be in [0, 2.14748e+09]; got 2147483648."),
+    ({"min_p": 1.5}, "min_p must be in [0, 1]; got 1.5."),
+    ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 1e+06]; got 0.0."),
+    ({"presence_penalty": -3}, "presence_penalty must be in [-2, 2]; got -3.0."),
+    ({"logit_bias": {"1": 101}}, "logit_bias must be in [-100, 100]; got 101.0."),
+]
+
+
+@pytest.mark.parametrize("fields,message", KNOB_MESSAGES)
+def test_knob_ranges_and_messages_are_the_knobs_own(tokenizer, fields, message):
+    with pytest.raises(requests.RequestError) as raised:
+        parse(tokenizer, {"prompt": "KING", **fields})
+    assert (raised.value.field, raised.value.message) == (next(iter(fields)), message)
+
+
 @pytest.mark.parametrize("prompt", [[[], []], [[1], []], ["K", ""]])
 def test_an_empty_prompt_item_is_refused_as_empty(tokenizer, prompt):
     # lm-evaluation-harness sends empty token lists when it cuts a prompt to

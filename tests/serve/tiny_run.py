@@ -32,10 +32,11 @@ def numpy_log_softmax(run, ids):
     return references.log_softmax(logits)
 
 
-def reference(run, prompt, max_new_tokens, *, keys=None, knobs=None, top=5):
+def reference(run, prompt, max_new_tokens, *, keys=None, knobs=None, top=5, stop=None):
     """``decoding.generate`` (numpy arrays) on ``prompt`` (a text or token
     ids) alone, one row per key (default: one greedy row), with the
-    model's log-probs and ``top`` top log-probs, ending at EOS."""
+    model's log-probs and ``top`` top log-probs, ending at EOS (and at
+    ``stop``, a stop condition, if given)."""
     model, params, tokenizer = run
     ids = tokenizer.encode_array(prompt) if isinstance(prompt, str) else prompt
     rows = 1 if keys is None else len(keys)
@@ -53,6 +54,7 @@ def reference(run, prompt, max_new_tokens, *, keys=None, knobs=None, top=5):
         top_logprobs=top,
         log_probs_from="model",
         eos_id=eos_id(run),
+        stop=stop,
     )
     return jax.device_get(result)
 

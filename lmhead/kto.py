@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmhead import _checks, preference, token_logprobs
+from lmhead import _checks, losses, preference
+from lmhead._sweep_options import SweepOptions
 
 
 def _check_inputs(logps, mask, desirable, ref_logps, kl):
@@ -240,6 +241,7 @@ def fused_kto_loss(
     filter_target: str = "both",
     dw_accumulation: str = "float32",
     vocab_order: jax.typing.ArrayLike | str | None = None,
+    ignore_index: int = losses.IGNORE_INDEX,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r""":func:`kto_loss` of the head ``softcap(scale * h @ w.T + bias)``,
     fused.
@@ -269,6 +271,8 @@ def fused_kto_loss(
             :func:`lmhead.token_logprobs.fused_token_logprobs` (the
             reference's sweep, which gets no gradient, ignores the last
             four).
+        ignore_index: the id of a token that is none (``-100``, as PyTorch
+            and Hugging Face label padding): its mask is taken as 0.
 
     Returns:
         ``(loss, metrics)`` as :func:`kto_loss`.
@@ -303,30 +307,26 @@ def fused_kto_loss(
     preference.check_head_inputs(dict(h=h), dict(ids=ids))
     if reference_logps is not None and reference_head is not None:
         raise ValueError("give reference_logps or reference_head, not both; got both.")
-    token_logprobs.check_options(
-        temperature, scale, softcap, chunk_size, vocab_chunk_size
-    )
-    # The shapes, masks and labels, checked before any sweep.
-    _check_inputs(np.zeros(jnp.shape(ids), np.float32), mask, desirable, None, kl)
-    options = dict(
-        temperature=temperature,
+    options = SweepOptions(
         scale=scale,
         softcap=softcap,
+        temperature=temperature,
         chunk_size=chunk_size,
         vocab_chunk_size=vocab_chunk_size,
+        filter_eps=filter_eps,
+        filter_target=filter_target,
+        dw_accumulation=dw_accumulation,
     )
+    mask = preference.without_ignored(ids, mask, ignore_index)
+    # The shapes, masks and labels, checked before any sweep.
+    _check_inputs(np.zeros(jnp.shape(ids), np.float32), mask, desirable, None, kl)
     if reference_head is not None:
         (reference_logps,) = preference.frozen_logps(
             reference_head, [ids], [mask], options, "(h_ref, w_ref[, bias_ref])"
         )
-    options |= dict(
-        bias=bias,
-        filter_eps=filter_eps,
-        filter_target=filter_target,
-        dw_accumulation=dw_accumulation,
-        vocab_order=vocab_order,
+    (logps,) = preference.sequence_logps(
+        [h], w, [ids], [mask], options, bias=bias, vocab_order=vocab_order
     )
-    (logps,) = preference.sequence_logps([h], w, [ids], [mask], options)
     return kto_loss(
         logps,
         mask,

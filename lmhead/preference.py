@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmhead import _checks, token_logprobs
+from lmhead import _checks, losses, token_logprobs
+from lmhead._sweep_options import SweepOptions
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust", "simpo", "orpo", "cpo")
 # The DPO family compares the policy with a reference; the others do not.
@@ -359,17 +360,33 @@ def _reference_scores(refs, masks, counts, scores):
     return out
 
 
-def sequence_logps(hs, w, ids, masks, options):
+def without_ignored(ids, mask, ignore_index):
+    """``mask`` with 0 where ``ids`` is ``ignore_index``: a token labelled so
+    (-100, PyTorch's and Hugging Face's padding) is no token of its
+    sequence, as it is no token of the fused losses (``losses.valid_weights``).
+
+    Examples:
+        >>> without_ignored(jnp.array([[3, -100]]), jnp.ones((1, 2)), -100)
+        Array([[1., 0.]], dtype=float32)
+    """
+    mask = jnp.asarray(mask)
+    return jnp.where(jnp.asarray(ids) == ignore_index, jnp.zeros((), mask.dtype), mask)
+
+
+def sequence_logps(hs, w, ids, masks, options, *, bias=None, vocab_order=None):
     """Per-token log-probs ``[B_i, T_i]`` of each ``ids[i]`` under the head
-    of ``w`` at ``hs[i]`` ``[B_i, T_i, D]``, from one fused sweep over all
-    their tokens (``masks[i]`` != 0 marks the tokens swept)."""
+    of ``w`` (and ``bias``) at ``hs[i]`` ``[B_i, T_i, D]``, from one fused
+    sweep of ``options`` (:class:`~lmhead._sweep_options.SweepOptions`) over
+    all their tokens (``masks[i]`` != 0 marks the tokens swept)."""
     flat = [jnp.reshape(h, (-1, jnp.shape(h)[-1])) for h in hs]
-    out = token_logprobs.fused_token_logprobs(
+    out = token_logprobs.sweep_token_logprobs(
         jnp.concatenate(flat),
         w,
         jnp.concatenate([jnp.ravel(x) for x in ids]),
+        options,
+        bias=bias,
         weights=jnp.concatenate([jnp.ravel(m) for m in masks]),
-        **options,
+        vocab_order=vocab_order,
     )
     ends = np.cumsum([jnp.size(x) for x in ids])
     return [
@@ -380,8 +397,9 @@ def sequence_logps(hs, w, ids, masks, options):
 
 def frozen_logps(reference_head, ids, masks, options, layout):
     """:func:`sequence_logps` under ``reference_head = (*hs, w[, bias])``
-    (one ``h`` per ``ids``), without gradient; ``layout`` names the tuple
-    in the error for a wrong length."""
+    (one ``h`` per ``ids``), without gradient, so without the gradient's
+    options of ``options``; ``layout`` names the tuple in the error for a
+    wrong length."""
     n = len(ids)
     if len(reference_head) not in (n + 1, n + 2):
         raise ValueError(
@@ -389,7 +407,10 @@ def frozen_logps(reference_head, ids, masks, options, layout):
         )
     arrays = jax.lax.stop_gradient(tuple(reference_head))
     bias = arrays[n + 1] if len(arrays) == n + 2 else None
-    return sequence_logps(arrays[:n], arrays[n], ids, masks, options | {"bias": bias})
+    forward = dataclasses.replace(
+        options, filter_eps=None, filter_target="both", dw_accumulation="float32"
+    )
+    return sequence_logps(arrays[:n], arrays[n], ids, masks, forward, bias=bias)
 
 
 def check_head_inputs(hs, ids):
@@ -432,6 +453,7 @@ def fused_preference_loss(
     filter_target: str = "both",
     dw_accumulation: str = "float32",
     vocab_order: jax.typing.ArrayLike | str | None = None,
+    ignore_index: int = losses.IGNORE_INDEX,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r""":func:`preference_loss` of the head ``softcap(scale * h @ w.T + bias)``,
     fused.
@@ -456,7 +478,8 @@ def fused_preference_loss(
         w: ``[V, D]``. bias: optional ``[V]``.
         chosen_ids, rejected_ids: ``[B, T_c]``, ``[B, T_r]`` the responses'
             tokens.
-        chosen_mask, rejected_mask: as in :func:`preference_loss`.
+        chosen_mask, rejected_mask: as in :func:`preference_loss`; a token
+            whose id is ``ignore_index`` counts as masked out.
         reference_logps: ``(ref_chosen [B, T_c], ref_rejected [B, T_r])``.
         reference_head: ``(h_ref_chosen, h_ref_rejected, w_ref[, bias_ref])``
             of the frozen reference; the same scale, softcap and temperature.
@@ -467,6 +490,8 @@ def fused_preference_loss(
             :func:`lmhead.token_logprobs.fused_token_logprobs` (the
             reference's sweep, which gets no gradient, ignores the last
             four).
+        ignore_index: the id of a token that is none (``-100``, as PyTorch
+            and Hugging Face label padding): its mask is taken as 0.
 
     Returns:
         ``(loss, metrics)`` as :func:`preference_loss`.
@@ -502,16 +527,20 @@ def fused_preference_loss(
     )
     if reference_logps is not None and reference_head is not None:
         raise ValueError("give reference_logps or reference_head, not both; got both.")
-    token_logprobs.check_options(
-        temperature, scale, softcap, chunk_size, vocab_chunk_size
-    )
-    ids, masks = (chosen_ids, rejected_ids), (chosen_mask, rejected_mask)
-    options = dict(
-        temperature=temperature,
+    options = SweepOptions(
         scale=scale,
         softcap=softcap,
+        temperature=temperature,
         chunk_size=chunk_size,
         vocab_chunk_size=vocab_chunk_size,
+        filter_eps=filter_eps,
+        filter_target=filter_target,
+        dw_accumulation=dw_accumulation,
+    )
+    ids = (chosen_ids, rejected_ids)
+    masks = tuple(
+        without_ignored(x, m, ignore_index)
+        for x, m in zip(ids, (chosen_mask, rejected_mask))
     )
     # The pairs' shapes and masks, checked before any sweep.
     _check_pair(*(np.zeros(jnp.shape(x), np.float32) for x in ids), *masks)
@@ -542,25 +571,19 @@ def fused_preference_loss(
         ref_chosen_logps=ref_chosen,
         ref_rejected_logps=ref_rejected,
     )
-    options |= dict(
-        bias=bias,
-        filter_eps=filter_eps,
-        filter_target=filter_target,
-        dw_accumulation=dw_accumulation,
-        vocab_order=vocab_order,
-    )
     if loss_type not in MARGIN_LOSSES or nll:
         chosen, rejected = sequence_logps(
-            (h_chosen, h_rejected), w, ids, masks, options
-        )
+            (h_chosen, h_rejected), w, ids, masks, options,
+            bias=bias, vocab_order=vocab_order,
+        )  # fmt: skip
         return preference_loss(chosen, rejected, *masks, **settings)
-    args = h_chosen, h_rejected, w, *ids, masks
-    total, (chosen, rejected) = _pair_margins(*args, settings, options)
+    args = h_chosen, h_rejected, w, bias, *ids, masks
+    total, (chosen, rejected) = _pair_margins(*args, settings, options, vocab_order)
     _, metrics = preference_loss(chosen, rejected, *masks, **settings)
     return total / jnp.shape(chosen_ids)[0], metrics
 
 
-def _pair_margins(h_c, h_r, w, ids_c, ids_r, masks, settings, options):
+def _pair_margins(h_c, h_r, w, bias, ids_c, ids_r, masks, settings, options, order):
     """``(the pairs' losses summed, (chosen, rejected) log-probs)`` from one
     sweep over the tokens pair by pair (chosen, then rejected): a pair is a
     segment, its loss a :class:`MarginLoss` of the sum of its tokens'
@@ -584,7 +607,7 @@ def _pair_margins(h_c, h_r, w, ids_c, ids_r, masks, settings, options):
     h = pairs(jnp.asarray(h_c), jnp.asarray(h_r))
     ids = pairs(jnp.asarray(ids_c), jnp.asarray(ids_r))
     live = (pairs(*m) != 0).astype(jnp.float32)
-    _checks.check_unembed_inputs(h, w, options["bias"])
+    _checks.check_unembed_inputs(h, w, bias)
     _checks.check_integer("chosen_ids and rejected_ids", ids)
     _checks.check_ids_in_range(
         "chosen_ids and rejected_ids", ids, live, jnp.shape(w)[0]
@@ -598,13 +621,13 @@ def _pair_margins(h_c, h_r, w, ids_c, ids_r, masks, settings, options):
         w,
         ids,
         live,
+        options,
+        bias=bias,
+        vocab_order=order,
         token_loss=margin_terms,
         operands=operands,
         segment_loss=MarginLoss(settings["loss_type"]),
         segment_length=sum(lengths),
         loss_scalars=jnp.stack([jnp.asarray(x, jnp.float32) for x in scalars]),
-        entropy=False,
-        precision=None,
-        **options,
     )
     return total, (out.logprobs[:, : lengths[0]], out.logprobs[:, lengths[0] :])

@@ -151,18 +151,6 @@ class TokenLogProbs(NamedTuple):
     log_normalizer: jax.Array
 
 
-def check_options(temperature, scale, softcap, chunk_size, vocab_chunk_size):
-    """The sweep's options checked: the :class:`SweepOptions` they build, for
-    a caller that checks them before its first sweep."""
-    return SweepOptions(
-        scale=scale,
-        softcap=softcap,
-        temperature=temperature,
-        chunk_size=chunk_size,
-        vocab_chunk_size=vocab_chunk_size,
-    )
-
-
 def fused_token_logprobs(
     h: jax.typing.ArrayLike,
     w: jax.typing.ArrayLike,
@@ -346,7 +334,7 @@ def token_loss_sweep(
     w,
     ids,
     loss_weights,
-    options: SweepOptions | None = None,
+    options: SweepOptions,
     *,
     bias=None,
     entropy=False,
@@ -357,7 +345,6 @@ def token_loss_sweep(
     segment_loss=None,
     segment_length=None,
     loss_scalars=(),
-    **keywords,
 ) -> tuple[jax.Array, TokenLogProbs]:
     """``(sum_t loss_weights_t * token_loss_t, TokenLogProbs)`` from one sweep.
 
@@ -371,8 +358,7 @@ def token_loss_sweep(
     checks and rule come first). ``h``, ``w``, ``ids``, ``bias``,
     ``entropy``, ``vocab_order`` and ``vocab_shards`` are
     :func:`fused_token_logprobs`' (after its checks); ``options`` its
-    :class:`SweepOptions`, or None to build them of ``keywords`` (their
-    fields, by name); ``token_loss(logps [Nc, k], entropy [Nc] or None,
+    :class:`SweepOptions`; ``token_loss(logps [Nc, k], entropy [Nc] or None,
     operands) -> [Nc]``, a hashable callable (a frozen dataclass or a
     module-level function).
 
@@ -400,12 +386,6 @@ def token_loss_sweep(
         >>> bool(jnp.allclose(loss, -jnp.sum(weights * out.logprobs)))
         True
     """
-    if options is None:
-        options = SweepOptions(**keywords)
-    elif keywords:
-        raise TypeError(
-            f"give options or their keywords, not both; got options and {sorted(keywords)}."
-        )
     vocab_size, d_model = jnp.shape(w)
     leading, ids_shape = jnp.shape(h)[:-1], jnp.shape(ids)
     num_tokens = math.prod(leading)

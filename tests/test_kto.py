@@ -262,6 +262,30 @@ class FusedTest(parameterized.TestCase):
         chex.assert_trees_all_close(fused, materialized, rtol=1e-5, atol=1e-6)
 
 
+class IgnoredIdsTest(parameterized.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_an_id_of_minus_100_is_a_masked_token(self):
+        """Ids of -100 where the mask was 0 (a prompt, padding), with the
+        mask 1 there, give the loss and gradients of the original mask."""
+        x = make_inputs()
+        ids = np.where(x["mask"] == 0, -100, x["ids"]).astype(np.int32)
+        mask = np.where(x["mask"] == 0, 1.0, x["mask"])
+
+        def value(h, w, ids, mask):
+            return kto.fused_kto_loss(
+                h, w, ids, mask, DESIRABLE, beta=BETA, kl=KL, chunk_size=4
+            )[0]
+
+        h, w = (jnp.asarray(x[n], jnp.float32) for n in ("h", "w"))
+        step = self.variant(jax.value_and_grad(value, (0, 1)))
+        chex.assert_trees_all_close(
+            step(h, w, ids, mask),
+            step(h, w, x["ids"], x["mask"]),
+            rtol=1e-6,
+            atol=1e-7,
+        )
+
+
 def loss(**overrides):
     x = make_inputs()
     args = dict(logps=-np.ones((B, T)), mask=x["mask"], desirable=DESIRABLE)

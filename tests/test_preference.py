@@ -511,3 +511,36 @@ FUSED = [
 ]  # fmt: skip
 BAD_INPUTS = [*keyword_rows("loss", loss, LOSS), *keyword_rows("fused", fused, FUSED)]
 test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)
+
+
+class IgnoredIdsTest(parameterized.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters("sigmoid", "orpo", "cpo")
+    def test_an_id_of_minus_100_is_a_masked_token(self, loss_type):
+        """Ids of -100 (the tokens masked out by hand: the chosen prompt,
+        the rejected padding) give the loss and gradients of the masks that
+        leave them out, whichever sweep the loss takes; the mask there is
+        ignored, and a custom ``ignore_index`` works alike."""
+        x = make_inputs()
+        ignored = dict(x)
+        for ids, mask in (("ids_c", "mask_c"), ("ids_r", "mask_r")):
+            ignored[ids] = np.where(x[mask] == 0, -100, x[ids]).astype(np.int32)
+            ignored[mask] = np.where(x[mask] == 0, 1.0, x[mask])
+        custom = dict(ignored)
+        for ids in ("ids_c", "ids_r"):
+            custom[ids] = np.where(ignored[ids] == -100, V, ignored[ids])
+        ref = reference_logps(x)
+        options = dict(
+            loss_type=loss_type, beta=BETA, chunk_size=4, reference_logps=ref
+        )
+
+        def loss(inputs, **extra):
+            def value(h_c, h_r, w):
+                return fused_loss(inputs, h_c, h_r, w, **options, **extra)[0]
+
+            args = [jnp.asarray(x[n], jnp.float32) for n in ("h_c", "h_r", "w")]
+            return self.variant(jax.value_and_grad(value, (0, 1, 2)))(*args)
+
+        expected = loss(x)
+        for found in (loss(ignored), loss(custom, ignore_index=V)):
+            chex.assert_trees_all_close(found, expected, rtol=1e-6, atol=1e-7)

@@ -173,28 +173,40 @@ study-past: $(STAMP)
 
 # The same design on one GPU, every cell's runs in one ensemble (one vmap of
 # all members on a GPU), with the Python that has jax with CUDA (no .venv:
-# GPU_PY=python by default). The report goes to docs/tying_study_gpu. Then
-# the compute axis's cell at 10,000 steps (first rungs two below the
-# 1000-step profile's), whose report joins the 1000- and 3000-step runs of
-# the CPU's tables, into docs/tying_study_gpu/compute.
+# GPU_PY=python by default). The report goes to docs/tying_study_gpu. Then,
+# one cell at a time, profiled (stage=tune) then tested as study-past does,
+# each into docs/tying_study_gpu/<cell> and restored from its table there
+# once committed: past_2048, the CPU's BPE 2048 cell at 10,000 steps (the
+# same runs), its report joining the 1000- and 3000-step runs of the CPU's
+# tables; then the width axis, BPE 2048 at d_model 128, 256 and 512, each
+# about 20 tokens per parameter (docs/tying_study/README.md, "The width
+# axis": its budgets, and the GPU time estimated; not yet run). Matmuls in
+# float32 as on the CPU (JAX's default on an H100 is TF32), unless
+# GPU_PRECISION=tensorfloat32; GPU_CELLS chooses the cells.
 GPU_PY ?= python
-COMPUTE_GPU := $(STUDY):compute,full_steps=10000,centre_shift=-2,budgets=1000+3000+10000
-COMPUTE_GPU_RESTORE := $(addprefix --restore_from=,$(wildcard docs/tying_study_gpu/compute/runs.csv))
+GPU_PRECISION ?= float32
+GPU_CELLS ?= past_2048 width_128 width_256 width_512
+GPU_RUN = PYTHONPATH=. JAX_DEFAULT_MATMUL_PRECISION=$(GPU_PRECISION) $(GPU_PY)
 study-gpu:
-	PYTHONPATH=. $(GPU_PY) experiments/sweep.py --sweep=$(STUDY):stage=tune \
+	$(GPU_RUN) experiments/sweep.py --sweep=$(STUDY):stage=tune \
 	    --workdir=runs/tying_study_gpu --ensemble=64 --noreport $(SWEEP_FLAGS)
-	PYTHONPATH=. $(GPU_PY) experiments/sweep.py --sweep=$(STUDY) \
+	$(GPU_RUN) experiments/sweep.py --sweep=$(STUDY) \
 	    --workdir=runs/tying_study_gpu --ensemble=64 --noreport $(SWEEP_FLAGS)
-	PYTHONPATH=. $(GPU_PY) experiments/report.py --workdir=runs/tying_study_gpu \
+	$(GPU_RUN) experiments/report.py --workdir=runs/tying_study_gpu \
 	    --out=docs/tying_study_gpu
-	PYTHONPATH=. $(GPU_PY) experiments/sweep.py --sweep=$(COMPUTE_GPU),stage=tune \
-	    --workdir=runs/tying_compute_gpu --ensemble=64 --noreport \
-	    $(COMPUTE_GPU_RESTORE) $(SWEEP_FLAGS)
-	PYTHONPATH=. $(GPU_PY) experiments/sweep.py --sweep=$(COMPUTE_GPU) \
-	    --workdir=runs/tying_compute_gpu --ensemble=64 --noreport \
-	    $(COMPUTE_GPU_RESTORE) $(SWEEP_FLAGS)
-	PYTHONPATH=. $(GPU_PY) experiments/report.py --workdir=runs/tying_compute_gpu \
-	    --sweep=$(COMPUTE_GPU) --out=docs/tying_study_gpu/compute
+	for cell in $(GPU_CELLS); do \
+	    out=docs/tying_study_gpu/$$cell; \
+	    restore=$$(test -f $$out/runs.csv && echo --restore_from=$$out/runs.csv); \
+	    $(GPU_RUN) experiments/sweep.py --sweep=$(STUDY):$$cell,stage=tune \
+	        --workdir=runs/tying_gpu_$$cell --ensemble=64 --noreport $$restore \
+	        $(SWEEP_FLAGS) && \
+	    $(GPU_RUN) experiments/sweep.py --sweep=$(STUDY):$$cell \
+	        --workdir=runs/tying_gpu_$$cell --ensemble=64 --noreport $$restore \
+	        $(SWEEP_FLAGS) && \
+	    $(GPU_RUN) experiments/report.py --workdir=runs/tying_gpu_$$cell \
+	        --sweep=$(STUDY):$$cell --out=$$out \
+	        || exit 1; \
+	done
 
 # Every extra of setup.py: the experiment, the service, the study and the
 # tests (`pip install lmhead` alone is the head library: README.md,

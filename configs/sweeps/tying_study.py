@@ -45,9 +45,12 @@ runs ("One compute axis"); ``past_2048`` and ``past_char``, past early
 training: the compute axis's design for BPE 2048 at 10,000 steps and
 characters at 3000, each arm's rate chosen clear of failed runs, tested on
 16 fresh seeds against :data:`PAST_HYPOTHESES` ("Past early training:
-fixed before the runs"); ``tiny``, ``profiles_tiny``, ``confirm_tiny``,
-``mechanism_tiny``, ``compute_tiny`` and ``past_tiny``, for tests), then
-comma-separated
+fixed before the runs"); ``width_128``, ``width_256`` and ``width_512``,
+the GPU recipe's width axis: BPE 2048 on all of the text, arms a and b at
+that d_model, about 20 tokens per parameter, profiled and tested as
+``past_2048`` is, on 16 fresh seeds ("The width axis"); ``tiny``,
+``profiles_tiny``, ``confirm_tiny``, ``mechanism_tiny``, ``compute_tiny``,
+``past_tiny`` and ``width_tiny``, for tests), then comma-separated
 ``key=value`` (``+`` separates list items)::
 
     stage=test      tune | test (test lists the tuning runs too)
@@ -56,8 +59,8 @@ comma-separated
     amounts=...     training fractions, e.g. amounts=0.01+1.0
     arms=a+b+c+d+e  which arms
     seeds=8         test seeds first_seed .. first_seed+seeds-1
-    first_seed=0    (the profiles' test stage: among study.CONFIRM_SEEDS or
-                    study.PAST_SEEDS)
+    first_seed=0    (the profiles' test stage: among study.CONFIRM_SEEDS,
+                    study.PAST_SEEDS or study.WIDTH_SEEDS)
     tuning_seeds=100+101  the seeds that choose rates (never test seeds)
     tune=true       false: no tuning stage, every cell at its centre's rate
     ladder=-1+0+1   the grid's ladder indices around each centre
@@ -82,15 +85,22 @@ comma-separated
                     patience (0 and -1: the shared ones)
     secondary_bpe=2048+8192  the BPE sizes of arms d and e (none: characters
                     never have a d, and e there is cut for time)
+    d_model=0       the arms' width, the base's layers with an MLP of
+                    4 x d_model (0: the base config's model)
+    tokens_per_param=0  the one profiled cell's step budget (full_steps and
+                    budgets) is the one that trains its arms a and b about
+                    this many tokens per parameter (budget_steps; 0: none)
     subset_steps, full_steps, eval_every, eval_batches (validation batches
                     of evenly spaced windows), patience, ablation (true | false)
 """
 
+import dataclasses
 import functools
+import math
 import os
 
 from lmhead.lab import sweeps
-from lmhead.lm import data
+from lmhead.lm import configuration, data
 from studies.tying import shapes, study
 
 PRESETS = {
@@ -122,6 +132,8 @@ PRESETS = {
         centre_shift=0,
         budgets=(),
         choice="best",
+        d_model=0,
+        tokens_per_param=0.0,
     ),
     "small": dict(
         base="nanogpt",
@@ -151,6 +163,8 @@ PRESETS = {
         centre_shift=0,
         budgets=(),
         choice="best",
+        d_model=0,
+        tokens_per_param=0.0,
     ),
     "tiny": dict(
         base="tiny",
@@ -180,6 +194,8 @@ PRESETS = {
         centre_shift=0,
         budgets=(),
         choice="best",
+        d_model=0,
+        tokens_per_param=0.0,
     ),
 }
 # Its runs that the full design has are the same runs (same names), so
@@ -318,6 +334,35 @@ PRESETS["past_char"] = dict(
 PRESETS["past_tiny"] = dict(
     PRESETS["compute_tiny"], choice="clear", first_seed=study.PAST_SEEDS[0]
 )
+# The width axis (README, "The width axis"), the GPU recipe's: BPE 2048 on
+# all of the text, arms a and b at d_model 128, 256 and 512 (the base's 4
+# layers, an MLP of 4 x d_model), each width a budget of about 20 tokens per
+# parameter (budget_steps), profiled and tested as past_2048 is, on 16 fresh
+# seeds of its own. The first rungs (centre_shift) move one rung down per
+# tripling of the budget past past_2048's 10,000 steps and one per doubling
+# of the width, a guess that the ladder corrects (up to 8 rungs past them).
+WIDTH_SHIFTS = {128: -3, 256: -5, 512: -7}
+PRESETS.update(
+    {
+        f"width_{width}": dict(
+            PRESETS["compute"],
+            d_model=width,
+            tokens_per_param=20.0,
+            centre_shift=shift,
+            eval_every=200,
+            choice="clear",
+            first_seed=study.WIDTH_SEEDS[0],
+        )
+        for width, shift in WIDTH_SHIFTS.items()
+    }
+)
+PRESETS["width_tiny"] = dict(
+    PRESETS["compute_tiny"],
+    d_model=16,
+    tokens_per_param=1.0,
+    choice="clear",
+    first_seed=study.WIDTH_SEEDS[0],
+)
 # The tables whose test runs of the compute axis's cell at other budgets its
 # report joins (each where it exists; paths from the repository's root): the
 # confirmatory runs (1000 steps) and the CPU's compute axis (3000 steps, for
@@ -405,19 +450,87 @@ BASE_MODELS = {
 CENTRES = {None: 4, 512: 1, 2048: -1, 8192: -4, 300: 2}
 EVAL_TRAIN_BATCHES = 8
 HOLDOUT = {"data.holdout_fraction": 0.1, "data.holdout_chunk": 512}
+# The data every run reads. The committed runs (docs/tying_study,
+# docs/compare) had no end-of-text token; restoring and resuming them needs
+# the same data.
+DATA = {
+    "data.end_of_text": False,
+    "data.split": "works",
+    "data.tokenizer_fraction": 1.0,
+    **HOLDOUT,
+}
 ABLATION_CELL = {"nanogpt": (2048, 0.03), "tiny": (300, 0.2)}
 
 
 def parse(arg: str | None) -> dict:
-    """The preset's values with the ``key=value`` items of ``arg`` applied."""
+    """The preset's values with the ``key=value`` items of ``arg`` applied;
+    with ``tokens_per_param``, ``full_steps`` and ``budgets`` are the one
+    budget it gives (:func:`budget_steps`)."""
     first, _, rest = (arg or "").partition(",")
     if first and "=" not in first:
         if first not in PRESETS:
             raise ValueError(
                 f"Unknown preset {first!r}; the presets are {', '.join(PRESETS)}."
             )
-        return sweeps.parse_arg(rest, PRESETS[first])
-    return sweeps.parse_arg(arg, PRESETS["full"])
+        args = sweeps.parse_arg(rest, PRESETS[first])
+    else:
+        args = sweeps.parse_arg(arg, PRESETS["full"])
+    if args["tokens_per_param"]:
+        steps = budget_steps(args)
+        args.update(full_steps=steps, budgets=(steps,))
+    return args
+
+
+def base_model(args: dict) -> tuple[shapes.Shape, shapes.Architecture]:
+    """The tied arm's shape and the architecture of a parsed argument: the
+    base config's (:data:`BASE_MODELS`), or with ``d_model`` its layers at
+    that width with an MLP of 4 x ``d_model``.
+
+    Raises:
+        ValueError: ``d_model`` not a multiple of the attention heads.
+    """
+    shape, arch = BASE_MODELS[args["base"]]
+    width = args["d_model"]
+    if not width:
+        return shape, arch
+    if width % arch.num_heads:
+        raise ValueError(
+            f"d_model={width} is not a multiple of the {arch.num_heads} "
+            "attention heads."
+        )
+    return shapes.Shape(True, width, shape.num_layers, 4 * width), arch
+
+
+def budget_steps(args: dict) -> int:
+    r"""The step budget that trains the one profiled cell's arms a and b
+    about ``tokens_per_param`` (:math:`k`) tokens per parameter: with
+    :math:`P_a` and :math:`P_b` their parameters and :math:`N` the tokens of
+    a step (the base config's batch x block),
+    :math:`T = k \sqrt{P_a P_b} / N`, the geometric mean's (a trains a
+    little more than :math:`k` per parameter, b a little less), rounded to a
+    multiple of ``eval_every``, at least one.
+
+    Raises:
+        ValueError: not one profiled cell.
+    """
+    pairs = profile_pairs(args) if args["profile"] else ()
+    if len(pairs) != 1:
+        raise ValueError(
+            f"tokens_per_param={args['tokens_per_param']:g}: the budget is one "
+            f"profiled cell's (profile=true); these arguments give {len(pairs)}."
+        )
+    ((vocab, _),) = pairs
+    size = vocab_size(args["base"], {**DATA, **study.vocabulary_overrides(vocab)})
+    shape, arch = base_model(args)
+    a, b = (
+        shapes.count_params(size, dataclasses.replace(shape, tied=tied), arch)
+        for tied in (True, False)
+    )
+    config = configuration.load_config(args["base"])
+    tokens = config.train.batch_size * config.data.block_size
+    every = args["eval_every"]
+    steps = args["tokens_per_param"] * math.sqrt(a * b) / tokens
+    return every * max(1, round(steps / every))
 
 
 def vocab_size(base: str, overrides: dict) -> int:
@@ -451,20 +564,20 @@ def get_study(arg=None) -> study.Design:
     every = cadence(args, amounts)
     test_seeds = tuple(range(args["first_seed"], args["first_seed"] + args["seeds"]))
     if args["profile"] and args["stage"] == "test":
-        named = (study.CONFIRM_SEEDS, study.PAST_SEEDS)
-        if not any(set(test_seeds) <= set(seeds) for seeds in named):
+        named = {
+            "confirmatory": study.CONFIRM_SEEDS,
+            "past early training": study.PAST_SEEDS,
+            "width axis": study.WIDTH_SEEDS,
+        }
+        if not any(set(test_seeds) <= set(seeds) for seeds in named.values()):
             raise ValueError(
-                f"The profiles' test seeds {test_seeds} are not among the "
-                f"confirmatory seeds {study.CONFIRM_SEEDS}, nor among those past "
-                f"early training {study.PAST_SEEDS}, named before the runs."
+                f"The profiles' test seeds {test_seeds} are not among the seeds "
+                "named before the runs: "
+                + "; ".join(f"{use} seeds {seeds}" for use, seeds in named.items())
+                + "."
             )
     shared = {
-        # The committed runs (docs/tying_study, docs/compare) had no
-        # end-of-text token; restoring and resuming them needs the same data.
-        "data.end_of_text": False,
-        "data.split": "works",
-        "data.tokenizer_fraction": 1.0,
-        **HOLDOUT,
+        **DATA,
         "train.test_eval": True,
         **cadence_overrides(every),
         "train.eval_batches": args["eval_batches"],
@@ -474,7 +587,7 @@ def get_study(arg=None) -> study.Design:
         "train.stop_on_nonfinite": False,
         "sample.num_samples": 0,
     }
-    base_shape, arch = BASE_MODELS[args["base"]]
+    base_shape, arch = base_model(args)
     return study.Design(
         base=args["base"],
         shared=shared,

@@ -138,7 +138,7 @@ def primary_section(rows: Rows) -> str:
         ),
         report.markdown_table(column_names("primary_columns"), lines),
         f"Pooled standard deviations of the differences: {pooled}.",
-        family_counts(family.contrasts),
+        prose("family_counts", counts=family_counts(family.contrasts)),
         untrained_sensitivity(rows),
     ]
     return "\n\n".join(part for part in parts if part)
@@ -157,11 +157,7 @@ def untrained_sensitivity(rows: Rows) -> str:
     if len(kept) == len(rows):
         return ""
     counts = family_counts(cells_lib.primary_family(kept).contrasts)
-    return prose(
-        "untrained_sensitivity",
-        runs=len(rows) - len(kept),
-        counts=counts.removeprefix("Corrected for the family: "),
-    )
+    return prose("untrained_sensitivity", runs=len(rows) - len(kept), counts=counts)
 
 
 def secondary_section(rows: Rows) -> str:

@@ -11,8 +11,10 @@ from lmhead.lab import report
 from studies.tying import cells as cells_lib
 from studies.tying.cells import ALPHA, PRIMARY, Contrast
 from studies.tying.report_text import (
+    column_names,
     p_text,
     pair_text,
+    prose,
     spread_text,
 )
 
@@ -22,7 +24,9 @@ Rows = Sequence[Mapping[str, Any]]
 def family_counts(contrasts: Sequence[Contrast]) -> str:
     """``k of n cells`` per primary contrast, beside the Holm correction, and
     of those the budget-limited ones and, where rates were tuned, the ones
-    whose worse arm's rate is at the edge of the rates tried."""
+    whose worse arm's rate is at the edge of the rates tried; the
+    ``{counts}`` of the templates family_counts, answer_cells and
+    untrained_sensitivity (prose.toml)."""
     tuned = any(c.edge is not None for c in contrasts)
     parts = []
     for x, y in PRIMARY:
@@ -44,7 +48,7 @@ def family_counts(contrasts: Sequence[Contrast]) -> str:
             f"cap, budget-limited; {first} with runs best at their first "
             f"validation{edge_text})"
         )
-    return "Corrected for the family: " + "; ".join(parts) + "."
+    return "; ".join(parts)
 
 
 def answer(rows: Rows) -> str:
@@ -77,19 +81,13 @@ def answer(rows: Rows) -> str:
                 lines.append(
                     [*prefix, c.label, difference, p_text(c.holm_p), meaning(c)]
                 )
-    header = ["cell"] * (len(cells) > 1) + [
-        "arm or contrast",
-        "test bits/char (n), or difference [simultaneous 95%]",
-        "Holm p",
-        "what it means",
-    ]
-    note = (
-        f"Simultaneous: Bonferroni intervals over the family of "
-        f"{family.size} primary contrasts (more conservative than "
-        "Holm's p); lower bits/char is better."
-    )
+    header = ["cell"] * (len(cells) > 1) + column_names("answer_columns")
     return "\n\n".join(
-        [answer_sentence(family.contrasts), report.markdown_table(header, lines), note]
+        [
+            answer_sentence(family.contrasts),
+            report.markdown_table(header, lines),
+            prose("answer_note", size=family.size),
+        ]
     )
 
 
@@ -163,11 +161,7 @@ def answer_sentence(contrasts: Sequence[Contrast]) -> str:
     over several, in how many cells the corrected test finds an effect."""
     cells = {(c.vocab, c.amount) for c in contrasts}
     if len(cells) > 1:
-        counts = family_counts(contrasts).removeprefix("Corrected for the family: ")
-        return (
-            f"Over {len(cells)} cells, corrected for the family of primary "
-            f"contrasts: {counts}"
-        )
+        return prose("answer_cells", cells=len(cells), counts=family_counts(contrasts))
     parts = [
         f"{cells_lib.CONTRAST_NAMES.get(c.label, c.label)} ({c.label}) changes "
         f"test bits/char by {c.difference.mean:+.4f} (Holm-adjusted p "

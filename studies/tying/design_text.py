@@ -100,7 +100,7 @@ def cap_counts(rows: Rows) -> str:
     """
     finished = [r for r in rows if r["status"] == "finished"]
     if not finished:
-        return "No run has finished yet, so none has reached its step cap."
+        return prose("cap_none")
     counts, over = [], []
     for amount in cells_lib.amounts(finished):
         of = [r for r in finished if r["amount"] == amount]
@@ -109,32 +109,13 @@ def cap_counts(rows: Rows) -> str:
         counts.append(f"{label} {reached} of {len(of)} ({reached / len(of):.0%})")
         if amount < 1.0 and reached > SUBSET_CAP_LIMIT * len(of):
             over.append(label)
-    text = (
-        "Runs that reached their step cap, by amount (finished runs of every "
-        f"role): {', '.join(counts)}."
-    )
+    sentences = [prose("cap_counts", counts=", ".join(counts))]
     if any(amount < 1.0 for amount in cells_lib.amounts(finished)):
-        text += (
-            f" At most {SUBSET_CAP_LIMIT:.0%} of a subset amount's runs may"
-            + _over_text(over)
-        )
+        bound = ("cap_bound_none", "cap_bound_one", "cap_bound_some")[min(len(over), 2)]
+        sentences.append(prose(bound, limit=SUBSET_CAP_LIMIT, over=", ".join(over)))
     if 1.0 in cells_lib.amounts(finished):
-        text += " The whole split is budget-limited by design."
-    return text
-
-
-def _over_text(over: Sequence[str]) -> str:
-    if not over:
-        return ", and none is over it."
-    if len(over) == 1:
-        return (
-            f": {over[0]} is over that bound, so its numbers are partly those "
-            "of a fixed budget."
-        )
-    return (
-        f": {', '.join(over)} are over that bound, so their numbers are partly "
-        "those of a fixed budget."
-    )
+        sentences.append(prose("cap_whole"))
+    return " ".join(sentences)
 
 
 def amounts_table(rows: Rows) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 
 from lmhead.lab import report
 from studies.tying import cells as cells_lib
-from studies.tying.report_text import DASH, prose, seeds_text
+from studies.tying.report_text import DASH, column_names, prose, seeds_text
 
 Rows = Sequence[Mapping[str, Any]]
 
@@ -66,7 +66,7 @@ def flags_section(rows: Rows) -> str:
     if first:
         parts.append(
             report.markdown_table(
-                ["vocabulary", "amount", "arm", "seeds", "runs"],
+                column_names("flags_first_eval_columns"),
                 (
                     [
                         cells_lib.vocab_label(vocab),
@@ -81,13 +81,13 @@ def flags_section(rows: Rows) -> str:
         )
     tuned = sum(len(t.mean_loss) > 1 for t in cells_lib.tunings(rows))
     if not tuned:
-        parts.append("No arm tried two rates or more, so none is at a ladder's edge.")
+        parts.append(prose("flags_untuned"))
         return "\n\n".join(parts)
     parts.append(prose("flags_edges", edges=len(edges), tuned=tuned))
     if edges:
         parts.append(
             report.markdown_table(
-                ["vocabulary", "amount", "arm", "rate", "edge", "rates tried"],
+                column_names("flags_edges_columns"),
                 (
                     [
                         cells_lib.vocab_label(t.vocab),

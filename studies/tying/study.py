@@ -88,8 +88,12 @@ def new_seeds(seeds: Sequence[int]) -> tuple[int, ...]:
         ValueError: a seed used before, named with what it was used for.
 
     Examples:
-        >>> new_seeds(range(400, 403))
-        (400, 401, 402)
+        >>> new_seeds(range(500, 503))
+        (500, 501, 502)
+        >>> new_seeds(range(414, 418))
+        Traceback (most recent call last):
+        ...
+        ValueError: seeds [414, 415] are used already, as test (width axis) seeds.
     """
     for use, used in SEEDS_USED.items():
         again = sorted(set(seeds) & set(used))
@@ -106,6 +110,10 @@ SEEDS_USED["test (confirmatory)"] = CONFIRM_SEEDS
 # (docs/tying_study/README.md, "Past early training: fixed before the runs").
 PAST_SEEDS = new_seeds(range(300, 316))
 SEEDS_USED["test (past early training)"] = PAST_SEEDS
+# The test seeds of the width axis, one set for its three widths, new when
+# they were named (docs/tying_study/README.md, "The width axis").
+WIDTH_SEEDS = new_seeds(range(400, 416))
+SEEDS_USED["test (width axis)"] = WIDTH_SEEDS
 
 
 @dataclasses.dataclass(frozen=True)

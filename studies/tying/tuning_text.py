@@ -71,7 +71,7 @@ def selection_noise_text(noise: cells_lib.SelectionNoise) -> str:
     each vocabulary, and the arms whose chosen rate is within one or two
     standard errors of the next."""
     if not noise.margins:
-        return "No arm has a chosen rate with another rate tuned on the same seeds yet."
+        return prose("selection_none")
     seeds = min(len(found.seeds) for found in noise.margins.values())
     within = {
         bound: [

@@ -176,8 +176,7 @@ class TestResults:
         counts = answer.family_counts(cells.primary_family(without).contrasts)
         assert text.endswith(
             f"Without the {len(seen)} test runs never better than their initial "
-            "parameters (named under the results by cell): "
-            + counts.removeprefix("Corrected for the family: ")
+            f"parameters (named under the results by cell): {counts}."
         )
         assert counts != answer.family_counts(cells.primary_family(marked).contrasts)
 

@@ -150,6 +150,20 @@ study-compute: $(STAMP)
 	$(PY) experiments/report.py --workdir=runs/tying_compute \
 	    --sweep=$(STUDY):compute --out=docs/tying_study/compute
 
+# One profiled cell of the study, as a shell command: its tuning stage, its
+# test stage, then its report. $(1): the Python; $(2): the sweep file's
+# preset; $(3): the sweep directory; $(4): the report's folder, whose
+# runs.csv, once committed, is restored first; $(5) and $(6): the tuning and
+# test stages' ensemble sizes.
+define profiled_cell
+restore=$$(test -f $(4)/runs.csv && echo --restore_from=$(4)/runs.csv); \
+$(1) experiments/sweep.py --sweep=$(STUDY):$(2),stage=tune --workdir=$(3) \
+    --ensemble=$(5) --noreport $$restore $(SWEEP_FLAGS) && \
+$(1) experiments/sweep.py --sweep=$(STUDY):$(2) --workdir=$(3) \
+    --ensemble=$(6) --noreport $$restore $(SWEEP_FLAGS) && \
+$(1) experiments/report.py --workdir=$(3) --sweep=$(STUDY):$(2) --out=$(4)
+endef
+
 # Past early training (configs/sweeps/tying_study.py:past_char, past_2048;
 # docs/tying_study/README.md, "Past early training: fixed before the runs"):
 # characters at 3000 steps, then BPE 2048 at 10,000, arms a and b, each
@@ -158,17 +172,8 @@ study-compute: $(STAMP)
 # its own committed table. Resumable.
 study-past: $(STAMP)
 	for cell in char 2048; do \
-	    restore=$$(test -f docs/tying_study/past_$$cell/runs.csv && \
-	        echo --restore_from=docs/tying_study/past_$$cell/runs.csv); \
-	    $(PY) experiments/sweep.py --sweep=$(STUDY):past_$$cell,stage=tune \
-	        --workdir=runs/tying_past_$$cell --ensemble=6 --noreport $$restore \
-	        $(SWEEP_FLAGS) && \
-	    $(PY) experiments/sweep.py --sweep=$(STUDY):past_$$cell \
-	        --workdir=runs/tying_past_$$cell --ensemble=8 --noreport $$restore \
-	        $(SWEEP_FLAGS) && \
-	    $(PY) experiments/report.py --workdir=runs/tying_past_$$cell \
-	        --sweep=$(STUDY):past_$$cell --out=docs/tying_study/past_$$cell \
-	        || exit 1; \
+	    $(call profiled_cell,$(PY),past_$$cell,runs/tying_past_$$cell,docs/tying_study/past_$$cell,6,8) \
+	    || exit 1; \
 	done
 
 # The same design on one GPU, every cell's runs in one ensemble (one vmap of
@@ -195,17 +200,8 @@ study-gpu:
 	$(GPU_RUN) experiments/report.py --workdir=runs/tying_study_gpu \
 	    --out=docs/tying_study_gpu
 	for cell in $(GPU_CELLS); do \
-	    out=docs/tying_study_gpu/$$cell; \
-	    restore=$$(test -f $$out/runs.csv && echo --restore_from=$$out/runs.csv); \
-	    $(GPU_RUN) experiments/sweep.py --sweep=$(STUDY):$$cell,stage=tune \
-	        --workdir=runs/tying_gpu_$$cell --ensemble=64 --noreport $$restore \
-	        $(SWEEP_FLAGS) && \
-	    $(GPU_RUN) experiments/sweep.py --sweep=$(STUDY):$$cell \
-	        --workdir=runs/tying_gpu_$$cell --ensemble=64 --noreport $$restore \
-	        $(SWEEP_FLAGS) && \
-	    $(GPU_RUN) experiments/report.py --workdir=runs/tying_gpu_$$cell \
-	        --sweep=$(STUDY):$$cell --out=$$out \
-	        || exit 1; \
+	    $(call profiled_cell,$(GPU_RUN),$$cell,runs/tying_gpu_$$cell,docs/tying_study_gpu/$$cell,64,64) \
+	    || exit 1; \
 	done
 
 # Every extra of setup.py: the experiment, the service, the study and the

@@ -371,6 +371,12 @@ COMPUTE_TABLES = (
     "docs/tying_study/confirm/runs.csv",
     "docs/tying_study/compute/runs.csv",
 )
+# The committed tables of the cells past early training, whose hypotheses
+# are one family.
+PAST_TABLES = (
+    "docs/tying_study/past_char/runs.csv",
+    "docs/tying_study/past_2048/runs.csv",
+)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The profiled (vocabulary, fraction) cells of each base, cheapest first so
 # that whole cells finish early: BPE 512 on 0.3% is where v2's "tied better"
@@ -777,11 +783,21 @@ def report_from_csv(arg):
 
     args = parse(arg)
     if args["budgets"]:
+        cell = compute_cell(args)
+        past = [
+            h
+            for h in PAST_HYPOTHESES[args["base"]]
+            if h[:3] == (*cell, args["full_steps"])
+        ]
         return functools.partial(
             compute.report_from_csv,
-            cell=compute_cell(args),
+            cell=cell,
             budgets=budgets(args),
             others={f"`{p}`": os.path.join(ROOT, p) for p in COMPUTE_TABLES},
+            # Past early training: its hypotheses, Holm over the whole family,
+            # whose other cells' runs are in their own committed tables.
+            hypotheses=PAST_HYPOTHESES[args["base"]] if past else (),
+            family=[os.path.join(ROOT, p) for p in PAST_TABLES] if past else (),
         )
     if args["stage"] == "test":
         hypotheses = [confirm.Hypothesis(*h) for h in HYPOTHESES[args["base"]]]

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lmhead.lab import report, stats
-from studies.tying import profiles, table
+from studies.tying import confirm, failures, profiles, table
 from studies.tying.report_text import p_text
 
 PLOT = "compute_axis.png"
@@ -335,20 +335,41 @@ def plot_axis(points: Sequence[Point], title: str, path: str) -> None:
         )
 
 
+def verdicts(
+    rows: Sequence[Mapping[str, Any]], hypotheses: Sequence[tuple], margin: float
+) -> list[confirm.Result]:
+    """The hypotheses ``(vocab, fraction, steps, x, y, prediction, from)``
+    tested on the test rows of their cells at their budgets, Holm over all
+    of them (``confirm.check_hypotheses``, its decision rule)."""
+    cells_ = {h[:3] for h in hypotheses}
+    tested = [
+        r
+        for r in rows
+        if r["role"] == "test" and (r["vocab"], r["amount"], r["steps_cap"]) in cells_
+    ]
+    plain = [confirm.Hypothesis(h[0], h[1], *h[3:]) for h in hypotheses]
+    return confirm.check_hypotheses(tested, plain, margin)
+
+
 def write_report(
     rows: Sequence[Mapping[str, Any]],
     out_dir: str,
     cell: tuple[str, float],
     budgets: Sequence[int],
     tables: Sequence[str] = (),
+    hypotheses: Sequence[tuple] = (),
+    family: Sequence[Mapping[str, Any]] = (),
 ):
     """``out_dir/REPORT.md`` and :data:`PLOT` from ``rows``: b − a at each
     of ``budgets`` in the ``cell`` (``(vocab, fraction)``) and its change
     from budget to budget, then the profile of each of ``budgets`` that has
     tuning rows (the other tables' too), shortest budget first, its contrast
     at the best rates (``profiles.bootstrap``) and figure; ``tables`` names
-    the other tables the rows came from. Returns ``(REPORT.md's text, plot
-    paths)``."""
+    the other tables the rows came from. With ``hypotheses`` (pre-registered,
+    :func:`verdicts`, tested on ``rows`` and the rows of the other cells of
+    their ``family``), their verdicts and the cell's failed runs
+    (``failures.failure_tables``) before the profiles. Returns
+    ``(REPORT.md's text, plot paths)``."""
     os.makedirs(out_dir, exist_ok=True)
     vocab, amount = cell
     points = [point(rows, vocab, amount, steps) for steps in sorted(budgets)]
@@ -380,10 +401,18 @@ def write_report(
         "b − a is in test bits per character over the seeds both arms "
         "finished (> 0: the tied arm better), with its 95% paired t-interval; "
         "the change from one budget to the next is the paired difference of "
-        "those differences by seed, with its own. No interval here is adjusted "
-        "for multiplicity: the compute axis is exploratory, not one of the "
-        "confirmatory hypotheses. Test seeds: "
-        f"{', '.join(map(str, seeds)) or report.DASH}."
+        "those differences by seed, with its own"
+        + (
+            " (where two budgets' test seeds differ, the difference of their "
+            "mean b − a with Welch's interval). No interval of these two "
+            "tables is adjusted for multiplicity: they are exploratory. The "
+            "hypotheses named before the runs are tested below, Holm over "
+            "their family. "
+            if hypotheses
+            else ". No interval here is adjusted for multiplicity: the compute "
+            "axis is exploratory, not one of the confirmatory hypotheses. "
+        )
+        + f"Test seeds: {', '.join(map(str, seeds)) or report.DASH}."
     )
     sections = [
         intro,
@@ -394,6 +423,23 @@ def write_report(
         f"![{title}]({PLOT})",
     ]
     plots = [path]
+    if hypotheses:
+        own = [r for r in rows if (r["vocab"], r["amount"]) == cell]
+        sections += [
+            "## The hypotheses named before the runs\n\n"
+            + "; ".join(
+                f"{profiles.cell_text(h[0], h[1], h[2])}: {h[3]} − {h[4]} "
+                + ("> 0" if h[5] > 0 else "< 0" if h[5] < 0 else "≈ 0")
+                for h in hypotheses
+            )
+            + ". Each arm at the rate its profile chose clear of failed runs "
+            "(`study.choose_rate`); the decision rule is the confirmatory one.",
+            confirm.results_table(
+                verdicts(failures.unique_rows([rows, family]), hypotheses, 0.0), 0.0
+            ),
+            "## Failed runs of this cell (tuning · test runs)",
+            failures.failure_tables(own),
+        ]
     if found:
         sections += [
             "## The profiles: b − a at the best rates (validation, tuning seeds)",
@@ -416,8 +462,13 @@ def report_from_csv(
     cell: tuple[str, float],
     budgets: Sequence[int],
     others: Mapping[str, str] | None = None,
+    hypotheses: Sequence[tuple] = (),
+    family: Sequence[str] = (),
 ):
     """:func:`write_report` of the rows of the ``runs.csv`` at ``path`` and
-    of the existing tables of ``others`` (label -> path; :func:`joined_rows`)."""
+    of the existing tables of ``others`` (label -> path; :func:`joined_rows`),
+    with ``hypotheses`` tested on those rows and the existing tables of
+    ``family`` (paths)."""
     rows, read = joined_rows(path, others or {})
-    return write_report(rows, out_dir, cell, budgets, tables=read)
+    kin = [r for p in family if os.path.exists(p) for r in table.read_rows(p)]
+    return write_report(rows, out_dir, cell, budgets, read, hypotheses, kin)

@@ -3,7 +3,7 @@ r"""What the confirmation's committed tables hold beside its verdicts (issue
 
 - which runs failed (``study.failures``: training bits/char more than
   ``study.FAILURE_BPC`` above its group's median), per cell, arm and rate,
-  in the profiles and the test runs (:func:`failure_tables`);
+  in the profiles and the test runs (``failures.failure_tables``);
 - the confirmatory verdicts with the failed test runs left out, an
   exploratory reading beside the pre-registered one (:func:`without_failed`);
 - one mixed model of the confirmatory test runs (:func:`fit_arms_model`),
@@ -35,120 +35,12 @@ from scipy import stats as scipy_stats
 from statsmodels.tools import sm_exceptions
 
 from lmhead.lab import report
-from studies.tying import cells, compute, confirm, profiles, study, table
+from studies.tying import cells, compute, confirm, failures, profiles, study, table
 from studies.tying.report_text import p_text, pair_text
 
 Rows = Sequence[Mapping[str, Any]]
 # The tables this report reads, by what they hold (paths from docs/tying_study).
 TABLES = ("profiles", "confirm", "compute")
-
-
-def unique_rows(tables: Sequence[Rows]) -> list[Mapping[str, Any]]:
-    """The rows of ``tables``, each run once (the first table that has it):
-    the confirmatory table repeats the profiles' runs it was planned from."""
-    seen, found = set(), []
-    for rows in tables:
-        for row in rows:
-            if row["run"] not in seen:
-                seen.add(row["run"])
-                found.append(row)
-    return found
-
-
-def _group_key(row: Mapping[str, Any]) -> tuple:
-    return (
-        row["vocab"],
-        row["amount"],
-        row["steps_cap"],
-        row["role"],
-        profiles.arm_label(row),
-        row["lr"],
-    )
-
-
-def failed_runs(rows: Rows) -> set[str]:
-    """The names of the finished runs on all of the text that failed
-    (``study.failures`` within their group: one cell, budget, role, arm and
-    rate). A subset's seeds train on parts of their own: not judged.
-
-    Examples:
-        >>> def row(seed, bpc):
-        ...     return dict.fromkeys(table.COLUMNS) | {"role": "tune", "vocab": "char",
-        ...         "amount": 1.0, "arm": "a", "lr": 0.004, "seed": seed,
-        ...         "status": "finished", "train_bpc": bpc, "run": f"s{seed}"}
-        >>> sorted(failed_runs([row(0, 2.30), row(1, 2.31), row(2, 2.40)]))
-        ['s2']
-    """
-    groups: dict[tuple, list] = {}
-    for row in rows:
-        if row["amount"] >= 1.0 and row["status"] == cells.FINISHED:
-            groups.setdefault(_group_key(row), []).append(row)
-    failed = set()
-    for own in groups.values():
-        flags = study.failures([r["train_bpc"] for r in own])
-        failed |= {r["run"] for r, f in zip(own, flags) if f}
-    return failed
-
-
-def failure_tables(rows: Rows) -> str:
-    """Per cell and budget on all of the text, a table of rates by arm: the
-    tuning runs that failed of those run, and the test runs' likewise with
-    the failed seeds named."""
-    failed = failed_runs(rows)
-    counts: dict[tuple, dict[tuple, dict[str, list]]] = {}
-    for row in rows:
-        if row["amount"] < 1.0 or row["status"] != cells.FINISHED:
-            continue
-        cell = (row["vocab"], row["steps_cap"])
-        entry = counts.setdefault(cell, {}).setdefault(
-            (row["lr"], profiles.arm_label(row)), {"tune": [], "test": []}
-        )
-        if row["role"] in entry:
-            entry[row["role"]].append((row["seed"], row["run"] in failed))
-    sections = []
-    for (vocab, steps), found in sorted(
-        counts.items(), key=lambda kv: (cells.vocab_order(kv[0][0]), kv[0][1])
-    ):
-        arms = sorted({arm for _, arm in found})
-        rates = sorted({lr for lr, _ in found})
-        lines = []
-        for lr in rates:
-            line = [f"{lr:g}"]
-            for arm in arms:
-                line.append(_failure_text(found.get((lr, arm))))
-            lines.append(line)
-        sections.append(
-            f"**{cells.vocab_label(vocab)}, all of the text, {steps} steps**\n\n"
-            + report.markdown_table(["rate", *arms], lines)
-        )
-    return "\n\n".join(sections)
-
-
-def _failure_text(entry: Mapping[str, list] | None) -> str:
-    if entry is None:
-        return report.DASH
-    parts = []
-    for role in ("tune", "test"):
-        runs = entry[role]
-        if runs:
-            seeds = [str(s) for s, f in sorted(runs) if f]
-            named = f" ({', '.join(seeds)})" if seeds and role == "test" else ""
-            failed = sum(f for _, f in runs)
-            text = f"{failed}/{len(runs)}{named}"
-            parts.append(f"**{text}**" if failed else text)
-        else:
-            parts.append(report.DASH)
-    return " · ".join(parts)
-
-
-def failure_rate(rows: Rows) -> tuple[int, int, int, int]:
-    """``(failed, runs)`` of the tuning runs, then of the test runs, on all of
-    the text."""
-    failed = failed_runs(rows)
-    judged = [r for r in rows if r["amount"] >= 1.0 and r["status"] == cells.FINISHED]
-    tune = [r["run"] in failed for r in judged if r["role"] == "tune"]
-    test = [r["run"] in failed for r in judged if r["role"] == "test"]
-    return sum(tune), len(tune), sum(test), len(test)
 
 
 def without_failed(
@@ -157,7 +49,7 @@ def without_failed(
     """The hypotheses tested on every test run (the pre-registered verdicts)
     and on the test runs that did not fail (a failed run's seed drops out of
     its pair), each family Holm-adjusted as a whole."""
-    failed = failed_runs(rows)
+    failed = failures.failed_runs(rows)
     kept = [r for r in rows if r["run"] not in failed]
     return (
         confirm.check_hypotheses(rows, hypotheses, margin),
@@ -291,7 +183,7 @@ def calls_table(calls) -> str:
 def compute_without_failed(rows: Rows, cell: tuple[str, float]) -> str:
     """The compute axis's change of b − a from 1000 to 3000 steps with every
     run and with the failed test runs left out (their seeds drop out)."""
-    failed = failed_runs(rows)
+    failed = failures.failed_runs(rows)
     lines = []
     for label, kept in (
         ("every run", rows),
@@ -332,8 +224,8 @@ def write_report(
     """``out_dir/REPORT.md`` from the rows of the committed ``tables``
     (:data:`TABLES`, by name). Returns ``(its text, [])``."""
     os.makedirs(out_dir, exist_ok=True)
-    rows = unique_rows([tables[name] for name in TABLES])
-    tune_failed, tune_runs, test_failed, test_runs = failure_rate(rows)
+    rows = failures.unique_rows([tables[name] for name in TABLES])
+    tune_failed, tune_runs, test_failed, test_runs = failures.failure_rate(rows)
     plain, kept = without_failed(tables["confirm"], hypotheses, margin)
     chi2, dof, p, n = fit_arms_model(tables["confirm"])
     calls = bootstrap_calls(tables["profiles"], plain)
@@ -355,7 +247,7 @@ def write_report(
         f"finished: tuning runs {tune_failed} of {tune_runs}, test runs "
         f"{test_failed} of {test_runs}. Each entry: tuning · test runs, "
         "failed test seeds named.",
-        failure_tables(rows),
+        failures.failure_tables(rows),
         "## The confirmatory verdicts without the failed runs\n\n"
         "The same decision rule and Holm family over the 8, on the test runs "
         "that did not fail (a failed run's seed drops out of its pair).",
@@ -364,7 +256,7 @@ def write_report(
         "BPE 2048 on all of the text, b − a and its change from 1000 to 3000 "
         "steps, paired by seed.",
         compute_without_failed(
-            unique_rows([tables["compute"], tables["confirm"]]), compute_cell
+            failures.unique_rows([tables["compute"], tables["confirm"]]), compute_cell
         ),
         "## One model of the confirmatory runs\n\n"
         "Test bits/char of every confirmatory run, arm × cell fixed, the seed "

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
+from lmhead.lab import stats as stats_lib
 from lmhead.lab import sweeps
-from studies.tying import compute, study, table
+from studies.tying import compute, confirm, study, table
 from tests import ROOT
 from tests.studies.tying.committed import assert_regenerates
 from tests.studies.tying.sweep_file import STUDY, run_sweep, study_module
@@ -338,3 +339,52 @@ def test_the_committed_compute_report_is_what_its_tables_give_today(tmp_path):
     file's ``report_from_csv("compute")`` joins them."""
     write = study_module().report_from_csv("compute")
     assert "compute_axis.png" in assert_regenerates("compute", write, tmp_path)
+
+
+def test_past_early_training_tests_its_family_and_welch_across_seeds(tmp_path):
+    """Past early training: the 3000-step test runs on fresh seeds (300-315)
+    against 1000-step runs on the confirmatory ones: their change is Welch's
+    difference of the two budgets' mean b − a; the family's hypotheses (this
+    cell's and another cell's, whose runs are in its own table) are tested
+    together, Holm over both, as confirm.check_hypotheses tests them."""
+    rows, d = synthetic()
+    fresh = [
+        r | {"seed": r["seed"] + 100, "run": r["run"] + "'"}
+        for r in rows
+        if r["steps_cap"] == 3000
+    ]
+    earlier = [r for r in rows if r["steps_cap"] == 1000]
+    other = [
+        r | {"vocab": "char", "run": r["run"] + "c", "test_bpc": r["test_bpc"] - 0.1}
+        for r in fresh
+    ]
+    path, kin = str(tmp_path / "runs.csv"), str(tmp_path / "other.csv")
+    table.write_rows(path, fresh)
+    table.write_rows(kin, other)
+    hypotheses = (
+        ("2048", 1.0, 3000, "b", "a", +1, "a test"),
+        ("char", 1.0, 3000, "b", "a", -1, "a test"),
+    )
+    confirm_csv = str(tmp_path / "confirm.csv")
+    table.write_rows(confirm_csv, earlier)
+    text, _ = compute.report_from_csv(
+        path,
+        str(tmp_path / "out"),
+        cell=CELL,
+        budgets=(1000, 3000),
+        others={"`confirm`": confirm_csv},
+        hypotheses=hypotheses,
+        family=[kin, str(tmp_path / "absent.csv")],
+    )
+    change, p = stats_lib.welch_difference(d[3000], d[1000])
+    assert f"| 1000 → 3000 | none (16 and 16, Welch) | {change.mean:+.4f}" in text
+    expected = confirm.check_hypotheses(
+        fresh + other,
+        [confirm.Hypothesis(h[0], h[1], *h[3:]) for h in hypotheses],
+        0.0,
+    )
+    assert [r.verdict for r in compute.verdicts(fresh + other, hypotheses, 0.0)] == [
+        r.verdict for r in expected
+    ]
+    assert confirm.results_table(expected, 0.0) in text
+    assert "## Failed runs of this cell" in text

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import statsmodels.formula.api as smf
 
-from studies.tying import confirm, robustness, table
+from studies.tying import confirm, failures, robustness, table
 from tests import ROOT
 from tests.studies.tying.sweep_file import study_module
 
@@ -26,8 +26,8 @@ def committed():
 
 
 def test_failed_runs_are_those_past_their_groups_median(committed):
-    rows = robustness.unique_rows(committed.values())
-    failed = robustness.failed_runs(rows)
+    rows = failures.unique_rows(committed.values())
+    failed = failures.failed_runs(rows)
     groups = {}
     for r in rows:
         if r["amount"] == 1.0 and r["status"] == "finished":

@@ -618,11 +618,7 @@ def main(argv):
     jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices or cpus)
     settings = settings_from_flags()
     rounds = f"; {settings.rounds} rounds of {settings.steps} steps, medians"
-    print(
-        f"{jax.devices()[0].device_kind} ({jax.default_backend()}), {cpus} CPUs, "
-        f"jax {jax.__version__}{'' if FLAGS.runs_per_hour else rounds}",
-        flush=True,
-    )
+    print(f"{timing.machine()}{'' if FLAGS.runs_per_hour else rounds}", flush=True)
     if FLAGS.runs_per_hour:
         ensemble_runs.runs_per_hour(
             settings.slice, settings.slice_steps, settings.slice_members

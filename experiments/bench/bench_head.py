@@ -82,7 +82,6 @@ flags and the loss tables.
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -601,9 +600,9 @@ def main(argv):
     matmul = timing.Matmul(512 if FLAGS.quick else FLAGS.matmul_size)
     steps = make_steps(FLAGS.chunk_size, FLAGS.vocab_chunk_size)
     print(
-        f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, "
-        f"{available_bytes() / GIB:.1f} GiB available, {FLAGS.dtype}, "
-        f"jax {jax.__version__}; matmul: float32, side "
+        f"{timing.machine()}, "
+        f"{available_bytes() / GIB:.1f} GiB available, {FLAGS.dtype}; "
+        "matmul: float32, side "
         f"{matmul.size}, timed between the runs of each shape.\n"
     )
     if FLAGS.quantized:

@@ -109,6 +109,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs each checkpoint
     f = FLAGS
     folder = f.folder or tempfile.mkdtemp(prefix="gpt2-import-")
+    print(timing.machine(), flush=True)
     try:
         start = time.perf_counter()
         write_checkpoint(os.path.join(folder, "hf"), QUICK if f.quick else GPT2_SMALL)

@@ -229,7 +229,7 @@ def streamed(workdir: str, extra: list[str], scratch: str) -> None:
             process.wait()
     rate = timing.Matmul(FLAGS.matmul_size).rate()
     print(
-        f"\n{FLAGS.requests} streamed completions, max_tokens drawn from "
+        f"\n{timing.machine()}; {FLAGS.requests} streamed completions, max_tokens drawn from "
         f"{FLAGS.min_tokens}..{FLAGS.max_tokens}, {FLAGS.clients} clients; "
         f"float32 matmul {rate / 1e9:.0f} GFLOP/s\n"
     )
@@ -274,7 +274,7 @@ def main(argv):
             process.wait()
     rate = timing.Matmul(FLAGS.matmul_size).rate()
     print(
-        f"\n{FLAGS.requests} requests per row, {FLAGS.max_new_tokens} new tokens "
+        f"\n{timing.machine()}; {FLAGS.requests} requests per row, {FLAGS.max_new_tokens} new tokens "
         f"each; float32 matmul {rate / 1e9:.0f} GFLOP/s\n"
     )
     header = ["clients", "p50 latency (ms)", "p99 latency (ms)", "tokens/s"]

@@ -12,6 +12,7 @@ as :data:`cli`.
 """
 
 import os
+import platform
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -187,9 +188,45 @@ def alternate(
     return {name: np.median(np.array(t), axis=0) for name, t in times.items()}
 
 
+# The CPU features that decide which kernels XLA's CPU backend can use for a
+# matmul: AVX-512, its bfloat16 dot products, and AMX's tiles.
+CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def cpu_kind(cpuinfo: str | None = None) -> str:
+    r"""The CPU's model name and which of :data:`CPU_FLAGS` it has, read from
+    ``cpuinfo`` (the text of ``/proc/cpuinfo``, read when None; elsewhere
+    than Linux, ``platform.processor()`` and no flags). The machines a
+    project runs on differ in these (an AMD EPYC without AMX, an Intel Xeon
+    with it), and a figure measured on one is not compared with the other's.
+
+    Examples:
+        >>> cpu_kind("model name\t: AMD EPYC\nflags\t\t: fpu avx512f avx2\n")
+        'AMD EPYC (avx512f)'
+        >>> cpu_kind("model name\t: Some CPU\nflags\t\t: fpu sse2\n")
+        'Some CPU (none of avx512f, avx512_bf16, amx_tile, amx_bf16)'
+    """
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return platform.processor() or "an unknown CPU"
+    fields = dict(
+        (key.strip(), value.strip())
+        for key, _, value in (line.partition(":") for line in cpuinfo.splitlines())
+        if value
+    )
+    flags = set(fields.get("flags", "").split())
+    found = [f for f in CPU_FLAGS if f in flags]
+    name = fields.get("model name", platform.processor() or "an unknown CPU")
+    return f"{name} ({', '.join(found) or 'none of ' + ', '.join(CPU_FLAGS)})"
+
+
 def machine() -> str:
     """What a benchmark runs on, for its first line: the first device's kind,
-    the backend, the CPUs this process may use, the devices and jax's version.
+    the backend, the CPU's model and features (:func:`cpu_kind`), the CPUs
+    this process may use, the devices and jax's version.
 
     Examples:
         >>> machine().startswith(jax.devices()[0].device_kind)
@@ -197,8 +234,8 @@ def machine() -> str:
     """
     return (
         f"{jax.devices()[0].device_kind} ({jax.default_backend()}), "
-        f"{sharding.available_cpus()} CPUs, {jax.device_count()} devices, "
-        f"jax {jax.__version__}"
+        f"CPU {cpu_kind()}, {sharding.available_cpus()} CPUs, "
+        f"{jax.device_count()} devices, jax {jax.__version__}"
     )
 
 

@@ -4,6 +4,7 @@ bad arguments."""
 
 import doctest
 import functools
+import glob
 import os
 import time
 
@@ -99,3 +100,20 @@ def test_alternate_runs_every_program_then_the_matmul_each_round():
 def test_bad_arguments_are_refused_by_name(call, error, named):
     with pytest.raises(error, match=rf"\b{named}\b"):
         call()
+
+
+def test_every_benchmark_says_the_machine_it_ran_on():
+    """Each benchmark prints timing.machine(): the CPU's model and features
+    beside its ratios, since figures of two machine kinds do not compare."""
+    folder = os.path.join(ROOT, "experiments", "bench")
+    benchmarks = sorted(glob.glob(os.path.join(folder, "bench_*.py")))
+    assert len(benchmarks) >= 7
+    silent = [
+        os.path.basename(p)
+        for p in benchmarks
+        if "timing.machine()" not in open(p, encoding="utf-8").read()
+    ]
+    assert not silent, silent
+    assert timing.cpu_kind("model name\t: X\nflags\t\t: amx_tile avx512f\n") == (
+        "X (avx512f, amx_tile)"
+    )

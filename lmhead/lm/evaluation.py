@@ -5,8 +5,10 @@ characters they predict, made once per run; :func:`evaluate` reduces a
 jitted ``eval_step`` over it to the loss, its standard error over windows,
 perplexity, bits per character, accuracy and calibration error.
 :func:`periodic_eval_sets` are a run's periodic sets, :func:`make_test_set`
-the whole test split's, and :class:`EarlyStopping` counts evaluations
-without a lower validation loss. docs/training.md, "Evaluation", gives the
+the whole test split's, :func:`program_eval_sets` a program's (each set
+shared by its members or stacked, one per member: :class:`MemberEvalSet`),
+and :class:`EarlyStopping` counts evaluations without a lower validation
+loss. docs/training.md, "Evaluation", gives the
 rules (bits per character, the end-of-text token, the per-word perplexity).
 """
 
@@ -17,6 +19,8 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from lmhead import losses
 from lmhead.lm import data, sharding
@@ -186,6 +190,96 @@ def heldout_eval_set(
     return make_eval_set("heldout", tokens, num_batches, config, tokenizer, mesh)
 
 
+@dataclasses.dataclass(frozen=True)
+class MemberEvalSet:
+    """An evaluation set of every member of a program: ``batches`` shared
+    (``[B, T]``) or stacked (``[M, B, T]``, one set per member), and each
+    member's :class:`EvalSet` for its token and character counts."""
+
+    batches: list
+    stacked: bool
+    sets: list[EvalSet]
+
+
+def program_eval_sets(
+    config: ml_collections.ConfigDict,
+    datasets: list[data.Dataset],
+    mesh: jax.sharding.Mesh,
+) -> list[MemberEvalSet]:
+    """The periodic sets (:func:`periodic_eval_sets`) of a program whose
+    members have ``datasets``, made once per distinct dataset: the
+    validation set is the first dataset's (the validation split is every
+    member's), and each other set is shared where the members train on one
+    text, else stacked (:func:`stacked_eval_set`)."""
+    made = {}
+    for dataset in datasets:
+        if id(dataset) not in made:
+            made[id(dataset)] = periodic_eval_sets(config, dataset)
+    result = []
+    for sets in zip(*(made[id(d)] for d in datasets)):
+        if sets[0].name == "eval" or len(made) == 1:
+            result.append(shared_eval_set(sets[0], mesh, len(datasets)))
+        else:
+            result.append(stacked_eval_set(list(sets), mesh))
+    return result
+
+
+def shared_eval_set(
+    eval_set: EvalSet, mesh: jax.sharding.Mesh, count: int
+) -> MemberEvalSet:
+    """``eval_set`` (host batches) as every one of ``count`` members' set:
+    replicated on a members mesh, else split over ``data`` as a single run's.
+
+    Examples:
+        >>> tokenizer = data.CharTokenizer.train("abcdefghij")
+        >>> config = ml_collections.ConfigDict(
+        ...     {"train": {"batch_size": 2}, "data": {"block_size": 4}})
+        >>> one = make_eval_set("s", np.arange(20) % 10, None, config, tokenizer)
+        >>> shared = shared_eval_set(one, sharding.make_mesh(), 3)
+        >>> shared.stacked, shared.batches[0]["inputs"].shape, len(shared.sets)
+        (False, (2, 4), 3)
+    """
+    if sharding.MEMBERS_AXIS in mesh.axis_names:
+        replicated = NamedSharding(mesh, P())
+        batches = [jax.device_put(b, replicated) for b in eval_set.batches]
+    else:
+        batches = [sharding.shard_batch(b, mesh) for b in eval_set.batches]
+    return MemberEvalSet(batches, False, [eval_set] * count)
+
+
+def stacked_eval_set(sets: list[EvalSet], mesh: jax.sharding.Mesh) -> MemberEvalSet:
+    """Each member's own set (host batches) stacked, ``[M, B, T]``
+    (:func:`sharding.shard_members`). A set with fewer batches than the
+    others (a shorter held-out text evaluated whole) is filled up with
+    batches of weight 0, which add nothing to its sums.
+
+    Examples:
+        >>> tokenizer = data.CharTokenizer.train("abcdefghij")
+        >>> config = ml_collections.ConfigDict(
+        ...     {"train": {"batch_size": 1}, "data": {"block_size": 4}})
+        >>> sets = [make_eval_set("s", np.arange(n) % 10, None, config, tokenizer)
+        ...         for n in (9, 17)]
+        >>> stacked = stacked_eval_set(sets, sharding.make_mesh(1, 1))
+        >>> [s.num_tokens for s in stacked.sets], len(stacked.batches)
+        ([8, 16], 4)
+        >>> stacked.batches[3]["weights"].sum(axis=(1, 2)).tolist()
+        [0.0, 4.0]
+    """
+    count = max(len(s.batches) for s in sets)
+    padded = [
+        s.batches + [_weightless(s.batches[0])] * (count - len(s.batches)) for s in sets
+    ]
+    batches = [
+        sharding.shard_members(jax.tree.map(lambda *xs: np.stack(xs), *group), mesh)
+        for group in zip(*padded)
+    ]
+    return MemberEvalSet(batches, True, sets)
+
+
+def _weightless(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {**batch, "weights": np.zeros_like(batch["weights"])}
+
+
 def wants_test_evaluation(config: ml_collections.ConfigDict) -> bool:
     """``train.test_eval``; unset (None) means: when there is a test split.
 
@@ -200,8 +294,10 @@ def wants_test_evaluation(config: ml_collections.ConfigDict) -> bool:
     return config.train.test_eval
 
 
-def evaluate(eval_fn, params: Any, eval_set: EvalSet) -> dict[str, float]:
-    r"""Metrics over ``eval_set``, named ``{eval_set.name}/...``.
+def evaluate(eval_fn, params: Any, eval_set: MemberEvalSet) -> list[dict[str, float]]:
+    r"""Each member's metrics over ``eval_set``, named ``{name}/...`` by its
+    :class:`EvalSet`. ``eval_fn(params, batch)`` gives every member's sums
+    of ``train.eval_step`` (leaves ``[M, ...]``); they are read once.
 
     ``loss`` is the nll in nats per token, :math:`\bar\ell = \sum_w y_w /
     \sum_w n_w` over windows :math:`w` with summed nll :math:`y_w` and
@@ -223,7 +319,12 @@ def evaluate(eval_fn, params: Any, eval_set: EvalSet) -> dict[str, float]:
     this corpus's words.
     """
     sums = jax.device_get([eval_fn(params, batch) for batch in eval_set.batches])
-    return metrics_from_sums(sums, eval_set)
+    return [
+        metrics_from_sums(
+            [jax.tree.map(lambda x, k=index: x[k], s) for s in sums], own_set
+        )
+        for index, own_set in enumerate(eval_set.sets)
+    ]
 
 
 def metrics_from_sums(sums: list[dict[str, np.ndarray]], eval_set: EvalSet) -> dict:

@@ -2,7 +2,7 @@
 each member's own config.
 
 Runs that differ only in values that keep every array's shape train as one
-program (:mod:`lmhead.lm.ensemble`). A member is a workdir and overrides of
+program (:func:`lmhead.lm.train.train_program`). A member is a workdir and overrides of
 :data:`MEMBER_KEYS` on the program's config. Any other key is one value for
 the whole program, and a member that sets one is refused with the reason
 (:data:`SHARED_REASONS`). :func:`make_members` checks a list of members;

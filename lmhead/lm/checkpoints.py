@@ -242,7 +242,9 @@ def save(
 
 def _as_program(state: Any) -> Any:
     step = state["step"] if isinstance(state, Mapping) else state.step
-    return state if jnp.ndim(step) else jax.tree.map(lambda x: x[None], state)
+    if jnp.ndim(step):
+        return state
+    return jax.tree.map(lambda x: jnp.asarray(x)[None], state)
 
 
 def convert_single_run(workdir: str) -> list[str]:

@@ -24,7 +24,8 @@ from lmhead.lm import (
     preemption,
     sharding,
 )
-from lmhead.lm.program import SUMMARY_FILE, Program
+from lmhead.lm.members import SUMMARY_FILE
+from lmhead.lm.program import Program
 
 
 def steps_of(state) -> np.ndarray:

@@ -21,7 +21,6 @@ import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -41,14 +40,6 @@ from lmhead.lm import (
 )
 from lmhead.lm import members as members_lib
 from lmhead.lm import model as model_lib
-
-# What a finished run leaves in its workdir; a workdir with one is not trained again.
-SUMMARY_FILE = "summary.json"
-# In a member's workdir: the step at which a non-finite loss, gradient norm
-# or state stopped it (``train.stop_on_nonfinite``).
-FAILED_FILE = "failed.json"
-# In an ensemble's workdir: its members, as they were given.
-ENSEMBLE_FILE = "ensemble.json"
 
 
 @dataclasses.dataclass
@@ -212,7 +203,9 @@ class Program:
         if self.single:
             checkpoints.check_finite(pending, done, state, self.manager)
         self.failed.add(index)
-        with open(os.path.join(self.workdirs[index], FAILED_FILE), "w") as f:
+        with open(
+            os.path.join(self.workdirs[index], members_lib.FAILED_FILE), "w"
+        ) as f:
             json.dump(dict(step=done), f)
         monitoring.log(
             f"{self.member_name(index)}: a non-finite loss, gradient norm or "
@@ -314,18 +307,18 @@ def make_program(
     members: list[members_lib.Member],
     configs: list[ml_collections.ConfigDict],
     workdir: str,
-    manager: Any,
 ) -> Program:
-    """The program of ``members`` (their ``configs``) in ``workdir``: the data
-    and the model, the mesh, the traced values and keys, the evaluation sets;
+    """The program of ``members`` (their ``configs``) in ``workdir``: the mesh
+    (its errors come before any file is written), the data and the model, the
+    checkpoint manager, the traced values and keys, the evaluation sets;
     each unfinished member's workdir gets its ``config.json`` and
     ``versions.json`` (:func:`start_workdir`), an ensemble's own workdir its
     ``config.json`` and ``ensemble.json``. Its state is restored, its metric
     writers opened and its steps compiled later (``train``)."""
+    mesh = sharding.program_mesh(config.mesh, len(members))  # before any file
     datasets, train_tokens = _load_datasets(configs, members, workdir)
     dataset = datasets[0]
     model = configuration.make_model(config, dataset.vocab_size)
-    mesh = sharding.program_mesh(config.mesh, len(members))
     varying = {
         key: [_get(c, key) for c in configs]
         for key in members_lib.TRACED_KEYS
@@ -349,20 +342,20 @@ def make_program(
         dataset=dataset,
         train_tokens=train_tokens,
         mesh=mesh,
-        manager=manager,
+        manager=checkpoints.checkpoint_manager(workdir),
         keys=keys,
         values=values,
         eval_sets=evaluation.program_eval_sets(config, datasets, mesh),
         vmap_size=default_vmap_members(config, len(members)),
     )
     for member_config, member in zip(configs, members):
-        if not os.path.exists(os.path.join(member.workdir, SUMMARY_FILE)):
+        if not os.path.exists(os.path.join(member.workdir, members_lib.SUMMARY_FILE)):
             start_workdir(member_config, member.workdir)
     if not program.single and sharding.is_main_process():
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json(indent=2))
-        with open(os.path.join(workdir, ENSEMBLE_FILE), "w") as f:
-            json.dump(dict(members=_members_record(members)), f, indent=2)
+        with open(os.path.join(workdir, members_lib.ENSEMBLE_FILE), "w") as f:
+            json.dump(dict(members=members_lib.members_record(members)), f, indent=2)
     return program
 
 
@@ -398,52 +391,6 @@ def check_mesh(config: ml_collections.ConfigDict, count: int) -> None:
         )
     if jax.process_count() > 1:
         raise ValueError("An ensemble runs in one process; got several.")
-
-
-def finished_summaries(members: Sequence[members_lib.Member]) -> dict[str, dict]:
-    """The summaries of the members that have finished (``summary.json``),
-    by workdir: a finished member is not trained again."""
-    summaries = {}
-    for member in members:
-        path = os.path.join(member.workdir, SUMMARY_FILE)
-        if os.path.exists(path):
-            with open(path) as f:
-                summaries[member.workdir] = json.load(f)
-            monitoring.log(f"{member.workdir} has finished; it is not trained again.")
-    return summaries
-
-
-def failed_members(members: Sequence[members_lib.Member]) -> set[str]:
-    """The workdirs of the members that a non-finite value stopped."""
-    failed = set()
-    for member in members:
-        if os.path.exists(os.path.join(member.workdir, FAILED_FILE)):
-            failed.add(member.workdir)
-            monitoring.log(
-                f"{member.workdir} was stopped by a non-finite value "
-                f"({FAILED_FILE}); it is not trained again."
-            )
-    return failed
-
-
-def _members_record(members) -> list[dict]:
-    return [dict(workdir=m.workdir, overrides=m.overrides) for m in members]
-
-
-def check_same_members(workdir: str, members: Sequence[members_lib.Member]) -> None:
-    """Refuses to resume an ensemble's checkpoints with other members than
-    its ``ensemble.json`` lists."""
-    path = os.path.join(workdir, ENSEMBLE_FILE)
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        saved = json.load(f)["members"]
-    if json.loads(json.dumps(_members_record(members))) != saved:
-        raise ValueError(
-            f"{workdir} holds checkpoints of an ensemble of other members "
-            f"({path} lists them), so it cannot resume with these; use a "
-            "fresh --workdir or the same members."
-        )
 
 
 def _load_datasets(configs, members, workdir):

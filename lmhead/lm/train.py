@@ -46,7 +46,7 @@ from lmhead.lm import program as program_lib
 from lmhead.lm import state as state_lib
 
 # What a finished run leaves in its workdir; a workdir with one is not trained again.
-SUMMARY_FILE = program_lib.SUMMARY_FILE
+SUMMARY_FILE = members_lib.SUMMARY_FILE
 
 
 def loss_keywords(
@@ -490,10 +490,10 @@ def train_program(
     configs = members_lib.member_configs(config, members)
     program_lib.check_mesh(config, len(members))
     configuration.check_resumable(config, workdir)
-    summaries = program_lib.finished_summaries(members)
+    summaries = members_lib.finished_summaries(members)
     started = checkpoints.has_saved_step(workdir)
     # A failed member is one of this program's only: a new program trains it.
-    failed = program_lib.failed_members(members) if started else set()
+    failed = members_lib.failed_members(members) if started else set()
     if len(summaries) + len(failed) == len(members):
         return [summaries.get(m.workdir) for m in members]
     if not started:
@@ -502,15 +502,10 @@ def train_program(
         members, configs = [members[i] for i in kept], [configs[i] for i in kept]
         for member in members:
             with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(member.workdir, program_lib.FAILED_FILE))
+                os.remove(os.path.join(member.workdir, members_lib.FAILED_FILE))
     else:
-        program_lib.check_same_members(workdir, members)
-    manager = checkpoints.checkpoint_manager(workdir)
-    try:
-        program = program_lib.make_program(config, members, configs, workdir, manager)
-    except BaseException:
-        manager.close()
-        raise
+        members_lib.check_same_members(workdir, members)
+    program = program_lib.make_program(config, members, configs, workdir)
     program.finished = {i for i, m in enumerate(members) if m.workdir in summaries}
     program.failed = {i for i, m in enumerate(members) if m.workdir in failed}
     try:

@@ -179,7 +179,7 @@ class TestMembersAreRuns:
             config = json.load(f)
         assert config["optim"]["lr"] == 2e-3 and config["train"]["seed"] == 1
         assert program["summaries"][1]["ensemble"]["members"] == len(SPECS)
-        with open(os.path.join(program["workdir"], program_lib.ENSEMBLE_FILE)) as f:
+        with open(os.path.join(program["workdir"], members_lib.ENSEMBLE_FILE)) as f:
             assert len(json.load(f)["members"]) == len(SPECS)
 
 
@@ -190,7 +190,7 @@ def test_a_non_finite_member_fails_alone(program):
     assert program["summaries"][FAILED] is None
     workdir = member_dir(program, FAILED)
     assert not os.path.exists(os.path.join(workdir, "summary.json"))
-    with open(os.path.join(workdir, program_lib.FAILED_FILE)) as f:
+    with open(os.path.join(workdir, members_lib.FAILED_FILE)) as f:
         assert json.load(f) == {"step": 2}
     # Its first log is where it failed: nothing of it is logged.
     assert read_records(workdir, "train/loss") == {}

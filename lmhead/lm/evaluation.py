@@ -56,11 +56,11 @@ def make_eval_set(
     num_batches: int | None,
     config: ml_collections.ConfigDict,
     tokenizer: data.Tokenizer,
-    mesh: jax.sharding.Mesh | None = None,
     num_words: int | None = None,
 ) -> EvalSet:
     """``num_batches`` batches of evenly spaced windows of ``tokens`` (None:
-    all of them, consecutive), sharded over ``mesh``; ``num_words`` is the
+    all of them, consecutive), on the host (a program places them:
+    :func:`shared_eval_set`, :func:`stacked_eval_set`); ``num_words`` is the
     set's :attr:`EvalSet.num_words`."""
     batches = data.eval_batches(
         tokens,
@@ -70,8 +70,6 @@ def make_eval_set(
     )
     num_tokens = int(sum(b["weights"].sum() for b in batches))
     num_chars = data.label_chars(tokenizer, batches)
-    if mesh is not None:
-        batches = [sharding.shard_batch(b, mesh) for b in batches]
     return EvalSet(name, batches, num_tokens, num_chars, num_words)
 
 
@@ -93,7 +91,6 @@ def make_test_set(
     tokens: np.ndarray,
     config: ml_collections.ConfigDict,
     tokenizer: data.Tokenizer,
-    mesh: jax.sharding.Mesh | None = None,
 ) -> EvalSet:
     """The whole test split's set, named ``"test"``: every consecutive
     window of ``tokens`` (``data.load_test_tokens``'s, ``[N]``), with
@@ -115,7 +112,6 @@ def make_test_set(
         None,
         config,
         tokenizer,
-        mesh,
         num_words=sum(map(count_words, _documents(tokenizer, tokens))),
     )
 
@@ -128,9 +124,7 @@ def _documents(tokenizer: data.Tokenizer, tokens: np.ndarray) -> list[str]:
 
 
 def periodic_eval_sets(
-    config: ml_collections.ConfigDict,
-    dataset: data.Dataset,
-    mesh: jax.sharding.Mesh | None = None,
+    config: ml_collections.ConfigDict, dataset: data.Dataset
 ) -> list[EvalSet]:
     """The fixed validation windows, the training windows of
     ``train.eval_train_batches``, and the held-out windows of
@@ -142,7 +136,6 @@ def periodic_eval_sets(
             config.train.eval_batches,
             config,
             dataset.tokenizer,
-            mesh,
         )
     ]
     if config.train.eval_train_batches:
@@ -153,12 +146,11 @@ def periodic_eval_sets(
                 config.train.eval_train_batches,
                 config,
                 dataset.tokenizer,
-                mesh,
             )
         )
     if dataset.heldout_tokens is not None:
         eval_sets.append(
-            heldout_eval_set(config, dataset.heldout_tokens, dataset.tokenizer, mesh)
+            heldout_eval_set(config, dataset.heldout_tokens, dataset.tokenizer)
         )
     return eval_sets
 
@@ -167,7 +159,6 @@ def heldout_eval_set(
     config: ml_collections.ConfigDict,
     tokens: np.ndarray,
     tokenizer: data.Tokenizer,
-    mesh: jax.sharding.Mesh | None = None,
 ) -> EvalSet:
     """The ``"heldout"`` set of the held-out ``tokens`` (``[N]``): the
     validation set's ``train.eval_batches`` batches of evenly spaced
@@ -187,7 +178,7 @@ def heldout_eval_set(
     consecutive = (len(tokens) - 1) // config.data.block_size
     if num_batches is not None and num_batches * config.train.batch_size >= consecutive:
         num_batches = None
-    return make_eval_set("heldout", tokens, num_batches, config, tokenizer, mesh)
+    return make_eval_set("heldout", tokens, num_batches, config, tokenizer)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,14 +82,16 @@ import os, runpy, signal, sys, threading
 from lmhead.lm import monitoring
 log, step = monitoring.log, sys.argv.pop(1)
 def held(message):
+    if not message.startswith(f"step {step}/"):
+        return log(message)
+    # Caught before the line goes out: a signal sent on reading it is not lost.
+    handler, terminated = signal.getsignal(signal.SIGTERM), threading.Event()
+    signal.signal(signal.SIGTERM, lambda *args: terminated.set())
     log(message)
-    if message.startswith(f"step {step}/"):
-        handler, terminated = signal.getsignal(signal.SIGTERM), threading.Event()
-        signal.signal(signal.SIGTERM, lambda *args: terminated.set())
-        while not terminated.wait(0.1):
-            pass
-        signal.signal(signal.SIGTERM, handler)
-        handler(signal.SIGTERM, None)
+    while not terminated.wait(0.1):
+        pass
+    signal.signal(signal.SIGTERM, handler)
+    handler(signal.SIGTERM, None)
 monitoring.log = held
 sys.argv.pop(0)
 sys.path.insert(0, os.path.dirname(sys.argv[0]))

@@ -5,7 +5,9 @@ r"""Trains a language model: parses flags, then calls the library.
 
 Runs that differ only in member keys (``lmhead/lm/members.py``) train as
 one program with a ``--member`` flag each; the same --workdir resumes;
-SIGTERM saves and exits with status 143. Several processes take
+SIGTERM saves and exits with status 143. ``--convert_checkpoints`` rewrites
+a workdir's checkpoints of the single-run layout written before a single run
+became a program of one, in place. Several processes take
 ``--coordinator_address=HOST0:PORT --num_processes=N --process_id=I`` or
 ``--distributed``; ``--cpu_devices=N`` splits each batch over N CPU devices.
 docs/training.md describes each (ensembles, resuming, reliability,
@@ -21,7 +23,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from lmhead.lm import configuration, ensemble, preemption, sharding, train
+from lmhead.lm import checkpoints, configuration, preemption, sharding, train
 from lmhead.lm import members as ensemble_members
 
 config_flags.DEFINE_config_file(
@@ -53,14 +55,32 @@ flags.DEFINE_multi_string(
     "An ensemble member, as JSON: its workdir and the member keys it sets, e.g. "
     '\'{"workdir": "runs/s/seed=1", "train.seed": 1, "optim.lr": 0.002}\'. '
     "Repeated: the members train as one program in --workdir "
-    "(lmhead/lm/ensemble.py); a member without a workdir gets "
+    "(lmhead/lm/program.py); a member without a workdir gets "
     "--workdir/members/<index>.",
 )
-flags.mark_flag_as_required("config")
+flags.DEFINE_bool(
+    "convert_checkpoints",
+    False,
+    "Rewrite --workdir's checkpoints of the single-run layout written before "
+    "a single run became a program of one (lmhead/lm/checkpoints.py) in the "
+    "one layout, in place, then exit; --config is not read.",
+)
+flags.register_multi_flags_validator(
+    ["config", "convert_checkpoints"],
+    lambda values: values["config"] is not None or values["convert_checkpoints"],
+    "Flag --config must have a value other than None.",
+)
 
 
 def main(argv):
     cli.start(argv)
+    if flags.FLAGS.convert_checkpoints:
+        converted = checkpoints.convert_single_run(flags.FLAGS.workdir)
+        print(
+            f"Converted {', '.join(converted) or 'nothing'} in {flags.FLAGS.workdir}.",
+            flush=True,
+        )
+        return
     # Before any backend starts. An ensemble's members split over the CPU
     # devices (config.mesh.members None), one device per core: a lax.map over
     # members on one device keeps about one core busy.
@@ -94,7 +114,7 @@ def train_members(config, specs: list[str], workdir: str) -> None:
         )
     except ValueError as e:
         sys.exit(f"FATAL Flags parsing error: --member: {e}")
-    summaries = ensemble.train_ensemble(config, members, workdir)
+    summaries = train.train_program(config, members, workdir)
     failed = [m.workdir for m, s in zip(members, summaries) if s is None]
     if failed:
         sys.exit(f"{len(failed)} members stopped without a summary: {failed}")

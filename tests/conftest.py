@@ -49,8 +49,7 @@ jax.config.update(
 )
 
 from configs import default  # noqa: E402
-from lmhead.lm import data, train  # noqa: E402
-from lmhead.lm import state as state_lib  # noqa: E402
+from lmhead.lm import checkpoints, data, train  # noqa: E402
 
 # Files of few tests whose fixtures run for tens of seconds (a subprocess of
 # 8 devices, the notebook, a trained study): handed out first, so that none
@@ -143,4 +142,4 @@ def nothing_compiles(monkeypatch):
         raise AssertionError("reached the compiler")
 
     monkeypatch.setattr(train, "compile_steps", compiled)
-    monkeypatch.setattr(state_lib, "restore_or_init", compiled)
+    monkeypatch.setattr(checkpoints, "restore_newest", compiled)

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from configs import default
 from lmhead import decoding, distillation, fused, vocab_parallel
-from lmhead.lm import configuration, ensemble, kv_cache, sharding, train
+from lmhead.lm import configuration, kv_cache, sharding, train
 from lmhead.lm import model as model_lib
 from lmhead.lm import state as state_lib
 
@@ -136,11 +136,11 @@ def eval_step():
 def ensemble_train_step():
     # One vmap of the members, the default off a CPU, and patience's lax.cond.
     step = functools.partial(
-        ensemble.ensemble_train_step,
+        train.program_train_step,
         model=tiny_model(),
         config=tiny_config(),
         vmap_size=MEMBERS,
-        skip_stopped=True,
+        freeze="cond",
     )
     values = {"optim.lr": S((MEMBERS,), jnp.float32)}
     values["loss.label_smoothing"] = S((MEMBERS,), jnp.float32)
@@ -157,7 +157,7 @@ def ensemble_train_step():
 @functools.cache
 def ensemble_eval_step():
     step = functools.partial(
-        ensemble.ensemble_eval_step, model=tiny_model(), vmap_size=MEMBERS, stacked=True
+        train.program_eval_step, model=tiny_model(), vmap_size=MEMBERS, stacked=True
     )
     args = (stacked(state_structs().params), batch_structs((MEMBERS,), weights=True))
     return jax.jit(step), args

@@ -9,7 +9,7 @@ runs finished per hour for a slice of the tying study, and a GPU preset.
     python experiments/bench/bench_ensemble.py --quick         # tiny sizes in every mode, for tests
 
 ``experiments/bench/bench_train.py --ensemble [FLAGS]`` is the same command;
-the programs are ``lmhead/lm/ensemble.py``'s. ``docs/benchmarks.md`` says
+the programs are ``lmhead/lm/train.py``'s. ``docs/benchmarks.md`` says
 what each mode times, docs/training.md ("Speed of an ensemble") how, and
 what it measured.
 """
@@ -28,8 +28,8 @@ from absl import app, flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lmhead.lm import configuration, data, ensemble, sharding, train
-from lmhead.lm import ensemble_program as ensemble_program_lib
+from lmhead.lm import configuration, data, sharding, train
+from lmhead.lm import program as program_lib
 from lmhead.lm import state as state_lib
 
 SEPARATE = "separate steps"
@@ -336,28 +336,28 @@ class EnsembleSteps:
 def ensemble_program(
     shape: Shape, members: Members, vmap_size: int, devices: int = 1, copy: bool = True
 ) -> EnsembleSteps:
-    """:class:`EnsembleSteps` of ``ensemble.ensemble_train_step`` with
+    """:class:`EnsembleSteps` of ``train.program_train_step`` with
     ``vmap_size``, jitted with the state donated, on a copy of the members'
     initial state (``copy=False``: on it). With ``devices`` > 1, the members
-    split over the first ``devices`` devices (``ensemble.split_over_devices``,
-    every array placed on that mesh), as ``train_ensemble`` runs them with
-    ``mesh.members``."""
+    split over the first ``devices`` devices (``train.split_over_devices``,
+    every array placed on that mesh), as ``train.train_program`` runs them
+    with ``mesh.members``."""
     members = dataclasses.replace(
         members, state=copy_tree(members.state) if copy else members.state
     )
     step = functools.partial(
-        ensemble.ensemble_train_step,
+        train.program_train_step,
         vmap_size=vmap_size,
         model=shape.model,
         config=shape.config,
     )
     if devices > 1:
-        mesh = ensemble_program_lib.members_mesh(jax.devices()[:devices])
-        split = NamedSharding(mesh, P(ensemble_program_lib.MEMBERS_AXIS))
+        mesh = sharding.members_mesh(jax.devices()[:devices])
+        split = NamedSharding(mesh, P(sharding.MEMBERS_AXIS))
         fields = ("state", "dropout_keys", "values", "active", "batches")
         placed = {k: jax.device_put(getattr(members, k), split) for k in fields}
         members = dataclasses.replace(members, **placed)
-        step = ensemble.split_over_devices(step, mesh)
+        step = train.split_over_devices(step, mesh)
     m = members
     args = (m.state, m.batches[0], m.dropout_keys, m.values, m.active)
     compiled = jax.jit(step, donate_argnums=0).lower(*args).compile()
@@ -365,10 +365,10 @@ def ensemble_program(
 
 
 def split_devices(count: int) -> int:
-    """The devices ``train_ensemble`` splits ``count`` members over by
-    default here (``ensemble_program.member_devices``; 1: no split)."""
+    """The devices ``train.train_program`` splits ``count`` members over by
+    default here (``sharding.member_devices``; 1: no split)."""
     mesh = configuration.load_config().mesh
-    return ensemble_program_lib.member_devices(
+    return sharding.member_devices(
         mesh, count, jax.device_count(), jax.default_backend()
     )
 
@@ -389,7 +389,7 @@ class Row(NamedTuple):
 
 
 def form_name(vmap_size: int, count: int) -> str:
-    """How :func:`ensemble.over_members` maps ``count`` members in groups of ``vmap_size``.
+    """How :func:`train.over_members` maps ``count`` members in groups of ``vmap_size``.
 
     Examples:
         >>> [form_name(v, 8) for v in (1, 2, 8)]
@@ -493,7 +493,7 @@ def print_verdicts(shape: Shape, rows: list[Row]) -> None:
         separate = separate_row(rows, count)
         timed = [r for r in rows if r.members == count and r.form != SEPARATE]
         best = min(timed, key=lambda r: r.wall)
-        default = ensemble.default_vmap_members(shape.config, count)
+        default = program_lib.default_vmap_members(shape.config, count)
         default_form = form_name(default, count)
         devices = split_devices(count)
         if devices > 1:

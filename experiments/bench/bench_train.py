@@ -93,20 +93,30 @@ def lmhead_setup(config, dataset, batches, num_devices: int):
 
 
 def lmhead_program(config, dataset, batches, num_devices: int):
-    """``(run(batches), train_fn)``: lmhead's compiled train step on the
-    first ``num_devices`` devices; ``run`` dispatches every step and waits
-    once, at the end, as the training loop does."""
-    model, mesh, state, sharded, dropout_key = lmhead_setup(
-        config, dataset, batches, num_devices
-    )
+    """``(run(batches), train_fn)``: lmhead's compiled train step of a single
+    run (a program of one, ``train.compile_steps``) on the first
+    ``num_devices`` devices; ``run`` dispatches every step and waits once, at
+    the end, as the training loop does."""
+    model, mesh, state, _, _ = lmhead_setup(config, dataset, batches, num_devices)
+
+    def one(tree):
+        return jax.tree.map(lambda x: x[None], tree)
+
+    shardings = sharding.stacked_shardings(jax.eval_shape(one, state), mesh)
+    state = jax.jit(one, out_shardings=shardings)(state)
+    sharded = {id(b): sharding.shard_members(one(b), mesh) for b in batches}
+    keys = sharding.replicate(jax.random.split(jax.random.key(0))[1:], mesh)
+    active = sharding.replicate(np.ones(1, bool), mesh)
     train_fn, _, _ = train.compile_steps(
-        model, config, state, sharded[id(batches[0])], dropout_key, mesh
+        model, [config], state, sharded[id(batches[0])], keys, {}, mesh
     )
     holder = [state]
 
     def run(round_batches):
         for batch in round_batches:
-            holder[0], metrics = train_fn(holder[0], sharded[id(batch)], dropout_key)
+            holder[0], metrics = train_fn(
+                holder[0], sharded[id(batch)], keys, {}, active
+            )
         jax.block_until_ready(metrics)
 
     return run, train_fn

@@ -19,7 +19,8 @@ import os
 from collections.abc import Sequence
 
 from lmhead.lab import workdirs
-from lmhead.lm import ensemble_program, evaluation
+from lmhead.lm import evaluation
+from lmhead.lm import members as members_lib
 
 # The default seconds between two reports (experiments/sweep.py --progress_every_s).
 PROGRESS_EVERY_S = 30.0
@@ -95,7 +96,7 @@ class _Member:
         short of its ``train.steps`` and not stopped early by its patience."""
         if any(
             os.path.exists(os.path.join(self.workdir, name))
-            for name in ("summary.json", ensemble_program.FAILED_FILE)
+            for name in ("summary.json", members_lib.FAILED_FILE)
         ):
             return False
         train = self.read_train()

@@ -1,5 +1,13 @@
-"""Checkpoints of a run's workdir: the orbax manager, saving, restoring the
-newest checkpoint that restores, and keeping non-finite states out of them.
+"""Checkpoints of a run's workdir: the orbax manager, the one layout,
+saving, restoring the newest checkpoint that restores, converting the
+single-run layout written before it, and keeping non-finite states out.
+
+A checkpoint holds ``{"state": S}``, and with ``train.patience`` also
+``{"best": B}``: the train states of a program's members, every leaf with a
+leading members axis ``[M, ...]`` (a single run is a program of one, ``M =
+1``; ``best_checkpoint/`` holds the best states as ``{"state": B}``). A
+checkpoint of the single-run layout written before (a bare ``TrainState``)
+is refused with the command that converts it (:func:`convert_single_run`).
 
 Orbax writes a step to ``STEP.orbax-checkpoint-tmp`` and renames it when
 complete, so a process killed while saving leaves the previous steps whole.
@@ -11,11 +19,13 @@ finite before it saves, naming the checkpoint a rerun resumes from.
 """
 
 import functools
+import json
 import math
 import os
 import shutil
 import time
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -30,6 +40,10 @@ CHECKPOINTS_TO_KEEP = 2
 CORRUPT_CHECKPOINTS = "corrupt_checkpoints"
 # Where training keeps the best evaluation's state when train.patience is set.
 BEST_CHECKPOINT = "best_checkpoint"
+# The command that converts a workdir's checkpoints of the single-run layout.
+CONVERT_COMMAND = (
+    "python experiments/train.py --workdir={workdir} --convert_checkpoints"
+)
 
 
 def checkpoint_manager(
@@ -75,7 +89,10 @@ def best_checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
 
 def restore_newest(manager: ocp.CheckpointManager, target: Any) -> Any | None:
     """The newest of ``manager``'s checkpoints that restores into ``target``
-    (a tree of ``jax.ShapeDtypeStruct`` with shardings), or None if there is none.
+    (``{"state": ...}`` and optionally ``"best"``, trees of
+    ``jax.ShapeDtypeStruct`` with shardings), or None if there is none. A
+    checkpoint's ``best`` that ``target`` does not ask for (a loader's) is
+    read and left out.
 
     A checkpoint that does not restore (truncated, garbled or missing files)
     is moved to ``workdir/corrupt_checkpoints/STEP`` with a warning that
@@ -84,7 +101,9 @@ def restore_newest(manager: ocp.CheckpointManager, target: Any) -> Any | None:
     without an error, as different numbers.
 
     Raises:
-        ValueError: a checkpoint holds other arrays or shapes than ``target``.
+        ValueError: a checkpoint holds other arrays or shapes than ``target``,
+            or has the single-run layout (the message names the command
+            that converts it).
         RuntimeError: there are checkpoints and none restores; the message
             names the directory and each step's error.
     """
@@ -95,14 +114,18 @@ def restore_newest(manager: ocp.CheckpointManager, target: Any) -> Any | None:
         except Exception as e:  # any unreadable file
             failures.append((step, e))
             continue
-        _check_checkpoint_fits(metadata, target, step, manager.directory)
+        _check_layout(metadata, step, manager.directory)
+        wanted = dict(target)
+        if "best" in metadata.keys() and "best" not in wanted:
+            wanted["best"] = wanted["state"]
+        _check_checkpoint_fits(metadata, wanted, step, manager.directory)
         try:
-            state = manager.restore(step, args=ocp.args.StandardRestore(target))
+            restored = manager.restore(step, args=ocp.args.StandardRestore(wanted))
         except Exception as e:  # tensorstore raises several kinds
             failures.append((step, e))
             continue
         _set_aside(manager, failures)
-        return state
+        return {name: restored[name] for name in target}
     if failures:
         raise RuntimeError(
             f"No checkpoint in {manager.directory} restores: "
@@ -112,6 +135,35 @@ def restore_newest(manager: ocp.CheckpointManager, target: Any) -> Any | None:
             )
         )
     return None
+
+
+def is_single_run_layout(metadata: Any) -> bool:
+    """Whether a checkpoint's metadata (``manager.item_metadata``) is of the
+    single-run layout written before the one layout: a bare ``TrainState``
+    (``step``, ``params``, ...) rather than ``{"state": ...}``.
+
+    Examples:
+        >>> is_single_run_layout({"step": 0, "params": {}, "opt_state": ()})
+        True
+        >>> is_single_run_layout({"state": {"step": 0, "params": {}}})
+        False
+    """
+    keys = set(metadata.keys())
+    return "state" not in keys and "params" in keys
+
+
+def _check_layout(metadata, step, directory) -> None:
+    """ValueError, naming the command that converts it, for a checkpoint of
+    the single-run layout."""
+    if is_single_run_layout(metadata):
+        workdir = os.path.dirname(str(directory))
+        raise ValueError(
+            f"The checkpoint of step {step} in {directory} has the single-run "
+            "layout written before a single run became a program of one (a "
+            'TrainState without a members axis); this version reads {"state": '
+            "TrainState with a leading members axis}. Convert the workdir's "
+            f"checkpoints in place with: {CONVERT_COMMAND.format(workdir=workdir)}"
+        )
 
 
 def _check_checkpoint_fits(metadata, target, step, directory) -> None:
@@ -129,7 +181,7 @@ def _check_checkpoint_fits(metadata, target, step, directory) -> None:
         f"{wanted.get(name, 'absent')} in the model"
         for name in sorted(
             saved.keys() | wanted.keys(),
-            key=lambda name: (not name.startswith("params/"), name),
+            key=lambda name: ("params/" not in name, name),
         )
         if saved.get(name) != wanted.get(name)
     ]
@@ -169,11 +221,101 @@ def _set_aside(manager, failures) -> None:
     manager.reload()
 
 
-def save(manager: ocp.CheckpointManager, step: int, state: Any) -> None:
-    """Saves ``state`` as ``step`` unless ``manager`` has that step already
-    (a resumed run redoing the steps after its checkpoint)."""
-    if step not in manager.all_steps():
-        manager.save(step, args=ocp.args.StandardSave(state))
+def save(
+    manager: ocp.CheckpointManager, step: int, state: Any, best: Any = None
+) -> None:
+    """Saves ``{"state": state}`` (and ``"best": best``) as ``step`` unless
+    ``manager`` has that step already (a resumed run redoing the steps after
+    its checkpoint).
+
+    ``state`` and ``best``: train states with a leading members axis (their
+    ``step`` ``[M]``); one run's state (a scalar ``step``, as an import or a
+    test has it) is saved as a program of one.
+    """
+    if step in manager.all_steps():
+        return
+    item = {"state": _as_program(state)}
+    if best is not None:
+        item["best"] = _as_program(best)
+    manager.save(step, args=ocp.args.StandardSave(item))
+
+
+def _as_program(state: Any) -> Any:
+    step = state["step"] if isinstance(state, Mapping) else state.step
+    if jnp.ndim(step):
+        return state
+    return jax.tree.map(lambda x: jnp.asarray(x)[None], state)
+
+
+def convert_single_run(workdir: str) -> list[str]:
+    """Rewrites ``workdir``'s checkpoints of the single-run layout (a bare
+    ``TrainState``, written before a single run became a program of one) in
+    the one layout, in place; returns the folders it converted.
+
+    Each step of ``checkpoints/`` becomes ``{"state": S[None]}``, with the
+    run's ``train.patience`` (its ``config.json``) also ``"best"``: the
+    state of ``best_checkpoint/``, the one the run kept, as the run would
+    have resumed with it (its own state where there is none); each step of
+    ``best_checkpoint/`` becomes ``{"state": B[None]}``. A folder is written
+    beside the old one and then takes its place, so an interrupted
+    conversion leaves the old checkpoints whole. The arrays are read onto
+    the first device.
+
+    The command is ``python experiments/train.py --workdir=WORKDIR
+    --convert_checkpoints``.
+    """
+    old = {
+        folder: _read_single_run(workdir, folder)
+        for folder in ("checkpoints", BEST_CHECKPOINT)
+    }
+    best = None
+    if old[BEST_CHECKPOINT]:
+        best = old[BEST_CHECKPOINT][max(old[BEST_CHECKPOINT])]
+    config_path = os.path.join(workdir, "config.json")
+    patience = 0
+    if os.path.exists(config_path):
+        with open(config_path) as f:
+            patience = json.load(f).get("train", {}).get("patience", 0)
+    converted = []
+    for folder, states in old.items():
+        if not states:
+            continue
+        staging = f"{folder}.converting"
+        shutil.rmtree(os.path.join(workdir, staging), ignore_errors=True)
+        keep = 1 if folder == BEST_CHECKPOINT else CHECKPOINTS_TO_KEEP
+        manager = checkpoint_manager(workdir, staging, max_to_keep=keep)
+        for step, state in sorted(states.items()):
+            with_best = folder == "checkpoints" and patience
+            kept = state if best is None else best
+            save(manager, step, state, kept if with_best else None)
+        manager.close()
+        path = os.path.join(workdir, folder)
+        os.rename(path, f"{path}.single-run-layout")
+        os.rename(os.path.join(workdir, staging), path)
+        shutil.rmtree(f"{path}.single-run-layout")
+        converted.append(folder)
+    return converted
+
+
+def _read_single_run(workdir: str, folder: str) -> dict[int, Any]:
+    """``{step: state}`` of ``workdir/folder``'s checkpoints of the
+    single-run layout (none when it has none, or has the one layout)."""
+    if not has_saved_step(workdir, folder):
+        return {}
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    manager = checkpoint_manager(workdir, folder)
+    states = {}
+    for step in manager.all_steps():
+        metadata = manager.item_metadata(step)
+        if not is_single_run_layout(metadata):
+            continue
+        target = jax.tree.map(
+            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
+            metadata.tree,
+        )
+        states[step] = manager.restore(step, args=ocp.args.StandardRestore(target))
+    manager.close()
+    return states
 
 
 def check_finite(

@@ -5,8 +5,10 @@ characters they predict, made once per run; :func:`evaluate` reduces a
 jitted ``eval_step`` over it to the loss, its standard error over windows,
 perplexity, bits per character, accuracy and calibration error.
 :func:`periodic_eval_sets` are a run's periodic sets, :func:`make_test_set`
-the whole test split's, and :class:`EarlyStopping` counts evaluations
-without a lower validation loss. docs/training.md, "Evaluation", gives the
+the whole test split's, :func:`program_eval_sets` a program's (each set
+shared by its members or stacked, one per member: :class:`MemberEvalSet`),
+and :class:`EarlyStopping` counts evaluations without a lower validation
+loss. docs/training.md, "Evaluation", gives the
 rules (bits per character, the end-of-text token, the per-word perplexity).
 """
 
@@ -17,6 +19,8 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from lmhead import losses
 from lmhead.lm import data, sharding
@@ -52,11 +56,11 @@ def make_eval_set(
     num_batches: int | None,
     config: ml_collections.ConfigDict,
     tokenizer: data.Tokenizer,
-    mesh: jax.sharding.Mesh | None = None,
     num_words: int | None = None,
 ) -> EvalSet:
     """``num_batches`` batches of evenly spaced windows of ``tokens`` (None:
-    all of them, consecutive), sharded over ``mesh``; ``num_words`` is the
+    all of them, consecutive), on the host (a program places them:
+    :func:`shared_eval_set`, :func:`stacked_eval_set`); ``num_words`` is the
     set's :attr:`EvalSet.num_words`."""
     batches = data.eval_batches(
         tokens,
@@ -66,8 +70,6 @@ def make_eval_set(
     )
     num_tokens = int(sum(b["weights"].sum() for b in batches))
     num_chars = data.label_chars(tokenizer, batches)
-    if mesh is not None:
-        batches = [sharding.shard_batch(b, mesh) for b in batches]
     return EvalSet(name, batches, num_tokens, num_chars, num_words)
 
 
@@ -89,7 +91,6 @@ def make_test_set(
     tokens: np.ndarray,
     config: ml_collections.ConfigDict,
     tokenizer: data.Tokenizer,
-    mesh: jax.sharding.Mesh | None = None,
 ) -> EvalSet:
     """The whole test split's set, named ``"test"``: every consecutive
     window of ``tokens`` (``data.load_test_tokens``'s, ``[N]``), with
@@ -111,7 +112,6 @@ def make_test_set(
         None,
         config,
         tokenizer,
-        mesh,
         num_words=sum(map(count_words, _documents(tokenizer, tokens))),
     )
 
@@ -124,9 +124,7 @@ def _documents(tokenizer: data.Tokenizer, tokens: np.ndarray) -> list[str]:
 
 
 def periodic_eval_sets(
-    config: ml_collections.ConfigDict,
-    dataset: data.Dataset,
-    mesh: jax.sharding.Mesh | None = None,
+    config: ml_collections.ConfigDict, dataset: data.Dataset
 ) -> list[EvalSet]:
     """The fixed validation windows, the training windows of
     ``train.eval_train_batches``, and the held-out windows of
@@ -138,7 +136,6 @@ def periodic_eval_sets(
             config.train.eval_batches,
             config,
             dataset.tokenizer,
-            mesh,
         )
     ]
     if config.train.eval_train_batches:
@@ -149,12 +146,11 @@ def periodic_eval_sets(
                 config.train.eval_train_batches,
                 config,
                 dataset.tokenizer,
-                mesh,
             )
         )
     if dataset.heldout_tokens is not None:
         eval_sets.append(
-            heldout_eval_set(config, dataset.heldout_tokens, dataset.tokenizer, mesh)
+            heldout_eval_set(config, dataset.heldout_tokens, dataset.tokenizer)
         )
     return eval_sets
 
@@ -163,7 +159,6 @@ def heldout_eval_set(
     config: ml_collections.ConfigDict,
     tokens: np.ndarray,
     tokenizer: data.Tokenizer,
-    mesh: jax.sharding.Mesh | None = None,
 ) -> EvalSet:
     """The ``"heldout"`` set of the held-out ``tokens`` (``[N]``): the
     validation set's ``train.eval_batches`` batches of evenly spaced
@@ -183,7 +178,97 @@ def heldout_eval_set(
     consecutive = (len(tokens) - 1) // config.data.block_size
     if num_batches is not None and num_batches * config.train.batch_size >= consecutive:
         num_batches = None
-    return make_eval_set("heldout", tokens, num_batches, config, tokenizer, mesh)
+    return make_eval_set("heldout", tokens, num_batches, config, tokenizer)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemberEvalSet:
+    """An evaluation set of every member of a program: ``batches`` shared
+    (``[B, T]``) or stacked (``[M, B, T]``, one set per member), and each
+    member's :class:`EvalSet` for its token and character counts."""
+
+    batches: list
+    stacked: bool
+    sets: list[EvalSet]
+
+
+def program_eval_sets(
+    config: ml_collections.ConfigDict,
+    datasets: list[data.Dataset],
+    mesh: jax.sharding.Mesh,
+) -> list[MemberEvalSet]:
+    """The periodic sets (:func:`periodic_eval_sets`) of a program whose
+    members have ``datasets``, made once per distinct dataset: the
+    validation set is the first dataset's (the validation split is every
+    member's), and each other set is shared where the members train on one
+    text, else stacked (:func:`stacked_eval_set`)."""
+    made = {}
+    for dataset in datasets:
+        if id(dataset) not in made:
+            made[id(dataset)] = periodic_eval_sets(config, dataset)
+    result = []
+    for sets in zip(*(made[id(d)] for d in datasets)):
+        if sets[0].name == "eval" or len(made) == 1:
+            result.append(shared_eval_set(sets[0], mesh, len(datasets)))
+        else:
+            result.append(stacked_eval_set(list(sets), mesh))
+    return result
+
+
+def shared_eval_set(
+    eval_set: EvalSet, mesh: jax.sharding.Mesh, count: int
+) -> MemberEvalSet:
+    """``eval_set`` (host batches) as every one of ``count`` members' set:
+    replicated on a members mesh, else split over ``data`` as a single run's.
+
+    Examples:
+        >>> tokenizer = data.CharTokenizer.train("abcdefghij")
+        >>> config = ml_collections.ConfigDict(
+        ...     {"train": {"batch_size": 2}, "data": {"block_size": 4}})
+        >>> one = make_eval_set("s", np.arange(20) % 10, None, config, tokenizer)
+        >>> shared = shared_eval_set(one, sharding.make_mesh(), 3)
+        >>> shared.stacked, shared.batches[0]["inputs"].shape, len(shared.sets)
+        (False, (2, 4), 3)
+    """
+    if sharding.MEMBERS_AXIS in mesh.axis_names:
+        replicated = NamedSharding(mesh, P())
+        batches = [jax.device_put(b, replicated) for b in eval_set.batches]
+    else:
+        batches = [sharding.shard_batch(b, mesh) for b in eval_set.batches]
+    return MemberEvalSet(batches, False, [eval_set] * count)
+
+
+def stacked_eval_set(sets: list[EvalSet], mesh: jax.sharding.Mesh) -> MemberEvalSet:
+    """Each member's own set (host batches) stacked, ``[M, B, T]``
+    (:func:`sharding.shard_members`). A set with fewer batches than the
+    others (a shorter held-out text evaluated whole) is filled up with
+    batches of weight 0, which add nothing to its sums.
+
+    Examples:
+        >>> tokenizer = data.CharTokenizer.train("abcdefghij")
+        >>> config = ml_collections.ConfigDict(
+        ...     {"train": {"batch_size": 1}, "data": {"block_size": 4}})
+        >>> sets = [make_eval_set("s", np.arange(n) % 10, None, config, tokenizer)
+        ...         for n in (9, 17)]
+        >>> stacked = stacked_eval_set(sets, sharding.make_mesh(1, 1))
+        >>> [s.num_tokens for s in stacked.sets], len(stacked.batches)
+        ([8, 16], 4)
+        >>> stacked.batches[3]["weights"].sum(axis=(1, 2)).tolist()
+        [0.0, 4.0]
+    """
+    count = max(len(s.batches) for s in sets)
+    padded = [
+        s.batches + [_weightless(s.batches[0])] * (count - len(s.batches)) for s in sets
+    ]
+    batches = [
+        sharding.shard_members(jax.tree.map(lambda *xs: np.stack(xs), *group), mesh)
+        for group in zip(*padded)
+    ]
+    return MemberEvalSet(batches, True, sets)
+
+
+def _weightless(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {**batch, "weights": np.zeros_like(batch["weights"])}
 
 
 def wants_test_evaluation(config: ml_collections.ConfigDict) -> bool:
@@ -200,8 +285,10 @@ def wants_test_evaluation(config: ml_collections.ConfigDict) -> bool:
     return config.train.test_eval
 
 
-def evaluate(eval_fn, params: Any, eval_set: EvalSet) -> dict[str, float]:
-    r"""Metrics over ``eval_set``, named ``{eval_set.name}/...``.
+def evaluate(eval_fn, params: Any, eval_set: MemberEvalSet) -> list[dict[str, float]]:
+    r"""Each member's metrics over ``eval_set``, named ``{name}/...`` by its
+    :class:`EvalSet`. ``eval_fn(params, batch)`` gives every member's sums
+    of ``train.eval_step`` (leaves ``[M, ...]``); they are read once.
 
     ``loss`` is the nll in nats per token, :math:`\bar\ell = \sum_w y_w /
     \sum_w n_w` over windows :math:`w` with summed nll :math:`y_w` and
@@ -223,7 +310,12 @@ def evaluate(eval_fn, params: Any, eval_set: EvalSet) -> dict[str, float]:
     this corpus's words.
     """
     sums = jax.device_get([eval_fn(params, batch) for batch in eval_set.batches])
-    return metrics_from_sums(sums, eval_set)
+    return [
+        metrics_from_sums(
+            [jax.tree.map(lambda x, k=index: x[k], s) for s in sums], own_set
+        )
+        for index, own_set in enumerate(eval_set.sets)
+    ]
 
 
 def metrics_from_sums(sums: list[dict[str, np.ndarray]], eval_set: EvalSet) -> dict:

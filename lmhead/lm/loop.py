@@ -1,19 +1,16 @@
-"""The training loop of every run: a single run (``lmhead.lm.train``) and an
-ensemble's members (``lmhead.lm.ensemble``) go through the same code.
+"""The training loop of every run: a single run and an ensemble's members
+are a program (:class:`lmhead.lm.program.Program`, of one member or ``M``)
+and go through the same code.
 
-A run is ``count`` members (one, or ``M`` with a leading members axis).
-:func:`train_loop` steps them to ``train.steps`` with each member's periodic
-actions: logging, finiteness checks, evaluation, early stopping, the best
-state, checkpoints and SIGTERM; :func:`finish` writes each member's final and
-test evaluations and ``summary.json``. What differs between a single run and
-a program are the hooks of :class:`Run` (``train._SingleRun``,
-``ensemble_program.Program``). docs/training.md, "One loop for a single run
-and an ensemble", gives the design.
+:func:`train_loop` steps a program's members to ``train.steps`` with each
+member's periodic actions: logging, finiteness checks, evaluation, early
+stopping, the best states, checkpoints and SIGTERM; :func:`finish` writes
+each member's final and test evaluations and ``summary.json``.
+docs/training.md, "One loop, one run class", gives the design.
 """
 
 import json
 import os
-from typing import Any
 
 import jax
 import ml_collections
@@ -27,93 +24,13 @@ from lmhead.lm import (
     preemption,
     sharding,
 )
-
-# What a finished run leaves in its workdir; a workdir with one is not trained again.
-SUMMARY_FILE = "summary.json"
-
-
-class Run:
-    """What :func:`train_loop` and :func:`finish` read of a run.
-
-    Attributes (set by the subclass): ``config`` (the run's config; an
-    ensemble's before the members' overrides), ``configs`` and ``workdirs``
-    (each member's), ``manager`` (the checkpoint manager of the run's state),
-    ``writers`` and ``stoppings`` (each member's ``monitoring.MetricWriter``
-    and ``evaluation.EarlyStopping``), ``dataset`` (its tokenizer is every
-    member's), ``compile_seconds``, ``stacked`` (whether the state has a
-    leading members axis), ``failed`` and ``finished`` (member indices: a
-    non-finite value stopped it; it had a summary before this process began).
-    """
-
-    config: ml_collections.ConfigDict
-    configs: list[ml_collections.ConfigDict]
-    workdirs: list[str]
-    manager: Any
-    writers: list[monitoring.MetricWriter]
-    stoppings: list[evaluation.EarlyStopping]
-    dataset: data.Dataset
-    compile_seconds: float
-    stacked: bool
-    failed: set
-    finished: set
-
-    @property
-    def count(self) -> int:
-        return len(self.workdirs)
-
-    def member_name(self, index: int) -> str:
-        """How the progress lines name member ``index``."""
-        return f"member {index} ({self.workdirs[index]})" if self.stacked else "the run"
-
-    def train_step(self, state, step: int, active: np.ndarray):
-        """``(state, metrics)`` after training step ``step`` of the ``active``
-        members (``[M]`` bool); the metrics' leaves hold ``count`` values."""
-        raise NotImplementedError
-
-    def evaluate(self, params) -> list[dict[str, float]]:
-        """Each member's metrics over the periodic evaluation sets."""
-        raise NotImplementedError
-
-    def evaluate_test(self, params, test_set: evaluation.EvalSet) -> list[dict]:
-        """Each member's metrics over ``test_set``."""
-        raise NotImplementedError
-
-    def save(self, step: int, state, best) -> None:
-        """Checkpoints the state (and ``best``, where the run keeps it) as ``step``."""
-        raise NotImplementedError
-
-    def keep_best(self, improved: np.ndarray, state, best):
-        """Keeps ``state`` as the best of the members where ``improved``; returns ``best``."""
-        raise NotImplementedError
-
-    def best_params(self, state, best) -> tuple[Any, list[int]]:
-        """The parameters that the test split evaluates (a member's best with
-        ``train.patience``, else its last) and the step of each member's."""
-        raise NotImplementedError
-
-    def fail(self, index: int, done: int, pending: list[dict], state) -> None:
-        """Member ``index``'s ``pending`` metrics (the last at step ``done``)
-        or state are not finite."""
-        raise NotImplementedError
-
-    def end_members(self, state, best) -> list[Any]:
-        """Writes what each trained member keeps beside its summary (its
-        checkpoints, samples); returns each one's parameters, None for a
-        failed or finished member."""
-        raise NotImplementedError
-
-    def summary_extra(self, index: int) -> dict:
-        """Keys of member ``index``'s summary beyond a single run's."""
-        return {}
-
-    def close(self) -> None:
-        """Closes the metric writers and the checkpoint managers."""
-        raise NotImplementedError
+from lmhead.lm.members import SUMMARY_FILE
+from lmhead.lm.program import Program
 
 
 def steps_of(state) -> np.ndarray:
-    """``[M]``: each member's step (a single run's state has one)."""
-    return np.atleast_1d(np.asarray(jax.device_get(state.step)))
+    """``[M]``: each member's step."""
+    return np.asarray(jax.device_get(state.step))
 
 
 def periodic_actions(
@@ -137,7 +54,7 @@ def periodic_actions(
     return log, evaluate, checkpoint
 
 
-def _active(run: Run, state) -> np.ndarray:
+def _active(run: Program, state) -> np.ndarray:
     """The members still training: not stopped early, not failed, not
     finished before, and not at ``train.steps``."""
     steps = steps_of(state)
@@ -152,7 +69,7 @@ def _active(run: Run, state) -> np.ndarray:
     )
 
 
-def train_loop(run: Run, state, best=None):
+def train_loop(run: Program, state, best=None):
     """Steps from the run's step to ``train.steps`` (or until every member
     has stopped), with each member's periodic actions. The host reads metrics
     only at those steps and on SIGTERM; between them it waits for each step
@@ -195,7 +112,7 @@ def train_loop(run: Run, state, best=None):
     return state, best, timer
 
 
-def _log_training(run: Run, timer, pending, done: int, active, state) -> None:
+def _log_training(run: Program, timer, pending, done: int, active, state) -> None:
     """Waits for the ``pending`` steps' metrics (the last at step ``done``),
     checks them and ``state`` (``train.stop_on_nonfinite``), writes each
     active member's lap record (``monitoring.training_record``) and prints
@@ -207,11 +124,7 @@ def _log_training(run: Run, timer, pending, done: int, active, state) -> None:
     timer.step_done()
     seconds = timer.lap(len(pending))
     config = run.config
-    finite = (
-        members_finite(pending, state, run.stacked)
-        if config.train.stop_on_nonfinite
-        else None
-    )
+    finite = members_finite(pending, state) if config.train.stop_on_nonfinite else None
     records = []
     for index in np.flatnonzero(active):
         own = [{k: v[index] for k, v in m.items()} for m in pending]
@@ -230,7 +143,7 @@ def _log_training(run: Run, timer, pending, done: int, active, state) -> None:
         f" (min {min(losses, default=np.nan):.4f}, max "
         f"{max(losses, default=np.nan):.4f}; {len(losses)}/{run.count} members "
         "training)"
-        if run.stacked
+        if run.count > 1
         else ""
     )
     monitoring.log(
@@ -244,23 +157,23 @@ def _log_training(run: Run, timer, pending, done: int, active, state) -> None:
     )
 
 
-def members_finite(pending: list[dict], state, stacked: bool) -> np.ndarray:
+def members_finite(pending: list[dict], state) -> np.ndarray:
     """``[M]`` bool: whether each member's logged losses and gradient norms
     (``pending``: host metrics, each leaf ``[M]``) and every floating-point
-    leaf of its state (``checkpoints.all_finite``; a leading members axis
-    if ``stacked``) are finite."""
+    leaf of its state (``checkpoints.all_finite``, leaves ``[M, ...]``) are
+    finite."""
     logged = np.stack(
         [np.asarray(m[k]) for m in pending for k in ("loss", "grad_norm")]
     )
-    return np.isfinite(logged).all(axis=0) & np.atleast_1d(
-        np.asarray(checkpoints.all_finite(state, stacked=stacked))
+    return np.isfinite(logged).all(axis=0) & np.asarray(
+        checkpoints.all_finite(state, stacked=True)
     )
 
 
-def _log_evaluation(run: Run, done: int, active, state, best):
+def _log_evaluation(run: Program, done: int, active, state, best):
     """Each active member's evaluation, written and counted for its early
     stopping; the members with a new best get their state kept
-    (:meth:`Run.keep_best`). Returns ``best``."""
+    (:meth:`Program.keep_best`). Returns ``best``."""
     results = run.evaluate(state.params)
     improved = np.zeros(run.count, bool)
     evaluated = []
@@ -277,7 +190,7 @@ def _log_evaluation(run: Run, done: int, active, state, best):
                 f"{run.configs[index].train.patience} evaluations without a "
                 f"lower eval/loss than step {stopping.best_step}'s."
             )
-    if not run.stacked and evaluated:
+    if run.count == 1 and evaluated:
         line = "  ".join(f"{k} {v:.4f}" for k, v in results[0].items())
         monitoring.log(f"step {done}/{run.config.train.steps}  {line}")
     elif evaluated:
@@ -291,12 +204,12 @@ def _log_evaluation(run: Run, done: int, active, state, best):
     return best
 
 
-def finish(run: Run, state, best, timer, wall_start: float) -> list[dict | None]:
+def finish(run: Program, state, best, timer, wall_start: float) -> list[dict | None]:
     """Each member's final and test evaluations, what it keeps
-    (:meth:`Run.end_members`) and its summary, also written to its
+    (:meth:`Program.end_members`) and its summary, also written to its
     ``summary.json``: ``monitoring.run_summary``'s and
     ``monitoring.best_summary``'s keys, ``test`` (with ``train.test_eval``)
-    and :meth:`Run.summary_extra`'s. None for a failed or finished member."""
+    and :meth:`Program.summary_extra`'s. None for a failed or finished member."""
     steps_run = [int(s) for s in steps_of(state)]
     finals = _final_evaluations(run, state, steps_run)
     tests = (
@@ -333,11 +246,11 @@ def finish(run: Run, state, best, timer, wall_start: float) -> list[dict | None]
     return summaries
 
 
-def _done(run: Run, index: int) -> bool:
+def _done(run: Program, index: int) -> bool:
     return index in run.failed or index in run.finished
 
 
-def _final_evaluations(run: Run, state, steps_run) -> list[dict | None]:
+def _final_evaluations(run: Program, state, steps_run) -> list[dict | None]:
     """Each member's evaluation at its last step: the logged one, or (a
     member without one) a new one, logged."""
     finals, results = [], None
@@ -354,9 +267,9 @@ def _final_evaluations(run: Run, state, steps_run) -> list[dict | None]:
     return finals
 
 
-def _test_evaluations(run: Run, state, best, steps_run) -> list[dict | None]:
+def _test_evaluations(run: Program, state, best, steps_run) -> list[dict | None]:
     """The whole test split, read now (nothing reads it before), evaluated
-    once per member with :meth:`Run.best_params`; logged as ``test/...``."""
+    once per member with :meth:`Program.best_params`; logged as ``test/...``."""
     test_set = evaluation.make_test_set(
         data.load_test_tokens(run.config.data, run.dataset.tokenizer),
         run.config,
@@ -370,7 +283,7 @@ def _test_evaluations(run: Run, state, best, steps_run) -> list[dict | None]:
             continue
         metrics = {f"test/{k.split('/', 1)[1]}": v for k, v in metrics.items()}
         run.writers[index].write(steps_run[index], metrics)
-        if not run.stacked:
+        if run.count == 1:
             monitoring.log(
                 "test  " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
             )

@@ -2,13 +2,16 @@
 each member's own config.
 
 Runs that differ only in values that keep every array's shape train as one
-program (:mod:`lmhead.lm.ensemble`). A member is a workdir and overrides of
+program (:func:`lmhead.lm.train.train_program`). A member is a workdir and overrides of
 :data:`MEMBER_KEYS` on the program's config. Any other key is one value for
 the whole program, and a member that sets one is refused with the reason
 (:data:`SHARED_REASONS`). :func:`make_members` checks a list of members;
 :func:`member_configs` gives each one's config, checked as a run's config is,
 with errors that name the member; :func:`split_overrides` divides a sweep
-run's overrides into the program's part and the member's part.
+run's overrides into the program's part and the member's part. What a
+member's workdir says of it: finished (:func:`finished_summaries`), failed
+(:func:`failed_members`), and an ensemble's own workdir its members
+(:func:`check_same_members`).
 
 The tokenizer is the program's, trained once on the shortest prefix that
 covers every member's text (docs/training.md, "Ensembles").
@@ -22,7 +25,7 @@ from typing import Any
 
 import ml_collections
 
-from lmhead.lm import configuration
+from lmhead.lm import configuration, monitoring
 
 # The keys a member may set: none changes an array's shape, so every member
 # runs the same compiled step. The traced ones enter the step as one value per
@@ -71,6 +74,13 @@ SHARED_REASONS = (
     ("loss.", "sets the loss's code path, which the members share"),
     ("", "is one value for the whole program"),
 )
+# What a finished run leaves in its workdir; a workdir with one is not trained again.
+SUMMARY_FILE = "summary.json"
+# In a member's workdir: the step at which a non-finite loss, gradient norm
+# or state stopped it (``train.stop_on_nonfinite``).
+FAILED_FILE = "failed.json"
+# In an ensemble's workdir: its members, as they were given.
+ENSEMBLE_FILE = "ensemble.json"
 # In a member's spec, the key of its workdir (every other key is a config key).
 WORKDIR_KEY = "workdir"
 # A member without a workdir gets <program workdir>/MEMBERS_DIR/<index>.
@@ -262,3 +272,50 @@ def split_overrides(
         )
         (member if is_member_key else program)[key] = value
     return program, member
+
+
+def finished_summaries(members: Sequence[Member]) -> dict[str, dict]:
+    """The summaries of the members that have finished (``summary.json``),
+    by workdir: a finished member is not trained again."""
+    summaries = {}
+    for member in members:
+        path = os.path.join(member.workdir, SUMMARY_FILE)
+        if os.path.exists(path):
+            with open(path) as f:
+                summaries[member.workdir] = json.load(f)
+            monitoring.log(f"{member.workdir} has finished; it is not trained again.")
+    return summaries
+
+
+def failed_members(members: Sequence[Member]) -> set[str]:
+    """The workdirs of the members that a non-finite value stopped."""
+    failed = set()
+    for member in members:
+        if os.path.exists(os.path.join(member.workdir, FAILED_FILE)):
+            failed.add(member.workdir)
+            monitoring.log(
+                f"{member.workdir} was stopped by a non-finite value "
+                f"({FAILED_FILE}); it is not trained again."
+            )
+    return failed
+
+
+def members_record(members: Sequence[Member]) -> list[dict]:
+    """The members as ``ensemble.json`` lists them."""
+    return [dict(workdir=m.workdir, overrides=m.overrides) for m in members]
+
+
+def check_same_members(workdir: str, members: Sequence[Member]) -> None:
+    """Refuses to resume an ensemble's checkpoints with other members than
+    its ``ensemble.json`` lists."""
+    path = os.path.join(workdir, ENSEMBLE_FILE)
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        saved = json.load(f)["members"]
+    if json.loads(json.dumps(members_record(members))) != saved:
+        raise ValueError(
+            f"{workdir} holds checkpoints of an ensemble of other members "
+            f"({path} lists them), so it cannot resume with these; use a "
+            "fresh --workdir or the same members."
+        )

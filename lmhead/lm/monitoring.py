@@ -5,8 +5,8 @@ TensorBoard events, :class:`StepTimer` times the training steps (without
 evaluations and checkpoints), :func:`memory_metrics` reads device and host
 memory, :func:`training_record` makes a lap's ``metrics.jsonl`` record (the
 loop of every run, ``lmhead.lm.loop``, writes it and prints the progress
-line), and :func:`run_summary`, :func:`best_summary` and
-:func:`finished_summary` make and read ``summary.json`` (its keys: :func:`run_summary`, :func:`best_summary`).
+line), and :func:`run_summary` and :func:`best_summary` make ``summary.json``
+(and document its keys).
 :data:`MEASURED_METRICS` are the logged metrics that are measured, not
 computed, and so differ between two runs of the same config.
 """
@@ -190,7 +190,7 @@ def run_summary(
     compile_seconds: float,
     wall_start: float,
 ) -> dict:
-    """``train_and_evaluate``'s summary of the model and the time.
+    """A member's summary of the model and the time (``train_and_evaluate``'s).
 
     Keys: ``num_params``; ``num_head_params`` (owned by the head: the untied
     ``[V, D]`` and the bias; a tied table counts as the embedding's),
@@ -266,15 +266,6 @@ def best_summary(
             k: v for k, v in best.items() if k.startswith("heldout/")
         }
     return summary
-
-
-def finished_summary(summary_path: str, step: int) -> dict | None:
-    """The summary of a run that has finished at ``step``, or None."""
-    if not os.path.exists(summary_path):
-        return None
-    with open(summary_path) as f:
-        summary = json.load(f)
-    return summary if summary.get("steps_run", summary["steps"]) == step else None
 
 
 def log(message: str) -> None:

@@ -1,4 +1,5 @@
-"""Device meshes and shardings: data- and vocabulary-parallel training.
+"""Device meshes and shardings: data- and vocabulary-parallel training, and
+a program's members over devices.
 
 One mesh with two axes, built from ``config.mesh``: ``"data"`` splits the
 batch (XLA sums the gradients over it), and ``"model"`` splits the
@@ -6,9 +7,13 @@ vocabulary axis of the ``[V, D]`` tables (the embedding, the untied
 unembedding, the head's bias), as in Megatron-LM, for
 :func:`lmhead.vocab_parallel.vocab_parallel_cross_entropy`. Everything else is
 replicated by :data:`PARAM_RULES`, which match the end of a leaf's path, so
-the optimizer's moments shard like their parameters. Several hosts:
-:func:`initialize_distributed`, :func:`shard_batch` (each process hands its
-own rows) and :func:`is_main_process`. docs/scale_out.md gives the design.
+the optimizer's moments shard like their parameters. A program's state and
+batches have a leading members axis (a single run's, of size 1): unsplit
+behind each member's shardings, or split over a one-axis
+:data:`MEMBERS_AXIS` mesh (:func:`program_mesh`, :func:`stacked_shardings`,
+:func:`shard_members`). Several hosts: :func:`initialize_distributed`,
+:func:`shard_batch` (each process hands its own rows) and
+:func:`is_main_process`. docs/scale_out.md gives the design.
 """
 
 import math
@@ -38,6 +43,9 @@ PARAM_RULES = (
 )
 
 Rules = Sequence[tuple[str, P]]
+# The mesh axis that a program's members are split over (mesh.members > 1, or
+# None on several CPU devices: member_devices).
+MEMBERS_AXIS = "members"
 
 
 def available_cpus() -> int:
@@ -119,6 +127,80 @@ def make_mesh(
         axis_types=(jax.sharding.AxisType.Auto,) * 2,
         devices=devices,
     )
+
+
+def members_mesh(devices: Sequence[jax.Device]) -> Mesh:
+    """A one-axis mesh (:data:`MEMBERS_AXIS`) over ``devices``, which a
+    program's members are split over.
+
+    Examples:
+        >>> dict(members_mesh(jax.devices()[:1]).shape)
+        {'members': 1}
+    """
+    return jax.make_mesh(
+        (len(devices),),
+        (MEMBERS_AXIS,),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        devices=list(devices),
+    )
+
+
+def member_devices(mesh: Any, count: int, devices: int, platform: str) -> int:
+    """How many devices a program of ``count`` members splits them over:
+    ``mesh.members`` (``config.mesh``), or when it is None, on a CPU the most
+    of the ``devices`` that divide ``count`` (while ``mesh.data`` and
+    ``mesh.model`` leave the devices free: 1 or -1), else 1.
+
+    Examples:
+        >>> import ml_collections
+        >>> mesh = ml_collections.ConfigDict(dict(data=-1, model=1, members=None))
+        >>> [member_devices(mesh, m, 2, "cpu") for m in (8, 7, 1)]
+        [2, 1, 1]
+        >>> member_devices(mesh, 6, 4, "cpu"), member_devices(mesh, 8, 8, "gpu")
+        (3, 1)
+    """
+    if mesh.members is not None:
+        return mesh.members
+    if platform != "cpu" or mesh.data not in (1, -1) or mesh.model != 1:
+        return 1
+    return dividing_devices(count, devices)
+
+
+def program_mesh(mesh: Any, count: int) -> Mesh:
+    """The mesh of a program of ``count`` members (``mesh``: ``config.mesh``).
+
+    A program of one, a single run, has :func:`make_mesh`'s ``mesh.data`` x
+    ``mesh.model`` over every device (of every process). More members are
+    split over :func:`member_devices` devices (a :func:`members_mesh`); where
+    that is 1 with ``mesh.members`` None they train on one device, as on a
+    machine of one, so that the CPU devices given to split members are not
+    asked to split each member's batch instead; with ``mesh.members = 1``
+    each member's batch is split over ``mesh.data``.
+
+    Raises:
+        ValueError: a ``mesh.members`` other than the device count, or one
+            that does not divide the members.
+
+    Examples:
+        >>> import ml_collections
+        >>> mesh = ml_collections.ConfigDict(dict(data=-1, model=1, members=None))
+        >>> dict(program_mesh(mesh, 1).shape), dict(program_mesh(mesh, 3).shape)
+        ({'data': 1, 'model': 1}, {'data': 1, 'model': 1})
+    """
+    if count == 1:
+        return make_mesh(mesh.data, mesh.model)
+    devices = jax.devices()
+    split = member_devices(mesh, count, len(devices), jax.default_backend())
+    if split == 1 and mesh.members is None:
+        return make_mesh(devices=devices[:1])
+    if split == 1:
+        return make_mesh(mesh.data, mesh.model)
+    if mesh.members is not None and (split != len(devices) or count % split):
+        raise ValueError(
+            f"config.mesh.members={mesh.members} must equal the number "
+            f"of devices, {len(devices)}, and divide the {count} members."
+        )
+    return members_mesh(devices[:split])
 
 
 def leaf_path(path: Sequence[Any]) -> str:
@@ -239,6 +321,50 @@ def shard_batch(batch: Any, mesh: Mesh) -> Any:
         x = np.asarray(x)
         rows = process_rows(x.shape[0], mesh)
         return jax.make_array_from_process_local_data(sharding, x[rows], x.shape)
+
+    return jax.tree.map(put, batch)
+
+
+def stacked_shardings(tree: Any, mesh: Mesh, rules: Rules = PARAM_RULES) -> Any:
+    """``NamedSharding`` of every leaf of a program's ``tree`` (its state, or
+    the state's ``jax.eval_shape``; leaves ``[M, ...]``): on a members mesh
+    every leaf split over :data:`MEMBERS_AXIS`, else each member's
+    :func:`tree_shardings` behind an unsplit leading axis.
+
+    Examples:
+        >>> tree = {"head": {"bias": np.zeros((1, 6))}}
+        >>> stacked_shardings(tree, make_mesh())["head"]["bias"].spec
+        P(None, 'model')
+    """
+    if MEMBERS_AXIS in mesh.axis_names:
+        return jax.tree.map(lambda _: NamedSharding(mesh, P(MEMBERS_AXIS)), tree)
+    member = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree)
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, P(None, *s.spec)),
+        tree_shardings(member, mesh, rules),
+    )
+
+
+def shard_members(batch: Any, mesh: Mesh) -> Any:
+    """Global arrays from a program's stacked batch on the host (``[M, B,
+    ...]`` numpy leaves, the same on every process): the members split over
+    :data:`MEMBERS_AXIS` on a members mesh, else each member's rows over
+    ``"data"``, each process keeping its own (:func:`process_rows`), as
+    :func:`shard_batch` splits a batch.
+
+    Examples:
+        >>> x = shard_members({"inputs": np.zeros((1, 4, 3), np.int32)}, make_mesh())
+        >>> x["inputs"].shape, x["inputs"].sharding.spec
+        ((1, 4, 3), P(None, 'data'))
+    """
+    if MEMBERS_AXIS in mesh.axis_names:
+        return jax.device_put(batch, NamedSharding(mesh, P(MEMBERS_AXIS)))
+    sharding = NamedSharding(mesh, P(None, DATA_AXIS))
+
+    def put(x):
+        x = np.asarray(x)
+        rows = process_rows(x.shape[1], mesh)
+        return jax.make_array_from_process_local_data(sharding, x[:, rows], x.shape)
 
     return jax.tree.map(put, batch)
 

@@ -272,19 +272,24 @@ def restore_or_init(
     key: jax.Array,
     mesh: jax.sharding.Mesh | None = None,
 ) -> TrainState:
-    """The newest checkpoint's state, or a fresh one initialised from ``key``,
-    sharded over ``mesh`` (default: the first device) whatever mesh saved it.
+    """A run's state: that of the newest checkpoint (a program of one,
+    ``checkpoints.save``'s layout; its ``best`` is left out), or a fresh one
+    initialised from ``key``, sharded over ``mesh`` (default: the first
+    device) whatever mesh saved it. What loaders read a run with (its
+    parameters for generation, scoring, serving); training restores a whole
+    program (``train.train_program``).
 
     A checkpoint that does not restore (truncated, garbled or missing files)
     is moved to ``workdir/corrupt_checkpoints/STEP`` with a warning that
-    names the step, and the next older one is tried, so a run never starts
-    over from step 0 while it has a checkpoint. Orbax keeps no checksum of
-    the array data: bytes changed inside a compressed chunk may restore
+    names the step, and the next older one is tried. Orbax keeps no checksum
+    of the array data: bytes changed inside a compressed chunk may restore
     without an error, as different numbers.
 
     Raises:
         ValueError: a checkpoint holds other arrays or shapes than this
-            config's model and optimizer (it belongs to another config).
+            config's model and optimizer (it belongs to another config), or
+            has the single-run layout written before the one layout (the
+            message names the command that converts it).
         RuntimeError: there are checkpoints and none restores; the message
             names the directory and each step's error.
     """
@@ -293,8 +298,12 @@ def restore_or_init(
     init = functools.partial(create_train_state, model, config)
     abstract = jax.eval_shape(init, key)
     shardings = sharding.tree_shardings(abstract, mesh)
-    target = sharding.abstract_state(abstract, shardings)
-    state = checkpoints.restore_newest(manager, target)
-    if state is None:
-        state = jax.jit(init, out_shardings=shardings)(key)
-    return state
+    stacked = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((1, *x.shape), x.dtype), abstract
+    )
+    target = sharding.abstract_state(stacked, sharding.stacked_shardings(stacked, mesh))
+    restored = checkpoints.restore_newest(manager, {"state": target})
+    if restored is None:
+        return jax.jit(init, out_shardings=shardings)(key)
+    member = jax.jit(lambda s: jax.tree.map(lambda x: x[0], s), out_shardings=shardings)
+    return member(restored["state"])

@@ -1,19 +1,27 @@
-"""Training and evaluation of a ``DecoderLM``, driven by a config.
+"""Training and evaluation of a ``DecoderLM``, driven by a config: the
+steps, their map over a program's members, the one place that jits them, and
+the run that drives them.
 
-``train_and_evaluate(config, workdir)`` reads and encodes the corpus, builds
-the model and an AdamW optimizer, resumes from the newest checkpoint in
-``workdir`` if there is one, and runs the loop of every run
-(:mod:`lmhead.lm.loop`) over a run of one member. ``train_step`` and
-``eval_step`` are pure functions; :func:`compile_steps` is the one place that
-jits them. docs/training.md describes what a workdir holds, what is evaluated
-when, how a run resumes and stops, and what is deterministic where.
+``train_and_evaluate(config, workdir)`` trains a single run, a program of one
+member; ``train_program(config, members, workdir)`` trains several runs that
+differ only in member keys (:mod:`lmhead.lm.members`) as one program, each
+equal to its single run up to float32 rounding. Both read and encode the
+corpus, build the model and an AdamW optimizer, resume from the newest
+checkpoint in ``workdir`` if there is one, and run the loop of every run
+(:mod:`lmhead.lm.loop`) over the program (:mod:`lmhead.lm.program`).
+``train_step`` and ``eval_step`` are pure functions of one member;
+:func:`program_train_step` maps them over the members (:func:`over_members`,
+optionally split over devices: :func:`split_over_devices`), and
+:func:`compile_steps` is the one place that jits them. docs/training.md
+describes what a workdir holds, what is evaluated when, how a run resumes and
+stops, and what is deterministic where.
 """
 
 import contextlib
-import dataclasses
 import functools
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -21,24 +29,24 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 from lmhead import fused, losses
 from lmhead.lm import (
     checkpoints,
     configuration,
     data,
-    evaluation,
-    generation,
     loop,
     monitoring,
     sharding,
-    versions,
 )
+from lmhead.lm import members as members_lib
 from lmhead.lm import model as model_lib
+from lmhead.lm import program as program_lib
 from lmhead.lm import state as state_lib
 
 # What a finished run leaves in its workdir; a workdir with one is not trained again.
-SUMMARY_FILE = loop.SUMMARY_FILE
+SUMMARY_FILE = members_lib.SUMMARY_FILE
 
 
 def loss_keywords(
@@ -225,60 +233,208 @@ def eval_step(
     }
 
 
-def compile_steps(
+def over_members(fn, xs: Any, vmap_size: int) -> Any:
+    """``fn`` applied to each member's slice of ``xs`` (leading axis ``M``):
+    ``jax.vmap`` over groups of ``vmap_size`` members, the groups one after
+    another in a ``lax.map``. ``vmap_size >= M``: one ``vmap``; ``1``: a
+    ``lax.map`` over single members. A program of one (``M = 1``) calls
+    ``fn`` on its member, without a ``vmap``.
+
+    Examples:
+        >>> xs = jnp.arange(6.0).reshape(3, 2)
+        >>> [over_members(jnp.sum, xs, v).tolist() for v in (1, 2, 3)]
+        [[1.0, 5.0, 9.0], [1.0, 5.0, 9.0], [1.0, 5.0, 9.0]]
+        >>> over_members(jnp.sum, xs[:1], 1).tolist()
+        [1.0]
+    """
+    count = jax.tree.leaves(xs)[0].shape[0]
+    if count == 1:
+        result = fn(jax.tree.map(lambda x: x[0], xs))
+        return jax.tree.map(lambda x: x[None], result)
+    if vmap_size >= count:
+        return jax.vmap(fn)(xs)
+    return jax.lax.map(fn, xs, batch_size=vmap_size if vmap_size > 1 else None)
+
+
+def split_over_devices(fn, mesh: jax.sharding.Mesh, in_specs: Any = None):
+    """``fn`` run by each device of ``mesh`` on its share of the members
+    (``shard_map`` over :data:`~lmhead.lm.sharding.MEMBERS_AXIS`), with no
+    collectives: the members never meet. ``in_specs``: by default every
+    argument split over the members (leading axis ``M``); the outputs are.
+
+    Examples:
+        >>> mesh = sharding.members_mesh(jax.devices()[:1])
+        >>> split_over_devices(lambda x: 2 * x, mesh)(jnp.arange(3.0)).tolist()
+        [0.0, 2.0, 4.0]
+    """
+    members = P(sharding.MEMBERS_AXIS)
+    # check_vma off: a frozen member's zeros would have to be marked as
+    # varying over the members.
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=members if in_specs is None else in_specs,
+        out_specs=members,
+        check_vma=False,
+    )
+
+
+def member_train_step(
+    state: state_lib.TrainState,
+    batch: dict[str, jax.Array],
+    key: jax.Array,
+    values: dict[str, jax.Array],
+    active: jax.Array,
+    *,
     model: model_lib.DecoderLM,
     config: ml_collections.ConfigDict,
+    freeze: str | None = "where",
+    dataset: data.Dataset | None = None,
+) -> tuple[state_lib.TrainState, dict[str, jax.Array]]:
+    """One member's :func:`train_step`, with ``values`` (``{config key:
+    scalar}``, those of ``members.TRACED_KEYS`` that differ between members)
+    in place of ``config``'s; ``dataset``: the one the members share, whose
+    training tokens ``loss.vocab_order="frequency"`` counts.
+
+    ``freeze``: how a stopped member (``active`` False) keeps its state and
+    gets zero metrics. ``"where"``: the step's result is masked, which costs
+    a stopped member its step and the others nothing; ``"cond"``: a
+    ``lax.cond`` skips a stopped member's step (under a ``lax.map``; a
+    ``vmap`` turns it into a select), for programs whose members stop early
+    (docs/training.md, "Speed of an ensemble", compares the two); None: the
+    step itself, for a program of one, which ends when its member stops.
+    """
+    optim = {k.split(".")[1]: v for k, v in values.items() if k.startswith("optim.")}
+    loss = {k.split(".")[1]: v for k, v in values.items() if k.startswith("loss.")}
+
+    def step(operands):
+        state, batch, key = operands
+        new_state, metrics = train_step(
+            state.replace(tx=state_lib.make_optimizer(config, optim)),
+            batch,
+            key,
+            model=model,
+            loss_kwargs={**loss_keywords(config.loss, dataset), **loss},
+            learning_rate_fn=state_lib.learning_rate_schedule(config, optim),
+            microbatches=config.train.microbatches,
+            untie_step=config.model.untie_step,
+        )
+        return new_state.replace(tx=state.tx), metrics
+
+    if freeze is None:
+        return step((state, batch, key))
+    if freeze == "where":
+        new_state, metrics = step((state, batch, key))
+        keep = functools.partial(jnp.where, active)
+        return jax.tree.map(keep, new_state, state), jax.tree.map(
+            lambda m: jnp.where(active, m, 0), metrics
+        )
+
+    def frozen(operands):
+        shapes = jax.eval_shape(step, operands)[1]
+        return operands[0], jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    return jax.lax.cond(active, step, frozen, (state, batch, key))
+
+
+def program_train_step(states, batches, keys, values, active, *, vmap_size, **kw):
+    """:func:`member_train_step` over a program's members
+    (:func:`over_members`): every argument has a leading members axis ``M``
+    (``values``' leaves too); returns the stacked new states and ``[M]``
+    metrics."""
+    return over_members(
+        lambda args: member_train_step(*args, **kw),
+        (states, batches, keys, values, active),
+        vmap_size,
+    )
+
+
+def program_eval_step(params, batch, *, model, vmap_size, stacked: bool):
+    """:func:`eval_step` of each member's ``params``, on its own batch
+    (``stacked``: ``[M, B, T]``) or on one batch shared by all (``[B, T]``)."""
+    if stacked:
+        return over_members(
+            lambda pb: eval_step(pb[0], pb[1], model=model), (params, batch), vmap_size
+        )
+    return over_members(lambda p: eval_step(p, batch, model=model), params, vmap_size)
+
+
+def compile_steps(
+    model: model_lib.DecoderLM,
+    configs: Sequence[ml_collections.ConfigDict],
     state: state_lib.TrainState,
-    batch: dict[str, np.ndarray],
-    key: jax.Array,
-    mesh: jax.sharding.Mesh | None = None,
+    batch: dict[str, jax.Array],
+    keys: jax.Array,
+    values: dict[str, jax.Array],
+    mesh: jax.sharding.Mesh,
+    *,
+    vmap_size: int = 1,
     dataset: data.Dataset | None = None,
 ):
-    """Jits ``train_step`` (state donated, compiled ahead of time) and ``eval_step``.
+    """Jits a program's steps: :func:`program_train_step` (state donated,
+    compiled ahead of time on these arguments, traced under
+    ``jax.set_mesh(mesh)``, which ``loss_impl="vocab_parallel"`` uses) and
+    :func:`program_eval_step` for shared and stacked batches.
 
-    With a ``mesh``, the state is sharded by ``sharding.tree_shardings``, the
-    batch over ``"data"``, the metrics replicated, and the step is traced
-    under ``jax.set_mesh(mesh)`` (which ``loss_impl="vocab_parallel"`` uses).
-    ``dataset``: the run's, whose training tokens ``loss.vocab_order=
-    "frequency"`` counts.
-    Returns ``(train_fn, eval_fn, compile_seconds)``; ``train_fn(state, batch,
-    key)`` and ``eval_fn(params, batch)`` take the shapes of the examples.
+    ``configs``: each member's (the values they share are constants of the
+    step: member 0's, not the program config's, which a member key may
+    override for all); ``state``, ``batch`` (``[M, B, T]``), ``keys`` (the
+    dropout keys, ``[M]``) and ``values`` are placed on ``mesh``. On a
+    members mesh the steps are split over its devices
+    (:func:`split_over_devices`); elsewhere the metrics come back
+    replicated, so that every process reads them. ``dataset``: the one the
+    members share, if they do.
+
+    Returns ``(train_fn, eval_fns, compile_seconds)``: ``train_fn(state,
+    batch, keys, values, active)`` gives the new state and ``[M]`` metrics
+    (``active``: ``[M]`` bool, the members that step); ``eval_fns[stacked]
+    (params, batch)`` each member's sums of :func:`eval_step`.
     """
+    count = len(configs)
+    freeze = None if count == 1 else "where"
+    if count > 1 and any(c.train.patience for c in configs):
+        freeze = "cond"
+    common = dict(model=model, vmap_size=vmap_size)
     step = functools.partial(
-        train_step,
-        model=model,
-        loss_kwargs=loss_keywords(config.loss, dataset),
-        learning_rate_fn=state_lib.learning_rate_schedule(config),
-        microbatches=config.train.microbatches,
-        untie_step=config.model.untie_step,
+        program_train_step, config=configs[0], freeze=freeze, dataset=dataset, **common
     )
-    train_shardings, eval_shardings = {}, {}
-    if mesh is not None:
-        state_shardings = sharding.tree_shardings(state, mesh)
-        replicated = sharding.replicated(mesh)
-        train_shardings = dict(
-            in_shardings=(state_shardings, sharding.batch_sharding(mesh), replicated),
-            out_shardings=(state_shardings, replicated),
-        )
-        eval_shardings = dict(out_shardings=replicated)
+    in_members_mesh = sharding.MEMBERS_AXIS in mesh.axis_names
+    if in_members_mesh:
+        step = split_over_devices(step, mesh)
+    metrics_sharding = None if in_members_mesh else sharding.replicated(mesh)
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    active = sharding.replicate(np.ones(count, bool), mesh)
     start = time.perf_counter()
-    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    with jax.set_mesh(mesh):
         train_fn = (
-            jax.jit(step, donate_argnums=0, **train_shardings)
-            .lower(state, batch, key)
+            jax.jit(
+                step,
+                donate_argnums=0,
+                out_shardings=(state_shardings, metrics_sharding),
+            )
+            .lower(state, batch, keys, values, active)
             .compile()
         )
     compile_seconds = time.perf_counter() - start
-    eval_fn = jax.jit(functools.partial(eval_step, model=model), **eval_shardings)
-    return train_fn, eval_fn, compile_seconds
+    eval_fns = {}
+    for stacked in (False, True):
+        evaluate = functools.partial(program_eval_step, stacked=stacked, **common)
+        if in_members_mesh:
+            members = P(sharding.MEMBERS_AXIS)
+            evaluate = split_over_devices(
+                evaluate, mesh, (members, members if stacked else P())
+            )
+        eval_fns[stacked] = jax.jit(evaluate, out_shardings=metrics_sharding)
+    return train_fn, eval_fns, compile_seconds
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Trains ``config`` in ``workdir`` (resuming if it holds a checkpoint).
+    """Trains ``config`` in ``workdir`` (resuming if it holds a checkpoint):
+    a program of one member, whose workdir is the program's
+    (:func:`train_program`).
 
     A run that has already finished is not trained again: its
-    ``summary.json`` is returned. The loop is every run's
-    (:func:`lmhead.lm.loop.train_loop`), over a run of one member.
+    ``summary.json`` is returned.
 
     Returns:
         The summary also written to ``summary.json``: the model's size, the
@@ -297,181 +453,117 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             ``train.stop_on_nonfinite``; nothing after it is saved.
         preemption.Preempted: SIGTERM; a checkpoint of the step it stopped at is saved.
     """
-    wall_start = time.perf_counter()
-    configuration.validate_config(config)
-    configuration.check_resumable(config, workdir)
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
-    dataset = _load_dataset(config, workdir)
-    model = configuration.make_model(config, dataset.vocab_size)
-    init_key, dropout_key, sample_key = jax.random.split(
-        jax.random.key(config.train.seed), 3
-    )
-    init_key, dropout_key = sharding.replicate((init_key, dropout_key), mesh)
-    manager = checkpoints.checkpoint_manager(workdir)
-    state = state_lib.restore_or_init(manager, model, config, init_key, mesh)
-    summary_path = os.path.join(workdir, SUMMARY_FILE)
-    finished = monitoring.finished_summary(summary_path, int(state.step))
-    if finished is not None:
-        monitoring.log(f"{workdir} has finished {int(state.step)} steps.")
-        manager.close()
-        return finished
-    start_workdir(config, workdir)
-    run = _SingleRun(
-        config, workdir, dataset, model, state, manager, dropout_key, sample_key, mesh
-    )
-    try:
-        state, _, timer = loop.train_loop(run, state)
-        (summary,) = loop.finish(run, state, None, timer, wall_start)
-    finally:
-        run.close()
+    (summary,) = train_program(config, [members_lib.Member(workdir, {})], workdir)
     return summary
 
 
-def _load_dataset(config, workdir) -> data.Dataset:
-    """The encoded corpus (read or made by process 0 first) once the prompt
-    is known to encode: unknown characters fail now, not after training."""
-    os.makedirs(workdir, exist_ok=True)
-    dataset = sharding.main_process_first(
-        lambda: data.load_dataset(config.data, workdir)
-    )
+def train_program(
+    config: ml_collections.ConfigDict,
+    members: Sequence[members_lib.Member],
+    workdir: str,
+) -> list[dict | None]:
+    """Trains ``members`` (each ``config`` with its overrides) as one program
+    in ``workdir``, resuming from its newest checkpoint: an ensemble, or,
+    with one member whose workdir is ``workdir``, a single run
+    (:func:`train_and_evaluate`).
+
+    A member with a ``summary.json`` has finished: it is left out of a
+    program that has not started, and not trained again in one that has.
+
+    Returns:
+        Each member's summary (also its ``summary.json``: the keys of
+        :func:`train_and_evaluate`'s, plus ``ensemble`` for an ensemble's
+        member), or ``None`` for a member stopped by a non-finite loss or
+        state.
+
+    Raises:
+        ValueError, TypeError: a bad config or member (naming it), other
+            members than the checkpoint's, an unsupported mesh; before
+            anything is compiled.
+        FloatingPointError: a single run's non-finite loss, gradient norm or
+            state, with ``train.stop_on_nonfinite``.
+        preemption.Preempted: SIGTERM; a checkpoint of the step it stopped at is saved.
+    """
+    wall_start = time.perf_counter()
+    configuration.validate_config(config)
+    members = list(members)
+    configs = members_lib.member_configs(config, members)
+    program_lib.check_mesh(config, len(members))
+    configuration.check_resumable(config, workdir)
+    summaries = members_lib.finished_summaries(members)
+    started = checkpoints.has_saved_step(workdir)
+    # A failed member is one of this program's only: a new program trains it.
+    failed = members_lib.failed_members(members) if started else set()
+    if len(summaries) + len(failed) == len(members):
+        return [summaries.get(m.workdir) for m in members]
+    if not started:
+        # Not started: the finished members are left out, never trained again.
+        kept = [i for i, m in enumerate(members) if m.workdir not in summaries]
+        members, configs = [members[i] for i in kept], [configs[i] for i in kept]
+        for member in members:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(member.workdir, members_lib.FAILED_FILE))
+    else:
+        members_lib.check_same_members(workdir, members)
+    program = program_lib.make_program(config, members, configs, workdir)
+    program.finished = {i for i, m in enumerate(members) if m.workdir in summaries}
+    program.failed = {i for i, m in enumerate(members) if m.workdir in failed}
     try:
-        dataset.tokenizer.encode(config.sample.prompt)
-    except ValueError as e:
-        raise ValueError(f"config.sample.prompt={config.sample.prompt!r}: {e}") from e
-    return dataset
+        state, best = _restore_or_init(program)
+        program.start(int(np.max(loop.steps_of(state))))
+        _compile(program, state)
+        state, best, timer = loop.train_loop(program, state, best)
+        results = loop.finish(program, state, best, timer, wall_start)
+    finally:
+        program.close()
+    summaries.update(
+        (m.workdir, r)
+        for i, (m, r) in enumerate(zip(members, results))
+        if i not in program.finished
+    )
+    return [summaries.get(m.workdir) for m in members]
 
 
-def start_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
-    """Process 0 writes ``config.json`` and ``versions.json`` and removes the
-    ``summary.json`` of a run that is not finished (an older ``train.steps``)."""
-    if not sharding.is_main_process():
-        return
-    summary_path = os.path.join(workdir, SUMMARY_FILE)
-    if os.path.exists(summary_path):
-        os.remove(summary_path)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json(indent=2))
-    versions.write_versions(workdir)
+def _restore_or_init(program: program_lib.Program):
+    """The program's state and best states (None unless kept): restored from
+    its newest checkpoint, or initialised from each member's key."""
+    init = functools.partial(
+        over_members,
+        functools.partial(state_lib.create_train_state, program.model, program.config),
+        vmap_size=program.count,
+    )
+    abstract = jax.eval_shape(init, program.keys["init"])
+    shardings = sharding.stacked_shardings(abstract, program.mesh)
+    target = {"state": sharding.abstract_state(abstract, shardings)}
+    if program.keeps_best:
+        target["best"] = target["state"]
+    restored = checkpoints.restore_newest(program.manager, target)
+    if restored is not None:
+        return restored["state"], restored.get("best")
+    state = jax.jit(init, out_shardings=shardings)(program.keys["init"])
+    # A copy: the train step donates the state's buffers.
+    return state, jax.tree.map(jnp.copy, state) if program.keeps_best else None
 
 
-class _SingleRun(loop.Run):
-    """A single run as :func:`loop.train_loop` reads it: one member, whose
-    state has no members axis. It compiles the steps on ``state`` and the
-    first batch and opens the metric writer, the evaluation sets, the
-    early-stopping count and, with ``train.patience``, the best checkpoint's
-    manager, which keeps the best evaluation's state on disk."""
-
-    stacked = False
-
-    def __init__(
-        self,
-        config,
-        workdir,
-        dataset,
-        model,
+def _compile(program: program_lib.Program, state) -> None:
+    """:func:`compile_steps` of the program, on its first batch."""
+    shared = all(t is program.train_tokens[0] for t in program.train_tokens)
+    program.train_fn, program.eval_fns, program.compile_seconds = compile_steps(
+        program.model,
+        program.configs,
         state,
-        manager,
-        dropout_key,
-        sample_key,
-        mesh,
-    ):
-        self.config, self.configs, self.workdirs = config, [config], [workdir]
-        self.dataset, self.model, self.mesh, self.manager = (
-            dataset,
-            model,
-            mesh,
-            manager,
-        )
-        self.dropout_key, self.sample_key = dropout_key, sample_key
-        self.failed, self.finished = set(), set()
-        self.train_fn, self.eval_fn, self.compile_seconds = compile_steps(
-            model, config, state, self.batch(0), dropout_key, mesh, dataset
-        )
-        monitoring.log(
-            f"{monitoring.count_params(state.params):,} parameters; "
-            f"train step compiled in {self.compile_seconds:.1f} s; starting "
-            f"at step {int(state.step)}."
-        )
-        self.eval_sets = evaluation.periodic_eval_sets(config, dataset, mesh)
-        self.writers = [monitoring.MetricWriter(workdir, int(state.step))]
-        self.stoppings = [
-            evaluation.EarlyStopping.from_records(
-                config.train.patience, self.writers[0].records
-            )
-        ]
-        self.best_manager = (
-            checkpoints.best_checkpoint_manager(workdir)
-            if config.train.patience
-            else None
-        )
-
-    def batch(self, step: int) -> dict[str, jax.Array]:
-        """The sharded training batch of ``step``."""
-        return sharding.shard_batch(
-            data.train_batch(
-                self.dataset.train_tokens,
-                seed=self.config.train.seed,
-                step=step,
-                batch_size=self.config.train.batch_size,
-                block_size=self.config.data.block_size,
-            ),
-            self.mesh,
-        )
-
-    def train_step(self, state, step, active):
-        return self.train_fn(state, self.batch(step), self.dropout_key)
-
-    def evaluate(self, params):
-        return [
-            {
-                k: v
-                for eval_set in self.eval_sets
-                for k, v in evaluation.evaluate(self.eval_fn, params, eval_set).items()
-            }
-        ]
-
-    def evaluate_test(self, params, test_set):
-        batches = [sharding.shard_batch(b, self.mesh) for b in test_set.batches]
-        sharded = dataclasses.replace(test_set, batches=batches)
-        return [evaluation.evaluate(self.eval_fn, params, sharded)]
-
-    def save(self, step, state, best):
-        checkpoints.save(self.manager, step, state)
-
-    def keep_best(self, improved, state, best):
-        if self.best_manager is not None:
-            checkpoints.save(self.best_manager, int(state.step), state)
-        return best
-
-    def best_params(self, state, best):
-        if self.best_manager is None:
-            return state.params, [int(state.step)]
-        target = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
-        )
-        best = checkpoints.restore_newest(self.best_manager, target)
-        return best.params, [int(best.step)]
-
-    def fail(self, index, done, pending, state):
-        checkpoints.check_finite(pending, done, state, self.manager)
-
-    def end_members(self, state, best):
-        """``samples.txt`` from the trained parameters, written by process 0
-        (:func:`generation.write_samples`); every process gathers them."""
-        if self.config.sample.num_samples:
-            params = sharding.to_host(state.params)
-            if sharding.is_main_process():
-                generation.write_samples(
-                    self.config,
-                    self.model,
-                    params,
-                    self.dataset.tokenizer,
-                    self.sample_key,
-                    self.workdirs[0],
-                )
-        return [state.params]
-
-    def close(self):
-        for closable in (self.writers[0], self.manager, self.best_manager):
-            if closable is not None:
-                closable.close()
+        program.batch(0, np.ones(program.count, bool)),
+        program.keys["dropout"],
+        program.values,
+        program.mesh,
+        vmap_size=program.vmap_size,
+        dataset=program.dataset if shared else None,
+    )
+    devices = program.mesh.shape.get(sharding.MEMBERS_AXIS, 1)
+    member_params = monitoring.count_params(state.params) // program.count
+    monitoring.log(
+        f"{program.count} member(s) of {member_params:,} parameters; train step "
+        f"compiled in {program.compile_seconds:.1f} s ({program.vmap_size} "
+        f"member(s) per vmap, split over {devices} device(s)); starting at step "
+        f"{int(np.max(loop.steps_of(state)))}."
+    )

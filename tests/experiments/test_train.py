@@ -37,3 +37,14 @@ def test_train_command_line(tmp_path, args, named):
     for name in named:
         assert names(result.stderr, name), (name, result.stderr[-2000:])
     assert not os.path.exists(workdir)
+
+
+def test_a_config_is_needed_unless_converting(tmp_path):
+    """--config is required to train; --convert_checkpoints reads none."""
+    workdir = str(tmp_path / "run")
+    result = run_train(f"--workdir={workdir}")
+    assert result.returncode == 1 and names(result.stderr, "--config")
+    assert not os.path.exists(workdir)
+    converted = run_train(f"--workdir={workdir}", "--convert_checkpoints")
+    assert converted.returncode == 0, converted.stderr[-2000:]
+    assert f"Converted nothing in {workdir}." in converted.stdout

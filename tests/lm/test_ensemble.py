@@ -1,6 +1,6 @@
-"""Tests of lmhead/lm/ensemble.py: members trained as one program equal the
-single runs with their values, stop early on their own, resume exactly, and
-leave the files a single run leaves.
+"""Tests of ensembles (lmhead/lm/train.py's train_program, lmhead/lm/program.py):
+members trained as one program equal the single runs with their values, stop
+early on their own, resume exactly, and leave the files a single run leaves.
 
 One 5-member program of the shared short config (10 steps, an evaluation
 every 2) serves most tests; the references are single runs of
@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lmhead.lm import data, ensemble, ensemble_program, generation, loop, train
+from lmhead.lm import data, generation, loop, train
 from lmhead.lm import members as members_lib
+from lmhead.lm import program as program_lib
 from tests import ROOT
 from tests.lm.test_preemption import HOLD_AFTER, signal_after
 
@@ -97,7 +98,7 @@ def program(short_config, tmp_path_factory):
                 loops.append((type(run), run.count)) or original_loop(run, *a)
             ),
         )
-        summaries = ensemble.train_ensemble(
+        summaries = train.train_program(
             short_config(**PROGRAM), make_members(workdir), workdir
         )
     return dict(workdir=workdir, summaries=summaries, drawn=drawn, loops=loops)
@@ -148,7 +149,7 @@ class TestMembersAreRuns:
         )
 
     def test_the_program_is_the_one_loop_over_its_members(self, program):
-        assert program["loops"] == [(ensemble_program.Program, len(SPECS))]
+        assert program["loops"] == [(program_lib.Program, len(SPECS))]
 
     def test_batches_are_the_single_runs(self, program):
         by_member = {}
@@ -178,7 +179,7 @@ class TestMembersAreRuns:
             config = json.load(f)
         assert config["optim"]["lr"] == 2e-3 and config["train"]["seed"] == 1
         assert program["summaries"][1]["ensemble"]["members"] == len(SPECS)
-        with open(os.path.join(program["workdir"], ensemble.ENSEMBLE_FILE)) as f:
+        with open(os.path.join(program["workdir"], members_lib.ENSEMBLE_FILE)) as f:
             assert len(json.load(f)["members"]) == len(SPECS)
 
 
@@ -189,7 +190,7 @@ def test_a_non_finite_member_fails_alone(program):
     assert program["summaries"][FAILED] is None
     workdir = member_dir(program, FAILED)
     assert not os.path.exists(os.path.join(workdir, "summary.json"))
-    with open(os.path.join(workdir, ensemble.FAILED_FILE)) as f:
+    with open(os.path.join(workdir, members_lib.FAILED_FILE)) as f:
         assert json.load(f) == {"step": 2}
     # Its first log is where it failed: nothing of it is logged.
     assert read_records(workdir, "train/loss") == {}
@@ -214,7 +215,7 @@ class TestEarlyStopping:
 class TestResume:
     def test_a_crashed_program_resumes_exactly(self, short_config, program, tmp_path):
         workdir = str(tmp_path / "program")
-        config, original = short_config(**PROGRAM), ensemble_program.Program.batch
+        config, original = short_config(**PROGRAM), program_lib.Program.batch
 
         def crash_at_7(self, step, active):
             if step == 7:
@@ -222,11 +223,11 @@ class TestResume:
             return original(self, step, active)
 
         with pytest.MonkeyPatch.context() as monkeypatch:
-            monkeypatch.setattr(ensemble_program.Program, "batch", crash_at_7)
+            monkeypatch.setattr(program_lib.Program, "batch", crash_at_7)
             with pytest.raises(KeyboardInterrupt):
-                ensemble.train_ensemble(config, make_members(workdir), workdir)
+                train.train_program(config, make_members(workdir), workdir)
         assert not os.path.exists(os.path.join(workdir, "m0", "summary.json"))
-        resumed = ensemble.train_ensemble(config, make_members(workdir), workdir)
+        resumed = train.train_program(config, make_members(workdir), workdir)
         assert resumed[FAILED] is None
         for index in TRAINED:
             jax.tree.map(
@@ -240,8 +241,8 @@ class TestResume:
         self, short_config, program, monkeypatch
     ):
         # Finished members and the failed one: nothing is built or trained.
-        monkeypatch.setattr(ensemble_program, "make_program", None)
-        again = ensemble.train_ensemble(
+        monkeypatch.setattr(program_lib, "make_program", None)
+        again = train.train_program(
             short_config(**PROGRAM),
             make_members(program["workdir"]),
             program["workdir"],
@@ -255,7 +256,7 @@ class TestResume:
             os.remove(os.path.join(workdir, f"m{index}", "summary.json"))
         members = make_members(workdir)[:3]
         with pytest.raises(ValueError, match="other members"):
-            ensemble.train_ensemble(short_config(**PROGRAM), members, workdir)
+            train.train_program(short_config(**PROGRAM), members, workdir)
 
 
 @pytest.mark.slow
@@ -347,13 +348,13 @@ def test_bad_member_lists_are_refused(specs, message):
 def test_bad_values_are_refused_before_training(
     short_config, tmp_path, monkeypatch, spec, error, message
 ):
-    monkeypatch.setattr(ensemble_program, "make_program", None)
+    monkeypatch.setattr(program_lib, "make_program", None)
     workdir = str(tmp_path / "p")
     # mesh.model is the program's key: a member may not set it.
     program = {k: spec.pop(k) for k in list(spec) if k.startswith("mesh.")}
     members = members_lib.make_members([{}, {"train.seed": 1, **spec}], "p")
     with pytest.raises(error, match=message):
-        ensemble.train_ensemble(short_config(**program), members, workdir)
+        train.train_program(short_config(**program), members, workdir)
     assert not os.path.exists(workdir)
 
 
@@ -388,6 +389,20 @@ def test_the_shared_tokenizer_is_recorded(short_config, parts, covering, member_
 @pytest.mark.parametrize("vmap_size", [1, 2, 3, 5])
 def test_over_members_is_a_map(vmap_size):
     xs = {"a": jnp.arange(15.0).reshape(5, 3), "b": jnp.arange(5.0)}
-    got = ensemble.over_members(lambda x: jnp.sum(x["a"]) * x["b"], xs, vmap_size)
+    got = train.over_members(lambda x: jnp.sum(x["a"]) * x["b"], xs, vmap_size)
     want = np.arange(15.0).reshape(5, 3).sum(axis=1) * np.arange(5.0)
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_program_of_one_calls_its_member():
+    """One member: ``fn`` of the member itself (no vmap, no map), its result
+    given a members axis of one."""
+    calls = []
+
+    def fn(x):
+        calls.append(x.shape)
+        return {"sum": jnp.sum(x), "twice": 2 * x}
+
+    got = train.over_members(fn, jnp.arange(3.0)[None], vmap_size=1)
+    assert calls == [(3,)]
+    assert got["sum"].tolist() == [3.0] and got["twice"].tolist() == [[0.0, 2.0, 4.0]]

@@ -13,6 +13,17 @@ from tests import references
 from tests.lm.conftest import init_state
 
 
+def evaluate_one(eval_fn, params, eval_set):
+    """``evaluation.evaluate`` of one set, as a program of one reads it:
+    every sum with a members axis of one."""
+    (metrics,) = evaluation.evaluate(
+        lambda p, b: jax.tree.map(lambda x: np.asarray(x)[None], eval_fn(p, b)),
+        params,
+        evaluation.MemberEvalSet(eval_set.batches, False, [eval_set]),
+    )
+    return metrics
+
+
 class TestEvaluate:
     @pytest.mark.parametrize("num_batches", [3, None])
     def test_against_numpy(self, num_batches):
@@ -25,7 +36,7 @@ class TestEvaluate:
         )
         eval_fn = jax.jit(lambda p, b: train.eval_step(p, b, model=model))
         num_tokens = sum(int(b["weights"].sum()) for b in batches)
-        got = evaluation.evaluate(
+        got = evaluate_one(
             eval_fn,
             params,
             evaluation.EvalSet(
@@ -79,7 +90,7 @@ class TestBitsPerCharacter:
         assert np.sum(tokens == tokenizer.eos_id) == 30 * end_of_text
         config = default.get_config("tiny")
         eval_set = evaluation.make_eval_set("eval", tokens, None, config, tokenizer)
-        got = evaluation.evaluate(TestWordPerplexity.nats_by_label, None, eval_set)
+        got = evaluate_one(TestWordPerplexity.nats_by_label, None, eval_set)
         # Consecutive windows of 16 predict tokens 1 .. 16k; their characters
         # are the text less the first token's and the tail's, and less 13 for
         # each end-of-text label.
@@ -131,7 +142,7 @@ class TestWordPerplexity:
         tokens = tokenizer.encode_array(text)
         config = default.get_config("tiny")
         test_set = evaluation.make_test_set(tokens, config, tokenizer)
-        got = evaluation.evaluate(self.nats_by_label, None, test_set)
+        got = evaluate_one(self.nats_by_label, None, test_set)
 
         assert test_set.name == "test" and test_set.num_words == 12 * 30
         # The labels are tokens 1 .. 16k, each predicted once.
@@ -152,7 +163,7 @@ class TestWordPerplexity:
         config = default.get_config("tiny")
         periodic = evaluation.make_eval_set("eval", tokens, 2, config, tokenizer)
         assert periodic.num_words is None
-        got = evaluation.evaluate(self.nats_by_label, None, periodic)
+        got = evaluate_one(self.nats_by_label, None, periodic)
         assert not any("word" in k for k in got)
         whole = evaluation.make_test_set(tokens, config, tokenizer)
         assert whole.num_words == 120

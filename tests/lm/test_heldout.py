@@ -2,7 +2,7 @@
 (data.holdout_fraction): the "heldout" evaluation set
 (lmhead/lm/evaluation.py), its metrics in metrics.jsonl and summary.json
 (lmhead/lm/monitoring.py), and an ensemble member with data.train_offset
-against the single run with it (lmhead/lm/ensemble_program.py, members.py).
+against the single run with it (lmhead/lm/program.py, members.py).
 """
 
 import json
@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from lmhead.lm import data, ensemble, evaluation, generation, train
+from lmhead.lm import data, evaluation, generation, train
 from lmhead.lm import members as members_lib
 from tests import references
 from tests.lm.conftest import read_metrics
@@ -147,7 +147,7 @@ def test_a_member_with_an_offset_is_its_single_run(short_config, single_run, tmp
         ],
         workdir,
     )
-    summaries = ensemble.train_ensemble(short_config(**HOLDOUT), members, workdir)
+    summaries = train.train_program(short_config(**HOLDOUT), members, workdir)
     single_dir, single = single_run
     for key in (
         "train/loss",

@@ -2,9 +2,9 @@
 
 What the loop does over a whole run (logging, evaluation, early stopping,
 checkpoints, SIGTERM and SIGKILL resume, the test evaluation) is tested
-through the runs that use it, which also check that they go through it: a
-single run in test_train.py, test_preemption.py and test_checkpoints.py, an
-ensemble's members in test_ensemble.py. Here: its pieces against references
+through the programs that use it, which also check that they go through it:
+a single run (a program of one) in test_train.py, test_preemption.py and
+test_checkpoints.py, an ensemble's members in test_ensemble.py. Here: its pieces against references
 written in the test.
 """
 
@@ -49,7 +49,7 @@ class TestMembersFinite:
             "v": jnp.asarray(leaves[1]),
             "step": jnp.zeros(4, jnp.int32),
         }
-        got = loop.members_finite(pending, state, stacked=True)
+        got = loop.members_finite(pending, state)
         np.testing.assert_array_equal(got, self.reference(pending, leaves, 4))
         np.testing.assert_array_equal(got, [True, False, False, False])
 
@@ -58,14 +58,14 @@ class TestMembersFinite:
         [(1.0, 1.0, True), (np.nan, 1.0, False), (1.0, np.inf, False)],
     )
     def test_a_single_run_is_one_member(self, value, grad_norm, expected):
-        state = {"w": jnp.full((3, 2), value), "step": jnp.int32(0)}
+        state = {"w": jnp.full((1, 3, 2), value), "step": jnp.zeros(1, jnp.int32)}
         pending = [{"loss": np.array([1.0]), "grad_norm": np.array([grad_norm])}]
-        got = loop.members_finite(pending, state, stacked=False)
+        got = loop.members_finite(pending, state)
         assert got.shape == (1,) and bool(got[0]) is expected
 
 
 def test_steps_of_a_single_run_and_of_members():
-    assert loop.steps_of(state_of(jnp.int32(7), {})).tolist() == [7]
+    assert loop.steps_of(state_of(jnp.array([7]), {})).tolist() == [7]
     assert loop.steps_of(state_of(jnp.array([3, 5]), {})).tolist() == [3, 5]
 
 

@@ -71,11 +71,3 @@ class TestSummaries:
             "steps_run": 20,
             "stopped_early": False,
         }
-
-    def test_finished_summary(self, tmp_path):
-        path = str(tmp_path / "summary.json")
-        assert monitoring.finished_summary(path, 10) is None
-        with open(path, "w") as f:
-            json.dump({"steps": 20, "steps_run": 10}, f)
-        assert monitoring.finished_summary(path, 10) == {"steps": 20, "steps_run": 10}
-        assert monitoring.finished_summary(path, 20) is None  # trained further

@@ -30,7 +30,6 @@ import warnings
 import jax
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from configs import default
@@ -83,14 +82,16 @@ import os, runpy, signal, sys, threading
 from lmhead.lm import monitoring
 log, step = monitoring.log, sys.argv.pop(1)
 def held(message):
+    if not message.startswith(f"step {step}/"):
+        return log(message)
+    # Caught before the line goes out: a signal sent on reading it is not lost.
+    handler, terminated = signal.getsignal(signal.SIGTERM), threading.Event()
+    signal.signal(signal.SIGTERM, lambda *args: terminated.set())
     log(message)
-    if message.startswith(f"step {step}/"):
-        handler, terminated = signal.getsignal(signal.SIGTERM), threading.Event()
-        signal.signal(signal.SIGTERM, lambda *args: terminated.set())
-        while not terminated.wait(0.1):
-            pass
-        signal.signal(signal.SIGTERM, handler)
-        handler(signal.SIGTERM, None)
+    while not terminated.wait(0.1):
+        pass
+    signal.signal(signal.SIGTERM, handler)
+    handler(signal.SIGTERM, None)
 monitoring.log = held
 sys.argv.pop(0)
 sys.path.insert(0, os.path.dirname(sys.argv[0]))
@@ -247,7 +248,7 @@ def test_a_partial_checkpoint_write_is_ignored(finished, tmp_path):
         warnings.simplefilter("error", RuntimeWarning)
         state, manager = restore(workdir)
     assert int(state.step) == 60
-    manager.save(65, args=ocp.args.StandardSave(state))  # over the partial one
+    checkpoints.save(manager, 65, state)  # over the partial one
     assert manager.all_steps() == [60, 65]
     manager.close()
 
@@ -271,7 +272,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(
     set_aside = os.listdir(os.path.join(workdir, checkpoints.CORRUPT_CHECKPOINTS))
     assert [name.split(".")[0] for name in set_aside] == ["60"]
     # Training saves step 60 again where the corrupt one was.
-    manager.save(60, args=ocp.args.StandardSave(state))
+    checkpoints.save(manager, 60, state)
     assert manager.all_steps() == [55, 60]
     manager.close()
 

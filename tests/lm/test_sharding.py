@@ -95,9 +95,10 @@ def _gradients(state, config):
 
 
 def check_train_steps():
-    """Loss, gradients and updated state of one training step on each mesh
-    (vocabulary-parallel loss) vs one device (materialized loss), and where
-    the sharded step leaves the tables."""
+    """Loss, gradients and updated state of one training step of a program of
+    one (a single run) on each mesh (vocabulary-parallel loss) vs the step
+    alone on one device (materialized loss), and where the sharded step
+    leaves the tables."""
     import jax
 
     from lmhead.lm import configuration, sharding, train
@@ -108,6 +109,10 @@ def check_train_steps():
     tokens = rng.integers(0, vocab, (8, 9)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "labels": tokens[:, 1:]}
     key = jax.random.key(1)
+
+    def one(tree):
+        return jax.tree.map(lambda x: np.asarray(x)[None], tree)
+
     for tied in (True, False):
         config = _tiny_config(tied, "materialized")
         model = configuration.make_model(config, vocab)
@@ -115,34 +120,42 @@ def check_train_steps():
             jax.random.key(0)
         )
         host_state = jax.device_get(state)
-        ref_fn, _, _ = train.compile_steps(model, config, state, batch, key)
+        ref_fn = jax.jit(
+            functools.partial(
+                train.train_step,
+                model=model,
+                loss_kwargs=train.loss_keywords(config.loss),
+                learning_rate_fn=state_lib.learning_rate_schedule(config),
+            )
+        )
         ref_state, ref_metrics = ref_fn(state, batch, key)
         ref_grads = _gradients(ref_state, config)
         sharded_config = _tiny_config(tied, "vocab_parallel")
         for shape in MESHES:
             mesh = sharding.make_mesh(*shape)
-            state = jax.device_put(
-                host_state, sharding.tree_shardings(host_state, mesh)
-            )
-            global_batch = sharding.shard_batch(batch, mesh)
-            global_key = sharding.replicate(key, mesh)
+            stacked = one(host_state)
+            state = jax.device_put(stacked, sharding.stacked_shardings(stacked, mesh))
+            global_batch = sharding.shard_members(one(batch), mesh)
+            keys = sharding.replicate(jax.numpy.stack([key]), mesh)
             train_fn, _, _ = train.compile_steps(
-                model, sharded_config, state, global_batch, global_key, mesh
+                model, [sharded_config], state, global_batch, keys, {}, mesh
             )
-            new_state, metrics = train_fn(state, global_batch, global_key)
+            active = sharding.replicate(np.ones(1, bool), mesh)
+            new_state, metrics = train_fn(state, global_batch, keys, {}, active)
             table = new_state.params["embed" if tied else "head"][
                 "embedding" if tied else "unembedding"
             ]
             moment = new_state.opt_state[0].mu["embed"]["embedding"]
+            member = jax.tree.map(lambda x: x[0], jax.device_get(new_state))
             results[f"{'tied' if tied else 'untied'} {shape}"] = {
-                "loss": abs(float(metrics["loss"]) - float(ref_metrics["loss"])),
+                "loss": abs(float(metrics["loss"][0]) - float(ref_metrics["loss"])),
                 "metrics": max(
-                    abs(float(metrics[k]) - float(ref_metrics[k]))
+                    abs(float(metrics[k][0]) - float(ref_metrics[k]))
                     for k in ("nll", "accuracy", "grad_norm")
                 ),
-                "grads": _max_diff(_gradients(new_state, config), ref_grads),
-                "params": _max_diff(new_state.params, ref_state.params),
-                "table_rows_per_device": table.addressable_shards[0].data.shape[0],
+                "grads": _max_diff(_gradients(member, config), ref_grads),
+                "params": _max_diff(member.params, ref_state.params),
+                "table_rows_per_device": table.addressable_shards[0].data.shape[1],
                 "table_spec": str(table.sharding.spec),
                 "moment_spec": str(moment.sharding.spec),
                 "kernel_spec": str(
@@ -338,7 +351,6 @@ def check_memory():
 def check_checkpoint(workdir):
     """A state saved from mesh (4, 2) restored onto (2, 4), (8, 1), one device."""
     import jax
-    import orbax.checkpoint as ocp
 
     from lmhead.lm import checkpoints, configuration, sharding
     from lmhead.lm import state as state_lib
@@ -348,8 +360,7 @@ def check_checkpoint(workdir):
     mesh = sharding.make_mesh(4, 2)
     manager = checkpoints.checkpoint_manager(workdir)
     state = state_lib.restore_or_init(manager, model, config, jax.random.key(3), mesh)
-    manager.save(7, args=ocp.args.StandardSave(state))
-    manager.wait_until_finished()
+    checkpoints.save(manager, 7, state)
     expected = jax.device_get(state)
     results = {}
     for shape in ((2, 4), (8, 1), None):
@@ -422,8 +433,8 @@ def check_ensemble(workdir):
     default, None, gives (on a CPU, the members split over as many devices as
     divide them)."""
     from configs import default
-    from lmhead.lm import ensemble, ensemble_program
     from lmhead.lm import members as members_lib
+    from lmhead.lm import sharding, train
 
     specs = [{"train.seed": i, "optim.lr": 1e-3 * (1 + i)} for i in range(8)]
     results = {}
@@ -446,7 +457,7 @@ def check_ensemble(workdir):
             sys.stdout, stdout = quiet, sys.stdout
             try:
                 members = members_lib.make_members(specs, run)
-                ensemble.train_ensemble(config, members, run)
+                train.train_program(config, members, run)
             finally:
                 sys.stdout = stdout
         results[name] = [
@@ -460,11 +471,11 @@ def check_ensemble(workdir):
     results["meshes"] = {
         count: [dict(mesh.shape), int(mesh.devices.size)]
         for count in (6, 8, 11)
-        for mesh in [ensemble_program._make_mesh(config_of({}), count)]
+        for mesh in [sharding.program_mesh(config_of({}).mesh, count)]
     }
-    results["default is members"] = ensemble_program._make_mesh(
-        config_of({}), 8
-    ) == ensemble_program._make_mesh(config_of(variants[0][1]), 8)
+    results["default is members"] = sharding.program_mesh(
+        config_of({}).mesh, 8
+    ) == sharding.program_mesh(config_of(variants[0][1]).mesh, 8)
     return results
 
 
@@ -711,10 +722,11 @@ def test_train_step_matches_one_device(results, tied, shape):
     for name in ("loss", "metrics", "grads", "params"):
         assert check[name] < TOLERANCE, name
     # The [V, D] tables (and Adam's moments of the embedding) are split over
-    # the vocabulary on "model"; other parameters are replicated.
+    # the vocabulary on "model", behind the unsplit members axis; other
+    # parameters are replicated.
     assert check["table_rows_per_device"] == 32 // shape[1]
-    assert check["table_spec"] == check["moment_spec"] == "P('model', None)"
-    assert check["kernel_spec"] == "P()"
+    assert check["table_spec"] == check["moment_spec"] == "P(None, 'model', None)"
+    assert check["kernel_spec"] == "P(None,)"
     # Nothing in the step, the embedding lookup included, gathers a table.
     assert check["all_gathers"] == 0
 

@@ -1,5 +1,5 @@
-"""Tests for lmhead/lm/train.py: the loop end to end, the train step, early
-stopping and the test evaluation.
+"""Tests for lmhead/lm/train.py: a single run end to end (a program of one),
+the train step, early stopping and the test evaluation.
 
 One tiny run of the default config (``runs``) serves the end-to-end tests;
 that a run is deterministic and resumes exactly is test_preemption.py's,
@@ -27,6 +27,7 @@ from lmhead.lm import (
     generation,
     loop,
     monitoring,
+    program,
     train,
 )
 from lmhead.lm import state as state_lib
@@ -41,15 +42,17 @@ def runs(tmp_path_factory):
         monkeypatch.setattr(
             loop,
             "train_loop",
-            lambda run, *a: loops.append((type(run), run.count)) or original(run, *a),
+            lambda run, *a: (
+                loops.append((type(run), run.count, run.single)) or original(run, *a)
+            ),
         )
         summary = train.train_and_evaluate(tiny_config(), first)
     return dict(loops=loops, first=first, summary=summary)
 
 
 class TestTraining:
-    def test_a_single_run_is_the_one_loop_over_one_member(self, runs):
-        assert runs["loops"] == [(train._SingleRun, 1)]
+    def test_a_single_run_is_the_one_loop_over_a_program_of_one(self, runs):
+        assert runs["loops"] == [(program.Program, 1, True)]
 
     def test_loss_falls(self, runs):
         records = read_metrics(runs["first"])
@@ -139,8 +142,8 @@ class TestTraining:
 
 
 def jitted_train_step(model, config):
-    """``train.train_step`` as ``train.compile_steps`` makes it of ``config``,
-    without donating the state."""
+    """``train.train_step`` of ``config``, jitted alone, without donating the
+    state."""
     return jax.jit(
         functools.partial(
             train.train_step,
@@ -213,11 +216,12 @@ def stopped(corpus, tmp_path_factory):
     losses = list(SCRIPTED_LOSSES.values())
 
     def scripted(eval_fn, params, eval_set):
-        metrics = original(eval_fn, params, eval_set)
-        if eval_set.name == "eval":
+        (metrics,) = original(eval_fn, params, eval_set)
+        name = eval_set.sets[0].name
+        if name == "eval":
             metrics["eval/loss"] = losses[events.count("eval")]
-        events.append(eval_set.name)
-        return metrics
+        events.append(name)
+        return [metrics]
 
     def recording(name, function):
         def record(*args, **kwargs):
@@ -267,17 +271,30 @@ class TestEarlyStoppingAndTest:
         vocab_size = data.load_tokenizer(
             os.path.join(workdir, data.TOKENIZER_FILE)
         ).vocab_size
+        model = configuration.make_model(stopped["config"], vocab_size)
         best = state_lib.restore_or_init(
             checkpoints.best_checkpoint_manager(workdir),
-            configuration.make_model(stopped["config"], vocab_size),
+            model,
             stopped["config"],
             jax.random.key(0),
         )
+        # The one layout: the state of step 10 is a program of one's.
         manager = checkpoints.checkpoint_manager(workdir)
-        at_10 = manager.restore(10, args=ocp.args.StandardRestore(best))
+        stacked = jax.tree.map(lambda x: x[None], best)
+        at_10 = manager.restore(
+            10, args=ocp.args.StandardRestore({"state": stacked, "best": stacked})
+        )
         manager.close()
-        assert int(best.step) == 10
-        jax.tree.map(np.testing.assert_array_equal, best.params, at_10.params)
+        assert int(best.step) == 10 and at_10["state"].step.tolist() == [10]
+        jax.tree.map(np.testing.assert_array_equal, stacked, at_10["state"])
+        # At step 20 the best is still step 10's, kept beside the state.
+        last = checkpoints.checkpoint_manager(workdir)
+        at_20 = last.restore(
+            20, args=ocp.args.StandardRestore({"state": stacked, "best": stacked})
+        )
+        last.close()
+        assert at_20["state"].step.tolist() == [20]
+        jax.tree.map(np.testing.assert_array_equal, stacked, at_20["best"])
 
     def test_test_split_is_read_once_after_training(self, stopped):
         events = stopped["events"]

@@ -19,7 +19,7 @@ import optax
 import pytest
 
 from configs import default
-from lmhead.lm import checkpoints, configuration, data, ensemble, train
+from lmhead.lm import checkpoints, configuration, data, sharding, train
 from lmhead.lm import state as state_lib
 from tests.lm import conftest
 
@@ -61,10 +61,24 @@ def adam_moments(state):
 
 
 def compiled_step(config, model, state, batch, key):
-    """A run's train step (``train.compile_steps``), on copies of the state
-    it is given (it donates its state)."""
-    train_fn = train.compile_steps(model, config, state, batch, key)[0]
-    return lambda state, *args: train_fn(jax.tree.map(jnp.copy, state), *args)
+    """A run's train step (``train.compile_steps``' of a program of one), on
+    a run's state, batch and key (given the members axis of one, as copies:
+    the step donates its state); returns the run's state and metrics."""
+    mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])
+
+    def one(tree):
+        return jax.tree.map(lambda x: jnp.asarray(x)[None], tree)
+
+    train_fn = train.compile_steps(
+        model, [config], one(state), one(batch), one(key), {}, mesh
+    )[0]
+    active = jnp.ones(1, bool)
+
+    def step(state, batch, key):
+        new, metrics = train_fn(one(state), one(batch), one(key), {}, active)
+        return jax.tree.map(lambda x: x[0], (new, metrics))
+
+    return step
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +213,7 @@ class TestUntie:
         states = jax.tree.map(lambda x: stack(x, x), untie["states"][start])
         step = jax.jit(
             functools.partial(
-                ensemble.ensemble_train_step, model=model, config=config, vmap_size=1
+                train.program_train_step, model=model, config=config, vmap_size=1
             )
         )
         values = {"optim.table_lr_multiplier": jnp.array([1.0, 3.0])}

@@ -4,6 +4,7 @@ separate steps' parameters), separate steps against a single run, the study
 slice's commands, and (slow) the GPU preset and runs per hour on a CPU."""
 
 import doctest
+import functools
 import json
 import os
 import re
@@ -78,8 +79,8 @@ def test_quick_table_times_equivalent_programs(bench, capsys):
 @pytest.mark.slow
 def test_separate_steps_are_single_runs(bench, corpus):
     """Member 1 of the separate steps (seed 1, its own learning rates as
-    arguments) against train.compile_steps' step of a single run with those
-    values as constants, from the single run's initial parameters (up to
+    arguments) against train.train_step of a single run with those values as
+    constants, from the single run's initial parameters (up to
     rounding: the members' are initialised under vmap), on its batches and
     dropout key."""
     shape = bench.load_shape("tiny", {"data.path": corpus})
@@ -99,8 +100,14 @@ def test_separate_steps_are_single_runs(bench, corpus):
         data.train_batch(shape.tokens, seed=1, step=s, batch_size=8, block_size=16)
         for s in range(3)
     ]
-    train_fn, _, _ = train.compile_steps(
-        shape.model, config, state, batches[0], dropout_key
+    train_fn = jax.jit(
+        functools.partial(
+            train.train_step,
+            model=shape.model,
+            loss_kwargs=train.loss_keywords(config.loss),
+            learning_rate_fn=state_lib.learning_rate_schedule(config),
+            microbatches=config.train.microbatches,
+        )
     )
     for batch in batches:
         state, _ = train_fn(state, batch, dropout_key)

@@ -21,7 +21,6 @@ from typing import Any, NamedTuple
 import jax
 import ml_collections
 import numpy as np
-from tokenizers import decoders
 
 from lmhead import decoding, quantize
 from lmhead.lm import checkpoints, configuration, data
@@ -45,52 +44,6 @@ def load_run(workdir: str):
     state = state_lib.restore_or_init(manager, model, config, jax.random.key(0))
     manager.close()
     return config, tokenizer, model, state.params
-
-
-def _byte_level_chars() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, the ``tokenizers`` ``ByteLevel`` one: the
-    character that stands for each byte in a token's string."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("\xa1"), ord("\xac") + 1),
-        *range(ord("\xae"), ord("\xff") + 1),
-    ]
-    others = [b for b in range(256) if b not in printable]
-    chars = {chr(b): b for b in printable}
-    chars.update({chr(256 + n): b for n, b in enumerate(others)})
-    return chars
-
-
-def token_bytes(tokenizer: data.Tokenizer) -> list[bytes]:
-    """Each token's bytes, ``[V]`` byte strings: what
-    ``decoding.StopStrings.build`` matches stop strings on.
-
-    ``CharTokenizer``: the character's UTF-8 bytes (the end-of-text token's:
-    those of its literal ``<|endoftext|>``, what it decodes to). ``BPETokenizer``
-    (byte-level): the bytes its vocabulary string stands for, which may be
-    part of a character; decoding the token alone would give U+FFFD instead.
-    Either way the text of a row is the UTF-8 decoding of its tokens' bytes
-    joined, so text stop strings are matched exactly (see
-    ``lmhead.decoding.stop_strings``). Another tokenizer with a ``decode``
-    method gets ``decode([v])``'s UTF-8 bytes, exact only when its ``decode``
-    joins its tokens' texts.
-
-    Examples:
-        >>> token_bytes(data.CharTokenizer("aé"))
-        [b'a', b'\\xc3\\xa9']
-    """
-    if isinstance(tokenizer, data.CharTokenizer):
-        return [
-            tokenizer.decode([v]).encode("utf-8") for v in range(tokenizer.vocab_size)
-        ]
-    inner = getattr(tokenizer, "tokenizer", None)
-    if inner is not None and isinstance(inner.decoder, decoders.ByteLevel):
-        chars = _byte_level_chars()
-        return [
-            bytes(chars[c] for c in inner.id_to_token(v))
-            for v in range(tokenizer.vocab_size)
-        ]
-    return decoding.token_bytes_from_decode(tokenizer.decode, tokenizer.vocab_size)
 
 
 class Continuation(NamedTuple):
@@ -235,7 +188,7 @@ def continuations(
     knobs.check(num_samples, model.vocab_size)  # traced below: checked here
     stop_strings = table = None
     if stop is not None:
-        table = token_bytes(tokenizer)
+        table = data.token_bytes(tokenizer)
         stop_strings = decoding.StopStrings.build(stop, table)
     context_len = model.max_len // 2
     settings = _WindowSettings(

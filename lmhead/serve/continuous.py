@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from lmhead import _checks, decoding
-from lmhead.lm import generation, kv_cache
+from lmhead.lm import data, kv_cache
 from lmhead.lm import model as model_lib
 from lmhead.serve import completions, requests
 from lmhead.serve.requests import CompletionRequest
@@ -198,7 +198,7 @@ class SlotBatcher:
         limits = requests.Limits() if limits is None else limits
         self._stop_table = decoding.StopStrings.build(
             [[]] * slots,
-            generation.token_bytes(engine.tokenizer),
+            data.token_bytes(engine.tokenizer),
             max_bytes=limits.max_stop_bytes,
             max_strings=limits.max_stops,
         )

@@ -28,6 +28,7 @@ LM = [
 SERVE = [
     *LM,
     "fastapi>=0.110",
+    "pydantic>=2.6",  # the request bodies (lmhead/serve/protocol.py)
     "uvicorn>=0.29",
     "prometheus-client>=0.20",
     "httpx>=0.27",

@@ -20,6 +20,7 @@ from lmhead.decoding.step import (
     DecodeRows,
     ProcessorContext,
     StepConfig,
+    advance_constraint,
     decode_step,
     is_running,
     start_rows,
@@ -126,9 +127,10 @@ def _sampling_step(
         top_tokens=column(s.top_tokens, out.top_tokens),
         top_log_probs=column(s.top_log_probs, out.top_log_probs),
     )
-    logits, model_state = _loop.maybe_step(
+    # The constraint's host call goes beside the model's pass, in its branch.
+    logits, model_state, decoded = _loop.maybe_step(
         step_fn, params, _sampling_continues(new), out.tokens, s.rows.logits,
-        s.model_state,
+        s.model_state, beside=lambda: advance_constraint(decoded, out),
     )  # fmt: skip
     return new._replace(rows=decoded._replace(logits=logits), model_state=model_state)
 

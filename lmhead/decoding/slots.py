@@ -38,7 +38,13 @@ from lmhead.decoding.knobs import (
     neutral_value,
 )
 from lmhead.decoding.processors import NO_TOKEN
-from lmhead.decoding.step import DecodeRows, StepConfig, decode_step, start_rows
+from lmhead.decoding.step import (
+    DecodeRows,
+    StepConfig,
+    advance_constraint,
+    decode_step,
+    start_rows,
+)
 from lmhead.decoding.stop_strings import StopStrings
 
 
@@ -394,6 +400,9 @@ def _one_step(step_fn, params, config: StepConfig, state: SlotState):
     rows, out = decode_step(
         state.rows, state.knobs, stop, config, step=state.rows.generated
     )
+    # Beside the model's pass below, on which it does not depend: the host
+    # fills the next masks while the device runs the model.
+    rows = advance_constraint(rows, out)
     # A row that emitted nothing feeds position 0 of its own cache row: it is
     # free or has ended, and its next fill overwrites it; left alone, its
     # position would run past the model's max_len.

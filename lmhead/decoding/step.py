@@ -273,6 +273,20 @@ def _update_stops(
     return tuple(carries), ended & emitted
 
 
+def advance_constraint(rows: DecodeRows, out: StepOutput) -> DecodeRows:
+    """``rows`` whose constrained rows that emitted in ``out`` have handed
+    their token to the masker and hold the masks of their next token
+    (:meth:`~lmhead.decoding.constraint.TokenConstraint.advanced`); the same
+    rows without a constraint. A loop issues it beside the model's forward
+    pass of the step's tokens, on which it does not depend, and in the same
+    branch of any ``lax.cond`` around that pass: XLA then runs the host's
+    work while the device runs the model."""
+    if rows.constraint is None:
+        return rows
+    advanced = rows.constraint.advanced(out.tokens, out.emitted)
+    return rows._replace(constraint=advanced)
+
+
 def decode_step(
     rows: DecodeRows,
     knobs: SamplingKnobs,
@@ -310,9 +324,9 @@ def decode_step(
     constraint allows no token emits nothing and ends
     (:data:`FINISHED_STOP`: its grammar is complete in a vocabulary without
     end-of-text, or broken). Rows that emit append their token to
-    ``history`` and ``counts``, and constrained rows that emit hand it to
-    the constraint's masker, which returns their next masks
-    (:meth:`~lmhead.decoding.constraint.TokenConstraint.advanced`).
+    ``history`` and ``counts``; the constrained rows' automata take the
+    tokens in :func:`advance_constraint`, which the loops issue beside the
+    model's next forward pass.
 
     Args:
         rows: the rows' :class:`DecodeRows`.
@@ -384,9 +398,7 @@ def decode_step(
         history=history,
         counts=counts,
         stop_carry=stop_carry,
-        constraint=None
-        if rows.constraint is None
-        else rows.constraint.advanced(token, emitted),
+        constraint=rows.constraint,
     )
     out = StepOutput(
         tokens=token,

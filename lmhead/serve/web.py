@@ -198,6 +198,7 @@ class _Guard:
             refusal = self._refusal(scope)
             if refusal is None and scope["method"] == "POST":
                 receive, refusal = await self._read_body(scope, receive)
+                scope = _as_json(scope)
             if refusal is not None:
                 return await refusal(scope, receive, send_and_record)
             return await self.app(scope, receive, send_and_record)
@@ -253,6 +254,13 @@ class _Guard:
             return {"type": "http.request", "body": body, "more_body": False}
 
         return replay, None
+
+
+def _as_json(scope: dict) -> dict:
+    """``scope`` with its body declared JSON: every POST route reads JSON,
+    and ``curl -d`` (form-encoded by default) is read as it always was."""
+    headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
 
 
 async def _drain(receive, size: int) -> None:

@@ -186,7 +186,7 @@ def main(argv):
     try:
         continuations = _continuations(f, model, params, tokenizer, stop)
     except constraints.ConstraintError as error:
-        raise app.UsageError(f"--{error.kind}: {error}") from None
+        raise app.UsageError(f"--{error}") from None  # "--regex: ..."
     texts = [c.text + top_logprobs_lines(c, tokenizer) for c in continuations]
     print(generation.SAMPLE_SEPARATOR.join(texts), flush=True)
     if f.timings:

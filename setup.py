@@ -13,22 +13,26 @@ CORE = [
     "absl-py>=2.1",
     "numpy>=1.26",
 ]
-# lmhead.lm: configs, checkpoints, TensorBoard logs, BPE tokenizers, and
-# Hugging Face checkpoints read as numpy (lmhead/lm/gpt2_import.py).
+# lmhead.lm: configs, checkpoints, TensorBoard logs, BPE tokenizers,
+# Hugging Face checkpoints read as numpy (lmhead/lm/gpt2_import.py), and
+# structured output's grammars (lmhead/lm/constraints.py; no dependencies).
 LM = [
     "ml-collections>=0.1.1",
     "orbax-checkpoint>=0.5.20",
     "tensorboardX>=2.6",
     "tokenizers>=0.19",
     "safetensors>=0.4",
+    "llguidance>=1.9",
 ]
 # lmhead.serve and lmhead.lab import lmhead.lm, so their extras include it.
 SERVE = [
     *LM,
     "fastapi>=0.110",
+    "pydantic>=2.6",  # the request bodies (lmhead/serve/protocol.py)
     "uvicorn>=0.29",
     "prometheus-client>=0.20",
     "httpx>=0.27",
+    "jinja2>=3.1",  # chat templates, rendered as transformers renders them
 ]
 # lmhead.lab's statistics (t quantiles, Holm, TOST, power) and figures, and
 # the tying study's reports.
@@ -59,6 +63,8 @@ setuptools.setup(
             "ipykernel>=6.29",
             "ruff>=0.15",
             "openai>=1.40",
+            "jsonschema>=4.20",  # structured output's tests
+            "lark>=1.1",
         ],
     },
 )

@@ -8,6 +8,10 @@ r"""Continues a prompt with a trained run's newest checkpoint and tokenizer.
     python experiments/generate.py --workdir=... --quantize=int8   # int8 head
     python experiments/generate.py --workdir=... --stop='\n\n' --stop=ROMEO: \
         --presence_penalty=0.5 --frequency_penalty=0.3 --top_logprobs=3
+    python experiments/generate.py --workdir=... --json_schema=person.json
+    python experiments/generate.py --workdir=... --regex='[A-Z][a-z]+, [0-9]{4}'
+    python experiments/generate.py --workdir=... --choice=yes --choice=no
+    python experiments/generate.py --workdir=... --grammar=arithmetic.lark
 
 A sample ends at the run's end-of-text token (``<|endoftext|>``, which new
 runs put between works), which is not printed; ``--ignore_eos`` goes on past
@@ -16,7 +20,9 @@ follows it; its
 ``\n``, ``\t`` and ``\uXXXX`` escapes are read as in Python. With
 ``--top_logprobs=k`` each sample's text is followed by one line per
 generated token: the token and its step's ``k`` likeliest tokens with their
-log-probabilities. After the text it prints, on stderr, the time to first
+log-probabilities. ``--json_schema``, ``--regex``, ``--choice`` and
+``--grammar`` (at most one) constrain every sample's continuation
+(``lmhead.lm.constraints``, docs/decoding.md). After the text it prints, on stderr, the time to first
 token (prefill and one step) and the milliseconds per new token of the
 compiled programs.
 """
@@ -28,7 +34,7 @@ import jax
 from absl import app, flags
 
 from lmhead.decoding import knobs
-from lmhead.lm import generation
+from lmhead.lm import constraints, generation
 
 cli.workdir_flag()
 flags.DEFINE_string("prompt", "\n", "Text to continue.")
@@ -68,6 +74,21 @@ flags.DEFINE_enum(
     None,
     ["int8", "bfloat16", "float16"],
     "Decode with the head's table in this type (the embedding lookup keeps float32).",
+)
+flags.DEFINE_string(
+    "json_schema", None, "A JSON Schema file every continuation must follow."
+)
+flags.DEFINE_string("regex", None, "A regex every continuation must match whole.")
+flags.DEFINE_multi_string(
+    "choice", None, "A string a continuation must be (repeat the flag for each)."
+)
+flags.DEFINE_string(
+    "grammar", None, "A Lark or GBNF grammar file every continuation must follow."
+)
+flags.register_multi_flags_validator(
+    ["json_schema", "regex", "choice", "grammar"],
+    lambda values: sum(v is not None for v in values.values()) <= 1,
+    message="give at most one of --json_schema, --regex, --choice and --grammar.",
 )
 flags.DEFINE_bool(
     "timings", True, "Report time to first token and ms per new token on stderr."
@@ -119,13 +140,23 @@ def top_logprobs_lines(continuation, tokenizer) -> str:
     return "".join("\n" + line for line in lines)
 
 
-def main(argv):
-    f = cli.start(argv)
-    _, tokenizer, model, params = generation.load_run(f.workdir)
-    if f.quantize:
-        params = generation.quantize_for_decoding(model, params, f.quantize)
-    stop = [unescape(s) for s in f.stop] if f.stop else None
-    continuations = generation.continuations(
+def read_constraint(f) -> constraints.Constraint | None:
+    """The constraint the flags give, or None; its files read as UTF-8."""
+    if f.json_schema is not None:
+        with open(f.json_schema, encoding="utf-8") as file:
+            return constraints.Constraint.json_schema(file.read())
+    if f.grammar is not None:
+        with open(f.grammar, encoding="utf-8") as file:
+            return constraints.Constraint.grammar(file.read())
+    if f.regex is not None:
+        return constraints.Constraint.regex(f.regex)
+    if f.choice is not None:
+        return constraints.Constraint.choice(f.choice)
+    return None
+
+
+def _continuations(f, model, params, tokenizer, stop):
+    return generation.continuations(
         model,
         params,
         tokenizer,
@@ -142,7 +173,20 @@ def main(argv):
         frequency_penalty=f.frequency_penalty,
         top_logprobs=f.top_logprobs,
         ignore_eos=f.ignore_eos,
+        constraint=read_constraint(f),
     )
+
+
+def main(argv):
+    f = cli.start(argv)
+    _, tokenizer, model, params = generation.load_run(f.workdir)
+    if f.quantize:
+        params = generation.quantize_for_decoding(model, params, f.quantize)
+    stop = [unescape(s) for s in f.stop] if f.stop else None
+    try:
+        continuations = _continuations(f, model, params, tokenizer, stop)
+    except constraints.ConstraintError as error:
+        raise app.UsageError(f"--{error}") from None  # "--regex: ..."
     texts = [c.text + top_logprobs_lines(c, tokenizer) for c in continuations]
     print(generation.SAMPLE_SEPARATOR.join(texts), flush=True)
     if f.timings:

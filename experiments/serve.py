@@ -1,4 +1,4 @@
-r"""Serves a trained run over HTTP: OpenAI's completions, health and metrics.
+r"""Serves a trained run over HTTP: OpenAI's completions and chat, health and metrics.
 
     pip install -e '.[serve]'
     python experiments/serve.py --workdir=runs/nanogpt_tied          # 127.0.0.1:8000
@@ -8,6 +8,9 @@ r"""Serves a trained run over HTTP: OpenAI's completions, health and metrics.
 Completions are batched continuously (``lmhead/serve/continuous.py``); a
 request fits when its prompt plus ``max_tokens`` fits the run's context
 (``echo`` with ``max_tokens`` 0 or 1 scores a prompt of the whole context).
+A chat's messages become a prompt through the run's chat template
+(``WORKDIR/tokenizer_config.json``'s ``chat_template``, an imported
+checkpoint's; else ``lmhead.serve.chat.DEFAULT_TEMPLATE``).
 The decode slots (a prefill per prompt length, a fill, the step) and the scorer
 of echoed prompts are compiled before it listens, and beam search compiles a
 shape on its first use. Compiled programs are kept in
@@ -24,7 +27,7 @@ import jax
 from absl import app, flags
 
 from lmhead.lm import generation
-from lmhead.serve import continuous, engine, requests, web
+from lmhead.serve import chat, continuous, engine, requests, web
 
 cli.workdir_flag()
 flags.DEFINE_string(
@@ -133,7 +136,14 @@ def main(argv):
         new_tokens=_sizes("new_tokens", requests.powers_of_two(model.max_len)),
         beam_sizes=_sizes("beam_sizes", ()),
     )
-    served = engine.Engine(model, params, tokenizer, buckets, seed=f.seed)
+    served = engine.Engine(
+        model,
+        params,
+        tokenizer,
+        buckets,
+        seed=f.seed,
+        chat_template=chat.ChatTemplate.of_run(f.workdir, tokenizer),
+    )
     start = time.perf_counter()
     served.warm_up()
     config = web.ServiceConfig(

@@ -30,6 +30,7 @@ HEAVY = (
     "safetensors",
     "fastapi",
     "uvicorn",
+    "llguidance",
 )
 # The modules of every extra's packages, which the head functions must run
 # without (scipy is not among them: jax requires it).
@@ -45,6 +46,8 @@ EXTRA_MODULES = (
     "ml_collections",
     "prometheus_client",
     "httpx",
+    "llguidance",
+    "jinja2",
 )
 
 # A loss, the fused loss and greedy decoding, each against numpy, with every

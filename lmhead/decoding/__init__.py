@@ -12,7 +12,9 @@ and the matching ``state`` (what a model's prefill returns), and pass
 and must not close over weights. ``step_fn`` may bring ``reorder(state,
 rows)`` and ``repeat(state, repeats)`` (beam search and ``num_samples``; else
 :func:`gather_rows` and ``jnp.repeat``). The knobs are one
-:class:`SamplingKnobs`. A removed token has logit :data:`NEG_INF`; ties go to
+:class:`SamplingKnobs`; a constraint (structured output) is a
+:class:`TokenConstraint`, each row's allowed-token mask, which the step reads
+and a host :class:`TokenMasker` advances. A removed token has logit :data:`NEG_INF`; ties go to
 the lower token id; a length counts generated tokens up to and including EOS,
 ``pad_id`` after. ``docs/decoding.md`` describes the modules and the contract.
 """
@@ -26,6 +28,14 @@ from lmhead.decoding.beam_search import (
     beam_search,
     gather_rows,
     length_penalty_divisor,
+)
+from lmhead.decoding.constraint import (
+    TokenConstraint,
+    TokenMasker,
+    apply_token_mask,
+    mask_width,
+    pack_token_mask,
+    unpack_token_mask,
 )
 from lmhead.decoding.knobs import SamplingKnobs, logit_bias_vector, stop_token_mask
 from lmhead.decoding.processors import (

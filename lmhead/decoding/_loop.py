@@ -71,11 +71,16 @@ def maybe_step(
     tokens: jax.Array,
     logits: jax.Array,
     model_state: Any,
-) -> tuple[jax.Array, Any]:
-    """``step_fn(params, tokens, model_state)`` unless the loop is about to stop.
+    beside: Callable[[], Any] = lambda: (),
+) -> tuple[jax.Array, Any, Any]:
+    """``step_fn(params, tokens, model_state)`` unless the loop is about to
+    stop, and ``beside()`` either way: ``(logits, model_state, beside's
+    result)``.
 
     The skipped call would compute logits that nobody reads and write a cache
     slot that a cache sized for prompt + max_new_tokens - 1 does not have.
+    ``beside`` (a constraint's host call) runs in the model's branch, beside
+    its pass: outside the branch, XLA would wait for the branch first.
     """
 
     def call():
@@ -87,9 +92,9 @@ def maybe_step(
                 f"step_fn must return (logits {logits.shape}, state with the "
                 f"structure it was given); got logits {jnp.shape(new_logits)}."
             )
-        return jnp.asarray(new_logits, jnp.float32), new_state
+        return jnp.asarray(new_logits, jnp.float32), new_state, beside()
 
-    return jax.lax.cond(keep_going, call, lambda: (logits, model_state))
+    return jax.lax.cond(keep_going, call, lambda: (logits, model_state, beside()))
 
 
 def right_aligned(prompt_tokens: jax.Array, width: int) -> jax.Array:

@@ -318,7 +318,7 @@ def _beam_step(
     )
     rows = (jnp.arange(batch)[:, None] * num_beams + beam).reshape(-1)
     model_state = _reorder(step_fn, s.model_state, rows)
-    logits, model_state = _loop.maybe_step(
+    logits, model_state, _ = _loop.maybe_step(
         step_fn,
         params,
         _beam_continues(new, alpha, config),

@@ -14,6 +14,7 @@ import numpy as np
 from lmhead import _checks
 from lmhead.decoding import _loop, top_set
 from lmhead.decoding._loop import NO_TOKEN
+from lmhead.decoding.constraint import apply_token_mask, unpack_token_mask
 from lmhead.decoding.knobs import (
     SamplingKnobs,
     check_knob,
@@ -480,18 +481,22 @@ def process_logits(
     counts: jax.typing.ArrayLike | None = None,
     num_generated: jax.typing.ArrayLike = 0,
     eos_id: int | Sequence[int] | None = None,
+    allowed: jax.typing.ArrayLike | None = None,
     **knob_values: Any,
 ) -> jax.Array:
     r"""Applies every processor in a fixed order: the distribution a sampler draws from.
 
     On the raw logits: repetition penalty, presence and frequency
     penalties, logit bias, no-repeat-n-gram, suppressed tokens and minimum
-    new tokens; then temperature; then top-k, top-p and min-p on the
-    tempered distribution (``docs/decoding.md`` says why this order). A
-    processor left at None is off. A row whose every token got removed falls
-    back to a point mass on the argmax of the raw ``logits``; where a logit
-    is ``+inf`` before temperature, the ``+inf`` ones share the mass (the
-    limit of softmax): never NaN.
+    new tokens; then the ``allowed`` mask of a constraint; then temperature;
+    then top-k, top-p and min-p on the tempered distribution, so that they
+    choose among the allowed tokens (``docs/decoding.md`` says why this
+    order). A processor left at None is off. A row whose every token got
+    removed falls back to a point mass on the argmax of the raw ``logits``
+    among its allowed tokens (the first allowed token where none of them is
+    finite): a constraint wins over ``min_new_tokens`` and the filters.
+    Where a logit is ``+inf`` before temperature, the ``+inf`` ones share
+    the mass (the limit of softmax): never NaN.
 
     Args:
         logits: ``[B, V]`` raw next-token logits.
@@ -505,6 +510,8 @@ def process_logits(
             ``presence_penalty`` and ``frequency_penalty``
             (:attr:`~lmhead.decoding.knobs.SamplingKnobs.reads_counts`).
         num_generated, eos_id: see :func:`apply_min_new_tokens`.
+        allowed: ``int32 [B, ceil(V / 32)]``, each row's packed mask of the
+            tokens a constraint allows (:func:`apply_token_mask`), or None.
 
     Returns:
         ``[B, V]`` float32 processed logits.
@@ -535,6 +542,7 @@ def process_logits(
     z = apply_min_new_tokens(
         z, num_generated, min_new_tokens=knobs.min_new_tokens, eos_id=eos_id
     )
+    z = apply_token_mask(z, allowed)
     # A logit the penalty pushed (or the model put) at +inf holds all the
     # mass, as the limit of softmax says; inf - inf would be NaN.
     top = jnp.max(z, axis=-1, keepdims=True)
@@ -543,5 +551,11 @@ def process_logits(
     z = apply_top_k(z, knobs.top_k)
     z = apply_min_p(apply_top_p(z, knobs.top_p), knobs.min_p)
     all_removed = jnp.all(z == NEG_INF, axis=-1, keepdims=True)
-    is_argmax = jnp.arange(z.shape[-1]) == jnp.argmax(raw, axis=-1, keepdims=True)
-    return jnp.where(all_removed, jnp.where(is_argmax, 0.0, NEG_INF), z)
+    fallback = jnp.argmax(raw, axis=-1, keepdims=True)
+    if allowed is not None:
+        mask = unpack_token_mask(allowed, raw.shape[-1])
+        best = jnp.argmax(jnp.where(mask, raw, NEG_INF), axis=-1, keepdims=True)
+        finite = jnp.any(mask & (raw > NEG_INF), axis=-1, keepdims=True)
+        fallback = jnp.where(finite, best, jnp.argmax(mask, axis=-1, keepdims=True))
+    is_fallback = jnp.arange(z.shape[-1]) == fallback
+    return jnp.where(all_removed, jnp.where(is_fallback, 0.0, NEG_INF), z)

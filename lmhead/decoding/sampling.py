@@ -13,12 +13,14 @@ import numpy as np
 from lmhead import _checks
 from lmhead.decoding import _loop
 from lmhead.decoding._loop import StepFn
+from lmhead.decoding.constraint import TokenConstraint
 from lmhead.decoding.knobs import SamplingKnobs
 from lmhead.decoding.split import split_loops
 from lmhead.decoding.step import (
     DecodeRows,
     ProcessorContext,
     StepConfig,
+    advance_constraint,
     decode_step,
     is_running,
     start_rows,
@@ -92,6 +94,7 @@ class _Rows(NamedTuple):
 
     max_new_tokens: jax.Array | None  # int32 [B]
     prompt_lengths: jax.Array | None  # int32 [B], when there is a processor
+    constraint: TokenConstraint | None = None  # its ids [B], masker static
 
 
 def _sampling_continues(s: SamplingState) -> jax.Array:
@@ -124,9 +127,10 @@ def _sampling_step(
         top_tokens=column(s.top_tokens, out.top_tokens),
         top_log_probs=column(s.top_log_probs, out.top_log_probs),
     )
-    logits, model_state = _loop.maybe_step(
+    # The constraint's host call goes beside the model's pass, in its branch.
+    logits, model_state, decoded = _loop.maybe_step(
         step_fn, params, _sampling_continues(new), out.tokens, s.rows.logits,
-        s.model_state,
+        s.model_state, beside=lambda: advance_constraint(decoded, out),
     )  # fmt: skip
     return new._replace(rows=decoded._replace(logits=logits), model_state=model_state)
 
@@ -193,6 +197,7 @@ def _start(
             history,
             counts,
             stop_carry=tuple(condition.init(batch) for condition in stop),
+            constraint=rows.constraint,
         ),
         model_state=model_state,
         tokens=jnp.full((batch, num_new), pad_id, jnp.int32),
@@ -270,7 +275,7 @@ class _LoopArguments(NamedTuple):
 def _prepare(
     step_fn, params, logits, state, *, key, max_new_tokens, knobs, eos_id, pad_id,
     num_samples, prompt_tokens, donate_state, row_max_new_tokens, stop,
-    stop_sequences, top_logprobs, log_probs_from, processor, knob_values,
+    stop_sequences, top_logprobs, log_probs_from, processor, constraint, knob_values,
 ) -> _LoopArguments:  # fmt: skip
     """Checks :func:`generate`'s arguments and repeats the rows per sample."""
     logits, batch, vocab_size = _loop.check_call(step_fn, logits, state)
@@ -306,6 +311,15 @@ def _prepare(
         state = _loop.repeat_rows(step_fn, state, num_samples)
         knobs = knobs.repeat_rows(num_samples)
         stop = tuple(condition.repeat_rows(num_samples) for condition in stop)
+    if constraint is not None:  # one automaton per output row
+        if not isinstance(constraint, TokenConstraint):
+            raise TypeError(
+                "constraint must be a TokenConstraint(ids, masker) or None; got "
+                f"{type(constraint).__name__}."
+            )
+        constraint.check(batch * num_samples)
+        ids = jnp.asarray(constraint.ids, jnp.int32)
+        rows = rows._replace(constraint=TokenConstraint(ids, constraint.masker))
     config = _SamplingConfig(
         max_new_tokens=int(max_new_tokens),
         step=StepConfig(
@@ -383,6 +397,7 @@ def generate(
     top_logprobs: int = 0,
     log_probs_from: str = "processed",
     processor: Callable[[jax.Array, ProcessorContext], jax.Array] | None = None,
+    constraint: TokenConstraint | None = None,
     **knob_values: Any,
 ) -> Generation:
     r"""Greedy decoding or sampling, with any combination of the processors.
@@ -472,6 +487,17 @@ def generate(
             tempered logits when ``temperature > 0``); removing a token means
             setting its logit to :data:`NEG_INF`. A row whose every token it
             removes is drawn as if there were no hook.
+        constraint: None, or a
+            :class:`~lmhead.decoding.constraint.TokenConstraint` ``(ids,
+            masker)`` with one automaton id per output row (``[B*S]``, ``-1``
+            for a row without one): each step removes the tokens the row's
+            automaton does not allow (after the penalties and ``logit_bias``,
+            before temperature and the filters: greedy takes the best allowed
+            token, sampling renormalizes over the allowed ones) and hands the
+            drawn tokens to ``masker``; a row whose automaton allows no token
+            ends (:data:`FINISHED_STOP`). ``ids`` are traced: a new
+            constraint compiles nothing. The loop then runs over the whole
+            batch (no split over devices).
 
     Returns:
         A :class:`Generation`: ``tokens``, ``log_probs``, ``lengths``,
@@ -498,7 +524,8 @@ def generate(
         prompt_tokens=prompt_tokens, donate_state=donate_state,
         row_max_new_tokens=row_max_new_tokens, stop=stop,
         stop_sequences=stop_sequences, top_logprobs=top_logprobs,
-        log_probs_from=log_probs_from, processor=processor, knob_values=knob_values,
+        log_probs_from=log_probs_from, processor=processor, constraint=constraint,
+        knob_values=knob_values,
     )  # fmt: skip
     start = _loops(arguments)[0]  # the loop from its start, to its end
     return _generation_of(start(max_new_tokens))

@@ -24,6 +24,12 @@ import numpy as np
 from lmhead import _checks
 from lmhead.decoding import _loop
 from lmhead.decoding._loop import StepFn
+from lmhead.decoding.constraint import (
+    UNCONSTRAINED,
+    TokenConstraint,
+    TokenMasker,
+    mask_width,
+)
 from lmhead.decoding.knobs import (
     KNOBS,
     TRACED_KNOBS,
@@ -32,7 +38,13 @@ from lmhead.decoding.knobs import (
     neutral_value,
 )
 from lmhead.decoding.processors import NO_TOKEN
-from lmhead.decoding.step import DecodeRows, StepConfig, decode_step, start_rows
+from lmhead.decoding.step import (
+    DecodeRows,
+    StepConfig,
+    advance_constraint,
+    decode_step,
+    start_rows,
+)
 from lmhead.decoding.stop_strings import StopStrings
 
 
@@ -43,7 +55,9 @@ class SlotState(NamedTuple):
         rows: the ``S`` slots' :class:`~lmhead.decoding.step.DecodeRows`,
             with ``[S]`` keys (step ``t`` of slot ``s`` draws from
             ``fold_in(key[s], t)``), limits 0 for a free slot, ``[S, H]``
-            history, ``[S, V]`` counts, and the carry of ``stop`` if any.
+            history, ``[S, V]`` counts, the carry of ``stop`` if any, and,
+            with a masker, each slot's constraint (id ``-1`` and every token
+            allowed for a slot without one).
         model_state: ``step_fn``'s state for ``S`` rows (a key/value cache).
         knobs: :class:`SamplingKnobs`, every traced knob ``[S]`` (``[S, V]``
             per token) and no static knob.
@@ -122,6 +136,7 @@ def empty_slots(
     history_len: int,
     key: jax.Array,
     stop: StopStrings | None = None,
+    masker: TokenMasker | None = None,
 ) -> SlotState:
     """Free slots, one per row of ``model_state``.
 
@@ -136,6 +151,10 @@ def empty_slots(
             table: ``StopStrings.build([[]] * S, token_bytes,
             max_bytes=Ls, max_strings=S')``, whose capacity every fill's
             strings must fit.
+        masker: None (no row is constrained), or the
+            :class:`~lmhead.decoding.constraint.TokenMasker` of the rows'
+            constraints (:func:`fill_slots`' ``constraint_ids``): static, one
+            compile for every constraint.
 
     Examples:
         >>> state = empty_slots(jnp.zeros([3, 2]), vocab_size=5, history_len=4,
@@ -158,6 +177,13 @@ def empty_slots(
             )
         stop.check(slots, vocab_size)
     knobs = full_knobs(SamplingKnobs(temperature=0.0), slots, vocab_size)
+    constraint = None
+    if masker is not None:
+        constraint = TokenConstraint(
+            ids=jnp.full((slots,), UNCONSTRAINED, jnp.int32),
+            masker=masker,
+            words=jnp.full((slots, mask_width(vocab_size)), -1, jnp.int32),
+        )
     rows = start_rows(
         logits=jnp.zeros((slots, vocab_size), jnp.float32),
         key=jax.random.split(key, slots),
@@ -165,6 +191,7 @@ def empty_slots(
         history=jnp.full((slots, history_len), NO_TOKEN, jnp.int32),
         counts=jnp.zeros((slots, vocab_size), jnp.int32),
         stop_carry=_stop_carry(stop, slots),
+        constraint=constraint,
     )
     return SlotState(rows, model_state, jax.tree.map(jnp.asarray, knobs), stop)
 
@@ -175,9 +202,14 @@ def _stop_carry(stop: StopStrings | None, rows: int) -> tuple:
 
 
 @partial(jax.jit, donate_argnames="state")
-def _fill(state, slots, logits, model_state, keys, limits, history, knobs, stops):
+def _fill(
+    state, slots, logits, model_state, keys, limits, history, knobs, stops, ids
+):  # fmt: skip
     put = lambda whole, rows: whole.at[slots].set(rows, mode="drop")
     old = state.rows
+    constraint = None
+    if old.constraint is not None:  # the new rows' first masks, from the host
+        constraint = TokenConstraint(ids, old.constraint.masker)
     new = start_rows(
         logits,
         keys,
@@ -185,6 +217,7 @@ def _fill(state, slots, logits, model_state, keys, limits, history, knobs, stops
         history=_loop.right_aligned(history, old.history.shape[1]),
         counts=jnp.zeros_like(logits, jnp.int32),
         stop_carry=_stop_carry(state.stop, logits.shape[0]),
+        constraint=constraint,
     )
     stop = state.stop
     if stop is not None:
@@ -213,6 +246,7 @@ def fill_slots(
     prompt_tokens: jax.typing.ArrayLike,
     knobs: SamplingKnobs,
     stop_strings: tuple[jax.typing.ArrayLike, jax.typing.ArrayLike] | None = None,
+    constraint_ids: jax.typing.ArrayLike | None = None,
 ) -> SlotState:
     """Starts ``R`` prefilled rows in ``slots`` (donates ``state``).
 
@@ -235,6 +269,9 @@ def fill_slots(
             the capacity of ``state.stop``:
             ``encode_stop_strings(per_row, max_bytes=Ls, max_strings=S')``
             (which refuses strings beyond it).
+        constraint_ids: ``int [R]``, each row's automaton id in the slots'
+            masker (``-1``: none), or None (no row is constrained); the fill
+            asks the masker for their first masks.
 
     Examples:
         >>> state = empty_slots(jnp.zeros([3]), vocab_size=2, history_len=4,
@@ -286,7 +323,28 @@ def fill_slots(
         jnp.asarray(prompt_tokens, jnp.int32),
         jax.tree.map(jnp.asarray, knobs),
         _stop_rows(state.stop, stop_strings, rows),
+        _constraint_rows(state.rows.constraint, constraint_ids, rows),
     )
+
+
+def _constraint_rows(
+    constraint: TokenConstraint | None, ids: Any, rows: int
+) -> jax.Array | None:
+    """``constraint_ids`` checked against the slots' masker (``-1``: none)."""
+    if constraint is None:
+        if ids is not None:
+            raise ValueError(
+                "constraint_ids needs slots with a masker (empty_slots' masker)."
+            )
+        return None
+    if ids is None:
+        return jnp.full((rows,), UNCONSTRAINED, jnp.int32)
+    _checks.check_integer("constraint_ids", ids)
+    if jnp.shape(ids) != (rows,):
+        raise ValueError(
+            f"constraint_ids must have shape [R] = ({rows},); got {jnp.shape(ids)}."
+        )
+    return jnp.asarray(ids, jnp.int32)
 
 
 def _stop_rows(
@@ -342,6 +400,9 @@ def _one_step(step_fn, params, config: StepConfig, state: SlotState):
     rows, out = decode_step(
         state.rows, state.knobs, stop, config, step=state.rows.generated
     )
+    # Beside the model's pass below, on which it does not depend: the host
+    # fills the next masks while the device runs the model.
+    rows = advance_constraint(rows, out)
     # A row that emitted nothing feeds position 0 of its own cache row: it is
     # free or has ended, and its next fill overwrites it; left alone, its
     # position would run past the model's max_len.

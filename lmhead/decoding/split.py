@@ -9,7 +9,8 @@ collective: :func:`~lmhead.decoding.generate` and its streams
 each with its beams: :func:`split_rows`). A single sampling key's draw takes
 each device's rows of the whole batch's noise (``StepConfig.row_axis``), so a
 row's draws do not depend on the split. A ``processor`` hook, which sees every
-row, keeps the loop over the whole batch. ``docs/decoding.md`` measures it.
+row, and a constraint, whose masker serves every row from the host, keep the
+loop over the whole batch. ``docs/decoding.md`` measures it.
 """
 
 import functools
@@ -133,7 +134,8 @@ def split_loops(
     placed on the mesh once, for all of a stream's chunks."""
     a = arguments
     mesh = rows_mesh(a.step_fn, a.logits.shape[0])
-    if mesh is None or a.config.step.processor is not None:
+    whole_batch = a.config.step.processor is not None or a.rows.constraint is not None
+    if mesh is None or whole_batch:
         return None
     per_row_key = per_row_keys(a.key)
     axis = mesh.axis_names[0]

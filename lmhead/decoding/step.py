@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from lmhead.decoding import _loop
+from lmhead.decoding.constraint import TokenConstraint
 from lmhead.decoding.knobs import SamplingKnobs
 from lmhead.decoding.processors import process_logits
 from lmhead.head import NEG_INF
@@ -18,7 +19,7 @@ from lmhead.head import NEG_INF
 # Why a row ended (Generation.finish_reasons, SlotChunk.finish_reasons).
 FINISHED_LENGTH = 0  # it reached its limit of new tokens
 FINISHED_EOS = 1  # it produced one of eos_id
-FINISHED_STOP = 2  # a stop condition ended it
+FINISHED_STOP = 2  # a stop condition ended it, or its constraint allowed no token
 FINISHED_BAD_LOGITS = 3  # the model's logits were not finite
 
 
@@ -58,6 +59,8 @@ class DecodeRows(NamedTuple):
         counts: ``int32 [B, V]``, how often each row generated each token;
             None when no knob reads them.
         stop_carry: a tuple, each stop condition's carry.
+        constraint: None, or the rows' :class:`~lmhead.decoding.constraint.TokenConstraint`
+            with the masks of their next token (``words``).
     """
 
     logits: jax.Array
@@ -68,6 +71,7 @@ class DecodeRows(NamedTuple):
     history: jax.Array | None
     counts: jax.Array | None
     stop_carry: tuple
+    constraint: TokenConstraint | None = None
 
 
 class StepConfig(NamedTuple):
@@ -123,11 +127,15 @@ def start_rows(
     history: jax.Array | None = None,
     counts: jax.Array | None = None,
     stop_carry: tuple = (),
+    constraint: TokenConstraint | None = None,
 ) -> DecodeRows:
     """Rows about to draw their first token: none generated, each running
     until its limit (``int32 [B]``), :data:`FINISHED_LENGTH` unless
-    something ends it first."""
+    something ends it first; a ``constraint`` without masks gets those of
+    the rows' first tokens from its masker."""
     batch = logits.shape[0]
+    if constraint is not None and constraint.words is None:
+        constraint = constraint.started(logits.shape[-1])
     return DecodeRows(
         logits=logits,
         key=key,
@@ -137,6 +145,7 @@ def start_rows(
         history=history,
         counts=counts,
         stop_carry=stop_carry,
+        constraint=constraint,
     )
 
 
@@ -161,6 +170,7 @@ def _processed_logits(
         counts=rows.counts,
         num_generated=step,
         eos_id=eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
+        allowed=None if rows.constraint is None else rows.constraint.words,
     )
     if config.processor is None:
         return processed
@@ -263,6 +273,20 @@ def _update_stops(
     return tuple(carries), ended & emitted
 
 
+def advance_constraint(rows: DecodeRows, out: StepOutput) -> DecodeRows:
+    """``rows`` whose constrained rows that emitted in ``out`` have handed
+    their token to the masker and hold the masks of their next token
+    (:meth:`~lmhead.decoding.constraint.TokenConstraint.advanced`); the same
+    rows without a constraint. A loop issues it beside the model's forward
+    pass of the step's tokens, on which it does not depend, and in the same
+    branch of any ``lax.cond`` around that pass: XLA then runs the host's
+    work while the device runs the model."""
+    if rows.constraint is None:
+        return rows
+    advanced = rows.constraint.advanced(out.tokens, out.emitted)
+    return rows._replace(constraint=advanced)
+
+
 def decode_step(
     rows: DecodeRows,
     knobs: SamplingKnobs,
@@ -282,7 +306,9 @@ def decode_step(
         \tilde z = h(\mathrm{process\_logits}(z, \dots), c)
 
     (``argmax`` where its temperature is 0; :math:`h` the ``processor``
-    hook, if any, with its context :math:`c`), and its log-probability
+    hook, if any, with its context :math:`c`; ``process_logits`` removes the
+    tokens that the row's constraint mask, if any, does not allow, before
+    temperature and the filters), and its log-probability
     under :math:`\log\mathrm{softmax}(\tilde z)` (``log_probs_from ==
     "processed"``) or :math:`\log\mathrm{softmax}(z)` (``"model"``), with the
     top ``k`` of the same distribution. The row then ends, its limit set to
@@ -294,8 +320,13 @@ def decode_step(
     as vLLM checks stop strings); a row whose ``generated``
     reaches its limit ends with :data:`FINISHED_LENGTH`. A running row whose
     logits are not finite (:func:`~lmhead.decoding._loop.not_finite`) emits
-    nothing and ends (:data:`FINISHED_BAD_LOGITS`). Rows that emit append
-    their token to ``history`` and ``counts``.
+    nothing and ends (:data:`FINISHED_BAD_LOGITS`); a running row whose
+    constraint allows no token emits nothing and ends
+    (:data:`FINISHED_STOP`: its grammar is complete in a vocabulary without
+    end-of-text, or broken). Rows that emit append their token to
+    ``history`` and ``counts``; the constrained rows' automata take the
+    tokens in :func:`advance_constraint`, which the loops issue beside the
+    model's next forward pass.
 
     Args:
         rows: the rows' :class:`DecodeRows`.
@@ -335,7 +366,10 @@ def decode_step(
         rows, processed, chosen, config
     )
     bad = _loop.not_finite(rows.logits) & running
-    emitted = running & ~bad
+    blocked = jnp.zeros_like(bad)
+    if rows.constraint is not None:
+        blocked = running & ~bad & ~rows.constraint.any_allowed(rows.logits.shape[-1])
+    emitted = running & ~bad & ~blocked
     token = jnp.where(emitted, chosen, config.pad_id)
     stop_carry, stopped = _update_stops(rows, stop, token, emitted)
     if knobs.min_new_tokens is not None:  # vLLM's rule for stop strings
@@ -344,8 +378,8 @@ def decode_step(
         stopped = stopped | (_is_stop_token(knobs, token) & emitted)
     eos = _loop.is_eos(token, config.eos_ids) & emitted
     generated = rows.generated + emitted.astype(jnp.int32)
-    limits = jnp.where(eos | stopped | bad, generated, rows.limits)
-    reasons = jnp.where(stopped, FINISHED_STOP, rows.finish_reasons)
+    limits = jnp.where(eos | stopped | bad | blocked, generated, rows.limits)
+    reasons = jnp.where(stopped | blocked, FINISHED_STOP, rows.finish_reasons)
     reasons = jnp.where(eos, FINISHED_EOS, reasons)
     reasons = jnp.where(bad, FINISHED_BAD_LOGITS, reasons).astype(jnp.int32)
     history, counts = rows.history, rows.counts
@@ -364,6 +398,7 @@ def decode_step(
         history=history,
         counts=counts,
         stop_carry=stop_carry,
+        constraint=rows.constraint,
     )
     out = StepOutput(
         tokens=token,

@@ -84,7 +84,7 @@ class StopStrings:
         Args:
             stop: as :func:`encode_stop_strings` takes it.
             token_bytes: ``[V]`` byte strings, token ``v``'s UTF-8 bytes
-                (``lmhead.lm.generation.token_bytes(tokenizer)``, or
+                (``lmhead.lm.data.token_bytes(tokenizer)``, or
                 :func:`token_bytes_from_decode`).
             max_bytes, max_strings: the table's capacity, as
                 :func:`encode_stop_strings` takes it.
@@ -364,7 +364,7 @@ def token_bytes_from_decode(
     Exact for a tokenizer whose ``decode`` of a list is the concatenation of
     its ids' decodes, e.g. a character tokenizer; not for byte-level BPE,
     whose tokens may hold part of a character (take the bytes from its
-    vocabulary instead: ``lmhead.lm.generation.token_bytes``).
+    vocabulary instead: ``lmhead.lm.data.token_bytes``).
 
     Examples:
         >>> token_bytes_from_decode(lambda ids: "".join("aé"[i] for i in ids), 2)

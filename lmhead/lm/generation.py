@@ -21,10 +21,9 @@ from typing import Any, NamedTuple
 import jax
 import ml_collections
 import numpy as np
-from tokenizers import decoders
 
 from lmhead import decoding, quantize
-from lmhead.lm import checkpoints, configuration, data
+from lmhead.lm import checkpoints, configuration, constraints, data
 from lmhead.lm import model as model_lib
 from lmhead.lm import state as state_lib
 
@@ -45,52 +44,6 @@ def load_run(workdir: str):
     state = state_lib.restore_or_init(manager, model, config, jax.random.key(0))
     manager.close()
     return config, tokenizer, model, state.params
-
-
-def _byte_level_chars() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, the ``tokenizers`` ``ByteLevel`` one: the
-    character that stands for each byte in a token's string."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("\xa1"), ord("\xac") + 1),
-        *range(ord("\xae"), ord("\xff") + 1),
-    ]
-    others = [b for b in range(256) if b not in printable]
-    chars = {chr(b): b for b in printable}
-    chars.update({chr(256 + n): b for n, b in enumerate(others)})
-    return chars
-
-
-def token_bytes(tokenizer: data.Tokenizer) -> list[bytes]:
-    """Each token's bytes, ``[V]`` byte strings: what
-    ``decoding.StopStrings.build`` matches stop strings on.
-
-    ``CharTokenizer``: the character's UTF-8 bytes (the end-of-text token's:
-    those of its literal ``<|endoftext|>``, what it decodes to). ``BPETokenizer``
-    (byte-level): the bytes its vocabulary string stands for, which may be
-    part of a character; decoding the token alone would give U+FFFD instead.
-    Either way the text of a row is the UTF-8 decoding of its tokens' bytes
-    joined, so text stop strings are matched exactly (see
-    ``lmhead.decoding.stop_strings``). Another tokenizer with a ``decode``
-    method gets ``decode([v])``'s UTF-8 bytes, exact only when its ``decode``
-    joins its tokens' texts.
-
-    Examples:
-        >>> token_bytes(data.CharTokenizer("aé"))
-        [b'a', b'\\xc3\\xa9']
-    """
-    if isinstance(tokenizer, data.CharTokenizer):
-        return [
-            tokenizer.decode([v]).encode("utf-8") for v in range(tokenizer.vocab_size)
-        ]
-    inner = getattr(tokenizer, "tokenizer", None)
-    if inner is not None and isinstance(inner.decoder, decoders.ByteLevel):
-        chars = _byte_level_chars()
-        return [
-            bytes(chars[c] for c in inner.id_to_token(v))
-            for v in range(tokenizer.vocab_size)
-        ]
-    return decoding.token_bytes_from_decode(tokenizer.decode, tokenizer.vocab_size)
 
 
 class Continuation(NamedTuple):
@@ -172,6 +125,7 @@ def continuations(
     frequency_penalty: float | None = None,
     top_logprobs: int = 0,
     ignore_eos: bool = False,
+    constraint: constraints.Constraint | None = None,
 ) -> list[Continuation]:
     """``num_samples`` :class:`Continuation` s of ``prompt``.
 
@@ -204,6 +158,14 @@ def continuations(
             :attr:`Continuation.top_logprobs`.
         ignore_eos: go on past the end-of-text token, which then is text
             like any other (its literal ``<|endoftext|>``).
+        constraint: a :class:`constraints.Constraint` every sample's
+            continuation must follow (structured output), each sample with
+            its own automaton (``constraints.masker_for(tokenizer)``), which
+            goes on from window to window: the end-of-text token only where
+            the grammar accepts, and a sample ends where its grammar can take
+            nothing more; a stop string or ``max_new_tokens`` may still cut
+            it short (``finish_reason`` says which). Not with ``num_beams``
+            nor ``ignore_eos``.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -233,9 +195,15 @@ def continuations(
         frequency_penalty=frequency_penalty,
     )
     knobs.check(num_samples, model.vocab_size)  # traced below: checked here
+    if constraint is not None and (num_beams or ignore_eos):
+        raise ValueError("constraint does not apply to num_beams nor ignore_eos.")
+    masker = row_constraint = None
+    if constraint is not None:  # compiled (or refused) before any decoding
+        masker = constraints.masker_for(tokenizer)
+        masker.compile(constraint)
     stop_strings = table = None
     if stop is not None:
-        table = token_bytes(tokenizer)
+        table = data.token_bytes(tokenizer)
         stop_strings = decoding.StopStrings.build(stop, table)
     context_len = model.max_len // 2
     settings = _WindowSettings(
@@ -248,34 +216,43 @@ def continuations(
     lengths = np.full([num_samples], ids[0].shape[1], np.int32)
     rows = [_Row([], [], False) for _ in range(num_samples)]
     generated = 0
-    while generated < max_new_tokens and not all(row.stopped for row in rows):
-        context = np.concatenate(ids, axis=1)[:, -context_len:]
-        context = np.pad(context, [(0, 0), (0, context_len - context.shape[1])])
-        key, window_key = jax.random.split(key)
-        window_stop = None
-        if stop_strings is not None:  # each row's loop goes on from its bytes
-            generated_bytes = [b"".join(table[t] for t in row.tokens) for row in rows]
-            window_stop = stop_strings.resumed(generated_bytes)
-        window = jax.tree.map(
-            np.asarray,
-            _continue_window(
-                model,
-                params,
-                context,
-                lengths,
-                window_key,
-                window_stop,
-                knobs.as_arrays(),
-                settings,
-            ),
-        )
-        ids.append(window.tokens)
-        take = min(window.tokens.shape[1], max_new_tokens - generated)
-        for b, row in enumerate(rows):
-            if not row.stopped:
-                rows[b] = _extend_row(row, window, b, take)
-        generated += window.tokens.shape[1]
-        lengths[:] = context_len
+    if masker is not None:
+        row_constraint = constraints.row_constraint(masker, [constraint] * num_samples)
+    try:
+        while generated < max_new_tokens and not all(row.stopped for row in rows):
+            context = np.concatenate(ids, axis=1)[:, -context_len:]
+            context = np.pad(context, [(0, 0), (0, context_len - context.shape[1])])
+            key, window_key = jax.random.split(key)
+            window_stop = None
+            if stop_strings is not None:  # each row's loop goes on from its bytes
+                generated_bytes = [
+                    b"".join(table[t] for t in row.tokens) for row in rows
+                ]
+                window_stop = stop_strings.resumed(generated_bytes)
+            window = jax.tree.map(
+                np.asarray,
+                _continue_window(
+                    model,
+                    params,
+                    context,
+                    lengths,
+                    window_key,
+                    window_stop,
+                    knobs.as_arrays(),
+                    settings,
+                    row_constraint,
+                ),
+            )
+            ids.append(window.tokens)
+            take = min(window.tokens.shape[1], max_new_tokens - generated)
+            for b, row in enumerate(rows):
+                if not row.stopped:
+                    rows[b] = _extend_row(row, window, b, take)
+            generated += window.tokens.shape[1]
+            lengths[:] = context_len
+    finally:
+        if row_constraint is not None:
+            masker.release(np.asarray(row_constraint.ids).tolist())
     return [
         _continuation(prompt, row, tokenizer, stop, settings.eos_id) for row in rows
     ]
@@ -322,8 +299,9 @@ def _continuation(prompt: str, row: _Row, tokenizer, stop, eos_id) -> Continuati
 
 @functools.partial(jax.jit, static_argnums=(0, 7))
 def _continue_window(
-    model, params, context, lengths, key, stop, knobs, settings: _WindowSettings
-) -> decoding.Generation:
+    model, params, context, lengths, key, stop, knobs, settings: _WindowSettings,
+    constraint=None,
+) -> decoding.Generation:  # fmt: skip
     """The :class:`decoding.Generation` of ``settings.max_new_tokens`` tokens
     after ``context[b, :lengths[b]]`` (beam search: its best beam, every row
     of its length up to the end-of-text token, no alternatives)."""
@@ -351,6 +329,7 @@ def _continue_window(
         stop=stop,
         top_logprobs=settings.top_logprobs,
         eos_id=settings.eos_id,
+        constraint=constraint,
     )
 
 

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import shutil
 import time
 from typing import Any, NamedTuple
 
@@ -37,6 +38,9 @@ from lmhead.lm import state as state_lib
 END_OF_TEXT = data.END_OF_TEXT
 # What a run directory gets besides checkpoints/ and the project's files.
 IMPORT_FILE = "import.json"
+# Hugging Face's tokenizer settings, copied as they are when present: the
+# service reads its chat_template (lmhead/serve/chat.py).
+TOKENIZER_CONFIG = "tokenizer_config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
@@ -484,6 +488,11 @@ def import_gpt2(source: str, workdir: str) -> ImportedRun:
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json(indent=2))
     tokenizer.save(os.path.join(workdir, data.TOKENIZER_FILE))
+    if os.path.isfile(os.path.join(source, TOKENIZER_CONFIG)):
+        shutil.copyfile(
+            os.path.join(source, TOKENIZER_CONFIG),
+            os.path.join(workdir, TOKENIZER_CONFIG),
+        )
     versions.write_versions(workdir)
     record = {
         "source": os.path.abspath(source),

@@ -19,6 +19,7 @@ import numpy as np
 
 from lmhead import decoding
 from lmhead.lm import scoring
+from lmhead.serve import chat
 from lmhead.serve.requests import MAX_LOGPROBS, CompletionRequest
 
 FINISH_REASONS = {
@@ -42,8 +43,26 @@ def token_text(tokenizer: Any, token: int) -> str:
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _prompt_top(logits_fn, params, tokens, k):
+    """The top ``k`` log-probs at each position of ``tokens [1, L]``, and
+    each next token's log-prob and rank (1: the likeliest; ties count
+    with it)."""
     log_probs = jax.nn.log_softmax(logits_fn(params, tokens).astype(np.float32))
-    return jax.lax.top_k(log_probs, k)
+    values, top = jax.lax.top_k(log_probs, k)
+    chosen = jnp.take_along_axis(log_probs[:, :-1], tokens[:, 1:, None], axis=-1)
+    ranks = 1 + jnp.sum(log_probs[:, :-1] > chosen, axis=-1)
+    return values, top, chosen[..., 0], ranks
+
+
+def _prompt_pass(engine: Any, ids: np.ndarray):
+    """:func:`_prompt_top` of the prompt padded to the context (causal: the
+    padding changes nothing before it): one program for every prompt."""
+    padded = np.zeros([1, engine.model.max_len], np.int32)
+    padded[0, : len(ids)] = ids
+    return jax.device_get(
+        _prompt_top(
+            scoring.ModelLogits(engine.model), engine.params, padded, top_width(engine)
+        )
+    )
 
 
 def top_width(engine: Any) -> int:
@@ -76,19 +95,37 @@ def prompt_log_probs(engine: Any, ids: np.ndarray, k: int) -> tuple[list, list]:
     k = min(k, engine.model.vocab_size)
     if k == 0:
         return chosen, [None] + [{} for _ in ids[1:]]
-    padded = np.zeros([1, engine.model.max_len], np.int32)
-    padded[0, : len(ids)] = ids
-    values, tokens = jax.device_get(
-        _prompt_top(
-            scoring.ModelLogits(engine.model), engine.params, padded, top_width(engine)
-        )
-    )
+    values, tokens, _, _ = _prompt_pass(engine, ids)
     values, tokens = values[..., :k], tokens[..., :k]
     tops = [
         _top_map(engine.tokenizer, tokens[0, j], values[0, j])
         for j in range(len(ids) - 1)
     ]
     return chosen, [None] + tops
+
+
+def vllm_prompt_logprobs(engine: Any, ids: np.ndarray, k: int) -> list:
+    """vLLM's ``prompt_logprobs`` of a prompt: None for its first token
+    (nothing predicts it), then for each next token ``{token id:
+    {"logprob", "rank", "decoded_token"}}`` of the ``k`` likeliest and that
+    token (JSON makes the ids strings), from :func:`_prompt_pass`."""
+    values, tokens, chosen, ranks = _prompt_pass(engine, ids)
+    text = lambda token: token_text(engine.tokenizer, token)
+    out: list = [None]
+    for j, token in enumerate(ids[1:]):
+        entry = {
+            top: {"logprob": json_float(value), "rank": rank + 1, "decoded_token": text(top)}
+            for rank, (top, value) in enumerate(
+                zip(tokens[0, j, :k].tolist(), values[0, j, :k].tolist())
+            )
+        }  # fmt: skip
+        entry[int(token)] = {
+            "logprob": json_float(chosen[0, j]),
+            "rank": int(ranks[0, j]),
+            "decoded_token": text(token),
+        }
+        out.append(entry)
+    return out
 
 
 def _top_map(tokenizer: Any, tokens, values) -> dict[str, float]:
@@ -204,13 +241,21 @@ def completion_text(engine: Any, request: CompletionRequest, ids, done: bool) ->
     if not request.stop:
         return text if done else text.rstrip("\ufffd")
     if done:
-        before = ids[: max(request.min_tokens - 1, 0)]
-        after = len(_text(engine, request, before)) if len(before) else 0
         return decoding.trim_at_stop(
-            text, request.stop, after=after, include_stop=request.include_stop_str
+            text,
+            request.stop,
+            after=_stop_search_start(engine, request, ids),
+            include_stop=request.include_stop_str,
         )
     hold = max(len(s) for s in request.stop) - 1
     return text[: max(len(text) - hold, 0)].rstrip("\ufffd")
+
+
+def _stop_search_start(engine: Any, request: CompletionRequest, ids) -> int:
+    """The characters of the text of the tokens before ``min_tokens``, whose
+    stop strings did not end the row."""
+    before = ids[: max(request.min_tokens - 1, 0)]
+    return len(_text(engine, request, before)) if len(before) else 0
 
 
 def _logprobs_block(tokenizer, entries: list, offset: int) -> dict:
@@ -225,48 +270,82 @@ def _logprobs_block(tokenizer, entries: list, offset: int) -> dict:
     }
 
 
+def _entries(request, generated, row, length) -> list:
+    """``(token id, log-prob, [(top id, log-prob)])`` of a row's tokens."""
+    k = request.logprobs
+    return [
+        (
+            generated.tokens[row, j],
+            json_float(generated.log_probs[row, j]),
+            list(zip(generated.top_tokens[row, j, :k], generated.top_log_probs[row, j, :k])),
+        )
+        for j in range(length)
+    ]  # fmt: skip
+
+
+def stop_reason(engine: Any, request: CompletionRequest, ids, reason: int) -> Any:
+    """vLLM's ``stop_reason``: the stop token id or the stop string that
+    ended a choice; None where EOS, the length or its constraint ended it."""
+    if reason != decoding.FINISHED_STOP or not len(ids):
+        return None
+    if int(ids[-1]) in request.stop_token_ids:
+        return int(ids[-1])
+    if not request.stop:
+        return None
+    text = _text(engine, request, ids)
+    found = decoding.find_stop(
+        text, request.stop, _stop_search_start(engine, request, ids)
+    )
+    return None if found is None else text[found[0] : found[1]]
+
+
 def _choice(engine, request, p, s, generated, row, prompt_scores) -> tuple[dict, int]:
-    """One choice and its count of generated tokens."""
+    """One choice (completions' shape, or chat's logprobs with
+    ``request.chat``) and its count of generated tokens."""
     tokenizer = engine.tokenizer
-    ids, entries, finish = np.zeros([0], np.int32), [], "length"
+    ids, entries, finish, reason = np.zeros([0], np.int32), [], "length", None
     if generated is not None:
         length = int(generated.lengths[row])
         ids = generated.tokens[row, :length]
-        finish = FINISH_REASONS[int(generated.finish_reasons[row])]
+        reason = int(generated.finish_reasons[row])
+        finish = FINISH_REASONS[reason]
         if request.logprobs is not None:
-            k = request.logprobs
-            entries = [
-                (
-                    ids[j],
-                    json_float(generated.log_probs[row, j]),
-                    _top_map(
-                        tokenizer,
-                        generated.top_tokens[row, j, :k],
-                        generated.top_log_probs[row, j, :k],
-                    ),
-                )
-                for j in range(length)
-            ]
+            entries = _entries(request, generated, row, length)
     text = completion_text(engine, request, ids, done=True)
-    prompt_text = request.prompt_texts[p]
-    offset = len(prompt_text)
+    offset = len(request.prompt_texts[p])
     if request.echo:
-        text, offset = prompt_text + text, 0
-        if request.logprobs is not None:
+        text, offset = request.prompt_texts[p] + text, 0
+    block = None
+    if request.logprobs is not None and request.chat:
+        name = lambda token: token_text(tokenizer, token)
+        block = chat.chat_logprobs(
+            [
+                (name(t), lp, [(name(i), float(v)) for i, v in top])
+                for t, lp, top in entries
+            ]
+        )
+    elif request.logprobs is not None:
+        maps = [
+            (t, lp, _top_map(tokenizer, [i for i, _ in top], [v for _, v in top]))
+            for t, lp, top in entries
+        ]
+        if request.echo:
             chosen, tops = prompt_scores[p]
-            prompt_ids = request.prompt_ids[p]
-            entries = list(zip(prompt_ids, chosen, tops)) + entries
-    block = (
-        None
-        if request.logprobs is None
-        else _logprobs_block(tokenizer, entries, offset)
-    )
+            maps = list(zip(request.prompt_ids[p], chosen, tops)) + maps
+        block = _logprobs_block(tokenizer, maps, offset)
     choice = {
         "text": text,
         "index": p * request.n + s,
         "finish_reason": finish,
+        "stop_reason": None
+        if reason is None
+        else stop_reason(engine, request, ids, reason),
         "logprobs": block,
     }
+    if request.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(
+            engine, request.prompt_ids[p], request.prompt_logprobs
+        )
     return choice, len(ids)
 
 

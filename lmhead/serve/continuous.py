@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from lmhead import _checks, decoding
-from lmhead.lm import generation, kv_cache
+from lmhead.lm import constraints, data, kv_cache
 from lmhead.lm import model as model_lib
 from lmhead.serve import completions, requests
 from lmhead.serve.requests import CompletionRequest
@@ -36,7 +36,7 @@ DEFAULT_STEPS_PER_CALL = 4
 @functools.partial(jax.jit, static_argnums=0, donate_argnames="state")
 def _prefill_into_slots(
     model, params, state, slots, prompts, lengths, key, recipe, limits, history, knobs,
-    stops,
+    stops, constraint_ids,
 ):  # fmt: skip
     """``model_lib.prefill`` of ``prompts`` and ``decoding.fill_slots`` of the
     result, with each row's key made from ``recipe`` (the arrays of
@@ -54,6 +54,7 @@ def _prefill_into_slots(
         prompt_tokens=history,
         knobs=knobs,
         stop_strings=stops,
+        constraint_ids=constraint_ids,
     )
 
 
@@ -70,6 +71,7 @@ class _Row:
     top_log_probs: list = dataclasses.field(default_factory=list)
     reason: int | None = None  # FINISHED_* once the row has ended
     first_call: int = 0  # the number of the first decoding call that runs it
+    constraint_id: int = decoding.constraint.UNCONSTRAINED  # its automaton
 
 
 @dataclasses.dataclass(eq=False)
@@ -161,10 +163,11 @@ class SlotBatcher:
         >>> engine = engine_lib.Engine(model, params, tokenizer,
         ...                            requests.Buckets((2,), (4,), (4,)))
         >>> slots = SlotBatcher(engine, max_queue=4)
-        >>> request = requests.parse_completion(
-        ...     {"model": "m", "prompt": "ab", "max_tokens": 3, "temperature": 0},
-        ...     tokenizer,
-        ...     engine.buckets, requests.Limits(), "m", context=8)
+        >>> from lmhead.serve import protocol
+        >>> body = protocol.body_models(16, 16, 64).completion(
+        ...     model="m", prompt="ab", max_tokens=3, temperature=0.0)
+        >>> request = requests.completion_request(
+        ...     body, tokenizer, engine.buckets, requests.Limits(), "m", context=8)
         >>> slots.submit(request).result()["completion_tokens"]
         3
         >>> slots.stop()
@@ -196,9 +199,13 @@ class SlotBatcher:
         self._vocab_size, self._history_len = model.vocab_size, model.max_len
         self._top = completions.top_width(engine)
         limits = requests.Limits() if limits is None else limits
+        # The constrained rows' automata: one masker, one compiled step for
+        # every constraint; a step in which no constrained row emits calls
+        # nothing on the host.
+        self.masker = constraints.masker_for(engine.tokenizer)
         self._stop_table = decoding.StopStrings.build(
             [[]] * slots,
-            generation.token_bytes(engine.tokenizer),
+            data.token_bytes(engine.tokenizer),
             max_bytes=limits.max_stop_bytes,
             max_strings=limits.max_stops,
         )
@@ -218,6 +225,7 @@ class SlotBatcher:
             history_len=self._history_len,
             key=jax.random.key(0),
             stop=self._stop_table,
+            masker=self.masker,
         )
 
     # The interface the web layer uses.
@@ -384,6 +392,8 @@ class SlotBatcher:
                 self._fail([job], error)
                 continue
             for row, row_recipe in zip(job.rows, zip(*recipe)):
+                if job.request.constraint is not None:
+                    row.constraint_id = self.masker.start(job.request.constraint)
                 row.slot, row.first_call = next(free), self._calls + 1
                 self._holders[row.slot] = (job, row)
                 rows.append((job, job.request.prompt_ids[row.p], row, row_recipe))
@@ -414,8 +424,10 @@ class SlotBatcher:
         table = self._stop_table
         stop_bytes = np.zeros([size, *table.stop_bytes.shape[1:]], np.uint8)
         stop_len = np.zeros([size, *table.stop_len.shape[1:]], np.int32)
+        constraint_ids = np.full([size], decoding.constraint.UNCONSTRAINED, np.int32)
         for i, (job, ids, row, row_recipe) in enumerate(group):
             prompts[i, : len(ids)], lengths[i] = ids, len(ids)
+            constraint_ids[i] = row.constraint_id
             slots[i], limits[i] = row.slot, job.request.prompt_max_tokens[row.p]
             recipe[:, i] = row_recipe
             stop_bytes[i], stop_len[i] = (rows[0] for rows in job.stop_strings)
@@ -432,6 +444,7 @@ class SlotBatcher:
             prompts,
             self._knobs([(job, row) for job, _, row, _ in group], size),
             (stop_bytes, stop_len),
+            constraint_ids,
         )
 
     def _step(self) -> tuple[decoding.SlotState, decoding.SlotChunk]:
@@ -473,6 +486,7 @@ class SlotBatcher:
             if chunk.generated[slot] >= chunk.limits[slot]:
                 row.reason = int(chunk.finish_reasons[slot])
                 self._holders[slot] = None
+                self.masker.release([row.constraint_id])
         for job, count in touched.items():
             try:
                 self._report(job, count, now)
@@ -553,6 +567,7 @@ class SlotBatcher:
             if holder is not None and id(holder[0]) in failed
         ]
         for slot in held:
+            self.masker.release([self._holders[slot][1].constraint_id])
             self._holders[slot] = None
         if held and on_device:
             self._free(held)

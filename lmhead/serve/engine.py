@@ -12,7 +12,7 @@ import numpy as np
 
 from lmhead import decoding
 from lmhead.lm import model as model_lib
-from lmhead.serve import completions, requests
+from lmhead.serve import chat, completions, requests
 from lmhead.serve.requests import CompletionRequest, bucket
 
 
@@ -24,10 +24,14 @@ class Engine:
         buckets: the shapes to compile (checked against ``model.max_len``).
         seed: the key of the requests that give no seed.
         score_batch_size: windows per call of the scorer (echoed prompts).
+        chat_template: how a chat becomes a prompt (the run's,
+            :meth:`chat.ChatTemplate.of_run`); default
+            :data:`chat.DEFAULT_TEMPLATE`.
 
     Examples:
         >>> import jax, jax.numpy as jnp
         >>> from lmhead.lm import data
+        >>> from lmhead.serve import protocol
         >>> tokenizer = data.CharTokenizer("abcd")
         >>> model = model_lib.DecoderLM(vocab_size=4, num_layers=1, num_heads=2,
         ...                             d_model=8, mlp_dim=16, max_len=8)
@@ -35,9 +39,10 @@ class Engine:
         >>> params = init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
         >>> buckets = requests.Buckets((2,), (4,), (4,), (2,))
         >>> engine = Engine(model, params, tokenizer, buckets)
-        >>> request = requests.parse_completion(
-        ...     {"model": "m", "prompt": "ab", "max_tokens": 4, "num_beams": 2,
-        ...      "n": 2}, tokenizer, buckets, requests.Limits(), "m", context=8)
+        >>> body = protocol.body_models(16, 16, 64).completion(
+        ...     model="m", prompt="ab", max_tokens=4, num_beams=2, n=2)
+        >>> request = requests.completion_request(
+        ...     body, tokenizer, buckets, requests.Limits(), "m", context=8)
         >>> [c["index"] for c in engine.run_whole(request)["choices"]]
         [0, 1]
     """
@@ -51,8 +56,12 @@ class Engine:
         *,
         seed: int = 0,
         score_batch_size: int = 8,
+        chat_template: chat.ChatTemplate | None = None,
     ):
         buckets.check(model.max_len)
+        self.chat_template = chat_template or chat.ChatTemplate(
+            chat.DEFAULT_TEMPLATE, eos_token=getattr(tokenizer, "eos_token", None)
+        )
         self.model, self.params, self.tokenizer = model, params, tokenizer
         self.buckets, self.score_batch_size = buckets, score_batch_size
         self._step_fn = model_lib.make_step_fn(model)
@@ -89,7 +98,7 @@ class Engine:
 
     def _beam(self, request: CompletionRequest) -> decoding.Generation:
         """:func:`decoding.beam_search` of each prompt (knobs neutral:
-        :func:`requests.parse_completion` refuses sampling knobs with beams):
+        :func:`requests.completion_request` refuses sampling knobs with beams):
         prompt ``p``'s sequences, best first, in rows ``p * num_beams``
         on (:func:`decoding.beam_generation`; beam requests refuse
         log-probs)."""

@@ -1,20 +1,25 @@
-"""The service's requests: :func:`parse_completion` checks a
-``/v1/completions`` body field by field (OpenAI's schema and vLLM's
-extensions and context rule, ``docs/serving.md``) and raises
-:class:`RequestError` naming the first bad field (OpenAI's ``param``);
+"""The service's requests as the batcher runs them: :func:`completion_request`
+and :func:`chat_request` turn a body that its pydantic model
+(:mod:`lmhead.serve.protocol`) has checked into a :class:`CompletionRequest`,
+checking what depends on the run: the prompt's tokens, the context (vLLM's
+rule, ``docs/serving.md``), the buckets, the knobs' values against the
+vocabulary and the constraint, compiled against it. Each refusal is a
+:class:`RequestError` naming the field (OpenAI's ``param``);
 :class:`Buckets` are the shapes compiled at start-up, :class:`Limits` the
 other caps of a request.
 """
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import pydantic
 
 from lmhead import _checks, decoding
 from lmhead.decoding import knobs as knobs_lib
+from lmhead.lm import constraints
+from lmhead.serve import protocol
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -164,67 +169,6 @@ class Limits:
         return 4 * self.max_stop_chars
 
 
-# A request's upper bound on a count: the largest int32.
-MAX_INTEGER_KNOB = 2**31 - 1
-# The service's policy on top of the knobs' own ranges (lmhead.decoding.knobs,
-# which checks every value): OpenAI's ranges for its knobs, and a cap that
-# keeps a repetition penalty finite through the loop's float32 arithmetic.
-KNOB_POLICY = {
-    "temperature": (0.0, 2.0),
-    "presence_penalty": (-2.0, 2.0),
-    "frequency_penalty": (-2.0, 2.0),
-    "logit_bias": (-100.0, 100.0),
-    "repetition_penalty": (0.0, 1e6),
-}
-
-
-def _body_object(body: Any, fields: tuple[str, ...]) -> dict:
-    if not isinstance(body, dict):
-        raise RequestError("body", "the body must be a JSON object.")
-    for name in body:
-        if name not in fields:
-            raise RequestError(
-                name, f"unknown field {name!r}; the fields are {', '.join(fields)}."
-            )
-    return body
-
-
-def _integer(
-    body: dict, name: str, default: int | None, low: int, high: int
-) -> int | None:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(name, f"{name} must be an integer; got {value!r}.")
-    if not low <= value <= high:
-        raise RequestError(name, f"{name} must be in [{low}, {high}]; got {value}.")
-    return value
-
-
-def _knob(body: dict, name: str, default: Any = None) -> Any:
-    """The knob ``name`` of the body, ``default`` when absent: a JSON number
-    (an integer for an integer knob) in the knob's range
-    (:func:`lmhead.decoding.knobs.check_knob`, within :data:`KNOB_POLICY`)."""
-    value = body.get(name)
-    if value is None:
-        return default
-    integer = np.issubdtype(knobs_lib.knob_spec(name)["dtype"], np.integer)
-    kinds, what = ((int,), "an integer") if integer else ((int, float), "a number")
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise RequestError(name, f"{name} must be {what}; got {value!r}.")
-    if not integer:
-        try:
-            value = float(value)
-        except OverflowError:  # an integer past float's range
-            value = math.inf if value > 0 else -math.inf
-    try:
-        knobs_lib.check_knob(name, value, within=KNOB_POLICY.get(name))
-    except ValueError as error:
-        raise RequestError(name, str(error)) from None
-    return value
-
-
 def _encode(tokenizer: Any, text: Any, field: str) -> np.ndarray:
     if not isinstance(text, str) or not text:
         raise RequestError(field, f"{field} must hold non-empty strings.")
@@ -237,8 +181,10 @@ def _encode(tokenizer: Any, text: Any, field: str) -> np.ndarray:
     return ids
 
 
-def context_error(context: int, prompt: int, new: int | None = None) -> RequestError:
-    """vLLM's refusal of a request past the model's context, naming ``prompt``:
+def context_error(
+    context: int, prompt: int, new: int | None = None, field: str = "prompt"
+) -> RequestError:
+    """vLLM's refusal of a request past the model's context, naming ``field``:
     a prompt of ``prompt`` tokens alone, or with ``new`` tokens to make.
 
     Examples:
@@ -250,41 +196,38 @@ def context_error(context: int, prompt: int, new: int | None = None) -> RequestE
     head = f"This model's maximum context length is {context} tokens. "
     if new is None:
         return RequestError(
-            "prompt",
+            field,
             head + f"However, your request has {prompt} input tokens. Please "
             "reduce the length of the input messages.",
         )
     return RequestError(
-        "prompt",
+        field,
         head + f"However, you requested {prompt + new} tokens ({prompt} in the "
         f"messages, {new} in the completion). Please reduce the length of the "
         "messages or completion.",
     )
 
 
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 DEFAULT_MAX_TOKENS = 16  # OpenAI's
-# OpenAI's fields, then vLLM's extensions and num_beams.
-COMPLETION_FIELDS = tuple(
-    """model prompt max_tokens temperature top_p n stream stream_options
-    logprobs echo stop presence_penalty frequency_penalty logit_bias seed user
-    best_of suffix top_k min_p repetition_penalty num_beams stop_token_ids
-    ignore_eos include_stop_str_in_output min_tokens""".split()
-)
+MAX_LOGPROBS = protocol.MAX_LOGPROBS
 
 
 @dataclasses.dataclass(eq=False)
 class CompletionRequest:
-    """A checked ``/v1/completions`` body.
+    """A checked completion or chat request (``chat``: answered in chat's
+    shapes), as the batcher runs it.
 
     ``prompt_ids[i]`` encodes prompt ``i`` and ``prompt_texts[i]`` is its text
-    (decoded when it came as token ids). ``prompt_max_tokens[i]`` is the most
-    tokens prompt ``i`` may make (``max_tokens``, or the room it leaves in
-    the context), ``max_tokens`` the largest of them. ``knobs.stop_tokens``
-    marks the ``stop_token_ids`` and EOS (unless ``ignore_eos``), and
-    ``knobs.min_new_tokens`` is ``min_tokens``. ``sink``, set by the web
-    layer for a streaming request, is called from the batcher's thread with
-    each chunk's list of ``(choice index, text so far, tokens so far)``.
+    (decoded when it came as token ids; a chat's rendered template).
+    ``prompt_max_tokens[i]`` is the most tokens prompt ``i`` may make
+    (``max_tokens``, or the room it leaves in the context), ``max_tokens``
+    the largest of them. ``knobs.stop_tokens`` marks the ``stop_token_ids``
+    and EOS (unless ``ignore_eos``), and ``knobs.min_new_tokens`` is
+    ``min_tokens``. ``constraint`` is the structured output every choice
+    follows (compiled already), ``prompt_logprobs`` vLLM's count of top
+    log-probs per prompt token. ``sink``, set by the web layer for a
+    streaming request, is called from the batcher's thread with each
+    chunk's list of ``(choice index, text so far, tokens so far)``.
     """
 
     prompt_ids: list[np.ndarray]
@@ -305,6 +248,9 @@ class CompletionRequest:
     include_usage: bool
     num_beams: int
     model: str
+    constraint: constraints.Constraint | None = None
+    prompt_logprobs: int | None = None
+    chat: bool = False
     sink: Callable[[list[tuple]], None] | None = None
 
     @property
@@ -312,29 +258,23 @@ class CompletionRequest:
         return len(self.prompt_ids) * (1 if self.num_beams > 1 else self.n)
 
 
-def _get(body: dict, name: str, kinds: tuple, what: str, default: Any = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise RequestError(name, f"{name} must be {what}; got {value!r}.")
-    return value
+def _encode(tokenizer: Any, text: str, field: str) -> np.ndarray:
+    if not text:
+        raise RequestError(field, f"{field} must hold non-empty strings.")
+    try:
+        ids = np.asarray(tokenizer.encode_array(text), np.int32)
+    except (ValueError, TypeError) as error:  # e.g. a lone surrogate
+        raise RequestError(field, f"{field}: {error}") from None
+    if len(ids) == 0:
+        raise RequestError(field, f"{field}: a prompt must encode to 1 token or more.")
+    return ids
 
 
-def _prompts(body: dict, tokenizer: Any, limits) -> list:
+def _prompts(prompt: Any, tokenizer: Any, limits: Limits) -> list:
     """``[(ids, text)]`` of OpenAI's four prompt forms."""
-    prompt = body.get("prompt")
-
-    def is_ids(value):
-        return (
-            isinstance(value, list)
-            and value
-            and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
-        )
-
-    if isinstance(prompt, str) or is_ids(prompt):
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
-    if not isinstance(prompt, list) or not 1 <= len(prompt) <= limits.max_prompts:
+    if not 1 <= len(prompt) <= limits.max_prompts:
         raise RequestError(
             "prompt",
             "prompt must be a string, a list of token ids, or a list of 1 to "
@@ -345,62 +285,23 @@ def _prompts(body: dict, tokenizer: Any, limits) -> list:
         if isinstance(item, str):
             out.append((_encode(tokenizer, item, "prompt"), item))
             continue
-        if not is_ids(item):
+        if not item:
             raise RequestError(
-                "prompt",
-                "prompt items must be non-empty strings or non-empty lists of "
-                "token ids.",
+                "prompt", "prompt items must be non-empty strings or token ids."
             )
         # Compared as Python ints: one past int64 must be refused, not overflow.
         if min(item) < 0 or max(item) >= tokenizer.vocab_size:
             raise RequestError(
-                "prompt",
-                f"prompt token ids must be in [0, {tokenizer.vocab_size}).",
+                "prompt", f"prompt token ids must be in [0, {tokenizer.vocab_size})."
             )
         ids = np.asarray(item, np.int32)
         out.append((ids, decoding.detokenize(ids, tokenizer)))
     return out
 
 
-def _short_list(value: Any, name: str, most: int, valid, what: str) -> list:
-    """``value`` (None: ``[]``), a list of at most ``most`` items each
-    ``valid``; else the :class:`RequestError` that says it must be ``what``."""
-    value = [] if value is None else value
-    if not isinstance(value, list) or len(value) > most or not all(map(valid, value)):
-        raise RequestError(name, f"{name} must be {what}.")
-    return value
-
-
-def _stops(body: dict, limits: Limits) -> list[str]:
-    stop, most, chars = body.get("stop"), limits.max_stops, limits.max_stop_chars
-    return _short_list(
-        [stop] if isinstance(stop, str) else stop,
-        "stop",
-        most,
-        lambda s: isinstance(s, str) and 1 <= len(s) <= chars,
-        f"a string or a list of at most {most} strings of 1 to {chars} characters",
-    )
-
-
-def _stop_token_ids(body: dict, vocab_size: int, limits: Limits) -> list[int]:
-    most = limits.max_stops
-    return _short_list(
-        body.get("stop_token_ids"),
-        "stop_token_ids",
-        most,
-        lambda i: (
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size
-        ),
-        f"a list of at most {most} token ids in [0, {vocab_size})",
-    )
-
-
-def _logit_bias(body: dict, vocab_size: int) -> np.ndarray | None:
-    bias = body.get("logit_bias")
-    if bias is None or bias == {}:
+def _logit_bias(bias: dict | None, vocab_size: int) -> np.ndarray | None:
+    if not bias:
         return None
-    if not isinstance(bias, dict):
-        raise RequestError("logit_bias", "logit_bias must map token ids to numbers.")
     mapping = {}
     for key, value in bias.items():
         try:
@@ -413,45 +314,195 @@ def _logit_bias(body: dict, vocab_size: int) -> np.ndarray | None:
             raise RequestError(
                 "logit_bias", f"logit_bias ids must be in [0, {vocab_size}); got {key}."
             )
-        mapping[token] = _knob({"logit_bias": value}, "logit_bias")
+        try:
+            knobs_lib.check_knob(
+                "logit_bias", value, within=protocol.KNOB_POLICY["logit_bias"]
+            )
+        except ValueError as error:
+            raise RequestError("logit_bias", str(error)) from None
+        mapping[token] = value
     return decoding.logit_bias_vector(mapping, vocab_size)
 
 
-def _penalty(body: dict, name: str) -> float | None:
-    value = _knob(body, name, 0.0)
-    return None if value == 0 else value  # off keeps the warmed-up program
-
-
-def _stream_options(body: dict, stream: bool) -> bool:
-    options = body.get("stream_options")
-    if options is None:
-        return False
-    if not stream:
-        raise RequestError("stream_options", "stream_options needs stream: true.")
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise RequestError(
-            "stream_options", "stream_options may hold include_usage only."
-        )
-    return _get(options, "include_usage", (bool,), "true or false", False)
-
-
-def _sampling_knobs(body: dict, vocab_size: int, stops: list[int], min_tokens: int):
-    top_k = body.get("top_k")
-    if top_k == -1:  # vLLM's spelling of "off"
-        body = {**body, "top_k": 0}
-    neutral = lambda name: _knob(body, name, knobs_lib.neutral_value(name))
+def _sampling_knobs(body: Any, vocab_size: int, stops: list[int], min_tokens: int):
+    """The body's knobs: an absent one neutral, a zero penalty off (so that
+    the warmed-up program serves it)."""
+    neutral = lambda name: (
+        knobs_lib.neutral_value(name)
+        if getattr(body, name) is None
+        else getattr(body, name)
+    )
+    penalty = lambda name: getattr(body, name) or None
     return decoding.SamplingKnobs(
         temperature=neutral("temperature"),
         top_p=neutral("top_p"),
-        top_k=neutral("top_k"),
+        top_k=0 if body.top_k in (None, -1) else body.top_k,  # -1: vLLM's "off"
         min_p=neutral("min_p"),
         repetition_penalty=neutral("repetition_penalty"),
-        presence_penalty=_penalty(body, "presence_penalty"),
-        frequency_penalty=_penalty(body, "frequency_penalty"),
-        logit_bias=_logit_bias(body, vocab_size),
+        presence_penalty=penalty("presence_penalty"),
+        frequency_penalty=penalty("frequency_penalty"),
+        logit_bias=_logit_bias(body.logit_bias, vocab_size),
         min_new_tokens=min_tokens,
         stop_tokens=decoding.stop_token_mask(stops, vocab_size) if stops else None,
     )
+
+
+def _check_model(body: Any, model_name: str) -> None:
+    if body.model != model_name:
+        raise RequestError(
+            "model", f"model must be {model_name!r}; got {body.model!r}.", status=404
+        )
+
+
+def _constraint(body: Any) -> tuple[constraints.Constraint | None, str | None]:
+    """The structured output the body asks for and the field that asks:
+    ``response_format``, ``structured_outputs`` or a ``guided_*`` field (at
+    most one of them)."""
+    given = []
+    if body.response_format is not None and body.response_format.type != "text":
+        form = body.response_format
+        if form.type == "json_object":
+            given.append(("response_format", constraints.Constraint.json_object()))
+        else:
+            schema = form.json_schema.schema_
+            given.append(
+                ("response_format", constraints.Constraint.json_schema(schema))
+            )
+    outputs = body.structured_outputs
+    if outputs is not None:
+        for name, make in (
+            ("json_", constraints.Constraint.json_schema),
+            ("regex", constraints.Constraint.regex),
+            ("choice", constraints.Constraint.choice),
+            ("grammar", constraints.Constraint.grammar),
+        ):
+            if getattr(outputs, name) is not None:
+                given.append(("structured_outputs", make(getattr(outputs, name))))
+        if outputs.json_object:
+            given.append(("structured_outputs", constraints.Constraint.json_object()))
+    for name, make in (
+        ("guided_json", constraints.Constraint.json_schema),
+        ("guided_regex", constraints.Constraint.regex),
+        ("guided_choice", constraints.Constraint.choice),
+        ("guided_grammar", constraints.Constraint.grammar),
+    ):
+        if getattr(body, name) is not None:
+            given.append((name, make(getattr(body, name))))
+    if len(given) > 1:
+        raise RequestError(
+            given[1][0],
+            "give one structured output: response_format, structured_outputs or "
+            f"a guided_* field; got {given[0][0]} and {given[1][0]}.",
+        )
+    return (given[0][1], given[0][0]) if given else (None, None)
+
+
+def _compiled_constraint(
+    body: Any, tokenizer: Any, masker: Any
+) -> constraints.Constraint | None:
+    """The body's constraint, compiled against the vocabulary (kept by its
+    text; ``masker`` None: the tokenizer's), or the 400 that names the
+    field asking for it."""
+    constraint, field = _constraint(body)
+    if constraint is None:
+        return None
+    if body.ignore_eos or getattr(body, "num_beams", 1) > 1:
+        name = "ignore_eos" if body.ignore_eos else "num_beams"
+        raise RequestError(name, f"{name} does not apply to structured output.")
+    try:
+        (masker or constraints.masker_for(tokenizer)).compile(constraint)
+    except constraints.ConstraintError as error:
+        raise RequestError(field, f"{field}: {error}") from None
+    return constraint
+
+
+def _common(body: Any, tokenizer: Any, max_tokens: int, limits: Limits) -> dict:
+    """The :class:`CompletionRequest` fields completions and chat share."""
+    stop_token_ids = body.stop_token_ids or []
+    for token in stop_token_ids:
+        if token >= tokenizer.vocab_size:
+            raise RequestError(
+                "stop_token_ids",
+                f"stop_token_ids must be token ids in [0, {tokenizer.vocab_size}).",
+            )
+    if body.min_tokens > max_tokens:
+        raise RequestError(
+            "min_tokens", f"min_tokens must be in [0, {max_tokens}] (max_tokens)."
+        )
+    eos = getattr(tokenizer, "eos_id", None)
+    ends = stop_token_ids + ([] if eos is None or body.ignore_eos else [eos])
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    options = body.stream_options
+    return dict(
+        knobs=_sampling_knobs(body, tokenizer.vocab_size, ends, body.min_tokens),
+        n=body.n,
+        seed=None if body.seed is None else body.seed % 2**31,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=body.ignore_eos,
+        include_stop_str=body.include_stop_str_in_output,
+        min_tokens=body.min_tokens,
+        stream=body.stream,
+        include_usage=options is not None and options.include_usage,
+        model=body.model,
+    )
+
+
+def completion_request(
+    body: Any,
+    tokenizer: Any,
+    buckets: Buckets,
+    limits: Limits,
+    model_name: str,
+    *,
+    context: int | None = None,
+    masker: Any = None,
+) -> CompletionRequest:
+    """A ``/v1/completions`` body (its :mod:`~lmhead.serve.protocol` model,
+    checked) as a :class:`CompletionRequest`.
+
+    A prompt of ``P`` tokens needs ``P + max_tokens <= context`` (vLLM's
+    rule; with ``echo`` and ``max_tokens`` 0 or 1, ``P <= context``), and
+    ``P`` at most the longest prompt bucket; ``max_tokens`` defaults to
+    OpenAI's 16 cut to the room the prompts leave, and may be 0 only with
+    ``echo``; ``seed`` is taken modulo ``2**31``; ``n`` times the prompts
+    fits the largest batch; a constraint compiles against the vocabulary
+    (``masker``: the service's ``constraints.GrammarMasker``, required then).
+    EOS is ``getattr(tokenizer, "eos_id", None)``.
+
+    Raises:
+        RequestError: naming the first bad field (status 404 for an unknown
+            ``model``).
+
+    Examples:
+        >>> from lmhead.lm import data
+        >>> tokenizer = data.CharTokenizer("abc")
+        >>> buckets = Buckets((1, 4), (8,), (8,), (2,))
+        >>> body = protocol.body_models(16, 16, 64).completion(
+        ...     model="m", prompt=[[0, 1], "c"], n=2, stop="a")
+        >>> request = completion_request(body, tokenizer, buckets, Limits(), "m")
+        >>> request.prompt_texts, request.prompt_max_tokens, request.rows
+        (['ab', 'c'], [6, 7], 4)
+    """
+    _check_model(body, model_name)
+    context = buckets.prompt_lengths[-1] if context is None else context
+    prompts = _prompts(body.prompt, tokenizer, limits)
+    each = _max_tokens(body, [len(ids) for ids, _ in prompts], body.echo, context,
+                       buckets.prompt_lengths[-1], limits)  # fmt: skip
+    request = CompletionRequest(
+        prompt_ids=[ids for ids, _ in prompts],
+        prompt_texts=[text for _, text in prompts],
+        max_tokens=max(each),
+        prompt_max_tokens=each,
+        logprobs=body.logprobs,
+        echo=body.echo,
+        num_beams=body.num_beams,
+        constraint=_compiled_constraint(body, tokenizer, masker),
+        prompt_logprobs=body.prompt_logprobs,
+        **_common(body, tokenizer, max(each), limits),
+    )
+    _check_combinations(body, request, buckets)
+    return request
 
 
 def parse_completion(
@@ -462,94 +513,87 @@ def parse_completion(
     model_name: str,
     *,
     context: int | None = None,
+    masker: Any = None,
 ) -> CompletionRequest:
-    """A checked ``/v1/completions`` body.
-
-    A prompt of ``P`` tokens needs ``P + max_tokens <= context`` (vLLM's
-    rule; with ``echo`` and ``max_tokens`` 0 or 1, ``P <= context``), and
-    ``P`` at most the longest prompt bucket; ``max_tokens`` defaults to
-    OpenAI's 16 cut to the room the prompts leave, and may be 0 only with
-    ``echo``; ``logprobs`` is an integer in ``[0, 20]``; ``seed`` is an
-    integer in ``[-2**63, 2**63)`` (taken modulo ``2**31``); ``n`` times the
-    prompts fits the largest batch; ``top_k`` ``-1`` means off; the stops,
-    ``stop_token_ids`` and ``min_tokens`` as :class:`CompletionRequest` says.
-    EOS is ``getattr(tokenizer, "eos_id", None)``.
-
-    Args:
-        body: the JSON body.
-        tokenizer, buckets, limits, model_name: the service's.
-        context: the model's context ``max_len``; default the longest
-            prompt bucket.
+    """A JSON ``/v1/completions`` body (a dict), checked by its pydantic
+    model (:func:`protocol.body_models`, the route's) and then by
+    :func:`completion_request`: what the route does, for a caller without
+    HTTP (the tests, the benchmarks).
 
     Raises:
-        RequestError: naming the first bad field (status 404 for an unknown
-            ``model``).
+        RequestError: naming the first bad field, as the route answers it.
 
     Examples:
         >>> from lmhead.lm import data
-        >>> tokenizer = data.CharTokenizer("abc")
-        >>> buckets = Buckets((1, 4), (8,), (8,), (2,))
-        >>> request = parse_completion({"model": "m", "prompt": [[0, 1], "c"],
-        ...     "n": 2, "stop": "a"}, tokenizer, buckets, Limits(), "m")
-        >>> request.prompt_texts, request.prompt_max_tokens, request.rows
-        (['ab', 'c'], [6, 7], 4)
         >>> parse_completion({"model": "m", "prompt": "a", "max_tokens": 0},
-        ...     tokenizer, buckets, Limits(), "m")
+        ...     data.CharTokenizer("abc"), Buckets((1,), (8,), (8,)), Limits(), "m")
         Traceback (most recent call last):
         ...
         lmhead.serve.requests.RequestError: max_tokens may be 0 only with echo.
     """
-    body = _body_object(body, COMPLETION_FIELDS)
-    model = body.get("model")
-    if model is None:
-        raise RequestError("model", f"model is required: {model_name!r}.")
-    if model != model_name:
+    model = protocol.body_models(
+        limits.max_prompts, limits.max_stops, limits.max_stop_chars
+    ).completion
+    try:
+        checked = model.model_validate(body)
+    except pydantic.ValidationError as error:
+        first = error.errors()[0]
         raise RequestError(
-            "model", f"model must be {model_name!r}; got {model!r}.", status=404
-        )
-    context = buckets.prompt_lengths[-1] if context is None else context
-    prompts = _prompts(body, tokenizer, limits)
-    echo = _get(body, "echo", (bool,), "true or false", False)
-    stream = _get(body, "stream", (bool,), "true or false", False)
-    _get(body, "user", (str,), "a string")
-    each = _max_tokens(body, [len(ids) for ids, _ in prompts], echo, context,
-                       buckets.prompt_lengths[-1], limits)  # fmt: skip
-    max_tokens = max(each)
-    num_beams = _integer(body, "num_beams", 1, 1, max(buckets.beam_sizes, default=1))
-    seed = _integer(body, "seed", None, -(2**63), 2**63 - 1)
-    min_tokens = _integer(body, "min_tokens", 0, 0, max_tokens)
-    ignore_eos = _get(body, "ignore_eos", (bool,), "true or false", False)
-    stop_token_ids = _stop_token_ids(body, tokenizer.vocab_size, limits)
-    eos = getattr(tokenizer, "eos_id", None)
-    ends = stop_token_ids + ([] if eos is None or ignore_eos else [eos])
-    request = CompletionRequest(
-        prompt_ids=[ids for ids, _ in prompts],
-        prompt_texts=[text for _, text in prompts],
-        max_tokens=max_tokens,
-        prompt_max_tokens=each,
-        knobs=_sampling_knobs(body, tokenizer.vocab_size, ends, min_tokens),
-        n=_integer(body, "n", 1, 1, buckets.batch_sizes[-1]),
-        seed=None if seed is None else seed % 2**31,
-        logprobs=_integer(body, "logprobs", None, 0, MAX_LOGPROBS),
-        echo=echo,
-        stop=_stops(body, limits),
-        stop_token_ids=stop_token_ids,
-        ignore_eos=ignore_eos,
-        include_stop_str=_get(
-            body, "include_stop_str_in_output", (bool,), "true or false", False
-        ),
-        min_tokens=min_tokens,
-        stream=stream,
-        include_usage=_stream_options(body, stream),
-        num_beams=num_beams,
-        model=model,
+            protocol.error_param(("body", *first["loc"])),
+            protocol.error_message({**first, "loc": ("body", *first["loc"])}),
+        ) from None
+    return completion_request(
+        checked, tokenizer, buckets, limits, model_name, context=context, masker=masker
     )
-    _check_combinations(body, request, buckets)
-    return request
+
+
+def chat_request(
+    body: Any,
+    prompt: str,
+    tokenizer: Any,
+    buckets: Buckets,
+    limits: Limits,
+    model_name: str,
+    *,
+    context: int,
+    masker: Any = None,
+) -> CompletionRequest:
+    """A ``/v1/chat/completions`` body as a :class:`CompletionRequest` of one
+    prompt, ``prompt`` (its messages rendered by the run's template,
+    ``lmhead.serve.chat``); ``max_completion_tokens`` (or ``max_tokens``)
+    must fit the context after it, and defaults to the room it leaves;
+    ``top_logprobs`` needs ``logprobs``. Otherwise as
+    :func:`completion_request`; a refusal about the prompt names
+    ``messages``."""
+    _check_model(body, model_name)
+    ids = _encode(tokenizer, prompt, "messages")
+    if len(ids) > buckets.prompt_lengths[-1] or len(ids) >= context:
+        raise context_error(context, len(ids), field="messages")
+    room = context - len(ids)
+    asked = body.max_completion_tokens or body.max_tokens
+    if asked is not None and asked > room and not limits.cap_max_tokens:
+        raise context_error(context, len(ids), asked, field="messages")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise RequestError("top_logprobs", "top_logprobs needs logprobs: true.")
+    if body.n > buckets.batch_sizes[-1]:
+        raise RequestError("n", f"n must be at most {buckets.batch_sizes[-1]}.")
+    max_tokens = room if asked is None else min(asked, room)
+    return CompletionRequest(
+        prompt_ids=[ids],
+        prompt_texts=[prompt],
+        max_tokens=max_tokens,
+        prompt_max_tokens=[max_tokens],
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        echo=False,
+        num_beams=1,
+        constraint=_compiled_constraint(body, tokenizer, masker),
+        chat=True,
+        **_common(body, tokenizer, max_tokens, limits),
+    )
 
 
 def _max_tokens(
-    body: dict, lengths: list[int], echo: bool, context: int, longest: int, limits
+    body: Any, lengths: list[int], echo: bool, context: int, longest: int, limits
 ) -> list[int]:
     """Each prompt's ``max_tokens``, checked against the context (the
     prompts' ``lengths``) and the longest prompt bucket: the one asked, or
@@ -562,8 +606,8 @@ def _max_tokens(
             raise RequestError(
                 "prompt", f"a prompt may hold at most {longest} tokens; got {length}."
             )
-    given = body.get("max_tokens") is not None
-    asked = _integer(body, "max_tokens", DEFAULT_MAX_TOKENS, 0, MAX_INTEGER_KNOB)
+    given = body.max_tokens is not None
+    asked = body.max_tokens if given else DEFAULT_MAX_TOKENS
     if asked == 0 and not echo:
         raise RequestError("max_tokens", "max_tokens may be 0 only with echo.")
     each = []
@@ -580,11 +624,19 @@ def _max_tokens(
     return each
 
 
-def _check_combinations(body: dict, request: CompletionRequest, buckets) -> None:
-    if body.get("suffix") is not None:
+# The fields a beam search refuses: the sampling knobs and what it has not.
+BEAM_REFUSES = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "logit_bias", "seed", "logprobs",
+    "stop", "stream", "stop_token_ids", "min_tokens",
+    "include_stop_str_in_output", "prompt_logprobs",
+)  # fmt: skip
+
+
+def _check_combinations(body: Any, request: CompletionRequest, buckets) -> None:
+    if body.suffix is not None:
         raise RequestError("suffix", "suffix is not supported.")
-    best_of = _integer(body, "best_of", request.n, 1, MAX_INTEGER_KNOB)
-    if best_of != request.n:
+    if body.best_of is not None and body.best_of != request.n:
         raise RequestError("best_of", "best_of must equal n when given.")
     if request.rows > buckets.batch_sizes[-1]:
         raise RequestError(
@@ -598,10 +650,8 @@ def _check_combinations(body: dict, request: CompletionRequest, buckets) -> None
             "num_beams",
             f"num_beams must be 1 or one of {list(buckets.beam_sizes)}.",
         )
-    knobs = [name for name in knobs_lib.TRACED_KNOBS if name in COMPLETION_FIELDS]
-    for name in knobs + ["seed", "logprobs", "stop", "stream", "stop_token_ids",
-                         "min_tokens", "include_stop_str_in_output"]:  # fmt: skip
-        if body.get(name) not in (None, False):
+    for name in BEAM_REFUSES:
+        if getattr(body, name) not in (None, False, 0, {}):
             raise RequestError(name, f"{name} does not apply to num_beams > 1.")
     if len(set(request.prompt_max_tokens)) > 1:
         raise RequestError(

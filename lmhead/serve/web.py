@@ -1,8 +1,10 @@
-"""The HTTP service: OpenAI's ``POST /v1/completions`` over continuous
-batching (:mod:`lmhead.serve.continuous`), ``GET /v1/models``, vLLM's
-tokenizer routes, ``/healthz`` and Prometheus ``/metrics``, behind a bearer
-token and a body-size cap; errors in OpenAI's shape (:func:`error_body`).
-The routes, statuses and metrics are listed in ``docs/serving.md``.
+"""The HTTP service: OpenAI's ``POST /v1/completions`` and ``POST
+/v1/chat/completions`` over continuous batching (:mod:`lmhead.serve.continuous`),
+``GET /v1/models``, vLLM's tokenizer routes, ``/healthz``, Prometheus
+``/metrics`` and ``/openapi.json`` (the request bodies' pydantic models,
+:mod:`lmhead.serve.protocol`), behind a bearer token and a body-size cap;
+errors in OpenAI's shape (:func:`error_body`), naming the field. The routes,
+statuses and metrics are listed in ``docs/serving.md``.
 FastAPI, uvicorn and prometheus-client (the ``serve`` extra) are imported
 where used, so that the rest of ``lmhead`` needs none of them.
 """
@@ -20,13 +22,15 @@ from typing import Any
 import numpy as np
 
 from lmhead import decoding
-from lmhead.serve import completions, continuous, requests
+from lmhead.serve import chat, completions, continuous, protocol, requests
 from lmhead.serve.engine import Engine
 from lmhead.serve.requests import RequestError
 
 ROUTES = (
     "/v1/completions",
+    "/v1/chat/completions",
     "/v1/models",
+    "/openapi.json",
     "/tokenizer_info",
     "/tokenize",
     "/detokenize",
@@ -194,6 +198,7 @@ class _Guard:
             refusal = self._refusal(scope)
             if refusal is None and scope["method"] == "POST":
                 receive, refusal = await self._read_body(scope, receive)
+                scope = _as_json(scope)
             if refusal is not None:
                 return await refusal(scope, receive, send_and_record)
             return await self.app(scope, receive, send_and_record)
@@ -251,6 +256,13 @@ class _Guard:
         return replay, None
 
 
+def _as_json(scope: dict) -> dict:
+    """``scope`` with its body declared JSON: every POST route reads JSON,
+    and ``curl -d`` (form-encoded by default) is read as it always was."""
+    headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+
+
 async def _drain(receive, size: int) -> None:
     """Reads and drops the rest of a body, up to :data:`DRAIN_BYTES` in all
     (``size`` read already)."""
@@ -296,39 +308,33 @@ def make_app(engine: Engine, config: ServiceConfig = ServiceConfig()):
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
-        openapi_url=None,
     )
     app.add_middleware(_Guard, config=config, metrics=metrics)
     _add_error_handlers(app, config)
+    limits = config.limits
+    models = protocol.body_models(
+        limits.max_prompts, limits.max_stops, limits.max_stop_chars
+    )
+    run_settings = dict(
+        tokenizer=engine.tokenizer,
+        buckets=engine.buckets,
+        limits=limits,
+        model_name=config.model_name,
+        context=engine.model.max_len,
+        masker=slots.masker,
+    )
 
-    async def run(request: requests.CompletionRequest) -> dict:
-        """Queues ``request`` and awaits its result within the timeout; a
-        request nobody waits for any more is cancelled (a no-op once done)."""
-        future = slots.submit(request)
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), config.timeout_s)
-        finally:
-            slots.cancel(future)
-
-    @app.post("/v1/completions")
-    async def create_completion(request: fastapi.Request):
+    async def answer(parsed: requests.CompletionRequest, id_: str, whole, chunk):
+        """The answer of a checked request: ``whole(result)`` once it ends,
+        or, streaming, its chunks (``chunk(choices, usage=None)``)."""
         from fastapi import responses
         from starlette import background
 
-        parsed = requests.parse_completion(
-            await _json(request),
-            engine.tokenizer,
-            engine.buckets,
-            config.limits,
-            config.model_name,
-            context=engine.model.max_len,
-        )
-        id_ = completions.new_id()
         if parsed.stream:
             future, updates = _submit_stream(parsed, slots.submit)
             events = _events(
-                parsed, id_, future, updates, slots.cancel, metrics.tokens.inc,
-                config.timeout_s,
+                parsed, future, updates, slots.cancel, metrics.tokens.inc,
+                config.timeout_s, chunk,
             )  # fmt: skip
             return responses.StreamingResponse(
                 events,
@@ -336,9 +342,43 @@ def make_app(engine: Engine, config: ServiceConfig = ServiceConfig()):
                 # Also when the client leaves before the body starts.
                 background=background.BackgroundTask(slots.cancel, future),
             )
-        result = await run(parsed)
+        future = slots.submit(parsed)
+        try:
+            result = await asyncio.wait_for(
+                asyncio.wrap_future(future), config.timeout_s
+            )
+        finally:  # a request nobody waits for any more is cancelled
+            slots.cancel(future)
         metrics.tokens.inc(result["completion_tokens"])
-        return completions.completion_body(parsed, result, id_)
+        return whole(result)
+
+    @app.post("/v1/completions")
+    async def create_completion(body: models.completion):
+        parsed = requests.completion_request(body, **run_settings)
+        id_ = completions.new_id()
+        return await answer(
+            parsed,
+            id_,
+            lambda result: completions.completion_body(parsed, result, id_),
+            lambda choices, usage=None: completions.stream_chunk(
+                parsed, id_, choices, usage
+            ),
+        )
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: models.chat):
+        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        prompt = engine.chat_template.render(messages, body.add_generation_prompt)
+        parsed = requests.chat_request(body, prompt, **run_settings)
+        id_ = chat.new_id()
+        return await answer(
+            parsed,
+            id_,
+            lambda result: chat.chat_body(
+                parsed, result, id_, completions.usage(result)
+            ),
+            lambda choices, usage=None: chat.chat_chunk(parsed, id_, choices, usage),
+        )
 
     _add_info_routes(app, engine, config.model_name)
 
@@ -355,7 +395,6 @@ def make_app(engine: Engine, config: ServiceConfig = ServiceConfig()):
 
 def _add_info_routes(app: Any, engine: Engine, model_name: str) -> None:
     """``/v1/models`` and the tokenizer routes."""
-    import fastapi
 
     tokenizer = engine.tokenizer
 
@@ -387,14 +426,8 @@ def _add_info_routes(app: Any, engine: Engine, model_name: str) -> None:
         }
 
     @app.post("/tokenize")
-    async def tokenize(request: fastapi.Request):
-        body = requests._body_object(
-            await _json(request), ("model", "prompt", "add_special_tokens")
-        )
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise RequestError("prompt", "prompt must be a string.")
-        requests._get(body, "add_special_tokens", (bool,), "true or false")
+    async def tokenize(body: protocol.TokenizeBody):
+        prompt = body.prompt
         try:
             tokens = (
                 np.asarray(tokenizer.encode_array(prompt)).tolist() if prompt else []
@@ -408,15 +441,9 @@ def _add_info_routes(app: Any, engine: Engine, model_name: str) -> None:
         }
 
     @app.post("/detokenize")
-    async def detokenize(request: fastapi.Request):
-        body = requests._body_object(await _json(request), ("model", "tokens"))
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(
-            isinstance(t, int)
-            and not isinstance(t, bool)
-            and 0 <= t < tokenizer.vocab_size
-            for t in tokens
-        ):
+    async def detokenize(body: protocol.DetokenizeBody):
+        tokens = body.tokens
+        if not all(t < tokenizer.vocab_size for t in tokens):
             raise RequestError(
                 "tokens",
                 f"tokens must be a list of token ids in [0, {tokenizer.vocab_size}).",
@@ -433,6 +460,7 @@ def _add_error_handlers(app, config: ServiceConfig) -> None:
     """A bad field: 4xx naming it; an unknown route or method: 404 or 405;
     a full queue: 503; too late: 504; any other error: 500, all in OpenAI's
     error shape (the server logs a 500)."""
+    from fastapi import exceptions as fastapi_exceptions
     from starlette import exceptions
 
     async def refuse_request(request, error: RequestError):
@@ -450,28 +478,27 @@ def _add_error_handlers(app, config: ServiceConfig) -> None:
         return _error(504, None, f"no answer within {config.timeout_s} s.")
 
     async def refuse_route(request, error):
+        if error.status_code == 400:  # FastAPI could not read the body
+            return _error(400, "body", f"the body is not JSON: {error.detail}.")
         message = f"Invalid URL ({request.method} {request.url.path}): {error.detail}."
         return _error(error.status_code, None, message)
+
+    async def refuse_body(request, error: fastapi_exceptions.RequestValidationError):
+        errors = error.errors()
+        param = protocol.error_param(tuple(errors[0]["loc"]))
+        same = [e for e in errors if protocol.error_param(tuple(e["loc"])) == param]
+        message = "; ".join(protocol.error_message(e) for e in same[:3])
+        return _error(400, param, message)
 
     async def fail(request, error: Exception):
         return _error(500, None, f"the request failed: {error}")
 
     app.add_exception_handler(exceptions.HTTPException, refuse_route)
+    app.add_exception_handler(fastapi_exceptions.RequestValidationError, refuse_body)
     app.add_exception_handler(RequestError, refuse_request)
     app.add_exception_handler(requests.QueueFull, refuse_full)
     app.add_exception_handler(TimeoutError, refuse_late)
     app.add_exception_handler(Exception, fail)
-
-
-async def _json(request) -> Any:
-    try:
-        return json.loads(await request.body())
-    except ValueError as error:  # not JSON, not UTF-8, or a 5000-digit number
-        raise RequestError(
-            "body", f"the body is not JSON: {error}", status=400
-        ) from None
-    except RecursionError:
-        raise RequestError("body", "the body nests too deeply.", status=400) from None
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -542,28 +569,28 @@ def _submit_stream(parsed, submit) -> tuple[Any, asyncio.Queue]:
     return submit(parsed), updates
 
 
-async def _events(parsed, id_: str, future, queue, cancel, on_tokens, timeout_s):
-    """The server-sent events of a streaming request: text deltas as the
+async def _events(parsed, future, queue, cancel, on_tokens, timeout_s, chunk):
+    """The server-sent events of a streaming request, each ``chunk(choices,
+    usage=None)`` (completions' or chat's shape): text deltas as the
     engine's chunks arrive, each choice's last chunk with its
-    ``finish_reason`` and its whole ``logprobs``, the usage chunk when
-    asked, and ``[DONE]``; past ``timeout_s``, an error (504) in band."""
+    ``finish_reason``, ``stop_reason`` and its whole ``logprobs``, the usage
+    chunk when asked, and ``[DONE]``; past ``timeout_s``, an error (504) in
+    band. A chat choice's first chunk names its role (``first``)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     sent: dict[int, str] = {}
+
+    def delta(index, text, **fields):
+        first = {"first": True} if parsed.chat and index not in sent else {}
+        return {"text": text, "index": index, "logprobs": None,
+                "finish_reason": None, **fields, **first}  # fmt: skip
 
     def deltas(updates):
         choices = []
         for index, text, _ in updates:
             done = sent.get(index, "")
             if len(text) > len(done) and text.startswith(done):
-                choices.append(
-                    {
-                        "text": text[len(done) :],
-                        "index": index,
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }  # fmt: skip
-                )
+                choices.append(delta(index, text[len(done) :]))
                 sent[index] = text
         return choices
 
@@ -587,11 +614,11 @@ async def _events(parsed, id_: str, future, queue, cancel, on_tokens, timeout_s)
                 break
             choices = deltas(getter.result())
             if choices:
-                yield _sse(completions.stream_chunk(parsed, id_, choices))
+                yield _sse(chunk(choices))
         while not queue.empty():
             choices = deltas(queue.get_nowait())
             if choices:
-                yield _sse(completions.stream_chunk(parsed, id_, choices))
+                yield _sse(chunk(choices))
         try:
             result = waiting.result()
         except Exception as error:  # the stream has begun: report it in band
@@ -604,11 +631,10 @@ async def _events(parsed, id_: str, future, queue, cancel, on_tokens, timeout_s)
             rest = (
                 choice["text"][len(done) :] if choice["text"].startswith(done) else ""
             )
-            yield _sse(completions.stream_chunk(parsed, id_, [dict(choice, text=rest)]))
+            fields = {k: v for k, v in choice.items() if k not in ("text", "index")}
+            yield _sse(chunk([delta(choice["index"], rest, **fields)]))
         if parsed.include_usage:
-            yield _sse(
-                completions.stream_chunk(parsed, id_, [], completions.usage(result))
-            )
+            yield _sse(chunk([], completions.usage(result)))
         yield "data: [DONE]\n\n"
     finally:  # the client left, or the stream ended: a no-op once it ran
         cancel(future)

@@ -477,7 +477,7 @@ def bpe():
 
 
 def test_bpe_token_bytes_join_to_the_decoded_text(bpe):
-    table = generation.token_bytes(bpe)
+    table = data.token_bytes(bpe)
     assert len(table) == bpe.vocab_size
     # Some tokens hold part of a character: decoding one alone cannot give
     # its bytes, and the table does.
@@ -498,9 +498,9 @@ def test_bpe_token_bytes_join_to_the_decoded_text(bpe):
 
 def test_char_token_bytes_are_each_characters_utf8():
     tokenizer = data.CharTokenizer.train("aé☃\n")
-    assert generation.token_bytes(tokenizer) == [c.encode() for c in tokenizer.chars]
+    assert data.token_bytes(tokenizer) == [c.encode() for c in tokenizer.chars]
     tokenizer = data.CharTokenizer.train("aé☃\n", data.END_OF_TEXT)
-    assert generation.token_bytes(tokenizer) == [c.encode() for c in "\naé☃"] + [
+    assert data.token_bytes(tokenizer) == [c.encode() for c in "\naé☃"] + [
         b"<|endoftext|>"
     ]
 
@@ -509,7 +509,7 @@ def test_bpe_stop_strings_match_decoding_after_every_step(bpe):
     """Stop strings across 2 and 3 BPE tokens and inside characters, on
     random token rows, against decoding each prefix and searching it."""
     stops = ["ROMEO:", "\n\n", "ö", "☃ t", "at s"]
-    stop = decoding.StopStrings.build(stops, generation.token_bytes(bpe))
+    stop = decoding.StopStrings.build(stops, data.token_bytes(bpe))
     ids = np.array([bpe.encode(BPE_TEXT[k : k + 40])[:12] for k in range(0, 400, 13)])
     rng = np.random.default_rng(1)
     ids[::3] = rng.integers(0, bpe.vocab_size, ids[::3].shape)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from lmhead import decoding
-from lmhead.lm import data, generation
+from lmhead.lm import data
 from lmhead.lm import model as model_lib
 from lmhead.serve import continuous, requests, web
 from lmhead.serve import engine as engine_lib
@@ -246,7 +246,7 @@ def test_stop_strings_end_rows_in_the_step_where_generate_ends_them(
     keys = jax.random.wrap_key_data(
         jax.random.key_data(jax.random.fold_in(jax.random.key(11), 0))[None]
     )
-    table = generation.token_bytes(engine.tokenizer)
+    table = data.token_bytes(engine.tokenizer)
     slots = continuous.SlotBatcher(engine, max_queue=8, steps_per_call=steps_per_call)
     try:
         streamed, futures = [], []

@@ -288,6 +288,14 @@ def test_no_request_compiles_after_the_warm_up(served, url):
          "top_k": 5, "repetition_penalty": 1.3, "presence_penalty": 0.5,
          "frequency_penalty": 0.2, "logit_bias": {"1": 2}},
         {"prompt": "KING", "seed": 3, "n": 4, "max_tokens": 2},
+        # A new constraint of each kind, and a chat, compile nothing either.
+        {"prompt": "K", "max_tokens": 6, "guided_regex": "[a-z]+ [A-Z]"},
+        {"prompt": "K", "max_tokens": 6, "structured_outputs": {"json_object": True}},
+        {"prompt": "K", "max_tokens": 6, "guided_choice": ["KING", "LEAR"], "n": 3},
+        {"messages": [{"role": "user", "content": "K"}], "max_tokens": 3,
+         "add_generation_prompt": False,  # the template's text fits 16 tokens
+         "response_format": {"type": "json_schema", "json_schema": {
+             "name": "a", "schema": {"enum": ["I", "O"]}}}},
     ]  # fmt: skip
     handler, logger = _Compiles(), logging.getLogger("jax")
     level, logged = logger.level, jax.config.jax_log_compiles
@@ -296,7 +304,8 @@ def test_no_request_compiles_after_the_warm_up(served, url):
     jax.config.update("jax_log_compiles", True)
     try:
         for body in bodies:
-            response = httpx.post(url + "/v1/completions",
+            route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            response = httpx.post(url + route,
                                   json={"model": MODEL, **body}, timeout=60)  # fmt: skip
             assert response.status_code == 200, response.text
         assert handler.lines == []

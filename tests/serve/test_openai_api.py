@@ -259,7 +259,6 @@ def test_the_client_raises_on_a_bad_request_and_an_unknown_model(client):
 @pytest.mark.parametrize(
     "method,path,status",
     [
-        ("POST", "/v1/chat/completions", 404),
         ("GET", "/v1/completions", 405),
         ("GET", "/nowhere", 404),
         ("POST", "/v1/generate", 404),  # the old API is gone

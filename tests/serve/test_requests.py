@@ -1,7 +1,8 @@
-"""Tests for lmhead/serve/requests.py: absent knobs are neutral, the
-context rule, and the buckets are checked (the table of bad bodies, each
-field just outside its range, is tests/serve/test_openai_api.py's, through
-the service)."""
+"""Tests for lmhead/serve/requests.py and protocol.py: absent knobs are
+neutral, the knobs' ranges and messages are lmhead.decoding.knobs's through
+the pydantic models, the context rule, and the buckets are checked (the
+table of bad bodies, each field just outside its range, is
+tests/serve/test_openai_api.py's, through the service)."""
 
 import numpy as np
 import pytest

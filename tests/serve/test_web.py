@@ -67,6 +67,17 @@ def test_bad_request_names_the_param(url, path, body, status, param):
     assert error["param"] == param and error["message"]
 
 
+def test_a_form_encoded_body_is_read_as_json(url):
+    # curl -d sends application/x-www-form-urlencoded; the docs' examples too.
+    body = json.dumps({"model": MODEL, "prompt": "K", "max_tokens": 2})
+    for content_type in ("application/x-www-form-urlencoded", None):
+        headers = {"Content-Type": content_type} if content_type else {}
+        response = httpx.post(
+            url + "/v1/completions", content=body, headers=headers, timeout=60
+        )
+        assert response.status_code == 200, response.text
+
+
 def test_chunked_body_over_the_cap_gets_413(url):
     chunks = iter([b'{"prompt": "' + b"K" * 40_000, b"K" * 40_000 + b'"}'])
     response = httpx.post(url + "/v1/completions", content=chunks, timeout=60)

@@ -52,4 +52,5 @@ from lmhead.lm.data.tokenization import (
     load_tokenizer,
     make_tokenizer,
     text_length,
+    token_bytes,
 )

@@ -8,7 +8,8 @@ trained on training text only. With ``config.data.end_of_text`` both give
 GPT-2's ``<|endoftext|>`` (:data:`END_OF_TEXT`) the last id, and its literal
 encodes to that one id (docs/training.md, "The end-of-text token"). Neither
 has a padding token; :func:`text_length` counts the characters that bits per
-character divide by.
+character divide by, and :func:`token_bytes` gives each token's bytes (what
+stop strings and constraints are matched on).
 """
 
 import json
@@ -17,6 +18,8 @@ from collections.abc import Iterator
 import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from lmhead.decoding.stop_strings import token_bytes_from_decode
 
 # GPT-2's end-of-text token, placed between (after each of) the corpus's works.
 END_OF_TEXT = "<|endoftext|>"
@@ -206,6 +209,52 @@ class BPETokenizer:
 
 
 Tokenizer = CharTokenizer | BPETokenizer
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, the ``tokenizers`` ``ByteLevel`` one: the
+    character that stands for each byte in a token's string."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), ord("\xff") + 1),
+    ]
+    others = [b for b in range(256) if b not in printable]
+    chars = {chr(b): b for b in printable}
+    chars.update({chr(256 + n): b for n, b in enumerate(others)})
+    return chars
+
+
+def token_bytes(tokenizer: Tokenizer) -> list[bytes]:
+    """Each token's bytes, ``[V]`` byte strings: what
+    ``decoding.StopStrings.build`` matches stop strings on.
+
+    ``CharTokenizer``: the character's UTF-8 bytes (the end-of-text token's:
+    those of its literal ``<|endoftext|>``, what it decodes to). ``BPETokenizer``
+    (byte-level): the bytes its vocabulary string stands for, which may be
+    part of a character; decoding the token alone would give U+FFFD instead.
+    Either way the text of a row is the UTF-8 decoding of its tokens' bytes
+    joined, so text stop strings are matched exactly (see
+    ``lmhead.decoding.stop_strings``). Another tokenizer with a ``decode``
+    method gets ``decode([v])``'s UTF-8 bytes, exact only when its ``decode``
+    joins its tokens' texts.
+
+    Examples:
+        >>> token_bytes(CharTokenizer("aé"))
+        [b'a', b'\\xc3\\xa9']
+    """
+    if isinstance(tokenizer, CharTokenizer):
+        return [
+            tokenizer.decode([v]).encode("utf-8") for v in range(tokenizer.vocab_size)
+        ]
+    inner = getattr(tokenizer, "tokenizer", None)
+    if inner is not None and isinstance(inner.decoder, decoders.ByteLevel):
+        chars = _byte_level_chars()
+        return [
+            bytes(chars[c] for c in inner.id_to_token(v))
+            for v in range(tokenizer.vocab_size)
+        ]
+    return token_bytes_from_decode(tokenizer.decode, tokenizer.vocab_size)
 
 
 def _line_batches(

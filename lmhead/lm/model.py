@@ -833,6 +833,7 @@ class MTPProposer:
 
     model: DecoderLM
     num_tokens: int
+    reads_history = False
 
     def __post_init__(self):
         _checks.check_count("num_tokens", self.num_tokens)

@@ -232,13 +232,111 @@ def write_columns(s: Any, out: StepOutput, at: jax.Array) -> Any:
     )
 
 
-def _context(s, rows, config, decoded) -> ProcessorContext | None:
-    """The hook's context; its ``step`` is each row's count (``[B]``): under
-    speculation rows advance apart."""
-    if config.step.processor is None:
-        return None
-    generated = decoded.generated
-    return ProcessorContext(generated, s.tokens, generated, rows.prompt_lengths)
+class Speculation(NamedTuple):
+    """The static parts of a speculative step besides the knobs.
+
+    Attributes:
+        proposer: the :class:`Proposer`.
+        step: the :class:`~lmhead.decoding.step.StepConfig`.
+        reset_rows: whether the rows that emit nothing have their model state
+            emptied before the call (``step_fn.reset_rows``: continuous
+            batching's free slots).
+    """
+
+    proposer: Any
+    step: Any
+    reset_rows: bool = False
+
+
+def speculate(
+    rows: Any,
+    model_state: Any,
+    rejected: jax.Array,
+    sink: Any,
+    *,
+    step_fn: Any,
+    params: Any,
+    knobs: Any,
+    stop: tuple,
+    spec: Speculation,
+    emit: Any,
+    context: Any = None,
+) -> tuple:
+    """One speculative step (the module's steps 1-5) of the rows'
+    :class:`~lmhead.decoding.step.DecodeRows`.
+
+    Args:
+        rows, model_state: the rows and ``step_fn``'s state.
+        rejected: ``int32 [B]``, each row's draft rejected at its logits.
+        sink: the caller's record of the outputs: ``emit(sink, out, at)``
+            returns it with ``out`` (a :class:`StepOutput`) emitted at
+            position ``at: int32 [B]`` of each row; called after each of the
+            ``k + 1`` steps in order.
+        context: None, or ``context(sink, rows)``: the hook's
+            :class:`ProcessorContext` of the rows about to step.
+
+    Returns:
+        ``(rows, model_state, rejected, sink, tested [k], accepted [k])``:
+        the draft tests and acceptances at each depth, over the rows.
+    """
+    proposer, config = spec.proposer, spec.step
+    k, batch = proposer.num_tokens, rejected.shape[0]
+    context = context or (lambda sink, rows: None)
+    decoded, out = decode_step(
+        rows, knobs, stop, config, step=rows.generated,
+        context=context(sink, rows), rejected=rejected,
+    )  # fmt: skip
+    sink = emit(sink, out, rows.generated)
+    decoded = advance_constraint(decoded, out)
+    if spec.reset_rows:  # a free slot's next position is its cache's first
+        model_state = step_fn.reset_rows(model_state, ~out.emitted)
+    drafts, model_state = proposer.propose(
+        params,
+        model_state,
+        ProposalContext(
+            out.tokens, out.emitted, decoded.history if proposer.reads_history else None
+        ),
+    )
+    speculated = out.emitted & is_running(decoded)
+    if decoded.constraint is not None:  # constrained rows are not speculated
+        speculated &= decoded.constraint.ids < 0
+    drafts = jnp.where(speculated[:, None], drafts, NO_TOKEN)
+    fed_tokens = jnp.concatenate(
+        [out.tokens[:, None], jnp.where(drafts >= 0, drafts, config.pad_id)], 1
+    )
+    logits, model_state, fed = _model_call(
+        step_fn, params, fed_tokens, rows.logits, model_state,
+        jnp.any(is_running(decoded)), jnp.any(drafts >= 0),
+    )  # fmt: skip
+    in_block, accepted = speculated, jnp.zeros((batch,), jnp.int32)
+    rejected = jnp.full((batch,), NO_TOKEN, jnp.int32)
+    tested_at, accepted_at = [], []
+    for j in range(k):
+        draft = jnp.where(in_block, drafts[:, j], NO_TOKEN)
+        at = decoded.generated
+        decoded_j, out_j = decode_step(
+            decoded._replace(logits=logits[:, j]), knobs, stop, config, step=at,
+            context=context(sink, decoded), draft=draft,
+        )  # fmt: skip
+        sink = emit(sink, out_j, at)
+        tested = draft >= 0
+        rejected = jnp.where(
+            tested & ~out_j.emitted & is_running(decoded_j), draft, rejected
+        )
+        accepted += out_j.emitted.astype(jnp.int32)
+        in_block = in_block & out_j.emitted & is_running(decoded_j)
+        tested_at.append(jnp.sum(tested, dtype=jnp.int32))
+        accepted_at.append(jnp.sum(out_j.emitted, dtype=jnp.int32))
+        decoded = decoded_j
+    kept = jnp.minimum(jnp.where(out.emitted, 1 + accepted, 0), fed)
+    model_state = _rewind(step_fn, model_state, fed - kept)
+    carried = jnp.take_along_axis(logits, accepted[:, None, None], axis=1)[:, 0]
+    decoded = decoded._replace(
+        logits=jnp.where(out.emitted[:, None], carried, rows.logits)
+    )
+    return (
+        decoded, model_state, rejected, sink, jnp.stack(tested_at), jnp.stack(accepted_at)
+    )  # fmt: skip
 
 
 def speculative_step(
@@ -251,66 +349,34 @@ def speculative_step(
     rows: Any,
     config: Any,
 ) -> Any:
-    """One speculative step of ``generate``'s loop (the module's steps 1-5):
-    ``s`` is its ``SamplingState`` with ``rejected`` and ``speculation``;
-    ``config.proposer`` the :class:`Proposer`."""
-    proposer = config.proposer
-    k, batch = proposer.num_tokens, s.tokens.shape[0]
+    """One step of ``generate``'s loop with speculation (:func:`speculate`):
+    ``s`` is its ``SamplingState`` with ``rejected`` and ``speculation``,
+    ``config.proposer`` the :class:`Proposer`; the hook's context has each
+    row's own ``step`` (``[B]``: rows advance apart)."""
+
+    def context(s, decoded):
+        if config.step.processor is None:
+            return None
+        generated = decoded.generated
+        return ProcessorContext(generated, s.tokens, generated, rows.prompt_lengths)
+
     started = is_running(s.rows)
-    decoded, out = decode_step(
-        s.rows, knobs, stop, config.step, step=s.rows.generated,
-        context=_context(s, rows, config, s.rows), rejected=s.rejected,
+    decoded, model_state, rejected, s, tested, accepted = speculate(
+        s.rows, s.model_state, s.rejected, s, step_fn=step_fn, params=params,
+        knobs=knobs, stop=stop, spec=Speculation(config.proposer, config.step),
+        emit=write_columns, context=context,
     )  # fmt: skip
-    s = write_columns(s, out, s.rows.generated)
-    decoded = advance_constraint(decoded, out)
-    context = ProposalContext(
-        out.tokens, out.emitted, decoded.history if proposer.reads_history else None
-    )
-    drafts, model_state = proposer.propose(params, s.model_state, context)
-    speculated = out.emitted & is_running(decoded)
-    if rows.constraint is not None:  # constrained rows are not speculated
-        speculated &= rows.constraint.ids < 0
-    drafts = jnp.where(speculated[:, None], drafts, NO_TOKEN)
-    fed_tokens = jnp.concatenate(
-        [out.tokens[:, None], jnp.where(drafts >= 0, drafts, config.step.pad_id)], 1
-    )
-    logits, model_state, fed = _model_call(
-        step_fn, params, fed_tokens, s.rows.logits, model_state,
-        jnp.any(is_running(decoded)), jnp.any(drafts >= 0),
-    )  # fmt: skip
-    in_block, accepted = speculated, jnp.zeros((batch,), jnp.int32)
-    rejected = jnp.full((batch,), NO_TOKEN, jnp.int32)
     stats = s.speculation
-    for j in range(k):
-        draft = jnp.where(in_block, drafts[:, j], NO_TOKEN)
-        tested = draft >= 0
-        at = decoded.generated
-        decoded_j, out_j = decode_step(
-            decoded._replace(logits=logits[:, j]), knobs, stop, config.step,
-            step=at, context=_context(s, rows, config, decoded), draft=draft,
-        )  # fmt: skip
-        s = write_columns(s, out_j, at)
-        was_rejected = tested & ~out_j.emitted & is_running(decoded_j)
-        rejected = jnp.where(was_rejected, draft, rejected)
-        accepted += out_j.emitted.astype(jnp.int32)
-        in_block = in_block & out_j.emitted & is_running(decoded_j)
-        stats = stats._replace(
-            tested=stats.tested.at[j].add(jnp.sum(tested, dtype=jnp.int32)),
-            accepted=stats.accepted.at[j].add(jnp.sum(out_j.emitted, dtype=jnp.int32)),
-        )
-        decoded = decoded_j
-    kept = jnp.minimum(jnp.where(out.emitted, 1 + accepted, 0), fed)
-    model_state = _rewind(step_fn, model_state, fed - kept)
-    carried = jnp.take_along_axis(logits, accepted[:, None, None], axis=1)[:, 0]
-    stats = stats._replace(calls=stats.calls + started.astype(jnp.int32))
     return s._replace(
         step=s.step + 1,
-        rows=decoded._replace(
-            logits=jnp.where(out.emitted[:, None], carried, s.rows.logits)
-        ),
+        rows=decoded,
         model_state=model_state,
         rejected=rejected,
-        speculation=stats,
+        speculation=SpeculationStats(
+            stats.calls + started.astype(jnp.int32),
+            stats.tested + tested,
+            stats.accepted + accepted,
+        ),
     )
 
 

@@ -20,10 +20,10 @@ transformers installed, Hugging Face's prompt lookup
 (``prompt_lookup_num_tokens``) on the GPT-2 model's weights is the peer of
 the n-gram rows (greedy, batch 1: its speed-up over its own plain greedy).
 Then, for the first MTP run: the service's decode slots (in process, no
-HTTP) with 1 and 16 clients sending greedy requests, speculation on and
-off; a training step at its ``mtp_heads`` against 0 (side by side); and the
-compiled temporary memory of the MTP loss at N = 8192, D = 512, V = 32768,
-k = 3, fused against materialized. docs/decoding.md has the results.
+HTTP) with 1, 4 and 16 clients sending greedy requests, speculation on and
+off; a training step at its ``mtp_heads`` against 0 (side by side); and
+the compiled temporary memory of the MTP loss at N = 8192, D = 512, V =
+32768, k = 3, fused against materialized. docs/decoding.md has the results.
 """
 
 import concurrent.futures
@@ -230,7 +230,7 @@ def hf_prompt_lookup(model, params) -> list[tuple]:
 
 def service_rows(workdir: str) -> list[tuple]:
     """The run's decode slots in process: ``--requests`` greedy requests of
-    ``--new_tokens`` tokens from 1 and 16 clients, speculation off and on."""
+    ``--new_tokens`` tokens from 1, 4 and 16 clients, speculation off and on."""
     _, tokenizer, model, params = generation.load_run(workdir)
     new = min(FLAGS.new_tokens, model.max_len - 16)
     buckets = requests.Buckets(
@@ -239,7 +239,7 @@ def service_rows(workdir: str) -> list[tuple]:
     served = engine.Engine(model, params, tokenizer, buckets)
     text = data.load_text("")[-5000:]
     rows, rates = [], {}
-    for clients in (1, 16):
+    for clients in (1, 4, 16):
         for speculative in (None, *proposers(model)):
             slots = continuous.SlotBatcher(
                 served, slots=16, max_queue=FLAGS.requests, speculative=speculative,

@@ -23,7 +23,8 @@ mkdir -p "$out"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
 # QUICK: each benchmark's --quick sizes (the gemma2 preset has none: the
-# quick head run is the default shapes' --quick), to check that it all runs.
+# quick head run is the default shapes' --quick), to check that it all runs;
+# its limits are three times the GPU's, since a loaded CPU is no GPU.
 head=(--preset=gemma2)
 post_training=(--post_training=dpo,grpo --shapes=8192,2304,256000 --dtype=bfloat16 --repeats=2)
 filter=(--filter_eps=auto --peaked --shapes=8192,2304,256000 --dtype=bfloat16 --repeats=2)
@@ -35,7 +36,7 @@ if [ -n "${QUICK:-}" ]; then
     post_training=(--quick --post_training=dpo,grpo)
     filter=(--quick --filter_eps=auto --peaked --dtype=bfloat16)
     decode=(--quick --decoders=greedy)
-    speculative=(--quick --gpt2 --only_gpt2)
+    speculative=(--quick --gpt2 --only_gpt2 --batch_sizes=1)
     quick=(--quick)
 fi
 known="head_gemma2 head_post_training head_filter ensemble_gpu decode speculative"
@@ -51,6 +52,7 @@ checks=0
 check() {  # check NAME SECONDS COMMAND...
     local name=$1 seconds=$2
     shift 2
+    [ -n "${QUICK:-}" ] && seconds=$((3 * seconds))
     case " ${CHECKS:-$name} " in *" $name "*) ;; *) return ;; esac
     echo "== $name (at most ${seconds} s): $*"
     local start=$SECONDS

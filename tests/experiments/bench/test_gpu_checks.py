@@ -18,7 +18,7 @@ def test_quick_checks_run_and_leave_their_outputs(tmp_path):
         env=dict(os.environ, OUT=str(tmp_path), QUICK="1", PYTHON=sys.executable),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=3000,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "== 0 of 6 failed" in done.stdout

@@ -183,6 +183,14 @@ def model_defaults() -> ml_collections.ConfigDict:
     # the table's AdamW moments, and trains on its own (lmhead/lm/train.py's
     # train_step). None: untied from the start.
     model.untie_step = config_dict.placeholder(int)
+    # Multi-token prediction (lmhead/lm/mtp.py): k further heads, depth i
+    # predicting the token i past the next one; 0 is the plain model.
+    # "sequential" (DeepSeek-V3's chained modules) | "parallel" (Gloeckle et
+    # al.'s blocks on the trunk); their unembedding "shared" (the main head's)
+    # | "own" (one [V, D] table for the depths). loss.mtp_weight weighs them.
+    model.mtp_heads = 0
+    model.mtp_design = "sequential"
+    model.mtp_unembedding = "shared"
     return model
 
 
@@ -213,6 +221,9 @@ def loss_defaults() -> ml_collections.ConfigDict:
     # frequent first, counted once) or "mean_logit" (each step's rows by
     # their mean logit over its batch). It changes which tiles a filter skips.
     loss.vocab_order = config_dict.placeholder(str)
+    # lambda of the MTP loss, CE_main + lambda / k * sum_i CE_i (model.mtp_heads
+    # = k > 0; DeepSeek-V3's 0.3).
+    loss.mtp_weight = 0.3
     return loss
 
 

@@ -12,6 +12,9 @@ r"""Continues a prompt with a trained run's newest checkpoint and tokenizer.
     python experiments/generate.py --workdir=... --regex='[A-Z][a-z]+, [0-9]{4}'
     python experiments/generate.py --workdir=... --choice=yes --choice=no
     python experiments/generate.py --workdir=... --grammar=arithmetic.lark
+    python experiments/generate.py --workdir=... --speculative=ngram \
+        --num_speculative_tokens=4      # prompt lookup: same tokens, faster
+    python experiments/generate.py --workdir=runs/mtp --speculative=mtp  # MTP heads
 
 A sample ends at the run's end-of-text token (``<|endoftext|>``, which new
 runs put between works), which is not printed; ``--ignore_eos`` goes on past
@@ -22,7 +25,10 @@ follows it; its
 generated token: the token and its step's ``k`` likeliest tokens with their
 log-probabilities. ``--json_schema``, ``--regex``, ``--choice`` and
 ``--grammar`` (at most one) constrain every sample's continuation
-(``lmhead.lm.constraints``, docs/decoding.md). After the text it prints, on stderr, the time to first
+(``lmhead.lm.constraints``, docs/decoding.md). ``--speculative`` decodes
+speculatively (docs/decoding.md, "Speculative decoding"): the same text
+greedily, the same distribution sampled; a constrained sample is not
+speculated, and beam search refuses it. After the text it prints, on stderr, the time to first
 token (prefill and one step) and the milliseconds per new token of the
 compiled programs.
 """
@@ -89,6 +95,16 @@ flags.register_multi_flags_validator(
     ["json_schema", "regex", "choice", "grammar"],
     lambda values: sum(v is not None for v in values.values()) <= 1,
     message="give at most one of --json_schema, --regex, --choice and --grammar.",
+)
+flags.DEFINE_enum(
+    "speculative",
+    None,
+    list(generation.SPECULATIVE),
+    "Speculative decoding: proposals from the run's MTP heads or from n-gram "
+    "lookup in the text so far.",
+)
+flags.DEFINE_integer(
+    "num_speculative_tokens", 3, "Proposals per model call with --speculative."
 )
 flags.DEFINE_bool(
     "timings", True, "Report time to first token and ms per new token on stderr."
@@ -174,6 +190,8 @@ def _continuations(f, model, params, tokenizer, stop):
         top_logprobs=f.top_logprobs,
         ignore_eos=f.ignore_eos,
         constraint=read_constraint(f),
+        speculative=f.speculative,
+        num_speculative_tokens=f.num_speculative_tokens,
     )
 
 
@@ -183,6 +201,10 @@ def main(argv):
     if f.quantize:
         params = generation.quantize_for_decoding(model, params, f.quantize)
     stop = [unescape(s) for s in f.stop] if f.stop else None
+    try:  # refused by name before anything compiles
+        generation.proposer(model, f.speculative, f.num_speculative_tokens, f.num_beams)
+    except ValueError as error:
+        raise app.UsageError(f"--{error}") from None
     try:
         continuations = _continuations(f, model, params, tokenizer, stop)
     except constraints.ConstraintError as error:

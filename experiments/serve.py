@@ -5,6 +5,8 @@ r"""Serves a trained run over HTTP: OpenAI's completions and chat, health and me
     python experiments/serve.py --workdir=runs/nanogpt_tied --host=0.0.0.0 \
         --token_file=secret.txt     # any other address needs a bearer token
 
+``--speculative=mtp|ngram`` decodes the slots speculatively
+(docs/decoding.md, "Speculative decoding"; docs/serving.md measures it).
 Completions are batched continuously (``lmhead/serve/continuous.py``); a
 request fits when its prompt plus ``max_tokens`` fits the run's context
 (``echo`` with ``max_tokens`` 0 or 1 scores a prompt of the whole context).
@@ -96,6 +98,17 @@ flags.DEFINE_integer(
     "Decoding steps per compiled call of the slots.",
     lower_bound=1,
 )
+flags.DEFINE_enum(
+    "speculative",
+    None,
+    list(generation.SPECULATIVE),
+    "Speculative decoding in the decode slots: proposals from the run's MTP "
+    "heads or from n-gram lookup (the same tokens greedily, the same "
+    "distribution sampled).",
+)
+flags.DEFINE_integer(
+    "num_speculative_tokens", 3, "Proposals per decoding step with --speculative."
+)
 flags.DEFINE_string("model_name", "lmhead", "The model name of the OpenAI routes.")
 flags.DEFINE_string(
     "compilation_cache",
@@ -130,6 +143,10 @@ def main(argv):
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     _, tokenizer, model, params = generation.load_run(f.workdir)
+    try:  # before the warm-up
+        generation.proposer(model, f.speculative, f.num_speculative_tokens, None)
+    except ValueError as error:
+        raise app.UsageError(f"--{error}") from None
     buckets = requests.Buckets(
         batch_sizes=batch_sizes,
         prompt_lengths=_sizes("prompt_lengths", requests.prompt_buckets(model.max_len)),
@@ -160,6 +177,8 @@ def main(argv):
         model_name=f.model_name,
         slots=f.slots,
         steps_per_call=f.steps_per_call,
+        speculative=f.speculative,
+        num_speculative_tokens=f.num_speculative_tokens,
     )
     try:
         service = web.make_app(served, config)  # compiles the decode slots

@@ -167,6 +167,7 @@ def fused_cross_entropy(
     dw_accumulation: str = "float32",
     vocab_order: jax.typing.ArrayLike | str | None = None,
     ignore_index: int = losses.IGNORE_INDEX,
+    grouped_metrics: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""Cross-entropy of ``unembed(h, w, bias)`` without materializing logits.
 
@@ -284,6 +285,10 @@ def fused_cross_entropy(
             assumed to be a permutation (checked when concrete).
         ignore_index: the label of an ignored token (weight 0), ``-100`` by
             default as in PyTorch and Hugging Face; an integer.
+        grouped_metrics: as in ``losses.cross_entropy``: True gives metrics
+            per index of the leading axis (each ``[G]``; the depths of
+            multi-token prediction stacked share one sweep this way); the
+            entropy stays one number over every token.
 
     The options of the sweep (``scale`` to ``dw_accumulation``, less the
     loss's own) are checked once, as a
@@ -367,6 +372,7 @@ def fused_cross_entropy(
     vocab_size, d_model = jnp.shape(w)
     leading = jnp.shape(h)[:-1]
     losses.check_labels_and_weights(labels, weights, leading)
+    groups = losses.metric_groups(grouped_metrics, leading)
     num_tokens = math.prod(leading)
     loss_weights, safe_labels, invalid = losses.valid_weights(
         jnp.reshape(labels, (num_tokens,)),
@@ -384,6 +390,7 @@ def fused_cross_entropy(
             z_loss=z_loss,
             reduction=reduction,
             ignore_index=ignore_index,
+            grouped_metrics=grouped_metrics,
         )
         no_tokens = jnp.zeros(leading, jnp.float32)
         return loss, metrics | _entropy_metrics(
@@ -426,7 +433,7 @@ def fused_cross_entropy(
     )
     correct = rule.predicted(outputs) == safe_labels
     loss, metrics = losses.weighted_metrics(
-        token_loss, nll, z_term, correct, loss_weights, invalid, reduction
+        token_loss, nll, z_term, correct, loss_weights, invalid, reduction, groups
     )
     if entropy:
         metrics |= _entropy_metrics(
@@ -439,5 +446,5 @@ def fused_cross_entropy(
         return jnp.reshape(loss, leading), metrics
     if reduction == "sum":
         return objective, metrics
-    weight_sum = metrics["weight_sum"]
+    weight_sum = jnp.sum(metrics["weight_sum"])
     return objective / jnp.where(weight_sum > 0, weight_sum, 1.0), metrics

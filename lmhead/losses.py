@@ -226,6 +226,7 @@ def weighted_metrics(
     weights: jax.Array,
     invalid: jax.Array,
     reduction: str,
+    groups: int | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""Reduces per-token losses and builds the metrics dict.
 
@@ -239,6 +240,10 @@ def weighted_metrics(
         weights: ``[...]`` float32 weights, already 0 for invalid labels.
         invalid: ``[...]`` bool, labels outside ``[0, V)`` with nonzero weight.
         reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per-token ``w * loss``).
+        groups: None, or ``G``: the tokens, in order, are ``G`` groups of
+            equal size (the leading axis of ``labels``, e.g. the depths of
+            multi-token prediction stacked), and every metric is ``[G]``, one
+            per group. The reduced loss is over every token either way.
 
     Returns:
         ``(reduced_loss, metrics)``; ``metrics`` holds the weighted means
@@ -252,15 +257,28 @@ def weighted_metrics(
         >>> loss, m = weighted_metrics(x, x, 0 * x, x > 2, w, x < 0, "mean")
         >>> float(loss), float(m["weight_sum"]), float(m["accuracy"])
         (1.0, 1.0, 0.0)
+        >>> _, m = weighted_metrics(x, x, 0 * x, x > 2, 0 * x + 1, x < 0, "sum",
+        ...                         groups=2)
+        >>> m["accuracy"], m["weight_sum"]
+        (Array([0., 1.], dtype=float32), Array([1., 1.], dtype=float32))
     """
-    weight_sum = jnp.sum(weights)
+    weighted_loss = weighted_values(loss, weights)
+    if reduction == "none":
+        reduced = weighted_loss
+    elif reduction == "sum":
+        reduced = jnp.sum(weighted_loss)
+    axis = None
+    if groups is not None:
+        loss, nll, z_term, correct, weights, invalid = (
+            jnp.reshape(x, (groups, -1))
+            for x in (loss, nll, z_term, correct, weights, invalid)
+        )
+        axis = -1
+    weight_sum = jnp.sum(weights, axis=axis)
     safe_sum = jnp.where(weight_sum > 0, weight_sum, 1.0)
 
-    def weighted(x):
-        return weighted_values(x, weights)
-
     def mean(x):
-        return jnp.sum(weighted(x)) / safe_sum
+        return jnp.sum(weighted_values(x, weights), axis=axis) / safe_sum
 
     metrics = {
         "loss": mean(loss),
@@ -268,13 +286,14 @@ def weighted_metrics(
         "z_loss": mean(z_term),
         "accuracy": mean(correct.astype(jnp.float32)),
         "weight_sum": weight_sum,
-        "invalid_labels": jnp.sum(invalid).astype(jnp.int32),
+        "invalid_labels": jnp.sum(invalid, axis=axis).astype(jnp.int32),
     }
-    if reduction == "mean":
+    if reduction != "mean":
+        return reduced, metrics
+    if groups is None:
         return metrics["loss"], metrics
-    if reduction == "sum":
-        return jnp.sum(weighted(loss)), metrics
-    return weighted(loss), metrics
+    total = jnp.sum(weight_sum)
+    return jnp.sum(weighted_loss) / jnp.where(total > 0, total, 1.0), metrics
 
 
 def valid_weights(
@@ -361,6 +380,81 @@ def valid_weights(
     )
 
 
+def depth_targets(
+    labels: jax.typing.ArrayLike,
+    weights: jax.typing.ArrayLike | None,
+    depths: tuple[int, ...],
+    scales: jax.typing.ArrayLike,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[jax.Array, jax.Array]:
+    r"""The labels and weights of prediction depths, stacked for one loss.
+
+    Depth :math:`d` (multi-token prediction: 0 is the next token) predicts,
+    at position :math:`t`, the label :math:`y_{t+d}`; where :math:`t + d
+    \ge T` there is none (label ``ignore_index``, weight 0). Each depth's
+    weights are scaled by :math:`a_d / W_d`, :math:`W_d` the sum of its
+    weights whose labels are not ``ignore_index`` (a depth of none gets
+    weights 0), so that the sum-reduced loss of the stack is the weighted
+    sum of the depths' means:
+
+    .. math::
+        \sum_d \sum_t \frac{a_d\, w_{t+d}}{W_d} \ell_{d,t}
+        = \sum_d a_d \, \frac{\sum_t w_{t+d}\, \ell_{d,t}}{W_d}.
+
+    Args:
+        labels: ``int [..., T]`` targets of depth 0.
+        weights: ``[..., T]`` or None (1).
+        depths: the ``G`` depths, integers ``>= 0``.
+        scales: ``[G]`` the factors :math:`a_d` (floats, traced ones too).
+        ignore_index: the label of an ignored token.
+
+    Returns:
+        ``(labels int32 [G, ..., T], weights float32 [G, ..., T])``.
+
+    Examples:
+        >>> labels, weights = depth_targets(jnp.array([5, 6, 7]), None, (0, 1),
+        ...                                 jnp.array([1.0, 0.5]))
+        >>> labels
+        Array([[   5,    6,    7],
+               [   6,    7, -100]], dtype=int32)
+        >>> weights
+        Array([[0.33333334, 0.33333334, 0.33333334],
+               [0.25      , 0.25      , 0.        ]], dtype=float32)
+    """
+    _checks.check_integer("labels", labels)
+    labels = jnp.asarray(labels, jnp.int32)
+    if labels.ndim < 1:
+        raise ValueError("labels must have a position axis [..., T]; got a scalar.")
+    time = labels.shape[-1]
+    weights = (
+        jnp.ones(labels.shape, jnp.float32)
+        if weights is None
+        else jnp.asarray(weights, jnp.float32)
+    )
+    if weights.shape != labels.shape:
+        raise ValueError(
+            f"weights must have the shape of labels {labels.shape}; got {weights.shape}."
+        )
+    scales = jnp.asarray(scales, jnp.float32)
+    if scales.shape != (len(depths),):
+        raise ValueError(
+            f"scales must have one value per depth, shape ({len(depths)},); got "
+            f"{scales.shape}."
+        )
+    stacked_labels, stacked_weights = [], []
+    for g, depth in enumerate(depths):
+        _checks.check_in_range(f"depths[{g}]", depth, low=0)
+        shift = min(depth, time)
+        pad = [(0, 0)] * (labels.ndim - 1) + [(0, shift)]
+        shifted = jnp.pad(labels[..., shift:], pad, constant_values=ignore_index)
+        kept = jnp.pad(weights[..., shift:], pad)
+        kept = jnp.where(shifted == ignore_index, 0.0, kept)
+        total = jnp.sum(kept)
+        stacked_labels.append(shifted)
+        stacked_weights.append(kept * scales[g] / jnp.where(total > 0, total, 1.0))
+    return jnp.stack(stacked_labels), jnp.stack(stacked_weights)
+
+
 def cross_entropy(
     logits: jax.typing.ArrayLike,
     labels: jax.typing.ArrayLike,
@@ -371,6 +465,7 @@ def cross_entropy(
     z_loss: float = 0.0,
     reduction: str = "mean",
     ignore_index: int = IGNORE_INDEX,
+    grouped_metrics: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r"""Weighted softmax cross-entropy with label smoothing and z-loss.
 
@@ -411,6 +506,10 @@ def cross_entropy(
         reduction: ``"mean"`` (over the weights), ``"sum"``, or ``"none"``
             (``[...]`` weighted per-token losses).
         ignore_index: the label of an ignored token, an integer.
+        grouped_metrics: False (default), or True for metrics per index of
+            the leading axis of ``labels`` (each ``[G]``, e.g. one per
+            depth of multi-token prediction; :func:`weighted_metrics`'
+            ``groups``); the loss is reduced over every token either way.
 
     Returns:
         ``(loss, metrics)``: see :func:`weighted_metrics` for the metrics.
@@ -459,7 +558,38 @@ def cross_entropy(
     loss, nll = (jnp.where(empty, jnp.inf, x) for x in (loss, nll))
     z_term = jnp.where(empty, _times_or_zero(z_loss, jnp.inf), z_term)
     correct = (jnp.argmax(logits, axis=-1) == safe_labels) & ~empty
-    return weighted_metrics(loss, nll, z_term, correct, weights, invalid, reduction)
+    return weighted_metrics(
+        loss,
+        nll,
+        z_term,
+        correct,
+        weights,
+        invalid,
+        reduction,
+        metric_groups(grouped_metrics, jnp.shape(labels)),
+    )
+
+
+def metric_groups(grouped_metrics: bool, leading_shape: tuple[int, ...]) -> int | None:
+    """:func:`weighted_metrics`' ``groups`` for a loss's ``grouped_metrics``:
+    the size of the labels' leading axis, or None.
+
+    Examples:
+        >>> metric_groups(True, (3, 2, 5)), metric_groups(False, (3, 2, 5))
+        (3, None)
+    """
+    if not isinstance(grouped_metrics, (bool, np.bool_)):
+        raise TypeError(
+            f"grouped_metrics must be True or False; got {grouped_metrics!r}."
+        )
+    if not grouped_metrics:
+        return None
+    if not leading_shape:
+        raise ValueError(
+            "grouped_metrics needs labels with a leading axis of groups; got "
+            "scalar labels."
+        )
+    return leading_shape[0]
 
 
 def perplexity(nll: jax.typing.ArrayLike) -> jax.Array:

@@ -357,6 +357,8 @@ class LMHead(nn.Module):
         z_loss: float = 0.0,
         chunk_size: int | None = None,
         ignore_index: int = losses.IGNORE_INDEX,
+        reduction: str = "mean",
+        grouped_metrics: bool = False,
         **gradients: Any,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The training loss on hidden states; see ``losses.cross_entropy``.
@@ -378,6 +380,9 @@ class LMHead(nn.Module):
             ignore_index: the label of an ignored token (weight 0), ``-100``
                 by default; the same rule for every ``loss_impl``
                 (``losses.valid_weights``).
+            reduction, grouped_metrics: as in ``losses.cross_entropy``
+                (the multi-token loss sums depths stacked on the leading
+                axis, with metrics per depth).
             **gradients: ``filter_eps``, ``filter_target``,
                 ``dw_accumulation`` and ``vocab_order`` of
                 ``fused.fused_cross_entropy``, for ``loss_impl="fused"`` only.
@@ -392,6 +397,8 @@ class LMHead(nn.Module):
             smoothing=smoothing,
             z_loss=z_loss,
             ignore_index=ignore_index,
+            reduction=reduction,
+            grouped_metrics=grouped_metrics,
         )
         if loss_impl == "materialized":
             return self._through_head(

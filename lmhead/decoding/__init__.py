@@ -68,6 +68,12 @@ from lmhead.decoding.slots import (
     full_knobs,
     step_slots,
 )
+from lmhead.decoding.speculative import (
+    NGramProposer,
+    ProposalContext,
+    Proposer,
+    SpeculationStats,
+)
 from lmhead.decoding.step import (
     FINISHED_BAD_LOGITS,
     FINISHED_EOS,
@@ -77,6 +83,7 @@ from lmhead.decoding.step import (
     ProcessorContext,
     StepConfig,
     StepOutput,
+    accepts_draft,
     decode_step,
 )
 from lmhead.decoding.stop_strings import (

@@ -15,6 +15,13 @@ from lmhead.decoding import _loop
 from lmhead.decoding._loop import StepFn
 from lmhead.decoding.constraint import TokenConstraint
 from lmhead.decoding.knobs import SamplingKnobs
+from lmhead.decoding.processors import NO_TOKEN
+from lmhead.decoding.speculative import (
+    Proposer,
+    SpeculationStats,
+    check_speculation,
+    speculative_step,
+)
 from lmhead.decoding.split import split_loops
 from lmhead.decoding.step import (
     DecodeRows,
@@ -46,6 +53,9 @@ class Generation(NamedTuple):
             ``pad_id`` after a row's end.
         top_log_probs: ``float32 [B*S, N, k]``, their log-probabilities
             (``-inf`` for a token the processors removed); 0 after the end.
+        speculation: None, or with ``speculative`` a
+            :class:`~lmhead.decoding.speculative.SpeculationStats`: each row's
+            model calls and each draft's tests and acceptances.
     """
 
     tokens: jax.Array
@@ -54,6 +64,7 @@ class Generation(NamedTuple):
     finish_reasons: jax.Array
     top_tokens: jax.Array
     top_log_probs: jax.Array
+    speculation: SpeculationStats | None = None
 
 
 class SamplingState(NamedTuple):
@@ -71,6 +82,14 @@ class SamplingState(NamedTuple):
         tokens: ``int32 [B, N]``, the output; ``pad_id`` after a row's end.
         log_probs: ``float32 [B, N]``, see :class:`Generation`.
         top_tokens: ``int32 [B, N, k]``; top_log_probs: ``float32 [B, N, k]``.
+        rejected: with speculation, ``int32 [B]``: the draft each row rejected
+            at its carried logits, which its next draw leaves out
+            (``NO_TOKEN``: none); else None.
+        speculation: with speculation, its
+            :class:`~lmhead.decoding.speculative.SpeculationStats`; else None.
+
+    With speculation ``step`` counts the loop's steps, each of which gives a
+    row one or more tokens (``rows.generated`` counts them).
     """
 
     step: jax.Array
@@ -80,6 +99,8 @@ class SamplingState(NamedTuple):
     log_probs: jax.Array
     top_tokens: jax.Array
     top_log_probs: jax.Array
+    rejected: jax.Array | None = None
+    speculation: SpeculationStats | None = None
 
 
 class _SamplingConfig(NamedTuple):
@@ -87,6 +108,7 @@ class _SamplingConfig(NamedTuple):
 
     max_new_tokens: int
     step: StepConfig
+    proposer: Proposer | None = None  # speculative decoding's
 
 
 class _Rows(NamedTuple):
@@ -150,7 +172,7 @@ def _advance(
     returns :func:`_columns`. Streaming resumes the loop with this function,
     and :func:`generate` runs it once to the end: the same body, so chunks
     equal one call bitwise."""
-    body = lambda s: _sampling_step(
+    body = lambda s: (_sampling_step if config.proposer is None else speculative_step)(
         s,
         step_fn=step_fn,
         params=params,
@@ -160,6 +182,8 @@ def _advance(
         config=config,
     )
     cond = lambda s: _sampling_continues(s) & (s.step < until)
+    if config.proposer is not None:  # until a column: rows advance apart
+        cond = lambda s: jnp.any(is_running(s.rows) & (s.rows.generated < until))
     return _columns(jax.lax.while_loop(cond, body, s), until, width)
 
 
@@ -205,6 +229,11 @@ def _start(
         top_tokens=jnp.full((batch, num_new, k), pad_id, jnp.int32),
         top_log_probs=jnp.zeros((batch, num_new, k), jnp.float32),
     )
+    if config.proposer is not None:
+        init = init._replace(
+            rejected=jnp.full((batch,), NO_TOKEN, jnp.int32),
+            speculation=SpeculationStats.empty(batch, config.proposer.num_tokens),
+        )
     return _advance(init, until, step_fn, params, knobs, stop, rows, config, width)
 
 
@@ -275,7 +304,8 @@ class _LoopArguments(NamedTuple):
 def _prepare(
     step_fn, params, logits, state, *, key, max_new_tokens, knobs, eos_id, pad_id,
     num_samples, prompt_tokens, donate_state, row_max_new_tokens, stop,
-    stop_sequences, top_logprobs, log_probs_from, processor, constraint, knob_values,
+    stop_sequences, top_logprobs, log_probs_from, processor, constraint, speculative,
+    knob_values,
 ) -> _LoopArguments:  # fmt: skip
     """Checks :func:`generate`'s arguments and repeats the rows per sample."""
     logits, batch, vocab_size = _loop.check_call(step_fn, logits, state)
@@ -292,9 +322,14 @@ def _prepare(
     stop = _stop_conditions(stop, stop_sequences, batch, vocab_size)
     key = _loop.row_keys(key, batch, num_samples)
     history = prompt_lengths = None
-    if knobs.reads_history or processor is not None:
+    if speculative is not None:
+        check_speculation(speculative, step_fn, state)
+    reads_history = knobs.reads_history or (
+        speculative is not None and speculative.reads_history
+    )
+    if reads_history or processor is not None:
         _loop.check_prompt_tokens(prompt_tokens, batch, vocab_size)
-    if knobs.reads_history:  # [B, P + N - 1]: the prompt, right-aligned
+    if reads_history:  # [B, P + N - 1]: the prompt, right-aligned
         prompt = (
             jnp.zeros((batch, 0), jnp.int32) if prompt_tokens is None else prompt_tokens
         )
@@ -329,6 +364,7 @@ def _prepare(
             log_probs_from=log_probs_from,
             processor=processor,
         ),
+        proposer=speculative,
     )
     # The repeated state of num_samples > 1 is the loop's own to write.
     donate = bool(donate_state) or num_samples > 1
@@ -374,6 +410,7 @@ def _generation_of(s: SamplingState) -> Generation:
         finish_reasons=s.rows.finish_reasons,
         top_tokens=s.top_tokens,
         top_log_probs=s.top_log_probs,
+        speculation=s.speculation,
     )
 
 
@@ -398,6 +435,7 @@ def generate(
     log_probs_from: str = "processed",
     processor: Callable[[jax.Array, ProcessorContext], jax.Array] | None = None,
     constraint: TokenConstraint | None = None,
+    speculative: Proposer | None = None,
     **knob_values: Any,
 ) -> Generation:
     r"""Greedy decoding or sampling, with any combination of the processors.
@@ -498,6 +536,17 @@ def generate(
             ends (:data:`FINISHED_STOP`). ``ids`` are traced: a new
             constraint compiles nothing. The loop then runs over the whole
             batch (no split over devices).
+        speculative: None, or a
+            :class:`~lmhead.decoding.speculative.Proposer` (n-gram lookup,
+            :class:`~lmhead.decoding.speculative.NGramProposer`, or a run's
+            MTP heads, ``lmhead.lm.model.MTPProposer``): speculative
+            decoding (:mod:`lmhead.decoding.speculative`). Each step checks
+            its ``k`` proposals with one ``step_fn.verify`` call; greedy rows
+            get plain greedy's tokens and sampled rows plain sampling's
+            distribution, under every knob, hook and stop (draws differ,
+            since they use the keys otherwise). ``generation.speculation``
+            counts the calls and acceptances. Rows with a constraint are not
+            speculated; the loop runs over the whole batch.
 
     Returns:
         A :class:`Generation`: ``tokens``, ``log_probs``, ``lengths``,
@@ -525,7 +574,7 @@ def generate(
         row_max_new_tokens=row_max_new_tokens, stop=stop,
         stop_sequences=stop_sequences, top_logprobs=top_logprobs,
         log_probs_from=log_probs_from, processor=processor, constraint=constraint,
-        knob_values=knob_values,
+        speculative=speculative, knob_values=knob_values,
     )  # fmt: skip
     start = _loops(arguments)[0]  # the loop from its start, to its end
     return _generation_of(start(max_new_tokens))

@@ -38,6 +38,7 @@ from lmhead.decoding.knobs import (
     neutral_value,
 )
 from lmhead.decoding.processors import NO_TOKEN
+from lmhead.decoding.speculative import Speculation, check_speculation, speculate
 from lmhead.decoding.step import (
     DecodeRows,
     StepConfig,
@@ -63,16 +64,22 @@ class SlotState(NamedTuple):
             per token) and no static knob.
         stop: None, or the slots' :class:`StopStrings`, one row of strings
             per slot (``stop_bytes [S, S', Ls]``; empty for a free slot).
+        rejected: ``int32 [S]``, with speculative decoding the draft each
+            slot rejected at its logits, left out of its next draw
+            (``NO_TOKEN``: none, as a fill leaves it).
     """
 
     rows: DecodeRows
     model_state: Any
     knobs: SamplingKnobs
     stop: StopStrings | None = None
+    rejected: jax.Array | None = None
 
 
 class SlotChunk(NamedTuple):
-    """What :func:`step_slots` produced, ``N = num_steps``, ``K = top_logprobs``.
+    """What :func:`step_slots` produced, ``N = num_steps``, ``K = top_logprobs``
+    (with speculation, ``N (k + 1)`` columns: a step may give a slot ``k + 1``
+    tokens).
 
     Attributes:
         tokens: ``int32 [S, N]``; ``emitted[s, j]`` says whether step ``j``
@@ -193,7 +200,10 @@ def empty_slots(
         stop_carry=_stop_carry(stop, slots),
         constraint=constraint,
     )
-    return SlotState(rows, model_state, jax.tree.map(jnp.asarray, knobs), stop)
+    rejected = jnp.full((slots,), NO_TOKEN, jnp.int32)
+    return SlotState(
+        rows, model_state, jax.tree.map(jnp.asarray, knobs), stop, rejected
+    )
 
 
 def _stop_carry(stop: StopStrings | None, rows: int) -> tuple:
@@ -232,6 +242,7 @@ def _fill(
         model_state=jax.tree.map(put, state.model_state, model_state),
         knobs=jax.tree.map(put, state.knobs, knobs),
         stop=stop,
+        rejected=put(state.rejected, jnp.full(slots.shape, NO_TOKEN, jnp.int32)),
     )
 
 
@@ -416,17 +427,52 @@ def _one_step(step_fn, params, config: StepConfig, state: SlotState):
     return state, out._replace(bad=None)
 
 
+def _one_speculative_step(step_fn, params, config, proposer, state: SlotState):
+    """:func:`_one_step` with speculation: its ``k + 1`` outputs, ``[S,
+    k + 1, ...]``, each slot's emitted ones first."""
+    stop = () if state.stop is None else (state.stop,)
+    rows, model_state, rejected, outs, _, _ = speculate(
+        state.rows, state.model_state, state.rejected, (), step_fn=step_fn,
+        params=params, knobs=state.knobs, stop=stop,
+        spec=Speculation(proposer, config, reset_rows=hasattr(step_fn, "reset_rows")),
+        emit=lambda outs, out, at: outs + (out._replace(bad=None),),
+    )  # fmt: skip
+    stacked = jax.tree.map(lambda *x: jnp.stack(x, axis=1), *outs)
+    state = state._replace(rows=rows, model_state=model_state, rejected=rejected)
+    return state, stacked
+
+
+def _emitted_first(outs: Any) -> Any:
+    """``outs`` (leaves ``[S, M, ...]``) with each slot's emitted entries
+    first, in order."""
+    order = jnp.argsort(~outs.emitted, axis=1, stable=True)
+    take = lambda x: jnp.take_along_axis(
+        x, jnp.reshape(order, order.shape + (1,) * (x.ndim - 2)), axis=1
+    )
+    return jax.tree.map(take, outs)
+
+
 @partial(
     jax.jit,
-    static_argnames=("step_fn", "num_steps", "eos_ids", "top_logprobs"),
+    static_argnames=("step_fn", "num_steps", "eos_ids", "top_logprobs", "speculative"),
     donate_argnames="state",
 )
-def _step_slots(step_fn, params, state, *, num_steps, eos_ids, top_logprobs):
+def _step_slots(
+    step_fn, params, state, *, num_steps, eos_ids, top_logprobs, speculative
+):  # fmt: skip
     # The slots' tokens are 0 where a slot emits none; log-probs are the model's.
     config = StepConfig(eos_ids, 0, top_logprobs, log_probs_from="model")
-    step = partial(_one_step, step_fn, params, config)
+    if speculative is None:
+        step = partial(_one_step, step_fn, params, config)
+    else:
+        step = partial(_one_speculative_step, step_fn, params, config, speculative)
     state, outs = jax.lax.scan(lambda s, _: step(s), state, length=num_steps)
     outs = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), outs)  # [S, N, ...]
+    if speculative is not None:  # [S, N, k + 1, ...] -> [S, N (k + 1), ...]
+        outs = jax.tree.map(
+            lambda x: x.reshape(x.shape[:1] + (-1,) + x.shape[3:]), outs
+        )
+        outs = _emitted_first(outs)
     rows = state.rows
     return state, SlotChunk(
         outs.tokens, outs.emitted, outs.log_probs, outs.top_tokens, outs.top_log_probs,
@@ -442,6 +488,7 @@ def step_slots(
     num_steps: int,
     eos_id: int | Sequence[int] | None = None,
     top_logprobs: int = 0,
+    speculative: Any = None,
 ) -> tuple[SlotState, SlotChunk]:
     """Decodes every slot ``num_steps`` times in one compiled call (donates
     ``state``).
@@ -464,6 +511,12 @@ def step_slots(
         num_steps: ``N >= 1`` steps per call.
         eos_id: None, an id or ids that end a row.
         top_logprobs: ``K``, the top log-probs to return per step.
+        speculative: None, or a
+            :class:`~lmhead.decoding.speculative.Proposer`: each step is a
+            speculative step (:func:`~lmhead.decoding.speculative.speculate`),
+            which gives a slot ``1 +`` its accepted proposals, ``k`` at most;
+            the chunk then has ``N (k + 1)`` columns, each slot's tokens
+            first. ``step_fn`` needs ``verify`` and ``rewind``.
 
     Returns:
         ``(state, chunk)``, :class:`SlotChunk` of the ``N`` steps.
@@ -489,6 +542,8 @@ def step_slots(
     vocab_size = state.rows.logits.shape[1]
     eos_ids = _loop.eos_ids(eos_id, vocab_size)
     _loop.check_outputs(top_logprobs, "model", vocab_size)
+    if speculative is not None:
+        check_speculation(speculative, step_fn, state.model_state)
     return _step_slots(
         step_fn,
         params,
@@ -496,4 +551,5 @@ def step_slots(
         num_steps=int(num_steps),
         eos_ids=eos_ids,
         top_logprobs=int(top_logprobs),
+        speculative=speculative,
     )

@@ -9,8 +9,8 @@ collective: :func:`~lmhead.decoding.generate` and its streams
 each with its beams: :func:`split_rows`). A single sampling key's draw takes
 each device's rows of the whole batch's noise (``StepConfig.row_axis``), so a
 row's draws do not depend on the split. A ``processor`` hook, which sees every
-row, and a constraint, whose masker serves every row from the host, keep the
-loop over the whole batch. ``docs/decoding.md`` measures it.
+row, a constraint, whose masker serves every row from the host, and
+speculative decoding keep the loop over the whole batch. ``docs/decoding.md`` measures it.
 """
 
 import functools
@@ -134,7 +134,11 @@ def split_loops(
     placed on the mesh once, for all of a stream's chunks."""
     a = arguments
     mesh = rows_mesh(a.step_fn, a.logits.shape[0])
-    whole_batch = a.config.step.processor is not None or a.rows.constraint is not None
+    whole_batch = (
+        a.config.step.processor is not None
+        or a.rows.constraint is not None
+        or a.config.proposer is not None
+    )
     if mesh is None or whole_batch:
         return None
     per_row_key = per_row_keys(a.key)

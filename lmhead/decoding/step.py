@@ -227,24 +227,82 @@ def _one_key_draw(
     return jnp.argmax(noise + processed, axis=-1)
 
 
+def accepts_draft(
+    processed: jax.Array, draft: jax.Array, uniform: jax.Array, temperature: jax.Array
+) -> jax.Array:
+    r"""Leviathan et al.'s and Chen et al.'s test of proposed tokens:
+    ``bool [B]``, row ``b`` keeps ``draft[b]``.
+
+    A proposal is one token :math:`d` (a point mass, :math:`q = \delta_d`),
+    so the rule :math:`u < \min(1, p(d) / q(d))` is :math:`u < p(d)`,
+    :math:`p = \mathrm{softmax}(\tilde z)` the processed distribution
+    (every processor, the hook and the constraint applied) and :math:`u
+    \sim U[0, 1)`; a rejected row then draws from the residual
+    :math:`\max(0, p - q) \propto p` without :math:`d`
+    (:func:`decode_step`'s ``rejected``), so each position's token has
+    distribution :math:`p` exactly. Greedy rows (``temperature == 0``)
+    keep :math:`d` where it is the argmax of :math:`\tilde z`.
+
+    Args:
+        processed: ``float32 [B, V]``, the processed logits :math:`\tilde z`.
+        draft: ``int32 [B]``, the proposed tokens (a negative id is none).
+        uniform: ``float32 [B]``, :math:`u`.
+        temperature: ``[B]`` or a scalar.
+
+    Examples:
+        >>> z = jnp.log(jnp.array([[0.7, 0.3], [0.7, 0.3]]))
+        >>> accepts_draft(z, jnp.array([1, 1]), jnp.array([0.2, 0.5]), 1.0)
+        Array([ True, False], dtype=bool)
+        >>> accepts_draft(z, jnp.array([0, 1]), jnp.array([0.9, 0.0]), 0.0)
+        Array([ True, False], dtype=bool)
+
+    References:
+        Leviathan et al. 2023, "Fast Inference from Transformers via
+        Speculative Decoding", arXiv:2211.17192; Chen et al. 2023,
+        "Accelerating Large Language Model Decoding with Speculative
+        Sampling", arXiv:2302.01318.
+    """
+    token = jnp.maximum(draft, 0)[:, None]
+    p = jnp.take_along_axis(jax.nn.softmax(processed, axis=-1), token, axis=-1)[:, 0]
+    greedy = jnp.argmax(processed, axis=-1) == draft
+    return jnp.where(temperature > 0, uniform < p, greedy) & (draft >= 0)
+
+
 def _choose_tokens(
     rows: DecodeRows,
     processed: jax.Array,
     temperature: jax.Array,
     step: jax.Array,
     row_axis: str | None,
-) -> tuple[jax.Array, jax.Array]:
-    """A draw from softmax(processed), or its argmax where ``temperature ==
-    0``, and the key for the next step."""
+    draft: jax.Array | None = None,
+    rejected: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A draw from softmax(processed) (less each row's ``rejected`` token),
+    or its argmax where ``temperature == 0``; with ``draft``, the drafts and
+    whether each is accepted (:func:`accepts_draft`). Returns ``(tokens,
+    the key for the next step, accepted: bool [B], all True without a
+    draft)``."""
+    if rejected is not None:
+        removed = jnp.arange(processed.shape[-1]) == rejected[:, None]
+        processed = jnp.where(removed, NEG_INF, processed)
     if per_row_keys(rows.key):  # a row's draw depends on its key and step only
         steps = jnp.broadcast_to(step, rows.key.shape)
         step_keys = jax.vmap(jax.random.fold_in)(rows.key, steps)
-        sampled, key = jax.vmap(jax.random.categorical)(step_keys, processed), rows.key
+        key = rows.key
+        # The test of a draft and the draw at the same step are independent.
+        test_keys = jax.vmap(jax.random.fold_in, (0, None))(step_keys, 1)
+        uniform = lambda: jax.vmap(jax.random.uniform)(test_keys)
+        sampled = lambda: jax.vmap(jax.random.categorical)(step_keys, processed)
     else:
         key, sample_key = jax.random.split(rows.key)
-        sampled = _one_key_draw(sample_key, processed, row_axis)
+        uniform = lambda: jax.random.uniform(sample_key, processed.shape[:1])
+        sampled = lambda: _one_key_draw(sample_key, processed, row_axis)
+    if draft is not None:
+        accepted = accepts_draft(processed, draft, uniform(), temperature)
+        return jnp.maximum(draft, 0).astype(jnp.int32), key, accepted
     greedy = jnp.argmax(processed, axis=-1)
-    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32), key
+    chosen = jnp.where(temperature > 0, sampled(), greedy).astype(jnp.int32)
+    return chosen, key, jnp.ones(processed.shape[:1], bool)
 
 
 def _token_log_probs(
@@ -295,6 +353,8 @@ def decode_step(
     *,
     step: jax.Array,
     context: ProcessorContext | None = None,
+    draft: jax.Array | None = None,
+    rejected: jax.Array | None = None,
 ) -> tuple[DecodeRows, StepOutput]:
     r"""One token for every running row: processors, hook, draw, stops, log-probs.
 
@@ -338,6 +398,16 @@ def decode_step(
         step: ``int32 []`` or ``[B]``, the tokens generated so far (what
             ``min_new_tokens`` reads, and what a per-row key is folded with).
         context: the hook's :class:`ProcessorContext` (when there is one).
+        draft: None, or speculative verification (``lmhead/decoding/
+            speculative.py``): ``int32 [B]``, a proposed token per row
+            (negative: none). A running row then emits its draft where
+            :func:`accepts_draft` keeps it, and nothing otherwise (it stays
+            running, its logits unused); nothing is drawn, and a row
+            without a draft is left as it is.
+        rejected: None, or ``int32 [B]``: the draft each row rejected at
+            these logits (negative: none), which its draw leaves out (the
+            residual distribution; the returned log-probs are the processed
+            distribution's, with it).
 
     Returns:
         ``(rows, out)``: the advanced rows and the :class:`StepOutput`.
@@ -358,9 +428,11 @@ def decode_step(
         (Array([1, 1], dtype=int32), Array([3, 1], dtype=int32), Array([0, 1], dtype=int32))
     """
     running = is_running(rows)
+    if draft is not None:  # only the rows with a draft are verified
+        running &= draft >= 0
     processed = _processed_logits(rows, knobs, config, step, context)
-    chosen, key = _choose_tokens(
-        rows, processed, knobs.temperature, step, config.row_axis
+    chosen, key, accepted = _choose_tokens(
+        rows, processed, knobs.temperature, step, config.row_axis, draft, rejected
     )
     log_prob, top_tokens, top_log_probs = _token_log_probs(
         rows, processed, chosen, config
@@ -369,7 +441,7 @@ def decode_step(
     blocked = jnp.zeros_like(bad)
     if rows.constraint is not None:
         blocked = running & ~bad & ~rows.constraint.any_allowed(rows.logits.shape[-1])
-    emitted = running & ~bad & ~blocked
+    emitted = running & ~bad & ~blocked & accepted
     token = jnp.where(emitted, chosen, config.pad_id)
     stop_carry, stopped = _update_stops(rows, stop, token, emitted)
     if knobs.min_new_tokens is not None:  # vLLM's rule for stop strings

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from lmhead import fused, modules
-from lmhead.lm import checkpoints
+from lmhead.lm import checkpoints, mtp
 from lmhead.lm import model as model_lib
 from lmhead.lm.data import corpus
 
@@ -46,6 +46,8 @@ CHOICES = {
     "model.positions": model_lib.POSITIONS,
     "model.dtype": tuple(DTYPES),
     "model.activation": model_lib.ACTIVATIONS,
+    "model.mtp_design": mtp.DESIGNS,
+    "model.mtp_unembedding": mtp.UNEMBEDDINGS,
     "loss.loss_impl": modules.LOSS_IMPLS,
     "loss.smoothing": ("uniform", "normalized"),
     "loss.filter_target": fused.FILTER_TARGETS,
@@ -87,6 +89,8 @@ def _ranges(config) -> dict[str, tuple[Any, Any, str]]:
         "train.eval_train_batches": (0, None, "[)"),
         "train.patience": (0, None, "[)"),
         "model.dropout_rate": (0.0, 1.0, "[)"),
+        "model.mtp_heads": (0, None, "[)"),
+        "loss.mtp_weight": (0.0, None, "[)"),
         "model.head_rank": (1, config.model.d_model, "[]"),
         "model.head_scale": (0.0, None, "()"),
         "model.logits_softcap": (0.0, None, "()"),

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -79,6 +80,8 @@ class _WindowSettings(NamedTuple):
     num_beams: int | None
     top_logprobs: int
     eos_id: int | None
+    speculative: str | None = None
+    num_speculative_tokens: int = 3
 
 
 def continue_text(
@@ -126,6 +129,8 @@ def continuations(
     top_logprobs: int = 0,
     ignore_eos: bool = False,
     constraint: constraints.Constraint | None = None,
+    speculative: str | None = None,
+    num_speculative_tokens: int = 3,
 ) -> list[Continuation]:
     """``num_samples`` :class:`Continuation` s of ``prompt``.
 
@@ -166,6 +171,14 @@ def continuations(
             nothing more; a stop string or ``max_new_tokens`` may still cut
             it short (``finish_reason`` says which). Not with ``num_beams``
             nor ``ignore_eos``.
+        speculative: None, ``"mtp"`` (the run's MTP heads propose,
+            ``model_lib.MTPProposer``) or ``"ngram"`` (prompt lookup in the
+            window's text, ``decoding.NGramProposer``): speculative decoding,
+            the same tokens greedily and the same distribution sampled
+            (``decoding.generate``'s ``speculative``). Not with
+            ``num_beams``; a constrained sample is not speculated.
+        num_speculative_tokens: ``k >= 1`` proposals per model call (for
+            ``"mtp"`` at most the run's ``mtp_heads``).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -197,6 +210,7 @@ def continuations(
     knobs.check(num_samples, model.vocab_size)  # traced below: checked here
     if constraint is not None and (num_beams or ignore_eos):
         raise ValueError("constraint does not apply to num_beams nor ignore_eos.")
+    proposer(model, speculative, num_speculative_tokens, num_beams)  # checked here
     masker = row_constraint = None
     if constraint is not None:  # compiled (or refused) before any decoding
         masker = constraints.masker_for(tokenizer)
@@ -211,6 +225,8 @@ def continuations(
         num_beams=num_beams,
         top_logprobs=top_logprobs,
         eos_id=None if ignore_eos else tokenizer.eos_id,
+        speculative=speculative,
+        num_speculative_tokens=num_speculative_tokens,
     )
     ids = [np.tile(np.asarray(prompt_ids[-context_len:], np.int32), (num_samples, 1))]
     lengths = np.full([num_samples], ids[0].shape[1], np.int32)
@@ -305,7 +321,12 @@ def _continue_window(
     """The :class:`decoding.Generation` of ``settings.max_new_tokens`` tokens
     after ``context[b, :lengths[b]]`` (beam search: its best beam, every row
     of its length up to the end-of-text token, no alternatives)."""
-    logits, cache = model_lib.prefill(model, params, context, lengths)
+    speculative = proposer(
+        model, settings.speculative, settings.num_speculative_tokens, None
+    )
+    logits, cache = model_lib.prefill(
+        model, params, context, lengths, mtp=settings.speculative == "mtp"
+    )
     step_fn = model_lib.make_step_fn(model)
     if settings.num_beams:
         beams = decoding.beam_search(
@@ -330,7 +351,62 @@ def _continue_window(
         top_logprobs=settings.top_logprobs,
         eos_id=settings.eos_id,
         constraint=constraint,
+        speculative=speculative,
+        prompt_tokens=jnp.where(
+            jnp.arange(context.shape[1]) < lengths[:, None], context, -1
+        ),
     )
+
+
+SPECULATIVE = ("mtp", "ngram")
+
+
+def proposer(
+    model: model_lib.DecoderLM,
+    speculative: str | None,
+    num_speculative_tokens: int,
+    num_beams: int | None,
+) -> decoding.Proposer | None:
+    """The proposer of ``speculative`` (None, ``"mtp"`` or ``"ngram"``) with
+    ``num_speculative_tokens`` proposals, for ``model``.
+
+    Raises:
+        ValueError: naming the flag: an unknown ``speculative``,
+            ``num_speculative_tokens < 1``, more proposals than the run's MTP
+            heads, ``"mtp"`` on a run without them, or speculation with beams.
+
+    Examples:
+        >>> model = model_lib.DecoderLM(vocab_size=5, max_len=8)
+        >>> proposer(model, "ngram", 4, None)
+        NGramProposer(num_tokens=4, max_ngram=3, min_ngram=1)
+        >>> proposer(model, "mtp", 1, None)
+        Traceback (most recent call last):
+        ...
+        ValueError: speculative='mtp' needs a run trained with MTP heads (model.mtp_heads >= 1); this one has none: use 'ngram'.
+    """
+    if speculative is None:
+        return None
+    if speculative not in SPECULATIVE:
+        raise ValueError(
+            f"speculative must be one of {', '.join(SPECULATIVE)} or None; got "
+            f"{speculative!r}."
+        )
+    if num_beams:
+        raise ValueError(
+            "speculative does not apply to num_beams: beam search is not speculated."
+        )
+    if (
+        isinstance(num_speculative_tokens, bool)
+        or not isinstance(num_speculative_tokens, int)
+        or num_speculative_tokens < 1
+    ):
+        raise ValueError(
+            "num_speculative_tokens must be an integer >= 1; got "
+            f"{num_speculative_tokens!r}."
+        )
+    if speculative == "ngram":
+        return decoding.NGramProposer(num_speculative_tokens)
+    return model_lib.MTPProposer(model, num_speculative_tokens)
 
 
 def quantize_for_decoding(model: model_lib.DecoderLM, params: Any, dtype: str) -> Any:

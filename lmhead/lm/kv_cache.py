@@ -39,12 +39,18 @@ class DecodeCache(NamedTuple):
         rows: None (every row's slots are its own), or ``int32[B, max_len]``:
             row ``b``'s key and value at slot ``s`` are those that cache row
             ``rows[b, s]`` holds at slot ``s``.
+        hidden: None, or (a cache of the MTP depths, ``init_cache(...,
+            mtp=True)``) ``float32 [B, max_len, k + 1, D]``: at each fed
+            position the trunk's residual stream and each depth's (the
+            streams the depths' proposals start from). ``keys`` and
+            ``values`` then hold ``num_layers + k`` layers, the depths' last.
     """
 
     keys: tuple[jax.Array, ...]
     values: tuple[jax.Array, ...]
     index: jax.Array
     rows: jax.Array | None = None
+    hidden: jax.Array | None = None
 
 
 def attention_spans(max_len: int) -> tuple[int, ...]:
@@ -72,11 +78,14 @@ def cache_segments(max_len: int) -> tuple[int, ...]:
     return spans[:1] + tuple(b - a for a, b in zip(spans, spans[1:]))
 
 
-def init_cache(model: Any, batch_size: int) -> DecodeCache:
+def init_cache(model: Any, batch_size: int, *, mtp: bool = False) -> DecodeCache:
     """An empty :class:`DecodeCache` for ``batch_size`` rows (zeros, index 0,
     every row's slots its own) of ``model``, a
     :class:`~lmhead.lm.model.DecoderLM` (its ``num_layers``, ``num_heads``,
-    ``d_model``, ``max_len`` and ``dtype`` give the shapes).
+    ``d_model``, ``max_len`` and ``dtype`` give the shapes). ``mtp=True``
+    adds the layers of its ``mtp_heads`` depths and their ``hidden``
+    streams, which the model's steps then run (speculative decoding from the
+    MTP heads); it needs ``mtp_heads >= 1``.
 
     Examples:
         >>> from lmhead.lm.model import DecoderLM
@@ -86,6 +95,11 @@ def init_cache(model: Any, batch_size: int) -> DecodeCache:
         >>> cache.index, cache.rows
         (Array([0, 0, 0], dtype=int32), None)
     """
+    depths = getattr(model, "mtp_heads", 0) if mtp else 0
+    if mtp and not depths:
+        raise ValueError(
+            "mtp=True needs a model with MTP heads (mtp_heads >= 1); this one has none."
+        )
     head_dim = model.d_model // model.num_heads
     # Distinct arrays for keys and values, so that the cache can be donated.
     layers = lambda: tuple(
@@ -93,10 +107,17 @@ def init_cache(model: Any, batch_size: int) -> DecodeCache:
             jnp.zeros((batch_size, model.num_heads, size, head_dim), model.dtype)
             for size in cache_segments(model.max_len)
         )
-        for _ in range(model.num_layers)
+        for _ in range(model.num_layers + depths)
     )
+    hidden = None
+    if depths:
+        shape = (batch_size, model.max_len, depths + 1, model.d_model)
+        hidden = jnp.zeros(shape, jnp.float32)
     return DecodeCache(
-        keys=layers(), values=layers(), index=jnp.zeros((batch_size,), jnp.int32)
+        keys=layers(),
+        values=layers(),
+        index=jnp.zeros((batch_size,), jnp.int32),
+        hidden=hidden,
     )
 
 
@@ -153,7 +174,9 @@ def attend_filled(
     :class:`DecodeCache`) row ``b``'s slot ``s`` is read from cache row
     ``rows[b, s]``. Only the first pieces, whole, that make the shortest span
     holding the longest row are read (docs/decoding.md, "The KV cache", says why).
-    Weights are cast to ``dtype`` before they mix the values.
+    Weights are cast to ``dtype`` before they mix the values. A query at a
+    negative position (an MTP depth's before its first, ``lmhead.lm.mtp``,
+    whose output nothing reads) sees slot 0, so that its softmax is defined.
 
     Examples:
         >>> empty = (jnp.zeros((1, 1, 4, 2)),)  # B = 1, H = 1, 4 slots, Dh = 2
@@ -176,7 +199,7 @@ def attend_filled(
     def attend_over(count):
         def first_pieces():
             span = starts[count - 1] + sizes[count - 1]
-            visible = jnp.arange(span) <= positions[:, :, None]
+            visible = jnp.arange(span) <= jnp.maximum(positions, 0)[:, :, None]
             weights = softmax_weights(
                 query, [read_piece(keys, j) for j in range(count)], visible, "bhsd"
             )
@@ -257,6 +280,7 @@ def reorder_cache(cache: DecodeCache, rows: jax.Array) -> DecodeCache:
     return cache._replace(
         index=jnp.take(cache.index, rows),
         rows=jnp.take(_slot_pointers(cache), rows, axis=0),
+        hidden=None if cache.hidden is None else jnp.take(cache.hidden, rows, axis=0),
     )
 
 
@@ -297,12 +321,31 @@ def trim_cache(cache: DecodeCache, num_steps: int) -> DecodeCache:
     reach = int(np.max(np.asarray(cache.index), initial=0)) + num_steps
     starts = np.cumsum((0,) + tuple(piece.shape[2] for piece in cache.keys[0]))
     kept = max(1, int(np.sum(starts[:-1] < reach)))
-    return DecodeCache(
+    return cache._replace(
         keys=tuple(pieces[:kept] for pieces in cache.keys),
         values=tuple(pieces[:kept] for pieces in cache.values),
-        index=cache.index,
         rows=None if cache.rows is None else cache.rows[:, : starts[kept]],
     )
+
+
+def rewind_cache(cache: DecodeCache, num_positions: jax.Array) -> DecodeCache:
+    """The cache without each row's last ``num_positions[b]`` positions
+    (``int32 [B]``, ``0 <= n_b <= index[b]``): ``index - num_positions``.
+
+    Speculative decoding feeds a row its proposals and then keeps the
+    accepted ones. What the dropped slots hold stays, unread: attention
+    reads only the slots up to a query's position, each written by the
+    call that feeds it before it is read; so do the MTP depths' layers, and
+    ``hidden`` is read at ``index - 1``.
+
+    Examples:
+        >>> from lmhead.lm.model import DecoderLM
+        >>> cache = init_cache(DecoderLM(vocab_size=17, num_layers=1, max_len=8), 2)
+        >>> cache = cache._replace(index=jnp.array([5, 7]))
+        >>> rewind_cache(cache, jnp.array([2, 0])).index
+        Array([3, 7], dtype=int32)
+    """
+    return cache._replace(index=(cache.index - num_positions).astype(jnp.int32))
 
 
 def reset_rows(cache: DecodeCache, rows: jax.typing.ArrayLike) -> DecodeCache:
@@ -371,6 +414,7 @@ def repeat_cache(cache: DecodeCache, repeats: int) -> DecodeCache:
         values=jax.tree.map(spread, cache.values),
         index=jnp.repeat(cache.index, repeats),
         rows=jnp.repeat(cache.rows, repeats, axis=0) * repeats,
+        hidden=None if cache.hidden is None else jnp.repeat(cache.hidden, repeats, 0),
     )
 
 

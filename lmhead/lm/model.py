@@ -26,6 +26,11 @@ Parameter tree (``params``)::
                              [V, D] table in place of embed/embedding (e.g. a
                              quantize.QuantizedTable; see
                              generation.quantize_for_decoding)
+    mtp_{i}/...              with mtp_heads = k: depth i + 1's module
+                             (mtp.DepthModule: a block, its final norm, and
+                             for the sequential design two norms and a
+                             projection [2D, D])
+    mtp_head/unembedding     with mtp_unembedding="own": the MTP depths' [V, D]
 
 With ``use_bias=False`` (nanoGPT's default) none of the blocks' or norms'
 ``bias`` entries exist; the head's bias is ``head_bias``'s alone.
@@ -41,9 +46,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmhead import _checks, modules
+from lmhead import _checks, losses, modules
 from lmhead.head import last_positions
-from lmhead.lm import kv_cache, sharding
+from lmhead.lm import kv_cache, mtp, sharding
 from lmhead.lm.layers import ACTIVATIONS, INIT_STD, Block, layer_norm
 from lmhead.lm.layers import LAYER_NORM_EPSILON as LAYER_NORM_EPSILON
 
@@ -91,6 +96,14 @@ class DecoderLM(nn.Module):
         activation: the MLP's, one of ``layers.ACTIVATIONS``: ``"gelu"``
             (exact) or ``"gelu_tanh"`` (GPT-2's tanh form, for checkpoints
             trained with it; see ``lmhead.lm.gpt2_import``).
+        mtp_heads: ``k >= 0`` multi-token prediction depths
+            (:mod:`lmhead.lm.mtp`): depth ``i`` predicts the token ``i``
+            past the next one. 0 (default) is the plain model.
+        mtp_design: ``"sequential"`` (DeepSeek-V3's chained modules) or
+            ``"parallel"`` (Gloeckle et al.'s blocks on the trunk).
+        mtp_unembedding: ``"shared"`` (the depths read out through the main
+            head, tied or untied as it is) or ``"own"`` (one ``[V, D]``
+            table of their own, shared by the depths).
 
     Token ids outside ``[0, V)`` raise ValueError outside ``jit``; inside
     ``jit`` they look up NaN embeddings (``nn.Embed``'s rule), so the logits of
@@ -128,6 +141,9 @@ class DecoderLM(nn.Module):
     head_rank: int | None = None
     dtype: Any = jnp.float32
     activation: str = "gelu"
+    mtp_heads: int = 0
+    mtp_design: str = "sequential"
+    mtp_unembedding: str = "shared"
 
     def setup(self):
         self._check_config()
@@ -167,6 +183,31 @@ class DecoderLM(nn.Module):
             dtype=self.dtype,
             rank=self.head_rank,
         )
+        self.mtp = [
+            mtp.DepthModule(
+                sequential=self.mtp_design == "sequential",
+                d_model=self.d_model,
+                num_heads=self.num_heads,
+                mlp_dim=self.mlp_dim,
+                dropout_rate=self.dropout_rate,
+                residual_init_std=residual_init_std,
+                rope=self.positions == "rope",
+                use_bias=self.use_bias,
+                dtype=self.dtype,
+                activation=self.activation,
+            )
+            for _ in range(self.mtp_heads)
+        ]
+        if self.mtp_heads and self.mtp_unembedding == "own":
+            self.mtp_head = modules.LMHead(
+                self.vocab_size,
+                tied=False,
+                use_bias=self.head_bias,
+                scale=self.head_scale,
+                softcap=self.logits_softcap,
+                dtype=self.dtype,
+                rank=self.head_rank,
+            )
 
     def _check_config(self):
         for name in (
@@ -185,6 +226,13 @@ class DecoderLM(nn.Module):
             )
         _checks.check_choice("positions", self.positions, POSITIONS)
         _checks.check_choice("activation", self.activation, ACTIVATIONS)
+        _checks.check_in_range("mtp_heads", self.mtp_heads, low=0)
+        if isinstance(self.mtp_heads, bool) or not isinstance(self.mtp_heads, int):
+            raise TypeError(
+                f"mtp_heads must be an integer >= 0; got {self.mtp_heads!r}."
+            )
+        _checks.check_choice("mtp_design", self.mtp_design, mtp.DESIGNS)
+        _checks.check_choice("mtp_unembedding", self.mtp_unembedding, mtp.UNEMBEDDINGS)
         if self.positions == "rope" and (self.d_model // self.num_heads) % 2:
             raise ValueError(
                 "positions='rope' needs an even head size d_model / "
@@ -223,8 +271,9 @@ class DecoderLM(nn.Module):
             return table
         return table, self.embed.projection
 
-    def _hidden_states(self, tokens, positions, mask, caches, train):
-        """Embedding, blocks and final LayerNorm: ([B, T, D], new caches)."""
+    def _residual_stream(self, tokens, positions, mask, caches, train):
+        """Embedding and blocks: (the residual stream [B, T, D] before the
+        final LayerNorm, new caches)."""
         x = self.embed(tokens)
         if self.positions == "learned":
             # Clipped: a position past max_len only occurs past a full cache.
@@ -234,26 +283,73 @@ class DecoderLM(nn.Module):
         for block, cache in zip(self.blocks, caches):
             x, cache = block(x, positions, mask, cache, train=train)
             new_caches.append(cache)
-        return self.final_norm(x), new_caches
+        return x, new_caches
+
+    def _sequence(self, tokens, train):
+        """The trunk over a whole sequence: ``(residual stream [B, T, D],
+        positions [B, T], causal mask [1, T, T])``."""
+        tokens = self._check_tokens(tokens)
+        time = tokens.shape[1]
+        positions = jnp.broadcast_to(jnp.arange(time), tokens.shape)
+        causal = jnp.tril(jnp.ones((1, time, time), bool))
+        x, _ = self._residual_stream(
+            tokens, positions, causal, [None] * self.num_layers, train
+        )
+        return x, positions, causal
 
     def hidden(self, tokens: jax.typing.ArrayLike, *, train: bool = False) -> jax.Array:
         """Final hidden states ``h: [B, T, D]`` (after the final LayerNorm) of
         ``tokens: int [B, T]``, ``T <= max_len``; causal: ``h[:, t]`` depends
         on ``tokens[:, :t + 1]`` only."""
-        tokens = self._check_tokens(tokens)
-        time = tokens.shape[1]
-        positions = jnp.broadcast_to(jnp.arange(time), tokens.shape)
-        causal = jnp.tril(jnp.ones((1, time, time), bool))
-        h, _ = self._hidden_states(
-            tokens, positions, causal, [None] * self.num_layers, train
-        )
-        return h
+        return self.final_norm(self._sequence(tokens, train)[0])
 
     def __call__(
         self, tokens: jax.typing.ArrayLike, *, train: bool = False
     ) -> jax.Array:
         """Next-token logits ``float32 [B, T, V]`` for ``tokens: int [B, T]``."""
+        if self.mtp_heads and self.is_initializing():
+            # The MTP depths' parameters are made with the rest.
+            self.depth_logits(tokens)
         return self.head(self.hidden(tokens, train=train), self._tied_unembedding())
+
+    def _depth(self, depth, previous, tokens, positions, mask, cache, train):
+        """Module ``depth`` (1-based) over ``previous [B, T, D]`` and (the
+        sequential design) the embeddings of ``tokens [B, T]``."""
+        module = self.mtp[depth - 1]
+        embedded = self.embed(tokens) if self.mtp_design == "sequential" else None
+        return module(previous, embedded, positions, mask, cache, train=train)
+
+    def _depth_streams(self, x, tokens, positions, mask, train):
+        """Every depth's stream ``g_i: [B, T, D]`` over a whole sequence:
+        the sequential design's depth ``i`` reads the tokens ``i`` ahead
+        (padded with 0 past the end: positions whose targets do not exist)."""
+        streams, previous = [], x
+        for depth in range(1, self.mtp_heads + 1):
+            ahead = jnp.pad(tokens[:, depth:], ((0, 0), (0, depth)))
+            previous, _ = self._depth(
+                depth, previous if self.mtp_design == "sequential" else x,
+                ahead, positions, mask, None, train,
+            )  # fmt: skip
+            streams.append(previous)
+        return streams
+
+    def _depth_head(self, outputs: jax.Array) -> jax.Array:
+        """Logits of the MTP depths' outputs ``[..., D]``: ``[..., V]``."""
+        if self.mtp_unembedding == "own":
+            return self.mtp_head(outputs)
+        return self.head(outputs, self._tied_unembedding())
+
+    def depth_logits(self, tokens: jax.typing.ArrayLike) -> jax.Array:
+        """The MTP depths' logits ``float32 [k, B, T, V]``: row ``i - 1``
+        at position ``t`` is depth ``i``'s distribution of token ``t + i +
+        1`` (meaningless where ``t + i >= T``: the sequential design reads
+        the tokens ``i`` ahead). Materialized, for tests and inspection; the
+        training loss is :meth:`loss`'s."""
+        x, positions, causal = self._sequence(tokens, False)
+        streams = self._depth_streams(x, jnp.asarray(tokens), positions, causal, False)
+        return jnp.stack(
+            [self._depth_head(module.output(g)) for module, g in zip(self.mtp, streams)]
+        )
 
     def loss(
         self,
@@ -262,22 +358,90 @@ class DecoderLM(nn.Module):
         weights: jax.typing.ArrayLike | None = None,
         *,
         train: bool = False,
+        mtp_weight: jax.typing.ArrayLike = 0.3,
         **loss_kwargs,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """``LMHead.loss`` of the hidden states of ``tokens: int [B, T]``.
+        r"""``LMHead.loss`` of the hidden states of ``tokens: int [B, T]``.
 
         ``labels: int [B, T]``, ``weights: [B, T]`` or None; ``loss_kwargs``
         are ``LMHead.loss``'s keywords (``loss_impl``, ``label_smoothing``,
-        ``smoothing``, ``z_loss``, ``chunk_size``). Returns (loss, metrics) as
-        ``losses.cross_entropy`` does.
+        ``smoothing``, ``z_loss``, ``chunk_size``, the fused sweep's). Returns
+        (loss, metrics) as ``losses.cross_entropy`` does.
+
+        With ``mtp_heads = k > 0`` the loss is
+
+        .. math::
+            L = \mathrm{CE}_0 + \frac{\lambda}{k} \sum_{i=1}^k \mathrm{CE}_i,
+
+        :math:`\lambda` = ``mtp_weight``, :math:`\mathrm{CE}_i` depth
+        :math:`i`'s mean loss (every option of the main one) over the
+        positions whose target :math:`y_{t+i}` exists
+        (``losses.depth_targets``: the others weigh 0). Depths that share an
+        unembedding are one call of the head's loss: their hidden states
+        stacked ``[G, B, T, D]``, reduced as a sum with those weights, so
+        the fused loss runs one sweep (``"shared"``: the main head and the
+        ``k`` depths; ``"own"``: the main head, then the depths). The
+        metrics are the main head's (``loss`` is :math:`L`), plus
+        ``depth{i}_loss``,
+        ``depth{i}_nll`` and ``depth{i}_accuracy`` of each depth (its
+        accuracy estimates how often its proposals are accepted by greedy
+        speculative decoding).
         """
-        h = self.hidden(tokens, train=train)
-        return self.head.loss(
-            h, labels, self._tied_unembedding(), weights=weights, **loss_kwargs
+        if not self.mtp_heads:
+            h = self.hidden(tokens, train=train)
+            return self.head.loss(
+                h, labels, self._tied_unembedding(), weights=weights, **loss_kwargs
+            )
+        x, positions, causal = self._sequence(tokens, train)
+        streams = self._depth_streams(x, jnp.asarray(tokens), positions, causal, train)
+        outputs = [module.output(g) for module, g in zip(self.mtp, streams)]
+        k, ignore = self.mtp_heads, loss_kwargs.get("ignore_index", losses.IGNORE_INDEX)
+        depth_scale = jnp.asarray(mtp_weight, jnp.float32) / k
+        grouped = dict(reduction="sum", grouped_metrics=True, **loss_kwargs)
+        h = self.final_norm(x)
+        if self.mtp_unembedding == "shared":
+            scales = jnp.concatenate([jnp.ones(1), jnp.full(k, depth_scale)])
+            labels_g, weights_g = losses.depth_targets(
+                labels, weights, tuple(range(k + 1)), scales, ignore
+            )
+            loss, stacked = self.head.loss(
+                jnp.stack([h, *outputs]), labels_g, self._tied_unembedding(),
+                weights=weights_g, **grouped,
+            )  # fmt: skip
+            main = {name: value[0] for name, value in stacked.items()}
+            depths = {name: value[1:] for name, value in stacked.items()}
+        else:
+            loss, main = self.head.loss(
+                h, labels, self._tied_unembedding(), weights=weights, **loss_kwargs
+            )
+            labels_g, weights_g = losses.depth_targets(
+                labels,
+                weights,
+                tuple(range(1, k + 1)),
+                jnp.full(k, depth_scale),
+                ignore,
+            )
+            depth_loss, depths = self.mtp_head.loss(
+                jnp.stack(outputs), labels_g, weights=weights_g, **grouped
+            )
+            loss = loss + depth_loss
+        valid = jnp.asarray(labels) != ignore
+        main["weight_sum"] = jnp.sum(
+            valid if weights is None else jnp.where(valid, weights, 0.0),
+            dtype=jnp.float32,
         )
+        main["loss"] = loss
+        for i in range(k):
+            for name in ("loss", "nll", "accuracy"):
+                main[f"depth{i + 1}_{name}"] = depths[name][i]
+        return loss, main
 
     def extend(
-        self, tokens: jax.Array, cache: kv_cache.DecodeCache, lengths: jax.Array
+        self,
+        tokens: jax.Array,
+        cache: kv_cache.DecodeCache,
+        lengths: jax.Array,
+        every_position: bool = False,
     ) -> tuple[jax.Array, kv_cache.DecodeCache]:
         """Appends ``lengths[b]`` tokens to row ``b`` of the cache.
 
@@ -285,17 +449,23 @@ class DecoderLM(nn.Module):
             tokens: ``int [B, T]``, right-padded: row ``b``'s new tokens are
                 ``tokens[b, :lengths[b]]``; they take positions
                 ``cache.index[b]`` onwards.
-            cache: a :class:`~lmhead.lm.kv_cache.DecodeCache` for ``B`` rows.
+            cache: a :class:`~lmhead.lm.kv_cache.DecodeCache` for ``B`` rows;
+                one made with ``mtp=True`` runs the MTP depths too
+                (:mod:`lmhead.lm.mtp`), their streams kept in
+                ``cache.hidden``.
             lengths: ``int32 [B]`` in ``[1, T]``.
+            every_position: False: the logits after each row's last new
+                token only (only that position goes through the head); True:
+                after every new token (speculative verification).
 
         Returns:
-            ``float32 [B, V]`` next-token logits after each row's last new token
-            (only that position goes through the head), and the cache with
-            ``index + lengths``. Keys and values of the padding are written
-            after a row's end, where nothing reads them before they are
-            overwritten. Positions at or past ``max_len`` are not stored and
-            their logits are meaningless; :func:`prefill` refuses requests that
-            would get there.
+            ``float32 [B, V]`` next-token logits (``[B, T, V]`` with
+            ``every_position``), and the cache with ``index + lengths``.
+            Keys and values of the padding are written after a row's end,
+            where nothing reads them before they are overwritten. Positions
+            at or past ``max_len`` are not stored and their logits are
+            meaningless; :func:`prefill` refuses requests that would get
+            there.
         """
         batch, time = tokens.shape
         positions = cache.index[:, None] + jnp.arange(time, dtype=jnp.int32)
@@ -306,19 +476,108 @@ class DecoderLM(nn.Module):
             rows = rows.at[own, positions].set(
                 jnp.broadcast_to(own, positions.shape), mode="drop"
             )
-        h, kv = self._hidden_states(
-            tokens,
-            positions,
-            None,
-            [(k, v, rows) for k, v in zip(cache.keys, cache.values)],
-            train=False,
+        layers = [(k, v, rows) for k, v in zip(cache.keys, cache.values)]
+        x, kv = self._residual_stream(
+            tokens, positions, None, layers[: self.num_layers], train=False
         )
-        logits = self.head(last_positions(h, lengths), self._tied_unembedding())
+        hidden = cache.hidden
+        if hidden is not None:
+            streams, depth_kv = self._cached_depths(
+                x, tokens, positions, layers[self.num_layers :], cache
+            )
+            kv += depth_kv
+            written = jnp.stack([x, *streams], axis=2).astype(hidden.dtype)
+            hidden = hidden.at[jnp.arange(batch)[:, None], positions].set(
+                written, mode="drop"
+            )
+        h = self.final_norm(x)
+        if not every_position:
+            h = last_positions(h, lengths)
+        logits = self.head(h, self._tied_unembedding())
         return logits, kv_cache.DecodeCache(
             keys=tuple(k for k, _ in kv),
             values=tuple(v for _, v in kv),
             index=cache.index + lengths,
             rows=rows,
+            hidden=hidden,
+        )
+
+    def _carried(self, cache: kv_cache.DecodeCache) -> jax.Array:
+        """``[B, k + 1, D]``: the trunk's and each depth's stream at each
+        row's last fed position (``index - 1``; zeros for an empty row)."""
+        batch = cache.index.shape[0]
+        return cache.hidden[jnp.arange(batch), jnp.maximum(cache.index - 1, 0)]
+
+    def _cached_depths(self, x, tokens, positions, layers, cache):
+        """The MTP depths over fed tokens ``[B, T]`` at ``positions``, with
+        their layers of the cache: ``(streams, new layers)``. The
+        sequential depth ``i`` fed token ``x_s`` computes position ``s -
+        i`` from the previous depth's stream one feed earlier (the carried
+        one for the first)."""
+        carried = self._carried(cache)
+        streams, new_layers, previous = [], [], x
+        for depth, layer in enumerate(layers, start=1):
+            if self.mtp_design == "sequential":
+                before = carried[:, depth - 1, None].astype(previous.dtype)
+                stream_in = jnp.concatenate([before, previous[:, :-1]], axis=1)
+                depth_positions = positions - depth
+            else:
+                stream_in, depth_positions = x, positions
+            previous, layer = self._depth(
+                depth, stream_in, tokens, depth_positions, None, layer, False
+            )
+            streams.append(previous)
+            new_layers.append(layer)
+        return streams, new_layers
+
+    def propose(
+        self, last: jax.Array, cache: kv_cache.DecodeCache, num_tokens: int
+    ) -> tuple[jax.Array, kv_cache.DecodeCache]:
+        """The MTP depths' proposals of the ``num_tokens`` tokens after
+        ``last``, greedily.
+
+        Args:
+            last: ``int32 [B]``, each row's token just chosen, not yet fed
+                (it follows the cache's last position ``p = index - 1``).
+            cache: a cache made with ``mtp=True``.
+            num_tokens: ``1 <= n <= mtp_heads``.
+
+        Returns:
+            ``(drafts int32 [B, n], cache)``: draft ``i`` is the argmax of
+            depth ``i``'s logits for position ``p + 1 + i``. Parallel: each
+            depth read at ``p``. Sequential: depth ``i`` at ``p`` reads the
+            tokens after ``p``, ``last`` and the drafts before it, so the
+            depths run in a staircase (step ``j`` feeds token ``p + j`` to
+            the depths ``j .. n``), writing their keys and values at
+            positions the next verification rewrites.
+        """
+        carried = self._carried(cache)
+        if self.mtp_design == "parallel":
+            outputs = jnp.stack(
+                [self.mtp[i].output(carried[:, i + 1]) for i in range(num_tokens)],
+                axis=1,
+            )
+            drafts = jnp.argmax(self._depth_head(outputs), axis=-1)
+            return drafts.astype(jnp.int32), cache
+        keys, values = list(cache.keys), list(cache.values)
+        # previous[i]: the stream depth i + 1 reads next (depth i's, a feed earlier).
+        previous = [carried[:, i, None].astype(jnp.float32) for i in range(num_tokens)]
+        token, drafts = last[:, None], []
+        for step in range(1, num_tokens + 1):
+            fed = cache.index[:, None] + step - 1
+            new = {}
+            for depth in range(step, num_tokens + 1):
+                layer = self.num_layers + depth - 1
+                new[depth], (keys[layer], values[layer]) = self._depth(
+                    depth, previous[depth - 1], token, fed - depth, None,
+                    (keys[layer], values[layer], cache.rows), False,
+                )  # fmt: skip
+            logits = self._depth_head(self.mtp[step - 1].output(new[step][:, 0]))
+            drafts.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
+            token = drafts[-1][:, None]
+            previous = [None] * step + [new[d] for d in range(step, num_tokens)]
+        return jnp.stack(drafts, axis=1), cache._replace(
+            keys=tuple(keys), values=tuple(values)
         )
 
 
@@ -360,10 +619,22 @@ def attention_weights(
     )
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _compiled_extend(model, params, tokens, cache, lengths):
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _compiled_extend(model, params, tokens, cache, lengths, every_position=False):
     return model.apply(
-        {"params": params}, tokens, cache, lengths, method=DecoderLM.extend
+        {"params": params},
+        tokens,
+        cache,
+        lengths,
+        every_position,
+        method=DecoderLM.extend,
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _compiled_propose(model, params, last, cache, num_tokens):
+    return model.apply(
+        {"params": params}, last, cache, num_tokens, method=DecoderLM.propose
     )
 
 
@@ -383,13 +654,13 @@ def _split_prefill(model, mesh, params, tokens, lengths):
     return split(params, tokens, lengths)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _compiled_prefill(model, mesh, params, tokens, lengths):
+@functools.partial(jax.jit, static_argnums=(0, 1, 5))
+def _compiled_prefill(model, mesh, params, tokens, lengths, mtp=False):
     # The empty cache is made inside the program: made op by op, each of its
     # pieces would cost a dispatch at every prefill.
     if mesh is not None:
         return _split_prefill(model, mesh, params, tokens, lengths)
-    cache = kv_cache.init_cache(model, tokens.shape[0])
+    cache = kv_cache.init_cache(model, tokens.shape[0], mtp=mtp)
     return _compiled_extend(model, params, tokens, cache, lengths)
 
 
@@ -401,6 +672,7 @@ def prefill(
     *,
     max_new_tokens: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    mtp: bool = False,
 ) -> tuple[jax.Array, kv_cache.DecodeCache]:
     """Runs a prompt once: the next-token logits and the filled cache.
 
@@ -421,6 +693,9 @@ def prefill(
             devices, and the logits and cache are left there, as a step of
             :func:`make_step_fn` with the same mesh reads them; ``B`` must be
             a multiple of its size.
+        mtp: True fills the MTP depths' layers too (``kv_cache.init_cache``'s
+            ``mtp``), for speculative decoding from them (:class:`MTPProposer`);
+            not with ``mesh``.
 
     Returns:
         ``float32 [B, V]`` logits of the token after each prompt, and a
@@ -470,12 +745,17 @@ def prefill(
             )
     _check_rows_mesh(mesh)
     _check_split(mesh, "prompt", batch)
+    if mtp and mesh is not None:
+        raise ValueError(
+            "mtp=True (speculative decoding) splits no rows: pass mesh=None."
+        )
     return _compiled_prefill(
         model,
         mesh,
         params,
         jnp.asarray(prompt, jnp.int32),
         jnp.asarray(lengths, jnp.int32),
+        bool(mtp),
     )
 
 
@@ -522,6 +802,63 @@ class DecodeStep:
     ) -> kv_cache.DecodeCache:
         return kv_cache.reset_rows(cache, rows)
 
+    def verify(
+        self, params: Any, tokens: jax.Array, cache: kv_cache.DecodeCache
+    ) -> tuple[jax.Array, kv_cache.DecodeCache]:
+        """Speculative decoding's one call: ``tokens: int [B, T]`` fed at
+        once, the logits after each ``float32 [B, T, V]``."""
+        _checks.check_integer("tokens", tokens)
+        _checks.check_rank("tokens", tokens, 2, "[B, T]")
+        tokens = jnp.asarray(tokens, jnp.int32)
+        lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
+        return _compiled_extend(self.model, params, tokens, cache, lengths, True)
+
+    def rewind(
+        self, cache: kv_cache.DecodeCache, num_positions: jax.Array
+    ) -> kv_cache.DecodeCache:
+        return kv_cache.rewind_cache(cache, num_positions)
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPProposer:
+    """Speculative decoding's proposals from a run's MTP heads
+    (``lmhead.decoding``'s proposer interface): draft ``i`` is depth ``i``'s
+    argmax (:meth:`DecoderLM.propose`). The state is a cache made with
+    ``prefill(..., mtp=True)``.
+
+    Attributes:
+        model: a :class:`DecoderLM` with ``mtp_heads >= num_tokens``.
+        num_tokens: ``k``, the tokens proposed per step.
+    """
+
+    model: DecoderLM
+    num_tokens: int
+    reads_history = False
+
+    def __post_init__(self):
+        _checks.check_count("num_tokens", self.num_tokens)
+        if self.num_tokens > self.model.mtp_heads:
+            raise ValueError(
+                f"num_speculative_tokens={self.num_tokens} is more proposals than "
+                f"the run's MTP heads (mtp_heads={self.model.mtp_heads}); it must "
+                f"be in [1, {self.model.mtp_heads}]."
+                if self.model.mtp_heads
+                else "speculative='mtp' needs a run trained with MTP heads "
+                "(model.mtp_heads >= 1); this one has none: use 'ngram'."
+            )
+
+    def propose(
+        self, params: Any, cache: kv_cache.DecodeCache, context: Any
+    ) -> tuple[jax.Array, kv_cache.DecodeCache]:
+        """``(drafts int32 [B, k], cache)`` after ``context.last``."""
+        if cache.hidden is None:
+            raise ValueError(
+                "MTP proposals need a cache of the MTP depths: prefill(..., mtp=True)."
+            )
+        return _compiled_propose(
+            self.model, params, context.last, cache, self.num_tokens
+        )
+
 
 def _check_rows_mesh(mesh: jax.sharding.Mesh | None) -> None:
     if mesh is not None and len(mesh.axis_names) != 1:
@@ -537,6 +874,38 @@ def _check_split(mesh: jax.sharding.Mesh | None, name: str, batch: int) -> None:
             f"{name} has {batch} rows, which the mesh's {mesh.size} devices do "
             "not divide; rows_mesh(B) makes a mesh that does."
         )
+
+
+def training_flops_per_token(model: DecoderLM) -> int:
+    r"""Training FLOPs per token, :math:`6 N_\text{matmul} + 6 (L + k) T D`
+    (Kaplan et al. 2020's :math:`C \approx 6N`, with the attention scores'
+    :math:`2 \cdot 2 T D` forward per layer at context :math:`T` =
+    ``max_len``, times 3 for the backward pass), the MTP depths included:
+    :math:`N_\text{matmul}` counts the weights a token multiplies by, every
+    block's dense kernels (the ``k`` depths' too, and the sequential
+    design's ``[2D, D]`` projections) and the unembedding once per head that
+    reads it (the main one and each depth; ``r (V + D)`` for a factorized
+    head of rank ``r``).
+
+    Examples:
+        >>> plain = DecoderLM(vocab_size=2048, num_layers=4, d_model=128,
+        ...                   mlp_dim=512, max_len=64)
+        >>> training_flops_per_token(plain)
+        6488064
+        >>> mtp = DecoderLM(vocab_size=2048, num_layers=4, d_model=128,
+        ...                 mlp_dim=512, max_len=64, mtp_heads=1)
+        >>> training_flops_per_token(mtp) - training_flops_per_token(plain)
+        2998272
+    """
+    d, f, v = model.d_model, model.mlp_dim, model.vocab_size
+    block = 4 * d * d + 2 * d * f
+    unembedding = v * d if model.head_rank is None else model.head_rank * (v + d)
+    depth = block + unembedding
+    if model.mtp_design == "sequential":
+        depth += 2 * d * d
+    matmul = model.num_layers * block + unembedding + model.mtp_heads * depth
+    layers = model.num_layers + model.mtp_heads
+    return 6 * matmul + 6 * layers * model.max_len * d
 
 
 def rows_mesh(batch: int, devices: Any = None) -> jax.sharding.Mesh | None:

@@ -96,7 +96,8 @@ def train_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The objective that ``train_step`` differentiates: ``DecoderLM.loss``
     of ``batch`` with ``train=True`` and dropout key ``key``. Returns the
-    loss and ``{"nll", "accuracy"}``.
+    loss and ``{"nll", "accuracy"}``, with MTP heads also each depth's
+    ``depth{i}_loss``, ``depth{i}_nll`` and ``depth{i}_accuracy``.
 
     ``tied`` (an untied model's boolean scalar, traced): where True the
     embedding table is the head (``state.table_as_head``), so the loss, and
@@ -113,7 +114,12 @@ def train_loss(
         method=model_lib.DecoderLM.loss,
         **loss_kwargs,
     )
-    return loss, {"nll": metrics["nll"], "accuracy": metrics["accuracy"]}
+    logged = ("nll", "accuracy")
+    return loss, {
+        name: value
+        for name, value in metrics.items()
+        if name in logged or name.startswith("depth")
+    }
 
 
 def train_step(

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from lmhead import _checks, decoding
-from lmhead.lm import constraints, data, kv_cache
+from lmhead.lm import constraints, data, generation, kv_cache
 from lmhead.lm import model as model_lib
 from lmhead.serve import completions, requests
 from lmhead.serve.requests import CompletionRequest
@@ -33,17 +33,17 @@ from lmhead.serve.requests import CompletionRequest
 DEFAULT_STEPS_PER_CALL = 4
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnames="state")
+@functools.partial(jax.jit, static_argnums=(0, 13), donate_argnames="state")
 def _prefill_into_slots(
     model, params, state, slots, prompts, lengths, key, recipe, limits, history, knobs,
-    stops, constraint_ids,
+    stops, constraint_ids, mtp=False,
 ):  # fmt: skip
     """``model_lib.prefill`` of ``prompts`` and ``decoding.fill_slots`` of the
     result, with each row's key made from ``recipe`` (the arrays of
     ``completions.key_recipe``), as one program: one dispatch per admission
     instead of one per operation (the rows were checked when their requests
     were parsed)."""
-    logits, cache = model_lib.prefill(model, params, prompts, lengths)
+    logits, cache = model_lib.prefill(model, params, prompts, lengths, mtp=mtp)
     return decoding.fill_slots(
         state,
         slots,
@@ -150,6 +150,13 @@ class SlotBatcher:
             slots hold a table of ``limits.max_stops`` stop strings of
             ``limits.max_stop_bytes`` bytes per row, so that one compiled
             step serves every request's strings.
+        speculative: None, ``"mtp"`` or ``"ngram"``: every decoding step is
+            speculative (``decoding.step_slots``' ``speculative``;
+            ``generation.proposer`` makes the proposer), with
+            ``num_speculative_tokens`` proposals; a slot advances by its
+            accepted count plus one per step. The same tokens greedily, the
+            same distribution sampled; constrained rows are not speculated
+            (beam requests run whole, unspeculated).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -183,6 +190,8 @@ class SlotBatcher:
         prefill_rows: int | None = None,
         events: SlotEvents = SlotEvents(),
         limits: requests.Limits | None = None,
+        speculative: str | None = None,
+        num_speculative_tokens: int = 3,
     ):
         slots = slot_count(slots, engine.buckets.batch_sizes)
         _checks.check_count("max_queue", max_queue)
@@ -196,6 +205,10 @@ class SlotBatcher:
         self.prefill_rows = min(4, slots) if prefill_rows is None else prefill_rows
         _checks.check_count("prefill_rows", self.prefill_rows)
         model = engine.model
+        self.proposer = generation.proposer(
+            model, speculative, num_speculative_tokens, None
+        )
+        self._mtp = speculative == "mtp"
         self._vocab_size, self._history_len = model.vocab_size, model.max_len
         self._top = completions.top_width(engine)
         limits = requests.Limits() if limits is None else limits
@@ -220,7 +233,7 @@ class SlotBatcher:
 
     def _empty_state(self) -> decoding.SlotState:
         return decoding.empty_slots(
-            kv_cache.init_cache(self.engine.model, self.slots),
+            kv_cache.init_cache(self.engine.model, self.slots, mtp=self._mtp),
             vocab_size=self._vocab_size,
             history_len=self._history_len,
             key=jax.random.key(0),
@@ -445,6 +458,7 @@ class SlotBatcher:
             self._knobs([(job, row) for job, _, row, _ in group], size),
             (stop_bytes, stop_len),
             constraint_ids,
+            self._mtp,
         )
 
     def _step(self) -> tuple[decoding.SlotState, decoding.SlotChunk]:
@@ -455,6 +469,7 @@ class SlotBatcher:
             num_steps=self.steps_per_call,
             eos_id=None,  # EOS is each row's stop token unless it ignores it
             top_logprobs=self._top,
+            speculative=self.proposer,
         )
 
     def _free(self, slots: list[int]) -> None:

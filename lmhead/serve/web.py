@@ -67,6 +67,8 @@ class ServiceConfig:
         model_name: the ``model`` of the routes.
         slots: the batcher's decode slots; None: the largest batch size.
         steps_per_call: its decoding steps per compiled call.
+        speculative, num_speculative_tokens: the batcher's speculative
+            decoding (None, ``"mtp"`` or ``"ngram"``) and its proposals per step.
     """
 
     token: str | None = None
@@ -77,6 +79,8 @@ class ServiceConfig:
     model_name: str = "lmhead"
     slots: int | None = None
     steps_per_call: int = continuous.DEFAULT_STEPS_PER_CALL
+    speculative: str | None = None
+    num_speculative_tokens: int = 3
 
 
 def read_token(path: str) -> str:
@@ -288,6 +292,8 @@ def make_app(engine: Engine, config: ServiceConfig = ServiceConfig()):
         max_queue=config.max_queue,
         steps_per_call=config.steps_per_call,
         limits=config.limits,
+        speculative=config.speculative,
+        num_speculative_tokens=config.num_speculative_tokens,
         events=continuous.SlotEvents(
             first_token=metrics.first_token.observe,
             inter_token=metrics.inter_token.observe,

@@ -161,3 +161,19 @@ def test_generate_refuses_a_knob_flag_with_the_knobs_range(tmp_path, flag, messa
     result = run_experiment("generate.py", f"--workdir={tmp_path}", flag)
     assert result.returncode == 1
     assert message in result.stderr and "FileNotFoundError" not in result.stderr
+
+
+def test_generate_speculates_greedy_text_and_refuses_by_flag(workdir):
+    workdir, _ = workdir
+    args = ("generate.py", f"--workdir={workdir}", "--prompt=ROMEO:",
+            "--max_new_tokens=12", "--num_samples=2", "--temperature=0",
+            "--notimings")  # fmt: skip
+    plain = run(*args)
+    assert run(*args, "--speculative=ngram", "--num_speculative_tokens=3") == plain
+    for flags, words in (
+        (["--speculative=mtp"], "--speculative='mtp' needs a run trained with MTP"),
+        (["--speculative=ngram", "--num_beams=2"], "--speculative does not apply"),
+        (["--speculative=ngram", "--num_speculative_tokens=0"], "--num_speculative"),
+    ):
+        result = run_experiment(*args, *flags)
+        assert result.returncode != 0 and words in result.stderr, result.stderr[-2000:]

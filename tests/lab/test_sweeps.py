@@ -96,7 +96,11 @@ def test_override_flags_reject_none():
 
 @pytest.mark.parametrize(
     "sweep_file,num_runs",
-    [("tying_study.py:small", 3 * 8), ("filter_training.py", 3 * 8)],
+    [
+        ("tying_study.py:small", 3 * 8),
+        ("filter_training.py", 3 * 8),
+        ("mtp.py", 4 * 8),
+    ],
 )
 def test_sweep_files_set_existing_knobs_and_parse_as_train_flags(
     sweep_file, num_runs, monkeypatch
@@ -229,3 +233,72 @@ def test_filter_training_committed_report_regenerates_from_its_csv():
     with open(os.path.join(docs, "REPORT.md"), encoding="utf-8") as f:
         committed = f.read()
     assert module.report_text(rows).rstrip("\n") + "\n" == committed
+
+
+def test_mtp_sweep_pairs_each_seed_over_the_four_arms(monkeypatch):
+    """configs/sweeps/mtp.py: 8 seeds of the plain model and of k = 1 and 3
+    (shared) and k = 3 (own) MTP heads at lambda 0.3, on its recipe at BPE
+    2048 for 1000 steps, as train.py parses it."""
+    path = os.path.join(SWEEP_CONFIGS, "mtp.py")
+    base, overrides, shared = sweeps.load_sweep(path)
+    arms = {
+        (o["train.seed"], o.get("model.mtp_heads", 0), o.get("model.mtp_unembedding"))
+        for o in overrides
+    }
+    assert arms == {
+        (s, *arm)
+        for s in range(8)
+        for arm in ((0, None), (1, None), (3, None), (3, "own"))
+    }
+    argv = sweeps.train_command(
+        base, "unused", {**shared, **overrides[-1]}, python="python", script="x",
+        config_file=DEFAULT_CONFIG,
+    )[2:]  # fmt: skip
+    flat = parsed_train_config(argv, monkeypatch)
+    expected = {
+        **configuration.load_module(path).RECIPE,
+        "data.vocab_size": 2048,
+        "train.steps": 1000,
+        "loss.mtp_weight": 0.3,
+        "model.mtp_heads": 3,
+        "model.mtp_unembedding": "own",
+    }
+    assert {k: flat[k] for k in expected} == expected
+
+
+def test_mtp_report_pairs_arms_by_seed_and_intervals_each_depth():
+    module = configuration.load_module(os.path.join(SWEEP_CONFIGS, "mtp.py"))
+    test = {0: (3.10, 3.12, 3.08, 3.09), 1: (3.00, 3.01, 2.99, 3.02)}
+    accuracy = {0: (0.30, 0.20, 0.10), 1: (0.34, 0.22, 0.16)}
+    rows = [
+        {
+            "run": f"r{s}{i}",
+            "arm": name,
+            "seed": s,
+            "mtp_heads": 0,
+            "mtp_unembedding": "shared",
+            "params": 10,
+            "flops_per_token": 100,
+            "steps_run": 9,
+            "val_bpc": "1.0",
+            "test_bpc": str(values[i]),
+            **{
+                f"depth{d}_accuracy": "" if name == "plain" else str(accuracy[s][d - 1])
+                for d in (1, 2, 3)
+            },
+            "ms_per_step": "10.0",
+            "cpu_ms_per_step": "10.0",
+            "ensemble": "",
+        }  # fmt: skip
+        for s, values in test.items()
+        for i, (name, _) in enumerate(module.ARMS)
+    ]
+    text = module.report_text(rows)
+    for i, (name, _) in enumerate(module.ARMS[1:], start=1):
+        differences = np.array([v[i] - v[0] for v in test.values()])
+        half = scipy.stats.t.ppf(0.975, 1) * differences.std(ddof=1) / np.sqrt(2)
+        mean = differences.mean()
+        assert f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}]" in text, name
+    depth1 = np.array([0.30, 0.34])
+    half = scipy.stats.t.ppf(0.975, 1) * depth1.std(ddof=1) / np.sqrt(2)
+    assert f"| k=1 shared | 0.3200 [{0.32 - half:.4f}, {0.32 + half:.4f}] |" in text

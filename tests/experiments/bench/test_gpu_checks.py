@@ -18,10 +18,10 @@ def test_quick_checks_run_and_leave_their_outputs(tmp_path):
         env=dict(os.environ, OUT=str(tmp_path), QUICK="1", PYTHON=sys.executable),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=3000,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "== 0 of 5 failed" in done.stdout
+    assert "== 0 of 6 failed" in done.stdout
     names = sorted(os.listdir(tmp_path))
     assert names == [
         "decode.txt",
@@ -30,12 +30,16 @@ def test_quick_checks_run_and_leave_their_outputs(tmp_path):
         "head_gemma2.txt",
         "head_post_training.txt",
         "machine.txt",
+        "speculative.txt",
     ]
     assert "| tiles skipped |" in (tmp_path / "head_filter.txt").read_text()
     assert "Post-training, grpo" in (tmp_path / "head_post_training.txt").read_text()
     assert "member-steps/s" in (tmp_path / "ensemble_gpu.txt").read_text()
     assert "| stream k=16 |" in (tmp_path / "decode.txt").read_text()
     assert "jax" in (tmp_path / "machine.txt").read_text()
+    assert (
+        "| GPT-2 small layout, random |" in (tmp_path / "speculative.txt").read_text()
+    )
 
 
 @pytest.mark.slow
@@ -56,12 +60,13 @@ def test_a_failing_check_is_counted_and_the_next_still_runs(tmp_path):
         text=True,
         timeout=120,
     )
-    assert done.returncode == 5
+    assert done.returncode == 6
     assert "== head_gemma2: exit 3" in done.stdout
     assert "== head_post_training: exit 3" in done.stdout
     assert "== head_filter: exit 3" in done.stdout
     assert "== ensemble_gpu: exit 3" in done.stdout
     assert "== decode: exit 3" in done.stdout
+    assert "== speculative: exit 3" in done.stdout
 
 
 def run_checks(tmp_path, checks, python):

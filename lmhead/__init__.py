@@ -15,6 +15,7 @@ from lmhead import (
     head,
     kto,
     losses,
+    metrics,
     modules,
     policy_gradient,
     preference,
@@ -43,10 +44,10 @@ from lmhead.head import (
     unembed,
 )
 from lmhead.kto import fused_kto_loss, kto_loss, kto_reference_point
-from lmhead.losses import (
+from lmhead.losses import cross_entropy
+from lmhead.metrics import (
     bits_per_character,
     bits_per_token,
-    cross_entropy,
     expected_calibration_error,
     perplexity,
 )

@@ -63,7 +63,7 @@ def block_sizes(
 
     ``num_tokens`` and ``num_rows`` are those of ``h`` and ``w`` on a device;
     the default chunk is that of logits ``chunk_factor`` times narrower (a
-    rule's :attr:`~lmhead._fused_sweep.Rule.chunk_factor`); with
+    rule's :attr:`~lmhead._fused_rule.Rule.chunk_factor`); with
     ``segment_length`` (:class:`Plan`'s) no longer than a chunk, the chunk
     holds whole segments.
     """
@@ -86,7 +86,7 @@ def block_sizes(
 class Plan:
     """The static part of a call: the rule, block sizes, vocabulary split."""
 
-    rule: Any  # a lmhead._fused_sweep.Rule
+    rule: Any  # a lmhead._fused_rule.Rule
     num_rows: int  # rows of w on this device: V, or V / devices along vocab_axis
     vocab_axis: str | None  # the mesh axis w's rows are split over, if any
     chunk_size: int

@@ -4,9 +4,9 @@ The sweep may run over the rows of ``w`` in another order than the caller's:
 the table's and the bias's rows are gathered once by ``order``
 (``w_sorted = w[order]``), each rule's per-vocabulary inputs (labels, ids, a
 teacher's logits or table) are mapped into that order
-(:meth:`lmhead._fused_sweep.Rule.sorted_inputs`: an id ``y`` becomes
+(:meth:`lmhead._fused_rule.Rule.sorted_inputs`: an id ``y`` becomes
 ``inverse[y]``), a rule's outputs that are vocabulary ids come back in the
-caller's order (:meth:`~lmhead._fused_sweep.Rule.caller_outputs`), and the
+caller's order (:meth:`~lmhead._fused_rule.Rule.caller_outputs`), and the
 gradients of ``w`` and ``bias`` are gathered back (``dw = dw_sorted[inverse]``).
 The loss and the gradients are the caller's; only the order of the
 online-softmax merges and of ``dh``'s sum over blocks changes, and with a

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lmhead import _checks, _fused_sweep, _online_softmax, losses
+from lmhead import _checks, _fused_rule, _fused_sweep, _online_softmax, losses
 from lmhead._sweep_options import SweepOptions
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
@@ -314,7 +314,7 @@ _LSE_Q, _LSE_P, _NLL, _LSE_1, _DIV, _KL_QM = range(6)
 
 
 @dataclasses.dataclass(frozen=True)
-class DistillationRule(_fused_sweep.Rule):
+class DistillationRule(_fused_rule.Rule):
     r"""The distillation loss as a rule of :mod:`lmhead._fused_sweep`.
 
     Pass 0 reduces the vocabulary blocks to the student's and the teacher's
@@ -503,7 +503,7 @@ def fused_distillation_loss(
     dw_accumulation: str = "float32",
     vocab_order: jax.typing.ArrayLike | str | None = None,
     ignore_index: int = losses.IGNORE_INDEX,
-    vocab_shards: _fused_sweep.VocabShards | None = None,
+    vocab_shards: _fused_rule.VocabShards | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     r""":func:`distillation_loss` of the student ``unembed(h, w, bias)``, fused.
 

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from lmhead import _checks, head, losses
-from lmhead._fused_sweep import VocabShards, run
+from lmhead._fused_rule import VocabShards
+from lmhead._fused_sweep import run
 from lmhead._sweep_options import (  # noqa: F401  (re-exported: the knobs' values)
     BLOCK_ELEMENTS,
     FILTER_TARGETS,
@@ -225,7 +226,7 @@ def fused_cross_entropy(
             split over a mesh axis (``vocab_parallel.vocab_shards``; see
             ``vocab_parallel.vocab_parallel_cross_entropy``): each device's
             statistics are combined with ``pmax``/``psum``
-            (:meth:`lmhead._fused_sweep.Rule.combine`).
+            (:meth:`lmhead._fused_rule.Rule.combine`).
         entropy: False (default), or True to add ``metrics["entropy"]``, the
             weighted mean of each token's :math:`H_t = -\sum_i p_i \log p_i`,
             :math:`p = \mathrm{softmax}(z_t)` of the logits the loss sees

@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lmhead import _checks, _fused_sweep, _online_softmax, losses
+from lmhead import _checks, _fused_rule, _fused_sweep, _online_softmax, losses
 from lmhead._sweep_options import SweepOptions
 
 
 @dataclasses.dataclass(frozen=True)
-class LogProbRule(_fused_sweep.Rule):
+class LogProbRule(_fused_rule.Rule):
     r"""Log-normalizer, logits of ``k`` given ids and optionally the entropy.
 
     Outputs ``(lse[, H][, argmax], z_{y_1}, ..., z_{y_k})`` per token, from
@@ -51,7 +51,7 @@ class LogProbRule(_fused_sweep.Rule):
     :func:`fused_token_logprobs` does not use. With ``segment_loss_fn``
     (``(loss_scalars, sums [S]) -> [S]``, elementwise) and the plan's
     ``segment_length``, the objective is that of each segment's weighted
-    sum of ``token_loss``, summed (:class:`lmhead._fused_sweep.Rule`).
+    sum of ``token_loss``, summed (:class:`lmhead._fused_rule.Rule`).
     """
 
     num_ids: int = 1
@@ -170,7 +170,7 @@ def fused_token_logprobs(
     dw_accumulation: str = "float32",
     vocab_order: jax.typing.ArrayLike | str | None = None,
     ignore_index: int = losses.IGNORE_INDEX,
-    vocab_shards: _fused_sweep.VocabShards | None = None,
+    vocab_shards: _fused_rule.VocabShards | None = None,
 ) -> TokenLogProbs:
     r"""Each token's log-probability of given ids, without the ``[N, V]`` logits.
 

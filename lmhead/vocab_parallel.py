@@ -2,7 +2,7 @@ r"""The vocabulary-parallel losses: the unembedding split over a mesh axis.
 
 The one chunked sweep (:mod:`lmhead._fused_sweep`) on each device's slice of
 the vocabulary, each rule's statistics combined over ``"model"`` by its
-``combine`` (the accumulators', :class:`lmhead._fused_sweep.Rule`), as
+``combine`` (the accumulators', :class:`lmhead._fused_rule.Rule`), as
 Megatron does for the cross-entropy. :func:`vocab_shards` is the split, for
 the ``vocab_shards`` argument of every fused loss (the cross-entropy, the
 token log-probs, the distillation); :func:`vocab_parallel_cross_entropy` is
@@ -18,13 +18,13 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from lmhead import _fused_sweep, fused
+from lmhead import _fused_rule, fused
 
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
 
 
-def vocab_shards(mesh: Mesh | None = None) -> _fused_sweep.VocabShards:
+def vocab_shards(mesh: Mesh | None = None) -> _fused_rule.VocabShards:
     """The rows of ``w`` split over the ``"model"`` axis of ``mesh`` (default:
     the mesh set by ``jax.set_mesh``), tokens over ``"data"`` when it
     divides their number: the ``vocab_shards`` argument of the fused losses.
@@ -45,7 +45,7 @@ def vocab_shards(mesh: Mesh | None = None) -> _fused_sweep.VocabShards:
             "the vocabulary-parallel losses need a mesh with a 'model' axis: "
             "pass mesh=, or trace them under `with jax.set_mesh(mesh):`."
         )
-    return _fused_sweep.VocabShards(
+    return _fused_rule.VocabShards(
         MODEL_AXIS, mesh.shape[MODEL_AXIS], functools.partial(_on_mesh, mesh)
     )
 
@@ -54,7 +54,7 @@ def _on_mesh(mesh, core, h, w, bias, loss_scalars, loss_weights, inputs):
     """``core`` on every device of ``mesh``: its tokens (split over
     ``"data"`` when that divides their number, replicated otherwise) against
     its rows of ``w`` and ``bias``, and the replicated ``loss_scalars``; see
-    ``_fused_sweep.VocabShards``."""
+    ``_fused_rule.VocabShards``."""
     tokens = (
         DATA_AXIS
         if DATA_AXIS in mesh.axis_names and h.shape[0] % mesh.shape[DATA_AXIS] == 0

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from configs import default
 from lmhead import decoding, distillation, fused, vocab_parallel
-from lmhead.lm import configuration, kv_cache, sharding, train
+from lmhead.lm import configuration, inference, kv_cache, sharding, train
 from lmhead.lm import model as model_lib
 from lmhead.lm import state as state_lib
 
@@ -258,7 +258,7 @@ def decoding_structs(rows: int = BATCH):
 
 @functools.cache
 def generate():
-    step_fn = model_lib.make_step_fn(tiny_model())
+    step_fn = inference.make_step_fn(tiny_model())
 
     # The whole return, whatever its fields: a pytree like any other output.
     def sample(params, logits, cache, key):
@@ -272,7 +272,7 @@ def generate():
 
 @functools.cache
 def beam_search():
-    step_fn = model_lib.make_step_fn(tiny_model())
+    step_fn = inference.make_step_fn(tiny_model())
 
     def search(params, logits, cache):
         return decoding.beam_search(
@@ -285,7 +285,7 @@ def beam_search():
 
 @functools.cache
 def prefill():
-    fill = functools.partial(model_lib.prefill, tiny_model())
+    fill = functools.partial(inference.prefill, tiny_model())
     prompt = S((BATCH, PROMPT), jnp.int32)
     return jax.jit(fill), (state_structs().params, prompt, S((BATCH,), jnp.int32))
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from lmhead import modules
-from lmhead.lm import generation
+from lmhead.lm import generation, inference
 from lmhead.lm import model as model_lib
 from tests import references
 from tests.errors import assert_raises_exactly
@@ -156,8 +156,8 @@ def test_prefill_and_the_step_equal_the_unfactorized_models(models):
     tied, tokens, factorized, params, full, full_params = models
 
     def first_steps(m, p):
-        logits, cache = model_lib.prefill(m, p, tokens, max_new_tokens=2)
-        return logits, model_lib.make_step_fn(m)(p, tokens[:, 0], cache)[0]
+        logits, cache = inference.prefill(m, p, tokens, max_new_tokens=2)
+        return logits, inference.make_step_fn(m)(p, tokens[:, 0], cache)[0]
 
     chex.assert_trees_all_close(
         first_steps(factorized, params),

@@ -19,7 +19,7 @@ import pytest
 from absl.testing import parameterized
 from jax.test_util import check_grads
 
-from lmhead import _fused_sweep, fused, head, losses
+from lmhead import _fused_rule, _fused_sweep, fused, head, losses
 from tests import loss_scalars, references
 from tests.errors import bad_input_test, rules_test
 
@@ -610,7 +610,7 @@ test_documented_rules = rules_test(RULES)
 
 
 @dataclasses.dataclass(frozen=True)
-class SquaredLogitsRule(_fused_sweep.Rule):
+class SquaredLogitsRule(_fused_rule.Rule):
     """A loss written only as its per-chunk formula, the three members a
     rule must write, every other one the base's default: ``L_t = sum_i
     z_ti^2 / 2``, its one output ``sum_i z_ti^2`` (a sum over the

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from jax.experimental import checkify
 from jax.test_util import check_grads
 
-from lmhead import head, losses
+from lmhead import head, losses, metrics
 from tests import loss_scalars, references
 from tests.errors import bad_input_test, keyword_rows, rules_test
 
@@ -237,7 +237,7 @@ class IgnoreIndexTest(chex.TestCase):
         kept = ~ignored
         for ignore_index, options in ((-100, {}), (-1, dict(ignore_index=-1))):
             marked = np.where(ignored, ignore_index, labels).astype(np.int32)
-            loss, metrics = self.variant(
+            loss, stats = self.variant(
                 functools.partial(losses.cross_entropy, label_smoothing=0.1, **options)
             )(logits, marked, weights=weights)
             # numpy's loss of the other tokens alone
@@ -245,16 +245,16 @@ class IgnoreIndexTest(chex.TestCase):
                 logits[kept], labels[kept], weights[kept], 0.1
             )
             np.testing.assert_allclose(loss, want["loss"], rtol=1e-5)
-            assert_metrics_close(metrics, want)
-            self.assertEqual(int(metrics["invalid_labels"]), 0)
+            assert_metrics_close(stats, want)
+            self.assertEqual(int(stats["invalid_labels"]), 0)
             bins = self.variant(
-                functools.partial(losses.calibration_bins, num_bins=4, **options)
+                functools.partial(metrics.calibration_bins, num_bins=4, **options)
             )(logits, marked, weights)
             want_ece = references.expected_calibration_error(
                 logits[kept], labels[kept], weights[kept], 4
             )
             np.testing.assert_allclose(
-                losses.calibration_error_from_bins(bins), want_ece, rtol=1e-5
+                metrics.calibration_error_from_bins(bins), want_ece, rtol=1e-5
             )
 
     def test_the_rule_for_ids_per_token_and_out_of_range_labels(self):
@@ -339,10 +339,10 @@ class SummaryMetricsTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_perplexity_and_bits(self):
         nll = np.array([0.0, 1.0, 2.5], np.float32)
-        bpc = functools.partial(losses.bits_per_character, chars_per_token=3.5)
+        bpc = functools.partial(metrics.bits_per_character, chars_per_token=3.5)
         for fn, want in [
-            (losses.perplexity, np.exp(nll)),
-            (losses.bits_per_token, nll / math.log(2)),
+            (metrics.perplexity, np.exp(nll)),
+            (metrics.bits_per_token, nll / math.log(2)),
             (bpc, nll / math.log(2) / 3.5),
         ]:
             np.testing.assert_allclose(self.variant(fn)(nll), want, rtol=1e-6)
@@ -353,7 +353,9 @@ class CalibrationTest(chex.TestCase):
     def test_matches_numpy_loop_and_bins_add_over_batches(self):
         for seed, num_bins in [(12, 15), (13, 4), (14, 1)]:
             logits, labels, weights = random_case(seed, (8, 9), 5, 1.5)
-            fn = functools.partial(losses.expected_calibration_error, num_bins=num_bins)
+            fn = functools.partial(
+                metrics.expected_calibration_error, num_bins=num_bins
+            )
             for w in (None, weights):
                 want = references.expected_calibration_error(
                     logits, labels, w, num_bins
@@ -363,8 +365,8 @@ class CalibrationTest(chex.TestCase):
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         first = random_case(15, shape=(4, 9), vocab_size=5, scale=1.5)
         second = random_case(16, shape=(4, 9), vocab_size=5, scale=1.5)
-        bins = self.variant(functools.partial(losses.calibration_bins, num_bins=10))
-        got = losses.calibration_error_from_bins(bins(*first) + bins(*second))
+        bins = self.variant(functools.partial(metrics.calibration_bins, num_bins=10))
+        got = metrics.calibration_error_from_bins(bins(*first) + bins(*second))
         joined = [np.concatenate(pair) for pair in zip(first, second)]
         np.testing.assert_allclose(
             got, references.expected_calibration_error(*joined, 10), rtol=1e-5
@@ -379,7 +381,7 @@ class CalibrationTest(chex.TestCase):
         )
         labels = np.array([1, 0, 0], np.int32)
         weights = np.array([1.0, 2.0, 3.0], np.float32)
-        bins = losses.calibration_bins(logits, labels, weights, num_bins=4)
+        bins = metrics.calibration_bins(logits, labels, weights, num_bins=4)
         np.testing.assert_allclose(
             bins, [[1.0, 0.25, 0.0], [2.0, 1.0, 2.0], [0.0, 0.0, 0.0], [3.0, 3.0, 3.0]]
         )
@@ -388,7 +390,7 @@ class CalibrationTest(chex.TestCase):
         logits = np.log(np.array([[0.75, 0.25]] * 4, np.float32))
         labels = np.array([0, 0, 0, 1], np.int32)
         for weights in (None, np.zeros(4, np.float32)):
-            ece = losses.expected_calibration_error(logits, labels, weights)
+            ece = metrics.expected_calibration_error(logits, labels, weights)
             np.testing.assert_allclose(ece, 0.0, atol=1e-6)
 
 
@@ -418,7 +420,7 @@ def ce(logits=LOGITS, labels=LABELS, **kwargs):
 
 
 def ece(**kwargs):
-    return losses.expected_calibration_error(LOGITS, LABELS, **kwargs)
+    return metrics.expected_calibration_error(LOGITS, LABELS, **kwargs)
 
 
 CROSS_ENTROPY = [
@@ -470,9 +472,9 @@ BAD_INPUTS = [
         "logits",
     ),
     *keyword_rows("ece", ece, ECE),
-    *keyword_rows("ece bins", losses.calibration_error_from_bins, BINS),
+    *keyword_rows("ece bins", metrics.calibration_error_from_bins, BINS),
     *keyword_rows(
-        "bits_per_character", functools.partial(losses.bits_per_character, 1.0), BITS
+        "bits_per_character", functools.partial(metrics.bits_per_character, 1.0), BITS
     ),
 ]
 
@@ -517,7 +519,7 @@ RULES = [
     # A row of -inf has confidence 0 and is never correct: bin 0, weight 1.
     (
         "calibration_bins of a row of -inf",
-        lambda z, y: losses.calibration_bins(z, y, num_bins=2),
+        lambda z, y: metrics.calibration_bins(z, y, num_bins=2),
         (jnp.full((1, 3), NEG), jnp.array([0])),
         np.array([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]),
     ),

@@ -24,7 +24,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from lmhead import decoding
-from lmhead.lm import configuration, gpt2_import, sharding
+from lmhead.lm import configuration, gpt2_import, inference, sharding
 from lmhead.lm import model as model_lib
 
 config_flags.DEFINE_config_file(
@@ -62,7 +62,7 @@ flags.DEFINE_integer(
     None,
     "Devices of the CPU backend; default: one per CPU this process may use. "
     "A batch's rows are split over as many as divide it "
-    "(model.make_step_fn's mesh); 1 keeps every row on one device.",
+    "(inference.make_step_fn's mesh); 1 keeps every row on one device.",
     lower_bound=1,
 )
 FLAGS = flags.FLAGS
@@ -73,7 +73,7 @@ class WholeBatchLoop:
     """A rows-split ``step_fn`` without ``per_device``: ``generate`` then
     runs its loop over the whole batch, as with a ``processor`` hook."""
 
-    step_fn: model_lib.DecodeStep
+    step_fn: inference.DecodeStep
 
     @property
     def mesh(self):
@@ -91,7 +91,7 @@ def chosen_clock() -> Callable[[], float]:
 def lmhead_decoder(name: str, model, max_new_tokens: int, batch: int):
     """``decode(params, logits, cache) -> tokens [B, N]``, one compiled loop,
     the ``batch`` rows split over the devices that divide them."""
-    step_fn = model_lib.make_step_fn(model, model_lib.rows_mesh(batch))
+    step_fn = inference.make_step_fn(model, inference.rows_mesh(batch))
     if name.startswith("beam"):
         return lambda params, logits, cache: decoding.beam_search(
             step_fn, params, logits, cache, num_beams=int(name.split()[-1]),
@@ -209,8 +209,8 @@ def prefilled(model, params, batch: int, new: int) -> tuple:
     splits them."""
     shape = (batch, FLAGS.prompt_len)
     prompt = jax.random.randint(jax.random.key(batch), shape, 0, model.vocab_size)
-    mesh = model_lib.rows_mesh(batch)
-    return prompt, *model_lib.prefill(
+    mesh = inference.rows_mesh(batch)
+    return prompt, *inference.prefill(
         model, params, prompt, max_new_tokens=new, mesh=mesh
     )
 
@@ -281,8 +281,8 @@ def bench_knobs_and_streaming(repeats: int) -> list[tuple[str, float, float]]:
     batch = FLAGS.knobs_batch
     new = min(FLAGS.new_tokens, FLAGS.knobs_max_len - FLAGS.prompt_len)
     prompt, logits, cache = prefilled(model, params, batch, new)
-    mesh = model_lib.rows_mesh(batch)
-    step_fn = model_lib.make_step_fn(model, mesh)
+    mesh = inference.rows_mesh(batch)
+    step_fn = inference.make_step_fn(model, mesh)
     common = dict(max_new_tokens=new, donate_state=True)
     knobs = new_knob_settings(batch, new, model.vocab_size)
 

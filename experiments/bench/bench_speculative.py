@@ -38,7 +38,7 @@ import timing  # experiments/bench/timing.py, beside this file
 from absl import app, flags, logging
 
 from lmhead import decoding, fused, head, losses
-from lmhead.lm import data, generation, state, train
+from lmhead.lm import data, generation, inference, state, train
 from lmhead.lm import model as model_lib
 from lmhead.serve import continuous, engine, requests
 
@@ -95,7 +95,7 @@ def prompts(model, tokenizer, batch: int) -> dict[str, np.ndarray]:
 def proposers(model) -> dict[str, decoding.Proposer]:
     found = {"ngram": decoding.NGramProposer(FLAGS.num_speculative_tokens)}
     if model.mtp_heads:
-        found = {"mtp": model_lib.MTPProposer(model, model.mtp_heads), **found}
+        found = {"mtp": inference.MTPProposer(model, model.mtp_heads), **found}
     return found
 
 
@@ -113,7 +113,7 @@ def decode(step_fn, params, logits, new, proposer, cache, prompt, key, temperatu
 def model_rows(name, model, params, tokenizer) -> list[tuple]:
     """The table's rows of one model: each prompt, batch size, decoder and
     proposer against plain decoding."""
-    rows, step_fn = [], model_lib.make_step_fn(model)
+    rows, step_fn = [], inference.make_step_fn(model)
     new = min(FLAGS.new_tokens, model.max_len - FLAGS.prompt_len)
     for batch in map(int, FLAGS.batch_sizes):
         for kind, prompt in prompts(model, tokenizer, batch).items():
@@ -121,7 +121,7 @@ def model_rows(name, model, params, tokenizer) -> list[tuple]:
                 runs, setups, results = {}, {}, {}
                 for label, proposer in [("plain", None), *proposers(model).items()]:
                     mtp = label == "mtp"
-                    filled = model_lib.prefill(model, params, prompt, mtp=mtp)
+                    filled = inference.prefill(model, params, prompt, mtp=mtp)
                     fresh = lambda filled=filled: (jax.tree.map(jnp.copy, filled[1]),)
                     run = functools.partial(
                         decode, step_fn, params, filled[0], new, proposer,
@@ -181,7 +181,7 @@ def hf_prompt_lookup(model, params) -> list[tuple]:
         min(FLAGS.new_tokens, model.max_len - FLAGS.prompt_len),
         FLAGS.num_speculative_tokens,
     )
-    step_fn, rows = model_lib.make_step_fn(model), []
+    step_fn, rows = inference.make_step_fn(model), []
     for kind, prompt in prompts(model, None, 1).items():
 
         def hf_run(lookup, prompt=prompt):
@@ -196,7 +196,7 @@ def hf_prompt_lookup(model, params) -> list[tuple]:
                 )  # fmt: skip
             return out[:, prompt.shape[1] :].numpy()
 
-        logits, cache = model_lib.prefill(model, params, prompt)
+        logits, cache = inference.prefill(model, params, prompt)
         fresh = lambda cache=cache: (jax.tree.map(jnp.copy, cache),)
         lm = lambda proposer, logits=logits, prompt=prompt: functools.partial(
             decode, step_fn, params, logits, new, proposer, prompt=prompt,

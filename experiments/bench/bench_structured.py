@@ -33,8 +33,14 @@ import timing  # experiments/bench/timing.py, beside this file
 from absl import app, flags, logging
 
 from lmhead import decoding
-from lmhead.lm import configuration, constraints, data, generation, gpt2_import
-from lmhead.lm import model as model_lib
+from lmhead.lm import (
+    configuration,
+    constraints,
+    data,
+    generation,
+    gpt2_import,
+    inference,
+)
 
 # --quick comes with bench_import_gpt2, whose checkpoint this reuses.
 flags.DEFINE_integer("batch", 16, "Rows decoded together.", lower_bound=1)
@@ -102,7 +108,7 @@ def vocabularies(folder: str):
 
 def prefilled(model, params, tokenizer, batch: int, new: int):
     ids = np.asarray(tokenizer.encode(PROMPT), np.int32)
-    return model_lib.prefill(
+    return inference.prefill(
         model, params, np.tile(ids, (batch, 1)), max_new_tokens=new
     )
 
@@ -111,7 +117,7 @@ def time_steps(model, params, tokenizer, masker, matmul) -> dict:
     """Per-step times of the loop without and with the long schema."""
     batch, new = FLAGS.batch, FLAGS.new_tokens
     logits, cache = prefilled(model, params, tokenizer, batch, new)
-    step_fn = model_lib.make_step_fn(model)
+    step_fn = inference.make_step_fn(model)
     long = constraints.Constraint.json_schema(LONG)
     keys = jax.random.split(jax.random.key(0), batch)
 
@@ -202,7 +208,7 @@ def validity(model, params, tokenizer, masker) -> tuple[int, int]:
     )
     out = jax.device_get(
         decoding.generate(
-            model_lib.make_step_fn(model), params, logits, cache,
+            inference.make_step_fn(model), params, logits, cache,
             key=jax.random.split(jax.random.key(1), batch), max_new_tokens=new,
             temperature=1.0, eos_id=tokenizer.eos_id, constraint=row,
         )

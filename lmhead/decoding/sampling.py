@@ -508,7 +508,7 @@ def generate(
             (negative ids are padding, at either end). None: those see only
             the generated tokens.
         donate_state: True hands ``state``'s buffers to the loop, which
-            updates them in place (a fresh :func:`lmhead.lm.model.prefill`
+            updates them in place (a fresh :func:`lmhead.lm.inference.prefill`
             state); False copies ``state`` first.
         row_max_new_tokens: ``int [B]``, each row's own limit ``1 <= n_b <=
             N``, or None (every row ``N``).
@@ -539,7 +539,7 @@ def generate(
         speculative: None, or a
             :class:`~lmhead.decoding.speculative.Proposer` (n-gram lookup,
             :class:`~lmhead.decoding.speculative.NGramProposer`, or a run's
-            MTP heads, ``lmhead.lm.model.MTPProposer``): speculative
+            MTP heads, ``lmhead.lm.inference.MTPProposer``): speculative
             decoding (:mod:`lmhead.decoding.speculative`). Each step checks
             its ``k`` proposals with one ``step_fn.verify`` call; greedy rows
             get plain greedy's tokens and sampled rows plain sampling's

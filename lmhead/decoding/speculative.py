@@ -1,7 +1,7 @@
 r"""Speculative decoding: proposals checked by the one decoding step.
 
 A *proposer* (:class:`Proposer`: the run's MTP heads,
-``lmhead.lm.model.MTPProposer``; n-gram lookup in the prompt and the text so
+``lmhead.lm.inference.MTPProposer``; n-gram lookup in the prompt and the text so
 far, :class:`NGramProposer`) guesses the ``k`` tokens after the one a row
 has just chosen. One speculative step (:func:`speculative_step`) is:
 

@@ -2,7 +2,7 @@
 
 When ``step_fn`` splits the rows over a one-axis mesh (``step_fn.mesh``, and
 ``step_fn.per_device()`` the step of one device's rows, as
-``lmhead.lm.model.make_step_fn(model, mesh)`` gives), each device runs the
+``lmhead.lm.inference.make_step_fn(model, mesh)`` gives), each device runs the
 whole decoding loop on its own block of rows, a ``shard_map`` with no
 collective: :func:`~lmhead.decoding.generate` and its streams
 (:func:`split_loops`), and :func:`~lmhead.decoding.beam_search` (its prompts,

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lmhead import losses
+from lmhead import metrics
 from lmhead.lm import data, sharding
 
 
@@ -336,26 +336,26 @@ def metrics_from_sums(sums: list[dict[str, np.ndarray]], eval_set: EvalSet) -> d
         if k > 1 and np.isfinite(nll)
         else math.nan
     )
-    metrics = {
+    values = {
         "loss": nll,
         "loss_stderr": stderr,
-        "perplexity": losses.perplexity(nll),
-        "bits_per_char": losses.bits_per_character(
+        "perplexity": metrics.perplexity(nll),
+        "bits_per_char": metrics.bits_per_character(
             nll, eval_set.num_chars / eval_set.num_tokens
         ),
         "accuracy": np.sum([s["correct_sum"] for s in sums]) / count,
-        "ece": losses.calibration_error_from_bins(
+        "ece": metrics.calibration_error_from_bins(
             np.sum([s["bins"] for s in sums], axis=0)
         ),
     }
     if eval_set.num_words is not None:
-        metrics["words"] = eval_set.num_words
-        metrics["word_perplexity"] = (
+        values["words"] = eval_set.num_words
+        values["word_perplexity"] = (
             np.exp(window_nll.sum() / eval_set.num_words)
             if eval_set.num_words
             else math.nan
         )
-    return {f"{eval_set.name}/{k}": float(v) for k, v in metrics.items()}
+    return {f"{eval_set.name}/{k}": float(v) for k, v in values.items()}
 
 
 @dataclasses.dataclass

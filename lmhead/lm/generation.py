@@ -24,7 +24,7 @@ import ml_collections
 import numpy as np
 
 from lmhead import decoding, quantize
-from lmhead.lm import checkpoints, configuration, constraints, data
+from lmhead.lm import checkpoints, configuration, constraints, data, inference
 from lmhead.lm import model as model_lib
 from lmhead.lm import state as state_lib
 
@@ -172,7 +172,7 @@ def continuations(
             it short (``finish_reason`` says which). Not with ``num_beams``
             nor ``ignore_eos``.
         speculative: None, ``"mtp"`` (the run's MTP heads propose,
-            ``model_lib.MTPProposer``) or ``"ngram"`` (prompt lookup in the
+            ``inference.MTPProposer``) or ``"ngram"`` (prompt lookup in the
             window's text, ``decoding.NGramProposer``): speculative decoding,
             the same tokens greedily and the same distribution sampled
             (``decoding.generate``'s ``speculative``). Not with
@@ -324,10 +324,10 @@ def _continue_window(
     speculative = proposer(
         model, settings.speculative, settings.num_speculative_tokens, None
     )
-    logits, cache = model_lib.prefill(
+    logits, cache = inference.prefill(
         model, params, context, lengths, mtp=settings.speculative == "mtp"
     )
-    step_fn = model_lib.make_step_fn(model)
+    step_fn = inference.make_step_fn(model)
     if settings.num_beams:
         beams = decoding.beam_search(
             step_fn,
@@ -406,7 +406,7 @@ def proposer(
         )
     if speculative == "ngram":
         return decoding.NGramProposer(num_speculative_tokens)
-    return model_lib.MTPProposer(model, num_speculative_tokens)
+    return inference.MTPProposer(model, num_speculative_tokens)
 
 
 def quantize_for_decoding(model: model_lib.DecoderLM, params: Any, dtype: str) -> Any:
@@ -518,14 +518,14 @@ def time_generation(
             f"{max_new_tokens} and {repeats}."
         )
     key = jax.random.key(0) if key is None else key
-    logits, cache = model_lib.prefill(
+    logits, cache = inference.prefill(
         model, params, prompt, max_new_tokens=max_new_tokens
     )
-    step_fn = model_lib.make_step_fn(model)
+    step_fn = inference.make_step_fn(model)
     first = jax.numpy.argmax(logits, axis=-1).astype(jax.numpy.int32)
 
     def run_prefill():
-        return model_lib.prefill(model, params, prompt)
+        return inference.prefill(model, params, prompt)
 
     def run_step():
         return step_fn(params, first, cache)

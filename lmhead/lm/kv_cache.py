@@ -383,7 +383,7 @@ def repeat_cache(cache: DecodeCache, repeats: int) -> DecodeCache:
     written once, into row ``b * repeats``, every copy's pointers lead there,
     and the other rows start empty, for the slots each copy will write.
     Sampling's ``num_samples`` and beam search use it (through
-    ``model.DecodeStep``'s ``repeat``; beam search adds pointers first).
+    ``inference.DecodeStep``'s ``repeat``; beam search adds pointers first).
 
     Raises:
         ValueError: ``repeats`` is not an integer ``>= 1``.

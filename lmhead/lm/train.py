@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from lmhead import fused, losses
+from lmhead import fused, losses, metrics
 from lmhead.lm import (
     checkpoints,
     configuration,
@@ -223,19 +223,19 @@ def eval_step(
     the padding windows of a last, partial batch), each ``[B, T]``. Returns
     ``window_nll`` and ``window_count`` (``[B]``: each window's summed nll
     and weight, for the standard error over windows), ``correct_sum`` and
-    ``bins`` (``losses.calibration_bins``, ``[15, 3]``). The logits are
+    ``bins`` (``metrics.calibration_bins``, ``[15, 3]``). The logits are
     built whatever ``loss_impl`` says: the calibration bins need them (see
     ``configs/default.py``).
     """
     logits = model.apply({"params": params}, batch["inputs"])
-    token_nll, metrics = losses.cross_entropy(
+    token_nll, stats = losses.cross_entropy(
         logits, batch["labels"], weights=batch["weights"], reduction="none"
     )
     return {
         "window_nll": jnp.sum(token_nll, axis=-1),
         "window_count": jnp.sum(batch["weights"], axis=-1),
-        "correct_sum": metrics["accuracy"] * metrics["weight_sum"],
-        "bins": losses.calibration_bins(logits, batch["labels"], batch["weights"]),
+        "correct_sum": stats["accuracy"] * stats["weight_sum"],
+        "bins": metrics.calibration_bins(logits, batch["labels"], batch["weights"]),
     }
 
 

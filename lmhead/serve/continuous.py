@@ -25,8 +25,7 @@ import jax
 import numpy as np
 
 from lmhead import _checks, decoding
-from lmhead.lm import constraints, data, generation, kv_cache
-from lmhead.lm import model as model_lib
+from lmhead.lm import constraints, data, generation, inference, kv_cache
 from lmhead.serve import completions, requests
 from lmhead.serve.requests import CompletionRequest
 
@@ -38,12 +37,12 @@ def _prefill_into_slots(
     model, params, state, slots, prompts, lengths, key, recipe, limits, history, knobs,
     stops, constraint_ids, mtp=False,
 ):  # fmt: skip
-    """``model_lib.prefill`` of ``prompts`` and ``decoding.fill_slots`` of the
+    """``inference.prefill`` of ``prompts`` and ``decoding.fill_slots`` of the
     result, with each row's key made from ``recipe`` (the arrays of
     ``completions.key_recipe``), as one program: one dispatch per admission
     instead of one per operation (the rows were checked when their requests
     were parsed)."""
-    logits, cache = model_lib.prefill(model, params, prompts, lengths, mtp=mtp)
+    logits, cache = inference.prefill(model, params, prompts, lengths, mtp=mtp)
     return decoding.fill_slots(
         state,
         slots,

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from lmhead import decoding
+from lmhead.lm import inference
 from lmhead.lm import model as model_lib
 from lmhead.serve import chat, completions, requests
 from lmhead.serve.requests import CompletionRequest, bucket
@@ -64,7 +65,7 @@ class Engine:
         )
         self.model, self.params, self.tokenizer = model, params, tokenizer
         self.buckets, self.score_batch_size = buckets, score_batch_size
-        self._step_fn = model_lib.make_step_fn(model)
+        self._step_fn = inference.make_step_fn(model)
         self._key = jax.random.key(seed)
         self._batch_index = itertools.count()
 
@@ -78,7 +79,7 @@ class Engine:
         for row, ids in enumerate(prompts):
             history[row, : len(ids)], lengths[row] = ids, len(ids)
         time_ = bucket(int(lengths.max()), self.buckets.prompt_lengths)
-        return model_lib.prefill(self.model, self.params, history[:, :time_], lengths)
+        return inference.prefill(self.model, self.params, history[:, :time_], lengths)
 
     def run_whole(self, request: CompletionRequest) -> dict:
         """A beam or echo-only request's :func:`completions.request_result`."""

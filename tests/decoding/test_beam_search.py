@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from lmhead import decoding
+from lmhead.lm import inference
 from tests.decoding.references import (
     CALLS,
     UNIFORM_LOGITS,
@@ -294,10 +295,10 @@ def test_beam_search_through_the_kv_cache_matches_recomputing_the_prefix(monkeyp
     buffer = jnp.zeros((2, 19), jnp.int32).at[:, :6].set(prompt)
     recompute_logits = forward(params, buffer)[jnp.arange(2), lengths_prompt - 1]
     recompute_state = {"tokens": buffer, "length": lengths_prompt}
-    cache_logits, cache = model_lib.prefill(
+    cache_logits, cache = inference.prefill(
         model, params, prompt, lengths_prompt, max_new_tokens=13
     )
-    cached = model_lib.make_step_fn(model)
+    cached = inference.make_step_fn(model)
     np.testing.assert_allclose(cache_logits, recompute_logits, rtol=1e-5, atol=1e-5)
 
     beams = lambda step_fn, logits, state: decoding.beam_search(
@@ -353,12 +354,12 @@ def test_beam_search_through_the_kv_cache_equals_brute_force(monkeypatch):
     prompt_lengths = np.array([4, 3])
     params = jax.jit(model.init)(jax.random.key(1), prompt)["params"]
     params = jax.tree.map(lambda p: p + 0.5 * rng.standard_normal(p.shape), params)
-    logits, cache = model_lib.prefill(
+    logits, cache = inference.prefill(
         model, params, prompt, jnp.asarray(prompt_lengths), max_new_tokens=num_new
     )
     assert len(kv_cache.trim_cache(cache, num_new - 1).keys[0]) == 3
     tokens, scores, _, token_log_probs = decoding.beam_search(
-        model_lib.make_step_fn(model),
+        inference.make_step_fn(model),
         params,
         logits,
         cache,

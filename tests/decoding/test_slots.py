@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lmhead import decoding
-from lmhead.lm import kv_cache
+from lmhead.lm import inference, kv_cache
 from lmhead.lm import model as model_lib
 from tests.decoding.references import (
     np_min_p_mask,
@@ -40,7 +40,7 @@ def lm():
     params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))[
         "params"
     ]
-    return model, params, model_lib.make_step_fn(model)
+    return model, params, inference.make_step_fn(model)
 
 
 # (prompt, limit, knobs): greedy and sampled rows, each knob that reads the
@@ -172,7 +172,7 @@ def run_slots(lm, rows, keys, *, num_steps, eos_id=None, stops=None):
             for j, i in enumerate(entering):
                 prompts[j, : len(rows[i][0])] = rows[i][0]
             lengths = np.array([len(rows[i][0]) for i in entering])
-            logits, cache = model_lib.prefill(
+            logits, cache = inference.prefill(
                 model, params, np.maximum(prompts, 0), lengths
             )
             full = [decoding.full_knobs(rows[i][2], 1, VOCAB) for i in entering]
@@ -311,7 +311,7 @@ def test_free_slots_stay_empty_and_freed_rows_stop(lm):
         state, chunk = decoding.step_slots(step_fn, params, state, num_steps=4)
         assert not np.asarray(chunk.emitted).any()
     np.testing.assert_array_equal(state.model_state.index, 1)
-    logits, cache = model_lib.prefill(model, params, jnp.array([[1, 2], [3, 4]]))
+    logits, cache = inference.prefill(model, params, jnp.array([[1, 2], [3, 4]]))
     state = decoding.fill_slots(
         state, np.array([0, 1]), logits, cache,
         keys=jax.random.split(jax.random.key(1), 2),
@@ -332,7 +332,7 @@ def test_a_row_with_nonfinite_logits_ends_without_a_token(lm):
     what it has generated); the other rows decode on."""
     model, params, step_fn = lm
     prompts = np.array([[1, 2], [3, 4], [5, 6]])
-    logits, cache = model_lib.prefill(model, params, prompts)
+    logits, cache = inference.prefill(model, params, prompts)
     logits = np.array(logits)
     logits[0, 3], logits[2] = np.nan, -np.inf
     state = decoding.fill_slots(
@@ -358,7 +358,7 @@ def test_a_row_with_nonfinite_logits_ends_without_a_token(lm):
 def test_bad_input_names_the_argument(lm):
     model, params, step_fn = lm
     state = empty_slots(model)
-    logits, cache = model_lib.prefill(model, params, jnp.array([[1, 2]]))
+    logits, cache = inference.prefill(model, params, jnp.array([[1, 2]]))
     good = dict(
         keys=jax.random.split(jax.random.key(1), 1),
         max_new_tokens=np.array([3]),

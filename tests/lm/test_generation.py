@@ -16,7 +16,7 @@ import pytest
 
 from configs import default
 from lmhead import decoding, quantize
-from lmhead.lm import checkpoints, configuration, data, generation
+from lmhead.lm import checkpoints, configuration, data, generation, inference
 from lmhead.lm import model as model_lib
 from lmhead.lm import state as state_lib
 from tests.errors import assert_raises_exactly, bad_input_test
@@ -45,9 +45,9 @@ PROMPT = random_tokens((3, 5))
 
 
 def greedy(model, params):
-    logits, cache = model_lib.prefill(model, params, PROMPT, max_new_tokens=NEW)
+    logits, cache = inference.prefill(model, params, PROMPT, max_new_tokens=NEW)
     tokens, *_ = decoding.generate(
-        model_lib.make_step_fn(model),
+        inference.make_step_fn(model),
         params,
         logits,
         cache,
@@ -74,8 +74,8 @@ def test_a_smaller_heads_logits_are_h_times_its_table(tied, dtype):
     assert table.dtype == jnp.dtype("float32" if dtype == "int8" else dtype)
     h = model.apply({"params": params}, PROMPT, method=model_lib.DecoderLM.hidden)
     expected = np.asarray(h[:, -1], np.float64) @ np.asarray(table, np.float64).T
-    logits, _ = model_lib.prefill(model, small, PROMPT)
-    full, _ = model_lib.prefill(model, params, PROMPT)
+    logits, _ = inference.prefill(model, small, PROMPT)
+    full, _ = inference.prefill(model, params, PROMPT)
     scale = np.abs(full).max()
     tolerance = 1e-4 if dtype == "int8" else 1e-2 * scale
     np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=tolerance)
@@ -112,10 +112,10 @@ def test_a_second_quantized_parameter_set_reuses_the_compiled_loop():
 
 def test_beam_search_runs_with_an_int8_head():
     model, params = noisy(False, seed=6)
-    step_fn = model_lib.make_step_fn(model)
+    step_fn = inference.make_step_fn(model)
     results = []
     for p in (params, generation.quantize_for_decoding(model, params, "int8")):
-        logits, cache = model_lib.prefill(model, p, PROMPT, max_new_tokens=6)
+        logits, cache = inference.prefill(model, p, PROMPT, max_new_tokens=6)
         results.append(
             decoding.beam_search(
                 step_fn, p, logits, cache, num_beams=3, max_new_tokens=6, eos_id=None

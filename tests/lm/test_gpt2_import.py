@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from lmhead import decoding
-from lmhead.lm import configuration, generation, gpt2_import
-from lmhead.lm import model as model_lib
+from lmhead.lm import configuration, generation, gpt2_import, inference
 from tests import run_experiment
 from tests.errors import bad_input_test
 from tests.lm.gpt2_checkpoint import (
@@ -96,9 +95,9 @@ def test_greedy_decoding_equals_gpt2s_in_numpy(imported):
     fields, weights, workdir = imported
     _, tokenizer, model, params = generation.load_run(workdir)
     prompt = tokenizer.encode("To be")
-    logits, cache = model_lib.prefill(model, params, np.asarray([prompt]))
+    logits, cache = inference.prefill(model, params, np.asarray([prompt]))
     tokens, *_ = decoding.generate(
-        model_lib.make_step_fn(model),
+        inference.make_step_fn(model),
         params,
         logits,
         cache,

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 from scipy import special
 
-from lmhead.lm import kv_cache
-from lmhead.lm import model as model_lib
+from lmhead.lm import inference, kv_cache
 from tests.errors import bad_input_test
 from tests.lm.tiny_decoder import (
     HEADS,
@@ -163,10 +162,10 @@ def test_cached_decoding_matches_recomputing_the_prefix(positions, tied, small_s
     num_steps = MAX_LEN - lengths.max()  # the longest row fills the cache
     prompt = random_tokens((3, 5), seed=1)  # positions past lengths are padding
     fed = random_tokens((3, num_steps), seed=2)
-    logits, cache = model_lib.prefill(
+    logits, cache = inference.prefill(
         model, params, prompt, jnp.asarray(lengths), max_new_tokens=num_steps
     )
-    step_fn = model_lib.make_step_fn(model)
+    step_fn = inference.make_step_fn(model)
     sequences = [list(np.asarray(prompt[b, :n])) for b, n in enumerate(lengths)]
     for step in range(num_steps + 1):
         padded = np.zeros((3, MAX_LEN), np.int32)
@@ -194,12 +193,12 @@ def test_cache_leaves_lead_with_the_batch_axis_and_rows_can_be_reordered(small_s
     steps that write past it, across the pieces of the cache (4, 4, 8)."""
     model = small_model()
     params = init_params(model, noise=0.2)
-    logits, cache = model_lib.prefill(model, params, random_tokens((3, 5)))
+    logits, cache = inference.prefill(model, params, random_tokens((3, 5)))
     assert all(leaf.shape[0] == 3 for leaf in jax.tree.leaves(cache))
     assert [piece.shape for piece in cache.keys[0]] == [
         (3, HEADS, size, WIDTH // HEADS) for size in (4, 4, 8)
     ]
-    step_fn = model_lib.make_step_fn(model)
+    step_fn = inference.make_step_fn(model)
     copied, reordered = cache, cache
     for step, order in enumerate(([1, 1, 0], [2, 0, 0], [0, 2, 1])):
         order = jnp.array(order)
@@ -226,10 +225,10 @@ def test_cache_leaves_lead_with_the_batch_axis_and_rows_can_be_reordered(small_s
 def test_repeat_cache_copies_or_shares_the_prefix():
     model = small_model()
     params = init_params(model, noise=0.2)
-    logits, cache = model_lib.prefill(
+    logits, cache = inference.prefill(
         model, params, random_tokens((2, 5)), jnp.array([5, 3])
     )
-    step_fn = model_lib.make_step_fn(model)
+    step_fn = inference.make_step_fn(model)
     tokens = random_tokens((4,), seed=3)
     want, _ = step_fn(
         params, tokens, jax.tree.map(lambda x: jnp.repeat(x, 2, 0), cache)
@@ -249,14 +248,14 @@ def test_trim_cache_drops_the_pieces_no_step_reaches_and_decodes_the_same(
     with pointers too, gives the logits of the whole one."""
     model = small_model()
     params = init_params(model, noise=0.2)
-    logits, cache = model_lib.prefill(
+    logits, cache = inference.prefill(
         model, params, random_tokens((2, 5)), jnp.array([5, 2])
     )
     sizes = lambda c: [piece.shape[2] for piece in c.keys[0]]
     assert sizes(kv_cache.trim_cache(cache, 4)) == [4, 4, 8]
     assert sizes(kv_cache.trim_cache(cache, 0)) == [4, 4]
     assert sizes(kv_cache.trim_cache(cache._replace(index=jnp.array([1, 2])), 2)) == [4]
-    step_fn = model_lib.make_step_fn(model)
+    step_fn = inference.make_step_fn(model)
     for whole in (cache, kv_cache.reorder_cache(cache, jnp.arange(2))):
         trimmed = step_fn.trim(whole, 3)
         assert sizes(trimmed) == [4, 4]

@@ -18,6 +18,7 @@ from flax import traverse_util
 from scipy import special
 
 from lmhead import decoding
+from lmhead.lm import inference
 from lmhead.lm import model as model_lib
 from lmhead.lm.model import DecoderLM
 from tests import references
@@ -159,11 +160,11 @@ def test_greedy_generate_through_the_cache_matches_full_recompute_argmax(donate)
     lengths = np.array([5, 2, 3])
     num_steps = MAX_LEN - lengths.max()
     prompt = random_tokens((3, 5), seed=4)
-    logits, cache = model_lib.prefill(
+    logits, cache = inference.prefill(
         model, params, prompt, jnp.asarray(lengths), max_new_tokens=num_steps
     )
     tokens, *_ = decoding.generate(
-        model_lib.make_step_fn(model),
+        inference.make_step_fn(model),
         params,
         logits,
         cache,
@@ -205,7 +206,7 @@ def test_bfloat16_compute_is_close_to_float32():
     scale = np.abs(logits32).max()
     assert np.abs(logits16 - logits32).max() < 0.05 * scale
     assert np.abs(logits16 - logits32).max() > 0  # bf16 really ran
-    logits, cache = model_lib.prefill(model16, params, tokens)
+    logits, cache = inference.prefill(model16, params, tokens)
     assert cache.keys[0][0].dtype == jnp.bfloat16
     assert np.abs(logits - logits32[:, -1]).max() < 0.05 * scale
 
@@ -289,7 +290,7 @@ PROMPTS = jnp.zeros((3, 5), jnp.int32)
 
 def prefill(prompt=PROMPTS, lengths=None, **kwargs):
     """The prefill's checks come before the parameters are used."""
-    return model_lib.prefill(decoder(), None, prompt, lengths, **kwargs)
+    return inference.prefill(decoder(), None, prompt, lengths, **kwargs)
 
 
 MAX_LEN_TOO = ("max_new_tokens", "max_len")
@@ -321,7 +322,7 @@ BAD_INPUTS = [
          ("prompt", "max_len")),
     ]),
     ("step tokens [B]",
-     lambda: model_lib.make_step_fn(decoder())(None, PROMPTS, None),
+     lambda: inference.make_step_fn(decoder())(None, PROMPTS, None),
      ValueError, "tokens"),
 ]  # fmt: skip
 
@@ -334,11 +335,11 @@ def test_decoding_embeds_no_parameter_as_a_constant():
     constant in the lowered program (test_generation counts the compiled
     loops of two parameter sets)."""
     model = small_model()
-    step_fn = model_lib.make_step_fn(model)
+    step_fn = inference.make_step_fn(model)
     prompt = random_tokens((2, 3), seed=5)
 
     params = init_params(model)
-    logits, cache = model_lib.prefill(model, params, prompt, max_new_tokens=6)
+    logits, cache = inference.prefill(model, params, prompt, max_new_tokens=6)
     text = (
         jax.jit(
             lambda params, logits, cache: decoding.generate(
@@ -418,7 +419,7 @@ def test_a_plain_apply_sows_nothing():
 def test_prefill_checks_the_longest_real_row_not_the_padding():
     params = decoder_init()["params"]
     # 4 + 4 fits max_len 8 where the padded 5 + 4 would not.
-    logits, cache = model_lib.prefill(
+    logits, cache = inference.prefill(
         decoder(), params, PROMPTS, jnp.array([3, 2, 4]), max_new_tokens=4
     )
     assert logits.shape == (3, 17) and cache.index.tolist() == [3, 2, 4]

@@ -17,7 +17,7 @@ from scipy import special
 
 from configs import default
 from lmhead import fused, head, losses
-from lmhead.lm import configuration, kv_cache
+from lmhead.lm import configuration, inference, kv_cache
 from lmhead.lm import model as model_lib
 from lmhead.lm.model import DecoderLM
 
@@ -216,8 +216,8 @@ def test_cached_decoding_runs_the_depths_as_the_full_pass(design):
     model = mtp_model(design, heads=3)
     params = init(model)
     tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, VOCAB)
-    _, cache = model_lib.prefill(model, params, tokens[:, :5], mtp=True)
-    step = model_lib.make_step_fn(model)
+    _, cache = inference.prefill(model, params, tokens[:, :5], mtp=True)
+    step = inference.make_step_fn(model)
     logits, cache = step.verify(params, tokens[:, 5:8], cache)
     full = model.apply({"params": params}, tokens)
     np.testing.assert_allclose(logits, full[:, 5:8], atol=1e-5)
@@ -225,7 +225,7 @@ def test_cached_decoding_runs_the_depths_as_the_full_pass(design):
     class Context:
         last = tokens[:, 8]
 
-    drafts, _ = model_lib.MTPProposer(model, 3).propose(params, cache, Context)
+    drafts, _ = inference.MTPProposer(model, 3).propose(params, cache, Context)
     sequence = jnp.concatenate([tokens[:, :9], drafts[:, :2]], axis=1)
     depths = model.apply({"params": params}, sequence, method=DecoderLM.depth_logits)
     np.testing.assert_array_equal(drafts, jnp.argmax(depths[:, :, 7], -1).T)
@@ -237,8 +237,8 @@ def test_rewound_positions_leave_nothing_that_attention_reads():
     model = mtp_model("sequential", heads=2)
     params = init(model)
     tokens = jax.random.randint(jax.random.key(4), (2, 10), 0, VOCAB)
-    step = model_lib.make_step_fn(model)
-    _, cache = model_lib.prefill(model, params, tokens[:, :4], mtp=True)
+    step = inference.make_step_fn(model)
+    _, cache = inference.prefill(model, params, tokens[:, :4], mtp=True)
     wrong = (tokens[:, 4:7] + 1) % VOCAB
     _, cache = step.verify(params, wrong.at[:, 0].set(tokens[:, 4]), cache)
     cache = step.rewind(cache, jnp.array([2, 2]))
@@ -249,7 +249,7 @@ def test_rewound_positions_leave_nothing_that_attention_reads():
     class Context:
         last = tokens[:, 6]
 
-    drafts, _ = model_lib.MTPProposer(model, 2).propose(params, cache, Context)
+    drafts, _ = inference.MTPProposer(model, 2).propose(params, cache, Context)
     sequence = jnp.concatenate([tokens[:, :7], drafts[:, :1]], axis=1)
     depths = model.apply({"params": params}, sequence, method=DecoderLM.depth_logits)
     np.testing.assert_array_equal(drafts, jnp.argmax(depths[:, :, 5], -1).T)

@@ -10,7 +10,7 @@ import pytest
 
 import lmhead
 from lmhead import decoding
-from lmhead.lm import data, scoring
+from lmhead.lm import data, inference, scoring
 from lmhead.lm import model as model_lib
 from tests import references
 from tests.experiments.test_commands import run
@@ -116,9 +116,9 @@ def test_strided_scores_use_the_context_each_window_gives(tiny_model):
 def test_scores_of_samples_are_the_log_probs_generate_returned(tiny_model):
     model, params = tiny_model
     prompt = jnp.array([[3, 1, 4]], jnp.int32)
-    logits, cache = model_lib.prefill(model, params, prompt)
+    logits, cache = inference.prefill(model, params, prompt)
     tokens, log_probs, *_ = decoding.generate(
-        model_lib.make_step_fn(model),
+        inference.make_step_fn(model),
         params,
         logits,
         cache,

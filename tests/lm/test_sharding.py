@@ -486,7 +486,7 @@ def _ban_token_3(logits, context):
 
 def check_split_decoding(streams=False):
     """Greedy, sampled and beam decoding with the rows split over two devices
-    (``model.make_step_fn(model, mesh)``, a prefill on the same mesh) against
+    (``inference.make_step_fn(model, mesh)``, a prefill on the same mesh) against
     the same calls on one device; the errors of a batch the mesh does not
     divide; the sizes of ``rows_mesh``. With ``streams``, instead: one
     sampling key for the batch, and streamed chunks against one call."""
@@ -494,6 +494,7 @@ def check_split_decoding(streams=False):
     import jax.numpy as jnp
 
     from lmhead import decoding
+    from lmhead.lm import inference
     from lmhead.lm import model as model_lib
 
     model = model_lib.DecoderLM(
@@ -505,8 +506,8 @@ def check_split_decoding(streams=False):
     results = {}
 
     def decode(mesh):
-        step = model_lib.make_step_fn(model, mesh)
-        start = lambda: model_lib.prefill(model, params, prompt, lengths, mesh=mesh)
+        step = inference.make_step_fn(model, mesh)
+        start = lambda: inference.prefill(model, params, prompt, lengths, mesh=mesh)
         if streams:
             return decode_streams(step, start)
         runs = {
@@ -567,7 +568,7 @@ def check_split_decoding(streams=False):
 
     # Two of the devices, as on a 2-core machine: the hook's whole-batch
     # loop then waits on two threads, not eight, on a loaded machine.
-    two = model_lib.rows_mesh(8, jax.devices()[:2])
+    two = inference.rows_mesh(8, jax.devices()[:2])
     # Which loop each generate and stream ran on the mesh: every device its
     # own, or the whole batch's (a processor hook, which sees every row).
     loops, split_loops = [], decoding.sampling.split_loops
@@ -598,28 +599,28 @@ def check_split_decoding(streams=False):
         }
     if streams:
         return results
-    mesh = model_lib.rows_mesh(8)
+    mesh = inference.rows_mesh(8)
     errors = {}
     for name, call in (
-        ("prefill", lambda: model_lib.prefill(model, params, prompt[:6], mesh=mesh)),
+        ("prefill", lambda: inference.prefill(model, params, prompt[:6], mesh=mesh)),
         (
             "step",
-            lambda: model_lib.make_step_fn(model, mesh)(
-                params, prompt[:6, 0], model_lib.prefill(model, params, prompt[:6])[1]
+            lambda: inference.make_step_fn(model, mesh)(
+                params, prompt[:6, 0], inference.prefill(model, params, prompt[:6])[1]
             ),
         ),
         (
             "two axes",
-            lambda: model_lib.make_step_fn(
+            lambda: inference.make_step_fn(
                 model, jax.make_mesh((4, 2), ("data", "model"))
             ),
         ),
         (
             "generate",
             lambda: decoding.generate(
-                model_lib.make_step_fn(model, mesh),
+                inference.make_step_fn(model, mesh),
                 params,
-                *model_lib.prefill(model, params, prompt[:6]),
+                *inference.prefill(model, params, prompt[:6]),
                 key=jax.random.key(0),
                 max_new_tokens=3,
                 temperature=0.0,
@@ -635,7 +636,7 @@ def check_split_decoding(streams=False):
     results["mesh sizes"] = {
         str(batch): None if mesh is None else int(mesh.size)
         for batch in (1, 6, 7, 32)
-        for mesh in [model_lib.rows_mesh(batch)]
+        for mesh in [inference.rows_mesh(batch)]
     }
     return results
 

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from lmhead import decoding
-from lmhead.lm import generation
-from lmhead.lm import model as model_lib
+from lmhead.lm import generation, inference
 from lmhead.lm.model import DecoderLM
 
 VOCAB = 13
@@ -37,12 +36,12 @@ def ragged_prompts(rows, seed=1):
 
 def decode(model, params, rows, proposer=None, **options):
     prompt, lengths, padded = ragged_prompts(rows)
-    mtp = isinstance(proposer, model_lib.MTPProposer)
-    logits, cache = model_lib.prefill(
+    mtp = isinstance(proposer, inference.MTPProposer)
+    logits, cache = inference.prefill(
         model, params, prompt, lengths, max_new_tokens=30, mtp=mtp
     )
     return decoding.generate(
-        model_lib.make_step_fn(model), params, logits, cache, key=jax.random.key(0),
+        inference.make_step_fn(model), params, logits, cache, key=jax.random.key(0),
         max_new_tokens=30, temperature=0.0, prompt_tokens=padded,
         speculative=proposer, top_logprobs=2, **options,
     )  # fmt: skip
@@ -54,7 +53,7 @@ def test_mtp_speculation_gives_plain_greedys_tokens(design, rows):
     model, params = random_model(design)
     plain = decode(model, params, rows, eos_id=3)
     for k in (1, 2, 3):
-        spec = decode(model, params, rows, model_lib.MTPProposer(model, k), eos_id=3)
+        spec = decode(model, params, rows, inference.MTPProposer(model, k), eos_id=3)
         np.testing.assert_array_equal(spec.tokens, plain.tokens)
         np.testing.assert_array_equal(spec.lengths, plain.lengths)
         np.testing.assert_array_equal(spec.top_tokens, plain.top_tokens)

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from lmhead import decoding
-from lmhead.lm import generation, scoring
-from lmhead.lm import model as model_lib
+from lmhead.lm import generation, inference, scoring
 from lmhead.serve import engine as engine_lib
 from lmhead.serve import requests, web
 from tests.lm import gpt2_checkpoint
@@ -244,9 +243,9 @@ def test_generate_until(served, url, capped_url):
     assert answer.status_code == 200, answer.text
     choices = sorted(answer.json()["choices"], key=lambda c: c["index"])
     for prompt, choice in zip(prompts, choices, strict=True):
-        logits, cache = model_lib.prefill(model, params, np.asarray([prompt]))
+        logits, cache = inference.prefill(model, params, np.asarray([prompt]))
         tokens, _, lengths, *_ = decoding.generate(
-            model_lib.make_step_fn(model), params, logits, cache,
+            inference.make_step_fn(model), params, logits, cache,
             key=jax.random.key(0), max_new_tokens=model.max_len - len(prompt),
             temperature=0.0, eos_id=eos_id(run),
         )  # fmt: skip

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from lmhead import decoding
-from lmhead.lm import model as model_lib
-from lmhead.lm import scoring
+from lmhead.lm import inference, scoring
 from lmhead.serve import completions, requests, web
 from tests.serve.tiny_run import (
     PROMPTS,
@@ -307,11 +306,11 @@ def test_beam_extension_equals_beam_search(run, client):
         model=MODEL, prompt="KING", max_tokens=8, n=2, echo=True,
         extra_body={"num_beams": 2},
     )  # fmt: skip
-    logits, cache = model_lib.prefill(
+    logits, cache = inference.prefill(
         model, params, tokenizer.encode_array("KING")[None]
     )
     tokens, _, lengths, _ = decoding.beam_search(
-        model_lib.make_step_fn(model), params, logits, cache, num_beams=2,
+        inference.make_step_fn(model), params, logits, cache, num_beams=2,
         max_new_tokens=8, eos_id=eos_id(run), num_return_sequences=2,
     )  # fmt: skip
     assert [c.text for c in answer.choices] == [

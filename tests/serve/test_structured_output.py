@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 from lmhead import decoding
-from lmhead.lm import constraints
-from lmhead.lm import model as model_lib
+from lmhead.lm import constraints, inference
 from lmhead.serve import web
 from tests import references
 
@@ -141,13 +140,13 @@ def test_greedy_under_a_constraint_is_the_librarys(wide_engine, url):
     })  # fmt: skip
     choice = response.json()["choices"][0]
     ids = tokenizer.encode_array("Q:")
-    logits, cache = model_lib.prefill(model, params, ids[None])
+    logits, cache = inference.prefill(model, params, ids[None])
     masker = constraints.masker_for(tokenizer)
     row = constraints.row_constraint(
         masker, [constraints.Constraint.json_schema(SCHEMA)]
     )
     want = decoding.generate(
-        model_lib.make_step_fn(model), params, logits, cache, key=jax.random.key(0),
+        inference.make_step_fn(model), params, logits, cache, key=jax.random.key(0),
         max_new_tokens=40, temperature=0.0, eos_id=tokenizer.eos_id, constraint=row,
         log_probs_from="model",
     )  # fmt: skip

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 
 from lmhead import decoding
-from lmhead.lm import model as model_lib
+from lmhead.lm import inference
 from lmhead.serve import requests
 from tests import references
 
@@ -40,11 +40,11 @@ def reference(run, prompt, max_new_tokens, *, keys=None, knobs=None, top=5, stop
     model, params, tokenizer = run
     ids = tokenizer.encode_array(prompt) if isinstance(prompt, str) else prompt
     rows = 1 if keys is None else len(keys)
-    logits, cache = model_lib.prefill(
+    logits, cache = inference.prefill(
         model, params, np.repeat(np.asarray(ids, np.int32)[None], rows, 0)
     )
     result = decoding.generate(
-        model_lib.make_step_fn(model),
+        inference.make_step_fn(model),
         params,
         logits,
         cache,

@@ -31,7 +31,6 @@ Arguments (comma-separated ``key=value``)::
     targets=both+dh         their loss.filter_target, one arm each
 """
 
-import csv
 import os
 
 from lmhead.lab import report, stats, sweeps, workdirs
@@ -70,7 +69,6 @@ RECIPE = {
     "train.test_eval": False,
     "sample.num_samples": 0,
 }
-RUNS_CSV = "runs.csv"
 COLUMNS = (
     "run",
     "seed",
@@ -216,10 +214,4 @@ def write_report(arg, sweep_dir, out_dir):
     ``out_dir``; returns ``(REPORT.md's text, no plots)``."""
     del arg  # the runs' configs say what they trained
     rows = rows_of(sweep_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, RUNS_CSV), "w", newline="") as f:
-        writer = csv.DictWriter(f, COLUMNS, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
-    text, _ = report.write_markdown(out_dir, [report_text(rows).rstrip("\n")])
-    return text, []
+    return report.write_runs_report(out_dir, COLUMNS, rows, report_text(rows)), []

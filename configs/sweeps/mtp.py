@@ -30,7 +30,6 @@ Arguments (comma-separated ``key=value``)::
     mtp_weight=0.3          lambda of every arm with MTP heads
 """
 
-import csv
 import math
 import os
 
@@ -73,7 +72,6 @@ ARMS = (
 # Depth accuracies are the training records' of the last this many steps.
 LAST_STEPS = 100
 MAX_DEPTHS = 3
-RUNS_CSV = "runs.csv"
 COLUMNS = (
     "run",
     "arm",
@@ -311,10 +309,4 @@ def write_report(arg, sweep_dir, out_dir):
     ``out_dir``; returns ``(REPORT.md's text, no plots)``."""
     del arg  # the runs' configs say what they trained
     rows = rows_of(sweep_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, RUNS_CSV), "w", newline="") as f:
-        writer = csv.DictWriter(f, COLUMNS, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
-    text, _ = report.write_markdown(out_dir, [report_text(rows).rstrip("\n")])
-    return text, []
+    return report.write_runs_report(out_dir, COLUMNS, rows, report_text(rows)), []

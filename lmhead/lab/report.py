@@ -6,6 +6,7 @@ written by its ``write_report`` (the tying study's, the filter study's;
 """
 
 import contextlib
+import csv
 import os
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -19,6 +20,7 @@ from lmhead.lm import configuration
 
 DASH = "—"
 REPORT_FILE = "REPORT.md"
+RUNS_CSV = "runs.csv"
 
 
 def mean_std_text(
@@ -108,6 +110,20 @@ def write_markdown(out_dir: str, sections: Sequence[str]) -> tuple[str, str]:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
     return text, path
+
+
+def write_runs_report(
+    out_dir: str, columns: Sequence[str], rows: Sequence[dict], text: str
+) -> str:
+    """Writes ``rows`` (dicts keyed by ``columns``) to ``out_dir/runs.csv``
+    and ``text`` to ``out_dir/REPORT.md``, the report a sweep file writes
+    from its runs' table alone; returns the text as written."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, RUNS_CSV), "w", newline="") as f:
+        writer = csv.DictWriter(f, columns, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    return write_markdown(out_dir, [text.rstrip("\n")])[0]
 
 
 def write_sweep_report(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from lmhead.lab import sweeps
+from lmhead.lab import report, sweeps
 from lmhead.lm import configuration
 from tests.lab.sweep_helpers import (
     DEFAULT_CONFIG,
@@ -228,7 +228,7 @@ def test_filter_training_committed_report_regenerates_from_its_csv():
         os.path.join(SWEEP_CONFIGS, "filter_training.py")
     )
     docs = os.path.join(ROOT, "docs", "filter_training")
-    with open(os.path.join(docs, module.RUNS_CSV), newline="") as f:
+    with open(os.path.join(docs, report.RUNS_CSV), newline="") as f:
         rows = list(csv.DictReader(f))
     with open(os.path.join(docs, "REPORT.md"), encoding="utf-8") as f:
         committed = f.read()

@@ -156,20 +156,18 @@ class DecoderLM(nn.Module):
             self.position_embedding = self.param(
                 "position_embedding", normal, (self.max_len, self.d_model)
             )
-        residual_init_std = INIT_STD / math.sqrt(2 * self.num_layers)
-        self.blocks = [
-            Block(
-                num_heads=self.num_heads,
-                mlp_dim=self.mlp_dim,
-                dropout_rate=self.dropout_rate,
-                residual_init_std=residual_init_std,
-                rope=self.positions == "rope",
-                use_bias=self.use_bias,
-                dtype=self.dtype,
-                activation=self.activation,
-            )
-            for _ in range(self.num_layers)
-        ]
+        # What every block takes, the MTP depths' blocks too.
+        block = dict(
+            num_heads=self.num_heads,
+            mlp_dim=self.mlp_dim,
+            dropout_rate=self.dropout_rate,
+            residual_init_std=INIT_STD / math.sqrt(2 * self.num_layers),
+            rope=self.positions == "rope",
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            activation=self.activation,
+        )
+        self.blocks = [Block(**block) for _ in range(self.num_layers)]
         self.embed_dropout = nn.Dropout(self.dropout_rate)
         self.final_norm = layer_norm(self.use_bias, self.dtype)
         self.head = modules.LMHead(
@@ -185,14 +183,7 @@ class DecoderLM(nn.Module):
             mtp.DepthModule(
                 sequential=self.mtp_design == "sequential",
                 d_model=self.d_model,
-                num_heads=self.num_heads,
-                mlp_dim=self.mlp_dim,
-                dropout_rate=self.dropout_rate,
-                residual_init_std=residual_init_std,
-                rope=self.positions == "rope",
-                use_bias=self.use_bias,
-                dtype=self.dtype,
-                activation=self.activation,
+                **block,
             )
             for _ in range(self.mtp_heads)
         ]

@@ -107,7 +107,10 @@ flags.DEFINE_integer(
     "num_speculative_tokens", 3, "Proposals per model call with --speculative."
 )
 flags.DEFINE_bool(
-    "timings", True, "Report time to first token and ms per new token on stderr."
+    "timings",
+    True,
+    "Report time to first token and ms per new token on stderr (of "
+    "speculative decoding with --speculative).",
 )
 SAMPLING_FLAGS = (
     "temperature",
@@ -202,7 +205,9 @@ def main(argv):
         params = generation.quantize_for_decoding(model, params, f.quantize)
     stop = [unescape(s) for s in f.stop] if f.stop else None
     try:  # refused by name before anything compiles
-        generation.proposer(model, f.speculative, f.num_speculative_tokens, f.num_beams)
+        speculative = generation.proposer(
+            model, f.speculative, f.num_speculative_tokens, f.num_beams
+        )
     except ValueError as error:
         raise app.UsageError(f"--{error}") from None
     try:
@@ -224,6 +229,7 @@ def main(argv):
             top_k=f.top_k,
             top_p=f.top_p,
             key=jax.random.key(f.seed),
+            speculative=speculative,
         )
         print(generation.format_timings(timings, f.num_samples), file=sys.stderr)
 

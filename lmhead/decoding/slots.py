@@ -470,7 +470,8 @@ def _step_slots(
     outs = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), outs)  # [S, N, ...]
     if speculative is not None:  # [S, N, k + 1, ...] -> [S, N (k + 1), ...]
         outs = jax.tree.map(
-            lambda x: x.reshape(x.shape[:1] + (-1,) + x.shape[3:]), outs
+            lambda x: x.reshape((x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])),
+            outs,
         )
         outs = _emitted_first(outs)
     rows = state.rows

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from lmhead import decoding, quantize
+from lmhead import _checks, decoding, quantize
 from lmhead.lm import checkpoints, configuration, constraints, data, inference
 from lmhead.lm import model as model_lib
 from lmhead.lm import state as state_lib
@@ -395,15 +395,7 @@ def proposer(
         raise ValueError(
             "speculative does not apply to num_beams: beam search is not speculated."
         )
-    if (
-        isinstance(num_speculative_tokens, bool)
-        or not isinstance(num_speculative_tokens, int)
-        or num_speculative_tokens < 1
-    ):
-        raise ValueError(
-            "num_speculative_tokens must be an integer >= 1; got "
-            f"{num_speculative_tokens!r}."
-        )
+    _checks.check_count("num_speculative_tokens", num_speculative_tokens)
     if speculative == "ngram":
         return decoding.NGramProposer(num_speculative_tokens)
     return inference.MTPProposer(model, num_speculative_tokens)
@@ -491,12 +483,14 @@ def time_generation(
     top_p: float | None = None,
     key: jax.Array | None = None,
     repeats: int = 3,
+    speculative: decoding.Proposer | None = None,
 ) -> GenerationTimings:
     """Times ``prompt``'s prefill, its first step and a decoding loop.
 
     Each program runs once to compile (``compile_seconds``), then
     ``repeats`` times; the medians are reported. Sampling knobs are
-    ``decoding.generate``'s.
+    ``decoding.generate``'s; with ``speculative`` (:func:`proposer`) the
+    loop decodes speculatively, the prompt its history.
 
     Args:
         prompt: ``int [B, T]`` token ids, ``T + max_new_tokens <= max_len``.
@@ -518,14 +512,15 @@ def time_generation(
             f"{max_new_tokens} and {repeats}."
         )
     key = jax.random.key(0) if key is None else key
+    mtp = isinstance(speculative, inference.MTPProposer)
     logits, cache = inference.prefill(
-        model, params, prompt, max_new_tokens=max_new_tokens
+        model, params, prompt, max_new_tokens=max_new_tokens, mtp=mtp
     )
     step_fn = inference.make_step_fn(model)
     first = jax.numpy.argmax(logits, axis=-1).astype(jax.numpy.int32)
 
     def run_prefill():
-        return inference.prefill(model, params, prompt)
+        return inference.prefill(model, params, prompt, mtp=mtp)
 
     def run_step():
         return step_fn(params, first, cache)
@@ -541,6 +536,8 @@ def time_generation(
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
+            speculative=speculative,
+            prompt_tokens=None if speculative is None else prompt,
         )
 
     start = time.perf_counter()

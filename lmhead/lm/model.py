@@ -384,6 +384,18 @@ class DecoderLM(nn.Module):
         x, positions, causal = self._sequence(tokens, train)
         streams = self._depth_streams(x, jnp.asarray(tokens), positions, causal, train)
         outputs = [module.output(g) for module, g in zip(self.mtp, streams)]
+        for key in ("reduction", "grouped_metrics"):
+            if key in loss_kwargs:
+                raise ValueError(
+                    f"{key} is not a keyword of a model with MTP heads: its loss "
+                    "is the main head's mean plus the depths' weighted means."
+                )
+        if not _checks.is_traced(mtp_weight) and not (
+            jnp.ndim(mtp_weight) == 0 and 0 <= float(mtp_weight) < math.inf
+        ):
+            raise ValueError(
+                f"mtp_weight must be a finite number >= 0; got {mtp_weight!r}."
+            )
         k, ignore = self.mtp_heads, loss_kwargs.get("ignore_index", losses.IGNORE_INDEX)
         depth_scale = jnp.asarray(mtp_weight, jnp.float32) / k
         grouped = dict(reduction="sum", grouped_metrics=True, **loss_kwargs)

@@ -38,8 +38,10 @@ def markov(table, tokens, state):
 
 @dataclasses.dataclass(frozen=True)
 class Shifted:
-    """Proposes ``(last + shift + j) % V`` for ``j = 0 .. k - 1``: often
-    wrong, sometimes right, so blocks are accepted and rejected."""
+    """Proposes ``(last + shift + j) % V`` for ``j = 0 .. k - 1``: wrong
+    where the chain's greedy step is not ``+ shift``, so blocks are rejected
+    (tests/lm/test_speculative_generation.py mixes accepted and rejected
+    ones on a model's cache)."""
 
     num_tokens: int
     shift: int = 1
@@ -92,8 +94,12 @@ def test_greedy_speculation_gives_plain_greedys_tokens(k, proposer):
     assert_same(spec, plain)
     np.testing.assert_array_equal(spec.top_tokens, plain.top_tokens)
     stats = spec.speculation
-    assert int(stats.calls.sum()) < int(plain.lengths.sum()) or proposer is Shifted
-    assert np.all(np.asarray(stats.accepted) <= np.asarray(stats.tested))
+    tested, accepted = np.asarray(stats.tested), np.asarray(stats.accepted)
+    if proposer is Oracle:  # every draft right: fewer calls than tokens
+        assert int(stats.calls.sum()) < int(plain.lengths.sum())
+        np.testing.assert_array_equal(accepted, tested)
+    else:  # drafts rejected: each call still emits the model's token
+        assert tested[0] > 0 and (accepted < tested).any(), (tested, accepted)
 
 
 def test_stops_end_of_text_and_limits_inside_an_accepted_block():
@@ -112,13 +118,8 @@ def test_stops_end_of_text_and_limits_inside_an_accepted_block():
     ]
     for case in cases:
         plain = generate(table, prompt, max_new_tokens=10, **case)
-        for k in (3,):
-            assert_same(
-                generate(
-                    table, prompt, max_new_tokens=10, speculative=Oracle(k), **case
-                ),
-                plain,
-            )
+        spec = generate(table, prompt, max_new_tokens=10, speculative=Oracle(3), **case)
+        assert_same(spec, plain)
 
 
 def test_processors_penalties_and_the_hook_see_each_token_as_plain_decoding():

@@ -296,3 +296,15 @@ def test_bad_model_arguments_name_the_field():
         init(mtp_model(heads=-2))
     with pytest.raises(ValueError, match="mtp_heads >= 1"):
         kv_cache.init_cache(mtp_model(heads=0), 2, mtp=True)
+    model = mtp_model(heads=1)
+    params, (tokens, labels, weights) = init(model), batch()
+    for keywords, words in (
+        (dict(reduction="sum"), "reduction is not a keyword of a model with MTP"),
+        (dict(mtp_weight=-0.3), "mtp_weight must be a finite number >= 0; got -0.3"),
+        (dict(mtp_weight=float("nan")), "mtp_weight must be a finite number >= 0"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            model.apply(
+                {"params": params}, tokens, labels, weights, method=DecoderLM.loss,
+                **keywords,
+            )  # fmt: skip

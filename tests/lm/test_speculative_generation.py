@@ -15,15 +15,22 @@ from lmhead.lm.model import DecoderLM
 VOCAB = 13
 
 
-def random_model(design="sequential", heads=3, seed=0):
+def random_model(design="sequential", heads=3, seed=0, favoured=None):
+    """A random model; with ``favoured``, the head's bias raises that token's
+    logit by 2, at the main head and every depth, so that runs of it make
+    whole blocks of proposals right and others wrong."""
     model = DecoderLM(
         vocab_size=VOCAB, num_layers=2, num_heads=2, d_model=16, mlp_dim=32,
         max_len=48, mtp_heads=heads, mtp_design=design,
+        head_bias=favoured is not None,
     )  # fmt: skip
     tokens = jnp.zeros((1, 8), jnp.int32)
     params = jax.jit(model.init)(jax.random.key(seed), tokens)["params"]
     # Larger weights than at init, so that the argmax varies along the text.
     params = jax.tree.map(lambda x: 4.0 * x, params)
+    if favoured is not None:
+        bias = params["head"]["bias"].at[favoured].add(2.0)
+        params = {**params, "head": {**params["head"], "bias": bias}}
     return model, params
 
 
@@ -48,18 +55,28 @@ def decode(model, params, rows, proposer=None, **options):
 
 
 @pytest.mark.parametrize("design", ["sequential", "parallel"])
-@pytest.mark.parametrize("rows", [1, 3])
-def test_mtp_speculation_gives_plain_greedys_tokens(design, rows):
-    model, params = random_model(design)
-    plain = decode(model, params, rows, eos_id=3)
-    for k in (1, 2, 3):
-        spec = decode(model, params, rows, inference.MTPProposer(model, k), eos_id=3)
-        np.testing.assert_array_equal(spec.tokens, plain.tokens)
-        np.testing.assert_array_equal(spec.lengths, plain.lengths)
-        np.testing.assert_array_equal(spec.top_tokens, plain.top_tokens)
-        np.testing.assert_allclose(spec.log_probs, plain.log_probs, atol=1e-5)
-        stats = spec.speculation
-        assert int(stats.tested[0]) > 0 and int(stats.calls.sum()) > 0
+def test_mtp_speculation_gives_plain_greedys_tokens(design):
+    """Blocks accepted whole and cut at each depth, through the real cache,
+    for one row and for ragged rows, every k: the tokens, top tokens and
+    log-probs stay plain greedy's."""
+    model, params = random_model(design, favoured=5)
+    for rows, ks in ((1, (2,)), (3, (1, 3))):
+        plain = decode(model, params, rows, eos_id=3)
+        for k in ks:
+            spec = decode(
+                model, params, rows, inference.MTPProposer(model, k), eos_id=3
+            )
+            np.testing.assert_array_equal(spec.tokens, plain.tokens)
+            np.testing.assert_array_equal(spec.lengths, plain.lengths)
+            np.testing.assert_array_equal(spec.top_tokens, plain.top_tokens)
+            np.testing.assert_allclose(spec.log_probs, plain.log_probs, atol=1e-5)
+            stats = spec.speculation
+            tested, accepted = np.asarray(stats.tested), np.asarray(stats.accepted)
+            assert (accepted > 0).all() and (accepted < tested).all(), (
+                tested,
+                accepted,
+            )
+            assert int(stats.calls.sum()) < int(plain.lengths.sum())
 
 
 def test_ngram_speculation_gives_plain_greedys_tokens_and_no_match_too():

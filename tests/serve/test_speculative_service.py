@@ -33,7 +33,7 @@ class MarkovStep:
         return state
 
 
-def slot_tokens(proposer, num_steps=6):
+def slot_tokens(proposer, num_steps=6, top_logprobs=2):
     """Each slot's emitted tokens after ``num_steps`` calls of 2 steps."""
     table = jnp.log(jax.random.dirichlet(jax.random.key(0), jnp.full(6, 0.6), (6,)))
     state = decoding.empty_slots(
@@ -51,7 +51,8 @@ def slot_tokens(proposer, num_steps=6):
     got = [[] for _ in range(3)]
     for _ in range(num_steps):
         state, chunk = decoding.step_slots(
-            MarkovStep(), table, state, num_steps=2, eos_id=5, top_logprobs=2,
+            MarkovStep(), table, state, num_steps=2, eos_id=5,
+            top_logprobs=top_logprobs,
             speculative=proposer,
         )  # fmt: skip
         for slot in range(3):
@@ -62,12 +63,16 @@ def slot_tokens(proposer, num_steps=6):
 
 
 def test_speculative_slots_give_the_plain_slots_tokens():
-    plain, plain_chunk = slot_tokens(None)
-    for proposer in (decoding.NGramProposer(3), decoding.NGramProposer(1)):
-        spec, chunk = slot_tokens(proposer)
+    for proposer, top_logprobs in (
+        (decoding.NGramProposer(3), 2),
+        (decoding.NGramProposer(1), 0),  # no top tokens: the default
+    ):
+        plain, plain_chunk = slot_tokens(None, top_logprobs=top_logprobs)
+        spec, chunk = slot_tokens(proposer, top_logprobs=top_logprobs)
         assert spec == plain
         np.testing.assert_array_equal(chunk.finish_reasons, plain_chunk.finish_reasons)
         assert chunk.tokens.shape[1] == 2 * (proposer.num_tokens + 1)
+        assert chunk.top_tokens.shape[2] == top_logprobs
 
 
 def run_requests(engine, bodies, **batcher):

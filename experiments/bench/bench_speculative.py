@@ -273,7 +273,7 @@ def _serve(slots, served, text, clients: int, new: int) -> float:
 
     def client(indices):
         return sum(
-            slots.submit(body(i)).result(timeout=600)["usage"]["completion_tokens"]
+            slots.submit(body(i)).result(timeout=600)["completion_tokens"]
             for i in indices
         )
 

@@ -222,12 +222,11 @@ def test_filter_training_report_pairs_runs_by_seed():
     assert "| cpu_ms_per_step | 10.0 | 20.0 (2.00x) | 30.0 (3.00x) |" in text
 
 
-def test_filter_training_committed_report_regenerates_from_its_csv():
-    """docs/filter_training/REPORT.md is its runs.csv's report, byte for byte."""
-    module = configuration.load_module(
-        os.path.join(SWEEP_CONFIGS, "filter_training.py")
-    )
-    docs = os.path.join(ROOT, "docs", "filter_training")
+@pytest.mark.parametrize("name", ["filter_training", "mtp"])
+def test_committed_report_regenerates_from_its_csv(name):
+    """docs/<name>/REPORT.md is its runs.csv's report, byte for byte."""
+    module = configuration.load_module(os.path.join(SWEEP_CONFIGS, f"{name}.py"))
+    docs = os.path.join(ROOT, "docs", name)
     with open(os.path.join(docs, report.RUNS_CSV), newline="") as f:
         rows = list(csv.DictReader(f))
     with open(os.path.join(docs, "REPORT.md"), encoding="utf-8") as f:

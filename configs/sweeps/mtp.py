@@ -286,10 +286,10 @@ def report_text(rows: list[dict]) -> str:
                 ),
                 "Parameters, training FLOPs per token "
                 "(`model.training_flops_per_token`), and a step's time (the "
-                "mean over each arm's members; the arms ran one after the "
-                "other beside other work, so this is a record, not a "
-                "comparison of speed: the benchmark times the steps side by "
-                "side):",
+                "mean over each arm's members; the arms ran two at a time "
+                "beside other work, paused while benchmarks ran, so this is a "
+                "record, not a comparison of speed: the benchmark times the "
+                "steps side by side):",
                 report.markdown_table(
                     ["arm", "params", "MFLOP/token", "ms/step", "CPU ms/step"],
                     shapes,

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from lmhead import head, losses, vocab_parallel
-from tests import ROOT
+from tests import ROOT, devices_environment
 from tests.errors import assert_raises_exactly
 
 RNG = np.random.default_rng(0)
@@ -226,13 +226,7 @@ def split_differences():
     done = subprocess.run(
         [sys.executable, os.path.abspath(__file__)],
         cwd=ROOT,
-        env=dict(
-            os.environ,
-            PYTHONPATH=ROOT,
-            JAX_PLATFORMS="cpu",
-            XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-            "--xla_backend_optimization_level=0",
-        ),
+        env=devices_environment(8),
         capture_output=True,
         text=True,
         timeout=600,

@@ -38,6 +38,22 @@ def init_state(config, key, vocab_size=84):
     return jax.jit(functools.partial(state_lib.create_train_state, model, config))(key)
 
 
+def without_key_bias(tree):
+    """``tree`` (parameters, or a moment of them) with the attention's key
+    biases zeroed, for comparing two runs: a key bias adds ``q . b`` to each
+    of a query's logits, which its softmax ignores, so its gradient is 0 but
+    for float32 rounding, which Adam scales to whole steps. Two programs that
+    round differently then move it apart however equal they are."""
+
+    def zeroed(path, leaf):
+        if [getattr(k, "key", None) for k in path[-2:]] != ["qkv", "bias"]:
+            return leaf
+        width = leaf.shape[-1] // 3  # query, key, value (lmhead/lm/layers.py)
+        return leaf.at[..., width : 2 * width].set(0)
+
+    return jax.tree_util.tree_map_with_path(zeroed, tree)
+
+
 @pytest.fixture(scope="session")
 def untied_state():
     """The tiny untied model with a head bias: ``(config, initial state)``."""

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests import ROOT, references
+from tests import ROOT, devices_environment, references
 from tests.lm.conftest import read_metrics
 
 # Data only, both axes, model only ((4, 2) is a mesh of both axes too; the
@@ -674,20 +674,6 @@ def main(workdir, names):
 # ----------------------------------------------------------------------------
 
 
-def _environment(devices):
-    # LLVM's optimizations take most of the compile time of these small
-    # programs; every number compared is computed under the same flags.
-    return dict(
-        os.environ,
-        PYTHONPATH=ROOT,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS=(
-            f"--xla_force_host_platform_device_count={devices} "
-            "--xla_backend_optimization_level=0"
-        ),
-    )
-
-
 def run_checks(workdir, names):
     """The checks ``names`` of :func:`main`, run in one 8-device subprocess.
 
@@ -698,7 +684,7 @@ def run_checks(workdir, names):
     done = subprocess.run(
         [sys.executable, os.path.abspath(__file__), str(workdir), ",".join(names)],
         cwd=ROOT,
-        env=_environment(8),
+        env=devices_environment(8),
         capture_output=True,
         text=True,
         timeout=600,
@@ -818,7 +804,7 @@ def test_two_processes_match_one(tmp_path):
                 f"--process_id={index}",
             ],
             cwd=ROOT,
-            env=_environment(4),
+            env=devices_environment(4),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

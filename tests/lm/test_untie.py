@@ -117,7 +117,8 @@ class TestUntie:
         """Before U the untied model trains as the tied one: the same losses,
         the same table and body, the same moments for the table; and every
         state up to step U (the one step U starts from included) has the head
-        equal to the table, and the head's moments equal to its."""
+        equal to the table, and the head's moments equal to its (to
+        rounding: the two are computed by different fusions)."""
         tied, untie = trained["tied"], trained["untie"]
         # Step U's loss too: it starts with the head equal to the table.
         np.testing.assert_allclose(
@@ -132,11 +133,18 @@ class TestUntie:
             params = dict(state.params)
             np.testing.assert_array_equal(head(params), table(params))
             del params["head"]
-            jax.tree.map(close, params, tied["states"][step].params)
+            # Two programs: the key biases, whose gradient is rounding alone,
+            # left out (conftest.without_key_bias).
+            jax.tree.map(
+                close,
+                conftest.without_key_bias(params),
+                conftest.without_key_bias(tied["states"][step].params),
+            )
             for got, want in zip(
                 adam_moments(state), adam_moments(tied["states"][step])
             ):
-                np.testing.assert_array_equal(head(got), table(got))
+                # One program, two fusions: equal to float32 rounding.
+                close(head(got), table(got))
                 close(table(got), table(want))
             if step:
                 assert np.any(table(adam_moments(state)[1]) > 0)
@@ -237,8 +245,8 @@ class TestUntie:
                 got = jax.tree.map(lambda x, i=index: x[i], states)
                 jax.tree.map(
                     functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6),
-                    (got.params, adam_moments(got)),
-                    (want.params, adam_moments(want)),
+                    conftest.without_key_bias((got.params, adam_moments(got))),
+                    conftest.without_key_bias((want.params, adam_moments(want))),
                 )
 
 

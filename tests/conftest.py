@@ -28,12 +28,14 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
 )
 # Every program, however quickly it compiles: the tests' programs are small.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-# The tests' programs are tiny, so their compile time is most of their time:
-# without LLVM's optimizations, and with XLA's loop emitters for fused
-# computations in place of its newer MLIR emitters, which take longer to
-# compile a small program, the suite takes about half the time. XLA's own
-# passes (fusion, layout) still run, so the programs tested are the ones users
-# run, compiled by a faster backend. A flag the caller set wins.
+# The tests' programs are tiny, so compiling them takes most of the suite's
+# time: LLVM's optimizations are off, and XLA's loop emitters compile fused
+# computations in place of its newer MLIR emitters, which take longer on small
+# programs (the README gives the suite's times). XLA's own passes (fusion,
+# layout) still run, so the programs tested are the ones users run, compiled by
+# a faster backend. A test that two programs give the same bits, which they do
+# under the default emitters and not under these, compiles them with the
+# default ones (tests.DEFAULT_EMITTERS). A flag the caller set wins.
 for flag, value in (
     ("xla_backend_optimization_level", "0"),
     ("xla_cpu_use_fusion_emitters", "false"),

@@ -1,6 +1,7 @@
 """The test suite; its folders mirror ``lmhead/`` and ``experiments/``."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -24,21 +25,25 @@ def run_experiment(
 
 
 DEFAULT_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
-"""``compiler_options`` that compile a program with XLA's default CPU emitters,
-as users' programs are compiled, where the suite's flags (tests/conftest.py)
-choose faster ones: for the tests whose claim is bitwise equality of two
-programs' results."""
+"""``compiler_options`` that compile a program with XLA's default CPU fusion
+emitters, the ones users' programs get, where the suite's flags
+(tests/conftest.py) choose faster ones (LLVM's optimizations stay off): for
+the tests whose claim is bitwise equality of two programs' results."""
 
 
 def devices_environment(devices: int) -> dict[str, str]:
     """The environment of a subprocess with ``devices`` simulated CPU devices
     that imports the repository: the suite's own ``XLA_FLAGS`` (conftest.py)
-    with the device count added, so that what it computes compares with what
-    the suite computes in process."""
-    flags = os.environ.get("XLA_FLAGS", "")
+    with its device count in place of any, so that what it computes compares
+    with what the suite computes in process."""
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\S*",
+        "",
+        os.environ.get("XLA_FLAGS", ""),
+    )
     return dict(
         os.environ,
         PYTHONPATH=ROOT,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {flags}".strip(),
+        XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
     )

@@ -98,9 +98,9 @@ class SkipZeroWeightsTest(parameterized.TestCase):
         h, w, bias, labels = make_inputs()
         sizes = KEPT if blocks == "kept" else RECOMPUTED
         patterns = weight_patterns()
-        # Compiled by XLA's default emitters, which users' programs get (the
-        # suite's faster ones, tests/conftest.py, round the two programs
-        # differently): the bitwise check of "all_one" is then theirs.
+        # Compiled by XLA's default fusion emitters, the ones users' programs
+        # get (the suite's faster ones, tests/conftest.py, round the two
+        # programs differently): the bitwise check of "all_one" is theirs.
         skipped, full = (
             jax.jit(functools.partial(loss_and_grads, skip, reduction, sizes))
             .lower(h, w, bias, labels, patterns["all_one"])

@@ -40,10 +40,12 @@ def init_state(config, key, vocab_size=84):
 
 def without_key_bias(tree):
     """``tree`` (parameters, or a moment of them) with the attention's key
-    biases zeroed, for comparing two runs: a key bias adds ``q . b`` to each
-    of a query's logits, which its softmax ignores, so its gradient is 0 but
-    for float32 rounding, which Adam scales to whole steps. Two programs that
-    round differently then move it apart however equal they are."""
+    biases zeroed, for comparing two runs: with learned positions (the tiny
+    config's; not RoPE, which rotates it by the key's position) a key bias
+    adds ``q . b`` to each of a query's logits, which its softmax ignores, so
+    its gradient is 0 but for float32 rounding, which Adam scales to whole
+    steps. Two programs that round differently then move it apart however
+    equal they are."""
 
     def zeroed(path, leaf):
         if [getattr(k, "key", None) for k in path[-2:]] != ["qkv", "bias"]:

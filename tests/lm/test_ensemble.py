@@ -146,7 +146,7 @@ class TestMembersAreRuns:
         got_params = generation.load_run(member_dir(program, index))[3]
         want_params = generation.load_run(workdir)[3]
         # Adam's steps, and the rounding they scale, grow with the rate.
-        atol = ATOL * max(1.0, SPECS[index].get("optim.lr", 0.0) / 1e-2)
+        atol = ATOL * max(1.0, SPECS[index]["optim.lr"] / 1e-2)
         jax.tree.map(
             lambda g, w: np.testing.assert_allclose(g, w, rtol=RTOL, atol=atol),
             without_key_bias(got_params),

@@ -1,18 +1,136 @@
-"""The softmax of the model's attention, one function for its two paths.
+"""The model's attention, one softmax for its paths.
 
-:func:`softmax_weights` is what ``layers.CausalSelfAttention`` computes over a
-sequence and what ``kv_cache.attend_filled`` computes over the filled slots
-of a cache, so that the two cannot drift apart. Keys may come in pieces (the
-cache's layout, see :mod:`lmhead.lm.kv_cache`); the scores are their
-concatenation.
+:func:`softmax_weights` is what ``kv_cache.attend_filled`` computes over the
+filled slots of a cache (whose keys come in pieces, see
+:mod:`lmhead.lm.kv_cache`; the scores are their concatenation), and what
+:func:`causal_attention`, the attention of ``layers.CausalSelfAttention``
+over a sequence, computes in XLA (``"xla"``), so that the two cannot drift
+apart. On a GPU, in bfloat16 or float16, :func:`causal_attention` runs
+cuDNN's fused (flash) attention through ``jax.nn.dot_product_attention``
+instead (``"cudnn"``), which never forms the weights.
+
+The XLA path is the arrangement ``jax.nn.dot_product_attention``'s own
+``implementation="xla"`` computes, equal to it to float32 rounding, and it is
+not that function: on a CPU that function's gradient runs slower at the
+model's shapes (docs/benchmarks.md, "Attention", has the measurement).
 """
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 
+from lmhead import _checks
 from lmhead.head import NEG_INF
+
+# "auto": cuDNN's where it runs (:func:`pick_implementation`), else XLA's.
+IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+# What cuDNN's fused attention takes (jax.nn.dot_product_attention's checks).
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+_CUDNN_MAX_HEAD_DIM = 128
+
+
+def pick_implementation(name: str, dtype, head_dim: int) -> str:
+    """The implementation, ``"xla"`` or ``"cudnn"``, that ``name`` (one of
+    :data:`IMPLEMENTATIONS`) picks for a compute ``dtype`` and head size
+    ``head_dim`` on the default backend.
+
+    ``"auto"`` is ``"cudnn"`` on a GPU where cuDNN's kernel takes the shape
+    (bfloat16 or float16, ``Dh`` a multiple of 8 up to 128) and ``"xla"``
+    elsewhere. ``"cudnn"`` where it does not run raises ValueError naming
+    the setting (JAX itself would fail at lowering: "cuDNN is not
+    detected").
+
+    Examples:
+        >>> pick_implementation("auto", jnp.float32, 32)  # float32: XLA's anywhere
+        'xla'
+    """
+    _checks.check_choice("attention_implementation", name, IMPLEMENTATIONS)
+    runs = (
+        jax.default_backend() == "gpu"
+        and jnp.dtype(dtype) in tuple(map(jnp.dtype, _CUDNN_DTYPES))
+        and head_dim % 8 == 0
+        and head_dim <= _CUDNN_MAX_HEAD_DIM
+    )
+    if name == "auto":
+        return "cudnn" if runs else "xla"
+    if name == "cudnn" and not runs:
+        raise ValueError(
+            "attention_implementation='cudnn' needs a GPU (this backend is "
+            f"{jax.default_backend()!r}), a bfloat16 or float16 dtype (got "
+            f"{jnp.dtype(dtype).name}) and a head size that is a multiple of 8 "
+            f"up to {_CUDNN_MAX_HEAD_DIM} (got {head_dim}); 'auto' picks "
+            "cuDNN's where it runs and XLA's elsewhere."
+        )
+    return name
+
+
+def causal_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    implementation: str = "auto",
+) -> jax.Array:
+    r"""Causal attention of a sequence.
+
+    .. math::
+        \mathrm{out}_{bth} = \sum_{s \le t} w_{bhts}\, v_{bsh}, \qquad
+        w = \mathrm{softmax\_weights}(q, k, s \le t)
+
+    in the implementation :func:`pick_implementation` picks: XLA's computes
+    the scores and the softmax in float32 and casts the weights to
+    ``value``'s dtype before they mix the values; cuDNN's
+    (``jax.nn.dot_product_attention(implementation="cudnn")``, flash
+    attention) never forms the weights.
+
+    Args:
+        query, key, value: ``[B, T, H, Dh]``, one dtype.
+        implementation: one of :data:`IMPLEMENTATIONS`.
+
+    Returns:
+        ``[B, T, H, Dh]`` in ``value``'s dtype.
+
+    Examples:
+        >>> q = k = jnp.ones((1, 2, 1, 4))
+        >>> v = jnp.arange(8.0).reshape(1, 2, 1, 4)
+        >>> causal_attention(q, k, v)[0, :, 0]  # equal keys: the running mean
+        Array([[0., 1., 2., 3.],
+               [2., 3., 4., 5.]], dtype=float32)
+    """
+    chex.assert_rank([query, key, value], 4)
+    chex.assert_equal_shape([query, key, value])
+    chex.assert_type([key, value], query.dtype)
+    if pick_implementation(implementation, value.dtype, query.shape[-1]) == "cudnn":
+        return jax.nn.dot_product_attention(
+            query, key, value, is_causal=True, implementation="cudnn"
+        )
+    return mix_values(causal_weights(query, key), value)
+
+
+def causal_weights(query: jax.Array, key: jax.Array) -> jax.Array:
+    """:func:`softmax_weights` of ``query`` over ``key`` (both ``[B, T, H,
+    Dh]``), each position seeing those up to its own: ``float32 [B, H, T, T]``.
+
+    Examples:
+        >>> causal_weights(jnp.ones((1, 2, 1, 4)), jnp.ones((1, 2, 1, 4)))[0, 0]
+        Array([[1. , 0. ],
+               [0.5, 0.5]], dtype=float32)
+    """
+    positions = query.shape[1]
+    causal = jnp.tril(jnp.ones((1, positions, positions), bool))
+    return softmax_weights(query, [key], causal)
+
+
+def mix_values(weights: jax.Array, value: jax.Array) -> jax.Array:
+    """``weights [B, H, T, S]``, cast to ``value``'s dtype, mixing ``value
+    [B, S, H, Dh]``: ``[B, T, H, Dh]``.
+
+    Examples:
+        >>> mix_values(jnp.full((1, 1, 1, 2), 0.5), jnp.eye(2).reshape(1, 2, 1, 2))
+        Array([[[[0.5, 0.5]]]], dtype=float32)
+    """
+    return jnp.einsum("bhts,bshd->bthd", weights.astype(value.dtype), value)
 
 
 def softmax_weights(

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from lmhead import fused, modules
-from lmhead.lm import checkpoints, mtp
+from lmhead.lm import attention, checkpoints, mtp
 from lmhead.lm import model as model_lib
 from lmhead.lm.data import corpus
 
@@ -46,6 +46,7 @@ CHOICES = {
     "model.positions": model_lib.POSITIONS,
     "model.dtype": tuple(DTYPES),
     "model.activation": model_lib.ACTIVATIONS,
+    "model.attention_implementation": attention.IMPLEMENTATIONS,
     "model.mtp_design": mtp.DESIGNS,
     "model.mtp_unembedding": mtp.UNEMBEDDINGS,
     "loss.loss_impl": modules.LOSS_IMPLS,
@@ -384,6 +385,7 @@ RESUMABLE_CHANGES = (
     "train.stop_on_nonfinite",
     "train.microbatches",
     "train.vmap_members",
+    "model.attention_implementation",
     "loss.loss_impl",
     "loss.chunk_size",
     "loss.vocab_order",

@@ -3,8 +3,10 @@ positions, the GELU (exact, or GPT-2's tanh form), LayerNorm, causal
 self-attention over a sequence or a key/value cache, and the pre-LayerNorm
 block, in GPT-2's layout.
 
-Attention's softmax is :func:`lmhead.lm.attention.softmax_weights`, shared
-with the cache's path (:mod:`lmhead.lm.kv_cache`).
+Attention over a sequence is :func:`lmhead.lm.attention.causal_attention`
+(cuDNN's flash attention on a GPU); over a cache it is
+``kv_cache.attend_filled``. Both share one softmax
+(:func:`lmhead.lm.attention.softmax_weights`).
 """
 
 import math
@@ -15,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from lmhead.lm import kv_cache
-from lmhead.lm.attention import softmax_weights
+from lmhead.lm.attention import causal_attention, causal_weights, mix_values
 
 INIT_STD = 0.02
 # GPT-2's and nanoGPT's (PyTorch's default); Flax's own default is 1e-6.
@@ -103,7 +105,14 @@ def layer_norm(use_bias: bool, dtype: Any, name: str | None = None) -> nn.LayerN
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention over the sequence or over a key/value cache."""
+    """Multi-head self-attention over the sequence or over a key/value cache.
+
+    Over a sequence it is :func:`~lmhead.lm.attention.causal_attention` in
+    ``implementation`` (one of ``attention.IMPLEMENTATIONS``), unless its
+    weights are needed (dropout on them: ``train`` and ``dropout_rate > 0``;
+    or the ``"intermediates"`` collection is mutable, which sows them, see
+    ``model.attention_weights``): then XLA's, whatever ``implementation``
+    is, as cuDNN's never forms them."""
 
     num_heads: int
     dropout_rate: float
@@ -111,21 +120,21 @@ class CausalSelfAttention(nn.Module):
     rope: bool
     use_bias: bool
     dtype: Any
+    implementation: str = "auto"
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache, *, train):
+    def __call__(self, x, positions, cache, *, train):
         """x: [B, T, D]; positions: int [B, T]; cache: None (keys are this
-        call's T positions, masked by mask: bool [B | 1, T, T]) or a layer's
-        (keys, values), each in pieces [B, H, n_j, Dh]
+        call's T positions, each query seeing those up to its own) or a
+        layer's (keys, values), each in pieces [B, H, n_j, Dh]
         (kv_cache.cache_segments), and the cache's rows (see
-        kv_cache.DecodeCache), into whose keys and values this
-        call writes its T positions and whose slots up to each query's
-        position it reads (mask unused). Returns ([B, T, D], the updated
-        (keys, values) or None).
+        kv_cache.DecodeCache), into whose keys and values this call writes
+        its T positions and whose slots up to each query's position it
+        reads. Returns ([B, T, D], the updated (keys, values) or None).
 
-        Without a cache, the float32 softmax weights ``[B, H, T, T]`` (before
-        dropout) are sown as ``intermediates/attention_weights`` when that
-        collection is mutable (see :func:`attention_weights`)."""
+        Without a cache, when that collection is mutable, the float32
+        softmax weights ``[B, H, T, T]`` (before dropout) are sown as
+        ``intermediates/attention_weights``."""
         batch, time, width = x.shape
         head_dim = width // self.num_heads
         qkv = nn.Dense(
@@ -139,13 +148,23 @@ class CausalSelfAttention(nn.Module):
         query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         if self.rope:
             query, key = rotary(query, positions), rotary(key, positions)
-        if cache is None:
-            weights = softmax_weights(query, [key], mask)
-            # A no-op unless "intermediates" is mutable: free when not asked for.
+        if cache is None and (
+            (train and self.dropout_rate > 0)
+            or self.is_mutable_collection("intermediates")
+        ):
+            weights = causal_weights(query, key)
             self.sow("intermediates", "attention_weights", weights)
-            weights = weights.astype(self.dtype)
-            weights = nn.Dropout(self.dropout_rate, deterministic=not train)(weights)
-            out = jnp.einsum("bhts,bshd->bthd", weights, value.astype(self.dtype))
+            weights = nn.Dropout(self.dropout_rate, deterministic=not train)(
+                weights.astype(self.dtype)
+            )
+            out = mix_values(weights, value.astype(self.dtype))
+        elif cache is None:
+            out = causal_attention(
+                query.astype(self.dtype),
+                key.astype(self.dtype),
+                value.astype(self.dtype),
+                self.implementation,
+            )
         else:
             # Positions past the cache's end are dropped (see DecoderLM.extend).
             keys, values, slot_rows = cache
@@ -178,9 +197,10 @@ class Block(nn.Module):
     use_bias: bool
     dtype: Any
     activation: str = "gelu"
+    attention_implementation: str = "auto"
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache, *, train):
+    def __call__(self, x, positions, cache, *, train):
         """Same arguments and results as CausalSelfAttention."""
         dropout = nn.Dropout(self.dropout_rate, deterministic=not train)
         attention = CausalSelfAttention(
@@ -190,12 +210,12 @@ class Block(nn.Module):
             rope=self.rope,
             use_bias=self.use_bias,
             dtype=self.dtype,
+            implementation=self.attention_implementation,
             name="attention",
         )
         y, cache = attention(
             layer_norm(self.use_bias, self.dtype, "attention_norm")(x),
             positions,
-            mask,
             cache,
             train=train,
         )

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 from lmhead import _checks, losses, modules
 from lmhead.head import last_positions
-from lmhead.lm import kv_cache, mtp
+from lmhead.lm import attention, kv_cache, mtp
 from lmhead.lm.layers import ACTIVATIONS, INIT_STD, Block, layer_norm
 from lmhead.lm.layers import LAYER_NORM_EPSILON as LAYER_NORM_EPSILON
 
@@ -102,6 +102,14 @@ class DecoderLM(nn.Module):
         mtp_unembedding: ``"shared"`` (the depths read out through the main
             head, tied or untied as it is) or ``"own"`` (one ``[V, D]``
             table of their own, shared by the depths).
+        attention_implementation: attention over a sequence (training,
+            scoring, a prompt's prefill), one of
+            ``attention.IMPLEMENTATIONS``: ``"xla"`` (the softmax written
+            out), ``"cudnn"`` (flash attention through
+            ``jax.nn.dot_product_attention``: a GPU, bfloat16 or float16), or
+            ``"auto"`` (default), cuDNN's where it runs and XLA's elsewhere
+            (:func:`lmhead.lm.attention.causal_attention`). Decoding through
+            the cache reads its filled slots in XLA whatever this is.
 
     Token ids outside ``[0, V)`` raise ValueError outside ``jit``; inside
     ``jit`` they look up NaN embeddings (``nn.Embed``'s rule), so the logits of
@@ -142,6 +150,7 @@ class DecoderLM(nn.Module):
     mtp_heads: int = 0
     mtp_design: str = "sequential"
     mtp_unembedding: str = "shared"
+    attention_implementation: str = "auto"
 
     def setup(self):
         self._check_config()
@@ -166,6 +175,7 @@ class DecoderLM(nn.Module):
             use_bias=self.use_bias,
             dtype=self.dtype,
             activation=self.activation,
+            attention_implementation=self.attention_implementation,
         )
         self.blocks = [Block(**block) for _ in range(self.num_layers)]
         self.embed_dropout = nn.Dropout(self.dropout_rate)
@@ -215,6 +225,11 @@ class DecoderLM(nn.Module):
             )
         _checks.check_choice("positions", self.positions, POSITIONS)
         _checks.check_choice("activation", self.activation, ACTIVATIONS)
+        _checks.check_choice(
+            "attention_implementation",
+            self.attention_implementation,
+            attention.IMPLEMENTATIONS,
+        )
         _checks.check_in_range("mtp_heads", self.mtp_heads, low=0)
         if isinstance(self.mtp_heads, bool) or not isinstance(self.mtp_heads, int):
             raise TypeError(
@@ -260,7 +275,7 @@ class DecoderLM(nn.Module):
             return table
         return table, self.embed.projection
 
-    def _residual_stream(self, tokens, positions, mask, caches, train):
+    def _residual_stream(self, tokens, positions, caches, train):
         """Embedding and blocks: (the residual stream [B, T, D] before the
         final LayerNorm, new caches)."""
         x = self.embed(tokens)
@@ -270,21 +285,18 @@ class DecoderLM(nn.Module):
         x = self.embed_dropout(x, deterministic=not train)
         new_caches = []
         for block, cache in zip(self.blocks, caches):
-            x, cache = block(x, positions, mask, cache, train=train)
+            x, cache = block(x, positions, cache, train=train)
             new_caches.append(cache)
         return x, new_caches
 
     def _sequence(self, tokens, train):
         """The trunk over a whole sequence: ``(residual stream [B, T, D],
-        positions [B, T], causal mask [1, T, T])``."""
+        positions [B, T])``."""
         tokens = self._check_tokens(tokens)
         time = tokens.shape[1]
         positions = jnp.broadcast_to(jnp.arange(time), tokens.shape)
-        causal = jnp.tril(jnp.ones((1, time, time), bool))
-        x, _ = self._residual_stream(
-            tokens, positions, causal, [None] * self.num_layers, train
-        )
-        return x, positions, causal
+        x, _ = self._residual_stream(tokens, positions, [None] * self.num_layers, train)
+        return x, positions
 
     def hidden(self, tokens: jax.typing.ArrayLike, *, train: bool = False) -> jax.Array:
         """Final hidden states ``h: [B, T, D]`` (after the final LayerNorm) of
@@ -301,14 +313,14 @@ class DecoderLM(nn.Module):
             self.depth_logits(tokens)
         return self.head(self.hidden(tokens, train=train), self._tied_unembedding())
 
-    def _depth(self, depth, previous, tokens, positions, mask, cache, train):
+    def _depth(self, depth, previous, tokens, positions, cache, train):
         """Module ``depth`` (1-based) over ``previous [B, T, D]`` and (the
         sequential design) the embeddings of ``tokens [B, T]``."""
         module = self.mtp[depth - 1]
         embedded = self.embed(tokens) if self.mtp_design == "sequential" else None
-        return module(previous, embedded, positions, mask, cache, train=train)
+        return module(previous, embedded, positions, cache, train=train)
 
-    def _depth_streams(self, x, tokens, positions, mask, train):
+    def _depth_streams(self, x, tokens, positions, train):
         """Every depth's stream ``g_i: [B, T, D]`` over a whole sequence:
         the sequential design's depth ``i`` reads the tokens ``i`` ahead
         (padded with 0 past the end: positions whose targets do not exist)."""
@@ -317,7 +329,7 @@ class DecoderLM(nn.Module):
             ahead = jnp.pad(tokens[:, depth:], ((0, 0), (0, depth)))
             previous, _ = self._depth(
                 depth, previous if self.mtp_design == "sequential" else x,
-                ahead, positions, mask, None, train,
+                ahead, positions, None, train,
             )  # fmt: skip
             streams.append(previous)
         return streams
@@ -334,8 +346,8 @@ class DecoderLM(nn.Module):
         1`` (meaningless where ``t + i >= T``: the sequential design reads
         the tokens ``i`` ahead). Materialized, for tests and inspection; the
         training loss is :meth:`loss`'s."""
-        x, positions, causal = self._sequence(tokens, False)
-        streams = self._depth_streams(x, jnp.asarray(tokens), positions, causal, False)
+        x, positions = self._sequence(tokens, False)
+        streams = self._depth_streams(x, jnp.asarray(tokens), positions, False)
         return jnp.stack(
             [self._depth_head(module.output(g)) for module, g in zip(self.mtp, streams)]
         )
@@ -381,8 +393,8 @@ class DecoderLM(nn.Module):
             return self.head.loss(
                 h, labels, self._tied_unembedding(), weights=weights, **loss_kwargs
             )
-        x, positions, causal = self._sequence(tokens, train)
-        streams = self._depth_streams(x, jnp.asarray(tokens), positions, causal, train)
+        x, positions = self._sequence(tokens, train)
+        streams = self._depth_streams(x, jnp.asarray(tokens), positions, train)
         outputs = [module.output(g) for module, g in zip(self.mtp, streams)]
         for key in ("reduction", "grouped_metrics"):
             if key in loss_kwargs:
@@ -479,7 +491,7 @@ class DecoderLM(nn.Module):
             )
         layers = [(k, v, rows) for k, v in zip(cache.keys, cache.values)]
         x, kv = self._residual_stream(
-            tokens, positions, None, layers[: self.num_layers], train=False
+            tokens, positions, layers[: self.num_layers], train=False
         )
         hidden = cache.hidden
         if hidden is not None:
@@ -525,7 +537,7 @@ class DecoderLM(nn.Module):
             else:
                 stream_in, depth_positions = x, positions
             previous, layer = self._depth(
-                depth, stream_in, tokens, depth_positions, None, layer, False
+                depth, stream_in, tokens, depth_positions, layer, False
             )
             streams.append(previous)
             new_layers.append(layer)
@@ -570,7 +582,7 @@ class DecoderLM(nn.Module):
             for depth in range(step, num_tokens + 1):
                 layer = self.num_layers + depth - 1
                 new[depth], (keys[layer], values[layer]) = self._depth(
-                    depth, previous[depth - 1], token, fed - depth, None,
+                    depth, previous[depth - 1], token, fed - depth,
                     (keys[layer], values[layer], cache.rows), False,
                 )  # fmt: skip
             logits = self._depth_head(self.mtp[step - 1].output(new[step][:, 0]))

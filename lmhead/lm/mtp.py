@@ -68,6 +68,7 @@ class DepthModule(nn.Module):
     use_bias: bool
     dtype: Any
     activation: str
+    attention_implementation: str
 
     def setup(self):
         if self.sequential:
@@ -88,14 +89,15 @@ class DepthModule(nn.Module):
             use_bias=self.use_bias,
             dtype=self.dtype,
             activation=self.activation,
+            attention_implementation=self.attention_implementation,
         )
         self.final_norm = layer_norm(self.use_bias, self.dtype)
 
-    def __call__(self, previous, embedded, positions, mask, cache, *, train):
+    def __call__(self, previous, embedded, positions, cache, *, train):
         """``previous``: ``[B, T, D]`` the stream this depth reads (the
         previous depth's, or the trunk's); ``embedded``: ``[B, T, D]`` the
         embeddings of the tokens ``i`` ahead (sequential; None for
-        parallel); ``positions``, ``mask``, ``cache`` as
+        parallel); ``positions`` and ``cache`` as
         :class:`~lmhead.lm.layers.CausalSelfAttention`'s. Returns ``(g
         [B, T, D] float32, cache)``."""
         x = previous
@@ -104,7 +106,7 @@ class DepthModule(nn.Module):
                 [self.hidden_norm(previous), self.embed_norm(embedded)], axis=-1
             )
             x = self.projection(both).astype(jnp.float32)
-        return self.block(x, positions, mask, cache, train=train)
+        return self.block(x, positions, cache, train=train)
 
     def output(self, g: jax.Array) -> jax.Array:
         """The final LayerNorm of this depth's stream ``g: [..., D]``."""

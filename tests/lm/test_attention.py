@@ -1,16 +1,21 @@
-"""Tests of the attention softmax that the sequence and the cached paths share.
+"""Tests of the model's attention: the sequence's through
+``jax.nn.dot_product_attention``, and the softmax written out that the cached
+path and the sown weights use.
 
 Reference: scipy's softmax of scores computed in float64 numpy.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 from scipy import special
 
 from lmhead import decoding, head
 from lmhead.lm import attention
+from lmhead.lm.model import DecoderLM
 
 
 def numpy_weights(query, keys, mask):
@@ -49,3 +54,74 @@ def test_masked_keys_get_exactly_zero_and_causal_rows_sum_to_one():
     assert weights.dtype == np.float32 and np.all(np.isfinite(weights))
     np.testing.assert_array_equal(weights[..., ~np.asarray(causal[0])], 0.0)
     np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-6)
+
+
+def numpy_causal_attention(query, key, value):
+    """float64 causal attention ``[B, T, H, Dh]``."""
+    time = query.shape[1]
+    weights = numpy_weights(query, key, np.tril(np.ones((1, time, time), bool)))
+    return np.einsum("bhts,bshd->bthd", weights, np.asarray(value, np.float64))
+
+
+def jax_xla_attention(query, key, value):
+    return jax.nn.dot_product_attention(
+        query, key, value, is_causal=True, implementation="xla"
+    )
+
+
+class CausalAttentionTest(parameterized.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(("float32", 1e-5, 1e-6), ("bfloat16", 2e-2, 8e-3))
+    def test_matches_numpy_and_jaxs_xla_attention_with_its_gradient(
+        self, dtype, to_numpy, to_jax
+    ):
+        """The value against float64 numpy; the value and the gradient
+        w.r.t. query, key and value against ``jax.nn.dot_product_attention``'s
+        XLA implementation, which computes the same arrangement: equal to
+        rounding (bfloat16's: the weights cast before they mix the values)."""
+        rng = np.random.default_rng(2)
+        query, key, value = (
+            jnp.asarray(rng.standard_normal((2, 9, 3, 8)) * 2, dtype) for _ in range(3)
+        )
+        cotangent = jnp.asarray(rng.standard_normal((2, 9, 3, 8)), jnp.float32)
+        got = self.variant(attention.causal_attention)(query, key, value)
+        assert got.shape == (2, 9, 3, 8) and got.dtype == dtype
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32),
+            numpy_causal_attention(query, key, value),
+            atol=to_numpy,
+        )
+
+        def objective(fn):
+            value_and_grad = jax.value_and_grad(
+                lambda *qkv: jnp.sum(fn(*qkv).astype(jnp.float32) * cotangent),
+                argnums=(0, 1, 2),
+            )
+            return self.variant(value_and_grad)(query, key, value)
+
+        ours, theirs = (
+            objective(attention.causal_attention),
+            objective(jax_xla_attention),
+        )
+        for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            np.testing.assert_allclose(a, b, atol=to_jax * np.abs(b).max())
+
+
+def test_auto_is_xla_here_and_cudnn_is_refused_by_name_off_a_gpu():
+    assert jax.default_backend() == "cpu"
+    for dtype in (jnp.float32, jnp.bfloat16):
+        assert attention.pick_implementation("auto", dtype, 64) == "xla"
+        assert attention.pick_implementation("xla", dtype, 64) == "xla"
+    with pytest.raises(
+        ValueError, match="attention_implementation='cudnn' needs a GPU"
+    ):
+        attention.pick_implementation("cudnn", jnp.bfloat16, 64)
+    for bad in (
+        lambda: attention.pick_implementation("flash", jnp.float32, 64),
+        lambda: DecoderLM(vocab_size=5, attention_implementation="flash").init(
+            jax.random.key(0), jnp.zeros((1, 2), jnp.int32)
+        ),
+    ):
+        with pytest.raises(ValueError, match="attention_implementation"):
+            bad()

@@ -21,9 +21,10 @@ def test_quick_checks_run_and_leave_their_outputs(tmp_path):
         timeout=3000,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "== 0 of 6 failed" in done.stdout
+    assert "== 0 of 7 failed" in done.stdout
     names = sorted(os.listdir(tmp_path))
     assert names == [
+        "attention.txt",
         "decode.txt",
         "ensemble_gpu.txt",
         "head_filter.txt",
@@ -37,6 +38,7 @@ def test_quick_checks_run_and_leave_their_outputs(tmp_path):
     assert "member-steps/s" in (tmp_path / "ensemble_gpu.txt").read_text()
     assert "| stream k=16 |" in (tmp_path / "decode.txt").read_text()
     assert "jax" in (tmp_path / "machine.txt").read_text()
+    assert "| float32 | jax xla |" in (tmp_path / "attention.txt").read_text()
     assert (
         "| GPT-2 small layout, random |" in (tmp_path / "speculative.txt").read_text()
     )
@@ -60,13 +62,14 @@ def test_a_failing_check_is_counted_and_the_next_still_runs(tmp_path):
         text=True,
         timeout=120,
     )
-    assert done.returncode == 6
+    assert done.returncode == 7
     assert "== head_gemma2: exit 3" in done.stdout
     assert "== head_post_training: exit 3" in done.stdout
     assert "== head_filter: exit 3" in done.stdout
     assert "== ensemble_gpu: exit 3" in done.stdout
     assert "== decode: exit 3" in done.stdout
     assert "== speculative: exit 3" in done.stdout
+    assert "== attention: exit 3" in done.stdout
 
 
 def run_checks(tmp_path, checks, python):

@@ -28,6 +28,10 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
 )
 # Every program, however quickly it compiles: the tests' programs are small.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# Each operation's location in the lowered program is its innermost frame, not
+# the Python traceback under it (up to 100 frames, pytest's among them): the
+# compiled code is the same, its lowering takes less time.
+os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "false")
 # The tests' programs are tiny, so compiling them takes most of the suite's
 # time: LLVM's optimizations are off, and XLA's loop emitters compile fused
 # computations in place of its newer MLIR emitters, which take longer on small

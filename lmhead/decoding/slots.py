@@ -431,13 +431,13 @@ def _one_speculative_step(step_fn, params, config, proposer, state: SlotState):
     """:func:`_one_step` with speculation: its ``k + 1`` outputs, ``[S,
     k + 1, ...]``, each slot's emitted ones first."""
     stop = () if state.stop is None else (state.stop,)
-    rows, model_state, rejected, outs, _, _ = speculate(
+    rows, model_state, rejected, _, outs, _, _ = speculate(
         state.rows, state.model_state, state.rejected, (), step_fn=step_fn,
         params=params, knobs=state.knobs, stop=stop,
         spec=Speculation(proposer, config, reset_rows=hasattr(step_fn, "reset_rows")),
-        emit=lambda outs, out, at: outs + (out._replace(bad=None),),
+        emit=lambda sink, out, at: sink,
     )  # fmt: skip
-    stacked = jax.tree.map(lambda *x: jnp.stack(x, axis=1), *outs)
+    stacked = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1), outs._replace(bad=None))
     state = state._replace(rows=rows, model_state=model_state, rejected=rejected)
     return state, stacked
 

@@ -276,8 +276,10 @@ def speculate(
             :class:`ProcessorContext` of the rows about to step.
 
     Returns:
-        ``(rows, model_state, rejected, sink, tested [k], accepted [k])``:
-        the draft tests and acceptances at each depth, over the rows.
+        ``(rows, model_state, rejected, sink, outs, tested [k], accepted
+        [k])``: ``outs`` the ``k + 1`` steps' :class:`StepOutput`, stacked
+        (leaves ``[k + 1, B, ...]``), and the draft tests and acceptances at
+        each depth, over the rows.
     """
     proposer, config = spec.proposer, spec.step
     k, batch = proposer.num_tokens, rejected.shape[0]
@@ -308,14 +310,16 @@ def speculate(
         step_fn, params, fed_tokens, rows.logits, model_state,
         jnp.any(is_running(decoded)), jnp.any(drafts >= 0),
     )  # fmt: skip
-    in_block, accepted = speculated, jnp.zeros((batch,), jnp.int32)
-    rejected = jnp.full((batch,), NO_TOKEN, jnp.int32)
-    tested_at, accepted_at = [], []
-    for j in range(k):
-        draft = jnp.where(in_block, drafts[:, j], NO_TOKEN)
+
+    def test_draft(carry, column):
+        """Step ``j`` of the block: the draft ``j`` tested at the logits
+        after it (one program for the ``k`` steps, not ``k`` copies)."""
+        decoded, sink, rejected, accepted, in_block = carry
+        draft_j, logits_j = column
+        draft = jnp.where(in_block, draft_j, NO_TOKEN)
         at = decoded.generated
         decoded_j, out_j = decode_step(
-            decoded._replace(logits=logits[:, j]), knobs, stop, config, step=at,
+            decoded._replace(logits=logits_j), knobs, stop, config, step=at,
             context=context(sink, decoded), draft=draft,
         )  # fmt: skip
         sink = emit(sink, out_j, at)
@@ -325,18 +329,33 @@ def speculate(
         )
         accepted += out_j.emitted.astype(jnp.int32)
         in_block = in_block & out_j.emitted & is_running(decoded_j)
-        tested_at.append(jnp.sum(tested, dtype=jnp.int32))
-        accepted_at.append(jnp.sum(out_j.emitted, dtype=jnp.int32))
-        decoded = decoded_j
+        counts = (
+            jnp.sum(tested, dtype=jnp.int32),
+            jnp.sum(out_j.emitted, dtype=jnp.int32),
+        )
+        return (decoded_j, sink, rejected, accepted, in_block), (out_j, counts)
+
+    start = (
+        decoded,
+        sink,
+        jnp.full((batch,), NO_TOKEN, jnp.int32),
+        jnp.zeros((batch,), jnp.int32),
+        speculated,
+    )
+    columns = (drafts.T, jnp.moveaxis(logits[:, :k], 1, 0))
+    (decoded, sink, rejected, accepted, _), (outs, (tested_at, accepted_at)) = (
+        jax.lax.scan(test_draft, start, columns)
+    )
+    outs = jax.tree.map(
+        lambda first, rest: jnp.concatenate([first[None], rest]), out, outs
+    )
     kept = jnp.minimum(jnp.where(out.emitted, 1 + accepted, 0), fed)
     model_state = _rewind(step_fn, model_state, fed - kept)
     carried = jnp.take_along_axis(logits, accepted[:, None, None], axis=1)[:, 0]
     decoded = decoded._replace(
         logits=jnp.where(out.emitted[:, None], carried, rows.logits)
     )
-    return (
-        decoded, model_state, rejected, sink, jnp.stack(tested_at), jnp.stack(accepted_at)
-    )  # fmt: skip
+    return decoded, model_state, rejected, sink, outs, tested_at, accepted_at
 
 
 def speculative_step(
@@ -361,7 +380,7 @@ def speculative_step(
         return ProcessorContext(generated, s.tokens, generated, rows.prompt_lengths)
 
     started = is_running(s.rows)
-    decoded, model_state, rejected, s, tested, accepted = speculate(
+    decoded, model_state, rejected, s, _, tested, accepted = speculate(
         s.rows, s.model_state, s.rejected, s, step_fn=step_fn, params=params,
         knobs=knobs, stop=stop, spec=Speculation(config.proposer, config.step),
         emit=write_columns, context=context,

@@ -178,11 +178,12 @@ def model_defaults() -> ml_collections.ConfigDict:
     # The MLP's GELU: "gelu" (exact) | "gelu_tanh" (GPT-2's tanh form, which
     # runs imported by experiments/import_gpt2.py compute).
     model.activation = "gelu"
-    # Attention over a sequence (training, scoring, a prompt's prefill):
-    # "xla" (the softmax written out) | "cudnn" (flash attention through
-    # jax.nn.dot_product_attention: a GPU, bfloat16) | "auto" (cuDNN's where it
-    # runs, else XLA's). The two agree to rounding; a run may resume with the
-    # other.
+    # Attention over a sequence (training, scoring; decoding reads the cache in
+    # XLA): "xla" (the softmax written out) | "cudnn" (flash attention through
+    # jax.nn.dot_product_attention: an NVIDIA GPU, model.dtype bfloat16; with
+    # dropout_rate > 0 training writes the weights out in XLA) | "auto"
+    # (cuDNN's where it runs, else XLA's). The two agree to rounding; a run may
+    # resume, or be loaded, with the other.
     model.attention_implementation = "auto"
     # Untied models only: the steps before this one train tied (the embedding
     # table is the head), then the head starts as a copy of the table, with

@@ -271,7 +271,9 @@ def speculate(
         sink: the caller's record of the outputs: ``emit(sink, out, at)``
             returns it with ``out`` (a :class:`StepOutput`) emitted at
             position ``at: int32 [B]`` of each row; called after each of the
-            ``k + 1`` steps in order.
+            ``k + 1`` steps in order, the last ``k`` inside a ``lax.scan``,
+            so it returns a sink of the same structure, shapes and dtypes
+            (the outputs also come back stacked: ``outs`` below).
         context: None, or ``context(sink, rows)``: the hook's
             :class:`ProcessorContext` of the rows about to step.
 
@@ -311,15 +313,14 @@ def speculate(
         jnp.any(is_running(decoded)), jnp.any(drafts >= 0),
     )  # fmt: skip
 
-    def test_draft(carry, column):
+    def test_draft(carry, j):
         """Step ``j`` of the block: the draft ``j`` tested at the logits
         after it (one program for the ``k`` steps, not ``k`` copies)."""
         decoded, sink, rejected, accepted, in_block = carry
-        draft_j, logits_j = column
-        draft = jnp.where(in_block, draft_j, NO_TOKEN)
+        draft = jnp.where(in_block, drafts[:, j], NO_TOKEN)
         at = decoded.generated
         decoded_j, out_j = decode_step(
-            decoded._replace(logits=logits_j), knobs, stop, config, step=at,
+            decoded._replace(logits=logits[:, j]), knobs, stop, config, step=at,
             context=context(sink, decoded), draft=draft,
         )  # fmt: skip
         sink = emit(sink, out_j, at)
@@ -342,9 +343,8 @@ def speculate(
         jnp.zeros((batch,), jnp.int32),
         speculated,
     )
-    columns = (drafts.T, jnp.moveaxis(logits[:, :k], 1, 0))
     (decoded, sink, rejected, accepted, _), (outs, (tested_at, accepted_at)) = (
-        jax.lax.scan(test_draft, start, columns)
+        jax.lax.scan(test_draft, start, jnp.arange(k))
     )
     outs = jax.tree.map(
         lambda first, rest: jnp.concatenate([first[None], rest]), out, outs

@@ -2,17 +2,19 @@
 
 :func:`softmax_weights` is what ``kv_cache.attend_filled`` computes over the
 filled slots of a cache (whose keys come in pieces, see
-:mod:`lmhead.lm.kv_cache`; the scores are their concatenation), and what
-:func:`causal_attention`, the attention of ``layers.CausalSelfAttention``
-over a sequence, computes in XLA (``"xla"``), so that the two cannot drift
-apart. On a GPU, in bfloat16 or float16, :func:`causal_attention` runs
-cuDNN's fused (flash) attention through ``jax.nn.dot_product_attention``
-instead (``"cudnn"``), which never forms the weights.
+:mod:`lmhead.lm.kv_cache`; the scores are their concatenation): a prompt's
+prefill and every decoding step. It is also what :func:`causal_attention`,
+the attention of ``layers.CausalSelfAttention`` over a sequence (training,
+scoring), computes in XLA (``"xla"``), so that the two cannot drift apart. On
+an NVIDIA GPU of compute capability 8.0 or later, in bfloat16 or float16,
+:func:`causal_attention` runs cuDNN's fused (flash) attention through
+``jax.nn.dot_product_attention`` instead (``"cudnn"``): it never forms the
+weights, and agrees with the cache's softmax to rounding, not bitwise.
 
 The XLA path is the arrangement ``jax.nn.dot_product_attention``'s own
 ``implementation="xla"`` computes, equal to it to float32 rounding, and it is
-not that function: on a CPU that function's gradient runs slower at the
-model's shapes (docs/benchmarks.md, "Attention", has the measurement).
+not that function: on a CPU that function's value and gradient run slower at
+the model's shapes (docs/benchmarks.md, "Attention", has the measurement).
 """
 
 import math
@@ -26,41 +28,67 @@ from lmhead.head import NEG_INF
 
 # "auto": cuDNN's where it runs (:func:`pick_implementation`), else XLA's.
 IMPLEMENTATIONS = ("auto", "xla", "cudnn")
-# What cuDNN's fused attention takes (jax.nn.dot_product_attention's checks).
-_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
-_CUDNN_MAX_HEAD_DIM = 128
+# What cuDNN's fused attention takes here: JAX's own checks allow larger
+# heads on some GPUs; 128 is where every GPU with the kernel runs it.
+CUDNN_DTYPES = ("bfloat16", "float16")
+CUDNN_MAX_HEAD_DIM = 128
+_CUDNN_MIN_COMPUTE_CAPABILITY = 8.0  # Ampere: cuDNN's flash attention
+
+
+def cudnn_takes(dtype, head_dim: int) -> bool:
+    """Whether cuDNN's fused attention takes a compute ``dtype`` and head
+    size ``head_dim``: bfloat16 or float16, ``Dh`` a multiple of 8 up to
+    :data:`CUDNN_MAX_HEAD_DIM`.
+
+    Examples:
+        >>> cudnn_takes(jnp.bfloat16, 64), cudnn_takes(jnp.float32, 64)
+        (True, False)
+    """
+    return (
+        jnp.dtype(dtype).name in CUDNN_DTYPES
+        and head_dim % 8 == 0
+        and head_dim <= CUDNN_MAX_HEAD_DIM
+    )
+
+
+def _cudnn_device() -> bool:
+    """Whether the default device is an NVIDIA GPU with cuDNN's flash
+    attention (compute capability 8.0 or later; a ROCm GPU has none)."""
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    return (
+        device.platform == "gpu"
+        and capability is not None
+        and float(capability) >= _CUDNN_MIN_COMPUTE_CAPABILITY
+    )
 
 
 def pick_implementation(name: str, dtype, head_dim: int) -> str:
     """The implementation, ``"xla"`` or ``"cudnn"``, that ``name`` (one of
     :data:`IMPLEMENTATIONS`) picks for a compute ``dtype`` and head size
-    ``head_dim`` on the default backend.
+    ``head_dim`` on the default device.
 
-    ``"auto"`` is ``"cudnn"`` on a GPU where cuDNN's kernel takes the shape
-    (bfloat16 or float16, ``Dh`` a multiple of 8 up to 128) and ``"xla"``
-    elsewhere. ``"cudnn"`` where it does not run raises ValueError naming
-    the setting (JAX itself would fail at lowering: "cuDNN is not
-    detected").
+    ``"auto"`` is ``"cudnn"`` where cuDNN's kernel runs (an NVIDIA GPU of
+    compute capability 8.0 or later) and takes the shape
+    (:func:`cudnn_takes`), ``"xla"`` elsewhere. ``"cudnn"`` where it does not
+    run raises ValueError naming the setting (JAX itself would fail when it
+    traces: "cuDNN is not detected").
 
     Examples:
         >>> pick_implementation("auto", jnp.float32, 32)  # float32: XLA's anywhere
         'xla'
     """
     _checks.check_choice("attention_implementation", name, IMPLEMENTATIONS)
-    runs = (
-        jax.default_backend() == "gpu"
-        and jnp.dtype(dtype) in tuple(map(jnp.dtype, _CUDNN_DTYPES))
-        and head_dim % 8 == 0
-        and head_dim <= _CUDNN_MAX_HEAD_DIM
-    )
+    runs = cudnn_takes(dtype, head_dim) and _cudnn_device()
     if name == "auto":
         return "cudnn" if runs else "xla"
     if name == "cudnn" and not runs:
         raise ValueError(
-            "attention_implementation='cudnn' needs a GPU (this backend is "
-            f"{jax.default_backend()!r}), a bfloat16 or float16 dtype (got "
-            f"{jnp.dtype(dtype).name}) and a head size that is a multiple of 8 "
-            f"up to {_CUDNN_MAX_HEAD_DIM} (got {head_dim}); 'auto' picks "
+            "attention_implementation='cudnn' needs an NVIDIA GPU of compute "
+            f"capability 8.0 or later (the default device: "
+            f"{jax.devices()[0].device_kind}), a bfloat16 or float16 dtype "
+            f"(got {jnp.dtype(dtype).name}) and a head size that is a multiple "
+            f"of 8 up to {CUDNN_MAX_HEAD_DIM} (got {head_dim}); 'auto' picks "
             "cuDNN's where it runs and XLA's elsewhere."
         )
     return name

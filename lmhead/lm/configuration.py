@@ -192,6 +192,18 @@ def _check_rules_between_values(config) -> None:
             f"d_model; got {config.model.num_heads} and "
             f"{config.model.d_model}."
         )
+    head_dim = config.model.d_model // config.model.num_heads
+    if config.model.attention_implementation == "cudnn" and not attention.cudnn_takes(
+        DTYPES[config.model.dtype], head_dim
+    ):
+        raise ValueError(
+            "config.model.attention_implementation='cudnn' needs "
+            "config.model.dtype='bfloat16' and a head size (d_model / "
+            f"num_heads) that is a multiple of 8 up to "
+            f"{attention.CUDNN_MAX_HEAD_DIM}; got dtype="
+            f"{config.model.dtype!r}, head size {head_dim}. 'auto' picks "
+            "cuDNN's where it runs."
+        )
     if config.loss.chunk_size is not None and config.loss.loss_impl == "materialized":
         raise ValueError(
             "config.loss.chunk_size is not used by loss_impl="
@@ -371,7 +383,8 @@ def flatten(nested, prefix: str = "") -> dict[str, Any]:
 
 
 # What a resumed run may change: how often it logs, evaluates, checkpoints,
-# what it samples, the devices, and how (not what) the loss is computed. Every
+# what it samples, the devices, and how (not what) the loss and the attention
+# are computed. Every
 # other key -- the data, the model, the objective, the optimizer, the batch,
 # the seed and train.steps (the cosine schedule ends there) -- is part of
 # what the run's checkpoints mean.

@@ -32,9 +32,15 @@ SAMPLE_SEPARATOR = "\n---------------\n"
 
 
 def load_run(workdir: str):
-    """A trained run's ``(config, tokenizer, model, params)``, newest checkpoint."""
+    """A trained run's ``(config, tokenizer, model, params)``, newest
+    checkpoint; a run trained with ``model.attention_implementation="cudnn"``
+    loads with ``"auto"``, so that it runs on any device."""
     with open(os.path.join(workdir, "config.json")) as f:
         config = ml_collections.ConfigDict(json.load(f))
+    if config.model.get("attention_implementation") == "cudnn":
+        # How the attention is computed belongs to the machine, not the run:
+        # one trained with cuDNN's loads wherever it is read.
+        config.model.attention_implementation = "auto"
     tokenizer = data.load_tokenizer(os.path.join(workdir, data.TOKENIZER_FILE))
     model = configuration.make_model(config, tokenizer.vocab_size)
     if not os.path.isdir(os.path.join(workdir, "checkpoints")):

@@ -5,7 +5,7 @@ block, in GPT-2's layout.
 
 Attention over a sequence is :func:`lmhead.lm.attention.causal_attention`
 (cuDNN's flash attention on a GPU); over a cache it is
-``kv_cache.attend_filled``. Both share one softmax
+``kv_cache.attend_filled``. In XLA both compute one softmax
 (:func:`lmhead.lm.attention.softmax_weights`).
 """
 
@@ -132,7 +132,7 @@ class CausalSelfAttention(nn.Module):
         its T positions and whose slots up to each query's position it
         reads. Returns ([B, T, D], the updated (keys, values) or None).
 
-        Without a cache, when that collection is mutable, the float32
+        Without a cache, when ``"intermediates"`` is mutable, the float32
         softmax weights ``[B, H, T, T]`` (before dropout) are sown as
         ``intermediates/attention_weights``."""
         batch, time, width = x.shape

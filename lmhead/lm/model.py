@@ -103,13 +103,14 @@ class DecoderLM(nn.Module):
             head, tied or untied as it is) or ``"own"`` (one ``[V, D]``
             table of their own, shared by the depths).
         attention_implementation: attention over a sequence (training,
-            scoring, a prompt's prefill), one of
-            ``attention.IMPLEMENTATIONS``: ``"xla"`` (the softmax written
-            out), ``"cudnn"`` (flash attention through
-            ``jax.nn.dot_product_attention``: a GPU, bfloat16 or float16), or
-            ``"auto"`` (default), cuDNN's where it runs and XLA's elsewhere
-            (:func:`lmhead.lm.attention.causal_attention`). Decoding through
-            the cache reads its filled slots in XLA whatever this is.
+            scoring), one of ``attention.IMPLEMENTATIONS``: ``"xla"`` (the
+            softmax written out), ``"cudnn"`` (flash attention through
+            ``jax.nn.dot_product_attention``: an NVIDIA GPU, bfloat16 or
+            float16), or ``"auto"`` (default), cuDNN's where it runs and
+            XLA's elsewhere (:func:`lmhead.lm.attention.causal_attention`).
+            Dropout on the weights, and sowing them, write them out in XLA
+            whatever this is; so do a prompt's prefill and decoding, which
+            read the cache's filled slots.
 
     Token ids outside ``[0, V)`` raise ValueError outside ``jit``; inside
     ``jit`` they look up NaN embeddings (``nn.Embed``'s rule), so the logits of

@@ -1,9 +1,13 @@
-"""Tests of the model's attention: the sequence's through
-``jax.nn.dot_product_attention``, and the softmax written out that the cached
-path and the sown weights use.
+"""Tests of the model's attention: the softmax written out, which the cached
+path, the sown weights and (in XLA) a sequence's attention compute; the
+choice of implementation; and which path the layer takes.
 
-Reference: scipy's softmax of scores computed in float64 numpy.
+References: scipy's softmax of scores computed in float64 numpy, and
+``jax.nn.dot_product_attention``'s XLA implementation.
 """
+
+import json
+import os
 
 import chex
 import jax
@@ -14,8 +18,12 @@ from absl.testing import parameterized
 from scipy import special
 
 from lmhead import decoding, head
-from lmhead.lm import attention
+from lmhead.lm import attention, generation, layers
 from lmhead.lm.model import DecoderLM
+
+ON_CPU = pytest.mark.skipif(
+    jax.default_backend() != "cpu", reason="XLA's is the only implementation here"
+)
 
 
 def numpy_weights(query, keys, mask):
@@ -69,7 +77,7 @@ def jax_xla_attention(query, key, value):
     )
 
 
-class CausalAttentionTest(parameterized.TestCase):
+class CausalAttentionTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.parameters(("float32", 1e-5, 1e-6), ("bfloat16", 2e-2, 8e-3))
     def test_matches_numpy_and_jaxs_xla_attention_with_its_gradient(
@@ -108,13 +116,13 @@ class CausalAttentionTest(parameterized.TestCase):
             np.testing.assert_allclose(a, b, atol=to_jax * np.abs(b).max())
 
 
+@ON_CPU
 def test_auto_is_xla_here_and_cudnn_is_refused_by_name_off_a_gpu():
-    assert jax.default_backend() == "cpu"
     for dtype in (jnp.float32, jnp.bfloat16):
         assert attention.pick_implementation("auto", dtype, 64) == "xla"
         assert attention.pick_implementation("xla", dtype, 64) == "xla"
     with pytest.raises(
-        ValueError, match="attention_implementation='cudnn' needs a GPU"
+        ValueError, match="attention_implementation='cudnn' needs an NVIDIA GPU"
     ):
         attention.pick_implementation("cudnn", jnp.bfloat16, 64)
     for bad in (
@@ -125,3 +133,57 @@ def test_auto_is_xla_here_and_cudnn_is_refused_by_name_off_a_gpu():
     ):
         with pytest.raises(ValueError, match="attention_implementation"):
             bad()
+
+
+def test_the_layer_writes_the_weights_out_only_when_they_are_needed(monkeypatch):
+    """A plain apply calls causal_attention; dropout in training and a mutable
+    "intermediates" (sown weights) write the weights out instead."""
+    calls = []
+    for name in ("causal_attention", "causal_weights"):
+        real = getattr(layers, name)
+        monkeypatch.setattr(
+            layers,
+            name,
+            lambda *a, real=real, name=name: calls.append(name) or real(*a),
+        )
+    model = DecoderLM(
+        vocab_size=7, num_layers=1, num_heads=2, d_model=8, mlp_dim=8, max_len=4,
+        dropout_rate=0.1,
+    )  # fmt: skip
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    params = model.init(jax.random.key(0), tokens)["params"]
+    ways = {
+        "plain": lambda: model.apply({"params": params}, tokens),
+        "sown": lambda: model.apply(
+            {"params": params}, tokens, mutable=["intermediates"]
+        ),
+        "dropout": lambda: model.apply(
+            {"params": params},
+            tokens,
+            train=True,
+            rngs={"dropout": jax.random.key(1)},
+        ),  # fmt: skip
+    }
+    taken = {}
+    for way, apply in ways.items():
+        calls.clear()
+        apply()
+        taken[way] = list(calls)
+    assert taken == {
+        "plain": ["causal_attention"],
+        "sown": ["causal_weights"],
+        "dropout": ["causal_weights"],
+    }
+
+
+def test_a_run_trained_with_cudnn_loads_anywhere(copy_of_finished_run):
+    path = os.path.join(copy_of_finished_run, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["model"]["attention_implementation"] = "cudnn"
+    with open(path, "w") as f:
+        json.dump(config, f)
+    config, _, model, params = generation.load_run(copy_of_finished_run)
+    assert config.model.attention_implementation == model.attention_implementation
+    assert model.attention_implementation == "auto"
+    assert model.apply({"params": params}, jnp.zeros((1, 3), jnp.int32)).shape[1] == 3

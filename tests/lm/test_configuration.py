@@ -223,6 +223,18 @@ CONFIGS = [
         ValueError,
         ("config.model.activation", "'gelu'", "'gelu_tanh'"),
     ),
+    (
+        "model.attention_implementation",
+        "flash",
+        ValueError,
+        ("config.model.attention_implementation", "'xla'", "'cudnn'"),
+    ),
+    (
+        "model.attention_implementation",
+        "cudnn",
+        ValueError,
+        ("attention_implementation='cudnn' needs", "dtype='float32'"),
+    ),
 ]
 
 
@@ -274,6 +286,7 @@ def test_harmless_changes_resume(
         "loss.chunk_size": 64,
         "sample.num_samples": 3,
         "train.stop_on_nonfinite": False,
+        "model.attention_implementation": "xla",
     }
     summary = train.train_and_evaluate(short_config(**changes), copy_of_finished_run)
     with open(os.path.join(finished_run, "summary.json")) as f:

@@ -16,7 +16,7 @@ import pytest
 from scipy import special
 
 from configs import default
-from lmhead import fused, head, losses
+from lmhead import decoding, fused, head, losses
 from lmhead.lm import configuration, inference, kv_cache
 from lmhead.lm import model as model_lib
 from lmhead.lm.model import DecoderLM
@@ -70,6 +70,23 @@ def reference_loss_and_dlogits(logits, labels, weights, lam, eps, z_loss):
         dz = p * (1 + 2 * z_loss * lse[..., None]) - (1 - eps) * onehot - eps / vocab
         grads[d, :, : time - d] = scale * (w / w.sum())[..., None] * dz
     return total, grads
+
+
+def depth_logits(model, params, tokens):
+    """``[k, B, T, V]``: each depth's logits over the whole sequence (jitted)."""
+    apply = functools.partial(model.apply, method=DecoderLM.depth_logits)
+    return jax.jit(apply)({"params": params}, tokens)
+
+
+def proposals(model, num_tokens, params, cache, last):
+    """The MTP heads' ``[B, num_tokens]`` drafts after the token ``last
+    [B]``, from ``cache`` (one jitted program)."""
+
+    def propose(params, cache, last):
+        context = decoding.ProposalContext(last, jnp.ones(last.shape, bool), None)
+        return inference.MTPProposer(model, num_tokens).propose(params, cache, context)
+
+    return jax.jit(propose)(params, cache, last)[0]
 
 
 def all_logits(model, params, tokens):
@@ -134,17 +151,24 @@ def test_per_depth_metrics_match_each_depth_on_its_own():
     model = mtp_model(heads=2)
     params = init(model)
     tokens, labels, weights = batch()
-    _, metrics = model.apply(
-        {"params": params}, tokens, labels, weights, method=DecoderLM.loss
-    )
-    logits = jax.jit(functools.partial(all_logits, model, tokens=tokens))(params)
-    for d in range(3):
-        depth_labels, depth_weights = losses.depth_targets(
-            labels, weights, (d,), jnp.ones(1)
-        )
-        _, expected = losses.cross_entropy(
-            logits[d], depth_labels[0], weights=depth_weights[0]
-        )
+    loss = functools.partial(model.apply, method=DecoderLM.loss)
+    _, metrics = jax.jit(loss)({"params": params}, tokens, labels, weights)
+
+    @jax.jit
+    def each_depth_on_its_own(params):
+        logits = all_logits(model, params, tokens)
+        metrics = []
+        for d in range(3):
+            depth_labels, depth_weights = losses.depth_targets(
+                labels, weights, (d,), jnp.ones(1)
+            )
+            _, expected = losses.cross_entropy(
+                logits[d], depth_labels[0], weights=depth_weights[0]
+            )
+            metrics.append(expected)
+        return metrics
+
+    for d, expected in enumerate(each_depth_on_its_own(params)):
         prefix = "" if d == 0 else f"depth{d}_"
         for name in ("nll", "accuracy"):
             np.testing.assert_allclose(
@@ -230,16 +254,13 @@ def test_cached_decoding_runs_the_depths_as_the_full_pass(design):
     _, cache = inference.prefill(model, params, tokens[:, :5], mtp=True)
     step = inference.make_step_fn(model)
     logits, cache = step.verify(params, tokens[:, 5:8], cache)
-    full = model.apply({"params": params}, tokens)
+    full = jax.jit(model.apply)({"params": params}, tokens)
     np.testing.assert_allclose(logits, full[:, 5:8], atol=1e-5)
-
-    class Context:
-        last = tokens[:, 8]
-
-    drafts, _ = inference.MTPProposer(model, 3).propose(params, cache, Context)
+    drafts = proposals(model, 3, params, cache, tokens[:, 8])
     sequence = jnp.concatenate([tokens[:, :9], drafts[:, :2]], axis=1)
-    depths = model.apply({"params": params}, sequence, method=DecoderLM.depth_logits)
-    np.testing.assert_array_equal(drafts, jnp.argmax(depths[:, :, 7], -1).T)
+    np.testing.assert_array_equal(
+        drafts, jnp.argmax(depth_logits(model, params, sequence)[:, :, 7], -1).T
+    )
 
 
 def test_rewound_positions_leave_nothing_that_attention_reads():
@@ -254,16 +275,13 @@ def test_rewound_positions_leave_nothing_that_attention_reads():
     _, cache = step.verify(params, wrong.at[:, 0].set(tokens[:, 4]), cache)
     cache = step.rewind(cache, jnp.array([2, 2]))
     logits, cache = step(params, tokens[:, 5], cache)
-    full = model.apply({"params": params}, tokens[:, :6])
+    full = jax.jit(model.apply)({"params": params}, tokens[:, :6])
     np.testing.assert_allclose(logits, full[:, -1], atol=1e-5)
-
-    class Context:
-        last = tokens[:, 6]
-
-    drafts, _ = inference.MTPProposer(model, 2).propose(params, cache, Context)
+    drafts = proposals(model, 2, params, cache, tokens[:, 6])
     sequence = jnp.concatenate([tokens[:, :7], drafts[:, :1]], axis=1)
-    depths = model.apply({"params": params}, sequence, method=DecoderLM.depth_logits)
-    np.testing.assert_array_equal(drafts, jnp.argmax(depths[:, :, 5], -1).T)
+    np.testing.assert_array_equal(
+        drafts, jnp.argmax(depth_logits(model, params, sequence)[:, :, 5], -1).T
+    )
 
 
 def test_config_builds_the_heads_and_counts_their_flops():

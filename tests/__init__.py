@@ -24,7 +24,10 @@ def run_experiment(
     )
 
 
-DEFAULT_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
+FUSION_EMITTERS = "xla_cpu_use_fusion_emitters"
+"""XLA's CPU flag that chooses between its fusion emitters (conftest.py)."""
+
+DEFAULT_EMITTERS = {FUSION_EMITTERS: True}
 """``compiler_options`` that compile a program with XLA's default CPU fusion
 emitters, the ones users' programs get, where the suite's flags
 (tests/conftest.py) choose faster ones (LLVM's optimizations stay off): for

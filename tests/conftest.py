@@ -6,6 +6,8 @@ import os
 import shutil
 import tempfile
 
+from tests import FUSION_EMITTERS
+
 # Many tests build the same programs (the tiny config's train and eval steps,
 # the decoding loops), in this process and in the subprocesses that the
 # command tests start: with a compilation cache that lasts the session, XLA
@@ -42,7 +44,7 @@ os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "false")
 # default ones (tests.DEFAULT_EMITTERS). A flag the caller set wins.
 for flag, value in (
     ("xla_backend_optimization_level", "0"),
-    ("xla_cpu_use_fusion_emitters", "false"),
+    (FUSION_EMITTERS, "false"),
 ):
     if flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (

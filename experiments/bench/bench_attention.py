@@ -78,13 +78,13 @@ def bench(dtype, matmul) -> list[tuple]:
     query, key, value = (jax.random.normal(k, shape, dtype) for k in keys[:3])
     cotangent = jax.random.normal(keys[3], shape, jnp.float32)
     args = (query, key, value, cotangent)
+    found = implementations(dtype)
     programs = {
-        name: value_and_grad(fn).lower(*args).compile()
-        for name, fn in implementations(dtype).items()
+        name: value_and_grad(fn).lower(*args).compile() for name, fn in found.items()
     }
     outputs = {
         name: jax.jit(fn)(query, key, value).astype(jnp.float32)
-        for name, fn in implementations(dtype).items()
+        for name, fn in found.items()
     }
     times = timing.alternate(
         {name: lambda p=p: p(*args) for name, p in programs.items()},

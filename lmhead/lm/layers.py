@@ -157,14 +157,9 @@ class CausalSelfAttention(nn.Module):
             weights = nn.Dropout(self.dropout_rate, deterministic=not train)(
                 weights.astype(self.dtype)
             )
-            out = mix_values(weights, value.astype(self.dtype))
-        elif cache is None:
-            out = causal_attention(
-                query.astype(self.dtype),
-                key.astype(self.dtype),
-                value.astype(self.dtype),
-                self.implementation,
-            )
+            out = mix_values(weights, value)
+        elif cache is None:  # qkv's dense layer computes in self.dtype
+            out = causal_attention(query, key, value, self.implementation)
         else:
             # Positions past the cache's end are dropped (see DecoderLM.extend).
             keys, values, slot_rows = cache

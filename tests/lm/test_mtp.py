@@ -92,8 +92,7 @@ def proposals(model, num_tokens, params, cache, last):
 def all_logits(model, params, tokens):
     """``[k + 1, B, T, V]``: the main head's logits, then each depth's."""
     main = model.apply({"params": params}, tokens)
-    depths = model.apply({"params": params}, tokens, method=DecoderLM.depth_logits)
-    return jnp.concatenate([main[None], depths])
+    return jnp.concatenate([main[None], depth_logits(model, params, tokens)])
 
 
 # The fused loss with each design and unembedding, tied and untied between

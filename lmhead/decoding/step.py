@@ -281,28 +281,48 @@ def _choose_tokens(
     or its argmax where ``temperature == 0``; with ``draft``, the drafts and
     whether each is accepted (:func:`accepts_draft`). Returns ``(tokens,
     the key for the next step, accepted: bool [B], all True without a
-    draft)``."""
+    draft)``.
+
+    When no row samples (every ``temperature`` is 0), the step takes
+    argmaxes only: no random bits are made and the key is not split. The
+    draws are the same as if it were: a loop's temperatures do not change,
+    so a key left unsplit is one that no row ever draws from (a per-row key
+    is never split; with ``row_axis`` each device carries its own copy of
+    the one key, and splits it while any of its rows samples)."""
     if rejected is not None:
         removed = jnp.arange(processed.shape[-1]) == rejected[:, None]
         processed = jnp.where(removed, NEG_INF, processed)
-    if per_row_keys(rows.key):  # a row's draw depends on its key and step only
-        steps = jnp.broadcast_to(step, rows.key.shape)
-        step_keys = jax.vmap(jax.random.fold_in)(rows.key, steps)
-        key = rows.key
-        # The test of a draft and the draw at the same step are independent.
-        test_keys = jax.vmap(jax.random.fold_in, (0, None))(step_keys, 1)
-        uniform = lambda: jax.vmap(jax.random.uniform)(test_keys)
-        sampled = lambda: jax.vmap(jax.random.categorical)(step_keys, processed)
-    else:
-        key, sample_key = jax.random.split(rows.key)
-        uniform = lambda: jax.random.uniform(sample_key, processed.shape[:1])
-        sampled = lambda: _one_key_draw(sample_key, processed, row_axis)
-    if draft is not None:
-        accepted = accepts_draft(processed, draft, uniform(), temperature)
-        return jnp.maximum(draft, 0).astype(jnp.int32), key, accepted
-    greedy = jnp.argmax(processed, axis=-1)
-    chosen = jnp.where(temperature > 0, sampled(), greedy).astype(jnp.int32)
-    return chosen, key, jnp.ones(processed.shape[:1], bool)
+    batch = processed.shape[0]
+
+    def greedy():
+        if draft is not None:
+            zeros = jnp.zeros((batch,), jnp.float32)
+            accepted = accepts_draft(processed, draft, zeros, 0.0)
+            return jnp.maximum(draft, 0).astype(jnp.int32), rows.key, accepted
+        chosen = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+        return chosen, rows.key, jnp.ones((batch,), bool)
+
+    def draw():
+        if per_row_keys(rows.key):  # a row's draw depends on its key and step only
+            steps = jnp.broadcast_to(step, rows.key.shape)
+            step_keys = jax.vmap(jax.random.fold_in)(rows.key, steps)
+            key = rows.key
+            # The test of a draft and the draw at the same step are independent.
+            test_keys = jax.vmap(jax.random.fold_in, (0, None))(step_keys, 1)
+            uniform = lambda: jax.vmap(jax.random.uniform)(test_keys)
+            sampled = lambda: jax.vmap(jax.random.categorical)(step_keys, processed)
+        else:
+            key, sample_key = jax.random.split(rows.key)
+            uniform = lambda: jax.random.uniform(sample_key, (batch,))
+            sampled = lambda: _one_key_draw(sample_key, processed, row_axis)
+        if draft is not None:
+            accepted = accepts_draft(processed, draft, uniform(), temperature)
+            return jnp.maximum(draft, 0).astype(jnp.int32), key, accepted
+        argmax = jnp.argmax(processed, axis=-1)
+        chosen = jnp.where(temperature > 0, sampled(), argmax).astype(jnp.int32)
+        return chosen, key, jnp.ones((batch,), bool)
+
+    return jax.lax.cond(jnp.any(jnp.asarray(temperature) > 0), draw, greedy)
 
 
 def _token_log_probs(

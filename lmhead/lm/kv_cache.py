@@ -204,14 +204,15 @@ def attend_filled(
                 query, [read_piece(keys, j) for j in range(count)], visible, "bhsd"
             )
             weights = weights.astype(dtype)
-            return sum(
+            mixed = sum(
                 jnp.einsum(
-                    "bhts,bhsd->bthd",
+                    "bhts,bhsd->bhtd",
                     weights[..., starts[j] : starts[j] + sizes[j]],
                     read_piece(values, j).astype(dtype),
                 )
                 for j in range(count)
             )
+            return jnp.swapaxes(mixed, 1, 2)
 
         return first_pieces
 

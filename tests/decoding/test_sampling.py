@@ -1,6 +1,7 @@
 """Tests for lmhead/decoding/sampling.py (generate) on a Markov chain,
 against numpy greedy decoding and the processed distribution."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -281,3 +282,32 @@ BAD_INPUTS = keyword_rows(
 
 
 test_bad_input_raises_exactly_naming_the_argument = bad_input_test(BAD_INPUTS)
+
+
+class KeyTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_greedy_steps_leave_the_key_and_sampled_ones_split_it(self):
+        """A step whose every row is greedy draws nothing and hands its one key
+        on unsplit; with one sampled row it splits it, as every step did."""
+        logits = jnp.log(jnp.array([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]]))
+        key = jax.random.key(0)
+        rows = decoding.DecodeRows(
+            logits=logits, key=key, generated=jnp.array([0, 0]),
+            limits=jnp.array([4, 4]), finish_reasons=jnp.array([0, 0]),
+            history=None, counts=None, stop_carry=(),
+        )  # fmt: skip
+        config = decoding.StepConfig()
+
+        def step(temperature):
+            knobs = decoding.SamplingKnobs(temperature=temperature).as_arrays()
+            return decoding.decode_step(rows, knobs, (), config, step=jnp.int32(0))
+
+        split = jax.random.key_data(jax.random.split(key)[0])
+        greedy_rows, greedy = self.variant(step)(jnp.array([0.0, 0.0]))
+        np.testing.assert_array_equal(greedy.tokens, [1, 0])
+        np.testing.assert_array_equal(
+            jax.random.key_data(greedy_rows.key), jax.random.key_data(key)
+        )
+        mixed_rows, mixed = self.variant(step)(jnp.array([0.0, 1.0]))
+        assert mixed.tokens[0] == 1  # the greedy row's argmax
+        np.testing.assert_array_equal(jax.random.key_data(mixed_rows.key), split)

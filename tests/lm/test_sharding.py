@@ -547,6 +547,14 @@ def check_split_decoding(streams=False):
             max_new_tokens=70, key=jax.random.split(jax.random.key(3), 8),
             temperature=0.9, presence_penalty=0.5, top_logprobs=2,
         )  # fmt: skip
+        # One key, greedy rows on one device and sampled ones on the other:
+        # the devices split the key alike, so the key carried between the
+        # chunks is the one-device run's.
+        mixed = decoding.generate_stream(
+            step, params, *start(), chunk_steps=16, key=jax.random.key(4),
+            max_new_tokens=40, temperature=jnp.where(jnp.arange(8) < 4, 0.0, 0.9),
+        )  # fmt: skip
+        mixed = [(np.asarray(c.tokens), np.asarray(c.log_probs)) for c in mixed]
         chunks = list(
             decoding.generate_stream(step, params, *start(), chunk_steps=16, **streamed)
         )
@@ -557,6 +565,9 @@ def check_split_decoding(streams=False):
         }
         return {
             "one key": (np.asarray(one_key.tokens), np.asarray(one_key.log_probs)),
+            "one key, mixed stream": tuple(
+                np.concatenate(c, axis=1) for c in zip(*mixed)
+            ),
             "stream": (joined["tokens"], joined["log_probs"]),
             "stream top": (joined["top_tokens"], joined["top_log_probs"]),
             # The chunks are one call's columns, bit for bit, on each placement.
@@ -585,7 +596,9 @@ def check_split_decoding(streams=False):
     finally:
         decoding.sampling.split_loops = split_loops
     names = (
-        ("one key", "stream", "whole") if streams else ("greedy", "row keys", "hook")
+        ("one key", "one key, mixed stream", "stream", "whole")
+        if streams
+        else ("greedy", "row keys", "hook")
     )
     results["own loops"] = dict(zip(names, loops, strict=True))
     if streams:

@@ -15,9 +15,12 @@ def results(tmp_path_factory):
     return run_checks(tmp_path_factory.mktemp("sharding"), ["split_streams"])
 
 
-@pytest.mark.parametrize("decoder", ["one key", "stream", "stream top"])
+@pytest.mark.parametrize(
+    "decoder", ["one key", "one key, mixed stream", "stream", "stream top"]
+)
 def test_split_decoding_matches_one_device(results, decoder):
-    """A single key's draws do not depend on how the rows are placed; the
+    """A single key's draws do not depend on how the rows are placed (nor
+    on a device whose rows are all greedy, which makes no draws); the
     streamed chunks' tokens and log-probs (top ones too) match one device's
     to float32 rounding."""
     check = results["split_streams"][decoder]
@@ -31,5 +34,5 @@ def test_split_streams_are_one_call_bitwise(results):
     key for the batch, the stream and its one call each run a loop per
     device."""
     assert results["split_streams"]["stream is one call"] == [True, True]
-    own = dict.fromkeys(("one key", "stream", "whole"), True)
+    own = dict.fromkeys(("one key", "one key, mixed stream", "stream", "whole"), True)
     assert results["split_streams"]["own loops"] == own

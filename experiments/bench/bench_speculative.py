@@ -287,9 +287,11 @@ def _serve(slots, served, text, clients: int, new: int) -> float:
 
 def training_rows(workdir: str) -> list[tuple]:
     """A training step of the run's config at its ``mtp_heads`` and at 0,
-    side by side (its batch, random tokens)."""
+    side by side (its batch, random tokens), and the ratio of their
+    training FLOPs per token (``model.training_flops_per_token``): the
+    ratio the step's time would have if it ran at one rate."""
     config, tokenizer, model, _ = generation.load_run(workdir)
-    programs = {}
+    programs, flops = {}, {}
     for heads in (0, model.mtp_heads):
         variant = model.clone(mtp_heads=heads)
         train_state = state.create_train_state(variant, config, jax.random.key(0))
@@ -308,10 +310,16 @@ def training_rows(workdir: str) -> list[tuple]:
         programs[f"k={heads}"] = functools.partial(
             step, train_state, batch, jax.random.key(2)
         )
+        flops[f"k={heads}"] = model_lib.training_flops_per_token(variant)
     seconds = timing.alternate(programs, None, 5 * FLAGS.repeats)
     plain = float(seconds["k=0"][0])
     return [
-        (name, f"{1e3 * float(t[0]):.1f}", f"{float(t[0]) / plain:.2f}x")
+        (
+            name,
+            f"{1e3 * float(t[0]):.1f}",
+            f"{float(t[0]) / plain:.2f}x",
+            f"{flops[name] / flops['k=0']:.2f}x",
+        )
         for name, t in seconds.items()
     ]
 
@@ -387,7 +395,12 @@ def main(argv):
         ("clients", "proposer", "plain tokens/s", "speculative tokens/s", "ratio"),
         service_rows(first)))  # fmt: skip
     print(f"\nA training step ({first}'s config), side by side:")
-    print(timing.table(("MTP heads", "ms/step", "vs k=0"), training_rows(first)))
+    print(
+        timing.table(
+            ("MTP heads", "ms/step", "vs k=0", "FLOPs per token vs k=0"),
+            training_rows(first),
+        )
+    )
     print("\nThe MTP loss's compiled temporary memory (MiB):")
     print(timing.table(("shape", "fused", "materialized", "ratio"), [memory_row()]))
 

@@ -24,7 +24,8 @@ has just chosen. One speculative step (:func:`speculative_step`) is:
 So greedy speculation emits plain greedy's tokens, and sampling draws each
 token from plain decoding's distribution, whatever the proposals. A row
 emits ``1 + a`` tokens per model call. When no row has a proposal the call
-feeds :math:`y_0` alone (``step_fn`` itself). Rows with a grammar
+feeds :math:`y_0` alone (``step_fn`` itself) and tests nothing (the key
+split as the tests would split it). Rows with a grammar
 constraint are not speculated: they get no proposals (checking proposals
 against the automaton would advance and roll back the host's automaton per
 draft). Beam search is not speculated. docs/decoding.md, "Speculative
@@ -45,6 +46,7 @@ from lmhead.decoding.step import (
     advance_constraint,
     decode_step,
     is_running,
+    per_row_keys,
 )
 from lmhead.head import NEG_INF
 
@@ -273,7 +275,9 @@ def speculate(
             position ``at: int32 [B]`` of each row; called after each of the
             ``k + 1`` steps in order, the last ``k`` inside a ``lax.scan``,
             so it returns a sink of the same structure, shapes and dtypes
-            (the outputs also come back stacked: ``outs`` below).
+            (the outputs also come back stacked: ``outs`` below). When no
+            row has a draft the ``k`` steps, which would emit nothing, are
+            skipped.
         context: None, or ``context(sink, rows)``: the hook's
             :class:`ProcessorContext` of the rows about to step.
 
@@ -343,8 +347,37 @@ def speculate(
         jnp.zeros((batch,), jnp.int32),
         speculated,
     )
+
+    def test_drafts():
+        return jax.lax.scan(test_draft, start, jnp.arange(k))
+
+    def no_drafts():
+        """What the ``k`` steps do when no row has a draft: nothing emitted,
+        the rows as they were, the one key split as each step splits it."""
+        key = decoded.key
+        if not per_row_keys(key):
+
+            def split_k_times():
+                new = key
+                for _ in range(k):
+                    new = jax.random.split(new)[0]
+                return new
+
+            samples = jnp.any(jnp.asarray(knobs.temperature) > 0)
+            key = jax.lax.cond(samples, split_k_times, lambda: key)
+        empty = jax.tree.map(lambda x: jnp.zeros((k,) + x.shape, x.dtype), out)
+        empty = empty._replace(
+            tokens=jnp.full((k,) + out.tokens.shape, config.pad_id, jnp.int32),
+            top_tokens=jnp.full((k,) + out.top_tokens.shape, config.pad_id, jnp.int32),
+        )
+        zeros = jnp.zeros((k,), jnp.int32)
+        carry = (decoded._replace(key=key), *start[1:])
+        return carry, (empty, (zeros, zeros))
+
+    # A call in which no row has a draft (n-gram lookup found no match)
+    # tests nothing: its k steps are skipped.
     (decoded, sink, rejected, accepted, _), (outs, (tested_at, accepted_at)) = (
-        jax.lax.scan(test_draft, start, jnp.arange(k))
+        jax.lax.cond(jnp.any(drafts >= 0), test_drafts, no_drafts)
     )
     outs = jax.tree.map(
         lambda first, rest: jnp.concatenate([first[None], rest]), out, outs

@@ -188,6 +188,45 @@ def test_ngram_with_no_match_and_streams_equal_one_call():
     np.testing.assert_array_equal(chunks[-1].lengths, whole.lengths)
 
 
+@dataclasses.dataclass(frozen=True)
+class FirstRowOnly:
+    """:class:`Shifted`'s drafts for row 0, none for the others."""
+
+    num_tokens: int
+    reads_history = False
+
+    def propose(self, params, state, context):
+        drafts, state = Shifted(self.num_tokens).propose(params, state, context)
+        first = jnp.arange(drafts.shape[0])[:, None] == 0
+        return jnp.where(first, drafts, decoding.NO_TOKEN), state
+
+
+def test_a_call_without_drafts_splits_the_key_as_tested_drafts_do():
+    """One sampling key: a call in which no row has a draft skips the draft
+    tests, and splits the key as they would have, so a row that never has a
+    draft draws the same tokens whether another row has drafts (the tests
+    run) or none does (they are skipped)."""
+    table = markov_table(5)
+    last = jnp.array([0, 3])
+    options = dict(temperature=1.0, key=jax.random.key(7), max_new_tokens=16)
+    tested = generate(table, last, speculative=FirstRowOnly(2), **options)
+    none = generate(table, last, speculative=_Never(2), **options)
+    np.testing.assert_array_equal(tested.tokens[1], none.tokens[1])
+    np.testing.assert_array_equal(tested.log_probs[1], none.log_probs[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Never:
+    """No drafts for any row."""
+
+    num_tokens: int
+    reads_history = False
+
+    def propose(self, params, state, context):
+        none = jnp.full((context.last.shape[0], self.num_tokens), decoding.NO_TOKEN)
+        return none, state
+
+
 def test_ngram_proposes_what_followed_the_latest_match():
     history = jnp.array(
         [

@@ -288,7 +288,7 @@ def _serve(slots, served, text, clients: int, new: int) -> float:
 def training_rows(workdir: str) -> list[tuple]:
     """A training step of the run's config at its ``mtp_heads`` and at 0,
     side by side (its batch, random tokens), and the ratio of their
-    training FLOPs per token (``model.training_flops_per_token``): the
+    training FLOPs per token (``lmhead.lm.model.training_flops_per_token``): the
     ratio the step's time would have if it ran at one rate."""
     config, tokenizer, model, _ = generation.load_run(workdir)
     programs, flops = {}, {}

@@ -46,7 +46,7 @@ from lmhead.decoding.step import (
     advance_constraint,
     decode_step,
     is_running,
-    per_row_keys,
+    key_after_steps,
 )
 from lmhead.head import NEG_INF
 
@@ -277,7 +277,8 @@ def speculate(
             so it returns a sink of the same structure, shapes and dtypes
             (the outputs also come back stacked: ``outs`` below). When no
             row has a draft the ``k`` steps, which would emit nothing, are
-            skipped.
+            skipped: neither ``emit`` nor ``context`` is called for them,
+            nor the stop conditions' ``update``.
         context: None, or ``context(sink, rows)``: the hook's
             :class:`ProcessorContext` of the rows about to step.
 
@@ -354,17 +355,7 @@ def speculate(
     def no_drafts():
         """What the ``k`` steps do when no row has a draft: nothing emitted,
         the rows as they were, the one key split as each step splits it."""
-        key = decoded.key
-        if not per_row_keys(key):
-
-            def split_k_times():
-                new = key
-                for _ in range(k):
-                    new = jax.random.split(new)[0]
-                return new
-
-            samples = jnp.any(jnp.asarray(knobs.temperature) > 0)
-            key = jax.lax.cond(samples, split_k_times, lambda: key)
+        key = key_after_steps(decoded.key, knobs.temperature, k)
         empty = jax.tree.map(lambda x: jnp.zeros((k,) + x.shape, x.dtype), out)
         empty = empty._replace(
             tokens=jnp.full((k,) + out.tokens.shape, config.pad_id, jnp.int32),

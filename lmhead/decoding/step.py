@@ -47,9 +47,9 @@ class DecodeRows(NamedTuple):
 
     Attributes:
         logits: ``float32 [B, V]``, the model's logits for each row's next token.
-        key: one PRNG key, split at every step, or ``[B]`` keys, one per row,
-            that stay as they are (the draw at step ``t`` uses ``fold_in(key,
-            t)``).
+        key: one PRNG key, split at every step in which a row samples
+            (``temperature > 0``), or ``[B]`` keys, one per row, that stay
+            as they are (the draw at step ``t`` uses ``fold_in(key, t)``).
         generated: ``int32 [B]``, tokens each row has generated, EOS included.
         limits: ``int32 [B]``: a row runs while ``generated < limits``; an
             ending (EOS, a stop, non-finite logits) sets it to ``generated``.
@@ -284,11 +284,12 @@ def _choose_tokens(
     draft)``.
 
     When no row samples (every ``temperature`` is 0), the step takes
-    argmaxes only: no random bits are made and the key is not split. The
-    draws are the same as if it were: a loop's temperatures do not change,
-    so a key left unsplit is one that no row ever draws from (a per-row key
-    is never split; with ``row_axis`` each device carries its own copy of
-    the one key, and splits it while any of its rows samples)."""
+    argmaxes only: no random bits are made and the key is not split
+    (:func:`key_after_steps`). The draws are the same as if it were: a
+    loop's temperatures do not change, so a key left unsplit is one that no
+    row ever draws from (a per-row key is never split; with ``row_axis``
+    each device carries its own copy of the one key, and splits it while
+    any of its rows samples)."""
     if rejected is not None:
         removed = jnp.arange(processed.shape[-1]) == rejected[:, None]
         processed = jnp.where(removed, NEG_INF, processed)
@@ -312,7 +313,7 @@ def _choose_tokens(
             uniform = lambda: jax.vmap(jax.random.uniform)(test_keys)
             sampled = lambda: jax.vmap(jax.random.categorical)(step_keys, processed)
         else:
-            key, sample_key = jax.random.split(rows.key)
+            key, sample_key = _split_one_key(rows.key)
             uniform = lambda: jax.random.uniform(sample_key, (batch,))
             sampled = lambda: _one_key_draw(sample_key, processed, row_axis)
         if draft is not None:
@@ -323,6 +324,41 @@ def _choose_tokens(
         return chosen, key, jnp.ones((batch,), bool)
 
     return jax.lax.cond(jnp.any(jnp.asarray(temperature) > 0), draw, greedy)
+
+
+def _split_one_key(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A sampling step's use of one key: ``(the next step's key, this
+    step's draws' key)``."""
+    carried, drawn = jax.random.split(key)
+    return carried, drawn
+
+
+def key_after_steps(key: jax.Array, temperature: jax.Array, steps: int) -> jax.Array:
+    """``key`` as ``steps`` calls of :func:`decode_step` with these
+    temperatures leave it: one key is split once per step in which a row
+    samples (:func:`_split_one_key`), a per-row key never.
+
+    Examples:
+        >>> key = jax.random.key(0)
+        >>> after = key_after_steps(key, jnp.array([0.0, 1.0]), 2)
+        >>> twice = jax.random.split(jax.random.split(key)[0])[0]
+        >>> bool(jnp.all(jax.random.key_data(after) == jax.random.key_data(twice)))
+        True
+        >>> same = key_after_steps(key, 0.0, 2)  # no row samples
+        >>> bool(jnp.all(jax.random.key_data(same) == jax.random.key_data(key)))
+        True
+    """
+    if per_row_keys(key):
+        return key
+
+    def split():
+        new = key
+        for _ in range(steps):
+            new, _ = _split_one_key(new)
+        return new
+
+    samples = jnp.any(jnp.asarray(temperature) > 0)
+    return jax.lax.cond(samples, split, lambda: key)
 
 
 def _token_log_probs(

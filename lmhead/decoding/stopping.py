@@ -27,9 +27,11 @@ class StopCondition(Protocol):
       ``[batch, ...]``.
     * ``update(carry, tokens int32 [B], active bool [B]) -> (carry, ended bool
       [B])``: called once per step with the token each row just generated;
-      ``active`` is False for rows that had already finished (their token is
-      ``pad_id``). ``ended`` is True where the row's generated tokens now end
-      a stop.
+      ``active`` is False for rows that emitted nothing (their token is
+      ``pad_id``): such a row keeps its carry and does not end, so a step in
+      which no row is active may be skipped (speculative decoding skips the
+      draft tests of a call without drafts). ``ended`` is True where the
+      row's generated tokens now end a stop.
     * ``repeat_rows(repeats) -> StopCondition``: each row repeated ``repeats``
       times, row ``b`` becoming rows ``b * repeats ... b * repeats + repeats -
       1`` (for ``num_samples``).

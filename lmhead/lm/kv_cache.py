@@ -204,15 +204,14 @@ def attend_filled(
                 query, [read_piece(keys, j) for j in range(count)], visible, "bhsd"
             )
             weights = weights.astype(dtype)
-            mixed = sum(
+            return sum(
                 jnp.einsum(
-                    "bhts,bhsd->bhtd",
+                    "bhts,bhsd->bthd",
                     weights[..., starts[j] : starts[j] + sizes[j]],
                     read_piece(values, j).astype(dtype),
                 )
                 for j in range(count)
             )
-            return jnp.swapaxes(mixed, 1, 2)
 
         return first_pieces
 

@@ -189,6 +189,18 @@ def test_ngram_with_no_match_and_streams_equal_one_call():
 
 
 @dataclasses.dataclass(frozen=True)
+class NoDrafts:
+    """No drafts for any row."""
+
+    num_tokens: int
+    reads_history = False
+
+    def propose(self, params, state, context):
+        none = jnp.full((context.last.shape[0], self.num_tokens), decoding.NO_TOKEN)
+        return none, state
+
+
+@dataclasses.dataclass(frozen=True)
 class FirstRowOnly:
     """:class:`Shifted`'s drafts for row 0, none for the others."""
 
@@ -210,21 +222,11 @@ def test_a_call_without_drafts_splits_the_key_as_tested_drafts_do():
     last = jnp.array([0, 3])
     options = dict(temperature=1.0, key=jax.random.key(7), max_new_tokens=16)
     tested = generate(table, last, speculative=FirstRowOnly(2), **options)
-    none = generate(table, last, speculative=_Never(2), **options)
+    none = generate(table, last, speculative=NoDrafts(2), **options)
+    assert int(tested.speculation.tested.sum()) > 0  # the tests ran
+    assert int(none.speculation.tested.sum()) == 0  # they were skipped
     np.testing.assert_array_equal(tested.tokens[1], none.tokens[1])
     np.testing.assert_array_equal(tested.log_probs[1], none.log_probs[1])
-
-
-@dataclasses.dataclass(frozen=True)
-class _Never:
-    """No drafts for any row."""
-
-    num_tokens: int
-    reads_history = False
-
-    def propose(self, params, state, context):
-        none = jnp.full((context.last.shape[0], self.num_tokens), decoding.NO_TOKEN)
-        return none, state
 
 
 def test_ngram_proposes_what_followed_the_latest_match():

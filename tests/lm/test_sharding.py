@@ -548,8 +548,9 @@ def check_split_decoding(streams=False):
             temperature=0.9, presence_penalty=0.5, top_logprobs=2,
         )  # fmt: skip
         # One key, greedy rows on one device and sampled ones on the other:
-        # the devices split the key alike, so the key carried between the
-        # chunks is the one-device run's.
+        # each device carries its own copy between the chunks; the sampling
+        # device's is split as the one-device run's, the greedy device's is
+        # never split and never drawn from.
         mixed = decoding.generate_stream(
             step, params, *start(), chunk_steps=16, key=jax.random.key(4),
             max_new_tokens=40, temperature=jnp.where(jnp.arange(8) < 4, 0.0, 0.9),

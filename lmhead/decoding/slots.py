@@ -153,7 +153,9 @@ def empty_slots(
         vocab_size: ``V``.
         history_len: ``H``, the longest prompt plus generation a slot holds
             (the model's ``max_len``).
-        key: any PRNG key (the free slots' keys; a fill replaces them).
+        key: one PRNG key, typed (``jax.random.key``) or raw key data
+            (``jax.random.PRNGKey``): the free slots' keys, which a fill
+            replaces.
         stop: None (no row has stop strings), or the slots' stop-string
             table: ``StopStrings.build([[]] * S, token_bytes,
             max_bytes=Ls, max_strings=S')``, whose capacity every fill's
@@ -183,6 +185,15 @@ def empty_slots(
                 f"{stop.stop_bytes.shape[0]} rows."
             )
         stop.check(slots, vocab_size)
+    if not jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
+        if jnp.shape(key) != (2,):
+            raise ValueError(
+                "key must be one PRNG key: jax.random.key(seed), or the raw "
+                f"data of one, shape (2,); got shape {jnp.shape(key)}."
+            )
+        key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+    elif jnp.shape(key) != ():
+        raise ValueError(f"key must be one PRNG key; got shape {jnp.shape(key)}.")
     knobs = full_knobs(SamplingKnobs(temperature=0.0), slots, vocab_size)
     constraint = None
     if masker is not None:

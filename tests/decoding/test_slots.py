@@ -326,6 +326,35 @@ def test_free_slots_stay_empty_and_freed_rows_stop(lm):
     np.testing.assert_array_equal(state.model_state.index, [10, 1, 1])
 
 
+def test_free_slots_take_a_typed_or_a_raw_key(lm):
+    """``empty_slots`` takes ``jax.random.PRNGKey``'s raw key data as it takes
+    a typed key: a fill then starts a row in either, and it decodes alike."""
+    model, params, step_fn = lm
+    logits, cache = inference.prefill(model, params, jnp.array([[1, 2]]))
+    chunks = []
+    for key in (jax.random.key(0), jax.random.PRNGKey(0)):
+        state = decoding.empty_slots(
+            kv_cache.init_cache(model, SLOTS), vocab_size=VOCAB, history_len=MAX_LEN,
+            key=key,
+        )  # fmt: skip
+        assert jnp.issubdtype(state.rows.key.dtype, jax.dtypes.prng_key)
+        state = decoding.fill_slots(
+            state, np.array([1]), logits, cache,
+            keys=jax.random.split(jax.random.key(1), 1), max_new_tokens=np.array([5]),
+            prompt_tokens=np.array([[1, 2]]),
+            knobs=decoding.full_knobs(decoding.SamplingKnobs(temperature=1.0), 1, VOCAB),
+        )  # fmt: skip
+        chunks.append(decoding.step_slots(step_fn, params, state, num_steps=3)[1])
+    np.testing.assert_array_equal(chunks[0].tokens, chunks[1].tokens)
+    assert np.asarray(chunks[0].emitted)[1].all()
+    for bad in (np.zeros((3,), np.uint32), jax.random.split(jax.random.key(0), 2)):
+        with pytest.raises(ValueError, match="key must be one PRNG key"):
+            decoding.empty_slots(
+                kv_cache.init_cache(model, SLOTS), vocab_size=VOCAB,
+                history_len=MAX_LEN, key=bad,
+            )  # fmt: skip
+
+
 def test_a_row_with_nonfinite_logits_ends_without_a_token(lm):
     """The documented rule: a running row whose logits hold a NaN (or are
     all -inf) emits nothing and ends (FINISHED_BAD_LOGITS, its limit set to

@@ -323,7 +323,13 @@ def _choose_tokens(
         chosen = jnp.where(temperature > 0, sampled(), argmax).astype(jnp.int32)
         return chosen, key, jnp.ones((batch,), bool)
 
-    return jax.lax.cond(jnp.any(jnp.asarray(temperature) > 0), draw, greedy)
+    return jax.lax.cond(_any_samples(temperature), draw, greedy)
+
+
+def _any_samples(temperature: jax.Array) -> jax.Array:
+    """``bool []``: some row samples (``temperature > 0``): the step draws,
+    and splits one key."""
+    return jnp.any(jnp.asarray(temperature) > 0)
 
 
 def _split_one_key(key: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -357,8 +363,7 @@ def key_after_steps(key: jax.Array, temperature: jax.Array, steps: int) -> jax.A
             new, _ = _split_one_key(new)
         return new
 
-    samples = jnp.any(jnp.asarray(temperature) > 0)
-    return jax.lax.cond(samples, split, lambda: key)
+    return jax.lax.cond(_any_samples(temperature), split, lambda: key)
 
 
 def _token_log_probs(

@@ -23,9 +23,10 @@ has just chosen. One speculative step (:func:`speculative_step`) is:
 
 So greedy speculation emits plain greedy's tokens, and sampling draws each
 token from plain decoding's distribution, whatever the proposals. A row
-emits ``1 + a`` tokens per model call. When no row has a proposal the call
-feeds :math:`y_0` alone (``step_fn`` itself) and tests nothing (the key
-split as the tests would split it). Rows with a grammar
+emits ``1 + a`` tokens per model call. The tests of step 4 end at the
+first depth where every row has rejected (or stopped): when no row has a
+proposal the call feeds :math:`y_0` alone (``step_fn`` itself) and tests
+nothing. The steps left untested split the one key as they would have. Rows with a grammar
 constraint are not speculated: they get no proposals (checking proposals
 against the automaton would advance and roll back the host's automaton per
 draft). Beam search is not speculated. docs/decoding.md, "Speculative
@@ -234,6 +235,24 @@ def write_columns(s: Any, out: StepOutput, at: jax.Array) -> Any:
     )
 
 
+class _DraftTests(NamedTuple):
+    """The carry of :func:`speculate`'s draft tests: the ``depth`` to test
+    next, the ``rows`` and ``sink`` after the ones before it, each row's
+    ``rejected`` draft and ``accepted`` count, whether it is ``in_block``
+    (every draft so far accepted), the steps' outputs ``outs`` (leaves
+    ``[k, B, ...]``) and the tests and acceptances per depth (``[k]``)."""
+
+    depth: jax.Array
+    rows: Any
+    sink: Any
+    rejected: jax.Array
+    accepted: jax.Array
+    in_block: jax.Array
+    outs: StepOutput
+    tested_at: jax.Array
+    accepted_at: jax.Array
+
+
 class Speculation(NamedTuple):
     """The static parts of a speculative step besides the knobs.
 
@@ -272,21 +291,23 @@ def speculate(
         rejected: ``int32 [B]``, each row's draft rejected at its logits.
         sink: the caller's record of the outputs: ``emit(sink, out, at)``
             returns it with ``out`` (a :class:`StepOutput`) emitted at
-            position ``at: int32 [B]`` of each row; called after each of the
-            ``k + 1`` steps in order, the last ``k`` inside a ``lax.scan``,
-            so it returns a sink of the same structure, shapes and dtypes
-            (the outputs also come back stacked: ``outs`` below). When no
-            row has a draft the ``k`` steps, which would emit nothing, are
-            skipped: neither ``emit`` nor ``context`` is called for them,
-            nor the stop conditions' ``update``.
+            position ``at: int32 [B]`` of each row; called after the first
+            step and after each draft test in order, the tests inside a
+            ``lax.while_loop``, so it returns a sink of the same structure,
+            shapes and dtypes (the outputs also come back stacked: ``outs``
+            below). The tests end at the first depth where no row has a
+            draft left to test (each row rejected, stopped or without
+            drafts; at depth 0 when no row has a draft): the steps after it,
+            which would emit nothing, are skipped, neither ``emit`` nor
+            ``context`` called for them, nor the stop conditions' ``update``.
         context: None, or ``context(sink, rows)``: the hook's
             :class:`ProcessorContext` of the rows about to step.
 
     Returns:
         ``(rows, model_state, rejected, sink, outs, tested [k], accepted
         [k])``: ``outs`` the ``k + 1`` steps' :class:`StepOutput`, stacked
-        (leaves ``[k + 1, B, ...]``), and the draft tests and acceptances at
-        each depth, over the rows.
+        (leaves ``[k + 1, B, ...]``; a skipped step's emit nothing), and the
+        draft tests and acceptances at each depth, over the rows.
     """
     proposer, config = spec.proposer, spec.step
     k, batch = proposer.num_tokens, rejected.shape[0]
@@ -318,68 +339,73 @@ def speculate(
         jnp.any(is_running(decoded)), jnp.any(drafts >= 0),
     )  # fmt: skip
 
-    def test_draft(carry, j):
-        """Step ``j`` of the block: the draft ``j`` tested at the logits
-        after it (one program for the ``k`` steps, not ``k`` copies)."""
-        decoded, sink, rejected, accepted, in_block = carry
-        draft = jnp.where(in_block, drafts[:, j], NO_TOKEN)
-        at = decoded.generated
-        decoded_j, out_j = decode_step(
-            decoded._replace(logits=logits[:, j]), knobs, stop, config, step=at,
-            context=context(sink, decoded), draft=draft,
+    def test_draft(t: _DraftTests) -> _DraftTests:
+        """Depth ``t.depth`` of the block: its drafts tested at the logits
+        after them (one program for the ``k`` depths, not ``k`` copies)."""
+        j = t.depth
+        draft = jnp.where(t.in_block, drafts[:, j], NO_TOKEN)
+        at = t.rows.generated
+        rows_j, out_j = decode_step(
+            t.rows._replace(logits=logits[:, j]), knobs, stop, config, step=at,
+            context=context(t.sink, t.rows), draft=draft,
         )  # fmt: skip
-        sink = emit(sink, out_j, at)
         tested = draft >= 0
-        rejected = jnp.where(
-            tested & ~out_j.emitted & is_running(decoded_j), draft, rejected
+        return _DraftTests(
+            depth=j + 1,
+            rows=rows_j,
+            sink=emit(t.sink, out_j, at),
+            rejected=jnp.where(
+                tested & ~out_j.emitted & is_running(rows_j), draft, t.rejected
+            ),
+            accepted=t.accepted + out_j.emitted.astype(jnp.int32),
+            in_block=t.in_block & out_j.emitted & is_running(rows_j),
+            outs=jax.tree.map(lambda whole, x: whole.at[j].set(x), t.outs, out_j),
+            tested_at=t.tested_at.at[j].set(jnp.sum(tested, dtype=jnp.int32)),
+            accepted_at=t.accepted_at.at[j].set(
+                jnp.sum(out_j.emitted, dtype=jnp.int32)
+            ),
         )
-        accepted += out_j.emitted.astype(jnp.int32)
-        in_block = in_block & out_j.emitted & is_running(decoded_j)
-        counts = (
-            jnp.sum(tested, dtype=jnp.int32),
-            jnp.sum(out_j.emitted, dtype=jnp.int32),
-        )
-        return (decoded_j, sink, rejected, accepted, in_block), (out_j, counts)
 
-    start = (
-        decoded,
-        sink,
-        jnp.full((batch,), NO_TOKEN, jnp.int32),
-        jnp.zeros((batch,), jnp.int32),
-        speculated,
+    def some_row_tests(t: _DraftTests) -> jax.Array:
+        """Whether some row has a draft to test at depth ``t.depth``: the
+        tests end at the first depth where every row has rejected, stopped or
+        run out of drafts (the depths after it would emit nothing)."""
+        at_depth = drafts[:, jnp.minimum(t.depth, k - 1)]
+        return (t.depth < k) & jnp.any(t.in_block & (at_depth >= 0))
+
+    # What a depth that tests no draft leaves in ``outs``: nothing emitted.
+    untested = jax.tree.map(lambda x: jnp.zeros((k,) + x.shape, x.dtype), out)
+    untested = untested._replace(
+        tokens=jnp.full((k,) + out.tokens.shape, config.pad_id, jnp.int32),
+        top_tokens=jnp.full((k,) + out.top_tokens.shape, config.pad_id, jnp.int32),
     )
-
-    def test_drafts():
-        return jax.lax.scan(test_draft, start, jnp.arange(k))
-
-    def no_drafts():
-        """What the ``k`` steps do when no row has a draft: nothing emitted,
-        the rows as they were, the one key split as each step splits it."""
-        key = key_after_steps(decoded.key, knobs.temperature, k)
-        empty = jax.tree.map(lambda x: jnp.zeros((k,) + x.shape, x.dtype), out)
-        empty = empty._replace(
-            tokens=jnp.full((k,) + out.tokens.shape, config.pad_id, jnp.int32),
-            top_tokens=jnp.full((k,) + out.top_tokens.shape, config.pad_id, jnp.int32),
-        )
-        zeros = jnp.zeros((k,), jnp.int32)
-        carry = (decoded._replace(key=key), *start[1:])
-        return carry, (empty, (zeros, zeros))
-
-    # A call in which no row has a draft (n-gram lookup found no match)
-    # tests nothing: its k steps are skipped.
-    (decoded, sink, rejected, accepted, _), (outs, (tested_at, accepted_at)) = (
-        jax.lax.cond(jnp.any(drafts >= 0), test_drafts, no_drafts)
+    zeros = jnp.zeros((k,), jnp.int32)
+    t = jax.lax.while_loop(
+        some_row_tests,
+        test_draft,
+        _DraftTests(
+            depth=jnp.int32(0), rows=decoded, sink=sink,
+            rejected=jnp.full((batch,), NO_TOKEN, jnp.int32),
+            accepted=jnp.zeros((batch,), jnp.int32), in_block=speculated,
+            outs=untested, tested_at=zeros, accepted_at=zeros,
+        ),
+    )  # fmt: skip
+    # The depths left untested (all, when no row has a draft) split the one
+    # key as they would have: the draws after the call do not depend on
+    # where the tests ended.
+    decoded = t.rows._replace(
+        key=key_after_steps(t.rows.key, knobs.temperature, k - t.depth)
     )
     outs = jax.tree.map(
-        lambda first, rest: jnp.concatenate([first[None], rest]), out, outs
+        lambda first, rest: jnp.concatenate([first[None], rest]), out, t.outs
     )
-    kept = jnp.minimum(jnp.where(out.emitted, 1 + accepted, 0), fed)
+    kept = jnp.minimum(jnp.where(out.emitted, 1 + t.accepted, 0), fed)
     model_state = _rewind(step_fn, model_state, fed - kept)
-    carried = jnp.take_along_axis(logits, accepted[:, None, None], axis=1)[:, 0]
+    carried = jnp.take_along_axis(logits, t.accepted[:, None, None], axis=1)[:, 0]
     decoded = decoded._replace(
         logits=jnp.where(out.emitted[:, None], carried, rows.logits)
     )
-    return decoded, model_state, rejected, sink, outs, tested_at, accepted_at
+    return decoded, model_state, t.rejected, t.sink, outs, t.tested_at, t.accepted_at
 
 
 def speculative_step(

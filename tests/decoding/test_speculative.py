@@ -202,31 +202,39 @@ class NoDrafts:
 
 @dataclasses.dataclass(frozen=True)
 class FirstRowOnly:
-    """:class:`Shifted`'s drafts for row 0, none for the others."""
+    """:class:`Shifted`'s first ``depth`` drafts (all by default) for row 0,
+    none for the others."""
 
     num_tokens: int
+    depth: int | None = None
     reads_history = False
 
     def propose(self, params, state, context):
         drafts, state = Shifted(self.num_tokens).propose(params, state, context)
         first = jnp.arange(drafts.shape[0])[:, None] == 0
-        return jnp.where(first, drafts, decoding.NO_TOKEN), state
+        shallow = jnp.arange(self.num_tokens) < (self.depth or self.num_tokens)
+        return jnp.where(first & shallow, drafts, decoding.NO_TOKEN), state
 
 
-def test_a_call_without_drafts_splits_the_key_as_tested_drafts_do():
-    """One sampling key: a call in which no row has a draft skips the draft
-    tests, and splits the key as they would have, so a row that never has a
-    draft draws the same tokens whether another row has drafts (the tests
-    run) or none does (they are skipped)."""
+def test_tests_that_end_early_split_the_key_as_every_depth_does():
+    """One sampling key: the draft tests end at the first depth where no
+    row has a draft left (at depth 0 when no row has one), and the steps
+    skipped split the key as they would have, so a row that never has a
+    draft draws the same tokens whether another row's drafts are tested at
+    every depth, at the first only, or at none."""
     table = markov_table(5)
     last = jnp.array([0, 3])
-    options = dict(temperature=1.0, key=jax.random.key(7), max_new_tokens=16)
-    tested = generate(table, last, speculative=FirstRowOnly(2), **options)
-    none = generate(table, last, speculative=NoDrafts(2), **options)
-    assert int(tested.speculation.tested.sum()) > 0  # the tests ran
-    assert int(none.speculation.tested.sum()) == 0  # they were skipped
-    np.testing.assert_array_equal(tested.tokens[1], none.tokens[1])
-    np.testing.assert_array_equal(tested.log_probs[1], none.log_probs[1])
+    options = dict(temperature=1.0, key=jax.random.key(7), max_new_tokens=32)
+    every = generate(table, last, speculative=FirstRowOnly(3), **options)
+    first = generate(table, last, speculative=FirstRowOnly(3, depth=1), **options)
+    none = generate(table, last, speculative=NoDrafts(3), **options)
+    assert int(every.speculation.tested[2]) > 0  # tested at every depth
+    assert int(first.speculation.tested[0]) > 0  # at the first only:
+    np.testing.assert_array_equal(first.speculation.tested[1:], 0)
+    assert int(none.speculation.tested.sum()) == 0  # at none
+    for other in (first, none):
+        np.testing.assert_array_equal(every.tokens[1], other.tokens[1])
+        np.testing.assert_array_equal(every.log_probs[1], other.log_probs[1])
 
 
 def test_ngram_proposes_what_followed_the_latest_match():

@@ -24,9 +24,10 @@ has just chosen. One speculative step (:func:`speculative_step`) is:
 So greedy speculation emits plain greedy's tokens, and sampling draws each
 token from plain decoding's distribution, whatever the proposals. A row
 emits ``1 + a`` tokens per model call. The tests of step 4 end at the
-first depth where every row has rejected (or stopped): when no row has a
-proposal the call feeds :math:`y_0` alone (``step_fn`` itself) and tests
-nothing. The steps left untested split the one key as they would have. Rows with a grammar
+first depth where every row has rejected, stopped or run out of drafts:
+when no row has a proposal the call feeds :math:`y_0` alone (``step_fn``
+itself) and tests nothing. The one key leaves the call split as all ``k``
+tests would split it. Rows with a grammar
 constraint are not speculated: they get no proposals (checking proposals
 against the automaton would advance and roll back the host's automaton per
 draft). Beam search is not speculated. docs/decoding.md, "Speculative
@@ -306,7 +307,7 @@ def speculate(
     Returns:
         ``(rows, model_state, rejected, sink, outs, tested [k], accepted
         [k])``: ``outs`` the ``k + 1`` steps' :class:`StepOutput`, stacked
-        (leaves ``[k + 1, B, ...]``; a skipped step's emit nothing), and the
+        (leaves ``[k + 1, B, ...]``; the depths left untested emit nothing), and the
         draft tests and acceptances at each depth, over the rows.
     """
     proposer, config = spec.proposer, spec.step
@@ -390,12 +391,10 @@ def speculate(
             outs=untested, tested_at=zeros, accepted_at=zeros,
         ),
     )  # fmt: skip
-    # The depths left untested (all, when no row has a draft) split the one
-    # key as they would have: the draws after the call do not depend on
-    # where the tests ended.
-    decoded = t.rows._replace(
-        key=key_after_steps(t.rows.key, knobs.temperature, k - t.depth)
-    )
+    # The call leaves the one key split as k tests split it, wherever the
+    # tests ended (the depths left untested would have split it too): the
+    # draws after the call do not depend on it.
+    decoded = t.rows._replace(key=key_after_steps(decoded.key, knobs.temperature, k))
     outs = jax.tree.map(
         lambda first, rest: jnp.concatenate([first[None], rest]), out, t.outs
     )

@@ -339,13 +339,10 @@ def _split_one_key(key: jax.Array) -> tuple[jax.Array, jax.Array]:
     return carried, drawn
 
 
-def key_after_steps(
-    key: jax.Array, temperature: jax.Array, steps: int | jax.Array
-) -> jax.Array:
+def key_after_steps(key: jax.Array, temperature: jax.Array, steps: int) -> jax.Array:
     """``key`` as ``steps`` calls of :func:`decode_step` with these
     temperatures leave it: one key is split once per step in which a row
-    samples (:func:`_split_one_key`), a per-row key never. ``steps`` may be
-    traced (an ``int32`` scalar).
+    samples (:func:`_split_one_key`), a per-row key never.
 
     Examples:
         >>> key = jax.random.key(0)
@@ -361,7 +358,10 @@ def key_after_steps(
         return key
 
     def split():
-        return jax.lax.fori_loop(0, steps, lambda _, new: _split_one_key(new)[0], key)
+        new = key
+        for _ in range(steps):
+            new, _ = _split_one_key(new)
+        return new
 
     return jax.lax.cond(_any_samples(temperature), split, lambda: key)
 

@@ -29,8 +29,9 @@ class StopCondition(Protocol):
       [B])``: called once per step with the token each row just generated;
       ``active`` is False for rows that emitted nothing (their token is
       ``pad_id``): such a row keeps its carry and does not end, so a step in
-      which no row is active may be skipped (speculative decoding skips the
-      draft tests of a call without drafts). ``ended`` is True where the
+      which no row is active may be skipped (speculative decoding skips a
+      call's draft tests from the first depth where no row has a draft left
+      to test). ``ended`` is True where the
       row's generated tokens now end a stop.
     * ``repeat_rows(repeats) -> StopCondition``: each row repeated ``repeats``
       times, row ``b`` becoming rows ``b * repeats ... b * repeats + repeats -

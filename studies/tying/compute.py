@@ -387,7 +387,10 @@ def write_report(
     title = f"{label}: b − a against tokens trained per parameter"
     path = os.path.join(out_dir, PLOT)
     plot_axis(points, title, path)
-    seeds = sorted({s for t in points for s in t.per_seed})
+    seeds = "; ".join(
+        f"{t.steps} steps: {', '.join(map(str, sorted(t.per_seed))) or report.DASH}"
+        for t in points
+    )
     intro = (
         f"# One compute axis: {label}\n\n"
         "Arms a (tied) and b (untied, same shape) at step budgets of "
@@ -412,7 +415,7 @@ def write_report(
             else ". No interval here is adjusted for multiplicity: the compute "
             "axis is exploratory, not one of the confirmatory hypotheses. "
         )
-        + f"Test seeds: {', '.join(map(str, seeds)) or report.DASH}."
+        + f"Test seeds: {seeds or report.DASH}."
     )
     sections = [
         intro,

@@ -212,29 +212,43 @@ class FirstRowOnly:
     def propose(self, params, state, context):
         drafts, state = Shifted(self.num_tokens).propose(params, state, context)
         first = jnp.arange(drafts.shape[0])[:, None] == 0
-        shallow = jnp.arange(self.num_tokens) < (self.depth or self.num_tokens)
+        depth = self.num_tokens if self.depth is None else self.depth
+        shallow = jnp.arange(self.num_tokens) < depth
         return jnp.where(first & shallow, drafts, decoding.NO_TOKEN), state
 
 
 def test_tests_that_end_early_split_the_key_as_every_depth_does():
     """One sampling key: the draft tests end at the first depth where no
-    row has a draft left (at depth 0 when no row has one), and the steps
-    skipped split the key as they would have, so a row that never has a
-    draft draws the same tokens whether another row's drafts are tested at
-    every depth, at the first only, or at none."""
+    row has a draft left (at depth 0 when no row has one), and a call
+    leaves the key split ``k + 1`` times (its first step's and ``k`` tests'),
+    wherever the tests ended. So a row that never has a draft draws, at its
+    ``c``-th token, from the key split ``c (k + 1)`` times, whether another
+    row's drafts are tested at every depth, at the first only, or at none:
+    its tokens are computed here from ``jax.random`` alone."""
+    k, new_tokens = 3, 32
     table = markov_table(5)
     last = jnp.array([0, 3])
-    options = dict(temperature=1.0, key=jax.random.key(7), max_new_tokens=32)
-    every = generate(table, last, speculative=FirstRowOnly(3), **options)
-    first = generate(table, last, speculative=FirstRowOnly(3, depth=1), **options)
-    none = generate(table, last, speculative=NoDrafts(3), **options)
-    assert int(every.speculation.tested[2]) > 0  # tested at every depth
+    options = dict(temperature=1.0, key=jax.random.key(7), max_new_tokens=new_tokens)
+    every = generate(table, last, speculative=FirstRowOnly(k), **options)
+    first = generate(table, last, speculative=FirstRowOnly(k, depth=1), **options)
+    none = generate(table, last, speculative=NoDrafts(k), **options)
+    assert int(every.speculation.tested[k - 1]) > 0  # tested at every depth
     assert int(first.speculation.tested[0]) > 0  # at the first only:
     np.testing.assert_array_equal(first.speculation.tested[1:], 0)
     assert int(none.speculation.tested.sum()) == 0  # at none
-    for other in (first, none):
-        np.testing.assert_array_equal(every.tokens[1], other.tokens[1])
-        np.testing.assert_array_equal(every.log_probs[1], other.log_probs[1])
+    # Row 1: one token per call, drawn as categorical(the batch's logits)
+    # draws it (its row of the batch's noise), then k more splits.
+    key, previous, expected = options["key"], int(last[1]), []
+    for _ in range(new_tokens):
+        key, drawn = jax.random.split(key)
+        batch_logits = jnp.stack([table[0], table[previous]])
+        previous = int(jax.random.categorical(drawn, batch_logits, axis=-1)[1])
+        expected.append(previous)
+        for _ in range(k):
+            key, _ = jax.random.split(key)
+    for run in (every, first, none):
+        np.testing.assert_array_equal(run.tokens[1], expected)
+        np.testing.assert_array_equal(run.log_probs[1], every.log_probs[1])
 
 
 def test_ngram_proposes_what_followed_the_latest_match():

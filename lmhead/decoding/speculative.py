@@ -27,11 +27,11 @@ emits ``1 + a`` tokens per model call. The tests of step 4 end at the
 first depth where every row has rejected, stopped or run out of drafts:
 when no row has a proposal the call feeds :math:`y_0` alone (``step_fn``
 itself) and tests nothing. The one key leaves the call split as all ``k``
-tests would split it. Rows with a grammar
-constraint are not speculated: they get no proposals (checking proposals
-against the automaton would advance and roll back the host's automaton per
-draft). Beam search is not speculated. docs/decoding.md, "Speculative
-decoding", has the design and the measurements.
+tests would split it. Rows with a grammar constraint are not speculated:
+they get no proposals (checking proposals against the automaton would
+advance and roll back the host's automaton per draft). Beam search is not
+speculated. docs/decoding.md, "Speculative decoding", has the design and
+the measurements.
 """
 
 import dataclasses
@@ -307,8 +307,9 @@ def speculate(
     Returns:
         ``(rows, model_state, rejected, sink, outs, tested [k], accepted
         [k])``: ``outs`` the ``k + 1`` steps' :class:`StepOutput`, stacked
-        (leaves ``[k + 1, B, ...]``; the depths left untested emit nothing), and the
-        draft tests and acceptances at each depth, over the rows.
+        (leaves ``[k + 1, B, ...]``; the depths left untested emit
+        nothing), and the draft tests and acceptances at each depth, over
+        the rows.
     """
     proposer, config = spec.proposer, spec.step
     k, batch = proposer.num_tokens, rejected.shape[0]

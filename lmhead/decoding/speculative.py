@@ -392,18 +392,18 @@ def speculate(
             outs=untested, tested_at=zeros, accepted_at=zeros,
         ),
     )  # fmt: skip
-    # The call leaves the one key split as k tests split it, wherever the
-    # tests ended (the depths left untested would have split it too): the
-    # draws after the call do not depend on it.
-    decoded = t.rows._replace(key=key_after_steps(decoded.key, knobs.temperature, k))
     outs = jax.tree.map(
         lambda first, rest: jnp.concatenate([first[None], rest]), out, t.outs
     )
     kept = jnp.minimum(jnp.where(out.emitted, 1 + t.accepted, 0), fed)
     model_state = _rewind(step_fn, model_state, fed - kept)
     carried = jnp.take_along_axis(logits, t.accepted[:, None, None], axis=1)[:, 0]
-    decoded = decoded._replace(
-        logits=jnp.where(out.emitted[:, None], carried, rows.logits)
+    decoded = t.rows._replace(
+        logits=jnp.where(out.emitted[:, None], carried, rows.logits),
+        # The call leaves the one key split as k tests split it, wherever the
+        # tests ended (the depths left untested would have split it too):
+        # the draws after the call do not depend on it.
+        key=key_after_steps(decoded.key, knobs.temperature, k),
     )
     return decoded, model_state, t.rejected, t.sink, outs, t.tested_at, t.accepted_at
 

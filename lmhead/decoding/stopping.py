@@ -31,8 +31,8 @@ class StopCondition(Protocol):
       ``pad_id``): such a row keeps its carry and does not end, so a step in
       which no row is active may be skipped (speculative decoding skips a
       call's draft tests from the first depth where no row has a draft left
-      to test). ``ended`` is True where the
-      row's generated tokens now end a stop.
+      to test). ``ended`` is True where the row's generated tokens now end a
+      stop.
     * ``repeat_rows(repeats) -> StopCondition``: each row repeated ``repeats``
       times, row ``b`` becoming rows ``b * repeats ... b * repeats + repeats -
       1`` (for ``num_samples``).

@@ -28,8 +28,10 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
     os.environ["LMHEAD_TEST_XLA_CACHE"],
     os.environ.get("PYTEST_XDIST_WORKER", "main"),
 )
-# Every program, however quickly it compiles: the tests' programs are small.
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# Only programs that take 0.1 s or more to compile: the many smaller ones (an
+# eager operation, a test's own reference) compile in about the time that
+# writing and reading their entries takes, so caching them gained nothing.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 # Each operation's location in the lowered program is its innermost frame, not
 # the Python traceback under it (up to 100 frames, pytest's among them): the
 # compiled code is the same, its lowering takes less time.
@@ -41,10 +43,13 @@ os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "false")
 # layout) still run, so the programs tested are the ones users run, compiled by
 # a faster backend. A test that two programs give the same bits, which they do
 # under the default emitters and not under these, compiles them with the
-# default ones (tests.DEFAULT_EMITTERS). A flag the caller set wins.
+# default ones (tests.DEFAULT_EMITTERS). Each program's machine code is
+# generated in one piece, not split over threads: with a worker per core, the
+# split only adds its overhead. A flag the caller set wins.
 for flag, value in (
     ("xla_backend_optimization_level", "0"),
     (FUSION_EMITTERS, "false"),
+    ("xla_cpu_parallel_codegen_split_count", "1"),
 ):
     if flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (

@@ -232,18 +232,16 @@ def save(
     ``step`` ``[M]``); one run's state (a scalar ``step``, as an import or a
     test has it) is saved as a program of one.
 
-    Where this process holds every array whole (one process), Orbax writes a
-    host copy, which it does not split into each device's shards again; the
-    checkpoint restores onto any mesh as one written from the devices does.
+    With one process, Orbax writes a host copy of the arrays, which it does
+    not walk device by device; several processes each write their own
+    shards. Either checkpoint restores onto any mesh.
     """
     if step in manager.all_steps():
         return
     item = {"state": _as_program(state)}
     if best is not None:
         item["best"] = _as_program(best)
-    if all(
-        getattr(leaf, "is_fully_addressable", True) for leaf in jax.tree.leaves(item)
-    ):
+    if jax.process_count() == 1:
         item = jax.device_get(item)
     manager.save(step, args=ocp.args.StandardSave(item))
 
